@@ -1,0 +1,124 @@
+"""Per-action costs and the activation-memory model (pure Python).
+
+Source: Qi et al., arXiv 2401.10241, section 2.1 and table 1: T_F, T_B, T_W are the times of one
+stage's F, B and W on one microbatch, T_comm the point-to-point transfer time between ranks; F
+allocates M_B of activations, B frees M_B - M_W of them and keeps M_W until W frees the rest.
+A fused BW costs T_B + T_W and frees M_B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+Number = Union[int, float]
+PerStage = Union[Number, Sequence[Number]]
+
+
+def _per_stage(value: PerStage, num_stages: int, name: str) -> tuple[float, ...]:
+    if isinstance(value, (int, float)):
+        return (float(value),) * num_stages
+    values = tuple(float(v) for v in value)
+    if len(values) != num_stages:
+        raise ValueError(
+            f"Costs.{name} has {len(values)} per-stage values but the schedule has {num_stages} "
+            "stages; give one value per stage or a single scalar"
+        )
+    return values
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Action times (any consistent unit; the executor uses seconds) and memory per stage.
+
+    Every field is a scalar (same for every stage) or a sequence with one value per stage.
+
+    Attributes:
+        f: T_F, forward time of one stage on one microbatch.
+        b: T_B, input-gradient backward time.
+        w: T_W, weight-gradient backward time. A fused BW costs b + w.
+        comm: T_comm, time to move an activation or gradient to another rank (none on one rank).
+            A scalar, or one value per stage: the cost of sending that stage's output onward
+            (or its input gradient backward).
+        mem_b: M_B, activation memory F allocates and B releases (minus mem_w), e.g. bytes or
+            "units of one stage's activations for one microbatch" (the default 1.0).
+        mem_w: M_W, the part of M_B still held after B until W.
+
+    Raises:
+        ValueError: a negative value, or mem_w > mem_b.
+    """
+
+    f: PerStage = 1.0
+    b: PerStage = 1.0
+    w: PerStage = 1.0
+    comm: PerStage = 0.0
+    mem_b: PerStage = 1.0
+    mem_w: PerStage = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "comm", "mem_b", "mem_w"):
+            value = getattr(self, name)
+            values = [value] if isinstance(value, (int, float)) else list(value)
+            if any(v < 0 for v in values):
+                raise ValueError(f"Costs.{name} must be >= 0, got {value}")
+            if not isinstance(value, (int, float)):
+                object.__setattr__(self, name, tuple(float(v) for v in values))
+
+    def table(self, num_stages: int) -> "CostTable":
+        """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages.
+
+        Raises:
+            ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b.
+        """
+        t = CostTable(
+            **{k: _per_stage(getattr(self, k), num_stages, k) for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
+        )
+        bad = [s for s in range(num_stages) if t.mem_w[s] > t.mem_b[s]]
+        if bad:
+            raise ValueError(f"mem_w exceeds mem_b on stage(s) {bad}: W's share M_W is part of M_B")
+        return t
+
+    @classmethod
+    def uniform(cls, value: float = 1.0) -> "Costs":
+        """T_F = T_B = T_W = value, no communication: the paper's idealised setting."""
+        return cls(f=value, b=value, w=value)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Costs resolved to one value per stage; the only place action costs are looked up."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: tuple[float, ...]
+    mem_b: tuple[float, ...]
+    mem_w: tuple[float, ...]
+
+    def time(self, kind: str, stage: int) -> float:
+        """Duration of one action; BW costs T_B + T_W."""
+        if kind == "F":
+            return self.f[stage]
+        if kind == "B":
+            return self.b[stage]
+        if kind == "W":
+            return self.w[stage]
+        if kind == "BW":
+            return self.b[stage] + self.w[stage]
+        raise ValueError(f"unknown action kind {kind!r}")
+
+    def memory_delta(self, kind: str, stage: int) -> float:
+        """Change of activation memory an action causes: F +M_B, B -(M_B-M_W), W -M_W, BW -M_B."""
+        if kind == "F":
+            return self.mem_b[stage]
+        if kind == "B":
+            return -(self.mem_b[stage] - self.mem_w[stage])
+        if kind == "W":
+            return -self.mem_w[stage]
+        if kind == "BW":
+            return -self.mem_b[stage]
+        raise ValueError(f"unknown action kind {kind!r}")
+
+    def transfer(self, producer_stage: int, consumer_stage: int) -> float:
+        """T_comm for a dependency from one stage to another (the sending side's value)."""
+        return self.comm[producer_stage]

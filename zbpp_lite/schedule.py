@@ -1,0 +1,273 @@
+"""The schedule IR: actions, per-rank action lists, placement, and PyTorch's text/CSV form.
+
+Pure Python: importing this module never imports JAX.
+
+Terms (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241, section 2):
+F is the forward of one stage on one microbatch, B the backward for the input (activation)
+gradient only, W the backward for the weight gradient only, BW the fused full backward (B then W)
+used by GPipe and 1F1B.
+
+Text form follows PyTorch's ``torch.distributed.pipelining`` notation ``{stage}{code}{microbatch}``
+with codes F (forward), I (our B: backward-input), W (backward-weight) and B (our BW: full backward),
+so ``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+KINDS = ("F", "B", "W", "BW")
+"""Action kinds: forward, backward-input, backward-weight, fused backward."""
+
+# Our kind -> PyTorch pipelining's letter, and back. One table, used by both directions.
+TORCH_CODE = {"F": "F", "B": "I", "W": "W", "BW": "B"}
+KIND_OF_CODE = {code: kind for kind, code in TORCH_CODE.items()}
+
+_ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]+)\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    """One unit of pipeline work: ``kind`` of ``stage`` on ``microbatch``.
+
+    Attributes:
+        kind: "F", "B" (input gradient), "W" (weight gradient) or "BW" (fused backward).
+        stage: global stage index, 0 .. num_stages-1.
+        microbatch: microbatch index, 0 .. num_microbatches-1.
+
+    ``str(action)`` gives PyTorch's text form and ``Action.from_str`` parses it back.
+
+    Raises:
+        ValueError: an unknown kind or a negative index.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {KINDS}")
+        if self.stage < 0 or self.microbatch < 0:
+            raise ValueError(f"stage and microbatch must be >= 0, got {self.stage}, {self.microbatch}")
+
+    def __str__(self) -> str:
+        return f"{self.stage}{TORCH_CODE[self.kind]}{self.microbatch}"
+
+    @property
+    def label(self) -> str:
+        """Short human label, e.g. ``F3`` or ``BW0`` (kind and microbatch)."""
+        return f"{self.kind}{self.microbatch}"
+
+    @classmethod
+    def from_str(cls, text: str) -> "Action":
+        """Parse PyTorch's text form (``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``).
+
+        Raises:
+            ValueError: text that is not ``{stage}{F|I|W|B}{microbatch}``.
+        """
+        match = _ACTION_RE.match(text)
+        if not match or match.group(2) not in KIND_OF_CODE:
+            raise ValueError(
+                f"cannot parse action {text!r}: expected {{stage}}{{code}}{{microbatch}} with code "
+                f"one of {sorted(KIND_OF_CODE)} (F forward, I input-backward, W weight-backward, "
+                "B full backward), e.g. '2F0' or '1I3'"
+            )
+        return cls(KIND_OF_CODE[match.group(2)], int(match.group(1)), int(match.group(3)))
+
+
+# ---------------------------------------------------------------------------- placement
+
+
+def looped_placement(num_ranks: int, num_stages: int) -> tuple[int, ...]:
+    """Looped placement: stage s on rank s % p (interleaved 1F1B, Narayanan et al. 2021)."""
+    return tuple(s % num_ranks for s in range(num_stages))
+
+
+def v_placement(num_ranks: int) -> tuple[int, ...]:
+    """V placement of 2p stages: stage s on rank s if s < p else 2p-1-s (arXiv 2405.15362, sec. 3)."""
+    return tuple(s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(2 * num_ranks))
+
+
+# ---------------------------------------------------------------------------- dependencies
+
+Key = tuple[str, int, int]
+"""What an action produces or needs: ("F"|"B"|"W", stage, microbatch). BW produces both B and W."""
+
+
+def produces(action: Action) -> tuple[Key, ...]:
+    """Keys an action completes: F -> F, B -> B, W -> W, BW -> B and W."""
+    if action.kind == "BW":
+        return (("B", action.stage, action.microbatch), ("W", action.stage, action.microbatch))
+    return ((action.kind, action.stage, action.microbatch),)
+
+
+def deps(action: Action, num_stages: int) -> tuple[Key, ...]:
+    """Keys an action needs before it may start (paper section 2, figure 1).
+
+    F(s, j) needs F(s-1, j); B(s, j) and BW(s, j) need F(s, j) and the input gradient B(s+1, j)
+    from the next stage (the last stage's backward needs only its own F, which computed the loss);
+    W(s, j) needs B(s, j). This one function serves the validator, the simulator, the executor and
+    the figures.
+    """
+    s, j = action.stage, action.microbatch
+    if action.kind == "F":
+        return (("F", s - 1, j),) if s > 0 else ()
+    if action.kind == "W":
+        return (("B", s, j),)
+    needed: tuple[Key, ...] = (("F", s, j),)
+    if s < num_stages - 1:
+        needed += (("B", s + 1, j),)
+    return needed
+
+
+# ---------------------------------------------------------------------------- schedule
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One ordered action list per rank, plus the placement stage -> rank.
+
+    Attributes:
+        actions: ``actions[rank]`` is that rank's ordered tuple of :class:`Action`.
+        placement: ``placement[stage]`` is the rank holding that stage.
+        num_microbatches: m, microbatches per training step.
+        name: the builder's registry name, or "" for hand-written / loaded schedules.
+
+    Construction does not check dependencies; call :func:`zbpp_lite.validate` for that.
+
+    Raises:
+        ValueError: a placement naming a rank outside ``0 .. len(actions)-1``.
+    """
+
+    actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...]
+    num_microbatches: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
+        object.__setattr__(self, "placement", tuple(int(r) for r in self.placement))
+        bad = [r for r in self.placement if not 0 <= r < len(self.actions)]
+        if bad:
+            raise ValueError(
+                f"placement names rank(s) {sorted(set(bad))} but the schedule has "
+                f"{len(self.actions)} rank(s) (0 .. {len(self.actions) - 1})"
+            )
+
+    @property
+    def num_ranks(self) -> int:
+        """p, the number of pipeline ranks (devices)."""
+        return len(self.actions)
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages (model chunks), p * stages per rank."""
+        return len(self.placement)
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """Stages held by ``rank``, in increasing order."""
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
+
+    def __iter__(self) -> Iterator[tuple[int, Action]]:
+        """Yield (rank, action) for every action, rank by rank."""
+        for rank, row in enumerate(self.actions):
+            for action in row:
+                yield rank, action
+
+    def __len__(self) -> int:
+        return sum(len(row) for row in self.actions)
+
+    # ------------------------------------------------------------------ text / CSV form
+
+    def to_rows(self) -> list[list[str]]:
+        """Per-rank lists of action strings in PyTorch notation."""
+        return [[str(a) for a in row] for row in self.actions]
+
+    def to_csv(self, path: str | os.PathLike | None = None) -> str:
+        """Write PyTorch pipelining's compute-only CSV: one row per rank, no header.
+
+        Returns the CSV text; also writes it to ``path`` when given.
+        """
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        for row in self.to_rows():
+            writer.writerow(row)
+        text = buf.getvalue()
+        if path is not None:
+            with open(path, "w", newline="") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: Sequence[Iterable[str | Action | None]],
+        num_microbatches: int | None = None,
+        name: str = "",
+    ) -> "Schedule":
+        """Build a schedule from per-rank action strings; placement inferred from the rows.
+
+        Empty cells and ``None`` (PyTorch's idle steps) are skipped. ``num_microbatches``
+        defaults to one more than the largest microbatch index.
+
+        Raises:
+            ValueError: an unparsable action, a stage that appears on two ranks, or a gap in
+                the stage numbering (a stage no rank holds).
+        """
+        actions: list[list[Action]] = []
+        for rank, row in enumerate(rows):
+            parsed = []
+            for cell in row:
+                if cell is None or (isinstance(cell, str) and not cell.strip()):
+                    continue
+                try:
+                    parsed.append(cell if isinstance(cell, Action) else Action.from_str(cell))
+                except ValueError as e:
+                    raise ValueError(f"rank {rank}: {e}") from None
+            actions.append(parsed)
+        placement = infer_placement(actions)
+        if num_microbatches is None:
+            num_microbatches = 1 + max((a.microbatch for row in actions for a in row), default=-1)
+        return cls(tuple(map(tuple, actions)), placement, num_microbatches, name)
+
+    @classmethod
+    def from_csv(cls, path_or_text: str | os.PathLike, num_microbatches: int | None = None) -> "Schedule":
+        """Read PyTorch's compute-only CSV (a path, or the CSV text itself if it contains a comma
+        or newline and is not an existing file). Placement is inferred from the rows.
+
+        Raises:
+            ValueError: see :meth:`from_rows`; FileNotFoundError for a missing path.
+        """
+        text = str(path_or_text)
+        if os.path.exists(text) or not ("," in text or "\n" in text):
+            with open(text, newline="") as f:
+                text = f.read()
+        rows = list(csv.reader(io.StringIO(text)))
+        return cls.from_rows(rows, num_microbatches)
+
+
+def infer_placement(actions: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+    """Placement stage -> rank read off per-rank action lists.
+
+    Raises:
+        ValueError: a stage on two ranks, or stage indices with a gap (no rank holds it).
+    """
+    owner: dict[int, int] = {}
+    for rank, row in enumerate(actions):
+        for a in row:
+            if owner.setdefault(a.stage, rank) != rank:
+                raise ValueError(
+                    f"stage {a.stage} appears on rank {owner[a.stage]} and on rank {rank} "
+                    f"(action {a}); every stage must live on exactly one rank"
+                )
+    num_stages = 1 + max(owner, default=-1)
+    missing = [s for s in range(num_stages) if s not in owner]
+    if missing:
+        raise ValueError(f"no rank holds stage(s) {missing}; stages must be numbered 0 .. {num_stages - 1}")
+    return tuple(owner[s] for s in range(num_stages))
