@@ -29,6 +29,10 @@ TORCH_CODE = {"F": "F", "B": "I", "W": "W", "BW": "B"}
 KIND_OF_CODE = {code: kind for kind, code in TORCH_CODE.items()}
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]+)\s*(\d+)\s*$")
+# PyTorch's lowered (compute_comms) form also holds transfers and bookkeeping, and DualPipeV's
+# overlapped pairs "(0F7;7B3)OVERLAP_F_B"; we read them as nothing / two consecutive actions.
+_TORCH_NON_COMPUTE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*\s*$")
+_TORCH_OVERLAP = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 
 @dataclass(frozen=True, order=True)
@@ -213,7 +217,10 @@ class Schedule:
     ) -> "Schedule":
         """Build a schedule from per-rank action strings; placement inferred from the rows.
 
-        Empty cells and ``None`` (PyTorch's idle steps) are skipped. ``num_microbatches``
+        Empty cells and ``None`` (PyTorch's idle steps) are skipped, and so are the transfer and
+        bookkeeping entries of PyTorch's lowered form (``SEND_F``, ``RECV_B``, ``UNSHARD``,
+        ``REDUCE_GRAD``, ...); an overlapped pair ``(0F7;7B3)OVERLAP_F_B`` becomes two consecutive
+        actions. ``num_microbatches``
         defaults to one more than the largest microbatch index.
 
         Raises:
@@ -224,10 +231,8 @@ class Schedule:
         for rank, row in enumerate(rows):
             parsed = []
             for cell in row:
-                if cell is None or (isinstance(cell, str) and not cell.strip()):
-                    continue
                 try:
-                    parsed.append(cell if isinstance(cell, Action) else Action.from_str(cell))
+                    parsed += _parse_cell(cell)
                 except ValueError as e:
                     raise ValueError(f"rank {rank}: {e}") from None
             actions.append(parsed)
@@ -250,6 +255,18 @@ class Schedule:
                 text = f.read()
         rows = list(csv.reader(io.StringIO(text)))
         return cls.from_rows(rows, num_microbatches)
+
+
+def _parse_cell(cell: str | Action | None) -> list[Action]:
+    """One CSV cell -> the compute actions it holds (none for idle steps and transfers)."""
+    if cell is None or isinstance(cell, Action):
+        return [] if cell is None else [cell]
+    if not cell.strip() or _TORCH_NON_COMPUTE.match(cell):
+        return []
+    overlap = _TORCH_OVERLAP.match(cell)
+    if overlap:
+        return [Action.from_str(part) for part in overlap.group(1).split(";")]
+    return [Action.from_str(cell)]
 
 
 def infer_placement(actions: Sequence[Sequence[Action]]) -> tuple[int, ...]:

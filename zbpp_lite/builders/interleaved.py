@@ -73,7 +73,8 @@ def _interleaved_row(p: int, m: int, v: int, r: int, extra: int) -> list[Action]
 
 
 def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
-    """Looped BFS: on each rank, F of every microbatch stage by stage, then BW in reverse.
+    """Looped BFS: on each rank, F of every microbatch stage by stage, then BW in reverse stage and
+    microbatch order (as PyTorch's ScheduleLoopedBFS).
 
     Peak activation memory v * m * M_B (per stage units); bubble as GPipe's divided by v.
 
@@ -87,6 +88,6 @@ def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) 
     for r in range(p):
         stages = [r + c * p for c in range(v)]
         row = [Action("F", s, j) for s in stages for j in range(m)]  # all F, stage by stage
-        row += [Action("BW", s, j) for s in reversed(stages) for j in range(m)]  # all BW, reversed
+        row += [Action("BW", s, j) for s in reversed(stages) for j in reversed(range(m))]  # all BW, reversed
         rows.append(row)
     return assemble("looped-bfs", rows, looped_placement(p, p * v), m)

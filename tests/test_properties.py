@@ -1,0 +1,85 @@
+"""Property tests over random sizes and costs: every registered builder yields a valid schedule
+whose simulated timeline respects every dependency; corrupted schedules are refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import zbpp_lite as zb
+from zbpp_lite.schedule import Schedule, deps, produces
+
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+costs_st = st.builds(
+    zb.Costs,
+    f=st.floats(0.1, 3.0),
+    b=st.floats(0.1, 3.0),
+    w=st.floats(0.1, 3.0),
+    comm=st.floats(0.0, 0.5),
+)
+
+
+def check_timeline(schedule: Schedule, timeline: zb.Timeline) -> None:
+    """Every dependency ends (plus nothing negative) before its consumer starts; no overlap on a rank;
+    every rank's events follow its action list."""
+    end = {}
+    for e in timeline.events:
+        for key in produces(e.action):
+            end[key] = e.end
+    for e in timeline.events:
+        for key in deps(e.action, schedule.num_stages):
+            assert end[key] <= e.start + 1e-9, f"{e.action} starts before {key} ends"
+    for r in range(schedule.num_ranks):
+        ev = timeline.rank_events(r)
+        assert [x.action for x in ev] == list(schedule.actions[r])
+        assert all(a.end <= b.start + 1e-9 for a, b in zip(ev, ev[1:])), f"overlap on rank {r}"
+
+
+@pytest.mark.parametrize("name", sorted(zb.SCHEDULES))
+@SETTINGS
+@given(p=st.integers(1, 6), m=st.integers(1, 12), costs=costs_st)
+def test_every_builder_validates_and_simulates_consistently(name, p, m, costs):
+    try:
+        s = zb.build_schedule(name, p, m)
+    except ValueError as e:  # a size a builder cannot support must say what would work
+        assert len(str(e)) > 20
+        return
+    zb.validate(s)
+    assert s.num_ranks == p and s.num_microbatches == m
+    t = zb.simulate(s, costs)
+    check_timeline(s, t)
+    assert 0.0 <= t.bubble_rate < 1.0
+    busy = [sum(costs.table(s.num_stages).time(a.kind, a.stage) for a in row) for row in s.actions]
+    assert t.busy == pytest.approx(busy)
+
+
+def _corrupt(schedule: Schedule, rng: random.Random) -> Schedule:
+    rows = [list(r) for r in schedule.actions]
+    rank = rng.choice([r for r in range(len(rows)) if rows[r]])
+    i = rng.randrange(len(rows[rank]))
+    how = rng.choice(["drop", "duplicate", "early"])
+    if how == "drop":
+        rows[rank].pop(i)
+    elif how == "duplicate":
+        rows[rank].insert(rng.randrange(len(rows[rank]) + 1), rows[rank][i])
+    else:  # move an action before something it needs on its own rank
+        a = rows[rank][i]
+        needed = [j for j, x in enumerate(rows[rank]) if set(produces(x)) & set(deps(a, schedule.num_stages))]
+        if not needed:
+            rows[rank].pop(i)  # nothing to jump over: drop instead
+        else:
+            rows[rank].pop(i)
+            rows[rank].insert(rng.randrange(min(needed) + 1), a)
+    return Schedule(rows, schedule.placement, schedule.num_microbatches)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2"])
+@SETTINGS
+@given(p=st.integers(1, 5), m=st.integers(1, 8), seed=st.integers(0, 10_000))
+def test_corrupted_schedules_are_refused(name, p, m, seed):
+    s = _corrupt(zb.build_schedule(name, p, m), random.Random(seed))
+    with pytest.raises(zb.ScheduleError):
+        zb.validate(s)

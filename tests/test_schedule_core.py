@@ -1,0 +1,250 @@
+"""Schedule core: IR text form, closed forms, the paper's Table 5, validator refusals."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite.schedule import Action, Schedule
+
+HANDCRAFTED = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2"]
+
+
+# --------------------------------------------------------------------------- IR
+
+
+def test_importing_the_schedule_layers_does_not_import_jax():
+    code = "import sys, zbpp_lite as zb; zb.simulate(zb.build_schedule('zb-h1', 4, 8)); print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+@pytest.mark.parametrize("text, kind", [("2F0", "F"), ("1I3", "B"), ("1W3", "W"), ("0B1", "BW")])
+def test_action_text_round_trip(text, kind):
+    a = Action.from_str(text)
+    assert a.kind == kind and str(a) == text
+
+
+@pytest.mark.parametrize("bad", ["F0", "1X2", "", "1F", "a1F2"])
+def test_action_from_str_refuses_garbage(bad):
+    with pytest.raises(ValueError, match="expected"):
+        Action.from_str(bad)
+
+
+def test_csv_round_trip_keeps_every_action_and_placement(tmp_path):
+    s = zb.build_schedule("interleaved-1f1b", 3, 6, stages_per_rank=2)
+    path = tmp_path / "s.csv"
+    s.to_csv(path)
+    back = Schedule.from_csv(path)
+    assert back.actions == s.actions
+    assert back.placement == s.placement == (0, 1, 2, 0, 1, 2)
+    assert back.num_microbatches == 6
+
+
+def test_placement_is_inferred_from_rows_and_v_shape_is_recognised():
+    s = Schedule.from_rows([["0F0", "3F0", "3B0", "0B0"], ["1F0", "2F0", "2B0", "1B0"]])
+    assert s.placement == zb.v_placement(2) == (0, 1, 1, 0)
+    zb.validate(s)
+
+
+def test_a_stage_on_two_ranks_is_refused():
+    with pytest.raises(ValueError, match="stage 0 appears on rank 0 and on rank 1"):
+        Schedule.from_rows([["0F0"], ["0B0"]])
+
+
+# --------------------------------------------------------------------------- closed forms
+
+COSTS = [(1.0, 1.0, 1.0), (3.0, 2.0, 1.0), (2.0, 3.0, 1.5), (1.3, 1.1, 0.7)]
+
+
+def _bubble(name, p, m, f, b, w, **kw):
+    t = zb.simulate(zb.build_schedule(name, p, m, **kw), zb.Costs(f=f, b=b, w=w))
+    return t, t.makespan - m * (f + b + w)
+
+
+@pytest.mark.parametrize("f, b, w", COSTS)
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 9), (4, 8), (5, 15), (8, 24)])
+def test_bubble_closed_forms(p, m, f, b, w):
+    assert _bubble("1f1b", p, m, f, b, w)[1] == pytest.approx((p - 1) * (f + b + w))
+    assert _bubble("gpipe", p, m, f, b, w)[1] == pytest.approx((p - 1) * (f + b + w))
+    assert _bubble("zb-h1", p, m, f, b, w)[1] == pytest.approx((p - 1) * (f + b - w))
+    assert _bubble("zb-h2", p, m, f, b, w)[1] == pytest.approx((p - 1) * (f + b - 2 * w))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zb_h2_has_exactly_zero_bubble_with_equal_costs(p):
+    t, bubble = _bubble("zb-h2", p, 2 * p + 3, 1.0, 1.0, 1.0)
+    assert bubble == 0.0 and t.bubble_rate == 0.0
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 12), (6, 12)])
+def test_peak_activation_memory(p, m):
+    peak = {n: max(zb.simulate(zb.build_schedule(n, p, m)).peak_memory) for n in ("1f1b", "gpipe", "zb-h1", "zb-h2")}
+    assert peak == {"1f1b": p, "gpipe": m, "zb-h1": p, "zb-h2": min(2 * p - 1, m)}
+
+
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("p, m", [(2, 8), (4, 8), (4, 12)])
+def test_interleaving_divides_the_1f1b_bubble_by_v(p, m, v):
+    # each of a rank's v stages holds 1/v of its layers, so per-stage costs are 1/v
+    f, b, w = 1.5, 1.2, 0.9
+    t = zb.simulate(zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), zb.Costs(f=f / v, b=b / v, w=w / v))
+    bubble = t.makespan - m * (f + b + w)  # a rank's work: v stages of 1/v each
+    assert bubble == pytest.approx((p - 1) * (f + b + w) / v)
+
+
+# The paper's Table 5 (arXiv 2401.10241) from its Table 9 costs, 1.5B model, p = 8, m = 24 (ms).
+TABLE5_15B = zb.Costs(f=18.522, b=18.086, w=9.337, comm=0.601)
+
+
+def test_paper_table5_bubble_rates():
+    rate = {n: zb.simulate(zb.build_schedule(n, 8, 24), TABLE5_15B).bubble_rate for n in ("1f1b", "zb-h1", "zb-h2")}
+    assert rate["1f1b"] == pytest.approx(0.2431, abs=5e-4)
+    assert rate["zb-h1"] == pytest.approx(0.1585, abs=5e-4)
+    assert rate["zb-h2"] <= 0.1083 + 5e-4
+
+
+def test_bubble_rate_matches_the_papers_definition():
+    # (makespan - m (T_F + T_B + T_W)) / makespan with uniform costs, one stage per rank
+    t = zb.simulate(zb.build_schedule("zb-h1", 8, 24), TABLE5_15B)
+    work = 24 * (18.522 + 18.086 + 9.337)
+    assert t.bubble_rate == pytest.approx((t.makespan - work) / t.makespan)
+
+
+def test_comm_is_paid_only_between_ranks():
+    # interleaved-1f1b with p = 1 keeps every stage on one rank: T_comm never counts
+    s = zb.build_schedule("interleaved-1f1b", 1, 4, stages_per_rank=3)
+    assert zb.simulate(s, zb.Costs(comm=5.0)).makespan == zb.simulate(s, zb.Costs()).makespan == 4 * 3 * 3
+
+
+def test_per_stage_costs_are_honoured_and_checked():
+    s = zb.build_schedule("1f1b", 2, 4)
+    slow_last = zb.simulate(s, zb.Costs(f=[1, 2], b=[1, 2], w=[1, 2]))
+    assert slow_last.busy == (12.0, 24.0)
+    with pytest.raises(ValueError, match="3 per-stage values but the schedule has 2 stages"):
+        zb.simulate(s, zb.Costs(f=[1, 2, 3]))
+
+
+# --------------------------------------------------------------------------- builders: bad input
+
+
+@pytest.mark.parametrize("name", HANDCRAFTED)
+@pytest.mark.parametrize("p, m", [(0, 4), (2, 0), (-1, 3)])
+def test_builders_refuse_bad_sizes_with_a_message(name, p, m):
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        zb.build_schedule(name, p, m)
+
+
+def test_unknown_schedule_lists_the_valid_names():
+    with pytest.raises(ValueError, match="choose one of: .*zb-h1"):
+        zb.build_schedule("zb-h3", 2, 2)
+
+
+def test_unknown_option_is_refused():
+    with pytest.raises(ValueError, match="takes no option"):
+        zb.build_schedule("1f1b", 2, 2, stages_per_rank=2)
+
+
+# --------------------------------------------------------------------------- validator
+
+
+def _one_f_one_b_rows(p=2, m=2):
+    return [list(r) for r in zb.build_schedule("1f1b", p, m).actions]
+
+
+def test_missing_action_is_named():
+    rows = _one_f_one_b_rows()
+    rows[1].remove(Action("BW", 1, 1))
+    with pytest.raises(zb.ScheduleError, match="missing B \\(or BW\\) of stage 1, microbatch 1"):
+        zb.validate(Schedule(rows, (0, 1), 2))
+
+
+def test_duplicate_action_is_named_with_rank_and_step():
+    rows = _one_f_one_b_rows()
+    rows[0].append(Action("F", 0, 0))
+    with pytest.raises(zb.ScheduleError, match="rank 0, step 4: F\\(stage 0, microbatch 0\\)") as e:
+        zb.validate(Schedule(rows, (0, 1), 2))
+    assert e.value.rank == 0 and e.value.step == 4 and "[0F0]" in str(e.value)
+
+
+def test_b_before_its_own_f_breaks_the_rule():
+    rows = [["0I0", "0F0", "0W0"], ["1F0", "1I0", "1W0"]]
+    with pytest.raises(zb.ScheduleError, match="rule: F before B"):
+        zb.validate(Schedule.from_rows(rows))
+
+
+def test_w_before_b_breaks_the_rule():
+    rows = [["0F0", "0W0", "0I0"], ["1F0", "1B0"]]
+    with pytest.raises(zb.ScheduleError, match="rule: B before W"):
+        zb.validate(Schedule.from_rows(rows))
+
+
+def test_cross_rank_cycle_is_a_deadlock_naming_stuck_heads():
+    # rank 0 waits for 1I0 before sending 0F1; rank 1 waits for 0F1 before running 1I0
+    rows = [["0F0", "0I0", "0F1", "0W0", "0I1", "0W1"], ["1F0", "1F1", "1I0", "1W0", "1I1", "1W1"]]
+    with pytest.raises(zb.ScheduleError, match="deadlock") as e:
+        zb.validate(Schedule.from_rows(rows))
+    assert "rank 0 step 1" in str(e.value) and "rank 1 step 1" in str(e.value)
+
+
+def test_action_on_the_wrong_rank_is_refused():
+    s = Schedule([[Action("F", 0, 0), Action("BW", 0, 0)], [Action("F", 1, 0), Action("BW", 1, 0)]], (1, 0), 1)
+    with pytest.raises(zb.ScheduleError, match="stage 0 is placed on rank 1"):
+        zb.validate(s)
+
+
+def test_out_of_range_microbatch_is_refused():
+    rows = _one_f_one_b_rows()
+    with pytest.raises(zb.ScheduleError, match="microbatches are 0 .. 0"):
+        zb.validate(Schedule(rows, (0, 1), 1))
+
+
+# --------------------------------------------------------------------------- PyTorch's own schedules
+
+ARTIFACTS = __import__("pathlib").Path(__file__).parent / "artifacts"
+# PyTorch 2.13's Schedule1F1B._get_pipeline_order numbers the last rank's forwards from 1 (3F1 ..
+# 3F8 for m = 8): it never runs 3F0 and runs a 3F8 that does not exist. The validator must refuse it.
+TORCH_BROKEN = {"torch_1F1B.csv"}
+TORCH_CSVS = sorted(p.name for p in ARTIFACTS.glob("torch_*.csv") if p.name not in TORCH_BROKEN)
+
+
+def test_pytorch_golden_files_are_present():
+    # written by PyTorch 2.13's own generators (tests/artifacts/generate_torch_csv.py)
+    assert {"torch_GPipe.csv", "torch_1F1B.csv", "torch_Interleaved1F1B.csv", "torch_LoopedBFS.csv",
+            "torch_InterleavedZeroBubble.csv", "torch_ZBVZeroBubble.csv", "torch_DualPipeV.csv"} <= set(TORCH_CSVS) | TORCH_BROKEN
+
+
+@pytest.mark.parametrize("fname", TORCH_CSVS)
+def test_schedules_written_by_pytorch_load_validate_and_simulate(fname):
+    s = Schedule.from_csv(ARTIFACTS / fname)
+    zb.validate(s)
+    t = zb.simulate(s, zb.Costs(f=1.0, b=1.0, w=1.0))
+    assert t.makespan > 0 and len(t.events) == len(s)
+    stages_per_rank = s.num_stages // s.num_ranks
+    if "ZBV" in fname or "DualPipe" in fname:
+        assert s.placement == zb.v_placement(s.num_ranks) and stages_per_rank == 2
+    if "Interleaved" in fname or "LoopedBFS" in fname:
+        assert s.placement == zb.looped_placement(s.num_ranks, s.num_stages)
+
+
+def test_pytorchs_1f1b_order_is_refused_for_its_off_by_one_on_the_last_rank():
+    with pytest.raises(zb.ScheduleError, match="3F8.* names microbatch 8, but microbatches are 0 .. 7"):
+        zb.validate(Schedule.from_csv(ARTIFACTS / "torch_1F1B.csv", num_microbatches=8))
+    rows = [row[:-2] + row[-1:] if r == 3 else row for r, row in enumerate(Schedule.from_csv(ARTIFACTS / "torch_1F1B.csv").to_rows())]
+    with pytest.raises(zb.ScheduleError, match="missing F of stage 3, microbatch 0"):  # without 3F8
+        zb.validate(Schedule.from_rows(rows, num_microbatches=8))
+
+
+def test_our_builders_match_pytorchs_gpipe_1f1b_and_looped_bfs():
+    assert Schedule.from_csv(ARTIFACTS / "torch_GPipe.csv").actions == zb.build_schedule("gpipe", 4, 8).actions
+    torch_1f1b = Schedule.from_csv(ARTIFACTS / "torch_1F1B.csv", num_microbatches=8)
+    assert torch_1f1b.actions[:3] == zb.build_schedule("1f1b", 4, 8).actions[:3]  # all but the broken rank
+    assert Schedule.from_csv(ARTIFACTS / "torch_LoopedBFS.csv").actions == zb.build_schedule("looped-bfs", 4, 8).actions
+
+
+def test_pytorch_lowered_form_with_comms_and_overlaps_reads_as_compute_only():
+    lowered = Schedule.from_csv(ARTIFACTS / "torch_DualPipeV_comms.csv")
+    assert lowered.actions == Schedule.from_csv(ARTIFACTS / "torch_DualPipeV.csv").actions

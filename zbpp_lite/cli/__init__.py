@@ -1,0 +1,58 @@
+"""Command line: ``python -m zbpp_lite {plan,train,compare,adapt,launch} ...``.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``;
+modules are imported only when their command runs, so ``plan`` never imports JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "plan": "build, validate and simulate one schedule; print its grid (no JAX)",
+    "train": "train the digits Transformer with one schedule on simulated or real devices",
+    "compare": "run every schedule live and write an HTML report of planned vs measured timelines",
+}
+
+
+class CliError(Exception):
+    """A bad argument or input: printed as one line, exit status 2."""
+
+
+def _module(name: str):
+    return importlib.import_module(f"zbpp_lite.cli.{name}")
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zbpp_lite", description="Zero-bubble pipeline parallelism: plan, run, compare.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    wanted = None
+    if argv:
+        wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, help_text in COMMANDS.items():
+        if wanted in COMMANDS and name != wanted:
+            sub.add_parser(name, help=help_text)  # placeholder: do not import unrelated commands
+            continue
+        _module(name.replace("-", "_")).add_parser(sub, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    try:
+        return int(_module(args.command.replace("-", "_")).run(args) or 0)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # bad sizes, unknown schedule, invalid schedule: one line, no traceback
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"error: {first}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

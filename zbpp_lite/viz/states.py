@@ -1,0 +1,67 @@
+"""Build -> simulate with whatever options a schedule takes (pure Python, no figures).
+
+The explorer, the slider figures and the bubble sweeps all turn (schedule name, p, m, costs,
+memory limit) into a :class:`~zbpp_lite.timeline.Timeline`. Which options to pass is read from the
+builder's signature (:func:`zbpp_lite.builders.options_of`), so newly registered schedules work
+without changes here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..builders import build_schedule, options_of
+from ..costs import Costs
+from ..simulate import simulate
+from ..timeline import Timeline
+
+
+def applicable_options(
+    name: str,
+    stages_per_rank: int | None = None,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+) -> dict[str, Any]:
+    """The subset of {stages_per_rank, costs, memory_limit} that builder ``name`` accepts.
+
+    ``None`` values are left out, so the builder's own defaults apply.
+
+    Raises:
+        ValueError: an unknown schedule name (the message lists the valid ones).
+    """
+    accepted = options_of(name)
+    given = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
+    return {k: v for k, v in given.items() if k in accepted and v is not None}
+
+
+def plan_timeline(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    stages_per_rank: int | None = None,
+    costs: Costs | None = None,
+    memory_limit: float | None = None,
+) -> Timeline:
+    """Build schedule ``name`` for p ranks and m microbatches, validate and simulate it.
+
+    Args:
+        name: a registered schedule (``zbpp_lite.SCHEDULES``).
+        num_ranks: p.
+        num_microbatches: m.
+        stages_per_rank: v, passed only to builders that take ``stages_per_rank``.
+        costs: T_F, T_B, T_W, T_comm, M_B, M_W; passed to builders that take ``costs`` and always
+            to the simulator (default unit costs).
+        memory_limit: per-rank activation memory limit (units of the costs' mem_b); passed to
+            builders that take ``memory_limit`` and recorded on the timeline for figures.
+
+    Returns:
+        The simulated Timeline (time in the costs' unit).
+
+    Raises:
+        ValueError: an unknown name, or sizes/options the builder refuses (its message says why);
+            ScheduleError (a ValueError) if the built schedule is invalid.
+    """
+    options = applicable_options(name, stages_per_rank, costs, memory_limit)
+    schedule = build_schedule(name, num_ranks, num_microbatches, **options)
+    return simulate(schedule, costs, memory_limit=memory_limit)
