@@ -248,3 +248,27 @@ def test_our_builders_match_pytorchs_gpipe_1f1b_and_looped_bfs():
 def test_pytorch_lowered_form_with_comms_and_overlaps_reads_as_compute_only():
     lowered = Schedule.from_csv(ARTIFACTS / "torch_DualPipeV_comms.csv")
     assert lowered.actions == Schedule.from_csv(ARTIFACTS / "torch_DualPipeV.csv").actions
+
+
+# --------------------------------------------------------------------------- lockstep (SPMD) timing
+
+
+def test_lockstep_matches_free_running_when_every_action_costs_the_same():
+    # ZB-H1/H2 with T_F = T_B = T_W: every tick holds equal actions, so lockstep loses nothing
+    for name in ("zb-h1", "zb-h2"):
+        s = zb.build_schedule(name, 4, 8)
+        assert zb.simulate(s, lockstep=True).makespan == zb.simulate(s).makespan
+
+
+def test_lockstep_pays_for_its_slowest_action_per_tick():
+    from zbpp_lite.simulate import lockstep_ticks
+
+    s = zb.build_schedule("1f1b", 4, 8)
+    c = zb.Costs(f=1.0, b=2.0, w=0.5)
+    ticks = lockstep_ticks(s)
+    expected = sum(max(c.table(4).time(s.actions[r][i].kind, 0) for r, i in enumerate(row) if i is not None) for row in ticks)
+    assert zb.simulate(s, c, lockstep=True).makespan == pytest.approx(expected)
+    assert zb.simulate(s, c, lockstep=True).makespan > zb.simulate(s, c).makespan
+    # every rank keeps its order and each tick runs at most one action per rank
+    for r in range(4):
+        assert [row[r] for row in ticks if row[r] is not None] == list(range(len(s.actions[r])))

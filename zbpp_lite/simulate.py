@@ -19,6 +19,7 @@ def simulate(
     costs: Costs | None = None,
     memory_limit: float | None = None,
     check: bool = True,
+    lockstep: bool = False,
 ) -> Timeline:
     """Simulate ``schedule`` under ``costs`` and return its :class:`Timeline`.
 
@@ -28,6 +29,9 @@ def simulate(
         memory_limit: recorded on the timeline for figures (the simulator does not enforce it).
         check: run the full :func:`validate` first (structure and order). With ``check=False``
             only deadlock is detected.
+        lockstep: time the schedule as a compiled SPMD program runs it: in ticks (see
+            :func:`lockstep_ticks`), every rank doing at most one action per tick, a tick lasting
+            as long as its slowest action plus T_comm when any transfer crosses ranks after it.
 
     Returns:
         A Timeline in the costs' time unit.
@@ -40,9 +44,54 @@ def simulate(
     table = costs.table(schedule.num_stages)
     if check:
         validate(schedule)
-    return Timeline.from_events(
-        _timed_events(schedule, table), schedule.num_ranks, table, schedule.num_stages, memory_limit, "simulated"
-    )
+    events = _lockstep_events(schedule, table) if lockstep else _timed_events(schedule, table)
+    return Timeline.from_events(events, schedule.num_ranks, table, schedule.num_stages, memory_limit, "simulated")
+
+
+def lockstep_ticks(schedule: Schedule) -> list[list[int | None]]:
+    """The per-tick action table of a lockstep (SPMD) run: ``table[tick][rank]`` is the index of
+    the action that rank runs in that tick, or None when it idles.
+
+    Each action takes the earliest tick after its rank's previous action and after every action
+    it needs (results cross ranks at the end of a tick), so the table keeps every rank's order.
+
+    Raises:
+        ScheduleError: a deadlocking schedule.
+    """
+    S = schedule.num_stages
+    tick_of: dict[Key, int] = {}
+    next_free = [0] * schedule.num_ranks
+    table: list[list[int | None]] = []
+    for rank, step in execution_order(schedule):
+        a = schedule.actions[rank][step]
+        tick = max([next_free[rank]] + [tick_of[k] + 1 for k in deps(a, S)])
+        while len(table) <= tick:
+            table.append([None] * schedule.num_ranks)
+        table[tick][rank] = step
+        next_free[rank] = tick + 1
+        for key in produces(a):
+            tick_of[key] = tick
+    return table
+
+
+def _sends_across(schedule: Schedule, rank: int, a) -> bool:
+    """Does this action's result go to another rank (F onward, B / BW backward)?"""
+    if a.kind == "F":
+        return a.stage + 1 < schedule.num_stages and schedule.placement[a.stage + 1] != rank
+    if a.kind in ("B", "BW"):
+        return a.stage > 0 and schedule.placement[a.stage - 1] != rank
+    return False
+
+
+def _lockstep_events(schedule: Schedule, table: CostTable) -> list[Event]:
+    events, now = [], 0.0
+    for row in lockstep_ticks(schedule):
+        actions = [(r, schedule.actions[r][i]) for r, i in enumerate(row) if i is not None]
+        length = max(table.time(a.kind, a.stage) for _, a in actions)
+        events += [Event(r, a, now, now + table.time(a.kind, a.stage)) for r, a in actions]
+        sends = [table.comm[a.stage] for r, a in actions if _sends_across(schedule, r, a)]
+        now += length + max(sends, default=0.0)
+    return events
 
 
 def _timed_events(schedule: Schedule, table: CostTable) -> list[Event]:

@@ -1,0 +1,118 @@
+"""Chrome-trace (Perfetto) JSON of a Timeline: one named track per rank.
+
+The format is the Trace Event Format read by https://ui.perfetto.dev and chrome://tracing:
+``{"traceEvents": [...]}`` with complete events (``"ph": "X"``, ``ts`` and ``dur`` in
+microseconds) and metadata events (``"ph": "M"``) that name the process and one thread per rank.
+
+Time units: simulated timelines are in the costs' unit (often abstract, "one T_F"), measured
+ones in seconds. ``time_unit_us`` says how many microseconds one timeline unit is; by default
+1e6 for measured timelines (seconds) and 1000 for simulated ones (one cost unit drawn as 1 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..timeline import Timeline
+
+
+def default_time_unit_us(timeline: Timeline) -> float:
+    """Microseconds per timeline unit: 1e6 for measured (seconds), 1000 for simulated."""
+    return 1e6 if timeline.source == "measured" else 1000.0
+
+
+def _process_events(
+    timeline: Timeline, pid: int, label: str, time_unit_us: float | None, relative: bool
+) -> list[dict[str, Any]]:
+    scale = default_time_unit_us(timeline) if time_unit_us is None else float(time_unit_us)
+    if scale <= 0:
+        raise ValueError(f"time_unit_us must be > 0 microseconds per timeline unit, got {time_unit_us}")
+    t0 = min((e.start for e in timeline.events), default=0.0) if relative else 0.0
+    out: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}},
+        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
+    ]
+    for rank in range(timeline.num_ranks):
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}})
+        out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": rank, "args": {"sort_index": rank}})
+    for e in timeline.events:
+        a = e.action
+        out.append(
+            {
+                "name": f"{a.kind}{a.microbatch} (stage {a.stage})",
+                "cat": a.kind,
+                "ph": "X",
+                "ts": (e.start - t0) * scale,
+                "dur": (e.end - e.start) * scale,
+                "pid": pid,
+                "tid": e.rank,
+                "args": {
+                    "action": str(a),
+                    "kind": a.kind,
+                    "stage": a.stage,
+                    "microbatch": a.microbatch,
+                    "start": e.start,
+                    "end": e.end,
+                },
+            }
+        )
+    return out
+
+
+def to_chrome_trace(
+    timeline: Timeline | Mapping[str, Timeline],
+    *,
+    time_unit_us: float | None = None,
+    name: str | None = None,
+    relative: bool = True,
+) -> dict[str, Any]:
+    """The Chrome-trace JSON object of one timeline, or of several side by side.
+
+    Args:
+        timeline: one Timeline (one process with a track per rank), or a mapping label -> Timeline
+            (e.g. ``{"planned": t_sim, "measured": t_run}``), each its own process.
+        time_unit_us: microseconds per timeline unit (see the module docstring); default by source.
+        name: process label for a single timeline (default ``"pipeline (<source>)"``).
+        relative: shift each timeline so its first event starts at ts = 0.
+
+    Returns:
+        ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``: per action one
+        ``"X"`` event named like ``F3 (stage 1)``, category = kind, pid = timeline index,
+        tid = rank, with the action (PyTorch text form), stage, microbatch and original start/end
+        in ``args``; ``otherData`` holds each timeline's makespan, bubble rate and source.
+
+    Raises:
+        ValueError: a non-positive ``time_unit_us``.
+    """
+    if isinstance(timeline, Timeline):
+        items = [(name or f"pipeline ({timeline.source})", timeline)]
+    else:
+        items = list(timeline.items())
+    events: list[dict[str, Any]] = []
+    other: dict[str, Any] = {}
+    for pid, (label, t) in enumerate(items):
+        events += _process_events(t, pid, label, time_unit_us, relative)
+        other[label] = {
+            "source": t.source,
+            "makespan": t.makespan,
+            "bubble_rate": t.bubble_rate,
+            "time_unit_us": default_time_unit_us(t) if time_unit_us is None else time_unit_us,
+        }
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def write_chrome_trace(
+    timeline: Timeline | Mapping[str, Timeline], path: str | os.PathLike, **options: Any
+) -> Path:
+    """Write :func:`to_chrome_trace` as JSON to ``path`` (parent folders created); return the path.
+
+    Open the file in https://ui.perfetto.dev ("Open trace file") or chrome://tracing ("Load").
+    ``options`` go to :func:`to_chrome_trace`.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_chrome_trace(timeline, **options)))
+    return path
