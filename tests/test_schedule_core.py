@@ -272,3 +272,14 @@ def test_lockstep_pays_for_its_slowest_action_per_tick():
     # every rank keeps its order and each tick runs at most one action per rank
     for r in range(4):
         assert [row[r] for row in ticks if row[r] is not None] == list(range(len(s.actions[r])))
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_a_synchronous_optimizer_step_turns_zb_h2s_parallelogram_into_a_trapezoid(p):
+    # paper section 4: ZB-H2's ranks end (p-1) T_F apart; waiting for all of them costs exactly that
+    f = 1.5
+    t = zb.simulate(zb.build_schedule("zb-h2", p, 3 * p), zb.Costs(f=f, b=1.5, w=1.5))
+    assert t.bubble_rate == 0.0
+    assert t.sync_bubble == pytest.approx((p - 1) * f)
+    for name in ("1f1b", "zb-h1"):  # rank 0 starts first and ends last: nothing to lose
+        assert zb.simulate(zb.build_schedule(name, p, 3 * p)).sync_bubble == 0.0

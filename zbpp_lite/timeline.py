@@ -103,6 +103,22 @@ class Timeline:
         rate = (makespan - work) / makespan if makespan > 0 else 0.0
         return cls(events, num_ranks, makespan, max(rate, 0.0), tuple(busy), tuple(peaks), tuple(gaps), memory_limit, source)
 
+    @property
+    def global_span(self) -> float:
+        """First start to last end over all ranks: the step time when the optimizer step waits
+        for every rank (a synchronous gradient-norm clip or NaN check, paper section 4). It
+        exceeds the makespan when ranks start and end at different times (ZB-H2's
+        parallelogram); post-validation lets each rank step as soon as it ends, so the step
+        time falls back to the makespan."""
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    @property
+    def sync_bubble(self) -> float:
+        """Idle time a synchronous optimizer step adds per step: global_span - makespan."""
+        return self.global_span - self.makespan
+
     def rank_events(self, rank: int) -> tuple[Event, ...]:
         """Events of one rank in time order."""
         return tuple(e for e in self.events if e.rank == rank)

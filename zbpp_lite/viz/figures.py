@@ -18,6 +18,7 @@ from .states import plan_timeline
 from .style import BAR_KINDS, KIND_STYLE, MEMORY_LIMIT_COLOR
 
 BAR_WIDTH = 0.8
+GRID_COLOR = "#E8E8E8"
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -164,6 +165,7 @@ def timeline_layout(timeline: Timeline, title: str | None = None, time_unit: str
             "title": {"text": f"time ({time_unit or time_unit_of(timeline)})"},
             "range": [0, max(end_time(timeline) - start_time(timeline), 1e-12)],
             "zeroline": False,
+            "gridcolor": GRID_COLOR,
         },
         "yaxis": {"categoryorder": "array", "categoryarray": ranks, "range": [len(ranks) - 0.5, -0.5]},
         "uniformtext": {"minsize": 8, "mode": "hide"},
@@ -241,7 +243,7 @@ def compare_figure(
     head = f"{title}: " if title else ""
     unit = time_unit or time_unit_of(measured)
     span = max(end_time(t) - start_time(t) for t in (planned, measured))
-    fig.update_xaxes(range=[0, max(span, 1e-12)], zeroline=False)
+    fig.update_xaxes(range=[0, max(span, 1e-12)], zeroline=False, gridcolor=GRID_COLOR)
     fig.update_xaxes(title_text=f"time ({unit})", row=2, col=1)
     fig.update_layout(
         title={"text": f"{head}measured / planned makespan = {ratio:.3f}"},
@@ -277,6 +279,43 @@ def memory_traces(timeline: Timeline, costs: Costs | CostTable | None = None) ->
     return traces
 
 
+def memory_layout(
+    timeline: Timeline,
+    memory_limit: float | None = None,
+    title: str | None = None,
+    memory_unit: str = "M_B",
+) -> dict[str, Any]:
+    """Layout for :func:`memory_traces`: the memory limit as a dashed line, peak in the title.
+
+    ``memory_limit`` defaults to ``timeline.memory_limit``; none drawn if both are None.
+    """
+    limit = timeline.memory_limit if memory_limit is None else memory_limit
+    peak = max(timeline.peak_memory, default=0.0)
+    text = f"{title}: " if title else ""
+    text += f"activation memory per rank, peak {peak:.4g}"
+    shapes, notes = [], []
+    if limit is not None:
+        text += f" (limit {limit:.4g})"
+        line = {"color": MEMORY_LIMIT_COLOR, "dash": "dash", "width": 2}
+        shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": limit, "y1": limit, "line": line})
+        notes.append(
+            {"text": f"memory limit {limit:.4g}", "xref": "paper", "x": 0, "xanchor": "left", "yref": "y", "y": limit,
+             "yanchor": "bottom", "showarrow": False, "font": {"color": MEMORY_LIMIT_COLOR}}
+        )
+    top = max(peak, limit or 0.0)
+    return {
+        "title": {"text": text},
+        "xaxis": {"title": {"text": f"time ({time_unit_of(timeline)})"}, "gridcolor": GRID_COLOR},
+        "yaxis": {"title": {"text": f"activation memory ({memory_unit})"}, "range": [0, 1.12 * top if top > 0 else 1],
+                  "gridcolor": GRID_COLOR},
+        "shapes": shapes,
+        "annotations": notes,
+        "height": 320,
+        "margin": {"l": 70, "r": 20, "t": 60, "b": 45},
+        "plot_bgcolor": "white",
+    }
+
+
 def memory_figure(
     timeline: Timeline,
     costs: Costs | CostTable | None = None,
@@ -294,32 +333,18 @@ def memory_figure(
         timeline: simulated or measured.
         costs: the memory fields M_B and M_W (default M_B = 1, M_W = 0, so the unit is "one
             stage's activations for one microbatch"); must match the timeline's stages.
-        memory_limit: horizontal line; default ``timeline.memory_limit`` (none if both are None).
+        memory_limit: dashed horizontal line; default ``timeline.memory_limit`` (none if both
+            are None). Same unit as M_B.
         title: usually the schedule name.
         memory_unit: y-axis unit text.
+
+    Returns:
+        A new ``go.Figure`` with one step-line trace per rank.
     """
-    limit = timeline.memory_limit if memory_limit is None else memory_limit
-    fig = go.Figure(data=[go.Scatter(t) for t in memory_traces(timeline, costs)])
-    peak = max(timeline.peak_memory, default=0.0)
-    head = f"{title}: " if title else ""
-    text = f"{head}activation memory per rank, peak {peak:.4g}"
-    if limit is not None:
-        text += f" (limit {limit:.4g})"
-        fig.add_hline(
-            y=limit,
-            line={"color": MEMORY_LIMIT_COLOR, "dash": "dash", "width": 2},
-            annotation_text=f"memory limit {limit:.4g}",
-            annotation_position="top left",
-        )
-    fig.update_layout(
-        title={"text": text},
-        xaxis={"title": {"text": f"time ({time_unit_of(timeline)})"}},
-        yaxis={"title": {"text": f"activation memory ({memory_unit})"}, "rangemode": "tozero"},
-        height=320,
-        margin={"l": 70, "r": 20, "t": 60, "b": 45},
-        plot_bgcolor="white",
+    return go.Figure(
+        data=[go.Scatter(t) for t in memory_traces(timeline, costs)],
+        layout=memory_layout(timeline, memory_limit, title, memory_unit),
     )
-    return fig
 
 
 # ---------------------------------------------------------------------------- bubble sweeps
@@ -404,8 +429,8 @@ def bubble_sweep_figure(
     )
     fig.update_layout(
         title={"text": title or f"bubble rate against {xlabel} ({fixed})"},
-        xaxis={"title": {"text": xlabel}},
-        yaxis={"title": {"text": "bubble rate"}, "tickformat": ".0%", "rangemode": "tozero"},
+        xaxis={"title": {"text": xlabel}, "gridcolor": GRID_COLOR},
+        yaxis={"title": {"text": "bubble rate"}, "tickformat": ".0%", "rangemode": "tozero", "gridcolor": GRID_COLOR},
         height=380,
         plot_bgcolor="white",
         margin={"l": 70, "r": 20, "t": 60, "b": 45},

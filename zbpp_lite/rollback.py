@@ -1,0 +1,103 @@
+"""In-place rollback of an Optax AdamW step (Qi et al., arXiv 2401.10241, section 4, algorithm 1).
+
+Post-validation steps the optimizer speculatively, before the global gradient norm and the NaN
+flag are known, and undoes the step in the rare case it was wrong. Undoing needs no copy of the
+old state: AdamW's update is invertible given the gradient it used.
+
+optax.adamw(lr, b1, b2, eps, eps_root=0, weight_decay=wd) with a constant learning rate does,
+with t the step count after the update:
+
+    mu_t = b1 mu + (1 - b1) g            nu_t = b2 nu + (1 - b2) g^2
+    u    = (mu_t / (1 - b1^t)) / (sqrt(nu_t / (1 - b2^t)) + eps)
+    p_t  = p - lr (u + wd p) = (1 - lr wd) p - lr u
+
+so  mu = (mu_t - (1 - b1) g) / b1,  nu = (nu_t - (1 - b2) g^2) / b2,  p = (p_t + lr u) / (1 - lr wd),
+and the count goes back by one. Everything is computed in float32.
+
+Error (float32, unit roundoff u32 = 2^-24 ~ 6e-8): each recovered value carries the rounding of
+the few operations above, so per entry
+    |p_rec - p|   <= 4 u32 (|p_t| + lr |u|) / (1 - lr wd)
+    |mu_rec - mu| <= 4 u32 (|mu_t| + (1 - b1)|g|) / b1
+    |nu_rec - nu| <= 4 u32 (|nu_t| + (1 - b2) g^2) / b2
+(:func:`rollback_error_bound` returns these), i.e. a few ulps of the larger operand; the tests
+check the round trip against them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+
+U32 = 2.0**-24
+"""float32 unit roundoff."""
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """Hyper-parameters of ``optax.adamw`` with a constant learning rate (PyTorch's defaults
+    apart from weight_decay, which PyTorch sets to 0.01)."""
+
+    learning_rate: float = 1e-3
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    def optimizer(self) -> optax.GradientTransformation:
+        """The matching ``optax.adamw``."""
+        return optax.adamw(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
+
+
+def _adam_state(opt_state) -> optax.ScaleByAdamState:
+    state = opt_state[0] if isinstance(opt_state, tuple) and not isinstance(opt_state, optax.ScaleByAdamState) else opt_state
+    if not isinstance(state, optax.ScaleByAdamState):
+        raise TypeError(f"expected the state of optax.adamw (ScaleByAdamState first), got {type(state).__name__}")
+    return state
+
+
+def _with_adam_state(opt_state, adam):
+    if isinstance(opt_state, optax.ScaleByAdamState):
+        return adam
+    return (adam, *opt_state[1:])
+
+
+def adamw_rollback(params, opt_state, grads, config: AdamWConfig):
+    """Undo one ``optax.adamw`` step that used ``grads``; returns ``(params, opt_state)`` as they
+    were before it (within :func:`rollback_error_bound`).
+
+    Args:
+        params: the parameters after the step (any pytree of float32 arrays).
+        opt_state: the state of ``config.optimizer()`` after the step.
+        grads: the gradients the step used, same tree as ``params``.
+        config: the step's hyper-parameters.
+
+    Raises:
+        TypeError: a state that is not optax.adamw's.
+    """
+    adam = _adam_state(opt_state)
+    c = config
+    t = adam.count.astype(jnp.float32)
+    bc1, bc2 = 1 - c.b1**t, 1 - c.b2**t
+    update = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + c.eps), adam.mu, adam.nu)
+    old_params = jax.tree.map(lambda p, u: (p + c.learning_rate * u) / (1 - c.learning_rate * c.weight_decay), params, update)
+    mu = jax.tree.map(lambda m, g: (m - (1 - c.b1) * g) / c.b1, adam.mu, grads)
+    nu = jax.tree.map(lambda v, g: (v - (1 - c.b2) * g * g) / c.b2, adam.nu, grads)
+    restored = optax.ScaleByAdamState(count=adam.count - 1, mu=mu, nu=nu)
+    return old_params, _with_adam_state(opt_state, restored)
+
+
+def rollback_error_bound(params, opt_state, grads, config: AdamWConfig):
+    """Per-entry bounds ``(params, mu, nu)`` on the rollback's float32 error (module docstring),
+    evaluated at the post-step values."""
+    adam = _adam_state(opt_state)
+    c = config
+    t = adam.count.astype(jnp.float32)
+    bc1, bc2 = 1 - c.b1**t, 1 - c.b2**t
+    update = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + c.eps), adam.mu, adam.nu)
+    p_bound = jax.tree.map(lambda p, u: 4 * U32 * (jnp.abs(p) + c.learning_rate * jnp.abs(u)) / (1 - c.learning_rate * c.weight_decay), params, update)
+    mu_bound = jax.tree.map(lambda m, g: 4 * U32 * (jnp.abs(m) + (1 - c.b1) * jnp.abs(g)) / c.b1, adam.mu, grads)
+    nu_bound = jax.tree.map(lambda v, g: 4 * U32 * (jnp.abs(v) + (1 - c.b2) * g * g) / c.b2, adam.nu, grads)
+    return p_bound, mu_bound, nu_bound

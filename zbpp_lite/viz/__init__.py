@@ -1,0 +1,42 @@
+"""Presentation: Plotly figures, the ipywidgets explorer, slider figures, text grids and
+Chrome-trace export of any Timeline, planned or measured. No JAX here.
+
+Figures return ``go.Figure`` and never display; the explorer only calls build -> simulate ->
+figure. ``widgets`` (ipywidgets, anywidget) is imported on first use of its names.
+"""
+
+from .figures import bubble_sweep, bubble_sweep_figure, compare_figure, memory_figure, timeline_figure
+from .states import applicable_options, plan_timeline
+from .static import microbatch_slider_figure, schedule_slider_figure, slider_figure
+from .style import KIND_STYLE
+from .text import text_grid
+from .trace import to_chrome_trace, write_chrome_trace
+
+_WIDGET_NAMES = ("Explorer", "ExplorerState", "enable_colab_widgets", "explore_state", "explorer")
+
+
+def __getattr__(name: str):
+    if name in _WIDGET_NAMES:
+        from . import widgets
+
+        return getattr(widgets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "KIND_STYLE",
+    "applicable_options",
+    "bubble_sweep",
+    "bubble_sweep_figure",
+    "compare_figure",
+    "memory_figure",
+    "microbatch_slider_figure",
+    "plan_timeline",
+    "schedule_slider_figure",
+    "slider_figure",
+    "text_grid",
+    "timeline_figure",
+    "to_chrome_trace",
+    "write_chrome_trace",
+    *_WIDGET_NAMES,
+]

@@ -1,0 +1,129 @@
+"""Widget-free explorers: one plain Plotly figure with a slider over precomputed timelines.
+
+Where ipywidgets do not render (GitHub, nbviewer, exported HTML) these figures still move: every
+state's bars are in the figure and the layout slider's steps switch which are visible, all in the
+browser with no kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import plotly.graph_objects as go
+
+from ..builders import SCHEDULES
+from ..costs import Costs
+from ..timeline import Timeline
+from .figures import end_time, figure_title, rank_label, start_time, timeline_layout, timeline_traces
+from .states import plan_timeline
+
+
+def slider_figure(
+    states: Sequence[tuple[str, Timeline]],
+    *,
+    slider_label: str = "",
+    titles: Sequence[str] | None = None,
+    active: int = 0,
+) -> go.Figure:
+    """A timeline figure with a slider step per (label, timeline) in ``states``.
+
+    Each state contributes the 5 traces of :func:`~.figures.timeline_traces`; step ``i`` shows
+    only state ``i``'s traces and sets the title, the time range and the ranks on the y axis.
+
+    Args:
+        states: (step label, timeline) pairs, e.g. ``[("m=4", t4), ("m=8", t8)]``.
+        slider_label: text before the current step's label, e.g. ``"microbatches: "``.
+        titles: title heading per state (default: the step labels).
+        active: the step shown first.
+
+    Raises:
+        ValueError: no states, or ``titles`` / ``active`` not matching ``states``.
+    """
+    if not states:
+        raise ValueError("slider_figure needs at least one (label, timeline) state")
+    titles = list(titles) if titles is not None else [label for label, _ in states]
+    if len(titles) != len(states):
+        raise ValueError(f"slider_figure: {len(titles)} titles for {len(states)} states")
+    if not 0 <= active < len(states):
+        raise ValueError(f"slider_figure: active must be in 0 .. {len(states) - 1}, got {active}")
+    per_state = len(timeline_traces(states[0][1]))
+    data = []
+    for i, (_, t) in enumerate(states):
+        for trace in timeline_traces(t):
+            trace["visible"] = i == active
+            data.append(go.Bar(trace))
+    max_ranks = max(t.num_ranks for _, t in states)
+    layout = timeline_layout(states[active][1], titles[active])
+    layout["height"] = 140 + 34 * max_ranks + 80
+    steps = []
+    for i, ((label, t), head) in enumerate(zip(states, titles)):
+        ranks = [rank_label(r) for r in range(t.num_ranks)]
+        visible = [j // per_state == i for j in range(len(data))]
+        relayout = {
+            "title.text": figure_title(t, head),
+            "xaxis.range": [0, max(end_time(t) - start_time(t), 1e-12)],
+            "yaxis.categoryarray": ranks,
+            "yaxis.range": [len(ranks) - 0.5, -0.5],
+        }
+        steps.append({"method": "update", "label": label, "args": [{"visible": visible}, relayout]})
+    layout["sliders"] = [
+        {"active": active, "currentvalue": {"prefix": slider_label}, "pad": {"t": 50}, "steps": steps}
+    ]
+    return go.Figure(data=data, layout=layout)
+
+
+def microbatch_slider_figure(
+    name: str,
+    num_ranks: int = 4,
+    num_microbatches: Iterable[int] = (1, 2, 4, 8, 12, 16),
+    *,
+    costs: Costs | None = None,
+    stages_per_rank: int | None = None,
+    memory_limit: float | None = None,
+) -> go.Figure:
+    """One schedule's timeline with a slider over m; sizes the schedule refuses are left out.
+
+    Raises:
+        ValueError: the schedule refuses every m given (the last refusal's message).
+    """
+    states, error = [], None
+    for m in num_microbatches:
+        try:
+            t = plan_timeline(name, num_ranks, m, stages_per_rank=stages_per_rank, costs=costs, memory_limit=memory_limit)
+        except ValueError as exc:
+            error = exc
+            continue
+        states.append((f"m={m}", t))
+    if not states:
+        raise ValueError(f"{name} refused every microbatch count given: {error}")
+    return slider_figure(states, slider_label="microbatches ", titles=[name] * len(states))
+
+
+def schedule_slider_figure(
+    names: Iterable[str] | None = None,
+    num_ranks: int = 4,
+    num_microbatches: int = 8,
+    *,
+    costs: Costs | None = None,
+    stages_per_rank: int | None = None,
+    memory_limit: float | None = None,
+) -> go.Figure:
+    """One slider step per schedule (default: every registered one) at the same p, m and costs;
+    schedules that refuse these settings are left out.
+
+    Raises:
+        ValueError: every schedule refused (the last refusal's message).
+    """
+    states, error = [], None
+    for name in list(names) if names is not None else list(SCHEDULES):
+        try:
+            t = plan_timeline(
+                name, num_ranks, num_microbatches, stages_per_rank=stages_per_rank, costs=costs, memory_limit=memory_limit
+            )
+        except ValueError as exc:
+            error = exc
+            continue
+        states.append((name, t))
+    if not states:
+        raise ValueError(f"every schedule refused p={num_ranks}, m={num_microbatches}: {error}")
+    return slider_figure(states, slider_label="schedule: ")

@@ -1,0 +1,299 @@
+"""The schedule explorer: pick a schedule, move sliders, see the timeline and memory redraw.
+
+The computing part is the pure function :func:`explore_state` (build -> simulate, errors caught
+as messages); :class:`Explorer` only wires ipywidgets controls to it and copies the result into
+two Plotly ``FigureWidget`` s in place. Plotly 6+ ``FigureWidget`` needs ``anywidget``; on Colab
+call :func:`enable_colab_widgets` once first.
+
+Which sliders apply is read from the builder's signature (``zbpp_lite.builders.options_of``):
+"stages per rank" is enabled only for builders taking ``stages_per_rank``; costs and the memory
+limit go to builders that take ``costs`` / ``memory_limit`` (the automatic schedules of
+arXiv 2401.10241, section 3.2) and the limit is drawn on the memory plot for every schedule.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+
+from ..builders import SCHEDULES, options_of
+from ..costs import Costs
+from ..timeline import Timeline
+from .figures import (
+    figure_title,
+    memory_figure,
+    memory_layout,
+    memory_traces,
+    timeline_figure,
+    timeline_layout,
+    timeline_traces,
+)
+from .states import plan_timeline
+
+
+def enable_colab_widgets() -> bool:
+    """On Google Colab, turn on the custom widget manager that Plotly's FigureWidget needs.
+
+    Returns True when running in Colab (and the manager was enabled), False elsewhere, where
+    nothing is done.
+    """
+    try:
+        from google.colab import output  # type: ignore[import-not-found]
+    except ImportError:
+        return False
+    output.enable_custom_widget_manager()
+    return True
+
+
+@dataclass(frozen=True)
+class ExplorerState:
+    """The outcome of one set of explorer settings.
+
+    Attributes:
+        name: schedule name.
+        timeline: the simulated Timeline, or None when the schedule refused the settings.
+        costs: the Costs built from the sliders.
+        memory_limit: per-rank limit in units of M_B, or None.
+        error: the refusal's message (no traceback), or None.
+    """
+
+    name: str
+    timeline: Timeline | None
+    costs: Costs | None
+    memory_limit: float | None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def figure(self) -> go.Figure | None:
+        """The timeline figure, or None if the settings were refused."""
+        return None if self.timeline is None else timeline_figure(self.timeline, self.name)
+
+    def memory_figure(self) -> go.Figure | None:
+        """The memory figure with the limit drawn, or None if the settings were refused."""
+        if self.timeline is None:
+            return None
+        return memory_figure(self.timeline, self.costs, self.memory_limit, title=self.name)
+
+
+def explore_state(
+    name: str,
+    p: int,
+    m: int,
+    v: int | None,
+    f: float,
+    b: float,
+    w: float,
+    comm: float,
+    mem_limit: float | None,
+) -> ExplorerState:
+    """Build schedule ``name`` for p ranks, m microbatches (v stages per rank where the builder
+    takes it), simulate it with costs T_F = f, T_B = b, T_W = w, T_comm = comm, and return the
+    state. ``mem_limit`` <= 0 or None means no limit.
+
+    Never raises for settings a schedule refuses or bad costs: the ValueError's message
+    (ScheduleError included) is returned in ``error`` instead.
+    """
+    limit = float(mem_limit) if mem_limit is not None and mem_limit > 0 else None
+    try:
+        costs = Costs(f=f, b=b, w=w, comm=comm)
+        timeline = plan_timeline(name, p, m, stages_per_rank=v, costs=costs, memory_limit=limit)
+    except ValueError as exc:
+        return ExplorerState(name, None, None, limit, str(exc) or type(exc).__name__)
+    return ExplorerState(name, timeline, costs, limit)
+
+
+def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: Any, tip: str) -> widgets.Widget:
+    return kind(
+        value=value,
+        min=lo,
+        max=hi,
+        step=step,
+        description=description,
+        description_tooltip=tip,
+        continuous_update=False,
+        style={"description_width": "150px"},
+        layout=widgets.Layout(width="360px"),
+    )
+
+
+class Explorer(widgets.VBox):
+    """Schedule picker and sliders over a live timeline and memory plot (an ipywidgets VBox).
+
+    Attributes:
+        controls: name -> widget, names ``schedule``, ``num_ranks``, ``num_microbatches``,
+            ``stages_per_rank``, ``f``, ``b``, ``w``, ``comm``, ``memory_limit``.
+        figure: the timeline ``go.FigureWidget`` (5 bar traces: F, B, W, BW, idle).
+        memory: the memory ``go.FigureWidget`` (one line per rank), or None with show_memory=False.
+        message: an HTML widget with the summary, or the error when settings are refused.
+        state: the last :class:`ExplorerState`.
+        last_redraw_ms: wall time of the last redraw, in milliseconds.
+
+    Display it as the last expression of a cell, or with ``IPython.display.display``.
+    """
+
+    def __init__(
+        self,
+        schedule: str = "zb-h1",
+        num_ranks: int = 4,
+        num_microbatches: int = 8,
+        stages_per_rank: int = 2,
+        f: float = 1.0,
+        b: float = 1.0,
+        w: float = 1.0,
+        comm: float = 0.0,
+        memory_limit: float = 0,
+        *,
+        max_ranks: int = 8,
+        max_microbatches: int = 32,
+        show_memory: bool = True,
+    ):
+        names = list(SCHEDULES)
+        if schedule not in names:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(names)}")
+        self.controls: dict[str, widgets.Widget] = {
+            "schedule": widgets.Dropdown(
+                options=names, value=schedule, description="schedule", style={"description_width": "150px"},
+                layout=widgets.Layout(width="360px"),
+            ),
+            "num_ranks": _slider(widgets.IntSlider, "ranks p", num_ranks, 1, max_ranks, 1, "pipeline ranks (devices)"),
+            "num_microbatches": _slider(
+                widgets.IntSlider, "microbatches m", num_microbatches, 1, max_microbatches, 1, "microbatches per step"
+            ),
+            "stages_per_rank": _slider(
+                widgets.IntSlider, "stages per rank v", stages_per_rank, 1, 4, 1,
+                "model chunks per rank (only for schedules that take stages_per_rank)",
+            ),
+            "f": _slider(widgets.FloatSlider, "T_F", f, 0.1, 3.0, 0.1, "forward time of one stage"),
+            "b": _slider(widgets.FloatSlider, "T_B", b, 0.1, 3.0, 0.1, "input-gradient backward time"),
+            "w": _slider(widgets.FloatSlider, "T_W", w, 0.1, 3.0, 0.1, "weight-gradient backward time"),
+            "comm": _slider(widgets.FloatSlider, "T_comm", comm, 0.0, 2.0, 0.05, "transfer time between ranks"),
+            "memory_limit": _slider(
+                widgets.FloatSlider, "memory limit (M_B)", memory_limit, 0.0, 4.0 * max_microbatches, 1.0,
+                "per-rank activation memory limit in units of M_B; 0 = none",
+            ),
+        }
+        self.message = widgets.HTML(layout=widgets.Layout(min_height="24px"))
+        self.state: ExplorerState | None = None
+        self.last_redraw_ms = float("nan")
+        t0 = time.perf_counter()
+        first = self._compute()
+        start = first.timeline or explore_state("gpipe", 1, 1, None, 1, 1, 1, 0, None).timeline
+        assert start is not None
+        self.figure = go.FigureWidget(timeline_figure(start, first.name))
+        self.memory = go.FigureWidget(memory_figure(start)) if show_memory else None
+        c = self.controls
+        left = widgets.VBox([c["schedule"], c["num_ranks"], c["num_microbatches"], c["stages_per_rank"], c["memory_limit"]])
+        right = widgets.VBox([c["f"], c["b"], c["w"], c["comm"]])
+        panels: list[widgets.Widget] = [widgets.HBox([left, right]), self.message, self.figure]
+        if self.memory is not None:
+            panels.append(self.memory)
+        super().__init__(panels)
+        self._show(first, t0)
+        for control in self.controls.values():
+            control.observe(self._on_change, names="value")
+
+    # ------------------------------------------------------------------ callbacks
+
+    def _compute(self) -> ExplorerState:
+        c = self.controls
+        name = c["schedule"].value
+        takes_v = "stages_per_rank" in options_of(name)
+        c["stages_per_rank"].disabled = not takes_v
+        return explore_state(
+            name,
+            c["num_ranks"].value,
+            c["num_microbatches"].value,
+            c["stages_per_rank"].value if takes_v else None,
+            c["f"].value,
+            c["b"].value,
+            c["w"].value,
+            c["comm"].value,
+            c["memory_limit"].value,
+        )
+
+    def _on_change(self, _change: Any = None) -> None:
+        self.redraw()
+
+    def redraw(self) -> ExplorerState:
+        """Recompute from the controls and update the figures in place; return the new state.
+
+        Errors never escape: a refused setting or any unexpected exception is shown in
+        ``message`` and the plots are emptied.
+        """
+        t0 = time.perf_counter()
+        try:
+            state = self._compute()
+        except Exception as exc:  # noqa: BLE001 - shown to the reader instead of a traceback
+            state = ExplorerState(self.controls["schedule"].value, None, None, None, f"{type(exc).__name__}: {exc}")
+        try:
+            self._show(state, t0)
+        except Exception as exc:  # noqa: BLE001
+            self.message.value = _error_html(state.name, f"{type(exc).__name__}: {exc}")
+        return state
+
+    def _show(self, state: ExplorerState, t0: float) -> None:
+        self.state = state
+        if state.timeline is None:
+            self.message.value = _error_html(state.name, state.error or "")
+            with self.figure.batch_update():
+                for trace in self.figure.data:
+                    trace.update(base=[], x=[], y=[], text=[], customdata=[], showlegend=False)
+                self.figure.layout.title.text = f"{state.name}: no schedule for these settings"
+            if self.memory is not None:
+                with self.memory.batch_update():
+                    for trace in self.memory.data:
+                        trace.update(x=[], y=[])
+            self.last_redraw_ms = (time.perf_counter() - t0) * 1e3
+            return
+        t = state.timeline
+        with self.figure.batch_update():
+            for trace, new in zip(self.figure.data, timeline_traces(t)):
+                new.pop("type")
+                trace.update(new)
+            self.figure.layout.update(timeline_layout(t, state.name))
+        if self.memory is not None:
+            lines = memory_traces(t, state.costs)
+            with self.memory.batch_update():
+                if len(self.memory.data) > len(lines):
+                    self.memory.data = self.memory.data[: len(lines)]
+                for trace, new in zip(self.memory.data, lines):
+                    new.pop("type")
+                    trace.update(new)
+                self.memory.layout.update(memory_layout(t, state.memory_limit, state.name))
+            extra = lines[len(self.memory.data) :]
+            if extra:
+                self.memory.add_traces([go.Scatter(new) for new in extra])
+        self.message.value = _summary_html(state)
+        self.last_redraw_ms = (time.perf_counter() - t0) * 1e3
+
+
+def _error_html(name: str, error: str) -> str:
+    return (
+        f'<div class="zbpp-error" style="color:#B00020"><b>{html.escape(name)}</b> refuses these settings: '
+        f"{html.escape(error)}</div>"
+    )
+
+
+def _summary_html(state: ExplorerState) -> str:
+    t = state.timeline
+    assert t is not None
+    peaks = ", ".join(f"{x:g}" for x in t.peak_memory)
+    text = f"<b>{html.escape(figure_title(t, state.name))}</b>; peak memory per rank [{peaks}] M_B"
+    if state.memory_limit is not None:
+        over = [r for r, x in enumerate(t.peak_memory) if x > state.memory_limit + 1e-9]
+        if over:
+            text += f' <span style="color:#B00020">(over the limit on rank(s) {over})</span>'
+    return f'<div class="zbpp-summary">{text}</div>'
+
+
+def explorer(**settings: Any) -> Explorer:
+    """An :class:`Explorer` (an ipywidgets container) with initial ``settings`` (its arguments)."""
+    return Explorer(**settings)
