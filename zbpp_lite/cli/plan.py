@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     timeline = zb.simulate(schedule, _costs(args))
     name = schedule.name or (args.from_csv and f"from {args.from_csv}") or args.schedule
     print(f"{name}: p = {schedule.num_ranks} ranks, {schedule.num_stages} stages, m = {schedule.num_microbatches} microbatches")
-    print(text_grid(timeline, width=args.width))
+    print(text_grid(timeline, width=args.width, header=False))
     print(f"makespan     {timeline.makespan:.6g}")
     print(f"bubble rate  {timeline.bubble_rate:.4f}")
     print("peak memory  " + " ".join(f"{m:g}" for m in timeline.peak_memory) + "  (per rank, units of M_B)")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..costs import Costs, CostTable
+from ..schedule import TORCH_CODE
 from ..timeline import Timeline
 from .states import plan_timeline
 from .style import BAR_KINDS, KIND_STYLE, MEMORY_LIMIT_COLOR
@@ -73,11 +75,13 @@ def timeline_traces(
     xaxis: str = "x",
     yaxis: str = "y",
 ) -> list[dict[str, Any]]:
-    """Plotly bar traces (as plain dicts) for a timeline: one per kind in :data:`BAR_KINDS`.
+    """Plotly bar traces (as plain dicts of NumPy arrays) for a timeline: one per kind in
+    :data:`BAR_KINDS`.
 
     Every trace is always present (possibly empty), so a figure can be updated in place when the
     timeline changes. Bars are horizontal: ``base`` is the start, ``x`` the duration, ``y`` the
-    rank label. Ranks that hold several stages (interleaved, V) draw later chunks lighter.
+    rank (an integer; the axis labels it ``rank r``); ``customdata`` rows are
+    (stage, microbatch, start, end), -1 for the stage and microbatch of idle bars. Ranks that hold several stages (interleaved, V) draw later chunks lighter.
     The idle trace has exactly one bar per entry of ``timeline.idle_gaps``.
 
     Args:
@@ -90,58 +94,48 @@ def timeline_traces(
     """
     t0 = start_time(timeline) if offset is None else offset
     chunk = _chunk_index(timeline)
-    columns: dict[str, dict[str, list]] = {
-        k: {"base": [], "x": [], "y": [], "text": [], "customdata": [], "opacity": []} for k in BAR_KINDS
-    }
-    for e in timeline.events:
-        col = columns[e.action.kind]
-        col["base"].append(e.start - t0)
-        col["x"].append(e.end - e.start)
-        col["y"].append(rank_label(e.rank))
-        col["text"].append(str(e.action.microbatch))
-        col["customdata"].append([str(e.action), e.action.stage, e.action.microbatch, e.start - t0, e.end - t0])
-        col["opacity"].append(1.0 / (1.0 + 0.6 * chunk[e.rank, e.action.stage]))
+    rows: dict[str, list[tuple[float, ...]]] = {k: [] for k in BAR_KINDS}
+    for e in timeline.events:  # (rank, start, end, stage, microbatch, chunk)
+        a = e.action
+        rows[a.kind].append((e.rank, e.start - t0, e.end - t0, a.stage, a.microbatch, chunk[e.rank, a.stage]))
     if show_idle:
-        idle = columns["idle"]
-        for rank, gaps in enumerate(timeline.idle_gaps):
-            for a, b in gaps:
-                idle["base"].append(a - t0)
-                idle["x"].append(b - a)
-                idle["y"].append(rank_label(rank))
-                idle["text"].append("")
-                idle["customdata"].append(["idle", "", "", a - t0, b - t0])
-                idle["opacity"].append(1.0)
+        rows["idle"] = [(r, a - t0, b - t0, -1, -1, 0) for r, gaps in enumerate(timeline.idle_gaps) for a, b in gaps]
     traces = []
     for kind in BAR_KINDS:
-        style, col = KIND_STYLE[kind], columns[kind]
+        style = KIND_STYLE[kind]
+        cols = np.array(rows[kind], dtype=float).reshape(-1, 6)
+        rank, start, end, stage, mb, chunk_no = cols.T
         if kind == "idle":
-            hover = "idle<br>start %{customdata[3]:.4g}<br>end %{customdata[4]:.4g}<extra>%{y}</extra>"
+            hover = "idle<br>start %{customdata[2]:.4~g}<br>end %{customdata[3]:.4~g}<extra>%{y}</extra>"
+            text = None
         else:
             hover = (
-                "%{customdata[0]}<br>stage %{customdata[1]}, microbatch %{customdata[2]}"
-                "<br>start %{customdata[3]:.4g}<br>end %{customdata[4]:.4g}<extra>%{y}</extra>"
+                f"{kind} of stage %{{customdata[0]:d}}, microbatch %{{customdata[1]:d}}"
+                f" (%{{customdata[0]:d}}{TORCH_CODE[kind]}%{{customdata[1]:d}})"
+                "<br>start %{customdata[2]:.4~g}<br>end %{customdata[3]:.4~g}<extra>%{y}</extra>"
             )
+            text = mb.astype(int).astype(str) if show_labels else None
         traces.append(
             {
                 "type": "bar",
                 "orientation": "h",
                 "name": style.name,
                 "legendgroup": kind,
-                "showlegend": showlegend and bool(col["x"]),
-                "base": col["base"],
-                "x": col["x"],
-                "y": col["y"],
+                "showlegend": showlegend and len(cols) > 0,
+                "base": start,
+                "x": end - start,
+                "y": rank.astype(int),
                 "width": BAR_WIDTH,
-                "text": col["text"] if show_labels else None,
+                "text": text,
                 "textposition": "inside",
                 "insidetextanchor": "middle",
                 "textangle": 0,
                 "textfont": {"color": style.text_color},
-                "customdata": col["customdata"],
+                "customdata": np.stack([stage, mb, start, end], axis=1),
                 "hovertemplate": hover,
                 "marker": {
                     "color": style.color,
-                    "opacity": col["opacity"],
+                    "opacity": 1.0 / (1.0 + 0.6 * chunk_no),
                     "line": {"width": 0.5, "color": "white"},
                     "pattern": {"shape": style.pattern, "fgcolor": "#9A9A9A"} if style.pattern else None,
                 },
@@ -152,9 +146,20 @@ def timeline_traces(
     return traces
 
 
+def rank_axis(num_ranks: int) -> dict[str, Any]:
+    """Y axis with rank 0 at the top: numeric positions labelled ``rank r``."""
+    return {
+        "tickmode": "array",
+        "tickvals": list(range(num_ranks)),
+        "ticktext": [rank_label(r) for r in range(num_ranks)],
+        "range": [num_ranks - 0.5, -0.5],
+        "zeroline": False,
+        "showgrid": False,
+    }
+
+
 def timeline_layout(timeline: Timeline, title: str | None = None, time_unit: str | None = None) -> dict[str, Any]:
     """Layout for :func:`timeline_traces`: ranks top to bottom, time axis, stats in the title."""
-    ranks = [rank_label(r) for r in range(timeline.num_ranks)]
     return {
         "title": {"text": figure_title(timeline, title)},
         "barmode": "overlay",
@@ -167,7 +172,7 @@ def timeline_layout(timeline: Timeline, title: str | None = None, time_unit: str
             "zeroline": False,
             "gridcolor": GRID_COLOR,
         },
-        "yaxis": {"categoryorder": "array", "categoryarray": ranks, "range": [len(ranks) - 0.5, -0.5]},
+        "yaxis": rank_axis(timeline.num_ranks),
         "uniformtext": {"minsize": 8, "mode": "hide"},
         "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
         "plot_bgcolor": "white",
@@ -236,9 +241,8 @@ def compare_figure(
     for row, (t, legend) in enumerate(((planned, True), (measured, False)), start=1):
         for trace in timeline_traces(t, showlegend=legend):
             fig.add_trace(go.Bar(trace), row=row, col=1)
-    ranks = [rank_label(r) for r in range(planned.num_ranks)]
     for row in (1, 2):
-        fig.update_yaxes(categoryorder="array", categoryarray=ranks, range=[len(ranks) - 0.5, -0.5], row=row, col=1)
+        fig.update_yaxes(rank_axis(planned.num_ranks), row=row, col=1)
     ratio = measured.makespan / planned.makespan if planned.makespan > 0 else float("nan")
     head = f"{title}: " if title else ""
     unit = time_unit or time_unit_of(measured)
@@ -273,7 +277,7 @@ def memory_traces(timeline: Timeline, costs: Costs | CostTable | None = None) ->
                 "name": rank_label(rank),
                 "x": times,
                 "y": values,
-                "hovertemplate": "time %{x:.4g}<br>memory %{y:.4g}<extra>%{fullData.name}</extra>",
+                "hovertemplate": "time %{x:.4~g}<br>memory %{y:.4~g}<extra>%{fullData.name}</extra>",
             }
         )
     return traces

@@ -57,13 +57,13 @@ def slider_figure(
     layout["height"] = 140 + 34 * max_ranks + 80
     steps = []
     for i, ((label, t), head) in enumerate(zip(states, titles)):
-        ranks = [rank_label(r) for r in range(t.num_ranks)]
         visible = [j // per_state == i for j in range(len(data))]
         relayout = {
             "title.text": figure_title(t, head),
             "xaxis.range": [0, max(end_time(t) - start_time(t), 1e-12)],
-            "yaxis.categoryarray": ranks,
-            "yaxis.range": [len(ranks) - 0.5, -0.5],
+            "yaxis.tickvals": list(range(t.num_ranks)),
+            "yaxis.ticktext": [rank_label(r) for r in range(t.num_ranks)],
+            "yaxis.range": [t.num_ranks - 0.5, -0.5],
         }
         steps.append({"method": "update", "label": label, "args": [{"visible": visible}, relayout]})
     layout["sliders"] = [

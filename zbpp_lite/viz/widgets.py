@@ -3,7 +3,8 @@
 The computing part is the pure function :func:`explore_state` (build -> simulate, errors caught
 as messages); :class:`Explorer` only wires ipywidgets controls to it and copies the result into
 two Plotly ``FigureWidget`` s in place. Plotly 6+ ``FigureWidget`` needs ``anywidget``; on Colab
-call :func:`enable_colab_widgets` once first.
+it also needs the custom widget manager, which :func:`enable_colab_widgets` turns on (the
+explorer calls it itself).
 
 Which sliders apply is read from the builder's signature (``zbpp_lite.builders.options_of``):
 "stages per rank" is enabled only for builders taking ``stages_per_rank``; costs and the memory
@@ -117,7 +118,7 @@ def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: An
         max=hi,
         step=step,
         description=description,
-        description_tooltip=tip,
+        tooltip=tip,
         continuous_update=False,
         style={"description_width": "150px"},
         layout=widgets.Layout(width="360px"),
@@ -136,7 +137,11 @@ class Explorer(widgets.VBox):
         state: the last :class:`ExplorerState`.
         last_redraw_ms: wall time of the last redraw, in milliseconds.
 
-    Display it as the last expression of a cell, or with ``IPython.display.display``.
+    Display it as the last expression of a cell, or with ``IPython.display.display``. On Colab
+    the constructor enables the custom widget manager (:func:`enable_colab_widgets`).
+
+    Raises:
+        ValueError: an unknown initial schedule name (the message lists the valid ones).
     """
 
     def __init__(
@@ -155,6 +160,7 @@ class Explorer(widgets.VBox):
         max_microbatches: int = 32,
         show_memory: bool = True,
     ):
+        enable_colab_widgets()  # FigureWidget needs Colab's custom widget manager; no-op elsewhere
         names = list(SCHEDULES)
         if schedule not in names:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(names)}")
@@ -251,6 +257,7 @@ class Explorer(widgets.VBox):
                 with self.memory.batch_update():
                     for trace in self.memory.data:
                         trace.update(x=[], y=[])
+                    self.memory.layout.title.text = f"{state.name}: no schedule for these settings"
             self.last_redraw_ms = (time.perf_counter() - t0) * 1e3
             return
         t = state.timeline
@@ -267,7 +274,11 @@ class Explorer(widgets.VBox):
                 for trace, new in zip(self.memory.data, lines):
                     new.pop("type")
                     trace.update(new)
-                self.memory.layout.update(memory_layout(t, state.memory_limit, state.name))
+                layout = memory_layout(t, state.memory_limit, state.name)
+                # update() merges lists element-wise and would keep an old limit line: assign
+                self.memory.layout.shapes = layout.pop("shapes")
+                self.memory.layout.annotations = layout.pop("annotations")
+                self.memory.layout.update(layout)
             extra = lines[len(self.memory.data) :]
             if extra:
                 self.memory.add_traces([go.Scatter(new) for new in extra])

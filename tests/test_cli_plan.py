@@ -1,0 +1,51 @@
+"""``python -m zbpp_lite plan``: grid, figures, CSV round trip, trace, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import zbpp_lite as zb
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zbpp_lite", "plan", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_plan_prints_grid_and_the_simulators_figures(tmp_path):
+    out = plan("--schedule", "zb-h1", "--ranks", "4", "--microbatches", "8", "--f", "1", "--b", "1", "--w", "1")
+    assert out.returncode == 0, out.stderr
+    t = zb.simulate(zb.build_schedule("zb-h1", 4, 8))
+    assert f"makespan     {t.makespan:.6g}" in out.stdout
+    assert f"bubble rate  {t.bubble_rate:.4f}" in out.stdout
+    assert sum(line.startswith("rank ") for line in out.stdout.splitlines()) == 4
+
+
+def test_plan_writes_a_csv_that_plans_back_identically_and_a_trace(tmp_path):
+    csv, trace = tmp_path / "s.csv", tmp_path / "t.json"
+    first = plan("-s", "zb-h2", "-p", "3", "-m", "6", "--csv", str(csv), "--trace", str(trace))
+    again = plan("--from-csv", str(csv))
+    assert first.returncode == again.returncode == 0
+    assert first.stdout.split("makespan")[1] == again.stdout.split("makespan")[1]
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert len(events) == len(zb.build_schedule("zb-h2", 3, 6))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-s", "zb-h3"], "unknown schedule 'zb-h3'; choose one of"),
+        (["-p", "0"], "--ranks and --microbatches must be >= 1"),
+        (["--from-csv", "/no/such/file.csv"], "No such file"),
+        (["-s", "1f1b", "-v", "2"], "drop --stages-per-rank"),
+        (["--f", "-1"], "--f must be >= 0"),
+    ],
+)
+def test_bad_arguments_get_one_line_not_a_traceback(args, message):
+    out = plan(*args)
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -1,0 +1,364 @@
+"""Presentation layer: figure content against the simulator, text grid, Chrome trace, slider
+figures, and the explorer's callbacks driven headless (no browser)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite.builders import SCHEDULES, register
+from zbpp_lite.timeline import Event, Timeline
+from zbpp_lite.viz import (
+    KIND_STYLE,
+    applicable_options,
+    bubble_sweep,
+    bubble_sweep_figure,
+    compare_figure,
+    memory_figure,
+    microbatch_slider_figure,
+    schedule_slider_figure,
+    slider_figure,
+    text_grid,
+    timeline_figure,
+    to_chrome_trace,
+    write_chrome_trace,
+)
+from zbpp_lite.viz.style import BAR_KINDS
+
+UNEVEN = zb.Costs(f=1.0, b=1.5, w=0.5, comm=0.25)
+
+
+def bars(trace) -> list[tuple[int, float, float]]:
+    """(rank, start, end) of every bar of a horizontal bar trace."""
+    ys, bases, xs = (list(v) if v is not None else [] for v in (trace.y, trace.base, trace.x))
+    return [(int(y), float(base), float(base + x)) for y, base, x in zip(ys, bases, xs)]
+
+
+def expected_bars(timeline: Timeline, kind: str) -> list[tuple[int, float, float]]:
+    if kind == "idle":
+        return [(r, a, b) for r, gaps in enumerate(timeline.idle_gaps) for a, b in gaps]
+    return [(e.rank, e.start, e.end) for e in timeline.events if e.action.kind == kind]
+
+
+def assert_figure_matches(fig, timeline: Timeline) -> None:
+    """One trace per kind; its bars are exactly the timeline's events of that kind (idle: gaps)."""
+    assert [t.legendgroup for t in fig.data] == list(BAR_KINDS)
+    for trace in fig.data:
+        assert trace.marker.color == KIND_STYLE[trace.legendgroup].color
+        got = sorted(bars(trace))
+        want = sorted(expected_bars(timeline, trace.legendgroup))
+        assert [g[0] for g in got] == [w[0] for w in want]
+        assert [x for g in got for x in g[1:]] == pytest.approx([x for w in want for x in w[1:]])
+
+
+@pytest.fixture
+def refusing_schedule():
+    """A temporary schedule that takes costs and memory_limit and refuses limits below p M_B."""
+    calls = []
+
+    def refusing(num_ranks, num_microbatches, costs=None, memory_limit=None):
+        calls.append({"costs": costs, "memory_limit": memory_limit})
+        if memory_limit is not None and memory_limit < num_ranks:
+            raise ValueError(f"memory limit {memory_limit} is below p * M_B = {num_ranks}; raise it")
+        if num_microbatches % 2:
+            raise ValueError("test-refusing needs an even number of microbatches")
+        return zb.build_schedule("1f1b", num_ranks, num_microbatches)
+
+    register("test-refusing", refusing)
+    yield calls
+    SCHEDULES.pop("test-refusing")
+
+
+# --------------------------------------------------------------------------- timeline figure
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2"])
+def test_timeline_figure_has_one_bar_per_action_coloured_by_kind_and_the_simulators_gaps(name):
+    t = zb.simulate(zb.build_schedule(name, 4, 6), UNEVEN)
+    fig = timeline_figure(t, name)
+    assert_figure_matches(fig, t)
+    assert sum(len(tr.x) for tr in fig.data[:4]) == len(t.events)
+    assert len(fig.data[4].x) == sum(len(g) for g in t.idle_gaps)
+    assert fig.layout.barmode == "overlay"
+
+
+def test_timeline_figure_title_labels_and_hover():
+    t = zb.simulate(zb.build_schedule("zb-h1", 4, 8))
+    fig = timeline_figure(t, "zb-h1")
+    # Unit costs: ZB-H1's makespan is 3m + p - 1 (paper section 3.1: bubble (p-1)(T_F+T_B-T_W)).
+    assert t.makespan == 3 * 8 + 3
+    assert fig.layout.title.text == f"zb-h1 (simulated): makespan 27, bubble rate {t.bubble_rate:.1%}"
+    f_trace = fig.data[0]
+    f_events = [e for e in t.events if e.action.kind == "F"]
+    assert list(f_trace.text) == [str(e.action.microbatch) for e in f_events]
+    assert [tuple(c[:2]) for c in f_trace.customdata] == [(e.action.stage, e.action.microbatch) for e in f_events]
+    assert "stage" in f_trace.hovertemplate and "microbatch" in f_trace.hovertemplate
+    assert "I" in fig.data[1].hovertemplate  # B shown in PyTorch's text form too (1I3)
+    assert not fig.data[3].showlegend  # ZB-H1 has no fused BW
+    assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(4)]
+    assert list(fig.layout.yaxis.range) == [3.5, -0.5]  # rank 0 on top
+
+
+def test_timeline_figure_of_a_measured_timeline_starts_at_zero_in_seconds():
+    planned = zb.simulate(zb.build_schedule("1f1b", 3, 4), zb.Costs(f=0.01, b=0.02, w=0.0))
+    measured = _as_measured(planned, offset=1234.5, stretch=1.2)
+    fig = timeline_figure(measured, "1f1b")
+    starts = [b[1] for tr in fig.data for b in bars(tr)]
+    assert min(starts) == pytest.approx(0.0)
+    assert fig.layout.xaxis.title.text == "time (s)"
+    assert "(measured)" in fig.layout.title.text
+
+
+def _as_measured(t: Timeline, offset: float, stretch: float) -> Timeline:
+    events = [Event(e.rank, e.action, offset + stretch * e.start, offset + stretch * e.end) for e in t.events]
+    return Timeline.from_events(events, t.num_ranks, source="measured")
+
+
+def test_compare_figure_puts_planned_and_measured_on_one_time_axis():
+    planned = zb.simulate(zb.build_schedule("zb-h1", 4, 8), UNEVEN)
+    measured = _as_measured(planned, offset=50.0, stretch=1.25)
+    fig = compare_figure(planned, measured)
+    assert len(fig.data) == 2 * len(BAR_KINDS)
+    assert {tr.xaxis for tr in fig.data[:5]} == {"x"} and {tr.xaxis for tr in fig.data[5:]} == {"x2"}
+    assert fig.layout.xaxis.matches == "x2" or fig.layout.xaxis2.matches == "x"
+    measured_starts = [b[1] for tr in fig.data[5:] for b in bars(tr)]
+    assert min(measured_starts) == pytest.approx(0.0)
+    assert "1.250" in fig.layout.title.text
+    with pytest.raises(ValueError, match="same number of ranks"):
+        compare_figure(planned, zb.simulate(zb.build_schedule("zb-h1", 3, 8)))
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def test_memory_figure_lines_reach_each_ranks_peak_and_draw_the_limit():
+    costs = zb.Costs(f=1, b=1, w=1, mem_b=2.0, mem_w=0.5)
+    s = zb.build_schedule("zb-h2", 4, 8)
+    t = zb.simulate(s, costs, memory_limit=7.0)
+    fig = memory_figure(t, costs)
+    assert len(fig.data) == 4
+    for rank, line in enumerate(fig.data):
+        assert max(line.y) == pytest.approx(t.peak_memory[rank])
+        assert line.y[-1] == pytest.approx(0.0)  # every activation freed by the end
+    # ZB-H2 holds (2p-1) microbatches' activations on rank 0 (paper section 3.1).
+    assert t.peak_memory[0] == pytest.approx((2 * 4 - 1) * 2.0)
+    assert [sh.y0 for sh in fig.layout.shapes] == [7.0]
+    assert memory_figure(t, costs, memory_limit=20).layout.shapes[0].y0 == 20
+    assert not memory_figure(zb.simulate(s, costs), costs).layout.shapes
+
+
+# --------------------------------------------------------------------------- bubble sweeps
+
+
+def test_bubble_sweep_matches_1f1b_closed_form_on_both_axes():
+    # Unit costs: 1F1B's makespan is 3(m + p - 1), busy 3m, so bubble rate (p-1)/(m+p-1).
+    axis, xs, rates = bubble_sweep(["1f1b", "zb-h2"], 4, [2, 4, 8, 16])
+    assert axis == "num_microbatches" and xs == [2, 4, 8, 16]
+    assert rates["1f1b"] == pytest.approx([3 / (m + 3) for m in xs])
+    assert rates["zb-h2"][-1] == pytest.approx(0.0)  # ZB-H2: no bubble for m >= 2p - 1, T_F = T_B = T_W
+    axis, xs, rates = bubble_sweep(["1f1b"], [2, 3, 6], 8)
+    assert axis == "num_ranks"
+    assert rates["1f1b"] == pytest.approx([(p - 1) / (8 + p - 1) for p in xs])
+    with pytest.raises(ValueError, match="exactly one"):
+        bubble_sweep(["1f1b"], [2, 4], [4, 8])
+
+
+def test_bubble_sweep_figure_leaves_gaps_where_a_schedule_refuses(refusing_schedule):
+    fig = bubble_sweep_figure(["1f1b", "test-refusing"], 2, [3, 4, 5, 6])
+    by_name = {tr.name: list(tr.y) for tr in fig.data}
+    assert by_name["test-refusing"][0] is None and by_name["test-refusing"][2] is None
+    assert by_name["test-refusing"][1] == pytest.approx(by_name["1f1b"][1])
+    assert fig.layout.xaxis.title.text == "microbatches m"
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_applicable_options_follow_each_builders_signature(refusing_schedule):
+    costs = zb.Costs()
+    assert applicable_options("interleaved-1f1b", 3, costs, 5.0) == {"stages_per_rank": 3}
+    assert applicable_options("zb-h1", 3, costs, 5.0) == {}
+    assert applicable_options("test-refusing", 3, costs, 5.0) == {"costs": costs, "memory_limit": 5.0}
+    assert applicable_options("test-refusing", 3, None, None) == {}
+
+
+# --------------------------------------------------------------------------- text grid
+
+
+def test_text_grid_rows_show_every_action_in_order_and_idle_as_dots():
+    s = zb.build_schedule("zb-h1", 4, 6)
+    t = zb.simulate(s)  # unit costs, integer times
+    cols_per_unit = 3
+    grid = text_grid(t, width=int(t.makespan) * cols_per_unit + 3 * cols_per_unit)
+    lines = grid.splitlines()
+    assert len(lines) == 1 + 4 and "makespan" in lines[0]
+    span = max(e.end for e in t.events)
+    for rank, line in enumerate(lines[1:]):
+        prefix, cells = line.split("|", 1)
+        assert prefix.strip() == f"rank {rank}"
+        assert re.findall(r"(BW|F|B|W)(\d+)", cells) == [(a.kind, str(a.microbatch)) for a in s.actions[rank]]
+        # every column not covered by an action is idle: (whole span - busy) time units
+        assert cells.count(".") == round((span - t.busy[rank]) * len(cells) / span)
+
+
+def test_text_grid_keeps_every_action_when_narrow_and_names_stages_when_ranks_hold_several():
+    t = zb.simulate(zb.build_schedule("interleaved-1f1b", 2, 4, stages_per_rank=2))
+    wide = text_grid(t, width=200, header=False).splitlines()
+    assert len(wide) == 2
+    # rank 0 holds stages 0 and 2: labels carry the stage
+    assert re.findall(r"\d+F\d+", wide[0])[:2] == ["0F0", "0F1"]
+    narrow = text_grid(t, width=10, header=False)
+    assert all(len(line.split("|", 1)[1]) == 10 for line in narrow.splitlines())
+    with pytest.raises(ValueError, match="width"):
+        text_grid(t, width=0)
+
+
+# --------------------------------------------------------------------------- Chrome trace
+
+
+def test_chrome_trace_has_one_complete_event_per_action_on_a_named_track_per_rank(tmp_path):
+    t = zb.simulate(zb.build_schedule("zb-h1", 3, 4), UNEVEN)
+    trace = to_chrome_trace(t)
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == len(t.events)
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
+    # simulated: one cost unit = 1000 us by default
+    for e, ev in zip(complete, t.events):
+        assert e["tid"] == ev.rank and e["cat"] == ev.action.kind
+        assert e["ts"] == pytest.approx(ev.start * 1000) and e["dur"] == pytest.approx(ev.duration * 1000)
+    path = write_chrome_trace(t, tmp_path / "sub" / "t.json", time_unit_us=10)
+    loaded = json.loads(path.read_text())
+    assert [e["dur"] for e in loaded["traceEvents"] if e["ph"] == "X"] == pytest.approx(
+        [ev.duration * 10 for ev in t.events]
+    )
+    with pytest.raises(ValueError, match="time_unit_us"):
+        to_chrome_trace(t, time_unit_us=0)
+
+
+def test_chrome_trace_of_measured_seconds_and_of_several_timelines():
+    planned = zb.simulate(zb.build_schedule("1f1b", 2, 3), zb.Costs(f=0.002, b=0.004, w=0.0))
+    measured = _as_measured(planned, offset=100.0, stretch=1.0)
+    trace = to_chrome_trace({"planned": planned, "measured": measured}, time_unit_us=1e6)
+    x = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in x} == {0, 1}
+    firsts = [min(e["ts"] for e in x if e["pid"] == pid) for pid in (0, 1)]
+    assert firsts == pytest.approx([0.0, 0.0])
+    assert [e["dur"] for e in x if e["pid"] == 1] == pytest.approx([ev.duration * 1e6 for ev in measured.events])
+    assert to_chrome_trace(measured)["otherData"]["pipeline (measured)"]["time_unit_us"] == 1e6
+    procs = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"]
+    assert procs == ["planned", "measured"]
+
+
+# --------------------------------------------------------------------------- static slider figures
+
+
+def test_slider_figure_steps_show_exactly_one_states_bars():
+    states = [(f"m={m}", zb.simulate(zb.build_schedule("zb-h1", 3, m))) for m in (2, 4, 6)]
+    fig = slider_figure(states, slider_label="microbatches ")
+    assert len(fig.data) == 3 * len(BAR_KINDS)
+    steps = fig.layout.sliders[0].steps
+    assert [s.label for s in steps] == ["m=2", "m=4", "m=6"]
+    for i, (step, (_, t)) in enumerate(zip(steps, states)):
+        visible = step.args[0]["visible"]
+        shown = [tr for tr, v in zip(fig.data, visible) if v]
+        assert len(shown) == len(BAR_KINDS)
+        assert sum(len(tr.x) for tr in shown[:4]) == len(t.events)
+        assert f"makespan {t.makespan:.4g}" in step.args[1]["title.text"]
+    assert [tr.visible for tr in fig.data[:5]] == [True] * 5 and not any(tr.visible for tr in fig.data[5:])
+    with pytest.raises(ValueError, match="at least one"):
+        slider_figure([])
+
+
+def test_slider_figures_leave_out_refused_settings(refusing_schedule):
+    fig = microbatch_slider_figure("test-refusing", 2, [3, 4, 5, 6])
+    assert [s.label for s in fig.layout.sliders[0].steps] == ["m=4", "m=6"]
+    fig = schedule_slider_figure(["1f1b", "test-refusing", "zb-h1"], 2, 3)
+    assert [s.label for s in fig.layout.sliders[0].steps] == ["1f1b", "zb-h1"]
+    with pytest.raises(ValueError, match="refused every"):
+        microbatch_slider_figure("test-refusing", 2, [3, 5])
+
+
+# --------------------------------------------------------------------------- explorer, headless
+
+
+def test_explore_state_returns_the_simulated_timeline_or_the_refusal(refusing_schedule):
+    from zbpp_lite.viz import explore_state
+
+    state = explore_state("interleaved-1f1b", 4, 8, 3, 1.0, 2.0, 0.5, 0.1, 0)
+    want = zb.simulate(zb.build_schedule("interleaved-1f1b", 4, 8, stages_per_rank=3), zb.Costs(1.0, 2.0, 0.5, 0.1))
+    assert state.ok and state.timeline.events == want.events and state.memory_limit is None
+    assert_figure_matches(state.figure(), want)
+    bad = explore_state("test-refusing", 4, 8, None, 1, 1, 1, 0, 2.0)
+    assert not bad.ok and bad.timeline is None and "below p * M_B" in bad.error
+    assert refusing_schedule[-1]["memory_limit"] == 2.0 and refusing_schedule[-1]["costs"] == zb.Costs(1, 1, 1, 0)
+    assert bad.figure() is None
+
+
+def test_explorer_sliders_redraw_the_figures_to_match_the_simulator(refusing_schedule):
+    from zbpp_lite.viz import Explorer
+
+    ex = Explorer("zb-h1", num_ranks=4, num_microbatches=8)
+    c = ex.controls
+    assert_figure_matches(ex.figure, zb.simulate(zb.build_schedule("zb-h1", 4, 8)))
+    assert c["stages_per_rank"].disabled
+
+    c["num_microbatches"].value = 12
+    c["b"].value = 2.0
+    c["comm"].value = 0.5
+    want = zb.simulate(zb.build_schedule("zb-h1", 4, 12), zb.Costs(f=1.0, b=2.0, w=1.0, comm=0.5))
+    assert_figure_matches(ex.figure, want)
+    assert f"makespan {want.makespan:.4g}" in ex.figure.layout.title.text
+    assert ex.last_redraw_ms > 0
+
+    c["schedule"].value = "interleaved-1f1b"
+    assert not c["stages_per_rank"].disabled
+    c["stages_per_rank"].value = 3
+    c["num_ranks"].value = 3
+    want = zb.simulate(
+        zb.build_schedule("interleaved-1f1b", 3, 12, stages_per_rank=3), zb.Costs(f=1.0, b=2.0, w=1.0, comm=0.5)
+    )
+    assert_figure_matches(ex.figure, want)
+    assert list(ex.figure.layout.yaxis.ticktext) == ["rank 0", "rank 1", "rank 2"]
+    assert ex.figure.layout.title.text.startswith("interleaved-1f1b (simulated): makespan")
+    assert len(ex.memory.data) == 3
+    assert [max(line.y) for line in ex.memory.data] == pytest.approx(list(want.peak_memory))
+
+    c["memory_limit"].value = 5.0
+    assert [sh.y0 for sh in ex.memory.layout.shapes] == [5.0]
+    assert "over the limit" in ex.message.value
+    c["memory_limit"].value = 0.0  # 0 = no limit: the line goes
+    assert not ex.memory.layout.shapes and "over the limit" not in ex.message.value
+
+
+def test_explorer_shows_a_refusal_as_a_message_not_a_traceback(refusing_schedule):
+    from zbpp_lite.viz import Explorer
+
+    ex = Explorer("1f1b", num_ranks=4, num_microbatches=8)
+    c = ex.controls
+    c["schedule"].value = "test-refusing"
+    assert ex.state.ok and refusing_schedule[-1]["costs"] is not None
+    c["memory_limit"].value = 2.0  # below p * M_B = 4: refused
+    assert not ex.state.ok
+    assert "below p * M_B = 4" in ex.message.value and "Traceback" not in ex.message.value
+    assert all(len(tr.x) == 0 for tr in ex.figure.data)
+    assert "no schedule" in ex.figure.layout.title.text
+    c["memory_limit"].value = 6.0  # accepted again: the bars come back
+    assert ex.state.ok
+    assert_figure_matches(ex.figure, zb.simulate(zb.build_schedule("1f1b", 4, 8), memory_limit=6.0))
+    with pytest.raises(ValueError, match="choose one of"):
+        Explorer("no-such-schedule")
+
+
+def test_viz_imports_no_jax_and_colab_helper_is_a_no_op_elsewhere():
+    code = (
+        "import sys, zbpp_lite.viz as v, zbpp_lite.viz.widgets;"
+        "print('jax' in sys.modules, v.enable_colab_widgets())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
