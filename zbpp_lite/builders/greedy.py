@@ -14,10 +14,13 @@ each input arrives (its producer's end, plus T_comm when it comes from another r
   demands it", paper 3.1);
 - when nothing has arrived, a pending W fills the gap. A W that fits before the next F or B arrives
   runs ("W into gaps of at least T_W"); when the next arrival comes sooner, the W still runs if
-  leaving the gap would raise the largest accumulated bubble of any rank (paper 3.1), or always
-  when ``Rules.fill_partial`` is set; otherwise the rank leaves the gap;
-- with ``Rules.fit_f`` an F is a filler too: it runs only if no B arrives before it would end (the
-  paper's binary choice about one more warm-up F before the first B);
+  leaving the gap would raise the largest accumulated bubble (paper 3.1; with per-stage costs the
+  comparison is of each rank's work plus its idle time so far), or always when
+  ``Rules.fill_partial`` is set, or never when ``Rules.keep_gaps`` is; otherwise the rank leaves
+  the gap;
+- with ``Rules.fit_f``, during a rank's warm-up a chunk-0 F is a filler too: it runs only if nothing
+  of higher priority arrives before it would end (the paper's binary choice about one more warm-up
+  F before the first B); ``Rules.warmup_cap`` bounds how many the warm-up may run;
 - W left at the end run last.
 
 A rank decides only at a time when everything that could arrive earlier is already known, so the
@@ -35,10 +38,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from ..costs import CostTable
-from ..schedule import Action, Schedule
+from ..costs import Costs, CostTable
+from ..schedule import Action, Schedule, deps, produces
 
 _EPS = 1e-9
 _INF = float("inf")
@@ -46,27 +49,32 @@ _INF = float("inf")
 
 @dataclass(frozen=True)
 class Rules:
-    """The choices of one greedy run (the paper's binary hyperparameters, and the priority order).
+    """The choices of one greedy run: the priority order and the paper's binary hyperparameters.
 
     Attributes:
         order: priority of the F/B classes a rank runs when several have arrived, as
             ``(kind, chunk)`` pairs; chunk is the stage's position among the rank's stages in
             increasing stage order (0 for the one stage of a one-stage-per-rank placement; in the V
-            placement, chunk 0 is stage r and chunk 1 is stage 2p-1-r). Classes not listed come last.
+            placement chunk 0 is stage r and chunk 1 is stage 2p-1-r). Classes not listed come last.
         fill_partial: run a W in a gap shorter than T_W even when leaving the gap would not raise the
-            largest accumulated bubble (the paper's ``no_bubble_greedy``).
-        fit_f: F of the chunks in ``fit_f_chunks`` are fillers: such an F starts only if no B
-            arrives before it would end; otherwise the rank waits for the B.
-        fit_f_chunks: which chunks ``fit_f`` applies to.
+            largest accumulated bubble (the paper's third binary choice).
+        fit_f: during a rank's warm-up (before its first B), an F of chunk 0 starts only if nothing
+            of higher priority arrives before it would end; otherwise the rank waits for that (the
+            paper's choice about one more warm-up F before the first B).
+        warmup_cap: per rank, the most chunk-0 F the rank runs before its first B (None: only memory
+            limits the warm-up). Capping the warm-up keeps the V placement from flooding every rank
+            with new microbatches when T_comm makes the round trip long.
+        feed: an F whose consumer on the next rank has run out of input goes before everything else
+            (the paper keeps stage i at least one F ahead of stage i+1).
+        keep_gaps: never run a W in a gap shorter than T_W (the opposite extreme of fill_partial).
     """
 
     order: tuple[tuple[str, int], ...] = (("B", 0), ("F", 0))
     fill_partial: bool = False
     fit_f: bool = False
-    fit_f_chunks: tuple[int, ...] = (0,)
-    fit_steady: float | None = None
-    alternate: bool = False
     warmup_cap: tuple[int, ...] | None = None
+    feed: bool = False
+    keep_gaps: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,7 @@ class Plan:
     rules: Rules
 
     def schedule(self, placement: Sequence[int], num_microbatches: int, name: str) -> Schedule:
+        """The plan as a :class:`~zbpp_lite.schedule.Schedule` (placement and m as planned)."""
         return Schedule(self.actions, tuple(placement), num_microbatches, name)
 
 
@@ -117,7 +126,9 @@ def per_rank_limits(
             microbatch to reach the last stage; the message names the smallest feasible limit.
     """
     p = 1 + max(placement, default=-1)
-    if isinstance(memory_limit, (int, float)) and not isinstance(memory_limit, bool):
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float, list, tuple)):
+        raise ValueError(f"{name}: memory_limit must be a number or one number per rank, got {memory_limit!r}")
+    if isinstance(memory_limit, (int, float)):
         limits = [float(memory_limit)] * p
     else:
         limits = [float(x) for x in memory_limit]
@@ -126,6 +137,8 @@ def per_rank_limits(
                 f"{name}: memory_limit has {len(limits)} per-rank values but there are {p} ranks; "
                 "give one value per rank or a single number"
             )
+    if any(x < 0 for x in limits):
+        raise ValueError(f"{name}: memory_limit must be >= 0, got {memory_limit!r}")
     need = rank_stage_memory(placement, table)
     short = [r for r in range(p) if limits[r] + _EPS < need[r]]
     if short:
@@ -166,6 +179,9 @@ def plan(
 
 
 class _Greedy:
+    """One run: per-rank clocks, counters of the next F and B of every stage, the memory held, the
+    pending W, and a heap of the times at which each rank decides next."""
+
     def __init__(self, placement, m, table: CostTable, limits, rules: Rules):
         self.placement = list(placement)
         self.S = S = len(placement)
@@ -181,7 +197,7 @@ class _Greedy:
                 self.chunk[s] = c
         rank_of_class = {cls: i for i, cls in enumerate(rules.order)}
         self.prio = [[rank_of_class.get((k, self.chunk[s]), len(rules.order)) for s in range(S)] for k in "FB"]
-        self.fit_stage = [rules.fit_f and self.chunk[s] in rules.fit_f_chunks for s in range(S)]
+        self.fit_stage = [rules.fit_f and self.chunk[s] == 0 for s in range(S)]
         self.end_f = [[-1.0] * m for _ in range(S)]
         self.end_b = [[-1.0] * m for _ in range(S)]
         self.nf = [0] * S
@@ -192,13 +208,10 @@ class _Greedy:
         self.first = [-1.0] * p  # start of the rank's first F (span origin)
         self.bubble = [0.0] * p
         self.mem = [0.0] * p
+        self.held = [0.0] * p  # activations of F whose B has not run (mem_b), per rank
         self.peak = [0.0] * p
         self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-        self.inflight: list[dict[int, list[float]]] = [{} for _ in range(p)]  # mb -> [held, need]
-        self.last_fb = [""] * p  # kind of the rank's last F or B
-        self.release = [False] * p  # the alternation gate is lifted for one action (deadlock breaker)
-        self.left_f = [m * len(self.stages[r]) for r in range(p)]
-        self.left_b = [m * len(self.stages[r]) for r in range(p)]
+        self.inflight: list[dict[int, list]] = [{} for _ in range(p)]  # mb -> [held, need, B left]
         self.warm = [True] * p  # before the rank's first B: the warm-up phase
         self.hold: list[tuple[str, int, int, float] | None] = [None] * p
         self.due = [0.0] * p  # next decision time
@@ -230,13 +243,6 @@ class _Greedy:
         self.free[r] = end
         self.rows[r].append(Action(kind, s, j))
         self.left -= 1
-        if kind != "W":
-            self.last_fb[r] = kind
-            self.release[r] = False
-            if kind == "F":
-                self.left_f[r] -= 1
-            else:
-                self.left_b[r] -= 1
         if kind == "F":
             if self.first[r] < 0:
                 self.first[r] = start
@@ -244,7 +250,8 @@ class _Greedy:
             self.nf[s] += 1
             self.mem[r] += t.mem_b[s]
             self.peak[r] = max(self.peak[r], self.mem[r])
-            entry = self.inflight[r].setdefault(j, [0.0, self.rank_total_mem[r]])
+            self.held[r] += t.mem_b[s]
+            entry = self.inflight[r].setdefault(j, [0.0, self.rank_total_mem[r], len(self.stages[r])])
             entry[0] += t.mem_b[s]
             entry[1] -= t.mem_b[s]
             if s + 1 < self.S:
@@ -255,9 +262,11 @@ class _Greedy:
             self.warm[r] = False
             self.mem[r] -= t.mem_b[s] - t.mem_w[s]
             self.pending_w[r].append((s, j))
+            self.held[r] -= t.mem_b[s]
             entry = self.inflight[r][j]
             entry[0] -= t.mem_b[s]
-            if entry[0] <= _EPS and entry[1] <= _EPS:
+            entry[2] -= 1
+            if entry[2] == 0:  # its last B on this rank: only the W's share remains, always freeable
                 del self.inflight[r][j]
             if s > 0:
                 self.notify(self.placement[s - 1], r, s, end)
@@ -286,7 +295,8 @@ class _Greedy:
                     e = self.end_f[s - 1][j]
                     arr = -1.0 if e < 0 else e + (t.transfer(s - 1, s) if placement[s - 1] != r else 0.0)
                 if arr >= 0 and self.safe_f(r, s, j) and self.within_cap(r, s):
-                    out.append((self.prio[0][s], arr, "F", s, j))
+                    starving = self.rules.feed and s + 1 < S and placement[s + 1] != r and self.nf[s + 1] >= j
+                    out.append((-1 if starving else self.prio[0][s], arr, "F", s, j))
             j = self.nb[s]
             if j < self.nf[s]:
                 if s == S - 1:
@@ -310,13 +320,20 @@ class _Greedy:
         """Would F(s, j) leave rank r safe? For every microbatch k in flight (in increasing order), the
         memory held by k and later microbatches plus what k still needs must fit the limit."""
         mb = self.t.mem_b[s]
-        state = {k: (held, need) for k, (held, need) in self.inflight[r].items()}
-        held, need = state.get(j, (0.0, self.rank_total_mem[r]))
-        state[j] = (held + mb, need - mb)
         limit = self.limits[r] + _EPS
-        suffix = 0.0
-        for k in sorted(state, reverse=True):
-            held, need = state[k]
+        if self.held[r] + mb + self.rank_total_mem[r] <= limit:
+            return True  # even the whole rank's need on top of everything held fits
+        inflight = self.inflight[r]
+        if j in inflight:
+            suffix = 0.0
+        else:  # a new microbatch: the latest in flight
+            suffix = mb
+            if suffix + self.rank_total_mem[r] - mb > limit:
+                return False
+        for k in sorted(inflight, reverse=True):
+            held, need, _ = inflight[k]
+            if k == j:
+                held, need = held + mb, need - mb
             suffix += held
             if suffix + need > limit:
                 return False
@@ -338,7 +355,7 @@ class _Greedy:
             self.set_due(r, 0.0)
         while self.left:
             if not self.heap:
-                self.break_deadlock()
+                raise AssertionError("greedy scheduler bug: no rank can move (memory safety should prevent this)")
             time, _, r = heapq.heappop(self.heap)
             if time != self.due[r]:
                 continue
@@ -349,14 +366,15 @@ class _Greedy:
         return Plan(tuple(tuple(row) for row in self.rows), max(spans), tuple(self.peak), self.rules)
 
     def decide(self, r: int, now: float) -> None:
+        """Rank r is free at ``now``: run what has arrived, hold a filler, or wait for the next arrival."""
         t = self.t
         while True:
             if self.free[r] > now + _EPS:
                 self.set_due(r, self.free[r])
                 return
-            cands = self.gate(r, self.candidates(r))
+            cands = self.candidates(r)
             ready = [c for c in cands if c[1] <= now + _EPS]
-            warm = self.warm[r] or self.rules.fit_steady is not None
+            warm = self.warm[r]
             firm = [c for c in ready if not (c[2] == "F" and warm and self.fit_stage[c[3]])]
             hold = self.hold[r]
             if firm:
@@ -364,7 +382,8 @@ class _Greedy:
                 if hold is not None:
                     self.hold[r] = None
                     kind, s, j, start = hold
-                    if self.keep_filler(r, kind, s, now - start):
+                    dur = t.f[s] if kind == "F" else t.w[s]
+                    if now + _EPS >= start + dur or self.keep_filler(r, kind, now - start):
                         if kind == "W":
                             self.pending_w[r].remove((s, j))
                             self.commit(r, "W", s, j, start)
@@ -402,41 +421,115 @@ class _Greedy:
             self.set_due(r, self.next_arrival(cands, now))
             return
 
-    def gate(self, r: int, cands: list) -> list:
-        """Strict alternation after the warm-up (``Rules.alternate``): after an F only a B, after a B
-        only an F, while the rank has both left."""
-        if not self.rules.alternate or self.warm[r] or self.release[r]:
-            return cands
-        want = "B" if self.last_fb[r] == "F" else "F"
-        if (self.left_b[r] if want == "B" else self.left_f[r]) == 0:
-            return cands
-        return [c for c in cands if c[2] == want]
-
-    def break_deadlock(self) -> None:
-        """No rank can move: lift the alternation gate of the rank whose other-kind action arrives first."""
-        best = None
-        for r in range(self.p):
-            for c in self.candidates(r):
-                if best is None or c[1] < best[0]:
-                    best = (c[1], r)
-        if best is None:
-            raise AssertionError("greedy scheduler bug: no rank can move (memory safety should prevent this)")
-        arrival, r = best
-        self.release[r] = True
-        self.set_due(r, max(arrival, self.free[r]))
-
     @staticmethod
     def next_arrival(cands, now: float) -> float:
         later = [c[1] for c in cands if c[1] > now + _EPS]
         return min(later) if later else _INF
 
-    def keep_filler(self, r: int, kind: str, s: int, gap: float) -> bool:
+    def keep_filler(self, r: int, kind: str, gap: float) -> bool:
         """A filler started at ``start`` would delay what just arrived after ``gap``: keep it?"""
         if kind == "F":
-            if self.warm[r] or self.rules.fit_steady is None:
-                return False  # fit_f: the F waits for the B
-            return gap >= self.rules.fit_steady * self.t.f[s]
+            return False  # fit_f: the warm-up F waits for what arrived
         if self.rules.fill_partial:
             return True
+        if self.rules.keep_gaps:
+            return False
         projected = [self.work[q] + self.bubble[q] for q in range(self.p)]
         return projected[r] + gap > max(projected) + _EPS
+
+
+def best_plan(
+    placement: Sequence[int],
+    num_microbatches: int,
+    table: CostTable,
+    limits: Sequence[float],
+    candidates: Iterable[Rules],
+) -> Plan:
+    """Run :func:`plan` for every :class:`Rules` in ``candidates`` and keep the shortest makespan
+    (ties: the lower peak memory, then the earlier candidate) -- the paper's search over its binary
+    choices (arXiv 2401.10241, section 3.1)."""
+    best: Plan | None = None
+    for rules in candidates:
+        result = plan(placement, num_microbatches, table, limits, rules)
+        if best is None or _better(result, best):
+            best = result
+    if best is None:
+        raise ValueError("best_plan needs at least one Rules candidate")
+    return best
+
+
+def _better(a: Plan, b: Plan) -> bool:
+    tol = 1e-9 * max(1.0, b.makespan)
+    if a.makespan < b.makespan - tol:
+        return True
+    return a.makespan <= b.makespan + tol and max(a.peak_memory) < max(b.peak_memory) - 1e-9
+
+
+# ---------------------------------------------------------------------------- local improvement
+
+
+def improve(
+    result: Plan,
+    placement: Sequence[int],
+    num_microbatches: int,
+    table: CostTable,
+    limits: Sequence[float],
+    budget: int | None = None,
+) -> tuple[Plan, int]:
+    """Polish a plan by local search: move an action up to four places earlier on its rank (past
+    actions it does not need, never past one of the same kind and stage, so each stage keeps its
+    microbatch order) and keep the move when the simulated makespan shrinks within the memory limit;
+    stop at a local optimum or when ``budget`` simulations are spent.
+
+    ``budget`` defaults to min(200, 20000 // actions): a few hundred simulations for small
+    pipelines, a handful for p = 32, m = 96. Not in the paper.
+
+    Returns:
+        (the polished plan, or ``result`` itself if nothing improved; the simulations used).
+    """
+    from ..simulate import simulate  # the simulator sits above the builders; imported where used
+    from ..validate import ScheduleError
+
+    rows = [list(row) for row in result.actions]
+    n = sum(len(row) for row in rows)
+    budget = min(200, 20000 // max(n, 1)) if budget is None else budget
+    if budget <= 0:
+        return result, 0
+    costs = Costs(f=table.f, b=table.b, w=table.w, comm=table.comm, mem_b=table.mem_b, mem_w=table.mem_w)
+    S = len(placement)
+
+    def evaluate() -> tuple[float, tuple[float, ...]]:
+        try:
+            timeline = simulate(Schedule(rows, tuple(placement), num_microbatches), costs, check=False)
+        except ScheduleError:
+            return _INF, ()
+        if any(peak > limit + _EPS for peak, limit in zip(timeline.peak_memory, limits)):
+            return _INF, ()
+        return timeline.makespan, timeline.peak_memory
+
+    best, peak = result.makespan, result.peak_memory
+    spent, improved = 0, True
+    while improved and spent < budget:
+        improved = False
+        for row in rows:
+            for i in range(1, len(row)):
+                if spent >= budget:
+                    break
+                x = row[i]
+                needs = set(deps(x, S))
+                for k in range(1, 5):
+                    y = row[i - k] if i - k >= 0 else None
+                    if y is None or (y.kind, y.stage) == (x.kind, x.stage) or needs & set(produces(y)):
+                        break
+                    row[i - k : i + 1] = [x, *row[i - k : i]]
+                    span, peaks = evaluate()
+                    spent += 1
+                    if span < best - 1e-9 * max(1.0, best):
+                        best, peak, improved = span, peaks, True
+                        break
+                    row[i - k : i + 1] = [*row[i - k + 1 : i + 1], x]
+                    if spent >= budget:
+                        break
+    if best >= result.makespan:
+        return result, spent
+    return Plan(tuple(tuple(row) for row in rows), best, tuple(peak), result.rules), spent

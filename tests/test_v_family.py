@@ -1,0 +1,129 @@
+"""zb-v, v-half, v-min: the V placement, the paper's figures, memory bounds, small sizes, bad input.
+
+Sources: Qi et al., arXiv 2401.10241, section 6 (ZB-V: zero bubble at 1F1B's memory with
+T_F = T_B = T_W) and its profiled per-stage costs (p = 16, m = 48; bubble 0.0697 under p whole-rank
+M_B); Qi et al., arXiv 2405.15362 (V-Min, V-Half: (p+4)//3 and (p+2)//2 microbatches of a rank's
+layers against 1F1B's p; bubble rates about 2p/(3m) and p/(2m) with T_F = T_B = T_W).
+
+Units: each V stage holds half a rank's layers. Here a stage's mem_b is 1, so a rank's "whole"
+M_B is 2 and 1F1B over whole-rank stages (mem_b 2, times doubled) is the reference.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite.builders.v_family import tight_v_block
+from zbpp_lite.schedule import Schedule
+
+TABLE8 = zb.Costs(f=14.407, b=14.380, w=9.676, comm=1.610)  # per V stage, the paper's profiled setting
+
+
+@lru_cache(maxsize=None)
+def planned(name: str, p: int, m: int) -> zb.Timeline:
+    """Build (validated) and simulate with unit costs, once per test session."""
+    return zb.simulate(zb.validate(zb.build_schedule(name, p, m)))
+
+
+def one_f_one_b_reference(p: int, m: int) -> zb.Timeline:
+    """1F1B with one whole-rank stage per rank: twice a V stage's time and memory."""
+    return zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(f=2, b=2, w=2, mem_b=2))
+
+
+# --------------------------------------------------------------------------- zb-v
+
+
+def test_zb_v_with_the_papers_profiled_costs_beats_its_bubble_rate_within_p_whole_rank_mb():
+    s = zb.validate(zb.build_schedule("zb-v", 16, 48, costs=TABLE8))
+    assert s.placement == zb.v_placement(16)
+    t = zb.simulate(s, TABLE8)
+    assert t.bubble_rate <= 0.0697
+    assert max(t.peak_memory) <= 16 * 2  # p whole-rank M_B (two stages of mem_b 1)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 13), (8, 16), (8, 24), (16, 32)])
+def test_zb_v_is_bubble_free_at_1f1bs_memory_with_equal_times_and_m_at_least_2p(p, m):
+    t = zb.simulate(zb.validate(zb.build_schedule("zb-v", p, m)))
+    assert t.bubble_rate == pytest.approx(0.0, abs=1e-12)
+    assert max(t.peak_memory) == 2 * p  # p whole-rank M_B, 1F1B's peak
+    assert max(t.peak_memory) / 2 == max(one_f_one_b_reference(p, m).peak_memory) / 2
+
+
+@pytest.mark.parametrize("p, m", [(1, 1), (1, 3), (2, 1), (3, 2), (4, 5), (8, 7), (5, 9)])
+def test_zb_v_below_2p_microbatches_is_still_valid_and_within_memory(p, m):
+    s = zb.validate(zb.build_schedule("zb-v", p, m))
+    assert s.num_ranks == p and s.num_stages == 2 * p and s.num_microbatches == m
+    assert max(zb.simulate(s).peak_memory) <= 2 * p
+
+
+def test_zb_v_default_limit_follows_the_costs_per_stage_memory():
+    # unequal halves: rank r's whole M_B is mem_b[r] + mem_b[2p-1-r]; the default limit is p of those
+    p, m = 3, 8
+    mem = [3.0, 1.0, 2.0, 2.0, 1.0, 1.0]
+    costs = zb.Costs(mem_b=mem)
+    whole = [mem[r] + mem[2 * p - 1 - r] for r in range(p)]
+    peaks = zb.simulate(zb.build_schedule("zb-v", p, m, costs=costs), costs).peak_memory
+    assert all(peak <= p * w for peak, w in zip(peaks, whole))
+
+
+def test_zb_v_honours_an_explicit_memory_limit_and_refuses_one_below_a_whole_microbatch():
+    t = zb.simulate(zb.build_schedule("zb-v", 4, 12, memory_limit=4))
+    assert max(t.peak_memory) <= 4
+    with pytest.raises(ValueError, match=r"smallest feasible limit is 2 "):
+        zb.build_schedule("zb-v", 4, 12, memory_limit=1.5)
+
+
+def test_zb_v_refuses_costs_with_the_wrong_number_of_stages():
+    with pytest.raises(ValueError, match="4 per-stage values but the schedule has 8 stages"):
+        zb.build_schedule("zb-v", 4, 8, costs=zb.Costs(f=[1, 1, 1, 1]))
+
+
+# --------------------------------------------------------------------------- v-half and v-min
+
+
+@pytest.mark.parametrize("p, m", [(4, 12), (8, 24), (16, 48)])
+def test_v_half_keeps_its_memory_bound_with_bubble_within_the_papers_estimate(p, m):
+    t = planned("v-half", p, m)
+    bound = (p + 2) // 2  # whole-rank M_B
+    assert max(t.peak_memory) <= 2 * bound
+    assert max(t.peak_memory) / max(one_f_one_b_reference(p, m).peak_memory) <= bound / p
+    assert t.bubble_rate <= p / (2 * m)
+
+
+@pytest.mark.parametrize("p, m", [(4, 12), (6, 18), (8, 24), (16, 48)])
+def test_v_min_keeps_its_memory_bound_with_bubble_within_the_papers_estimate(p, m):
+    t = planned("v-min", p, m)
+    bound = (p + 4) // 3  # whole-rank M_B
+    assert max(t.peak_memory) <= 2 * bound
+    assert max(t.peak_memory) / max(one_f_one_b_reference(p, m).peak_memory) <= bound / p
+    assert t.bubble_rate <= 2 * p / (3 * m)
+
+
+def test_at_16_ranks_the_memory_is_about_a_half_and_a_third_of_1f1bs():
+    ref = max(one_f_one_b_reference(16, 48).peak_memory)
+    half = max(planned("v-half", 16, 48).peak_memory) / ref
+    third = max(planned("v-min", 16, 48).peak_memory) / ref
+    assert half == pytest.approx(9 / 16) and third == pytest.approx(6 / 16)
+
+
+def test_the_tight_v_block_holds_v_mins_memory_exactly():
+    # ceil((4p-2r)/6) + ceil((2r+2)/6) stage activations on rank r, at most 2 * ((p+4)//3)
+    for p in (4, 7, 10, 16):
+        table = zb.Costs().table(2 * p)
+        s = zb.validate(Schedule(tight_v_block(p, 3 * p, table), zb.v_placement(p), 3 * p))
+        peaks = zb.simulate(s).peak_memory
+        expected = [-(-(4 * p - 2 * r) // 6) - (-(2 * r + 2) // 6) for r in range(p)]
+        assert list(peaks) == expected
+        assert max(peaks) <= 2 * ((p + 4) // 3)
+
+
+@pytest.mark.parametrize("name", ["v-half", "v-min"])
+def test_v_family_with_non_uniform_costs_stays_within_its_limit(name):
+    costs = zb.Costs(f=[1.0 + 0.1 * s for s in range(12)], b=1.3, w=0.7, comm=0.2)
+    p = 6
+    bound = (p + 2) // 2 if name == "v-half" else (p + 4) // 3
+    t = zb.simulate(zb.validate(zb.build_schedule(name, p, 10, costs=costs)), costs)
+    assert max(t.peak_memory) <= 2 * bound
