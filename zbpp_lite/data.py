@@ -31,6 +31,21 @@ def load_digit_tokens() -> tuple[np.ndarray, np.ndarray]:
     return (digits.images / 16.0).astype(np.float32), digits.target.astype(np.int32)
 
 
+def microbatch_size(batch: int, num_microbatches: int) -> int:
+    """Samples per microbatch of a global batch.
+
+    Raises:
+        ValueError: a batch that does not divide into the microbatches (the message suggests one
+            that does).
+    """
+    m = num_microbatches
+    if batch < 1 or batch % m:
+        raise ValueError(
+            f"a batch of {batch} samples does not divide into {m} microbatches; use a multiple of {m} (e.g. {m * max(1, round(batch / m))})"
+        )
+    return batch // m
+
+
 def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
     """Sample indices of training step ``step``: ``perm[(step * batch + arange(batch)) % n]``."""
     perm = np.random.default_rng(seed).permutation(n)
@@ -57,16 +72,8 @@ class Digits:
 
     def batch(self, step: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """The global batch of training step ``step``: inputs (b, 8, 8) and labels (b,)."""
-        idx = self._perm[(step * batch_size + np.arange(batch_size)) % len(self.train_y)]
+        idx = batch_indices(len(self.train_y), batch_size, step, self.seed)
         return self.train_x[idx], self.train_y[idx]
-
-    @property
-    def _perm(self) -> np.ndarray:
-        perm = self.__dict__.get("_perm_cache")
-        if perm is None:
-            perm = np.random.default_rng(self.seed).permutation(len(self.train_y))
-            object.__setattr__(self, "_perm_cache", perm)
-        return perm
 
 
 def load_digits(holdout: float = 0.0, seed: int = 0) -> Digits:

@@ -13,16 +13,22 @@ divided by m at the end, so with a per-microbatch mean loss the result is the gr
 global-batch mean loss (Qi et al., arXiv 2401.10241, section 2; PyTorch pipelining's convention).
 
 Measurement: around each action, ``time.perf_counter()`` before the dispatch (after its inputs
-have arrived) and after ``jax.block_until_ready`` of the action's outputs. What it costs: the two
-clock reads (well under a microsecond) and the block, which stops a rank from dispatching its next
-action while the current one runs, so the Python dispatch of every action (tens of microseconds,
-see ``benchmarks/bench_executor.py``) is no longer hidden behind the previous action's compute; a
-measured action therefore spans dispatch + compute. Nothing else is synchronised: ranks never
-wait for each other except for their inputs. Times are seconds since the step began.
+have arrived) and after ``jax.block_until_ready`` of the action's outputs; the events form a
+:class:`~zbpp_lite.timeline.Timeline` (source "measured", seconds since the step began) of the
+type :func:`zbpp_lite.simulate` returns. What measuring costs: the two clock reads (well under a
+microsecond) and the block, which stops a rank from dispatching its next action while the current
+one runs, so the dispatch of every action is no longer hidden behind the previous one's compute:
+on the 2-core CPU machine of ``benchmarks/bench_executor.py`` about 70-90 microseconds per action,
+beside 5-35 microseconds of the executor's own bookkeeping (threads, inbox, events), for actions
+of 5-20 milliseconds in that benchmark's pipeline. Nothing else is synchronised:
+ranks never wait for each other except for their inputs. Compilation happens before the first
+timed step (:meth:`PipelineExecutor.run`). Ranks are Python threads: XLA releases the GIL while
+it computes, so ranks compute in parallel and only their dispatches take turns.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -33,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .costs import Costs
+from .data import microbatch_size
 from .devices import too_few_devices_message
 from .model import Params, StagedModel
 from .schedule import Action, Key, Schedule, deps, produces
@@ -40,7 +47,14 @@ from .timeline import Event, Timeline
 from .validate import validate
 
 
-_zeros_like = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree))
+@functools.lru_cache(maxsize=None)
+def _zeros_on(device: Any) -> Callable:
+    """Jitted ``tree -> zeros like tree`` whose outputs are committed to ``device`` (so every
+    call of a stage's W sees the same placement and its executable is reused)."""
+    fn = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)  # noqa: E731
+    return jax.jit(fn, out_shardings=jax.sharding.SingleDeviceSharding(device))
+
+
 _divide = jax.jit(lambda tree, m: jax.tree_util.tree_map(lambda g: g / m, tree))
 
 
@@ -84,7 +98,8 @@ class _Inbox:
         with self.cond:
             self.cond.notify_all()
 
-    def take(self, key: Key, deadline: float, action: Action) -> Any:
+    def take(self, key: Key, timeout: float, action: Action) -> Any:
+        deadline = time.perf_counter() + timeout
         with self.cond:
             while key not in self.items:
                 if self.abort.is_set():
@@ -93,7 +108,7 @@ class _Inbox:
                 if left <= 0:
                     kind, stage, j = key
                     raise TimeoutError(
-                        f"rank {self.rank} waited too long before {action}: {kind} of stage {stage}, "
+                        f"rank {self.rank} waited {timeout:g} s before {action}: {kind} of stage {stage}, "
                         f"microbatch {j} never arrived"
                     )
                 self.cond.wait(min(left, 0.5))
@@ -111,7 +126,6 @@ class _Step:
     seed: Any  # d loss / d loss = 1, on the last stage's device
     splits: list  # per stage StageSplit
     inboxes: list
-    deadline: float
     t0: float
     store: dict  # (stage, microbatch) -> what F / B kept
     losses: dict
@@ -158,7 +172,7 @@ class PipelineExecutor:
             "W": self._backward_weight,
             "BW": self._backward_fused,
         }
-        self._ready: set = set()
+        self._prepared: dict = {}
 
     # ------------------------------------------------------------------ checks and set-up
 
@@ -169,34 +183,32 @@ class PipelineExecutor:
             ValueError: inputs and labels of different lengths, or a batch that does not divide
                 into the schedule's microbatches.
         """
-        b, m = np.shape(x)[0], self.schedule.num_microbatches
+        b = np.shape(x)[0]
         if np.shape(labels)[0] != b:
             raise ValueError(f"the batch has {b} inputs but {np.shape(labels)[0]} labels")
-        if b % m or b == 0:
-            raise ValueError(
-                f"a batch of {b} samples does not divide into {m} microbatches; use a batch that is "
-                f"a multiple of {m} (e.g. {m * max(1, round(b / m))})"
-            )
-        return b // m
+        return microbatch_size(b, self.schedule.num_microbatches)
 
-    def _splits(self, x_mb: Any, y_mb: Any) -> list:
-        shapes = self.model.stage_inputs(x_mb)
-        return [self.model.split_stage(s, shapes[s], y_mb) for s in range(self.model.num_stages)]
-
-    def _compile(self, splits, params, x_mb, y_mb) -> None:
-        """Run each stage's F, B, W, BW once, in dependency order, so the jitted functions are
-        compiled for their devices before anything is timed."""
-        kinds = {a.kind for _, a in self.schedule}
+    def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
+        """Every stage's :class:`~zbpp_lite.split.StageSplit` for this microbatch shape. The first
+        time a shape is seen, each stage's F, B, W, BW runs once, untimed, in dependency order, so
+        the jitted functions are compiled for their devices before anything is timed."""
+        signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
+        if signature in self._prepared:
+            return self._prepared[signature]
         S = self.model.num_stages
-        x, kept, res, outs = x_mb, [], [], []
+        shapes = self.model.stage_inputs(x_mb)
+        splits = [self.model.split_stage(s, shapes[s], y_mb) for s in range(S)]
+        kinds = {a.kind for _, a in self.schedule}
+        x, res, kept = x_mb, [], []
         for s in range(S):
             out, r, k = splits[s].forward(params[s], x, y_mb if s == S - 1 else None)
-            res.append(r), kept.append(k), outs.append(out)
+            res.append(r)
+            kept.append(k)
             x = jax.device_put(out, self.stage_devices[s + 1]) if s < S - 1 else None
         dy = jnp.ones((), jnp.float32)
         for s in reversed(range(S)):
             dy = jax.device_put(dy, self.stage_devices[s])
-            acc = _zeros_like(params[s])
+            acc = _zeros_on(self.stage_devices[s])(params[s])
             if "BW" in kinds:
                 dx, _ = splits[s].backward_fused(params[s], res[s], kept[s], dy, acc)
             if "B" in kinds or "W" in kinds:
@@ -204,12 +216,15 @@ class PipelineExecutor:
                 jax.block_until_ready(splits[s].backward_weight(params[s], kept[s], grads_out, acc))
             dy = dx
         jax.block_until_ready(dy)
+        self._prepared[signature] = splits
+        return splits
 
     # ------------------------------------------------------------------ the step
 
     def run(self, params: Params, x: Any, labels: Any) -> StepResult:
         """Run one step of the schedule: forward and backward of every microbatch, gradients
-        accumulated; no optimizer update.
+        accumulated; no optimizer update. The first step with a new batch shape first runs every
+        stage function once, untimed (compilation).
 
         Args:
             params: one parameter pytree per model module (as ``StagedModel.params``); moved
@@ -226,21 +241,17 @@ class PipelineExecutor:
         mb = self.microbatch_size(x, labels)
         x, labels = np.asarray(x), np.asarray(labels)
         stage_params = [jax.device_put(self.model.stage_params(params, s), self.stage_devices[s]) for s in range(S)]
-        inputs = [jax.device_put(x[j * mb : (j + 1) * mb], self.stage_devices[0]) for j in range(m)]
-        ys = [jax.device_put(labels[j * mb : (j + 1) * mb], self.stage_devices[-1]) for j in range(m)]
-        splits = self._splits(inputs[0], ys[0])
-        signature = (mb, x.shape[1:], x.dtype.str, labels.dtype.str)
-        if signature not in self._ready:
-            self._compile(splits, stage_params, inputs[0], ys[0])
-            self._ready.add(signature)
-        acc = [_zeros_like(p) for p in stage_params]
+        inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[0])
+        ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[-1])
+        splits = self._prepare(stage_params, inputs[0], ys[0])
+        acc = [_zeros_on(self.stage_devices[s])(p) for s, p in enumerate(stage_params)]
         jax.block_until_ready((acc, inputs, ys))
         abort = threading.Event()
         step = _Step(
             params=stage_params, acc=acc, inputs=inputs, labels=ys, splits=splits,
             seed=jax.device_put(jnp.ones((), jnp.float32), self.stage_devices[-1]),
             inboxes=[_Inbox(r, abort) for r in range(self.schedule.num_ranks)],
-            deadline=0.0, t0=0.0, store={}, losses={}, events=[],
+            t0=0.0, store={}, losses={}, events=[],
         )
         errors: list[tuple[int, Action | None, BaseException]] = []
         threads = [
@@ -248,36 +259,33 @@ class PipelineExecutor:
             for r in range(self.schedule.num_ranks)
         ]
         step.t0 = time.perf_counter()
-        step.deadline = step.t0 + self.timeout
         for t in threads:
             t.start()
-        for t in threads:
-            t.join(self.timeout + 5.0)
-        self._raise_first(errors, threads)
-        losses = tuple(float(step.losses[j]) for j in range(m))
+        for t in threads:  # every wait has its own timeout, so a stuck rank ends by itself
+            t.join()
+        self._raise_first(errors)
+        losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)]))
         grads = [_divide(step.acc[s], np.float32(m)) for s in range(S)]
         timeline = Timeline.from_events(step.events, self.schedule.num_ranks, num_stages=S, source="measured")
         return StepResult(float(np.mean(np.asarray(losses, np.float64))), losses, self.model.join_stage_params(grads), timeline)
 
     @staticmethod
-    def _raise_first(errors, threads) -> None:
-        real = [e for e in errors if not isinstance(e[2], _Aborted)]
-        if real:
-            rank, action, exc = real[0]
-            if isinstance(exc, TimeoutError):
-                raise TimeoutError(str(exc)) from exc
+    def _raise_first(errors) -> None:
+        failures = [e for e in errors if not isinstance(e[2], (_Aborted, TimeoutError))]
+        if failures:
+            rank, action, exc = failures[0]
             where = f"rank {rank}" + (f" at {action}" if action is not None else "")
             raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
-        alive = [t.name for t in threads if t.is_alive()]
-        if alive:
-            raise TimeoutError(f"rank thread(s) {alive} did not finish")
+        timeouts = sorted((e for e in errors if isinstance(e[2], TimeoutError)), key=lambda e: e[0])
+        if timeouts:
+            raise TimeoutError("; ".join(str(e[2]) for e in timeouts)) from timeouts[0][2]
 
     def _rank_loop(self, rank: int, step: _Step, abort: threading.Event, errors: list) -> None:
         S = self.model.num_stages
         action = None
         try:
             for action in self.schedule.actions[rank]:
-                received = [step.inboxes[rank].take(k, step.deadline, action) for k in deps(action, S) if k[1] != action.stage]
+                received = [step.inboxes[rank].take(k, self.timeout, action) for k in deps(action, S) if k[1] != action.stage]
                 start = time.perf_counter()
                 ready, message = self._handlers[action.kind](step, action, *received)
                 jax.block_until_ready(ready)
@@ -287,9 +295,10 @@ class PipelineExecutor:
                     self._send(step, action, message)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
             errors.append((rank, action, exc))
-            abort.set()
-            for inbox in step.inboxes:
-                inbox.wake()
+            if not isinstance(exc, TimeoutError):  # a stuck rank lets the others report their own wait
+                abort.set()
+                for inbox in step.inboxes:
+                    inbox.wake()
 
     def _send(self, step: _Step, action: Action, value: Any) -> None:
         """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1."""

@@ -183,7 +183,8 @@ class StagedModel:
 
     Stage s is the pure function :meth:`stage_fn` ``(stage_params, x, labels) -> y``: stage 0
     takes the input batch, the last stage returns the scalar ``loss_fn(logits, labels)``, the
-    others ignore ``labels``. :meth:`loss` is the unpartitioned model on a whole batch.
+    others ignore ``labels``. :meth:`split_stage` gives its F, B, W and BW
+    (:class:`~zbpp_lite.split.StageSplit`); :meth:`loss` is the unpartitioned model on a whole batch.
 
     Raises:
         ValueError: fewer than two modules, fewer blocks than stages, or a module holding state
@@ -192,7 +193,7 @@ class StagedModel:
 
     def __init__(self, modules: Sequence[nnx.Module], num_stages: int, loss_fn: Callable = cross_entropy):
         if len(modules) < 2:
-            raise ValueError("a staged model needs at least a first and a last module (got %d)" % len(modules))
+            raise ValueError(f"a staged model needs at least a first and a last module, got {len(modules)} module(s)")
         self.num_stages = num_stages
         self.parts = stage_parts(len(modules) - 2, num_stages)
         self.loss_fn = loss_fn
@@ -248,14 +249,14 @@ class StagedModel:
         """
         last = stage == self.num_stages - 1
         aux = labels if last else None
+        params = self.stage_params(self.params, stage)
         key = (
             tuple(self.graphdefs[i] for i in self.parts[stage]),
             stage == 0,
             self.loss_fn if last else None,
-            *[(tuple(np.shape(a)), str(jnp.result_type(a))) for a in jax.tree_util.tree_leaves((x, aux))],
+            *[(tuple(np.shape(a)), str(jnp.result_type(a))) for a in jax.tree_util.tree_leaves((params, x, aux))],
         )
         if key not in _SPLITS:
-            params = self.stage_params(self.params, stage)
             _SPLITS[key] = StageSplit(self.stage_fn(stage), params, x, aux, input_grad=stage > 0)
         return _SPLITS[key]
 

@@ -45,8 +45,10 @@ try:  # JAX >= 0.4.30
 except ImportError:  # pragma: no cover - older JAX
     from jax.core import Literal
 
-_INLINE = {"pjit", "jit", "closed_call", "core_call"}
-"""Call primitives whose body is inlined, so weight operations inside them are found."""
+_INLINE = {"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2"}
+"""Call primitives whose body is inlined, so weight operations inside them are found. Other
+primitives with a body (``scan``, ``while``, custom derivatives) stay whole: a loop that mixes
+parameters and activations is then one weight operation, and W re-runs that loop's vjp."""
 _OPERAND_FREE = {"add", "sub", "add_any"}
 """Weight operations whose vjp for the parameter side does not read the other operand."""
 
@@ -211,9 +213,10 @@ class StageSplit:
         self._probe_refs = tuple(r for op in weight_ops for r in op.probed)
 
     @property
-    def num_weight_ops(self) -> int:
-        """How many weight operations (matrix products, scales, bias additions) the stage has."""
-        return len(self.weight_ops)
+    def weight_primitives(self) -> tuple[str, ...]:
+        """The primitive of every weight operation, in program order (``dot_general`` for a
+        matrix product, ``mul`` for a scale, ``add`` for a bias, ...)."""
+        return tuple(self._prog.nodes[op.node].eqn.primitive.name for op in self.weight_ops)
 
     # ------------------------------------------------------------------ evaluation
 

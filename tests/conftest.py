@@ -1,0 +1,34 @@
+"""Test set-up shared by all test modules.
+
+JAX fixes its devices when its backend starts, so the 4 simulated single-threaded CPU devices the
+executor tests run on are asked for here, before any test module imports JAX. Flags already in
+XLA_FLAGS are kept (zbpp_lite.devices does not import JAX).
+
+The tests compile many small stage functions and time none of them, so XLA's CPU backend is also
+asked to compile fast (no LLVM optimisation, no fusion emitters): about 8x less compile time, the
+same HLO (and the same cost analysis), slower code. XLA aborts on a flag it does not know, so the
+flags are tried once in a subprocess and left out where this JAX rejects them.
+"""
+
+import os
+import subprocess
+import sys
+
+from zbpp_lite.devices import cpu_device_flags
+
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_accepts(flags: str) -> bool:
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    try:
+        done = subprocess.run(probe, env={**os.environ, "XLA_FLAGS": flags}, capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+_flags = cpu_device_flags(4)
+if "xla_backend_optimization_level" not in _flags and _xla_accepts(f"{FAST_COMPILE_FLAGS} {_flags}"):
+    _flags = f"{FAST_COMPILE_FLAGS} {_flags}"
+os.environ["XLA_FLAGS"] = _flags

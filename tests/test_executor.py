@@ -1,0 +1,279 @@
+"""The executor runs every schedule for real: the unpartitioned model's loss and gradients, a
+measured timeline that respects the schedule, clear refusals, and the train / compare commands."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite import model as model_module
+from zbpp_lite.builders import options_of
+from zbpp_lite.cli import main
+from zbpp_lite.data import load_digit_tokens, load_digits
+from zbpp_lite.executor import PipelineExecutor, measured_costs, run_schedule
+from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+from zbpp_lite.schedule import deps, produces
+from zbpp_lite.timeline import Event, Timeline, with_schedule_order
+from zbpp_lite.train import max_relative_error, train
+
+DEVICES = jax.devices()
+assert len(DEVICES) >= 4, "tests/conftest.py asks for 4 simulated CPU devices before JAX starts"
+X, Y = load_digit_tokens()
+MB = 2  # samples per microbatch in the grid: one compiled shape for every m
+
+_models: dict[int, StagedModel] = {}
+_references: dict[tuple[int, int], tuple] = {}
+
+
+def _model(num_stages: int) -> StagedModel:
+    """The grid's model for S stages: d=16, 2 heads, max(4, S) blocks (so S=4 and S=8 stages hold
+    one block each and share their compiled functions)."""
+    if num_stages not in _models:
+        _models[num_stages] = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=max(4, num_stages))), num_stages)
+    return _models[num_stages]
+
+
+def _reference(model: StagedModel, m: int):
+    """jax.value_and_grad of the unpartitioned model on the whole batch of m microbatches."""
+    key = (model.num_stages, m)
+    if key not in _references:
+        _references[key] = jax.jit(jax.value_and_grad(model.loss))(model.params, X[: MB * m], Y[: MB * m])
+    return _references[key]
+
+
+def _build(name: str, p: int, m: int) -> zb.Schedule:
+    """Build a registered schedule, giving required builder options; a size the builder refuses
+    must be refused with a message that says so (then the case is skipped, with that reason)."""
+    options = {}
+    for key, default in options_of(name).items():
+        if default is not inspect.Parameter.empty:
+            continue
+        if key == "costs":
+            options[key] = zb.Costs()
+        elif key == "memory_limit":
+            options[key] = 2.0 * p  # units of M_B: ZB-H2's peak, enough for any placement here
+        else:
+            pytest.fail(f"schedule {name!r} requires option {key!r}; teach tests/test_executor.py to supply it")
+    try:
+        return zb.build_schedule(name, p, m, **options)
+    except ValueError as e:
+        message = str(e)
+        assert name in message or "microbatch" in message or "rank" in message, f"uninformative refusal: {message!r}"
+        pytest.skip(f"{name} refuses p={p}, m={m}: {message.splitlines()[0]}")
+
+
+def _assert_timeline_follows(timeline: Timeline, schedule: zb.Schedule) -> None:
+    """Measured events: one per action, each rank in its list's order without overlap, and no
+    action starting before what it needs (from any rank) has ended."""
+    assert timeline.source == "measured" and len(timeline.events) == len(schedule)
+    assert with_schedule_order(timeline, schedule)
+    end: dict = {}
+    for e in timeline.events:
+        for key in produces(e.action):
+            end[key] = e.end
+    for r in range(schedule.num_ranks):
+        row = timeline.rank_events(r)
+        assert all(b.start >= a.end for a, b in zip(row, row[1:]))
+    for e in timeline.events:
+        assert all(end[k] <= e.start for k in deps(e.action, schedule.num_stages)), e
+
+
+@pytest.mark.parametrize("m_rule", ["1", "p", "2p+1"])
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("name", list(zb.SCHEDULES))
+def test_every_schedule_gives_the_unpartitioned_loss_and_gradients(name, p, m_rule):
+    m = {"1": 1, "p": p, "2p+1": 2 * p + 1}[m_rule]
+    schedule = _build(name, p, m)
+    model = _model(schedule.num_stages)
+    result = PipelineExecutor(model, schedule, DEVICES[:p]).run(model.params, X[: MB * m], Y[: MB * m])
+    ref_loss, ref_grads = _reference(model, m)
+    assert abs(result.loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(result.grads), jax.tree_util.tree_leaves(ref_grads), strict=True):
+        g, r = np.asarray(g), np.asarray(r)
+        assert np.abs(g - r).max() <= 1e-5 * np.abs(r).max(), jax.tree_util.keystr(path)
+    _assert_timeline_follows(result.timeline, schedule)
+
+
+def test_a_schedule_read_from_pytorch_csv_runs():
+    """PyTorch's own ZBVZeroBubble for p=2, m=3 (V placement, B and W split), from its CSV."""
+    schedule = zb.Schedule.from_csv("tests/artifacts/torch_ZBVZeroBubble_p2m3.csv")
+    assert schedule.placement == (0, 1, 1, 0)
+    model = _model(4)
+    result = run_schedule(schedule, model, X[: MB * 3], Y[: MB * 3], devices=DEVICES[:2])
+    ref_loss, ref_grads = _reference(model, 3)
+    assert max_relative_error(result.grads, ref_grads) <= 1e-5
+    assert abs(result.loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    _assert_timeline_follows(result.timeline, schedule)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_more_ranks_than_devices_says_how_to_get_simulated_devices():
+    n = len(DEVICES) + 1
+    model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=n)), n)
+    with pytest.raises(ValueError, match=rf"ensure_devices\({n}\).*XLA_FLAGS=--xla_force_host_platform_device_count={n}"):
+        PipelineExecutor(model, zb.build_schedule("1f1b", n, 2))
+    from zbpp_lite.devices import ensure_devices
+
+    with pytest.raises(RuntimeError, match=f"JAX has only {len(DEVICES)}"):
+        ensure_devices(n)
+
+
+def test_device_flags_keep_other_flags_and_only_raise_the_count():
+    from zbpp_lite.devices import cpu_device_flags
+
+    flags = cpu_device_flags(3, current="--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8")
+    # XLA stops reading at the first word without a dash, so that one comes last
+    assert flags.split() == ["--xla_dump_to=/tmp/x", "--xla_cpu_multi_thread_eigen=false",
+                             "--xla_force_host_platform_device_count=8", "intra_op_parallelism_threads=1"]
+    assert cpu_device_flags(2, single_threaded=False, current="") == "--xla_force_host_platform_device_count=2"
+
+
+def test_ensure_devices_gives_simulated_devices_when_called_before_jax_starts():
+    code = "from zbpp_lite.devices import ensure_devices; d = ensure_devices(3); print(len(d), d[0].platform)"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["3", "cpu"]
+
+
+def test_bad_sizes_and_schedules_are_refused_before_any_compute():
+    model = _model(2)
+    executor = PipelineExecutor(model, zb.build_schedule("zb-h1", 2, 2), DEVICES[:2])
+    traced = len(model_module._SPLITS)
+    with pytest.raises(ValueError, match=r"batch of 7 samples does not divide into 2 microbatches"):
+        executor.run(model.params, X[:7], Y[:7])
+    assert len(model_module._SPLITS) == traced  # nothing was traced, let alone run
+    with pytest.raises(ValueError, match="the schedule has 4 stages but the model is cut into 2"):
+        PipelineExecutor(model, zb.build_schedule("interleaved-1f1b", 2, 2), DEVICES[:2])
+    broken = zb.Schedule.from_rows([["0F0", "0W0", "0I0"], ["1F0", "1I0", "1W0"]])
+    with pytest.raises(zb.ScheduleError, match="B before W"):
+        PipelineExecutor(model, broken, DEVICES[:2])
+    with pytest.raises(ValueError, match="cannot fill 4 stages"):
+        train("1f1b", ranks=4, microbatches=4, blocks=3, devices=[])
+
+
+class _FailingExecutor(PipelineExecutor):
+    def _backward_input(self, step, a, dy=None):
+        if (a.stage, a.microbatch) == (0, 1):
+            raise FloatingPointError("boom")
+        return super()._backward_input(step, a, dy)
+
+
+class _LosingExecutor(PipelineExecutor):
+    def _send(self, step, action, value):
+        if (action.kind, action.stage, action.microbatch) != ("F", 0, 1):
+            super()._send(step, action, value)
+
+
+def test_an_error_in_one_rank_reaches_the_caller_at_once():
+    model = _model(2)
+    executor = _FailingExecutor(model, zb.build_schedule("zb-h1", 2, 4), DEVICES[:2], timeout=60.0)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"rank 0 at 0I1: FloatingPointError: boom"):
+        executor.run(model.params, X[:8], Y[:8])
+    assert time.perf_counter() - start < 30.0  # the other rank stopped waiting; no timeout needed
+
+
+def test_a_missing_input_times_out_naming_rank_and_input():
+    model = _model(2)
+    executor = _LosingExecutor(model, zb.build_schedule("1f1b", 2, 2), DEVICES[:2], timeout=1.0)
+    with pytest.raises(TimeoutError, match=r"rank 1 waited 1 s before 1F1: F of stage 0, microbatch 1 never arrived"):
+        executor.run(model.params, X[:4], Y[:4])
+
+
+def test_measured_costs_are_the_mean_action_times():
+    a = zb.Action
+    events = [
+        Event(0, a("F", 0, 0), 0.0, 1.0), Event(0, a("F", 0, 1), 1.0, 3.0), Event(0, a("BW", 0, 0), 5.0, 9.0),
+        Event(1, a("F", 1, 0), 1.0, 2.0), Event(1, a("B", 1, 0), 2.0, 2.5), Event(1, a("W", 1, 0), 2.5, 3.25),
+    ]
+    costs = measured_costs(Timeline.from_events(events, 2, source="measured"), 2)
+    assert costs.f == (1.5, 1.0) and costs.b == (4.0, 0.5) and costs.w == (0.0, 0.75)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def reference_curve():
+    """Three AdamW steps of the unpartitioned model on the global batch."""
+    data = load_digits(holdout=0.2, seed=0)
+    model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=4)), 1)
+    opt = optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01)
+    params, state, losses = model.params, opt.init(model.params), []
+    step = jax.jit(jax.value_and_grad(model.loss))
+    for k in range(3):
+        loss, grads = step(params, *data.batch(k, 8))
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return data, losses
+
+
+@pytest.mark.parametrize("name", list(zb.SCHEDULES))
+def test_training_with_every_schedule_gives_the_same_loss_curve(name, reference_curve):
+    data, expected = reference_curve
+    schedule = _build(name, 2, 4)
+    result = train(schedule, steps=3, d=16, heads=2, blocks=4, batch=8, data=data, devices=DEVICES[:2], check_grads=False)
+    np.testing.assert_allclose(result.losses, expected, rtol=1e-5)
+    assert expected[-1] < expected[0]  # and it learns
+
+
+def test_train_command_writes_the_promised_json(tmp_path, capsys):
+    path = tmp_path / "run.json"
+    argv = ["train", "--schedule", "zb-h1", "--ranks", "2", "--microbatches", "2", "--steps", "2", "--d", "16",
+            "--heads", "2", "--blocks", "4", "--batch", "4", "--json", str(path), "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "step    1  loss" in out and "measured / simulated makespan" in out
+    run = json.loads(path.read_text())
+    assert (run["schedule"], run["ranks"], run["microbatches"]) == ("zb-h1", 2, 2)
+    assert len(run["steps"]) == 2 and all(np.isfinite(s["loss"]) for s in run["steps"])
+    assert 0.0 <= run["test_accuracy"] <= 1.0 and run["grad_max_rel_error"] < 1e-5
+    for kind in ("measured", "simulated"):
+        assert run[kind]["makespan"] > 0 and 0.0 <= run[kind]["bubble_rate"] < 1.0
+    assert len(run["trace"]) == len(zb.build_schedule("zb-h1", 2, 2))
+    assert {"rank", "action", "start", "end"} <= set(run["trace"][0])
+
+
+def test_compare_command_writes_one_report(tmp_path, capsys):
+    out = tmp_path / "compare.html"
+    argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1", "--steps", "2", "--d", "16",
+            "--heads", "2", "--blocks", "4", "--batch", "4", "--out", str(out)]
+    assert main(argv) == 0
+    page = out.read_text()
+    assert page.count("<tr>") == 3 and "<td>1f1b</td>" in page and "<td>zb-h1</td>" in page
+    assert "planned" in page and "measured" in page
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--ranks", "8"], "XLA_FLAGS"),
+        (["--batch", "5"], "does not divide into 2 microbatches"),
+        (["--blocks", "1"], "fewer than the schedule's 2 stages"),
+        (["--schedule", "no-such"], "unknown schedule"),
+    ],
+)
+def test_train_command_refuses_bad_input_in_one_line(extra, message, capsys):
+    argv = ["train", "--ranks", "2", "--microbatches", "2", "--steps", "1", "--batch", "4", *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_train_command_refuses_an_invalid_schedule_file(tmp_path, capsys):
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,0I0\n1F0,1I0,1W0\n")
+    assert main(["train", "--schedule-csv", str(path), "--steps", "1", "--batch", "4"]) == 2
+    assert "incomplete schedule: missing W (or BW) of stage 0, microbatch 0" in capsys.readouterr().err
