@@ -178,7 +178,8 @@ class StagedModel:
 
     Attributes:
         num_stages: S.
-        parts: ``parts[s]`` lists the module indices of stage s (:func:`stage_parts`).
+        parts: ``parts[s]`` lists the module indices of stage s (:func:`stage_parts`, or the
+            ``parts`` argument: a custom contiguous partition, e.g. from the rebalancer).
         params: the parameters, one ``nnx.State`` per module (a list; pytrees of float32 arrays).
 
     Stage s is the pure function :meth:`stage_fn` ``(stage_params, x, labels) -> y``: stage 0
@@ -191,11 +192,14 @@ class StagedModel:
             other than parameters (batch statistics, RNG counters).
     """
 
-    def __init__(self, modules: Sequence[nnx.Module], num_stages: int, loss_fn: Callable = cross_entropy):
+    def __init__(self, modules: Sequence[nnx.Module], num_stages: int, loss_fn: Callable = cross_entropy,
+                 parts: Sequence[Sequence[int]] | None = None):
         if len(modules) < 2:
             raise ValueError(f"a staged model needs at least a first and a last module, got {len(modules)} module(s)")
         self.num_stages = num_stages
-        self.parts = stage_parts(len(modules) - 2, num_stages)
+        self.parts = stage_parts(len(modules) - 2, num_stages) if parts is None else [list(p) for p in parts]
+        if parts is not None and (len(self.parts) != num_stages or not all(self.parts) or sum(self.parts, []) != list(range(len(modules)))):
+            raise ValueError(f"parts must split modules 0 .. {len(modules) - 1} in order into {num_stages} non-empty stages, got {self.parts}")
         self.loss_fn = loss_fn
         self.graphdefs, self.params = [], []
         for i, module in enumerate(modules):

@@ -14,6 +14,8 @@ COMMANDS = {
     "plan": "build, validate and simulate one schedule; print its grid (no JAX)",
     "train": "train the digits Transformer with one schedule on simulated or real devices",
     "compare": "run every schedule live and write an HTML report of planned vs measured timelines",
+    "adapt": "measure a run, attribute its bubbles, rebalance and re-plan from measured costs, then train",
+    "launch": "run the train command across N local processes on JAX's distributed runtime",
 }
 
 

@@ -1,0 +1,121 @@
+"""``python -m zbpp_lite adapt``: measure a run, find where its bubbles come from, remove them, train.
+
+Trains a few steps with ZB-H1 on the original partition (``--imbalance FACTOR`` puts FACTOR
+times the blocks of each other stage on the last stage), profiles per-stage costs, attributes every
+idle gap to a cause, rebalances the layers over the stages and re-plans with zb-auto from the
+measured costs, then trains ``--steps`` steps with the new plan, re-planning online when the costs
+drift. ``--json PATH`` writes ``before`` and ``after`` (each with the measured ``makespan`` and
+``bubble_rate``), the plan changes and the attribution; ``--html PATH`` the attribution figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from . import CliError
+from .train import add_model_arguments, check_model_arguments, setup_devices
+
+
+def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("adapt", help=help_text, description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices, >= 2 (default 2)")
+    p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
+    p.add_argument("--steps", type=int, default=20, help="training steps after adapting, >= 2 (default 20)")
+    p.add_argument("--imbalance", type=float, default=1.0, metavar="FACTOR",
+                   help="the original last stage holds FACTOR times the blocks of each other stage (>= 1; default 1: even)")
+    p.add_argument("--profile-steps", type=int, default=6, help="ZB-H1 steps measured before adapting, >= 2 (default 6)")
+    p.add_argument("--memory-limit", type=float, default=None, help="zb-auto's per-rank activation limit, units of M_B (default p)")
+    p.add_argument("--every", type=int, default=10, help="online: steps between checks of the measured costs (default 10)")
+    p.add_argument("--threshold", type=float, default=0.15, help="online: drift that counts, fraction of a stage's cost (default 0.15)")
+    p.add_argument("--patience", type=int, default=2, help="online: drifted checks in a row before re-planning (default 2)")
+    p.add_argument("--min-gain", type=float, default=0.03, help="adopt a change only if predicted this much faster (default 0.03)")
+    p.add_argument("--margin", type=float, default=0.1, help="a stage is slow when its cost exceeds the mean by this fraction (default 0.1)")
+    p.add_argument("--no-rebalance", dest="rebalance", action="store_false", help="keep the original partition")
+    p.add_argument("--no-replan", dest="replan", action="store_false", help="keep ZB-H1 (no zb-auto re-plan)")
+    p.add_argument("--no-online", dest="online", action="store_false", help="no online re-planning while training")
+    add_model_arguments(p)
+    # actions of milliseconds, so compute, not dispatch, sets the stage costs
+    p.set_defaults(d=128, batch=256)
+    for action in p._actions:
+        if action.dest == "d":
+            action.help = "model width (default 128 here, so that compute sets the stage costs)"
+        elif action.dest == "batch":
+            action.help = "global batch, a multiple of --microbatches (default 256 here)"
+        elif action.dest == "blocks":
+            action.help = "Transformer blocks (default: 2 per stage, about 2 x FACTOR on the last)"
+    p.add_argument("--json", metavar="PATH", help="write before / after, the changes and the attribution as JSON")
+    p.add_argument("--html", metavar="PATH", help="write the attribution figures (before and after) as HTML")
+    return p
+
+
+def _check(args) -> int:
+    """Every argument checked before JAX starts; returns the number of blocks."""
+    from zbpp_lite.adapt import default_blocks
+    from zbpp_lite.rebalance import imbalanced_parts
+
+    if args.ranks < 2:
+        raise CliError(f"--ranks must be >= 2 (a pipeline to balance), got {args.ranks}")
+    if args.microbatches < 1:
+        raise CliError(f"--microbatches must be >= 1, got {args.microbatches}")
+    if not args.imbalance >= 1:
+        raise CliError(f"--imbalance must be >= 1 (1 = even stages; 2 = the last stage holds twice the blocks), got {args.imbalance}")
+    if args.steps < 2 or args.profile_steps < 2:
+        raise CliError(f"--steps and --profile-steps must be >= 2 (each phase's first step is not timed), got {args.steps}, {args.profile_steps}")
+    if args.every < 1 or args.patience < 1 or args.threshold < 0 or args.min_gain < 0 or args.margin < 0:
+        raise CliError("--every and --patience must be >= 1; --threshold, --min-gain and --margin >= 0")
+    check_model_arguments(args, args.microbatches)
+    blocks = args.blocks if args.blocks is not None else default_blocks(args.ranks, args.imbalance)
+    imbalanced_parts(blocks, args.ranks, args.imbalance)  # ValueError naming the blocks needed
+    return blocks
+
+
+def run(args) -> int:
+    blocks = _check(args)
+    devices = setup_devices(args.ranks)
+
+    from zbpp_lite.adapt import adapt
+
+    print(
+        f"adapt: {args.ranks} ranks, {args.microbatches} microbatches, imbalance {args.imbalance:g}; model d={args.d} "
+        f"heads={args.heads} blocks={blocks}; batch {args.batch}; devices {', '.join(str(d) for d in devices)}",
+        flush=True,
+    )
+
+    def on_step(phase: str, k: int, loss: float, timeline) -> None:
+        print(f"{phase:6} step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  "
+              f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
+
+    result = adapt(
+        args.ranks, args.microbatches, args.steps, imbalance=args.imbalance, profile_steps=args.profile_steps,
+        blocks=blocks, d=args.d, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout,
+        memory_limit=args.memory_limit, every=args.every, threshold=args.threshold, patience=args.patience,
+        min_gain=args.min_gain, margin=args.margin, rebalance=args.rebalance, replan_schedule=args.replan,
+        online=args.online, devices=devices, on_step=on_step,
+    )
+    print("\nmeasured before adapting (ZB-H1, original partition):")
+    print(result.profile.table())
+    print(result.attribution.table())
+    print()
+    print(result.report())
+    print(f"test accuracy: {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result.to_json(), f, indent=1)
+        print(f"wrote {args.json}")
+    if args.html:
+        _write_html(result, args.html)
+        print(f"wrote {args.html}")
+    return 0
+
+
+def _write_html(result, path: str) -> None:
+    from zbpp_lite.viz.attribution import attribution_figure
+
+    before = attribution_figure(result.attribution, result.before.measured, "before: ZB-H1 on the original partition")
+    after = attribution_figure(result.attribution_after, result.after.measured, "after: rebalanced and re-planned")
+    with open(path, "w") as f:
+        f.write("<html><head><meta charset='utf-8'><title>zbpp_lite adapt</title></head><body>\n")
+        f.write(before.to_html(full_html=False, include_plotlyjs=True))
+        f.write(after.to_html(full_html=False, include_plotlyjs=False))
+        f.write("</body></html>\n")
