@@ -28,7 +28,16 @@ def _xla_accepts(flags: str) -> bool:
     return done.returncode == 0
 
 
-_flags = cpu_device_flags(4)
+_plain = cpu_device_flags(4)
+_flags = _plain
 if "xla_backend_optimization_level" not in _flags and _xla_accepts(f"{FAST_COMPILE_FLAGS} {_flags}"):
     _flags = f"{FAST_COMPILE_FLAGS} {_flags}"
 os.environ["XLA_FLAGS"] = _flags
+
+# Start this process's backend with those flags, then hand child processes (nbval's notebook
+# kernels, CLI subprocesses) the plain device flags: the notebooks time real runs and must not
+# run unoptimised code.
+import jax  # noqa: E402
+
+jax.devices()
+os.environ["XLA_FLAGS"] = _plain
