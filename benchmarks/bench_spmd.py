@@ -1,0 +1,91 @@
+"""Compiled SPMD executor against the MPMD executor at p = 2, one run, with the lockstep
+simulator's prediction beside the measured ratio; then the MPMD executor across 2 processes.
+
+Prints: per-step times (median over steps after the first) of MPMD single-process, SPMD and
+MPMD 2-process; the measured SPMD / MPMD ratio and the predicted one,
+simulate(lockstep=True).makespan / simulate().makespan for the MPMD run's measured mean costs;
+the parity errors of each against the unpartitioned model; the 2-process startup time.
+
+Run: python benchmarks/bench_spmd.py [--schedule zb-h1] [--steps 6] [--d 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+from zbpp_lite.devices import ensure_devices
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schedule", default="zb-h1")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=128)
+    args = ap.parse_args()
+    devices = ensure_devices(2)
+
+    import jax
+
+    import zbpp_lite as zb
+    from zbpp_lite.data import load_digits
+    from zbpp_lite.executor import PipelineExecutor, measured_costs
+    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+    from zbpp_lite.spmd import SpmdExecutor
+    from zbpp_lite.train import max_relative_error
+
+    s = zb.build_schedule(args.schedule, 2, args.microbatches)
+    model = StagedModel(build_parts(ModelConfig(d=args.d, heads=4, blocks=4)), s.num_stages)
+    data = load_digits(0.2, 0)
+    x, y = data.batch(0, args.batch)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(model.params, x, y)
+
+    mpmd, spmd = PipelineExecutor(model, s, devices), SpmdExecutor(model, s, devices)
+    times = {"mpmd": [], "spmd": []}
+    errors, costs = {}, None
+    for k in range(args.steps):
+        for name, ex in (("mpmd", mpmd), ("spmd", spmd)):
+            t0 = time.perf_counter()
+            r = ex.run(model.params, x, y)
+            times[name].append(time.perf_counter() - t0)
+            if k == 0:
+                errors[name] = max_relative_error(r.grads, ref_grads)
+            if name == "mpmd" and k == args.steps - 1:
+                costs = measured_costs(r.timeline, s.num_stages)
+    med = {n: statistics.median(v[1:] or v) for n, v in times.items()}
+    predicted = zb.simulate(s, costs, lockstep=True).makespan / zb.simulate(s, costs).makespan
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from zbpp_lite.cli.launch import launch
+
+        out = f"{tmp}/run.json"
+        t0 = time.perf_counter()
+        status, failures = launch(["--schedule", args.schedule, "--ranks", "2", "-m", str(args.microbatches), "--steps", str(args.steps),
+                                   "--d", str(args.d), "--heads", "4", "--blocks", "4", "--batch", str(args.batch), "--json", out],
+                                  processes=2, timeout=120, deadline=600, echo=lambda line: None)
+        wall = time.perf_counter() - t0
+        two = json.load(open(out)) if status == 0 else None
+
+    print(f"{args.schedule}, p=2, m={args.microbatches}, d={args.d}, 4 blocks, batch {args.batch}, {args.steps} steps "
+          f"(median of steps after the first)")
+    print(f"{'executor':<24}{'step ms':>10}{'grad rel. error':>18}")
+    print(f"{'MPMD, 1 process':<24}{1e3 * med['mpmd']:>10.2f}{errors['mpmd']:>18.2e}")
+    print(f"{'SPMD compiled, 1 proc.':<24}{1e3 * med['spmd']:>10.2f}{errors['spmd']:>18.2e}")
+    if two:
+        secs = [st["seconds"] for st in two["steps"]]
+        print(f"{'MPMD, 2 processes':<24}{1e3 * statistics.median(secs[1:] or secs):>10.2f}{two['grad_max_rel_error']:>18.2e}"
+              f"   (startup of the runtime {two['startup_seconds']:.2f} s; whole launch {wall:.1f} s)")
+    else:
+        print(f"MPMD, 2 processes: failed: {failures}")
+    print(f"SPMD / MPMD step time: measured {med['spmd'] / med['mpmd']:.3f}, predicted by the lockstep simulator {predicted:.3f} "
+          f"(costs T_F {[f'{1e3 * v:.2f}' for v in costs.f]} ms, T_B {[f'{1e3 * v:.2f}' for v in costs.b]}, "
+          f"T_W {[f'{1e3 * v:.2f}' for v in costs.w]})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The executor across processes on JAX's distributed runtime (loopback): the unpartitioned
+model's loss and gradients with 2 processes for 1f1b, zb-h1, zb-h2, zb-v; and failure, not hang:
+a dying process and a port in use give a clear error naming the process within bounded time,
+with every child ended. Each test starts its own children and ends only those."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from zbpp_lite.cli import CliError
+from zbpp_lite.cli.launch import launch
+
+TINY = ["--ranks", "2", "--microbatches", "4", "--steps", "1", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "8"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as ended
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v"])
+def test_two_processes_match_the_unpartitioned_model(name, tmp_path):
+    out = tmp_path / "run.json"
+    lines: list[str] = []
+    status, failures = launch(["--schedule", name, *TINY, "--json", str(out)], processes=2, timeout=60, deadline=180, echo=lines.append)
+    assert status == 0, failures
+    run = json.loads(out.read_text())
+    assert run["processes"] == 2
+    assert run["grad_max_rel_error"] <= 1e-5
+    assert run["loss_error"] <= 1e-5 * run["steps"][0]["loss"]
+    assert any("process 1" in line for line in lines)  # rank 1 really ran in the other process
+
+
+def test_a_dying_process_is_named_and_every_child_ends():
+    pids: list[int] = []
+    t0 = time.monotonic()
+    status, failures = launch(["--schedule", "1f1b", *TINY], processes=2, timeout=20, deadline=120, echo=lambda s: None,
+                              env={"ZBPP_TEST_CRASH_PROCESS": "1"}, on_start=pids.extend)
+    assert status == 1 and len(pids) == 2
+    assert any(f.startswith("process 1 exited with status 3") for f in failures), failures
+    assert time.monotonic() - t0 < 60
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_port_in_use_is_refused_at_once():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(CliError, match=f"port {port}.*in use"):
+            launch(["--schedule", "1f1b", *TINY], processes=2, port=port)
+
+
+def test_more_processes_than_ranks_is_refused_before_starting(capsys):
+    from zbpp_lite.cli import main
+
+    assert main(["launch", "--processes", "3", "--", "train", "--schedule", "1f1b", *TINY]) == 2
+    assert "3 processes for 2 ranks" in capsys.readouterr().err

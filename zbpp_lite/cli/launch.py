@@ -1,0 +1,194 @@
+"""``python -m zbpp_lite launch --processes N --devices-per-process K -- train ...``: the train
+command across N local processes on JAX's distributed runtime (127.0.0.1, free ports chosen here).
+
+Each child runs ``python -m zbpp_lite.distributed`` with the train arguments and the ``ZBPP_*``
+environment (coordinator, process count and index, its own cross-host transfer port) and, on
+CPU, K simulated devices. Process 0's output is shown as it comes; when every child has exited
+the command returns 0. When one fails (a process that dies, a port in use, a rank stuck past its
+timeout) the others are ended at once and the error names the process, within a bounded time:
+``--timeout`` seconds per wait inside the children, ``--deadline`` for the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from . import CliError
+
+
+def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("launch", help=help_text, description=__doc__.split("\n\n")[0])
+    p.add_argument("--processes", "-n", type=int, default=2, help="local processes (default 2)")
+    p.add_argument("--devices-per-process", "-k", type=int, default=1, help="simulated CPU devices per process (default 1)")
+    p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any one wait in a child may last (default 60)")
+    p.add_argument("--deadline", type=float, default=900.0, help="seconds the whole run may last (default 900)")
+    p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- train [train options]")
+    return p
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def child_command(train_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "zbpp_lite.distributed", *train_args]
+
+
+def child_env(process: int, num_processes: int, coordinator_port: int, transfer_port: int, devices: int, timeout: float) -> dict:
+    from zbpp_lite.devices import cpu_device_flags
+    from zbpp_lite.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_TIMEOUT, ENV_TRANSFER_PORT
+
+    env = dict(os.environ)
+    # one more device than ranks: each process receives transfers on it (distributed.staging_device)
+    env["XLA_FLAGS"] = cpu_device_flags(devices + (1 if num_processes > 1 else 0), current=env.get("XLA_FLAGS", ""))
+    env[ENV_COORDINATOR] = f"127.0.0.1:{coordinator_port}"
+    env[ENV_NUM_PROCESSES] = str(num_processes)
+    env[ENV_PROCESS_ID] = str(process)
+    env[ENV_TRANSFER_PORT] = str(transfer_port)
+    env[ENV_TIMEOUT] = str(timeout)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _train_args(args) -> list[str]:
+    rest = list(args.command_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    if not rest or rest[0] != "train":
+        raise CliError("launch runs the train command: python -m zbpp_lite launch --processes 2 -- train --schedule zb-h1 ...")
+    return rest[1:]
+
+
+def _check(args, train_args: list[str]) -> None:
+    """Sizes checked before any process starts: processes, devices and ranks must fit."""
+    from . import build_parser
+    from .train import check_sizes, resolve_schedule
+
+    if args.processes < 1 or args.devices_per_process < 1:
+        raise CliError(f"--processes and --devices-per-process must be >= 1, got {args.processes} and {args.devices_per_process}")
+    targs = build_parser(["train"]).parse_args(["train", *train_args])
+    schedule = resolve_schedule(targs)
+    check_sizes(targs, schedule)
+    p = schedule.num_ranks
+    if args.processes > p:
+        raise CliError(f"{args.processes} processes for {p} ranks: every process must hold a rank; use --processes <= {p}")
+    need = -(-p // args.processes)
+    if args.devices_per_process < need:
+        raise CliError(f"{p} ranks over {args.processes} processes need {need} devices per process; use --devices-per-process {need}")
+
+
+def launch(train_args: list[str], processes: int, devices_per_process: int = 1, port: int | None = None,
+           timeout: float = 60.0, deadline: float = 900.0, echo=print, env: dict | None = None,
+           on_start=None) -> tuple[int, list[str]]:
+    """Start the children, relay process 0's output, end everyone when one fails.
+
+    ``env`` adds variables to every child's environment; ``on_start`` is called with the
+    children's process ids once all have started. Returns (exit status, [one line per failed
+    process]). Raises CliError for a port in use.
+    """
+    if port is not None and port_in_use(port):
+        raise CliError(f"coordinator port {port} on 127.0.0.1 is in use; choose another --port or leave it out (a free one is chosen)")
+    coordinator = port if port is not None else free_port()
+    transfer_ports = []
+    while len(transfer_ports) < processes:
+        q = free_port()
+        if q != coordinator and q not in transfer_ports:
+            transfer_ports.append(q)
+    children, tails = [], [[] for _ in range(processes)]
+
+    def relay(i: int, stream, to_echo: bool) -> None:
+        for line in iter(stream.readline, ""):
+            tails[i].append(line.rstrip("\n"))
+            del tails[i][:-20]
+            if to_echo:
+                echo(line.rstrip("\n"))
+
+    readers = []
+    for i in range(processes):
+        child = subprocess.Popen(
+            child_command(train_args),
+            env={**child_env(i, processes, coordinator, transfer_ports[i], devices_per_process, timeout), **(env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )
+        children.append(child)
+        for stream, show in ((child.stdout, i == 0), (child.stderr, False)):
+            t = threading.Thread(target=relay, args=(i, stream, show), daemon=True)
+            t.start()
+            readers.append(t)
+    if on_start is not None:
+        on_start([c.pid for c in children])
+    failures: list[str] = []
+    end = time.monotonic() + deadline
+    try:
+        while True:
+            codes = [c.poll() for c in children]
+            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                time.sleep(0.5)  # let the first error's last lines arrive
+                for i in bad:
+                    failures.append(f"process {i} exited with status {codes[i]}: {_last_error(tails[i])}")
+                break
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > end:
+                running = [i for i, c in enumerate(codes) if c is None]
+                failures.append(f"process(es) {running} still running after the {deadline:g} s deadline: {_last_error(tails[running[0]])}")
+                break
+            time.sleep(0.1)
+    finally:
+        for c in children:
+            end_child(c)
+        for t in readers:
+            t.join(timeout=2)
+    return (1 if failures else 0), failures
+
+
+def end_child(child: subprocess.Popen) -> None:
+    """End one child we started, and its own children (its session), by id: SIGKILL, because
+    JAX's preemption notifier catches SIGTERM."""
+    if child.poll() is None:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            child.kill()
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+
+def _last_error(lines: list[str]) -> str:
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or ["(no output)"])[-1].strip()[:400]
+
+
+def run(args) -> int:
+    train_args = _train_args(args)
+    _check(args, train_args)
+    t0 = time.perf_counter()
+    status, failures = launch(train_args, args.processes, args.devices_per_process, args.port, args.timeout, args.deadline)
+    for line in failures:
+        print(f"error: {line}", file=sys.stderr)
+    if status == 0:
+        print(f"launch: {args.processes} processes finished in {time.perf_counter() - t0:.1f} s")
+    return status
