@@ -8,9 +8,10 @@ gradients for W) is there by the schedule's own order, which :func:`zbpp_lite.va
 Work goes through a kind -> handler table, and every stage's F, B, W, BW are the jitted pure
 functions of :class:`zbpp_lite.split.StageSplit`, run on the rank's device. Outputs move to the
 consumer's device with ``jax.device_put`` (asynchronous, like a send on real hardware) and wait in
-the consumer rank's inbox. Gradients are summed over microbatches on each stage's device and
-divided by m at the end, so with a per-microbatch mean loss the result is the gradient of the
-global-batch mean loss (Qi et al., arXiv 2401.10241, section 2; PyTorch pipelining's convention).
+the consumer rank's inbox. The last stage's backward starts from d loss / d loss_j = 1/m (the
+loss is the mean of the m microbatch losses) and each stage sums its W's over the microbatches on
+its device, so the sums are the gradient of the global-batch mean loss, with no pass over the
+gradients at the end (Qi et al., arXiv 2401.10241, section 2; PyTorch pipelining's convention).
 
 Measurement: around each action, ``time.perf_counter()`` before the dispatch (after its inputs
 have arrived) and after ``jax.block_until_ready`` of the action's outputs; the events form a
@@ -24,11 +25,19 @@ of 5-20 milliseconds in that benchmark's pipeline. Nothing else is synchronised:
 ranks never wait for each other except for their inputs. Compilation happens before the first
 timed step (:meth:`PipelineExecutor.run`). Ranks are Python threads: XLA releases the GIL while
 it computes, so ranks compute in parallel and only their dispatches take turns.
+
+Cores: simulated CPU devices of one process share XLA's CPU thread pool (JAX 0.10: a single
+product already runs on every core the process may use, whatever the thread flags), so a rank
+that waits lends its core to the other ranks' work and a bubble costs less than a core's idle
+time. For one core per rank, as PyTorch's pipelining runs (one single-threaded process per rank),
+give each process its own ranks: ``PipelineExecutor(..., ranks=[r], remote=send)`` runs rank r's
+actions only, ``remote`` carries its sends to the other processes and :meth:`PipelineExecutor.deliver`
+takes theirs (``benchmarks/bench_vs_torch.py`` does this with pipes, each process pinned to one
+core).
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -45,17 +54,6 @@ from .model import Params, StagedModel
 from .schedule import Action, Key, Schedule, deps, produces
 from .timeline import Event, Timeline
 from .validate import validate
-
-
-@functools.lru_cache(maxsize=None)
-def _zeros_on(device: Any) -> Callable:
-    """Jitted ``tree -> zeros like tree`` whose outputs are committed to ``device`` (so every
-    call of a stage's W sees the same placement and its executable is reused)."""
-    fn = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)  # noqa: E731
-    return jax.jit(fn, out_shardings=jax.sharding.SingleDeviceSharding(device))
-
-
-_divide = jax.jit(lambda tree, m: jax.tree_util.tree_map(lambda g: g / m, tree))
 
 
 @dataclass(frozen=True)
@@ -119,11 +117,11 @@ class _Inbox:
 class _Step:
     """State of one step in flight, shared by the rank threads."""
 
-    params: list  # per stage, on its device
-    acc: list  # per stage gradient sums, on its device
+    params: list  # per stage, its parameters as a tuple of leaves (FlatStage's p), on its device
+    acc: list  # per stage gradient sums (tuples of leaves, None before its first W), on its device
     inputs: list  # per microbatch, on stage 0's device
     labels: list  # per microbatch, on the last stage's device
-    seed: Any  # d loss / d loss = 1, on the last stage's device
+    seed: Any  # d loss / d loss_j = 1/m, on the last stage's device
     splits: list  # per stage StageSplit
     inboxes: list
     t0: float
@@ -139,33 +137,66 @@ class PipelineExecutor:
         model: the :class:`~zbpp_lite.model.StagedModel`; its number of stages must be the
             schedule's.
         schedule: any valid schedule (validated here, before anything is computed).
-        devices: one device per rank; default ``jax.devices()[:num_ranks]``.
+        devices: one device per rank in ``ranks``; default ``jax.devices()[:len(ranks)]``.
         timeout: seconds a rank may wait for one input before the step fails (an error in any
             rank stops the others at once; the caller gets it).
+        ranks: the ranks this executor runs (default: all). With some ranks only, each process of
+            a pipeline runs its own (one pinned process per rank, as PyTorch's pipelining does):
+            ``remote(rank, key, value)`` must carry what a local action sends to ``rank`` (a
+            NumPy-convertible array, ``key`` as :func:`~zbpp_lite.schedule.produces` names it)
+            and that process hands it to its executor's :meth:`deliver`.
+        remote: see ``ranks``.
+
+    Attributes:
+        ranks: the ranks run here; ``local_stages``: their stages; ``stage_devices[s]``: stage s's
+            device, ``None`` for a stage run elsewhere.
 
     Raises:
         ScheduleError: an invalid schedule.
-        ValueError: a model with a different number of stages, or fewer devices than ranks (the
-            message says how to get simulated CPU devices).
+        ValueError: a model with a different number of stages, fewer devices than ranks (the
+            message says how to get simulated CPU devices), an unknown rank, or some ranks
+            without ``remote``.
     """
 
-    def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None, timeout: float = 120.0):
+    def __init__(
+        self,
+        model: StagedModel,
+        schedule: Schedule,
+        devices: Sequence[Any] | None = None,
+        timeout: float = 120.0,
+        *,
+        ranks: Sequence[int] | None = None,
+        remote: Callable[[int, Key, Any], None] | None = None,
+    ):
         validate(schedule)
         if model.num_stages != schedule.num_stages:
             raise ValueError(
                 f"the schedule has {schedule.num_stages} stages but the model is cut into {model.num_stages}; "
                 f"build StagedModel(parts, num_stages={schedule.num_stages})"
             )
+        ranks = tuple(range(schedule.num_ranks)) if ranks is None else tuple(ranks)
+        if not ranks or any(r not in range(schedule.num_ranks) for r in ranks) or len(set(ranks)) < len(ranks):
+            raise ValueError(f"ranks must be distinct ranks of the schedule (0..{schedule.num_ranks - 1}), got {list(ranks)}")
+        if len(ranks) < schedule.num_ranks and remote is None:
+            raise ValueError(f"running ranks {list(ranks)} of {schedule.num_ranks} needs remote= to reach the others")
         if devices is None:
             devices = jax.devices()
-            if len(devices) < schedule.num_ranks:
-                raise ValueError(too_few_devices_message(schedule.num_ranks, len(devices)))
-            devices = devices[: schedule.num_ranks]
-        elif len(devices) != schedule.num_ranks:
-            raise ValueError(f"give one device per rank: the schedule has {schedule.num_ranks} ranks, got {len(devices)} devices")
+            if len(devices) < len(ranks):
+                raise ValueError(too_few_devices_message(len(ranks), len(devices)))
+            devices = devices[: len(ranks)]
+        elif len(devices) != len(ranks):
+            raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} devices")
         self.model, self.schedule, self.timeout = model, schedule, timeout
+        self.ranks, self.remote = ranks, remote
+        on = dict(zip(ranks, devices))
         self.devices = list(devices)
-        self.stage_devices = [self.devices[r] for r in schedule.placement]
+        self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
+        self.local_stages = [s for s, r in enumerate(schedule.placement) if r in on]
+        self._lock = threading.Lock()
+        self._current: _Step | None = None  # the step in flight, for deliver()
+        self._pending: list = []  # what arrived from other processes before this process's step began
+        self._spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
+        self._spares_for: Any = None  # the microbatch shape the spares have
         self._handlers: dict[str, Callable] = {
             "F": self._forward,
             "B": self._backward_input,
@@ -189,33 +220,34 @@ class PipelineExecutor:
         return microbatch_size(b, self.schedule.num_microbatches)
 
     def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
-        """Every stage's :class:`~zbpp_lite.split.StageSplit` for this microbatch shape. The first
-        time a shape is seen, each stage's F, B, W, BW runs once, untimed, in dependency order, so
-        the jitted functions are compiled for their devices before anything is timed."""
+        """Every local stage's :class:`~zbpp_lite.split.StageSplit` for this microbatch shape
+        (``None`` for a stage run elsewhere). The first time a shape is seen, each local stage's
+        F, B, W and BW run once, untimed, on zeros of the right shapes, so the jitted functions
+        are compiled for their devices before anything is timed."""
         signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
         if signature in self._prepared:
             return self._prepared[signature]
         S = self.model.num_stages
         shapes = self.model.stage_inputs(x_mb)
-        splits = [self.model.split_stage(s, shapes[s], y_mb) for s in range(S)]
-        kinds = {a.kind for _, a in self.schedule}
-        x, res, kept = x_mb, [], []
-        for s in range(S):
-            out, r, k = splits[s].forward(params[s], x, y_mb if s == S - 1 else None)
-            res.append(r)
-            kept.append(k)
-            x = jax.device_put(out, self.stage_devices[s + 1]) if s < S - 1 else None
-        dy = jnp.ones((), jnp.float32)
-        for s in reversed(range(S)):
-            dy = jax.device_put(dy, self.stage_devices[s])
-            acc = _zeros_on(self.stage_devices[s])(params[s])
-            if "BW" in kinds:
-                dx, _ = splits[s].backward_fused(params[s], res[s], kept[s], dy, acc)
+        splits: list = [None] * S
+        kinds = {a.kind for r in self.ranks for a in self.schedule.actions[r]}
+        for s in self.local_stages:
+            device, last = self.stage_devices[s], s == S - 1
+            splits[s] = self.model.split_stage(s, shapes[s], y_mb)
+            flat = splits[s].flat
+            x = jax.device_put(np.zeros(shapes[s].shape, shapes[s].dtype), device)
+            aux = jax.device_put(y_mb, device) if last else None
+            _, res, _ = flat.forward(params[s], x, aux)  # each twice: new memory, then a spare's
+            out, res, kept = flat.forward(params[s], x, aux, res)
+            dy = jax.device_put(np.ones(np.shape(out), np.float32), device)
+            if "BW" in kinds:  # twice, as W: a stage's first (no sum yet), then the rest
+                acc = flat.backward_fused(params[s], res, kept, dy, None)[1]
+                jax.block_until_ready(flat.backward_fused(params[s], res, kept, dy, acc))
             if "B" in kinds or "W" in kinds:
-                dx, grads_out = splits[s].backward_input(res[s], dy)
-                jax.block_until_ready(splits[s].backward_weight(params[s], kept[s], grads_out, acc))
-            dy = dx
-        jax.block_until_ready(dy)
+                _, grads_out = flat.backward_input(params[s], res, dy)
+                _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
+                acc = flat.backward_weight(params[s], kept, grads_out, None)
+                jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
         self._prepared[signature] = splits
         return splits
 
@@ -240,34 +272,52 @@ class PipelineExecutor:
         S, m = self.model.num_stages, self.schedule.num_microbatches
         mb = self.microbatch_size(x, labels)
         x, labels = np.asarray(x), np.asarray(labels)
-        stage_params = [jax.device_put(self.model.stage_params(params, s), self.stage_devices[s]) for s in range(S)]
-        inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[0])
-        ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[-1])
-        splits = self._prepare(stage_params, inputs[0], ys[0])
-        acc = [_zeros_on(self.stage_devices[s])(p) for s, p in enumerate(stage_params)]
-        jax.block_until_ready((acc, inputs, ys))
+        local = self.local_stages
+        stage_params = [jax.device_put(self.model.stage_params(params, s), self.stage_devices[s]) if s in local else None for s in range(S)]
+        leaves = [None if p is None else tuple(jax.tree_util.tree_leaves(p)) for p in stage_params]
+        first, last = self.stage_devices[0], self.stage_devices[-1]
+        inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
+        ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
+        splits = self._prepare(leaves, x[:mb], labels[:mb])
+        if self._spares_for != (np.shape(x), np.shape(labels)):
+            self._spares, self._spares_for = {}, (np.shape(x), np.shape(labels))
+        seed = jax.device_put(np.float32(1.0 / m), last) if last else None
+        jax.block_until_ready((leaves, inputs, ys, seed))
         abort = threading.Event()
         step = _Step(
-            params=stage_params, acc=acc, inputs=inputs, labels=ys, splits=splits,
-            seed=jax.device_put(jnp.ones((), jnp.float32), self.stage_devices[-1]),
+            params=leaves, acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
             inboxes=[_Inbox(r, abort) for r in range(self.schedule.num_ranks)],
             t0=0.0, store={}, losses={}, events=[],
         )
         errors: list[tuple[int, Action | None, BaseException]] = []
         threads = [
             threading.Thread(target=self._rank_loop, args=(r, step, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
-            for r in range(self.schedule.num_ranks)
+            for r in self.ranks
         ]
+        with self._lock:  # from now on deliver() puts straight into this step's inboxes
+            self._current, pending, self._pending = step, self._pending, []
+        for key, value in pending:
+            self._put(step, key, value)
         step.t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:  # every wait has its own timeout, so a stuck rank ends by itself
-            t.join()
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:  # every wait has its own timeout, so a stuck rank ends by itself
+                t.join()
+        finally:
+            with self._lock:
+                self._current = None
+        if errors:  # a failed step may have left spares half donated
+            self._spares = {}
         self._raise_first(errors)
-        losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)]))
-        grads = [_divide(step.acc[s], np.float32(m)) for s in range(S)]
+        losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)])) if last else ()
+        grads = [
+            [None] * len(self.model.parts[s]) if p is None else jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(p), g)
+            for s, (p, g) in enumerate(zip(stage_params, step.acc))
+        ]
         timeline = Timeline.from_events(step.events, self.schedule.num_ranks, num_stages=S, source="measured")
-        return StepResult(float(np.mean(np.asarray(losses, np.float64))), losses, self.model.join_stage_params(grads), timeline)
+        loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
+        return StepResult(loss, losses, self.model.join_stage_params(grads), timeline)
 
     @staticmethod
     def _raise_first(errors) -> None:
@@ -301,18 +351,50 @@ class PipelineExecutor:
                     inbox.wake()
 
     def _send(self, step: _Step, action: Action, value: Any) -> None:
-        """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1."""
+        """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1: to
+        its rank's inbox, or through ``remote`` to the process that runs that rank."""
+        key = produces(action)[0]
         consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
-        rank = self.schedule.placement[consumer]
-        step.inboxes[rank].put(produces(action)[0], jax.device_put(value, self.stage_devices[consumer]))
+        if self.stage_devices[consumer] is None:
+            self.remote(self.schedule.placement[consumer], key, value)
+        else:
+            self._put(step, key, value)
+
+    def _put(self, step: _Step, key: Key, value: Any) -> None:
+        kind, stage, _ = key
+        consumer = stage + 1 if kind == "F" else stage - 1
+        step.inboxes[self.schedule.placement[consumer]].put(key, jax.device_put(value, self.stage_devices[consumer]))
+
+    def deliver(self, key: Key, value: Any) -> None:
+        """Hand this executor what another process's rank sent it (see ``remote``): the
+        activation ("F", s, j) for stage s+1 or the input gradient ("B", s, j) for stage s-1, a
+        NumPy array. Safe from any thread, also before :meth:`run` has begun the step."""
+        with self._lock:
+            step = self._current
+            if step is None:
+                self._pending.append((key, value))
+                return
+        self._put(step, key, value)
 
     # ------------------------------------------------------------------ handlers: kind -> work
     # Each returns (what to wait for before the action counts as done, what to send or None).
+    # Dead outputs (B's residuals once B or BW has run, B's output gradients once W has) are kept
+    # as spares: the stage's next F / B writes into their memory (FlatStage's ``spare``). A stage
+    # belongs to one rank thread, so its spares need no lock.
+
+    def _spare(self, kind: str, stage: int) -> Any:
+        spares = self._spares.get((kind, stage))
+        return spares.pop() if spares else None
+
+    def _keep_spare(self, kind: str, stage: int, arrays: tuple) -> None:
+        self._spares.setdefault((kind, stage), []).append(arrays)
 
     def _forward(self, step: _Step, a: Action, x: Any = None):
         s, j = a.stage, a.microbatch
         last = s == self.model.num_stages - 1
-        y, res, kept = step.splits[s].forward(step.params[s], step.inputs[j] if s == 0 else x, step.labels[j] if last else None)
+        y, res, kept = step.splits[s].flat.forward(
+            step.params[s], step.inputs[j] if s == 0 else x, step.labels[j] if last else None, self._spare("res", s)
+        )
         step.store[s, j] = (res, kept)
         if last:
             step.losses[j] = y
@@ -324,20 +406,23 @@ class PipelineExecutor:
     def _backward_input(self, step: _Step, a: Action, dy: Any = None):
         s, j = a.stage, a.microbatch
         res, kept = step.store[s, j]
-        dx, grads_out = step.splits[s].backward_input(res, self._output_grad(step, a, dy))
+        dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, self._output_grad(step, a, dy), self._spare("grads", s))
         step.store[s, j] = (kept, grads_out)
+        self._keep_spare("res", s, res)
         return (dx, grads_out), dx
 
     def _backward_weight(self, step: _Step, a: Action):
         s = a.stage
         kept, grads_out = step.store.pop((s, a.microbatch))
-        step.acc[s] = step.splits[s].backward_weight(step.params[s], kept, grads_out, step.acc[s])
+        step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
+        self._keep_spare("grads", s, grads_out)
         return step.acc[s], None
 
     def _backward_fused(self, step: _Step, a: Action, dy: Any = None):
         s = a.stage
         res, kept = step.store.pop((s, a.microbatch))
-        dx, step.acc[s] = step.splits[s].backward_fused(step.params[s], res, kept, self._output_grad(step, a, dy), step.acc[s])
+        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, self._output_grad(step, a, dy), step.acc[s])
+        self._keep_spare("res", s, res)
         return (dx, step.acc[s]), dx
 
 

@@ -12,17 +12,22 @@ and fill bubbles). This module splits any stage function that way, without help 
    both. Every path from a parameter to the output crosses exactly one weight operation.
 3. F evaluates the stage with a zero "probe" added to each weight operation's output, under
    ``jax.vjp`` with respect to the input and the probes only (the parameters are constants),
-   and keeps: B's residuals, and W's operands of the weight operations (``x`` of ``x W``, the
+   and keeps: B's residuals (less the parameters themselves, which B takes as inputs), and W's
+   operands of the weight operations (``x`` of ``x W``, stored as the matrix ``x^T``; the
    normalised input of a LayerNorm scale; nothing for bias additions).
 4. B runs that pullback: it returns the input gradient and the probes' gradients, which are the
-   gradients of every weight operation's output (each layer's output gradient), and computes no
-   parameter gradient.
+   gradients of every weight operation's output (each layer's output gradient, each distinct one
+   once), and computes no parameter gradient.
 5. W takes the vjp, with respect to the parameters, of the weight operations alone, evaluated on
-   the kept operands, with those output gradients as cotangents: ``x^T dy`` for a kernel,
-   ``sum(dy)`` for a bias, ``sum(dy * x_hat)`` for a scale. No activation is recomputed; the
-   parameter-only operations (reshapes, broadcasts of parameters) are re-derived from the
-   parameters, which costs no product.
+   the kept operands, with those output gradients as cotangents: ``x^T dy`` for a kernel (one
+   plain row-major product on the stored ``x^T``), ``sum(dy)`` for a bias, ``sum(dy * x_hat)``
+   for a scale. No activation is recomputed; the parameter-only operations (reshapes,
+   broadcasts of parameters) are re-derived from the parameters, which costs no product.
 6. BW is B then W in one jitted function, for GPipe and 1F1B.
+
+What each costs on this project's job (d=128, 4 blocks a stage, 32-sample microbatches, one CPU
+core, milliseconds): F 7-8, B 7.5-8, W 5.5-6, BW 11-13: B + W is within 5-10% of BW, the price of
+writing the output gradients in B and reading them again in W (``benchmarks/bench_vs_torch.py``).
 
 ``test_split.py`` checks the cost with XLA's own compiled cost analysis: flops(B) + flops(W) is
 within 5% of the fused backward ``jax.vjp`` gives, and flops(W) within 5% of the
@@ -34,6 +39,7 @@ stage holds W's operands and the output gradients.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -127,6 +133,53 @@ class _WeightOp:
     weight_inputs: tuple[int, ...]  # operand positions that depend on the parameters only
     kept_inputs: tuple[int, ...]  # operand positions F keeps for W
     probed: tuple[int, ...]  # output refs whose gradient B returns
+    matmul: tuple[int, int, int] | None = None  # (rows, k, n) when the op is x (rows, k) @ w (k, n)
+
+
+def _matmul_shape(node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tuple[int, ...], avals) -> tuple[int, int, int] | None:
+    """``(rows, k, n)`` when a weight operation is a plain product ``x @ w`` (a Linear layer):
+    ``dot_general`` of the activation x (lhs) over its trailing dimensions with the parameter w
+    (rhs) over its leading ones, no batch dimensions, one dtype; else ``None``."""
+    eqn = node.eqn
+    if eqn.primitive.name != "dot_general" or weight_inputs != (1,) or kept_inputs != (0,):
+        return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    x, w, out = avals[node.ins[0]], avals[node.ins[1]], avals[node.outs[0]]
+    if lb or rb or not lc or not (x.dtype == w.dtype == out.dtype):
+        return None
+    if tuple(lc) != tuple(range(x.ndim - len(lc), x.ndim)) or tuple(rc) != tuple(range(len(rc))):
+        return None
+    k = math.prod(w.shape[: len(rc)])
+    return math.prod(x.shape[: x.ndim - len(lc)]), k, math.prod(w.shape[len(rc) :])
+
+
+@dataclass(frozen=True)
+class FlatStage:
+    """A stage's F, B, W and BW over flat tuples of arrays, for callers that run them many times
+    (the executor): ``p`` is ``tuple(jax.tree_util.tree_leaves(params))`` and gradient sums are
+    tuples of the same shapes, so a call costs no pytree walk over the parameters (tens of
+    microseconds each for Flax NNX state). ``x``, ``aux``, ``dy`` and ``dx`` are as in
+    :class:`StageSplit`. All four are ``jax.jit``-ed.
+
+    - ``forward(p, x, aux, spare=None) -> (y, own, kept)``: ``own`` is B's residuals without
+      the parameters.
+    - ``backward_input(p, own, dy, spare=None) -> (dx, grads_out)``: ``grads_out`` holds each
+      distinct output gradient once (a product and the bias addition after it share one).
+    - ``backward_weight(p, kept, grads_out, acc) -> acc + dparams``, or ``dparams`` when ``acc``
+      is ``None`` (a stage's first W of a step: no zeros to add to).
+    - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``, ``acc`` as in W.
+
+    ``acc`` is donated: its buffers take the sum in place, and the tuple passed in must not be
+    used again. So is ``spare``: arrays no longer needed, of the shapes of the outputs (an
+    earlier microbatch's ``own`` for F, its ``grads_out`` for B), whose memory the outputs take
+    over. Fresh memory costs page faults, tens of microseconds per megabyte on a virtual machine:
+    about 20% of F on this project's 2-core CPU machine, where F writes some 15 MB.
+    """
+
+    forward: Callable
+    backward_input: Callable
+    backward_weight: Callable
+    backward_fused: Callable
 
 
 class StageSplit:
@@ -139,17 +192,19 @@ class StageSplit:
         input_grad: whether B returns the gradient for ``x`` (False for the first stage, whose
             input is the data).
 
-    The four functions are ``jax.jit``-ed and pure (arrays in, arrays out):
+    The four functions are pure (arrays in, arrays out) and run jitted programs:
 
     - ``forward(params, x, aux) -> (y, res, kept)``: the output, B's residuals (a tuple of
-      arrays) and W's operands (a tuple of arrays).
+      arrays; the parameters B needs as they are, e.g. a kernel for ``dy W^T``, are among
+      them as the very arrays given, not copies) and W's operands (a tuple of arrays).
     - ``backward_input(res, dy) -> (dx, grads_out)``: the input gradient (``None`` when
       ``input_grad`` is false) and every weight operation's output gradient (a tuple).
     - ``backward_weight(params, kept, grads_out, acc) -> acc + dparams``: the parameter
       gradients, added to the accumulator ``acc`` (same pytree as ``params``).
     - ``backward_fused(params, res, kept, dy, acc) -> (dx, acc + dparams)``: B then W.
 
-    ``weight_gradient(params, kept, grads_out)`` is W without the accumulator.
+    ``weight_gradient(params, kept, grads_out)`` is W without the accumulator. ``flat`` holds
+    the same programs over flat tuples of arrays (:class:`FlatStage`), what the executor calls.
 
     Raises:
         ValueError: an output that does not depend on the stage input, or a non-float output.
@@ -171,12 +226,25 @@ class StageSplit:
         self._x_refs = prog.inputs[n_p : n_p + n_x]
         self._aux_refs = prog.inputs[n_p + n_x :]
         self._mark()
-        self._res_tree = None
-        self.forward = jax.jit(self._forward)
+        self._res_tree = None  # structure of F's pullback, known once F is traced
+        self._res_params = None  # per residual: the parameter leaf it is, or None (F's trace)
+        self._grads_index = None  # per weight-op output gradient: its place among B's outputs (B's trace)
+        self.flat = FlatStage(
+            forward=jax.jit(self._forward_flat, donate_argnums=3, keep_unused=True),
+            backward_input=jax.jit(self._backward_input_flat, donate_argnums=3, keep_unused=True),
+            backward_weight=jax.jit(self._backward_weight_flat, donate_argnums=3),
+            backward_fused=jax.jit(self._backward_fused_flat, donate_argnums=4),
+        )
         self.backward_input = jax.jit(self._backward_input)
         self.weight_gradient = jax.jit(self._weight_gradient)
         self.backward_weight = jax.jit(self._backward_weight)
         self.backward_fused = jax.jit(self._backward_fused)
+
+    def forward(self, params, x, aux):
+        """F: ``(y, res, kept)``; see the class docstring."""
+        p = tuple(jax.tree_util.tree_leaves(params))
+        y, own, kept = self.flat.forward(p, x, aux)
+        return y, self._residuals(p, own), kept
 
     # ------------------------------------------------------------------ analysis
 
@@ -201,15 +269,20 @@ class StageSplit:
                 k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_a
             )
             probed = tuple(r for r in node.outs if jnp.issubdtype(prog.avals[r].dtype, jnp.inexact))
-            weight_ops.append(_WeightOp(i, weight, kept, probed))
+            weight_ops.append(_WeightOp(i, weight, kept, probed, _matmul_shape(node, weight, kept, prog.avals)))
         for r in prog.outputs:
             if not isinstance(r, int) or r not in on_a:
                 raise ValueError("a stage output does not depend on the stage input; every output must come from x")
             if not jnp.issubdtype(prog.avals[r].dtype, jnp.inexact):
                 raise ValueError(f"stage outputs must be floating point to be differentiated, got {prog.avals[r].dtype}")
-        self._on_a = on_a
+        self._on_a, self._on_p = on_a, on_p
         self.weight_ops = tuple(weight_ops)
-        self._kept_refs = tuple(dict.fromkeys(op_in for op in weight_ops for op_in in (prog.nodes[op.node].ins[k] for k in op.kept_inputs)))
+        kept_by_op = [(op, prog.nodes[op.node].ins[k]) for op in weight_ops for k in op.kept_inputs]
+        self._kept_refs = tuple(dict.fromkeys(r for op, r in kept_by_op if op.matmul is None))
+        # x of a product x @ w is kept as the (k, rows) matrix x^T: W's dw = x^T dy is then a plain
+        # row-major product, where x (rows, k) contracted over its rows makes XLA's CPU backend
+        # transpose dy or take a slower product (1.5-2x on this model's W).
+        self._kept_t_refs = tuple(dict.fromkeys((r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None))
         self._probe_refs = tuple(r for op in weight_ops for r in op.probed)
 
     @property
@@ -234,26 +307,33 @@ class StageSplit:
     def _read(self, env, r):
         return r.value if isinstance(r, _Const) else env[r]
 
-    def _forward(self, params, x, aux):
-        p_leaves, x_leaves, aux_leaves = self._split_leaves(params, x, aux)
-        zeros = tuple(jnp.zeros(self._prog.avals[r].shape, self._prog.avals[r].dtype) for r in self._probe_refs)
+    def _forward_flat(self, p_leaves, x, aux, spare=None):
+        x_leaves, aux_leaves = jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(aux)
+        # zeros_like keeps x's varying mesh axes inside shard_map (zbpp_lite.spmd); plain zeros elsewhere
+        zeros = tuple(jnp.zeros_like(x_leaves[0], shape=self._prog.avals[r].shape, dtype=self._prog.avals[r].dtype) for r in self._probe_refs)
 
         def run(xs, probes):
             env = self._evaluate(p_leaves, xs, aux_leaves, dict(zip(self._probe_refs, probes)))
             y = [self._read(env, r) for r in self._prog.outputs]
-            return jax.tree_util.tree_unflatten(self._out_tree, y), tuple(env[r] for r in self._kept_refs)
+            kept = [env[r] for r in self._kept_refs] + [env[r].reshape(shape).T for r, shape in self._kept_t_refs]
+            return jax.tree_util.tree_unflatten(self._out_tree, y), tuple(kept)
 
         if self.input_grad:
             y, pullback, kept = jax.vjp(run, tuple(x_leaves), zeros, has_aux=True)
         else:
             y, pullback, kept = jax.vjp(lambda probes: run(tuple(x_leaves), probes), zeros, has_aux=True)
         res, self._res_tree = jax.tree_util.tree_flatten(pullback)
-        return y, tuple(res), kept
+        # B needs some parameters as they are (a kernel for dx = dy W^T): those are not F's
+        # outputs (a copy of the kernels per microbatch) but B's inputs, passed through.
+        self._res_params = tuple(next((i for i, p in enumerate(p_leaves) if r is p), None) for r in res)
+        return y, tuple(r for r, i in zip(res, self._res_params) if i is None), kept
 
-    def _split_leaves(self, params, x, aux):
-        flat = jax.tree_util.tree_leaves((params, x, aux))
-        n_p, n_x = len(self._param_refs), len(self._x_refs)
-        return flat[:n_p], flat[n_p : n_p + n_x], flat[n_p + n_x :]
+    def _residuals(self, p_leaves, own):
+        """B's residuals in the pullback's order: F's outputs ``own`` with the parameters put back."""
+        if self._res_params is None:
+            raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
+        rest = iter(own)
+        return tuple(next(rest) if i is None else p_leaves[i] for i in self._res_params)
 
     def _backward_input(self, res, dy):
         if self._res_tree is None:
@@ -266,35 +346,54 @@ class StageSplit:
         return None, tuple(grads_out)
 
     def _weight_gradient(self, params, kept, grads_out):
+        g_leaves = self._weight_gradient_flat(tuple(jax.tree_util.tree_leaves(params)), kept, grads_out)
+        return jax.tree_util.tree_unflatten(self._params_tree, list(g_leaves))
+
+    def _weight_gradient_flat(self, p_leaves, kept, grads_out):
         prog = self._prog
         kept_env = dict(zip(self._kept_refs, kept))
+        kept_t = dict(zip((r for r, _ in self._kept_t_refs), kept[len(self._kept_refs) :]))
 
-        def weight_outputs(p_leaves):
+        def weight_operands(p_leaves):  # parameter-only and constant operations, never activations
             env = dict(zip(self._param_refs, p_leaves))
-            for node in prog.nodes:  # parameter-only and constant operations, never activations
+            for node in prog.nodes:
                 if any(r in self._on_a for r in node.outs):
                     continue
                 outs = node.run([self._read(env, r) for r in node.ins])
                 env.update(zip(node.outs, outs))
-            outs = []
-            for op in self.weight_ops:
-                node = prog.nodes[op.node]
+            return tuple(tuple(env[prog.nodes[op.node].ins[k]] for k in op.weight_inputs) for op in self.weight_ops)
+
+        operands, pullback = jax.vjp(weight_operands, tuple(p_leaves))
+        constants: dict = {}  # operations on constants only (an iota, a mask)
+        for node in prog.nodes:
+            if not any(r in self._on_a or r in self._on_p for r in node.outs):
+                constants.update(zip(node.outs, node.run([self._read(constants, r) for r in node.ins])))
+        grads = iter(grads_out)
+        cotangents = []  # of every weight operation's parameter operands
+        for op, weights in zip(self.weight_ops, operands):
+            node, dys = prog.nodes[op.node], tuple(next(grads) for _ in op.probed)
+            if op.matmul is not None:  # dw = x^T dy
+                rows, _, n = op.matmul
+                cotangents.append(((kept_t[node.ins[0]] @ dys[0].reshape(rows, n)).reshape(weights[0].shape),))
+                continue
+
+            def outputs(*weights, node=node, op=op):
                 values = []
                 for k, r in enumerate(node.ins):
-                    if isinstance(r, _Const) or k in op.weight_inputs or r not in self._on_a:
-                        values.append(self._read(env, r))
+                    if k in op.weight_inputs:
+                        values.append(weights[op.weight_inputs.index(k)])
+                    elif isinstance(r, _Const) or r not in self._on_a:
+                        values.append(self._read(constants, r))
                     elif k in op.kept_inputs:
                         values.append(kept_env[r])
                     else:  # an operand this op's parameter vjp does not read (bias addition)
-                        values.append(jnp.zeros(prog.avals[r].shape, prog.avals[r].dtype))
+                        values.append(jnp.zeros_like(weights[0], shape=prog.avals[r].shape, dtype=prog.avals[r].dtype))
                 out = dict(zip(node.outs, node.run(values)))
-                outs.extend(out[r] for r in op.probed)
-            return tuple(outs)
+                return tuple(out[r] for r in op.probed)
 
-        p_leaves = jax.tree_util.tree_leaves(params)
-        _, pullback = jax.vjp(weight_outputs, p_leaves)
-        (g_leaves,) = pullback(tuple(grads_out))
-        return jax.tree_util.tree_unflatten(self._params_tree, g_leaves)
+            cotangents.append(jax.vjp(outputs, *weights)[1](dys))
+        (g_leaves,) = pullback(tuple(cotangents))
+        return tuple(g_leaves)
 
     def _backward_weight(self, params, kept, grads_out, acc):
         grads = self._weight_gradient(params, kept, grads_out)
@@ -303,6 +402,26 @@ class StageSplit:
     def _backward_fused(self, params, res, kept, dy, acc):
         dx, grads_out = self._backward_input(res, dy)
         return dx, self._backward_weight(params, kept, grads_out, acc)
+
+    # flat programs: parameters and gradient sums as tuples of leaves (see FlatStage)
+
+    def _backward_input_flat(self, p_leaves, own, dy, spare=None):
+        dx, grads_out = self._backward_input(self._residuals(p_leaves, own), dy)
+        # A Linear's product and its bias addition (a LayerNorm's scale and shift) have one
+        # output gradient: B writes it once, W reads it for both.
+        first: dict[int, int] = {}
+        self._grads_index = tuple(first.setdefault(id(g), len(first)) for g in grads_out)
+        return dx, tuple({id(g): g for g in grads_out}.values())
+
+    def _backward_weight_flat(self, p_leaves, kept, grads_out, acc):
+        if self._grads_index is None:
+            raise RuntimeError("StageSplit: call backward_input before backward_weight (W reads B's output gradients)")
+        grads = self._weight_gradient_flat(p_leaves, kept, tuple(grads_out[i] for i in self._grads_index))
+        return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
+
+    def _backward_fused_flat(self, p_leaves, own, kept, dy, acc):
+        dx, grads_out = self._backward_input_flat(p_leaves, own, dy)
+        return dx, self._backward_weight_flat(p_leaves, kept, grads_out, acc)
 
 
 def compiled_flops(fn: Callable, *args: Any) -> float:

@@ -1,0 +1,517 @@
+"""Ours against PyTorch's pipelining runtime on the same job, side by side in one run (issue 9).
+
+The job is the one ``shared/peers/torch_pp_bench.py`` states: digits as 8 row tokens, the pre-norm
+Transformer classifier (d=128, 4 heads, 8 blocks), global batch 256, m=8 microbatches, AdamW
+(lr 1e-3, weight decay 0.01), 2 ranks, float32; warm-up steps, then timed steps; a step is the
+forward, the backward and the optimizer update. This script
+
+1. runs PyTorch's side with a Python that has torch (``--torch-python``; default the
+   ZBPP_TORCH_PYTHON environment variable, else /work/torchvenv/bin/python if it exists; without
+   one the PyTorch side is skipped, saying so), which also writes the initial weights;
+2. runs ours, each run in fresh processes started from the same initial weights, on the same
+   batches, in two set-ups:
+   - ``NAME@procs``: PyTorch's set-up, one process per rank, each pinned to its own core before
+     JAX starts (so XLA's threads serve that rank only), the package's executor running that
+     rank's actions (``PipelineExecutor(ranks=[r], remote=...)``), activations and gradients
+     between ranks through pipes, AdamW on the rank's stages after its last action, a common
+     start signal per step and the slower rank's time as the step's (:func:`rank_process`);
+   - ``NAME``: ``zbpp_lite.train.train`` as a user calls it, one process with 2 simulated CPU
+     devices, ranks as threads, pinned to the first two cores. The devices share XLA's thread
+     pool there, so a waiting rank's core works for the other: bubbles cost less than idle
+     cores, and a schedule's fewer bubbles count for less;
+   and the single-device baseline ``zbpp_lite.baseline.train_baseline`` pinned to one core as
+   PyTorch's (``baseline``), plus two references of ours: the same with the 8 microbatches
+   accumulated (``baseline-acc8``) and unpinned, XLA's threads on both cores
+   (``baseline-2cores``);
+3. prints one table (median and minimum step time over the timed steps, speed-up over the side's
+   own 1-core baseline, loss of the first and last step, the largest difference of any step's
+   loss from PyTorch's baseline, and the CPU cores other programs used meanwhile) and the
+   issue's targets for each set-up, each with PASS or FAIL.
+
+Schedules that take planned costs (zb-v, zb-auto) are planned from costs measured on this job:
+a short calibration run with unit costs, then the schedule is rebuilt from its measured mean
+action costs (``zbpp_lite.executor.measured_costs``) and trained from the start.
+
+Timings are only meaningful on an otherwise idle machine: every run reports the CPU cores other
+programs used while it ran, and a run above 0.1 is flagged to be repeated.
+
+Run (about 15 minutes on 2 cores):
+    python benchmarks/bench_vs_torch.py --json vs_torch.json
+    python benchmarks/bench_vs_torch.py --runs baseline,1f1b,zb-h2 --torch-schedules baseline,1F1B --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SCRIPT = ROOT.parent / "shared" / "peers" / "torch_pp_bench.py"
+JOB = {"d": 128, "heads": 4, "blocks": 8, "batch": 256, "microbatches": 8, "lr": 1e-3, "weight_decay": 0.01, "seed": 0}
+RANKS = 2
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zb-v", "zb-auto")
+BEST_ZB = ("zb-h2", "zb-v", "zb-auto")  # the issue's "best zero-bubble schedule" candidates
+BASELINES = {
+    "baseline": {"microbatches": 1, "cores": 1},  # PyTorch's baseline: whole batch, one core
+    "baseline-acc8": {"microbatches": 8, "cores": 1},  # the 8 microbatches, one after another, one core
+    "baseline-2cores": {"microbatches": 1, "cores": 2},  # whole batch, XLA's threads on both cores
+}
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", *ZERO_BUBBLE]
+PROCS = "@procs"  # suffix: one pinned single-threaded process per rank (PyTorch's set-up)
+OURS = [*BASELINES, *(name + PROCS for name in SCHEDULES), *SCHEDULES]
+TORCH_ZB = ("InterleavedZeroBubble", "ZBVZeroBubble")
+BUSY_CORES = 0.1
+LOSS_TOLERANCE = 1e-4
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU time the whole machine has spent so far (Linux /proc/stat), seconds."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def run_measured(command: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, float | None, float]:
+    """Run a child to completion; return it, the CPU cores other programs used meanwhile (the
+    machine's busy time less the child's own, over the wall time) and the wall time."""
+    busy0, own0, t0 = busy_cpu_seconds(), children_cpu_seconds(), time.monotonic()
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    wall = time.monotonic() - t0
+    other = None
+    if busy0 is not None:
+        other = max(0.0, (busy_cpu_seconds() - busy0) - (children_cpu_seconds() - own0)) / wall
+    return done, other, wall
+
+
+# ----------------------------------------------------------------------------- worker (one of our runs)
+
+
+def pin(cores: int) -> list[int]:
+    """Hold this process (before JAX starts its threads) on its first ``cores`` allowed cores."""
+    if not hasattr(os, "sched_setaffinity"):
+        return []
+    allowed = sorted(os.sched_getaffinity(0))
+    chosen = set(allowed[:cores])
+    os.sched_setaffinity(0, chosen)
+    return sorted(chosen)
+
+
+def worker(args) -> dict:
+    """One of our runs, in this (fresh) process; returns its figures."""
+    name = args.worker
+    if name.endswith(PROCS):
+        return process_pipeline(name.removesuffix(PROCS), args)
+    cores = BASELINES[name]["cores"] if name in BASELINES else RANKS
+    pinned = pin(cores) if args.pin else []
+    from zbpp_lite.devices import ensure_devices
+
+    devices = ensure_devices(1 if name in BASELINES else RANKS)
+    sizes = {k: JOB[k] for k in ("d", "heads", "blocks", "batch", "lr", "weight_decay", "seed")}
+    steps = args.warmup + args.steps
+    common = dict(holdout=0.0, init=args.init, **sizes)
+    extra: dict = {}
+    if name in BASELINES:
+        from zbpp_lite.baseline import train_baseline
+
+        result = train_baseline(steps, microbatches=BASELINES[name]["microbatches"], device=devices[0], **common)
+    else:
+        import zbpp_lite as zb
+        from zbpp_lite.builders import options_of
+        from zbpp_lite.train import train
+
+        options = {}
+        if "costs" in options_of(name):  # plan from costs measured on this job
+            calibration = train(name, RANKS, JOB["microbatches"], 3, devices=devices, check_grads=False,
+                                schedule_options={"costs": zb.Costs()}, **common)
+            options["costs"] = calibration.costs
+            extra["planned_costs_ms"] = {k: [1e3 * v for v in getattr(calibration.costs, k)] for k in ("f", "b", "w")}
+        result = train(name, RANKS, JOB["microbatches"], steps, devices=devices, check_grads=False,
+                       schedule_options=options, **common)
+        timed = result.timelines[args.warmup:]
+        extra["makespan_ms"] = statistics.median(t.makespan for t in timed) * 1e3
+        extra["bubble_rate"] = statistics.median(t.bubble_rate for t in timed)
+        extra["stages"] = result.schedule.num_stages
+    from zbpp_lite.baseline import step_stats
+
+    return {
+        **step_stats(result.step_seconds, args.warmup),
+        **extra,
+        "losses": result.losses,
+        "eval_loss": result.test_loss,
+        "eval_acc": result.test_accuracy,
+        "cores": pinned,
+    }
+
+
+# ----------------------------------------------------------------------------- one process per rank
+
+
+def rank_process(rank: int, core: int | None, name: str, options: dict, init: str | None, peers: dict, control) -> None:
+    """One pipeline rank in its own process, as PyTorch's benchmark runs its ranks: pinned to one
+    core before JAX starts (so XLA's threads are this rank's only), one CPU device, the package's
+    executor for this rank's actions (``PipelineExecutor(ranks=[rank], remote=...)``), values to
+    and from the other ranks through pipes, AdamW on this rank's stages after its last action.
+    Steps on the parent's word; each step reports its wall time, the losses (last stage) and the
+    measured events."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+    from zbpp_lite.devices import ensure_devices
+
+    device = ensure_devices(1)[0]
+    import threading
+
+    import jax
+    import numpy as np
+    import optax
+
+    import zbpp_lite as zb
+    from zbpp_lite.baseline import adamw
+    from zbpp_lite.data import load_digits
+    from zbpp_lite.executor import PipelineExecutor
+    from zbpp_lite.model import ModelConfig, StagedModel, build_parts, load_torch_init
+
+    schedule = zb.build_schedule(name, RANKS, JOB["microbatches"], **options)
+    config = ModelConfig(d=JOB["d"], heads=JOB["heads"], blocks=JOB["blocks"], seed=JOB["seed"])
+    model = StagedModel(build_parts(config), schedule.num_stages)
+    params = list(load_torch_init(init, config) if init else model.params)
+
+    def send(to: int, key, value) -> None:
+        peers[to].send((key, np.asarray(value)))
+
+    executor = PipelineExecutor(model, schedule, [device], ranks=[rank], remote=send)
+
+    def receive(conn) -> None:
+        while (message := conn.recv()) is not None:
+            executor.deliver(*message)
+
+    for conn in peers.values():
+        threading.Thread(target=receive, args=(conn,), daemon=True).start()
+    optimizer = adamw(JOB["lr"], JOB["weight_decay"])
+
+    def apply(grads, state, p):
+        updates, state = optimizer.update(grads, state, p)
+        return optax.apply_updates(p, updates), state
+
+    update = jax.jit(apply, donate_argnums=(1, 2))
+    mine = executor.local_stages
+    stage_params = {s: jax.device_put(model.stage_params(params, s), device) for s in mine}
+    states = {s: optimizer.init(p) for s, p in stage_params.items()}
+    data = load_digits(0.0, JOB["seed"])
+    while (command := control.recv()) is not None:
+        x, y = data.batch(command, JOB["batch"])
+        for s, p in stage_params.items():
+            for i, part in zip(model.parts[s], p):
+                params[i] = part
+        t0 = time.perf_counter()
+        result = executor.run(params, x, y)
+        for s in mine:
+            stage_params[s], states[s] = update(model.stage_params(result.grads, s), states[s], stage_params[s])
+        jax.block_until_ready(stage_params)
+        seconds = time.perf_counter() - t0
+        events = [(e.rank, str(e.action), e.start, e.end) for e in result.timeline.events]
+        control.send((seconds, list(result.microbatch_losses), events))
+    for conn in peers.values():
+        conn.send(None)
+
+
+def run_processes(name: str, options: dict, steps: int, init: str | None, pin_ranks: bool) -> tuple[list, list, list]:
+    """Train ``steps`` steps with one process per rank; returns per step (seconds, loss, Timeline).
+    A step's time is the slowest rank's, from the common start signal to the end of its update."""
+    import multiprocessing as mp
+
+    import numpy as np
+
+    from zbpp_lite.schedule import Action
+    from zbpp_lite.timeline import Event, Timeline
+
+    ctx = mp.get_context("spawn")
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    links = {(a, b): ctx.Pipe() for a in range(RANKS) for b in range(a + 1, RANKS)}
+    peers = [{} for _ in range(RANKS)]
+    for (a, b), (end_a, end_b) in links.items():
+        peers[a][b], peers[b][a] = end_a, end_b
+    controls = [ctx.Pipe() for _ in range(RANKS)]
+    procs = [
+        ctx.Process(target=rank_process, daemon=True,
+                    args=(r, allowed[r % len(allowed)] if pin_ranks and allowed else None, name, options, init, peers[r], controls[r][1]))
+        for r in range(RANKS)
+    ]
+    for proc in procs:
+        proc.start()
+    seconds, losses, timelines = [], [], []
+    try:
+        for k in range(steps):
+            for parent, _ in controls:
+                parent.send(k)
+            replies = [parent.recv() for parent, _ in controls]
+            seconds.append(max(r[0] for r in replies))
+            mb_losses = next(r[1] for r in replies if r[1])
+            losses.append(float(np.mean(np.asarray(mb_losses, np.float64))))
+            events = [Event(r, Action.from_str(a), t0, t1) for rep in replies for r, a, t0, t1 in rep[2]]
+            timelines.append(Timeline.from_events(events, RANKS, source="measured"))
+        for parent, _ in controls:
+            parent.send(None)
+        for proc in procs:
+            proc.join(60)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+    return seconds, losses, timelines
+
+
+def process_pipeline(name: str, args) -> dict:
+    """Our run with one pinned process per rank (PyTorch's set-up): figures as :func:`worker`'s."""
+    import zbpp_lite as zb
+    from zbpp_lite.baseline import step_stats
+    from zbpp_lite.builders import options_of
+    from zbpp_lite.executor import measured_costs
+
+    options, extra = {}, {}
+    if "costs" in options_of(name):  # plan from costs measured on this job, in this set-up
+        _, _, timelines = run_processes(name, {"costs": zb.Costs()}, 3, args.init, args.pin)
+        options["costs"] = measured_costs(timelines[-1], zb.build_schedule(name, RANKS, JOB["microbatches"], costs=zb.Costs()).num_stages)
+        extra["planned_costs_ms"] = {k: [1e3 * v for v in getattr(options["costs"], k)] for k in ("f", "b", "w")}
+    seconds, losses, timelines = run_processes(name, options, args.warmup + args.steps, args.init, args.pin)
+    timed = timelines[args.warmup:]
+    return {
+        **step_stats(seconds, args.warmup),
+        **extra,
+        "makespan_ms": statistics.median(t.makespan for t in timed) * 1e3,
+        "bubble_rate": statistics.median(t.bubble_rate for t in timed),
+        "losses": losses,
+        "cores": "one per rank" if args.pin else [],
+    }
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+
+def torch_python(flag: str | None) -> str | None:
+    if flag:
+        return flag
+    if os.environ.get("ZBPP_TORCH_PYTHON"):
+        return os.environ["ZBPP_TORCH_PYTHON"]
+    default = "/work/torchvenv/bin/python"
+    return default if os.path.exists(default) else None
+
+
+def run_torch(args, init: str, workdir: str) -> dict:
+    """PyTorch's runs (its script), or {} with the reason printed."""
+    python = torch_python(args.torch_python)
+    if python is None:
+        print("PyTorch side SKIPPED: no Python with torch (give --torch-python or set ZBPP_TORCH_PYTHON)", flush=True)
+        return {}
+    try:
+        probe = subprocess.run([python, "-c", "import torch"], capture_output=True, text=True)
+    except OSError as e:
+        print(f"PyTorch side SKIPPED: cannot run {python}: {e}", flush=True)
+        return {}
+    if probe.returncode != 0:
+        print(f"PyTorch side SKIPPED: {python} cannot import torch: {probe.stderr.strip().splitlines()[-1:]}", flush=True)
+        return {}
+    if not Path(args.torch_script).exists():
+        print(f"PyTorch side SKIPPED: no {args.torch_script}", flush=True)
+        return {}
+    out = os.path.join(workdir, "torch.json")
+    command = [python, args.torch_script, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--schedules", args.torch_schedules, "--save-init", init, "--json", out,
+               *[f"--{k}={JOB[k]}" for k in ("d", "heads", "blocks", "batch", "microbatches", "lr", "seed")]]
+    if not args.pin:
+        command.append("--no-pin")
+    print(f"[torch] {' '.join(command[2:])}", flush=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    if not os.path.exists(out):
+        raise RuntimeError(f"PyTorch's run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    report = json.load(open(out))
+    for name, r in report["results"].items():
+        if "error" in r:
+            print(f"[torch] {name} FAILED: {r['error'].strip().splitlines()[-1]}", flush=True)
+        else:
+            print(f"[torch] {name:<22} median {r['median_ms']:7.1f} ms  other {r['other_load_cores']:.2f}", flush=True)
+    return report
+
+
+def run_ours(args, init: str | None, workdir: str) -> dict:
+    results = {}
+    for name in args.runs.split(","):
+        out = os.path.join(workdir, f"ours_{name}.json")
+        command = [sys.executable, __file__, "--worker", name, "--out", out, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), *(["--init", init] if init else []), *([] if args.pin else ["--no-pin"])]
+        done, other, wall = run_measured(command, args.timeout)
+        if done.returncode != 0 or not os.path.exists(out):
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            results[name] = {"error": tail[0]}
+            print(f"[ours] {name} FAILED: {tail[0]}", flush=True)
+            continue
+        results[name] = {**json.load(open(out)), "other_load_cores": other, "wall_s": wall}
+        r = results[name]
+        span = f"  makespan {r['makespan_ms']:7.1f} ms  bubble {r['bubble_rate']:.3f}" if "makespan_ms" in r else ""
+        print(f"[ours] {name:<22} median {r['median_ms']:7.1f} ms  min {r['min_ms']:7.1f}{span}"
+              f"  other {other if other is not None else float('nan'):.2f}  ({wall:.0f} s)", flush=True)
+    return results
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def loss_gap(losses: list[float], reference: list[float] | None) -> float | None:
+    if not reference:
+        return None
+    n = min(len(losses), len(reference))
+    return max(abs(a - b) for a, b in zip(losses[:n], reference[:n]))
+
+
+def table(ours: dict, torch_results: dict) -> list[dict]:
+    rows = []
+    torch_base = torch_results.get("baseline", {})
+    reference = torch_base.get("train_losses")
+    for side, results, base_name in (("torch", torch_results, "baseline"), ("ours", ours, "baseline")):
+        base = results.get(base_name, {}).get("median_ms")
+        for name, r in results.items():
+            if "error" in r:
+                rows.append({"side": side, "run": name, "error": r["error"]})
+                continue
+            losses = r.get("losses") or r.get("train_losses")
+            rows.append({
+                "side": side, "run": name, "median_ms": r["median_ms"], "min_ms": r["min_ms"],
+                "speedup": base / r["median_ms"] if base else None,
+                "loss_first": losses[0], "loss_last": losses[-1],
+                "loss_gap": loss_gap(losses, reference), "other": r.get("other_load_cores"),
+                "bubble_rate": r.get("bubble_rate"),
+            })
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'side':<6}{'run':<24}{'median ms':>10}{'min ms':>9}{'vs base':>8}{'loss@1':>9}{'loss@last':>10}{'max|dloss|':>11}{'other':>7}"
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        if "error" in r:
+            print(f"{r['side']:<6}{r['run']:<24}FAILED: {r['error'][:80]}")
+            continue
+        fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        print(f"{r['side']:<6}{r['run']:<24}{r['median_ms']:>10.1f}{r['min_ms']:>9.1f}{speedup:>8}"
+              f"{r['loss_first']:>9.4f}{r['loss_last']:>10.4f}{fmt(r['loss_gap'], '>11.1e'):>11}{fmt(r['other'], '>7.2f'):>7}")
+    print("vs base: the side's own 1-core baseline median / the run's median. max|dloss|: largest difference of any\n"
+          "step's training loss from PyTorch's baseline run (same initial weights and batches). other: CPU cores\n"
+          "used by other programs during the run (should be ~0).")
+
+
+def targets(ours: dict, torch_results: dict, rows: list[dict], suffix: str = "") -> list[tuple[str, str, bool | None]]:
+    """The issue's targets for our runs named ``schedule + suffix``: (what, measured figures,
+    passed; None when a side is missing)."""
+    med = lambda results, names: {n: results[n]["median_ms"] for n in names if n in results and "error" not in results[n]}  # noqa: E731
+    checks = []
+    ours_zb, best_zb = med(ours, [n + suffix for n in ZERO_BUBBLE]), med(ours, [n + suffix for n in BEST_ZB])
+    torch_all = med(torch_results, [n for n in torch_results if n != "baseline"])
+    torch_zb = med(torch_results, TORCH_ZB)
+    if best_zb and torch_all:
+        name, t = min(best_zb.items(), key=lambda kv: kv[1])
+        tname, tt = min(torch_all.items(), key=lambda kv: kv[1])
+        checks.append((f"our best zero-bubble ({name}) / PyTorch's best ({tname}) <= 0.8", f"{t:.1f} / {tt:.1f} = {t / tt:.3f}", t / tt <= 0.8))
+    else:
+        checks.append(("our best zero-bubble / PyTorch's best <= 0.8", "a side is missing", None))
+    if ours_zb and med(ours, ["1f1b" + suffix]):
+        ref = ours["1f1b" + suffix]["median_ms"]
+        for name, t in ours_zb.items():
+            checks.append((f"our {name} faster than our 1f1b{suffix}", f"{t:.1f} / {ref:.1f} = {t / ref:.3f}", t < ref))
+    if best_zb and torch_zb and torch_all:
+        name, t = min(best_zb.items(), key=lambda kv: kv[1])
+        zname, zt = min(torch_zb.items(), key=lambda kv: kv[1])
+        tt = min(torch_all.values())
+        checks.append((f"ahead of PyTorch's zero bubble ({zname}) by a wider margin than of its best",
+                       f"{zt / t:.2f}x vs {tt / t:.2f}x", zt / t > tt / t and zt > t))
+    base = med(ours, ["baseline"]).get("baseline")
+    if base and best_zb:
+        name, t = min(best_zb.items(), key=lambda kv: kv[1])
+        checks.append((f"speed-up of {name} over our 1-core baseline >= 1.7", f"{base:.1f} / {t:.1f} = {base / t:.2f}", base / t >= 1.7))
+    mine = lambda run: run in BASELINES or (run.endswith(suffix) if suffix else PROCS not in run)  # noqa: E731
+    gaps = [(r["run"], r["loss_gap"]) for r in rows if r["side"] == "ours" and r.get("loss_gap") is not None and mine(r["run"])]
+    if gaps:
+        worst = max(gaps, key=lambda g: g[1])
+        checks.append((f"losses equal PyTorch's step for step within {LOSS_TOLERANCE:g} (every run of ours)",
+                       f"worst {worst[1]:.1e} ({worst[0]})", worst[1] <= LOSS_TOLERANCE))
+    else:
+        checks.append(("losses equal PyTorch's within 1e-4", "no PyTorch losses to compare", None))
+    busy = [f"{r['side']} {r['run']} ({r['other']:.2f})" for r in rows
+            if (r.get("other") or 0) > BUSY_CORES and (r["side"] == "torch" or mine(r["run"]))]
+    checks.append(("machine otherwise idle (other load <= 0.1 core in every run)", ", ".join(busy) or "yes", not busy))
+    return checks
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--torch-python", help="a Python that can import torch (default: $ZBPP_TORCH_PYTHON, else /work/torchvenv/bin/python)")
+    p.add_argument("--torch-script", default=str(DEFAULT_SCRIPT), help=f"PyTorch's side (default {DEFAULT_SCRIPT})")
+    p.add_argument("--torch-schedules", default="baseline,GPipe,1F1B,Interleaved1F1B,InterleavedZeroBubble,ZBVZeroBubble")
+    p.add_argument("--runs", default=",".join(OURS), help=f"our runs (default {','.join(OURS)})")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per run (default 3)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run (default 1800)")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="pin no process to cores")
+    p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--init", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        result = worker(args)
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return 0
+    unknown = [n for n in args.runs.split(",") if n not in OURS]
+    if unknown:
+        p.error(f"unknown runs {unknown}; choose from {','.join(OURS)}")
+    with tempfile.TemporaryDirectory(prefix="bench_vs_torch_") as workdir:
+        init = os.path.join(workdir, "init.npz")
+        torch_report = run_torch(args, init, workdir)
+        torch_results = torch_report.get("results", {})
+        if not os.path.exists(init):
+            init = None
+            print("no PyTorch initial weights: our runs start from our own init (no loss comparison)", flush=True)
+        ours = run_ours(args, init, workdir)
+    rows = table(ours, torch_results)
+    print(f"\njob: {JOB}, p={RANKS}, warm-up {args.warmup} + {args.steps} timed steps per run; step = forward + backward + optimizer")
+    print_table(rows)
+    checks = {}
+    for suffix, title in ((PROCS, "one pinned single-threaded process per rank, as PyTorch's"), ("", "one process, ranks as threads")):
+        if not any(n.endswith(suffix) and n not in BASELINES for n in ours) if suffix else not any(
+                n in SCHEDULES for n in ours):
+            continue
+        print(f"\ntargets (issue 9), ours with {title}:")
+        checks[suffix or "threads"] = targets(ours, torch_results, rows, suffix)
+        for what, figures, passed in checks[suffix or "threads"]:
+            print(f"  {'PASS' if passed else 'FAIL' if passed is not None else 'n/a '}  {what}: {figures}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"job": JOB, "steps": args.steps, "warmup": args.warmup, "ours": ours, "torch": torch_report,
+                       "rows": rows, "targets": {mode: [{"target": w, "figures": f, "passed": ok} for w, f, ok in c]
+                                                  for mode, c in checks.items()}}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""The single-device baseline: the unpartitioned model's step, with or without microbatches, and
+the same losses as the pipeline's training from the same start."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from zbpp_lite.baseline import adamw, make_step, step_stats, train_baseline
+from zbpp_lite.data import load_digits
+from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+from zbpp_lite.train import max_relative_error, train
+
+DEVICES = jax.devices()
+
+
+def _model() -> StagedModel:
+    return StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=2)), 1)
+
+
+def _reference_step(model, optimizer, params, state, x, y):
+    """value_and_grad and the optax update, written out (nothing shared with make_step)."""
+    loss, grads = jax.jit(jax.value_and_grad(model.loss))(params, x, y)
+    updates, state = optimizer.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, float(loss)
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_one_step_is_value_and_grad_then_the_update(microbatches):
+    """With SGD at learning rate 1 the step moves the parameters by exactly minus the gradient, so
+    the (accumulated) gradient is checked leaf by leaf; AdamW (whose first step is about
+    lr * sign(g)) is checked on the whole batch."""
+    model = _model()
+    x, y = load_digits(0.0, 0).batch(0, 16)
+    for optimizer in (optax.sgd(1.0), adamw(1e-3, 0.01)):
+        ref_params, _, ref_loss = _reference_step(model, optimizer, model.params, optimizer.init(model.params), x, y)
+        params = jax.tree_util.tree_map(lambda a: a.copy(), model.params)  # the step consumes what it is given
+        new_params, _, loss = make_step(model, optimizer, microbatches)(params, optimizer.init(params), x, y)
+        assert abs(float(loss) - ref_loss) <= 1e-6 * abs(ref_loss)
+        delta = jax.tree_util.tree_map(lambda a, b: a - b, new_params, model.params)
+        ref_delta = jax.tree_util.tree_map(lambda a, b: a - b, ref_params, model.params)
+        assert max_relative_error(delta, ref_delta) < 1e-4
+        if microbatches > 1:
+            break  # Adam's sign-like first step turns rounding of near-zero gradients into +-lr
+
+
+def test_the_baseline_trains_like_the_pipeline_from_the_same_start():
+    data = load_digits(0.2, 0)
+    kwargs = dict(d=16, heads=2, blocks=2, batch=8, data=data)
+    base = train_baseline(3, device=DEVICES[0], **kwargs)
+    piped = train("zb-h1", 2, 4, 3, devices=DEVICES[:2], check_grads=False, **kwargs)
+    np.testing.assert_allclose(base.losses, piped.losses, rtol=1e-5)
+    assert base.losses[-1] < base.losses[0]
+    assert len(base.step_seconds) == 3 and all(s > 0 for s in base.step_seconds)
+    assert abs(base.test_loss - piped.test_loss) < 1e-4
+
+
+def test_bad_sizes_are_refused_before_any_compute():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        train_baseline(0)
+    with pytest.raises(ValueError, match="does not divide into 3 microbatches"):
+        train_baseline(1, batch=8, microbatches=3)
+    with pytest.raises(ValueError, match="no timed steps"):
+        step_stats([0.1, 0.2], warmup=2)
+    assert step_stats([9.0, 0.002, 0.001, 0.004], warmup=1) == {"median_ms": 2.0, "min_ms": 1.0, "step_ms": [2.0, 1.0, 4.0]}
