@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .costs import Costs
