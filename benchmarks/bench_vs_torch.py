@@ -91,6 +91,20 @@ def children_cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def wait_quiet(limit: float, longest: float) -> float | None:
+    """Wait (at most ``longest`` seconds) until other programs use at most ``limit`` cores over
+    3 s; returns the last load seen (None where /proc/stat cannot be read)."""
+    deadline, load = time.monotonic() + longest, None
+    while True:
+        busy0 = busy_cpu_seconds()
+        if busy0 is None:
+            return None
+        time.sleep(3.0)
+        load = (busy_cpu_seconds() - busy0) / 3.0
+        if load <= limit or time.monotonic() > deadline:
+            return load
+
+
 def run_measured(command: list[str], timeout: float) -> tuple[subprocess.CompletedProcess, float | None, float]:
     """Run a child to completion; return it, the CPU cores other programs used meanwhile (the
     machine's busy time less the child's own, over the wall time) and the wall time."""
@@ -334,16 +348,33 @@ def run_torch(args, init: str, workdir: str) -> dict:
         print(f"PyTorch side SKIPPED: no {args.torch_script}", flush=True)
         return {}
     out = os.path.join(workdir, "torch.json")
-    command = [python, args.torch_script, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--schedules", args.torch_schedules, "--save-init", init, "--json", out,
-               *[f"--{k}={JOB[k]}" for k in ("d", "heads", "blocks", "batch", "microbatches", "lr", "seed")]]
-    if not args.pin:
-        command.append("--no-pin")
-    print(f"[torch] {' '.join(command[2:])}", flush=True)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-    if not os.path.exists(out):
-        raise RuntimeError(f"PyTorch's run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    report = json.load(open(out))
+
+    def run(schedules: str) -> dict:
+        command = [python, args.torch_script, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--schedules", schedules, "--save-init", init, "--json", out,
+                   *[f"--{k}={JOB[k]}" for k in ("d", "heads", "blocks", "batch", "microbatches", "lr", "seed")]]
+        if not args.pin:
+            command.append("--no-pin")
+        print(f"[torch] {' '.join(command[2:])}", flush=True)
+        if os.path.exists(out):
+            os.remove(out)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        if not os.path.exists(out):
+            raise RuntimeError(f"PyTorch's run failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        return json.load(open(out))
+
+    wait_quiet(BUSY_CORES, args.quiet_wait)
+    report = run(args.torch_schedules)
+    for _ in range(args.retries):  # a run on a busy machine is repeated, not quoted
+        busy = [n for n, r in report["results"].items() if (r.get("other_load_cores") or 0) > BUSY_CORES]
+        if not busy:
+            break
+        print(f"[torch] busy machine during {', '.join(busy)}: again", flush=True)
+        wait_quiet(BUSY_CORES, args.quiet_wait)
+        again = run(",".join(busy))["results"]
+        for name in busy:
+            if (again[name].get("other_load_cores") or 0) < (report["results"][name].get("other_load_cores") or 0):
+                report["results"][name] = again[name]
     for name, r in report["results"].items():
         if "error" in r:
             print(f"[torch] {name} FAILED: {r['error'].strip().splitlines()[-1]}", flush=True)
@@ -358,14 +389,26 @@ def run_ours(args, init: str | None, workdir: str) -> dict:
         out = os.path.join(workdir, f"ours_{name}.json")
         command = [sys.executable, __file__, "--worker", name, "--out", out, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), *(["--init", init] if init else []), *([] if args.pin else ["--no-pin"])]
-        done, other, wall = run_measured(command, args.timeout)
+        for attempt in range(1 + args.retries):  # a run on a busy machine is repeated, not quoted
+            if os.path.exists(out):
+                os.remove(out)
+            wait_quiet(BUSY_CORES, args.quiet_wait)
+            done, other, wall = run_measured(command, args.timeout)
+            if done.returncode != 0 or not os.path.exists(out):
+                break
+            result = {**json.load(open(out)), "other_load_cores": other, "wall_s": wall, "attempt": attempt + 1}
+            if name not in results or (other or 0) < (results[name]["other_load_cores"] or 0):
+                results[name] = result
+            if (other or 0) <= BUSY_CORES:
+                break
+            print(f"[ours] {name}: busy machine ({other:.2f} cores), again", flush=True)
         if done.returncode != 0 or not os.path.exists(out):
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             results[name] = {"error": tail[0]}
             print(f"[ours] {name} FAILED: {tail[0]}", flush=True)
             continue
-        results[name] = {**json.load(open(out)), "other_load_cores": other, "wall_s": wall}
         r = results[name]
+        other = r["other_load_cores"]
         span = f"  makespan {r['makespan_ms']:7.1f} ms  bubble {r['bubble_rate']:.3f}" if "makespan_ms" in r else ""
         print(f"[ours] {name:<22} median {r['median_ms']:7.1f} ms  min {r['min_ms']:7.1f}{span}"
               f"  other {other if other is not None else float('nan'):.2f}  ({wall:.0f} s)", flush=True)
@@ -471,6 +514,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per run (default 3)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run (default 1800)")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="pin no process to cores")
+    p.add_argument("--retries", type=int, default=2, help="times a run on a busy machine is repeated (default 2)")
+    p.add_argument("--quiet-wait", type=float, default=120, help="seconds to wait for a quiet machine before each run (default 120)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
