@@ -229,7 +229,7 @@ def rank_process(rank: int, core: int | None, name: str, options: dict, init: st
     update = jax.jit(apply, donate_argnums=(1, 2))
     mine = executor.local_stages
     stage_params = {s: jax.device_put(model.stage_params(params, s), device) for s in mine}
-    states = {s: optimizer.init(p) for s, p in stage_params.items()}
+    states = {s: jax.device_put(optimizer.init(p), device) for s, p in stage_params.items()}  # committed, as update's outputs
     data = load_digits(0.0, JOB["seed"])
     while (command := control.recv()) is not None:
         x, y = data.batch(command, JOB["batch"])
