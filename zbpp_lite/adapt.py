@@ -26,7 +26,6 @@ Source: Qi et al., arXiv 2401.10241, sections 2-3 (costs, bubbles, the automatic
 
 from __future__ import annotations
 
-import functools
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -40,6 +39,7 @@ from .rebalance import PartCosts, Parts, best_partition, calibrate, imbalanced_p
 from .replan import OnlineReplanner, replan
 from .schedule import Schedule
 from .timeline import Timeline
+from .train import jitted_adamw
 
 
 @dataclass
@@ -192,22 +192,6 @@ def default_blocks(num_stages: int, imbalance: float) -> int:
     return 2 * (num_stages - 1) + max(3, round(2 * imbalance))
 
 
-@functools.lru_cache(maxsize=8)
-def _adamw(lr: float, weight_decay: float):
-    """AdamW with PyTorch's defaults (as :func:`zbpp_lite.train.train`), updated per module."""
-    import jax
-    import optax
-
-    opt = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
-
-    @jax.jit
-    def update(grads, state, params):
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return opt, update
-
-
 class _Trainer:
     """Parameters and optimizer state per model module, so the partition can change between steps."""
 
@@ -217,7 +201,7 @@ class _Trainer:
         self.modules, self.num_stages, self.devices = modules, num_stages, list(devices)
         self.model = StagedModel(modules, num_stages)
         self.params = list(self.model.params)
-        self.opt, self._update = _adamw(lr, weight_decay)
+        self.opt, self._update = jitted_adamw(lr, weight_decay)
         self.opt_state = [self.opt.init(p) for p in self.params]
         self.executor = None
         self._reference = None  # jitted loss and gradients of the unpartitioned model

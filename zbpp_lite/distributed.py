@@ -437,13 +437,13 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
     from .executor import measured_costs
     from .model import ModelConfig, StagedModel, build_parts
     from .simulate import simulate
-    from .train import TrainResult, _adamw, _pick_measured, evaluate, max_relative_error
+    from .train import TrainResult, _pick_measured, evaluate, jitted_adamw, max_relative_error
 
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
     data = load_digits(args.holdout, args.seed)
     model = StagedModel(build_parts(config), schedule.num_stages)
     executor = ProcessPipelineExecutor(model, schedule, devices, timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
-    opt, update = _adamw(args.lr, 0.01)
+    opt, update = jitted_adamw(args.lr, 0.01)
     home = jax.local_devices()[0]
     params = jax.device_put(model.params, home)
     state = opt.init(params)

@@ -104,12 +104,15 @@ def max_relative_error(grads: Sequence[Any], reference: Sequence[Any]) -> float:
 
 
 @functools.lru_cache(maxsize=8)
-def _adamw(lr: float, weight_decay: float):
-    """AdamW with PyTorch's defaults (betas 0.9, 0.999, eps 1e-8) and its jitted update."""
+def jitted_adamw(lr: float, weight_decay: float):
+    """AdamW with PyTorch's defaults (:func:`zbpp_lite.baseline.adamw`) and its jitted update
+    ``update(grads, state, params) -> (params, state)``; shared by train, adapt and distributed."""
     import jax
     import optax
 
-    opt = optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
+    from .baseline import adamw
+
+    opt = adamw(lr, weight_decay)
 
     @jax.jit
     def update(grads, state, params):
@@ -202,7 +205,7 @@ def train(
     model = StagedModel(build_parts(config), sched.num_stages)
     params = load_torch_init(init, config) if init is not None else model.params
     executor = PipelineExecutor(model, sched, devices)
-    opt, update = _adamw(lr, weight_decay)
+    opt, update = jitted_adamw(lr, weight_decay)
     S = sched.num_stages
     stage_params = [jax.device_put(model.stage_params(params, s), executor.stage_devices[s]) for s in range(S)]
     opt_state = [jax.device_put(opt.init(p), executor.stage_devices[s]) for s, p in enumerate(stage_params)]
