@@ -162,6 +162,7 @@ def worker(args) -> dict:
         result = train(name, RANKS, JOB["microbatches"], steps, devices=devices, check_grads=False,
                        schedule_options=options, **common)
         timed = result.timelines[args.warmup:]
+        extra["action_ms"] = action_medians(timed)
         extra["makespan_ms"] = statistics.median(t.makespan for t in timed) * 1e3
         extra["bubble_rate"] = statistics.median(t.bubble_rate for t in timed)
         extra["stages"] = result.schedule.num_stages
@@ -175,6 +176,16 @@ def worker(args) -> dict:
         "eval_acc": result.test_accuracy,
         "cores": pinned,
     }
+
+
+def action_medians(timelines) -> dict:
+    """Median measured duration of each kind of action per stage ("F0", "B1", "W1", "BW0"), ms:
+    the profile the issue asks for before anything changes."""
+    durations: dict[str, list[float]] = {}
+    for t in timelines:
+        for e in t.events:
+            durations.setdefault(f"{e.action.kind}{e.action.stage}", []).append(e.duration * 1e3)
+    return {k: round(statistics.median(v), 3) for k, v in sorted(durations.items())}
 
 
 # ----------------------------------------------------------------------------- one process per rank
@@ -238,19 +249,21 @@ def rank_process(rank: int, core: int | None, name: str, options: dict, init: st
                 params[i] = part
         t0 = time.perf_counter()
         result = executor.run(params, x, y)
+        ran = time.perf_counter() - t0
         for s in mine:
             stage_params[s], states[s] = update(model.stage_params(result.grads, s), states[s], stage_params[s])
         jax.block_until_ready(stage_params)
         seconds = time.perf_counter() - t0
         events = [(e.rank, str(e.action), e.start, e.end) for e in result.timeline.events]
-        control.send((seconds, list(result.microbatch_losses), events))
+        control.send((seconds, list(result.microbatch_losses), events, ran))
     for conn in peers.values():
         conn.send(None)
 
 
-def run_processes(name: str, options: dict, steps: int, init: str | None, pin_ranks: bool) -> tuple[list, list, list]:
-    """Train ``steps`` steps with one process per rank; returns per step (seconds, loss, Timeline).
-    A step's time is the slowest rank's, from the common start signal to the end of its update."""
+def run_processes(name: str, options: dict, steps: int, init: str | None, pin_ranks: bool) -> tuple[list, list, list, list]:
+    """Train ``steps`` steps with one process per rank; returns per step (seconds, loss, Timeline,
+    seconds of the slowest rank's executor run before its update). A step's time is the slowest
+    rank's, from the common start signal to the end of its update."""
     import multiprocessing as mp
 
     import numpy as np
@@ -272,13 +285,14 @@ def run_processes(name: str, options: dict, steps: int, init: str | None, pin_ra
     ]
     for proc in procs:
         proc.start()
-    seconds, losses, timelines = [], [], []
+    seconds, losses, timelines, runs = [], [], [], []
     try:
         for k in range(steps):
             for parent, _ in controls:
                 parent.send(k)
             replies = [parent.recv() for parent, _ in controls]
             seconds.append(max(r[0] for r in replies))
+            runs.append(max(r[3] for r in replies))
             mb_losses = next(r[1] for r in replies if r[1])
             losses.append(float(np.mean(np.asarray(mb_losses, np.float64))))
             events = [Event(r, Action.from_str(a), t0, t1) for rep in replies for r, a, t0, t1 in rep[2]]
@@ -291,7 +305,7 @@ def run_processes(name: str, options: dict, steps: int, init: str | None, pin_ra
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-    return seconds, losses, timelines
+    return seconds, losses, timelines, runs
 
 
 def process_pipeline(name: str, args) -> dict:
@@ -303,14 +317,16 @@ def process_pipeline(name: str, args) -> dict:
 
     options, extra = {}, {}
     if "costs" in options_of(name):  # plan from costs measured on this job, in this set-up
-        _, _, timelines = run_processes(name, {"costs": zb.Costs()}, 3, args.init, args.pin)
+        _, _, timelines, _ = run_processes(name, {"costs": zb.Costs()}, 3, args.init, args.pin)
         options["costs"] = measured_costs(timelines[-1], zb.build_schedule(name, RANKS, JOB["microbatches"], costs=zb.Costs()).num_stages)
         extra["planned_costs_ms"] = {k: [1e3 * v for v in getattr(options["costs"], k)] for k in ("f", "b", "w")}
-    seconds, losses, timelines = run_processes(name, options, args.warmup + args.steps, args.init, args.pin)
+    seconds, losses, timelines, runs = run_processes(name, options, args.warmup + args.steps, args.init, args.pin)
     timed = timelines[args.warmup:]
     return {
         **step_stats(seconds, args.warmup),
         **extra,
+        "action_ms": action_medians(timed),
+        "run_ms": statistics.median(runs[args.warmup:]) * 1e3,
         "makespan_ms": statistics.median(t.makespan for t in timed) * 1e3,
         "bubble_rate": statistics.median(t.bubble_rate for t in timed),
         "losses": losses,

@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from zbpp_lite.data import NUM_SAMPLES, batch_indices, load_digit_tokens, load_digits
+from zbpp_lite import model as model_lib
 from zbpp_lite.model import ModelConfig, StagedModel, build_parts, stage_parts, torch_names, torch_params
 
 CFG = ModelConfig(d=16, heads=2, blocks=3, seed=0)
@@ -159,3 +161,22 @@ def test_holdout_split_is_disjoint_and_reproducible():
     np.testing.assert_array_equal(rows(a.train_x, a.test_x), rows(load_digit_tokens()[0]))
     with pytest.raises(ValueError, match="holdout must be in"):
         load_digits(holdout=1.0)
+
+
+def test_gelu_equals_the_exact_gelu_and_its_derivative():
+    """model.gelu has its own derivative rule (one residual, not three); values and gradients
+    must still be JAX's exact GELU's, which is PyTorch's nn.GELU()."""
+    u = jnp.linspace(-8.0, 8.0, 4001, dtype=jnp.float32)
+    np.testing.assert_allclose(model_lib.gelu(u), jax.nn.gelu(u, approximate=False), rtol=1e-6, atol=1e-6)
+    assert float(model_lib.gelu(jnp.float32(-1.0))) == pytest.approx(-0.15865525, abs=1e-7)  # -Phi(-1)
+    ours = jax.vmap(jax.grad(model_lib.gelu))(u)
+    theirs = jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=False)))(u)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    # the slope of x * Phi(x): 0.5 at 0, -> 1 far right, -> 0 far left, overshoots 1 near x = 1.4
+    assert abs(float(ours[2000]) - 0.5) < 1e-6 and float(ours[-1]) > 0.9999 and abs(float(ours[0])) < 1e-6
+    assert float(ours.max()) > 1.1
+    # the backward keeps one array the size of u, where JAX's own rule keeps more
+    x = jnp.ones((32, 8, 512), jnp.float32)
+    ours_res = jax.tree_util.tree_leaves(jax.vjp(model_lib.gelu, x)[1])
+    theirs_res = jax.tree_util.tree_leaves(jax.vjp(lambda v: jax.nn.gelu(v, approximate=False), x)[1])
+    assert sum(a.size for a in ours_res) == x.size < sum(a.size for a in theirs_res)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -64,13 +64,18 @@ class StepResult:
         microbatch_losses: the last stage's loss for each microbatch, floats.
         grads: gradient of ``loss`` for every parameter, one pytree per model module (as
             ``StagedModel.params``), float32, each on its stage's device.
-        timeline: the measured :class:`~zbpp_lite.timeline.Timeline` (seconds, source "measured").
+        timeline: the measured :class:`~zbpp_lite.timeline.Timeline` (seconds, source "measured"),
+            counted from the step's first action.
+        start: when the step's first action began, seconds since the first step of the same
+            :meth:`PipelineExecutor.run_steps` call began (0.0 for :meth:`PipelineExecutor.run`,
+            up to the thread start-up).
     """
 
     loss: float
     microbatch_losses: tuple[float, ...]
     grads: Params
     timeline: Timeline
+    start: float = 0.0
 
 
 class _Aborted(Exception):
@@ -95,7 +100,9 @@ class _Inbox:
         with self.cond:
             self.cond.notify_all()
 
-    def take(self, key: Key, timeout: float, action: Action) -> Any:
+    def take(self, key: Key, timeout: float, action: Action | str) -> Any:
+        """The value sent under ``key``; ``action`` (an Action, or a description such as "the
+        optimizer step") names what waits, for the timeout's message."""
         deadline = time.perf_counter() + timeout
         with self.cond:
             while key not in self.items:
@@ -104,12 +111,51 @@ class _Inbox:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     kind, stage, j = key
-                    raise TimeoutError(
-                        f"rank {self.rank} waited {timeout:g} s before {action}: {kind} of stage {stage}, "
-                        f"microbatch {j} never arrived"
-                    )
+                    what = f"{kind} of stage {stage}, microbatch {j}" if kind in ("F", "B") else f"{kind} from rank {stage}"
+                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}: {what} never arrived")
                 self.cond.wait(min(left, 0.5))
             return self.items.pop(key)
+
+
+class _Channel:
+    """What an optimizer step inside rank ``rank``'s thread may exchange with other ranks during
+    one step: ``send(to, key, value)`` into rank ``to``'s inbox, ``take(key)`` from its own
+    (waiting at most the executor's timeout). Keys are ``(tag, rank, 0)`` tuples whose tag is
+    not "F" or "B"; values stay as given (host values such as floats)."""
+
+    def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
+        self._executor, self._step, self.rank = executor, step, rank
+
+    def send(self, to: int, key: Key, value: Any) -> None:
+        self._step.inboxes[to].put(key, value)
+
+    def take(self, key: Key, what: str = "the optimizer step") -> Any:
+        return self._step.inboxes[self.rank].take(key, self._executor.timeout, what)
+
+
+class RankUpdate(Protocol):
+    """The optimizer step inside the rank threads (:meth:`PipelineExecutor.run_steps`).
+
+    The executor calls, in rank ``rank``'s thread:
+
+    - ``stage_params(stage)`` before the rank's first action of every step: the stage's current
+      parameters as a tuple of leaves (``tree_leaves`` of ``StagedModel.stage_params``) on the
+      stage's device;
+    - ``step(rank, k, grads, channel)`` after the rank's last action of step ``k``: ``grads``
+      maps each of the rank's stages to its gradient sums (tuple of leaves, float32, on the
+      stage's device), gradients of the global-batch mean loss;
+    - ``validate(rank, k, channel)`` before the rank's first action of step ``k + 1`` and after
+      its last step: the place to check a speculative step (paper section 4) once the values it
+      waits for have arrived.
+
+    ``channel`` exchanges values with the other ranks' calls of the same step (:class:`_Channel`).
+    """
+
+    def stage_params(self, stage: int) -> tuple: ...
+
+    def step(self, rank: int, k: int, grads: dict, channel: _Channel) -> None: ...
+
+    def validate(self, rank: int, k: int, channel: _Channel) -> None: ...
 
 
 @dataclass
@@ -268,36 +314,77 @@ class PipelineExecutor:
             RuntimeError: an action failed on some rank; the message names rank and action and
                 the original error is chained.
         """
+        return self.run_steps(params, [(x, labels)])[0]
+
+    def run_steps(self, params: Params, batches: Sequence[tuple[Any, Any]], update: "RankUpdate | None" = None) -> list[StepResult]:
+        """Run several steps back to back, each rank going on to its next step's actions as
+        soon as its own part of the previous step (and of the optimizer step) is done: no
+        barrier between steps, as a training loop on real hardware runs. Without ``update``
+        every step uses ``params`` and nothing is updated (``run`` is one such step).
+
+        ``update`` puts the optimizer step inside the rank threads (:class:`RankUpdate`, e.g.
+        :class:`zbpp_lite.optimizer.StageOptimizer`): after a rank's last action of step k it
+        gets that rank's gradient sums (and may exchange values with other ranks, e.g. the
+        global gradient norm), and before the rank's first action of step k+1 it may validate
+        and it gives the stages' current parameters. ``params`` then only sets the shapes.
+
+        Args:
+            params: as :meth:`run`'s.
+            batches: one ``(x, labels)`` per step, each as :meth:`run`'s, all of one shape.
+            update: the optimizer step inside the rank threads, or None.
+
+        Returns:
+            One :class:`StepResult` per step; each step's timeline counts from its own first
+            action, and ``StepResult.start`` gives that moment in seconds since the first step
+            began (so consecutive starts give the period of the training loop).
+
+        Raises:
+            ValueError: no batches, batches of different shapes, or several steps with ``ranks``
+                run in other processes (``remote``: one step per call there). Otherwise as
+                :meth:`run`.
+        """
+        if not batches:
+            raise ValueError("run_steps needs at least one (x, labels) batch")
+        if len(batches) > 1 and len(self.ranks) < self.schedule.num_ranks:
+            raise ValueError("with ranks in other processes (remote=), run one step per call")
+        shapes = {(np.shape(x), np.shape(y)) for x, y in batches}
+        if len(shapes) > 1:
+            raise ValueError(f"every batch of run_steps must have one shape, got {sorted(shapes)}")
         S, m = self.model.num_stages, self.schedule.num_microbatches
-        mb = self.microbatch_size(x, labels)
-        x, labels = np.asarray(x), np.asarray(labels)
+        x0, y0 = batches[0]
+        mb = self.microbatch_size(x0, y0)
         local = self.local_stages
         stage_params = [jax.device_put(self.model.stage_params(params, s), self.stage_devices[s]) if s in local else None for s in range(S)]
         leaves = [None if p is None else tuple(jax.tree_util.tree_leaves(p)) for p in stage_params]
         first, last = self.stage_devices[0], self.stage_devices[-1]
-        inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
-        ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
-        splits = self._prepare(leaves, x[:mb], labels[:mb])
-        if self._spares_for != (np.shape(x), np.shape(labels)):
-            self._spares, self._spares_for = {}, (np.shape(x), np.shape(labels))
+        splits = self._prepare(leaves, np.asarray(x0)[:mb], np.asarray(y0)[:mb])
+        if self._spares_for != (np.shape(x0), np.shape(y0)):
+            self._spares, self._spares_for = {}, (np.shape(x0), np.shape(y0))
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
-        jax.block_until_ready((leaves, inputs, ys, seed))
         abort = threading.Event()
-        step = _Step(
-            params=leaves, acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
-            inboxes=[_Inbox(r, abort) for r in range(self.schedule.num_ranks)],
-            t0=0.0, store={}, losses={}, events=[],
-        )
+        inboxes = [[_Inbox(r, abort) for r in range(self.schedule.num_ranks)] for _ in batches]
+        steps = []
+        for (x, labels), boxes in zip(batches, inboxes):
+            x, labels = np.asarray(x), np.asarray(labels)
+            inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
+            ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
+            steps.append(_Step(
+                params=list(leaves), acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
+                inboxes=boxes, t0=0.0, store={}, losses={}, events=[],
+            ))
+        jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
         errors: list[tuple[int, Action | None, BaseException]] = []
         threads = [
-            threading.Thread(target=self._rank_loop, args=(r, step, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
+            threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
             for r in self.ranks
         ]
-        with self._lock:  # from now on deliver() puts straight into this step's inboxes
-            self._current, pending, self._pending = step, self._pending, []
+        with self._lock:  # from now on deliver() puts straight into the first step's inboxes
+            self._current, pending, self._pending = steps[0], self._pending, []
         for key, value in pending:
-            self._put(step, key, value)
-        step.t0 = time.perf_counter()
+            self._put(steps[0], key, value)
+        t0 = time.perf_counter()
+        for st in steps:
+            st.t0 = t0
         try:
             for t in threads:
                 t.start()
@@ -309,14 +396,21 @@ class PipelineExecutor:
         if errors:  # a failed step may have left spares half donated
             self._spares = {}
         self._raise_first(errors)
+        return [self._result(st, stage_params) for st in steps]
+
+    def _result(self, step: _Step, stage_params: list) -> StepResult:
+        S, m = self.model.num_stages, self.schedule.num_microbatches
+        last = self.stage_devices[-1]
         losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)])) if last else ()
         grads = [
             [None] * len(self.model.parts[s]) if p is None else jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(p), g)
             for s, (p, g) in enumerate(zip(stage_params, step.acc))
         ]
-        timeline = Timeline.from_events(step.events, self.schedule.num_ranks, num_stages=S, source="measured")
+        begin = min((e.start for e in step.events), default=0.0)
+        events = [Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.events]
+        timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
         loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
-        return StepResult(loss, losses, self.model.join_stage_params(grads), timeline)
+        return StepResult(loss, losses, self.model.join_stage_params(grads), timeline, begin)
 
     @staticmethod
     def _raise_first(errors) -> None:
@@ -330,24 +424,41 @@ class PipelineExecutor:
             raise TimeoutError("; ".join(str(e[2]) for e in timeouts)) from timeouts[0][2]
 
     def _rank_loop(self, rank: int, step: _Step, abort: threading.Event, errors: list) -> None:
+        """One rank's actions of one step (the multi-process executor's entry)."""
+        self._rank_steps(rank, [step], None, abort, errors)
+
+    def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event, errors: list) -> None:
         S = self.model.num_stages
-        action = None
+        stages = [s for s in self.schedule.stages_of(rank)]
+        action: Action | None = None
         try:
-            for action in self.schedule.actions[rank]:
-                received = [step.inboxes[rank].take(k, self.timeout, action) for k in deps(action, S) if k[1] != action.stage]
-                start = time.perf_counter()
-                ready, message = self._handlers[action.kind](step, action, *received)
-                jax.block_until_ready(ready)
-                end = time.perf_counter()
-                step.events.append(Event(rank, action, start - step.t0, end - step.t0))
-                if message is not None:
-                    self._send(step, action, message)
+            for k, step in enumerate(steps):
+                if update is not None:
+                    if k:  # validate step k-1's optimizer step before this step's first F
+                        update.validate(rank, k - 1, _Channel(self, steps[k - 1], rank))
+                    for s in stages:
+                        step.params[s] = update.stage_params(s)
+                for action in self.schedule.actions[rank]:
+                    received = [step.inboxes[rank].take(key, self.timeout, action) for key in deps(action, S) if key[1] != action.stage]
+                    start = time.perf_counter()
+                    ready, message = self._handlers[action.kind](step, action, *received)
+                    jax.block_until_ready(ready)
+                    end = time.perf_counter()
+                    step.events.append(Event(rank, action, start - step.t0, end - step.t0))
+                    if message is not None:
+                        self._send(step, action, message)
+                action = None
+                if update is not None:
+                    update.step(rank, k, {s: step.acc[s] for s in stages}, _Channel(self, step, rank))
+            if update is not None:
+                update.validate(rank, len(steps) - 1, _Channel(self, steps[-1], rank))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
             errors.append((rank, action, exc))
             if not isinstance(exc, TimeoutError):  # a stuck rank lets the others report their own wait
                 abort.set()
-                for inbox in step.inboxes:
-                    inbox.wake()
+                for st in steps:
+                    for inbox in st.inboxes:
+                        inbox.wake()
 
     def _send(self, step: _Step, action: Action, value: Any) -> None:
         """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1: to

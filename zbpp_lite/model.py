@@ -49,6 +49,33 @@ Params = list  # one nnx.State of parameters per part, in model order
 _SPLITS: dict = {}  # StagedModel.split_stage's cache, shared by every staged model
 
 
+@jax.custom_jvp
+def gelu(u: jax.Array) -> jax.Array:
+    """Exact (erf) GELU, ``u * Phi(u)``, elementwise, any shape, float32 in and out.
+
+    The values are PyTorch's ``nn.GELU()`` formula ``0.5 u (1 + erf(u / sqrt 2))``, equal to
+    ``jax.nn.gelu(u, approximate=False)`` within 1e-6 absolute (JAX's erfc form avoids the
+    float32 cancellation of ``1 + erf`` below u = -5, where both are under 1e-6); the
+    derivative rule differs: the slope ``Phi(u) + u * phi(u)`` is computed in the forward, so the
+    backward keeps that one array (the size of ``u``) where JAX's generic rule keeps three. On
+    this project's job that is 4 MB less for F to write and B to read per stage and microbatch,
+    about 5% of each (``benchmarks/bench_vs_torch.py``'s per-action times).
+    """
+    return u * _normal_cdf(u)
+
+
+def _normal_cdf(u: jax.Array) -> jax.Array:
+    return 0.5 * (1.0 + jax.lax.erf(u * math.sqrt(0.5)))  # PyTorch's form; erfc costs ~10% more in F
+
+
+@gelu.defjvp
+def _gelu_jvp(primals, tangents):
+    (u,), (du,) = primals, tangents
+    cdf = _normal_cdf(u)
+    slope = cdf + u * jnp.exp(-0.5 * u * u) * (1.0 / math.sqrt(2.0 * math.pi))
+    return u * cdf, slope * du
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Size of the digits Transformer. The PyTorch benchmark job uses d=128, heads=4, blocks=8."""
@@ -122,7 +149,7 @@ class Block(nnx.Module):
         scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // h)
         a = jax.nn.softmax(scores, axis=-1) @ v  # (b, h, t, d/h)
         x = x + self.proj(a.transpose(0, 2, 1, 3).reshape(b, t, d))
-        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x)), approximate=False))
+        return x + self.fc2(gelu(self.fc1(self.ln2(x))))
 
 
 class Head(nnx.Module):

@@ -148,6 +148,8 @@ def train(
     progress: bool = False,
     on_step: Callable[[int, float, Timeline], None] | None = None,
     data: Digits | None = None,
+    max_grad_norm: float | None = None,
+    post_validation: bool = False,
 ) -> TrainResult:
     """Train the digits Transformer with one schedule and measure it.
 
@@ -166,11 +168,21 @@ def train(
         init: a ``torch_pp_bench.py --save-init`` .npz to start from (``d``, ``blocks`` must match).
         schedule_options: keyword options for the builder (e.g. ``stages_per_rank``).
         devices: one device per rank; default :func:`zbpp_lite.devices.ensure_devices` (real
-            accelerators if enough, else simulated single-threaded CPU devices).
+            accelerators if enough, else simulated CPU devices).
         check_grads: compare the first step with the unpartitioned model.
         progress: show a tqdm progress bar.
         on_step: called after every step with (step index, loss, measured timeline).
         data: the digits split to use (default ``load_digits(holdout, seed)``).
+        max_grad_norm: clip the gradients to this global norm and skip a step whose gradients
+            hold a NaN/Inf (Optax ``clip_by_global_norm`` semantics). The optimizer step then
+            runs inside the rank threads and the steps run back to back
+            (:class:`zbpp_lite.optimizer.StageOptimizer`): synchronously (every rank waits for
+            every rank's norm) or, with ``post_validation``, speculatively and validated (paper
+            section 4). ``on_step`` then reports once the steps are done (no progress bar);
+            ``step_seconds`` are the periods between step starts (the last step: its span;
+            compilation comes before the first). ``TrainResult.config``
+            gets the per-step ``guard_reports`` (global norm, clipped, skipped, rolled back).
+        post_validation: see ``max_grad_norm`` (requires it).
 
     Raises:
         ValueError: an unknown or invalid schedule, fewer blocks than stages, a batch that does
@@ -186,6 +198,10 @@ def train(
     validate(sched)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    if post_validation and max_grad_norm is None:
+        raise ValueError("post_validation validates a clipped step: give max_grad_norm too")
     microbatch_size(batch, sched.num_microbatches)
     from .model import ModelConfig, stage_parts
 
@@ -212,7 +228,34 @@ def train(
 
     losses, timelines, seconds = [], [], []
     grad_error = loss_error = None
-    steps_iter: Any = range(steps)
+    extra: dict = {}
+    if max_grad_norm is not None:
+        from .optimizer import StageOptimizer
+        from .rollback import AdamWConfig
+
+        guard = StageOptimizer(executor, params, AdamWConfig(learning_rate=lr, weight_decay=weight_decay),
+                               "post-validation" if post_validation else "synchronous", max_grad_norm)
+        batches = [data.batch(k, batch) for k in range(steps)]
+        results = executor.run_steps(params, batches, guard)
+        starts = [r.start for r in results]
+        starts.append(starts[-1] + results[-1].timeline.global_span)  # the last step: its own span
+        for k, r in enumerate(results):
+            losses.append(r.loss)
+            timelines.append(r.timeline)
+            seconds.append(starts[k + 1] - starts[k])
+            if on_step is not None:
+                on_step(k, r.loss, r.timeline)
+        if check_grads:
+            ref_loss, ref_grads = _reference(model, params, *batches[0], devices[0])
+            grad_error = max_relative_error(results[0].grads, ref_grads)
+            loss_error = abs(results[0].loss - ref_loss)
+        current = guard.params()
+        for s in range(S):
+            stage_params[s] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(stage_params[s]), list(current[s]))
+        extra = {"max_grad_norm": max_grad_norm, "post_validation": post_validation,
+                 "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
+                                    "rolled_back": r.rolled_back} for r in guard.reports]}
+    steps_iter: Any = range(steps) if max_grad_norm is None else range(0)
     if progress:
         from tqdm.auto import tqdm
 
@@ -258,7 +301,7 @@ def train(
         params=final,
         config={"d": d, "heads": heads, "blocks": blocks, "batch": batch, "lr": lr, "weight_decay": weight_decay,
                 "seed": seed, "holdout": holdout, "init": None if init is None else str(init),
-                "devices": [str(dev) for dev in devices]},
+                "devices": [str(dev) for dev in devices], **extra},
     )
 
 

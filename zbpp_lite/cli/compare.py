@@ -7,6 +7,10 @@ action costs) above the measured one. Schedules whose builders need options are 
 what is known (``stages_per_rank`` 2; ``costs`` the mean measured action costs of the runs so far;
 ``memory_limit`` p activation units, 1F1B's peak); a schedule that cannot be built or run is
 listed with the reason, never left out silently.
+
+``--platform gpu`` (or ``tpu``) with fewer such devices than ranks, but at least one: every
+schedule is first simulated from per-stage costs timed on one accelerator (printed as PROFILED),
+then the real runs go on simulated CPU devices (printed as REAL; the HTML report shows these).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import sys
 
 from . import CliError
-from .train import add_model_arguments, check_model_arguments, setup_devices
+from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
@@ -30,6 +34,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--out", default="compare.html", help="HTML report path (default compare.html)")
     p.add_argument("--json", metavar="PATH", help="also write the figures of every run as JSON")
+    add_platform_argument(p)
     return p
 
 
@@ -65,6 +70,44 @@ def _mean_costs(results: list):
     )
 
 
+def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
+    """Every schedule simulated from per-stage costs timed on ``device`` (printed as PROFILED);
+    planners that need costs get the mean profiled ones. One JSON-ready dict per schedule."""
+    import numpy as np
+
+    import zbpp_lite as zb
+
+    from .train import cost_table, profile_json, profile_pipelines
+
+    print(f"PROFILED on {device}: per-stage costs timed on this one device; every pipeline below is simulated from them "
+          f"({args.ranks} ranks, no transfer cost; nothing ran on {args.ranks} devices)", flush=True)
+    by_shape: dict = {}
+    profiled, shown = [], set()
+    for name in sorted(names, key=lambda n: "costs" in _required(n)):
+        mean = None
+        if by_shape:
+            every = list(by_shape.values())
+            mean = zb.Costs(*(float(np.mean([v for c in every for v in getattr(c, k)])) for k in "fbw"))
+        options, reason = _options(name, args.ranks, mean)
+        try:
+            if reason:
+                raise ValueError(reason)
+            schedule = zb.build_schedule(name, args.ranks, args.microbatches, **options)
+            if blocks < schedule.num_stages:
+                raise ValueError(f"{blocks} blocks cannot fill {schedule.num_stages} stages")
+        except ValueError as e:
+            print(f"PROFILED {name:18s} not simulated: {str(e).strip().splitlines()[0]}")
+            continue
+        (_, costs, timeline), = profile_pipelines(device, [schedule], args, blocks, by_shape)
+        if schedule.num_stages not in shown:  # each stage count's cost table once
+            shown.add(schedule.num_stages)
+            print("\n".join(cost_table(costs, schedule.num_stages)))
+        print(f"PROFILED {name:18s} S={schedule.num_stages:<2d} simulated makespan {timeline.makespan * 1e3:7.3f} ms  "
+              f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
+        profiled.append({"schedule": name, "stages": schedule.num_stages, **profile_json(device, costs, timeline)})
+    return profiled
+
+
 def run(args) -> int:
     import zbpp_lite as zb
 
@@ -77,7 +120,11 @@ def run(args) -> int:
     blocks = args.blocks if args.blocks is not None else max(4, 2 * args.ranks)
     if blocks < 2 * args.ranks:
         print(f"note: --blocks {blocks} < {2 * args.ranks}: schedules with 2 stages per rank will be refused")
-    devices = setup_devices(args.ranks)
+    devices, accelerator = setup_platform(args.ranks, args.platform)
+    profiled = _profile_all(accelerator, names, args, blocks) if accelerator is not None else []
+    if args.platform is not None:
+        kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
+        print(f"REAL runs on {args.ranks} {kind} devices", flush=True)
 
     from zbpp_lite.data import load_digits
     from zbpp_lite.train import train
@@ -112,7 +159,10 @@ def run(args) -> int:
     print(f"wrote {args.out}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": [{k: v for k, v in r.to_json().items() if k != "trace"} for r in results], "not_run": notes}, f, indent=1)
+            data = {"runs": [{k: v for k, v in r.to_json().items() if k != "trace"} for r in results], "not_run": notes}
+            if accelerator is not None:
+                data["profiled"] = profiled
+            json.dump(data, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

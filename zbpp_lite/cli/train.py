@@ -1,9 +1,13 @@
 """``python -m zbpp_lite train``: train the digits Transformer with one schedule, live.
 
-Sets up the devices itself (real accelerators when there are enough, else single-threaded
-simulated CPU devices), prints every step's loss, the test accuracy, the gradient check against
-the unpartitioned model, and the measured makespan and bubble rate beside the simulated ones for
-the measured mean action costs. ``--json PATH`` writes all of it plus the measured trace.
+Sets up the devices itself (real accelerators when there are enough, else simulated CPU
+devices; ``--platform`` picks them explicitly), prints every step's loss, the test accuracy, the
+gradient check against the unpartitioned model, and the measured makespan and bubble rate beside
+the simulated ones for the measured mean action costs. ``--json PATH`` writes all of it plus the measured trace.
+
+``--platform gpu`` (or ``tpu``) with fewer such devices than ranks, but at least one: each
+stage's F, B, W are timed on one accelerator and the pipeline is simulated from those costs
+(printed as PROFILED), then the real training runs on simulated CPU devices (printed as REAL).
 """
 
 from __future__ import annotations
@@ -44,7 +48,20 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--init", metavar="NPZ", help="start from torch_pp_bench.py --save-init weights")
     p.add_argument("--json", metavar="PATH", help="write the results (and the measured trace) as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (there is none when stderr is not a terminal)")
+    add_platform_argument(p)
     return p
+
+
+def add_platform_argument(parser: argparse.ArgumentParser) -> None:
+    """``--platform``, shared by ``train`` and ``compare``."""
+    from zbpp_lite.devices import PLATFORMS
+
+    parser.add_argument(
+        "--platform", choices=PLATFORMS, default=None,
+        help="devices to run on: cpu = simulated CPU devices; gpu / tpu = that platform's devices, or, with fewer "
+             "than the ranks, per-stage costs profiled on one of them and the pipeline simulated from them, beside a "
+             "real run on simulated CPU devices (default: accelerators when there are enough, else CPU)",
+    )
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -101,13 +118,77 @@ def check_sizes(args, schedule) -> int:
     return blocks
 
 
-def setup_devices(num_ranks: int):
+def setup_devices(num_ranks: int, platform: str | None = None):
     from zbpp_lite.devices import ensure_devices
 
     try:
-        return ensure_devices(num_ranks)
+        return ensure_devices(num_ranks, platform=platform)
     except RuntimeError as e:
         raise CliError(str(e)) from None
+
+
+def setup_platform(num_ranks: int, platform: str | None):
+    """``(devices, accelerator)``: the devices of the real run, and the accelerator to profile on
+    (``None`` unless ``platform`` is gpu / tpu with fewer such devices than ranks, but one at least;
+    the real run then gets simulated CPU devices)."""
+    if platform is None:
+        return setup_devices(num_ranks), None
+    from zbpp_lite.devices import backend_started, cpu_device_flags, platform_devices
+
+    if not backend_started():  # CPU devices beside the accelerator: asked for before JAX starts
+        os.environ["XLA_FLAGS"] = cpu_device_flags(num_ranks)
+    if platform == "cpu":
+        return setup_devices(num_ranks, "cpu"), None
+    accelerators = platform_devices(platform)
+    if len(accelerators) >= num_ranks or not accelerators:
+        return setup_devices(num_ranks, platform), None  # enough, or none: CliError says how many
+    return setup_devices(num_ranks, "cpu"), accelerators[0]
+
+
+def profile_pipelines(device, schedules: list, args, blocks: int, by_shape: dict | None = None) -> list:
+    """Per-stage costs timed on ``device`` and each schedule simulated from them: one
+    ``(schedule, costs, timeline)`` per schedule. Schedules with the same stages and microbatch
+    size share one profile, kept in ``by_shape`` across calls when given."""
+    from zbpp_lite.accel_profile import profile_stage_costs, simulate_profiled
+    from zbpp_lite.data import load_digits, microbatch_size
+    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+
+    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
+    config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+    profiled, by_shape = [], ({} if by_shape is None else by_shape)
+    for schedule in schedules:
+        mb = microbatch_size(args.batch, schedule.num_microbatches)
+        if (schedule.num_stages, mb) not in by_shape:
+            model = StagedModel(build_parts(config), schedule.num_stages)
+            by_shape[schedule.num_stages, mb] = profile_stage_costs(model, x[:mb], y[:mb], device)
+        costs = by_shape[schedule.num_stages, mb]
+        profiled.append((schedule, costs, simulate_profiled(schedule, costs)))
+    return profiled
+
+
+def cost_table(costs, num_stages: int) -> list[str]:
+    """Per-stage T_F, T_B, T_W in milliseconds, a header and one line per stage."""
+    return [
+        f"{'stage':>7}{'T_F (ms)':>11}{'T_B (ms)':>11}{'T_W (ms)':>11}",
+        *(f"{s:>7}{costs.f[s] * 1e3:>11.3f}{costs.b[s] * 1e3:>11.3f}{costs.w[s] * 1e3:>11.3f}" for s in range(num_stages)),
+    ]
+
+
+def profile_report(device, schedule, costs, timeline) -> str:
+    """The PROFILED lines: per-stage costs measured on ``device``, then the simulated pipeline."""
+    lines = [
+        f"PROFILED on {device}: T_F, T_B, T_W per stage, each stage timed alone on this one device",
+        *cost_table(costs, schedule.num_stages),
+        f"PROFILED on {device}: simulated pipeline from measured per-stage costs ({schedule.num_ranks} ranks, "
+        f"no transfer cost; nothing ran on {schedule.num_ranks} devices): makespan {timeline.makespan * 1e3:.3f} ms, "
+        f"bubble rate {timeline.bubble_rate:.4f}",
+    ]
+    return "\n".join(lines)
+
+
+def profile_json(device, costs, timeline) -> dict:
+    return {"device": str(device), "costs_seconds": {"f": list(costs.f), "b": list(costs.b), "w": list(costs.w)},
+            "simulated": {"makespan": timeline.makespan, "bubble_rate": timeline.bubble_rate}}
 
 
 def run(args) -> int:
@@ -115,7 +196,15 @@ def run(args) -> int:
     blocks = check_sizes(args, schedule)
     if args.init and not os.path.exists(args.init):
         raise CliError(f"--init: no such file {args.init!r}")
-    devices = setup_devices(schedule.num_ranks)
+    devices, accelerator = setup_platform(schedule.num_ranks, args.platform)
+    profiled = None
+    if accelerator is not None:
+        (_, costs, simulated), = profile_pipelines(accelerator, [schedule], args, blocks)
+        print(profile_report(accelerator, schedule, costs, simulated), flush=True)
+        profiled = profile_json(accelerator, costs, simulated)
+    if args.platform is not None:
+        kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
+        print(f"REAL run on {len(devices)} {kind} devices", flush=True)
 
     from tqdm.auto import tqdm
 
@@ -138,8 +227,11 @@ def run(args) -> int:
     )
     print(report(result))
     if args.json:
+        data = result.to_json()
+        if profiled is not None:
+            data["profiled"] = profiled
         with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=1)
+            json.dump(data, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -1,0 +1,149 @@
+"""The optimizer step inside the rank threads (zbpp_lite.optimizer): the synchronous guard equals
+postval's reference step, post-validation equals it within the rollback bound, run by the executor
+itself with no barrier between steps (paper section 4)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite.data import load_digits
+from zbpp_lite.executor import PipelineExecutor
+from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+from zbpp_lite.optimizer import StageOptimizer, guarded_run
+from zbpp_lite.postval import _adamw_step, synchronous_step
+from zbpp_lite.rollback import AdamWConfig
+
+CFG = AdamWConfig(learning_rate=1e-2, eps=1e-3)
+# eps 1e-3, not 1e-8: the attention key bias's exact gradient is 0 (softmax ignores a shift of all
+# scores), so its computed gradient is float32 noise, which Adam with a tiny eps turns into
+# lr-sized steps of either sign; two runs whose parameters differ by one rounding would then differ
+# there by ~lr. With eps 1e-3 such entries barely move and the comparison sees the real steps.
+STEPS, SPIKE_STEP, NAN_STEP = 5, 1, 3
+
+
+def _max_rel(a, b) -> float:
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max() / max(np.abs(np.asarray(y)).max(), 1e-30))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True))
+
+
+def _setup(name):
+    schedule = zb.build_schedule(name, 2, 4)
+    model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=4)), schedule.num_stages)
+    executor = PipelineExecutor(model, schedule, jax.devices()[:2])
+    data = load_digits(0.2, 0)
+    batches = [data.batch(k, 32) for k in range(STEPS)]
+    return schedule, model, executor, batches
+
+
+def _faults(schedule, spike):
+    bad = schedule.stages_of(1)[0]  # a stage of the last rank: rank 0 steps before it is known
+
+    def inject(k, stage, grads):
+        if k == SPIKE_STEP:
+            return tuple(spike * g for g in grads)
+        if k == NAN_STEP and stage == bad:
+            return tuple(g.at[(0,) * g.ndim].set(jnp.nan) for g in grads)
+        return grads
+
+    return inject
+
+
+def _reference(schedule, model, executor, batches, inject, max_norm):
+    """postval.synchronous_step on gradients from single executor steps: the host-side reference."""
+    S = schedule.num_stages
+    params = [tuple(jax.tree_util.tree_leaves(model.stage_params(model.params, s))) for s in range(S)]
+    states = [CFG.optimizer().init(p) for p in params]
+    reports = []
+    for k, (x, y) in enumerate(batches):
+        full = model.join_stage_params([jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(model.stage_params(model.params, s)), list(p))
+                                        for s, p in enumerate(params)])
+        grads = executor.run(full, x, y).grads
+        grads = [jax.device_put(tuple(inject(k, s, tuple(jax.tree_util.tree_leaves(model.stage_params(grads, s))))), jax.devices()[0])
+                 for s in range(S)]
+        params = [jax.device_put(p, jax.devices()[0]) for p in params]
+        states = [jax.device_put(st, jax.devices()[0]) for st in states]
+        params, states, report = synchronous_step(params, states, grads, CFG, max_norm)
+        reports.append(report)
+    return params, states, reports
+
+
+@pytest.mark.parametrize("name", ["zb-h2", "zb-v"])
+def test_guarded_steps_in_the_rank_threads_equal_the_reference(name):
+    schedule, model, executor, batches = _setup(name)
+    first = executor.run(model.params, *batches[0]).grads
+    max_norm = 3.0 * float(np.sqrt(sum(float(jnp.sum(jnp.square(v))) for v in jax.tree_util.tree_leaves(first))))
+    inject = _faults(schedule, 10.0)
+    ref_params, _, ref_reports = _reference(schedule, model, executor, batches, inject, max_norm)
+    assert [r.clipped for r in ref_reports] == [False, True, False, False, False]
+    assert [r.finite for r in ref_reports] == [True, True, True, False, True]
+    for policy, tolerance in (("synchronous", 1e-6), ("post-validation", 1e-5)):
+        results, opt = guarded_run(executor, model.params, batches, policy, max_norm, CFG, inject)
+        got = opt.params()
+        assert _max_rel([got[s] for s in range(schedule.num_stages)], ref_params) < tolerance, policy
+        assert [r.clipped for r in opt.reports] == [r.clipped for r in ref_reports], policy
+        assert [r.finite for r in opt.reports] == [r.finite for r in ref_reports], policy
+        norms = [r.global_norm for r in opt.reports]
+        for ours, ref in zip(norms, [r.global_norm for r in ref_reports]):
+            assert ours == pytest.approx(ref, rel=1e-5) or (np.isnan(ours) and np.isnan(ref))
+        # every step's loss is the model's at that step's parameters: the first equals the reference's
+        assert results[0].loss == pytest.approx(executor.run(model.params, *batches[0]).loss, rel=1e-6)
+        if policy == "post-validation":
+            rolled = [r.rolled_back for r in opt.reports]
+            assert rolled == [[], [0, 1], [], [0], []]  # the spike: both wrong; the NaN on rank 1: rank 0 only
+            partial = opt.reports[0].partial_norms
+            assert partial[0] < partial[1] == pytest.approx(opt.reports[0].global_norm)
+
+
+def test_plain_steps_equal_optax_adamw_step_by_step():
+    schedule, model, executor, batches = _setup("zb-h2")
+    results, opt = guarded_run(executor, model.params, batches[:3], "plain", config=CFG)
+    S = schedule.num_stages
+    params = [tuple(jax.tree_util.tree_leaves(model.stage_params(model.params, s))) for s in range(S)]
+    states = [CFG.optimizer().init(p) for p in params]
+    tree = [jax.tree_util.tree_structure(model.stage_params(model.params, s)) for s in range(S)]
+    for k, (x, y) in enumerate(batches[:3]):
+        full = model.join_stage_params([jax.tree_util.tree_unflatten(tree[s], list(params[s])) for s in range(S)])
+        step = executor.run(full, x, y)
+        assert results[k].loss == pytest.approx(step.loss, rel=1e-6)
+        for s in range(S):
+            g = jax.device_put(tuple(jax.tree_util.tree_leaves(model.stage_params(step.grads, s))), jax.devices()[0])
+            params[s], states[s] = _adamw_step(jax.device_put(params[s], jax.devices()[0]), states[s], g, CFG)
+    assert _max_rel([opt.params()[s] for s in range(S)], params) < 1e-6
+    assert opt.reports == []
+    # no barrier between steps: each step starts after the previous one's first action
+    assert all(b.start > a.start for a, b in zip(results, results[1:]))
+
+
+def test_bad_policies_are_refused():
+    _, model, executor, _ = _setup("zb-h2")
+    with pytest.raises(ValueError, match="policy must be one of plain, synchronous, post-validation"):
+        StageOptimizer(executor, model.params, policy="sgd")
+    with pytest.raises(ValueError, match="give max_norm > 0"):
+        StageOptimizer(executor, model.params, policy="post-validation")
+    with pytest.raises(ValueError, match="max_norm needs a guarded policy"):
+        StageOptimizer(executor, model.params, max_norm=1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        executor.run_steps(model.params, [])
+
+
+def test_train_with_a_guard_runs_both_policies_to_the_same_model():
+    from zbpp_lite.train import train
+
+    common = dict(ranks=2, microbatches=4, steps=4, d=16, heads=2, blocks=4, batch=32, lr=1e-2, devices=jax.devices()[:2])
+    plain = train("zb-h2", **common)
+    sync = train("zb-h2", max_grad_norm=0.5, **common)
+    pv = train("zb-h2", max_grad_norm=0.5, post_validation=True, **common)
+    reports = sync.config["guard_reports"]
+    assert all(r["clipped"] for r in reports) and plain.losses[0] == pytest.approx(sync.losses[0], rel=1e-6)
+    assert sync.grad_max_rel_error < 1e-4 and pv.grad_max_rel_error < 1e-4
+    # every step clipped: post-validation rolled back every rank every step, and still lands on the synchronous model
+    assert [r["rolled_back"] for r in pv.config["guard_reports"]] == [[0, 1]] * 4
+    np.testing.assert_allclose(pv.losses, sync.losses, rtol=1e-4)
+    assert _max_rel(pv.params, sync.params) < 1e-3  # eps 1e-8 here: zero-gradient entries amplify rounding
+    assert not np.allclose(plain.losses[-1], sync.losses[-1], rtol=1e-6)  # clipping changed the training
+    with pytest.raises(ValueError, match="give max_grad_norm too"):
+        train("zb-h2", post_validation=True, **common)

@@ -1,0 +1,164 @@
+"""``platform``: explicit devices, and per-stage costs profiled on one device for the simulator.
+
+This machine has no accelerator, so the accelerator paths are checked two ways: with no GPU the
+request fails with a message naming how many there are; and the profile path runs with one of
+the test process's CPU devices standing in for the lone accelerator (``platform_devices`` patched).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite import devices as devices_mod
+from zbpp_lite.accel_profile import profile_stage_costs, simulate_profiled
+from zbpp_lite.cli import main
+from zbpp_lite.data import load_digits
+from zbpp_lite.devices import ensure_devices, platform_devices
+from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+
+NO_GPU = not platform_devices("gpu")
+
+
+# ---------------------------------------------------------------------------- devices
+
+
+def test_platform_cpu_gives_cpu_devices_and_refuses_more_than_started():
+    got = ensure_devices(3, platform="cpu")
+    assert [d.platform for d in got] == ["cpu"] * 3 and len(set(got)) == 3
+    have = len(jax.devices("cpu"))
+    with pytest.raises(RuntimeError, match=f"needs {have + 1} devices .* JAX has only {have}"):
+        ensure_devices(have + 1, platform="cpu")
+
+
+@pytest.mark.skipif(not NO_GPU, reason="a GPU is present")
+def test_platform_gpu_without_one_names_zero_and_the_profile_path():
+    assert platform_devices("gpu") == []
+    with pytest.raises(RuntimeError, match=r"needs 2 gpu devices .* JAX has 0 gpu device\(s\).*profile_stage_costs"):
+        ensure_devices(2, platform="gpu")
+
+
+def test_unknown_platform_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="cpu, gpu, tpu"):
+        ensure_devices(2, platform="cuda")
+    with pytest.raises(ValueError, match="cpu, gpu, tpu"):
+        platform_devices("xpu")
+
+
+# ---------------------------------------------------------------------------- profile
+
+
+@pytest.fixture(scope="module")
+def uneven():
+    """Stage 0: embedding + 1 block; stage 1: 5 blocks + head (about 5x the work); 16 samples."""
+    model = StagedModel(build_parts(ModelConfig(d=32, heads=4, blocks=6)), 2, parts=[[0, 1], [2, 3, 4, 5, 6, 7]])
+    x, y = load_digits(0.2, 0).batch(0, 16)
+    return model, profile_stage_costs(model, x, y, jax.devices("cpu")[0], repeats=5)
+
+
+def test_profiled_costs_are_per_stage_positive_and_w_cheaper_than_f_plus_b(uneven):
+    _, costs = uneven
+    assert len(costs.f) == len(costs.b) == len(costs.w) == 2
+    for s in range(2):
+        assert min(costs.f[s], costs.b[s], costs.w[s]) > 0
+        assert costs.w[s] < costs.f[s] + costs.b[s]
+    assert costs.comm == 0.0
+
+
+def test_profiled_costs_belong_to_their_stage(uneven):
+    # Stage 1 does about five times stage 0's work: a profile that mixed up or averaged stages fails.
+    _, costs = uneven
+    for kind in ("f", "b", "w"):
+        light, heavy = getattr(costs, kind)
+        assert heavy > 1.5 * light, (kind, light, heavy)
+
+
+def test_gpipe_simulated_from_profiled_costs_has_its_closed_form(uneven):
+    # GPipe with T_comm = 0 is two flow shops of m identical jobs: forwards down the stages, then
+    # fused backwards up them; each takes sum_s t_s + (m - 1) max_s t_s.
+    _, c = uneven
+    m = 6
+    t = simulate_profiled(zb.build_schedule("gpipe", 2, m), c)
+    bw = [b + w for b, w in zip(c.b, c.w)]
+    expected = sum(c.f) + sum(bw) + (m - 1) * (max(c.f) + max(bw))
+    assert t.source == "simulated"
+    assert t.makespan == pytest.approx(expected, rel=1e-12)
+    busiest = m * max(f + x for f, x in zip(c.f, bw))
+    assert t.bubble_rate == pytest.approx((expected - busiest) / expected, rel=1e-9)
+
+
+def test_profile_refuses_bad_arguments(uneven):
+    model, _ = uneven
+    x, y = load_digits(0.2, 0).batch(0, 16)
+    with pytest.raises(ValueError, match="repeats must be an integer >= 1"):
+        profile_stage_costs(model, x, y, repeats=0)
+    with pytest.raises(ValueError, match="16 inputs but 15 labels"):
+        profile_stage_costs(model, x, y[:15])
+
+
+# ---------------------------------------------------------------------------- command line
+
+SMALL = ["--ranks", "2", "-m", "2", "--batch", "16", "--d", "16", "--heads", "2", "--blocks", "2", "--steps", "1"]
+
+
+def test_train_platform_cpu_runs_on_cpu_devices_and_says_so(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["train", "--platform", "cpu", *SMALL, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "REAL run on 2 simulated CPU devices" in text and "PROFILED" not in text
+    data = json.loads(out.read_text())
+    assert data["config"]["devices"] == [str(d) for d in jax.devices("cpu")[:2]]
+    assert "profiled" not in data
+
+
+def test_train_with_one_accelerator_profiles_on_it_then_runs_on_cpu(tmp_path, capsys, monkeypatch):
+    # One CPU device stands in for a lone GPU: too few for 2 ranks, so the profile path runs.
+    lone = jax.devices("cpu")[3]
+    monkeypatch.setattr(devices_mod, "platform_devices", lambda platform: [lone] if platform == "gpu" else jax.devices(platform))
+    out = tmp_path / "run.json"
+    assert main(["train", "--platform", "gpu", *SMALL, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    profiled_at = text.index(f"PROFILED on {lone}: simulated pipeline from measured per-stage costs")
+    assert profiled_at < text.index("REAL run on 2 simulated CPU devices")
+    data = json.loads(out.read_text())
+    assert data["profiled"]["device"] == str(lone)
+    assert str(lone) not in data["config"]["devices"]
+    c = data["profiled"]["costs_seconds"]
+    assert len(c["f"]) == len(c["b"]) == len(c["w"]) == 2 and min(c["f"] + c["b"] + c["w"]) > 0
+    # what was printed and written is the simulator's answer for exactly those costs
+    t = zb.simulate(zb.build_schedule("zb-h1", 2, 2), zb.Costs(**c))
+    assert data["profiled"]["simulated"]["makespan"] == pytest.approx(t.makespan, rel=1e-12)
+    assert f"makespan {t.makespan * 1e3:.3f} ms, bubble rate {t.bubble_rate:.4f}" in text
+
+
+@pytest.mark.skipif(not NO_GPU, reason="a GPU is present")
+@pytest.mark.parametrize("command", ["train", "compare"])
+def test_platform_gpu_without_one_is_a_one_line_error(command):
+    done = subprocess.run([sys.executable, "-m", "zbpp_lite", command, "--platform", "gpu", "--ranks", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "0 gpu device(s)" in done.stderr and "--platform cpu" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+
+def test_compare_with_one_accelerator_simulates_every_schedule_from_profiled_costs(tmp_path, capsys, monkeypatch):
+    lone = jax.devices("cpu")[3]
+    monkeypatch.setattr(devices_mod, "platform_devices", lambda platform: [lone] if platform == "gpu" else jax.devices(platform))
+    out = tmp_path / "compare.json"
+    args = ["compare", "--platform", "gpu", "--schedules", "gpipe,zb-h1", *SMALL, "--out", str(tmp_path / "c.html"), "--json", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    real_at = text.index("REAL runs on 2 simulated CPU devices")
+    assert text.index("PROFILED gpipe") < real_at and text.index("PROFILED zb-h1") < real_at
+    profiled = json.loads(out.read_text())["profiled"]
+    assert [p["schedule"] for p in profiled] == ["gpipe", "zb-h1"]
+    for p in profiled:
+        t = zb.simulate(zb.build_schedule(p["schedule"], 2, 2), zb.Costs(**p["costs_seconds"]))
+        assert p["simulated"]["makespan"] == pytest.approx(t.makespan, rel=1e-12)
+    assert profiled[0]["costs_seconds"] == profiled[1]["costs_seconds"]  # same stages and microbatch: one profile
