@@ -33,6 +33,9 @@ _flags = _plain
 if "xla_backend_optimization_level" not in _flags and _xla_accepts(f"{FAST_COMPILE_FLAGS} {_flags}"):
     _flags = f"{FAST_COMPILE_FLAGS} {_flags}"
 os.environ["XLA_FLAGS"] = _flags
+UNTIMED_CHILD_FLAGS = _flags.replace(_plain, "").strip()
+"""The fast-compile flags (or nothing where this JAX rejects them), for child processes that time
+nothing (the multi-process parity tests set them as XLA_FLAGS before ``launch`` adds its own)."""
 
 # Start this process's backend with those flags, then hand child processes (nbval's notebook
 # kernels, CLI subprocesses) the plain device flags: the notebooks time real runs and must not

@@ -30,20 +30,34 @@ def _alive(pid: int) -> bool:
         return True
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v"])
-def test_two_processes_match_the_unpartitioned_model(name, tmp_path):
+@pytest.fixture
+def untimed_children(monkeypatch):
+    """Children compile fast (they time nothing here): XLA's optimisations off, as in this process."""
+    from conftest import UNTIMED_CHILD_FLAGS
+
+    monkeypatch.setenv("XLA_FLAGS", UNTIMED_CHILD_FLAGS)
+
+
+@pytest.mark.parametrize("name, executor", [("1f1b", "mpmd"), ("zb-h1", "mpmd"), ("zb-h2", "mpmd"), ("zb-v", "mpmd"),
+                                            ("zb-h2", "spmd"), ("zb-v", "spmd")])
+def test_two_processes_match_the_unpartitioned_model(name, executor, tmp_path, untimed_children):
     out = tmp_path / "run.json"
     lines: list[str] = []
-    status, failures = launch(["--schedule", name, *TINY, "--json", str(out)], processes=2, timeout=60, deadline=180, echo=lines.append)
+    spmd = ["--spmd"] if executor == "spmd" else []
+    status, failures = launch(["--schedule", name, *TINY, *spmd, "--json", str(out)], processes=2, timeout=60, deadline=180,
+                              echo=lines.append)
     assert status == 0, failures
     run = json.loads(out.read_text())
     assert run["processes"] == 2
     assert run["grad_max_rel_error"] <= 1e-5
     assert run["loss_error"] <= 1e-5 * run["steps"][0]["loss"]
-    assert any("process 1" in line for line in lines)  # rank 1 really ran in the other process
+    if executor == "mpmd":
+        assert any("process 1" in line for line in lines)  # rank 1 really ran in the other process
+    else:
+        assert run["executor"] == "spmd" and run["lockstep_ticks"] > 0
 
 
-def test_a_dying_process_is_named_and_every_child_ends():
+def test_a_dying_process_is_named_and_every_child_ends(untimed_children):
     pids: list[int] = []
     t0 = time.monotonic()
     status, failures = launch(["--schedule", "1f1b", *TINY], processes=2, timeout=20, deadline=120, echo=lambda s: None,

@@ -147,3 +147,14 @@ def test_train_with_a_guard_runs_both_policies_to_the_same_model():
     assert not np.allclose(plain.losses[-1], sync.losses[-1], rtol=1e-6)  # clipping changed the training
     with pytest.raises(ValueError, match="give max_grad_norm too"):
         train("zb-h2", post_validation=True, **common)
+
+
+def test_train_command_reports_the_guard(capsys):
+    from zbpp_lite.cli import main
+
+    tiny = ["--ranks", "2", "--microbatches", "4", "--steps", "3", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "32"]
+    assert main(["train", "--schedule", "zb-h2", *tiny, "--max-grad-norm", "0.5", "--post-validation", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer step in the rank threads, post-validation, max_grad_norm 0.5: 3 of 3 steps clipped, 0 skipped, 3 rolled back" in out
+    assert main(["train", "--schedule", "zb-h2", *tiny, "--post-validation"]) == 2
+    assert "give max_grad_norm too" in capsys.readouterr().err

@@ -94,3 +94,13 @@ def test_replicated_inputs_are_made_varying_before_the_switch():
         programs[vary] = _branch_collectives(jax.make_jaxpr(program)(*args))
     assert programs[True] == []
     assert programs[False], "without the cast a collective must appear inside a branch (else #40823 is fixed upstream)"
+
+
+def test_train_command_runs_the_spmd_executor(capsys):
+    from zbpp_lite.cli import main
+
+    tiny = ["--ranks", "2", "--microbatches", "4", "--steps", "2", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "16"]
+    assert main(["train", "--schedule", "zb-h1", *tiny, "--spmd"]) == 0
+    out = capsys.readouterr().out
+    error = float(out.split("max relative error ")[1].split(",")[0])
+    assert error < 1e-5 and "SPMD: median step" in out and "lockstep ticks" in out

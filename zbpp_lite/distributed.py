@@ -408,6 +408,14 @@ def train_process(args) -> int:
         print(f"distributed runtime up in {startup:.2f} s: {count} processes, ranks on "
               + ", ".join(f"rank {r}: process {d.process_index} {d}" for r, d in enumerate(devices)), flush=True)
 
+    if getattr(args, "spmd", False):  # one SPMD program over a mesh spanning the processes
+        from .cli.train import run_spmd
+
+        status = run_spmd(args, schedule, blocks, devices, process)
+        if process == 0:
+            print(f"startup {startup:.2f} s", flush=True)
+        return status
+
     def on_step(k: int, loss: float, timeline) -> None:
         if process == 0:
             print(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  bubble rate {timeline.bubble_rate:.3f}", flush=True)

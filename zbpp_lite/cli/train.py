@@ -48,8 +48,48 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--init", metavar="NPZ", help="start from torch_pp_bench.py --save-init weights")
     p.add_argument("--json", metavar="PATH", help="write the results (and the measured trace) as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (there is none when stderr is not a terminal)")
+    p.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
+                   help="clip gradients to this global norm, skip steps with NaN/Inf; the optimizer step then runs in the "
+                        "rank threads, synchronously unless --post-validation (arXiv 2401.10241 section 4)")
+    p.add_argument("--post-validation", action="store_true",
+                   help="with --max-grad-norm: step speculatively on the partial norm, validate, roll back if wrong")
+    p.add_argument("--spmd", action="store_true",
+                   help="run the schedule compiled into one SPMD program (lockstep ticks, zbpp_lite.spmd) instead of one thread per rank")
     add_platform_argument(p)
     return p
+
+
+def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
+    """``train --spmd``: the compiled SPMD executor (:func:`zbpp_lite.spmd.train_spmd`) on
+    ``devices`` (which may span processes under ``launch``); process 0 prints and writes JSON."""
+    if args.max_grad_norm is not None or args.init:
+        raise CliError("--spmd trains plain AdamW from the model's own init: drop --max-grad-norm / --init")
+    from zbpp_lite.data import load_digits
+    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+    from zbpp_lite.spmd import train_spmd
+
+    model = StagedModel(build_parts(ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)), schedule.num_stages)
+    data = load_digits(args.holdout, args.seed)
+    batches = [data.batch(k, args.batch) for k in range(args.steps)]
+
+    def on_step(k: int, loss: float, seconds: float) -> None:
+        if process == 0:
+            print(f"step {k:4d}  loss {loss:.4f}  {seconds * 1e3:8.2f} ms (SPMD, lockstep)", flush=True)
+
+    result = train_spmd(schedule, model, model.params, batches, args.lr, devices=devices, on_step=on_step)
+    if process == 0:
+        timed = sorted(result.step_seconds[1:]) or result.step_seconds
+        print(f"gradient check vs the unpartitioned model (step 0): max relative error {result.grad_max_rel_error:.2e}, "
+              f"loss difference {result.loss_error:.2e}")
+        print(f"SPMD: median step {timed[len(timed) // 2] * 1e3:.2f} ms over {len(timed)} step(s); "
+              f"{result.lockstep.makespan:g} lockstep ticks of the slowest action each (units of T_F)")
+        if args.json:
+            import jax
+
+            with open(args.json, "w") as f:
+                json.dump({**result.to_json(schedule), "processes": jax.process_count()}, f, indent=1)
+            print(f"wrote {args.json}")
+    return 0
 
 
 def add_platform_argument(parser: argparse.ArgumentParser) -> None:
@@ -217,6 +257,9 @@ def run(args) -> int:
         flush=True,
     )
 
+    if args.spmd:
+        return run_spmd(args, schedule, blocks, devices)
+
     def on_step(k: int, loss: float, timeline) -> None:
         tqdm.write(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  bubble rate {timeline.bubble_rate:.3f}")
 
@@ -224,6 +267,7 @@ def run(args) -> int:
         schedule, steps=args.steps, d=args.d, heads=args.heads, blocks=blocks, batch=args.batch, lr=args.lr,
         seed=args.seed, holdout=args.holdout, init=args.init, devices=devices, on_step=on_step,
         progress=args.progress and sys.stderr.isatty(),  # a bar only on a terminal
+        max_grad_norm=args.max_grad_norm, post_validation=args.post_validation,
     )
     print(report(result))
     if args.json:
@@ -249,4 +293,13 @@ def report(result) -> str:
         f"{'simulated':10}{s.makespan * 1e3:>11.2f} ms{s.bubble_rate:>14.4f}   (measured mean action costs)",
         f"measured / simulated makespan: {m.makespan / s.makespan:.3f}",
     ]
+    guard = result.config.get("guard_reports")
+    if guard:
+        policy = "post-validation" if result.config.get("post_validation") else "synchronous"
+        periods = sorted(result.step_seconds[1:-1]) or result.step_seconds
+        lines.append(
+            f"optimizer step in the rank threads, {policy}, max_grad_norm {result.config['max_grad_norm']:g}: "
+            f"{sum(r['clipped'] for r in guard)} of {len(guard)} steps clipped, {sum(r['skipped'] for r in guard)} skipped, "
+            f"{sum(bool(r['rolled_back']) for r in guard)} rolled back; median step period {periods[len(periods) // 2] * 1e3:.2f} ms"
+        )
     return "\n".join(lines)
