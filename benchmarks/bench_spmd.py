@@ -1,8 +1,8 @@
 """Compiled SPMD executor against the MPMD executor at p = 2, one run, with the lockstep
 simulator's prediction beside the measured ratio; then the MPMD executor across 2 processes.
 
-Prints: per-step times (median over steps after the first) of MPMD single-process, SPMD and
-MPMD 2-process; the measured SPMD / MPMD ratio and the predicted one,
+Prints: per-step times (median over steps after the first) of MPMD single-process, SPMD, and
+both across 2 processes; the measured SPMD / MPMD ratio and the predicted one,
 simulate(lockstep=True).makespan / simulate().makespan for the MPMD run's measured mean costs;
 the parity errors of each against the unpartitioned model; the 2-process startup time.
 
@@ -63,13 +63,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         from zbpp_lite.cli.launch import launch
 
-        out = f"{tmp}/run.json"
-        t0 = time.perf_counter()
-        status, failures = launch(["--schedule", args.schedule, "--ranks", "2", "-m", str(args.microbatches), "--steps", str(args.steps),
-                                   "--d", str(args.d), "--heads", "4", "--blocks", "4", "--batch", str(args.batch), "--json", out],
-                                  processes=2, timeout=120, deadline=600, echo=lambda line: None)
-        wall = time.perf_counter() - t0
-        two = json.load(open(out)) if status == 0 else None
+        runs = {}
+        for flags in ([], ["--spmd"]):
+            out = f"{tmp}/run{len(flags)}.json"
+            t0 = time.perf_counter()
+            status, failures = launch(["--schedule", args.schedule, "--ranks", "2", "-m", str(args.microbatches), "--steps", str(args.steps),
+                                       "--d", str(args.d), "--heads", "4", "--blocks", "4", "--batch", str(args.batch), *flags, "--json", out],
+                                      processes=2, timeout=120, deadline=600, echo=lambda line: None)
+            runs[bool(flags)] = (json.load(open(out)) if status == 0 else None, time.perf_counter() - t0, failures)
+        two, wall, failures = runs[False]
+        two_spmd, wall_spmd, failures_spmd = runs[True]
 
     print(f"{args.schedule}, p=2, m={args.microbatches}, d={args.d}, 4 blocks, batch {args.batch}, {args.steps} steps "
           f"(median of steps after the first)")
@@ -82,6 +85,12 @@ def main() -> None:
               f"   (startup of the runtime {two['startup_seconds']:.2f} s; whole launch {wall:.1f} s)")
     else:
         print(f"MPMD, 2 processes: failed: {failures}")
+    if two_spmd:
+        secs = [st["seconds"] for st in two_spmd["steps"]]
+        print(f"{'SPMD, 2 processes':<24}{1e3 * statistics.median(secs[1:] or secs):>10.2f}{two_spmd['grad_max_rel_error']:>18.2e}"
+              f"   (whole launch {wall_spmd:.1f} s)")
+    else:
+        print(f"SPMD, 2 processes: failed: {failures_spmd}")
     print(f"SPMD / MPMD step time: measured {med['spmd'] / med['mpmd']:.3f}, predicted by the lockstep simulator {predicted:.3f} "
           f"(costs T_F {[f'{1e3 * v:.2f}' for v in costs.f]} ms, T_B {[f'{1e3 * v:.2f}' for v in costs.b]}, "
           f"T_W {[f'{1e3 * v:.2f}' for v in costs.w]})")

@@ -12,7 +12,11 @@ single program that every rank runs in lockstep, the form TPU pods use:
    (an F's activation or a B's input gradient) travels with two ``lax.ppermute``, to rank r+1 and
    to rank r-1 (cyclic), which covers the 1F1B / zero-bubble placement, the looped placement and
    the V placement (where chunk 1 flows backwards and the turn at rank p-1 stays local).
-3. Received values wait in per-(chunk, microbatch) buffers until their action's tick.
+3. Received values wait in per-(chunk, microbatch) buffers until their action's tick. The switch
+   reads the buffers but returns only the tick's slot values, written back outside it (a slot a
+   kind does not produce goes to a scratch slot): a switch that passed the whole carry through
+   made XLA copy every buffer each tick, 4.3x the MPMD executor's step time where it is now
+   1.6x (``benchmarks/bench_spmd.py``, zb-h1, p=2, d=64, 2 simulated CPU devices).
 
 Homogeneous stages. One program needs one stage body, with the parameters of every rank stacked
 along ``stage``. The Transformer's stages differ: the embedding sits on the first stage, the head
@@ -34,7 +38,7 @@ varying-axes type system existed). ``tests/test_spmd.py`` keeps a test that fail
 
 Lockstep costs something: every tick lasts as long as its slowest action (plus the transfer);
 :func:`zbpp_lite.simulate` with ``lockstep=True`` predicts it. Buffers hold every microbatch
-(m slots per chunk), not only those in flight: simple, and m is small here.
+(m slots per chunk, plus the scratch slot), not only those in flight: simple, and m is small here.
 
 Sources: Qi et al., arXiv 2401.10241, sections 2-3 (F, B, W and the H1 / H2 schedules); the V
 placement and ZB-V, arXiv 2405.15362, section 3.
@@ -299,8 +303,8 @@ class SpmdExecutor:
         x_shape = jax.eval_shape(embed, model.params[0], jax.ShapeDtypeStruct(mb_shape, jnp.float32))
         v = tables.first.shape[1]
 
-        def slots(shapes):  # one buffer per leaf: (stages per rank, m, *leaf shape)
-            return tuple(jnp.zeros((v, m) + tuple(s.shape), s.dtype) for s in shapes)
+        def slots(shapes):  # one buffer per leaf: (stages per rank, m + 1, *leaf shape); slot m: scratch
+            return tuple(jnp.zeros((v, m + 1) + tuple(s.shape), s.dtype) for s in shapes)
 
         def rank_program(kind, chunk, mbs, recv, first, last, p_blocks, p_first, p_last, tokens, labels):
             # kind, chunk, mbs (1, T); p_blocks leaves (1, v, ...); tokens (m, mb, 8, 8); labels (m, mb)
@@ -338,40 +342,60 @@ class SpmdExecutor:
             def take(buffers, c, j):
                 return tuple(b[c, j] for b in buffers)
 
+            # The switch reads the carry but returns one (chunk, microbatch) slot's new values, which
+            # are written back outside it (in-place dynamic updates); a slot a kind does not
+            # produce goes to the scratch slot m, so no branch passes a big buffer through (XLA
+            # copies a conditional's pass-through outputs: 4x slower, measured).
+            zero_msg = to_varying(jnp.zeros(x_shape.shape, x_shape.dtype))
+            zero_loss = to_varying(jnp.zeros((), jnp.float32))
+            zeros_of = lambda shapes: tuple(to_varying(jnp.zeros(sh.shape, sh.dtype)) for sh in shapes)  # noqa: E731
+
+            def outputs(st, c, j, **new):
+                out = {"res": None, "kept": None, "gout": None, "head_in": st["head_in"][j], "embed_grad": st["embed_grad"][j],
+                       "acc": jax.tree_util.tree_map(lambda a: a[c], st["acc"]), "acc_first": st["acc_first"],
+                       "acc_last": st["acc_last"], "msg": zero_msg, "loss": zero_loss, **new}
+                for name, shapes in (("res", res_shape), ("kept", kept_shape), ("gout", gout_shape)):
+                    if out[name] is None:
+                        out[name] = zeros_of(shapes)
+                return out
+
             def idle(st, c, j):
-                return st
+                return outputs(st, c, j)
 
             def forward(st, c, j):
                 x_in = jnp.where(first[c] == 1, embed(p_first, tokens[j]), st["act"][c, j])
                 h, res, kept = split.forward(chunk_params(c), x_in, None)
                 is_last = last[c] == 1
                 loss = head_loss(p_last, h, labels[j])
-                return {**st, "res": put(st["res"], c, j, res), "kept": put(st["kept"], c, j, kept),
-                        "head_in": st["head_in"].at[j].set(jnp.where(is_last, h, st["head_in"][j])),
-                        "losses": st["losses"].at[j].add(jnp.where(is_last, loss, 0.0)), "msg": h}
+                return outputs(st, c, j, res=tuple(res), kept=tuple(kept), head_in=jnp.where(is_last, h, st["head_in"][j]),
+                               loss=jnp.where(is_last, loss, 0.0), msg=h)
 
-            def backward_input(st, c, j):
+            def input_grad(st, c, j):
                 dh_head = jax.grad(head_loss, argnums=1)(p_last, st["head_in"][j], labels[j])
                 dy = jnp.where(last[c] == 1, dh_head, st["grad"][c, j])
                 dx, gout = split.backward_input(take(st["res"], c, j), dy)
-                is_first = first[c] == 1
-                return {**st, "gout": put(st["gout"], c, j, gout), "msg": dx,
-                        "embed_grad": st["embed_grad"].at[j].set(jnp.where(is_first, dx, st["embed_grad"][j]))}
+                return dx, tuple(gout), jnp.where(first[c] == 1, dx, st["embed_grad"][j])
 
-            def backward_weight(st, c, j):
+            def weight_grad(st, c, j, gout, embed_grad_j):
                 acc_c = jax.tree_util.tree_map(lambda a: a[c], st["acc"])
-                acc_c = split.backward_weight(chunk_params(c), take(st["kept"], c, j), take(st["gout"], c, j), acc_c)
-                acc = jax.tree_util.tree_map(lambda a, g: a.at[c].set(g), st["acc"], acc_c)
+                acc_c = split.backward_weight(chunk_params(c), take(st["kept"], c, j), gout, acc_c)
                 _, embed_vjp = jax.vjp(lambda p: embed(p, tokens[j]), p_first)
-                (g_first,) = embed_vjp(st["embed_grad"][j])
+                (g_first,) = embed_vjp(embed_grad_j)
                 g_last = jax.grad(head_loss)(p_last, st["head_in"][j], labels[j])
                 masked_add = lambda flag: lambda a, g: a + jnp.where(flag, g, 0.0)  # noqa: E731
-                return {**st, "acc": acc,
-                        "acc_first": jax.tree_util.tree_map(masked_add(first[c] == 1), st["acc_first"], g_first),
-                        "acc_last": jax.tree_util.tree_map(masked_add(last[c] == 1), st["acc_last"], g_last)}
+                return dict(acc=acc_c, acc_first=jax.tree_util.tree_map(masked_add(first[c] == 1), st["acc_first"], g_first),
+                            acc_last=jax.tree_util.tree_map(masked_add(last[c] == 1), st["acc_last"], g_last))
+
+            def backward_input(st, c, j):
+                dx, gout, embed_grad_j = input_grad(st, c, j)
+                return outputs(st, c, j, gout=gout, msg=dx, embed_grad=embed_grad_j)
+
+            def backward_weight(st, c, j):
+                return outputs(st, c, j, **weight_grad(st, c, j, take(st["gout"], c, j), st["embed_grad"][j]))
 
             def backward_fused(st, c, j):
-                return backward_weight(backward_input(st, c, j), c, j)
+                dx, gout, embed_grad_j = input_grad(st, c, j)
+                return outputs(st, c, j, msg=dx, embed_grad=embed_grad_j, **weight_grad(st, c, j, gout, embed_grad_j))
 
             branches = [idle, forward, backward_input, backward_weight, backward_fused]
             n = lax.axis_size(AXIS) if hasattr(lax, "axis_size") else self.schedule.num_ranks
@@ -385,7 +409,16 @@ class SpmdExecutor:
 
             def tick(st, xs):
                 kind_t, c, j, arrivals = xs
-                st = lax.switch(kind_t, branches, st, c, j)
+                out = lax.switch(kind_t, branches, st, c, j)
+                scratch = jnp.int32(m)
+                j_res = jnp.where(kind_t == KIND_CODE["F"], j, scratch)  # F writes res and kept, B gout
+                j_gout = jnp.where(kind_t == KIND_CODE["B"], j, scratch)
+                st = {**st, "res": put(st["res"], c, j_res, out["res"]), "kept": put(st["kept"], c, j_res, out["kept"]),
+                      "gout": put(st["gout"], c, j_gout, out["gout"]), "head_in": st["head_in"].at[j].set(out["head_in"]),
+                      "embed_grad": st["embed_grad"].at[j].set(out["embed_grad"]),
+                      "acc": jax.tree_util.tree_map(lambda a, g: a.at[c].set(g), st["acc"], out["acc"]),
+                      "acc_first": out["acc_first"], "acc_last": out["acc_last"],
+                      "losses": st["losses"].at[j].add(out["loss"]), "msg": out["msg"]}
                 incoming = {
                     "left": lax.ppermute(st["msg"], AXIS, to_right),  # what rank r-1 sent
                     "right": lax.ppermute(st["msg"], AXIS, to_left),  # what rank r+1 sent
