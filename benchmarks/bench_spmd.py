@@ -71,26 +71,20 @@ def main() -> None:
                                        "--d", str(args.d), "--heads", "4", "--blocks", "4", "--batch", str(args.batch), *flags, "--json", out],
                                       processes=2, timeout=120, deadline=600, echo=lambda line: None)
             runs[bool(flags)] = (json.load(open(out)) if status == 0 else None, time.perf_counter() - t0, failures)
-        two, wall, failures = runs[False]
-        two_spmd, wall_spmd, failures_spmd = runs[True]
 
     print(f"{args.schedule}, p=2, m={args.microbatches}, d={args.d}, 4 blocks, batch {args.batch}, {args.steps} steps "
           f"(median of steps after the first)")
     print(f"{'executor':<24}{'step ms':>10}{'grad rel. error':>18}")
     print(f"{'MPMD, 1 process':<24}{1e3 * med['mpmd']:>10.2f}{errors['mpmd']:>18.2e}")
     print(f"{'SPMD compiled, 1 proc.':<24}{1e3 * med['spmd']:>10.2f}{errors['spmd']:>18.2e}")
-    if two:
-        secs = [st["seconds"] for st in two["steps"]]
-        print(f"{'MPMD, 2 processes':<24}{1e3 * statistics.median(secs[1:] or secs):>10.2f}{two['grad_max_rel_error']:>18.2e}"
-              f"   (startup of the runtime {two['startup_seconds']:.2f} s; whole launch {wall:.1f} s)")
-    else:
-        print(f"MPMD, 2 processes: failed: {failures}")
-    if two_spmd:
-        secs = [st["seconds"] for st in two_spmd["steps"]]
-        print(f"{'SPMD, 2 processes':<24}{1e3 * statistics.median(secs[1:] or secs):>10.2f}{two_spmd['grad_max_rel_error']:>18.2e}"
-              f"   (whole launch {wall_spmd:.1f} s)")
-    else:
-        print(f"SPMD, 2 processes: failed: {failures_spmd}")
+    for label, (run, wall, failures) in (("MPMD, 2 processes", runs[False]), ("SPMD, 2 processes", runs[True])):
+        if run is None:
+            print(f"{label}: failed: {failures}")
+            continue
+        secs = [st["seconds"] for st in run["steps"]]
+        startup = f"startup of the runtime {run['startup_seconds']:.2f} s; " if "startup_seconds" in run else ""
+        print(f"{label:<24}{1e3 * statistics.median(secs[1:] or secs):>10.2f}{run['grad_max_rel_error']:>18.2e}"
+              f"   ({startup}whole launch {wall:.1f} s)")
     print(f"SPMD / MPMD step time: measured {med['spmd'] / med['mpmd']:.3f}, predicted by the lockstep simulator {predicted:.3f} "
           f"(costs T_F {[f'{1e3 * v:.2f}' for v in costs.f]} ms, T_B {[f'{1e3 * v:.2f}' for v in costs.b]}, "
           f"T_W {[f'{1e3 * v:.2f}' for v in costs.w]})")
