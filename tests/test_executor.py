@@ -277,3 +277,25 @@ def test_train_command_refuses_an_invalid_schedule_file(tmp_path, capsys):
     path.write_text("0F0,0I0\n1F0,1I0,1W0\n")
     assert main(["train", "--schedule-csv", str(path), "--steps", "1", "--batch", "4"]) == 2
     assert "incomplete schedule: missing W (or BW) of stage 0, microbatch 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_nothing_compiles_inside_the_first_timed_step(name):
+    """The untimed warm-up compiles every stage function exactly as the handlers call it (jit keys
+    its cache on how arguments are passed: an omitted default would compile again inside the
+    first timed step, seconds of false 'bubble' in its measured timeline)."""
+    s = zb.build_schedule(name, 2, 4)
+    model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=4, seed=7)), 2)
+    ex = PipelineExecutor(model, s, DEVICES[:2])
+    x, y = load_digits(0.2, 0).batch(0, 16)
+    prepare, seen = ex._prepare, {}
+
+    def watched(*args):  # the cache sizes right after the warm-up, before the first timed action
+        splits = prepare(*args)
+        seen["functions"] = [f for sp in splits for f in (sp.flat.forward, sp.flat.backward_input, sp.flat.backward_weight, sp.flat.backward_fused)]
+        seen["before"] = [f._cache_size() for f in seen["functions"]]
+        return splits
+
+    ex._prepare = watched
+    ex.run(model.params, x, y)
+    assert any(seen["before"]) and [f._cache_size() for f in seen["functions"]] == seen["before"]

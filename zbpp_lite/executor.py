@@ -282,14 +282,16 @@ class PipelineExecutor:
             flat = splits[s].flat
             x = jax.device_put(np.zeros(shapes[s].shape, shapes[s].dtype), device)
             aux = jax.device_put(y_mb, device) if last else None
-            _, res, _ = flat.forward(params[s], x, aux)  # each twice: new memory, then a spare's
+            # each twice: new memory, then a spare's; spare=None passed as the handlers pass it
+            # (jit keys its cache on the call's arguments: an omitted default compiles anew)
+            _, res, _ = flat.forward(params[s], x, aux, None)
             out, res, kept = flat.forward(params[s], x, aux, res)
             dy = jax.device_put(np.ones(np.shape(out), np.float32), device)
             if "BW" in kinds:  # twice, as W: a stage's first (no sum yet), then the rest
                 acc = flat.backward_fused(params[s], res, kept, dy, None)[1]
                 jax.block_until_ready(flat.backward_fused(params[s], res, kept, dy, acc))
             if "B" in kinds or "W" in kinds:
-                _, grads_out = flat.backward_input(params[s], res, dy)
+                _, grads_out = flat.backward_input(params[s], res, dy, None)
                 _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
                 acc = flat.backward_weight(params[s], kept, grads_out, None)
                 jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
