@@ -82,3 +82,12 @@ def test_more_processes_than_ranks_is_refused_before_starting(capsys):
 
     assert main(["launch", "--processes", "3", "--", "train", "--schedule", "1f1b", *TINY]) == 2
     assert "3 processes for 2 ranks" in capsys.readouterr().err
+
+
+def test_flags_launch_cannot_honour_are_refused_before_starting(capsys):
+    from zbpp_lite.cli import main
+
+    assert main(["launch", "--processes", "2", "--", "train", "--schedule", "1f1b", *TINY, "--max-grad-norm", "1", "--post-validation"]) == 2
+    assert "--max-grad-norm is not supported there" in capsys.readouterr().err
+    assert main(["launch", "--processes", "2", "--", "train", "--schedule", "1f1b", *TINY, "--platform", "cpu"]) == 2
+    assert "--platform is not supported there" in capsys.readouterr().err

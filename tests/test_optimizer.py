@@ -122,8 +122,16 @@ def test_bad_policies_are_refused():
     _, model, executor, _ = _setup("zb-h2")
     with pytest.raises(ValueError, match="policy must be one of plain, synchronous, post-validation"):
         StageOptimizer(executor, model.params, policy="sgd")
-    with pytest.raises(ValueError, match="give max_norm > 0"):
+    with pytest.raises(ValueError, match="give max_norm, a number > 0, got None"):
         StageOptimizer(executor, model.params, policy="post-validation")
+    with pytest.raises(ValueError, match="give max_norm > 0, got -1.0"):
+        StageOptimizer(executor, model.params, policy="synchronous", max_norm=-1)
+    with pytest.raises(ValueError, match="a number > 0, got '1.0x'"):
+        StageOptimizer(executor, model.params, policy="synchronous", max_norm="1.0x")
+    with pytest.raises(ValueError, match="one pytree per model module"):
+        StageOptimizer(executor, [], policy="synchronous", max_norm=1.0)
+    with pytest.raises(ValueError, match="b2 must be in \\(0, 1\\)"):
+        AdamWConfig(b2=0.0)
     with pytest.raises(ValueError, match="max_norm needs a guarded policy"):
         StageOptimizer(executor, model.params, max_norm=1.0)
     with pytest.raises(ValueError, match="at least one"):
@@ -157,4 +165,36 @@ def test_train_command_reports_the_guard(capsys):
     out = capsys.readouterr().out
     assert "optimizer step in the rank threads, post-validation, max_grad_norm 0.5: 3 of 3 steps clipped, 0 skipped, 3 rolled back" in out
     assert main(["train", "--schedule", "zb-h2", *tiny, "--post-validation"]) == 2
-    assert "give max_grad_norm too" in capsys.readouterr().err
+    assert "--post-validation validates a clipped step: give --max-grad-norm N too" in capsys.readouterr().err
+
+
+def test_a_heavily_clipped_redo_stays_finite_and_equals_the_synchronous_run():
+    """max_norm far below every norm: each speculative step is undone and redone with gradients
+    scaled down ~1e6 times; the recovered second moment must not go negative (NaN in sqrt)."""
+    _, model, executor, batches = _setup("zb-h2")
+    runs = {p: guarded_run(executor, model.params, batches[:3], p, 1e-6, CFG) for p in ("synchronous", "post-validation")}
+    losses = {p: [r.loss for r in results] for p, (results, _) in runs.items()}
+    assert np.all(np.isfinite(losses["post-validation"])) and all(r.finite for r in runs["post-validation"][1].reports)
+    np.testing.assert_allclose(losses["post-validation"], losses["synchronous"], rtol=1e-4)
+    assert [r.rolled_back for r in runs["post-validation"][1].reports] == [[0, 1]] * 3
+
+
+def test_reports_cover_the_latest_run_only():
+    _, model, executor, batches = _setup("zb-h2")
+    opt = StageOptimizer(executor, model.params, CFG, "synchronous", 1e9)
+    executor.run_steps(model.params, batches[:3], opt)
+    assert len(opt.reports) == 3 and opt.reports[0].global_norm > 0
+    executor.run_steps(model.params, batches[3:4], opt)
+    assert len(opt.reports) == 1 and opt.reports[0].global_norm > 0
+
+
+def test_guard_flags_are_checked_before_jax_work(capsys):
+    from zbpp_lite.cli import main
+
+    tiny = ["--ranks", "2", "--microbatches", "4", "--steps", "1", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "16"]
+    for flags, message in ((["--max-grad-norm", "nan"], "--max-grad-norm must be a number > 0, got nan"),
+                           (["--max-grad-norm", "0"], "--max-grad-norm must be a number > 0, got 0.0"),
+                           (["--spmd", "--max-grad-norm", "1"], "--spmd trains plain AdamW")):
+        assert main(["train", "--schedule", "zb-h2", *tiny, *flags]) == 2
+        err = capsys.readouterr()
+        assert message in err.err and "zb-h2: 2 ranks" not in err.out  # refused before the run's header

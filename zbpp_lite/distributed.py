@@ -396,6 +396,8 @@ def train_process(args) -> int:
 
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
+    if args.max_grad_norm is not None or args.init or getattr(args, "platform", None):  # launch refuses these first
+        raise ValueError("launch trains plain AdamW from the model's own init: --max-grad-norm, --init, --platform are not supported")
     timeout = float(os.environ.get(ENV_TIMEOUT, "60"))
     t0 = time.perf_counter()
     process, count = initialize(timeout=timeout)

@@ -146,7 +146,8 @@ class RankUpdate(Protocol):
       stage's device), gradients of the global-batch mean loss;
     - ``validate(rank, k, channel)`` before the rank's first action of step ``k + 1`` and after
       its last step: the place to check a speculative step (paper section 4) once the values it
-      waits for have arrived.
+      waits for have arrived;
+    - ``begin(num_steps)``, if it has one, once before the threads start.
 
     ``channel`` exchanges values with the other ranks' calls of the same step (:class:`_Channel`).
     """
@@ -375,6 +376,8 @@ class PipelineExecutor:
                 inboxes=boxes, t0=0.0, store={}, losses={}, events=[],
             ))
         jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
+        if update is not None and hasattr(update, "begin"):
+            update.begin(len(steps))
         errors: list[tuple[int, Action | None, BaseException]] = []
         threads = [
             threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors), name=f"zbpp-rank-{r}", daemon=True)

@@ -59,12 +59,16 @@ class StageOptimizer:
             test: a NaN, a spike).
 
     Attributes:
-        reports: one :class:`~zbpp_lite.postval.StepReport` per step run so far (guarded
-            policies; global norm, finite, clipped, ranks rolled back, partial norms per rank).
+        reports: one :class:`~zbpp_lite.postval.StepReport` per step of the latest ``run_steps``
+            call (guarded policies; global norm, finite, clipped, ranks rolled back, partial
+            norms per rank). The parameters and AdamW states carry over from call to call.
+
+    Every function a rank calls is compiled here, on zeros, so none compiles inside a timed step.
 
     Raises:
-        ValueError: an unknown policy, a missing or non-positive ``max_norm``, or ``max_norm``
-            with "plain".
+        ValueError: an unknown policy, a missing, non-numeric or non-positive ``max_norm``,
+            ``max_norm`` with "plain", an executor that is not a PipelineExecutor, or params
+            without one pytree per model module (and AdamWConfig's own checks).
     """
 
     def __init__(
@@ -80,13 +84,21 @@ class StageOptimizer:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
         if policy == "plain" and max_norm is not None:
             raise ValueError("max_norm needs a guarded policy: 'synchronous' or 'post-validation'")
-        if policy != "plain" and not (max_norm is not None and max_norm > 0):
-            raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm > 0, got {max_norm}")
+        if policy != "plain":
+            try:
+                max_norm = float(max_norm)
+            except (TypeError, ValueError):
+                raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm, a number > 0, got {max_norm!r}") from None
+            if not max_norm > 0:
+                raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm > 0, got {max_norm}")
+        if not hasattr(executor, "schedule") or not hasattr(executor, "local_stages"):
+            raise ValueError(f"executor must be a zbpp_lite.executor.PipelineExecutor, got {type(executor).__name__}")
+        if len(params) != executor.model.num_parts:
+            raise ValueError(f"params must hold one pytree per model module ({executor.model.num_parts}), got {len(params)}")
         self.executor, self.config, self.policy, self.max_norm = executor, config, policy, max_norm
         self.gradient_filter = gradient_filter
         model, schedule = executor.model, executor.schedule
         self.num_ranks = schedule.num_ranks
-        self.stages = {r: tuple(schedule.stages_of(r)) for r in executor.ranks}
         opt = config.optimizer()
         self._params: dict[int, tuple] = {}
         self._states: dict[int, Any] = {}
@@ -101,13 +113,35 @@ class StageOptimizer:
         self._rollback_fn = jax.jit(lambda p, st, g: adamw_rollback(p, st, g, config))
         self._norm_fn = jax.jit(lambda g: (jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g]),
                                            jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g]))))
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile every function a rank may call, on zeros, results dropped: nothing compiles
+        inside a timed step (a compile there would show as a bubble of seconds)."""
+        for s in self._params:
+            zeros = tuple(jnp.zeros_like(p) for p in self._params[s])
+            outs = [self._step_fn(self._params[s], self._states[s], zeros, None, False)]
+            if self.policy != "plain":
+                outs.append(self._norm_fn(zeros))
+                outs.append(self._step_fn(self._params[s], self._states[s], zeros, (np.float32(1.0), np.float32(1.0)), True))
+                stepped = outs[0]
+                outs.append(self._step_fn(*stepped, zeros, None, False))  # later steps: the outputs' own layout
+            if self.policy == "post-validation":
+                outs.append(self._rollback_fn(*outs[0], zeros))
+            jax.block_until_ready(outs)
+
+    def begin(self, num_steps: int) -> None:
+        """Called by ``run_steps`` before its threads start: fresh reports for its steps."""
+        self.reports = [StepReport(float("nan"), True, False, partial_norms=[float("nan")] * self.num_ranks)
+                        for _ in range(num_steps if self.policy != "plain" else 0)]
+        self._pending.clear()
 
     # ------------------------------------------------------------------ RankUpdate
 
     def stage_params(self, stage: int) -> tuple:
         return self._params[stage]
 
-    def params(self) -> list:
+    def params(self) -> dict:
         """Current parameters of the local stages: ``{stage: tuple of leaves}`` (on their devices)."""
         return dict(self._params)
 
@@ -180,8 +214,6 @@ class StageOptimizer:
 
     def _report(self, k: int, rank: int, norm: float, finite: bool, partial: float | None, rolled_back: bool) -> None:
         with self._lock:
-            while len(self.reports) <= k:
-                self.reports.append(StepReport(float("nan"), True, False, partial_norms=[float("nan")] * self.num_ranks))
             report = self.reports[k]
             report.global_norm, report.finite = norm, finite
             report.clipped = finite and norm >= self.max_norm

@@ -46,6 +46,18 @@ class AdamWConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
 
+    def __post_init__(self) -> None:
+        """Raises ValueError for settings the step or its rollback cannot take: the rollback
+        divides by b1, b2 and 1 - lr * weight_decay."""
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        for name in ("b1", "b2"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in (0, 1) (the rollback divides by it), got {getattr(self, name)}")
+        if not self.eps > 0 or not self.weight_decay >= 0 or not self.learning_rate * self.weight_decay < 1:
+            raise ValueError(f"need eps > 0, weight_decay >= 0 and learning_rate * weight_decay < 1; got eps={self.eps}, "
+                             f"weight_decay={self.weight_decay}, learning_rate={self.learning_rate}")
+
     def optimizer(self) -> optax.GradientTransformation:
         """The matching ``optax.adamw``."""
         return optax.adamw(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
@@ -84,7 +96,9 @@ def adamw_rollback(params, opt_state, grads, config: AdamWConfig):
     update = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + c.eps), adam.mu, adam.nu)
     old_params = jax.tree.map(lambda p, u: (p + c.learning_rate * u) / (1 - c.learning_rate * c.weight_decay), params, update)
     mu = jax.tree.map(lambda m, g: (m - (1 - c.b1) * g) / c.b1, adam.mu, grads)
-    nu = jax.tree.map(lambda v, g: (v - (1 - c.b2) * g * g) / c.b2, adam.nu, grads)
+    # nu >= 0 always; float32 rounding of nu_t - (1 - b2) g^2 can leave a tiny negative value where
+    # the step's g^2 dominated nu_t (a heavily clipped redo), and sqrt(negative) would be NaN
+    nu = jax.tree.map(lambda v, g: jnp.maximum((v - (1 - c.b2) * g * g) / c.b2, 0.0), adam.nu, grads)
     restored = optax.ScaleByAdamState(count=adam.count - 1, mu=mu, nu=nu)
     return old_params, _with_adam_state(opt_state, restored)
 

@@ -540,6 +540,9 @@ def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: 
     home = jax.local_devices()[0]
     params = jax.device_put(params, home)
     state = opt.init(params)
+    zeros = jax.device_put(jax.tree_util.tree_map(np.zeros_like, params), home)
+    once = update(zeros, state, params)  # compile the update for the first step's inputs and the later steps' (its own outputs)
+    jax.block_until_ready(update(zeros, once[1], once[0]))
     losses, seconds = [], []
     grad_error = loss_error = float("nan")
     for k, (x, y) in enumerate(batches):

@@ -89,6 +89,11 @@ def _check(args, train_args: list[str]) -> None:
     targs = build_parser(["train"]).parse_args(["train", *train_args])
     schedule = resolve_schedule(targs)
     check_sizes(targs, schedule)
+    unsupported = [flag for flag, on in (("--max-grad-norm", targs.max_grad_norm is not None), ("--init", bool(targs.init)),
+                                          ("--platform", targs.platform is not None)) if on]
+    if unsupported:
+        raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices: "
+                       f"{', '.join(unsupported)} is not supported there (drop it, or run train in one process)")
     p = schedule.num_ranks
     if args.processes > p:
         raise CliError(f"{args.processes} processes for {p} ranks: every process must hold a rank; use --processes <= {p}")

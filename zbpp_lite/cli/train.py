@@ -62,8 +62,6 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
 def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
     """``train --spmd``: the compiled SPMD executor (:func:`zbpp_lite.spmd.train_spmd`) on
     ``devices`` (which may span processes under ``launch``); process 0 prints and writes JSON."""
-    if args.max_grad_norm is not None or args.init:
-        raise CliError("--spmd trains plain AdamW from the model's own init: drop --max-grad-norm / --init")
     from zbpp_lite.data import load_digits
     from zbpp_lite.model import ModelConfig, StagedModel, build_parts
     from zbpp_lite.spmd import train_spmd
@@ -155,7 +153,19 @@ def check_sizes(args, schedule) -> int:
             f"--blocks {blocks} is fewer than the schedule's {schedule.num_stages} stages; every stage needs a block "
             f"(use --blocks {schedule.num_stages} or more)"
         )
+    check_guard_arguments(args)
     return blocks
+
+
+def check_guard_arguments(args) -> None:
+    """``--max-grad-norm`` / ``--post-validation`` / ``--spmd`` together, before JAX starts."""
+    norm = getattr(args, "max_grad_norm", None)
+    if getattr(args, "post_validation", False) and norm is None:
+        raise CliError("--post-validation validates a clipped step: give --max-grad-norm N too")
+    if norm is not None and not norm > 0:  # also NaN
+        raise CliError(f"--max-grad-norm must be a number > 0, got {norm}")
+    if getattr(args, "spmd", False) and (norm is not None or args.init):
+        raise CliError("--spmd trains plain AdamW from the model's own init: drop --max-grad-norm / --post-validation / --init")
 
 
 def setup_devices(num_ranks: int, platform: str | None = None):
