@@ -392,12 +392,11 @@ def train_process(args) -> int:
     command's), and on process 0 print the report ``train`` prints. Returns an exit status."""
     import jax
 
-    from .cli.train import check_sizes, report, resolve_schedule
+    from .cli.train import check_launchable, check_sizes, report, resolve_schedule
 
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
-    if args.max_grad_norm is not None or args.init or getattr(args, "platform", None):  # launch refuses these first
-        raise ValueError("launch trains plain AdamW from the model's own init: --max-grad-norm, --init, --platform are not supported")
+    check_launchable(args)  # launch checked it before starting us; a cluster's launcher did not
     timeout = float(os.environ.get(ENV_TIMEOUT, "60"))
     t0 = time.perf_counter()
     process, count = initialize(timeout=timeout)
@@ -447,7 +446,7 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
     from .executor import measured_costs
     from .model import ModelConfig, StagedModel, build_parts
     from .simulate import simulate
-    from .train import TrainResult, _pick_measured, evaluate, jitted_adamw, max_relative_error
+    from .train import TrainResult, _pick_measured, _reference, evaluate, jitted_adamw, max_relative_error
 
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
     data = load_digits(args.holdout, args.seed)
@@ -468,9 +467,9 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
         jax.block_until_ready(new_params)
         seconds.append(time.perf_counter() - t0)
         if k == 0:
-            ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(params, x, y)
+            ref_loss, ref_grads = _reference(model, params, x, y, home)
             grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - float(ref_loss))
+            loss_error = abs(result.loss - ref_loss)
         params = new_params
         losses.append(result.loss)
         timelines.append(result.timeline)

@@ -121,11 +121,10 @@ class StageOptimizer:
         for s in self._params:
             zeros = tuple(jnp.zeros_like(p) for p in self._params[s])
             outs = [self._step_fn(self._params[s], self._states[s], zeros, None, False)]
+            outs.append(self._step_fn(*outs[0], zeros, None, False))  # later steps: the outputs' own layout
             if self.policy != "plain":
                 outs.append(self._norm_fn(zeros))
                 outs.append(self._step_fn(self._params[s], self._states[s], zeros, (np.float32(1.0), np.float32(1.0)), True))
-                stepped = outs[0]
-                outs.append(self._step_fn(*stepped, zeros, None, False))  # later steps: the outputs' own layout
             if self.policy == "post-validation":
                 outs.append(self._rollback_fn(*outs[0], zeros))
             jax.block_until_ready(outs)

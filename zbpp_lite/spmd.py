@@ -57,6 +57,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from .costs import Costs
 from .model import Params, StagedModel
 from .schedule import Schedule
 from .simulate import lockstep_ticks
@@ -533,7 +534,7 @@ def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: 
     import time
 
     from .simulate import simulate
-    from .train import jitted_adamw, max_relative_error
+    from .train import _reference, jitted_adamw, max_relative_error
 
     executor = SpmdExecutor(model, schedule, devices)
     opt, update = jitted_adamw(lr, weight_decay)
@@ -552,14 +553,12 @@ def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: 
         jax.block_until_ready(new_params)
         seconds.append(time.perf_counter() - t0)
         if k == 0:
-            ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(params, jnp.asarray(x), jnp.asarray(y))
+            ref_loss, ref_grads = _reference(model, params, x, y, home)
             grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - float(ref_loss))
+            loss_error = abs(result.loss - ref_loss)
         params = new_params
         losses.append(result.loss)
         if on_step is not None:
             on_step(k, result.loss, seconds[-1])
-    from .costs import Costs
-
     return SpmdTrainResult(losses, seconds, grad_error, loss_error, simulate(schedule, Costs(), lockstep=True),
                            jax.tree_util.tree_map(np.asarray, params))

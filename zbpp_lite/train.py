@@ -224,7 +224,6 @@ def train(
     opt, update = jitted_adamw(lr, weight_decay)
     S = sched.num_stages
     stage_params = [jax.device_put(model.stage_params(params, s), executor.stage_devices[s]) for s in range(S)]
-    opt_state = [jax.device_put(opt.init(p), executor.stage_devices[s]) for s, p in enumerate(stage_params)]
 
     losses, timelines, seconds = [], [], []
     grad_error = loss_error = None
@@ -255,32 +254,34 @@ def train(
         extra = {"max_grad_norm": max_grad_norm, "post_validation": post_validation,
                  "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
                                     "rolled_back": r.rolled_back} for r in guard.reports]}
-    steps_iter: Any = range(steps) if max_grad_norm is None else range(0)
-    if progress:
-        from tqdm.auto import tqdm
-
-        desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
-        steps_iter = tqdm(steps_iter, desc=desc, leave=False)
-    for k in steps_iter:
-        x, y = data.batch(k, batch)
-        t0 = time.perf_counter()
-        current = model.join_stage_params(stage_params)
-        result = executor.run(current, x, y)
-        grads = [model.stage_params(result.grads, s) for s in range(S)]
-        for s in range(S):
-            stage_params[s], opt_state[s] = update(grads[s], opt_state[s], stage_params[s])
-        jax.block_until_ready(stage_params)
-        seconds.append(time.perf_counter() - t0)
-        if k == 0 and check_grads:
-            ref_loss, ref_grads = _reference(model, current, x, y, devices[0])
-            grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - ref_loss)
-        losses.append(result.loss)
-        timelines.append(result.timeline)
+    else:  # one executor step at a time, AdamW per stage after it
+        opt_state = [jax.device_put(opt.init(p), executor.stage_devices[s]) for s, p in enumerate(stage_params)]
+        steps_iter: Any = range(steps)
         if progress:
-            steps_iter.set_postfix(loss=f"{result.loss:.4f}")
-        if on_step is not None:
-            on_step(k, result.loss, result.timeline)
+            from tqdm.auto import tqdm
+
+            desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
+            steps_iter = tqdm(steps_iter, desc=desc, leave=False)
+        for k in steps_iter:
+            x, y = data.batch(k, batch)
+            t0 = time.perf_counter()
+            current = model.join_stage_params(stage_params)
+            result = executor.run(current, x, y)
+            grads = [model.stage_params(result.grads, s) for s in range(S)]
+            for s in range(S):
+                stage_params[s], opt_state[s] = update(grads[s], opt_state[s], stage_params[s])
+            jax.block_until_ready(stage_params)
+            seconds.append(time.perf_counter() - t0)
+            if k == 0 and check_grads:
+                ref_loss, ref_grads = _reference(model, current, x, y, devices[0])
+                grad_error = max_relative_error(result.grads, ref_grads)
+                loss_error = abs(result.loss - ref_loss)
+            losses.append(result.loss)
+            timelines.append(result.timeline)
+            if progress:
+                steps_iter.set_postfix(loss=f"{result.loss:.4f}")
+            if on_step is not None:
+                on_step(k, result.loss, result.timeline)
 
     final = model.join_stage_params(stage_params)
     test_loss, test_accuracy = evaluate(model, final, data.test_x, data.test_y, devices[0])

@@ -82,18 +82,14 @@ def _train_args(args) -> list[str]:
 def _check(args, train_args: list[str]) -> None:
     """Sizes checked before any process starts: processes, devices and ranks must fit."""
     from . import build_parser
-    from .train import check_sizes, resolve_schedule
+    from .train import check_launchable, check_sizes, resolve_schedule
 
     if args.processes < 1 or args.devices_per_process < 1:
         raise CliError(f"--processes and --devices-per-process must be >= 1, got {args.processes} and {args.devices_per_process}")
     targs = build_parser(["train"]).parse_args(["train", *train_args])
     schedule = resolve_schedule(targs)
     check_sizes(targs, schedule)
-    unsupported = [flag for flag, on in (("--max-grad-norm", targs.max_grad_norm is not None), ("--init", bool(targs.init)),
-                                          ("--platform", targs.platform is not None)) if on]
-    if unsupported:
-        raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices: "
-                       f"{', '.join(unsupported)} is not supported there (drop it, or run train in one process)")
+    check_launchable(targs)
     p = schedule.num_ranks
     if args.processes > p:
         raise CliError(f"{args.processes} processes for {p} ranks: every process must hold a rank; use --processes <= {p}")

@@ -157,6 +157,15 @@ def check_sizes(args, schedule) -> int:
     return blocks
 
 
+def check_launchable(args) -> None:
+    """Train options ``launch`` cannot honour, refused with the flags named (CliError)."""
+    unsupported = [flag for flag, on in (("--max-grad-norm", args.max_grad_norm is not None), ("--init", bool(args.init)),
+                                          ("--platform", getattr(args, "platform", None) is not None)) if on]
+    if unsupported:
+        raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices: "
+                       f"{', '.join(unsupported)} is not supported there (drop it, or run train in one process)")
+
+
 def check_guard_arguments(args) -> None:
     """``--max-grad-norm`` / ``--post-validation`` / ``--spmd`` together, before JAX starts."""
     norm = getattr(args, "max_grad_norm", None)
