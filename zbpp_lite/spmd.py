@@ -46,7 +46,6 @@ placement and ZB-V, arXiv 2405.15362, section 3.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
