@@ -55,6 +55,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rank_processes import connect, disconnect, finish, pin_to, spawn
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCRIPT = ROOT.parent / "shared" / "peers" / "torch_pp_bench.py"
 JOB = {"d": 128, "heads": 4, "blocks": 8, "batch": 256, "microbatches": 8, "lr": 1e-3, "weight_decay": 0.01, "seed": 0}
@@ -198,22 +200,18 @@ def action_medians(timelines) -> dict:
 # ----------------------------------------------------------------------------- one process per rank
 
 
-def rank_process(rank: int, core: int | None, name: str, options: dict, init: str | None, peers: dict, control) -> None:
+def rank_process(rank: int, core: int | None, peers: dict, control, name: str, options: dict, init: str | None) -> None:
     """One pipeline rank in its own process, as PyTorch's benchmark runs its ranks: pinned to one
     core before JAX starts (so XLA's threads are this rank's only), one CPU device, the package's
     executor for this rank's actions (``PipelineExecutor(ranks=[rank], remote=...)``), values to
-    and from the other ranks through pipes, AdamW on this rank's stages after its last action.
-    Steps on the parent's word; each step reports its wall time, the losses (last stage) and the
-    measured events."""
-    if core is not None:
-        os.sched_setaffinity(0, {core})
+    and from the other ranks through pipes (``rank_processes``), AdamW on this rank's stages
+    after its last action. Steps on the parent's word; each step reports its wall time, the
+    losses (last stage) and the measured events."""
+    pin_to(core)
     from zbpp_lite.devices import ensure_devices
 
     device = ensure_devices(1)[0]
-    import threading
-
     import jax
-    import numpy as np
     import optax
 
     import zbpp_lite as zb
@@ -226,18 +224,7 @@ def rank_process(rank: int, core: int | None, name: str, options: dict, init: st
     config = ModelConfig(d=JOB["d"], heads=JOB["heads"], blocks=JOB["blocks"], seed=JOB["seed"])
     model = StagedModel(build_parts(config), schedule.num_stages)
     params = list(load_torch_init(init, config) if init else model.params)
-
-    def send(to: int, key, value) -> None:
-        peers[to].send((key, np.asarray(value)))
-
-    executor = PipelineExecutor(model, schedule, [device], ranks=[rank], remote=send)
-
-    def receive(conn) -> None:
-        while (message := conn.recv()) is not None:
-            executor.deliver(*message)
-
-    for conn in peers.values():
-        threading.Thread(target=receive, args=(conn,), daemon=True).start()
+    executor = connect(peers, lambda remote: PipelineExecutor(model, schedule, [device], ranks=[rank], remote=remote))
     optimizer = adamw(JOB["lr"], JOB["weight_decay"])
 
     def apply(grads, state, p):
@@ -263,55 +250,33 @@ def rank_process(rank: int, core: int | None, name: str, options: dict, init: st
         seconds = time.perf_counter() - t0
         events = [(e.rank, str(e.action), e.start, e.end) for e in result.timeline.events]
         control.send((seconds, list(result.microbatch_losses), events, ran))
-    for conn in peers.values():
-        conn.send(None)
+    disconnect(peers)
 
 
 def run_processes(name: str, options: dict, steps: int, init: str | None, pin_ranks: bool) -> tuple[list, list, list, list]:
     """Train ``steps`` steps with one process per rank; returns per step (seconds, loss, Timeline,
     seconds of the slowest rank's executor run before its update). A step's time is the slowest
     rank's, from the common start signal to the end of its update."""
-    import multiprocessing as mp
-
     import numpy as np
 
     from zbpp_lite.schedule import Action
     from zbpp_lite.timeline import Event, Timeline
 
-    ctx = mp.get_context("spawn")
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    links = {(a, b): ctx.Pipe() for a in range(RANKS) for b in range(a + 1, RANKS)}
-    peers = [{} for _ in range(RANKS)]
-    for (a, b), (end_a, end_b) in links.items():
-        peers[a][b], peers[b][a] = end_a, end_b
-    controls = [ctx.Pipe() for _ in range(RANKS)]
-    procs = [
-        ctx.Process(target=rank_process, daemon=True,
-                    args=(r, allowed[r % len(allowed)] if pin_ranks and allowed else None, name, options, init, peers[r], controls[r][1]))
-        for r in range(RANKS)
-    ]
-    for proc in procs:
-        proc.start()
+    procs, controls = spawn(rank_process, RANKS, pin_ranks, name, options, init)
     seconds, losses, timelines, runs = [], [], [], []
     try:
         for k in range(steps):
-            for parent, _ in controls:
-                parent.send(k)
-            replies = [parent.recv() for parent, _ in controls]
+            for control in controls:
+                control.send(k)
+            replies = [control.recv() for control in controls]
             seconds.append(max(r[0] for r in replies))
             runs.append(max(r[3] for r in replies))
             mb_losses = next(r[1] for r in replies if r[1])
             losses.append(float(np.mean(np.asarray(mb_losses, np.float64))))
             events = [Event(r, Action.from_str(a), t0, t1) for rep in replies for r, a, t0, t1 in rep[2]]
             timelines.append(Timeline.from_events(events, RANKS, source="measured"))
-        for parent, _ in controls:
-            parent.send(None)
-        for proc in procs:
-            proc.join(60)
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
+        finish(procs, controls)
     return seconds, losses, timelines, runs
 
 

@@ -98,6 +98,60 @@ def test_guarded_steps_in_the_rank_threads_equal_the_reference(name):
             assert partial[0] < partial[1] == pytest.approx(opt.reports[0].global_norm)
 
 
+@pytest.mark.parametrize("policy", ["synchronous", "post-validation"])
+def test_one_executor_per_rank_trains_as_one_executor_for_all(policy):
+    """PyTorch's set-up, one process per rank (here two single-rank executors in two threads,
+    values through ``remote`` / ``deliver`` as a pipe carries them: arrays as NumPy, the
+    optimizer's floats as they are): several steps in one run_steps call, the guard's messages
+    between the ranks included, give the all-ranks executor's parameters and reports."""
+    import threading
+
+    schedule, model, executor, batches = _setup("zb-h2")
+    first = executor.run(model.params, *batches[0]).grads
+    max_norm = 3.0 * float(np.sqrt(sum(float(jnp.sum(jnp.square(v))) for v in jax.tree_util.tree_leaves(first))))
+    inject = _faults(schedule, 10.0)
+    whole_results, whole = guarded_run(executor, model.params, batches, policy, max_norm, CFG, inject)
+
+    def carry(to, key, value, step):
+        value = np.asarray(value) if isinstance(value, jax.Array) else value
+        executors[to].deliver(key, value, step, to)
+
+    executors = {r: PipelineExecutor(model, schedule, [jax.devices()[r]], ranks=[r], remote=carry) for r in range(2)}
+    optimizers = {r: StageOptimizer(executors[r], model.params, CFG, policy, max_norm, inject) for r in range(2)}
+    results, errors = {}, []
+
+    def rank(r):
+        try:
+            results[r] = executors[r].run_steps(model.params, batches, optimizers[r])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    for s in range(schedule.num_stages):
+        r = schedule.placement[s]
+        assert _max_rel(optimizers[r].params()[s], whole.params()[s]) < 1e-5, (policy, s)
+    last = schedule.placement[-1]
+    assert [res.loss for res in results[last]] == pytest.approx([res.loss for res in whole_results], rel=1e-5)
+    for r in range(2):  # each process reports its own ranks: the same global norms and verdicts
+        assert [rep.clipped for rep in optimizers[r].reports] == [rep.clipped for rep in whole.reports]
+        assert [rep.finite for rep in optimizers[r].reports] == [rep.finite for rep in whole.reports]
+        if policy == "post-validation":
+            assert [rep.rolled_back for rep in optimizers[r].reports] == [[q for q in rep.rolled_back if q == r] for rep in whole.reports]
+    # a second call continues the step numbering on both sides (no message meets the wrong step)
+    again = {}
+    threads = [threading.Thread(target=lambda r=r: again.__setitem__(r, executors[r].run_steps(model.params, batches[:2], optimizers[r]))) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(again) == [0, 1] and all(len(v) == 2 for v in again.values())
+
+
 def test_plain_steps_equal_optax_adamw_step_by_step():
     schedule, model, executor, batches = _setup("zb-h2")
     results, opt = guarded_run(executor, model.params, batches[:3], "plain", config=CFG)

@@ -104,7 +104,7 @@ def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
     executors = {}
     for r in range(2):
         executors[r] = PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r],
-                                        remote=lambda to, key, value: executors[to].deliver(key, np.asarray(value)))
+                                        remote=lambda to, key, value, step: executors[to].deliver(key, np.asarray(value), step))
     results = {}
     threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, executors[r].run(model.params, x, y))) for r in range(2)]
     for t in threads:

@@ -121,13 +121,17 @@ class _Channel:
     """What an optimizer step inside rank ``rank``'s thread may exchange with other ranks during
     one step: ``send(to, key, value)`` into rank ``to``'s inbox, ``take(key)`` from its own
     (waiting at most the executor's timeout). Keys are ``(tag, rank, 0)`` tuples whose tag is
-    not "F" or "B"; values stay as given (host values such as floats)."""
+    not "F" or "B"; values stay as given (host values such as floats). A rank run by another
+    process is reached through the executor's ``remote``."""
 
     def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
         self._executor, self._step, self.rank = executor, step, rank
 
     def send(self, to: int, key: Key, value: Any) -> None:
-        self._step.inboxes[to].put(key, value)
+        if to in self._executor.ranks:
+            self._step.inboxes[to].put(key, value)
+        else:  # a rank of another process: through the executor's remote, tagged with the step
+            self._executor.remote(to, key, value, self._step.index)
 
     def take(self, key: Key, what: str = "the optimizer step") -> Any:
         return self._step.inboxes[self.rank].take(key, self._executor.timeout, what)
@@ -174,6 +178,7 @@ class _Step:
     store: dict  # (stage, microbatch) -> what F / B kept
     losses: dict
     events: list
+    index: int = 0  # the step's number over the executor's life (remote messages carry it)
 
 
 class PipelineExecutor:
@@ -188,9 +193,12 @@ class PipelineExecutor:
             rank stops the others at once; the caller gets it).
         ranks: the ranks this executor runs (default: all). With some ranks only, each process of
             a pipeline runs its own (one pinned process per rank, as PyTorch's pipelining does):
-            ``remote(rank, key, value)`` must carry what a local action sends to ``rank`` (a
-            NumPy-convertible array, ``key`` as :func:`~zbpp_lite.schedule.produces` names it)
-            and that process hands it to its executor's :meth:`deliver`.
+            ``remote(rank, key, value, step)`` must carry what a local rank sends to ``rank``
+            and that process hands it to its executor's ``deliver(key, value, step, rank)``:
+            activations and input gradients (a NumPy-convertible array, ``key`` as
+            :func:`~zbpp_lite.schedule.produces` names it) and an optimizer's messages
+            (:class:`RankUpdate`: small host values such as floats). ``step`` numbers the steps
+            over the executor's life (every process runs the same steps, in the same calls).
         remote: see ``ranks``.
 
     Attributes:
@@ -239,8 +247,9 @@ class PipelineExecutor:
         self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
         self.local_stages = [s for s, r in enumerate(schedule.placement) if r in on]
         self._lock = threading.Lock()
-        self._current: _Step | None = None  # the step in flight, for deliver()
-        self._pending: list = []  # what arrived from other processes before this process's step began
+        self._current: tuple[int, list] | None = None  # (number of the first, the steps in flight), for deliver()
+        self._pending: list = []  # (step, key, value, rank) that arrived from other processes before its step began
+        self._steps_begun = 0  # steps numbered so far: what remote messages are tagged with
         self._spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
         self._spares_for: Any = None  # the microbatch shape the spares have
         self._handlers: dict[str, Callable] = {
@@ -341,15 +350,14 @@ class PipelineExecutor:
             action, and ``StepResult.start`` gives that moment in seconds since the first step
             began (so consecutive starts give the period of the training loop).
 
+        With ``ranks`` in other processes (``remote``) every process calls ``run_steps`` with
+        the same number of batches (the same batches), and each runs its own ranks' share.
+
         Raises:
-            ValueError: no batches, batches of different shapes, or several steps with ``ranks``
-                run in other processes (``remote``: one step per call there). Otherwise as
-                :meth:`run`.
+            ValueError: no batches or batches of different shapes. Otherwise as :meth:`run`.
         """
         if not batches:
             raise ValueError("run_steps needs at least one (x, labels) batch")
-        if len(batches) > 1 and len(self.ranks) < self.schedule.num_ranks:
-            raise ValueError("with ranks in other processes (remote=), run one step per call")
         shapes = {(np.shape(x), np.shape(y)) for x, y in batches}
         if len(shapes) > 1:
             raise ValueError(f"every batch of run_steps must have one shape, got {sorted(shapes)}")
@@ -366,14 +374,15 @@ class PipelineExecutor:
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
         abort = threading.Event()
         inboxes = [[_Inbox(r, abort) for r in range(self.schedule.num_ranks)] for _ in batches]
-        steps = []
+        base, steps = self._steps_begun, []
+        self._steps_begun += len(batches)
         for (x, labels), boxes in zip(batches, inboxes):
             x, labels = np.asarray(x), np.asarray(labels)
             inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
             ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
             steps.append(_Step(
                 params=list(leaves), acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
-                inboxes=boxes, t0=0.0, store={}, losses={}, events=[],
+                inboxes=boxes, t0=0.0, store={}, losses={}, events=[], index=base + len(steps),
             ))
         jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
         if update is not None and hasattr(update, "begin"):
@@ -383,10 +392,12 @@ class PipelineExecutor:
             threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
             for r in self.ranks
         ]
-        with self._lock:  # from now on deliver() puts straight into the first step's inboxes
-            self._current, pending, self._pending = steps[0], self._pending, []
-        for key, value in pending:
-            self._put(steps[0], key, value)
+        with self._lock:  # from now on deliver() puts straight into these steps' inboxes
+            self._current = (base, steps)
+            pending = [p for p in self._pending if base <= p[0] < base + len(steps)]
+            self._pending = [p for p in self._pending if p[0] >= base + len(steps)]  # later calls' (older: dropped)
+        for k, key, value, rank in pending:
+            self._put(steps[k - base], key, value, rank)
         t0 = time.perf_counter()
         for st in steps:
             st.t0 = t0
@@ -471,25 +482,37 @@ class PipelineExecutor:
         key = produces(action)[0]
         consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
         if self.stage_devices[consumer] is None:
-            self.remote(self.schedule.placement[consumer], key, value)
+            self.remote(self.schedule.placement[consumer], key, value, step.index)
         else:
             self._put(step, key, value)
 
-    def _put(self, step: _Step, key: Key, value: Any) -> None:
+    def _put(self, step: _Step, key: Key, value: Any, rank: int | None = None) -> None:
         kind, stage, _ = key
-        consumer = stage + 1 if kind == "F" else stage - 1
-        step.inboxes[self.schedule.placement[consumer]].put(key, jax.device_put(value, self.stage_devices[consumer]))
+        if kind in ("F", "B"):  # an activation for stage s+1, an input gradient for stage s-1
+            consumer = stage + 1 if kind == "F" else stage - 1
+            step.inboxes[self.schedule.placement[consumer]].put(key, jax.device_put(value, self.stage_devices[consumer]))
+        else:  # an optimizer's message (RankUpdate) for ``rank``, as sent
+            step.inboxes[rank].put(key, value)
 
-    def deliver(self, key: Key, value: Any) -> None:
-        """Hand this executor what another process's rank sent it (see ``remote``): the
-        activation ("F", s, j) for stage s+1 or the input gradient ("B", s, j) for stage s-1, a
-        NumPy array. Safe from any thread, also before :meth:`run` has begun the step."""
+    def deliver(self, key: Key, value: Any, step: int, rank: int | None = None) -> None:
+        """Hand this executor what another process's rank sent it (see ``remote``), for step
+        number ``step`` (as ``remote`` was given it): the activation ("F", s, j) for stage s+1
+        or the input gradient ("B", s, j) for stage s-1, a NumPy array; or an optimizer's
+        message for local rank ``rank``. Safe from any thread, also before :meth:`run_steps`
+        has begun that step.
+
+        Raises:
+            ValueError: an optimizer's message without a local ``rank``.
+        """
+        if key[0] not in ("F", "B") and rank not in self.ranks:
+            raise ValueError(f"the message {key} needs the local rank it is for (one of {list(self.ranks)}), got rank={rank}")
         with self._lock:
-            step = self._current
-            if step is None:
-                self._pending.append((key, value))
+            current = self._current
+            if current is None or not current[0] <= step < current[0] + len(current[1]):
+                self._pending.append((step, key, value, rank))
                 return
-        self._put(step, key, value)
+            target = current[1][step - current[0]]
+        self._put(target, key, value, rank)
 
     # ------------------------------------------------------------------ handlers: kind -> work
     # Each returns (what to wait for before the action counts as done, what to send or None).

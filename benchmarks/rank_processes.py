@@ -1,0 +1,90 @@
+"""One process per pipeline rank, joined by pipes: PyTorch's pipelining set-up for our executor.
+
+Used by ``bench_vs_torch.py`` (``NAME@procs``) and ``bench_postval.py`` (``--procs``). Each rank
+runs in its own spawned process, pinned to its own core before JAX starts (so XLA's threads serve
+that rank only), with one CPU device and a
+:class:`~zbpp_lite.executor.PipelineExecutor` for its rank only (``ranks=[r], remote=...``).
+Activations, input gradients and an optimizer's messages between ranks travel through a pipe per
+pair of ranks (:func:`connect`); the parent talks to each rank through a control pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable
+
+
+def spawn(target: Callable, num_ranks: int, pin_ranks: bool, *args) -> tuple[list, list]:
+    """Start ``target(rank, core, peers, control, *args)`` in one spawned process per rank.
+
+    ``core`` is the allowed core the rank is to pin itself to (None without ``pin_ranks``),
+    ``peers`` maps every other rank to this rank's end of their pipe, ``control`` is the rank's
+    end of its control pipe. Returns (processes, the parent's ends of the control pipes).
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    peers: list[dict] = [{} for _ in range(num_ranks)]
+    for a in range(num_ranks):
+        for b in range(a + 1, num_ranks):
+            peers[a][b], peers[b][a] = ctx.Pipe()
+    controls = [ctx.Pipe() for _ in range(num_ranks)]
+    procs = [
+        ctx.Process(target=target, daemon=True,
+                    args=(r, allowed[r % len(allowed)] if pin_ranks and allowed else None, peers[r], controls[r][1], *args))
+        for r in range(num_ranks)
+    ]
+    for proc in procs:
+        proc.start()
+    return procs, [parent for parent, _ in controls]
+
+
+def pin_to(core: int | None) -> None:
+    """Pin this process to ``core`` (before JAX starts its threads); None leaves it free."""
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def connect(peers: dict, executor_for: Callable[[Callable], Any]):
+    """Build this rank's executor with a ``remote`` that writes to the pipes and start one
+    receiver thread per pipe that hands what arrives to the executor's ``deliver``.
+
+    ``executor_for(remote)`` builds the executor. Arrays travel as NumPy arrays, an optimizer's
+    host values as they are. Returns the executor; :func:`disconnect` ends the receivers.
+    """
+    import jax
+    import numpy as np
+
+    def remote(to: int, key, value, step: int) -> None:
+        peers[to].send((key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to))
+
+    executor = executor_for(remote)
+
+    def receive(conn) -> None:
+        while (message := conn.recv()) is not None:
+            executor.deliver(*message)
+
+    for conn in peers.values():
+        threading.Thread(target=receive, args=(conn,), daemon=True).start()
+    return executor
+
+
+def disconnect(peers: dict) -> None:
+    """Tell the other ranks' receivers that this rank sends nothing more."""
+    for conn in peers.values():
+        conn.send(None)
+
+
+def finish(procs: list, controls: list, timeout: float = 60.0) -> None:
+    """Tell every rank to stop, wait for them, and end any that does not."""
+    for control in controls:
+        try:
+            control.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+    for proc in procs:
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.terminate()
