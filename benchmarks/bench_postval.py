@@ -74,6 +74,7 @@ def _summary(results, optimizer) -> dict:
         "starts": [r.start for r in results],
         "norms": [r.global_norm for r in optimizer.reports],
         "rolled_back": [list(r.rolled_back) for r in optimizer.reports],
+        "redone": [len(r.discarded) for r in results],
         "events": [[(e.rank, str(e.action), e.start, e.end) for e in r.timeline.events] for r in results],
     }
 
@@ -178,6 +179,7 @@ def main() -> None:
         max_norm = norms[min(len(norms) - 1, int(args.clip_quantile * len(norms)))]
         periods: dict[str, list[float]] = {p: [] for p in POLICIES}
         rollbacks = {p: 0 for p in POLICIES}
+        redone = {p: 0 for p in POLICIES}
         gaps: dict[str, dict[int, list[float]]] = {p: {} for p in POLICIES}
         timelines = []
         busy0, own0, t0 = busy_cpu_seconds(), side.cpu_seconds(), time.monotonic()
@@ -188,6 +190,7 @@ def main() -> None:
                 # the loop's period: median time between consecutive timed step starts, the slower rank's
                 periods[policy].append(max(statistics.median(b - a for a, b in zip(r["starts"][2:], r["starts"][3:])) for r in ranks))
                 rollbacks[policy] += sum(bool(rb) for rb in ranks[0]["rolled_back"][2:])
+                redone[policy] += sum(sum(r["redone"][2:]) for r in ranks)
                 for r in ranks:  # per rank: idle time between its last action of a step and its first of the next
                     for k in range(2, args.steps - 1):
                         for q in {e[0] for e in r["events"][k]}:
@@ -213,7 +216,8 @@ def main() -> None:
     print(f"machine load: other programs used {'?' if other is None else f'{other:.2f}'} cores during the runs"
           + ("  ** busy: repeat on an idle machine **" if other is not None and other > 0.1 else ""))
     for p in POLICIES:
-        extra = f"   rolled back on {rollbacks[p]} of {timed} timed steps" if p == "post-validation" else ""
+        extra = (f"   rolled back on {rollbacks[p]} of {timed} timed steps, {redone[p]} speculative F's redone"
+                 if p == "post-validation" else "")
         runs = ", ".join(f"{v * 1e3:.1f}" for v in periods[p])
         print(f"  {p:<16} step period {median[p] * 1e3:8.2f} ms  (runs: {runs}){extra}")
         boundary = ", ".join(f"rank {q} {statistics.median(v) * 1e3:.2f} ms" for q, v in sorted(gaps[p].items()))

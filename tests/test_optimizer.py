@@ -4,6 +4,8 @@ itself with no barrier between steps (paper section 4)."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,10 +41,15 @@ def _setup(name):
     return schedule, model, executor, batches
 
 
-def _faults(schedule, spike):
+def _faults(schedule, spike, delay=0.0):
+    """A gradient spike on every stage at SPIKE_STEP, a NaN on a stage of the last rank at
+    NAN_STEP; ``delay`` seconds of sleep in the last rank's optimizer step then, so that its full
+    reduction surely comes after rank 0 has begun the next step (speculative F's to redo)."""
     bad = schedule.stages_of(1)[0]  # a stage of the last rank: rank 0 steps before it is known
 
     def inject(k, stage, grads):
+        if delay and stage == bad and k in (SPIKE_STEP, NAN_STEP):
+            time.sleep(delay)
         if k == SPIKE_STEP:
             return tuple(spike * g for g in grads)
         if k == NAN_STEP and stage == bad:
@@ -76,12 +83,13 @@ def test_guarded_steps_in_the_rank_threads_equal_the_reference(name):
     schedule, model, executor, batches = _setup(name)
     first = executor.run(model.params, *batches[0]).grads
     max_norm = 3.0 * float(np.sqrt(sum(float(jnp.sum(jnp.square(v))) for v in jax.tree_util.tree_leaves(first))))
-    inject = _faults(schedule, 10.0)
+    inject = _faults(schedule, 10.0, delay=0.2)
     ref_params, _, ref_reports = _reference(schedule, model, executor, batches, inject, max_norm)
     assert [r.clipped for r in ref_reports] == [False, True, False, False, False]
     assert [r.finite for r in ref_reports] == [True, True, True, False, True]
-    for policy, tolerance in (("synchronous", 1e-6), ("post-validation", 1e-5)):
-        results, opt = guarded_run(executor, model.params, batches, policy, max_norm, CFG, inject)
+    runs = (("synchronous", 1e-6, False), ("post-validation", 1e-5, False), ("post-validation", 1e-5, True))
+    for policy, tolerance, speculative in runs:
+        results, opt = guarded_run(executor, model.params, batches, policy, max_norm, CFG, inject, speculative)
         got = opt.params()
         assert _max_rel([got[s] for s in range(schedule.num_stages)], ref_params) < tolerance, policy
         assert [r.clipped for r in opt.reports] == [r.clipped for r in ref_reports], policy
@@ -96,6 +104,16 @@ def test_guarded_steps_in_the_rank_threads_equal_the_reference(name):
             assert rolled == [[], [0, 1], [], [0], []]  # the spike: both wrong; the NaN on rank 1: rank 0 only
             partial = opt.reports[0].partial_norms
             assert partial[0] < partial[1] == pytest.approx(opt.reports[0].global_norm)
+            # speculatively, the step after a rollback ran its warm-up twice: the F's redone are
+            # the discarded ones, and every step's timeline still holds each action exactly once
+            redone = [sorted({e.rank for e in r.discarded}) for r in results]
+            if speculative:  # rank 0 began the steps after the faults before the verdict came (the delay)
+                assert [r == [0] for r in redone] == [k - 1 in (SPIKE_STEP, NAN_STEP) for k in range(STEPS)], redone
+                assert all(e.action.kind == "F" for r in results for e in r.discarded)
+            else:
+                assert not any(redone)
+            for r in results:
+                assert sorted(map(str, (e.action for e in r.timeline.events))) == sorted(map(str, (a for acts in schedule.actions for a in acts)))
 
 
 @pytest.mark.parametrize("policy", ["synchronous", "post-validation"])
@@ -109,7 +127,7 @@ def test_one_executor_per_rank_trains_as_one_executor_for_all(policy):
     schedule, model, executor, batches = _setup("zb-h2")
     first = executor.run(model.params, *batches[0]).grads
     max_norm = 3.0 * float(np.sqrt(sum(float(jnp.sum(jnp.square(v))) for v in jax.tree_util.tree_leaves(first))))
-    inject = _faults(schedule, 10.0)
+    inject = _faults(schedule, 10.0, delay=0.2)
     whole_results, whole = guarded_run(executor, model.params, batches, policy, max_norm, CFG, inject)
 
     def carry(to, key, value, step):
@@ -142,6 +160,8 @@ def test_one_executor_per_rank_trains_as_one_executor_for_all(policy):
         assert [rep.finite for rep in optimizers[r].reports] == [rep.finite for rep in whole.reports]
         if policy == "post-validation":
             assert [rep.rolled_back for rep in optimizers[r].reports] == [[q for q in rep.rolled_back if q == r] for rep in whole.reports]
+    if policy == "post-validation":  # rank 0 redid its speculative warm-up after each rollback
+        assert [bool(r.discarded) for r in results[0]] == [k - 1 in (SPIKE_STEP, NAN_STEP) for k in range(STEPS)]
     # a second call continues the step numbering on both sides (no message meets the wrong step)
     again = {}
     threads = [threading.Thread(target=lambda r=r: again.__setitem__(r, executors[r].run_steps(model.params, batches[:2], optimizers[r]))) for r in range(2)]

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
 import jax
@@ -69,6 +69,9 @@ class StepResult:
         start: when the step's first action began, seconds since the first step of the same
             :meth:`PipelineExecutor.run_steps` call began (0.0 for :meth:`PipelineExecutor.run`,
             up to the thread start-up).
+        discarded: events (times as ``timeline``'s) of actions that ran speculatively with
+            parameters a post-validated optimizer step then rolled back, and were redone (empty
+            unless :class:`RankUpdate` ``verdict_key`` is set and a rollback happened).
     """
 
     loss: float
@@ -76,36 +79,67 @@ class StepResult:
     grads: Params
     timeline: Timeline
     start: float = 0.0
+    discarded: tuple = ()
 
 
 class _Aborted(Exception):
     """Another rank failed; this one stops waiting."""
 
 
+class _Interrupted(Exception):
+    """A wait of a speculative warm-up was cut short: the verdict on the previous step's optimizer
+    step arrived (``newer`` False), or a sender already redoes this step (``newer`` True)."""
+
+    def __init__(self, newer: bool):
+        super().__init__()
+        self.newer = newer
+
+
+class _Restart(Exception):
+    """The previous step's optimizer step was rolled back: redo this step's actions so far."""
+
+
 class _Inbox:
-    """What other ranks sent to one rank, keyed like ``deps``: ("F", s, j) activation, ("B", s, j)
-    input gradient."""
+    """What other ranks sent to one rank in one step, keyed like ``deps``: ("F", s, j)
+    activation, ("B", s, j) input gradient, or an optimizer's key. Each value carries the attempt
+    of the step it was computed in (0; 1 once a speculative warm-up was redone): a take waits
+    for its own attempt's value and drops older ones. A rank's inboxes of all steps share one
+    condition, so a message for one step wakes a wait in another."""
 
-    def __init__(self, rank: int, abort: threading.Event):
+    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None):
         self.rank, self.abort = rank, abort
-        self.items: dict[Key, Any] = {}
-        self.cond = threading.Condition()
+        self.items: dict[Key, tuple[int, Any]] = {}
+        self.cond = cond if cond is not None else threading.Condition()
 
-    def put(self, key: Key, value: Any) -> None:
+    def put(self, key: Key, value: Any, attempt: int = 0) -> None:
         with self.cond:
-            self.items[key] = value
+            if key not in self.items or self.items[key][0] <= attempt:  # never older over newer
+                self.items[key] = (attempt, value)
             self.cond.notify_all()
 
     def wake(self) -> None:
         with self.cond:
             self.cond.notify_all()
 
-    def take(self, key: Key, timeout: float, action: Action | str) -> Any:
-        """The value sent under ``key``; ``action`` (an Action, or a description such as "the
-        optimizer step") names what waits, for the timeout's message."""
+    def take(self, key: Key, timeout: float, action: Action | str, attempt: int = 0, interrupt: Callable[[], bool] | None = None) -> Any:
+        """The value sent under ``key`` in ``attempt``; ``action`` (an Action, or a description
+        such as "the optimizer step") names what waits, for the timeout's message. With
+        ``interrupt``, the wait ends with :class:`_Interrupted` once ``interrupt()`` is true or
+        the value of a later attempt is there."""
         deadline = time.perf_counter() + timeout
         with self.cond:
-            while key not in self.items:
+            while True:
+                if key in self.items:
+                    got, value = self.items[key]
+                    if got == attempt:
+                        del self.items[key]
+                        return value
+                    if got < attempt:
+                        del self.items[key]  # computed before the step was redone: stale
+                    elif interrupt is not None:
+                        raise _Interrupted(newer=True)
+                if interrupt is not None and interrupt():
+                    raise _Interrupted(newer=False)
                 if self.abort.is_set():
                     raise _Aborted()
                 left = deadline - time.perf_counter()
@@ -114,7 +148,6 @@ class _Inbox:
                     what = f"{kind} of stage {stage}, microbatch {j}" if kind in ("F", "B") else f"{kind} from rank {stage}"
                     raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}: {what} never arrived")
                 self.cond.wait(min(left, 0.5))
-            return self.items.pop(key)
 
 
 class _Channel:
@@ -142,15 +175,22 @@ class RankUpdate(Protocol):
 
     The executor calls, in rank ``rank``'s thread:
 
-    - ``stage_params(stage)`` before the rank's first action of every step: the stage's current
-      parameters as a tuple of leaves (``tree_leaves`` of ``StagedModel.stage_params``) on the
-      stage's device;
+    - ``stage_params(stage)`` before the rank's first action of every step (and again when a
+      warm-up is redone): the stage's current parameters as a tuple of leaves (``tree_leaves``
+      of ``StagedModel.stage_params``) on the stage's device;
     - ``step(rank, k, grads, channel)`` after the rank's last action of step ``k``: ``grads``
       maps each of the rank's stages to its gradient sums (tuple of leaves, float32, on the
       stage's device), gradients of the global-batch mean loss;
-    - ``validate(rank, k, channel)`` before the rank's first action of step ``k + 1`` and after
-      its last step: the place to check a speculative step (paper section 4) once the values it
-      waits for have arrived;
+    - ``validate(rank, k, channel) -> bool`` once per step and after the last one: the place to
+      check a speculative step (paper section 4). Without a ``verdict_key`` it is called before
+      the rank's first action of step ``k + 1`` (its return value unused). With
+      ``verdict_key`` (an attribute: the channel key of the message that decides, e.g. the full
+      gradient norm) the rank's warm-up of step ``k + 1`` runs speculatively on the parameters
+      it has, and ``validate`` is called as soon as that message has arrived, at the latest
+      before the rank's first backward; it returns True when it changed the parameters (a
+      rollback), and then every rank must return True for the same step: each redoes its share
+      of step ``k + 1`` so far with the corrected parameters (``StepResult.discarded`` keeps
+      the events of the actions redone);
     - ``begin(num_steps)``, if it has one, once before the threads start.
 
     ``channel`` exchanges values with the other ranks' calls of the same step (:class:`_Channel`).
@@ -160,7 +200,7 @@ class RankUpdate(Protocol):
 
     def step(self, rank: int, k: int, grads: dict, channel: _Channel) -> None: ...
 
-    def validate(self, rank: int, k: int, channel: _Channel) -> None: ...
+    def validate(self, rank: int, k: int, channel: _Channel) -> bool: ...
 
 
 @dataclass
@@ -179,6 +219,9 @@ class _Step:
     losses: dict
     events: list
     index: int = 0  # the step's number over the executor's life (remote messages carry it)
+    attempts: dict = field(default_factory=dict)  # rank -> its attempt at this step (1 once its warm-up was redone)
+    discarded: list = field(default_factory=list)  # events of actions redone after a rollback
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
 
 
 class PipelineExecutor:
@@ -373,7 +416,8 @@ class PipelineExecutor:
             self._spares, self._spares_for = {}, (np.shape(x0), np.shape(y0))
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
         abort = threading.Event()
-        inboxes = [[_Inbox(r, abort) for r in range(self.schedule.num_ranks)] for _ in batches]
+        conds = [threading.Condition() for _ in range(self.schedule.num_ranks)]  # a rank's inboxes share one
+        inboxes = [[_Inbox(r, abort, conds[r]) for r in range(self.schedule.num_ranks)] for _ in batches]
         base, steps = self._steps_begun, []
         self._steps_begun += len(batches)
         for (x, labels), boxes in zip(batches, inboxes):
@@ -397,7 +441,7 @@ class PipelineExecutor:
             pending = [p for p in self._pending if base <= p[0] < base + len(steps)]
             self._pending = [p for p in self._pending if p[0] >= base + len(steps)]  # later calls' (older: dropped)
         for k, key, value, rank in pending:
-            self._put(steps[k - base], key, value, rank)
+            self._put(steps[k - base], key[:3], value, rank, key[3] if len(key) > 3 else 0)
         t0 = time.perf_counter()
         for st in steps:
             st.t0 = t0
@@ -422,11 +466,12 @@ class PipelineExecutor:
             [None] * len(self.model.parts[s]) if p is None else jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(p), g)
             for s, (p, g) in enumerate(zip(stage_params, step.acc))
         ]
-        begin = min((e.start for e in step.events), default=0.0)
+        begin = min((e.start for e in step.events + step.discarded), default=0.0)
         events = [Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.events]
         timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
         loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
-        return StepResult(loss, losses, self.model.join_stage_params(grads), timeline, begin)
+        discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.discarded)
+        return StepResult(loss, losses, self.model.join_stage_params(grads), timeline, begin, discarded)
 
     @staticmethod
     def _raise_first(errors) -> None:
@@ -444,62 +489,117 @@ class PipelineExecutor:
         self._rank_steps(rank, [step], None, abort, errors)
 
     def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event, errors: list) -> None:
-        S = self.model.num_stages
         stages = [s for s in self.schedule.stages_of(rank)]
-        action: Action | None = None
+        speculative = update is not None and getattr(update, "verdict_key", None) is not None
+        at: list = [None]  # the action running or waiting, for error messages
         try:
             for k, step in enumerate(steps):
                 if update is not None:
-                    if k:  # validate step k-1's optimizer step before this step's first F
+                    if k and not speculative:  # validate step k-1's optimizer step before this step's first F
                         update.validate(rank, k - 1, _Channel(self, steps[k - 1], rank))
                     for s in stages:
                         step.params[s] = update.stage_params(s)
-                for action in self.schedule.actions[rank]:
-                    received = [step.inboxes[rank].take(key, self.timeout, action) for key in deps(action, S) if key[1] != action.stage]
-                    start = time.perf_counter()
-                    ready, message = self._handlers[action.kind](step, action, *received)
-                    jax.block_until_ready(ready)
-                    end = time.perf_counter()
-                    step.events.append(Event(rank, action, start - step.t0, end - step.t0))
-                    if message is not None:
-                        self._send(step, action, message)
-                action = None
+                previous = (k - 1, steps[k - 1]) if speculative and k else None  # validated during this warm-up
+                while True:
+                    try:
+                        self._rank_actions(rank, step, at, update, previous)
+                        break
+                    except _Restart:  # step k-1's update was rolled back and redone: so is this warm-up
+                        previous = None
+                        self._redo(rank, step, stages, update)
+                at[0] = None
                 if update is not None:
                     update.step(rank, k, {s: step.acc[s] for s in stages}, _Channel(self, step, rank))
             if update is not None:
                 update.validate(rank, len(steps) - 1, _Channel(self, steps[-1], rank))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
-            errors.append((rank, action, exc))
+            errors.append((rank, at[0], exc))
             if not isinstance(exc, TimeoutError):  # a stuck rank lets the others report their own wait
                 abort.set()
                 for st in steps:
                     for inbox in st.inboxes:
                         inbox.wake()
 
-    def _send(self, step: _Step, action: Action, value: Any) -> None:
+    def _rank_actions(self, rank: int, step: _Step, at: list, update, previous: "tuple[int, _Step] | None") -> None:
+        """Rank ``rank``'s actions of ``step`` (``at[0]``: the action under way). With
+        ``previous`` = (k, step k), a speculative warm-up: step k's optimizer step is validated
+        as soon as its verdict arrives (``update.verdict_key``), at the latest before the rank's
+        first backward; raises :class:`_Restart` when the validation rolled the parameters back
+        (paper section 4: the full reduction returns during the next step's warm-up)."""
+        S = self.model.num_stages
+        attempt = step.attempts.get(rank, 0)
+        inbox = step.inboxes[rank]
+        due = previous is not None
+
+        def verdict() -> bool:
+            return update.verdict_key in previous[1].inboxes[rank].items
+
+        def validate() -> None:
+            nonlocal due
+            due = False
+            if update.validate(rank, previous[0], _Channel(self, previous[1], rank)):
+                raise _Restart()
+
+        for action in self.schedule.actions[rank]:
+            at[0] = action
+            if due and (action.kind != "F" or verdict()):
+                validate()
+            received = []
+            for key in deps(action, S):
+                while key[1] != action.stage:
+                    try:
+                        received.append(inbox.take(key, self.timeout, action, attempt, verdict if due else None))
+                        break
+                    except _Interrupted:
+                        validate()  # the verdict is there, or on its way: a sender already redoes this step
+            start = time.perf_counter()
+            ready, message = self._handlers[action.kind](step, action, *received)
+            jax.block_until_ready(ready)
+            end = time.perf_counter()
+            with step.lock:
+                step.events.append(Event(rank, action, start - step.t0, end - step.t0))
+            if message is not None:
+                self._send(step, action, message, attempt)
+        if due:  # a rank with no backward in this step (none in a valid schedule)
+            validate()
+
+    def _redo(self, rank: int, step: _Step, stages: list, update) -> None:
+        """Before redoing rank ``rank``'s share of ``step``: its next attempt, what its actions
+        so far left dropped (their events kept as ``discarded``), the parameters re-read."""
+        step.attempts[rank] = step.attempts.get(rank, 0) + 1
+        for key in [key for key in step.store if key[0] in stages]:
+            del step.store[key]
+        with step.lock:
+            step.discarded += [e for e in step.events if e.rank == rank]
+            step.events[:] = [e for e in step.events if e.rank != rank]
+        for s in stages:
+            step.params[s] = update.stage_params(s)
+
+    def _send(self, step: _Step, action: Action, value: Any, attempt: int = 0) -> None:
         """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1: to
         its rank's inbox, or through ``remote`` to the process that runs that rank."""
         key = produces(action)[0]
         consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
         if self.stage_devices[consumer] is None:
-            self.remote(self.schedule.placement[consumer], key, value, step.index)
+            self.remote(self.schedule.placement[consumer], (*key, attempt), value, step.index)
         else:
-            self._put(step, key, value)
+            self._put(step, key, value, attempt=attempt)
 
-    def _put(self, step: _Step, key: Key, value: Any, rank: int | None = None) -> None:
+    def _put(self, step: _Step, key: Key, value: Any, rank: int | None = None, attempt: int = 0) -> None:
         kind, stage, _ = key
         if kind in ("F", "B"):  # an activation for stage s+1, an input gradient for stage s-1
             consumer = stage + 1 if kind == "F" else stage - 1
-            step.inboxes[self.schedule.placement[consumer]].put(key, jax.device_put(value, self.stage_devices[consumer]))
+            step.inboxes[self.schedule.placement[consumer]].put(key, jax.device_put(value, self.stage_devices[consumer]), attempt)
         else:  # an optimizer's message (RankUpdate) for ``rank``, as sent
             step.inboxes[rank].put(key, value)
 
     def deliver(self, key: Key, value: Any, step: int, rank: int | None = None) -> None:
         """Hand this executor what another process's rank sent it (see ``remote``), for step
-        number ``step`` (as ``remote`` was given it): the activation ("F", s, j) for stage s+1
-        or the input gradient ("B", s, j) for stage s-1, a NumPy array; or an optimizer's
-        message for local rank ``rank``. Safe from any thread, also before :meth:`run_steps`
-        has begun that step.
+        number ``step`` (as ``remote`` was given it): the activation ("F", s, j, attempt) for
+        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array
+        (``attempt``: 0, or 1 from a warm-up redone after a rollback); or an optimizer's message
+        for local rank ``rank``. Safe from any thread, also before :meth:`run_steps` has begun
+        that step.
 
         Raises:
             ValueError: an optimizer's message without a local ``rank``.
@@ -512,7 +612,7 @@ class PipelineExecutor:
                 self._pending.append((step, key, value, rank))
                 return
             target = current[1][step - current[0]]
-        self._put(target, key, value, rank)
+        self._put(target, key[:3], value, rank, key[3] if len(key) > 3 else 0)
 
     # ------------------------------------------------------------------ handlers: kind -> work
     # Each returns (what to wait for before the action counts as done, what to send or None).

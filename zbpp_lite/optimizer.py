@@ -14,11 +14,15 @@ other ranks, so what a schedule loses to the synchronisation is measured, not co
   becomes a trapezoid (:attr:`zbpp_lite.timeline.Timeline.sync_bubble`);
 - ``"post-validation"``: rank r takes the partial reduction from rank r-1, adds its own, passes it
   to rank r+1 and steps at once on what it has (unclipped; skipped when the partial flag shows a
-  NaN); the last rank sends the full reduction back to all. Before its next step's first action a
-  rank validates: if the global norm needed clipping, or a NaN appeared on a later rank, it rolls
-  its step back in place (:func:`zbpp_lite.rollback.adamw_rollback`, the paper's algorithm 1) and
-  redoes it correctly. Only rank 0's next F waits for the full reduction, not for every rank's
-  optimizer step.
+  NaN); the last rank sends the full reduction back to all. A rank validates it during its next
+  step's warm-up (``speculative=True``, the default, as the paper does: its F's run on the
+  speculatively stepped parameters until the full reduction arrives, at the latest until its
+  first backward) or before its next step's first action (``speculative=False``): if the global
+  norm needed clipping, or a NaN appeared on a later rank, it rolls its step back in place
+  (:func:`zbpp_lite.rollback.adamw_rollback`, the paper's algorithm 1) and redoes it correctly;
+  speculatively, every rank then also redoes the F's it ran on the wrong parameters (the
+  executor's restart of the warm-up). Before its first F, no rank waits for the full
+  reduction: the synchronisation is off the critical path unless a rollback happens.
 
 Norms are reduced as :func:`zbpp_lite.postval.synchronous_step` does (per-leaf float32 sums of
 squares, added in float64 on the host), so the synchronous step here equals it to float32
@@ -57,6 +61,9 @@ class StageOptimizer:
         gradient_filter: optional ``fn(step, stage, grads) -> grads`` applied to a stage's
             gradient sums before anything else (a per-stage transform, or a fault injected in a
             test: a NaN, a spike).
+        speculative: post-validation only: validate during the next step's warm-up (True), or
+            before its first action (False; every rank's first F then waits for the full
+            reduction, which leaves at most the optimizer step off the critical path).
 
     Attributes:
         reports: one :class:`~zbpp_lite.postval.StepReport` per step of the latest ``run_steps``
@@ -79,6 +86,7 @@ class StageOptimizer:
         policy: str = "plain",
         max_norm: float | None = None,
         gradient_filter: Callable[[int, int, tuple], tuple] | None = None,
+        speculative: bool = True,
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -97,6 +105,9 @@ class StageOptimizer:
             raise ValueError(f"params must hold one pytree per model module ({executor.model.num_parts}), got {len(params)}")
         self.executor, self.config, self.policy, self.max_norm = executor, config, policy, max_norm
         self.gradient_filter = gradient_filter
+        self.speculative = bool(speculative) and policy == "post-validation"
+        # the message whose arrival lets validate() run without waiting (RankUpdate): speculative warm-up
+        self.verdict_key = ("FULL", executor.schedule.num_ranks - 1, 0) if self.speculative else None
         model, schedule = executor.model, executor.schedule
         self.num_ranks = schedule.num_ranks
         opt = config.optimizer()
@@ -168,33 +179,41 @@ class StageOptimizer:
                     self._apply(s, g, norm)
             self._report(k, rank, norm, all_finite, partial=None, rolled_back=False)
             return
-        # post-validation: the partial reduction travels rank 0 -> p-1
+        # post-validation: the partial reduction travels rank 0 -> p-1, with whether rank 0 stepped
+        # (if it did not, a NaN there, no rank did: nothing speculative to redo)
         if rank > 0:
-            before, before_finite = channel.take(("PARTIAL", rank - 1, 0), "the partial gradient norm")
+            before, before_finite, first_stepped = channel.take(("PARTIAL", rank - 1, 0), "the partial gradient norm")
             sq, finite = before + sq, before_finite and finite
+        else:
+            first_stepped = finite
         if rank < self.num_ranks - 1:
-            channel.send(rank + 1, ("PARTIAL", rank, 0), (sq, finite))
+            channel.send(rank + 1, ("PARTIAL", rank, 0), (sq, finite, first_stepped))
         else:  # the last rank holds the full reduction: back to every rank
             for q in range(self.num_ranks):
-                channel.send(q, ("FULL", rank, 0), (sq, finite))
+                channel.send(q, ("FULL", rank, 0), (sq, finite, first_stepped))
         if finite:  # speculative: as if no clipping were needed
             for s, g in grads.items():
                 self._apply(s, g, None)
         self._pending[rank] = {"grads": grads, "stepped": finite, "partial": math.sqrt(sq), "k": k}
 
-    def validate(self, rank: int, k: int, channel) -> None:
+    def validate(self, rank: int, k: int, channel) -> bool:
+        """Check step ``k``'s speculative step of ``rank`` against the full reduction; roll back
+        and redo it when it was wrong. Returns whether any rank's step was wrong (then every
+        rank's speculative warm-up of step k+1 must be redone; the same answer on every rank)."""
         if self.policy != "post-validation":
-            return
+            return False
         pending = self._pending.pop(rank)
-        sq, finite = channel.take(("FULL", self.num_ranks - 1, 0), "the full gradient norm")
+        sq, finite, first_stepped = channel.take(("FULL", self.num_ranks - 1, 0), "the full gradient norm")
         norm = math.sqrt(sq)
-        wrong = pending["stepped"] and (not finite or norm >= self.max_norm)
+        needed = not finite or norm >= self.max_norm  # clip, or skip: what no rank assumed
+        wrong = pending["stepped"] and needed
         if wrong:
             for s, g in pending["grads"].items():
                 self._params[s], self._states[s] = self._rollback_fn(self._params[s], self._states[s], g)
                 if finite:
                     self._apply(s, g, norm)
         self._report(k, rank, norm, finite, partial=pending["partial"], rolled_back=wrong)
+        return first_stepped and needed
 
     # ------------------------------------------------------------------ pieces
 
@@ -234,7 +253,7 @@ def _adamw_step_fn(opt: optax.GradientTransformation):
 
 
 def guarded_run(executor, params, batches: Sequence[tuple[Any, Any]], policy: str, max_norm: float | None = None,
-                config: AdamWConfig = AdamWConfig(), gradient_filter=None):
+                config: AdamWConfig = AdamWConfig(), gradient_filter=None, speculative: bool = True):
     """Train ``len(batches)`` steps with the optimizer inside the rank threads.
 
     Returns ``(results, optimizer)``: the executor's per-step
@@ -242,5 +261,5 @@ def guarded_run(executor, params, batches: Sequence[tuple[Any, Any]], policy: st
     ``params()`` and ``reports``). Raises as :class:`StageOptimizer` and
     :meth:`~zbpp_lite.executor.PipelineExecutor.run_steps`.
     """
-    optimizer = StageOptimizer(executor, params, config, policy, max_norm, gradient_filter)
+    optimizer = StageOptimizer(executor, params, config, policy, max_norm, gradient_filter, speculative)
     return executor.run_steps(params, batches, optimizer), optimizer
