@@ -32,7 +32,9 @@ forward, the backward and the optimizer update. This script
 
 Schedules that take planned costs (zb-v, zb-auto) are planned from costs measured on this job:
 a short calibration run with unit costs, then the schedule is rebuilt from its measured mean
-action costs (``zbpp_lite.executor.measured_costs``) and trained from the start.
+action costs (``zbpp_lite.executor.measured_costs``) and trained from the start. For zb-auto a
+short 1F1B run adds the fused backward's measured cost (``Costs.bw``): where BW costs less than
+B and W apart, zb-auto splits the backward only where W fills a bubble.
 
 Timings are only meaningful on an otherwise idle machine: every run reports the CPU cores other
 programs used while it ran, and a run above 0.1 is flagged to be repeated.
@@ -164,10 +166,15 @@ def worker(args) -> dict:
 
         options = {}
         if "costs" in options_of(name):  # plan from costs measured on this job
+            from zbpp_lite.executor import measured_costs
+
             calibration = train(name, RANKS, JOB["microbatches"], 3, devices=devices, check_grads=False,
                                 schedule_options={"costs": zb.Costs()}, **common)
-            options["costs"] = calibration.costs
-            extra["planned_costs_ms"] = {k: [1e3 * v for v in getattr(calibration.costs, k)] for k in ("f", "b", "w")}
+            timelines = [calibration.timelines[-1]]
+            if calibration.schedule.num_stages == RANKS:  # one stage per rank: the fused BW's cost from a 1F1B run
+                timelines.append(train("1f1b", RANKS, JOB["microbatches"], 3, devices=devices, check_grads=False, **common).timelines[-1])
+            options["costs"] = measured_costs(timelines, calibration.schedule.num_stages)
+            extra["planned_costs_ms"] = planned_ms(options["costs"])
         result = train(name, RANKS, JOB["microbatches"], steps, devices=devices, check_grads=False,
                        schedule_options=options, **common)
         timed = result.timelines[args.warmup:]
@@ -185,6 +192,11 @@ def worker(args) -> dict:
         "eval_acc": result.test_accuracy,
         "cores": pinned,
     }
+
+
+def planned_ms(costs) -> dict:
+    """The measured costs a schedule was planned from, per stage, in ms."""
+    return {k: [round(1e3 * v, 3) for v in getattr(costs.table(len(costs.f)), k)] for k in ("f", "b", "w", "bw")}
 
 
 def action_medians(timelines) -> dict:
@@ -290,8 +302,12 @@ def process_pipeline(name: str, args) -> dict:
     options, extra = {}, {}
     if "costs" in options_of(name):  # plan from costs measured on this job, in this set-up
         _, _, timelines, _ = run_processes(name, {"costs": zb.Costs()}, 3, args.init, args.pin)
-        options["costs"] = measured_costs(timelines[-1], zb.build_schedule(name, RANKS, JOB["microbatches"], costs=zb.Costs()).num_stages)
-        extra["planned_costs_ms"] = {k: [1e3 * v for v in getattr(options["costs"], k)] for k in ("f", "b", "w")}
+        num_stages = zb.build_schedule(name, RANKS, JOB["microbatches"], costs=zb.Costs()).num_stages
+        timelines = timelines[-1:]
+        if num_stages == RANKS:  # one stage per rank: the fused BW's cost from a 1F1B run
+            timelines += run_processes("1f1b", {}, 3, args.init, args.pin)[2][-1:]
+        options["costs"] = measured_costs(timelines, num_stages)
+        extra["planned_costs_ms"] = planned_ms(options["costs"])
     seconds, losses, timelines, runs = run_processes(name, options, args.warmup + args.steps, args.init, args.pin)
     timed = timelines[args.warmup:]
     return {

@@ -3,7 +3,9 @@
 Source: Qi et al., arXiv 2401.10241, section 2.1 and table 1: T_F, T_B, T_W are the times of one
 stage's F, B and W on one microbatch, T_comm the point-to-point transfer time between ranks; F
 allocates M_B of activations, B frees M_B - M_W of them and keeps M_W until W frees the rest.
-A fused BW costs T_B + T_W and frees M_B.
+A fused BW costs T_B + T_W and frees M_B, unless a measured T_BW says otherwise: on a real device
+the split has a price (the weight operations' output gradients are written by B and read back by
+W, and two programs are launched instead of one), so a fused BW may cost less than B and W apart.
 """
 
 from __future__ import annotations
@@ -36,7 +38,11 @@ class Costs:
     Attributes:
         f: T_F, forward time of one stage on one microbatch.
         b: T_B, input-gradient backward time.
-        w: T_W, weight-gradient backward time. A fused BW costs b + w.
+        w: T_W, weight-gradient backward time.
+        bw: T_BW, the fused backward's time, or None (the default): b + w, the paper's model.
+            Measured, it is often below b + w (the split's own cost); the automatic scheduler
+            then fuses a B with the W right after it wherever that does not lengthen the
+            schedule (:func:`zbpp_lite.builders.greedy.fuse_backward`).
         comm: T_comm, time to move an activation or gradient to another rank (none on one rank).
             A scalar, or one value per stage: the cost of sending that stage's output onward
             (or its input gradient backward).
@@ -54,10 +60,13 @@ class Costs:
     comm: PerStage = 0.0
     mem_b: PerStage = 1.0
     mem_w: PerStage = 0.0
+    bw: PerStage | None = None
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm", "mem_b", "mem_w"):
+        for name in ("f", "b", "w", "comm", "mem_b", "mem_w", "bw"):
             value = getattr(self, name)
+            if value is None and name == "bw":
+                continue
             values = [value] if isinstance(value, (int, float)) else list(value)
             if any(v < 0 for v in values):
                 raise ValueError(f"Costs.{name} must be >= 0, got {value}")
@@ -70,9 +79,9 @@ class Costs:
         Raises:
             ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b.
         """
-        t = CostTable(
-            **{k: _per_stage(getattr(self, k), num_stages, k) for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
-        )
+        fields = {k: _per_stage(getattr(self, k), num_stages, k) for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
+        bw = tuple(b + w for b, w in zip(fields["b"], fields["w"])) if self.bw is None else _per_stage(self.bw, num_stages, "bw")
+        t = CostTable(**fields, bw=bw)
         bad = [s for s in range(num_stages) if t.mem_w[s] > t.mem_b[s]]
         if bad:
             raise ValueError(f"mem_w exceeds mem_b on stage(s) {bad}: W's share M_W is part of M_B")
@@ -94,9 +103,18 @@ class CostTable:
     comm: tuple[float, ...]
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
+    bw: tuple[float, ...] = ()  # T_BW per stage (b + w unless measured)
+
+    def __post_init__(self) -> None:
+        if not self.bw:
+            object.__setattr__(self, "bw", tuple(b + w for b, w in zip(self.b, self.w)))
+
+    def costs(self) -> "Costs":
+        """These per-stage values as :class:`Costs` again."""
+        return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm, mem_b=self.mem_b, mem_w=self.mem_w, bw=self.bw)
 
     def time(self, kind: str, stage: int) -> float:
-        """Duration of one action; BW costs T_B + T_W."""
+        """Duration of one action; BW costs T_BW (T_B + T_W unless measured)."""
         if kind == "F":
             return self.f[stage]
         if kind == "B":
@@ -104,7 +122,7 @@ class CostTable:
         if kind == "W":
             return self.w[stage]
         if kind == "BW":
-            return self.b[stage] + self.w[stage]
+            return self.bw[stage]
         raise ValueError(f"unknown action kind {kind!r}")
 
     def memory_delta(self, kind: str, stage: int) -> float:

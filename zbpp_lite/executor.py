@@ -682,25 +682,29 @@ def run_schedule(
     return executor.run(model.params if params is None else params, x, labels)
 
 
-def measured_costs(timeline: Timeline, num_stages: int) -> Costs:
+def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -> Costs:
     """Mean measured action times per stage as :class:`~zbpp_lite.costs.Costs` (seconds).
 
-    T_F, T_B, T_W are the mean durations of that stage's F, B, W events; where a stage ran only
-    fused BW, T_B is the mean BW time and T_W = 0 (a BW costs T_B + T_W). T_comm = 0: transfers
-    are asynchronous and not timed separately.
+    ``timeline`` is one measured timeline or several (e.g. a zero-bubble run's with B and W
+    and a 1F1B run's with BW: their events are pooled). T_F, T_B, T_W are the mean durations of
+    that stage's F, B, W events and T_BW (``Costs.bw``) that of its BW events; where a stage ran
+    only fused BW, T_B = T_BW and T_W = 0, and where it ran no BW, T_BW = T_B + T_W. T_comm = 0:
+    transfers are asynchronous and not timed separately.
 
     Raises:
         ValueError: a stage with no F event, or none of B / BW.
     """
+    timelines = [timeline] if isinstance(timeline, Timeline) else list(timeline)
     durations: dict[tuple[str, int], list[float]] = {}
-    for e in timeline.events:
-        durations.setdefault((e.action.kind, e.action.stage), []).append(e.duration)
+    for t in timelines:
+        for e in t.events:
+            durations.setdefault((e.action.kind, e.action.stage), []).append(e.duration)
 
     def mean(kind: str, s: int) -> float | None:
         values = durations.get((kind, s))
         return float(np.mean(values)) if values else None
 
-    f, b, w = [], [], []
+    f, b, w, bw = [], [], [], []
     for s in range(num_stages):
         tf, tb, tw, tbw = mean("F", s), mean("B", s), mean("W", s), mean("BW", s)
         if tf is None or (tb is None and tbw is None):
@@ -712,4 +716,5 @@ def measured_costs(timeline: Timeline, num_stages: int) -> Costs:
         else:
             b.append(tbw)
             w.append(0.0)
-    return Costs(f=f, b=b, w=w)
+        bw.append(tbw if tbw is not None else b[-1] + w[-1])
+    return Costs(f=f, b=b, w=w, bw=bw)

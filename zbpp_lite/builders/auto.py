@@ -12,9 +12,10 @@ accumulated bubble (or into every gap: the third binary choice); the remaining W
 search runs all eight combinations and keeps the shortest makespan. Per-stage costs and T_comm
 are honoured.
 
-Two additions of ours: for the two best runs, variants that feed the next rank first or never fill
-a partial gap; and a short local search on the best plans (at most 200 simulations, fewer for large
-pipelines: :func:`polish`). Against the MILP optimum (:mod:`zbpp_lite.builders.milp`) for
+Three additions of ours: for the two best runs, variants that feed the next rank first or never
+fill a partial gap; a short local search on the best plans (at most 200 simulations, fewer for
+large pipelines: :func:`polish`); and, when the costs say a fused BW is cheaper than B and W
+apart (``Costs.bw``, measured), B and W fused again wherever the split does not pay. Against the MILP optimum (:mod:`zbpp_lite.builders.milp`) for
 p <= 4, m <= 8: within 0.2% on the paper's costs; on 161 random per-stage instances all but one
 within 2% (the worst 2.2%).
 
@@ -33,7 +34,8 @@ from typing import Sequence
 from ..costs import Costs, CostTable
 from ..schedule import Schedule, looped_placement
 from ._common import check_sizes
-from .greedy import Plan, Rules, improve, per_rank_limits, plan, rank_stage_memory
+from .greedy import Plan, Rules, _cheaper_fused, _evaluator, fuse_backward, improve, per_rank_limits, plan, rank_stage_memory, split_backward
+from .one_f_one_b import one_f_one_b
 
 ONE_STAGE_RULES = tuple(
     Rules(order=order, fill_partial=fill_partial, fit_f=fit_f)
@@ -52,7 +54,7 @@ class AutoPlan:
         schedule: the schedule (what ``build_schedule("zb-auto", ...)`` returns).
         memory_limit: the per-rank memory limit it was planned under (units of Costs.mem_b).
         makespan: its makespan under the costs (their time unit).
-        bubble_rate: (makespan - busiest rank's busy) / makespan.
+        bubble_rate: (makespan - busiest rank's busy time) / makespan.
         peak_memory: per-rank peak activation memory (units of Costs.mem_b).
         rules: the winning binary choices.
     """
@@ -67,7 +69,11 @@ class AutoPlan:
 
 def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float]) -> Plan:
     """The paper's eight runs; then, for the two best, the feed and keep-gaps variants (at most 14
-    greedy runs); then :func:`polish`."""
+    greedy runs); then :func:`polish`. Where a measured ``Costs.bw`` makes the fused backward
+    cheaper than B and W apart, two more candidates, the shorter kept: that plan with B and W
+    fused again where the split does not pay (:func:`~zbpp_lite.builders.greedy.fuse_backward`),
+    and 1F1B with the backwards split only where that pays
+    (:func:`~zbpp_lite.builders.greedy.split_backward`)."""
     runs = [plan(placement, m, table, limits, rules) for rules in ONE_STAGE_RULES]
     runs.sort(key=lambda x: (x.makespan, max(x.peak_memory)))
     runs += [
@@ -76,7 +82,16 @@ def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits:
         for feed, keep_gaps in ((True, False), (False, True), (True, True))
         if not (keep_gaps and done.rules.fill_partial)
     ]
-    return polish(runs, placement, m, table, limits)
+    best = polish(runs, placement, m, table, limits)
+    if not any(_cheaper_fused(table)):
+        return best
+    fused = fuse_backward(best, placement, m, table, limits)[0]
+    rows = [list(row) for row in one_f_one_b(len(placement), m).actions]
+    span, peak = _evaluator(rows, placement, m, table, limits)()
+    if span == float("inf"):  # 1F1B itself is over the memory limit
+        return fused
+    split = split_backward(Plan(tuple(map(tuple, rows)), span, peak, best.rules), placement, m, table, limits)[0]
+    return min((fused, split), key=lambda x: (x.makespan, max(x.peak_memory)))
 
 
 def polish(runs: list[Plan], placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float]) -> Plan:
@@ -129,9 +144,9 @@ def auto_plan(
         memory_limit = [p * x for x in rank_stage_memory(placement, table)]
     limits = per_rank_limits(name, memory_limit, placement, table)
     plan = search_one_stage(placement, m, table, limits)
-    busy = max(m * (table.f[s] + table.b[s] + table.w[s]) for s in range(p))
-    rate = (plan.makespan - busy) / plan.makespan if plan.makespan > 0 else 0.0
     schedule = plan.schedule(placement, m, name)
+    busy = max(sum(table.time(a.kind, a.stage) for a in row) for row in schedule.actions)
+    rate = (plan.makespan - busy) / plan.makespan if plan.makespan > 0 else 0.0
     return AutoPlan(schedule, tuple(limits), plan.makespan, max(rate, 0.0), plan.peak_memory, plan.rules)
 
 

@@ -487,25 +487,13 @@ def improve(
     Returns:
         (the polished plan, or ``result`` itself if nothing improved; the simulations used).
     """
-    from ..simulate import simulate  # the simulator sits above the builders; imported where used
-    from ..validate import ScheduleError
-
     rows = [list(row) for row in result.actions]
     n = sum(len(row) for row in rows)
     budget = min(200, 20000 // max(n, 1)) if budget is None else budget
     if budget <= 0:
         return result, 0
-    costs = Costs(f=table.f, b=table.b, w=table.w, comm=table.comm, mem_b=table.mem_b, mem_w=table.mem_w)
     S = len(placement)
-
-    def evaluate() -> tuple[float, tuple[float, ...]]:
-        try:
-            timeline = simulate(Schedule(rows, tuple(placement), num_microbatches), costs, check=False)
-        except ScheduleError:
-            return _INF, ()
-        if any(peak > limit + _EPS for peak, limit in zip(timeline.peak_memory, limits)):
-            return _INF, ()
-        return timeline.makespan, timeline.peak_memory
+    evaluate = _evaluator(rows, placement, num_microbatches, table, limits)
 
     best, peak = result.makespan, result.peak_memory
     spent, improved = 0, True
@@ -531,5 +519,132 @@ def improve(
                     if spent >= budget:
                         break
     if best >= result.makespan:
+        return result, spent
+    return Plan(tuple(tuple(row) for row in rows), best, tuple(peak), result.rules), spent
+
+
+# ---------------------------------------------------------------------------- fusing B and W again
+
+
+def _evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
+    """A function that simulates ``rows`` (as they are when called) and returns (makespan, peak
+    memory per rank), or (inf, ()) for a deadlocking order or one over the memory limits."""
+    from ..simulate import simulate  # the simulator sits above the builders; imported where used
+    from ..validate import ScheduleError
+
+    costs = table.costs()
+
+    def evaluate() -> tuple[float, tuple[float, ...]]:
+        try:
+            timeline = simulate(Schedule(rows, tuple(placement), num_microbatches), costs, check=False)
+        except ScheduleError:
+            return _INF, ()
+        if any(peak > limit + _EPS for peak, limit in zip(timeline.peak_memory, limits)):
+            return _INF, ()
+        return timeline.makespan, timeline.peak_memory
+
+    return evaluate
+
+
+def _cheaper_fused(table: CostTable) -> list[bool]:
+    """Per stage: whether a fused BW costs less than B and W apart."""
+    return [bw < b + w - _EPS * max(1.0, b + w) for b, w, bw in zip(table.b, table.w, table.bw)]
+
+
+def fuse_backward(
+    result: Plan,
+    placement: Sequence[int],
+    num_microbatches: int,
+    table: CostTable,
+    limits: Sequence[float],
+    budget: int | None = None,
+) -> tuple[Plan, int]:
+    """Fuse B and W back into one BW where the split does not pay.
+
+    Splitting the backward has a price on real hardware: a fused BW often costs less than B and
+    W apart (``Costs.bw`` below ``b + w``), so the split pays only where a W fills a bubble.
+    Each B(s, j) in turn, rank by rank in order, becomes BW(s, j) with its W(s, j) removed from
+    later in the rank's list, and the change is kept when the simulated makespan does not grow
+    and memory stays within the limits (a fused BW holds M_B until it ends and delays the input
+    gradient it sends by T_BW - T_B). At most ``budget`` simulations (default as
+    :func:`improve`'s). Nothing happens where T_BW >= T_B + T_W. Not in the paper (whose costs
+    have T_BW = T_B + T_W).
+
+    Returns:
+        (the plan, ``result`` itself if nothing was fused; the simulations used).
+    """
+    rows = [list(row) for row in result.actions]
+    n = sum(len(row) for row in rows)
+    budget = min(200, 20000 // max(n, 1)) if budget is None else budget
+    cheaper = _cheaper_fused(table)
+    if not any(cheaper) or budget < 2:
+        return result, 0
+    evaluate = _evaluator(rows, placement, num_microbatches, table, limits)
+    best, peak = evaluate()
+    spent, fused = 1, 0
+    for row in rows:
+        for x in [a for a in row if a.kind == "B" and cheaper[a.stage]]:
+            if spent >= budget:
+                break
+            before = list(row)
+            w = Action("W", x.stage, x.microbatch)
+            row.remove(w)
+            row[row.index(x)] = Action("BW", x.stage, x.microbatch)
+            span, peaks = evaluate()
+            spent += 1
+            if span <= best + 1e-9 * max(1.0, best):
+                best, peak, fused = span, peaks, fused + 1
+            else:
+                row[:] = before
+    if not fused:
+        return result, spent
+    return Plan(tuple(tuple(row) for row in rows), best, tuple(peak), result.rules), spent
+
+
+def split_backward(
+    result: Plan,
+    placement: Sequence[int],
+    num_microbatches: int,
+    table: CostTable,
+    limits: Sequence[float],
+    budget: int | None = None,
+) -> tuple[Plan, int]:
+    """The other way round from :func:`fuse_backward`: start from fused backwards (e.g. 1F1B)
+    and split a BW(s, j) into B(s, j) in its place and W(s, j) later on its rank (right after
+    the next action, or at the rank's end), last microbatches first, keeping each split that
+    shortens the simulated makespan within the memory limits. This finds the few splits that pay
+    when a fused BW is much cheaper than B and W apart. At most ``budget`` simulations (default
+    as :func:`improve`'s). Not in the paper.
+
+    Returns:
+        (the plan, ``result`` itself if nothing was split; the simulations used).
+    """
+    rows = [list(row) for row in result.actions]
+    n = sum(len(row) for row in rows)
+    budget = min(200, 20000 // max(n, 1)) if budget is None else budget
+    if budget < 2:
+        return result, 0
+    evaluate = _evaluator(rows, placement, num_microbatches, table, limits)
+    best, peak = evaluate()
+    spent, split = 1, 0
+    for row in rows:
+        for x in reversed([a for a in row if a.kind == "BW"]):
+            kept = None
+            for offset in (2, None):  # W after the next action, or at the rank's end
+                if spent >= budget:
+                    break
+                before = list(row)
+                i = row.index(x)
+                row[i] = Action("B", x.stage, x.microbatch)
+                row.insert(len(row) if offset is None else min(i + offset, len(row)), Action("W", x.stage, x.microbatch))
+                span, peaks = evaluate()
+                spent += 1
+                if span < best - 1e-9 * max(1.0, best) and (kept is None or span < kept[0]):
+                    kept = (span, peaks, list(row))
+                row[:] = before
+            if kept is not None:
+                best, peak, row[:] = kept[0], kept[1], kept[2]
+                split += 1
+    if not split:
         return result, spent
     return Plan(tuple(tuple(row) for row in rows), best, tuple(peak), result.rules), spent
