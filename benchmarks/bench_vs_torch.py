@@ -19,6 +19,11 @@ forward, the backward and the optimizer update. This script
      devices, ranks as threads, pinned to the first two cores. The devices share XLA's thread
      pool there, so a waiting rank's core works for the other: bubbles cost less than idle
      cores, and a schedule's fewer bubbles count for less;
+   - ``NAME@turns`` (the run ``turns@procs``): the one-stage-per-rank schedules 1f1b, zb-h1,
+     zb-h2 and zb-auto in the ``@procs`` set-up, in one run, taking turns step by step (one
+     training run whose steps rotate through the schedules). Separate runs on this shared
+     2-core machine drift by 10-20% from run to run; in turns, every schedule meets the same
+     drift, so their ratios (zero bubble vs 1f1b) are the ones to trust;
    and the single-device baseline ``zbpp_lite.baseline.train_baseline`` pinned to one core as
    PyTorch's (``baseline``), plus three references of ours: the same with the 8 microbatches
    accumulated (``baseline-acc8``), unpinned with XLA's threads on both cores
@@ -73,7 +78,10 @@ BASELINES = {
 }
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", *ZERO_BUBBLE]
 PROCS = "@procs"  # suffix: one pinned single-threaded process per rank (PyTorch's set-up)
-OURS = [*BASELINES, *(name + PROCS for name in SCHEDULES), *SCHEDULES]
+TURNS = ("1f1b", "zb-h1", "zb-h2", "zb-auto")  # one stage per rank: run in turns, step by step
+TURN = "@turns"  # suffix of their figures
+TURNS_RUN = "turns" + PROCS  # the run that does it
+OURS = [*BASELINES, TURNS_RUN, *(name + PROCS for name in SCHEDULES), *SCHEDULES]
 TORCH_ZB = ("InterleavedZeroBubble", "ZBVZeroBubble")
 BUSY_CORES = 0.1
 LOSS_TOLERANCE = 1e-4
@@ -140,6 +148,8 @@ def pin(cores: int) -> list[int]:
 def worker(args) -> dict:
     """One of our runs, in this (fresh) process; returns its figures."""
     name = args.worker
+    if name == TURNS_RUN:
+        return turns_pipeline(args)
     if name.endswith(PROCS):
         return process_pipeline(name.removesuffix(PROCS), args)
     cores = BASELINES[name]["cores"] if name in BASELINES else RANKS
@@ -212,13 +222,15 @@ def action_medians(timelines) -> dict:
 # ----------------------------------------------------------------------------- one process per rank
 
 
-def rank_process(rank: int, core: int | None, peers: dict, control, name: str, options: dict, init: str | None) -> None:
+def rank_process(rank: int, core: int | None, peers: dict, control, plans: dict, init: str | None) -> None:
     """One pipeline rank in its own process, as PyTorch's benchmark runs its ranks: pinned to one
     core before JAX starts (so XLA's threads are this rank's only), one CPU device, the package's
-    executor for this rank's actions (``PipelineExecutor(ranks=[rank], remote=...)``), values to
-    and from the other ranks through pipes (``rank_processes``), AdamW on this rank's stages
-    after its last action. Steps on the parent's word; each step reports its wall time, the
-    losses (last stage) and the measured events."""
+    executor for this rank's actions (``PipelineExecutor(ranks=[rank], remote=...)``), one per
+    schedule of ``plans`` ({name: build options}, all cutting the model alike), values to and
+    from the other ranks through pipes (``rank_processes``), AdamW on this rank's stages after
+    its last action. Steps on the parent's word (step number, schedule): the parameters carry
+    over from step to step whatever the schedule. Each step reports its wall time, the losses
+    (last stage) and the measured events."""
     pin_to(core)
     from zbpp_lite.devices import ensure_devices
 
@@ -232,11 +244,14 @@ def rank_process(rank: int, core: int | None, peers: dict, control, name: str, o
     from zbpp_lite.executor import PipelineExecutor
     from zbpp_lite.model import ModelConfig, StagedModel, build_parts, load_torch_init
 
-    schedule = zb.build_schedule(name, RANKS, JOB["microbatches"], **options)
+    schedules = {name: zb.build_schedule(name, RANKS, JOB["microbatches"], **options) for name, options in plans.items()}
+    if len({s.num_stages for s in schedules.values()}) > 1:
+        raise ValueError(f"schedules run in turns must cut the model alike: {sorted(plans)}")
     config = ModelConfig(d=JOB["d"], heads=JOB["heads"], blocks=JOB["blocks"], seed=JOB["seed"])
-    model = StagedModel(build_parts(config), schedule.num_stages)
+    model = StagedModel(build_parts(config), next(iter(schedules.values())).num_stages)
     params = list(load_torch_init(init, config) if init else model.params)
-    executor = connect(peers, lambda remote: PipelineExecutor(model, schedule, [device], ranks=[rank], remote=remote))
+    executors = connect(peers, {name: (lambda remote, s=s: PipelineExecutor(model, s, [device], ranks=[rank], remote=remote))
+                                for name, s in schedules.items()})
     optimizer = adamw(JOB["lr"], JOB["weight_decay"])
 
     def apply(grads, state, p):
@@ -244,17 +259,18 @@ def rank_process(rank: int, core: int | None, peers: dict, control, name: str, o
         return optax.apply_updates(p, updates), state
 
     update = jax.jit(apply, donate_argnums=(1, 2))
-    mine = executor.local_stages
+    mine = sorted({s for e in executors.values() for s in e.local_stages})
     stage_params = {s: jax.device_put(model.stage_params(params, s), device) for s in mine}
     states = {s: jax.device_put(optimizer.init(p), device) for s, p in stage_params.items()}  # committed, as update's outputs
     data = load_digits(0.0, JOB["seed"])
     while (command := control.recv()) is not None:
-        x, y = data.batch(command, JOB["batch"])
+        k, name = command
+        x, y = data.batch(k, JOB["batch"])
         for s, p in stage_params.items():
             for i, part in zip(model.parts[s], p):
                 params[i] = part
         t0 = time.perf_counter()
-        result = executor.run(params, x, y)
+        result = executors[name].run(params, x, y)
         ran = time.perf_counter() - t0
         for s in mine:
             stage_params[s], states[s] = update(model.stage_params(result.grads, s), states[s], stage_params[s])
@@ -265,21 +281,22 @@ def rank_process(rank: int, core: int | None, peers: dict, control, name: str, o
     disconnect(peers)
 
 
-def run_processes(name: str, options: dict, steps: int, init: str | None, pin_ranks: bool) -> tuple[list, list, list, list]:
-    """Train ``steps`` steps with one process per rank; returns per step (seconds, loss, Timeline,
-    seconds of the slowest rank's executor run before its update). A step's time is the slowest
-    rank's, from the common start signal to the end of its update."""
+def run_processes(plans: dict, order: list[str], init: str | None, pin_ranks: bool) -> tuple[list, list, list, list]:
+    """Train one step per entry of ``order`` (schedule names of ``plans``, {name: build
+    options}), step k with schedule ``order[k]``, with one process per rank; returns per step
+    (seconds, loss, Timeline, seconds of the slowest rank's executor run before its update). A
+    step's time is the slowest rank's, from the common start signal to the end of its update."""
     import numpy as np
 
     from zbpp_lite.schedule import Action
     from zbpp_lite.timeline import Event, Timeline
 
-    procs, controls = spawn(rank_process, RANKS, pin_ranks, name, options, init)
+    procs, controls = spawn(rank_process, RANKS, pin_ranks, plans, init)
     seconds, losses, timelines, runs = [], [], [], []
     try:
-        for k in range(steps):
+        for k, name in enumerate(order):
             for control in controls:
-                control.send(k)
+                control.send((k, name))
             replies = [control.recv() for control in controls]
             seconds.append(max(r[0] for r in replies))
             runs.append(max(r[3] for r in replies))
@@ -292,34 +309,68 @@ def run_processes(name: str, options: dict, steps: int, init: str | None, pin_ra
     return seconds, losses, timelines, runs
 
 
-def process_pipeline(name: str, args) -> dict:
-    """Our run with one pinned process per rank (PyTorch's set-up): figures as :func:`worker`'s."""
+def calibrated(names: list[str], args) -> tuple[dict, dict]:
+    """Build options for ``names``: schedules that take costs are planned from costs measured on
+    this job in this set-up (a short run with unit costs; with one stage per rank, 1F1B's steps
+    in turns add the fused backward's cost, T_BW). Returns (plans, what each was planned from)."""
     import zbpp_lite as zb
-    from zbpp_lite.baseline import step_stats
     from zbpp_lite.builders import options_of
     from zbpp_lite.executor import measured_costs
 
-    options, extra = {}, {}
-    if "costs" in options_of(name):  # plan from costs measured on this job, in this set-up
-        _, _, timelines, _ = run_processes(name, {"costs": zb.Costs()}, 3, args.init, args.pin)
+    plans, extra = {}, {}
+    for name in names:
+        plans[name] = {}
+        if "costs" not in options_of(name):
+            continue
         num_stages = zb.build_schedule(name, RANKS, JOB["microbatches"], costs=zb.Costs()).num_stages
-        timelines = timelines[-1:]
-        if num_stages == RANKS:  # one stage per rank: the fused BW's cost from a 1F1B run
-            timelines += run_processes("1f1b", {}, 3, args.init, args.pin)[2][-1:]
-        options["costs"] = measured_costs(timelines, num_stages)
-        extra["planned_costs_ms"] = planned_ms(options["costs"])
-    seconds, losses, timelines, runs = run_processes(name, options, args.warmup + args.steps, args.init, args.pin)
-    timed = timelines[args.warmup:]
+        probe = {name: {"costs": zb.Costs()}, **({"1f1b": {}} if num_stages == RANKS else {})}
+        order = [n for _ in range(3) for n in probe]
+        timelines = run_processes(probe, order, args.init, args.pin)[2][len(probe):]  # the first round compiles
+        plans[name]["costs"] = measured_costs(timelines, num_stages)
+        extra[name] = planned_ms(plans[name]["costs"])
+    return plans, extra
+
+
+def figures(seconds, losses, timelines, runs, warmup: int) -> dict:
+    from zbpp_lite.baseline import step_stats
+
+    timed = timelines[warmup:]
     return {
-        **step_stats(seconds, args.warmup),
-        **extra,
+        **step_stats(seconds, warmup),
         "action_ms": action_medians(timed),
-        "run_ms": statistics.median(runs[args.warmup:]) * 1e3,
+        "run_ms": statistics.median(runs[warmup:]) * 1e3,
         "makespan_ms": statistics.median(t.makespan for t in timed) * 1e3,
         "bubble_rate": statistics.median(t.bubble_rate for t in timed),
         "losses": losses,
-        "cores": "one per rank" if args.pin else [],
     }
+
+
+def process_pipeline(name: str, args) -> dict:
+    """Our run with one pinned process per rank (PyTorch's set-up): figures as :func:`worker`'s."""
+    plans, extra = calibrated([name], args)
+    result = figures(*run_processes(plans, [name] * (args.warmup + args.steps), args.init, args.pin), args.warmup)
+    if name in extra:
+        result["planned_costs_ms"] = extra[name]
+    return {**result, "cores": "one per rank" if args.pin else []}
+
+
+def turns_pipeline(args) -> dict:
+    """The schedules of :data:`TURNS` in one run, one pinned process per rank, taking turns step
+    by step (step k runs ``TURNS[k % len(TURNS)]``; one training run, the parameters carry over):
+    whatever drifts on the machine during the run affects every schedule alike, so their ratios
+    are the fairest this machine gives. Figures per schedule over its own timed steps (after
+    ``args.warmup`` of its own), as ``NAME@turns``."""
+    plans, extra = calibrated(list(TURNS), args)
+    order = [name for _ in range(args.warmup + args.steps) for name in TURNS]
+    seconds, losses, timelines, runs = run_processes(plans, order, args.init, args.pin)
+    group = {}
+    for i, name in enumerate(TURNS):
+        mine = slice(i, None, len(TURNS))
+        group[name + TURN] = {**figures(seconds[mine], losses, timelines[mine], runs[mine], args.warmup),  # the run's losses, every step
+                              **({"planned_costs_ms": extra[name]} if name in extra else {}),
+                              "cores": "one per rank" if args.pin else []}
+    group[TURNS_RUN] = {"losses": losses, "order": order}
+    return {"group": group}
 
 
 # ----------------------------------------------------------------------------- the two sides
@@ -411,12 +462,24 @@ def run_ours(args, init: str | None, workdir: str) -> dict:
             results[name] = {"error": tail[0]}
             print(f"[ours] {name} FAILED: {tail[0]}", flush=True)
             continue
-        r = results[name]
-        other = r["other_load_cores"]
-        span = f"  makespan {r['makespan_ms']:7.1f} ms  bubble {r['bubble_rate']:.3f}" if "makespan_ms" in r else ""
-        print(f"[ours] {name:<22} median {r['median_ms']:7.1f} ms  min {r['min_ms']:7.1f}{span}"
-              f"  other {other if other is not None else float('nan'):.2f}  ({wall:.0f} s)", flush=True)
+        if "group" in results[name]:  # one run, several schedules' figures
+            run = results.pop(name)
+            for member, figs in run["group"].items():
+                if member != name:
+                    results[member] = {**figs, **{k: run[k] for k in ("other_load_cores", "wall_s", "attempt")}}
+            for member in [m for m in run["group"] if m != name]:
+                report_run(member, results[member])
+            continue
+        report_run(name, results[name])
     return results
+
+
+def report_run(name: str, r: dict) -> None:
+    """One line for one of our runs as it finishes."""
+    other = r["other_load_cores"]
+    span = f"  makespan {r['makespan_ms']:7.1f} ms  bubble {r['bubble_rate']:.3f}" if "makespan_ms" in r else ""
+    print(f"[ours] {name:<22} median {r['median_ms']:7.1f} ms  min {r['min_ms']:7.1f}{span}"
+          f"  other {other if other is not None else float('nan'):.2f}  ({r['wall_s']:.0f} s)", flush=True)
 
 
 # ----------------------------------------------------------------------------- report
@@ -499,7 +562,7 @@ def targets(ours: dict, torch_results: dict, rows: list[dict], suffix: str = "")
         name, t = min(best_zb.items(), key=lambda kv: kv[1])
         checks.append((f"speed-up of {name} over our executor on 1 rank, 1 stage (same kernels) >= 1.7",
                        f"{one_stage:.1f} / {t:.1f} = {one_stage / t:.2f}", one_stage / t >= 1.7))
-    mine = lambda run: run in BASELINES or (run.endswith(suffix) if suffix else PROCS not in run)  # noqa: E731
+    mine = lambda run: run in BASELINES or (run.endswith(suffix) if suffix else PROCS not in run and TURN not in run)  # noqa: E731
     gaps = [(r["run"], r["loss_gap"]) for r in rows if r["side"] == "ours" and r.get("loss_gap") is not None and mine(r["run"])]
     if gaps:
         worst = max(gaps, key=lambda g: g[1])
@@ -550,7 +613,8 @@ def main(argv=None) -> int:
     print(f"\njob: {JOB}, p={RANKS}, warm-up {args.warmup} + {args.steps} timed steps per run; step = forward + backward + optimizer")
     print_table(rows)
     checks = {}
-    for suffix, title in ((PROCS, "one pinned single-threaded process per rank, as PyTorch's"), ("", "one process, ranks as threads")):
+    for suffix, title in ((TURN, "one pinned single-threaded process per rank, schedules taking turns step by step in one run"),
+                          (PROCS, "one pinned single-threaded process per rank, as PyTorch's"), ("", "one process, ranks as threads")):
         if not any(n.endswith(suffix) and n not in BASELINES for n in ours) if suffix else not any(
                 n in SCHEDULES for n in ours):
             continue

@@ -47,28 +47,38 @@ def pin_to(core: int | None) -> None:
         os.sched_setaffinity(0, {core})
 
 
-def connect(peers: dict, executor_for: Callable[[Callable], Any]):
-    """Build this rank's executor with a ``remote`` that writes to the pipes and start one
-    receiver thread per pipe that hands what arrives to the executor's ``deliver``.
+def connect(peers: dict, executor_for):
+    """Build this rank's executor(s) with a ``remote`` that writes to the pipes, and start one
+    receiver thread per pipe that hands what arrives to the right executor's ``deliver``.
 
-    ``executor_for(remote)`` builds the executor. Arrays travel as NumPy arrays, an optimizer's
-    host values as they are. Returns the executor; :func:`disconnect` ends the receivers.
+    ``executor_for(remote)`` builds the executor; or a dict ``{name: executor_for}`` builds
+    several (one per schedule, run in turns: each message carries its executor's name, so one
+    arriving early for the next schedule's step never reaches the wrong executor). Arrays travel
+    as NumPy arrays, an optimizer's host values as they are. Returns the executor, or the dict
+    ``{name: executor}``; :func:`disconnect` ends the receivers.
     """
     import jax
     import numpy as np
 
-    def remote(to: int, key, value, step: int) -> None:
-        peers[to].send((key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to))
+    single = callable(executor_for)
+    factories = {None: executor_for} if single else dict(executor_for)
 
-    executor = executor_for(remote)
+    def remote_for(name):
+        def remote(to: int, key, value, step: int) -> None:
+            peers[to].send((name, key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to))
+
+        return remote
+
+    executors = {name: build(remote_for(name)) for name, build in factories.items()}
 
     def receive(conn) -> None:
         while (message := conn.recv()) is not None:
-            executor.deliver(*message)
+            name, *rest = message
+            executors[name].deliver(*rest)
 
     for conn in peers.values():
         threading.Thread(target=receive, args=(conn,), daemon=True).start()
-    return executor
+    return executors[None] if single else executors
 
 
 def disconnect(peers: dict) -> None:

@@ -131,3 +131,49 @@ def test_with_t_w_equal_and_enough_memory_the_bubble_vanishes():
     # T_F = T_B = T_W, T_comm = 0, limit 2p: ZB-H2's zero-bubble regime, found automatically
     t = zb.simulate(zb.build_schedule("zb-2p", 4, 12))
     assert t.bubble_rate == pytest.approx(0.0, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- the split's own cost (Costs.bw)
+
+# per-action times measured on the PyTorch benchmark job (d 128, 8 blocks, p = 2, one pinned core
+# per rank), in ms: the fused backward costs 2.6 ms less than B and W apart
+JOB_COSTS = zb.Costs(f=7.7, b=8.0, w=6.5, bw=11.9)
+
+
+def test_a_fused_backward_cheaper_than_the_split_makes_zb_auto_split_only_where_it_pays():
+    s = zb.build_schedule("zb-auto", 2, 8, costs=JOB_COSTS)
+    zb.validate(s)
+    kinds = {a.kind for row in s.actions for a in row}
+    assert {"BW", "B", "W"} <= kinds  # fused where the split does not pay, split where W fills a bubble
+    span = zb.simulate(s, JOB_COSTS).makespan
+    one_f_one_b = zb.simulate(zb.build_schedule("1f1b", 2, 8), JOB_COSTS).makespan
+    assert one_f_one_b == pytest.approx((8 + 1) * (7.7 + 11.9))  # 1F1B's closed form, T_BW as measured
+    assert span < one_f_one_b
+    for name in ("zb-h1", "zb-h2"):
+        assert span < zb.simulate(zb.build_schedule(name, 2, 8), JOB_COSTS).makespan
+    blind = zb.build_schedule("zb-auto", 2, 8, costs=zb.Costs(f=7.7, b=8.0, w=6.5))  # planned as if BW = B + W
+    assert span < zb.simulate(blind, JOB_COSTS).makespan
+    # nothing is lost to the planner's bookkeeping: its makespan is the simulator's
+    assert auto_plan(2, 8, JOB_COSTS).makespan == pytest.approx(span)
+
+
+def test_without_a_measured_bw_zb_auto_plans_as_the_paper():
+    plain = zb.Costs(f=7.7, b=8.0, w=6.5)
+    same = zb.Costs(f=7.7, b=8.0, w=6.5, bw=14.5)  # T_BW = T_B + T_W: nothing to gain by fusing
+    assert zb.build_schedule("zb-auto", 4, 8, costs=plain).actions == zb.build_schedule("zb-auto", 4, 8, costs=same).actions
+    assert not any(a.kind == "BW" for row in zb.build_schedule("zb-auto", 4, 8, costs=plain).actions for a in row)
+
+
+def test_a_free_w_when_fused_fuses_every_backward():
+    # T_BW = T_B: fusing costs nothing and never delays an input gradient, so no split pays
+    costs = zb.Costs(f=1.0, b=1.0, w=1.0, bw=1.0)
+    s = zb.build_schedule("zb-auto", 4, 8, costs=costs)
+    assert all(a.kind in ("F", "BW") for row in s.actions for a in row)
+    assert zb.simulate(s, costs).makespan == pytest.approx((8 + 4 - 1) * (1.0 + 1.0))  # 1F1B's (m + p - 1)(T_F + T_BW)
+
+
+def test_bad_bw_is_refused():
+    with pytest.raises(ValueError, match=r"Costs.bw must be >= 0"):
+        zb.Costs(bw=-1.0)
+    with pytest.raises(ValueError, match=r"Costs.bw has 3 per-stage values but the schedule has 2"):
+        zb.Costs(bw=[1.0, 1.0, 1.0]).table(2)

@@ -171,9 +171,9 @@ class _FailingExecutor(PipelineExecutor):
 
 
 class _LosingExecutor(PipelineExecutor):
-    def _send(self, step, action, value):
+    def _send(self, step, action, value, attempt=0):
         if (action.kind, action.stage, action.microbatch) != ("F", 0, 1):
-            super()._send(step, action, value)
+            super()._send(step, action, value, attempt)
 
 
 def test_an_error_in_one_rank_reaches_the_caller_at_once():
@@ -200,6 +200,13 @@ def test_measured_costs_are_the_mean_action_times():
     ]
     costs = measured_costs(Timeline.from_events(events, 2, source="measured"), 2)
     assert costs.f == (1.5, 1.0) and costs.b == (4.0, 0.5) and costs.w == (0.0, 0.75)
+    assert costs.bw == (4.0, 1.25)  # stage 0 ran BW; stage 1 none: B + W
+    # pooled with a 1F1B-like run of the same stages, stage 1 gets its fused backward's own cost
+    more = Timeline.from_events([Event(0, a("F", 0, 0), 0.0, 1.0), Event(1, a("F", 1, 0), 1.0, 2.0), Event(1, a("BW", 1, 0), 2.0, 3.0),
+                                 Event(0, a("BW", 0, 0), 3.0, 7.0)], 2, source="measured")
+    pooled = measured_costs([Timeline.from_events(events, 2, source="measured"), more], 2)
+    assert pooled.b == (4.0, 0.5) and pooled.w == (0.0, 0.75) and pooled.bw == (4.0, 1.0)
+    assert pooled.table(2).time("BW", 1) == 1.0 < pooled.table(2).time("B", 1) + pooled.table(2).time("W", 1)
 
 
 # --------------------------------------------------------------------------- training

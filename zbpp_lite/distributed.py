@@ -298,10 +298,10 @@ class ProcessPipelineExecutor(_executor_base()):
         timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
         return StepResult(float(np.mean(np.asarray(losses, np.float64))), losses, self.model.join_stage_params(grads), timeline)
 
-    def _send(self, step, action: Action, value: Any) -> None:
+    def _send(self, step, action: Action, value: Any, attempt: int = 0) -> None:
         consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
         if self.owner[self.schedule.placement[consumer]] == self.process:
-            return super()._send(step, action, value)
+            return super()._send(step, action, value, attempt)
         self._outbox.put(produces(action)[0], value)
 
     # ------------------------------------------------------------------ transfers

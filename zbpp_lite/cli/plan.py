@@ -23,6 +23,8 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--b", type=float, default=1.0, help="T_B, input-gradient backward time (default 1)")
     p.add_argument("--w", type=float, default=1.0, help="T_W, weight-gradient backward time (default 1)")
     p.add_argument("--comm", type=float, default=0.0, help="T_comm, transfer time between ranks (default 0)")
+    p.add_argument("--bw", type=float, default=None,
+                   help="T_BW, the fused backward's time, if measured below T_B + T_W (default T_B + T_W); zb-auto then splits only where it pays")
     p.add_argument("--width", type=int, default=120, help="characters per grid row (default 120)")
     p.add_argument("--csv", metavar="PATH", help="write the schedule as PyTorch's compute-only CSV")
     p.add_argument("--from-csv", metavar="PATH", help="plan a schedule read from a PyTorch-form CSV instead of building one")
@@ -56,10 +58,10 @@ def _schedule(args: argparse.Namespace):
 def _costs(args: argparse.Namespace):
     import zbpp_lite as zb
 
-    for name in ("f", "b", "w", "comm"):
-        if getattr(args, name) < 0:
+    for name in ("f", "b", "w", "comm", "bw"):
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             raise CliError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    return zb.Costs(f=args.f, b=args.b, w=args.w, comm=args.comm)
+    return zb.Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, bw=args.bw)
 
 
 def run(args: argparse.Namespace) -> int:
