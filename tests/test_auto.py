@@ -173,7 +173,10 @@ def test_a_free_w_when_fused_fuses_every_backward():
 
 
 def test_bad_bw_is_refused():
-    with pytest.raises(ValueError, match=r"Costs.bw must be >= 0"):
-        zb.Costs(bw=-1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"Costs.bw must be finite numbers >= 0"):
+            zb.Costs(bw=bad)
+    with pytest.raises(ValueError, match=r"Costs.f must be finite numbers >= 0"):
+        zb.Costs(f=[1.0, float("nan")])
     with pytest.raises(ValueError, match=r"Costs.bw has 3 per-stage values but the schedule has 2"):
         zb.Costs(bw=[1.0, 1.0, 1.0]).table(2)

@@ -42,7 +42,8 @@ def test_plan_writes_a_csv_that_plans_back_identically_and_a_trace(tmp_path):
         (["-p", "0"], "--ranks and --microbatches must be >= 1"),
         (["--from-csv", "/no/such/file.csv"], "No such file"),
         (["-s", "1f1b", "-v", "2"], "drop --stages-per-rank"),
-        (["--f", "-1"], "--f must be >= 0"),
+        (["--f", "-1"], "--f must be a finite number >= 0"),
+        (["--bw", "nan"], "--bw must be a finite number >= 0"),
     ],
 )
 def test_bad_arguments_get_one_line_not_a_traceback(args, message):

@@ -207,6 +207,14 @@ def test_measured_costs_are_the_mean_action_times():
     pooled = measured_costs([Timeline.from_events(events, 2, source="measured"), more], 2)
     assert pooled.b == (4.0, 0.5) and pooled.w == (0.0, 0.75) and pooled.bw == (4.0, 1.0)
     assert pooled.table(2).time("BW", 1) == 1.0 < pooled.table(2).time("B", 1) + pooled.table(2).time("W", 1)
+    with pytest.raises(ValueError, match="needs a measured Timeline or a non-empty list"):
+        measured_costs([], 2)
+    with pytest.raises(ValueError, match="timeline 0 has stages 0..1, not the 1 stages asked for"):
+        measured_costs(Timeline.from_events(events, 2, source="measured"), 1)
+    four = Timeline.from_events([Event(0, a("F", s, 0), s, s + 1.0) for s in range(4)] + [Event(0, a("BW", s, 0), 9 - s, 10 - s) for s in range(4)],
+                                1, source="measured")
+    with pytest.raises(ValueError, match="timeline 1 has stages 0..3, not the 2 stages asked for"):
+        measured_costs([Timeline.from_events(events, 2, source="measured"), four], 2)
 
 
 # --------------------------------------------------------------------------- training

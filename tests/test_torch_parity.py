@@ -120,6 +120,12 @@ def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
             for g, ref in zip(jax.tree_util.tree_leaves(mine.grads[i]), jax.tree_util.tree_leaves(ref_grads[i]), strict=True):
                 assert np.abs(np.asarray(g) - np.asarray(ref)).max() <= 1e-5 * np.abs(np.asarray(ref)).max()
         assert all(e.rank == schedule.placement[s] for e in mine.timeline.events if e.action.stage == s)
+    # a message for no local stage is refused at once, not at the next step
+    for key in (("F", 1, 0), ("B", 0, 0), ("F",), ("B", 3, 0)):  # executor 0 holds stages 0 and 3 (V placement)
+        with pytest.raises(ValueError, match="no local stage consumes"):
+            executors[0].deliver(key, np.zeros(3), 0)
+    with pytest.raises(ValueError, match="needs the local rank it is for"):
+        executors[0].deliver(("FULL", 1, 0), (1.0, True, True), 0)
     with pytest.raises(ValueError, match="needs remote="):
         PipelineExecutor(model, schedule, [DEVICES[0]], ranks=[0])
     with pytest.raises(ValueError, match=r"ranks must be distinct ranks of the schedule \(0..1\)"):

@@ -10,6 +10,8 @@ W, and two programs are launched instead of one), so a fused BW may cost less th
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -18,7 +20,7 @@ PerStage = Union[Number, Sequence[Number]]
 
 
 def _per_stage(value: PerStage, num_stages: int, name: str) -> tuple[float, ...]:
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):
         return (float(value),) * num_stages
     values = tuple(float(v) for v in value)
     if len(values) != num_stages:
@@ -51,7 +53,7 @@ class Costs:
         mem_w: M_W, the part of M_B still held after B until W.
 
     Raises:
-        ValueError: a negative value, or mem_w > mem_b.
+        ValueError: a negative, NaN or infinite value, or mem_w > mem_b.
     """
 
     f: PerStage = 1.0
@@ -67,10 +69,12 @@ class Costs:
             value = getattr(self, name)
             if value is None and name == "bw":
                 continue
-            values = [value] if isinstance(value, (int, float)) else list(value)
-            if any(v < 0 for v in values):
-                raise ValueError(f"Costs.{name} must be >= 0, got {value}")
-            if not isinstance(value, (int, float)):
+            values = [value] if isinstance(value, numbers.Real) else list(value)
+            if any(not (math.isfinite(v) and v >= 0) for v in values):
+                raise ValueError(f"Costs.{name} must be finite numbers >= 0, got {value}")
+            if isinstance(value, numbers.Real):
+                object.__setattr__(self, name, float(value))
+            else:
                 object.__setattr__(self, name, tuple(float(v) for v in values))
 
     def table(self, num_stages: int) -> "CostTable":

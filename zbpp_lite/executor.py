@@ -106,8 +106,8 @@ class _Inbox:
     for its own attempt's value and drops older ones. A rank's inboxes of all steps share one
     condition, so a message for one step wakes a wait in another."""
 
-    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None):
-        self.rank, self.abort = rank, abort
+    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None, where: str = ""):
+        self.rank, self.abort, self.where = rank, abort, where  # where: e.g. " of step 3", for messages
         self.items: dict[Key, tuple[int, Any]] = {}
         self.cond = cond if cond is not None else threading.Condition()
 
@@ -146,7 +146,7 @@ class _Inbox:
                 if left <= 0:
                     kind, stage, j = key
                     what = f"{kind} of stage {stage}, microbatch {j}" if kind in ("F", "B") else f"{kind} from rank {stage}"
-                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}: {what} never arrived")
+                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}{self.where}: {what} never arrived")
                 self.cond.wait(min(left, 0.5))
 
 
@@ -417,8 +417,12 @@ class PipelineExecutor:
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
         abort = threading.Event()
         conds = [threading.Condition() for _ in range(self.schedule.num_ranks)]  # a rank's inboxes share one
-        inboxes = [[_Inbox(r, abort, conds[r]) for r in range(self.schedule.num_ranks)] for _ in batches]
         base, steps = self._steps_begun, []
+        remote = len(self.ranks) < self.schedule.num_ranks
+        hint = " (every process must call run_steps with the same number of batches)" if remote else ""
+        inboxes = [[_Inbox(r, abort, conds[r], f" of step {k} (number {base + k} of this executor){hint}" if remote else
+                           (f" of step {k}" if len(batches) > 1 else ""))
+                    for r in range(self.schedule.num_ranks)] for k in range(len(batches))]
         self._steps_begun += len(batches)
         for (x, labels), boxes in zip(batches, inboxes):
             x, labels = np.asarray(x), np.asarray(labels)
@@ -602,9 +606,15 @@ class PipelineExecutor:
         that step.
 
         Raises:
-            ValueError: an optimizer's message without a local ``rank``.
+            ValueError: an activation or gradient for no local stage, or an optimizer's message
+                without a local ``rank``.
         """
-        if key[0] not in ("F", "B") and rank not in self.ranks:
+        if key[0] in ("F", "B"):
+            consumer = -1 if len(key) not in (3, 4) else key[1] + 1 if key[0] == "F" else key[1] - 1
+            if not 0 <= consumer < self.model.num_stages or self.stage_devices[consumer] is None:
+                raise ValueError(f"no local stage consumes {key}: an activation ('F', s, j[, attempt]) goes to stage s+1, "
+                                 f"an input gradient ('B', s, j[, attempt]) to stage s-1; this executor runs stages {self.local_stages}")
+        elif rank not in self.ranks:
             raise ValueError(f"the message {key} needs the local rank it is for (one of {list(self.ranks)}), got rank={rank}")
         with self._lock:
             current = self._current
@@ -692,9 +702,20 @@ def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -
     transfers are asynchronous and not timed separately.
 
     Raises:
-        ValueError: a stage with no F event, or none of B / BW.
+        ValueError: no timeline, ``num_stages`` below 1, a timeline whose stages are not
+            0..num_stages-1 (timelines of different cuts pooled, or the wrong count), a stage
+            with no F event, or none of B / BW.
     """
     timelines = [timeline] if isinstance(timeline, Timeline) else list(timeline)
+    if not timelines or not all(isinstance(t, Timeline) for t in timelines):
+        raise ValueError("measured_costs needs a measured Timeline or a non-empty list of them")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
+    for i, t in enumerate(timelines):
+        stages = 1 + max((e.action.stage for e in t.events), default=-1)
+        if stages != num_stages:
+            raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked for; "
+                             "pool only timelines of one cut of the model")
     durations: dict[tuple[str, int], list[float]] = {}
     for t in timelines:
         for e in t.events:

@@ -8,6 +8,7 @@ rate and peak activation memory per rank. ``--csv`` writes PyTorch's compute-onl
 from __future__ import annotations
 
 import argparse
+import math
 
 from . import CliError
 
@@ -59,8 +60,9 @@ def _costs(args: argparse.Namespace):
     import zbpp_lite as zb
 
     for name in ("f", "b", "w", "comm", "bw"):
-        if getattr(args, name) is not None and getattr(args, name) < 0:
-            raise CliError(f"--{name} must be >= 0, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise CliError(f"--{name} must be a finite number >= 0, got {value}")
     return zb.Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, bw=args.bw)
 
 
