@@ -5,12 +5,15 @@ runs in its own spawned process, pinned to its own core before JAX starts (so XL
 that rank only), with one CPU device and a
 :class:`~zbpp_lite.executor.PipelineExecutor` for its rank only (``ranks=[r], remote=...``).
 Activations, input gradients and an optimizer's messages between ranks travel through a pipe per
-pair of ranks (:func:`connect`); the parent talks to each rank through a control pipe.
+pair of ranks (:func:`connect`), written by a sender thread per pipe so that a rank never waits
+for the other process to read (a pipe holds 64 KiB; an activation here is 128 KiB); the parent
+talks to each rank through a control pipe.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from typing import Any, Callable
 
@@ -64,14 +67,19 @@ def connect(peers: dict, executor_for):
     factories = {None: executor_for} if single else dict(executor_for)
 
     def remote_for(name):
-        def remote(to: int, key, value, step: int) -> None:
-            peers[to].send((name, key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to))
+        def remote(to: int, key, value, step: int) -> None:  # never blocks the rank's thread
+            _OUTBOXES[id(peers[to])].put((name, key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to))
 
         return remote
+
+    for conn in peers.values():  # one sender thread per pipe: a pipe write of a large array blocks
+        _OUTBOXES[id(conn)] = outbox = queue.SimpleQueue()  # until the other process reads it
+        threading.Thread(target=_send_all, args=(conn, outbox), daemon=True).start()
 
     executors = {name: build(remote_for(name)) for name, build in factories.items()}
 
     def receive(conn) -> None:
+        _favour_this_thread()
         while (message := conn.recv()) is not None:
             name, *rest = message
             executors[name].deliver(*rest)
@@ -82,9 +90,33 @@ def connect(peers: dict, executor_for):
 
 
 def disconnect(peers: dict) -> None:
-    """Tell the other ranks' receivers that this rank sends nothing more."""
+    """Tell the other ranks' receivers that this rank sends nothing more (after what is queued)."""
     for conn in peers.values():
-        conn.send(None)
+        _OUTBOXES.pop(id(conn)).put(None)
+
+
+def _favour_this_thread() -> None:
+    """Give this (mostly sleeping) communication thread a higher priority than the rank's compute
+    on the one core the process is pinned to, so a message goes out or in at once instead of
+    after the compute thread's time slice (Linux; needs the right to lower a nice value: as root,
+    or with CAP_SYS_NICE; otherwise nothing changes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
+    except (AttributeError, OSError):
+        pass
+
+
+_OUTBOXES: dict = {}  # id(pipe end) -> what this process's ranks still have to send through it
+
+
+def _send_all(conn, outbox) -> None:
+    """The sender thread of one pipe: writes what the ranks queued, in order, until None."""
+    _favour_this_thread()
+    while True:
+        message = outbox.get()
+        conn.send(message)
+        if message is None:
+            return
 
 
 def finish(procs: list, controls: list, timeout: float = 60.0) -> None:
