@@ -493,7 +493,7 @@ class PipelineExecutor:
         self._rank_steps(rank, [step], None, abort, errors)
 
     def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event, errors: list) -> None:
-        stages = [s for s in self.schedule.stages_of(rank)]
+        stages = list(self.schedule.stages_of(rank))
         speculative = update is not None and getattr(update, "verdict_key", None) is not None
         at: list = [None]  # the action running or waiting, for error messages
         try:
@@ -550,12 +550,15 @@ class PipelineExecutor:
                 validate()
             received = []
             for key in deps(action, S):
-                while key[1] != action.stage:
+                if key[1] == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
+                    continue
+                while True:
                     try:
-                        received.append(inbox.take(key, self.timeout, action, attempt, verdict if due else None))
+                        value = inbox.take(key, self.timeout, action, attempt, verdict if due else None)
                         break
                     except _Interrupted:
                         validate()  # the verdict is there, or on its way: a sender already redoes this step
+                received.append(value)
             start = time.perf_counter()
             ready, message = self._handlers[action.kind](step, action, *received)
             jax.block_until_ready(ready)
