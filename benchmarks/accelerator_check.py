@@ -7,7 +7,8 @@ checks the backward split and the executor on that platform's compiler, not pipe
 
 Everything runs with float32 matrix products at full precision ("highest"; GPUs default to TF32).
 
-1. profiles each stage's F, B, W and fused BW on the accelerator (jitted, medians), the job of
+1. profiles each stage's F, B, W and fused BW on the accelerator
+   (``zbpp_lite.accel_profile.profile_stage_costs(..., fused=True)``, medians), the job of
    ``bench_vs_torch.py`` (d 128, 8 blocks, 2 stages, 32 samples per microbatch), and prints
    T_BW / (T_B + T_W): whether the split costs extra there too (``Costs.bw``);
 2. trains 1f1b, zb-h2 and zb-auto (planned from those costs) for a few steps on it, with the
@@ -25,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 
 def main() -> int:
@@ -48,6 +48,7 @@ def main() -> int:
     jax.config.update("jax_default_matmul_precision", "highest")
 
     import zbpp_lite as zb
+    from zbpp_lite.accel_profile import profile_stage_costs
     from zbpp_lite.data import load_digits
     from zbpp_lite.executor import PipelineExecutor, measured_costs
     from zbpp_lite.model import ModelConfig, StagedModel, build_parts
@@ -58,44 +59,19 @@ def main() -> int:
     print(f"JAX {jax.__version__} on {devices[0]} ({getattr(devices[0], 'device_kind', '?')})", flush=True)
     ok = True
 
-    # 1. per-action costs on the accelerator: F, B, W, BW per stage, medians of 20 after 3
+    # 1. per-action costs on the accelerator: F, B, W, BW per stage, medians of 20 after an untimed round
     model = StagedModel(build_parts(ModelConfig(d=128, heads=4, blocks=8)), 2)
     data = load_digits(0.0, 0)
     x, y = data.batch(0, 256)
-    x, y = np.asarray(x)[:32], np.asarray(y)[:32]
-    shapes = model.stage_inputs(x)
-    costs_ms = {}
-    for s in range(2):
-        dev = devices[0]
-        p = jax.device_put(tuple(jax.tree_util.tree_leaves(model.stage_params(model.params, s))), dev)
-        flat = model.split_stage(s, shapes[s], y if s == 1 else None).flat
-        xs = jax.device_put(x if s == 0 else np.zeros(shapes[1].shape, shapes[1].dtype), dev)
-        aux = jax.device_put(y, dev) if s == 1 else None
-        out, res, kept = flat.forward(p, xs, aux, None)
-        dy = jax.device_put(np.ones(np.shape(out), np.float32) if s == 0 else np.float32(1 / 8), dev)
-        _, grads_out = flat.backward_input(p, res, dy, None)
-        calls = {
-            "F": lambda: flat.forward(p, xs, aux, None),
-            "B": lambda: flat.backward_input(p, res, dy, None),
-            "W": lambda: flat.backward_weight(p, kept, grads_out, None),
-            "BW": lambda: flat.backward_fused(p, res, kept, dy, None),
-        }
-        for kind, call in calls.items():
-            times = []
-            for i in range(23):
-                t0 = time.perf_counter()
-                jax.block_until_ready(call())
-                if i >= 3:
-                    times.append(time.perf_counter() - t0)
-            costs_ms[f"{kind}{s}"] = statistics.median(times) * 1e3
-    ratio = [costs_ms[f"BW{s}"] / (costs_ms[f"B{s}"] + costs_ms[f"W{s}"]) for s in range(2)]
+    costs = profile_stage_costs(model, np.asarray(x)[:32], np.asarray(y)[:32], devices[0], repeats=20, fused=True)
+    costs = zb.Costs(**{k: [1e3 * v for v in getattr(costs, k)] for k in ("f", "b", "w", "bw")})  # ms
+    costs_ms = {f"{kind.upper()}{s}": getattr(costs, kind)[s] for s in range(2) for kind in ("f", "b", "w", "bw")}
+    ratio = [costs.bw[s] / (costs.b[s] + costs.w[s]) for s in range(2)]
     print("per-action medians (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in costs_ms.items()))
     print(f"T_BW / (T_B + T_W) per stage: {', '.join(f'{r:.2f}' for r in ratio)}", flush=True)
     report["action_ms"], report["bw_over_b_plus_w"] = costs_ms, ratio
 
     # 2. training on the accelerator with the gradient check, 1f1b / zb-h2 / zb-auto
-    costs = zb.Costs(f=[costs_ms["F0"], costs_ms["F1"]], b=[costs_ms["B0"], costs_ms["B1"]],
-                     w=[costs_ms["W0"], costs_ms["W1"]], bw=[costs_ms["BW0"], costs_ms["BW1"]])
     report["train"] = {}
     for name in ("1f1b", "zb-h2", "zb-auto"):
         options = {"costs": costs} if name == "zb-auto" else {}

@@ -92,6 +92,18 @@ def test_gpipe_simulated_from_profiled_costs_has_its_closed_form(uneven):
     assert t.bubble_rate == pytest.approx((expected - busiest) / expected, rel=1e-9)
 
 
+def test_fused_profile_times_bw_per_stage_and_gpipe_uses_it(uneven):
+    model, plain = uneven
+    assert plain.bw is None  # without fused: BW costs T_B + T_W
+    x, y = load_digits(0.2, 0).batch(0, 16)
+    c = profile_stage_costs(model, x, y, jax.devices("cpu")[0], repeats=3, fused=True)
+    assert len(c.bw) == 2 and min(c.bw) > 0
+    assert c.bw[1] > 1.5 * c.bw[0]  # the heavy stage's fused backward, not the light one's
+    m = 6  # GPipe's closed form as above, with the measured T_BW
+    expected = sum(c.f) + sum(c.bw) + (m - 1) * (max(c.f) + max(c.bw))
+    assert simulate_profiled(zb.build_schedule("gpipe", 2, m), c).makespan == pytest.approx(expected, rel=1e-12)
+
+
 def test_profile_refuses_bad_arguments(uneven):
     model, _ = uneven
     x, y = load_digits(0.2, 0).batch(0, 16)

@@ -35,16 +35,18 @@ def _timed(fn, *args) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = None, repeats: int = 7) -> Costs:
-    """Median T_F, T_B, T_W of every stage of ``model`` on one microbatch, on one device.
+def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = None, repeats: int = 7,
+                        fused: bool = False) -> Costs:
+    """Median T_F, T_B, T_W (and, with ``fused``, T_BW) of every stage of ``model`` on one
+    microbatch, on one device.
 
     Each stage runs on the previous stage's real output (stage 0 on ``x``; the last stage also
     takes ``labels`` and returns the loss). Every F, B, W is first called untimed (compilation,
     both with and without a spare output buffer / running sum, as the executor calls them), then
     ``repeats`` times each, round-robin over the stages so that a slow spell of a shared machine
     hits every stage alike, each call timed with ``time.perf_counter`` around the call and
-    ``jax.block_until_ready`` of its outputs. A fused BW is not timed: the simulator costs it
-    T_B + T_W, as :class:`~zbpp_lite.costs.Costs` does.
+    ``jax.block_until_ready`` of its outputs. A fused BW is timed only with ``fused``; otherwise
+    the simulator costs it T_B + T_W, as :class:`~zbpp_lite.costs.Costs` does.
 
     Args:
         model: the staged model (its ``num_stages`` and ``parts`` are the pipeline's stages).
@@ -52,10 +54,13 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
         labels: its labels (b,) integers.
         device: the JAX device to time on (default ``jax.devices()[0]``).
         repeats: timed calls per stage and kind (after the untimed ones), an integer >= 1.
+        fused: also time the fused backward BW (``Costs.bw``; on a real device often below
+            T_B + T_W, and zb-auto then splits only where the split pays).
 
     Returns:
-        :class:`~zbpp_lite.costs.Costs` with ``f``, ``b``, ``w`` tuples of ``model.num_stages``
-        medians in seconds; ``comm`` 0 and the memory fields at their defaults.
+        :class:`~zbpp_lite.costs.Costs` with ``f``, ``b``, ``w`` (and with ``fused`` ``bw``)
+        tuples of ``model.num_stages`` medians in seconds; ``comm`` 0 and the memory fields at
+        their defaults.
 
     Raises:
         ValueError: ``repeats`` below 1, or inputs and labels of different lengths.
@@ -82,21 +87,29 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
         _, grads_out = flat.backward_input(p, own, dy, grads_out)
         acc = flat.backward_weight(p, kept, grads_out, None)  # a stage's first W: no sum yet
         acc = jax.block_until_ready(flat.backward_weight(p, kept, grads_out, acc))
-        states.append({"flat": flat, "p": p, "h": h, "aux": aux, "dy": dy, "own": own, "grads": grads_out, "acc": acc})
+        acc_bw = None
+        if fused:  # its own running sum (BW donates it), compiled without and with one
+            acc_bw = flat.backward_fused(p, own, kept, dy, None)[1]
+            acc_bw = jax.block_until_ready(flat.backward_fused(p, own, kept, dy, acc_bw)[1])
+        states.append({"flat": flat, "p": p, "h": h, "aux": aux, "dy": dy, "own": own, "grads": grads_out, "acc": acc, "acc_bw": acc_bw})
         h = out
-    times: dict[str, list[list[float]]] = {kind: [[] for _ in range(S)] for kind in "FBW"}
+    kinds = ("F", "B", "W", "BW") if fused else ("F", "B", "W")
+    times: dict[str, list[list[float]]] = {kind: [[] for _ in range(S)] for kind in kinds}
     for _ in range(repeats):
         for s, st in enumerate(states):
             flat = st["flat"]
             tf, (_, own, kept) = _timed(flat.forward, st["p"], st["h"], st["aux"], st["own"])
             tb, (_, grads_out) = _timed(flat.backward_input, st["p"], own, st["dy"], st["grads"])
             tw, st["acc"] = _timed(flat.backward_weight, st["p"], kept, grads_out, st["acc"])
+            if fused:
+                tbw, (_, st["acc_bw"]) = _timed(flat.backward_fused, st["p"], own, kept, st["dy"], st["acc_bw"])
+                times["BW"][s].append(tbw)
             st["own"], st["grads"] = own, grads_out  # the donated spares were used up: these are next
             times["F"][s].append(tf)
             times["B"][s].append(tb)
             times["W"][s].append(tw)
-    f, b, w = ([statistics.median(v) for v in times[kind]] for kind in "FBW")
-    return Costs(f=f, b=b, w=w)
+    medians = {kind: [statistics.median(v) for v in per_stage] for kind, per_stage in times.items()}
+    return Costs(f=medians["F"], b=medians["B"], w=medians["W"], bw=medians.get("BW"))
 
 
 def simulate_profiled(schedule: Schedule, costs: Costs) -> Timeline:

@@ -488,8 +488,7 @@ def improve(
         (the polished plan, or ``result`` itself if nothing improved; the simulations used).
     """
     rows = [list(row) for row in result.actions]
-    n = sum(len(row) for row in rows)
-    budget = min(200, 20000 // max(n, 1)) if budget is None else budget
+    budget = search_budget(rows) if budget is None else budget
     if budget <= 0:
         return result, 0
     S = len(placement)
@@ -524,6 +523,13 @@ def improve(
 
 
 # ---------------------------------------------------------------------------- fusing B and W again
+
+
+def search_budget(rows) -> int:
+    """The default number of simulations for a local search over the per-rank action lists
+    ``rows``: min(200, 20000 // actions), a few hundred for small pipelines, a handful for
+    p = 32, m = 96 (:func:`improve`, :func:`fuse_backward`, :func:`split_backward`)."""
+    return min(200, 20000 // max(sum(len(row) for row in rows), 1))
 
 
 def _evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
@@ -574,8 +580,7 @@ def fuse_backward(
         (the plan, ``result`` itself if nothing was fused; the simulations used).
     """
     rows = [list(row) for row in result.actions]
-    n = sum(len(row) for row in rows)
-    budget = min(200, 20000 // max(n, 1)) if budget is None else budget
+    budget = search_budget(rows) if budget is None else budget
     cheaper = _cheaper_fused(table)
     if not any(cheaper) or budget < 2:
         return result, 0
@@ -620,8 +625,7 @@ def split_backward(
         (the plan, ``result`` itself if nothing was split; the simulations used).
     """
     rows = [list(row) for row in result.actions]
-    n = sum(len(row) for row in rows)
-    budget = min(200, 20000 // max(n, 1)) if budget is None else budget
+    budget = search_budget(rows) if budget is None else budget
     if budget < 2:
         return result, 0
     evaluate = _evaluator(rows, placement, num_microbatches, table, limits)
