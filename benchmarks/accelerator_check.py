@@ -50,7 +50,8 @@ def main() -> int:
     import zbpp_lite as zb
     from zbpp_lite.accel_profile import profile_stage_costs
     from zbpp_lite.data import load_digits
-    from zbpp_lite.executor import PipelineExecutor, measured_costs
+    from zbpp_lite.executor import PipelineExecutor
+    from zbpp_lite.measure import measured_costs
     from zbpp_lite.model import ModelConfig, StagedModel, build_parts
     from zbpp_lite.optimizer import guarded_run
     from zbpp_lite.train import train

@@ -22,7 +22,7 @@ from zbpp_lite.devices import ensure_devices
 
 def pipeline_vs_simulator(names: list[str], steps: int, devices) -> dict:
     import zbpp_lite as zb
-    from zbpp_lite.executor import measured_costs
+    from zbpp_lite.measure import measured_costs
     from zbpp_lite.train import train
 
     print(f"\n1. measured vs simulated, p=2, m=8, d=128, 4 heads, 8 blocks, batch 256, {steps} steps per schedule")

@@ -165,7 +165,7 @@ def main() -> None:
     if args.steps < 4:
         ap.error("--steps must be at least 4 (2 untimed, then at least 2 timed step starts)")
     import zbpp_lite as zb
-    from zbpp_lite.executor import measured_costs
+    from zbpp_lite.measure import measured_costs
     from zbpp_lite.optimizer import POLICIES
     from zbpp_lite.schedule import Action
     from zbpp_lite.timeline import Event, Timeline

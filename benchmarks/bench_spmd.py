@@ -34,7 +34,8 @@ def main() -> None:
 
     import zbpp_lite as zb
     from zbpp_lite.data import load_digits
-    from zbpp_lite.executor import PipelineExecutor, measured_costs
+    from zbpp_lite.executor import PipelineExecutor
+    from zbpp_lite.measure import measured_costs
     from zbpp_lite.model import ModelConfig, StagedModel, build_parts
     from zbpp_lite.spmd import SpmdExecutor
     from zbpp_lite.train import max_relative_error

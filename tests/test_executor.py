@@ -20,7 +20,8 @@ from zbpp_lite import model as model_module
 from zbpp_lite.builders import options_of
 from zbpp_lite.cli import main
 from zbpp_lite.data import load_digit_tokens, load_digits
-from zbpp_lite.executor import PipelineExecutor, measured_costs, run_schedule
+from zbpp_lite.executor import PipelineExecutor, run_schedule
+from zbpp_lite.measure import measured_costs
 from zbpp_lite.model import ModelConfig, StagedModel, build_parts
 from zbpp_lite.schedule import deps, produces
 from zbpp_lite.timeline import Event, Timeline, with_schedule_order
@@ -201,6 +202,7 @@ def test_measured_costs_are_the_mean_action_times():
     costs = measured_costs(Timeline.from_events(events, 2, source="measured"), 2)
     assert costs.f == (1.5, 1.0) and costs.b == (4.0, 0.5) and costs.w == (0.0, 0.75)
     assert costs.bw == (4.0, 1.25)  # stage 0 ran BW; stage 1 none: B + W
+    assert costs.comm == 0.0  # no rank sat idle waiting for another's output
     # pooled with a 1F1B-like run of the same stages, stage 1 gets its fused backward's own cost
     more = Timeline.from_events([Event(0, a("F", 0, 0), 0.0, 1.0), Event(1, a("F", 1, 0), 1.0, 2.0), Event(1, a("BW", 1, 0), 2.0, 3.0),
                                  Event(0, a("BW", 0, 0), 3.0, 7.0)], 2, source="measured")
@@ -215,6 +217,23 @@ def test_measured_costs_are_the_mean_action_times():
                                 1, source="measured")
     with pytest.raises(ValueError, match="timeline 1 has stages 0..3, not the 2 stages asked for"):
         measured_costs([Timeline.from_events(events, 2, source="measured"), four], 2)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "interleaved-1f1b"])
+def test_measured_costs_read_t_comm_off_the_waits(name):
+    """T_comm is not an event: it is read off the waits. On a simulated timeline every wait on
+    another rank's output is exactly the simulated T_comm, so measured_costs gives it back (with
+    T_F, T_B, T_W), and a plan from the measured costs predicts the same makespan."""
+    s = zb.build_schedule(name, 3, 6)
+    S = s.num_stages
+    f = [1.0 + 0.25 * (i % 3) for i in range(S)]
+    costs = zb.Costs(f=f, b=f[::-1], w=0.75, comm=0.3)
+    timeline = zb.simulate(s, costs)
+    measured = measured_costs(timeline, S)
+    assert measured.comm == pytest.approx(0.3)
+    assert measured.table(S).f == pytest.approx(costs.table(S).f)
+    assert zb.simulate(s, measured).makespan == pytest.approx(timeline.makespan)
+    assert measured_costs(zb.simulate(s, zb.Costs(f=f)), S).comm == 0.0
 
 
 # --------------------------------------------------------------------------- training

@@ -120,6 +120,21 @@ def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
             for g, ref in zip(jax.tree_util.tree_leaves(mine.grads[i]), jax.tree_util.tree_leaves(ref_grads[i]), strict=True):
                 assert np.abs(np.asarray(g) - np.asarray(ref)).max() <= 1e-5 * np.abs(np.asarray(ref)).max()
         assert all(e.rank == schedule.placement[s] for e in mine.timeline.events if e.action.stage == s)
+    # aligned by started_at (the clock both share), the two ranks' events form one timeline in
+    # which every action starts after what it needs has ended, on the other rank too
+    from zbpp_lite.schedule import deps, produces
+    from zbpp_lite.timeline import Event, Timeline
+
+    origin = min(r.started_at for r in results.values())
+    merged = Timeline.from_events([Event(e.rank, e.action, e.start + r.started_at - origin, e.end + r.started_at - origin)
+                                   for r in results.values() for e in r.timeline.events], 2, source="measured")
+    ends = {key: e.end for e in merged.events for key in produces(e.action)}
+    crossings = 0
+    for e in merged.events:
+        for key in deps(e.action, schedule.num_stages):
+            assert e.start >= ends[key], (e.action, key)
+            crossings += schedule.placement[key[1]] != e.rank
+    assert crossings == 2 * 2 * schedule.num_microbatches  # zb-v: 2 of its 3 stage boundaries cross, both ways
     # a message for no local stage is refused at once, not at the next step
     for key in (("F", 1, 0), ("B", 0, 0), ("F",), ("B", 3, 0)):  # executor 0 holds stages 0 and 3 (V placement)
         with pytest.raises(ValueError, match="no local stage consumes"):

@@ -443,7 +443,7 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
     import jax
 
     from .data import load_digits
-    from .executor import measured_costs
+    from .measure import measured_costs
     from .model import ModelConfig, StagedModel, build_parts
     from .simulate import simulate
     from .train import TrainResult, _pick_measured, _reference, evaluate, jitted_adamw, max_relative_error

@@ -8,7 +8,9 @@ from the producer's end to the consumer's start is the transfer (plus, on a real
 consumer's dispatch latency). On a simulated timeline that slack is exactly the T_comm simulated.
 
 The profile feeds the re-planner (:mod:`zbpp_lite.replan`) and the bubble attribution
-(:mod:`zbpp_lite.attribute`). Importing this module does not import JAX.
+(:mod:`zbpp_lite.attribute`); :func:`measured_costs` gives the same measurements as the
+:class:`~zbpp_lite.costs.Costs` a schedule is planned from, with the fused backward's own T_BW.
+Importing this module does not import JAX.
 """
 
 from __future__ import annotations
@@ -219,3 +221,61 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
         counts=tuple(counts), fused=tuple(fused), comm=comm, comm_std=comm_std, comm_count=len(slacks),
         num_timelines=len(timelines),
     )
+
+
+def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -> Costs:
+    """Mean measured action times per stage as :class:`~zbpp_lite.costs.Costs` (seconds).
+
+    ``timeline`` is one measured timeline or several (e.g. a zero-bubble run's with B and W
+    and a 1F1B run's with BW: their events are pooled). T_F, T_B, T_W are the mean durations of
+    that stage's F, B, W events and T_BW (``Costs.bw``) that of its BW events; where a stage ran
+    only fused BW, T_B = T_BW and T_W = 0, and where it ran no BW, T_BW = T_B + T_W. T_comm is the
+    mean wait on another rank's output (:func:`zbpp_lite.measure.transfers`: from the producer's
+    end to the start of a consumer whose rank sat idle for it; the transfer plus the consumer's
+    wake-up), 0 when no rank waited on another (or the timelines lack the producers, e.g. one
+    process's ranks only); on a simulated timeline it is the simulated T_comm.
+
+    Raises:
+        ValueError: no timeline, ``num_stages`` below 1, a timeline whose stages are not
+            0..num_stages-1 (timelines of different cuts pooled, or the wrong count), a stage
+            with no F event, or none of B / BW.
+    """
+    timelines = [timeline] if isinstance(timeline, Timeline) else list(timeline)
+    if not timelines or not all(isinstance(t, Timeline) for t in timelines):
+        raise ValueError("measured_costs needs a measured Timeline or a non-empty list of them")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
+    for i, t in enumerate(timelines):
+        stages = 1 + max((e.action.stage for e in t.events), default=-1)
+        if stages != num_stages:
+            raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked for; "
+                             "pool only timelines of one cut of the model")
+    durations: dict[tuple[str, int], list[float]] = {}
+    for t in timelines:
+        for e in t.events:
+            durations.setdefault((e.action.kind, e.action.stage), []).append(e.duration)
+
+    def mean(kind: str, s: int) -> float | None:
+        values = durations.get((kind, s))
+        return math.fsum(values) / len(values) if values else None
+
+    f, b, w, bw = [], [], [], []
+    for s in range(num_stages):
+        tf, tb, tw, tbw = mean("F", s), mean("B", s), mean("W", s), mean("BW", s)
+        if tf is None or (tb is None and tbw is None):
+            raise ValueError(f"the timeline has no F or no backward of stage {s}; cannot derive its costs")
+        f.append(tf)
+        if tb is not None:
+            b.append(tb)
+            w.append(tw if tw is not None else 0.0)
+        else:
+            b.append(tbw)
+            w.append(0.0)
+        bw.append(tbw if tbw is not None else b[-1] + w[-1])
+    slacks = []
+    for t in timelines:
+        try:
+            slacks += [x.slack for x in transfers(t, num_stages)]
+        except ValueError:  # a producer not in this timeline (e.g. one process's ranks only): no wait to read
+            pass
+    return Costs(f=f, b=b, w=w, bw=bw, comm=math.fsum(slacks) / len(slacks) if slacks else 0.0)

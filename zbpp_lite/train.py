@@ -41,7 +41,7 @@ class TrainResult:
         loss_error: first step, |loss - loss_ref| (``None`` when the check was off).
         measured: the measured timeline of the step with the median makespan (steps after the
             first when there are several).
-        costs: mean action times of that step (seconds), :func:`zbpp_lite.executor.measured_costs`.
+        costs: mean action times of that step (seconds), :func:`zbpp_lite.measure.measured_costs`.
         simulated: :func:`zbpp_lite.simulate` of the schedule with those costs.
         timelines: every step's measured timeline.
         step_seconds: wall time of every step (the first includes compilation).
@@ -214,7 +214,8 @@ def train(
 
     import jax
 
-    from .executor import PipelineExecutor, measured_costs
+    from .executor import PipelineExecutor
+    from .measure import measured_costs
     from .model import StagedModel, build_parts, load_torch_init
 
     data = data if data is not None else load_digits(holdout, seed)
