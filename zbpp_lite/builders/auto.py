@@ -34,7 +34,7 @@ from typing import Sequence
 from ..costs import Costs, CostTable
 from ..schedule import Schedule, looped_placement
 from ._common import check_sizes
-from .greedy import Plan, Rules, _cheaper_fused, _evaluator, fuse_backward, improve, per_rank_limits, plan, rank_stage_memory, split_backward
+from .greedy import Plan, Rules, cheaper_fused, evaluator, fuse_backward, improve, per_rank_limits, plan, rank_stage_memory, split_backward
 from .one_f_one_b import one_f_one_b
 
 ONE_STAGE_RULES = tuple(
@@ -83,11 +83,11 @@ def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits:
         if not (keep_gaps and done.rules.fill_partial)
     ]
     best = polish(runs, placement, m, table, limits)
-    if not any(_cheaper_fused(table)):
+    if not any(cheaper_fused(table)):
         return best
     fused = fuse_backward(best, placement, m, table, limits)[0]
     rows = [list(row) for row in one_f_one_b(len(placement), m).actions]
-    span, peak = _evaluator(rows, placement, m, table, limits)()
+    span, peak = evaluator(rows, placement, m, table, limits)()
     if span == float("inf"):  # 1F1B itself is over the memory limit
         return fused
     split = split_backward(Plan(tuple(map(tuple, rows)), span, peak, best.rules), placement, m, table, limits)[0]

@@ -492,7 +492,7 @@ def improve(
     if budget <= 0:
         return result, 0
     S = len(placement)
-    evaluate = _evaluator(rows, placement, num_microbatches, table, limits)
+    evaluate = evaluator(rows, placement, num_microbatches, table, limits)
 
     best, peak = result.makespan, result.peak_memory
     spent, improved = 0, True
@@ -532,7 +532,7 @@ def search_budget(rows) -> int:
     return min(200, 20000 // max(sum(len(row) for row in rows), 1))
 
 
-def _evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
+def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
     """A function that simulates ``rows`` (as they are when called) and returns (makespan, peak
     memory per rank), or (inf, ()) for a deadlocking order or one over the memory limits."""
     from ..simulate import simulate  # the simulator sits above the builders; imported where used
@@ -552,7 +552,7 @@ def _evaluator(rows: list, placement: Sequence[int], num_microbatches: int, tabl
     return evaluate
 
 
-def _cheaper_fused(table: CostTable) -> list[bool]:
+def cheaper_fused(table: CostTable) -> list[bool]:
     """Per stage: whether a fused BW costs less than B and W apart."""
     return [bw < b + w - _EPS * max(1.0, b + w) for b, w, bw in zip(table.b, table.w, table.bw)]
 
@@ -581,10 +581,10 @@ def fuse_backward(
     """
     rows = [list(row) for row in result.actions]
     budget = search_budget(rows) if budget is None else budget
-    cheaper = _cheaper_fused(table)
+    cheaper = cheaper_fused(table)
     if not any(cheaper) or budget < 2:
         return result, 0
-    evaluate = _evaluator(rows, placement, num_microbatches, table, limits)
+    evaluate = evaluator(rows, placement, num_microbatches, table, limits)
     best, peak = evaluate()
     spent, fused = 1, 0
     for row in rows:
@@ -628,7 +628,7 @@ def split_backward(
     budget = search_budget(rows) if budget is None else budget
     if budget < 2:
         return result, 0
-    evaluate = _evaluator(rows, placement, num_microbatches, table, limits)
+    evaluate = evaluator(rows, placement, num_microbatches, table, limits)
     best, peak = evaluate()
     spent, split = 1, 0
     for row in rows:
