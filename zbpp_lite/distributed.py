@@ -26,7 +26,8 @@ Each process's event times are measured from its own start of the step (clocks a
 
 Failure, not hang: every wait has a timeout (the executor's per-input timeout, the transfer
 timeout, the runtime's initialisation and heartbeat timeouts); an error names the process and
-rank, and :mod:`zbpp_lite.cli.launch` ends every child when one fails.
+rank, and :mod:`zbpp_lite.cli.launch` ends every child when one fails. The child's training loop
+is :mod:`zbpp_lite.cli.launch_child` (the command line sits above this layer).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import sys
 import threading
 import time
 from typing import Any, Sequence
@@ -382,138 +382,3 @@ def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout
             raise TimeoutError(f"process {process}: process {q} published no results for {prefix} within {timeout:g} s ({e})") from e
         out.append(pickle.loads(data))
     return out
-
-
-# ---------------------------------------------------------------------------- training
-
-
-def train_process(args) -> int:
-    """A child process of ``launch``: start the runtime, train with ``args`` (the ``train``
-    command's), and on process 0 print the report ``train`` prints. Returns an exit status."""
-    import jax
-
-    from .cli.train import check_launchable, check_sizes, report, resolve_schedule
-
-    schedule = resolve_schedule(args)
-    blocks = check_sizes(args, schedule)
-    check_launchable(args)  # launch checked it before starting us; a cluster's launcher did not
-    timeout = float(os.environ.get(ENV_TIMEOUT, "60"))
-    t0 = time.perf_counter()
-    process, count = initialize(timeout=timeout)
-    if os.environ.get("ZBPP_TEST_CRASH_PROCESS") == str(process):  # tests: a process that dies
-        print(f"process {process}: exiting on purpose (ZBPP_TEST_CRASH_PROCESS)", file=sys.stderr, flush=True)
-        os._exit(3)
-    devices = pipeline_devices(schedule.num_ranks)
-    startup = time.perf_counter() - t0
-    if process == 0:
-        print(f"distributed runtime up in {startup:.2f} s: {count} processes, ranks on "
-              + ", ".join(f"rank {r}: process {d.process_index} {d}" for r, d in enumerate(devices)), flush=True)
-
-    if getattr(args, "spmd", False):  # one SPMD program over a mesh spanning the processes
-        from .cli.train import run_spmd
-
-        status = run_spmd(args, schedule, blocks, devices, process)
-        if process == 0:
-            print(f"startup {startup:.2f} s", flush=True)
-        return status
-
-    def on_step(k: int, loss: float, timeline) -> None:
-        if process == 0:
-            print(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  bubble rate {timeline.bubble_rate:.3f}", flush=True)
-
-    result = train_steps(schedule, args, blocks, devices, on_step)
-    if process == 0:
-        print(report(result))
-        step_ms = [1e3 * s for s in result.step_seconds[1:]] or [1e3 * result.step_seconds[0]]
-        print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s)")
-        if getattr(args, "json", None):
-            import json
-
-            with open(args.json, "w") as f:
-                json.dump({**result.to_json(), "startup_seconds": startup, "processes": count}, f, indent=1)
-            print(f"wrote {args.json}")
-    return 0
-
-
-def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
-    """Train as :func:`zbpp_lite.train.train` does, with a :class:`ProcessPipelineExecutor`:
-    every process holds the whole parameter list on its own default device and applies the same
-    AdamW update to the gathered gradients (identical on every process), so no final gather is
-    needed. Returns a :class:`~zbpp_lite.train.TrainResult`."""
-    import jax
-
-    from .data import load_digits
-    from .measure import measured_costs
-    from .model import ModelConfig, StagedModel, build_parts
-    from .simulate import simulate
-    from .train import TrainResult, _pick_measured, _reference, evaluate, jitted_adamw, max_relative_error
-
-    config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-    data = load_digits(args.holdout, args.seed)
-    model = StagedModel(build_parts(config), schedule.num_stages)
-    executor = ProcessPipelineExecutor(model, schedule, devices, timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
-    opt, update = jitted_adamw(args.lr, 0.01)
-    home = jax.local_devices()[0]
-    params = jax.device_put(model.params, home)
-    state = opt.init(params)
-    losses, timelines, seconds = [], [], []
-    grad_error = loss_error = None
-    for k in range(args.steps):
-        x, y = data.batch(k, args.batch)
-        t0 = time.perf_counter()
-        result = executor.run(params, x, y)
-        grads = jax.device_put(result.grads, home)
-        new_params, state = update(grads, state, params)
-        jax.block_until_ready(new_params)
-        seconds.append(time.perf_counter() - t0)
-        if k == 0:
-            ref_loss, ref_grads = _reference(model, params, x, y, home)
-            grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - ref_loss)
-        params = new_params
-        losses.append(result.loss)
-        timelines.append(result.timeline)
-        if on_step is not None:
-            on_step(k, result.loss, result.timeline)
-    test_loss, test_accuracy = evaluate(model, params, data.test_x, data.test_y, home)
-    measured = _pick_measured(timelines)
-    costs = measured_costs(measured, schedule.num_stages)
-    return TrainResult(
-        schedule=schedule, losses=losses, test_accuracy=test_accuracy, test_loss=test_loss,
-        grad_max_rel_error=grad_error, loss_error=loss_error, measured=measured, costs=costs,
-        simulated=simulate(schedule, costs), timelines=timelines, step_seconds=seconds, params=params,
-        config={"d": args.d, "heads": args.heads, "blocks": blocks, "batch": args.batch, "lr": args.lr,
-                "seed": args.seed, "holdout": args.holdout, "processes": jax.process_count()},
-    )
-
-
-def die_with_parent() -> None:
-    """Be killed when the parent process dies (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a
-    child of ``launch`` never outlives a launcher ended by a signal it cannot catch."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-
-
-if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
-    if os.environ.get(ENV_PROCESS_ID) is not None:
-        die_with_parent()
-    from .cli import build_parser
-
-    _args = build_parser(["train", *sys.argv[1:]]).parse_args(["train", *sys.argv[1:]])
-    try:
-        _status = train_process(_args)
-    except BaseException as _e:  # noqa: BLE001 - one clear line on stderr, then out without waiting
-        print(f"error: process {os.environ.get(ENV_PROCESS_ID, '?')}: {type(_e).__name__}: {_e}", file=sys.stderr, flush=True)
-        _status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if _status == 0:
-        import jax
-
-        jax.distributed.shutdown()  # waits for every process: the coordinator leaves last
-    os._exit(_status)  # threads blocked in a transfer must not keep a failed process alive

@@ -1,7 +1,7 @@
 """``python -m zbpp_lite launch --processes N --devices-per-process K -- train ...``: the train
 command across N local processes on JAX's distributed runtime (127.0.0.1, free ports chosen here).
 
-Each child runs ``python -m zbpp_lite.distributed`` with the train arguments and the ``ZBPP_*``
+Each child runs ``python -m zbpp_lite.cli.launch_child`` with the train arguments and the ``ZBPP_*``
 environment (coordinator, process count and index, its own cross-host transfer port) and, on
 CPU, K simulated devices. Process 0's output is shown as it comes; when every child has exited
 the command returns 0. When one fails (a process that dies, a port in use, a rank stuck past its
@@ -51,7 +51,7 @@ def port_in_use(port: int) -> bool:
 
 
 def child_command(train_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "zbpp_lite.distributed", *train_args]
+    return [sys.executable, "-m", "zbpp_lite.cli.launch_child", *train_args]
 
 
 def child_env(process: int, num_processes: int, coordinator_port: int, transfer_port: int, devices: int, timeout: float) -> dict:
