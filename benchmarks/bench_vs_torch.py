@@ -282,7 +282,7 @@ def rank_process(rank: int, core: int | None, peers: dict, control, plans: dict,
         seconds = time.perf_counter() - t0
         at = result.started_at  # the clock all processes share: the ranks' timelines align by it
         events = [(e.rank, str(e.action), at + e.start, at + e.end) for e in result.timeline.events]
-        control.send((seconds, list(result.microbatch_losses), events, ran, t0))
+        control.send((seconds, list(result.microbatch_losses), events, ran))
     disconnect(peers)
 
 

@@ -73,7 +73,9 @@ class StepResult:
             unless :class:`RankUpdate` ``verdict_key`` is set and a rollback happened).
         started_at: ``time.perf_counter()`` when the step's first action began, seconds. On one
             machine this clock is shared by all processes (Linux's CLOCK_MONOTONIC), so ranks run
-            in separate processes (``ranks=[r]``) align their timelines by it.
+            in separate processes (``ranks=[r]``) align their timelines by it. 0.0 from
+            :class:`~zbpp_lite.distributed.ProcessPipelineExecutor`, whose processes may sit on
+            machines whose clocks differ.
     """
 
     loss: float

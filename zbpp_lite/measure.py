@@ -112,6 +112,15 @@ class CostProfile:
         }
 
 
+def _durations(timelines: Sequence[Timeline]) -> dict[tuple[str, int], list[float]]:
+    """(kind, stage) -> the durations of every such event of ``timelines``, pooled."""
+    durations: dict[tuple[str, int], list[float]] = {}
+    for t in timelines:
+        for e in t.events:
+            durations.setdefault((e.action.kind, e.action.stage), []).append(e.duration)
+    return durations
+
+
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
     n = len(values)
     mean = math.fsum(values) / n
@@ -187,14 +196,12 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
     if not timelines or not any(t.events for t in timelines):
         raise ValueError("profile needs at least one timeline with events")
     S = num_stages if num_stages is not None else 1 + max(e.action.stage for t in timelines for e in t.events)
-    durations: dict[tuple[str, int], list[float]] = {}
-    slacks: list[float] = []
     for t in timelines:
         for e in t.events:
             if e.action.stage >= S:
                 raise ValueError(f"event {e.action} names stage {e.action.stage}, but num_stages is {S}")
-            durations.setdefault((e.action.kind, e.action.stage), []).append(e.duration)
-        slacks += [x.slack for x in transfers(t, S)]
+    durations = _durations(timelines)
+    slacks = [x.slack for t in timelines for x in transfers(t, S)]
     stats: dict[str, list[tuple[float, float]]] = {"f": [], "b": [], "w": []}
     counts, fused = [], []
     for s in range(S):
@@ -250,14 +257,11 @@ def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -
         if stages != num_stages:
             raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked for; "
                              "pool only timelines of one cut of the model")
-    durations: dict[tuple[str, int], list[float]] = {}
-    for t in timelines:
-        for e in t.events:
-            durations.setdefault((e.action.kind, e.action.stage), []).append(e.duration)
+    durations = _durations(timelines)
 
     def mean(kind: str, s: int) -> float | None:
         values = durations.get((kind, s))
-        return math.fsum(values) / len(values) if values else None
+        return _mean_std(values)[0] if values else None
 
     f, b, w, bw = [], [], [], []
     for s in range(num_stages):
@@ -278,4 +282,4 @@ def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -
             slacks += [x.slack for x in transfers(t, num_stages)]
         except ValueError:  # a producer not in this timeline (e.g. one process's ranks only): no wait to read
             pass
-    return Costs(f=f, b=b, w=w, bw=bw, comm=math.fsum(slacks) / len(slacks) if slacks else 0.0)
+    return Costs(f=f, b=b, w=w, bw=bw, comm=_mean_std(slacks)[0] if slacks else 0.0)
