@@ -8,7 +8,7 @@ checks the backward split and the executor on that platform's compiler, not pipe
 Everything runs with float32 matrix products at full precision ("highest"; GPUs default to TF32).
 
 1. profiles each stage's F, B, W and fused BW on the accelerator
-   (``zbpp_lite.accel_profile.profile_stage_costs(..., fused=True)``, medians), the job of
+   (``zbpp_lite.analysis.profiling.device.profile_stage_costs(..., fused=True)``, medians), the job of
    ``bench_vs_torch.py`` (d 128, 8 blocks, 2 stages, 32 samples per microbatch), and prints
    T_BW / (T_B + T_W): whether the split costs extra there too (``Costs.bw``);
 2. trains 1f1b, zb-h2 and zb-auto (planned from those costs) for a few steps on it, with the
@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
-    from zbpp_lite.devices import ensure_devices
+    from zbpp_lite.runtime.devices import ensure_devices
 
     devices = ensure_devices(2 if args.platform == "cpu" else 1, platform=args.platform)
     pair = devices[:2] if args.platform == "cpu" else [devices[0]] * 2
@@ -48,13 +48,13 @@ def main() -> int:
     jax.config.update("jax_default_matmul_precision", "highest")
 
     import zbpp_lite as zb
-    from zbpp_lite.accel_profile import profile_stage_costs
-    from zbpp_lite.data import load_digits
-    from zbpp_lite.executor import PipelineExecutor
-    from zbpp_lite.measure import measured_costs
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-    from zbpp_lite.optimizer import guarded_run
-    from zbpp_lite.train import train
+    from zbpp_lite.analysis.profiling.device import profile_stage_costs
+    from zbpp_lite.training.data import load_digits
+    from zbpp_lite.runtime.executor import PipelineExecutor
+    from zbpp_lite.training.model import ModelConfig, build_parts
+    from zbpp_lite.runtime.stages import StagedModel
+    from zbpp_lite.training.postval.optimizer import guarded_run
+    from zbpp_lite.training.train import RunConfig, train
 
     report: dict = {"platform": args.platform, "device": str(devices[0]), "jax": jax.__version__}
     print(f"JAX {jax.__version__} on {devices[0]} ({getattr(devices[0], 'device_kind', '?')})", flush=True)
@@ -76,8 +76,8 @@ def main() -> int:
     report["train"] = {}
     for name in ("1f1b", "zb-h2", "zb-auto"):
         options = {"costs": costs} if name == "zb-auto" else {}
-        result = train(name, 2, 8, args.steps, d=128, heads=4, blocks=8, batch=256, devices=pair,
-                       schedule_options=options, check_grads=True)
+        result = train(name, 2, 8, args.steps, model=ModelConfig(d=128, heads=4, blocks=8), run=RunConfig(batch=256),
+                       devices=pair, schedule_options=options)
         err = result.grad_max_rel_error
         kinds = sorted({a.kind for row in result.schedule.actions for a in row})
         print(f"train {name:<8} losses {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, gradient check {err:.1e}, "
@@ -92,7 +92,7 @@ def main() -> int:
     batches = [data.batch(k, 64) for k in range(5)]
     first = executor.run(small.params, *batches[0]).grads
     norm = float(np.sqrt(sum(float(jnp.sum(jnp.square(v))) for v in jax.tree_util.tree_leaves(first))))
-    from zbpp_lite.rollback import AdamWConfig
+    from zbpp_lite.training.postval.rollback import AdamWConfig
 
     cfg = AdamWConfig(learning_rate=1e-2, eps=1e-3)
     runs = {}

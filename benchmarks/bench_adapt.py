@@ -6,7 +6,7 @@ twice as slow (``--imbalance 2``: the original partition puts 2 blocks on stage 
 measured makespan at least 10% below ZB-H1's on the original partition, with gradients equal to
 the unpartitioned model's.
 
-How: :func:`zbpp_lite.adapt.adapt` profiles ZB-H1 on the original partition, attributes its idle
+How: :func:`zbpp_lite.training.adapt.adapt` profiles ZB-H1 on the original partition, attributes its idle
 time, rebalances and re-plans, and trains a few steps with the result. Then, so that a machine
 shared with other work slows both alike, the original and the adapted plan run alternately on the
 same parameters and batch for ``--rounds`` rounds; the ratio is of the medians. m = 8, d = 128,
@@ -20,7 +20,7 @@ import argparse
 import os
 import statistics
 
-from zbpp_lite.devices import ensure_devices
+from zbpp_lite.runtime.devices import ensure_devices
 
 
 def parallel_efficiency(devices, seconds: float = 0.3) -> float:
@@ -68,11 +68,12 @@ def main() -> None:
     import jax
 
     import zbpp_lite as zb
-    from zbpp_lite.adapt import adapt
-    from zbpp_lite.data import load_digits
-    from zbpp_lite.executor import PipelineExecutor
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-    from zbpp_lite.train import max_relative_error
+    from zbpp_lite.training.adapt import adapt
+    from zbpp_lite.training.data import load_digits
+    from zbpp_lite.runtime.executor import PipelineExecutor
+    from zbpp_lite.training.model import ModelConfig, build_parts
+    from zbpp_lite.runtime.stages import StagedModel
+    from zbpp_lite.training.reference import max_relative_error
 
     m, d, batch = args.microbatches, 128, 256
     load = os.getloadavg()[0]

@@ -19,7 +19,7 @@ import statistics
 import time
 
 import zbpp_lite as zb
-from zbpp_lite.builders.milp import solve_optimal
+from zbpp_lite.schedules.builders.milp import solve_optimal
 
 # (model, p, m, costs) -- costs from the paper's Table 9 as quoted in issue 4
 ROWS = [

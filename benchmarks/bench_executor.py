@@ -17,13 +17,14 @@ import inspect
 import statistics
 import time
 
-from zbpp_lite.devices import ensure_devices
+from zbpp_lite.runtime.devices import ensure_devices
 
 
 def pipeline_vs_simulator(names: list[str], steps: int, devices) -> dict:
     import zbpp_lite as zb
-    from zbpp_lite.measure import measured_costs
-    from zbpp_lite.train import train
+    from zbpp_lite.analysis.profiling.timelines import measured_costs
+    from zbpp_lite.training.model import ModelConfig
+    from zbpp_lite.training.train import RunConfig, train
 
     print(f"\n1. measured vs simulated, p=2, m=8, d=128, 4 heads, 8 blocks, batch 256, {steps} steps per schedule")
     print("   (costs, makespans, ratio: the median-makespan step; bubble rates: medians over the steps after the first)")
@@ -31,7 +32,8 @@ def pipeline_vs_simulator(names: list[str], steps: int, devices) -> dict:
           f"{'bubble meas.':>14}{'bubble sim.':>13}")
     rows = {}
     for name in names:
-        r = train(name, 2, 8, steps, d=128, heads=4, blocks=8, batch=256, devices=devices, check_grads=False)
+        r = train(name, 2, 8, steps, model=ModelConfig(d=128, heads=4, blocks=8), run=RunConfig(batch=256, check_grads=False),
+                  devices=devices)
         c, meas, sim = r.costs, r.measured, r.simulated
         timed = r.timelines[1:] or r.timelines
         bubble = statistics.median(t.bubble_rate for t in timed)
@@ -50,8 +52,9 @@ def executor_overhead(devices, repeat: int = 50) -> None:
     import numpy as np
 
     import zbpp_lite as zb
-    from zbpp_lite.executor import PipelineExecutor
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+    from zbpp_lite.runtime.executor import PipelineExecutor
+    from zbpp_lite.training.model import ModelConfig, build_parts
+    from zbpp_lite.runtime.stages import StagedModel
 
     m = 16
     model = StagedModel(build_parts(ModelConfig(d=8, heads=1, blocks=1)), 1)
@@ -117,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     devices = ensure_devices(2)  # before JAX starts: 2 single-threaded CPU devices
     import zbpp_lite as zb
-    from zbpp_lite.builders import options_of
+    from zbpp_lite.schedules.builders import options_of
 
     def needs_options(name: str) -> bool:
         return any(v is inspect.Parameter.empty for v in options_of(name).values())

@@ -15,7 +15,7 @@ import statistics
 import time
 
 import zbpp_lite as zb
-from zbpp_lite.builders import options_of
+from zbpp_lite.schedules.builders import options_of
 from zbpp_lite.viz.widgets import Explorer, explore_state
 
 TARGET_MS = 200.0

@@ -2,7 +2,7 @@
 
 The executor runs the training loop itself (``PipelineExecutor.run_steps``): each rank goes on
 to its next step as soon as its own share is done, and AdamW with the global-norm clip and the
-NaN check runs inside the rank threads (``zbpp_lite.optimizer.StageOptimizer``) three ways:
+NaN check runs inside the rank threads (``zbpp_lite.training.postval.optimizer.StageOptimizer``) three ways:
 ``plain`` (no guard: the floor), ``synchronous`` (every rank waits for every rank's norm before
 stepping) and ``post-validation`` (speculative step on the partial norm, validated and rolled
 back before the next step's first action). ``max_norm`` is set so that clipping triggers on
@@ -22,7 +22,7 @@ Two set-ups:
   costs less than a core's idle time and the ratio is noisy;
 - ``--procs``: PyTorch's set-up, one process per rank pinned to its own core, values between
   ranks (activations, gradients and the optimizer's norms) through pipes
-  (``benchmarks/rank_processes.py``): a rank that waits leaves its core idle, as on real
+  (:mod:`zbpp_lite.runtime.processes`): a rank that waits leaves its core idle, as on real
   hardware.
 
 The machine load (cores other programs used) is printed beside the figures; quote only runs on
@@ -40,7 +40,7 @@ import sys
 import time
 
 from bench_vs_torch import busy_cpu_seconds
-from rank_processes import connect, disconnect, finish, pin_to, spawn
+from zbpp_lite.runtime.processes import connect, disconnect, finish, pin_to, spawn
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -59,8 +59,9 @@ def _cpu_seconds(pids: list[int]) -> float:
 def _job(args):
     """Schedule, model and batches of the job (JAX imported by the caller's set-up)."""
     import zbpp_lite as zb
-    from zbpp_lite.data import load_digits
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+    from zbpp_lite.training.data import load_digits
+    from zbpp_lite.training.model import ModelConfig, build_parts
+    from zbpp_lite.runtime.stages import StagedModel
 
     schedule = zb.build_schedule(args.schedule, 2, args.microbatches)
     model = StagedModel(build_parts(ModelConfig(d=args.d, heads=4, blocks=args.blocks)), schedule.num_stages)
@@ -82,12 +83,12 @@ def _summary(results, optimizer) -> dict:
 def rank_process(rank: int, core: int | None, peers: dict, control, args) -> None:
     """One rank of the ``--procs`` set-up: runs every policy the parent names on its own rank."""
     pin_to(core)
-    from zbpp_lite.devices import ensure_devices
+    from zbpp_lite.runtime.devices import ensure_devices
 
     device = ensure_devices(1)[0]
-    from zbpp_lite.executor import PipelineExecutor
-    from zbpp_lite.optimizer import StageOptimizer
-    from zbpp_lite.rollback import AdamWConfig
+    from zbpp_lite.runtime.executor import PipelineExecutor
+    from zbpp_lite.training.postval.optimizer import StageOptimizer
+    from zbpp_lite.training.postval.rollback import AdamWConfig
 
     schedule, model, batches = _job(args)
     executor = connect(peers, lambda remote: PipelineExecutor(model, schedule, [device], ranks=[rank], remote=remote))
@@ -128,17 +129,17 @@ class Threads:
     """The default side: one process, 2 simulated devices, ranks as threads."""
 
     def __init__(self, args):
-        from zbpp_lite.devices import ensure_devices
+        from zbpp_lite.runtime.devices import ensure_devices
 
         devices = ensure_devices(2)
-        from zbpp_lite.executor import PipelineExecutor
+        from zbpp_lite.runtime.executor import PipelineExecutor
 
         self.schedule, self.model, self.batches = _job(args)
         self.executor = PipelineExecutor(self.model, self.schedule, devices[:2])
 
     def run(self, policy: str, max_norm: float | None) -> list[dict]:
-        from zbpp_lite.optimizer import guarded_run
-        from zbpp_lite.rollback import AdamWConfig
+        from zbpp_lite.training.postval.optimizer import guarded_run
+        from zbpp_lite.training.postval.rollback import AdamWConfig
 
         results, optimizer = guarded_run(self.executor, self.model.params, self.batches, policy, max_norm, AdamWConfig())
         return [_summary(results, optimizer)]
@@ -165,10 +166,10 @@ def main() -> None:
     if args.steps < 4:
         ap.error("--steps must be at least 4 (2 untimed, then at least 2 timed step starts)")
     import zbpp_lite as zb
-    from zbpp_lite.measure import measured_costs
-    from zbpp_lite.optimizer import POLICIES
-    from zbpp_lite.schedule import Action
-    from zbpp_lite.timeline import Event, Timeline
+    from zbpp_lite.analysis.profiling.timelines import measured_costs
+    from zbpp_lite.training.postval.optimizer import POLICIES
+    from zbpp_lite.schedules.ir import Action
+    from zbpp_lite.schedules.timeline import Event, Timeline
 
     side = Processes(args) if args.procs else Threads(args)
     try:

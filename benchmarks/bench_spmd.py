@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 
-from zbpp_lite.devices import ensure_devices
+from zbpp_lite.runtime.devices import ensure_devices
 
 
 def main() -> None:
@@ -33,12 +33,13 @@ def main() -> None:
     import jax
 
     import zbpp_lite as zb
-    from zbpp_lite.data import load_digits
-    from zbpp_lite.executor import PipelineExecutor
-    from zbpp_lite.measure import measured_costs
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-    from zbpp_lite.spmd import SpmdExecutor
-    from zbpp_lite.train import max_relative_error
+    from zbpp_lite.training.data import load_digits
+    from zbpp_lite.runtime.executor import PipelineExecutor
+    from zbpp_lite.analysis.profiling.timelines import measured_costs
+    from zbpp_lite.training.model import ModelConfig, build_parts
+    from zbpp_lite.runtime.stages import StagedModel
+    from zbpp_lite.runtime.spmd import SpmdExecutor
+    from zbpp_lite.training.reference import max_relative_error
 
     s = zb.build_schedule(args.schedule, 2, args.microbatches)
     model = StagedModel(build_parts(ModelConfig(d=args.d, heads=4, blocks=4)), s.num_stages)

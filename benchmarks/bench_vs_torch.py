@@ -15,7 +15,7 @@ forward, the backward and the optimizer update. This script
      rank's actions (``PipelineExecutor(ranks=[r], remote=...)``), activations and gradients
      between ranks through pipes, AdamW on the rank's stages after its last action, a common
      start signal per step and the slower rank's time as the step's (:func:`rank_process`);
-   - ``NAME``: ``zbpp_lite.train.train`` as a user calls it, one process with 2 simulated CPU
+   - ``NAME``: ``zbpp_lite.training.train.train`` as a user calls it, one process with 2 simulated CPU
      devices, ranks as threads, pinned to the first two cores. The devices share XLA's thread
      pool there, so a waiting rank's core works for the other: bubbles cost less than idle
      cores, and a schedule's fewer bubbles count for less;
@@ -24,7 +24,7 @@ forward, the backward and the optimizer update. This script
      training run whose steps rotate through the schedules). Separate runs on this shared
      2-core machine drift by 10-20% from run to run; in turns, every schedule meets the same
      drift, so their ratios (zero bubble vs 1f1b) are the ones to trust;
-   and the single-device baseline ``zbpp_lite.baseline.train_baseline`` pinned to one core as
+   and the single-device baseline ``zbpp_lite.training.baseline.train_baseline`` pinned to one core as
    PyTorch's (``baseline``), plus three references of ours: the same with the 8 microbatches
    accumulated (``baseline-acc8``), unpinned with XLA's threads on both cores
    (``baseline-2cores``), and our executor on one rank holding the whole model as one stage
@@ -37,7 +37,7 @@ forward, the backward and the optimizer update. This script
 
 Schedules that take planned costs (zb-v, zb-auto) are planned from costs measured on this job:
 a short calibration run with unit costs, then the schedule is rebuilt from its measured mean
-action costs (``zbpp_lite.measure.measured_costs``) and trained from the start. For zb-auto a
+action costs (``zbpp_lite.analysis.profiling.timelines.measured_costs``) and trained from the start. For zb-auto a
 short 1F1B run adds the fused backward's measured cost (``Costs.bw``): where BW costs less than
 B and W apart, zb-auto splits the backward only where W fills a bubble.
 
@@ -62,7 +62,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from rank_processes import connect, disconnect, finish, pin_to, spawn
+from zbpp_lite.runtime.processes import connect, disconnect, finish, pin_to, spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCRIPT = ROOT.parent / "shared" / "peers" / "torch_pp_bench.py"
@@ -154,45 +154,51 @@ def worker(args) -> dict:
         return process_pipeline(name.removesuffix(PROCS), args)
     cores = BASELINES[name]["cores"] if name in BASELINES else RANKS
     pinned = pin(cores) if args.pin else []
-    from zbpp_lite.devices import ensure_devices
+    from zbpp_lite.runtime.devices import ensure_devices
 
     devices = ensure_devices(1 if name in BASELINES else RANKS)
     sizes = {k: JOB[k] for k in ("d", "heads", "blocks", "batch", "lr", "weight_decay", "seed")}
     steps = args.warmup + args.steps
     common = dict(holdout=0.0, init=args.init, **sizes)
+    from zbpp_lite.training.model import ModelConfig
+    from zbpp_lite.training.train import RunConfig
+
+    piped = dict(model=ModelConfig(d=JOB["d"], heads=JOB["heads"], blocks=JOB["blocks"], seed=JOB["seed"]),
+                 run=RunConfig(batch=JOB["batch"], lr=JOB["lr"], weight_decay=JOB["weight_decay"], seed=JOB["seed"],
+                               holdout=0.0, init=args.init, check_grads=False))
     extra: dict = {}
     if name in BASELINES and BASELINES[name].get("executor"):
-        from zbpp_lite.train import train
+        from zbpp_lite.training.train import train
 
-        result = train("gpipe", 1, BASELINES[name]["microbatches"], steps, devices=devices[:1], check_grads=False, **common)
+        result = train("gpipe", 1, BASELINES[name]["microbatches"], steps, devices=devices[:1], **piped)
     elif name in BASELINES:
-        from zbpp_lite.baseline import train_baseline
+        from zbpp_lite.training.baseline import train_baseline
 
         result = train_baseline(steps, microbatches=BASELINES[name]["microbatches"], device=devices[0], **common)
     else:
         import zbpp_lite as zb
-        from zbpp_lite.builders import options_of
-        from zbpp_lite.train import train
+        from zbpp_lite.schedules.builders import options_of
+        from zbpp_lite.training.train import train
 
         options = {}
         if "costs" in options_of(name):  # plan from costs measured on this job
-            from zbpp_lite.measure import measured_costs
+            from zbpp_lite.analysis.profiling.timelines import measured_costs
 
-            calibration = train(name, RANKS, JOB["microbatches"], 3, devices=devices, check_grads=False,
-                                schedule_options={"costs": zb.Costs()}, **common)
+            calibration = train(name, RANKS, JOB["microbatches"], 3, devices=devices,
+                                schedule_options={"costs": zb.Costs()}, **piped)
             timelines = [calibration.timelines[-1]]
             if calibration.schedule.num_stages == RANKS:  # one stage per rank: the fused BW's cost from a 1F1B run
-                timelines.append(train("1f1b", RANKS, JOB["microbatches"], 3, devices=devices, check_grads=False, **common).timelines[-1])
+                timelines.append(train("1f1b", RANKS, JOB["microbatches"], 3, devices=devices, **piped).timelines[-1])
             options["costs"] = measured_costs(timelines, calibration.schedule.num_stages)
             extra["planned_costs_ms"] = planned_ms(options["costs"])
-        result = train(name, RANKS, JOB["microbatches"], steps, devices=devices, check_grads=False,
-                       schedule_options=options, **common)
+        result = train(name, RANKS, JOB["microbatches"], steps, devices=devices,
+                       schedule_options=options, **piped)
         timed = result.timelines[args.warmup:]
         extra["action_ms"] = action_medians(timed)
         extra["makespan_ms"] = statistics.median(t.makespan for t in timed) * 1e3
         extra["bubble_rate"] = statistics.median(t.bubble_rate for t in timed)
         extra["stages"] = result.schedule.num_stages
-    from zbpp_lite.baseline import step_stats
+    from zbpp_lite.training.baseline import step_stats
 
     return {
         **step_stats(result.step_seconds, args.warmup),
@@ -227,22 +233,23 @@ def rank_process(rank: int, core: int | None, peers: dict, control, plans: dict,
     core before JAX starts (so XLA's threads are this rank's only), one CPU device, the package's
     executor for this rank's actions (``PipelineExecutor(ranks=[rank], remote=...)``), one per
     schedule of ``plans`` ({name: build options}, all cutting the model alike), values to and
-    from the other ranks through pipes (``rank_processes``), AdamW on this rank's stages after
+    from the other ranks through pipes (:mod:`zbpp_lite.runtime.processes`), AdamW on this rank's stages after
     its last action. Steps on the parent's word (step number, schedule): the parameters carry
     over from step to step whatever the schedule. Each step reports its wall time, the losses
     (last stage) and the measured events."""
     pin_to(core)
-    from zbpp_lite.devices import ensure_devices
+    from zbpp_lite.runtime.devices import ensure_devices
 
     device = ensure_devices(1)[0]
     import jax
     import optax
 
     import zbpp_lite as zb
-    from zbpp_lite.baseline import adamw
-    from zbpp_lite.data import load_digits
-    from zbpp_lite.executor import PipelineExecutor
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts, load_torch_init
+    from zbpp_lite.training.reference import adamw
+    from zbpp_lite.training.data import load_digits
+    from zbpp_lite.runtime.executor import PipelineExecutor
+    from zbpp_lite.training.model import ModelConfig, build_parts, load_torch_init
+    from zbpp_lite.runtime.stages import StagedModel
 
     schedules = {name: zb.build_schedule(name, RANKS, JOB["microbatches"], **options) for name, options in plans.items()}
     if len({s.num_stages for s in schedules.values()}) > 1:
@@ -293,8 +300,8 @@ def run_processes(plans: dict, order: list[str], init: str | None, pin_ranks: bo
     step's time is the slowest rank's, from the common start signal to the end of its update."""
     import numpy as np
 
-    from zbpp_lite.schedule import Action
-    from zbpp_lite.timeline import Event, Timeline
+    from zbpp_lite.schedules.ir import Action
+    from zbpp_lite.schedules.timeline import Event, Timeline
 
     procs, controls = spawn(rank_process, RANKS, pin_ranks, plans, init)
     seconds, losses, timelines, runs = [], [], [], []
@@ -320,8 +327,8 @@ def calibrated(names: list[str], args) -> tuple[dict, dict]:
     this job in this set-up (a short run with unit costs; with one stage per rank, 1F1B's steps
     in turns add the fused backward's cost, T_BW). Returns (plans, what each was planned from)."""
     import zbpp_lite as zb
-    from zbpp_lite.builders import options_of
-    from zbpp_lite.measure import measured_costs
+    from zbpp_lite.schedules.builders import options_of
+    from zbpp_lite.analysis.profiling.timelines import measured_costs
 
     plans, extra = {}, {}
     for name in names:
@@ -338,7 +345,7 @@ def calibrated(names: list[str], args) -> tuple[dict, dict]:
 
 
 def figures(seconds, losses, timelines, runs, warmup: int) -> dict:
-    from zbpp_lite.baseline import step_stats
+    from zbpp_lite.training.baseline import step_stats
 
     timed = timelines[warmup:]
     return {

@@ -2,7 +2,7 @@
 
 JAX fixes its devices when its backend starts, so the 4 simulated single-threaded CPU devices the
 executor tests run on are asked for here, before any test module imports JAX. Flags already in
-XLA_FLAGS are kept (zbpp_lite.devices does not import JAX).
+XLA_FLAGS are kept (zbpp_lite.runtime.devices does not import JAX).
 
 The tests compile many small stage functions and time none of them, so XLA's CPU backend is also
 asked to compile fast (no LLVM optimisation, no fusion emitters): about 8x less compile time, the
@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from zbpp_lite.devices import cpu_device_flags
+from zbpp_lite.runtime.devices import cpu_device_flags
 
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 

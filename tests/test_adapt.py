@@ -12,13 +12,14 @@ import pytest
 
 import zbpp_lite as zb
 from zbpp_lite.cli import main
-from zbpp_lite.data import load_digit_tokens
-from zbpp_lite.executor import PipelineExecutor
-from zbpp_lite.layer_profile import profile_parts
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-from zbpp_lite.rebalance import best_partition, imbalanced_parts
-from zbpp_lite.replan import replan
-from zbpp_lite.train import max_relative_error
+from zbpp_lite.training.data import load_digit_tokens
+from zbpp_lite.runtime.executor import PipelineExecutor
+from zbpp_lite.analysis.profiling.parts import profile_parts
+from zbpp_lite.training.model import ModelConfig, build_parts
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.analysis.rebalance import best_partition, imbalanced_parts
+from zbpp_lite.analysis.replan import replan
+from zbpp_lite.training.reference import max_relative_error
 
 DEVICES = jax.devices()
 CONFIG = ModelConfig(d=8, heads=2, blocks=6)

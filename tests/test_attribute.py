@@ -10,11 +10,11 @@ import random
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.attribute import CAUSES, attribute
-from zbpp_lite.builders import options_of
-from zbpp_lite.measure import profile, transfers
-from zbpp_lite.schedule import Action, Schedule
-from zbpp_lite.timeline import Timeline
+from zbpp_lite.analysis.attribute import CAUSES, attribute
+from zbpp_lite.schedules.builders import options_of
+from zbpp_lite.analysis.profiling.timelines import profile, transfers
+from zbpp_lite.schedules.ir import Action, Schedule
+from zbpp_lite.schedules.timeline import Timeline
 
 
 def by_cause(schedule: Schedule, costs: zb.Costs, **kw) -> dict[str, float]:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.builders.auto import auto_plan
-from zbpp_lite.builders.greedy import Rules, per_rank_limits, plan, smallest_feasible_limit
-from zbpp_lite.schedule import looped_placement
+from zbpp_lite.schedules.builders.auto import auto_plan
+from zbpp_lite.schedules.builders.greedy import Rules, per_rank_limits, plan, smallest_feasible_limit
+from zbpp_lite.schedules.ir import looped_placement
 
 COSTS_15B = zb.Costs(f=18.522, b=18.086, w=9.337, comm=0.601)  # paper Table 9, 1.5B
 COSTS_62B = zb.Costs(f=29.718, b=29.444, w=19.927, comm=0.527)  # paper Table 9, 6.2B

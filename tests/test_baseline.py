@@ -8,10 +8,13 @@ import numpy as np
 import optax
 import pytest
 
-from zbpp_lite.baseline import adamw, make_step, step_stats, train_baseline
-from zbpp_lite.data import load_digits
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-from zbpp_lite.train import max_relative_error, train
+from zbpp_lite.training.reference import adamw
+from zbpp_lite.training.baseline import make_step, step_stats, train_baseline
+from zbpp_lite.training.data import load_digits
+from zbpp_lite.training.model import ModelConfig, build_parts
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.training.reference import max_relative_error
+from zbpp_lite.training.train import RunConfig, train
 
 DEVICES = jax.devices()
 
@@ -50,7 +53,8 @@ def test_the_baseline_trains_like_the_pipeline_from_the_same_start():
     data = load_digits(0.2, 0)
     kwargs = dict(d=16, heads=2, blocks=2, batch=8, data=data)
     base = train_baseline(3, device=DEVICES[0], **kwargs)
-    piped = train("zb-h1", 2, 4, 3, devices=DEVICES[:2], check_grads=False, **kwargs)
+    piped = train("zb-h1", 2, 4, 3, model=ModelConfig(d=16, heads=2, blocks=2), run=RunConfig(batch=8, check_grads=False),
+                  devices=DEVICES[:2], data=data)
     np.testing.assert_allclose(base.losses, piped.losses, rtol=1e-5)
     assert base.losses[-1] < base.losses[0]
     assert len(base.step_seconds) == 3 and all(s > 0 for s in base.step_seconds)

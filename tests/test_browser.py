@@ -43,7 +43,7 @@ CHROMIUM_ARGS = [
 ]
 CELL = """\
 import zbpp_lite as zb
-from zbpp_lite.builders import register
+from zbpp_lite.schedules.builders import register
 from zbpp_lite.viz import Explorer
 
 def at_most_10(num_ranks, num_microbatches):

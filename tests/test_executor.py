@@ -16,16 +16,18 @@ import optax
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite import model as model_module
-from zbpp_lite.builders import options_of
+from zbpp_lite.runtime import stages as stages_module
+from zbpp_lite.schedules.builders import options_of
 from zbpp_lite.cli import main
-from zbpp_lite.data import load_digit_tokens, load_digits
-from zbpp_lite.executor import PipelineExecutor, run_schedule
-from zbpp_lite.measure import measured_costs
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-from zbpp_lite.schedule import deps, produces
-from zbpp_lite.timeline import Event, Timeline, with_schedule_order
-from zbpp_lite.train import max_relative_error, train
+from zbpp_lite.training.data import load_digit_tokens, load_digits
+from zbpp_lite.runtime.executor import PipelineExecutor, run_schedule
+from zbpp_lite.analysis.profiling.timelines import measured_costs
+from zbpp_lite.training.model import ModelConfig, build_parts
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.schedules.ir import deps, produces
+from zbpp_lite.schedules.timeline import Event, Timeline, with_schedule_order
+from zbpp_lite.training.reference import max_relative_error
+from zbpp_lite.training.train import RunConfig, train
 
 DEVICES = jax.devices()
 assert len(DEVICES) >= 4, "tests/conftest.py asks for 4 simulated CPU devices before JAX starts"
@@ -44,7 +46,7 @@ def _model(num_stages: int) -> StagedModel:
     return _models[num_stages]
 
 
-def _reference(model: StagedModel, m: int):
+def reference_grads(model: StagedModel, m: int):
     """jax.value_and_grad of the unpartitioned model on the whole batch of m microbatches."""
     key = (model.num_stages, m)
     if key not in _references:
@@ -97,7 +99,7 @@ def test_every_schedule_gives_the_unpartitioned_loss_and_gradients(name, p, m_ru
     schedule = _build(name, p, m)
     model = _model(schedule.num_stages)
     result = PipelineExecutor(model, schedule, DEVICES[:p]).run(model.params, X[: MB * m], Y[: MB * m])
-    ref_loss, ref_grads = _reference(model, m)
+    ref_loss, ref_grads = reference_grads(model, m)
     assert abs(result.loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(result.grads), jax.tree_util.tree_leaves(ref_grads), strict=True):
         g, r = np.asarray(g), np.asarray(r)
@@ -111,7 +113,7 @@ def test_a_schedule_read_from_pytorch_csv_runs():
     assert schedule.placement == (0, 1, 1, 0)
     model = _model(4)
     result = run_schedule(schedule, model, X[: MB * 3], Y[: MB * 3], devices=DEVICES[:2])
-    ref_loss, ref_grads = _reference(model, 3)
+    ref_loss, ref_grads = reference_grads(model, 3)
     assert max_relative_error(result.grads, ref_grads) <= 1e-5
     assert abs(result.loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     _assert_timeline_follows(result.timeline, schedule)
@@ -125,14 +127,14 @@ def test_more_ranks_than_devices_says_how_to_get_simulated_devices():
     model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=n)), n)
     with pytest.raises(ValueError, match=rf"ensure_devices\({n}\).*XLA_FLAGS=--xla_force_host_platform_device_count={n}"):
         PipelineExecutor(model, zb.build_schedule("1f1b", n, 2))
-    from zbpp_lite.devices import ensure_devices
+    from zbpp_lite.runtime.devices import ensure_devices
 
     with pytest.raises(RuntimeError, match=f"JAX has only {len(DEVICES)}"):
         ensure_devices(n)
 
 
 def test_device_flags_keep_other_flags_and_only_raise_the_count():
-    from zbpp_lite.devices import cpu_device_flags
+    from zbpp_lite.runtime.devices import cpu_device_flags
 
     flags = cpu_device_flags(3, current="--xla_dump_to=/tmp/x --xla_force_host_platform_device_count=8")
     # XLA stops reading at the first word without a dash, so that one comes last
@@ -142,7 +144,7 @@ def test_device_flags_keep_other_flags_and_only_raise_the_count():
 
 
 def test_ensure_devices_gives_simulated_devices_when_called_before_jax_starts():
-    code = "from zbpp_lite.devices import ensure_devices; d = ensure_devices(3); print(len(d), d[0].platform)"
+    code = "from zbpp_lite.runtime.devices import ensure_devices; d = ensure_devices(3); print(len(d), d[0].platform)"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["3", "cpu"]
@@ -151,17 +153,17 @@ def test_ensure_devices_gives_simulated_devices_when_called_before_jax_starts():
 def test_bad_sizes_and_schedules_are_refused_before_any_compute():
     model = _model(2)
     executor = PipelineExecutor(model, zb.build_schedule("zb-h1", 2, 2), DEVICES[:2])
-    traced = len(model_module._SPLITS)
+    traced = len(stages_module._SPLITS)
     with pytest.raises(ValueError, match=r"batch of 7 samples does not divide into 2 microbatches"):
         executor.run(model.params, X[:7], Y[:7])
-    assert len(model_module._SPLITS) == traced  # nothing was traced, let alone run
+    assert len(stages_module._SPLITS) == traced  # nothing was traced, let alone run
     with pytest.raises(ValueError, match="the schedule has 4 stages but the model is cut into 2"):
         PipelineExecutor(model, zb.build_schedule("interleaved-1f1b", 2, 2), DEVICES[:2])
     broken = zb.Schedule.from_rows([["0F0", "0W0", "0I0"], ["1F0", "1I0", "1W0"]])
     with pytest.raises(zb.ScheduleError, match="B before W"):
         PipelineExecutor(model, broken, DEVICES[:2])
     with pytest.raises(ValueError, match="cannot fill 4 stages"):
-        train("1f1b", ranks=4, microbatches=4, blocks=3, devices=[])
+        train("1f1b", ranks=4, microbatches=4, model=ModelConfig(blocks=3), devices=[])
 
 
 class _FailingExecutor(PipelineExecutor):
@@ -259,7 +261,8 @@ def reference_curve():
 def test_training_with_every_schedule_gives_the_same_loss_curve(name, reference_curve):
     data, expected = reference_curve
     schedule = _build(name, 2, 4)
-    result = train(schedule, steps=3, d=16, heads=2, blocks=4, batch=8, data=data, devices=DEVICES[:2], check_grads=False)
+    result = train(schedule, steps=3, model=ModelConfig(d=16, heads=2, blocks=4), run=RunConfig(batch=8, check_grads=False),
+                   data=data, devices=DEVICES[:2])
     np.testing.assert_allclose(result.losses, expected, rtol=1e-5)
     assert expected[-1] < expected[0]  # and it learns
 

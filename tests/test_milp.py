@@ -11,7 +11,7 @@ import random
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.builders.milp import solve_optimal
+from zbpp_lite.schedules.builders.milp import solve_optimal
 
 COSTS_15B = zb.Costs(f=18.522, b=18.086, w=9.337, comm=0.601)  # paper Table 9, 1.5B
 

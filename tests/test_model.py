@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from zbpp_lite.data import NUM_SAMPLES, batch_indices, load_digit_tokens, load_digits
-from zbpp_lite import model as model_lib
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts, stage_parts, torch_names, torch_params
+from zbpp_lite.training.data import NUM_SAMPLES, batch_indices, load_digit_tokens, load_digits
+from zbpp_lite.training import model as model_lib
+from zbpp_lite.training.model import ModelConfig, build_parts, torch_names, torch_params
+from zbpp_lite.runtime.stages import StagedModel, stage_parts
 
 CFG = ModelConfig(d=16, heads=2, blocks=3, seed=0)
 
@@ -122,7 +123,7 @@ def test_torch_weights_with_a_wrong_shape_or_name_are_refused(tmp_path):
         torch_params(missing, CFG)
     path = tmp_path / "init.npz"
     np.savez(path, **state)
-    from zbpp_lite.model import load_torch_init
+    from zbpp_lite.training.model import load_torch_init
 
     loaded = load_torch_init(path, CFG)
     np.testing.assert_array_equal(np.asarray(loaded[0]["tok"]["kernel"][...]), state["0.tok.weight"].T)

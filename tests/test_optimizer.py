@@ -1,4 +1,4 @@
-"""The optimizer step inside the rank threads (zbpp_lite.optimizer): the synchronous guard equals
+"""The optimizer step inside the rank threads (zbpp_lite.training.postval.optimizer): the synchronous guard equals
 postval's reference step, post-validation equals it within the rollback bound, run by the executor
 itself with no barrier between steps (paper section 4)."""
 
@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.data import load_digits
-from zbpp_lite.executor import PipelineExecutor
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-from zbpp_lite.optimizer import StageOptimizer, guarded_run
-from zbpp_lite.postval import _adamw_step, synchronous_step
-from zbpp_lite.rollback import AdamWConfig
+from zbpp_lite.training.data import load_digits
+from zbpp_lite.runtime.executor import PipelineExecutor
+from zbpp_lite.training.model import ModelConfig, build_parts
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.training.postval.optimizer import StageOptimizer, guarded_run
+from zbpp_lite.training.postval.reference import _adamw_step, synchronous_step
+from zbpp_lite.training.postval.rollback import AdamWConfig
 
 CFG = AdamWConfig(learning_rate=1e-2, eps=1e-3)
 # eps 1e-3, not 1e-8: the attention key bias's exact gradient is 0 (softmax ignores a shift of all
@@ -59,7 +60,7 @@ def _faults(schedule, spike, delay=0.0):
     return inject
 
 
-def _reference(schedule, model, executor, batches, inject, max_norm):
+def reference_grads(schedule, model, executor, batches, inject, max_norm):
     """postval.synchronous_step on gradients from single executor steps: the host-side reference."""
     S = schedule.num_stages
     params = [tuple(jax.tree_util.tree_leaves(model.stage_params(model.params, s))) for s in range(S)]
@@ -84,7 +85,7 @@ def test_guarded_steps_in_the_rank_threads_equal_the_reference(name):
     first = executor.run(model.params, *batches[0]).grads
     max_norm = 3.0 * float(np.sqrt(sum(float(jnp.sum(jnp.square(v))) for v in jax.tree_util.tree_leaves(first))))
     inject = _faults(schedule, 10.0, delay=0.2)
-    ref_params, _, ref_reports = _reference(schedule, model, executor, batches, inject, max_norm)
+    ref_params, _, ref_reports = reference_grads(schedule, model, executor, batches, inject, max_norm)
     assert [r.clipped for r in ref_reports] == [False, True, False, False, False]
     assert [r.finite for r in ref_reports] == [True, True, True, False, True]
     runs = (("synchronous", 1e-6, False), ("post-validation", 1e-5, False), ("post-validation", 1e-5, True))
@@ -213,12 +214,15 @@ def test_bad_policies_are_refused():
 
 
 def test_train_with_a_guard_runs_both_policies_to_the_same_model():
-    from zbpp_lite.train import train
+    from zbpp_lite.training.train import train
 
-    common = dict(ranks=2, microbatches=4, steps=4, d=16, heads=2, blocks=4, batch=32, lr=1e-2, devices=jax.devices()[:2])
-    plain = train("zb-h2", **common)
-    sync = train("zb-h2", max_grad_norm=0.5, **common)
-    pv = train("zb-h2", max_grad_norm=0.5, post_validation=True, **common)
+    from zbpp_lite.training.model import ModelConfig
+    from zbpp_lite.training.train import RunConfig
+
+    common = dict(ranks=2, microbatches=4, steps=4, model=ModelConfig(d=16, heads=2, blocks=4), devices=jax.devices()[:2])
+    plain = train("zb-h2", run=RunConfig(batch=32, lr=1e-2), **common)
+    sync = train("zb-h2", run=RunConfig(batch=32, lr=1e-2, max_grad_norm=0.5), **common)
+    pv = train("zb-h2", run=RunConfig(batch=32, lr=1e-2, max_grad_norm=0.5, post_validation=True), **common)
     reports = sync.config["guard_reports"]
     assert all(r["clipped"] for r in reports) and plain.losses[0] == pytest.approx(sync.losses[0], rel=1e-6)
     assert sync.grad_max_rel_error < 1e-4 and pv.grad_max_rel_error < 1e-4
@@ -228,7 +232,7 @@ def test_train_with_a_guard_runs_both_policies_to_the_same_model():
     assert _max_rel(pv.params, sync.params) < 1e-3  # eps 1e-8 here: zero-gradient entries amplify rounding
     assert not np.allclose(plain.losses[-1], sync.losses[-1], rtol=1e-6)  # clipping changed the training
     with pytest.raises(ValueError, match="give max_grad_norm too"):
-        train("zb-h2", post_validation=True, **common)
+        RunConfig(batch=32, lr=1e-2, post_validation=True)
 
 
 def test_train_command_reports_the_guard(capsys):

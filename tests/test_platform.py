@@ -15,12 +15,13 @@ import jax
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite import devices as devices_mod
-from zbpp_lite.accel_profile import profile_stage_costs, simulate_profiled
+from zbpp_lite.runtime import devices as devices_mod
+from zbpp_lite.analysis.profiling.device import profile_stage_costs, simulate_profiled
 from zbpp_lite.cli import main
-from zbpp_lite.data import load_digits
-from zbpp_lite.devices import ensure_devices, platform_devices
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+from zbpp_lite.training.data import load_digits
+from zbpp_lite.runtime.devices import ensure_devices, platform_devices
+from zbpp_lite.training.model import ModelConfig, build_parts
+from zbpp_lite.runtime.stages import StagedModel
 
 NO_GPU = not platform_devices("gpu")
 

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.data import load_digits
-from zbpp_lite.executor import PipelineExecutor
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-from zbpp_lite.postval import post_validated_step, step_makespans, synchronous_step
-from zbpp_lite.rollback import AdamWConfig
+from zbpp_lite.training.data import load_digits
+from zbpp_lite.runtime.executor import PipelineExecutor
+from zbpp_lite.training.model import ModelConfig, build_parts
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.training.postval.reference import post_validated_step, step_makespans, synchronous_step
+from zbpp_lite.training.postval.rollback import AdamWConfig
 
 
 def _max_rel(a, b) -> float:
@@ -55,7 +56,7 @@ def test_post_validation_equals_the_synchronous_step_with_clipping_and_a_nan(nam
     assert rolled[0] == [] and rolled[2] == [] and rolled[4] == []
     assert rolled[1] == [0, 1]  # both ranks stepped unclipped and were wrong
     assert rolled[3] == [0]  # rank 0 stepped before the NaN on rank 1 was known
-    # the rollback's float32 error (zbpp_lite.postval docstring) grows with (spike norm / max_norm)^2
+    # the rollback's float32 error (zbpp_lite.training.postval.reference docstring) grows with (spike norm / max_norm)^2
     assert _max_rel(runs["postval"][0], runs["sync"][0]) < tolerance
     assert [int(s[0].count) for s in runs["postval"][1]] == [int(s[0].count) for s in runs["sync"][1]] == [4] * S
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zbpp_lite as zb
-from zbpp_lite.schedule import Schedule, deps, produces
+from zbpp_lite.schedules.ir import Schedule, deps, produces
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 costs_st = st.builds(

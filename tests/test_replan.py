@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zbpp_lite as zb
-from zbpp_lite.builders.greedy import smallest_feasible_limit
-from zbpp_lite.measure import profile
-from zbpp_lite.rebalance import (
+from zbpp_lite.schedules.builders.greedy import smallest_feasible_limit
+from zbpp_lite.analysis.profiling.timelines import profile
+from zbpp_lite.analysis.rebalance import (
     PartCosts,
     best_partition,
     calibrate,
@@ -23,7 +23,7 @@ from zbpp_lite.rebalance import (
     moved_costs,
     partition_cost,
 )
-from zbpp_lite.replan import OnlineReplanner, drift, replan
+from zbpp_lite.analysis.replan import OnlineReplanner, drift, replan
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from zbpp_lite.rollback import AdamWConfig, adamw_rollback, rollback_error_bound
+from zbpp_lite.training.postval.rollback import AdamWConfig, adamw_rollback, rollback_error_bound
 
 
 def _tree(key, scale):

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.schedule import Action, Schedule
+from zbpp_lite.schedules import formulas
+from zbpp_lite.schedules.ir import Action, Schedule
 
 HANDCRAFTED = ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "zb-h1", "zb-h2"]
 
@@ -72,6 +73,30 @@ def test_bubble_closed_forms(p, m, f, b, w):
     assert _bubble("gpipe", p, m, f, b, w)[1] == pytest.approx((p - 1) * (f + b + w))
     assert _bubble("zb-h1", p, m, f, b, w)[1] == pytest.approx((p - 1) * (f + b - w))
     assert _bubble("zb-h2", p, m, f, b, w)[1] == pytest.approx((p - 1) * (f + b - 2 * w))
+    for name in formulas.SCHEDULES_WITH_A_FORM:  # the package's closed forms say the same as the simulator
+        t, bubble = _bubble(name, p, m, f, b, w)
+        assert formulas.bubble_time(name, p, m, f, b, w) == pytest.approx(bubble)
+        assert formulas.bubble_rate(name, p, m, f, b, w) == pytest.approx(t.bubble_rate)
+        assert formulas.makespan(name, p, m, f, b, w) == pytest.approx(t.makespan)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 12), (6, 12)])
+def test_closed_form_memory_matches_the_simulator(p, m):
+    for name in formulas.SCHEDULES_WITH_A_FORM:
+        assert formulas.peak_memory(name, p, m) == zb.simulate(zb.build_schedule(name, p, m)).peak_memory[0]
+
+
+def test_closed_forms_refuse_costs_outside_their_regime():
+    # where 2 T_W > T_F + T_B, ZB-H2's form goes negative while the simulated bubble stays >= 0
+    assert _bubble("zb-h2", 4, 12, 1.0, 1.0, 3.0)[1] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="2 T_W <= T_F \\+ T_B"):
+        formulas.bubble_time("zb-h2", 4, 12, 1.0, 1.0, 3.0)
+    with pytest.raises(ValueError, match="T_W <= T_F and T_W <= T_B"):
+        formulas.bubble_time("zb-h1", 4, 12, 1.0, 1.0, 1.5)
+    with pytest.raises(ValueError, match="no closed form for 'zb-v'"):
+        formulas.bubble_time("zb-v", 4, 12)
+    with pytest.raises(ValueError, match="m >= 7"):
+        formulas.bubble_time("zb-h2", 4, 6)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
@@ -261,7 +286,7 @@ def test_lockstep_matches_free_running_when_every_action_costs_the_same():
 
 
 def test_lockstep_pays_for_its_slowest_action_per_tick():
-    from zbpp_lite.simulate import lockstep_ticks
+    from zbpp_lite.schedules.simulate import lockstep_ticks
 
     s = zb.build_schedule("1f1b", 4, 8)
     c = zb.Costs(f=1.0, b=2.0, w=0.5)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-from zbpp_lite.split import StageSplit, compiled_flops
+from zbpp_lite.training.model import ModelConfig, build_parts
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.runtime.split import StageSplit, compiled_flops
 
 
 def _max_rel(a, b) -> float:

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.data import load_digit_tokens
-from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-from zbpp_lite.spmd import KIND_CODE, SpmdExecutor, tick_tables
-from zbpp_lite.train import max_relative_error
+from zbpp_lite.training.data import load_digit_tokens
+from zbpp_lite.training.model import ModelConfig, build_parts
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.runtime.spmd import KIND_CODE, SpmdExecutor, tick_tables
+from zbpp_lite.training.reference import max_relative_error
 
 X, Y = load_digit_tokens()
 P, M, MB = 2, 4, 2
@@ -37,7 +38,7 @@ def test_tables_follow_the_lockstep_ticks():
     schedule = zb.build_schedule("zb-v", P, M)
     t = tick_tables(schedule)
     ticks = zb.simulate(schedule, lockstep=True)  # noqa: F841 - the lockstep timing exists for this table
-    from zbpp_lite.simulate import lockstep_ticks
+    from zbpp_lite.schedules.simulate import lockstep_ticks
 
     rows = lockstep_ticks(schedule)
     assert t.num_ticks == len(rows)

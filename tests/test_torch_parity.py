@@ -25,8 +25,9 @@ import jax
 import numpy as np
 import pytest
 
-from zbpp_lite.baseline import train_baseline
-from zbpp_lite.train import train
+from zbpp_lite.training.baseline import train_baseline
+from zbpp_lite.training.model import ModelConfig
+from zbpp_lite.training.train import RunConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -44,7 +45,9 @@ def _ours(name: str, cfg: dict, init: Path, steps: int):
     sizes = dict(d=cfg["d"], heads=cfg["heads"], blocks=cfg["blocks"], batch=cfg["batch"], lr=cfg["lr"], seed=cfg["seed"])
     if name == "baseline":
         return train_baseline(steps, holdout=0.0, init=init, device=DEVICES[0], **sizes)
-    return train(name, 2, cfg["microbatches"], steps, holdout=0.0, init=init, devices=DEVICES[:2], check_grads=False, **sizes)
+    model = ModelConfig(d=cfg["d"], heads=cfg["heads"], blocks=cfg["blocks"], seed=cfg["seed"])
+    run = RunConfig(batch=cfg["batch"], lr=cfg["lr"], seed=cfg["seed"], holdout=0.0, init=init, check_grads=False)
+    return train(name, 2, cfg["microbatches"], steps, model=model, run=run, devices=DEVICES[:2])
 
 
 @pytest.mark.parametrize("name", ["baseline", "1f1b", "zb-h1", "zb-h2"])
@@ -93,9 +96,10 @@ def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
     import threading
 
     import zbpp_lite as zb
-    from zbpp_lite.data import load_digit_tokens
-    from zbpp_lite.executor import PipelineExecutor
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+    from zbpp_lite.training.data import load_digit_tokens
+    from zbpp_lite.runtime.executor import PipelineExecutor
+    from zbpp_lite.training.model import ModelConfig, build_parts
+    from zbpp_lite.runtime.stages import StagedModel
 
     x, y = load_digit_tokens()
     x, y = x[:8], y[:8]
@@ -122,8 +126,8 @@ def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
         assert all(e.rank == schedule.placement[s] for e in mine.timeline.events if e.action.stage == s)
     # aligned by started_at (the clock both share), the two ranks' events form one timeline in
     # which every action starts after what it needs has ended, on the other rank too
-    from zbpp_lite.schedule import deps, produces
-    from zbpp_lite.timeline import Event, Timeline
+    from zbpp_lite.schedules.ir import deps, produces
+    from zbpp_lite.schedules.timeline import Event, Timeline
 
     origin = min(r.started_at for r in results.values())
     merged = Timeline.from_events([Event(e.rank, e.action, e.start + r.started_at - origin, e.end + r.started_at - origin)

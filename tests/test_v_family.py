@@ -16,8 +16,8 @@ from functools import lru_cache
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.builders.v_family import tight_v_block
-from zbpp_lite.schedule import Schedule
+from zbpp_lite.schedules.builders.v_family import tight_v_block
+from zbpp_lite.schedules.ir import Schedule
 
 TABLE8 = zb.Costs(f=14.407, b=14.380, w=9.676, comm=1.610)  # per V stage, the paper's profiled setting
 

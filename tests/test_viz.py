@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.builders import SCHEDULES, register
-from zbpp_lite.timeline import Event, Timeline
+from zbpp_lite.schedules.builders import SCHEDULES, register
+from zbpp_lite.schedules.timeline import Event, Timeline
 from zbpp_lite.viz import (
     KIND_STYLE,
     applicable_options,

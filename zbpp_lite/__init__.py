@@ -1,19 +1,19 @@
 """zbpp_lite: learn, see and run zero-bubble pipeline parallelism.
 
 The schedule layers (IR, builders, validator, simulator) are pure Python and import no JAX;
-the executor and model live in ``zbpp_lite.executor`` / ``zbpp_lite.model`` and import JAX
+the executor and model live in ``zbpp_lite.runtime.executor`` / ``zbpp_lite.training.model`` and import JAX
 when first used.
 
 Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241); Qi et al.,
 "Pipeline Parallelism with Controllable Memory", NeurIPS 2024 (arXiv 2405.15362).
 """
 
-from .builders import SCHEDULES, build_schedule
-from .costs import Costs
-from .schedule import KINDS, Action, Schedule, deps, looped_placement, v_placement
-from .simulate import simulate
-from .timeline import Event, Timeline
-from .validate import ScheduleError, format_grid, validate
+from .schedules.builders import SCHEDULES, build_schedule
+from .schedules.costs import Costs
+from .schedules.ir import KINDS, Action, Schedule, deps, looped_placement, v_placement
+from .schedules.simulate import simulate
+from .schedules.timeline import Event, Timeline
+from .schedules.validate import ScheduleError, format_grid, validate
 
 __version__ = "0.1.0"
 

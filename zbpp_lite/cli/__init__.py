@@ -2,6 +2,8 @@
 
 Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``;
 modules are imported only when their command runs, so ``plan`` never imports JAX.
+
+Layer 6, the top: may import every layer below.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
 
 def _check(args) -> int:
     """Every argument checked before JAX starts; returns the number of blocks."""
-    from zbpp_lite.adapt import default_blocks
-    from zbpp_lite.rebalance import imbalanced_parts
+    from ..training.adapt import default_blocks
+    from ..analysis.rebalance import imbalanced_parts
 
     if args.ranks < 2:
         raise CliError(f"--ranks must be >= 2 (a pipeline to balance), got {args.ranks}")
@@ -74,7 +74,7 @@ def run(args) -> int:
     blocks = _check(args)
     devices = setup_devices(args.ranks)
 
-    from zbpp_lite.adapt import adapt
+    from ..training.adapt import adapt
 
     print(
         f"adapt: {args.ranks} ranks, {args.microbatches} microbatches, imbalance {args.imbalance:g}; model d={args.d} "
@@ -110,7 +110,7 @@ def run(args) -> int:
 
 
 def _write_html(result, path: str) -> None:
-    from zbpp_lite.viz.attribution import attribution_figure
+    from ..viz.attribution import attribution_figure
 
     before = attribution_figure(result.attribution, result.before.measured, "before: ZB-H1 on the original partition")
     after = attribution_figure(result.attribution_after, result.after.measured, "after: rebalanced and re-planned")

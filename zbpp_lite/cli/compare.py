@@ -40,7 +40,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
 
 def _required(name: str) -> list[str]:
     """The options a builder cannot do without."""
-    from zbpp_lite.builders import options_of
+    from ..schedules.builders import options_of
 
     return [key for key, default in options_of(name).items() if default is inspect.Parameter.empty]
 
@@ -126,8 +126,9 @@ def run(args) -> int:
         kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
         print(f"REAL runs on {args.ranks} {kind} devices", flush=True)
 
-    from zbpp_lite.data import load_digits
-    from zbpp_lite.train import train
+    from ..training.data import load_digits
+    from ..training.model import ModelConfig
+    from ..training.train import RunConfig, train
 
     data = load_digits(args.holdout, args.seed)
     results, notes = [], {}
@@ -145,8 +146,9 @@ def run(args) -> int:
             notes[name] = str(e).strip().splitlines()[0]
             print(f"{name:18s} not run: {notes[name]}")
             continue
-        r = train(schedule, steps=args.steps, d=args.d, heads=args.heads, blocks=blocks, batch=args.batch, lr=args.lr,
-                  seed=args.seed, holdout=args.holdout, devices=devices, progress=sys.stderr.isatty(), data=data)
+        r = train(schedule, steps=args.steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
+                  run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, progress=sys.stderr.isatty()),
+                  devices=devices, data=data)
         results.append(r)
         print(
             f"{name:18s} S={schedule.num_stages:<2d} loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}  grad err {r.grad_max_rel_error:.1e}  "
@@ -169,7 +171,7 @@ def run(args) -> int:
 
 def html_report(results: list, notes: dict, args, blocks: int) -> str:
     """One self-contained page: the table, then planned above measured per schedule."""
-    from zbpp_lite.viz import compare_figure
+    from ..viz import compare_figure
 
     rows = []
     for r in results:

@@ -55,8 +55,14 @@ def child_command(train_args: list[str]) -> list[str]:
 
 
 def child_env(process: int, num_processes: int, coordinator_port: int, transfer_port: int, devices: int, timeout: float) -> dict:
-    from zbpp_lite.devices import cpu_device_flags
-    from zbpp_lite.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_TIMEOUT, ENV_TRANSFER_PORT
+    from ..runtime.devices import cpu_device_flags
+    from ..runtime.distributed import (
+        ENV_COORDINATOR,
+        ENV_NUM_PROCESSES,
+        ENV_PROCESS_ID,
+        ENV_TIMEOUT,
+        ENV_TRANSFER_PORT,
+    )
 
     env = dict(os.environ)
     # one more device than ranks: each process receives transfers on it (distributed.staging_device)

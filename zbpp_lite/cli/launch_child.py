@@ -1,7 +1,7 @@
 """A child process of ``python -m zbpp_lite launch``: ``python -m zbpp_lite.cli.launch_child
-TRAIN_ARGS`` starts JAX's distributed runtime (:func:`zbpp_lite.distributed.initialize`, from
+TRAIN_ARGS`` starts JAX's distributed runtime (:func:`zbpp_lite.runtime.distributed.initialize`, from
 the ``ZBPP_*`` environment ``launch`` sets), trains with the ``train`` command's arguments on a
-:class:`~zbpp_lite.distributed.ProcessPipelineExecutor`, and on process 0 prints the report
+:class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor`, and on process 0 prints the report
 ``train`` prints.
 """
 
@@ -14,8 +14,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..distributed import ENV_PROCESS_ID, ENV_TIMEOUT, ProcessPipelineExecutor, initialize, pipeline_devices
-from ..schedule import Schedule
+from ..runtime.distributed import (
+    ENV_PROCESS_ID,
+    ENV_TIMEOUT,
+    ProcessPipelineExecutor,
+    initialize,
+    pipeline_devices,
+)
+from ..schedules.ir import Schedule
 
 
 def train_process(args) -> int:
@@ -65,17 +71,19 @@ def train_process(args) -> int:
 
 
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
-    """Train as :func:`zbpp_lite.train.train` does, with a :class:`ProcessPipelineExecutor`:
+    """Train as :func:`zbpp_lite.training.train.train` does, with a :class:`ProcessPipelineExecutor`:
     every process holds the whole parameter list on its own default device and applies the same
     AdamW update to the gathered gradients (identical on every process), so no final gather is
-    needed. Returns a :class:`~zbpp_lite.train.TrainResult`."""
+    needed. Returns a :class:`~zbpp_lite.training.train.TrainResult`."""
     import jax
 
-    from ..data import load_digits
-    from ..measure import measured_costs
-    from ..model import ModelConfig, StagedModel, build_parts
-    from ..simulate import simulate
-    from ..train import TrainResult, _pick_measured, _reference, evaluate, jitted_adamw, max_relative_error
+    from ..training.data import load_digits
+    from ..analysis.profiling.timelines import measured_costs
+    from ..training.model import ModelConfig, build_parts
+    from ..runtime.stages import StagedModel
+    from ..schedules.simulate import simulate
+    from ..training.train import TrainResult, _pick_measured
+    from ..training.reference import reference_grads, evaluate, jitted_adamw, max_relative_error
 
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
     data = load_digits(args.holdout, args.seed)
@@ -96,7 +104,7 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
         jax.block_until_ready(new_params)
         seconds.append(time.perf_counter() - t0)
         if k == 0:
-            ref_loss, ref_grads = _reference(model, params, x, y, home)
+            ref_loss, ref_grads = reference_grads(model, params, x, y, home)
             grad_error = max_relative_error(result.grads, ref_grads)
             loss_error = abs(result.loss - ref_loss)
         params = new_params

@@ -35,7 +35,7 @@ def add_parser(sub, help_text: str) -> None:
 
 def _schedule(args: argparse.Namespace):
     import zbpp_lite as zb
-    from zbpp_lite.builders import options_of
+    from ..schedules.builders import options_of
 
     if args.from_csv:
         return zb.Schedule.from_csv(args.from_csv)
@@ -68,7 +68,7 @@ def _costs(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     import zbpp_lite as zb
-    from zbpp_lite.viz.text import text_grid
+    from ..viz.text import text_grid
 
     if args.list:
         print("\n".join(zb.SCHEDULES))
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         schedule.to_csv(args.csv)
         print(f"wrote {args.csv}")
     if args.trace:
-        from zbpp_lite.viz.trace import write_chrome_trace
+        from ..viz.trace import write_chrome_trace
 
         write_chrome_trace(timeline, args.trace)
         print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")

@@ -54,17 +54,18 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--post-validation", action="store_true",
                    help="with --max-grad-norm: step speculatively on the partial norm, validate, roll back if wrong")
     p.add_argument("--spmd", action="store_true",
-                   help="run the schedule compiled into one SPMD program (lockstep ticks, zbpp_lite.spmd) instead of one thread per rank")
+                   help="run the schedule compiled into one SPMD program (lockstep ticks, zbpp_lite.runtime.spmd) instead of one thread per rank")
     add_platform_argument(p)
     return p
 
 
 def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
-    """``train --spmd``: the compiled SPMD executor (:func:`zbpp_lite.spmd.train_spmd`) on
+    """``train --spmd``: the compiled SPMD executor (:func:`zbpp_lite.training.spmd.train_spmd`) on
     ``devices`` (which may span processes under ``launch``); process 0 prints and writes JSON."""
-    from zbpp_lite.data import load_digits
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
-    from zbpp_lite.spmd import train_spmd
+    from ..training.data import load_digits
+    from ..training.model import ModelConfig, build_parts
+    from ..runtime.stages import StagedModel
+    from ..training.spmd import train_spmd
 
     model = StagedModel(build_parts(ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)), schedule.num_stages)
     data = load_digits(args.holdout, args.seed)
@@ -92,7 +93,7 @@ def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
 
 def add_platform_argument(parser: argparse.ArgumentParser) -> None:
     """``--platform``, shared by ``train`` and ``compare``."""
-    from zbpp_lite.devices import PLATFORMS
+    from ..runtime.devices import PLATFORMS
 
     parser.add_argument(
         "--platform", choices=PLATFORMS, default=None,
@@ -139,7 +140,7 @@ def check_model_arguments(args, num_microbatches: int) -> None:
         raise CliError(f"--steps must be >= 1, got {args.steps}")
     if args.d < 1 or args.heads < 1 or args.d % args.heads:
         raise CliError(f"--d {args.d} must be a positive multiple of --heads {args.heads}")
-    from zbpp_lite.data import microbatch_size
+    from ..runtime.stages import microbatch_size
 
     microbatch_size(args.batch, num_microbatches)  # ValueError: printed as one line
 
@@ -178,7 +179,7 @@ def check_guard_arguments(args) -> None:
 
 
 def setup_devices(num_ranks: int, platform: str | None = None):
-    from zbpp_lite.devices import ensure_devices
+    from ..runtime.devices import ensure_devices
 
     try:
         return ensure_devices(num_ranks, platform=platform)
@@ -192,7 +193,7 @@ def setup_platform(num_ranks: int, platform: str | None):
     the real run then gets simulated CPU devices)."""
     if platform is None:
         return setup_devices(num_ranks), None
-    from zbpp_lite.devices import backend_started, cpu_device_flags, platform_devices
+    from ..runtime.devices import backend_started, cpu_device_flags, platform_devices
 
     if not backend_started():  # CPU devices beside the accelerator: asked for before JAX starts
         os.environ["XLA_FLAGS"] = cpu_device_flags(num_ranks)
@@ -208,9 +209,11 @@ def profile_pipelines(device, schedules: list, args, blocks: int, by_shape: dict
     """Per-stage costs timed on ``device`` and each schedule simulated from them: one
     ``(schedule, costs, timeline)`` per schedule. Schedules with the same stages and microbatch
     size share one profile, kept in ``by_shape`` across calls when given."""
-    from zbpp_lite.accel_profile import profile_stage_costs, simulate_profiled
-    from zbpp_lite.data import load_digits, microbatch_size
-    from zbpp_lite.model import ModelConfig, StagedModel, build_parts
+    from ..analysis.profiling.device import profile_stage_costs, simulate_profiled
+    from ..training.data import load_digits
+    from ..runtime.stages import microbatch_size
+    from ..training.model import ModelConfig, build_parts
+    from ..runtime.stages import StagedModel
 
     x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
@@ -267,7 +270,8 @@ def run(args) -> int:
 
     from tqdm.auto import tqdm
 
-    from zbpp_lite.train import train
+    from ..training.model import ModelConfig
+    from ..training.train import RunConfig, train
 
     print(
         f"{schedule.name or 'custom'}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
@@ -282,12 +286,11 @@ def run(args) -> int:
     def on_step(k: int, loss: float, timeline) -> None:
         tqdm.write(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  bubble rate {timeline.bubble_rate:.3f}")
 
-    result = train(
-        schedule, steps=args.steps, d=args.d, heads=args.heads, blocks=blocks, batch=args.batch, lr=args.lr,
-        seed=args.seed, holdout=args.holdout, init=args.init, devices=devices, on_step=on_step,
-        progress=args.progress and sys.stderr.isatty(),  # a bar only on a terminal
-        max_grad_norm=args.max_grad_norm, post_validation=args.post_validation,
-    )
+    run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, init=args.init,
+                    progress=args.progress and sys.stderr.isatty(),  # a bar only on a terminal
+                    max_grad_norm=args.max_grad_norm, post_validation=args.post_validation)
+    result = train(schedule, steps=args.steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
+                   run=run, devices=devices, on_step=on_step)
     print(report(result))
     if args.json:
         data = result.to_json()

@@ -1,8 +1,10 @@
-"""Presentation: Plotly figures, the ipywidgets explorer, slider figures, text grids and
+"""Layer 5, presentation: Plotly figures, the ipywidgets explorer, slider figures, text grids and
 Chrome-trace export of any Timeline, planned or measured. No JAX here.
 
 Figures return ``go.Figure`` and never display; the explorer only calls build -> simulate ->
 figure. ``widgets`` (ipywidgets, anywidget) is imported on first use of its names.
+
+May import: :mod:`zbpp_lite.schedules` and :mod:`zbpp_lite.analysis` (never JAX itself).
 """
 
 from .figures import bubble_sweep, bubble_sweep_figure, compare_figure, memory_figure, timeline_figure

@@ -1,7 +1,7 @@
 """Figure of a bubble attribution: the timeline with every idle stretch coloured by its cause, and
 the idle time per stage blamed, stacked by cause. Returns a ``go.Figure``, displays nothing.
 
-Causes and their meaning: :mod:`zbpp_lite.attribute` (arXiv 2401.10241, sections 2-3).
+Causes and their meaning: :mod:`zbpp_lite.analysis.attribute` (arXiv 2401.10241, sections 2-3).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..attribute import CAUSES, Attribution
-from ..timeline import Timeline
+from ..analysis.attribute import CAUSES, Attribution
+from ..schedules.timeline import Timeline
 from .figures import BAR_WIDTH, GRID_COLOR, rank_label, start_time, timeline_traces
 
 CAUSE_COLOR: dict[str, str] = {
@@ -22,7 +22,7 @@ CAUSE_COLOR: dict[str, str] = {
     "W held back": "#72B7B2",
     "overhead": "#D8D8D8",
 }
-"""Cause (:data:`zbpp_lite.attribute.CAUSES`) -> bar colour (Tableau 10 tones; the action bars of
+"""Cause (:data:`zbpp_lite.analysis.attribute.CAUSES`) -> bar colour (Tableau 10 tones; the action bars of
 this figure are grey, :data:`ACTION_GREY`)."""
 
 
@@ -36,7 +36,7 @@ def attribution_figure(attribution: Attribution, timeline: Timeline, title: str 
     stretch drawn in its cause's colour; below, per stage blamed, the idle time stacked by cause.
 
     Args:
-        attribution: :func:`zbpp_lite.attribute.attribute` of ``timeline``.
+        attribution: :func:`zbpp_lite.analysis.attribute.attribute` of ``timeline``.
         timeline: the timeline that was attributed.
         title: heading (default: "where the bubbles come from").
 

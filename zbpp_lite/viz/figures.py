@@ -13,9 +13,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..costs import Costs, CostTable
-from ..schedule import TORCH_CODE
-from ..timeline import Timeline
+from ..schedules.costs import Costs, CostTable
+from ..schedules.ir import TORCH_CODE
+from ..schedules.timeline import Timeline
 from .states import plan_timeline
 from .style import BAR_KINDS, KIND_STYLE, MEMORY_LIMIT_COLOR
 

@@ -1,8 +1,8 @@
 """Build -> simulate with whatever options a schedule takes (pure Python, no figures).
 
 The explorer, the slider figures and the bubble sweeps all turn (schedule name, p, m, costs,
-memory limit) into a :class:`~zbpp_lite.timeline.Timeline`. Which options to pass is read from the
-builder's signature (:func:`zbpp_lite.builders.options_of`), so newly registered schedules work
+memory limit) into a :class:`~zbpp_lite.schedules.timeline.Timeline`. Which options to pass is read from the
+builder's signature (:func:`zbpp_lite.schedules.builders.options_of`), so newly registered schedules work
 without changes here.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..builders import build_schedule, options_of
-from ..costs import Costs
-from ..simulate import simulate
-from ..timeline import Timeline
+from ..schedules.builders import build_schedule, options_of
+from ..schedules.costs import Costs
+from ..schedules.simulate import simulate
+from ..schedules.timeline import Timeline
 
 
 def applicable_options(

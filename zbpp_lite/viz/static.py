@@ -11,9 +11,9 @@ from typing import Iterable, Sequence
 
 import plotly.graph_objects as go
 
-from ..builders import SCHEDULES
-from ..costs import Costs
-from ..timeline import Timeline
+from ..schedules.builders import SCHEDULES
+from ..schedules.costs import Costs
+from ..schedules.timeline import Timeline
 from .figures import end_time, figure_title, rank_label, start_time, timeline_layout, timeline_traces
 from .states import plan_timeline
 

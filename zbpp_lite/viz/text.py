@@ -7,7 +7,7 @@ e.g. ``5F3``); columns where a rank runs nothing are ``.``. Used by ``python -m 
 
 from __future__ import annotations
 
-from ..timeline import Event, Timeline
+from ..schedules.timeline import Event, Timeline
 
 IDLE = "."
 DEFAULT_MAX_WIDTH = 160

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..timeline import Timeline
+from ..schedules.timeline import Timeline
 
 
 def default_time_unit_us(timeline: Timeline) -> float:

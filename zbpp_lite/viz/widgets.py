@@ -6,7 +6,7 @@ two Plotly ``FigureWidget`` s in place. Plotly 6+ ``FigureWidget`` needs ``anywi
 it also needs the custom widget manager, which :func:`enable_colab_widgets` turns on (the
 explorer calls it itself).
 
-Which sliders apply is read from the builder's signature (``zbpp_lite.builders.options_of``):
+Which sliders apply is read from the builder's signature (``zbpp_lite.schedules.builders.options_of``):
 "stages per rank" is enabled only for builders taking ``stages_per_rank``; costs and the memory
 limit go to builders that take ``costs`` / ``memory_limit`` (the automatic schedules of
 arXiv 2401.10241, section 3.2) and the limit is drawn on the memory plot for every schedule.
@@ -22,9 +22,9 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from ..builders import SCHEDULES, options_of
-from ..costs import Costs
-from ..timeline import Timeline
+from ..schedules.builders import SCHEDULES, options_of
+from ..schedules.costs import Costs
+from ..schedules.timeline import Timeline
 from .figures import (
     figure_title,
     memory_figure,

@@ -1,0 +1,10 @@
+"""Profiling: where the measured costs come from.
+
+- :mod:`.timelines`: costs read off measured timelines (pure Python): per-action means,
+  T_comm from the waits on another rank's output, ``measured_costs`` for the simulator;
+- :mod:`.parts`: each model part's F, B, W timed on a device (for the rebalancer);
+- :mod:`.device`: each stage's F, B, W (and BW) timed on one accelerator (the 1-chip path).
+
+May import: :mod:`zbpp_lite.schedules`, :mod:`zbpp_lite.runtime`, and :mod:`zbpp_lite.analysis`'s
+own modules.
+"""

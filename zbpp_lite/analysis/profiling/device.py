@@ -1,0 +1,128 @@
+"""Per-stage T_F, T_B, T_W timed on one device: the pipeline of a machine with too few accelerators.
+
+A single-chip TPU or GPU runtime cannot run a p-rank pipeline, but it can time what each rank
+would do. :func:`profile_stage_costs` runs every stage's F, B and W (Qi et al., "Zero Bubble
+Pipeline Parallelism", arXiv 2401.10241, section 2: B the input gradient, W the weight gradient)
+on that one device, with the very jitted functions the executor runs
+(:attr:`zbpp_lite.runtime.split.StageSplit.flat`), called as the executor calls them (an earlier output's
+memory handed back for F's and B's outputs, W adding into a running sum). The simulator then draws
+the pipeline from those costs: :func:`simulate_profiled`. What that leaves out: transfers between
+ranks (one device has no link to time, so T_comm = 0) and the executor's per-action overhead.
+
+Importing this module imports JAX.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ...schedules.costs import Costs
+from ...runtime.stages import StagedModel
+from ...schedules.ir import Schedule
+from ...schedules.simulate import simulate
+from ...schedules.timeline import Timeline
+
+
+def _timed(fn, *args) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start, out
+
+
+def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = None, repeats: int = 7,
+                        fused: bool = False) -> Costs:
+    """Median T_F, T_B, T_W (and, with ``fused``, T_BW) of every stage of ``model`` on one
+    microbatch, on one device.
+
+    Each stage runs on the previous stage's real output (stage 0 on ``x``; the last stage also
+    takes ``labels`` and returns the loss). Every F, B, W is first called untimed (compilation,
+    both with and without a spare output buffer / running sum, as the executor calls them), then
+    ``repeats`` times each, round-robin over the stages so that a slow spell of a shared machine
+    hits every stage alike, each call timed with ``time.perf_counter`` around the call and
+    ``jax.block_until_ready`` of its outputs. A fused BW is timed only with ``fused``; otherwise
+    the simulator costs it T_B + T_W, as :class:`~zbpp_lite.schedules.costs.Costs` does.
+
+    Args:
+        model: the staged model (its ``num_stages`` and ``parts`` are the pipeline's stages).
+        x: one microbatch of inputs (b, ...) float32, e.g. (b, 8, 8) digits.
+        labels: its labels (b,) integers.
+        device: the JAX device to time on (default ``jax.devices()[0]``).
+        repeats: timed calls per stage and kind (after the untimed ones), an integer >= 1.
+        fused: also time the fused backward BW (``Costs.bw``; on a real device often below
+            T_B + T_W, and zb-auto then splits only where the split pays).
+
+    Returns:
+        :class:`~zbpp_lite.schedules.costs.Costs` with ``f``, ``b``, ``w`` (and with ``fused`` ``bw``)
+        tuples of ``model.num_stages`` medians in seconds; ``comm`` 0 and the memory fields at
+        their defaults.
+
+    Raises:
+        ValueError: ``repeats`` below 1, or inputs and labels of different lengths.
+    """
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    if np.shape(x)[0] != np.shape(labels)[0]:
+        raise ValueError(f"the microbatch has {np.shape(x)[0]} inputs but {np.shape(labels)[0]} labels")
+    device = device if device is not None else jax.devices()[0]
+    labels = np.asarray(labels)
+    y = jax.device_put(labels, device)
+    h = jax.device_put(np.asarray(x), device)
+    S = model.num_stages
+    shapes = model.stage_inputs(np.asarray(x))
+    states = []  # per stage: the arguments and the outputs the next call reuses
+    for s in range(S):  # the untimed round: compile, and the activations every stage gets
+        flat = model.split_stage(s, shapes[s], labels).flat
+        p = jax.device_put(tuple(jax.tree_util.tree_leaves(model.stage_params(model.params, s))), device)
+        aux = y if s == S - 1 else None
+        _, own, _ = flat.forward(p, h, aux)
+        out, own, kept = flat.forward(p, h, aux, own)  # again, into a spare (another program)
+        dy = jax.device_put(jnp.ones(jnp.shape(out), out.dtype), device)  # the last stage's output: the scalar loss
+        _, grads_out = flat.backward_input(p, own, dy)
+        _, grads_out = flat.backward_input(p, own, dy, grads_out)
+        acc = flat.backward_weight(p, kept, grads_out, None)  # a stage's first W: no sum yet
+        acc = jax.block_until_ready(flat.backward_weight(p, kept, grads_out, acc))
+        acc_bw = None
+        if fused:  # its own running sum (BW donates it), compiled without and with one
+            acc_bw = flat.backward_fused(p, own, kept, dy, None)[1]
+            acc_bw = jax.block_until_ready(flat.backward_fused(p, own, kept, dy, acc_bw)[1])
+        states.append({"flat": flat, "p": p, "h": h, "aux": aux, "dy": dy, "own": own, "grads": grads_out, "acc": acc, "acc_bw": acc_bw})
+        h = out
+    kinds = ("F", "B", "W", "BW") if fused else ("F", "B", "W")
+    times: dict[str, list[list[float]]] = {kind: [[] for _ in range(S)] for kind in kinds}
+    for _ in range(repeats):
+        for s, st in enumerate(states):
+            flat = st["flat"]
+            tf, (_, own, kept) = _timed(flat.forward, st["p"], st["h"], st["aux"], st["own"])
+            tb, (_, grads_out) = _timed(flat.backward_input, st["p"], own, st["dy"], st["grads"])
+            tw, st["acc"] = _timed(flat.backward_weight, st["p"], kept, grads_out, st["acc"])
+            if fused:
+                tbw, (_, st["acc_bw"]) = _timed(flat.backward_fused, st["p"], own, kept, st["dy"], st["acc_bw"])
+                times["BW"][s].append(tbw)
+            st["own"], st["grads"] = own, grads_out  # the donated spares were used up: these are next
+            times["F"][s].append(tf)
+            times["B"][s].append(tb)
+            times["W"][s].append(tw)
+    medians = {kind: [statistics.median(v) for v in per_stage] for kind, per_stage in times.items()}
+    return Costs(f=medians["F"], b=medians["B"], w=medians["W"], bw=medians.get("BW"))
+
+
+def simulate_profiled(schedule: Schedule, costs: Costs) -> Timeline:
+    """The pipeline ``schedule`` would run, simulated from profiled per-stage costs.
+
+    Plain :func:`zbpp_lite.simulate` (section 3's cost model) with ``costs`` from
+    :func:`profile_stage_costs`: a timeline in seconds whose ``source`` is ``"simulated"``;
+    nothing in it ran on ``schedule.num_ranks`` devices. T_comm is whatever ``costs`` says
+    (0 from the profile).
+
+    Raises:
+        ScheduleError: an invalid schedule.
+        ValueError: costs with a number of stages other than the schedule's (profile the model
+            cut into ``schedule.num_stages`` stages).
+    """
+    return simulate(schedule, costs)

@@ -1,0 +1,285 @@
+"""Per-stage action costs profiled from one or several timelines, measured or simulated (pure Python).
+
+From the events of a run: T_F, T_B, T_W of every stage (mean and spread over all its events) and
+T_comm, the point-to-point transfer time (Qi et al., arXiv 2401.10241, section 2.1 and table 1).
+Transfers are not events of their own (the executor sends asynchronously), so T_comm is read off
+the slack they leave: where a rank sat idle until an input from another rank arrived, the time
+from the producer's end to the consumer's start is the transfer (plus, on a real machine, the
+consumer's dispatch latency). On a simulated timeline that slack is exactly the T_comm simulated.
+
+The profile feeds the re-planner (:mod:`zbpp_lite.analysis.replan`) and the bubble attribution
+(:mod:`zbpp_lite.analysis.attribute`); :func:`measured_costs` gives the same measurements as the
+:class:`~zbpp_lite.schedules.costs.Costs` a schedule is planned from, with the fused backward's own T_BW.
+Importing this module does not import JAX.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ...schedules.costs import Costs
+from ...schedules.ir import Key, deps, produces
+from ...schedules.timeline import Event, Timeline
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One observed wait on another rank's output.
+
+    Attributes:
+        producer: the event whose output was awaited (on another rank).
+        consumer: the event that waited for it.
+        slack: consumer start - producer end, in the timeline's unit (seconds when measured).
+    """
+
+    producer: Event
+    consumer: Event
+    slack: float
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Per-stage action costs of a run, with their spread.
+
+    Attributes:
+        f, b, w: mean T_F, T_B, T_W per stage (the timeline's unit, seconds when measured). For a
+            stage that only ran fused BW, ``b`` is the mean BW time and ``w`` is 0 (a BW costs
+            T_B + T_W, so the sum is right; the split is unknown: see ``fused``).
+        f_std, b_std, w_std: standard deviation of the same durations (0 for a single event).
+        counts: per stage, the number of (F, B or BW, W) events behind the means.
+        fused: per stage, whether its backward ran only as BW.
+        comm: T_comm, the mean slack of :func:`transfers` (0 when no rank ever waited on another
+            rank's output: the transfers were all hidden).
+        comm_std: standard deviation of those slacks.
+        comm_count: how many waits ``comm`` is the mean of.
+        num_timelines: how many timelines were pooled.
+    """
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    f_std: tuple[float, ...]
+    b_std: tuple[float, ...]
+    w_std: tuple[float, ...]
+    counts: tuple[tuple[int, int, int], ...]
+    fused: tuple[bool, ...]
+    comm: float
+    comm_std: float
+    comm_count: int
+    num_timelines: int
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.f)
+
+    @property
+    def stage_time(self) -> tuple[float, ...]:
+        """Per stage T_F + T_B + T_W: one microbatch's work on that stage."""
+        return tuple(f + b + w for f, b, w in zip(self.f, self.b, self.w))
+
+    def costs(self, comm: bool = True) -> Costs:
+        """The means as :class:`~zbpp_lite.schedules.costs.Costs` (memory fields left at their defaults:
+        M_B = 1, M_W = 0, in units of one stage's activations). ``comm=False`` leaves T_comm 0."""
+        return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm if comm else 0.0)
+
+    def table(self, unit: str = "ms", scale: float = 1e3) -> str:
+        """A text table: one row per stage, mean +- standard deviation of T_F, T_B, T_W, and T_comm
+        below (times multiplied by ``scale`` and labelled ``unit``; default seconds -> ms)."""
+        head = f"{'stage':>5}  {'T_F':>17}  {'T_B':>17}  {'T_W':>17}  {'F+B+W':>9}"
+        lines = [f"costs in {unit} (mean +- std over {self.num_timelines} timeline(s))", head]
+        for s in range(self.num_stages):
+            cells = [
+                f"{scale * m:8.3f} +- {scale * d:5.3f}"
+                for m, d in ((self.f[s], self.f_std[s]), (self.b[s], self.b_std[s]), (self.w[s], self.w_std[s]))
+            ]
+            note = "  (fused BW: T_B holds B+W)" if self.fused[s] else ""
+            lines.append(f"{s:>5}  {'  '.join(cells)}  {scale * self.stage_time[s]:9.3f}{note}")
+        lines.append(
+            f"T_comm {scale * self.comm:.3f} +- {scale * self.comm_std:.3f} {unit} "
+            f"(from {self.comm_count} wait(s) on another rank's output)"
+        )
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        """JSON-ready dict of every field (lists for tuples)."""
+        return {
+            "f": list(self.f), "b": list(self.b), "w": list(self.w),
+            "f_std": list(self.f_std), "b_std": list(self.b_std), "w_std": list(self.w_std),
+            "fused": list(self.fused), "comm": self.comm, "comm_std": self.comm_std,
+            "comm_count": self.comm_count, "num_timelines": self.num_timelines,
+        }
+
+
+def _durations(timelines: Sequence[Timeline]) -> dict[tuple[str, int], list[float]]:
+    """(kind, stage) -> the durations of every such event of ``timelines``, pooled."""
+    durations: dict[tuple[str, int], list[float]] = {}
+    for t in timelines:
+        for e in t.events:
+            durations.setdefault((e.action.kind, e.action.stage), []).append(e.duration)
+    return durations
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = math.fsum(values) / n
+    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
+
+
+def producers(timeline: Timeline) -> dict[Key, Event]:
+    """Key -> the event that produced it (an F produces ("F", s, j); B and BW produce ("B", s, j))."""
+    made: dict[Key, Event] = {}
+    for e in timeline.events:
+        for key in produces(e.action):
+            made[key] = e
+    return made
+
+
+def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: float = 1e-9) -> list[Transfer]:
+    """Every wait on another rank's output: an event whose rank was idle when that output's
+    producer ended, and which started only afterwards, the awaited input being the last of its
+    inputs to be produced. ``slack`` is then the transfer time (plus dispatch latency when measured).
+
+    Args:
+        timeline: any timeline.
+        num_stages: S (default: one more than the largest stage in the events).
+        tolerance: a start within this of the producer's end counts as no wait.
+
+    Raises:
+        ValueError: an event whose input has no producing event in the timeline.
+    """
+    S = num_stages if num_stages is not None else 1 + max((e.action.stage for e in timeline.events), default=0)
+    made = producers(timeline)
+    found = []
+    for r in range(timeline.num_ranks):
+        prev_end = -math.inf
+        for e in timeline.rank_events(r):
+            needed = []
+            for key in deps(e.action, S):
+                if key not in made:
+                    raise ValueError(
+                        f"the timeline has no event producing {key[0]} of stage {key[1]}, microbatch {key[2]}, "
+                        f"which {e.action} on rank {r} needs; give the whole step's timeline"
+                    )
+                needed.append(made[key])
+            if needed:
+                last = max(needed, key=lambda p: p.end)
+                waited = last.rank != r and last.end >= prev_end - tolerance and e.start > last.end + tolerance
+                if waited:
+                    found.append(Transfer(last, e, e.start - last.end))
+            prev_end = e.end
+    return found
+
+
+def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = None) -> CostProfile:
+    """Per-stage T_F, T_B, T_W (mean and standard deviation) and T_comm of one or several timelines.
+
+    Durations of all given timelines are pooled, so several measured steps give steadier means.
+
+    Args:
+        timelines: one :class:`~zbpp_lite.schedules.timeline.Timeline` or a sequence (e.g. every step of a
+            training run; all of the same pipeline).
+        num_stages: S (default: one more than the largest stage seen).
+
+    Returns:
+        A :class:`CostProfile` in the timelines' unit.
+
+    Raises:
+        ValueError: no timeline or no event, a stage without an F event, a stage without B or BW
+            events, or a stage with B but no W events (a partial timeline); the message names the
+            stage and the missing kind.
+    """
+    if isinstance(timelines, Timeline):
+        timelines = [timelines]
+    timelines = list(timelines)
+    if not timelines or not any(t.events for t in timelines):
+        raise ValueError("profile needs at least one timeline with events")
+    S = num_stages if num_stages is not None else 1 + max(e.action.stage for t in timelines for e in t.events)
+    for t in timelines:
+        for e in t.events:
+            if e.action.stage >= S:
+                raise ValueError(f"event {e.action} names stage {e.action.stage}, but num_stages is {S}")
+    durations = _durations(timelines)
+    slacks = [x.slack for t in timelines for x in transfers(t, S)]
+    stats: dict[str, list[tuple[float, float]]] = {"f": [], "b": [], "w": []}
+    counts, fused = [], []
+    for s in range(S):
+        f, b, w, bw = (durations.get((k, s), []) for k in ("F", "B", "W", "BW"))
+        if not f:
+            raise ValueError(f"the timeline has no F event of stage {s}; every stage needs F and B (or BW) events to profile its costs")
+        if not b and not bw:
+            raise ValueError(f"the timeline has no B or BW event of stage {s}; every stage needs a backward to profile its costs")
+        if b and not w:
+            raise ValueError(f"the timeline has B but no W events of stage {s}; give the whole step's timeline")
+        stats["f"].append(_mean_std(f))
+        if b:
+            stats["b"].append(_mean_std(b))
+            stats["w"].append(_mean_std(w))
+        else:  # fused backward only: T_B holds B + W
+            stats["b"].append(_mean_std(bw))
+            stats["w"].append((0.0, 0.0))
+        counts.append((len(f), len(b) or len(bw), len(w)))
+        fused.append(not b)
+    comm, comm_std = _mean_std(slacks) if slacks else (0.0, 0.0)
+    return CostProfile(
+        f=tuple(m for m, _ in stats["f"]), b=tuple(m for m, _ in stats["b"]), w=tuple(m for m, _ in stats["w"]),
+        f_std=tuple(d for _, d in stats["f"]), b_std=tuple(d for _, d in stats["b"]), w_std=tuple(d for _, d in stats["w"]),
+        counts=tuple(counts), fused=tuple(fused), comm=comm, comm_std=comm_std, comm_count=len(slacks),
+        num_timelines=len(timelines),
+    )
+
+
+def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -> Costs:
+    """Mean measured action times per stage as :class:`~zbpp_lite.schedules.costs.Costs` (seconds).
+
+    ``timeline`` is one measured timeline or several (e.g. a zero-bubble run's with B and W
+    and a 1F1B run's with BW: their events are pooled). T_F, T_B, T_W are the mean durations of
+    that stage's F, B, W events and T_BW (``Costs.bw``) that of its BW events; where a stage ran
+    only fused BW, T_B = T_BW and T_W = 0, and where it ran no BW, T_BW = T_B + T_W. T_comm is the
+    mean wait on another rank's output (:func:`zbpp_lite.analysis.profiling.timelines.transfers`: from the producer's
+    end to the start of a consumer whose rank sat idle for it; the transfer plus the consumer's
+    wake-up), 0 when no rank waited on another (or the timelines lack the producers, e.g. one
+    process's ranks only); on a simulated timeline it is the simulated T_comm.
+
+    Raises:
+        ValueError: no timeline, ``num_stages`` below 1, a timeline whose stages are not
+            0..num_stages-1 (timelines of different cuts pooled, or the wrong count), a stage
+            with no F event, or none of B / BW.
+    """
+    timelines = [timeline] if isinstance(timeline, Timeline) else list(timeline)
+    if not timelines or not all(isinstance(t, Timeline) for t in timelines):
+        raise ValueError("measured_costs needs a measured Timeline or a non-empty list of them")
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}")
+    for i, t in enumerate(timelines):
+        stages = 1 + max((e.action.stage for e in t.events), default=-1)
+        if stages != num_stages:
+            raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked for; "
+                             "pool only timelines of one cut of the model")
+    durations = _durations(timelines)
+
+    def mean(kind: str, s: int) -> float | None:
+        values = durations.get((kind, s))
+        return _mean_std(values)[0] if values else None
+
+    f, b, w, bw = [], [], [], []
+    for s in range(num_stages):
+        tf, tb, tw, tbw = mean("F", s), mean("B", s), mean("W", s), mean("BW", s)
+        if tf is None or (tb is None and tbw is None):
+            raise ValueError(f"the timeline has no F or no backward of stage {s}; cannot derive its costs")
+        f.append(tf)
+        if tb is not None:
+            b.append(tb)
+            w.append(tw if tw is not None else 0.0)
+        else:
+            b.append(tbw)
+            w.append(0.0)
+        bw.append(tbw if tbw is not None else b[-1] + w[-1])
+    slacks = []
+    for t in timelines:
+        try:
+            slacks += [x.slack for x in transfers(t, num_stages)]
+        except ValueError:  # a producer not in this timeline (e.g. one process's ranks only): no wait to read
+            pass
+    return Costs(f=f, b=b, w=w, bw=bw, comm=_mean_std(slacks)[0] if slacks else 0.0)

@@ -1,0 +1,270 @@
+"""Rebalance: the layer-to-stage partition that evens the per-stage costs (pure Python).
+
+A model is a list of parts ``[first, *blocks, last]`` (the embedding, the Transformer blocks, the
+head with the loss); stage s holds a contiguous run of parts, the first part always on stage 0 and
+the last on the last stage (:func:`zbpp_lite.runtime.stages.stage_parts`). A rank's busy time per step is
+m * (T_F + T_B + T_W) of its stage, so the longest stage sets the pace of the whole pipeline
+(Qi et al., arXiv 2401.10241, section 3: the makespan is at least the busiest rank's work).
+:func:`best_partition` picks, by dynamic programming over the contiguous splits, the partition
+whose largest per-stage cost is the smallest possible, from per-part costs that were timed
+(:func:`zbpp_lite.analysis.profiling.parts.profile_parts`) or derived from a measured run (:func:`calibrate`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..schedules.costs import Costs
+
+Parts = tuple[tuple[int, ...], ...]
+"""``parts[s]``: the part indices of stage s, in order."""
+
+
+@dataclass(frozen=True)
+class PartCosts:
+    """T_F, T_B, T_W of every model part on one microbatch (seconds when timed).
+
+    Attributes:
+        f, b, w: one value per part, in model order (part 0 the first module, the last one the
+            head with the loss).
+
+    Raises:
+        ValueError: fields of different lengths, no part, or a negative value.
+    """
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w"):
+            object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
+        if not self.f or not len(self.f) == len(self.b) == len(self.w):
+            raise ValueError(f"PartCosts needs one f, b and w per part, got {len(self.f)}, {len(self.b)}, {len(self.w)} values")
+        if any(v < 0 or math.isnan(v) for v in (*self.f, *self.b, *self.w)):
+            raise ValueError("PartCosts values must be >= 0")
+
+    @classmethod
+    def from_totals(cls, totals: Sequence[float]) -> "PartCosts":
+        """Parts known only by their total T_F + T_B + T_W (split 1 : 1 : 1)."""
+        return cls(tuple(t / 3 for t in totals), tuple(t / 3 for t in totals), tuple(t / 3 for t in totals))
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.f)
+
+    @property
+    def totals(self) -> tuple[float, ...]:
+        """Per part T_F + T_B + T_W."""
+        return tuple(f + b + w for f, b, w in zip(self.f, self.b, self.w))
+
+    def stage_costs(self, parts: Sequence[Sequence[int]], comm: float = 0.0) -> Costs:
+        """Per-stage costs of a partition: each stage's parts summed (T_comm as given)."""
+        parts = check_parts(parts, self.num_parts)
+        return Costs(
+            f=[sum(self.f[i] for i in p) for p in parts],
+            b=[sum(self.b[i] for i in p) for p in parts],
+            w=[sum(self.w[i] for i in p) for p in parts],
+            comm=comm,
+        )
+
+    def to_json(self) -> dict:
+        return {"f": list(self.f), "b": list(self.b), "w": list(self.w)}
+
+
+def check_parts(parts: Sequence[Sequence[int]], num_parts: int, num_stages: int | None = None) -> Parts:
+    """Check a partition: every part 0 .. num_parts-1 exactly once, in order, no empty stage.
+
+    Returns:
+        The partition as a tuple of tuples.
+
+    Raises:
+        ValueError: a wrong stage count, an empty stage, or parts missing, repeated or out of order.
+    """
+    result = tuple(tuple(int(i) for i in p) for p in parts)
+    if num_stages is not None and len(result) != num_stages:
+        raise ValueError(f"the partition has {len(result)} stages, expected {num_stages}")
+    if any(not p for p in result):
+        raise ValueError(f"every stage needs at least one part; got {[list(p) for p in result]}")
+    flat = [i for p in result for i in p]
+    if flat != list(range(num_parts)):
+        raise ValueError(
+            f"a partition must hold the parts 0 .. {num_parts - 1} in order, each once, in contiguous stages; "
+            f"got {[list(p) for p in result]}"
+        )
+    return result
+
+
+def partition_cost(totals: Sequence[float], parts: Sequence[Sequence[int]]) -> float:
+    """The largest per-stage sum of ``totals`` (the per-part costs) under ``parts``."""
+    return max(sum(totals[i] for i in p) for p in parts)
+
+
+def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_blocks: int = 1) -> Parts:
+    """The contiguous partition of the parts into ``num_stages`` stages with the smallest largest
+    per-stage cost (T_F + T_B + T_W); the first part stays on stage 0, the last on the last stage.
+
+    Exact: dynamic programming over the cut positions, O(S * N^2) for N parts and S stages. Among
+    partitions with the same largest cost it returns the one with the earliest cuts.
+
+    Args:
+        costs: per-part costs (:class:`PartCosts`) or per-part totals.
+        num_stages: S >= 1.
+        min_blocks: every stage holds at least this many of the middle parts (the blocks), so
+            the first and last stage are never the embedding or the head alone.
+
+    Raises:
+        ValueError: S < 1, fewer than two parts when S > 1, or too few blocks for ``min_blocks``
+            per stage.
+    """
+    totals = list(costs.totals if isinstance(costs, PartCosts) else (float(t) for t in costs))
+    n, S = len(totals), num_stages
+    if not isinstance(S, int) or S < 1:
+        raise ValueError(f"num_stages must be an integer >= 1, got {S!r}")
+    if S == 1:
+        return (tuple(range(n)),)
+    blocks = n - 2
+    if blocks < S * min_blocks:
+        raise ValueError(
+            f"{blocks} blocks cannot give {S} stages at least {min_blocks} block(s) each; use fewer stages or more blocks"
+        )
+    prefix = [0.0]
+    for t in totals:
+        prefix.append(prefix[-1] + t)
+
+    def seg(i: int, j: int) -> float:  # parts i .. j-1
+        return prefix[j] - prefix[i]
+
+    # best[s][j]: the smallest largest cost of the first s stages holding parts 0 .. j-1, where
+    # stage s-1 ends after part j-1; stage 0 starts with part 0 and the last stage ends with part n-1.
+    INF = math.inf
+    best = [[INF] * (n + 1) for _ in range(S + 1)]
+    cut = [[-1] * (n + 1) for _ in range(S + 1)]
+    best[0][0] = 0.0
+    for s in range(1, S + 1):
+        for j in range(1, n + 1):
+            for i in range(j):
+                if best[s - 1][i] == INF:
+                    continue
+                held = j - i - (i == 0) - (j == n)  # blocks in parts i .. j-1
+                if held < min_blocks:
+                    continue
+                value = max(best[s - 1][i], seg(i, j))
+                if value < best[s][j] - 1e-15:
+                    best[s][j], cut[s][j] = value, i
+    if best[S][n] == INF:  # pragma: no cover - excluded by the block count check above
+        raise ValueError("no partition satisfies the constraints")
+    bounds, j = [n], n
+    for s in range(S, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    bounds.reverse()
+    return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(S))
+
+
+def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs, per_stage: bool = False) -> PartCosts:
+    """Scale per-part costs to a measured run's stage costs.
+
+    Parts timed alone give the intrinsic ratio between parts but not what a run adds (dispatch,
+    the measurement's block, ranks sharing cores); the measured run has the right totals but not
+    the split among a stage's parts. For each kind (F, B, W):
+
+    - ``per_stage=False`` (default): one factor for all parts, measured total over all stages /
+      the parts' total; the ratios between parts stay those of the profile, which is what decides
+      where a part is best placed;
+    - ``per_stage=True``: one factor per stage, so each stage's parts add up to that stage's
+      measured cost. With ``costs`` all equal within a stage (parts known only by count, e.g.
+      :meth:`PartCosts.from_totals` of ones), this derives per-part costs from a measured run alone;
+      it also carries that run's noise (a rank slowed by sharing a core) into every part.
+
+    Args:
+        costs: per-part costs (profiled, or an equal guess).
+        parts: the partition the run used.
+        measured: per-stage costs of the run (e.g. :meth:`zbpp_lite.analysis.profiling.timelines.CostProfile.costs`).
+        per_stage: see above.
+
+    Raises:
+        ValueError: a partition that does not fit ``costs``, or costs for another stage count.
+    """
+    parts = check_parts(parts, costs.num_parts)
+    table = measured.table(len(parts))
+    fields: dict[str, list[float]] = {"f": list(costs.f), "b": list(costs.b), "w": list(costs.w)}
+    for kind, values in fields.items():
+        target = getattr(table, kind)
+        groups = parts if per_stage else (tuple(i for p in parts for i in p),)
+        goals = target if per_stage else (sum(target),)
+        for group, goal in zip(groups, goals):
+            have = sum(values[i] for i in group)
+            for i in group:
+                values[i] = values[i] * goal / have if have > 0 else goal / len(group)
+    return PartCosts(fields["f"], fields["b"], fields["w"])
+
+
+def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]], measured: Costs) -> Costs:
+    """Per-stage costs predicted for partition ``new`` from a run measured with partition ``old``:
+    each stage's measured costs, minus the parts that leave it, plus the parts that arrive
+    (per kind, with the per-part ``costs``, e.g. calibrated). What the measured run says about a
+    stage beyond its parts (a per-action overhead, a rank that shares a core) stays with the stage.
+    T_comm is the measured one. Values are floored at 0.
+
+    Raises:
+        ValueError: partitions that do not fit ``costs`` or differ in stage count, or measured
+            costs for another stage count.
+    """
+    old = check_parts(old, costs.num_parts)
+    new = check_parts(new, costs.num_parts, len(old))
+    table = measured.table(len(old))
+    where_old = {i: s for s, p in enumerate(old) for i in p}
+    fields = {}
+    for kind in ("f", "b", "w"):
+        values = list(getattr(table, kind))
+        per_part = getattr(costs, kind)
+        for s, stage in enumerate(new):
+            for i in stage:
+                if where_old[i] != s:
+                    values[where_old[i]] -= per_part[i]
+                    values[s] += per_part[i]
+        fields[kind] = [max(v, 0.0) for v in values]
+    return Costs(f=fields["f"], b=fields["b"], w=fields["w"], comm=table.comm, mem_b=table.mem_b, mem_w=table.mem_w)
+
+
+def imbalanced_parts(num_blocks: int, num_stages: int, factor: float) -> Parts:
+    """A deliberately uneven partition: the last stage holds about ``factor`` times as many blocks
+    as each other stage (the first part with stage 0, the last part with the last stage).
+
+    With N blocks and S stages, each of the first S-1 stages holds k = max(1, round(N / (S-1+factor)))
+    blocks and the last stage the rest; ``factor`` 1 gives :func:`zbpp_lite.runtime.stages.stage_parts`'s even
+    split. Used to build a pipeline whose last stage is slow, which :func:`best_partition` can fix.
+
+    Raises:
+        ValueError: factor < 1, S < 2 with factor > 1, or too few blocks for at least one block per
+            stage and a last stage with more blocks than the others.
+    """
+    if not factor >= 1:
+        raise ValueError(f"the imbalance factor must be >= 1 (1 = even stages), got {factor}")
+    S, N = num_stages, num_blocks
+    if S < 1 or N < S:
+        raise ValueError(f"{N} blocks cannot fill {S} stages: every stage needs at least one block")
+    if factor == 1 or S == 1:
+        if S == 1 and factor != 1:
+            raise ValueError("an imbalance needs at least 2 stages")
+        cuts = [round(i * N / S) for i in range(S + 1)]
+        counts = [cuts[s + 1] - cuts[s] for s in range(S)]
+    else:
+        k = max(1, round(N / (S - 1 + factor)))
+        last = N - k * (S - 1)
+        if last <= k:
+            raise ValueError(
+                f"{N} blocks over {S} stages leave the last stage {last} block(s), not more than the others' {k}; "
+                f"use at least {S - 1 + max(2, math.ceil(factor))} blocks for an imbalance of {factor}"
+            )
+        counts = [k] * (S - 1) + [last]
+    parts, start = [], 1
+    for count in counts:
+        parts.append(list(range(start, start + count)))
+        start += count
+    parts[0].insert(0, 0)
+    parts[-1].append(N + 1)
+    return tuple(tuple(p) for p in parts)

@@ -1,0 +1,214 @@
+"""Re-plan from measured costs: zb-auto under a memory limit, once or online while training (pure Python).
+
+:func:`replan` feeds measured per-stage costs (:mod:`zbpp_lite.analysis.profiling.timelines`) to the automatic
+zero-bubble scheduler (Qi et al., arXiv 2401.10241, section 3.1; :func:`zbpp_lite.schedules.builders.auto.auto_plan`)
+and predicts, with the simulator, the new schedule's makespan beside the current one's under the
+same costs.
+
+:class:`OnlineReplanner` does this during training: every K steps it profiles the last K measured
+timelines; when the costs have drifted from those the current plan was judged by by more than a
+threshold, on ``patience`` checks in a row, it re-plans, and it switches only when the new plan is
+predicted faster by at least ``min_gain``. The drift test, the averaging over K steps and the
+required gain are the hysteresis: measurement noise moves none of them far enough to change the
+plan. Schedules change the order of the work only, never what is computed, so the gradients stay
+the unpartitioned model's (the executor's tests check this for every schedule).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..schedules.builders.auto import auto_plan
+from ..schedules.costs import Costs
+from .profiling.timelines import CostProfile, profile
+from ..schedules.ir import Schedule
+from ..schedules.simulate import simulate
+from ..schedules.timeline import Timeline
+from ..schedules.validate import validate
+
+
+@dataclass(frozen=True)
+class Replan:
+    """A re-planned schedule and what it is predicted to gain.
+
+    Attributes:
+        schedule: the zb-auto schedule for ``costs`` (validated).
+        costs: the costs it was planned for.
+        predicted: its simulated makespan under ``costs``.
+        current: the current schedule's simulated makespan under ``costs`` (None without one).
+        memory_limit: the per-rank limit it was planned under (units of Costs.mem_b).
+    """
+
+    schedule: Schedule
+    costs: Costs
+    predicted: float
+    current: float | None
+    memory_limit: tuple[float, ...]
+
+    @property
+    def gain(self) -> float:
+        """1 - predicted / current: the fraction of the current makespan saved (0 without a current)."""
+        if self.current is None or self.current <= 0:
+            return 0.0
+        return 1.0 - self.predicted / self.current
+
+
+def replan(
+    costs: Costs | CostProfile,
+    num_ranks: int,
+    num_microbatches: int,
+    memory_limit: float | Sequence[float] | None = None,
+    current: Schedule | None = None,
+) -> Replan:
+    """zb-auto planned for ``costs`` (e.g. measured) under ``memory_limit``, with its predicted makespan.
+
+    Args:
+        costs: per-stage costs (one stage per rank), or a :class:`~zbpp_lite.analysis.profiling.timelines.CostProfile`
+            (its means and T_comm are used).
+        num_ranks, num_microbatches: p and m.
+        memory_limit: per-rank activation-memory limit in units of Costs.mem_b (default p: the
+            peak of 1F1B and ZB-H1).
+        current: the schedule in use, simulated under the same costs for comparison.
+
+    Raises:
+        ValueError: costs for another number of stages than p, a memory limit no schedule fits
+            (the message names the smallest feasible one), bad sizes.
+        ScheduleError: never expected (the planner's result is validated before it is returned).
+    """
+    if isinstance(costs, CostProfile):
+        costs = costs.costs()
+    costs.table(num_ranks)  # ValueError for a per-stage length other than p
+    if current is not None and (current.num_ranks, current.num_stages) != (num_ranks, num_ranks):
+        raise ValueError(
+            f"the current schedule has {current.num_ranks} ranks and {current.num_stages} stages; "
+            f"zb-auto plans one stage per rank for {num_ranks} ranks"
+        )
+    plan = auto_plan(num_ranks, num_microbatches, costs, memory_limit)
+    validate(plan.schedule)
+    predicted = simulate(plan.schedule, costs).makespan
+    now = simulate(current, costs).makespan if current is not None else None
+    return Replan(plan.schedule, costs, predicted, now, plan.memory_limit)
+
+
+def drift(reference: Costs, observed: Costs, num_stages: int) -> float:
+    """How far ``observed`` costs moved from ``reference``: the largest change of any stage's
+    T_F, T_B or T_W, and of T_comm, as a fraction of that stage's reference T_F + T_B + T_W (for
+    T_comm: of the mean over stages). Relative to the whole stage, so a tiny T_W wobbling does not
+    count as a large drift.
+
+    Raises:
+        ValueError: costs with the wrong number of per-stage values.
+    """
+    ref, obs = reference.table(num_stages), observed.table(num_stages)
+    worst = 0.0
+    totals = [ref.f[s] + ref.b[s] + ref.w[s] for s in range(num_stages)]
+    for s in range(num_stages):
+        scale = totals[s] if totals[s] > 0 else 1.0
+        for kind in ("f", "b", "w"):
+            worst = max(worst, abs(getattr(obs, kind)[s] - getattr(ref, kind)[s]) / scale)
+    mean_total = sum(totals) / num_stages or 1.0
+    for s in range(num_stages):
+        worst = max(worst, abs(obs.comm[s] - ref.comm[s]) / mean_total)
+    return worst
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check of the online re-planner.
+
+    Attributes:
+        step: how many timelines had been observed.
+        drift: :func:`drift` of the window's costs from the reference.
+        decision: "steady" (drift within the threshold), "wait" (drifted, patience not yet
+            reached), "kept" (re-planned, gain too small), or "switched".
+        gain: predicted gain of the re-plan (None when none was made).
+    """
+
+    step: int
+    drift: float
+    decision: str
+    gain: float | None = None
+
+
+@dataclass
+class OnlineReplanner:
+    """Re-plan every ``every`` steps when the measured costs drift, with hysteresis.
+
+    Feed it each step's measured timeline with :meth:`observe`; it returns a :class:`Replan` on the
+    steps where the plan changes (the caller then runs ``replanner.schedule``), None otherwise.
+
+    Attributes:
+        schedule: the schedule in use (one stage per rank, as zb-auto plans).
+        reference: the costs the current plan was last judged by.
+        every: K, steps between checks; the check profiles the last K timelines.
+        threshold: drift (:func:`drift`) above which a check counts as drifted.
+        patience: drifted checks in a row needed before re-planning.
+        min_gain: the re-plan must be predicted at least this much faster (a fraction of the
+            current plan's makespan under the same costs) to be adopted.
+        memory_limit: passed to zb-auto (units of Costs.mem_b; default p).
+        history: every :class:`Check` made.
+
+    Raises:
+        ValueError: every < 1, threshold or min_gain < 0, patience < 1, or a schedule with other
+            than one stage per rank.
+    """
+
+    schedule: Schedule
+    reference: Costs
+    every: int = 10
+    threshold: float = 0.15
+    patience: int = 2
+    min_gain: float = 0.03
+    memory_limit: float | Sequence[float] | None = None
+    history: list[Check] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"every must be an integer >= 1 (steps between checks), got {self.every!r}")
+        if self.threshold < 0 or self.min_gain < 0:
+            raise ValueError(f"threshold and min_gain must be >= 0, got {self.threshold}, {self.min_gain}")
+        if not isinstance(self.patience, int) or self.patience < 1:
+            raise ValueError(f"patience must be an integer >= 1, got {self.patience!r}")
+        if self.schedule.num_stages != self.schedule.num_ranks:
+            raise ValueError(
+                f"the online re-planner re-plans with zb-auto, one stage per rank; the schedule has "
+                f"{self.schedule.num_stages} stages on {self.schedule.num_ranks} ranks"
+            )
+        self.reference.table(self.schedule.num_stages)
+        self._window: list[Timeline] = []
+        self._steps = 0
+        self._strikes = 0
+
+    def observe(self, timeline: Timeline) -> Replan | None:
+        """Record one step's measured timeline (of ``self.schedule``); once K have been gathered,
+        profile them, check the drift and maybe re-plan (the next check uses the next K steps). Returns the :class:`Replan` when the plan changed, else None.
+
+        Raises:
+            ValueError: a timeline lacking events a stage needs (see :func:`zbpp_lite.analysis.profiling.timelines.profile`).
+        """
+        self._window.append(timeline)
+        self._steps += 1
+        if len(self._window) < self.every:
+            return None
+        S = self.schedule.num_stages
+        observed = profile(self._window, S).costs()
+        self._window = []
+        moved = drift(self.reference, observed, S)
+        if moved <= self.threshold:
+            self._strikes = 0
+            self.history.append(Check(self._steps, moved, "steady"))
+            return None
+        self._strikes += 1
+        if self._strikes < self.patience:
+            self.history.append(Check(self._steps, moved, "wait"))
+            return None
+        self._strikes = 0
+        result = replan(observed, self.schedule.num_ranks, self.schedule.num_microbatches, self.memory_limit, self.schedule)
+        self.reference = observed  # the current plan has now been judged by these costs
+        if result.gain < self.min_gain:
+            self.history.append(Check(self._steps, moved, "kept", result.gain))
+            return None
+        self.history.append(Check(self._steps, moved, "switched", result.gain))
+        self.schedule = result.schedule
+        return result

@@ -1,0 +1,14 @@
+"""Layer 2, runtime: a schedule run for real on JAX devices.
+
+- :mod:`.devices`: simulated CPU devices, accelerators, and the checks that there are enough;
+- :mod:`.split`: the backward split, a stage's F, B, W and fused BW as jitted functions;
+- :mod:`.stages`: ``StagedModel``, any list of NNX modules and a loss cut into stages;
+- :mod:`.executor`: ``PipelineExecutor``, any schedule on several devices, one thread a rank,
+  measuring a ``Timeline`` of the simulator's type;
+- :mod:`.processes`: one pinned process per rank, joined by shared-memory rings and pipes (the
+  cross-process transport);
+- :mod:`.distributed`: the executor across processes on JAX's distributed runtime;
+- :mod:`.spmd`: a schedule compiled into one ``shard_map`` program (lockstep).
+
+May import: :mod:`zbpp_lite.schedules`, JAX, Flax, Optax, NumPy; nothing above.
+"""

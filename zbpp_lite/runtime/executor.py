@@ -1,0 +1,710 @@
+"""The multi-device executor: run any valid Schedule for real, one thread per rank.
+
+Each rank is a Python thread that walks its own action list in order (as on real hardware: no
+global clock, no central scheduler). An action waits only for what it needs from other ranks,
+found with :func:`zbpp_lite.schedules.ir.deps`: F(s, j) the activation of stage s-1, B(s, j) / BW(s, j)
+the input gradient of stage s+1; what a rank needs from itself (F's residuals for B, B's output
+gradients for W) is there by the schedule's own order, which :func:`zbpp_lite.validate` checked.
+Work goes through a kind -> handler table, and every stage's F, B, W, BW are the jitted pure
+functions of :class:`zbpp_lite.runtime.split.StageSplit`, run on the rank's device. Outputs move to the
+consumer's device with ``jax.device_put`` (asynchronous, like a send on real hardware) and wait in
+the consumer rank's inbox. The last stage's backward starts from d loss / d loss_j = 1/m (the
+loss is the mean of the m microbatch losses) and each stage sums its W's over the microbatches on
+its device, so the sums are the gradient of the global-batch mean loss, with no pass over the
+gradients at the end (Qi et al., arXiv 2401.10241, section 2; PyTorch pipelining's convention).
+
+Measurement: around each action, ``time.perf_counter()`` before the dispatch (after its inputs
+have arrived) and after ``jax.block_until_ready`` of the action's outputs; the events form a
+:class:`~zbpp_lite.schedules.timeline.Timeline` (source "measured", seconds since the step began) of the
+type :func:`zbpp_lite.simulate` returns. What measuring costs: the two clock reads (well under a
+microsecond) and the block, which stops a rank from dispatching its next action while the current
+one runs, so the dispatch of every action is no longer hidden behind the previous one's compute:
+on the 2-core CPU machine of ``benchmarks/bench_executor.py`` about 70-90 microseconds per action,
+beside 5-35 microseconds of the executor's own bookkeeping (threads, inbox, events), for actions
+of 5-20 milliseconds in that benchmark's pipeline. Nothing else is synchronised:
+ranks never wait for each other except for their inputs. Compilation happens before the first
+timed step (:meth:`PipelineExecutor.run`). Ranks are Python threads: XLA releases the GIL while
+it computes, so ranks compute in parallel and only their dispatches take turns.
+
+Cores: simulated CPU devices of one process share XLA's CPU thread pool (JAX 0.10: a single
+product already runs on every core the process may use, whatever the thread flags), so a rank
+that waits lends its core to the other ranks' work and a bubble costs less than a core's idle
+time. For one core per rank, as PyTorch's pipelining runs (one single-threaded process per rank),
+give each process its own ranks: ``PipelineExecutor(..., ranks=[r], remote=send)`` runs rank r's
+actions only, ``remote`` carries its sends to the other processes and :meth:`PipelineExecutor.deliver`
+takes theirs (``benchmarks/bench_vs_torch.py`` does this with pipes, each process pinned to one
+core).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import numpy as np
+
+from .stages import microbatch_size
+from .devices import too_few_devices_message
+from .stages import Params, StagedModel
+from ..schedules.ir import Action, Key, Schedule, deps, produces
+from ..schedules.timeline import Event, Timeline
+from ..schedules.validate import validate
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One executed training step (before the optimizer).
+
+    Attributes:
+        loss: the global-batch mean loss, float (mean of the microbatch losses).
+        microbatch_losses: the last stage's loss for each microbatch, floats.
+        grads: gradient of ``loss`` for every parameter, one pytree per model module (as
+            ``StagedModel.params``), float32, each on its stage's device.
+        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (seconds, source "measured"),
+            counted from the step's first action.
+        start: when the step's first action began, seconds since the first step of the same
+            :meth:`PipelineExecutor.run_steps` call began (0.0 for :meth:`PipelineExecutor.run`,
+            up to the thread start-up).
+        discarded: events (times as ``timeline``'s) of actions that ran speculatively with
+            parameters a post-validated optimizer step then rolled back, and were redone (empty
+            unless :class:`RankUpdate` ``verdict_key`` is set and a rollback happened).
+        started_at: ``time.perf_counter()`` when the step's first action began, seconds. On one
+            machine this clock is shared by all processes (Linux's CLOCK_MONOTONIC), so ranks run
+            in separate processes (``ranks=[r]``) align their timelines by it. 0.0 from
+            :class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor`, whose processes may sit on
+            machines whose clocks differ.
+    """
+
+    loss: float
+    microbatch_losses: tuple[float, ...]
+    grads: Params
+    timeline: Timeline
+    start: float = 0.0
+    discarded: tuple = ()
+    started_at: float = 0.0
+
+
+class _Aborted(Exception):
+    """Another rank failed; this one stops waiting."""
+
+
+class _Interrupted(Exception):
+    """A wait of a speculative warm-up was cut short: the verdict on the previous step's optimizer
+    step arrived (``newer`` False), or a sender already redoes this step (``newer`` True)."""
+
+    def __init__(self, newer: bool):
+        super().__init__()
+        self.newer = newer
+
+
+class _Restart(Exception):
+    """The previous step's optimizer step was rolled back: redo this step's actions so far."""
+
+
+class _Inbox:
+    """What other ranks sent to one rank in one step, keyed like ``deps``: ("F", s, j)
+    activation, ("B", s, j) input gradient, or an optimizer's key. Each value carries the attempt
+    of the step it was computed in (0; 1 once a speculative warm-up was redone): a take waits
+    for its own attempt's value and drops older ones. A rank's inboxes of all steps share one
+    condition, so a message for one step wakes a wait in another."""
+
+    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None, where: str = ""):
+        self.rank, self.abort, self.where = rank, abort, where  # where: e.g. " of step 3", for messages
+        self.items: dict[Key, tuple[int, Any]] = {}
+        self.cond = cond if cond is not None else threading.Condition()
+
+    def put(self, key: Key, value: Any, attempt: int = 0) -> None:
+        with self.cond:
+            if key not in self.items or self.items[key][0] <= attempt:  # never older over newer
+                self.items[key] = (attempt, value)
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def take(self, key: Key, timeout: float, action: Action | str, attempt: int = 0, interrupt: Callable[[], bool] | None = None) -> Any:
+        """The value sent under ``key`` in ``attempt``; ``action`` (an Action, or a description
+        such as "the optimizer step") names what waits, for the timeout's message. With
+        ``interrupt``, the wait ends with :class:`_Interrupted` once ``interrupt()`` is true or
+        the value of a later attempt is there."""
+        deadline = time.perf_counter() + timeout
+        with self.cond:
+            while True:
+                if key in self.items:
+                    got, value = self.items[key]
+                    if got == attempt:
+                        del self.items[key]
+                        return value
+                    if got < attempt:
+                        del self.items[key]  # computed before the step was redone: stale
+                    elif interrupt is not None:
+                        raise _Interrupted(newer=True)
+                if interrupt is not None and interrupt():
+                    raise _Interrupted(newer=False)
+                if self.abort.is_set():
+                    raise _Aborted()
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    kind, stage, j = key
+                    what = f"{kind} of stage {stage}, microbatch {j}" if kind in ("F", "B") else f"{kind} from rank {stage}"
+                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}{self.where}: {what} never arrived")
+                self.cond.wait(min(left, 0.5))
+
+
+class _Channel:
+    """What an optimizer step inside rank ``rank``'s thread may exchange with other ranks during
+    one step: ``send(to, key, value)`` into rank ``to``'s inbox, ``take(key)`` from its own
+    (waiting at most the executor's timeout). Keys are ``(tag, rank, 0)`` tuples whose tag is
+    not "F" or "B"; values stay as given (host values such as floats). A rank run by another
+    process is reached through the executor's ``remote``."""
+
+    def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
+        self._executor, self._step, self.rank = executor, step, rank
+
+    def send(self, to: int, key: Key, value: Any) -> None:
+        if to in self._executor.ranks:
+            self._step.inboxes[to].put(key, value)
+        else:  # a rank of another process: through the executor's remote, tagged with the step
+            self._executor.remote(to, key, value, self._step.index)
+
+    def take(self, key: Key, what: str = "the optimizer step") -> Any:
+        return self._step.inboxes[self.rank].take(key, self._executor.timeout, what)
+
+
+class RankUpdate(Protocol):
+    """The optimizer step inside the rank threads (:meth:`PipelineExecutor.run_steps`).
+
+    The executor calls, in rank ``rank``'s thread:
+
+    - ``stage_params(stage)`` before the rank's first action of every step (and again when a
+      warm-up is redone): the stage's current parameters as a tuple of leaves (``tree_leaves``
+      of ``StagedModel.stage_params``) on the stage's device;
+    - ``step(rank, k, grads, channel)`` after the rank's last action of step ``k``: ``grads``
+      maps each of the rank's stages to its gradient sums (tuple of leaves, float32, on the
+      stage's device), gradients of the global-batch mean loss;
+    - ``validate(rank, k, channel) -> bool`` once per step and after the last one: the place to
+      check a speculative step (paper section 4). Without a ``verdict_key`` it is called before
+      the rank's first action of step ``k + 1`` (its return value unused). With
+      ``verdict_key`` (an attribute: the channel key of the message that decides, e.g. the full
+      gradient norm) the rank's warm-up of step ``k + 1`` runs speculatively on the parameters
+      it has, and ``validate`` is called as soon as that message has arrived, at the latest
+      before the rank's first backward; it returns True when it changed the parameters (a
+      rollback), and then every rank must return True for the same step: each redoes its share
+      of step ``k + 1`` so far with the corrected parameters (``StepResult.discarded`` keeps
+      the events of the actions redone);
+    - ``begin(num_steps)``, if it has one, once before the threads start.
+
+    ``channel`` exchanges values with the other ranks' calls of the same step (:class:`_Channel`).
+    """
+
+    def stage_params(self, stage: int) -> tuple: ...
+
+    def step(self, rank: int, k: int, grads: dict, channel: _Channel) -> None: ...
+
+    def validate(self, rank: int, k: int, channel: _Channel) -> bool: ...
+
+
+@dataclass
+class _Step:
+    """State of one step in flight, shared by the rank threads."""
+
+    params: list  # per stage, its parameters as a tuple of leaves (FlatStage's p), on its device
+    acc: list  # per stage gradient sums (tuples of leaves, None before its first W), on its device
+    inputs: list  # per microbatch, on stage 0's device
+    labels: list  # per microbatch, on the last stage's device
+    seed: Any  # d loss / d loss_j = 1/m, on the last stage's device
+    splits: list  # per stage StageSplit
+    inboxes: list
+    t0: float
+    store: dict  # (stage, microbatch) -> what F / B kept
+    losses: dict
+    events: list
+    index: int = 0  # the step's number over the executor's life (remote messages carry it)
+    attempts: dict = field(default_factory=dict)  # rank -> its attempt at this step (1 once its warm-up was redone)
+    discarded: list = field(default_factory=list)  # events of actions redone after a rollback
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
+
+
+class PipelineExecutor:
+    """Runs a schedule on a staged model, one thread per rank, one device per rank.
+
+    Args:
+        model: the :class:`~zbpp_lite.runtime.stages.StagedModel`; its number of stages must be the
+            schedule's.
+        schedule: any valid schedule (validated here, before anything is computed).
+        devices: one device per rank in ``ranks``; default ``jax.devices()[:len(ranks)]``.
+        timeout: seconds a rank may wait for one input before the step fails (an error in any
+            rank stops the others at once; the caller gets it).
+        ranks: the ranks this executor runs (default: all). With some ranks only, each process of
+            a pipeline runs its own (one pinned process per rank, as PyTorch's pipelining does):
+            ``remote(rank, key, value, step)`` must carry what a local rank sends to ``rank``
+            and that process hands it to its executor's ``deliver(key, value, step, rank)``:
+            activations and input gradients (a NumPy-convertible array, ``key`` as
+            :func:`~zbpp_lite.schedules.ir.produces` names it) and an optimizer's messages
+            (:class:`RankUpdate`: small host values such as floats). ``step`` numbers the steps
+            over the executor's life (every process runs the same steps, in the same calls).
+        remote: see ``ranks``.
+
+    Attributes:
+        ranks: the ranks run here; ``local_stages``: their stages; ``stage_devices[s]``: stage s's
+            device, ``None`` for a stage run elsewhere.
+
+    Raises:
+        ScheduleError: an invalid schedule.
+        ValueError: a model with a different number of stages, fewer devices than ranks (the
+            message says how to get simulated CPU devices), an unknown rank, or some ranks
+            without ``remote``.
+    """
+
+    def __init__(
+        self,
+        model: StagedModel,
+        schedule: Schedule,
+        devices: Sequence[Any] | None = None,
+        timeout: float = 120.0,
+        *,
+        ranks: Sequence[int] | None = None,
+        remote: Callable[[int, Key, Any], None] | None = None,
+    ):
+        validate(schedule)
+        if model.num_stages != schedule.num_stages:
+            raise ValueError(
+                f"the schedule has {schedule.num_stages} stages but the model is cut into {model.num_stages}; "
+                f"build StagedModel(parts, num_stages={schedule.num_stages})"
+            )
+        ranks = tuple(range(schedule.num_ranks)) if ranks is None else tuple(ranks)
+        if not ranks or any(r not in range(schedule.num_ranks) for r in ranks) or len(set(ranks)) < len(ranks):
+            raise ValueError(f"ranks must be distinct ranks of the schedule (0..{schedule.num_ranks - 1}), got {list(ranks)}")
+        if len(ranks) < schedule.num_ranks and remote is None:
+            raise ValueError(f"running ranks {list(ranks)} of {schedule.num_ranks} needs remote= to reach the others")
+        if devices is None:
+            devices = jax.devices()
+            if len(devices) < len(ranks):
+                raise ValueError(too_few_devices_message(len(ranks), len(devices)))
+            devices = devices[: len(ranks)]
+        elif len(devices) != len(ranks):
+            raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} devices")
+        self.model, self.schedule, self.timeout = model, schedule, timeout
+        self.ranks, self.remote = ranks, remote
+        on = dict(zip(ranks, devices))
+        self.devices = list(devices)
+        self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
+        self.local_stages = [s for s, r in enumerate(schedule.placement) if r in on]
+        self._lock = threading.Lock()
+        self._current: tuple[int, list] | None = None  # (number of the first, the steps in flight), for deliver()
+        self._pending: list = []  # (step, key, value, rank) that arrived from other processes before its step began
+        self._steps_begun = 0  # steps numbered so far: what remote messages are tagged with
+        self._spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
+        self._spares_for: Any = None  # the microbatch shape the spares have
+        self._handlers: dict[str, Callable] = {
+            "F": self._forward,
+            "B": self._backward_input,
+            "W": self._backward_weight,
+            "BW": self._backward_fused,
+        }
+        self._prepared: dict = {}
+
+    # ------------------------------------------------------------------ checks and set-up
+
+    def microbatch_size(self, x: Any, labels: Any) -> int:
+        """Samples per microbatch for a batch ``x`` (b, ...) with ``labels`` (b,).
+
+        Raises:
+            ValueError: inputs and labels of different lengths, or a batch that does not divide
+                into the schedule's microbatches.
+        """
+        b = np.shape(x)[0]
+        if np.shape(labels)[0] != b:
+            raise ValueError(f"the batch has {b} inputs but {np.shape(labels)[0]} labels")
+        return microbatch_size(b, self.schedule.num_microbatches)
+
+    def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
+        """Every local stage's :class:`~zbpp_lite.runtime.split.StageSplit` for this microbatch shape
+        (``None`` for a stage run elsewhere). The first time a shape is seen, each local stage's
+        F, B, W and BW run once, untimed, on zeros of the right shapes, so the jitted functions
+        are compiled for their devices before anything is timed."""
+        signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
+        if signature in self._prepared:
+            return self._prepared[signature]
+        S = self.model.num_stages
+        shapes = self.model.stage_inputs(x_mb)
+        splits: list = [None] * S
+        kinds = {a.kind for r in self.ranks for a in self.schedule.actions[r]}
+        for s in self.local_stages:
+            device, last = self.stage_devices[s], s == S - 1
+            splits[s] = self.model.split_stage(s, shapes[s], y_mb)
+            flat = splits[s].flat
+            x = jax.device_put(np.zeros(shapes[s].shape, shapes[s].dtype), device)
+            aux = jax.device_put(y_mb, device) if last else None
+            # each twice: new memory, then a spare's; spare=None passed as the handlers pass it
+            # (jit keys its cache on the call's arguments: an omitted default compiles anew)
+            _, res, _ = flat.forward(params[s], x, aux, None)
+            out, res, kept = flat.forward(params[s], x, aux, res)
+            dy = jax.device_put(np.ones(np.shape(out), np.float32), device)
+            if "BW" in kinds:  # twice, as W: a stage's first (no sum yet), then the rest
+                acc = flat.backward_fused(params[s], res, kept, dy, None)[1]
+                jax.block_until_ready(flat.backward_fused(params[s], res, kept, dy, acc))
+            if "B" in kinds or "W" in kinds:
+                _, grads_out = flat.backward_input(params[s], res, dy, None)
+                _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
+                acc = flat.backward_weight(params[s], kept, grads_out, None)
+                jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
+        self._prepared[signature] = splits
+        return splits
+
+    # ------------------------------------------------------------------ the step
+
+    def run(self, params: Params, x: Any, labels: Any) -> StepResult:
+        """Run one step of the schedule: forward and backward of every microbatch, gradients
+        accumulated; no optimizer update. The first step with a new batch shape first runs every
+        stage function once, untimed (compilation).
+
+        Args:
+            params: one parameter pytree per model module (as ``StagedModel.params``); moved
+                to the stages' devices (no copy when already there).
+            x: the global batch (b, ...) float32; labels (b,) integers.
+
+        Raises:
+            ValueError: a batch that does not divide into microbatches (before any compute).
+            TimeoutError: a rank waited longer than ``timeout`` for an input.
+            RuntimeError: an action failed on some rank; the message names rank and action and
+                the original error is chained.
+        """
+        return self.run_steps(params, [(x, labels)])[0]
+
+    def run_steps(self, params: Params, batches: Sequence[tuple[Any, Any]], update: "RankUpdate | None" = None) -> list[StepResult]:
+        """Run several steps back to back, each rank going on to its next step's actions as
+        soon as its own part of the previous step (and of the optimizer step) is done: no
+        barrier between steps, as a training loop on real hardware runs. Without ``update``
+        every step uses ``params`` and nothing is updated (``run`` is one such step).
+
+        ``update`` puts the optimizer step inside the rank threads (:class:`RankUpdate`, e.g.
+        :class:`zbpp_lite.training.postval.optimizer.StageOptimizer`): after a rank's last action of step k it
+        gets that rank's gradient sums (and may exchange values with other ranks, e.g. the
+        global gradient norm), and before the rank's first action of step k+1 it may validate
+        and it gives the stages' current parameters. ``params`` then only sets the shapes.
+
+        Args:
+            params: as :meth:`run`'s.
+            batches: one ``(x, labels)`` per step, each as :meth:`run`'s, all of one shape.
+            update: the optimizer step inside the rank threads, or None.
+
+        Returns:
+            One :class:`StepResult` per step; each step's timeline counts from its own first
+            action, and ``StepResult.start`` gives that moment in seconds since the first step
+            began (so consecutive starts give the period of the training loop).
+
+        With ``ranks`` in other processes (``remote``) every process calls ``run_steps`` with
+        the same number of batches (the same batches), and each runs its own ranks' share.
+
+        Raises:
+            ValueError: no batches or batches of different shapes. Otherwise as :meth:`run`.
+        """
+        if not batches:
+            raise ValueError("run_steps needs at least one (x, labels) batch")
+        shapes = {(np.shape(x), np.shape(y)) for x, y in batches}
+        if len(shapes) > 1:
+            raise ValueError(f"every batch of run_steps must have one shape, got {sorted(shapes)}")
+        S, m = self.model.num_stages, self.schedule.num_microbatches
+        x0, y0 = batches[0]
+        mb = self.microbatch_size(x0, y0)
+        local = self.local_stages
+        stage_params = [_placed(self.model.stage_params(params, s), self.stage_devices[s]) if s in local else None for s in range(S)]
+        leaves = [None if p is None else tuple(jax.tree_util.tree_leaves(p)) for p in stage_params]
+        first, last = self.stage_devices[0], self.stage_devices[-1]
+        splits = self._prepare(leaves, np.asarray(x0)[:mb], np.asarray(y0)[:mb])
+        if self._spares_for != (np.shape(x0), np.shape(y0)):
+            self._spares, self._spares_for = {}, (np.shape(x0), np.shape(y0))
+        seed = jax.device_put(np.float32(1.0 / m), last) if last else None
+        abort = threading.Event()
+        conds = [threading.Condition() for _ in range(self.schedule.num_ranks)]  # a rank's inboxes share one
+        base, steps = self._steps_begun, []
+        remote = len(self.ranks) < self.schedule.num_ranks
+        hint = " (every process must call run_steps with the same number of batches)" if remote else ""
+        inboxes = [[_Inbox(r, abort, conds[r], f" of step {k} (number {base + k} of this executor){hint}" if remote else
+                           (f" of step {k}" if len(batches) > 1 else ""))
+                    for r in range(self.schedule.num_ranks)] for k in range(len(batches))]
+        self._steps_begun += len(batches)
+        for (x, labels), boxes in zip(batches, inboxes):
+            x, labels = np.asarray(x), np.asarray(labels)
+            inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
+            ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
+            steps.append(_Step(
+                params=list(leaves), acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
+                inboxes=boxes, t0=0.0, store={}, losses={}, events=[], index=base + len(steps),
+            ))
+        jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
+        if update is not None and hasattr(update, "begin"):
+            update.begin(len(steps))
+        errors: list[tuple[int, Action | None, BaseException]] = []
+        threads = [
+            threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
+            for r in self.ranks
+        ]
+        with self._lock:  # from now on deliver() puts straight into these steps' inboxes
+            self._current = (base, steps)
+            pending = [p for p in self._pending if base <= p[0] < base + len(steps)]
+            self._pending = [p for p in self._pending if p[0] >= base + len(steps)]  # later calls' (older: dropped)
+        for k, key, value, rank in pending:
+            self._put(steps[k - base], key[:3], value, rank, key[3] if len(key) > 3 else 0)
+        t0 = time.perf_counter()
+        for st in steps:
+            st.t0 = t0
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:  # every wait has its own timeout, so a stuck rank ends by itself
+                t.join()
+        finally:
+            with self._lock:
+                self._current = None
+        if errors:  # a failed step may have left spares half donated
+            self._spares = {}
+        self._raise_first(errors)
+        return [self._result(st, stage_params) for st in steps]
+
+    def _result(self, step: _Step, stage_params: list) -> StepResult:
+        S, m = self.model.num_stages, self.schedule.num_microbatches
+        last = self.stage_devices[-1]
+        losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)])) if last else ()
+        grads = [
+            [None] * len(self.model.parts[s]) if p is None else jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(p), g)
+            for s, (p, g) in enumerate(zip(stage_params, step.acc))
+        ]
+        begin = min((e.start for e in step.events + step.discarded), default=0.0)
+        events = [Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.events]
+        timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
+        loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
+        discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.discarded)
+        return StepResult(loss, losses, self.model.join_stage_params(grads), timeline, begin, discarded, step.t0 + begin)
+
+    @staticmethod
+    def _raise_first(errors) -> None:
+        failures = [e for e in errors if not isinstance(e[2], (_Aborted, TimeoutError))]
+        if failures:
+            rank, action, exc = failures[0]
+            where = f"rank {rank}" + (f" at {action}" if action is not None else "")
+            raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        timeouts = sorted((e for e in errors if isinstance(e[2], TimeoutError)), key=lambda e: e[0])
+        if timeouts:
+            raise TimeoutError("; ".join(str(e[2]) for e in timeouts)) from timeouts[0][2]
+
+    def _rank_loop(self, rank: int, step: _Step, abort: threading.Event, errors: list) -> None:
+        """One rank's actions of one step (the multi-process executor's entry)."""
+        self._rank_steps(rank, [step], None, abort, errors)
+
+    def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event, errors: list) -> None:
+        stages = list(self.schedule.stages_of(rank))
+        speculative = update is not None and getattr(update, "verdict_key", None) is not None
+        at: list = [None]  # the action running or waiting, for error messages
+        try:
+            for k, step in enumerate(steps):
+                if update is not None:
+                    if k and not speculative:  # validate step k-1's optimizer step before this step's first F
+                        update.validate(rank, k - 1, _Channel(self, steps[k - 1], rank))
+                    for s in stages:
+                        step.params[s] = update.stage_params(s)
+                previous = (k - 1, steps[k - 1]) if speculative and k else None  # validated during this warm-up
+                while True:
+                    try:
+                        self._rank_actions(rank, step, at, update, previous)
+                        break
+                    except _Restart:  # step k-1's update was rolled back and redone: so is this warm-up
+                        previous = None
+                        self._redo(rank, step, stages, update)
+                at[0] = None
+                if update is not None:
+                    update.step(rank, k, {s: step.acc[s] for s in stages}, _Channel(self, step, rank))
+            if update is not None:
+                update.validate(rank, len(steps) - 1, _Channel(self, steps[-1], rank))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
+            errors.append((rank, at[0], exc))
+            if not isinstance(exc, TimeoutError):  # a stuck rank lets the others report their own wait
+                abort.set()
+                for st in steps:
+                    for inbox in st.inboxes:
+                        inbox.wake()
+
+    def _rank_actions(self, rank: int, step: _Step, at: list, update, previous: "tuple[int, _Step] | None") -> None:
+        """Rank ``rank``'s actions of ``step`` (``at[0]``: the action under way). With
+        ``previous`` = (k, step k), a speculative warm-up: step k's optimizer step is validated
+        as soon as its verdict arrives (``update.verdict_key``), at the latest before the rank's
+        first backward; raises :class:`_Restart` when the validation rolled the parameters back
+        (paper section 4: the full reduction returns during the next step's warm-up)."""
+        S = self.model.num_stages
+        attempt = step.attempts.get(rank, 0)
+        inbox = step.inboxes[rank]
+        due = previous is not None
+
+        def verdict() -> bool:
+            return update.verdict_key in previous[1].inboxes[rank].items
+
+        def validate() -> None:
+            nonlocal due
+            due = False
+            if update.validate(rank, previous[0], _Channel(self, previous[1], rank)):
+                raise _Restart()
+
+        for action in self.schedule.actions[rank]:
+            at[0] = action
+            if due and (action.kind != "F" or verdict()):
+                validate()
+            received = []
+            for key in deps(action, S):
+                if key[1] == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
+                    continue
+                while True:
+                    try:
+                        value = inbox.take(key, self.timeout, action, attempt, verdict if due else None)
+                        break
+                    except _Interrupted:
+                        validate()  # the verdict is there, or on its way: a sender already redoes this step
+                received.append(value)
+            start = time.perf_counter()
+            ready, message = self._handlers[action.kind](step, action, *received)
+            jax.block_until_ready(ready)
+            end = time.perf_counter()
+            with step.lock:
+                step.events.append(Event(rank, action, start - step.t0, end - step.t0))
+            if message is not None:
+                self._send(step, action, message, attempt)
+        if due:  # a rank with no backward in this step (none in a valid schedule)
+            validate()
+
+    def _redo(self, rank: int, step: _Step, stages: list, update) -> None:
+        """Before redoing rank ``rank``'s share of ``step``: its next attempt, what its actions
+        so far left dropped (their events kept as ``discarded``), the parameters re-read."""
+        step.attempts[rank] = step.attempts.get(rank, 0) + 1
+        for key in [key for key in step.store if key[0] in stages]:
+            del step.store[key]
+        with step.lock:
+            step.discarded += [e for e in step.events if e.rank == rank]
+            step.events[:] = [e for e in step.events if e.rank != rank]
+        for s in stages:
+            step.params[s] = update.stage_params(s)
+
+    def _send(self, step: _Step, action: Action, value: Any, attempt: int = 0) -> None:
+        """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1: to
+        its rank's inbox, or through ``remote`` to the process that runs that rank."""
+        key = produces(action)[0]
+        consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
+        if self.stage_devices[consumer] is None:
+            self.remote(self.schedule.placement[consumer], (*key, attempt), value, step.index)
+        else:
+            self._put(step, key, value, attempt=attempt)
+
+    def _put(self, step: _Step, key: Key, value: Any, rank: int | None = None, attempt: int = 0) -> None:
+        kind, stage, _ = key
+        if kind in ("F", "B"):  # an activation for stage s+1, an input gradient for stage s-1
+            consumer = stage + 1 if kind == "F" else stage - 1
+            step.inboxes[self.schedule.placement[consumer]].put(key, jax.device_put(value, self.stage_devices[consumer]), attempt)
+        else:  # an optimizer's message (RankUpdate) for ``rank``, as sent
+            step.inboxes[rank].put(key, value)
+
+    def deliver(self, key: Key, value: Any, step: int, rank: int | None = None) -> None:
+        """Hand this executor what another process's rank sent it (see ``remote``), for step
+        number ``step`` (as ``remote`` was given it): the activation ("F", s, j, attempt) for
+        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array
+        (``attempt``: 0, or 1 from a warm-up redone after a rollback); or an optimizer's message
+        for local rank ``rank``. Safe from any thread, also before :meth:`run_steps` has begun
+        that step.
+
+        Raises:
+            ValueError: an activation or gradient for no local stage, or an optimizer's message
+                without a local ``rank``.
+        """
+        if key[0] in ("F", "B"):
+            consumer = -1 if len(key) not in (3, 4) else key[1] + 1 if key[0] == "F" else key[1] - 1
+            if not 0 <= consumer < self.model.num_stages or self.stage_devices[consumer] is None:
+                raise ValueError(f"no local stage consumes {key}: an activation ('F', s, j[, attempt]) goes to stage s+1, "
+                                 f"an input gradient ('B', s, j[, attempt]) to stage s-1; this executor runs stages {self.local_stages}")
+        elif rank not in self.ranks:
+            raise ValueError(f"the message {key} needs the local rank it is for (one of {list(self.ranks)}), got rank={rank}")
+        with self._lock:
+            current = self._current
+            if current is None or not current[0] <= step < current[0] + len(current[1]):
+                self._pending.append((step, key, value, rank))
+                return
+            target = current[1][step - current[0]]
+        self._put(target, key[:3], value, rank, key[3] if len(key) > 3 else 0)
+
+    # ------------------------------------------------------------------ handlers: kind -> work
+    # Each returns (what to wait for before the action counts as done, what to send or None).
+    # Dead outputs (B's residuals once B or BW has run, B's output gradients once W has) are kept
+    # as spares: the stage's next F / B writes into their memory (FlatStage's ``spare``). A stage
+    # belongs to one rank thread, so its spares need no lock.
+
+    def _spare(self, kind: str, stage: int) -> Any:
+        spares = self._spares.get((kind, stage))
+        return spares.pop() if spares else None
+
+    def _keep_spare(self, kind: str, stage: int, arrays: tuple) -> None:
+        self._spares.setdefault((kind, stage), []).append(arrays)
+
+    def _forward(self, step: _Step, a: Action, x: Any = None):
+        s, j = a.stage, a.microbatch
+        last = s == self.model.num_stages - 1
+        y, res, kept = step.splits[s].flat.forward(
+            step.params[s], step.inputs[j] if s == 0 else x, step.labels[j] if last else None, self._spare("res", s)
+        )
+        step.store[s, j] = (res, kept)
+        if last:
+            step.losses[j] = y
+        return (y, res, kept), None if last else y
+
+    def _output_grad(self, step: _Step, a: Action, dy: Any) -> Any:
+        return step.seed if a.stage == self.model.num_stages - 1 else dy
+
+    def _backward_input(self, step: _Step, a: Action, dy: Any = None):
+        s, j = a.stage, a.microbatch
+        res, kept = step.store[s, j]
+        dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, self._output_grad(step, a, dy), self._spare("grads", s))
+        step.store[s, j] = (kept, grads_out)
+        self._keep_spare("res", s, res)
+        return (dx, grads_out), dx
+
+    def _backward_weight(self, step: _Step, a: Action):
+        s = a.stage
+        kept, grads_out = step.store.pop((s, a.microbatch))
+        step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
+        self._keep_spare("grads", s, grads_out)
+        return step.acc[s], None
+
+    def _backward_fused(self, step: _Step, a: Action, dy: Any = None):
+        s = a.stage
+        res, kept = step.store.pop((s, a.microbatch))
+        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, self._output_grad(step, a, dy), step.acc[s])
+        self._keep_spare("res", s, res)
+        return (dx, step.acc[s]), dx
+
+
+def run_schedule(
+    schedule: Schedule,
+    model: StagedModel,
+    x: Any,
+    labels: Any,
+    params: Params | None = None,
+    devices: Sequence[Any] | None = None,
+    timeout: float = 120.0,
+) -> StepResult:
+    """Run one step of ``schedule`` on ``model`` (one :meth:`PipelineExecutor.run`).
+
+    ``params`` defaults to the model's own. See :class:`PipelineExecutor` for errors; for many
+    steps keep one executor (its functions compile once).
+    """
+    executor = PipelineExecutor(model, schedule, devices, timeout)
+    return executor.run(model.params if params is None else params, x, labels)
+
+
+def _placed(tree: Any, device) -> Any:
+    """``tree`` on ``device``: as it is when every leaf is already there (a training loop's
+    parameters after the optimizer step: ``jax.device_put`` would cost 0.5 ms per stage of the
+    benchmark job for nothing), else ``jax.device_put(tree, device)``."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    if all(isinstance(a, jax.Array) and a.committed and a.sharding == sharding for a in jax.tree_util.tree_leaves(tree)):
+        return tree
+    return jax.device_put(tree, device)

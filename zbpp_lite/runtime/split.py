@@ -1,0 +1,441 @@
+"""The backward split: one stage's F, B, W and fused BW as jitted pure functions.
+
+Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), section 2: the backward of a
+layer ``y = x W`` is two computations, the input gradient ``dx = dy W^T`` (B, on the critical
+path: the previous stage waits for it) and the weight gradient ``dW = x^T dy`` (W, which can wait
+and fill bubbles). This module splits any stage function that way, without help from the model:
+
+1. The stage ``fn(params, x, aux) -> y`` is traced to a jaxpr (nested ``jit`` calls inlined).
+2. Every operation is marked by what it depends on: the parameters (P), the activations / input
+   / labels (A). A *weight operation* mixes the two: it has an operand that depends on the
+   parameters only (a kernel, a LayerNorm scale, a broadcast bias) and an output that depends on
+   both. Every path from a parameter to the output crosses exactly one weight operation.
+3. F evaluates the stage with a zero "probe" added to each weight operation's output, under
+   ``jax.vjp`` with respect to the input and the probes only (the parameters are constants),
+   and keeps: B's residuals (less the parameters themselves, which B takes as inputs), and W's
+   operands of the weight operations (``x`` of ``x W``, stored as the matrix ``x^T``; the
+   normalised input of a LayerNorm scale; nothing for bias additions).
+4. B runs that pullback: it returns the input gradient and the probes' gradients, which are the
+   gradients of every weight operation's output (each layer's output gradient, each distinct one
+   once), and computes no parameter gradient.
+5. W takes the vjp, with respect to the parameters, of the weight operations alone, evaluated on
+   the kept operands, with those output gradients as cotangents: ``x^T dy`` for a kernel (one
+   plain row-major product on the stored ``x^T``), ``sum(dy)`` for a bias, ``sum(dy * x_hat)``
+   for a scale. No activation is recomputed; the parameter-only operations (reshapes,
+   broadcasts of parameters) are re-derived from the parameters, which costs no product.
+6. BW is B then W in one jitted function, for GPipe and 1F1B.
+
+What each costs on this project's job (d=128, 4 blocks a stage, 32-sample microbatches, one CPU
+core, milliseconds): F 7-8, B 7.5-8, W 5.5-6, BW 11-13: B + W is within 5-10% of BW, the price of
+writing the output gradients in B and reading them again in W (``benchmarks/bench_vs_torch.py``).
+
+``test_split.py`` checks the cost with XLA's own compiled cost analysis: flops(B) + flops(W) is
+within 5% of the fused backward ``jax.vjp`` gives, and flops(W) within 5% of the
+weight-gradient products alone.
+
+Memory (section 2.1's M_B, M_W): F holds B's residuals and W's operands until B; from B to W the
+stage holds W's operands and the output gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+try:  # JAX >= 0.4.30
+    from jax.extend.core import Literal
+except ImportError:  # pragma: no cover - older JAX
+    from jax.core import Literal
+
+_INLINE = {"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2"}
+"""Call primitives whose body is inlined, so weight operations inside them are found. Other
+primitives with a body (``scan``, ``while``, custom derivatives) stay whole: a loop that mixes
+parameters and activations is then one weight operation, and W re-runs that loop's vjp."""
+_OPERAND_FREE = {"add", "sub", "add_any"}
+"""Weight operations whose vjp for the parameter side does not read the other operand."""
+
+
+# ---------------------------------------------------------------------------- flat program
+
+
+@dataclass(frozen=True)
+class _Const:
+    value: Any
+
+
+@dataclass
+class _Node:
+    eqn: Any  # the jaxpr equation (primitive + params)
+    ins: tuple  # refs (int) or _Const
+    outs: tuple[int, ...]
+
+    def run(self, values: Sequence[Any]) -> list:
+        prim = self.eqn.primitive
+        params = prim.get_bind_params(self.eqn.params)
+        sub = ()
+        if isinstance(params, tuple):  # JAX < 0.7 returns (subfuns, params)
+            sub, params = params
+        ctx = getattr(getattr(self.eqn, "ctx", None), "manager", None)
+        if ctx is None:
+            out = prim.bind(*sub, *values, **params)
+        else:
+            with ctx:
+                out = prim.bind(*sub, *values, **params)
+        return list(out) if prim.multiple_results else [out]
+
+
+@dataclass
+class _Program:
+    """A stage's jaxpr as a flat list of nodes over integer refs, with dependence marks."""
+
+    nodes: list[_Node] = field(default_factory=list)
+    avals: dict[int, Any] = field(default_factory=dict)
+    inputs: list[int] = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+
+    def new_ref(self, aval) -> int:
+        ref = len(self.avals)
+        self.avals[ref] = aval
+        return ref
+
+
+def _flatten(prog: _Program, jaxpr, consts: Sequence[Any], ins: Sequence[Any]) -> list:
+    env: dict = {}
+
+    def read(v):
+        return _Const(v.val) if isinstance(v, Literal) else env[v]
+
+    for v, c in zip(jaxpr.constvars, consts):
+        env[v] = _Const(c)
+    for v, r in zip(jaxpr.invars, ins):
+        env[v] = r
+    for eqn in jaxpr.eqns:
+        args = [read(v) for v in eqn.invars]
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        if eqn.primitive.name in _INLINE and inner is not None:
+            closed_consts = getattr(inner, "consts", ())
+            outs = _flatten(prog, getattr(inner, "jaxpr", inner), closed_consts, args)
+        else:
+            outs = [prog.new_ref(v.aval) for v in eqn.outvars]
+            prog.nodes.append(_Node(eqn, tuple(args), tuple(outs)))
+        for v, r in zip(eqn.outvars, outs):
+            env[v] = r
+    return [read(v) for v in jaxpr.outvars]
+
+
+@dataclass(frozen=True)
+class _WeightOp:
+    node: int  # index into the program's nodes
+    weight_inputs: tuple[int, ...]  # operand positions that depend on the parameters only
+    kept_inputs: tuple[int, ...]  # operand positions F keeps for W
+    probed: tuple[int, ...]  # output refs whose gradient B returns
+    matmul: tuple[int, int, int] | None = None  # (rows, k, n) when the op is x (rows, k) @ w (k, n)
+
+
+def _matmul_shape(node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tuple[int, ...], avals) -> tuple[int, int, int] | None:
+    """``(rows, k, n)`` when a weight operation is a plain product ``x @ w`` (a Linear layer):
+    ``dot_general`` of the activation x (lhs) over its trailing dimensions with the parameter w
+    (rhs) over its leading ones, no batch dimensions, one dtype; else ``None``."""
+    eqn = node.eqn
+    if eqn.primitive.name != "dot_general" or weight_inputs != (1,) or kept_inputs != (0,):
+        return None
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    x, w, out = avals[node.ins[0]], avals[node.ins[1]], avals[node.outs[0]]
+    if lb or rb or not lc or not (x.dtype == w.dtype == out.dtype):
+        return None
+    if tuple(lc) != tuple(range(x.ndim - len(lc), x.ndim)) or tuple(rc) != tuple(range(len(rc))):
+        return None
+    k = math.prod(w.shape[: len(rc)])
+    return math.prod(x.shape[: x.ndim - len(lc)]), k, math.prod(w.shape[len(rc) :])
+
+
+@dataclass(frozen=True)
+class FlatStage:
+    """A stage's F, B, W and BW over flat tuples of arrays, for callers that run them many times
+    (the executor): ``p`` is ``tuple(jax.tree_util.tree_leaves(params))`` and gradient sums are
+    tuples of the same shapes, so a call costs no pytree walk over the parameters (tens of
+    microseconds each for Flax NNX state). ``x``, ``aux``, ``dy`` and ``dx`` are as in
+    :class:`StageSplit`. All four are ``jax.jit``-ed.
+
+    - ``forward(p, x, aux, spare=None) -> (y, own, kept)``: ``own`` is B's residuals without
+      the parameters.
+    - ``backward_input(p, own, dy, spare=None) -> (dx, grads_out)``: ``grads_out`` holds each
+      distinct output gradient once (a product and the bias addition after it share one).
+    - ``backward_weight(p, kept, grads_out, acc) -> acc + dparams``, or ``dparams`` when ``acc``
+      is ``None`` (a stage's first W of a step: no zeros to add to).
+    - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``, ``acc`` as in W.
+
+    ``acc`` is donated: its buffers take the sum in place, and the tuple passed in must not be
+    used again. So is ``spare``: arrays no longer needed, of the shapes of the outputs (an
+    earlier microbatch's ``own`` for F, its ``grads_out`` for B), whose memory the outputs take
+    over. Fresh memory costs page faults, tens of microseconds per megabyte on a virtual machine:
+    about 20% of F on this project's 2-core CPU machine, where F writes some 15 MB.
+    """
+
+    forward: Callable
+    backward_input: Callable
+    backward_weight: Callable
+    backward_fused: Callable
+
+
+class StageSplit:
+    """F, B, W and BW of one stage function, for one set of input shapes.
+
+    Args:
+        fn: the stage, a pure ``fn(params, x, aux) -> y`` (any pytrees of arrays; ``aux`` is
+            not differentiated, e.g. the labels of the last stage, or ``None``).
+        params, x, aux: example arguments (only shapes and dtypes are used).
+        input_grad: whether B returns the gradient for ``x`` (False for the first stage, whose
+            input is the data).
+
+    The four functions are pure (arrays in, arrays out) and run jitted programs:
+
+    - ``forward(params, x, aux) -> (y, res, kept)``: the output, B's residuals (a tuple of
+      arrays; the parameters B needs as they are, e.g. a kernel for ``dy W^T``, are among
+      them as the very arrays given, not copies) and W's operands (a tuple of arrays).
+    - ``backward_input(res, dy) -> (dx, grads_out)``: the input gradient (``None`` when
+      ``input_grad`` is false) and every weight operation's output gradient (a tuple).
+    - ``backward_weight(params, kept, grads_out, acc) -> acc + dparams``: the parameter
+      gradients, added to the accumulator ``acc`` (same pytree as ``params``).
+    - ``backward_fused(params, res, kept, dy, acc) -> (dx, acc + dparams)``: B then W.
+
+    ``weight_gradient(params, kept, grads_out)`` is W without the accumulator. ``flat`` holds
+    the same programs over flat tuples of arrays (:class:`FlatStage`), what the executor calls.
+
+    Raises:
+        ValueError: an output that does not depend on the stage input, or a non-float output.
+    """
+
+    def __init__(self, fn: Callable, params: Any, x: Any, aux: Any = None, *, input_grad: bool = True):
+        self.input_grad = input_grad
+        flat, self._in_tree = jax.tree_util.tree_flatten((params, x, aux))
+        self._params_tree = jax.tree_util.tree_structure(params)
+        self._x_tree = jax.tree_util.tree_structure(x)
+        n_p, n_x = self._params_tree.num_leaves, len(jax.tree_util.tree_leaves(x))
+        closed, out_shape = jax.make_jaxpr(lambda *a: fn(*jax.tree_util.tree_unflatten(self._in_tree, a)), return_shape=True)(*flat)
+        self._out_tree = jax.tree_util.tree_structure(out_shape)
+        prog = _Program()
+        prog.inputs = [prog.new_ref(v.aval) for v in closed.jaxpr.invars]
+        prog.outputs = _flatten(prog, closed.jaxpr, closed.consts, prog.inputs)
+        self._prog = prog
+        self._param_refs = prog.inputs[:n_p]
+        self._x_refs = prog.inputs[n_p : n_p + n_x]
+        self._aux_refs = prog.inputs[n_p + n_x :]
+        self._mark()
+        self._res_tree = None  # structure of F's pullback, known once F is traced
+        self._res_params = None  # per residual: the parameter leaf it is, or None (F's trace)
+        self._grads_index = None  # per weight-op output gradient: its place among B's outputs (B's trace)
+        self.flat = FlatStage(
+            forward=jax.jit(self._forward_flat, donate_argnums=3, keep_unused=True),
+            backward_input=jax.jit(self._backward_input_flat, donate_argnums=3, keep_unused=True),
+            backward_weight=jax.jit(self._backward_weight_flat, donate_argnums=3),
+            backward_fused=jax.jit(self._backward_fused_flat, donate_argnums=4),
+        )
+        self.backward_input = jax.jit(self._backward_input)
+        self.weight_gradient = jax.jit(self._weight_gradient)
+        self.backward_weight = jax.jit(self._backward_weight)
+        self.backward_fused = jax.jit(self._backward_fused)
+
+    def forward(self, params, x, aux):
+        """F: ``(y, res, kept)``; see the class docstring."""
+        p = tuple(jax.tree_util.tree_leaves(params))
+        y, own, kept = self.flat.forward(p, x, aux)
+        return y, self._residuals(p, own), kept
+
+    # ------------------------------------------------------------------ analysis
+
+    def _mark(self) -> None:
+        prog = self._prog
+        on_p = set(self._param_refs)  # depends on the parameters
+        on_a = set(self._x_refs) | set(self._aux_refs)  # depends on input or labels
+        weight_ops = []
+        for i, node in enumerate(prog.nodes):
+            refs = [r for r in node.ins if isinstance(r, int)]
+            p, a = any(r in on_p for r in refs), any(r in on_a for r in refs)
+            if p:
+                on_p.update(node.outs)
+            if a:
+                on_a.update(node.outs)
+            if not (p and a):
+                continue
+            weight = tuple(k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_p and r not in on_a)
+            if not weight:
+                continue  # parameters reach this op only through activations: not a weight op
+            kept = () if node.eqn.primitive.name in _OPERAND_FREE else tuple(
+                k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_a
+            )
+            probed = tuple(r for r in node.outs if jnp.issubdtype(prog.avals[r].dtype, jnp.inexact))
+            weight_ops.append(_WeightOp(i, weight, kept, probed, _matmul_shape(node, weight, kept, prog.avals)))
+        for r in prog.outputs:
+            if not isinstance(r, int) or r not in on_a:
+                raise ValueError("a stage output does not depend on the stage input; every output must come from x")
+            if not jnp.issubdtype(prog.avals[r].dtype, jnp.inexact):
+                raise ValueError(f"stage outputs must be floating point to be differentiated, got {prog.avals[r].dtype}")
+        self._on_a, self._on_p = on_a, on_p
+        self.weight_ops = tuple(weight_ops)
+        kept_by_op = [(op, prog.nodes[op.node].ins[k]) for op in weight_ops for k in op.kept_inputs]
+        self._kept_refs = tuple(dict.fromkeys(r for op, r in kept_by_op if op.matmul is None))
+        # x of a product x @ w is kept as the (k, rows) matrix x^T: W's dw = x^T dy is then a plain
+        # row-major product, where x (rows, k) contracted over its rows makes XLA's CPU backend
+        # transpose dy or take a slower product (1.5-2x on this model's W).
+        self._kept_t_refs = tuple(dict.fromkeys((r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None))
+        self._probe_refs = tuple(r for op in weight_ops for r in op.probed)
+
+    @property
+    def weight_primitives(self) -> tuple[str, ...]:
+        """The primitive of every weight operation, in program order (``dot_general`` for a
+        matrix product, ``mul`` for a scale, ``add`` for a bias, ...)."""
+        return tuple(self._prog.nodes[op.node].eqn.primitive.name for op in self.weight_ops)
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _evaluate(self, p_leaves, x_leaves, aux_leaves, probes: dict[int, Any]) -> dict[int, Any]:
+        prog = self._prog
+        env = dict(zip(self._param_refs, p_leaves))
+        env.update(zip(self._x_refs, x_leaves))
+        env.update(zip(self._aux_refs, aux_leaves))
+        for node in prog.nodes:
+            outs = node.run([r.value if isinstance(r, _Const) else env[r] for r in node.ins])
+            for r, v in zip(node.outs, outs):
+                env[r] = v + probes[r] if r in probes else v
+        return env
+
+    def _read(self, env, r):
+        return r.value if isinstance(r, _Const) else env[r]
+
+    def _forward_flat(self, p_leaves, x, aux, spare=None):
+        x_leaves, aux_leaves = jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(aux)
+        # zeros_like keeps x's varying mesh axes inside shard_map (zbpp_lite.runtime.spmd); plain zeros elsewhere
+        zeros = tuple(jnp.zeros_like(x_leaves[0], shape=self._prog.avals[r].shape, dtype=self._prog.avals[r].dtype) for r in self._probe_refs)
+
+        def run(xs, probes):
+            env = self._evaluate(p_leaves, xs, aux_leaves, dict(zip(self._probe_refs, probes)))
+            y = [self._read(env, r) for r in self._prog.outputs]
+            kept = [env[r] for r in self._kept_refs] + [env[r].reshape(shape).T for r, shape in self._kept_t_refs]
+            return jax.tree_util.tree_unflatten(self._out_tree, y), tuple(kept)
+
+        if self.input_grad:
+            y, pullback, kept = jax.vjp(run, tuple(x_leaves), zeros, has_aux=True)
+        else:
+            y, pullback, kept = jax.vjp(lambda probes: run(tuple(x_leaves), probes), zeros, has_aux=True)
+        res, self._res_tree = jax.tree_util.tree_flatten(pullback)
+        # B needs some parameters as they are (a kernel for dx = dy W^T): those are not F's
+        # outputs (a copy of the kernels per microbatch) but B's inputs, passed through.
+        self._res_params = tuple(next((i for i, p in enumerate(p_leaves) if r is p), None) for r in res)
+        return y, tuple(r for r, i in zip(res, self._res_params) if i is None), kept
+
+    def _residuals(self, p_leaves, own):
+        """B's residuals in the pullback's order: F's outputs ``own`` with the parameters put back."""
+        if self._res_params is None:
+            raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
+        rest = iter(own)
+        return tuple(next(rest) if i is None else p_leaves[i] for i in self._res_params)
+
+    def _backward_input(self, res, dy):
+        if self._res_tree is None:
+            raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
+        grads = jax.tree_util.tree_unflatten(self._res_tree, list(res))(dy)
+        if self.input_grad:
+            dx_leaves, grads_out = grads
+            return jax.tree_util.tree_unflatten(self._x_tree, list(dx_leaves)), tuple(grads_out)
+        (grads_out,) = grads
+        return None, tuple(grads_out)
+
+    def _weight_gradient(self, params, kept, grads_out):
+        g_leaves = self._weight_gradient_flat(tuple(jax.tree_util.tree_leaves(params)), kept, grads_out)
+        return jax.tree_util.tree_unflatten(self._params_tree, list(g_leaves))
+
+    def _weight_gradient_flat(self, p_leaves, kept, grads_out):
+        prog = self._prog
+        kept_env = dict(zip(self._kept_refs, kept))
+        kept_t = dict(zip((r for r, _ in self._kept_t_refs), kept[len(self._kept_refs) :]))
+
+        def weight_operands(p_leaves):  # parameter-only and constant operations, never activations
+            env = dict(zip(self._param_refs, p_leaves))
+            for node in prog.nodes:
+                if any(r in self._on_a for r in node.outs):
+                    continue
+                outs = node.run([self._read(env, r) for r in node.ins])
+                env.update(zip(node.outs, outs))
+            return tuple(tuple(env[prog.nodes[op.node].ins[k]] for k in op.weight_inputs) for op in self.weight_ops)
+
+        operands, pullback = jax.vjp(weight_operands, tuple(p_leaves))
+        constants: dict = {}  # operations on constants only (an iota, a mask)
+        for node in prog.nodes:
+            if not any(r in self._on_a or r in self._on_p for r in node.outs):
+                constants.update(zip(node.outs, node.run([self._read(constants, r) for r in node.ins])))
+        grads = iter(grads_out)
+        cotangents = []  # of every weight operation's parameter operands
+        for op, weights in zip(self.weight_ops, operands):
+            node, dys = prog.nodes[op.node], tuple(next(grads) for _ in op.probed)
+            if op.matmul is not None:  # dw = x^T dy
+                rows, _, n = op.matmul
+                cotangents.append(((kept_t[node.ins[0]] @ dys[0].reshape(rows, n)).reshape(weights[0].shape),))
+                continue
+
+            def outputs(*weights, node=node, op=op):
+                values = []
+                for k, r in enumerate(node.ins):
+                    if k in op.weight_inputs:
+                        values.append(weights[op.weight_inputs.index(k)])
+                    elif isinstance(r, _Const) or r not in self._on_a:
+                        values.append(self._read(constants, r))
+                    elif k in op.kept_inputs:
+                        values.append(kept_env[r])
+                    else:  # an operand this op's parameter vjp does not read (bias addition)
+                        values.append(jnp.zeros_like(weights[0], shape=prog.avals[r].shape, dtype=prog.avals[r].dtype))
+                out = dict(zip(node.outs, node.run(values)))
+                return tuple(out[r] for r in op.probed)
+
+            cotangents.append(jax.vjp(outputs, *weights)[1](dys))
+        (g_leaves,) = pullback(tuple(cotangents))
+        return tuple(g_leaves)
+
+    def _backward_weight(self, params, kept, grads_out, acc):
+        grads = self._weight_gradient(params, kept, grads_out)
+        return jax.tree_util.tree_map(jnp.add, acc, grads)
+
+    def _backward_fused(self, params, res, kept, dy, acc):
+        dx, grads_out = self._backward_input(res, dy)
+        return dx, self._backward_weight(params, kept, grads_out, acc)
+
+    # flat programs: parameters and gradient sums as tuples of leaves (see FlatStage)
+
+    def _backward_input_flat(self, p_leaves, own, dy, spare=None):
+        dx, grads_out = self._backward_input(self._residuals(p_leaves, own), dy)
+        # A Linear's product and its bias addition (a LayerNorm's scale and shift) have one
+        # output gradient: B writes it once, W reads it for both.
+        first: dict[int, int] = {}
+        self._grads_index = tuple(first.setdefault(id(g), len(first)) for g in grads_out)
+        return dx, tuple({id(g): g for g in grads_out}.values())
+
+    def _backward_weight_flat(self, p_leaves, kept, grads_out, acc):
+        if self._grads_index is None:
+            raise RuntimeError("StageSplit: call backward_input before backward_weight (W reads B's output gradients)")
+        grads = self._weight_gradient_flat(p_leaves, kept, tuple(grads_out[i] for i in self._grads_index))
+        return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
+
+    def _backward_fused_flat(self, p_leaves, own, kept, dy, acc):
+        dx, grads_out = self._backward_input_flat(p_leaves, own, dy)
+        return dx, self._backward_weight_flat(p_leaves, kept, grads_out, acc)
+
+
+def compiled_flops(fn: Callable, *args: Any) -> float:
+    """XLA's own flop count of ``jax.jit(fn)`` compiled for ``args`` (the backend's cost analysis).
+
+    ``cost_analysis()`` returns a dict in recent JAX and a list with one dict per computation in
+    older versions; both are handled.
+
+    Raises:
+        RuntimeError: the backend reports no flop count.
+    """
+    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0] if analysis else {}
+    if not analysis or "flops" not in analysis:
+        raise RuntimeError("this JAX backend's cost analysis reports no 'flops'")
+    return float(analysis["flops"])

@@ -1,0 +1,14 @@
+"""Layer 1, schedules: what a pipeline does and how long it takes, in pure Python (no JAX).
+
+- :mod:`.ir`: ``Action``, ``Schedule``, placements, dependencies, PyTorch's text and CSV forms;
+- :mod:`.costs`: ``Costs`` (T_F, T_B, T_W, T_BW, T_comm, M_B, M_W), per stage;
+- :mod:`.timeline`: ``Timeline`` and ``Event``, planned or measured (makespan, bubble rate, memory);
+- :mod:`.validate`: completeness, order and deadlock freedom, errors naming rank, step and rule;
+- :mod:`.simulate`: event-driven (and lockstep) timing of a schedule under costs;
+- :mod:`.formulas`: the papers' closed forms (bubble rates and makespans) the simulator is checked against;
+- :mod:`.builders`: one module per schedule family and the registry by name (the automatic
+  builders plan by simulating, so they sit on top of this layer).
+
+May import: nothing of zbpp_lite outside this package, and never JAX (a test checks both), so
+widgets stay responsive and planning takes milliseconds.
+"""

@@ -1,0 +1,93 @@
+"""Interleaved 1F1B and looped BFS: v stages per rank, looped placement (stage s on rank s % p).
+
+Interleaved 1F1B (Narayanan et al., SC 2021, section 2.2): microbatches go through the rank's
+stages in groups of p; with v stages per rank, each stage has 1/v of the layers, so the bubble
+of 1F1B, (p-1)(T_F+T_B+T_W) for whole-rank costs, shrinks to (p-1)(T_F+T_B+T_W)/v when m is a
+multiple of p; activation memory grows to about (1 + (p-1)/(p v)) times 1F1B's.
+
+Looped BFS (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2023; PyTorch's
+ScheduleLoopedBFS): each rank runs all microbatches through one stage before the next, then all
+backwards in reverse stage order: GPipe over the looped placement.
+"""
+
+from __future__ import annotations
+
+from ..ir import Action, Schedule, looped_placement
+from ..validate import ScheduleError, execution_order
+from ._common import assemble, check_sizes
+
+
+def _check_v(name: str, stages_per_rank: int) -> None:
+    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
+        raise ValueError(f"{name}: stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
+
+
+def _interleaved_order(p: int, m: int, v: int, rank: int, backward: bool) -> list[tuple[int, int]]:
+    """(stage, microbatch) in the order a rank visits them: groups of p microbatches, each group
+    through the rank's stages (in reverse stage order for the backward)."""
+    order = []
+    for g0 in range(0, m, p):
+        group = range(g0, min(g0 + p, m))
+        chunks = range(v - 1, -1, -1) if backward else range(v)
+        for c in chunks:
+            order += [(rank + c * p, j) for j in group]
+    return order
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """Interleaved 1F1B with ``stages_per_rank`` (v) stages per rank, looped placement.
+
+    Warm-up on rank r: 2(p-r-1) + (v-1)p forwards (Megatron-LM's count), then one F one BW,
+    then the remaining BW. Any m >= 1 is accepted; when m is not a multiple of p the last group
+    is partial, the warm-up is lengthened by the fewest forwards that avoid a deadlock, and the
+    bubble and memory are larger than with m a multiple of p.
+
+    Raises:
+        ValueError: num_ranks, num_microbatches or stages_per_rank below 1.
+    """
+    check_sizes("interleaved-1f1b", num_ranks, num_microbatches)
+    _check_v("interleaved-1f1b", stages_per_rank)
+    p, m, v = num_ranks, num_microbatches, stages_per_rank
+    # With a partial last group (m % p != 0) Megatron's warm-up can deadlock; lengthen every
+    # rank's warm-up by the fewest extra forwards that make the schedule run.
+    for extra in range(m * v + 1):
+        rows = [_interleaved_row(p, m, v, r, extra) for r in range(p)]
+        schedule = assemble("interleaved-1f1b", rows, looped_placement(p, p * v), m)
+        try:
+            execution_order(schedule)
+            return schedule
+        except ScheduleError:
+            continue
+    raise AssertionError(f"builder bug: interleaved-1f1b found no deadlock-free warm-up for p={p}, m={m}, v={v}")
+
+
+def _interleaved_row(p: int, m: int, v: int, r: int, extra: int) -> list[Action]:
+    fwd = [Action("F", s, j) for s, j in _interleaved_order(p, m, v, r, backward=False)]
+    bwd = [Action("BW", s, j) for s, j in _interleaved_order(p, m, v, r, backward=True)]
+    warmup = min(len(fwd), 2 * (p - r - 1) + (v - 1) * p + extra)
+    row = fwd[:warmup]  # warm-up: F x (2(p-r-1) + (v-1)p)
+    for f, b in zip(fwd[warmup:], bwd):  # steady: F, BW
+        row += [f, b]
+    row += bwd[len(fwd) - warmup :]  # cool-down: the remaining BW
+    return row
+
+
+def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
+    """Looped BFS: on each rank, F of every microbatch stage by stage, then BW in reverse stage and
+    microbatch order (as PyTorch's ScheduleLoopedBFS).
+
+    Peak activation memory v * m * M_B (per stage units); bubble as GPipe's divided by v.
+
+    Raises:
+        ValueError: num_ranks, num_microbatches or stages_per_rank below 1.
+    """
+    check_sizes("looped-bfs", num_ranks, num_microbatches)
+    _check_v("looped-bfs", stages_per_rank)
+    p, m, v = num_ranks, num_microbatches, stages_per_rank
+    rows = []
+    for r in range(p):
+        stages = [r + c * p for c in range(v)]
+        row = [Action("F", s, j) for s in stages for j in range(m)]  # all F, stage by stage
+        row += [Action("BW", s, j) for s in reversed(stages) for j in reversed(range(m))]  # all BW, reversed
+        rows.append(row)
+    return assemble("looped-bfs", rows, looped_placement(p, p * v), m)

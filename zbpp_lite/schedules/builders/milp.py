@@ -1,0 +1,350 @@
+"""The exact optimum for small instances: the paper's ILP solved with SciPy's HiGHS (pure Python + SciPy).
+
+Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), section 3.2
+and appendix ("ILP formulation"): one end-time variable per action, an ordering binary for every
+two actions on one rank that no dependency orders, the memory limit checked at every F, and the
+objective the longest per-rank span. The heuristic's plan bounds the search from above (its
+makespan caps the objective and sets the big-M), and a time limit ends the search with the best
+schedule found and its proven gap.
+
+Modelling choices, so that the MILP's objective is exactly :func:`zbpp_lite.simulate`'s makespan:
+
+- every stage runs its F, its B and its W in microbatch order (as every builder here does, and as
+  the paper's ILP assumes), so the optimum is over all such schedules;
+- a rank's span is measured from its first F, whose start no schedule can change: the first F of
+  a rank is its first action, and (for one-stage-per-rank, looped and V placements) the F of
+  microbatch 0 reaches it along a chain of first actions, so its start is a constant. The MILP
+  fixes it to that constant, and its objective is then the simulated makespan of the optimal order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from ..costs import Costs, CostTable
+from ..ir import Action, Schedule, looped_placement
+from ..simulate import simulate
+from ..validate import ScheduleError, validate
+from ._common import check_sizes
+from .auto import search_one_stage
+from .greedy import per_rank_limits, rank_stage_memory
+from .zb_v import search_v
+
+_KINDS = ("F", "B", "W")
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    """The outcome of :func:`solve_optimal`.
+
+    Attributes:
+        schedule: the best schedule found (the heuristic's when the solver found nothing better).
+        makespan: its simulated makespan (the costs' time unit).
+        lower_bound: a proven lower bound on the optimal makespan.
+        gap: (makespan - lower_bound) / makespan; 0 when proven optimal (up to HiGHS's tolerance).
+        status: "optimal" (proven: the gap is below 1e-6), "time_limit" (stopped by the time limit
+            with a schedule better than the heuristic's; ``gap`` says how far from optimal it can
+            be) or "heuristic" (stopped before finding anything better than the heuristic's
+            schedule, which is returned with its proven gap).
+        heuristic_makespan: the makespan of the heuristic schedule that bounded the search.
+        seconds: wall-clock time of the solve.
+        memory_limit: the per-rank limit used (units of Costs.mem_b).
+    """
+
+    schedule: Schedule
+    makespan: float
+    lower_bound: float
+    gap: float
+    status: str
+    heuristic_makespan: float
+    seconds: float
+    memory_limit: tuple[float, ...]
+
+
+def solve_optimal(
+    num_ranks: int,
+    num_microbatches: int,
+    costs: Costs | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+    time_limit: float = 60.0,
+    *,
+    placement: Sequence[int] | None = None,
+) -> MilpResult:
+    """The makespan-optimal schedule under a per-rank memory limit, by MILP (paper appendix).
+
+    Args:
+        num_ranks: p >= 1.
+        num_microbatches: m >= 1. The model has 3 * stages * m end times and about
+            1.5 * m^2 ordering binaries per stage; p <= 4, m <= 8 solves in seconds.
+        costs: per-stage times and memory (default unit costs).
+        memory_limit: per-rank activation-memory limit in units of Costs.mem_b (a number or one per
+            rank); default p times a rank's stages' mem_b (1F1B's peak, as zb-1p).
+        time_limit: seconds HiGHS may search before returning the best found.
+        placement: stage -> rank; default one stage per rank. The V placement
+            (:func:`zbpp_lite.v_placement`) and looped placements are supported exactly.
+
+    Returns:
+        A :class:`MilpResult`: the optimum, or the best found and its proven gap.
+
+    Raises:
+        ValueError: bad sizes, costs with the wrong number of per-stage values, or a memory limit
+            below the smallest feasible one (the message names it).
+    """
+    check_sizes("solve_optimal", num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    placement = tuple(looped_placement(p, p) if placement is None else placement)
+    if 1 + max(placement) != p or sorted(set(placement)) != list(range(p)):
+        raise ValueError(f"solve_optimal: placement {placement} must use every rank 0 .. {p - 1}")
+    costs = costs or Costs()
+    table = costs.table(len(placement))
+    if memory_limit is None:
+        memory_limit = [p * x for x in rank_stage_memory(placement, table)]
+    limits = per_rank_limits("solve_optimal", memory_limit, placement, table)
+    t0 = time.perf_counter()
+    heuristic = _heuristic(placement, m, table, limits)
+    h_span = simulate(heuristic, costs, check=False).makespan
+    model = _Model(placement, m, table, limits, h_span)
+    res = milp(
+        model.objective,
+        integrality=model.integrality,
+        bounds=Bounds(model.lower, model.upper),
+        constraints=LinearConstraint(model.matrix, model.row_lower, model.row_upper),
+        options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-7},
+    )
+    seconds = time.perf_counter() - t0
+    best, best_span = heuristic, h_span
+    if res.x is not None:
+        candidate = model.schedule(res.x)
+        if candidate is not None:
+            timeline = simulate(candidate, costs, check=False)
+            if timeline.makespan < best_span - 1e-9 * max(1.0, best_span) and all(
+                peak <= lim + 1e-6 for peak, lim in zip(timeline.peak_memory, limits)
+            ):
+                best, best_span = candidate, timeline.makespan
+    lower = model.lower[model.n + model.p]  # busy time and the warm-up bound: proven without search
+    bound = res.fun if res.status == 0 else getattr(res, "mip_dual_bound", None)
+    if bound is not None and np.isfinite(bound):
+        lower = max(lower, float(bound))
+    lower = min(lower, best_span)
+    gap = max(0.0, (best_span - lower) / best_span) if best_span > 0 else 0.0
+    if gap <= 1e-6:
+        status = "optimal"
+    elif res.x is not None and best is not heuristic:
+        status = "time_limit"
+    else:
+        status = "heuristic"
+    return MilpResult(best, best_span, lower, gap, status, h_span, seconds, tuple(limits))
+
+
+def _heuristic(placement: tuple[int, ...], m: int, table: CostTable, limits: list[float]) -> Schedule:
+    """The greedy schedule that bounds the MILP: zb-auto's search, or zb-v's for two stages per rank."""
+    p = 1 + max(placement)
+    if len(placement) == p:
+        plan = search_one_stage(placement, m, table, limits)
+    else:
+        plan = search_v(placement, m, table, limits)
+    return plan.schedule(placement, m, "zb-milp")
+
+
+class _Model:
+    """The ILP of the paper's appendix as sparse arrays for ``scipy.optimize.milp``."""
+
+    def __init__(self, placement, m, table: CostTable, limits, upper_bound: float):
+        self.placement, self.m, self.table = placement, m, table
+        S = self.S = len(placement)
+        p = 1 + max(placement)
+        self.nodes = [(k, s, j) for k in _KINDS for s in range(S) for j in range(m)]
+        index = self.index = {node: i for i, node in enumerate(self.nodes)}
+        n = len(self.nodes)
+        cost = np.array([table.time(k, s) for k, s, _ in self.nodes])
+        rank = [placement[s] for _, s, _ in self.nodes]
+        self.busy = [sum(cost[i] for i in range(n) if rank[i] == r) for r in range(p)]
+
+        def lag(a: int, b: int) -> float:
+            return table.transfer(a, b) if placement[a] != placement[b] else 0.0
+
+        # dependencies (pred, succ, lag): the paper's graph plus microbatch order per stage and kind
+        edges = []
+        for s in range(S):
+            for j in range(m):
+                f, b, w = index["F", s, j], index["B", s, j], index["W", s, j]
+                if s > 0:
+                    edges.append((index["F", s - 1, j], f, lag(s - 1, s)))
+                if s < S - 1:
+                    edges.append((index["B", s + 1, j], b, lag(s + 1, s)))
+                edges.append((f, b, 0.0))
+                edges.append((b, w, 0.0))
+                if j > 0:
+                    for k in _KINDS:
+                        edges.append((index[k, s, j - 1], index[k, s, j], 0.0))
+        preds = [[] for _ in range(n)]
+        succs = [[] for _ in range(n)]
+        for a, b, l in edges:
+            preds[b].append((a, l))
+            succs[a].append(b)
+        order = _topological(n, preds, succs)
+        earliest = [0.0] * n  # earliest end time, resources ignored
+        for i in order:
+            earliest[i] = max((earliest[a] + l for a, l in preds[i]), default=0.0) + cost[i]
+        reach = [0] * n  # bitset of descendants
+        for i in reversed(order):
+            bits = 0
+            for b in succs[i]:
+                bits |= reach[b] | (1 << b)
+            reach[i] = bits
+
+        # the span origin of each rank: the start of its first F, a constant when reached by first actions
+        first_stage = [min(s for s in range(S) if placement[s] == r) for r in range(p)]
+        fixed = [all(first_stage[placement[k]] == k for k in range(first_stage[r] + 1)) for r in range(p)]
+        origin = [earliest[index["F", first_stage[r], 0]] - table.f[first_stage[r]] for r in range(p)]
+
+        # variables: end times E (n), origins O (p), objective z (1), ordering binaries y
+        pairs = []
+        by_rank = [[i for i in range(n) if rank[i] == r] for r in range(p)]
+        for r in range(p):
+            ids = by_rank[r]
+            for x in range(len(ids)):
+                for y in range(x + 1, len(ids)):
+                    a, b = ids[x], ids[y]
+                    if not (reach[a] >> b) & 1 and not (reach[b] >> a) & 1:
+                        pairs.append((a, b))
+        self.pairs = pairs
+        nz = n + p
+        nvar = n + p + 1 + len(pairs)
+        big = upper_bound + float(cost.max())
+        rows, cols, vals, lo, hi = [], [], [], [], []
+
+        def row(entries, low, high):
+            r_ = len(lo)
+            for c_, v in entries:
+                rows.append(r_)
+                cols.append(c_)
+                vals.append(v)
+            lo.append(low)
+            hi.append(high)
+
+        for a, b, l in edges:  # E_b - E_a >= lag + c_b
+            row([(b, 1.0), (a, -1.0)], l + cost[b], np.inf)
+        for q, (a, b) in enumerate(pairs):  # y = 1: a before b; y = 0: b before a
+            y = nz + 1 + q
+            row([(b, 1.0), (a, -1.0), (y, -big)], cost[b] - big, np.inf)
+            row([(a, 1.0), (b, -1.0), (y, big)], cost[a], np.inf)
+        for r in range(p):
+            f0 = index["F", first_stage[r], 0]
+            row([(f0, 1.0), (n + r, -1.0)], table.f[first_stage[r]], np.inf)  # O_r <= start of first F
+            for s in range(S):
+                if placement[s] == r:  # z >= E[W(s, m-1)] - O_r (the rank's last action ends its span)
+                    row([(nz, 1.0), (index["W", s, m - 1], -1.0), (n + r, 1.0)], 0.0, np.inf)
+        # the paper's strengthening: the span covers each action's end plus the work after it on its rank
+        after: dict[int, list[tuple[int, float]]] = {i: [] for i in range(n)}
+        after_constant = [0.0] * n
+        for q, (a, b) in enumerate(pairs):
+            y = nz + 1 + q
+            after[a].append((y, -cost[b]))  # b follows a  <=>  y == 1
+            after[b].append((y, cost[a]))  # a follows b  <=>  y == 0
+            after_constant[b] += cost[a]
+        for i in range(n):
+            r = rank[i]
+            following = sum(cost[x] for x in by_rank[r] if x != i and (reach[i] >> x) & 1)
+            row([(nz, 1.0), (i, -1.0), (n + r, 1.0), *after[i]], following + after_constant[i], np.inf)
+        # memory, checked after every F: what the rank holds then, by the order the binaries choose
+        delta = [table.memory_delta(k, s) for k, s, _ in self.nodes]
+        partner: dict[int, list[tuple[int, int, bool]]] = {i: [] for i in range(n)}
+        for q, (a, b) in enumerate(pairs):
+            partner[a].append((b, nz + 1 + q, False))  # b before a  <=>  y == 0
+            partner[b].append((a, nz + 1 + q, True))  # a before b  <=>  y == 1
+        for i in range(n):
+            k, s, _ = self.nodes[i]
+            if k != "F":
+                continue
+            r = rank[i]
+            constant = delta[i] + sum(delta[x] for x in by_rank[r] if x != i and (reach[x] >> i) & 1)
+            entries = []
+            for other, y, before_if_one in partner[i]:
+                if delta[other] == 0.0:
+                    continue
+                if before_if_one:
+                    entries.append((y, delta[other]))
+                else:
+                    constant += delta[other]
+                    entries.append((y, -delta[other]))
+            row(entries, -np.inf, limits[r] - constant + 1e-9)
+
+        self.matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
+        self.row_lower, self.row_upper = np.array(lo), np.array(hi)
+        self.objective = np.zeros(nvar)
+        self.objective[nz] = 1.0
+        self.integrality = np.zeros(nvar)
+        self.integrality[nz + 1 :] = 1
+        lower = np.zeros(nvar)
+        upper = np.full(nvar, np.inf)
+        lower[:n] = earliest
+        z_upper = upper_bound * (1 + 1e-6) + 1e-6  # slack for HiGHS's presolve tolerances
+        for i in range(n):
+            if fixed[rank[i]]:
+                upper[i] = origin[rank[i]] + z_upper
+        for r in range(p):
+            if fixed[r]:
+                lower[n + r] = upper[n + r] = origin[r]
+            else:
+                lower[n + r] = -np.inf
+        warmup = [_warmup_bound(r, placement, table, limits, earliest, index, origin, self.busy, m) for r in range(p)]
+        lower[nz] = max([*self.busy, *(warmup[r] for r in range(p) if fixed[r])])
+        upper[nz] = z_upper
+        upper[nz + 1 :] = 1.0
+        self.lower, self.upper = lower, upper
+        self.n, self.p = n, p
+        self.topo_rank = {i: x for x, i in enumerate(order)}
+
+    def schedule(self, x: np.ndarray) -> Schedule | None:
+        """Per-rank action lists ordered by the solution's start times; None if they do not validate."""
+        p = 1 + max(self.placement)
+        rows: list[list[tuple[float, int, Action]]] = [[] for _ in range(p)]
+        for i, (k, s, j) in enumerate(self.nodes):
+            start = float(x[i]) - self.table.time(k, s)
+            rows[self.placement[s]].append((round(start, 6), self.topo_rank[i], Action(k, s, j)))
+        actions = [[a for _, _, a in sorted(row)] for row in rows]
+        schedule = Schedule(actions, self.placement, self.m, "zb-milp")
+        try:
+            validate(schedule)
+        except ScheduleError:
+            return None
+        return schedule
+
+
+def _warmup_bound(r, placement, table: CostTable, limits, earliest, index, origin, busy, m) -> float:
+    """A lower bound on rank r's span: before its first B can start the rank can only run F, and
+    only as many as fit its memory limit, so the rest of that interval is idle."""
+    stages = [s for s in range(len(placement)) if placement[s] == r]
+    first_b = min(earliest[index["B", s, 0]] - table.b[s] for s in stages)
+    window = first_b - origin[r]
+    # the most F time that fits in memory: a fractional knapsack over the rank's stages (an upper bound)
+    room, fill = limits[r], 0.0
+    for s in sorted(stages, key=lambda x: -(table.f[x] / table.mem_b[x]) if table.mem_b[x] > 0 else -np.inf):
+        if table.mem_b[s] <= 0:
+            fill += m * table.f[s]
+            continue
+        count = min(m, room / table.mem_b[s])
+        fill += count * table.f[s]
+        room -= count * table.mem_b[s]
+    return busy[r] + max(0.0, window - min(window, fill))
+
+
+def _topological(n: int, preds, succs) -> list[int]:
+    indegree = [len(pr) for pr in preds]
+    ready = [i for i in range(n) if indegree[i] == 0]
+    order = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for b in succs[i]:
+            indegree[b] -= 1
+            if indegree[b] == 0:
+                ready.append(b)
+    return order

@@ -1,0 +1,56 @@
+"""One registry of schedule builders by name: ``SCHEDULES`` and ``build_schedule``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from ..ir import Schedule
+
+Builder = Callable[..., Schedule]
+
+SCHEDULES: dict[str, Builder] = {}
+"""Registered builders: name -> ``(num_ranks, num_microbatches, **options) -> Schedule``."""
+
+
+def register(name: str, builder: Builder) -> Builder:
+    """Add ``builder`` under ``name`` (lower case, dashes). Raises ValueError on a duplicate."""
+    if name in SCHEDULES:
+        raise ValueError(f"schedule {name!r} is already registered")
+    SCHEDULES[name] = builder
+    return builder
+
+
+def options_of(name: str) -> dict[str, Any]:
+    """The keyword options a builder accepts beyond (num_ranks, num_microbatches), with defaults
+    (``inspect.Parameter.empty`` where required)."""
+    params = list(inspect.signature(lookup(name)).parameters.values())[2:]
+    return {p.name: p.default for p in params}
+
+
+def lookup(name: str) -> Builder:
+    """The builder registered as ``name``; ValueError listing the valid names otherwise."""
+    key = name.strip().lower().replace("_", "-")
+    if key not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
+    return SCHEDULES[key]
+
+
+def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
+    """Build the schedule registered as ``name`` for p = ``num_ranks`` and m = ``num_microbatches``.
+
+    ``options`` go to the builder (``stages_per_rank`` for interleaved ones; ``costs`` and
+    ``memory_limit`` for the automatic ones); unknown options are refused.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones), an option the builder
+            does not take, or sizes the builder cannot support (its message says what works).
+    """
+    builder = lookup(name)
+    accepted = options_of(name)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"schedule {name!r} takes no option(s) {unknown}; it accepts: {', '.join(accepted) or 'none'}"
+        )
+    return builder(num_ranks, num_microbatches, **options)

@@ -1,0 +1,128 @@
+"""zb-v: the V-shaped zero-bubble schedule, planned from costs under a memory limit.
+
+Source: Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241, section 6, ZB-V) and
+Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024 (arXiv 2405.15362,
+sections 3-4). Each rank holds two stages in the V placement (:func:`zbpp_lite.v_placement`):
+stage s on rank s if s < p else 2p-1-s, so a microbatch's forward goes down the ranks and back up,
+and rank 0 holds both the first and the last stage.
+
+The plan is the shared greedy engine (:mod:`zbpp_lite.schedules.builders.greedy`) with a staged search:
+first over warm-up caps (how many chunk-0 F a rank runs before its first B: none, or a fraction of
+the memory limit decreasing along the ranks), then over the paper's binary choices for the two best
+caps; 44 greedy runs, the shortest makespan wins, then a short local search polishes it
+(:func:`zbpp_lite.schedules.builders.greedy.improve`).
+
+What it achieves (units: a whole rank's layers for one microbatch, "M_B of a rank", which is the
+sum of the rank's two stages' ``Costs.mem_b``; the default limit is p of them, 1F1B's peak):
+
+- T_F = T_B = T_W, T_comm = 0, m >= 2p: zero bubble and peak memory exactly p whole-rank units
+  (the handcrafted ZB-V's figures, paper section 6);
+- any m >= 1: a valid schedule. The handcrafted ZB-V needs m >= 2p-1 microbatches to fill the V's
+  round trip; below 2p this plan still works but pays a bubble (unit costs, 8 ranks: bubble rate
+  0.127 at m = 8 and 0.040 at m = 12, against 0 from m = 16), memory staying within the limit;
+- the paper's profiled setting (per stage T_F 14.407, T_B 14.380, T_W 9.676, T_comm 1.610,
+  p = 16, m = 48, limit p whole-rank units): bubble rate 0.0453 (paper: 0.0697).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..costs import Costs, CostTable
+from ..ir import Schedule, v_placement
+from ._common import check_sizes
+from .greedy import Plan, Rules, best_plan, improve, per_rank_limits, plan, rank_stage_memory
+
+V_ORDERS = ((("B", 1), ("B", 0), ("F", 1), ("F", 0)), (("B", 0), ("B", 1), ("F", 1), ("F", 0)))
+"""Priority orders tried: backward first (the chunk nearer the loss, or the other), then chunk-1 F."""
+
+CAP_SHAPES = (None,) + tuple((a, slope) for a in (0.5, 0.625, 0.75, 0.875, 1.0) for slope in (0.0, 0.5, 1.0))
+"""Warm-up caps tried: none, or round(a * (L - 1) - slope * r) chunk-0 F on rank r, where L is the
+rank's memory limit in units of its chunk-0 stage's mem_b."""
+
+
+def whole_rank_memory(placement: Sequence[int], table: CostTable) -> list[float]:
+    """Per rank, one microbatch's activations on all its stages (M_B of a whole rank's layers)."""
+    return rank_stage_memory(placement, table)
+
+
+def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Sequence[float]):
+    """The per-rank warm-up caps of one :data:`CAP_SHAPES` entry (None: no cap)."""
+    if shape is None:
+        return None
+    a, slope = shape
+    p = 1 + max(placement)
+    caps = []
+    for r in range(p):
+        first = min(s for s in range(len(placement)) if placement[s] == r)
+        unit = table.mem_b[first]
+        room = limits[r] / unit if unit > 0 else 2.0 * len(placement)
+        caps.append(max(1, round(a * (room - 1) - slope * r)))
+    return tuple(caps)
+
+
+def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float], keep: int = 2) -> Plan:
+    """The staged search: caps first (with and without the warm-up fit), then the binary choices and
+    the second priority order for the ``keep`` best caps."""
+    scored = []
+    for shape in CAP_SHAPES:
+        caps = warmup_caps(shape, placement, table, limits)
+        for fit_f in (False, True):
+            result = plan(placement, m, table, limits, Rules(order=V_ORDERS[0], fit_f=fit_f, warmup_cap=caps))
+            scored.append((result.makespan, max(result.peak_memory), len(scored), result, caps))
+    scored.sort(key=lambda x: x[:3])
+    best_caps: list = []
+    for *_, caps in scored:
+        if caps not in best_caps:
+            best_caps.append(caps)
+        if len(best_caps) == keep:
+            break
+    refine = [
+        Rules(order=order, fill_partial=fill_partial, fit_f=fit_f, warmup_cap=caps)
+        for caps in best_caps
+        for order in V_ORDERS
+        for fill_partial in (False, True)
+        for fit_f in (False, True)
+        if order != V_ORDERS[0] or fill_partial
+    ]
+    best = best_plan(placement, m, table, limits, [scored[0][3].rules, *refine])
+    return improve(best, placement, m, table, limits)[0]
+
+
+def v_limits(
+    name: str, factor: int, num_ranks: int, costs: Costs | None, memory_limit
+) -> tuple[list[float], CostTable]:
+    """Resolve a V schedule's per-rank limit: ``memory_limit`` if given, else ``factor`` whole-rank units."""
+    placement = v_placement(num_ranks)
+    table = (costs or Costs()).table(len(placement))
+    if memory_limit is None:
+        memory_limit = [factor * x for x in whole_rank_memory(placement, table)]
+    return per_rank_limits(name, memory_limit, placement, table), table
+
+
+def zb_v(
+    num_ranks: int,
+    num_microbatches: int,
+    *,
+    costs: Costs | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+) -> Schedule:
+    """ZB-V: two stages per rank in the V placement, zero bubble where the memory allows.
+
+    Args:
+        num_ranks: p >= 1; the schedule has 2p stages.
+        num_microbatches: m >= 1 (m >= 2p for the zero-bubble figures; fewer still works, see the
+            module docstring for the cost).
+        costs: per-stage costs, one value per stage of the 2p (or scalars); a stage holds half a
+            rank's layers.
+        memory_limit: per-rank activation-memory limit in units of Costs.mem_b (a number or one per
+            rank). Default: p times the rank's two stages' mem_b, i.e. p whole-rank M_B, 1F1B's peak.
+
+    Raises:
+        ValueError: sizes below 1, costs with the wrong number of per-stage values, or a limit below
+            one microbatch on both of a rank's stages (the message names the smallest feasible one).
+    """
+    check_sizes("zb-v", num_ranks, num_microbatches)
+    limits, table = v_limits("zb-v", num_ranks, num_ranks, costs, memory_limit)
+    placement = v_placement(num_ranks)
+    return search_v(placement, num_microbatches, table, limits).schedule(placement, num_microbatches, "zb-v")

@@ -1,0 +1,146 @@
+"""Per-action costs and the activation-memory model (pure Python).
+
+Source: Qi et al., arXiv 2401.10241, section 2.1 and table 1: T_F, T_B, T_W are the times of one
+stage's F, B and W on one microbatch, T_comm the point-to-point transfer time between ranks; F
+allocates M_B of activations, B frees M_B - M_W of them and keeps M_W until W frees the rest.
+A fused BW costs T_B + T_W and frees M_B, unless a measured T_BW says otherwise: on a real device
+the split has a price (the weight operations' output gradients are written by B and read back by
+W, and two programs are launched instead of one), so a fused BW may cost less than B and W apart.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+Number = Union[int, float]
+PerStage = Union[Number, Sequence[Number]]
+
+
+def _per_stage(value: PerStage, num_stages: int, name: str) -> tuple[float, ...]:
+    if isinstance(value, numbers.Real):
+        return (float(value),) * num_stages
+    values = tuple(float(v) for v in value)
+    if len(values) != num_stages:
+        raise ValueError(
+            f"Costs.{name} has {len(values)} per-stage values but the schedule has {num_stages} "
+            "stages; give one value per stage or a single scalar"
+        )
+    return values
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Action times (any consistent unit; the executor uses seconds) and memory per stage.
+
+    Every field is a scalar (same for every stage) or a sequence with one value per stage.
+
+    Attributes:
+        f: T_F, forward time of one stage on one microbatch.
+        b: T_B, input-gradient backward time.
+        w: T_W, weight-gradient backward time.
+        bw: T_BW, the fused backward's time, or None (the default): b + w, the paper's model.
+            Measured, it is often below b + w (the split's own cost); the automatic scheduler
+            then fuses a B with the W right after it wherever that does not lengthen the
+            schedule (:func:`zbpp_lite.schedules.builders.greedy.fuse_backward`).
+        comm: T_comm, time to move an activation or gradient to another rank (none on one rank).
+            A scalar, or one value per stage: the cost of sending that stage's output onward
+            (or its input gradient backward).
+        mem_b: M_B, activation memory F allocates and B releases (minus mem_w), e.g. bytes or
+            "units of one stage's activations for one microbatch" (the default 1.0).
+        mem_w: M_W, the part of M_B still held after B until W.
+
+    Raises:
+        ValueError: a negative, NaN or infinite value, or mem_w > mem_b.
+    """
+
+    f: PerStage = 1.0
+    b: PerStage = 1.0
+    w: PerStage = 1.0
+    comm: PerStage = 0.0
+    mem_b: PerStage = 1.0
+    mem_w: PerStage = 0.0
+    bw: PerStage | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("f", "b", "w", "comm", "mem_b", "mem_w", "bw"):
+            value = getattr(self, name)
+            if value is None and name == "bw":
+                continue
+            values = [value] if isinstance(value, numbers.Real) else list(value)
+            if any(not (math.isfinite(v) and v >= 0) for v in values):
+                raise ValueError(f"Costs.{name} must be finite numbers >= 0, got {value}")
+            if isinstance(value, numbers.Real):
+                object.__setattr__(self, name, float(value))
+            else:
+                object.__setattr__(self, name, tuple(float(v) for v in values))
+
+    def table(self, num_stages: int) -> "CostTable":
+        """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages.
+
+        Raises:
+            ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b.
+        """
+        fields = {k: _per_stage(getattr(self, k), num_stages, k) for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
+        bw = tuple(b + w for b, w in zip(fields["b"], fields["w"])) if self.bw is None else _per_stage(self.bw, num_stages, "bw")
+        t = CostTable(**fields, bw=bw)
+        bad = [s for s in range(num_stages) if t.mem_w[s] > t.mem_b[s]]
+        if bad:
+            raise ValueError(f"mem_w exceeds mem_b on stage(s) {bad}: W's share M_W is part of M_B")
+        return t
+
+    @classmethod
+    def uniform(cls, value: float = 1.0) -> "Costs":
+        """T_F = T_B = T_W = value, no communication: the paper's idealised setting."""
+        return cls(f=value, b=value, w=value)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Costs resolved to one value per stage; the only place action costs are looked up."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    comm: tuple[float, ...]
+    mem_b: tuple[float, ...]
+    mem_w: tuple[float, ...]
+    bw: tuple[float, ...] = ()  # T_BW per stage (b + w unless measured)
+
+    def __post_init__(self) -> None:
+        if not self.bw:
+            object.__setattr__(self, "bw", tuple(b + w for b, w in zip(self.b, self.w)))
+
+    def costs(self) -> "Costs":
+        """These per-stage values as :class:`Costs` again."""
+        return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm, mem_b=self.mem_b, mem_w=self.mem_w, bw=self.bw)
+
+    def time(self, kind: str, stage: int) -> float:
+        """Duration of one action; BW costs T_BW (T_B + T_W unless measured)."""
+        if kind == "F":
+            return self.f[stage]
+        if kind == "B":
+            return self.b[stage]
+        if kind == "W":
+            return self.w[stage]
+        if kind == "BW":
+            return self.bw[stage]
+        raise ValueError(f"unknown action kind {kind!r}")
+
+    def memory_delta(self, kind: str, stage: int) -> float:
+        """Change of activation memory an action causes: F +M_B, B -(M_B-M_W), W -M_W, BW -M_B."""
+        if kind == "F":
+            return self.mem_b[stage]
+        if kind == "B":
+            return -(self.mem_b[stage] - self.mem_w[stage])
+        if kind == "W":
+            return -self.mem_w[stage]
+        if kind == "BW":
+            return -self.mem_b[stage]
+        raise ValueError(f"unknown action kind {kind!r}")
+
+    def transfer(self, producer_stage: int, consumer_stage: int) -> float:
+        """T_comm for a dependency from one stage to another (the sending side's value)."""
+        return self.comm[producer_stage]

@@ -1,0 +1,158 @@
+"""Timeline: what happened (or would happen) on every rank, simulated or measured (pure Python).
+
+One type for both, so planned and measured runs are compared like for like.
+
+Definitions (Qi et al., arXiv 2401.10241, section 3 and DESIGN.md): a rank's span runs from the
+start of its first F to the end of its last action; the makespan is the longest span; the bubble
+rate is (makespan - busy) / makespan where busy is the busiest rank's total compute time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .costs import Costs, CostTable
+from .ir import Action, Schedule
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action's execution: ``rank`` ran ``action`` from ``start`` to ``end`` (same unit as the
+    costs; seconds for measured timelines)."""
+
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per-rank events and the figures derived from them.
+
+    Attributes:
+        events: every :class:`Event`, sorted by (rank, start).
+        num_ranks: p.
+        makespan: longest per-rank span, first F start to last action end.
+        bubble_rate: (makespan - busy) / makespan, busy = the busiest rank's compute time.
+        busy: per-rank total compute time.
+        peak_memory: per-rank peak activation memory (units of the costs' mem_b / mem_w).
+        idle_gaps: per rank, the (start, end) intervals inside its span where it ran nothing.
+        memory_limit: the per-rank limit the schedule was planned for, if any (for figures).
+        source: "simulated" or "measured".
+    """
+
+    events: tuple[Event, ...]
+    num_ranks: int
+    makespan: float
+    bubble_rate: float
+    busy: tuple[float, ...]
+    peak_memory: tuple[float, ...]
+    idle_gaps: tuple[tuple[tuple[float, float], ...], ...]
+    memory_limit: float | None = None
+    source: str = "simulated"
+
+    @classmethod
+    def from_events(
+        cls,
+        events: Sequence[Event],
+        num_ranks: int,
+        costs: Costs | CostTable | None = None,
+        num_stages: int | None = None,
+        memory_limit: float | None = None,
+        source: str = "simulated",
+        gap_tolerance: float = 1e-9,
+    ) -> "Timeline":
+        """Derive makespan, bubble rate, peak memory and idle gaps from raw events.
+
+        Memory follows each rank's own action order (only a rank's own actions change its
+        memory): F adds M_B, B frees M_B - M_W, W frees M_W, BW frees M_B. Without ``costs``,
+        M_B = 1 and M_W = 0 (units of one stage's activations for one microbatch).
+        Gaps shorter than ``gap_tolerance`` are ignored (float noise).
+        """
+        events = tuple(sorted(events, key=lambda e: (e.rank, e.start, e.end)))
+        if num_stages is None:
+            num_stages = 1 + max((e.action.stage for e in events), default=0)
+        table = costs.table(num_stages) if isinstance(costs, Costs) else costs
+        if table is None:
+            table = Costs().table(num_stages)
+        per_rank: list[list[Event]] = [[] for _ in range(num_ranks)]
+        for e in events:
+            per_rank[e.rank].append(e)
+        spans, busy, peaks, gaps = [], [], [], []
+        for row in per_rank:
+            busy.append(sum(e.duration for e in row))
+            firsts = [e.start for e in row if e.action.kind == "F"] or [e.start for e in row]
+            spans.append(max(e.end for e in row) - min(firsts) if row else 0.0)
+            mem = peak = 0.0
+            rank_gaps = []
+            for prev, e in zip([None, *row], row):
+                mem += table.memory_delta(e.action.kind, e.action.stage)
+                peak = max(peak, mem)
+                if prev is not None and e.start - prev.end > gap_tolerance:
+                    rank_gaps.append((prev.end, e.start))
+            peaks.append(peak)
+            gaps.append(tuple(rank_gaps))
+        makespan = max(spans, default=0.0)
+        work = max(busy, default=0.0)
+        rate = (makespan - work) / makespan if makespan > 0 else 0.0
+        return cls(events, num_ranks, makespan, max(rate, 0.0), tuple(busy), tuple(peaks), tuple(gaps), memory_limit, source)
+
+    @property
+    def global_span(self) -> float:
+        """First start to last end over all ranks: the step time when the optimizer step waits
+        for every rank (a synchronous gradient-norm clip or NaN check, paper section 4). It
+        exceeds the makespan when ranks start and end at different times (ZB-H2's
+        parallelogram); post-validation lets each rank step as soon as it ends, so the step
+        time falls back to the makespan."""
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    @property
+    def sync_bubble(self) -> float:
+        """Idle time a synchronous optimizer step adds per step: global_span - makespan."""
+        return self.global_span - self.makespan
+
+    def rank_events(self, rank: int) -> tuple[Event, ...]:
+        """Events of one rank in time order."""
+        return tuple(e for e in self.events if e.rank == rank)
+
+    @property
+    def bubble_time(self) -> tuple[float, ...]:
+        """Per rank: total idle time inside its span."""
+        return tuple(sum(b - a for a, b in g) for g in self.idle_gaps)
+
+    def memory_curve(self, rank: int, costs: Costs | CostTable | None = None) -> list[tuple[float, float]]:
+        """(time, activation memory) steps for one rank: memory rises at an F's start and falls at
+        a backward's end."""
+        stages = 1 + max((e.action.stage for e in self.events), default=0)
+        table = costs.table(stages) if isinstance(costs, Costs) else (costs or Costs().table(stages))
+        changes = []
+        for e in self.rank_events(rank):
+            delta = table.memory_delta(e.action.kind, e.action.stage)
+            changes.append((e.start if delta > 0 else e.end, delta))
+        changes.sort(key=lambda c: (c[0], c[1]))
+        mem, curve = 0.0, [(0.0, 0.0)]
+        for t, d in changes:
+            mem += d
+            curve.append((t, mem))
+        return curve
+
+    def summary(self) -> str:
+        """One line: makespan, bubble rate, peak memory."""
+        peaks = ", ".join(f"{p:g}" for p in self.peak_memory)
+        return f"makespan {self.makespan:.6g}  bubble rate {self.bubble_rate:.4f}  peak memory per rank [{peaks}]"
+
+
+def with_schedule_order(timeline: Timeline, schedule: Schedule) -> bool:
+    """True when the timeline's per-rank event order matches the schedule's action lists."""
+    return all(
+        tuple(e.action for e in timeline.rank_events(r)) == tuple(schedule.actions[r])
+        for r in range(schedule.num_ranks)
+    )

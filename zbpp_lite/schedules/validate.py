@@ -1,0 +1,184 @@
+"""The validator: is a schedule complete, ordered, and free of deadlock? (pure Python)
+
+``validate(schedule)`` checks, in this order, and raises :class:`ScheduleError` naming the rank,
+the step (position in that rank's list), the action and the rule it breaks, with the rank x step
+grid around the offending step marked:
+
+1. every action's stage and microbatch exist, and the action sits on the rank its stage is placed on;
+2. completeness: every (stage, microbatch) has exactly one F and either one BW or one B and one W;
+3. order within a rank: what an action needs from its own rank comes earlier in that rank's list
+   (F before B, B before W, F of stage s-1 before F of stage s where both live on one rank, ...);
+4. deadlock freedom: when every rank runs its list in order with blocking receives, all finish.
+
+Dependencies come from :func:`zbpp_lite.schedules.ir.deps` (paper section 2, figure 1).
+"""
+
+from __future__ import annotations
+
+
+from .ir import Action, Key, Schedule, deps, produces
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run as written. ``rank``, ``step`` and ``action`` locate the problem
+    (``None`` where it has no single place, e.g. a missing action)."""
+
+    def __init__(self, message: str, rank: int | None = None, step: int | None = None, action: Action | None = None):
+        super().__init__(message)
+        self.rank, self.step, self.action = rank, step, action
+
+
+def describe(action: Action) -> str:
+    """``B(stage 1, microbatch 3) [1I3]``: readable and in PyTorch notation."""
+    return f"{action.kind}(stage {action.stage}, microbatch {action.microbatch}) [{action}]"
+
+
+def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, window: int = 8) -> str:
+    """The rank x step grid in PyTorch notation; ``mark=(rank, step)`` brackets one cell.
+
+    With a mark, only ``window`` steps either side of it are shown.
+    """
+    lo, hi = 0, max((len(r) for r in schedule.actions), default=0)
+    if mark is not None:
+        lo, hi = max(0, mark[1] - window), min(hi, mark[1] + window + 1)
+    width = max([len(str(a)) for _, a in schedule] + [3]) + 2
+    lines = ["step    " + "".join(f"{i:>{width}}" for i in range(lo, hi))]
+    for rank, row in enumerate(schedule.actions):
+        cells = []
+        for i in range(lo, hi):
+            text = str(row[i]) if i < len(row) else ""
+            if mark == (rank, i):
+                text = f"[{text}]"
+            cells.append(f"{text:>{width}}")
+        lines.append(f"rank {rank:<3}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def _fail(schedule: Schedule, message: str, rank: int | None = None, step: int | None = None) -> None:
+    action = schedule.actions[rank][step] if rank is not None and step is not None else None
+    where = f"rank {rank}, step {step}: " if rank is not None and step is not None else ""
+    grid = format_grid(schedule, (rank, step) if action is not None else None)
+    raise ScheduleError(f"{where}{message}\n{grid}", rank, step, action)
+
+
+def _rule(action: Action, key: Key, num_stages: int) -> str:
+    kind, stage, _ = key
+    if action.kind == "F":
+        return f"forward order: F of stage {stage} must come before F of stage {action.stage}"
+    if action.kind == "W":
+        return "B before W: the weight gradient needs the output gradient B kept"
+    if kind == "F" and action.stage == num_stages - 1:
+        return "the last stage's backward comes after its own F (which computed the loss)"
+    if kind == "F":
+        return "F before B: the backward needs the activations its own F kept"
+    return f"backward order: B of stage {stage} must come before B of stage {action.stage}"
+
+
+def _check_structure(schedule: Schedule) -> None:
+    S, m = schedule.num_stages, schedule.num_microbatches
+    if schedule.num_ranks < 1:
+        raise ScheduleError("a schedule needs at least one rank")
+    if m < 1:
+        raise ScheduleError(f"num_microbatches must be >= 1, got {m}")
+    for rank, row in enumerate(schedule.actions):
+        for step, a in enumerate(row):
+            if a.stage >= S:
+                _fail(schedule, f"{describe(a)} names stage {a.stage}, but stages are 0 .. {S - 1}", rank, step)
+            if a.microbatch >= m:
+                _fail(schedule, f"{describe(a)} names microbatch {a.microbatch}, but microbatches are 0 .. {m - 1}", rank, step)
+            if schedule.placement[a.stage] != rank:
+                _fail(
+                    schedule,
+                    f"{describe(a)} runs on rank {rank} but stage {a.stage} is placed on rank "
+                    f"{schedule.placement[a.stage]}",
+                    rank,
+                    step,
+                )
+    # completeness: count what every action produces; F once, B once, W once (BW gives B and W)
+    seen: dict[Key, tuple[int, int]] = {}
+    for rank, row in enumerate(schedule.actions):
+        for step, a in enumerate(row):
+            for key in produces(a):
+                if key in seen:
+                    r0, s0 = seen[key]
+                    _fail(
+                        schedule,
+                        f"{describe(a)} duplicates {describe(schedule.actions[r0][s0])} (rank {r0}, "
+                        f"step {s0}): each (stage, microbatch) needs exactly one F and either one BW "
+                        "or one B and one W",
+                        rank,
+                        step,
+                    )
+                seen[key] = (rank, step)
+    missing = [(k, s, j) for s in range(S) for j in range(m) for k in "FBW" if (k, s, j) not in seen]
+    if missing:
+        names = {"F": "F", "B": "B (or BW)", "W": "W (or BW)"}
+        shown = ", ".join(f"{names[k]} of stage {s}, microbatch {j} (rank {schedule.placement[s]})" for k, s, j in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ScheduleError(f"incomplete schedule: missing {shown}{more}\n{format_grid(schedule)}")
+    # order within a rank
+    for rank, row in enumerate(schedule.actions):
+        position = {key: i for i, a in enumerate(row) for key in produces(a)}
+        for step, a in enumerate(row):
+            for key in deps(a, S):
+                if key in position and position[key] > step:
+                    need = row[position[key]]
+                    _fail(
+                        schedule,
+                        f"{describe(a)} comes before {describe(need)} (step {position[key]}) on the same "
+                        f"rank; rule: {_rule(a, key, S)}",
+                        rank,
+                        step,
+                    )
+
+
+def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
+    """A global order of (rank, step) in which every rank runs its list in order and every action
+    starts only after what it needs: the dependency walk shared by the validator and simulator.
+
+    Raises:
+        ScheduleError: deadlock; the message names every stuck rank's head action and what it
+            waits for.
+    """
+    S = schedule.num_stages
+    rows = schedule.actions
+    needs = [[deps(a, S) for a in row] for row in rows]
+    cursor = [0] * len(rows)
+    done: set[Key] = set()
+    order: list[tuple[int, int]] = []
+    remaining = sum(len(r) for r in rows)
+    while remaining:
+        moved = False
+        for rank, row in enumerate(rows):
+            i = cursor[rank]
+            while i < len(row) and all(k in done for k in needs[rank][i]):
+                done.update(produces(row[i]))
+                order.append((rank, i))
+                i += 1
+            if i != cursor[rank]:
+                remaining -= i - cursor[rank]
+                cursor[rank] = i
+                moved = True
+        if not moved:
+            stuck = []
+            for rank, row in enumerate(rows):
+                if cursor[rank] < len(row):
+                    a = row[cursor[rank]]
+                    waits = [k for k in needs[rank][cursor[rank]] if k not in done]
+                    what = ", ".join(f"{k[0]} of stage {k[1]}, microbatch {k[2]} (rank {schedule.placement[k[1]]})" for k in waits)
+                    stuck.append(f"rank {rank} step {cursor[rank]}: {describe(a)} waits for {what}")
+            first = next(r for r in range(len(rows)) if cursor[r] < len(rows[r]))
+            _fail(schedule, "deadlock: no rank can make progress with blocking receives\n  " + "\n  ".join(stuck), first, cursor[first])
+    return order
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check a schedule; return it unchanged if valid.
+
+    Raises:
+        ScheduleError: the first problem found, naming rank, step, action and rule, with the
+            rank x step grid (PyTorch notation; the bad cell in brackets).
+    """
+    _check_structure(schedule)
+    execution_order(schedule)
+    return schedule

@@ -1,0 +1,436 @@
+"""Detect and remove bubbles in a real run: profile, attribute, rebalance, re-plan, train (JAX).
+
+:func:`adapt` is what ``python -m zbpp_lite adapt`` and the notebooks call:
+
+1. *before*: train a few steps with ZB-H1 on the original partition (with ``imbalance`` > 1 a
+   deliberately uneven one: the last stage holds ``imbalance`` times the blocks of each other
+   stage, :func:`zbpp_lite.analysis.rebalance.imbalanced_parts`), measuring every step;
+2. *detect*: per-stage T_F, T_B, T_W and T_comm from those steps (:func:`zbpp_lite.analysis.profiling.timelines.profile`)
+   and every idle gap attributed to its cause (:func:`zbpp_lite.analysis.attribute.attribute`);
+3. *rebalance*: time every model part alone (:func:`zbpp_lite.analysis.profiling.parts.profile_parts`), scale
+   the times to the measured run (:func:`zbpp_lite.analysis.rebalance.calibrate`) and choose the partition
+   with the smallest largest stage (:func:`zbpp_lite.analysis.rebalance.best_partition`), adopted when that
+   stage is predicted ``min_gain`` cheaper;
+4. *re-plan*: zb-auto under the memory limit (:func:`zbpp_lite.analysis.replan.replan`) from the measured
+   per-stage costs, with the costs of the parts that moved shifted to their new stages
+   (:func:`zbpp_lite.analysis.rebalance.moved_costs`), adopted when predicted faster than ZB-H1 by
+   ``min_gain``;
+5. *after*: keep training (same parameters and optimizer state) with the new partition and plan,
+   re-planning online every ``every`` steps when the measured costs drift
+   (:class:`zbpp_lite.analysis.replan.OnlineReplanner`).
+
+A partition or a schedule changes only where each computation runs and in which order, never what
+is computed: the first step of every plan is checked against the unpartitioned model's gradients.
+Source: Qi et al., arXiv 2401.10241, sections 2-3 (costs, bubbles, the automatic scheduler).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..analysis.attribute import Attribution, attribute
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from .data import Digits, load_digits
+from ..runtime.stages import microbatch_size
+from ..analysis.profiling.timelines import CostProfile, profile
+from ..analysis.rebalance import (
+    PartCosts,
+    Parts,
+    best_partition,
+    calibrate,
+    imbalanced_parts,
+    moved_costs,
+    partition_cost,
+)
+from ..analysis.replan import OnlineReplanner, replan
+from ..schedules.ir import Schedule
+from ..schedules.timeline import Timeline
+from .reference import jitted_adamw
+
+
+@dataclass
+class Phase:
+    """One stretch of training with one partition.
+
+    Attributes:
+        parts: the layer-to-stage partition (``parts[s]``: module indices of stage s).
+        schedules: the schedule of every step (the online re-planner may change it).
+        timelines: every step's measured timeline.
+        losses: every step's global-batch mean loss.
+        grad_max_rel_error: the worst max|g - g_ref| / max|g_ref| over the checked steps (the first
+            step of every plan), against the unpartitioned model (None when not checked).
+        loss_error: the worst |loss - loss_ref| over the same steps.
+    """
+
+    parts: Parts
+    schedules: list[Schedule] = field(default_factory=list)
+    timelines: list[Timeline] = field(default_factory=list, repr=False)
+    losses: list[float] = field(default_factory=list)
+    grad_max_rel_error: float | None = None
+    loss_error: float | None = None
+
+    def _timed(self) -> list[Timeline]:
+        return self.timelines[1:] or self.timelines
+
+    @property
+    def makespan(self) -> float:
+        """Median measured makespan (seconds) over the steps after the phase's first."""
+        return statistics.median(t.makespan for t in self._timed())
+
+    @property
+    def bubble_rate(self) -> float:
+        """Median measured bubble rate over the steps after the phase's first."""
+        return statistics.median(t.bubble_rate for t in self._timed())
+
+    @property
+    def measured(self) -> Timeline:
+        """The step with the median makespan (after the phase's first)."""
+        timed = sorted(self._timed(), key=lambda t: t.makespan)
+        return timed[len(timed) // 2]
+
+    @property
+    def measured_schedule(self) -> Schedule:
+        """The schedule that produced :attr:`measured`."""
+        chosen = self.measured
+        return next(s for s, t in zip(self.schedules, self.timelines) if t is chosen)
+
+    def to_json(self) -> dict:
+        return {
+            "parts": [list(p) for p in self.parts],
+            "schedule": self.schedules[-1].name or "custom",
+            "makespan": self.makespan,
+            "bubble_rate": self.bubble_rate,
+            "grad_max_rel_error": self.grad_max_rel_error,
+            "loss_error": self.loss_error,
+            "steps": [
+                {"loss": loss, "makespan": t.makespan, "bubble_rate": t.bubble_rate, "schedule": s.name or "custom"}
+                for loss, t, s in zip(self.losses, self.timelines, self.schedules)
+            ],
+        }
+
+
+@dataclass
+class AdaptResult:
+    """What :func:`adapt` measured, found and changed.
+
+    Attributes:
+        before, after: the two :class:`Phase`s.
+        profile: per-stage costs measured in ``before`` (seconds).
+        attribution: the idle gaps of ``before``'s median step, by cause.
+        attribution_after: the same for ``after``.
+        part_costs: per-part costs, timed and calibrated to ``before``'s stage totals (seconds).
+        changes: the plan changes considered, in order, each a dict with ``kind`` ("rebalance",
+            "replan" or "online-replan"), ``adopted``, ``why`` and the numbers behind the decision
+            (an online re-plan's ``step`` is the first step run with the new schedule).
+        online_checks: the online re-planner's checks: ``step`` (the last step of the checked
+            window; steps count from 0 over both phases), ``drift``, ``decision``, ``gain``.
+        test_accuracy, test_loss: the trained model on the test samples.
+        config: the settings of the run.
+    """
+
+    before: Phase
+    after: Phase
+    profile: CostProfile
+    attribution: Attribution
+    attribution_after: Attribution
+    part_costs: PartCosts
+    changes: list[dict]
+    online_checks: list[dict]
+    test_accuracy: float
+    test_loss: float
+    config: dict
+
+    @property
+    def makespan_ratio(self) -> float:
+        """after / before median measured makespan."""
+        return self.after.makespan / self.before.makespan
+
+    def to_json(self) -> dict:
+        """JSON-ready: ``before`` and ``after`` (each with measured ``makespan`` in seconds and
+        ``bubble_rate``, partition, schedule, steps, gradient check, attribution), the
+        ``changes``, the online checks, the costs and the config."""
+        before, after = self.before.to_json(), self.after.to_json()
+        before["costs"] = self.profile.to_json()
+        before["attribution"] = self.attribution.to_json()
+        after["attribution"] = self.attribution_after.to_json()
+        return {
+            "before": before,
+            "after": after,
+            "makespan_ratio": self.makespan_ratio,
+            "changes": self.changes,
+            "online_checks": self.online_checks,
+            "part_costs": self.part_costs.to_json(),
+            "test_accuracy": self.test_accuracy,
+            "test_loss": self.test_loss,
+            "config": self.config,
+        }
+
+    def report(self) -> str:
+        """Closing lines: before / after, the changes, the gradient checks."""
+        b, a = self.before, self.after
+        lines = [
+            f"{'':8}{'schedule':>10}{'partition (blocks per stage)':>32}{'makespan':>14}{'bubble rate':>13}",
+            f"{'before':8}{b.schedules[-1].name:>10}{str(_block_counts(b.parts)):>32}{b.makespan * 1e3:>11.2f} ms{b.bubble_rate:>13.4f}",
+            f"{'after':8}{a.schedules[-1].name:>10}{str(_block_counts(a.parts)):>32}{a.makespan * 1e3:>11.2f} ms{a.bubble_rate:>13.4f}",
+            f"after / before measured makespan: {self.makespan_ratio:.3f}",
+        ]
+        for c in self.changes:
+            lines.append(f"  {c['kind']}: {'adopted' if c['adopted'] else 'not adopted'} ({c['why']})")
+        for name, phase in (("before", b), ("after", a)):
+            if phase.grad_max_rel_error is not None:
+                lines.append(
+                    f"gradient check {name} (first step of every plan) vs the unpartitioned model: "
+                    f"max relative error {phase.grad_max_rel_error:.2e}, loss difference {phase.loss_error:.2e}"
+                )
+        return "\n".join(lines)
+
+
+def _block_counts(parts: Parts) -> list[int]:
+    n = sum(len(p) for p in parts)
+    return [sum(1 for i in p if 0 < i < n - 1) for p in parts]
+
+
+def default_blocks(num_stages: int, imbalance: float) -> int:
+    """Blocks for :func:`adapt` when none are given: 2 on each stage but the last, and about
+    ``2 * imbalance`` (at least 3 when imbalanced) on the last."""
+    if imbalance == 1:
+        return 2 * num_stages
+    return 2 * (num_stages - 1) + max(3, round(2 * imbalance))
+
+
+class _Trainer:
+    """Parameters and optimizer state per model module, so the partition can change between steps."""
+
+    def __init__(self, modules: list, num_stages: int, devices: Sequence[Any], lr: float, weight_decay: float):
+        from ..runtime.stages import StagedModel
+
+        self.modules, self.num_stages, self.devices = modules, num_stages, list(devices)
+        self.model = StagedModel(modules, num_stages)
+        self.params = list(self.model.params)
+        self.opt, self._update = jitted_adamw(lr, weight_decay)
+        self.opt_state = [self.opt.init(p) for p in self.params]
+        self.executor = None
+        self.reference_grads = None  # jitted loss and gradients of the unpartitioned model
+
+    def use(self, parts: Parts, schedule: Schedule) -> None:
+        """Run the next steps with this partition and schedule; parameters and optimizer state
+        move to their new stages' devices."""
+        import jax
+
+        from ..runtime.executor import PipelineExecutor
+        from ..runtime.stages import StagedModel
+
+        if self.model.parts != [list(p) for p in parts]:
+            self.model = StagedModel(self.modules, self.num_stages, parts=parts)
+            self.reference_grads = None
+        self.executor = PipelineExecutor(self.model, schedule, self.devices)
+        for s, stage in enumerate(self.model.parts):
+            for i in stage:
+                device = self.executor.stage_devices[s]
+                self.params[i] = jax.device_put(self.params[i], device)
+                self.opt_state[i] = jax.device_put(self.opt_state[i], device)
+
+    def step(self, x, y, check: bool) -> tuple[float, Timeline, float | None, float | None]:
+        """One training step; with ``check``, compare loss and gradients with the unpartitioned model."""
+        import jax
+
+        from .reference import max_relative_error
+
+        current = list(self.params)
+        result = self.executor.run(current, x, y)
+        grad_error = loss_error = None
+        if check:
+            if self.reference_grads is None:
+                self.reference_grads = jax.jit(jax.value_and_grad(self.model.loss))
+            ref_loss, ref_grads = self.reference_grads(jax.device_put(current, self.devices[0]), x, y)
+            grad_error = max_relative_error(result.grads, ref_grads)
+            loss_error = abs(result.loss - float(ref_loss))
+        for i, g in enumerate(result.grads):
+            self.params[i], self.opt_state[i] = self._update(g, self.opt_state[i], self.params[i])
+        jax.block_until_ready(self.params)
+        return result.loss, result.timeline, grad_error, loss_error
+
+
+def _worst(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def adapt(
+    ranks: int = 2,
+    microbatches: int = 8,
+    steps: int = 20,
+    *,
+    imbalance: float = 2.0,
+    profile_steps: int = 6,
+    blocks: int | None = None,
+    d: int = 32,
+    heads: int = 4,
+    batch: int = 64,
+    lr: float = 1e-3,
+    weight_decay: float = 0.01,
+    seed: int = 0,
+    holdout: float = 0.2,
+    memory_limit: float | None = None,
+    every: int = 10,
+    threshold: float = 0.15,
+    patience: int = 2,
+    min_gain: float = 0.03,
+    margin: float = 0.1,
+    rebalance: bool = True,
+    replan_schedule: bool = True,
+    online: bool = True,
+    repeats: int = 7,
+    devices: Sequence[Any] | None = None,
+    check_grads: bool = True,
+    data: Digits | None = None,
+    on_step: Callable[[str, int, float, Timeline], None] | None = None,
+) -> AdaptResult:
+    """Profile, detect, rebalance, re-plan, then train (see the module docstring).
+
+    Args:
+        ranks, microbatches: p >= 2 and m >= 1.
+        steps: training steps after adapting (the *after* phase), >= 2.
+        imbalance: >= 1; the original partition's last stage holds this many times the blocks of
+            each other stage (1: the even split).
+        profile_steps: training steps of the *before* phase (ZB-H1, original partition), >= 2;
+            the first of each phase is left out of the medians.
+        blocks: Transformer blocks (default :func:`default_blocks`).
+        d, heads, batch, lr, weight_decay, seed, holdout: model, data and AdamW as in
+            :func:`zbpp_lite.training.train.train`.
+        memory_limit: per-rank activation-memory limit for zb-auto, units of one stage's M_B
+            (default p, the memory of ZB-H1 and 1F1B).
+        every, threshold, patience, min_gain: the online re-planner (:class:`~zbpp_lite.analysis.replan.OnlineReplanner`);
+            ``min_gain`` also gates the rebalance and the first re-plan.
+        margin: a stage is slow (imbalance) when its cost exceeds the mean by this fraction.
+        rebalance, replan_schedule, online: switch each adaptation on or off.
+        repeats: timed calls per part when profiling the parts.
+        devices: one per rank (default :func:`zbpp_lite.runtime.devices.ensure_devices`).
+        check_grads: compare the first step of every plan with the unpartitioned model.
+        data: the digits split (default ``load_digits(holdout, seed)``).
+        on_step: called after every step with (phase "before" / "after", step, loss, timeline).
+
+    Raises:
+        ValueError: p < 2, m < 1, steps or profile_steps < 2, imbalance < 1, too few blocks for the
+            imbalance, a batch that does not divide into microbatches, bad online settings; all
+            before any compute.
+        RuntimeError: too few devices.
+    """
+    if not isinstance(ranks, int) or ranks < 2:
+        raise ValueError(f"adapt needs at least 2 ranks (a pipeline to balance), got {ranks!r}")
+    if steps < 2 or profile_steps < 2:
+        raise ValueError(f"steps and profile_steps must be >= 2 (the first step of a phase is not timed), got {steps}, {profile_steps}")
+    if not imbalance >= 1:
+        raise ValueError(f"the imbalance factor must be >= 1 (1 = even stages), got {imbalance}")
+    blocks = default_blocks(ranks, imbalance) if blocks is None else blocks
+    original = imbalanced_parts(blocks, ranks, imbalance)
+    start_schedule = build_schedule("zb-h1", ranks, microbatches)
+    mb = microbatch_size(batch, microbatches)
+    OnlineReplanner(start_schedule, Costs(), every, threshold, patience, min_gain, memory_limit)  # checks the settings
+    from .model import ModelConfig
+
+    config = ModelConfig(d=d, heads=heads, blocks=blocks, seed=seed)
+    if devices is None:
+        from ..runtime.devices import ensure_devices
+
+        devices = ensure_devices(ranks)
+
+    from ..analysis.profiling.parts import profile_parts
+    from .model import build_parts
+    from .reference import evaluate
+
+    data = data if data is not None else load_digits(holdout, seed)
+    trainer = _Trainer(build_parts(config), ranks, devices, lr, weight_decay)
+    step_no = 0
+
+    def run_phase(phase: Phase, name: str, count: int, replanner: OnlineReplanner | None, changes: list[dict]) -> None:
+        nonlocal step_no
+        check = check_grads
+        for _ in range(count):
+            x, y = data.batch(step_no, batch)
+            loss, timeline, g_err, l_err = trainer.step(x, y, check)
+            check = False
+            phase.schedules.append(trainer.executor.schedule)
+            phase.timelines.append(timeline)
+            phase.losses.append(loss)
+            phase.grad_max_rel_error = _worst(phase.grad_max_rel_error, g_err)
+            phase.loss_error = _worst(phase.loss_error, l_err)
+            if on_step is not None:
+                on_step(name, step_no, loss, timeline)
+            step_no += 1
+            if replanner is not None:
+                result = replanner.observe(timeline)
+                if result is not None:
+                    changes.append({
+                        "kind": "online-replan", "adopted": True, "step": step_no, "to": result.schedule.name,
+                        "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
+                        "why": f"costs drifted by {replanner.history[-1].drift:.1%}; predicted {result.gain:.1%} faster",
+                    })
+                    trainer.use(phase.parts, result.schedule)
+                    check = check_grads
+
+    # 1. before: ZB-H1 on the original partition
+    before = Phase(original)
+    trainer.use(original, start_schedule)
+    run_phase(before, "before", profile_steps, None, [])
+
+    # 2. detect
+    measured = profile(before._timed(), ranks)
+    found = attribute(before.measured, before.measured_schedule, measured.costs(), margin)
+
+    # 3. rebalance
+    changes: list[dict] = []
+    x0, y0 = data.batch(0, batch)
+    timed_parts = profile_parts(trainer.model, x0[:mb], y0[:mb], devices[0], repeats)
+    part_costs = calibrate(timed_parts, original, measured.costs())
+    parts = original
+    if rebalance:
+        candidate = best_partition(part_costs, ranks)
+        now, new = partition_cost(part_costs.totals, original), partition_cost(part_costs.totals, candidate)
+        gain = 1 - new / now if now > 0 else 0.0
+        adopted = candidate != original and gain >= min_gain
+        parts = candidate if adopted else original
+        changes.append({
+            "kind": "rebalance", "adopted": adopted, "from": [list(p) for p in original], "to": [list(p) for p in candidate],
+            "predicted_largest_stage": new, "current_largest_stage": now, "gain": gain,
+            "why": f"largest stage F+B+W {now * 1e3:.3f} -> {new * 1e3:.3f} ms predicted ({gain:.1%}), "
+                   f"blocks per stage {_block_counts(original)} -> {_block_counts(candidate)}",
+        })
+
+    # 4. re-plan from the measured costs, moved parts accounted for
+    predicted = moved_costs(part_costs, original, parts, measured.costs())
+    schedule = start_schedule
+    if replan_schedule:
+        result = replan(predicted, ranks, microbatches, memory_limit, current=start_schedule)
+        adopted = result.gain >= min_gain
+        schedule = result.schedule if adopted else start_schedule
+        changes.append({
+            "kind": "replan", "adopted": adopted, "from": start_schedule.name, "to": result.schedule.name,
+            "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
+            "memory_limit": list(result.memory_limit),
+            "why": f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 {result.current * 1e3:.2f} ms ({result.gain:.1%})",
+        })
+
+    # 5. after: train with the new partition and plan, re-planning online
+    after = Phase(tuple(tuple(p) for p in parts))
+    trainer.use(parts, schedule)
+    replanner = OnlineReplanner(schedule, predicted, every, threshold, patience, min_gain, memory_limit) if online else None
+    run_phase(after, "after", steps, replanner, changes)
+    found_after = attribute(after.measured, after.measured_schedule, None, margin)
+
+    final = trainer.model
+    test_loss, test_accuracy = evaluate(final, trainer.params, data.test_x, data.test_y, devices[0])
+    return AdaptResult(
+        before=before, after=after, profile=measured, attribution=found, attribution_after=found_after,
+        part_costs=part_costs, changes=changes,
+        online_checks=[{"step": profile_steps + c.step - 1, "drift": c.drift, "decision": c.decision, "gain": c.gain}
+                       for c in (replanner.history if replanner else [])],
+        test_accuracy=test_accuracy, test_loss=test_loss,
+        config={"ranks": ranks, "microbatches": microbatches, "steps": steps, "profile_steps": profile_steps,
+                "imbalance": imbalance, "blocks": blocks, "d": d, "heads": heads, "batch": batch, "lr": lr,
+                "weight_decay": weight_decay, "seed": seed, "holdout": holdout, "memory_limit": memory_limit,
+                "every": every, "threshold": threshold, "patience": patience, "min_gain": min_gain,
+                "margin": margin, "devices": [str(dev) for dev in devices]},
+    )

@@ -1,0 +1,80 @@
+"""scikit-learn's bundled handwritten digits as sequences of 8 row tokens, batched as the PyTorch
+benchmark (``shared/peers/torch_pp_bench.py``) batches them.
+
+Each 8x8 image is a sequence of 8 tokens (its rows) of 8 pixel values divided by 16, so in
+[0, 1], float32; labels are int32 in 0..9. 1,797 samples.
+
+Training batches: ``perm = np.random.default_rng(seed).permutation(n)``; step k (from 0) uses
+``perm[(k * batch + arange(batch)) % n]`` over the n training samples, the PyTorch script's rule.
+
+Held-out split (``holdout`` > 0, an option of ours, not the PyTorch job's): the test set is the
+last ``round(holdout * 1797)`` samples of ``np.random.default_rng(seed + 1).permutation(1797)``,
+the training set the other samples in their original order. With ``holdout=0`` every sample
+trains, the batches are exactly the PyTorch script's, and the "test" set is all 1,797 samples
+(the script's final evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NUM_SAMPLES = 1797
+
+
+def load_digit_tokens() -> tuple[np.ndarray, np.ndarray]:
+    """All 1,797 digits: ``x`` (1797, 8, 8) float32 in [0, 1] (rows as tokens), ``y`` (1797,) int32."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return (digits.images / 16.0).astype(np.float32), digits.target.astype(np.int32)
+
+
+def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
+    """Sample indices of training step ``step``: ``perm[(step * batch + arange(batch)) % n]``."""
+    perm = np.random.default_rng(seed).permutation(n)
+    return perm[(step * batch + np.arange(batch)) % n]
+
+
+@dataclass(frozen=True)
+class Digits:
+    """The digits, split into training and test samples.
+
+    Attributes:
+        train_x, train_y: training samples (n, 8, 8) float32 and labels (n,) int32.
+        test_x, test_y: held-out samples, or all samples when ``holdout`` is 0.
+        holdout: fraction held out for testing.
+        seed: seed of the batch order (and, plus one, of the held-out split).
+    """
+
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    holdout: float
+    seed: int
+
+    def batch(self, step: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The global batch of training step ``step``: inputs (b, 8, 8) and labels (b,)."""
+        idx = batch_indices(len(self.train_y), batch_size, step, self.seed)
+        return self.train_x[idx], self.train_y[idx]
+
+
+def load_digits(holdout: float = 0.0, seed: int = 0) -> Digits:
+    """The digits with ``holdout`` of them held out for testing (see the module docstring).
+
+    Raises:
+        ValueError: ``holdout`` outside [0, 1) or one that leaves no test or no training sample.
+    """
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"holdout must be in [0, 1), got {holdout}")
+    x, y = load_digit_tokens()
+    n_test = round(holdout * NUM_SAMPLES)
+    if holdout > 0 and not 0 < n_test < NUM_SAMPLES:
+        raise ValueError(f"holdout {holdout} leaves {n_test} test samples of {NUM_SAMPLES}; choose a larger or smaller fraction")
+    if n_test == 0:
+        return Digits(x, y, x, y, holdout, seed)
+    test = np.sort(np.random.default_rng(seed + 1).permutation(NUM_SAMPLES)[NUM_SAMPLES - n_test :])
+    train = np.setdiff1d(np.arange(NUM_SAMPLES), test)
+    return Digits(x[train], y[train], x[test], y[test], holdout, seed)

@@ -1,0 +1,245 @@
+"""The digits Transformer classifier (Flax NNX), the job of this project's course and benchmarks.
+
+The model is the job fixed by ``shared/peers/torch_pp_bench.py`` so that losses can be compared
+with PyTorch number for number (float32 throughout):
+
+    x (b, 8, 8): 8 row tokens of 8 pixels / 16
+    -> Linear(8, d) + learned position embedding (8, d)                        Embed   (part 0)
+    -> N x [x + proj(MHSA_h(LN1 x)); x + fc2(GELU(fc1(LN2 x)))]                Block   (parts 1..N)
+    -> LayerNorm -> mean over the 8 tokens -> Linear(d, 10)                    Head    (part N+1)
+    -> mean cross-entropy over the (micro)batch
+
+Attention uses one fused qkv Linear(d, 3d) with bias whose outputs are laid out
+[q | k | v], each [head 0 | head 1 | ...]; softmax(q k^T / sqrt(d/h)), no mask; GELU is the
+exact (erf) form; LayerNorm eps 1e-5 with scale and bias, two-pass variance as PyTorch. Init
+follows PyTorch's defaults in distribution (Linear weight and bias ~ U(-1/sqrt(in), 1/sqrt(in)),
+LayerNorm 1 and 0, position embedding ~ N(0, 0.02^2)); :func:`load_torch_init` takes the exact
+values from the script's ``--save-init`` file.
+
+The model is handed to the pipeline as its list of parts (:func:`build_parts`); the cut into
+stages is :class:`zbpp_lite.runtime.stages.StagedModel`'s (whole blocks per stage, the same rule as
+the PyTorch script).
+
+Layer: training (imports the runtime and schedules layers).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ..runtime.stages import Params
+
+SEQ_LEN = 8
+"""Tokens per image: its 8 rows."""
+TOKEN_DIM = 8
+"""Pixels per token."""
+NUM_CLASSES = 10
+
+
+
+
+@jax.custom_jvp
+def gelu(u: jax.Array) -> jax.Array:
+    """Exact (erf) GELU, ``u * Phi(u)``, elementwise, any shape, float32 in and out.
+
+    The values are PyTorch's ``nn.GELU()`` formula ``0.5 u (1 + erf(u / sqrt 2))``, equal to
+    ``jax.nn.gelu(u, approximate=False)`` within 1e-6 absolute (JAX's erfc form avoids the
+    float32 cancellation of ``1 + erf`` below u = -5, where both are under 1e-6); the
+    derivative rule differs: the slope ``Phi(u) + u * phi(u)`` is computed in the forward, so the
+    backward keeps that one array (the size of ``u``) where JAX's generic rule keeps three. On
+    this project's job that is 4 MB less for F to write and B to read per stage and microbatch,
+    about 5% of each (``benchmarks/bench_vs_torch.py``'s per-action times).
+    """
+    return u * _normal_cdf(u)
+
+
+def _normal_cdf(u: jax.Array) -> jax.Array:
+    return 0.5 * (1.0 + jax.lax.erf(u * math.sqrt(0.5)))  # PyTorch's form; erfc costs ~10% more in F
+
+
+@gelu.defjvp
+def _gelu_jvp(primals, tangents):
+    (u,), (du,) = primals, tangents
+    cdf = _normal_cdf(u)
+    slope = cdf + u * jnp.exp(-0.5 * u * u) * (1.0 / math.sqrt(2.0 * math.pi))
+    return u * cdf, slope * du
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Size of the digits Transformer. The PyTorch benchmark job uses d=128, heads=4, blocks=8."""
+
+    d: int = 32  # model width (features per token)
+    heads: int = 4  # attention heads; d must be a multiple of heads
+    blocks: int = 4  # Transformer blocks N
+    seed: int = 0  # seed of the parameter initialisation (jax.random, not PyTorch's stream)
+
+    def __post_init__(self) -> None:
+        for name in ("d", "heads", "blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.d % self.heads:
+            raise ValueError(f"ModelConfig: d={self.d} is not divisible by heads={self.heads}")
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+def _torch_uniform(fan_in: int) -> Callable:
+    """PyTorch's default Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias."""
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def _linear(n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+    init = _torch_uniform(n_in)
+    return nnx.Linear(n_in, n_out, kernel_init=init, bias_init=init, rngs=rngs)
+
+
+def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
+    return nnx.LayerNorm(d, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
+
+
+class Embed(nnx.Module):
+    """Part 0: token projection Linear(8, d) plus a learned position embedding (8, d)."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs):
+        self.tok = _linear(TOKEN_DIM, d, rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (SEQ_LEN, d), jnp.float32))
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (b, 8, 8) -> (b, 8, d)
+        return self.tok(x) + self.pos[...]
+
+
+class Block(nnx.Module):
+    """One pre-norm Transformer block: attention then MLP (d -> 4d -> d), each with a residual."""
+
+    def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs):
+        if d % heads:
+            raise ValueError(f"d={d} is not divisible by heads={heads}")
+        self.heads = heads
+        self.ln1 = _layer_norm(d, rngs)
+        self.qkv = _linear(d, 3 * d, rngs)
+        self.proj = _linear(d, d, rngs)
+        self.ln2 = _layer_norm(d, rngs)
+        self.fc1 = _linear(d, 4 * d, rngs)
+        self.fc2 = _linear(4 * d, d, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (b, t, d) -> (b, t, d)
+        b, t, d = x.shape
+        h = self.heads
+        qkv = self.qkv(self.ln1(x)).reshape(b, t, 3, h, d // h)
+        q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (b, h, t, d/h)
+        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // h)
+        a = jax.nn.softmax(scores, axis=-1) @ v  # (b, h, t, d/h)
+        x = x + self.proj(a.transpose(0, 2, 1, 3).reshape(b, t, d))
+        return x + self.fc2(gelu(self.fc1(self.ln2(x))))
+
+
+class Head(nnx.Module):
+    """Part N+1: final LayerNorm, mean over tokens, Linear(d, 10) -> logits."""
+
+    def __init__(self, d: int, *, rngs: nnx.Rngs):
+        self.ln = _layer_norm(d, rngs)
+        self.out = _linear(d, NUM_CLASSES, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # (b, t, d) -> (b, 10)
+        return self.out(self.ln(x).mean(axis=1))
+
+
+def build_parts(config: ModelConfig = ModelConfig()) -> list[nnx.Module]:
+    """The digits Transformer as its list of parts ``[Embed, Block x N, Head]`` (fresh init)."""
+    rngs = nnx.Rngs(config.seed)
+    return [Embed(config.d, rngs=rngs), *[Block(config.d, config.heads, rngs=rngs) for _ in range(config.blocks)], Head(config.d, rngs=rngs)]
+
+
+# ---------------------------------------------------------------------------- PyTorch weights
+
+
+def torch_names(config: ModelConfig) -> dict[str, tuple[int, tuple[str, ...], bool]]:
+    """PyTorch state-dict name -> (part index, path inside that part's nnx.State, transpose?).
+
+    Names follow ``nn.Sequential(Embed, *Blocks, Head)`` of the PyTorch script: ``0.tok.weight``,
+    ``0.pos``, ``{i}.qkv.weight`` ..., ``{N+1}.out.bias``. PyTorch's Linear weight is (out, in)
+    and Flax's kernel (in, out), hence the transpose; LayerNorm ``weight`` is Flax's ``scale``.
+    """
+    names: dict[str, tuple[int, tuple[str, ...], bool]] = {}
+
+    def linear(part: int, layer: str) -> None:
+        names[f"{part}.{layer}.weight"] = (part, (layer, "kernel"), True)
+        names[f"{part}.{layer}.bias"] = (part, (layer, "bias"), False)
+
+    def norm(part: int, layer: str) -> None:
+        names[f"{part}.{layer}.weight"] = (part, (layer, "scale"), False)
+        names[f"{part}.{layer}.bias"] = (part, (layer, "bias"), False)
+
+    linear(0, "tok")
+    names["0.pos"] = (0, ("pos",), False)
+    for i in range(1, config.blocks + 1):
+        norm(i, "ln1")
+        linear(i, "qkv")
+        linear(i, "proj")
+        norm(i, "ln2")
+        linear(i, "fc1")
+        linear(i, "fc2")
+    head = config.blocks + 1
+    norm(head, "ln")
+    linear(head, "out")
+    return names
+
+
+def torch_params(arrays: Mapping[str, Any], config: ModelConfig) -> Params:
+    """Parameters (one nnx.State per part) from a PyTorch state dict given as NumPy arrays.
+
+    Raises:
+        ValueError: a missing or unexpected name, or an array whose shape does not fit ``config``
+            (the message names the array, its shape and the expected one).
+    """
+    names = torch_names(config)
+    missing = sorted(set(names) - set(arrays))
+    extra = sorted(set(arrays) - set(names))
+    if missing or extra:
+        raise ValueError(
+            f"PyTorch weights do not match the model (d={config.d}, blocks={config.blocks}): "
+            f"missing {missing[:6]}{'...' if len(missing) > 6 else ''}, unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}"
+        )
+    params = [nnx.state(m, nnx.Param) for m in build_parts(config)]
+    pure = [nnx.to_pure_dict(p) for p in params]
+    for name, (part, path, transpose) in names.items():
+        value = np.asarray(arrays[name], dtype=np.float32)
+        value = value.T if transpose else value
+        node = pure[part]
+        for key in path[:-1]:
+            node = node[key]
+        expected = tuple(node[path[-1]].shape)
+        if value.shape != expected:
+            shown = value.T.shape if transpose else value.shape
+            want = expected[::-1] if transpose else expected
+            raise ValueError(f"PyTorch weight {name!r} has shape {shown}, expected {want} for d={config.d}")
+        node[path[-1]] = jnp.asarray(value)
+    for p, d in zip(params, pure):
+        nnx.replace_by_pure_dict(p, d)
+    return params
+
+
+def load_torch_init(path: str | os.PathLike, config: ModelConfig) -> Params:
+    """Read the ``--save-init`` .npz of ``torch_pp_bench.py`` into our parameters.
+
+    ``config`` must have the script's d and blocks (heads does not change shapes, so give the
+    same heads too). Raises FileNotFoundError or ValueError (see :func:`torch_params`).
+    """
+    with np.load(path) as data:
+        return torch_params({k: data[k] for k in data.files}, config)

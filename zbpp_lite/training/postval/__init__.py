@@ -1,0 +1,9 @@
+"""The optimizer step and post-validation (Qi et al., arXiv 2401.10241, section 4).
+
+- :mod:`.rollback`: ``AdamWConfig`` and the exact in-place rollback of an AdamW step;
+- :mod:`.reference`: the synchronous and post-validated steps as plain reference functions;
+- :mod:`.optimizer`: ``StageOptimizer``, AdamW inside the executor's rank threads (plain,
+  synchronous clip, speculative post-validation with redo).
+
+May import: the layers below :mod:`zbpp_lite.training`.
+"""

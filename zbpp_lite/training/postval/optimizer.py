@@ -1,0 +1,265 @@
+"""The optimizer step inside the executor's rank threads: AdamW per stage, plain, with a
+synchronous global-norm clip and NaN check, or post-validated.
+
+Qi et al., arXiv 2401.10241, section 4. :mod:`zbpp_lite.training.postval.reference` gives the two guarded steps as
+reference functions over all stages at once; here each rank runs its own share in its own thread
+(:meth:`zbpp_lite.runtime.executor.PipelineExecutor.run_steps`), exchanging only a few floats with the
+other ranks, so what a schedule loses to the synchronisation is measured, not composed:
+
+- ``"plain"``: each rank steps its stages right after its last action (no clip, no check);
+- ``"synchronous"``: after its last action a rank sends its squared gradient norm and NaN flag to
+  every other rank and waits for all of theirs; then it skips the step (NaN/Inf anywhere) or
+  clips by the global norm (Optax ``clip_by_global_norm``: ``g / norm * max_norm`` when
+  ``norm >= max_norm``) and steps. Every rank waits for the slowest: ZB-H2's parallelogram
+  becomes a trapezoid (:attr:`zbpp_lite.schedules.timeline.Timeline.sync_bubble`);
+- ``"post-validation"``: rank r takes the partial reduction from rank r-1, adds its own, passes it
+  to rank r+1 and steps at once on what it has (unclipped; skipped when the partial flag shows a
+  NaN); the last rank sends the full reduction back to all. A rank validates it during its next
+  step's warm-up (``speculative=True``, the default, as the paper does: its F's run on the
+  speculatively stepped parameters until the full reduction arrives, at the latest until its
+  first backward) or before its next step's first action (``speculative=False``): if the global
+  norm needed clipping, or a NaN appeared on a later rank, it rolls its step back in place
+  (:func:`zbpp_lite.training.postval.rollback.adamw_rollback`, the paper's algorithm 1) and redoes it correctly;
+  speculatively, every rank then also redoes the F's it ran on the wrong parameters (the
+  executor's restart of the warm-up). Before its first F, no rank waits for the full
+  reduction: the synchronisation is off the critical path unless a rollback happens.
+
+Norms are reduced as :func:`zbpp_lite.training.postval.reference.synchronous_step` does (per-leaf float32 sums of
+squares, added in float64 on the host), so the synchronous step here equals it to float32
+rounding and post-validation equals it within the rollback bound (:mod:`zbpp_lite.training.postval.reference`).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .reference import StepReport
+from .rollback import AdamWConfig, adamw_rollback
+
+POLICIES = ("plain", "synchronous", "post-validation")
+
+
+class StageOptimizer:
+    """AdamW on every stage, stepped inside the rank threads (a
+    :class:`zbpp_lite.runtime.executor.RankUpdate` for :meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps`).
+
+    Args:
+        executor: the :class:`~zbpp_lite.runtime.executor.PipelineExecutor` that will run the steps (its
+            schedule gives the ranks and stages, its devices the stages' devices).
+        params: one parameter pytree per model module (``StagedModel.params``), the start.
+        config: AdamW's hyper-parameters (:class:`~zbpp_lite.training.postval.rollback.AdamWConfig`).
+        policy: "plain", "synchronous" or "post-validation" (module docstring).
+        max_norm: the global gradient norm clipped to (float > 0); required by the two guarded
+            policies, refused by "plain".
+        gradient_filter: optional ``fn(step, stage, grads) -> grads`` applied to a stage's
+            gradient sums before anything else (a per-stage transform, or a fault injected in a
+            test: a NaN, a spike).
+        speculative: post-validation only: validate during the next step's warm-up (True), or
+            before its first action (False; every rank's first F then waits for the full
+            reduction, which leaves at most the optimizer step off the critical path).
+
+    Attributes:
+        reports: one :class:`~zbpp_lite.training.postval.reference.StepReport` per step of the latest ``run_steps``
+            call (guarded policies; global norm, finite, clipped, ranks rolled back, partial
+            norms per rank). The parameters and AdamW states carry over from call to call.
+
+    Every function a rank calls is compiled here, on zeros, so none compiles inside a timed step.
+
+    Raises:
+        ValueError: an unknown policy, a missing, non-numeric or non-positive ``max_norm``,
+            ``max_norm`` with "plain", an executor that is not a PipelineExecutor, or params
+            without one pytree per model module (and AdamWConfig's own checks).
+    """
+
+    def __init__(
+        self,
+        executor,
+        params,
+        config: AdamWConfig = AdamWConfig(),
+        policy: str = "plain",
+        max_norm: float | None = None,
+        gradient_filter: Callable[[int, int, tuple], tuple] | None = None,
+        speculative: bool = True,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if policy == "plain" and max_norm is not None:
+            raise ValueError("max_norm needs a guarded policy: 'synchronous' or 'post-validation'")
+        if policy != "plain":
+            try:
+                max_norm = float(max_norm)
+            except (TypeError, ValueError):
+                raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm, a number > 0, got {max_norm!r}") from None
+            if not max_norm > 0:
+                raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm > 0, got {max_norm}")
+        if not hasattr(executor, "schedule") or not hasattr(executor, "local_stages"):
+            raise ValueError(f"executor must be a zbpp_lite.runtime.executor.PipelineExecutor, got {type(executor).__name__}")
+        if len(params) != executor.model.num_parts:
+            raise ValueError(f"params must hold one pytree per model module ({executor.model.num_parts}), got {len(params)}")
+        self.executor, self.config, self.policy, self.max_norm = executor, config, policy, max_norm
+        self.gradient_filter = gradient_filter
+        self.speculative = bool(speculative) and policy == "post-validation"
+        # the message whose arrival lets validate() run without waiting (RankUpdate): speculative warm-up
+        self.verdict_key = ("FULL", executor.schedule.num_ranks - 1, 0) if self.speculative else None
+        model, schedule = executor.model, executor.schedule
+        self.num_ranks = schedule.num_ranks
+        opt = config.optimizer()
+        self._params: dict[int, tuple] = {}
+        self._states: dict[int, Any] = {}
+        for s in executor.local_stages:
+            leaves = tuple(jax.tree_util.tree_leaves(model.stage_params(params, s)))
+            self._params[s] = jax.device_put(leaves, executor.stage_devices[s])
+            self._states[s] = jax.device_put(opt.init(self._params[s]), executor.stage_devices[s])
+        self._pending: dict[int, dict] = {}  # rank -> what validate() needs from its last step
+        self._lock = threading.Lock()
+        self.reports: list[StepReport] = []
+        self._step_fn = jax.jit(_adamw_step_fn(opt), static_argnums=4)
+        self._rollback_fn = jax.jit(lambda p, st, g: adamw_rollback(p, st, g, config))
+        self._norm_fn = jax.jit(lambda g: (jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g]),
+                                           jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g]))))
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile every function a rank may call, on zeros, results dropped: nothing compiles
+        inside a timed step (a compile there would show as a bubble of seconds)."""
+        for s in self._params:
+            zeros = tuple(jnp.zeros_like(p) for p in self._params[s])
+            outs = [self._step_fn(self._params[s], self._states[s], zeros, None, False)]
+            outs.append(self._step_fn(*outs[0], zeros, None, False))  # later steps: the outputs' own layout
+            if self.policy != "plain":
+                outs.append(self._norm_fn(zeros))
+                outs.append(self._step_fn(self._params[s], self._states[s], zeros, (np.float32(1.0), np.float32(1.0)), True))
+            if self.policy == "post-validation":
+                outs.append(self._rollback_fn(*outs[0], zeros))
+            jax.block_until_ready(outs)
+
+    def begin(self, num_steps: int) -> None:
+        """Called by ``run_steps`` before its threads start: fresh reports for its steps."""
+        self.reports = [StepReport(float("nan"), True, False, partial_norms=[float("nan")] * self.num_ranks)
+                        for _ in range(num_steps if self.policy != "plain" else 0)]
+        self._pending.clear()
+
+    # ------------------------------------------------------------------ RankUpdate
+
+    def stage_params(self, stage: int) -> tuple:
+        return self._params[stage]
+
+    def params(self) -> dict:
+        """Current parameters of the local stages: ``{stage: tuple of leaves}`` (on their devices)."""
+        return dict(self._params)
+
+    def step(self, rank: int, k: int, grads: dict, channel) -> None:
+        if self.gradient_filter is not None:
+            grads = {s: tuple(self.gradient_filter(k, s, g)) for s, g in grads.items()}
+        if self.policy == "plain":
+            for s, g in grads.items():
+                self._apply(s, g, None)
+            return
+        sq, finite = self._local_norm(grads)
+        if self.policy == "synchronous":
+            for q in range(self.num_ranks):
+                if q != rank:
+                    channel.send(q, ("NORM", rank, 0), (sq, finite))
+            shares = {rank: (sq, finite)}
+            for q in range(self.num_ranks):
+                if q != rank:
+                    shares[q] = channel.take(("NORM", q, 0), "the synchronous optimizer step")
+            total = sum(shares[q][0] for q in range(self.num_ranks))
+            all_finite = all(shares[q][1] for q in range(self.num_ranks))
+            norm = math.sqrt(total)
+            if all_finite:
+                for s, g in grads.items():
+                    self._apply(s, g, norm)
+            self._report(k, rank, norm, all_finite, partial=None, rolled_back=False)
+            return
+        # post-validation: the partial reduction travels rank 0 -> p-1, with whether rank 0 stepped
+        # (if it did not, a NaN there, no rank did: nothing speculative to redo)
+        if rank > 0:
+            before, before_finite, first_stepped = channel.take(("PARTIAL", rank - 1, 0), "the partial gradient norm")
+            sq, finite = before + sq, before_finite and finite
+        else:
+            first_stepped = finite
+        if rank < self.num_ranks - 1:
+            channel.send(rank + 1, ("PARTIAL", rank, 0), (sq, finite, first_stepped))
+        else:  # the last rank holds the full reduction: back to every rank
+            for q in range(self.num_ranks):
+                channel.send(q, ("FULL", rank, 0), (sq, finite, first_stepped))
+        if finite:  # speculative: as if no clipping were needed
+            for s, g in grads.items():
+                self._apply(s, g, None)
+        self._pending[rank] = {"grads": grads, "stepped": finite, "partial": math.sqrt(sq), "k": k}
+
+    def validate(self, rank: int, k: int, channel) -> bool:
+        """Check step ``k``'s speculative step of ``rank`` against the full reduction; roll back
+        and redo it when it was wrong. Returns whether any rank's step was wrong (then every
+        rank's speculative warm-up of step k+1 must be redone; the same answer on every rank)."""
+        if self.policy != "post-validation":
+            return False
+        pending = self._pending.pop(rank)
+        sq, finite, first_stepped = channel.take(("FULL", self.num_ranks - 1, 0), "the full gradient norm")
+        norm = math.sqrt(sq)
+        needed = not finite or norm >= self.max_norm  # clip, or skip: what no rank assumed
+        wrong = pending["stepped"] and needed
+        if wrong:
+            for s, g in pending["grads"].items():
+                self._params[s], self._states[s] = self._rollback_fn(self._params[s], self._states[s], g)
+                if finite:
+                    self._apply(s, g, norm)
+        self._report(k, rank, norm, finite, partial=pending["partial"], rolled_back=wrong)
+        return first_stepped and needed
+
+    # ------------------------------------------------------------------ pieces
+
+    def _local_norm(self, grads: dict) -> tuple[float, bool]:
+        sq, finite = 0.0, True
+        for s in sorted(grads):
+            sums, ok = jax.device_get(self._norm_fn(grads[s]))
+            sq += float(np.sum(np.asarray(sums, np.float64)))
+            finite = finite and bool(ok)
+        return sq, finite
+
+    def _apply(self, stage: int, grads: tuple, norm: float | None) -> None:
+        clip = norm is not None and norm >= self.max_norm
+        scale = (np.float32(norm), np.float32(self.max_norm)) if clip else None
+        self._params[stage], self._states[stage] = self._step_fn(self._params[stage], self._states[stage], grads, scale, clip)
+
+    def _report(self, k: int, rank: int, norm: float, finite: bool, partial: float | None, rolled_back: bool) -> None:
+        with self._lock:
+            report = self.reports[k]
+            report.global_norm, report.finite = norm, finite
+            report.clipped = finite and norm >= self.max_norm
+            if partial is not None:
+                report.partial_norms[rank] = partial
+            if rolled_back:
+                report.rolled_back = sorted({*report.rolled_back, rank})
+
+
+def _adamw_step_fn(opt: optax.GradientTransformation):
+    def step(params, state, grads, scale, clip: bool):
+        if clip:  # postval._clip's rule with the norm reduced over every rank: g / norm * max_norm
+            norm, max_norm = scale
+            grads = tuple((g / norm) * max_norm for g in grads)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def guarded_run(executor, params, batches: Sequence[tuple[Any, Any]], policy: str, max_norm: float | None = None,
+                config: AdamWConfig = AdamWConfig(), gradient_filter=None, speculative: bool = True):
+    """Train ``len(batches)`` steps with the optimizer inside the rank threads.
+
+    Returns ``(results, optimizer)``: the executor's per-step
+    :class:`~zbpp_lite.runtime.executor.StepResult` list and the :class:`StageOptimizer` (its
+    ``params()`` and ``reports``). Raises as :class:`StageOptimizer` and
+    :meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps`.
+    """
+    optimizer = StageOptimizer(executor, params, config, policy, max_norm, gradient_filter, speculative)
+    return executor.run_steps(params, batches, optimizer), optimizer

@@ -1,0 +1,324 @@
+"""Train the digits Transformer with any schedule on several devices, and measure it.
+
+:func:`train` is what ``python -m zbpp_lite train`` and the notebooks call: it builds the
+schedule, cuts the model into its stages, runs every step with the executor (gradients
+accumulated over microbatches, then AdamW per stage on that stage's device, as PyTorch's
+pipelining does), checks the first step's loss and gradients against the unpartitioned model, and
+compares the measured timeline with the simulator's for the measured mean action costs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..runtime.stages import StagedModel, microbatch_size, stage_parts
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from ..schedules.ir import Schedule
+from ..schedules.simulate import simulate
+from ..schedules.timeline import Timeline
+from ..schedules.validate import validate
+from .data import Digits, load_digits
+from .model import ModelConfig, build_parts, load_torch_init
+from .reference import evaluate, jitted_adamw, max_relative_error, reference_grads
+
+
+@dataclass
+class TrainResult:
+    """What one training run did and measured.
+
+    Attributes:
+        schedule: the schedule that ran.
+        losses: global-batch mean training loss of every step, computed in that step (before
+            its update), floats.
+        test_accuracy, test_loss: the trained model on the test samples.
+        grad_max_rel_error: first step, the largest over parameters of
+            max|g - g_ref| / max|g_ref|, g_ref from ``jax.value_and_grad`` of the unpartitioned
+            model on the whole batch (``None`` when the check was off).
+        loss_error: first step, |loss - loss_ref| (``None`` when the check was off).
+        measured: the measured timeline of the step with the median makespan (steps after the
+            first when there are several).
+        costs: mean action times of that step (seconds), :func:`zbpp_lite.analysis.profiling.timelines.measured_costs`.
+        simulated: :func:`zbpp_lite.simulate` of the schedule with those costs.
+        timelines: every step's measured timeline.
+        step_seconds: wall time of every step (the first includes compilation).
+        params: the trained parameters (one pytree per model module).
+        config: the settings of the run (model sizes, batch, learning rate, ...).
+    """
+
+    schedule: Schedule
+    losses: list[float]
+    test_accuracy: float
+    test_loss: float
+    grad_max_rel_error: float | None
+    loss_error: float | None
+    measured: Timeline
+    costs: Costs
+    simulated: Timeline
+    timelines: list[Timeline] = field(repr=False)
+    step_seconds: list[float] = field(repr=False)
+    params: Any = field(repr=False)
+    config: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict: schedule, ranks, microbatches, steps (each with ``loss``),
+        test_accuracy, grad_max_rel_error, measured and simulated (``makespan`` in seconds,
+        ``bubble_rate``), trace (the measured events), plus costs and config."""
+        s = self.schedule
+        return {
+            "schedule": s.name or "custom",
+            "ranks": s.num_ranks,
+            "stages": s.num_stages,
+            "microbatches": s.num_microbatches,
+            "steps": [{"loss": loss, "makespan": t.makespan, "bubble_rate": t.bubble_rate, "seconds": sec}
+                      for loss, t, sec in zip(self.losses, self.timelines, self.step_seconds)],
+            "test_accuracy": self.test_accuracy,
+            "test_loss": self.test_loss,
+            "grad_max_rel_error": self.grad_max_rel_error,
+            "loss_error": self.loss_error,
+            "measured": {"makespan": self.measured.makespan, "bubble_rate": self.measured.bubble_rate},
+            "simulated": {"makespan": self.simulated.makespan, "bubble_rate": self.simulated.bubble_rate},
+            "costs": {"f": list(self.costs.f), "b": list(self.costs.b), "w": list(self.costs.w)},
+            "trace": [
+                {"rank": e.rank, "action": str(e.action), "kind": e.action.kind, "stage": e.action.stage,
+                 "microbatch": e.action.microbatch, "start": e.start, "end": e.end}
+                for e in self.measured.events
+            ],
+            "config": self.config,
+        }
+
+
+def _pick_measured(timelines: list[Timeline]) -> Timeline:
+    timed = timelines[1:] or timelines
+    return sorted(timed, key=lambda t: t.makespan)[len(timed) // 2]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a training run goes (everything but the model and the schedule).
+
+    Attributes:
+        batch: global batch, samples; must be a multiple of the microbatch count.
+        lr, weight_decay: AdamW (PyTorch's defaults otherwise).
+        seed: seed of the batch order and the held-out split.
+        holdout: fraction of the digits held out for the test accuracy (0: the PyTorch job's
+            batches, tested on all samples); see :mod:`zbpp_lite.training.data`.
+        init: a ``torch_pp_bench.py --save-init`` .npz to start from (the model's ``d`` and
+            ``blocks`` must match).
+        check_grads: compare the first step with the unpartitioned model.
+        progress: show a tqdm progress bar.
+        max_grad_norm: clip the gradients to this global norm and skip a step whose gradients
+            hold a NaN/Inf (Optax ``clip_by_global_norm`` semantics). The optimizer step then
+            runs inside the rank threads and the steps run back to back
+            (:class:`zbpp_lite.training.postval.optimizer.StageOptimizer`): synchronously (every
+            rank waits for every rank's norm) or, with ``post_validation``, speculatively and
+            validated (paper section 4). ``on_step`` then reports once the steps are done (no
+            progress bar); ``step_seconds`` are the periods between step starts (the last step:
+            its span; compilation comes before the first). ``TrainResult.config`` gets the
+            per-step ``guard_reports`` (global norm, clipped, skipped, rolled back).
+        post_validation: see ``max_grad_norm`` (requires it).
+
+    Raises:
+        ValueError: a non-positive batch, lr or max_grad_norm, a holdout outside [0, 1), or
+            post_validation without max_grad_norm.
+    """
+
+    batch: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    holdout: float = 0.2
+    init: str | os.PathLike | None = None
+    check_grads: bool = True
+    progress: bool = False
+    max_grad_norm: float | None = None
+    post_validation: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch must be an integer >= 1, got {self.batch!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.holdout < 1.0:
+            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.post_validation and self.max_grad_norm is None:
+            raise ValueError("post_validation validates a clipped step: give max_grad_norm too")
+
+
+@dataclass
+class _Run:
+    """What the step loops fill in."""
+
+    losses: list = field(default_factory=list)
+    timelines: list = field(default_factory=list)
+    seconds: list = field(default_factory=list)
+    grad_error: float | None = None
+    loss_error: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def train(
+    schedule: str | Schedule = "zb-h1",
+    ranks: int = 2,
+    microbatches: int = 4,
+    steps: int = 20,
+    *,
+    model: ModelConfig | None = None,
+    run: RunConfig | None = None,
+    schedule_options: dict | None = None,
+    devices: Sequence[Any] | None = None,
+    data: Digits | None = None,
+    on_step: Callable[[int, float, Timeline], None] | None = None,
+) -> TrainResult:
+    """Train the digits Transformer with one schedule and measure it.
+
+    Args:
+        schedule: a registered name (``zb.SCHEDULES``) or a :class:`~zbpp_lite.schedules.ir.Schedule`
+            (e.g. read from CSV; its ranks and microbatches then override ``ranks`` and
+            ``microbatches``).
+        ranks, microbatches: p and m.
+        steps: training steps (optimizer updates).
+        model: the model's sizes and init seed (:class:`~zbpp_lite.training.model.ModelConfig`;
+            ``blocks`` >= stages).
+        run: batch, optimizer, data split, gradient check, clipping (:class:`RunConfig`).
+        schedule_options: keyword options for the builder (e.g. ``stages_per_rank``).
+        devices: one device per rank; default :func:`zbpp_lite.runtime.devices.ensure_devices` (real
+            accelerators if enough, else simulated CPU devices).
+        data: the digits split to use (default ``load_digits(run.holdout, run.seed)``).
+        on_step: called after every step with (step index, loss, measured timeline).
+
+    Raises:
+        ValueError: an unknown or invalid schedule, fewer blocks than stages, a batch that does
+            not divide into microbatches, bad sizes; all before any compute.
+        RuntimeError: too few devices (the message says how to get simulated ones), or a rank's
+            action failed.
+    """
+    config, run = model or ModelConfig(), run or RunConfig()
+    sched = _checked_schedule(schedule, ranks, microbatches, steps, config, run, schedule_options)
+    if devices is None:
+        from ..runtime.devices import ensure_devices
+
+        devices = ensure_devices(sched.num_ranks)
+
+    from ..analysis.profiling.timelines import measured_costs
+    from ..runtime.executor import PipelineExecutor
+
+    data = data if data is not None else load_digits(run.holdout, run.seed)
+    staged = StagedModel(build_parts(config), sched.num_stages)
+    params = load_torch_init(run.init, config) if run.init is not None else staged.params
+    executor = PipelineExecutor(staged, sched, devices)
+    batches = [data.batch(k, run.batch) for k in range(steps)]
+    loop = _guarded_steps if run.max_grad_norm is not None else _plain_steps
+    out, stage_params = loop(executor, params, batches, run, on_step)
+    if run.check_grads:  # the first step against the unpartitioned model on the whole batch
+        ref_loss, ref_grads = reference_grads(staged, params, *batches[0], devices[0])
+        out.grad_error = max_relative_error(out.extra.pop("first_grads"), ref_grads)
+        out.loss_error = abs(out.losses[0] - ref_loss)
+    out.extra.pop("first_grads", None)
+
+    final = staged.join_stage_params(stage_params)
+    test_loss, test_accuracy = evaluate(staged, final, data.test_x, data.test_y, devices[0])
+    measured = _pick_measured(out.timelines)
+    costs = measured_costs(measured, sched.num_stages)
+    return TrainResult(
+        schedule=sched,
+        losses=out.losses,
+        test_accuracy=test_accuracy,
+        test_loss=test_loss,
+        grad_max_rel_error=out.grad_error,
+        loss_error=out.loss_error,
+        measured=measured,
+        costs=costs,
+        simulated=simulate(sched, costs),
+        timelines=out.timelines,
+        step_seconds=out.seconds,
+        params=final,
+        config={"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
+                "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
+                "init": None if run.init is None else str(run.init), "devices": [str(dev) for dev in devices],
+                **out.extra},
+    )
+
+
+def _checked_schedule(schedule, ranks, microbatches, steps, config: ModelConfig, run: RunConfig,
+                      schedule_options: dict | None) -> Schedule:
+    """The schedule to run, once everything that can be wrong with the request has been checked
+    (before JAX computes anything)."""
+    sched = schedule if isinstance(schedule, Schedule) else build_schedule(schedule, ranks, microbatches, **(schedule_options or {}))
+    validate(sched)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    microbatch_size(run.batch, sched.num_microbatches)
+    stage_parts(config.blocks, sched.num_stages)  # raises for fewer blocks than stages
+    return sched
+
+
+def _plain_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_Run, list]:
+    """One executor step at a time, then AdamW per stage on that stage's device."""
+    import jax
+
+    model, sched = executor.model, executor.schedule
+    S = sched.num_stages
+    opt, update = jitted_adamw(run.lr, run.weight_decay)
+    stage_params = [jax.device_put(model.stage_params(params, s), executor.stage_devices[s]) for s in range(S)]
+    opt_state = [jax.device_put(opt.init(p), executor.stage_devices[s]) for s, p in enumerate(stage_params)]
+    out = _Run()
+    steps_iter: Any = range(len(batches))
+    if run.progress:
+        from tqdm.auto import tqdm
+
+        steps_iter = tqdm(steps_iter, desc=f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}", leave=False)
+    for k in steps_iter:
+        x, y = batches[k]
+        t0 = time.perf_counter()
+        result = executor.run(model.join_stage_params(stage_params), x, y)
+        for s in range(S):
+            stage_params[s], opt_state[s] = update(model.stage_params(result.grads, s), opt_state[s], stage_params[s])
+        jax.block_until_ready(stage_params)
+        out.seconds.append(time.perf_counter() - t0)
+        if k == 0:
+            out.extra["first_grads"] = result.grads
+        out.losses.append(result.loss)
+        out.timelines.append(result.timeline)
+        if run.progress:
+            steps_iter.set_postfix(loss=f"{result.loss:.4f}")
+        if on_step is not None:
+            on_step(k, result.loss, result.timeline)
+    return out, stage_params
+
+
+def _guarded_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_Run, list]:
+    """The steps back to back with the clipped AdamW inside the rank threads (synchronous or
+    post-validated, :class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`)."""
+    import jax
+
+    from .postval.optimizer import StageOptimizer
+    from .postval.rollback import AdamWConfig
+
+    model = executor.model
+    guard = StageOptimizer(executor, params, AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay),
+                           "post-validation" if run.post_validation else "synchronous", run.max_grad_norm)
+    results = executor.run_steps(params, batches, guard)
+    out = _Run()
+    starts = [r.start for r in results]
+    starts.append(starts[-1] + results[-1].timeline.global_span)  # the last step: its own span
+    for k, r in enumerate(results):
+        out.losses.append(r.loss)
+        out.timelines.append(r.timeline)
+        out.seconds.append(starts[k + 1] - starts[k])
+        if on_step is not None:
+            on_step(k, r.loss, r.timeline)
+    out.extra = {"first_grads": results[0].grads, "max_grad_norm": run.max_grad_norm, "post_validation": run.post_validation,
+                 "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
+                                    "rolled_back": r.rolled_back} for r in guard.reports]}
+    current = guard.params()
+    stage_params = []
+    for s in range(executor.schedule.num_stages):
+        like = model.stage_params(params, s)
+        stage_params.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), list(current[s])))
+    return out, stage_params
