@@ -56,6 +56,10 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--spmd", action="store_true",
                    help="run the schedule compiled into one SPMD program (lockstep ticks, zbpp_lite.runtime.spmd) instead of one thread per rank")
     add_platform_argument(p)
+    from .join import add_join_arguments
+
+    add_join_arguments(p)
+    p.set_defaults(_parser=p)
     return p
 
 
@@ -256,6 +260,10 @@ def profile_json(device, costs, timeline) -> dict:
 def run(args) -> int:
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
+    from .join import run_joined, wants_join
+
+    if wants_join(args):  # one process of a run on several hosts (README "Several hosts")
+        return run_joined(args, schedule, args._parser)
     if args.init and not os.path.exists(args.init):
         raise CliError(f"--init: no such file {args.init!r}")
     devices, accelerator = setup_platform(schedule.num_ranks, args.platform)
