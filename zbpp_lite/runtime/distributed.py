@@ -161,19 +161,31 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
     client = _client()
     mine = {"process": process, "num_processes": num_processes, "host": socket.gethostname(), "transfer_address": transfer_address}
     client.key_value_set_bytes(f"zbpp/roll/{process}", wire.encode(mine))
-    out = []
+    out, problem = [], None
     for q in range(num_processes):
         try:
             entry = wire.decode(client.blocking_key_value_get_bytes(f"zbpp/roll/{q}", int(timeout * 1000)))
         except Exception as e:  # noqa: BLE001
-            raise RuntimeError(f"process {process}: process {q} did not answer the roll call within {timeout:g} s "
-                               f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+            problem = (f"process {process}: process {q} did not answer the roll call within {timeout:g} s "
+                       f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})")
+            break
         if entry.get("num_processes") != num_processes:
-            raise RuntimeError(
-                f"process {process}: mismatched process counts: this process was started with --num-processes "
-                f"{num_processes}, process {q} (on {entry.get('host')}) with {entry.get('num_processes')}; give every process the same N"
-            )
+            problem = (f"process {process}: mismatched process counts: this process was started with --num-processes "
+                       f"{num_processes}, process {q} (on {entry.get('host')}) with {entry.get('num_processes')}; give every process the same N")
+            break
         out.append(entry)
+    client.key_value_set(f"zbpp/roll/checked/{process}", "1")
+    if problem is not None and process == 0:
+        # process 0 hosts the service: leaving at once would end the others with "lost the
+        # coordinator" before they name the mismatch themselves; wait (bounded) for their verdicts
+        for q in range(1, num_processes):
+            try:
+                client.blocking_key_value_get(f"zbpp/roll/checked/{q}", int(min(timeout, 5.0) * 1000))
+            except Exception:  # noqa: BLE001 - that process is not there: nothing to wait for
+                pass
+        time.sleep(1.0)  # their one line is printed after their verdict
+    if problem is not None:
+        raise RuntimeError(problem)
     return out
 
 

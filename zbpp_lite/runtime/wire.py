@@ -34,7 +34,7 @@ def encode(value: Any) -> bytes:
         if v is None or isinstance(v, (bool, int, float, str)):
             return v
         if isinstance(v, (np.ndarray, np.generic)):
-            a = np.ascontiguousarray(v)
+            a = np.asarray(v)  # tobytes() writes C order whatever the strides
             if a.dtype.kind not in _KINDS:
                 raise TypeError(f"wire.encode: {where} is an array of dtype {a.dtype}; only bool and numeric dtypes cross processes")
             arrays.append(a)
