@@ -134,13 +134,11 @@ def child_env(args, num_ranks: int) -> dict:
 
 def run_joined(args, schedule, parser: argparse.ArgumentParser, on_start=None) -> int:
     """Run this process of a multi-host run under supervision; returns the exit status (0, or 1
-    with one ``error:`` line on stderr naming the cause). ``on_start`` gets the worker's pid."""
+    with one ``error:`` line on stderr naming the cause). ``on_start`` gets the worker's pid.
+    The caller has checked the train flags (``train.check_launchable``); raises CliError for bad
+    join flags."""
     from ..runtime.cluster import explain_runtime_failure
-    from .launch import end_child
-    from .launch_child import train_process  # noqa: F401 - fails here, not in the child, if broken
-    from .train import check_launchable
 
-    check_launchable(args)
     check_join_arguments(args, schedule.num_ranks)
     child = subprocess.Popen(
         [sys.executable, "-m", "zbpp_lite.cli.launch_child", *train_argv(args, parser)],
@@ -166,8 +164,9 @@ def run_joined(args, schedule, parser: argparse.ArgumentParser, on_start=None) -
     reader.start()
     try:
         status = child.wait()
-    except BaseException:  # Ctrl-C or a signal: the worker goes too
-        end_child(child)
+    except BaseException:  # Ctrl-C or a signal: the worker goes too (SIGKILL: JAX catches SIGTERM)
+        child.kill()
+        child.wait(timeout=10)
         raise
     reader.join(timeout=5)
     if status == 0:

@@ -263,6 +263,7 @@ def run(args) -> int:
     from .join import run_joined, wants_join
 
     if wants_join(args):  # one process of a run on several hosts (README "Several hosts")
+        check_launchable(args)
         return run_joined(args, schedule, args._parser)
     if args.init and not os.path.exists(args.init):
         raise CliError(f"--init: no such file {args.init!r}")
