@@ -113,7 +113,7 @@ def initialize(
     if coordinator:
         c_host, c_port = parse_address(coordinator, "--coordinator")
         if process_id == 0:
-            check_bindable("0.0.0.0", c_port, f"{me}: the coordinator port of")
+            check_bindable("0.0.0.0", c_port, f"{me}: the coordinator port")
         else:
             wait_for_coordinator(c_host, c_port, timeout, process_id)
     jax.config.update("jax_cross_host_transfer_timeout_seconds", int(max(timeout, 1)))
@@ -122,11 +122,15 @@ def initialize(
     except Exception:  # pragma: no cover - a JAX without the option
         pass
     try:
-        jax.distributed.initialize(
-            coordinator, num_processes, process_id,
-            initialization_timeout=int(max(timeout, 1)), heartbeat_timeout_seconds=heartbeat,
-            shutdown_timeout_seconds=int(max(timeout, 1)),
-        )
+        options = {"initialization_timeout": int(max(timeout, 1)), "heartbeat_timeout_seconds": heartbeat,
+                   "shutdown_timeout_seconds": int(max(timeout, 1))}
+        try:
+            jax.distributed.initialize(coordinator, num_processes, process_id, **options)
+        except TypeError as e:  # an older JAX without the shutdown timeout: its own default then
+            if "shutdown_timeout_seconds" not in str(e):
+                raise
+            del options["shutdown_timeout_seconds"]
+            jax.distributed.initialize(coordinator, num_processes, process_id, **options)
     except Exception as e:  # noqa: BLE001 - re-raised with the process named
         raise RuntimeError(
             f"{me} of {num_processes}: JAX's distributed runtime did not start "
