@@ -21,16 +21,17 @@ from . import CliError
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model, data and optimizer flags shared by ``train`` and ``compare``."""
-    parser.add_argument("--d", type=int, default=32, help="model width (default 32; the PyTorch job uses 128)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--blocks", type=int, default=None, help="Transformer blocks (default: 4, or one per stage if more stages)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch, a multiple of --microbatches (default 64)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of init and batch order (default 0)")
+    """Model, data and optimizer flags shared by ``train`` and ``compare`` (each sets its own
+    defaults with ``set_defaults``; the help shows them)."""
+    parser.add_argument("--d", type=int, default=32, help="model width (default %(default)s; the PyTorch job uses 128)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default %(default)s)")
+    parser.add_argument("--blocks", type=int, default=None, help="Transformer blocks (default: %(default)s; none: 4, or one per stage if more stages)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch, a multiple of --microbatches (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of init and batch order (default %(default)s)")
     parser.add_argument(
         "--holdout", type=float, default=0.2,
-        help="fraction of the digits held out for test accuracy (default 0.2; 0 = the PyTorch job's batches, tested on all)",
+        help="fraction of the digits held out for test accuracy (default %(default)s; 0 = the PyTorch job's batches, tested on all)",
     )
 
 
