@@ -25,9 +25,10 @@ from .ir import Action, Entry, Key, Overlap, Schedule, deps, parts, produces
 
 class ScheduleError(ValueError):
     """A schedule that cannot run as written. ``rank``, ``step`` and ``action`` locate the problem
-    (``None`` where it has no single place, e.g. a missing action)."""
+    (``None`` where it has no single place, e.g. a missing action); ``action`` is the entry at
+    that step, an :class:`Overlap` where the step is an overlapped pair."""
 
-    def __init__(self, message: str, rank: int | None = None, step: int | None = None, action: Action | None = None):
+    def __init__(self, message: str, rank: int | None = None, step: int | None = None, action: Entry | None = None):
         super().__init__(message)
         self.rank, self.step, self.action = rank, step, action
 
