@@ -19,12 +19,13 @@ costs_st = st.builds(
     b=st.floats(0.1, 3.0),
     w=st.floats(0.1, 3.0),
     comm=st.floats(0.0, 0.5),
+    fb=st.one_of(st.none(), st.floats(0.1, 6.0)),  # T_F&B of DualPipeV's overlapped pairs
 )
 
 
 def check_timeline(schedule: Schedule, timeline: zb.Timeline) -> None:
     """Every dependency ends (plus nothing negative) before its consumer starts; no overlap on a rank;
-    every rank's events follow its action list."""
+    every rank's events follow its action list (an overlapped pair as its forward then its backward)."""
     end = {}
     for e in timeline.events:
         for key in produces(e.action):
@@ -34,7 +35,7 @@ def check_timeline(schedule: Schedule, timeline: zb.Timeline) -> None:
             assert end[key] <= e.start + 1e-9, f"{e.action} starts before {key} ends"
     for r in range(schedule.num_ranks):
         ev = timeline.rank_events(r)
-        assert [x.action for x in ev] == list(schedule.actions[r])
+        assert [x.action for x in ev] == list(schedule.rank_actions(r))
         assert all(a.end <= b.start + 1e-9 for a, b in zip(ev, ev[1:])), f"overlap on rank {r}"
 
 
@@ -52,7 +53,7 @@ def test_every_builder_validates_and_simulates_consistently(name, p, m, costs):
     t = zb.simulate(s, costs)
     check_timeline(s, t)
     assert 0.0 <= t.bubble_rate < 1.0
-    busy = [sum(costs.table(s.num_stages).time(a.kind, a.stage) for a in row) for row in s.actions]
+    busy = [sum(costs.table(s.num_stages).duration(e) for e in row) for row in s.actions]
     assert t.busy == pytest.approx(busy)
 
 

@@ -362,3 +362,19 @@ def test_viz_imports_no_jax_and_colab_helper_is_a_no_op_elsewhere():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_explorer_offers_dualpipe_v_with_a_t_fb_slider_and_its_refusal_below_2p():
+    from zbpp_lite.viz import Explorer
+
+    ex = Explorer("dualpipe-v", num_ranks=4, num_microbatches=8)
+    c = ex.controls
+    assert "dualpipe-v" in c["schedule"].options
+    s = zb.build_schedule("dualpipe-v", 4, 8)
+    assert_figure_matches(ex.figure, zb.simulate(s))  # T_F&B slider at 0: no overlap
+    c["fb"].value = 2.0
+    want = zb.simulate(s, zb.Costs(fb=2.0))
+    assert_figure_matches(ex.figure, want)
+    assert want.makespan == 44 and f"makespan {want.makespan:.4g}" in ex.figure.layout.title.text
+    c["num_microbatches"].value = 7
+    assert not ex.state.ok and "use m &gt;= 8" in ex.message.value  # HTML-escaped

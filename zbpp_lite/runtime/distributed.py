@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..schedules.ir import Action, Schedule, produces
+from ..schedules.ir import Action, Schedule, parts, produces
 from ..schedules.validate import execution_order
 
 ENV_COORDINATOR = "ZBPP_COORDINATOR"
@@ -253,16 +253,16 @@ def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action
     plan = []
     S = schedule.num_stages
     for rank, step in execution_order(schedule):
-        a = schedule.actions[rank][step]
-        if a.kind == "F" and a.stage < S - 1:
-            consumer = a.stage + 1
-        elif a.kind in ("B", "BW") and a.stage > 0:
-            consumer = a.stage - 1
-        else:
-            continue
-        src, dst = owner[rank], owner[schedule.placement[consumer]]
-        if src != dst:
-            plan.append((a, rank, consumer, src, dst))
+        for a in parts(schedule.actions[rank][step]):  # a pair: its forward's, then its backward's
+            if a.kind == "F" and a.stage < S - 1:
+                consumer = a.stage + 1
+            elif a.kind in ("B", "BW") and a.stage > 0:
+                consumer = a.stage - 1
+            else:
+                continue
+            src, dst = owner[rank], owner[schedule.placement[consumer]]
+            if src != dst:
+                plan.append((a, rank, consumer, src, dst))
     return plan
 
 

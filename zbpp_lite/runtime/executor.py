@@ -5,7 +5,11 @@ global clock, no central scheduler). An action waits only for what it needs from
 found with :func:`zbpp_lite.schedules.ir.deps`: F(s, j) the activation of stage s-1, B(s, j) / BW(s, j)
 the input gradient of stage s+1; what a rank needs from itself (F's residuals for B, B's output
 gradients for W) is there by the schedule's own order, which :func:`zbpp_lite.validate` checked.
-Work goes through a kind -> handler table, and every stage's F, B, W, BW are the jitted pure
+An overlapped pair F&B (:class:`~zbpp_lite.schedules.ir.Overlap`, DualPipeV's unit) waits for
+both its inputs, then runs its forward and its backward back to back on the rank's device, each
+timed as its own event (JAX on one device runs them one after the other; DualPipe's overlap of
+one's compute with the other's communication is a kernel-level matter this executor does not
+model). Work goes through a kind -> handler table, and every stage's F, B, W, BW are the jitted pure
 functions of :class:`zbpp_lite.runtime.split.StageSplit`, run on the rank's device. Outputs move to the
 consumer's device with ``jax.device_put`` (asynchronous, like a send on real hardware) and wait in
 the consumer rank's inbox. The last stage's backward starts from d loss / d loss_j = 1/m (the
@@ -49,7 +53,7 @@ import numpy as np
 from .stages import microbatch_size
 from .devices import too_few_devices_message
 from .stages import Params, StagedModel
-from ..schedules.ir import Action, Key, Schedule, deps, produces
+from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import validate
 
@@ -333,7 +337,7 @@ class PipelineExecutor:
         S = self.model.num_stages
         shapes = self.model.stage_inputs(x_mb)
         splits: list = [None] * S
-        kinds = {a.kind for r in self.ranks for a in self.schedule.actions[r]}
+        kinds = {a.kind for r in self.ranks for a in self.schedule.rank_actions(r)}
         for s in self.local_stages:
             device, last = self.stage_devices[s], s == S - 1
             splits[s] = self.model.split_stage(s, shapes[s], y_mb)
@@ -549,29 +553,33 @@ class PipelineExecutor:
             if update.validate(rank, previous[0], _Channel(self, previous[1], rank)):
                 raise _Restart()
 
-        for action in self.schedule.actions[rank]:
-            at[0] = action
-            if due and (action.kind != "F" or verdict()):
+        for entry in self.schedule.actions[rank]:
+            at[0] = entry
+            if due and (any(a.kind != "F" for a in parts(entry)) or verdict()):
                 validate()
-            received = []
-            for key in deps(action, S):
-                if key[1] == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
-                    continue
-                while True:
-                    try:
-                        value = inbox.take(key, self.timeout, action, attempt, verdict if due else None)
-                        break
-                    except _Interrupted:
-                        validate()  # the verdict is there, or on its way: a sender already redoes this step
-                received.append(value)
-            start = time.perf_counter()
-            ready, message = self._handlers[action.kind](step, action, *received)
-            jax.block_until_ready(ready)
-            end = time.perf_counter()
-            with step.lock:
-                step.events.append(Event(rank, action, start - step.t0, end - step.t0))
-            if message is not None:
-                self._send(step, action, message, attempt)
+            received = []  # a pair takes both parts' inputs before either runs
+            for action in parts(entry):
+                inputs = []
+                for key in deps(action, S):
+                    if key[1] == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
+                        continue
+                    while True:
+                        try:
+                            value = inbox.take(key, self.timeout, action, attempt, verdict if due else None)
+                            break
+                        except _Interrupted:
+                            validate()  # the verdict is there, or on its way: a sender already redoes this step
+                    inputs.append(value)
+                received.append(inputs)
+            for action, inputs in zip(parts(entry), received):
+                start = time.perf_counter()
+                ready, message = self._handlers[action.kind](step, action, *inputs)
+                jax.block_until_ready(ready)
+                end = time.perf_counter()
+                with step.lock:
+                    step.events.append(Event(rank, action, start - step.t0, end - step.t0))
+                if message is not None:
+                    self._send(step, action, message, attempt)
         if due:  # a rank with no backward in this step (none in a valid schedule)
             validate()
 

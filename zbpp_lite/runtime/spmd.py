@@ -146,10 +146,16 @@ def tick_tables(schedule: Schedule) -> TickTables:
 
     Raises:
         ScheduleError: an invalid schedule.
-        ValueError: ranks holding different numbers of stages, or a transfer between ranks that
-            are not neighbours on the ring (only r -> r+1, r -> r-1 and r -> r travel).
+        ValueError: ranks holding different numbers of stages, a transfer between ranks that
+            are not neighbours on the ring (only r -> r+1, r -> r-1 and r -> r travel), or an
+            overlapped F&B pair (DualPipeV's): a tick runs one action per rank.
     """
     validate(schedule)
+    if schedule.has_pairs:
+        raise ValueError(
+            "the SPMD executor runs one action per rank per tick and has no overlapped F&B pair; run "
+            "schedule.split_pairs() (each pair as its two actions, the same gradients) or the thread executor"
+        )
     p, S = schedule.num_ranks, schedule.num_stages
     chunks = [schedule.stages_of(r) for r in range(p)]
     if len({len(c) for c in chunks}) != 1:

@@ -151,8 +151,9 @@ class Timeline:
 
 
 def with_schedule_order(timeline: Timeline, schedule: Schedule) -> bool:
-    """True when the timeline's per-rank event order matches the schedule's action lists."""
+    """True when the timeline's per-rank event order matches the schedule's action lists (a pair
+    as its forward then its backward)."""
     return all(
-        tuple(e.action for e in timeline.rank_events(r)) == tuple(schedule.actions[r])
+        tuple(e.action for e in timeline.rank_events(r)) == schedule.rank_actions(r)
         for r in range(schedule.num_ranks)
     )
