@@ -306,14 +306,39 @@ def test_train_command_writes_the_promised_json(tmp_path, capsys):
     assert {"rank", "action", "start", "end"} <= set(run["trace"][0])
 
 
-def test_compare_command_writes_one_report(tmp_path, capsys):
-    out = tmp_path / "compare.html"
+@pytest.mark.parametrize("threads", [False, True])
+def test_compare_command_writes_one_report(tmp_path, capsys, threads):
+    out, js = tmp_path / "compare.html", tmp_path / "compare.json"
     argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1", "--steps", "2", "--d", "16",
-            "--heads", "2", "--blocks", "4", "--batch", "4", "--out", str(out)]
+            "--heads", "2", "--blocks", "4", "--batch", "4", "--learn-steps", "2", "--out", str(out), "--json", str(js),
+            *(["--threads"] if threads else [])]
     assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert ("threads of one process" in printed) == threads and ("one process per rank" in printed) != threads
     page = out.read_text()
-    assert page.count("<tr>") == 3 and "<td>1f1b</td>" in page and "<td>zb-h1</td>" in page
-    assert "planned" in page and "measured" in page
+    assert "<td>1f1b</td>" in page and "<td>zb-h1</td>" in page and "planned" in page and "measured" in page
+    assert "step time (ms)" in page and "was fastest" in page and "time (ms)" in page and "time (s)" not in page  # ms everywhere
+    report = json.loads(js.read_text())
+    assert [r["schedule"] for r in report["runs"]] == sorted(("1f1b", "zb-h1"), key=lambda n: next(
+        r["median_step_ms"] for r in report["runs"] if r["schedule"] == n))  # ranked, fastest first
+    assert report["loss_spread"] < 1e-5  # every schedule trains the same model to the same losses
+    assert all(r["grad_max_rel_error"] < 1e-5 for r in report["runs"])
+    assert report["reference"] in report["references_ms"] and len(report["references_ms"]) == 2
+    fastest = min(report["references_ms"].values())
+    assert all(r["speedup"] == pytest.approx(fastest / r["median_step_ms"]) for r in report["runs"])
+    assert report["learned"]["steps"] == 2 and 0.0 <= report["learned"]["test_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--microbatches", "0", "--microbatches must be an integer >= 1, got 0"),
+    ("--microbatches", "-1", "--microbatches must be an integer >= 1, got -1"),
+    ("--ranks", "0", "--ranks must be an integer >= 1, got 0"),
+    ("--steps", "1", "--steps must be an integer >= 2"),
+])
+def test_compare_refuses_bad_sizes_naming_the_flag(flag, value, message, capsys):
+    assert main(["compare", flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
 
 
 @pytest.mark.parametrize(

@@ -44,9 +44,15 @@ def schedule_to_json(s: Schedule) -> dict:
 
 
 def schedule_from_json(d: dict) -> Schedule:
-    """Inverse of :func:`schedule_to_json` (validated by the executor that runs it)."""
-    actions = tuple(tuple(Action.from_str(a) for a in row) for row in d["actions"])
-    return Schedule(actions, tuple(d["placement"]), int(d["microbatches"]), d.get("name", ""))
+    """Inverse of :func:`schedule_to_json` (validated by the executor that runs it).
+
+    Raises:
+        ValueError: an unparsable entry, or rows whose placement is not the one given.
+    """
+    s = Schedule.from_rows(d["actions"], int(d["microbatches"]), name=d.get("name", ""))
+    if list(s.placement) != list(d["placement"]):
+        raise ValueError(f"the schedule's rows place its stages {list(s.placement)}, not {list(d['placement'])}")
+    return s
 
 
 def enough_cores(num_ranks: int) -> bool:
