@@ -163,3 +163,43 @@ def test_recording_can_be_turned_off():
     model = _model(2)
     result = PipelineExecutor(model, schedule, DEVICES[:2], record_memory=False).run(model.params, X[: MB * 2], Y[: MB * 2])
     assert result.timeline.measured_memory is None and result.timeline.peak_memory_bytes is None
+
+
+def test_the_figure_draws_measured_and_planned_per_rank_and_refuses_a_plan():
+    from zbpp_lite.viz import measured_memory_figure
+
+    schedule = zb.build_schedule("zb-h1", 2, 4)
+    timeline = _run(schedule)
+    fig = measured_memory_figure(timeline, title="zb-h1")
+    assert len(fig.data) == 3 * 2
+    for r in range(2):
+        measured, planned, with_received = fig.data[3 * r : 3 * r + 3]
+        assert max(measured.y) == timeline.peak_memory_bytes[r] == max(planned.y) == timeline.planned_peak_bytes[r]
+        assert max(with_received.y) == timeline.measured_memory.peak_total_bytes[r]
+        assert "measured / planned 1" in fig.layout.annotations[r].text
+    with pytest.raises(ValueError, match="no measured memory"):
+        measured_memory_figure(zb.simulate(schedule))
+
+
+def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsys):
+    import json
+
+    from zbpp_lite.cli import main
+
+    path = tmp_path / "run.json"
+    argv = ["train", "--schedule", "zb-h2", "--ranks", "2", "--microbatches", "4", "--steps", "2", "--d", "16",
+            "--heads", "2", "--blocks", "4", "--batch", "8", "--json", str(path), "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "activation memory per rank" in out and "measured / planned 1.0000" in out
+    memory = json.loads(path.read_text())["memory"]
+    assert memory["peak_bytes"] == memory["planned_peak_bytes"] and memory["peak_units"][0] == 2 * 2 - 1
+    assert len(memory["mem_b_bytes"]) == 2 and memory["device_peak_bytes"] == [None, None]  # CPU: no memory_stats
+    assert memory["held"][0][0] == [0.0, 0] and memory["held"][0][-1][1] == 0
+    out_html = tmp_path / "compare.html"
+    argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1", "--steps", "2", "--d", "16",
+            "--heads", "2", "--blocks", "4", "--batch", "4", "--out", str(out_html)]
+    assert main(argv) == 0
+    assert "activation memory peak per rank (bytes): measured" in capsys.readouterr().out
+    page = out_html.read_text()
+    assert "Activation memory per rank" in page and page.count("measured beside the plan") == 2

@@ -3,7 +3,7 @@
 Every registered schedule trains the same model on the same batches for a few steps on the same
 devices; the report has one table (loss, gradient check, measured and simulated makespan and
 bubble rate) and, per schedule, the planned timeline (the simulator with that run's measured mean
-action costs) above the measured one. Schedules whose builders need options are given them from
+action costs) above the measured one, and the activation bytes each rank held beside the plan's. Schedules whose builders need options are given them from
 what is known (``stages_per_rank`` 2; ``costs`` the mean measured action costs of the runs so far;
 ``memory_limit`` p activation units, 1F1B's peak); a schedule that cannot be built or run is
 listed with the reason, never left out silently.
@@ -156,6 +156,10 @@ def run(args) -> int:
             f"bubble {r.measured.bubble_rate:.3f} (sim {r.simulated.bubble_rate:.3f})",
             flush=True,
         )
+        memory = r.measured.measured_memory
+        if memory is not None:
+            print(f"{'':18s} activation memory peak per rank (bytes): measured {list(memory.peak_bytes)}  "
+                  f"planned {[int(b) for b in r.measured.planned_peak_bytes]}", flush=True)
     with open(args.out, "w") as f:
         f.write(html_report(results, notes, args, blocks))
     print(f"wrote {args.out}")
@@ -171,7 +175,7 @@ def run(args) -> int:
 
 def html_report(results: list, notes: dict, args, blocks: int) -> str:
     """One self-contained page: the table, then planned above measured per schedule."""
-    from ..viz import compare_figure
+    from ..viz import compare_figure, measured_memory_figure
 
     rows = []
     for r in results:
@@ -188,6 +192,13 @@ def html_report(results: list, notes: dict, args, blocks: int) -> str:
     for i, r in enumerate(results):
         fig = compare_figure(r.simulated, r.measured, title=f"{r.schedule.name}: planned (simulated, measured costs) vs measured")
         figures.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
+        if r.measured.measured_memory is not None:
+            figures.append(measured_memory_figure(r.measured, title=r.schedule.name).to_html(full_html=False, include_plotlyjs=False))
+    memory_rows = [
+        f"<tr><td>{html.escape(r.schedule.name)}</td><td>{r.measured.measured_memory.peak_bytes}</td>"
+        f"<td>{tuple(int(b) for b in r.measured.planned_peak_bytes)}</td><td>{tuple(round(u, 3) for u in r.measured.measured_memory.peak_units([r.schedule.stages_of(k)[0] for k in range(r.schedule.num_ranks)]))}</td></tr>"
+        for r in results if r.measured.measured_memory is not None
+    ]
     head = ["schedule", "stages", "loss first", "loss last", "grad rel. error", "measured makespan (ms)",
             "simulated makespan (ms)", "measured / simulated", "measured bubble rate", "simulated bubble rate", "test accuracy"]
     return f"""<!doctype html>
@@ -200,6 +211,13 @@ Measured: the step with the median makespan (after the first). Planned: the simu
 costs. Gradient error: first step against the unpartitioned model, relative to each gradient's largest entry.</p>
 <table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>
 {chr(10).join(rows)}
+</table>
+<h2>Activation memory per rank</h2>
+<p>Measured: the bytes each rank's actions kept for the schedule (F's residuals and W's operands, B's output gradients),
+counted from the arrays' shapes and dtypes. Planned: the plan's memory model with the measured M_B and M_W of every stage,
+in bytes and in units of M_B.</p>
+<table><tr><th>schedule</th><th>measured peak (bytes)</th><th>planned peak (bytes)</th><th>measured peak (units of the rank's first stage's M_B)</th></tr>
+{chr(10).join(memory_rows)}
 </table>
 {chr(10).join(figures)}
 </body></html>

@@ -21,6 +21,7 @@ state, dead buffers kept for reuse and the compiled programs' temporaries.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from .costs import Costs
 
@@ -87,6 +88,12 @@ class MeasuredMemory:
     def peak_total_bytes(self) -> tuple[int, ...]:
         """Per rank, the peak of held + received (at one instant), bytes."""
         return tuple(curve_peak(add_curves(h, r)) for h, r in zip(self.held, self.received))
+
+    def peak_units(self, unit_stages: Sequence[int]) -> tuple[float, ...]:
+        """Per rank r, the measured peak in units of one stage-microbatch's activations: bytes
+        over the measured M_B of stage ``unit_stages[r]`` (e.g. the rank's first stage); nan
+        where that M_B is 0 (a stage run elsewhere)."""
+        return tuple(b / self.mem_b[s] if self.mem_b[s] else float("nan") for b, s in zip(self.peak_bytes, unit_stages))
 
     def costs(self, base: Costs | None = None) -> Costs:
         """``base`` (default :class:`Costs`) with mem_b and mem_w set to the measured bytes per
