@@ -109,8 +109,9 @@ def main() -> None:
     wall = time.monotonic() - wall0
     if busy0 is not None:
         other = (busy_cpu_seconds() - busy0 - (time.process_time() - own0)) / wall
-        print(f"other programs used {other:.2f} of {os.cpu_count()} cores meanwhile (this machine is shared: ratios of "
-              "interleaved pairs are the figures to trust; the recorder's own cost is timed alone)")
+        print(f"other programs used {other:.2f} of {os.cpu_count()} cores meanwhile (this machine is shared: where the pair "
+              "ratios' IQR spans more than the target, the pairs cannot resolve it, and the recorder's own cost, timed alone, "
+              "is the figure that bounds it)")
     print("target: recording adds < 2% to the step time")
 
 

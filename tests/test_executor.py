@@ -290,7 +290,7 @@ def test_compare_command_writes_one_report(tmp_path, capsys):
             "--heads", "2", "--blocks", "4", "--batch", "4", "--out", str(out)]
     assert main(argv) == 0
     page = out.read_text()
-    assert page.count("<tr>") == 3 and "<td>1f1b</td>" in page and "<td>zb-h1</td>" in page
+    assert page.count("<tr>") == 3 + 3 and "<td>1f1b</td>" in page  # the runs' table and the memory table and "<td>zb-h1</td>" in page
     assert "planned" in page and "measured" in page
 
 
