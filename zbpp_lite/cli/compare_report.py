@@ -122,6 +122,24 @@ def _in_ms(timeline):
     return Timeline.from_events(events, timeline.num_ranks, source=timeline.source)
 
 
+def _memory_section(c: Comparison) -> str:
+    """Measured activation bytes per rank beside the plan's, per schedule (where recorded)."""
+    from ..viz import measured_memory_figure
+
+    runs = [r for r in c.ranked if r.measured.measured_memory is not None]
+    if not runs:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(r.schedule.name)}</td><td>{', '.join(str(b) for b in r.measured.measured_memory.peak_bytes)}</td>"
+        f"<td>{', '.join(str(int(b)) for b in r.measured.planned_peak_bytes)}</td></tr>" for r in runs)
+    figures = "".join(measured_memory_figure(r.measured, title=r.schedule.name).to_html(full_html=False, include_plotlyjs=False)
+                      for r in runs)
+    return (f"<h2>Activation memory per rank</h2><p>Measured: the bytes each rank's actions kept for the schedule (F's residuals "
+            f"and W's operands, B's output gradients), counted from the arrays' shapes and dtypes. Planned: the plan's memory "
+            f"model with the measured M_B and M_W of every stage.</p><table><tr><th>schedule</th><th>measured peak per rank "
+            f"(bytes)</th><th>planned peak per rank (bytes)</th></tr>{rows}</table>{figures}")
+
+
 def html_report(c: Comparison) -> str:
     """One self-contained page: the summary figure and paragraph, the table, then planned above
     measured per schedule (ms)."""
@@ -151,6 +169,7 @@ def html_report(c: Comparison) -> str:
         fig = compare_figure(_in_ms(r.simulated), _in_ms(r.measured), time_unit="ms",
                              title=f"{r.schedule.name}: planned (simulator, measured costs) vs measured")
         parts.append(fig.to_html(full_html=False, include_plotlyjs=False))
+    memory = _memory_section(c)
     paragraph = "".join(f"<p>{html.escape(line)}</p>" for line in summary_text(c).splitlines())
     mode = ("one process per rank, each pinned to its own core, schedules taking turns step by step" if c.mode == "processes"
             else "ranks as threads of one process, sharing cores")
@@ -174,6 +193,7 @@ action costs of the schedule's median step. Gradient error: the first step again
 {chr(10).join(table)}
 </table>
 {learned}
+{memory}
 <h2>Timelines, planned above measured</h2>
 <p>Colours: F forward, B input gradient, W weight gradient, BW fused backward, grey hatched idle (bubble).</p>
 {chr(10).join(parts[1:])}

@@ -313,7 +313,9 @@ def run(args) -> int:
 
 
 def report(result) -> str:
-    """The closing lines: accuracy, gradient check, measured vs simulated."""
+    """The closing lines: accuracy, gradient check, measured vs simulated (time and memory)."""
+    from ..viz.memory import memory_lines
+
     m, s = result.measured, result.simulated
     held = "held-out" if result.config.get("holdout") else "all"
     lines = [
@@ -324,6 +326,7 @@ def report(result) -> str:
         f"{'measured':10}{m.makespan * 1e3:>11.2f} ms{m.bubble_rate:>14.4f}",
         f"{'simulated':10}{s.makespan * 1e3:>11.2f} ms{s.bubble_rate:>14.4f}   (measured mean action costs)",
         f"measured / simulated makespan: {m.makespan / s.makespan:.3f}",
+        *memory_lines(m),
     ]
     guard = result.config.get("guard_reports")
     if guard:

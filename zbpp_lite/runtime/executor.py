@@ -25,7 +25,9 @@ microsecond) and the block, which stops a rank from dispatching its next action 
 one runs, so the dispatch of every action is no longer hidden behind the previous one's compute:
 on the 2-core CPU machine of ``benchmarks/bench_executor.py`` about 70-90 microseconds per action,
 beside 5-35 microseconds of the executor's own bookkeeping (threads, inbox, events), for actions
-of 5-20 milliseconds in that benchmark's pipeline. Nothing else is synchronised:
+of 5-20 milliseconds in that benchmark's pipeline. Memory: each step's timeline also carries the activation bytes
+every rank kept (``timeline.measured_memory``, :mod:`zbpp_lite.runtime.memory`), counted where
+the handlers keep and free arrays. Nothing else is synchronised:
 ranks never wait for each other except for their inputs. Compilation happens before the first
 timed step (:meth:`PipelineExecutor.run`). Ranks are Python threads: XLA releases the GIL while
 it computes, so ranks compute in parallel and only their dispatches take turns.
@@ -42,6 +44,7 @@ core).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,6 +55,7 @@ import numpy as np
 
 from .stages import microbatch_size
 from .devices import too_few_devices_message
+from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
 from .stages import Params, StagedModel
 from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
 from ..schedules.timeline import Event, Timeline
@@ -230,6 +234,7 @@ class _Step:
     index: int = 0  # the step's number over the executor's life (remote messages carry it)
     attempts: dict = field(default_factory=dict)  # rank -> its attempt at this step (1 once its warm-up was redone)
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
+    memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
 
 
@@ -252,6 +257,11 @@ class PipelineExecutor:
             (:class:`RankUpdate`: small host values such as floats). ``step`` numbers the steps
             over the executor's life (every process runs the same steps, in the same calls).
         remote: see ``ranks``.
+        record_memory: count the activation bytes each rank keeps (F's residuals and W's
+            operands, B's output gradients, what other ranks sent), from the arrays' shapes and
+            dtypes, onto each step's ``timeline.measured_memory``
+            (:class:`~zbpp_lite.schedules.memory.MeasuredMemory`, see
+            :mod:`zbpp_lite.runtime.memory`); False leaves it None.
 
     Attributes:
         ranks: the ranks run here; ``local_stages``: their stages; ``stage_devices[s]``: stage s's
@@ -273,6 +283,7 @@ class PipelineExecutor:
         *,
         ranks: Sequence[int] | None = None,
         remote: Callable[[int, Key, Any], None] | None = None,
+        record_memory: bool = True,
     ):
         validate(schedule)
         if model.num_stages != schedule.num_stages:
@@ -294,6 +305,7 @@ class PipelineExecutor:
             raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} devices")
         self.model, self.schedule, self.timeout = model, schedule, timeout
         self.ranks, self.remote = ranks, remote
+        self.record_memory = record_memory
         on = dict(zip(ranks, devices))
         self.devices = list(devices)
         self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
@@ -433,6 +445,7 @@ class PipelineExecutor:
                            (f" of step {k}" if len(batches) > 1 else ""))
                     for r in range(self.schedule.num_ranks)] for k in range(len(batches))]
         self._steps_begun += len(batches)
+        record = MemoryRecorder if self.record_memory else lambda p, S: NoMemoryRecorder()
         for (x, labels), boxes in zip(batches, inboxes):
             x, labels = np.asarray(x), np.asarray(labels)
             inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
@@ -440,6 +453,7 @@ class PipelineExecutor:
             steps.append(_Step(
                 params=list(leaves), acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
                 inboxes=boxes, t0=0.0, store={}, losses={}, events=[], index=base + len(steps),
+                memory=record(self.schedule.num_ranks, S),
             ))
         jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
         if update is not None and hasattr(update, "begin"):
@@ -482,6 +496,9 @@ class PipelineExecutor:
         begin = min((e.start for e in step.events + step.discarded), default=0.0)
         events = [Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.events]
         timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
+        on = dict(zip(self.ranks, self.devices))
+        peaks = tuple(device_peak_bytes(on[r]) if r in on else None for r in range(self.schedule.num_ranks))
+        timeline = dataclasses.replace(timeline, measured_memory=step.memory.result(begin, peaks))
         loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
         discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.discarded)
         return StepResult(loss, losses, self.model.join_stage_params(grads), timeline, begin, discarded, step.t0 + begin)
@@ -570,12 +587,14 @@ class PipelineExecutor:
                         except _Interrupted:
                             validate()  # the verdict is there, or on its way: a sender already redoes this step
                     inputs.append(value)
+                    step.memory.free(rank, key)  # consumed by this action
                 received.append(inputs)
             for action, inputs in zip(parts(entry), received):
                 start = time.perf_counter()
                 ready, message = self._handlers[action.kind](step, action, *inputs)
                 jax.block_until_ready(ready)
                 end = time.perf_counter()
+                step.memory.settle(rank, end - step.t0)
                 with step.lock:
                     step.events.append(Event(rank, action, start - step.t0, end - step.t0))
                 if message is not None:
@@ -589,6 +608,7 @@ class PipelineExecutor:
         step.attempts[rank] = step.attempts.get(rank, 0) + 1
         for key in [key for key in step.store if key[0] in stages]:
             del step.store[key]
+        step.memory.drop_stages(rank, stages, time.perf_counter() - step.t0)
         with step.lock:
             step.discarded += [e for e in step.events if e.rank == rank]
             step.events[:] = [e for e in step.events if e.rank != rank]
@@ -609,7 +629,9 @@ class PipelineExecutor:
         kind, stage, _ = key
         if kind in ("F", "B"):  # an activation for stage s+1, an input gradient for stage s-1
             consumer = stage + 1 if kind == "F" else stage - 1
-            step.inboxes[self.schedule.placement[consumer]].put(key, jax.device_put(value, self.stage_devices[consumer]), attempt)
+            value = jax.device_put(value, self.stage_devices[consumer])
+            step.memory.receive(self.schedule.placement[consumer], key, value, time.perf_counter() - step.t0 if step.t0 else 0.0)
+            step.inboxes[self.schedule.placement[consumer]].put(key, value, attempt)
         else:  # an optimizer's message (RankUpdate) for ``rank``, as sent
             step.inboxes[rank].put(key, value)
 
@@ -660,6 +682,9 @@ class PipelineExecutor:
             step.params[s], step.inputs[j] if s == 0 else x, step.labels[j] if last else None, self._spare("res", s)
         )
         step.store[s, j] = (res, kept)
+        rank = self.schedule.placement[s]
+        step.memory.keep(rank, ("res", s, j), res)
+        step.memory.keep(rank, ("kept", s, j), kept)
         if last:
             step.losses[j] = y
         return (y, res, kept), None if last else y
@@ -672,6 +697,9 @@ class PipelineExecutor:
         res, kept = step.store[s, j]
         dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, self._output_grad(step, a, dy), self._spare("grads", s))
         step.store[s, j] = (kept, grads_out)
+        rank = self.schedule.placement[s]
+        step.memory.free(rank, ("res", s, j))
+        step.memory.keep(rank, ("grads", s, j), grads_out)
         self._keep_spare("res", s, res)
         return (dx, grads_out), dx
 
@@ -679,6 +707,9 @@ class PipelineExecutor:
         s = a.stage
         kept, grads_out = step.store.pop((s, a.microbatch))
         step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
+        rank = self.schedule.placement[s]
+        step.memory.free(rank, ("kept", s, a.microbatch))
+        step.memory.free(rank, ("grads", s, a.microbatch))
         self._keep_spare("grads", s, grads_out)
         return step.acc[s], None
 
@@ -686,6 +717,9 @@ class PipelineExecutor:
         s = a.stage
         res, kept = step.store.pop((s, a.microbatch))
         dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, self._output_grad(step, a, dy), step.acc[s])
+        rank = self.schedule.placement[s]
+        step.memory.free(rank, ("res", s, a.microbatch))
+        step.memory.free(rank, ("kept", s, a.microbatch))
         self._keep_spare("res", s, res)
         return (dx, step.acc[s]), dx
 

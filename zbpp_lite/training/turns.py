@@ -118,6 +118,12 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
         at = result.started_at
         reply = {"seconds": seconds, "run_seconds": ran, "losses": list(result.microbatch_losses),
                  "events": [[e.rank, str(e.action), at + e.start, at + e.end] for e in result.timeline.events]}
+        memory = result.timeline.measured_memory
+        if memory is not None:  # this rank's curves on the shared clock, its stages' M_B and M_W
+            reply["memory"] = {"held": [[at + s, b] for s, b in memory.held[rank]],
+                               "received": [[at + s, b] for s, b in memory.received[rank]],
+                               "mem_b": list(memory.mem_b), "mem_w": list(memory.mem_w),
+                               "device_peak": memory.device_peak[rank] if len(memory.device_peak) > rank else None}
         if command.get("grads"):
             reply["grads"] = {str(s): [np.asarray(a) for a in jax.tree_util.tree_leaves(model.stage_params(result.grads, s))]
                               for s in st["stages"]}
@@ -129,9 +135,24 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
 
 
 def _aligned(replies: list, num_ranks: int, num_stages: int) -> Timeline:
+    """One measured timeline from every rank's events (and activation memory) on the clock all
+    processes share, counted from the step's first action."""
+    import dataclasses
+
+    from ..schedules.memory import MeasuredMemory
+
     origin = min(t0 for rep in replies for _, _, t0, _ in rep["events"])
     events = [Event(r, Action.from_str(a), t0 - origin, t1 - origin) for rep in replies for r, a, t0, t1 in rep["events"]]
-    return Timeline.from_events(events, num_ranks, num_stages=num_stages, source="measured")
+    timeline = Timeline.from_events(events, num_ranks, num_stages=num_stages, source="measured")
+    if all("memory" in rep for rep in replies):
+        mem = [rep["memory"] for rep in replies]  # rank order
+        curve = lambda points: tuple((max(t - origin, 0.0), int(b)) for t, b in points)  # noqa: E731
+        memory = MeasuredMemory(held=tuple(curve(m["held"]) for m in mem), received=tuple(curve(m["received"]) for m in mem),
+                                mem_b=tuple(max(m["mem_b"][s] for m in mem) for s in range(num_stages)),
+                                mem_w=tuple(max(m["mem_w"][s] for m in mem) for s in range(num_stages)),
+                                device_peak=tuple(m["device_peak"] for m in mem))
+        timeline = dataclasses.replace(timeline, measured_memory=memory)
+    return timeline
 
 
 def _stage_leaves(replies: list, key: str) -> dict[int, list]:
