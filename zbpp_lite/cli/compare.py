@@ -29,7 +29,7 @@ import json
 import sys
 
 from . import CliError
-from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform
+from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform, threads_reason
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
@@ -164,21 +164,15 @@ def run(args) -> int:
     blocks = args.blocks if args.blocks is not None else max(4, 2 * args.ranks)
     if blocks < 2 * args.ranks:
         print(f"note: --blocks {blocks} < {2 * args.ranks}: schedules with 2 stages per rank will be refused")
-    from ..runtime.processes import allowed_cores
-    from ..training.turns import enough_cores
-
-    use_processes = not args.threads and args.platform in (None, "cpu") and enough_cores(args.ranks)
     devices, accelerator = setup_platform(args.ranks, args.platform)
-    if use_processes and devices[0].platform != "cpu":
-        use_processes = False  # real accelerators, one per rank: threads drive them
     profiled = _profile_all(accelerator, names, args, blocks) if accelerator is not None else []
+    why_threads = threads_reason(args, args.ranks, devices)
+    use_processes = why_threads is None
     if use_processes:
         print(f"REAL runs: one process per rank, each pinned to its own core ({args.ranks} ranks); schedules take turns step by step",
               flush=True)
     else:
-        why = ("--threads" if args.threads else f"{devices[0].platform.upper()} devices" if devices[0].platform != "cpu"
-               else f"{len(allowed_cores())} core(s) for {args.ranks} ranks")
-        print(f"note: ranks run as threads of one process ({why}); on shared cores a waiting rank lends its core to the "
+        print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core to the "
               f"others, so measured bubbles look smaller than on real devices", flush=True)
 
     from ..schedules.costs import Costs

@@ -13,6 +13,7 @@ stage's F, B, W are timed on one accelerator and the pipeline is simulated from 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -49,6 +50,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--init", metavar="NPZ", help="start from torch_pp_bench.py --save-init weights")
     p.add_argument("--json", metavar="PATH", help="write the results (and the measured trace) as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (there is none when stderr is not a terminal)")
+    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with a core per rank")
     p.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip gradients to this global norm, skip steps with NaN/Inf; the optimizer step then runs in the "
                         "rank threads, synchronously unless --post-validation (arXiv 2401.10241 section 4)")
@@ -299,8 +301,19 @@ def run(args) -> int:
     run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, init=args.init,
                     progress=args.progress and sys.stderr.isatty(),  # a bar only on a terminal
                     max_grad_norm=args.max_grad_norm, post_validation=args.post_validation)
-    result = train(schedule, steps=args.steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
-                   run=run, devices=devices, on_step=on_step)
+    model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+    why_threads = threads_reason(args, schedule.num_ranks, devices)
+    if why_threads is None:
+        from ..training.turns import train_in_turns
+
+        named = dataclasses.replace(schedule, name=schedule.name or "custom")
+        print(f"REAL run: one process per rank, each pinned to its own core ({schedule.num_ranks} ranks)", flush=True)
+        result = train_in_turns([named], args.steps, model=model, run=run, progress=run.progress,
+                                on_step=lambda name, k, loss, timeline: on_step(k, loss, timeline))[named.name]
+    else:
+        print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core "
+              f"to the others, so measured bubbles look smaller than on real devices", flush=True)
+        result = train(schedule, steps=args.steps, model=model, run=run, devices=devices, on_step=on_step)
     print(report(result))
     if args.json:
         data = result.to_json()
@@ -310,6 +323,24 @@ def run(args) -> int:
             json.dump(data, f, indent=1)
         print(f"wrote {args.json}")
     return 0
+
+
+def threads_reason(args, num_ranks: int, devices) -> str | None:
+    """Why this run's ranks are threads of one process rather than one pinned process each, or
+    None when they get a process and a core each (CPU devices, enough cores, plain AdamW)."""
+    from ..runtime.processes import allowed_cores
+
+    if getattr(args, "threads", False):
+        return "--threads"
+    if devices[0].platform != "cpu":
+        return f"{devices[0].platform.upper()} devices, one per rank"
+    if len(allowed_cores()) < num_ranks:
+        return f"{len(allowed_cores())} core(s) for {num_ranks} ranks"
+    if getattr(args, "max_grad_norm", None) is not None:
+        return "--max-grad-norm runs the optimizer inside the rank threads"
+    if args.steps < 2:
+        return "--steps 1: a run in processes times the steps after the first"
+    return None
 
 
 def report(result) -> str:
