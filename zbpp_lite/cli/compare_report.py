@@ -132,7 +132,7 @@ def _memory_section(c: Comparison) -> str:
     rows = "".join(
         f"<tr><td>{html.escape(r.schedule.name)}</td><td>{', '.join(str(b) for b in r.measured.measured_memory.peak_bytes)}</td>"
         f"<td>{', '.join(str(int(b)) for b in r.measured.planned_peak_bytes)}</td></tr>" for r in runs)
-    figures = "".join(measured_memory_figure(r.measured, title=r.schedule.name).to_html(full_html=False, include_plotlyjs=False)
+    figures = "".join(measured_memory_figure(r.measured, title=r.schedule.name, time_unit="ms").to_html(full_html=False, include_plotlyjs=False)
                       for r in runs)
     return (f"<h2>Activation memory per rank</h2><p>Measured: the bytes each rank's actions kept for the schedule (F's residuals "
             f"and W's operands, B's output gradients), counted from the arrays' shapes and dtypes. Planned: the plan's memory "

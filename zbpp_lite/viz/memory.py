@@ -29,7 +29,11 @@ def _steps(curve, t0: float, t1: float) -> tuple[list[float], list[float]]:
     return times, values
 
 
-def measured_memory_traces(timeline: Timeline, rank: int, showlegend: bool = True) -> list[dict[str, Any]]:
+_SCALE = {"s": 1.0, "ms": 1e3}
+"""Time units the memory figures draw in (the timeline's seconds times the factor)."""
+
+
+def measured_memory_traces(timeline: Timeline, rank: int, showlegend: bool = True, time_unit: str = "s") -> list[dict[str, Any]]:
     """Three step lines for one rank of a measured timeline (bytes): measured, plan, measured +
     received. Times start at the timeline's first event.
 
@@ -45,15 +49,16 @@ def measured_memory_traces(timeline: Timeline, rank: int, showlegend: bool = Tru
     traces = []
     for curve, style in curves:
         x, y = _steps(curve, t0, t1)
+        x = [v * _SCALE[time_unit] for v in x]
         traces.append({
             "type": "scatter", "mode": "lines", **style, "line": {**style["line"], "shape": "hv"}, "x": x, "y": y,
             "legendgroup": style["name"], "showlegend": showlegend,
-            "hovertemplate": f"{rank_label(rank)}<br>time %{{x:.4~g}} s<br>%{{y:,}} bytes<extra>%{{fullData.name}}</extra>",
+            "hovertemplate": f"{rank_label(rank)}<br>time %{{x:.4~g}} {time_unit}<br>%{{y:,}} bytes<extra>%{{fullData.name}}</extra>",
         })
     return traces
 
 
-def measured_memory_figure(timeline: Timeline, *, title: str | None = None) -> go.Figure:
+def measured_memory_figure(timeline: Timeline, *, title: str | None = None, time_unit: str = "s") -> go.Figure:
     """Measured and planned activation memory, one panel per rank, bytes over seconds.
 
     The title gives each rank's measured / planned peak (1 when the executor holds exactly what
@@ -75,11 +80,11 @@ def measured_memory_figure(timeline: Timeline, *, title: str | None = None) -> g
                         subplot_titles=[f"{rank_label(r)}: peak {memory.peak_bytes[r] / 1024:.4g} KiB measured, "
                                         f"measured / planned {ratios[r]:.4g}" for r in range(timeline.num_ranks)])
     for r in range(timeline.num_ranks):
-        for trace in measured_memory_traces(timeline, r, showlegend=r == 0):
+        for trace in measured_memory_traces(timeline, r, showlegend=r == 0, time_unit=time_unit):
             fig.add_trace(go.Scatter(trace), row=r + 1, col=1)
         fig.update_yaxes(title_text="bytes", rangemode="tozero", gridcolor=GRID_COLOR, row=r + 1, col=1)
     fig.update_xaxes(gridcolor=GRID_COLOR)
-    fig.update_xaxes(title_text="time (s)", row=timeline.num_ranks, col=1)
+    fig.update_xaxes(title_text=f"time ({time_unit})", row=timeline.num_ranks, col=1)
     head = f"{title}: " if title else ""
     fig.update_layout(
         title={"text": f"{head}activation memory per rank, measured beside the plan"},
