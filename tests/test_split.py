@@ -159,3 +159,39 @@ def test_weight_operations_inside_nested_jit_and_remat_are_found():
     g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, None), p, x)[1](jnp.ones_like(y))
     assert _max_rel(split.weight_gradient(p, kept, grads_out), g_ref) < 1e-5
     assert _max_rel(dx, dx_ref) < 1e-5
+
+
+def test_debug_prints_and_callbacks_in_a_stage_run_once_per_f_and_never_in_b_w_or_bw(capfd):
+    """An equation with no outputs is a side effect: F runs it, B, W and BW skip it (W and BW
+    used to fail with a KeyError on it). The gradients are still jax.vjp's."""
+    calls: list = []
+
+    def fn(p, x, aux):
+        h = x @ p["w"] + p["b"]
+        jax.debug.callback(lambda v: calls.append(float(v)), h.sum())  # an activation
+        jax.debug.callback(lambda w, v: calls.append("w and x"), p["w"], x)  # a parameter and the input
+        jax.debug.print("stage input sum {s}", s=x.sum())
+        return jnp.tanh(h) * p["s"]
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    p = {"w": jax.random.normal(keys[0], (4, 5)), "b": jnp.ones(5), "s": jnp.full(5, 2.0)}
+    x = jax.random.normal(keys[1], (3, 4))
+    split = StageSplit(fn, p, x)
+    assert split.weight_primitives == ("dot_general", "add", "mul")
+    for _ in range(3):
+        y, res, kept = split.forward(p, x, None)
+    jax.effects_barrier()
+    h_sum = float((x @ p["w"] + p["b"]).sum())
+    assert len(calls) == 6 and calls.count("w and x") == 3  # unordered effects: counted, not ordered
+    assert [c for c in calls if c != "w and x"] == pytest.approx([h_sum] * 3, rel=1e-5)
+    assert capfd.readouterr().out.count("stage input sum") == 3
+    calls.clear()
+    dy = jnp.ones_like(y)
+    dx, grads_out = split.backward_input(res, dy)
+    g_w = split.weight_gradient(p, kept, grads_out)
+    dx_bw, g_bw = split.backward_fused(p, res, kept, dy, jax.tree_util.tree_map(jnp.zeros_like, p))
+    jax.effects_barrier()
+    assert calls == [] and capfd.readouterr().out.count("stage input sum") == 0
+    g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, None), p, x)[1](dy)
+    assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
+    assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5

@@ -93,6 +93,8 @@ def connect(peers: dict, executor_for):
 
     def remote_for(name):
         def remote(to: int, key, value, step: int) -> None:
+            if isinstance(value, list) and key[0] in ("F", "B"):  # a pytree activation's leaves
+                value = [np.asarray(leaf) for leaf in value]
             links[to].send(name, key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to)
 
         return remote
@@ -177,6 +179,8 @@ class _Link:
         with self.lock:
             if isinstance(value, np.ndarray) and value.dtype != object:
                 self.conn.send((name, key, _InRing(*self.out.write(value)), step, to))
+            elif isinstance(value, list) and value and all(isinstance(v, np.ndarray) and v.dtype != object for v in value):
+                self.conn.send((name, key, _InRings(tuple(_InRing(*self.out.write(v)) for v in value)), step, to))
             else:
                 self.conn.send((name, key, value, step, to))
 
@@ -185,6 +189,9 @@ class _Link:
         if message is not None and isinstance(message[2], _InRing):
             name, key, place, *rest = message
             return (name, key, self.inc.read(*place), *rest)
+        if message is not None and isinstance(message[2], _InRings):  # several arrays: a list again
+            name, key, places, *rest = message
+            return (name, key, [self.inc.read(*place) for place in places.places], *rest)
         return message
 
     def close(self) -> None:
@@ -199,6 +206,12 @@ class _InRing(NamedTuple):
     shape: tuple
     dtype: str
     end: int
+
+
+class _InRings(NamedTuple):
+    """A notice for a list of arrays (the leaves of a pytree activation), each in the ring."""
+
+    places: tuple
 
 
 _LINKS: dict = {}  # id(peers) -> {other rank: _Link}, this process's links

@@ -25,6 +25,9 @@ and fill bubbles). This module splits any stage function that way, without help 
    broadcasts of parameters) are re-derived from the parameters, which costs no product.
 6. BW is B then W in one jitted function, for GPipe and 1F1B.
 
+Side effects: an equation with no outputs (``jax.debug.print``, ``jax.debug.callback``) runs in
+F only, once per F; it is never a weight operation, and B and W skip it.
+
 What each costs on this project's job (d=128, 4 blocks a stage, 32-sample microbatches, one CPU
 core, milliseconds): F 7-8, B 7.5-8, W 5.5-6, BW 11-13: B + W is within 5-10% of BW, the price of
 writing the output gradients in B and reading them again in W (``benchmarks/bench_vs_torch.py``).
@@ -254,6 +257,8 @@ class StageSplit:
         on_a = set(self._x_refs) | set(self._aux_refs)  # depends on input or labels
         weight_ops = []
         for i, node in enumerate(prog.nodes):
+            if not node.outs:
+                continue  # a side effect only (jax.debug.print / callback): F runs it, B and W skip it
             refs = [r for r in node.ins if isinstance(r, int)]
             p, a = any(r in on_p for r in refs), any(r in on_a for r in refs)
             if p:
@@ -357,8 +362,8 @@ class StageSplit:
         def weight_operands(p_leaves):  # parameter-only and constant operations, never activations
             env = dict(zip(self._param_refs, p_leaves))
             for node in prog.nodes:
-                if any(r in self._on_a for r in node.outs):
-                    continue
+                if not node.outs or any(r in self._on_a for r in node.outs):
+                    continue  # an activation, or a side effect only (a debug print: F's, once)
                 outs = node.run([self._read(env, r) for r in node.ins])
                 env.update(zip(node.outs, outs))
             return tuple(tuple(env[prog.nodes[op.node].ins[k]] for k in op.weight_inputs) for op in self.weight_ops)
@@ -366,7 +371,7 @@ class StageSplit:
         operands, pullback = jax.vjp(weight_operands, tuple(p_leaves))
         constants: dict = {}  # operations on constants only (an iota, a mask)
         for node in prog.nodes:
-            if not any(r in self._on_a or r in self._on_p for r in node.outs):
+            if node.outs and not any(r in self._on_a or r in self._on_p for r in node.outs):
                 constants.update(zip(node.outs, node.run([self._read(constants, r) for r in node.ins])))
         grads = iter(grads_out)
         cotangents = []  # of every weight operation's parameter operands

@@ -222,7 +222,8 @@ def _function_part(i: int, part: Any) -> tuple[_Fn, Any]:
             f"part {i} is a {type(part).__name__}; expected an nnx.Module or a pair (fn, params) with fn(params, x) -> y"
         )
     fn, params = part
-    bad = [np.result_type(a) for a in jax.tree_util.tree_leaves(params) if not jnp.issubdtype(np.result_type(a), jnp.inexact)]
+    dtypes = [jnp.asarray(a).dtype for a in jax.tree_util.tree_leaves(params)]
+    bad = [d for d in dtypes if not jnp.issubdtype(d, jnp.inexact)]
     if bad:
         raise ValueError(f"part {i}: parameters must be floating-point arrays to be differentiated, got {bad[0]}")
     return _Fn(fn), jax.tree_util.tree_map(jnp.asarray, params)
