@@ -128,3 +128,42 @@ def test_a_part_that_is_neither_a_module_nor_a_function_pair_is_refused():
         StagedModel([(embed, _dense(jax.random.key(0))), {"w": 1.0}, Head(nnx.Rngs(0))], 1, loss_fn)
     with pytest.raises(ValueError, match="part 0: parameters must be floating-point arrays"):
         StagedModel([(embed, {"w": np.ones((2, 2), np.int32)}), (residual_block, _dense(jax.random.key(0))), Head(nnx.Rngs(0))], 1, loss_fn)
+
+
+def test_spmd_refuses_pytree_activations_in_one_line():
+    """One SPMD program moves one array buffer between stages: a tuple is refused, naming it."""
+    from zbpp_lite.runtime.spmd import SpmdExecutor
+
+    schedule = zb.build_schedule("1f1b", 2, 2)
+    model = StagedModel(byo_parts(2), 2, loss_fn)
+    x, y = _data(2)
+    with pytest.raises(ValueError, match=r"^the SPMD executor passes one array between stages, but stage 0 passes a tuple "
+                                         r"of 2 arrays \(pytree activations\); run this model with PipelineExecutor") as err:
+        SpmdExecutor(model, schedule, DEVICES[:2]).run(model.params, x, y)
+    assert len(str(err.value).splitlines()) == 1
+
+
+def test_a_debug_callback_in_a_stage_runs_once_per_f_in_a_pipeline():
+    """jax.debug.callback inside a stage: once for each F of that stage, never in B, W or BW."""
+    calls: list = []
+
+    def noisy_block(params, hr):
+        jax.debug.callback(lambda v: calls.append(float(v)), hr[0].sum())
+        return residual_block(params, hr)
+
+    keys = jax.random.split(jax.random.key(5), 3)
+    parts = [(embed, _dense(keys[0])), (noisy_block, _dense(keys[1])), (residual_block, _dense(keys[2])), Head(nnx.Rngs(2))]
+    m = 3
+    x, y = _data(m)
+    for name in ("1f1b", "zb-h1"):  # fused BW, then split B and W
+        model = StagedModel(parts, 2, loss_fn)
+        executor = PipelineExecutor(model, zb.build_schedule(name, 2, m), DEVICES[:2])
+        executor.run(model.params, x, y)  # compiles (and warms up: untimed F's also call back)
+        jax.effects_barrier()
+        calls.clear()
+        result = executor.run(model.params, x, y)
+        jax.effects_barrier()
+        assert len(calls) == m, name  # stage 0 holds the noisy block: one call per F of stage 0
+        ref_loss, ref_grads = jax.value_and_grad(whole_model_loss)(model.params, x, y)
+        assert result.loss == pytest.approx(float(ref_loss), rel=1e-5)
+        _assert_close(result.grads, ref_grads)

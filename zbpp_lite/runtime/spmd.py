@@ -52,11 +52,10 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .stages import Params, StagedModel
+from .stages import Params, StagedModel, refuse_pytree_activations
 from ..schedules.ir import Schedule
 from ..schedules.simulate import lockstep_ticks
 from .split import StageSplit
@@ -285,21 +284,21 @@ class SpmdExecutor:
     def _program(self, mb_shape: tuple, label_shape: tuple):
         model, tables = self.model, self.tables
         m = self.schedule.num_microbatches
-        g_first, g_block, g_last = model.graphdefs[0], model.graphdefs[1], model.graphdefs[-1]
         k = len(self.block_index[0][0])
 
         def embed(p_first, tokens):
-            return nnx.merge(g_first, p_first)(tokens)
+            return model.apply_part(0, p_first, tokens)
 
         def blocks_fn(p_blocks, x, _aux):
             for p_k in p_blocks:
-                x = nnx.merge(g_block, p_k)(x)
+                x = model.apply_part(1, p_k, x)
             return x
 
         def head_loss(p_last, h, labels):
-            return model.loss_fn(nnx.merge(g_last, p_last)(h), labels)
+            return model.loss_fn(model.apply_part(model.num_parts - 1, p_last, h), labels)
 
         x_shape = jax.eval_shape(embed, model.params[0], jax.ShapeDtypeStruct(mb_shape, jnp.float32))
+        refuse_pytree_activations(model, jax.ShapeDtypeStruct(mb_shape, jnp.float32), "the SPMD executor")
         v = tables.first.shape[1]
 
         def slots(shapes):  # one buffer per leaf: (stages per rank, m + 1, *leaf shape); slot m: scratch

@@ -196,6 +196,20 @@ class StagedModel:
         return self.loss_fn(self.logits(params, x), labels)
 
 
+def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None:
+    """Raise a one-line ValueError when a stage of ``model`` passes a pytree (a tuple or dict of
+    arrays) to the next, for an ``executor`` that moves only single arrays between stages; ``x``
+    is a microbatch (an array or a ``jax.ShapeDtypeStruct``)."""
+    for s, shape in enumerate(model.stage_inputs(x)[1:]):
+        if not isinstance(shape, jax.ShapeDtypeStruct):
+            n = len(jax.tree_util.tree_leaves(shape))
+            raise ValueError(
+                f"{executor} passes one array between stages, but stage {s} passes a {type(shape).__name__} of {n} arrays "
+                "(pytree activations); run this model with PipelineExecutor (threads, or one process per rank through "
+                "zbpp_lite.runtime.processes)"
+            )
+
+
 class _Fn:
     """A plain-function part's stand-in for a graphdef: hashable by the function itself, so
     :meth:`StagedModel.split_stage`'s cache shares splits between stages running one function."""
