@@ -167,3 +167,43 @@ def test_a_debug_callback_in_a_stage_runs_once_per_f_in_a_pipeline():
         ref_loss, ref_grads = jax.value_and_grad(whole_model_loss)(model.params, x, y)
         assert result.loss == pytest.approx(float(ref_loss), rel=1e-5)
         _assert_close(result.grads, ref_grads)
+
+
+def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
+    """The one-process-per-rank path (zbpp_lite.runtime.processes.connect): each rank its own
+    executor, a tuple activation and its input gradient sent as their leaves through a real pipe
+    and shared-memory ring pair (here both ends in one process), unflattened by the receiver."""
+    import multiprocessing as mp
+    import threading
+    from multiprocessing.shared_memory import SharedMemory
+
+    from zbpp_lite.runtime.processes import connect, disconnect
+
+    m = 3
+    schedule = zb.build_schedule("zb-h1", 2, m)
+    model = StagedModel(byo_parts(2), 2, loss_fn)
+    x, y = _data(m)
+    rings = [SharedMemory(create=True, size=1 << 20) for _ in range(2)]
+    a, b = mp.Pipe()
+    peers = [{1: (a, rings[0].name, rings[1].name)}, {0: (b, rings[1].name, rings[0].name)}]
+    try:
+        executors = [connect(peers[r], lambda remote, r=r: PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r], remote=remote))
+                     for r in range(2)]
+        results: dict = {}
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, executors[r].run(model.params, x, y))) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for r in range(2):
+            disconnect(peers[r])
+    finally:
+        for ring in rings:
+            ring.close()
+            ring.unlink()
+    assert set(results) == {0, 1}
+    ref_loss, ref_grads = jax.value_and_grad(whole_model_loss)(model.params, x, y)
+    assert results[1].loss == pytest.approx(float(ref_loss), rel=1e-5)
+    for s in range(2):
+        for i in model.parts[s]:
+            _assert_close(results[s].grads[i], ref_grads[i])
