@@ -58,6 +58,9 @@ _INLINE = {"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "re
 """Call primitives whose body is inlined, so weight operations inside them are found. Other
 primitives with a body (``scan``, ``while``, custom derivatives) stay whole: a loop that mixes
 parameters and activations is then one weight operation, and W re-runs that loop's vjp."""
+_REMAT = {"checkpoint", "remat", "remat2"}
+"""Of those, the checkpoints (``jax.checkpoint``, ``nnx.remat``): their body is inlined, and also
+remembered as a :class:`_Region` that F evaluates under ``jax.checkpoint`` with its policy."""
 _OPERAND_FREE = {"add", "sub", "add_any"}
 """Weight operations whose vjp for the parameter side does not read the other operand."""
 
@@ -92,6 +95,20 @@ class _Node:
 
 
 @dataclass
+class _Region:
+    """Nodes ``start .. end - 1`` of a program: the inlined body of one (outermost) checkpoint."""
+
+    start: int
+    end: int
+    policy: Any  # the checkpoint's policy (None: save nothing but the region's inputs)
+    prevent_cse: bool
+    inputs: tuple[int, ...] = ()  # refs the region reads from outside
+    outputs: tuple[int, ...] = ()  # refs it defines that are read outside (or are stage outputs)
+    probes: tuple[int, ...] = ()  # probed refs it defines
+    recomputed: tuple = ()  # W's operands it defines that B recomputes: ("k", ref) or ("t", ref, shape)
+
+
+@dataclass
 class _Program:
     """A stage's jaxpr as a flat list of nodes over integer refs, with dependence marks."""
 
@@ -99,6 +116,7 @@ class _Program:
     avals: dict[int, Any] = field(default_factory=dict)
     inputs: list[int] = field(default_factory=list)
     outputs: list = field(default_factory=list)
+    regions: list[_Region] = field(default_factory=list)
 
     def new_ref(self, aval) -> int:
         ref = len(self.avals)
@@ -106,7 +124,7 @@ class _Program:
         return ref
 
 
-def _flatten(prog: _Program, jaxpr, consts: Sequence[Any], ins: Sequence[Any]) -> list:
+def _flatten(prog: _Program, jaxpr, consts: Sequence[Any], ins: Sequence[Any], in_region: bool = False) -> list:
     env: dict = {}
 
     def read(v):
@@ -121,7 +139,11 @@ def _flatten(prog: _Program, jaxpr, consts: Sequence[Any], ins: Sequence[Any]) -
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         if eqn.primitive.name in _INLINE and inner is not None:
             closed_consts = getattr(inner, "consts", ())
-            outs = _flatten(prog, getattr(inner, "jaxpr", inner), closed_consts, args)
+            region = eqn.primitive.name in _REMAT and not in_region  # a nested checkpoint: part of the outer one
+            start = len(prog.nodes)
+            outs = _flatten(prog, getattr(inner, "jaxpr", inner), closed_consts, args, in_region or region)
+            if region and len(prog.nodes) > start:
+                prog.regions.append(_Region(start, len(prog.nodes), eqn.params.get("policy"), bool(eqn.params.get("prevent_cse", True))))
         else:
             outs = [prog.new_ref(v.aval) for v in eqn.outvars]
             prog.nodes.append(_Node(eqn, tuple(args), tuple(outs)))
@@ -230,7 +252,7 @@ class StageSplit:
         self._aux_refs = prog.inputs[n_p + n_x :]
         self._mark()
         self._res_tree = None  # structure of F's pullback, known once F is traced
-        self._res_params = None  # per residual: the parameter leaf it is, or None (F's trace)
+        self._res_params = None  # per residual: the parameter leaf it is, a zero probe / sink (shape, dtype), or None (F's trace)
         self._grads_index = None  # per weight-op output gradient: its place among B's outputs (B's trace)
         self.flat = FlatStage(
             forward=jax.jit(self._forward_flat, donate_argnums=3, keep_unused=True),
@@ -289,6 +311,38 @@ class StageSplit:
         # transpose dy or take a slower product (1.5-2x on this model's W).
         self._kept_t_refs = tuple(dict.fromkeys((r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None))
         self._probe_refs = tuple(r for op in weight_ops for r in op.probed)
+        self._mark_regions()
+
+    def _mark_regions(self) -> None:
+        """Each checkpoint region's inputs, outputs, probes, and the W operands defined inside
+        it that F does not keep (B recomputes them, as the checkpoint's own backward does)."""
+        prog = self._prog
+        slots = [("k", r) for r in self._kept_refs] + [("t", r, shape) for r, shape in self._kept_t_refs]
+        recomputed: list = []
+        for reg in prog.regions:
+            inside = range(reg.start, reg.end)
+            defined = {r for i in inside for r in prog.nodes[i].outs}
+            read_outside = {r for i, n in enumerate(prog.nodes) if i not in inside for r in n.ins if isinstance(r, int)}
+            read_outside |= {r for r in prog.outputs if isinstance(r, int)}
+            reg.inputs = tuple(dict.fromkeys(r for i in inside for r in prog.nodes[i].ins if isinstance(r, int) and r not in defined))
+            reg.outputs = tuple(r for i in inside for r in prog.nodes[i].outs if r in read_outside)
+            reg.probes = tuple(r for r in self._probe_refs if r in defined)
+            reg.recomputed = tuple(
+                slot for slot in slots
+                if slot[1] in defined and slot[1] not in reg.outputs and jnp.issubdtype(prog.avals[slot[1]].dtype, jnp.inexact)
+            )
+            recomputed += reg.recomputed
+        self._b_slots = tuple(recomputed)  # W's operands B recomputes, in region order
+        self._f_slots = tuple(slot for slot in slots if slot not in set(recomputed))  # those F keeps
+        self._ticks = sum(1 for reg in prog.regions if reg.recomputed)
+
+    def _slot(self, env, slot):
+        """A W operand's value: ``x`` as it is ("k"), or the product's ``x^T`` ("t")."""
+        return env[slot[1]] if slot[0] == "k" else env[slot[1]].reshape(slot[2]).T
+
+    def _slot_aval(self, slot):
+        a = self._prog.avals[slot[1]]
+        return (a.shape if slot[0] == "k" else slot[2][::-1]), a.dtype
 
     @property
     def weight_primitives(self) -> tuple[str, ...]:
@@ -298,16 +352,50 @@ class StageSplit:
 
     # ------------------------------------------------------------------ evaluation
 
-    def _evaluate(self, p_leaves, x_leaves, aux_leaves, probes: dict[int, Any]) -> dict[int, Any]:
+    @staticmethod
+    def _run_node(node: _Node, env: dict, probes: dict) -> None:
+        outs = node.run([r.value if isinstance(r, _Const) else env[r] for r in node.ins])
+        for r, v in zip(node.outs, outs):
+            env[r] = v + probes[r] if r in probes else v
+
+    def _evaluate(self, p_leaves, x_leaves, aux_leaves, probes: dict[int, Any], sinks: dict | None = None) -> tuple[dict, list]:
+        """The stage's values by ref, and one "tick" per checkpoint region that has W operands
+        for B to recompute: ``sum(sink * stop_gradient(operand))``, zero in F (the sinks are
+        zeros), whose pullback with cotangent 1 gives ``d tick / d sink = operand``, recomputed
+        inside the checkpoint's backward from what its policy saved."""
         prog = self._prog
         env = dict(zip(self._param_refs, p_leaves))
         env.update(zip(self._x_refs, x_leaves))
         env.update(zip(self._aux_refs, aux_leaves))
-        for node in prog.nodes:
-            outs = node.run([r.value if isinstance(r, _Const) else env[r] for r in node.ins])
-            for r, v in zip(node.outs, outs):
-                env[r] = v + probes[r] if r in probes else v
-        return env
+        regions = {reg.start: reg for reg in prog.regions}
+        ticks: list = []
+        i = 0
+        while i < len(prog.nodes):
+            reg = regions.get(i)
+            if reg is None:
+                self._run_node(prog.nodes[i], env, probes)
+                i += 1
+                continue
+
+            def body(ins, prb, snk, reg=reg):
+                local = dict(zip(reg.inputs, ins))
+                for node in prog.nodes[reg.start : reg.end]:
+                    self._run_node(node, local, dict(zip(reg.probes, prb)))
+                tick = sum(
+                    (jnp.vdot(s, jax.lax.stop_gradient(self._slot(local, slot))).astype(jnp.float32) for s, slot in zip(snk, reg.recomputed)),
+                    jnp.zeros((), jnp.float32),
+                )
+                return tuple(local[r] for r in reg.outputs), tick
+
+            snk = tuple(sinks[slot] for slot in reg.recomputed) if reg.recomputed else ()
+            outs, tick = jax.checkpoint(body, policy=reg.policy, prevent_cse=reg.prevent_cse)(
+                tuple(env[r] for r in reg.inputs), tuple(probes[r] for r in reg.probes), snk
+            )
+            env.update(zip(reg.outputs, outs))
+            if reg.recomputed:
+                ticks.append(tick)
+            i = reg.end
+        return env, ticks
 
     def _read(self, env, r):
         return r.value if isinstance(r, _Const) else env[r]
@@ -317,38 +405,53 @@ class StageSplit:
         # zeros_like keeps x's varying mesh axes inside shard_map (zbpp_lite.runtime.spmd); plain zeros elsewhere
         zeros = tuple(jnp.zeros_like(x_leaves[0], shape=self._prog.avals[r].shape, dtype=self._prog.avals[r].dtype) for r in self._probe_refs)
 
-        def run(xs, probes):
-            env = self._evaluate(p_leaves, xs, aux_leaves, dict(zip(self._probe_refs, probes)))
+        sinks = tuple(jnp.zeros_like(x_leaves[0], shape=shape, dtype=dtype) for shape, dtype in map(self._slot_aval, self._b_slots))
+
+        def run(xs, probes, sinks):
+            env, ticks = self._evaluate(p_leaves, xs, aux_leaves, dict(zip(self._probe_refs, probes)), dict(zip(self._b_slots, sinks)))
             y = [self._read(env, r) for r in self._prog.outputs]
-            kept = [env[r] for r in self._kept_refs] + [env[r].reshape(shape).T for r, shape in self._kept_t_refs]
-            return jax.tree_util.tree_unflatten(self._out_tree, y), tuple(kept)
+            kept = tuple(self._slot(env, slot) for slot in self._f_slots)  # not those inside a checkpoint
+            return (jax.tree_util.tree_unflatten(self._out_tree, y), tuple(ticks)), kept
 
         if self.input_grad:
-            y, pullback, kept = jax.vjp(run, tuple(x_leaves), zeros, has_aux=True)
+            (y, _), pullback, kept = jax.vjp(run, tuple(x_leaves), zeros, sinks, has_aux=True)
         else:
-            y, pullback, kept = jax.vjp(lambda probes: run(tuple(x_leaves), probes), zeros, has_aux=True)
+            (y, _), pullback, kept = jax.vjp(lambda probes, sinks: run(tuple(x_leaves), probes, sinks), zeros, sinks, has_aux=True)
         res, self._res_tree = jax.tree_util.tree_flatten(pullback)
         # B needs some parameters as they are (a kernel for dx = dy W^T): those are not F's
         # outputs (a copy of the kernels per microbatch) but B's inputs, passed through.
-        self._res_params = tuple(next((i for i, p in enumerate(p_leaves) if r is p), None) for r in res)
+        # A checkpoint saves its inputs, among them the zero probes and sinks: B makes new zeros.
+        zero_inputs = (*zeros, *sinks)
+        self._res_params = tuple(
+            next((i for i, p in enumerate(p_leaves) if r is p), None)
+            if not any(r is z for z in zero_inputs) else (tuple(r.shape), r.dtype)
+            for r in res
+        )
         return y, tuple(r for r, i in zip(res, self._res_params) if i is None), kept
 
-    def _residuals(self, p_leaves, own):
-        """B's residuals in the pullback's order: F's outputs ``own`` with the parameters put back."""
+    def _residuals(self, p_leaves, own, like=None):
+        """B's residuals in the pullback's order: F's outputs ``own`` with the parameters put back
+        and the zero probes made anew (``zeros_like(like)``: inside shard_map, of its axes)."""
         if self._res_params is None:
             raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
         rest = iter(own)
-        return tuple(next(rest) if i is None else p_leaves[i] for i in self._res_params)
+        return tuple(
+            next(rest) if i is None else p_leaves[i] if isinstance(i, int)
+            else jnp.zeros(i[0], i[1]) if like is None else jnp.zeros_like(like, shape=i[0], dtype=i[1])
+            for i in self._res_params
+        )
 
     def _backward_input(self, res, dy):
         if self._res_tree is None:
             raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
-        grads = jax.tree_util.tree_unflatten(self._res_tree, list(res))(dy)
+        one = jnp.ones_like(jax.tree_util.tree_leaves(dy)[0], shape=(), dtype=jnp.float32)
+        grads = jax.tree_util.tree_unflatten(self._res_tree, list(res))((dy, (one,) * self._ticks))
+        # the probes' gradients, then W's operands recomputed inside checkpoints (the sinks')
         if self.input_grad:
-            dx_leaves, grads_out = grads
-            return jax.tree_util.tree_unflatten(self._x_tree, list(dx_leaves)), tuple(grads_out)
-        (grads_out,) = grads
-        return None, tuple(grads_out)
+            dx_leaves, grads_out, recomputed = grads
+            return jax.tree_util.tree_unflatten(self._x_tree, list(dx_leaves)), tuple(grads_out) + tuple(recomputed)
+        grads_out, recomputed = grads
+        return None, tuple(grads_out) + tuple(recomputed)
 
     def _weight_gradient(self, params, kept, grads_out):
         g_leaves = self._weight_gradient_flat(tuple(jax.tree_util.tree_leaves(params)), kept, grads_out)
@@ -356,8 +459,10 @@ class StageSplit:
 
     def _weight_gradient_flat(self, p_leaves, kept, grads_out):
         prog = self._prog
-        kept_env = dict(zip(self._kept_refs, kept))
-        kept_t = dict(zip((r for r, _ in self._kept_t_refs), kept[len(self._kept_refs) :]))
+        n = len(self._probe_refs)
+        grads_out, operands = grads_out[:n], dict(zip(self._f_slots, kept)) | dict(zip(self._b_slots, grads_out[n:]))
+        kept_env = {slot[1]: v for slot, v in operands.items() if slot[0] == "k"}
+        kept_t = {slot[1]: v for slot, v in operands.items() if slot[0] == "t"}
 
         def weight_operands(p_leaves):  # parameter-only and constant operations, never activations
             env = dict(zip(self._param_refs, p_leaves))
@@ -411,17 +516,21 @@ class StageSplit:
     # flat programs: parameters and gradient sums as tuples of leaves (see FlatStage)
 
     def _backward_input_flat(self, p_leaves, own, dy, spare=None):
-        dx, grads_out = self._backward_input(self._residuals(p_leaves, own), dy)
+        dx, grads_out = self._backward_input(self._residuals(p_leaves, own, jax.tree_util.tree_leaves(dy)[0]), dy)
         # A Linear's product and its bias addition (a LayerNorm's scale and shift) have one
         # output gradient: B writes it once, W reads it for both.
+        n = len(self._probe_refs)
+        grads_out, recomputed = grads_out[:n], grads_out[n:]
         first: dict[int, int] = {}
         self._grads_index = tuple(first.setdefault(id(g), len(first)) for g in grads_out)
-        return dx, tuple({id(g): g for g in grads_out}.values())
+        return dx, tuple({id(g): g for g in grads_out}.values()) + recomputed
 
     def _backward_weight_flat(self, p_leaves, kept, grads_out, acc):
         if self._grads_index is None:
             raise RuntimeError("StageSplit: call backward_input before backward_weight (W reads B's output gradients)")
-        grads = self._weight_gradient_flat(p_leaves, kept, tuple(grads_out[i] for i in self._grads_index))
+        unique = max(self._grads_index, default=-1) + 1
+        grads_out = tuple(grads_out[i] for i in self._grads_index) + tuple(grads_out[unique:])
+        grads = self._weight_gradient_flat(p_leaves, kept, grads_out)
         return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
 
     def _backward_fused_flat(self, p_leaves, own, kept, dy, acc):
@@ -444,3 +553,33 @@ def compiled_flops(fn: Callable, *args: Any) -> float:
     if not analysis or "flops" not in analysis:
         raise RuntimeError("this JAX backend's cost analysis reports no 'flops'")
     return float(analysis["flops"])
+
+
+def _nbytes(leaves) -> int:
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves)
+
+
+def forward_kept_bytes(split: StageSplit, params: Any, x: Any, aux: Any = None) -> int:
+    """Bytes F keeps per microbatch until B and W: B's residuals less the parameters (which B
+    takes as they are) plus W's operands (the sum of ``(own, kept)``'s array sizes). Shapes
+    only: nothing is computed. Section 2.1's M_B, measured on the program."""
+    p = tuple(jax.tree_util.tree_leaves(params))
+    _, own, kept = jax.eval_shape(split.flat.forward, p, x, aux)
+    return _nbytes(jax.tree_util.tree_leaves((own, kept)))
+
+
+def vjp_residual_bytes(fn: Callable, params: Any, x: Any, aux: Any = None) -> int:
+    """Bytes ``jax.vjp`` of ``fn(params, x, aux)`` with respect to ``(params, x)`` keeps for its
+    backward, less the parameters themselves (as :func:`forward_kept_bytes` counts): the
+    reference for a split's memory, e.g. under the same checkpoint policy."""
+    sizes: list = []
+
+    def residuals(params, x):
+        _, pullback = jax.vjp(lambda p, v: fn(p, v, aux), params, x)
+        p_leaves = jax.tree_util.tree_leaves(params)
+        res = jax.tree_util.tree_leaves(pullback)
+        sizes.append(_nbytes(r.aval for r in res if not any(r is q for q in p_leaves)))
+        return 0
+
+    jax.eval_shape(residuals, params, x)
+    return sizes[0]
