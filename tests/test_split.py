@@ -260,3 +260,97 @@ def test_remat_is_honoured_f_keeps_what_the_policy_saves_and_gradients_are_jax_v
     g_ref = tuple(jax.tree_util.tree_leaves(g_ref))
     assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
     assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5
+
+
+# --------------------------------------------------------------------------- scanned layer stacks
+
+
+def _scanned_stage(layers: int, d: int, unroll):
+    """A layer stack as large JAX models write it: parameters stacked on a leading layer axis,
+    one block body under jax.lax.scan (a scale, a Linear, tanh, a Linear, a skip connection)."""
+
+    def fn(p, x, aux):
+        def body(h, lp):
+            return h + jnp.tanh((h * lp["g"]) @ lp["w"] + lp["b"]) @ lp["w2"], None
+
+        return jax.lax.scan(body, x, p, unroll=unroll)[0]
+
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w": jax.random.normal(k[0], (layers, d, 4 * d)) / np.sqrt(d), "b": jnp.full((layers, 4 * d), 0.1),
+         "w2": jax.random.normal(k[1], (layers, 4 * d, d)) / np.sqrt(4 * d), "g": jnp.ones((layers, d))}
+    return fn, p
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.norm, self.dense = nnx.RMSNorm(d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.dense(self.norm(x)))
+
+
+def _nnx_scan_stage(layers: int, d: int):
+    """The same with Flax NNX: blocks made with nnx.vmap, run with nnx.scan."""
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return _NnxBlock(d, nnx.Rngs(key))
+
+    graphdef, params = nnx.split(make(jax.random.split(jax.random.key(1), layers)))
+
+    def fn(p, x, aux):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+
+        return run(x, nnx.merge(graphdef, p))
+
+    return fn, params
+
+
+@pytest.mark.parametrize("make", [lambda: _scanned_stage(3, 8, 1), lambda: _nnx_scan_stage(3, 8)], ids=["lax.scan", "nnx.scan"])
+def test_a_scanned_layer_stack_is_split_inside_and_its_gradients_are_jax_vjps(make):
+    fn, p = make()
+    x = jax.random.normal(jax.random.key(2), (4, 8))
+    split = StageSplit(fn, p, x)
+    assert split.weight_primitives and all(name.startswith("scan/") for name in split.weight_primitives)
+    assert "scan/dot_general" in split.weight_primitives  # the loop is no longer one weight operation
+    p_leaves = tuple(jax.tree_util.tree_leaves(p))
+    dy = jax.random.normal(jax.random.key(3), x.shape)
+    y, own, kept = split.flat.forward(p_leaves, x, None)
+    dx, grads_out = split.flat.backward_input(p_leaves, own, dy)
+    g_w = split.flat.backward_weight(p_leaves, kept, grads_out, None)
+    y, own, kept = split.flat.forward(p_leaves, x, None)
+    dx_bw, g_bw = split.flat.backward_fused(p_leaves, own, kept, dy, None)
+    y_ref, pullback = jax.vjp(lambda p, v: fn(p, v, None), p, x)
+    g_ref, dx_ref = pullback(dy)
+    g_ref = tuple(jax.tree_util.tree_leaves(g_ref))
+    assert _max_rel(y, y_ref) < 1e-6
+    assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
+    assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5
+
+
+def test_a_scanned_stack_costs_b_plus_w_no_more_than_the_fused_backward_and_w_only_its_weight_products():
+    """XLA's cost analysis counts a while loop's body once, so the loop is unrolled for the count
+    (unroll=True: the same scan, every iteration in the program)."""
+    layers, d, b = 4, 32, 16
+    fn, p = _scanned_stage(layers, d, True)
+    x = jax.ShapeDtypeStruct((b, d), jnp.float32)
+    split = StageSplit(fn, p, x)
+    y, res, kept = jax.eval_shape(split.forward, p, x, None)
+    _, grads_out = jax.eval_shape(split.backward_input, res, y)
+    flops_b = compiled_flops(split.backward_input, res, y)
+    flops_w = compiled_flops(split.weight_gradient, p, kept, grads_out)
+    tree = []
+
+    def fused_residuals(p, v):
+        leaves, treedef = jax.tree_util.tree_flatten(jax.vjp(lambda p, v: fn(p, v, None), p, v)[1])
+        tree.append(treedef)
+        return leaves
+
+    leaves = jax.eval_shape(fused_residuals, p, x)
+    flops_fused = compiled_flops(lambda r, g: jax.tree_util.tree_unflatten(tree[0], r)(g), leaves, y)
+    products = layers * 2 * (2 * b * d * 4 * d)  # x^T dy of the two Linears of every layer
+    assert flops_b + flops_w <= 1.05 * flops_fused, (flops_b, flops_w, flops_fused)
+    assert products <= flops_w <= 1.05 * products, (flops_w, products)  # W: the weight products and nothing else
+    assert flops_b <= 1.05 * (flops_fused - products), (flops_b, flops_fused, products)

@@ -178,6 +178,107 @@ def _matmul_shape(node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tupl
     return math.prod(x.shape[: x.ndim - len(lc)]), k, math.prod(w.shape[len(rc) :])
 
 
+def _mark_program(prog: _Program, on_p: set, on_a: set, split_loop: Callable | None = None) -> tuple[list, dict]:
+    """Mark every ref of ``prog`` as depending on the parameters (``on_p``) and / or the
+    activations (``on_a``), both updated in place, and find the weight operations. A node for
+    which ``split_loop(i, node)`` returns a :class:`_Loop` (a scan over a layer stack) is not a
+    weight operation: its body's are. Returns ``(weight_ops, {node index: _Loop})``."""
+    weight_ops, loops = [], {}
+    for i, node in enumerate(prog.nodes):
+        if not node.outs:
+            continue  # a side effect only (jax.debug.print / callback): F runs it, B and W skip it
+        refs = [r for r in node.ins if isinstance(r, int)]
+        p, a = any(r in on_p for r in refs), any(r in on_a for r in refs)
+        if p:
+            on_p.update(node.outs)
+        if a:
+            on_a.update(node.outs)
+        if not (p and a):
+            continue
+        weight = tuple(k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_p and r not in on_a)
+        if not weight:
+            continue  # parameters reach this op only through activations: not a weight op
+        loop = split_loop(i, node) if split_loop is not None else None
+        if loop is not None:
+            loops[i] = loop
+            continue
+        kept = () if node.eqn.primitive.name in _OPERAND_FREE else tuple(
+            k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_a
+        )
+        probed = tuple(r for r in node.outs if jnp.issubdtype(prog.avals[r].dtype, jnp.inexact))
+        weight_ops.append(_WeightOp(i, weight, kept, probed, _matmul_shape(node, weight, kept, prog.avals)))
+    return weight_ops, loops
+
+
+def _op_cotangent(node: _Node, op: _WeightOp, avals: dict, weights: tuple, dys: tuple, others: dict) -> tuple:
+    """The vjp of one weight operation with respect to its parameter operands ``weights``, for
+    its output gradients ``dys``; ``others``: its other operands by position (constants, kept
+    activations); an activation it does not read (a bias addition's) is a zero."""
+
+    def outputs(*weights):
+        values = []
+        for k, r in enumerate(node.ins):
+            if k in op.weight_inputs:
+                values.append(weights[op.weight_inputs.index(k)])
+            elif k in others:
+                values.append(others[k])
+            else:
+                values.append(jnp.zeros_like(weights[0], shape=avals[r].shape, dtype=avals[r].dtype))
+        out = dict(zip(node.outs, node.run(values)))
+        return tuple(out[r] for r in op.probed)
+
+    return jax.vjp(outputs, *weights)[1](dys)
+
+
+@dataclass
+class _Loop:
+    """A ``scan`` over a layer stack, split inside: its body's weight operations get probes (one
+    per iteration, scanned like ``xs``) and W's operands come out stacked like ``ys``; W then
+    does each weight product once per iteration (a batched product), never the loop's vjp."""
+
+    body: _Program
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+    on_p: set
+    on_a: set
+    weight_ops: tuple
+    probe_refs: tuple  # body refs
+    slots: tuple  # W's operands in the body: ("k", ref) or ("t", ref, (rows, k))
+
+
+def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | None:
+    """The :class:`_Loop` of a ``scan`` node whose carries all depend on the activations and
+    whose body holds no nested loop; ``None`` (the scan stays one weight operation) otherwise."""
+    eqn = node.eqn
+    if eqn.primitive.name != "scan":
+        return None
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    closed = eqn.params["jaxpr"]
+    body = _Program()
+    body.inputs = [body.new_ref(v.aval) for v in closed.jaxpr.invars]
+    body.outputs = _flatten(body, closed.jaxpr, closed.consts, body.inputs, in_region=True)
+    if any(n.eqn.primitive.name in ("scan", "while", "cond") for n in body.nodes):
+        return None  # a nested loop or branch: not split (W re-runs the scan's vjp)
+    outer = [r if isinstance(r, int) else None for r in node.ins]
+    if any(r is None or r not in on_a for r in outer[nc : nc + nk]):
+        return None  # a carry that is not an activation (a counter, a parameter-only state)
+    b_on_p = {b for b, r in zip(body.inputs, outer) if r is not None and r in on_p}
+    b_on_a = {b for b, r in zip(body.inputs, outer) if r is not None and r in on_a}
+    weight_ops, _ = _mark_program(body, b_on_p, b_on_a)
+    if not weight_ops:
+        return None
+    kept_by_op = [(op, body.nodes[op.node].ins[k]) for op in weight_ops for k in op.kept_inputs]
+    slots = tuple(dict.fromkeys(("k", r) for op, r in kept_by_op if op.matmul is None)) + tuple(
+        dict.fromkeys(("t", r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None)
+    )
+    probes = tuple(r for op in weight_ops for r in op.probed)
+    p = eqn.params
+    return _Loop(body, nc, nk, p["length"], p["reverse"], p.get("unroll", 1), b_on_p, b_on_a, tuple(weight_ops), probes, slots)
+
+
 @dataclass(frozen=True)
 class FlatStage:
     """A stage's F, B, W and BW over flat tuples of arrays, for callers that run them many times
@@ -277,26 +378,10 @@ class StageSplit:
         prog = self._prog
         on_p = set(self._param_refs)  # depends on the parameters
         on_a = set(self._x_refs) | set(self._aux_refs)  # depends on input or labels
-        weight_ops = []
-        for i, node in enumerate(prog.nodes):
-            if not node.outs:
-                continue  # a side effect only (jax.debug.print / callback): F runs it, B and W skip it
-            refs = [r for r in node.ins if isinstance(r, int)]
-            p, a = any(r in on_p for r in refs), any(r in on_a for r in refs)
-            if p:
-                on_p.update(node.outs)
-            if a:
-                on_a.update(node.outs)
-            if not (p and a):
-                continue
-            weight = tuple(k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_p and r not in on_a)
-            if not weight:
-                continue  # parameters reach this op only through activations: not a weight op
-            kept = () if node.eqn.primitive.name in _OPERAND_FREE else tuple(
-                k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_a
-            )
-            probed = tuple(r for r in node.outs if jnp.issubdtype(prog.avals[r].dtype, jnp.inexact))
-            weight_ops.append(_WeightOp(i, weight, kept, probed, _matmul_shape(node, weight, kept, prog.avals)))
+        in_region = {i for reg in prog.regions for i in range(reg.start, reg.end)}
+        weight_ops, self._loops = _mark_program(
+            prog, on_p, on_a, lambda i, node: None if i in in_region else _split_loop(prog, node, on_p, on_a)
+        )
         for r in prog.outputs:
             if not isinstance(r, int) or r not in on_a:
                 raise ValueError("a stage output does not depend on the stage input; every output must come from x")
@@ -311,6 +396,9 @@ class StageSplit:
         # transpose dy or take a slower product (1.5-2x on this model's W).
         self._kept_t_refs = tuple(dict.fromkeys((r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None))
         self._probe_refs = tuple(r for op in weight_ops for r in op.probed)
+        # a split loop's probes and W operands, stacked over its iterations: keys ("l", node, body ref)
+        self._probe_refs += tuple(("l", i, r) for i, loop in self._loops.items() for r in loop.probe_refs)
+        self._loop_slots = tuple(("l", i, slot) for i, loop in self._loops.items() for slot in loop.slots)
         self._mark_regions()
 
     def _mark_regions(self) -> None:
@@ -333,22 +421,57 @@ class StageSplit:
             )
             recomputed += reg.recomputed
         self._b_slots = tuple(recomputed)  # W's operands B recomputes, in region order
-        self._f_slots = tuple(slot for slot in slots if slot not in set(recomputed))  # those F keeps
+        self._f_slots = tuple(slot for slot in slots if slot not in set(recomputed)) + self._loop_slots  # those F keeps
         self._ticks = sum(1 for reg in prog.regions if reg.recomputed)
 
-    def _slot(self, env, slot):
-        """A W operand's value: ``x`` as it is ("k"), or the product's ``x^T`` ("t")."""
+    @staticmethod
+    def _slot(env, slot):
+        """A W operand's value: ``x`` as it is ("k"), the product's ``x^T`` ("t"), or a loop's
+        stacked over its iterations ("l": put in ``env`` under the slot by the loop)."""
+        if slot[0] == "l":
+            return env[slot]
         return env[slot[1]] if slot[0] == "k" else env[slot[1]].reshape(slot[2]).T
 
     def _slot_aval(self, slot):
         a = self._prog.avals[slot[1]]
         return (a.shape if slot[0] == "k" else slot[2][::-1]), a.dtype
 
+    def _probe_aval(self, key):
+        if isinstance(key, int):
+            return self._prog.avals[key]
+        loop = self._loops[key[1]]
+        a = loop.body.avals[key[2]]
+        return jax.ShapeDtypeStruct((loop.length, *a.shape), a.dtype)
+
+    def _run_loop(self, i: int, env: dict, probes: dict) -> None:
+        """F of a split loop: the scan, with per-iteration probes in and W's operands out."""
+        node, loop = self._prog.nodes[i], self._loops[i]
+        ins = [self._read(env, r) for r in node.ins]
+        nc, nk = loop.num_consts, loop.num_carry
+        consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+        stacked = tuple(probes[("l", i, r)] for r in loop.probe_refs)
+
+        def step(carry, scanned):
+            xs_i, probes_i = scanned
+            benv = dict(zip(loop.body.inputs, [*consts, *carry, *xs_i]))
+            for n in loop.body.nodes:
+                self._run_node(n, benv, dict(zip(loop.probe_refs, probes_i)))
+            outs = [self._read(benv, r) for r in loop.body.outputs]
+            return outs[:nk], (outs[nk:], tuple(self._slot(benv, slot) for slot in loop.slots))
+
+        carry, (ys, kept) = jax.lax.scan(step, init, (xs, stacked), length=loop.length, reverse=loop.reverse, unroll=loop.unroll)
+        env.update(zip(node.outs, [*carry, *ys]))
+        env.update(zip((("l", i, slot) for slot in loop.slots), kept))
+
     @property
     def weight_primitives(self) -> tuple[str, ...]:
         """The primitive of every weight operation, in program order (``dot_general`` for a
-        matrix product, ``mul`` for a scale, ``add`` for a bias, ...)."""
-        return tuple(self._prog.nodes[op.node].eqn.primitive.name for op in self.weight_ops)
+        matrix product, ``mul`` for a scale, ``add`` for a bias, ...), then those inside each
+        split ``scan`` (a layer stack) as ``"scan/dot_general"``, ..."""
+        top = tuple(self._prog.nodes[op.node].eqn.primitive.name for op in self.weight_ops)
+        return top + tuple(
+            f"scan/{loop.body.nodes[op.node].eqn.primitive.name}" for loop in self._loops.values() for op in loop.weight_ops
+        )
 
     # ------------------------------------------------------------------ evaluation
 
@@ -373,7 +496,10 @@ class StageSplit:
         while i < len(prog.nodes):
             reg = regions.get(i)
             if reg is None:
-                self._run_node(prog.nodes[i], env, probes)
+                if i in self._loops:
+                    self._run_loop(i, env, probes)
+                else:
+                    self._run_node(prog.nodes[i], env, probes)
                 i += 1
                 continue
 
@@ -403,7 +529,7 @@ class StageSplit:
     def _forward_flat(self, p_leaves, x, aux, spare=None):
         x_leaves, aux_leaves = jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(aux)
         # zeros_like keeps x's varying mesh axes inside shard_map (zbpp_lite.runtime.spmd); plain zeros elsewhere
-        zeros = tuple(jnp.zeros_like(x_leaves[0], shape=self._prog.avals[r].shape, dtype=self._prog.avals[r].dtype) for r in self._probe_refs)
+        zeros = tuple(jnp.zeros_like(x_leaves[0], shape=a.shape, dtype=a.dtype) for a in map(self._probe_aval, self._probe_refs))
 
         sinks = tuple(jnp.zeros_like(x_leaves[0], shape=shape, dtype=dtype) for shape, dtype in map(self._slot_aval, self._b_slots))
 
@@ -471,39 +597,70 @@ class StageSplit:
                     continue  # an activation, or a side effect only (a debug print: F's, once)
                 outs = node.run([self._read(env, r) for r in node.ins])
                 env.update(zip(node.outs, outs))
-            return tuple(tuple(env[prog.nodes[op.node].ins[k]] for k in op.weight_inputs) for op in self.weight_ops)
+            top = tuple(tuple(env[prog.nodes[op.node].ins[k]] for k in op.weight_inputs) for op in self.weight_ops)
+            loops = {i: self._loop_operands(i, env) for i in self._loops}
+            return (top, {i: w for i, (w, _) in loops.items()}), {i: c for i, (_, c) in loops.items()}
 
-        operands, pullback = jax.vjp(weight_operands, tuple(p_leaves))
+        (operands_top, operands_loops), pullback, loop_constants = jax.vjp(weight_operands, tuple(p_leaves), has_aux=True)
         constants: dict = {}  # operations on constants only (an iota, a mask)
         for node in prog.nodes:
             if node.outs and not any(r in self._on_a or r in self._on_p for r in node.outs):
                 constants.update(zip(node.outs, node.run([self._read(constants, r) for r in node.ins])))
         grads = iter(grads_out)
         cotangents = []  # of every weight operation's parameter operands
-        for op, weights in zip(self.weight_ops, operands):
+        for op, weights in zip(self.weight_ops, operands_top):
             node, dys = prog.nodes[op.node], tuple(next(grads) for _ in op.probed)
             if op.matmul is not None:  # dw = x^T dy
                 rows, _, n = op.matmul
                 cotangents.append(((kept_t[node.ins[0]] @ dys[0].reshape(rows, n)).reshape(weights[0].shape),))
                 continue
-
-            def outputs(*weights, node=node, op=op):
-                values = []
-                for k, r in enumerate(node.ins):
-                    if k in op.weight_inputs:
-                        values.append(weights[op.weight_inputs.index(k)])
-                    elif isinstance(r, _Const) or r not in self._on_a:
-                        values.append(self._read(constants, r))
-                    elif k in op.kept_inputs:
-                        values.append(kept_env[r])
-                    else:  # an operand this op's parameter vjp does not read (bias addition)
-                        values.append(jnp.zeros_like(weights[0], shape=prog.avals[r].shape, dtype=prog.avals[r].dtype))
-                out = dict(zip(node.outs, node.run(values)))
-                return tuple(out[r] for r in op.probed)
-
-            cotangents.append(jax.vjp(outputs, *weights)[1](dys))
-        (g_leaves,) = pullback(tuple(cotangents))
+            others = {}
+            for k, r in enumerate(node.ins):
+                if k in op.weight_inputs:
+                    continue
+                if isinstance(r, _Const) or r not in self._on_a:
+                    others[k] = self._read(constants, r)
+                elif k in op.kept_inputs:
+                    others[k] = kept_env[r]
+            cotangents.append(_op_cotangent(node, op, prog.avals, weights, dys, others))
+        loop_cotangents = {}
+        for i, loop in self._loops.items():  # each weight product once per iteration, batched over them
+            ops_cts = []
+            for op, weights in zip(loop.weight_ops, operands_loops[i]):
+                node, dys = loop.body.nodes[op.node], tuple(next(grads) for _ in op.probed)
+                if op.matmul is not None:  # dw_l = x_l^T dy_l for every iteration l
+                    rows, k, n = op.matmul
+                    x_t = operands[("l", i, ("t", node.ins[0], (rows, k)))]
+                    ops_cts.append((jnp.matmul(x_t, dys[0].reshape(loop.length, rows, n)).reshape(weights[0].shape),))
+                    continue
+                stacked = {k: operands[("l", i, ("k", r))] for k, r in enumerate(node.ins) if k in op.kept_inputs and isinstance(r, int)}
+                stacked |= {k: loop_constants[i][r] for k, r in enumerate(node.ins) if isinstance(r, int) and r not in loop.on_a and k not in op.weight_inputs}
+                literals = {k: r.value for k, r in enumerate(node.ins) if isinstance(r, _Const)}
+                ops_cts.append(jax.vmap(lambda w, d, o, node=node, op=op, lit=literals: _op_cotangent(node, op, loop.body.avals, w, d, o | lit))(weights, dys, stacked))
+            loop_cotangents[i] = tuple(ops_cts)
+        (g_leaves,) = pullback((tuple(cotangents), loop_cotangents))
         return tuple(g_leaves)
+
+    def _loop_operands(self, i: int, env: dict) -> tuple:
+        """A split loop's weight operands, stacked over its iterations (the body's parameter-only
+        operations, vmapped), and the body's constants its weight operations read."""
+        node, loop = self._prog.nodes[i], self._loops[i]
+        nc, nk = loop.num_consts, loop.num_carry
+        known = [None if isinstance(r, int) and r in self._on_a else self._read(env, r) for r in node.ins]
+        consts, xs = known[:nc], known[nc + nk :]
+        needed = {r for op in loop.weight_ops for k, r in enumerate(loop.body.nodes[op.node].ins)
+                  if k not in op.weight_inputs and isinstance(r, int) and r not in loop.on_a}
+
+        def per_iteration(xs_i):
+            benv = {b: v for b, v in zip(loop.body.inputs[:nc], consts) if v is not None}
+            benv |= {b: v for b, v in zip(loop.body.inputs[nc + nk :], xs_i) if v is not None}
+            for n in loop.body.nodes:
+                if n.outs and not any(r in loop.on_a for r in n.outs):
+                    benv.update(zip(n.outs, n.run([self._read(benv, r) for r in n.ins])))
+            weights = tuple(tuple(benv[loop.body.nodes[op.node].ins[k]] for k in op.weight_inputs) for op in loop.weight_ops)
+            return weights, {r: benv[r] for r in needed}
+
+        return jax.vmap(per_iteration, axis_size=loop.length)(xs)
 
     def _backward_weight(self, params, kept, grads_out, acc):
         grads = self._weight_gradient(params, kept, grads_out)
