@@ -4,9 +4,12 @@
    keeps per microbatch (:func:`zbpp_lite.runtime.split.forward_kept_bytes`: B's residuals less
    the parameters, plus W's operands) against what ``jax.vjp`` of the same stage under the same
    policy keeps (:func:`~zbpp_lite.runtime.split.vjp_residual_bytes`). Target: ratio <= 1.1.
-   Also printed: what F keeps without remat, the saving remat exists for.
+   Also printed: what F keeps without remat (the saving remat exists for), and with the
+   checkpoint inlined as the split did before issue 18.
 2. Scanned layer stacks: flops(B) + flops(W) against the fused backward (``jax.vjp``'s pullback),
    XLA's compiled cost analysis (:func:`~zbpp_lite.runtime.split.compiled_flops`). Target: <= 1.05.
+   Also printed: W against the weight products alone, and the scan kept whole (one weight
+   operation whose W re-runs the loop's vjp), as before issue 18.
 
 Run: python benchmarks/bench_split_targets.py [--d 128] [--batch 32] [--blocks 4]
 """
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from zbpp_lite.runtime import split as split_module
 from zbpp_lite.runtime.split import StageSplit, compiled_flops, forward_kept_bytes, vjp_residual_bytes
 
 
@@ -62,6 +66,60 @@ def remat_bytes(d: int, batch: int, blocks: int) -> None:
         kept = forward_kept_bytes(StageSplit(fn, params, x), params, x)
         ref = vjp_residual_bytes(fn, params, x)
         print(f"  {name:<22} {kept:>10,} {ref:>14,} {kept / ref:>6.3f}")
+    remat, split_module._REMAT = split_module._REMAT, set()  # the split before issue 18: checkpoints inlined
+    try:
+        fn, params = stage(d, blocks, "nnx.remat")
+        kept, ref = forward_kept_bytes(StageSplit(fn, params, x), params, x), vjp_residual_bytes(fn, params, x)
+    finally:
+        split_module._REMAT = remat
+    print(f"  {'nnx.remat, inlined':<22} {kept:>10,} {ref:>14,} {kept / ref:>6.3f}  (before: checkpoint inlined)")
+
+
+def scanned_stack(d: int, batch: int, layers: int):
+    """fn(params, x, aux): ``layers`` feed-forward layers (d -> 4d -> d, tanh, a skip connection)
+    with parameters stacked on a layer axis, under jax.lax.scan. unroll=True: XLA's cost analysis
+    counts a while loop's body once, so every iteration is put in the program for the count."""
+
+    def fn(p, x, aux):
+        def body(h, lp):
+            return h + jnp.tanh((h * lp["g"]) @ lp["w"] + lp["b"]) @ lp["w2"], None
+
+        return jax.lax.scan(body, x, p, unroll=True)[0]
+
+    f32 = jnp.float32
+    p = {"w": jax.ShapeDtypeStruct((layers, d, 4 * d), f32), "b": jax.ShapeDtypeStruct((layers, 4 * d), f32),
+         "w2": jax.ShapeDtypeStruct((layers, 4 * d, d), f32), "g": jax.ShapeDtypeStruct((layers, d), f32)}
+    return fn, p, jax.ShapeDtypeStruct((batch, d), f32)
+
+
+def scan_flops(d: int, batch: int, layers: int) -> None:
+    fn, p, x = scanned_stack(d, batch, layers)
+    tree = []
+
+    def fused_residuals(p, v):
+        leaves, treedef = jax.tree_util.tree_flatten(jax.vjp(lambda p, v: fn(p, v, None), p, v)[1])
+        tree.append(treedef)
+        return leaves
+
+    y = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    leaves = jax.eval_shape(fused_residuals, p, x)
+    fused = compiled_flops(lambda r, g: jax.tree_util.tree_unflatten(tree[0], r)(g), leaves, y)
+    products = layers * 2 * (2 * batch * d * 4 * d)
+    print(f"scan: {layers} layers d={d} under jax.lax.scan, {batch} samples; XLA flops (fused backward {fused:,.0f}, "
+          f"weight products {products:,})")
+    print(f"  {'split':<22} {'B':>12} {'W':>12} {'(B+W)/fused':>12} {'W/products':>11}")
+    whole = split_module._split_loop
+    for name, loop_rule in [("scan split inside", whole), ("scan kept whole", lambda *a: None)]:
+        split_module._split_loop = loop_rule  # "kept whole": the split before issue 18 (one weight op)
+        try:
+            split = StageSplit(fn, p, x)
+            _, res, kept = jax.eval_shape(split.forward, p, x, None)
+            _, grads_out = jax.eval_shape(split.backward_input, res, y)
+            b = compiled_flops(split.backward_input, res, y)
+            w = compiled_flops(split.weight_gradient, p, kept, grads_out)
+        finally:
+            split_module._split_loop = whole
+        print(f"  {name:<22} {b:>12,.0f} {w:>12,.0f} {(b + w) / fused:>12.3f} {w / products:>11.3f}")
 
 
 def main() -> None:
@@ -71,6 +129,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     args = parser.parse_args()
     remat_bytes(args.d, args.batch, args.blocks)
+    scan_flops(args.d, args.batch, args.blocks)
 
 
 if __name__ == "__main__":
