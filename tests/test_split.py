@@ -354,3 +354,24 @@ def test_a_scanned_stack_costs_b_plus_w_no_more_than_the_fused_backward_and_w_on
     assert flops_b + flops_w <= 1.05 * flops_fused, (flops_b, flops_w, flops_fused)
     assert products <= flops_w <= 1.05 * products, (flops_w, products)  # W: the weight products and nothing else
     assert flops_b <= 1.05 * (flops_fused - products), (flops_b, flops_fused, products)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_remat_and_scanned_stages_run_in_the_executor_with_jax_grads(schedule):
+    """Stage 0 a Linear and a remat block, stage 1 a scanned stack (a plain function part) and a
+    Linear: BW (1F1B) and B then W (ZB-H1) through the executor's flat programs and spares give
+    jax.grad of the whole model."""
+    import zbpp_lite as zb
+    from zbpp_lite.runtime.executor import PipelineExecutor
+
+    stack_fn, stack_params = _scanned_stage(2, 16, 1)
+    parts = [nnx.Linear(16, 16, rngs=nnx.Rngs(0)), _FfnBlock(16, nnx.Rngs(1), remat=True),
+             (lambda p, x: stack_fn(p, x, None), stack_params), nnx.Linear(16, 4, rngs=nnx.Rngs(2))]
+    model = StagedModel(parts, 2, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
+    assert model.parts == [[0, 1], [2, 3]]
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    t = jax.random.normal(jax.random.key(1), (8, 4))
+    result = PipelineExecutor(model, zb.build_schedule(schedule, 2, 4), jax.devices()[:2]).run(model.params, x, t)
+    loss, grads = jax.value_and_grad(model.loss)(model.params, x, t)
+    assert result.loss == pytest.approx(float(loss), rel=1e-5)
+    assert _max_rel(result.grads, grads) < 1e-4
