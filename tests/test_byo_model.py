@@ -130,17 +130,20 @@ def test_a_part_that_is_neither_a_module_nor_a_function_pair_is_refused():
         StagedModel([(embed, {"w": np.ones((2, 2), np.int32)}), (residual_block, _dense(jax.random.key(0))), Head(nnx.Rngs(0))], 1, loss_fn)
 
 
-def test_spmd_refuses_pytree_activations_in_one_line():
-    """One SPMD program moves one array buffer between stages: a tuple is refused, naming it."""
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_spmd_pipelines_tuple_activations(name):
+    """One SPMD program: every buffer of activations and their gradients holds one array per leaf
+    of the tuple (hidden, residual); loss and gradients are jax.grad's of the whole model."""
     from zbpp_lite.runtime.spmd import SpmdExecutor
 
-    schedule = zb.build_schedule("1f1b", 2, 2)
-    model = StagedModel(byo_parts(2), 2, loss_fn)
-    x, y = _data(2)
-    with pytest.raises(ValueError, match=r"^the SPMD executor passes one array between stages, but stage 0 passes a tuple "
-                                         r"of 2 arrays \(pytree activations\); run this model with PipelineExecutor") as err:
-        SpmdExecutor(model, schedule, DEVICES[:2]).run(model.params, x, y)
-    assert len(str(err.value).splitlines()) == 1
+    m = 4
+    schedule = zb.build_schedule(name, 2, m)
+    model = StagedModel(byo_parts(schedule.num_stages), schedule.num_stages, loss_fn)  # one block a stage
+    x, y = _data(m)
+    result = SpmdExecutor(model, schedule, DEVICES[:2]).run(model.params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(whole_model_loss)(model.params, x, y)
+    assert result.loss == pytest.approx(float(ref_loss), rel=1e-5)
+    _assert_close(result.grads, ref_grads)
 
 
 def test_a_debug_callback_in_a_stage_runs_once_per_f_in_a_pipeline():
@@ -207,3 +210,18 @@ def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
     for s in range(2):
         for i in model.parts[s]:
             _assert_close(results[s].grads[i], ref_grads[i])
+
+
+def test_the_distributed_runtime_executor_refuses_pytree_activations_in_one_line():
+    """ProcessPipelineExecutor (JAX's distributed runtime) moves one array per transfer: it calls
+    this check before any compute, which names the stage and the pytree."""
+    from zbpp_lite.runtime.stages import refuse_pytree_activations
+
+    model = StagedModel(byo_parts(2), 2, loss_fn)
+    x, _ = _data(1)
+    with pytest.raises(ValueError, match=r"^ProcessPipelineExecutor passes one array between stages, but stage 0 passes a "
+                                         r"tuple of 2 arrays \(pytree activations\); run this model with PipelineExecutor") as err:
+        refuse_pytree_activations(model, x, "ProcessPipelineExecutor")
+    assert len(str(err.value).splitlines()) == 1
+    single = StagedModel([(lambda p, x: x @ p, jnp.eye(D)), (lambda p, x: x @ p, jnp.eye(D)), (lambda p, x: x @ p, jnp.ones((D, CLASSES)))], 1, loss_fn)
+    refuse_pytree_activations(single, x, "ProcessPipelineExecutor")  # one array: accepted

@@ -206,7 +206,7 @@ def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None
             raise ValueError(
                 f"{executor} passes one array between stages, but stage {s} passes a {type(shape).__name__} of {n} arrays "
                 "(pytree activations); run this model with PipelineExecutor (threads, or one process per rank through "
-                "zbpp_lite.runtime.processes)"
+                "zbpp_lite.runtime.processes) or SpmdExecutor"
             )
 
 
