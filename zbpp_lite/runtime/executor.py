@@ -619,7 +619,8 @@ class PipelineExecutor:
     def deliver(self, key: Key, value: Any, step: int, rank: int | None = None) -> None:
         """Hand this executor what another process's rank sent it (see ``remote``), for step
         number ``step`` (as ``remote`` was given it): the activation ("F", s, j, attempt) for
-        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array
+        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array (or, where
+        stages pass a pytree such as a tuple, the list of its leaves in ``jax.tree_util`` order)
         (``attempt``: 0, or 1 from a warm-up redone after a rollback); or an optimizer's message
         for local rank ``rank``. Safe from any thread, also before :meth:`run_steps` has begun
         that step.
