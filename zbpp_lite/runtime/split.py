@@ -394,7 +394,7 @@ class StageSplit:
         """F: ``(y, res, kept)``; see the class docstring."""
         p = tuple(jax.tree_util.tree_leaves(params))
         y, own, kept = self.flat.forward(p, x, aux)
-        return y, self._residuals(p, own), kept
+        return y, self._residuals(p, own, jax.tree_util.tree_leaves(x)[0]), kept
 
     # ------------------------------------------------------------------ analysis
 
