@@ -5,7 +5,8 @@
    the parameters, plus W's operands) against what ``jax.vjp`` of the same stage under the same
    policy keeps (:func:`~zbpp_lite.runtime.split.vjp_residual_bytes`). Target: ratio <= 1.1.
    Also printed: what F keeps without remat (the saving remat exists for), and with the
-   checkpoint inlined as the split did before issue 18.
+   checkpoint inlined as the split did before issue 18; and XLA's flops of B and W against the
+   fused backward under the same remat (B recomputes the blocks, W does the weight products).
 2. Scanned layer stacks: flops(B) + flops(W) against the fused backward (``jax.vjp``'s pullback),
    XLA's compiled cost analysis (:func:`~zbpp_lite.runtime.split.compiled_flops`). Target: <= 1.05.
    Also printed: W against the weight products alone, and the scan kept whole (one weight
@@ -56,6 +57,24 @@ def stage(d: int, blocks: int, policy):
     return fn, list(params)
 
 
+def _fused_flops(fn, params, x) -> float:
+    tree = []
+
+    def fused_residuals(p, v):
+        leaves, treedef = jax.tree_util.tree_flatten(jax.vjp(lambda p, v: fn(p, v, None), p, v)[1])
+        tree.append(treedef)
+        return leaves
+
+    leaves = jax.eval_shape(fused_residuals, params, x)
+    return compiled_flops(lambda r, g: jax.tree_util.tree_unflatten(tree[0], r)(g), leaves, jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+
+def _split_flops(split, params, x) -> tuple[float, float]:
+    y, res, kept = jax.eval_shape(split.forward, params, x, None)
+    _, grads_out = jax.eval_shape(split.backward_input, res, y)
+    return compiled_flops(split.backward_input, res, y), compiled_flops(split.weight_gradient, params, kept, grads_out)
+
+
 def remat_bytes(d: int, batch: int, blocks: int) -> None:
     x = jax.ShapeDtypeStruct((batch, d), jnp.float32)
     print(f"remat: {blocks} blocks d={d}, {batch} samples per microbatch; bytes kept per microbatch")
@@ -73,6 +92,12 @@ def remat_bytes(d: int, batch: int, blocks: int) -> None:
     finally:
         split_module._REMAT = remat
     print(f"  {'nnx.remat, inlined':<22} {kept:>10,} {ref:>14,} {kept / ref:>6.3f}  (before: checkpoint inlined)")
+    products = blocks * 2 * (2 * batch * d * 4 * d)
+    print(f"  {'XLA flops (under remat B recomputes)':<40} {'B':>12} {'W':>12} {'(B+W)/fused':>12} {'W/products':>11}")
+    for name, policy in [("no remat", "none"), ("nnx.remat", "nnx.remat")]:
+        fn, params = stage(d, blocks, policy)
+        b, w = _split_flops(StageSplit(fn, params, x), params, x)
+        print(f"  {name:<40} {b:>12,.0f} {w:>12,.0f} {(b + w) / _fused_flops(fn, params, x):>12.3f} {w / products:>11.3f}")
 
 
 def scanned_stack(d: int, batch: int, layers: int):
@@ -94,16 +119,7 @@ def scanned_stack(d: int, batch: int, layers: int):
 
 def scan_flops(d: int, batch: int, layers: int) -> None:
     fn, p, x = scanned_stack(d, batch, layers)
-    tree = []
-
-    def fused_residuals(p, v):
-        leaves, treedef = jax.tree_util.tree_flatten(jax.vjp(lambda p, v: fn(p, v, None), p, v)[1])
-        tree.append(treedef)
-        return leaves
-
-    y = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    leaves = jax.eval_shape(fused_residuals, p, x)
-    fused = compiled_flops(lambda r, g: jax.tree_util.tree_unflatten(tree[0], r)(g), leaves, y)
+    fused = _fused_flops(fn, p, x)
     products = layers * 2 * (2 * batch * d * 4 * d)
     print(f"scan: {layers} layers d={d} under jax.lax.scan, {batch} samples; XLA flops (fused backward {fused:,.0f}, "
           f"weight products {products:,})")
@@ -112,11 +128,7 @@ def scan_flops(d: int, batch: int, layers: int) -> None:
     for name, loop_rule in [("scan split inside", whole), ("scan kept whole", lambda *a: None)]:
         split_module._split_loop = loop_rule  # "kept whole": the split before issue 18 (one weight op)
         try:
-            split = StageSplit(fn, p, x)
-            _, res, kept = jax.eval_shape(split.forward, p, x, None)
-            _, grads_out = jax.eval_shape(split.backward_input, res, y)
-            b = compiled_flops(split.backward_input, res, y)
-            w = compiled_flops(split.weight_gradient, p, kept, grads_out)
+            b, w = _split_flops(StageSplit(fn, p, x), p, x)
         finally:
             split_module._split_loop = whole
         print(f"  {name:<22} {b:>12,.0f} {w:>12,.0f} {(b + w) / fused:>12.3f} {w / products:>11.3f}")
