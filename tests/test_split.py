@@ -375,3 +375,35 @@ def test_remat_and_scanned_stages_run_in_the_executor_with_jax_grads(schedule):
     loss, grads = jax.value_and_grad(model.loss)(model.params, x, t)
     assert result.loss == pytest.approx(float(loss), rel=1e-5)
     assert _max_rel(result.grads, grads) < 1e-4
+
+
+def test_under_remat_b_recomputes_the_blocks_and_w_does_only_the_weight_products():
+    """XLA's cost analysis: B + W cost the fused backward under the same remat (which also
+    recomputes), W is the two Linears' x^T dy per block and nothing more, B holds the recompute."""
+    fn, params = _remat_stage(None)
+    plain_fn, _ = _remat_stage("none")
+    b, d = 16, 16
+    x = jax.ShapeDtypeStruct((b, d), jnp.float32)
+
+    def fused(fn):
+        tree = []
+
+        def residuals(p, v):
+            leaves, treedef = jax.tree_util.tree_flatten(jax.vjp(lambda p, v: fn(p, v, None), p, v)[1])
+            tree.append(treedef)
+            return leaves
+
+        leaves = jax.eval_shape(residuals, params, x)
+        return compiled_flops(lambda r, g: jax.tree_util.tree_unflatten(tree[0], r)(g), leaves, x)
+
+    split, plain = StageSplit(fn, params, x), StageSplit(plain_fn, params, x)
+    flops = {}
+    for name, s in (("remat", split), ("plain", plain)):
+        y, res, kept = jax.eval_shape(s.forward, params, x, None)
+        _, grads_out = jax.eval_shape(s.backward_input, res, y)
+        flops[name] = compiled_flops(s.backward_input, res, y), compiled_flops(s.weight_gradient, params, kept, grads_out)
+    products = 2 * 2 * (2 * b * d * 4 * d)  # two blocks, two Linears each
+    (b_remat, w_remat), (b_plain, w_plain) = flops["remat"], flops["plain"]
+    assert b_remat + w_remat <= 1.05 * fused(fn), (b_remat, w_remat)
+    assert products <= w_remat <= 1.05 * products and w_remat == w_plain  # W recomputes nothing
+    assert b_remat >= b_plain + products / 2  # B recomputes the blocks' forward (their products at least)
