@@ -407,3 +407,28 @@ def test_under_remat_b_recomputes_the_blocks_and_w_does_only_the_weight_products
     assert b_remat + w_remat <= 1.05 * fused(fn), (b_remat, w_remat)
     assert products <= w_remat <= 1.05 * products and w_remat == w_plain  # W recomputes nothing
     assert b_remat >= b_plain + products / 2  # B recomputes the blocks' forward (their products at least)
+
+
+def test_a_recurrent_cell_under_scan_shared_weights_reversed_is_split_with_jax_vjps_gradients():
+    """Weights shared over time (scan consts), the sequence as xs, outputs as ys, a zero initial
+    state, reverse=True and unroll=2: W sums each product over the time steps."""
+
+    def fn(p, x, aux):
+        def cell(h, xt):
+            h = jnp.tanh(h @ p["wh"] + xt @ p["wx"] + p["b"])
+            return h, h * p["s"]
+
+        h, ys = jax.lax.scan(cell, jnp.zeros((x.shape[1], 8)), x, reverse=True, unroll=2)
+        return ys.sum(0) + h
+
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"wh": jax.random.normal(k[0], (8, 8)) / 3, "wx": jax.random.normal(k[1], (6, 8)), "b": jnp.ones(8), "s": jnp.full(8, 0.5)}
+    x = jax.random.normal(k[2], (5, 3, 6))  # (time, batch, features)
+    split = StageSplit(fn, p, x)
+    assert split.weight_primitives == ("scan/dot_general", "scan/dot_general", "scan/add", "scan/mul")
+    y, res, kept = split.forward(p, x, None)
+    dy = jax.random.normal(k[3], y.shape)
+    dx, grads_out = split.backward_input(res, dy)
+    g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, None), p, x)[1](dy)
+    assert _max_rel(split.weight_gradient(p, kept, grads_out), g_ref) < 1e-5
+    assert _max_rel(dx, dx_ref) < 1e-5

@@ -39,14 +39,15 @@ output gradients. ``benchmarks/bench_split_targets.py``: F keeps 1.00x what ``ja
 under the same policy (nnx.remat, no policy, ``dots_saveable``), against 28x with the
 checkpoint inlined.
 
-Layer stacks under ``scan`` (``jax.lax.scan``, ``nnx.scan``) whose carries are all activations:
+Layer stacks under ``scan`` (``jax.lax.scan``, ``nnx.scan``; also a recurrent cell over time,
+weights shared), whose carries are activations or start from constants:
 the body is split like a stage; F scans it with one probe per weight operation and iteration
 (scanned like ``xs``) and emits W's operands stacked over the iterations (like ``ys``); B is the
 scan's pullback; W does every weight product once per layer (a batched ``x^T dy``), with no vjp
 of the loop. XLA's cost analysis (loop unrolled for the count): flops(B) + flops(W) = 1.00x the
 fused backward, W = 1.003x the weight products (1.94x and 2.89x with the scan kept whole).
-Other loops (``while``, a scan with a non-activation carry or a nested loop) stay one weight
-operation, whose W re-runs the loop's vjp.
+Other loops (``while``, a scan whose carry starts from the parameters alone, or with a nested
+loop) stay one weight operation, whose W re-runs the loop's vjp.
 
 What each costs on this project's job (d=128, 4 blocks a stage, 32-sample microbatches, one CPU
 core, milliseconds): F 7-8, B 7.5-8, W 5.5-6, BW 11-13: B + W is within 5-10% of BW, the price of
@@ -272,8 +273,9 @@ class _Loop:
 
 
 def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | None:
-    """The :class:`_Loop` of a ``scan`` node whose carries all depend on the activations and
-    whose body holds no nested loop; ``None`` (the scan stays one weight operation) otherwise."""
+    """The :class:`_Loop` of a ``scan`` node whose carries are activations (or start from
+    constants, an RNN's zero state) and whose body holds no nested loop; ``None`` (the scan
+    stays one weight operation) otherwise, e.g. a carry that starts from the parameters alone."""
     eqn = node.eqn
     if eqn.primitive.name != "scan":
         return None
@@ -285,10 +287,11 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
     if any(n.eqn.primitive.name in ("scan", "while", "cond") for n in body.nodes):
         return None  # a nested loop or branch: not split (W re-runs the scan's vjp)
     outer = [r if isinstance(r, int) else None for r in node.ins]
-    if any(r is None or r not in on_a for r in outer[nc : nc + nk]):
-        return None  # a carry that is not an activation (a counter, a parameter-only state)
+    if any(r is not None and r in on_p and r not in on_a for r in outer[nc : nc + nk]):
+        return None  # a carry that starts from the parameters alone (a learned initial state)
     b_on_p = {b for b, r in zip(body.inputs, outer) if r is not None and r in on_p}
     b_on_a = {b for b, r in zip(body.inputs, outer) if r is not None and r in on_a}
+    b_on_a |= set(body.inputs[nc : nc + nk])  # every carry is an activation (one starting from zeros too)
     weight_ops, _ = _mark_program(body, b_on_p, b_on_a)
     if not weight_ops:
         return None
