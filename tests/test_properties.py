@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zbpp_lite as zb
-from zbpp_lite.schedules.ir import Schedule, deps, produces
+from zbpp_lite.schedules.ir import Action, Schedule, deps, produces
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 costs_st = st.builds(
@@ -84,3 +84,55 @@ def test_corrupted_schedules_are_refused(name, p, m, seed):
     s = _corrupt(zb.build_schedule(name, p, m), random.Random(seed))
     with pytest.raises(zb.ScheduleError):
         zb.validate(s)
+
+
+# --------------------------------------------------------------------------- CSV input as people write it
+
+_ENDINGS = st.sampled_from(["\n", "\r\n", "\r"])
+_BLANK = st.sampled_from(["", " ", "\t", "  \t "])
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+@SETTINGS
+@given(p=st.integers(1, 4), m=st.integers(1, 6), data=st.data())
+def test_csv_with_any_line_endings_and_blank_lines_reads_back_the_same_schedule(tmp_path_factory, name, p, m, data):
+    """Mixed LF / CRLF / CR endings and blank (or whitespace-only) lines anywhere: same ranks,
+    same actions, same placement, from text and from a file."""
+    s = zb.build_schedule(name, p, m)
+    lines: list[str] = []
+    for row in s.to_rows():
+        lines += data.draw(st.lists(_BLANK, max_size=2), label="blank lines before")
+        lines.append(",".join(row))
+    lines += data.draw(st.lists(_BLANK, max_size=3), label="blank lines at the end")
+    text = "".join(line + data.draw(_ENDINGS) for line in lines)
+    back = Schedule.from_csv_text(text)
+    assert back.actions == s.actions and back.placement == s.placement and back.num_ranks == p
+    path = tmp_path_factory.mktemp("csv") / "s.csv"
+    path.write_bytes(text.encode())
+    assert Schedule.from_csv(path).actions == s.actions
+
+
+@SETTINGS
+@given(
+    p=st.integers(1, 4),
+    m=st.integers(1, 6),
+    bad=st.text(alphabet="0123456789FIWBXxyz;()", min_size=1, max_size=5),
+    ending=_ENDINGS,
+    seed=st.integers(0, 10_000),
+)
+def test_a_bad_csv_cell_gets_one_line_naming_its_line_and_rank(p, m, bad, ending, seed):
+    try:
+        Action.from_str(bad)
+        return  # a valid action: not garbage
+    except ValueError:
+        pass
+    rng = random.Random(seed)
+    rows = zb.build_schedule("1f1b", p, m).to_rows()
+    rank = rng.randrange(p)
+    rows[rank].insert(rng.randrange(len(rows[rank]) + 1), bad)
+    text = ending.join(",".join(row) for row in rows)
+    with pytest.raises(ValueError) as err:
+        Schedule.from_csv_text(text)
+    message = str(err.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith(f"CSV line {rank + 1} (rank {rank}): cannot parse action {bad!r}")

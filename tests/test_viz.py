@@ -241,6 +241,16 @@ def test_chrome_trace_has_one_complete_event_per_action_on_a_named_track_per_ran
         to_chrome_trace(t, time_unit_us=0)
 
 
+@pytest.mark.parametrize("unit", [float("nan"), float("inf"), float("-inf"), -1.0])
+def test_chrome_trace_refuses_a_non_finite_or_negative_time_unit(tmp_path, unit):
+    """NaN or Infinity in the JSON would be refused by Perfetto: refuse them here, in one line."""
+    t = zb.simulate(zb.build_schedule("1f1b", 2, 2))
+    with pytest.raises(ValueError, match=r"time_unit_us must be a finite number > 0") as err:
+        write_chrome_trace(t, tmp_path / "t.json", time_unit_us=unit)
+    assert len(str(err.value).splitlines()) == 1
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_chrome_trace_of_measured_seconds_and_of_several_timelines():
     planned = zb.simulate(zb.build_schedule("1f1b", 2, 3), zb.Costs(f=0.002, b=0.004, w=0.0))
     measured = _as_measured(planned, offset=100.0, stretch=1.0)

@@ -133,8 +133,8 @@ def resolve_schedule(args):
     import zbpp_lite as zb
 
     if args.schedule_csv:
-        if not os.path.exists(args.schedule_csv):
-            raise CliError(f"--schedule-csv: no such file {args.schedule_csv!r}")
+        if not os.path.isfile(args.schedule_csv):
+            raise CliError(f"--schedule-csv: no such file {args.schedule_csv!r} (a CSV file is expected)")
         schedule = zb.Schedule.from_csv(args.schedule_csv)
     else:
         schedule = zb.build_schedule(args.schedule, args.ranks, args.microbatches, **parse_options(args.option))

@@ -336,6 +336,7 @@ class ProcessPipelineExecutor(_executor_base()):
         import jax
 
         from .executor import StepResult, _Inbox, _Step
+        from .stages import refuse_pytree_activations
         from ..schedules.timeline import Event, Timeline
 
         S, m = self.model.num_stages, self.schedule.num_microbatches
@@ -347,6 +348,7 @@ class ProcessPipelineExecutor(_executor_base()):
         x_mb, y_mb = x[:mb], labels[:mb]
         inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[0]) if local[0] else None
         ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[-1]) if local[-1] else None
+        refuse_pytree_activations(self.model, x_mb, "ProcessPipelineExecutor (JAX's distributed runtime)")
         shapes = self.model.stage_inputs(x_mb)
         splits = [self.model.split_stage(s, shapes[s], y_mb) if local[s] else None for s in range(S)]
         seed = jax.device_put(np.float32(1.0 / m), self.stage_devices[-1]) if local[-1] else None

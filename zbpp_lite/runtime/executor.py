@@ -95,6 +95,11 @@ class StepResult:
     started_at: float = 0.0
 
 
+class _Leaves(list):
+    """The leaves of a pytree activation or input gradient received from another process (sent
+    as a list of arrays); unflattened with the consumer's input structure once it is known."""
+
+
 class _Aborted(Exception):
     """Another rank failed; this one stops waiting."""
 
@@ -323,6 +328,7 @@ class PipelineExecutor:
             "BW": self._backward_fused,
         }
         self._prepared: dict = {}
+        self._input_trees: list = []  # per stage: the pytree structure of its input (set by _prepare)
 
     # ------------------------------------------------------------------ checks and set-up
 
@@ -348,19 +354,21 @@ class PipelineExecutor:
             return self._prepared[signature]
         S = self.model.num_stages
         shapes = self.model.stage_inputs(x_mb)
+        # what stage s takes (and what its B sends back): one array, or a pytree (tuple, dict)
+        self._input_trees = [jax.tree_util.tree_structure(shape) for shape in shapes]
         splits: list = [None] * S
         kinds = {a.kind for r in self.ranks for a in self.schedule.rank_actions(r)}
         for s in self.local_stages:
             device, last = self.stage_devices[s], s == S - 1
             splits[s] = self.model.split_stage(s, shapes[s], y_mb)
             flat = splits[s].flat
-            x = jax.device_put(np.zeros(shapes[s].shape, shapes[s].dtype), device)
+            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes[s]), device)
             aux = jax.device_put(y_mb, device) if last else None
             # each twice: new memory, then a spare's; spare=None passed as the handlers pass it
             # (jit keys its cache on the call's arguments: an omitted default compiles anew)
             _, res, _ = flat.forward(params[s], x, aux, None)
             out, res, kept = flat.forward(params[s], x, aux, res)
-            dy = jax.device_put(np.ones(np.shape(out), np.float32), device)
+            dy = jax.device_put(jax.tree_util.tree_map(lambda a: np.ones(np.shape(a), a.dtype), out), device)
             if "BW" in kinds:  # twice, as W: a stage's first (no sum yet), then the rest
                 acc = flat.backward_fused(params[s], res, kept, dy, None)[1]
                 jax.block_until_ready(flat.backward_fused(params[s], res, kept, dy, acc))
@@ -620,8 +628,9 @@ class PipelineExecutor:
         its rank's inbox, or through ``remote`` to the process that runs that rank."""
         key = produces(action)[0]
         consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
-        if self.stage_devices[consumer] is None:
-            self.remote(self.schedule.placement[consumer], (*key, attempt), value, step.index)
+        if self.stage_devices[consumer] is None:  # a pytree (tuple, dict) goes as its list of leaves
+            leaves = value if isinstance(value, jax.Array) else list(jax.tree_util.tree_leaves(value))
+            self.remote(self.schedule.placement[consumer], (*key, attempt), leaves, step.index)
         else:
             self._put(step, key, value, attempt=attempt)
 
@@ -629,6 +638,8 @@ class PipelineExecutor:
         kind, stage, _ = key
         if kind in ("F", "B"):  # an activation for stage s+1, an input gradient for stage s-1
             consumer = stage + 1 if kind == "F" else stage - 1
+            if isinstance(value, _Leaves):  # from another process: the leaves of a pytree
+                value = jax.tree_util.tree_unflatten(self._input_trees[stage + 1 if kind == "F" else stage], list(value))
             value = jax.device_put(value, self.stage_devices[consumer])
             step.memory.receive(self.schedule.placement[consumer], key, value, time.perf_counter() - step.t0 if step.t0 else 0.0)
             step.inboxes[self.schedule.placement[consumer]].put(key, value, attempt)
@@ -638,7 +649,8 @@ class PipelineExecutor:
     def deliver(self, key: Key, value: Any, step: int, rank: int | None = None) -> None:
         """Hand this executor what another process's rank sent it (see ``remote``), for step
         number ``step`` (as ``remote`` was given it): the activation ("F", s, j, attempt) for
-        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array
+        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array (or, where
+        stages pass a pytree such as a tuple, the list of its leaves in ``jax.tree_util`` order)
         (``attempt``: 0, or 1 from a warm-up redone after a rollback); or an optimizer's message
         for local rank ``rank``. Safe from any thread, also before :meth:`run_steps` has begun
         that step.
@@ -648,6 +660,8 @@ class PipelineExecutor:
                 without a local ``rank``.
         """
         if key[0] in ("F", "B"):
+            if isinstance(value, (list, tuple)):  # a pytree activation's leaves (see _send)
+                value = _Leaves(value)
             consumer = -1 if len(key) not in (3, 4) else key[1] + 1 if key[0] == "F" else key[1] - 1
             if not 0 <= consumer < self.model.num_stages or self.stage_devices[consumer] is None:
                 raise ValueError(f"no local stage consumes {key}: an activation ('F', s, j[, attempt]) goes to stage s+1, "

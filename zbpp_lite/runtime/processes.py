@@ -247,6 +247,8 @@ def connect(peers: dict, executor_for):
 
     def remote_for(name):
         def remote(to: int, key, value, step: int) -> None:
+            if isinstance(value, list) and key[0] in ("F", "B"):  # a pytree activation's leaves
+                value = [np.asarray(leaf) for leaf in value]
             links[to].send(name, key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to)
 
         return remote
@@ -337,6 +339,9 @@ class _Link:
         with self.lock:
             if isinstance(value, np.ndarray) and value.dtype != object:
                 self.channel.send({"name": name, "key": list(key), "ring": self.out.write(value), "step": step, "to": to})
+            elif isinstance(value, list) and value and all(isinstance(v, np.ndarray) and v.dtype != object for v in value):
+                # the leaves of a pytree activation, each in the ring; a list again on arrival
+                self.channel.send({"name": name, "key": list(key), "rings": [self.out.write(v) for v in value], "step": step, "to": to})
             else:
                 self.channel.send({"name": name, "key": list(key), "value": value, "step": step, "to": to})
 
@@ -348,7 +353,12 @@ class _Link:
         if message is None:
             return None
         key = tuple(message["key"])
-        value = self.inc.read(*message["ring"]) if "ring" in message else message["value"]
+        if "ring" in message:
+            value = self.inc.read(*message["ring"])
+        elif "rings" in message:
+            value = [self.inc.read(*place) for place in message["rings"]]
+        else:
+            value = message["value"]
         return message["name"], key, value, message["step"], message["to"]
 
     def close(self) -> None:

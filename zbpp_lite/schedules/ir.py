@@ -337,18 +337,64 @@ class Schedule:
         return cls(tuple(map(tuple, actions)), placement, num_microbatches, name)
 
     @classmethod
-    def from_csv(cls, path_or_text: str | os.PathLike, num_microbatches: int | None = None) -> "Schedule":
-        """Read PyTorch's compute-only CSV (a path, or the CSV text itself if it contains a comma
-        or newline and is not an existing file). Placement is inferred from the rows.
+    def from_csv(cls, path: str | os.PathLike, num_microbatches: int | None = None) -> "Schedule":
+        """Read PyTorch's compute-only CSV from the file at ``path`` (UTF-8); see :meth:`from_csv_text`.
+
+        ``path`` is always a file name, never CSV text: text goes to :meth:`from_csv_text`.
 
         Raises:
-            ValueError: see :meth:`from_rows`; FileNotFoundError for a missing path.
+            FileNotFoundError: no file at ``path``.
+            IsADirectoryError: ``path`` is a directory.
+            ValueError: a file that is not UTF-8 text, or a bad row (see :meth:`from_csv_text`).
+            TypeError: ``path`` that is not a ``str`` or ``os.PathLike``.
         """
-        text = str(path_or_text)
-        if os.path.exists(text) or not ("," in text or "\n" in text):
-            with open(text, newline="") as f:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"Schedule.from_csv takes a file path (str or os.PathLike), got {type(path).__name__}")
+        name = os.fspath(path)
+        if os.path.isdir(name):
+            raise IsADirectoryError(f"schedule CSV {name!r} is a directory; expected a CSV file")
+        if not os.path.isfile(name):
+            hint = "; to parse CSV text use Schedule.from_csv_text" if ("," in name or "\n" in name) else ""
+            raise FileNotFoundError(f"schedule CSV {name!r}: no such file{hint}")
+        try:
+            with open(name, encoding="utf-8-sig", newline="") as f:
                 text = f.read()
-        rows = list(csv.reader(io.StringIO(text)))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"schedule CSV {name!r} is not UTF-8 text (byte {e.start}): expected PyTorch's CSV form") from None
+        try:
+            return cls.from_csv_text(text, num_microbatches)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    @classmethod
+    def from_csv_text(cls, text: str, num_microbatches: int | None = None) -> "Schedule":
+        """Parse PyTorch's compute-only CSV text: one row per rank, no header.
+
+        Any line ending is accepted (LF, CRLF, CR alone, mixed); blank lines (empty or only
+        whitespace) are skipped anywhere, so the i-th non-blank line is rank i. Placement is
+        inferred from the rows; cells as in :meth:`from_rows`.
+
+        Raises:
+            TypeError: ``text`` that is not a ``str`` (e.g. a path object: use :meth:`from_csv`).
+            ValueError: one line naming the CSV line and rank of an unparsable cell, a malformed
+                CSV line, or a stage on two ranks (see :meth:`from_rows`).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"Schedule.from_csv_text takes CSV text (str), got {type(text).__name__}; for a file use Schedule.from_csv")
+        lines = [(n, line) for n, line in enumerate(text.lstrip("\ufeff").splitlines(), start=1) if line.strip()]
+        rows: list[list[Action]] = []
+        for rank, (n, line) in enumerate(lines):
+            try:
+                cells = next(csv.reader([line], strict=True))
+            except csv.Error as e:
+                raise ValueError(f"CSV line {n} (rank {rank}): {e}") from None
+            parsed: list[Action] = []
+            for cell in cells:
+                try:
+                    parsed += _parse_cell(cell)
+                except ValueError as e:
+                    raise ValueError(f"CSV line {n} (rank {rank}): {e}") from None
+            rows.append(parsed)
         return cls.from_rows(rows, num_microbatches)
 
 
