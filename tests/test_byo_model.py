@@ -174,9 +174,9 @@ def test_a_debug_callback_in_a_stage_runs_once_per_f_in_a_pipeline():
 
 def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
     """The one-process-per-rank path (zbpp_lite.runtime.processes.connect): each rank its own
-    executor, a tuple activation and its input gradient sent as their leaves through a real pipe
+    executor, a tuple activation and its input gradient sent as their leaves through a real socket
     and shared-memory ring pair (here both ends in one process), unflattened by the receiver."""
-    import multiprocessing as mp
+    import socket
     import threading
     from multiprocessing.shared_memory import SharedMemory
 
@@ -187,8 +187,8 @@ def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
     model = StagedModel(byo_parts(2), 2, loss_fn)
     x, y = _data(m)
     rings = [SharedMemory(create=True, size=1 << 20) for _ in range(2)]
-    a, b = mp.Pipe()
-    peers = [{1: (a, rings[0].name, rings[1].name)}, {0: (b, rings[1].name, rings[0].name)}]
+    a, b = (end.detach() for end in socket.socketpair())
+    peers = [{"1": {"fd": a, "out": rings[0].name, "in": rings[1].name}}, {"0": {"fd": b, "out": rings[1].name, "in": rings[0].name}}]
     try:
         executors = [connect(peers[r], lambda remote, r=r: PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r], remote=remote))
                      for r in range(2)]

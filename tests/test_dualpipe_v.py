@@ -42,7 +42,7 @@ def test_the_builder_round_trips_through_pytorchs_csv_form(p, m):
     s = zb.build_schedule("dualpipe-v", p, m)
     text = s.to_csv()
     assert ("OVERLAP_F_B" in text) == s.has_pairs
-    back = Schedule.from_csv(text)
+    back = Schedule.from_csv_text(text)
     assert back.actions == s.actions and back.placement == s.placement
 
 
