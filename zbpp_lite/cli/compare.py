@@ -24,8 +24,10 @@ then the real runs go on simulated CPU devices (printed as REAL; the HTML report
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
+import os
 import sys
 
 from . import CliError
@@ -181,7 +183,8 @@ def run(args) -> int:
 
     def costs_for(num_stages: int) -> Costs:
         if num_stages not in by_stages:
-            by_stages[num_stages] = _stage_costs(args, blocks, num_stages)
+            with one_core(use_processes):  # timed as a rank runs: XLA's threads on one core
+                by_stages[num_stages] = _stage_costs(args, blocks, num_stages)
         return by_stages[num_stages]
 
     schedules, notes = _build(names, args, blocks, costs_for)
@@ -234,7 +237,6 @@ def _references(args, model, run_config, data, devices, use_processes) -> dict:
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
     microbatches as the pipeline). Median step seconds over the timed steps."""
     import dataclasses
-    import os
     import statistics
 
     import zbpp_lite as zb
@@ -251,19 +253,36 @@ def _references(args, model, run_config, data, devices, use_processes) -> dict:
         from ..training.train import train
 
         executor = train(one_rank, steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
-    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    try:  # one core for this process's XLA threads too, as for a rank
-        if affinity is not None:
-            os.sched_setaffinity(0, {min(affinity)})
+    with one_core():  # one core for this process's XLA threads too, as for a rank
         whole = train_baseline(args.steps, d=model.d, heads=model.heads, blocks=model.blocks, batch=args.batch, lr=args.lr,
                                seed=args.seed, holdout=args.holdout, device=devices[0], data=data)
-    finally:
-        if affinity is not None:
-            os.sched_setaffinity(0, affinity)
     return {
         "one device, whole batch (one jitted step)": statistics.median(whole.step_seconds[1:]),
         f"one device, our executor (m={args.microbatches} microbatches)": statistics.median(executor.step_seconds[1:]),
     }
+
+
+@contextlib.contextmanager
+def one_core(pin: bool = True):
+    """This process (every thread of it, XLA's pool included) on its first allowed core while
+    the block runs, as a rank process is; nothing where ``pin`` is false or affinity is unknown."""
+    affinity = os.sched_getaffinity(0) if pin and hasattr(os, "sched_getaffinity") else None
+
+    def every_thread(cores) -> None:  # Linux sets a thread's affinity, not a process's: each of them
+        tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+        for tid in tasks:
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+    try:
+        if affinity:
+            every_thread({min(affinity)})
+        yield
+    finally:
+        if affinity:
+            every_thread(affinity)
 
 
 def _learn(results, args, model, run_config, data, devices, use_processes):
@@ -275,11 +294,11 @@ def _learn(results, args, model, run_config, data, devices, use_processes):
     print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
     import dataclasses
 
-    run = dataclasses.replace(run_config, check_grads=False, progress=True)
+    run = dataclasses.replace(run_config, check_grads=False)
     if use_processes:
         from ..training.turns import train_in_turns
 
-        return train_in_turns([best.schedule], args.learn_steps, model=model, run=run, data=data, progress=True)[best.schedule.name]
+        return train_in_turns([best.schedule], args.learn_steps, model=model, run=run, data=data, progress=run.progress)[best.schedule.name]
     from ..training.train import train
 
     return train(best.schedule, steps=args.learn_steps, model=model, run=run, devices=devices, data=data)
