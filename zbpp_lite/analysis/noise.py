@@ -58,6 +58,8 @@ class PairedGain:
         ratio: their median.
         low, high: the distribution-free interval of the median ratio (:func:`median_interval`).
         coverage: the probability the interval holds the true median ratio.
+        confidence: the coverage asked for; fewer than 6 steps cannot reach 95%, and then no
+            difference counts (:attr:`faster` and :attr:`slower` are False).
     """
 
     ratios: tuple[float, ...]
@@ -65,6 +67,7 @@ class PairedGain:
     low: float
     high: float
     coverage: float
+    confidence: float = 0.95
 
     @property
     def gain(self) -> float:
@@ -78,13 +81,14 @@ class PairedGain:
 
     @property
     def faster(self) -> bool:
-        """The whole interval lies below 1: ``after`` is faster beyond this run's noise."""
-        return self.high < 1.0
+        """The whole interval lies below 1 (and it reaches the confidence asked for): ``after`` is
+        faster beyond this run's noise."""
+        return self.high < 1.0 and self.coverage >= self.confidence
 
     @property
     def slower(self) -> bool:
-        """The whole interval lies above 1."""
-        return self.low > 1.0
+        """The whole interval lies above 1 (and it reaches the confidence asked for)."""
+        return self.low > 1.0 and self.coverage >= self.confidence
 
     @property
     def deviation(self) -> float:
@@ -115,7 +119,7 @@ def paired_gain(before: Sequence[float], after: Sequence[float], confidence: flo
         raise ValueError("paired figures must be positive (seconds)")
     ratios = tuple(a / b for b, a in zip(before, after))
     low, high, coverage = median_interval(ratios, confidence)
-    return PairedGain(ratios, statistics.median(ratios), low, high, coverage)
+    return PairedGain(ratios, statistics.median(ratios), low, high, coverage, confidence)
 
 
 def beats_noise(candidate: PairedGain, control: PairedGain | None = None) -> bool:

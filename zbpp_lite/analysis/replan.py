@@ -125,7 +125,10 @@ def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_s
 
     Returns:
         ``(drift, significant)``: the largest median change, and whether some change is both
-        larger than ``threshold`` and significant (its interval excludes 0).
+        larger than ``threshold`` and significant: its interval excludes 0 at the confidence
+        that keeps the whole family of 4 * num_stages tests at ``confidence`` (Bonferroni; with
+        2 stages and 95%, at least 9 paired steps are needed, and with 10 every one of them must
+        have moved the same way).
 
     Raises:
         ValueError: an empty window or reference, or costs with the wrong number of stages.
@@ -142,14 +145,15 @@ def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_s
     totals = [statistics.median(r.f[s] + r.b[s] + r.w[s] for r in ref) for s in range(num_stages)]
     mean_total = sum(totals) / num_stages or 1.0
     worst, significant = 0.0, False
+    each = 1 - (1 - confidence) / (4 * num_stages)  # Bonferroni: 4 costs per stage tested, the family at `confidence`
     for s in range(num_stages):
         for kind in ("f", "b", "w", "comm"):
             scale = mean_total if kind == "comm" else (totals[s] if totals[s] > 0 else 1.0)
             changes = [(getattr(o, kind)[s] - getattr(r, kind)[s]) / scale for r, o in zip(ref, obs)]
             middle = statistics.median(changes)
-            low, high, _ = median_interval(changes, confidence)
+            low, high, coverage = median_interval(changes, each)
             worst = max(worst, abs(middle))
-            significant |= abs(middle) > threshold and (low > 0 or high < 0)
+            significant |= abs(middle) > threshold and (low > 0 or high < 0) and coverage >= each
     return worst, significant
 
 

@@ -643,7 +643,7 @@ def adapt_in_processes(
             proposal = replanner.observe(t) or proposal
         checks = [{"step": step_offset["judge"] + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
                   for c in replanner.history]
-        if proposal is not None:
+        if proposal is not None and proposal.schedule.actions != kept_schedule.actions:
             online_plans = {kept: plans[kept], "online": (kept_parts, _named(proposal.schedule, "online"))}
             again = _in_turns(online_plans, steps, config, run, data, stepper("online"))
             judged = paired_gain(_spans(again[kept]), _spans(again["online"]), confidence)
