@@ -136,3 +136,22 @@ def test_nothing_that_crosses_processes_is_unpickled():
         names = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "pickle" not in names | modules, f"{path.name} imports pickle"
+
+
+def test_a_schedule_may_run_on_its_own_partition():
+    """The same ZB-H1 on the default cut and on an uneven one, in turns: the same losses and the
+    unpartitioned model's gradients for both, each with the partition it was given."""
+    import dataclasses
+
+    s = zb.build_schedule("zb-h1", 2, 4)
+    even, uneven = dataclasses.replace(s, name="even"), dataclasses.replace(s, name="uneven")
+    results = train_in_turns([even, uneven], 2, parts={"uneven": [[0, 1], [2, 3, 4, 5]]}, **SMALL)
+    assert results["even"].config["parts"] == [[0, 1, 2], [3, 4, 5]]
+    assert results["uneven"].config["parts"] == [[0, 1], [2, 3, 4, 5]]
+    np.testing.assert_allclose(results["even"].losses, results["uneven"].losses, rtol=1e-6)
+    for r in results.values():
+        assert r.grad_max_rel_error < 1e-5 and r.loss_error < 1e-5
+    with pytest.raises(ValueError, match="not one of the schedules"):
+        train_in_turns([even], 2, parts={"odd": [[0, 1], [2, 3, 4, 5]]}, **SMALL)
+    with pytest.raises(ValueError, match="in order"):
+        train_in_turns([even], 2, parts={"even": [[0, 2], [1, 3, 4, 5]]}, **SMALL)

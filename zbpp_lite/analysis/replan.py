@@ -113,6 +113,50 @@ def drift(reference: Costs, observed: Costs, num_stages: int) -> float:
     return worst
 
 
+def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_stages: int, threshold: float,
+                      confidence: float = 0.95) -> tuple[float, bool]:
+    """Drift of one window of per-step measured costs from a reference window, judged against the
+    noise between steps.
+
+    For every stage's T_F, T_B, T_W and T_comm, step k of ``window`` is paired with step k of
+    ``reference`` (the shorter length), the change is scaled as in :func:`drift` (by the stage's
+    reference T_F + T_B + T_W; T_comm by their mean over stages), and the median change gets a
+    distribution-free interval (:func:`zbpp_lite.analysis.noise.median_interval`).
+
+    Returns:
+        ``(drift, significant)``: the largest median change, and whether some change is both
+        larger than ``threshold`` and significant: its interval excludes 0 at the confidence
+        that keeps the whole family of 4 * num_stages tests at ``confidence`` (Bonferroni; with
+        2 stages and 95%, at least 9 paired steps are needed, and with 10 every one of them must
+        have moved the same way).
+
+    Raises:
+        ValueError: an empty window or reference, or costs with the wrong number of stages.
+    """
+    import statistics
+
+    from .noise import median_interval
+
+    n = min(len(reference), len(window))
+    if n == 0:
+        raise ValueError("significant_drift needs at least one step in the window and in the reference")
+    ref = [c.table(num_stages) for c in reference[:n]]
+    obs = [c.table(num_stages) for c in window[:n]]
+    totals = [statistics.median(r.f[s] + r.b[s] + r.w[s] for r in ref) for s in range(num_stages)]
+    mean_total = sum(totals) / num_stages or 1.0
+    worst, significant = 0.0, False
+    each = 1 - (1 - confidence) / (4 * num_stages)  # Bonferroni: 4 costs per stage tested, the family at `confidence`
+    for s in range(num_stages):
+        for kind in ("f", "b", "w", "comm"):
+            scale = mean_total if kind == "comm" else (totals[s] if totals[s] > 0 else 1.0)
+            changes = [(getattr(o, kind)[s] - getattr(r, kind)[s]) / scale for r, o in zip(ref, obs)]
+            middle = statistics.median(changes)
+            low, high, coverage = median_interval(changes, each)
+            worst = max(worst, abs(middle))
+            significant |= abs(middle) > threshold and (low > 0 or high < 0) and coverage >= each
+    return worst, significant
+
+
 @dataclass(frozen=True)
 class Check:
     """One check of the online re-planner.
@@ -120,7 +164,8 @@ class Check:
     Attributes:
         step: how many timelines had been observed.
         drift: :func:`drift` of the window's costs from the reference.
-        decision: "steady" (drift within the threshold), "wait" (drifted, patience not yet
+        decision: "reference" (the first window, with ``confidence``: the costs later windows
+            are compared with), "steady" (no drift that counts), "wait" (drifted, patience not yet
             reached), "kept" (re-planned, gain too small), or "switched".
         gain: predicted gain of the re-plan (None when none was made).
     """
@@ -148,6 +193,12 @@ class OnlineReplanner:
             current plan's makespan under the same costs) to be adopted.
         memory_limit: passed to zb-auto (units of Costs.mem_b; default p).
         history: every :class:`Check` made.
+        confidence: None, or drift must also be significant (:func:`significant_drift`): the first
+            K measured steps become the reference (decision "reference"; ``reference`` then holds
+            their costs), and a later window counts as drifted only when some per-stage cost moved
+            by more than ``threshold`` *and* the distribution-free interval (at this confidence)
+            of its step-by-step change from the reference window excludes no change. Noise
+            between steps, measured in the same run, then never counts as drift.
 
     Raises:
         ValueError: every < 1, threshold or min_gain < 0, patience < 1, or a schedule with other
@@ -162,6 +213,7 @@ class OnlineReplanner:
     min_gain: float = 0.03
     memory_limit: float | Sequence[float] | None = None
     history: list[Check] = field(default_factory=list)
+    confidence: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.every, int) or self.every < 1:
@@ -176,6 +228,9 @@ class OnlineReplanner:
                 f"{self.schedule.num_stages} stages on {self.schedule.num_ranks} ranks"
             )
         self.reference.table(self.schedule.num_stages)
+        if self.confidence is not None and not 0 < self.confidence < 1:
+            raise ValueError(f"confidence must lie in (0, 1) or be None, got {self.confidence}")
+        self._reference_steps: list[Costs] | None = None
         self._window: list[Timeline] = []
         self._steps = 0
         self._strikes = 0
@@ -193,9 +248,20 @@ class OnlineReplanner:
             return None
         S = self.schedule.num_stages
         observed = profile(self._window, S).costs()
-        self._window = []
-        moved = drift(self.reference, observed, S)
-        if moved <= self.threshold:
+        if self.confidence is not None:
+            steps = [profile([t], S).costs() for t in self._window]
+            self._window = []
+            if self._reference_steps is None:
+                self._reference_steps, self.reference = steps, observed
+                self.history.append(Check(self._steps, 0.0, "reference"))
+                return None
+            moved, significant = significant_drift(self._reference_steps, steps, S, self.threshold, self.confidence)
+        else:
+            steps = None
+            self._window = []
+            moved = drift(self.reference, observed, S)
+            significant = moved > self.threshold
+        if not significant:
             self._strikes = 0
             self.history.append(Check(self._steps, moved, "steady"))
             return None
@@ -206,6 +272,8 @@ class OnlineReplanner:
         self._strikes = 0
         result = replan(observed, self.schedule.num_ranks, self.schedule.num_microbatches, self.memory_limit, self.schedule)
         self.reference = observed  # the current plan has now been judged by these costs
+        if steps is not None:
+            self._reference_steps = steps
         if result.gain < self.min_gain:
             self.history.append(Check(self._steps, moved, "kept", result.gain))
             return None

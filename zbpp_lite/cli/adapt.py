@@ -14,7 +14,7 @@ import argparse
 import json
 
 from . import CliError
-from .train import add_model_arguments, check_model_arguments, setup_devices
+from .train import add_model_arguments, check_model_arguments, setup_devices, threads_reason
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
@@ -34,6 +34,11 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--no-rebalance", dest="rebalance", action="store_false", help="keep the original partition")
     p.add_argument("--no-replan", dest="replan", action="store_false", help="keep ZB-H1 (no zb-auto re-plan)")
     p.add_argument("--no-online", dest="online", action="store_false", help="no online re-planning while training")
+    p.add_argument("--no-control", dest="control", action="store_false",
+                   help="no A/A control (the original plan run twice in turns to measure the noise)")
+    p.add_argument("--confidence", type=float, default=0.95,
+                   help="of the intervals that judge measured gains and drift (default 0.95)")
+    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with a core per rank")
     add_model_arguments(p)
     # actions of milliseconds, so compute, not dispatch, sets the stage costs
     p.set_defaults(d=128, batch=256)
@@ -62,6 +67,8 @@ def _check(args) -> int:
         raise CliError(f"--imbalance must be >= 1 (1 = even stages; 2 = the last stage holds twice the blocks), got {args.imbalance}")
     if args.steps < 2 or args.profile_steps < 2:
         raise CliError(f"--steps and --profile-steps must be >= 2 (each phase's first step is not timed), got {args.steps}, {args.profile_steps}")
+    if not 0 < args.confidence < 1:
+        raise CliError(f"--confidence must lie in (0, 1), got {args.confidence}")
     if args.every < 1 or args.patience < 1 or args.threshold < 0 or args.min_gain < 0 or args.margin < 0:
         raise CliError("--every and --patience must be >= 1; --threshold, --min-gain and --margin >= 0")
     check_model_arguments(args, args.microbatches)
@@ -73,9 +80,17 @@ def _check(args) -> int:
 def run(args) -> int:
     blocks = _check(args)
     devices = setup_devices(args.ranks)
+    why_threads = threads_reason(args, args.ranks, devices)
 
     from ..training.adapt import adapt
 
+    if why_threads is None:
+        print(f"REAL run: one process per rank, each pinned to its own core ({args.ranks} ranks); the plans take turns "
+              f"step by step and a change is kept only when measured faster beyond the run's noise", flush=True)
+    else:
+        print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core "
+              f"to the others, so measured bubbles look smaller than on real devices, and changes are adopted on their "
+              f"predicted gain", flush=True)
     print(
         f"adapt: {args.ranks} ranks, {args.microbatches} microbatches, imbalance {args.imbalance:g}; model d={args.d} "
         f"heads={args.heads} blocks={blocks}; batch {args.batch}; devices {', '.join(str(d) for d in devices)}",
@@ -83,7 +98,7 @@ def run(args) -> int:
     )
 
     def on_step(phase: str, k: int, loss: float, timeline) -> None:
-        print(f"{phase:6} step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  "
+        print(f"{phase:18} step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  "
               f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
 
     result = adapt(
@@ -91,7 +106,8 @@ def run(args) -> int:
         blocks=blocks, d=args.d, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout,
         memory_limit=args.memory_limit, every=args.every, threshold=args.threshold, patience=args.patience,
         min_gain=args.min_gain, margin=args.margin, rebalance=args.rebalance, replan_schedule=args.replan,
-        online=args.online, devices=devices, on_step=on_step,
+        online=args.online, control=args.control, confidence=args.confidence, processes=why_threads is None,
+        devices=None if why_threads is None else devices, on_step=on_step,
     )
     print("\nmeasured before adapting (ZB-H1, original partition):")
     print(result.profile.table())

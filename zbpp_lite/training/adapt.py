@@ -45,6 +45,7 @@ from ..analysis.rebalance import (
     moved_costs,
     partition_cost,
 )
+from ..analysis.noise import PairedGain, beats_noise, paired_gain
 from ..analysis.replan import OnlineReplanner, replan
 from ..schedules.ir import Schedule
 from ..schedules.timeline import Timeline
@@ -142,10 +143,16 @@ class AdaptResult:
     test_accuracy: float
     test_loss: float
     config: dict
+    comparison: PairedGain | None = None
+    control: PairedGain | None = None
+    profiled: Phase | None = None
 
     @property
     def makespan_ratio(self) -> float:
-        """after / before median measured makespan."""
+        """after / before measured makespan: with plans taking turns (:attr:`comparison`), the
+        median of the step-by-step ratios; otherwise the ratio of the two phases' medians."""
+        if self.comparison is not None:
+            return self.comparison.ratio
         return self.after.makespan / self.before.makespan
 
     def to_json(self) -> dict:
@@ -166,6 +173,9 @@ class AdaptResult:
             "test_accuracy": self.test_accuracy,
             "test_loss": self.test_loss,
             "config": self.config,
+            "comparison": None if self.comparison is None else self.comparison.to_json(),
+            "control": None if self.control is None else self.control.to_json(),
+            "profiled": None if self.profiled is None else self.profiled.to_json(),
         }
 
     def report(self) -> str:
@@ -177,6 +187,10 @@ class AdaptResult:
             f"{'after':8}{a.schedules[-1].name:>10}{str(_block_counts(a.parts)):>32}{a.makespan * 1e3:>11.2f} ms{a.bubble_rate:>13.4f}",
             f"after / before measured makespan: {self.makespan_ratio:.3f}",
         ]
+        if self.comparison is not None:
+            lines.append(f"  step by step, taking turns: {self.comparison.text()}; gain {self.comparison.gain:+.1%}")
+        if self.control is not None:
+            lines.append(f"  noise: the same plan twice in the same run: {self.control.text()}")
         for c in self.changes:
             lines.append(f"  {c['kind']}: {'adopted' if c['adopted'] else 'not adopted'} ({c['why']})")
         for name, phase in (("before", b), ("after", a)):
@@ -283,6 +297,9 @@ def adapt(
     replan_schedule: bool = True,
     online: bool = True,
     repeats: int = 7,
+    processes: bool | None = None,
+    control: bool = True,
+    confidence: float = 0.95,
     devices: Sequence[Any] | None = None,
     check_grads: bool = True,
     data: Digits | None = None,
@@ -307,6 +324,16 @@ def adapt(
         margin: a stage is slow (imbalance) when its cost exceeds the mean by this fraction.
         rebalance, replan_schedule, online: switch each adaptation on or off.
         repeats: timed calls per part when profiling the parts.
+        processes: measure with one pinned process per rank
+            (:func:`~zbpp_lite.training.turns.train_in_turns`), the plans taking turns step by step,
+            and adopt a change only when its measured gain beats the noise (see :func:`adapt_in_processes`).
+            Default: when no ``devices`` are given, JAX runs on CPU and there is a core per rank
+            (:func:`~zbpp_lite.training.turns.enough_cores`); otherwise rank threads, one phase
+            after the other, changes adopted on their predicted gain.
+        control: with processes, also run the original plan a second time (an A/A control) to
+            measure the run-to-run noise in the same run.
+        confidence: of the distribution-free intervals that judge measured gains and the online
+            re-planner's drift (:mod:`zbpp_lite.analysis.noise`).
         devices: one per rank (default :func:`zbpp_lite.runtime.devices.ensure_devices`).
         check_grads: compare the first step of every plan with the unpartitioned model.
         data: the digits split (default ``load_digits(holdout, seed)``).
@@ -329,9 +356,26 @@ def adapt(
     start_schedule = build_schedule("zb-h1", ranks, microbatches)
     mb = microbatch_size(batch, microbatches)
     OnlineReplanner(start_schedule, Costs(), every, threshold, patience, min_gain, memory_limit)  # checks the settings
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     from .model import ModelConfig
 
     config = ModelConfig(d=d, heads=heads, blocks=blocks, seed=seed)
+    if processes is None:
+        import jax
+
+        from .turns import enough_cores
+
+        processes = devices is None and jax.default_backend() == "cpu" and enough_cores(ranks)
+    if processes:
+        from .train import RunConfig
+
+        return adapt_in_processes(
+            ranks, microbatches, steps, original, config,
+            RunConfig(batch=batch, lr=lr, weight_decay=weight_decay, seed=seed, holdout=holdout, check_grads=check_grads),
+            profile_steps=profile_steps, imbalance=imbalance, memory_limit=memory_limit, every=every, threshold=threshold,
+            patience=patience, min_gain=min_gain, margin=margin, rebalance=rebalance, replan_schedule=replan_schedule,
+            online=online, repeats=repeats, control=control, confidence=confidence, data=data, on_step=on_step)
     if devices is None:
         from ..runtime.devices import ensure_devices
 
@@ -416,7 +460,8 @@ def adapt(
     # 5. after: train with the new partition and plan, re-planning online
     after = Phase(tuple(tuple(p) for p in parts))
     trainer.use(parts, schedule)
-    replanner = OnlineReplanner(schedule, predicted, every, threshold, patience, min_gain, memory_limit) if online else None
+    replanner = OnlineReplanner(schedule, predicted, every, threshold, patience, min_gain, memory_limit,
+                                confidence=confidence) if online else None
     run_phase(after, "after", steps, replanner, changes)
     found_after = attribute(after.measured, after.measured_schedule, None, margin)
 
@@ -432,5 +477,208 @@ def adapt(
                 "imbalance": imbalance, "blocks": blocks, "d": d, "heads": heads, "batch": batch, "lr": lr,
                 "weight_decay": weight_decay, "seed": seed, "holdout": holdout, "memory_limit": memory_limit,
                 "every": every, "threshold": threshold, "patience": patience, "min_gain": min_gain,
-                "margin": margin, "devices": [str(dev) for dev in devices]},
+                "margin": margin, "devices": [str(dev) for dev in devices], "confidence": confidence,
+                "measured": "rank threads of one process, one phase after the other"},
     )
+
+
+def _named(schedule: Schedule, name: str) -> Schedule:
+    import dataclasses
+
+    return dataclasses.replace(schedule, name=name)
+
+
+def _phase(parts: Parts, result) -> Phase:
+    """A :class:`Phase` from one plan's :class:`~zbpp_lite.training.train.TrainResult` in a run in turns."""
+    return Phase(tuple(tuple(p) for p in parts), [result.schedule] * len(result.timelines), list(result.timelines),
+                 list(result.losses), result.grad_max_rel_error, result.loss_error)
+
+
+def _spans(result) -> list[float]:
+    return [t.makespan for t in result.timelines[1:]]  # the first step compiles
+
+
+def adapt_in_processes(
+    ranks: int,
+    microbatches: int,
+    steps: int,
+    original: Parts,
+    config,
+    run,
+    *,
+    profile_steps: int = 6,
+    imbalance: float = 1.0,
+    memory_limit: float | None = None,
+    every: int = 10,
+    threshold: float = 0.15,
+    patience: int = 2,
+    min_gain: float = 0.03,
+    margin: float = 0.1,
+    rebalance: bool = True,
+    replan_schedule: bool = True,
+    online: bool = True,
+    repeats: int = 7,
+    control: bool = True,
+    confidence: float = 0.95,
+    data: Digits | None = None,
+    on_step: Callable[[str, int, float, Timeline], None] | None = None,
+) -> AdaptResult:
+    """:func:`adapt` measured on real cores, every change judged against the noise of the same run.
+
+    1. *profile*: ``profile_steps`` ZB-H1 steps on ``original``, one pinned process per rank
+       (:func:`~zbpp_lite.training.turns.train_in_turns`); per-stage costs and the idle time by cause.
+    2. *candidates*: the rebalanced partition and the zb-auto re-plan, as in :func:`adapt`, each
+       tried only when predicted at least ``min_gain`` faster.
+    3. *judge*: ``steps`` steps of every plan taking turns step by step in one run (step k of every
+       plan on batch k): the original plan, with ``control`` the original plan again (an A/A
+       control: the run-to-run noise), and the candidates. Each candidate's per-step makespans
+       are paired with those of the plan it would replace (:func:`~zbpp_lite.analysis.noise.paired_gain`),
+       and it is adopted only when it is faster beyond the noise
+       (:func:`~zbpp_lite.analysis.noise.beats_noise`: its interval below 1 and its gain above the
+       control's deviation). Nothing is adopted that did not measure faster.
+    4. *online*: the kept plan's steps, in order, go through an :class:`OnlineReplanner` with
+       ``confidence``: it re-plans only on drift significant against the same run's step-to-step
+       noise; a re-plan it makes is judged like the others in one more run in turns.
+
+    ``before`` and ``after`` of the result are the original and the kept plan in the judge run
+    (with nothing adopted, ``after`` is the control, or the original plan itself without one);
+    ``comparison`` is their step-by-step ratio with its interval, ``control`` the A/A ratio.
+
+    Raises:
+        RuntimeError: a rank's process failed.
+    """
+    from ..analysis.profiling.parts import profile_parts
+    from ..runtime.stages import StagedModel
+    from .model import build_parts
+    from .turns import train_in_turns
+
+    data = data if data is not None else load_digits(run.holdout, run.seed)
+    zb_h1 = build_schedule("zb-h1", ranks, microbatches)
+    step_offset = {"profile": 0, "judge": profile_steps}
+
+    def stepper(phase: str):
+        def call(name: str, k: int, loss: float, timeline: Timeline) -> None:
+            if on_step is not None:
+                on_step(f"{phase}:{name}", step_offset.get(phase, 0) + k, loss, timeline)
+        return call
+
+    # 1. profile
+    profiled = train_in_turns([_named(zb_h1, "before")], profile_steps, model=config, run=run, data=data,
+                              parts={"before": original}, on_step=stepper("profile"))["before"]
+    profiled_phase = _phase(original, profiled)
+    measured = profile(profiled_phase._timed(), ranks)
+    found = attribute(profiled_phase.measured, profiled_phase.measured_schedule, measured.costs(), margin)
+
+    # 2. candidates
+    import jax
+
+    mb = microbatch_size(run.batch, microbatches)
+    x0, y0 = data.batch(0, run.batch)
+    timed_parts = profile_parts(StagedModel(build_parts(config), ranks, parts=original), x0[:mb], y0[:mb],
+                                jax.devices()[0], repeats)
+    part_costs = calibrate(timed_parts, original, measured.costs())
+    changes: list[dict] = []
+    plans: dict[str, tuple[Parts, Schedule]] = {"before": (original, _named(zb_h1, "before"))}
+    if control:
+        plans["control"] = (original, _named(zb_h1, "control"))
+    parts = original
+    if rebalance:
+        candidate = best_partition(part_costs, ranks)
+        now, new = partition_cost(part_costs.totals, original), partition_cost(part_costs.totals, candidate)
+        gain = 1 - new / now if now > 0 else 0.0
+        tried = candidate != original and gain >= min_gain
+        changes.append({
+            "kind": "rebalance", "adopted": False, "tried": tried, "from": [list(p) for p in original],
+            "to": [list(p) for p in candidate], "predicted_largest_stage": new, "current_largest_stage": now,
+            "predicted_gain": gain, "gain": gain,
+            "why": f"largest stage F+B+W {now * 1e3:.3f} -> {new * 1e3:.3f} ms predicted ({gain:.1%}), "
+                   f"blocks per stage {_block_counts(original)} -> {_block_counts(candidate)}"
+                   + ("" if tried else "; not tried (no predicted gain of min_gain)"),
+        })
+        if tried:
+            parts = candidate
+            plans["rebalanced"] = (candidate, _named(zb_h1, "rebalanced"))
+    predicted = moved_costs(part_costs, original, parts, measured.costs())
+    if replan_schedule:
+        result = replan(predicted, ranks, microbatches, memory_limit, current=zb_h1)
+        tried = result.gain >= min_gain and result.schedule.actions != zb_h1.actions
+        changes.append({
+            "kind": "replan", "adopted": False, "tried": tried, "from": zb_h1.name, "to": result.schedule.name,
+            "predicted_makespan": result.predicted, "current_makespan": result.current, "predicted_gain": result.gain,
+            "gain": result.gain, "memory_limit": list(result.memory_limit),
+            "why": f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 {result.current * 1e3:.2f} ms ({result.gain:.1%})"
+                   + ("" if tried else "; not tried (no predicted gain of min_gain)"),
+        })
+        if tried:
+            plans["re-planned"] = (parts, _named(result.schedule, "re-planned"))
+
+    # 3. judge: every plan in turns, step by step
+    results = _in_turns(plans, steps, config, run, data, stepper("judge"))
+    spans = {name: _spans(r) for name, r in results.items()}
+    noise = paired_gain(spans["before"], spans["control"], confidence) if control else None
+    kept = "before"
+    for change, name in (("rebalance", "rebalanced"), ("replan", "re-planned")):
+        record = next((c for c in changes if c["kind"] == change), None)
+        if record is None or name not in plans:
+            continue
+        judged = paired_gain(spans[kept], spans[name], confidence)
+        adopted = beats_noise(judged, noise)
+        record.update({"adopted": adopted, "measured_against": kept, "measured": judged.to_json(), "gain": judged.gain,
+                       "noise": None if noise is None else noise.deviation})
+        record["why"] += (f"; measured {name} / {kept}: {judged.text()}, "
+                          + (f"noise (same plan twice) {noise.deviation:.1%}; " if noise is not None else "")
+                          + ("adopted: faster beyond the noise" if adopted else "not adopted: not faster beyond the noise"))
+        if adopted:
+            kept = name
+
+    # 4. online: the kept plan's steps watched for significant drift; a re-plan is judged in turns too
+    checks: list[dict] = []
+    kept_name = kept
+    if online:
+        kept_parts, kept_schedule = plans[kept]
+        replanner = OnlineReplanner(_named(kept_schedule, kept_schedule.name), predicted, every, threshold, patience,
+                                    min_gain, memory_limit, confidence=confidence)
+        proposal = None
+        for t in results[kept].timelines[1:]:
+            proposal = replanner.observe(t) or proposal
+        checks = [{"step": step_offset["judge"] + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
+                  for c in replanner.history]
+        if proposal is not None and proposal.schedule.actions != kept_schedule.actions:
+            online_plans = {kept: plans[kept], "online": (kept_parts, _named(proposal.schedule, "online"))}
+            again = _in_turns(online_plans, steps, config, run, data, stepper("online"))
+            judged = paired_gain(_spans(again[kept]), _spans(again["online"]), confidence)
+            adopted = beats_noise(judged, noise)
+            changes.append({"kind": "online-replan", "adopted": adopted, "to": proposal.schedule.name,
+                            "predicted_gain": proposal.gain, "gain": judged.gain, "measured": judged.to_json(),
+                            "why": f"costs drifted significantly ({replanner.history[-1].drift:.1%}); measured online / {kept}: "
+                                   f"{judged.text()}; " + ("adopted" if adopted else "not adopted: not faster beyond the noise")})
+            if adopted:
+                plans["online"] = online_plans["online"]
+                results["online"], kept_name = again["online"], "online"
+
+    after_name = kept if kept != "before" else ("control" if control else "before")
+    before_phase = _phase(original, results["before"])
+    after_phase = _phase(plans[after_name][0], results[after_name])
+    comparison = paired_gain(spans["before"], spans[after_name], confidence)
+    found_after = attribute(after_phase.measured, after_phase.measured_schedule, None, margin)
+    final = results[kept_name]
+    return AdaptResult(
+        before=before_phase, after=after_phase, profile=measured, attribution=found, attribution_after=found_after,
+        part_costs=part_costs, changes=changes, online_checks=checks,
+        test_accuracy=final.test_accuracy, test_loss=final.test_loss,
+        config={"ranks": ranks, "microbatches": microbatches, "steps": steps, "profile_steps": profile_steps,
+                "imbalance": imbalance, "blocks": config.blocks, "d": config.d, "heads": config.heads, "batch": run.batch,
+                "lr": run.lr, "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
+                "memory_limit": memory_limit, "every": every, "threshold": threshold, "patience": patience,
+                "min_gain": min_gain, "margin": margin, "confidence": confidence, "plans": list(plans), "kept": kept_name,
+                "devices": final.config["devices"],
+                "measured": "one pinned process per rank, the plans taking turns step by step"},
+        comparison=comparison, control=noise, profiled=profiled_phase,
+    )
+
+
+def _in_turns(plans: dict, steps: int, config, run, data, on_step) -> dict:
+    from .turns import train_in_turns
+
+    return train_in_turns([s for _, s in plans.values()], steps, model=config, run=run, data=data,
+                          parts={name: p for name, (p, _) in plans.items()}, on_step=on_step)

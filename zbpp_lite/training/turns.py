@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..analysis.rebalance import check_parts
 from ..runtime.processes import RankProcesses, allowed_cores, connect, disconnect
 from ..schedules.ir import Action, Schedule
 from ..schedules.simulate import simulate
@@ -79,14 +80,17 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
     run = config["run"]
     schedules = {name: schedule_from_json(d) for name, d in config["schedules"].items()}
     model_config = ModelConfig(**config["model"])
-    models = {S: StagedModel(build_parts(model_config), S) for S in sorted({s.num_stages for s in schedules.values()})}
-    initial = load_torch_init(run["init"], model_config) if run.get("init") else next(iter(models.values())).params
-    executors = connect(peers, {name: (lambda remote, s=s: PipelineExecutor(models[s.num_stages], s, [device], ranks=[rank], remote=remote))
+    cuts = config.get("parts") or {}  # {name: partition} for the schedules not cut the default way
+    shared = {S: StagedModel(build_parts(model_config), S) for S in sorted({s.num_stages for s in schedules.values()})}
+    models = {name: StagedModel(build_parts(model_config), s.num_stages, parts=cuts[name]) if cuts.get(name) else shared[s.num_stages]
+              for name, s in schedules.items()}
+    initial = load_torch_init(run["init"], model_config) if run.get("init") else next(iter(shared.values())).params
+    executors = connect(peers, {name: (lambda remote, name=name, s=s: PipelineExecutor(models[name], s, [device], ranks=[rank], remote=remote))
                                 for name, s in schedules.items()})
     opt, update = jitted_adamw(run["lr"], run["weight_decay"])
     state = {}
     for name, s in schedules.items():  # each schedule its own parameters and AdamW state
-        model = models[s.num_stages]
+        model = models[name]
         mine = executors[name].local_stages
         params = [jax.device_put(p, device) for p in initial]
         stage_params = {st: jax.device_put(model.stage_params(params, st), device) for st in mine}
@@ -169,6 +173,7 @@ def train_in_turns(
     pin: bool = True,
     progress: bool = False,
     on_step: Callable[[str, int, float, Timeline], None] | None = None,
+    parts: dict[str, Sequence[Sequence[int]]] | None = None,
 ) -> dict[str, TrainResult]:
     """Train every schedule for ``steps`` steps, taking turns step by step, one process per rank.
 
@@ -182,6 +187,10 @@ def train_in_turns(
         pin: pin rank r to the r-th allowed core (see :func:`enough_cores`).
         progress: a tqdm bar over the steps.
         on_step: called after every step with (schedule name, step, loss, measured timeline).
+        parts: ``{name: partition}`` for schedules whose model is cut otherwise than the default
+            (``partition[s]``: the model part indices of stage s, 0 = embedding, 1..blocks = the
+            blocks, blocks + 1 = the head; e.g. from :func:`zbpp_lite.analysis.rebalance.best_partition`);
+            the others get :func:`zbpp_lite.runtime.stages.stage_parts`.
 
     Returns:
         ``{name: TrainResult}`` in the order given. ``step_seconds`` are each step's wall time on
@@ -192,7 +201,8 @@ def train_in_turns(
 
     Raises:
         ValueError: no schedules, duplicate names, differing rank or microbatch counts, fewer
-            than 2 steps, clipping requested, or a batch that does not divide.
+            than 2 steps, clipping requested, a batch that does not divide, or ``parts`` naming
+            an unknown schedule or holding a partition that is not one of this model.
         RuntimeError: a rank's process failed (its error is printed by that process and named).
     """
     from .reference import evaluate, max_relative_error, reference_grads
@@ -214,10 +224,17 @@ def train_in_turns(
         raise ValueError("max_grad_norm runs the optimizer inside the rank threads: use train() (threads) for clipping")
     for s in schedules:
         _checked_schedule(s, s.num_ranks, s.num_microbatches, steps, config, run, None)
+    cuts = {}
+    for n, cut in (parts or {}).items():
+        if n not in names:
+            raise ValueError(f"parts names {n!r}, which is not one of the schedules {names}")
+        s = schedules[names.index(n)]
+        cuts[n] = [list(stage) for stage in check_parts(cut, config.blocks + 2, s.num_stages)]
     p = schedules[0].num_ranks
     data = data if data is not None else load_digits(run.holdout, run.seed)
     spec = {"schedules": {n: schedule_to_json(s) for n, s in zip(names, schedules)},
             "model": {"d": config.d, "heads": config.heads, "blocks": config.blocks, "seed": config.seed},
+            "parts": cuts,
             "run": {"batch": run.batch, "lr": run.lr, "weight_decay": run.weight_decay, "seed": run.seed,
                     "holdout": run.holdout, "init": None if run.init is None else str(run.init)}}
     record = {n: {"losses": [], "timelines": [], "seconds": [], "grads": None} for n in names}
@@ -250,18 +267,20 @@ def train_in_turns(
             finals[n] = _stage_leaves(ranks.gather(), "params")
     if bar is not None:
         bar.close()
-    return {n: _result(n, s, record[n], finals[n], config, run, data, p, pin, evaluate, max_relative_error, reference_grads)
+    return {n: _result(n, s, record[n], finals[n], config, run, data, p, pin, evaluate, max_relative_error, reference_grads,
+                       cuts.get(n))
             for n, s in zip(names, schedules)}
 
 
-def _result(name, schedule, rec, final_stages, config, run, data, p, pin, evaluate, max_relative_error, reference_grads) -> TrainResult:
+def _result(name, schedule, rec, final_stages, config, run, data, p, pin, evaluate, max_relative_error, reference_grads,
+            cut=None) -> TrainResult:
     import jax
 
     from ..analysis.profiling.timelines import measured_costs
     from ..runtime.stages import StagedModel
     from .model import build_parts, load_torch_init
 
-    staged = StagedModel(build_parts(config), schedule.num_stages)
+    staged = StagedModel(build_parts(config), schedule.num_stages, parts=cut)
     initial = load_torch_init(run.init, config) if run.init is not None else staged.params
 
     def assemble(per_stage: dict[int, list]) -> list:
@@ -291,5 +310,6 @@ def _result(name, schedule, rec, final_stages, config, run, data, p, pin, evalua
                 "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
                 "init": None if run.init is None else str(run.init),
                 "devices": [f"rank {r}: own process, " + (f"core {cores[r % len(cores)]}" if pin else "unpinned") for r in range(p)],
-                "processes": "one per rank, pinned" if pin else "one per rank"},
+                "processes": "one per rank, pinned" if pin else "one per rank",
+                "parts": [list(stage) for stage in staged.parts]},
     )
