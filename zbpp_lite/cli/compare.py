@@ -43,8 +43,8 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     add_model_arguments(p)
     # the peer job's sizes: an action takes milliseconds, well above the executor's overhead per action
     p.set_defaults(d=128, heads=4, blocks=8, batch=256)
-    p.add_argument("--learn-steps", type=int, default=300,
-                   help="then train the fastest schedule this many steps and report its test accuracy (default 300; 0: skip)")
+    p.add_argument("--learn-steps", type=int, default=200,
+                   help="then train the fastest schedule this many steps and report its test accuracy (default 200; 0: skip)")
     p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with enough cores")
     p.add_argument("--out", default="compare.html", help="HTML report path (default compare.html)")
     p.add_argument("--json", metavar="PATH", help="also write the figures of every run as JSON")
@@ -53,10 +53,12 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
 
 
 def _required(name: str) -> list[str]:
-    """The options a builder cannot do without."""
+    """The options a builder cannot do without, and ``costs`` for every builder that plans with
+    costs (zb-auto, zb-1p, zb-2p: without them they would plan for unit costs, not this job's)."""
     from ..schedules.builders import options_of
 
-    return [key for key, default in options_of(name).items() if default is inspect.Parameter.empty]
+    options = options_of(name)
+    return [key for key, default in options.items() if default is inspect.Parameter.empty or key == "costs"]
 
 
 def _options(name: str, ranks: int, costs) -> tuple[dict, str | None]:
