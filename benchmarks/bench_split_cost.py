@@ -3,12 +3,14 @@
 The peer job's stage (d = 128, 4 heads, 4 of its 8 blocks, 32-sample microbatches), one process
 pinned to one core:
 
-1. T_F, T_B, T_W and the fused T_BW of both stages, the calls interleaved (F, B, W, BW, F, ...)
-   so that a slow spell meets every pass alike; medians and minima over the repeats, and the
-   ratio (T_B + T_W) / T_BW (the target is <= 1.08);
+1. T_F, T_B, T_W and the fused T_BW of both stages as the executor calls them
+   (:func:`~zbpp_lite.analysis.profiling.device.profile_stage_costs`, the stages and passes
+   interleaved so that a slow spell meets every pass alike), and the ratio (T_B + T_W) / T_BW
+   (the target is <= 1.08);
 2. where the time goes: one profile (``jax.profiler``) of the same calls, each XLA operation
    classified from the compiled HLO (a product, a reduction, a transpose or copy, the rest
-   elementwise) and summed per pass, and B + W against BW per class and per output shape.
+   elementwise) and summed per pass, and B + W against BW per class and per output shape. (These
+   calls allocate their outputs afresh, so they run a little slower than in part 1.)
 
     taskset -c 1 python benchmarks/bench_split_cost.py [--repeats 40] [--stage 0]
 """
@@ -82,18 +84,14 @@ def main() -> None:
         stages.append((calls, hlo))
         h = out
 
-    print(f"1. per-pass times, ms, {args.repeats} interleaved repeats, one core (load average {os.getloadavg()[0]:.2f})")
-    for s, (calls, _) in enumerate(stages):
-        times = collections.defaultdict(list)
-        for _ in range(args.repeats):
-            for kind, call in calls.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(call())
-                times[kind].append((time.perf_counter() - t0) * 1e3)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        low = {k: min(v) for k, v in times.items()}
-        print(f"   stage {s}: median F {med['F']:.2f}  B {med['B']:.2f}  W {med['W']:.2f}  BW {med['BW']:.2f}   "
-              f"(B+W)/BW {(med['B'] + med['W']) / med['BW']:.3f} (minima: {(low['B'] + low['W']) / low['BW']:.3f})")
+    from zbpp_lite.analysis.profiling.device import profile_stage_costs
+
+    print(f"1. per-pass times, ms, medians of {args.repeats} interleaved repeats on one core, each pass called as the "
+          f"executor calls it (spare output buffers and running sums donated; load average {os.getloadavg()[0]:.2f})")
+    costs = profile_stage_costs(model, x, y, repeats=args.repeats, fused=True)
+    for s in range(2):
+        f, b, w, bw = (v[s] * 1e3 for v in (costs.f, costs.b, costs.w, costs.bw))
+        print(f"   stage {s}: F {f:.2f}  B {b:.2f}  W {w:.2f}  BW {bw:.2f}   (B+W)/BW {(b + w) / bw:.3f}")
 
     calls, hlo = stages[args.stage]
     with tempfile.TemporaryDirectory() as tmp:
