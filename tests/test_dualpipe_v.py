@@ -68,6 +68,12 @@ def test_pytorchs_csvs_simulate_no_faster_than_ours_where_a_pair_overlaps():
         assert zb.simulate(torch_split, c).makespan >= zb.simulate(ours, c).makespan - 1e-9
         assert zb.simulate(torch_pairs, c).makespan == zb.simulate(ours, c).makespan
     assert zb.simulate(ours, zb.Costs(fb=2.0)).makespan == 44
+    # each of PyTorch's two CSVs against our builder in the same form: never faster than ours
+    written_out = zb.build_schedule("dualpipe-v", TORCH_P, TORCH_M, overlap=False)
+    assert written_out.actions == torch_split.actions and not written_out.has_pairs
+    for c in (unit, zb.Costs(fb=2.0), zb.Costs(f=1.3, b=0.9, w=0.6)):
+        assert zb.simulate(torch_split, c).makespan >= zb.simulate(written_out, c).makespan - 1e-9
+        assert zb.simulate(torch_pairs, c).makespan >= zb.simulate(ours, c).makespan - 1e-9
 
 
 # --------------------------------------------------------------------------- the builder

@@ -87,12 +87,20 @@ class _Rank:
         self.row.extend(entries)
 
 
-def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
+def dualpipe_v(num_ranks: int, num_microbatches: int, overlap: bool = True) -> Schedule:
     """DualPipeV on p = ``num_ranks`` ranks and 2p stages (V placement), m = ``num_microbatches``.
+
+    Args:
+        overlap: keep each overlapped F&B pair as one entry (:class:`Overlap`, costed T_F&B, both
+            inputs awaited before either part runs). ``False`` writes each pair as its two
+            actions, in the same order (PyTorch's compute-only CSV of DualPipeV): the F may then
+            start before the backward's input arrives, which is shorter where a pair saves
+            nothing (at unit costs, p = 4, m = 8: 51 against 54) and cannot use the overlap.
 
     Returns:
         A :class:`Schedule` whose lists hold :class:`Overlap` pairs (F with a full backward BW)
-        besides F, B, W and BW actions; 3 * 2p * m actions, m F per stage.
+        besides F, B, W and BW actions (with ``overlap=False``, the actions only); 3 * 2p * m
+        actions, m F per stage.
 
     Raises:
         ValueError: sizes that are not integers >= 1, or m < 2p (the message gives the least m
@@ -139,4 +147,5 @@ def dualpipe_v(num_ranks: int, num_microbatches: int) -> Schedule:
         for _ in range(r + 1):
             k.add(k.w())
         rows.append(k.row)
-    return assemble("dualpipe-v", rows, v_placement(p), m)
+    schedule = assemble("dualpipe-v", rows, v_placement(p), m)
+    return schedule if overlap else schedule.split_pairs()
