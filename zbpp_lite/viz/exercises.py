@@ -4,7 +4,8 @@ Each lesson (notebooks 01-07) asks at least two questions; the learner types an 
 exercise cell and calls its check. A check never raises for a wrong answer: it returns a
 :class:`Verdict`, which prints "right" or "not yet" with a hint, and is truthy only when right
 (so a notebook's solutions section can ``assert`` it). Answers are compared with what the
-simulator, the validator or the placement functions compute, never with a stored number.
+simulator, the validator, the placement functions, the attribution or the rebalancer compute, or
+(for the flop counts) with a count the check makes from the matrix shapes; no answer is stored.
 
 Pure Python: the schedule layer and :mod:`zbpp_lite.analysis` (attribution, rebalancing) are
 imported inside the checks that use them; no JAX.
