@@ -78,11 +78,31 @@ def execute(md: Path, timeout: int = 900):
     return nb
 
 
+def _collapse_solutions(nb) -> int:
+    """Each cell tagged ``hide-input`` (the Solutions) shows its code folded in a <details> element
+    above its output, as JupyterLab shows it collapsed; returns how many."""
+    import nbformat
+
+    cells, count = [], 0
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "hide-input" in cell.metadata.get("tags", []):
+            code = html.escape(cell.source)
+            cells.append(nbformat.v4.new_markdown_cell(
+                f'<details class="zbpp-solution"><summary>Our solution (click to show)</summary><pre><code>{code}</code></pre></details>'))
+            cell.metadata.setdefault("transient", {})["remove_source"] = True
+            count += 1
+        cells.append(cell)
+    nb.cells = cells
+    return count
+
+
 def export(nb, title: str) -> str:
-    """The executed notebook as one self-contained HTML page (plotly.js inlined, no CDN scripts)."""
+    """The executed notebook as one HTML page: figures drawn by ``plotly.min.js`` beside it, the
+    solutions folded, no script from a CDN."""
     from nbconvert import HTMLExporter
 
     figures = _figures_to_html(nb)
+    _collapse_solutions(nb)
     nb.metadata["title"] = title
     nb.metadata.pop("widgets", None)
     exporter = HTMLExporter(template_name="lab")
