@@ -40,7 +40,7 @@ import sys
 import time
 
 from bench_vs_torch import busy_cpu_seconds
-from zbpp_lite.runtime.processes import connect, disconnect, finish, pin_to, spawn
+from zbpp_lite.runtime.processes import RankProcesses, connect, disconnect
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -80,10 +80,14 @@ def _summary(results, optimizer) -> dict:
     }
 
 
-def rank_process(rank: int, core: int | None, peers: dict, control, args) -> None:
-    """One rank of the ``--procs`` set-up: runs every policy the parent names on its own rank."""
-    pin_to(core)
+def rank_process(rank: int, peers: dict, control, config: dict) -> None:
+    """One rank of the ``--procs`` set-up (pinned by :class:`RankProcesses` before this runs):
+    runs every policy the parent names on its own rank."""
+    import argparse
+
     from zbpp_lite.runtime.devices import ensure_devices
+
+    args = argparse.Namespace(**config)
 
     device = ensure_devices(1)[0]
     from zbpp_lite.runtime.executor import PipelineExecutor
@@ -106,7 +110,8 @@ class Processes:
     """The ``--procs`` side: two pinned rank processes, one run per call."""
 
     def __init__(self, args):
-        self.procs, self.controls = spawn(rank_process, 2, True, args)
+        self.ranks = RankProcesses(f"{os.path.abspath(__file__)}:rank_process", 2, vars(args), pin=True)
+        self.procs, self.controls = self.ranks.procs, self.ranks.controls
 
     def run(self, policy: str, max_norm: float | None) -> list[dict]:
         for control in self.controls:
@@ -122,7 +127,7 @@ class Processes:
         return _cpu_seconds([os.getpid(), *(p.pid for p in self.procs)])
 
     def close(self) -> None:
-        finish(self.procs, self.controls)
+        self.ranks.close()
 
 
 class Threads:

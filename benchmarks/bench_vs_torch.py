@@ -62,7 +62,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zbpp_lite.runtime.processes import connect, disconnect, finish, pin_to, spawn
+from zbpp_lite.runtime.processes import RankProcesses, connect, disconnect
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCRIPT = ROOT.parent / "shared" / "peers" / "torch_pp_bench.py"
@@ -228,7 +228,7 @@ def action_medians(timelines) -> dict:
 # ----------------------------------------------------------------------------- one process per rank
 
 
-def rank_process(rank: int, core: int | None, peers: dict, control, plans: dict, init: str | None) -> None:
+def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     """One pipeline rank in its own process, as PyTorch's benchmark runs its ranks: pinned to one
     core before JAX starts (so XLA's threads are this rank's only), one CPU device, the package's
     executor for this rank's actions (``PipelineExecutor(ranks=[rank], remote=...)``), one per
@@ -237,14 +237,17 @@ def rank_process(rank: int, core: int | None, peers: dict, control, plans: dict,
     its last action. Steps on the parent's word (step number, schedule): the parameters carry
     over from step to step whatever the schedule. Each step reports its wall time, the losses
     (last stage) and the measured events."""
-    pin_to(core)
+    import zbpp_lite as zb
+
+    # costs cross the process boundary as plain fields (JSON), the rest of a plan as it is
+    plans = {name: {k: (zb.Costs(**v) if k == "costs" else v) for k, v in options.items()} for name, options in config["plans"].items()}
+    init = config["init"]
     from zbpp_lite.runtime.devices import ensure_devices
 
     device = ensure_devices(1)[0]
     import jax
     import optax
 
-    import zbpp_lite as zb
     from zbpp_lite.training.reference import adamw
     from zbpp_lite.training.data import load_digits
     from zbpp_lite.runtime.executor import PipelineExecutor
@@ -303,7 +306,11 @@ def run_processes(plans: dict, order: list[str], init: str | None, pin_ranks: bo
     from zbpp_lite.schedules.ir import Action
     from zbpp_lite.schedules.timeline import Event, Timeline
 
-    procs, controls = spawn(rank_process, RANKS, pin_ranks, plans, init)
+    import dataclasses
+
+    plain = {name: {k: (dataclasses.asdict(v) if k == "costs" else v) for k, v in options.items()} for name, options in plans.items()}
+    ranks = RankProcesses(f"{os.path.abspath(__file__)}:rank_process", RANKS, {"plans": plain, "init": init}, pin=pin_ranks)
+    controls = ranks.controls
     seconds, losses, timelines, runs = [], [], [], []
     try:
         for k, name in enumerate(order):
@@ -318,7 +325,7 @@ def run_processes(plans: dict, order: list[str], init: str | None, pin_ranks: bo
             events = [Event(r, Action.from_str(a), t0 - origin, t1 - origin) for rep in replies for r, a, t0, t1 in rep[2]]
             timelines.append(Timeline.from_events(events, RANKS, source="measured"))
     finally:
-        finish(procs, controls)
+        ranks.close()
     return seconds, losses, timelines, runs
 
 

@@ -40,7 +40,9 @@ def test_plan_writes_a_csv_that_plans_back_identically_and_a_trace(tmp_path):
     [
         (["-s", "zb-h3"], "unknown schedule 'zb-h3'; choose one of"),
         (["-p", "0"], "--ranks and --microbatches must be >= 1"),
-        (["--from-csv", "/no/such/file.csv"], "No such file"),
+        (["--from-csv", "/no/such/file.csv"], "schedule CSV '/no/such/file.csv': no such file"),
+        (["--from-csv", "run,2.csv"], "'run,2.csv': no such file; to parse CSV text use Schedule.from_csv_text"),
+        (["--from-csv", "tests"], "schedule CSV 'tests' is a directory; expected a CSV file"),
         (["-s", "1f1b", "-v", "2"], "drop --stages-per-rank"),
         (["--f", "-1"], "--f must be a finite number >= 0"),
         (["--bw", "nan"], "--bw must be a finite number >= 0"),
@@ -51,3 +53,16 @@ def test_bad_arguments_get_one_line_not_a_traceback(args, message):
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_plan_reads_a_csv_with_cr_line_endings_and_blank_lines(tmp_path):
+    """A 2-rank CSV with CR-only endings and blank lines plans on 2 ranks, like its clean twin."""
+    clean = tmp_path / "clean.csv"
+    zb.build_schedule("1f1b", 2, 3).to_csv(clean)
+    messy = tmp_path / "messy.csv"
+    messy.write_bytes(b"\r" + clean.read_bytes().replace(b"\n", b"\r\r") + b"\r\r")
+    a, b = plan("--from-csv", str(clean)), plan("--from-csv", str(messy))
+    assert a.returncode == b.returncode == 0, b.stderr
+    assert "p = 2 ranks, 2 stages, m = 3 microbatches" in b.stdout
+    figures = lambda out: out.stdout.split("makespan")[1]  # noqa: E731
+    assert figures(a) == figures(b)

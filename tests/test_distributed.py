@@ -38,8 +38,8 @@ def untimed_children(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", UNTIMED_CHILD_FLAGS)
 
 
-@pytest.mark.parametrize("executor", ["mpmd", "spmd"])
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v"])
+@pytest.mark.parametrize("executor, name", [(e, n) for e in ("mpmd", "spmd") for n in ("1f1b", "zb-h1", "zb-h2", "zb-v")]
+                         + [("mpmd", "dualpipe-v")])  # SPMD refuses DualPipeV's overlapped pairs (tests/test_spmd.py)
 def test_two_processes_match_the_unpartitioned_model(name, executor, tmp_path, untimed_children):
     out = tmp_path / "run.json"
     lines: list[str] = []

@@ -119,6 +119,28 @@ def test_a_schedule_read_from_pytorch_csv_runs():
     _assert_timeline_follows(result.timeline, schedule)
 
 
+def test_dualpipe_v_runs_each_pair_back_to_back_on_its_rank_with_the_reference_gradients():
+    """Both inputs of an overlapped pair are taken before its forward runs; its backward is the
+    rank's very next event; PyTorch's own DualPipeV order (p = 4, m = 8) gives the same answer."""
+    for schedule in (zb.build_schedule("dualpipe-v", 2, 4), zb.Schedule.from_csv("tests/artifacts/torch_DualPipeV_comms.csv")):
+        p, m = schedule.num_ranks, schedule.num_microbatches
+        assert schedule.has_pairs
+        model = _model(schedule.num_stages)
+        result = PipelineExecutor(model, schedule, DEVICES[:p]).run(model.params, X[: MB * m], Y[: MB * m])
+        ref_loss, ref_grads = reference_grads(model, m)
+        assert abs(result.loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+        assert max_relative_error(result.grads, ref_grads) <= 1e-5
+        _assert_timeline_follows(result.timeline, schedule)
+        ends = {key: e.end for e in result.timeline.events for key in produces(e.action)}
+        for r in range(p):
+            events = result.timeline.rank_events(r)
+            at = {e.action: i for i, e in enumerate(events)}
+            for pair in (e for e in schedule.actions[r] if isinstance(e, zb.Overlap)):
+                f, b = events[at[pair.forward]], events[at[pair.backward]]
+                assert at[pair.backward] == at[pair.forward] + 1 and b.start >= f.end
+                assert all(ends[k] <= f.start for k in deps(pair, schedule.num_stages))  # both inputs in first
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -284,14 +306,39 @@ def test_train_command_writes_the_promised_json(tmp_path, capsys):
     assert {"rank", "action", "start", "end"} <= set(run["trace"][0])
 
 
-def test_compare_command_writes_one_report(tmp_path, capsys):
-    out = tmp_path / "compare.html"
+@pytest.mark.parametrize("threads", [False, True])
+def test_compare_command_writes_one_report(tmp_path, capsys, threads):
+    out, js = tmp_path / "compare.html", tmp_path / "compare.json"
     argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1", "--steps", "2", "--d", "16",
-            "--heads", "2", "--blocks", "4", "--batch", "4", "--out", str(out)]
+            "--heads", "2", "--blocks", "4", "--batch", "4", "--learn-steps", "2", "--out", str(out), "--json", str(js),
+            *(["--threads"] if threads else [])]
     assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert ("threads of one process" in printed) == threads and ("one process per rank" in printed) != threads
     page = out.read_text()
-    assert page.count("<tr>") == 3 and "<td>1f1b</td>" in page and "<td>zb-h1</td>" in page
-    assert "planned" in page and "measured" in page
+    assert "<td>1f1b</td>" in page and "<td>zb-h1</td>" in page and "planned" in page and "measured" in page
+    assert "step time (ms)" in page and "was fastest" in page and "time (ms)" in page and "time (s)" not in page  # ms everywhere
+    report = json.loads(js.read_text())
+    assert [r["schedule"] for r in report["runs"]] == sorted(("1f1b", "zb-h1"), key=lambda n: next(
+        r["median_step_ms"] for r in report["runs"] if r["schedule"] == n))  # ranked, fastest first
+    assert report["loss_spread"] < 1e-5  # every schedule trains the same model to the same losses
+    assert all(r["grad_max_rel_error"] < 1e-5 for r in report["runs"])
+    assert report["reference"] in report["references_ms"] and len(report["references_ms"]) == 2
+    fastest = min(report["references_ms"].values())
+    assert all(r["speedup"] == pytest.approx(fastest / r["median_step_ms"]) for r in report["runs"])
+    assert report["learned"]["steps"] == 2 and 0.0 <= report["learned"]["test_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--microbatches", "0", "--microbatches must be an integer >= 1, got 0"),
+    ("--microbatches", "-1", "--microbatches must be an integer >= 1, got -1"),
+    ("--ranks", "0", "--ranks must be an integer >= 1, got 0"),
+    ("--steps", "1", "--steps must be an integer >= 2"),
+])
+def test_compare_refuses_bad_sizes_naming_the_flag(flag, value, message, capsys):
+    assert main(["compare", flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
 
 
 @pytest.mark.parametrize(

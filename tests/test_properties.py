@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zbpp_lite as zb
-from zbpp_lite.schedules.ir import Schedule, deps, produces
+from zbpp_lite.schedules.ir import Action, Schedule, deps, produces
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 costs_st = st.builds(
@@ -19,12 +19,13 @@ costs_st = st.builds(
     b=st.floats(0.1, 3.0),
     w=st.floats(0.1, 3.0),
     comm=st.floats(0.0, 0.5),
+    fb=st.one_of(st.none(), st.floats(0.1, 6.0)),  # T_F&B of DualPipeV's overlapped pairs
 )
 
 
 def check_timeline(schedule: Schedule, timeline: zb.Timeline) -> None:
     """Every dependency ends (plus nothing negative) before its consumer starts; no overlap on a rank;
-    every rank's events follow its action list."""
+    every rank's events follow its action list (an overlapped pair as its forward then its backward)."""
     end = {}
     for e in timeline.events:
         for key in produces(e.action):
@@ -34,7 +35,7 @@ def check_timeline(schedule: Schedule, timeline: zb.Timeline) -> None:
             assert end[key] <= e.start + 1e-9, f"{e.action} starts before {key} ends"
     for r in range(schedule.num_ranks):
         ev = timeline.rank_events(r)
-        assert [x.action for x in ev] == list(schedule.actions[r])
+        assert [x.action for x in ev] == list(schedule.rank_actions(r))
         assert all(a.end <= b.start + 1e-9 for a, b in zip(ev, ev[1:])), f"overlap on rank {r}"
 
 
@@ -52,7 +53,7 @@ def test_every_builder_validates_and_simulates_consistently(name, p, m, costs):
     t = zb.simulate(s, costs)
     check_timeline(s, t)
     assert 0.0 <= t.bubble_rate < 1.0
-    busy = [sum(costs.table(s.num_stages).time(a.kind, a.stage) for a in row) for row in s.actions]
+    busy = [sum(costs.table(s.num_stages).duration(e) for e in row) for row in s.actions]
     assert t.busy == pytest.approx(busy)
 
 
@@ -83,3 +84,55 @@ def test_corrupted_schedules_are_refused(name, p, m, seed):
     s = _corrupt(zb.build_schedule(name, p, m), random.Random(seed))
     with pytest.raises(zb.ScheduleError):
         zb.validate(s)
+
+
+# --------------------------------------------------------------------------- CSV input as people write it
+
+_ENDINGS = st.sampled_from(["\n", "\r\n", "\r"])
+_BLANK = st.sampled_from(["", " ", "\t", "  \t "])
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+@SETTINGS
+@given(p=st.integers(1, 4), m=st.integers(1, 6), data=st.data())
+def test_csv_with_any_line_endings_and_blank_lines_reads_back_the_same_schedule(tmp_path_factory, name, p, m, data):
+    """Mixed LF / CRLF / CR endings and blank (or whitespace-only) lines anywhere: same ranks,
+    same actions, same placement, from text and from a file."""
+    s = zb.build_schedule(name, p, m)
+    lines: list[str] = []
+    for row in s.to_rows():
+        lines += data.draw(st.lists(_BLANK, max_size=2), label="blank lines before")
+        lines.append(",".join(row))
+    lines += data.draw(st.lists(_BLANK, max_size=3), label="blank lines at the end")
+    text = "".join(line + data.draw(_ENDINGS) for line in lines)
+    back = Schedule.from_csv_text(text)
+    assert back.actions == s.actions and back.placement == s.placement and back.num_ranks == p
+    path = tmp_path_factory.mktemp("csv") / "s.csv"
+    path.write_bytes(text.encode())
+    assert Schedule.from_csv(path).actions == s.actions
+
+
+@SETTINGS
+@given(
+    p=st.integers(1, 4),
+    m=st.integers(1, 6),
+    bad=st.text(alphabet="0123456789FIWBXxyz;()", min_size=1, max_size=5),
+    ending=_ENDINGS,
+    seed=st.integers(0, 10_000),
+)
+def test_a_bad_csv_cell_gets_one_line_naming_its_line_and_rank(p, m, bad, ending, seed):
+    try:
+        Action.from_str(bad)
+        return  # a valid action: not garbage
+    except ValueError:
+        pass
+    rng = random.Random(seed)
+    rows = zb.build_schedule("1f1b", p, m).to_rows()
+    rank = rng.randrange(p)
+    rows[rank].insert(rng.randrange(len(rows[rank]) + 1), bad)
+    text = ending.join(",".join(row) for row in rows)
+    with pytest.raises(ValueError) as err:
+        Schedule.from_csv_text(text)
+    message = str(err.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith(f"CSV line {rank + 1} (rank {rank}): cannot parse action {bad!r}")

@@ -45,6 +45,71 @@ def test_csv_round_trip_keeps_every_action_and_placement(tmp_path):
     assert back.num_microbatches == 6
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "0F0,0B0\n1F0,1B0\n",  # LF
+        "0F0,0B0\r\n1F0,1B0\r\n",  # CRLF
+        "0F0,0B0\r1F0,1B0\r",  # CR only (old Mac): used to give a raw _csv.Error
+        "0F0,0B0\n1F0,1B0\n\n\n",  # blank lines at the end: used to add an empty rank 2
+        "0F0,0B0\n\n  \t\n1F0,1B0",  # blank lines between rows: used to move stage 1 to rank 3
+        "\ufeff\r\n0F0,0B0\r\n\r\n1F0,1B0",  # a byte-order mark, a leading blank line, CRLF
+    ],
+)
+def test_csv_text_reads_any_line_ending_and_skips_blank_lines(text):
+    s = Schedule.from_csv_text(text)
+    assert s.num_ranks == 2 and s.placement == (0, 1) and s.num_microbatches == 1
+    assert s.to_rows() == [["0F0", "0B0"], ["1F0", "1B0"]]
+
+
+@pytest.mark.parametrize("ending", ["\n", "\r\n", "\r"])
+def test_csv_file_reads_any_line_ending_and_skips_blank_lines(tmp_path, ending):
+    s = zb.build_schedule("zb-h1", 3, 4)
+    path = tmp_path / "s.csv"
+    path.write_bytes((ending * 2).join(",".join(row) for row in s.to_rows()).encode() + ending.encode() * 3)
+    back = Schedule.from_csv(path)
+    assert back.actions == s.actions and back.placement == s.placement and back.num_ranks == 3
+
+
+def test_from_csv_takes_a_path_only_and_from_csv_text_text_only(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"'0F0,0B0': no such file; to parse CSV text use Schedule.from_csv_text"):
+        Schedule.from_csv("0F0,0B0")
+    with pytest.raises(FileNotFoundError, match=r"^schedule CSV '.*missing.csv': no such file$"):
+        Schedule.from_csv(tmp_path / "missing.csv")
+    with pytest.raises(IsADirectoryError, match="is a directory; expected a CSV file"):
+        Schedule.from_csv(tmp_path)
+    with pytest.raises(TypeError, match="from_csv takes a file path"):
+        Schedule.from_csv(3)
+    with pytest.raises(TypeError, match="for a file use Schedule.from_csv"):
+        Schedule.from_csv_text(tmp_path / "s.csv")
+    # text that names an existing file is still text: a bad action, not the file's content
+    (tmp_path / "0F0").write_text("1F0\n")
+    assert Schedule.from_csv_text("0F0").to_rows() == [["0F0"]]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("0F0,0B0\n\n1F0,1X0\n", r"^CSV line 3 \(rank 1\): cannot parse action '1X0'"),
+        ("0F0,0B0\r1F0,oops\r", r"^CSV line 2 \(rank 1\): cannot parse action 'oops'"),
+        ('0F0,"0B0\n', r"^CSV line 1 \(rank 0\): unexpected end of data"),
+        ("0F0,1B0\n1F0\n", r"^stage 1 appears on rank 0 and on rank 1"),
+    ],
+)
+def test_csv_errors_are_one_line_naming_line_and_rank(tmp_path, text, message):
+    with pytest.raises(ValueError, match=message) as err:
+        Schedule.from_csv_text(text)
+    assert len(str(err.value).splitlines()) == 1
+    path = tmp_path / "bad.csv"
+    path.write_text(text, newline="")
+    with pytest.raises(ValueError, match=str(path)) as err:
+        Schedule.from_csv(path)
+    assert len(str(err.value).splitlines()) == 1
+    path.write_bytes(b"0F0,\xff\xfe\n")
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        Schedule.from_csv(path)
+
+
 def test_placement_is_inferred_from_rows_and_v_shape_is_recognised():
     s = Schedule.from_rows([["0F0", "3F0", "3B0", "0B0"], ["1F0", "2F0", "2B0", "1B0"]])
     assert s.placement == zb.v_placement(2) == (0, 1, 1, 0)
@@ -270,9 +335,12 @@ def test_our_builders_match_pytorchs_gpipe_1f1b_and_looped_bfs():
     assert Schedule.from_csv(ARTIFACTS / "torch_LoopedBFS.csv").actions == zb.build_schedule("looped-bfs", 4, 8).actions
 
 
-def test_pytorch_lowered_form_with_comms_and_overlaps_reads_as_compute_only():
+def test_pytorch_lowered_form_with_comms_and_overlaps_reads_as_compute_only_with_its_pairs():
     lowered = Schedule.from_csv(ARTIFACTS / "torch_DualPipeV_comms.csv")
-    assert lowered.actions == Schedule.from_csv(ARTIFACTS / "torch_DualPipeV.csv").actions
+    assert lowered.has_pairs and str(lowered.actions[0][17]) == "(0F7;7B3)OVERLAP_F_B"
+    assert lowered.actions[0][17] == zb.Overlap(zb.Action("F", 0, 7), zb.Action("BW", 7, 3))
+    # PyTorch's compute-only CSV (tests/artifacts/generate_torch_csv.py) wrote each pair as two actions
+    assert lowered.split_pairs().actions == Schedule.from_csv(ARTIFACTS / "torch_DualPipeV.csv").actions
 
 
 # --------------------------------------------------------------------------- lockstep (SPMD) timing

@@ -10,7 +10,7 @@ from flax import nnx
 
 from zbpp_lite.training.model import ModelConfig, build_parts
 from zbpp_lite.runtime.stages import StagedModel
-from zbpp_lite.runtime.split import StageSplit, compiled_flops
+from zbpp_lite.runtime.split import StageSplit, compiled_flops, forward_kept_bytes, vjp_residual_bytes
 
 
 def _max_rel(a, b) -> float:
@@ -157,5 +157,278 @@ def test_weight_operations_inside_nested_jit_and_remat_are_found():
     y, res, kept = split.forward(p, x, None)
     dx, grads_out = split.backward_input(res, jnp.ones_like(y))
     g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, None), p, x)[1](jnp.ones_like(y))
+    assert _max_rel(split.weight_gradient(p, kept, grads_out), g_ref) < 1e-5
+    assert _max_rel(dx, dx_ref) < 1e-5
+
+
+def test_debug_prints_and_callbacks_in_a_stage_run_once_per_f_and_never_in_b_w_or_bw(capfd):
+    """An equation with no outputs is a side effect: F runs it, B, W and BW skip it (W and BW
+    used to fail with a KeyError on it). The gradients are still jax.vjp's."""
+    calls: list = []
+
+    def fn(p, x, aux):
+        h = x @ p["w"] + p["b"]
+        jax.debug.callback(lambda v: calls.append(float(v)), h.sum())  # an activation
+        jax.debug.callback(lambda w, v: calls.append("w and x"), p["w"], x)  # a parameter and the input
+        jax.debug.print("stage input sum {s}", s=x.sum())
+        return jnp.tanh(h) * p["s"]
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    p = {"w": jax.random.normal(keys[0], (4, 5)), "b": jnp.ones(5), "s": jnp.full(5, 2.0)}
+    x = jax.random.normal(keys[1], (3, 4))
+    split = StageSplit(fn, p, x)
+    assert split.weight_primitives == ("dot_general", "add", "mul")
+    for _ in range(3):
+        y, res, kept = split.forward(p, x, None)
+    jax.effects_barrier()
+    h_sum = float((x @ p["w"] + p["b"]).sum())
+    assert len(calls) == 6 and calls.count("w and x") == 3  # unordered effects: counted, not ordered
+    assert [c for c in calls if c != "w and x"] == pytest.approx([h_sum] * 3, rel=1e-5)
+    assert capfd.readouterr().out.count("stage input sum") == 3
+    calls.clear()
+    dy = jnp.ones_like(y)
+    dx, grads_out = split.backward_input(res, dy)
+    g_w = split.weight_gradient(p, kept, grads_out)
+    dx_bw, g_bw = split.backward_fused(p, res, kept, dy, jax.tree_util.tree_map(jnp.zeros_like, p))
+    jax.effects_barrier()
+    assert calls == [] and capfd.readouterr().out.count("stage input sum") == 0
+    g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, None), p, x)[1](dy)
+    assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
+    assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5
+
+
+# --------------------------------------------------------------------------- remat
+
+
+class _FfnBlock(nnx.Module):
+    """A pre-norm feed-forward block with a skip connection; ``remat`` wraps it in nnx.remat."""
+
+    def __init__(self, d: int, rngs: nnx.Rngs, remat: bool = False):
+        self.norm = nnx.LayerNorm(d, rngs=rngs)
+        self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+        self.remat = remat
+
+    def _apply(self, x):
+        return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+    def __call__(self, x):
+        return nnx.remat(_FfnBlock._apply)(self, x) if self.remat else self._apply(x)
+
+
+def _remat_stage(policy):
+    """fn(params, x, aux) of two blocks, each under jax.checkpoint with ``policy``, or plain."""
+    blocks = [_FfnBlock(16, nnx.Rngs(i)) for i in range(2)]
+    graphdefs, params = zip(*(nnx.split(b) for b in blocks))
+
+    def fn(params, x, aux):
+        for g, p in zip(graphdefs, params):
+            apply = lambda p, x, g=g: nnx.merge(g, p)(x)  # noqa: E731
+            x = apply(p, x) if policy == "none" else jax.checkpoint(apply, policy=policy)(p, x)
+        return x
+
+    return fn, list(params)
+
+
+@pytest.mark.parametrize("policy", ["none", None, jax.checkpoint_policies.nothing_saveable, jax.checkpoint_policies.dots_saveable, "nnx.remat"])
+def test_remat_is_honoured_f_keeps_what_the_policy_saves_and_gradients_are_jax_vjps(policy):
+    """F keeps at most 1.1x what jax.vjp keeps under the same checkpoint (it used to inline the
+    checkpoint and keep every activation: 17x here); B recomputes, W reads what B recomputed."""
+    if policy == "nnx.remat":
+        blocks = [_FfnBlock(16, nnx.Rngs(i), remat=True) for i in range(2)]
+        model = StagedModel([nnx.Linear(16, 16, rngs=nnx.Rngs(5)), *blocks, nnx.Linear(16, 16, rngs=nnx.Rngs(6))], 2,
+                            loss_fn=lambda y, t: jnp.mean((y - t) ** 2), parts=[[0], [1, 2, 3]])
+        fn, params = model.stage_fn(1), model.stage_params(model.params, 1)
+        aux = jnp.ones((8, 16))
+    else:
+        (fn, params), aux = _remat_stage(policy), None
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    split = StageSplit(fn, params, x, aux)
+    kept, reference = forward_kept_bytes(split, params, x, aux), vjp_residual_bytes(fn, params, x, aux)
+    assert kept <= 1.1 * reference, (kept, reference)
+    if policy in (None, jax.checkpoint_policies.nothing_saveable):
+        # the block inputs only: 2 x (8, 16) float32, against every activation without remat
+        assert kept == reference == 2 * 8 * 16 * 4
+        assert forward_kept_bytes(StageSplit(*_remat_stage("none"), x), _remat_stage("none")[1], x) >= 10 * kept
+    p_leaves = tuple(jax.tree_util.tree_leaves(params))
+    y, own, kept_arrays = split.flat.forward(p_leaves, x, aux)
+    dy = jnp.ones(()) if aux is not None else jax.random.normal(jax.random.key(1), y.shape)
+    dx, grads_out = split.flat.backward_input(p_leaves, own, dy)
+    g_w = split.flat.backward_weight(p_leaves, kept_arrays, grads_out, None)
+    y, own, kept_arrays = split.flat.forward(p_leaves, x, aux)
+    dx_bw, g_bw = split.flat.backward_fused(p_leaves, own, kept_arrays, dy, None)
+    g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, aux), params, x)[1](dy)
+    g_ref = tuple(jax.tree_util.tree_leaves(g_ref))
+    assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
+    assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5
+
+
+# --------------------------------------------------------------------------- scanned layer stacks
+
+
+def _scanned_stage(layers: int, d: int, unroll):
+    """A layer stack as large JAX models write it: parameters stacked on a leading layer axis,
+    one block body under jax.lax.scan (a scale, a Linear, tanh, a Linear, a skip connection)."""
+
+    def fn(p, x, aux):
+        def body(h, lp):
+            return h + jnp.tanh((h * lp["g"]) @ lp["w"] + lp["b"]) @ lp["w2"], None
+
+        return jax.lax.scan(body, x, p, unroll=unroll)[0]
+
+    k = jax.random.split(jax.random.key(0), 3)
+    p = {"w": jax.random.normal(k[0], (layers, d, 4 * d)) / np.sqrt(d), "b": jnp.full((layers, 4 * d), 0.1),
+         "w2": jax.random.normal(k[1], (layers, 4 * d, d)) / np.sqrt(4 * d), "g": jnp.ones((layers, d))}
+    return fn, p
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.norm, self.dense = nnx.RMSNorm(d, rngs=rngs), nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jnp.tanh(self.dense(self.norm(x)))
+
+
+def _nnx_scan_stage(layers: int, d: int):
+    """The same with Flax NNX: blocks made with nnx.vmap, run with nnx.scan."""
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+        return _NnxBlock(d, nnx.Rngs(key))
+
+    graphdef, params = nnx.split(make(jax.random.split(jax.random.key(1), layers)))
+
+    def fn(p, x, aux):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(h, block):
+            return block(h)
+
+        return run(x, nnx.merge(graphdef, p))
+
+    return fn, params
+
+
+@pytest.mark.parametrize("make", [lambda: _scanned_stage(3, 8, 1), lambda: _nnx_scan_stage(3, 8)], ids=["lax.scan", "nnx.scan"])
+def test_a_scanned_layer_stack_is_split_inside_and_its_gradients_are_jax_vjps(make):
+    fn, p = make()
+    x = jax.random.normal(jax.random.key(2), (4, 8))
+    split = StageSplit(fn, p, x)
+    assert split.weight_primitives and all(name.startswith("scan/") for name in split.weight_primitives)
+    assert "scan/dot_general" in split.weight_primitives  # the loop is no longer one weight operation
+    p_leaves = tuple(jax.tree_util.tree_leaves(p))
+    dy = jax.random.normal(jax.random.key(3), x.shape)
+    y, own, kept = split.flat.forward(p_leaves, x, None)
+    dx, grads_out = split.flat.backward_input(p_leaves, own, dy)
+    g_w = split.flat.backward_weight(p_leaves, kept, grads_out, None)
+    y, own, kept = split.flat.forward(p_leaves, x, None)
+    dx_bw, g_bw = split.flat.backward_fused(p_leaves, own, kept, dy, None)
+    y_ref, pullback = jax.vjp(lambda p, v: fn(p, v, None), p, x)
+    g_ref, dx_ref = pullback(dy)
+    g_ref = tuple(jax.tree_util.tree_leaves(g_ref))
+    assert _max_rel(y, y_ref) < 1e-6
+    assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
+    assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5
+
+
+def test_a_scanned_stack_costs_b_plus_w_no_more_than_the_fused_backward_and_w_only_its_weight_products():
+    """XLA's cost analysis counts a while loop's body once, so the loop is unrolled for the count
+    (unroll=True: the same scan, every iteration in the program)."""
+    layers, d, b = 4, 32, 16
+    fn, p = _scanned_stage(layers, d, True)
+    x = jax.ShapeDtypeStruct((b, d), jnp.float32)
+    split = StageSplit(fn, p, x)
+    y, res, kept = jax.eval_shape(split.forward, p, x, None)
+    _, grads_out = jax.eval_shape(split.backward_input, res, y)
+    flops_b = compiled_flops(split.backward_input, res, y)
+    flops_w = compiled_flops(split.weight_gradient, p, kept, grads_out)
+    tree = []
+
+    def fused_residuals(p, v):
+        leaves, treedef = jax.tree_util.tree_flatten(jax.vjp(lambda p, v: fn(p, v, None), p, v)[1])
+        tree.append(treedef)
+        return leaves
+
+    leaves = jax.eval_shape(fused_residuals, p, x)
+    flops_fused = compiled_flops(lambda r, g: jax.tree_util.tree_unflatten(tree[0], r)(g), leaves, y)
+    products = layers * 2 * (2 * b * d * 4 * d)  # x^T dy of the two Linears of every layer
+    assert flops_b + flops_w <= 1.05 * flops_fused, (flops_b, flops_w, flops_fused)
+    assert products <= flops_w <= 1.05 * products, (flops_w, products)  # W: the weight products and nothing else
+    assert flops_b <= 1.05 * (flops_fused - products), (flops_b, flops_fused, products)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_remat_and_scanned_stages_run_in_the_executor_with_jax_grads(schedule):
+    """Stage 0 a Linear and a remat block, stage 1 a scanned stack (a plain function part) and a
+    Linear: BW (1F1B) and B then W (ZB-H1) through the executor's flat programs and spares give
+    jax.grad of the whole model."""
+    import zbpp_lite as zb
+    from zbpp_lite.runtime.executor import PipelineExecutor
+
+    stack_fn, stack_params = _scanned_stage(2, 16, 1)
+    parts = [nnx.Linear(16, 16, rngs=nnx.Rngs(0)), _FfnBlock(16, nnx.Rngs(1), remat=True),
+             (lambda p, x: stack_fn(p, x, None), stack_params), nnx.Linear(16, 4, rngs=nnx.Rngs(2))]
+    model = StagedModel(parts, 2, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
+    assert model.parts == [[0, 1], [2, 3]]
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    t = jax.random.normal(jax.random.key(1), (8, 4))
+    result = PipelineExecutor(model, zb.build_schedule(schedule, 2, 4), jax.devices()[:2]).run(model.params, x, t)
+    loss, grads = jax.value_and_grad(model.loss)(model.params, x, t)
+    assert result.loss == pytest.approx(float(loss), rel=1e-5)
+    assert _max_rel(result.grads, grads) < 1e-4
+
+
+def test_under_remat_b_recomputes_the_blocks_and_w_does_only_the_weight_products():
+    """XLA's cost analysis: B + W cost the fused backward under the same remat (which also
+    recomputes), W is the two Linears' x^T dy per block and nothing more, B holds the recompute."""
+    fn, params = _remat_stage(None)
+    plain_fn, _ = _remat_stage("none")
+    b, d = 16, 16
+    x = jax.ShapeDtypeStruct((b, d), jnp.float32)
+
+    def fused(fn):
+        tree = []
+
+        def residuals(p, v):
+            leaves, treedef = jax.tree_util.tree_flatten(jax.vjp(lambda p, v: fn(p, v, None), p, v)[1])
+            tree.append(treedef)
+            return leaves
+
+        leaves = jax.eval_shape(residuals, params, x)
+        return compiled_flops(lambda r, g: jax.tree_util.tree_unflatten(tree[0], r)(g), leaves, x)
+
+    split, plain = StageSplit(fn, params, x), StageSplit(plain_fn, params, x)
+    flops = {}
+    for name, s in (("remat", split), ("plain", plain)):
+        y, res, kept = jax.eval_shape(s.forward, params, x, None)
+        _, grads_out = jax.eval_shape(s.backward_input, res, y)
+        flops[name] = compiled_flops(s.backward_input, res, y), compiled_flops(s.weight_gradient, params, kept, grads_out)
+    products = 2 * 2 * (2 * b * d * 4 * d)  # two blocks, two Linears each
+    (b_remat, w_remat), (b_plain, w_plain) = flops["remat"], flops["plain"]
+    assert b_remat + w_remat <= 1.05 * fused(fn), (b_remat, w_remat)
+    assert products <= w_remat <= 1.05 * products and w_remat == w_plain  # W recomputes nothing
+    assert b_remat >= b_plain + products / 2  # B recomputes the blocks' forward (their products at least)
+
+
+def test_a_recurrent_cell_under_scan_shared_weights_reversed_is_split_with_jax_vjps_gradients():
+    """Weights shared over time (scan consts), the sequence as xs, outputs as ys, a zero initial
+    state, reverse=True and unroll=2: W sums each product over the time steps."""
+
+    def fn(p, x, aux):
+        def cell(h, xt):
+            h = jnp.tanh(h @ p["wh"] + xt @ p["wx"] + p["b"])
+            return h, h * p["s"]
+
+        h, ys = jax.lax.scan(cell, jnp.zeros((x.shape[1], 8)), x, reverse=True, unroll=2)
+        return ys.sum(0) + h
+
+    k = jax.random.split(jax.random.key(0), 4)
+    p = {"wh": jax.random.normal(k[0], (8, 8)) / 3, "wx": jax.random.normal(k[1], (6, 8)), "b": jnp.ones(8), "s": jnp.full(8, 0.5)}
+    x = jax.random.normal(k[2], (5, 3, 6))  # (time, batch, features)
+    split = StageSplit(fn, p, x)
+    assert split.weight_primitives == ("scan/dot_general", "scan/dot_general", "scan/add", "scan/mul")
+    y, res, kept = split.forward(p, x, None)
+    dy = jax.random.normal(k[3], y.shape)
+    dx, grads_out = split.backward_input(res, dy)
+    g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, None), p, x)[1](dy)
     assert _max_rel(split.weight_gradient(p, kept, grads_out), g_ref) < 1e-5
     assert _max_rel(dx, dx_ref) < 1e-5

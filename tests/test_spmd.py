@@ -59,6 +59,14 @@ def test_unsupported_placement_is_refused():
         tick_tables(s)
 
 
+def test_overlapped_pairs_are_refused_in_one_line_and_their_split_form_is_taken():
+    s = zb.build_schedule("dualpipe-v", P, M)
+    with pytest.raises(ValueError, match=r"^the SPMD executor runs one action per rank per tick and has no overlapped F&B pair; run schedule.split_pairs\(\)[^\n]*$"):
+        tick_tables(s)
+    t = tick_tables(s.split_pairs())
+    assert (t.kind != 0).sum() == len(s)
+
+
 def _branch_collectives(jaxpr) -> list[str]:
     """Collective primitives inside any cond / switch branch of a jaxpr (recursively)."""
     found = []

@@ -241,6 +241,16 @@ def test_chrome_trace_has_one_complete_event_per_action_on_a_named_track_per_ran
         to_chrome_trace(t, time_unit_us=0)
 
 
+@pytest.mark.parametrize("unit", [float("nan"), float("inf"), float("-inf"), -1.0])
+def test_chrome_trace_refuses_a_non_finite_or_negative_time_unit(tmp_path, unit):
+    """NaN or Infinity in the JSON would be refused by Perfetto: refuse them here, in one line."""
+    t = zb.simulate(zb.build_schedule("1f1b", 2, 2))
+    with pytest.raises(ValueError, match=r"time_unit_us must be a finite number > 0") as err:
+        write_chrome_trace(t, tmp_path / "t.json", time_unit_us=unit)
+    assert len(str(err.value).splitlines()) == 1
+    assert not (tmp_path / "t.json").exists()
+
+
 def test_chrome_trace_of_measured_seconds_and_of_several_timelines():
     planned = zb.simulate(zb.build_schedule("1f1b", 2, 3), zb.Costs(f=0.002, b=0.004, w=0.0))
     measured = _as_measured(planned, offset=100.0, stretch=1.0)
@@ -362,3 +372,19 @@ def test_viz_imports_no_jax_and_colab_helper_is_a_no_op_elsewhere():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_explorer_offers_dualpipe_v_with_a_t_fb_slider_and_its_refusal_below_2p():
+    from zbpp_lite.viz import Explorer
+
+    ex = Explorer("dualpipe-v", num_ranks=4, num_microbatches=8)
+    c = ex.controls
+    assert "dualpipe-v" in c["schedule"].options
+    s = zb.build_schedule("dualpipe-v", 4, 8)
+    assert_figure_matches(ex.figure, zb.simulate(s))  # T_F&B slider at 0: no overlap
+    c["fb"].value = 2.0
+    want = zb.simulate(s, zb.Costs(fb=2.0))
+    assert_figure_matches(ex.figure, want)
+    assert want.makespan == 44 and f"makespan {want.makespan:.4g}" in ex.figure.layout.title.text
+    c["num_microbatches"].value = 7
+    assert not ex.state.ok and "use m &gt;= 8" in ex.message.value  # HTML-escaped

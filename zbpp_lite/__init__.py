@@ -10,7 +10,7 @@ Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.102
 
 from .schedules.builders import SCHEDULES, build_schedule
 from .schedules.costs import Costs
-from .schedules.ir import KINDS, Action, Schedule, deps, looped_placement, v_placement
+from .schedules.ir import KINDS, Action, Overlap, Schedule, deps, looped_placement, v_placement
 from .schedules.simulate import simulate
 from .schedules.timeline import Event, Timeline
 from .schedules.validate import ScheduleError, format_grid, validate
@@ -23,6 +23,7 @@ __all__ = [
     "Action",
     "Costs",
     "Event",
+    "Overlap",
     "Schedule",
     "ScheduleError",
     "Timeline",

@@ -182,7 +182,7 @@ def _check_matches(timeline: Timeline, schedule: Schedule) -> None:
         raise ValueError(f"the timeline has {timeline.num_ranks} ranks but the schedule has {schedule.num_ranks}")
     for r in range(schedule.num_ranks):
         ran = Counter(e.action for e in timeline.rank_events(r))
-        planned = Counter(schedule.actions[r])
+        planned = Counter(schedule.rank_actions(r))
         if ran != planned:
             missing = sorted(planned - ran)
             extra = sorted(ran - planned)

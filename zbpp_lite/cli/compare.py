@@ -1,12 +1,20 @@
 """``python -m zbpp_lite compare``: run every schedule live and write one HTML report.
 
-Every registered schedule trains the same model on the same batches for a few steps on the same
-devices; the report has one table (loss, gradient check, measured and simulated makespan and
-bubble rate) and, per schedule, the planned timeline (the simulator with that run's measured mean
-action costs) above the measured one. Schedules whose builders need options are given them from
-what is known (``stages_per_rank`` 2; ``costs`` the mean measured action costs of the runs so far;
-``memory_limit`` p activation units, 1F1B's peak); a schedule that cannot be built or run is
-listed with the reason, never left out silently.
+Every registered schedule trains the same model from the same start on the same batches. With at
+least as many cores as ranks, each rank is its own process pinned to its own core and the
+schedules take turns step by step (:func:`zbpp_lite.training.turns.train_in_turns`): a waiting
+rank's core is idle, as a real device's would be, and the machine's drift meets every schedule
+alike. With fewer cores the ranks are threads of one process (a one-line note says so). The
+first step of each schedule compiles and is not timed; figures are medians over the timed steps.
+
+Schedules whose builders need options get them from what is known: ``stages_per_rank`` 2,
+``memory_limit`` p activation units (1F1B's peak), and ``costs`` each stage's T_F, T_B, T_W and
+fused T_BW timed on one device before the runs (zb-auto then splits the backward only where a W
+fills a bubble). A schedule that cannot be built or run is listed with the reason.
+
+The report (:mod:`.compare_report`) ranks the schedules by step time beside the plan's
+prediction, names the faster single-device reference the speed-ups are taken against, trains the
+winner long enough to learn the digits, and says in a paragraph which schedule won and why.
 
 ``--platform gpu`` (or ``tpu``) with fewer such devices than ranks, but at least one: every
 schedule is first simulated from per-stage costs timed on one accelerator (printed as PROFILED),
@@ -16,22 +24,26 @@ then the real runs go on simulated CPU devices (printed as REAL; the HTML report
 from __future__ import annotations
 
 import argparse
-import html
 import inspect
 import json
 import sys
 
 from . import CliError
-from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform
+from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform, threads_reason
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser("compare", help=help_text, description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices (default 2)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("--steps", type=int, default=4, help="training steps per schedule (default 4)")
+    p.add_argument("--steps", type=int, default=8, help="training steps per schedule, the first one untimed (default 8)")
     p.add_argument("--schedules", default="", help="comma-separated names (default: every registered schedule)")
     add_model_arguments(p)
+    # the peer job's sizes: an action takes milliseconds, well above the executor's overhead per action
+    p.set_defaults(d=128, heads=4, blocks=8, batch=256)
+    p.add_argument("--learn-steps", type=int, default=300,
+                   help="then train the fastest schedule this many steps and report its test accuracy (default 300; 0: skip)")
+    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with enough cores")
     p.add_argument("--out", default="compare.html", help="HTML report path (default compare.html)")
     p.add_argument("--json", metavar="PATH", help="also write the figures of every run as JSON")
     add_platform_argument(p)
@@ -52,22 +64,6 @@ def _options(name: str, ranks: int, costs) -> tuple[dict, str | None]:
     if missing:
         return {}, f"needs option(s) {missing} that compare cannot supply"
     return {key: known[key] for key in _required(name)}, None
-
-
-def _mean_costs(results: list):
-    """Scalar mean action costs over the runs so far (seconds), for builders that plan with costs."""
-    import numpy as np
-
-    import zbpp_lite as zb
-
-    split = [r.costs for r in results if any(w > 0 for w in r.costs.w)]
-    if not split:
-        return None
-    return zb.Costs(
-        f=float(np.mean([v for c in split for v in c.f])),
-        b=float(np.mean([v for c in split for v in c.b])),
-        w=float(np.mean([v for c in split for v in c.w])),
-    )
 
 
 def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
@@ -108,99 +104,191 @@ def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
     return profiled
 
 
+def check_arguments(args) -> None:
+    """Every flag that can be wrong, named, before JAX starts (CliError: one line, exit 2)."""
+    for flag, value, least in (("--ranks", args.ranks, 1), ("--microbatches", args.microbatches, 1), ("--steps", args.steps, 2),
+                               ("--learn-steps", args.learn_steps, 0)):
+        if value < least:
+            extra = " (the first step compiles and is not timed)" if flag == "--steps" else ""
+            raise CliError(f"{flag} must be an integer >= {least}{extra}, got {value}")
+    check_model_arguments(args, args.microbatches)
+
+
+def _stage_costs(args, blocks: int, num_stages: int):
+    """T_F, T_B, T_W and the fused T_BW of every stage of the job cut into ``num_stages`` stages,
+    timed on this process's first device (seconds): what zb-auto and its kin plan with."""
+    from ..analysis.profiling.device import profile_stage_costs
+    from ..runtime.stages import StagedModel, microbatch_size
+    from ..training.data import load_digits
+    from ..training.model import ModelConfig, build_parts
+
+    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
+    mb = microbatch_size(args.batch, args.microbatches)
+    model = StagedModel(build_parts(ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)), num_stages)
+    return profile_stage_costs(model, x[:mb], y[:mb], repeats=5, fused=True)
+
+
+def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
+    """The schedules to run (in ``names``' order, planners that need costs last) and, for the
+    others, why not."""
+    import zbpp_lite as zb
+
+    schedules, notes = [], {}
+    for name in sorted(names, key=lambda n: "costs" in _required(n)):
+        options, reason = _options(name, args.ranks, None)
+        if "costs" in _required(name):
+            num_stages = zb.build_schedule(name, args.ranks, args.microbatches, costs=zb.Costs()).num_stages
+            options, reason = _options(name, args.ranks, costs_for(num_stages))
+        try:
+            if reason:
+                raise ValueError(reason)
+            schedule = zb.build_schedule(name, args.ranks, args.microbatches, **options)
+            if blocks < schedule.num_stages:
+                raise ValueError(f"{blocks} blocks cannot fill {schedule.num_stages} stages (use --blocks {schedule.num_stages})")
+        except ValueError as e:
+            notes[name] = str(e).strip().splitlines()[0]
+            print(f"{name:18s} not run: {notes[name]}", flush=True)
+            continue
+        schedules.append(schedule)
+    return schedules, notes
+
+
 def run(args) -> int:
     import zbpp_lite as zb
 
+    check_arguments(args)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()] or list(zb.SCHEDULES)
     unknown = [n for n in names if n not in zb.SCHEDULES]
     if unknown:
         raise CliError(f"unknown schedule(s) {unknown}; choose from: {', '.join(zb.SCHEDULES)}")
-    m = args.microbatches
-    check_model_arguments(args, m)
     blocks = args.blocks if args.blocks is not None else max(4, 2 * args.ranks)
     if blocks < 2 * args.ranks:
         print(f"note: --blocks {blocks} < {2 * args.ranks}: schedules with 2 stages per rank will be refused")
     devices, accelerator = setup_platform(args.ranks, args.platform)
     profiled = _profile_all(accelerator, names, args, blocks) if accelerator is not None else []
-    if args.platform is not None:
-        kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
-        print(f"REAL runs on {args.ranks} {kind} devices", flush=True)
+    why_threads = threads_reason(args, args.ranks, devices)
+    use_processes = why_threads is None
+    if use_processes:
+        print(f"REAL runs: one process per rank, each pinned to its own core ({args.ranks} ranks); schedules take turns step by step",
+              flush=True)
+    else:
+        print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core to the "
+              f"others, so measured bubbles look smaller than on real devices", flush=True)
 
+    from ..schedules.costs import Costs
+
+    by_stages: dict[int, Costs] = {}
+
+    def costs_for(num_stages: int) -> Costs:
+        if num_stages not in by_stages:
+            by_stages[num_stages] = _stage_costs(args, blocks, num_stages)
+        return by_stages[num_stages]
+
+    schedules, notes = _build(names, args, blocks, costs_for)
+    if not schedules:
+        raise CliError("no schedule could be run: " + "; ".join(f"{n}: {why}" for n, why in notes.items()))
     from ..training.data import load_digits
     from ..training.model import ModelConfig
-    from ..training.train import RunConfig, train
+    from ..training.train import RunConfig
 
     data = load_digits(args.holdout, args.seed)
-    results, notes = [], {}
-    for name in sorted(names, key=lambda n: "costs" in _required(n)):  # planners needing costs run last
-        options, reason = _options(name, args.ranks, _mean_costs(results))
-        if reason:
-            notes[name] = reason
-            print(f"{name:18s} skipped: {reason}")
-            continue
-        try:
-            schedule = zb.build_schedule(name, args.ranks, m, **options)
-            if blocks < schedule.num_stages:
-                raise ValueError(f"{blocks} blocks cannot fill {schedule.num_stages} stages (use --blocks {schedule.num_stages})")
-        except ValueError as e:
-            notes[name] = str(e).strip().splitlines()[0]
-            print(f"{name:18s} not run: {notes[name]}")
-            continue
-        r = train(schedule, steps=args.steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
-                  run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, progress=sys.stderr.isatty()),
-                  devices=devices, data=data)
-        results.append(r)
-        print(
-            f"{name:18s} S={schedule.num_stages:<2d} loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}  grad err {r.grad_max_rel_error:.1e}  "
-            f"makespan {r.measured.makespan * 1e3:7.2f} ms (sim {r.simulated.makespan * 1e3:7.2f})  "
-            f"bubble {r.measured.bubble_rate:.3f} (sim {r.simulated.bubble_rate:.3f})",
-            flush=True,
-        )
+    model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+    run_config = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, progress=sys.stderr.isatty())
+    results = _run_all(schedules, args.steps, model, run_config, data, devices, use_processes)
+    for r in results:
+        print(one_line(r), flush=True)
+    references = _references(args, model, run_config, data, devices, use_processes)
+    learned = None
+    if args.learn_steps > 0:
+        learned = _learn(results, args, model, run_config, data, devices, use_processes)
+    from .compare_report import Comparison, html_report, summary_text
+
+    comparison = Comparison(results, notes, references, learned, args, blocks, "processes" if use_processes else "threads",
+                            {n: c for n, c in by_stages.items()})
+    print(summary_text(comparison), flush=True)
     with open(args.out, "w") as f:
-        f.write(html_report(results, notes, args, blocks))
+        f.write(html_report(comparison))
     print(f"wrote {args.out}")
     if args.json:
         with open(args.json, "w") as f:
-            data = {"runs": [{k: v for k, v in r.to_json().items() if k != "trace"} for r in results], "not_run": notes}
+            out = comparison.to_json()
             if accelerator is not None:
-                data["profiled"] = profiled
-            json.dump(data, f, indent=1)
+                out["profiled"] = profiled
+            json.dump(out, f, indent=1)
         print(f"wrote {args.json}")
     return 0
 
 
-def html_report(results: list, notes: dict, args, blocks: int) -> str:
-    """One self-contained page: the table, then planned above measured per schedule."""
-    from ..viz import compare_figure
+def _run_all(schedules, steps, model, run_config, data, devices, use_processes) -> list:
+    if use_processes:
+        from ..training.turns import train_in_turns
 
-    rows = []
-    for r in results:
-        s, meas, sim = r.schedule, r.measured, r.simulated
-        rows.append(
-            "<tr>" + "".join(f"<td>{c}</td>" for c in (
-                html.escape(s.name), s.num_stages, f"{r.losses[0]:.4f}", f"{r.losses[-1]:.4f}", f"{r.grad_max_rel_error:.1e}",
-                f"{meas.makespan * 1e3:.2f}", f"{sim.makespan * 1e3:.2f}", f"{meas.makespan / sim.makespan:.3f}",
-                f"{meas.bubble_rate:.3f}", f"{sim.bubble_rate:.3f}", f"{r.test_accuracy:.3f}",
-            )) + "</tr>"
-        )
-    rows += [f"<tr><td>{html.escape(n)}</td><td colspan='10'>not run: {html.escape(why)}</td></tr>" for n, why in notes.items()]
-    figures = []
-    for i, r in enumerate(results):
-        fig = compare_figure(r.simulated, r.measured, title=f"{r.schedule.name}: planned (simulated, measured costs) vs measured")
-        figures.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0)))
-    head = ["schedule", "stages", "loss first", "loss last", "grad rel. error", "measured makespan (ms)",
-            "simulated makespan (ms)", "measured / simulated", "measured bubble rate", "simulated bubble rate", "test accuracy"]
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>zbpp_lite compare: p={args.ranks}, m={args.microbatches}</title>
-<style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style>
-</head><body>
-<h1>Every schedule, live: p = {args.ranks} ranks, m = {args.microbatches} microbatches</h1>
-<p>Digits Transformer d={args.d}, heads={args.heads}, blocks={blocks}, batch {args.batch}, {args.steps} steps per schedule.
-Measured: the step with the median makespan (after the first). Planned: the simulator with that step's mean measured action
-costs. Gradient error: first step against the unpartitioned model, relative to each gradient's largest entry.</p>
-<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>
-{chr(10).join(rows)}
-</table>
-{chr(10).join(figures)}
-</body></html>
-"""
+        return list(train_in_turns(schedules, steps, model=model, run=run_config, data=data, progress=run_config.progress).values())
+    from ..training.train import train
+
+    return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules]
+
+
+def _references(args, model, run_config, data, devices, use_processes) -> dict:
+    """The two single-device references, each on one core: the whole batch as one jitted step
+    (``baseline``), and our executor on one rank (all stages as one, the same kernels and
+    microbatches as the pipeline). Median step seconds over the timed steps."""
+    import dataclasses
+    import os
+    import statistics
+
+    import zbpp_lite as zb
+
+    from ..training.baseline import train_baseline
+
+    one_rank = zb.build_schedule("gpipe", 1, args.microbatches)
+    quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
+    if use_processes:
+        from ..training.turns import train_in_turns
+
+        executor = train_in_turns([one_rank], args.steps, model=model, run=quiet, data=data)["gpipe"]
+    else:
+        from ..training.train import train
+
+        executor = train(one_rank, steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:  # one core for this process's XLA threads too, as for a rank
+        if affinity is not None:
+            os.sched_setaffinity(0, {min(affinity)})
+        whole = train_baseline(args.steps, d=model.d, heads=model.heads, blocks=model.blocks, batch=args.batch, lr=args.lr,
+                               seed=args.seed, holdout=args.holdout, device=devices[0], data=data)
+    finally:
+        if affinity is not None:
+            os.sched_setaffinity(0, affinity)
+    return {
+        "one device, whole batch (one jitted step)": statistics.median(whole.step_seconds[1:]),
+        f"one device, our executor (m={args.microbatches} microbatches)": statistics.median(executor.step_seconds[1:]),
+    }
+
+
+def _learn(results, args, model, run_config, data, devices, use_processes):
+    """The fastest schedule trained from the start for ``--learn-steps`` steps: its losses and
+    its test accuracy on the held-out digits."""
+    import statistics
+
+    best = min(results, key=lambda r: statistics.median(r.step_seconds[1:]))
+    print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
+    import dataclasses
+
+    run = dataclasses.replace(run_config, check_grads=False, progress=True)
+    if use_processes:
+        from ..training.turns import train_in_turns
+
+        return train_in_turns([best.schedule], args.learn_steps, model=model, run=run, data=data, progress=True)[best.schedule.name]
+    from ..training.train import train
+
+    return train(best.schedule, steps=args.learn_steps, model=model, run=run, devices=devices, data=data)
+
+
+def one_line(r) -> str:
+    import statistics
+
+    return (f"{r.schedule.name:18s} S={r.schedule.num_stages:<2d} loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}  "
+            f"grad err {r.grad_max_rel_error:.1e}  step {statistics.median(r.step_seconds[1:]) * 1e3:7.2f} ms  "
+            f"makespan {r.measured.makespan * 1e3:7.2f} ms (plan {r.simulated.makespan * 1e3:7.2f})  "
+            f"bubble {statistics.median(t.bubble_rate for t in r.timelines[1:]):.3f} (plan {r.simulated.bubble_rate:.3f})")

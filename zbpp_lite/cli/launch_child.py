@@ -35,6 +35,7 @@ def train_process(args) -> int:
     timeout = float(os.environ.get(ENV_TIMEOUT, "60"))
     t0 = time.perf_counter()
     process, count = initialize(timeout=timeout)
+    _ensure_cpu_devices(-(-schedule.num_ranks // count) + (1 if count > 1 else 0))
     if os.environ.get("ZBPP_TEST_CRASH_PROCESS") == str(process):  # tests: a process that dies
         print(f"process {process}: exiting on purpose (ZBPP_TEST_CRASH_PROCESS)", file=sys.stderr, flush=True)
         os._exit(3)
@@ -68,6 +69,22 @@ def train_process(args) -> int:
                 json.dump({**result.to_json(), "startup_seconds": startup, "processes": count}, f, indent=1)
             print(f"wrote {args.json}")
     return 0
+
+
+def _ensure_cpu_devices(count: int) -> None:
+    """Ask for ``count`` simulated CPU devices when no ``XLA_FLAGS`` device count was set (a
+    detected cluster: the process count was not known before the runtime started). JAX's backend
+    has not started yet; ``jax_num_cpu_devices`` exists from JAX 0.4.38."""
+    import jax
+
+    from ..runtime.devices import COUNT_FLAG
+
+    if COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except (AttributeError, KeyError, ValueError, RuntimeError):  # pragma: no cover - an older JAX
+        pass
 
 
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
@@ -137,15 +154,16 @@ def die_with_parent() -> None:
 
 
 if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
-    if os.environ.get(ENV_PROCESS_ID) is not None:
-        die_with_parent()
+    die_with_parent()  # launch's or train's supervisor: never outlive it
     from . import build_parser
 
     _args = build_parser(["train", *sys.argv[1:]]).parse_args(["train", *sys.argv[1:]])
     try:
         _status = train_process(_args)
     except BaseException as _e:  # noqa: BLE001 - one clear line on stderr, then out without waiting
-        print(f"error: process {os.environ.get(ENV_PROCESS_ID, '?')}: {type(_e).__name__}: {_e}", file=sys.stderr, flush=True)
+        _msg = str(_e).strip().splitlines()[0] if str(_e).strip() else type(_e).__name__
+        _who = "" if _msg.startswith("process ") else f"process {os.environ.get(ENV_PROCESS_ID, '?')}: {type(_e).__name__}: "
+        print(f"error: {_who}{_msg}", file=sys.stderr, flush=True)
         _status = 1
     sys.stdout.flush()
     sys.stderr.flush()

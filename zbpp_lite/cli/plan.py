@@ -26,6 +26,8 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--comm", type=float, default=0.0, help="T_comm, transfer time between ranks (default 0)")
     p.add_argument("--bw", type=float, default=None,
                    help="T_BW, the fused backward's time, if measured below T_B + T_W (default T_B + T_W); zb-auto then splits only where it pays")
+    p.add_argument("--fb", type=float, default=None,
+                   help="T_F&B, the time of an overlapped F&B pair (dualpipe-v; default T_F + T_BW, no overlap)")
     p.add_argument("--width", type=int, default=120, help="characters per grid row (default 120)")
     p.add_argument("--csv", metavar="PATH", help="write the schedule as PyTorch's compute-only CSV")
     p.add_argument("--from-csv", metavar="PATH", help="plan a schedule read from a PyTorch-form CSV instead of building one")
@@ -59,11 +61,11 @@ def _schedule(args: argparse.Namespace):
 def _costs(args: argparse.Namespace):
     import zbpp_lite as zb
 
-    for name in ("f", "b", "w", "comm", "bw"):
+    for name in ("f", "b", "w", "comm", "bw", "fb"):
         value = getattr(args, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise CliError(f"--{name} must be a finite number >= 0, got {value}")
-    return zb.Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, bw=args.bw)
+    return zb.Costs(f=args.f, b=args.b, w=args.w, comm=args.comm, bw=args.bw, fb=args.fb)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ stage's F, B, W are timed on one accelerator and the pipeline is simulated from 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,16 +22,17 @@ from . import CliError
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model, data and optimizer flags shared by ``train`` and ``compare``."""
-    parser.add_argument("--d", type=int, default=32, help="model width (default 32; the PyTorch job uses 128)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
-    parser.add_argument("--blocks", type=int, default=None, help="Transformer blocks (default: 4, or one per stage if more stages)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch, a multiple of --microbatches (default 64)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of init and batch order (default 0)")
+    """Model, data and optimizer flags shared by ``train`` and ``compare`` (each sets its own
+    defaults with ``set_defaults``; the help shows them)."""
+    parser.add_argument("--d", type=int, default=32, help="model width (default %(default)s; the PyTorch job uses 128)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default %(default)s)")
+    parser.add_argument("--blocks", type=int, default=None, help="Transformer blocks (default: %(default)s; none: 4, or one per stage if more stages)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch, a multiple of --microbatches (default %(default)s)")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of init and batch order (default %(default)s)")
     parser.add_argument(
         "--holdout", type=float, default=0.2,
-        help="fraction of the digits held out for test accuracy (default 0.2; 0 = the PyTorch job's batches, tested on all)",
+        help="fraction of the digits held out for test accuracy (default %(default)s; 0 = the PyTorch job's batches, tested on all)",
     )
 
 
@@ -48,6 +50,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--init", metavar="NPZ", help="start from torch_pp_bench.py --save-init weights")
     p.add_argument("--json", metavar="PATH", help="write the results (and the measured trace) as JSON")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (there is none when stderr is not a terminal)")
+    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with a core per rank")
     p.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
                    help="clip gradients to this global norm, skip steps with NaN/Inf; the optimizer step then runs in the "
                         "rank threads, synchronously unless --post-validation (arXiv 2401.10241 section 4)")
@@ -56,6 +59,10 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--spmd", action="store_true",
                    help="run the schedule compiled into one SPMD program (lockstep ticks, zbpp_lite.runtime.spmd) instead of one thread per rank")
     add_platform_argument(p)
+    from .join import add_join_arguments
+
+    add_join_arguments(p)
+    p.set_defaults(_parser=p)
     return p
 
 
@@ -126,8 +133,8 @@ def resolve_schedule(args):
     import zbpp_lite as zb
 
     if args.schedule_csv:
-        if not os.path.exists(args.schedule_csv):
-            raise CliError(f"--schedule-csv: no such file {args.schedule_csv!r}")
+        if not os.path.isfile(args.schedule_csv):
+            raise CliError(f"--schedule-csv: no such file {args.schedule_csv!r} (a CSV file is expected)")
         schedule = zb.Schedule.from_csv(args.schedule_csv)
     else:
         schedule = zb.build_schedule(args.schedule, args.ranks, args.microbatches, **parse_options(args.option))
@@ -256,6 +263,11 @@ def profile_json(device, costs, timeline) -> dict:
 def run(args) -> int:
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
+    from .join import run_joined, wants_join
+
+    if wants_join(args):  # one process of a run on several hosts (README "Several hosts")
+        check_launchable(args)
+        return run_joined(args, schedule, args._parser)
     if args.init and not os.path.exists(args.init):
         raise CliError(f"--init: no such file {args.init!r}")
     devices, accelerator = setup_platform(schedule.num_ranks, args.platform)
@@ -289,8 +301,19 @@ def run(args) -> int:
     run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, init=args.init,
                     progress=args.progress and sys.stderr.isatty(),  # a bar only on a terminal
                     max_grad_norm=args.max_grad_norm, post_validation=args.post_validation)
-    result = train(schedule, steps=args.steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
-                   run=run, devices=devices, on_step=on_step)
+    model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+    why_threads = threads_reason(args, schedule.num_ranks, devices)
+    if why_threads is None:
+        from ..training.turns import train_in_turns
+
+        named = dataclasses.replace(schedule, name=schedule.name or "custom")
+        print(f"REAL run: one process per rank, each pinned to its own core ({schedule.num_ranks} ranks)", flush=True)
+        result = train_in_turns([named], args.steps, model=model, run=run, progress=run.progress,
+                                on_step=lambda name, k, loss, timeline: on_step(k, loss, timeline))[named.name]
+    else:
+        print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core "
+              f"to the others, so measured bubbles look smaller than on real devices", flush=True)
+        result = train(schedule, steps=args.steps, model=model, run=run, devices=devices, on_step=on_step)
     print(report(result))
     if args.json:
         data = result.to_json()
@@ -302,8 +325,28 @@ def run(args) -> int:
     return 0
 
 
+def threads_reason(args, num_ranks: int, devices) -> str | None:
+    """Why this run's ranks are threads of one process rather than one pinned process each, or
+    None when they get a process and a core each (CPU devices, enough cores, plain AdamW)."""
+    from ..runtime.processes import allowed_cores
+
+    if getattr(args, "threads", False):
+        return "--threads"
+    if devices[0].platform != "cpu":
+        return f"{devices[0].platform.upper()} devices, one per rank"
+    if len(allowed_cores()) < num_ranks:
+        return f"{len(allowed_cores())} core(s) for {num_ranks} ranks"
+    if getattr(args, "max_grad_norm", None) is not None:
+        return "--max-grad-norm runs the optimizer inside the rank threads"
+    if args.steps < 2:
+        return "--steps 1: a run in processes times the steps after the first"
+    return None
+
+
 def report(result) -> str:
-    """The closing lines: accuracy, gradient check, measured vs simulated."""
+    """The closing lines: accuracy, gradient check, measured vs simulated (time and memory)."""
+    from ..viz.memory import memory_lines
+
     m, s = result.measured, result.simulated
     held = "held-out" if result.config.get("holdout") else "all"
     lines = [
@@ -314,6 +357,7 @@ def report(result) -> str:
         f"{'measured':10}{m.makespan * 1e3:>11.2f} ms{m.bubble_rate:>14.4f}",
         f"{'simulated':10}{s.makespan * 1e3:>11.2f} ms{s.bubble_rate:>14.4f}   (measured mean action costs)",
         f"measured / simulated makespan: {m.makespan / s.makespan:.3f}",
+        *memory_lines(m),
     ]
     guard = result.config.get("guard_reports")
     if guard:

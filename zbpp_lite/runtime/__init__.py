@@ -8,6 +8,9 @@
 - :mod:`.processes`: one pinned process per rank, joined by shared-memory rings and pipes (the
   cross-process transport);
 - :mod:`.distributed`: the executor across processes on JAX's distributed runtime;
+- :mod:`.cluster`: joining a run on several hosts (addresses, cluster detection, the runtime's
+  fatal errors in one line);
+- :mod:`.wire`: what crosses a process boundary, as JSON and raw NumPy bytes (never pickles);
 - :mod:`.spmd`: a schedule compiled into one ``shard_map`` program (lockstep).
 
 May import: :mod:`zbpp_lite.schedules`, JAX, Flax, Optax, NumPy; nothing above.

@@ -32,16 +32,14 @@ is :mod:`zbpp_lite.cli.launch_child` (the command line sits above this layer).
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import threading
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..schedules.ir import Action, Schedule, produces
+from ..schedules.ir import Action, Schedule, parts, produces
 from ..schedules.validate import execution_order
 
 ENV_COORDINATOR = "ZBPP_COORDINATOR"
@@ -49,6 +47,8 @@ ENV_NUM_PROCESSES = "ZBPP_NUM_PROCESSES"
 ENV_PROCESS_ID = "ZBPP_PROCESS_ID"
 ENV_TRANSFER_PORT = "ZBPP_TRANSFER_PORT"
 ENV_TIMEOUT = "ZBPP_TIMEOUT"
+ENV_TRANSFER_ADDRESS = "ZBPP_TRANSFER_ADDRESS"
+ENV_HEARTBEAT = "ZBPP_HEARTBEAT"
 """Environment the launcher gives each child; a cluster launcher may leave the first three out
 and let ``jax.distributed.initialize()`` detect them (SLURM, Open MPI, TPU pods)."""
 
@@ -60,47 +60,147 @@ def initialize(
     transfer_port: int | None = None,
     timeout: float = 60.0,
     host: str = "127.0.0.1",
+    transfer_address: str | None = None,
+    heartbeat: float | None = None,
 ) -> tuple[int, int]:
     """Start JAX's distributed runtime for this process; returns (process index, process count).
 
-    Arguments default to the ``ZBPP_*`` environment the launcher sets; with none of them JAX's own
-    cluster detection supplies the coordinator. Must run before JAX starts its backend. Sets the
-    cross-host transfer socket (``host:transfer_port``) and, on CPU, gloo collectives.
+    Args:
+        coordinator: ``"HOST:PORT"`` of process 0's coordination service.
+        num_processes, process_id: N and this process's index in 0..N-1.
+        transfer_port: this process's cross-host transfer port on ``host`` (``launch``'s form).
+        transfer_address: ``"HOST:PORT"`` this process listens on for cross-host transfers
+            (``jax_cross_host_transfer_socket_address``); wins over ``transfer_port``. Default:
+            this host's address towards the coordinator (:func:`~zbpp_lite.runtime.cluster.address_towards`)
+            and a free port.
+        timeout: seconds registration, the coordinator's first answer, each cross-host transfer,
+            and the roll call may take.
+        heartbeat: seconds without a heartbeat after which JAX declares a process lost and ends
+            the others (default ``max(timeout, 10)``).
+
+    Arguments default to the ``ZBPP_*`` environment (``launch`` and ``train --coordinator`` set
+    it); with no coordinator at all, ``jax.distributed.initialize()`` detects the cluster (SLURM,
+    Open MPI, Cloud TPU, Kubernetes). Must run before JAX starts its backend. Before registering,
+    a process other than 0 waits (``timeout``) for the coordinator to accept connections, and
+    process 0 checks it can listen on the port; after registering, every process compares its
+    process count with process 0's through the key-value store (the roll call), before the
+    backend's own exchange, which would wait on a process that never comes. Sets, on CPU, gloo
+    collectives.
 
     Raises:
-        RuntimeError: the runtime did not come up within ``timeout`` seconds (a missing process,
-            mismatched process counts, a port in use); the message names this process.
+        RuntimeError: one line naming this process and the cause: coordinator unreachable, its
+            port not free here, a process count differing from process 0's, or the runtime not
+            starting. (Registration failures inside JAX end the process from C++ instead; the
+            ``train`` supervisor, :mod:`zbpp_lite.cli.join`, names their cause.)
     """
     import jax
+
+    from .cluster import address_towards, check_bindable, free_port, parse_address, wait_for_coordinator
 
     env = os.environ
     coordinator = coordinator or env.get(ENV_COORDINATOR)
     num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
     transfer_port = transfer_port if transfer_port is not None else _int_env(ENV_TRANSFER_PORT)
-    if transfer_port:
-        jax.config.update("jax_cross_host_transfer_socket_address", f"{host}:{transfer_port}")
+    transfer_address = transfer_address or env.get(ENV_TRANSFER_ADDRESS) or None
+    heartbeat = heartbeat if heartbeat is not None else _float_env(ENV_HEARTBEAT)
+    heartbeat = int(max(heartbeat if heartbeat else max(timeout, 10), 1))
+    me = f"process {process_id if process_id is not None else '?'}"
+    if transfer_address:
+        parse_address(transfer_address, "the transfer address")
+    elif transfer_port:
+        transfer_address = f"{host}:{transfer_port}"
+    if coordinator:
+        c_host, c_port = parse_address(coordinator, "--coordinator")
+        if process_id == 0:
+            check_bindable("0.0.0.0", c_port, f"{me}: the coordinator port")
+        else:
+            wait_for_coordinator(c_host, c_port, timeout, process_id)
     jax.config.update("jax_cross_host_transfer_timeout_seconds", int(max(timeout, 1)))
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # pragma: no cover - a JAX without the option
         pass
     try:
-        jax.distributed.initialize(
-            coordinator, num_processes, process_id,
-            initialization_timeout=int(max(timeout, 1)), heartbeat_timeout_seconds=int(max(timeout, 10)),
-        )
+        options = {"initialization_timeout": int(max(timeout, 1)), "heartbeat_timeout_seconds": heartbeat,
+                   "shutdown_timeout_seconds": int(max(timeout, 1))}
+        try:
+            jax.distributed.initialize(coordinator, num_processes, process_id, **options)
+        except TypeError as e:  # an older JAX without the shutdown timeout: its own default then
+            if "shutdown_timeout_seconds" not in str(e):
+                raise
+            del options["shutdown_timeout_seconds"]
+            jax.distributed.initialize(coordinator, num_processes, process_id, **options)
     except Exception as e:  # noqa: BLE001 - re-raised with the process named
         raise RuntimeError(
-            f"process {process_id} of {num_processes}: JAX's distributed runtime did not start "
+            f"{me} of {num_processes}: JAX's distributed runtime did not start "
             f"(coordinator {coordinator}): {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         ) from e
-    return jax.process_index(), jax.process_count()
+    from jax._src import distributed as _dist
+
+    state = _dist.global_state
+    process_id = state.process_id if process_id is None else process_id
+    num_processes = state.num_processes if num_processes is None else num_processes
+    if not transfer_address:  # a detected cluster: the address towards the coordinator it found
+        c_host = parse_address(state.coordinator_address, "the coordinator address")[0]
+        mine = address_towards(c_host)
+        transfer_address = f"{mine}:{free_port(mine)}"
+    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+    roll_call(process_id, num_processes, timeout, transfer_address)
+    return process_id, num_processes
+
+
+def roll_call(process: int, num_processes: int, timeout: float, transfer_address: str = "") -> list[dict]:
+    """Every process's ``{"process", "num_processes", "host", "transfer_address"}`` through the
+    key-value store, checked against process 0's before JAX's backend starts; returns the list
+    in process order.
+
+    Raises:
+        RuntimeError: one line: this process's count differs from process 0's, or a process did
+            not answer within ``timeout`` seconds (named)."""
+    import socket
+
+    from . import wire
+
+    client = _client()
+    mine = {"process": process, "num_processes": num_processes, "host": socket.gethostname(), "transfer_address": transfer_address}
+    client.key_value_set_bytes(f"zbpp/roll/{process}", wire.encode(mine))
+    out, problem = [], None
+    for q in range(num_processes):
+        try:
+            entry = wire.decode(client.blocking_key_value_get_bytes(f"zbpp/roll/{q}", int(timeout * 1000)))
+        except Exception as e:  # noqa: BLE001
+            problem = (f"process {process}: process {q} did not answer the roll call within {timeout:g} s "
+                       f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})")
+            break
+        if entry.get("num_processes") != num_processes:
+            problem = (f"process {process}: mismatched process counts: this process was started with --num-processes "
+                       f"{num_processes}, process {q} (on {entry.get('host')}) with {entry.get('num_processes')}; give every process the same N")
+            break
+        out.append(entry)
+    client.key_value_set(f"zbpp/roll/checked/{process}", "1")
+    if problem is not None and process == 0:
+        # process 0 hosts the service: leaving at once would end the others with "lost the
+        # coordinator" before they name the mismatch themselves; wait (bounded) for their verdicts
+        for q in range(1, num_processes):
+            try:
+                client.blocking_key_value_get(f"zbpp/roll/checked/{q}", int(min(timeout, 5.0) * 1000))
+            except Exception:  # noqa: BLE001 - that process is not there: nothing to wait for
+                pass
+        time.sleep(1.0)  # their one line is printed after their verdict
+    if problem is not None:
+        raise RuntimeError(problem)
+    return out
 
 
 def _int_env(name: str) -> int | None:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else None
+
+
+def _float_env(name: str) -> float | None:
+    value = os.environ.get(name)
+    return float(value) if value not in (None, "") else None
 
 
 def pipeline_devices(num_ranks: int) -> list:
@@ -153,16 +253,16 @@ def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action
     plan = []
     S = schedule.num_stages
     for rank, step in execution_order(schedule):
-        a = schedule.actions[rank][step]
-        if a.kind == "F" and a.stage < S - 1:
-            consumer = a.stage + 1
-        elif a.kind in ("B", "BW") and a.stage > 0:
-            consumer = a.stage - 1
-        else:
-            continue
-        src, dst = owner[rank], owner[schedule.placement[consumer]]
-        if src != dst:
-            plan.append((a, rank, consumer, src, dst))
+        for a in parts(schedule.actions[rank][step]):  # a pair: its forward's, then its backward's
+            if a.kind == "F" and a.stage < S - 1:
+                consumer = a.stage + 1
+            elif a.kind in ("B", "BW") and a.stage > 0:
+                consumer = a.stage - 1
+            else:
+                continue
+            src, dst = owner[rank], owner[schedule.placement[consumer]]
+            if src != dst:
+                plan.append((a, rank, consumer, src, dst))
     return plan
 
 
@@ -236,6 +336,7 @@ class ProcessPipelineExecutor(_executor_base()):
         import jax
 
         from .executor import StepResult, _Inbox, _Step
+        from .stages import refuse_pytree_activations
         from ..schedules.timeline import Event, Timeline
 
         S, m = self.model.num_stages, self.schedule.num_microbatches
@@ -247,6 +348,7 @@ class ProcessPipelineExecutor(_executor_base()):
         x_mb, y_mb = x[:mb], labels[:mb]
         inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[0]) if local[0] else None
         ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[-1]) if local[-1] else None
+        refuse_pytree_activations(self.model, x_mb, "ProcessPipelineExecutor (JAX's distributed runtime)")
         shapes = self.model.stage_inputs(x_mb)
         splits = [self.model.split_stage(s, shapes[s], y_mb) if local[s] else None for s in range(S)]
         seed = jax.device_put(np.float32(1.0 / m), self.stage_devices[-1]) if local[-1] else None
@@ -280,17 +382,17 @@ class ProcessPipelineExecutor(_executor_base()):
             raise type(e)(f"process {self.process}: {e}") from e
         # this process's share, then everyone's, through the runtime's key-value store
         mine = {
-            "losses": {j: float(v) for j, v in step.losses.items()},
-            "grads": {s: [np.asarray(g) for g in step.acc[s]] for s in range(S) if local[s]},
-            "events": [(e.rank, str(e.action), e.start, e.end) for e in step.events],
+            "losses": [[j, float(v)] for j, v in step.losses.items()],
+            "grads": [[s, [np.asarray(g) for g in step.acc[s]]] for s in range(S) if local[s]],
+            "events": [[e.rank, str(e.action), e.start, e.end] for e in step.events],
         }
         shares = _exchange(f"zbpp/step{self._step_count}", mine, self.process, self.num_processes, self.timeout)
         self._step_count += 1
         self._sent = []  # every process has its values now: the sent buffers may go
         losses_by_mb, grads, events = {}, [None] * S, []
         for share in shares:
-            losses_by_mb.update(share["losses"])
-            for s, g in share["grads"].items():
+            losses_by_mb.update((int(j), v) for j, v in share["losses"])
+            for s, g in share["grads"]:
                 template = self.model.stage_params(self.model.params, s)
                 grads[s] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), g)
             events += [Event(r, Action.from_str(a), t0, t1) for r, a, t0, t1 in share["events"]]
@@ -368,17 +470,26 @@ def _client():
 
 
 def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout: float) -> list:
-    """Every process's ``value`` (picklable), in process order, through the distributed runtime's
-    key-value store. Raises TimeoutError naming the process that did not publish."""
+    """Every process's ``value``, in process order, through the distributed runtime's key-value
+    store, sent as JSON with NumPy arrays as raw bytes (:mod:`zbpp_lite.runtime.wire`: parsed,
+    never unpickled). ``value`` holds JSON values, tuples and NumPy arrays; dict keys are str.
+
+    Raises:
+        TimeoutError: a process published nothing within ``timeout`` seconds (named).
+        TypeError: ``value`` holds something :func:`~zbpp_lite.runtime.wire.encode` refuses.
+        ValueError: a malformed message (named by its process)."""
+    from . import wire
+
     client = _client()
-    buf = io.BytesIO()
-    pickle.dump(value, buf)
-    client.key_value_set_bytes(f"{prefix}/{process}", buf.getvalue())
+    client.key_value_set_bytes(f"{prefix}/{process}", wire.encode(value))
     out = []
     for q in range(num_processes):
         try:
             data = client.blocking_key_value_get_bytes(f"{prefix}/{q}", int(timeout * 1000))
         except Exception as e:  # noqa: BLE001
             raise TimeoutError(f"process {process}: process {q} published no results for {prefix} within {timeout:g} s ({e})") from e
-        out.append(pickle.loads(data))
+        try:
+            out.append(wire.decode(data))
+        except ValueError as e:
+            raise ValueError(f"process {process}: the message of process {q} for {prefix} is malformed: {e}") from None
     return out

@@ -5,7 +5,11 @@ global clock, no central scheduler). An action waits only for what it needs from
 found with :func:`zbpp_lite.schedules.ir.deps`: F(s, j) the activation of stage s-1, B(s, j) / BW(s, j)
 the input gradient of stage s+1; what a rank needs from itself (F's residuals for B, B's output
 gradients for W) is there by the schedule's own order, which :func:`zbpp_lite.validate` checked.
-Work goes through a kind -> handler table, and every stage's F, B, W, BW are the jitted pure
+An overlapped pair F&B (:class:`~zbpp_lite.schedules.ir.Overlap`, DualPipeV's unit) waits for
+both its inputs, then runs its forward and its backward back to back on the rank's device, each
+timed as its own event (JAX on one device runs them one after the other; DualPipe's overlap of
+one's compute with the other's communication is a kernel-level matter this executor does not
+model). Work goes through a kind -> handler table, and every stage's F, B, W, BW are the jitted pure
 functions of :class:`zbpp_lite.runtime.split.StageSplit`, run on the rank's device. Outputs move to the
 consumer's device with ``jax.device_put`` (asynchronous, like a send on real hardware) and wait in
 the consumer rank's inbox. The last stage's backward starts from d loss / d loss_j = 1/m (the
@@ -21,7 +25,9 @@ microsecond) and the block, which stops a rank from dispatching its next action 
 one runs, so the dispatch of every action is no longer hidden behind the previous one's compute:
 on the 2-core CPU machine of ``benchmarks/bench_executor.py`` about 70-90 microseconds per action,
 beside 5-35 microseconds of the executor's own bookkeeping (threads, inbox, events), for actions
-of 5-20 milliseconds in that benchmark's pipeline. Nothing else is synchronised:
+of 5-20 milliseconds in that benchmark's pipeline. Memory: each step's timeline also carries the activation bytes
+every rank kept (``timeline.measured_memory``, :mod:`zbpp_lite.runtime.memory`), counted where
+the handlers keep and free arrays. Nothing else is synchronised:
 ranks never wait for each other except for their inputs. Compilation happens before the first
 timed step (:meth:`PipelineExecutor.run`). Ranks are Python threads: XLA releases the GIL while
 it computes, so ranks compute in parallel and only their dispatches take turns.
@@ -38,6 +44,7 @@ core).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,8 +55,9 @@ import numpy as np
 
 from .stages import microbatch_size
 from .devices import too_few_devices_message
+from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
 from .stages import Params, StagedModel
-from ..schedules.ir import Action, Key, Schedule, deps, produces
+from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import validate
 
@@ -85,6 +93,11 @@ class StepResult:
     start: float = 0.0
     discarded: tuple = ()
     started_at: float = 0.0
+
+
+class _Leaves(list):
+    """The leaves of a pytree activation or input gradient received from another process (sent
+    as a list of arrays); unflattened with the consumer's input structure once it is known."""
 
 
 class _Aborted(Exception):
@@ -226,6 +239,7 @@ class _Step:
     index: int = 0  # the step's number over the executor's life (remote messages carry it)
     attempts: dict = field(default_factory=dict)  # rank -> its attempt at this step (1 once its warm-up was redone)
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
+    memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
 
 
@@ -248,6 +262,11 @@ class PipelineExecutor:
             (:class:`RankUpdate`: small host values such as floats). ``step`` numbers the steps
             over the executor's life (every process runs the same steps, in the same calls).
         remote: see ``ranks``.
+        record_memory: count the activation bytes each rank keeps (F's residuals and W's
+            operands, B's output gradients, what other ranks sent), from the arrays' shapes and
+            dtypes, onto each step's ``timeline.measured_memory``
+            (:class:`~zbpp_lite.schedules.memory.MeasuredMemory`, see
+            :mod:`zbpp_lite.runtime.memory`); False leaves it None.
 
     Attributes:
         ranks: the ranks run here; ``local_stages``: their stages; ``stage_devices[s]``: stage s's
@@ -269,6 +288,7 @@ class PipelineExecutor:
         *,
         ranks: Sequence[int] | None = None,
         remote: Callable[[int, Key, Any], None] | None = None,
+        record_memory: bool = True,
     ):
         validate(schedule)
         if model.num_stages != schedule.num_stages:
@@ -290,6 +310,7 @@ class PipelineExecutor:
             raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} devices")
         self.model, self.schedule, self.timeout = model, schedule, timeout
         self.ranks, self.remote = ranks, remote
+        self.record_memory = record_memory
         on = dict(zip(ranks, devices))
         self.devices = list(devices)
         self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
@@ -307,6 +328,7 @@ class PipelineExecutor:
             "BW": self._backward_fused,
         }
         self._prepared: dict = {}
+        self._input_trees: list = []  # per stage: the pytree structure of its input (set by _prepare)
 
     # ------------------------------------------------------------------ checks and set-up
 
@@ -332,19 +354,21 @@ class PipelineExecutor:
             return self._prepared[signature]
         S = self.model.num_stages
         shapes = self.model.stage_inputs(x_mb)
+        # what stage s takes (and what its B sends back): one array, or a pytree (tuple, dict)
+        self._input_trees = [jax.tree_util.tree_structure(shape) for shape in shapes]
         splits: list = [None] * S
-        kinds = {a.kind for r in self.ranks for a in self.schedule.actions[r]}
+        kinds = {a.kind for r in self.ranks for a in self.schedule.rank_actions(r)}
         for s in self.local_stages:
             device, last = self.stage_devices[s], s == S - 1
             splits[s] = self.model.split_stage(s, shapes[s], y_mb)
             flat = splits[s].flat
-            x = jax.device_put(np.zeros(shapes[s].shape, shapes[s].dtype), device)
+            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes[s]), device)
             aux = jax.device_put(y_mb, device) if last else None
             # each twice: new memory, then a spare's; spare=None passed as the handlers pass it
             # (jit keys its cache on the call's arguments: an omitted default compiles anew)
             _, res, _ = flat.forward(params[s], x, aux, None)
             out, res, kept = flat.forward(params[s], x, aux, res)
-            dy = jax.device_put(np.ones(np.shape(out), np.float32), device)
+            dy = jax.device_put(jax.tree_util.tree_map(lambda a: np.ones(np.shape(a), a.dtype), out), device)
             if "BW" in kinds:  # twice, as W: a stage's first (no sum yet), then the rest
                 acc = flat.backward_fused(params[s], res, kept, dy, None)[1]
                 jax.block_until_ready(flat.backward_fused(params[s], res, kept, dy, acc))
@@ -429,6 +453,7 @@ class PipelineExecutor:
                            (f" of step {k}" if len(batches) > 1 else ""))
                     for r in range(self.schedule.num_ranks)] for k in range(len(batches))]
         self._steps_begun += len(batches)
+        record = MemoryRecorder if self.record_memory else lambda p, S: NoMemoryRecorder()
         for (x, labels), boxes in zip(batches, inboxes):
             x, labels = np.asarray(x), np.asarray(labels)
             inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
@@ -436,6 +461,7 @@ class PipelineExecutor:
             steps.append(_Step(
                 params=list(leaves), acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
                 inboxes=boxes, t0=0.0, store={}, losses={}, events=[], index=base + len(steps),
+                memory=record(self.schedule.num_ranks, S),
             ))
         jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
         if update is not None and hasattr(update, "begin"):
@@ -478,6 +504,9 @@ class PipelineExecutor:
         begin = min((e.start for e in step.events + step.discarded), default=0.0)
         events = [Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.events]
         timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
+        on = dict(zip(self.ranks, self.devices))
+        peaks = tuple(device_peak_bytes(on[r]) if r in on else None for r in range(self.schedule.num_ranks))
+        timeline = dataclasses.replace(timeline, measured_memory=step.memory.result(begin, peaks))
         loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
         discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.discarded)
         return StepResult(loss, losses, self.model.join_stage_params(grads), timeline, begin, discarded, step.t0 + begin)
@@ -549,29 +578,35 @@ class PipelineExecutor:
             if update.validate(rank, previous[0], _Channel(self, previous[1], rank)):
                 raise _Restart()
 
-        for action in self.schedule.actions[rank]:
-            at[0] = action
-            if due and (action.kind != "F" or verdict()):
+        for entry in self.schedule.actions[rank]:
+            at[0] = entry
+            if due and (any(a.kind != "F" for a in parts(entry)) or verdict()):
                 validate()
-            received = []
-            for key in deps(action, S):
-                if key[1] == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
-                    continue
-                while True:
-                    try:
-                        value = inbox.take(key, self.timeout, action, attempt, verdict if due else None)
-                        break
-                    except _Interrupted:
-                        validate()  # the verdict is there, or on its way: a sender already redoes this step
-                received.append(value)
-            start = time.perf_counter()
-            ready, message = self._handlers[action.kind](step, action, *received)
-            jax.block_until_ready(ready)
-            end = time.perf_counter()
-            with step.lock:
-                step.events.append(Event(rank, action, start - step.t0, end - step.t0))
-            if message is not None:
-                self._send(step, action, message, attempt)
+            received = []  # a pair takes both parts' inputs before either runs
+            for action in parts(entry):
+                inputs = []
+                for key in deps(action, S):
+                    if key[1] == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
+                        continue
+                    while True:
+                        try:
+                            value = inbox.take(key, self.timeout, action, attempt, verdict if due else None)
+                            break
+                        except _Interrupted:
+                            validate()  # the verdict is there, or on its way: a sender already redoes this step
+                    inputs.append(value)
+                    step.memory.free(rank, key)  # consumed by this action
+                received.append(inputs)
+            for action, inputs in zip(parts(entry), received):
+                start = time.perf_counter()
+                ready, message = self._handlers[action.kind](step, action, *inputs)
+                jax.block_until_ready(ready)
+                end = time.perf_counter()
+                step.memory.settle(rank, end - step.t0)
+                with step.lock:
+                    step.events.append(Event(rank, action, start - step.t0, end - step.t0))
+                if message is not None:
+                    self._send(step, action, message, attempt)
         if due:  # a rank with no backward in this step (none in a valid schedule)
             validate()
 
@@ -581,6 +616,7 @@ class PipelineExecutor:
         step.attempts[rank] = step.attempts.get(rank, 0) + 1
         for key in [key for key in step.store if key[0] in stages]:
             del step.store[key]
+        step.memory.drop_stages(rank, stages, time.perf_counter() - step.t0)
         with step.lock:
             step.discarded += [e for e in step.events if e.rank == rank]
             step.events[:] = [e for e in step.events if e.rank != rank]
@@ -592,8 +628,9 @@ class PipelineExecutor:
         its rank's inbox, or through ``remote`` to the process that runs that rank."""
         key = produces(action)[0]
         consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
-        if self.stage_devices[consumer] is None:
-            self.remote(self.schedule.placement[consumer], (*key, attempt), value, step.index)
+        if self.stage_devices[consumer] is None:  # a pytree (tuple, dict) goes as its list of leaves
+            leaves = value if isinstance(value, jax.Array) else list(jax.tree_util.tree_leaves(value))
+            self.remote(self.schedule.placement[consumer], (*key, attempt), leaves, step.index)
         else:
             self._put(step, key, value, attempt=attempt)
 
@@ -601,14 +638,19 @@ class PipelineExecutor:
         kind, stage, _ = key
         if kind in ("F", "B"):  # an activation for stage s+1, an input gradient for stage s-1
             consumer = stage + 1 if kind == "F" else stage - 1
-            step.inboxes[self.schedule.placement[consumer]].put(key, jax.device_put(value, self.stage_devices[consumer]), attempt)
+            if isinstance(value, _Leaves):  # from another process: the leaves of a pytree
+                value = jax.tree_util.tree_unflatten(self._input_trees[stage + 1 if kind == "F" else stage], list(value))
+            value = jax.device_put(value, self.stage_devices[consumer])
+            step.memory.receive(self.schedule.placement[consumer], key, value, time.perf_counter() - step.t0 if step.t0 else 0.0)
+            step.inboxes[self.schedule.placement[consumer]].put(key, value, attempt)
         else:  # an optimizer's message (RankUpdate) for ``rank``, as sent
             step.inboxes[rank].put(key, value)
 
     def deliver(self, key: Key, value: Any, step: int, rank: int | None = None) -> None:
         """Hand this executor what another process's rank sent it (see ``remote``), for step
         number ``step`` (as ``remote`` was given it): the activation ("F", s, j, attempt) for
-        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array
+        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array (or, where
+        stages pass a pytree such as a tuple, the list of its leaves in ``jax.tree_util`` order)
         (``attempt``: 0, or 1 from a warm-up redone after a rollback); or an optimizer's message
         for local rank ``rank``. Safe from any thread, also before :meth:`run_steps` has begun
         that step.
@@ -618,6 +660,8 @@ class PipelineExecutor:
                 without a local ``rank``.
         """
         if key[0] in ("F", "B"):
+            if isinstance(value, (list, tuple)):  # a pytree activation's leaves (see _send)
+                value = _Leaves(value)
             consumer = -1 if len(key) not in (3, 4) else key[1] + 1 if key[0] == "F" else key[1] - 1
             if not 0 <= consumer < self.model.num_stages or self.stage_devices[consumer] is None:
                 raise ValueError(f"no local stage consumes {key}: an activation ('F', s, j[, attempt]) goes to stage s+1, "
@@ -652,6 +696,9 @@ class PipelineExecutor:
             step.params[s], step.inputs[j] if s == 0 else x, step.labels[j] if last else None, self._spare("res", s)
         )
         step.store[s, j] = (res, kept)
+        rank = self.schedule.placement[s]
+        step.memory.keep(rank, ("res", s, j), res)
+        step.memory.keep(rank, ("kept", s, j), kept)
         if last:
             step.losses[j] = y
         return (y, res, kept), None if last else y
@@ -664,6 +711,9 @@ class PipelineExecutor:
         res, kept = step.store[s, j]
         dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, self._output_grad(step, a, dy), self._spare("grads", s))
         step.store[s, j] = (kept, grads_out)
+        rank = self.schedule.placement[s]
+        step.memory.free(rank, ("res", s, j))
+        step.memory.keep(rank, ("grads", s, j), grads_out)
         self._keep_spare("res", s, res)
         return (dx, grads_out), dx
 
@@ -671,6 +721,9 @@ class PipelineExecutor:
         s = a.stage
         kept, grads_out = step.store.pop((s, a.microbatch))
         step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
+        rank = self.schedule.placement[s]
+        step.memory.free(rank, ("kept", s, a.microbatch))
+        step.memory.free(rank, ("grads", s, a.microbatch))
         self._keep_spare("grads", s, grads_out)
         return step.acc[s], None
 
@@ -678,6 +731,9 @@ class PipelineExecutor:
         s = a.stage
         res, kept = step.store.pop((s, a.microbatch))
         dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, self._output_grad(step, a, dy), step.acc[s])
+        rank = self.schedule.placement[s]
+        step.memory.free(rank, ("res", s, a.microbatch))
+        step.memory.free(rank, ("kept", s, a.microbatch))
         self._keep_spare("res", s, res)
         return (dx, step.acc[s]), dx
 

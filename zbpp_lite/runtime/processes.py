@@ -1,74 +1,227 @@
-"""One process per pipeline rank, joined by pipes: PyTorch's pipelining set-up for our executor.
+"""One process per pipeline rank, each pinned to its own core: the cross-process transport.
 
-Used by ``bench_vs_torch.py`` (``NAME@procs``) and ``bench_postval.py`` (``--procs``). Each rank
-runs in its own spawned process, pinned to its own core before JAX starts (so XLA's threads serve
-that rank only), with one CPU device and a
-:class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its rank only (``ranks=[r], remote=...``).
-Between two ranks (:func:`connect`): arrays (activations, input gradients) are written into a
-shared-memory ring per direction by the sending rank's own thread, and only a small notice (where
-the array lies, its shape and dtype) goes through the pair's pipe; an optimizer's host values go
-through the pipe as they are. A receiver thread per pipe copies the array out of the ring and
-hands it to the executor. The parent talks to each rank through a control pipe.
+With ranks as threads of one process, a rank that waits lends its core to the others through
+XLA's shared thread pool, so idle time is not an idle core and bubbles cost less than they do
+on real devices. Here each rank is its own process, pinned to one core before JAX starts (so
+XLA's threads serve that rank only), with one CPU device and a
+:class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its own rank (``ranks=[r],
+remote=...``): PyTorch's pipelining set-up, and the one in which measured bubbles are real.
 
-Measured on this project's 2-core machine (``bench_vs_torch.py``'s job, 1f1b, 128 KiB
-activations), where a rank waits for the other's output, the time from the producing action's
-end to the consumer's start: median 1.09 and 0.93 ms, against 1.29 and 1.14 ms with pickled
-arrays written by a sender thread per pipe (two runs each, taking turns; p90 1.5 against
-1.9-2.1 ms). What remains is mostly waking the idle rank (0.2 ms for any message on this
-virtual machine) and the first JAX call after a rank sat idle (``jax.device_put`` of the
-activation: 0.3 ms after 5 ms or more of idling, 0.06 ms when warm).
+Everything that crosses a process boundary is parsed, never unpickled:
+
+- the ranks are started with :mod:`subprocess` (``python -m zbpp_lite.runtime.processes``),
+  their set-up (rank, core, links, the caller's JSON-ready ``config``) given as JSON;
+- between two ranks (:func:`connect`), an array (an activation, an input gradient) is written
+  into a shared-memory ring per direction by the sending rank's own thread, and a JSON notice
+  (where it lies, its shape and dtype) goes through the pair's socket; small host values (an
+  optimizer's norms) go through the socket as JSON;
+- the parent talks to each rank through a control socket (:class:`Channel`), in
+  :mod:`~zbpp_lite.runtime.wire`'s messages: JSON, with NumPy arrays as raw bytes beside it.
+
+Measured on this project's 2-core machine (the peer job, 1f1b, 128 KiB activations), where a
+rank waits for the other's output, the time from the producing action's end to the consumer's
+start is about 1 ms: mostly waking the idle rank (0.2 ms for any message on this virtual
+machine) and JAX's first call after a rank sat idle (``jax.device_put``: 0.3 ms after 5 ms or
+more of idling, 0.06 ms when warm). JAX's distributed runtime (:mod:`.distributed`) carries
+the same values over its cross-host sockets, several times slower per crossing on CPU
+(``benchmarks/bench_transport.py`` measures both side by side).
+
+Layer: runtime.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import json
 import os
+import socket
+import subprocess
+import sys
 import threading
 import time
-from typing import Callable, NamedTuple
+from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 import numpy as np
 
+from . import wire
+
 RING_BYTES = 8 << 20
-"""Shared memory per direction between two ranks: room for 64 of the job's activations, where a
-step has at most 8 in flight each way (the sender waits if the receiver falls that far behind)."""
+"""Shared memory per direction between two ranks: room for 64 of the peer job's activations,
+where a step has at most 8 in flight each way (the sender waits if the receiver falls that far
+behind)."""
 _HEADER = 64  # the ring's first bytes: how far the receiver has read (uint64)
+ENV_SPEC = "ZBPP_RANK_SPEC"
 
 
-def spawn(target: Callable, num_ranks: int, pin_ranks: bool, *args) -> tuple[list, list]:
-    """Start ``target(rank, core, peers, control, *args)`` in one spawned process per rank.
+# ----------------------------------------------------------------------------- JSON messages
 
-    ``core`` is the allowed core the rank is to pin itself to (None without ``pin_ranks``),
-    ``peers`` maps every other rank to this rank's end of their link (a pipe and the names of
-    the two shared-memory rings, this rank's outgoing one first), ``control`` is the rank's end
-    of its control pipe. Returns (processes, the parent's ends of the control pipes); the rings
-    live until :func:`finish`.
+
+class Channel:
+    """A message link to one other process: ``send(obj)`` writes ``obj`` as one
+    :mod:`~zbpp_lite.runtime.wire` message (JSON, NumPy arrays as raw bytes beside it),
+    ``recv()`` parses the next one. ``recv`` raises ``EOFError`` when the other end has closed."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def send(self, obj: Any) -> None:
+        self.conn.send_bytes(wire.encode(obj))
+
+    def recv(self) -> Any:
+        return wire.decode(self.conn.recv_bytes())
+
+    def poll(self, timeout: float) -> bool:
+        return self.conn.poll(timeout)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _pair() -> tuple[int, int]:
+    a, b = socket.socketpair()
+    return a.detach(), b.detach()
+
+
+# ----------------------------------------------------------------------------- the parent's side
+
+
+def allowed_cores() -> list[int]:
+    """The cores this process may run on (``os.sched_getaffinity``; all of ``os.cpu_count()``
+    where that does not exist)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+class RankProcesses:
+    """``num_ranks`` processes, rank r running ``entry(rank, peers, control, config)``.
+
+    Args:
+        entry: ``"package.module:function"``, or ``"path/to/file.py:function"``; imported in the
+            child after it pinned itself (so the module may import JAX at its top).
+        num_ranks: processes to start, one per rank (>= 1).
+        config: JSON-ready settings handed to every rank as they are.
+        pin: pin rank r to the r-th allowed core (modulo their number); ``False`` leaves the
+            ranks free.
+        env: extra environment variables for the children (e.g. ``XLA_FLAGS``).
+
+    ``controls[r]`` is the parent's :class:`Channel` to rank r. Use as a context manager, or
+    call :meth:`close`: it tells every rank to stop, waits, ends any that does not, and
+    removes the shared memory.
+
+    Raises:
+        ValueError: ``num_ranks`` below 1 or an entry without ``:function``.
     """
-    import multiprocessing as mp
-    from multiprocessing.shared_memory import SharedMemory
 
-    ctx = mp.get_context("spawn")
-    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    peers: list[dict] = [{} for _ in range(num_ranks)]
-    for a in range(num_ranks):
-        for b in range(a + 1, num_ranks):
-            ab, ba = SharedMemory(create=True, size=RING_BYTES), SharedMemory(create=True, size=RING_BYTES)
-            _RINGS.extend((ab, ba))
-            end_a, end_b = ctx.Pipe()
-            peers[a][b], peers[b][a] = (end_a, ab.name, ba.name), (end_b, ba.name, ab.name)
-    controls = [ctx.Pipe() for _ in range(num_ranks)]
-    procs = [
-        ctx.Process(target=target, daemon=True,
-                    args=(r, allowed[r % len(allowed)] if pin_ranks and allowed else None, peers[r], controls[r][1], *args))
-        for r in range(num_ranks)
-    ]
-    for proc in procs:
-        proc.start()
-    return procs, [parent for parent, _ in controls]
+    def __init__(self, entry: str, num_ranks: int, config: dict, pin: bool = True, env: dict | None = None):
+        from multiprocessing.shared_memory import SharedMemory
+
+        if not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
+        if ":" not in entry:
+            raise ValueError(f"entry must be 'module:function' or 'file.py:function', got {entry!r}")
+        cores = allowed_cores()
+        self.rings: list = []
+        self.procs: list[subprocess.Popen] = []
+        self.controls: list[Channel] = []
+        links: list[dict] = [{} for _ in range(num_ranks)]
+        child_fds: list[list[int]] = [[] for _ in range(num_ranks)]
+        for a in range(num_ranks):
+            for b in range(a + 1, num_ranks):
+                ab, ba = SharedMemory(create=True, size=RING_BYTES), SharedMemory(create=True, size=RING_BYTES)
+                self.rings += [ab, ba]
+                fa, fb = _pair()
+                links[a][str(b)] = {"fd": fa, "out": ab.name, "in": ba.name}
+                links[b][str(a)] = {"fd": fb, "out": ba.name, "in": ab.name}
+                child_fds[a].append(fa)
+                child_fds[b].append(fb)
+        try:
+            for r in range(num_ranks):
+                mine, theirs = _pair()
+                spec = {"entry": entry, "rank": r, "core": cores[r % len(cores)] if pin else None,
+                        "control": theirs, "links": links[r], "config": config}
+                child_env = {**os.environ, **(env or {}), ENV_SPEC: json.dumps(spec)}
+                path = os.pathsep.join(p for p in sys.path if p)
+                child_env["PYTHONPATH"] = path if not child_env.get("PYTHONPATH") else child_env["PYTHONPATH"] + os.pathsep + path
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "zbpp_lite.runtime.processes"],
+                                                   env=child_env, pass_fds=[theirs, *child_fds[r]], stdin=subprocess.DEVNULL))
+                os.close(theirs)
+                self.controls.append(Channel(Connection(mine)))
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            for fds in child_fds:
+                for fd in fds:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+
+    def __enter__(self) -> "RankProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def broadcast(self, obj: Any) -> None:
+        for control in self.controls:
+            control.send(obj)
+
+    def gather(self, timeout: float = 600.0) -> list:
+        """Every rank's next reply, in rank order.
+
+        Raises:
+            RuntimeError: a rank died (its exit code and the advice to read its error above) or
+                said nothing within ``timeout`` seconds.
+        """
+        replies = []
+        for r, control in enumerate(self.controls):
+            deadline = time.monotonic() + timeout
+            while not control.poll(0.2):
+                code = self.procs[r].poll()
+                if code is not None:
+                    raise RuntimeError(f"rank {r}'s process ended with exit code {code} (its error is printed above)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {r} sent nothing within {timeout:g} s")
+            try:
+                reply = control.recv()
+            except EOFError:
+                raise RuntimeError(f"rank {r}'s process closed its control link (its error is printed above)") from None
+            if isinstance(reply, dict) and "error" in reply:
+                raise RuntimeError(f"rank {r}: {reply['error']}")
+            replies.append(reply)
+        return replies
+
+    def close(self, timeout: float = 30.0) -> None:
+        for control in self.controls:
+            try:
+                control.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for control in self.controls:
+            control.close()
+        self.controls = []
+        while self.rings:
+            ring = self.rings.pop()
+            ring.close()
+            ring.unlink()
+
+
+# ----------------------------------------------------------------------------- a rank's side
 
 
 def pin_to(core: int | None) -> None:
     """Pin this process to ``core`` (before JAX starts its threads); None leaves it free."""
-    if core is not None:
+    if core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
 
 
@@ -76,23 +229,26 @@ def connect(peers: dict, executor_for):
     """Build this rank's executor(s) with a ``remote`` that sends to the other ranks, and start one
     receiver thread per link that hands what arrives to the right executor's ``deliver``.
 
-    ``executor_for(remote)`` builds the executor; or a dict ``{name: executor_for}`` builds
-    several (one per schedule, run in turns: each message carries its executor's name, so one
-    arriving early for the next schedule's step never reaches the wrong executor). ``remote``
-    runs in the rank's own thread and never waits for the other rank: an array is copied into the
-    shared-memory ring (:class:`_Ring`) and a notice written to the pipe (a few hundred bytes,
-    which the pipe's buffer takes at once); other values are pickled through the pipe. Returns
-    the executor, or the dict ``{name: executor}``; :func:`disconnect` ends the receivers.
+    ``peers`` is what the rank's entry was given. ``executor_for(remote)`` builds the executor;
+    or a dict ``{name: executor_for}`` builds several (one per schedule, run in turns: each
+    message carries its executor's name, so one arriving early for the next schedule's step
+    never reaches the wrong executor). ``remote`` runs in the rank's own thread and never waits
+    for the other rank: an array is copied into the shared-memory ring (:class:`_Ring`) and a
+    JSON notice written to the socket (a few hundred bytes, which the socket's buffer takes at
+    once); other values go through the socket as JSON. Returns the executor, or the dict
+    ``{name: executor}``; :func:`disconnect` ends the receivers.
     """
     import jax
 
     single = callable(executor_for)
     factories = {None: executor_for} if single else dict(executor_for)
-    links = {to: _Link(*link) for to, link in peers.items()}
+    links = {int(to): _Link(**link) for to, link in peers.items()}
     _LINKS[id(peers)] = links
 
     def remote_for(name):
         def remote(to: int, key, value, step: int) -> None:
+            if isinstance(value, list) and key[0] in ("F", "B"):  # a pytree activation's leaves
+                value = [np.asarray(leaf) for leaf in value]
             links[to].send(name, key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to)
 
         return remote
@@ -133,14 +289,19 @@ class _Ring:
     stores in the header how far it has read, and the writer never overwrites what is unread."""
 
     def __init__(self, name: str):
+        from multiprocessing import resource_tracker
         from multiprocessing.shared_memory import SharedMemory
 
-        self.shm = SharedMemory(name=name)  # the parent created it and removes it (finish)
+        self.shm = SharedMemory(name=name)  # the parent created it and removes it (RankProcesses.close)
+        try:  # Python < 3.13 registers attached memory too, and would remove it when this rank ends
+            resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
+        except Exception:  # noqa: BLE001
+            pass
         self.capacity = self.shm.size - _HEADER
         self.read_upto = np.ndarray((1,), np.uint64, self.shm.buf, 0)  # bytes the reader is done with
         self.head = 0  # the writer's count of bytes written (wasted tails included)
 
-    def write(self, value: "np.ndarray") -> tuple:
+    def write(self, value: np.ndarray) -> list:
         size = -(-value.nbytes // 64) * 64
         if size > self.capacity:
             raise ValueError(f"an array of {value.nbytes} bytes does not fit the {self.capacity}-byte ring")
@@ -153,10 +314,10 @@ class _Ring:
             time.sleep(1e-4)
         np.ndarray(value.shape, value.dtype, self.shm.buf, _HEADER + at)[...] = value
         self.head = end
-        return at, value.shape, value.dtype.str, end
+        return [at, list(value.shape), value.dtype.str, end]
 
-    def read(self, at: int, shape: tuple, dtype: str, end: int) -> "np.ndarray":
-        value = np.ndarray(shape, np.dtype(dtype), self.shm.buf, _HEADER + at).copy()
+    def read(self, at: int, shape: list, dtype: str, end: int) -> np.ndarray:
+        value = np.ndarray(tuple(shape), np.dtype(dtype), self.shm.buf, _HEADER + at).copy()
         self.read_upto[0] = end
         return value
 
@@ -166,57 +327,76 @@ class _Ring:
 
 
 class _Link:
-    """This rank's end of the link to one other rank: the pair's pipe, the ring it writes and
+    """This rank's end of the link to one other rank: the pair's socket, the ring it writes and
     the ring it reads."""
 
-    def __init__(self, conn, out_name: str, in_name: str):
-        self.conn, self.out, self.inc = conn, _Ring(out_name), _Ring(in_name)
-        self.lock = threading.Lock()  # one writer at a time on the pipe and the outgoing ring
+    def __init__(self, fd: int, out: str, inc: str | None = None, **names):
+        self.channel = Channel(Connection(fd))
+        self.out, self.inc = _Ring(out), _Ring(inc if inc is not None else names["in"])
+        self.lock = threading.Lock()  # one writer at a time on the socket and the outgoing ring
 
     def send(self, name, key, value, step: int, to: int) -> None:
         with self.lock:
             if isinstance(value, np.ndarray) and value.dtype != object:
-                self.conn.send((name, key, _InRing(*self.out.write(value)), step, to))
+                self.channel.send({"name": name, "key": list(key), "ring": self.out.write(value), "step": step, "to": to})
+            elif isinstance(value, list) and value and all(isinstance(v, np.ndarray) and v.dtype != object for v in value):
+                # the leaves of a pytree activation, each in the ring; a list again on arrival
+                self.channel.send({"name": name, "key": list(key), "rings": [self.out.write(v) for v in value], "step": step, "to": to})
             else:
-                self.conn.send((name, key, value, step, to))
+                self.channel.send({"name": name, "key": list(key), "value": value, "step": step, "to": to})
 
     def receive(self):
-        message = self.conn.recv()
-        if message is not None and isinstance(message[2], _InRing):
-            name, key, place, *rest = message
-            return (name, key, self.inc.read(*place), *rest)
-        return message
+        try:
+            message = self.channel.recv()
+        except (EOFError, OSError):
+            return None
+        if message is None:
+            return None
+        key = tuple(message["key"])
+        if "ring" in message:
+            value = self.inc.read(*message["ring"])
+        elif "rings" in message:
+            value = [self.inc.read(*place) for place in message["rings"]]
+        else:
+            value = message["value"]
+        return message["name"], key, value, message["step"], message["to"]
 
     def close(self) -> None:
         with self.lock:
-            self.conn.send(None)
-
-
-class _InRing(NamedTuple):
-    """A notice: the array lies in the sender's ring at byte ``at`` (after the header)."""
-
-    at: int
-    shape: tuple
-    dtype: str
-    end: int
+            try:
+                self.channel.send(None)
+            except OSError:
+                pass
 
 
 _LINKS: dict = {}  # id(peers) -> {other rank: _Link}, this process's links
-_RINGS: list = []  # the parent's shared memory, removed by finish
 
 
-def finish(procs: list, controls: list, timeout: float = 60.0) -> None:
-    """Tell every rank to stop, wait for them, and end any that does not."""
-    for control in controls:
+def _load(entry: str) -> Callable:
+    where, _, function = entry.rpartition(":")
+    if where.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, function)
+
+
+def _main() -> None:
+    spec = json.loads(os.environ.pop(ENV_SPEC))
+    pin_to(spec["core"])
+    control = Channel(Connection(spec["control"]))
+    try:
+        _load(spec["entry"])(spec["rank"], spec["links"], control, spec["config"])
+    except BaseException as e:  # the parent hears why, then the traceback goes to stderr
         try:
-            control.send(None)
-        except (BrokenPipeError, OSError):
+            control.send({"error": f"{type(e).__name__}: {e}".splitlines()[0]})
+        except OSError:
             pass
-    for proc in procs:
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.terminate()
-    while _RINGS:
-        ring = _RINGS.pop()
-        ring.close()
-        ring.unlink()
+        raise
+
+
+if __name__ == "__main__":
+    _main()

@@ -28,6 +28,10 @@ zero elsewhere, are summed over ranks at the end. Both are small (Linear(8, d), 
 so the masked work costs little. The blocks' backward is split into B and W by
 :class:`~zbpp_lite.runtime.split.StageSplit` exactly as in the MPMD executor.
 
+What stages pass on may be one array or a pytree (a tuple ``(hidden, residual)``, a dict): every
+buffer of activations and their gradients, and the message each tick sends, then holds one array
+per leaf (``tests/test_byo_model.py``).
+
 JAX issue #40823: a ``lax.switch`` / ``lax.cond`` whose index varies over a mesh axis, applied to
 an input that is replicated (invariant) over that axis, can return silently wrong gradients,
 because the implicit broadcast of the replicated input transposes to a ``psum`` that only some
@@ -52,7 +56,6 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -146,10 +149,16 @@ def tick_tables(schedule: Schedule) -> TickTables:
 
     Raises:
         ScheduleError: an invalid schedule.
-        ValueError: ranks holding different numbers of stages, or a transfer between ranks that
-            are not neighbours on the ring (only r -> r+1, r -> r-1 and r -> r travel).
+        ValueError: ranks holding different numbers of stages, a transfer between ranks that
+            are not neighbours on the ring (only r -> r+1, r -> r-1 and r -> r travel), or an
+            overlapped F&B pair (DualPipeV's): a tick runs one action per rank.
     """
     validate(schedule)
+    if schedule.has_pairs:
+        raise ValueError(
+            "the SPMD executor runs one action per rank per tick and has no overlapped F&B pair; run "
+            "schedule.split_pairs() (each pair as its two actions, the same gradients) or the thread executor"
+        )
     p, S = schedule.num_ranks, schedule.num_stages
     chunks = [schedule.stages_of(r) for r in range(p)]
     if len({len(c) for c in chunks}) != 1:
@@ -285,21 +294,35 @@ class SpmdExecutor:
     def _program(self, mb_shape: tuple, label_shape: tuple):
         model, tables = self.model, self.tables
         m = self.schedule.num_microbatches
-        g_first, g_block, g_last = model.graphdefs[0], model.graphdefs[1], model.graphdefs[-1]
         k = len(self.block_index[0][0])
 
         def embed(p_first, tokens):
-            return nnx.merge(g_first, p_first)(tokens)
+            return model.apply_part(0, p_first, tokens)
 
         def blocks_fn(p_blocks, x, _aux):
             for p_k in p_blocks:
-                x = nnx.merge(g_block, p_k)(x)
+                x = model.apply_part(1, p_k, x)
             return x
 
         def head_loss(p_last, h, labels):
-            return model.loss_fn(nnx.merge(g_last, p_last)(h), labels)
+            return model.loss_fn(model.apply_part(model.num_parts - 1, p_last, h), labels)
 
+        # what stages pass on: one array, or a pytree (a tuple or dict of arrays); every buffer below
+        # of activations or their gradients has that structure, one array per leaf
         x_shape = jax.eval_shape(embed, model.params[0], jax.ShapeDtypeStruct(mb_shape, jnp.float32))
+        tmap = jax.tree_util.tree_map
+
+        def zeros_x(prefix=()):  # zeros shaped like the activation, with leading dimensions prefix
+            return tmap(lambda s: jnp.zeros(tuple(prefix) + tuple(s.shape), s.dtype), x_shape)
+
+        def where_x(flag, a, b):
+            return tmap(lambda u, w: jnp.where(flag, u, w), a, b)
+
+        def get_x(buffer, index):
+            return tmap(lambda b: b[index], buffer)
+
+        def set_x(buffer, index, value):
+            return tmap(lambda b, u: b.at[index].set(u), buffer, value)
         v = tables.first.shape[1]
 
         def slots(shapes):  # one buffer per leaf: (stages per rank, m + 1, *leaf shape); slot m: scratch
@@ -315,20 +338,20 @@ class SpmdExecutor:
             zeros_like = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)  # noqa: E731
             # The blocks' F / B / W, traced here, on values varying over the axis: StageSplit
             # replays primitives one by one, so the varying-axes casts must be in its program.
-            x_example = to_varying(jnp.zeros(x_shape.shape, x_shape.dtype))
+            x_example = to_varying(zeros_x())
             params_example = jax.tree_util.tree_map(lambda a: a[0], p_blocks)
             split = StageSplit(blocks_fn, params_example, x_example, None, input_grad=True)
             _, res_shape, kept_shape = jax.eval_shape(split.forward, params_example, x_example, None)
             _, gout_shape = jax.eval_shape(split.backward_input, res_shape, x_example)
             carry = dict(
-                act=jnp.zeros((v, m) + x_shape.shape, x_shape.dtype),  # received activations
-                grad=jnp.zeros((v, m) + x_shape.shape, x_shape.dtype),  # received output gradients
+                act=zeros_x((v, m)),  # received activations
+                grad=zeros_x((v, m)),  # received output gradients
                 res=slots(res_shape), kept=slots(kept_shape), gout=slots(gout_shape),
-                head_in=jnp.zeros((m,) + x_shape.shape, x_shape.dtype),  # last stage's block output
-                embed_grad=jnp.zeros((m,) + x_shape.shape, x_shape.dtype),  # stage 0's input gradient
+                head_in=zeros_x((m,)),  # last stage's block output
+                embed_grad=zeros_x((m,)),  # stage 0's input gradient
                 acc=zeros_like(p_blocks), acc_first=zeros_like(p_first), acc_last=zeros_like(p_last),
                 losses=jnp.zeros((m,), jnp.float32),
-                msg=jnp.zeros(x_shape.shape, x_shape.dtype),
+                msg=zeros_x(),
             )
             carry = to_varying(carry)  # loop carries created inside shard_map: varying too (#40823)
 
@@ -345,12 +368,12 @@ class SpmdExecutor:
             # are written back outside it (in-place dynamic updates); a slot a kind does not
             # produce goes to the scratch slot m, so no branch passes a big buffer through (XLA
             # copies a conditional's pass-through outputs: 4x slower, measured).
-            zero_msg = to_varying(jnp.zeros(x_shape.shape, x_shape.dtype))
+            zero_msg = to_varying(zeros_x())
             zero_loss = to_varying(jnp.zeros((), jnp.float32))
             zeros_of = lambda shapes: tuple(to_varying(jnp.zeros(sh.shape, sh.dtype)) for sh in shapes)  # noqa: E731
 
             def outputs(st, c, j, **new):
-                out = {"res": None, "kept": None, "gout": None, "head_in": st["head_in"][j], "embed_grad": st["embed_grad"][j],
+                out = {"res": None, "kept": None, "gout": None, "head_in": get_x(st["head_in"], j), "embed_grad": get_x(st["embed_grad"], j),
                        "acc": jax.tree_util.tree_map(lambda a: a[c], st["acc"]), "acc_first": st["acc_first"],
                        "acc_last": st["acc_last"], "msg": zero_msg, "loss": zero_loss, **new}
                 for name, shapes in (("res", res_shape), ("kept", kept_shape), ("gout", gout_shape)):
@@ -362,25 +385,25 @@ class SpmdExecutor:
                 return outputs(st, c, j)
 
             def forward(st, c, j):
-                x_in = jnp.where(first[c] == 1, embed(p_first, tokens[j]), st["act"][c, j])
+                x_in = where_x(first[c] == 1, embed(p_first, tokens[j]), get_x(st["act"], (c, j)))
                 h, res, kept = split.forward(chunk_params(c), x_in, None)
                 is_last = last[c] == 1
                 loss = head_loss(p_last, h, labels[j])
-                return outputs(st, c, j, res=tuple(res), kept=tuple(kept), head_in=jnp.where(is_last, h, st["head_in"][j]),
+                return outputs(st, c, j, res=tuple(res), kept=tuple(kept), head_in=where_x(is_last, h, get_x(st["head_in"], j)),
                                loss=jnp.where(is_last, loss, 0.0), msg=h)
 
             def input_grad(st, c, j):
-                dh_head = jax.grad(head_loss, argnums=1)(p_last, st["head_in"][j], labels[j])
-                dy = jnp.where(last[c] == 1, dh_head, st["grad"][c, j])
+                dh_head = jax.grad(head_loss, argnums=1)(p_last, get_x(st["head_in"], j), labels[j])
+                dy = where_x(last[c] == 1, dh_head, get_x(st["grad"], (c, j)))
                 dx, gout = split.backward_input(take(st["res"], c, j), dy)
-                return dx, tuple(gout), jnp.where(first[c] == 1, dx, st["embed_grad"][j])
+                return dx, tuple(gout), where_x(first[c] == 1, dx, get_x(st["embed_grad"], j))
 
             def weight_grad(st, c, j, gout, embed_grad_j):
                 acc_c = jax.tree_util.tree_map(lambda a: a[c], st["acc"])
                 acc_c = split.backward_weight(chunk_params(c), take(st["kept"], c, j), gout, acc_c)
                 _, embed_vjp = jax.vjp(lambda p: embed(p, tokens[j]), p_first)
                 (g_first,) = embed_vjp(embed_grad_j)
-                g_last = jax.grad(head_loss)(p_last, st["head_in"][j], labels[j])
+                g_last = jax.grad(head_loss)(p_last, get_x(st["head_in"], j), labels[j])
                 masked_add = lambda flag: lambda a, g: a + jnp.where(flag, g, 0.0)  # noqa: E731
                 return dict(acc=acc_c, acc_first=jax.tree_util.tree_map(masked_add(first[c] == 1), st["acc_first"], g_first),
                             acc_last=jax.tree_util.tree_map(masked_add(last[c] == 1), st["acc_last"], g_last))
@@ -390,7 +413,7 @@ class SpmdExecutor:
                 return outputs(st, c, j, gout=gout, msg=dx, embed_grad=embed_grad_j)
 
             def backward_weight(st, c, j):
-                return outputs(st, c, j, **weight_grad(st, c, j, take(st["gout"], c, j), st["embed_grad"][j]))
+                return outputs(st, c, j, **weight_grad(st, c, j, take(st["gout"], c, j), get_x(st["embed_grad"], j)))
 
             def backward_fused(st, c, j):
                 dx, gout, embed_grad_j = input_grad(st, c, j)
@@ -402,8 +425,8 @@ class SpmdExecutor:
             to_left = [(i, (i - 1) % n) for i in range(n)]
 
             def deliver(st, value, buf, c, j):
-                act = st["act"].at[c, j].set(jnp.where(buf == ACT_BUFFER, value, st["act"][c, j]))
-                grad = st["grad"].at[c, j].set(jnp.where(buf == GRAD_BUFFER, value, st["grad"][c, j]))
+                act = set_x(st["act"], (c, j), where_x(buf == ACT_BUFFER, value, get_x(st["act"], (c, j))))
+                grad = set_x(st["grad"], (c, j), where_x(buf == GRAD_BUFFER, value, get_x(st["grad"], (c, j))))
                 return {**st, "act": act, "grad": grad}
 
             def tick(st, xs):
@@ -413,8 +436,8 @@ class SpmdExecutor:
                 j_res = jnp.where(kind_t == KIND_CODE["F"], j, scratch)  # F writes res and kept, B gout
                 j_gout = jnp.where(kind_t == KIND_CODE["B"], j, scratch)
                 st = {**st, "res": put(st["res"], c, j_res, out["res"]), "kept": put(st["kept"], c, j_res, out["kept"]),
-                      "gout": put(st["gout"], c, j_gout, out["gout"]), "head_in": st["head_in"].at[j].set(out["head_in"]),
-                      "embed_grad": st["embed_grad"].at[j].set(out["embed_grad"]),
+                      "gout": put(st["gout"], c, j_gout, out["gout"]), "head_in": set_x(st["head_in"], j, out["head_in"]),
+                      "embed_grad": set_x(st["embed_grad"], j, out["embed_grad"]),
                       "acc": jax.tree_util.tree_map(lambda a, g: a.at[c].set(g), st["acc"], out["acc"]),
                       "acc_first": out["acc_first"], "acc_last": out["acc_last"],
                       "losses": st["losses"].at[j].add(out["loss"]), "msg": out["msg"]}

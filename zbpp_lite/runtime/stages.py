@@ -73,7 +73,15 @@ def stage_parts(num_blocks: int, num_stages: int) -> list[list[int]]:
 
 
 class StagedModel:
-    """A model given as a list of NNX modules ``[first, *blocks, last]``, cut into stages.
+    """A model given as a list of parts ``[first, *blocks, last]``, cut into stages.
+
+    Each part is a Flax NNX module (``module(x) -> y``, parameters only) or a plain function
+    with its parameters, a pair ``(fn, params)`` with ``fn(params, x) -> y`` pure and ``params``
+    any pytree of floating-point arrays. What passes between parts and stages may be one array or
+    a pytree of them (a tuple ``(hidden, residual)``, a dict): every output leaf must depend on
+    the stage input and be floating point. This is the "pipeline your own model" path (README;
+    notebook 06): e.g. ``StagedModel([embed, (block_fn, block_params), head], 2, my_loss,
+    parts=[[0, 1], [2]])``.
 
     Attributes:
         num_stages: S.
@@ -87,11 +95,12 @@ class StagedModel:
     (:class:`~zbpp_lite.runtime.split.StageSplit`); :meth:`loss` is the unpartitioned model on a whole batch.
 
     Raises:
-        ValueError: fewer than two modules, fewer blocks than stages, or a module holding state
-            other than parameters (batch statistics, RNG counters).
+        ValueError: fewer than two modules, fewer blocks than stages, a module holding state
+            other than parameters (batch statistics, RNG counters), or a part that is neither an
+            NNX module nor a ``(fn, params)`` pair.
     """
 
-    def __init__(self, modules: Sequence[nnx.Module], num_stages: int, loss_fn: Callable = cross_entropy,
+    def __init__(self, modules: Sequence[nnx.Module | tuple[Callable, Any]], num_stages: int, loss_fn: Callable = cross_entropy,
                  parts: Sequence[Sequence[int]] | None = None):
         if len(modules) < 2:
             raise ValueError(f"a staged model needs at least a first and a last module, got {len(modules)} module(s)")
@@ -102,6 +111,11 @@ class StagedModel:
         self.loss_fn = loss_fn
         self.graphdefs, self.params = [], []
         for i, module in enumerate(modules):
+            if not isinstance(module, nnx.Module):
+                graphdef, params = _function_part(i, module)
+                self.graphdefs.append(graphdef)
+                self.params.append(params)
+                continue
             graphdef, params, rest = nnx.split(module, nnx.Param, ...)
             if jax.tree_util.tree_leaves(rest):
                 raise ValueError(f"module {i} ({type(module).__name__}) holds state other than parameters; only nnx.Param state is supported")
@@ -120,9 +134,18 @@ class StagedModel:
         """Inverse of :meth:`stage_params` over all stages: per-stage lists -> one per-module list."""
         return [p for stage in per_stage for p in stage]
 
-    def _apply(self, indices: Sequence[int], params: Sequence, x: jax.Array) -> jax.Array:
+    def is_function(self, i: int) -> bool:
+        """Whether part ``i`` was given as a plain function ``(fn, params)``, not an NNX module."""
+        return isinstance(self.graphdefs[i], _Fn)
+
+    def apply_part(self, i: int, params: Any, x: Any) -> Any:
+        """Part ``i`` on ``x`` with ``params`` (its entry of :attr:`params`)."""
+        graphdef = self.graphdefs[i]
+        return graphdef.fn(params, x) if isinstance(graphdef, _Fn) else nnx.merge(graphdef, params)(x)
+
+    def _apply(self, indices: Sequence[int], params: Sequence, x: Any) -> Any:
         for i, p in zip(indices, params):
-            x = nnx.merge(self.graphdefs[i], p)(x)
+            x = self.apply_part(i, p, x)
         return x
 
     def stage_fn(self, stage: int) -> Callable:
@@ -135,8 +158,9 @@ class StagedModel:
 
         return fn
 
-    def stage_inputs(self, x: Any) -> list[jax.ShapeDtypeStruct]:
-        """Shape and dtype of every stage's input for a (micro)batch shaped like ``x``."""
+    def stage_inputs(self, x: Any) -> list[Any]:
+        """Shape and dtype of every stage's input for a (micro)batch shaped like ``x``: a
+        ``jax.ShapeDtypeStruct``, or a pytree of them where a stage passes a tuple or dict on."""
         shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))]
         for s in range(self.num_stages - 1):
             shapes.append(jax.eval_shape(self.stage_fn(s), self.stage_params(self.params, s), shapes[-1], None))
@@ -170,3 +194,50 @@ class StagedModel:
     def loss(self, params: Params, x: jax.Array, labels: jax.Array) -> jax.Array:
         """The unpartitioned model's loss on a whole batch (the reference for the pipeline)."""
         return self.loss_fn(self.logits(params, x), labels)
+
+
+def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None:
+    """Raise a one-line ValueError when a stage of ``model`` passes a pytree (a tuple or dict of
+    arrays) to the next, for an ``executor`` that moves only single arrays between stages; ``x``
+    is a microbatch (an array or a ``jax.ShapeDtypeStruct``)."""
+    for s, shape in enumerate(model.stage_inputs(x)[1:]):
+        if not isinstance(shape, jax.ShapeDtypeStruct):
+            n = len(jax.tree_util.tree_leaves(shape))
+            raise ValueError(
+                f"{executor} passes one array between stages, but stage {s} passes a {type(shape).__name__} of {n} arrays "
+                "(pytree activations); run this model with PipelineExecutor (threads, or one process per rank through "
+                "zbpp_lite.runtime.processes) or SpmdExecutor"
+            )
+
+
+class _Fn:
+    """A plain-function part's stand-in for a graphdef: hashable by the function itself, so
+    :meth:`StagedModel.split_stage`'s cache shares splits between stages running one function."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, _Fn) and other.fn is self.fn
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __repr__(self) -> str:
+        return f"function part {getattr(self.fn, '__name__', self.fn)!r}"
+
+
+def _function_part(i: int, part: Any) -> tuple[_Fn, Any]:
+    """``(fn, params)`` checked: fn callable, params a pytree of floating-point arrays."""
+    if not (isinstance(part, tuple) and len(part) == 2 and callable(part[0])):
+        raise ValueError(
+            f"part {i} is a {type(part).__name__}; expected an nnx.Module or a pair (fn, params) with fn(params, x) -> y"
+        )
+    fn, params = part
+    dtypes = [jnp.asarray(a).dtype for a in jax.tree_util.tree_leaves(params)]
+    bad = [d for d in dtypes if not jnp.issubdtype(d, jnp.inexact)]
+    if bad:
+        raise ValueError(f"part {i}: parameters must be floating-point arrays to be differentiated, got {bad[0]}")
+    return _Fn(fn), jax.tree_util.tree_map(jnp.asarray, params)

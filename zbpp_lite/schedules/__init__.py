@@ -1,7 +1,8 @@
 """Layer 1, schedules: what a pipeline does and how long it takes, in pure Python (no JAX).
 
-- :mod:`.ir`: ``Action``, ``Schedule``, placements, dependencies, PyTorch's text and CSV forms;
-- :mod:`.costs`: ``Costs`` (T_F, T_B, T_W, T_BW, T_comm, M_B, M_W), per stage;
+- :mod:`.ir`: ``Action``, ``Overlap`` (the F&B pair), ``Schedule``, placements, dependencies, PyTorch's text and CSV forms;
+- :mod:`.costs`: ``Costs`` (T_F, T_B, T_W, T_BW, T_F&B, T_comm, M_B, M_W), per stage;
+- :mod:`.memory`: ``MeasuredMemory``, the activation bytes each rank held in a measured step;
 - :mod:`.timeline`: ``Timeline`` and ``Event``, planned or measured (makespan, bubble rate, memory);
 - :mod:`.validate`: completeness, order and deadlock freedom, errors naming rank, step and rule;
 - :mod:`.simulate`: event-driven (and lockstep) timing of a schedule under costs;

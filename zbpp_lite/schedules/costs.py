@@ -6,6 +6,10 @@ allocates M_B of activations, B frees M_B - M_W of them and keeps M_W until W fr
 A fused BW costs T_B + T_W and frees M_B, unless a measured T_BW says otherwise: on a real device
 the split has a price (the weight operations' output gradients are written by B and read back by
 W, and two programs are launched instead of one), so a fused BW may cost less than B and W apart.
+
+An overlapped pair F&B (:class:`zbpp_lite.schedules.ir.Overlap`, DualPipe's unit, arXiv
+2412.19437, section 3.2.1) costs T_F&B: by default its two parts' times added (no overlap), less
+when one part's compute hides the other's communication.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import math
 import numbers
 from dataclasses import dataclass
 from typing import Sequence, Union
+
+from .ir import Entry, Overlap
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
@@ -45,6 +51,10 @@ class Costs:
             Measured, it is often below b + w (the split's own cost); the automatic scheduler
             then fuses a B with the W right after it wherever that does not lengthen the
             schedule (:func:`zbpp_lite.schedules.builders.greedy.fuse_backward`).
+        fb: T_F&B, the time of an overlapped pair (:class:`~zbpp_lite.schedules.ir.Overlap`),
+            one value per stage of the pair's forward, or None (the default): the forward's T_F
+            plus its backward's T_BW (or T_B), which means no overlap. DualPipe's bubble formula
+            (PP/2 - 1)(F&B + B - 3W) is written with it (arXiv 2412.19437, DualPipe's README).
         comm: T_comm, time to move an activation or gradient to another rank (none on one rank).
             A scalar, or one value per stage: the cost of sending that stage's output onward
             (or its input gradient backward).
@@ -63,11 +73,12 @@ class Costs:
     mem_b: PerStage = 1.0
     mem_w: PerStage = 0.0
     bw: PerStage | None = None
+    fb: PerStage | None = None
 
     def __post_init__(self) -> None:
-        for name in ("f", "b", "w", "comm", "mem_b", "mem_w", "bw"):
+        for name in ("f", "b", "w", "comm", "mem_b", "mem_w", "bw", "fb"):
             value = getattr(self, name)
-            if value is None and name == "bw":
+            if value is None and name in ("bw", "fb"):
                 continue
             values = [value] if isinstance(value, numbers.Real) else list(value)
             if any(not (math.isfinite(v) and v >= 0) for v in values):
@@ -85,7 +96,8 @@ class Costs:
         """
         fields = {k: _per_stage(getattr(self, k), num_stages, k) for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
         bw = tuple(b + w for b, w in zip(fields["b"], fields["w"])) if self.bw is None else _per_stage(self.bw, num_stages, "bw")
-        t = CostTable(**fields, bw=bw)
+        fb = () if self.fb is None else _per_stage(self.fb, num_stages, "fb")
+        t = CostTable(**fields, bw=bw, fb=fb)
         bad = [s for s in range(num_stages) if t.mem_w[s] > t.mem_b[s]]
         if bad:
             raise ValueError(f"mem_w exceeds mem_b on stage(s) {bad}: W's share M_W is part of M_B")
@@ -108,6 +120,7 @@ class CostTable:
     mem_b: tuple[float, ...]
     mem_w: tuple[float, ...]
     bw: tuple[float, ...] = ()  # T_BW per stage (b + w unless measured)
+    fb: tuple[float, ...] = ()  # T_F&B per stage of the pair's forward; () for the parts' sum (no overlap)
 
     def __post_init__(self) -> None:
         if not self.bw:
@@ -115,7 +128,7 @@ class CostTable:
 
     def costs(self) -> "Costs":
         """These per-stage values as :class:`Costs` again."""
-        return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm, mem_b=self.mem_b, mem_w=self.mem_w, bw=self.bw)
+        return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm, mem_b=self.mem_b, mem_w=self.mem_w, bw=self.bw, fb=self.fb or None)
 
     def time(self, kind: str, stage: int) -> float:
         """Duration of one action; BW costs T_BW (T_B + T_W unless measured)."""
@@ -128,6 +141,14 @@ class CostTable:
         if kind == "BW":
             return self.bw[stage]
         raise ValueError(f"unknown action kind {kind!r}")
+
+    def duration(self, entry: Entry) -> float:
+        """Duration of one entry of a rank's list: an Action's :meth:`time`, or an overlapped
+        pair's T_F&B (its forward's stage's ``fb``; without one, the two parts' times added)."""
+        if isinstance(entry, Overlap):
+            f, b = entry.forward, entry.backward
+            return self.fb[f.stage] if self.fb else self.time("F", f.stage) + self.time(b.kind, b.stage)
+        return self.time(entry.kind, entry.stage)
 
     def memory_delta(self, kind: str, stage: int) -> float:
         """Change of activation memory an action causes: F +M_B, B -(M_B-M_W), W -M_W, BW -M_B."""

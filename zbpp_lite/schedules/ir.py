@@ -10,6 +10,11 @@ used by GPipe and 1F1B.
 Text form follows PyTorch's ``torch.distributed.pipelining`` notation ``{stage}{code}{microbatch}``
 with codes F (forward), I (our B: backward-input), W (backward-weight) and B (our BW: full backward),
 so ``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``.
+
+A rank's list may also hold an :class:`Overlap`: DualPipe's overlapped pair F&B, the forward of
+one microbatch run together with the backward of another on the same rank (DeepSeek-AI,
+"DeepSeek-V3 Technical Report", arXiv 2412.19437, section 3.2.1), written as PyTorch writes it,
+``"(0F7;7B3)OVERLAP_F_B"``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import io
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, Union
 
 KINDS = ("F", "B", "W", "BW")
 """Action kinds: forward, backward-input, backward-weight, fused backward."""
@@ -29,8 +34,7 @@ TORCH_CODE = {"F": "F", "B": "I", "W": "W", "BW": "B"}
 KIND_OF_CODE = {code: kind for kind, code in TORCH_CODE.items()}
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]+)\s*(\d+)\s*$")
-# PyTorch's lowered (compute_comms) form also holds transfers and bookkeeping, and DualPipeV's
-# overlapped pairs "(0F7;7B3)OVERLAP_F_B"; we read them as nothing / two consecutive actions.
+# PyTorch's lowered (compute_comms) form also holds transfers and bookkeeping, read as nothing.
 _TORCH_NON_COMPUTE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*\s*$")
 _TORCH_OVERLAP = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
@@ -85,6 +89,76 @@ class Action:
         return cls(KIND_OF_CODE[match.group(2)], int(match.group(1)), int(match.group(3)))
 
 
+@dataclass(frozen=True)
+class Overlap:
+    """DualPipe's overlapped pair F&B: the forward ``forward`` of one microbatch and the backward
+    ``backward`` of another, run as one unit on one rank, so that one's compute hides the other's
+    communication (arXiv 2412.19437, section 3.2.1; its V form DualPipeV, the "cut-in-half" of
+    DualPipe). It starts once both parts' inputs are there and lasts T_F&B
+    (:attr:`zbpp_lite.Costs.fb`).
+
+    Attributes:
+        forward: an F action.
+        backward: a B or BW action of another stage or microbatch (PyTorch's and DualPipe's pair
+            holds a full backward, BW).
+
+    ``str(pair)`` is PyTorch's text form ``"(0F7;7B3)OVERLAP_F_B"`` (forward first) and
+    :meth:`from_str` parses it back.
+
+    Raises:
+        ValueError: a forward that is not F, a backward that is not B or BW, or a backward that
+            needs the pair's own forward (same stage and microbatch).
+    """
+
+    forward: Action
+    backward: Action
+
+    kind = "F&B"
+    """The pair's kind, as costs and figures name it (T_F&B)."""
+
+    def __post_init__(self) -> None:
+        f, b = self.forward, self.backward
+        if not (isinstance(f, Action) and isinstance(b, Action)) or f.kind != "F" or b.kind not in ("B", "BW"):
+            raise ValueError(f"an overlapped pair is (F; B or BW), got ({f}; {b})")
+        if (f.stage, f.microbatch) == (b.stage, b.microbatch):
+            raise ValueError(f"the pair ({f}; {b}) overlaps a backward with its own forward, which it needs first")
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        """(forward, backward), the order the executor runs them back to back."""
+        return (self.forward, self.backward)
+
+    def __str__(self) -> str:
+        return f"({self.forward};{self.backward})OVERLAP_F_B"
+
+    @property
+    def label(self) -> str:
+        """Short human label, e.g. ``F7&BW3``."""
+        return f"{self.forward.label}&{self.backward.label}"
+
+    @classmethod
+    def from_str(cls, text: str) -> "Overlap":
+        """Parse ``"(0F7;7B3)OVERLAP_F_B"``.
+
+        Raises:
+            ValueError: text not of that form, or parts that are not (F; I or B).
+        """
+        match = _TORCH_OVERLAP.match(text)
+        parts = match.group(1).split(";") if match else []
+        if len(parts) != 2:
+            raise ValueError(f"cannot parse overlapped pair {text!r}: expected '(<F action>;<backward>)OVERLAP_F_B', e.g. '(0F7;7B3)OVERLAP_F_B'")
+        return cls(Action.from_str(parts[0]), Action.from_str(parts[1]))
+
+
+Entry = Union[Action, Overlap]
+"""One entry of a rank's list: an :class:`Action`, or an :class:`Overlap` pair of two."""
+
+
+def parts(entry: Entry) -> tuple[Action, ...]:
+    """The actions an entry runs: (action,) for an Action, (forward, backward) for an Overlap."""
+    return entry.parts if isinstance(entry, Overlap) else (entry,)
+
+
 # ---------------------------------------------------------------------------- placement
 
 
@@ -104,21 +178,25 @@ Key = tuple[str, int, int]
 """What an action produces or needs: ("F"|"B"|"W", stage, microbatch). BW produces both B and W."""
 
 
-def produces(action: Action) -> tuple[Key, ...]:
-    """Keys an action completes: F -> F, B -> B, W -> W, BW -> B and W."""
+def produces(action: Entry) -> tuple[Key, ...]:
+    """Keys an action completes: F -> F, B -> B, W -> W, BW -> B and W; a pair, both parts'."""
+    if isinstance(action, Overlap):
+        return produces(action.forward) + produces(action.backward)
     if action.kind == "BW":
         return (("B", action.stage, action.microbatch), ("W", action.stage, action.microbatch))
     return ((action.kind, action.stage, action.microbatch),)
 
 
-def deps(action: Action, num_stages: int) -> tuple[Key, ...]:
+def deps(action: Entry, num_stages: int) -> tuple[Key, ...]:
     """Keys an action needs before it may start (paper section 2, figure 1).
 
     F(s, j) needs F(s-1, j); B(s, j) and BW(s, j) need F(s, j) and the input gradient B(s+1, j)
     from the next stage (the last stage's backward needs only its own F, which computed the loss);
     W(s, j) needs B(s, j). This one function serves the validator, the simulator, the executor and
-    the figures.
+    the figures. A pair needs what both its parts need (it starts once both inputs are there).
     """
+    if isinstance(action, Overlap):
+        return deps(action.forward, num_stages) + deps(action.backward, num_stages)
     s, j = action.stage, action.microbatch
     if action.kind == "F":
         return (("F", s - 1, j),) if s > 0 else ()
@@ -138,7 +216,8 @@ class Schedule:
     """One ordered action list per rank, plus the placement stage -> rank.
 
     Attributes:
-        actions: ``actions[rank]`` is that rank's ordered tuple of :class:`Action`.
+        actions: ``actions[rank]`` is that rank's ordered tuple of entries: :class:`Action`, or
+            :class:`Overlap` for an overlapped pair (see :meth:`rank_actions` for the actions alone).
         placement: ``placement[stage]`` is the rank holding that stage.
         num_microbatches: m, microbatches per training step.
         name: the builder's registry name, or "" for hand-written / loaded schedules.
@@ -179,13 +258,29 @@ class Schedule:
         return tuple(s for s, r in enumerate(self.placement) if r == rank)
 
     def __iter__(self) -> Iterator[tuple[int, Action]]:
-        """Yield (rank, action) for every action, rank by rank."""
+        """Yield (rank, action) for every action, rank by rank (a pair as its two parts)."""
         for rank, row in enumerate(self.actions):
-            for action in row:
-                yield rank, action
+            for entry in row:
+                for action in parts(entry):
+                    yield rank, action
 
     def __len__(self) -> int:
-        return sum(len(row) for row in self.actions)
+        """Number of actions (a pair counts as its two)."""
+        return sum(len(parts(e)) for row in self.actions for e in row)
+
+    def rank_actions(self, rank: int) -> tuple[Action, ...]:
+        """``rank``'s actions in order, each pair as its forward then its backward."""
+        return tuple(a for e in self.actions[rank] for a in parts(e))
+
+    @property
+    def has_pairs(self) -> bool:
+        """True when some rank's list holds an overlapped pair (:class:`Overlap`)."""
+        return any(isinstance(e, Overlap) for row in self.actions for e in row)
+
+    def split_pairs(self) -> "Schedule":
+        """The same schedule with every pair written as its two consecutive actions (what
+        PyTorch's compute-only CSV generator in tests/artifacts does)."""
+        return Schedule(tuple(self.rank_actions(r) for r in range(self.num_ranks)), self.placement, self.num_microbatches, self.name)
 
     # ------------------------------------------------------------------ text / CSV form
 
@@ -211,7 +306,7 @@ class Schedule:
     @classmethod
     def from_rows(
         cls,
-        rows: Sequence[Iterable[str | Action | None]],
+        rows: Sequence[Iterable[str | Action | Overlap | None]],
         num_microbatches: int | None = None,
         name: str = "",
     ) -> "Schedule":
@@ -219,15 +314,15 @@ class Schedule:
 
         Empty cells and ``None`` (PyTorch's idle steps) are skipped, and so are the transfer and
         bookkeeping entries of PyTorch's lowered form (``SEND_F``, ``RECV_B``, ``UNSHARD``,
-        ``REDUCE_GRAD``, ...); an overlapped pair ``(0F7;7B3)OVERLAP_F_B`` becomes two consecutive
-        actions. ``num_microbatches``
+        ``REDUCE_GRAD``, ...); an overlapped pair ``(0F7;7B3)OVERLAP_F_B`` becomes an
+        :class:`Overlap`. ``num_microbatches``
         defaults to one more than the largest microbatch index.
 
         Raises:
             ValueError: an unparsable action, a stage that appears on two ranks, or a gap in
                 the stage numbering (a stage no rank holds).
         """
-        actions: list[list[Action]] = []
+        actions: list[list[Entry]] = []
         for rank, row in enumerate(rows):
             parsed = []
             for cell in row:
@@ -238,38 +333,83 @@ class Schedule:
             actions.append(parsed)
         placement = infer_placement(actions)
         if num_microbatches is None:
-            num_microbatches = 1 + max((a.microbatch for row in actions for a in row), default=-1)
+            num_microbatches = 1 + max((a.microbatch for row in actions for e in row for a in parts(e)), default=-1)
         return cls(tuple(map(tuple, actions)), placement, num_microbatches, name)
 
     @classmethod
-    def from_csv(cls, path_or_text: str | os.PathLike, num_microbatches: int | None = None) -> "Schedule":
-        """Read PyTorch's compute-only CSV (a path, or the CSV text itself if it contains a comma
-        or newline and is not an existing file). Placement is inferred from the rows.
+    def from_csv(cls, path: str | os.PathLike, num_microbatches: int | None = None) -> "Schedule":
+        """Read PyTorch's compute-only CSV from the file at ``path`` (UTF-8); see :meth:`from_csv_text`.
+
+        ``path`` is always a file name, never CSV text: text goes to :meth:`from_csv_text`.
 
         Raises:
-            ValueError: see :meth:`from_rows`; FileNotFoundError for a missing path.
+            FileNotFoundError: no file at ``path``.
+            IsADirectoryError: ``path`` is a directory.
+            ValueError: a file that is not UTF-8 text, or a bad row (see :meth:`from_csv_text`).
+            TypeError: ``path`` that is not a ``str`` or ``os.PathLike``.
         """
-        text = str(path_or_text)
-        if os.path.exists(text) or not ("," in text or "\n" in text):
-            with open(text, newline="") as f:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"Schedule.from_csv takes a file path (str or os.PathLike), got {type(path).__name__}")
+        name = os.fspath(path)
+        if os.path.isdir(name):
+            raise IsADirectoryError(f"schedule CSV {name!r} is a directory; expected a CSV file")
+        if not os.path.isfile(name):
+            hint = "; to parse CSV text use Schedule.from_csv_text" if ("," in name or "\n" in name) else ""
+            raise FileNotFoundError(f"schedule CSV {name!r}: no such file{hint}")
+        try:
+            with open(name, encoding="utf-8-sig", newline="") as f:
                 text = f.read()
-        rows = list(csv.reader(io.StringIO(text)))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"schedule CSV {name!r} is not UTF-8 text (byte {e.start}): expected PyTorch's CSV form") from None
+        try:
+            return cls.from_csv_text(text, num_microbatches)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    @classmethod
+    def from_csv_text(cls, text: str, num_microbatches: int | None = None) -> "Schedule":
+        """Parse PyTorch's compute-only CSV text: one row per rank, no header.
+
+        Any line ending is accepted (LF, CRLF, CR alone, mixed); blank lines (empty or only
+        whitespace) are skipped anywhere, so the i-th non-blank line is rank i. Placement is
+        inferred from the rows; cells as in :meth:`from_rows`.
+
+        Raises:
+            TypeError: ``text`` that is not a ``str`` (e.g. a path object: use :meth:`from_csv`).
+            ValueError: one line naming the CSV line and rank of an unparsable cell, a malformed
+                CSV line, or a stage on two ranks (see :meth:`from_rows`).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"Schedule.from_csv_text takes CSV text (str), got {type(text).__name__}; for a file use Schedule.from_csv")
+        lines = [(n, line) for n, line in enumerate(text.lstrip("\ufeff").splitlines(), start=1) if line.strip()]
+        rows: list[list[Action]] = []
+        for rank, (n, line) in enumerate(lines):
+            try:
+                cells = next(csv.reader([line], strict=True))
+            except csv.Error as e:
+                raise ValueError(f"CSV line {n} (rank {rank}): {e}") from None
+            parsed: list[Action] = []
+            for cell in cells:
+                try:
+                    parsed += _parse_cell(cell)
+                except ValueError as e:
+                    raise ValueError(f"CSV line {n} (rank {rank}): {e}") from None
+            rows.append(parsed)
         return cls.from_rows(rows, num_microbatches)
 
 
-def _parse_cell(cell: str | Action | None) -> list[Action]:
-    """One CSV cell -> the compute actions it holds (none for idle steps and transfers)."""
-    if cell is None or isinstance(cell, Action):
+def _parse_cell(cell: str | Entry | None) -> list[Entry]:
+    """One CSV cell -> the entry it holds (none for idle steps and transfers)."""
+    if cell is None or isinstance(cell, (Action, Overlap)):
         return [] if cell is None else [cell]
     if not cell.strip() or _TORCH_NON_COMPUTE.match(cell):
         return []
-    overlap = _TORCH_OVERLAP.match(cell)
-    if overlap:
-        return [Action.from_str(part) for part in overlap.group(1).split(";")]
+    if _TORCH_OVERLAP.match(cell):
+        return [Overlap.from_str(cell)]
     return [Action.from_str(cell)]
 
 
-def infer_placement(actions: Sequence[Sequence[Action]]) -> tuple[int, ...]:
+def infer_placement(actions: Sequence[Sequence[Entry]]) -> tuple[int, ...]:
     """Placement stage -> rank read off per-rank action lists.
 
     Raises:
@@ -277,7 +417,7 @@ def infer_placement(actions: Sequence[Sequence[Action]]) -> tuple[int, ...]:
     """
     owner: dict[int, int] = {}
     for rank, row in enumerate(actions):
-        for a in row:
+        for a in (a for e in row for a in parts(e)):
             if owner.setdefault(a.stage, rank) != rank:
                 raise ValueError(
                     f"stage {a.stage} appears on rank {owner[a.stage]} and on rank {rank} "

@@ -4,12 +4,18 @@ Event-driven with a cursor per rank, in the manner of the zero-bubble scheduler'
 rank's head action starts once the rank is free and everything it needs has ended, plus T_comm
 for what comes from another rank. Actions on one rank never overlap. Source: Qi et al.,
 arXiv 2401.10241, section 3 (the cost model of the automatic scheduler).
+
+An overlapped pair F&B (:class:`~zbpp_lite.schedules.ir.Overlap`) starts once both parts' inputs
+are there, lasts T_F&B (``Costs.fb``) and hands both parts' outputs on at its end, as DualPipe
+sends them (arXiv 2412.19437, section 3.2.1). On the timeline it is two events, its forward then
+its backward, back to back, splitting T_F&B in proportion to T_F and the backward's time, so each
+event is one action, as the executor measures them.
 """
 
 from __future__ import annotations
 
 from .costs import Costs, CostTable
-from .ir import Key, Schedule, deps, produces
+from .ir import Entry, Key, Overlap, Schedule, deps, parts, produces
 from .timeline import Event, Timeline
 from .validate import execution_order, validate
 
@@ -74,6 +80,17 @@ def lockstep_ticks(schedule: Schedule) -> list[list[int | None]]:
     return table
 
 
+def _events_of(rank: int, entry: Entry, start: float, end: float, table: CostTable) -> list[Event]:
+    """One event for an action; a pair's forward and backward back to back over [start, end],
+    split in proportion to their own times."""
+    if not isinstance(entry, Overlap):
+        return [Event(rank, entry, start, end)]
+    f, b = entry.parts
+    tf, tb = table.time(f.kind, f.stage), table.time(b.kind, b.stage)
+    cut = start + (end - start) * (tf / (tf + tb) if tf + tb > 0 else 0.0)
+    return [Event(rank, f, start, cut), Event(rank, b, cut, end)]
+
+
 def _sends_across(schedule: Schedule, rank: int, a) -> bool:
     """Does this action's result go to another rank (F onward, B / BW backward)?"""
     if a.kind == "F":
@@ -87,9 +104,10 @@ def _lockstep_events(schedule: Schedule, table: CostTable) -> list[Event]:
     events, now = [], 0.0
     for row in lockstep_ticks(schedule):
         actions = [(r, schedule.actions[r][i]) for r, i in enumerate(row) if i is not None]
-        length = max(table.time(a.kind, a.stage) for _, a in actions)
-        events += [Event(r, a, now, now + table.time(a.kind, a.stage)) for r, a in actions]
-        sends = [table.comm[a.stage] for r, a in actions if _sends_across(schedule, r, a)]
+        length = max(table.duration(a) for _, a in actions)
+        for r, a in actions:
+            events += _events_of(r, a, now, now + table.duration(a), table)
+        sends = [table.comm[x.stage] for r, a in actions for x in parts(a) if _sends_across(schedule, r, x)]
         now += length + max(sends, default=0.0)
     return events
 
@@ -105,11 +123,12 @@ def _timed_events(schedule: Schedule, table: CostTable) -> list[Event]:
         for key in deps(a, S):
             end, src_stage = finish[key]
             if placement[src_stage] != rank:
-                end += table.transfer(src_stage, a.stage)
+                end += table.transfer(src_stage, src_stage + 1 if key[0] == "F" else src_stage - 1)
             start = max(start, end)
-        end = start + table.time(a.kind, a.stage)
+        end = start + table.duration(a)
         free[rank] = end
-        for key in produces(a):
-            finish[key] = (end, a.stage)
-        events.append(Event(rank, a, start, end))
+        for part in parts(a):
+            for key in produces(part):
+                finish[key] = (end, part.stage)
+        events += _events_of(rank, a, start, end, table)
     return events

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from .costs import Costs, CostTable
 from .ir import Action, Schedule
+from .memory import MeasuredMemory
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class Timeline:
         idle_gaps: per rank, the (start, end) intervals inside its span where it ran nothing.
         memory_limit: the per-rank limit the schedule was planned for, if any (for figures).
         source: "simulated" or "measured".
+        measured_memory: on a measured timeline, the bytes each rank really held
+            (:class:`~zbpp_lite.schedules.memory.MeasuredMemory`: curves and peaks in bytes, M_B
+            and M_W per stage); None on a simulated one.
     """
 
     events: tuple[Event, ...]
@@ -56,6 +60,7 @@ class Timeline:
     idle_gaps: tuple[tuple[tuple[float, float], ...], ...]
     memory_limit: float | None = None
     source: str = "simulated"
+    measured_memory: MeasuredMemory | None = None
 
     @classmethod
     def from_events(
@@ -144,6 +149,27 @@ class Timeline:
             curve.append((t, mem))
         return curve
 
+    @property
+    def peak_memory_bytes(self) -> tuple[int, ...] | None:
+        """Per rank, the measured peak of the activation bytes its own actions kept
+        (``measured_memory.peak_bytes``), or None without a measurement."""
+        return None if self.measured_memory is None else self.measured_memory.peak_bytes
+
+    @property
+    def planned_peak_bytes(self) -> tuple[float, ...] | None:
+        """Per rank, the plan's peak memory in bytes: the plan's model (F +M_B, B -(M_B-M_W),
+        W -M_W, BW -M_B) over this timeline's per-rank action order, with the measured M_B and
+        M_W of every stage (:meth:`MeasuredMemory.costs`); None without a measurement. The
+        simulator gives the same peaks (they depend on each rank's order only).
+
+        Raises:
+            ValueError: as :meth:`MeasuredMemory.costs`.
+        """
+        if self.measured_memory is None:
+            return None
+        table = self.measured_memory.costs().table(len(self.measured_memory.mem_b))
+        return Timeline.from_events(self.events, self.num_ranks, table, len(table.f)).peak_memory
+
     def summary(self) -> str:
         """One line: makespan, bubble rate, peak memory."""
         peaks = ", ".join(f"{p:g}" for p in self.peak_memory)
@@ -151,8 +177,9 @@ class Timeline:
 
 
 def with_schedule_order(timeline: Timeline, schedule: Schedule) -> bool:
-    """True when the timeline's per-rank event order matches the schedule's action lists."""
+    """True when the timeline's per-rank event order matches the schedule's action lists (a pair
+    as its forward then its backward)."""
     return all(
-        tuple(e.action for e in timeline.rank_events(r)) == tuple(schedule.actions[r])
+        tuple(e.action for e in timeline.rank_events(r)) == schedule.rank_actions(r)
         for r in range(schedule.num_ranks)
     )

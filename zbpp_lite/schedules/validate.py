@@ -10,26 +10,34 @@ grid around the offending step marked:
    (F before B, B before W, F of stage s-1 before F of stage s where both live on one rank, ...);
 4. deadlock freedom: when every rank runs its list in order with blocking receives, all finish.
 
+An overlapped pair (:class:`~zbpp_lite.schedules.ir.Overlap`) is one step of its rank's list: each
+part is checked as an action of that step, and the pair starts only once both parts' inputs are
+there, so deadlock freedom is checked with it waiting for both.
+
 Dependencies come from :func:`zbpp_lite.schedules.ir.deps` (paper section 2, figure 1).
 """
 
 from __future__ import annotations
 
 
-from .ir import Action, Key, Schedule, deps, produces
+from .ir import Action, Entry, Key, Overlap, Schedule, deps, parts, produces
 
 
 class ScheduleError(ValueError):
     """A schedule that cannot run as written. ``rank``, ``step`` and ``action`` locate the problem
-    (``None`` where it has no single place, e.g. a missing action)."""
+    (``None`` where it has no single place, e.g. a missing action); ``action`` is the entry at
+    that step, an :class:`Overlap` where the step is an overlapped pair."""
 
-    def __init__(self, message: str, rank: int | None = None, step: int | None = None, action: Action | None = None):
+    def __init__(self, message: str, rank: int | None = None, step: int | None = None, action: Entry | None = None):
         super().__init__(message)
         self.rank, self.step, self.action = rank, step, action
 
 
-def describe(action: Action) -> str:
-    """``B(stage 1, microbatch 3) [1I3]``: readable and in PyTorch notation."""
+def describe(action: Entry) -> str:
+    """``B(stage 1, microbatch 3) [1I3]``: readable and in PyTorch notation (a pair: both parts)."""
+    if isinstance(action, Overlap):
+        f, b = action.parts
+        return f"the F&B pair of F(stage {f.stage}, microbatch {f.microbatch}) and {b.kind}(stage {b.stage}, microbatch {b.microbatch}) [{action}]"
     return f"{action.kind}(stage {action.stage}, microbatch {action.microbatch}) [{action}]"
 
 
@@ -41,7 +49,7 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, window:
     lo, hi = 0, max((len(r) for r in schedule.actions), default=0)
     if mark is not None:
         lo, hi = max(0, mark[1] - window), min(hi, mark[1] + window + 1)
-    width = max([len(str(a)) for _, a in schedule] + [3]) + 2
+    width = max([len(str(e)) for row in schedule.actions for e in row] + [3]) + 2
     lines = ["step    " + "".join(f"{i:>{width}}" for i in range(lo, hi))]
     for rank, row in enumerate(schedule.actions):
         cells = []
@@ -81,19 +89,20 @@ def _check_structure(schedule: Schedule) -> None:
     if m < 1:
         raise ScheduleError(f"num_microbatches must be >= 1, got {m}")
     for rank, row in enumerate(schedule.actions):
-        for step, a in enumerate(row):
-            if a.stage >= S:
-                _fail(schedule, f"{describe(a)} names stage {a.stage}, but stages are 0 .. {S - 1}", rank, step)
-            if a.microbatch >= m:
-                _fail(schedule, f"{describe(a)} names microbatch {a.microbatch}, but microbatches are 0 .. {m - 1}", rank, step)
-            if schedule.placement[a.stage] != rank:
-                _fail(
-                    schedule,
-                    f"{describe(a)} runs on rank {rank} but stage {a.stage} is placed on rank "
-                    f"{schedule.placement[a.stage]}",
-                    rank,
-                    step,
-                )
+        for step, entry in enumerate(row):
+            for a in parts(entry):
+                if a.stage >= S:
+                    _fail(schedule, f"{describe(a)} names stage {a.stage}, but stages are 0 .. {S - 1}", rank, step)
+                if a.microbatch >= m:
+                    _fail(schedule, f"{describe(a)} names microbatch {a.microbatch}, but microbatches are 0 .. {m - 1}", rank, step)
+                if schedule.placement[a.stage] != rank:
+                    _fail(
+                        schedule,
+                        f"{describe(a)} runs on rank {rank} but stage {a.stage} is placed on rank "
+                        f"{schedule.placement[a.stage]}",
+                        rank,
+                        step,
+                    )
     # completeness: count what every action produces; F once, B once, W once (BW gives B and W)
     seen: dict[Key, tuple[int, int]] = {}
     for rank, row in enumerate(schedule.actions):
@@ -119,7 +128,7 @@ def _check_structure(schedule: Schedule) -> None:
     # order within a rank
     for rank, row in enumerate(schedule.actions):
         position = {key: i for i, a in enumerate(row) for key in produces(a)}
-        for step, a in enumerate(row):
+        for step, a in ((step, a) for step, entry in enumerate(row) for a in parts(entry)):
             for key in deps(a, S):
                 if key in position and position[key] > step:
                     need = row[position[key]]

@@ -7,6 +7,17 @@ program whose parameters and optimizer state are donated (updated in place). Sam
 batch order, initial weights and optimizer as :func:`zbpp_lite.training.train.train`, so the two give the
 same losses step for step (up to float32 rounding).
 
+Why this whole-batch step is slower on XLA:CPU than our executor on one rank (about 2.8x on the
+peer job, d = 128, batch 256, one core): its weight gradients ``dW = x^T dy`` contract over the
+batch and token dimensions of 3-D activations, and XLA:CPU makes ``x^T`` with a strided
+transpose copy of every (2048, 128) activation before a plain (non-YNNPACK) dot. In a profile of
+one step (``jax.profiler``, op by op) those ``copy_bitcast_fusion`` transposes take more time
+than the products themselves. The backward split (:mod:`zbpp_lite.runtime.split`) stores ``x^T``
+in F for each 32-sample microbatch, where the transpose fits in cache, and W is one row-major
+product. So speed-ups are taken against the faster of the two single-device references
+(``compare`` names it): this step, and our executor on one rank (the same kernels and
+microbatches as the pipeline).
+
 ``microbatches`` > 1 is an option of ours, not the PyTorch job's: the same step accumulating the
 gradient over that many microbatches in order (``jax.lax.scan``), still on one device. It
 separates what microbatching alone changes (smaller working sets) from what the pipeline adds

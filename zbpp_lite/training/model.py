@@ -141,8 +141,10 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:  # (b, t, d) -> (b, t, d)
         b, t, d = x.shape
         h = self.heads
-        qkv = self.qkv(self.ln1(x)).reshape(b, t, 3, h, d // h)
-        q, k, v = (qkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # each (b, h, t, d/h)
+        # [q | k | v] split, not sliced: the backward of a split is one concatenation, where three
+        # slices' backward pads each gradient to the full width and adds the three (3x the writes)
+        qkv = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
+        q, k, v = (a.reshape(b, t, h, d // h).transpose(0, 2, 1, 3) for a in qkv)  # each (b, h, t, d/h)
         scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // h)
         a = jax.nn.softmax(scores, axis=-1) @ v  # (b, h, t, d/h)
         x = x + self.proj(a.transpose(0, 2, 1, 3).reshape(b, t, d))

@@ -66,7 +66,8 @@ class TrainResult:
     def to_json(self) -> dict:
         """A JSON-ready dict: schedule, ranks, microbatches, steps (each with ``loss``),
         test_accuracy, grad_max_rel_error, measured and simulated (``makespan`` in seconds,
-        ``bubble_rate``), trace (the measured events), plus costs and config."""
+        ``bubble_rate``), memory (the measured step's activation bytes per rank beside the
+        plan's, see :meth:`_memory_json`), trace (the measured events), plus costs and config."""
         s = self.schedule
         return {
             "schedule": s.name or "custom",
@@ -81,6 +82,7 @@ class TrainResult:
             "loss_error": self.loss_error,
             "measured": {"makespan": self.measured.makespan, "bubble_rate": self.measured.bubble_rate},
             "simulated": {"makespan": self.simulated.makespan, "bubble_rate": self.simulated.bubble_rate},
+            "memory": self._memory_json(),
             "costs": {"f": list(self.costs.f), "b": list(self.costs.b), "w": list(self.costs.w)},
             "trace": [
                 {"rank": e.rank, "action": str(e.action), "kind": e.action.kind, "stage": e.action.stage,
@@ -89,6 +91,19 @@ class TrainResult:
             ],
             "config": self.config,
         }
+
+
+    def _memory_json(self) -> dict | None:
+        """The measured step's activation memory (:meth:`MeasuredMemory.to_json`, bytes) with
+        the plan's peak per rank in bytes (its model with the measured M_B and M_W) and the
+        measured peak in units of one stage-microbatch's activations (M_B of the rank's first
+        stage), or None when the run measured none (SPMD)."""
+        memory = self.measured.measured_memory
+        if memory is None:
+            return None
+        first = [self.schedule.stages_of(r)[0] for r in range(self.schedule.num_ranks)]
+        return {**memory.to_json(), "planned_peak_bytes": list(self.measured.planned_peak_bytes),
+                "peak_units": list(memory.peak_units(first))}
 
 
 def _pick_measured(timelines: list[Timeline]) -> Timeline:

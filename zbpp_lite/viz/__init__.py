@@ -8,6 +8,7 @@ May import: :mod:`zbpp_lite.schedules` and :mod:`zbpp_lite.analysis` (never JAX 
 """
 
 from .figures import bubble_sweep, bubble_sweep_figure, compare_figure, memory_figure, timeline_figure
+from .memory import measured_memory_figure
 from .states import applicable_options, plan_timeline
 from .static import microbatch_slider_figure, schedule_slider_figure, slider_figure
 from .style import KIND_STYLE
@@ -31,6 +32,7 @@ __all__ = [
     "bubble_sweep",
     "bubble_sweep_figure",
     "compare_figure",
+    "measured_memory_figure",
     "memory_figure",
     "microbatch_slider_figure",
     "plan_timeline",

@@ -65,6 +65,23 @@ def _chunk_index(timeline: Timeline) -> dict[tuple[int, int], int]:
     return {(r, s): i for r, ss in stages.items() for i, s in enumerate(sorted(ss))}
 
 
+CHUNK_NOTE = "lighter shade: a rank's later stage (its 2nd or later chunk, in an interleaved or V placement)"
+
+
+def chunk_note(*timelines: Timeline) -> str | None:
+    """The legend's note for the lighter shades, when some rank of ``timelines`` holds several
+    stages (otherwise ``None``: every bar is full colour)."""
+    return CHUNK_NOTE if any(max(_chunk_index(t).values(), default=0) > 0 for t in timelines) else None
+
+
+def _add_chunk_note(fig: go.Figure, *timelines: Timeline) -> None:
+    note = chunk_note(*timelines)
+    if note:
+        fig.add_annotation(text=note, xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top", xanchor="left",
+                           showarrow=False, font={"size": 11, "color": "#555"})
+        fig.update_layout(margin={"b": 70})
+
+
 def timeline_traces(
     timeline: Timeline,
     *,
@@ -207,7 +224,9 @@ def timeline_figure(
         A new ``go.Figure`` with 5 traces, in :data:`BAR_KINDS` order. Times start at 0.
     """
     traces = timeline_traces(timeline, show_idle=show_idle, show_labels=show_labels)
-    return go.Figure(data=[go.Bar(t) for t in traces], layout=timeline_layout(timeline, title, time_unit))
+    fig = go.Figure(data=[go.Bar(t) for t in traces], layout=timeline_layout(timeline, title, time_unit))
+    _add_chunk_note(fig, timeline)
+    return fig
 
 
 def compare_figure(
@@ -258,6 +277,7 @@ def compare_figure(
         legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0},
         margin={"l": 70, "r": 20, "t": 80, "b": 45},
     )
+    _add_chunk_note(fig, planned, measured)
     return fig
 
 

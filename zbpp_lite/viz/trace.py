@@ -12,6 +12,7 @@ ones in seconds. ``time_unit_us`` says how many microseconds one timeline unit i
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -28,8 +29,8 @@ def _process_events(
     timeline: Timeline, pid: int, label: str, time_unit_us: float | None, relative: bool
 ) -> list[dict[str, Any]]:
     scale = default_time_unit_us(timeline) if time_unit_us is None else float(time_unit_us)
-    if scale <= 0:
-        raise ValueError(f"time_unit_us must be > 0 microseconds per timeline unit, got {time_unit_us}")
+    if not (math.isfinite(scale) and scale > 0):  # NaN / Infinity would be invalid JSON for Perfetto
+        raise ValueError(f"time_unit_us must be a finite number > 0 of microseconds per timeline unit, got {time_unit_us}")
     t0 = min((e.start for e in timeline.events), default=0.0) if relative else 0.0
     out: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}},
@@ -85,7 +86,8 @@ def to_chrome_trace(
         in ``args``; ``otherData`` holds each timeline's makespan, bubble rate and source.
 
     Raises:
-        ValueError: a non-positive ``time_unit_us``.
+        ValueError: a ``time_unit_us`` that is not a finite number > 0 (NaN, infinite, zero or
+            negative), which would write ``NaN`` / ``Infinity`` that Perfetto refuses.
     """
     if isinstance(timeline, Timeline):
         items = [(name or f"pipeline ({timeline.source})", timeline)]
@@ -114,5 +116,5 @@ def write_chrome_trace(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_chrome_trace(timeline, **options)))
+    path.write_text(json.dumps(to_chrome_trace(timeline, **options), allow_nan=False))
     return path

@@ -10,6 +10,8 @@ Which sliders apply is read from the builder's signature (``zbpp_lite.schedules.
 "stages per rank" is enabled only for builders taking ``stages_per_rank``; costs and the memory
 limit go to builders that take ``costs`` / ``memory_limit`` (the automatic schedules of
 arXiv 2401.10241, section 3.2) and the limit is drawn on the memory plot for every schedule.
+"T_F&B" sets the time of DualPipeV's overlapped pairs (``Costs.fb``; 0: no overlap); it changes
+nothing for schedules without pairs.
 """
 
 from __future__ import annotations
@@ -94,17 +96,19 @@ def explore_state(
     w: float,
     comm: float,
     mem_limit: float | None,
+    fb: float | None = None,
 ) -> ExplorerState:
     """Build schedule ``name`` for p ranks, m microbatches (v stages per rank where the builder
-    takes it), simulate it with costs T_F = f, T_B = b, T_W = w, T_comm = comm, and return the
-    state. ``mem_limit`` <= 0 or None means no limit.
+    takes it), simulate it with costs T_F = f, T_B = b, T_W = w, T_comm = comm and, for
+    overlapped F&B pairs (DualPipeV), T_F&B = fb, and return the state. ``mem_limit`` <= 0 or
+    None means no limit; ``fb`` <= 0 or None means no overlap (T_F + T_B + T_W).
 
     Never raises for settings a schedule refuses or bad costs: the ValueError's message
     (ScheduleError included) is returned in ``error`` instead.
     """
     limit = float(mem_limit) if mem_limit is not None and mem_limit > 0 else None
     try:
-        costs = Costs(f=f, b=b, w=w, comm=comm)
+        costs = Costs(f=f, b=b, w=w, comm=comm, fb=fb if fb is not None and fb > 0 else None)
         timeline = plan_timeline(name, p, m, stages_per_rank=v, costs=costs, memory_limit=limit)
     except ValueError as exc:
         return ExplorerState(name, None, None, limit, str(exc) or type(exc).__name__)
@@ -130,7 +134,7 @@ class Explorer(widgets.VBox):
 
     Attributes:
         controls: name -> widget, names ``schedule``, ``num_ranks``, ``num_microbatches``,
-            ``stages_per_rank``, ``f``, ``b``, ``w``, ``comm``, ``memory_limit``.
+            ``stages_per_rank``, ``f``, ``b``, ``w``, ``comm``, ``fb`` (T_F&B), ``memory_limit``.
         figure: the timeline ``go.FigureWidget`` (5 bar traces: F, B, W, BW, idle).
         memory: the memory ``go.FigureWidget`` (one line per rank), or None with show_memory=False.
         message: an HTML widget with the summary, or the error when settings are refused.
@@ -155,6 +159,7 @@ class Explorer(widgets.VBox):
         w: float = 1.0,
         comm: float = 0.0,
         memory_limit: float = 0,
+        fb: float = 0.0,
         *,
         max_ranks: int = 8,
         max_microbatches: int = 32,
@@ -181,6 +186,10 @@ class Explorer(widgets.VBox):
             "b": _slider(widgets.FloatSlider, "T_B", b, 0.1, 3.0, 0.1, "input-gradient backward time"),
             "w": _slider(widgets.FloatSlider, "T_W", w, 0.1, 3.0, 0.1, "weight-gradient backward time"),
             "comm": _slider(widgets.FloatSlider, "T_comm", comm, 0.0, 2.0, 0.05, "transfer time between ranks"),
+            "fb": _slider(
+                widgets.FloatSlider, "T_F&B (0: no overlap)", fb, 0.0, 9.0, 0.1,
+                "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap",
+            ),
             "memory_limit": _slider(
                 widgets.FloatSlider, "memory limit (M_B)", memory_limit, 0.0, 4.0 * max_microbatches, 1.0,
                 "per-rank activation memory limit in units of M_B; 0 = none",
@@ -197,7 +206,7 @@ class Explorer(widgets.VBox):
         self.memory = go.FigureWidget(memory_figure(start)) if show_memory else None
         c = self.controls
         left = widgets.VBox([c["schedule"], c["num_ranks"], c["num_microbatches"], c["stages_per_rank"], c["memory_limit"]])
-        right = widgets.VBox([c["f"], c["b"], c["w"], c["comm"]])
+        right = widgets.VBox([c["f"], c["b"], c["w"], c["comm"], c["fb"]])
         panels: list[widgets.Widget] = [widgets.HBox([left, right]), self.message, self.figure]
         if self.memory is not None:
             panels.append(self.memory)
@@ -223,6 +232,7 @@ class Explorer(widgets.VBox):
             c["w"].value,
             c["comm"].value,
             c["memory_limit"].value,
+            c["fb"].value,
         )
 
     def _on_change(self, _change: Any = None) -> None:

@@ -23,7 +23,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from ...runtime.stages import StagedModel
 from ..rebalance import PartCosts
@@ -37,7 +36,7 @@ def _part_split(model: StagedModel, i: int, x: Any, labels: Any) -> StageSplit:
     graphdef = model.graphdefs[i]
 
     def fn(params, x, labels):
-        y = nnx.merge(graphdef, params)(x)
+        y = model.apply_part(i, params, x)
         return model.loss_fn(y, labels) if last else y
 
     aux = labels if last else None

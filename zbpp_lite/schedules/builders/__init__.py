@@ -1,6 +1,7 @@
 """Schedule builders, one small module per family, all registered by name."""
 
 from .auto import zb_1p, zb_2p, zb_auto
+from .dualpipe_v import dualpipe_v
 from .gpipe import gpipe
 from .interleaved import interleaved_1f1b, looped_bfs
 from .one_f_one_b import one_f_one_b
@@ -21,5 +22,6 @@ register("zb-2p", zb_2p)
 register("zb-v", zb_v)
 register("v-half", v_half)
 register("v-min", v_min)
+register("dualpipe-v", dualpipe_v)
 
 __all__ = ["SCHEDULES", "build_schedule", "lookup", "options_of", "register"]

@@ -1,0 +1,79 @@
+"""The main job's targets, measured: README command 1 (``compare --ranks 2 --microbatches 8``)
+run as a user runs it, then its figures checked side by side.
+
+Prints, per run: the wall time of the whole command; the measured bubble rates of 1f1b, zb-h1
+and zb-h2 (their order); the median step of zb-h2 and of zb-auto over 1f1b's (same run, the
+schedules taking turns step by step); measured / simulated makespan of every schedule with one
+stage per rank; the speed-up of the fastest schedule over the faster single-device reference;
+the long run's test accuracy; and the load of other programs during the run.
+
+    python benchmarks/bench_main_job.py [--repeats N] [-- extra compare flags]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def load_average() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+
+
+def one_run(extra: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "compare.json")
+        cmd = [sys.executable, "-m", "zbpp_lite", "compare", "--ranks", "2", "--microbatches", "8",
+               "--out", os.path.join(tmp, "compare.html"), "--json", out, *extra]
+        before = load_average()
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.perf_counter() - t0
+        if done.returncode != 0:
+            raise SystemExit(f"compare failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        report = json.load(open(out))
+    report["wall_seconds"], report["load_before"], report["load_after"] = seconds, before, load_average()
+    return report
+
+
+def figures(report: dict) -> dict:
+    runs = {r["schedule"]: r for r in report["runs"]}
+    step = {n: r["median_step_ms"] for n, r in runs.items()}
+    bubble = {n: r["median_bubble_rate"] for n, r in runs.items()}
+    one_stage = {n: r["measured"]["makespan"] / r["simulated"]["makespan"] for n, r in runs.items() if r["stages"] == r["ranks"]}
+    return {
+        "wall_s": report["wall_seconds"],
+        "bubble 1f1b > zb-h1 > zb-h2": (bubble["1f1b"], bubble["zb-h1"], bubble["zb-h2"]),
+        "order holds": bubble["1f1b"] > bubble["zb-h1"] > bubble["zb-h2"],
+        "zb-h2 / 1f1b": step["zb-h2"] / step["1f1b"],
+        "zb-auto / 1f1b": step["zb-auto"] / step["1f1b"],
+        "measured / simulated (one stage per rank)": {n: round(v, 3) for n, v in sorted(one_stage.items())},
+        "fastest": min(step, key=step.get),
+        "speed-up over " + report["reference"]: max(r["speedup"] for r in runs.values()),
+        "test accuracy": report.get("learned", {}).get("test_accuracy"),
+        "load (1-min average) before / after": (round(report["load_before"], 2), round(report["load_after"], 2)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=1)
+    args, extra = parser.parse_known_args()
+    extra = [a for a in extra if a != "--"]
+    for k in range(args.repeats):
+        f = figures(one_run(extra))
+        print(f"run {k + 1}:")
+        for name, value in f.items():
+            print(f"  {name:45s} {value if not isinstance(value, float) else round(value, 3)}")
+        print("  targets: wall <= 240 s: {}, zb-h2 <= 0.97: {}, zb-auto <= 0.95: {}, measured/simulated <= 1.10: {}".format(
+            f["wall_s"] <= 240, f["zb-h2 / 1f1b"] <= 0.97, f["zb-auto / 1f1b"] <= 0.95,
+            all(v <= 1.10 for v in f["measured / simulated (one stage per rank)"].values())), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""The train command across hosts, each process on its own address: 127.0.0.1 (process 0, the
+coordinator) and 127.0.0.2 (process 1), as two hosts would be. They train with the unpartitioned
+model's gradients; a killed process ends the other within a bounded time with one line naming it,
+and no process is left behind; a missing coordinator, mismatched process counts and a duplicate
+process id each end every process within a bounded time with one line naming the cause. Each test
+starts its own processes (new sessions) and ends only those."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from zbpp_lite.runtime.cluster import free_port
+
+TINY = ["--ranks", "2", "--microbatches", "4", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "8"]
+ADDRESS = {0: "127.0.0.1", 1: "127.0.0.2", 2: "127.0.0.3"}
+
+
+def _loopback_127_0_0_2() -> bool:
+    import socket
+
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.2", 0))
+        return True
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _loopback_127_0_0_2(), reason="this OS does not route 127.0.0.2 to loopback")
+
+
+def _env() -> dict:
+    from conftest import UNTIMED_CHILD_FLAGS
+
+    return {**os.environ, "XLA_FLAGS": UNTIMED_CHILD_FLAGS}  # fast compiles: nothing is timed here
+
+
+def _start(process: int, count: int, port: int, extra: list[str], timeout: float = 30, heartbeat: float = 10) -> subprocess.Popen:
+    host = ADDRESS[process]
+    cmd = [sys.executable, "-m", "zbpp_lite", "train", "--schedule", "1f1b", *TINY, *extra,
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(count), "--process-id", str(process),
+           "--transfer-address", f"{host}:{free_port(host)}", "--timeout", str(timeout), "--heartbeat", str(heartbeat)]
+    return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """Processes of session/group ``pgid`` still running (zombies count as ended)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == pgid and fields[0] != "Z":
+                alive.append(int(entry))
+    return alive
+
+
+def _finish(procs: list[subprocess.Popen], seconds: float) -> list[tuple[int, str, str]]:
+    """Each process's (status, stdout, stderr) within ``seconds`` in all; any still running is
+    killed (with its group) and fails the test."""
+    end, out = time.monotonic() + seconds, []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=max(1.0, end - time.monotonic()))
+            out.append((p.returncode, o, e))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a process did not end within {seconds:g} s")
+    finally:
+        for p in procs:
+            _kill(p)
+    return out
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=10)
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def test_two_addresses_train_with_the_unpartitioned_models_gradients(tmp_path):
+    port = free_port()
+    out = tmp_path / "run.json"
+    procs = [_start(0, 2, port, ["--steps", "2", "--json", str(out)]), _start(1, 2, port, ["--steps", "2"])]
+    (s0, o0, e0), (s1, o1, e1) = _finish(procs, 240)
+    assert s0 == 0 and s1 == 0, (e0[-2000:], e1[-2000:])
+    assert "rank 1: process 1" in o0  # rank 1 ran in the other process, the one on 127.0.0.2
+    run = json.loads(out.read_text())
+    assert run["processes"] == 2 and len(run["steps"]) == 2
+    assert run["grad_max_rel_error"] <= 1e-5
+    assert run["loss_error"] <= 1e-5 * run["steps"][0]["loss"]
+    assert not any(_group_alive(p.pid) for p in procs)
+
+
+def test_a_killed_process_ends_the_other_in_bounded_time_naming_it():
+    port, heartbeat = free_port(), 4
+    procs = [_start(q, 2, port, ["--steps", "100000"], heartbeat=heartbeat) for q in (0, 1)]
+    try:
+        deadline = time.monotonic() + 180
+        seen = ""
+        while "step    1" not in seen:  # mid-run: the pipeline is stepping
+            assert procs[0].poll() is None and time.monotonic() < deadline, seen[-2000:]
+            seen += procs[0].stdout.readline()
+        os.killpg(procs[1].pid, signal.SIGKILL)  # the host of process 1 goes: its supervisor and worker
+        killed = time.monotonic()
+        _, err = procs[0].communicate(timeout=heartbeat + 30)
+        after = time.monotonic() - killed
+    finally:
+        for p in procs:
+            _kill(p)
+    print(f"process 0 exited {after:.2f} s after process 1 was killed (heartbeat {heartbeat} s)")
+    assert procs[0].returncode == 1
+    errors = _errors(err)
+    assert len(errors) == 1 and errors[0].startswith("error: process 0: lost process 1"), err[-2000:]
+    assert after < heartbeat + 20
+    time.sleep(0.5)
+    assert not _group_alive(procs[0].pid) and not _group_alive(procs[1].pid)  # no orphan
+
+
+def test_a_missing_coordinator_is_named_within_the_timeout():
+    t0 = time.monotonic()
+    (status, _, err), = _finish([_start(1, 2, free_port(), ["--steps", "1"], timeout=3)], 60)
+    assert status == 1 and time.monotonic() - t0 < 45
+    errors = _errors(err)
+    assert len(errors) == 1 and "coordinator 127.0.0.1:" in errors[0] and "unreachable for 3 s" in errors[0], err[-2000:]
+
+
+def test_mismatched_process_counts_are_named_by_both_processes():
+    port = free_port()
+    four = ["--ranks", "4", "--steps", "1"]  # 3 processes need 3 ranks or more
+    results = _finish([_start(0, 2, port, four, timeout=10), _start(1, 3, port, four, timeout=10)], 90)
+    for q, (status, _, err) in enumerate(results):
+        errors = _errors(err)
+        assert status == 1 and len(errors) == 1, err[-2000:]
+        assert errors[0].startswith(f"error: process {q}: mismatched process counts: this process was started with --num-processes {2 + q}")
+
+
+def test_a_duplicate_process_id_is_named_and_every_process_ends():
+    port = free_port()
+    four = ["--ranks", "4", "--steps", "1"]
+    procs = [_start(0, 3, port, four, timeout=5)]
+    procs.append(_start(1, 3, port, four, timeout=5))
+    time.sleep(1.0)
+    procs.append(_start(1, 3, port, four, timeout=5))  # the same id again; process 2 never comes
+    t0 = time.monotonic()
+    results = _finish(procs, 90)
+    assert time.monotonic() - t0 < 60
+    lines = [_errors(err) for _, _, err in results]
+    assert all(status == 1 for status, _, _ in results) and all(len(x) == 1 for x in lines), lines
+    assert sum("duplicate process id" in x[0] for x in lines) >= 1, lines

@@ -1,0 +1,205 @@
+"""Measured activation memory: the bytes each rank really keeps equal the plan's peak, to the
+byte, for every schedule; a leaked residual is caught; ZB-H2 holds (2p-1)/p of 1F1B's peak on
+rank 0 (Qi et al., arXiv 2401.10241, sections 2.1 and 3.1, table 1)."""
+
+from __future__ import annotations
+
+import inspect
+from fractions import Fraction
+
+import jax
+import numpy as np
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite.runtime.executor import PipelineExecutor
+from zbpp_lite.runtime.memory import MemoryRecorder, nbytes
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.schedules.builders import options_of
+from zbpp_lite.schedules.memory import MeasuredMemory, add_curves
+from zbpp_lite.training.data import load_digit_tokens
+from zbpp_lite.training.model import ModelConfig, build_parts
+
+DEVICES = jax.devices()
+X, Y = load_digit_tokens()
+MB = 2  # samples per microbatch
+_models: dict[int, StagedModel] = {}
+
+
+def _model(num_stages: int) -> StagedModel:
+    """d=16, 2 heads, max(4, S) blocks: the executor grid's model (its compiled stages are shared)."""
+    if num_stages not in _models:
+        _models[num_stages] = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=max(4, num_stages))), num_stages)
+    return _models[num_stages]
+
+
+def _build(name: str, p: int, m: int) -> zb.Schedule:
+    options = {}
+    for key, default in options_of(name).items():
+        if default is inspect.Parameter.empty:
+            options[key] = {"costs": zb.Costs(), "memory_limit": 2.0 * p}[key]
+    try:
+        return zb.build_schedule(name, p, m, **options)
+    except ValueError as e:
+        pytest.skip(f"{name} refuses p={p}, m={m}: {str(e).splitlines()[0]}")
+
+
+def _run(schedule: zb.Schedule, executor_class=PipelineExecutor):
+    model, m = _model(schedule.num_stages), schedule.num_microbatches
+    executor = executor_class(model, schedule, DEVICES[: schedule.num_ranks])
+    return executor.run(model.params, X[: MB * m], Y[: MB * m]).timeline
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("name", list(zb.SCHEDULES))
+def test_measured_peak_bytes_equal_the_simulators_peak_on_every_rank(name, p):
+    schedule = _build(name, p, 2 * p)
+    timeline = _run(schedule)
+    memory = timeline.measured_memory
+    assert isinstance(memory, MeasuredMemory)
+    assert all(b > 0 for b in memory.mem_b) and all(0 < w < b for w, b in zip(memory.mem_w, memory.mem_b))
+    # the simulator, with M_B and M_W in measured bytes per stage, predicts every rank's peak to the byte
+    planned = zb.simulate(schedule, memory.costs()).peak_memory
+    assert memory.peak_bytes == tuple(int(b) for b in planned) and all(b == int(b) for b in planned)
+    assert timeline.planned_peak_bytes == planned and timeline.peak_memory_bytes == memory.peak_bytes
+    # in units of one stage-microbatch's activations (M_B of the rank's first stage), M_W / M_B from the measurement
+    units = [memory.mem_b[schedule.stages_of(r)[0]] for r in range(p)]
+    counts = zb.simulate(schedule, zb.Costs(mem_b=[Fraction(b, units[schedule.placement[s]]) for s, b in enumerate(memory.mem_b)],
+                                            mem_w=[Fraction(w, units[schedule.placement[s]]) for s, w in enumerate(memory.mem_w)])).peak_memory
+    for r in range(p):
+        assert memory.peak_bytes[r] / units[r] == pytest.approx(counts[r], rel=1e-12)
+    # everything kept is released by the step's end; everything received is consumed
+    assert all(c[-1][1] == 0 for c in memory.held) and all(c[-1][1] == 0 for c in memory.received)
+    ranks_that_receive = {schedule.placement[s] for s in range(1, schedule.num_stages)} | {schedule.placement[s] for s in range(schedule.num_stages - 1)}
+    for r in range(p):
+        sends_to_self = all(schedule.placement[s] == r for s in range(schedule.num_stages))
+        assert (memory.peak_received_bytes[r] > 0) == (r in ranks_that_receive and not sends_to_self)
+        assert memory.peak_bytes[r] <= memory.peak_total_bytes[r] <= memory.peak_bytes[r] + memory.peak_received_bytes[r]
+
+
+class _LeakyExecutor(PipelineExecutor):
+    """Drops one free: the backward (B or BW) of (stage 0, microbatch 0) leaves F's residuals
+    counted as held, as an executor that kept them alive after their B would hold them."""
+
+    def _leaky(self, backward, step, a, dy):
+        if (a.stage, a.microbatch) != (0, 0):
+            return backward(step, a, dy)
+        free = step.memory.free
+        step.memory.free = lambda rank, key: None if key == ("res", 0, 0) else free(rank, key)  # other ranks free too
+        try:
+            return backward(step, a, dy)
+        finally:
+            del step.memory.free
+
+    def _backward_input(self, step, a, dy=None):
+        return self._leaky(super()._backward_input, step, a, dy)
+
+    def _backward_fused(self, step, a, dy=None):
+        return self._leaky(super()._backward_fused, step, a, dy)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_a_residual_kept_after_its_b_fails_the_check(name):
+    schedule = zb.build_schedule(name, 2, 4)
+    memory = _run(schedule, _LeakyExecutor).measured_memory
+    planned = zb.simulate(schedule, memory.costs()).peak_memory
+    assert memory.peak_bytes[1] == planned[1]
+    leaked = memory.held[0][-1][1]  # still held at the step's end: stage 0's residuals of microbatch 0
+    assert 0 < leaked < memory.mem_b[0]
+    assert memory.peak_bytes[0] > planned[0]  # the check fails on rank 0
+    if name == "1f1b":  # F(0, 2) after BW(0, 0) takes rank 0 back to its peak, with the leak on top
+        assert memory.peak_bytes[0] == planned[0] + leaked
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_zb_h2_holds_2p_minus_1_over_p_of_1f1b_peak_on_rank_0(p):
+    h2 = _run(zb.build_schedule("zb-h2", p, 2 * p)).measured_memory
+    one = _run(zb.build_schedule("1f1b", p, 2 * p)).measured_memory
+    assert Fraction(h2.peak_bytes[0], one.peak_bytes[0]) == Fraction(2 * p - 1, p)
+    assert one.peak_bytes[0] == p * one.mem_b[0]  # 1F1B: p microbatches' activations on rank 0
+
+
+def test_f_outputs_are_fresh_buffers_so_summing_leaves_counts_each_once():
+    model = _model(2)
+    shapes = model.stage_inputs(X[:MB])
+    split = model.split_stage(1, shapes[1], Y[:MB])
+    params = tuple(jax.tree_util.tree_leaves(model.stage_params(model.params, 1)))
+    x = jax.device_put(np.zeros(shapes[1].shape, shapes[1].dtype))
+    _, res, kept = split.flat.forward(params, x, Y[:MB], None)
+    pointers = [a.unsafe_buffer_pointer() for a in jax.tree_util.tree_leaves((res, kept))]
+    assert len(set(pointers)) == len(pointers) and x.unsafe_buffer_pointer() not in pointers
+    assert nbytes((res, kept)) == sum(np.asarray(a).nbytes for a in jax.tree_util.tree_leaves((res, kept)))
+
+
+def test_the_recorder_counts_keeps_frees_and_arrivals_at_the_right_times():
+    rec = MemoryRecorder(num_ranks=1, num_stages=1)
+    a, g, x = np.zeros((4, 8), np.float32), np.zeros(3, np.float16), np.zeros(5, np.int32)
+    rec.receive(0, ("F", -1, 0), x, 0.5)  # 20 bytes arrive
+    rec.free(0, ("F", -1, 0))
+    rec.keep(0, ("res", 0, 0), (a, a))  # 256 bytes
+    rec.keep(0, ("kept", 0, 0), [a])  # 128 bytes
+    rec.settle(0, 1.0)
+    rec.free(0, ("res", 0, 0))
+    rec.keep(0, ("grads", 0, 0), {"g": g})  # 6 bytes
+    rec.settle(0, 2.0)
+    rec.free(0, ("kept", 0, 0))
+    rec.free(0, ("grads", 0, 0))
+    rec.settle(0, 3.0)
+    m = rec.result(shift=0.25)
+    assert m.held == (((0.0, 0), (0.75, 384), (1.75, 134), (2.75, 0)),)
+    assert m.received == (((0.0, 0), (0.25, 20), (0.75, 0)),)
+    assert (m.mem_b, m.mem_w, m.peak_bytes, m.peak_total_bytes) == ((384,), (134,), (384,), (384,))
+    assert add_curves(((0.0, 0), (1.0, 5)), ((0.0, 1), (0.5, 2), (1.0, 0))) == ((0.0, 1), (0.5, 2), (1.0, 5))
+
+
+def test_a_measured_m_w_above_m_b_is_refused_in_one_line():
+    memory = MeasuredMemory(((0.0, 0),), ((0.0, 0),), (10, 20), (5, 30))
+    with pytest.raises(ValueError, match=r"M_W exceeds M_B on stage\(s\) \[1\]"):
+        memory.costs()
+
+
+def test_recording_can_be_turned_off():
+    schedule = zb.build_schedule("1f1b", 2, 2)
+    model = _model(2)
+    result = PipelineExecutor(model, schedule, DEVICES[:2], record_memory=False).run(model.params, X[: MB * 2], Y[: MB * 2])
+    assert result.timeline.measured_memory is None and result.timeline.peak_memory_bytes is None
+
+
+def test_the_figure_draws_measured_and_planned_per_rank_and_refuses_a_plan():
+    from zbpp_lite.viz import measured_memory_figure
+
+    schedule = zb.build_schedule("zb-h1", 2, 4)
+    timeline = _run(schedule)
+    fig = measured_memory_figure(timeline, title="zb-h1")
+    assert len(fig.data) == 3 * 2
+    for r in range(2):
+        measured, planned, with_received = fig.data[3 * r : 3 * r + 3]
+        assert max(measured.y) == timeline.peak_memory_bytes[r] == max(planned.y) == timeline.planned_peak_bytes[r]
+        assert max(with_received.y) == timeline.measured_memory.peak_total_bytes[r]
+        assert "measured / planned 1" in fig.layout.annotations[r].text
+    with pytest.raises(ValueError, match="no measured memory"):
+        measured_memory_figure(zb.simulate(schedule))
+
+
+def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsys):
+    import json
+
+    from zbpp_lite.cli import main
+
+    path = tmp_path / "run.json"
+    argv = ["train", "--schedule", "zb-h2", "--ranks", "2", "--microbatches", "4", "--steps", "2", "--d", "16",
+            "--heads", "2", "--blocks", "4", "--batch", "8", "--json", str(path), "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "activation memory per rank" in out and "measured / planned 1.0000" in out
+    memory = json.loads(path.read_text())["memory"]
+    assert memory["peak_bytes"] == memory["planned_peak_bytes"] and memory["peak_units"][0] == 2 * 2 - 1
+    assert len(memory["mem_b_bytes"]) == 2 and memory["device_peak_bytes"] == [None, None]  # CPU: no memory_stats
+    assert memory["held"][0][0] == [0.0, 0] and memory["held"][0][-1][1] == 0
+    out_html = tmp_path / "compare.html"
+    argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1", "--steps", "2", "--d", "16",
+            "--heads", "2", "--blocks", "4", "--batch", "4", "--out", str(out_html)]
+    assert main(argv) == 0
+    assert "activation memory peak per rank (bytes): measured" in capsys.readouterr().out
+    page = out_html.read_text()
+    assert "Activation memory per rank" in page and page.count("measured beside the plan") == 2

@@ -1,0 +1,138 @@
+"""Schedules taking turns, one pinned process per rank (zbpp_lite.training.turns), and the
+transport between the processes (zbpp_lite.runtime.processes): the same losses and gradients as
+the unpartitioned model, timelines aligned across processes that respect every dependency, and
+nothing unpickled on the way."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite.runtime.processes import Channel, RankProcesses
+from zbpp_lite.schedules.ir import deps, produces
+from zbpp_lite.training.model import ModelConfig
+from zbpp_lite.training.train import RunConfig
+from zbpp_lite.training.turns import schedule_from_json, schedule_to_json, train_in_turns
+
+SMALL = dict(model=ModelConfig(d=16, heads=2, blocks=4), run=RunConfig(batch=8))
+
+
+@pytest.fixture(scope="module")
+def turns():
+    schedules = [zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h2", 2, 4), zb.build_schedule("zb-v", 2, 4)]
+    return schedules, train_in_turns(schedules, 3, **SMALL)
+
+
+def test_every_schedule_trains_the_same_model_to_the_same_losses(turns):
+    schedules, results = turns
+    assert list(results) == ["1f1b", "zb-h2", "zb-v"]
+    losses = np.array([r.losses for r in results.values()])
+    np.testing.assert_allclose(losses, losses[:1].repeat(3, 0), rtol=1e-6)
+    for r in results.values():
+        assert r.grad_max_rel_error < 1e-5 and r.loss_error < 1e-5
+        assert len(r.timelines) == len(r.step_seconds) == 3 and all(s > 0 for s in r.step_seconds)
+        assert 0.0 <= r.test_accuracy <= 1.0
+
+
+def test_timelines_of_separate_processes_align_and_respect_every_dependency(turns):
+    schedules, results = turns
+    for s in schedules:
+        for t in results[s.name].timelines:
+            assert sorted(str(e.action) for e in t.events) == sorted(str(a) for row in s.actions for a in row)
+            end = {k: e.end for e in t.events for k in produces(e.action)}
+            crossings = 0
+            for e in t.events:
+                for key in deps(e.action, s.num_stages):
+                    assert e.start >= end[key] - 1e-9, f"{e.action} started before {key} ended"
+                    producer = next(x for x in t.events if key in produces(x.action))
+                    crossings += producer.rank != e.rank
+            assert crossings > 0  # values did cross between the processes
+
+
+def test_the_plan_is_made_from_the_measured_costs(turns):
+    _, results = turns
+    for r in results.values():
+        assert r.simulated.makespan > 0 and r.measured.makespan > 0
+        assert r.config["processes"].startswith("one per rank")
+
+
+def test_turns_refuse_what_they_cannot_run():
+    with pytest.raises(ValueError, match="at least one schedule"):
+        train_in_turns([], 3, **SMALL)
+    with pytest.raises(ValueError, match="steps must be an integer >= 2"):
+        train_in_turns([zb.build_schedule("1f1b", 2, 4)], 1, **SMALL)
+    with pytest.raises(ValueError, match="same numbers of ranks and microbatches"):
+        train_in_turns([zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h1", 2, 8)], 3, **SMALL)
+    with pytest.raises(ValueError, match="distinct names"):
+        train_in_turns([zb.build_schedule("1f1b", 2, 4)] * 2, 3, **SMALL)
+    with pytest.raises(ValueError, match="use train"):
+        train_in_turns([zb.build_schedule("1f1b", 2, 4)], 3, model=SMALL["model"], run=RunConfig(batch=8, max_grad_norm=1.0))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v", "interleaved-1f1b", "dualpipe-v"])
+def test_a_schedule_crosses_as_json_and_comes_back_the_same(name):
+    s = zb.build_schedule(name, 2, 4 if name != "interleaved-1f1b" else 4, **({"stages_per_rank": 2} if name == "interleaved-1f1b" else {}))
+    back = schedule_from_json(schedule_to_json(s))
+    assert (back.actions, back.placement, back.num_microbatches, back.name) == (s.actions, s.placement, s.num_microbatches, s.name)
+
+
+# ----------------------------------------------------------------------------- the transport
+
+
+def echo(rank, peers, control, config):
+    """A rank that doubles every array it is sent, and fails on request."""
+    while (message := control.recv()) is not None:
+        if message.get("fail"):
+            raise ValueError(f"rank {rank} was asked to fail")
+        control.send({"rank": rank, "twice": message["x"] * 2, "config": config})
+
+
+def test_rank_processes_talk_json_and_arrays_and_name_a_failing_rank():
+    here = f"{pathlib.Path(__file__).resolve()}:echo"
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with RankProcesses(here, 2, {"k": [1, 2.5, None]}, pin=False) as ranks:
+        ranks.broadcast({"x": x})
+        replies = ranks.gather(timeout=120)
+        assert [r["rank"] for r in replies] == [0, 1]
+        for r in replies:
+            np.testing.assert_array_equal(r["twice"], 2 * x)
+            assert r["twice"].dtype == np.float32 and r["config"] == {"k": [1, 2.5, None]}
+        ranks.controls[1].send({"fail": True})
+        with pytest.raises(RuntimeError, match="rank 0: ValueError: rank 0 was asked to fail|rank 1: ValueError: rank 1 was asked to fail"):
+            ranks.controls[0].send({"fail": True})
+            ranks.gather(timeout=120)
+    assert all(p.poll() is not None for p in ranks.procs)  # nothing left running
+
+
+def test_bad_entries_and_sizes_are_refused():
+    with pytest.raises(ValueError, match="num_ranks must be an integer >= 1"):
+        RankProcesses("zbpp_lite.training.turns:rank_main", 0, {})
+    with pytest.raises(ValueError, match="module:function"):
+        RankProcesses("zbpp_lite.training.turns", 1, {})
+
+
+def test_a_channel_refuses_what_is_not_data():
+    import socket
+    from multiprocessing.connection import Connection
+
+    a, b = socket.socketpair()
+    left, right = Channel(Connection(a.detach())), Channel(Connection(b.detach()))
+    left.send({"v": [1, 2], "a": np.ones(3, np.int64)})
+    got = right.recv()
+    assert got["v"] == [1, 2] and got["a"].tolist() == [1, 1, 1]
+    with pytest.raises(TypeError):
+        left.send({"f": lambda: 0})
+
+
+def test_nothing_that_crosses_processes_is_unpickled():
+    runtime = pathlib.Path(zb.__file__).parent / "runtime"
+    for path in [runtime / "processes.py", runtime / "distributed.py", runtime / "wire.py",
+                 runtime.parent / "training" / "turns.py"]:
+        tree = ast.parse(path.read_text())
+        names = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert "pickle" not in names | modules, f"{path.name} imports pickle"

@@ -1,0 +1,201 @@
+"""The ``compare`` report: what the runs measured, ranked, explained in a paragraph, drawn.
+
+Everything is in milliseconds. Step times and bubble rates are medians over the timed steps (the
+first step of each schedule compiles and is left out); the plan is the simulator with the
+measured mean action costs of the schedule's median step. Speed-ups are taken against the
+faster of the two single-device references, which is named.
+"""
+
+from __future__ import annotations
+
+import html
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _median_step_ms(r) -> float:
+    return statistics.median(r.step_seconds[1:]) * 1e3
+
+
+def _median_bubble(r) -> float:
+    return statistics.median(t.bubble_rate for t in r.timelines[1:])
+
+
+@dataclass
+class Comparison:
+    """What ``compare`` ran and measured (see :mod:`zbpp_lite.cli.compare`)."""
+
+    results: list
+    notes: dict
+    references: dict  # name -> median step seconds
+    learned: Any  # TrainResult of the long run, or None
+    args: Any
+    blocks: int
+    mode: str  # "processes" or "threads"
+    stage_costs: dict = field(default_factory=dict)  # num_stages -> Costs timed on one device
+
+    @property
+    def ranked(self) -> list:
+        return sorted(self.results, key=_median_step_ms)
+
+    @property
+    def reference(self) -> tuple[str, float]:
+        """(name, ms) of the faster single-device reference."""
+        name = min(self.references, key=self.references.get)
+        return name, self.references[name] * 1e3
+
+    def by_name(self, name: str):
+        return next((r for r in self.results if r.schedule.name == name), None)
+
+    def loss_spread(self) -> float:
+        """The largest difference between two schedules' losses at the same step."""
+        steps = min(len(r.losses) for r in self.results)
+        return max((max(r.losses[k] for r in self.results) - min(r.losses[k] for r in self.results) for k in range(steps)), default=0.0)
+
+    def to_json(self) -> dict:
+        ref_name, ref_ms = self.reference
+        runs = []
+        for r in self.ranked:
+            data = {k: v for k, v in r.to_json().items() if k != "trace"}
+            data.update({"median_step_ms": _median_step_ms(r), "median_bubble_rate": _median_bubble(r),
+                         "speedup": ref_ms / _median_step_ms(r)})
+            runs.append(data)
+        out = {"mode": self.mode, "runs": runs, "not_run": self.notes,
+               "references_ms": {n: s * 1e3 for n, s in self.references.items()},
+               "reference": ref_name, "loss_spread": self.loss_spread()}
+        if self.learned is not None:
+            out["learned"] = {"schedule": self.learned.schedule.name, "steps": len(self.learned.losses),
+                              "losses": self.learned.losses, "test_accuracy": self.learned.test_accuracy,
+                              "test_loss": self.learned.test_loss}
+        return out
+
+
+def _split_cost(c) -> str | None:
+    """``(T_B + T_W) / T_BW`` of the profiled stages, as text, or None without a fused cost."""
+    for costs in c.stage_costs.values():
+        if costs.bw is not None:
+            ratio = statistics.mean((b + w) / bw for b, w, bw in zip(costs.b, costs.w, costs.bw))
+            return f"{ratio:.2f}"
+    return None
+
+
+def summary_text(c: Comparison) -> str:
+    """A short paragraph generated from the numbers: which schedule won, by how much, and why."""
+    ranked = c.ranked
+    best, ref_name, ref_ms = ranked[0], *c.reference
+    base = c.by_name("1f1b")
+    lines = []
+    best_ms = _median_step_ms(best)
+    lines.append(f"{best.schedule.name} was fastest: {best_ms:.1f} ms a step (median of {len(best.step_seconds) - 1} timed steps), "
+                 f"{ref_ms / best_ms:.2f}x the faster single-device reference ({ref_name}, {ref_ms:.1f} ms; "
+                 f"p = {best.schedule.num_ranks} ranks allow at most {best.schedule.num_ranks}x).")
+    if base is not None and base is not best:
+        base_ms, saved = _median_step_ms(base), _median_bubble(base) - _median_bubble(best)
+        lines.append(f"Against 1f1b ({base_ms:.1f} ms, bubble rate {_median_bubble(base):.3f}) it took {best_ms / base_ms:.3f} of the time "
+                     f"with a bubble rate of {_median_bubble(best):.3f}: {saved * 100:+.1f} points of idle time saved.")
+    split = _split_cost(c)
+    if split is not None:
+        zb = [r for r in ranked if r.schedule.name in ("zb-h1", "zb-h2")]
+        tail = (" ZB-H1 and ZB-H2 split every backward and pay that on every microbatch: "
+                + ", ".join(f"{r.schedule.name} {_median_step_ms(r):.1f} ms" for r in zb) + ".") if zb else ""
+        lines.append(f"Splitting the backward into B and W costs {split}x the fused backward here (T_B + T_W against T_BW, "
+                     f"each stage timed alone); zb-auto splits only where a W fills a bubble.{tail}")
+    worst = max(ranked, key=lambda r: r.measured.makespan / r.simulated.makespan)
+    lines.append(f"Measured makespans are {min(r.measured.makespan / r.simulated.makespan for r in ranked):.2f}-"
+                 f"{worst.measured.makespan / worst.simulated.makespan:.2f}x the plan's for the same action costs "
+                 f"(the rest is transfers and the start of each step).")
+    lines.append(f"Every schedule computed the same losses (largest difference at one step {c.loss_spread():.1e}).")
+    if c.learned is not None:
+        lines.append(f"{c.learned.schedule.name}, trained for {len(c.learned.losses)} steps, reached a test accuracy of "
+                     f"{c.learned.test_accuracy:.3f} on the held-out digits (loss {c.learned.losses[0]:.3f} -> {c.learned.losses[-1]:.3f}).")
+    if c.mode == "threads":
+        lines.append("The ranks ran as threads sharing cores: a waiting rank lent its core to the others, so bubbles cost less here "
+                     "than on real devices.")
+    return "\n".join(lines)
+
+
+def _in_ms(timeline):
+    from ..schedules.timeline import Event, Timeline
+
+    events = [Event(e.rank, e.action, e.start * 1e3, e.end * 1e3) for e in timeline.events]
+    return Timeline.from_events(events, timeline.num_ranks, source=timeline.source)
+
+
+def _memory_section(c: Comparison) -> str:
+    """Measured activation bytes per rank beside the plan's, per schedule (where recorded)."""
+    from ..viz import measured_memory_figure
+
+    runs = [r for r in c.ranked if r.measured.measured_memory is not None]
+    if not runs:
+        return ""
+    rows = "".join(
+        f"<tr><td>{html.escape(r.schedule.name)}</td><td>{', '.join(str(b) for b in r.measured.measured_memory.peak_bytes)}</td>"
+        f"<td>{', '.join(str(int(b)) for b in r.measured.planned_peak_bytes)}</td></tr>" for r in runs)
+    figures = "".join(measured_memory_figure(r.measured, title=r.schedule.name, time_unit="ms").to_html(full_html=False, include_plotlyjs=False)
+                      for r in runs)
+    return (f"<h2>Activation memory per rank</h2><p>Measured: the bytes each rank's actions kept for the schedule (F's residuals "
+            f"and W's operands, B's output gradients), counted from the arrays' shapes and dtypes. Planned: the plan's memory "
+            f"model with the measured M_B and M_W of every stage.</p><table><tr><th>schedule</th><th>measured peak per rank "
+            f"(bytes)</th><th>planned peak per rank (bytes)</th></tr>{rows}</table>{figures}")
+
+
+def html_report(c: Comparison) -> str:
+    """One self-contained page: the summary figure and paragraph, the table, then planned above
+    measured per schedule (ms)."""
+    from ..viz import compare_figure
+    from ..viz.summary import SummaryRow, summary_figure
+
+    args = c.args
+    ref_name, ref_ms = c.reference
+    rows = [SummaryRow(r.schedule.name, _median_step_ms(r), r.simulated.makespan * 1e3, _median_bubble(r), r.simulated.bubble_rate)
+            for r in c.ranked]
+    summary = summary_figure(rows, title=f"p = {args.ranks} ranks, m = {args.microbatches} microbatches: fastest at the top",
+                             reference=(ref_name, ref_ms))
+    parts = [summary.to_html(full_html=False, include_plotlyjs=True)]
+    head = ["schedule", "stages", "step (ms)", "speed-up", "makespan (ms)", "planned (ms)", "measured / planned",
+            "bubble rate", "planned bubble rate", "loss first", "loss last", "grad rel. error"]
+    table = []
+    for r in c.ranked:
+        step = _median_step_ms(r)
+        cells = (html.escape(r.schedule.name), r.schedule.num_stages, f"{step:.2f}", f"{ref_ms / step:.2f}",
+                 f"{r.measured.makespan * 1e3:.2f}", f"{r.simulated.makespan * 1e3:.2f}", f"{r.measured.makespan / r.simulated.makespan:.3f}",
+                 f"{_median_bubble(r):.3f}", f"{r.simulated.bubble_rate:.3f}", f"{r.losses[0]:.4f}", f"{r.losses[-1]:.4f}",
+                 "-" if r.grad_max_rel_error is None else f"{r.grad_max_rel_error:.1e}")
+        table.append("<tr>" + "".join(f"<td>{v}</td>" for v in cells) + "</tr>")
+    table += [f"<tr><td>{html.escape(n)}</td><td colspan='{len(head) - 1}'>not run: {html.escape(why)}</td></tr>" for n, why in c.notes.items()]
+    refs = "".join(f"<li>{html.escape(n)}: {s * 1e3:.1f} ms{' (the reference)' if n == ref_name else ''}</li>" for n, s in c.references.items())
+    for r in c.ranked:
+        fig = compare_figure(_in_ms(r.simulated), _in_ms(r.measured), time_unit="ms",
+                             title=f"{r.schedule.name}: planned (simulator, measured costs) vs measured")
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=False))
+    memory = _memory_section(c)
+    paragraph = "".join(f"<p>{html.escape(line)}</p>" for line in summary_text(c).splitlines())
+    mode = ("one process per rank, each pinned to its own core, schedules taking turns step by step" if c.mode == "processes"
+            else "ranks as threads of one process, sharing cores")
+    learned = ""
+    if c.learned is not None:
+        learned = (f"<h2>Does it learn?</h2><p>{html.escape(c.learned.schedule.name)} trained from the start for "
+                   f"{len(c.learned.losses)} steps: test accuracy <b>{c.learned.test_accuracy:.3f}</b> on the held-out digits. "
+                   f"The comparison above runs only {args.steps} steps per schedule, too few to learn: it reports no accuracy.</p>")
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>zbpp_lite compare: p={args.ranks}, m={args.microbatches}</title>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style>
+</head><body>
+<h1>Every schedule, live: p = {args.ranks} ranks, m = {args.microbatches} microbatches</h1>
+{parts[0]}
+{paragraph}
+<p>Digits Transformer d={args.d}, heads={args.heads}, blocks={c.blocks}, batch {args.batch}; {args.steps} steps per schedule
+({mode}). Step time: median over the steps after the first (which compiles). Planned: the simulator with the measured mean
+action costs of the schedule's median step. Gradient error: the first step against the unpartitioned model. All times in ms.</p>
+<p>Single-device references, each on one core:</p><ul>{refs}</ul>
+<table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>
+{chr(10).join(table)}
+</table>
+{learned}
+{memory}
+<h2>Timelines, planned above measured</h2>
+<p>Colours: F forward, B input gradient, W weight gradient, BW fused backward, grey hatched idle (bubble).</p>
+{chr(10).join(parts[1:])}
+</body></html>
+"""

@@ -1,0 +1,174 @@
+"""Joining a run on several hosts: addresses, cluster detection, and the runtime's failures in one line.
+
+A multi-host run has one process per host (or several), numbered 0..N-1; process 0 hosts JAX's
+coordination service at ``HOST:PORT`` (the coordinator), every process connects to it, and each
+process listens for cross-host array transfers on its own ``HOST:PORT`` (the transfer address,
+``jax_cross_host_transfer_socket_address``). Without explicit addresses, JAX can detect the
+cluster from its scheduler's environment (``jax.distributed.initialize()`` with no arguments;
+JAX's documentation: Cloud TPU, SLURM, Open MPI, Kubernetes); :func:`detect_cluster` says which,
+from the environment alone (no network query), so that ``train`` knows before starting JAX.
+
+JAX's runtime ends a process on a fatal coordination error (a lost peer, a registration that
+timed out, a duplicate process id) with ``LOG(FATAL)`` and a stack trace, which Python cannot
+catch. :func:`explain_runtime_failure` turns that text into one line naming the cause; the
+``train`` command's supervisor (:mod:`zbpp_lite.cli.join`) prints it.
+
+Layer 2 (runtime); no JAX import at module level.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from typing import Mapping
+
+
+def parse_address(text: str, what: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` -> ``(HOST, PORT)``; ``[v6]:PORT`` too.
+
+    Raises:
+        ValueError: no port, a port outside 1..65535, or an empty host; the message names ``what``
+            (the flag) and the form wanted.
+    """
+    host, sep, port = str(text).rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must be HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:4321; got {text!r}")
+    return host, int(port)
+
+
+def detect_cluster(env: Mapping[str, str] | None = None) -> str | None:
+    """The cluster JAX's ``jax.distributed.initialize()`` would detect with more than one process,
+    read from the environment only: ``"slurm"`` (``srun`` with ``SLURM_NTASKS`` > 1), ``"ompi"``
+    (``mpirun``, ``OMPI_COMM_WORLD_SIZE`` > 1), ``"tpu"`` (a multi-host TPU slice listing its
+    workers in ``TPU_WORKER_HOSTNAMES`` or ``TPU_PROCESS_ADDRESSES``), ``"k8s"`` (an indexed
+    Kubernetes Job: ``KUBERNETES_SERVICE_HOST`` and ``JOB_COMPLETION_INDEX``), ``"jax"``
+    (``JAX_COORDINATOR_ADDRESS`` set by hand); else ``None``. A one-task SLURM or MPI job is
+    ``None``: it trains in one process as on a laptop.
+
+    The variables are the ones JAX's cluster classes read (``jax._src.clusters``, JAX 0.4-0.10).
+    """
+    env = os.environ if env is None else env
+
+    def count(name: str) -> int:
+        try:
+            return int(env.get(name, "0"))
+        except ValueError:
+            return 0
+
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+    if all(k in env for k in slurm) and count("SLURM_NTASKS") > 1:
+        return "slurm"
+    if "OMPI_MCA_orte_hnp_uri" in env and count("OMPI_COMM_WORLD_SIZE") > 1:
+        return "ompi"
+    workers = env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES") or ""
+    if len([w for w in workers.split(",") if w.strip()]) > 1:
+        return "tpu"
+    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:
+        return "k8s"
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        return "jax"
+    return None
+
+
+def address_towards(host: str, port: int = 9) -> str:
+    """This host's own address on the route to ``host`` (a UDP socket's local end after
+    ``connect``; no packet is sent), e.g. the coordinator's peer on the same network; loopback for
+    a loopback ``host``. Falls back to ``127.0.0.1`` when the OS has no route."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_bindable(host: str, port: int, what: str) -> None:
+    """Raise RuntimeError in one line when this host cannot listen on ``host:port`` (in use, or
+    not an address of this host): ``what`` names the flag."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise RuntimeError(f"{what} {host}:{port} cannot be listened on here ({e.strerror}): "
+                               f"give a free port on one of this host's own addresses") from None
+
+
+def wait_for_coordinator(host: str, port: int, timeout: float, process: int | None = None) -> float:
+    """Wait until a TCP connection to the coordinator ``host:port`` succeeds; returns the seconds
+    waited (it may start after this process).
+
+    Raises:
+        RuntimeError: none succeeded within ``timeout`` seconds; one line naming the address.
+    """
+    t0 = time.monotonic()
+    last = "no attempt"
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, max(timeout, 0.1))):
+                return time.monotonic() - t0
+        except OSError as e:
+            last = e.strerror or type(e).__name__
+        if time.monotonic() - t0 > timeout:
+            who = f"process {process}: " if process is not None else ""
+            raise RuntimeError(f"{who}coordinator {host}:{port} unreachable for {timeout:g} s ({last}): "
+                               f"start process 0 there, or check --coordinator and the firewall")
+        time.sleep(0.25)
+
+
+_UNHEALTHY = re.compile(r"tasks are unhealthy[^\n]*:\s*\n?\s*([\d,\s]+)", re.S)
+_TASK = re.compile(r"task[:_ ](\d+)")
+
+
+def explain_runtime_failure(text: str, process: int | None, coordinator: str | None,
+                            num_processes: int | None = None, timeout: float | None = None) -> str | None:
+    """One line for a process that JAX's runtime ended (``text``: the process's stderr), naming
+    the cause, or ``None`` when ``text`` shows no fatal runtime error.
+
+    Causes told apart: a lost process (``tasks are unhealthy``: its heartbeats stopped), a lost
+    coordinator (the service's RPCs fail), a duplicate process id (``ALREADY_EXISTS`` on
+    registration), a process id the coordinator does not expect (``--num-processes`` differs), and
+    a registration that timed out (a process missing, or started with another ``--num-processes``).
+    The text matched is XLA's coordination service's (JAX 0.4-0.10); unknown text gives its status
+    line, cut to one line.
+    """
+    if "Terminating process because the JAX distributed service" not in text and "Check failure" not in text \
+            and "CoordinationService" not in text:
+        return None
+    me = f"process {process}" if process is not None else "this process"
+    who = f" (coordinator {coordinator})" if coordinator else ""
+    lost = _UNHEALTHY.search(text)
+    if lost:
+        ids = sorted({int(t) for t in re.findall(r"\d+", lost.group(1))} - ({process} if process is not None else set()))
+        if ids:
+            names = ", ".join(f"process {i}" for i in ids)
+            return f"{me}: lost {names} (no heartbeat from it{'s' if len(ids) > 1 else ''}): ending this process too"
+    if "ALREADY_EXISTS" in text and "RegisterTask" in text or "newer incarnation" in text:
+        return (f"{me}: duplicate process id: another process registered as process {process} with the coordinator"
+                f"{who}; give every process its own --process-id in 0..N-1")
+    if "RegisterTask" in text and ("INVALID_ARGUMENT" in text or "Unexpected task" in text or "out of range" in text):
+        return (f"{me}: the coordinator{who} does not expect process {process}: --num-processes differs between "
+                f"processes (this one says {num_processes}); give every process the same count")
+    if "RegisterTask" in text and "DEADLINE_EXCEEDED" in text:
+        t = f" within {timeout:g} s" if timeout else ""
+        return (f"{me}: not every process registered with the coordinator{who}{t}: a process is missing, or was "
+                f"started with another --num-processes ({num_processes} here) or a duplicate --process-id")
+    if re.search(r"(Heartbeat|PollForError|GetKeyValue|Barrier)[^\n]*", text) and ("UNAVAILABLE" in text or "Socket closed" in text
+                                                                                     or "Connection reset" in text or "failed to connect" in text):
+        if process != 0:
+            return f"{me}: lost process 0, the coordinator{who} (its service stopped answering): ending this process too"
+    status = re.search(r"absl::Status: ([^\n]+)", text)
+    line = status.group(1) if status else next((x for x in text.splitlines() if x.startswith("F")), text.strip().splitlines()[-1])
+    return f"{me}: JAX's distributed runtime ended it: {line.strip()[:300]}"

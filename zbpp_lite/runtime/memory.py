@@ -1,0 +1,167 @@
+"""The executor's memory recorder: the activation bytes each rank keeps alive, as they change.
+
+The executor calls it where it keeps or frees an array of the schedule (one recorder per step):
+
+- ``keep(rank, key, arrays)`` / ``free(rank, key)`` from a rank's own action, ``key`` =
+  (what, stage, microbatch) with what "res" (F's residuals for B), "kept" (W's operands, from F)
+  or "grads" (the output gradients B keeps for W); both wait in the rank's pending list and
+  :meth:`MemoryRecorder.settle` applies them at the action's end, all at once (as the plan's
+  model changes memory by one amount per action);
+- ``receive(rank, key, value, t)`` when another rank's activation ("F", s, j) or input gradient
+  ("B", s, j) arrives in the rank's inbox (any thread), and ``free(rank, key)`` for it from the
+  action that consumes it.
+
+Bytes come from the arrays' shapes and dtypes (``size * itemsize`` of every leaf), taken when
+they are kept and given back when freed, so an array donated or reused later is still counted
+right. F's outputs are fresh buffers (they alias neither F's input nor each other; a test checks
+it), so a sum over the leaves counts each buffer once. What it costs: a few microseconds per
+action (``benchmarks/bench_memory.py`` measures it against the step time).
+
+The result is a :class:`~zbpp_lite.schedules.memory.MeasuredMemory` (pure Python).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..schedules.memory import MeasuredMemory
+
+
+_BYTES: dict = {}  # (shape, dtype) -> bytes: the few shapes of a job, each worked out once
+
+
+def nbytes(tree: Any) -> int:
+    """Bytes of every array leaf of ``tree`` (jax or NumPy arrays): the sum of the product of
+    each one's shape times its dtype's itemsize (read off a jax array's abstract value, about
+    half a microsecond a leaf; ``Array.size`` costs twice that)."""
+    total = 0
+    for a in jax.tree_util.tree_leaves(tree):
+        v = getattr(a, "aval", a)
+        key = (v.shape, v.dtype)
+        size = _BYTES.get(key)
+        if size is None:
+            size = _BYTES[key] = math.prod(v.shape) * np.dtype(v.dtype).itemsize
+        total += size
+    return total
+
+
+class MemoryRecorder:
+    """Per-rank activation bytes over one step (see the module docstring).
+
+    Args:
+        num_ranks: p.
+        num_stages: S, for the per-stage M_B and M_W.
+    """
+
+    def __init__(self, num_ranks: int, num_stages: int):
+        self._lock = threading.Lock()  # receive() runs in the sender's thread
+        self._live: list[dict] = [{} for _ in range(num_ranks)]  # key -> (bytes, received?)
+        self._pending: list[list] = [[] for _ in range(num_ranks)]  # (key, bytes) or (key, None) to free
+        self._held = [0] * num_ranks
+        self._recv = [0] * num_ranks
+        self._held_curve: list[list] = [[(0.0, 0)] for _ in range(num_ranks)]
+        self._recv_curve: list[list] = [[(0.0, 0)] for _ in range(num_ranks)]
+        self._stage: dict = {}  # (what, stage) -> bytes of one microbatch
+        self.num_stages = num_stages
+
+    def keep(self, rank: int, key: tuple, arrays: Any) -> None:
+        """Rank ``rank``'s running action keeps ``arrays`` under ``key`` (applied at settle)."""
+        size = nbytes(arrays)
+        self._pending[rank].append((key, size))
+        self._stage[key[0], key[1]] = max(size, self._stage.get((key[0], key[1]), 0))
+
+    def free(self, rank: int, key: tuple) -> None:
+        """Rank ``rank``'s running action releases what ``key`` holds (applied at settle)."""
+        self._pending[rank].append((key, None))
+
+    def receive(self, rank: int, key: tuple, value: Any, t: float) -> None:
+        """``value`` arrived in rank ``rank``'s inbox under ``key`` at ``t`` seconds (a second
+        arrival under one key, a redone step's, replaces the first)."""
+        size = nbytes(value)
+        with self._lock:
+            old = self._live[rank].pop(key, (0, True))[0]
+            self._live[rank][key] = (size, True)
+            self._recv[rank] += size - old
+            self._recv_curve[rank].append((max(t, 0.0), self._recv[rank]))
+
+    def settle(self, rank: int, t: float) -> None:
+        """Apply rank ``rank``'s pending keeps and frees at ``t`` seconds (its action's end)."""
+        if not self._pending[rank]:
+            return
+        with self._lock:
+            live, received = self._live[rank], False
+            for key, size in self._pending[rank]:
+                if size is None:
+                    size_was, was_received = live.pop(key, (0, False))
+                    if was_received:
+                        self._recv[rank] -= size_was
+                        received = True
+                    else:
+                        self._held[rank] -= size_was
+                else:
+                    live[key] = (size, False)
+                    self._held[rank] += size
+            self._pending[rank].clear()
+            self._held_curve[rank].append((t, self._held[rank]))
+            if received:
+                self._recv_curve[rank].append((t, self._recv[rank]))
+
+    def drop_stages(self, rank: int, stages: list, t: float) -> None:
+        """Forget what rank ``rank`` held for ``stages`` (a redone warm-up drops it all)."""
+        for key in [k for k in self._live[rank] if k[0] in ("res", "kept", "grads") and k[1] in stages]:
+            self.free(rank, key)
+        self.settle(rank, t)
+
+    def result(self, shift: float = 0.0, device_peak: tuple = ()) -> MeasuredMemory:
+        """The :class:`MeasuredMemory` so far, times minus ``shift`` seconds (clipped at 0)."""
+
+        def curve(points: list) -> tuple:
+            moved = sorted(((max(t - shift, 0.0), b) for t, b in points[1:]), key=lambda p: p[0])
+            return ((0.0, 0), *moved)
+
+        S = self.num_stages
+        with self._lock:
+            held = tuple(curve(c) for c in self._held_curve)
+            recv = tuple(curve(c) for c in self._recv_curve)
+            mem_b = tuple(self._stage.get(("res", s), 0) + self._stage.get(("kept", s), 0) for s in range(S))
+            mem_w = tuple(self._stage.get(("kept", s), 0) + self._stage.get(("grads", s), 0) for s in range(S))
+        return MeasuredMemory(held, recv, mem_b, mem_w, tuple(device_peak))
+
+
+class NoMemoryRecorder:
+    """A recorder that records nothing (``PipelineExecutor(record_memory=False)``)."""
+
+    def keep(self, rank: int, key: tuple, arrays: Any) -> None:
+        pass
+
+    def free(self, rank: int, key: tuple) -> None:
+        pass
+
+    def receive(self, rank: int, key: tuple, value: Any, t: float) -> None:
+        pass
+
+    def settle(self, rank: int, t: float) -> None:
+        pass
+
+    def drop_stages(self, rank: int, stages: list, t: float) -> None:
+        pass
+
+    def result(self, shift: float = 0.0, device_peak: tuple = ()) -> None:
+        return None
+
+
+def device_peak_bytes(device: Any) -> int | None:
+    """``device.memory_stats()["peak_bytes_in_use"]``: the allocator's peak since the process
+    began, bytes, on a GPU or TPU; None where the device gives no count (CPU)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a backend without the call has no count
+        return None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return int(stats["peak_bytes_in_use"])

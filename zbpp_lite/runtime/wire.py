@@ -1,0 +1,103 @@
+"""What crosses a process or host boundary, as bytes: JSON, with NumPy arrays as raw bytes beside
+it (dtype, shape), parsed on the way in and never unpickled.
+
+Layout of one message (all integers little-endian)::
+
+    b"ZBW1" | header length (8 bytes) | header: UTF-8 JSON | array bytes, one after another
+
+The header is ``{"value": V, "arrays": [{"dtype": "<f4", "shape": [3, 4], "nbytes": 48}, ...]}``;
+inside ``V`` an array is ``{"$array": i}`` (its index in ``arrays``). Values are JSON's own
+(dict with str keys, list, str, int, float, bool, None), tuples (sent as lists) and NumPy arrays
+or scalars of a numeric or bool dtype (numbers of NumPy's scalar types are sent as 0-d arrays and
+come back as 0-d arrays). Anything else (an object array, a dict with non-str keys, a dict with
+the key ``"$array"``) raises ``TypeError`` on encoding; a malformed message raises ``ValueError``
+on decoding, with what is wrong named.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"ZBW1"
+_KINDS = "biufc"  # bool, signed and unsigned int, float, complex: no object, string or void dtypes
+
+
+def encode(value: Any) -> bytes:
+    """``value`` as one message (bytes). Raises TypeError naming the part that cannot be sent."""
+    arrays: list[np.ndarray] = []
+
+    def walk(v, where: str):
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (np.ndarray, np.generic)):
+            a = np.asarray(v)  # tobytes() writes C order whatever the strides
+            if a.dtype.kind not in _KINDS:
+                raise TypeError(f"wire.encode: {where} is an array of dtype {a.dtype}; only bool and numeric dtypes cross processes")
+            arrays.append(a)
+            return {"$array": len(arrays) - 1}
+        if isinstance(v, (list, tuple)):
+            return [walk(x, f"{where}[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            out = {}
+            for k, x in v.items():
+                if not isinstance(k, str) or k == "$array":
+                    raise TypeError(f"wire.encode: {where} has the key {k!r}; keys must be str (and not '$array')")
+                out[k] = walk(x, f"{where}[{k!r}]")
+            return out
+        if hasattr(v, "__array__") and hasattr(v, "dtype"):  # a jax.Array: to host memory
+            return walk(np.asarray(v), where)
+        raise TypeError(f"wire.encode: {where} is a {type(v).__name__}; send JSON values, tuples and NumPy arrays only")
+
+    tree = walk(value, "value")
+    header = json.dumps(
+        {"value": tree, "arrays": [{"dtype": a.dtype.str, "shape": list(a.shape), "nbytes": a.nbytes} for a in arrays]},
+        allow_nan=True, separators=(",", ":"),
+    ).encode()
+    return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(a.tobytes() for a in arrays)])
+
+
+def decode(data: bytes) -> Any:
+    """The value of one message from :func:`encode`. Raises ValueError naming what is malformed."""
+    data = memoryview(bytes(data))
+    if len(data) < 12 or bytes(data[:4]) != MAGIC:
+        raise ValueError(f"wire.decode: not a zbpp message (want it to start with {MAGIC!r}, got {bytes(data[:4])!r})")
+    (n,) = struct.unpack("<Q", data[4:12])
+    if 12 + n > len(data):
+        raise ValueError(f"wire.decode: header of {n} bytes but only {len(data) - 12} follow")
+    try:
+        header = json.loads(bytes(data[12 : 12 + n]).decode())
+        specs, tree = header["arrays"], header["value"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"wire.decode: header is not the JSON object encode() writes ({e})") from None
+    arrays, at = [], 12 + n
+    for i, spec in enumerate(specs):
+        dtype = np.dtype(spec["dtype"])
+        shape = tuple(int(d) for d in spec["shape"])
+        nbytes = int(spec["nbytes"])
+        if dtype.kind not in _KINDS or dtype.hasobject:
+            raise ValueError(f"wire.decode: array {i} has dtype {dtype}; only bool and numeric dtypes are accepted")
+        if nbytes != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or at + nbytes > len(data):
+            raise ValueError(f"wire.decode: array {i} ({dtype}, shape {shape}) claims {nbytes} bytes; "
+                             f"{len(data) - at} remain and the shape needs {dtype.itemsize * int(np.prod(shape, dtype=np.int64))}")
+        arrays.append(np.frombuffer(data[at : at + nbytes], dtype=dtype).reshape(shape).copy())
+        at += nbytes
+    if at != len(data):
+        raise ValueError(f"wire.decode: {len(data) - at} bytes left over after the arrays")
+
+    def walk(v):
+        if isinstance(v, dict):
+            if set(v) == {"$array"}:
+                i = v["$array"]
+                if not isinstance(i, int) or not 0 <= i < len(arrays):
+                    raise ValueError(f"wire.decode: array reference {i!r} outside 0..{len(arrays) - 1}")
+                return arrays[i]
+            return {k: walk(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        return v
+
+    return walk(tree)
