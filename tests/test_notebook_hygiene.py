@@ -32,3 +32,69 @@ def test_notebook_is_paired_clean_and_checks_its_claims(path):
     assert "What you will learn" in first.source
     assert "XLA_FLAGS" in nb.cells[1].source and "google.colab" in nb.cells[1].source
     assert any(line.lstrip().startswith("assert ") for c in code(nb) for line in c.splitlines())
+
+
+def test_jupytext_pairing_is_declared_and_syncs_both_ways(tmp_path):
+    """jupytext.toml pairs notebooks/*.ipynb with notebooks/*.md: ``jupytext --sync`` carries an
+    edit made in the .md to the .ipynb, and one made in the .ipynb (JupyterLab, Colab) to the .md."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).parent.parent
+    shutil.copy(repo / "jupytext.toml", tmp_path / "jupytext.toml")
+    (tmp_path / "notebooks").mkdir()
+    md, ipynb = tmp_path / "notebooks" / "lesson.md", tmp_path / "notebooks" / "lesson.ipynb"
+    shutil.copy(repo / "notebooks" / "01_pipeline_bubbles.md", md)
+    shutil.copy(repo / "notebooks" / "01_pipeline_bubbles.ipynb", ipynb)
+    env = {**os.environ, "JUPYTEXT_CEILING_DIRECTORIES": str(tmp_path.parent)}
+
+    def sync(path: Path) -> str:
+        done = subprocess.run([sys.executable, "-m", "jupytext", "--sync", str(path)], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return done.stdout + done.stderr
+
+    assert "not a paired notebook" not in sync(md)
+    # an edit in the Markdown source reaches the notebook
+    md.write_text(md.read_text().replace("p, m = 4, 8", "p, m = 4, 9"))
+    os.utime(md, (time.time() + 5, time.time() + 5))
+    sync(md)
+    assert any("p, m = 4, 9" in c.source for c in nbformat.read(ipynb, as_version=4).cells)
+    # an edit in the notebook (as JupyterLab or Colab saves it) reaches the Markdown source
+    nb = nbformat.read(ipynb, as_version=4)
+    for cell in nb.cells:
+        cell.source = cell.source.replace("p, m = 4, 9", "p, m = 4, 7")
+    nbformat.write(nb, ipynb)
+    os.utime(ipynb, (time.time() + 10, time.time() + 10))
+    sync(ipynb)
+    assert "p, m = 4, 7" in md.read_text() and "p, m = 4, 9" not in md.read_text()
+    # other Markdown files (the README) are not paired
+    (tmp_path / "README.md").write_text("# readme\n")
+    assert "not a paired notebook" in sync(tmp_path / "README.md")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
+    """Each lesson's exercises call their checks with ``...`` for the learner to replace; the
+    Solutions section runs each check with our answer, collapsed, and asserts it said right."""
+    import re
+
+    from zbpp_lite.viz.exercises import EXERCISES
+
+    nb = nbformat.read(path, as_version=4)
+    lesson = str(int(path.name[:2]))
+    ours = {k: f.__name__ for k, f in EXERCISES.items() if k.split(".")[0] == lesson}
+    assert len(ours) >= 2
+    headings = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines() if line.startswith("## ")]
+    assert "## Exercises" in headings and "## Solutions" in headings
+    solutions_at = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "## Solutions" in c.source.splitlines())
+    for key, name in ours.items():
+        asked = [c for c in nb.cells[:solutions_at] if c.cell_type == "code" and f"ex.{name}(answer_" in c.source]
+        assert len(asked) == 1 and re.search(r"^answer_\w+ = \.\.\.", asked[0].source, re.M), f"exercise {key} ({name})"
+        solved = [c for c in nb.cells[solutions_at:] if c.cell_type == "code" and f"ex.{name}(" in c.source]
+        assert len(solved) == 1, f"no solution cell for exercise {key}"
+        cell = solved[0]
+        assert cell.metadata.get("jupyter", {}).get("source_hidden") is True and "hide-input" in cell.metadata.get("tags", [])
+        assert "assert verdict" in cell.source

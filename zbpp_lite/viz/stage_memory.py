@@ -1,0 +1,92 @@
+"""Activation memory per rank *and per stage*: what each of a rank's stages holds at the rank's
+peak, as numbers and as a stacked bar figure (pure Python and Plotly, no JAX).
+
+With several stages per rank (interleaved, V-shape) a rank's memory is the sum over its stages.
+The V placement pairs stage r, whose microbatches wait longest for their backward (many in flight),
+with stage 2p-1-r, whose backward comes soon after its forward (few in flight), so every rank's sum
+comes out the same (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024,
+arXiv 2405.15362, section 3). Memory model as :meth:`zbpp_lite.Timeline.memory_curve`: F adds M_B
+at its start, B frees M_B - M_W and W frees M_W at their ends, BW frees M_B.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from ..schedules.costs import Costs, CostTable
+from ..schedules.timeline import Timeline
+
+
+def _table(timeline: Timeline, costs: Costs | CostTable | None) -> CostTable:
+    stages = 1 + max((e.action.stage for e in timeline.events), default=0)
+    return costs.table(stages) if isinstance(costs, Costs) else (costs or Costs().table(stages))
+
+
+def memory_by_stage(timeline: Timeline, costs: Costs | CostTable | None = None) -> list[dict[int, float]]:
+    """Per rank: the activation memory each of its stages holds at the moment the rank peaks.
+
+    Args:
+        timeline: simulated or measured.
+        costs: M_B and M_W per stage (default M_B = 1, M_W = 0: units of one stage's activations
+            for one microbatch).
+
+    Returns:
+        ``result[rank][stage]``: memory held by that stage (units of M_B) at the rank's first peak;
+        the values of one rank sum to ``timeline.peak_memory[rank]`` when the costs are the ones
+        the timeline was simulated with.
+    """
+    table = _table(timeline, costs)
+    result = []
+    for rank in range(timeline.num_ranks):
+        changes = []
+        for e in timeline.rank_events(rank):
+            delta = table.memory_delta(e.action.kind, e.action.stage)
+            changes.append((e.start if delta > 0 else e.end, delta, e.action.stage))
+        changes.sort(key=lambda c: (c[0], c[1]))
+        held: dict[int, float] = {s: 0.0 for _, _, s in changes}
+        best, at_best = -1.0, dict(held)
+        for _, delta, stage in changes:
+            held[stage] += delta
+            if sum(held.values()) > best + 1e-12:
+                best, at_best = sum(held.values()), dict(held)
+        result.append(at_best)
+    return result
+
+
+def stage_memory_figure(
+    timeline: Timeline, costs: Costs | CostTable | None = None, *, title: str | None = None, memory_unit: str = "M_B"
+) -> go.Figure:
+    """Stacked bars, one per rank: the memory each stage of the rank holds at the rank's peak.
+
+    Args:
+        timeline: simulated or measured.
+        costs: memory fields, as :func:`memory_by_stage`.
+        title: figure title (default: the peaks).
+        memory_unit: y-axis unit text.
+
+    Returns:
+        A new ``go.Figure``; one bar trace per stage position on a rank ("first stage", "second
+        stage", ...), hover text naming the stage.
+    """
+    split = memory_by_stage(timeline, costs)
+    depth = max((len(d) for d in split), default=0)
+    names = ["first", "second", "third", "fourth"]
+    traces = []
+    for k in range(depth):
+        ranks, values, text = [], [], []
+        for rank, held in enumerate(split):
+            stages = sorted(held)
+            if k < len(stages):
+                ranks.append(f"rank {rank}")
+                values.append(held[stages[k]])
+                text.append(f"stage {stages[k]}")
+        label = f"{names[k] if k < len(names) else str(k + 1) + 'th'} stage on the rank"
+        traces.append(go.Bar(x=ranks, y=values, name=label, text=text, textposition="inside"))
+    fig = go.Figure(traces)
+    fig.update_layout(
+        barmode="stack",
+        title=title or "activation memory at each rank's peak, by stage",
+        yaxis_title=f"activation memory ({memory_unit})",
+        height=360,
+    )
+    return fig

@@ -1,0 +1,102 @@
+"""zb-auto's heuristic, step by step: the paper's eight binary choices each run once, and one
+rank's plan read back action by action with the reason each action ran when it did (pure Python).
+
+Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), section 3.1:
+warm-up forwards as the memory limit allows; then F and B as they arrive; a W into a gap before
+the next F or B arrives; the rest of the W at the end. Three choices are binary (B or F first; a W
+into every partial gap or only where it pays; one more warm-up F or not), and the search keeps the
+shortest of the 2^3 runs. The engine is :mod:`zbpp_lite.schedules.builders.greedy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schedules.builders.auto import ONE_STAGE_RULES
+from ..schedules.builders.greedy import per_rank_limits, plan
+from ..schedules.costs import Costs
+from ..schedules.ir import Schedule, deps, looped_placement, produces
+from ..schedules.simulate import simulate
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class ChoiceRun:
+    """One of the eight greedy runs.
+
+    Attributes:
+        first: "B" or "F": which kind runs first when both have arrived.
+        fill_partial: a W goes into every gap, even one shorter than T_W.
+        fit_f: one more warm-up F only where it ends before the first B arrives.
+        makespan: the run's makespan (the costs' time unit).
+        peak_memory: its largest per-rank peak (units of M_B).
+    """
+
+    first: str
+    fill_partial: bool
+    fit_f: bool
+    makespan: float
+    peak_memory: float
+
+
+def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs, memory_limit: float) -> list[ChoiceRun]:
+    """Run the greedy scheduler once per combination of the paper's three binary choices (rank r
+    holds stage r), shortest first.
+
+    Raises:
+        ValueError: a memory limit below what any schedule needs (see
+            :func:`zbpp_lite.schedules.builders.greedy.per_rank_limits`).
+    """
+    placement = looped_placement(num_ranks, num_ranks)
+    table = costs.table(num_ranks)
+    limits = per_rank_limits("zb-auto", memory_limit, placement, table)
+    runs = []
+    for rules in ONE_STAGE_RULES:
+        done = plan(placement, num_microbatches, table, limits, rules)
+        runs.append(ChoiceRun(rules.order[0][0], rules.fill_partial, rules.fit_f, done.makespan, max(done.peak_memory)))
+    return sorted(runs, key=lambda r: (r.makespan, r.peak_memory))
+
+
+def narrate(schedule: Schedule, costs: Costs, rank: int, memory_limit: float | None = None) -> list[str]:
+    """One line per action of ``rank``: start, end, the action, memory held after it, and why it
+    ran then (warm-up F under the limit; an F or B whose input arrived; a W filling idle time
+    before the next F or B is ready, or delaying it; a W left for the end).
+
+    Args:
+        schedule: any valid schedule (simulated here with ``costs``).
+        costs: T_F, T_B, T_W, T_comm and memory per stage.
+        rank: which rank to read.
+        memory_limit: printed beside the memory, if given (units of M_B).
+    """
+    table = costs.table(schedule.num_stages)
+    timeline = simulate(schedule, costs)
+    end = {key: (e.end, e.rank) for e in timeline.events for key in produces(e.action)}
+
+    def ready(action) -> float:
+        times = [t + (table.transfer(k[1], action.stage) if r != rank else 0.0)
+                 for k in deps(action, schedule.num_stages) for t, r in [end[k]]]
+        return max(times, default=0.0)
+
+    events = timeline.rank_events(rank)
+    first_b = next((i for i, e in enumerate(events) if e.action.kind in ("B", "BW")), len(events))
+    held, lines = 0.0, []
+    cap = f" of {memory_limit:g}" if memory_limit is not None else ""
+    for i, e in enumerate(events):
+        a = e.action
+        held += table.memory_delta(a.kind, a.stage)
+        if a.kind == "F" and i < first_b:
+            why = "warm-up F: memory allows it"
+        elif a.kind in ("F", "B", "BW"):
+            waited = e.start - ready(a)
+            why = f"input ready at {ready(a):.3g}" + (f"; started {waited:.3g} later (the rank was busy, or memory was at the limit)" if waited > _EPS else "")
+        else:
+            nxt = next((x.action for x in events[i + 1:] if x.action.kind != "W"), None)
+            if nxt is None:
+                why = "W left for the end"
+            elif ready(nxt) >= e.end - _EPS:
+                why = f"W fills idle time: the next {nxt} is ready only at {ready(nxt):.3g}"
+            else:
+                why = f"W delays the next {nxt} (ready at {ready(nxt):.3g}): a partial gap filled"
+        lines.append(f"{e.start:7.3g} - {e.end:<7.3g} {str(a):>5}  memory {held:g}{cap}  {why}")
+    return lines
