@@ -202,6 +202,10 @@ def run(args) -> int:
     results = _run_all(schedules, args.steps, model, run_config, data, devices, use_processes)
     for r in results:
         print(one_line(r), flush=True)
+        memory = r.measured.measured_memory
+        if memory is not None:
+            print(f"{'':18s} activation memory peak per rank (bytes): measured {list(memory.peak_bytes)}  "
+                  f"planned {[int(b) for b in r.measured.planned_peak_bytes]}", flush=True)
     references = _references(args, model, run_config, data, devices, use_processes)
     learned = None
     if args.learn_steps > 0:
