@@ -164,7 +164,8 @@ def test_compare_with_one_accelerator_simulates_every_schedule_from_profiled_cos
     lone = jax.devices("cpu")[3]
     monkeypatch.setattr(devices_mod, "platform_devices", lambda platform: [lone] if platform == "gpu" else jax.devices(platform))
     out = tmp_path / "compare.json"
-    args = ["compare", "--platform", "gpu", "--schedules", "gpipe,zb-h1", *SMALL, "--out", str(tmp_path / "c.html"), "--json", str(out)]
+    sizes = [*SMALL[:-1], "2", "--learn-steps", "0"]  # compare times the steps after the first: 2 at least
+    args = ["compare", "--platform", "gpu", "--schedules", "gpipe,zb-h1", *sizes, "--out", str(tmp_path / "c.html"), "--json", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
     real_at = text.index("REAL runs on 2 simulated CPU devices")

@@ -172,6 +172,9 @@ def run(args) -> int:
     profiled = _profile_all(accelerator, names, args, blocks) if accelerator is not None else []
     why_threads = threads_reason(args, args.ranks, devices)
     use_processes = why_threads is None
+    if args.platform is not None:
+        kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
+        print(f"REAL runs on {args.ranks} {kind} devices", flush=True)
     if use_processes:
         print(f"REAL runs: one process per rank, each pinned to its own core ({args.ranks} ranks); schedules take turns step by step",
               flush=True)
