@@ -139,10 +139,11 @@ def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
 
     schedules, notes = [], {}
     for name in sorted(names, key=lambda n: "costs" in _required(n)):
-        options, reason = _options(name, args.ranks, None)
+        costs = None
         if "costs" in _required(name):
             num_stages = zb.build_schedule(name, args.ranks, args.microbatches, costs=zb.Costs()).num_stages
-            options, reason = _options(name, args.ranks, costs_for(num_stages))
+            costs = costs_for(num_stages)
+        options, reason = _options(name, args.ranks, costs)
         try:
             if reason:
                 raise ValueError(reason)

@@ -253,11 +253,15 @@ def train(
         timelines=out.timelines,
         step_seconds=out.seconds,
         params=final,
-        config={"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
-                "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
-                "init": None if run.init is None else str(run.init), "devices": [str(dev) for dev in devices],
-                **out.extra},
+        config={**settings_json(config, run), "devices": [str(dev) for dev in devices], **out.extra},
     )
+
+
+def settings_json(config: ModelConfig, run: RunConfig) -> dict:
+    """The model's and the run's settings as ``TrainResult.config`` records them (JSON-ready)."""
+    return {"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
+            "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
+            "init": None if run.init is None else str(run.init)}
 
 
 def _checked_schedule(schedule, ranks, microbatches, steps, config: ModelConfig, run: RunConfig,

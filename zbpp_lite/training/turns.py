@@ -33,7 +33,7 @@ from ..schedules.simulate import simulate
 from ..schedules.timeline import Event, Timeline
 from .data import Digits, load_digits
 from .model import ModelConfig
-from .train import RunConfig, TrainResult, _pick_measured
+from .train import RunConfig, TrainResult, _pick_measured, settings_json
 
 ENTRY = "zbpp_lite.training.turns:rank_main"
 
@@ -306,9 +306,7 @@ def _result(name, schedule, rec, final_stages, config, run, data, p, pin, evalua
         schedule=schedule, losses=rec["losses"], test_accuracy=test_accuracy, test_loss=test_loss,
         grad_max_rel_error=grad_error, loss_error=loss_error, measured=measured, costs=costs,
         simulated=simulate(schedule, costs), timelines=rec["timelines"], step_seconds=rec["seconds"], params=final,
-        config={"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
-                "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
-                "init": None if run.init is None else str(run.init),
+        config={**settings_json(config, run),
                 "devices": [f"rank {r}: own process, " + (f"core {cores[r % len(cores)]}" if pin else "unpinned") for r in range(p)],
                 "processes": "one per rank, pinned" if pin else "one per rank",
                 "parts": [list(stage) for stage in staged.parts]},
