@@ -3,7 +3,8 @@ run as a user runs it, then its figures checked side by side.
 
 Prints, per run: the wall time of the whole command; the measured bubble rates of 1f1b, zb-h1
 and zb-h2 (their order); the median step of zb-h2 and of zb-auto over 1f1b's (same run, the
-schedules taking turns step by step); measured / simulated makespan of every schedule with one
+schedules taking turns step by step), and the same ratios step by step (the median of step k's
+ratio, with its distribution-free interval: what cancels the machine's slow spells); measured / simulated makespan of every schedule with one
 stage per rank; the speed-up of the fastest schedule over the faster single-device reference;
 the long run's test accuracy; and the load of other programs during the run.
 
@@ -52,12 +53,19 @@ def figures(report: dict) -> dict:
         "order holds": bubble["1f1b"] > bubble["zb-h1"] > bubble["zb-h2"],
         "zb-h2 / 1f1b": step["zb-h2"] / step["1f1b"],
         "zb-auto / 1f1b": step["zb-auto"] / step["1f1b"],
+        "zb-h2 / 1f1b step by step [interval]": _paired(runs["zb-h2"]),
+        "zb-auto / 1f1b step by step [interval]": _paired(runs["zb-auto"]),
         "measured / simulated (one stage per rank)": {n: round(v, 3) for n, v in sorted(one_stage.items())},
         "fastest": min(step, key=step.get),
         "speed-up over " + report["reference"]: max(r["speedup"] for r in runs.values()),
         "test accuracy": report.get("learned", {}).get("test_accuracy"),
         "load (1-min average) before / after": (round(report["load_before"], 2), round(report["load_after"], 2)),
     }
+
+
+def _paired(run: dict) -> str:
+    g = run.get("vs_1f1b")
+    return "n/a" if g is None else f"{g['ratio']:.3f} [{g['low']:.3f}, {g['high']:.3f}]"
 
 
 def main() -> None:

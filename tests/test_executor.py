@@ -327,6 +327,11 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
     fastest = min(report["references_ms"].values())
     assert all(r["speedup"] == pytest.approx(fastest / r["median_step_ms"]) for r in report["runs"])
     assert report["learned"]["steps"] == 2 and 0.0 <= report["learned"]["test_accuracy"] <= 1.0
+    zb_h1 = next(r for r in report["runs"] if r["schedule"] == "zb-h1")
+    ratio = zb_h1["vs_1f1b"]  # one timed step each: the paired ratio is that step's ratio
+    step_ms = {r["schedule"]: r["median_step_ms"] for r in report["runs"]}
+    assert ratio["ratio"] == ratio["low"] == ratio["high"] == pytest.approx(step_ms["zb-h1"] / step_ms["1f1b"])
+    assert "Step by step against 1f1b" in printed and f"zb-h1 {ratio['ratio']:.3f}" in printed
 
 
 @pytest.mark.parametrize("flag, value, message", [

@@ -43,8 +43,8 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     add_model_arguments(p)
     # the peer job's sizes: an action takes milliseconds, well above the executor's overhead per action
     p.set_defaults(d=128, heads=4, blocks=8, batch=256)
-    p.add_argument("--learn-steps", type=int, default=200,
-                   help="then train the fastest schedule this many steps and report its test accuracy (default 200; 0: skip)")
+    p.add_argument("--learn-steps", type=int, default=150,
+                   help="then train the fastest schedule this many steps and report its test accuracy (default 150; 0: skip)")
     p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with enough cores")
     p.add_argument("--out", default="compare.html", help="HTML report path (default compare.html)")
     p.add_argument("--json", metavar="PATH", help="also write the figures of every run as JSON")
@@ -242,10 +242,14 @@ def _run_all(schedules, steps, model, run_config, data, devices, use_processes) 
     return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules]
 
 
+REFERENCE_STEPS = 5  # steps of each single-device reference, the first untimed
+
+
 def _references(args, model, run_config, data, devices, use_processes) -> dict:
     """The two single-device references, each on one core: the whole batch as one jitted step
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
-    microbatches as the pipeline). Median step seconds over the timed steps."""
+    microbatches as the pipeline). Median step seconds over the timed steps (at most
+    ``REFERENCE_STEPS`` - 1 of them)."""
     import dataclasses
     import statistics
 
@@ -255,16 +259,17 @@ def _references(args, model, run_config, data, devices, use_processes) -> dict:
 
     one_rank = zb.build_schedule("gpipe", 1, args.microbatches)
     quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
+    steps = min(args.steps, REFERENCE_STEPS)  # one process, no other schedule between its steps: steadier than a pipeline
     if use_processes:
         from ..training.turns import train_in_turns
 
-        executor = train_in_turns([one_rank], args.steps, model=model, run=quiet, data=data)["gpipe"]
+        executor = train_in_turns([one_rank], steps, model=model, run=quiet, data=data)["gpipe"]
     else:
         from ..training.train import train
 
-        executor = train(one_rank, steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
+        executor = train(one_rank, steps=steps, model=model, run=quiet, devices=devices[:1], data=data)
     with one_core():  # one core for this process's XLA threads too, as for a rank
-        whole = train_baseline(args.steps, d=model.d, heads=model.heads, blocks=model.blocks, batch=args.batch, lr=args.lr,
+        whole = train_baseline(steps, d=model.d, heads=model.heads, blocks=model.blocks, batch=args.batch, lr=args.lr,
                                seed=args.seed, holdout=args.holdout, device=devices[0], data=data)
     return {
         "one device, whole batch (one jitted step)": statistics.median(whole.step_seconds[1:]),

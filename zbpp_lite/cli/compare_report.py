@@ -22,6 +22,19 @@ def _median_bubble(r) -> float:
     return statistics.median(t.bubble_rate for t in r.timelines[1:])
 
 
+def against(r, base):
+    """``r``'s steps over ``base``'s, step by step (:func:`~zbpp_lite.analysis.noise.paired_gain`):
+    the schedules took turns, so step k of both met the same state of the machine and their ratio
+    cancels its drift (a slow spell of a few seconds slows every schedule's step k alike).
+    None where either has fewer than one timed step or they differ in length."""
+    from ..analysis.noise import paired_gain
+
+    before, after = base.step_seconds[1:], r.step_seconds[1:]
+    if not before or len(before) != len(after):
+        return None
+    return paired_gain(before, after)
+
+
 @dataclass
 class Comparison:
     """What ``compare`` ran and measured (see :mod:`zbpp_lite.cli.compare`)."""
@@ -60,6 +73,9 @@ class Comparison:
             data = {k: v for k, v in r.to_json().items() if k != "trace"}
             data.update({"median_step_ms": _median_step_ms(r), "median_bubble_rate": _median_bubble(r),
                          "speedup": ref_ms / _median_step_ms(r)})
+            gain = against(r, self.by_name("1f1b")) if self.by_name("1f1b") is not None else None
+            if gain is not None:  # step k over 1f1b's step k: median ratio and its interval
+                data["vs_1f1b"] = {"ratio": gain.ratio, "low": gain.low, "high": gain.high, "coverage": gain.coverage}
             runs.append(data)
         out = {"mode": self.mode, "runs": runs, "not_run": self.notes,
                "references_ms": {n: s * 1e3 for n, s in self.references.items()},
@@ -94,6 +110,15 @@ def summary_text(c: Comparison) -> str:
         base_ms, saved = _median_step_ms(base), _median_bubble(base) - _median_bubble(best)
         lines.append(f"Against 1f1b ({base_ms:.1f} ms, bubble rate {_median_bubble(base):.3f}) it took {best_ms / base_ms:.3f} of the time "
                      f"with a bubble rate of {_median_bubble(best):.3f}: {saved * 100:+.1f} points of idle time saved.")
+    if base is not None:
+        paired = [(r, against(r, base)) for r in ranked if r is not base]
+        paired = [(r, g) for r, g in paired if g is not None]
+        if paired:
+            g0 = paired[0][1]
+            lines.append(f"Step by step against 1f1b (the schedules took turns, so step k of each met the same machine; median ratio "
+                         f"and its {g0.coverage:.0%} interval): " + ", ".join(
+                             f"{r.schedule.name} {g.ratio:.3f} [{g.low:.3f}, {g.high:.3f}]" for r, g in paired[:6])
+                         + (", ..." if len(paired) > 6 else "") + ". An interval wholly below 1 is a real gain.")
     split = _split_cost(c)
     if split is not None:
         zb = [r for r in ranked if r.schedule.name in ("zb-h1", "zb-h2")]

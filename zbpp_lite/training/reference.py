@@ -52,12 +52,24 @@ def jitted_adamw(lr: float, weight_decay: float):
     return opt, update
 
 
+_JITTED: dict = {}  # (what, the model's structure) -> its jitted function, compiled once per shape
+
+
+def _jitted(what: str, model, make):
+    """One jitted ``make(model)`` per model structure (its modules and loss): every staged copy
+    of one model, however cut, computes the same unpartitioned function, so they share it."""
+    key = (what, tuple(getattr(model, "graphdefs", ())) or id(model), getattr(model, "loss_fn", None))
+    if key not in _JITTED:
+        _JITTED[key] = make(model)
+    return _JITTED[key]
+
+
 def reference_grads(model, params, x, y, device) -> tuple[float, Any]:
     """Loss and gradients of the unpartitioned model on the whole batch (one device)."""
     import jax
 
     params = jax.device_put(params, device)
-    loss, grads = jax.jit(jax.value_and_grad(model.loss))(params, x, y)
+    loss, grads = _jitted("grads", model, lambda m: jax.jit(jax.value_and_grad(m.loss)))(params, x, y)
     return float(loss), grads
 
 
@@ -68,10 +80,13 @@ def evaluate(model, params, x: np.ndarray, y: np.ndarray, device=None) -> tuple[
 
     params = jax.device_put(params, device) if device is not None else params
 
-    @jax.jit
-    def run(params, x, y):
-        logits = model.logits(params, x)
-        return model.loss_fn(logits, y), jnp.mean(jnp.argmax(logits, -1) == y)
+    def make(m):
+        @jax.jit
+        def run(params, x, y):
+            logits = m.logits(params, x)
+            return m.loss_fn(logits, y), jnp.mean(jnp.argmax(logits, -1) == y)
 
-    loss, acc = run(params, x, y)
+        return run
+
+    loss, acc = _jitted("evaluate", model, make)(params, x, y)
     return float(loss), float(acc)
