@@ -155,3 +155,22 @@ def test_a_schedule_may_run_on_its_own_partition():
         train_in_turns([even], 2, parts={"odd": [[0, 1], [2, 3, 4, 5]]}, **SMALL)
     with pytest.raises(ValueError, match="in order"):
         train_in_turns([even], 2, parts={"even": [[0, 2], [1, 3, 4, 5]]}, **SMALL)
+
+
+def test_then_goes_on_training_the_chosen_schedule_as_if_it_had_run_alone():
+    """``then`` continues one schedule in the comparison's processes: the same losses, step for
+    step, as that schedule trained alone for all the steps, and the test accuracy of its final model."""
+    schedules = [zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h2", 2, 4)]
+    asked = []
+
+    def then(seconds):
+        asked.append(sorted(seconds))
+        assert all(len(v) == 2 for v in seconds.values())
+        return "zb-h2", 2
+
+    both = train_in_turns(schedules, 2, then=then, **SMALL)
+    alone = train_in_turns([schedules[1]], 4, **SMALL)["zb-h2"]
+    assert asked == [["1f1b", "zb-h2"]] and list(both) == ["1f1b", "zb-h2", "then"]
+    np.testing.assert_allclose(both["then"].losses, alone.losses, rtol=1e-6)
+    assert both["then"].losses[:2] == both["zb-h2"].losses and len(both["then"].step_seconds) == 2
+    assert both["then"].test_accuracy == pytest.approx(alone.test_accuracy, abs=1e-6)

@@ -203,7 +203,7 @@ def run(args) -> int:
     data = load_digits(args.holdout, args.seed)
     model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
     run_config = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, progress=sys.stderr.isatty())
-    results = _run_all(schedules, args.steps, model, run_config, data, devices, use_processes)
+    results, learned = _run_all(schedules, args, model, run_config, data, devices, use_processes)
     for r in results:
         print(one_line(r), flush=True)
         memory = r.measured.measured_memory
@@ -211,8 +211,7 @@ def run(args) -> int:
             print(f"{'':18s} activation memory peak per rank (bytes): measured {list(memory.peak_bytes)}  "
                   f"planned {[int(b) for b in r.measured.planned_peak_bytes]}", flush=True)
     references = _references(args, model, run_config, data, devices, use_processes)
-    learned = None
-    if args.learn_steps > 0:
+    if args.learn_steps > 0 and learned is None and not use_processes:
         learned = _learn(results, args, model, run_config, data, devices, use_processes)
     from .compare_report import Comparison, html_report, summary_text
 
@@ -232,14 +231,36 @@ def run(args) -> int:
     return 0
 
 
-def _run_all(schedules, steps, model, run_config, data, devices, use_processes) -> list:
+def _run_all(schedules, args, model, run_config, data, devices, use_processes) -> tuple[list, object]:
+    """Every schedule's TrainResult and, in processes, the long learning run of the fastest: it
+    goes on in the same (compiled) processes after the turns, from the comparison's own steps to
+    ``--learn-steps`` in all (None: threads, or no learning run; see :func:`_learn`)."""
+    steps = args.steps
     if use_processes:
         from ..training.turns import train_in_turns
 
-        return list(train_in_turns(schedules, steps, model=model, run=run_config, data=data, progress=run_config.progress).values())
+        def then(seconds: dict):
+            if args.learn_steps <= 0:
+                return None
+            best = min(seconds, key=lambda n: _median(seconds[n][1:]))
+            print(f"training {best} on to {max(args.learn_steps, steps)} steps in all to see the model learn", flush=True)
+            return best, max(args.learn_steps - steps, 0)
+
+        out = train_in_turns(schedules, steps, model=model, run=run_config, data=data, progress=run_config.progress, then=then)
+        learned = out.pop("then", None)
+        results = list(out.values())
+        if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner as it is
+            learned = min(results, key=lambda r: _median(r.step_seconds[1:]))
+        return results, learned
     from ..training.train import train
 
-    return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules]
+    return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules], None
+
+
+def _median(values) -> float:
+    import statistics
+
+    return statistics.median(values)
 
 
 REFERENCE_STEPS = 5  # steps of each single-device reference, the first untimed
@@ -301,21 +322,16 @@ def one_core(pin: bool = True):
 
 
 def _learn(results, args, model, run_config, data, devices, use_processes):
-    """The fastest schedule trained from the start for ``--learn-steps`` steps: its losses and
-    its test accuracy on the held-out digits."""
-    import statistics
-
-    best = min(results, key=lambda r: statistics.median(r.step_seconds[1:]))
-    print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
+    """The fastest schedule trained from the start for ``--learn-steps`` steps in threads: its
+    losses and its test accuracy on the held-out digits (in processes, :func:`_run_all` goes on
+    with it in the comparison's processes instead)."""
     import dataclasses
 
-    run = dataclasses.replace(run_config, check_grads=False)
-    if use_processes:
-        from ..training.turns import train_in_turns
-
-        return train_in_turns([best.schedule], args.learn_steps, model=model, run=run, data=data, progress=run.progress)[best.schedule.name]
     from ..training.train import train
 
+    best = min(results, key=lambda r: _median(r.step_seconds[1:]))
+    print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
+    run = dataclasses.replace(run_config, check_grads=False)
     return train(best.schedule, steps=args.learn_steps, model=model, run=run, devices=devices, data=data)
 
 

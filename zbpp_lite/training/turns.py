@@ -174,6 +174,7 @@ def train_in_turns(
     progress: bool = False,
     on_step: Callable[[str, int, float, Timeline], None] | None = None,
     parts: dict[str, Sequence[Sequence[int]]] | None = None,
+    then: Callable[[dict[str, list[float]]], tuple[str, int] | None] | None = None,
 ) -> dict[str, TrainResult]:
     """Train every schedule for ``steps`` steps, taking turns step by step, one process per rank.
 
@@ -191,6 +192,11 @@ def train_in_turns(
             (``partition[s]``: the model part indices of stage s, 0 = embedding, 1..blocks = the
             blocks, blocks + 1 = the head; e.g. from :func:`zbpp_lite.analysis.rebalance.best_partition`);
             the others get :func:`zbpp_lite.runtime.stages.stage_parts`.
+        then: called once the turns are over with ``{name: step seconds}``; it may return
+            ``(name, extra)`` to go on training that schedule alone for ``extra`` more steps in
+            the same processes (already compiled: no second start-up), on batches ``steps``,
+            ``steps + 1``, ... Its result is then under the key ``"then"``: the same schedule
+            trained ``steps + extra`` steps from the start, with the loss of every step.
 
     Returns:
         ``{name: TrainResult}`` in the order given. ``step_seconds`` are each step's wall time on
@@ -265,6 +271,27 @@ def train_in_turns(
         for n in names:
             ranks.broadcast({"op": "params", "schedule": n})
             finals[n] = _stage_leaves(ranks.gather(), "params")
+        more = then({n: list(record[n]["seconds"]) for n in names}) if then is not None else None
+        if more is not None and more[1] > 0:
+            n, extra = more
+            s = schedules[names.index(n)]
+            rec = {**record[n], "losses": list(record[n]["losses"]), "timelines": [], "seconds": []}
+            if bar is not None:
+                bar.close()
+                from tqdm.auto import tqdm
+
+                bar = tqdm(total=extra, desc=f"training {n} on", leave=False)
+            for k in range(steps, steps + extra):
+                ranks.broadcast({"op": "step", "schedule": n, "step": k, "grads": False})
+                replies = ranks.gather()
+                rec["losses"].append(float(np.mean(np.asarray(next(r["losses"] for r in replies if r["losses"]), np.float64))))
+                rec["timelines"].append(_aligned(replies, p, s.num_stages))
+                rec["seconds"].append(max(r["seconds"] for r in replies))
+                if bar is not None:
+                    bar.update()
+                    bar.set_postfix_str(f"loss {rec['losses'][-1]:.4f}")
+            ranks.broadcast({"op": "params", "schedule": n})
+            record["then"], finals["then"], more = rec, _stage_leaves(ranks.gather(), "params"), (n, s)
     if bar is not None:
         bar.close()
     once: list = []  # every schedule starts from the same parameters on batch 0: one reference for all
@@ -274,9 +301,14 @@ def train_in_turns(
             once.append(reference_grads(*args))
         return once[0]
 
-    return {n: _result(n, s, record[n], finals[n], config, run, data, p, pin, evaluate, max_relative_error, reference_once,
-                       cuts.get(n))
-            for n, s in zip(names, schedules)}
+    results = {n: _result(n, s, record[n], finals[n], config, run, data, p, pin, evaluate, max_relative_error, reference_once,
+                          cuts.get(n))
+               for n, s in zip(names, schedules)}
+    if more is not None and "then" in record:
+        n, s = more
+        results["then"] = _result(n, s, {**record["then"], "grads": None}, finals["then"], config, run, data, p, pin, evaluate,
+                                  max_relative_error, reference_once, cuts.get(n))
+    return results
 
 
 def _result(name, schedule, rec, final_stages, config, run, data, p, pin, evaluate, max_relative_error, reference_grads,
