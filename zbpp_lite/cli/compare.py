@@ -263,14 +263,11 @@ def _median(values) -> float:
     return statistics.median(values)
 
 
-REFERENCE_STEPS = 5  # steps of each single-device reference, the first untimed
-
-
 def _references(args, model, run_config, data, devices, use_processes) -> dict:
     """The two single-device references, each on one core: the whole batch as one jitted step
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
-    microbatches as the pipeline). Median step seconds over the timed steps (at most
-    ``REFERENCE_STEPS`` - 1 of them)."""
+    microbatches as the pipeline). Median step seconds over the timed steps (as many as the
+    pipelines': fewer let one slow spell of the machine make the reference look slow)."""
     import dataclasses
     import statistics
 
@@ -280,7 +277,7 @@ def _references(args, model, run_config, data, devices, use_processes) -> dict:
 
     one_rank = zb.build_schedule("gpipe", 1, args.microbatches)
     quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
-    steps = min(args.steps, REFERENCE_STEPS)  # one process, no other schedule between its steps: steadier than a pipeline
+    steps = args.steps
     if use_processes:
         from ..training.turns import train_in_turns
 
