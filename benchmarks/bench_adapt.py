@@ -45,8 +45,9 @@ def main() -> None:
             adopted = [c["kind"] for c in r.changes if c["adopted"]] or ["nothing"]
             # nothing adopted: the plan after IS the plan before, after / before is 1 exactly; the
             # A/A control (that same plan measured against itself) shows the noise beside it
-            ratios.append(r.makespan_ratio if adopted != ["nothing"] else 1.0)
-            measured = r.comparison.text() if adopted != ["nothing"] else "1.000 (nothing adopted: the same plan)"
+            changed = adopted != ["nothing"]
+            ratios.append(r.makespan_ratio if changed else 1.0)
+            measured = r.comparison.text() if changed else "1.000 (nothing adopted: the same plan)"
             print(f"imbalance {imbalance:g} run {k + 1}: after / before {measured}; "
                   f"A/A control {r.control.text() if r.control else '-'}; adopted: {', '.join(adopted)}; "
                   f"blocks {[len(p) for p in r.before.parts]} -> {[len(p) for p in r.after.parts]}; "

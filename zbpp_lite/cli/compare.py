@@ -212,7 +212,7 @@ def run(args) -> int:
                   f"planned {[int(b) for b in r.measured.planned_peak_bytes]}", flush=True)
     references = _references(args, model, run_config, data, devices, use_processes)
     if args.learn_steps > 0 and learned is None and not use_processes:
-        learned = _learn(results, args, model, run_config, data, devices, use_processes)
+        learned = _learn(results, args, model, run_config, data, devices)
     from .compare_report import Comparison, html_report, summary_text
 
     comparison = Comparison(results, notes, references, learned, args, blocks, "processes" if use_processes else "threads",
@@ -277,17 +277,16 @@ def _references(args, model, run_config, data, devices, use_processes) -> dict:
 
     one_rank = zb.build_schedule("gpipe", 1, args.microbatches)
     quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
-    steps = args.steps
     if use_processes:
         from ..training.turns import train_in_turns
 
-        executor = train_in_turns([one_rank], steps, model=model, run=quiet, data=data)["gpipe"]
+        executor = train_in_turns([one_rank], args.steps, model=model, run=quiet, data=data)["gpipe"]
     else:
         from ..training.train import train
 
-        executor = train(one_rank, steps=steps, model=model, run=quiet, devices=devices[:1], data=data)
+        executor = train(one_rank, steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
     with one_core():  # one core for this process's XLA threads too, as for a rank
-        whole = train_baseline(steps, d=model.d, heads=model.heads, blocks=model.blocks, batch=args.batch, lr=args.lr,
+        whole = train_baseline(args.steps, d=model.d, heads=model.heads, blocks=model.blocks, batch=args.batch, lr=args.lr,
                                seed=args.seed, holdout=args.holdout, device=devices[0], data=data)
     return {
         "one device, whole batch (one jitted step)": statistics.median(whole.step_seconds[1:]),
@@ -318,7 +317,7 @@ def one_core(pin: bool = True):
             every_thread(affinity)
 
 
-def _learn(results, args, model, run_config, data, devices, use_processes):
+def _learn(results, args, model, run_config, data, devices):
     """The fastest schedule trained from the start for ``--learn-steps`` steps in threads: its
     losses and its test accuracy on the held-out digits (in processes, :func:`_run_all` goes on
     with it in the comparison's processes instead)."""

@@ -191,7 +191,7 @@ class AdaptResult:
             lines.append(f"  step by step, taking turns: {self.comparison.text()}; gain {self.comparison.gain:+.1%}")
         if self.control is not None:
             lines.append(f"  noise: the same plan twice in the same run: {self.control.text()}")
-        if self.changes is not None and not any(c["adopted"] for c in self.changes):
+        if not any(c["adopted"] for c in self.changes):
             lines.append("  nothing adopted: the plan after is the plan before; a ratio away from 1 above is the run's noise")
         for c in self.changes:
             lines.append(f"  {c['kind']}: {'adopted' if c['adopted'] else 'not adopted'} ({c['why']})")

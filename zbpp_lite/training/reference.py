@@ -58,7 +58,10 @@ _JITTED: dict = {}  # (what, the model's structure) -> its jitted function, comp
 def _jitted(what: str, model, make):
     """One jitted ``make(model)`` per model structure (its modules and loss): every staged copy
     of one model, however cut, computes the same unpartitioned function, so they share it."""
-    key = (what, tuple(getattr(model, "graphdefs", ())) or id(model), getattr(model, "loss_fn", None))
+    graphdefs = tuple(getattr(model, "graphdefs", ()))
+    if not graphdefs:  # no structure to key on: this model's own function, not kept
+        return make(model)
+    key = (what, graphdefs, getattr(model, "loss_fn", None))
     if key not in _JITTED:
         _JITTED[key] = make(model)
     return _JITTED[key]

@@ -159,6 +159,17 @@ def _aligned(replies: list, num_ranks: int, num_stages: int) -> Timeline:
     return timeline
 
 
+def _step(ranks: RankProcesses, name: str, schedule: Schedule, k: int, grads: bool, rec: dict) -> list:
+    """Step ``k`` of schedule ``name`` on every rank: its mean loss, aligned timeline and wall time
+    (the slowest rank's) appended to ``rec``; returns the ranks' replies."""
+    ranks.broadcast({"op": "step", "schedule": name, "step": k, "grads": grads})
+    replies = ranks.gather()
+    rec["losses"].append(float(np.mean(np.asarray(next(r["losses"] for r in replies if r["losses"]), np.float64))))
+    rec["timelines"].append(_aligned(replies, schedule.num_ranks, schedule.num_stages))
+    rec["seconds"].append(max(r["seconds"] for r in replies))
+    return replies
+
+
 def _stage_leaves(replies: list, key: str) -> dict[int, list]:
     return {int(s): list(leaves) for rep in replies for s, leaves in rep[key].items()}
 
@@ -252,16 +263,10 @@ def train_in_turns(
     with RankProcesses(ENTRY, p, spec, pin=pin) as ranks:
         for k in range(steps):
             for n, s in zip(names, schedules):
-                ranks.broadcast({"op": "step", "schedule": n, "step": k, "grads": k == 0 and run.check_grads})
-                replies = ranks.gather()
-                rec = record[n]
-                loss = float(np.mean(np.asarray(next(r["losses"] for r in replies if r["losses"]), np.float64)))
-                timeline = _aligned(replies, p, s.num_stages)
-                rec["losses"].append(loss)
-                rec["timelines"].append(timeline)
-                rec["seconds"].append(max(r["seconds"] for r in replies))
+                replies = _step(ranks, n, s, k, k == 0 and run.check_grads, record[n])
+                loss, timeline = record[n]["losses"][-1], record[n]["timelines"][-1]
                 if k == 0 and run.check_grads:
-                    rec["grads"] = _stage_leaves(replies, "grads")
+                    record[n]["grads"] = _stage_leaves(replies, "grads")
                 if bar is not None:
                     bar.update()
                     bar.set_postfix_str(f"{n} loss {loss:.4f}")
@@ -271,27 +276,23 @@ def train_in_turns(
         for n in names:
             ranks.broadcast({"op": "params", "schedule": n})
             finals[n] = _stage_leaves(ranks.gather(), "params")
-        more = then({n: list(record[n]["seconds"]) for n in names}) if then is not None else None
-        if more is not None and more[1] > 0:
-            n, extra = more
+        chosen = then({n: list(record[n]["seconds"]) for n in names}) if then is not None else None
+        if chosen is not None and chosen[1] > 0:
+            n, extra = chosen
             s = schedules[names.index(n)]
-            rec = {**record[n], "losses": list(record[n]["losses"]), "timelines": [], "seconds": []}
+            rec = {**record[n], "losses": list(record[n]["losses"]), "timelines": [], "seconds": [], "grads": None}
             if bar is not None:
                 bar.close()
                 from tqdm.auto import tqdm
 
                 bar = tqdm(total=extra, desc=f"training {n} on", leave=False)
             for k in range(steps, steps + extra):
-                ranks.broadcast({"op": "step", "schedule": n, "step": k, "grads": False})
-                replies = ranks.gather()
-                rec["losses"].append(float(np.mean(np.asarray(next(r["losses"] for r in replies if r["losses"]), np.float64))))
-                rec["timelines"].append(_aligned(replies, p, s.num_stages))
-                rec["seconds"].append(max(r["seconds"] for r in replies))
+                _step(ranks, n, s, k, False, rec)
                 if bar is not None:
                     bar.update()
                     bar.set_postfix_str(f"loss {rec['losses'][-1]:.4f}")
             ranks.broadcast({"op": "params", "schedule": n})
-            record["then"], finals["then"], more = rec, _stage_leaves(ranks.gather(), "params"), (n, s)
+            record["then"], finals["then"] = rec, _stage_leaves(ranks.gather(), "params")
     if bar is not None:
         bar.close()
     once: list = []  # every schedule starts from the same parameters on batch 0: one reference for all
@@ -304,9 +305,9 @@ def train_in_turns(
     results = {n: _result(n, s, record[n], finals[n], config, run, data, p, pin, evaluate, max_relative_error, reference_once,
                           cuts.get(n))
                for n, s in zip(names, schedules)}
-    if more is not None and "then" in record:
-        n, s = more
-        results["then"] = _result(n, s, {**record["then"], "grads": None}, finals["then"], config, run, data, p, pin, evaluate,
+    if "then" in record:
+        n = chosen[0]
+        results["then"] = _result(n, schedules[names.index(n)], record["then"], finals["then"], config, run, data, p, pin, evaluate,
                                   max_relative_error, reference_once, cuts.get(n))
     return results
 
