@@ -596,6 +596,41 @@ def targets(ours: dict, torch_results: dict, rows: list[dict], suffix: str = "")
     return checks
 
 
+def targets_main_job(ours: dict, torch_results: dict) -> list[tuple[str, str, bool | None]]:
+    """Issue 16's targets for the peer job, on the schedules that took turns (``NAME@turns``):
+    zb-h2 <= 0.95 x our 1f1b (also step by step: the median of the paired ratios, with its
+    interval), zb-auto <= 0.85 x PyTorch's best, and zb-auto's speed-up over the faster of
+    the two single-device references (``baseline``, ``baseline-1stage``) >= 1.85."""
+    from zbpp_lite.analysis.noise import paired_gain
+
+    ok = lambda name: name in ours and "error" not in ours[name]  # noqa: E731
+    checks = []
+    h2, one, auto = "zb-h2" + TURN, "1f1b" + TURN, "zb-auto" + TURN
+    if ok(h2) and ok(one):
+        g = paired_gain(ours[one]["step_ms"], ours[h2]["step_ms"], 0.95)
+        t, ref = ours[h2]["median_ms"], ours[one]["median_ms"]
+        checks.append(("zb-h2 <= 0.95 x our 1f1b", f"{t:.1f} / {ref:.1f} = {t / ref:.3f}; step by step {g.ratio:.3f} "
+                       f"[{g.low:.3f}, {g.high:.3f}]", t / ref <= 0.95))
+    else:
+        checks.append(("zb-h2 <= 0.95 x our 1f1b", "the turns run is missing", None))
+    theirs = {n: r["median_ms"] for n, r in torch_results.items() if n != "baseline" and "error" not in r}
+    if ok(auto) and theirs:
+        tname, tt = min(theirs.items(), key=lambda kv: kv[1])
+        t = ours[auto]["median_ms"]
+        checks.append((f"zb-auto <= 0.85 x PyTorch's best ({tname})", f"{t:.1f} / {tt:.1f} = {t / tt:.3f}", t / tt <= 0.85))
+    else:
+        checks.append(("zb-auto <= 0.85 x PyTorch's best", "a side is missing", None))
+    refs = {n: ours[n]["median_ms"] for n in ("baseline", "baseline-1stage") if ok(n)}
+    if ok(auto) and refs:
+        rname, rt = min(refs.items(), key=lambda kv: kv[1])
+        t = ours[auto]["median_ms"]
+        checks.append((f"zb-auto's speed-up over the faster single-device reference ({rname}) >= 1.85",
+                       f"{rt:.1f} / {t:.1f} = {rt / t:.2f}", rt / t >= 1.85))
+    else:
+        checks.append(("zb-auto's speed-up over the faster single-device reference >= 1.85", "a side is missing", None))
+    return checks
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--torch-python", help="a Python that can import torch (default: $ZBPP_TORCH_PYTHON, else /work/torchvenv/bin/python)")
@@ -642,6 +677,10 @@ def main(argv=None) -> int:
         checks[suffix or "threads"] = targets(ours, torch_results, rows, suffix)
         for what, figures, passed in checks[suffix or "threads"]:
             print(f"  {'PASS' if passed else 'FAIL' if passed is not None else 'n/a '}  {what}: {figures}")
+    print("\ntargets (issue 16), the schedules taking turns:")
+    checks["issue 16"] = targets_main_job(ours, torch_results)
+    for what, figures, passed in checks["issue 16"]:
+        print(f"  {'PASS' if passed else 'FAIL' if passed is not None else 'n/a '}  {what}: {figures}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"job": JOB, "steps": args.steps, "warmup": args.warmup, "ours": ours, "torch": torch_report,

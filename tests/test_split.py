@@ -140,6 +140,41 @@ def test_b_plus_w_cost_the_fused_backward_and_w_only_the_weight_products():
     assert flops_b <= 1.05 * (flops_fused - flops_products), (flops_b, flops_fused, flops_products)
 
 
+def test_the_flat_b_computes_bias_and_layernorm_gradients_and_the_flat_w_only_the_products():
+    """What the executor runs: B reduces the output gradients of the elementwise weight
+    operations (biases, LayerNorm scales and shifts) as it makes them, so it writes fewer bytes
+    for W, and W's compiled program is the weight products alone (no reduction); the sum is
+    jax.vjp's, for B then W and for the fused BW."""
+    model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=2)), 2)
+    x = jax.random.uniform(jax.random.key(0), (4, 8, 8))
+    shapes, labels = model.stage_inputs(x), jnp.array([1, 7, 3, 0])
+    h = x
+    for s in range(2):
+        fn, params = model.stage_fn(s), model.stage_params(model.params, s)
+        aux = labels if s == 1 else None
+        split = model.split_stage(s, shapes[s], labels)
+        assert {split.weight_primitives[j] for j in split._b_ops} == {"add", "mul"}  # the biases, LayerNorm's scale and shift
+        p = tuple(jax.tree_util.tree_leaves(params))
+        y, own, kept = split.flat.forward(p, h, aux)
+        dy = jnp.ones(()) if aux is not None else jax.random.normal(jax.random.key(s), y.shape)
+        dx, grads_out = split.flat.backward_input(p, own, dy)
+        g_w = split.flat.backward_weight(p, kept, grads_out, None)
+        dx_bw, g_bw = split.flat.backward_fused(p, own, kept, dy, None)
+        g_ref, dx_ref = jax.vjp(lambda q, v: fn(q, v, aux), params, h)[1](dy)
+        g_ref = tuple(jax.tree_util.tree_leaves(g_ref))
+        assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
+        if s == 1:
+            assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5
+        # B's outputs for W, against every distinct output gradient (what W would otherwise read)
+        _, res, _ = split.forward(params, h, aux)
+        _, all_grads = split.backward_input(res, dy)
+        distinct = {id(g): g for g in all_grads}.values()
+        assert sum(g.size for g in grads_out) < 0.9 * sum(g.size for g in distinct)
+        hlo = split.flat.backward_weight.lower(p, kept, grads_out, None).compile().as_text()
+        assert " reduce(" not in hlo and " dot(" in hlo
+        h = y
+
+
 def test_weight_operations_inside_nested_jit_and_remat_are_found():
     """A Linear inside jax.checkpoint is still split (its x^T dy lands in W, not a re-run of the
     checkpointed block); custom-derivative functions (relu, softplus) pass through whole."""

@@ -24,6 +24,11 @@ and fill bubbles). This module splits any stage function that way, without help 
    for a scale. No activation is recomputed; the parameter-only operations (reshapes,
    broadcasts of parameters) are re-derived from the parameters, which costs no product.
 6. BW is B then W in one jitted function, for GPipe and 1F1B.
+7. In the flat programs the executor runs (:class:`FlatStage`), B also computes the gradients of
+   the elementwise weight operations outside checkpoints (a bias ``sum(dy)``, a LayerNorm scale
+   ``sum(dy * x_hat)`` and shift): reductions of output gradients B has just made, which it then
+   need not write out for W to read back. W is the weight products alone. (The pytree functions
+   below keep every parameter gradient in W.)
 
 Side effects: an equation with no outputs (``jax.debug.print``, ``jax.debug.callback``) runs in
 F only, once per F; it is never a weight operation, and B and W skip it. (Inside a checkpoint,
@@ -49,9 +54,10 @@ fused backward, W = 1.003x the weight products (1.94x and 2.89x with the scan ke
 Other loops (``while``, a scan whose carry starts from the parameters alone, or with a nested
 loop) stay one weight operation, whose W re-runs the loop's vjp.
 
-What each costs on this project's job (d=128, 4 blocks a stage, 32-sample microbatches, one CPU
-core, milliseconds): F 7-8, B 7.5-8, W 5.5-6, BW 11-13: B + W is within 5-10% of BW, the price of
-writing the output gradients in B and reading them again in W (``benchmarks/bench_vs_torch.py``).
+What each costs in time (``benchmarks/bench_split_cost.py``: the peer job's stage, d = 128, 4
+blocks, 32-sample microbatches, one CPU core): (T_B + T_W) / T_BW measured 1.06-1.09 with step
+7, 1.08-1.15 without it. What remains is the dispatch of a second program and W's products
+reading their operands back from memory.
 
 ``test_split.py`` checks the cost with XLA's own compiled cost analysis: flops(B) + flops(W) is
 within 5% of the fused backward ``jax.vjp`` gives, and flops(W) within 5% of the
@@ -86,6 +92,10 @@ remembered as a :class:`_Region` that F evaluates under ``jax.checkpoint`` with 
 checkpoint nested in another, or in a split scan's body, is inlined into it)."""
 _OPERAND_FREE = {"add", "sub", "add_any"}
 """Weight operations whose vjp for the parameter side does not read the other operand."""
+_IN_B = {"add", "sub", "mul", "add_any"}
+"""Elementwise weight operations whose parameter gradient the flat B computes (a bias, a
+LayerNorm's scale and shift): a reduction of an output gradient B has just computed, which B
+then need not write for W to read again."""
 
 
 # ---------------------------------------------------------------------------- flat program
@@ -313,12 +323,13 @@ class FlatStage:
     :class:`StageSplit`. All four are ``jax.jit``-ed.
 
     - ``forward(p, x, aux, spare=None) -> (y, own, kept)``: ``own`` is B's residuals without
-      the parameters.
+      the parameters, then the operands of B's share of the parameter gradients.
     - ``backward_input(p, own, dy, spare=None) -> (dx, grads_out)``: ``grads_out`` holds each
-      distinct output gradient once (a product and the bias addition after it share one),
-      then W's operands B recomputed inside checkpoints.
+      distinct output gradient W reads once (a product and the bias addition after it share
+      one), then W's operands B recomputed inside checkpoints, then B's share of the parameter
+      gradients (those of the elementwise weight operations, step 7 of the module docstring).
     - ``backward_weight(p, kept, grads_out, acc) -> acc + dparams``, or ``dparams`` when ``acc``
-      is ``None`` (a stage's first W of a step: no zeros to add to).
+      is ``None`` (a stage's first W of a step: no zeros to add to). It adds B's share.
     - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``, ``acc`` as in W.
 
     ``acc`` is donated: its buffers take the sum in place, and the tuple passed in must not be
@@ -397,7 +408,8 @@ class StageSplit:
         """F: ``(y, res, kept)``; see the class docstring."""
         p = tuple(jax.tree_util.tree_leaves(params))
         y, own, kept = self.flat.forward(p, x, aux)
-        return y, self._residuals(p, own, jax.tree_util.tree_leaves(x)[0]), kept
+        # here W does all the parameter gradients: it keeps the operands the flat B would take
+        return y, self._residuals(p, own, jax.tree_util.tree_leaves(x)[0]), kept + self._split_own(own)[1]
 
     # ------------------------------------------------------------------ analysis
 
@@ -416,7 +428,19 @@ class StageSplit:
                 raise ValueError(f"stage outputs must be floating point to be differentiated, got {prog.avals[r].dtype}")
         self._on_a, self._on_p = on_a, on_p
         self.weight_ops = tuple(weight_ops)
-        kept_by_op = [(op, prog.nodes[op.node].ins[k]) for op in weight_ops for k in op.kept_inputs]
+        # B's share of the parameter gradients (flat programs only): the elementwise weight
+        # operations outside checkpoints (a bias, a LayerNorm's scale and shift), whose gradient
+        # is a reduction of an output gradient B computes anyway; see _small_grads.
+        self._b_ops = frozenset(j for j, op in enumerate(weight_ops)
+                                if op.matmul is None and op.node not in in_region and prog.nodes[op.node].eqn.primitive.name in _IN_B)
+        self._b_kept_refs = tuple(dict.fromkeys(prog.nodes[weight_ops[j].node].ins[k] for j in sorted(self._b_ops) for k in weight_ops[j].kept_inputs))
+        reached = {prog.nodes[weight_ops[j].node].ins[k] for j in self._b_ops for k in weight_ops[j].weight_inputs}
+        for node in reversed(prog.nodes):  # the parameters those operations read, through parameter-only operations
+            if any(r in reached for r in node.outs):
+                reached.update(r for r in node.ins if isinstance(r, int))
+        self._b_leaves = tuple(i for i, r in enumerate(self._param_refs) if r in reached)
+        self._probe_op = tuple(j for j, op in enumerate(weight_ops) for _ in op.probed)  # each top-level probe's weight operation
+        kept_by_op = [(op, prog.nodes[op.node].ins[k]) for j, op in enumerate(weight_ops) for k in op.kept_inputs if j not in self._b_ops]
         self._kept_refs = tuple(dict.fromkeys(r for op, r in kept_by_op if op.matmul is None))
         # x of a product x @ w is kept as the (k, rows) matrix x^T: W's dw = x^T dy is then a plain
         # row-major product, where x (rows, k) contracted over its rows makes XLA's CPU backend
@@ -564,12 +588,13 @@ class StageSplit:
             env, ticks = self._evaluate(p_leaves, xs, aux_leaves, dict(zip(self._probe_refs, probes)), dict(zip(self._b_slots, sinks)))
             y = [self._read(env, r) for r in self._prog.outputs]
             kept = tuple(self._slot(env, slot) for slot in self._f_slots)  # not those inside a checkpoint
-            return (jax.tree_util.tree_unflatten(self._out_tree, y), tuple(ticks)), kept
+            b_kept = tuple(env[r] for r in self._b_kept_refs)  # the operands of B's share of the gradients
+            return (jax.tree_util.tree_unflatten(self._out_tree, y), tuple(ticks)), (kept, b_kept)
 
         if self.input_grad:
-            (y, _), pullback, kept = jax.vjp(run, tuple(x_leaves), zeros, sinks, has_aux=True)
+            (y, _), pullback, (kept, b_kept) = jax.vjp(run, tuple(x_leaves), zeros, sinks, has_aux=True)
         else:
-            (y, _), pullback, kept = jax.vjp(lambda probes, sinks: run(tuple(x_leaves), probes, sinks), zeros, sinks, has_aux=True)
+            (y, _), pullback, (kept, b_kept) = jax.vjp(lambda probes, sinks: run(tuple(x_leaves), probes, sinks), zeros, sinks, has_aux=True)
         res, self._res_tree = jax.tree_util.tree_flatten(pullback)
         # B needs some parameters as they are (a kernel for dx = dy W^T): those are not F's
         # outputs (a copy of the kernels per microbatch) but B's inputs, passed through.
@@ -580,14 +605,21 @@ class StageSplit:
             if not any(r is z for z in zero_inputs) else (tuple(r.shape), r.dtype)
             for r in res
         )
-        return y, tuple(r for r, i in zip(res, self._res_params) if i is None), kept
+        return y, tuple(r for r, i in zip(res, self._res_params) if i is None) + b_kept, kept
+
+    def _split_own(self, own) -> tuple[tuple, tuple]:
+        """F's ``own``: B's residuals (less the parameters), then the operands of B's share of
+        the parameter gradients (``_b_kept_refs``)."""
+        n = len(own) - len(self._b_kept_refs)
+        return tuple(own[:n]), tuple(own[n:])
 
     def _residuals(self, p_leaves, own, like=None):
-        """B's residuals in the pullback's order: F's outputs ``own`` with the parameters put back
-        and the zero probes made anew (``zeros_like(like)``: inside shard_map, of its axes)."""
+        """B's residuals in the pullback's order: F's outputs ``own`` (less its tail of B's
+        operands) with the parameters put back and the zero probes made anew (``zeros_like(like)``:
+        inside shard_map, of its axes)."""
         if self._res_params is None:
             raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
-        rest = iter(own)
+        rest = iter(self._split_own(own)[0])
         return tuple(
             next(rest) if i is None else p_leaves[i] if isinstance(i, int)
             else jnp.zeros(i[0], i[1]) if like is None else jnp.zeros_like(like, shape=i[0], dtype=i[1])
@@ -610,46 +642,95 @@ class StageSplit:
         g_leaves = self._weight_gradient_flat(tuple(jax.tree_util.tree_leaves(params)), kept, grads_out)
         return jax.tree_util.tree_unflatten(self._params_tree, list(g_leaves))
 
-    def _weight_gradient_flat(self, p_leaves, kept, grads_out):
+    def _parameter_values(self, p_leaves) -> dict:
+        """Every parameter-only and constant value of the program by ref (a broadcast bias, a
+        reshaped kernel), never an activation: what the weight operations' parameter side reads."""
+        env = dict(zip(self._param_refs, p_leaves))
+        for node in self._prog.nodes:
+            if not node.outs or any(r in self._on_a for r in node.outs):
+                continue  # an activation, or a side effect only (a debug print: F's, once)
+            env.update(zip(node.outs, node.run([self._read(env, r) for r in node.ins])))
+        return env
+
+    def _constants(self) -> dict:
+        """The values of operations on constants only (an iota, a mask), by ref."""
+        constants: dict = {}
+        for node in self._prog.nodes:
+            if node.outs and not any(r in self._on_a or r in self._on_p for r in node.outs):
+                constants.update(zip(node.outs, node.run([self._read(constants, r) for r in node.ins])))
+        return constants
+
+    def _others(self, node: _Node, op: _WeightOp, constants: dict, kept_env: dict) -> dict:
+        """A weight operation's operands other than its parameters: constants, kept activations."""
+        others = {}
+        for k, r in enumerate(node.ins):
+            if k in op.weight_inputs:
+                continue
+            if isinstance(r, _Const) or r not in self._on_a:
+                others[k] = self._read(constants, r)
+            elif k in op.kept_inputs:
+                others[k] = kept_env[r]
+        return others
+
+    def _small_grads(self, p_leaves, b_kept, probe_grads) -> tuple:
+        """B's share of the parameter gradients, one per leaf of ``_b_leaves``: those of the
+        elementwise weight operations (``_b_ops``: a bias ``sum(dy)``, a LayerNorm scale
+        ``sum(dy * x_hat)``), computed in B from the output gradients it has just made, instead
+        of being written out by B and read back by W (on XLA:CPU that round trip is most of what
+        the split costs beyond the fused backward: ``benchmarks/bench_split_cost.py``)."""
+        prog, ops = self._prog, sorted(self._b_ops)
+        dys, grads = {}, iter(probe_grads)
+        for j, op in enumerate(self.weight_ops):
+            dys[j] = tuple(next(grads) for _ in op.probed)
+
+        def weight_operands(sub):
+            full = list(p_leaves)
+            for i, v in zip(self._b_leaves, sub):
+                full[i] = v
+            env = self._parameter_values(full)
+            return tuple(tuple(env[prog.nodes[self.weight_ops[j].node].ins[k]] for k in self.weight_ops[j].weight_inputs) for j in ops)
+
+        operands, pullback = jax.vjp(weight_operands, tuple(p_leaves[i] for i in self._b_leaves))
+        constants, kept_env = self._constants(), dict(zip(self._b_kept_refs, b_kept))
+        cotangents = tuple(
+            _op_cotangent(prog.nodes[self.weight_ops[j].node], self.weight_ops[j], prog.avals, weights, dys[j],
+                          self._others(prog.nodes[self.weight_ops[j].node], self.weight_ops[j], constants, kept_env))
+            for j, weights in zip(ops, operands)
+        )
+        (g_leaves,) = pullback(cotangents)
+        return tuple(g_leaves)
+
+    def _weight_gradient_flat(self, p_leaves, kept, grads_out, in_b=frozenset()):
+        """The parameter gradients, one per leaf. ``kept``: F's W operands (``_f_slots``), then
+        (when W does every gradient) the operands of B's share (``_b_kept_refs``); ``grads_out``:
+        every probe's gradient (``None`` for those of ``in_b``), then the operands B recomputed;
+        ``in_b``: the weight operations (indices) whose gradients B computed, left out here."""
         prog = self._prog
-        n = len(self._probe_refs)
-        grads_out, operands = grads_out[:n], dict(zip(self._f_slots, kept)) | dict(zip(self._b_slots, grads_out[n:]))
-        kept_env = {slot[1]: v for slot, v in operands.items() if slot[0] == "k"}
+        n, n_f = len(self._probe_refs), len(self._f_slots)
+        grads_out, operands = grads_out[:n], dict(zip(self._f_slots, kept[:n_f])) | dict(zip(self._b_slots, grads_out[n:]))
+        kept_env = {slot[1]: v for slot, v in operands.items() if slot[0] == "k"} | dict(zip(self._b_kept_refs, kept[n_f:]))
         kept_t = {slot[1]: v for slot, v in operands.items() if slot[0] == "t"}
+        ops = [j for j in range(len(self.weight_ops)) if j not in in_b]
 
         def weight_operands(p_leaves):  # parameter-only and constant operations, never activations
-            env = dict(zip(self._param_refs, p_leaves))
-            for node in prog.nodes:
-                if not node.outs or any(r in self._on_a for r in node.outs):
-                    continue  # an activation, or a side effect only (a debug print: F's, once)
-                outs = node.run([self._read(env, r) for r in node.ins])
-                env.update(zip(node.outs, outs))
-            top = tuple(tuple(env[prog.nodes[op.node].ins[k]] for k in op.weight_inputs) for op in self.weight_ops)
+            env = self._parameter_values(p_leaves)
+            top = tuple(tuple(env[prog.nodes[self.weight_ops[j].node].ins[k]] for k in self.weight_ops[j].weight_inputs) for j in ops)
             loops = {i: self._loop_operands(i, env) for i in self._loops}
             return (top, {i: w for i, (w, _) in loops.items()}), {i: c for i, (_, c) in loops.items()}
 
         (operands_top, operands_loops), pullback, loop_constants = jax.vjp(weight_operands, tuple(p_leaves), has_aux=True)
-        constants: dict = {}  # operations on constants only (an iota, a mask)
-        for node in prog.nodes:
-            if node.outs and not any(r in self._on_a or r in self._on_p for r in node.outs):
-                constants.update(zip(node.outs, node.run([self._read(constants, r) for r in node.ins])))
+        constants = self._constants()
         grads = iter(grads_out)
+        dys_by_op = [tuple(next(grads) for _ in op.probed) for op in self.weight_ops]
         cotangents = []  # of every weight operation's parameter operands
-        for op, weights in zip(self.weight_ops, operands_top):
-            node, dys = prog.nodes[op.node], tuple(next(grads) for _ in op.probed)
+        for j, weights in zip(ops, operands_top):
+            op, dys = self.weight_ops[j], dys_by_op[j]
+            node = prog.nodes[op.node]
             if op.matmul is not None:  # dw = x^T dy
                 rows, _, n = op.matmul
                 cotangents.append(((kept_t[node.ins[0]] @ dys[0].reshape(rows, n)).reshape(weights[0].shape),))
                 continue
-            others = {}
-            for k, r in enumerate(node.ins):
-                if k in op.weight_inputs:
-                    continue
-                if isinstance(r, _Const) or r not in self._on_a:
-                    others[k] = self._read(constants, r)
-                elif k in op.kept_inputs:
-                    others[k] = kept_env[r]
-            cotangents.append(_op_cotangent(node, op, prog.avals, weights, dys, others))
+            cotangents.append(_op_cotangent(node, op, prog.avals, weights, dys, self._others(node, op, constants, kept_env)))
         loop_cotangents = {}
         for i, loop in self._loops.items():  # each weight product once per iteration, batched over them
             ops_cts = []
@@ -701,21 +782,28 @@ class StageSplit:
 
     def _backward_input_flat(self, p_leaves, own, dy, spare=None):
         dx, grads_out = self._backward_input(self._residuals(p_leaves, own, jax.tree_util.tree_leaves(dy)[0]), dy)
-        # A Linear's product and its bias addition (a LayerNorm's scale and shift) have one
-        # output gradient: B writes it once, W reads it for both.
         n = len(self._probe_refs)
-        grads_out, recomputed = grads_out[:n], grads_out[n:]
+        probes, recomputed = grads_out[:n], grads_out[n:]
+        small = self._small_grads(p_leaves, self._split_own(own)[1], probes) if self._b_ops else ()
+        # W's output gradients, each distinct one once (a Linear's product and its bias addition
+        # share one), none of those whose only use was B's share of the parameter gradients
+        owner = self._probe_op + (None,) * (n - len(self._probe_op))
         first: dict[int, int] = {}
-        self._grads_index = tuple(first.setdefault(id(g), len(first)) for g in grads_out)
-        return dx, tuple({id(g): g for g in grads_out}.values()) + recomputed
+        self._grads_index = tuple(-1 if j in self._b_ops else first.setdefault(id(g), len(first)) for g, j in zip(probes, owner))
+        unique = {id(g): g for g, i in zip(probes, self._grads_index) if i >= 0}
+        return dx, tuple(unique.values()) + recomputed + small
 
     def _backward_weight_flat(self, p_leaves, kept, grads_out, acc):
         if self._grads_index is None:
             raise RuntimeError("StageSplit: call backward_input before backward_weight (W reads B's output gradients)")
         unique = max(self._grads_index, default=-1) + 1
-        grads_out = tuple(grads_out[i] for i in self._grads_index) + tuple(grads_out[unique:])
-        grads = self._weight_gradient_flat(p_leaves, kept, grads_out)
-        return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
+        cut = len(grads_out) - len(self._b_leaves)
+        grads_out, small = grads_out[:cut], grads_out[cut:]
+        grads_out = tuple(None if i < 0 else grads_out[i] for i in self._grads_index) + tuple(grads_out[unique:])
+        grads = list(self._weight_gradient_flat(p_leaves, kept, grads_out, self._b_ops))
+        for i, g in zip(self._b_leaves, small):  # B's share
+            grads[i] = grads[i] + g
+        return tuple(grads) if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
 
     def _backward_fused_flat(self, p_leaves, own, kept, dy, acc):
         dx, grads_out = self._backward_input_flat(p_leaves, own, dy)
