@@ -8,7 +8,7 @@ ratio, with its distribution-free interval: what cancels the machine's slow spel
 stage per rank; the speed-up of the fastest schedule over the faster single-device reference;
 the long run's test accuracy; and the load of other programs during the run.
 
-    python benchmarks/bench_main_job.py [--repeats N] [-- extra compare flags]
+    python benchmarks/bench_main_job.py [--repeats N] [--keep DIR] [-- extra compare flags]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def load_average() -> float:
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
 
-def one_run(extra: list[str]) -> dict:
+def one_run(extra: list[str], keep: str | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "compare.json")
         cmd = [sys.executable, "-m", "zbpp_lite", "compare", "--ranks", "2", "--microbatches", "8",
@@ -38,6 +38,13 @@ def one_run(extra: list[str]) -> dict:
         if done.returncode != 0:
             raise SystemExit(f"compare failed ({done.returncode}):\n{done.stderr[-2000:]}")
         report = json.load(open(out))
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            stamp = time.strftime("%H%M%S")
+            for name in ("compare.json", "compare.html"):
+                os.replace(os.path.join(tmp, name), os.path.join(keep, f"{stamp}-{name}"))
+            with open(os.path.join(keep, f"{stamp}-compare.txt"), "w") as f:
+                f.write(done.stdout)
     report["wall_seconds"], report["load_before"], report["load_after"] = seconds, before, load_average()
     return report
 
@@ -56,6 +63,7 @@ def figures(report: dict) -> dict:
         "zb-h2 / 1f1b step by step [interval]": _paired(runs["zb-h2"]),
         "zb-auto / 1f1b step by step [interval]": _paired(runs["zb-auto"]),
         "measured / simulated (one stage per rank)": {n: round(v, 3) for n, v in sorted(one_stage.items())},
+        "median step (ms)": {n: round(v, 1) for n, v in sorted(step.items(), key=lambda kv: kv[1])},
         "fastest": min(step, key=step.get),
         "speed-up over " + report["reference"]: max(r["speedup"] for r in runs.values()),
         "test accuracy": report.get("learned", {}).get("test_accuracy"),
@@ -71,10 +79,11 @@ def _paired(run: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--keep", metavar="DIR", help="keep each run's printed report, JSON and HTML page in DIR")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     for k in range(args.repeats):
-        f = figures(one_run(extra))
+        f = figures(one_run(extra, args.keep))
         print(f"run {k + 1}:")
         for name, value in f.items():
             print(f"  {name:45s} {value if not isinstance(value, float) else round(value, 3)}")

@@ -332,6 +332,9 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
     step_ms = {r["schedule"]: r["median_step_ms"] for r in report["runs"]}
     assert ratio["ratio"] == ratio["low"] == ratio["high"] == pytest.approx(step_ms["zb-h1"] / step_ms["1f1b"])
     assert "Step by step against 1f1b" in printed and f"zb-h1 {ratio['ratio']:.3f}" in printed
+    costs = {r["schedule"]: r["costs"] for r in report["runs"]}  # 1f1b's b is its fused backward (no W)
+    live = np.mean([(b + w) / bw for b, w, bw in zip(costs["zb-h1"]["b"], costs["zb-h1"]["w"], costs["1f1b"]["b"])])
+    assert f"zb-h1's B + W took {live:.2f}x 1f1b's fused backward" in printed
 
 
 @pytest.mark.parametrize("flag, value, message", [

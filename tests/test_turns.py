@@ -24,7 +24,12 @@ SMALL = dict(model=ModelConfig(d=16, heads=2, blocks=4), run=RunConfig(batch=8))
 @pytest.fixture(scope="module")
 def turns():
     schedules = [zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h2", 2, 4), zb.build_schedule("zb-v", 2, 4)]
-    return schedules, train_in_turns(schedules, 3, **SMALL)
+    ran = []
+    results = train_in_turns(schedules, 3, on_step=lambda name, k, loss, timeline: ran.append((name, k)), **SMALL)
+    # there and back: step 1 in reverse, so each schedule's neighbours stay one step away
+    assert ran == [("1f1b", 0), ("zb-h2", 0), ("zb-v", 0), ("zb-v", 1), ("zb-h2", 1), ("1f1b", 1),
+                   ("1f1b", 2), ("zb-h2", 2), ("zb-v", 2)]
+    return schedules, results
 
 
 def test_every_schedule_trains_the_same_model_to_the_same_losses(turns):

@@ -87,6 +87,18 @@ class Comparison:
         return out
 
 
+def split_in_pipeline(c) -> tuple[str, float] | None:
+    """``(name, ratio)``: zb-h2's (else zb-h1's) measured T_B + T_W over 1f1b's measured T_BW,
+    the mean over stages, both from their measured steps in this run; None without the pair.
+    What the split really cost in the pipeline, beside :func:`_split_cost`'s stages timed alone."""
+    base = c.by_name("1f1b")
+    for name in ("zb-h2", "zb-h1"):
+        r = c.by_name(name)
+        if base is not None and r is not None and r.schedule.num_stages == base.schedule.num_stages:
+            return name, statistics.mean((b + w) / bw for b, w, bw in zip(r.costs.b, r.costs.w, base.costs.bw))
+    return None
+
+
 def _split_cost(c) -> str | None:
     """``(T_B + T_W) / T_BW`` of the profiled stages, as text, or None without a fused cost."""
     for costs in c.stage_costs.values():
@@ -126,6 +138,10 @@ def summary_text(c: Comparison) -> str:
                 + ", ".join(f"{r.schedule.name} {_median_step_ms(r):.1f} ms" for r in zb) + ".") if zb else ""
         lines.append(f"Splitting the backward into B and W costs {split}x the fused backward here (T_B + T_W against T_BW, "
                      f"each stage timed alone); zb-auto splits only where a W fills a bubble.{tail}")
+    live = split_in_pipeline(c)
+    if live is not None:
+        lines.append(f"In the pipelines of this run, {live[0]}'s B + W took {live[1]:.2f}x 1f1b's fused backward per microbatch "
+                     f"(mean action times of their measured steps): the split's price as the schedules paid it.")
     worst = max(ranked, key=lambda r: r.measured.makespan / r.simulated.makespan)
     lines.append(f"Measured makespans are {min(r.measured.makespan / r.simulated.makespan for r in ranked):.2f}-"
                  f"{worst.measured.makespan / worst.simulated.makespan:.2f}x the plan's for the same action costs "

@@ -189,6 +189,10 @@ def train_in_turns(
 ) -> dict[str, TrainResult]:
     """Train every schedule for ``steps`` steps, taking turns step by step, one process per rank.
 
+    Step k of every schedule runs before step k + 1 of any: in the order given for even k, in
+    reverse for odd k. The machine's slow spells (seconds long on a shared virtual machine) then
+    meet neighbours in the order alike: put the schedules to compare next to each other.
+
     Args:
         schedules: valid schedules with distinct names, all with the same number of ranks and
             microbatches (their stage counts may differ: each has its own copy of the model).
@@ -262,7 +266,9 @@ def train_in_turns(
         bar = tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False)
     with RankProcesses(ENTRY, p, spec, pin=pin) as ranks:
         for k in range(steps):
-            for n, s in zip(names, schedules):
+            # there and back: even steps in the order given, odd ones reversed, so that
+            # neighbours in the order stay a step apart and no place in the round is favoured
+            for n, s in (zip(names, schedules) if k % 2 == 0 else reversed(list(zip(names, schedules)))):
                 replies = _step(ranks, n, s, k, k == 0 and run.check_grads, record[n])
                 loss, timeline = record[n]["losses"][-1], record[n]["timelines"][-1]
                 if k == 0 and run.check_grads:
