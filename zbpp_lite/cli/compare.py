@@ -129,7 +129,7 @@ def _stage_costs(args, blocks: int, num_stages: int):
     x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
     mb = microbatch_size(args.batch, args.microbatches)
     model = StagedModel(build_parts(ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)), num_stages)
-    return profile_stage_costs(model, x[:mb], y[:mb], repeats=5, fused=True)
+    return profile_stage_costs(model, x[:mb], y[:mb], repeats=15, fused=True)
 
 
 def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:

@@ -64,7 +64,9 @@ within 5% of the fused backward ``jax.vjp`` gives, and flops(W) within 5% of the
 weight-gradient products alone.
 
 Memory (section 2.1's M_B, M_W): F holds B's residuals and W's operands until B; from B to W the
-stage holds W's operands and the output gradients.
+stage holds W's operands and the output gradients (in the flat programs, those of the products
+only, and B's share of the parameter gradients). On the project's model that makes M_W 60-80% of
+M_B, against more than 80% with every gradient in W (lesson 5 measures it).
 """
 
 from __future__ import annotations
