@@ -337,6 +337,25 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
     assert f"zb-h1's B + W took {live:.2f}x 1f1b's fused backward" in printed
 
 
+def test_compare_times_single_device_work_in_a_helper_pinned_from_its_start():
+    """The planners' stage costs and the whole-batch reference run in one helper process pinned
+    to one core before JAX starts (as a rank is); what crosses back is parsed JSON."""
+    import argparse
+
+    from zbpp_lite.cli.compare import OneCore
+
+    args = argparse.Namespace(holdout=0.2, seed=0, batch=8, microbatches=2, d=16, heads=2, lr=1e-3)
+    with OneCore(args, use_processes=True) as one:
+        costs = one.costs(4, 2)
+        steps = one.whole_batch(3, 4)
+        helper = one.helper
+        assert helper is not None and len(helper.procs) == 1
+    assert one.helper is None and all(p.poll() is not None for p in helper.procs)  # stopped on leaving
+    assert isinstance(costs, zb.Costs) and len(costs.f) == len(costs.bw) == 2
+    assert all(v > 0 for v in (*costs.f, *costs.b, *costs.w, *costs.bw))
+    assert len(steps) == 3 and all(isinstance(t, float) and t > 0 for t in steps)
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--microbatches", "0", "--microbatches must be an integer >= 1, got 0"),
     ("--microbatches", "-1", "--microbatches must be an integer >= 1, got -1"),

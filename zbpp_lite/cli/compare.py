@@ -118,6 +118,79 @@ def check_arguments(args) -> None:
     check_model_arguments(args, args.microbatches)
 
 
+ONE_CORE_ENTRY = "zbpp_lite.cli.compare:one_core_main"
+_JOB = ("holdout", "seed", "batch", "microbatches", "d", "heads", "lr")
+
+
+class OneCore:
+    """compare's single-device work (the planners' stage costs, the whole-batch reference) in one
+    helper process pinned to one core from its start (started on first use, stopped on leaving
+    the ``with`` block), as a rank process is: XLA then sizes its thread pool for that core. A
+    process that starts on two cores and is pinned later keeps two threads taking turns on one
+    core; on this project's 2-core machine that made every pass 10-35% slower and (T_B + T_W) /
+    T_BW 1.13-1.21, against 1.04-1.09 in a process pinned from its start. With ranks as threads
+    (``use_processes`` false) the work runs in this process."""
+
+    def __init__(self, args, use_processes: bool):
+        self.args, self.use_processes, self.helper = args, use_processes, None
+
+    def __enter__(self) -> "OneCore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.helper is not None:
+            self.helper.close()
+            self.helper = None
+
+    def _ask(self, job: dict) -> dict:
+        if self.helper is None:
+            from ..runtime.processes import RankProcesses
+
+            self.helper = RankProcesses(ONE_CORE_ENTRY, 1, {k: getattr(self.args, k) for k in _JOB}, pin=True)
+        self.helper.broadcast(job)
+        return self.helper.gather()[0]
+
+    def costs(self, blocks: int, num_stages: int):
+        """T_F, T_B, T_W and T_BW of every stage (:func:`_stage_costs`), as :class:`~zbpp_lite.Costs`."""
+        from ..schedules.costs import Costs
+
+        if not self.use_processes:
+            return _stage_costs(self.args, blocks, num_stages)
+        return Costs(**self._ask({"op": "costs", "blocks": blocks, "stages": num_stages}))
+
+    def whole_batch(self, steps: int, blocks: int, device=None) -> list[float]:
+        """Step seconds of the whole batch as one jitted step on one core, every step."""
+        if not self.use_processes:
+            with one_core():
+                return list(_whole_batch(self.args, steps, blocks, device).step_seconds)
+        return self._ask({"op": "whole batch", "steps": steps, "blocks": blocks})["step_seconds"]
+
+
+def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
+    """:class:`OneCore`'s helper process: answers ``{"op": "costs", "blocks", "stages"}`` with
+    ``{"f", "b", "w", "bw"}`` (seconds per stage) and ``{"op": "whole batch", "steps", "blocks"}``
+    with ``{"step_seconds"}``, for the job ``config`` (``holdout``, ``seed``, ``batch``,
+    ``microbatches``, ``d``, ``heads``, ``lr``)."""
+    from ..runtime.devices import ensure_devices
+
+    device = ensure_devices(1)[0]
+    args = argparse.Namespace(**config)
+    while (job := control.recv()) is not None:
+        if job["op"] == "costs":
+            costs = _stage_costs(args, job["blocks"], job["stages"])
+            control.send({k: list(getattr(costs, k)) for k in ("f", "b", "w", "bw")})
+        else:
+            control.send({"step_seconds": list(_whole_batch(args, job["steps"], job["blocks"], device).step_seconds)})
+
+
+def _whole_batch(args, steps: int, blocks: int, device):
+    from ..training.baseline import train_baseline
+    from ..training.data import load_digits
+
+    return train_baseline(steps, d=args.d, heads=args.heads, blocks=blocks, batch=args.batch, lr=args.lr, seed=args.seed,
+                          holdout=args.holdout, device=device, data=load_digits(args.holdout, args.seed))
+
+
 def _stage_costs(args, blocks: int, num_stages: int):
     """T_F, T_B, T_W and the fused T_BW of every stage of the job cut into ``num_stages`` stages,
     timed on this process's first device (seconds): what zb-auto and its kin plan with."""
@@ -186,31 +259,32 @@ def run(args) -> int:
     from ..schedules.costs import Costs
 
     by_stages: dict[int, Costs] = {}
+    one = OneCore(args, use_processes)
 
     def costs_for(num_stages: int) -> Costs:
         if num_stages not in by_stages:
-            with one_core(use_processes):  # timed as a rank runs: XLA's threads on one core
-                by_stages[num_stages] = _stage_costs(args, blocks, num_stages)
+            by_stages[num_stages] = one.costs(blocks, num_stages)
         return by_stages[num_stages]
 
-    schedules, notes = _build(names, args, blocks, costs_for)
-    if not schedules:
-        raise CliError("no schedule could be run: " + "; ".join(f"{n}: {why}" for n, why in notes.items()))
-    from ..training.data import load_digits
-    from ..training.model import ModelConfig
-    from ..training.train import RunConfig
+    with one:
+        schedules, notes = _build(names, args, blocks, costs_for)
+        if not schedules:
+            raise CliError("no schedule could be run: " + "; ".join(f"{n}: {why}" for n, why in notes.items()))
+        from ..training.data import load_digits
+        from ..training.model import ModelConfig
+        from ..training.train import RunConfig
 
-    data = load_digits(args.holdout, args.seed)
-    model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-    run_config = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, progress=sys.stderr.isatty())
-    results, learned = _run_all(schedules, args, model, run_config, data, devices, use_processes)
-    for r in results:
-        print(one_line(r), flush=True)
-        memory = r.measured.measured_memory
-        if memory is not None:
-            print(f"{'':18s} activation memory peak per rank (bytes): measured {list(memory.peak_bytes)}  "
-                  f"planned {[int(b) for b in r.measured.planned_peak_bytes]}", flush=True)
-    references = _references(args, model, run_config, data, devices, use_processes)
+        data = load_digits(args.holdout, args.seed)
+        model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+        run_config = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, progress=sys.stderr.isatty())
+        results, learned = _run_all(schedules, args, model, run_config, data, devices, use_processes)
+        for r in results:
+            print(one_line(r), flush=True)
+            memory = r.measured.measured_memory
+            if memory is not None:
+                print(f"{'':18s} activation memory peak per rank (bytes): measured {list(memory.peak_bytes)}  "
+                      f"planned {[int(b) for b in r.measured.planned_peak_bytes]}", flush=True)
+        references = _references(args, model, run_config, data, devices, use_processes, one)
     if args.learn_steps > 0 and learned is None and not use_processes:
         learned = _learn(results, args, model, run_config, data, devices)
     from .compare_report import Comparison, html_report, summary_text
@@ -275,7 +349,7 @@ def _median(values) -> float:
     return statistics.median(values)
 
 
-def _references(args, model, run_config, data, devices, use_processes) -> dict:
+def _references(args, model, run_config, data, devices, use_processes, one: OneCore) -> dict:
     """The two single-device references, each on one core: the whole batch as one jitted step
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
     microbatches as the pipeline). Median step seconds over the timed steps (as many as the
@@ -284,8 +358,6 @@ def _references(args, model, run_config, data, devices, use_processes) -> dict:
     import statistics
 
     import zbpp_lite as zb
-
-    from ..training.baseline import train_baseline
 
     one_rank = zb.build_schedule("gpipe", 1, args.microbatches)
     quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
@@ -297,11 +369,9 @@ def _references(args, model, run_config, data, devices, use_processes) -> dict:
         from ..training.train import train
 
         executor = train(one_rank, steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
-    with one_core():  # one core for this process's XLA threads too, as for a rank
-        whole = train_baseline(args.steps, d=model.d, heads=model.heads, blocks=model.blocks, batch=args.batch, lr=args.lr,
-                               seed=args.seed, holdout=args.holdout, device=devices[0], data=data)
+    whole = one.whole_batch(args.steps, model.blocks, devices[0])
     return {
-        "one device, whole batch (one jitted step)": statistics.median(whole.step_seconds[1:]),
+        "one device, whole batch (one jitted step)": statistics.median(whole[1:]),
         f"one device, our executor (m={args.microbatches} microbatches)": statistics.median(executor.step_seconds[1:]),
     }
 
