@@ -10,7 +10,9 @@ first step of each schedule compiles and is not timed; figures are medians over 
 Schedules whose builders need options get them from what is known: ``stages_per_rank`` 2,
 ``memory_limit`` p activation units (1F1B's peak), and ``costs`` each stage's T_F, T_B, T_W and
 fused T_BW timed on one device before the runs (zb-auto then splits the backward only where a W
-fills a bubble). A schedule that cannot be built or run is listed with the reason.
+fills a bubble; with ranks as processes, timed in a helper process pinned to one core from its
+start, as a rank is: :class:`OneCore`). A schedule that cannot be built or run is listed with the
+reason.
 
 The report (:mod:`.compare_report`) ranks the schedules by step time beside the plan's
 prediction, names the faster single-device reference the speed-ups are taken against, trains the
