@@ -10,10 +10,14 @@ same HLO (and the same cost analysis), slower code. XLA aborts on a flag it does
 flags are tried once in a subprocess and left out where this JAX rejects them.
 """
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
+from zbpp_lite.runtime.compile_cache import use_compile_cache
 from zbpp_lite.runtime.devices import cpu_device_flags
 
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
@@ -36,6 +40,15 @@ os.environ["XLA_FLAGS"] = _flags
 UNTIMED_CHILD_FLAGS = _flags.replace(_plain, "").strip()
 """The fast-compile flags (or nothing where this JAX rejects them), for child processes that time
 nothing (the multi-process parity tests set them as XLA_FLAGS before ``launch`` adds its own)."""
+
+# One persistent compilation cache for this test session and every process it starts (CLI
+# subprocesses, rank processes, notebook kernels), as the command line has for a user; a fresh
+# directory, so no test reads programs compiled outside this session.
+_cache_dir = tempfile.mkdtemp(prefix="zbpp_lite_xla_cache_")
+atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ["ZBPP_LITE_COMPILE_CACHE"] = _cache_dir
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+use_compile_cache()
 
 # Start this process's backend with those flags, then hand child processes (nbval's notebook
 # kernels, CLI subprocesses) the plain device flags: the notebooks time real runs and must not

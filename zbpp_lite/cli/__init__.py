@@ -3,6 +3,10 @@
 Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``;
 modules are imported only when their command runs, so ``plan`` never imports JAX.
 
+Every command that runs JAX switches on the persistent compilation cache first
+(:mod:`zbpp_lite.runtime.compile_cache`; ``ZBPP_LITE_COMPILE_CACHE=0`` turns it off), so the rank
+processes of a run, and the next run, read the programs compiled before instead of compiling them.
+
 Layer 6, the top: may import every layer below.
 """
 
@@ -48,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
+    if args.command != "plan":  # plan never imports JAX
+        from ..runtime.compile_cache import use_compile_cache
+
+        use_compile_cache()  # every process of the run (and the next run) reuses compiled programs
     try:
         return int(_module(args.command.replace("-", "_")).run(args) or 0)
     except CliError as e:
