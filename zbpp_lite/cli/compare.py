@@ -279,14 +279,14 @@ def run(args) -> int:
         data = load_digits(args.holdout, args.seed)
         model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
         run_config = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, progress=sys.stderr.isatty())
-        results, learned = _run_all(schedules, args, model, run_config, data, devices, use_processes)
+        results, learned, one_rank = _run_all(schedules, args, model, run_config, data, devices, use_processes)
         for r in results:
             print(one_line(r), flush=True)
             memory = r.measured.measured_memory
             if memory is not None:
                 print(f"{'':18s} activation memory peak per rank (bytes): measured {list(memory.peak_bytes)}  "
                       f"planned {[int(b) for b in r.measured.planned_peak_bytes]}", flush=True)
-        references = _references(args, model, run_config, data, devices, use_processes, one)
+        references = _references(args, model, run_config, data, devices, one_rank, one)
     if args.learn_steps > 0 and learned is None and not use_processes:
         learned = _learn(results, args, model, run_config, data, devices)
     from .compare_report import Comparison, html_report, summary_text
@@ -307,10 +307,27 @@ def run(args) -> int:
     return 0
 
 
-def _run_all(schedules, args, model, run_config, data, devices, use_processes) -> tuple[list, object]:
-    """Every schedule's TrainResult and, in processes, the long learning run of the fastest: it
-    goes on in the same (compiled) processes after the turns, from the comparison's own steps to
-    ``--learn-steps`` in all (None: threads, or no learning run; see :func:`_learn`)."""
+ONE_RANK = "one-rank reference"
+"""The name, in the turns, of the one-rank executor reference (:func:`one_rank_reference`)."""
+
+
+def one_rank_reference(num_ranks: int, num_microbatches: int):
+    """Our executor on one rank, the whole model as one stage, the same microbatches and kernels as
+    the pipelines (GPipe's order, nothing to overlap), as a ``num_ranks``-rank schedule whose other
+    ranks have no action: it then takes its turns among the pipelines, step by step, and its
+    steps meet the machine's slow spells as theirs do."""
+    import zbpp_lite as zb
+
+    alone = zb.build_schedule("gpipe", 1, num_microbatches)
+    return zb.Schedule((alone.actions[0], *([()] * (num_ranks - 1))), (0,), num_microbatches, ONE_RANK)
+
+
+def _run_all(schedules, args, model, run_config, data, devices, use_processes) -> tuple[list, object, object]:
+    """Every schedule's TrainResult; in processes, the long learning run of the fastest (it goes
+    on in the same, compiled, processes after the turns, from the comparison's own steps to
+    ``--learn-steps`` in all; None: threads, or no learning run; see :func:`_learn`) and the
+    one-rank executor reference, trained in the same turns (:func:`one_rank_reference`; None in
+    threads)."""
     steps = args.steps
     if use_processes:
         from ..training.turns import train_in_turns
@@ -318,25 +335,27 @@ def _run_all(schedules, args, model, run_config, data, devices, use_processes) -
         def then(seconds: dict):
             if args.learn_steps <= 0:
                 return None
-            best = min(seconds, key=lambda n: _median(seconds[n][1:]))
+            best = min((n for n in seconds if n != ONE_RANK), key=lambda n: _median(seconds[n][1:]))
             print(f"training {best} on to {max(args.learn_steps, steps)} steps in all to see the model learn", flush=True)
             return best, max(args.learn_steps - steps, 0)
 
-        out = train_in_turns(_turn_order(schedules), steps, model=model, run=run_config, data=data, progress=run_config.progress, then=then)
-        out = {s.name: out[s.name] for s in schedules} | {k: v for k, v in out.items() if k == "then"}
+        turns = _turn_order([*schedules, one_rank_reference(args.ranks, args.microbatches)])
+        out = train_in_turns(turns, steps, model=model, run=run_config, data=data, progress=run_config.progress, then=then)
+        reference = out.pop(ONE_RANK)
         learned = out.pop("then", None)
-        results = list(out.values())
+        results = [out[s.name] for s in schedules]
         if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner as it is
             learned = min(results, key=lambda r: _median(r.step_seconds[1:]))
-        return results, learned
+        return results, learned, reference
     from ..training.train import train
 
-    return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules], None
+    return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules], None, None
 
 
-NEIGHBOURS = ("zb-h1", "zb-h2", "1f1b", "zb-auto", "zb-2p")
+NEIGHBOURS = (ONE_RANK, "zb-h1", "zb-h2", "1f1b", "zb-auto", "zb-2p")
 """The middle of the turns' order: the schedules the report sets against 1f1b most often run
-next to it (one step apart), where the machine's slow spells meet them alike."""
+next to it (one step apart), where the machine's slow spells meet them alike, beside the one-rank
+reference the speed-ups are taken against."""
 
 
 def _turn_order(schedules: list) -> list:
@@ -351,30 +370,24 @@ def _median(values) -> float:
     return statistics.median(values)
 
 
-def _references(args, model, run_config, data, devices, use_processes, one: OneCore) -> dict:
+def _references(args, model, run_config, data, devices, one_rank, one: OneCore) -> dict:
     """The two single-device references, each on one core: the whole batch as one jitted step
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
-    microbatches as the pipeline). Median step seconds over the timed steps (as many as the
-    pipelines': fewer let one slow spell of the machine make the reference look slow)."""
+    microbatches as the pipeline): ``one_rank``, its TrainResult from the turns, or (threads)
+    trained here. Median step seconds over the timed steps (as many as the pipelines': fewer let
+    one slow spell of the machine make the reference look slow)."""
     import dataclasses
     import statistics
 
-    import zbpp_lite as zb
-
-    one_rank = zb.build_schedule("gpipe", 1, args.microbatches)
-    quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
-    if use_processes:
-        from ..training.turns import train_in_turns
-
-        executor = train_in_turns([one_rank], args.steps, model=model, run=quiet, data=data)["gpipe"]
-    else:
+    if one_rank is None:
         from ..training.train import train
 
-        executor = train(one_rank, steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
+        quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
+        one_rank = train(one_rank_reference(1, args.microbatches), steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
     whole = one.whole_batch(args.steps, model.blocks, devices[0])
     return {
         "one device, whole batch (one jitted step)": statistics.median(whole[1:]),
-        f"one device, our executor (m={args.microbatches} microbatches)": statistics.median(executor.step_seconds[1:]),
+        f"one device, our executor (m={args.microbatches} microbatches)": statistics.median(one_rank.step_seconds[1:]),
     }
 
 

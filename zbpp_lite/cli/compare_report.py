@@ -80,6 +80,9 @@ class Comparison:
         out = {"mode": self.mode, "runs": runs, "not_run": self.notes,
                "references_ms": {n: s * 1e3 for n, s in self.references.items()},
                "reference": ref_name, "loss_spread": self.loss_spread()}
+        bound = busy_bound(self)
+        if bound is not None:  # the busiest 1f1b rank against the one-rank executor: see busy_bound
+            out["busy_bound"] = dict(zip(("busy_ms", "ratio", "bound"), bound))
         if self.learned is not None:
             out["learned"] = {"schedule": self.learned.schedule.name, "steps": len(self.learned.losses),
                               "losses": self.learned.losses, "test_accuracy": self.learned.test_accuracy,
@@ -97,6 +100,24 @@ def split_in_pipeline(c) -> tuple[str, float] | None:
         if base is not None and r is not None and r.schedule.num_stages == base.schedule.num_stages:
             return name, statistics.mean((b + w) / bw for b, w, bw in zip(r.costs.b, r.costs.w, base.costs.bw))
     return None
+
+
+def busy_bound(c) -> tuple[float, float, float] | None:
+    """``(busy_ms, ratio, bound)``: 1f1b's busiest rank's compute time per step (median over its
+    timed steps, ms); its ratio to a p-th of the one-rank executor reference's step (the same
+    kernels and microbatches on one rank, stepped in the same turns); and that reference's step
+    over the busy time: the speed-up a pipeline without any bubble could reach at most, its ranks
+    computing as 1f1b's did. A ratio above 1 is work the pipeline's ranks did beyond their share
+    of the one-rank step: per-action costs that do not shrink with the stage (dispatch, sends),
+    and passes slower than the same work on one rank. None without 1f1b or the executor
+    reference, or with ranks as threads (they share cores by design)."""
+    base = c.by_name("1f1b")
+    executor = next((ms for n, ms in c.references.items() if "executor" in n), None)
+    if base is None or executor is None or c.mode != "processes" or len(base.timelines) < 2:
+        return None
+    busy = statistics.median(max(t.busy) for t in base.timelines[1:]) * 1e3
+    p = base.schedule.num_ranks
+    return busy, busy / (executor * 1e3 / p), executor * 1e3 / busy
 
 
 def _split_cost(c) -> str | None:
@@ -142,6 +163,15 @@ def summary_text(c: Comparison) -> str:
     if live is not None:
         lines.append(f"In the pipelines of this run, {live[0]}'s B + W took {live[1]:.2f}x 1f1b's fused backward per microbatch "
                      f"(mean action times of their measured steps): the split's price as the schedules paid it.")
+    bound = busy_bound(c)
+    if bound is not None:
+        busy, ratio, most = bound
+        p = base.schedule.num_ranks
+        share = "half" if p == 2 else f"1/{p} of"
+        lines.append(f"Why not {p}x: 1f1b's busiest rank computed {busy:.1f} ms a step, {ratio:.2f}x {share} the one-rank "
+                     f"executor's step (stepped in the same turns), so a pipeline with no bubble at all would reach at most "
+                     f"{most:.2f}x here; the rest of the gap to {p}x is idle time: the bubbles, and each step's start and "
+                     f"optimizer update.")
     worst = max(ranked, key=lambda r: r.measured.makespan / r.simulated.makespan)
     lines.append(f"Measured makespans are {min(r.measured.makespan / r.simulated.makespan for r in ranked):.2f}-"
                  f"{worst.measured.makespan / worst.simulated.makespan:.2f}x the plan's for the same action costs "
