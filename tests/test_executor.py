@@ -339,7 +339,8 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
     if not threads:
         bound, executor = report["busy_bound"], next(ms for n, ms in report["references_ms"].items() if "executor" in n)
         assert bound["ratio"] == pytest.approx(bound["busy_ms"] / (executor / 2)) and bound["bound"] == pytest.approx(executor / bound["busy_ms"])
-        assert f"1f1b's busiest rank computed {bound['busy_ms']:.1f} ms a step" in printed and f"at most {bound['bound']:.2f}x" in printed
+        assert f"1f1b's busiest rank computed {bound['busy_ms']:.1f} ms a step, {bound['ratio']:.2f}x half" in printed
+        assert (f"at most {bound['bound']:.2f}x" in printed) == (bound["bound"] < 2) and ("no more than its share" in printed) != (bound["bound"] < 2)
         assert bound["busy_ms"] < min(step_ms.values())  # compute time alone, within the step
         assert "one-rank reference" not in {r["schedule"] for r in report["runs"]}  # a reference, stepped in the turns, not ranked
 

@@ -168,10 +168,14 @@ def summary_text(c: Comparison) -> str:
         busy, ratio, most = bound
         p = base.schedule.num_ranks
         share = "half" if p == 2 else f"1/{p} of"
-        lines.append(f"Why not {p}x: 1f1b's busiest rank computed {busy:.1f} ms a step, {ratio:.2f}x {share} the one-rank "
-                     f"executor's step (stepped in the same turns), so a pipeline with no bubble at all would reach at most "
-                     f"{most:.2f}x here; the rest of the gap to {p}x is idle time: the bubbles, and each step's start and "
-                     f"optimizer update.")
+        head = (f"Why not {p}x: 1f1b's busiest rank computed {busy:.1f} ms a step, {ratio:.2f}x {share} the one-rank executor's "
+                f"step (stepped in the same turns)")
+        idle = "idle time: the bubbles, and each step's start and optimizer update"
+        if most < p:
+            lines.append(f"{head}, so a pipeline with no bubble at all would reach at most {most:.2f}x here; the rest of the gap "
+                         f"to {p}x is {idle}.")
+        else:  # the ranks did no more than their share: only idle time stands between the pipeline and px
+            lines.append(f"{head}: no more than its share of the work, so what stands between the pipelines and {p}x is {idle}.")
     worst = max(ranked, key=lambda r: r.measured.makespan / r.simulated.makespan)
     lines.append(f"Measured makespans are {min(r.measured.makespan / r.simulated.makespan for r in ranked):.2f}-"
                  f"{worst.measured.makespan / worst.simulated.makespan:.2f}x the plan's for the same action costs "
