@@ -23,7 +23,9 @@ forward, the backward and the optimizer update. This script
      zb-h2 and zb-auto in the ``@procs`` set-up, in one run, taking turns step by step (one
      training run whose steps rotate through the schedules). Separate runs on this shared
      2-core machine drift by 10-20% from run to run; in turns, every schedule meets the same
-     drift, so their ratios (zero bubble vs 1f1b) are the ones to trust;
+     drift, so their ratios (zero bubble vs 1f1b) are the ones to trust. ``baseline-1stage``
+     takes its turns there too, on its own copy of the model (``baseline-1stage@turns``), so the
+     speed-up over it compares steps that met the same machine;
    and the single-device baseline ``zbpp_lite.training.baseline.train_baseline`` pinned to one core as
    PyTorch's (``baseline``), plus three references of ours: the same with the 8 microbatches
    accumulated (``baseline-acc8``), unpinned with XLA's threads on both cores
@@ -81,6 +83,7 @@ PROCS = "@procs"  # suffix: one pinned single-threaded process per rank (PyTorch
 TURNS = ("1f1b", "zb-h1", "zb-h2", "zb-auto")  # one stage per rank: run in turns, step by step
 TURN = "@turns"  # suffix of their figures
 TURNS_RUN = "turns" + PROCS  # the run that does it
+REFERENCE = "baseline-1stage"  # also takes its turns there, as compare's one-rank reference does
 OURS = [*BASELINES, TURNS_RUN, *(name + PROCS for name in SCHEDULES), *SCHEDULES]
 TORCH_ZB = ("InterleavedZeroBubble", "ZBVZeroBubble")
 BUSY_CORES = 0.1
@@ -232,11 +235,12 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     """One pipeline rank in its own process, as PyTorch's benchmark runs its ranks: pinned to one
     core before JAX starts (so XLA's threads are this rank's only), one CPU device, the package's
     executor for this rank's actions (``PipelineExecutor(ranks=[rank], remote=...)``), one per
-    schedule of ``plans`` ({name: build options}, all cutting the model alike), values to and
-    from the other ranks through pipes (:mod:`zbpp_lite.runtime.processes`), AdamW on this rank's stages after
-    its last action. Steps on the parent's word (step number, schedule): the parameters carry
-    over from step to step whatever the schedule. Each step reports its wall time, the losses
-    (last stage) and the measured events."""
+    schedule of ``plans`` ({name: build options}, all cutting the model alike, but for
+    :data:`REFERENCE`: the whole model as one stage on rank 0), values to and from the other
+    ranks through pipes (:mod:`zbpp_lite.runtime.processes`), AdamW on this rank's stages after
+    its last action. Steps on the parent's word (batch number, schedule): the pipelines'
+    parameters carry over from step to step whatever the schedule; the reference trains its own
+    copy. Each step reports its wall time, the losses (last stage) and the measured events."""
     import zbpp_lite as zb
 
     # costs cross the process boundary as plain fields (JSON), the rest of a plan as it is
@@ -253,15 +257,13 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     from zbpp_lite.runtime.executor import PipelineExecutor
     from zbpp_lite.training.model import ModelConfig, build_parts, load_torch_init
     from zbpp_lite.runtime.stages import StagedModel
+    from zbpp_lite.cli.compare import one_rank_reference
 
-    schedules = {name: zb.build_schedule(name, RANKS, JOB["microbatches"], **options) for name, options in plans.items()}
-    if len({s.num_stages for s in schedules.values()}) > 1:
+    schedules = {name: one_rank_reference(RANKS, JOB["microbatches"]) if name == REFERENCE else
+                 zb.build_schedule(name, RANKS, JOB["microbatches"], **options) for name, options in plans.items()}
+    if len({s.num_stages for n, s in schedules.items() if n != REFERENCE}) > 1:
         raise ValueError(f"schedules run in turns must cut the model alike: {sorted(plans)}")
     config = ModelConfig(d=JOB["d"], heads=JOB["heads"], blocks=JOB["blocks"], seed=JOB["seed"])
-    model = StagedModel(build_parts(config), next(iter(schedules.values())).num_stages)
-    params = list(load_torch_init(init, config) if init else model.params)
-    executors = connect(peers, {name: (lambda remote, s=s: PipelineExecutor(model, s, [device], ranks=[rank], remote=remote))
-                                for name, s in schedules.items()})
     optimizer = adamw(JOB["lr"], JOB["weight_decay"])
 
     def apply(grads, state, p):
@@ -269,23 +271,35 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
         return optax.apply_updates(p, updates), state
 
     update = jax.jit(apply, donate_argnums=(1, 2))
-    mine = sorted({s for e in executors.values() for s in e.local_stages})
-    # each stage's parameters and AdamW state as flat tuples of arrays: the update's call then
-    # walks no Flax state (3.6 -> 2.4 ms a step for a stage of this job, measured on one core)
-    trees = {s: jax.tree_util.tree_structure(model.stage_params(params, s)) for s in mine}
-    stage_params = {s: tuple(jax.device_put(jax.tree_util.tree_leaves(model.stage_params(params, s)), device)) for s in mine}
-    states = {s: jax.device_put(optimizer.init(p), device) for s, p in stage_params.items()}  # committed, as update's outputs
+    # one training run per cut of the model, from the same initial weights: the pipelines share one
+    # (the parameters carry over whatever the schedule), the one-stage reference trains its own copy
+    cuts = {}
+    for num_stages in sorted({s.num_stages for s in schedules.values()}):
+        model = StagedModel(build_parts(config), num_stages)
+        cuts[num_stages] = {"model": model, "params": list(load_torch_init(init, config) if init else model.params)}
+    executors = connect(peers, {name: (lambda remote, s=s: PipelineExecutor(cuts[s.num_stages]["model"], s, [device], ranks=[rank], remote=remote))
+                                for name, s in schedules.items()})
+    for num_stages, cut in cuts.items():
+        model, params = cut["model"], cut["params"]
+        mine = sorted({st for n, e in executors.items() if schedules[n].num_stages == num_stages for st in e.local_stages})
+        # each stage's parameters and AdamW state as flat tuples of arrays: the update's call then
+        # walks no Flax state (3.6 -> 2.4 ms a step for a stage of this job, measured on one core)
+        cut["trees"] = {st: jax.tree_util.tree_structure(model.stage_params(params, st)) for st in mine}
+        cut["stage_params"] = {st: tuple(jax.device_put(jax.tree_util.tree_leaves(model.stage_params(params, st)), device)) for st in mine}
+        cut["states"] = {st: jax.device_put(optimizer.init(p), device) for st, p in cut["stage_params"].items()}  # committed, as update's outputs
     data = load_digits(0.0, JOB["seed"])
     while (command := control.recv()) is not None:
         k, name = command
         x, y = data.batch(k, JOB["batch"])
+        cut = cuts[schedules[name].num_stages]
+        model, params, stage_params, states, trees = (cut[key] for key in ("model", "params", "stage_params", "states", "trees"))
         for s, p in stage_params.items():
             for i, part in zip(model.parts[s], jax.tree_util.tree_unflatten(trees[s], p)):
                 params[i] = part
         t0 = time.perf_counter()
         result = executors[name].run(params, x, y)
         ran = time.perf_counter() - t0
-        for s in mine:
+        for s in stage_params:
             grads = tuple(jax.tree_util.tree_leaves(model.stage_params(result.grads, s)))
             stage_params[s], states[s] = update(grads, states[s], stage_params[s])
         jax.block_until_ready(stage_params)
@@ -298,7 +312,9 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
 
 def run_processes(plans: dict, order: list[str], init: str | None, pin_ranks: bool) -> tuple[list, list, list, list]:
     """Train one step per entry of ``order`` (schedule names of ``plans``, {name: build
-    options}), step k with schedule ``order[k]``, with one process per rank; returns per step
+    options}), step k with schedule ``order[k]``, with one process per rank (the pipelines on
+    batches 0, 1, 2, ... in turn; :data:`REFERENCE` on its own copy of the model, on its own
+    batches 0, 1, 2, ...); returns per step
     (seconds, loss, Timeline, seconds of the slowest rank's executor run before its update). A
     step's time is the slowest rank's, from the common start signal to the end of its update."""
     import numpy as np
@@ -312,10 +328,13 @@ def run_processes(plans: dict, order: list[str], init: str | None, pin_ranks: bo
     ranks = RankProcesses(f"{os.path.abspath(__file__)}:rank_process", RANKS, {"plans": plain, "init": init}, pin=pin_ranks)
     controls = ranks.controls
     seconds, losses, timelines, runs = [], [], [], []
+    batch = {"pipelines": 0, REFERENCE: 0}  # the next batch of each training run
     try:
-        for k, name in enumerate(order):
+        for name in order:
+            run = REFERENCE if name == REFERENCE else "pipelines"
             for control in controls:
-                control.send((k, name))
+                control.send((batch[run], name))
+            batch[run] += 1
             replies = [control.recv() for control in controls]
             seconds.append(max(r[0] for r in replies))
             runs.append(max(r[3] for r in replies))
@@ -378,18 +397,27 @@ def turns_pipeline(args) -> dict:
     """The schedules of :data:`TURNS` in one run, one pinned process per rank, taking turns step
     by step (step k runs ``TURNS[k % len(TURNS)]``; one training run, the parameters carry over):
     whatever drifts on the machine during the run affects every schedule alike, so their ratios
-    are the fairest this machine gives. Figures per schedule over its own timed steps (after
-    ``args.warmup`` of its own), as ``NAME@turns``."""
+    are the fairest this machine gives. :data:`REFERENCE`, our executor on one rank, takes its
+    turns too (``baseline-1stage@turns``), on its own copy of the model: the speed-ups over it
+    then compare steps that met the same machine. Figures per schedule over its own timed steps
+    (after ``args.warmup`` of its own), as ``NAME@turns``."""
     plans, extra = calibrated(list(TURNS), args)
-    order = [name for _ in range(args.warmup + args.steps) for name in TURNS]
+    plans[REFERENCE] = {}
+    members = (REFERENCE, *TURNS)
+    order = [name for _ in range(args.warmup + args.steps) for name in members]
     seconds, losses, timelines, runs = run_processes(plans, order, args.init, args.pin)
+    piped = [loss for name, loss in zip(order, losses) if name != REFERENCE]  # the pipelines' training run, every step
     group = {}
-    for i, name in enumerate(TURNS):
-        mine = slice(i, None, len(TURNS))
-        group[name + TURN] = {**figures(seconds[mine], losses, timelines[mine], runs[mine], args.warmup),  # the run's losses, every step
+    for i, name in enumerate(members):
+        mine = slice(i, None, len(members))
+        group[name + TURN] = {**figures(seconds[mine], losses[mine] if name == REFERENCE else piped, timelines[mine], runs[mine], args.warmup),
                               **({"planned_costs_ms": extra[name]} if name in extra else {}),
                               "cores": "one per rank" if args.pin else []}
-    group[TURNS_RUN] = {"losses": losses, "order": order}
+    own = losses[0::len(members)]  # the reference's run: the same model, batches and optimizer as the pipelines'
+    gap = max(abs(a - b) for a, b in zip(own, piped))
+    print(f"[ours] {REFERENCE}{TURN}: largest loss difference from the pipelines' run at the same step {gap:.1e}", flush=True)
+    group[REFERENCE + TURN]["loss_gap_vs_pipelines"] = gap
+    group[TURNS_RUN] = {"losses": piped, "order": order}
     return {"group": group}
 
 
@@ -600,7 +628,8 @@ def targets_main_job(ours: dict, torch_results: dict) -> list[tuple[str, str, bo
     """Issue 16's targets for the peer job, on the schedules that took turns (``NAME@turns``):
     zb-h2 <= 0.95 x our 1f1b (also step by step: the median of the paired ratios, with its
     interval), zb-auto <= 0.85 x PyTorch's best, and zb-auto's speed-up over the faster of
-    the two single-device references (``baseline``, ``baseline-1stage``) >= 1.85."""
+    the two single-device references (``baseline``, and ``baseline-1stage@turns``, stepped in the
+    same turns, else ``baseline-1stage``) >= 1.85."""
     from zbpp_lite.analysis.noise import paired_gain
 
     ok = lambda name: name in ours and "error" not in ours[name]  # noqa: E731
@@ -620,12 +649,17 @@ def targets_main_job(ours: dict, torch_results: dict) -> list[tuple[str, str, bo
         checks.append((f"zb-auto <= 0.85 x PyTorch's best ({tname})", f"{t:.1f} / {tt:.1f} = {t / tt:.3f}", t / tt <= 0.85))
     else:
         checks.append(("zb-auto <= 0.85 x PyTorch's best", "a side is missing", None))
-    refs = {n: ours[n]["median_ms"] for n in ("baseline", "baseline-1stage") if ok(n)}
+    paired = REFERENCE + TURN
+    refs = {n: ours[n]["median_ms"] for n in ("baseline", paired if ok(paired) else REFERENCE) if ok(n)}
     if ok(auto) and refs:
         rname, rt = min(refs.items(), key=lambda kv: kv[1])
         t = ours[auto]["median_ms"]
+        step = ""
+        if rname == paired:  # the reference took its turns beside zb-auto: step k's ratio too
+            g = paired_gain(ours[auto]["step_ms"], ours[paired]["step_ms"], 0.95)
+            step = f"; step by step {g.ratio:.2f} [{g.low:.2f}, {g.high:.2f}]"
         checks.append((f"zb-auto's speed-up over the faster single-device reference ({rname}) >= 1.85",
-                       f"{rt:.1f} / {t:.1f} = {rt / t:.2f}", rt / t >= 1.85))
+                       f"{rt:.1f} / {t:.1f} = {rt / t:.2f}{step}", rt / t >= 1.85))
     else:
         checks.append(("zb-auto's speed-up over the faster single-device reference >= 1.85", "a side is missing", None))
     return checks
