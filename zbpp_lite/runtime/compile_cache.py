@@ -35,8 +35,7 @@ OFF_WORDS = ("0", "off", "no", "false")
 # JAX's own settings, read from the environment when JAX is imported (a child process) or set with
 # jax.config.update (this process, when JAX is already imported). Every program is cached, however
 # small or quick to compile: a stage's W compiles in well under JAX's default threshold of 1 s.
-_JAX_SETTINGS = {
-    "JAX_COMPILATION_CACHE_DIR": None,  # filled with the directory
+_THRESHOLDS = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
 }
@@ -76,8 +75,8 @@ def use_compile_cache(environ: dict[str, str] | None = None) -> str | None:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
-    settings = {**_JAX_SETTINGS, "JAX_COMPILATION_CACHE_DIR": str(directory)}
-    for name, value in settings.items():
+    env["JAX_COMPILATION_CACHE_DIR"] = str(directory)
+    for name, value in _THRESHOLDS.items():
         env.setdefault(name, value)
     if environ is None and "jax" in sys.modules:
         import jax
