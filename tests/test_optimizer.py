@@ -213,8 +213,21 @@ def test_bad_policies_are_refused():
         executor.run_steps(model.params, [])
 
 
-def test_train_with_a_guard_runs_both_policies_to_the_same_model():
+def test_train_with_a_guard_runs_both_policies_to_the_same_model(monkeypatch):
+    import dataclasses
+
+    from zbpp_lite.training.postval import rollback
     from zbpp_lite.training.train import train
+
+    # AdamW's eps raised to CFG's 1e-3 for both guarded runs (see CFG's comment): with eps 1e-8 the
+    # attention key bias, whose exact gradient is 0, takes lr-sized steps whose sign is float32 noise,
+    # so the two policies' parameters differed there by 1.35e-3 of the leaf on an AMD EPYC and by less
+    # elsewhere: a comparison that measured the CPU's rounding, not the policies.
+    @dataclasses.dataclass(frozen=True)
+    class _RaisedEps(rollback.AdamWConfig):
+        eps: float = CFG.eps
+
+    monkeypatch.setattr(rollback, "AdamWConfig", _RaisedEps)
 
     from zbpp_lite.training.model import ModelConfig
     from zbpp_lite.training.train import RunConfig
@@ -229,7 +242,7 @@ def test_train_with_a_guard_runs_both_policies_to_the_same_model():
     # every step clipped: post-validation rolled back every rank every step, and still lands on the synchronous model
     assert [r["rolled_back"] for r in pv.config["guard_reports"]] == [[0, 1]] * 4
     np.testing.assert_allclose(pv.losses, sync.losses, rtol=1e-4)
-    assert _max_rel(pv.params, sync.params) < 1e-3  # eps 1e-8 here: zero-gradient entries amplify rounding
+    assert _max_rel(pv.params, sync.params) < 1e-4
     assert not np.allclose(plain.losses[-1], sync.losses[-1], rtol=1e-6)  # clipping changed the training
     with pytest.raises(ValueError, match="give max_grad_norm too"):
         RunConfig(batch=32, lr=1e-2, post_validation=True)
