@@ -143,8 +143,10 @@ def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
     for key in (("F", 1, 0), ("B", 0, 0), ("F",), ("B", 3, 0)):  # executor 0 holds stages 0 and 3 (V placement)
         with pytest.raises(ValueError, match="no local stage consumes"):
             executors[0].deliver(key, np.zeros(3), 0)
+    from zbpp_lite.runtime.transport import OptimizerMessage
+
     with pytest.raises(ValueError, match="needs the local rank it is for"):
-        executors[0].deliver(("FULL", 1, 0), (1.0, True, True), 0)
+        executors[0].deliver(OptimizerMessage("FULL", 1), (1.0, True, True), 0)
     with pytest.raises(ValueError, match="needs remote="):
         PipelineExecutor(model, schedule, [DEVICES[0]], ranks=[0])
     with pytest.raises(ValueError, match=r"ranks must be distinct ranks of the schedule \(0..1\)"):

@@ -94,3 +94,24 @@ def test_exchange_sends_json_and_arrays_not_pickles(monkeypatch):
     del store.data["p/1"]
     with pytest.raises(TimeoutError, match="process 1 published no results"):
         distributed._exchange("p", mine, 0, 2, timeout=1)
+
+
+def test_message_keys_are_named_records_that_cross_as_json_objects():
+    """Inbox keys are records, not tagged tuples: an activation or input gradient is a Transfer
+    (kind, stage, microbatch, attempt), an optimizer's message an OptimizerMessage (tag, sender);
+    each crosses a process as a JSON object and comes back as the same record."""
+    from zbpp_lite.runtime.transport import OptimizerMessage, Transfer, from_wire, message_key, to_wire
+    from zbpp_lite.schedules.ir import Action, Key, deps, produces
+
+    t, n = Transfer("F", 2, 5, 1), OptimizerMessage("FULL", 3)
+    assert (t.consumer, t.key, Transfer("B", 2, 5).consumer) == (3, Key("F", 2, 5), 1)
+    for key in (t, n, Transfer("B", 0, 7)):
+        back = from_wire(wire.decode(wire.encode(to_wire(key))))
+        assert back == key and type(back) is type(key)
+    assert message_key(("B", 1, 2)) == Transfer("B", 1, 2, 0) and message_key(("NORM", 0)) == OptimizerMessage("NORM", 0)
+    for bad in (("F",), ("FULL", 1, 0), ("F", 1.5, 0), 3, {"kind": "F"}):
+        with pytest.raises(ValueError, match="not a message key"):
+            from_wire(bad) if isinstance(bad, dict) else message_key(bad)
+    # deps and produces give Keys, equal to the plain tuples they always were
+    assert deps(Action("B", 1, 2), 4) == (("F", 1, 2), ("B", 2, 2)) and deps(Action("B", 1, 2), 4)[1].stage == 2
+    assert produces(Action("BW", 0, 1)) == (Key("B", 0, 1), Key("W", 0, 1))

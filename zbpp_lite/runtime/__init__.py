@@ -5,6 +5,8 @@
 - :mod:`.stages`: ``StagedModel``, any list of NNX modules and a loss cut into stages;
 - :mod:`.executor`: ``PipelineExecutor``, any schedule on several devices, one thread a rank,
   measuring a ``Timeline`` of the simulator's type;
+- :mod:`.transport`: what ranks send each other (``Transfer``, ``OptimizerMessage``: named
+  records, JSON on the wire) and the ``Inbox`` a rank's inputs wait in;
 - :mod:`.processes`: one pinned process per rank, joined by shared-memory rings and pipes (the
   cross-process transport);
 - :mod:`.distributed`: the executor across processes on JAX's distributed runtime;

@@ -335,7 +335,8 @@ class ProcessPipelineExecutor(_executor_base()):
     def run(self, params, x, labels):
         import jax
 
-        from .executor import StepResult, _Inbox, _Step
+        from .executor import StepResult, _Step
+        from .transport import Inbox
         from .stages import refuse_pytree_activations
         from ..schedules.timeline import Event, Timeline
 
@@ -355,7 +356,7 @@ class ProcessPipelineExecutor(_executor_base()):
         abort = threading.Event()
         step = _Step(
             params=leaves, acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
-            inboxes=[_Inbox(r, abort) for r in range(self.schedule.num_ranks)],
+            inboxes=[Inbox(r, abort) for r in range(self.schedule.num_ranks)],
             t0=0.0, store={}, losses={}, events=[],
         )
         self._outbox = _Outbox(abort)

@@ -57,7 +57,8 @@ from .stages import microbatch_size
 from .devices import too_few_devices_message
 from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
 from .stages import Params, StagedModel
-from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
+from ..schedules.ir import Action, Schedule, deps, parts, produces
+from .transport import Aborted, Inbox, Interrupted, OptimizerMessage, Transfer, message_key
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import validate
 
@@ -100,91 +101,27 @@ class _Leaves(list):
     as a list of arrays); unflattened with the consumer's input structure once it is known."""
 
 
-class _Aborted(Exception):
-    """Another rank failed; this one stops waiting."""
-
-
-class _Interrupted(Exception):
-    """A wait of a speculative warm-up was cut short: the verdict on the previous step's optimizer
-    step arrived (``newer`` False), or a sender already redoes this step (``newer`` True)."""
-
-    def __init__(self, newer: bool):
-        super().__init__()
-        self.newer = newer
-
-
 class _Restart(Exception):
     """The previous step's optimizer step was rolled back: redo this step's actions so far."""
-
-
-class _Inbox:
-    """What other ranks sent to one rank in one step, keyed like ``deps``: ("F", s, j)
-    activation, ("B", s, j) input gradient, or an optimizer's key. Each value carries the attempt
-    of the step it was computed in (0; 1 once a speculative warm-up was redone): a take waits
-    for its own attempt's value and drops older ones. A rank's inboxes of all steps share one
-    condition, so a message for one step wakes a wait in another."""
-
-    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None, where: str = ""):
-        self.rank, self.abort, self.where = rank, abort, where  # where: e.g. " of step 3", for messages
-        self.items: dict[Key, tuple[int, Any]] = {}
-        self.cond = cond if cond is not None else threading.Condition()
-
-    def put(self, key: Key, value: Any, attempt: int = 0) -> None:
-        with self.cond:
-            if key not in self.items or self.items[key][0] <= attempt:  # never older over newer
-                self.items[key] = (attempt, value)
-            self.cond.notify_all()
-
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-    def take(self, key: Key, timeout: float, action: Action | str, attempt: int = 0, interrupt: Callable[[], bool] | None = None) -> Any:
-        """The value sent under ``key`` in ``attempt``; ``action`` (an Action, or a description
-        such as "the optimizer step") names what waits, for the timeout's message. With
-        ``interrupt``, the wait ends with :class:`_Interrupted` once ``interrupt()`` is true or
-        the value of a later attempt is there."""
-        deadline = time.perf_counter() + timeout
-        with self.cond:
-            while True:
-                if key in self.items:
-                    got, value = self.items[key]
-                    if got == attempt:
-                        del self.items[key]
-                        return value
-                    if got < attempt:
-                        del self.items[key]  # computed before the step was redone: stale
-                    elif interrupt is not None:
-                        raise _Interrupted(newer=True)
-                if interrupt is not None and interrupt():
-                    raise _Interrupted(newer=False)
-                if self.abort.is_set():
-                    raise _Aborted()
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    kind, stage, j = key
-                    what = f"{kind} of stage {stage}, microbatch {j}" if kind in ("F", "B") else f"{kind} from rank {stage}"
-                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}{self.where}: {what} never arrived")
-                self.cond.wait(min(left, 0.5))
 
 
 class _Channel:
     """What an optimizer step inside rank ``rank``'s thread may exchange with other ranks during
     one step: ``send(to, key, value)`` into rank ``to``'s inbox, ``take(key)`` from its own
-    (waiting at most the executor's timeout). Keys are ``(tag, rank, 0)`` tuples whose tag is
-    not "F" or "B"; values stay as given (host values such as floats). A rank run by another
-    process is reached through the executor's ``remote``."""
+    (waiting at most the executor's timeout). Keys are :class:`~zbpp_lite.runtime.transport.OptimizerMessage`
+    records; values stay as given (host values such as floats). A rank run by another process is
+    reached through the executor's ``remote``."""
 
     def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
         self._executor, self._step, self.rank = executor, step, rank
 
-    def send(self, to: int, key: Key, value: Any) -> None:
+    def send(self, to: int, key: OptimizerMessage, value: Any) -> None:
         if to in self._executor.ranks:
             self._step.inboxes[to].put(key, value)
         else:  # a rank of another process: through the executor's remote, tagged with the step
             self._executor.remote(to, key, value, self._step.index)
 
-    def take(self, key: Key, what: str = "the optimizer step") -> Any:
+    def take(self, key: OptimizerMessage, what: str = "the optimizer step") -> Any:
         return self._step.inboxes[self.rank].take(key, self._executor.timeout, what)
 
 
@@ -257,9 +194,10 @@ class PipelineExecutor:
             a pipeline runs its own (one pinned process per rank, as PyTorch's pipelining does):
             ``remote(rank, key, value, step)`` must carry what a local rank sends to ``rank``
             and that process hands it to its executor's ``deliver(key, value, step, rank)``:
-            activations and input gradients (a NumPy-convertible array, ``key`` as
-            :func:`~zbpp_lite.schedules.ir.produces` names it) and an optimizer's messages
-            (:class:`RankUpdate`: small host values such as floats). ``step`` numbers the steps
+            activations and input gradients (a NumPy-convertible array, ``key`` a
+            :class:`~zbpp_lite.runtime.transport.Transfer`) and an optimizer's messages
+            (:class:`RankUpdate`: small host values such as floats, ``key`` an
+            :class:`~zbpp_lite.runtime.transport.OptimizerMessage`). ``step`` numbers the steps
             over the executor's life (every process runs the same steps, in the same calls).
         remote: see ``ranks``.
         record_memory: count the activation bytes each rank keeps (F's residuals and W's
@@ -287,7 +225,7 @@ class PipelineExecutor:
         timeout: float = 120.0,
         *,
         ranks: Sequence[int] | None = None,
-        remote: Callable[[int, Key, Any], None] | None = None,
+        remote: Callable[[int, Transfer | OptimizerMessage, Any, int], None] | None = None,
         record_memory: bool = True,
     ):
         validate(schedule)
@@ -449,7 +387,7 @@ class PipelineExecutor:
         base, steps = self._steps_begun, []
         remote = len(self.ranks) < self.schedule.num_ranks
         hint = " (every process must call run_steps with the same number of batches)" if remote else ""
-        inboxes = [[_Inbox(r, abort, conds[r], f" of step {k} (number {base + k} of this executor){hint}" if remote else
+        inboxes = [[Inbox(r, abort, conds[r], f" of step {k} (number {base + k} of this executor){hint}" if remote else
                            (f" of step {k}" if len(batches) > 1 else ""))
                     for r in range(self.schedule.num_ranks)] for k in range(len(batches))]
         self._steps_begun += len(batches)
@@ -476,7 +414,7 @@ class PipelineExecutor:
             pending = [p for p in self._pending if base <= p[0] < base + len(steps)]
             self._pending = [p for p in self._pending if p[0] >= base + len(steps)]  # later calls' (older: dropped)
         for k, key, value, rank in pending:
-            self._put(steps[k - base], key[:3], value, rank, key[3] if len(key) > 3 else 0)
+            self._put(steps[k - base], key, value, rank)
         t0 = time.perf_counter()
         for st in steps:
             st.t0 = t0
@@ -513,7 +451,7 @@ class PipelineExecutor:
 
     @staticmethod
     def _raise_first(errors) -> None:
-        failures = [e for e in errors if not isinstance(e[2], (_Aborted, TimeoutError))]
+        failures = [e for e in errors if not isinstance(e[2], (Aborted, TimeoutError))]
         if failures:
             rank, action, exc = failures[0]
             where = f"rank {rank}" + (f" at {action}" if action is not None else "")
@@ -586,13 +524,13 @@ class PipelineExecutor:
             for action in parts(entry):
                 inputs = []
                 for key in deps(action, S):
-                    if key[1] == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
+                    if key.stage == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
                         continue
                     while True:
                         try:
                             value = inbox.take(key, self.timeout, action, attempt, verdict if due else None)
                             break
-                        except _Interrupted:
+                        except Interrupted:
                             validate()  # the verdict is there, or on its way: a sender already redoes this step
                     inputs.append(value)
                     step.memory.free(rank, key)  # consumed by this action
@@ -626,44 +564,47 @@ class PipelineExecutor:
     def _send(self, step: _Step, action: Action, value: Any, attempt: int = 0) -> None:
         """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1: to
         its rank's inbox, or through ``remote`` to the process that runs that rank."""
-        key = produces(action)[0]
-        consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
-        if self.stage_devices[consumer] is None:  # a pytree (tuple, dict) goes as its list of leaves
+        transfer = Transfer(*produces(action)[0], attempt)
+        if self.stage_devices[transfer.consumer] is None:  # a pytree (tuple, dict) goes as its list of leaves
             leaves = value if isinstance(value, jax.Array) else list(jax.tree_util.tree_leaves(value))
-            self.remote(self.schedule.placement[consumer], (*key, attempt), leaves, step.index)
+            self.remote(self.schedule.placement[transfer.consumer], transfer, leaves, step.index)
         else:
-            self._put(step, key, value, attempt=attempt)
+            self._put(step, transfer, value)
 
-    def _put(self, step: _Step, key: Key, value: Any, rank: int | None = None, attempt: int = 0) -> None:
-        kind, stage, _ = key
-        if kind in ("F", "B"):  # an activation for stage s+1, an input gradient for stage s-1
-            consumer = stage + 1 if kind == "F" else stage - 1
-            if isinstance(value, _Leaves):  # from another process: the leaves of a pytree
-                value = jax.tree_util.tree_unflatten(self._input_trees[stage + 1 if kind == "F" else stage], list(value))
-            value = jax.device_put(value, self.stage_devices[consumer])
-            step.memory.receive(self.schedule.placement[consumer], key, value, time.perf_counter() - step.t0 if step.t0 else 0.0)
-            step.inboxes[self.schedule.placement[consumer]].put(key, value, attempt)
-        else:  # an optimizer's message (RankUpdate) for ``rank``, as sent
+    def _put(self, step: _Step, key: Transfer | OptimizerMessage, value: Any, rank: int | None = None) -> None:
+        if isinstance(key, OptimizerMessage):  # an optimizer's message (RankUpdate) for ``rank``, as sent
             step.inboxes[rank].put(key, value)
+            return
+        consumer = key.consumer  # an activation for stage s+1, an input gradient for stage s-1
+        if isinstance(value, _Leaves):  # from another process: the leaves of a pytree
+            value = jax.tree_util.tree_unflatten(self._input_trees[consumer if key.kind == "F" else key.stage], list(value))
+        value = jax.device_put(value, self.stage_devices[consumer])
+        rank = self.schedule.placement[consumer]
+        step.memory.receive(rank, key.key, value, time.perf_counter() - step.t0 if step.t0 else 0.0)
+        step.inboxes[rank].put(key.key, value, key.attempt)
 
-    def deliver(self, key: Key, value: Any, step: int, rank: int | None = None) -> None:
+    def deliver(self, key: Transfer | OptimizerMessage, value: Any, step: int, rank: int | None = None) -> None:
         """Hand this executor what another process's rank sent it (see ``remote``), for step
-        number ``step`` (as ``remote`` was given it): the activation ("F", s, j, attempt) for
-        stage s+1 or the input gradient ("B", s, j, attempt) for stage s-1, a NumPy array (or, where
-        stages pass a pytree such as a tuple, the list of its leaves in ``jax.tree_util`` order)
-        (``attempt``: 0, or 1 from a warm-up redone after a rollback); or an optimizer's message
-        for local rank ``rank``. Safe from any thread, also before :meth:`run_steps` has begun
-        that step.
+        number ``step`` (as ``remote`` was given it): a :class:`~zbpp_lite.runtime.transport.Transfer`,
+        the activation ("F", s, j, attempt) for stage s+1 or the input gradient ("B", s, j, attempt)
+        for stage s-1, a NumPy array (or, where stages pass a pytree such as a tuple, the list of
+        its leaves in ``jax.tree_util`` order) (``attempt``: 0, or 1 from a warm-up redone after a
+        rollback); or an :class:`~zbpp_lite.runtime.transport.OptimizerMessage` for local rank
+        ``rank``. A plain tuple is read as :func:`~zbpp_lite.runtime.transport.message_key` reads
+        it. Safe from any thread, also before :meth:`run_steps` has begun that step.
 
         Raises:
             ValueError: an activation or gradient for no local stage, or an optimizer's message
                 without a local ``rank``.
         """
-        if key[0] in ("F", "B"):
+        try:
+            key = message_key(key)
+        except ValueError as e:
+            raise ValueError(f"no local stage consumes {key}: {e}") from None
+        if isinstance(key, Transfer):
             if isinstance(value, (list, tuple)):  # a pytree activation's leaves (see _send)
                 value = _Leaves(value)
-            consumer = -1 if len(key) not in (3, 4) else key[1] + 1 if key[0] == "F" else key[1] - 1
-            if not 0 <= consumer < self.model.num_stages or self.stage_devices[consumer] is None:
+            if not 0 <= key.consumer < self.model.num_stages or self.stage_devices[key.consumer] is None:
                 raise ValueError(f"no local stage consumes {key}: an activation ('F', s, j[, attempt]) goes to stage s+1, "
                                  f"an input gradient ('B', s, j[, attempt]) to stage s-1; this executor runs stages {self.local_stages}")
         elif rank not in self.ranks:
@@ -674,7 +615,7 @@ class PipelineExecutor:
                 self._pending.append((step, key, value, rank))
                 return
             target = current[1][step - current[0]]
-        self._put(target, key[:3], value, rank, key[3] if len(key) > 3 else 0)
+        self._put(target, key, value, rank)
 
     # ------------------------------------------------------------------ handlers: kind -> work
     # Each returns (what to wait for before the action counts as done, what to send or None).

@@ -46,6 +46,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import wire
+from .transport import Transfer, from_wire, to_wire
 
 RING_BYTES = 8 << 20
 """Shared memory per direction between two ranks: room for 64 of the peer job's activations,
@@ -247,7 +248,7 @@ def connect(peers: dict, executor_for):
 
     def remote_for(name):
         def remote(to: int, key, value, step: int) -> None:
-            if isinstance(value, list) and key[0] in ("F", "B"):  # a pytree activation's leaves
+            if isinstance(value, list) and isinstance(key, Transfer):  # a pytree activation's leaves
                 value = [np.asarray(leaf) for leaf in value]
             links[to].send(name, key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to)
 
@@ -338,12 +339,12 @@ class _Link:
     def send(self, name, key, value, step: int, to: int) -> None:
         with self.lock:
             if isinstance(value, np.ndarray) and value.dtype != object:
-                self.channel.send({"name": name, "key": list(key), "ring": self.out.write(value), "step": step, "to": to})
+                self.channel.send({"name": name, "key": to_wire(key), "ring": self.out.write(value), "step": step, "to": to})
             elif isinstance(value, list) and value and all(isinstance(v, np.ndarray) and v.dtype != object for v in value):
                 # the leaves of a pytree activation, each in the ring; a list again on arrival
-                self.channel.send({"name": name, "key": list(key), "rings": [self.out.write(v) for v in value], "step": step, "to": to})
+                self.channel.send({"name": name, "key": to_wire(key), "rings": [self.out.write(v) for v in value], "step": step, "to": to})
             else:
-                self.channel.send({"name": name, "key": list(key), "value": value, "step": step, "to": to})
+                self.channel.send({"name": name, "key": to_wire(key), "value": value, "step": step, "to": to})
 
     def receive(self):
         try:
@@ -352,7 +353,7 @@ class _Link:
             return None
         if message is None:
             return None
-        key = tuple(message["key"])
+        key = from_wire(message["key"])
         if "ring" in message:
             value = self.inc.read(*message["ring"])
         elif "rings" in message:

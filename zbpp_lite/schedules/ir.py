@@ -24,7 +24,7 @@ import io
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence, Union
+from typing import Iterable, Iterator, NamedTuple, Sequence, Union
 
 KINDS = ("F", "B", "W", "BW")
 """Action kinds: forward, backward-input, backward-weight, fused backward."""
@@ -174,8 +174,14 @@ def v_placement(num_ranks: int) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------------------- dependencies
 
-Key = tuple[str, int, int]
-"""What an action produces or needs: ("F"|"B"|"W", stage, microbatch). BW produces both B and W."""
+class Key(NamedTuple):
+    """What an action produces or needs: kind "F" (an activation), "B" (an input gradient) or "W"
+    (a weight gradient), of ``stage`` on ``microbatch``. BW produces both B and W. Equal to the
+    plain tuple ``(kind, stage, microbatch)``."""
+
+    kind: str
+    stage: int
+    microbatch: int
 
 
 def produces(action: Entry) -> tuple[Key, ...]:
@@ -183,8 +189,8 @@ def produces(action: Entry) -> tuple[Key, ...]:
     if isinstance(action, Overlap):
         return produces(action.forward) + produces(action.backward)
     if action.kind == "BW":
-        return (("B", action.stage, action.microbatch), ("W", action.stage, action.microbatch))
-    return ((action.kind, action.stage, action.microbatch),)
+        return (Key("B", action.stage, action.microbatch), Key("W", action.stage, action.microbatch))
+    return (Key(action.kind, action.stage, action.microbatch),)
 
 
 def deps(action: Entry, num_stages: int) -> tuple[Key, ...]:
@@ -199,13 +205,12 @@ def deps(action: Entry, num_stages: int) -> tuple[Key, ...]:
         return deps(action.forward, num_stages) + deps(action.backward, num_stages)
     s, j = action.stage, action.microbatch
     if action.kind == "F":
-        return (("F", s - 1, j),) if s > 0 else ()
+        return (Key("F", s - 1, j),) if s > 0 else ()
     if action.kind == "W":
-        return (("B", s, j),)
-    needed: tuple[Key, ...] = (("F", s, j),)
+        return (Key("B", s, j),)
     if s < num_stages - 1:
-        needed += (("B", s + 1, j),)
-    return needed
+        return (Key("F", s, j), Key("B", s + 1, j))
+    return (Key("F", s, j),)
 
 
 # ---------------------------------------------------------------------------- schedule

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ...runtime.transport import OptimizerMessage
 from .reference import StepReport
 from .rollback import AdamWConfig, adamw_rollback
 
@@ -107,7 +108,7 @@ class StageOptimizer:
         self.gradient_filter = gradient_filter
         self.speculative = bool(speculative) and policy == "post-validation"
         # the message whose arrival lets validate() run without waiting (RankUpdate): speculative warm-up
-        self.verdict_key = ("FULL", executor.schedule.num_ranks - 1, 0) if self.speculative else None
+        self.verdict_key = OptimizerMessage("FULL", executor.schedule.num_ranks - 1) if self.speculative else None
         model, schedule = executor.model, executor.schedule
         self.num_ranks = schedule.num_ranks
         opt = config.optimizer()
@@ -166,11 +167,11 @@ class StageOptimizer:
         if self.policy == "synchronous":
             for q in range(self.num_ranks):
                 if q != rank:
-                    channel.send(q, ("NORM", rank, 0), (sq, finite))
+                    channel.send(q, OptimizerMessage("NORM", rank), (sq, finite))
             shares = {rank: (sq, finite)}
             for q in range(self.num_ranks):
                 if q != rank:
-                    shares[q] = channel.take(("NORM", q, 0), "the synchronous optimizer step")
+                    shares[q] = channel.take(OptimizerMessage("NORM", q), "the synchronous optimizer step")
             total = sum(shares[q][0] for q in range(self.num_ranks))
             all_finite = all(shares[q][1] for q in range(self.num_ranks))
             norm = math.sqrt(total)
@@ -182,15 +183,15 @@ class StageOptimizer:
         # post-validation: the partial reduction travels rank 0 -> p-1, with whether rank 0 stepped
         # (if it did not, a NaN there, no rank did: nothing speculative to redo)
         if rank > 0:
-            before, before_finite, first_stepped = channel.take(("PARTIAL", rank - 1, 0), "the partial gradient norm")
+            before, before_finite, first_stepped = channel.take(OptimizerMessage("PARTIAL", rank - 1), "the partial gradient norm")
             sq, finite = before + sq, before_finite and finite
         else:
             first_stepped = finite
         if rank < self.num_ranks - 1:
-            channel.send(rank + 1, ("PARTIAL", rank, 0), (sq, finite, first_stepped))
+            channel.send(rank + 1, OptimizerMessage("PARTIAL", rank), (sq, finite, first_stepped))
         else:  # the last rank holds the full reduction: back to every rank
             for q in range(self.num_ranks):
-                channel.send(q, ("FULL", rank, 0), (sq, finite, first_stepped))
+                channel.send(q, OptimizerMessage("FULL", rank), (sq, finite, first_stepped))
         if finite:  # speculative: as if no clipping were needed
             for s, g in grads.items():
                 self._apply(s, g, None)
@@ -203,7 +204,7 @@ class StageOptimizer:
         if self.policy != "post-validation":
             return False
         pending = self._pending.pop(rank)
-        sq, finite, first_stepped = channel.take(("FULL", self.num_ranks - 1, 0), "the full gradient norm")
+        sq, finite, first_stepped = channel.take(OptimizerMessage("FULL", self.num_ranks - 1), "the full gradient norm")
         norm = math.sqrt(sq)
         needed = not finite or norm >= self.max_norm  # clip, or skip: what no rank assumed
         wrong = pending["stepped"] and needed

@@ -1,0 +1,154 @@
+"""What ranks send each other, and the inbox it waits in.
+
+Two named records cross between ranks (threads, processes, hosts):
+
+- :class:`Transfer` ``(kind, stage, microbatch, attempt)``: an activation ("F": stage s's output,
+  for stage s+1) or an input gradient ("B": for stage s-1), as :func:`~zbpp_lite.schedules.ir.produces`
+  names it, plus the attempt of the step it was computed in (0; 1 once a speculative warm-up was
+  redone after a post-validation rollback);
+- :class:`OptimizerMessage` ``(tag, sender)``: a small host value an optimizer step inside the
+  rank loop sends another rank (e.g. ``("FULL", p-1)``: the full gradient norm from the last rank).
+
+Across a process boundary a record goes as a JSON object (:func:`to_wire` / :func:`from_wire`),
+parsed, never unpickled. :class:`Inbox` is where a rank's inputs wait, keyed by
+:class:`~zbpp_lite.schedules.ir.Key` or :class:`OptimizerMessage`.
+
+Layer: runtime (no JAX import).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Union
+
+from ..schedules.ir import Key
+
+
+class Transfer(NamedTuple):
+    """An activation ("F", s, j: for stage s+1) or input gradient ("B", s, j: for stage s-1) on
+    its way, computed in ``attempt`` of its step."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    attempt: int = 0
+
+    @property
+    def key(self) -> Key:
+        return Key(self.kind, self.stage, self.microbatch)
+
+    @property
+    def consumer(self) -> int:
+        """The stage that takes it."""
+        return self.stage + 1 if self.kind == "F" else self.stage - 1
+
+
+class OptimizerMessage(NamedTuple):
+    """A value an optimizer step inside the rank loop sends (``tag``, e.g. "NORM", "PARTIAL",
+    "FULL") from rank ``sender``."""
+
+    tag: str
+    sender: int
+
+
+InboxKey = Union[Key, OptimizerMessage]
+
+
+def message_key(key: Any) -> Transfer | OptimizerMessage:
+    """``key`` as a record: a record as it is; a sequence ``(kind, stage, microbatch[, attempt])``
+    with kind "F" or "B" as a :class:`Transfer`; ``(tag, sender)`` as an :class:`OptimizerMessage`.
+
+    Raises:
+        ValueError: anything else, named."""
+    if isinstance(key, (Transfer, OptimizerMessage)):
+        return key
+    try:
+        head, *rest = key
+    except (TypeError, ValueError):
+        raise ValueError(f"not a message key: {key!r}") from None
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in rest)
+    if head in ("F", "B") and len(rest) in (2, 3) and ints:
+        return Transfer(head, *rest)
+    if isinstance(head, str) and head not in ("F", "B") and len(rest) == 1 and ints:
+        return OptimizerMessage(head, rest[0])
+    raise ValueError(f"not a message key: {key!r}; want (F|B, stage, microbatch[, attempt]) or (tag, sender)")
+
+
+def to_wire(key: Transfer | OptimizerMessage) -> dict:
+    """``key`` as a JSON object (:func:`from_wire` reads it back)."""
+    return key._asdict()
+
+
+def from_wire(data: Any) -> Transfer | OptimizerMessage:
+    """The record :func:`to_wire` wrote. Raises ValueError for anything else."""
+    if isinstance(data, dict) and set(data) == set(Transfer._fields):
+        return message_key(tuple(data[f] for f in Transfer._fields))
+    if isinstance(data, dict) and set(data) == set(OptimizerMessage._fields):
+        return message_key(tuple(data[f] for f in OptimizerMessage._fields))
+    raise ValueError(f"not a message key on the wire: {data!r}")
+
+
+class Aborted(Exception):
+    """Another rank failed; this one stops waiting."""
+
+
+class Interrupted(Exception):
+    """A wait of a speculative warm-up was cut short: the verdict on the previous step's optimizer
+    step arrived (``newer`` False), or a sender already redoes this step (``newer`` True)."""
+
+    def __init__(self, newer: bool):
+        super().__init__()
+        self.newer = newer
+
+
+class Inbox:
+    """What other ranks sent to one rank in one step, keyed by :class:`~zbpp_lite.schedules.ir.Key`
+    (activations, input gradients) or :class:`OptimizerMessage`. Each value carries the attempt of
+    the step it was computed in: a take waits for its own attempt's value and drops older ones. A
+    rank's inboxes of all steps share one condition, so a message for one step wakes a wait in
+    another."""
+
+    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None, where: str = ""):
+        self.rank, self.abort, self.where = rank, abort, where  # where: e.g. " of step 3", for messages
+        self.items: dict[InboxKey, tuple[int, Any]] = {}
+        self.cond = cond if cond is not None else threading.Condition()
+
+    def put(self, key: InboxKey, value: Any, attempt: int = 0) -> None:
+        with self.cond:
+            if key not in self.items or self.items[key][0] <= attempt:  # never older over newer
+                self.items[key] = (attempt, value)
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def take(self, key: InboxKey, timeout: float, action: Any, attempt: int = 0,
+             interrupt: Callable[[], bool] | None = None) -> Any:
+        """The value sent under ``key`` in ``attempt``; ``action`` (an Action, or a description
+        such as "the optimizer step") names what waits, for the timeout's message. With
+        ``interrupt``, the wait ends with :class:`Interrupted` once ``interrupt()`` is true or
+        the value of a later attempt is there."""
+        deadline = time.perf_counter() + timeout
+        with self.cond:
+            while True:
+                if key in self.items:
+                    got, value = self.items[key]
+                    if got == attempt:
+                        del self.items[key]
+                        return value
+                    if got < attempt:
+                        del self.items[key]  # computed before the step was redone: stale
+                    elif interrupt is not None:
+                        raise Interrupted(newer=True)
+                if interrupt is not None and interrupt():
+                    raise Interrupted(newer=False)
+                if self.abort.is_set():
+                    raise Aborted()
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
+                            else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
+                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}{self.where}: {what} never arrived")
+                self.cond.wait(min(left, 0.5))
