@@ -179,3 +179,95 @@ def test_then_goes_on_training_the_chosen_schedule_as_if_it_had_run_alone():
     np.testing.assert_allclose(both["then"].losses, alone.losses, rtol=1e-6)
     assert both["then"].losses[:2] == both["zb-h2"].losses and len(both["then"].step_seconds) == 2
     assert both["then"].test_accuracy == pytest.approx(alone.test_accuracy, abs=1e-6)
+
+
+def test_a_killed_rank_is_named_with_its_signal_at_once_while_another_rank_waits():
+    """kill -9 of one rank while the parent waits on another (which waits forever for a word)
+    is reported within a few seconds, naming the rank and the signal, not after the timeout."""
+    import os
+    import signal
+    import time
+
+    here = f"{pathlib.Path(__file__).resolve()}:echo"
+    with RankProcesses(here, 2, {}, pin=False) as ranks:
+        ranks.controls[1].send({"x": np.zeros(2)})
+        assert ranks.controls[1].recv()["rank"] == 1  # rank 1 is up; rank 0 is sent nothing and waits
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^rank 1's process was killed by signal 9 \(SIGKILL\)$"):
+            ranks.gather(timeout=60)
+        assert time.monotonic() - t0 < 5
+    assert all(p.poll() is not None for p in ranks.procs)  # rank 0, still waiting, was ended too
+
+
+def _train_in_processes(tmp_path):
+    """``train`` with one process per rank, started, and its rank processes' ids once step 1 is
+    printed (the ranks are the parent's children, named by the spec in their environment)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "zbpp_lite", "train", "--schedule", "1f1b", "--ranks", "2", "--microbatches", "4",
+           "--steps", "100000", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "8", "--no-progress"]
+    parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen = []
+    for line in parent.stdout:
+        seen.append(line)
+        if line.startswith("step    1"):
+            break
+    else:
+        pytest.fail(f"train ended before step 1: {parent.wait()} {parent.stderr.read()[-2000:]}")
+    assert any(line.startswith("REAL run: one process per rank") for line in seen), seen
+    ranks = {}
+    with open(f"/proc/{parent.pid}/task/{parent.pid}/children") as f:
+        for pid in map(int, f.read().split()):
+            with open(f"/proc/{pid}/environ", "rb") as env:
+                spec = [v for v in env.read().split(b"\0") if v.startswith(b"ZBPP_RANK_SPEC=")]
+            if spec:
+                ranks[json.loads(spec[0].split(b"=", 1)[1])["rank"]] = pid
+    assert sorted(ranks) == [0, 1], ranks
+    return parent, ranks
+
+
+def _finish(parent, timeout: float) -> tuple[float, str]:
+    import time
+
+    t0 = time.monotonic()
+    try:
+        _, err = parent.communicate(timeout=timeout)
+    except Exception:
+        parent.kill()
+        parent.communicate()
+        raise
+    return time.monotonic() - t0, err
+
+
+def test_train_reports_a_rank_killed_by_signal_9_in_one_line_within_seconds(tmp_path):
+    import os
+    import signal
+
+    parent, ranks = _train_in_processes(tmp_path)
+    os.kill(ranks[1], signal.SIGKILL)
+    seconds, err = _finish(parent, 60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    print(f"train reported the killed rank {seconds:.2f} s after kill -9")
+    assert parent.returncode == 1 and seconds < 5, (seconds, err[-2000:])
+    assert lines == ["error: rank 1's process was killed by signal 9 (SIGKILL)"], err[-2000:]
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks.values())  # rank 0 ended too (and reaped)
+
+
+def test_sigterm_to_train_prints_one_line_ends_the_ranks_and_leaks_no_shared_memory(tmp_path):
+    import os
+    import signal
+
+    parent, ranks = _train_in_processes(tmp_path)
+    os.kill(parent.pid, signal.SIGTERM)
+    seconds, err = _finish(parent, 60)
+    lines = [line for line in err.splitlines() if line.strip()]
+    print(f"train ended {seconds:.2f} s after SIGTERM")
+    assert parent.returncode == 128 + signal.SIGTERM and seconds < 10, (seconds, err[-2000:])
+    assert lines == ["train: stopped by SIGTERM; every process it started has ended"], err[-2000:]
+    assert "leaked shared_memory" not in err and "Traceback" not in err
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks.values())

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 COMMANDS = {
     "plan": "build, validate and simulate one schedule; print its grid (no JAX)",
@@ -27,6 +29,15 @@ COMMANDS = {
 
 class CliError(Exception):
     """A bad argument or input: printed as one line, exit status 2."""
+
+
+class Terminated(BaseException):
+    """SIGTERM reached the command. Raised in the main thread, so every ``with`` block on the way
+    out cleans up (rank processes ended, shared memory removed); printed as one line."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
 
 
 def _module(name: str):
@@ -56,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         from ..runtime.compile_cache import use_compile_cache
 
         use_compile_cache()  # every process of the run (and the next run) reuses compiled programs
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
     try:
         return int(_module(args.command.replace("-", "_")).run(args) or 0)
+    except Terminated:
+        print(f"{args.command}: stopped by SIGTERM; every process it started has ended", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -68,3 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)  # a missing or unreadable input file: one line
         return 2
+    except RuntimeError as e:
+        from ..runtime.processes import RankFailed
+
+        if not isinstance(e, RankFailed):
+            raise
+        print(f"error: {e}", file=sys.stderr)  # a rank's process failed or died: which, and how
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 
+from ..runtime.processes import end_process, exit_reason, failed
 from . import CliError
 
 
@@ -149,11 +149,11 @@ def launch(train_args: list[str], processes: int, devices_per_process: int = 1, 
     try:
         while True:
             codes = [c.poll() for c in children]
-            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
+            bad = failed(children)
             if bad:
                 time.sleep(0.5)  # let the first error's last lines arrive
-                for i in bad:
-                    failures.append(f"process {i} exited with status {codes[i]}: {_last_error(tails[i])}")
+                for i, code in bad:
+                    failures.append(f"process {i} {exit_reason(code)}: {_last_error(tails[i])}")
                 break
             if all(c == 0 for c in codes):
                 break
@@ -171,17 +171,9 @@ def launch(train_args: list[str], processes: int, devices_per_process: int = 1, 
 
 
 def end_child(child: subprocess.Popen) -> None:
-    """End one child we started, and its own children (its session), by id: SIGKILL, because
-    JAX's preemption notifier catches SIGTERM."""
-    if child.poll() is None:
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            child.kill()
-    try:
-        child.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        pass
+    """End one child we started, and its own children (its session), by id
+    (:func:`~zbpp_lite.runtime.processes.end_process`)."""
+    end_process(child, group=True)
 
 
 def _last_error(lines: list[str]) -> str:

@@ -35,12 +35,13 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 import numpy as np
@@ -96,6 +97,45 @@ def allowed_cores() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+class RankFailed(RuntimeError):
+    """A rank's process failed: its error, or how it ended (exit status, signal), in one line."""
+
+
+def exit_reason(code: int) -> str:
+    """How a child process ended, from ``Popen.returncode``: "exited with status 3", or "was
+    killed by signal 9 (SIGKILL)"."""
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        name = f" ({signal.Signals(-code).name})"
+    except ValueError:
+        name = ""
+    return f"was killed by signal {-code}{name}"
+
+
+def failed(procs: list) -> list[tuple[int, int]]:
+    """``(index, exit status)`` of every process of ``procs`` that has ended with a non-zero
+    status: the watch ``launch`` and :class:`RankProcesses` poll every 0.1 s."""
+    return [(i, code) for i, code in enumerate(p.poll() for p in procs) if code not in (None, 0)]
+
+
+def end_process(proc: subprocess.Popen, group: bool = False) -> None:
+    """End a child we started, by its id: SIGKILL (JAX's preemption notifier catches SIGTERM),
+    to its whole session with ``group`` (a child started with ``start_new_session``)."""
+    if proc.poll() is None:
+        try:
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # pragma: no cover
+        pass
+
+
 class RankProcesses:
     """``num_ranks`` processes, rank r running ``entry(rank, peers, control, config)``.
 
@@ -110,7 +150,8 @@ class RankProcesses:
 
     ``controls[r]`` is the parent's :class:`Channel` to rank r. Use as a context manager, or
     call :meth:`close`: it tells every rank to stop, waits, ends any that does not, and
-    removes the shared memory.
+    removes the shared memory. Leaving the context on an exception (a rank failed, SIGTERM
+    turned into an exception by the command line) ends the ranks at once.
 
     Raises:
         ValueError: ``num_ranks`` below 1 or an entry without ``:function``.
@@ -164,50 +205,65 @@ class RankProcesses:
     def __enter__(self) -> "RankProcesses":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, *exc) -> None:
+        self.close(timeout=30.0 if kind is None else 0.0)
 
     def broadcast(self, obj: Any) -> None:
         for control in self.controls:
             control.send(obj)
 
     def gather(self, timeout: float = 600.0) -> list:
-        """Every rank's next reply, in rank order.
+        """Every rank's next reply, in rank order. Waits on all ranks at once, and every 0.1 s
+        looks whether one of their processes has ended (:func:`failed`), so a rank killed
+        while another is waiting for it is reported at once.
 
         Raises:
-            RuntimeError: a rank died (its exit code and the advice to read its error above) or
-                said nothing within ``timeout`` seconds.
+            RankFailed: one line: a rank's error, a rank's process that ended (how: its exit
+                status or signal), or ranks that said nothing within ``timeout`` seconds.
         """
-        replies = []
-        for r, control in enumerate(self.controls):
-            deadline = time.monotonic() + timeout
-            while not control.poll(0.2):
-                code = self.procs[r].poll()
-                if code is not None:
-                    raise RuntimeError(f"rank {r}'s process ended with exit code {code} (its error is printed above)")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {r} sent nothing within {timeout:g} s")
+        replies: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < len(self.controls):
+            waiting = {self.controls[r].conn: r for r in range(len(self.controls)) if r not in replies}
+            for conn in wait(list(waiting), 0.1):
+                replies[waiting[conn]] = self._reply(waiting[conn])
+            for r, code in failed(self.procs):
+                if r not in replies and self.controls[r].poll(0):
+                    self._reply(r)  # its error, when it sent one before it ended
+                raise RankFailed(f"rank {r}'s process {exit_reason(code)}")
+            if time.monotonic() > deadline and len(replies) < len(self.controls):
+                silent = [r for r in range(len(self.controls)) if r not in replies]
+                raise RankFailed(f"rank(s) {', '.join(map(str, silent))} sent nothing within {timeout:g} s")
+        return [replies[r] for r in range(len(self.controls))]
+
+    def _reply(self, r: int) -> Any:
+        try:
+            reply = self.controls[r].recv()
+        except (EOFError, OSError):  # closed, or reset by a killed process
             try:
-                reply = control.recv()
-            except EOFError:
-                raise RuntimeError(f"rank {r}'s process closed its control link (its error is printed above)") from None
-            if isinstance(reply, dict) and "error" in reply:
-                raise RuntimeError(f"rank {r}: {reply['error']}")
-            replies.append(reply)
-        return replies
+                code = self.procs[r].wait(2.0)
+            except subprocess.TimeoutExpired:
+                raise RankFailed(f"rank {r}'s process closed its control link but still runs") from None
+            raise RankFailed(f"rank {r}'s process {exit_reason(code)}") from None
+        if isinstance(reply, dict) and "error" in reply:
+            raise RankFailed(f"rank {r}: {reply['error']}")
+        return reply
 
     def close(self, timeout: float = 30.0) -> None:
+        """Tell every rank to stop and wait ``timeout`` seconds for each (0: end them at once),
+        end any still running (SIGKILL), and remove the shared memory."""
         for control in self.controls:
             try:
                 control.send(None)
             except OSError:
                 pass
         for proc in self.procs:
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            if timeout > 0:
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            end_process(proc)
         for control in self.controls:
             control.close()
         self.controls = []
@@ -391,6 +447,9 @@ def _main() -> None:
     control = Channel(Connection(spec["control"]))
     try:
         _load(spec["entry"])(spec["rank"], spec["links"], control, spec["config"])
+    except EOFError:  # the parent closed the control link: it has gone, nobody waits for an answer
+        print(f"rank {spec['rank']}: the parent process has gone; ending", file=sys.stderr)
+        sys.exit(1)
     except BaseException as e:  # the parent hears why, then the traceback goes to stderr
         try:
             control.send({"error": f"{type(e).__name__}: {e}".splitlines()[0]})
