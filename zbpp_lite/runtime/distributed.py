@@ -294,6 +294,22 @@ class _Outbox:
             return self.items.pop(key)
 
 
+class _CrossProcess:
+    """The transport of :class:`ProcessPipelineExecutor` (:mod:`zbpp_lite.runtime.transport`):
+    to a rank of this process straight into its inbox (``put``), to a rank of another process
+    into the outbox, from which this process's transfer thread moves it in
+    :func:`transfer_plan`'s order."""
+
+    def __init__(self, put, owner: Sequence[int], process: int, outbox: _Outbox):
+        self.put, self.owner, self.process, self.outbox = put, owner, process, outbox
+
+    def send(self, step, rank: int, key, value) -> None:
+        if self.owner[rank] == self.process:
+            self.put(step, key, value, rank)
+        else:
+            self.outbox.put(key.key, value)
+
+
 def _executor_base():
     from .executor import PipelineExecutor
 
@@ -360,10 +376,11 @@ class ProcessPipelineExecutor(_executor_base()):
             t0=0.0, store={}, losses={}, events=[],
         )
         self._outbox = _Outbox(abort)
+        self.transport = _CrossProcess(self._put, self.owner, self.process, self._outbox)
         errors: list = []
         movers = self._transfer_threads(step, shapes, abort, errors)
         threads = [
-            threading.Thread(target=self._rank_loop, args=(r, step, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
+            threading.Thread(target=self._rank_steps, args=(r, [step], None, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
             for r in self.local_ranks
         ]
         step.t0 = time.perf_counter()
@@ -400,12 +417,6 @@ class ProcessPipelineExecutor(_executor_base()):
         losses = tuple(losses_by_mb[j] for j in range(m))
         timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
         return StepResult(float(np.mean(np.asarray(losses, np.float64))), losses, self.model.join_stage_params(grads), timeline)
-
-    def _send(self, step, action: Action, value: Any, attempt: int = 0) -> None:
-        consumer = action.stage + 1 if action.kind == "F" else action.stage - 1
-        if self.owner[self.schedule.placement[consumer]] == self.process:
-            return super()._send(step, action, value, attempt)
-        self._outbox.put(produces(action)[0], value)
 
     # ------------------------------------------------------------------ transfers
 

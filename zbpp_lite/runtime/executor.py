@@ -9,10 +9,14 @@ An overlapped pair F&B (:class:`~zbpp_lite.schedules.ir.Overlap`, DualPipeV's un
 both its inputs, then runs its forward and its backward back to back on the rank's device, each
 timed as its own event (JAX on one device runs them one after the other; DualPipe's overlap of
 one's compute with the other's communication is a kernel-level matter this executor does not
-model). Work goes through a kind -> handler table, and every stage's F, B, W, BW are the jitted pure
-functions of :class:`zbpp_lite.runtime.split.StageSplit`, run on the rank's device. Outputs move to the
-consumer's device with ``jax.device_put`` (asynchronous, like a send on real hardware) and wait in
-the consumer rank's inbox. The last stage's backward starts from d loss / d loss_j = 1/m (the
+model). One loop walks a rank's actions (:meth:`PipelineExecutor._walk`): take the inputs, run the
+handler (a kind -> handler table; every stage's F, B, W, BW are the jitted pure functions of
+:class:`zbpp_lite.runtime.split.StageSplit`, run on the rank's device), record the event and the
+memory, send the output. Sends go through a transport (:mod:`zbpp_lite.runtime.transport`:
+threads, processes on this machine, JAX's distributed runtime); between threads an output moves
+to the consumer's device with ``jax.device_put`` (asynchronous, like a send on real hardware) and
+waits in the consumer rank's inbox. Post-validation's speculative warm-up wraps the loop through
+hooks (:class:`_Speculation`). The last stage's backward starts from d loss / d loss_j = 1/m (the
 loss is the mean of the m microbatch losses) and each stage sums its W's over the microbatches on
 its device, so the sums are the gradient of the global-batch mean loss, with no pass over the
 gradients at the end (Qi et al., arXiv 2401.10241, section 2; PyTorch pipelining's convention).
@@ -57,8 +61,9 @@ from .stages import microbatch_size
 from .devices import too_few_devices_message
 from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
 from .stages import Params, StagedModel
-from ..schedules.ir import Action, Schedule, deps, parts, produces
-from .transport import Aborted, Inbox, Interrupted, OptimizerMessage, Transfer, message_key
+from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
+from .transport import (Aborted, Carrier, Inbox, Interrupted, OptimizerMessage, Threads, Transfer, Transport,
+                        message_key)
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import validate
 
@@ -109,17 +114,14 @@ class _Channel:
     """What an optimizer step inside rank ``rank``'s thread may exchange with other ranks during
     one step: ``send(to, key, value)`` into rank ``to``'s inbox, ``take(key)`` from its own
     (waiting at most the executor's timeout). Keys are :class:`~zbpp_lite.runtime.transport.OptimizerMessage`
-    records; values stay as given (host values such as floats). A rank run by another process is
-    reached through the executor's ``remote``."""
+    records; values stay as given (host values such as floats) and go through the executor's
+    transport, as the rank loop's do."""
 
     def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
         self._executor, self._step, self.rank = executor, step, rank
 
     def send(self, to: int, key: OptimizerMessage, value: Any) -> None:
-        if to in self._executor.ranks:
-            self._step.inboxes[to].put(key, value)
-        else:  # a rank of another process: through the executor's remote, tagged with the step
-            self._executor.remote(to, key, value, self._step.index)
+        self._executor.transport.send(self._step, to, key, value)
 
     def take(self, key: OptimizerMessage, what: str = "the optimizer step") -> Any:
         return self._step.inboxes[self.rank].take(key, self._executor.timeout, what)
@@ -156,6 +158,53 @@ class RankUpdate(Protocol):
     def step(self, rank: int, k: int, grads: dict, channel: _Channel) -> None: ...
 
     def validate(self, rank: int, k: int, channel: _Channel) -> bool: ...
+
+
+class _Hooks:
+    """What wraps the rank loop (:meth:`PipelineExecutor._walk`): called before each entry
+    (``before``), when a wait was cut short (``validate``), and after the last entry (``end``);
+    ``interrupt`` (None, or a function) may cut an input's wait short. These do nothing:
+    the loop of a step that is not a speculative warm-up."""
+
+    interrupt: Callable[[], bool] | None = None
+
+    def before(self, entry) -> None:
+        pass
+
+    def validate(self) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+class _Speculation(_Hooks):
+    """Post-validation's speculative warm-up (Qi et al., arXiv 2401.10241, section 4): rank
+    ``rank`` walks step k + 1 on the parameters it stepped speculatively at step k, and step k's
+    update is validated as soon as its verdict (``update.verdict_key``) arrives, at the latest
+    before the rank's first backward; a rollback raises :class:`_Restart`, and the warm-up is
+    redone."""
+
+    def __init__(self, executor: "PipelineExecutor", rank: int, update: RankUpdate, k: int,
+                 previous: "_Step"):
+        self.executor, self.rank, self.update, self.k, self.previous = executor, rank, update, k, previous
+        self.interrupt = self.arrived  # until validated: a wait ends when the verdict arrives
+
+    def arrived(self) -> bool:
+        return self.update.verdict_key in self.previous.inboxes[self.rank].items
+
+    def before(self, entry) -> None:
+        if self.interrupt is not None and (any(a.kind != "F" for a in parts(entry)) or self.arrived()):
+            self.validate()
+
+    def validate(self) -> None:
+        self.interrupt = None
+        if self.update.validate(self.rank, self.k, _Channel(self.executor, self.previous, self.rank)):
+            raise _Restart()
+
+    def end(self) -> None:
+        if self.interrupt is not None:  # a rank with no backward in this step (none in a valid schedule)
+            self.validate()
 
 
 @dataclass
@@ -247,7 +296,11 @@ class PipelineExecutor:
         elif len(devices) != len(ranks):
             raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} devices")
         self.model, self.schedule, self.timeout = model, schedule, timeout
-        self.ranks, self.remote = ranks, remote
+        self.ranks = ranks
+        # how a rank's outputs reach the rank that takes them (runtime.transport)
+        self.transport: Transport = Threads(self._put)
+        if remote is not None:  # some ranks in other processes
+            self.transport = Carrier(self._put, ranks, remote, _leaves)
         self.record_memory = record_memory
         on = dict(zip(ranks, devices))
         self.devices = list(devices)
@@ -404,6 +457,13 @@ class PipelineExecutor:
         jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
         if update is not None and hasattr(update, "begin"):
             update.begin(len(steps))
+        self._run_ranks(steps, update, abort)
+        return [self._result(st, stage_params) for st in steps]
+
+    def _run_ranks(self, steps: list, update: "RankUpdate | None", abort: threading.Event) -> None:
+        """One thread per local rank over ``steps`` (numbered from ``steps[0].index``), what
+        other processes sent for them so far delivered first; raises the first error."""
+        base = steps[0].index
         errors: list[tuple[int, Action | None, BaseException]] = []
         threads = [
             threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
@@ -429,7 +489,6 @@ class PipelineExecutor:
         if errors:  # a failed step may have left spares half donated
             self._spares = {}
         self._raise_first(errors)
-        return [self._result(st, stage_params) for st in steps]
 
     def _result(self, step: _Step, stage_params: list) -> StepResult:
         S, m = self.model.num_stages, self.schedule.num_microbatches
@@ -460,11 +519,9 @@ class PipelineExecutor:
         if timeouts:
             raise TimeoutError("; ".join(str(e[2]) for e in timeouts)) from timeouts[0][2]
 
-    def _rank_loop(self, rank: int, step: _Step, abort: threading.Event, errors: list) -> None:
-        """One rank's actions of one step (the multi-process executor's entry)."""
-        self._rank_steps(rank, [step], None, abort, errors)
-
     def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event, errors: list) -> None:
+        """Rank ``rank``'s thread: its share of every step (:meth:`_walk`), with ``update``'s
+        optimizer step between steps and post-validation's hooks around the walk."""
         stages = list(self.schedule.stages_of(rank))
         speculative = update is not None and getattr(update, "verdict_key", None) is not None
         at: list = [None]  # the action running or waiting, for error messages
@@ -475,13 +532,14 @@ class PipelineExecutor:
                         update.validate(rank, k - 1, _Channel(self, steps[k - 1], rank))
                     for s in stages:
                         step.params[s] = update.stage_params(s)
-                previous = (k - 1, steps[k - 1]) if speculative and k else None  # validated during this warm-up
+                # a speculative warm-up validates step k-1's optimizer step on the way
+                hooks = _Speculation(self, rank, update, k - 1, steps[k - 1]) if speculative and k else _Hooks()
                 while True:
                     try:
-                        self._rank_actions(rank, step, at, update, previous)
+                        self._walk(rank, step, at, hooks)
                         break
                     except _Restart:  # step k-1's update was rolled back and redone: so is this warm-up
-                        previous = None
+                        hooks = _Hooks()
                         self._redo(rank, step, stages, update)
                 at[0] = None
                 if update is not None:
@@ -496,57 +554,43 @@ class PipelineExecutor:
                     for inbox in st.inboxes:
                         inbox.wake()
 
-    def _rank_actions(self, rank: int, step: _Step, at: list, update, previous: "tuple[int, _Step] | None") -> None:
-        """Rank ``rank``'s actions of ``step`` (``at[0]``: the action under way). With
-        ``previous`` = (k, step k), a speculative warm-up: step k's optimizer step is validated
-        as soon as its verdict arrives (``update.verdict_key``), at the latest before the rank's
-        first backward; raises :class:`_Restart` when the validation rolled the parameters back
-        (paper section 4: the full reduction returns during the next step's warm-up)."""
-        S = self.model.num_stages
+    def _walk(self, rank: int, step: _Step, at: list, hooks: _Hooks) -> None:
+        """The rank loop: rank ``rank``'s actions of ``step``, in order (``at[0]``: the one under
+        way). Each takes its inputs from the rank's inbox, runs its handler (the kind -> handler
+        table), records its event and the rank's memory, and sends its output on."""
         attempt = step.attempts.get(rank, 0)
-        inbox = step.inboxes[rank]
-        due = previous is not None
-
-        def verdict() -> bool:
-            return update.verdict_key in previous[1].inboxes[rank].items
-
-        def validate() -> None:
-            nonlocal due
-            due = False
-            if update.validate(rank, previous[0], _Channel(self, previous[1], rank)):
-                raise _Restart()
-
         for entry in self.schedule.actions[rank]:
             at[0] = entry
-            if due and (any(a.kind != "F" for a in parts(entry)) or verdict()):
-                validate()
-            received = []  # a pair takes both parts' inputs before either runs
-            for action in parts(entry):
-                inputs = []
-                for key in deps(action, S):
-                    if key.stage == action.stage:  # the rank's own (F's residuals, B's output gradients): there by order
-                        continue
-                    while True:
-                        try:
-                            value = inbox.take(key, self.timeout, action, attempt, verdict if due else None)
-                            break
-                        except Interrupted:
-                            validate()  # the verdict is there, or on its way: a sender already redoes this step
-                    inputs.append(value)
-                    step.memory.free(rank, key)  # consumed by this action
-                received.append(inputs)
-            for action, inputs in zip(parts(entry), received):
+            hooks.before(entry)
+            inputs = [[self._take(step, rank, key, action, attempt, hooks) for key in self._from_others(action)]
+                      for action in parts(entry)]  # a pair (F&B) takes both parts' inputs before either runs
+            for action, args in zip(parts(entry), inputs):
                 start = time.perf_counter()
-                ready, message = self._handlers[action.kind](step, action, *inputs)
+                ready, output = self._handlers[action.kind](step, action, *args)
                 jax.block_until_ready(ready)
                 end = time.perf_counter()
                 step.memory.settle(rank, end - step.t0)
                 with step.lock:
                     step.events.append(Event(rank, action, start - step.t0, end - step.t0))
-                if message is not None:
-                    self._send(step, action, message, attempt)
-        if due:  # a rank with no backward in this step (none in a valid schedule)
-            validate()
+                if output is not None:
+                    self._send(step, action, output, attempt)
+        hooks.end()
+
+    def _from_others(self, action: Action) -> list[Key]:
+        """What ``action`` takes from other stages (what it needs from its own, F's residuals
+        and B's output gradients, is there by the schedule's order, which ``validate`` checked)."""
+        return [key for key in deps(action, self.model.num_stages) if key.stage != action.stage]
+
+    def _take(self, step: _Step, rank: int, key: Key, action: Action, attempt: int, hooks: _Hooks) -> Any:
+        """The value under ``key`` that ``action`` takes, from rank ``rank``'s inbox."""
+        while True:
+            try:
+                value = step.inboxes[rank].take(key, self.timeout, action, attempt, hooks.interrupt)
+                break
+            except Interrupted:
+                hooks.validate()  # the verdict is there, or on its way: a sender already redoes this step
+        step.memory.free(rank, key)  # consumed by this action
+        return value
 
     def _redo(self, rank: int, step: _Step, stages: list, update) -> None:
         """Before redoing rank ``rank``'s share of ``step``: its next attempt, what its actions
@@ -562,16 +606,15 @@ class PipelineExecutor:
             step.params[s] = update.stage_params(s)
 
     def _send(self, step: _Step, action: Action, value: Any, attempt: int = 0) -> None:
-        """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1: to
-        its rank's inbox, or through ``remote`` to the process that runs that rank."""
+        """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1,
+        through the transport to the rank that holds that stage."""
         transfer = Transfer(*produces(action)[0], attempt)
-        if self.stage_devices[transfer.consumer] is None:  # a pytree (tuple, dict) goes as its list of leaves
-            leaves = value if isinstance(value, jax.Array) else list(jax.tree_util.tree_leaves(value))
-            self.remote(self.schedule.placement[transfer.consumer], transfer, leaves, step.index)
-        else:
-            self._put(step, transfer, value)
+        self.transport.send(step, self.schedule.placement[transfer.consumer], transfer, value)
 
     def _put(self, step: _Step, key: Transfer | OptimizerMessage, value: Any, rank: int | None = None) -> None:
+        """Into the inbox of the local rank that takes it: an activation or input gradient onto
+        its consumer stage's device (and counted as received), an optimizer's message for ``rank``
+        as sent."""
         if isinstance(key, OptimizerMessage):  # an optimizer's message (RankUpdate) for ``rank``, as sent
             step.inboxes[rank].put(key, value)
             return
@@ -695,6 +738,11 @@ def run_schedule(
     """
     executor = PipelineExecutor(model, schedule, devices, timeout)
     return executor.run(model.params if params is None else params, x, labels)
+
+
+def _leaves(value: Any) -> Any:
+    """An array as it is, a pytree (tuple, dict) as its list of leaves: what crosses processes."""
+    return value if isinstance(value, jax.Array) else list(jax.tree_util.tree_leaves(value))
 
 
 def _placed(tree: Any, device) -> Any:

@@ -13,6 +13,21 @@ Across a process boundary a record goes as a JSON object (:func:`to_wire` / :fun
 parsed, never unpickled. :class:`Inbox` is where a rank's inputs wait, keyed by
 :class:`~zbpp_lite.schedules.ir.Key` or :class:`OptimizerMessage`.
 
+The rank loop (:meth:`zbpp_lite.runtime.executor.PipelineExecutor._walk`) sends through a
+:class:`Transport`, one method: ``send(step, rank, key, value)``. It does not know whether the
+rank it sends to is a thread, a process or a host:
+
+- :class:`Threads`: every rank a thread of this process: straight into the receiver's inbox;
+- :class:`Carrier`: some ranks in other processes of this machine, reached through a
+  ``remote`` function (:func:`zbpp_lite.runtime.processes.connect`: shared-memory rings and a
+  socket per pair); the other process hands what arrives to its executor's ``deliver``;
+- ``distributed._CrossProcess``: JAX's distributed runtime, across hosts
+  (:mod:`zbpp_lite.runtime.distributed`).
+
+Add a transport: a class with ``send`` that gets ``value`` into rank ``rank``'s inbox of ``step``
+(on the receiving side, through ``PipelineExecutor.deliver`` or the inbox's ``put``), never
+waiting for the receiver.
+
 Layer: runtime (no JAX import).
 """
 
@@ -20,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Protocol, Union
 
 from ..schedules.ir import Key
 
@@ -152,3 +167,38 @@ class Inbox:
                             else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
                     raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}{self.where}: {what} never arrived")
                 self.cond.wait(min(left, 0.5))
+
+
+class Transport(Protocol):
+    """How what a rank sends reaches the rank that takes it (module docstring)."""
+
+    def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
+        """``value`` under ``key`` for rank ``rank`` in ``step`` (the executor's step in flight;
+        ``step.index`` numbers it over the executor's life); never waits for the receiver."""
+
+
+class Threads:
+    """Every rank a thread of this process: ``put(step, key, value, rank)`` (the executor's)
+    puts the value into the receiving rank's inbox, on its stage's device."""
+
+    def __init__(self, put: Callable[[Any, Any, Any, int], None]):
+        self.put = put
+
+    def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
+        self.put(step, key, value, rank)
+
+
+class Carrier(Threads):
+    """Ranks ``local`` threads of this process (as :class:`Threads`), the others reached through
+    ``remote(rank, key, value, step_number)``; an activation or input gradient goes as an array,
+    or a pytree as its list of leaves (``leaves(value)``)."""
+
+    def __init__(self, put, local: Any, remote: Callable[[int, Any, Any, int], None], leaves: Callable[[Any], Any]):
+        super().__init__(put)
+        self.local, self.remote, self.leaves = set(local), remote, leaves
+
+    def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
+        if rank in self.local:
+            self.put(step, key, value, rank)
+        else:
+            self.remote(rank, key, self.leaves(value) if isinstance(key, Transfer) else value, step.index)
