@@ -200,6 +200,21 @@ def test_a_killed_rank_is_named_with_its_signal_at_once_while_another_rank_waits
     assert all(p.poll() is not None for p in ranks.procs)  # rank 0, still waiting, was ended too
 
 
+def test_a_word_to_a_rank_that_has_died_names_it_and_how():
+    import os
+    import signal
+
+    from zbpp_lite.runtime.processes import RankFailed
+
+    here = f"{pathlib.Path(__file__).resolve()}:echo"
+    with RankProcesses(here, 2, {}, pin=False) as ranks:
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        ranks.procs[1].wait(30)
+        with pytest.raises(RankFailed, match=r"^rank 1's process was killed by signal 9 \(SIGKILL\)$"):
+            ranks.broadcast({"x": np.zeros(2)})
+            ranks.gather(timeout=60)
+
+
 def _train_in_processes(tmp_path):
     """``train`` with one process per rank, started, and its rank processes' ids once step 1 is
     printed (the ranks are the parent's children, named by the spec in their environment)."""

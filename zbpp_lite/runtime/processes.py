@@ -209,8 +209,12 @@ class RankProcesses:
         self.close(timeout=30.0 if kind is None else 0.0)
 
     def broadcast(self, obj: Any) -> None:
-        for control in self.controls:
-            control.send(obj)
+        """``obj`` to every rank. Raises RankFailed for a rank whose process has ended."""
+        for r, control in enumerate(self.controls):
+            try:
+                control.send(obj)
+            except OSError:  # its end is closed: the process has gone
+                self._ended(r)
 
     def gather(self, timeout: float = 600.0) -> list:
         """Every rank's next reply, in rank order. Waits on all ranks at once, and every 0.1 s
@@ -240,14 +244,18 @@ class RankProcesses:
         try:
             reply = self.controls[r].recv()
         except (EOFError, OSError):  # closed, or reset by a killed process
-            try:
-                code = self.procs[r].wait(2.0)
-            except subprocess.TimeoutExpired:
-                raise RankFailed(f"rank {r}'s process closed its control link but still runs") from None
-            raise RankFailed(f"rank {r}'s process {exit_reason(code)}") from None
+            self._ended(r)
         if isinstance(reply, dict) and "error" in reply:
             raise RankFailed(f"rank {r}: {reply['error']}")
         return reply
+
+    def _ended(self, r: int) -> None:
+        """Raise RankFailed for rank ``r``, whose control link is closed: how its process ended."""
+        try:
+            code = self.procs[r].wait(2.0)
+        except subprocess.TimeoutExpired:
+            raise RankFailed(f"rank {r}'s process closed its control link but still runs") from None
+        raise RankFailed(f"rank {r}'s process {exit_reason(code)}")
 
     def close(self, timeout: float = 30.0) -> None:
         """Tell every rank to stop and wait ``timeout`` seconds for each (0: end them at once),
