@@ -427,7 +427,6 @@ class ProcessPipelineExecutor(_executor_base()):
         import jax
 
         single = jax.sharding.SingleDeviceSharding
-        threads = []
         keep = self._sent = []
 
         def send(a, rank, consumer, dst):
