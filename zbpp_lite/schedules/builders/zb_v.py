@@ -26,12 +26,12 @@ sum of the rank's two stages' ``Costs.mem_b``; the default limit is p of them, 1
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from ..costs import Costs, CostTable
 from ..ir import Schedule, v_placement
 from ._common import check_sizes
-from .greedy import Plan, Rules, best_plan, improve, per_rank_limits, plan, rank_stage_memory
+from .greedy import Cutoff, Plan, Rules, Runs, improve, per_rank_limits, rank_stage_memory
 
 V_ORDERS = ((("B", 1), ("B", 0), ("F", 1), ("F", 0)), (("B", 0), ("B", 1), ("F", 1), ("F", 0)))
 """Priority orders tried: backward first (the chunk nearer the loss, or the other), then chunk-1 F."""
@@ -63,16 +63,26 @@ def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Seque
 
 def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float], keep: int = 2) -> Plan:
     """The staged search: caps first (with and without the warm-up fit), then the binary choices and
-    the second priority order for the ``keep`` best caps."""
-    scored = []
-    for shape in CAP_SHAPES:
+    the second priority order for the ``keep`` best caps.
+
+    The plan is the one the full search (every run to its end) picks; runs stop early once they
+    cannot change that pick, and a run whose caps never bind is not repeated (:class:`Runs`). The
+    caps are tried most promising first (no cap, then the largest), which makes both savings bite.
+    """
+    runs = Runs(placement, m, table, limits)
+    tries = [(shape, fit_f) for shape in CAP_SHAPES for fit_f in (False, True)]
+    scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
+    for i in sorted(range(len(tries)), key=lambda i: _promise(tries[i][0])):
+        shape, fit_f = tries[i]
         caps = warmup_caps(shape, placement, table, limits)
-        for fit_f in (False, True):
-            result = plan(placement, m, table, limits, Rules(order=V_ORDERS[0], fit_f=fit_f, warmup_cap=caps))
-            scored.append((result.makespan, max(result.peak_memory), len(scored), result, caps))
-    scored.sort(key=lambda x: x[:3])
+        bar = _bar(scored.values(), caps, keep)
+        cutoff = None if bar is None else Cutoff.not_before(bar[0], bar[1], ties_lose=i > bar[2])
+        result = runs.run(Rules(order=V_ORDERS[0], fit_f=fit_f, warmup_cap=caps), cutoff)
+        if result is not None:
+            scored[i] = (result.makespan, max(result.peak_memory), i, result, caps)
+    ranked = sorted(scored.values(), key=lambda x: x[:3])
     best_caps: list = []
-    for *_, caps in scored:
+    for *_, caps in ranked:
         if caps not in best_caps:
             best_caps.append(caps)
         if len(best_caps) == keep:
@@ -85,8 +95,24 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
         for fit_f in (False, True)
         if order != V_ORDERS[0] or fill_partial
     ]
-    best = best_plan(placement, m, table, limits, [scored[0][3].rules, *refine])
+    best = runs.best(refine, best=ranked[0][3])
     return improve(best, placement, m, table, limits)[0]
+
+
+def _promise(shape) -> tuple:
+    """Try order of a :data:`CAP_SHAPES` entry: no cap first, then the largest caps."""
+    return (0, 0.0, 0.0) if shape is None else (1, -shape[0], shape[1])
+
+
+def _bar(scored: Iterable[tuple], caps, keep: int) -> tuple | None:
+    """The (makespan, peak, index) a new run with ``caps`` must sort before to matter: before the
+    best run so far with the same caps, and before the ``keep``-th best distinct caps (None: no bar yet)."""
+    best_of: dict = {}
+    for entry in sorted(scored, key=lambda x: x[:3]):
+        best_of.setdefault(entry[4], entry[:3])
+    ranked = sorted(best_of.values())
+    bars = [b for b in (best_of.get(caps), ranked[keep - 1] if len(ranked) >= keep else None) if b is not None]
+    return min(bars) if bars else None
 
 
 def v_limits(
