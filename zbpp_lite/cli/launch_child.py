@@ -63,11 +63,9 @@ def train_process(args) -> int:
         step_ms = [1e3 * s for s in result.step_seconds[1:]] or [1e3 * result.step_seconds[0]]
         print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s)")
         if getattr(args, "json", None):
-            import json
+            from ..schedules import strict_json
 
-            with open(args.json, "w") as f:
-                json.dump({**result.to_json(), "startup_seconds": startup, "processes": count}, f, indent=1)
-            print(f"wrote {args.json}")
+            print(strict_json.write(args.json, {**result.to_json(), "startup_seconds": startup, "processes": count}))
     return 0
 
 
