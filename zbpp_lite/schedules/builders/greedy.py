@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
@@ -124,13 +125,14 @@ def per_rank_limits(
     """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible.
 
     Raises:
-        ValueError: a negative or wrongly sized limit, or one below what the ranks need for the first
+        ValueError: a NaN, infinite, negative or wrongly sized limit, or one below what the ranks need for the first
             microbatch to reach the last stage; the message names the smallest feasible limit.
     """
     p = 1 + max(placement, default=-1)
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float, list, tuple)):
+    is_number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
+    if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple)) and all(map(is_number, memory_limit))):
         raise ValueError(f"{name}: memory_limit must be a number or one number per rank, got {memory_limit!r}")
-    if isinstance(memory_limit, (int, float)):
+    if is_number(memory_limit):
         limits = [float(memory_limit)] * p
     else:
         limits = [float(x) for x in memory_limit]
@@ -139,6 +141,11 @@ def per_rank_limits(
                 f"{name}: memory_limit has {len(limits)} per-rank values but there are {p} ranks; "
                 "give one value per rank or a single number"
             )
+    if not all(math.isfinite(x) for x in limits):
+        raise ValueError(
+            f"{name}: memory_limit must be finite (units of Costs.mem_b), got {memory_limit!r}; leave it out for "
+            "the schedule's default"
+        )
     if any(x < 0 for x in limits):
         raise ValueError(f"{name}: memory_limit must be >= 0, got {memory_limit!r}")
     need = rank_stage_memory(placement, table)
