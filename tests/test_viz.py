@@ -253,9 +253,9 @@ def test_labels_that_do_not_fit_are_shortened_to_their_kind_and_the_grid_says_so
 
 def test_interleaved_labels_are_separated_so_stage_and_microbatch_read_back():
     # at 400 columns interleaved labels ran together: "0F12F0" for 0F1 then 2F0
-    s = zb.build_schedule("interleaved-1f1b", 2, 12, stages_per_rank=2)
+    s = zb.build_schedule("interleaved-1f1b", 4, 16, stages_per_rank=2)
     t = zb.simulate(s)
-    for width in (400, 100):
+    for width in (400, 200, 100):  # 400 ran labels together before
         for rank, row in enumerate(_rows(text_grid(t, width=width))):
             labels = re.findall(r"(\d+)(BW|F|B|W)(\d+)", row)
             real = [(str(a.stage), a.kind, str(a.microbatch)) for a in s.actions[rank]]
