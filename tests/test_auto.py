@@ -224,6 +224,16 @@ def test_a_run_stops_once_it_cannot_win_and_a_run_whose_caps_never_bind_is_not_r
     assert runs.run(replace_caps(first.rules, (1,) * p), Cutoff.not_better(first)) is None
     assert runs.greedy_runs == 2
     assert runs.run(replace_caps(first.rules, (1,) * p)).makespan > first.makespan
+    # fit_f acts only in the warm-up; under v-half's limit (p+2)//2 the run reaches the first run's
+    # state when its last rank leaves the warm-up, and ends there with the first run's plan
+    from dataclasses import replace
+
+    limits, table = v_limits("v-half", (p + 2) // 2, p, zb.Costs(), None)
+    runs = Runs(v_placement(p), m, table, limits)
+    first = runs.run(Rules(order=(("B", 1), ("B", 0), ("F", 1), ("F", 0))))
+    twin = runs.run(replace(first.rules, fit_f=True))
+    assert twin.actions == first.actions and twin.rules.fit_f and runs.rejoined == 1
+    assert twin.actions == plan(v_placement(p), m, table, limits, twin.rules).actions  # as a run to the end
 
 
 def replace_caps(rules, caps):

@@ -219,6 +219,13 @@ class _Abandoned(Exception):
     """Raised inside a greedy run when its :class:`Cutoff` is met."""
 
 
+class _Rejoined(Exception):
+    """Raised inside a greedy run whose state at the end of the warm-up equals an earlier run's."""
+
+    def __init__(self, record: "_Record"):
+        self.record = record
+
+
 @dataclass(frozen=True)
 class _Record:
     """What one greedy run showed: its plan (None: abandoned), the warm-up counts at which its caps
@@ -231,22 +238,27 @@ class _Record:
     cap_no: tuple[float, ...]
     bound: float
     peak: float
+    warm_end: tuple | None = None  # the run's whole state when its last rank left the warm-up
 
 
 class Runs:
     """Greedy runs of one planning problem (placement, m, costs, limits), remembered.
 
-    Two savings, both exact (the plans returned are the ones :func:`plan` computes):
+    Three savings, all exact (the plans returned are the ones :func:`plan` computes):
 
     - a run whose rules differ from an earlier run's only in ``warmup_cap``, where the new caps
       answer every cap question of the earlier run the same way, *is* that run (same actions);
+    - ``fit_f`` and ``warmup_cap`` act only in the warm-up (before a rank's first B): a run whose
+      whole state when its last rank leaves the warm-up equals that of an earlier run with
+      otherwise equal rules continues as that run did, so it ends there with that run's plan;
     - with a :class:`Cutoff`, a run stops once it cannot win (it returns None).
     """
 
     def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
         self.args = (list(placement), num_microbatches, table, list(limits))
         self.records: list[_Record] = []
-        self.greedy_runs = 0  # runs actually simulated (for benchmarks)
+        self.greedy_runs = 0  # runs simulated, in full or in part (for benchmarks and tests)
+        self.rejoined = 0  # of those, runs that ended where they met an earlier run's state
 
     def run(self, rules: Rules, cutoff: Cutoff | None = None) -> Plan | None:
         """The plan of ``rules``, or None when ``cutoff`` shows it cannot win."""
@@ -259,15 +271,35 @@ class Runs:
         engine = _Greedy(*self.args, rules)
         engine.stop = cutoff
         engine.slack = self._slack(cutoff) if cutoff is not None else 0.0
+        engine.at_warm_end = lambda state: self._rejoin(rules, state, cutoff)
         self.greedy_runs += 1
         try:
             result = engine.run()
         except _Abandoned:
             result = None
+        except _Rejoined as same:
+            self.rejoined += 1
+            if same.record.plan is not None:
+                return replace(same.record.plan, rules=rules)
+            return None  # the earlier run was abandoned under a cutoff this one meets too (_rejoin)
         self.records.append(
-            _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no), engine.bound, engine.max_peak)
+            _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no), engine.bound, engine.max_peak,
+                    engine.warm_state)
         )
         return result
+
+    def _rejoin(self, rules: Rules, state: tuple, cutoff: Cutoff | None) -> None:
+        """At the end of a run's warm-up: raise :class:`_Rejoined` if an earlier run with the same
+        rules outside the warm-up reached this very state (and, if it was abandoned, this run's
+        cutoff would stop it at the same point)."""
+        plain = replace(rules, fit_f=False, warmup_cap=None)
+        for rec in self.records:
+            if rec.warm_end is None or replace(rec.rules, fit_f=False, warmup_cap=None) != plain:
+                continue
+            if rec.warm_end == state and (
+                rec.plan is not None or cutoff is not None and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff))
+            ):
+                raise _Rejoined(rec)
 
     def best(self, candidates: Iterable[Rules], best: Plan | None = None) -> Plan:
         """:func:`best_plan` over ``candidates``, starting from ``best`` if given (it wins ties)."""
@@ -334,6 +366,9 @@ class _Greedy:
         self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
         self.inflight: list[dict[int, list]] = [{} for _ in range(p)]  # mb -> [held, need, B left]
         self.warm = [True] * p  # before the rank's first B: the warm-up phase
+        self.warm_left = p  # ranks still in the warm-up
+        self.at_warm_end = None  # called with the state when the last rank leaves the warm-up (Runs)
+        self.warm_state: tuple | None = None
         self.hold: list[tuple[str, int, int, float] | None] = [None] * p
         self.due = [0.0] * p  # next decision time
         self.rows: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]  # (kind, stage, microbatch)
@@ -401,7 +436,9 @@ class _Greedy:
         elif kind == "B":
             self.end_b[s][j] = end
             self.nb[s] += 1
-            self.warm[r] = False
+            if self.warm[r]:
+                self.warm[r] = False
+                self.warm_left -= 1
             mb = t.mem_b[s]
             self.mem[r] -= mb - t.mem_w[s]
             self.pending_w[r].append((s, j))
@@ -422,7 +459,23 @@ class _Greedy:
             self.bound = bound
         if self.stop is not None and self.meets(self.stop, self.bound, self.max_peak, self.slack):
             raise _Abandoned
+        if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
+            self.warm_state = self.state(r)
+            self.at_warm_end(self.warm_state)
         return end
+
+    def state(self, r: int) -> tuple:
+        """Everything the rest of the run depends on, in the middle of rank r's decision at ``now``
+        (the heap as its entries' (time, rank) in pop order: later pushes sort after all of them)."""
+        heap = [(t, q) for t, _, q in sorted(self.heap)]
+        inflight = [tuple((k, tuple(v)) for k, v in d.items()) for d in self.inflight]
+        return (
+            r, self.now, self.left, tuple(self.free), tuple(self.first), tuple(self.bubble), tuple(self.mem),
+            tuple(self.held), tuple(self.peak), tuple(tuple(w) for w in self.pending_w), tuple(inflight),
+            tuple(self.hold), tuple(self.due), tuple(heap), tuple(self.nf), tuple(self.nb),
+            tuple(map(tuple, self.end_f)), tuple(map(tuple, self.end_b)), self.most_projected, tuple(self.done),
+            self.bound, self.max_peak, tuple(map(tuple, self.rows)),
+        )
 
     @staticmethod
     def meets(cutoff: Cutoff, bound: float, peak: float, slack: float) -> bool:

@@ -67,12 +67,13 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
 
     The plan is the one the full search (every run to its end) picks; runs stop early once they
     cannot change that pick, and a run whose caps never bind is not repeated (:class:`Runs`). The
-    caps are tried most promising first (no cap, then the largest), which makes both savings bite.
+    caps are tried most promising first, which makes the savings bite: no cap and the smallest
+    caps first, then the others from the better of those two ends (:func:`_try_order`).
     """
     runs = Runs(placement, m, table, limits)
     tries = [(shape, fit_f) for shape in CAP_SHAPES for fit_f in (False, True)]
     scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
-    for i in sorted(range(len(tries)), key=lambda i: _promise(tries[i][0])):
+    for i in _try_order(tries, scored):
         shape, fit_f = tries[i]
         caps = warmup_caps(shape, placement, table, limits)
         bar = _bar(scored.values(), caps, keep)
@@ -99,9 +100,18 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
     return improve(best, placement, m, table, limits)[0]
 
 
-def _promise(shape) -> tuple:
-    """Try order of a :data:`CAP_SHAPES` entry: no cap first, then the largest caps."""
-    return (0, 0.0, 0.0) if shape is None else (1, -shape[0], shape[1])
+def _try_order(tries: list, scored: dict):
+    """Indices of ``tries`` (shape, fit_f) in the order to run them: no cap, then the smallest caps
+    (fit_f off); then, read off ``scored`` as it fills, the rest from the better end: largest caps
+    first if no cap did better (zb-v with unit costs), smallest first otherwise (v-half)."""
+    first = [tries.index((None, False)), tries.index((CAP_SHAPES[1], False))]
+    yield from first
+    done = [scored[i][:2] for i in first if i in scored]
+    uncapped_better = len(done) < 2 or done[0] <= done[1]
+    rest = [i for i in range(len(tries)) if i not in first]
+    sign = -1.0 if uncapped_better else 1.0
+    yield from sorted(rest, key=lambda i: (tries[i][0] is not None, sign * (tries[i][0] or (0.0, 0.0))[0],
+                                           (tries[i][0] or (0.0, 0.0))[1], tries[i][1]))
 
 
 def _bar(scored: Iterable[tuple], caps, keep: int) -> tuple | None:
