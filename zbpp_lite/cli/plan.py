@@ -15,8 +15,8 @@ import time
 from . import CliError
 
 SLOW_BUILD = 64 * 128
-"""p * m from which a cost-driven planner (zb-auto, zb-v, ...) says it is planning: about a second
-from p = 64, m = 128 (benchmarks/bench_schedule_core.py --planning)."""
+"""p * m from which a cost-driven planner (zb-auto, zb-v, ...) says it is planning: from 0.7 s (zb-auto)
+to 6 s (v-min) of CPU time at p = 64, m = 128 (benchmarks/bench_schedule_core.py --planning)."""
 
 
 def add_parser(sub, help_text: str) -> None:

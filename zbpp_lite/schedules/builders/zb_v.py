@@ -9,7 +9,9 @@ and rank 0 holds both the first and the last stage.
 The plan is the shared greedy engine (:mod:`zbpp_lite.schedules.builders.greedy`) with a staged search:
 first over warm-up caps (how many chunk-0 F a rank runs before its first B: none, or a fraction of
 the memory limit decreasing along the ranks), then over the paper's binary choices for the two best
-caps; 44 greedy runs, the shortest makespan wins, then a short local search polishes it
+caps; 44 greedy runs, the shortest makespan wins (a run stops as soon as it cannot win, and one
+that meets an earlier run's state is not run again: :class:`~zbpp_lite.schedules.builders.greedy.Runs`),
+then a short local search polishes it
 (:func:`zbpp_lite.schedules.builders.greedy.improve`).
 
 What it achieves (units: a whole rank's layers for one microbatch, "M_B of a rank", which is the
