@@ -70,7 +70,7 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     rows, shortened, shared = [], 0, 0
     for rank in range(timeline.num_ranks):
         cells, owner = _rank_cells(timeline.rank_events(rank), t0, scale, width)
-        for k, (e, c0, c1) in enumerate(owner):
+        for e, c0, c1 in owner:
             own = [c for c in range(c0, c1) if cells[c] is None]  # columns no other action touches
             if not own:
                 continue  # every column shared: shown as '*'
@@ -80,7 +80,7 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
             if len(text) > room:
                 text, shortened = SHORT[e.action.kind], shortened + 1
             fill = (text + " " * len(own))[: len(own)]
-            for c, ch in zip(own, fill):
+            for c, ch in zip(own, fill, strict=True):
                 cells[c] = ch
         shared += sum(c == FOLDED for c in cells)
         rows.append(f"rank {rank:<{len(str(timeline.num_ranks - 1))}} |" + "".join(cells))

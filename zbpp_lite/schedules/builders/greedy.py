@@ -328,7 +328,7 @@ def _same_run(rec: _Record, rules: Rules) -> bool:
     if replace(rules, warmup_cap=rec.rules.warmup_cap) != rec.rules:
         return False
     caps = rules.warmup_cap or (_INF,) * len(rec.cap_yes)
-    return all(yes < cap <= no for yes, cap, no in zip(rec.cap_yes, caps, rec.cap_no))
+    return all(yes < cap <= no for yes, cap, no in zip(rec.cap_yes, caps, rec.cap_no, strict=True))
 
 
 class _Greedy:
