@@ -104,16 +104,17 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
 
 def _try_order(tries: list, scored: dict):
     """Indices of ``tries`` (shape, fit_f) in the order to run them: no cap, then the smallest caps
-    (fit_f off); then, read off ``scored`` as it fills, the rest from the better end: largest caps
-    first if no cap did better (zb-v with unit costs), smallest first otherwise (v-half)."""
+    (fit_f off); then, read off ``scored`` as it fills, the rest slope by slope (flat caps first),
+    each from the better end: largest caps first if no cap did better (zb-v with unit costs),
+    smallest first otherwise (v-half). The order changes only how soon runs stop, not the plan."""
     first = [tries.index((None, False)), tries.index((CAP_SHAPES[1], False))]
     yield from first
     done = [scored[i][:2] for i in first if i in scored]
     uncapped_better = len(done) < 2 or done[0] <= done[1]
     rest = [i for i in range(len(tries)) if i not in first]
     sign = -1.0 if uncapped_better else 1.0
-    yield from sorted(rest, key=lambda i: (tries[i][0] is not None, sign * (tries[i][0] or (0.0, 0.0))[0],
-                                           (tries[i][0] or (0.0, 0.0))[1], tries[i][1]))
+    yield from sorted(rest, key=lambda i: (tries[i][0] is not None, (tries[i][0] or (0.0, 0.0))[1],
+                                           sign * (tries[i][0] or (0.0, 0.0))[0], tries[i][1]))
 
 
 def _bar(scored: Iterable[tuple], caps, keep: int) -> tuple | None:
