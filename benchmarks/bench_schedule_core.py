@@ -1,11 +1,16 @@
 """How fast the pure-Python schedule layers are: build, validate and simulate large schedules.
 
 Target (issue 2): zb-h1 with p = 32, m = 256 well under a second in all.
-Run: python benchmarks/bench_schedule_core.py
+Target (issue 31): every registered schedule builds in under 2 s at p = 64, m = 128 and under 10 s at
+p = 128, m = 256 (``--planning``: one build of each at m = 2p, wall and CPU seconds, with the load
+average beside them, since the CPU time is what a loaded machine does not inflate).
+Run: python benchmarks/bench_schedule_core.py [--planning [--ranks 16 32 64 128] [--skip-after 60]]
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
 import time
 
@@ -34,5 +39,33 @@ def main() -> None:
     print("(medians of 5; total = build + validate + simulate; target for zb-h1 p=32 m=256: < 1000 ms)")
 
 
+def planning(ranks: list[int], skip_after: float) -> None:
+    """One build of every registered schedule at p in ``ranks``, m = 2p; a schedule whose build took
+    more than ``skip_after`` wall seconds is not built at larger p."""
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores")
+    print(f"{'schedule':<18} {'p':>4} {'m':>4} {'actions':>8} {'wall s':>8} {'cpu s':>8} {'load':>6}")
+    slow: set[str] = set()
+    for p in ranks:
+        for name in zb.SCHEDULES:
+            if name in slow:
+                print(f"{name:<18} {p:>4} {2 * p:>4} {'skipped (slower than --skip-after below)':>30}")
+                continue
+            c0, w0 = time.process_time(), time.perf_counter()
+            s = zb.build_schedule(name, p, 2 * p)
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            print(f"{name:<18} {p:>4} {2 * p:>4} {len(s):>8} {wall:>8.2f} {cpu:>8.2f} {os.getloadavg()[0]:>6.2f}", flush=True)
+            if wall > skip_after:
+                slow.add(name)
+    print("(targets: < 2 s at p = 64, < 10 s at p = 128; load: the 1-minute load average after the build)")
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--planning", action="store_true", help="time one build of every schedule at m = 2p")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64, 128], help="p values for --planning")
+    parser.add_argument("--skip-after", type=float, default=60.0, help="wall seconds after which larger p is skipped")
+    args = parser.parse_args()
+    if args.planning:
+        planning(args.ranks, args.skip_after)
+    else:
+        main()

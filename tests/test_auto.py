@@ -180,3 +180,63 @@ def test_bad_bw_is_refused():
         zb.Costs(f=[1.0, float("nan")])
     with pytest.raises(ValueError, match=r"Costs.bw has 3 per-stage values but the schedule has 2"):
         zb.Costs(bw=[1.0, 1.0, 1.0]).table(2)
+
+
+# --------------------------------------------------------------------------- planning faster, same plans
+
+
+def _golden_cases():
+    import json
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "artifacts"))
+    import generate_planner_golden as golden
+
+    stored = json.loads((pathlib.Path(__file__).parent / "artifacts" / "planner_golden.json").read_text())
+    return golden, [(case, stored[golden.key(*case)]) for case in golden.CASES]
+
+
+_GOLDEN, _GOLDEN_CASES = _golden_cases()
+
+
+@pytest.mark.parametrize("case,expected", _GOLDEN_CASES, ids=[_GOLDEN.key(*c) for c, _ in _GOLDEN_CASES])
+def test_the_planners_give_the_plans_of_the_search_that_ran_every_greedy_run_to_its_end(case, expected):
+    # tests/artifacts/planner_golden.json was written before runs could stop early (branch and
+    # bound, warm-up caps that never bind run once): the search must still pick the same plan
+    assert _GOLDEN.record(_GOLDEN.build(*case)) == expected
+
+
+def test_a_run_stops_once_it_cannot_win_and_a_run_whose_caps_never_bind_is_not_repeated():
+    from zbpp_lite.schedules.builders.greedy import Cutoff, Runs
+    from zbpp_lite.schedules.builders.zb_v import v_limits
+    from zbpp_lite.schedules.ir import v_placement
+
+    p, m = 8, 16
+    limits, table = v_limits("zb-v", p, p, zb.Costs(), None)
+    runs = Runs(v_placement(p), m, table, limits)
+    first = runs.run(Rules(order=(("B", 1), ("B", 0), ("F", 1), ("F", 0))))
+    assert first.makespan == m * 6  # zero bubble: 2 stages x (F + B + W) per microbatch
+    # caps of 2p-1 chunk-0 F never bind (the warm-up runs fewer): the same run, not simulated again
+    same = runs.run(replace_caps(first.rules, (2 * p - 1,) * p))
+    assert same.actions == first.actions and runs.greedy_runs == 1
+    # caps of 1 bind: a bubble appears, so against the first plan the run stops (None), simulated once
+    assert runs.run(replace_caps(first.rules, (1,) * p), Cutoff.not_better(first)) is None
+    assert runs.greedy_runs == 2
+    assert runs.run(replace_caps(first.rules, (1,) * p)).makespan > first.makespan
+    # fit_f acts only in the warm-up; under v-half's limit (p+2)//2 the run reaches the first run's
+    # state when its last rank leaves the warm-up, and ends there with the first run's plan
+    from dataclasses import replace
+
+    limits, table = v_limits("v-half", (p + 2) // 2, p, zb.Costs(), None)
+    runs = Runs(v_placement(p), m, table, limits)
+    first = runs.run(Rules(order=(("B", 1), ("B", 0), ("F", 1), ("F", 0))))
+    twin = runs.run(replace(first.rules, fit_f=True))
+    assert twin.actions == first.actions and twin.rules.fit_f and runs.rejoined == 1
+    assert twin.actions == plan(v_placement(p), m, table, limits, twin.rules).actions  # as a run to the end
+
+
+def replace_caps(rules, caps):
+    from dataclasses import replace
+
+    return replace(rules, warmup_cap=caps)

@@ -212,10 +212,55 @@ def test_text_grid_keeps_every_action_when_narrow_and_names_stages_when_ranks_ho
     assert len(wide) == 2
     # rank 0 holds stages 0 and 2: labels carry the stage
     assert re.findall(r"\d+F\d+", wide[0])[:2] == ["0F0", "0F1"]
-    narrow = text_grid(t, width=10, header=False)
-    assert all(len(line.split("|", 1)[1]) == 10 for line in narrow.splitlines())
+    narrow = text_grid(t, width=10, header=False).splitlines()
+    assert all(len(line.split("|", 1)[1]) == 10 for line in narrow[:2])
+    assert narrow[2].startswith("note: ") and "shared by several actions" in narrow[2]  # it says what it folded
     with pytest.raises(ValueError, match="width"):
         text_grid(t, width=0)
+
+
+def _rows(grid: str) -> list[str]:
+    return [line.split("|", 1)[1] for line in grid.splitlines() if line.startswith("rank ")]
+
+
+def test_a_narrow_grid_folds_into_marked_columns_and_never_shows_an_action_out_of_order():
+    # the repro: p = 16, m = 64 at 40 columns showed rank 15 starting "...B", a B before any F
+    s = zb.build_schedule("zb-h1", 16, 64)
+    t = zb.simulate(s)
+    grid = text_grid(t, width=40)
+    for row in _rows(grid):
+        assert row.strip(".")[0] in "F*"
+    note = grid.splitlines()[-1]
+    width = int(re.search(r"width (\d+) shows every label", note).group(1))
+    assert "column(s) shared by several actions ('*')" in note
+    full = text_grid(t, width=width)
+    assert "note:" not in full  # the width the note names shows every label, microbatches >= 10 too
+    for rank, row in enumerate(_rows(full)):
+        assert re.findall(r"(F|B|W)(\d+)", row) == [(a.kind, str(a.microbatch)) for a in s.actions[rank]]
+
+
+@pytest.mark.parametrize("width", [400, None])
+def test_labels_that_do_not_fit_are_shortened_to_their_kind_and_the_grid_says_so(width):
+    s = zb.build_schedule("zb-h1", 16, 64)
+    t = zb.simulate(s)  # at 400 columns an action has 1 or 2
+    grid = text_grid(t, width=width)
+    assert "label(s) shortened to the kind" in grid.splitlines()[-1]
+    for rank, row in enumerate(_rows(grid)):  # what is shown is in the rank's order
+        shown = re.findall(r"(F|B|W)(\d*)", row)
+        real = iter((a.kind, str(a.microbatch)) for a in s.actions[rank])
+        assert all(any(k == kind and (not j or j == mb) for kind, mb in real) for k, j in shown)
+
+
+def test_interleaved_labels_are_separated_so_stage_and_microbatch_read_back():
+    # at 400 columns interleaved labels ran together: "0F12F0" for 0F1 then 2F0
+    s = zb.build_schedule("interleaved-1f1b", 4, 16, stages_per_rank=2)
+    t = zb.simulate(s)
+    for width in (400, 200, 100):  # 400 ran labels together before
+        for rank, row in enumerate(_rows(text_grid(t, width=width))):
+            labels = re.findall(r"(\d+)(BW|F|B|W)(\d+)", row)
+            real = [(str(a.stage), a.kind, str(a.microbatch)) for a in s.actions[rank]]
+            it = iter(real)
+            assert all(label in it for label in labels)  # each label is a real action, in order
 
 
 # --------------------------------------------------------------------------- Chrome trace

@@ -11,8 +11,8 @@ drift. ``--json PATH`` writes ``before`` and ``after`` (each with the measured `
 from __future__ import annotations
 
 import argparse
-import json
 
+from ..schedules import strict_json
 from . import CliError
 from .train import add_model_arguments, check_model_arguments, setup_devices, threads_reason
 
@@ -116,9 +116,7 @@ def run(args) -> int:
     print(result.report())
     print(f"test accuracy: {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result.to_json(), f, indent=1)
-        print(f"wrote {args.json}")
+        print(strict_json.write(args.json, result.to_json()))
     if args.html:
         _write_html(result, args.html)
         print(f"wrote {args.html}")

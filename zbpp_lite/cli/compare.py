@@ -28,10 +28,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import json
 import os
 import sys
 
+from ..schedules import strict_json
 from . import CliError
 from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform, threads_reason
 
@@ -298,12 +298,10 @@ def run(args) -> int:
         f.write(html_report(comparison))
     print(f"wrote {args.out}")
     if args.json:
-        with open(args.json, "w") as f:
-            out = comparison.to_json()
-            if accelerator is not None:
-                out["profiled"] = profiled
-            json.dump(out, f, indent=1)
-        print(f"wrote {args.json}")
+        out = comparison.to_json()
+        if accelerator is not None:
+            out["profiled"] = profiled
+        print(strict_json.write(args.json, out))
     return 0
 
 

@@ -24,7 +24,8 @@ from . import CliError
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("launch", help=help_text, description=__doc__.split("\n\n")[0])
+    description = __doc__.split("\n\n")[0].replace("``", "")  # no reStructuredText quotes in --help
+    p = subparsers.add_parser("launch", help=help_text, description=description)
     p.add_argument("--processes", "-n", type=int, default=2, help="local processes (default 2)")
     p.add_argument("--devices-per-process", "-k", type=int, default=1, help="simulated CPU devices per process (default 1)")
     p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")

@@ -42,8 +42,8 @@ def train_process(args) -> int:
     devices = pipeline_devices(schedule.num_ranks)
     startup = time.perf_counter() - t0
     if process == 0:
-        print(f"distributed runtime up in {startup:.2f} s: {count} processes, ranks on "
-              + ", ".join(f"rank {r}: process {d.process_index} {d}" for r, d in enumerate(devices)), flush=True)
+        print(f"distributed runtime up in {startup:.2f} s: {count} processes; "
+              + ", ".join(f"rank {r} on {device_name(d)}" for r, d in enumerate(devices)), flush=True)
 
     if getattr(args, "spmd", False):  # one SPMD program over a mesh spanning the processes
         from .train import run_spmd
@@ -61,14 +61,28 @@ def train_process(args) -> int:
     if process == 0:
         print(report(result))
         step_ms = [1e3 * s for s in result.step_seconds[1:]] or [1e3 * result.step_seconds[0]]
-        print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s)")
+        print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s) "
+              f"{'after' if len(result.step_seconds) > 1 else 'including'} the first, which compiles: a step's wall "
+              "time on process 0, i.e. the pipeline's actions (their span is the makespan above) plus waiting for "
+              "the other processes, gathering the gradients onto one device and the AdamW update")
         if getattr(args, "json", None):
-            import json
+            from ..schedules import strict_json
 
-            with open(args.json, "w") as f:
-                json.dump({**result.to_json(), "startup_seconds": startup, "processes": count}, f, indent=1)
-            print(f"wrote {args.json}")
+            print(strict_json.write(args.json, {**result.to_json(), "startup_seconds": startup, "processes": count}))
     return 0
+
+
+def device_name(device) -> str:
+    """``process 1's cpu 0``: the device's platform and its index among its own process's devices.
+
+    JAX's ``str(device)`` shows the global id (``cpu:2048`` for process 1's first CPU device), which
+    reads like a device count.
+    """
+    import jax
+
+    own = sorted((d for d in jax.devices() if d.process_index == device.process_index), key=lambda d: d.id)
+    local = next((i for i, d in enumerate(own) if d.id == device.id), device.id)
+    return f"process {device.process_index}'s {device.platform} {local}"
 
 
 def _ensure_cpu_devices(count: int) -> None:

@@ -9,8 +9,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+import time
 
 from . import CliError
+
+SLOW_BUILD = 64 * 128
+"""p * m from which a cost-driven planner (zb-auto, zb-v, ...) says it is planning: from 0.7 s (zb-auto)
+to 6 s (v-min) of CPU time at p = 64, m = 128 (benchmarks/bench_schedule_core.py --planning)."""
 
 
 def add_parser(sub, help_text: str) -> None:
@@ -55,6 +61,12 @@ def _schedule(args: argparse.Namespace):
         options["memory_limit"] = args.memory_limit
     if "costs" in accepted:
         options["costs"] = _costs(args)
+    if "costs" in accepted and args.ranks * args.microbatches >= SLOW_BUILD:  # a search of greedy runs
+        print(f"planning {args.schedule} for p = {args.ranks}, m = {args.microbatches} ...", file=sys.stderr, flush=True)
+        started = time.perf_counter()
+        schedule = zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options)
+        print(f"planned in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        return schedule
     return zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options)
 
 
@@ -79,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     timeline = zb.simulate(schedule, _costs(args))
     name = schedule.name or (args.from_csv and f"from {args.from_csv}") or args.schedule
     print(f"{name}: p = {schedule.num_ranks} ranks, {schedule.num_stages} stages, m = {schedule.num_microbatches} microbatches")
-    print(text_grid(timeline, width=args.width, header=False))
+    print(text_grid(timeline, width=args.width))
     print(f"makespan     {timeline.makespan:.6g}")
     print(f"bubble rate  {timeline.bubble_rate:.4f}")
     print("peak memory  " + " ".join(f"{m:g}" for m in timeline.peak_memory) + "  (per rank, units of M_B)")

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
+from ..schedules import strict_json
 from . import CliError
 
 
@@ -92,9 +92,7 @@ def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
         if args.json:
             import jax
 
-            with open(args.json, "w") as f:
-                json.dump({**result.to_json(schedule), "processes": jax.process_count()}, f, indent=1)
-            print(f"wrote {args.json}")
+            print(strict_json.write(args.json, {**result.to_json(schedule), "processes": jax.process_count()}))
     return 0
 
 
@@ -297,6 +295,8 @@ def run(args) -> int:
 
     def on_step(k: int, loss: float, timeline) -> None:
         tqdm.write(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  bubble rate {timeline.bubble_rate:.3f}")
+        if loss != loss or abs(loss) == float("inf"):
+            tqdm.write(f"step {k:4d}  the loss is not finite: the run diverged (a smaller --lr may help)")
 
     run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, init=args.init,
                     progress=args.progress and sys.stderr.isatty(),  # a bar only on a terminal
@@ -319,9 +319,7 @@ def run(args) -> int:
         data = result.to_json()
         if profiled is not None:
             data["profiled"] = profiled
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
-        print(f"wrote {args.json}")
+        print(strict_json.write(args.json, data))
     return 0
 
 

@@ -327,9 +327,12 @@ class PipelineExecutor:
         """Samples per microbatch for a batch ``x`` (b, ...) with ``labels`` (b,).
 
         Raises:
-            ValueError: inputs and labels of different lengths, or a batch that does not divide
-                into the schedule's microbatches.
+            ValueError: a scalar ``x`` or ``labels`` (no batch axis), inputs and labels of different
+                lengths, or a batch that does not divide into the schedule's microbatches.
         """
+        for what, v in (("x", x), ("labels", labels)):
+            if not np.shape(v):
+                raise ValueError(f"{what} is a scalar; give a batch (b, ...) with b divisible by {self.schedule.num_microbatches} microbatches")
         b = np.shape(x)[0]
         if np.shape(labels)[0] != b:
             raise ValueError(f"the batch has {b} inputs but {np.shape(labels)[0]} labels")

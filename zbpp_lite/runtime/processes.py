@@ -46,6 +46,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..schedules import strict_json
 from . import wire
 from .transport import Transfer, from_wire, to_wire
 
@@ -184,7 +185,7 @@ class RankProcesses:
                 mine, theirs = _pair()
                 spec = {"entry": entry, "rank": r, "core": cores[r % len(cores)] if pin else None,
                         "control": theirs, "links": links[r], "config": config}
-                child_env = {**os.environ, **(env or {}), ENV_SPEC: json.dumps(spec)}
+                child_env = {**os.environ, **(env or {}), ENV_SPEC: strict_json.dumps(spec)}
                 path = os.pathsep.join(p for p in sys.path if p)
                 child_env["PYTHONPATH"] = path if not child_env.get("PYTHONPATH") else child_env["PYTHONPATH"] + os.pathsep + path
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "zbpp_lite.runtime.processes"],

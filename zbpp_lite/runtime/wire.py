@@ -6,11 +6,13 @@ Layout of one message (all integers little-endian)::
     b"ZBW1" | header length (8 bytes) | header: UTF-8 JSON | array bytes, one after another
 
 The header is ``{"value": V, "arrays": [{"dtype": "<f4", "shape": [3, 4], "nbytes": 48}, ...]}``;
-inside ``V`` an array is ``{"$array": i}`` (its index in ``arrays``). Values are JSON's own
+inside ``V`` an array is ``{"$array": i}`` (its index in ``arrays``) and a non-finite float is
+``{"$float": "nan"}`` (or ``"inf"``, ``"-inf"``), so the header is strict JSON and NaN still
+crosses (:mod:`zbpp_lite.schedules.strict_json`). Values are JSON's own
 (dict with str keys, list, str, int, float, bool, None), tuples (sent as lists) and NumPy arrays
 or scalars of a numeric or bool dtype (numbers of NumPy's scalar types are sent as 0-d arrays and
 come back as 0-d arrays). Anything else (an object array, a dict with non-str keys, a dict with
-the key ``"$array"``) raises ``TypeError`` on encoding; a malformed message raises ``ValueError``
+the key ``"$array"`` or ``"$float"``) raises ``TypeError`` on encoding; a malformed message raises ``ValueError``
 on decoding, with what is wrong named.
 """
 
@@ -21,6 +23,8 @@ import struct
 from typing import Any
 
 import numpy as np
+
+from ..schedules import strict_json
 
 MAGIC = b"ZBW1"
 _KINDS = "biufc"  # bool, signed and unsigned int, float, complex: no object, string or void dtypes
@@ -44,8 +48,8 @@ def encode(value: Any) -> bytes:
         if isinstance(v, dict):
             out = {}
             for k, x in v.items():
-                if not isinstance(k, str) or k == "$array":
-                    raise TypeError(f"wire.encode: {where} has the key {k!r}; keys must be str (and not '$array')")
+                if not isinstance(k, str) or k in ("$array", "$float"):
+                    raise TypeError(f"wire.encode: {where} has the key {k!r}; keys must be str (and not '$array', '$float')")
                 out[k] = walk(x, f"{where}[{k!r}]")
             return out
         if hasattr(v, "__array__") and hasattr(v, "dtype"):  # a jax.Array: to host memory
@@ -53,9 +57,9 @@ def encode(value: Any) -> bytes:
         raise TypeError(f"wire.encode: {where} is a {type(v).__name__}; send JSON values, tuples and NumPy arrays only")
 
     tree = walk(value, "value")
-    header = json.dumps(
+    header = strict_json.dumps(
         {"value": tree, "arrays": [{"dtype": a.dtype.str, "shape": list(a.shape), "nbytes": a.nbytes} for a in arrays]},
-        allow_nan=True, separators=(",", ":"),
+        nonfinite=lambda x: {"$float": repr(x)}, separators=(",", ":"),
     ).encode()
     return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(a.tobytes() for a in arrays)])
 
@@ -90,6 +94,10 @@ def decode(data: bytes) -> Any:
 
     def walk(v):
         if isinstance(v, dict):
+            if set(v) == {"$float"}:
+                if v["$float"] not in ("nan", "inf", "-inf"):
+                    raise ValueError(f"wire.decode: non-finite float {v['$float']!r}; want 'nan', 'inf' or '-inf'")
+                return float(v["$float"])
             if set(v) == {"$array"}:
                 i = v["$array"]
                 if not isinstance(i, int) or not 0 <= i < len(arrays):

@@ -20,6 +20,7 @@ one microbatch run together with the backward of another on the same rank (DeepS
 from __future__ import annotations
 
 import csv
+import itertools
 import io
 import os
 import re
@@ -324,7 +325,8 @@ class Schedule:
         defaults to one more than the largest microbatch index.
 
         Raises:
-            ValueError: an unparsable action, a stage that appears on two ranks, or a gap in
+            ValueError: an unparsable action, a stage or microbatch index far beyond what the rows
+                hold (:func:`check_index_range`), a stage that appears on two ranks, or a gap in
                 the stage numbering (a stage no rank holds).
         """
         actions: list[list[Entry]] = []
@@ -336,6 +338,7 @@ class Schedule:
                 except ValueError as e:
                     raise ValueError(f"rank {rank}: {e}") from None
             actions.append(parsed)
+        check_index_range(actions, num_microbatches)
         placement = infer_placement(actions)
         if num_microbatches is None:
             num_microbatches = 1 + max((a.microbatch for row in actions for e in row for a in parts(e)), default=-1)
@@ -414,6 +417,35 @@ def _parse_cell(cell: str | Entry | None) -> list[Entry]:
     return [Action.from_str(cell)]
 
 
+def check_index_range(actions: Sequence[Sequence[Entry]], num_microbatches: int | None = None) -> None:
+    """Refuse indices no complete schedule of these rows can have, before anything is built.
+
+    A complete schedule runs an F of every stage on every microbatch, so it has at least as many
+    actions as stages and as microbatches: with N actions in the rows, every stage and microbatch
+    index is below N, and so is ``num_microbatches``. An index beyond that is a typo (``1000000F0``
+    for ``1F0``); without this check it would make the placement or the validator walk a million
+    stages or microbatches.
+
+    Raises:
+        ValueError: one line naming the rank, the action and the largest index the rows allow.
+    """
+    count = sum(len(parts(e)) for row in actions for e in row)
+    for rank, row in enumerate(actions):
+        for a in (a for e in row for a in parts(e)):
+            for what, index in (("stage", a.stage), ("microbatch", a.microbatch)):
+                if index >= count:
+                    raise ValueError(
+                        f"rank {rank}, action {a}: {what} {index} is far beyond what the rows hold: they have "
+                        f"{count} action(s), so a complete schedule numbers its stages and microbatches at most "
+                        f"0 .. {count - 1} (a typo?)"
+                    )
+    if num_microbatches is not None and num_microbatches > count:
+        raise ValueError(
+            f"num_microbatches {num_microbatches} is more than the {count} action(s) the rows hold; a complete "
+            f"schedule has an F of every stage for every microbatch, so at most {count}"
+        )
+
+
 def infer_placement(actions: Sequence[Sequence[Entry]]) -> tuple[int, ...]:
     """Placement stage -> rank read off per-rank action lists.
 
@@ -429,7 +461,9 @@ def infer_placement(actions: Sequence[Sequence[Entry]]) -> tuple[int, ...]:
                     f"(action {a}); every stage must live on exactly one rank"
                 )
     num_stages = 1 + max(owner, default=-1)
-    missing = [s for s in range(num_stages) if s not in owner]
-    if missing:
-        raise ValueError(f"no rank holds stage(s) {missing}; stages must be numbered 0 .. {num_stages - 1}")
+    if len(owner) < num_stages:
+        missing = list(itertools.islice((s for s in range(num_stages) if s not in owner), 8))
+        count = num_stages - len(owner)
+        shown = ", ".join(map(str, missing)) + (f" and {count - len(missing)} more" if count > len(missing) else "")
+        raise ValueError(f"no rank holds stage(s) {shown}; stages must be numbered 0 .. {num_stages - 1}")
     return tuple(owner[s] for s in range(num_stages))

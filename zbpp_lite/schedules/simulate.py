@@ -14,6 +14,9 @@ event is one action, as the executor measures them.
 
 from __future__ import annotations
 
+import math
+import sys
+
 from .costs import Costs, CostTable
 from .ir import Entry, Key, Overlap, Schedule, deps, parts, produces
 from .timeline import Event, Timeline
@@ -44,13 +47,20 @@ def simulate(
 
     Raises:
         ScheduleError: an invalid or deadlocking schedule.
-        ValueError: costs with the wrong number of per-stage values.
+        ValueError: costs with the wrong number of per-stage values, or costs so large that the
+            times overflow to infinity (each finite, their sums not: ``Costs(f=1e308, comm=1e308)``).
     """
     costs = costs or Costs()
     table = costs.table(schedule.num_stages)
     if check:
         validate(schedule)
     events = _lockstep_events(schedule, table) if lockstep else _timed_events(schedule, table)
+    if not all(math.isfinite(e.end) for e in events):
+        big = max((*table.f, *table.b, *table.w, *table.comm))
+        raise ValueError(
+            f"the simulated times overflow to infinity: costs up to {big:g} add up beyond the largest float "
+            f"({sys.float_info.max:.3g}); give the costs in a larger time unit (e.g. seconds instead of microseconds)"
+        )
     return Timeline.from_events(events, schedule.num_ranks, table, schedule.num_stages, memory_limit, "simulated")
 
 

@@ -2,14 +2,21 @@
 
 Each action fills the columns of its time span and is labelled with its kind and microbatch
 (``F3``, ``B3``, ``W3``, ``BW3``; with ``{stage}`` in front where a rank holds several stages,
-e.g. ``5F3``); columns where a rank runs nothing are ``.``. Used by ``python -m zbpp_lite plan``.
+e.g. ``5F3``, then followed by a blank so labels never run together); columns where a rank
+runs nothing are ``.``; where the grid is too narrow it shortens labels or folds actions into
+shared ``*`` columns, and says so in a last line. Used by ``python -m zbpp_lite plan``.
 """
 
 from __future__ import annotations
 
+import math
+
 from ..schedules.timeline import Event, Timeline
 
 IDLE = "."
+FOLDED = "*"
+SHORT = {"F": "F", "B": "B", "W": "W", "BW": "X"}
+"""One letter per kind, for an action too narrow for its label (BW would read as B)."""
 DEFAULT_MAX_WIDTH = 160
 
 
@@ -28,10 +35,18 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
         header: first line with the makespan, bubble rate and the time per column.
 
     Returns:
-        The grid as one string (lines joined by ``\\n``, no trailing newline). Row ``r`` reads
-        ``"rank r |"`` followed by ``width`` columns. An action shorter than one column still
-        takes one column so no action disappears; where the label does not fit, the kind alone
-        (``F``, ``B``, ``W``, ``BW``) or its first letter is shown.
+        The grid as one string (lines joined by ``\n``, no trailing newline). Row ``r`` reads
+        ``"rank r |"`` followed by ``width`` columns. Every action is shown, in order, and never
+        stands for another:
+
+        - an action whose columns hold its label shows it (``F12``); with stage numbers
+          (``5F3``) also a blank after it, so ``0F12F0`` cannot happen;
+        - one with fewer columns shows its kind alone (``F``, ``B``, ``W``; ``X`` for ``BW``);
+        - a column that several actions of a rank share (the grid is too narrow for them) shows
+          ``*``.
+
+        Where labels were shortened or columns shared, a last line says how many and which
+        ``width`` shows every label.
 
     Raises:
         ValueError: ``width`` below 1.
@@ -52,18 +67,22 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
         width = int(round(span * (longest_label + 1) / shortest)) if span > 0 else 1
         width = max(1, min(width, DEFAULT_MAX_WIDTH))
     scale = width / span if span > 0 else 0.0
-    rows = []
+    rows, shortened, shared = [], 0, 0
     for rank in range(timeline.num_ranks):
-        cells = [IDLE] * width
-        for e in timeline.rank_events(rank):
-            c0 = min(int(round((e.start - t0) * scale)), width - 1)
-            c1 = min(max(int(round((e.end - t0) * scale)), c0 + 1), width)
+        cells, owner = _rank_cells(timeline.rank_events(rank), t0, scale, width)
+        for e, c0, c1 in owner:
+            own = [c for c in range(c0, c1) if cells[c] is None]  # columns no other action touches
+            if not own:
+                continue  # every column shared: shown as '*'
             text = _label(e, with_stage)
-            n = c1 - c0
-            if n < len(text):  # the label does not fit: the kind alone, or its first letter
-                text = e.action.kind if n >= len(e.action.kind) else e.action.kind[0]
-            fill = (text + " " * n)[:n]
-            cells[c0:c1] = list(fill)
+            # "F12B12" reads unambiguously, "0F12F0" does not: with stages, keep a blank before the next action
+            room = len(own) - (1 if with_stage and own[-1] + 1 < width and cells[own[-1] + 1] != IDLE else 0)
+            if len(text) > room:
+                text, shortened = SHORT[e.action.kind], shortened + 1
+            fill = (text + " " * len(own))[: len(own)]
+            for c, ch in zip(own, fill, strict=True):
+                cells[c] = ch
+        shared += sum(c == FOLDED for c in cells)
         rows.append(f"rank {rank:<{len(str(timeline.num_ranks - 1))}} |" + "".join(cells))
     if header:
         per_col = span / width if width else 0.0
@@ -72,4 +91,31 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
             f"{timeline.source}: makespan {timeline.makespan:.4g}, bubble rate {timeline.bubble_rate:.1%}, "
             f"1 column = {per_col:.3g} time units, '{IDLE}' = idle",
         )
+    if shortened or shared:
+        extra = 2 if with_stage else 1  # the blank, and one column that rounding may take
+        need = max((span * (len(_label(e, with_stage)) + extra) / e.duration for e in events if e.duration > 0), default=1)
+        parts = ([f"{shortened} label(s) shortened to the kind (X = BW)"] if shortened else []) + (
+            [f"{shared} column(s) shared by several actions ('{FOLDED}')"] if shared else []
+        )
+        rows.append(f"note: {'; '.join(parts)}; width {math.ceil(need)} shows every label")
     return "\n".join(rows)
+
+
+def _rank_cells(events, t0: float, scale: float, width: int) -> tuple[list, list]:
+    """One rank's columns: IDLE, FOLDED where two or more actions share a column, None where one
+    action alone holds it (to be labelled); and each action with its column range [c0, c1)."""
+    cells: list = [IDLE] * width
+    count = [0] * width
+    owner = []
+    for e in events:
+        c0 = min(int(round((e.start - t0) * scale)), width - 1)
+        c1 = min(max(int(round((e.end - t0) * scale)), c0 + 1), width)
+        owner.append((e, c0, c1))
+        for c in range(c0, c1):
+            count[c] += 1
+    for c in range(width):
+        if count[c] == 1:
+            cells[c] = None
+        elif count[c] > 1:
+            cells[c] = FOLDED
+    return cells, owner

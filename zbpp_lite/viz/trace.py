@@ -11,12 +11,12 @@ ones in seconds. ``time_unit_us`` says how many microseconds one timeline unit i
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..schedules import strict_json
 from ..schedules.timeline import Timeline
 
 
@@ -116,5 +116,5 @@ def write_chrome_trace(
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_chrome_trace(timeline, **options), allow_nan=False))
+    path.write_text(strict_json.dumps(to_chrome_trace(timeline, **options)))
     return path

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 
 from ..ir import Action, Schedule
 
 
+def as_size(name: str, label: str, value) -> int:
+    """``value`` as an ``int`` if it is an integer >= 1: any ``numbers.Integral`` (Python's int,
+    NumPy's int64, ...), but not a bool. Raises ValueError naming ``label`` otherwise."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: {label} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 def check_sizes(name: str, num_ranks: int, num_microbatches: int) -> None:
-    """Raise ValueError unless num_ranks >= 1 and num_microbatches >= 1 (both integers)."""
-    for label, value in (("num_ranks", num_ranks), ("num_microbatches", num_microbatches)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}: {label} must be an integer >= 1, got {value!r}")
+    """Raise ValueError unless num_ranks >= 1 and num_microbatches >= 1 (both integers, see :func:`as_size`)."""
+    as_size(name, "num_ranks", num_ranks)
+    as_size(name, "num_microbatches", num_microbatches)
 
 
 class Next:

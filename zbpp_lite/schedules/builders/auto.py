@@ -35,14 +35,15 @@ from ..costs import Costs, CostTable
 from ..ir import Schedule, looped_placement
 from ._common import check_sizes
 from .greedy import (
+    Cutoff,
     Plan,
+    Runs,
     Rules,
     cheaper_fused,
     evaluator,
     fuse_backward,
     improve,
     per_rank_limits,
-    plan,
     rank_stage_memory,
     split_backward,
 )
@@ -85,14 +86,24 @@ def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits:
     fused again where the split does not pay (:func:`~zbpp_lite.schedules.builders.greedy.fuse_backward`),
     and 1F1B with the backwards split only where that pays
     (:func:`~zbpp_lite.schedules.builders.greedy.split_backward`)."""
-    runs = [plan(placement, m, table, limits, rules) for rules in ONE_STAGE_RULES]
+    # With no budget to polish, only the best run matters (and the two best of the first eight):
+    # runs stop once they cannot be among those (:class:`~zbpp_lite.schedules.builders.greedy.Runs`).
+    prune = polish_budget(placement, m) <= 0
+    search = Runs(placement, m, table, limits)
+    runs: list[Plan] = []
+    for rules in ONE_STAGE_RULES:
+        runs.sort(key=lambda x: (x.makespan, max(x.peak_memory)))
+        bar = runs[1] if prune and len(runs) >= 2 else None
+        _add(runs, search.run(rules, bar and Cutoff.not_before(bar.makespan, max(bar.peak_memory), ties_lose=True)))
     runs.sort(key=lambda x: (x.makespan, max(x.peak_memory)))
-    runs += [
-        plan(placement, m, table, limits, replace(done.rules, feed=feed, keep_gaps=keep_gaps))
+    for rules in [
+        replace(done.rules, feed=feed, keep_gaps=keep_gaps)
         for done in runs[:2]
         for feed, keep_gaps in ((True, False), (False, True), (True, True))
         if not (keep_gaps and done.rules.fill_partial)
-    ]
+    ]:
+        bar = min(runs, key=lambda x: (x.makespan, max(x.peak_memory))) if prune else None
+        _add(runs, search.run(rules, bar and Cutoff.not_before(bar.makespan, max(bar.peak_memory), ties_lose=True)))
     best = polish(runs, placement, m, table, limits)
     if not any(cheaper_fused(table)):
         return best
@@ -105,11 +116,21 @@ def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits:
     return min((fused, split), key=lambda x: (x.makespan, max(x.peak_memory)))
 
 
+def _add(runs: list[Plan], result: Plan | None) -> None:
+    if result is not None:
+        runs.append(result)
+
+
+def polish_budget(placement: Sequence[int], m: int) -> int:
+    """The simulations :func:`polish` may spend: min(200, 20000 // actions), none from 20,000 actions."""
+    return min(200, 20000 // (3 * len(placement) * m))
+
+
 def polish(runs: list[Plan], placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float]) -> Plan:
     """Local search on the best distinct plans of ``runs`` in turn, until one budget of
     min(200, 20000 // actions) simulations is spent; the best result wins."""
     runs = sorted(runs, key=lambda x: (x.makespan, max(x.peak_memory)))
-    left = min(200, 20000 // (3 * len(placement) * m))
+    left = polish_budget(placement, m)
     best, seen = runs[0], []
     for run in runs:
         if left <= 0 or len(seen) == 3:

@@ -37,7 +37,10 @@ rank's stages (:func:`smallest_feasible_limit`).
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+import math
+import numbers
+from collections import deque
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from ..costs import CostTable
@@ -122,13 +125,14 @@ def per_rank_limits(
     """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible.
 
     Raises:
-        ValueError: a negative or wrongly sized limit, or one below what the ranks need for the first
+        ValueError: a NaN, infinite, negative or wrongly sized limit, or one below what the ranks need for the first
             microbatch to reach the last stage; the message names the smallest feasible limit.
     """
     p = 1 + max(placement, default=-1)
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float, list, tuple)):
+    is_number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
+    if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple)) and all(map(is_number, memory_limit))):
         raise ValueError(f"{name}: memory_limit must be a number or one number per rank, got {memory_limit!r}")
-    if isinstance(memory_limit, (int, float)):
+    if is_number(memory_limit):
         limits = [float(memory_limit)] * p
     else:
         limits = [float(x) for x in memory_limit]
@@ -137,6 +141,11 @@ def per_rank_limits(
                 f"{name}: memory_limit has {len(limits)} per-rank values but there are {p} ranks; "
                 "give one value per rank or a single number"
             )
+    if not all(math.isfinite(x) for x in limits):
+        raise ValueError(
+            f"{name}: memory_limit must be finite (units of Costs.mem_b), got {memory_limit!r}; leave it out for "
+            "the schedule's default"
+        )
     if any(x < 0 for x in limits):
         raise ValueError(f"{name}: memory_limit must be >= 0, got {memory_limit!r}")
     need = rank_stage_memory(placement, table)
@@ -178,6 +187,150 @@ def plan(
     return _Greedy(placement, num_microbatches, table, limits, rules).run()
 
 
+@dataclass(frozen=True)
+class Cutoff:
+    """When a greedy run may stop: as soon as it is certain that its plan (makespan, peak memory)
+    cannot win a comparison with a plan already made (branch and bound; not in the paper).
+
+    The run stops once its makespan is certain to exceed ``above``, or to be at least ``floor``
+    while its peak memory has reached ``peak``. "Certain" rests on a lower bound of the makespan
+    that only grows: per rank, the span so far plus the rank's work not yet done (rounding
+    allowed for; exact where every time is an integer). Peak memory only grows too.
+    """
+
+    above: float
+    floor: float
+    peak: float
+
+    @classmethod
+    def not_better(cls, best: Plan) -> "Cutoff":
+        """Stop where the run cannot be :func:`_better` than ``best`` (as :func:`best_plan` compares)."""
+        tol = 1e-9 * max(1.0, best.makespan)
+        return cls(best.makespan + tol, best.makespan - tol, max(best.peak_memory) - 1e-9)
+
+    @classmethod
+    def not_before(cls, makespan: float, peak: float, ties_lose: bool) -> "Cutoff":
+        """Stop where (makespan, peak) cannot sort before the given pair (exact comparison; on an
+        equal pair the run loses when ``ties_lose``, e.g. because it comes later in a stable sort)."""
+        return cls(makespan, makespan, peak if ties_lose else math.nextafter(peak, _INF))
+
+
+class _Abandoned(Exception):
+    """Raised inside a greedy run when its :class:`Cutoff` is met."""
+
+
+class _Rejoined(Exception):
+    """Raised inside a greedy run whose state at the end of the warm-up equals an earlier run's."""
+
+    def __init__(self, record: "_Record"):
+        self.record = record
+
+
+@dataclass(frozen=True)
+class _Record:
+    """What one greedy run showed: its plan (None: abandoned), the warm-up counts at which its caps
+    were asked (the largest answered yes and the smallest answered no, per rank), and its lower
+    bound and peak memory when it ended."""
+
+    rules: Rules
+    plan: Plan | None
+    cap_yes: tuple[int, ...]
+    cap_no: tuple[float, ...]
+    bound: float
+    peak: float
+    warm_end: tuple | None = None  # the run's whole state when its last rank left the warm-up
+
+
+class Runs:
+    """Greedy runs of one planning problem (placement, m, costs, limits), remembered.
+
+    Three savings, all exact (the plans returned are the ones :func:`plan` computes):
+
+    - a run whose rules differ from an earlier run's only in ``warmup_cap``, where the new caps
+      answer every cap question of the earlier run the same way, *is* that run (same actions);
+    - ``fit_f`` and ``warmup_cap`` act only in the warm-up (before a rank's first B): a run whose
+      whole state when its last rank leaves the warm-up equals that of an earlier run with
+      otherwise equal rules continues as that run did, so it ends there with that run's plan;
+    - with a :class:`Cutoff`, a run stops once it cannot win (it returns None).
+    """
+
+    def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
+        self.args = (list(placement), num_microbatches, table, list(limits))
+        self.records: list[_Record] = []
+        self.greedy_runs = 0  # runs simulated, in full or in part (for benchmarks and tests)
+        self.rejoined = 0  # of those, runs that ended where they met an earlier run's state
+
+    def run(self, rules: Rules, cutoff: Cutoff | None = None) -> Plan | None:
+        """The plan of ``rules``, or None when ``cutoff`` shows it cannot win."""
+        for rec in self.records:
+            if _same_run(rec, rules):
+                if rec.plan is not None:
+                    return replace(rec.plan, rules=rules)
+                if cutoff is not None and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff)):
+                    return None
+        engine = _Greedy(*self.args, rules)
+        engine.stop = cutoff
+        engine.slack = self._slack(cutoff) if cutoff is not None else 0.0
+        engine.at_warm_end = lambda state: self._rejoin(rules, state, cutoff)
+        self.greedy_runs += 1
+        try:
+            result = engine.run()
+        except _Abandoned:
+            result = None
+        except _Rejoined as same:
+            self.rejoined += 1
+            if same.record.plan is not None:
+                return replace(same.record.plan, rules=rules)
+            return None  # the earlier run was abandoned under a cutoff this one meets too (_rejoin)
+        self.records.append(
+            _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no), engine.bound, engine.max_peak,
+                    engine.warm_state)
+        )
+        return result
+
+    def _rejoin(self, rules: Rules, state: tuple, cutoff: Cutoff | None) -> None:
+        """At the end of a run's warm-up: raise :class:`_Rejoined` if an earlier run with the same
+        rules outside the warm-up reached this very state (and, if it was abandoned, this run's
+        cutoff would stop it at the same point)."""
+        plain = replace(rules, fit_f=False, warmup_cap=None)
+        for rec in self.records:
+            if rec.warm_end is None or replace(rec.rules, fit_f=False, warmup_cap=None) != plain:
+                continue
+            if rec.warm_end == state and (
+                rec.plan is not None or cutoff is not None and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff))
+            ):
+                raise _Rejoined(rec)
+
+    def best(self, candidates: Iterable[Rules], best: Plan | None = None) -> Plan:
+        """:func:`best_plan` over ``candidates``, starting from ``best`` if given (it wins ties)."""
+        for rules in candidates:
+            result = self.run(rules, None if best is None else Cutoff.not_better(best))
+            if result is not None and (best is None or _better(result, best)):
+                best = result
+        if best is None:
+            raise ValueError("best_plan needs at least one Rules candidate")
+        return best
+
+    def _slack(self, cutoff: Cutoff) -> float:
+        """How far the lower bound may be off by rounding: nothing where every time is an integer
+        (below 2**50 in all), else 8 ulps per action of the magnitudes compared."""
+        _, m, t, _ = self.args
+        times = (*t.f, *t.b, *t.w, *t.comm)
+        actions = 3 * len(t.f) * m
+        if all(float(x).is_integer() for x in times) and actions * max(times, default=0.0) < 2.0**50:
+            return 0.0
+        scale = max(1.0, abs(cutoff.above), abs(cutoff.floor))
+        return 8.0 * actions * scale * 2.0**-52
+
+
+def _same_run(rec: _Record, rules: Rules) -> bool:
+    """Would ``rules`` make the same decisions as ``rec`` did (up to where ``rec`` ended)?"""
+    if replace(rules, warmup_cap=rec.rules.warmup_cap) != rec.rules:
+        return False
+    caps = rules.warmup_cap or (_INF,) * len(rec.cap_yes)
+    return all(yes < cap <= no for yes, cap, no in zip(rec.cap_yes, caps, rec.cap_no, strict=True))
+
+
 class _Greedy:
     """One run: per-rank clocks, counters of the next F and B of every stage, the memory held, the
     pending W, and a heap of the times at which each rank decides next."""
@@ -210,15 +363,31 @@ class _Greedy:
         self.mem = [0.0] * p
         self.held = [0.0] * p  # activations of F whose B has not run (mem_b), per rank
         self.peak = [0.0] * p
-        self.pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+        self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
         self.inflight: list[dict[int, list]] = [{} for _ in range(p)]  # mb -> [held, need, B left]
         self.warm = [True] * p  # before the rank's first B: the warm-up phase
+        self.warm_left = p  # ranks still in the warm-up
+        self.at_warm_end = None  # called with the state when the last rank leaves the warm-up (Runs)
+        self.warm_state: tuple | None = None
         self.hold: list[tuple[str, int, int, float] | None] = [None] * p
         self.due = [0.0] * p  # next decision time
-        self.rows: list[list[Action]] = [[] for _ in range(p)]
+        self.rows: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]  # (kind, stage, microbatch)
+        self.dur = {"F": table.f, "B": table.b, "W": table.w}
+        self.comm = table.comm
+        self.most_projected = max(self.work, default=0.0)  # max over ranks of work + bubble so far
         self.left = 3 * S * m
         self.heap: list[tuple[float, int, int]] = []
         self.seq = 0
+        # branch and bound (Runs): stop once the cutoff is met; bound = largest per-rank lower bound
+        # on the span (span so far + work left), never below a rank's whole work
+        self.stop: Cutoff | None = None
+        self.slack = 0.0
+        self.done = [0.0] * p
+        self.bound = max(self.work, default=0.0)
+        self.max_peak = 0.0
+        # warm-up cap questions (Runs): per rank, the largest count answered yes and smallest answered no
+        self.cap_yes = [-1] * p
+        self.cap_no = [_INF] * p
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -236,48 +405,83 @@ class _Greedy:
 
     def commit(self, r: int, kind: str, s: int, j: int, start: float) -> float:
         t = self.t
-        if self.first[r] >= 0 and start > self.free[r] + _EPS:
-            self.bubble[r] += start - self.free[r]
-        dur = t.f[s] if kind == "F" else t.b[s] if kind == "B" else t.w[s]
+        free = self.free[r]
+        if self.first[r] >= 0 and start > free + _EPS:
+            self.bubble[r] += start - free
+            projected = self.work[r] + self.bubble[r]
+            if projected > self.most_projected:
+                self.most_projected = projected
+        dur = self.dur[kind][s]
         end = start + dur
         self.free[r] = end
-        self.rows[r].append(Action(kind, s, j))
+        self.rows[r].append((kind, s, j))
         self.left -= 1
         if kind == "F":
             if self.first[r] < 0:
                 self.first[r] = start
             self.end_f[s][j] = end
             self.nf[s] += 1
-            self.mem[r] += t.mem_b[s]
-            self.peak[r] = max(self.peak[r], self.mem[r])
-            self.held[r] += t.mem_b[s]
+            mb = t.mem_b[s]
+            mem = self.mem[r] = self.mem[r] + mb
+            if mem > self.peak[r]:
+                self.peak[r] = mem
+                if mem > self.max_peak:
+                    self.max_peak = mem
+            self.held[r] += mb
             entry = self.inflight[r].setdefault(j, [0.0, self.rank_total_mem[r], len(self.stages[r])])
-            entry[0] += t.mem_b[s]
-            entry[1] -= t.mem_b[s]
-            if s + 1 < self.S:
-                self.notify(self.placement[s + 1], r, s, end)
+            entry[0] += mb
+            entry[1] -= mb
+            if s + 1 < self.S and self.placement[s + 1] != r:
+                self.wake(self.placement[s + 1], max(end + self.comm[s], self.now))
         elif kind == "B":
             self.end_b[s][j] = end
             self.nb[s] += 1
-            self.warm[r] = False
-            self.mem[r] -= t.mem_b[s] - t.mem_w[s]
+            if self.warm[r]:
+                self.warm[r] = False
+                self.warm_left -= 1
+            mb = t.mem_b[s]
+            self.mem[r] -= mb - t.mem_w[s]
             self.pending_w[r].append((s, j))
-            self.held[r] -= t.mem_b[s]
-            entry = self.inflight[r][j]
-            entry[0] -= t.mem_b[s]
+            self.held[r] -= mb
+            inflight = self.inflight[r]
+            entry = inflight[j]
+            entry[0] -= mb
             entry[2] -= 1
             if entry[2] == 0:  # its last B on this rank: only the W's share remains, always freeable
-                del self.inflight[r][j]
-            if s > 0:
-                self.notify(self.placement[s - 1], r, s, end)
+                del inflight[j]
+            if s > 0 and self.placement[s - 1] != r:
+                self.wake(self.placement[s - 1], max(end + self.comm[s], self.now))
         else:
             self.mem[r] -= t.mem_w[s]
+        self.done[r] += dur
+        bound = (end - self.first[r]) + (self.work[r] - self.done[r])
+        if bound > self.bound:
+            self.bound = bound
+        if self.stop is not None and self.meets(self.stop, self.bound, self.max_peak, self.slack):
+            raise _Abandoned
+        if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
+            self.warm_state = self.state(r)
+            self.at_warm_end(self.warm_state)
         return end
 
-    def notify(self, consumer: int, producer: int, stage: int, end: float) -> None:
-        arrival = end + (self.t.transfer(stage, stage) if consumer != producer else 0.0)
-        if consumer != producer:
-            self.wake(consumer, max(arrival, self.now))
+    def state(self, r: int) -> tuple:
+        """Everything the rest of the run depends on, in the middle of rank r's decision at ``now``
+        (the heap as its entries' (time, rank) in pop order: later pushes sort after all of them)."""
+        heap = [(t, q) for t, _, q in sorted(self.heap)]
+        inflight = [tuple((k, tuple(v)) for k, v in d.items()) for d in self.inflight]
+        return (
+            r, self.now, self.left, tuple(self.free), tuple(self.first), tuple(self.bubble), tuple(self.mem),
+            tuple(self.held), tuple(self.peak), tuple(tuple(w) for w in self.pending_w), tuple(inflight),
+            tuple(self.hold), tuple(self.due), tuple(heap), tuple(self.nf), tuple(self.nb),
+            tuple(map(tuple, self.end_f)), tuple(map(tuple, self.end_b)), self.most_projected, tuple(self.done),
+            self.bound, self.max_peak, tuple(map(tuple, self.rows)),
+        )
+
+    @staticmethod
+    def meets(cutoff: Cutoff, bound: float, peak: float, slack: float) -> bool:
+        """Is ``cutoff`` met by a run whose makespan is at least ``bound`` (up to ``slack``) and whose
+        peak memory is at least ``peak``?"""
+        return bound > cutoff.above + slack or (bound >= cutoff.floor + slack and peak >= cutoff.peak)
 
     # ------------------------------------------------------------------ candidates
 
@@ -285,36 +489,43 @@ class _Greedy:
         """(priority, arrival, kind, stage, microbatch) of the next F and B of each of the rank's stages
         whose inputs are computed (F only if memory allows it safely)."""
         out = []
-        S, placement, t = self.S, self.placement, self.t
+        S, placement, comm, nf, end_f = self.S, self.placement, self.comm, self.nf, self.end_f
         for s in self.stages[r]:
-            j = self.nf[s]
+            j = nf[s]
             if j < self.m:
                 if s == 0:
                     arr = 0.0
                 else:
-                    e = self.end_f[s - 1][j]
-                    arr = -1.0 if e < 0 else e + (t.transfer(s - 1, s) if placement[s - 1] != r else 0.0)
+                    e = end_f[s - 1][j]
+                    arr = -1.0 if e < 0 else e + comm[s - 1] if placement[s - 1] != r else e
                 if arr >= 0 and self.safe_f(r, s, j) and self.within_cap(r, s):
-                    starving = self.rules.feed and s + 1 < S and placement[s + 1] != r and self.nf[s + 1] >= j
+                    starving = self.rules.feed and s + 1 < S and placement[s + 1] != r and nf[s + 1] >= j
                     out.append((-1 if starving else self.prio[0][s], arr, "F", s, j))
             j = self.nb[s]
-            if j < self.nf[s]:
+            if j < nf[s]:
                 if s == S - 1:
-                    arr = self.end_f[s][j]
+                    arr = end_f[s][j]
                 else:
                     e = self.end_b[s + 1][j]
-                    arr = -1.0 if e < 0 else max(
-                        self.end_f[s][j], e + (t.transfer(s + 1, s) if placement[s + 1] != r else 0.0)
-                    )
-                if arr >= 0:
-                    out.append((self.prio[1][s], arr, "B", s, j))
+                    if e < 0:
+                        continue
+                    if placement[s + 1] != r:
+                        e += comm[s + 1]
+                    arr = end_f[s][j]
+                    if e > arr:
+                        arr = e
+                out.append((self.prio[1][s], arr, "B", s, j))
         return out
 
     def within_cap(self, r: int, s: int) -> bool:
-        cap = self.rules.warmup_cap
-        if cap is None or not self.warm[r] or self.chunk[s] != 0:
+        if not self.warm[r] or self.chunk[s] != 0:
             return True
-        return self.nf[s] < cap[r]
+        n, cap = self.nf[s], self.rules.warmup_cap
+        if cap is None or n < cap[r]:
+            self.cap_yes[r] = max(self.cap_yes[r], n)
+            return True
+        self.cap_no[r] = min(self.cap_no[r], n)
+        return False
 
     def safe_f(self, r: int, s: int, j: int) -> bool:
         """Would F(s, j) leave rank r safe? For every microbatch k in flight (in increasing order), the
@@ -330,7 +541,7 @@ class _Greedy:
             suffix = mb
             if suffix + self.rank_total_mem[r] - mb > limit:
                 return False
-        for k in sorted(inflight, reverse=True):
+        for k in reversed(inflight):  # newest first: entries are made in increasing microbatch order
             held, need, _ = inflight[k]
             if k == j:
                 held, need = held + mb, need - mb
@@ -345,7 +556,7 @@ class _Greedy:
         """Commit F, first running pending W if the rank's memory needs them (paper 3.1)."""
         t = self.t
         while self.mem[r] + t.mem_b[s] > self.limits[r] + _EPS and self.pending_w[r]:
-            ws, wj = self.pending_w[r].pop(0)
+            ws, wj = self.pending_w[r].popleft()
             self.commit(r, "W", ws, wj, self.free[r])
         self.commit(r, "F", s, j, max(self.free[r], arrival))
 
@@ -363,7 +574,8 @@ class _Greedy:
             self.due[r] = _INF
             self.decide(r, time)
         spans = [max((self.free[r] - self.first[r]), 0.0) for r in range(self.p)]
-        return Plan(tuple(tuple(row) for row in self.rows), max(spans), tuple(self.peak), self.rules)
+        actions = tuple(tuple(Action(*x) for x in row) for row in self.rows)
+        return Plan(actions, max(spans), tuple(self.peak), self.rules)
 
     def decide(self, r: int, now: float) -> None:
         """Rank r is free at ``now``: run what has arrived, hold a filler, or wait for the next arrival."""
@@ -434,8 +646,7 @@ class _Greedy:
             return True
         if self.rules.keep_gaps:
             return False
-        projected = [self.work[q] + self.bubble[q] for q in range(self.p)]
-        return projected[r] + gap > max(projected) + _EPS
+        return self.work[r] + self.bubble[r] + gap > self.most_projected + _EPS
 
 
 def best_plan(
@@ -447,15 +658,8 @@ def best_plan(
 ) -> Plan:
     """Run :func:`plan` for every :class:`Rules` in ``candidates`` and keep the shortest makespan
     (ties: the lower peak memory, then the earlier candidate) -- the paper's search over its binary
-    choices (arXiv 2401.10241, section 3.1)."""
-    best: Plan | None = None
-    for rules in candidates:
-        result = plan(placement, num_microbatches, table, limits, rules)
-        if best is None or _better(result, best):
-            best = result
-    if best is None:
-        raise ValueError("best_plan needs at least one Rules candidate")
-    return best
+    choices (arXiv 2401.10241, section 3.1). A run stops as soon as it cannot win (:class:`Runs`)."""
+    return Runs(placement, num_microbatches, table, limits).best(candidates)
 
 
 def _better(a: Plan, b: Plan) -> bool:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from ..ir import Action, Schedule, looped_placement
 from ..validate import ScheduleError, execution_order
-from ._common import assemble, check_sizes
+from ._common import as_size, assemble, check_sizes
 
 
 def _check_v(name: str, stages_per_rank: int) -> None:
-    if not isinstance(stages_per_rank, int) or stages_per_rank < 1:
-        raise ValueError(f"{name}: stages_per_rank must be an integer >= 1, got {stages_per_rank!r}")
+    as_size(name, "stages_per_rank", stages_per_rank)
 
 
 def _interleaved_order(p: int, m: int, v: int, rank: int, backward: bool) -> list[tuple[int, int]]:

@@ -6,6 +6,7 @@ import inspect
 from typing import Any, Callable
 
 from ..ir import Schedule
+from ._common import as_size
 
 Builder = Callable[..., Schedule]
 
@@ -42,11 +43,19 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: 
     ``options`` go to the builder (``stages_per_rank`` for interleaved ones; ``costs`` and
     ``memory_limit`` for the automatic ones); unknown options are refused.
 
+    ``num_ranks``, ``num_microbatches`` (and ``stages_per_rank``) may be any integer type, e.g.
+    NumPy's int64; the builder gets Python ints.
+
     Raises:
         ValueError: an unknown name (the message lists the valid ones), an option the builder
-            does not take, or sizes the builder cannot support (its message says what works).
+            does not take, a size that is not an integer >= 1, or sizes the builder cannot support
+            (its message says what works).
     """
     builder = lookup(name)
+    num_ranks = as_size(name, "num_ranks", num_ranks)
+    num_microbatches = as_size(name, "num_microbatches", num_microbatches)
+    if "stages_per_rank" in options:
+        options["stages_per_rank"] = as_size(name, "stages_per_rank", options["stages_per_rank"])
     accepted = options_of(name)
     unknown = sorted(set(options) - set(accepted))
     if unknown:

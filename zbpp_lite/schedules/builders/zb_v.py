@@ -9,7 +9,9 @@ and rank 0 holds both the first and the last stage.
 The plan is the shared greedy engine (:mod:`zbpp_lite.schedules.builders.greedy`) with a staged search:
 first over warm-up caps (how many chunk-0 F a rank runs before its first B: none, or a fraction of
 the memory limit decreasing along the ranks), then over the paper's binary choices for the two best
-caps; 44 greedy runs, the shortest makespan wins, then a short local search polishes it
+caps; 44 greedy runs, the shortest makespan wins (a run stops as soon as it cannot win, and one
+that meets an earlier run's state is not run again: :class:`~zbpp_lite.schedules.builders.greedy.Runs`),
+then a short local search polishes it
 (:func:`zbpp_lite.schedules.builders.greedy.improve`).
 
 What it achieves (units: a whole rank's layers for one microbatch, "M_B of a rank", which is the
@@ -26,12 +28,12 @@ sum of the rank's two stages' ``Costs.mem_b``; the default limit is p of them, 1
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from ..costs import Costs, CostTable
 from ..ir import Schedule, v_placement
 from ._common import check_sizes
-from .greedy import Plan, Rules, best_plan, improve, per_rank_limits, plan, rank_stage_memory
+from .greedy import Cutoff, Plan, Rules, Runs, improve, per_rank_limits, rank_stage_memory
 
 V_ORDERS = ((("B", 1), ("B", 0), ("F", 1), ("F", 0)), (("B", 0), ("B", 1), ("F", 1), ("F", 0)))
 """Priority orders tried: backward first (the chunk nearer the loss, or the other), then chunk-1 F."""
@@ -63,16 +65,27 @@ def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Seque
 
 def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float], keep: int = 2) -> Plan:
     """The staged search: caps first (with and without the warm-up fit), then the binary choices and
-    the second priority order for the ``keep`` best caps."""
-    scored = []
-    for shape in CAP_SHAPES:
+    the second priority order for the ``keep`` best caps.
+
+    The plan is the one the full search (every run to its end) picks; runs stop early once they
+    cannot change that pick, and a run whose caps never bind is not repeated (:class:`Runs`). The
+    caps are tried most promising first, which makes the savings bite: no cap and the smallest
+    caps first, then the others from the better of those two ends (:func:`_try_order`).
+    """
+    runs = Runs(placement, m, table, limits)
+    tries = [(shape, fit_f) for shape in CAP_SHAPES for fit_f in (False, True)]
+    scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
+    for i in _try_order(tries, scored):
+        shape, fit_f = tries[i]
         caps = warmup_caps(shape, placement, table, limits)
-        for fit_f in (False, True):
-            result = plan(placement, m, table, limits, Rules(order=V_ORDERS[0], fit_f=fit_f, warmup_cap=caps))
-            scored.append((result.makespan, max(result.peak_memory), len(scored), result, caps))
-    scored.sort(key=lambda x: x[:3])
+        bar = _bar(scored.values(), caps, keep)
+        cutoff = None if bar is None else Cutoff.not_before(bar[0], bar[1], ties_lose=i > bar[2])
+        result = runs.run(Rules(order=V_ORDERS[0], fit_f=fit_f, warmup_cap=caps), cutoff)
+        if result is not None:
+            scored[i] = (result.makespan, max(result.peak_memory), i, result, caps)
+    ranked = sorted(scored.values(), key=lambda x: x[:3])
     best_caps: list = []
-    for *_, caps in scored:
+    for *_, caps in ranked:
         if caps not in best_caps:
             best_caps.append(caps)
         if len(best_caps) == keep:
@@ -85,8 +98,34 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
         for fit_f in (False, True)
         if order != V_ORDERS[0] or fill_partial
     ]
-    best = best_plan(placement, m, table, limits, [scored[0][3].rules, *refine])
+    best = runs.best(refine, best=ranked[0][3])
     return improve(best, placement, m, table, limits)[0]
+
+
+def _try_order(tries: list, scored: dict):
+    """Indices of ``tries`` (shape, fit_f) in the order to run them: no cap, then the smallest caps
+    (fit_f off); then, read off ``scored`` as it fills, the rest slope by slope (flat caps first),
+    each from the better end: largest caps first if no cap did better (zb-v with unit costs),
+    smallest first otherwise (v-half). The order changes only how soon runs stop, not the plan."""
+    first = [tries.index((None, False)), tries.index((CAP_SHAPES[1], False))]
+    yield from first
+    done = [scored[i][:2] for i in first if i in scored]
+    uncapped_better = len(done) < 2 or done[0] <= done[1]
+    rest = [i for i in range(len(tries)) if i not in first]
+    sign = -1.0 if uncapped_better else 1.0
+    yield from sorted(rest, key=lambda i: (tries[i][0] is not None, (tries[i][0] or (0.0, 0.0))[1],
+                                           sign * (tries[i][0] or (0.0, 0.0))[0], tries[i][1]))
+
+
+def _bar(scored: Iterable[tuple], caps, keep: int) -> tuple | None:
+    """The (makespan, peak, index) a new run with ``caps`` must sort before to matter: before the
+    best run so far with the same caps, and before the ``keep``-th best distinct caps (None: no bar yet)."""
+    best_of: dict = {}
+    for entry in sorted(scored, key=lambda x: x[:3]):
+        best_of.setdefault(entry[4], entry[:3])
+    ranked = sorted(best_of.values())
+    bars = [b for b in (best_of.get(caps), ranked[keep - 1] if len(ranked) >= keep else None) if b is not None]
+    return min(bars) if bars else None
 
 
 def v_limits(

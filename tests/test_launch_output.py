@@ -1,0 +1,38 @@
+"""What ``launch`` prints: devices named per process, --help in plain text, the step time explained
+(issue 31, part 6)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+
+
+def test_a_device_is_named_by_its_process_and_local_index_not_jaxs_global_id(monkeypatch):
+    # JAX numbers process 1's first CPU device 2048: "cpu:2048" read like 2048 devices
+    import jax
+
+    from zbpp_lite.cli.launch_child import device_name
+
+    fake = [SimpleNamespace(id=i, process_index=i // 2048, platform="cpu") for i in (0, 1, 2048, 2049)]
+    monkeypatch.setattr(jax, "devices", lambda *a: fake)
+    assert [device_name(d) for d in fake] == ["process 0's cpu 0", "process 0's cpu 1", "process 1's cpu 0",
+                                              "process 1's cpu 1"]
+
+
+def test_launch_help_has_no_restructuredtext_quotes():
+    argv = [sys.executable, "-m", "zbpp_lite", "launch", "--help"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "launch --processes N" in out.stdout and "``" not in out.stdout
+
+
+def test_launch_names_devices_per_process_and_says_what_the_median_step_holds():
+    argv = [sys.executable, "-m", "zbpp_lite", "launch", "--processes", "2", "--", "train", "--schedule", "zb-h1",
+            "--ranks", "2", "--microbatches", "2", "--steps", "2", "--d", "8", "--heads", "1", "--blocks", "2",
+            "--batch", "4", "--no-progress"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "rank 0 on process 0's cpu 0, rank 1 on process 1's cpu 0" in out.stdout and "cpu:" not in out.stdout
+    assert "after the first, which compiles: a step's wall time on process 0" in out.stdout
+    assert "(their span is the makespan above)" in out.stdout
