@@ -29,7 +29,7 @@ CASES = {
     "4.2": (5, 4),                                  # the limit: one M_B per warm-up F
     "4.3": (1, 5),                                  # the last stage's B needs only its own F
     "5.1": (lambda p: 2 * p - 2, lambda p: 2 * p - 1),   # the turn of the V stays on rank p-1
-    "5.2": ([8, 8, 8, 8], [8, 6, 4, 2]),            # balanced 2p stage-units, not 1F1B's p - r
+    "5.2": ([8] * 6, [12] * 6),                     # 2(p/2 + 1) stage units, not ZB-V's 2p
     "5.3": (lambda p, m, t: 6 * m * t, lambda p, m, t: 3 * m * t + 3 * (p - 1) * t),
     "6.1": (lambda p, v, r: [r + k * p for k in range(v)], lambda p, v, r: list(range(r * v, r * v + v))),  # looped, not contiguous
     "6.2": (8 * 3 + 3 * 3 / 2, 8 * 3 + 3 * 3),      # work + 1F1B's bubble / v; plain 1F1B's makespan

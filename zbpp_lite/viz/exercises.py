@@ -346,12 +346,12 @@ def v_transfers(fn: Any) -> Verdict:
                            "walk stages 0 .. 2p-1 and count the steps where the rank changes; look at the turn of the V.")
 
 
-def zb_v_peak_memory(answer: Any) -> Verdict:
-    """Exercise 5.2: ZB-V's peak activation memory on each rank for p = 4, m = 8, in units of one
-    stage's M_B, counting what F keeps until B (M_W = 0); a list of 4 numbers, rank 0 first."""
-    expected = simulate(build_schedule("zb-v", 4, 8), Costs(mem_w=0.0)).peak_memory
-    return _sequence_check("5.2", answer, expected, "ZB-V's per-rank peaks (stage units)",
-                           "a rank holds two stages; the V makes every rank hold the same: 2p stage-units, 1F1B's p whole-rank M_B.")
+def v_half_peak_memory(answer: Any) -> Verdict:
+    """Exercise 5.2: V-Half's peak activation memory on each rank for p = 6, m = 18, in units of one
+    stage's M_B, counting what F keeps until B (M_W = 0); a list of 6 numbers, rank 0 first."""
+    expected = simulate(build_schedule("v-half", 6, 18), Costs(mem_w=0.0)).peak_memory
+    return _sequence_check("5.2", answer, expected, "V-Half's per-rank peaks at p = 6 (stage units)",
+                           "V-Half holds p/2 + 1 whole-rank M_B on every rank; a whole rank's M_B is two stages' worth.")
 
 
 def zb_v_makespan(fn: Any) -> Verdict:
@@ -501,8 +501,8 @@ def _reveal_figure(key: str):
     if key == "5.2":
         from .figures import memory_figure
 
-        return memory_figure(simulate(build_schedule("zb-v", 4, 8), Costs(mem_w=0.0)),
-                             title="ZB-V, p = 4, m = 8: activation memory per rank (stage units, M_W = 0)")
+        return memory_figure(simulate(build_schedule("v-half", 6, 18), Costs(mem_w=0.0)),
+                             title="V-Half, p = 6, m = 18: activation memory per rank (stage units, M_W = 0)")
     if key == "6.2":
         return timeline_figure(simulate(build_schedule("interleaved-1f1b", 4, 8), Costs(f=0.5, b=0.5, w=0.5)),
                                "interleaved 1F1B, p = 4, m = 8, v = 2")
@@ -535,7 +535,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
     "4.2": warmup_forwards,
     "4.3": last_rank_warmup,
     "5.1": v_transfers,
-    "5.2": zb_v_peak_memory,
+    "5.2": v_half_peak_memory,
     "5.3": zb_v_makespan,
     "6.1": looped_stages,
     "6.2": interleaved_makespan,
