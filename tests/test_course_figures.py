@@ -46,3 +46,44 @@ def test_narrate_gives_one_reason_per_action():
     assert lines[-1].endswith("W left for the end")
     assert any("W fills idle time" in x for x in lines)
     assert "memory 4 of 4" in lines[3]  # the warm-up stops at the limit
+
+
+def test_dependency_arrows_are_the_transfers_and_point_forward_in_time():
+    from zbpp_lite.viz.figures import dependency_arrows, dependency_figure
+
+    p, m = 3, 4
+    t = zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(comm=0.25))
+    arrows = dependency_arrows(t)
+    # every microbatch's F crosses p-1 links down and its backward p-1 links up
+    assert len(arrows) == 2 * m * (p - 1)
+    assert all(a["x"] >= a["ax"] + 0.25 - 1e-9 for a in arrows)          # each waits at least T_comm
+    assert all(abs(a["y"] - a["ay"]) == 1 for a in arrows)                # neighbours only
+    with_own = dependency_arrows(t, same_rank=True)
+    assert len(with_own) == len(arrows) + p * m                            # + each BW's own F
+    assert len(dependency_figure(t).layout.annotations) == len(arrows)
+
+
+def test_postvalidation_figure_shows_the_wait_and_the_speculative_forwards():
+    from zbpp_lite.viz.figures import postvalidation_figure
+
+    p = 4
+    t = zb.simulate(zb.build_schedule("zb-h2", p, 8), zb.Costs())
+    fig = postvalidation_figure(t)
+    wait = next(tr for tr in fig.data if tr.name == "waiting for the global check")
+    assert list(wait.x) == [t.sync_bubble] * p == [(p - 1) * 1.0] * p   # every rank waits (p-1) T_F for the others
+    spec = next(tr for tr in fig.data if tr.name.startswith("speculative F"))
+    # post-validated, rank r starts step 2 at its own end; forwards before the last rank's end are speculative
+    assert len(spec.x) == sum(range(p)) and set(spec.y) == set(range(p - 1))
+
+
+def test_layer_dependency_figure_has_no_arrow_out_of_a_w():
+    from zbpp_lite.viz.figures import layer_dependency_figure
+
+    fig = layer_dependency_figure(3)
+    names = {tr.name.split(":")[0] for tr in fig.data}
+    assert names == {"F", "B", "W", "loss"}
+    xy = {(x, y): text for tr in fig.data for x, y, text in zip(tr.x, tr.y, tr.text)}
+    tails = [xy[(a.ax, a.ay)] for a in fig.layout.annotations]
+    heads = [xy[(a.x, a.y)] for a in fig.layout.annotations]
+    assert not any(t.startswith("W") for t in tails)
+    assert sorted(h for h in heads if h.startswith("W")) == ["W1", "W1", "W2", "W2", "W3", "W3"]   # its input and its output gradient

@@ -30,6 +30,7 @@ def test_notebook_is_paired_clean_and_checks_its_claims(path):
     assert first.cell_type == "markdown" and first.source.startswith("# ")
     assert "colab.research.google.com" in first.source and "mybinder.org" in first.source
     assert "What you will learn" in first.source
+    assert "README.md#glossary" in first.source, "every lesson links to the glossary"
     assert "XLA_FLAGS" in nb.cells[1].source and "google.colab" in nb.cells[1].source
     assert any(line.lstrip().startswith("assert ") for c in code(nb) for line in c.splitlines())
 
@@ -77,8 +78,10 @@ def test_jupytext_pairing_is_declared_and_syncs_both_ways(tmp_path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
-    """Each lesson's exercises call their checks with ``...`` for the learner to replace; the
-    Solutions section runs each check with our answer, collapsed, and asserts it said right."""
+    """Each lesson has at least three exercises, whose checks the learner calls with ``...`` to
+    replace (a value, or the body of a function the check calls at several points), and at least
+    one to predict first, whose reveal cell draws the simulation only once answered; the Solutions
+    section runs each check with our answer, collapsed, and asserts it said right."""
     import re
 
     from zbpp_lite.viz.exercises import EXERCISES
@@ -86,15 +89,51 @@ def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
     nb = nbformat.read(path, as_version=4)
     lesson = str(int(path.name[:2]))
     ours = {k: f.__name__ for k, f in EXERCISES.items() if k.split(".")[0] == lesson}
-    assert len(ours) >= 2
+    assert len(ours) >= 3
     headings = [line for c in nb.cells if c.cell_type == "markdown" for line in c.source.splitlines() if line.startswith("## ")]
     assert "## Exercises" in headings and "## Solutions" in headings
     solutions_at = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "## Solutions" in c.source.splitlines())
     for key, name in ours.items():
-        asked = [c for c in nb.cells[:solutions_at] if c.cell_type == "code" and f"ex.{name}(answer_" in c.source]
-        assert len(asked) == 1 and re.search(r"^answer_\w+ = \.\.\.", asked[0].source, re.M), f"exercise {key} ({name})"
+        asked = [c for c in nb.cells[:solutions_at] if c.cell_type == "code" and f"ex.{name}(" in c.source]
+        assert len(asked) == 1 and re.search(r"^(answer_\w+ = \.\.\.|\s+return \.\.\.)(\s*#.*)?$", asked[0].source, re.M), f"exercise {key} ({name})"
         solved = [c for c in nb.cells[solutions_at:] if c.cell_type == "code" and f"ex.{name}(" in c.source]
         assert len(solved) == 1, f"no solution cell for exercise {key}"
         cell = solved[0]
         assert cell.metadata.get("jupyter", {}).get("source_hidden") is True and "hide-input" in cell.metadata.get("tags", [])
         assert "assert verdict" in cell.source
+    predicted = [line for c in nb.cells[:solutions_at] if c.cell_type == "markdown" for line in c.source.splitlines()
+                 if "(predict first)" in line]
+    reveals = [c for c in nb.cells[:solutions_at] if c.cell_type == "code" and "ex.reveal(" in c.source]
+    assert predicted and len(reveals) >= 1, "no exercise to predict first, with its reveal cell"
+
+
+def test_the_site_folds_a_solutions_code_and_output_together():
+    """tools/build_site.py: a solution cell's printed verdict is the answer, so on the built page
+    it sits inside the folded <details> with the code, and nowhere outside it."""
+    import importlib.util
+
+    import nbformat
+
+    spec = importlib.util.spec_from_file_location("build_site", Path(__file__).parent.parent / "tools" / "build_site.py")
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    nb = nbformat.v4.new_notebook()
+    solution = nbformat.v4.new_code_cell("print(ex.check(42))", metadata={"tags": ["hide-input"]})
+    solution.outputs = [nbformat.v4.new_output("stream", text="Exercise 9.9: right. The answer is 42.\n")]
+    shown = nbformat.v4.new_code_cell("1 + 1")
+    shown.outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "2"}, execution_count=1)]
+    nb.cells = [nbformat.v4.new_markdown_cell("**Exercise 9.9.**"), shown, solution]
+    assert site._collapse_solutions(nb) == 1
+    page = site.export(nb, "test")
+    before, folded = page.split('<details class="zbpp-solution">')
+    assert "The answer is 42" not in before and "print(ex.check(42))" not in before
+    inside = folded.split("</details>")[0]
+    assert "The answer is 42" in inside and "print(ex.check(42))" in inside
+
+
+def test_the_glossary_defines_the_terms_the_lessons_use():
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    glossary = readme.split("## Glossary", 1)[1].split("\n## ", 1)[0]
+    for term in ("**makespan**", "**bubble rate**", "**M_B**", "**M_W**", "**T_comm**", "**placement**",
+                 "busiest", "**SPMD, MPMD**", "**post-validation**"):
+        assert term in glossary, term

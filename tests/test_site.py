@@ -47,7 +47,8 @@ def test_lesson_1_page_is_self_contained(site):
     assert re.findall(r"<script[^>]*\ssrc=\"https?://", page) == []          # no CDN script
     assert page.count("Plotly.newPlot(") >= 5 and '<script src="plotly.min.js">' in page
     assert "Traceback" not in page and "Exercise 1.1: right." in page        # executed, solutions checked
-    assert page.count('<details class="zbpp-solution">') == 3                # and folded
+    assert page.count('<details class="zbpp-solution">') == 4                # and folded, output too
+    assert all("Exercise 1." in part.split("</details>")[0] for part in page.split('<details class="zbpp-solution">')[1:])
     assert (site / "plotly.min.js").stat().st_size > 1_000_000
     assert f'href="{LESSON}.html"' in (site / "index.html").read_text(encoding="utf-8")
 

@@ -78,19 +78,47 @@ def execute(md: Path, timeout: int = 900):
     return nb
 
 
+def _pre(text: str) -> str:
+    """Text in a <pre> on one source line (newlines as character references), so that Markdown
+    never ends the surrounding HTML block at a blank line."""
+    return "<pre>" + html.escape(text).replace("\n", "&#10;") + "</pre>"
+
+
+def _outputs_html(cell) -> str:
+    """A code cell's outputs as one line of HTML: printed text and plain results in <pre>, HTML
+    (a Plotly figure, after :func:`_figures_to_html`) as it is, PNG images inline."""
+    parts = []
+    for out in cell.get("outputs", []):
+        kind = out.get("output_type")
+        if kind == "stream":
+            parts.append(_pre(out.get("text", "")))
+        elif kind == "error":
+            parts.append(_pre("\n".join(out.get("traceback", []))))
+        else:
+            data = out.get("data", {})
+            if "text/html" in data:
+                parts.append(data["text/html"].replace("\n", " "))
+            elif "image/png" in data:
+                parts.append(f'<img src="data:image/png;base64,{data["image/png"]}">')
+            elif "text/plain" in data:
+                parts.append(_pre(data["text/plain"]))
+    return "".join(parts)
+
+
 def _collapse_solutions(nb) -> int:
-    """Each cell tagged ``hide-input`` (the Solutions) shows its code folded in a <details> element
-    above its output, as JupyterLab shows it collapsed; returns how many."""
+    """Each cell tagged ``hide-input`` (the Solutions) becomes one folded <details> element holding
+    its code *and* its output, so a reader sees neither (the verdict a solution prints is the
+    answer) until they open it; returns how many."""
     import nbformat
 
     cells, count = [], 0
     for cell in nb.cells:
         if cell.cell_type == "code" and "hide-input" in cell.metadata.get("tags", []):
-            code = html.escape(cell.source)
             cells.append(nbformat.v4.new_markdown_cell(
-                f'<details class="zbpp-solution"><summary>Our solution (click to show)</summary><pre><code>{code}</code></pre></details>'))
-            cell.metadata.setdefault("transient", {})["remove_source"] = True
+                f'<details class="zbpp-solution"><summary>Our solution (click to show)</summary>{_pre(cell.source)}'
+                f'<div class="zbpp-solution-output">{_outputs_html(cell)}</div></details>'))
             count += 1
+            continue
         cells.append(cell)
     nb.cells = cells
     return count

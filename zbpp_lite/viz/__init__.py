@@ -7,7 +7,16 @@ figure. ``widgets`` (ipywidgets, anywidget) is imported on first use of its name
 May import: :mod:`zbpp_lite.schedules` and :mod:`zbpp_lite.analysis` (never JAX itself).
 """
 
-from .figures import bubble_sweep, bubble_sweep_figure, compare_figure, memory_figure, timeline_figure
+from .figures import (
+    bubble_sweep,
+    bubble_sweep_figure,
+    compare_figure,
+    dependency_figure,
+    layer_dependency_figure,
+    memory_figure,
+    postvalidation_figure,
+    timeline_figure,
+)
 from .memory import measured_memory_figure
 from .states import applicable_options, plan_timeline
 from .static import microbatch_slider_figure, schedule_slider_figure, slider_figure
@@ -32,10 +41,13 @@ __all__ = [
     "bubble_sweep",
     "bubble_sweep_figure",
     "compare_figure",
+    "dependency_figure",
+    "layer_dependency_figure",
     "measured_memory_figure",
     "memory_figure",
     "microbatch_slider_figure",
     "plan_timeline",
+    "postvalidation_figure",
     "schedule_slider_figure",
     "slider_figure",
     "text_grid",

@@ -1,7 +1,9 @@
 """The course's exercises: one check function per exercise, which says right or wrong and hints.
 
-Each lesson (notebooks 01-07) asks at least two questions; the learner types an answer into the
-exercise cell and calls its check. A check never raises for a wrong answer: it returns a
+Each lesson (notebooks 01-07) asks at least three questions, one of them to be predicted before
+the simulation runs (:func:`reveal` draws it only once an answer is given); where the answer is a
+formula, the learner writes a function of p, m and the costs and the check calls it at several
+points. The learner types an answer into the exercise cell and calls its check. A check never raises for a wrong answer: it returns a
 :class:`Verdict`, which prints "right" or "not yet" with a hint, and is truthy only when right
 (so a notebook's solutions section can ``assert`` it). Answers are compared with what the
 simulator, the validator, the placement functions, the attribution or the rebalancer compute, or
@@ -18,6 +20,7 @@ section 2.2 (interleaved 1F1B).
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -108,17 +111,43 @@ def _sequence_check(exercise: str, answer: Any, expected: Sequence, what: str, h
     return Verdict(exercise, False, f"entry {wrong[0]} of {what} is off ({len(wrong)} of {len(expected)} entries wrong).", hint)
 
 
+def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float], what: str,
+                    hint: str, tol: float = 1e-6) -> Verdict:
+    """Call the learner's function at every point and compare with ``expected(*point)``."""
+    if _unanswered(fn):
+        return Verdict(exercise, False, "no answer yet: write the function.", hint)
+    if not callable(fn):
+        return Verdict(exercise, False, f"expected a function for {what}, got {fn!r}.", hint)
+    for point in points:
+        want = expected(*point)
+        try:
+            got = fn(*point)
+        except Exception as e:  # noqa: BLE001  (the learner's code: any error is an answer to report, not to raise)
+            return Verdict(exercise, False, f"your function raised {type(e).__name__} at {point}: {e}", hint)
+        value = _as_number(got) if not isinstance(got, bool) else None
+        if isinstance(want, bool):
+            if not isinstance(got, (bool,)) and not (hasattr(got, "__bool__") and type(got).__name__ == "bool_"):
+                return Verdict(exercise, False, f"at {point} expected True or False, got {got!r}.", hint)
+            if bool(got) != want:
+                return Verdict(exercise, False, f"at {point} your function gives {bool(got)}, the simulator {want}.", hint)
+            continue
+        if value is None:
+            return Verdict(exercise, False, f"at {point} expected a number, got {got!r}.", hint)
+        if abs(value - want) > tol * max(1.0, abs(want)):
+            return Verdict(exercise, False, f"at {point} your function gives {value:g}, not {want:g}.", hint)
+    return Verdict(exercise, True, f"{what} agrees at all {len(points)} points checked.")
+
+
 # ------------------------------------------------------------------ lesson 1: pipeline bubbles
 
 
-def bubble_rate_1f1b(answer: Any) -> Verdict:
-    """Exercise 1.1: 1F1B's bubble rate for p = 3 ranks, m = 6 microbatches, T_F = T_B = T_W = 1,
-    T_comm = 0, derived by hand (a number or a string such as ``"2/8"``)."""
-    p, m = 3, 6
-    expected = simulate(build_schedule("1f1b", p, m), Costs()).bubble_rate
+def makespan_1f1b(answer: Any) -> Verdict:
+    """Exercise 1.1: 1F1B's makespan for p = 3 ranks, m = 6 microbatches, T_F = 1, a fused backward
+    T_BW = 2 (T_B = T_W = 1), T_comm = 0, predicted before simulating."""
+    expected = simulate(build_schedule("1f1b", 3, 6), Costs()).makespan
     return _number_check(
-        "1.1", answer, expected, f"1F1B's bubble rate at p = {p}, m = {m}",
-        "each rank idles (p-1)(T_F+T_B+T_W) and works m(T_F+T_B+T_W); the rate is idle / (idle + work).",
+        "1.1", answer, expected, "1F1B's makespan at p = 3, m = 6",
+        "each rank computes m(T_F+T_BW) and idles (p-1)(T_F+T_BW) inside its span; the makespan is their sum.",
     )
 
 
@@ -163,6 +192,22 @@ def two_rank_schedule(actions: Any) -> Verdict:
     return Verdict("1.3", True, "zb.validate accepts it: complete, ordered and free of deadlock.")
 
 
+def peak_memory_1f1b(fn: Any) -> Verdict:
+    """Exercise 1.4: a function ``held(p, m, r)``, the most microbatches' activations (in M_B) rank r
+    holds at once under 1F1B; compared with the simulator at p = 1..6, m = 1..9, every rank."""
+    points = [(p, m, r) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 9) for r in range(p)]
+    table: dict[tuple[int, int], tuple[float, ...]] = {}
+
+    def peak(p: int, m: int, r: int) -> float:
+        if (p, m) not in table:
+            table[p, m] = simulate(build_schedule("1f1b", p, m), Costs()).peak_memory
+        return table[p, m][r]
+
+    return _function_check("1.4", fn, points, peak, "held(p, m, r)",
+                           "rank r runs warm-up forwards until its first backward can start; count them, and "
+                           "remember there may be fewer microbatches than that.")
+
+
 # ------------------------------------------------------------------ lesson 2: the backward split
 
 MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
@@ -173,23 +218,36 @@ def _matmul(rows: int, inner: int, cols: int) -> int:
     return 2 * rows * inner * cols  # one multiply and one add per term
 
 
-def w_flops(answer: Any) -> Verdict:
-    """Exercise 2.1: the matmul flops of W (both weight gradients, ``x.T @ dh`` and ``a.T @ dy``)
-    for notebook 02's two-layer MLP; a (r, k) @ (k, c) product counts 2 r k c flops."""
-    n, (d0, d1, d2) = MLP_TOKENS, MLP_WIDTHS
-    expected = _matmul(d0, n, d1) + _matmul(d1, n, d2)
-    return _number_check("2.1", answer, expected, "W's matmul flops", "dW1 = x.T @ dh is (32, 16) @ (16, 64); dW2 = a.T @ dy is (64, 16) @ (16, 32).")
+def w_flops(fn: Any) -> Verdict:
+    """Exercise 2.1: a function ``w_flops(n, d0, d1, d2)``: W's matmul flops (``x.T @ dh`` and
+    ``a.T @ dy``) for notebook 02's two-layer MLP on n tokens, x of width d0, h of width d1, y of
+    width d2; a (r, k) @ (k, c) product counts 2 r k c flops. Checked at several shapes."""
+    points = [(16, 32, 64, 32), (8, 4, 16, 2), (3, 5, 7, 11), (1, 1, 1, 1), (128, 64, 256, 64)]
+    return _function_check("2.1", fn, points, lambda n, d0, d1, d2: _matmul(d0, n, d1) + _matmul(d1, n, d2),
+                           "w_flops(n, d0, d1, d2)", "dW1 = x.T @ dh is (d0, n) @ (n, d1); dW2 = a.T @ dy is (d1, n) @ (n, d2).")
 
 
-def w_flops_without_kept_gradients(answer: Any) -> Verdict:
-    """Exercise 2.2: W's matmul flops for the same MLP when B keeps no output gradients, so W must
-    recompute dh itself from dy (the elementwise GELU derivative is not counted)."""
-    n, (d0, d1, d2) = MLP_TOKENS, MLP_WIDTHS
-    expected = _matmul(d0, n, d1) + _matmul(d1, n, d2) + _matmul(n, d2, d1)  # + da = dy @ W2.T
-    return _number_check(
-        "2.2", answer, expected, "W's matmul flops without kept output gradients",
-        "W still needs dh = (dy @ W2.T) * gelu'(h): add the product dy @ W2.T, (16, 32) @ (32, 64), to exercise 2.1's count.",
+def w_flops_without_kept_gradients(fn: Any) -> Verdict:
+    """Exercise 2.2: a function ``w_flops_recompute(n, d0, d1, d2)``: W's matmul flops for the same
+    MLP when B keeps no output gradients, so W must recompute dh from dy (the elementwise GELU
+    derivative is not counted). Checked at several shapes."""
+    points = [(16, 32, 64, 32), (8, 4, 16, 2), (3, 5, 7, 11), (1, 1, 1, 1), (128, 64, 256, 64)]
+    return _function_check(
+        "2.2", fn, points,
+        lambda n, d0, d1, d2: _matmul(d0, n, d1) + _matmul(d1, n, d2) + _matmul(n, d2, d1),  # + da = dy @ W2.T
+        "w_flops_recompute(n, d0, d1, d2)",
+        "W still needs dh = (dy @ W2.T) * gelu'(h): which product is that, and what are its shapes?",
     )
+
+
+def first_stage_b_ratio(answer: Any) -> Verdict:
+    """Exercise 2.3: the two-layer MLP is the *first* stage, so nobody needs dx. B's matmul flops
+    divided by F's, predicted (B still makes every output gradient W needs)."""
+    n, (d0, d1, d2) = MLP_TOKENS, MLP_WIDTHS
+    f = _matmul(n, d0, d1) + _matmul(n, d1, d2)
+    b = _matmul(n, d2, d1)  # da = dy @ W2.T; dh @ W1.T (dx) is skipped
+    return _number_check("2.3", answer, b / f, "B's matmul flops over F's on the first stage",
+                         "B must still produce dh for W (dy @ W2.T); only dx = dh @ W1.T has no reader on the first stage.")
 
 
 # ------------------------------------------------------------------ lesson 3: ZB-H1 and ZB-H2
@@ -202,17 +260,27 @@ def zb_h1_makespan(answer: Any) -> Verdict:
     return _number_check("3.1", answer, expected, "ZB-H1's makespan", "m(T_F+T_B+T_W) of work plus the bubble (p-1)(T_F+T_B-T_W).")
 
 
-def zb_h2_peak_memory(answer: Any) -> Verdict:
-    """Exercise 3.2: ZB-H2's peak activation memory on rank 0, in M_B, for p = 5 and m = 10."""
-    expected = max(simulate(build_schedule("zb-h2", 5, 10), Costs()).peak_memory)
-    return _number_check("3.2", answer, expected, "ZB-H2's peak on rank 0 (in M_B)", "rank 0 runs 2(p-r)-1 warm-up forwards before its first B.")
+def zb_h2_peak_memory(fn: Any) -> Verdict:
+    """Exercise 3.2: a function ``peak(p, r)``: ZB-H2's peak activation memory on rank r, in M_B, for
+    p ranks and m >= 2p microbatches, counting what F keeps until B (M_W = 0, W holding nothing);
+    compared with the simulator for p = 2..6, every rank."""
+    points = [(p, r) for p in (2, 3, 4, 5, 6) for r in range(p)]
+    peaks = {p: simulate(build_schedule("zb-h2", p, 2 * p + 1), Costs(mem_w=0.0)).peak_memory for p in (2, 3, 4, 5, 6)}
+    return _function_check("3.2", fn, points, lambda p, r: peaks[p][r], "peak(p, r)",
+                           "count rank r's forwards before its first B: ZB-H2's warm-up is longer than 1F1B's p - r.")
 
 
-def gpipe_makespan_with_comm(answer: Any) -> Verdict:
-    """Exercise 3.3: GPipe's makespan for p = 4, m = 8, T_F = T_B = T_W = 1, T_comm = 0.25."""
-    expected = simulate(build_schedule("gpipe", 4, 8), Costs(comm=0.25)).makespan
-    return _number_check("3.3", answer, expected, "GPipe's makespan with T_comm = 0.25",
-                         "the bubble becomes (p-1)(T_F+T_B+T_W+2T_comm): one transfer on the way down, one on the way back.")
+def gpipe_makespan_with_comm(fn: Any) -> Verdict:
+    """Exercise 3.3: a function ``makespan(p, m, f, b, w, c)``: GPipe's makespan with T_F = f,
+    T_B = b, T_W = w and T_comm = c; compared with the simulator at several points."""
+    points = [(4, 8, 1.0, 1.0, 1.0, 0.25), (2, 3, 1.0, 2.0, 0.5, 0.1), (5, 10, 0.5, 1.0, 1.0, 0.0),
+              (3, 1, 1.0, 1.0, 1.0, 1.0), (6, 4, 2.0, 1.5, 0.5, 0.3)]
+    return _function_check(
+        "3.3", fn, points,
+        lambda p, m, f, b, w, c: simulate(build_schedule("gpipe", p, m), Costs(f=f, b=b, w=w, comm=c)).makespan,
+        "makespan(p, m, f, b, w, c)",
+        "work m(T_F+T_B+T_W) plus the bubble: the forward wave crosses p-1 links on the way down, the backward p-1 on the way back.",
+    )
 
 
 # ------------------------------------------------------------------ lesson 4: zb-auto
@@ -228,23 +296,20 @@ def _auto(limit: float):
     return auto_plan(c["num_ranks"], c["num_microbatches"], c["costs"], limit)
 
 
-def memory_limit_for_bubble(answer: Any) -> Verdict:
-    """Exercise 4.1: the smallest whole memory limit (in M_B, at least p) at which zb-auto's bubble
-    rate drops below 5% in :data:`AUTO_CASE`."""
-    hint = "sweep auto_plan(4, 12, costs, limit) over limits 4, 5, 6, ... and read bubble_rate."
-    value = None if _unanswered(answer) else _as_number(answer)
-    if value is None or not value.is_integer():
-        return _number_check("4.1", None if _unanswered(answer) else answer, -1, "the limit", hint + " The limit is a whole number.")
-    limit = int(value)
-    p = AUTO_CASE["num_ranks"]
-    if limit < p:
-        return Verdict("4.1", False, f"a limit of {limit} M_B is below 1F1B's {p}; start the sweep at p.", hint)
-    here = _auto(limit).bubble_rate
-    if here >= 0.05:
-        return Verdict("4.1", False, f"at {limit} M_B the bubble rate is {here:.2%}, not below 5%.", hint)
-    if limit > p and _auto(limit - 1).bubble_rate < 0.05:
-        return Verdict("4.1", False, f"{limit} M_B works, but a smaller limit does too.", hint)
-    return Verdict("4.1", True, f"{limit} M_B gives {here:.2%}; {limit - 1} M_B gives {_auto(limit - 1).bubble_rate:.2%}.")
+def bw_break_even(fn: Any) -> Verdict:
+    """Exercise 4.1: a function ``break_even(p, m, f, b, w)``: the fused backward time T_BW at
+    which 1F1B (fused BW) and ZB-H1 (split B and W) take the same makespan, T_W <= T_F, T_comm = 0;
+    below it 1F1B is faster. Checked against both simulations at several points."""
+    points = [(4, 8, 1.0, 1.0, 1.0), (2, 4, 1.0, 1.2, 0.6), (8, 24, 18.522, 18.086, 9.337), (3, 9, 2.0, 2.0, 1.0),
+              (5, 5, 1.0, 0.5, 0.25)]
+
+    def even(p, m, f, b, w):
+        h1 = simulate(build_schedule("zb-h1", p, m), Costs(f=f, b=b, w=w)).makespan
+        return h1 / (m + p - 1) - f  # 1F1B's makespan is (m+p-1)(T_F+T_BW), checked in notebook 01
+
+    return _function_check("4.1", fn, points, even, "break_even(p, m, f, b, w)",
+                           "write both makespans: 1F1B's (m+p-1)(T_F+T_BW) and ZB-H1's m(T_F+T_B+T_W)+(p-1)(T_F+T_B-T_W); "
+                           "set them equal and solve for T_BW.")
 
 
 def warmup_forwards(answer: Any) -> Verdict:
@@ -256,30 +321,79 @@ def warmup_forwards(answer: Any) -> Verdict:
                          "each F holds M_B until its B, and no B can come before the first microbatch has gone down and back.")
 
 
+def last_rank_warmup(answer: Any) -> Verdict:
+    """Exercise 4.3: under the same 5 M_B limit, how many F does the *last* rank run before its
+    first B?"""
+    row = _auto(5.0).schedule.actions[-1]
+    expected = next(i for i, a in enumerate(row) if a.kind != "F")
+    return _number_check("4.3", answer, expected, "the last rank's warm-up forwards",
+                         "the last stage computes the loss: what does its B wait for, besides its own F?")
+
+
 # ------------------------------------------------------------------ lesson 5: V-shaped schedules
 
 
-def v_placement(answer: Any) -> Verdict:
-    """Exercise 5.1: the V placement for p = 3 ranks, 6 stages: the rank of each stage, stage 0 first."""
-    return _sequence_check("5.1", answer, _v(3), "the V placement for p = 3",
-                           "stages 0..p-1 go down the ranks 0..p-1; stages p..2p-1 come back up, so stage 2p-1 is on rank 0.")
+def v_transfers(fn: Any) -> Verdict:
+    """Exercise 5.1: a function ``transfers(p)``: how many times one microbatch's forward crosses
+    from one rank to another in ZB-V's V placement (2p stages on p ranks); counted from the
+    placement for p = 1..8."""
+
+    def count(p):
+        place = _v(p)
+        return sum(a != b for a, b in itertools.pairwise(place))
+
+    return _function_check("5.1", fn, [(p,) for p in range(1, 9)], count, "transfers(p)",
+                           "walk stages 0 .. 2p-1 and count the steps where the rank changes; look at the turn of the V.")
 
 
-def zb_v_peak_memory(answer: Any) -> Verdict:
-    """Exercise 5.2: ZB-V's peak activation memory on each rank for p = 4, m = 8, in units of one
-    stage's M_B (a list of 4 numbers, rank 0 first)."""
-    expected = simulate(build_schedule("zb-v", 4, 8), Costs()).peak_memory
-    return _sequence_check("5.2", answer, expected, "ZB-V's per-rank peaks (stage units)",
-                           "a rank holds two stages; the V makes every rank hold the same: 2p stage-units, 1F1B's p whole-rank M_B.")
+def v_half_peak_memory(answer: Any) -> Verdict:
+    """Exercise 5.2: V-Half's peak activation memory on each rank for p = 6, m = 18, in units of one
+    stage's M_B, counting what F keeps until B (M_W = 0); a list of 6 numbers, rank 0 first."""
+    expected = simulate(build_schedule("v-half", 6, 18), Costs(mem_w=0.0)).peak_memory
+    return _sequence_check("5.2", answer, expected, "V-Half's per-rank peaks at p = 6 (stage units)",
+                           "V-Half holds p/2 + 1 whole-rank M_B on every rank; a whole rank's M_B is two stages' worth.")
+
+
+def zb_v_makespan(fn: Any) -> Verdict:
+    """Exercise 5.3: a function ``makespan(p, m, t)``: ZB-V's makespan for m >= 2p microbatches when
+    every stage's T_F = T_B = T_W = t and T_comm = 0; compared with the simulator."""
+    points = [(2, 4, 1.0), (3, 6, 0.5), (4, 8, 1.0), (4, 10, 2.0), (5, 12, 0.25)]
+    return _function_check(
+        "5.3", fn, points,
+        lambda p, m, t: simulate(build_schedule("zb-v", p, m), Costs(f=t, b=t, w=t)).makespan,
+        "makespan(p, m, t)", "how many stages does a rank hold, how much work is that per microbatch, and how big is ZB-V's bubble?",
+    )
 
 
 # ------------------------------------------------------------------ lesson 6: interleaved, looped
 
 
-def looped_placement(answer: Any) -> Verdict:
-    """Exercise 6.1: the looped placement of interleaved 1F1B for p = 2 ranks and v = 2 stages per
-    rank: the rank of each of the 4 stages."""
-    return _sequence_check("6.1", answer, _looped(2, 4), "the looped placement for p = 2, v = 2", "stage s goes to rank s % p.")
+def looped_stages(fn: Any) -> Verdict:
+    """Exercise 6.1: a function ``stages(p, v, r)``: the stages rank r holds under interleaved
+    1F1B's looped placement with v stages per rank, as a list in increasing order."""
+    points = [(p, v, r) for p, v in ((2, 2), (4, 2), (3, 3), (4, 1), (5, 4)) for r in range(p)]
+
+    def check(fn_):
+        wrong = []
+        for p, v, r in points:
+            place = _looped(p, p * v)
+            want = [s for s in range(p * v) if place[s] == r]
+            try:
+                got = list(fn_(p, v, r))
+            except Exception as e:  # noqa: BLE001  (the learner's code)
+                return Verdict("6.1", False, f"your function raised {type(e).__name__} at {(p, v, r)}: {e}", hint)
+            if got != want:
+                wrong.append((p, v, r))
+        if wrong:
+            return Verdict("6.1", False, f"stages(p, v, r) is off at {wrong[0]} ({len(wrong)} of {len(points)} points).", hint)
+        return Verdict("6.1", True, f"stages(p, v, r) agrees at all {len(points)} points checked.")
+
+    hint = "stage s goes to rank s % p; which s between 0 and vp-1 land on rank r?"
+    if _unanswered(fn):
+        return Verdict("6.1", False, "no answer yet: write the function.", hint)
+    if not callable(fn):
+        return Verdict("6.1", False, f"expected a function, got {fn!r}.", hint)
+    return check(fn)
 
 
 def interleaved_makespan(answer: Any) -> Verdict:
@@ -290,20 +404,42 @@ def interleaved_makespan(answer: Any) -> Verdict:
                          "work m(T_F+T_B+T_W) per rank in whole-rank costs, plus 1F1B's bubble divided by v.")
 
 
+def transfers_per_step(fn: Any) -> Verdict:
+    """Exercise 6.3: a function ``transfers(p, m, v)``: how many point-to-point transfers (activations
+    forward and gradients backward) one training step makes under interleaved 1F1B with v stages
+    per rank; counted from the schedule's actions and placement."""
+    from ..schedules.ir import deps, produces
+
+    def count(p, m, v):
+        s = build_schedule("interleaved-1f1b", p, m, stages_per_rank=v)
+        made_on = {}
+        for r, row in enumerate(s.actions):
+            for a in row:
+                for key in produces(a):
+                    made_on[key] = r
+        return sum(made_on[k] != r for r, row in enumerate(s.actions) for a in row
+                   for k in deps(a, s.num_stages) if k in made_on)
+
+    return _function_check("6.3", fn, [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 4, 1), (2, 4, 4)], count, "transfers(p, m, v)",
+                           "a microbatch's forward crosses a link at every stage boundary whose two stages sit on different ranks; "
+                           "its backward crosses the same links back.")
+
+
 # ------------------------------------------------------------------ lesson 7: bubble detection
 
 
-def blamed_stage(answer: Any) -> Verdict:
-    """Exercise 7.1: ZB-H1 on p = 4, m = 8 with stage 1 twice as slow as the others (T_F, T_B, T_W
-    = 2 there, 1 elsewhere): which stage does ``attribute`` blame most for imbalance?"""
-    from ..analysis.attribute import attribute
+SLOW_STAGE_1 = Costs(f=[1, 2, 1, 1], b=[1, 2, 1, 1], w=[1, 2, 1, 1])
+"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 1 twice as slow as the others."""
 
-    costs = Costs(f=[1, 2, 1, 1], b=[1, 2, 1, 1], w=[1, 2, 1, 1])
-    schedule = build_schedule("zb-h1", 4, 8)
-    found = attribute(simulate(schedule, costs), schedule, costs).by_stage()
-    blame = {s: causes.get("imbalance", 0.0) for s, causes in found.items()}
-    expected = max(blame, key=lambda s: blame[s])
-    return _number_check("7.1", answer, expected, "the stage blamed most for imbalance", "the ranks around a slow stage wait for it, and it is its time that is missing.")
+
+def idlest_rank(answer: Any) -> Verdict:
+    """Exercise 7.1: in ZB-H1 on p = 4, m = 8 with stage 1 twice as slow (:data:`SLOW_STAGE_1`),
+    which rank idles the longest inside its span? Predicted before simulating."""
+    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1)
+    expected = max(range(4), key=lambda r: t.bubble_time[r])
+    return _number_check("7.1", answer, expected, "the rank with the most idle time",
+                         "the slow rank sets the pace for everyone; which rank's span starts earliest and ends latest "
+                         "around that pace, with only T_F+T_B+T_W = 3 of work per microbatch?")
 
 
 LAYER_COSTS = (1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0)
@@ -328,22 +464,84 @@ def balanced_partition(answer: Any) -> Verdict:
     return Verdict("7.2", False, f"with {k} layers on stage 0 the slower stage costs {slowest:g}; {optimum:g} is possible.", hint)
 
 
+def best_split(fn: Any) -> Verdict:
+    """Exercise 7.3: a function ``best_split(costs)``: for a list of per-layer costs cut into two
+    contiguous stages, how many layers (from the front) go on stage 0 so that the slower stage is as
+    fast as possible; any optimal cut is right. Checked on several lists."""
+    lists = [LAYER_COSTS, (3.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 5.0), (2.0, 2.0), (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), (5.0, 1.0, 1.0, 1.0, 1.0, 1.0)]
+    hint = "try every cut k = 1 .. len(costs)-1 and keep the one whose slower stage is cheapest."
+    if _unanswered(fn):
+        return Verdict("7.3", False, "no answer yet: write the function.", hint)
+    if not callable(fn):
+        return Verdict("7.3", False, f"expected a function, got {fn!r}.", hint)
+    for costs in lists:
+        best = min(max(sum(costs[:k]), sum(costs[k:])) for k in range(1, len(costs)))
+        try:
+            k = fn(list(costs))
+        except Exception as e:  # noqa: BLE001  (the learner's code)
+            return Verdict("7.3", False, f"your function raised {type(e).__name__} on {list(costs)}: {e}", hint)
+        value = _as_number(k)
+        if value is None or not value.is_integer() or not 1 <= value <= len(costs) - 1:
+            return Verdict("7.3", False, f"on {list(costs)} expected a whole number of layers between 1 and {len(costs) - 1}, got {k!r}.", hint)
+        slower = max(sum(costs[: int(value)]), sum(costs[int(value):]))
+        if slower > best + 1e-9:
+            return Verdict("7.3", False, f"on {list(costs)} your cut leaves a stage of {slower:g}; {best:g} is possible.", hint)
+    return Verdict("7.3", True, f"best_split is optimal on all {len(lists)} lists checked.")
+
+
+def _reveal_figure(key: str):
+    from .figures import timeline_figure
+
+    if key == "1.1":
+        return timeline_figure(simulate(build_schedule("1f1b", 3, 6), Costs()), "1F1B, p = 3, m = 6: the simulation")
+    if key == "3.1":
+        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), Costs(f=1.0, b=1.0, w=0.5)), "ZB-H1, p = 4, m = 8, T_W = 0.5")
+    if key == "4.2":
+        return timeline_figure(simulate(_auto(5.0).schedule, AUTO_CASE["costs"]), "zb-auto, AUTO_CASE, limit 5 M_B")
+    if key == "5.2":
+        from .figures import memory_figure
+
+        return memory_figure(simulate(build_schedule("v-half", 6, 18), Costs(mem_w=0.0)),
+                             title="V-Half, p = 6, m = 18: activation memory per rank (stage units, M_W = 0)")
+    if key == "6.2":
+        return timeline_figure(simulate(build_schedule("interleaved-1f1b", 4, 8), Costs(f=0.5, b=0.5, w=0.5)),
+                               "interleaved 1F1B, p = 4, m = 8, v = 2")
+    if key == "7.1":
+        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1), "ZB-H1, stage 1 twice as slow")
+    raise KeyError(f"no reveal for exercise {key}; give show=")
+
+
+def reveal(key: str, answer: Any, show: Callable[[], Any] | None = None) -> Any:
+    """A predict-first exercise's reveal: the simulation (a figure, or what ``show()`` returns), but
+    only once ``answer`` holds a prediction; before that, a line asking for one (and None)."""
+    if _unanswered(answer):
+        print(f"Exercise {key}: commit to your prediction above first; then this cell shows the simulation.")
+        return None
+    return show() if show is not None else _reveal_figure(key)
+
+
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "1.1": bubble_rate_1f1b,
+    "1.1": makespan_1f1b,
     "1.2": microbatches_for_bubble,
     "1.3": two_rank_schedule,
+    "1.4": peak_memory_1f1b,
     "2.1": w_flops,
     "2.2": w_flops_without_kept_gradients,
+    "2.3": first_stage_b_ratio,
     "3.1": zb_h1_makespan,
     "3.2": zb_h2_peak_memory,
     "3.3": gpipe_makespan_with_comm,
-    "4.1": memory_limit_for_bubble,
+    "4.1": bw_break_even,
     "4.2": warmup_forwards,
-    "5.1": v_placement,
-    "5.2": zb_v_peak_memory,
-    "6.1": looped_placement,
+    "4.3": last_rank_warmup,
+    "5.1": v_transfers,
+    "5.2": v_half_peak_memory,
+    "5.3": zb_v_makespan,
+    "6.1": looped_stages,
     "6.2": interleaved_makespan,
-    "7.1": blamed_stage,
+    "6.3": transfers_per_step,
+    "7.1": idlest_rank,
     "7.2": balanced_partition,
+    "7.3": best_split,
 }
 """Every exercise by id ("lesson.number") -> its check."""

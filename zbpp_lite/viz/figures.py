@@ -460,3 +460,141 @@ def bubble_sweep_figure(
         margin={"l": 70, "r": 20, "t": 60, "b": 45},
     )
     return fig
+
+
+# ---------------------------------------------------------------------------- dependencies, post-validation
+
+
+def dependency_arrows(timeline: Timeline, *, same_rank: bool = False, offset: float | None = None) -> list[dict[str, Any]]:
+    """Plotly annotations, one arrow per dependency of the timeline's actions (:func:`~zbpp_lite.
+    schedules.ir.deps`): from the end of the action that made a value to the start of the action
+    that needs it. Arrows between ranks are transfers (solid); with ``same_rank`` a rank's own
+    dependencies (F before its B, B before its W) are drawn too, dotted. An arrow whose head lies
+    right of its tail by more than nothing shows time spent waiting or, with T_comm > 0, in transit."""
+    from ..schedules.ir import deps, produces
+
+    t0 = start_time(timeline) if offset is None else offset
+    num_stages = 1 + max((s for e in timeline.events for s in _stages_of(e.action)), default=0)
+    made = {}
+    for e in timeline.events:
+        for key in produces(e.action):
+            made[key] = e
+    arrows = []
+    for e in timeline.events:
+        for key in deps(e.action, num_stages):
+            src = made.get(key)
+            if src is None or src is e or (src.rank == e.rank and not same_rank):
+                continue
+            cross = src.rank != e.rank
+            arrows.append({
+                "x": e.start - t0, "y": e.rank, "ax": src.end - t0, "ay": src.rank,
+                "xref": "x", "yref": "y", "axref": "x", "ayref": "y", "text": "", "showarrow": True,
+                "arrowhead": 2, "arrowsize": 1, "arrowwidth": 1.2 if cross else 0.8,
+                "arrowcolor": "#333333" if cross else "#888888", "opacity": 0.8,
+                "standoff": 0, "startstandoff": 0,
+            })
+    return arrows
+
+
+def _stages_of(action: Any) -> tuple[int, ...]:
+    if hasattr(action, "stage"):
+        return (action.stage,)
+    return (action.forward.stage, action.backward.stage)  # an overlapped pair
+
+
+def dependency_figure(timeline: Timeline, title: str | None = None, *, same_rank: bool = False) -> go.Figure:
+    """:func:`timeline_figure` with an arrow for every transfer between ranks (an F's activation
+    to the next stage, a B's input gradient to the previous one), and with ``same_rank`` a rank's
+    own F -> B -> W dependencies, dotted grey. Best read on small schedules (p, m up to about 4 and 8)."""
+    fig = timeline_figure(timeline, title)
+    for arrow in dependency_arrows(timeline, same_rank=same_rank):
+        fig.add_annotation(**arrow)
+    return fig
+
+
+def postvalidation_figure(timeline: Timeline, title: str | None = None) -> go.Figure:
+    """Two consecutive steps of one schedule, drawn twice (paper section 4): above, with a
+    synchronous optimizer step, step 2 starts on every rank only when the last rank has ended step
+    1 (the wait is hatched); below, post-validated, each rank starts step 2 as soon as it has
+    ended step 1 (step 2 is drawn one makespan after step 1, valid when every rank's span is the
+    makespan, as in ZB-H1 and ZB-H2). Step 2's forwards that start before the last rank has ended
+    step 1, and with it the full gradient-norm check, run on speculative parameters: outlined in
+    red; a rollback redoes them. The dashed line marks that moment."""
+    t0, t_end = start_time(timeline), end_time(timeline)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.14,
+                        subplot_titles=(f"synchronous step: wait {timeline.sync_bubble:.4g} on the earliest rank",
+                                        "post-validated: no wait; red F's are speculative, redone on a rollback"))
+    shifts = (timeline.global_span, timeline.makespan)
+    for row, shift in ((1, shifts[0]), (2, shifts[1])):
+        for step in (0, 1):
+            moved = _shifted(timeline, step * shift)
+            for trace in timeline_traces(moved, offset=t0, show_idle=False, showlegend=(row == 1 and step == 0),
+                                         xaxis="x" if row == 1 else "x2", yaxis="y" if row == 1 else "y2"):
+                fig.add_trace(go.Bar(trace))
+        if row == 1:  # the synchronous wait: each rank, from its own end of step 1 to its start of step 2
+            ranks = [r for r in range(timeline.num_ranks) if timeline.rank_events(r)]
+            ends = {r: max(e.end for e in timeline.rank_events(r)) for r in ranks}
+            starts = {r: min(e.start for e in timeline.rank_events(r)) + shift for r in ranks}
+            fig.add_trace(go.Bar(orientation="h", base=[ends[r] - t0 for r in ranks], x=[starts[r] - ends[r] for r in ranks],
+                                 y=ranks, width=BAR_WIDTH, name="waiting for the global check",
+                                 marker={"color": "white", "line": {"color": "#E45756", "width": 1},
+                                         "pattern": {"shape": "x", "fgcolor": "#E45756"}}, xaxis="x", yaxis="y"))
+        else:
+            spec = [e for e in _shifted(timeline, shift).events if e.action.kind == "F" and e.start < t_end]
+            fig.add_trace(go.Bar(orientation="h", base=[e.start - t0 for e in spec], x=[e.end - e.start for e in spec],
+                                 y=[e.rank for e in spec], width=BAR_WIDTH, name="speculative F (redone on a rollback)",
+                                 marker={"color": "rgba(0,0,0,0)", "line": {"color": "#E45756", "width": 2.5}},
+                                 xaxis="x2", yaxis="y2"))
+            fig.add_vline(x=t_end - t0, line_dash="dash", line_color="#E45756", row=2, col=1)
+    fig.update_layout(barmode="overlay", bargap=0.1, height=2 * (120 + 34 * timeline.num_ranks), plot_bgcolor="white",
+                      title={"text": title or "post-validation: two steps"},
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0})
+    fig.update_yaxes(rank_axis(timeline.num_ranks))
+    fig.update_xaxes(title_text=f"time ({time_unit_of(timeline)})", row=2, col=1, gridcolor=GRID_COLOR)
+    return fig
+
+
+def _shifted(timeline: Timeline, dt: float) -> Timeline:
+    from dataclasses import replace as _replace
+
+    return _replace(timeline, events=tuple(_replace(e, start=e.start + dt, end=e.end + dt) for e in timeline.events))
+
+
+def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go.Figure:
+    """The per-layer dependency graph of one stage's F, B and W (paper section 2, figure 1): F of
+    layer l feeds F of layer l+1; B runs the layers backwards, B of layer l needing B of layer
+    l+1 (the output gradient) and F of layer l (what it kept); W of layer l needs only F of layer
+    l (its input) and B of layer l+1's output gradient. No arrow leaves a W: nothing waits for it
+    but the optimizer step."""
+    L = int(num_layers)
+    if L < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers!r}")
+    pos = {}
+    for l in range(1, L + 1):
+        pos["F", l] = (l, 2.0)
+        pos["B", l] = (2 * L + 1 - l, 1.0)
+        pos["W", l] = (2 * L + 1 - l, 0.0)
+    pos["loss", 0] = (L + 1, 2.0)
+    edges = [(("F", l), ("F", l + 1)) for l in range(1, L)] + [(("F", L), ("loss", 0)), (("loss", 0), ("B", L))]
+    edges += [(("B", l + 1), ("B", l)) for l in range(1, L)]
+    edges += [(("F", l), ("B", l)) for l in range(1, L + 1)]
+    edges += [(("B", l + 1), ("W", l)) for l in range(1, L)] + [(("loss", 0), ("W", L))]
+    edges += [(("F", l), ("W", l)) for l in range(1, L + 1)]
+    fig = go.Figure()
+    for a, b in edges:
+        (x0, y0), (x1, y1) = pos[a], pos[b]
+        kept = a[0] == "F" and b[0] in ("B", "W")
+        fig.add_annotation(x=x1, y=y1, ax=x0, ay=y0, xref="x", yref="y", axref="x", ayref="y", text="", showarrow=True,
+                           arrowhead=2, arrowwidth=1.0 if kept else 1.6, standoff=14, startstandoff=14,
+                           arrowcolor="#BBBBBB" if kept else "#333333")
+    colors = {"F": KIND_STYLE["F"].color, "B": KIND_STYLE["B"].color, "W": KIND_STYLE["W"].color, "loss": "#777777"}
+    for kind in ("F", "B", "W", "loss"):
+        nodes = [(k, v) for k, v in pos.items() if k[0] == kind]
+        fig.add_trace(go.Scatter(x=[v[0] for _, v in nodes], y=[v[1] for _, v in nodes], mode="markers+text",
+                                 text=[kind if kind == "loss" else f"{kind}{k[1]}" for k, _ in nodes], textposition="middle center",
+                                 marker={"size": 34, "color": colors[kind]}, textfont={"color": "white"},
+                                 name={"F": "F: forward", "B": "B: input gradient", "W": "W: weight gradient", "loss": "loss"}[kind]))
+    fig.update_layout(title={"text": title or f"one stage of {L} layers: what each F, B and W waits for"},
+                      xaxis={"visible": False}, yaxis={"visible": False, "range": [-0.6, 2.6]},
+                      height=320, plot_bgcolor="white", legend={"orientation": "h", "y": -0.05})
+    return fig
