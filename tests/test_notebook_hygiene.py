@@ -77,7 +77,8 @@ def test_jupytext_pairing_is_declared_and_syncs_both_ways(tmp_path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
-    """Each lesson's exercises call their checks with ``...`` for the learner to replace; the
+    """Each lesson's exercises call their checks with ``...`` for the learner to replace (an
+    ``answer_... = ...`` line, or, where the learner writes code, a function body ``...``); the
     Solutions section runs each check with our answer, collapsed, and asserts it said right."""
     import re
 
@@ -91,8 +92,9 @@ def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
     assert "## Exercises" in headings and "## Solutions" in headings
     solutions_at = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "## Solutions" in c.source.splitlines())
     for key, name in ours.items():
-        asked = [c for c in nb.cells[:solutions_at] if c.cell_type == "code" and f"ex.{name}(answer_" in c.source]
-        assert len(asked) == 1 and re.search(r"^answer_\w+ = \.\.\.", asked[0].source, re.M), f"exercise {key} ({name})"
+        asked = [c for c in nb.cells[:solutions_at] if c.cell_type == "code" and f"ex.{name}(" in c.source]
+        placeholder = r"^answer_\w+ = \.\.\.|^\s+\.\.\.$"
+        assert len(asked) == 1 and re.search(placeholder, asked[0].source, re.M), f"exercise {key} ({name})"
         solved = [c for c in nb.cells[solutions_at:] if c.cell_type == "code" and f"ex.{name}(" in c.source]
         assert len(solved) == 1, f"no solution cell for exercise {key}"
         cell = solved[0]
