@@ -12,11 +12,13 @@ in-process caches, and the persistent compilation cache ``tests/conftest.py`` se
 notebook kernels), and the calls named in :data:`REPLAYED`, whole live training runs, give their
 first-pass results again: in a lesson that imports one, a hidden step after its set-up cell wraps
 the function so that it records its results (with a key made of its arguments, when they are plain
-numbers, strings and flags), and in the second pass a call whose key equals a first-pass call's
+numbers, strings, flags, lists of them or frozen dataclasses such as ``zb.Costs``), and in the second pass a call whose key equals a first-pass call's
 returns that call's result without running (each recorded result once). What the second pass
 checks is that the cells' code and names still work; the run itself was checked by the first pass.
-On this project's 2-core machine (load 8-11), the second pass added 128 s to the lessons' 595 s
-with lesson 7's ``adapt`` run again (75 s of it); replayed, lesson 7's second pass took 0.7 s.
+On this project's 2-core machine, shared (load 12-14), the eight lessons' second pass took 45 s
+beside their first pass's 621 s (the hidden recording steps: 13 s, mostly imports the lessons make
+later anyway); with every call run again it took 128 s beside 595 s (load 8-11), 75 s of them
+lesson 7's ``adapt``.
 
 Two orders (``--nbval-again``): ``in-order`` (the default) runs cell 0, 1, 2, ... again, as a
 learner who runs the lesson twice; ``reverse`` runs the last cell first, so that each cell meets the
@@ -45,8 +47,13 @@ RERUN_XFAIL: dict[str, dict[str, str]] = {
 whoever fixes the lesson; cells counted from 0 among code cells, as nbval names them). The in-order
 pass finds none today: each of these cells runs again only after the cell that defines its name has."""
 
-REPLAYED = {"zbpp_lite.training.adapt": "adapt"}
-"""Module -> function: live runs whose second-pass calls replay the first pass's results."""
+REPLAYED = {
+    "zbpp_lite.training.adapt": "adapt",  # lesson 7: 75 s of the second pass, run again
+    "zbpp_lite.training.train": "train",  # lessons 1, 3, 5, 6: 2-5 s a call
+    "zbpp_lite.viz": "bubble_sweep_figure",  # lesson 5: 12 s of simulations
+}
+"""Module -> function: the calls whose second-pass runs replay the first pass's results (in a
+lesson whose cells call the function by that name)."""
 
 _RECORD = """
 import importlib as _il
@@ -56,10 +63,20 @@ def _zbpp_replaying(module, name):
     if getattr(fn, "_zbpp_replay", None) is not None:
         return
     state = {"calls": [], "replay": False, "used": set()}
-    plain = (int, float, str, bool, type(None))
+    import dataclasses
+    def value(v):  # a comparable copy of an argument made of plain values, or a TypeError
+        if isinstance(v, (int, float, str, bool, type(None))):
+            return v
+        if isinstance(v, (list, tuple)):
+            return (type(v).__name__, tuple(value(x) for x in v))
+        if dataclasses.is_dataclass(v) and not isinstance(v, type) and v.__dataclass_params__.frozen:
+            return (type(v).__qualname__, tuple((f.name, value(getattr(v, f.name))) for f in dataclasses.fields(v)))
+        raise TypeError(type(v).__name__)
     def wrapper(*args, **kwargs):
-        key = (args, tuple(sorted(kwargs.items())))
-        key = key if all(isinstance(v, plain) for v in (*args, *kwargs.values())) else None
+        try:
+            key = value((args, tuple(sorted(kwargs.items()))))
+        except TypeError:
+            key = None
         if state["replay"]:
             for k, (recorded, result) in enumerate(state["calls"]):
                 if key is not None and recorded == key and k not in state["used"]:
@@ -108,7 +125,7 @@ def pytest_collection_modifyitems(session, config, items):
             continue
         cells = [i for i in items if isinstance(i, IPyNbCell) and i.parent is item.parent]
         reason = RERUN_XFAIL[again_order].get(item.parent.path.name)
-        replayed = {m: n for m, n in REPLAYED.items() if any(m in c.cell.source for c in cells)}
+        replayed = {m: n for m, n in REPLAYED.items() if any(f"{n}(" in c.cell.source for c in cells)}
         if replayed:  # record from the set-up cell on (JAX's flags are set by then)
             record = _RECORD + "".join(f"_zbpp_replaying({m!r}, {n!r})\n" for m, n in replayed.items())
             out.insert(out.index(cells[0]) + 1, _hidden(IPyNbCell, item.parent, "record live runs", record))
