@@ -505,7 +505,7 @@ def _order_problem(schedule: Schedule, timeline: Any) -> str:
 
 def zb_h1_peak(answer: Any) -> Verdict:
     """Exercise 8.4: a function ``peak(p, r, mem_b, mem_w)``: the peak activation memory of rank r
-    under ZB-H1 with p ranks (one stage each, m >= p microbatches), F keeping M_B = ``mem_b`` until
+    under ZB-H1 with p ranks (one stage each, m = 2p microbatches), F keeping M_B = ``mem_b`` until
     B and B keeping M_W = ``mem_w`` until W. Checked against the simulator at several points."""
     hint = ("list what rank r holds right after an F of the steady state: microbatches past F but not B "
             "hold M_B each, those past B but not W hold M_W each; ZB-H1 runs rank r's W of microbatch j "
