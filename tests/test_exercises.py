@@ -44,9 +44,9 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
     lessons = {}
     for key in ex.EXERCISES:
         lessons.setdefault(key.split(".")[0], []).append(key)
-    assert sorted(lessons) == [str(n) for n in range(1, 8)]
+    assert sorted(lessons) == [str(n) for n in range(1, 9)]
     assert all(len(v) >= 3 for v in lessons.values())
-    assert set(CASES) == set(ex.EXERCISES)
+    assert set(CASES) == {k for k in ex.EXERCISES if not k.startswith("8.")}  # lesson 8's: test_build_lesson.py
 
 
 @pytest.mark.parametrize("key", sorted(CASES))

@@ -79,9 +79,10 @@ def test_jupytext_pairing_is_declared_and_syncs_both_ways(tmp_path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
     """Each lesson has at least three exercises, whose checks the learner calls with ``...`` to
-    replace (a value, or the body of a function the check calls at several points), and at least
-    one to predict first, whose reveal cell draws the simulation only once answered; the Solutions
-    section runs each check with our answer, collapsed, and asserts it said right."""
+    replace (an ``answer_... = ...`` line, the body of a function the check calls at several points,
+    or, where the learner writes code, a function body ``...``), and at least one to predict first,
+    whose reveal cell draws the simulation only once answered; the Solutions section runs each check
+    with our answer, collapsed, and asserts it said right."""
     import re
 
     from zbpp_lite.viz.exercises import EXERCISES
@@ -95,7 +96,8 @@ def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
     solutions_at = next(i for i, c in enumerate(nb.cells) if c.cell_type == "markdown" and "## Solutions" in c.source.splitlines())
     for key, name in ours.items():
         asked = [c for c in nb.cells[:solutions_at] if c.cell_type == "code" and f"ex.{name}(" in c.source]
-        assert len(asked) == 1 and re.search(r"^(answer_\w+ = \.\.\.|\s+return \.\.\.)(\s*#.*)?$", asked[0].source, re.M), f"exercise {key} ({name})"
+        placeholder = r"^(answer_\w+ = \.\.\.|\s+return \.\.\.|\s+\.\.\.)(\s*#.*)?$"
+        assert len(asked) == 1 and re.search(placeholder, asked[0].source, re.M), f"exercise {key} ({name})"
         solved = [c for c in nb.cells[solutions_at:] if c.cell_type == "code" and f"ex.{name}(" in c.source]
         assert len(solved) == 1, f"no solution cell for exercise {key}"
         cell = solved[0]

@@ -1,9 +1,10 @@
 """The course's exercises: one check function per exercise, which says right or wrong and hints.
 
-Each lesson (notebooks 01-07) asks at least three questions, one of them to be predicted before
+Each lesson (notebooks 01-08) asks at least three questions, one of them to be predicted before
 the simulation runs (:func:`reveal` draws it only once an answer is given); where the answer is a
 formula, the learner writes a function of p, m and the costs and the check calls it at several
-points. The learner types an answer into the exercise cell and calls its check. A check never raises for a wrong answer: it returns a
+points; in lesson 8 the learner writes the pipeline itself. The learner types an answer into the
+exercise cell and calls its check. A check never raises for a wrong answer: it returns a
 :class:`Verdict`, which prints "right" or "not yet" with a hint, and is truthy only when right
 (so a notebook's solutions section can ``assert`` it). Answers are compared with what the
 simulator, the validator, the placement functions, the attribution or the rebalancer compute, or
@@ -545,3 +546,183 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
     "7.3": best_split,
 }
 """Every exercise by id ("lesson.number") -> its check."""
+
+
+# ------------------------------------------------------------------ lesson 8: build the pipeline
+
+BUILD_CASE = dict(ranks=4, microbatches=8, layers=8, width=256, microbatch_size=64, itemsize=4)
+"""Notebook 08's model: an MLP of 8 layers ``tanh(x @ W + b)`` of width 256, cut into 4 stages of 2
+layers (stage s on rank s), a global batch of 8 microbatches of 64 rows, float32."""
+
+BUILD_TOLERANCE = 1e-4
+"""Largest relative difference (to the reference's largest magnitude) accepted between the
+learner's arrays and JAX's: float32 sums in another order differ by about 1e-6 on any CPU."""
+
+
+def _rel_diff(mine: Any, ref: Any) -> float:
+    """max |mine - ref| / max |ref| for two arrays of one shape (inf for other shapes)."""
+    import numpy as np
+
+    try:
+        a, b = np.asarray(mine, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    except (TypeError, ValueError):
+        return math.inf
+    if a.shape != b.shape:
+        return math.inf
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    return float(np.max(np.abs(a - b))) / max(scale, 1e-30) if a.size else 0.0
+
+
+def _weight_hint(mine: Sequence, ref: Sequence) -> str:
+    """Why W's gradients differ from the reference's, from the common mistakes."""
+    if len(mine) != len(ref):
+        return (f"W returned {len(mine)} arrays where the stage has {len(ref)} parameters: one (dW, db) "
+                "pair per layer, in layer order.")
+    for i, (a, b) in enumerate(zip(mine, ref)):
+        if _rel_diff(a, b) <= BUILD_TOLERANCE:
+            continue
+        if getattr(b, "ndim", 0) == 2 and _rel_diff(a, b.T) <= BUILD_TOLERANCE:
+            return f"parameter {i} is the transpose of dW: dW = x.T @ dz, (width, rows) @ (rows, width)."
+        if any(_rel_diff(a, c) <= BUILD_TOLERANCE for c in ref if c is not b):
+            return f"parameter {i} equals another layer's gradient: pair each layer's input with its own output gradient."
+        return (f"parameter {i} is off: dW = x.T @ dz with x the layer's input (kept by F) and dz its "
+                "output gradient (kept by B); db = dz summed over the rows.")
+    return ""
+
+
+def stage_split(result: Any) -> Verdict:
+    """Exercise 8.1: a stage's F, B and W written by the learner. ``result`` is what notebook
+    08's ``try_stage(F, B, W)`` returns: ``{"error": None or the exception's text, "cases": [...]}``,
+    one case per tried stage, each a dict of NumPy arrays: ``y`` / ``ref_y`` (F's output and the
+    stage function's), ``dx`` / ``ref_dx`` (B's input gradient and ``jax.vjp``'s; None for stage 0),
+    ``grads`` / ``ref_grads`` (W's parameter gradients and ``jax.vjp``'s, flat, layer order) and
+    ``recomputed`` (True when B or W ran the stage's forward again instead of using what F kept)."""
+    hint = ("F: jax.vjp of the stage with respect to its input and the zero probes, keep the pullback and "
+            "the layer inputs; B: call the pullback on dy; W: x.T @ dz and dz.sum(0) per layer.")
+    if _unanswered(result):
+        return Verdict("8.1", False, "no answer yet: fill in F, B and W.", hint)
+    if not isinstance(result, dict) or "cases" not in result:
+        return Verdict("8.1", False, f"expected try_stage(F, B, W)'s result, got {type(result).__name__}.", hint)
+    if result.get("error"):
+        return Verdict("8.1", False, f"your functions raised {result['error']}", hint)
+    if not result["cases"]:
+        return Verdict("8.1", False, "no stage was tried.", hint)
+    worst = 0.0
+    for case in result["cases"]:
+        s = case["stage"]
+        if case.get("recomputed"):
+            return Verdict("8.1", False, f"on stage {s}, B or W ran the stage's layers again.",
+                           "F keeps the pullback jax.vjp returned; B only calls it, W only multiplies what F and B kept.")
+        if _rel_diff(case["y"], case["ref_y"]) > BUILD_TOLERANCE:
+            return Verdict("8.1", False, f"F's output on stage {s} is not the stage's output.", hint)
+        if case["ref_dx"] is not None and _rel_diff(case["dx"], case["ref_dx"]) > BUILD_TOLERANCE:
+            return Verdict("8.1", False, f"B's input gradient on stage {s} differs from jax.vjp's.",
+                           "B returns the pullback's gradient for the stage input, first of its two outputs.")
+        mine, ref = list(case["grads"] or ()), list(case["ref_grads"])
+        why = _weight_hint(mine, ref)
+        if why:
+            return Verdict("8.1", False, f"W's gradients on stage {s} differ from jax.vjp's.", why)
+        worst = max([worst, _rel_diff(case["y"], case["ref_y"])] + [_rel_diff(a, b) for a, b in zip(mine, ref)])
+    stages = ", ".join(str(c["stage"]) for c in result["cases"])
+    return Verdict("8.1", True, f"on stages {stages}, F, B and W give the stage's output and jax.vjp's gradients "
+                                f"(largest relative difference {worst:.1e}).")
+
+
+def weight_bytes(answer: Any) -> Verdict:
+    """Exercise 8.2: M_W of one stage of :data:`BUILD_CASE` for one microbatch, in bytes: what B
+    keeps for W (each layer's input and its output gradient), predicted from the shapes."""
+    c = BUILD_CASE
+    per_stage = c["layers"] // c["ranks"]
+    expected = per_stage * 2 * c["microbatch_size"] * c["width"] * c["itemsize"]
+    return _number_check("8.2", answer, expected, "M_W in bytes",
+                         "W needs, for each layer of the stage, its input x and its output gradient dz: "
+                         "each (rows, width) float32, 4 bytes a number. The bias gradient needs dz only.")
+
+
+def pipeline_run(result: Any) -> Verdict:
+    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
+    1F1B and on ZB-H1. ``result``: ``{"error": None or text, "runs": {name: {"timeline":
+    Timeline, "grad_error": float}}}``. Right when, for both schedules, every rank ran exactly its
+    actions in the schedule's order (one event each), every action started after the actions of
+    other ranks it needs had ended, and the gradients equal ``jax.grad``'s within
+    :data:`BUILD_TOLERANCE`."""
+    hint = ("walk `actions` in order; F takes its input from the inbox (stage 0: the data), B its "
+            "output gradient (last stage: 1/m); block_until_ready, record the Event, then device_put "
+            "the result into the next rank's inbox.")
+    if _unanswered(result):
+        return Verdict("8.3", False, "no answer yet: fill in rank_loop.", hint)
+    if not isinstance(result, dict) or "runs" not in result:
+        return Verdict("8.3", False, f"expected try_pipeline(rank_loop)'s result, got {type(result).__name__}.", hint)
+    if result.get("error"):
+        return Verdict("8.3", False, f"running it raised {result['error']}", hint)
+    c = BUILD_CASE
+    worst = 0.0
+    for name in ("1f1b", "zb-h1"):
+        if name not in result["runs"]:
+            return Verdict("8.3", False, f"no run of {name}.", hint)
+        run = result["runs"][name]
+        why = _order_problem(build_schedule(name, c["ranks"], c["microbatches"]), run["timeline"])
+        if why:
+            return Verdict("8.3", False, f"{name}: {why}", hint)
+        error = float(run["grad_error"])
+        if not error <= BUILD_TOLERANCE:
+            return Verdict("8.3", False, f"{name}: the gradients differ from jax.grad's (relative difference {error:.1e}).",
+                           "each W must use the layer inputs and output gradients of its own (stage, microbatch), "
+                           "and each stage add up its W's over all m microbatches.")
+        worst = max(worst, error)
+    return Verdict("8.3", True, "1F1B and ZB-H1 ran in their schedules' order on every rank, each action after its "
+                                f"inputs; the gradients equal jax.grad's (largest relative difference {worst:.1e}).")
+
+
+def _order_problem(schedule: Schedule, timeline: Any) -> str:
+    """What is wrong with a measured run of ``schedule``, or "" when each rank ran its actions in
+    order, one event each, and each action began after the other ranks' actions it needs ended."""
+    events = getattr(timeline, "events", None)
+    if not events:
+        return "the run recorded no events: append one zb.Event per action."
+    ended: dict = {}
+    for e in events:
+        ended[(e.action.kind if e.action.kind != "BW" else "B", e.action.stage, e.action.microbatch)] = e.end
+    for rank, planned in enumerate(schedule.actions):
+        ran = [e.action for e in sorted((e for e in events if e.rank == rank), key=lambda e: e.start)]
+        for k, (a, b) in enumerate(zip(ran, planned)):
+            if a != b:
+                return f"rank {rank}'s action {k} was {a}, the schedule says {b}."
+        if len(ran) != len(planned):
+            return f"rank {rank} ran {len(ran)} actions, the schedule has {len(planned)}."
+    S = schedule.num_stages
+    for e in events:
+        s, j = e.action.stage, e.action.microbatch
+        need = [("F", s - 1, j)] if e.action.kind == "F" and s > 0 else []
+        if e.action.kind in ("B", "BW") and s < S - 1:
+            need = [("B", s + 1, j)]
+        for key in need:
+            if key not in ended or e.start < ended[key]:
+                return f"{e.action} on rank {e.rank} started before {key[0]} of stage {key[1]}, microbatch {j} had ended."
+    return ""
+
+
+def zb_h1_peak(answer: Any) -> Verdict:
+    """Exercise 8.4: a function ``peak(p, r, mem_b, mem_w)``: the peak activation memory of rank r
+    under ZB-H1 with p ranks (one stage each, m = 2p microbatches), F keeping M_B = ``mem_b`` until
+    B and B keeping M_W = ``mem_w`` until W. Checked against the simulator at several points."""
+    hint = ("list what rank r holds right after an F of the steady state: microbatches past F but not B "
+            "hold M_B each, those past B but not W hold M_W each; ZB-H1 runs rank r's W of microbatch j "
+            "after its B of microbatch j + r.")
+    if _unanswered(answer):
+        return Verdict("8.4", False, "no answer yet: replace ... with a function peak(p, r, mem_b, mem_w).", hint)
+    if not callable(answer):
+        return Verdict("8.4", False, f"expected a function of (p, r, mem_b, mem_w), got {answer!r}.", hint)
+    for p, m, mem_b, mem_w in ((4, 8, 1.0, 0.5), (3, 6, 5.0, 1.0), (5, 10, 2.0, 1.5), (2, 4, 1.0, 0.0)):
+        planned = simulate(build_schedule("zb-h1", p, m), Costs(mem_b=mem_b, mem_w=mem_w)).peak_memory
+        for r in range(p):
+            try:
+                value = _as_number(answer(p, r, mem_b, mem_w))
+            except Exception as e:  # noqa: BLE001 - the learner's function: say what it raised
+                return Verdict("8.4", False, f"peak({p}, {r}, {mem_b}, {mem_w}) raised {type(e).__name__}: {e}", hint)
+            if value is None or abs(value - planned[r]) > 1e-9 * max(1.0, planned[r]):
+                return Verdict("8.4", False, f"peak({p}, {r}, {mem_b}, {mem_w}) gives {value}; the simulator gives {planned[r]:g}.", hint)
+    return Verdict("8.4", True, "your peak agrees with zb.simulate on every rank of four cases (p = 2 to 5).")
+
+
+EXERCISES.update({"8.1": stage_split, "8.2": weight_bytes, "8.3": pipeline_run, "8.4": zb_h1_peak})

@@ -1,0 +1,142 @@
+"""Lesson 08's checks tell a right pipeline from a wrong one.
+
+The lesson's own code runs here: its cells up to "## Exercises" (model, zero probes, inboxes,
+``run_pipeline``, ``try_stage``, ``try_pipeline``) and its Solutions cells (our F, B, W,
+``rank_loop`` and ``peak``), executed from ``notebooks/08_build_a_pipeline.md``. The right build
+passes all four checks; each wrong one below, a mistake a learner makes, fails its check with a
+hint that names it: W reading another microbatch's output gradient, a loop that walks its own
+order instead of the schedule's, W's product transposed, B running the layers again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import jupytext
+import pytest
+
+from zbpp_lite.viz import exercises as ex
+
+LESSON = Path(__file__).parent.parent / "notebooks" / "08_build_a_pipeline.md"
+
+
+def _sections(nb) -> tuple[list[str], list[str]]:
+    """The code of the cells before "## Exercises", and of those between "## Solutions" and the next heading."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    to_python = TransformerManager().transform_cell  # the set-up cell's %pip (run on Colab only)
+    before, solutions, part = [], [], "before"
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            heads = [line for line in cell.source.splitlines() if line.startswith("## ")]
+            if "## Exercises" in heads:
+                part = "exercises"
+            elif "## Solutions" in heads:
+                part = "solutions"
+            elif heads and part == "solutions":
+                part = "after"
+        elif cell.cell_type == "code" and part in ("before", "solutions"):
+            (before if part == "before" else solutions).append(to_python(cell.source))
+    return before, solutions
+
+
+@pytest.fixture(scope="module")
+def lesson():
+    """The lesson's namespace after its set-up, scaffolding and Solutions cells."""
+    flags = os.environ.get("XLA_FLAGS")
+    ns: dict = {"__name__": "lesson08"}
+    before, solutions = _sections(jupytext.read(LESSON))
+    try:
+        for source in before + solutions:
+            exec(compile(source, str(LESSON), "exec"), ns)
+    finally:
+        if flags is not None:
+            os.environ["XLA_FLAGS"] = flags
+    return ns
+
+
+def test_the_right_build_passes_every_check(lesson):
+    assert ex.stage_split(lesson["try_stage"](lesson["F"], lesson["B"], lesson["W"]))
+    assert ex.weight_bytes(2 * 2 * 64 * 256 * 4)
+    assert ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
+    assert ex.zb_h1_peak(lesson["peak"])
+
+
+def test_w_with_another_microbatchs_output_gradient_fails(lesson):
+    """W pairs its microbatch's layer inputs with the output gradients of the rank's latest B. In
+    1F1B W runs right after its own B, so nothing shows; ZB-H1 delays W and the check catches it."""
+    F, B, W = lesson["F"], lesson["B"], lesson["W"]
+    latest = threading.local()  # one rank per thread, one stage per rank
+
+    def B_noting(saved, dy):
+        dx, kept = B(saved, dy)
+        latest.dz = kept[1]
+        return dx, kept
+
+    def W_wrong(kept):
+        return W((kept[0], latest.dz))
+
+    lesson.update(B=B_noting, W=W_wrong)
+    try:
+        verdict = ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
+    finally:
+        lesson.update(F=F, B=B, W=W)
+    assert not verdict and verdict.hint
+    assert str(verdict).startswith("Exercise 8.3: not yet. zb-h1: the gradients differ"), str(verdict)
+
+
+def test_a_loop_that_ignores_the_schedule_order_fails(lesson):
+    """All F first, then the backwards, then the W's (GPipe's order, which never deadlocks): the
+    gradients are right, the order is not the schedule's."""
+    rank_loop = lesson["rank_loop"]
+    order = {"F": 0, "B": 1, "BW": 1, "W": 2}
+
+    def own_order(rank, actions, *args):
+        return rank_loop(rank, sorted(actions, key=lambda a: (order[a.kind], a.microbatch)), *args)
+
+    verdict = ex.pipeline_run(lesson["try_pipeline"](own_order))
+    assert not verdict and verdict.hint
+    assert "the schedule says" in str(verdict), str(verdict)
+
+
+def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
+    F, B, W = lesson["F"], lesson["B"], lesson["W"]
+
+    def W_transposed(kept):
+        return [(dW.T, db) for dW, db in W(kept)]
+
+    verdict = ex.stage_split(lesson["try_stage"](F, B, W_transposed))
+    assert not verdict and "transpose" in verdict.hint, str(verdict)
+
+    stage_apply, zero_probes = lesson["stage_apply"], lesson["zero_probes"]
+    import jax
+
+    def F_keeping_input(s, x, target=None):  # keeps x only, so B must run the layers again
+        y, _ = stage_apply(lesson["stage_params"][s], x, zero_probes(s, x), target)
+        return y, (s, x, target)
+
+    def B_recomputing(saved, dy):
+        s, x, target = saved
+        f = lambda x, probes: stage_apply(lesson["stage_params"][s], x, probes, target)  # noqa: E731
+        _, pullback, layer_inputs = jax.vjp(f, x, zero_probes(s, x), has_aux=True)
+        dx, dz = pullback(dy)
+        return dx, (layer_inputs, dz)
+
+    verdict = ex.stage_split(lesson["try_stage"](F_keeping_input, B_recomputing, W))
+    assert not verdict and "ran the stage's layers again" in str(verdict), str(verdict)
+
+
+def test_wrong_predictions_fail():
+    assert not ex.weight_bytes(3 * 2 * 64 * 256 * 4)  # also the layer outputs: W does not need them
+    assert not ex.weight_bytes(2 * 64 * 256 * 4)       # the output gradients only
+    assert not ex.zb_h1_peak(lambda p, r, mem_b, mem_w: (p - r) * mem_b)  # 1F1B's peak: M_W forgotten
+    assert not ex.zb_h1_peak(lambda p, r, mem_b, mem_w: p * mem_b)
+
+
+@pytest.mark.parametrize("key", ["8.1", "8.2", "8.3", "8.4"])
+@pytest.mark.parametrize("junk", [..., None, "many", [1, "x"], {"cases": []}], ids=["ellipsis", "none", "word", "list", "empty"])
+def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
+    verdict = ex.EXERCISES[key](junk)
+    assert not verdict.ok and verdict.hint
