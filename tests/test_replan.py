@@ -217,6 +217,21 @@ def test_online_replanner_follows_a_real_drift_once_and_then_holds():
     assert drift(before, after, p) == pytest.approx(0.5 / 3)
 
 
+def test_online_replanner_plans_with_the_references_memory_not_the_defaults():
+    """A timeline measures times only: the re-plan keeps the reference's M_B and M_W (here bytes,
+    W holding 3/4), so its plan stays within the limit under them (issue 31)."""
+    p, m = 4, 8
+    before = zb.Costs(mem_b=[4096, 4096, 4096, 2048], mem_w=[3072, 3072, 3072, 1536])
+    online = OnlineReplanner(replan(before, p, m).schedule, before, every=2, patience=1)
+    after = zb.Costs(comm=0.5, mem_b=before.mem_b, mem_w=before.mem_w)
+    for _ in range(6):
+        online.observe(zb.simulate(online.schedule, after))
+    assert any(c.decision in ("kept", "switched") for c in online.history)  # it re-planned
+    assert (online.reference.mem_b, online.reference.mem_w) == (before.mem_b, before.mem_w)
+    peaks = zb.simulate(online.schedule, before).peak_memory
+    assert all(peak <= 4 * b for peak, b in zip(peaks, before.mem_b))  # p M_B of the rank's stage
+
+
 def test_online_replanner_settings_are_checked():
     s = zb.build_schedule("zb-h1", 2, 4)
     for bad in ({"every": 0}, {"threshold": -1.0}, {"patience": 0}, {"min_gain": -0.1}):
