@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import zbpp_lite as zb
+from zbpp_lite.analysis.profiling.device import stage_memory_bytes
 from zbpp_lite.runtime.executor import PipelineExecutor
 from zbpp_lite.runtime.memory import MemoryRecorder, nbytes
 from zbpp_lite.runtime.stages import StagedModel
@@ -117,6 +118,15 @@ def test_zb_h2_holds_2p_minus_1_over_p_of_1f1b_peak_on_rank_0(p):
     one = _run(zb.build_schedule("1f1b", p, 2 * p)).measured_memory
     assert Fraction(h2.peak_bytes[0], one.peak_bytes[0]) == Fraction(2 * p - 1, p)
     assert one.peak_bytes[0] == p * one.mem_b[0]  # 1F1B: p microbatches' activations on rank 0
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_the_shapes_give_the_measured_m_b_and_m_w_before_any_step(name):
+    # what train and compare plan with (issue 31): the recorder's per-stage bytes, known before a step
+    # runs (schedules that split B and W: a fused BW keeps no output gradients for a W)
+    schedule = _build(name, 2, 4)
+    memory = _run(schedule).measured_memory
+    assert stage_memory_bytes(_model(schedule.num_stages), X[:MB], Y[:MB]) == (memory.mem_b, memory.mem_w)
 
 
 def test_f_outputs_are_fresh_buffers_so_summing_leaves_counts_each_once():
