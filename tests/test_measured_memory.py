@@ -191,6 +191,24 @@ def test_the_figure_draws_measured_and_planned_per_rank_and_refuses_a_plan():
         measured_memory_figure(zb.simulate(schedule))
 
 
+def test_train_plans_zb_v_with_the_jobs_memory_so_its_measured_peak_keeps_the_promise(tmp_path, capsys):
+    # issue 31: planned with M_W = 0, zb-v at p = 2, m = 16 held 584,408 bytes on rank 0 against a
+    # promise of about 103 KB (p whole-rank M_B): every W waited for the tail
+    import json
+
+    from zbpp_lite.cli import main
+
+    path = tmp_path / "run.json"
+    argv = ["train", "--threads", "--schedule", "zb-v", "--microbatches", "16", "--d", "8", "--heads", "1", "--steps", "1",
+            "--batch", "32", "--json", str(path), "--no-progress"]
+    assert main(argv) == 0
+    memory = json.loads(path.read_text())["memory"]
+    mem_b, p = memory["mem_b_bytes"], 2
+    assert all(memory["peak_bytes"][r] <= p * (mem_b[r] + mem_b[2 * p - 1 - r]) for r in range(p))
+    assert memory["peak_bytes"] == memory["planned_peak_bytes"]
+    assert "planned with this job's activation memory per stage" in capsys.readouterr().out
+
+
 def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsys):
     import json
 
