@@ -199,8 +199,8 @@ def test_train_plans_zb_v_with_the_jobs_memory_so_its_measured_peak_keeps_the_pr
     from zbpp_lite.cli import main
 
     path = tmp_path / "run.json"
-    argv = ["train", "--threads", "--schedule", "zb-v", "--microbatches", "16", "--d", "8", "--heads", "1", "--steps", "1",
-            "--batch", "32", "--json", str(path), "--no-progress"]
+    argv = ["train", "--threads", "--schedule", "zb-v", "--microbatches", "16", "--d", "8", "--heads", "1",
+            "--steps", "1", "--batch", "32", "--json", str(path), "--no-progress"]
     assert main(argv) == 0
     memory = json.loads(path.read_text())["memory"]
     mem_b, p = memory["mem_b_bytes"], 2

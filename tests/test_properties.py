@@ -71,8 +71,9 @@ def default_limit(name: str, p: int) -> int:
             "v-min": 2 * ((p + 4) // 3)}[name]
 
 
-@pytest.mark.parametrize("mem_w", [None, 0.75])  # the default share (7/16 of M_B) and a larger one (issue 31 used
-# 0.8; 3/4 is as exact in binary as 7/16, so the peaks compare with <= and no tolerance)
+# the default share (7/16 of M_B) and a larger one (issue 31 used 0.8; 3/4 is as exact in binary as
+# 7/16, so the peaks compare with <= and no tolerance)
+@pytest.mark.parametrize("mem_w", [None, 0.75])
 @pytest.mark.parametrize("p", [2, 4, 8])
 @pytest.mark.parametrize("name", MEMORY_LIMITED)
 def test_memory_limited_plans_keep_their_limit_with_ws_memory_whatever_m(name, p, mem_w):

@@ -37,7 +37,7 @@ def one_f_one_b_reference(p: int, m: int) -> zb.Timeline:
 # --------------------------------------------------------------------------- zb-v
 
 
-def test_zb_v_with_the_papers_profiled_times_and_a_w_that_holds_nothing_beats_its_bubble_rate_within_p_whole_rank_mb():
+def test_zb_v_with_the_papers_times_and_a_w_holding_nothing_beats_its_bubble_rate_within_p_whole_rank_mb():
     costs = dataclasses.replace(TABLE8, mem_w=0.0)  # M_W = 0: every W may wait for the tail at no memory cost
     s = zb.validate(zb.build_schedule("zb-v", 16, 48, costs=costs))
     assert s.placement == zb.v_placement(16)
@@ -46,8 +46,8 @@ def test_zb_v_with_the_papers_profiled_times_and_a_w_that_holds_nothing_beats_it
     assert max(t.peak_memory) <= 16 * 2  # p whole-rank M_B (two stages of mem_b 1)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31: with W's memory (M_W = 7/16 M_B, the paper's ratio) our greedy zb-v "
-                   "plans a bubble rate of 0.116 within p whole-rank M_B, where the paper reports 0.0697")
+@pytest.mark.xfail(strict=True, reason="issue 31: with W's memory (M_W = 7/16 M_B, the paper's ratio) our "
+                   "greedy zb-v plans a bubble rate of 0.116 within p whole-rank M_B; the paper: 0.0697")
 def test_zb_v_with_the_papers_profiled_costs_and_its_m_w_reaches_its_bubble_rate_within_p_whole_rank_mb():
     t = zb.simulate(zb.validate(zb.build_schedule("zb-v", 16, 48, costs=TABLE8)), TABLE8)
     assert max(t.peak_memory) <= 16 * 2

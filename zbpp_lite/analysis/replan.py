@@ -248,7 +248,8 @@ class OnlineReplanner:
             return None
         S = self.schedule.num_stages
         # a timeline measures times, not memory: the plan keeps the reference's M_B and M_W
-        observed = replace(profile(self._window, S).costs(), mem_b=self.reference.mem_b, mem_w=self.reference.mem_w)
+        observed = replace(profile(self._window, S).costs(),
+                           mem_b=self.reference.mem_b, mem_w=self.reference.mem_w)
         if self.confidence is not None:
             steps = [profile([t], S).costs() for t in self._window]
             self._window = []

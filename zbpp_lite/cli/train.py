@@ -237,11 +237,12 @@ def plan_with_job_memory(args, schedule, blocks: int):
     options = parse_options(args.option)
     if args.schedule_csv or "costs" not in options_of(args.schedule) or "memory_limit" in options:
         return schedule
-    mem_b, mem_w = stage_memory_bytes(*job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches))
-    print(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and M_W {list(mem_w)} "
-          f"bytes", flush=True)
-    costs = zb.Costs(mem_b=mem_b, mem_w=mem_w)
-    return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, costs=costs, **options))
+    job = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
+    mem_b, mem_w = stage_memory_bytes(*job)
+    print(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and "
+          f"M_W {list(mem_w)} bytes", flush=True)
+    options["costs"] = zb.Costs(mem_b=mem_b, mem_w=mem_w)
+    return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
 
 
 def profile_pipelines(device, schedules: list, args, blocks: int, by_shape: dict | None = None) -> list:

@@ -106,7 +106,8 @@ class Costs:
                 object.__setattr__(self, name, tuple(float(v) for v in values))
         if self.mem_w is None:  # the paper's ratio of M_B (MEM_W_RATIO), stage by stage
             b = self.mem_b
-            object.__setattr__(self, "mem_w", b * MEM_W_RATIO if isinstance(b, float) else tuple(x * MEM_W_RATIO for x in b))
+            share = b * MEM_W_RATIO if isinstance(b, float) else tuple(x * MEM_W_RATIO for x in b)
+            object.__setattr__(self, "mem_w", share)
 
     def table(self, num_stages: int) -> "CostTable":
         """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages.

@@ -142,7 +142,8 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
             times["W"][s].append(tw)
     medians = {kind: [statistics.median(v) for v in per_stage] for kind, per_stage in times.items()}
     mem_b, mem_w = stage_memory_bytes(model, x, labels)
-    return Costs(f=medians["F"], b=medians["B"], w=medians["W"], bw=medians.get("BW"), mem_b=mem_b, mem_w=mem_w)
+    return Costs(f=medians["F"], b=medians["B"], w=medians["W"], bw=medians.get("BW"),
+                 mem_b=mem_b, mem_w=mem_w)
 
 
 def simulate_profiled(schedule: Schedule, costs: Costs) -> Timeline:
