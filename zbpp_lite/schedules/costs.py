@@ -77,7 +77,8 @@ class Costs:
             (None): :data:`MEM_W_RATIO` (7/16) times mem_b, stage by stage, the paper's ratio
             (section 2.3, table 1); give 0 explicitly for the idealised W that holds nothing. A
             plan made with M_W = 0 defers every W to the end of the step, so its real peak grows
-            with m.
+            with m. The share is worked out when the Costs is made: ``dataclasses.replace(c,
+            mem_b=...)`` keeps the old mem_w, so give mem_w with it.
 
     Raises:
         ValueError: a negative, NaN or infinite value, or mem_w > mem_b.
