@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import zbpp_lite as zb
+from zbpp_lite.analysis.profiling.device import stage_memory_bytes
 from zbpp_lite.runtime.executor import PipelineExecutor
 from zbpp_lite.runtime.memory import MemoryRecorder, nbytes
 from zbpp_lite.runtime.stages import StagedModel
@@ -119,6 +120,15 @@ def test_zb_h2_holds_2p_minus_1_over_p_of_1f1b_peak_on_rank_0(p):
     assert one.peak_bytes[0] == p * one.mem_b[0]  # 1F1B: p microbatches' activations on rank 0
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zb-v"])
+def test_the_shapes_give_the_measured_m_b_and_m_w_before_any_step(name):
+    # what train and compare plan with (issue 31): the recorder's per-stage bytes, known before a step
+    # runs (schedules that split B and W: a fused BW keeps no output gradients for a W)
+    schedule = _build(name, 2, 4)
+    memory = _run(schedule).measured_memory
+    assert stage_memory_bytes(_model(schedule.num_stages), X[:MB], Y[:MB]) == (memory.mem_b, memory.mem_w)
+
+
 def test_f_outputs_are_fresh_buffers_so_summing_leaves_counts_each_once():
     model = _model(2)
     shapes = model.stage_inputs(X[:MB])
@@ -179,6 +189,24 @@ def test_the_figure_draws_measured_and_planned_per_rank_and_refuses_a_plan():
         assert "measured / planned 1" in fig.layout.annotations[r].text
     with pytest.raises(ValueError, match="no measured memory"):
         measured_memory_figure(zb.simulate(schedule))
+
+
+def test_train_plans_zb_v_with_the_jobs_memory_so_its_measured_peak_keeps_the_promise(tmp_path, capsys):
+    # issue 31: planned with M_W = 0, zb-v at p = 2, m = 16 held 584,408 bytes on rank 0 against a
+    # promise of about 103 KB (p whole-rank M_B): every W waited for the tail
+    import json
+
+    from zbpp_lite.cli import main
+
+    path = tmp_path / "run.json"
+    argv = ["train", "--threads", "--schedule", "zb-v", "--microbatches", "16", "--d", "8", "--heads", "1",
+            "--steps", "1", "--batch", "32", "--json", str(path), "--no-progress"]
+    assert main(argv) == 0
+    memory = json.loads(path.read_text())["memory"]
+    mem_b, p = memory["mem_b_bytes"], 2
+    assert all(memory["peak_bytes"][r] <= p * (mem_b[r] + mem_b[2 * p - 1 - r]) for r in range(p))
+    assert memory["peak_bytes"] == memory["planned_peak_bytes"]
+    assert "planned with this job's activation memory per stage" in capsys.readouterr().out
 
 
 def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsys):

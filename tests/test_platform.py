@@ -16,7 +16,7 @@ import pytest
 
 import zbpp_lite as zb
 from zbpp_lite.runtime import devices as devices_mod
-from zbpp_lite.analysis.profiling.device import profile_stage_costs, simulate_profiled
+from zbpp_lite.analysis.profiling.device import profile_stage_costs, simulate_profiled, stage_memory_bytes
 from zbpp_lite.cli import main
 from zbpp_lite.training.data import load_digits
 from zbpp_lite.runtime.devices import ensure_devices, platform_devices
@@ -100,6 +100,7 @@ def test_fused_profile_times_bw_per_stage_and_gpipe_uses_it(uneven):
     c = profile_stage_costs(model, x, y, jax.devices("cpu")[0], repeats=3, fused=True)
     assert len(c.bw) == 2 and min(c.bw) > 0
     assert c.bw[1] > 1.5 * c.bw[0]  # the heavy stage's fused backward, not the light one's
+    assert (c.mem_b, c.mem_w) == stage_memory_bytes(model, x, y)  # M_B, M_W in bytes: what planners take
     m = 6  # GPipe's closed form as above, with the measured T_BW
     expected = sum(c.f) + sum(c.bw) + (m - 1) * (max(c.f) + max(c.bw))
     assert simulate_profiled(zb.build_schedule("gpipe", 2, m), c).makespan == pytest.approx(expected, rel=1e-12)

@@ -70,11 +70,14 @@ def test_replan_refuses_what_it_cannot_plan():
         replan(zb.Costs(), 2, 4, current=zb.build_schedule("interleaved-1f1b", 2, 4, stages_per_rank=2))
 
 
-def test_replan_with_t_comm_beats_zb_h1():
-    """Measured T_comm = 0.5 at p = 4, m = 8: zb-auto plans around the transfers and is predicted
-    faster than ZB-H1 (which was designed for T_comm = 0)."""
-    result = replan(zb.Costs(comm=0.5), 4, 8, current=zb.build_schedule("zb-h1", 4, 8))
-    assert result.gain > 0.03
+def test_replan_with_t_comm_beats_zb_h1_given_one_more_m_b():
+    """Measured T_comm = 0.5 at p = 4, m = 8: at ZB-H1's own memory (p M_B, W holding M_W) zb-auto
+    only matches ZB-H1, as the paper finds ZB-1p no better than ZB-H1 (arXiv 2401.10241, section
+    5.3, table 5: the memory limit dominates); with one more M_B it plans around the transfers and
+    is predicted faster than ZB-H1 (which was designed for T_comm = 0)."""
+    zb_h1 = zb.build_schedule("zb-h1", 4, 8)
+    assert replan(zb.Costs(comm=0.5), 4, 8, current=zb_h1).gain == 0.0
+    assert replan(zb.Costs(comm=0.5), 4, 8, memory_limit=5, current=zb_h1).gain > 0.03
 
 
 # ---------------------------------------------------------------------------- rebalance
@@ -177,8 +180,9 @@ def test_online_replanner_never_flips_on_noise_alone(seed):
 @pytest.mark.parametrize("seed", range(2))
 def test_without_the_drift_threshold_noise_flips_plans_and_the_gain_gate_stops_most(seed):
     """Why the hysteresis has layers: with no drift threshold (0, patience 1) the planner re-plans
-    at every check; without a required gain it then switches at most checks on +-20% noise alone,
-    with min_gain 3% only rarely. (With the default threshold it never does: see above.)"""
+    at every check; without a required gain it then switches at most checks on +-20% noise alone
+    (16 and 14 of the 20 for seeds 0 and 1 with the default M_W; all 20 with M_W = 0, where more
+    plans tie), with min_gain 3% only rarely. (With the default threshold it never does: see above.)"""
     def switches(min_gain: float) -> int:
         rng = random.Random(seed)
         mean = zb.Costs()
@@ -188,7 +192,7 @@ def test_without_the_drift_threshold_noise_flips_plans_and_the_gain_gate_stops_m
         assert len(online.history) == 20
         return sum(c.decision == "switched" for c in online.history)
 
-    assert switches(0.0) >= 15
+    assert switches(0.0) > 20 // 2  # most of the 20 checks
     assert switches(0.03) <= 2
 
 
@@ -211,6 +215,21 @@ def test_online_replanner_follows_a_real_drift_once_and_then_holds():
     assert decisions == ["steady", "steady", "wait", "switched"] + ["steady"] * 6
     assert online.history[3].gain >= online.min_gain
     assert drift(before, after, p) == pytest.approx(0.5 / 3)
+
+
+def test_online_replanner_plans_with_the_references_memory_not_the_defaults():
+    """A timeline measures times only: the re-plan keeps the reference's M_B and M_W (here bytes,
+    W holding 3/4), so its plan stays within the limit under them (issue 31)."""
+    p, m = 4, 8
+    before = zb.Costs(mem_b=[4096, 4096, 4096, 2048], mem_w=[3072, 3072, 3072, 1536])
+    online = OnlineReplanner(replan(before, p, m).schedule, before, every=2, patience=1)
+    after = zb.Costs(comm=0.5, mem_b=before.mem_b, mem_w=before.mem_w)
+    for _ in range(6):
+        online.observe(zb.simulate(online.schedule, after))
+    assert any(c.decision in ("kept", "switched") for c in online.history)  # it re-planned
+    assert (online.reference.mem_b, online.reference.mem_w) == (before.mem_b, before.mem_w)
+    peaks = zb.simulate(online.schedule, before).peak_memory
+    assert all(peak <= 4 * b for peak, b in zip(peaks, before.mem_b))  # p M_B of the rank's stage
 
 
 def test_online_replanner_settings_are_checked():

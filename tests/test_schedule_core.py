@@ -218,6 +218,15 @@ def test_per_stage_costs_are_honoured_and_checked():
         zb.simulate(s, zb.Costs(f=[1, 2, 3]))
 
 
+def test_the_default_m_w_is_the_papers_share_of_each_stages_m_b():
+    # arXiv 2401.10241, table 1: M_W / M_B = 32h / (34h + 5as) = 16/37 at s = 1024, h/a = 128, to 1/16: 7/16
+    assert zb.Costs().mem_w == 7 / 16 and zb.Costs(mem_b=2.0).mem_w == 7 / 8
+    assert zb.Costs(mem_b=[4, 0, 16]).mem_w == (1.75, 0.0, 7.0)
+    assert zb.Costs(mem_w=0).mem_w == 0.0 and zb.Costs(mem_b=[1, 2], mem_w=[0.5, 1]).mem_w == (0.5, 1.0)
+    # 1F1B's W is fused into its B, so W's share never shows: p M_B on rank 0 whatever M_W
+    assert zb.simulate(zb.build_schedule("1f1b", 4, 8)).peak_memory == (4, 3, 2, 1)
+
+
 # --------------------------------------------------------------------------- builders: bad input
 
 

@@ -16,7 +16,7 @@ the unpartitioned model's (the executor's tests check this for every schedule).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from ..schedules.builders.auto import auto_plan
@@ -247,7 +247,9 @@ class OnlineReplanner:
         if len(self._window) < self.every:
             return None
         S = self.schedule.num_stages
-        observed = profile(self._window, S).costs()
+        # a timeline measures times, not memory: the plan keeps the reference's M_B and M_W
+        observed = replace(profile(self._window, S).costs(),
+                           mem_b=self.reference.mem_b, mem_w=self.reference.mem_w)
         if self.confidence is not None:
             steps = [profile([t], S).costs() for t in self._window]
             self._window = []

@@ -89,7 +89,8 @@ def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
         mean = None
         if by_shape:
             every = list(by_shape.values())
-            mean = zb.Costs(*(float(np.mean([v for c in every for v in getattr(c, k)])) for k in "fbw"))
+            mean = zb.Costs(**{k: float(np.mean([v for c in every for v in getattr(c, k)]))
+                               for k in ("f", "b", "w", "mem_b", "mem_w")})  # the measured M_W / M_B share
         options, reason = _options(name, args.ranks, mean)
         try:
             if reason:
@@ -170,9 +171,9 @@ class OneCore:
 
 def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
     """:class:`OneCore`'s helper process: answers ``{"op": "costs", "blocks", "stages"}`` with
-    ``{"f", "b", "w", "bw"}`` (seconds per stage) and ``{"op": "whole batch", "steps", "blocks"}``
-    with ``{"step_seconds"}``, for the job ``config`` (``holdout``, ``seed``, ``batch``,
-    ``microbatches``, ``d``, ``heads``, ``lr``)."""
+    ``{"f", "b", "w", "bw"}`` (seconds per stage) and ``{"mem_b", "mem_w"}`` (bytes per stage), and
+    ``{"op": "whole batch", "steps", "blocks"}`` with ``{"step_seconds"}``, for the job ``config``
+    (``holdout``, ``seed``, ``batch``, ``microbatches``, ``d``, ``heads``, ``lr``)."""
     from ..runtime.devices import ensure_devices
 
     device = ensure_devices(1)[0]
@@ -180,7 +181,7 @@ def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
     while (job := control.recv()) is not None:
         if job["op"] == "costs":
             costs = _stage_costs(args, job["blocks"], job["stages"])
-            control.send({k: list(getattr(costs, k)) for k in ("f", "b", "w", "bw")})
+            control.send({k: list(getattr(costs, k)) for k in ("f", "b", "w", "bw", "mem_b", "mem_w")})
         else:
             control.send({"step_seconds": list(_whole_batch(args, job["steps"], job["blocks"], device).step_seconds)})
 
@@ -195,7 +196,8 @@ def _whole_batch(args, steps: int, blocks: int, device):
 
 def _stage_costs(args, blocks: int, num_stages: int):
     """T_F, T_B, T_W and the fused T_BW of every stage of the job cut into ``num_stages`` stages,
-    timed on this process's first device (seconds): what zb-auto and its kin plan with."""
+    timed on this process's first device (seconds), and its M_B and M_W (bytes): what zb-auto,
+    zb-v and their kin plan with."""
     from ..analysis.profiling.device import profile_stage_costs
     from ..runtime.stages import StagedModel, microbatch_size
     from ..training.data import load_digits

@@ -210,24 +210,52 @@ def setup_platform(num_ranks: int, platform: str | None):
     return setup_devices(num_ranks, "cpu"), accelerators[0]
 
 
+def job_stages(args, blocks: int, num_stages: int, num_microbatches: int) -> tuple:
+    """``(model, x, y)``: the job's model cut into ``num_stages`` stages and its first microbatch."""
+    from ..runtime.stages import StagedModel, microbatch_size
+    from ..training.data import load_digits
+    from ..training.model import ModelConfig, build_parts
+
+    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
+    mb = microbatch_size(args.batch, num_microbatches)
+    config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+    return StagedModel(build_parts(config), num_stages), x[:mb], y[:mb]
+
+
+def plan_with_job_memory(args, schedule, blocks: int):
+    """A memory-limited planner's schedule (one whose builder takes costs) planned again with this
+    job's M_B and M_W per stage in bytes (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`,
+    the executor's measurement, from shapes), so its peak holds what the run will hold. Kept as it
+    is for a CSV schedule, another builder, or ``--option memory_limit=...`` (units of M_B: planned
+    with the default M_W share). Call it once JAX has its devices."""
+    import zbpp_lite as zb
+    from ..analysis.profiling.device import stage_memory_bytes
+    from ..schedules.builders import options_of
+
+    options = parse_options(args.option)
+    if args.schedule_csv or "costs" not in options_of(args.schedule) or "memory_limit" in options:
+        return schedule
+    job = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
+    mem_b, mem_w = stage_memory_bytes(*job)
+    print(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and "
+          f"M_W {list(mem_w)} bytes", flush=True)
+    options["costs"] = zb.Costs(mem_b=mem_b, mem_w=mem_w)
+    return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
+
+
 def profile_pipelines(device, schedules: list, args, blocks: int, by_shape: dict | None = None) -> list:
     """Per-stage costs timed on ``device`` and each schedule simulated from them: one
     ``(schedule, costs, timeline)`` per schedule. Schedules with the same stages and microbatch
     size share one profile, kept in ``by_shape`` across calls when given."""
     from ..analysis.profiling.device import profile_stage_costs, simulate_profiled
-    from ..training.data import load_digits
     from ..runtime.stages import microbatch_size
-    from ..training.model import ModelConfig, build_parts
-    from ..runtime.stages import StagedModel
 
-    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
-    config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
     profiled, by_shape = [], ({} if by_shape is None else by_shape)
     for schedule in schedules:
         mb = microbatch_size(args.batch, schedule.num_microbatches)
         if (schedule.num_stages, mb) not in by_shape:
-            model = StagedModel(build_parts(config), schedule.num_stages)
-            by_shape[schedule.num_stages, mb] = profile_stage_costs(model, x[:mb], y[:mb], device)
+            model, x, y = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
+            by_shape[schedule.num_stages, mb] = profile_stage_costs(model, x, y, device)
         costs = by_shape[schedule.num_stages, mb]
         profiled.append((schedule, costs, simulate_profiled(schedule, costs)))
     return profiled
@@ -269,6 +297,7 @@ def run(args) -> int:
     if args.init and not os.path.exists(args.init):
         raise CliError(f"--init: no such file {args.init!r}")
     devices, accelerator = setup_platform(schedule.num_ranks, args.platform)
+    schedule = plan_with_job_memory(args, schedule, blocks)
     profiled = None
     if accelerator is not None:
         (_, costs, simulated), = profile_pipelines(accelerator, [schedule], args, blocks)

@@ -3,6 +3,8 @@
 Source: Qi et al., arXiv 2401.10241, section 2.1 and table 1: T_F, T_B, T_W are the times of one
 stage's F, B and W on one microbatch, T_comm the point-to-point transfer time between ranks; F
 allocates M_B of activations, B frees M_B - M_W of them and keeps M_W until W frees the rest.
+By default M_W is the paper's share of M_B (:data:`MEM_W_RATIO`), never 0: a memory-limited plan
+made with M_W = 0 puts every W at the end of the step and hides memory that grows with m.
 A fused BW costs T_B + T_W and frees M_B, unless a measured T_BW says otherwise: on a real device
 the split has a price (the weight operations' output gradients are written by B and read back by
 W, and two programs are launched instead of one), so a fused BW may cost less than B and W apart.
@@ -23,6 +25,17 @@ from .ir import Entry, Overlap
 
 Number = Union[int, float]
 PerStage = Union[Number, Sequence[Number]]
+
+MEM_W_RATIO = 7 / 16
+"""The default M_W / M_B, 7/16 = 0.4375: the paper's ratio, rounded up to sixteenths. Qi et al.,
+arXiv 2401.10241, section 2.3, table 1 gives per transformer layer M_B = sb(34h + 5as) and
+M_W = 32sbh (s sequence length, b microbatch size, h hidden size, a attention heads), so
+M_W / M_B = 32h / (34h + 5as): 16/37 = 0.432 at s = 1024 and h/a = 128, the setting of three of the
+paper's four models (table 3: 6.2B, 14.6B, 28.3B). Rounded up (more memory held, never less) to
+7/16, which binary floating point holds exactly, so peaks in the default units are exact sums
+(p M_B compares equal to p). The ratio falls as s grows (1.5B, h/a = 96: 0.37) and tends to 32/34
+without stored attention scores (the 5as term, e.g. with flash attention); give measured values
+(:func:`zbpp_lite.analysis.profiling.device.stage_memory_bytes`) where they are known."""
 
 
 def _per_stage(value: PerStage, num_stages: int, name: str) -> tuple[float, ...]:
@@ -60,7 +73,12 @@ class Costs:
             (or its input gradient backward).
         mem_b: M_B, activation memory F allocates and B releases (minus mem_w), e.g. bytes or
             "units of one stage's activations for one microbatch" (the default 1.0).
-        mem_w: M_W, the part of M_B still held after B until W.
+        mem_w: M_W, the part of M_B still held after B until W, same unit as mem_b. Default
+            (None): :data:`MEM_W_RATIO` (7/16) times mem_b, stage by stage, the paper's ratio
+            (section 2.3, table 1); give 0 explicitly for the idealised W that holds nothing. A
+            plan made with M_W = 0 defers every W to the end of the step, so its real peak grows
+            with m. The share is worked out when the Costs is made: ``dataclasses.replace(c,
+            mem_b=...)`` keeps the old mem_w, so give mem_w with it.
 
     Raises:
         ValueError: a negative, NaN or infinite value, or mem_w > mem_b.
@@ -71,14 +89,14 @@ class Costs:
     w: PerStage = 1.0
     comm: PerStage = 0.0
     mem_b: PerStage = 1.0
-    mem_w: PerStage = 0.0
+    mem_w: PerStage | None = None
     bw: PerStage | None = None
     fb: PerStage | None = None
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "w", "comm", "mem_b", "mem_w", "bw", "fb"):
             value = getattr(self, name)
-            if value is None and name in ("bw", "fb"):
+            if value is None and name in ("mem_w", "bw", "fb"):
                 continue
             values = [value] if isinstance(value, numbers.Real) else list(value)
             if any(not (math.isfinite(v) and v >= 0) for v in values):
@@ -87,6 +105,10 @@ class Costs:
                 object.__setattr__(self, name, float(value))
             else:
                 object.__setattr__(self, name, tuple(float(v) for v in values))
+        if self.mem_w is None:  # the paper's ratio of M_B (MEM_W_RATIO), stage by stage
+            b = self.mem_b
+            share = b * MEM_W_RATIO if isinstance(b, float) else tuple(x * MEM_W_RATIO for x in b)
+            object.__setattr__(self, "mem_w", share)
 
     def table(self, num_stages: int) -> "CostTable":
         """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages.

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...schedules.costs import Costs
+from ...runtime.memory import nbytes
 from ...runtime.stages import StagedModel
 from ...schedules.ir import Schedule
 from ...schedules.simulate import simulate
@@ -33,6 +34,37 @@ def _timed(fn, *args) -> tuple[float, Any]:
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     return time.perf_counter() - start, out
+
+
+def stage_memory_bytes(model: StagedModel, x: Any, labels: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """M_B and M_W of every stage of ``model``, in bytes, for one microbatch shaped like ``x``.
+
+    M_B: what F keeps (B's residuals and W's operands); M_W: what waits from B until W (W's
+    operands and the output gradients B keeps). These are the bytes the executor's recorder counts
+    for the same arrays (:mod:`zbpp_lite.runtime.memory`, one stage and microbatch; issue 22's
+    measurement), worked out from shapes and dtypes only (``jax.eval_shape``: nothing runs), so a
+    planner can use them before the first step. Source: Qi et al., arXiv 2401.10241, section 2.3,
+    table 1 (M_B, M_W per pass).
+
+    Args:
+        model: the staged model (its ``num_stages`` stages).
+        x: one microbatch of inputs (b, ...), an array or ``jax.ShapeDtypeStruct``.
+        labels: its labels (b,), as ``x``.
+
+    Returns:
+        ``(mem_b, mem_w)``: two tuples of ``model.num_stages`` integers, bytes.
+    """
+    shapes = model.stage_inputs(np.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x)
+    mem_b, mem_w = [], []
+    for s in range(model.num_stages):
+        flat = model.split_stage(s, shapes[s], labels).flat
+        p = tuple(jax.tree_util.tree_leaves(model.stage_params(model.params, s)))
+        aux = labels if s == model.num_stages - 1 else None
+        out, own, kept = jax.eval_shape(flat.forward, p, shapes[s], aux)
+        _, grads_out = jax.eval_shape(flat.backward_input, p, own, out)
+        mem_b.append(nbytes((own, kept)))
+        mem_w.append(nbytes((kept, grads_out)))
+    return tuple(mem_b), tuple(mem_w)
 
 
 def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = None, repeats: int = 7,
@@ -59,8 +91,8 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
 
     Returns:
         :class:`~zbpp_lite.schedules.costs.Costs` with ``f``, ``b``, ``w`` (and with ``fused`` ``bw``)
-        tuples of ``model.num_stages`` medians in seconds; ``comm`` 0 and the memory fields at
-        their defaults.
+        tuples of ``model.num_stages`` medians in seconds; ``comm`` 0; ``mem_b`` and ``mem_w`` the
+        stages' M_B and M_W in bytes (:func:`stage_memory_bytes`).
 
     Raises:
         ValueError: ``repeats`` below 1, or inputs and labels of different lengths.
@@ -109,7 +141,9 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
             times["B"][s].append(tb)
             times["W"][s].append(tw)
     medians = {kind: [statistics.median(v) for v in per_stage] for kind, per_stage in times.items()}
-    return Costs(f=medians["F"], b=medians["B"], w=medians["W"], bw=medians.get("BW"))
+    mem_b, mem_w = stage_memory_bytes(model, x, labels)
+    return Costs(f=medians["F"], b=medians["B"], w=medians["W"], bw=medians.get("BW"),
+                 mem_b=mem_b, mem_w=mem_w)
 
 
 def simulate_profiled(schedule: Schedule, costs: Costs) -> Timeline:

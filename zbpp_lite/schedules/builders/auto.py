@@ -19,8 +19,9 @@ apart (``Costs.bw``, measured), B and W fused again wherever the split does not 
 p <= 4, m <= 8: within 0.2% on the paper's costs; on 161 random per-stage instances all but one
 within 2% (the worst 2.2%).
 
-Measured (paper Table 5 setting, p = 8, m = 24): 1.5B zb-1p 0.1091 (paper 0.1585), zb-2p 0.04331
-(paper 0.0433); 6.2B zb-2p 0.0029 (paper 0.0029). zb-auto for p = 32, m = 96 plans in about 1 s.
+Measured (paper Table 5 setting, p = 8, m = 24, the default M_W = 7/16 M_B): 1.5B zb-1p 0.1585
+(paper 0.1585; 0.1091 with M_W = 0, a W that holds nothing), zb-2p 0.04331 (paper 0.0433); 6.2B
+zb-2p 0.0029 (paper 0.0029). zb-auto for p = 32, m = 96 plans in about 1 s.
 
 Memory limits are per rank and in the units of ``Costs.mem_b`` (the default ``mem_b = 1`` makes
 the unit M_B, one stage's activations for one microbatch).

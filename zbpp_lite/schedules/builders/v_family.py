@@ -36,8 +36,9 @@ from .zb_v import search_v, v_limits
 def v_half(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
     """V-Half: peak activation memory at most (p+2)//2 whole-rank M_B per rank (about half of 1F1B's).
 
-    Measured with T_F = T_B = T_W, T_comm = 0: bubble rate 0.077 for p = 16, m = 48 and 0.059 for
-    p = 8, m = 24 (the paper's estimate p/(2m): 0.167).
+    Measured with T_F = T_B = T_W, T_comm = 0 and the default M_W (7/16 of M_B): bubble rate 0.150
+    for p = 16, m = 48 and 0.148 for p = 8, m = 24 (the paper's estimate p/(2m): 0.167); with
+    M_W = 0, a W that holds nothing, 0.077 and 0.059.
 
     Raises:
         ValueError: sizes below 1 or costs with the wrong number of per-stage values.
@@ -52,7 +53,8 @@ def v_half(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None)
 def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
     """V-Min: peak activation memory at most (p+4)//3 whole-rank M_B per rank (about a third of 1F1B's).
 
-    Measured with T_F = T_B = T_W, T_comm = 0: bubble rate 0.170 for p = 16, m = 48 (the paper's
+    Measured with T_F = T_B = T_W, T_comm = 0: bubble rate 0.170 for p = 16, m = 48, with the
+    default M_W as with M_W = 0 (the paper's
     estimate 2p/(3m): 0.222). With other costs the tight block may not fit the limit; the greedy
     plan under the limit is used then.
 
