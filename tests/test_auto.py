@@ -213,7 +213,9 @@ def test_a_run_stops_once_it_cannot_win_and_a_run_whose_caps_never_bind_is_not_r
     from zbpp_lite.schedules.ir import v_placement
 
     p, m = 8, 16
-    limits, table = v_limits("zb-v", p, p, zb.Costs(), None)
+    # M_W = 0: this tests how runs stop and rejoin, on the plan these rules find at zero bubble
+    # (with the default M_W, W's memory needs Rules.feed for that: tests/test_v_family.py)
+    limits, table = v_limits("zb-v", p, p, zb.Costs(mem_w=0.0), None)
     runs = Runs(v_placement(p), m, table, limits)
     first = runs.run(Rules(order=(("B", 1), ("B", 0), ("F", 1), ("F", 0))))
     assert first.makespan == m * 6  # zero bubble: 2 stages x (F + B + W) per microbatch
@@ -228,7 +230,7 @@ def test_a_run_stops_once_it_cannot_win_and_a_run_whose_caps_never_bind_is_not_r
     # state when its last rank leaves the warm-up, and ends there with the first run's plan
     from dataclasses import replace
 
-    limits, table = v_limits("v-half", (p + 2) // 2, p, zb.Costs(), None)
+    limits, table = v_limits("v-half", (p + 2) // 2, p, zb.Costs(mem_w=0.0), None)
     runs = Runs(v_placement(p), m, table, limits)
     first = runs.run(Rules(order=(("B", 1), ("B", 0), ("F", 1), ("F", 0))))
     twin = runs.run(replace(first.rules, fit_f=True))
