@@ -186,11 +186,13 @@ def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
 
 
 def _whole_batch(args, steps: int, blocks: int, device):
-    from ..training.baseline import train_baseline
     from ..training.data import load_digits
+    from ..training.model import ModelConfig, RunConfig
+    from ..training.reference import train_baseline
 
-    return train_baseline(steps, d=args.d, heads=args.heads, blocks=blocks, batch=args.batch, lr=args.lr, seed=args.seed,
-                          holdout=args.holdout, device=device, data=load_digits(args.holdout, args.seed))
+    return train_baseline(steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
+                          run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout),
+                          device=device, data=load_digits(args.holdout, args.seed))
 
 
 def _stage_costs(args, blocks: int, num_stages: int):
@@ -307,27 +309,14 @@ def run(args) -> int:
     return 0
 
 
-ONE_RANK = "one-rank reference"
-"""The name, in the turns, of the one-rank executor reference (:func:`one_rank_reference`)."""
-
-
-def one_rank_reference(num_ranks: int, num_microbatches: int):
-    """Our executor on one rank, the whole model as one stage, the same microbatches and kernels as
-    the pipelines (GPipe's order, nothing to overlap), as a ``num_ranks``-rank schedule whose other
-    ranks have no action: it then takes its turns among the pipelines, step by step, and its
-    steps meet the machine's slow spells as theirs do."""
-    import zbpp_lite as zb
-
-    alone = zb.build_schedule("gpipe", 1, num_microbatches)
-    return zb.Schedule((alone.actions[0], *([()] * (num_ranks - 1))), (0,), num_microbatches, ONE_RANK)
-
-
 def _run_all(schedules, args, model, run_config, data, devices, use_processes) -> tuple[list, object, object]:
     """Every schedule's TrainResult; in processes, the long learning run of the fastest (it goes
     on in the same, compiled, processes after the turns, from the comparison's own steps to
     ``--learn-steps`` in all; None: threads, or no learning run; see :func:`_learn`) and the
-    one-rank executor reference, trained in the same turns (:func:`one_rank_reference`; None in
+    one-rank executor reference, trained in the same turns (:func:`~zbpp_lite.training.reference.one_rank_schedule`; None in
     threads)."""
+    from ..training.reference import ONE_RANK, one_rank_schedule
+
     steps = args.steps
     if use_processes:
         from ..training.turns import train_in_turns
@@ -339,7 +328,7 @@ def _run_all(schedules, args, model, run_config, data, devices, use_processes) -
             print(f"training {best} on to {max(args.learn_steps, steps)} steps in all to see the model learn", flush=True)
             return best, max(args.learn_steps - steps, 0)
 
-        turns = _turn_order([*schedules, one_rank_reference(args.ranks, args.microbatches)])
+        turns = _turn_order([*schedules, one_rank_schedule(args.ranks, args.microbatches)])
         out = train_in_turns(turns, steps, model=model, run=run_config, data=data, progress=run_config.progress, then=then)
         reference = out.pop(ONE_RANK)
         learned = out.pop("then", None)
@@ -352,7 +341,7 @@ def _run_all(schedules, args, model, run_config, data, devices, use_processes) -
     return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules], None, None
 
 
-NEIGHBOURS = (ONE_RANK, "zb-h1", "zb-h2", "1f1b", "zb-auto", "zb-2p")
+NEIGHBOURS = ("one-rank reference", "zb-h1", "zb-h2", "1f1b", "zb-auto", "zb-2p")
 """The middle of the turns' order: the schedules the report sets against 1f1b most often run
 next to it (one step apart), where the machine's slow spells meet them alike, beside the one-rank
 reference the speed-ups are taken against."""
@@ -380,10 +369,11 @@ def _references(args, model, run_config, data, devices, one_rank, one: OneCore) 
     import statistics
 
     if one_rank is None:
+        from ..training.reference import one_rank_schedule
         from ..training.train import train
 
         quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
-        one_rank = train(one_rank_reference(1, args.microbatches), steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
+        one_rank = train(one_rank_schedule(1, args.microbatches), steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
     whole = one.whole_batch(args.steps, model.blocks, devices[0])
     return {
         "one device, whole batch (one jitted step)": statistics.median(whole[1:]),
