@@ -76,6 +76,11 @@ def jitted_update(config: AdamWConfig) -> Callable:
     return update
 
 
+def adamw_step(params: Any, state: Any, grads: Any, config: AdamWConfig) -> tuple[Any, Any]:
+    """One AdamW step of ``config`` (jitted): ``(params, state)`` after applying ``grads``."""
+    return jitted_update(config)(grads, state, params)
+
+
 def jitted_adamw(lr: float, weight_decay: float):
     """AdamW with PyTorch's defaults (:func:`adamw`) and its jitted update
     ``update(grads, state, params) -> (params, state)``; shared by train, adapt and distributed."""
