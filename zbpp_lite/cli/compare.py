@@ -27,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import json
 import os
 import sys
 
 from . import CliError
+
+from ..analysis.profiling.timelines import timed_median, timed_steps
 from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform, threads_reason
 
 
@@ -324,7 +327,7 @@ def _run_all(schedules, args, model, run_config, data, devices, use_processes) -
         def then(seconds: dict):
             if args.learn_steps <= 0:
                 return None
-            best = min((n for n in seconds if n != ONE_RANK), key=lambda n: _median(seconds[n][1:]))
+            best = min((n for n in seconds if n != ONE_RANK), key=lambda n: timed_median(seconds[n]))
             print(f"training {best} on to {max(args.learn_steps, steps)} steps in all to see the model learn", flush=True)
             return best, max(args.learn_steps - steps, 0)
 
@@ -334,7 +337,7 @@ def _run_all(schedules, args, model, run_config, data, devices, use_processes) -
         learned = out.pop("then", None)
         results = [out[s.name] for s in schedules]
         if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner as it is
-            learned = min(results, key=lambda r: _median(r.step_seconds[1:]))
+            learned = min(results, key=lambda r: timed_median(r.step_seconds))
         return results, learned, reference
     from ..training.train import train
 
@@ -353,21 +356,12 @@ def _turn_order(schedules: list) -> list:
     return sorted(schedules, key=lambda s: rank.get(s.name, -1))
 
 
-def _median(values) -> float:
-    import statistics
-
-    return statistics.median(values)
-
-
 def _references(args, model, run_config, data, devices, one_rank, one: OneCore) -> dict:
     """The two single-device references, each on one core: the whole batch as one jitted step
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
     microbatches as the pipeline): ``one_rank``, its TrainResult from the turns, or (threads)
     trained here. Median step seconds over the timed steps (as many as the pipelines': fewer let
     one slow spell of the machine make the reference look slow)."""
-    import dataclasses
-    import statistics
-
     if one_rank is None:
         from ..training.reference import one_rank_schedule
         from ..training.train import train
@@ -376,8 +370,8 @@ def _references(args, model, run_config, data, devices, one_rank, one: OneCore) 
         one_rank = train(one_rank_schedule(1, args.microbatches), steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
     whole = one.whole_batch(args.steps, model.blocks, devices[0])
     return {
-        "one device, whole batch (one jitted step)": statistics.median(whole[1:]),
-        f"one device, our executor (m={args.microbatches} microbatches)": statistics.median(one_rank.step_seconds[1:]),
+        "one device, whole batch (one jitted step)": timed_median(whole),
+        f"one device, our executor (m={args.microbatches} microbatches)": timed_median(one_rank.step_seconds),
     }
 
 
@@ -408,20 +402,16 @@ def _learn(results, args, model, run_config, data, devices):
     """The fastest schedule trained from the start for ``--learn-steps`` steps in threads: its
     losses and its test accuracy on the held-out digits (in processes, :func:`_run_all` goes on
     with it in the comparison's processes instead)."""
-    import dataclasses
-
     from ..training.train import train
 
-    best = min(results, key=lambda r: _median(r.step_seconds[1:]))
+    best = min(results, key=lambda r: timed_median(r.step_seconds))
     print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
     run = dataclasses.replace(run_config, check_grads=False)
     return train(best.schedule, steps=args.learn_steps, model=model, run=run, devices=devices, data=data)
 
 
 def one_line(r) -> str:
-    import statistics
-
     return (f"{r.schedule.name:18s} S={r.schedule.num_stages:<2d} loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}  "
-            f"grad err {r.grad_max_rel_error:.1e}  step {statistics.median(r.step_seconds[1:]) * 1e3:7.2f} ms  "
+            f"grad err {r.grad_max_rel_error:.1e}  step {timed_median(r.step_seconds) * 1e3:7.2f} ms  "
             f"makespan {r.measured.makespan * 1e3:7.2f} ms (plan {r.simulated.makespan * 1e3:7.2f})  "
-            f"bubble {statistics.median(t.bubble_rate for t in r.timelines[1:]):.3f} (plan {r.simulated.bubble_rate:.3f})")
+            f"bubble {timed_median([t.bubble_rate for t in r.timelines]):.3f} (plan {r.simulated.bubble_rate:.3f})")

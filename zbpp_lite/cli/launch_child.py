@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..analysis.profiling.timelines import timed_steps
 from ..runtime.distributed import (
     ENV_PROCESS_ID,
     ENV_TIMEOUT,
@@ -60,7 +61,7 @@ def train_process(args) -> int:
     result = train_steps(schedule, args, blocks, devices, on_step)
     if process == 0:
         print(report(result))
-        step_ms = [1e3 * s for s in result.step_seconds[1:]] or [1e3 * result.step_seconds[0]]
+        step_ms = [1e3 * s for s in timed_steps(result.step_seconds)]
         print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s)")
         if getattr(args, "json", None):
             import json

@@ -35,7 +35,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from .data import Digits, load_digits
 from ..runtime.stages import microbatch_size
-from ..analysis.profiling.timelines import CostProfile, profile
+from ..analysis.profiling.timelines import CostProfile, profile, timed_steps
 from ..analysis.rebalance import (
     PartCosts,
     Parts,
@@ -74,7 +74,7 @@ class Phase:
     loss_error: float | None = None
 
     def _timed(self) -> list[Timeline]:
-        return self.timelines[1:] or self.timelines
+        return timed_steps(self.timelines)
 
     @property
     def makespan(self) -> float:
@@ -497,7 +497,7 @@ def _phase(parts: Parts, result) -> Phase:
 
 
 def _spans(result) -> list[float]:
-    return [t.makespan for t in result.timelines[1:]]  # the first step compiles
+    return [t.makespan for t in timed_steps(result.timelines)]
 
 
 def adapt_in_processes(
@@ -641,7 +641,7 @@ def adapt_in_processes(
         replanner = OnlineReplanner(_named(kept_schedule, kept_schedule.name), predicted, every, threshold, patience,
                                     min_gain, memory_limit, confidence=confidence)
         proposal = None
-        for t in results[kept].timelines[1:]:
+        for t in timed_steps(results[kept].timelines):
             proposal = replanner.observe(t) or proposal
         checks = [{"step": step_offset["judge"] + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
                   for c in replanner.history]

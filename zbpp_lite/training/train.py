@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ..analysis.profiling.timelines import timed_steps
 from ..runtime.stages import StagedModel, microbatch_size, stage_parts
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
@@ -106,7 +107,7 @@ class TrainResult:
 
 
 def _pick_measured(timelines: list[Timeline]) -> Timeline:
-    timed = timelines[1:] or timelines
+    timed = timed_steps(timelines)
     return sorted(timed, key=lambda t: t.makespan)[len(timed) // 2]
 
 
