@@ -32,7 +32,9 @@ import inspect
 import json
 import os
 import sys
+from dataclasses import dataclass
 
+from ..training.messages import Message, parse
 from . import CliError
 
 from ..analysis.profiling.timelines import timed_median, timed_steps
@@ -127,6 +129,46 @@ ONE_CORE_ENTRY = "zbpp_lite.cli.compare:one_core_main"
 _JOB = ("holdout", "seed", "batch", "microbatches", "d", "heads", "lr")
 
 
+@dataclass(frozen=True)
+class StageCosts(Message):
+    """To :class:`OneCore`'s helper: time every stage of the job cut into ``stages`` stages."""
+
+    op = "costs"
+    blocks: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class CostsAre(Message):
+    """The helper's answer to :class:`StageCosts`: T_F, T_B, T_W and T_BW per stage, seconds."""
+
+    op = "costs are"
+    f: list
+    b: list
+    w: list
+    bw: list
+
+    def fields(self) -> dict:
+        return {"f": self.f, "b": self.b, "w": self.w, "bw": self.bw}
+
+
+@dataclass(frozen=True)
+class WholeBatch(Message):
+    """To :class:`OneCore`'s helper: train the whole batch as one jitted step ``steps`` times."""
+
+    op = "whole batch"
+    steps: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class StepSeconds(Message):
+    """The helper's answer to :class:`WholeBatch`: every step's seconds."""
+
+    op = "step seconds"
+    step_seconds: list
+
+
 class OneCore:
     """compare's single-device work (the planners' stage costs, the whole-batch reference) in one
     helper process pinned to one core from its start (started on first use, stopped on leaving
@@ -147,13 +189,13 @@ class OneCore:
             self.helper.close()
             self.helper = None
 
-    def _ask(self, job: dict) -> dict:
+    def _ask(self, job: Message, reply: type[Message]) -> Message:
         if self.helper is None:
             from ..runtime.processes import RankProcesses
 
             self.helper = RankProcesses(ONE_CORE_ENTRY, 1, {k: getattr(self.args, k) for k in _JOB}, pin=True)
-        self.helper.broadcast(job)
-        return self.helper.gather()[0]
+        self.helper.broadcast(job.to_wire())
+        return reply.from_wire(self.helper.gather()[0])
 
     def costs(self, blocks: int, num_stages: int):
         """T_F, T_B, T_W and T_BW of every stage (:func:`_stage_costs`), as :class:`~zbpp_lite.Costs`."""
@@ -161,31 +203,32 @@ class OneCore:
 
         if not self.use_processes:
             return _stage_costs(self.args, blocks, num_stages)
-        return Costs(**self._ask({"op": "costs", "blocks": blocks, "stages": num_stages}))
+        return Costs(**self._ask(StageCosts(blocks, num_stages), CostsAre).fields())
 
     def whole_batch(self, steps: int, blocks: int, device=None) -> list[float]:
         """Step seconds of the whole batch as one jitted step on one core, every step."""
         if not self.use_processes:
             with one_core():
                 return list(_whole_batch(self.args, steps, blocks, device).step_seconds)
-        return self._ask({"op": "whole batch", "steps": steps, "blocks": blocks})["step_seconds"]
+        return self._ask(WholeBatch(steps, blocks), StepSeconds).step_seconds
 
 
 def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
-    """:class:`OneCore`'s helper process: answers ``{"op": "costs", "blocks", "stages"}`` with
-    ``{"f", "b", "w", "bw"}`` (seconds per stage) and ``{"op": "whole batch", "steps", "blocks"}``
-    with ``{"step_seconds"}``, for the job ``config`` (``holdout``, ``seed``, ``batch``,
-    ``microbatches``, ``d``, ``heads``, ``lr``)."""
+    """:class:`OneCore`'s helper process: answers :class:`StageCosts` with :class:`CostsAre` and
+    :class:`WholeBatch` with :class:`StepSeconds`, for the job ``config`` (``holdout``, ``seed``,
+    ``batch``, ``microbatches``, ``d``, ``heads``, ``lr``)."""
     from ..runtime.devices import ensure_devices
 
     device = ensure_devices(1)[0]
     args = argparse.Namespace(**config)
-    while (job := control.recv()) is not None:
-        if job["op"] == "costs":
-            costs = _stage_costs(args, job["blocks"], job["stages"])
-            control.send({k: list(getattr(costs, k)) for k in ("f", "b", "w", "bw")})
+    while (message := control.recv()) is not None:
+        job = parse(message, StageCosts, WholeBatch)
+        if isinstance(job, StageCosts):
+            costs = _stage_costs(args, job.blocks, job.stages)
+            reply: Message = CostsAre(*(list(getattr(costs, k)) for k in ("f", "b", "w", "bw")))
         else:
-            control.send({"step_seconds": list(_whole_batch(args, job["steps"], job["blocks"], device).step_seconds)})
+            reply = StepSeconds(list(_whole_batch(args, job.steps, job.blocks, device).step_seconds))
+        control.send(reply.to_wire())
 
 
 def _whole_batch(args, steps: int, blocks: int, device):
@@ -332,9 +375,9 @@ def _run_all(schedules, args, model, run_config, data, devices, use_processes) -
             return best, max(args.learn_steps - steps, 0)
 
         turns = _turn_order([*schedules, one_rank_schedule(args.ranks, args.microbatches)])
-        out = train_in_turns(turns, steps, model=model, run=run_config, data=data, progress=run_config.progress, then=then)
+        out = train_in_turns(turns, steps, model=model, run=run_config, data=data, then=then)
         reference = out.pop(ONE_RANK)
-        learned = out.pop("then", None)
+        learned = out.then
         results = [out[s.name] for s in schedules]
         if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner as it is
             learned = min(results, key=lambda r: timed_median(r.step_seconds))

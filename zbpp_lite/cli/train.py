@@ -309,7 +309,7 @@ def run(args) -> int:
 
         named = dataclasses.replace(schedule, name=schedule.name or "custom")
         print(f"REAL run: one process per rank, each pinned to its own core ({schedule.num_ranks} ranks)", flush=True)
-        result = train_in_turns([named], args.steps, model=model, run=run, progress=run.progress,
+        result = train_in_turns([named], args.steps, model=model, run=run,
                                 on_step=lambda name, k, loss, timeline: on_step(k, loss, timeline))[named.name]
     else:
         print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core "
