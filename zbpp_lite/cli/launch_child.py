@@ -89,57 +89,24 @@ def _ensure_cpu_devices(count: int) -> None:
 
 
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
-    """Train as :func:`zbpp_lite.training.train.train` does, with a :class:`ProcessPipelineExecutor`:
-    every process holds the whole parameter list on its own default device and applies the same
-    AdamW update to the gathered gradients (identical on every process), so no final gather is
-    needed. Returns a :class:`~zbpp_lite.training.train.TrainResult`."""
+    """Train as :func:`zbpp_lite.training.train.train` does, through its step loop
+    (:func:`~zbpp_lite.training.train.train_steps`), with a :class:`ProcessPipelineExecutor`: every
+    process holds the whole parameter list on its own default device and applies the same AdamW
+    update to the gathered gradients (identical on every process), so no final gather is needed.
+    Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config also names the process count."""
     import jax
 
-    from ..training.data import load_digits
-    from ..analysis.profiling.timelines import measured_costs
-    from ..training.model import ModelConfig, build_parts
     from ..runtime.stages import StagedModel
-    from ..schedules.simulate import simulate
-    from ..training.train import TrainResult, _pick_measured
-    from ..training.reference import reference_grads, evaluate, jitted_adamw, max_relative_error
+    from ..training.model import ModelConfig, RunConfig, build_parts
+    from ..training.train import train_steps as step_loop
 
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-    data = load_digits(args.holdout, args.seed)
-    model = StagedModel(build_parts(config), schedule.num_stages)
-    executor = ProcessPipelineExecutor(model, schedule, devices, timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
-    opt, update = jitted_adamw(args.lr, 0.01)
-    home = jax.local_devices()[0]
-    params = jax.device_put(model.params, home)
-    state = opt.init(params)
-    losses, timelines, seconds = [], [], []
-    grad_error = loss_error = None
-    for k in range(args.steps):
-        x, y = data.batch(k, args.batch)
-        t0 = time.perf_counter()
-        result = executor.run(params, x, y)
-        grads = jax.device_put(result.grads, home)
-        new_params, state = update(grads, state, params)
-        jax.block_until_ready(new_params)
-        seconds.append(time.perf_counter() - t0)
-        if k == 0:
-            ref_loss, ref_grads = reference_grads(model, params, x, y, home)
-            grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - ref_loss)
-        params = new_params
-        losses.append(result.loss)
-        timelines.append(result.timeline)
-        if on_step is not None:
-            on_step(k, result.loss, result.timeline)
-    test_loss, test_accuracy = evaluate(model, params, data.test_x, data.test_y, home)
-    measured = _pick_measured(timelines)
-    costs = measured_costs(measured, schedule.num_stages)
-    return TrainResult(
-        schedule=schedule, losses=losses, test_accuracy=test_accuracy, test_loss=test_loss,
-        grad_max_rel_error=grad_error, loss_error=loss_error, measured=measured, costs=costs,
-        simulated=simulate(schedule, costs), timelines=timelines, step_seconds=seconds, params=params,
-        config={"d": args.d, "heads": args.heads, "blocks": blocks, "batch": args.batch, "lr": args.lr,
-                "seed": args.seed, "holdout": args.holdout, "processes": jax.process_count()},
-    )
+    run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout)
+    executor = ProcessPipelineExecutor(StagedModel(build_parts(config), schedule.num_stages), schedule, devices,
+                                       timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
+    result = step_loop(executor, args.steps, config, run, home=jax.local_devices()[0], on_step=on_step)
+    result.config["processes"] = jax.process_count()
+    return result
 
 
 def die_with_parent() -> None:

@@ -13,7 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..analysis.profiling.timelines import timed_steps
+import jax
+from tqdm.auto import tqdm
+
+from ..analysis.profiling.timelines import measured_costs, timed_steps
+from ..runtime.devices import ensure_devices
+from ..runtime.executor import PipelineExecutor
 from ..runtime.stages import StagedModel, microbatch_size, stage_parts
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
@@ -23,6 +28,8 @@ from ..schedules.timeline import Timeline
 from ..schedules.validate import validate
 from .data import Digits, load_digits
 from .model import ModelConfig, RunConfig, build_parts, load_torch_init
+from .postval.optimizer import StageOptimizer
+from .postval import rollback
 from .reference import evaluate, jitted_adamw, max_relative_error, reference_grads
 
 
@@ -161,45 +168,45 @@ def train(
     """
     config, run = model or ModelConfig(), run or RunConfig()
     sched = _checked_schedule(schedule, ranks, microbatches, steps, config, run, schedule_options)
-    if devices is None:
-        from ..runtime.devices import ensure_devices
+    devices = devices if devices is not None else ensure_devices(sched.num_ranks)
+    executor = PipelineExecutor(StagedModel(build_parts(config), sched.num_stages), sched, devices)
+    return train_steps(executor, steps, config, run, data=data, on_step=on_step)
 
-        devices = ensure_devices(sched.num_ranks)
 
-    from ..analysis.profiling.timelines import measured_costs
-    from ..runtime.executor import PipelineExecutor
-
+def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, home: Any = None,
+                data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None) -> TrainResult:
+    """The step loop every pipeline run of this process goes through, whatever carries the
+    values between its ranks (``executor``: the thread executor, or
+    :class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor` over JAX's distributed
+    runtime): ``steps`` executor steps from ``config``'s initial parameters (or ``run.init``) on
+    batches 0, 1, ..., AdamW per stage (or, with ``run.max_grad_norm``, inside the rank threads),
+    then the first step checked against the one reference, the trained model evaluated, the
+    median step's measured costs simulated. ``home``: one device holding every stage's parameters
+    and optimizer state (default: each stage's own device). Returns :class:`TrainResult`.
+    """
+    staged, sched = executor.model, executor.schedule
     data = data if data is not None else load_digits(run.holdout, run.seed)
-    staged = StagedModel(build_parts(config), sched.num_stages)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
-    executor = PipelineExecutor(staged, sched, devices)
+    homes = [home] * sched.num_stages if home is not None else list(executor.stage_devices)
     batches = [data.batch(k, run.batch) for k in range(steps)]
-    loop = _guarded_steps if run.max_grad_norm is not None else _plain_steps
-    out, stage_params = loop(executor, params, batches, run, on_step)
+    if run.max_grad_norm is not None:
+        out, stage_params = _guarded_steps(executor, params, batches, run, on_step)
+    else:
+        out, stage_params = _plain_steps(executor, params, batches, run, on_step, homes)
+    first_grads = out.extra.pop("first_grads", None)
     if run.check_grads:  # the first step against the unpartitioned model on the whole batch
-        ref_loss, ref_grads = reference_grads(staged, params, *batches[0], devices[0])
-        out.grad_error = max_relative_error(out.extra.pop("first_grads"), ref_grads)
+        ref_loss, ref_grads = reference_grads(staged, params, *batches[0], homes[0])
+        out.grad_error = max_relative_error(first_grads, ref_grads)
         out.loss_error = abs(out.losses[0] - ref_loss)
-    out.extra.pop("first_grads", None)
-
     final = staged.join_stage_params(stage_params)
-    test_loss, test_accuracy = evaluate(staged, final, data.test_x, data.test_y, devices[0])
+    test_loss, test_accuracy = evaluate(staged, final, data.test_x, data.test_y, homes[0])
     measured = _pick_measured(out.timelines)
     costs = measured_costs(measured, sched.num_stages)
     return TrainResult(
-        schedule=sched,
-        losses=out.losses,
-        test_accuracy=test_accuracy,
-        test_loss=test_loss,
-        grad_max_rel_error=out.grad_error,
-        loss_error=out.loss_error,
-        measured=measured,
-        costs=costs,
-        simulated=simulate(sched, costs),
-        timelines=out.timelines,
-        step_seconds=out.seconds,
-        params=final,
-        config={**settings_json(config, run), "devices": [str(dev) for dev in devices], **out.extra},
+        schedule=sched, losses=out.losses, test_accuracy=test_accuracy, test_loss=test_loss,
+        grad_max_rel_error=out.grad_error, loss_error=out.loss_error, measured=measured, costs=costs,
+        simulated=simulate(sched, costs), timelines=out.timelines, step_seconds=out.seconds, params=final,
+        config={**settings_json(config, run), "devices": [str(dev) for dev in executor.devices], **out.extra},
     )
 
 
@@ -223,27 +230,24 @@ def _checked_schedule(schedule, ranks, microbatches, steps, config: ModelConfig,
     return sched
 
 
-def _plain_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_Run, list]:
-    """One executor step at a time, then AdamW per stage on that stage's device."""
-    import jax
-
+def _plain_steps(executor, params, batches, run: RunConfig, on_step, homes: list) -> tuple[_Run, list]:
+    """One executor step at a time, then AdamW per stage on ``homes[stage]``."""
     model, sched = executor.model, executor.schedule
     S = sched.num_stages
     opt, update = jitted_adamw(run.lr, run.weight_decay)
-    stage_params = [jax.device_put(model.stage_params(params, s), executor.stage_devices[s]) for s in range(S)]
-    opt_state = [jax.device_put(opt.init(p), executor.stage_devices[s]) for s, p in enumerate(stage_params)]
+    stage_params = [jax.device_put(model.stage_params(params, s), homes[s]) for s in range(S)]
+    opt_state = [jax.device_put(opt.init(p), homes[s]) for s, p in enumerate(stage_params)]
     out = _Run()
     steps_iter: Any = range(len(batches))
     if run.progress:
-        from tqdm.auto import tqdm
-
         steps_iter = tqdm(steps_iter, desc=f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}", leave=False)
     for k in steps_iter:
         x, y = batches[k]
         t0 = time.perf_counter()
         result = executor.run(model.join_stage_params(stage_params), x, y)
         for s in range(S):
-            stage_params[s], opt_state[s] = update(model.stage_params(result.grads, s), opt_state[s], stage_params[s])
+            grads = jax.device_put(model.stage_params(result.grads, s), homes[s])  # where the distributed executor gathered them
+            stage_params[s], opt_state[s] = update(grads, opt_state[s], stage_params[s])
         jax.block_until_ready(stage_params)
         out.seconds.append(time.perf_counter() - t0)
         if k == 0:
@@ -260,13 +264,8 @@ def _plain_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_R
 def _guarded_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_Run, list]:
     """The steps back to back with the clipped AdamW inside the rank threads (synchronous or
     post-validated, :class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`)."""
-    import jax
-
-    from .postval.optimizer import StageOptimizer
-    from .postval.rollback import AdamWConfig
-
     model = executor.model
-    guard = StageOptimizer(executor, params, AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay),
+    guard = StageOptimizer(executor, params, rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay),
                            "post-validation" if run.post_validation else "synchronous", run.max_grad_norm)
     results = executor.run_steps(params, batches, guard)
     out = _Run()
