@@ -66,3 +66,15 @@ def test_bad_sizes_are_refused_before_any_compute():
     with pytest.raises(ValueError, match="no timed steps"):
         step_stats([0.1, 0.2], warmup=2)
     assert step_stats([9.0, 0.002, 0.001, 0.004], warmup=1) == {"median_ms": 2.0, "min_ms": 1.0, "step_ms": [2.0, 1.0, 4.0]}
+
+
+def test_the_one_rank_schedule_is_gpipe_on_rank_0_among_idle_ranks():
+    """compare's executor reference: the whole model as one stage on rank 0 (GPipe's order), the
+    other ranks without an action, so it can take its turns among p-rank pipelines."""
+    import zbpp_lite as zb
+
+    s = one_rank_schedule(3, 4)
+    zb.validate(s)
+    assert s.num_ranks == 3 and s.num_stages == 1 and s.name == "one-rank reference"
+    assert [str(a) for a in s.actions[0]] == [str(a) for a in zb.build_schedule("gpipe", 1, 4).actions[0]]
+    assert s.actions[1] == () and s.actions[2] == ()

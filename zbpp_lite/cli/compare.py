@@ -34,11 +34,21 @@ import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
+
+import zbpp_lite as zb
+
+from ..analysis.profiling.timelines import timed_median
+from ..runtime.devices import ensure_devices
+from ..runtime.processes import RankProcesses
+from ..schedules.builders import options_of
+from ..schedules.costs import Costs
+from ..training.data import load_digits
 from ..training.messages import Message, parse
 from . import CliError
-
-from ..analysis.profiling.timelines import timed_median, timed_steps
-from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform, threads_reason
+from .compare_report import Comparison, html_report, summary_text
+from .train import (add_model_arguments, add_platform_argument, check_model_arguments, cost_table, profile_json,
+                    profile_pipelines, setup_platform, threads_reason)
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
@@ -62,8 +72,6 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
 def _required(name: str) -> list[str]:
     """The options a builder cannot do without, and ``costs`` for every builder that plans with
     costs (zb-auto, zb-1p, zb-2p: without them they would plan for unit costs, not this job's)."""
-    from ..schedules.builders import options_of
-
     options = options_of(name)
     return [key for key, default in options.items() if default is inspect.Parameter.empty or key == "costs"]
 
@@ -80,12 +88,6 @@ def _options(name: str, ranks: int, costs) -> tuple[dict, str | None]:
 def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
     """Every schedule simulated from per-stage costs timed on ``device`` (printed as PROFILED);
     planners that need costs get the mean profiled ones. One JSON-ready dict per schedule."""
-    import numpy as np
-
-    import zbpp_lite as zb
-
-    from .train import cost_table, profile_json, profile_pipelines
-
     print(f"PROFILED on {device}: per-stage costs timed on this one device; every pipeline below is simulated from them "
           f"({args.ranks} ranks, no transfer cost; nothing ran on {args.ranks} devices)", flush=True)
     by_shape: dict = {}
@@ -191,16 +193,12 @@ class OneCore:
 
     def _ask(self, job: Message, reply: type[Message]) -> Message:
         if self.helper is None:
-            from ..runtime.processes import RankProcesses
-
             self.helper = RankProcesses(ONE_CORE_ENTRY, 1, {k: getattr(self.args, k) for k in _JOB}, pin=True)
         self.helper.broadcast(job.to_wire())
         return reply.from_wire(self.helper.gather()[0])
 
     def costs(self, blocks: int, num_stages: int):
         """T_F, T_B, T_W and T_BW of every stage (:func:`_stage_costs`), as :class:`~zbpp_lite.Costs`."""
-        from ..schedules.costs import Costs
-
         if not self.use_processes:
             return _stage_costs(self.args, blocks, num_stages)
         return Costs(**self._ask(StageCosts(blocks, num_stages), CostsAre).fields())
@@ -217,8 +215,6 @@ def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
     """:class:`OneCore`'s helper process: answers :class:`StageCosts` with :class:`CostsAre` and
     :class:`WholeBatch` with :class:`StepSeconds`, for the job ``config`` (``holdout``, ``seed``,
     ``batch``, ``microbatches``, ``d``, ``heads``, ``lr``)."""
-    from ..runtime.devices import ensure_devices
-
     device = ensure_devices(1)[0]
     args = argparse.Namespace(**config)
     while (message := control.recv()) is not None:
@@ -232,7 +228,6 @@ def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
 
 
 def _whole_batch(args, steps: int, blocks: int, device):
-    from ..training.data import load_digits
     from ..training.model import ModelConfig, RunConfig
     from ..training.reference import train_baseline
 
@@ -246,7 +241,6 @@ def _stage_costs(args, blocks: int, num_stages: int):
     timed on this process's first device (seconds): what zb-auto and its kin plan with."""
     from ..analysis.profiling.device import profile_stage_costs
     from ..runtime.stages import StagedModel, microbatch_size
-    from ..training.data import load_digits
     from ..training.model import ModelConfig, build_parts
 
     x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
@@ -258,8 +252,6 @@ def _stage_costs(args, blocks: int, num_stages: int):
 def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
     """The schedules to run (in ``names``' order, planners that need costs last) and, for the
     others, why not."""
-    import zbpp_lite as zb
-
     schedules, notes = [], {}
     for name in sorted(names, key=lambda n: "costs" in _required(n)):
         costs = None
@@ -282,8 +274,6 @@ def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
 
 
 def run(args) -> int:
-    import zbpp_lite as zb
-
     check_arguments(args)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()] or list(zb.SCHEDULES)
     unknown = [n for n in names if n not in zb.SCHEDULES]
@@ -306,8 +296,6 @@ def run(args) -> int:
         print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core to the "
               f"others, so measured bubbles look smaller than on real devices", flush=True)
 
-    from ..schedules.costs import Costs
-
     by_stages: dict[int, Costs] = {}
     one = OneCore(args, use_processes)
 
@@ -320,9 +308,7 @@ def run(args) -> int:
         schedules, notes = _build(names, args, blocks, costs_for)
         if not schedules:
             raise CliError("no schedule could be run: " + "; ".join(f"{n}: {why}" for n, why in notes.items()))
-        from ..training.data import load_digits
-        from ..training.model import ModelConfig
-        from ..training.train import RunConfig
+        from ..training.model import ModelConfig, RunConfig
 
         data = load_digits(args.holdout, args.seed)
         model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
@@ -337,8 +323,6 @@ def run(args) -> int:
         references = _references(args, model, run_config, data, devices, one_rank, one)
     if args.learn_steps > 0 and learned is None and not use_processes:
         learned = _learn(results, args, model, run_config, data, devices)
-    from .compare_report import Comparison, html_report, summary_text
-
     comparison = Comparison(results, notes, references, learned, args, blocks, "processes" if use_processes else "threads",
                             {n: c for n, c in by_stages.items()})
     print(summary_text(comparison), flush=True)

@@ -7,11 +7,15 @@ the ``ZBPP_*`` environment ``launch`` sets), trains with the ``train`` command's
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import signal
 import sys
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from ..analysis.profiling.timelines import timed_steps
@@ -22,13 +26,18 @@ from ..runtime.distributed import (
     initialize,
     pipeline_devices,
 )
+from ..runtime.devices import COUNT_FLAG
+from ..runtime.stages import StagedModel
 from ..schedules.ir import Schedule
+from ..training.model import ModelConfig, RunConfig, build_parts
+from ..training.train import train_steps as train_steps_of
+from . import build_parser
+from .train import check_launchable, check_sizes, report, resolve_schedule, run_spmd
 
 
 def train_process(args) -> int:
     """A child process of ``launch``: start the runtime, train with ``args`` (the ``train``
     command's), and on process 0 print the report ``train`` prints. Returns an exit status."""
-    from .train import check_launchable, check_sizes, report, resolve_schedule
 
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
@@ -47,8 +56,6 @@ def train_process(args) -> int:
               + ", ".join(f"rank {r}: process {d.process_index} {d}" for r, d in enumerate(devices)), flush=True)
 
     if getattr(args, "spmd", False):  # one SPMD program over a mesh spanning the processes
-        from .train import run_spmd
-
         status = run_spmd(args, schedule, blocks, devices, process)
         if process == 0:
             print(f"startup {startup:.2f} s", flush=True)
@@ -64,8 +71,6 @@ def train_process(args) -> int:
         step_ms = [1e3 * s for s in timed_steps(result.step_seconds)]
         print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s)")
         if getattr(args, "json", None):
-            import json
-
             with open(args.json, "w") as f:
                 json.dump({**result.to_json(), "startup_seconds": startup, "processes": count}, f, indent=1)
             print(f"wrote {args.json}")
@@ -76,10 +81,6 @@ def _ensure_cpu_devices(count: int) -> None:
     """Ask for ``count`` simulated CPU devices when no ``XLA_FLAGS`` device count was set (a
     detected cluster: the process count was not known before the runtime started). JAX's backend
     has not started yet; ``jax_num_cpu_devices`` exists from JAX 0.4.38."""
-    import jax
-
-    from ..runtime.devices import COUNT_FLAG
-
     if COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
         return
     try:
@@ -94,17 +95,11 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
     process holds the whole parameter list on its own default device and applies the same AdamW
     update to the gathered gradients (identical on every process), so no final gather is needed.
     Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config also names the process count."""
-    import jax
-
-    from ..runtime.stages import StagedModel
-    from ..training.model import ModelConfig, RunConfig, build_parts
-    from ..training.train import train_steps as step_loop
-
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
     run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout)
     executor = ProcessPipelineExecutor(StagedModel(build_parts(config), schedule.num_stages), schedule, devices,
                                        timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
-    result = step_loop(executor, args.steps, config, run, home=jax.local_devices()[0], on_step=on_step)
+    result = train_steps_of(executor, args.steps, config, run, home=jax.local_devices()[0], on_step=on_step)
     result.config["processes"] = jax.process_count()
     return result
 
@@ -113,9 +108,6 @@ def die_with_parent() -> None:
     """Be killed when the parent process dies (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a
     child of ``launch`` never outlives a launcher ended by a signal it cannot catch."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
@@ -123,8 +115,6 @@ def die_with_parent() -> None:
 
 if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
     die_with_parent()  # launch's or train's supervisor: never outlive it
-    from . import build_parser
-
     _args = build_parser(["train", *sys.argv[1:]]).parse_args(["train", *sys.argv[1:]])
     try:
         _status = train_process(_args)
@@ -136,7 +126,5 @@ if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train
     sys.stdout.flush()
     sys.stderr.flush()
     if _status == 0:
-        import jax
-
         jax.distributed.shutdown()  # waits for every process: the coordinator leaves last
     os._exit(_status)  # threads blocked in a transfer must not keep a failed process alive
