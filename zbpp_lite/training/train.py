@@ -230,25 +230,46 @@ def _checked_schedule(schedule, ranks, microbatches, steps, config: ModelConfig,
     return sched
 
 
+class StageAdamW:
+    """AdamW per stage, each stage's parameters and state on its own device: the update after
+    every step of every loop (``train``'s, and each rank process's in ``train_in_turns``).
+
+    ``homes``: ``{stage: device}`` for the stages this process updates.
+    """
+
+    def __init__(self, model: StagedModel, params: list, homes: dict, run: RunConfig):
+        opt, self._update = jitted_adamw(run.lr, run.weight_decay)
+        self.model, self.homes = model, dict(homes)
+        self.params = {s: jax.device_put(model.stage_params(params, s), d) for s, d in self.homes.items()}
+        self.state = {s: jax.device_put(opt.init(p), d) for (s, d), p in zip(self.homes.items(), self.params.values())}
+
+    def step(self, grads: list) -> None:
+        """One update from ``grads`` (one pytree per model module), wherever the executor left them."""
+        for s, d in self.homes.items():
+            g = jax.device_put(self.model.stage_params(grads, s), d)
+            self.params[s], self.state[s] = self._update(g, self.state[s], self.params[s])
+        jax.block_until_ready(self.params)
+
+    def warm_up(self) -> None:
+        """Compile the update for the first step's inputs and for its own outputs, changing nothing."""
+        for s, p in self.params.items():
+            zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, p)
+            once = self._update(zeros, self.state[s], p)
+            jax.block_until_ready(self._update(zeros, once[1], once[0]))
+
+
 def _plain_steps(executor, params, batches, run: RunConfig, on_step, homes: list) -> tuple[_Run, list]:
     """One executor step at a time, then AdamW per stage on ``homes[stage]``."""
     model, sched = executor.model, executor.schedule
-    S = sched.num_stages
-    opt, update = jitted_adamw(run.lr, run.weight_decay)
-    stage_params = [jax.device_put(model.stage_params(params, s), homes[s]) for s in range(S)]
-    opt_state = [jax.device_put(opt.init(p), homes[s]) for s, p in enumerate(stage_params)]
+    adamw = StageAdamW(model, params, dict(enumerate(homes)), run)
     out = _Run()
     steps_iter: Any = range(len(batches))
     if run.progress:
         steps_iter = tqdm(steps_iter, desc=f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}", leave=False)
     for k in steps_iter:
-        x, y = batches[k]
         t0 = time.perf_counter()
-        result = executor.run(model.join_stage_params(stage_params), x, y)
-        for s in range(S):
-            grads = jax.device_put(model.stage_params(result.grads, s), homes[s])  # where the distributed executor gathered them
-            stage_params[s], opt_state[s] = update(grads, opt_state[s], stage_params[s])
-        jax.block_until_ready(stage_params)
+        result = executor.run(model.join_stage_params(list(adamw.params.values())), *batches[k])
+        adamw.step(result.grads)
         out.seconds.append(time.perf_counter() - t0)
         if k == 0:
             out.extra["first_grads"] = result.grads
@@ -258,7 +279,7 @@ def _plain_steps(executor, params, batches, run: RunConfig, on_step, homes: list
             steps_iter.set_postfix(loss=f"{result.loss:.4f}")
         if on_step is not None:
             on_step(k, result.loss, result.timeline)
-    return out, stage_params
+    return out, list(adamw.params.values())
 
 
 def _guarded_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_Run, list]:

@@ -42,8 +42,8 @@ from ..schedules.timeline import Event, Timeline
 from .data import Digits, load_digits
 from .messages import Message, parse
 from .model import ModelConfig, build_parts, load_torch_init
-from .reference import evaluate, jitted_adamw, max_relative_error, reference_grads
-from .train import RunConfig, TrainResult, _checked_schedule, _pick_measured, settings_json
+from .reference import evaluate, max_relative_error, reference_grads
+from .train import RunConfig, StageAdamW, TrainResult, _checked_schedule, _pick_measured, settings_json
 
 ENTRY = "zbpp_lite.training.turns:rank_main"
 
@@ -121,41 +121,34 @@ class Params(Message):
 
 @dataclass
 class _Run:
-    """One schedule's training run on one rank: its model, every module's parameters, its own
-    stages' parameters and AdamW state."""
+    """One schedule's training run on one rank: its model, executor, every module's parameters
+    (the stages of other ranks stay as initialised) and AdamW on this rank's stages."""
 
     model: StagedModel
     executor: Any
     params: list
-    stages: dict
-    opt: dict = field(default_factory=dict)
+    adamw: StageAdamW
 
 
 def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, _Run]:
     """Every schedule's executor for rank ``rank``, each with its own parameters and AdamW state,
     its update compiled for step 0's inputs and for its own outputs (later steps)."""
-    run = config["run"]
+    run = RunConfig(**config["run"])
     schedules = {name: schedule_from_json(d) for name, d in config["schedules"].items()}
     model_config = ModelConfig(**config["model"])
     cuts = config.get("parts") or {}  # {name: partition} for the schedules not cut the default way
     shared = {S: StagedModel(build_parts(model_config), S) for S in sorted({s.num_stages for s in schedules.values()})}
     models = {name: StagedModel(build_parts(model_config), s.num_stages, parts=cuts[name]) if cuts.get(name)
               else shared[s.num_stages] for name, s in schedules.items()}
-    initial = load_torch_init(run["init"], model_config) if run.get("init") else next(iter(shared.values())).params
+    initial = load_torch_init(run.init, model_config) if run.init else next(iter(shared.values())).params
     executors = connect(peers, {name: (lambda remote, name=name, s=s: PipelineExecutor(models[name], s, [device], ranks=[rank],
                                                                                      remote=remote))
                                 for name, s in schedules.items()})
-    opt, update = jitted_adamw(run["lr"], run["weight_decay"])
     runs = {}
     for name in schedules:
-        model, mine = models[name], executors[name].local_stages
-        stages = {st: jax.device_put(model.stage_params(initial, st), device) for st in mine}
-        runs[name] = _Run(model, executors[name], [jax.device_put(p, device) for p in initial], stages,
-                          {st: jax.device_put(opt.init(p), device) for st, p in stages.items()})
-        for st, p in stages.items():
-            zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, p)
-            once = update(zeros, runs[name].opt[st], p)
-            jax.block_until_ready(update(zeros, once[1], once[0]))
+        adamw = StageAdamW(models[name], initial, {st: device for st in executors[name].local_stages}, run)
+        runs[name] = _Run(models[name], executors[name], [jax.device_put(p, device) for p in initial], adamw)
+        adamw.warm_up()
     return runs
 
 
@@ -170,23 +163,21 @@ def _memory_json(memory, rank: int, at: float) -> dict:
             "device_peak": memory.device_peak[rank] if len(memory.device_peak) > rank else None}
 
 
-def _rank_step(r: _Run, rank: int, command: Step, batch, update) -> Stepped:
+def _rank_step(r: _Run, rank: int, command: Step, batch) -> Stepped:
     """One step of one schedule on this rank: the executor, then AdamW on this rank's stages."""
-    for s, p in r.stages.items():
+    for s, p in r.adamw.params.items():
         for i, part in zip(r.model.parts[s], p):
             r.params[i] = part
     t0 = time.perf_counter()
     result = r.executor.run(r.params, *batch)
     ran = time.perf_counter() - t0
-    for s in r.stages:
-        r.stages[s], r.opt[s] = update(r.model.stage_params(result.grads, s), r.opt[s], r.stages[s])
-    jax.block_until_ready(r.stages)
+    r.adamw.step(result.grads)
     at, memory = result.started_at, result.timeline.measured_memory
     return Stepped(
         seconds=time.perf_counter() - t0, run_seconds=ran, losses=list(result.microbatch_losses),
         events=[[e.rank, str(e.action), at + e.start, at + e.end] for e in result.timeline.events],
         memory=None if memory is None else _memory_json(memory, rank, at),
-        grads={str(s): _leaves(r.model.stage_params(result.grads, s)) for s in r.stages} if command.grads else None)
+        grads={str(s): _leaves(r.model.stage_params(result.grads, s)) for s in r.adamw.params} if command.grads else None)
 
 
 def rank_main(rank: int, peers: dict, control, config: dict) -> None:
@@ -196,14 +187,13 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
     device = ensure_devices(1)[0]
     runs = _rank_runs(rank, peers, device, config)
     data = load_digits(config["run"]["holdout"], config["run"]["seed"])
-    update = jitted_adamw(config["run"]["lr"], config["run"]["weight_decay"])[1]
     while (message := control.recv()) is not None:
         command = parse(message, Step, GetParams)
         r = runs[command.schedule]
         if isinstance(command, GetParams):
-            reply = Params({str(s): _leaves(p) for s, p in r.stages.items()})
+            reply = Params({str(s): _leaves(p) for s, p in r.adamw.params.items()})
         else:
-            reply = _rank_step(r, rank, command, data.batch(command.step, config["run"]["batch"]), update)
+            reply = _rank_step(r, rank, command, data.batch(command.step, config["run"]["batch"]))
         control.send(reply.to_wire())
     disconnect(peers)
 
