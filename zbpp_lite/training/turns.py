@@ -303,9 +303,8 @@ def train_in_turns(
 ) -> InTurns:
     """Train every schedule for ``steps`` steps, taking turns step by step, one process per rank.
 
-    Step k of every schedule runs before step k + 1 of any: in the order given for even k, in
-    reverse for odd k. The machine's slow spells (seconds long on a shared virtual machine) then
-    meet neighbours in the order alike: put the schedules to compare next to each other.
+    Step k of every schedule runs before step k + 1 of any, in the order given for even k, reversed
+    for odd k: the machine's slow spells then meet neighbours alike (put the ones to compare together).
 
     Args:
         schedules: valid schedules with distinct names, all with the same number of ranks and
@@ -350,9 +349,9 @@ def train_in_turns(
             "run": {"batch": run.batch, "lr": run.lr, "weight_decay": run.weight_decay, "seed": run.seed,
                     "holdout": run.holdout, "init": None if run.init is None else str(run.init)}}
     records = {n: _Record(s) for n, s in zip(names, schedules)}
-    bar = tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False) if run.progress else None
     with RankProcesses(ENTRY, p, spec, pin=True) as ranks:  # rank r on the r-th allowed core (:func:`enough_cores`)
-        turns = _Turns(ranks, bar)
+        turns = _Turns(ranks, tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False)
+                       if run.progress else None)
         for k in range(steps):
             # there and back: even steps in the order given, odd ones reversed, so that
             # neighbours in the order stay a step apart and no place in the round is favoured
@@ -364,8 +363,8 @@ def train_in_turns(
             records[n].final = turns.params(n)
         chosen = then({n: list(records[n].seconds) for n in names}) if then is not None else None
         more = _go_on(turns, records, chosen, steps, run.progress) if chosen is not None and chosen[1] > 0 else None
-    if bar is not None:
-        bar.close()
+    if turns.bar is not None:
+        turns.bar.close()
     finish = _Finish(config, run, data, p)
     results = InTurns((n, finish.result(records[n], cuts.get(n))) for n in names)
     if more is not None:
