@@ -41,7 +41,7 @@ def main() -> None:
         ratios = []
         for k in range(args.runs):
             load_before, t0 = os.getloadavg()[0], time.perf_counter()
-            r = adapt(2, 8, args.steps, imbalance=imbalance, d=128, heads=4, batch=256, seed=0)
+            r = adapt(ranks=2, microbatches=8, steps=args.steps, imbalance=imbalance, d=128, heads=4, batch=256, seed=0)
             adopted = [c["kind"] for c in r.changes if c["adopted"]] or ["nothing"]
             # nothing adopted: the plan after IS the plan before, after / before is 1 exactly; the
             # A/A control (that same plan measured against itself) shows the noise beside it

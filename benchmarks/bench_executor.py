@@ -22,7 +22,7 @@ from zbpp_lite.runtime.devices import ensure_devices
 
 def pipeline_vs_simulator(names: list[str], steps: int, devices) -> dict:
     import zbpp_lite as zb
-    from zbpp_lite.analysis.profiling.timelines import measured_costs
+    from zbpp_lite.analysis.profiling.timelines import measured_costs, timed_steps
     from zbpp_lite.training.model import ModelConfig
     from zbpp_lite.training.train import RunConfig, train
 
@@ -35,7 +35,7 @@ def pipeline_vs_simulator(names: list[str], steps: int, devices) -> dict:
         r = train(name, 2, 8, steps, model=ModelConfig(d=128, heads=4, blocks=8), run=RunConfig(batch=256, check_grads=False),
                   devices=devices)
         c, meas, sim = r.costs, r.measured, r.simulated
-        timed = r.timelines[1:] or r.timelines
+        timed = timed_steps(r.timelines)
         bubble = statistics.median(t.bubble_rate for t in timed)
         sim_bubble = statistics.median(zb.simulate(r.schedule, measured_costs(t, r.schedule.num_stages)).bubble_rate for t in timed)
         mean = lambda v: 1e3 * statistics.fmean(v)  # noqa: E731

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 
+from zbpp_lite.analysis.profiling.timelines import timed_median
 from zbpp_lite.runtime.devices import ensure_devices
 
 
@@ -59,7 +59,7 @@ def main() -> None:
                 errors[name] = max_relative_error(r.grads, ref_grads)
             if name == "mpmd" and k == args.steps - 1:
                 costs = measured_costs(r.timeline, s.num_stages)
-    med = {n: statistics.median(v[1:] or v) for n, v in times.items()}
+    med = {n: timed_median(v) for n, v in times.items()}
     predicted = zb.simulate(s, costs, lockstep=True).makespan / zb.simulate(s, costs).makespan
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +85,7 @@ def main() -> None:
             continue
         secs = [st["seconds"] for st in run["steps"]]
         startup = f"startup of the runtime {run['startup_seconds']:.2f} s; " if "startup_seconds" in run else ""
-        print(f"{label:<24}{1e3 * statistics.median(secs[1:] or secs):>10.2f}{run['grad_max_rel_error']:>18.2e}"
+        print(f"{label:<24}{1e3 * timed_median(secs):>10.2f}{run['grad_max_rel_error']:>18.2e}"
               f"   ({startup}whole launch {wall:.1f} s)")
     print(f"SPMD / MPMD step time: measured {med['spmd'] / med['mpmd']:.3f}, predicted by the lockstep simulator {predicted:.3f} "
           f"(costs T_F {[f'{1e3 * v:.2f}' for v in costs.f]} ms, T_B {[f'{1e3 * v:.2f}' for v in costs.b]}, "

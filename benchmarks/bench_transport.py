@@ -18,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 
+from zbpp_lite.analysis.profiling.timelines import timed_median
+
 JOB = ["--microbatches", "8", "--d", "128", "--heads", "4", "--blocks", "8", "--batch", "256", "--no-progress"]
 
 
@@ -26,7 +28,7 @@ def median_step_ms(cmd: list[str], out: str) -> float:
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:6])} ... failed:\n{done.stderr[-1500:]}")
     steps = json.load(open(out))["steps"]
-    return statistics.median(s["seconds"] for s in steps[1:]) * 1e3
+    return timed_median([s["seconds"] for s in steps]) * 1e3
 
 
 def main() -> None:

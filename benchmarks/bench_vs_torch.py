@@ -26,7 +26,7 @@ forward, the backward and the optimizer update. This script
      drift, so their ratios (zero bubble vs 1f1b) are the ones to trust. ``baseline-1stage``
      takes its turns there too, on its own copy of the model (``baseline-1stage@turns``), so the
      speed-up over it compares steps that met the same machine;
-   and the single-device baseline ``zbpp_lite.training.baseline.train_baseline`` pinned to one core as
+   and the single-device baseline ``zbpp_lite.training.reference.train_baseline`` pinned to one core as
    PyTorch's (``baseline``), plus three references of ours: the same with the 8 microbatches
    accumulated (``baseline-acc8``), unpinned with XLA's threads on both cores
    (``baseline-2cores``), and our executor on one rank holding the whole model as one stage
@@ -160,9 +160,7 @@ def worker(args) -> dict:
     from zbpp_lite.runtime.devices import ensure_devices
 
     devices = ensure_devices(1 if name in BASELINES else RANKS)
-    sizes = {k: JOB[k] for k in ("d", "heads", "blocks", "batch", "lr", "weight_decay", "seed")}
     steps = args.warmup + args.steps
-    common = dict(holdout=0.0, init=args.init, **sizes)
     from zbpp_lite.training.model import ModelConfig
     from zbpp_lite.training.train import RunConfig
 
@@ -175,9 +173,9 @@ def worker(args) -> dict:
 
         result = train("gpipe", 1, BASELINES[name]["microbatches"], steps, devices=devices[:1], **piped)
     elif name in BASELINES:
-        from zbpp_lite.training.baseline import train_baseline
+        from zbpp_lite.training.reference import train_baseline
 
-        result = train_baseline(steps, microbatches=BASELINES[name]["microbatches"], device=devices[0], **common)
+        result = train_baseline(steps, microbatches=BASELINES[name]["microbatches"], device=devices[0], **piped)
     else:
         import zbpp_lite as zb
         from zbpp_lite.schedules.builders import options_of
@@ -201,7 +199,7 @@ def worker(args) -> dict:
         extra["makespan_ms"] = statistics.median(t.makespan for t in timed) * 1e3
         extra["bubble_rate"] = statistics.median(t.bubble_rate for t in timed)
         extra["stages"] = result.schedule.num_stages
-    from zbpp_lite.training.baseline import step_stats
+    from zbpp_lite.training.reference import step_stats
 
     return {
         **step_stats(result.step_seconds, args.warmup),
@@ -257,9 +255,9 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     from zbpp_lite.runtime.executor import PipelineExecutor
     from zbpp_lite.training.model import ModelConfig, build_parts, load_torch_init
     from zbpp_lite.runtime.stages import StagedModel
-    from zbpp_lite.cli.compare import one_rank_reference
+    from zbpp_lite.training.reference import one_rank_schedule
 
-    schedules = {name: one_rank_reference(RANKS, JOB["microbatches"]) if name == REFERENCE else
+    schedules = {name: one_rank_schedule(RANKS, JOB["microbatches"]) if name == REFERENCE else
                  zb.build_schedule(name, RANKS, JOB["microbatches"], **options) for name, options in plans.items()}
     if len({s.num_stages for n, s in schedules.items() if n != REFERENCE}) > 1:
         raise ValueError(f"schedules run in turns must cut the model alike: {sorted(plans)}")
@@ -371,7 +369,7 @@ def calibrated(names: list[str], args) -> tuple[dict, dict]:
 
 
 def figures(seconds, losses, timelines, runs, warmup: int) -> dict:
-    from zbpp_lite.training.baseline import step_stats
+    from zbpp_lite.training.reference import step_stats
 
     timed = timelines[warmup:]
     return {

@@ -108,3 +108,21 @@ def test_the_adapt_command_profiles_replans_and_keeps_the_gradients(tmp_path, ca
     assert kinds.count("online-replan") == switched
     assert set(data["before"]["attribution"]["by_cause"]) >= {"warm-up", "cool-down", "imbalance", "communication"}
     assert np.isclose(data["makespan_ratio"], data["after"]["makespan"] / data["before"]["makespan"])
+
+
+def test_adapt_settings_route_names_to_the_options_the_model_and_the_run():
+    """``adapt(ranks=2, d=128, ...)``, as the notebook calls it: every setting lands in its config,
+    ``seed`` in both the model's and the run's, the blocks default to :func:`default_blocks`."""
+    from zbpp_lite.training.adapt import AdaptOptions, adapt_settings, default_blocks
+
+    options, model, run = adapt_settings(ranks=3, steps=12, imbalance=2.0, d=128, batch=96, seed=5)
+    assert (options.ranks, options.steps, options.imbalance) == (3, 12, 2.0)
+    assert (model.d, model.seed, model.blocks) == (128, 5, default_blocks(3, 2.0))
+    assert (run.batch, run.seed) == (96, 5)
+    assert adapt_settings(blocks=None)[1].blocks == default_blocks(2, 2.0)
+    with pytest.raises(TypeError, match="unknown setting"):
+        adapt_settings(replan=False)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        AdaptOptions(ranks=1)
+    with pytest.raises(ValueError, match="confidence must lie in"):
+        AdaptOptions(confidence=1.0)

@@ -8,12 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from zbpp_lite.training.reference import adamw
-from zbpp_lite.training.baseline import make_step, step_stats, train_baseline
 from zbpp_lite.training.data import load_digits
 from zbpp_lite.training.model import ModelConfig, build_parts
 from zbpp_lite.runtime.stages import StagedModel
-from zbpp_lite.training.reference import max_relative_error
+from zbpp_lite.training.reference import adamw, make_step, max_relative_error, one_rank_schedule, step_stats, train_baseline
 from zbpp_lite.training.train import RunConfig, train
 
 DEVICES = jax.devices()
@@ -51,8 +49,7 @@ def test_one_step_is_value_and_grad_then_the_update(microbatches):
 
 def test_the_baseline_trains_like_the_pipeline_from_the_same_start():
     data = load_digits(0.2, 0)
-    kwargs = dict(d=16, heads=2, blocks=2, batch=8, data=data)
-    base = train_baseline(3, device=DEVICES[0], **kwargs)
+    base = train_baseline(3, model=ModelConfig(d=16, heads=2, blocks=2), run=RunConfig(batch=8), device=DEVICES[0], data=data)
     piped = train("zb-h1", 2, 4, 3, model=ModelConfig(d=16, heads=2, blocks=2), run=RunConfig(batch=8, check_grads=False),
                   devices=DEVICES[:2], data=data)
     np.testing.assert_allclose(base.losses, piped.losses, rtol=1e-5)
@@ -65,7 +62,19 @@ def test_bad_sizes_are_refused_before_any_compute():
     with pytest.raises(ValueError, match="steps must be >= 1"):
         train_baseline(0)
     with pytest.raises(ValueError, match="does not divide into 3 microbatches"):
-        train_baseline(1, batch=8, microbatches=3)
+        train_baseline(1, run=RunConfig(batch=8), microbatches=3)
     with pytest.raises(ValueError, match="no timed steps"):
         step_stats([0.1, 0.2], warmup=2)
     assert step_stats([9.0, 0.002, 0.001, 0.004], warmup=1) == {"median_ms": 2.0, "min_ms": 1.0, "step_ms": [2.0, 1.0, 4.0]}
+
+
+def test_the_one_rank_schedule_is_gpipe_on_rank_0_among_idle_ranks():
+    """compare's executor reference: the whole model as one stage on rank 0 (GPipe's order), the
+    other ranks without an action, so it can take its turns among p-rank pipelines."""
+    import zbpp_lite as zb
+
+    s = one_rank_schedule(3, 4)
+    zb.validate(s)
+    assert s.num_ranks == 3 and s.num_stages == 1 and s.name == "one-rank reference"
+    assert [str(a) for a in s.actions[0]] == [str(a) for a in zb.build_schedule("gpipe", 1, 4).actions[0]]
+    assert s.actions[1] == () and s.actions[2] == ()

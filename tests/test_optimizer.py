@@ -17,7 +17,8 @@ from zbpp_lite.runtime.executor import PipelineExecutor
 from zbpp_lite.training.model import ModelConfig, build_parts
 from zbpp_lite.runtime.stages import StagedModel
 from zbpp_lite.training.postval.optimizer import StageOptimizer, guarded_run
-from zbpp_lite.training.postval.reference import _adamw_step, synchronous_step
+from zbpp_lite.training.postval.reference import synchronous_step
+from zbpp_lite.training.reference import adamw_step
 from zbpp_lite.training.postval.rollback import AdamWConfig
 
 CFG = AdamWConfig(learning_rate=1e-2, eps=1e-3)
@@ -186,7 +187,7 @@ def test_plain_steps_equal_optax_adamw_step_by_step():
         assert results[k].loss == pytest.approx(step.loss, rel=1e-6)
         for s in range(S):
             g = jax.device_put(tuple(jax.tree_util.tree_leaves(model.stage_params(step.grads, s))), jax.devices()[0])
-            params[s], states[s] = _adamw_step(jax.device_put(params[s], jax.devices()[0]), states[s], g, CFG)
+            params[s], states[s] = adamw_step(jax.device_put(params[s], jax.devices()[0]), states[s], g, CFG)
     assert _max_rel([opt.params()[s] for s in range(S)], params) < 1e-6
     assert opt.reports == []
     # no barrier between steps: each step starts after the previous one's first action

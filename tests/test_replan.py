@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import zbpp_lite as zb
 from zbpp_lite.schedules.builders.greedy import smallest_feasible_limit
-from zbpp_lite.analysis.profiling.timelines import profile
+from zbpp_lite.analysis.profiling.timelines import profile, timed_median, timed_steps
 from zbpp_lite.analysis.rebalance import (
     PartCosts,
     best_partition,
@@ -259,3 +259,11 @@ def test_moved_costs_shift_only_the_parts_that_move():
     assert predicted.w == pytest.approx((3.0, 3.1)) and predicted.comm == (0.3, 0.3)
     same = moved_costs(parts_costs, old, old, measured).table(2)
     assert same.f == pytest.approx((2.1, 4.7))
+
+
+def test_timed_steps_leave_out_the_compile_step_unless_it_is_the_only_one():
+    """The one rule every report, profile and benchmark uses for which steps are timed."""
+    assert timed_steps([9.0, 1.0, 3.0]) == [1.0, 3.0]
+    assert timed_steps([9.0]) == [9.0]
+    assert timed_steps([9.0, 8.0, 1.0, 3.0], skip=2) == [1.0, 3.0]
+    assert timed_median([9.0, 1.0, 3.0, 2.0]) == 2.0

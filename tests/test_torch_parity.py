@@ -25,8 +25,8 @@ import jax
 import numpy as np
 import pytest
 
-from zbpp_lite.training.baseline import train_baseline
 from zbpp_lite.training.model import ModelConfig
+from zbpp_lite.training.reference import train_baseline
 from zbpp_lite.training.train import RunConfig, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,11 +42,10 @@ def _golden() -> dict:
 
 
 def _ours(name: str, cfg: dict, init: Path, steps: int):
-    sizes = dict(d=cfg["d"], heads=cfg["heads"], blocks=cfg["blocks"], batch=cfg["batch"], lr=cfg["lr"], seed=cfg["seed"])
-    if name == "baseline":
-        return train_baseline(steps, holdout=0.0, init=init, device=DEVICES[0], **sizes)
     model = ModelConfig(d=cfg["d"], heads=cfg["heads"], blocks=cfg["blocks"], seed=cfg["seed"])
     run = RunConfig(batch=cfg["batch"], lr=cfg["lr"], seed=cfg["seed"], holdout=0.0, init=init, check_grads=False)
+    if name == "baseline":
+        return train_baseline(steps, model=model, run=run, device=DEVICES[0])
     return train(name, 2, cfg["microbatches"], steps, model=model, run=run, devices=DEVICES[:2])
 
 

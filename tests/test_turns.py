@@ -175,10 +175,31 @@ def test_then_goes_on_training_the_chosen_schedule_as_if_it_had_run_alone():
 
     both = train_in_turns(schedules, 2, then=then, **SMALL)
     alone = train_in_turns([schedules[1]], 4, **SMALL)["zb-h2"]
-    assert asked == [["1f1b", "zb-h2"]] and list(both) == ["1f1b", "zb-h2", "then"]
-    np.testing.assert_allclose(both["then"].losses, alone.losses, rtol=1e-6)
-    assert both["then"].losses[:2] == both["zb-h2"].losses and len(both["then"].step_seconds) == 2
-    assert both["then"].test_accuracy == pytest.approx(alone.test_accuracy, abs=1e-6)
+    assert asked == [["1f1b", "zb-h2"]] and list(both) == ["1f1b", "zb-h2"] and both.then is not None
+    np.testing.assert_allclose(both.then.losses, alone.losses, rtol=1e-6)
+    assert both.then.losses[:2] == both["zb-h2"].losses and len(both.then.step_seconds) == 2
+    assert both.then.test_accuracy == pytest.approx(alone.test_accuracy, abs=1e-6)
+
+
+def test_messages_cross_as_json_and_parse_back_to_their_own_kind():
+    """The parent's words and the ranks' answers are named records: sent as wire JSON (arrays as
+    raw bytes), parsed back by ``op``; unknown kinds and fields are refused, naming them."""
+    from zbpp_lite.runtime import wire
+    from zbpp_lite.training.messages import parse
+    from zbpp_lite.training.turns import GetParams, Params, Step, Stepped
+
+    step = Step("zb-h1", 3, grads=True)
+    assert parse(wire.decode(wire.encode(step.to_wire())), Step, GetParams) == step
+    leaves = {"0": [np.arange(4, dtype=np.float32)]}
+    back = Params.from_wire(wire.decode(wire.encode(Params(leaves).to_wire())))
+    np.testing.assert_array_equal(back.params["0"][0], leaves["0"][0])
+    with pytest.raises(ValueError, match="expected a message of kind"):
+        parse({"op": "stepped", "seconds": 1.0}, Step, GetParams)
+    with pytest.raises(ValueError, match="has no field"):
+        Step.from_wire({"op": "step", "schedule": "x", "step": 0, "then": 1})
+    with pytest.raises(ValueError, match="Stepped"):
+        Stepped.from_wire({"op": "stepped", "seconds": 1.0})
+
 
 
 def test_a_killed_rank_is_named_with_its_signal_at_once_while_another_rank_waits():

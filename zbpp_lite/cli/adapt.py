@@ -82,7 +82,8 @@ def run(args) -> int:
     devices = setup_devices(args.ranks)
     why_threads = threads_reason(args, args.ranks, devices)
 
-    from ..training.adapt import adapt
+    from ..training.adapt import AdaptOptions, adapt
+    from ..training.model import ModelConfig, RunConfig
 
     if why_threads is None:
         print(f"REAL run: one process per rank, each pinned to its own core ({args.ranks} ranks); the plans take turns "
@@ -101,14 +102,15 @@ def run(args) -> int:
         print(f"{phase:18} step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  "
               f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
 
-    result = adapt(
-        args.ranks, args.microbatches, args.steps, imbalance=args.imbalance, profile_steps=args.profile_steps,
-        blocks=blocks, d=args.d, heads=args.heads, batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout,
-        memory_limit=args.memory_limit, every=args.every, threshold=args.threshold, patience=args.patience,
-        min_gain=args.min_gain, margin=args.margin, rebalance=args.rebalance, replan_schedule=args.replan,
-        online=args.online, control=args.control, confidence=args.confidence, processes=why_threads is None,
-        devices=None if why_threads is None else devices, on_step=on_step,
-    )
+    options = AdaptOptions(
+        ranks=args.ranks, microbatches=args.microbatches, steps=args.steps, imbalance=args.imbalance,
+        profile_steps=args.profile_steps, memory_limit=args.memory_limit, every=args.every, threshold=args.threshold,
+        patience=args.patience, min_gain=args.min_gain, margin=args.margin, rebalance=args.rebalance,
+        replan_schedule=args.replan, online=args.online, control=args.control, confidence=args.confidence,
+        processes=why_threads is None)
+    result = adapt(options, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
+                   run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout),
+                   devices=None if why_threads is None else devices, on_step=on_step)
     print("\nmeasured before adapting (ZB-H1, original partition):")
     print(result.profile.table())
     print(result.attribution.table())

@@ -27,13 +27,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import os
 import sys
+from dataclasses import dataclass
 
+import numpy as np
+
+import zbpp_lite as zb
+
+from ..analysis.profiling.timelines import timed_median
+from ..runtime.devices import ensure_devices
+from ..runtime.processes import RankProcesses
+from ..schedules.builders import options_of
 from ..schedules import strict_json
+from ..schedules.costs import Costs
+from ..training.data import load_digits
+from ..training.messages import Message, parse
 from . import CliError
-from .train import add_model_arguments, add_platform_argument, check_model_arguments, setup_platform, threads_reason
+from .compare_report import Comparison, html_report, summary_text
+from .train import (add_model_arguments, add_platform_argument, check_model_arguments, cost_table, profile_json,
+                    profile_pipelines, setup_platform, threads_reason)
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
@@ -57,8 +72,6 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
 def _required(name: str) -> list[str]:
     """The options a builder cannot do without, and ``costs`` for every builder that plans with
     costs (zb-auto, zb-1p, zb-2p: without them they would plan for unit costs, not this job's)."""
-    from ..schedules.builders import options_of
-
     options = options_of(name)
     return [key for key, default in options.items() if default is inspect.Parameter.empty or key == "costs"]
 
@@ -75,12 +88,6 @@ def _options(name: str, ranks: int, costs) -> tuple[dict, str | None]:
 def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
     """Every schedule simulated from per-stage costs timed on ``device`` (printed as PROFILED);
     planners that need costs get the mean profiled ones. One JSON-ready dict per schedule."""
-    import numpy as np
-
-    import zbpp_lite as zb
-
-    from .train import cost_table, profile_json, profile_pipelines
-
     print(f"PROFILED on {device}: per-stage costs timed on this one device; every pipeline below is simulated from them "
           f"({args.ranks} ranks, no transfer cost; nothing ran on {args.ranks} devices)", flush=True)
     by_shape: dict = {}
@@ -125,6 +132,49 @@ ONE_CORE_ENTRY = "zbpp_lite.cli.compare:one_core_main"
 _JOB = ("holdout", "seed", "batch", "microbatches", "d", "heads", "lr")
 
 
+@dataclass(frozen=True)
+class StageCosts(Message):
+    """To :class:`OneCore`'s helper: time every stage of the job cut into ``stages`` stages."""
+
+    op = "costs"
+    blocks: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class CostsAre(Message):
+    """The helper's answer to :class:`StageCosts`: T_F, T_B, T_W and T_BW per stage, seconds, and
+    M_B and M_W per stage, bytes."""
+
+    op = "costs are"
+    f: list
+    b: list
+    w: list
+    bw: list
+    mem_b: list
+    mem_w: list
+
+    def fields(self) -> dict:
+        return {"f": self.f, "b": self.b, "w": self.w, "bw": self.bw, "mem_b": self.mem_b, "mem_w": self.mem_w}
+
+
+@dataclass(frozen=True)
+class WholeBatch(Message):
+    """To :class:`OneCore`'s helper: train the whole batch as one jitted step ``steps`` times."""
+
+    op = "whole batch"
+    steps: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class StepSeconds(Message):
+    """The helper's answer to :class:`WholeBatch`: every step's seconds."""
+
+    op = "step seconds"
+    step_seconds: list
+
+
 class OneCore:
     """compare's single-device work (the planners' stage costs, the whole-batch reference) in one
     helper process pinned to one core from its start (started on first use, stopped on leaving
@@ -145,53 +195,49 @@ class OneCore:
             self.helper.close()
             self.helper = None
 
-    def _ask(self, job: dict) -> dict:
+    def _ask(self, job: Message, reply: type[Message]) -> Message:
         if self.helper is None:
-            from ..runtime.processes import RankProcesses
-
             self.helper = RankProcesses(ONE_CORE_ENTRY, 1, {k: getattr(self.args, k) for k in _JOB}, pin=True)
-        self.helper.broadcast(job)
-        return self.helper.gather()[0]
+        self.helper.broadcast(job.to_wire())
+        return reply.from_wire(self.helper.gather()[0])
 
     def costs(self, blocks: int, num_stages: int):
         """T_F, T_B, T_W and T_BW of every stage (:func:`_stage_costs`), as :class:`~zbpp_lite.Costs`."""
-        from ..schedules.costs import Costs
-
         if not self.use_processes:
             return _stage_costs(self.args, blocks, num_stages)
-        return Costs(**self._ask({"op": "costs", "blocks": blocks, "stages": num_stages}))
+        return Costs(**self._ask(StageCosts(blocks, num_stages), CostsAre).fields())
 
     def whole_batch(self, steps: int, blocks: int, device=None) -> list[float]:
         """Step seconds of the whole batch as one jitted step on one core, every step."""
         if not self.use_processes:
             with one_core():
                 return list(_whole_batch(self.args, steps, blocks, device).step_seconds)
-        return self._ask({"op": "whole batch", "steps": steps, "blocks": blocks})["step_seconds"]
+        return self._ask(WholeBatch(steps, blocks), StepSeconds).step_seconds
 
 
 def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
-    """:class:`OneCore`'s helper process: answers ``{"op": "costs", "blocks", "stages"}`` with
-    ``{"f", "b", "w", "bw"}`` (seconds per stage) and ``{"mem_b", "mem_w"}`` (bytes per stage), and
-    ``{"op": "whole batch", "steps", "blocks"}`` with ``{"step_seconds"}``, for the job ``config``
-    (``holdout``, ``seed``, ``batch``, ``microbatches``, ``d``, ``heads``, ``lr``)."""
-    from ..runtime.devices import ensure_devices
-
+    """:class:`OneCore`'s helper process: answers :class:`StageCosts` with :class:`CostsAre` (seconds and bytes per stage) and
+    :class:`WholeBatch` with :class:`StepSeconds`, for the job ``config`` (``holdout``, ``seed``,
+    ``batch``, ``microbatches``, ``d``, ``heads``, ``lr``)."""
     device = ensure_devices(1)[0]
     args = argparse.Namespace(**config)
-    while (job := control.recv()) is not None:
-        if job["op"] == "costs":
-            costs = _stage_costs(args, job["blocks"], job["stages"])
-            control.send({k: list(getattr(costs, k)) for k in ("f", "b", "w", "bw", "mem_b", "mem_w")})
+    while (message := control.recv()) is not None:
+        job = parse(message, StageCosts, WholeBatch)
+        if isinstance(job, StageCosts):
+            costs = _stage_costs(args, job.blocks, job.stages)
+            reply: Message = CostsAre(*(list(getattr(costs, k)) for k in ("f", "b", "w", "bw", "mem_b", "mem_w")))
         else:
-            control.send({"step_seconds": list(_whole_batch(args, job["steps"], job["blocks"], device).step_seconds)})
+            reply = StepSeconds(list(_whole_batch(args, job.steps, job.blocks, device).step_seconds))
+        control.send(reply.to_wire())
 
 
 def _whole_batch(args, steps: int, blocks: int, device):
-    from ..training.baseline import train_baseline
-    from ..training.data import load_digits
+    from ..training.model import ModelConfig, RunConfig
+    from ..training.reference import train_baseline
 
-    return train_baseline(steps, d=args.d, heads=args.heads, blocks=blocks, batch=args.batch, lr=args.lr, seed=args.seed,
-                          holdout=args.holdout, device=device, data=load_digits(args.holdout, args.seed))
+    return train_baseline(steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
+                          run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout),
+                          device=device, data=load_digits(args.holdout, args.seed))
 
 
 def _stage_costs(args, blocks: int, num_stages: int):
@@ -200,7 +246,6 @@ def _stage_costs(args, blocks: int, num_stages: int):
     zb-v and their kin plan with."""
     from ..analysis.profiling.device import profile_stage_costs
     from ..runtime.stages import StagedModel, microbatch_size
-    from ..training.data import load_digits
     from ..training.model import ModelConfig, build_parts
 
     x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
@@ -212,8 +257,6 @@ def _stage_costs(args, blocks: int, num_stages: int):
 def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
     """The schedules to run (in ``names``' order, planners that need costs last) and, for the
     others, why not."""
-    import zbpp_lite as zb
-
     schedules, notes = [], {}
     for name in sorted(names, key=lambda n: "costs" in _required(n)):
         costs = None
@@ -236,8 +279,6 @@ def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
 
 
 def run(args) -> int:
-    import zbpp_lite as zb
-
     check_arguments(args)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()] or list(zb.SCHEDULES)
     unknown = [n for n in names if n not in zb.SCHEDULES]
@@ -260,8 +301,6 @@ def run(args) -> int:
         print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core to the "
               f"others, so measured bubbles look smaller than on real devices", flush=True)
 
-    from ..schedules.costs import Costs
-
     by_stages: dict[int, Costs] = {}
     one = OneCore(args, use_processes)
 
@@ -274,9 +313,7 @@ def run(args) -> int:
         schedules, notes = _build(names, args, blocks, costs_for)
         if not schedules:
             raise CliError("no schedule could be run: " + "; ".join(f"{n}: {why}" for n, why in notes.items()))
-        from ..training.data import load_digits
-        from ..training.model import ModelConfig
-        from ..training.train import RunConfig
+        from ..training.model import ModelConfig, RunConfig
 
         data = load_digits(args.holdout, args.seed)
         model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
@@ -291,8 +328,6 @@ def run(args) -> int:
         references = _references(args, model, run_config, data, devices, one_rank, one)
     if args.learn_steps > 0 and learned is None and not use_processes:
         learned = _learn(results, args, model, run_config, data, devices)
-    from .compare_report import Comparison, html_report, summary_text
-
     comparison = Comparison(results, notes, references, learned, args, blocks, "processes" if use_processes else "threads",
                             {n: c for n, c in by_stages.items()})
     print(summary_text(comparison), flush=True)
@@ -307,27 +342,14 @@ def run(args) -> int:
     return 0
 
 
-ONE_RANK = "one-rank reference"
-"""The name, in the turns, of the one-rank executor reference (:func:`one_rank_reference`)."""
-
-
-def one_rank_reference(num_ranks: int, num_microbatches: int):
-    """Our executor on one rank, the whole model as one stage, the same microbatches and kernels as
-    the pipelines (GPipe's order, nothing to overlap), as a ``num_ranks``-rank schedule whose other
-    ranks have no action: it then takes its turns among the pipelines, step by step, and its
-    steps meet the machine's slow spells as theirs do."""
-    import zbpp_lite as zb
-
-    alone = zb.build_schedule("gpipe", 1, num_microbatches)
-    return zb.Schedule((alone.actions[0], *([()] * (num_ranks - 1))), (0,), num_microbatches, ONE_RANK)
-
-
 def _run_all(schedules, args, model, run_config, data, devices, use_processes) -> tuple[list, object, object]:
     """Every schedule's TrainResult; in processes, the long learning run of the fastest (it goes
     on in the same, compiled, processes after the turns, from the comparison's own steps to
     ``--learn-steps`` in all; None: threads, or no learning run; see :func:`_learn`) and the
-    one-rank executor reference, trained in the same turns (:func:`one_rank_reference`; None in
+    one-rank executor reference, trained in the same turns (:func:`~zbpp_lite.training.reference.one_rank_schedule`; None in
     threads)."""
+    from ..training.reference import ONE_RANK, one_rank_schedule
+
     steps = args.steps
     if use_processes:
         from ..training.turns import train_in_turns
@@ -335,24 +357,24 @@ def _run_all(schedules, args, model, run_config, data, devices, use_processes) -
         def then(seconds: dict):
             if args.learn_steps <= 0:
                 return None
-            best = min((n for n in seconds if n != ONE_RANK), key=lambda n: _median(seconds[n][1:]))
+            best = min((n for n in seconds if n != ONE_RANK), key=lambda n: timed_median(seconds[n]))
             print(f"training {best} on to {max(args.learn_steps, steps)} steps in all to see the model learn", flush=True)
             return best, max(args.learn_steps - steps, 0)
 
-        turns = _turn_order([*schedules, one_rank_reference(args.ranks, args.microbatches)])
-        out = train_in_turns(turns, steps, model=model, run=run_config, data=data, progress=run_config.progress, then=then)
+        turns = _turn_order([*schedules, one_rank_schedule(args.ranks, args.microbatches)])
+        out = train_in_turns(turns, steps, model=model, run=run_config, data=data, then=then)
         reference = out.pop(ONE_RANK)
-        learned = out.pop("then", None)
+        learned = out.then
         results = [out[s.name] for s in schedules]
         if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner as it is
-            learned = min(results, key=lambda r: _median(r.step_seconds[1:]))
+            learned = min(results, key=lambda r: timed_median(r.step_seconds))
         return results, learned, reference
     from ..training.train import train
 
     return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules], None, None
 
 
-NEIGHBOURS = (ONE_RANK, "zb-h1", "zb-h2", "1f1b", "zb-auto", "zb-2p")
+NEIGHBOURS = ("one-rank reference", "zb-h1", "zb-h2", "1f1b", "zb-auto", "zb-2p")
 """The middle of the turns' order: the schedules the report sets against 1f1b most often run
 next to it (one step apart), where the machine's slow spells meet them alike, beside the one-rank
 reference the speed-ups are taken against."""
@@ -364,30 +386,22 @@ def _turn_order(schedules: list) -> list:
     return sorted(schedules, key=lambda s: rank.get(s.name, -1))
 
 
-def _median(values) -> float:
-    import statistics
-
-    return statistics.median(values)
-
-
 def _references(args, model, run_config, data, devices, one_rank, one: OneCore) -> dict:
     """The two single-device references, each on one core: the whole batch as one jitted step
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
     microbatches as the pipeline): ``one_rank``, its TrainResult from the turns, or (threads)
     trained here. Median step seconds over the timed steps (as many as the pipelines': fewer let
     one slow spell of the machine make the reference look slow)."""
-    import dataclasses
-    import statistics
-
     if one_rank is None:
+        from ..training.reference import one_rank_schedule
         from ..training.train import train
 
         quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
-        one_rank = train(one_rank_reference(1, args.microbatches), steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
+        one_rank = train(one_rank_schedule(1, args.microbatches), steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
     whole = one.whole_batch(args.steps, model.blocks, devices[0])
     return {
-        "one device, whole batch (one jitted step)": statistics.median(whole[1:]),
-        f"one device, our executor (m={args.microbatches} microbatches)": statistics.median(one_rank.step_seconds[1:]),
+        "one device, whole batch (one jitted step)": timed_median(whole),
+        f"one device, our executor (m={args.microbatches} microbatches)": timed_median(one_rank.step_seconds),
     }
 
 
@@ -418,20 +432,16 @@ def _learn(results, args, model, run_config, data, devices):
     """The fastest schedule trained from the start for ``--learn-steps`` steps in threads: its
     losses and its test accuracy on the held-out digits (in processes, :func:`_run_all` goes on
     with it in the comparison's processes instead)."""
-    import dataclasses
-
     from ..training.train import train
 
-    best = min(results, key=lambda r: _median(r.step_seconds[1:]))
+    best = min(results, key=lambda r: timed_median(r.step_seconds))
     print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
     run = dataclasses.replace(run_config, check_grads=False)
     return train(best.schedule, steps=args.learn_steps, model=model, run=run, devices=devices, data=data)
 
 
 def one_line(r) -> str:
-    import statistics
-
     return (f"{r.schedule.name:18s} S={r.schedule.num_stages:<2d} loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}  "
-            f"grad err {r.grad_max_rel_error:.1e}  step {statistics.median(r.step_seconds[1:]) * 1e3:7.2f} ms  "
+            f"grad err {r.grad_max_rel_error:.1e}  step {timed_median(r.step_seconds) * 1e3:7.2f} ms  "
             f"makespan {r.measured.makespan * 1e3:7.2f} ms (plan {r.simulated.makespan * 1e3:7.2f})  "
-            f"bubble {statistics.median(t.bubble_rate for t in r.timelines[1:]):.3f} (plan {r.simulated.bubble_rate:.3f})")
+            f"bubble {timed_median([t.bubble_rate for t in r.timelines]):.3f} (plan {r.simulated.bubble_rate:.3f})")

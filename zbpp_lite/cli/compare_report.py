@@ -13,13 +13,15 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..analysis.profiling.timelines import timed_median, timed_steps
+
 
 def _median_step_ms(r) -> float:
-    return statistics.median(r.step_seconds[1:]) * 1e3
+    return timed_median(r.step_seconds) * 1e3
 
 
 def _median_bubble(r) -> float:
-    return statistics.median(t.bubble_rate for t in r.timelines[1:])
+    return timed_median([t.bubble_rate for t in r.timelines])
 
 
 def against(r, base):
@@ -29,7 +31,7 @@ def against(r, base):
     None where either has fewer than one timed step or they differ in length."""
     from ..analysis.noise import paired_gain
 
-    before, after = base.step_seconds[1:], r.step_seconds[1:]
+    before, after = timed_steps(base.step_seconds), timed_steps(r.step_seconds)
     if not before or len(before) != len(after):
         return None
     return paired_gain(before, after)
@@ -115,7 +117,7 @@ def busy_bound(c) -> tuple[float, float, float] | None:
     executor = next((ms for n, ms in c.references.items() if "executor" in n), None)
     if base is None or executor is None or c.mode != "processes" or len(base.timelines) < 2:
         return None
-    busy = statistics.median(max(t.busy) for t in base.timelines[1:]) * 1e3
+    busy = timed_median([max(t.busy) for t in base.timelines]) * 1e3
     p = base.schedule.num_ranks
     return busy, busy / (executor * 1e3 / p), executor * 1e3 / busy
 

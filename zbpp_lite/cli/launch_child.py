@@ -7,13 +7,17 @@ the ``ZBPP_*`` environment ``launch`` sets), trains with the ``train`` command's
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import sys
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
+from ..analysis.profiling.timelines import timed_steps
 from ..runtime.distributed import (
     ENV_PROCESS_ID,
     ENV_TIMEOUT,
@@ -21,13 +25,19 @@ from ..runtime.distributed import (
     initialize,
     pipeline_devices,
 )
+from ..runtime.devices import COUNT_FLAG
+from ..runtime.stages import StagedModel
+from ..schedules import strict_json
 from ..schedules.ir import Schedule
+from ..training.model import ModelConfig, RunConfig, build_parts
+from ..training.train import train_steps as train_steps_of
+from . import build_parser
+from .train import check_launchable, check_sizes, report, resolve_schedule, run_spmd
 
 
 def train_process(args) -> int:
     """A child process of ``launch``: start the runtime, train with ``args`` (the ``train``
     command's), and on process 0 print the report ``train`` prints. Returns an exit status."""
-    from .train import check_launchable, check_sizes, report, resolve_schedule
 
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
@@ -46,8 +56,6 @@ def train_process(args) -> int:
               + ", ".join(f"rank {r} on {device_name(d)}" for r, d in enumerate(devices)), flush=True)
 
     if getattr(args, "spmd", False):  # one SPMD program over a mesh spanning the processes
-        from .train import run_spmd
-
         status = run_spmd(args, schedule, blocks, devices, process)
         if process == 0:
             print(f"startup {startup:.2f} s", flush=True)
@@ -60,14 +68,12 @@ def train_process(args) -> int:
     result = train_steps(schedule, args, blocks, devices, on_step)
     if process == 0:
         print(report(result))
-        step_ms = [1e3 * s for s in result.step_seconds[1:]] or [1e3 * result.step_seconds[0]]
+        step_ms = [1e3 * s for s in timed_steps(result.step_seconds)]
         print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s) "
               f"{'after' if len(result.step_seconds) > 1 else 'including'} the first, which compiles: a step's wall "
               "time on process 0, i.e. the pipeline's actions (their span is the makespan above) plus waiting for "
               "the other processes, gathering the gradients onto one device and the AdamW update")
         if getattr(args, "json", None):
-            from ..schedules import strict_json
-
             print(strict_json.write(args.json, {**result.to_json(), "startup_seconds": startup, "processes": count}))
     return 0
 
@@ -89,10 +95,6 @@ def _ensure_cpu_devices(count: int) -> None:
     """Ask for ``count`` simulated CPU devices when no ``XLA_FLAGS`` device count was set (a
     detected cluster: the process count was not known before the runtime started). JAX's backend
     has not started yet; ``jax_num_cpu_devices`` exists from JAX 0.4.38."""
-    import jax
-
-    from ..runtime.devices import COUNT_FLAG
-
     if COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
         return
     try:
@@ -102,66 +104,24 @@ def _ensure_cpu_devices(count: int) -> None:
 
 
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
-    """Train as :func:`zbpp_lite.training.train.train` does, with a :class:`ProcessPipelineExecutor`:
-    every process holds the whole parameter list on its own default device and applies the same
-    AdamW update to the gathered gradients (identical on every process), so no final gather is
-    needed. Returns a :class:`~zbpp_lite.training.train.TrainResult`."""
-    import jax
-
-    from ..training.data import load_digits
-    from ..analysis.profiling.timelines import measured_costs
-    from ..training.model import ModelConfig, build_parts
-    from ..runtime.stages import StagedModel
-    from ..schedules.simulate import simulate
-    from ..training.train import TrainResult, _pick_measured
-    from ..training.reference import reference_grads, evaluate, jitted_adamw, max_relative_error
-
+    """Train as :func:`zbpp_lite.training.train.train` does, through its step loop
+    (:func:`~zbpp_lite.training.train.train_steps`), with a :class:`ProcessPipelineExecutor`: every
+    process holds the whole parameter list on its own default device and applies the same AdamW
+    update to the gathered gradients (identical on every process), so no final gather is needed.
+    Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config also names the process count."""
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-    data = load_digits(args.holdout, args.seed)
-    model = StagedModel(build_parts(config), schedule.num_stages)
-    executor = ProcessPipelineExecutor(model, schedule, devices, timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
-    opt, update = jitted_adamw(args.lr, 0.01)
-    home = jax.local_devices()[0]
-    params = jax.device_put(model.params, home)
-    state = opt.init(params)
-    losses, timelines, seconds = [], [], []
-    grad_error = loss_error = None
-    for k in range(args.steps):
-        x, y = data.batch(k, args.batch)
-        t0 = time.perf_counter()
-        result = executor.run(params, x, y)
-        grads = jax.device_put(result.grads, home)
-        new_params, state = update(grads, state, params)
-        jax.block_until_ready(new_params)
-        seconds.append(time.perf_counter() - t0)
-        if k == 0:
-            ref_loss, ref_grads = reference_grads(model, params, x, y, home)
-            grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - ref_loss)
-        params = new_params
-        losses.append(result.loss)
-        timelines.append(result.timeline)
-        if on_step is not None:
-            on_step(k, result.loss, result.timeline)
-    test_loss, test_accuracy = evaluate(model, params, data.test_x, data.test_y, home)
-    measured = _pick_measured(timelines)
-    costs = measured_costs(measured, schedule.num_stages)
-    return TrainResult(
-        schedule=schedule, losses=losses, test_accuracy=test_accuracy, test_loss=test_loss,
-        grad_max_rel_error=grad_error, loss_error=loss_error, measured=measured, costs=costs,
-        simulated=simulate(schedule, costs), timelines=timelines, step_seconds=seconds, params=params,
-        config={"d": args.d, "heads": args.heads, "blocks": blocks, "batch": args.batch, "lr": args.lr,
-                "seed": args.seed, "holdout": args.holdout, "processes": jax.process_count()},
-    )
+    run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout)
+    executor = ProcessPipelineExecutor(StagedModel(build_parts(config), schedule.num_stages), schedule, devices,
+                                       timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
+    result = train_steps_of(executor, args.steps, config, run, home=jax.local_devices()[0], on_step=on_step)
+    result.config["processes"] = jax.process_count()
+    return result
 
 
 def die_with_parent() -> None:
     """Be killed when the parent process dies (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a
     child of ``launch`` never outlives a launcher ended by a signal it cannot catch."""
     try:
-        import ctypes
-        import signal
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # pragma: no cover - not Linux
         pass
@@ -169,8 +129,6 @@ def die_with_parent() -> None:
 
 if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
     die_with_parent()  # launch's or train's supervisor: never outlive it
-    from . import build_parser
-
     _args = build_parser(["train", *sys.argv[1:]]).parse_args(["train", *sys.argv[1:]])
     try:
         _status = train_process(_args)
@@ -182,7 +140,5 @@ if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train
     sys.stdout.flush()
     sys.stderr.flush()
     if _status == 0:
-        import jax
-
         jax.distributed.shutdown()  # waits for every process: the coordinator leaves last
     os._exit(_status)  # threads blocked in a transfer must not keep a failed process alive

@@ -19,6 +19,7 @@ import sys
 
 from ..schedules import strict_json
 from . import CliError
+from ..analysis.profiling.timelines import timed_steps
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +85,7 @@ def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
 
     result = train_spmd(schedule, model, model.params, batches, args.lr, devices=devices, on_step=on_step)
     if process == 0:
-        timed = sorted(result.step_seconds[1:]) or result.step_seconds
+        timed = sorted(timed_steps(result.step_seconds))
         print(f"gradient check vs the unpartitioned model (step 0): max relative error {result.grad_max_rel_error:.2e}, "
               f"loss difference {result.loss_error:.2e}")
         print(f"SPMD: median step {timed[len(timed) // 2] * 1e3:.2f} ms over {len(timed)} step(s); "
@@ -337,7 +338,7 @@ def run(args) -> int:
 
         named = dataclasses.replace(schedule, name=schedule.name or "custom")
         print(f"REAL run: one process per rank, each pinned to its own core ({schedule.num_ranks} ranks)", flush=True)
-        result = train_in_turns([named], args.steps, model=model, run=run, progress=run.progress,
+        result = train_in_turns([named], args.steps, model=model, run=run,
                                 on_step=lambda name, k, loss, timeline: on_step(k, loss, timeline))[named.name]
     else:
         print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core "

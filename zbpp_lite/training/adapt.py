@@ -27,29 +27,28 @@ Source: Qi et al., arXiv 2401.10241, sections 2-3 (costs, bubbles, the automatic
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
+import jax
+
 from ..analysis.attribute import Attribution, attribute
+from ..analysis.noise import PairedGain, beats_noise, paired_gain
+from ..analysis.profiling.parts import profile_parts
+from ..analysis.profiling.timelines import CostProfile, profile, timed_steps
+from ..analysis.rebalance import PartCosts, Parts, best_partition, calibrate, imbalanced_parts, moved_costs, partition_cost
+from ..analysis.replan import OnlineReplanner, replan
+from ..runtime.devices import ensure_devices
+from ..runtime.executor import PipelineExecutor
+from ..runtime.stages import StagedModel, microbatch_size
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
-from .data import Digits, load_digits
-from ..runtime.stages import microbatch_size
-from ..analysis.profiling.timelines import CostProfile, profile
-from ..analysis.rebalance import (
-    PartCosts,
-    Parts,
-    best_partition,
-    calibrate,
-    imbalanced_parts,
-    moved_costs,
-    partition_cost,
-)
-from ..analysis.noise import PairedGain, beats_noise, paired_gain
-from ..analysis.replan import OnlineReplanner, replan
 from ..schedules.ir import Schedule
 from ..schedules.timeline import Timeline
-from .reference import jitted_adamw
+from .data import Digits, load_digits
+from .model import ModelConfig, RunConfig, build_parts
+from .reference import evaluate, jitted_adamw, max_relative_error, reference_grads
+from .turns import enough_cores, train_in_turns
 
 
 @dataclass
@@ -74,7 +73,7 @@ class Phase:
     loss_error: float | None = None
 
     def _timed(self) -> list[Timeline]:
-        return self.timelines[1:] or self.timelines
+        return timed_steps(self.timelines)
 
     @property
     def makespan(self) -> float:
@@ -217,31 +216,225 @@ def default_blocks(num_stages: int, imbalance: float) -> int:
     return 2 * (num_stages - 1) + max(3, round(2 * imbalance))
 
 
+@dataclass(frozen=True)
+class AdaptOptions:
+    """What :func:`adapt` runs, how it measures, and what it may change.
+
+    Attributes:
+        ranks, microbatches: p >= 2 and m >= 1.
+        steps: training steps after adapting (the *after* phase), >= 2.
+        imbalance: >= 1; the original partition's last stage holds this many times the blocks of
+            each other stage (1: the even split).
+        profile_steps: training steps of the *before* phase (ZB-H1, original partition), >= 2;
+            the first of each phase is left out of the medians.
+        memory_limit: per-rank activation-memory limit for zb-auto, units of one stage's M_B
+            (default p, the memory of ZB-H1 and 1F1B).
+        every, threshold, patience, min_gain: the online re-planner
+            (:class:`~zbpp_lite.analysis.replan.OnlineReplanner`); ``min_gain`` also gates the
+            rebalance and the first re-plan.
+        margin: a stage is slow (imbalance) when its cost exceeds the mean by this fraction.
+        rebalance, replan_schedule, online: switch each adaptation on or off.
+        repeats: timed calls per part when profiling the parts.
+        processes: measure with one pinned process per rank
+            (:func:`~zbpp_lite.training.turns.train_in_turns`), the plans taking turns step by
+            step, and adopt a change only when its measured gain beats the noise. Default: when
+            no devices are given, JAX runs on CPU and there is a core per rank; otherwise rank
+            threads, one phase after the other, changes adopted on their predicted gain.
+        control: with processes, also run the original plan a second time (an A/A control) to
+            measure the run-to-run noise in the same run.
+        confidence: of the distribution-free intervals that judge measured gains and the online
+            re-planner's drift (:mod:`zbpp_lite.analysis.noise`).
+
+    Raises:
+        ValueError: p < 2, m < 1, steps or profile_steps < 2, imbalance < 1, confidence outside
+            (0, 1), or bad online settings.
+    """
+
+    ranks: int = 2
+    microbatches: int = 8
+    steps: int = 20
+    imbalance: float = 2.0
+    profile_steps: int = 6
+    memory_limit: float | None = None
+    every: int = 10
+    threshold: float = 0.15
+    patience: int = 2
+    min_gain: float = 0.03
+    margin: float = 0.1
+    rebalance: bool = True
+    replan_schedule: bool = True
+    online: bool = True
+    repeats: int = 7
+    processes: bool | None = None
+    control: bool = True
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks, int) or self.ranks < 2:
+            raise ValueError(f"adapt needs at least 2 ranks (a pipeline to balance), got {self.ranks!r}")
+        if self.steps < 2 or self.profile_steps < 2:
+            raise ValueError(f"steps and profile_steps must be >= 2 (the first step of a phase is not timed), "
+                             f"got {self.steps}, {self.profile_steps}")
+        if not self.imbalance >= 1:
+            raise ValueError(f"the imbalance factor must be >= 1 (1 = even stages), got {self.imbalance}")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
+        self.replanner(build_schedule("zb-h1", self.ranks, self.microbatches), Costs())  # checks the online settings
+
+    def replanner(self, schedule: Schedule, costs: Costs) -> OnlineReplanner:
+        """The online re-planner with these settings, starting from ``schedule`` planned on ``costs``."""
+        return OnlineReplanner(schedule, costs, self.every, self.threshold, self.patience, self.min_gain,
+                               self.memory_limit, confidence=self.confidence)
+
+    def to_json(self, config: ModelConfig, run: RunConfig) -> dict:
+        """The settings as :attr:`AdaptResult.config` records them."""
+        return {"ranks": self.ranks, "microbatches": self.microbatches, "steps": self.steps,
+                "profile_steps": self.profile_steps, "imbalance": self.imbalance, "blocks": config.blocks,
+                "d": config.d, "heads": config.heads, "batch": run.batch, "lr": run.lr,
+                "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
+                "memory_limit": self.memory_limit, "every": self.every, "threshold": self.threshold,
+                "patience": self.patience, "min_gain": self.min_gain, "margin": self.margin,
+                "confidence": self.confidence}
+
+
+def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | None = None,
+                   run: RunConfig | None = None, **settings) -> tuple[AdaptOptions, ModelConfig, RunConfig]:
+    """``options``, ``model`` and ``run`` (defaults where None) with ``settings`` applied by field
+    name (``seed`` sets both the model's and the run's); without a model or a ``blocks`` setting,
+    :func:`default_blocks` for the ranks and imbalance.
+
+    Raises:
+        TypeError: a setting that is no field of the three. ValueError: as the three check.
+    """
+    groups = {cls: {k: v for k, v in settings.items() if k in {f.name for f in fields(cls)}}
+              for cls in (AdaptOptions, ModelConfig, RunConfig)}
+    unknown = set(settings) - {k for g in groups.values() for k in g}
+    if unknown:
+        raise TypeError(f"adapt got unknown setting(s) {sorted(unknown)}")
+    options = replace(options or AdaptOptions(), **groups[AdaptOptions])
+    model_settings = {k: v for k, v in groups[ModelConfig].items() if not (k == "blocks" and v is None)}
+    if model is None and "blocks" not in model_settings:
+        model_settings["blocks"] = default_blocks(options.ranks, options.imbalance)
+    return options, replace(model or ModelConfig(), **model_settings), replace(run or RunConfig(), **groups[RunConfig])
+
+
+def adapt(
+    options: AdaptOptions | None = None,
+    *,
+    model: ModelConfig | None = None,
+    run: RunConfig | None = None,
+    devices: Sequence[Any] | None = None,
+    data: Digits | None = None,
+    on_step: Callable[[str, int, float, Timeline], None] | None = None,
+    **settings,
+) -> AdaptResult:
+    """Profile, detect, rebalance, re-plan, then train (see the module docstring).
+
+    Args:
+        options: what to run and change (:class:`AdaptOptions`).
+        model, run: the model (default blocks: :func:`default_blocks`) and the run's batch,
+            AdamW, data split and gradient check (``run.check_grads``: the first step of every
+            plan against the unpartitioned model), as for :func:`zbpp_lite.training.train.train`.
+        devices: one per rank (default :func:`zbpp_lite.runtime.devices.ensure_devices`); given
+            devices mean rank threads.
+        data: the digits split (default ``load_digits(run.holdout, run.seed)``).
+        on_step: called after every step with (phase, step, loss, timeline).
+        settings: any field of the three configs by name, e.g. ``adapt(ranks=2, steps=12, d=128)``
+            (:func:`adapt_settings`).
+
+    Raises:
+        ValueError: bad options, too few blocks for the imbalance, a batch that does not divide
+            into microbatches; all before any compute. RuntimeError: too few devices, or a rank's
+            process failed.
+    """
+    options, config, run = adapt_settings(options, model, run, **settings)
+    original = imbalanced_parts(config.blocks, options.ranks, options.imbalance)
+    microbatch_size(run.batch, options.microbatches)
+    data = data if data is not None else load_digits(run.holdout, run.seed)
+    processes = options.processes
+    if processes is None:
+        processes = devices is None and jax.default_backend() == "cpu" and enough_cores(options.ranks)
+    job = _Job(options, config, run, data, original, on_step)
+    return _adapt_in_processes(job) if processes else _adapt_in_threads(job, devices or ensure_devices(options.ranks))
+
+
+@dataclass
+class _Job:
+    """One adapt run's settings and inputs, as the two ways of measuring share them."""
+
+    options: AdaptOptions
+    config: ModelConfig
+    run: RunConfig
+    data: Digits
+    original: Parts
+    on_step: Callable[[str, int, float, Timeline], None] | None
+
+    def part_costs(self, measured: CostProfile, device: Any) -> PartCosts:
+        """Every part timed alone on one microbatch, calibrated to the measured stage totals."""
+        mb = microbatch_size(self.run.batch, self.options.microbatches)
+        x0, y0 = self.data.batch(0, self.run.batch)
+        staged = StagedModel(build_parts(self.config), self.options.ranks, parts=self.original)
+        timed_parts = profile_parts(staged, x0[:mb], y0[:mb], device, self.options.repeats)
+        return calibrate(timed_parts, self.original, measured.costs())
+
+    def rebalance(self, part_costs: PartCosts, judged: bool) -> tuple[Parts, dict]:
+        """The best partition and the change record (``judged``: tried now, measured later)."""
+        o, original = self.options, self.original
+        candidate = best_partition(part_costs, o.ranks)
+        now, new = partition_cost(part_costs.totals, original), partition_cost(part_costs.totals, candidate)
+        gain = 1 - new / now if now > 0 else 0.0
+        ok = candidate != original and gain >= o.min_gain
+        why = (f"largest stage F+B+W {now * 1e3:.3f} -> {new * 1e3:.3f} ms predicted ({gain:.1%}), "
+               f"blocks per stage {_block_counts(original)} -> {_block_counts(candidate)}")
+        change = {"kind": "rebalance", "adopted": ok and not judged, "from": [list(p) for p in original],
+                  "to": [list(p) for p in candidate], "predicted_largest_stage": new, "current_largest_stage": now,
+                  "gain": gain, "why": why}
+        if judged:
+            change.update({"adopted": False, "tried": ok, "predicted_gain": gain,
+                           "why": why + ("" if ok else "; not tried (no predicted gain of min_gain)")})
+        return (candidate if ok else original), change
+
+    def replan(self, predicted: Costs, current: Schedule, judged: bool) -> tuple[Schedule, dict]:
+        """zb-auto from ``predicted`` and the change record (``judged`` as in :meth:`rebalance`)."""
+        o = self.options
+        result = replan(predicted, o.ranks, o.microbatches, o.memory_limit, current=current)
+        ok = result.gain >= o.min_gain and (not judged or result.schedule.actions != current.actions)
+        why = f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 {result.current * 1e3:.2f} ms ({result.gain:.1%})"
+        change = {"kind": "replan", "adopted": ok and not judged, "from": current.name, "to": result.schedule.name,
+                  "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
+                  "memory_limit": list(result.memory_limit), "why": why}
+        if judged:
+            change.update({"adopted": False, "tried": ok, "predicted_gain": result.gain,
+                           "why": why + ("" if ok else "; not tried (no predicted gain of min_gain)")})
+        return (result.schedule if ok else current), change
+
+    def stepper(self, phase: str, offset: int = 0) -> Callable[[str, int, float, Timeline], None]:
+        """``on_step`` for a run in turns: the phase and the plan's name, steps counted from ``offset``."""
+        def call(name: str, k: int, loss: float, timeline: Timeline) -> None:
+            if self.on_step is not None:
+                self.on_step(f"{phase}:{name}", offset + k, loss, timeline)
+        return call
+
+
+# ----------------------------------------------------------------------------- rank threads
+
+
 class _Trainer:
     """Parameters and optimizer state per model module, so the partition can change between steps."""
 
-    def __init__(self, modules: list, num_stages: int, devices: Sequence[Any], lr: float, weight_decay: float):
-        from ..runtime.stages import StagedModel
-
+    def __init__(self, modules: list, num_stages: int, devices: Sequence[Any], run: RunConfig):
         self.modules, self.num_stages, self.devices = modules, num_stages, list(devices)
         self.model = StagedModel(modules, num_stages)
         self.params = list(self.model.params)
-        self.opt, self._update = jitted_adamw(lr, weight_decay)
+        self.opt, self._update = jitted_adamw(run.lr, run.weight_decay)
         self.opt_state = [self.opt.init(p) for p in self.params]
         self.executor = None
-        self.reference_grads = None  # jitted loss and gradients of the unpartitioned model
 
     def use(self, parts: Parts, schedule: Schedule) -> None:
         """Run the next steps with this partition and schedule; parameters and optimizer state
         move to their new stages' devices."""
-        import jax
-
-        from ..runtime.executor import PipelineExecutor
-        from ..runtime.stages import StagedModel
-
         if self.model.parts != [list(p) for p in parts]:
             self.model = StagedModel(self.modules, self.num_stages, parts=parts)
-            self.reference_grads = None
         self.executor = PipelineExecutor(self.model, schedule, self.devices)
         for s, stage in enumerate(self.model.parts):
             for i in stage:
@@ -251,19 +444,13 @@ class _Trainer:
 
     def step(self, x, y, check: bool) -> tuple[float, Timeline, float | None, float | None]:
         """One training step; with ``check``, compare loss and gradients with the unpartitioned model."""
-        import jax
-
-        from .reference import max_relative_error
-
         current = list(self.params)
         result = self.executor.run(current, x, y)
         grad_error = loss_error = None
         if check:
-            if self.reference_grads is None:
-                self.reference_grads = jax.jit(jax.value_and_grad(self.model.loss))
-            ref_loss, ref_grads = self.reference_grads(jax.device_put(current, self.devices[0]), x, y)
+            ref_loss, ref_grads = reference_grads(self.model, current, x, y, self.devices[0])
             grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - float(ref_loss))
+            loss_error = abs(result.loss - ref_loss)
         for i, g in enumerate(result.grads):
             self.params[i], self.opt_state[i] = self._update(g, self.opt_state[i], self.params[i])
         jax.block_until_ready(self.params)
@@ -274,220 +461,87 @@ def _worst(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
 
 
-def adapt(
-    ranks: int = 2,
-    microbatches: int = 8,
-    steps: int = 20,
-    *,
-    imbalance: float = 2.0,
-    profile_steps: int = 6,
-    blocks: int | None = None,
-    d: int = 32,
-    heads: int = 4,
-    batch: int = 64,
-    lr: float = 1e-3,
-    weight_decay: float = 0.01,
-    seed: int = 0,
-    holdout: float = 0.2,
-    memory_limit: float | None = None,
-    every: int = 10,
-    threshold: float = 0.15,
-    patience: int = 2,
-    min_gain: float = 0.03,
-    margin: float = 0.1,
-    rebalance: bool = True,
-    replan_schedule: bool = True,
-    online: bool = True,
-    repeats: int = 7,
-    processes: bool | None = None,
-    control: bool = True,
-    confidence: float = 0.95,
-    devices: Sequence[Any] | None = None,
-    check_grads: bool = True,
-    data: Digits | None = None,
-    on_step: Callable[[str, int, float, Timeline], None] | None = None,
-) -> AdaptResult:
-    """Profile, detect, rebalance, re-plan, then train (see the module docstring).
+class _Phases:
+    """Rank threads, one phase after the other: steps counted over both phases."""
 
-    Args:
-        ranks, microbatches: p >= 2 and m >= 1.
-        steps: training steps after adapting (the *after* phase), >= 2.
-        imbalance: >= 1; the original partition's last stage holds this many times the blocks of
-            each other stage (1: the even split).
-        profile_steps: training steps of the *before* phase (ZB-H1, original partition), >= 2;
-            the first of each phase is left out of the medians.
-        blocks: Transformer blocks (default :func:`default_blocks`).
-        d, heads, batch, lr, weight_decay, seed, holdout: model, data and AdamW as in
-            :func:`zbpp_lite.training.train.train`.
-        memory_limit: per-rank activation-memory limit for zb-auto, units of one stage's M_B
-            (default p, the memory of ZB-H1 and 1F1B).
-        every, threshold, patience, min_gain: the online re-planner (:class:`~zbpp_lite.analysis.replan.OnlineReplanner`);
-            ``min_gain`` also gates the rebalance and the first re-plan.
-        margin: a stage is slow (imbalance) when its cost exceeds the mean by this fraction.
-        rebalance, replan_schedule, online: switch each adaptation on or off.
-        repeats: timed calls per part when profiling the parts.
-        processes: measure with one pinned process per rank
-            (:func:`~zbpp_lite.training.turns.train_in_turns`), the plans taking turns step by step,
-            and adopt a change only when its measured gain beats the noise (see :func:`adapt_in_processes`).
-            Default: when no ``devices`` are given, JAX runs on CPU and there is a core per rank
-            (:func:`~zbpp_lite.training.turns.enough_cores`); otherwise rank threads, one phase
-            after the other, changes adopted on their predicted gain.
-        control: with processes, also run the original plan a second time (an A/A control) to
-            measure the run-to-run noise in the same run.
-        confidence: of the distribution-free intervals that judge measured gains and the online
-            re-planner's drift (:mod:`zbpp_lite.analysis.noise`).
-        devices: one per rank (default :func:`zbpp_lite.runtime.devices.ensure_devices`).
-        check_grads: compare the first step of every plan with the unpartitioned model.
-        data: the digits split (default ``load_digits(holdout, seed)``).
-        on_step: called after every step with (phase "before" / "after", step, loss, timeline).
+    def __init__(self, job: _Job, devices: Sequence[Any]):
+        self.job, self.step_no = job, 0
+        self.trainer = _Trainer(build_parts(job.config), job.options.ranks, devices, job.run)
 
-    Raises:
-        ValueError: p < 2, m < 1, steps or profile_steps < 2, imbalance < 1, too few blocks for the
-            imbalance, a batch that does not divide into microbatches, bad online settings; all
-            before any compute.
-        RuntimeError: too few devices.
-    """
-    if not isinstance(ranks, int) or ranks < 2:
-        raise ValueError(f"adapt needs at least 2 ranks (a pipeline to balance), got {ranks!r}")
-    if steps < 2 or profile_steps < 2:
-        raise ValueError(f"steps and profile_steps must be >= 2 (the first step of a phase is not timed), got {steps}, {profile_steps}")
-    if not imbalance >= 1:
-        raise ValueError(f"the imbalance factor must be >= 1 (1 = even stages), got {imbalance}")
-    blocks = default_blocks(ranks, imbalance) if blocks is None else blocks
-    original = imbalanced_parts(blocks, ranks, imbalance)
-    start_schedule = build_schedule("zb-h1", ranks, microbatches)
-    mb = microbatch_size(batch, microbatches)
-    OnlineReplanner(start_schedule, Costs(), every, threshold, patience, min_gain, memory_limit)  # checks the settings
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
-    from .model import ModelConfig
-
-    config = ModelConfig(d=d, heads=heads, blocks=blocks, seed=seed)
-    if processes is None:
-        import jax
-
-        from .turns import enough_cores
-
-        processes = devices is None and jax.default_backend() == "cpu" and enough_cores(ranks)
-    if processes:
-        from .train import RunConfig
-
-        return adapt_in_processes(
-            ranks, microbatches, steps, original, config,
-            RunConfig(batch=batch, lr=lr, weight_decay=weight_decay, seed=seed, holdout=holdout, check_grads=check_grads),
-            profile_steps=profile_steps, imbalance=imbalance, memory_limit=memory_limit, every=every, threshold=threshold,
-            patience=patience, min_gain=min_gain, margin=margin, rebalance=rebalance, replan_schedule=replan_schedule,
-            online=online, repeats=repeats, control=control, confidence=confidence, data=data, on_step=on_step)
-    if devices is None:
-        from ..runtime.devices import ensure_devices
-
-        devices = ensure_devices(ranks)
-
-    from ..analysis.profiling.parts import profile_parts
-    from .model import build_parts
-    from .reference import evaluate
-
-    data = data if data is not None else load_digits(holdout, seed)
-    trainer = _Trainer(build_parts(config), ranks, devices, lr, weight_decay)
-    step_no = 0
-
-    def run_phase(phase: Phase, name: str, count: int, replanner: OnlineReplanner | None, changes: list[dict]) -> None:
-        nonlocal step_no
-        check = check_grads
+    def run(self, phase: Phase, name: str, count: int, replanner: OnlineReplanner | None, changes: list[dict]) -> None:
+        """``count`` steps of ``phase``; the first step of every plan checked against the reference."""
+        job, check = self.job, self.job.run.check_grads
         for _ in range(count):
-            x, y = data.batch(step_no, batch)
-            loss, timeline, g_err, l_err = trainer.step(x, y, check)
+            x, y = job.data.batch(self.step_no, job.run.batch)
+            loss, timeline, g_err, l_err = self.trainer.step(x, y, check)
             check = False
-            phase.schedules.append(trainer.executor.schedule)
+            phase.schedules.append(self.trainer.executor.schedule)
             phase.timelines.append(timeline)
             phase.losses.append(loss)
             phase.grad_max_rel_error = _worst(phase.grad_max_rel_error, g_err)
             phase.loss_error = _worst(phase.loss_error, l_err)
-            if on_step is not None:
-                on_step(name, step_no, loss, timeline)
-            step_no += 1
-            if replanner is not None:
-                result = replanner.observe(timeline)
-                if result is not None:
-                    changes.append({
-                        "kind": "online-replan", "adopted": True, "step": step_no, "to": result.schedule.name,
-                        "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
-                        "why": f"costs drifted by {replanner.history[-1].drift:.1%}; predicted {result.gain:.1%} faster",
-                    })
-                    trainer.use(phase.parts, result.schedule)
-                    check = check_grads
+            if job.on_step is not None:
+                job.on_step(name, self.step_no, loss, timeline)
+            self.step_no += 1
+            result = replanner.observe(timeline) if replanner is not None else None
+            if result is not None:
+                changes.append({
+                    "kind": "online-replan", "adopted": True, "step": self.step_no, "to": result.schedule.name,
+                    "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
+                    "why": f"costs drifted by {replanner.history[-1].drift:.1%}; predicted {result.gain:.1%} faster",
+                })
+                self.trainer.use(phase.parts, result.schedule)
+                check = job.run.check_grads
 
+
+def _adapt_in_threads(job: _Job, devices: Sequence[Any]) -> AdaptResult:
+    """Rank threads of this process, one phase after the other; changes adopted on their predicted gain."""
+    o = job.options
+    start = build_schedule("zb-h1", o.ranks, o.microbatches)
+    phases = _Phases(job, devices)
     # 1. before: ZB-H1 on the original partition
-    before = Phase(original)
-    trainer.use(original, start_schedule)
-    run_phase(before, "before", profile_steps, None, [])
-
+    before = Phase(job.original)
+    phases.trainer.use(job.original, start)
+    phases.run(before, "before", o.profile_steps, None, [])
     # 2. detect
-    measured = profile(before._timed(), ranks)
-    found = attribute(before.measured, before.measured_schedule, measured.costs(), margin)
-
-    # 3. rebalance
+    measured = profile(before._timed(), o.ranks)
+    found = attribute(before.measured, before.measured_schedule, measured.costs(), o.margin)
+    # 3. rebalance, 4. re-plan from the measured costs, moved parts accounted for
+    part_costs = job.part_costs(measured, devices[0])
     changes: list[dict] = []
-    x0, y0 = data.batch(0, batch)
-    timed_parts = profile_parts(trainer.model, x0[:mb], y0[:mb], devices[0], repeats)
-    part_costs = calibrate(timed_parts, original, measured.costs())
-    parts = original
-    if rebalance:
-        candidate = best_partition(part_costs, ranks)
-        now, new = partition_cost(part_costs.totals, original), partition_cost(part_costs.totals, candidate)
-        gain = 1 - new / now if now > 0 else 0.0
-        adopted = candidate != original and gain >= min_gain
-        parts = candidate if adopted else original
-        changes.append({
-            "kind": "rebalance", "adopted": adopted, "from": [list(p) for p in original], "to": [list(p) for p in candidate],
-            "predicted_largest_stage": new, "current_largest_stage": now, "gain": gain,
-            "why": f"largest stage F+B+W {now * 1e3:.3f} -> {new * 1e3:.3f} ms predicted ({gain:.1%}), "
-                   f"blocks per stage {_block_counts(original)} -> {_block_counts(candidate)}",
-        })
-
-    # 4. re-plan from the measured costs, moved parts accounted for
-    predicted = moved_costs(part_costs, original, parts, measured.costs())
-    schedule = start_schedule
-    if replan_schedule:
-        result = replan(predicted, ranks, microbatches, memory_limit, current=start_schedule)
-        adopted = result.gain >= min_gain
-        schedule = result.schedule if adopted else start_schedule
-        changes.append({
-            "kind": "replan", "adopted": adopted, "from": start_schedule.name, "to": result.schedule.name,
-            "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
-            "memory_limit": list(result.memory_limit),
-            "why": f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 {result.current * 1e3:.2f} ms ({result.gain:.1%})",
-        })
-
+    parts = job.original
+    if o.rebalance:
+        parts, change = job.rebalance(part_costs, judged=False)
+        changes.append(change)
+    predicted = moved_costs(part_costs, job.original, parts, measured.costs())
+    schedule = start
+    if o.replan_schedule:
+        schedule, change = job.replan(predicted, start, judged=False)
+        changes.append(change)
     # 5. after: train with the new partition and plan, re-planning online
     after = Phase(tuple(tuple(p) for p in parts))
-    trainer.use(parts, schedule)
-    replanner = OnlineReplanner(schedule, predicted, every, threshold, patience, min_gain, memory_limit,
-                                confidence=confidence) if online else None
-    run_phase(after, "after", steps, replanner, changes)
-    found_after = attribute(after.measured, after.measured_schedule, None, margin)
-
-    final = trainer.model
-    test_loss, test_accuracy = evaluate(final, trainer.params, data.test_x, data.test_y, devices[0])
+    phases.trainer.use(parts, schedule)
+    replanner = o.replanner(schedule, predicted) if o.online else None
+    phases.run(after, "after", o.steps, replanner, changes)
+    test_loss, test_accuracy = evaluate(phases.trainer.model, phases.trainer.params, job.data.test_x, job.data.test_y,
+                                        devices[0])
     return AdaptResult(
-        before=before, after=after, profile=measured, attribution=found, attribution_after=found_after,
+        before=before, after=after, profile=measured, attribution=found,
+        attribution_after=attribute(after.measured, after.measured_schedule, None, o.margin),
         part_costs=part_costs, changes=changes,
-        online_checks=[{"step": profile_steps + c.step - 1, "drift": c.drift, "decision": c.decision, "gain": c.gain}
+        online_checks=[{"step": o.profile_steps + c.step - 1, "drift": c.drift, "decision": c.decision, "gain": c.gain}
                        for c in (replanner.history if replanner else [])],
         test_accuracy=test_accuracy, test_loss=test_loss,
-        config={"ranks": ranks, "microbatches": microbatches, "steps": steps, "profile_steps": profile_steps,
-                "imbalance": imbalance, "blocks": blocks, "d": d, "heads": heads, "batch": batch, "lr": lr,
-                "weight_decay": weight_decay, "seed": seed, "holdout": holdout, "memory_limit": memory_limit,
-                "every": every, "threshold": threshold, "patience": patience, "min_gain": min_gain,
-                "margin": margin, "devices": [str(dev) for dev in devices], "confidence": confidence,
+        config={**o.to_json(job.config, job.run), "devices": [str(dev) for dev in devices],
                 "measured": "rank threads of one process, one phase after the other"},
     )
 
 
-def _named(schedule: Schedule, name: str) -> Schedule:
-    import dataclasses
+# ----------------------------------------------------------------------------- one process per rank
 
-    return dataclasses.replace(schedule, name=name)
+
+def _named(schedule: Schedule, name: str) -> Schedule:
+    return replace(schedule, name=name)
 
 
 def _phase(parts: Parts, result) -> Phase:
@@ -497,127 +551,86 @@ def _phase(parts: Parts, result) -> Phase:
 
 
 def _spans(result) -> list[float]:
-    return [t.makespan for t in result.timelines[1:]]  # the first step compiles
+    return [t.makespan for t in timed_steps(result.timelines)]
 
 
-def adapt_in_processes(
-    ranks: int,
-    microbatches: int,
-    steps: int,
-    original: Parts,
-    config,
-    run,
-    *,
-    profile_steps: int = 6,
-    imbalance: float = 1.0,
-    memory_limit: float | None = None,
-    every: int = 10,
-    threshold: float = 0.15,
-    patience: int = 2,
-    min_gain: float = 0.03,
-    margin: float = 0.1,
-    rebalance: bool = True,
-    replan_schedule: bool = True,
-    online: bool = True,
-    repeats: int = 7,
-    control: bool = True,
-    confidence: float = 0.95,
-    data: Digits | None = None,
-    on_step: Callable[[str, int, float, Timeline], None] | None = None,
-) -> AdaptResult:
+def _in_turns(job: _Job, plans: dict, on_step) -> dict:
+    return train_in_turns([s for _, s in plans.values()], job.options.steps, model=job.config, run=job.run, data=job.data,
+                          parts={name: p for name, (p, _) in plans.items()}, on_step=on_step)
+
+
+def _adapt_in_processes(job: _Job) -> AdaptResult:
     """:func:`adapt` measured on real cores, every change judged against the noise of the same run.
 
-    1. *profile*: ``profile_steps`` ZB-H1 steps on ``original``, one pinned process per rank
-       (:func:`~zbpp_lite.training.turns.train_in_turns`); per-stage costs and the idle time by cause.
-    2. *candidates*: the rebalanced partition and the zb-auto re-plan, as in :func:`adapt`, each
-       tried only when predicted at least ``min_gain`` faster.
+    1. *profile*: ``profile_steps`` ZB-H1 steps on the original partition, one pinned process
+       per rank (:func:`~zbpp_lite.training.turns.train_in_turns`); per-stage costs and the idle
+       time by cause.
+    2. *candidates*: the rebalanced partition and the zb-auto re-plan, each tried only when
+       predicted at least ``min_gain`` faster.
     3. *judge*: ``steps`` steps of every plan taking turns step by step in one run (step k of every
        plan on batch k): the original plan, with ``control`` the original plan again (an A/A
-       control: the run-to-run noise), and the candidates. Each candidate's per-step makespans
-       are paired with those of the plan it would replace (:func:`~zbpp_lite.analysis.noise.paired_gain`),
-       and it is adopted only when it is faster beyond the noise
-       (:func:`~zbpp_lite.analysis.noise.beats_noise`: its interval below 1 and its gain above the
-       control's deviation). Nothing is adopted that did not measure faster.
-    4. *online*: the kept plan's steps, in order, go through an :class:`OnlineReplanner` with
-       ``confidence``: it re-plans only on drift significant against the same run's step-to-step
-       noise; a re-plan it makes is judged like the others in one more run in turns.
+       control: the run-to-run noise), and the candidates. A candidate is adopted only when its
+       per-step makespans, paired with those of the plan it would replace
+       (:func:`~zbpp_lite.analysis.noise.paired_gain`), are faster beyond the noise
+       (:func:`~zbpp_lite.analysis.noise.beats_noise`).
+    4. *online*: the kept plan's steps, in order, go through an :class:`OnlineReplanner`; a
+       re-plan it makes is judged like the others in one more run in turns (:func:`_online`).
 
     ``before`` and ``after`` of the result are the original and the kept plan in the judge run
     (with nothing adopted, ``after`` is the control, or the original plan itself without one);
     ``comparison`` is their step-by-step ratio with its interval, ``control`` the A/A ratio.
-
-    Raises:
-        RuntimeError: a rank's process failed.
     """
-    from ..analysis.profiling.parts import profile_parts
-    from ..runtime.stages import StagedModel
-    from .model import build_parts
-    from .turns import train_in_turns
-
-    data = data if data is not None else load_digits(run.holdout, run.seed)
-    zb_h1 = build_schedule("zb-h1", ranks, microbatches)
-    step_offset = {"profile": 0, "judge": profile_steps}
-
-    def stepper(phase: str):
-        def call(name: str, k: int, loss: float, timeline: Timeline) -> None:
-            if on_step is not None:
-                on_step(f"{phase}:{name}", step_offset.get(phase, 0) + k, loss, timeline)
-        return call
-
+    o = job.options
+    zb_h1 = build_schedule("zb-h1", o.ranks, o.microbatches)
     # 1. profile
-    profiled = train_in_turns([_named(zb_h1, "before")], profile_steps, model=config, run=run, data=data,
-                              parts={"before": original}, on_step=stepper("profile"))["before"]
-    profiled_phase = _phase(original, profiled)
-    measured = profile(profiled_phase._timed(), ranks)
-    found = attribute(profiled_phase.measured, profiled_phase.measured_schedule, measured.costs(), margin)
-
+    profiled = train_in_turns([_named(zb_h1, "before")], o.profile_steps, model=job.config, run=job.run, data=job.data,
+                              parts={"before": job.original}, on_step=job.stepper("profile"))["before"]
+    profiled_phase = _phase(job.original, profiled)
+    measured = profile(profiled_phase._timed(), o.ranks)
+    found = attribute(profiled_phase.measured, profiled_phase.measured_schedule, measured.costs(), o.margin)
     # 2. candidates
-    import jax
-
-    mb = microbatch_size(run.batch, microbatches)
-    x0, y0 = data.batch(0, run.batch)
-    timed_parts = profile_parts(StagedModel(build_parts(config), ranks, parts=original), x0[:mb], y0[:mb],
-                                jax.devices()[0], repeats)
-    part_costs = calibrate(timed_parts, original, measured.costs())
+    part_costs = job.part_costs(measured, jax.devices()[0])
     changes: list[dict] = []
-    plans: dict[str, tuple[Parts, Schedule]] = {"before": (original, _named(zb_h1, "before"))}
-    if control:
-        plans["control"] = (original, _named(zb_h1, "control"))
-    parts = original
-    if rebalance:
-        candidate = best_partition(part_costs, ranks)
-        now, new = partition_cost(part_costs.totals, original), partition_cost(part_costs.totals, candidate)
-        gain = 1 - new / now if now > 0 else 0.0
-        tried = candidate != original and gain >= min_gain
-        changes.append({
-            "kind": "rebalance", "adopted": False, "tried": tried, "from": [list(p) for p in original],
-            "to": [list(p) for p in candidate], "predicted_largest_stage": new, "current_largest_stage": now,
-            "predicted_gain": gain, "gain": gain,
-            "why": f"largest stage F+B+W {now * 1e3:.3f} -> {new * 1e3:.3f} ms predicted ({gain:.1%}), "
-                   f"blocks per stage {_block_counts(original)} -> {_block_counts(candidate)}"
-                   + ("" if tried else "; not tried (no predicted gain of min_gain)"),
-        })
-        if tried:
-            parts = candidate
-            plans["rebalanced"] = (candidate, _named(zb_h1, "rebalanced"))
-    predicted = moved_costs(part_costs, original, parts, measured.costs())
-    if replan_schedule:
-        result = replan(predicted, ranks, microbatches, memory_limit, current=zb_h1)
-        tried = result.gain >= min_gain and result.schedule.actions != zb_h1.actions
-        changes.append({
-            "kind": "replan", "adopted": False, "tried": tried, "from": zb_h1.name, "to": result.schedule.name,
-            "predicted_makespan": result.predicted, "current_makespan": result.current, "predicted_gain": result.gain,
-            "gain": result.gain, "memory_limit": list(result.memory_limit),
-            "why": f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 {result.current * 1e3:.2f} ms ({result.gain:.1%})"
-                   + ("" if tried else "; not tried (no predicted gain of min_gain)"),
-        })
-        if tried:
-            plans["re-planned"] = (parts, _named(result.schedule, "re-planned"))
-
+    plans: dict[str, tuple[Parts, Schedule]] = {"before": (job.original, _named(zb_h1, "before"))}
+    if o.control:
+        plans["control"] = (job.original, _named(zb_h1, "control"))
+    parts = job.original
+    if o.rebalance:
+        parts, change = job.rebalance(part_costs, judged=True)
+        changes.append(change)
+        if change["tried"]:
+            plans["rebalanced"] = (parts, _named(zb_h1, "rebalanced"))
+    predicted = moved_costs(part_costs, job.original, parts, measured.costs())
+    if o.replan_schedule:
+        schedule, change = job.replan(predicted, zb_h1, judged=True)
+        changes.append(change)
+        if change["tried"]:
+            plans["re-planned"] = (parts, _named(schedule, "re-planned"))
     # 3. judge: every plan in turns, step by step
-    results = _in_turns(plans, steps, config, run, data, stepper("judge"))
+    results = _in_turns(job, plans, job.stepper("judge", o.profile_steps))
     spans = {name: _spans(r) for name, r in results.items()}
-    noise = paired_gain(spans["before"], spans["control"], confidence) if control else None
+    noise = paired_gain(spans["before"], spans["control"], o.confidence) if o.control else None
+    kept = _judge(changes, plans, spans, noise, o.confidence)
+    # 4. online
+    checks, kept_name = _online(job, plans, results, kept, predicted, noise, changes) if o.online else ([], kept)
+    after_name = kept if kept != "before" else ("control" if o.control else "before")
+    after_phase = _phase(plans[after_name][0], results[after_name])
+    final = results[kept_name]
+    return AdaptResult(
+        before=_phase(job.original, results["before"]), after=after_phase, profile=measured, attribution=found,
+        attribution_after=attribute(after_phase.measured, after_phase.measured_schedule, None, o.margin),
+        part_costs=part_costs, changes=changes, online_checks=checks,
+        test_accuracy=final.test_accuracy, test_loss=final.test_loss,
+        config={**o.to_json(job.config, job.run), "plans": list(plans), "kept": kept_name,
+                "devices": final.config["devices"],
+                "measured": "one pinned process per rank, the plans taking turns step by step"},
+        comparison=paired_gain(spans["before"], spans[after_name], o.confidence), control=noise,
+        profiled=profiled_phase,
+    )
+
+
+def _judge(changes: list[dict], plans: dict, spans: dict, noise: PairedGain | None, confidence: float) -> str:
+    """Each tried candidate against the plan it would replace, in order; returns the kept plan's name."""
     kept = "before"
     for change, name in (("rebalance", "rebalanced"), ("replan", "re-planned")):
         record = next((c for c in changes if c["kind"] == change), None)
@@ -632,55 +645,33 @@ def adapt_in_processes(
                           + ("adopted: faster beyond the noise" if adopted else "not adopted: not faster beyond the noise"))
         if adopted:
             kept = name
-
-    # 4. online: the kept plan's steps watched for significant drift; a re-plan is judged in turns too
-    checks: list[dict] = []
-    kept_name = kept
-    if online:
-        kept_parts, kept_schedule = plans[kept]
-        replanner = OnlineReplanner(_named(kept_schedule, kept_schedule.name), predicted, every, threshold, patience,
-                                    min_gain, memory_limit, confidence=confidence)
-        proposal = None
-        for t in results[kept].timelines[1:]:
-            proposal = replanner.observe(t) or proposal
-        checks = [{"step": step_offset["judge"] + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
-                  for c in replanner.history]
-        if proposal is not None and proposal.schedule.actions != kept_schedule.actions:
-            online_plans = {kept: plans[kept], "online": (kept_parts, _named(proposal.schedule, "online"))}
-            again = _in_turns(online_plans, steps, config, run, data, stepper("online"))
-            judged = paired_gain(_spans(again[kept]), _spans(again["online"]), confidence)
-            adopted = beats_noise(judged, noise)
-            changes.append({"kind": "online-replan", "adopted": adopted, "to": proposal.schedule.name,
-                            "predicted_gain": proposal.gain, "gain": judged.gain, "measured": judged.to_json(),
-                            "why": f"costs drifted significantly ({replanner.history[-1].drift:.1%}); measured online / {kept}: "
-                                   f"{judged.text()}; " + ("adopted" if adopted else "not adopted: not faster beyond the noise")})
-            if adopted:
-                plans["online"] = online_plans["online"]
-                results["online"], kept_name = again["online"], "online"
-
-    after_name = kept if kept != "before" else ("control" if control else "before")
-    before_phase = _phase(original, results["before"])
-    after_phase = _phase(plans[after_name][0], results[after_name])
-    comparison = paired_gain(spans["before"], spans[after_name], confidence)
-    found_after = attribute(after_phase.measured, after_phase.measured_schedule, None, margin)
-    final = results[kept_name]
-    return AdaptResult(
-        before=before_phase, after=after_phase, profile=measured, attribution=found, attribution_after=found_after,
-        part_costs=part_costs, changes=changes, online_checks=checks,
-        test_accuracy=final.test_accuracy, test_loss=final.test_loss,
-        config={"ranks": ranks, "microbatches": microbatches, "steps": steps, "profile_steps": profile_steps,
-                "imbalance": imbalance, "blocks": config.blocks, "d": config.d, "heads": config.heads, "batch": run.batch,
-                "lr": run.lr, "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
-                "memory_limit": memory_limit, "every": every, "threshold": threshold, "patience": patience,
-                "min_gain": min_gain, "margin": margin, "confidence": confidence, "plans": list(plans), "kept": kept_name,
-                "devices": final.config["devices"],
-                "measured": "one pinned process per rank, the plans taking turns step by step"},
-        comparison=comparison, control=noise, profiled=profiled_phase,
-    )
+    return kept
 
 
-def _in_turns(plans: dict, steps: int, config, run, data, on_step) -> dict:
-    from .turns import train_in_turns
-
-    return train_in_turns([s for _, s in plans.values()], steps, model=config, run=run, data=data,
-                          parts={name: p for name, (p, _) in plans.items()}, on_step=on_step)
+def _online(job: _Job, plans: dict, results: dict, kept: str, predicted: Costs, noise: PairedGain | None,
+            changes: list[dict]) -> tuple[list[dict], str]:
+    """The kept plan's steps watched for significant drift; a re-plan is judged in one more run in
+    turns. Returns the online checks and the name of the plan kept in the end."""
+    o = job.options
+    kept_parts, kept_schedule = plans[kept]
+    replanner = o.replanner(kept_schedule, predicted)
+    proposal = None
+    for t in timed_steps(results[kept].timelines):
+        proposal = replanner.observe(t) or proposal
+    checks = [{"step": o.profile_steps + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
+              for c in replanner.history]
+    if proposal is None or proposal.schedule.actions == kept_schedule.actions:
+        return checks, kept
+    online_plans = {kept: plans[kept], "online": (kept_parts, _named(proposal.schedule, "online"))}
+    again = _in_turns(job, online_plans, job.stepper("online"))
+    judged = paired_gain(_spans(again[kept]), _spans(again["online"]), o.confidence)
+    adopted = beats_noise(judged, noise)
+    changes.append({"kind": "online-replan", "adopted": adopted, "to": proposal.schedule.name,
+                    "predicted_gain": proposal.gain, "gain": judged.gain, "measured": judged.to_json(),
+                    "why": f"costs drifted significantly ({replanner.history[-1].drift:.1%}); measured online / {kept}: "
+                           f"{judged.text()}; " + ("adopted" if adopted else "not adopted: not faster beyond the noise")})
+    if not adopted:
+        return checks, kept
+    plans["online"] = online_plans["online"]
+    results["online"] = again["online"]
+    return checks, "online"

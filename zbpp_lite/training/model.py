@@ -91,6 +91,60 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: d={self.d} is not divisible by heads={self.heads}")
 
 
+@dataclass(frozen=True)
+class RunConfig:
+    """How a training run goes (everything but the model and the schedule).
+
+    Attributes:
+        batch: global batch, samples; must be a multiple of the microbatch count.
+        lr, weight_decay: AdamW (PyTorch's defaults otherwise).
+        seed: seed of the batch order and the held-out split.
+        holdout: fraction of the digits held out for the test accuracy (0: the PyTorch job's
+            batches, tested on all samples); see :mod:`zbpp_lite.training.data`.
+        init: a ``torch_pp_bench.py --save-init`` .npz to start from (the model's ``d`` and
+            ``blocks`` must match).
+        check_grads: compare the first step with the unpartitioned model.
+        progress: show a tqdm progress bar.
+        max_grad_norm: clip the gradients to this global norm and skip a step whose gradients
+            hold a NaN/Inf (Optax ``clip_by_global_norm`` semantics). The optimizer step then
+            runs inside the rank threads and the steps run back to back
+            (:class:`zbpp_lite.training.postval.optimizer.StageOptimizer`): synchronously (every
+            rank waits for every rank's norm) or, with ``post_validation``, speculatively and
+            validated (paper section 4). ``on_step`` then reports once the steps are done (no
+            progress bar); ``step_seconds`` are the periods between step starts (the last step:
+            its span; compilation comes before the first). ``TrainResult.config`` gets the
+            per-step ``guard_reports`` (global norm, clipped, skipped, rolled back).
+        post_validation: see ``max_grad_norm`` (requires it).
+
+    Raises:
+        ValueError: a non-positive batch, lr or max_grad_norm, a holdout outside [0, 1), or
+            post_validation without max_grad_norm.
+    """
+
+    batch: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    seed: int = 0
+    holdout: float = 0.2
+    init: str | os.PathLike | None = None
+    check_grads: bool = True
+    progress: bool = False
+    max_grad_norm: float | None = None
+    post_validation: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise ValueError(f"batch must be an integer >= 1, got {self.batch!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.holdout < 1.0:
+            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.post_validation and self.max_grad_norm is None:
+            raise ValueError("post_validation validates a clipped step: give max_grad_norm too")
+
+
 # ---------------------------------------------------------------------------- layers
 
 

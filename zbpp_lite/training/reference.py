@@ -1,9 +1,37 @@
-"""The unpartitioned model as the reference every pipeline run is checked against.
+"""The single-device reference: the unpartitioned model every pipeline run is checked and timed against.
 
-What a pipelined step must reproduce: :func:`reference_grads` (loss and gradients of the whole
-model on the whole batch, one device), :func:`evaluate` (loss and accuracy),
-:func:`max_relative_error` (the gradient check's measure) and the optimizer both sides use,
-:func:`adamw` with PyTorch's defaults (:func:`jitted_adamw` its jitted update).
+One module for everything a pipelined run is compared with:
+
+- correctness: :func:`reference_grads` (loss and gradients of the whole model on the whole batch,
+  one device), :func:`evaluate` (loss and accuracy), :func:`max_relative_error` (the gradient
+  check's measure);
+- the optimizer both sides use: :func:`adamw`, Optax's AdamW with PyTorch's defaults, and
+  :func:`jitted_adamw` its jitted update;
+- speed: :func:`train_baseline`, the whole model trained on one device, one jitted step per batch
+  (:func:`make_step`), and :func:`one_rank_schedule`, our executor on one rank.
+
+The baseline is what a pipeline's speed-up is measured against (the PyTorch benchmark's
+``baseline`` run, ``shared/peers/torch_pp_bench.py``): the whole global batch at once,
+``jax.value_and_grad`` of the mean loss and the AdamW update in one ``jax.jit``-ed program whose
+parameters and optimizer state are donated. Same model, data, batch order, initial weights and
+optimizer as :func:`zbpp_lite.training.train.train`, so the two give the same losses step for step
+(up to float32 rounding).
+
+Why this whole-batch step is slower on XLA:CPU than our executor on one rank (about 2.8x on the
+peer job, d = 128, batch 256, one core): its weight gradients ``dW = x^T dy`` contract over the
+batch and token dimensions of 3-D activations, and XLA:CPU makes ``x^T`` with a strided transpose
+copy of every (2048, 128) activation before a plain (non-YNNPACK) dot. In a profile of one step
+(``jax.profiler``, op by op) those ``copy_bitcast_fusion`` transposes take more time than the
+products themselves. The backward split (:mod:`zbpp_lite.runtime.split`) stores ``x^T`` in F for
+each 32-sample microbatch, where the transpose fits in cache, and W is one row-major product. So
+speed-ups are taken against the faster of the two single-device references (``compare`` names
+it): the whole-batch step, and our executor on one rank (the same kernels and microbatches as the
+pipeline).
+
+``microbatches`` > 1 is an option of ours, not the PyTorch job's: the same step accumulating the
+gradient over that many microbatches in order (``jax.lax.scan``), still on one device. It
+separates what microbatching alone changes (smaller working sets) from what the pipeline adds
+(a second device).
 
 Layer: training.
 """
@@ -11,45 +39,63 @@ Layer: training.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from ..analysis.profiling.timelines import timed_steps
+from ..runtime.stages import StagedModel, microbatch_size
+from ..schedules.builders import build_schedule
+from ..schedules.ir import Schedule
+from .data import Digits, load_digits
+from .model import ModelConfig, RunConfig, build_parts, load_torch_init
+from .postval.rollback import AdamWConfig
 
 
-def adamw(lr: float = 1e-3, weight_decay: float = 0.01):
-    """``optax.adamw`` with PyTorch's AdamW defaults (betas 0.9, 0.999, eps 1e-8)."""
-    import optax
-
-    return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=weight_decay)
-
-
-def max_relative_error(grads: Sequence[Any], reference: Sequence[Any]) -> float:
-    """Largest over leaves of max|g - r| / max|r| (max|g - r| where r is all zero)."""
-    import jax
-
-    worst = 0.0
-    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference), strict=True):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        scale = np.abs(r).max()
-        worst = max(worst, float(np.abs(g - r).max() / (scale if scale > 0 else 1.0)))
-    return worst
+def adamw(lr: float = 1e-3, weight_decay: float = 0.01) -> optax.GradientTransformation:
+    """``optax.adamw`` with PyTorch's AdamW defaults (betas 0.9, 0.999, eps 1e-8): the one
+    optimizer of the package (:class:`~zbpp_lite.training.postval.rollback.AdamWConfig`)."""
+    return AdamWConfig(learning_rate=lr, weight_decay=weight_decay).optimizer()
 
 
 @functools.lru_cache(maxsize=8)
-def jitted_adamw(lr: float, weight_decay: float):
-    """AdamW with PyTorch's defaults (:func:`adamw`) and its jitted update
-    ``update(grads, state, params) -> (params, state)``; shared by train, adapt and distributed."""
-    import jax
-    import optax
-
-    opt = adamw(lr, weight_decay)
+def jitted_update(config: AdamWConfig) -> Callable:
+    """The jitted AdamW step of ``config``: ``update(grads, state, params) -> (params, state)``."""
+    opt = config.optimizer()
 
     @jax.jit
     def update(grads, state, params):
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return opt, update
+    return update
+
+
+def adamw_step(params: Any, state: Any, grads: Any, config: AdamWConfig) -> tuple[Any, Any]:
+    """One AdamW step of ``config`` (jitted): ``(params, state)`` after applying ``grads``."""
+    return jitted_update(config)(grads, state, params)
+
+
+def jitted_adamw(lr: float, weight_decay: float):
+    """AdamW with PyTorch's defaults (:func:`adamw`) and its jitted update
+    ``update(grads, state, params) -> (params, state)``; shared by train, adapt and distributed."""
+    config = AdamWConfig(learning_rate=lr, weight_decay=weight_decay)
+    return config.optimizer(), jitted_update(config)
+
+
+def max_relative_error(grads: Sequence[Any], reference: Sequence[Any]) -> float:
+    """Largest over leaves of max|g - r| / max|r| (max|g - r| where r is all zero)."""
+    worst = 0.0
+    for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference), strict=True):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        scale = np.abs(r).max()
+        worst = max(worst, float(np.abs(g - r).max() / (scale if scale > 0 else 1.0)))
+    return worst
 
 
 _JITTED: dict = {}  # (what, the model's structure) -> its jitted function, compiled once per shape
@@ -69,8 +115,6 @@ def _jitted(what: str, model, make):
 
 def reference_grads(model, params, x, y, device) -> tuple[float, Any]:
     """Loss and gradients of the unpartitioned model on the whole batch (one device)."""
-    import jax
-
     params = jax.device_put(params, device)
     loss, grads = _jitted("grads", model, lambda m: jax.jit(jax.value_and_grad(m.loss)))(params, x, y)
     return float(loss), grads
@@ -78,9 +122,6 @@ def reference_grads(model, params, x, y, device) -> tuple[float, Any]:
 
 def evaluate(model, params, x: np.ndarray, y: np.ndarray, device=None) -> tuple[float, float]:
     """Mean loss and accuracy of the whole (unpartitioned) model on ``x``, ``y``."""
-    import jax
-    import jax.numpy as jnp
-
     params = jax.device_put(params, device) if device is not None else params
 
     def make(m):
@@ -93,3 +134,135 @@ def evaluate(model, params, x: np.ndarray, y: np.ndarray, device=None) -> tuple[
 
     loss, acc = _jitted("evaluate", model, make)(params, x, y)
     return float(loss), float(acc)
+
+
+# ----------------------------------------------------------------------------- the baseline's speed
+
+
+ONE_RANK = "one-rank reference"
+"""The name of :func:`one_rank_schedule`'s schedule (in compare's turns)."""
+
+
+def one_rank_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
+    """Our executor on one rank, the whole model as one stage, the same microbatches and kernels as
+    the pipelines (GPipe's order, nothing to overlap), as a ``num_ranks``-rank schedule whose other
+    ranks have no action: it then takes its turns among the pipelines, step by step, and its
+    steps meet the machine's slow spells as theirs do."""
+    alone = build_schedule("gpipe", 1, num_microbatches)
+    return Schedule((alone.actions[0], *([()] * (num_ranks - 1))), (0,), num_microbatches, ONE_RANK)
+
+
+def make_step(model, optimizer, microbatches: int = 1) -> Callable:
+    """The jitted training step ``step(params, opt_state, x, labels) -> (params, opt_state, loss)``.
+
+    Args:
+        model: a :class:`~zbpp_lite.runtime.stages.StagedModel` (any number of stages: only its
+            unpartitioned :meth:`~zbpp_lite.runtime.stages.StagedModel.loss` is used).
+        optimizer: an optax transformation (e.g. :func:`adamw`).
+        microbatches: 1 for the whole batch at once; m > 1 accumulates the gradient over m
+            equal microbatches (the mean of their mean losses, i.e. the global-batch mean).
+
+    ``x`` is (b, ...) float32 and ``labels`` (b,) integers; ``loss`` is the global-batch mean
+    loss before the update (float32 scalar). ``params`` and ``opt_state`` are donated: the arrays
+    passed in are consumed, use the returned ones.
+    """
+    grad_fn = jax.value_and_grad(model.loss)
+
+    def loss_and_grads(params, x, labels):
+        if microbatches == 1:
+            return grad_fn(params, x, labels)
+        xs = x.reshape(microbatches, -1, *x.shape[1:])
+        ys = labels.reshape(microbatches, -1)
+
+        def one(carry, batch):
+            loss, grads = grad_fn(params, *batch)
+            return jax.tree_util.tree_map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(one, zeros, (xs, ys))
+        return jax.tree_util.tree_map(lambda v: v / microbatches, (loss, grads))
+
+    def step(params, opt_state, x, labels):
+        loss, grads = loss_and_grads(params, x, labels)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+@dataclass
+class BaselineResult:
+    """What one baseline run did and measured.
+
+    Attributes:
+        losses: global-batch mean training loss of every step (before its update), floats.
+        step_seconds: wall time of every step, the update included (the first includes
+            compilation).
+        test_loss, test_accuracy: the trained model on the test samples.
+        params: the trained parameters (one pytree per model module).
+        config: the settings of the run.
+    """
+
+    losses: list[float]
+    step_seconds: list[float]
+    test_loss: float
+    test_accuracy: float
+    params: Any = field(repr=False)
+    config: dict = field(default_factory=dict)
+
+
+def train_baseline(
+    steps: int = 20,
+    *,
+    model: ModelConfig | None = None,
+    run: RunConfig | None = None,
+    microbatches: int = 1,
+    device: Any = None,
+    data: Digits | None = None,
+) -> BaselineResult:
+    """Train the unpartitioned digits Transformer on one device, one jitted step per batch.
+
+    Arguments as :func:`zbpp_lite.training.train.train` (same model, data, batches and AdamW;
+    ``run.check_grads``, ``progress`` and clipping do not apply); ``device`` defaults to JAX's
+    first device; ``microbatches`` as in :func:`make_step`.
+
+    Raises:
+        ValueError: steps < 1, or a batch that does not divide into ``microbatches``; before any
+            compute. FileNotFoundError / ValueError: an ``init`` file that is missing or does not
+            fit the model (see :func:`zbpp_lite.training.model.load_torch_init`).
+    """
+    config, run = model or ModelConfig(), run or RunConfig()
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    microbatch_size(run.batch, microbatches)
+    device = device if device is not None else jax.devices()[0]
+    data = data if data is not None else load_digits(run.holdout, run.seed)
+    staged = StagedModel(build_parts(config), 1)
+    optimizer = adamw(run.lr, run.weight_decay)
+    params = jax.device_put(load_torch_init(run.init, config) if run.init is not None else staged.params, device)
+    opt_state = jax.device_put(optimizer.init(params), device)
+    step = make_step(staged, optimizer, microbatches)
+    losses, seconds = [], []
+    for k in range(steps):
+        x, y = data.batch(k, run.batch)
+        t0 = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, jax.device_put(x, device), jax.device_put(y, device))
+        jax.block_until_ready(params)
+        seconds.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    test_loss, test_accuracy = evaluate(staged, params, data.test_x, data.test_y, device)
+    return BaselineResult(
+        losses=losses, step_seconds=seconds, test_loss=test_loss, test_accuracy=test_accuracy, params=params,
+        config={"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
+                "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
+                "init": None if run.init is None else str(run.init), "microbatches": microbatches, "device": str(device)},
+    )
+
+
+def step_stats(step_seconds: list[float], warmup: int) -> dict:
+    """Median and minimum step time in milliseconds over the steps after ``warmup``
+    (:func:`~zbpp_lite.analysis.profiling.timelines.timed_steps`)."""
+    if len(step_seconds) <= warmup:
+        raise ValueError(f"no timed steps: {len(step_seconds)} step(s), {warmup} warm-up")
+    timed = np.asarray(timed_steps(step_seconds, warmup), np.float64) * 1e3
+    return {"median_ms": float(np.median(timed)), "min_ms": float(timed.min()), "step_ms": timed.tolist()}

@@ -9,11 +9,16 @@ compares the measured timeline with the simulator's for the measured mean action
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import jax
+from tqdm.auto import tqdm
+
+from ..analysis.profiling.timelines import measured_costs, timed_steps
+from ..runtime.devices import ensure_devices
+from ..runtime.executor import PipelineExecutor
 from ..runtime.stages import StagedModel, microbatch_size, stage_parts
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
@@ -22,7 +27,9 @@ from ..schedules.simulate import simulate
 from ..schedules.timeline import Timeline
 from ..schedules.validate import validate
 from .data import Digits, load_digits
-from .model import ModelConfig, build_parts, load_torch_init
+from .model import ModelConfig, RunConfig, build_parts, load_torch_init
+from .postval.optimizer import StageOptimizer
+from .postval import rollback
 from .reference import evaluate, jitted_adamw, max_relative_error, reference_grads
 
 
@@ -107,62 +114,8 @@ class TrainResult:
 
 
 def _pick_measured(timelines: list[Timeline]) -> Timeline:
-    timed = timelines[1:] or timelines
+    timed = timed_steps(timelines)
     return sorted(timed, key=lambda t: t.makespan)[len(timed) // 2]
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """How a training run goes (everything but the model and the schedule).
-
-    Attributes:
-        batch: global batch, samples; must be a multiple of the microbatch count.
-        lr, weight_decay: AdamW (PyTorch's defaults otherwise).
-        seed: seed of the batch order and the held-out split.
-        holdout: fraction of the digits held out for the test accuracy (0: the PyTorch job's
-            batches, tested on all samples); see :mod:`zbpp_lite.training.data`.
-        init: a ``torch_pp_bench.py --save-init`` .npz to start from (the model's ``d`` and
-            ``blocks`` must match).
-        check_grads: compare the first step with the unpartitioned model.
-        progress: show a tqdm progress bar.
-        max_grad_norm: clip the gradients to this global norm and skip a step whose gradients
-            hold a NaN/Inf (Optax ``clip_by_global_norm`` semantics). The optimizer step then
-            runs inside the rank threads and the steps run back to back
-            (:class:`zbpp_lite.training.postval.optimizer.StageOptimizer`): synchronously (every
-            rank waits for every rank's norm) or, with ``post_validation``, speculatively and
-            validated (paper section 4). ``on_step`` then reports once the steps are done (no
-            progress bar); ``step_seconds`` are the periods between step starts (the last step:
-            its span; compilation comes before the first). ``TrainResult.config`` gets the
-            per-step ``guard_reports`` (global norm, clipped, skipped, rolled back).
-        post_validation: see ``max_grad_norm`` (requires it).
-
-    Raises:
-        ValueError: a non-positive batch, lr or max_grad_norm, a holdout outside [0, 1), or
-            post_validation without max_grad_norm.
-    """
-
-    batch: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    seed: int = 0
-    holdout: float = 0.2
-    init: str | os.PathLike | None = None
-    check_grads: bool = True
-    progress: bool = False
-    max_grad_norm: float | None = None
-    post_validation: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.batch, int) or self.batch < 1:
-            raise ValueError(f"batch must be an integer >= 1, got {self.batch!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if not 0.0 <= self.holdout < 1.0:
-            raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        if self.post_validation and self.max_grad_norm is None:
-            raise ValueError("post_validation validates a clipped step: give max_grad_norm too")
 
 
 @dataclass
@@ -215,45 +168,45 @@ def train(
     """
     config, run = model or ModelConfig(), run or RunConfig()
     sched = _checked_schedule(schedule, ranks, microbatches, steps, config, run, schedule_options)
-    if devices is None:
-        from ..runtime.devices import ensure_devices
+    devices = devices if devices is not None else ensure_devices(sched.num_ranks)
+    executor = PipelineExecutor(StagedModel(build_parts(config), sched.num_stages), sched, devices)
+    return train_steps(executor, steps, config, run, data=data, on_step=on_step)
 
-        devices = ensure_devices(sched.num_ranks)
 
-    from ..analysis.profiling.timelines import measured_costs
-    from ..runtime.executor import PipelineExecutor
-
+def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, home: Any = None,
+                data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None) -> TrainResult:
+    """The step loop every pipeline run of this process goes through, whatever carries the
+    values between its ranks (``executor``: the thread executor, or
+    :class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor` over JAX's distributed
+    runtime): ``steps`` executor steps from ``config``'s initial parameters (or ``run.init``) on
+    batches 0, 1, ..., AdamW per stage (or, with ``run.max_grad_norm``, inside the rank threads),
+    then the first step checked against the one reference, the trained model evaluated, the
+    median step's measured costs simulated. ``home``: one device holding every stage's parameters
+    and optimizer state (default: each stage's own device). Returns :class:`TrainResult`.
+    """
+    staged, sched = executor.model, executor.schedule
     data = data if data is not None else load_digits(run.holdout, run.seed)
-    staged = StagedModel(build_parts(config), sched.num_stages)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
-    executor = PipelineExecutor(staged, sched, devices)
+    homes = [home] * sched.num_stages if home is not None else list(executor.stage_devices)
     batches = [data.batch(k, run.batch) for k in range(steps)]
-    loop = _guarded_steps if run.max_grad_norm is not None else _plain_steps
-    out, stage_params = loop(executor, params, batches, run, on_step)
+    if run.max_grad_norm is not None:
+        out, stage_params = _guarded_steps(executor, params, batches, run, on_step)
+    else:
+        out, stage_params = _plain_steps(executor, params, batches, run, on_step, homes)
+    first_grads = out.extra.pop("first_grads", None)
     if run.check_grads:  # the first step against the unpartitioned model on the whole batch
-        ref_loss, ref_grads = reference_grads(staged, params, *batches[0], devices[0])
-        out.grad_error = max_relative_error(out.extra.pop("first_grads"), ref_grads)
+        ref_loss, ref_grads = reference_grads(staged, params, *batches[0], homes[0])
+        out.grad_error = max_relative_error(first_grads, ref_grads)
         out.loss_error = abs(out.losses[0] - ref_loss)
-    out.extra.pop("first_grads", None)
-
     final = staged.join_stage_params(stage_params)
-    test_loss, test_accuracy = evaluate(staged, final, data.test_x, data.test_y, devices[0])
+    test_loss, test_accuracy = evaluate(staged, final, data.test_x, data.test_y, homes[0])
     measured = _pick_measured(out.timelines)
     costs = measured_costs(measured, sched.num_stages)
     return TrainResult(
-        schedule=sched,
-        losses=out.losses,
-        test_accuracy=test_accuracy,
-        test_loss=test_loss,
-        grad_max_rel_error=out.grad_error,
-        loss_error=out.loss_error,
-        measured=measured,
-        costs=costs,
-        simulated=simulate(sched, costs),
-        timelines=out.timelines,
-        step_seconds=out.seconds,
-        params=final,
-        config={**settings_json(config, run), "devices": [str(dev) for dev in devices], **out.extra},
+        schedule=sched, losses=out.losses, test_accuracy=test_accuracy, test_loss=test_loss,
+        grad_max_rel_error=out.grad_error, loss_error=out.loss_error, measured=measured, costs=costs,
+        simulated=simulate(sched, costs), timelines=out.timelines, step_seconds=out.seconds, params=final,
+        config={**settings_json(config, run), "devices": [str(dev) for dev in executor.devices], **out.extra},
     )
 
 
@@ -277,28 +230,46 @@ def _checked_schedule(schedule, ranks, microbatches, steps, config: ModelConfig,
     return sched
 
 
-def _plain_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_Run, list]:
-    """One executor step at a time, then AdamW per stage on that stage's device."""
-    import jax
+class StageAdamW:
+    """AdamW per stage, each stage's parameters and state on its own device: the update after
+    every step of every loop (``train``'s, and each rank process's in ``train_in_turns``).
 
+    ``homes``: ``{stage: device}`` for the stages this process updates.
+    """
+
+    def __init__(self, model: StagedModel, params: list, homes: dict, run: RunConfig):
+        opt, self._update = jitted_adamw(run.lr, run.weight_decay)
+        self.model, self.homes = model, dict(homes)
+        self.params = {s: jax.device_put(model.stage_params(params, s), d) for s, d in self.homes.items()}
+        self.state = {s: jax.device_put(opt.init(p), d) for (s, d), p in zip(self.homes.items(), self.params.values())}
+
+    def step(self, grads: list) -> None:
+        """One update from ``grads`` (one pytree per model module), wherever the executor left them."""
+        for s, d in self.homes.items():
+            g = jax.device_put(self.model.stage_params(grads, s), d)
+            self.params[s], self.state[s] = self._update(g, self.state[s], self.params[s])
+        jax.block_until_ready(self.params)
+
+    def warm_up(self) -> None:
+        """Compile the update for the first step's inputs and for its own outputs, changing nothing."""
+        for s, p in self.params.items():
+            zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, p)
+            once = self._update(zeros, self.state[s], p)
+            jax.block_until_ready(self._update(zeros, once[1], once[0]))
+
+
+def _plain_steps(executor, params, batches, run: RunConfig, on_step, homes: list) -> tuple[_Run, list]:
+    """One executor step at a time, then AdamW per stage on ``homes[stage]``."""
     model, sched = executor.model, executor.schedule
-    S = sched.num_stages
-    opt, update = jitted_adamw(run.lr, run.weight_decay)
-    stage_params = [jax.device_put(model.stage_params(params, s), executor.stage_devices[s]) for s in range(S)]
-    opt_state = [jax.device_put(opt.init(p), executor.stage_devices[s]) for s, p in enumerate(stage_params)]
+    adamw = StageAdamW(model, params, dict(enumerate(homes)), run)
     out = _Run()
     steps_iter: Any = range(len(batches))
     if run.progress:
-        from tqdm.auto import tqdm
-
         steps_iter = tqdm(steps_iter, desc=f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}", leave=False)
     for k in steps_iter:
-        x, y = batches[k]
         t0 = time.perf_counter()
-        result = executor.run(model.join_stage_params(stage_params), x, y)
-        for s in range(S):
-            stage_params[s], opt_state[s] = update(model.stage_params(result.grads, s), opt_state[s], stage_params[s])
-        jax.block_until_ready(stage_params)
+        result = executor.run(model.join_stage_params(list(adamw.params.values())), *batches[k])
+        adamw.step(result.grads)
         out.seconds.append(time.perf_counter() - t0)
         if k == 0:
             out.extra["first_grads"] = result.grads
@@ -308,19 +279,14 @@ def _plain_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_R
             steps_iter.set_postfix(loss=f"{result.loss:.4f}")
         if on_step is not None:
             on_step(k, result.loss, result.timeline)
-    return out, stage_params
+    return out, list(adamw.params.values())
 
 
 def _guarded_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_Run, list]:
     """The steps back to back with the clipped AdamW inside the rank threads (synchronous or
     post-validated, :class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`)."""
-    import jax
-
-    from .postval.optimizer import StageOptimizer
-    from .postval.rollback import AdamWConfig
-
     model = executor.model
-    guard = StageOptimizer(executor, params, AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay),
+    guard = StageOptimizer(executor, params, rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay),
                            "post-validation" if run.post_validation else "synchronous", run.max_grad_norm)
     results = executor.run_steps(params, batches, guard)
     out = _Run()

@@ -30,7 +30,9 @@ from ...schedules.simulate import simulate
 from ...schedules.timeline import Timeline
 
 
-def _timed(fn, *args) -> tuple[float, Any]:
+def timed(fn, *args) -> tuple[float, Any]:
+    """``(seconds, fn(*args))``: the wall time of one call until its outputs are ready
+    (``jax.block_until_ready``), the package's one way of timing a call on a device."""
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     return time.perf_counter() - start, out
@@ -130,11 +132,11 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
     for _ in range(repeats):
         for s, st in enumerate(states):
             flat = st["flat"]
-            tf, (_, own, kept) = _timed(flat.forward, st["p"], st["h"], st["aux"], st["own"])
-            tb, (_, grads_out) = _timed(flat.backward_input, st["p"], own, st["dy"], st["grads"])
-            tw, st["acc"] = _timed(flat.backward_weight, st["p"], kept, grads_out, st["acc"])
+            tf, (_, own, kept) = timed(flat.forward, st["p"], st["h"], st["aux"], st["own"])
+            tb, (_, grads_out) = timed(flat.backward_input, st["p"], own, st["dy"], st["grads"])
+            tw, st["acc"] = timed(flat.backward_weight, st["p"], kept, grads_out, st["acc"])
             if fused:
-                tbw, (_, st["acc_bw"]) = _timed(flat.backward_fused, st["p"], own, kept, st["dy"], st["acc_bw"])
+                tbw, (_, st["acc_bw"]) = timed(flat.backward_fused, st["p"], own, kept, st["dy"], st["acc_bw"])
                 times["BW"][s].append(tbw)
             st["own"], st["grads"] = own, grads_out  # the donated spares were used up: these are next
             times["F"][s].append(tf)

@@ -17,7 +17,6 @@ the ratios between parts from here.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ import numpy as np
 
 from ...runtime.stages import StagedModel
 from ..rebalance import PartCosts
+from .device import timed
 from ...runtime.split import StageSplit
 
 _PART_SPLITS: dict = {}
@@ -45,12 +45,6 @@ def _part_split(model: StagedModel, i: int, x: Any, labels: Any) -> StageSplit:
     if key not in _PART_SPLITS:
         _PART_SPLITS[key] = StageSplit(fn, model.params[i], x, aux, input_grad=i > 0)
     return _PART_SPLITS[key]
-
-
-def _timed(fn, *args) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start, out
 
 
 def profile_parts(model: StagedModel, x: Any, labels: Any, device: Any = None, repeats: int = 7) -> PartCosts:
@@ -93,9 +87,9 @@ def profile_parts(model: StagedModel, x: Any, labels: Any, device: Any = None, r
     times = {kind: [[] for _ in range(n)] for kind in "FBW"}
     for _ in range(repeats):  # round-robin over the parts: a slow spell of the machine hits all alike
         for i, (split, params, h, aux, dy, acc) in enumerate(calls):
-            tf, (_, res, kept) = _timed(split.forward, params, h, aux)
-            tb, (_, grads_out) = _timed(split.backward_input, res, dy)
-            tw, _ = _timed(split.backward_weight, params, kept, grads_out, acc)
+            tf, (_, res, kept) = timed(split.forward, params, h, aux)
+            tb, (_, grads_out) = timed(split.backward_input, res, dy)
+            tw, _ = timed(split.backward_weight, params, kept, grads_out, acc)
             times["F"][i].append(tf)
             times["B"][i].append(tb)
             times["W"][i].append(tw)

@@ -16,12 +16,32 @@ Importing this module does not import JAX.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 from ...schedules.costs import Costs
 from ...schedules.ir import Key, deps, produces
 from ...schedules.timeline import Event, Timeline
+
+
+T = TypeVar("T")
+
+COMPILE_STEPS = 1
+"""Steps of a run that compile and are never timed: the first (XLA compiles on first call)."""
+
+
+def timed_steps(steps: Sequence[T], skip: int = COMPILE_STEPS) -> list[T]:
+    """The one rule for which steps of a run are timed: every step after the first ``skip``
+    (which compile), or every step when there are no others (a run too short to leave one out).
+    ``steps`` is any per-step sequence: step seconds, timelines, records."""
+    steps = list(steps)
+    return steps[skip:] or steps
+
+
+def timed_median(values: Sequence[float], skip: int = COMPILE_STEPS) -> float:
+    """Median of the timed steps' ``values`` (:func:`timed_steps`)."""
+    return statistics.median(timed_steps(values, skip))
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import optax
-
+from ..reference import adamw_step
 from .rollback import AdamWConfig, adamw_rollback
 
 
@@ -74,11 +73,6 @@ def _clip(tree: Any, norm: float, max_norm: float) -> Any:
     return jax.tree_util.tree_map(lambda t: (t / jnp.asarray(norm, t.dtype)) * max_norm, tree)
 
 
-def _adamw_step(params: Any, state: Any, grads: Any, config: AdamWConfig) -> tuple[Any, Any]:
-    updates, state = config.optimizer().update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-
 def synchronous_step(
     stage_params: Sequence[Any],
     opt_states: Sequence[Any],
@@ -100,7 +94,7 @@ def synchronous_step(
         return list(stage_params), list(opt_states), report
     new_params, new_states = [], []
     for p, s, g in zip(stage_params, opt_states, stage_grads):
-        p, s = _adamw_step(p, s, _clip(g, norm, max_norm), config)
+        p, s = adamw_step(p, s, _clip(g, norm, max_norm), config)
         new_params.append(p)
         new_states.append(s)
     return new_params, new_states, report
@@ -140,7 +134,7 @@ def post_validated_step(
         stepped[r] = partial_finite
         if partial_finite:  # speculative: assume no clipping is needed
             for s in stages:
-                params[s], states[s] = _adamw_step(params[s], states[s], stage_grads[s], config)
+                params[s], states[s] = adamw_step(params[s], states[s], stage_grads[s], config)
     # 2. the full reduction comes back from the last rank
     norm = math.sqrt(partial_sq)
     finite = partial_finite
@@ -154,7 +148,7 @@ def post_validated_step(
         for s in (s for s, owner in enumerate(placement) if owner == r):
             params[s], states[s] = adamw_rollback(params[s], states[s], stage_grads[s], config)
             if finite:  # redo, clipped by the global norm
-                params[s], states[s] = _adamw_step(params[s], states[s], _clip(stage_grads[s], norm, max_norm), config)
+                params[s], states[s] = adamw_step(params[s], states[s], _clip(stage_grads[s], norm, max_norm), config)
     return params, states, report
 
 
