@@ -467,3 +467,31 @@ def test_a_recurrent_cell_under_scan_shared_weights_reversed_is_split_with_jax_v
     g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, None), p, x)[1](dy)
     assert _max_rel(split.weight_gradient(p, kept, grads_out), g_ref) < 1e-5
     assert _max_rel(dx, dx_ref) < 1e-5
+
+
+def _scan_equation():
+    """The ``scan`` equation of a loop with one constant (the closed-over w), one carry, one xs."""
+
+    def loop(w, h, xs):
+        return jax.lax.scan(lambda c, x: (jnp.tanh(c @ w + x), c), h, xs)
+
+    w, h, xs = jnp.ones((4, 4)), jnp.ones((2, 4)), jnp.ones((3, 2, 4))
+    (eqn,) = [e for e in jax.make_jaxpr(loop)(w, h, xs).jaxpr.eqns if e.primitive.name == "scan"]
+    return eqn
+
+
+def test_the_scan_equation_is_read_on_this_jax():
+    """JAX 0.10-0.11 give num_consts / num_carry, JAX 0.12 ft_in (issue 31 part 7: KeyError 'num_consts')."""
+    from zbpp_lite.runtime.split import _scan_counts
+
+    assert _scan_counts(_scan_equation()) == (1, 1)
+
+
+def test_a_scan_equation_the_split_cannot_read_is_refused_in_one_line_naming_it_and_the_jax_version():
+    from zbpp_lite.runtime.split import _scan_counts
+
+    eqn = _scan_equation()
+    counts = ("num_consts", "num_carry", "ft_in")
+    unknown = eqn.replace(params={k: v for k, v in eqn.params.items() if k not in counts})
+    with pytest.raises(ValueError, match=rf"^the split cannot read JAX {jax.__version__}'s 'scan' equation: [^\n]*$"):
+        _scan_counts(unknown)

@@ -52,7 +52,10 @@ scan's pullback; W does every weight product once per layer (a batched ``x^T dy`
 of the loop. XLA's cost analysis (loop unrolled for the count): flops(B) + flops(W) = 1.00x the
 fused backward, W = 1.003x the weight products (1.94x and 2.89x with the scan kept whole).
 Other loops (``while``, a scan whose carry starts from the parameters alone, or with a nested
-loop) stay one weight operation, whose W re-runs the loop's vjp.
+loop) stay one weight operation, whose W re-runs the loop's vjp. The ``scan`` equation is read
+on JAX 0.4.35 through 0.12 (``num_consts`` / ``num_carry``, or JAX 0.12's ``ft_in``:
+:func:`_scan_counts`); a parameter of an equation the split needs and does not find is refused
+in one line naming the primitive and the JAX version, never a ``KeyError``.
 
 What each costs in time (``benchmarks/bench_split_cost.py``: the peer job's stage, d = 128, 4
 blocks, 32-sample microbatches, one CPU core): (T_B + T_W) / T_BW measured 1.06-1.09 with step
@@ -203,7 +206,7 @@ def _matmul_shape(node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tupl
     eqn = node.eqn
     if eqn.primitive.name != "dot_general" or weight_inputs != (1,) or kept_inputs != (0,):
         return None
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _param(eqn, "dimension_numbers")
     x, w, out = avals[node.ins[0]], avals[node.ins[1]], avals[node.outs[0]]
     if lb or rb or not lc or not (x.dtype == w.dtype == out.dtype):
         return None
@@ -284,6 +287,47 @@ class _Loop:
     slots: tuple  # W's operands in the body: ("k", ref) or ("t", ref, (rows, k))
 
 
+def _unsupported(eqn, what: str) -> ValueError:
+    """The one-line refusal for an equation the split cannot read (a JAX whose params it does
+    not know): names the primitive, the JAX version, what is missing and what would work."""
+    name = eqn.primitive.name
+    return ValueError(
+        f"the split cannot read JAX {jax.__version__}'s {name!r} equation: {what} "
+        f"(its params: {', '.join(sorted(eqn.params))}); "
+        f"it reads JAX 0.4.35 through 0.12: use one of those, or write the stage without {name!r}"
+    )
+
+
+def _param(eqn, key: str) -> Any:
+    """``eqn.params[key]``, or the one-line refusal naming the primitive and the JAX version."""
+    if key not in eqn.params:
+        raise _unsupported(eqn, f"no {key!r}")
+    return eqn.params[key]
+
+
+def _scan_counts(eqn) -> tuple[int, int]:
+    """``(number of constants, number of carries)`` of a ``scan`` equation, whose operands are
+    ``consts + carry + xs`` in every JAX: its ``num_consts`` and ``num_carry`` params up to JAX
+    0.11; in JAX 0.12, ``ft_in``, a flat tree packing the groups (consts, carry, xs) whose parts'
+    lengths count their operands (``ft_out`` packs (carry, ys); ``linear`` is gone).
+
+    Raises:
+        ValueError: neither form (one line naming the primitive and the JAX version).
+    """
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:
+        return int(p["num_consts"]), int(p["num_carry"])
+    try:
+        consts, carry, xs = p["ft_in"].unpack()
+        counts = len(consts), len(carry), len(xs)
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        what = "no num_consts / num_carry, and no ft_in of three groups (consts, carry, xs)"
+        raise _unsupported(eqn, what) from e
+    if sum(counts) != len(eqn.invars):
+        raise _unsupported(eqn, f"ft_in counts {counts} operands, the equation has {len(eqn.invars)}")
+    return counts[0], counts[1]
+
+
 def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | None:
     """The :class:`_Loop` of a ``scan`` node whose carries are activations (or start from
     constants, an RNN's zero state) and whose body holds no nested loop; ``None`` (the scan
@@ -291,8 +335,8 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
     eqn = node.eqn
     if eqn.primitive.name != "scan":
         return None
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-    closed = eqn.params["jaxpr"]
+    nc, nk = _scan_counts(eqn)
+    closed = _param(eqn, "jaxpr")
     body = _Program()
     body.inputs = [body.new_ref(v.aval) for v in closed.jaxpr.invars]
     body.outputs = _flatten(body, closed.jaxpr, closed.consts, body.inputs, in_region=True)
@@ -312,8 +356,8 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
         dict.fromkeys(("t", r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None)
     )
     probes = tuple(r for op in weight_ops for r in op.probed)
-    p = eqn.params
-    return _Loop(body, nc, nk, p["length"], p["reverse"], p.get("unroll", 1), b_on_p, b_on_a, tuple(weight_ops), probes, slots)
+    length, reverse = _param(eqn, "length"), _param(eqn, "reverse")
+    return _Loop(body, nc, nk, length, reverse, eqn.params.get("unroll", 1), b_on_p, b_on_a, tuple(weight_ops), probes, slots)
 
 
 @dataclass(frozen=True)
