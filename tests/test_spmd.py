@@ -193,16 +193,20 @@ def test_nnx_blocks_of_one_class_with_an_activation_each_run_as_written():
     _assert_like_grad_and_threads(model, schedule, *_batch(M))
 
 
+def _token_parts():
+    """A first part ``p["e"][t]`` (an embedding lookup of int32 tokens), then three tanh parts."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    return [
+        (lambda p, t: p["e"][t], {"e": jax.random.normal(keys[0], (16, D))}),
+        *[(_activation(jnp.tanh), _dense(k)) for k in keys[1:]],
+    ]
+
+
 def test_a_first_part_fed_integer_tokens_gets_them_as_integers():
     """``p["e"][t]`` on int32 tokens: the input was traced as float32 ("Indexer must have integer or
     boolean type")."""
     schedule = zb.build_schedule("zb-h1", P, M)
-    keys = jax.random.split(jax.random.key(1), 4)
-    parts = [
-        (lambda p, t: p["e"][t], {"e": jax.random.normal(keys[0], (16, D))}),
-        *[(_activation(jnp.tanh), _dense(k)) for k in keys[1:]],
-    ]
-    model = StagedModel(parts, 2)
+    model = StagedModel(_token_parts(), 2)
     x, y = _batch(M, tokens=True)
     assert x.dtype == np.int32
     _assert_like_grad_and_threads(model, schedule, x, y)
@@ -226,3 +230,15 @@ def test_stages_passing_on_activations_of_different_shapes_are_refused_before_ru
     ):
         SpmdExecutor(model, schedule, jax.devices()[:P]).run(model.params, *_batch(M))
     assert np.isfinite(PipelineExecutor(model, schedule, jax.devices()[:P]).run(model.params, *_batch(M)).loss)
+
+
+def test_train_spmd_trains_a_model_of_integer_tokens_with_jax_grads():
+    """The training loop over the SPMD executor takes any staged model: here the token model."""
+    from zbpp_lite.training.spmd import train_spmd
+
+    schedule = zb.build_schedule("zb-h1", P, M)
+    model = StagedModel(_token_parts(), 2)
+    batch = _batch(M, tokens=True)
+    result = train_spmd(schedule, model, model.params, [batch, batch], 1e-2, devices=jax.devices()[:P])
+    assert result.grad_max_rel_error <= 1e-5 and result.loss_error <= 1e-5 * result.losses[0]
+    assert result.losses[1] < result.losses[0]  # one AdamW step on the same batch lowers its loss
