@@ -242,3 +242,22 @@ def test_train_spmd_trains_a_model_of_integer_tokens_with_jax_grads():
     result = train_spmd(schedule, model, model.params, [batch, batch], 1e-2, devices=jax.devices()[:P])
     assert result.grad_max_rel_error <= 1e-5 and result.loss_error <= 1e-5 * result.losses[0]
     assert result.losses[1] < result.losses[0]  # one AdamW step on the same batch lowers its loss
+
+
+def test_packing_holds_stages_of_different_structures_in_one_vector_per_dtype():
+    """Stage 0 holds a (2, 3) bfloat16 and 4 float32 values, stage 1 one float32: the vectors are
+    sized for the largest (6 bfloat16, 4 float32), zero-padded, and unpack gives each back."""
+    from zbpp_lite.runtime.spmd import Packing
+
+    trees = [{"a": np.arange(6).reshape(2, 3).astype(jnp.bfloat16), "b": np.arange(4, dtype=np.float32)},
+             [np.full((1,), 7.0, np.float32)]]
+    packing = Packing.of(trees)
+    assert [d.name for d in packing.dtypes] == ["bfloat16", "float32"] and packing.sizes == (6, 4)
+    for s, tree in enumerate(trees):
+        vectors = packing.pack(s, tree, np)
+        assert [v.shape for v in vectors] == [(6,), (4,)]
+        back = packing.unpack(s, vectors)
+        assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)
+        for got, want in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(tree)):
+            assert got.dtype == want.dtype and np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.array_equal(packing.pack(1, trees[1], np)[1], [7.0, 0.0, 0.0, 0.0])

@@ -223,7 +223,7 @@ class Packing:
     program holds values whose structure differs from stage to stage (see the module docstring).
 
     Attributes:
-        dtypes: the vectors' dtypes (names, sorted).
+        dtypes: the vectors' dtypes (NumPy dtypes, bfloat16 too; sorted by name).
         sizes: each vector's length, the largest total of that dtype over the stages.
         trees: per stage, the pytree structure.
         slots: per stage, per leaf: ``(vector index, offset, shape)``.
@@ -241,12 +241,12 @@ class Packing:
     def of(cls, per_stage: Sequence[Any]) -> "Packing":
         """The packing of ``per_stage[s]``, pytrees of arrays or ``jax.ShapeDtypeStruct``."""
         leaves = [jax.tree_util.tree_leaves(tree) for tree in per_stage]
-        dtypes = tuple(sorted({jnp.dtype(a.dtype).name for stage in leaves for a in stage}))
+        dtypes = tuple(sorted({jnp.dtype(a.dtype) for stage in leaves for a in stage}, key=lambda d: d.name))
         sizes, slots = [0] * len(dtypes), []
         for stage in leaves:
             used, mine = [0] * len(dtypes), []
             for a in stage:
-                d = dtypes.index(jnp.dtype(a.dtype).name)
+                d = dtypes.index(jnp.dtype(a.dtype))
                 mine.append((d, used[d], tuple(a.shape)))
                 used[d] += math.prod(a.shape)
             sizes = [max(u, n) for u, n in zip(sizes, used)]
@@ -658,7 +658,8 @@ class SpmdExecutor:
         """The program's arguments (global arrays) for ``params`` and a batch; ``x`` keeps its
         dtype (integer tokens stay integers)."""
         m = self.schedule.num_microbatches
-        x, labels = np.asarray(x), np.asarray(labels)
+        # each keeps its dtype, as jax.device_put would give it (float64 -> float32 without x64)
+        x, labels = (np.asarray(a, jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)) for a in (x, labels))
         if x.ndim == 0 or labels.ndim == 0 or x.shape[0] % m or labels.shape[0] != x.shape[0]:
             raise ValueError(
                 f"a batch of {np.shape(x)[:1]} inputs and {np.shape(labels)[:1]} labels does not divide into "
