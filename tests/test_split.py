@@ -10,7 +10,7 @@ from flax import nnx
 
 from zbpp_lite.training.model import ModelConfig, build_parts
 from zbpp_lite.runtime.stages import StagedModel
-from zbpp_lite.runtime.split import StageSplit, compiled_flops, forward_kept_bytes, vjp_residual_bytes
+from zbpp_lite.runtime.split import Handover, StageSplit, compiled_flops, forward_kept_bytes, vjp_residual_bytes
 
 
 def _max_rel(a, b) -> float:
@@ -158,6 +158,9 @@ def test_the_flat_b_computes_bias_and_layernorm_gradients_and_the_flat_w_only_th
         y, own, kept = split.flat.forward(p, h, aux)
         dy = jnp.ones(()) if aux is not None else jax.random.normal(jax.random.key(s), y.shape)
         dx, grads_out = split.flat.backward_input(p, own, dy)
+        # what B hands W is a named record: output gradients, recomputed operands (none: no remat), B's share
+        assert isinstance(grads_out, Handover) and grads_out.recomputed == ()
+        assert len(grads_out.b_grads) == len(split._b_leaves) > 0
         g_w = split.flat.backward_weight(p, kept, grads_out, None)
         dx_bw, g_bw = split.flat.backward_fused(p, own, kept, dy, None)
         g_ref, dx_ref = jax.vjp(lambda q, v: fn(q, v, aux), params, h)[1](dy)
@@ -168,8 +171,8 @@ def test_the_flat_b_computes_bias_and_layernorm_gradients_and_the_flat_w_only_th
         # B's outputs for W, against every distinct output gradient (what W would otherwise read)
         _, res, _ = split.forward(params, h, aux)
         _, all_grads = split.backward_input(res, dy)
-        distinct = {id(g): g for g in all_grads}.values()
-        assert sum(g.size for g in grads_out) < 0.9 * sum(g.size for g in distinct)
+        distinct = {id(g): g for g in jax.tree_util.tree_leaves(all_grads)}.values()
+        assert sum(g.size for g in jax.tree_util.tree_leaves(grads_out)) < 0.9 * sum(g.size for g in distinct)
         hlo = split.flat.backward_weight.lower(p, kept, grads_out, None).compile().as_text()
         assert " reduce(" not in hlo and " dot(" in hlo
         h = y
@@ -467,3 +470,31 @@ def test_a_recurrent_cell_under_scan_shared_weights_reversed_is_split_with_jax_v
     g_ref, dx_ref = jax.vjp(lambda p, v: fn(p, v, None), p, x)[1](dy)
     assert _max_rel(split.weight_gradient(p, kept, grads_out), g_ref) < 1e-5
     assert _max_rel(dx, dx_ref) < 1e-5
+
+
+def _scan_equation():
+    """The ``scan`` equation of a loop with one constant (the closed-over w), one carry, one xs."""
+
+    def loop(w, h, xs):
+        return jax.lax.scan(lambda c, x: (jnp.tanh(c @ w + x), c), h, xs)
+
+    w, h, xs = jnp.ones((4, 4)), jnp.ones((2, 4)), jnp.ones((3, 2, 4))
+    (eqn,) = [e for e in jax.make_jaxpr(loop)(w, h, xs).jaxpr.eqns if e.primitive.name == "scan"]
+    return eqn
+
+
+def test_the_scan_equation_is_read_on_this_jax():
+    """JAX 0.10-0.11 give num_consts / num_carry, JAX 0.12 ft_in (issue 31 part 7: KeyError 'num_consts')."""
+    from zbpp_lite.runtime.split import _scan_counts
+
+    assert _scan_counts(_scan_equation()) == (1, 1)
+
+
+def test_a_scan_equation_the_split_cannot_read_is_refused_in_one_line_naming_it_and_the_jax_version():
+    from zbpp_lite.runtime.split import _scan_counts
+
+    eqn = _scan_equation()
+    counts = ("num_consts", "num_carry", "ft_in")
+    unknown = eqn.replace(params={k: v for k, v in eqn.params.items() if k not in counts})
+    with pytest.raises(ValueError, match=rf"^the split cannot read JAX {jax.__version__}'s 'scan' equation: [^\n]*$"):
+        _scan_counts(unknown)

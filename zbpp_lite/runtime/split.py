@@ -52,7 +52,10 @@ scan's pullback; W does every weight product once per layer (a batched ``x^T dy`
 of the loop. XLA's cost analysis (loop unrolled for the count): flops(B) + flops(W) = 1.00x the
 fused backward, W = 1.003x the weight products (1.94x and 2.89x with the scan kept whole).
 Other loops (``while``, a scan whose carry starts from the parameters alone, or with a nested
-loop) stay one weight operation, whose W re-runs the loop's vjp.
+loop) stay one weight operation, whose W re-runs the loop's vjp. The ``scan`` equation is read
+on JAX 0.4.35 through 0.12 (``num_consts`` / ``num_carry``, or JAX 0.12's ``ft_in``:
+:func:`_scan_counts`); a parameter of an equation the split needs and does not find is refused
+in one line naming the primitive and the JAX version, never a ``KeyError``.
 
 What each costs in time (``benchmarks/bench_split_cost.py``: the peer job's stage, d = 128, 4
 blocks, 32-sample microbatches, one CPU core): (T_B + T_W) / T_BW measured 1.06-1.09 with step
@@ -73,7 +76,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +206,7 @@ def _matmul_shape(node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tupl
     eqn = node.eqn
     if eqn.primitive.name != "dot_general" or weight_inputs != (1,) or kept_inputs != (0,):
         return None
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    (lc, rc), (lb, rb) = _param(eqn, "dimension_numbers")
     x, w, out = avals[node.ins[0]], avals[node.ins[1]], avals[node.outs[0]]
     if lb or rb or not lc or not (x.dtype == w.dtype == out.dtype):
         return None
@@ -284,6 +287,47 @@ class _Loop:
     slots: tuple  # W's operands in the body: ("k", ref) or ("t", ref, (rows, k))
 
 
+def _unsupported(eqn, what: str) -> ValueError:
+    """The one-line refusal for an equation the split cannot read (a JAX whose params it does
+    not know): names the primitive, the JAX version, what is missing and what would work."""
+    name = eqn.primitive.name
+    return ValueError(
+        f"the split cannot read JAX {jax.__version__}'s {name!r} equation: {what} "
+        f"(its params: {', '.join(sorted(eqn.params))}); "
+        f"it reads JAX 0.4.35 through 0.12: use one of those, or write the stage without {name!r}"
+    )
+
+
+def _param(eqn, key: str) -> Any:
+    """``eqn.params[key]``, or the one-line refusal naming the primitive and the JAX version."""
+    if key not in eqn.params:
+        raise _unsupported(eqn, f"no {key!r}")
+    return eqn.params[key]
+
+
+def _scan_counts(eqn) -> tuple[int, int]:
+    """``(number of constants, number of carries)`` of a ``scan`` equation, whose operands are
+    ``consts + carry + xs`` in every JAX: its ``num_consts`` and ``num_carry`` params up to JAX
+    0.11; in JAX 0.12, ``ft_in``, a flat tree packing the groups (consts, carry, xs) whose parts'
+    lengths count their operands (``ft_out`` packs (carry, ys); ``linear`` is gone).
+
+    Raises:
+        ValueError: neither form (one line naming the primitive and the JAX version).
+    """
+    p = eqn.params
+    if "num_consts" in p and "num_carry" in p:
+        return int(p["num_consts"]), int(p["num_carry"])
+    try:
+        consts, carry, xs = p["ft_in"].unpack()
+        counts = len(consts), len(carry), len(xs)
+    except (KeyError, AttributeError, TypeError, ValueError) as e:
+        what = "no num_consts / num_carry, and no ft_in of three groups (consts, carry, xs)"
+        raise _unsupported(eqn, what) from e
+    if sum(counts) != len(eqn.invars):
+        raise _unsupported(eqn, f"ft_in counts {counts} operands, the equation has {len(eqn.invars)}")
+    return counts[0], counts[1]
+
+
 def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | None:
     """The :class:`_Loop` of a ``scan`` node whose carries are activations (or start from
     constants, an RNN's zero state) and whose body holds no nested loop; ``None`` (the scan
@@ -291,8 +335,8 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
     eqn = node.eqn
     if eqn.primitive.name != "scan":
         return None
-    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-    closed = eqn.params["jaxpr"]
+    nc, nk = _scan_counts(eqn)
+    closed = _param(eqn, "jaxpr")
     body = _Program()
     body.inputs = [body.new_ref(v.aval) for v in closed.jaxpr.invars]
     body.outputs = _flatten(body, closed.jaxpr, closed.consts, body.inputs, in_region=True)
@@ -312,8 +356,27 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
         dict.fromkeys(("t", r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None)
     )
     probes = tuple(r for op in weight_ops for r in op.probed)
-    p = eqn.params
-    return _Loop(body, nc, nk, p["length"], p["reverse"], p.get("unroll", 1), b_on_p, b_on_a, tuple(weight_ops), probes, slots)
+    length, reverse = _param(eqn, "length"), _param(eqn, "reverse")
+    return _Loop(body, nc, nk, length, reverse, eqn.params.get("unroll", 1), b_on_p, b_on_a, tuple(weight_ops), probes, slots)
+
+
+class Handover(NamedTuple):
+    """What B hands W (section 2: B computes the output gradients, W consumes them later): a
+    pytree, so it is held, donated and packed like any tuple of arrays.
+
+    Attributes:
+        output_grads: the weight operations' output gradients W reads (in the flat programs each
+            distinct one once, none whose only use is B's share; in the pytree functions one per
+            probe, top-level ones first, then a split ``scan``'s stacked over its iterations).
+        recomputed: W's operands B recomputed inside checkpoints, in region order.
+        b_grads: B's share of the parameter gradients, one per parameter leaf it covers (the
+            elementwise weight operations: step 7 of the module docstring); empty in the pytree
+            functions, whose W computes every gradient.
+    """
+
+    output_grads: tuple
+    recomputed: tuple
+    b_grads: tuple
 
 
 @dataclass(frozen=True)
@@ -326,17 +389,17 @@ class FlatStage:
 
     - ``forward(p, x, aux, spare=None) -> (y, own, kept)``: ``own`` is B's residuals without
       the parameters, then the operands of B's share of the parameter gradients.
-    - ``backward_input(p, own, dy, spare=None) -> (dx, grads_out)``: ``grads_out`` holds each
-      distinct output gradient W reads once (a product and the bias addition after it share
-      one), then W's operands B recomputed inside checkpoints, then B's share of the parameter
+    - ``backward_input(p, own, dy, spare=None) -> (dx, handover)``: a :class:`Handover` of each
+      distinct output gradient W reads, once (a product and the bias addition after it share
+      one), W's operands B recomputed inside checkpoints, and B's share of the parameter
       gradients (those of the elementwise weight operations, step 7 of the module docstring).
-    - ``backward_weight(p, kept, grads_out, acc) -> acc + dparams``, or ``dparams`` when ``acc``
+    - ``backward_weight(p, kept, handover, acc) -> acc + dparams``, or ``dparams`` when ``acc``
       is ``None`` (a stage's first W of a step: no zeros to add to). It adds B's share.
     - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``, ``acc`` as in W.
 
     ``acc`` is donated: its buffers take the sum in place, and the tuple passed in must not be
     used again. So is ``spare``: arrays no longer needed, of the shapes of the outputs (an
-    earlier microbatch's ``own`` for F, its ``grads_out`` for B), whose memory the outputs take
+    earlier microbatch's ``own`` for F, its handover for B), whose memory the outputs take
     over. Fresh memory costs page faults, tens of microseconds per megabyte on a virtual machine:
     about 20% of F on this project's 2-core CPU machine, where F writes some 15 MB.
     """
@@ -362,14 +425,14 @@ class StageSplit:
     - ``forward(params, x, aux) -> (y, res, kept)``: the output, B's residuals (a tuple of
       arrays; the parameters B needs as they are, e.g. a kernel for ``dy W^T``, are among
       them as the very arrays given, not copies) and W's operands (a tuple of arrays).
-    - ``backward_input(res, dy) -> (dx, grads_out)``: the input gradient (``None`` when
-      ``input_grad`` is false) and every weight operation's output gradient (a tuple), then
-      W's operands recomputed inside checkpoints (see the module docstring).
-    - ``backward_weight(params, kept, grads_out, acc) -> acc + dparams``: the parameter
+    - ``backward_input(res, dy) -> (dx, handover)``: the input gradient (``None`` when
+      ``input_grad`` is false) and a :class:`Handover`: every weight operation's output
+      gradient, and W's operands recomputed inside checkpoints (see the module docstring).
+    - ``backward_weight(params, kept, handover, acc) -> acc + dparams``: the parameter
       gradients, added to the accumulator ``acc`` (same pytree as ``params``).
     - ``backward_fused(params, res, kept, dy, acc) -> (dx, acc + dparams)``: B then W.
 
-    ``weight_gradient(params, kept, grads_out)`` is W without the accumulator. ``flat`` holds
+    ``weight_gradient(params, kept, handover)`` is W without the accumulator. ``flat`` holds
     the same programs over flat tuples of arrays (:class:`FlatStage`), what the executor calls.
 
     Raises:
@@ -636,12 +699,13 @@ class StageSplit:
         # the probes' gradients, then W's operands recomputed inside checkpoints (the sinks')
         if self.input_grad:
             dx_leaves, grads_out, recomputed = grads
-            return jax.tree_util.tree_unflatten(self._x_tree, list(dx_leaves)), tuple(grads_out) + tuple(recomputed)
+            return jax.tree_util.tree_unflatten(self._x_tree, list(dx_leaves)), Handover(tuple(grads_out), tuple(recomputed), ())
         grads_out, recomputed = grads
-        return None, tuple(grads_out) + tuple(recomputed)
+        return None, Handover(tuple(grads_out), tuple(recomputed), ())
 
-    def _weight_gradient(self, params, kept, grads_out):
-        g_leaves = self._weight_gradient_flat(tuple(jax.tree_util.tree_leaves(params)), kept, grads_out)
+    def _weight_gradient(self, params, kept, handover: Handover):
+        p_leaves = tuple(jax.tree_util.tree_leaves(params))
+        g_leaves = self._weight_gradient_flat(p_leaves, kept, handover.output_grads, handover.recomputed)
         return jax.tree_util.tree_unflatten(self._params_tree, list(g_leaves))
 
     def _parameter_values(self, p_leaves) -> dict:
@@ -702,14 +766,20 @@ class StageSplit:
         (g_leaves,) = pullback(cotangents)
         return tuple(g_leaves)
 
-    def _weight_gradient_flat(self, p_leaves, kept, grads_out, in_b=frozenset()):
+    def _weight_gradient_flat(self, p_leaves, kept, grads_out, recomputed, in_b=frozenset()):
         """The parameter gradients, one per leaf. ``kept``: F's W operands (``_f_slots``), then
         (when W does every gradient) the operands of B's share (``_b_kept_refs``); ``grads_out``:
-        every probe's gradient (``None`` for those of ``in_b``), then the operands B recomputed;
-        ``in_b``: the weight operations (indices) whose gradients B computed, left out here."""
+        every probe's gradient (``None`` for those of ``in_b``); ``recomputed``: the operands B
+        recomputed (``_b_slots``); ``in_b``: the weight operations (indices) whose gradients B
+        computed, left out here."""
         prog = self._prog
-        n, n_f = len(self._probe_refs), len(self._f_slots)
-        grads_out, operands = grads_out[:n], dict(zip(self._f_slots, kept[:n_f])) | dict(zip(self._b_slots, grads_out[n:]))
+        n_f = len(self._f_slots)
+        if len(grads_out) != len(self._probe_refs) or len(recomputed) != len(self._b_slots):
+            raise ValueError(
+                f"W got {len(grads_out)} output gradients and {len(recomputed)} recomputed operands; this stage's B hands "
+                f"{len(self._probe_refs)} and {len(self._b_slots)}: pass W the Handover of this stage's B"
+            )
+        operands = dict(zip(self._f_slots, kept[:n_f])) | dict(zip(self._b_slots, recomputed))
         kept_env = {slot[1]: v for slot, v in operands.items() if slot[0] == "k"} | dict(zip(self._b_kept_refs, kept[n_f:]))
         kept_t = {slot[1]: v for slot, v in operands.items() if slot[0] == "t"}
         ops = [j for j in range(len(self.weight_ops)) if j not in in_b]
@@ -772,20 +842,19 @@ class StageSplit:
 
         return jax.vmap(per_iteration, axis_size=loop.length)(xs)
 
-    def _backward_weight(self, params, kept, grads_out, acc):
-        grads = self._weight_gradient(params, kept, grads_out)
+    def _backward_weight(self, params, kept, handover, acc):
+        grads = self._weight_gradient(params, kept, handover)
         return jax.tree_util.tree_map(jnp.add, acc, grads)
 
     def _backward_fused(self, params, res, kept, dy, acc):
-        dx, grads_out = self._backward_input(res, dy)
-        return dx, self._backward_weight(params, kept, grads_out, acc)
+        dx, handover = self._backward_input(res, dy)
+        return dx, self._backward_weight(params, kept, handover, acc)
 
     # flat programs: parameters and gradient sums as tuples of leaves (see FlatStage)
 
     def _backward_input_flat(self, p_leaves, own, dy, spare=None):
-        dx, grads_out = self._backward_input(self._residuals(p_leaves, own, jax.tree_util.tree_leaves(dy)[0]), dy)
-        n = len(self._probe_refs)
-        probes, recomputed = grads_out[:n], grads_out[n:]
+        dx, handover = self._backward_input(self._residuals(p_leaves, own, jax.tree_util.tree_leaves(dy)[0]), dy)
+        probes, recomputed, n = handover.output_grads, handover.recomputed, len(self._probe_refs)
         small = self._small_grads(p_leaves, self._split_own(own)[1], probes) if self._b_ops else ()
         # W's output gradients, each distinct one once (a Linear's product and its bias addition
         # share one), none of those whose only use was B's share of the parameter gradients
@@ -793,23 +862,21 @@ class StageSplit:
         first: dict[int, int] = {}
         self._grads_index = tuple(-1 if j in self._b_ops else first.setdefault(id(g), len(first)) for g, j in zip(probes, owner))
         unique = {id(g): g for g, i in zip(probes, self._grads_index) if i >= 0}
-        return dx, tuple(unique.values()) + recomputed + small
+        return dx, Handover(tuple(unique.values()), tuple(recomputed), tuple(small))
 
-    def _backward_weight_flat(self, p_leaves, kept, grads_out, acc):
+    def _backward_weight_flat(self, p_leaves, kept, handover: Handover, acc):
         if self._grads_index is None:
             raise RuntimeError("StageSplit: call backward_input before backward_weight (W reads B's output gradients)")
-        unique = max(self._grads_index, default=-1) + 1
-        cut = len(grads_out) - len(self._b_leaves)
-        grads_out, small = grads_out[:cut], grads_out[cut:]
-        grads_out = tuple(None if i < 0 else grads_out[i] for i in self._grads_index) + tuple(grads_out[unique:])
-        grads = list(self._weight_gradient_flat(p_leaves, kept, grads_out, self._b_ops))
-        for i, g in zip(self._b_leaves, small):  # B's share
+        unique = handover.output_grads  # each distinct one once: back to one per probe
+        grads_out = tuple(None if i < 0 else unique[i] for i in self._grads_index)
+        grads = list(self._weight_gradient_flat(p_leaves, kept, grads_out, handover.recomputed, self._b_ops))
+        for i, g in zip(self._b_leaves, handover.b_grads, strict=True):  # B's share
             grads[i] = grads[i] + g
         return tuple(grads) if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
 
     def _backward_fused_flat(self, p_leaves, own, kept, dy, acc):
-        dx, grads_out = self._backward_input_flat(p_leaves, own, dy)
-        return dx, self._backward_weight_flat(p_leaves, kept, grads_out, acc)
+        dx, handover = self._backward_input_flat(p_leaves, own, dy)
+        return dx, self._backward_weight_flat(p_leaves, kept, handover, acc)
 
 
 def compiled_flops(fn: Callable, *args: Any) -> float:

@@ -8,7 +8,7 @@ single program that every rank runs in lockstep, the form TPU pods use:
    (:func:`zbpp_lite.schedules.simulate.lockstep_ticks`): for every tick and rank, the action kind, the
    rank's chunk (which of its stages) and the microbatch, plus what arrives at the end of the tick.
 2. The program is ``lax.scan`` over the ticks inside ``shard_map`` over ``stage``: each tick, every
-   rank does ``lax.switch`` on its action kind (idle, F, B, W, BW), then its one outgoing message
+   rank does ``lax.switch`` on its action kind (idle, F, B, W, BW) and stage, then its one outgoing message
    (an F's activation or a B's input gradient) travels with two ``lax.ppermute``, to rank r+1 and
    to rank r-1 (cyclic), which covers the 1F1B / zero-bubble placement, the looped placement and
    the V placement (where chunk 1 flows backwards and the turn at rank p-1 stays local).
@@ -18,25 +18,36 @@ single program that every rank runs in lockstep, the form TPU pods use:
    made XLA copy every buffer each tick, 4.3x the MPMD executor's step time where it is now
    1.6x (``benchmarks/bench_spmd.py``, zb-h1, p=2, d=64, 2 simulated CPU devices).
 
-Homogeneous stages. One program needs one stage body, with the parameters of every rank stacked
-along ``stage``. The Transformer's stages differ: the embedding sits on the first stage, the head
-and the loss on the last. So a stage here is its Transformer blocks (every stage holds the same
-number, stacked as ``(p, stages per rank, ...)``), and the embedding and the head are masked
-branches: every rank holds a copy (replicated), every F computes both, and a per-(rank, chunk)
-flag keeps the embedding only on stage 0 and the loss only on the last stage; their gradients,
-zero elsewhere, are summed over ranks at the end. Both are small (Linear(8, d), Linear(d, 10)),
-so the masked work costs little. The blocks' backward is split into B and W by
-:class:`~zbpp_lite.runtime.split.StageSplit` exactly as in the MPMD executor.
+The staged model's own stages. The program runs the very stages the thread executor runs: each
+global stage s is ``StagedModel.stage_fn(s)``, split into F, B, W and BW by
+:class:`~zbpp_lite.runtime.split.StageSplit` (its flat programs, as
+:class:`~zbpp_lite.runtime.executor.PipelineExecutor` calls them: B computes the elementwise
+parameter gradients, W the products, and the last stage's B starts from the seed 1/m). Nothing
+of the model is written here, so any model the thread executor runs gives the same loss and
+gradients (up to float rounding), whatever its parts compute and whatever its first stage takes
+(integer tokens too: the input keeps its dtype).
 
-What stages pass on may be one array or a pytree (a tuple ``(hidden, residual)``, a dict): every
-buffer of activations and their gradients, and the message each tick sends, then holds one array
-per leaf (``tests/test_byo_model.py``).
+One program, stages that differ. The tick's branch is ``lax.switch`` over (kind, stage):
+1 + 4 S branches, those of a kind the schedule never uses left idle. What that costs:
+
+- every rank's program holds every stage's F, B, W and BW, so the program and its compile time
+  grow with S (not S / p), and each rank's switch picks its own stage at run time (one
+  conditional per tick, the same as a switch on the kind alone);
+- values whose structure differs from stage to stage (parameters, F's residuals, W's operands,
+  B's hand-over to W, gradient sums) live in one flat vector per dtype, sized for the largest
+  stage (:class:`Packing`): each rank holds the largest stage's size, not its own, and every
+  action packs what it keeps (a concatenation: one copy, where storing into the buffers already
+  copied) and unpacks what it reads (static slices);
+- what stages pass on must have one structure at every boundary (one array or one pytree of one
+  shape): a model whose activations change shape between stages is refused before anything
+  runs, in one line naming the two boundaries (:meth:`SpmdExecutor.boundary`); the thread
+  executor runs it.
 
 JAX issue #40823: a ``lax.switch`` / ``lax.cond`` whose index varies over a mesh axis, applied to
 an input that is replicated (invariant) over that axis, can return silently wrong gradients,
 because the implicit broadcast of the replicated input transposes to a ``psum`` that only some
-ranks reach. Every replicated input (embedding and head parameters, inputs, labels) and every
-loop carry created inside ``shard_map`` is therefore made varying first with
+ranks reach. Every replicated input (the inputs and labels: a stage's zero probes take its
+input's varying axes) and every loop carry created inside ``shard_map`` is therefore made varying first with
 ``lax.pcast(x, "stage", to="varying")`` (``lax.pvary`` in JAX 0.6-0.7; nothing before the
 varying-axes type system existed). ``tests/test_spmd.py`` keeps a test that fails without it.
 
@@ -50,6 +61,7 @@ placement and ZB-V, arXiv 2405.15362, section 3.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -202,6 +214,71 @@ def tick_tables(schedule: Schedule) -> TickTables:
     return TickTables(kind, chunk, mb, recv, first, last)
 
 
+# ---------------------------------------------------------------------------- packing
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each leaf of a per-stage pytree sits in one flat vector per dtype: how one SPMD
+    program holds values whose structure differs from stage to stage (see the module docstring).
+
+    Attributes:
+        dtypes: the vectors' dtypes (NumPy dtypes, bfloat16 too; sorted by name).
+        sizes: each vector's length, the largest total of that dtype over the stages.
+        trees: per stage, the pytree structure.
+        slots: per stage, per leaf: ``(vector index, offset, shape)``.
+
+    :meth:`pack` works on NumPy (host) and JAX (traced) values alike; :meth:`unpack` is static
+    slices and reshapes.
+    """
+
+    dtypes: tuple
+    sizes: tuple
+    trees: tuple
+    slots: tuple
+
+    @classmethod
+    def of(cls, per_stage: Sequence[Any]) -> "Packing":
+        """The packing of ``per_stage[s]``, pytrees of arrays or ``jax.ShapeDtypeStruct``."""
+        leaves = [jax.tree_util.tree_leaves(tree) for tree in per_stage]
+        dtypes = tuple(sorted({jnp.dtype(a.dtype) for stage in leaves for a in stage}, key=lambda d: d.name))
+        sizes, slots = [0] * len(dtypes), []
+        for stage in leaves:
+            used, mine = [0] * len(dtypes), []
+            for a in stage:
+                d = dtypes.index(jnp.dtype(a.dtype))
+                mine.append((d, used[d], tuple(a.shape)))
+                used[d] += math.prod(a.shape)
+            sizes = [max(u, n) for u, n in zip(sizes, used)]
+            slots.append(tuple(mine))
+        return cls(
+            dtypes, tuple(sizes), tuple(jax.tree_util.tree_structure(t) for t in per_stage), tuple(slots)
+        )
+
+    def pack(self, stage: int, tree: Any, xp: Any = jnp) -> tuple:
+        """``tree`` of ``stage`` as one vector per dtype, zero-padded to :attr:`sizes`."""
+        parts: list = [[] for _ in self.dtypes]
+        for (d, _, _), a in zip(self.slots[stage], jax.tree_util.tree_leaves(tree), strict=True):
+            parts[d].append(xp.ravel(a))
+        used = [
+            sum(math.prod(shape) for d_, _, shape in self.slots[stage] if d_ == d)
+            for d in range(len(self.dtypes))
+        ]
+        return tuple(
+            xp.concatenate([*parts[d], xp.zeros((size - used[d],), dtype)]).astype(dtype)
+            for d, (dtype, size) in enumerate(zip(self.dtypes, self.sizes))
+        )
+
+    def unpack(self, stage: int, vectors: Sequence[Any]) -> Any:
+        """Inverse of :meth:`pack`: ``stage``'s pytree from its vectors."""
+        leaves = [vectors[d][o : o + math.prod(shape)].reshape(shape) for d, o, shape in self.slots[stage]]
+        return jax.tree_util.tree_unflatten(self.trees[stage], leaves)
+
+    def zeros(self, prefix: tuple = (), xp: Any = jnp) -> tuple:
+        """Empty buffers: one ``prefix + (size,)`` array per dtype."""
+        return tuple(xp.zeros(tuple(prefix) + (size,), dtype) for dtype, size in zip(self.dtypes, self.sizes))
+
+
 # ---------------------------------------------------------------------------- the program
 
 
@@ -212,7 +289,7 @@ class SpmdResult:
     Attributes:
         loss: global-batch mean loss, float.
         microbatch_losses: the loss of each microbatch, floats.
-        grads: gradient of ``loss`` per model module (as ``StagedModel.params``), NumPy float32.
+        grads: gradient of ``loss`` per model module (as ``StagedModel.params``), NumPy.
     """
 
     loss: float
@@ -220,13 +297,36 @@ class SpmdResult:
     grads: Params
 
 
+@dataclass(frozen=True)
+class _Stage:
+    """One global stage inside the program: its split (traced on values varying over the axis)
+    and its index; the packings of what it keeps are shared by all stages (:class:`_Traced`)."""
+
+    index: int
+    split: StageSplit
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """Every stage's split and the packings of F's residuals (``own``), W's operands (``kept``)
+    and B's hand-over to W (``gout``), from the stages' traced shapes."""
+
+    stages: tuple
+    own: Packing
+    kept: Packing
+    gout: Packing
+    loss: Any  # the last stage's output: the loss, a scalar
+
+
 class SpmdExecutor:
-    """A schedule compiled into one jitted SPMD program over the mesh axis ``stage``.
+    """A schedule compiled into one jitted SPMD program over the mesh axis ``stage``, running the
+    staged model's own stages (see the module docstring).
 
     Args:
-        model: the staged model (its ``num_stages`` must be the schedule's); its modules are
-            ``[first, *blocks, last]`` with ``blocks`` a multiple of the number of stages, so every
-            stage holds the same blocks (see the module docstring).
+        model: the staged model (its ``num_stages`` must be the schedule's): any list of parts the
+            thread executor runs, stages as different as their parts are.
         schedule: any valid schedule whose ranks hold equally many stages and whose transfers go
             to ring neighbours (1f1b, zb-h1, zb-h2, interleaved, zb-v, ...).
         devices: one device per rank (default ``jax.devices()[:p]``); in a multi-process run the
@@ -234,238 +334,313 @@ class SpmdExecutor:
         vary_replicated: make replicated inputs varying before the switch (the #40823 fix). Only
             tests turn it off, to show what goes wrong without it.
 
-    :meth:`run` takes the model's parameters, a global batch ``x`` (b, 8, 8) float32 and labels
-    (b,) int, and returns an :class:`SpmdResult`. Compilation happens on the first call for a
-    batch shape.
+    :meth:`run` takes the model's parameters, a global batch ``x`` (b, ...) of any dtype the
+    first stage takes (float32 features, int32 tokens) and ``labels`` (b, ...), and returns an
+    :class:`SpmdResult`. Compilation happens on the first call for a batch shape.
 
     Raises:
-        ScheduleError: an invalid schedule. ValueError: a model with another number of stages,
-        stages holding different numbers of blocks, an unsupported placement (see
-        :func:`tick_tables`), or too few devices.
+        ScheduleError: an invalid schedule. ValueError: a model with another number of stages, an
+        unsupported placement (see :func:`tick_tables`), too few devices; at :meth:`run`, before
+        anything runs, stages that pass on activations of different structures
+        (:meth:`boundary`) or a batch that does not divide into microbatches.
     """
 
-    def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None, *, vary_replicated: bool = True):
+    def __init__(
+        self,
+        model: StagedModel,
+        schedule: Schedule,
+        devices: Sequence[Any] | None = None,
+        *,
+        vary_replicated: bool = True,
+    ):
         if model.num_stages != schedule.num_stages:
-            raise ValueError(f"the schedule has {schedule.num_stages} stages but the model is cut into {model.num_stages}")
-        self.tables = tick_tables(schedule)
-        blocks = [[i for i in part if 0 < i < model.num_parts - 1] for part in model.parts]
-        if len({len(b) for b in blocks}) != 1:
             raise ValueError(
-                f"the SPMD executor needs the same number of blocks in every stage; {model.num_parts - 2} blocks over "
-                f"{model.num_stages} stages give {[len(b) for b in blocks]}: use a multiple of {model.num_stages} blocks"
+                f"the schedule has {schedule.num_stages} stages but the model is cut into {model.num_stages}"
             )
+        self.tables = tick_tables(schedule)
         p = schedule.num_ranks
         if devices is None:
             devices = jax.devices()[:p]
         if len(devices) != p:
-            raise ValueError(f"give one device per rank: the schedule has {p} ranks, got {len(devices)} devices")
+            raise ValueError(
+                f"give one device per rank: the schedule has {p} ranks, got {len(devices)} devices"
+            )
         self.model, self.schedule, self.vary_replicated = model, schedule, vary_replicated
         self.mesh = Mesh(np.array(devices), (AXIS,))
-        # module indices of the blocks of rank r, chunk c, block k
-        self.block_index = [[blocks[s] for s in schedule.stages_of(r)] for r in range(p)]
+        self.stage_of = np.array(
+            [schedule.stages_of(r) for r in range(p)], np.int32
+        )  # (p, v): global stage of rank r's chunk c
+        self.params_packing = Packing.of(
+            [model.stage_params(model.params, s) for s in range(model.num_stages)]
+        )
         self._compiled: dict = {}
 
     # ------------------------------------------------------------------ parameters
 
-    def stack(self, params: Params) -> list:
-        """Block parameters stacked per block position k: a list (one per block of a stage) of
-        pytrees whose leaves are ``(p, stages per rank, ...)``."""
-        p, v, k = len(self.block_index), len(self.block_index[0]), len(self.block_index[0][0])
-        return [
-            jax.tree_util.tree_map(
-                lambda *leaves: np.stack([np.asarray(a) for a in leaves]).reshape((p, v) + np.shape(leaves[0])),
-                *[params[self.block_index[r][c][i]] for r in range(p) for c in range(v)],
-            )
-            for i in range(k)
+    def pack_params(self, params: Params) -> tuple:
+        """Every rank's stages' parameters, one NumPy array ``(p, stages per rank, size)`` per
+        dtype (:class:`Packing`)."""
+        packing, model = self.params_packing, self.model
+        per_stage = [
+            packing.pack(s, jax.tree_util.tree_map(np.asarray, model.stage_params(params, s)), np)
+            for s in range(model.num_stages)
         ]
+        return tuple(
+            np.stack([np.stack([per_stage[s][d] for s in row]) for row in self.stage_of])
+            for d in range(len(packing.dtypes))
+        )
 
-    def unstack(self, stacked: list, first: Any, last: Any) -> Params:
-        """Inverse of :meth:`stack` (for gradients), with the first and last module's entries."""
-        grads: list = [None] * self.model.num_parts
-        grads[0], grads[-1] = first, last
-        for r, per_chunk in enumerate(self.block_index):
-            for c, indices in enumerate(per_chunk):
-                for i, module in enumerate(indices):
-                    grads[module] = jax.tree_util.tree_map(lambda a: np.asarray(a)[r, c], stacked[i])
-        return grads
+    def unpack_grads(self, packed: Sequence[np.ndarray]) -> Params:
+        """Inverse of :meth:`pack_params` (for the gradient sums): one pytree per model module."""
+        per_stage: list = [None] * self.model.num_stages
+        for r, row in enumerate(self.stage_of):
+            for c, s in enumerate(row):
+                per_stage[s] = self.params_packing.unpack(int(s), [np.asarray(a)[r, c] for a in packed])
+        return self.model.join_stage_params(per_stage)
+
+    def boundary(self, x_mb: Any) -> Any:
+        """What every stage passes to the next, as ``jax.ShapeDtypeStruct`` (a pytree of them for
+        tuple or dict activations), for a microbatch shaped like ``x_mb``; a float32 scalar
+        stand-in for a single stage.
+
+        Raises:
+            ValueError: two boundaries with different structures, shapes or dtypes (one line: both,
+                and what would work).
+        """
+        shapes = self.model.stage_inputs(x_mb)[1:]
+        if not shapes:
+            return jax.ShapeDtypeStruct((), jnp.float32)
+
+        def describe(tree):
+            return str(jax.tree_util.tree_map(lambda a: f"{a.dtype}{list(a.shape)}", tree))
+
+        for s, shape in enumerate(shapes[1:], start=2):
+            if describe(shape) != describe(shapes[0]):
+                raise ValueError(
+                    "the SPMD executor passes one activation structure between all stages, but stage 1 "
+                    f"receives {describe(shapes[0])} and stage {s} receives {describe(shape)}; cut the model "
+                    "where every stage boundary has one shape, or run it with PipelineExecutor"
+                )
+        return shapes[0]
 
     # ------------------------------------------------------------------ build
 
-    def _program(self, mb_shape: tuple, label_shape: tuple):
-        model, tables = self.model, self.tables
-        m = self.schedule.num_microbatches
-        k = len(self.block_index[0][0])
+    def _trace_stages(self, p_packed: tuple, tokens: Any, labels: Any, boundary: Any) -> _Traced:
+        """Every global stage's :class:`~zbpp_lite.runtime.split.StageSplit`, traced inside
+        ``shard_map`` on values varying over the axis (the split replays primitives one by one,
+        so the varying-axes casts must be in its program), and the packings of what they keep."""
+        model, S = self.model, self.model.num_stages
+        x_between = to_varying(jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), boundary))
+        stages, own, kept, gout = [], [], [], []
+        loss = None
+        for s in range(S):
+            params = self.params_packing.unpack(s, tuple(b[0] for b in p_packed))
+            x, aux = tokens[0] if s == 0 else x_between, labels[0] if s == S - 1 else None
+            split = StageSplit(model.stage_fn(s), params, x, aux, input_grad=s > 0)
+            p_leaves = tuple(jax.tree_util.tree_leaves(params))
+            y, own_s, kept_s = jax.eval_shape(split.flat.forward, p_leaves, x, aux, None)
+            dy = jax.tree_util.tree_map(lambda a: to_varying(jnp.zeros(a.shape, a.dtype)), y)
+            _, gout_s = jax.eval_shape(
+                split.flat.backward_input, p_leaves, own_s, dy, None
+            )  # B before W: W reads B's trace
+            stages.append(_Stage(s, split, s == 0, s == S - 1))
+            own.append(own_s)
+            kept.append(kept_s)
+            gout.append(gout_s)
+            loss = y
+        return _Traced(tuple(stages), Packing.of(own), Packing.of(kept), Packing.of(gout), loss)
 
-        def embed(p_first, tokens):
-            return model.apply_part(0, p_first, tokens)
-
-        def blocks_fn(p_blocks, x, _aux):
-            for p_k in p_blocks:
-                x = model.apply_part(1, p_k, x)
-            return x
-
-        def head_loss(p_last, h, labels):
-            return model.loss_fn(model.apply_part(model.num_parts - 1, p_last, h), labels)
-
-        # what stages pass on: one array, or a pytree (a tuple or dict of arrays); every buffer below
-        # of activations or their gradients has that structure, one array per leaf
-        x_shape = jax.eval_shape(embed, model.params[0], jax.ShapeDtypeStruct(mb_shape, jnp.float32))
+    def _branches(self, traced: _Traced, p_packed: tuple, tokens: Any, labels: Any, zero_msg: Any) -> list:
+        """The tick's branches: idle, then F, B, W, BW of every stage (kind-major, as
+        ``1 + (kind - 1) * S + stage``; a kind the schedule never uses stays idle). Each returns
+        the tick's slot values (see :meth:`_outputs`)."""
+        pk, m = self.params_packing, self.schedule.num_microbatches
+        seed = to_varying(jnp.full(traced.loss.shape, 1.0 / m, traced.loss.dtype))  # as PipelineExecutor's
+        used = {a.kind for row in self.schedule.actions for a in row}
         tmap = jax.tree_util.tree_map
 
-        def zeros_x(prefix=()):  # zeros shaped like the activation, with leading dimensions prefix
-            return tmap(lambda s: jnp.zeros(tuple(prefix) + tuple(s.shape), s.dtype), x_shape)
+        def outputs(**new):
+            return self._outputs(traced, zero_msg, **new)
 
-        def where_x(flag, a, b):
-            return tmap(lambda u, w: jnp.where(flag, u, w), a, b)
+        def branches_of(st: _Stage):
+            s, flat = st.index, st.split.flat
 
-        def get_x(buffer, index):
-            return tmap(lambda b: b[index], buffer)
+            def params(c):
+                return tuple(jax.tree_util.tree_leaves(pk.unpack(s, tuple(b[c] for b in p_packed))))
 
-        def set_x(buffer, index, value):
-            return tmap(lambda b, u: b.at[index].set(u), buffer, value)
-        v = tables.first.shape[1]
+            def take(store, packing, c, j):
+                return packing.unpack(s, tuple(b[c, j] for b in store))
 
-        def slots(shapes):  # one buffer per leaf: (stages per rank, m + 1, *leaf shape); slot m: scratch
-            return tuple(jnp.zeros((v, m + 1) + tuple(s.shape), s.dtype) for s in shapes)
+            def output_grad(state, c, j):
+                return seed if st.last else tmap(lambda b: b[c, j], state["grad"])
 
-        def rank_program(kind, chunk, mbs, recv, first, last, p_blocks, p_first, p_last, tokens, labels):
-            # kind, chunk, mbs (1, T); p_blocks leaves (1, v, ...); tokens (m, mb, 8, 8); labels (m, mb)
-            kind, chunk, mbs, first, last = kind[0], chunk[0], mbs[0], first[0], last[0]
-            recv = jax.tree_util.tree_map(lambda a: a[0], recv)
-            p_blocks = jax.tree_util.tree_map(lambda a: a[0], p_blocks)
+            def forward(state, c, j):
+                x = tokens[j] if st.first else tmap(lambda b: b[c, j], state["act"])
+                y, own, kept = flat.forward(params(c), x, labels[j] if st.last else None, None)
+                return outputs(
+                    own=traced.own.pack(s, own),
+                    kept=traced.kept.pack(s, kept),
+                    msg=zero_msg if st.last else y,
+                    loss=y.astype(jnp.float32) if st.last else None,
+                )
+
+            def backward_input(state, c, j):
+                dx, gout = flat.backward_input(
+                    params(c), take(state["own"], traced.own, c, j), output_grad(state, c, j), None
+                )
+                return outputs(gout=traced.gout.pack(s, gout), msg=zero_msg if st.first else dx)
+
+            def backward_weight(state, c, j):
+                grads = flat.backward_weight(
+                    params(c),
+                    take(state["kept"], traced.kept, c, j),
+                    take(state["gout"], traced.gout, c, j),
+                    None,
+                )
+                return outputs(grads=pk.pack(s, grads))
+
+            def backward_fused(state, c, j):
+                dx, grads = flat.backward_fused(
+                    params(c),
+                    take(state["own"], traced.own, c, j),
+                    take(state["kept"], traced.kept, c, j),
+                    output_grad(state, c, j),
+                    None,
+                )
+                return outputs(grads=pk.pack(s, grads), msg=zero_msg if st.first else dx)
+
+            return {"F": forward, "B": backward_input, "W": backward_weight, "BW": backward_fused}
+
+        def idle(state, c, j):
+            return outputs()
+
+        per_stage = [branches_of(st) for st in traced.stages]
+        return [idle] + [
+            per_stage[s][kind] if kind in used else idle for kind in KIND_CODE for s in range(len(per_stage))
+        ]
+
+    def _outputs(
+        self,
+        traced: _Traced,
+        zero_msg: Any,
+        *,
+        own=None,
+        kept=None,
+        gout=None,
+        grads=None,
+        msg=None,
+        loss=None,
+    ) -> dict:
+        """A branch's results, every field present (zeros where the kind produces none), all
+        varying over the axis so that every branch returns the same types."""
+        out = dict(
+            own=own or traced.own.zeros(),
+            kept=kept or traced.kept.zeros(),
+            gout=gout or traced.gout.zeros(),
+            grads=grads or self.params_packing.zeros(),
+            msg=zero_msg if msg is None else msg,
+            loss=jnp.zeros((), jnp.float32) if loss is None else loss.reshape(()),
+        )
+        return to_varying(out)
+
+    def _program(self, x_mb: Any, labels_mb: Any):
+        """The jitted program for microbatches shaped like ``x_mb`` and ``labels_mb``
+        (``jax.ShapeDtypeStruct``): ``(kind, chunk, microbatch, recv, stage_of, params, tokens,
+        labels) -> (losses, gradient sums)``, every output replicated."""
+        m, S = self.schedule.num_microbatches, self.model.num_stages
+        boundary = self.boundary(x_mb)  # refuses differing boundaries before anything is traced
+        v = self.stage_of.shape[1]
+        tmap = jax.tree_util.tree_map
+
+        def zeros_x(prefix=()):  # zeros shaped like what stages pass on, with leading dimensions prefix
+            return tmap(lambda s: jnp.zeros(tuple(prefix) + tuple(s.shape), s.dtype), boundary)
+
+        def rank_program(kind, chunk, mbs, recv, stage_of, p_packed, tokens, labels):
+            # kind, chunk, mbs (1, T); stage_of (1, v); p_packed: (1, v, size) per dtype; tokens (m, mb, ...)
+            kind, chunk, mbs, stage_of = kind[0], chunk[0], mbs[0], stage_of[0]
+            recv, p_packed = tmap(lambda a: a[0], recv), tmap(lambda a: a[0], p_packed)
             if self.vary_replicated:  # JAX #40823: replicated inputs made varying before the switch
-                p_first, p_last, tokens, labels = to_varying((p_first, p_last, tokens, labels))
-            zeros_like = lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree)  # noqa: E731
-            # The blocks' F / B / W, traced here, on values varying over the axis: StageSplit
-            # replays primitives one by one, so the varying-axes casts must be in its program.
-            x_example = to_varying(zeros_x())
-            params_example = jax.tree_util.tree_map(lambda a: a[0], p_blocks)
-            split = StageSplit(blocks_fn, params_example, x_example, None, input_grad=True)
-            _, res_shape, kept_shape = jax.eval_shape(split.forward, params_example, x_example, None)
-            _, gout_shape = jax.eval_shape(split.backward_input, res_shape, x_example)
-            carry = dict(
-                act=zeros_x((v, m)),  # received activations
-                grad=zeros_x((v, m)),  # received output gradients
-                res=slots(res_shape), kept=slots(kept_shape), gout=slots(gout_shape),
-                head_in=zeros_x((m,)),  # last stage's block output
-                embed_grad=zeros_x((m,)),  # stage 0's input gradient
-                acc=zeros_like(p_blocks), acc_first=zeros_like(p_first), acc_last=zeros_like(p_last),
-                losses=jnp.zeros((m,), jnp.float32),
-                msg=zeros_x(),
-            )
-            carry = to_varying(carry)  # loop carries created inside shard_map: varying too (#40823)
-
-            def chunk_params(c):
-                return jax.tree_util.tree_map(lambda a: a[c], p_blocks)
-
-            def put(buffers, c, j, values):
-                return tuple(b.at[c, j].set(x) for b, x in zip(buffers, values))
-
-            def take(buffers, c, j):
-                return tuple(b[c, j] for b in buffers)
-
-            # The switch reads the carry but returns one (chunk, microbatch) slot's new values, which
-            # are written back outside it (in-place dynamic updates); a slot a kind does not
-            # produce goes to the scratch slot m, so no branch passes a big buffer through (XLA
-            # copies a conditional's pass-through outputs: 4x slower, measured).
+                tokens, labels = to_varying((tokens, labels))
+            traced = self._trace_stages(p_packed, tokens, labels, boundary)
             zero_msg = to_varying(zeros_x())
-            zero_loss = to_varying(jnp.zeros((), jnp.float32))
-            zeros_of = lambda shapes: tuple(to_varying(jnp.zeros(sh.shape, sh.dtype)) for sh in shapes)  # noqa: E731
-
-            def outputs(st, c, j, **new):
-                out = {"res": None, "kept": None, "gout": None, "head_in": get_x(st["head_in"], j), "embed_grad": get_x(st["embed_grad"], j),
-                       "acc": jax.tree_util.tree_map(lambda a: a[c], st["acc"]), "acc_first": st["acc_first"],
-                       "acc_last": st["acc_last"], "msg": zero_msg, "loss": zero_loss, **new}
-                for name, shapes in (("res", res_shape), ("kept", kept_shape), ("gout", gout_shape)):
-                    if out[name] is None:
-                        out[name] = zeros_of(shapes)
-                return out
-
-            def idle(st, c, j):
-                return outputs(st, c, j)
-
-            def forward(st, c, j):
-                x_in = where_x(first[c] == 1, embed(p_first, tokens[j]), get_x(st["act"], (c, j)))
-                h, res, kept = split.forward(chunk_params(c), x_in, None)
-                is_last = last[c] == 1
-                loss = head_loss(p_last, h, labels[j])
-                return outputs(st, c, j, res=tuple(res), kept=tuple(kept), head_in=where_x(is_last, h, get_x(st["head_in"], j)),
-                               loss=jnp.where(is_last, loss, 0.0), msg=h)
-
-            def input_grad(st, c, j):
-                dh_head = jax.grad(head_loss, argnums=1)(p_last, get_x(st["head_in"], j), labels[j])
-                dy = where_x(last[c] == 1, dh_head, get_x(st["grad"], (c, j)))
-                dx, gout = split.backward_input(take(st["res"], c, j), dy)
-                return dx, tuple(gout), where_x(first[c] == 1, dx, get_x(st["embed_grad"], j))
-
-            def weight_grad(st, c, j, gout, embed_grad_j):
-                acc_c = jax.tree_util.tree_map(lambda a: a[c], st["acc"])
-                acc_c = split.backward_weight(chunk_params(c), take(st["kept"], c, j), gout, acc_c)
-                _, embed_vjp = jax.vjp(lambda p: embed(p, tokens[j]), p_first)
-                (g_first,) = embed_vjp(embed_grad_j)
-                g_last = jax.grad(head_loss)(p_last, get_x(st["head_in"], j), labels[j])
-                masked_add = lambda flag: lambda a, g: a + jnp.where(flag, g, 0.0)  # noqa: E731
-                return dict(acc=acc_c, acc_first=jax.tree_util.tree_map(masked_add(first[c] == 1), st["acc_first"], g_first),
-                            acc_last=jax.tree_util.tree_map(masked_add(last[c] == 1), st["acc_last"], g_last))
-
-            def backward_input(st, c, j):
-                dx, gout, embed_grad_j = input_grad(st, c, j)
-                return outputs(st, c, j, gout=gout, msg=dx, embed_grad=embed_grad_j)
-
-            def backward_weight(st, c, j):
-                return outputs(st, c, j, **weight_grad(st, c, j, take(st["gout"], c, j), get_x(st["embed_grad"], j)))
-
-            def backward_fused(st, c, j):
-                dx, gout, embed_grad_j = input_grad(st, c, j)
-                return outputs(st, c, j, msg=dx, embed_grad=embed_grad_j, **weight_grad(st, c, j, gout, embed_grad_j))
-
-            branches = [idle, forward, backward_input, backward_weight, backward_fused]
+            branches = self._branches(traced, p_packed, tokens, labels, zero_msg)
+            slots = lambda packing: packing.zeros((v, m + 1))  # noqa: E731 - slot m: scratch
+            carry = {  # received activations and output gradients, what F, B keep, sums, losses
+                "act": zeros_x((v, m)),
+                "grad": zeros_x((v, m)),
+                "own": slots(traced.own),
+                "kept": slots(traced.kept),
+                "gout": slots(traced.gout),
+                "acc": self.params_packing.zeros((v,)),
+                "losses": jnp.zeros((m,), jnp.float32),
+                "msg": zero_msg,
+            }
+            carry = to_varying(carry)  # loop carries created inside shard_map: varying too (#40823)
             n = lax.axis_size(AXIS) if hasattr(lax, "axis_size") else self.schedule.num_ranks
-            to_right = [(i, (i + 1) % n) for i in range(n)]
-            to_left = [(i, (i - 1) % n) for i in range(n)]
-
-            def deliver(st, value, buf, c, j):
-                act = set_x(st["act"], (c, j), where_x(buf == ACT_BUFFER, value, get_x(st["act"], (c, j))))
-                grad = set_x(st["grad"], (c, j), where_x(buf == GRAD_BUFFER, value, get_x(st["grad"], (c, j))))
-                return {**st, "act": act, "grad": grad}
-
-            def tick(st, xs):
-                kind_t, c, j, arrivals = xs
-                out = lax.switch(kind_t, branches, st, c, j)
-                scratch = jnp.int32(m)
-                j_res = jnp.where(kind_t == KIND_CODE["F"], j, scratch)  # F writes res and kept, B gout
-                j_gout = jnp.where(kind_t == KIND_CODE["B"], j, scratch)
-                st = {**st, "res": put(st["res"], c, j_res, out["res"]), "kept": put(st["kept"], c, j_res, out["kept"]),
-                      "gout": put(st["gout"], c, j_gout, out["gout"]), "head_in": set_x(st["head_in"], j, out["head_in"]),
-                      "embed_grad": set_x(st["embed_grad"], j, out["embed_grad"]),
-                      "acc": jax.tree_util.tree_map(lambda a, g: a.at[c].set(g), st["acc"], out["acc"]),
-                      "acc_first": out["acc_first"], "acc_last": out["acc_last"],
-                      "losses": st["losses"].at[j].add(out["loss"]), "msg": out["msg"]}
-                incoming = {
-                    "left": lax.ppermute(st["msg"], AXIS, to_right),  # what rank r-1 sent
-                    "right": lax.ppermute(st["msg"], AXIS, to_left),  # what rank r+1 sent
-                    "self": st["msg"],
-                }
-                for src in SOURCES:
-                    st = deliver(st, incoming[src], *arrivals[src])
-                return st, None
-
+            tick = self._tick(branches, stage_of, n)
             st, _ = lax.scan(tick, carry, (kind, chunk, mbs, recv))
-            # gather results so every process can read them (replicated outputs)
-            losses = lax.psum(st["losses"], AXIS)
-            acc_first = lax.psum(st["acc_first"], AXIS)
-            acc_last = lax.psum(st["acc_last"], AXIS)
-            rank = lax.axis_index(AXIS)  # every rank's block gradients, as (p, v, ...) on every rank
-            acc = jax.tree_util.tree_map(
-                lambda a: lax.psum(jnp.zeros((n,) + a.shape, a.dtype).at[rank].set(a), AXIS), st["acc"]
-            )
-            return losses, acc, acc_first, acc_last
+            rank = lax.axis_index(AXIS)  # every rank's gradient sums, as (p, v, size) on every rank
+            acc = tuple(lax.psum(jnp.zeros((n,) + a.shape, a.dtype).at[rank].set(a), AXIS) for a in st["acc"])
+            return lax.psum(st["losses"], AXIS), acc
 
         sharded, replicated = P(AXIS), P()
-        in_specs = (sharded, sharded, sharded, sharded, sharded, sharded, sharded, replicated, replicated, replicated, replicated)
-        out_specs = (replicated, replicated, replicated, replicated)
-        body = _shard_map(rank_program, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_ARG: True})
-        return jax.jit(body), k
+        in_specs = (sharded,) * 6 + (replicated, replicated)
+        body = _shard_map(
+            rank_program,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=(replicated, replicated),
+            **{_CHECK_ARG: True},
+        )
+        return jax.jit(body)
+
+    def _tick(self, branches: list, stage_of: Any, n: int):
+        """One tick of rank ``lax.axis_index``'s program, for ``lax.scan`` over the tick tables:
+        the switch over (kind, stage), the slot values written back outside it, then the
+        message sent both ways round the ring and stored where the tables say."""
+        m, S, tmap = self.schedule.num_microbatches, self.model.num_stages, jax.tree_util.tree_map
+        to_right, to_left = [(i, (i + 1) % n) for i in range(n)], [(i, (i - 1) % n) for i in range(n)]
+
+        def deliver(st, value, buf, c, j):
+            def put(buffer, flag):
+                return tmap(lambda b, u: b.at[c, j].set(jnp.where(flag, u, b[c, j])), buffer, value)
+
+            return {
+                **st,
+                "act": put(st["act"], buf == ACT_BUFFER),
+                "grad": put(st["grad"], buf == GRAD_BUFFER),
+            }
+
+        def tick(st, xs):
+            kind_t, c, j, arrivals = xs
+            branch = jnp.where(kind_t == 0, 0, 1 + (kind_t - 1) * S + stage_of[c])
+            out = lax.switch(branch, branches, st, c, j)
+            scratch = jnp.int32(m)  # F writes own and kept, B gout; other kinds the scratch slot
+            j_res = jnp.where(kind_t == KIND_CODE["F"], j, scratch)
+            j_gout = jnp.where(kind_t == KIND_CODE["B"], j, scratch)
+
+            def put(store, jj, values):
+                return tuple(b.at[c, jj].set(u) for b, u in zip(store, values))
+
+            st = {
+                **st,
+                "own": put(st["own"], j_res, out["own"]),
+                "kept": put(st["kept"], j_res, out["kept"]),
+                "gout": put(st["gout"], j_gout, out["gout"]),
+                "acc": tuple(a.at[c].add(g) for a, g in zip(st["acc"], out["grads"])),
+                "losses": st["losses"].at[j].add(out["loss"]),
+                "msg": out["msg"],
+            }
+            incoming = {
+                "left": lax.ppermute(st["msg"], AXIS, to_right),  # what rank r-1 sent
+                "right": lax.ppermute(st["msg"], AXIS, to_left),  # what rank r+1 sent
+                "self": st["msg"],
+            }
+            for src in SOURCES:
+                st = deliver(st, incoming[src], *arrivals[src])
+            return st, None
+
+        return tick
 
     # ------------------------------------------------------------------ run
 
@@ -473,41 +648,57 @@ class SpmdExecutor:
         """A global array from the same host value on every process."""
         sharding = NamedSharding(self.mesh, spec)
         return jax.tree_util.tree_map(
-            lambda a: jax.make_array_from_callback(np.shape(a), sharding, lambda idx, a=np.asarray(a): a[idx]), value
+            lambda a: jax.make_array_from_callback(
+                np.shape(a), sharding, lambda idx, a=np.asarray(a): a[idx]
+            ),
+            value,
         )
 
     def inputs(self, params: Params, x: Any, labels: Any) -> tuple:
-        """The program's arguments (global arrays) for ``params`` and a batch."""
+        """The program's arguments (global arrays) for ``params`` and a batch; ``x`` keeps its
+        dtype (integer tokens stay integers)."""
         m = self.schedule.num_microbatches
-        x, labels = np.asarray(x, np.float32), np.asarray(labels)
-        if x.shape[0] % m or labels.shape[0] != x.shape[0]:
-            raise ValueError(f"a batch of {x.shape[0]} inputs and {labels.shape[0]} labels does not divide into {m} microbatches")
+        # each keeps its dtype, as jax.device_put would give it (float64 -> float32 without x64)
+        x, labels = (np.asarray(a, jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)) for a in (x, labels))
+        if x.ndim == 0 or labels.ndim == 0 or x.shape[0] % m or labels.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"a batch of {np.shape(x)[:1]} inputs and {np.shape(labels)[:1]} labels does not divide into "
+                f"{m} microbatches; "
+                f"give x (b, ...) and labels (b, ...) with b a multiple of {m}"
+            )
         t = self.tables
-        host = lambda tree: jax.tree_util.tree_map(np.asarray, tree)  # noqa: E731
         recv = {src: t.recv[src] for src in SOURCES}
-        args_sharded = (t.kind, t.chunk, t.microbatch, recv, t.first, t.last, self.stack(params))
-        args_replicated = (host(params[0]), host(params[-1]), x.reshape((m, -1) + x.shape[1:]), labels.reshape(m, -1))
+        args_sharded = (t.kind, t.chunk, t.microbatch, recv, self.stage_of, self.pack_params(params))
+        args_replicated = (x.reshape((m, -1) + x.shape[1:]), labels.reshape((m, -1) + labels.shape[1:]))
         return self._global(args_sharded, P(AXIS)) + self._global(args_replicated, P())
+
+    def compiled(self, args: tuple):
+        """The jitted program for :meth:`inputs`' ``args`` (built on first use per batch shape)."""
+        x_mb, labels_mb = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in args[-2:])
+        key = (x_mb.shape, str(x_mb.dtype), labels_mb.shape, str(labels_mb.dtype))
+        if key not in self._compiled:
+            self._compiled[key] = self._program(x_mb, labels_mb)
+        return self._compiled[key]
 
     def run(self, params: Params, x: Any, labels: Any) -> SpmdResult:
         """One step: loss and gradients of the global-batch mean loss (gradients summed over
-        microbatches and divided by m, as the MPMD executor). See the class docstring."""
+        microbatches from the seed 1/m, as the MPMD executor). See the class docstring."""
         args = self.inputs(params, x, labels)
-        key = (args[-2].shape, args[-1].shape)
-        if key not in self._compiled:
-            self._compiled[key] = self._program(args[-2].shape[1:], args[-1].shape[1:])
-        program, _ = self._compiled[key]
-        losses, acc, acc_first, acc_last = program(*args)
-        local = lambda tree: jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), tree)  # noqa: E731
-        losses, acc, acc_first, acc_last = local((losses, acc, acc_first, acc_last))
-        m = np.float32(self.schedule.num_microbatches)
-        grads = self.unstack(acc, acc_first, acc_last)
-        grads = jax.tree_util.tree_map(lambda g: np.asarray(g) / m, grads)
-        return SpmdResult(float(np.mean(losses.astype(np.float64))), tuple(float(v) for v in losses), grads)
+        losses, acc = self.compiled(args)(*args)
+        losses, acc = jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), (losses, acc))
+        return SpmdResult(
+            float(np.mean(losses.astype(np.float64))), tuple(float(v) for v in losses), self.unpack_grads(acc)
+        )
 
 
-def run_spmd(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,
-             devices: Sequence[Any] | None = None) -> SpmdResult:
+def run_spmd(
+    schedule: Schedule,
+    model: StagedModel,
+    x: Any,
+    labels: Any,
+    params: Params | None = None,
+    devices: Sequence[Any] | None = None,
+) -> SpmdResult:
     """One step of ``schedule`` on ``model`` with the compiled SPMD executor (see
     :class:`SpmdExecutor`); ``params`` default to the model's own."""
     return SpmdExecutor(model, schedule, devices).run(model.params if params is None else params, x, labels)

@@ -50,14 +50,17 @@ class SpmdTrainResult:
 
 def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: Sequence[tuple[Any, Any]], lr: float,
                weight_decay: float = 0.01, devices: Sequence[Any] | None = None, on_step=None) -> SpmdTrainResult:
-    """Train with the compiled SPMD executor: each step one run of the program, then AdamW
-    (PyTorch's defaults, :func:`zbpp_lite.training.reference.jitted_adamw`) on the replicated gradients, the
-    same update on every process. ``devices`` may span processes (a multi-process mesh); every
+    """Train any staged model the thread executor trains (its own stages, integer tokens
+    included: :class:`zbpp_lite.runtime.spmd.SpmdExecutor`) with the compiled SPMD executor: each
+    step one run of the program, then AdamW (PyTorch's defaults,
+    :func:`zbpp_lite.training.reference.jitted_adamw`) on the replicated gradients, the same update
+    on every process. ``devices`` may span processes (a multi-process mesh); every
     process must call this with the same arguments. ``on_step(k, loss, seconds)`` after every step.
 
     Raises:
         ValueError: as :class:`SpmdExecutor` (an unsupported placement, too few devices) and its
-            ``run`` (a batch that does not divide into microbatches).
+            ``run`` (stages passing on activations of different structures, a batch that does not
+            divide into microbatches).
     """
     executor = SpmdExecutor(model, schedule, devices)
     opt, update = jitted_adamw(lr, weight_decay)
