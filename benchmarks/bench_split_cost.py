@@ -25,9 +25,7 @@ import gzip
 import json
 import os
 import re
-import statistics
 import tempfile
-import time
 
 
 def classify(hlo: str) -> dict[str, tuple[str, str]]:

@@ -50,7 +50,6 @@ def test_a_real_gain_is_found_and_noise_alone_is_not():
 def test_drift_counts_only_when_significant_and_large():
     rng = random.Random(2)
     p = 2
-    base = zb.Costs(f=[1.0, 1.0], b=[1.0, 1.0], w=[1.0, 1.0])
     noisy = lambda scale: [zb.Costs(f=[scale * rng.uniform(0.8, 1.2) for _ in range(p)], b=[1.0, 1.0], w=[1.0, 1.0])  # noqa: E731
                            for _ in range(12)]
     reference = noisy(1.0)  # 12 paired steps: enough for the 8 tests of 2 stages at 95% together

@@ -1,5 +1,5 @@
 """Generate PyTorch pipelining compute-only CSVs (run in a venv with torch 2.13)."""
-import sys, types
+import sys
 import torch.distributed.pipelining.schedules as S
 
 class Stage:
@@ -27,7 +27,8 @@ for name, cls, per_rank, p, m in cases:
             stages = [Stage(r * p, n, p, 0) for r in range(per_rank)]
         sched = cls(stages, n_microbatches=m)
     path = f"{out}/torch_{name}.csv"
-    import csv, re
+    import csv
+    import re
     order = sched.pipeline_order if hasattr(sched, "pipeline_order") else sched._get_pipeline_order()
     if name == "DualPipeV":  # also keep PyTorch's lowered form, with comms and overlapped pairs
         sched._dump_csv(f"{out}/torch_DualPipeV_comms.csv")

@@ -547,7 +547,7 @@ class SpmdExecutor:
         """The jitted program for microbatches shaped like ``x_mb`` and ``labels_mb``
         (``jax.ShapeDtypeStruct``): ``(kind, chunk, microbatch, recv, stage_of, params, tokens,
         labels) -> (losses, gradient sums)``, every output replicated."""
-        m, S = self.schedule.num_microbatches, self.model.num_stages
+        m = self.schedule.num_microbatches
         boundary = self.boundary(x_mb)  # refuses differing boundaries before anything is traced
         v = self.stage_of.shape[1]
         tmap = jax.tree_util.tree_map
