@@ -50,3 +50,15 @@ def test_step_then_rollback_restores_state_within_the_bound(steps_before, grad_s
 def test_rollback_refuses_a_foreign_state():
     with pytest.raises(TypeError, match="optax.adamw"):
         adamw_rollback({"w": jnp.ones(2)}, optax.sgd(0.1).init({"w": jnp.ones(2)}), {"w": jnp.ones(2)}, AdamWConfig())
+
+
+def test_a_plain_step_takes_any_learning_rate_and_only_a_rollback_needs_lr_times_wd_below_one():
+    # a diverging run (lr 1e30) is the user's to try; undoing its step would divide by 1 - lr * wd < 0
+    cfg = AdamWConfig(learning_rate=1e30, weight_decay=0.01)
+    with pytest.raises(ValueError, match=r"learning_rate \* weight_decay < 1"):
+        cfg.check_invertible()
+    AdamWConfig(learning_rate=1e-2, weight_decay=0.01).check_invertible()
+    params = {"w": jnp.ones(3)}
+    state = cfg.optimizer().init(params)
+    with pytest.raises(ValueError, match=r"learning_rate \* weight_decay < 1"):
+        adamw_rollback(params, state, params, cfg)

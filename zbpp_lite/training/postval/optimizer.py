@@ -100,6 +100,8 @@ class StageOptimizer:
                 raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm, a number > 0, got {max_norm!r}") from None
             if not max_norm > 0:
                 raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm > 0, got {max_norm}")
+        if policy == "post-validation":  # its rollback divides by 1 - lr * weight_decay
+            config.check_invertible()
         if not hasattr(executor, "schedule") or not hasattr(executor, "local_stages"):
             raise ValueError(f"executor must be a zbpp_lite.runtime.executor.PipelineExecutor, got {type(executor).__name__}")
         if len(params) != executor.model.num_parts:

@@ -47,16 +47,22 @@ class AdamWConfig:
     weight_decay: float = 0.01
 
     def __post_init__(self) -> None:
-        """Raises ValueError for settings the step or its rollback cannot take: the rollback
-        divides by b1, b2 and 1 - lr * weight_decay."""
+        """Raises ValueError for settings the step cannot take (the rollback's own condition is
+        :meth:`check_invertible`)."""
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         for name in ("b1", "b2"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in (0, 1) (the rollback divides by it), got {getattr(self, name)}")
-        if not self.eps > 0 or not self.weight_decay >= 0 or not self.learning_rate * self.weight_decay < 1:
-            raise ValueError(f"need eps > 0, weight_decay >= 0 and learning_rate * weight_decay < 1; got eps={self.eps}, "
-                             f"weight_decay={self.weight_decay}, learning_rate={self.learning_rate}")
+        if not self.eps > 0 or not self.weight_decay >= 0:
+            raise ValueError(f"need eps > 0 and weight_decay >= 0; got eps={self.eps}, weight_decay={self.weight_decay}")
+
+    def check_invertible(self) -> None:
+        """Raises ValueError unless learning_rate * weight_decay < 1: the rollback divides by
+        1 - lr * weight_decay (a plain step takes any learning rate, and may diverge)."""
+        if not self.learning_rate * self.weight_decay < 1:
+            raise ValueError(f"a rolled-back step needs learning_rate * weight_decay < 1 (it divides by 1 - lr * wd); got "
+                             f"learning_rate={self.learning_rate}, weight_decay={self.weight_decay}")
 
     def optimizer(self) -> optax.GradientTransformation:
         """The matching ``optax.adamw``."""
@@ -88,7 +94,9 @@ def adamw_rollback(params, opt_state, grads, config: AdamWConfig):
 
     Raises:
         TypeError: a state that is not optax.adamw's.
+        ValueError: learning_rate * weight_decay >= 1 (:meth:`AdamWConfig.check_invertible`).
     """
+    config.check_invertible()
     adam = _adam_state(opt_state)
     c = config
     t = adam.count.astype(jnp.float32)
