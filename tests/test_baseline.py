@@ -45,7 +45,10 @@ def test_one_step_is_value_and_grad_then_the_update(microbatches):
         ref_params, _, ref_loss = _reference_step(model, optimizer, model.params, optimizer.init(model.params), x, y)
         params = jax.tree_util.tree_map(lambda a: a.copy(), model.params)  # the step consumes what it is given
         new_params, _, loss = make_step(model, optimizer, microbatches)(params, optimizer.init(params), x, y)
-        assert abs(float(loss) - ref_loss) <= 1e-6 * abs(ref_loss)
+        # 1e-5 of the loss, as the executor's checks, not 1e-6: 4 microbatch means averaged against one
+        # mean of 16, each sample's cross-entropy in another program, ~10 roundings of u apart at worst
+        # (1.9e-7 measured, 5x under 1e-6); a wrong microbatch or a sum for a mean is O(1) away
+        assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss)
         delta = jax.tree_util.tree_map(lambda a, b: a - b, new_params, model.params)
         ref_delta = jax.tree_util.tree_map(lambda a, b: a - b, ref_params, model.params)
         assert max_relative_error(delta, ref_delta) < 1e-4
