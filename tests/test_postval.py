@@ -22,7 +22,11 @@ def _max_rel(a, b) -> float:
                for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True))
 
 
-@pytest.mark.parametrize("name, spike, tolerance", [("zb-h2", 10.0, 1e-5), ("zb-v", 10.0, 1e-5), ("zb-h2", 100.0, 2e-4)])
+# spike 100: 1e-3, not 2e-4. The rollback's error grows as k^2 (k = norm / max_norm, ~3.3 and ~33),
+# so (100 / 10)^2 times spike 10's 1e-5; measured 1.07e-4 (spike 10: 1.04e-6), a rounding draw
+# amplified per entry, which another CPU's rounding may double. Steps left unclipped end 0.88 of
+# the parameters' scale away (measured); a missed redo is a step of ~lr = 1e-2.
+@pytest.mark.parametrize("name, spike, tolerance", [("zb-h2", 10.0, 1e-5), ("zb-v", 10.0, 1e-5), ("zb-h2", 100.0, 1e-3)])
 def test_post_validation_equals_the_synchronous_step_with_clipping_and_a_nan(name, spike, tolerance):
     schedule = zb.build_schedule(name, 2, 4)
     model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=4)), schedule.num_stages)

@@ -38,7 +38,11 @@ def _check_against_vjp(model: StagedModel, x, labels) -> None:
         y_ref, (g_params_ref, g_x_ref) = reference(params, h, dy)
         dx, grads_out = split.backward_input(res, dy)
         g_params = split.weight_gradient(params, kept, grads_out)
-        assert _max_rel(y, y_ref) < 1e-6
+        # 1e-5, as the gradients: F and the reference are two programs; identical here (0 measured) under
+        # the suite's no-fusion flags, but where XLA fuses (flags refused, another CPU's vector width)
+        # each of a block's ~30 roundings and sums over d = 16 to 64 may round differently: up to
+        # ~(30 + 64) u ~ 6e-6 of max|y|, over 1e-6. A wrong forward differs by O(1).
+        assert _max_rel(y, y_ref) < 1e-5
         assert _max_rel(g_params, g_params_ref) < 1e-5
         if s == 0:
             assert dx is None  # the data needs no gradient
@@ -363,7 +367,7 @@ def test_a_scanned_layer_stack_is_split_inside_and_its_gradients_are_jax_vjps(ma
     y_ref, pullback = jax.vjp(lambda p, v: fn(p, v, None), p, x)
     g_ref, dx_ref = pullback(dy)
     g_ref = tuple(jax.tree_util.tree_leaves(g_ref))
-    assert _max_rel(y, y_ref) < 1e-6
+    assert _max_rel(y, y_ref) < 1e-5  # as in _check_against_vjp: 3 layers of dots over 8, ~(3 * 10) u worst; 0 measured
     assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
     assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5
 
