@@ -154,9 +154,6 @@ class CostsAre(Message):
     mem_b: list
     mem_w: list
 
-    def fields(self) -> dict:
-        return {"f": self.f, "b": self.b, "w": self.w, "bw": self.bw, "mem_b": self.mem_b, "mem_w": self.mem_w}
-
 
 @dataclass(frozen=True)
 class WholeBatch(Message):
@@ -205,7 +202,7 @@ class OneCore:
         """T_F, T_B, T_W and T_BW of every stage (:func:`_stage_costs`), as :class:`~zbpp_lite.Costs`."""
         if not self.use_processes:
             return _stage_costs(self.args, blocks, num_stages)
-        return Costs(**self._ask(StageCosts(blocks, num_stages), CostsAre).fields())
+        return Costs(**dataclasses.asdict(self._ask(StageCosts(blocks, num_stages), CostsAre)))
 
     def whole_batch(self, steps: int, blocks: int, device=None) -> list[float]:
         """Step seconds of the whole batch as one jitted step on one core, every step."""
@@ -225,7 +222,7 @@ def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
         job = parse(message, StageCosts, WholeBatch)
         if isinstance(job, StageCosts):
             costs = _stage_costs(args, job.blocks, job.stages)
-            reply: Message = CostsAre(*(list(getattr(costs, k)) for k in ("f", "b", "w", "bw", "mem_b", "mem_w")))
+            reply: Message = CostsAre(**{f.name: list(getattr(costs, f.name)) for f in dataclasses.fields(CostsAre)})
         else:
             reply = StepSeconds(list(_whole_batch(args, job.steps, job.blocks, device).step_seconds))
         control.send(reply.to_wire())

@@ -139,7 +139,8 @@ def summary_text(c: Comparison) -> str:
     lines = []
     best_ms = _median_step_ms(best)
     speedup, p_best = ref_ms / best_ms, best.schedule.num_ranks
-    why = "see why below" if busy_bound(c) is not None else "the reference did the same work more slowly than the ranks"
+    bound = busy_bound(c)
+    why = "see why below" if bound is not None else "the reference did the same work more slowly than the ranks"
     limit = (f"more than the {p_best}x that p = {p_best} ranks give for the same work: {why}" if speedup > p_best
              else f"p = {p_best} ranks allow at most {p_best}x")
     lines.append(f"{best.schedule.name} was fastest: {best_ms:.1f} ms a step (median of {len(best.step_seconds) - 1} timed steps), "
@@ -168,7 +169,6 @@ def summary_text(c: Comparison) -> str:
     if live is not None:
         lines.append(f"In the pipelines of this run, {live[0]}'s B + W took {live[1]:.2f}x 1f1b's fused backward per microbatch "
                      f"(mean action times of their measured steps): the split's price as the schedules paid it.")
-    bound = busy_bound(c)
     if bound is not None:
         busy, ratio, most = bound
         p = base.schedule.num_ranks
