@@ -590,6 +590,18 @@ def _weight_hint(mine: Sequence, ref: Sequence) -> str:
     return ""
 
 
+def _run_problem(key: str, result: Any, field: str, call: str, fill: str, who: str, hint: str) -> Verdict | None:
+    """The verdict on a lesson-8 run's result that is not one to check yet (no answer, not what
+    ``call`` returns, or an error raised by ``who``), or None when ``result[field]`` is there."""
+    if _unanswered(result):
+        return Verdict(key, False, f"no answer yet: fill in {fill}.", hint)
+    if not isinstance(result, dict) or field not in result:
+        return Verdict(key, False, f"expected {call}'s result, got {type(result).__name__}.", hint)
+    if result.get("error"):
+        return Verdict(key, False, f"{who} raised {result['error']}", hint)
+    return None
+
+
 def stage_split(result: Any) -> Verdict:
     """Exercise 8.1: a stage's F, B and W written by the learner. ``result`` is what notebook
     08's ``try_stage(F, B, W)`` returns: ``{"error": None or the exception's text, "cases": [...]}``,
@@ -599,12 +611,9 @@ def stage_split(result: Any) -> Verdict:
     ``recomputed`` (True when B or W ran the stage's forward again instead of using what F kept)."""
     hint = ("F: jax.vjp of the stage with respect to its input and the zero probes, keep the pullback and "
             "the layer inputs; B: call the pullback on dy; W: x.T @ dz and dz.sum(0) per layer.")
-    if _unanswered(result):
-        return Verdict("8.1", False, "no answer yet: fill in F, B and W.", hint)
-    if not isinstance(result, dict) or "cases" not in result:
-        return Verdict("8.1", False, f"expected try_stage(F, B, W)'s result, got {type(result).__name__}.", hint)
-    if result.get("error"):
-        return Verdict("8.1", False, f"your functions raised {result['error']}", hint)
+    problem = _run_problem("8.1", result, "cases", "try_stage(F, B, W)", "F, B and W", "your functions", hint)
+    if problem is not None:
+        return problem
     if not result["cases"]:
         return Verdict("8.1", False, "no stage was tried.", hint)
     worst = 0.0
@@ -649,12 +658,9 @@ def pipeline_run(result: Any) -> Verdict:
     hint = ("walk `actions` in order; F takes its input from the inbox (stage 0: the data), B its "
             "output gradient (last stage: 1/m); block_until_ready, record the Event, then device_put "
             "the result into the next rank's inbox.")
-    if _unanswered(result):
-        return Verdict("8.3", False, "no answer yet: fill in rank_loop.", hint)
-    if not isinstance(result, dict) or "runs" not in result:
-        return Verdict("8.3", False, f"expected try_pipeline(rank_loop)'s result, got {type(result).__name__}.", hint)
-    if result.get("error"):
-        return Verdict("8.3", False, f"running it raised {result['error']}", hint)
+    problem = _run_problem("8.3", result, "runs", "try_pipeline(rank_loop)", "rank_loop", "running it", hint)
+    if problem is not None:
+        return problem
     c = BUILD_CASE
     worst = 0.0
     for name in ("1f1b", "zb-h1"):
