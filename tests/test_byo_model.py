@@ -213,7 +213,7 @@ def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
 
 
 def test_the_distributed_runtime_executor_refuses_pytree_activations_in_one_line():
-    """ProcessPipelineExecutor (JAX's distributed runtime) moves one array per transfer: it calls
+    """The cross-process transport (runtime.distributed.process_executor) moves one array per transfer: it calls
     this check before any compute, which names the stage and the pytree."""
     from zbpp_lite.runtime.stages import refuse_pytree_activations
 

@@ -117,6 +117,8 @@ def test_a_schedule_read_from_pytorch_csv_runs():
     assert max_relative_error(result.grads, ref_grads) <= 1e-5
     assert abs(result.loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     _assert_timeline_follows(result.timeline, schedule)
+    with pytest.raises(ValueError, match="executor must be 'threads' or 'spmd', got 'gpu'"):
+        run_schedule(schedule, model, X[: MB * 3], Y[: MB * 3], executor="gpu")
 
 
 def test_dualpipe_v_runs_each_pair_back_to_back_on_its_rank_with_the_reference_gradients():

@@ -12,7 +12,7 @@ from flax import nnx
 import zbpp_lite as zb
 from zbpp_lite.training.data import load_digit_tokens
 from zbpp_lite.training.model import ModelConfig, build_parts
-from zbpp_lite.runtime.executor import PipelineExecutor
+from zbpp_lite.runtime.executor import PipelineExecutor, run_schedule
 from zbpp_lite.runtime.stages import StagedModel
 from zbpp_lite.runtime.spmd import KIND_CODE, SpmdExecutor, tick_tables
 from zbpp_lite.training.reference import max_relative_error
@@ -32,7 +32,7 @@ def _setup(name: str):
 def test_spmd_matches_unpartitioned_model(name):
     schedule, model, x, y = _setup(name)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(model.params, x, y)
-    result = SpmdExecutor(model, schedule, jax.devices()[:P]).run(model.params, x, y)
+    result = run_schedule(schedule, model, x, y, devices=jax.devices()[:P], executor="spmd")  # the one wrapper
     assert abs(result.loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert max_relative_error(result.grads, ref_grads) <= 1e-5
 

@@ -1,7 +1,7 @@
 """A child process of ``python -m zbpp_lite launch``: ``python -m zbpp_lite.cli.launch_child
 TRAIN_ARGS`` starts JAX's distributed runtime (:func:`zbpp_lite.runtime.distributed.initialize`, from
 the ``ZBPP_*`` environment ``launch`` sets), trains with the ``train`` command's arguments on a
-:class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor`, and on process 0 prints the report
+:func:`~zbpp_lite.runtime.distributed.process_executor`, and on process 0 prints the report
 ``train`` prints.
 """
 
@@ -21,9 +21,9 @@ from ..analysis.profiling.timelines import timed_steps
 from ..runtime.distributed import (
     ENV_PROCESS_ID,
     ENV_TIMEOUT,
-    ProcessPipelineExecutor,
     initialize,
     pipeline_devices,
+    process_executor,
 )
 from ..runtime.devices import COUNT_FLAG
 from ..runtime.stages import StagedModel
@@ -105,14 +105,14 @@ def _ensure_cpu_devices(count: int) -> None:
 
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
     """Train as :func:`zbpp_lite.training.train.train` does, through its step loop
-    (:func:`~zbpp_lite.training.train.train_steps`), with a :class:`ProcessPipelineExecutor`: every
+    (:func:`~zbpp_lite.training.train.train_steps`), with :func:`process_executor`'s executor: every
     process holds the whole parameter list on its own default device and applies the same AdamW
     update to the gathered gradients (identical on every process), so no final gather is needed.
     Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config also names the process count."""
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
     run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout)
-    executor = ProcessPipelineExecutor(StagedModel(build_parts(config), schedule.num_stages), schedule, devices,
-                                       timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
+    executor = process_executor(StagedModel(build_parts(config), schedule.num_stages), schedule, devices,
+                                timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
     result = train_steps_of(executor, args.steps, config, run, home=jax.local_devices()[0], on_step=on_step)
     result.config["processes"] = jax.process_count()
     return result

@@ -35,7 +35,8 @@ def parse_address(text: str, what: str) -> tuple[str, int]:
     host, sep, port = str(text).rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{what} must be HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:4321; got {text!r}")
+        raise ValueError(f"{what} must be HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:4321; got "
+                         f"{text!r}")
     return host, int(port)
 
 
@@ -129,7 +130,6 @@ def wait_for_coordinator(host: str, port: int, timeout: float, process: int | No
 
 
 _UNHEALTHY = re.compile(r"tasks are unhealthy[^\n]*:\s*\n?\s*([\d,\s]+)", re.S)
-_TASK = re.compile(r"task[:_ ](\d+)")
 
 
 def explain_runtime_failure(text: str, process: int | None, coordinator: str | None,
@@ -151,24 +151,29 @@ def explain_runtime_failure(text: str, process: int | None, coordinator: str | N
     who = f" (coordinator {coordinator})" if coordinator else ""
     lost = _UNHEALTHY.search(text)
     if lost:
-        ids = sorted({int(t) for t in re.findall(r"\d+", lost.group(1))} - ({process} if process is not None else set()))
+        ids = sorted({int(t) for t in re.findall(r"\d+", lost.group(1))} - {process})
         if ids:
             names = ", ".join(f"process {i}" for i in ids)
-            return f"{me}: lost {names} (no heartbeat from it{'s' if len(ids) > 1 else ''}): ending this process too"
+            return (f"{me}: lost {names} (no heartbeat from it{'s' if len(ids) > 1 else ''}): ending this "
+                    "process too")
     if "ALREADY_EXISTS" in text and "RegisterTask" in text or "newer incarnation" in text:
-        return (f"{me}: duplicate process id: another process registered as process {process} with the coordinator"
-                f"{who}; give every process its own --process-id in 0..N-1")
-    if "RegisterTask" in text and ("INVALID_ARGUMENT" in text or "Unexpected task" in text or "out of range" in text):
-        return (f"{me}: the coordinator{who} does not expect process {process}: --num-processes differs between "
-                f"processes (this one says {num_processes}); give every process the same count")
+        return (f"{me}: duplicate process id: another process registered as process {process} with the "
+                f"coordinator{who}; give every process its own --process-id in 0..N-1")
+    unexpected = ("INVALID_ARGUMENT", "Unexpected task", "out of range")
+    if "RegisterTask" in text and any(w in text for w in unexpected):
+        return (f"{me}: the coordinator{who} does not expect process {process}: --num-processes differs "
+                f"between processes (this one says {num_processes}); give every process the same count")
     if "RegisterTask" in text and "DEADLINE_EXCEEDED" in text:
         t = f" within {timeout:g} s" if timeout else ""
-        return (f"{me}: not every process registered with the coordinator{who}{t}: a process is missing, or was "
-                f"started with another --num-processes ({num_processes} here) or a duplicate --process-id")
-    if re.search(r"(Heartbeat|PollForError|GetKeyValue|Barrier)[^\n]*", text) and ("UNAVAILABLE" in text or "Socket closed" in text
-                                                                                     or "Connection reset" in text or "failed to connect" in text):
+        return (f"{me}: not every process registered with the coordinator{who}{t}: a process is missing, "
+                f"or was started with another --num-processes ({num_processes} here) or a duplicate "
+                "--process-id")
+    gone = ("UNAVAILABLE", "Socket closed", "Connection reset", "failed to connect")
+    if re.search(r"(Heartbeat|PollForError|GetKeyValue|Barrier)", text) and any(w in text for w in gone):
         if process != 0:
-            return f"{me}: lost process 0, the coordinator{who} (its service stopped answering): ending this process too"
+            return (f"{me}: lost process 0, the coordinator{who} (its service stopped answering): ending "
+                    "this process too")
     status = re.search(r"absl::Status: ([^\n]+)", text)
-    line = status.group(1) if status else next((x for x in text.splitlines() if x.startswith("F")), text.strip().splitlines()[-1])
+    line = status.group(1) if status else next((x for x in text.splitlines() if x.startswith("F")),
+                                               text.strip().splitlines()[-1])
     return f"{me}: JAX's distributed runtime ended it: {line.strip()[:300]}"

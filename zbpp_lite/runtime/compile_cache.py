@@ -20,7 +20,7 @@ Environment:
 Deleting the directory is always safe: the next run compiles again. A cache entry that cannot be read
 (another process still writing it) is compiled again by JAX, with a warning.
 
-Layer 5 (runtime); imports no JAX unless JAX is already imported.
+Layer 2 (runtime); imports no JAX.
 """
 
 from __future__ import annotations
@@ -79,9 +79,10 @@ def use_compile_cache(environ: dict[str, str] | None = None) -> str | None:
     for name, value in _THRESHOLDS.items():
         env.setdefault(name, value)
     if environ is None and "jax" in sys.modules:
-        import jax
-
+        jax = sys.modules["jax"]  # already imported: apply to this process too (never import it here)
         jax.config.update("jax_compilation_cache_dir", env["JAX_COMPILATION_CACHE_DIR"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                          int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
     return str(directory)

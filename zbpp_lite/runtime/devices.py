@@ -1,36 +1,22 @@
 """Devices for a pipeline: real accelerators when there are enough, else simulated CPU devices.
 
-JAX fixes its device list when its backend starts (the first ``jax.devices()`` or computation),
-so simulated CPU devices must be asked for before that: :func:`ensure_devices` sets
-``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the trick of the uvadlc JAX tutorials'
-``simulate_CPU_devices``). The count flag only concerns the CPU backend, so it is harmless on a
-GPU or TPU machine, where it gives the CPU backend N devices beside the accelerators.
+JAX fixes its device list when its backend starts, so simulated CPU devices must be asked for
+before that: :func:`ensure_devices` sets ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+(the uvadlc JAX tutorials' ``simulate_CPU_devices``); only the CPU backend reads the count.
+``platform`` picks the devices: ``"cpu"`` simulated ones, ``"gpu"`` / ``"tpu"`` that platform's,
+or an error saying how many there are. With fewer accelerators than ranks,
+:mod:`zbpp_lite.analysis.profiling.device` times each stage on one accelerator and the simulator
+draws the pipeline (``python -m zbpp_lite train --platform gpu``).
 
-``platform`` picks the devices explicitly: ``"cpu"`` simulated CPU devices, ``"gpu"`` / ``"tpu"``
-that platform's devices, or an error saying how many there are. With fewer accelerators than
-ranks, :mod:`zbpp_lite.analysis.profiling.device` times each stage's F, B, W on one accelerator and the
-simulator draws the pipeline from those costs (``python -m zbpp_lite train --platform gpu`` does
-both, then trains for real on simulated CPU devices).
+Threads: ``single_threaded`` adds :data:`SINGLE_THREAD_FLAGS`, which on JAX 0.10.2 do NOT make a
+simulated CPU device single-threaded (the dashed flag changes nothing measurable; the other is no
+XLA flag, and XLA stops parsing ``XLA_FLAGS`` at the first word without ``--``, which is why
+:func:`cpu_device_flags` puts such words last). Measured on the 2-core machine: every simulated
+device of a process computes on every core the process may use, from one shared pool (two
+devices each running a 2048^2 product at once: 195 ms each, 94-98 ms alone). For one core per
+rank, run one pinned process per rank (``benchmarks/bench_vs_torch.py``).
 
-Threads. ``single_threaded`` adds ``--xla_cpu_multi_thread_eigen=false`` and
-``intra_op_parallelism_threads=1`` to ``XLA_FLAGS``. On JAX 0.10.2 they do NOT make a simulated
-CPU device single-threaded. The dashed flag is an accepted XLA flag that changes nothing
-measurable. The other is no XLA flag at all (``--intra_op_parallelism_threads=1`` aborts as an
-unknown flag) and is never read: XLA stops parsing ``XLA_FLAGS`` at the first word without
-``--`` and silently drops everything after it, which is why :func:`cpu_device_flags` puts such
-words last (add flags before them, not after).
-
-Measured on this project's 2-core machine, 10 jitted 2048 x 2048 float32 products on one device:
-under ``taskset -c 0,1`` 0.94-0.97 s wall for 1.86-1.89 s of process CPU time (CPU / wall 1.94
-with the flags, 1.97 without); under ``taskset -c 0`` 1.9-2.1 s wall, CPU / wall 1.00. Two
-devices each running the product in its own thread: 195 ms per product on each, beside 94-98 ms
-for one device alone, with and without the flags. So every simulated device of a process runs
-its work on every core the process may use, from one shared thread pool: a rank that waits lends
-its cores to the others, and ranks running at once slow each other down. The flags are kept
-(harmless here; the dashed one may matter to other XLA versions). For one core per rank, run one
-process per rank pinned to its core (``taskset``), as ``benchmarks/bench_vs_torch.py`` does.
-
-Importing this module does not import JAX.
+Importing this module does not import JAX (so ``XLA_FLAGS`` can still be set).
 """
 
 from __future__ import annotations
@@ -73,7 +59,7 @@ def backend_started() -> bool:
     """Whether JAX has already started its backends (after which the device list is fixed)."""
     if "jax" not in sys.modules:
         return False
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # lazy: only once JAX is imported (this module must not import it)
 
     started = getattr(xla_bridge, "backends_are_initialized", None)
     return started() if started is not None else bool(getattr(xla_bridge, "_backends", {}))
@@ -81,7 +67,8 @@ def backend_started() -> bool:
 
 def _check_platform(platform: str | None) -> None:
     if platform is not None and platform not in PLATFORMS:
-        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)} (or None for the automatic choice), got {platform!r}")
+        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)} (or None for the automatic "
+                         f"choice), got {platform!r}")
 
 
 def platform_devices(platform: str) -> list:
@@ -97,7 +84,7 @@ def platform_devices(platform: str) -> list:
     if platform is None:
         raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, got None")
     _check_platform(platform)
-    import jax
+    import jax  # lazy: importing this module must not import JAX (XLA_FLAGS first)
 
     try:
         return list(jax.devices(platform))
@@ -135,7 +122,7 @@ def ensure_devices(num_devices: int, single_threaded: bool = True, platform: str
     _check_platform(platform)
     if not backend_started():
         os.environ["XLA_FLAGS"] = cpu_device_flags(num_devices, single_threaded)
-    import jax
+    import jax  # lazy: after XLA_FLAGS is set
 
     if platform in ("gpu", "tpu"):
         devices = platform_devices(platform)

@@ -1,45 +1,53 @@
-"""The executor across processes (MPMD on JAX's multi-controller runtime).
+"""The executor across processes (MPMD on JAX's multi-controller runtime): a transport.
 
 Each process starts JAX's distributed runtime (:func:`initialize`), sees every process's devices
-(``jax.devices()``) and runs the actions of the ranks whose devices it owns
-(:class:`ProcessPipelineExecutor`, the threads of :class:`~zbpp_lite.runtime.executor.PipelineExecutor`
-for its own ranks only). Values between ranks of one process move as before; values between
-processes move with ``jax.device_put`` onto the other process's device, JAX's cross-host transfer
-over sockets (``jax_cross_host_transfer_socket_address``, one explicit port per process: a port of
-0 was seen to hang the receiver).
+(``jax.devices()``) and runs the ranks whose devices it owns: :func:`process_executor` is the one
+:class:`~zbpp_lite.runtime.executor.PipelineExecutor`, for those ranks, with the transport
+:class:`_CrossProcess`. Values between ranks of one process move as between threads; between
+processes with ``jax.device_put`` onto the other process's device, JAX's cross-host transfer over
+sockets (``jax_cross_host_transfer_socket_address``, one explicit port per process: a port of 0
+was seen to hang the receiver).
 
-JAX pairs a cross-host ``device_put`` on the sending process with the same call on the receiving
-process (a placeholder array on the sender's device, no local data); a sender blocks until its
-receiver calls, and the transfers of two processes are matched in the order they are issued
-(both directions together: issued from two threads they were seen to mismatch and lose data).
-So each process issues all its transfers from one thread, walking :func:`transfer_plan`, the
-transfers sorted by where their producing action stands in
-:func:`zbpp_lite.schedules.validate.execution_order` (a topological order of the whole schedule, the same on
-every process): a transfer waits only on actions earlier in that order, hence on earlier
-transfers, so the thread cannot deadlock. A receiver posts its half only once the sender has said
-(through the runtime's key-value store) that the value exists, and receives on a device of its own
-(:func:`staging_device`). Rank threads never block on a send.
+JAX pairs a cross-host ``device_put`` on the sender with the same call on the receiver (a
+placeholder array on the sender's device); a sender blocks until its receiver calls, and two
+processes' transfers are matched in the order issued, both directions together (issued from two
+threads they were seen to mismatch and lose data). So each process issues all its transfers from
+one thread, walking :func:`transfer_plan` (the order of
+:func:`zbpp_lite.schedules.validate.execution_order`, the same on every process): a transfer waits
+only on earlier actions, hence on earlier transfers, so it cannot deadlock. A receiver posts its
+half once the sender has said (key-value store) that the value exists, and receives on a device
+of its own (:func:`staging_device`). Rank threads never block on a send.
 
-After the step, losses, gradients and measured events are exchanged through the runtime's
-key-value store, so every process returns the whole :class:`~zbpp_lite.runtime.executor.StepResult`.
-Each process's event times are measured from its own start of the step (clocks are not aligned).
+After the step, losses, gradients and events are exchanged through the key-value store, so every
+process returns the whole :class:`~zbpp_lite.runtime.executor.StepResult`; each process's event
+times count from its own start of the step (clocks are not aligned).
 
-Failure, not hang: every wait has a timeout (the executor's per-input timeout, the transfer
-timeout, the runtime's initialisation and heartbeat timeouts); an error names the process and
-rank, and :mod:`zbpp_lite.cli.launch` ends every child when one fails. The child's training loop
-is :mod:`zbpp_lite.cli.launch_child` (the command line sits above this layer).
+Failure, not hang: every wait has a timeout (per input, per transfer, the runtime's
+initialisation and heartbeat); an error names the process and rank, and
+:mod:`zbpp_lite.cli.launch` ends every child when one fails (the child's loop:
+:mod:`zbpp_lite.cli.launch_child`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import threading
 import time
 from typing import Any, Sequence
 
+import jax
 import numpy as np
+from jax._src import distributed as _dist  # the key-value client: no public name yet
 
+from . import wire
+from .cluster import address_towards, check_bindable, free_port, parse_address, wait_for_coordinator
+from .executor import PipelineExecutor
+from .stages import StagedModel, refuse_pytree_activations
+from .transport import Aborted, Inbox, Threads, Transfer
 from ..schedules.ir import Action, Schedule, parts, produces
+from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import execution_order
 
 ENV_COORDINATOR = "ZBPP_COORDINATOR"
@@ -69,10 +77,9 @@ def initialize(
         coordinator: ``"HOST:PORT"`` of process 0's coordination service.
         num_processes, process_id: N and this process's index in 0..N-1.
         transfer_port: this process's cross-host transfer port on ``host`` (``launch``'s form).
-        transfer_address: ``"HOST:PORT"`` this process listens on for cross-host transfers
-            (``jax_cross_host_transfer_socket_address``); wins over ``transfer_port``. Default:
-            this host's address towards the coordinator (:func:`~zbpp_lite.runtime.cluster.address_towards`)
-            and a free port.
+        transfer_address: ``"HOST:PORT"`` this process listens on for cross-host transfers; wins
+            over ``transfer_port``. Default: this host's address towards the coordinator
+            (:func:`~zbpp_lite.runtime.cluster.address_towards`) and a free port.
         timeout: seconds registration, the coordinator's first answer, each cross-host transfer,
             and the roll call may take.
         heartbeat: seconds without a heartbeat after which JAX declares a process lost and ends
@@ -81,11 +88,9 @@ def initialize(
     Arguments default to the ``ZBPP_*`` environment (``launch`` and ``train --coordinator`` set
     it); with no coordinator at all, ``jax.distributed.initialize()`` detects the cluster (SLURM,
     Open MPI, Cloud TPU, Kubernetes). Must run before JAX starts its backend. Before registering,
-    a process other than 0 waits (``timeout``) for the coordinator to accept connections, and
-    process 0 checks it can listen on the port; after registering, every process compares its
-    process count with process 0's through the key-value store (the roll call), before the
-    backend's own exchange, which would wait on a process that never comes. Sets, on CPU, gloo
-    collectives.
+    a process other than 0 waits (``timeout``) for the coordinator, and process 0 checks it can
+    listen on the port; after, every process checks its process count against process 0's
+    (:func:`roll_call`). Sets, on CPU, gloo collectives.
 
     Raises:
         RuntimeError: one line naming this process and the cause: coordinator unreachable, its
@@ -93,18 +98,13 @@ def initialize(
             starting. (Registration failures inside JAX end the process from C++ instead; the
             ``train`` supervisor, :mod:`zbpp_lite.cli.join`, names their cause.)
     """
-    import jax
-
-    from .cluster import address_towards, check_bindable, free_port, parse_address, wait_for_coordinator
-
     env = os.environ
     coordinator = coordinator or env.get(ENV_COORDINATOR)
-    num_processes = num_processes if num_processes is not None else _int_env(ENV_NUM_PROCESSES)
-    process_id = process_id if process_id is not None else _int_env(ENV_PROCESS_ID)
-    transfer_port = transfer_port if transfer_port is not None else _int_env(ENV_TRANSFER_PORT)
+    num_processes = num_processes if num_processes is not None else _env(ENV_NUM_PROCESSES, int)
+    process_id = process_id if process_id is not None else _env(ENV_PROCESS_ID, int)
+    transfer_port = transfer_port if transfer_port is not None else _env(ENV_TRANSFER_PORT, int)
     transfer_address = transfer_address or env.get(ENV_TRANSFER_ADDRESS) or None
-    heartbeat = heartbeat if heartbeat is not None else _float_env(ENV_HEARTBEAT)
-    heartbeat = int(max(heartbeat if heartbeat else max(timeout, 10), 1))
+    heartbeat = heartbeat if heartbeat is not None else _env(ENV_HEARTBEAT, float)
     me = f"process {process_id if process_id is not None else '?'}"
     if transfer_address:
         parse_address(transfer_address, "the transfer address")
@@ -116,14 +116,29 @@ def initialize(
             check_bindable("0.0.0.0", c_port, f"{me}: the coordinator port")
         else:
             wait_for_coordinator(c_host, c_port, timeout, process_id)
+    _start_runtime(coordinator, num_processes, process_id, timeout,
+                   int(max(heartbeat if heartbeat else max(timeout, 10), 1)), me)
+    state = _dist.global_state
+    process_id = state.process_id if process_id is None else process_id
+    num_processes = state.num_processes if num_processes is None else num_processes
+    if not transfer_address:  # a detected cluster: the address towards the coordinator it found
+        mine = address_towards(parse_address(state.coordinator_address, "the coordinator address")[0])
+        transfer_address = f"{mine}:{free_port(mine)}"
+    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+    roll_call(process_id, num_processes, timeout, transfer_address)
+    return process_id, num_processes
+
+
+def _start_runtime(coordinator, num_processes, process_id, timeout: float, heartbeat: int, me: str) -> None:
+    """``jax.distributed.initialize`` with this package's timeouts; its failure in one line."""
     jax.config.update("jax_cross_host_transfer_timeout_seconds", int(max(timeout, 1)))
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # pragma: no cover - a JAX without the option
         pass
+    options = {"initialization_timeout": int(max(timeout, 1)), "heartbeat_timeout_seconds": heartbeat,
+               "shutdown_timeout_seconds": int(max(timeout, 1))}
     try:
-        options = {"initialization_timeout": int(max(timeout, 1)), "heartbeat_timeout_seconds": heartbeat,
-                   "shutdown_timeout_seconds": int(max(timeout, 1))}
         try:
             jax.distributed.initialize(coordinator, num_processes, process_id, **options)
         except TypeError as e:  # an older JAX without the shutdown timeout: its own default then
@@ -132,22 +147,12 @@ def initialize(
             del options["shutdown_timeout_seconds"]
             jax.distributed.initialize(coordinator, num_processes, process_id, **options)
     except Exception as e:  # noqa: BLE001 - re-raised with the process named
-        raise RuntimeError(
-            f"{me} of {num_processes}: JAX's distributed runtime did not start "
-            f"(coordinator {coordinator}): {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        ) from e
-    from jax._src import distributed as _dist
+        raise RuntimeError(f"{me} of {num_processes}: JAX's distributed runtime did not start "
+                           f"(coordinator {coordinator}): {type(e).__name__}: {_first_line(e)}") from e
 
-    state = _dist.global_state
-    process_id = state.process_id if process_id is None else process_id
-    num_processes = state.num_processes if num_processes is None else num_processes
-    if not transfer_address:  # a detected cluster: the address towards the coordinator it found
-        c_host = parse_address(state.coordinator_address, "the coordinator address")[0]
-        mine = address_towards(c_host)
-        transfer_address = f"{mine}:{free_port(mine)}"
-    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
-    roll_call(process_id, num_processes, timeout, transfer_address)
-    return process_id, num_processes
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 def roll_call(process: int, num_processes: int, timeout: float, transfer_address: str = "") -> list[dict]:
@@ -158,12 +163,9 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
     Raises:
         RuntimeError: one line: this process's count differs from process 0's, or a process did
             not answer within ``timeout`` seconds (named)."""
-    import socket
-
-    from . import wire
-
     client = _client()
-    mine = {"process": process, "num_processes": num_processes, "host": socket.gethostname(), "transfer_address": transfer_address}
+    mine = {"process": process, "num_processes": num_processes, "host": socket.gethostname(),
+            "transfer_address": transfer_address}
     client.key_value_set_bytes(f"zbpp/roll/{process}", wire.encode(mine))
     out, problem = [], None
     for q in range(num_processes):
@@ -171,11 +173,12 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
             entry = wire.decode(client.blocking_key_value_get_bytes(f"zbpp/roll/{q}", int(timeout * 1000)))
         except Exception as e:  # noqa: BLE001
             problem = (f"process {process}: process {q} did not answer the roll call within {timeout:g} s "
-                       f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})")
+                       f"({_first_line(e) or type(e).__name__})")
             break
         if entry.get("num_processes") != num_processes:
-            problem = (f"process {process}: mismatched process counts: this process was started with --num-processes "
-                       f"{num_processes}, process {q} (on {entry.get('host')}) with {entry.get('num_processes')}; give every process the same N")
+            problem = (f"process {process}: mismatched process counts: this process was started with "
+                       f"--num-processes {num_processes}, process {q} (on {entry.get('host')}) with "
+                       f"{entry.get('num_processes')}; give every process the same N")
             break
         out.append(entry)
     client.key_value_set(f"zbpp/roll/checked/{process}", "1")
@@ -193,14 +196,10 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
     return out
 
 
-def _int_env(name: str) -> int | None:
+def _env(name: str, kind: type) -> Any:
+    """``kind(os.environ[name])``, or None when unset or empty."""
     value = os.environ.get(name)
-    return int(value) if value not in (None, "") else None
-
-
-def _float_env(name: str) -> float | None:
-    value = os.environ.get(name)
-    return float(value) if value not in (None, "") else None
+    return kind(value) if value not in (None, "") else None
 
 
 def pipeline_devices(num_ranks: int) -> list:
@@ -212,12 +211,11 @@ def pipeline_devices(num_ranks: int) -> list:
         ValueError: more processes than ranks (a process would hold no rank), or a process with
             fewer devices than the ranks it must hold.
     """
-    import jax
-
     n = jax.process_count()
     spare = 1 if n > 1 else 0  # each process's last device receives transfers (staging_device)
     if n > num_ranks:
-        raise ValueError(f"{n} processes but only {num_ranks} ranks: every process needs at least one rank; use --processes <= --ranks")
+        raise ValueError(f"{n} processes but only {num_ranks} ranks: every process needs at least one rank; "
+                         "use --processes <= --ranks")
     devices = []
     for r in range(num_ranks):
         proc = r * n // num_ranks
@@ -225,7 +223,8 @@ def pipeline_devices(num_ranks: int) -> list:
         local = local[: len(local) - spare]
         index = sum(1 for q in range(r) if q * n // num_ranks == proc)
         if index >= len(local):
-            raise ValueError(f"process {proc} has {len(local)} device(s) but must hold {index + 1} or more ranks; raise --devices-per-process")
+            raise ValueError(f"process {proc} has {len(local)} device(s) but must hold {index + 1} or more "
+                             "ranks; raise --devices-per-process")
         devices.append(local[index])
     return devices
 
@@ -236,8 +235,6 @@ def staging_device(process: int):
     rank's own device it would hold up that rank's computations, and two such waits, one per
     process, each ahead of the send the other needs, never end. The received value then moves
     to the rank's device locally. (On CPU the launcher asks for one more device per process.)"""
-    import jax
-
     return [d for d in jax.devices() if d.process_index == process][-1]
 
 
@@ -251,14 +248,11 @@ def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action
     thread in this order; a transfer waits only on actions earlier in a topological order, hence
     on earlier transfers, so no process waits on a later one."""
     plan = []
-    S = schedule.num_stages
     for rank, step in execution_order(schedule):
         for a in parts(schedule.actions[rank][step]):  # a pair: its forward's, then its backward's
-            if a.kind == "F" and a.stage < S - 1:
-                consumer = a.stage + 1
-            elif a.kind in ("B", "BW") and a.stage > 0:
-                consumer = a.stage - 1
-            else:
+            out = produces(a)[0]
+            consumer = Transfer(*out).consumer
+            if out.kind == "W" or not 0 <= consumer < schedule.num_stages:
                 continue
             src, dst = owner[rank], owner[schedule.placement[consumer]]
             if src != dst:
@@ -266,217 +260,141 @@ def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action
     return plan
 
 
-class _Stop(Exception):
-    """The step was aborted elsewhere; the transfer thread stops quietly."""
+class _CrossProcess(Threads):
+    """The transport across processes: to a rank of this process straight into its inbox
+    (``put``: the executor's), to a rank of another process into the step's outbox (an
+    :class:`~zbpp_lite.runtime.transport.Inbox`), from which this process's transfer thread
+    (:meth:`start`) moves it in :func:`transfer_plan`'s order; :meth:`finish` gathers every
+    process's share of the results. ``devices``: one global device per rank; ``model``,
+    ``schedule``, ``timeout``: the executor's."""
 
-
-class _Outbox:
-    """Values a process's ranks hand to its sender threads, keyed like ``produces``."""
-
-    def __init__(self, abort: threading.Event):
-        self.items: dict = {}
-        self.cond = threading.Condition()
-        self.abort = abort
-
-    def put(self, key, value) -> None:
-        with self.cond:
-            self.items[key] = value
-            self.cond.notify_all()
-
-    def take(self, key, timeout: float):
-        deadline = time.perf_counter() + timeout
-        with self.cond:
-            while key not in self.items:
-                left = deadline - time.perf_counter()
-                if self.abort.is_set() or left <= 0:
-                    return None
-                self.cond.wait(min(left, 0.5))
-            return self.items.pop(key)
-
-
-class _CrossProcess:
-    """The transport of :class:`ProcessPipelineExecutor` (:mod:`zbpp_lite.runtime.transport`):
-    to a rank of this process straight into its inbox (``put``), to a rank of another process
-    into the outbox, from which this process's transfer thread moves it in
-    :func:`transfer_plan`'s order."""
-
-    def __init__(self, put, owner: Sequence[int], process: int, outbox: _Outbox):
-        self.put, self.owner, self.process, self.outbox = put, owner, process, outbox
+    def __init__(self, put, model: StagedModel, schedule: Schedule, devices: Sequence[Any], timeout: float):
+        super().__init__(put)
+        self.model, self.schedule, self.devices, self.timeout = model, schedule, list(devices), timeout
+        self.process, self.num_processes = jax.process_index(), jax.process_count()
+        self.owner = [d.process_index for d in self.devices]
+        self.plan = transfer_plan(schedule, self.owner)
+        self.staging = {q: staging_device(q) for q in range(self.num_processes)}
+        self.where = f"process {self.process}: "
+        self.outboxes: dict = {}  # step number -> Inbox of what local ranks send to other processes
+        self.sent: list = []  # (value, moved) of sends that may still read their buffers
 
     def send(self, step, rank: int, key, value) -> None:
         if self.owner[rank] == self.process:
             self.put(step, key, value, rank)
         else:
-            self.outbox.put(key.key, value)
+            self.outboxes[step.index].put(key.key, value)
 
-
-def _executor_base():
-    from .executor import PipelineExecutor
-
-    return PipelineExecutor
-
-
-class ProcessPipelineExecutor(_executor_base()):
-    """:class:`~zbpp_lite.runtime.executor.PipelineExecutor` for one process of a multi-process run.
-
-    Args:
-        model, schedule, timeout: as the executor's.
-        devices: one global device per rank (default :func:`pipeline_devices`); this process
-            runs the ranks whose devices it owns.
-
-    :meth:`run` has the executor's signature and result; every process must call it with the
-    same arguments (same parameters and batch), as multi-controller JAX programs do.
-
-    Raises:
-        RuntimeError: (from :meth:`run`) an action failed or a transfer did not complete; the
-            message names the process and the rank. TimeoutError: a rank waited past ``timeout``.
-    """
-
-    def __init__(self, model, schedule: Schedule, devices: Sequence[Any] | None = None, timeout: float = 60.0):
-        import jax
-
-        devices = list(devices) if devices is not None else pipeline_devices(schedule.num_ranks)
-        super().__init__(model, schedule, devices, timeout)
-        self.process = jax.process_index()
-        self.num_processes = jax.process_count()
-        self.owner = [d.process_index for d in self.devices]
-        self.local_ranks = [r for r in range(schedule.num_ranks) if self.owner[r] == self.process]
-        self.plan = transfer_plan(schedule, self.owner)
-        self.staging = {q: staging_device(q) for q in range(self.num_processes)}
-        self._step_count = 0
-        self._outbox: _Outbox | None = None
-
-    # ------------------------------------------------------------------ the step
-
-    def run(self, params, x, labels):
-        import jax
-
-        from .executor import StepResult, _Step
-        from .transport import Inbox
-        from .stages import refuse_pytree_activations
-        from ..schedules.timeline import Event, Timeline
-
-        S, m = self.model.num_stages, self.schedule.num_microbatches
-        mb = self.microbatch_size(x, labels)
-        x, labels = np.asarray(x), np.asarray(labels)
-        local = [self.owner[self.schedule.placement[s]] == self.process for s in range(S)]
-        stage_params = [jax.device_put(self.model.stage_params(params, s), self.stage_devices[s]) if local[s] else None for s in range(S)]
-        leaves = [tuple(jax.tree_util.tree_leaves(p)) if p is not None else None for p in stage_params]
-        x_mb, y_mb = x[:mb], labels[:mb]
-        inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[0]) if local[0] else None
-        ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], self.stage_devices[-1]) if local[-1] else None
-        refuse_pytree_activations(self.model, x_mb, "ProcessPipelineExecutor (JAX's distributed runtime)")
-        shapes = self.model.stage_inputs(x_mb)
-        splits = [self.model.split_stage(s, shapes[s], y_mb) if local[s] else None for s in range(S)]
-        seed = jax.device_put(np.float32(1.0 / m), self.stage_devices[-1]) if local[-1] else None
-        abort = threading.Event()
-        step = _Step(
-            params=leaves, acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
-            inboxes=[Inbox(r, abort) for r in range(self.schedule.num_ranks)],
-            t0=0.0, store={}, losses={}, events=[],
-        )
-        self._outbox = _Outbox(abort)
-        self.transport = _CrossProcess(self._put, self.owner, self.process, self._outbox)
-        errors: list = []
-        movers = self._transfer_threads(step, shapes, abort, errors)
-        threads = [
-            threading.Thread(target=self._rank_steps, args=(r, [step], None, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
-            for r in self.local_ranks
-        ]
-        step.t0 = time.perf_counter()
-        for t in threads + movers:
-            t.start()
-        for t in threads:
-            t.join()
-        deadline = time.perf_counter() + self.timeout
-        for t in movers:
-            t.join(max(0.0, deadline - time.perf_counter()))
-        stuck = [t.name for t in movers if t.is_alive()]
-        if stuck and not errors:
-            errors.append((self.local_ranks[0], None, TimeoutError(f"transfers {', '.join(stuck)} did not finish within {self.timeout:g} s")))
-        try:
-            self._raise_first(errors)
-        except (RuntimeError, TimeoutError) as e:
-            raise type(e)(f"process {self.process}: {e}") from e
-        # this process's share, then everyone's, through the runtime's key-value store
-        mine = {
-            "losses": [[j, float(v)] for j, v in step.losses.items()],
-            "grads": [[s, [np.asarray(g) for g in step.acc[s]]] for s in range(S) if local[s]],
-            "events": [[e.rank, str(e.action), e.start, e.end] for e in step.events],
-        }
-        shares = _exchange(f"zbpp/step{self._step_count}", mine, self.process, self.num_processes, self.timeout)
-        self._step_count += 1
-        self._sent = []  # every process has its values now: the sent buffers may go
-        losses_by_mb, grads, events = {}, [None] * S, []
-        for share in shares:
-            losses_by_mb.update((int(j), v) for j, v in share["losses"])
-            for s, g in share["grads"]:
-                template = self.model.stage_params(self.model.params, s)
-                grads[s] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), g)
-            events += [Event(r, Action.from_str(a), t0, t1) for r, a, t0, t1 in share["events"]]
-        losses = tuple(losses_by_mb[j] for j in range(m))
-        timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
-        return StepResult(float(np.mean(np.asarray(losses, np.float64))), losses, self.model.join_stage_params(grads), timeline)
-
-    # ------------------------------------------------------------------ transfers
-
-    def _ready_key(self, a: Action) -> str:
-        return f"zbpp/step{self._step_count}/ready/{a}"
-
-    def _transfer_threads(self, step, shapes, abort: threading.Event, errors: list) -> list:
-        import jax
-
-        single = jax.sharding.SingleDeviceSharding
-        keep = self._sent = []
-
-        def send(a, rank, consumer, dst):
-            value = self._outbox.take(produces(a)[0], self.timeout)
-            if value is None:
-                if abort.is_set():
-                    raise _Stop()
-                raise TimeoutError(f"rank {rank} produced no {a} within {self.timeout:g} s")
-            _client().key_value_set(self._ready_key(a), "1")  # the receiver may now post its half
-            moved = jax.device_put(value, single(self.staging[dst]))
-            jax.block_until_ready(moved)
-            keep.append((value, moved))  # the send may still read the buffer: keep it to the step's end
-
-        def receive(a, rank, consumer, src):
-            try:
-                _client().blocking_key_value_get(self._ready_key(a), int(self.timeout * 1000))
-            except Exception as e:  # noqa: BLE001
-                raise TimeoutError(f"rank {rank} on process {src} did not produce {a} within {self.timeout:g} s ({e})") from None
-            shape = shapes[consumer] if a.kind == "F" else shapes[a.stage]
-            placeholder = jax.make_array_from_single_device_arrays(tuple(shape.shape), single(self.devices[rank]), [], dtype=shape.dtype)
-            moved = jax.device_put(placeholder, single(self.staging[self.process])).addressable_data(0)
-            step.inboxes[self.schedule.placement[consumer]].put(produces(a)[0], jax.device_put(moved, self.stage_devices[consumer]))
+    def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
+        """The thread that issues this process's transfers of ``steps`` in plan order."""
+        refuse_pytree_activations(self.model, shapes[0], "the cross-process transport (JAX's distributed "
+                                  "runtime)")
+        self.outboxes = {step.index: Inbox(self.process, abort) for step in steps}
 
         def move():
             a = rank = None
             try:
-                for a, rank, consumer, src, dst in self.plan:
-                    if abort.is_set():
-                        return
-                    if src == self.process:
-                        send(a, rank, consumer, dst)
-                    elif dst == self.process:
-                        receive(a, rank, consumer, src)
-            except _Stop:
+                for step in steps:
+                    for a, rank, consumer, src, dst in self.plan:
+                        if abort.is_set():
+                            return
+                        if src == self.process:
+                            self._send(step, a, rank, dst)
+                        elif dst == self.process:
+                            self._receive(step, a, rank, consumer, src, shapes)
+            except Aborted:  # the step was aborted elsewhere: stop quietly
                 return
             except BaseException as exc:  # noqa: BLE001
-                errors.append((rank, a, RuntimeError(f"process {self.process}: moving {a} between processes failed: {exc}")))
+                errors.append((rank, a, RuntimeError(f"moving {a} between processes failed: {exc}")))
                 abort.set()
-                for inbox in step.inboxes:
+                for inbox in (box for step in steps for box in step.inboxes):
                     inbox.wake()
 
         return [threading.Thread(target=move, name=f"transfers-of-process-{self.process}", daemon=True)]
 
+    def _send(self, step, a: Action, rank: int, dst: int) -> None:
+        try:
+            value = self.outboxes[step.index].take(produces(a)[0], self.timeout, a)
+        except TimeoutError:
+            raise TimeoutError(f"rank {rank} produced no {a} within {self.timeout:g} s") from None
+        _client().key_value_set(f"zbpp/step{step.index}/ready/{a}", "1")  # the receiver may post its half
+        moved = jax.device_put(value, jax.sharding.SingleDeviceSharding(self.staging[dst]))
+        jax.block_until_ready(moved)
+        self.sent.append((value, moved))  # the send may still read the buffer: kept to the step's end
+
+    def _receive(self, step, a: Action, rank: int, consumer: int, src: int, shapes: list) -> None:
+        try:
+            _client().blocking_key_value_get(f"zbpp/step{step.index}/ready/{a}", int(self.timeout * 1000))
+        except Exception as e:  # noqa: BLE001
+            raise TimeoutError(f"rank {rank} on process {src} did not produce {a} within {self.timeout:g} s "
+                               f"({e})") from None
+        single = jax.sharding.SingleDeviceSharding
+        shape = shapes[consumer] if a.kind == "F" else shapes[a.stage]
+        placeholder = jax.make_array_from_single_device_arrays(
+            tuple(shape.shape), single(self.devices[rank]), [], dtype=shape.dtype)
+        moved = jax.device_put(placeholder, single(self.staging[self.process])).addressable_data(0)
+        self.put(step, Transfer(*produces(a)[0]), moved)
+
+    def finish(self, results: list) -> list:
+        """Every process's losses, gradients and events, through the key-value store."""
+        S, m, tree = self.model.num_stages, self.schedule.num_microbatches, jax.tree_util
+        stage_params = self.model.stage_params
+        local = [s for s in range(S) if self.owner[self.schedule.placement[s]] == self.process]
+        whole = []
+        for number, result in zip(self.outboxes, results):
+            mine = {
+                "losses": [[j, v] for j, v in enumerate(result.microbatch_losses)],
+                "grads": [[s, [np.asarray(g) for g in tree.tree_leaves(stage_params(result.grads, s))]]
+                          for s in local],
+                "events": [[e.rank, str(e.action), e.start, e.end] for e in result.timeline.events],
+            }
+            shares = _exchange(f"zbpp/step{number}", mine, self.process, self.num_processes,
+                               self.timeout)
+            losses_by_mb, grads, events = {}, [None] * S, []
+            for share in shares:
+                losses_by_mb.update((int(j), v) for j, v in share["losses"])
+                for s, g in share["grads"]:
+                    template = tree.tree_structure(stage_params(self.model.params, s))
+                    grads[s] = tree.tree_unflatten(template, g)
+                events += [Event(r, Action.from_str(a), t0, t1) for r, a, t0, t1 in share["events"]]
+            losses = tuple(losses_by_mb[j] for j in range(m))
+            timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
+            whole.append(dataclasses.replace(
+                result, loss=float(np.mean(np.asarray(losses, np.float64))), microbatch_losses=losses,
+                grads=self.model.join_stage_params(grads), timeline=timeline, started_at=0.0))
+        self.sent = []  # every process has its values now: the sent buffers may go
+        return whole
+
+
+def process_executor(model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None,
+                     timeout: float = 60.0) -> PipelineExecutor:
+    """The :class:`~zbpp_lite.runtime.executor.PipelineExecutor` of this process in a
+    multi-process run: the ranks whose devices it owns, over :class:`_CrossProcess`.
+
+    Args:
+        model, schedule, timeout: as the executor's.
+        devices: one global device per rank (default :func:`pipeline_devices`).
+
+    Every process must call ``run`` / ``run_steps`` with the same arguments (same parameters and
+    batches), as multi-controller JAX programs do; each returns the whole
+    :class:`~zbpp_lite.runtime.executor.StepResult` (``started_at`` 0.0: clocks differ).
+
+    Raises:
+        RuntimeError: (from ``run``) an action failed or a transfer did not complete; the message
+            names the process and the rank. TimeoutError: a rank waited past ``timeout``.
+            ValueError: stages that pass pytrees (one array per transfer).
+    """
+    devices = list(devices) if devices is not None else pipeline_devices(schedule.num_ranks)
+    ranks = [r for r, d in enumerate(devices) if d.process_index == jax.process_index()]
+    return PipelineExecutor(model, schedule, devices, timeout, ranks=ranks,
+                            transport=lambda put: _CrossProcess(put, model, schedule, devices, timeout))
+
 
 def _client():
-    """The distributed runtime's key-value client (``jax._src.distributed``: no public name yet)."""
-    from jax._src import distributed as _dist
-
+    """The distributed runtime's key-value client."""
     if _dist.global_state.client is None:
-        raise RuntimeError("JAX's distributed runtime is not started; call zbpp_lite.runtime.distributed.initialize() first")
+        raise RuntimeError("JAX's distributed runtime is not started; call "
+                           "zbpp_lite.runtime.distributed.initialize() first")
     return _dist.global_state.client
 
 
@@ -489,8 +407,6 @@ def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout
         TimeoutError: a process published nothing within ``timeout`` seconds (named).
         TypeError: ``value`` holds something :func:`~zbpp_lite.runtime.wire.encode` refuses.
         ValueError: a malformed message (named by its process)."""
-    from . import wire
-
     client = _client()
     client.key_value_set_bytes(f"{prefix}/{process}", wire.encode(value))
     out = []
@@ -498,9 +414,11 @@ def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout
         try:
             data = client.blocking_key_value_get_bytes(f"{prefix}/{q}", int(timeout * 1000))
         except Exception as e:  # noqa: BLE001
-            raise TimeoutError(f"process {process}: process {q} published no results for {prefix} within {timeout:g} s ({e})") from e
+            raise TimeoutError(f"process {process}: process {q} published no results for {prefix} "
+                               f"within {timeout:g} s ({e})") from e
         try:
             out.append(wire.decode(data))
         except ValueError as e:
-            raise ValueError(f"process {process}: the message of process {q} for {prefix} is malformed: {e}") from None
+            raise ValueError(f"process {process}: the message of process {q} for {prefix} is malformed: "
+                             f"{e}") from None
     return out

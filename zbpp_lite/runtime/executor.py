@@ -1,49 +1,35 @@
 """The multi-device executor: run any valid Schedule for real, one thread per rank.
 
-Each rank is a Python thread that walks its own action list in order (as on real hardware: no
-global clock, no central scheduler). An action waits only for what it needs from other ranks,
-found with :func:`zbpp_lite.schedules.ir.deps`: F(s, j) the activation of stage s-1, B(s, j) / BW(s, j)
-the input gradient of stage s+1; what a rank needs from itself (F's residuals for B, B's output
-gradients for W) is there by the schedule's own order, which :func:`zbpp_lite.validate` checked.
-An overlapped pair F&B (:class:`~zbpp_lite.schedules.ir.Overlap`, DualPipeV's unit) waits for
-both its inputs, then runs its forward and its backward back to back on the rank's device, each
-timed as its own event (JAX on one device runs them one after the other; DualPipe's overlap of
-one's compute with the other's communication is a kernel-level matter this executor does not
-model). One loop walks a rank's actions (:meth:`PipelineExecutor._walk`): take the inputs, run the
-handler (a kind -> handler table; every stage's F, B, W, BW are the jitted pure functions of
-:class:`zbpp_lite.runtime.split.StageSplit`, run on the rank's device), record the event and the
-memory, send the output. Sends go through a transport (:mod:`zbpp_lite.runtime.transport`:
-threads, processes on this machine, JAX's distributed runtime); between threads an output moves
-to the consumer's device with ``jax.device_put`` (asynchronous, like a send on real hardware) and
-waits in the consumer rank's inbox. Post-validation's speculative warm-up wraps the loop through
-hooks (:class:`_Speculation`). The last stage's backward starts from d loss / d loss_j = 1/m (the
-loss is the mean of the m microbatch losses) and each stage sums its W's over the microbatches on
-its device, so the sums are the gradient of the global-batch mean loss, with no pass over the
-gradients at the end (Qi et al., arXiv 2401.10241, section 2; PyTorch pipelining's convention).
+Each rank is a thread that walks its own action list in order (no global clock, no central
+scheduler): **the rank loop**, :meth:`PipelineExecutor._walk`. An action waits only for what it
+takes from other ranks (:func:`zbpp_lite.schedules.ir.deps`: F(s, j) stage s-1's activation,
+B / BW(s, j) stage s+1's input gradient); what it needs from its own rank is there by the
+schedule's order, which :func:`zbpp_lite.validate` checked. For each action the loop takes the
+inputs from the rank's inbox, runs the handler of its kind (every stage's F, B, W, BW are the
+jitted pure functions of :class:`zbpp_lite.runtime.split.StageSplit`, on the rank's device),
+records the event and the memory, and sends the output through a transport
+(:mod:`zbpp_lite.runtime.transport`: threads, processes on this machine, JAX's distributed
+runtime across hosts). An overlapped pair F&B (DualPipeV's unit) takes both inputs, then runs its
+two parts back to back, each its own event (overlapping compute with communication is a
+kernel-level matter not modelled here). Post-validation's speculative warm-up wraps the loop
+through hooks (:class:`_Speculation`). The last stage's backward starts from d loss / d loss_j =
+1/m and each stage sums its W's over the microbatches on its device, so the sums are the
+gradient of the global-batch mean loss (Qi et al., arXiv 2401.10241, section 2).
 
-Measurement: around each action, ``time.perf_counter()`` before the dispatch (after its inputs
-have arrived) and after ``jax.block_until_ready`` of the action's outputs; the events form a
-:class:`~zbpp_lite.schedules.timeline.Timeline` (source "measured", seconds since the step began) of the
-type :func:`zbpp_lite.simulate` returns. What measuring costs: the two clock reads (well under a
-microsecond) and the block, which stops a rank from dispatching its next action while the current
-one runs, so the dispatch of every action is no longer hidden behind the previous one's compute:
-on the 2-core CPU machine of ``benchmarks/bench_executor.py`` about 70-90 microseconds per action,
-beside 5-35 microseconds of the executor's own bookkeeping (threads, inbox, events), for actions
-of 5-20 milliseconds in that benchmark's pipeline. Memory: each step's timeline also carries the activation bytes
-every rank kept (``timeline.measured_memory``, :mod:`zbpp_lite.runtime.memory`), counted where
-the handlers keep and free arrays. Nothing else is synchronised:
-ranks never wait for each other except for their inputs. Compilation happens before the first
-timed step (:meth:`PipelineExecutor.run`). Ranks are Python threads: XLA releases the GIL while
-it computes, so ranks compute in parallel and only their dispatches take turns.
+Measurement: ``time.perf_counter()`` around each action, after its inputs arrived and after
+``jax.block_until_ready`` of its outputs, give a measured
+:class:`~zbpp_lite.schedules.timeline.Timeline` (seconds since the step began). The block stops a
+rank from dispatching its next action early: about 70-90 us per action on the 2-core machine of
+``benchmarks/bench_executor.py``, beside 5-35 us of bookkeeping, for 5-20 ms actions. Each
+timeline also carries the activation bytes every rank kept (``timeline.measured_memory``,
+:mod:`zbpp_lite.runtime.memory`). Compilation happens before the first timed step. Ranks are
+threads: XLA releases the GIL while it computes.
 
-Cores: simulated CPU devices of one process share XLA's CPU thread pool (JAX 0.10: a single
-product already runs on every core the process may use, whatever the thread flags), so a rank
-that waits lends its core to the other ranks' work and a bubble costs less than a core's idle
-time. For one core per rank, as PyTorch's pipelining runs (one single-threaded process per rank),
-give each process its own ranks: ``PipelineExecutor(..., ranks=[r], remote=send)`` runs rank r's
-actions only, ``remote`` carries its sends to the other processes and :meth:`PipelineExecutor.deliver`
-takes theirs (``benchmarks/bench_vs_torch.py`` does this with pipes, each process pinned to one
-core).
+Cores: simulated CPU devices of one process share XLA's thread pool, so a waiting rank lends its
+core to the others and a bubble costs less than an idle core. For one core per rank (PyTorch
+pipelining's set-up) run one process per rank: ``PipelineExecutor(..., ranks=[r], remote=send)``
+runs rank r only, ``remote`` carries its sends and :meth:`PipelineExecutor.deliver` takes the
+others' (:mod:`zbpp_lite.runtime.processes`; ``benchmarks/bench_vs_torch.py``).
 """
 
 from __future__ import annotations
@@ -57,13 +43,13 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
-from .stages import microbatch_size
 from .devices import too_few_devices_message
 from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
-from .stages import Params, StagedModel
-from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
+from .spmd import SpmdExecutor
+from .stages import Params, StagedModel, microbatch_size
 from .transport import (Aborted, Carrier, Inbox, Interrupted, OptimizerMessage, Threads, Transfer, Transport,
                         message_key)
+from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import validate
 
@@ -77,19 +63,16 @@ class StepResult:
         microbatch_losses: the last stage's loss for each microbatch, floats.
         grads: gradient of ``loss`` for every parameter, one pytree per model module (as
             ``StagedModel.params``), float32, each on its stage's device.
-        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (seconds, source "measured"),
-            counted from the step's first action.
+        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (seconds, source
+            "measured"), counted from the step's first action.
         start: when the step's first action began, seconds since the first step of the same
             :meth:`PipelineExecutor.run_steps` call began (0.0 for :meth:`PipelineExecutor.run`,
             up to the thread start-up).
-        discarded: events (times as ``timeline``'s) of actions that ran speculatively with
-            parameters a post-validated optimizer step then rolled back, and were redone (empty
-            unless :class:`RankUpdate` ``verdict_key`` is set and a rollback happened).
-        started_at: ``time.perf_counter()`` when the step's first action began, seconds. On one
-            machine this clock is shared by all processes (Linux's CLOCK_MONOTONIC), so ranks run
-            in separate processes (``ranks=[r]``) align their timelines by it. 0.0 from
-            :class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor`, whose processes may sit on
-            machines whose clocks differ.
+        discarded: events (times as ``timeline``'s) of actions run speculatively on parameters a
+            post-validated optimizer step then rolled back, and redone (:class:`RankUpdate`).
+        started_at: ``time.perf_counter()`` at the step's first action, seconds: one clock for
+            all processes of a machine (CLOCK_MONOTONIC), so ranks in separate processes align
+            their timelines by it; 0.0 across hosts (clocks differ).
     """
 
     loss: float
@@ -111,11 +94,10 @@ class _Restart(Exception):
 
 
 class _Channel:
-    """What an optimizer step inside rank ``rank``'s thread may exchange with other ranks during
-    one step: ``send(to, key, value)`` into rank ``to``'s inbox, ``take(key)`` from its own
-    (waiting at most the executor's timeout). Keys are :class:`~zbpp_lite.runtime.transport.OptimizerMessage`
-    records; values stay as given (host values such as floats) and go through the executor's
-    transport, as the rank loop's do."""
+    """What an optimizer step in rank ``rank``'s thread exchanges with other ranks in one step:
+    ``send(to, key, value)`` into rank ``to``'s inbox (through the transport), ``take(key)`` from
+    its own (at most the executor's timeout); keys are
+    :class:`~zbpp_lite.runtime.transport.OptimizerMessage`, values host values (floats)."""
 
     def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
         self._executor, self._step, self.rank = executor, step, rank
@@ -132,22 +114,18 @@ class RankUpdate(Protocol):
 
     The executor calls, in rank ``rank``'s thread:
 
-    - ``stage_params(stage)`` before the rank's first action of every step (and again when a
-      warm-up is redone): the stage's current parameters as a tuple of leaves (``tree_leaves``
-      of ``StagedModel.stage_params``) on the stage's device;
+    - ``stage_params(stage)`` before the rank's first action of every step (and of a redone
+      warm-up): the stage's parameters as a tuple of leaves on the stage's device;
     - ``step(rank, k, grads, channel)`` after the rank's last action of step ``k``: ``grads``
       maps each of the rank's stages to its gradient sums (tuple of leaves, float32, on the
-      stage's device), gradients of the global-batch mean loss;
-    - ``validate(rank, k, channel) -> bool`` once per step and after the last one: the place to
-      check a speculative step (paper section 4). Without a ``verdict_key`` it is called before
-      the rank's first action of step ``k + 1`` (its return value unused). With
-      ``verdict_key`` (an attribute: the channel key of the message that decides, e.g. the full
-      gradient norm) the rank's warm-up of step ``k + 1`` runs speculatively on the parameters
-      it has, and ``validate`` is called as soon as that message has arrived, at the latest
-      before the rank's first backward; it returns True when it changed the parameters (a
-      rollback), and then every rank must return True for the same step: each redoes its share
-      of step ``k + 1`` so far with the corrected parameters (``StepResult.discarded`` keeps
-      the events of the actions redone);
+      stage's device) of the global-batch mean loss;
+    - ``validate(rank, k, channel) -> bool`` once per step and after the last one, to check a
+      speculative step (paper section 4). Without ``verdict_key`` it runs before the rank's
+      first action of step ``k + 1`` (result unused). With ``verdict_key`` (the channel key of
+      the deciding message, e.g. the full gradient norm) the warm-up of step ``k + 1`` runs
+      speculatively and ``validate`` runs once that message arrived, at the latest before the
+      rank's first backward; True means it rolled the parameters back, and then every rank
+      returns True and redoes its share of step ``k + 1`` so far (``StepResult.discarded``);
     - ``begin(num_steps)``, if it has one, once before the threads start.
 
     ``channel`` exchanges values with the other ranks' calls of the same step (:class:`_Channel`).
@@ -176,6 +154,9 @@ class _Hooks:
 
     def end(self) -> None:
         pass
+
+
+_HOOKS = _Hooks()  # the loop of a step that is not a speculative warm-up
 
 
 class _Speculation(_Hooks):
@@ -223,7 +204,7 @@ class _Step:
     losses: dict
     events: list
     index: int = 0  # the step's number over the executor's life (remote messages carry it)
-    attempts: dict = field(default_factory=dict)  # rank -> its attempt at this step (1 once its warm-up was redone)
+    attempts: dict = field(default_factory=dict)  # rank -> its attempt (1 once its warm-up was redone)
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
     memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
@@ -233,27 +214,24 @@ class PipelineExecutor:
     """Runs a schedule on a staged model, one thread per rank, one device per rank.
 
     Args:
-        model: the :class:`~zbpp_lite.runtime.stages.StagedModel`; its number of stages must be the
-            schedule's.
+        model: the :class:`~zbpp_lite.runtime.stages.StagedModel`, cut into the schedule's stages.
         schedule: any valid schedule (validated here, before anything is computed).
-        devices: one device per rank in ``ranks``; default ``jax.devices()[:len(ranks)]``.
+        devices: one device per rank in ``ranks`` (or per rank of the schedule: those of
+            ``ranks`` are used); default ``jax.devices()[:len(ranks)]``.
         timeout: seconds a rank may wait for one input before the step fails (an error in any
             rank stops the others at once; the caller gets it).
-        ranks: the ranks this executor runs (default: all). With some ranks only, each process of
-            a pipeline runs its own (one pinned process per rank, as PyTorch's pipelining does):
-            ``remote(rank, key, value, step)`` must carry what a local rank sends to ``rank``
-            and that process hands it to its executor's ``deliver(key, value, step, rank)``:
-            activations and input gradients (a NumPy-convertible array, ``key`` a
-            :class:`~zbpp_lite.runtime.transport.Transfer`) and an optimizer's messages
-            (:class:`RankUpdate`: small host values such as floats, ``key`` an
-            :class:`~zbpp_lite.runtime.transport.OptimizerMessage`). ``step`` numbers the steps
-            over the executor's life (every process runs the same steps, in the same calls).
+        ranks: the ranks run here (default: all). With some only, each process runs its own:
+            ``remote(rank, key, value, step)`` carries what a local rank sends to ``rank``, and
+            that process hands it to its executor's ``deliver(key, value, step, rank)``: arrays
+            (``key`` a :class:`~zbpp_lite.runtime.transport.Transfer`) and an optimizer's host
+            values (an :class:`~zbpp_lite.runtime.transport.OptimizerMessage`); ``step``
+            numbers the steps over the executor's life (every process runs the same calls).
         remote: see ``ranks``.
-        record_memory: count the activation bytes each rank keeps (F's residuals and W's
-            operands, B's output gradients, what other ranks sent), from the arrays' shapes and
-            dtypes, onto each step's ``timeline.measured_memory``
-            (:class:`~zbpp_lite.schedules.memory.MeasuredMemory`, see
-            :mod:`zbpp_lite.runtime.memory`); False leaves it None.
+        transport: instead of ``remote``, ``transport(put)`` builds the
+            :class:`~zbpp_lite.runtime.transport.Transport` (``put``: into a local rank's inbox),
+            e.g. :func:`zbpp_lite.runtime.distributed.process_executor`'s, across hosts.
+        record_memory: count the activation bytes each rank keeps onto each step's
+            ``timeline.measured_memory`` (:mod:`zbpp_lite.runtime.memory`); False leaves it None.
 
     Attributes:
         ranks: the ranks run here; ``local_stages``: their stages; ``stage_devices[s]``: stage s's
@@ -275,40 +253,47 @@ class PipelineExecutor:
         *,
         ranks: Sequence[int] | None = None,
         remote: Callable[[int, Transfer | OptimizerMessage, Any, int], None] | None = None,
+        transport: Callable[[Callable], Transport] | None = None,
         record_memory: bool = True,
     ):
         validate(schedule)
         if model.num_stages != schedule.num_stages:
-            raise ValueError(
-                f"the schedule has {schedule.num_stages} stages but the model is cut into {model.num_stages}; "
-                f"build StagedModel(parts, num_stages={schedule.num_stages})"
-            )
+            raise ValueError(f"the schedule has {schedule.num_stages} stages but the model is cut into "
+                             f"{model.num_stages}; build StagedModel(parts, "
+                             f"num_stages={schedule.num_stages})")
         ranks = tuple(range(schedule.num_ranks)) if ranks is None else tuple(ranks)
-        if not ranks or any(r not in range(schedule.num_ranks) for r in ranks) or len(set(ranks)) < len(ranks):
-            raise ValueError(f"ranks must be distinct ranks of the schedule (0..{schedule.num_ranks - 1}), got {list(ranks)}")
-        if len(ranks) < schedule.num_ranks and remote is None:
-            raise ValueError(f"running ranks {list(ranks)} of {schedule.num_ranks} needs remote= to reach the others")
+        if not ranks or not set(ranks) <= set(range(schedule.num_ranks)) or len(set(ranks)) < len(ranks):
+            raise ValueError(f"ranks must be distinct ranks of the schedule (0..{schedule.num_ranks - 1}), "
+                             f"got {list(ranks)}")
+        if len(ranks) < schedule.num_ranks and remote is None and transport is None:
+            raise ValueError(f"running ranks {list(ranks)} of {schedule.num_ranks} needs remote= "
+                             "(or transport=) to reach the others")
+        self.devices = None if devices is None else list(devices)  # as given
+        if devices is not None and len(devices) == schedule.num_ranks > len(ranks):  # every rank's: ours
+            devices = [devices[r] for r in ranks]
         if devices is None:
             devices = jax.devices()
             if len(devices) < len(ranks):
                 raise ValueError(too_few_devices_message(len(ranks), len(devices)))
-            devices = devices[: len(ranks)]
+            devices = self.devices = devices[: len(ranks)]
         elif len(devices) != len(ranks):
-            raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} devices")
+            raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} "
+                             "devices")
         self.model, self.schedule, self.timeout = model, schedule, timeout
         self.ranks = ranks
         # how a rank's outputs reach the rank that takes them (runtime.transport)
         self.transport: Transport = Threads(self._put)
-        if remote is not None:  # some ranks in other processes
+        if remote is not None:  # some ranks in other processes of this machine
             self.transport = Carrier(self._put, ranks, remote, _leaves)
+        elif transport is not None:  # e.g. runtime.distributed's, across hosts
+            self.transport = transport(self._put)
         self.record_memory = record_memory
-        on = dict(zip(ranks, devices))
-        self.devices = list(devices)
+        self._on = on = dict(zip(ranks, devices))
         self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
         self.local_stages = [s for s, r in enumerate(schedule.placement) if r in on]
         self._lock = threading.Lock()
-        self._current: tuple[int, list] | None = None  # (number of the first, the steps in flight), for deliver()
-        self._pending: list = []  # (step, key, value, rank) that arrived from other processes before its step began
+        self._current: tuple[int, list] | None = None  # (first's number, steps in flight), for deliver()
+        self._pending: list = []  # (step, key, value, rank) from other processes before its step began
         self._steps_begun = 0  # steps numbered so far: what remote messages are tagged with
         self._spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
         self._spares_for: Any = None  # the microbatch shape the spares have
@@ -320,8 +305,7 @@ class PipelineExecutor:
         }
         self._prepared: dict = {}
         self._input_trees: list = []  # per stage: the pytree structure of its input (set by _prepare)
-
-    # ------------------------------------------------------------------ checks and set-up
+        self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
 
     def microbatch_size(self, x: Any, labels: Any) -> int:
         """Samples per microbatch for a batch ``x`` (b, ...) with ``labels`` (b,).
@@ -332,7 +316,8 @@ class PipelineExecutor:
         """
         for what, v in (("x", x), ("labels", labels)):
             if not np.shape(v):
-                raise ValueError(f"{what} is a scalar; give a batch (b, ...) with b divisible by {self.schedule.num_microbatches} microbatches")
+                raise ValueError(f"{what} is a scalar; give a batch (b, ...) with b divisible by "
+                                 f"{self.schedule.num_microbatches} microbatches")
         b = np.shape(x)[0]
         if np.shape(labels)[0] != b:
             raise ValueError(f"the batch has {b} inputs but {np.shape(labels)[0]} labels")
@@ -345,10 +330,12 @@ class PipelineExecutor:
         are compiled for their devices before anything is timed."""
         signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
         if signature in self._prepared:
-            return self._prepared[signature]
+            splits, self._input_shapes = self._prepared[signature]
+            self._input_trees = [jax.tree_util.tree_structure(shape) for shape in self._input_shapes]
+            return splits
         S = self.model.num_stages
-        shapes = self.model.stage_inputs(x_mb)
         # what stage s takes (and what its B sends back): one array, or a pytree (tuple, dict)
+        shapes = self._input_shapes = self.model.stage_inputs(x_mb)
         self._input_trees = [jax.tree_util.tree_structure(shape) for shape in shapes]
         splits: list = [None] * S
         kinds = {a.kind for r in self.ranks for a in self.schedule.rank_actions(r)}
@@ -356,7 +343,8 @@ class PipelineExecutor:
             device, last = self.stage_devices[s], s == S - 1
             splits[s] = self.model.split_stage(s, shapes[s], y_mb)
             flat = splits[s].flat
-            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes[s]), device)
+            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes[s]),
+                               device)
             aux = jax.device_put(y_mb, device) if last else None
             # each twice: new memory, then a spare's; spare=None passed as the handlers pass it
             # (jit keys its cache on the call's arguments: an omitted default compiles anew)
@@ -371,10 +359,8 @@ class PipelineExecutor:
                 _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
                 acc = flat.backward_weight(params[s], kept, grads_out, None)
                 jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
-        self._prepared[signature] = splits
+        self._prepared[signature] = splits, shapes
         return splits
-
-    # ------------------------------------------------------------------ the step
 
     def run(self, params: Params, x: Any, labels: Any) -> StepResult:
         """Run one step of the schedule: forward and backward of every microbatch, gradients
@@ -394,17 +380,16 @@ class PipelineExecutor:
         """
         return self.run_steps(params, [(x, labels)])[0]
 
-    def run_steps(self, params: Params, batches: Sequence[tuple[Any, Any]], update: "RankUpdate | None" = None) -> list[StepResult]:
-        """Run several steps back to back, each rank going on to its next step's actions as
-        soon as its own part of the previous step (and of the optimizer step) is done: no
-        barrier between steps, as a training loop on real hardware runs. Without ``update``
-        every step uses ``params`` and nothing is updated (``run`` is one such step).
+    def run_steps(self, params: Params, batches: Sequence[tuple[Any, Any]],
+                  update: "RankUpdate | None" = None) -> list[StepResult]:
+        """Run several steps back to back, each rank going on to its next step as soon as its own
+        part of the previous one (and of the optimizer step) is done: no barrier between steps.
+        Without ``update`` every step uses ``params`` (``run`` is one such step).
 
         ``update`` puts the optimizer step inside the rank threads (:class:`RankUpdate`, e.g.
-        :class:`zbpp_lite.training.postval.optimizer.StageOptimizer`): after a rank's last action of step k it
-        gets that rank's gradient sums (and may exchange values with other ranks, e.g. the
-        global gradient norm), and before the rank's first action of step k+1 it may validate
-        and it gives the stages' current parameters. ``params`` then only sets the shapes.
+        :class:`zbpp_lite.training.postval.optimizer.StageOptimizer`); ``params`` then only
+        sets the shapes. With ranks in other processes, every process calls ``run_steps`` with
+        the same batches and runs its own ranks' share.
 
         Args:
             params: as :meth:`run`'s.
@@ -412,12 +397,8 @@ class PipelineExecutor:
             update: the optimizer step inside the rank threads, or None.
 
         Returns:
-            One :class:`StepResult` per step; each step's timeline counts from its own first
-            action, and ``StepResult.start`` gives that moment in seconds since the first step
-            began (so consecutive starts give the period of the training loop).
-
-        With ``ranks`` in other processes (``remote``) every process calls ``run_steps`` with
-        the same number of batches (the same batches), and each runs its own ranks' share.
+            One :class:`StepResult` per step; each timeline counts from its step's first action,
+            ``StepResult.start`` gives that moment in seconds since the first step began.
 
         Raises:
             ValueError: no batches or batches of different shapes. Otherwise as :meth:`run`.
@@ -431,7 +412,8 @@ class PipelineExecutor:
         x0, y0 = batches[0]
         mb = self.microbatch_size(x0, y0)
         local = self.local_stages
-        stage_params = [_placed(self.model.stage_params(params, s), self.stage_devices[s]) if s in local else None for s in range(S)]
+        stage_params = [_placed(self.model.stage_params(params, s), self.stage_devices[s])
+                        if s in local else None for s in range(S)]
         leaves = [None if p is None else tuple(jax.tree_util.tree_leaves(p)) for p in stage_params]
         first, last = self.stage_devices[0], self.stage_devices[-1]
         splits = self._prepare(leaves, np.asarray(x0)[:mb], np.asarray(y0)[:mb])
@@ -443,9 +425,10 @@ class PipelineExecutor:
         base, steps = self._steps_begun, []
         remote = len(self.ranks) < self.schedule.num_ranks
         hint = " (every process must call run_steps with the same number of batches)" if remote else ""
-        inboxes = [[Inbox(r, abort, conds[r], f" of step {k} (number {base + k} of this executor){hint}" if remote else
-                           (f" of step {k}" if len(batches) > 1 else ""))
-                    for r in range(self.schedule.num_ranks)] for k in range(len(batches))]
+        where = [f" of step {k} (number {base + k} of this executor){hint}" if remote
+                 else (f" of step {k}" if len(batches) > 1 else "") for k in range(len(batches))]
+        inboxes = [[Inbox(r, abort, conds[r], where[k]) for r in range(self.schedule.num_ranks)]
+                   for k in range(len(batches))]
         self._steps_begun += len(batches)
         record = MemoryRecorder if self.record_memory else lambda p, S: NoMemoryRecorder()
         for (x, labels), boxes in zip(batches, inboxes):
@@ -461,55 +444,68 @@ class PipelineExecutor:
         if update is not None and hasattr(update, "begin"):
             update.begin(len(steps))
         self._run_ranks(steps, update, abort)
-        return [self._result(st, stage_params) for st in steps]
+        return self.transport.finish([self._result(st, stage_params) for st in steps])
 
     def _run_ranks(self, steps: list, update: "RankUpdate | None", abort: threading.Event) -> None:
         """One thread per local rank over ``steps`` (numbered from ``steps[0].index``), what
-        other processes sent for them so far delivered first; raises the first error."""
+        other processes sent for them so far delivered first, beside the transport's own
+        threads; raises the first error."""
         base = steps[0].index
         errors: list[tuple[int, Action | None, BaseException]] = []
-        threads = [
-            threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors), name=f"zbpp-rank-{r}", daemon=True)
-            for r in self.ranks
-        ]
+        threads = [threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors),
+                                    name=f"zbpp-rank-{r}", daemon=True) for r in self.ranks]
+        movers = self.transport.start(steps, self._input_shapes, abort, errors)
         with self._lock:  # from now on deliver() puts straight into these steps' inboxes
             self._current = (base, steps)
             pending = [p for p in self._pending if base <= p[0] < base + len(steps)]
-            self._pending = [p for p in self._pending if p[0] >= base + len(steps)]  # later calls' (older: dropped)
+            self._pending = [p for p in self._pending if p[0] >= base + len(steps)]  # later calls'; older go
         for k, key, value, rank in pending:
             self._put(steps[k - base], key, value, rank)
         t0 = time.perf_counter()
         for st in steps:
             st.t0 = t0
         try:
-            for t in threads:
+            for t in threads + movers:
                 t.start()
             for t in threads:  # every wait has its own timeout, so a stuck rank ends by itself
                 t.join()
+            deadline = time.perf_counter() + self.timeout
+            for t in movers:
+                t.join(max(0.0, deadline - time.perf_counter()))
         finally:
             with self._lock:
                 self._current = None
+        stuck = [t.name for t in movers if t.is_alive()]
+        if stuck and not errors:
+            errors.append((self.ranks[0], None, TimeoutError(
+                f"transfers {', '.join(stuck)} did not finish within {self.timeout:g} s")))
         if errors:  # a failed step may have left spares half donated
             self._spares = {}
-        self._raise_first(errors)
+        try:
+            self._raise_first(errors)
+        except (RuntimeError, TimeoutError) as e:
+            if not self.transport.where:
+                raise
+            raise type(e)(f"{self.transport.where}{e}") from e
 
     def _result(self, step: _Step, stage_params: list) -> StepResult:
         S, m = self.model.num_stages, self.schedule.num_microbatches
         last = self.stage_devices[-1]
         losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)])) if last else ()
-        grads = [
-            [None] * len(self.model.parts[s]) if p is None else jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(p), g)
-            for s, (p, g) in enumerate(zip(stage_params, step.acc))
-        ]
+        tree = jax.tree_util
+        grads = [[None] * len(self.model.parts[s]) if p is None
+                 else tree.tree_unflatten(tree.tree_structure(p), g)
+                 for s, (p, g) in enumerate(zip(stage_params, step.acc))]
         begin = min((e.start for e in step.events + step.discarded), default=0.0)
         events = [Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.events]
         timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
-        on = dict(zip(self.ranks, self.devices))
-        peaks = tuple(device_peak_bytes(on[r]) if r in on else None for r in range(self.schedule.num_ranks))
+        peaks = tuple(device_peak_bytes(self._on[r]) if r in self._on else None
+                      for r in range(self.schedule.num_ranks))
         timeline = dataclasses.replace(timeline, measured_memory=step.memory.result(begin, peaks))
         loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
         discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.discarded)
-        return StepResult(loss, losses, self.model.join_stage_params(grads), timeline, begin, discarded, step.t0 + begin)
+        grads = self.model.join_stage_params(grads)
+        return StepResult(loss, losses, grads, timeline, begin, discarded, step.t0 + begin)
 
     @staticmethod
     def _raise_first(errors) -> None:
@@ -522,7 +518,8 @@ class PipelineExecutor:
         if timeouts:
             raise TimeoutError("; ".join(str(e[2]) for e in timeouts)) from timeouts[0][2]
 
-    def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event, errors: list) -> None:
+    def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event,
+                    errors: list) -> None:
         """Rank ``rank``'s thread: its share of every step (:meth:`_walk`), with ``update``'s
         optimizer step between steps and post-validation's hooks around the walk."""
         stages = list(self.schedule.stages_of(rank))
@@ -536,13 +533,13 @@ class PipelineExecutor:
                     for s in stages:
                         step.params[s] = update.stage_params(s)
                 # a speculative warm-up validates step k-1's optimizer step on the way
-                hooks = _Speculation(self, rank, update, k - 1, steps[k - 1]) if speculative and k else _Hooks()
+                hooks = _Speculation(self, rank, update, k - 1, steps[k - 1]) if speculative and k else _HOOKS
                 while True:
                     try:
                         self._walk(rank, step, at, hooks)
                         break
                     except _Restart:  # step k-1's update was rolled back and redone: so is this warm-up
-                        hooks = _Hooks()
+                        hooks = _HOOKS
                         self._redo(rank, step, stages, update)
                 at[0] = None
                 if update is not None:
@@ -565,8 +562,9 @@ class PipelineExecutor:
         for entry in self.schedule.actions[rank]:
             at[0] = entry
             hooks.before(entry)
-            inputs = [[self._take(step, rank, key, action, attempt, hooks) for key in self._from_others(action)]
-                      for action in parts(entry)]  # a pair (F&B) takes both parts' inputs before either runs
+            # a pair (F&B) takes both parts' inputs before either runs
+            inputs = [[self._take(step, rank, key, action, attempt, hooks)
+                       for key in self._from_others(action)] for action in parts(entry)]
             for action, args in zip(parts(entry), inputs):
                 start = time.perf_counter()
                 ready, output = self._handlers[action.kind](step, action, *args)
@@ -614,7 +612,7 @@ class PipelineExecutor:
         transfer = Transfer(*produces(action)[0], attempt)
         self.transport.send(step, self.schedule.placement[transfer.consumer], transfer, value)
 
-    def _put(self, step: _Step, key: Transfer | OptimizerMessage, value: Any, rank: int | None = None) -> None:
+    def _put(self, step: _Step, key: Transfer | OptimizerMessage, value: Any, rank: int | None = None):
         """Into the inbox of the local rank that takes it: an activation or input gradient onto
         its consumer stage's device (and counted as received), an optimizer's message for ``rank``
         as sent."""
@@ -623,21 +621,21 @@ class PipelineExecutor:
             return
         consumer = key.consumer  # an activation for stage s+1, an input gradient for stage s-1
         if isinstance(value, _Leaves):  # from another process: the leaves of a pytree
-            value = jax.tree_util.tree_unflatten(self._input_trees[consumer if key.kind == "F" else key.stage], list(value))
+            tree = self._input_trees[consumer if key.kind == "F" else key.stage]
+            value = jax.tree_util.tree_unflatten(tree, list(value))
         value = jax.device_put(value, self.stage_devices[consumer])
         rank = self.schedule.placement[consumer]
         step.memory.receive(rank, key.key, value, time.perf_counter() - step.t0 if step.t0 else 0.0)
         step.inboxes[rank].put(key.key, value, key.attempt)
 
-    def deliver(self, key: Transfer | OptimizerMessage, value: Any, step: int, rank: int | None = None) -> None:
-        """Hand this executor what another process's rank sent it (see ``remote``), for step
-        number ``step`` (as ``remote`` was given it): a :class:`~zbpp_lite.runtime.transport.Transfer`,
-        the activation ("F", s, j, attempt) for stage s+1 or the input gradient ("B", s, j, attempt)
-        for stage s-1, a NumPy array (or, where stages pass a pytree such as a tuple, the list of
-        its leaves in ``jax.tree_util`` order) (``attempt``: 0, or 1 from a warm-up redone after a
-        rollback); or an :class:`~zbpp_lite.runtime.transport.OptimizerMessage` for local rank
-        ``rank``. A plain tuple is read as :func:`~zbpp_lite.runtime.transport.message_key` reads
-        it. Safe from any thread, also before :meth:`run_steps` has begun that step.
+    def deliver(self, key: Transfer | OptimizerMessage, value: Any, step: int, rank: int | None = None):
+        """Hand this executor what another process's rank sent it (see ``remote``) for step
+        number ``step``: a :class:`~zbpp_lite.runtime.transport.Transfer` ("F", s, j, attempt:
+        the activation for stage s+1; "B": the input gradient for stage s-1) with a NumPy array
+        (or a pytree's list of leaves, ``jax.tree_util`` order), or an
+        :class:`~zbpp_lite.runtime.transport.OptimizerMessage` for local rank ``rank``; a plain
+        tuple is read by :func:`~zbpp_lite.runtime.transport.message_key`. Safe from any
+        thread, also before :meth:`run_steps` has begun that step.
 
         Raises:
             ValueError: an activation or gradient for no local stage, or an optimizer's message
@@ -651,10 +649,12 @@ class PipelineExecutor:
             if isinstance(value, (list, tuple)):  # a pytree activation's leaves (see _send)
                 value = _Leaves(value)
             if not 0 <= key.consumer < self.model.num_stages or self.stage_devices[key.consumer] is None:
-                raise ValueError(f"no local stage consumes {key}: an activation ('F', s, j[, attempt]) goes to stage s+1, "
-                                 f"an input gradient ('B', s, j[, attempt]) to stage s-1; this executor runs stages {self.local_stages}")
+                raise ValueError(f"no local stage consumes {key}: an activation ('F', s, j[, attempt]) goes "
+                                 "to stage s+1, an input gradient ('B', s, j[, attempt]) to stage s-1; this "
+                                 f"executor runs stages {self.local_stages}")
         elif rank not in self.ranks:
-            raise ValueError(f"the message {key} needs the local rank it is for (one of {list(self.ranks)}), got rank={rank}")
+            raise ValueError(f"the message {key} needs the local rank it is for (one of {list(self.ranks)}), "
+                             f"got rank={rank}")
         with self._lock:
             current = self._current
             if current is None or not current[0] <= step < current[0] + len(current[1]):
@@ -663,7 +663,7 @@ class PipelineExecutor:
             target = current[1][step - current[0]]
         self._put(target, key, value, rank)
 
-    # ------------------------------------------------------------------ handlers: kind -> work
+    # handlers: kind -> work.
     # Each returns (what to wait for before the action counts as done, what to send or None).
     # Dead outputs (B's residuals once B or BW has run, B's output gradients once W has) are kept
     # as spares: the stage's next F / B writes into their memory (FlatStage's ``spare``). A stage
@@ -679,9 +679,9 @@ class PipelineExecutor:
     def _forward(self, step: _Step, a: Action, x: Any = None):
         s, j = a.stage, a.microbatch
         last = s == self.model.num_stages - 1
-        y, res, kept = step.splits[s].flat.forward(
-            step.params[s], step.inputs[j] if s == 0 else x, step.labels[j] if last else None, self._spare("res", s)
-        )
+        x = step.inputs[j] if s == 0 else x
+        y, res, kept = step.splits[s].flat.forward(step.params[s], x, step.labels[j] if last else None,
+                                                   self._spare("res", s))
         step.store[s, j] = (res, kept)
         rank = self.schedule.placement[s]
         step.memory.keep(rank, ("res", s, j), res)
@@ -696,7 +696,8 @@ class PipelineExecutor:
     def _backward_input(self, step: _Step, a: Action, dy: Any = None):
         s, j = a.stage, a.microbatch
         res, kept = step.store[s, j]
-        dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, self._output_grad(step, a, dy), self._spare("grads", s))
+        dy = self._output_grad(step, a, dy)
+        dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, dy, self._spare("grads", s))
         step.store[s, j] = (kept, grads_out)
         rank = self.schedule.placement[s]
         step.memory.free(rank, ("res", s, j))
@@ -717,7 +718,8 @@ class PipelineExecutor:
     def _backward_fused(self, step: _Step, a: Action, dy: Any = None):
         s = a.stage
         res, kept = step.store.pop((s, a.microbatch))
-        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, self._output_grad(step, a, dy), step.acc[s])
+        dy = self._output_grad(step, a, dy)
+        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, dy, step.acc[s])
         rank = self.schedule.placement[s]
         step.memory.free(rank, ("res", s, a.microbatch))
         step.memory.free(rank, ("kept", s, a.microbatch))
@@ -725,22 +727,22 @@ class PipelineExecutor:
         return (dx, step.acc[s]), dx
 
 
-def run_schedule(
-    schedule: Schedule,
-    model: StagedModel,
-    x: Any,
-    labels: Any,
-    params: Params | None = None,
-    devices: Sequence[Any] | None = None,
-    timeout: float = 120.0,
-) -> StepResult:
-    """Run one step of ``schedule`` on ``model`` (one :meth:`PipelineExecutor.run`).
+def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,
+                 devices: Sequence[Any] | None = None, timeout: float = 120.0, executor: str = "threads"):
+    """One step of ``schedule`` on ``model``, ``params`` defaulting to the model's own: with
+    ``executor="threads"`` one :meth:`PipelineExecutor.run` (a :class:`StepResult`; ``timeout``
+    as the executor's), with ``"spmd"`` one :meth:`~zbpp_lite.runtime.spmd.SpmdExecutor.run` (an
+    :class:`~zbpp_lite.runtime.spmd.SpmdResult`). For many steps keep one executor (its
+    functions compile once).
 
-    ``params`` defaults to the model's own. See :class:`PipelineExecutor` for errors; for many
-    steps keep one executor (its functions compile once).
-    """
-    executor = PipelineExecutor(model, schedule, devices, timeout)
-    return executor.run(model.params if params is None else params, x, labels)
+    Raises:
+        ValueError: another ``executor``; otherwise as the executor's."""
+    params = model.params if params is None else params
+    if executor == "spmd":
+        return SpmdExecutor(model, schedule, devices).run(params, x, labels)
+    if executor != "threads":
+        raise ValueError(f"executor must be 'threads' or 'spmd', got {executor!r}")
+    return PipelineExecutor(model, schedule, devices, timeout).run(params, x, labels)
 
 
 def _leaves(value: Any) -> Any:
@@ -753,6 +755,7 @@ def _placed(tree: Any, device) -> Any:
     parameters after the optimizer step: ``jax.device_put`` would cost 0.5 ms per stage of the
     benchmark job for nothing), else ``jax.device_put(tree, device)``."""
     sharding = jax.sharding.SingleDeviceSharding(device)
-    if all(isinstance(a, jax.Array) and a.committed and a.sharding == sharding for a in jax.tree_util.tree_leaves(tree)):
+    if all(isinstance(a, jax.Array) and a.committed and a.sharding == sharding
+           for a in jax.tree_util.tree_leaves(tree)):
         return tree
     return jax.device_put(tree, device)

@@ -1,23 +1,15 @@
 """The executor's memory recorder: the activation bytes each rank keeps alive, as they change.
 
-The executor calls it where it keeps or frees an array of the schedule (one recorder per step):
-
-- ``keep(rank, key, arrays)`` / ``free(rank, key)`` from a rank's own action, ``key`` =
-  (what, stage, microbatch) with what "res" (F's residuals for B), "kept" (W's operands, from F)
-  or "grads" (the output gradients B keeps for W); both wait in the rank's pending list and
-  :meth:`MemoryRecorder.settle` applies them at the action's end, all at once (as the plan's
-  model changes memory by one amount per action);
-- ``receive(rank, key, value, t)`` when another rank's activation ("F", s, j) or input gradient
-  ("B", s, j) arrives in the rank's inbox (any thread), and ``free(rank, key)`` for it from the
-  action that consumes it.
-
-Bytes come from the arrays' shapes and dtypes (``size * itemsize`` of every leaf), taken when
-they are kept and given back when freed, so an array donated or reused later is still counted
-right. F's outputs are fresh buffers (they alias neither F's input nor each other; a test checks
-it), so a sum over the leaves counts each buffer once. What it costs: a few microseconds per
-action (``benchmarks/bench_memory.py`` measures it against the step time).
-
-The result is a :class:`~zbpp_lite.schedules.memory.MeasuredMemory` (pure Python).
+The executor calls it where it keeps or frees an array (one recorder per step):
+``keep(rank, key, arrays)`` / ``free(rank, key)`` from a rank's action, ``key`` = (what, stage,
+microbatch), what "res" (F's residuals for B), "kept" (W's operands, from F) or "grads" (B's
+output gradients for W), applied together at the action's end (:meth:`MemoryRecorder.settle`, as
+the plan's model changes memory once per action); ``receive(rank, key, value, t)`` when another
+rank's activation ("F", s, j) or input gradient ("B", s, j) arrives (any thread), freed by the
+action that consumes it. Bytes are ``size * itemsize`` of every leaf, taken when kept and given
+back when freed, so a buffer donated later is still counted right (F's outputs alias nothing; a
+test checks it). Cost: a few microseconds per action (``benchmarks/bench_memory.py``). The
+result is a :class:`~zbpp_lite.schedules.memory.MeasuredMemory`.
 """
 
 from __future__ import annotations
@@ -128,31 +120,20 @@ class MemoryRecorder:
         with self._lock:
             held = tuple(curve(c) for c in self._held_curve)
             recv = tuple(curve(c) for c in self._recv_curve)
-            mem_b = tuple(self._stage.get(("res", s), 0) + self._stage.get(("kept", s), 0) for s in range(S))
-            mem_w = tuple(self._stage.get(("kept", s), 0) + self._stage.get(("grads", s), 0) for s in range(S))
+            got = self._stage.get
+            mem_b = tuple(got(("res", s), 0) + got(("kept", s), 0) for s in range(S))
+            mem_w = tuple(got(("kept", s), 0) + got(("grads", s), 0) for s in range(S))
         return MeasuredMemory(held, recv, mem_b, mem_w, tuple(device_peak))
 
 
 class NoMemoryRecorder:
-    """A recorder that records nothing (``PipelineExecutor(record_memory=False)``)."""
+    """A recorder that records nothing (``PipelineExecutor(record_memory=False)``): every
+    method of :class:`MemoryRecorder`, each returning None."""
 
-    def keep(self, rank: int, key: tuple, arrays: Any) -> None:
-        pass
-
-    def free(self, rank: int, key: tuple) -> None:
-        pass
-
-    def receive(self, rank: int, key: tuple, value: Any, t: float) -> None:
-        pass
-
-    def settle(self, rank: int, t: float) -> None:
-        pass
-
-    def drop_stages(self, rank: int, stages: list, t: float) -> None:
-        pass
-
-    def result(self, shift: float = 0.0, device_peak: tuple = ()) -> None:
+    def _nothing(self, *args: Any) -> None:
         return None
+
+    keep = free = receive = settle = drop_stages = result = _nothing
 
 
 def device_peak_bytes(device: Any) -> int | None:

@@ -1,32 +1,21 @@
 """One process per pipeline rank, each pinned to its own core: the cross-process transport.
 
-With ranks as threads of one process, a rank that waits lends its core to the others through
-XLA's shared thread pool, so idle time is not an idle core and bubbles cost less than they do
-on real devices. Here each rank is its own process, pinned to one core before JAX starts (so
-XLA's threads serve that rank only), with one CPU device and a
-:class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its own rank (``ranks=[r],
-remote=...``): PyTorch's pipelining set-up, and the one in which measured bubbles are real.
+With ranks as threads of one process a waiting rank lends its core to the others (XLA's shared
+pool), so bubbles cost less than on real devices. Here each rank is its own process, pinned to
+one core before JAX starts, with one CPU device and a
+:class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its own rank (``ranks=[r], remote=...``):
+PyTorch pipelining's set-up, in which measured bubbles are real. Nothing crossing a process is
+unpickled: the ranks start with :mod:`subprocess` (``python -m zbpp_lite.runtime.processes``),
+their set-up given as JSON; between two ranks (:func:`connect`) an array goes into a
+shared-memory ring per direction, written by the sender's own thread, with a JSON notice through
+the pair's socket (small host values go as JSON); the parent talks to each rank through a control
+socket (:class:`Channel`, :mod:`~zbpp_lite.runtime.wire`'s messages).
 
-Everything that crosses a process boundary is parsed, never unpickled:
-
-- the ranks are started with :mod:`subprocess` (``python -m zbpp_lite.runtime.processes``),
-  their set-up (rank, core, links, the caller's JSON-ready ``config``) given as JSON;
-- between two ranks (:func:`connect`), an array (an activation, an input gradient) is written
-  into a shared-memory ring per direction by the sending rank's own thread, and a JSON notice
-  (where it lies, its shape and dtype) goes through the pair's socket; small host values (an
-  optimizer's norms) go through the socket as JSON;
-- the parent talks to each rank through a control socket (:class:`Channel`), in
-  :mod:`~zbpp_lite.runtime.wire`'s messages: JSON, with NumPy arrays as raw bytes beside it.
-
-Measured on this project's 2-core machine (the peer job, 1f1b, 128 KiB activations), where a
-rank waits for the other's output, the time from the producing action's end to the consumer's
-start is about 1 ms: mostly waking the idle rank (0.2 ms for any message on this virtual
-machine) and JAX's first call after a rank sat idle (``jax.device_put``: 0.3 ms after 5 ms or
-more of idling, 0.06 ms when warm). JAX's distributed runtime (:mod:`.distributed`) carries
-the same values over its cross-host sockets, several times slower per crossing on CPU
+Measured on the 2-core machine (peer job, 1f1b, 128 KiB activations): from the producing action's
+end to the waiting consumer's start about 1 ms, mostly waking the idle rank (0.2 ms) and JAX's
+first call after idling (``jax.device_put``: 0.3 ms, 0.06 ms warm). JAX's distributed runtime
+(:mod:`.distributed`) is several times slower per crossing on CPU
 (``benchmarks/bench_transport.py`` measures both side by side).
-
-Layer: runtime.
 """
 
 from __future__ import annotations
@@ -41,7 +30,9 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
+from multiprocessing.shared_memory import SharedMemory
 from typing import Any, Callable
 
 import numpy as np
@@ -56,9 +47,6 @@ where a step has at most 8 in flight each way (the sender waits if the receiver 
 behind)."""
 _HEADER = 64  # the ring's first bytes: how far the receiver has read (uint64)
 ENV_SPEC = "ZBPP_RANK_SPEC"
-
-
-# ----------------------------------------------------------------------------- JSON messages
 
 
 class Channel:
@@ -85,9 +73,6 @@ class Channel:
 def _pair() -> tuple[int, int]:
     a, b = socket.socketpair()
     return a.detach(), b.detach()
-
-
-# ----------------------------------------------------------------------------- the parent's side
 
 
 def allowed_cores() -> list[int]:
@@ -159,8 +144,6 @@ class RankProcesses:
     """
 
     def __init__(self, entry: str, num_ranks: int, config: dict, pin: bool = True, env: dict | None = None):
-        from multiprocessing.shared_memory import SharedMemory
-
         if not isinstance(num_ranks, int) or num_ranks < 1:
             raise ValueError(f"num_ranks must be an integer >= 1, got {num_ranks!r}")
         if ":" not in entry:
@@ -173,7 +156,7 @@ class RankProcesses:
         child_fds: list[list[int]] = [[] for _ in range(num_ranks)]
         for a in range(num_ranks):
             for b in range(a + 1, num_ranks):
-                ab, ba = SharedMemory(create=True, size=RING_BYTES), SharedMemory(create=True, size=RING_BYTES)
+                ab, ba = (SharedMemory(create=True, size=RING_BYTES) for _ in range(2))
                 self.rings += [ab, ba]
                 fa, fb = _pair()
                 links[a][str(b)] = {"fd": fa, "out": ab.name, "in": ba.name}
@@ -187,9 +170,10 @@ class RankProcesses:
                         "control": theirs, "links": links[r], "config": config}
                 child_env = {**os.environ, **(env or {}), ENV_SPEC: strict_json.dumps(spec)}
                 path = os.pathsep.join(p for p in sys.path if p)
-                child_env["PYTHONPATH"] = path if not child_env.get("PYTHONPATH") else child_env["PYTHONPATH"] + os.pathsep + path
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "zbpp_lite.runtime.processes"],
-                                                   env=child_env, pass_fds=[theirs, *child_fds[r]], stdin=subprocess.DEVNULL))
+                child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), path) if p)
+                command = [sys.executable, "-m", "zbpp_lite.runtime.processes"]
+                self.procs.append(subprocess.Popen(command, env=child_env, pass_fds=[theirs, *child_fds[r]],
+                                                   stdin=subprocess.DEVNULL))
                 os.close(theirs)
                 self.controls.append(Channel(Connection(mine)))
         except BaseException:
@@ -282,9 +266,6 @@ class RankProcesses:
             ring.unlink()
 
 
-# ----------------------------------------------------------------------------- a rank's side
-
-
 def pin_to(core: int | None) -> None:
     """Pin this process to ``core`` (before JAX starts its threads); None leaves it free."""
     if core is not None and hasattr(os, "sched_setaffinity"):
@@ -304,8 +285,6 @@ def connect(peers: dict, executor_for):
     once); other values go through the socket as JSON. Returns the executor, or the dict
     ``{name: executor}``; :func:`disconnect` ends the receivers.
     """
-    import jax
-
     single = callable(executor_for)
     factories = {None: executor_for} if single else dict(executor_for)
     links = {int(to): _Link(**link) for to, link in peers.items()}
@@ -313,9 +292,9 @@ def connect(peers: dict, executor_for):
 
     def remote_for(name):
         def remote(to: int, key, value, step: int) -> None:
-            if isinstance(value, list) and isinstance(key, Transfer):  # a pytree activation's leaves
-                value = [np.asarray(leaf) for leaf in value]
-            links[to].send(name, key, np.asarray(value) if isinstance(value, jax.Array) else value, step, to)
+            if isinstance(key, Transfer):  # an array, or a pytree activation's leaves: to host memory
+                value = [np.asarray(leaf) for leaf in value] if isinstance(value, list) else np.asarray(value)
+            links[to].send(name, key, value, step, to)
 
         return remote
 
@@ -355,9 +334,6 @@ class _Ring:
     stores in the header how far it has read, and the writer never overwrites what is unread."""
 
     def __init__(self, name: str):
-        from multiprocessing import resource_tracker
-        from multiprocessing.shared_memory import SharedMemory
-
         self.shm = SharedMemory(name=name)  # the parent created it and removes it (RankProcesses.close)
         try:  # Python < 3.13 registers attached memory too, and would remove it when this rank ends
             resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
@@ -402,14 +378,18 @@ class _Link:
         self.lock = threading.Lock()  # one writer at a time on the socket and the outgoing ring
 
     def send(self, name, key, value, step: int, to: int) -> None:
+        def array(v):
+            return isinstance(v, np.ndarray) and v.dtype != object
+
         with self.lock:
-            if isinstance(value, np.ndarray) and value.dtype != object:
-                self.channel.send({"name": name, "key": to_wire(key), "ring": self.out.write(value), "step": step, "to": to})
-            elif isinstance(value, list) and value and all(isinstance(v, np.ndarray) and v.dtype != object for v in value):
-                # the leaves of a pytree activation, each in the ring; a list again on arrival
-                self.channel.send({"name": name, "key": to_wire(key), "rings": [self.out.write(v) for v in value], "step": step, "to": to})
+            message = {"name": name, "key": to_wire(key), "step": step, "to": to}
+            if array(value):
+                message["ring"] = self.out.write(value)
+            elif isinstance(value, list) and value and all(array(v) for v in value):
+                message["rings"] = [self.out.write(v) for v in value]  # a pytree's leaves; a list on arrival
             else:
-                self.channel.send({"name": name, "key": to_wire(key), "value": value, "step": step, "to": to})
+                message["value"] = value
+            self.channel.send(message)
 
     def receive(self):
         try:

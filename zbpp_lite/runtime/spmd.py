@@ -1,62 +1,38 @@
 """The compiled SPMD executor: a whole schedule as one jitted program over a mesh axis ``stage``.
 
-Where :class:`~zbpp_lite.runtime.executor.PipelineExecutor` runs one Python thread per rank (MPMD: every
-rank its own program), this module compiles a :class:`~zbpp_lite.schedules.ir.Schedule` into a
-single program that every rank runs in lockstep, the form TPU pods use:
+Where :class:`~zbpp_lite.runtime.executor.PipelineExecutor` runs one thread per rank (MPMD), this
+module compiles a :class:`~zbpp_lite.schedules.ir.Schedule` into one program every rank runs in
+lockstep, the form TPU pods use:
 
-1. :func:`tick_tables` turns the schedule into a static per-tick action table
-   (:func:`zbpp_lite.schedules.simulate.lockstep_ticks`): for every tick and rank, the action kind, the
-   rank's chunk (which of its stages) and the microbatch, plus what arrives at the end of the tick.
-2. The program is ``lax.scan`` over the ticks inside ``shard_map`` over ``stage``: each tick, every
-   rank does ``lax.switch`` on its action kind (idle, F, B, W, BW) and stage, then its one outgoing message
-   (an F's activation or a B's input gradient) travels with two ``lax.ppermute``, to rank r+1 and
-   to rank r-1 (cyclic), which covers the 1F1B / zero-bubble placement, the looped placement and
-   the V placement (where chunk 1 flows backwards and the turn at rank p-1 stays local).
-3. Received values wait in per-(chunk, microbatch) buffers until their action's tick. The switch
-   reads the buffers but returns only the tick's slot values, written back outside it (a slot a
-   kind does not produce goes to a scratch slot): a switch that passed the whole carry through
-   made XLA copy every buffer each tick, 4.3x the MPMD executor's step time where it is now
-   1.6x (``benchmarks/bench_spmd.py``, zb-h1, p=2, d=64, 2 simulated CPU devices).
+1. :func:`tick_tables`: the schedule as static per-tick tables
+   (:func:`zbpp_lite.schedules.simulate.lockstep_ticks`): per tick and rank the action kind, the
+   rank's chunk and the microbatch, and what arrives at the end of the tick.
+2. The program is ``lax.scan`` over the ticks inside ``shard_map``: each tick every rank does
+   ``lax.switch`` on (kind, stage) (idle, F, B, W, BW), then its one message (an activation or an
+   input gradient) travels with two ``lax.ppermute``, to ranks r+1 and r-1 (cyclic): the 1F1B,
+   looped and V placements.
+3. Received values wait in per-(chunk, microbatch) buffers. The switch returns only the tick's
+   slot values, written back outside it: a switch passing the whole carry through made XLA copy
+   every buffer each tick (4.3x the MPMD step time, now 1.6x: ``benchmarks/bench_spmd.py``).
 
-The staged model's own stages. The program runs the very stages the thread executor runs: each
-global stage s is ``StagedModel.stage_fn(s)``, split into F, B, W and BW by
-:class:`~zbpp_lite.runtime.split.StageSplit` (its flat programs, as
-:class:`~zbpp_lite.runtime.executor.PipelineExecutor` calls them: B computes the elementwise
-parameter gradients, W the products, and the last stage's B starts from the seed 1/m). Nothing
-of the model is written here, so any model the thread executor runs gives the same loss and
-gradients (up to float rounding), whatever its parts compute and whatever its first stage takes
-(integer tokens too: the input keeps its dtype).
+The stages are the staged model's own: stage s is ``StagedModel.stage_fn(s)`` split by
+:class:`~zbpp_lite.runtime.split.StageSplit` (its flat programs, as the thread executor calls
+them), so any model the thread executor runs gives the same loss and gradients (integer token
+inputs too). Costs of one program for stages that differ: every rank's program holds every
+stage's F, B, W, BW (1 + 4 S branches, compile time grows with S); per-stage values (parameters,
+residuals, W's operands, B's hand-over, sums) live in one flat vector per dtype sized for the
+largest stage (:class:`Packing`); activations must have one structure at every boundary, else
+:meth:`SpmdExecutor.boundary` refuses the model in one line.
 
-One program, stages that differ. The tick's branch is ``lax.switch`` over (kind, stage):
-1 + 4 S branches, those of a kind the schedule never uses left idle. What that costs:
+JAX issue #40823: a ``lax.switch`` whose index varies over a mesh axis, applied to an input
+replicated over it, can return wrong gradients (the implicit broadcast transposes to a ``psum``
+only some ranks reach). So every replicated input and every loop carry made inside ``shard_map``
+is first made varying (:func:`to_varying`); ``tests/test_spmd.py`` keeps a test that fails
+without it. Lockstep: every tick lasts as long as its slowest action (:func:`zbpp_lite.simulate`
+with ``lockstep=True`` predicts it); buffers hold every microbatch (m slots per chunk + scratch).
 
-- every rank's program holds every stage's F, B, W and BW, so the program and its compile time
-  grow with S (not S / p), and each rank's switch picks its own stage at run time (one
-  conditional per tick, the same as a switch on the kind alone);
-- values whose structure differs from stage to stage (parameters, F's residuals, W's operands,
-  B's hand-over to W, gradient sums) live in one flat vector per dtype, sized for the largest
-  stage (:class:`Packing`): each rank holds the largest stage's size, not its own, and every
-  action packs what it keeps (a concatenation: one copy, where storing into the buffers already
-  copied) and unpacks what it reads (static slices);
-- what stages pass on must have one structure at every boundary (one array or one pytree of one
-  shape): a model whose activations change shape between stages is refused before anything
-  runs, in one line naming the two boundaries (:meth:`SpmdExecutor.boundary`); the thread
-  executor runs it.
-
-JAX issue #40823: a ``lax.switch`` / ``lax.cond`` whose index varies over a mesh axis, applied to
-an input that is replicated (invariant) over that axis, can return silently wrong gradients,
-because the implicit broadcast of the replicated input transposes to a ``psum`` that only some
-ranks reach. Every replicated input (the inputs and labels: a stage's zero probes take its
-input's varying axes) and every loop carry created inside ``shard_map`` is therefore made varying first with
-``lax.pcast(x, "stage", to="varying")`` (``lax.pvary`` in JAX 0.6-0.7; nothing before the
-varying-axes type system existed). ``tests/test_spmd.py`` keeps a test that fails without it.
-
-Lockstep costs something: every tick lasts as long as its slowest action (plus the transfer);
-:func:`zbpp_lite.simulate` with ``lockstep=True`` predicts it. Buffers hold every microbatch
-(m slots per chunk, plus the scratch slot), not only those in flight: simple, and m is small here.
-
-Sources: Qi et al., arXiv 2401.10241, sections 2-3 (F, B, W and the H1 / H2 schedules); the V
-placement and ZB-V, arXiv 2405.15362, section 3.
+Sources: Qi et al., arXiv 2401.10241, sections 2-3; the V placement and ZB-V, arXiv 2405.15362,
+section 3.
 """
 
 from __future__ import annotations
@@ -72,7 +48,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .stages import Params, StagedModel
-from ..schedules.ir import Schedule
+from .transport import Transfer
+from ..schedules.ir import Schedule, produces
 from ..schedules.simulate import lockstep_ticks
 from .split import StageSplit
 from ..schedules.validate import validate
@@ -110,11 +87,7 @@ def to_varying(x: Any, axis: str = AXIS) -> Any:
         cast = lambda a: lax.pvary(a, axis)  # noqa: E731
     else:  # pragma: no cover - JAX without varying-axes types
         return x
-
-    def one(a):
-        return a if axis in varying_axes(a) else cast(a)
-
-    return jax.tree_util.tree_map(one, x)
+    return jax.tree_util.tree_map(lambda a: a if axis in varying_axes(a) else cast(a), x)
 
 
 def varying_axes(x: Any) -> frozenset:
@@ -125,9 +98,6 @@ def varying_axes(x: Any) -> frozenset:
     if vma is None:
         vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
     return frozenset(vma or ())
-
-
-# ---------------------------------------------------------------------------- static tables
 
 
 @dataclass(frozen=True)
@@ -141,15 +111,12 @@ class TickTables:
         recv: ``{source: (buffer, chunk, microbatch)}`` for each of :data:`SOURCES`, each table
             ``(num_ranks, num_ticks)``: where the message arriving at the end of tick t from that
             source is stored (buffer :data:`NO_BUFFER` when none arrives).
-        first, last: ``(num_ranks, stages_per_rank)`` 1 where that chunk is stage 0 / stage S-1.
     """
 
     kind: np.ndarray
     chunk: np.ndarray
     microbatch: np.ndarray
     recv: dict
-    first: np.ndarray
-    last: np.ndarray
 
     @property
     def num_ticks(self) -> int:
@@ -167,17 +134,15 @@ def tick_tables(schedule: Schedule) -> TickTables:
     """
     validate(schedule)
     if schedule.has_pairs:
-        raise ValueError(
-            "the SPMD executor runs one action per rank per tick and has no overlapped F&B pair; run "
-            "schedule.split_pairs() (each pair as its two actions, the same gradients) or the thread executor"
-        )
+        raise ValueError("the SPMD executor runs one action per rank per tick and has no overlapped F&B "
+                         "pair; run schedule.split_pairs() (each pair as its two actions, the same "
+                         "gradients) or the thread executor")
     p, S = schedule.num_ranks, schedule.num_stages
     chunks = [schedule.stages_of(r) for r in range(p)]
     if len({len(c) for c in chunks}) != 1:
-        raise ValueError(
-            f"the SPMD executor stacks one set of stages per rank, so every rank must hold the same number "
-            f"of stages; this placement gives {[len(c) for c in chunks]} stages to ranks 0..{p - 1}"
-        )
+        raise ValueError(f"the SPMD executor stacks one set of stages per rank, so every rank must hold the "
+                         f"same number of stages; this placement gives {[len(c) for c in chunks]} stages to "
+                         f"ranks 0..{p - 1}")
     ticks = lockstep_ticks(schedule)
     T = len(ticks)
     kind, chunk, mb = (np.zeros((p, T), np.int32) for _ in range(3))
@@ -188,11 +153,9 @@ def tick_tables(schedule: Schedule) -> TickTables:
                 continue
             a = schedule.actions[r][step]
             kind[r, t], chunk[r, t], mb[r, t] = KIND_CODE[a.kind], chunks[r].index(a.stage), a.microbatch
-            if a.kind == "F" and a.stage < S - 1:
-                consumer, buffer = a.stage + 1, ACT_BUFFER
-            elif a.kind in ("B", "BW") and a.stage > 0:
-                consumer, buffer = a.stage - 1, GRAD_BUFFER
-            else:
+            sent = Transfer(*produces(a)[0])  # an activation for stage s+1, an input gradient for s-1
+            consumer, buffer = sent.consumer, ACT_BUFFER if a.kind == "F" else GRAD_BUFFER
+            if a.kind == "W" or not 0 <= consumer < S:
                 continue
             dst = schedule.placement[consumer]
             if dst == r:
@@ -202,19 +165,12 @@ def tick_tables(schedule: Schedule) -> TickTables:
             elif dst == (r - 1) % p:
                 src = "right"
             else:
-                raise ValueError(
-                    f"{a} on rank {r} sends to stage {consumer} on rank {dst}, not a ring neighbour; the SPMD "
-                    f"executor moves values only to rank r+1 or r-1 (placements: one stage per rank, looped, V)"
-                )
+                raise ValueError(f"{a} on rank {r} sends to stage {consumer} on rank {dst}, not a ring "
+                                 "neighbour; the SPMD executor moves values only to rank r+1 or r-1 "
+                                 "(placements: one stage per rank, looped, V)")
             buf, ch, j = recv[src]
             buf[dst, t], ch[dst, t], j[dst, t] = buffer, chunks[dst].index(consumer), a.microbatch
-    v = len(chunks[0])
-    first = np.array([[int(s == 0) for s in chunks[r]] for r in range(p)], np.int32).reshape(p, v)
-    last = np.array([[int(s == S - 1) for s in chunks[r]] for r in range(p)], np.int32).reshape(p, v)
-    return TickTables(kind, chunk, mb, recv, first, last)
-
-
-# ---------------------------------------------------------------------------- packing
+    return TickTables(kind, chunk, mb, recv)
 
 
 @dataclass(frozen=True)
@@ -251,23 +207,18 @@ class Packing:
                 used[d] += math.prod(a.shape)
             sizes = [max(u, n) for u, n in zip(sizes, used)]
             slots.append(tuple(mine))
-        return cls(
-            dtypes, tuple(sizes), tuple(jax.tree_util.tree_structure(t) for t in per_stage), tuple(slots)
-        )
+        trees = tuple(jax.tree_util.tree_structure(t) for t in per_stage)
+        return cls(dtypes, tuple(sizes), trees, tuple(slots))
 
     def pack(self, stage: int, tree: Any, xp: Any = jnp) -> tuple:
         """``tree`` of ``stage`` as one vector per dtype, zero-padded to :attr:`sizes`."""
         parts: list = [[] for _ in self.dtypes]
         for (d, _, _), a in zip(self.slots[stage], jax.tree_util.tree_leaves(tree), strict=True):
             parts[d].append(xp.ravel(a))
-        used = [
-            sum(math.prod(shape) for d_, _, shape in self.slots[stage] if d_ == d)
-            for d in range(len(self.dtypes))
-        ]
-        return tuple(
-            xp.concatenate([*parts[d], xp.zeros((size - used[d],), dtype)]).astype(dtype)
-            for d, (dtype, size) in enumerate(zip(self.dtypes, self.sizes))
-        )
+        used = [sum(math.prod(shape) for d_, _, shape in self.slots[stage] if d_ == d)
+                for d in range(len(self.dtypes))]
+        return tuple(xp.concatenate([*parts[d], xp.zeros((size - used[d],), dtype)]).astype(dtype)
+                     for d, (dtype, size) in enumerate(zip(self.dtypes, self.sizes)))
 
     def unpack(self, stage: int, vectors: Sequence[Any]) -> Any:
         """Inverse of :meth:`pack`: ``stage``'s pytree from its vectors."""
@@ -277,9 +228,6 @@ class Packing:
     def zeros(self, prefix: tuple = (), xp: Any = jnp) -> tuple:
         """Empty buffers: one ``prefix + (size,)`` array per dtype."""
         return tuple(xp.zeros(tuple(prefix) + (size,), dtype) for dtype, size in zip(self.dtypes, self.sizes))
-
-
-# ---------------------------------------------------------------------------- the program
 
 
 @dataclass(frozen=True)
@@ -345,50 +293,32 @@ class SpmdExecutor:
         (:meth:`boundary`) or a batch that does not divide into microbatches.
     """
 
-    def __init__(
-        self,
-        model: StagedModel,
-        schedule: Schedule,
-        devices: Sequence[Any] | None = None,
-        *,
-        vary_replicated: bool = True,
-    ):
+    def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None, *,
+                 vary_replicated: bool = True):
         if model.num_stages != schedule.num_stages:
-            raise ValueError(
-                f"the schedule has {schedule.num_stages} stages but the model is cut into {model.num_stages}"
-            )
+            raise ValueError(f"the schedule has {schedule.num_stages} stages but the model is cut into "
+                             f"{model.num_stages}")
         self.tables = tick_tables(schedule)
         p = schedule.num_ranks
-        if devices is None:
-            devices = jax.devices()[:p]
+        devices = jax.devices()[:p] if devices is None else devices
         if len(devices) != p:
-            raise ValueError(
-                f"give one device per rank: the schedule has {p} ranks, got {len(devices)} devices"
-            )
+            raise ValueError(f"give one device per rank: the schedule has {p} ranks, got {len(devices)} "
+                             "devices")
         self.model, self.schedule, self.vary_replicated = model, schedule, vary_replicated
+        stage_params = [model.stage_params(model.params, s) for s in range(model.num_stages)]
         self.mesh = Mesh(np.array(devices), (AXIS,))
-        self.stage_of = np.array(
-            [schedule.stages_of(r) for r in range(p)], np.int32
-        )  # (p, v): global stage of rank r's chunk c
-        self.params_packing = Packing.of(
-            [model.stage_params(model.params, s) for s in range(model.num_stages)]
-        )
+        self.stage_of = np.array([schedule.stages_of(r) for r in range(p)], np.int32)  # (p, v): chunk c's
+        self.params_packing = Packing.of(stage_params)
         self._compiled: dict = {}
-
-    # ------------------------------------------------------------------ parameters
 
     def pack_params(self, params: Params) -> tuple:
         """Every rank's stages' parameters, one NumPy array ``(p, stages per rank, size)`` per
         dtype (:class:`Packing`)."""
         packing, model = self.params_packing, self.model
-        per_stage = [
-            packing.pack(s, jax.tree_util.tree_map(np.asarray, model.stage_params(params, s)), np)
-            for s in range(model.num_stages)
-        ]
-        return tuple(
-            np.stack([np.stack([per_stage[s][d] for s in row]) for row in self.stage_of])
-            for d in range(len(packing.dtypes))
-        )
+        per_stage = [packing.pack(s, jax.tree_util.tree_map(np.asarray, model.stage_params(params, s)), np)
+                     for s in range(model.num_stages)]
+        return tuple(np.stack([np.stack([per_stage[s][d] for s in row]) for row in self.stage_of])
+                     for d in range(len(packing.dtypes)))
 
     def unpack_grads(self, packed: Sequence[np.ndarray]) -> Params:
         """Inverse of :meth:`pack_params` (for the gradient sums): one pytree per model module."""
@@ -416,14 +346,11 @@ class SpmdExecutor:
 
         for s, shape in enumerate(shapes[1:], start=2):
             if describe(shape) != describe(shapes[0]):
-                raise ValueError(
-                    "the SPMD executor passes one activation structure between all stages, but stage 1 "
-                    f"receives {describe(shapes[0])} and stage {s} receives {describe(shape)}; cut the model "
-                    "where every stage boundary has one shape, or run it with PipelineExecutor"
-                )
+                raise ValueError(f"the SPMD executor passes one activation structure between all stages, but "
+                                 f"stage 1 receives {describe(shapes[0])} and stage {s} receives "
+                                 f"{describe(shape)}; cut the model where every stage boundary has one "
+                                 "shape, or run it with PipelineExecutor")
         return shapes[0]
-
-    # ------------------------------------------------------------------ build
 
     def _trace_stages(self, p_packed: tuple, tokens: Any, labels: Any, boundary: Any) -> _Traced:
         """Every global stage's :class:`~zbpp_lite.runtime.split.StageSplit`, traced inside
@@ -440,9 +367,7 @@ class SpmdExecutor:
             p_leaves = tuple(jax.tree_util.tree_leaves(params))
             y, own_s, kept_s = jax.eval_shape(split.flat.forward, p_leaves, x, aux, None)
             dy = jax.tree_util.tree_map(lambda a: to_varying(jnp.zeros(a.shape, a.dtype)), y)
-            _, gout_s = jax.eval_shape(
-                split.flat.backward_input, p_leaves, own_s, dy, None
-            )  # B before W: W reads B's trace
+            _, gout_s = jax.eval_shape(split.flat.backward_input, p_leaves, own_s, dy, None)  # W reads B's
             stages.append(_Stage(s, split, s == 0, s == S - 1))
             own.append(own_s)
             kept.append(kept_s)
@@ -477,36 +402,21 @@ class SpmdExecutor:
             def forward(state, c, j):
                 x = tokens[j] if st.first else tmap(lambda b: b[c, j], state["act"])
                 y, own, kept = flat.forward(params(c), x, labels[j] if st.last else None, None)
-                return outputs(
-                    own=traced.own.pack(s, own),
-                    kept=traced.kept.pack(s, kept),
-                    msg=zero_msg if st.last else y,
-                    loss=y.astype(jnp.float32) if st.last else None,
-                )
+                return outputs(own=traced.own.pack(s, own), kept=traced.kept.pack(s, kept), msg=zero_msg
+                               if st.last else y, loss=y.astype(jnp.float32) if st.last else None)
 
             def backward_input(state, c, j):
-                dx, gout = flat.backward_input(
-                    params(c), take(state["own"], traced.own, c, j), output_grad(state, c, j), None
-                )
+                own = take(state["own"], traced.own, c, j)
+                dx, gout = flat.backward_input(params(c), own, output_grad(state, c, j), None)
                 return outputs(gout=traced.gout.pack(s, gout), msg=zero_msg if st.first else dx)
 
             def backward_weight(state, c, j):
-                grads = flat.backward_weight(
-                    params(c),
-                    take(state["kept"], traced.kept, c, j),
-                    take(state["gout"], traced.gout, c, j),
-                    None,
-                )
-                return outputs(grads=pk.pack(s, grads))
+                kept, gout = take(state["kept"], traced.kept, c, j), take(state["gout"], traced.gout, c, j)
+                return outputs(grads=pk.pack(s, flat.backward_weight(params(c), kept, gout, None)))
 
             def backward_fused(state, c, j):
-                dx, grads = flat.backward_fused(
-                    params(c),
-                    take(state["own"], traced.own, c, j),
-                    take(state["kept"], traced.kept, c, j),
-                    output_grad(state, c, j),
-                    None,
-                )
+                own, kept = take(state["own"], traced.own, c, j), take(state["kept"], traced.kept, c, j)
+                dx, grads = flat.backward_fused(params(c), own, kept, output_grad(state, c, j), None)
                 return outputs(grads=pk.pack(s, grads), msg=zero_msg if st.first else dx)
 
             return {"F": forward, "B": backward_input, "W": backward_weight, "BW": backward_fused}
@@ -515,33 +425,17 @@ class SpmdExecutor:
             return outputs()
 
         per_stage = [branches_of(st) for st in traced.stages]
-        return [idle] + [
-            per_stage[s][kind] if kind in used else idle for kind in KIND_CODE for s in range(len(per_stage))
-        ]
+        return [idle] + [per_stage[s][kind] if kind in used else idle
+                         for kind in KIND_CODE for s in range(len(per_stage))]
 
-    def _outputs(
-        self,
-        traced: _Traced,
-        zero_msg: Any,
-        *,
-        own=None,
-        kept=None,
-        gout=None,
-        grads=None,
-        msg=None,
-        loss=None,
-    ) -> dict:
+    def _outputs(self, traced: _Traced, zero_msg: Any, *, own=None, kept=None, gout=None, grads=None,
+                 msg=None, loss=None) -> dict:
         """A branch's results, every field present (zeros where the kind produces none), all
         varying over the axis so that every branch returns the same types."""
-        out = dict(
-            own=own or traced.own.zeros(),
-            kept=kept or traced.kept.zeros(),
-            gout=gout or traced.gout.zeros(),
-            grads=grads or self.params_packing.zeros(),
-            msg=zero_msg if msg is None else msg,
-            loss=jnp.zeros((), jnp.float32) if loss is None else loss.reshape(()),
-        )
-        return to_varying(out)
+        return to_varying(dict(
+            own=own or traced.own.zeros(), kept=kept or traced.kept.zeros(), gout=gout or traced.gout.zeros(),
+            grads=grads or self.params_packing.zeros(), msg=zero_msg if msg is None else msg,
+            loss=jnp.zeros((), jnp.float32) if loss is None else loss.reshape(())))
 
     def _program(self, x_mb: Any, labels_mb: Any):
         """The jitted program for microbatches shaped like ``x_mb`` and ``labels_mb``
@@ -566,14 +460,9 @@ class SpmdExecutor:
             branches = self._branches(traced, p_packed, tokens, labels, zero_msg)
             slots = lambda packing: packing.zeros((v, m + 1))  # noqa: E731 - slot m: scratch
             carry = {  # received activations and output gradients, what F, B keep, sums, losses
-                "act": zeros_x((v, m)),
-                "grad": zeros_x((v, m)),
-                "own": slots(traced.own),
-                "kept": slots(traced.kept),
-                "gout": slots(traced.gout),
-                "acc": self.params_packing.zeros((v,)),
-                "losses": jnp.zeros((m,), jnp.float32),
-                "msg": zero_msg,
+                "act": zeros_x((v, m)), "grad": zeros_x((v, m)), "own": slots(traced.own),
+                "kept": slots(traced.kept), "gout": slots(traced.gout), "msg": zero_msg,
+                "acc": self.params_packing.zeros((v,)), "losses": jnp.zeros((m,), jnp.float32),
             }
             carry = to_varying(carry)  # loop carries created inside shard_map: varying too (#40823)
             n = lax.axis_size(AXIS) if hasattr(lax, "axis_size") else self.schedule.num_ranks
@@ -583,16 +472,9 @@ class SpmdExecutor:
             acc = tuple(lax.psum(jnp.zeros((n,) + a.shape, a.dtype).at[rank].set(a), AXIS) for a in st["acc"])
             return lax.psum(st["losses"], AXIS), acc
 
-        sharded, replicated = P(AXIS), P()
-        in_specs = (sharded,) * 6 + (replicated, replicated)
-        body = _shard_map(
-            rank_program,
-            mesh=self.mesh,
-            in_specs=in_specs,
-            out_specs=(replicated, replicated),
-            **{_CHECK_ARG: True},
-        )
-        return jax.jit(body)
+        in_specs = (P(AXIS),) * 6 + (P(), P())
+        return jax.jit(_shard_map(rank_program, mesh=self.mesh, in_specs=in_specs, out_specs=(P(), P()),
+                                  **{_CHECK_ARG: True}))
 
     def _tick(self, branches: list, stage_of: Any, n: int):
         """One tick of rank ``lax.axis_index``'s program, for ``lax.scan`` over the tick tables:
@@ -605,11 +487,8 @@ class SpmdExecutor:
             def put(buffer, flag):
                 return tmap(lambda b, u: b.at[c, j].set(jnp.where(flag, u, b[c, j])), buffer, value)
 
-            return {
-                **st,
-                "act": put(st["act"], buf == ACT_BUFFER),
-                "grad": put(st["grad"], buf == GRAD_BUFFER),
-            }
+            return {**st, "act": put(st["act"], buf == ACT_BUFFER),
+                    "grad": put(st["grad"], buf == GRAD_BUFFER)}
 
         def tick(st, xs):
             kind_t, c, j, arrivals = xs
@@ -622,15 +501,10 @@ class SpmdExecutor:
             def put(store, jj, values):
                 return tuple(b.at[c, jj].set(u) for b, u in zip(store, values))
 
-            st = {
-                **st,
-                "own": put(st["own"], j_res, out["own"]),
-                "kept": put(st["kept"], j_res, out["kept"]),
-                "gout": put(st["gout"], j_gout, out["gout"]),
-                "acc": tuple(a.at[c].add(g) for a, g in zip(st["acc"], out["grads"])),
-                "losses": st["losses"].at[j].add(out["loss"]),
-                "msg": out["msg"],
-            }
+            st = {**st, "own": put(st["own"], j_res, out["own"]), "kept": put(st["kept"], j_res, out["kept"]),
+                  "gout": put(st["gout"], j_gout, out["gout"]), "msg": out["msg"],
+                  "acc": tuple(a.at[c].add(g) for a, g in zip(st["acc"], out["grads"])),
+                  "losses": st["losses"].at[j].add(out["loss"])}
             incoming = {
                 "left": lax.ppermute(st["msg"], AXIS, to_right),  # what rank r-1 sent
                 "right": lax.ppermute(st["msg"], AXIS, to_left),  # what rank r+1 sent
@@ -642,17 +516,11 @@ class SpmdExecutor:
 
         return tick
 
-    # ------------------------------------------------------------------ run
-
     def _global(self, value: Any, spec: P) -> Any:
         """A global array from the same host value on every process."""
         sharding = NamedSharding(self.mesh, spec)
-        return jax.tree_util.tree_map(
-            lambda a: jax.make_array_from_callback(
-                np.shape(a), sharding, lambda idx, a=np.asarray(a): a[idx]
-            ),
-            value,
-        )
+        return jax.tree_util.tree_map(lambda a: jax.make_array_from_callback(
+            np.shape(a), sharding, lambda idx, a=np.asarray(a): a[idx]), value)
 
     def inputs(self, params: Params, x: Any, labels: Any) -> tuple:
         """The program's arguments (global arrays) for ``params`` and a batch; ``x`` keeps its
@@ -661,11 +529,9 @@ class SpmdExecutor:
         # each keeps its dtype, as jax.device_put would give it (float64 -> float32 without x64)
         x, labels = (np.asarray(a, jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)) for a in (x, labels))
         if x.ndim == 0 or labels.ndim == 0 or x.shape[0] % m or labels.shape[0] != x.shape[0]:
-            raise ValueError(
-                f"a batch of {np.shape(x)[:1]} inputs and {np.shape(labels)[:1]} labels does not divide into "
-                f"{m} microbatches; "
-                f"give x (b, ...) and labels (b, ...) with b a multiple of {m}"
-            )
+            raise ValueError(f"a batch of {np.shape(x)[:1]} inputs and {np.shape(labels)[:1]} labels does "
+                             f"not divide into {m} microbatches; give x (b, ...) and labels (b, ...) with "
+                             f"b a multiple of {m}")
         t = self.tables
         recv = {src: t.recv[src] for src in SOURCES}
         args_sharded = (t.kind, t.chunk, t.microbatch, recv, self.stage_of, self.pack_params(params))
@@ -686,19 +552,5 @@ class SpmdExecutor:
         args = self.inputs(params, x, labels)
         losses, acc = self.compiled(args)(*args)
         losses, acc = jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), (losses, acc))
-        return SpmdResult(
-            float(np.mean(losses.astype(np.float64))), tuple(float(v) for v in losses), self.unpack_grads(acc)
-        )
-
-
-def run_spmd(
-    schedule: Schedule,
-    model: StagedModel,
-    x: Any,
-    labels: Any,
-    params: Params | None = None,
-    devices: Sequence[Any] | None = None,
-) -> SpmdResult:
-    """One step of ``schedule`` on ``model`` with the compiled SPMD executor (see
-    :class:`SpmdExecutor`); ``params`` default to the model's own."""
-    return SpmdExecutor(model, schedule, devices).run(model.params if params is None else params, x, labels)
+        return SpmdResult(float(np.mean(losses.astype(np.float64))), tuple(float(v) for v in losses),
+                          self.unpack_grads(acc))

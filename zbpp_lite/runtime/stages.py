@@ -36,17 +36,14 @@ def microbatch_size(batch: int, num_microbatches: int) -> int:
     """
     m = num_microbatches
     if batch < 1 or batch % m:
-        raise ValueError(
-            f"a batch of {batch} samples does not divide into {m} microbatches; use a multiple of {m} (e.g. {m * max(1, round(batch / m))})"
-        )
+        raise ValueError(f"a batch of {batch} samples does not divide into {m} microbatches; use a "
+                         f"multiple of {m} (e.g. {m * max(1, round(batch / m))})")
     return batch // m
-
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy of ``logits`` (b, classes) float32 against integer ``labels`` (b,)."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
 
 
 def stage_parts(num_blocks: int, num_stages: int) -> list[list[int]]:
@@ -100,14 +97,17 @@ class StagedModel:
             NNX module nor a ``(fn, params)`` pair.
     """
 
-    def __init__(self, modules: Sequence[nnx.Module | tuple[Callable, Any]], num_stages: int, loss_fn: Callable = cross_entropy,
-                 parts: Sequence[Sequence[int]] | None = None):
+    def __init__(self, modules: Sequence[nnx.Module | tuple[Callable, Any]], num_stages: int,
+                 loss_fn: Callable = cross_entropy, parts: Sequence[Sequence[int]] | None = None):
         if len(modules) < 2:
-            raise ValueError(f"a staged model needs at least a first and a last module, got {len(modules)} module(s)")
+            raise ValueError(f"a staged model needs at least a first and a last module, got {len(modules)} "
+                             "module(s)")
         self.num_stages = num_stages
         self.parts = stage_parts(len(modules) - 2, num_stages) if parts is None else [list(p) for p in parts]
-        if parts is not None and (len(self.parts) != num_stages or not all(self.parts) or sum(self.parts, []) != list(range(len(modules)))):
-            raise ValueError(f"parts must split modules 0 .. {len(modules) - 1} in order into {num_stages} non-empty stages, got {self.parts}")
+        in_order = sum(self.parts, []) == list(range(len(modules)))
+        if parts is not None and (len(self.parts) != num_stages or not all(self.parts) or not in_order):
+            raise ValueError(f"parts must split modules 0 .. {len(modules) - 1} in order into {num_stages} "
+                             f"non-empty stages, got {self.parts}")
         self.loss_fn = loss_fn
         self.graphdefs, self.params = [], []
         for i, module in enumerate(modules):
@@ -118,7 +118,8 @@ class StagedModel:
                 continue
             graphdef, params, rest = nnx.split(module, nnx.Param, ...)
             if jax.tree_util.tree_leaves(rest):
-                raise ValueError(f"module {i} ({type(module).__name__}) holds state other than parameters; only nnx.Param state is supported")
+                raise ValueError(f"module {i} ({type(module).__name__}) holds state other than parameters; "
+                                 "only nnx.Param state is supported")
             self.graphdefs.append(graphdef)
             self.params.append(params)
 
@@ -133,10 +134,6 @@ class StagedModel:
     def join_stage_params(self, per_stage: Sequence[Sequence[Any]]) -> Params:
         """Inverse of :meth:`stage_params` over all stages: per-stage lists -> one per-module list."""
         return [p for stage in per_stage for p in stage]
-
-    def is_function(self, i: int) -> bool:
-        """Whether part ``i`` was given as a plain function ``(fn, params)``, not an NNX module."""
-        return isinstance(self.graphdefs[i], _Fn)
 
     def apply_part(self, i: int, params: Any, x: Any) -> Any:
         """Part ``i`` on ``x`` with ``params`` (its entry of :attr:`params`)."""
@@ -163,7 +160,8 @@ class StagedModel:
         ``jax.ShapeDtypeStruct``, or a pytree of them where a stage passes a tuple or dict on."""
         shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))]
         for s in range(self.num_stages - 1):
-            shapes.append(jax.eval_shape(self.stage_fn(s), self.stage_params(self.params, s), shapes[-1], None))
+            shapes.append(jax.eval_shape(self.stage_fn(s), self.stage_params(self.params, s), shapes[-1],
+                                         None))
         return shapes
 
     def split_stage(self, stage: int, x: Any, labels: Any = None) -> StageSplit:
@@ -181,7 +179,7 @@ class StagedModel:
             tuple(self.graphdefs[i] for i in self.parts[stage]),
             stage == 0,
             self.loss_fn if last else None,
-            *[(tuple(np.shape(a)), str(jnp.result_type(a))) for a in jax.tree_util.tree_leaves((params, x, aux))],
+            *[(np.shape(a), str(jnp.result_type(a))) for a in jax.tree_util.tree_leaves((params, x, aux))],
         )
         if key not in _SPLITS:
             _SPLITS[key] = StageSplit(self.stage_fn(stage), params, x, aux, input_grad=stage > 0)
@@ -203,11 +201,10 @@ def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None
     for s, shape in enumerate(model.stage_inputs(x)[1:]):
         if not isinstance(shape, jax.ShapeDtypeStruct):
             n = len(jax.tree_util.tree_leaves(shape))
-            raise ValueError(
-                f"{executor} passes one array between stages, but stage {s} passes a {type(shape).__name__} of {n} arrays "
-                "(pytree activations); run this model with PipelineExecutor (threads, or one process per rank through "
-                "zbpp_lite.runtime.processes) or SpmdExecutor"
-            )
+            raise ValueError(f"{executor} passes one array between stages, but stage {s} passes a "
+                             f"{type(shape).__name__} of {n} arrays (pytree activations); run this model "
+                             "with PipelineExecutor (threads, or one process per rank through "
+                             "zbpp_lite.runtime.processes) or SpmdExecutor")
 
 
 class _Fn:
@@ -232,12 +229,12 @@ class _Fn:
 def _function_part(i: int, part: Any) -> tuple[_Fn, Any]:
     """``(fn, params)`` checked: fn callable, params a pytree of floating-point arrays."""
     if not (isinstance(part, tuple) and len(part) == 2 and callable(part[0])):
-        raise ValueError(
-            f"part {i} is a {type(part).__name__}; expected an nnx.Module or a pair (fn, params) with fn(params, x) -> y"
-        )
+        raise ValueError(f"part {i} is a {type(part).__name__}; expected an nnx.Module or a pair (fn, "
+                         "params) with fn(params, x) -> y")
     fn, params = part
     dtypes = [jnp.asarray(a).dtype for a in jax.tree_util.tree_leaves(params)]
     bad = [d for d in dtypes if not jnp.issubdtype(d, jnp.inexact)]
     if bad:
-        raise ValueError(f"part {i}: parameters must be floating-point arrays to be differentiated, got {bad[0]}")
+        raise ValueError(f"part {i}: parameters must be floating-point arrays to be differentiated, got "
+                         f"{bad[0]}")
     return _Fn(fn), jax.tree_util.tree_map(jnp.asarray, params)

@@ -1,32 +1,21 @@
-"""What ranks send each other, and the inbox it waits in.
+"""What ranks send each other, the inbox it waits in, and the transports that carry it.
 
-Two named records cross between ranks (threads, processes, hosts):
-
-- :class:`Transfer` ``(kind, stage, microbatch, attempt)``: an activation ("F": stage s's output,
-  for stage s+1) or an input gradient ("B": for stage s-1), as :func:`~zbpp_lite.schedules.ir.produces`
-  names it, plus the attempt of the step it was computed in (0; 1 once a speculative warm-up was
-  redone after a post-validation rollback);
-- :class:`OptimizerMessage` ``(tag, sender)``: a small host value an optimizer step inside the
-  rank loop sends another rank (e.g. ``("FULL", p-1)``: the full gradient norm from the last rank).
-
-Across a process boundary a record goes as a JSON object (:func:`to_wire` / :func:`from_wire`),
-parsed, never unpickled. :class:`Inbox` is where a rank's inputs wait, keyed by
-:class:`~zbpp_lite.schedules.ir.Key` or :class:`OptimizerMessage`.
+Two named records cross between ranks (threads, processes, hosts): :class:`Transfer` ``(kind,
+stage, microbatch, attempt)``, an activation ("F", for stage s+1) or input gradient ("B", for
+stage s-1) as :func:`~zbpp_lite.schedules.ir.produces` names it, with the attempt of its step (1
+once a speculative warm-up was redone after a post-validation rollback); and
+:class:`OptimizerMessage` ``(tag, sender)``, a host value an optimizer step in the rank loop sends
+(e.g. ``("FULL", p-1)``: the full gradient norm). Across processes a record goes as a JSON object
+(:func:`to_wire` / :func:`from_wire`), never pickled. :class:`Inbox` is where a rank's inputs wait.
 
 The rank loop (:meth:`zbpp_lite.runtime.executor.PipelineExecutor._walk`) sends through a
-:class:`Transport`, one method: ``send(step, rank, key, value)``. It does not know whether the
-rank it sends to is a thread, a process or a host:
-
-- :class:`Threads`: every rank a thread of this process: straight into the receiver's inbox;
-- :class:`Carrier`: some ranks in other processes of this machine, reached through a
-  ``remote`` function (:func:`zbpp_lite.runtime.processes.connect`: shared-memory rings and a
-  socket per pair); the other process hands what arrives to its executor's ``deliver``;
-- ``distributed._CrossProcess``: JAX's distributed runtime, across hosts
-  (:mod:`zbpp_lite.runtime.distributed`).
-
-Add a transport: a class with ``send`` that gets ``value`` into rank ``rank``'s inbox of ``step``
-(on the receiving side, through ``PipelineExecutor.deliver`` or the inbox's ``put``), never
-waiting for the receiver.
+:class:`Transport` and does not know whether the receiver is a thread, a process or a host:
+:class:`Threads` (straight into the receiver's inbox), :class:`Carrier` (other processes of this
+machine, through ``remote``: :func:`zbpp_lite.runtime.processes.connect`), and
+``distributed._CrossProcess`` (JAX's distributed runtime, across hosts). Add one: a
+:class:`Threads` subclass whose ``send`` gets ``value`` into rank ``rank``'s inbox of ``step`` (on
+the receiving side through ``PipelineExecutor.deliver`` or the inbox's ``put``), never waiting
+for the receiver; ``start`` and ``finish`` if it needs threads or a gather.
 
 Layer: runtime (no JAX import).
 """
@@ -87,7 +76,8 @@ def message_key(key: Any) -> Transfer | OptimizerMessage:
         return Transfer(head, *rest)
     if isinstance(head, str) and head not in ("F", "B") and len(rest) == 1 and ints:
         return OptimizerMessage(head, rest[0])
-    raise ValueError(f"not a message key: {key!r}; want (F|B, stage, microbatch[, attempt]) or (tag, sender)")
+    raise ValueError(f"not a message key: {key!r}; want (F|B, stage, microbatch[, attempt]) or "
+                     "(tag, sender)")
 
 
 def to_wire(key: Transfer | OptimizerMessage) -> dict:
@@ -124,7 +114,8 @@ class Inbox:
     rank's inboxes of all steps share one condition, so a message for one step wakes a wait in
     another."""
 
-    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None, where: str = ""):
+    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None,
+                 where: str = ""):
         self.rank, self.abort, self.where = rank, abort, where  # where: e.g. " of step 3", for messages
         self.items: dict[InboxKey, tuple[int, Any]] = {}
         self.cond = cond if cond is not None else threading.Condition()
@@ -165,21 +156,37 @@ class Inbox:
                 if left <= 0:
                     what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
                             else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
-                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}{self.where}: {what} never arrived")
+                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}{self.where}: "
+                                       f"{what} never arrived")
                 self.cond.wait(min(left, 0.5))
 
 
 class Transport(Protocol):
-    """How what a rank sends reaches the rank that takes it (module docstring)."""
+    """How what a rank sends reaches the rank that takes it (module docstring).
+
+    ``send`` is the one method the rank loop calls; the executor also calls ``start`` (threads
+    that run beside the ranks, e.g. a cross-host mover), ``finish`` (the step results made
+    whole, e.g. gathered from every process) and reads ``where`` (what names this process in an
+    error, "" in one process). :class:`Threads` gives the defaults."""
+
+    where: str
 
     def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
         """``value`` under ``key`` for rank ``rank`` in ``step`` (the executor's step in flight;
         ``step.index`` numbers it over the executor's life); never waits for the receiver."""
 
+    def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
+        """Threads to run beside the rank threads over ``steps`` (``shapes``: every stage's input)."""
+
+    def finish(self, results: list) -> list:
+        """The step results, as every process sees them."""
+
 
 class Threads:
     """Every rank a thread of this process: ``put(step, key, value, rank)`` (the executor's)
     puts the value into the receiving rank's inbox, on its stage's device."""
+
+    where = ""
 
     def __init__(self, put: Callable[[Any, Any, Any, int], None]):
         self.put = put
@@ -187,13 +194,20 @@ class Threads:
     def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
         self.put(step, key, value, rank)
 
+    def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
+        return []
+
+    def finish(self, results: list) -> list:
+        return results
+
 
 class Carrier(Threads):
     """Ranks ``local`` threads of this process (as :class:`Threads`), the others reached through
     ``remote(rank, key, value, step_number)``; an activation or input gradient goes as an array,
     or a pytree as its list of leaves (``leaves(value)``)."""
 
-    def __init__(self, put, local: Any, remote: Callable[[int, Any, Any, int], None], leaves: Callable[[Any], Any]):
+    def __init__(self, put, local: Any, remote: Callable[[int, Any, Any, int], None],
+                 leaves: Callable[[Any], Any]):
         super().__init__(put)
         self.local, self.remote, self.leaves = set(local), remote, leaves
 

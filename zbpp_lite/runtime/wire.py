@@ -10,10 +10,9 @@ inside ``V`` an array is ``{"$array": i}`` (its index in ``arrays``) and a non-f
 ``{"$float": "nan"}`` (or ``"inf"``, ``"-inf"``), so the header is strict JSON and NaN still
 crosses (:mod:`zbpp_lite.schedules.strict_json`). Values are JSON's own
 (dict with str keys, list, str, int, float, bool, None), tuples (sent as lists) and NumPy arrays
-or scalars of a numeric or bool dtype (numbers of NumPy's scalar types are sent as 0-d arrays and
-come back as 0-d arrays). Anything else (an object array, a dict with non-str keys, a dict with
-the key ``"$array"`` or ``"$float"``) raises ``TypeError`` on encoding; a malformed message raises ``ValueError``
-on decoding, with what is wrong named.
+or scalars of a numeric or bool dtype (NumPy scalars cross as 0-d arrays). Anything else (an
+object array, a dict with non-str keys or the key ``"$array"`` or ``"$float"``) raises
+``TypeError`` on encoding; a malformed message raises ``ValueError`` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -40,7 +39,8 @@ def encode(value: Any) -> bytes:
         if isinstance(v, (np.ndarray, np.generic)):
             a = np.asarray(v)  # tobytes() writes C order whatever the strides
             if a.dtype.kind not in _KINDS:
-                raise TypeError(f"wire.encode: {where} is an array of dtype {a.dtype}; only bool and numeric dtypes cross processes")
+                raise TypeError(f"wire.encode: {where} is an array of dtype {a.dtype}; only bool and numeric "
+                                "dtypes cross processes")
             arrays.append(a)
             return {"$array": len(arrays) - 1}
         if isinstance(v, (list, tuple)):
@@ -49,17 +49,19 @@ def encode(value: Any) -> bytes:
             out = {}
             for k, x in v.items():
                 if not isinstance(k, str) or k in ("$array", "$float"):
-                    raise TypeError(f"wire.encode: {where} has the key {k!r}; keys must be str (and not '$array', '$float')")
+                    raise TypeError(f"wire.encode: {where} has the key {k!r}; keys must be str (and not "
+                                    "'$array', '$float')")
                 out[k] = walk(x, f"{where}[{k!r}]")
             return out
         if hasattr(v, "__array__") and hasattr(v, "dtype"):  # a jax.Array: to host memory
             return walk(np.asarray(v), where)
-        raise TypeError(f"wire.encode: {where} is a {type(v).__name__}; send JSON values, tuples and NumPy arrays only")
+        raise TypeError(f"wire.encode: {where} is a {type(v).__name__}; send JSON values, tuples and NumPy "
+                        "arrays only")
 
     tree = walk(value, "value")
+    specs = [{"dtype": a.dtype.str, "shape": list(a.shape), "nbytes": a.nbytes} for a in arrays]
     header = strict_json.dumps(
-        {"value": tree, "arrays": [{"dtype": a.dtype.str, "shape": list(a.shape), "nbytes": a.nbytes} for a in arrays]},
-        nonfinite=lambda x: {"$float": repr(x)}, separators=(",", ":"),
+        {"value": tree, "arrays": specs}, nonfinite=lambda x: {"$float": repr(x)}, separators=(",", ":"),
     ).encode()
     return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(a.tobytes() for a in arrays)])
 
@@ -68,7 +70,8 @@ def decode(data: bytes) -> Any:
     """The value of one message from :func:`encode`. Raises ValueError naming what is malformed."""
     data = memoryview(bytes(data))
     if len(data) < 12 or bytes(data[:4]) != MAGIC:
-        raise ValueError(f"wire.decode: not a zbpp message (want it to start with {MAGIC!r}, got {bytes(data[:4])!r})")
+        raise ValueError(f"wire.decode: not a zbpp message (want it to start with {MAGIC!r}, got "
+                         f"{bytes(data[:4])!r})")
     (n,) = struct.unpack("<Q", data[4:12])
     if 12 + n > len(data):
         raise ValueError(f"wire.decode: header of {n} bytes but only {len(data) - 12} follow")
@@ -83,10 +86,12 @@ def decode(data: bytes) -> Any:
         shape = tuple(int(d) for d in spec["shape"])
         nbytes = int(spec["nbytes"])
         if dtype.kind not in _KINDS or dtype.hasobject:
-            raise ValueError(f"wire.decode: array {i} has dtype {dtype}; only bool and numeric dtypes are accepted")
-        if nbytes != dtype.itemsize * int(np.prod(shape, dtype=np.int64)) or at + nbytes > len(data):
+            raise ValueError(f"wire.decode: array {i} has dtype {dtype}; only bool and numeric dtypes are "
+                             "accepted")
+        needs = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if nbytes != needs or at + nbytes > len(data):
             raise ValueError(f"wire.decode: array {i} ({dtype}, shape {shape}) claims {nbytes} bytes; "
-                             f"{len(data) - at} remain and the shape needs {dtype.itemsize * int(np.prod(shape, dtype=np.int64))}")
+                             f"{len(data) - at} remain and the shape needs {needs}")
         arrays.append(np.frombuffer(data[at : at + nbytes], dtype=dtype).reshape(shape).copy())
         at += nbytes
     if at != len(data):
@@ -96,7 +101,8 @@ def decode(data: bytes) -> Any:
         if isinstance(v, dict):
             if set(v) == {"$float"}:
                 if v["$float"] not in ("nan", "inf", "-inf"):
-                    raise ValueError(f"wire.decode: non-finite float {v['$float']!r}; want 'nan', 'inf' or '-inf'")
+                    raise ValueError(f"wire.decode: non-finite float {v['$float']!r}; want 'nan', 'inf' or "
+                                     "'-inf'")
                 return float(v["$float"])
             if set(v) == {"$array"}:
                 i = v["$array"]

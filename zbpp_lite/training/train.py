@@ -177,7 +177,7 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
                 data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None) -> TrainResult:
     """The step loop every pipeline run of this process goes through, whatever carries the
     values between its ranks (``executor``: the thread executor, or
-    :class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor` over JAX's distributed
+    :func:`~zbpp_lite.runtime.distributed.process_executor` over JAX's distributed
     runtime): ``steps`` executor steps from ``config``'s initial parameters (or ``run.init``) on
     batches 0, 1, ..., AdamW per stage (or, with ``run.max_grad_norm``, inside the rank threads),
     then the first step checked against the one reference, the trained model evaluated, the
