@@ -3,13 +3,14 @@
 - :mod:`.devices`: simulated CPU devices, accelerators, and the checks that there are enough;
 - :mod:`.split`: the backward split, a stage's F, B, W and fused BW as jitted functions;
 - :mod:`.stages`: ``StagedModel``, any list of NNX modules and a loss cut into stages;
-- :mod:`.executor`: ``PipelineExecutor``, any schedule on several devices, one thread a rank,
-  measuring a ``Timeline`` of the simulator's type;
+- :mod:`.executor`: ``PipelineExecutor``, the one rank loop: any schedule on several devices,
+  one thread a rank, measuring a ``Timeline`` of the simulator's type; ``run_schedule``;
 - :mod:`.transport`: what ranks send each other (``Transfer``, ``OptimizerMessage``: named
-  records, JSON on the wire) and the ``Inbox`` a rank's inputs wait in;
+  records, JSON on the wire), the ``Inbox`` a rank's inputs wait in, and the transports;
 - :mod:`.processes`: one pinned process per rank, joined by shared-memory rings and pipes (the
-  cross-process transport);
-- :mod:`.distributed`: the executor across processes on JAX's distributed runtime;
+  ``Carrier`` transport's other end);
+- :mod:`.distributed`: JAX's distributed runtime and the transport across hosts
+  (``process_executor``);
 - :mod:`.cluster`: joining a run on several hosts (addresses, cluster detection, the runtime's
   fatal errors in one line);
 - :mod:`.wire`: what crosses a process boundary, as JSON and raw NumPy bytes (never pickles);

@@ -1,19 +1,15 @@
-"""Joining a run on several hosts: addresses, cluster detection, and the runtime's failures in one line.
+"""Joining a run on several hosts: addresses, cluster detection, the runtime's failures in one line.
 
-A multi-host run has one process per host (or several), numbered 0..N-1; process 0 hosts JAX's
-coordination service at ``HOST:PORT`` (the coordinator), every process connects to it, and each
-process listens for cross-host array transfers on its own ``HOST:PORT`` (the transfer address,
-``jax_cross_host_transfer_socket_address``). Without explicit addresses, JAX can detect the
-cluster from its scheduler's environment (``jax.distributed.initialize()`` with no arguments;
-JAX's documentation: Cloud TPU, SLURM, Open MPI, Kubernetes); :func:`detect_cluster` says which,
-from the environment alone (no network query), so that ``train`` knows before starting JAX.
+A multi-host run has processes 0..N-1; process 0 hosts JAX's coordination service at
+``HOST:PORT`` (the coordinator), and each process listens for cross-host transfers on its own
+``HOST:PORT`` (``jax_cross_host_transfer_socket_address``). Without addresses JAX detects the
+cluster from its scheduler's environment (``jax.distributed.initialize()``: Cloud TPU, SLURM,
+Open MPI, Kubernetes); :func:`detect_cluster` says which from the environment alone, before JAX
+starts. JAX ends a process on a fatal coordination error with ``LOG(FATAL)``, which Python cannot
+catch; :func:`explain_runtime_failure` turns that text into one line naming the cause (printed by
+the ``train`` supervisor, :mod:`zbpp_lite.cli.join`).
 
-JAX's runtime ends a process on a fatal coordination error (a lost peer, a registration that
-timed out, a duplicate process id) with ``LOG(FATAL)`` and a stack trace, which Python cannot
-catch. :func:`explain_runtime_failure` turns that text into one line naming the cause; the
-``train`` command's supervisor (:mod:`zbpp_lite.cli.join`) prints it.
-
-Layer 2 (runtime); no JAX import at module level.
+Layer 2 (runtime); no JAX import.
 """
 
 from __future__ import annotations

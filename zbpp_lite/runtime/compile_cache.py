@@ -1,24 +1,17 @@
 """A persistent XLA compilation cache shared by every process of a run, and by the next run.
 
-A live run compiles the same stage programs several times over: the planners' profile compiles
-every stage's F, B, W and BW, then each rank process compiles its own stages again, and the next
-``compare`` compiles them all once more. JAX can keep compiled executables on disk, keyed by the
-program, the backend, the XLA flags and the JAX version, and read them back instead of compiling
-(JAX documentation, "Persistent compilation cache"). On the 2-core CPU machine the planners' profile
-compiled in 34 s into an empty cache and in 7 s from a filled one.
+A live run compiles the same stage programs several times (the planners' profile, each rank
+process, the next ``compare``); JAX can keep compiled executables on disk, keyed by program,
+backend, XLA flags and JAX version (JAX documentation, "Persistent compilation cache"). On the
+2-core CPU machine the planners' profile compiled in 34 s into an empty cache, 7 s from a full one.
+:func:`use_compile_cache` switches it on through environment variables, so every child process
+inherits it; it is the command line's default, never switched on by the package's functions.
 
-:func:`use_compile_cache` switches it on through environment variables, so that every child process
-(rank processes, the one-core helper) inherits it. It is the command line's default; the package's
-functions never switch it on by themselves.
-
-Environment:
-    ``ZBPP_LITE_COMPILE_CACHE``: ``0`` / ``off`` / ``no`` / ``false`` turns it off; any other value is the
-    directory to use. Default: ``$XDG_CACHE_HOME/zbpp_lite/xla`` (``~/.cache/zbpp_lite/xla``).
-    ``JAX_COMPILATION_CACHE_DIR``: where it is already set, it is kept, and so are JAX's own
-    thresholds.
-
-Deleting the directory is always safe: the next run compiles again. A cache entry that cannot be read
-(another process still writing it) is compiled again by JAX, with a warning.
+Environment: ``ZBPP_LITE_COMPILE_CACHE``: ``0`` / ``off`` / ``no`` / ``false`` turns it off, any
+other value is the directory (default ``$XDG_CACHE_HOME/zbpp_lite/xla``, else
+``~/.cache/zbpp_lite/xla``); a ``JAX_COMPILATION_CACHE_DIR`` already set is kept, with JAX's own
+thresholds. Deleting the directory is always safe; an entry that cannot be read (still being
+written) is compiled again by JAX, with a warning.
 
 Layer 2 (runtime); imports no JAX.
 """

@@ -46,7 +46,7 @@ import numpy as np
 from .devices import too_few_devices_message
 from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
 from .spmd import SpmdExecutor
-from .stages import Params, StagedModel, microbatch_size
+from .stages import Params, StagedModel, batch_microbatch_size
 from .transport import (Aborted, Carrier, Inbox, Interrupted, OptimizerMessage, Threads, Transfer, Transport,
                         message_key)
 from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
@@ -241,21 +241,13 @@ class PipelineExecutor:
         ScheduleError: an invalid schedule.
         ValueError: a model with a different number of stages, fewer devices than ranks (the
             message says how to get simulated CPU devices), an unknown rank, or some ranks
-            without ``remote``.
+            without ``remote`` or ``transport``.
     """
 
-    def __init__(
-        self,
-        model: StagedModel,
-        schedule: Schedule,
-        devices: Sequence[Any] | None = None,
-        timeout: float = 120.0,
-        *,
-        ranks: Sequence[int] | None = None,
-        remote: Callable[[int, Transfer | OptimizerMessage, Any, int], None] | None = None,
-        transport: Callable[[Callable], Transport] | None = None,
-        record_memory: bool = True,
-    ):
+    def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None,
+                 timeout: float = 120.0, *, ranks: Sequence[int] | None = None,
+                 remote: Callable[[int, Transfer | OptimizerMessage, Any, int], None] | None = None,
+                 transport: Callable[[Callable], Transport] | None = None, record_memory: bool = True):
         validate(schedule)
         if model.num_stages != schedule.num_stages:
             raise ValueError(f"the schedule has {schedule.num_stages} stages but the model is cut into "
@@ -297,31 +289,11 @@ class PipelineExecutor:
         self._steps_begun = 0  # steps numbered so far: what remote messages are tagged with
         self._spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
         self._spares_for: Any = None  # the microbatch shape the spares have
-        self._handlers: dict[str, Callable] = {
-            "F": self._forward,
-            "B": self._backward_input,
-            "W": self._backward_weight,
-            "BW": self._backward_fused,
-        }
+        self._handlers: dict[str, Callable] = {"F": self._forward, "B": self._backward_input,
+                                               "W": self._backward_weight, "BW": self._backward_fused}
         self._prepared: dict = {}
         self._input_trees: list = []  # per stage: the pytree structure of its input (set by _prepare)
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
-
-    def microbatch_size(self, x: Any, labels: Any) -> int:
-        """Samples per microbatch for a batch ``x`` (b, ...) with ``labels`` (b,).
-
-        Raises:
-            ValueError: a scalar ``x`` or ``labels`` (no batch axis), inputs and labels of different
-                lengths, or a batch that does not divide into the schedule's microbatches.
-        """
-        for what, v in (("x", x), ("labels", labels)):
-            if not np.shape(v):
-                raise ValueError(f"{what} is a scalar; give a batch (b, ...) with b divisible by "
-                                 f"{self.schedule.num_microbatches} microbatches")
-        b = np.shape(x)[0]
-        if np.shape(labels)[0] != b:
-            raise ValueError(f"the batch has {b} inputs but {np.shape(labels)[0]} labels")
-        return microbatch_size(b, self.schedule.num_microbatches)
 
     def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
         """Every local stage's :class:`~zbpp_lite.runtime.split.StageSplit` for this microbatch shape
@@ -410,7 +382,7 @@ class PipelineExecutor:
             raise ValueError(f"every batch of run_steps must have one shape, got {sorted(shapes)}")
         S, m = self.model.num_stages, self.schedule.num_microbatches
         x0, y0 = batches[0]
-        mb = self.microbatch_size(x0, y0)
+        mb = batch_microbatch_size(x0, y0, m)
         local = self.local_stages
         stage_params = [_placed(self.model.stage_params(params, s), self.stage_devices[s])
                         if s in local else None for s in range(S)]

@@ -47,7 +47,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .stages import Params, StagedModel
+from .stages import Params, StagedModel, batch_microbatch_size
 from .transport import Transfer
 from ..schedules.ir import Schedule, produces
 from ..schedules.simulate import lockstep_ticks
@@ -528,10 +528,7 @@ class SpmdExecutor:
         m = self.schedule.num_microbatches
         # each keeps its dtype, as jax.device_put would give it (float64 -> float32 without x64)
         x, labels = (np.asarray(a, jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)) for a in (x, labels))
-        if x.ndim == 0 or labels.ndim == 0 or x.shape[0] % m or labels.shape[0] != x.shape[0]:
-            raise ValueError(f"a batch of {np.shape(x)[:1]} inputs and {np.shape(labels)[:1]} labels does "
-                             f"not divide into {m} microbatches; give x (b, ...) and labels (b, ...) with "
-                             f"b a multiple of {m}")
+        batch_microbatch_size(x, labels, m)  # ValueError: a batch that does not cut into m microbatches
         t = self.tables
         recv = {src: t.recv[src] for src in SOURCES}
         args_sharded = (t.kind, t.chunk, t.microbatch, recv, self.stage_of, self.pack_params(params))

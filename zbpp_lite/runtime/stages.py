@@ -41,6 +41,23 @@ def microbatch_size(batch: int, num_microbatches: int) -> int:
     return batch // m
 
 
+def batch_microbatch_size(x: Any, labels: Any, num_microbatches: int) -> int:
+    """Samples per microbatch of a batch ``x`` (b, ...) with ``labels`` (b, ...), any dtypes.
+
+    Raises:
+        ValueError: a scalar ``x`` or ``labels`` (no batch axis), inputs and labels of different
+            lengths, or a batch that does not divide into the microbatches (:func:`microbatch_size`).
+    """
+    for what, v in (("x", x), ("labels", labels)):
+        if not np.shape(v):
+            raise ValueError(f"{what} is a scalar; give a batch (b, ...) with b divisible by "
+                             f"{num_microbatches} microbatches")
+    b = np.shape(x)[0]
+    if np.shape(labels)[0] != b:
+        raise ValueError(f"the batch has {b} inputs but {np.shape(labels)[0]} labels")
+    return microbatch_size(b, num_microbatches)
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy of ``logits`` (b, classes) float32 against integer ``labels`` (b,)."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
