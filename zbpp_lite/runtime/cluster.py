@@ -130,16 +130,11 @@ _UNHEALTHY = re.compile(r"tasks are unhealthy[^\n]*:\s*\n?\s*([\d,\s]+)", re.S)
 
 def explain_runtime_failure(text: str, process: int | None, coordinator: str | None,
                             num_processes: int | None = None, timeout: float | None = None) -> str | None:
-    """One line for a process that JAX's runtime ended (``text``: the process's stderr), naming
-    the cause, or ``None`` when ``text`` shows no fatal runtime error.
-
-    Causes told apart: a lost process (``tasks are unhealthy``: its heartbeats stopped), a lost
-    coordinator (the service's RPCs fail), a duplicate process id (``ALREADY_EXISTS`` on
-    registration), a process id the coordinator does not expect (``--num-processes`` differs), and
-    a registration that timed out (a process missing, or started with another ``--num-processes``).
-    The text matched is XLA's coordination service's (JAX 0.4-0.10); unknown text gives its status
-    line, cut to one line.
-    """
+    """One line naming why JAX's runtime ended a process (``text``: its stderr), or ``None`` when
+    ``text`` shows no fatal runtime error: a lost process (heartbeats stopped), a lost coordinator,
+    a duplicate process id, a process id the coordinator does not expect (``--num-processes``
+    differs), a registration that timed out; else the status line. The text matched is XLA's
+    coordination service's (JAX 0.4-0.10)."""
     if "Terminating process because the JAX distributed service" not in text and "Check failure" not in text \
             and "CoordinationService" not in text:
         return None

@@ -109,10 +109,8 @@ class Interrupted(Exception):
 
 class Inbox:
     """What other ranks sent to one rank in one step, keyed by :class:`~zbpp_lite.schedules.ir.Key`
-    (activations, input gradients) or :class:`OptimizerMessage`. Each value carries the attempt of
-    the step it was computed in: a take waits for its own attempt's value and drops older ones. A
-    rank's inboxes of all steps share one condition, so a message for one step wakes a wait in
-    another."""
+    or :class:`OptimizerMessage`, each value with the attempt it was computed in (a take waits for
+    its own attempt's and drops older ones). A rank's inboxes of all steps share one condition."""
 
     def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None,
                  where: str = ""):
