@@ -52,17 +52,27 @@ def classify(hlo: str) -> dict[str, tuple[str, str]]:
     bodies = {}
     for m in re.finditer(r"^%?([\w.]+) .*?\{\n(.*?)\n\}", hlo, re.S | re.M):
         body = m.group(2)
-        bodies[m.group(1)] = ("product" if (" dot(" in body or "convolution(" in body) else "reduction" if " reduce(" in body
-                              else "transpose/copy" if (" transpose(" in body or " copy(" in body) else "elementwise")
+        bodies[m.group(1)] = (
+            "product"
+            if (" dot(" in body or "convolution(" in body)
+            else "reduction"
+            if " reduce(" in body
+            else "transpose/copy"
+            if (" transpose(" in body or " copy(" in body)
+            else "elementwise"
+        )
     out = {}
-    for line in hlo[hlo.index("ENTRY"):].splitlines():
+    for line in hlo[hlo.index("ENTRY") :].splitlines():
         m = re.search(r"%([\w.]+) = (\S+) (\w+)\(.*?calls=%([\w.]+)", line)
         if m:
             out[m.group(1)] = (bodies.get(m.group(4), "elementwise"), m.group(2).split("{")[0])
             continue
         m = re.search(r"%([\w.]+) = (\S+) (dot|transpose|copy|reduce)\(", line)
         if m:
-            out[m.group(1)] = ({"dot": "product", "reduce": "reduction"}.get(m.group(3), "transpose/copy"), m.group(2).split("{")[0])
+            out[m.group(1)] = (
+                {"dot": "product", "reduce": "reduction"}.get(m.group(3), "transpose/copy"),
+                m.group(2).split("{")[0],
+            )
     return out
 
 
@@ -75,9 +85,12 @@ def main() -> None:
     model = StagedModel(build_parts(ModelConfig(d=128, heads=4, blocks=8)), 2)
     x, y = load_digits(0.0, 0).batch(0, 32)
     if "1" in args.parts:
-        print(f"1. per-pass times, ms, medians of {args.repeats} interleaved repeats on one core, each pass called as "
-              f"the executor calls it (spare output buffers and running sums donated; load average "
-              f"{os.getloadavg()[0]:.2f})")
+        print(
+            f"1. per-pass times, ms, medians of {args.repeats} interleaved repeats on one core, "
+            f"each pass called as "
+            f"the executor calls it (spare output buffers and running sums donated; load average "
+            f"{os.getloadavg()[0]:.2f})"
+        )
         costs = profile_stage_costs(model, x, y, repeats=args.repeats, fused=True)
         for s in range(2):
             f, b, w, bw = (v[s] * 1e3 for v in (costs.f, costs.b, costs.w, costs.bw))
@@ -101,8 +114,12 @@ def _stage_passes(model, x, y, stage: int) -> dict:
         h, h_in = out, h
     dy = jnp.ones(jnp.shape(out), out.dtype)
     _, grads = flat.backward_input(p, own, dy)
-    return {"F": (flat.forward, (p, h_in, aux)), "B": (flat.backward_input, (p, own, dy)),
-            "W": (flat.backward_weight, (p, kept, grads, None)), "BW": (flat.backward_fused, (p, own, kept, dy, None))}
+    return {
+        "F": (flat.forward, (p, h_in, aux)),
+        "B": (flat.backward_input, (p, own, dy)),
+        "W": (flat.backward_weight, (p, kept, grads, None)),
+        "BW": (flat.backward_fused, (p, own, kept, dy, None)),
+    }
 
 
 def _dispatch_overhead(repeats: int) -> None:
@@ -113,7 +130,9 @@ def _dispatch_overhead(repeats: int) -> None:
     for kind, (fn, call_args) in passes.items():
         compiled = fn.lower(*call_args).compile()
         leaves = jax.tree_util.tree_leaves(call_args)
-        used = sorted(getattr(compiled._executable, "_kept_var_idx", range(len(leaves))))  # unused args are pruned
+        used = sorted(
+            getattr(compiled._executable, "_kept_var_idx", range(len(leaves)))
+        )  # unused args are pruned
         executable, flat_args = compiled.runtime_executable(), [leaves[i] for i in used]
         calls[kind] = (lambda fn=fn, a=call_args: fn(*a), lambda e=executable, a=flat_args: e.execute(a))
     times = collections.defaultdict(list)
@@ -126,10 +145,16 @@ def _dispatch_overhead(repeats: int) -> None:
                     result = call()
                 jax.block_until_ready(result)
                 times[kind, way].append((time.perf_counter() - start) / 100 * 1e6)
-    print(f"\n4. per call, microseconds (median of {repeats} x 100, tiny stage; load average {os.getloadavg()[0]:.2f})")
+    print(
+        f"\n4. per call, microseconds (median of {repeats} x 100, tiny stage; "
+        f"load average {os.getloadavg()[0]:.2f})"
+    )
     for kind in calls:
         jitted, direct = (statistics.median(times[kind, way]) for way in (0, 1))
-        print(f"   {kind:2s} jax.jit {jitted:7.1f}  compiled executable {direct:7.1f}  overhead {jitted - direct:+7.1f}")
+        print(
+            f"   {kind:2s} jax.jit {jitted:7.1f}  compiled executable {direct:7.1f}  "
+            f"overhead {jitted - direct:+7.1f}"
+        )
 
 
 def _first_stage_flops(model, x) -> None:
@@ -141,12 +166,17 @@ def _first_stage_flops(model, x) -> None:
         flat = StageSplit(model.stage_fn(0), params, x, input_grad=input_grad).flat
         y, own, kept = flat.forward(p, x, None)
         dy = jnp.ones_like(y)
-        flops[input_grad] = (compiled_flops(flat.backward_input, p, own, dy),
-                             compiled_flops(flat.backward_fused, p, own, kept, dy, None))
+        flops[input_grad] = (
+            compiled_flops(flat.backward_input, p, own, dy),
+            compiled_flops(flat.backward_fused, p, own, kept, dy, None),
+        )
     print("\n3. stage 0 without its input gradient (XLA's cost analysis, MFLOP per microbatch)")
     for k, kind in enumerate(("B", "BW")):
         before, after = flops[True][k] / 1e6, flops[False][k] / 1e6
-        print(f"   {kind:2s} {before:9.3f} -> {after:9.3f}  saved {before - after:.3f} ({(before - after) / before:.2%})")
+        print(
+            f"   {kind:2s} {before:9.3f} -> {after:9.3f}  "
+            f"saved {before - after:.3f} ({(before - after) / before:.2%})"
+        )
 
 
 def _profile(passes: dict, index: int) -> None:
@@ -161,9 +191,17 @@ def _profile(passes: dict, index: int) -> None:
                     jax.block_until_ready(call())
         trace = json.load(gzip.open(glob.glob(os.path.join(tmp, "**", "*.trace.json.gz"), recursive=True)[0]))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    programs = sorted((e for e in events if e.get("ph") == "X" and e["name"].startswith("PjitFunction(")), key=lambda e: e["ts"])
+    programs = sorted(
+        (e for e in events if e.get("ph") == "X" and e["name"].startswith("PjitFunction(")),
+        key=lambda e: e["ts"],
+    )
     starts = [e["ts"] for e in programs]
-    name_of = {"_forward_flat": "F", "_backward_input_flat": "B", "_backward_weight_flat": "W", "_backward_fused_flat": "BW"}
+    name_of = {
+        "_forward_flat": "F",
+        "_backward_input_flat": "B",
+        "_backward_weight_flat": "W",
+        "_backward_fused_flat": "BW",
+    }
     ops = {k: classify(v) for k, v in hlo.items()}
     by_class: dict = collections.defaultdict(lambda: collections.defaultdict(float))
     by_shape: dict = collections.defaultdict(lambda: collections.defaultdict(float))
@@ -173,7 +211,7 @@ def _profile(passes: dict, index: int) -> None:
         i = bisect.bisect_right(starts, e["ts"]) - 1
         if i < 0:
             continue
-        kind = name_of.get(programs[i]["name"][len("PjitFunction("):-1])
+        kind = name_of.get(programs[i]["name"][len("PjitFunction(") : -1])
         if kind is None or e["name"] not in ops[kind]:
             continue
         cls, shape = ops[kind][e["name"]]
@@ -182,12 +220,18 @@ def _profile(passes: dict, index: int) -> None:
     print(f"\n2. stage {index} op by op (profiled, so slower than above; ms per call): B + W against BW")
     for cls in sorted(by_class):
         v = by_class[cls]
-        print(f"   {cls:15s} F {v['F']:6.2f}  B {v['B']:6.2f}  W {v['W']:6.2f}  B+W {v['B'] + v['W']:6.2f}  BW {v['BW']:6.2f}  "
-              f"extra {v['B'] + v['W'] - v['BW']:+6.2f}")
+        print(
+            f"   {cls:15s} F {v['F']:6.2f}  B {v['B']:6.2f}  W {v['W']:6.2f}  "
+            f"B+W {v['B'] + v['W']:6.2f}  BW {v['BW']:6.2f}  "
+            f"extra {v['B'] + v['W'] - v['BW']:+6.2f}"
+        )
     print("   by output shape (largest differences first):")
     rows = sorted(by_shape.items(), key=lambda kv: -abs(kv[1]["B"] + kv[1]["W"] - kv[1]["BW"]))
     for (cls, shape), v in rows[:12]:
-        print(f"   {cls:15s} {shape:22s} B {v['B']:5.2f}  W {v['W']:5.2f}  BW {v['BW']:5.2f}  extra {v['B'] + v['W'] - v['BW']:+5.2f}")
+        print(
+            f"   {cls:15s} {shape:22s} B {v['B']:5.2f}  W {v['W']:5.2f}  BW {v['BW']:5.2f}  "
+            f"extra {v['B'] + v['W'] - v['BW']:+5.2f}"
+        )
 
 
 if __name__ == "__main__":
