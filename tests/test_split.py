@@ -8,15 +8,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from zbpp_lite.training.model import ModelConfig, build_parts
-from zbpp_lite.runtime.stages import StagedModel
+import zbpp_lite as zb
+from zbpp_lite.runtime.executor import PipelineExecutor
 from zbpp_lite.runtime.split import (
     Handover,
     StageSplit,
+    _scan_counts,
     compiled_flops,
     forward_kept_bytes,
     vjp_residual_bytes,
 )
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.training.model import ModelConfig, build_parts
 
 
 def _max_rel(a, b) -> float:
@@ -456,9 +459,6 @@ def test_remat_and_scanned_stages_run_in_the_executor_with_jax_grads(schedule):
     """Stage 0 a Linear and a remat block, stage 1 a scanned stack (a plain function part) and a
     Linear: BW (1F1B) and B then W (ZB-H1) through the executor's flat programs and spares give
     jax.grad of the whole model."""
-    import zbpp_lite as zb
-    from zbpp_lite.runtime.executor import PipelineExecutor
-
     stack_fn, stack_params = _scanned_stage(2, 16, 1)
     parts = [
         nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
@@ -556,14 +556,10 @@ def _scan_equation():
 
 def test_the_scan_equation_is_read_on_this_jax():
     """JAX 0.10-0.11 give num_consts / num_carry, JAX 0.12 ft_in (issue 31 part 7: KeyError 'num_consts')."""
-    from zbpp_lite.runtime.split import _scan_counts
-
     assert _scan_counts(_scan_equation()) == (1, 1)
 
 
 def test_a_scan_equation_the_split_cannot_read_is_refused_in_one_line_naming_it_and_the_jax_version():
-    from zbpp_lite.runtime.split import _scan_counts
-
     eqn = _scan_equation()
     counts = ("num_consts", "num_carry", "ft_in")
     unknown = eqn.replace(params={k: v for k, v in eqn.params.items() if k not in counts})
