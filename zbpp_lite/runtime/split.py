@@ -407,8 +407,8 @@ class FlatStage:
       the parameters, then the operands of B's share of the parameter gradients.
     - ``backward_input(p, own, dy, spare=None) -> (dx, handover)``: a :class:`Handover` of each
       distinct output gradient W reads, once (a product and the bias addition after it share
-      one), W's operands B hands over (step 3; recomputed in checkpoints), and B's share of the parameter
-      gradients (those of the elementwise weight operations, step 7 of the module docstring).
+      one), W's operands B hands over (step 3; those recomputed in checkpoints), and B's share
+      of the parameter gradients (the elementwise weight operations', step 7).
     - ``backward_weight(p, kept, handover, acc) -> acc + dparams``, or ``dparams`` when ``acc``
       is ``None`` (a stage's first W of a step: no zeros to add to). It adds B's share.
     - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``, ``acc`` as in W.
@@ -443,7 +443,7 @@ class StageSplit:
       them as the very arrays given, not copies) and W's operands (a tuple of arrays).
     - ``backward_input(res, dy) -> (dx, handover)``: the input gradient (``None`` when
       ``input_grad`` is false) and a :class:`Handover`: every weight operation's output
-      gradient, and W's operands recomputed inside checkpoints (see the module docstring).
+      gradient, and W's operands B hands over (recomputed in checkpoints, or held by B: step 3).
     - ``backward_weight(params, kept, handover, acc) -> acc + dparams``: the parameter
       gradients, added to the accumulator ``acc`` (same pytree as ``params``).
     - ``backward_fused(params, res, kept, dy, acc) -> (dx, acc + dparams)``: B then W.
@@ -452,7 +452,9 @@ class StageSplit:
     the same programs over flat tuples of arrays (:class:`FlatStage`), what the executor calls.
 
     Raises:
-        ValueError: an output that does not depend on the stage input, or a non-float output.
+        ValueError: an output that does not depend on the stage input, or a non-float output; W
+            given another stage's handover.
+        RuntimeError: B called before this stage's F was traced, or W before F and B.
     """
 
     def __init__(self, fn: Callable, params: Any, x: Any, aux: Any = None, *, input_grad: bool = True):
