@@ -14,9 +14,10 @@ pinned to one core:
 3. stage 0 computes no input gradient (its input is data): XLA's flops of its B and BW built with
    ``input_grad=True`` (before) and ``False`` (the executor's), from the compiled cost analysis.
 4. what a call costs beyond its compiled program (flattening and checking the arguments,
-   dispatch): F, B, W and BW of a tiny stage (d = 16, 4 samples: compute is negligible) called
-   as ``jax.jit`` functions (as the executor calls them) and as their compiled XLA executables
-   on pre-flattened argument lists, interleaved; medians of ``--repeats`` rounds of 100 calls.
+   dispatch): F, B, W and BW of a tiny stage (d = 16, 4 samples) called as ``jax.jit`` functions
+   (as the executor calls them) and as their compiled XLA executables on pre-flattened argument
+   lists, interleaved; medians of ``--repeats`` rounds of 100 calls. On JAX 0.10 the executable
+   called from Python was no faster than jit's C++ dispatch (issue 32: 2 runs under load 12-16).
 
     taskset -c 1 python benchmarks/bench_split_cost.py [--repeats 40] [--stage 0] [--parts 1234]
 """
