@@ -8,9 +8,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from zbpp_lite.training.model import ModelConfig, build_parts
+import zbpp_lite as zb
+from zbpp_lite.runtime.executor import PipelineExecutor
+from zbpp_lite.runtime.split import (
+    Handover,
+    StageSplit,
+    _scan_counts,
+    compiled_flops,
+    forward_kept_bytes,
+    vjp_residual_bytes,
+)
 from zbpp_lite.runtime.stages import StagedModel
-from zbpp_lite.runtime.split import Handover, StageSplit, compiled_flops, forward_kept_bytes, vjp_residual_bytes
+from zbpp_lite.training.model import ModelConfig, build_parts
 
 
 def _max_rel(a, b) -> float:
@@ -72,7 +81,12 @@ class _Mlp(nnx.Module):
 
 def test_any_nnx_model_given_as_a_list_of_blocks_splits_the_same_way():
     rngs = nnx.Rngs(3)
-    modules = [nnx.Linear(5, 12, rngs=rngs), _Mlp(12, 12, rngs), _Mlp(12, 12, rngs), nnx.Linear(12, 3, rngs=rngs)]
+    modules = [
+        nnx.Linear(5, 12, rngs=rngs),
+        _Mlp(12, 12, rngs),
+        _Mlp(12, 12, rngs),
+        nnx.Linear(12, 3, rngs=rngs),
+    ]
 
     def loss(out, target):
         return jnp.mean((out - target) ** 2)
@@ -134,7 +148,15 @@ def test_b_plus_w_cost_the_fused_backward_and_w_only_the_weight_products():
     def arr(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.float32)
 
-    block = ([(arr(n, d), arr(n, d))] * 2, [(arr(n, d), arr(n, 3 * d)), (arr(n, d), arr(n, d)), (arr(n, d), arr(n, 4 * d)), (arr(n, 4 * d), arr(n, d))])
+    block = (
+        [(arr(n, d), arr(n, d))] * 2,
+        [
+            (arr(n, d), arr(n, 3 * d)),
+            (arr(n, d), arr(n, d)),
+            (arr(n, d), arr(n, 4 * d)),
+            (arr(n, 4 * d), arr(n, d)),
+        ],
+    )
     flops_products = compiled_flops(_weight_products, [block] * 4)
     assert flops_products >= 4 * 2 * n * 12 * d * d  # the four GEMMs per block dominate
 
@@ -157,7 +179,10 @@ def test_the_flat_b_computes_bias_and_layernorm_gradients_and_the_flat_w_only_th
         fn, params = model.stage_fn(s), model.stage_params(model.params, s)
         aux = labels if s == 1 else None
         split = model.split_stage(s, shapes[s], labels)
-        assert {split.weight_primitives[j] for j in split._b_ops} == {"add", "mul"}  # the biases, LayerNorm's scale and shift
+        assert {split.weight_primitives[j] for j in split._b_ops} == {
+            "add",
+            "mul",
+        }  # the biases, LayerNorm's scale and shift
         p = tuple(jax.tree_util.tree_leaves(params))
         y, own, kept = split.flat.forward(p, h, aux)
         dy = jnp.ones(()) if aux is not None else jax.random.normal(jax.random.key(s), y.shape)
@@ -192,7 +217,12 @@ def test_weight_operations_inside_nested_jit_and_remat_are_found():
         return jax.nn.softplus(h) * p["s"]
 
     keys = jax.random.split(jax.random.key(0), 3)
-    p = {"w": jax.random.normal(keys[0], (4, 5)), "b": jnp.ones(5), "w2": jax.random.normal(keys[1], (5, 5)), "s": jnp.full(5, 2.0)}
+    p = {
+        "w": jax.random.normal(keys[0], (4, 5)),
+        "b": jnp.ones(5),
+        "w2": jax.random.normal(keys[1], (5, 5)),
+        "s": jnp.full(5, 2.0),
+    }
     x = jax.random.normal(keys[2], (3, 4))
     split = StageSplit(fn, p, x)
     assert split.weight_primitives == ("dot_general", "add", "dot_general", "mul")
@@ -271,14 +301,27 @@ def _remat_stage(policy):
     return fn, list(params)
 
 
-@pytest.mark.parametrize("policy", ["none", None, jax.checkpoint_policies.nothing_saveable, jax.checkpoint_policies.dots_saveable, "nnx.remat"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "none",
+        None,
+        jax.checkpoint_policies.nothing_saveable,
+        jax.checkpoint_policies.dots_saveable,
+        "nnx.remat",
+    ],
+)
 def test_remat_is_honoured_f_keeps_what_the_policy_saves_and_gradients_are_jax_vjps(policy):
     """F keeps at most 1.1x what jax.vjp keeps under the same checkpoint (it used to inline the
     checkpoint and keep every activation: 17x here); B recomputes, W reads what B recomputed."""
     if policy == "nnx.remat":
         blocks = [_FfnBlock(16, nnx.Rngs(i), remat=True) for i in range(2)]
-        model = StagedModel([nnx.Linear(16, 16, rngs=nnx.Rngs(5)), *blocks, nnx.Linear(16, 16, rngs=nnx.Rngs(6))], 2,
-                            loss_fn=lambda y, t: jnp.mean((y - t) ** 2), parts=[[0], [1, 2, 3]])
+        model = StagedModel(
+            [nnx.Linear(16, 16, rngs=nnx.Rngs(5)), *blocks, nnx.Linear(16, 16, rngs=nnx.Rngs(6))],
+            2,
+            loss_fn=lambda y, t: jnp.mean((y - t) ** 2),
+            parts=[[0], [1, 2, 3]],
+        )
         fn, params = model.stage_fn(1), model.stage_params(model.params, 1)
         aux = jnp.ones((8, 16))
     else:
@@ -290,7 +333,9 @@ def test_remat_is_honoured_f_keeps_what_the_policy_saves_and_gradients_are_jax_v
     if policy in (None, jax.checkpoint_policies.nothing_saveable):
         # the block inputs only: 2 x (8, 16) float32, against every activation without remat
         assert kept == reference == 2 * 8 * 16 * 4
-        assert forward_kept_bytes(StageSplit(*_remat_stage("none"), x), _remat_stage("none")[1], x) >= 10 * kept
+        assert (
+            forward_kept_bytes(StageSplit(*_remat_stage("none"), x), _remat_stage("none")[1], x) >= 10 * kept
+        )
     p_leaves = tuple(jax.tree_util.tree_leaves(params))
     y, own, kept_arrays = split.flat.forward(p_leaves, x, aux)
     dy = jnp.ones(()) if aux is not None else jax.random.normal(jax.random.key(1), y.shape)
@@ -318,8 +363,12 @@ def _scanned_stage(layers: int, d: int, unroll):
         return jax.lax.scan(body, x, p, unroll=unroll)[0]
 
     k = jax.random.split(jax.random.key(0), 3)
-    p = {"w": jax.random.normal(k[0], (layers, d, 4 * d)) / np.sqrt(d), "b": jnp.full((layers, 4 * d), 0.1),
-         "w2": jax.random.normal(k[1], (layers, 4 * d, d)) / np.sqrt(4 * d), "g": jnp.ones((layers, d))}
+    p = {
+        "w": jax.random.normal(k[0], (layers, d, 4 * d)) / np.sqrt(d),
+        "b": jnp.full((layers, 4 * d), 0.1),
+        "w2": jax.random.normal(k[1], (layers, 4 * d, d)) / np.sqrt(4 * d),
+        "g": jnp.ones((layers, d)),
+    }
     return fn, p
 
 
@@ -350,7 +399,9 @@ def _nnx_scan_stage(layers: int, d: int):
     return fn, params
 
 
-@pytest.mark.parametrize("make", [lambda: _scanned_stage(3, 8, 1), lambda: _nnx_scan_stage(3, 8)], ids=["lax.scan", "nnx.scan"])
+@pytest.mark.parametrize(
+    "make", [lambda: _scanned_stage(3, 8, 1), lambda: _nnx_scan_stage(3, 8)], ids=["lax.scan", "nnx.scan"]
+)
 def test_a_scanned_layer_stack_is_split_inside_and_its_gradients_are_jax_vjps(make):
     fn, p = make()
     x = jax.random.normal(jax.random.key(2), (4, 8))
@@ -367,7 +418,9 @@ def test_a_scanned_layer_stack_is_split_inside_and_its_gradients_are_jax_vjps(ma
     y_ref, pullback = jax.vjp(lambda p, v: fn(p, v, None), p, x)
     g_ref, dx_ref = pullback(dy)
     g_ref = tuple(jax.tree_util.tree_leaves(g_ref))
-    assert _max_rel(y, y_ref) < 1e-5  # as in _check_against_vjp: 3 layers of dots over 8, ~(3 * 10) u worst; 0 measured
+    assert (
+        _max_rel(y, y_ref) < 1e-5
+    )  # as in _check_against_vjp: 3 layers of dots over 8, ~(3 * 10) u worst; 0 measured
     assert _max_rel(g_w, g_ref) < 1e-5 and _max_rel(g_bw, g_ref) < 1e-5
     assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(dx_bw, dx_ref) < 1e-5
 
@@ -394,7 +447,10 @@ def test_a_scanned_stack_costs_b_plus_w_no_more_than_the_fused_backward_and_w_on
     flops_fused = compiled_flops(lambda r, g: jax.tree_util.tree_unflatten(tree[0], r)(g), leaves, y)
     products = layers * 2 * (2 * b * d * 4 * d)  # x^T dy of the two Linears of every layer
     assert flops_b + flops_w <= 1.05 * flops_fused, (flops_b, flops_w, flops_fused)
-    assert products <= flops_w <= 1.05 * products, (flops_w, products)  # W: the weight products and nothing else
+    assert products <= flops_w <= 1.05 * products, (
+        flops_w,
+        products,
+    )  # W: the weight products and nothing else
     assert flops_b <= 1.05 * (flops_fused - products), (flops_b, flops_fused, products)
 
 
@@ -403,17 +459,20 @@ def test_remat_and_scanned_stages_run_in_the_executor_with_jax_grads(schedule):
     """Stage 0 a Linear and a remat block, stage 1 a scanned stack (a plain function part) and a
     Linear: BW (1F1B) and B then W (ZB-H1) through the executor's flat programs and spares give
     jax.grad of the whole model."""
-    import zbpp_lite as zb
-    from zbpp_lite.runtime.executor import PipelineExecutor
-
     stack_fn, stack_params = _scanned_stage(2, 16, 1)
-    parts = [nnx.Linear(16, 16, rngs=nnx.Rngs(0)), _FfnBlock(16, nnx.Rngs(1), remat=True),
-             (lambda p, x: stack_fn(p, x, None), stack_params), nnx.Linear(16, 4, rngs=nnx.Rngs(2))]
+    parts = [
+        nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
+        _FfnBlock(16, nnx.Rngs(1), remat=True),
+        (lambda p, x: stack_fn(p, x, None), stack_params),
+        nnx.Linear(16, 4, rngs=nnx.Rngs(2)),
+    ]
     model = StagedModel(parts, 2, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
     assert model.parts == [[0, 1], [2, 3]]
     x = jax.random.normal(jax.random.key(0), (8, 16))
     t = jax.random.normal(jax.random.key(1), (8, 4))
-    result = PipelineExecutor(model, zb.build_schedule(schedule, 2, 4), jax.devices()[:2]).run(model.params, x, t)
+    result = PipelineExecutor(model, zb.build_schedule(schedule, 2, 4), jax.devices()[:2]).run(
+        model.params, x, t
+    )
     loss, grads = jax.value_and_grad(model.loss)(model.params, x, t)
     assert result.loss == pytest.approx(float(loss), rel=1e-5)
     assert _max_rel(result.grads, grads) < 1e-4
@@ -443,7 +502,10 @@ def test_under_remat_b_recomputes_the_blocks_and_w_does_only_the_weight_products
     for name, s in (("remat", split), ("plain", plain)):
         y, res, kept = jax.eval_shape(s.forward, params, x, None)
         _, grads_out = jax.eval_shape(s.backward_input, res, y)
-        flops[name] = compiled_flops(s.backward_input, res, y), compiled_flops(s.weight_gradient, params, kept, grads_out)
+        flops[name] = (
+            compiled_flops(s.backward_input, res, y),
+            compiled_flops(s.weight_gradient, params, kept, grads_out),
+        )
     products = 2 * 2 * (2 * b * d * 4 * d)  # two blocks, two Linears each
     (b_remat, w_remat), (b_plain, w_plain) = flops["remat"], flops["plain"]
     assert b_remat + w_remat <= 1.05 * fused(fn), (b_remat, w_remat)
@@ -464,7 +526,12 @@ def test_a_recurrent_cell_under_scan_shared_weights_reversed_is_split_with_jax_v
         return ys.sum(0) + h
 
     k = jax.random.split(jax.random.key(0), 4)
-    p = {"wh": jax.random.normal(k[0], (8, 8)) / 3, "wx": jax.random.normal(k[1], (6, 8)), "b": jnp.ones(8), "s": jnp.full(8, 0.5)}
+    p = {
+        "wh": jax.random.normal(k[0], (8, 8)) / 3,
+        "wx": jax.random.normal(k[1], (6, 8)),
+        "b": jnp.ones(8),
+        "s": jnp.full(8, 0.5),
+    }
     x = jax.random.normal(k[2], (5, 3, 6))  # (time, batch, features)
     split = StageSplit(fn, p, x)
     assert split.weight_primitives == ("scan/dot_general", "scan/dot_general", "scan/add", "scan/mul")
@@ -489,16 +556,69 @@ def _scan_equation():
 
 def test_the_scan_equation_is_read_on_this_jax():
     """JAX 0.10-0.11 give num_consts / num_carry, JAX 0.12 ft_in (issue 31 part 7: KeyError 'num_consts')."""
-    from zbpp_lite.runtime.split import _scan_counts
-
     assert _scan_counts(_scan_equation()) == (1, 1)
 
 
 def test_a_scan_equation_the_split_cannot_read_is_refused_in_one_line_naming_it_and_the_jax_version():
-    from zbpp_lite.runtime.split import _scan_counts
-
     eqn = _scan_equation()
     counts = ("num_consts", "num_carry", "ft_in")
     unknown = eqn.replace(params={k: v for k, v in eqn.params.items() if k not in counts})
-    with pytest.raises(ValueError, match=rf"^the split cannot read JAX {jax.__version__}'s 'scan' equation: [^\n]*$"):
+    with pytest.raises(
+        ValueError, match=rf"^the split cannot read JAX {jax.__version__}'s 'scan' equation: [^\n]*$"
+    ):
         _scan_counts(unknown)
+
+
+def _tanh_sin(p, h, aux):
+    return h + jnp.tanh(jnp.sin(h @ p["a"])) @ p["b"]
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_f_keeps_no_more_than_jax_vjp_where_the_stage_input_feeds_a_product(remat):
+    """A W operand B's residuals hold already (tanh's output; under the checkpoint, its input h)
+    is kept once and handed to W by B: 106,496 B and 8,192 B, jax.vjp's (1.31x and 2.00x before)."""
+    fn = jax.checkpoint(_tanh_sin) if remat else _tanh_sin
+    keys = jax.random.split(jax.random.key(0), 3)
+    p = {"a": 0.1 * jax.random.normal(keys[0], (64, 256)), "b": 0.1 * jax.random.normal(keys[1], (256, 64))}
+    h = jax.random.normal(keys[2], (32, 64))
+    split = StageSplit(fn, p, h)
+    assert forward_kept_bytes(split, p, h) == vjp_residual_bytes(fn, p, h) == (8_192 if remat else 106_496)
+    assert len(split._shared) == 1  # the one operand that was kept twice
+    g_ref, dx_ref = jax.grad(lambda p, h: fn(p, h, None).sum(), argnums=(0, 1))(p, h)
+    y, res, kept = split.forward(p, h, None)
+    dx, handover = split.backward_input(res, jnp.ones_like(y))
+    assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(split.weight_gradient(p, kept, handover), g_ref) < 1e-5
+    p_leaves = tuple(jax.tree_util.tree_leaves(p))
+    y, own, kept = split.flat.forward(p_leaves, h, None)
+    dx, handover = split.flat.backward_input(p_leaves, own, jnp.ones_like(y))
+    assert (
+        _max_rel(
+            split.flat.backward_weight(p_leaves, kept, handover, None),
+            tuple(jax.tree_util.tree_leaves(g_ref)),
+        )
+        < 1e-5
+    )
+    _, g_bw = split.flat.backward_fused(p_leaves, own, kept, jnp.ones_like(y), None)
+    assert _max_rel(g_bw, tuple(jax.tree_util.tree_leaves(g_ref))) < 1e-5
+
+
+def test_the_first_stage_computes_no_input_gradient_in_b_or_bw():
+    """Stage 0's input is data: with input_grad=False its B and BW skip at least dx = dy W^T of
+    the embedding (2 b 64 d flops; XLA's cost analysis)."""
+    model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=2)), 2)
+    x = jax.random.uniform(jax.random.key(0), (4, 8, 8))
+    fn, params = model.stage_fn(0), model.stage_params(model.params, 0)
+    p = tuple(jax.tree_util.tree_leaves(params))
+    flops = {}
+    for input_grad in (True, False):
+        flat = StageSplit(fn, params, x, input_grad=input_grad).flat
+        y, own, kept = flat.forward(p, x, None)
+        dx, _ = flat.backward_input(p, own, jnp.ones_like(y))
+        assert (dx is None) != input_grad
+        dy = jnp.ones_like(y)
+        flops[input_grad] = (
+            compiled_flops(flat.backward_input, p, own, dy),
+            compiled_flops(flat.backward_fused, p, own, kept, dy, None),
+        )
+    for with_dx, without in zip(flops[True], flops[False]):
+        assert with_dx - without >= 2 * 4 * 8 * 8 * 16

@@ -1,79 +1,67 @@
 """The backward split: one stage's F, B, W and fused BW as jitted pure functions.
 
-Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), section 2: the backward of a
-layer ``y = x W`` is two computations, the input gradient ``dx = dy W^T`` (B, on the critical
-path: the previous stage waits for it) and the weight gradient ``dW = x^T dy`` (W, which can wait
-and fill bubbles). This module splits any stage function that way, without help from the model:
+Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), section 2: the backward of
+``y = x W`` is the input gradient ``dx = dy W^T`` (B, on the critical path) and the weight
+gradient ``dW = x^T dy`` (W, which can wait and fill bubbles). Any stage function is split so:
 
 1. The stage ``fn(params, x, aux) -> y`` is traced to a jaxpr (nested ``jit`` calls inlined).
 2. Every operation is marked by what it depends on: the parameters (P), the activations / input
-   / labels (A). A *weight operation* mixes the two: it has an operand that depends on the
-   parameters only (a kernel, a LayerNorm scale, a broadcast bias) and an output that depends on
-   both. Every path from a parameter to the output crosses exactly one weight operation.
+   / labels (A). A *weight operation* has an operand on P only (a kernel, a LayerNorm scale, a
+   broadcast bias) and an output on both; every path from a parameter to the output crosses one.
 3. F evaluates the stage with a zero "probe" added to each weight operation's output, under
-   ``jax.vjp`` with respect to the input and the probes only (the parameters are constants),
-   and keeps: B's residuals (less the parameters themselves, which B takes as inputs), and W's
-   operands of the weight operations (``x`` of ``x W``, stored as the matrix ``x^T``; the
-   normalised input of a LayerNorm scale; nothing for bias additions).
-4. B runs that pullback: it returns the input gradient and the probes' gradients, which are the
-   gradients of every weight operation's output (each layer's output gradient, each distinct one
-   once), and computes no parameter gradient.
-5. W takes the vjp, with respect to the parameters, of the weight operations alone, evaluated on
-   the kept operands, with those output gradients as cotangents: ``x^T dy`` for a kernel (one
-   plain row-major product on the stored ``x^T``), ``sum(dy)`` for a bias, ``sum(dy * x_hat)``
-   for a scale. No activation is recomputed; the parameter-only operations (reshapes,
-   broadcasts of parameters) are re-derived from the parameters, which costs no product.
+   ``jax.vjp`` with respect to the input and the probes only, and keeps B's residuals (less the
+   parameters, which B takes as inputs) and W's operands (``x`` of ``x W`` as the matrix ``x^T``;
+   the normalised input of a LayerNorm scale; nothing for a bias). An operand B's residuals hold
+   already (tanh's output, a checkpoint's input) is not kept again: B hands it to W (as ``x^T``
+   for a product), so F keeps what ``jax.vjp`` keeps (``h + tanh(sin(h @ a)) @ b``: 1.00x with
+   and without ``jax.checkpoint``, against 1.31x and 2.00x when kept twice).
+4. B runs that pullback: the input gradient (none for stage 0, whose input is data:
+   ``input_grad=False``) and the probes' gradients, each weight operation's output gradient.
+5. W takes the vjp, with respect to the parameters, of the weight operations alone on the kept
+   operands: ``x^T dy`` for a kernel (one row-major product on the stored ``x^T``), ``sum(dy)``
+   for a bias, ``sum(dy * x_hat)`` for a scale. No activation is recomputed; parameter-only
+   operations (reshapes, broadcasts) are re-derived from the parameters.
 6. BW is B then W in one jitted function, for GPipe and 1F1B.
 7. In the flat programs the executor runs (:class:`FlatStage`), B also computes the gradients of
-   the elementwise weight operations outside checkpoints (a bias ``sum(dy)``, a LayerNorm scale
-   ``sum(dy * x_hat)`` and shift): reductions of output gradients B has just made, which it then
-   need not write out for W to read back. W is the weight products alone. (The pytree functions
-   below keep every parameter gradient in W.)
+   the elementwise weight operations outside checkpoints (a bias, a LayerNorm scale and shift):
+   reductions of output gradients B has just made, which it then need not write out for W. W is
+   the weight products alone (the pytree functions keep every parameter gradient in W).
 
-Side effects: an equation with no outputs (``jax.debug.print``, ``jax.debug.callback``) runs in
-F only, once per F; it is never a weight operation, and B and W skip it. (Inside a checkpoint,
-B's recomputation runs it again, as the backward of ``jax.vjp`` does.)
+Side effects (``jax.debug.print`` / ``callback``, equations without outputs) run in F only, never
+in B or W (inside a checkpoint B's recomputation runs them again, as ``jax.vjp``'s backward does).
 
-Activation checkpointing (``jax.checkpoint``, ``nnx.remat``): the checkpoint's body is inlined
-(its weight operations are found) and remembered as a region, which F evaluates under
-``jax.checkpoint`` with the same policy, so F keeps what the policy saves and no more (the zero
-probes it saves are made anew in B). W's operands inside the region are not kept by F: B gets
-them from its recomputation (each as the gradient of a zero "sink" ``s`` in ``sum(s *
-stop_gradient(operand))``, computed in the checkpoint's backward) and hands them to W with the
-output gradients. ``benchmarks/bench_split_targets.py``: F keeps 1.00x what ``jax.vjp`` keeps
-under the same policy (nnx.remat, no policy, ``dots_saveable``), against 28x with the
-checkpoint inlined.
+Activation checkpointing (``jax.checkpoint``, ``nnx.remat``): the body is inlined (its weight
+operations are found) and remembered as a region that F evaluates under ``jax.checkpoint`` with
+the same policy, so F keeps what the policy saves (B makes the zero probes anew). W's operands
+inside the region are recomputed by B, each as the gradient of a zero "sink" ``s`` in
+``sum(s * stop_gradient(operand))``, and handed to W. ``benchmarks/bench_split_targets.py``: F
+keeps 1.00x ``jax.vjp``'s bytes under the same policy, 28x with the checkpoint inlined.
 
-Layer stacks under ``scan`` (``jax.lax.scan``, ``nnx.scan``; also a recurrent cell over time,
-weights shared), whose carries are activations or start from constants:
-the body is split like a stage; F scans it with one probe per weight operation and iteration
-(scanned like ``xs``) and emits W's operands stacked over the iterations (like ``ys``); B is the
-scan's pullback; W does every weight product once per layer (a batched ``x^T dy``), with no vjp
-of the loop. XLA's cost analysis (loop unrolled for the count): flops(B) + flops(W) = 1.00x the
-fused backward, W = 1.003x the weight products (1.94x and 2.89x with the scan kept whole).
-Other loops (``while``, a scan whose carry starts from the parameters alone, or with a nested
-loop) stay one weight operation, whose W re-runs the loop's vjp. The ``scan`` equation is read
-on JAX 0.4.35 through 0.12 (``num_consts`` / ``num_carry``, or JAX 0.12's ``ft_in``:
-:func:`_scan_counts`); a parameter of an equation the split needs and does not find is refused
-in one line naming the primitive and the JAX version, never a ``KeyError``.
+Layer stacks under ``scan`` (``jax.lax.scan``, ``nnx.scan``, a recurrent cell with shared
+weights) whose carries are activations or start from constants: the body is split like a stage;
+F scans it with one probe per weight operation and iteration (like ``xs``) and emits W's operands
+stacked (like ``ys``); B is the scan's pullback; W does each weight product once per layer (a
+batched ``x^T dy``). XLA's cost analysis: flops(B) + flops(W) = 1.00x the fused backward, W =
+1.003x the weight products (1.94x and 2.89x with the scan kept whole). Other loops (``while``, a
+carry starting from the parameters alone, a nested loop) stay one weight operation, whose W
+re-runs the loop's vjp. The ``scan`` equation is read on JAX 0.4.35 through 0.12
+(:func:`_scan_counts`); a parameter the split needs and does not find is refused in one line
+naming the primitive and the JAX version.
 
-What each costs in time (``benchmarks/bench_split_cost.py``: the peer job's stage, d = 128, 4
-blocks, 32-sample microbatches, one CPU core): (T_B + T_W) / T_BW measured 1.06-1.09 with step
-7, 1.08-1.15 without it. What remains is the dispatch of a second program and W's products
-reading their operands back from memory.
-
-``test_split.py`` checks the cost with XLA's own compiled cost analysis: flops(B) + flops(W) is
-within 5% of the fused backward ``jax.vjp`` gives, and flops(W) within 5% of the
-weight-gradient products alone.
+Time (``benchmarks/bench_split_cost.py``, the peer job's stage, d = 128, 4 blocks, 32-sample
+microbatches, one CPU core): (T_B + T_W) / T_BW 1.06-1.09 with step 7, 1.08-1.15 without; the
+rest is a second program's dispatch and W reading its operands back. ``test_split.py``: flops(B)
++ flops(W) within 5% of the fused backward, flops(W) within 5% of the weight products.
 
 Memory (section 2.1's M_B, M_W): F holds B's residuals and W's operands until B; from B to W the
-stage holds W's operands and the output gradients (in the flat programs, those of the products
-only, and B's share of the parameter gradients). On the project's model that makes M_W 60-80% of
-M_B, against more than 80% with every gradient in W (lesson 5 measures it).
+stage holds W's operands and the output gradients (in the flat programs those of the products
+only, and B's share of the parameter gradients): M_W is 60-80% of M_B on the project's model
+(lesson 5), against more than 80% with every gradient in W.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
@@ -123,12 +111,8 @@ class _Node:
         sub = ()
         if isinstance(params, tuple):  # JAX < 0.7 returns (subfuns, params)
             sub, params = params
-        ctx = getattr(getattr(self.eqn, "ctx", None), "manager", None)
-        if ctx is None:
+        with getattr(getattr(self.eqn, "ctx", None), "manager", None) or contextlib.nullcontext():
             out = prim.bind(*sub, *values, **params)
-        else:
-            with ctx:
-                out = prim.bind(*sub, *values, **params)
         return list(out) if prim.multiple_results else [out]
 
 
@@ -162,7 +146,9 @@ class _Program:
         return ref
 
 
-def _flatten(prog: _Program, jaxpr, consts: Sequence[Any], ins: Sequence[Any], in_region: bool = False) -> list:
+def _flatten(
+    prog: _Program, jaxpr, consts: Sequence[Any], ins: Sequence[Any], in_region: bool = False
+) -> list:
     env: dict = {}
 
     def read(v):
@@ -177,11 +163,20 @@ def _flatten(prog: _Program, jaxpr, consts: Sequence[Any], ins: Sequence[Any], i
         inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
         if eqn.primitive.name in _INLINE and inner is not None:
             closed_consts = getattr(inner, "consts", ())
-            region = eqn.primitive.name in _REMAT and not in_region  # a nested checkpoint: part of the outer one
+            region = (
+                eqn.primitive.name in _REMAT and not in_region
+            )  # a nested checkpoint: part of the outer one
             start = len(prog.nodes)
             outs = _flatten(prog, getattr(inner, "jaxpr", inner), closed_consts, args, in_region or region)
             if region and len(prog.nodes) > start:
-                prog.regions.append(_Region(start, len(prog.nodes), eqn.params.get("policy"), bool(eqn.params.get("prevent_cse", True))))
+                prog.regions.append(
+                    _Region(
+                        start,
+                        len(prog.nodes),
+                        eqn.params.get("policy"),
+                        bool(eqn.params.get("prevent_cse", True)),
+                    )
+                )
         else:
             outs = [prog.new_ref(v.aval) for v in eqn.outvars]
             prog.nodes.append(_Node(eqn, tuple(args), tuple(outs)))
@@ -199,7 +194,9 @@ class _WeightOp:
     matmul: tuple[int, int, int] | None = None  # (rows, k, n) when the op is x (rows, k) @ w (k, n)
 
 
-def _matmul_shape(node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tuple[int, ...], avals) -> tuple[int, int, int] | None:
+def _matmul_shape(
+    node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tuple[int, ...], avals
+) -> tuple[int, int, int] | None:
     """``(rows, k, n)`` when a weight operation is a plain product ``x @ w`` (a Linear layer):
     ``dot_general`` of the activation x (lhs) over its trailing dimensions with the parameter w
     (rhs) over its leading ones, no batch dimensions, one dtype; else ``None``."""
@@ -216,7 +213,9 @@ def _matmul_shape(node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tupl
     return math.prod(x.shape[: x.ndim - len(lc)]), k, math.prod(w.shape[len(rc) :])
 
 
-def _mark_program(prog: _Program, on_p: set, on_a: set, split_loop: Callable | None = None) -> tuple[list, dict]:
+def _mark_program(
+    prog: _Program, on_p: set, on_a: set, split_loop: Callable | None = None
+) -> tuple[list, dict]:
     """Mark every ref of ``prog`` as depending on the parameters (``on_p``) and / or the
     activations (``on_a``), both updated in place, and find the weight operations. A node for
     which ``split_loop(i, node)`` returns a :class:`_Loop` (a scan over a layer stack) is not a
@@ -233,15 +232,19 @@ def _mark_program(prog: _Program, on_p: set, on_a: set, split_loop: Callable | N
             on_a.update(node.outs)
         if not (p and a):
             continue
-        weight = tuple(k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_p and r not in on_a)
+        weight = tuple(
+            k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_p and r not in on_a
+        )
         if not weight:
             continue  # parameters reach this op only through activations: not a weight op
         loop = split_loop(i, node) if split_loop is not None else None
         if loop is not None:
             loops[i] = loop
             continue
-        kept = () if node.eqn.primitive.name in _OPERAND_FREE else tuple(
-            k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_a
+        kept = (
+            ()
+            if node.eqn.primitive.name in _OPERAND_FREE
+            else tuple(k for k, r in enumerate(node.ins) if isinstance(r, int) and r in on_a)
         )
         probed = tuple(r for r in node.outs if jnp.issubdtype(prog.avals[r].dtype, jnp.inexact))
         weight_ops.append(_WeightOp(i, weight, kept, probed, _matmul_shape(node, weight, kept, prog.avals)))
@@ -357,7 +360,19 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
     )
     probes = tuple(r for op in weight_ops for r in op.probed)
     length, reverse = _param(eqn, "length"), _param(eqn, "reverse")
-    return _Loop(body, nc, nk, length, reverse, eqn.params.get("unroll", 1), b_on_p, b_on_a, tuple(weight_ops), probes, slots)
+    return _Loop(
+        body,
+        nc,
+        nk,
+        length,
+        reverse,
+        eqn.params.get("unroll", 1),
+        b_on_p,
+        b_on_a,
+        tuple(weight_ops),
+        probes,
+        slots,
+    )
 
 
 class Handover(NamedTuple):
@@ -368,7 +383,8 @@ class Handover(NamedTuple):
         output_grads: the weight operations' output gradients W reads (in the flat programs each
             distinct one once, none whose only use is B's share; in the pytree functions one per
             probe, top-level ones first, then a split ``scan``'s stacked over its iterations).
-        recomputed: W's operands B recomputed inside checkpoints, in region order.
+        recomputed: W's operands B hands over: those it recomputed inside checkpoints, in region
+            order, then those among its residuals that F did not keep twice (step 3).
         b_grads: B's share of the parameter gradients, one per parameter leaf it covers (the
             elementwise weight operations: step 7 of the module docstring); empty in the pytree
             functions, whose W computes every gradient.
@@ -391,8 +407,8 @@ class FlatStage:
       the parameters, then the operands of B's share of the parameter gradients.
     - ``backward_input(p, own, dy, spare=None) -> (dx, handover)``: a :class:`Handover` of each
       distinct output gradient W reads, once (a product and the bias addition after it share
-      one), W's operands B recomputed inside checkpoints, and B's share of the parameter
-      gradients (those of the elementwise weight operations, step 7 of the module docstring).
+      one), W's operands B hands over (step 3; those recomputed in checkpoints), and B's share
+      of the parameter gradients (the elementwise weight operations', step 7).
     - ``backward_weight(p, kept, handover, acc) -> acc + dparams``, or ``dparams`` when ``acc``
       is ``None`` (a stage's first W of a step: no zeros to add to). It adds B's share.
     - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``, ``acc`` as in W.
@@ -427,7 +443,7 @@ class StageSplit:
       them as the very arrays given, not copies) and W's operands (a tuple of arrays).
     - ``backward_input(res, dy) -> (dx, handover)``: the input gradient (``None`` when
       ``input_grad`` is false) and a :class:`Handover`: every weight operation's output
-      gradient, and W's operands recomputed inside checkpoints (see the module docstring).
+      gradient, and W's operands B hands over (recomputed in checkpoints, or held by B: step 3).
     - ``backward_weight(params, kept, handover, acc) -> acc + dparams``: the parameter
       gradients, added to the accumulator ``acc`` (same pytree as ``params``).
     - ``backward_fused(params, res, kept, dy, acc) -> (dx, acc + dparams)``: B then W.
@@ -436,7 +452,9 @@ class StageSplit:
     the same programs over flat tuples of arrays (:class:`FlatStage`), what the executor calls.
 
     Raises:
-        ValueError: an output that does not depend on the stage input, or a non-float output.
+        ValueError: an output that does not depend on the stage input, or a non-float output; W
+            given another stage's handover.
+        RuntimeError: B called before this stage's F was traced, or W before F and B.
     """
 
     def __init__(self, fn: Callable, params: Any, x: Any, aux: Any = None, *, input_grad: bool = True):
@@ -445,7 +463,9 @@ class StageSplit:
         self._params_tree = jax.tree_util.tree_structure(params)
         self._x_tree = jax.tree_util.tree_structure(x)
         n_p, n_x = self._params_tree.num_leaves, len(jax.tree_util.tree_leaves(x))
-        closed, out_shape = jax.make_jaxpr(lambda *a: fn(*jax.tree_util.tree_unflatten(self._in_tree, a)), return_shape=True)(*flat)
+        closed, out_shape = jax.make_jaxpr(
+            lambda *a: fn(*jax.tree_util.tree_unflatten(self._in_tree, a)), return_shape=True
+        )(*flat)
         self._out_tree = jax.tree_util.tree_structure(out_shape)
         prog = _Program()
         prog.inputs = [prog.new_ref(v.aval) for v in closed.jaxpr.invars]
@@ -456,8 +476,11 @@ class StageSplit:
         self._aux_refs = prog.inputs[n_p + n_x :]
         self._mark()
         self._res_tree = None  # structure of F's pullback, known once F is traced
-        self._res_params = None  # per residual: the parameter leaf it is, a zero probe / sink (shape, dtype), or None (F's trace)
+        # per residual (F's trace): the parameter leaf it is, a zero probe / sink (shape, dtype), or None
+        self._res_params = None
         self._grads_index = None  # per weight-op output gradient: its place among B's outputs (B's trace)
+        self._f_kept = None  # W's operands F keeps (F's trace); _shared: those B's residuals hold, by place
+        self._shared: tuple = ()
         self.flat = FlatStage(
             forward=jax.jit(self._forward_flat, donate_argnums=3, keep_unused=True),
             backward_input=jax.jit(self._backward_input_flat, donate_argnums=3, keep_unused=True),
@@ -488,34 +511,65 @@ class StageSplit:
         )
         for r in prog.outputs:
             if not isinstance(r, int) or r not in on_a:
-                raise ValueError("a stage output does not depend on the stage input; every output must come from x")
+                raise ValueError(
+                    "a stage output does not depend on the stage input; every output must come from x"
+                )
             if not jnp.issubdtype(prog.avals[r].dtype, jnp.inexact):
-                raise ValueError(f"stage outputs must be floating point to be differentiated, got {prog.avals[r].dtype}")
+                raise ValueError(
+                    f"stage outputs must be floating point to be differentiated, got {prog.avals[r].dtype}"
+                )
         self._on_a, self._on_p = on_a, on_p
         self.weight_ops = tuple(weight_ops)
-        # B's share of the parameter gradients (flat programs only): the elementwise weight
-        # operations outside checkpoints (a bias, a LayerNorm's scale and shift), whose gradient
-        # is a reduction of an output gradient B computes anyway; see _small_grads.
-        self._b_ops = frozenset(j for j, op in enumerate(weight_ops)
-                                if op.matmul is None and op.node not in in_region and prog.nodes[op.node].eqn.primitive.name in _IN_B)
-        self._b_kept_refs = tuple(dict.fromkeys(prog.nodes[weight_ops[j].node].ins[k] for j in sorted(self._b_ops) for k in weight_ops[j].kept_inputs))
-        reached = {prog.nodes[weight_ops[j].node].ins[k] for j in self._b_ops for k in weight_ops[j].weight_inputs}
-        for node in reversed(prog.nodes):  # the parameters those operations read, through parameter-only operations
-            if any(r in reached for r in node.outs):
-                reached.update(r for r in node.ins if isinstance(r, int))
-        self._b_leaves = tuple(i for i, r in enumerate(self._param_refs) if r in reached)
-        self._probe_op = tuple(j for j, op in enumerate(weight_ops) for _ in op.probed)  # each top-level probe's weight operation
-        kept_by_op = [(op, prog.nodes[op.node].ins[k]) for j, op in enumerate(weight_ops) for k in op.kept_inputs if j not in self._b_ops]
+        self._mark_b_share(in_region)
+        # each top-level probe's weight operation
+        self._probe_op = tuple(j for j, op in enumerate(weight_ops) for _ in op.probed)
+        kept_by_op = [
+            (op, prog.nodes[op.node].ins[k])
+            for j, op in enumerate(weight_ops)
+            for k in op.kept_inputs
+            if j not in self._b_ops
+        ]
         self._kept_refs = tuple(dict.fromkeys(r for op, r in kept_by_op if op.matmul is None))
         # x of a product x @ w is kept as the (k, rows) matrix x^T: W's dw = x^T dy is then a plain
         # row-major product, where x (rows, k) contracted over its rows makes XLA's CPU backend
         # transpose dy or take a slower product (1.5-2x on this model's W).
-        self._kept_t_refs = tuple(dict.fromkeys((r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None))
+        self._kept_t_refs = tuple(
+            dict.fromkeys((r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None)
+        )
         self._probe_refs = tuple(r for op in weight_ops for r in op.probed)
         # a split loop's probes and W operands, stacked over its iterations: keys ("l", node, body ref)
         self._probe_refs += tuple(("l", i, r) for i, loop in self._loops.items() for r in loop.probe_refs)
         self._loop_slots = tuple(("l", i, slot) for i, loop in self._loops.items() for slot in loop.slots)
         self._mark_regions()
+
+    def _mark_b_share(self, in_region: set) -> None:
+        """B's share of the parameter gradients (flat programs only): the elementwise weight
+        operations outside checkpoints (a bias, a LayerNorm's scale and shift), whose gradient is
+        a reduction of an output gradient B computes anyway (see _small_grads); the operands
+        they read and the parameter leaves they reach."""
+        prog, weight_ops = self._prog, self.weight_ops
+        self._b_ops = frozenset(
+            j
+            for j, op in enumerate(weight_ops)
+            if op.matmul is None
+            and op.node not in in_region
+            and prog.nodes[op.node].eqn.primitive.name in _IN_B
+        )
+        self._b_kept_refs = tuple(
+            dict.fromkeys(
+                prog.nodes[weight_ops[j].node].ins[k]
+                for j in sorted(self._b_ops)
+                for k in weight_ops[j].kept_inputs
+            )
+        )
+        reached = {
+            prog.nodes[weight_ops[j].node].ins[k] for j in self._b_ops for k in weight_ops[j].weight_inputs
+        }
+        # the parameters those operations read, through parameter-only operations
+        for node in reversed(prog.nodes):
+            if any(r in reached for r in node.outs):
+                reached.update(r for r in node.ins if isinstance(r, int))
+        self._b_leaves = tuple(i for i, r in enumerate(self._param_refs) if r in reached)
 
     def _mark_regions(self) -> None:
         """Each checkpoint region's inputs, outputs, probes, and the W operands defined inside
@@ -526,18 +580,29 @@ class StageSplit:
         for reg in prog.regions:
             inside = range(reg.start, reg.end)
             defined = {r for i in inside for r in prog.nodes[i].outs}
-            read_outside = {r for i, n in enumerate(prog.nodes) if i not in inside for r in n.ins if isinstance(r, int)}
+            read_outside = {
+                r for i, n in enumerate(prog.nodes) if i not in inside for r in n.ins if isinstance(r, int)
+            }
             read_outside |= {r for r in prog.outputs if isinstance(r, int)}
-            reg.inputs = tuple(dict.fromkeys(r for i in inside for r in prog.nodes[i].ins if isinstance(r, int) and r not in defined))
+            reg.inputs = tuple(
+                dict.fromkeys(
+                    r for i in inside for r in prog.nodes[i].ins if isinstance(r, int) and r not in defined
+                )
+            )
             reg.outputs = tuple(r for i in inside for r in prog.nodes[i].outs if r in read_outside)
             reg.probes = tuple(r for r in self._probe_refs if r in defined)
             reg.recomputed = tuple(
-                slot for slot in slots
-                if slot[1] in defined and slot[1] not in reg.outputs and jnp.issubdtype(prog.avals[slot[1]].dtype, jnp.inexact)
+                slot
+                for slot in slots
+                if slot[1] in defined
+                and slot[1] not in reg.outputs
+                and jnp.issubdtype(prog.avals[slot[1]].dtype, jnp.inexact)
             )
             recomputed += reg.recomputed
         self._b_slots = tuple(recomputed)  # W's operands B recomputes, in region order
-        self._f_slots = tuple(slot for slot in slots if slot not in set(recomputed)) + self._loop_slots  # those F keeps
+        self._f_slots = (
+            tuple(slot for slot in slots if slot not in set(recomputed)) + self._loop_slots
+        )  # those F keeps
         self._ticks = sum(1 for reg in prog.regions if reg.recomputed)
 
     @staticmethod
@@ -575,7 +640,9 @@ class StageSplit:
             outs = [self._read(benv, r) for r in loop.body.outputs]
             return outs[:nk], (outs[nk:], tuple(self._slot(benv, slot) for slot in loop.slots))
 
-        carry, (ys, kept) = jax.lax.scan(step, init, (xs, stacked), length=loop.length, reverse=loop.reverse, unroll=loop.unroll)
+        carry, (ys, kept) = jax.lax.scan(
+            step, init, (xs, stacked), length=loop.length, reverse=loop.reverse, unroll=loop.unroll
+        )
         env.update(zip(node.outs, [*carry, *ys]))
         env.update(zip((("l", i, slot) for slot in loop.slots), kept))
 
@@ -586,7 +653,9 @@ class StageSplit:
         split ``scan`` (a layer stack) as ``"scan/dot_general"``, ..."""
         top = tuple(self._prog.nodes[op.node].eqn.primitive.name for op in self.weight_ops)
         return top + tuple(
-            f"scan/{loop.body.nodes[op.node].eqn.primitive.name}" for loop in self._loops.values() for op in loop.weight_ops
+            f"scan/{loop.body.nodes[op.node].eqn.primitive.name}"
+            for loop in self._loops.values()
+            for op in loop.weight_ops
         )
 
     # ------------------------------------------------------------------ evaluation
@@ -597,7 +666,9 @@ class StageSplit:
         for r, v in zip(node.outs, outs):
             env[r] = v + probes[r] if r in probes else v
 
-    def _evaluate(self, p_leaves, x_leaves, aux_leaves, probes: dict[int, Any], sinks: dict | None = None) -> tuple[dict, list]:
+    def _evaluate(
+        self, p_leaves, x_leaves, aux_leaves, probes: dict[int, Any], sinks: dict | None = None
+    ) -> tuple[dict, list]:
         """The stage's values by ref, and one "tick" per checkpoint region that has W operands
         for B to recompute: ``sum(sink * stop_gradient(operand))``, zero in F (the sinks are
         zeros), whose pullback with cotangent 1 gives ``d tick / d sink = operand``, recomputed
@@ -624,7 +695,10 @@ class StageSplit:
                 for node in prog.nodes[reg.start : reg.end]:
                     self._run_node(node, local, dict(zip(reg.probes, prb)))
                 tick = sum(
-                    (jnp.vdot(s, jax.lax.stop_gradient(self._slot(local, slot))).astype(jnp.float32) for s, slot in zip(snk, reg.recomputed)),
+                    (
+                        jnp.vdot(s, jax.lax.stop_gradient(self._slot(local, slot))).astype(jnp.float32)
+                        for s, slot in zip(snk, reg.recomputed)
+                    ),
                     jnp.zeros((), jnp.float32),
                 )
                 return tuple(local[r] for r in reg.outputs), tick
@@ -644,22 +718,33 @@ class StageSplit:
 
     def _forward_flat(self, p_leaves, x, aux, spare=None):
         x_leaves, aux_leaves = jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(aux)
-        # zeros_like keeps x's varying mesh axes inside shard_map (zbpp_lite.runtime.spmd); plain zeros elsewhere
-        zeros = tuple(jnp.zeros_like(x_leaves[0], shape=a.shape, dtype=a.dtype) for a in map(self._probe_aval, self._probe_refs))
+        # zeros_like keeps x's varying mesh axes inside shard_map (runtime.spmd); plain zeros elsewhere
+        zeros = tuple(
+            jnp.zeros_like(x_leaves[0], shape=a.shape, dtype=a.dtype)
+            for a in map(self._probe_aval, self._probe_refs)
+        )
 
-        sinks = tuple(jnp.zeros_like(x_leaves[0], shape=shape, dtype=dtype) for shape, dtype in map(self._slot_aval, self._b_slots))
+        sinks = tuple(
+            jnp.zeros_like(x_leaves[0], shape=shape, dtype=dtype)
+            for shape, dtype in map(self._slot_aval, self._b_slots)
+        )
 
         def run(xs, probes, sinks):
-            env, ticks = self._evaluate(p_leaves, xs, aux_leaves, dict(zip(self._probe_refs, probes)), dict(zip(self._b_slots, sinks)))
+            env, ticks = self._evaluate(
+                p_leaves, xs, aux_leaves, dict(zip(self._probe_refs, probes)), dict(zip(self._b_slots, sinks))
+            )
             y = [self._read(env, r) for r in self._prog.outputs]
             kept = tuple(self._slot(env, slot) for slot in self._f_slots)  # not those inside a checkpoint
+            raw = tuple(None if slot[0] == "l" else env[slot[1]] for slot in self._f_slots)
             b_kept = tuple(env[r] for r in self._b_kept_refs)  # the operands of B's share of the gradients
-            return (jax.tree_util.tree_unflatten(self._out_tree, y), tuple(ticks)), (kept, b_kept)
+            return (jax.tree_util.tree_unflatten(self._out_tree, y), tuple(ticks)), (kept, raw, b_kept)
 
         if self.input_grad:
-            (y, _), pullback, (kept, b_kept) = jax.vjp(run, tuple(x_leaves), zeros, sinks, has_aux=True)
+            (y, _), pullback, (kept, raw, b_kept) = jax.vjp(run, tuple(x_leaves), zeros, sinks, has_aux=True)
         else:
-            (y, _), pullback, (kept, b_kept) = jax.vjp(lambda probes, sinks: run(tuple(x_leaves), probes, sinks), zeros, sinks, has_aux=True)
+            (y, _), pullback, (kept, raw, b_kept) = jax.vjp(
+                lambda probes, sinks: run(tuple(x_leaves), probes, sinks), zeros, sinks, has_aux=True
+            )
         res, self._res_tree = jax.tree_util.tree_flatten(pullback)
         # B needs some parameters as they are (a kernel for dx = dy W^T): those are not F's
         # outputs (a copy of the kernels per microbatch) but B's inputs, passed through.
@@ -667,10 +752,17 @@ class StageSplit:
         zero_inputs = (*zeros, *sinks)
         self._res_params = tuple(
             next((i for i, p in enumerate(p_leaves) if r is p), None)
-            if not any(r is z for z in zero_inputs) else (tuple(r.shape), r.dtype)
+            if not any(r is z for z in zero_inputs)
+            else (tuple(r.shape), r.dtype)
             for r in res
         )
-        return y, tuple(r for r, i in zip(res, self._res_params) if i is None) + b_kept, kept
+        own = tuple(r for r, i in zip(res, self._res_params) if i is None)
+        # a W operand B's residuals hold already (a checkpoint's input, tanh's output) is not kept
+        # twice: B hands it to W (transposed for a product), so F keeps no more than jax.vjp
+        shared = {k: next((j for j, r in enumerate(own) if r is v), None) for k, v in enumerate(raw)}
+        self._shared = tuple((self._f_slots[k], j) for k, j in shared.items() if j is not None)
+        self._f_kept = tuple(slot for k, slot in enumerate(self._f_slots) if shared[k] is None)
+        return y, own + b_kept, tuple(v for k, v in enumerate(kept) if shared[k] is None)
 
     def _split_own(self, own) -> tuple[tuple, tuple]:
         """F's ``own``: B's residuals (less the parameters), then the operands of B's share of
@@ -686,8 +778,13 @@ class StageSplit:
             raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
         rest = iter(self._split_own(own)[0])
         return tuple(
-            next(rest) if i is None else p_leaves[i] if isinstance(i, int)
-            else jnp.zeros(i[0], i[1]) if like is None else jnp.zeros_like(like, shape=i[0], dtype=i[1])
+            next(rest)
+            if i is None
+            else p_leaves[i]
+            if isinstance(i, int)
+            else jnp.zeros(i[0], i[1])
+            if like is None
+            else jnp.zeros_like(like, shape=i[0], dtype=i[1])
             for i in self._res_params
         )
 
@@ -696,12 +793,13 @@ class StageSplit:
             raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
         one = jnp.ones_like(jax.tree_util.tree_leaves(dy)[0], shape=(), dtype=jnp.float32)
         grads = jax.tree_util.tree_unflatten(self._res_tree, list(res))((dy, (one,) * self._ticks))
-        # the probes' gradients, then W's operands recomputed inside checkpoints (the sinks')
-        if self.input_grad:
-            dx_leaves, grads_out, recomputed = grads
-            return jax.tree_util.tree_unflatten(self._x_tree, list(dx_leaves)), Handover(tuple(grads_out), tuple(recomputed), ())
-        grads_out, recomputed = grads
-        return None, Handover(tuple(grads_out), tuple(recomputed), ())
+        # the probes' gradients, then W's operands recomputed inside checkpoints (the sinks'), then
+        # those F left among B's residuals
+        own = [r for r, i in zip(res, self._res_params) if i is None]
+        handed = tuple(self._slot({slot[1]: own[j]}, slot) for slot, j in self._shared)
+        dx = jax.tree_util.tree_unflatten(self._x_tree, list(grads[0])) if self.input_grad else None
+        grads_out, recomputed = grads[-2:]
+        return dx, Handover(tuple(grads_out), tuple(recomputed) + handed, ())
 
     def _weight_gradient(self, params, kept, handover: Handover):
         p_leaves = tuple(jax.tree_util.tree_leaves(params))
@@ -744,82 +842,112 @@ class StageSplit:
         ``sum(dy * x_hat)``), computed in B from the output gradients it has just made, instead
         of being written out by B and read back by W (on XLA:CPU that round trip is most of what
         the split costs beyond the fused backward: ``benchmarks/bench_split_cost.py``)."""
-        prog, ops = self._prog, sorted(self._b_ops)
-        dys, grads = {}, iter(probe_grads)
-        for j, op in enumerate(self.weight_ops):
-            dys[j] = tuple(next(grads) for _ in op.probed)
+        ops, grads = sorted(self._b_ops), iter(probe_grads)
+        dys = [tuple(next(grads) for _ in op.probed) for op in self.weight_ops]
 
         def weight_operands(sub):
             full = list(p_leaves)
             for i, v in zip(self._b_leaves, sub):
                 full[i] = v
-            env = self._parameter_values(full)
-            return tuple(tuple(env[prog.nodes[self.weight_ops[j].node].ins[k]] for k in self.weight_ops[j].weight_inputs) for j in ops)
+            return self._operands_of(self._parameter_values(full), ops)
 
         operands, pullback = jax.vjp(weight_operands, tuple(p_leaves[i] for i in self._b_leaves))
         constants, kept_env = self._constants(), dict(zip(self._b_kept_refs, b_kept))
-        cotangents = tuple(
-            _op_cotangent(prog.nodes[self.weight_ops[j].node], self.weight_ops[j], prog.avals, weights, dys[j],
-                          self._others(prog.nodes[self.weight_ops[j].node], self.weight_ops[j], constants, kept_env))
-            for j, weights in zip(ops, operands)
+        (g_leaves,) = pullback(
+            tuple(self._cotangent(j, w, dys[j], constants, kept_env) for j, w in zip(ops, operands))
         )
-        (g_leaves,) = pullback(cotangents)
         return tuple(g_leaves)
 
+    def _operands_of(self, env: dict, ops) -> tuple:
+        """The parameter operands of the weight operations ``ops`` (indices), read from ``env``."""
+        nodes = self._prog.nodes
+        return tuple(
+            tuple(env[nodes[self.weight_ops[j].node].ins[k]] for k in self.weight_ops[j].weight_inputs)
+            for j in ops
+        )
+
+    def _cotangent(self, j: int, weights, dys, constants: dict, kept_env: dict, kept_t=None) -> tuple:
+        """Weight operation ``j``'s cotangent for its parameter operands ``weights``: ``x^T dy``
+        for a product (``kept_t``: its ``x^T`` by ref), else the vjp of the operation alone."""
+        op = self.weight_ops[j]
+        node = self._prog.nodes[op.node]
+        if op.matmul is not None and kept_t is not None:
+            rows, _, n = op.matmul
+            return ((kept_t[node.ins[0]] @ dys[0].reshape(rows, n)).reshape(weights[0].shape),)
+        return _op_cotangent(
+            node, op, self._prog.avals, weights, dys, self._others(node, op, constants, kept_env)
+        )
+
     def _weight_gradient_flat(self, p_leaves, kept, grads_out, recomputed, in_b=frozenset()):
-        """The parameter gradients, one per leaf. ``kept``: F's W operands (``_f_slots``), then
+        """The parameter gradients, one per leaf. ``kept``: F's W operands (``_f_kept``), then
         (when W does every gradient) the operands of B's share (``_b_kept_refs``); ``grads_out``:
         every probe's gradient (``None`` for those of ``in_b``); ``recomputed``: the operands B
-        recomputed (``_b_slots``); ``in_b``: the weight operations (indices) whose gradients B
-        computed, left out here."""
-        prog = self._prog
-        n_f = len(self._f_slots)
-        if len(grads_out) != len(self._probe_refs) or len(recomputed) != len(self._b_slots):
+        hands over (``_b_slots``, then ``_shared``'s); ``in_b``: the weight operations (indices)
+        whose gradients B computed, left out here."""
+        if self._f_kept is None:
+            raise RuntimeError("StageSplit: call forward before backward_weight (W reads what F keeps)")
+        n_f, handed = len(self._f_kept), self._b_slots + tuple(slot for slot, _ in self._shared)
+        if len(grads_out) != len(self._probe_refs) or len(recomputed) != len(handed):
             raise ValueError(
-                f"W got {len(grads_out)} output gradients and {len(recomputed)} recomputed operands; this stage's B hands "
-                f"{len(self._probe_refs)} and {len(self._b_slots)}: pass W the Handover of this stage's B"
+                f"W got {len(grads_out)} output gradients and {len(recomputed)} operands from B; this stage"
+                f"'s B hands {len(self._probe_refs)} and {len(handed)}: pass W the Handover of this stage's B"
             )
-        operands = dict(zip(self._f_slots, kept[:n_f])) | dict(zip(self._b_slots, recomputed))
-        kept_env = {slot[1]: v for slot, v in operands.items() if slot[0] == "k"} | dict(zip(self._b_kept_refs, kept[n_f:]))
+        operands = dict(zip(self._f_kept, kept[:n_f])) | dict(zip(handed, recomputed))
+        kept_env = {slot[1]: v for slot, v in operands.items() if slot[0] == "k"} | dict(
+            zip(self._b_kept_refs, kept[n_f:])
+        )
         kept_t = {slot[1]: v for slot, v in operands.items() if slot[0] == "t"}
         ops = [j for j in range(len(self.weight_ops)) if j not in in_b]
 
         def weight_operands(p_leaves):  # parameter-only and constant operations, never activations
             env = self._parameter_values(p_leaves)
-            top = tuple(tuple(env[prog.nodes[self.weight_ops[j].node].ins[k]] for k in self.weight_ops[j].weight_inputs) for j in ops)
+            top = self._operands_of(env, ops)
             loops = {i: self._loop_operands(i, env) for i in self._loops}
             return (top, {i: w for i, (w, _) in loops.items()}), {i: c for i, (_, c) in loops.items()}
 
-        (operands_top, operands_loops), pullback, loop_constants = jax.vjp(weight_operands, tuple(p_leaves), has_aux=True)
+        (operands_top, operands_loops), pullback, loop_constants = jax.vjp(
+            weight_operands, tuple(p_leaves), has_aux=True
+        )
         constants = self._constants()
         grads = iter(grads_out)
-        dys_by_op = [tuple(next(grads) for _ in op.probed) for op in self.weight_ops]
-        cotangents = []  # of every weight operation's parameter operands
-        for j, weights in zip(ops, operands_top):
-            op, dys = self.weight_ops[j], dys_by_op[j]
-            node = prog.nodes[op.node]
-            if op.matmul is not None:  # dw = x^T dy
-                rows, _, n = op.matmul
-                cotangents.append(((kept_t[node.ins[0]] @ dys[0].reshape(rows, n)).reshape(weights[0].shape),))
-                continue
-            cotangents.append(_op_cotangent(node, op, prog.avals, weights, dys, self._others(node, op, constants, kept_env)))
-        loop_cotangents = {}
-        for i, loop in self._loops.items():  # each weight product once per iteration, batched over them
-            ops_cts = []
-            for op, weights in zip(loop.weight_ops, operands_loops[i]):
-                node, dys = loop.body.nodes[op.node], tuple(next(grads) for _ in op.probed)
-                if op.matmul is not None:  # dw_l = x_l^T dy_l for every iteration l
-                    rows, k, n = op.matmul
-                    x_t = operands[("l", i, ("t", node.ins[0], (rows, k)))]
-                    ops_cts.append((jnp.matmul(x_t, dys[0].reshape(loop.length, rows, n)).reshape(weights[0].shape),))
-                    continue
-                stacked = {k: operands[("l", i, ("k", r))] for k, r in enumerate(node.ins) if k in op.kept_inputs and isinstance(r, int)}
-                stacked |= {k: loop_constants[i][r] for k, r in enumerate(node.ins) if isinstance(r, int) and r not in loop.on_a and k not in op.weight_inputs}
-                literals = {k: r.value for k, r in enumerate(node.ins) if isinstance(r, _Const)}
-                ops_cts.append(jax.vmap(lambda w, d, o, node=node, op=op, lit=literals: _op_cotangent(node, op, loop.body.avals, w, d, o | lit))(weights, dys, stacked))
-            loop_cotangents[i] = tuple(ops_cts)
+        dys = [tuple(next(grads) for _ in op.probed) for op in self.weight_ops]
+        cotangents = [
+            self._cotangent(j, w, dys[j], constants, kept_env, kept_t) for j, w in zip(ops, operands_top)
+        ]
+        loop_cotangents = {
+            i: self._loop_cotangents(i, operands, operands_loops[i], loop_constants[i], grads)
+            for i in self._loops
+        }
         (g_leaves,) = pullback((tuple(cotangents), loop_cotangents))
         return tuple(g_leaves)
+
+    def _loop_cotangents(self, i: int, operands: dict, weights_by_op, constants: dict, grads) -> tuple:
+        """A split loop's weight operations' cotangents: each weight product once per iteration,
+        batched over them (``dw_l = x_l^T dy_l``); ``grads`` yields the loop's output gradients."""
+        loop, cts = self._loops[i], []
+        for op, weights in zip(loop.weight_ops, weights_by_op):
+            node, dys = loop.body.nodes[op.node], tuple(next(grads) for _ in op.probed)
+            if op.matmul is not None:
+                rows, k, n = op.matmul
+                x_t = operands[("l", i, ("t", node.ins[0], (rows, k)))]
+                cts.append((jnp.matmul(x_t, dys[0].reshape(loop.length, rows, n)).reshape(weights[0].shape),))
+                continue
+            ins = list(enumerate(node.ins))
+            stacked = {
+                k: operands[("l", i, ("k", r))] for k, r in ins if k in op.kept_inputs and isinstance(r, int)
+            }
+            stacked |= {
+                k: constants[r]
+                for k, r in ins
+                if isinstance(r, int) and r not in loop.on_a and k not in op.weight_inputs
+            }
+            literals = {k: r.value for k, r in ins if isinstance(r, _Const)}
+
+            def cotangent(w, d, o, node=node, op=op, lit=literals):
+                return _op_cotangent(node, op, loop.body.avals, w, d, o | lit)
+
+            cts.append(jax.vmap(cotangent)(weights, dys, stacked))
+        return tuple(cts)
 
     def _loop_operands(self, i: int, env: dict) -> tuple:
         """A split loop's weight operands, stacked over its iterations (the body's parameter-only
@@ -828,8 +956,12 @@ class StageSplit:
         nc, nk = loop.num_consts, loop.num_carry
         known = [None if isinstance(r, int) and r in self._on_a else self._read(env, r) for r in node.ins]
         consts, xs = known[:nc], known[nc + nk :]
-        needed = {r for op in loop.weight_ops for k, r in enumerate(loop.body.nodes[op.node].ins)
-                  if k not in op.weight_inputs and isinstance(r, int) and r not in loop.on_a}
+        needed = {
+            r
+            for op in loop.weight_ops
+            for k, r in enumerate(loop.body.nodes[op.node].ins)
+            if k not in op.weight_inputs and isinstance(r, int) and r not in loop.on_a
+        }
 
         def per_iteration(xs_i):
             benv = {b: v for b, v in zip(loop.body.inputs[:nc], consts) if v is not None}
@@ -837,7 +969,10 @@ class StageSplit:
             for n in loop.body.nodes:
                 if n.outs and not any(r in loop.on_a for r in n.outs):
                     benv.update(zip(n.outs, n.run([self._read(benv, r) for r in n.ins])))
-            weights = tuple(tuple(benv[loop.body.nodes[op.node].ins[k]] for k in op.weight_inputs) for op in loop.weight_ops)
+            weights = tuple(
+                tuple(benv[loop.body.nodes[op.node].ins[k]] for k in op.weight_inputs)
+                for op in loop.weight_ops
+            )
             return weights, {r: benv[r] for r in needed}
 
         return jax.vmap(per_iteration, axis_size=loop.length)(xs)
@@ -853,20 +988,26 @@ class StageSplit:
     # flat programs: parameters and gradient sums as tuples of leaves (see FlatStage)
 
     def _backward_input_flat(self, p_leaves, own, dy, spare=None):
-        dx, handover = self._backward_input(self._residuals(p_leaves, own, jax.tree_util.tree_leaves(dy)[0]), dy)
+        dx, handover = self._backward_input(
+            self._residuals(p_leaves, own, jax.tree_util.tree_leaves(dy)[0]), dy
+        )
         probes, recomputed, n = handover.output_grads, handover.recomputed, len(self._probe_refs)
         small = self._small_grads(p_leaves, self._split_own(own)[1], probes) if self._b_ops else ()
         # W's output gradients, each distinct one once (a Linear's product and its bias addition
         # share one), none of those whose only use was B's share of the parameter gradients
         owner = self._probe_op + (None,) * (n - len(self._probe_op))
         first: dict[int, int] = {}
-        self._grads_index = tuple(-1 if j in self._b_ops else first.setdefault(id(g), len(first)) for g, j in zip(probes, owner))
+        self._grads_index = tuple(
+            -1 if j in self._b_ops else first.setdefault(id(g), len(first)) for g, j in zip(probes, owner)
+        )
         unique = {id(g): g for g, i in zip(probes, self._grads_index) if i >= 0}
         return dx, Handover(tuple(unique.values()), tuple(recomputed), tuple(small))
 
     def _backward_weight_flat(self, p_leaves, kept, handover: Handover, acc):
         if self._grads_index is None:
-            raise RuntimeError("StageSplit: call backward_input before backward_weight (W reads B's output gradients)")
+            raise RuntimeError(
+                "StageSplit: call backward_input before backward_weight (W reads B's output gradients)"
+            )
         unique = handover.output_grads  # each distinct one once: back to one per probe
         grads_out = tuple(None if i < 0 else unique[i] for i in self._grads_index)
         grads = list(self._weight_gradient_flat(p_leaves, kept, grads_out, handover.recomputed, self._b_ops))
