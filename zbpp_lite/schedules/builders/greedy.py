@@ -41,6 +41,7 @@ import math
 import numbers
 from collections import deque
 from dataclasses import dataclass, replace
+from operator import itemgetter
 from typing import Iterable, Sequence
 
 from ..costs import CostTable
@@ -48,6 +49,7 @@ from ..ir import Action, Schedule, deps, produces
 
 _EPS = 1e-9
 _INF = float("inf")
+_PRIORITY = itemgetter(0, 1)  # a candidate's (priority, arrival): the first smallest runs
 
 
 @dataclass(frozen=True)
@@ -388,6 +390,7 @@ class _Greedy:
         # warm-up cap questions (Runs): per rank, the largest count answered yes and smallest answered no
         self.cap_yes = [-1] * p
         self.cap_no = [_INF] * p
+        self.safe: list[dict[int, bool]] = [{} for _ in range(p)]  # stage -> safe_f of its next F, per rank
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -416,6 +419,8 @@ class _Greedy:
         self.free[r] = end
         self.rows[r].append((kind, s, j))
         self.left -= 1
+        if kind != "W":
+            self.safe[r].clear()  # the rank's in-flight memory changed
         if kind == "F":
             if self.first[r] < 0:
                 self.first[r] = start
@@ -490,6 +495,7 @@ class _Greedy:
         whose inputs are computed (F only if memory allows it safely)."""
         out = []
         S, placement, comm, nf, end_f = self.S, self.placement, self.comm, self.nf, self.end_f
+        safe = self.safe[r]
         for s in self.stages[r]:
             j = nf[s]
             if j < self.m:
@@ -498,7 +504,10 @@ class _Greedy:
                 else:
                     e = end_f[s - 1][j]
                     arr = -1.0 if e < 0 else e + comm[s - 1] if placement[s - 1] != r else e
-                if arr >= 0 and self.safe_f(r, s, j) and self.within_cap(r, s):
+                ok = arr >= 0 and safe.get(s)
+                if ok is None:
+                    ok = safe[s] = self.safe_f(r, s, j)
+                if ok and (not self.warm[r] or self.within_cap(r, s)):
                     starving = self.rules.feed and s + 1 < S and placement[s + 1] != r and nf[s + 1] >= j
                     out.append((-1 if starving else self.prio[0][s], arr, "F", s, j))
             j = self.nb[s]
@@ -587,10 +596,11 @@ class _Greedy:
             cands = self.candidates(r)
             ready = [c for c in cands if c[1] <= now + _EPS]
             warm = self.warm[r]
-            firm = [c for c in ready if not (c[2] == "F" and warm and self.fit_stage[c[3]])]
+            fit = warm and self.rules.fit_f
+            firm = [c for c in ready if not (c[2] == "F" and self.fit_stage[c[3]])] if fit else ready
             hold = self.hold[r]
             if firm:
-                best = min(firm, key=lambda c: (c[0], c[1]))
+                best = firm[0] if len(firm) == 1 else min(firm, key=_PRIORITY)
                 if hold is not None:
                     self.hold[r] = None
                     kind, s, j, start = hold
@@ -623,7 +633,7 @@ class _Greedy:
                 return
             fillers = [c for c in ready if c[2] == "F"] if warm else []
             if fillers:
-                _, arr, _, s, j = min(fillers, key=lambda c: (c[0], c[1]))
+                _, arr, _, s, j = min(fillers, key=_PRIORITY)
                 self.hold[r] = ("F", s, j, max(self.free[r], arr))
                 continue
             if self.pending_w[r]:
