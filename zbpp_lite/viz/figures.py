@@ -355,8 +355,9 @@ def memory_figure(
 
     Args:
         timeline: simulated or measured.
-        costs: the memory fields M_B and M_W (default M_B = 1, M_W = 0, so the unit is "one
-            stage's activations for one microbatch"); must match the timeline's stages.
+        costs: the memory fields M_B and M_W; default the ones the timeline's ``peak_memory``
+            was computed with (``Costs()``'s where none were recorded: M_B = 1, one stage's
+            activations for one microbatch, M_W = 7/16 M_B); must match the timeline's stages.
         memory_limit: dashed horizontal line; default ``timeline.memory_limit`` (none if both
             are None). Same unit as M_B.
         title: usually the schedule name.
