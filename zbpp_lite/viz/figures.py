@@ -7,6 +7,7 @@ Parallelism", arXiv 2401.10241, sections 2-3; colours come from :data:`~.style.K
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -14,7 +15,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..schedules.costs import Costs, CostTable
-from ..schedules.ir import TORCH_CODE
+from ..schedules.ir import TORCH_CODE, deps, produces
 from ..schedules.timeline import Timeline
 from .states import plan_timeline
 from .style import BAR_KINDS, KIND_STYLE, MEMORY_LIMIT_COLOR
@@ -472,8 +473,6 @@ def dependency_arrows(timeline: Timeline, *, same_rank: bool = False, offset: fl
     that needs it. Arrows between ranks are transfers (solid); with ``same_rank`` a rank's own
     dependencies (F before its B, B before its W) are drawn too, dotted. An arrow whose head lies
     right of its tail by more than nothing shows time spent waiting or, with T_comm > 0, in transit."""
-    from ..schedules.ir import deps, produces
-
     t0 = start_time(timeline) if offset is None else offset
     num_stages = 1 + max((s for e in timeline.events for s in _stages_of(e.action)), default=0)
     made = {}
@@ -556,9 +555,7 @@ def postvalidation_figure(timeline: Timeline, title: str | None = None) -> go.Fi
 
 
 def _shifted(timeline: Timeline, dt: float) -> Timeline:
-    from dataclasses import replace as _replace
-
-    return _replace(timeline, events=tuple(_replace(e, start=e.start + dt, end=e.end + dt) for e in timeline.events))
+    return replace(timeline, events=tuple(replace(e, start=e.start + dt, end=e.end + dt) for e in timeline.events))
 
 
 def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go.Figure:

@@ -46,6 +46,8 @@ from typing import Iterable, Sequence
 
 from ..costs import CostTable
 from ..ir import Action, Schedule, deps, produces
+from ..simulate import simulate
+from ..validate import ScheduleError
 
 _EPS = 1e-9
 _INF = float("inf")
@@ -749,9 +751,6 @@ def search_budget(rows) -> int:
 def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
     """A function that simulates ``rows`` (as they are when called) and returns (makespan, peak
     memory per rank), or (inf, ()) for a deadlocking order or one over the memory limits."""
-    from ..simulate import simulate  # the simulator sits above the builders; imported where used
-    from ..validate import ScheduleError
-
     costs = table.costs()
 
     def evaluate() -> tuple[float, tuple[float, ...]]:
