@@ -110,7 +110,8 @@ class Timeline:
         work = max(busy, default=0.0)
         rate = (makespan - work) / makespan if makespan > 0 else 0.0
         return cls(
-            events, num_ranks, makespan, max(rate, 0.0), tuple(busy), tuple(peaks), tuple(gaps), memory_limit, source,
+            events, num_ranks, makespan, max(rate, 0.0), tuple(busy), tuple(peaks), tuple(gaps),
+            memory_limit, source,
             memory_costs=table,
         )
 
@@ -181,7 +182,8 @@ class Timeline:
     def summary(self) -> str:
         """One line: makespan, bubble rate, peak memory."""
         peaks = ", ".join(f"{p:g}" for p in self.peak_memory)
-        return f"makespan {self.makespan:.6g}  bubble rate {self.bubble_rate:.4f}  peak memory per rank [{peaks}]"
+        return (f"makespan {self.makespan:.6g}  bubble rate {self.bubble_rate:.4f}  "
+                f"peak memory per rank [{peaks}]")
 
 
 def with_schedule_order(timeline: Timeline, schedule: Schedule) -> bool:

@@ -89,7 +89,8 @@ def microbatch_slider_figure(
     states, error = [], None
     for m in num_microbatches:
         try:
-            t = plan_timeline(name, num_ranks, m, stages_per_rank=stages_per_rank, costs=costs, memory_limit=memory_limit)
+            t = plan_timeline(name, num_ranks, m, stages_per_rank=stages_per_rank, costs=costs,
+                              memory_limit=memory_limit)
         except ValueError as exc:
             error = exc
             continue
@@ -118,7 +119,8 @@ def schedule_slider_figure(
     for name in list(names) if names is not None else list(SCHEDULES):
         try:
             t = plan_timeline(
-                name, num_ranks, num_microbatches, stages_per_rank=stages_per_rank, costs=costs, memory_limit=memory_limit
+                name, num_ranks, num_microbatches, stages_per_rank=stages_per_rank, costs=costs,
+                memory_limit=memory_limit
             )
         except ValueError as exc:
             error = exc

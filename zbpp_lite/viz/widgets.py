@@ -134,7 +134,8 @@ def explore_state(settings: ExplorerSettings) -> ExplorerState:
     return ExplorerState(x.schedule, timeline, costs, limit)
 
 
-def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: Any, tip: str) -> widgets.Widget:
+def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: Any,
+        tip: str) -> widgets.Widget:
     return kind(
         value=value,
         min=lo,
@@ -190,9 +191,11 @@ class Explorer(widgets.VBox):
                 options=names, value=schedule, description="schedule", style={"description_width": "150px"},
                 layout=widgets.Layout(width="360px"),
             ),
-            "num_ranks": _slider(int_slider, "ranks p", x.num_ranks, 1, max_ranks, 1, "pipeline ranks (devices)"),
+            "num_ranks": _slider(int_slider, "ranks p", x.num_ranks, 1, max_ranks, 1, "pipeline ranks "
+                                 "(devices)"),
             "num_microbatches": _slider(
-                int_slider, "microbatches m", x.num_microbatches, 1, max_microbatches, 1, "microbatches per step"
+                int_slider, "microbatches m", x.num_microbatches, 1, max_microbatches, 1,
+                "microbatches per step"
             ),
             "stages_per_rank": _slider(
                 int_slider, "stages per rank v", x.stages_per_rank, 1, 4, 1,
@@ -221,7 +224,8 @@ class Explorer(widgets.VBox):
         self.figure = go.FigureWidget(timeline_figure(start, first.name))
         self.memory = go.FigureWidget(memory_figure(start)) if show_memory else None
         c = self.controls
-        left = widgets.VBox([c["schedule"], c["num_ranks"], c["num_microbatches"], c["stages_per_rank"], c["memory_limit"]])
+        left = widgets.VBox([c["schedule"], c["num_ranks"], c["num_microbatches"], c["stages_per_rank"],
+                             c["memory_limit"]])
         right = widgets.VBox([c["f"], c["b"], c["w"], c["comm"], c["fb"]])
         panels: list[widgets.Widget] = [widgets.HBox([left, right]), self.message, self.figure]
         if self.memory is not None:
@@ -239,7 +243,8 @@ class Explorer(widgets.VBox):
         takes_v = "stages_per_rank" in options_of(name)
         c["stages_per_rank"].disabled = not takes_v
         values = {key: control.value for key, control in c.items()}
-        return explore_state(ExplorerSettings(**{**values, "stages_per_rank": values["stages_per_rank"] if takes_v else None}))
+        return explore_state(ExplorerSettings(**{**values, "stages_per_rank": values["stages_per_rank"]
+                                                 if takes_v else None}))
 
     def _on_change(self, _change: Any = None) -> None:
         self.redraw()
@@ -254,7 +259,8 @@ class Explorer(widgets.VBox):
         try:
             state = self._compute()
         except Exception as exc:  # noqa: BLE001 - shown to the reader instead of a traceback
-            state = ExplorerState(self.controls["schedule"].value, None, None, None, f"{type(exc).__name__}: {exc}")
+            state = ExplorerState(self.controls["schedule"].value, None, None, None, f"{type(exc).__name__}: "
+                                  f"{exc}")
         try:
             self._show(state, t0)
         except Exception as exc:  # noqa: BLE001

@@ -129,13 +129,15 @@ def per_rank_limits(
     """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible.
 
     Raises:
-        ValueError: a NaN, infinite, negative or wrongly sized limit, or one below what the ranks need for the first
-            microbatch to reach the last stage; the message names the smallest feasible limit.
+        ValueError: a NaN, infinite, negative or wrongly sized limit, or one below what the ranks need
+            for the first microbatch to reach the last stage; the message names the smallest feasible limit.
     """
     p = 1 + max(placement, default=-1)
     is_number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
-    if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple)) and all(map(is_number, memory_limit))):
-        raise ValueError(f"{name}: memory_limit must be a number or one number per rank, got {memory_limit!r}")
+    if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple))
+            and all(map(is_number, memory_limit))):
+        raise ValueError(
+            f"{name}: memory_limit must be a number or one number per rank, got {memory_limit!r}")
     if is_number(memory_limit):
         limits = [float(memory_limit)] * p
     else:
@@ -147,8 +149,8 @@ def per_rank_limits(
             )
     if not all(math.isfinite(x) for x in limits):
         raise ValueError(
-            f"{name}: memory_limit must be finite (units of Costs.mem_b), got {memory_limit!r}; leave it out for "
-            "the schedule's default"
+            f"{name}: memory_limit must be finite (units of Costs.mem_b), got {memory_limit!r}; "
+            "leave it out for the schedule's default"
         )
     if any(x < 0 for x in limits):
         raise ValueError(f"{name}: memory_limit must be >= 0, got {memory_limit!r}")
@@ -258,7 +260,8 @@ class Runs:
     - with a :class:`Cutoff`, a run stops once it cannot win (it returns None).
     """
 
-    def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
+    def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
+            limits: Sequence[float]):
         self.args = (list(placement), num_microbatches, table, list(limits))
         self.records: list[_Record] = []
         self.greedy_runs = 0  # runs simulated, in full or in part (for benchmarks and tests)
@@ -301,7 +304,8 @@ class Runs:
             if rec.warm_end is None or replace(rec.rules, fit_f=False, warmup_cap=None) != plain:
                 continue
             if rec.warm_end == state and (
-                rec.plan is not None or cutoff is not None and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff))
+                rec.plan is not None or cutoff is not None
+                and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff))
             ):
                 raise _Rejoined(rec)
 
@@ -353,7 +357,8 @@ class _Greedy:
             for c, s in enumerate(self.stages[r]):
                 self.chunk[s] = c
         rank_of_class = {cls: i for i, cls in enumerate(rules.order)}
-        self.prio = [[rank_of_class.get((k, self.chunk[s]), len(rules.order)) for s in range(S)] for k in "FB"]
+        self.prio = [[rank_of_class.get((k, self.chunk[s]), len(rules.order)) for s in range(S)]
+            for k in "FB"]
         self.fit_stage = [rules.fit_f and self.chunk[s] == 0 for s in range(S)]
         self.end_f = [[-1.0] * m for _ in range(S)]
         self.end_b = [[-1.0] * m for _ in range(S)]
@@ -480,7 +485,8 @@ class _Greedy:
             r, self.now, self.left, tuple(self.free), tuple(self.first), tuple(self.bubble), tuple(self.mem),
             tuple(self.held), tuple(self.peak), tuple(tuple(w) for w in self.pending_w), tuple(inflight),
             tuple(self.hold), tuple(self.due), tuple(heap), tuple(self.nf), tuple(self.nb),
-            tuple(map(tuple, self.end_f)), tuple(map(tuple, self.end_b)), self.most_projected, tuple(self.done),
+            tuple(map(tuple, self.end_f)), tuple(map(tuple, self.end_b)), self.most_projected,
+            tuple(self.done),
             self.bound, self.max_peak, tuple(map(tuple, self.rows)),
         )
 
@@ -577,7 +583,7 @@ class _Greedy:
             self.set_due(r, 0.0)
         while self.left:
             if not self.heap:
-                raise AssertionError("greedy scheduler bug: no rank can move (memory safety should prevent this)")
+                raise AssertionError("greedy scheduler bug: no rank can move (memory safety prevents this)")
             time, _, r = heapq.heappop(self.heap)
             if time != self.due[r]:
                 continue
@@ -748,7 +754,8 @@ def search_budget(rows) -> int:
     return min(200, 20000 // max(sum(len(row) for row in rows), 1))
 
 
-def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
+def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable,
+        limits: Sequence[float]):
     """A function that simulates ``rows`` (as they are when called) and returns (makespan, peak
     memory per rank), or (inf, ()) for a deadlocking order or one over the memory limits."""
     costs = table.costs()
@@ -853,7 +860,8 @@ def split_backward(
                 before = list(row)
                 i = row.index(x)
                 row[i] = Action("B", x.stage, x.microbatch)
-                row.insert(len(row) if offset is None else min(i + offset, len(row)), Action("W", x.stage, x.microbatch))
+                row.insert(len(row) if offset is None else min(i + offset, len(row)),
+                    Action("W", x.stage, x.microbatch))
                 span, peaks = evaluate()
                 spent += 1
                 if span < best - 1e-9 * max(1.0, best) and (kept is None or span < kept[0]):

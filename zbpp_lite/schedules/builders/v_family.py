@@ -90,7 +90,8 @@ def tight_v_block(num_ranks: int, num_microbatches: int, table: CostTable) -> li
     p, m = num_ranks, num_microbatches
     placement = v_placement(p)
     S = len(placement)
-    period = max(sum(table.f[s] + table.b[s] + table.w[s] for s in range(S) if placement[s] == r) for r in range(p))
+    period = max(sum(table.f[s] + table.b[s] + table.w[s] for s in range(S) if placement[s] == r)
+        for r in range(p))
     busy: list[list[tuple[float, float]]] = [[] for _ in range(p)]
 
     def hop(a: int, b: int) -> float:

@@ -67,7 +67,8 @@ def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Seque
     return tuple(caps)
 
 
-def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float], keep: int = 2) -> Plan:
+def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float],
+        keep: int = 2) -> Plan:
     """The staged search: caps first (with and without the warm-up fit), then the binary choices and
     the second priority order for the ``keep`` best caps.
 
@@ -129,7 +130,8 @@ def _bar(scored: Iterable[tuple], caps, keep: int) -> tuple | None:
     for entry in sorted(scored, key=lambda x: x[:3]):
         best_of.setdefault(entry[4], entry[:3])
     ranked = sorted(best_of.values())
-    bars = [b for b in (best_of.get(caps), ranked[keep - 1] if len(ranked) >= keep else None) if b is not None]
+    bars = [b for b in (best_of.get(caps), ranked[keep - 1] if len(ranked) >= keep else None)
+        if b is not None]
     return min(bars) if bars else None
 
 
