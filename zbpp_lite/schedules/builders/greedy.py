@@ -210,7 +210,7 @@ class Cutoff:
 
     @classmethod
     def not_better(cls, best: Plan) -> "Cutoff":
-        """Stop where the run cannot be :func:`_better` than ``best`` (as :func:`best_plan` compares)."""
+        """Stop where the run cannot be :func:`_better` than ``best`` (as :meth:`Runs.best` compares)."""
         tol = 1e-9 * max(1.0, best.makespan)
         return cls(best.makespan + tol, best.makespan - tol, max(best.peak_memory) - 1e-9)
 
@@ -310,13 +310,15 @@ class Runs:
                 raise _Rejoined(rec)
 
     def best(self, candidates: Iterable[Rules], best: Plan | None = None) -> Plan:
-        """:func:`best_plan` over ``candidates``, starting from ``best`` if given (it wins ties)."""
+        """The plan of the shortest makespan over ``candidates`` (ties: the lower peak memory, then
+        ``best`` if given, then the earlier candidate): the paper's search over its binary choices
+        (arXiv 2401.10241, section 3.1)."""
         for rules in candidates:
             result = self.run(rules, None if best is None else Cutoff.not_better(best))
             if result is not None and (best is None or _better(result, best)):
                 best = result
         if best is None:
-            raise ValueError("best_plan needs at least one Rules candidate")
+            raise ValueError("Runs.best needs at least one Rules candidate")
         return best
 
     def _slack(self, cutoff: Cutoff) -> float:
@@ -423,6 +425,7 @@ class _Greedy:
                 self.most_projected = projected
         dur = self.dur[kind][s]
         end = start + dur
+        grew = False
         self.free[r] = end
         self.rows[r].append((kind, s, j))
         self.left -= 1
@@ -439,6 +442,7 @@ class _Greedy:
                 self.peak[r] = mem
                 if mem > self.max_peak:
                     self.max_peak = mem
+                    grew = True
             self.held[r] += mb
             entry = self.inflight[r].setdefault(j, [0.0, self.rank_total_mem[r], len(self.stages[r])])
             entry[0] += mb
@@ -469,7 +473,10 @@ class _Greedy:
         bound = (end - self.first[r]) + (self.work[r] - self.done[r])
         if bound > self.bound:
             self.bound = bound
-        if self.stop is not None and self.meets(self.stop, self.bound, self.max_peak, self.slack):
+            grew = True
+        # the cutoff only grows more certain as bound and peak grow: checked when they do (and at first)
+        if (grew or self.left == 3 * self.S * self.m - 1) and self.stop is not None and self.meets(
+                self.stop, self.bound, self.max_peak, self.slack):
             raise _Abandoned
         if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
             self.warm_state = self.state(r)
@@ -665,19 +672,6 @@ class _Greedy:
         if self.rules.keep_gaps:
             return False
         return self.work[r] + self.bubble[r] + gap > self.most_projected + _EPS
-
-
-def best_plan(
-    placement: Sequence[int],
-    num_microbatches: int,
-    table: CostTable,
-    limits: Sequence[float],
-    candidates: Iterable[Rules],
-) -> Plan:
-    """Run :func:`plan` for every :class:`Rules` in ``candidates`` and keep the shortest makespan
-    (ties: the lower peak memory, then the earlier candidate) -- the paper's search over its binary
-    choices (arXiv 2401.10241, section 3.1). A run stops as soon as it cannot win (:class:`Runs`)."""
-    return Runs(placement, num_microbatches, table, limits).best(candidates)
 
 
 def _better(a: Plan, b: Plan) -> bool:
