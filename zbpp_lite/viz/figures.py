@@ -17,7 +17,7 @@ from plotly.subplots import make_subplots
 from ..schedules.costs import Costs, CostTable
 from ..schedules.ir import TORCH_CODE, deps, produces
 from ..schedules.timeline import Timeline
-from .states import plan_timeline
+from .states import plan_or_refusal
 from .style import BAR_KINDS, KIND_STYLE, MEMORY_LIMIT_COLOR
 
 BAR_WIDTH = 0.8
@@ -412,20 +412,11 @@ def bubble_sweep(
         )
     axis = "num_ranks" if ranks_swept else "num_microbatches"
     xs = [int(x) for x in (num_ranks if ranks_swept else num_microbatches)]  # type: ignore[union-attr]
-    rates: dict[str, list[float | None]] = {}
-    for name in names:
-        row: list[float | None] = []
-        for x in xs:
-            p, m = (x, num_microbatches) if ranks_swept else (num_ranks, x)
-            try:
-                t = plan_timeline(
-                    name, p, m, stages_per_rank=stages_per_rank, costs=costs,
-                    memory_limit=memory_limit  # type: ignore[arg-type]
-                )
-                row.append(t.bubble_rate)
-            except ValueError:
-                row.append(None)
-        rates[name] = row
+    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
+    sizes = [(x, num_microbatches) if ranks_swept else (num_ranks, x) for x in xs]
+    plans = {name: [plan_or_refusal(name, p, m, **options) for p, m in sizes] for name in names}
+    rates = {name: [None if isinstance(t, ValueError) else t.bubble_rate for t in row]
+             for name, row in plans.items()}
     return axis, xs, rates
 
 
