@@ -16,7 +16,7 @@ import time
 
 import zbpp_lite as zb
 from zbpp_lite.schedules.builders import options_of
-from zbpp_lite.viz.widgets import Explorer, explore_state
+from zbpp_lite.viz.widgets import Explorer, ExplorerSettings, explore_state
 
 TARGET_MS = 200.0
 
@@ -45,7 +45,7 @@ def main() -> None:
         for p in ranks:
             for m in mbs:
                 t0 = time.perf_counter()
-                state = explore_state(name, p, m, v, 1.0, 1.0, 1.0, 0.0, None)
+                state = explore_state(ExplorerSettings(name, p, m, v, 1.0, 1.0, 1.0, 0.0, None))
                 state_ms.append((time.perf_counter() - t0) * 1e3)
                 refused += not state.ok
                 c["num_ranks"].value, c["num_microbatches"].value = p, m  # each set redraws once

@@ -152,6 +152,15 @@ def test_memory_figure_lines_reach_each_ranks_peak_and_draw_the_limit():
     assert not memory_figure(zb.simulate(s, costs), costs).layout.shapes
 
 
+@pytest.mark.parametrize("costs", [None, zb.Costs(mem_w=0.0), zb.Costs(mem_b=2.0, mem_w=1.5)])
+def test_memory_figure_without_costs_draws_the_memory_the_timeline_was_simulated_with(costs):
+    # issue 31: without costs the figure used M_W = 0 while Costs() defaults to 7/16 M_B
+    t = zb.simulate(zb.build_schedule("zb-h1", 4, 8), costs)
+    for rank, line in enumerate(memory_figure(t).data):
+        assert max(line.y) == pytest.approx(t.peak_memory[rank])
+        assert line.y == pytest.approx([v for _, v in t.memory_curve(rank, costs)] + [line.y[-1]])
+
+
 # --------------------------------------------------------------------------- bubble sweeps
 
 
@@ -343,13 +352,13 @@ def test_slider_figures_leave_out_refused_settings(refusing_schedule):
 
 
 def test_explore_state_returns_the_simulated_timeline_or_the_refusal(refusing_schedule):
-    from zbpp_lite.viz import explore_state
+    from zbpp_lite.viz import ExplorerSettings, explore_state
 
-    state = explore_state("interleaved-1f1b", 4, 8, 3, 1.0, 2.0, 0.5, 0.1, 0)
+    state = explore_state(ExplorerSettings("interleaved-1f1b", 4, 8, 3, 1.0, 2.0, 0.5, 0.1, 0))
     want = zb.simulate(zb.build_schedule("interleaved-1f1b", 4, 8, stages_per_rank=3), zb.Costs(1.0, 2.0, 0.5, 0.1))
     assert state.ok and state.timeline.events == want.events and state.memory_limit is None
     assert_figure_matches(state.figure(), want)
-    bad = explore_state("test-refusing", 4, 8, None, 1, 1, 1, 0, 2.0)
+    bad = explore_state(ExplorerSettings("test-refusing", 4, 8, None, 1, 1, 1, 0, 2.0))
     assert not bad.ok and bad.timeline is None and "below p * M_B" in bad.error
     assert refusing_schedule[-1]["memory_limit"] == 2.0 and refusing_schedule[-1]["costs"] == zb.Costs(1, 1, 1, 0)
     assert bad.figure() is None

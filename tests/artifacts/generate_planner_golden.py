@@ -2,8 +2,8 @@
 v-half, v-min) for fixed cases, so a change meant to make planning faster is shown to change no plan.
 
 The file in the repository was written by the planners as they were before the branch-and-bound
-search (commit 4c28522, every greedy run to its end). Small cases keep the CSV itself; large ones
-its SHA-256. Run: PYTHONPATH=<tree> python tests/artifacts/generate_planner_golden.py OUT.json
+search (commit 4c28522, every greedy run to its end); the last two cases by commit 14ce796. Small
+cases keep the CSV itself; large ones its SHA-256. Run: PYTHONPATH=<tree> python tests/artifacts/generate_planner_golden.py OUT.json
 """
 
 import hashlib
@@ -25,6 +25,7 @@ CASES = [  # (schedule, p, m, costs, memory_limit or None)
     ("zb-auto", 5, 9, "unit", 3),
     ("zb-v", 16, 32, "unit", None), ("zb-v", 12, 24, "paper", None), ("v-half", 12, 24, "paper", None),
     ("v-min", 12, 24, "unit", None), ("zb-auto", 32, 216, "unit", None), ("zb-2p", 24, 300, "paper", None),
+    ("v-half", 32, 64, "unit", None), ("v-min", 24, 48, "paper", None),  # issue 31: v-half, v-min faster
 ]
 SMALL = 200  # actions: up to this many, the CSV itself
 

@@ -1,7 +1,8 @@
 """Layer 1, schedules: what a pipeline does and how long it takes, in pure Python (no JAX).
 
 - :mod:`.strict_json`: the one JSON writer (NaN and infinity written as null, and listed);
-- :mod:`.ir`: ``Action``, ``Overlap`` (the F&B pair), ``Schedule``, placements, dependencies, PyTorch's text and CSV forms;
+- :mod:`.ir`: ``Action``, ``Overlap`` (the F&B pair), ``Schedule``, placements, dependencies,
+  PyTorch's text and CSV forms;
 - :mod:`.costs`: ``Costs`` (T_F, T_B, T_W, T_BW, T_F&B, T_comm, M_B, M_W), per stage;
 - :mod:`.memory`: ``MeasuredMemory``, the activation bytes each rank held in a measured step;
 - :mod:`.timeline`: ``Timeline`` and ``Event``, planned or measured (makespan, bubble rate, memory);

@@ -116,8 +116,12 @@ class Costs:
         Raises:
             ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b.
         """
-        fields = {k: _per_stage(getattr(self, k), num_stages, k) for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
-        bw = tuple(b + w for b, w in zip(fields["b"], fields["w"])) if self.bw is None else _per_stage(self.bw, num_stages, "bw")
+        fields = {k: _per_stage(getattr(self, k), num_stages, k)
+            for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
+        if self.bw is None:
+            bw = tuple(b + w for b, w in zip(fields["b"], fields["w"]))
+        else:
+            bw = _per_stage(self.bw, num_stages, "bw")
         fb = () if self.fb is None else _per_stage(self.fb, num_stages, "fb")
         t = CostTable(**fields, bw=bw, fb=fb)
         bad = [s for s in range(num_stages) if t.mem_w[s] > t.mem_b[s]]
@@ -150,7 +154,8 @@ class CostTable:
 
     def costs(self) -> "Costs":
         """These per-stage values as :class:`Costs` again."""
-        return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm, mem_b=self.mem_b, mem_w=self.mem_w, bw=self.bw, fb=self.fb or None)
+        return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm, mem_b=self.mem_b, mem_w=self.mem_w,
+            bw=self.bw, fb=self.fb or None)
 
     def time(self, kind: str, stage: int) -> float:
         """Duration of one action; BW costs T_BW (T_B + T_W unless measured)."""

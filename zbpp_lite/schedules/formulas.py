@@ -31,7 +31,8 @@ SCHEDULES_WITH_A_FORM = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 
 def _check(name: str, p: int, m: int, f: float, b: float, w: float) -> None:
     if name not in SCHEDULES_WITH_A_FORM:
-        raise ValueError(f"no closed form for {name!r}; there is one for {', '.join(SCHEDULES_WITH_A_FORM)} (simulate the others)")
+        raise ValueError(f"no closed form for {name!r}; there is one for {', '.join(SCHEDULES_WITH_A_FORM)} "
+            "(simulate the others)")
     if not (isinstance(p, int) and isinstance(m, int) and p >= 1 and m >= 1):
         raise ValueError(f"ranks and microbatches must be integers >= 1, got p={p!r}, m={m!r}")
     if min(f, b, w) < 0:
@@ -42,7 +43,8 @@ def _check(name: str, p: int, m: int, f: float, b: float, w: float) -> None:
     if name == "zb-h1" and w > min(f, b):
         raise ValueError(f"ZB-H1's form needs T_W <= T_F and T_W <= T_B, got T_F={f}, T_B={b}, T_W={w}")
     if name == "zb-h2" and 2 * w > f + b:
-        raise ValueError(f"ZB-H2's form needs 2 T_W <= T_F + T_B (it would be negative), got 2 T_W = {2 * w} > {f + b}")
+        raise ValueError(f"ZB-H2's form needs 2 T_W <= T_F + T_B (it would be negative), got 2 T_W = {2 * w} "
+            f"> {f + b}")
 
 
 def bubble_time(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:

@@ -119,10 +119,12 @@ class Overlap:
 
     def __post_init__(self) -> None:
         f, b = self.forward, self.backward
-        if not (isinstance(f, Action) and isinstance(b, Action)) or f.kind != "F" or b.kind not in ("B", "BW"):
+        pair_kinds = isinstance(f, Action) and isinstance(b, Action) and f.kind == "F"
+        if not pair_kinds or b.kind not in ("B", "BW"):
             raise ValueError(f"an overlapped pair is (F; B or BW), got ({f}; {b})")
         if (f.stage, f.microbatch) == (b.stage, b.microbatch):
-            raise ValueError(f"the pair ({f}; {b}) overlaps a backward with its own forward, which it needs first")
+            raise ValueError(
+                f"the pair ({f}; {b}) overlaps a backward with its own forward, which it needs first")
 
     @property
     def parts(self) -> tuple[Action, Action]:
@@ -147,7 +149,8 @@ class Overlap:
         match = _TORCH_OVERLAP.match(text)
         parts = match.group(1).split(";") if match else []
         if len(parts) != 2:
-            raise ValueError(f"cannot parse overlapped pair {text!r}: expected '(<F action>;<backward>)OVERLAP_F_B', e.g. '(0F7;7B3)OVERLAP_F_B'")
+            raise ValueError(f"cannot parse overlapped pair {text!r}: expected "
+                "'(<F action>;<backward>)OVERLAP_F_B', e.g. '(0F7;7B3)OVERLAP_F_B'")
         return cls(Action.from_str(parts[0]), Action.from_str(parts[1]))
 
 
@@ -286,7 +289,8 @@ class Schedule:
     def split_pairs(self) -> "Schedule":
         """The same schedule with every pair written as its two consecutive actions (what
         PyTorch's compute-only CSV generator in tests/artifacts does)."""
-        return Schedule(tuple(self.rank_actions(r) for r in range(self.num_ranks)), self.placement, self.num_microbatches, self.name)
+        return Schedule(tuple(self.rank_actions(r) for r in range(self.num_ranks)), self.placement,
+            self.num_microbatches, self.name)
 
     # ------------------------------------------------------------------ text / CSV form
 
@@ -341,7 +345,8 @@ class Schedule:
         check_index_range(actions, num_microbatches)
         placement = infer_placement(actions)
         if num_microbatches is None:
-            num_microbatches = 1 + max((a.microbatch for row in actions for e in row for a in parts(e)), default=-1)
+            num_microbatches = 1 + max((a.microbatch for row in actions for e in row for a in parts(e)),
+                default=-1)
         return cls(tuple(map(tuple, actions)), placement, num_microbatches, name)
 
     @classmethod
@@ -357,7 +362,8 @@ class Schedule:
             TypeError: ``path`` that is not a ``str`` or ``os.PathLike``.
         """
         if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"Schedule.from_csv takes a file path (str or os.PathLike), got {type(path).__name__}")
+            raise TypeError("Schedule.from_csv takes a file path (str or os.PathLike), got "
+                f"{type(path).__name__}")
         name = os.fspath(path)
         if os.path.isdir(name):
             raise IsADirectoryError(f"schedule CSV {name!r} is a directory; expected a CSV file")
@@ -368,7 +374,8 @@ class Schedule:
             with open(name, encoding="utf-8-sig", newline="") as f:
                 text = f.read()
         except UnicodeDecodeError as e:
-            raise ValueError(f"schedule CSV {name!r} is not UTF-8 text (byte {e.start}): expected PyTorch's CSV form") from None
+            raise ValueError(f"schedule CSV {name!r} is not UTF-8 text (byte {e.start}): expected PyTorch's "
+                "CSV form") from None
         try:
             return cls.from_csv_text(text, num_microbatches)
         except ValueError as e:
@@ -388,8 +395,10 @@ class Schedule:
                 CSV line, or a stage on two ranks (see :meth:`from_rows`).
         """
         if not isinstance(text, str):
-            raise TypeError(f"Schedule.from_csv_text takes CSV text (str), got {type(text).__name__}; for a file use Schedule.from_csv")
-        lines = [(n, line) for n, line in enumerate(text.lstrip("\ufeff").splitlines(), start=1) if line.strip()]
+            raise TypeError(f"Schedule.from_csv_text takes CSV text (str), got {type(text).__name__}; for a "
+                "file use Schedule.from_csv")
+        lines = [(n, line) for n, line in enumerate(text.lstrip("\ufeff").splitlines(), start=1)
+            if line.strip()]
         rows: list[list[Action]] = []
         for rank, (n, line) in enumerate(lines):
             try:
@@ -435,14 +444,14 @@ def check_index_range(actions: Sequence[Sequence[Entry]], num_microbatches: int 
             for what, index in (("stage", a.stage), ("microbatch", a.microbatch)):
                 if index >= count:
                     raise ValueError(
-                        f"rank {rank}, action {a}: {what} {index} is far beyond what the rows hold: they have "
-                        f"{count} action(s), so a complete schedule numbers its stages and microbatches at most "
-                        f"0 .. {count - 1} (a typo?)"
+                        f"rank {rank}, action {a}: {what} {index} is far beyond what the rows hold: "
+                        f"they have {count} action(s), so a complete schedule numbers its stages and "
+                        f"microbatches at most 0 .. {count - 1} (a typo?)"
                     )
     if num_microbatches is not None and num_microbatches > count:
         raise ValueError(
-            f"num_microbatches {num_microbatches} is more than the {count} action(s) the rows hold; a complete "
-            f"schedule has an F of every stage for every microbatch, so at most {count}"
+            f"num_microbatches {num_microbatches} is more than the {count} action(s) the rows hold; "
+            f"a complete schedule has an F of every stage for every microbatch, so at most {count}"
         )
 
 
@@ -464,6 +473,7 @@ def infer_placement(actions: Sequence[Sequence[Entry]]) -> tuple[int, ...]:
     if len(owner) < num_stages:
         missing = list(itertools.islice((s for s in range(num_stages) if s not in owner), 8))
         count = num_stages - len(owner)
-        shown = ", ".join(map(str, missing)) + (f" and {count - len(missing)} more" if count > len(missing) else "")
+        shown = ", ".join(map(str, missing)) + (f" and {count - len(missing)} more" if count > len(missing)
+            else "")
         raise ValueError(f"no rank holds stage(s) {shown}; stages must be numbered 0 .. {num_stages - 1}")
     return tuple(owner[s] for s in range(num_stages))

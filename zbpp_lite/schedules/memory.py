@@ -93,7 +93,8 @@ class MeasuredMemory:
         """Per rank r, the measured peak in units of one stage-microbatch's activations: bytes
         over the measured M_B of stage ``unit_stages[r]`` (e.g. the rank's first stage); nan
         where that M_B is 0 (a stage run elsewhere)."""
-        return tuple(b / self.mem_b[s] if self.mem_b[s] else float("nan") for b, s in zip(self.peak_bytes, unit_stages))
+        return tuple(b / self.mem_b[s] if self.mem_b[s] else float("nan")
+            for b, s in zip(self.peak_bytes, unit_stages))
 
     def costs(self, base: Costs | None = None) -> Costs:
         """``base`` (default :class:`Costs`) with mem_b and mem_w set to the measured bytes per
@@ -105,10 +106,14 @@ class MeasuredMemory:
         """
         bad = [s for s, (b, w) in enumerate(zip(self.mem_b, self.mem_w)) if w > b]
         if bad:
-            raise ValueError(f"measured M_W exceeds M_B on stage(s) {bad} (M_B {list(self.mem_b)}, M_W {list(self.mem_w)} bytes): "
-                             "B keeps more than it frees, which the plan's memory model (F +M_B, B -(M_B-M_W), W -M_W) cannot hold")
+            raise ValueError(
+                f"measured M_W exceeds M_B on stage(s) {bad} (M_B {list(self.mem_b)}, M_W {list(self.mem_w)} "
+                "bytes): B keeps more than it frees, which the plan's memory model "
+                "(F +M_B, B -(M_B-M_W), W -M_W) cannot hold"
+            )
         base = base or Costs()
-        return Costs(f=base.f, b=base.b, w=base.w, comm=base.comm, bw=base.bw, mem_b=self.mem_b, mem_w=self.mem_w)
+        return Costs(f=base.f, b=base.b, w=base.w, comm=base.comm, bw=base.bw, mem_b=self.mem_b,
+            mem_w=self.mem_w)
 
     def to_json(self) -> dict:
         """A JSON-ready dict: peaks per rank (bytes), M_B and M_W per stage (bytes), the

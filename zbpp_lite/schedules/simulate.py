@@ -59,9 +59,11 @@ def simulate(
         big = max((*table.f, *table.b, *table.w, *table.comm))
         raise ValueError(
             f"the simulated times overflow to infinity: costs up to {big:g} add up beyond the largest float "
-            f"({sys.float_info.max:.3g}); give the costs in a larger time unit (e.g. seconds instead of microseconds)"
+            f"({sys.float_info.max:.3g}); give the costs in a larger time unit (e.g. seconds instead of "
+            "microseconds)"
         )
-    return Timeline.from_events(events, schedule.num_ranks, table, schedule.num_stages, memory_limit, "simulated")
+    return Timeline.from_events(events, schedule.num_ranks, table, schedule.num_stages, memory_limit,
+        "simulated")
 
 
 def lockstep_ticks(schedule: Schedule) -> list[list[int | None]]:

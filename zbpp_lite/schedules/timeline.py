@@ -9,7 +9,7 @@ rate is (makespan - busy) / makespan where busy is the busiest rank's total comp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from .costs import Costs, CostTable
@@ -49,6 +49,8 @@ class Timeline:
         measured_memory: on a measured timeline, the bytes each rank really held
             (:class:`~zbpp_lite.schedules.memory.MeasuredMemory`: curves and peaks in bytes, M_B
             and M_W per stage); None on a simulated one.
+        memory_costs: the per-stage M_B and M_W ``peak_memory`` was computed with (the default
+            of :meth:`memory_curve`); not compared.
     """
 
     events: tuple[Event, ...]
@@ -61,6 +63,7 @@ class Timeline:
     memory_limit: float | None = None
     source: str = "simulated"
     measured_memory: MeasuredMemory | None = None
+    memory_costs: CostTable | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_events(
@@ -77,7 +80,7 @@ class Timeline:
 
         Memory follows each rank's own action order (only a rank's own actions change its
         memory): F adds M_B, B frees M_B - M_W, W frees M_W, BW frees M_B. Without ``costs``,
-        M_B = 1 and M_W = 0 (units of one stage's activations for one microbatch).
+        ``Costs()``'s: M_B = 1 (one stage's activations for one microbatch), M_W = 7/16 M_B.
         Gaps shorter than ``gap_tolerance`` are ignored (float noise).
         """
         events = tuple(sorted(events, key=lambda e: (e.rank, e.start, e.end)))
@@ -106,7 +109,11 @@ class Timeline:
         makespan = max(spans, default=0.0)
         work = max(busy, default=0.0)
         rate = (makespan - work) / makespan if makespan > 0 else 0.0
-        return cls(events, num_ranks, makespan, max(rate, 0.0), tuple(busy), tuple(peaks), tuple(gaps), memory_limit, source)
+        return cls(
+            events, num_ranks, makespan, max(rate, 0.0), tuple(busy), tuple(peaks), tuple(gaps),
+            memory_limit, source,
+            memory_costs=table,
+        )
 
     @property
     def global_span(self) -> float:
@@ -135,9 +142,11 @@ class Timeline:
 
     def memory_curve(self, rank: int, costs: Costs | CostTable | None = None) -> list[tuple[float, float]]:
         """(time, activation memory) steps for one rank: memory rises at an F's start and falls at
-        a backward's end."""
+        a backward's end. ``costs`` defaults to the ones ``peak_memory`` was computed with
+        (``memory_costs``; ``Costs()`` where none were recorded)."""
         stages = 1 + max((e.action.stage for e in self.events), default=0)
-        table = costs.table(stages) if isinstance(costs, Costs) else (costs or Costs().table(stages))
+        costs = costs or self.memory_costs or Costs()
+        table = costs.table(stages) if isinstance(costs, Costs) else costs
         changes = []
         for e in self.rank_events(rank):
             delta = table.memory_delta(e.action.kind, e.action.stage)
@@ -173,7 +182,8 @@ class Timeline:
     def summary(self) -> str:
         """One line: makespan, bubble rate, peak memory."""
         peaks = ", ".join(f"{p:g}" for p in self.peak_memory)
-        return f"makespan {self.makespan:.6g}  bubble rate {self.bubble_rate:.4f}  peak memory per rank [{peaks}]"
+        return (f"makespan {self.makespan:.6g}  bubble rate {self.bubble_rate:.4f}  "
+                f"peak memory per rank [{peaks}]")
 
 
 def with_schedule_order(timeline: Timeline, schedule: Schedule) -> bool:

@@ -28,7 +28,8 @@ class ScheduleError(ValueError):
     (``None`` where it has no single place, e.g. a missing action); ``action`` is the entry at
     that step, an :class:`Overlap` where the step is an overlapped pair."""
 
-    def __init__(self, message: str, rank: int | None = None, step: int | None = None, action: Entry | None = None):
+    def __init__(self, message: str, rank: int | None = None, step: int | None = None,
+            action: Entry | None = None):
         super().__init__(message)
         self.rank, self.step, self.action = rank, step, action
 
@@ -37,7 +38,8 @@ def describe(action: Entry) -> str:
     """``B(stage 1, microbatch 3) [1I3]``: readable and in PyTorch notation (a pair: both parts)."""
     if isinstance(action, Overlap):
         f, b = action.parts
-        return f"the F&B pair of F(stage {f.stage}, microbatch {f.microbatch}) and {b.kind}(stage {b.stage}, microbatch {b.microbatch}) [{action}]"
+        return (f"the F&B pair of F(stage {f.stage}, microbatch {f.microbatch}) and "
+                f"{b.kind}(stage {b.stage}, microbatch {b.microbatch}) [{action}]")
     return f"{action.kind}(stage {action.stage}, microbatch {action.microbatch}) [{action}]"
 
 
@@ -92,9 +94,11 @@ def _check_structure(schedule: Schedule) -> None:
         for step, entry in enumerate(row):
             for a in parts(entry):
                 if a.stage >= S:
-                    _fail(schedule, f"{describe(a)} names stage {a.stage}, but stages are 0 .. {S - 1}", rank, step)
+                    _fail(schedule, f"{describe(a)} names stage {a.stage}, but stages are 0 .. {S - 1}",
+                        rank, step)
                 if a.microbatch >= m:
-                    _fail(schedule, f"{describe(a)} names microbatch {a.microbatch}, but microbatches are 0 .. {m - 1}", rank, step)
+                    _fail(schedule, f"{describe(a)} names microbatch {a.microbatch}, but microbatches are 0 "
+                        f".. {m - 1}", rank, step)
                 if schedule.placement[a.stage] != rank:
                     _fail(
                         schedule,
@@ -122,7 +126,10 @@ def _check_structure(schedule: Schedule) -> None:
     missing = [(k, s, j) for s in range(S) for j in range(m) for k in "FBW" if (k, s, j) not in seen]
     if missing:
         names = {"F": "F", "B": "B (or BW)", "W": "W (or BW)"}
-        shown = ", ".join(f"{names[k]} of stage {s}, microbatch {j} (rank {schedule.placement[s]})" for k, s, j in missing[:5])
+        shown = ", ".join(
+            f"{names[k]} of stage {s}, microbatch {j} (rank {schedule.placement[s]})"
+            for k, s, j in missing[:5]
+        )
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ScheduleError(f"incomplete schedule: missing {shown}{more}\n{format_grid(schedule)}")
     # order within a rank
@@ -174,10 +181,13 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
                 if cursor[rank] < len(row):
                     a = row[cursor[rank]]
                     waits = [k for k in needs[rank][cursor[rank]] if k not in done]
-                    what = ", ".join(f"{k[0]} of stage {k[1]}, microbatch {k[2]} (rank {schedule.placement[k[1]]})" for k in waits)
+                    what = ", ".join(f"{k[0]} of stage {k[1]}, microbatch {k[2]} (rank "
+                        f"{schedule.placement[k[1]]})" for k in waits)
                     stuck.append(f"rank {rank} step {cursor[rank]}: {describe(a)} waits for {what}")
             first = next(r for r in range(len(rows)) if cursor[r] < len(rows[r]))
-            _fail(schedule, "deadlock: no rank can make progress with blocking receives\n  " + "\n  ".join(stuck), first, cursor[first])
+            stuck_text = "\n  ".join(stuck)
+            message = f"deadlock: no rank can make progress with blocking receives\n  {stuck_text}"
+            _fail(schedule, message, first, cursor[first])
     return order
 
 

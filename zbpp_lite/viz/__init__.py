@@ -2,7 +2,7 @@
 Chrome-trace export of any Timeline, planned or measured. No JAX here.
 
 Figures return ``go.Figure`` and never display; the explorer only calls build -> simulate ->
-figure. ``widgets`` (ipywidgets, anywidget) is imported on first use of its names.
+figure.
 
 May import: :mod:`zbpp_lite.schedules` and :mod:`zbpp_lite.analysis` (never JAX itself).
 """
@@ -24,15 +24,7 @@ from .style import KIND_STYLE
 from .text import text_grid
 from .trace import to_chrome_trace, write_chrome_trace
 
-_WIDGET_NAMES = ("Explorer", "ExplorerState", "enable_colab_widgets", "explore_state", "explorer")
-
-
-def __getattr__(name: str):
-    if name in _WIDGET_NAMES:
-        from . import widgets
-
-        return getattr(widgets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from .widgets import Explorer, ExplorerSettings, ExplorerState, enable_colab_widgets, explore_state, explorer
 
 
 __all__ = [
@@ -54,5 +46,10 @@ __all__ = [
     "timeline_figure",
     "to_chrome_trace",
     "write_chrome_trace",
-    *_WIDGET_NAMES,
+    "Explorer",
+    "ExplorerSettings",
+    "ExplorerState",
+    "enable_colab_widgets",
+    "explore_state",
+    "explorer",
 ]

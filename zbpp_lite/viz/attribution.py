@@ -26,7 +26,8 @@ CAUSE_COLOR: dict[str, str] = {
 this figure are grey, :data:`ACTION_GREY`)."""
 
 
-ACTION_GREY: dict[str, str] = {"F": "#D4D4D4", "B": "#C2C2C2", "W": "#E8E8E8", "BW": "#C2C2C2", "idle": "#FFFFFF"}
+ACTION_GREY: dict[str, str] = {"F": "#D4D4D4", "B": "#C2C2C2", "W": "#E8E8E8", "BW": "#C2C2C2",
+                               "idle": "#FFFFFF"}
 """Actions are drawn in greys (darker for backward) so that the idle stretches' colours stand out;
 hovering a bar still names its action."""
 
@@ -49,7 +50,8 @@ def attribution_figure(attribution: Attribution, timeline: Timeline, title: str 
         ValueError: an attribution of another timeline (different rank count).
     """
     if attribution.num_ranks != timeline.num_ranks:
-        raise ValueError(f"the attribution has {attribution.num_ranks} ranks but the timeline {timeline.num_ranks}")
+        raise ValueError(f"the attribution has {attribution.num_ranks} ranks but the timeline "
+                         f"{timeline.num_ranks}")
     scale, unit = (1e3, "ms") if timeline.source == "measured" else (1.0, "units of the costs")
     t0 = start_time(timeline)
     fig = make_subplots(rows=2, cols=1, row_heights=[0.6, 0.4], vertical_spacing=0.16,
@@ -68,7 +70,8 @@ def attribution_figure(attribution: Attribution, timeline: Timeline, title: str 
                 orientation="h", name=cause, legendgroup=cause, showlegend=bool(gaps),
                 base=[(g.start - t0) * scale for g in gaps], x=[g.duration * scale for g in gaps],
                 y=[g.rank for g in gaps], width=BAR_WIDTH, marker={"color": CAUSE_COLOR[cause]},
-                customdata=[["-" if g.stage is None else g.stage, "end" if g.before is None else str(g.before)] for g in gaps],
+                customdata=[["-" if g.stage is None else g.stage, "end" if g.before is None
+                             else str(g.before)] for g in gaps],
                 hovertemplate=f"{cause}<br>%{{x:.4~g}} {unit}, blamed on stage %{{customdata[0]}}"
                               "<br>before %{customdata[1]}<extra>%{y}</extra>",
             ),
@@ -80,12 +83,14 @@ def attribution_figure(attribution: Attribution, timeline: Timeline, title: str 
         values = [row[cause] * scale for row in stages.values()]
         fig.add_trace(
             go.Bar(orientation="h", name=cause, legendgroup=cause, showlegend=False, x=values, y=labels,
-                   marker={"color": CAUSE_COLOR[cause]}, hovertemplate=f"{cause}: %{{x:.4~g}} {unit}<extra>%{{y}}</extra>"),
+                   marker={"color": CAUSE_COLOR[cause]}, hovertemplate=f"{cause}: %{{x:.4~g}} "
+                   f"{unit}<extra>%{{y}}</extra>"),
             row=2, col=1,
         )
     p = timeline.num_ranks
     fig.update_layout(
-        title={"text": title or f"where the bubbles come from ({timeline.source}, makespan {timeline.makespan * scale:.4g} {unit})"},
+        title={"text": title or f"where the bubbles come from ({timeline.source}, makespan "
+               f"{timeline.makespan * scale:.4g} {unit})"},
         barmode="overlay", plot_bgcolor="white", height=300 + 40 * p + 26 * len(labels),
         legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0},
         margin={"l": 80, "r": 20, "t": 90, "b": 45},

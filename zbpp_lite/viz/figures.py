@@ -7,6 +7,7 @@ Parallelism", arXiv 2401.10241, sections 2-3; colours come from :data:`~.style.K
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -14,9 +15,9 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..schedules.costs import Costs, CostTable
-from ..schedules.ir import TORCH_CODE
+from ..schedules.ir import TORCH_CODE, deps, produces
 from ..schedules.timeline import Timeline
-from .states import plan_timeline
+from .states import plan_or_refusal
 from .style import BAR_KINDS, KIND_STYLE, MEMORY_LIMIT_COLOR
 
 BAR_WIDTH = 0.8
@@ -77,7 +78,8 @@ def chunk_note(*timelines: Timeline) -> str | None:
 def _add_chunk_note(fig: go.Figure, *timelines: Timeline) -> None:
     note = chunk_note(*timelines)
     if note:
-        fig.add_annotation(text=note, xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top", xanchor="left",
+        fig.add_annotation(text=note, xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top",
+                           xanchor="left",
                            showarrow=False, font={"size": 11, "color": "#555"})
         fig.update_layout(margin={"b": 70})
 
@@ -92,13 +94,13 @@ def timeline_traces(
     xaxis: str = "x",
     yaxis: str = "y",
 ) -> list[dict[str, Any]]:
-    """Plotly bar traces (as plain dicts of NumPy arrays) for a timeline: one per kind in
-    :data:`BAR_KINDS`.
+    """Plotly bar traces (plain dicts of NumPy arrays) for a timeline: one per kind in :data:`BAR_KINDS`.
 
     Every trace is always present (possibly empty), so a figure can be updated in place when the
     timeline changes. Bars are horizontal: ``base`` is the start, ``x`` the duration, ``y`` the
     rank (an integer; the axis labels it ``rank r``); ``customdata`` rows are
-    (stage, microbatch, start, end), -1 for the stage and microbatch of idle bars. Ranks that hold several stages (interleaved, V) draw later chunks lighter.
+    (stage, microbatch, start, end), -1 for the stage and microbatch of idle bars. Ranks that hold
+    several stages (interleaved, V) draw later chunks lighter.
     The idle trace has exactly one bar per entry of ``timeline.idle_gaps``.
 
     Args:
@@ -116,7 +118,8 @@ def timeline_traces(
         a = e.action
         rows[a.kind].append((e.rank, e.start - t0, e.end - t0, a.stage, a.microbatch, chunk[e.rank, a.stage]))
     if show_idle:
-        rows["idle"] = [(r, a - t0, b - t0, -1, -1, 0) for r, gaps in enumerate(timeline.idle_gaps) for a, b in gaps]
+        rows["idle"] = [(r, a - t0, b - t0, -1, -1, 0) for r, gaps in enumerate(timeline.idle_gaps)
+                        for a, b in gaps]
     traces = []
     for kind in BAR_KINDS:
         style = KIND_STYLE[kind]
@@ -175,7 +178,9 @@ def rank_axis(num_ranks: int) -> dict[str, Any]:
     }
 
 
-def timeline_layout(timeline: Timeline, title: str | None = None, time_unit: str | None = None) -> dict[str, Any]:
+def timeline_layout(
+    timeline: Timeline, title: str | None = None, time_unit: str | None = None
+) -> dict[str, Any]:
     """Layout for :func:`timeline_traces`: ranks top to bottom, time axis, stats in the title."""
     return {
         "title": {"text": figure_title(timeline, title)},
@@ -321,16 +326,19 @@ def memory_layout(
     if limit is not None:
         text += f" (limit {limit:.4g})"
         line = {"color": MEMORY_LIMIT_COLOR, "dash": "dash", "width": 2}
-        shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": limit, "y1": limit, "line": line})
+        shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": limit,
+                       "y1": limit, "line": line})
         notes.append(
-            {"text": f"memory limit {limit:.4g}", "xref": "paper", "x": 0, "xanchor": "left", "yref": "y", "y": limit,
+            {"text": f"memory limit {limit:.4g}", "xref": "paper", "x": 0, "xanchor": "left", "yref": "y",
+             "y": limit,
              "yanchor": "bottom", "showarrow": False, "font": {"color": MEMORY_LIMIT_COLOR}}
         )
     top = max(peak, limit or 0.0)
     return {
         "title": {"text": text},
         "xaxis": {"title": {"text": f"time ({time_unit_of(timeline)})"}, "gridcolor": GRID_COLOR},
-        "yaxis": {"title": {"text": f"activation memory ({memory_unit})"}, "range": [0, 1.12 * top if top > 0 else 1],
+        "yaxis": {"title": {"text": f"activation memory ({memory_unit})"},
+                  "range": [0, 1.12 * top if top > 0 else 1],
                   "gridcolor": GRID_COLOR},
         "shapes": shapes,
         "annotations": notes,
@@ -355,8 +363,9 @@ def memory_figure(
 
     Args:
         timeline: simulated or measured.
-        costs: the memory fields M_B and M_W (default M_B = 1, M_W = 0, so the unit is "one
-            stage's activations for one microbatch"); must match the timeline's stages.
+        costs: the memory fields M_B and M_W; default the ones the timeline's ``peak_memory``
+            was computed with (``Costs()``'s where none were recorded: M_B = 1, one stage's
+            activations for one microbatch, M_W = 7/16 M_B); must match the timeline's stages.
         memory_limit: dashed horizontal line; default ``timeline.memory_limit`` (none if both
             are None). Same unit as M_B.
         title: usually the schedule name.
@@ -403,19 +412,11 @@ def bubble_sweep(
         )
     axis = "num_ranks" if ranks_swept else "num_microbatches"
     xs = [int(x) for x in (num_ranks if ranks_swept else num_microbatches)]  # type: ignore[union-attr]
-    rates: dict[str, list[float | None]] = {}
-    for name in names:
-        row: list[float | None] = []
-        for x in xs:
-            p, m = (x, num_microbatches) if ranks_swept else (num_ranks, x)
-            try:
-                t = plan_timeline(
-                    name, p, m, stages_per_rank=stages_per_rank, costs=costs, memory_limit=memory_limit  # type: ignore[arg-type]
-                )
-                row.append(t.bubble_rate)
-            except ValueError:
-                row.append(None)
-        rates[name] = row
+    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
+    sizes = [(x, num_microbatches) if ranks_swept else (num_ranks, x) for x in xs]
+    plans = {name: [plan_or_refusal(name, p, m, **options) for p, m in sizes] for name in names}
+    rates = {name: [None if isinstance(t, ValueError) else t.bubble_rate for t in row]
+             for name, row in plans.items()}
     return axis, xs, rates
 
 
@@ -435,7 +436,8 @@ def bubble_sweep_figure(
     sizes a schedule refuses leave a gap in its line.
     """
     axis, xs, rates = bubble_sweep(
-        names, num_ranks, num_microbatches, costs=costs, stages_per_rank=stages_per_rank, memory_limit=memory_limit
+        names, num_ranks, num_microbatches, costs=costs, stages_per_rank=stages_per_rank,
+        memory_limit=memory_limit
     )
     xlabel = "ranks p" if axis == "num_ranks" else "microbatches m"
     fixed = f"m = {num_microbatches}" if axis == "num_ranks" else f"p = {num_ranks}"
@@ -454,7 +456,8 @@ def bubble_sweep_figure(
     fig.update_layout(
         title={"text": title or f"bubble rate against {xlabel} ({fixed})"},
         xaxis={"title": {"text": xlabel}, "gridcolor": GRID_COLOR},
-        yaxis={"title": {"text": "bubble rate"}, "tickformat": ".0%", "rangemode": "tozero", "gridcolor": GRID_COLOR},
+        yaxis={"title": {"text": "bubble rate"}, "tickformat": ".0%", "rangemode": "tozero",
+               "gridcolor": GRID_COLOR},
         height=380,
         plot_bgcolor="white",
         margin={"l": 70, "r": 20, "t": 60, "b": 45},
@@ -465,14 +468,13 @@ def bubble_sweep_figure(
 # ---------------------------------------------------------------------------- dependencies, post-validation
 
 
-def dependency_arrows(timeline: Timeline, *, same_rank: bool = False, offset: float | None = None) -> list[dict[str, Any]]:
+def dependency_arrows(timeline: Timeline, *, same_rank: bool = False,
+        offset: float | None = None) -> list[dict[str, Any]]:
     """Plotly annotations, one arrow per dependency of the timeline's actions (:func:`~zbpp_lite.
     schedules.ir.deps`): from the end of the action that made a value to the start of the action
     that needs it. Arrows between ranks are transfers (solid); with ``same_rank`` a rank's own
     dependencies (F before its B, B before its W) are drawn too, dotted. An arrow whose head lies
     right of its tail by more than nothing shows time spent waiting or, with T_comm > 0, in transit."""
-    from ..schedules.ir import deps, produces
-
     t0 = start_time(timeline) if offset is None else offset
     num_stages = 1 + max((s for e in timeline.events for s in _stages_of(e.action)), default=0)
     made = {}
@@ -521,43 +523,46 @@ def postvalidation_figure(timeline: Timeline, title: str | None = None) -> go.Fi
     step 1, and with it the full gradient-norm check, run on speculative parameters: outlined in
     red; a rollback redoes them. The dashed line marks that moment."""
     t0, t_end = start_time(timeline), end_time(timeline)
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.14,
-                        subplot_titles=(f"synchronous step: wait {timeline.sync_bubble:.4g} on the earliest rank",
-                                        "post-validated: no wait; red F's are speculative, redone on a rollback"))
+    titles = (f"synchronous step: wait {timeline.sync_bubble:.4g} on the earliest rank",
+              "post-validated: no wait; red F's are speculative, redone on a rollback")
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.14, subplot_titles=titles)
     shifts = (timeline.global_span, timeline.makespan)
     for row, shift in ((1, shifts[0]), (2, shifts[1])):
         for step in (0, 1):
             moved = _shifted(timeline, step * shift)
-            for trace in timeline_traces(moved, offset=t0, show_idle=False, showlegend=(row == 1 and step == 0),
+            for trace in timeline_traces(moved, offset=t0, show_idle=False,
+                                         showlegend=(row == 1 and step == 0),
                                          xaxis="x" if row == 1 else "x2", yaxis="y" if row == 1 else "y2"):
                 fig.add_trace(go.Bar(trace))
         if row == 1:  # the synchronous wait: each rank, from its own end of step 1 to its start of step 2
             ranks = [r for r in range(timeline.num_ranks) if timeline.rank_events(r)]
             ends = {r: max(e.end for e in timeline.rank_events(r)) for r in ranks}
             starts = {r: min(e.start for e in timeline.rank_events(r)) + shift for r in ranks}
-            fig.add_trace(go.Bar(orientation="h", base=[ends[r] - t0 for r in ranks], x=[starts[r] - ends[r] for r in ranks],
-                                 y=ranks, width=BAR_WIDTH, name="waiting for the global check",
-                                 marker={"color": "white", "line": {"color": "#E45756", "width": 1},
-                                         "pattern": {"shape": "x", "fgcolor": "#E45756"}}, xaxis="x", yaxis="y"))
+            fig.add_trace(go.Bar(
+                orientation="h", base=[ends[r] - t0 for r in ranks], x=[starts[r] - ends[r] for r in ranks],
+                y=ranks, width=BAR_WIDTH, name="waiting for the global check", xaxis="x", yaxis="y",
+                marker={"color": "white", "line": {"color": "#E45756", "width": 1},
+                        "pattern": {"shape": "x", "fgcolor": "#E45756"}}))
         else:
             spec = [e for e in _shifted(timeline, shift).events if e.action.kind == "F" and e.start < t_end]
-            fig.add_trace(go.Bar(orientation="h", base=[e.start - t0 for e in spec], x=[e.end - e.start for e in spec],
-                                 y=[e.rank for e in spec], width=BAR_WIDTH, name="speculative F (redone on a rollback)",
-                                 marker={"color": "rgba(0,0,0,0)", "line": {"color": "#E45756", "width": 2.5}},
-                                 xaxis="x2", yaxis="y2"))
+            fig.add_trace(go.Bar(
+                orientation="h", base=[e.start - t0 for e in spec], x=[e.end - e.start for e in spec],
+                y=[e.rank for e in spec], width=BAR_WIDTH, name="speculative F (redone on a rollback)",
+                marker={"color": "rgba(0,0,0,0)", "line": {"color": "#E45756", "width": 2.5}},
+                xaxis="x2", yaxis="y2"))
             fig.add_vline(x=t_end - t0, line_dash="dash", line_color="#E45756", row=2, col=1)
-    fig.update_layout(barmode="overlay", bargap=0.1, height=2 * (120 + 34 * timeline.num_ranks), plot_bgcolor="white",
-                      title={"text": title or "post-validation: two steps"},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0})
+    fig.update_layout(barmode="overlay", bargap=0.1, height=2 * (120 + 34 * timeline.num_ranks),
+                      plot_bgcolor="white", title={"text": title or "post-validation: two steps"},
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right",
+                              "x": 1.0})
     fig.update_yaxes(rank_axis(timeline.num_ranks))
     fig.update_xaxes(title_text=f"time ({time_unit_of(timeline)})", row=2, col=1, gridcolor=GRID_COLOR)
     return fig
 
 
 def _shifted(timeline: Timeline, dt: float) -> Timeline:
-    from dataclasses import replace as _replace
-
-    return _replace(timeline, events=tuple(_replace(e, start=e.start + dt, end=e.end + dt) for e in timeline.events))
+    return replace(timeline,
+                   events=tuple(replace(e, start=e.start + dt, end=e.end + dt) for e in timeline.events))
 
 
 def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go.Figure:
@@ -575,7 +580,8 @@ def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go
         pos["B", l] = (2 * L + 1 - l, 1.0)
         pos["W", l] = (2 * L + 1 - l, 0.0)
     pos["loss", 0] = (L + 1, 2.0)
-    edges = [(("F", l), ("F", l + 1)) for l in range(1, L)] + [(("F", L), ("loss", 0)), (("loss", 0), ("B", L))]
+    edges = [(("F", l), ("F", l + 1)) for l in range(1, L)] + [(("F", L), ("loss", 0)),
+                                                               (("loss", 0), ("B", L))]
     edges += [(("B", l + 1), ("B", l)) for l in range(1, L)]
     edges += [(("F", l), ("B", l)) for l in range(1, L + 1)]
     edges += [(("B", l + 1), ("W", l)) for l in range(1, L)] + [(("loss", 0), ("W", L))]
@@ -584,16 +590,20 @@ def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go
     for a, b in edges:
         (x0, y0), (x1, y1) = pos[a], pos[b]
         kept = a[0] == "F" and b[0] in ("B", "W")
-        fig.add_annotation(x=x1, y=y1, ax=x0, ay=y0, xref="x", yref="y", axref="x", ayref="y", text="", showarrow=True,
+        fig.add_annotation(x=x1, y=y1, ax=x0, ay=y0, xref="x", yref="y", axref="x", ayref="y", text="",
+                           showarrow=True,
                            arrowhead=2, arrowwidth=1.0 if kept else 1.6, standoff=14, startstandoff=14,
                            arrowcolor="#BBBBBB" if kept else "#333333")
-    colors = {"F": KIND_STYLE["F"].color, "B": KIND_STYLE["B"].color, "W": KIND_STYLE["W"].color, "loss": "#777777"}
+    colors = {"F": KIND_STYLE["F"].color, "B": KIND_STYLE["B"].color, "W": KIND_STYLE["W"].color,
+              "loss": "#777777"}
     for kind in ("F", "B", "W", "loss"):
         nodes = [(k, v) for k, v in pos.items() if k[0] == kind]
         fig.add_trace(go.Scatter(x=[v[0] for _, v in nodes], y=[v[1] for _, v in nodes], mode="markers+text",
-                                 text=[kind if kind == "loss" else f"{kind}{k[1]}" for k, _ in nodes], textposition="middle center",
+                                 text=[kind if kind == "loss" else f"{kind}{k[1]}" for k, _ in nodes],
+                                 textposition="middle center",
                                  marker={"size": 34, "color": colors[kind]}, textfont={"color": "white"},
-                                 name={"F": "F: forward", "B": "B: input gradient", "W": "W: weight gradient", "loss": "loss"}[kind]))
+                                 name={"F": "F: forward", "B": "B: input gradient",
+                                       "W": "W: weight gradient", "loss": "loss"}[kind]))
     fig.update_layout(title={"text": title or f"one stage of {L} layers: what each F, B and W waits for"},
                       xaxis={"visible": False}, yaxis={"visible": False, "range": [-0.6, 2.6]},
                       height=320, plot_bgcolor="white", legend={"orientation": "h", "y": -0.05})

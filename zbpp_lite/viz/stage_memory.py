@@ -54,7 +54,8 @@ def memory_by_stage(timeline: Timeline, costs: Costs | CostTable | None = None) 
 
 
 def stage_memory_figure(
-    timeline: Timeline, costs: Costs | CostTable | None = None, *, title: str | None = None, memory_unit: str = "M_B"
+    timeline: Timeline, costs: Costs | CostTable | None = None, *, title: str | None = None,
+    memory_unit: str = "M_B"
 ) -> go.Figure:
     """Stacked bars, one per rank: the memory each stage of the rank holds at the rank's peak.
 

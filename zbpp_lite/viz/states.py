@@ -65,3 +65,14 @@ def plan_timeline(
     options = applicable_options(name, stages_per_rank, costs, memory_limit)
     schedule = build_schedule(name, num_ranks, num_microbatches, **options)
     return simulate(schedule, costs, memory_limit=memory_limit)
+
+
+def plan_or_refusal(
+    name: str, num_ranks: int, num_microbatches: int, **options: Any
+) -> Timeline | ValueError:
+    """:func:`plan_timeline`, returning the ValueError with which the schedule refuses the settings
+    (ScheduleError included) instead of raising it: for sweeps and sliders that skip refused sizes."""
+    try:
+        return plan_timeline(name, num_ranks, num_microbatches, **options)
+    except ValueError as exc:
+        return exc

@@ -15,7 +15,7 @@ from ..schedules.builders import SCHEDULES
 from ..schedules.costs import Costs
 from ..schedules.timeline import Timeline
 from .figures import end_time, figure_title, rank_label, start_time, timeline_layout, timeline_traces
-from .states import plan_timeline
+from .states import plan_or_refusal
 
 
 def slider_figure(
@@ -86,14 +86,8 @@ def microbatch_slider_figure(
     Raises:
         ValueError: the schedule refuses every m given (the last refusal's message).
     """
-    states, error = [], None
-    for m in num_microbatches:
-        try:
-            t = plan_timeline(name, num_ranks, m, stages_per_rank=stages_per_rank, costs=costs, memory_limit=memory_limit)
-        except ValueError as exc:
-            error = exc
-            continue
-        states.append((f"m={m}", t))
+    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
+    states, error = _states([(f"m={m}", name, m) for m in num_microbatches], num_ranks, options)
     if not states:
         raise ValueError(f"{name} refused every microbatch count given: {error}")
     return slider_figure(states, slider_label="microbatches ", titles=[name] * len(states))
@@ -114,16 +108,16 @@ def schedule_slider_figure(
     Raises:
         ValueError: every schedule refused (the last refusal's message).
     """
-    states, error = [], None
-    for name in list(names) if names is not None else list(SCHEDULES):
-        try:
-            t = plan_timeline(
-                name, num_ranks, num_microbatches, stages_per_rank=stages_per_rank, costs=costs, memory_limit=memory_limit
-            )
-        except ValueError as exc:
-            error = exc
-            continue
-        states.append((name, t))
+    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
+    names = list(names) if names is not None else list(SCHEDULES)
+    states, error = _states([(name, name, num_microbatches) for name in names], num_ranks, options)
     if not states:
         raise ValueError(f"every schedule refused p={num_ranks}, m={num_microbatches}: {error}")
     return slider_figure(states, slider_label="schedule: ")
+
+
+def _states(steps: list[tuple], num_ranks: int, options: dict) -> tuple[list, ValueError | None]:
+    """(label, timeline) per (label, schedule, m) the schedule accepts, and the last refusal (or None)."""
+    planned = [(label, plan_or_refusal(name, num_ranks, m, **options)) for label, name, m in steps]
+    refusals = [t for _, t in planned if isinstance(t, ValueError)]
+    return [(label, t) for label, t in planned if not isinstance(t, ValueError)], (refusals or [None])[-1]

@@ -75,7 +75,7 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
             if not own:
                 continue  # every column shared: shown as '*'
             text = _label(e, with_stage)
-            # "F12B12" reads unambiguously, "0F12F0" does not: with stages, keep a blank before the next action
+            # "F12B12" reads unambiguously, "0F12F0" does not: with stages, a blank before the next action
             room = len(own) - (1 if with_stage and own[-1] + 1 < width and cells[own[-1] + 1] != IDLE else 0)
             if len(text) > room:
                 text, shortened = SHORT[e.action.kind], shortened + 1
@@ -93,7 +93,8 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
         )
     if shortened or shared:
         extra = 2 if with_stage else 1  # the blank, and one column that rounding may take
-        need = max((span * (len(_label(e, with_stage)) + extra) / e.duration for e in events if e.duration > 0), default=1)
+        need = max((span * (len(_label(e, with_stage)) + extra) / e.duration for e in events
+                    if e.duration > 0), default=1)
         parts = ([f"{shortened} label(s) shortened to the kind (X = BW)"] if shortened else []) + (
             [f"{shared} column(s) shared by several actions ('{FOLDED}')"] if shared else []
         )

@@ -30,15 +30,18 @@ def _process_events(
 ) -> list[dict[str, Any]]:
     scale = default_time_unit_us(timeline) if time_unit_us is None else float(time_unit_us)
     if not (math.isfinite(scale) and scale > 0):  # NaN / Infinity would be invalid JSON for Perfetto
-        raise ValueError(f"time_unit_us must be a finite number > 0 of microseconds per timeline unit, got {time_unit_us}")
+        raise ValueError("time_unit_us must be a finite number > 0 of microseconds per timeline unit, got "
+                         f"{time_unit_us}")
     t0 = min((e.start for e in timeline.events), default=0.0) if relative else 0.0
     out: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}},
         {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
     ]
     for rank in range(timeline.num_ranks):
-        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank, "args": {"name": f"rank {rank}"}})
-        out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": rank, "args": {"sort_index": rank}})
+        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
+                    "args": {"name": f"rank {rank}"}})
+        out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": rank,
+                    "args": {"sort_index": rank}})
     for e in timeline.events:
         a = e.action
         out.append(

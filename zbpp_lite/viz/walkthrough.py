@@ -40,7 +40,8 @@ class ChoiceRun:
     peak_memory: float
 
 
-def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs, memory_limit: float) -> list[ChoiceRun]:
+def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs,
+        memory_limit: float) -> list[ChoiceRun]:
     """Run the greedy scheduler once per combination of the paper's three binary choices (rank r
     holds stage r), shortest first.
 
@@ -54,7 +55,8 @@ def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs, memory_li
     runs = []
     for rules in ONE_STAGE_RULES:
         done = plan(placement, num_microbatches, table, limits, rules)
-        runs.append(ChoiceRun(rules.order[0][0], rules.fill_partial, rules.fit_f, done.makespan, max(done.peak_memory)))
+        runs.append(ChoiceRun(rules.order[0][0], rules.fill_partial, rules.fit_f, done.makespan,
+                              max(done.peak_memory)))
     return sorted(runs, key=lambda r: (r.makespan, r.peak_memory))
 
 
@@ -89,7 +91,8 @@ def narrate(schedule: Schedule, costs: Costs, rank: int, memory_limit: float | N
             why = "warm-up F: memory allows it"
         elif a.kind in ("F", "B", "BW"):
             waited = e.start - ready(a)
-            why = f"input ready at {ready(a):.3g}" + (f"; started {waited:.3g} later (the rank was busy, or memory was at the limit)" if waited > _EPS else "")
+            why = f"input ready at {ready(a):.3g}" + (f"; started {waited:.3g} later (the rank was busy, or "
+                                                      "memory was at the limit)" if waited > _EPS else "")
         else:
             nxt = next((x.action for x in events[i + 1:] if x.action.kind != "W"), None)
             if nxt is None:

@@ -38,6 +38,11 @@ from .figures import (
 )
 from .states import plan_timeline
 
+try:  # Google Colab only: its custom widget manager, which FigureWidget needs there
+    from google.colab import output as _colab_output  # type: ignore[import-not-found]
+except ImportError:
+    _colab_output = None
+
 
 def enable_colab_widgets() -> bool:
     """On Google Colab, turn on the custom widget manager that Plotly's FigureWidget needs.
@@ -45,12 +50,35 @@ def enable_colab_widgets() -> bool:
     Returns True when running in Colab (and the manager was enabled), False elsewhere, where
     nothing is done.
     """
-    try:
-        from google.colab import output  # type: ignore[import-not-found]
-    except ImportError:
+    if _colab_output is None:
         return False
-    output.enable_custom_widget_manager()
+    _colab_output.enable_custom_widget_manager()
     return True
+
+
+@dataclass(frozen=True)
+class ExplorerSettings:
+    """One set of explorer settings (the sliders' values).
+
+    Attributes:
+        schedule: a registered schedule name.
+        num_ranks: p; num_microbatches: m.
+        stages_per_rank: v, used only by builders that take ``stages_per_rank`` (None: not given).
+        f, b, w, comm: T_F, T_B, T_W, T_comm (the costs' time unit).
+        memory_limit: per-rank limit in units of M_B; <= 0 or None: no limit.
+        fb: T_F&B of DualPipeV's overlapped pairs (``Costs.fb``); <= 0 or None: no overlap.
+    """
+
+    schedule: str = "zb-h1"
+    num_ranks: int = 4
+    num_microbatches: int = 8
+    stages_per_rank: int | None = 2
+    f: float = 1.0
+    b: float = 1.0
+    w: float = 1.0
+    comm: float = 0.0
+    memory_limit: float | None = 0.0
+    fb: float | None = 0.0
 
 
 @dataclass(frozen=True)
@@ -86,36 +114,28 @@ class ExplorerState:
         return memory_figure(self.timeline, self.costs, self.memory_limit, title=self.name)
 
 
-def explore_state(
-    name: str,
-    p: int,
-    m: int,
-    v: int | None,
-    f: float,
-    b: float,
-    w: float,
-    comm: float,
-    mem_limit: float | None,
-    fb: float | None = None,
-) -> ExplorerState:
-    """Build schedule ``name`` for p ranks, m microbatches (v stages per rank where the builder
-    takes it), simulate it with costs T_F = f, T_B = b, T_W = w, T_comm = comm and, for
-    overlapped F&B pairs (DualPipeV), T_F&B = fb, and return the state. ``mem_limit`` <= 0 or
-    None means no limit; ``fb`` <= 0 or None means no overlap (T_F + T_B + T_W).
+def explore_state(settings: ExplorerSettings) -> ExplorerState:
+    """Build ``settings.schedule`` for p ranks, m microbatches (v stages per rank where the builder
+    takes it), simulate it with the settings' costs and limit, and return the state.
 
     Never raises for settings a schedule refuses or bad costs: the ValueError's message
     (ScheduleError included) is returned in ``error`` instead.
     """
-    limit = float(mem_limit) if mem_limit is not None and mem_limit > 0 else None
+    x = settings
+    limit = float(x.memory_limit) if x.memory_limit is not None and x.memory_limit > 0 else None
     try:
-        costs = Costs(f=f, b=b, w=w, comm=comm, fb=fb if fb is not None and fb > 0 else None)
-        timeline = plan_timeline(name, p, m, stages_per_rank=v, costs=costs, memory_limit=limit)
+        costs = Costs(f=x.f, b=x.b, w=x.w, comm=x.comm, fb=x.fb if x.fb is not None and x.fb > 0 else None)
+        timeline = plan_timeline(
+            x.schedule, x.num_ranks, x.num_microbatches, stages_per_rank=x.stages_per_rank, costs=costs,
+            memory_limit=limit,
+        )
     except ValueError as exc:
-        return ExplorerState(name, None, None, limit, str(exc) or type(exc).__name__)
-    return ExplorerState(name, timeline, costs, limit)
+        return ExplorerState(x.schedule, None, None, limit, str(exc) or type(exc).__name__)
+    return ExplorerState(x.schedule, timeline, costs, limit)
 
 
-def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: Any, tip: str) -> widgets.Widget:
+def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: Any,
+        tip: str) -> widgets.Widget:
     return kind(
         value=value,
         min=lo,
@@ -141,57 +161,56 @@ class Explorer(widgets.VBox):
         state: the last :class:`ExplorerState`.
         last_redraw_ms: wall time of the last redraw, in milliseconds.
 
-    Display it as the last expression of a cell, or with ``IPython.display.display``. On Colab
-    the constructor enables the custom widget manager (:func:`enable_colab_widgets`).
+    Constructor: ``Explorer(schedule, *, max_ranks, max_microbatches, show_memory, **settings)``,
+    ``settings`` the initial values of the other :class:`ExplorerSettings` fields. Display it as
+    the last expression of a cell, or with ``IPython.display.display``. On Colab the constructor
+    enables the custom widget manager (:func:`enable_colab_widgets`).
 
     Raises:
         ValueError: an unknown initial schedule name (the message lists the valid ones).
+        TypeError: a setting that is not an :class:`ExplorerSettings` field.
     """
 
     def __init__(
         self,
         schedule: str = "zb-h1",
-        num_ranks: int = 4,
-        num_microbatches: int = 8,
-        stages_per_rank: int = 2,
-        f: float = 1.0,
-        b: float = 1.0,
-        w: float = 1.0,
-        comm: float = 0.0,
-        memory_limit: float = 0,
-        fb: float = 0.0,
         *,
         max_ranks: int = 8,
         max_microbatches: int = 32,
         show_memory: bool = True,
+        **settings: Any,
     ):
         enable_colab_widgets()  # FigureWidget needs Colab's custom widget manager; no-op elsewhere
         names = list(SCHEDULES)
         if schedule not in names:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(names)}")
+        x = ExplorerSettings(schedule, **settings)
+        int_slider, float_slider = widgets.IntSlider, widgets.FloatSlider
         self.controls: dict[str, widgets.Widget] = {
             "schedule": widgets.Dropdown(
                 options=names, value=schedule, description="schedule", style={"description_width": "150px"},
                 layout=widgets.Layout(width="360px"),
             ),
-            "num_ranks": _slider(widgets.IntSlider, "ranks p", num_ranks, 1, max_ranks, 1, "pipeline ranks (devices)"),
+            "num_ranks": _slider(int_slider, "ranks p", x.num_ranks, 1, max_ranks, 1, "pipeline ranks "
+                                 "(devices)"),
             "num_microbatches": _slider(
-                widgets.IntSlider, "microbatches m", num_microbatches, 1, max_microbatches, 1, "microbatches per step"
+                int_slider, "microbatches m", x.num_microbatches, 1, max_microbatches, 1,
+                "microbatches per step"
             ),
             "stages_per_rank": _slider(
-                widgets.IntSlider, "stages per rank v", stages_per_rank, 1, 4, 1,
+                int_slider, "stages per rank v", x.stages_per_rank, 1, 4, 1,
                 "model chunks per rank (only for schedules that take stages_per_rank)",
             ),
-            "f": _slider(widgets.FloatSlider, "T_F", f, 0.1, 3.0, 0.1, "forward time of one stage"),
-            "b": _slider(widgets.FloatSlider, "T_B", b, 0.1, 3.0, 0.1, "input-gradient backward time"),
-            "w": _slider(widgets.FloatSlider, "T_W", w, 0.1, 3.0, 0.1, "weight-gradient backward time"),
-            "comm": _slider(widgets.FloatSlider, "T_comm", comm, 0.0, 2.0, 0.05, "transfer time between ranks"),
+            "f": _slider(float_slider, "T_F", x.f, 0.1, 3.0, 0.1, "forward time of one stage"),
+            "b": _slider(float_slider, "T_B", x.b, 0.1, 3.0, 0.1, "input-gradient backward time"),
+            "w": _slider(float_slider, "T_W", x.w, 0.1, 3.0, 0.1, "weight-gradient backward time"),
+            "comm": _slider(float_slider, "T_comm", x.comm, 0.0, 2.0, 0.05, "transfer time between ranks"),
             "fb": _slider(
-                widgets.FloatSlider, "T_F&B (0: no overlap)", fb, 0.0, 9.0, 0.1,
+                float_slider, "T_F&B (0: no overlap)", x.fb, 0.0, 9.0, 0.1,
                 "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap",
             ),
             "memory_limit": _slider(
-                widgets.FloatSlider, "memory limit (M_B)", memory_limit, 0.0, 4.0 * max_microbatches, 1.0,
+                float_slider, "memory limit (M_B)", x.memory_limit, 0.0, 4.0 * max_microbatches, 1.0,
                 "per-rank activation memory limit in units of M_B; 0 = none",
             ),
         }
@@ -200,12 +219,13 @@ class Explorer(widgets.VBox):
         self.last_redraw_ms = float("nan")
         t0 = time.perf_counter()
         first = self._compute()
-        start = first.timeline or explore_state("gpipe", 1, 1, None, 1, 1, 1, 0, None).timeline
+        start = first.timeline or explore_state(ExplorerSettings("gpipe", 1, 1, None)).timeline
         assert start is not None
         self.figure = go.FigureWidget(timeline_figure(start, first.name))
         self.memory = go.FigureWidget(memory_figure(start)) if show_memory else None
         c = self.controls
-        left = widgets.VBox([c["schedule"], c["num_ranks"], c["num_microbatches"], c["stages_per_rank"], c["memory_limit"]])
+        left = widgets.VBox([c["schedule"], c["num_ranks"], c["num_microbatches"], c["stages_per_rank"],
+                             c["memory_limit"]])
         right = widgets.VBox([c["f"], c["b"], c["w"], c["comm"], c["fb"]])
         panels: list[widgets.Widget] = [widgets.HBox([left, right]), self.message, self.figure]
         if self.memory is not None:
@@ -222,18 +242,9 @@ class Explorer(widgets.VBox):
         name = c["schedule"].value
         takes_v = "stages_per_rank" in options_of(name)
         c["stages_per_rank"].disabled = not takes_v
-        return explore_state(
-            name,
-            c["num_ranks"].value,
-            c["num_microbatches"].value,
-            c["stages_per_rank"].value if takes_v else None,
-            c["f"].value,
-            c["b"].value,
-            c["w"].value,
-            c["comm"].value,
-            c["memory_limit"].value,
-            c["fb"].value,
-        )
+        values = {key: control.value for key, control in c.items()}
+        return explore_state(ExplorerSettings(**{**values, "stages_per_rank": values["stages_per_rank"]
+                                                 if takes_v else None}))
 
     def _on_change(self, _change: Any = None) -> None:
         self.redraw()
@@ -248,7 +259,8 @@ class Explorer(widgets.VBox):
         try:
             state = self._compute()
         except Exception as exc:  # noqa: BLE001 - shown to the reader instead of a traceback
-            state = ExplorerState(self.controls["schedule"].value, None, None, None, f"{type(exc).__name__}: {exc}")
+            state = ExplorerState(self.controls["schedule"].value, None, None, None, f"{type(exc).__name__}: "
+                                  f"{exc}")
         try:
             self._show(state, t0)
         except Exception as exc:  # noqa: BLE001

@@ -17,7 +17,7 @@ def as_size(name: str, label: str, value) -> int:
 
 
 def check_sizes(name: str, num_ranks: int, num_microbatches: int) -> None:
-    """Raise ValueError unless num_ranks >= 1 and num_microbatches >= 1 (both integers, see :func:`as_size`)."""
+    """Raise ValueError unless num_ranks, num_microbatches >= 1 (integers, see :func:`as_size`)."""
     as_size(name, "num_ranks", num_ranks)
     as_size(name, "num_microbatches", num_microbatches)
 
@@ -54,5 +54,6 @@ class Next:
         return self._take("BW", stage)
 
 
-def assemble(name: str, rows: list[list[Action]], placement: tuple[int, ...], num_microbatches: int) -> Schedule:
+def assemble(name: str, rows: list[list[Action]], placement: tuple[int, ...],
+        num_microbatches: int) -> Schedule:
     return Schedule(tuple(tuple(r) for r in rows), placement, num_microbatches, name)

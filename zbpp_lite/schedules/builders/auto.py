@@ -15,9 +15,9 @@ are honoured.
 Three additions of ours: for the two best runs, variants that feed the next rank first or never
 fill a partial gap; a short local search on the best plans (at most 200 simulations, fewer for
 large pipelines: :func:`polish`); and, when the costs say a fused BW is cheaper than B and W
-apart (``Costs.bw``, measured), B and W fused again wherever the split does not pay. Against the MILP optimum (:mod:`zbpp_lite.schedules.builders.milp`) for
-p <= 4, m <= 8: within 0.2% on the paper's costs; on 161 random per-stage instances all but one
-within 2% (the worst 2.2%).
+apart (``Costs.bw``, measured), B and W fused again wherever the split does not pay. Against the
+MILP optimum (:mod:`zbpp_lite.schedules.builders.milp`) for p <= 4, m <= 8: within 0.2% on the
+paper's costs; on 161 random per-stage instances all but one within 2% (the worst 2.2%).
 
 Measured (paper Table 5 setting, p = 8, m = 24, the default M_W = 7/16 M_B): 1.5B zb-1p 0.1585
 (paper 0.1585; 0.1091 with M_W = 0, a W that holds nothing), zb-2p 0.04331 (paper 0.0433); 6.2B
@@ -95,7 +95,8 @@ def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits:
     for rules in ONE_STAGE_RULES:
         runs.sort(key=lambda x: (x.makespan, max(x.peak_memory)))
         bar = runs[1] if prune and len(runs) >= 2 else None
-        _add(runs, search.run(rules, bar and Cutoff.not_before(bar.makespan, max(bar.peak_memory), ties_lose=True)))
+        _add(runs, search.run(rules, bar
+            and Cutoff.not_before(bar.makespan, max(bar.peak_memory), ties_lose=True)))
     runs.sort(key=lambda x: (x.makespan, max(x.peak_memory)))
     for rules in [
         replace(done.rules, feed=feed, keep_gaps=keep_gaps)
@@ -104,7 +105,8 @@ def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits:
         if not (keep_gaps and done.rules.fill_partial)
     ]:
         bar = min(runs, key=lambda x: (x.makespan, max(x.peak_memory))) if prune else None
-        _add(runs, search.run(rules, bar and Cutoff.not_before(bar.makespan, max(bar.peak_memory), ties_lose=True)))
+        _add(runs, search.run(rules, bar
+            and Cutoff.not_before(bar.makespan, max(bar.peak_memory), ties_lose=True)))
     best = polish(runs, placement, m, table, limits)
     if not any(cheaper_fused(table)):
         return best
@@ -113,7 +115,8 @@ def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits:
     span, peak = evaluator(rows, placement, m, table, limits)()
     if span == float("inf"):  # 1F1B itself is over the memory limit
         return fused
-    split = split_backward(Plan(tuple(map(tuple, rows)), span, peak, best.rules), placement, m, table, limits)[0]
+    split = split_backward(Plan(tuple(map(tuple, rows)), span, peak, best.rules), placement, m, table,
+        limits)[0]
     return min((fused, split), key=lambda x: (x.makespan, max(x.peak_memory)))
 
 
@@ -127,7 +130,8 @@ def polish_budget(placement: Sequence[int], m: int) -> int:
     return min(200, 20000 // (3 * len(placement) * m))
 
 
-def polish(runs: list[Plan], placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float]) -> Plan:
+def polish(runs: list[Plan], placement: Sequence[int], m: int, table: CostTable,
+        limits: Sequence[float]) -> Plan:
     """Local search on the best distinct plans of ``runs`` in turn, until one budget of
     min(200, 20000 // actions) simulations is spent; the best result wins."""
     runs = sorted(runs, key=lambda x: (x.makespan, max(x.peak_memory)))

@@ -41,13 +41,17 @@ import math
 import numbers
 from collections import deque
 from dataclasses import dataclass, replace
+from operator import itemgetter
 from typing import Iterable, Sequence
 
 from ..costs import CostTable
 from ..ir import Action, Schedule, deps, produces
+from ..simulate import simulate
+from ..validate import ScheduleError
 
 _EPS = 1e-9
 _INF = float("inf")
+_PRIORITY = itemgetter(0, 1)  # a candidate's (priority, arrival): the first smallest runs
 
 
 @dataclass(frozen=True)
@@ -125,13 +129,15 @@ def per_rank_limits(
     """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible.
 
     Raises:
-        ValueError: a NaN, infinite, negative or wrongly sized limit, or one below what the ranks need for the first
-            microbatch to reach the last stage; the message names the smallest feasible limit.
+        ValueError: a NaN, infinite, negative or wrongly sized limit, or one below what the ranks need
+            for the first microbatch to reach the last stage; the message names the smallest feasible limit.
     """
     p = 1 + max(placement, default=-1)
     is_number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
-    if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple)) and all(map(is_number, memory_limit))):
-        raise ValueError(f"{name}: memory_limit must be a number or one number per rank, got {memory_limit!r}")
+    if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple))
+            and all(map(is_number, memory_limit))):
+        raise ValueError(
+            f"{name}: memory_limit must be a number or one number per rank, got {memory_limit!r}")
     if is_number(memory_limit):
         limits = [float(memory_limit)] * p
     else:
@@ -143,8 +149,8 @@ def per_rank_limits(
             )
     if not all(math.isfinite(x) for x in limits):
         raise ValueError(
-            f"{name}: memory_limit must be finite (units of Costs.mem_b), got {memory_limit!r}; leave it out for "
-            "the schedule's default"
+            f"{name}: memory_limit must be finite (units of Costs.mem_b), got {memory_limit!r}; "
+            "leave it out for the schedule's default"
         )
     if any(x < 0 for x in limits):
         raise ValueError(f"{name}: memory_limit must be >= 0, got {memory_limit!r}")
@@ -204,7 +210,7 @@ class Cutoff:
 
     @classmethod
     def not_better(cls, best: Plan) -> "Cutoff":
-        """Stop where the run cannot be :func:`_better` than ``best`` (as :func:`best_plan` compares)."""
+        """Stop where the run cannot be :func:`_better` than ``best`` (as :meth:`Runs.best` compares)."""
         tol = 1e-9 * max(1.0, best.makespan)
         return cls(best.makespan + tol, best.makespan - tol, max(best.peak_memory) - 1e-9)
 
@@ -254,7 +260,8 @@ class Runs:
     - with a :class:`Cutoff`, a run stops once it cannot win (it returns None).
     """
 
-    def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
+    def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
+            limits: Sequence[float]):
         self.args = (list(placement), num_microbatches, table, list(limits))
         self.records: list[_Record] = []
         self.greedy_runs = 0  # runs simulated, in full or in part (for benchmarks and tests)
@@ -297,18 +304,21 @@ class Runs:
             if rec.warm_end is None or replace(rec.rules, fit_f=False, warmup_cap=None) != plain:
                 continue
             if rec.warm_end == state and (
-                rec.plan is not None or cutoff is not None and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff))
+                rec.plan is not None or cutoff is not None
+                and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff))
             ):
                 raise _Rejoined(rec)
 
     def best(self, candidates: Iterable[Rules], best: Plan | None = None) -> Plan:
-        """:func:`best_plan` over ``candidates``, starting from ``best`` if given (it wins ties)."""
+        """The plan of the shortest makespan over ``candidates`` (ties: the lower peak memory, then
+        ``best`` if given, then the earlier candidate): the paper's search over its binary choices
+        (arXiv 2401.10241, section 3.1)."""
         for rules in candidates:
             result = self.run(rules, None if best is None else Cutoff.not_better(best))
             if result is not None and (best is None or _better(result, best)):
                 best = result
         if best is None:
-            raise ValueError("best_plan needs at least one Rules candidate")
+            raise ValueError("Runs.best needs at least one Rules candidate")
         return best
 
     def _slack(self, cutoff: Cutoff) -> float:
@@ -349,7 +359,8 @@ class _Greedy:
             for c, s in enumerate(self.stages[r]):
                 self.chunk[s] = c
         rank_of_class = {cls: i for i, cls in enumerate(rules.order)}
-        self.prio = [[rank_of_class.get((k, self.chunk[s]), len(rules.order)) for s in range(S)] for k in "FB"]
+        self.prio = [[rank_of_class.get((k, self.chunk[s]), len(rules.order)) for s in range(S)]
+            for k in "FB"]
         self.fit_stage = [rules.fit_f and self.chunk[s] == 0 for s in range(S)]
         self.end_f = [[-1.0] * m for _ in range(S)]
         self.end_b = [[-1.0] * m for _ in range(S)]
@@ -388,6 +399,7 @@ class _Greedy:
         # warm-up cap questions (Runs): per rank, the largest count answered yes and smallest answered no
         self.cap_yes = [-1] * p
         self.cap_no = [_INF] * p
+        self.safe: list[dict[int, bool]] = [{} for _ in range(p)]  # stage -> safe_f of its next F, per rank
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -413,9 +425,12 @@ class _Greedy:
                 self.most_projected = projected
         dur = self.dur[kind][s]
         end = start + dur
+        grew = False
         self.free[r] = end
         self.rows[r].append((kind, s, j))
         self.left -= 1
+        if kind != "W":
+            self.safe[r].clear()  # the rank's in-flight memory changed
         if kind == "F":
             if self.first[r] < 0:
                 self.first[r] = start
@@ -427,6 +442,7 @@ class _Greedy:
                 self.peak[r] = mem
                 if mem > self.max_peak:
                     self.max_peak = mem
+                    grew = True
             self.held[r] += mb
             entry = self.inflight[r].setdefault(j, [0.0, self.rank_total_mem[r], len(self.stages[r])])
             entry[0] += mb
@@ -457,7 +473,10 @@ class _Greedy:
         bound = (end - self.first[r]) + (self.work[r] - self.done[r])
         if bound > self.bound:
             self.bound = bound
-        if self.stop is not None and self.meets(self.stop, self.bound, self.max_peak, self.slack):
+            grew = True
+        # the cutoff only grows more certain as bound and peak grow: checked when they do (and at first)
+        if (grew or self.left == 3 * self.S * self.m - 1) and self.stop is not None and self.meets(
+                self.stop, self.bound, self.max_peak, self.slack):
             raise _Abandoned
         if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
             self.warm_state = self.state(r)
@@ -473,7 +492,8 @@ class _Greedy:
             r, self.now, self.left, tuple(self.free), tuple(self.first), tuple(self.bubble), tuple(self.mem),
             tuple(self.held), tuple(self.peak), tuple(tuple(w) for w in self.pending_w), tuple(inflight),
             tuple(self.hold), tuple(self.due), tuple(heap), tuple(self.nf), tuple(self.nb),
-            tuple(map(tuple, self.end_f)), tuple(map(tuple, self.end_b)), self.most_projected, tuple(self.done),
+            tuple(map(tuple, self.end_f)), tuple(map(tuple, self.end_b)), self.most_projected,
+            tuple(self.done),
             self.bound, self.max_peak, tuple(map(tuple, self.rows)),
         )
 
@@ -490,6 +510,7 @@ class _Greedy:
         whose inputs are computed (F only if memory allows it safely)."""
         out = []
         S, placement, comm, nf, end_f = self.S, self.placement, self.comm, self.nf, self.end_f
+        safe = self.safe[r]
         for s in self.stages[r]:
             j = nf[s]
             if j < self.m:
@@ -498,7 +519,10 @@ class _Greedy:
                 else:
                     e = end_f[s - 1][j]
                     arr = -1.0 if e < 0 else e + comm[s - 1] if placement[s - 1] != r else e
-                if arr >= 0 and self.safe_f(r, s, j) and self.within_cap(r, s):
+                ok = arr >= 0 and safe.get(s)
+                if ok is None:
+                    ok = safe[s] = self.safe_f(r, s, j)
+                if ok and (not self.warm[r] or self.within_cap(r, s)):
                     starving = self.rules.feed and s + 1 < S and placement[s + 1] != r and nf[s + 1] >= j
                     out.append((-1 if starving else self.prio[0][s], arr, "F", s, j))
             j = self.nb[s]
@@ -566,7 +590,7 @@ class _Greedy:
             self.set_due(r, 0.0)
         while self.left:
             if not self.heap:
-                raise AssertionError("greedy scheduler bug: no rank can move (memory safety should prevent this)")
+                raise AssertionError("greedy scheduler bug: no rank can move (memory safety prevents this)")
             time, _, r = heapq.heappop(self.heap)
             if time != self.due[r]:
                 continue
@@ -587,10 +611,11 @@ class _Greedy:
             cands = self.candidates(r)
             ready = [c for c in cands if c[1] <= now + _EPS]
             warm = self.warm[r]
-            firm = [c for c in ready if not (c[2] == "F" and warm and self.fit_stage[c[3]])]
+            fit = warm and self.rules.fit_f
+            firm = [c for c in ready if not (c[2] == "F" and self.fit_stage[c[3]])] if fit else ready
             hold = self.hold[r]
             if firm:
-                best = min(firm, key=lambda c: (c[0], c[1]))
+                best = firm[0] if len(firm) == 1 else min(firm, key=_PRIORITY)
                 if hold is not None:
                     self.hold[r] = None
                     kind, s, j, start = hold
@@ -623,7 +648,7 @@ class _Greedy:
                 return
             fillers = [c for c in ready if c[2] == "F"] if warm else []
             if fillers:
-                _, arr, _, s, j = min(fillers, key=lambda c: (c[0], c[1]))
+                _, arr, _, s, j = min(fillers, key=_PRIORITY)
                 self.hold[r] = ("F", s, j, max(self.free[r], arr))
                 continue
             if self.pending_w[r]:
@@ -647,19 +672,6 @@ class _Greedy:
         if self.rules.keep_gaps:
             return False
         return self.work[r] + self.bubble[r] + gap > self.most_projected + _EPS
-
-
-def best_plan(
-    placement: Sequence[int],
-    num_microbatches: int,
-    table: CostTable,
-    limits: Sequence[float],
-    candidates: Iterable[Rules],
-) -> Plan:
-    """Run :func:`plan` for every :class:`Rules` in ``candidates`` and keep the shortest makespan
-    (ties: the lower peak memory, then the earlier candidate) -- the paper's search over its binary
-    choices (arXiv 2401.10241, section 3.1). A run stops as soon as it cannot win (:class:`Runs`)."""
-    return Runs(placement, num_microbatches, table, limits).best(candidates)
 
 
 def _better(a: Plan, b: Plan) -> bool:
@@ -736,12 +748,10 @@ def search_budget(rows) -> int:
     return min(200, 20000 // max(sum(len(row) for row in rows), 1))
 
 
-def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable, limits: Sequence[float]):
+def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable,
+        limits: Sequence[float]):
     """A function that simulates ``rows`` (as they are when called) and returns (makespan, peak
     memory per rank), or (inf, ()) for a deadlocking order or one over the memory limits."""
-    from ..simulate import simulate  # the simulator sits above the builders; imported where used
-    from ..validate import ScheduleError
-
     costs = table.costs()
 
     def evaluate() -> tuple[float, tuple[float, ...]]:
@@ -844,7 +854,8 @@ def split_backward(
                 before = list(row)
                 i = row.index(x)
                 row[i] = Action("B", x.stage, x.microbatch)
-                row.insert(len(row) if offset is None else min(i + offset, len(row)), Action("W", x.stage, x.microbatch))
+                row.insert(len(row) if offset is None else min(i + offset, len(row)),
+                    Action("W", x.stage, x.microbatch))
                 span, peaks = evaluate()
                 spent += 1
                 if span < best - 1e-9 * max(1.0, best) and (kept is None or span < kept[0]):

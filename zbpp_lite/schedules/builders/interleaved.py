@@ -57,7 +57,8 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
             return schedule
         except ScheduleError:
             continue
-    raise AssertionError(f"builder bug: interleaved-1f1b found no deadlock-free warm-up for p={p}, m={m}, v={v}")
+    raise AssertionError(f"builder bug: interleaved-1f1b found no deadlock-free warm-up for p={p}, m={m}, "
+        f"v={v}")
 
 
 def _interleaved_row(p: int, m: int, v: int, r: int, extra: int) -> list[Action]:

@@ -152,160 +152,174 @@ def _heuristic(placement: tuple[int, ...], m: int, table: CostTable, limits: lis
     return plan.schedule(placement, m, "zb-milp")
 
 
+class _Rows:
+    """Sparse constraint rows ``low <= sum(v * x[c]) <= high``, built one at a time."""
+
+    def __init__(self):
+        self.rows, self.cols, self.vals, self.lo, self.hi = [], [], [], [], []
+
+    def add(self, entries, low: float, high: float = np.inf) -> None:
+        for c, v in entries:
+            self.rows.append(len(self.lo))
+            self.cols.append(c)
+            self.vals.append(v)
+        self.lo.append(low)
+        self.hi.append(high)
+
+
 class _Model:
-    """The ILP of the paper's appendix as sparse arrays for ``scipy.optimize.milp``."""
+    """The ILP of the paper's appendix as sparse arrays for ``scipy.optimize.milp``.
+
+    Variables: end times E (n), per-rank span origins O (p), the objective z (1), then one ordering
+    binary y per pair of actions on one rank that no dependency orders (y = 1: a before b)."""
 
     def __init__(self, placement, m, table: CostTable, limits, upper_bound: float):
-        self.placement, self.m, self.table = placement, m, table
-        S = self.S = len(placement)
-        p = 1 + max(placement)
-        self.nodes = [(k, s, j) for k in _KINDS for s in range(S) for j in range(m)]
-        index = self.index = {node: i for i, node in enumerate(self.nodes)}
-        n = len(self.nodes)
-        cost = np.array([table.time(k, s) for k, s, _ in self.nodes])
-        rank = [placement[s] for _, s, _ in self.nodes]
-        self.busy = [sum(cost[i] for i in range(n) if rank[i] == r) for r in range(p)]
+        self.placement, self.m, self.table, self.limits = placement, m, table, limits
+        self.S = len(placement)
+        self.p = p = 1 + max(placement)
+        self.nodes = [(k, s, j) for k in _KINDS for s in range(self.S) for j in range(m)]
+        self.index = {node: i for i, node in enumerate(self.nodes)}
+        self.n = n = len(self.nodes)
+        self.cost = np.array([table.time(k, s) for k, s, _ in self.nodes])
+        self.rank = [placement[s] for _, s, _ in self.nodes]
+        self.by_rank = [[i for i in range(n) if self.rank[i] == r] for r in range(p)]
+        self.busy = [sum(self.cost[i] for i in self.by_rank[r]) for r in range(p)]
+        self._graph()
+        # the span origin of each rank: the start of its first F, a constant when reached by first actions
+        self.first_stage = first = [min(s for s in range(self.S) if placement[s] == r) for r in range(p)]
+        self.fixed = [all(first[placement[k]] == k for k in range(first[r] + 1)) for r in range(p)]
+        self.origin = [self.earliest[self.index["F", first[r], 0]] - table.f[first[r]] for r in range(p)]
+        self.pairs = [
+            (a, b)
+            for ids in self.by_rank
+            for x, a in enumerate(ids)
+            for b in ids[x + 1 :]
+            if not (self.reach[a] >> b) & 1 and not (self.reach[b] >> a) & 1
+        ]
+        self.nz = n + p
+        nvar = n + p + 1 + len(self.pairs)
+        rows = _Rows()
+        self._order_rows(rows, upper_bound + float(self.cost.max()))
+        self._span_rows(rows)
+        self._memory_rows(rows)
+        self.matrix = coo_matrix((rows.vals, (rows.rows, rows.cols)), shape=(len(rows.lo), nvar)).tocsr()
+        self.row_lower, self.row_upper = np.array(rows.lo), np.array(rows.hi)
+        self.objective = np.zeros(nvar)
+        self.objective[self.nz] = 1.0
+        self.integrality = np.zeros(nvar)
+        self.integrality[self.nz + 1 :] = 1
+        self._bounds(nvar, upper_bound)
+        self.topo_rank = {i: x for x, i in enumerate(self.order)}
+
+    def _graph(self) -> None:
+        """Dependencies (pred, succ, lag): the paper's graph plus microbatch order per stage and kind;
+        their topological order, earliest end times (resources ignored), descendants as bitsets."""
+        index, table, placement, n = self.index, self.table, self.placement, self.n
 
         def lag(a: int, b: int) -> float:
             return table.transfer(a, b) if placement[a] != placement[b] else 0.0
 
-        # dependencies (pred, succ, lag): the paper's graph plus microbatch order per stage and kind
         edges = []
-        for s in range(S):
-            for j in range(m):
+        for s in range(self.S):
+            for j in range(self.m):
                 f, b, w = index["F", s, j], index["B", s, j], index["W", s, j]
                 if s > 0:
                     edges.append((index["F", s - 1, j], f, lag(s - 1, s)))
-                if s < S - 1:
+                if s < self.S - 1:
                     edges.append((index["B", s + 1, j], b, lag(s + 1, s)))
-                edges.append((f, b, 0.0))
-                edges.append((b, w, 0.0))
+                edges += [(f, b, 0.0), (b, w, 0.0)]
                 if j > 0:
-                    for k in _KINDS:
-                        edges.append((index[k, s, j - 1], index[k, s, j], 0.0))
-        preds = [[] for _ in range(n)]
-        succs = [[] for _ in range(n)]
+                    edges += [(index[k, s, j - 1], index[k, s, j], 0.0) for k in _KINDS]
+        preds, succs = [[] for _ in range(n)], [[] for _ in range(n)]
         for a, b, l in edges:
             preds[b].append((a, l))
             succs[a].append(b)
-        order = _topological(n, preds, succs)
-        earliest = [0.0] * n  # earliest end time, resources ignored
-        for i in order:
-            earliest[i] = max((earliest[a] + l for a, l in preds[i]), default=0.0) + cost[i]
-        reach = [0] * n  # bitset of descendants
-        for i in reversed(order):
+        self.edges, self.order = edges, _topological(n, preds, succs)
+        self.earliest = [0.0] * n
+        for i in self.order:
+            self.earliest[i] = max((self.earliest[a] + l for a, l in preds[i]), default=0.0) + self.cost[i]
+        self.reach = [0] * n
+        for i in reversed(self.order):
             bits = 0
             for b in succs[i]:
-                bits |= reach[b] | (1 << b)
-            reach[i] = bits
+                bits |= self.reach[b] | (1 << b)
+            self.reach[i] = bits
 
-        # the span origin of each rank: the start of its first F, a constant when reached by first actions
-        first_stage = [min(s for s in range(S) if placement[s] == r) for r in range(p)]
-        fixed = [all(first_stage[placement[k]] == k for k in range(first_stage[r] + 1)) for r in range(p)]
-        origin = [earliest[index["F", first_stage[r], 0]] - table.f[first_stage[r]] for r in range(p)]
-
-        # variables: end times E (n), origins O (p), objective z (1), ordering binaries y
-        pairs = []
-        by_rank = [[i for i in range(n) if rank[i] == r] for r in range(p)]
-        for r in range(p):
-            ids = by_rank[r]
-            for x in range(len(ids)):
-                for y in range(x + 1, len(ids)):
-                    a, b = ids[x], ids[y]
-                    if not (reach[a] >> b) & 1 and not (reach[b] >> a) & 1:
-                        pairs.append((a, b))
-        self.pairs = pairs
-        nz = n + p
-        nvar = n + p + 1 + len(pairs)
-        big = upper_bound + float(cost.max())
-        rows, cols, vals, lo, hi = [], [], [], [], []
-
-        def row(entries, low, high):
-            r_ = len(lo)
-            for c_, v in entries:
-                rows.append(r_)
-                cols.append(c_)
-                vals.append(v)
-            lo.append(low)
-            hi.append(high)
-
-        for a, b, l in edges:  # E_b - E_a >= lag + c_b
-            row([(b, 1.0), (a, -1.0)], l + cost[b], np.inf)
-        for q, (a, b) in enumerate(pairs):  # y = 1: a before b; y = 0: b before a
+    def _order_rows(self, rows: _Rows, big: float) -> None:
+        """Dependencies, the big-M ordering of unordered pairs, and z >= each rank's last W - O_r."""
+        cost, nz, n = self.cost, self.nz, self.n
+        for a, b, l in self.edges:  # E_b - E_a >= lag + c_b
+            rows.add([(b, 1.0), (a, -1.0)], l + cost[b])
+        for q, (a, b) in enumerate(self.pairs):  # y = 1: a before b; y = 0: b before a
             y = nz + 1 + q
-            row([(b, 1.0), (a, -1.0), (y, -big)], cost[b] - big, np.inf)
-            row([(a, 1.0), (b, -1.0), (y, big)], cost[a], np.inf)
-        for r in range(p):
-            f0 = index["F", first_stage[r], 0]
-            row([(f0, 1.0), (n + r, -1.0)], table.f[first_stage[r]], np.inf)  # O_r <= start of first F
-            for s in range(S):
-                if placement[s] == r:  # z >= E[W(s, m-1)] - O_r (the rank's last action ends its span)
-                    row([(nz, 1.0), (index["W", s, m - 1], -1.0), (n + r, 1.0)], 0.0, np.inf)
-        # the paper's strengthening: the span covers each action's end plus the work after it on its rank
+            rows.add([(b, 1.0), (a, -1.0), (y, -big)], cost[b] - big)
+            rows.add([(a, 1.0), (b, -1.0), (y, big)], cost[a])
+        for r in range(self.p):
+            f0 = self.index["F", self.first_stage[r], 0]
+            rows.add([(f0, 1.0), (n + r, -1.0)], self.table.f[self.first_stage[r]])  # O_r <= first F's start
+            for s in range(self.S):
+                if self.placement[s] == r:  # z >= E[W(s, m-1)] - O_r (the rank's last action ends its span)
+                    rows.add([(nz, 1.0), (self.index["W", s, self.m - 1], -1.0), (n + r, 1.0)], 0.0)
+
+    def _span_rows(self, rows: _Rows) -> None:
+        """The paper's strengthening: the span covers each action's end plus the work after it on its rank."""
+        cost, nz, n = self.cost, self.nz, self.n
         after: dict[int, list[tuple[int, float]]] = {i: [] for i in range(n)}
         after_constant = [0.0] * n
-        for q, (a, b) in enumerate(pairs):
+        for q, (a, b) in enumerate(self.pairs):
             y = nz + 1 + q
             after[a].append((y, -cost[b]))  # b follows a  <=>  y == 1
             after[b].append((y, cost[a]))  # a follows b  <=>  y == 0
             after_constant[b] += cost[a]
         for i in range(n):
-            r = rank[i]
-            following = sum(cost[x] for x in by_rank[r] if x != i and (reach[i] >> x) & 1)
-            row([(nz, 1.0), (i, -1.0), (n + r, 1.0), *after[i]], following + after_constant[i], np.inf)
-        # memory, checked after every F: what the rank holds then, by the order the binaries choose
-        delta = [table.memory_delta(k, s) for k, s, _ in self.nodes]
-        partner: dict[int, list[tuple[int, int, bool]]] = {i: [] for i in range(n)}
-        for q, (a, b) in enumerate(pairs):
-            partner[a].append((b, nz + 1 + q, False))  # b before a  <=>  y == 0
-            partner[b].append((a, nz + 1 + q, True))  # a before b  <=>  y == 1
-        for i in range(n):
-            k, s, _ = self.nodes[i]
+            r = self.rank[i]
+            following = sum(cost[x] for x in self.by_rank[r] if x != i and (self.reach[i] >> x) & 1)
+            rows.add([(nz, 1.0), (i, -1.0), (n + r, 1.0), *after[i]], following + after_constant[i])
+
+    def _memory_rows(self, rows: _Rows) -> None:
+        """Memory, checked after every F: what the rank holds then, by the order the binaries choose."""
+        delta = [self.table.memory_delta(k, s) for k, s, _ in self.nodes]
+        partner: dict[int, list[tuple[int, int, bool]]] = {i: [] for i in range(self.n)}
+        for q, (a, b) in enumerate(self.pairs):
+            partner[a].append((b, self.nz + 1 + q, False))  # b before a  <=>  y == 0
+            partner[b].append((a, self.nz + 1 + q, True))  # a before b  <=>  y == 1
+        for i, (k, _, _) in enumerate(self.nodes):
             if k != "F":
                 continue
-            r = rank[i]
-            constant = delta[i] + sum(delta[x] for x in by_rank[r] if x != i and (reach[x] >> i) & 1)
+            r = self.rank[i]
+            before = [x for x in self.by_rank[r] if x != i and (self.reach[x] >> i) & 1]
+            constant = delta[i] + sum(delta[x] for x in before)
             entries = []
             for other, y, before_if_one in partner[i]:
                 if delta[other] == 0.0:
                     continue
-                if before_if_one:
-                    entries.append((y, delta[other]))
-                else:
+                if not before_if_one:
                     constant += delta[other]
-                    entries.append((y, -delta[other]))
-            row(entries, -np.inf, limits[r] - constant + 1e-9)
+                entries.append((y, delta[other] if before_if_one else -delta[other]))
+            rows.add(entries, -np.inf, self.limits[r] - constant + 1e-9)
 
-        self.matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
-        self.row_lower, self.row_upper = np.array(lo), np.array(hi)
-        self.objective = np.zeros(nvar)
-        self.objective[nz] = 1.0
-        self.integrality = np.zeros(nvar)
-        self.integrality[nz + 1 :] = 1
-        lower = np.zeros(nvar)
-        upper = np.full(nvar, np.inf)
-        lower[:n] = earliest
+    def _bounds(self, nvar: int, upper_bound: float) -> None:
+        """Variable bounds: E from earliest end times, fixed origins, z from busy time and warm-up."""
+        n, p, nz = self.n, self.p, self.nz
+        lower, upper = np.zeros(nvar), np.full(nvar, np.inf)
+        lower[:n] = self.earliest
         z_upper = upper_bound * (1 + 1e-6) + 1e-6  # slack for HiGHS's presolve tolerances
         for i in range(n):
-            if fixed[rank[i]]:
-                upper[i] = origin[rank[i]] + z_upper
+            if self.fixed[self.rank[i]]:
+                upper[i] = self.origin[self.rank[i]] + z_upper
         for r in range(p):
-            if fixed[r]:
-                lower[n + r] = upper[n + r] = origin[r]
+            if self.fixed[r]:
+                lower[n + r] = upper[n + r] = self.origin[r]
             else:
                 lower[n + r] = -np.inf
-        warmup = [_warmup_bound(r, placement, table, limits, earliest, index, origin, self.busy, m) for r in range(p)]
-        lower[nz] = max([*self.busy, *(warmup[r] for r in range(p) if fixed[r])])
+        lower[nz] = max([*self.busy, *(self._warmup_bound(r) for r in range(p) if self.fixed[r])])
         upper[nz] = z_upper
         upper[nz + 1 :] = 1.0
         self.lower, self.upper = lower, upper
-        self.n, self.p = n, p
-        self.topo_rank = {i: x for x, i in enumerate(order)}
 
     def schedule(self, x: np.ndarray) -> Schedule | None:
         """Per-rank action lists ordered by the solution's start times; None if they do not validate."""
-        p = 1 + max(self.placement)
-        rows: list[list[tuple[float, int, Action]]] = [[] for _ in range(p)]
+        rows: list[list[tuple[float, int, Action]]] = [[] for _ in range(self.p)]
         for i, (k, s, j) in enumerate(self.nodes):
             start = float(x[i]) - self.table.time(k, s)
             rows[self.placement[s]].append((round(start, 6), self.topo_rank[i], Action(k, s, j)))
@@ -317,23 +331,24 @@ class _Model:
             return None
         return schedule
 
-
-def _warmup_bound(r, placement, table: CostTable, limits, earliest, index, origin, busy, m) -> float:
-    """A lower bound on rank r's span: before its first B can start the rank can only run F, and
-    only as many as fit its memory limit, so the rest of that interval is idle."""
-    stages = [s for s in range(len(placement)) if placement[s] == r]
-    first_b = min(earliest[index["B", s, 0]] - table.b[s] for s in stages)
-    window = first_b - origin[r]
-    # the most F time that fits in memory: a fractional knapsack over the rank's stages (an upper bound)
-    room, fill = limits[r], 0.0
-    for s in sorted(stages, key=lambda x: -(table.f[x] / table.mem_b[x]) if table.mem_b[x] > 0 else -np.inf):
-        if table.mem_b[s] <= 0:
-            fill += m * table.f[s]
-            continue
-        count = min(m, room / table.mem_b[s])
-        fill += count * table.f[s]
-        room -= count * table.mem_b[s]
-    return busy[r] + max(0.0, window - min(window, fill))
+    def _warmup_bound(self, r: int) -> float:
+        """A lower bound on rank r's span: before its first B can start the rank can only run F, and
+        only as many as fit its memory limit, so the rest of that interval is idle."""
+        table = self.table
+        stages = [s for s in range(self.S) if self.placement[s] == r]
+        first_b = min(self.earliest[self.index["B", s, 0]] - table.b[s] for s in stages)
+        window = first_b - self.origin[r]
+        # the most F time that fits in memory: a fractional knapsack over the rank's stages (an upper bound)
+        room, fill = self.limits[r], 0.0
+        density = [-(table.f[x] / table.mem_b[x]) if table.mem_b[x] > 0 else -np.inf for x in range(self.S)]
+        for s in sorted(stages, key=density.__getitem__):
+            if table.mem_b[s] <= 0:
+                fill += self.m * table.f[s]
+                continue
+            count = min(self.m, room / table.mem_b[s])
+            fill += count * table.f[s]
+            room -= count * table.mem_b[s]
+        return self.busy[r] + max(0.0, window - min(window, fill))
 
 
 def _topological(n: int, preds, succs) -> list[int]:

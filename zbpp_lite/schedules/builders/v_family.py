@@ -66,9 +66,9 @@ def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) 
     costs = costs or Costs()
     limits, table = v_limits("v-min", (p + 4) // 3, p, costs, None)
     placement = v_placement(p)
-    greedy = search_v(placement, m, table, limits).schedule(placement, m, "v-min")
+    plan = search_v(placement, m, table, limits)  # its makespan is the simulated one (greedy.plan)
     block = Schedule(tight_v_block(p, m, table), placement, m, "v-min")
-    best, best_span = greedy, simulate(greedy, costs, check=False).makespan
+    best, best_span = plan.schedule(placement, m, "v-min"), plan.makespan
     timeline = simulate(block, costs)
     fits = all(peak <= limit + 1e-9 for peak, limit in zip(timeline.peak_memory, limits))
     if fits and timeline.makespan < best_span - 1e-9 * max(1.0, best_span):
@@ -90,7 +90,8 @@ def tight_v_block(num_ranks: int, num_microbatches: int, table: CostTable) -> li
     p, m = num_ranks, num_microbatches
     placement = v_placement(p)
     S = len(placement)
-    period = max(sum(table.f[s] + table.b[s] + table.w[s] for s in range(S) if placement[s] == r) for r in range(p))
+    period = max(sum(table.f[s] + table.b[s] + table.w[s] for s in range(S) if placement[s] == r)
+        for r in range(p))
     busy: list[list[tuple[float, float]]] = [[] for _ in range(p)]
 
     def hop(a: int, b: int) -> float:

@@ -47,11 +47,6 @@ CAP_SHAPES = (None,) + tuple((a, slope) for a in (0.5, 0.625, 0.75, 0.875, 1.0) 
 rank's memory limit in units of its chunk-0 stage's mem_b."""
 
 
-def whole_rank_memory(placement: Sequence[int], table: CostTable) -> list[float]:
-    """Per rank, one microbatch's activations on all its stages (M_B of a whole rank's layers)."""
-    return rank_stage_memory(placement, table)
-
-
 def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Sequence[float]):
     """The per-rank warm-up caps of one :data:`CAP_SHAPES` entry (None: no cap)."""
     if shape is None:
@@ -67,7 +62,8 @@ def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Seque
     return tuple(caps)
 
 
-def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float], keep: int = 2) -> Plan:
+def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float],
+        keep: int = 2) -> Plan:
     """The staged search: caps first (with and without the warm-up fit), then the binary choices and
     the second priority order for the ``keep`` best caps.
 
@@ -129,7 +125,8 @@ def _bar(scored: Iterable[tuple], caps, keep: int) -> tuple | None:
     for entry in sorted(scored, key=lambda x: x[:3]):
         best_of.setdefault(entry[4], entry[:3])
     ranked = sorted(best_of.values())
-    bars = [b for b in (best_of.get(caps), ranked[keep - 1] if len(ranked) >= keep else None) if b is not None]
+    bars = [b for b in (best_of.get(caps), ranked[keep - 1] if len(ranked) >= keep else None)
+        if b is not None]
     return min(bars) if bars else None
 
 
@@ -140,7 +137,7 @@ def v_limits(
     placement = v_placement(num_ranks)
     table = (costs or Costs()).table(len(placement))
     if memory_limit is None:
-        memory_limit = [factor * x for x in whole_rank_memory(placement, table)]
+        memory_limit = [factor * x for x in rank_stage_memory(placement, table)]
     return per_rank_limits(name, memory_limit, placement, table), table
 
 

@@ -58,4 +58,5 @@ def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
     """
     check_sizes("zb-h2", num_ranks, num_microbatches)
     p = num_ranks
-    return _delayed_w("zb-h2", p, num_microbatches, [2 * (p - r) - 1 for r in range(p)], [2 * r for r in range(p)])
+    return _delayed_w("zb-h2", p, num_microbatches, [2 * (p - r) - 1 for r in range(p)],
+        [2 * r for r in range(p)])
