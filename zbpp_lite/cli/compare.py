@@ -57,8 +57,8 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices (default 2)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=8, help="training steps per schedule, the first one untimed (default 8)")
-    p.add_argument("--schedules", default="",
-                   help="comma-separated names, any also as NAME+fuse (default: every registered schedule, zb-h1+fuse, zb-h2+fuse)")
+    p.add_argument("--schedules", default="", help="comma-separated names, any also as NAME+fuse "
+                   "(default: every registered schedule, zb-h1+fuse, zb-h2+fuse)")
     add_model_arguments(p)
     # the peer job's sizes: an action takes milliseconds, well above the executor's overhead per action
     p.set_defaults(d=128, heads=4, blocks=8, batch=256)
@@ -296,7 +296,8 @@ def run(args) -> int:
     names = [n.strip() for n in args.schedules.split(",") if n.strip()] or [*zb.SCHEDULES, *FUSED]
     unknown = [n for n in names if not _known(n)]
     if unknown:
-        raise CliError(f"unknown schedule(s) {unknown}; choose from: {', '.join(zb.SCHEDULES)} (each also as NAME+fuse)")
+        raise CliError(f"unknown schedule(s) {unknown}; choose from: {', '.join(zb.SCHEDULES)} "
+                       "(each also as NAME+fuse)")
     blocks = args.blocks if args.blocks is not None else max(4, 2 * args.ranks)
     if blocks < 2 * args.ranks:
         print(f"note: --blocks {blocks} < {2 * args.ranks}: schedules with 2 stages per rank will be refused")

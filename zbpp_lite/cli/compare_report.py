@@ -142,18 +142,21 @@ def fusions(c) -> list[dict]:
     ``plain_plan_ms``)."""
     out = []
     for r in c.results:
-        plain = c.by_name(r.schedule.name.removesuffix("+fuse")) if r.schedule.name.endswith("+fuse") else None
+        name = r.schedule.name
+        plain = c.by_name(name.removesuffix("+fuse")) if name.endswith("+fuse") else None
         if plain is None:
             continue
-        stages = sorted({a.stage for _, a in r.schedule if a.kind == "BW"} - {a.stage for _, a in plain.schedule if a.kind == "BW"})
-        fused = sum(a.kind == "BW" for _, a in r.schedule) - sum(a.kind == "BW" for _, a in plain.schedule)
+        fused_at = [a.stage for _, a in r.schedule if a.kind == "BW"]
+        before = [a.stage for _, a in plain.schedule if a.kind == "BW"]
+        stages = sorted(set(fused_at) - set(before))
+        mean_ms = lambda values: statistics.mean(values) * 1e3 if stages else None  # noqa: E731
         gain = against(r, plain)
-        out.append({"schedule": r.schedule.name, "plain": plain.schedule.name, "fused": fused, "stages": stages,
-                    "backwards": sum(a.kind == "B" for _, a in plain.schedule),
-                    "bw_ms": statistics.mean(r.costs.bw[s] for s in stages) * 1e3 if stages else None,
-                    "b_w_ms": statistics.mean(plain.costs.b[s] + plain.costs.w[s] for s in stages) * 1e3 if stages else None,
+        out.append({"schedule": name, "plain": plain.schedule.name, "fused": len(fused_at) - len(before),
+                    "stages": stages, "backwards": sum(a.kind == "B" for _, a in plain.schedule),
+                    "bw_ms": mean_ms([r.costs.bw[s] for s in stages]),
+                    "b_w_ms": mean_ms([plain.costs.b[s] + plain.costs.w[s] for s in stages]),
                     "step_ms": _median_step_ms(r), "plain_step_ms": _median_step_ms(plain),
-                    "vs_plain": None if gain is None else {"ratio": gain.ratio, "low": gain.low, "high": gain.high},
+                    "vs_plain": gain and {"ratio": gain.ratio, "low": gain.low, "high": gain.high},
                     "plan_ms": r.simulated.makespan * 1e3, "plain_plan_ms": plain.simulated.makespan * 1e3})
     return out
 
@@ -169,11 +172,13 @@ def fusion_lines(c) -> list[str]:
         g = f["vs_plain"]
         paired = ""
         if g is not None:
-            verdict = "a real gain" if g["high"] < 1 else "a real loss" if g["low"] > 1 else "within the noise"
+            verdict = ("a real gain" if g["high"] < 1 else "a real loss" if g["low"] > 1
+                       else "within the noise")
             paired = f" (step by step {g['ratio']:.3f} [{g['low']:.3f}, {g['high']:.3f}]: {verdict})"
-        lines.append(f"Fusion: {f['schedule']} ran {f['fused']} of {f['plain']}'s {f['backwards']} split backwards as one BW "
-                     f"({where}){cost}. A step took {f['step_ms']:.1f} ms against {f['plain_step_ms']:.1f} ms{paired}; "
-                     f"the plans with each run's measured costs: {f['plan_ms']:.1f} against {f['plain_plan_ms']:.1f} ms.")
+        lines.append(f"Fusion: {f['schedule']} ran {f['fused']} of {f['plain']}'s {f['backwards']} split "
+                     f"backwards as one BW ({where}){cost}. A step took {f['step_ms']:.1f} ms against "
+                     f"{f['plain_step_ms']:.1f} ms{paired}; the plans with each run's measured costs: "
+                     f"{f['plan_ms']:.1f} against {f['plain_plan_ms']:.1f} ms.")
     return lines
 
 

@@ -39,8 +39,8 @@ def fuse_adjacent(schedule: Schedule) -> Schedule:
         A new Schedule, same placement and m, named ``name + "+fuse"`` ("" stays "").
     """
     S, placement = schedule.num_stages, schedule.placement
-    needed_elsewhere = {key for rank, row in enumerate(schedule.actions) for entry in row for a in parts(entry)
-                        for key in deps(a, S) if placement[key.stage] != rank}
+    needed_elsewhere = {key for rank, row in enumerate(schedule.actions) for entry in row
+                        for a in parts(entry) for key in deps(a, S) if placement[key.stage] != rank}
     rows = []
     for row in schedule.actions:
         out, i = [], 0

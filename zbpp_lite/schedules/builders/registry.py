@@ -40,10 +40,12 @@ def lookup(name: str) -> Builder:
     key = name.strip().lower().replace("_", "-")
     base = key.removesuffix(FUSE_SUFFIX)
     if base not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)} (each also as NAME{FUSE_SUFFIX})")
+        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)} "
+                         f"(each also as NAME{FUSE_SUFFIX})")
     if base == key:
         return SCHEDULES[key]
-    return functools.wraps(SCHEDULES[base])(lambda *args, **options: fuse_adjacent(SCHEDULES[base](*args, **options)))
+    build = SCHEDULES[base]
+    return functools.wraps(build)(lambda *args, **options: fuse_adjacent(build(*args, **options)))
 
 
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
