@@ -20,22 +20,28 @@ forward, the backward and the optimizer update. This script
      pool there, so a waiting rank's core works for the other: bubbles cost less than idle
      cores, and a schedule's fewer bubbles count for less;
    - ``NAME@turns`` (the run ``turns@procs``): the one-stage-per-rank schedules 1f1b, zb-h1,
-     zb-h2 and zb-auto in the ``@procs`` set-up, in one run, taking turns step by step (one
-     training run whose steps rotate through the schedules). Separate runs on this shared
-     2-core machine drift by 10-20% from run to run; in turns, every schedule meets the same
-     drift, so their ratios (zero bubble vs 1f1b) are the ones to trust. ``baseline-1stage``
-     takes its turns there too, on its own copy of the model (``baseline-1stage@turns``), so the
-     speed-up over it compares steps that met the same machine;
+     zb-h2, zb-auto, zb-h1+fuse and zb-h2+fuse in the ``@procs`` set-up, in one run, taking
+     turns step by step (one training run whose steps rotate through the schedules). Separate
+     runs on this shared 2-core machine drift by 10-20% from run to run; in turns, every
+     schedule meets the same drift, so their ratios (zero bubble vs 1f1b) are the ones to
+     trust. ``baseline-1stage`` takes its turns there too, on its own copy of the model
+     (``baseline-1stage@turns``), so the speed-up over it compares steps that met the same
+     machine;
    and the single-device baseline ``zbpp_lite.training.reference.train_baseline`` pinned to one core as
    PyTorch's (``baseline``), plus three references of ours: the same with the 8 microbatches
    accumulated (``baseline-acc8``), unpinned with XLA's threads on both cores
    (``baseline-2cores``), and our executor on one rank holding the whole model as one stage
    (``baseline-1stage``: the pipeline's own split kernels, microbatched, nothing to overlap; the
    strictest reference for the pipeline's speed-up);
-3. prints one table (median and minimum step time over the timed steps, speed-up over the side's
-   own 1-core baseline, loss of the first and last step, the largest difference of any step's
-   loss from PyTorch's baseline, and the CPU cores other programs used meanwhile) and the
-   issue's targets for each set-up, each with PASS or FAIL.
+3. does 1 and 2 again, in ``--rounds`` rounds (default 3), PyTorch's runs and ours alternating
+   (A B A B A B), so a slow spell of the machine meets both sides; prints each round's ratios,
+   ours over PyTorch's for 1f1b (against its 1F1B) and zb-auto (against its best of the round),
+   and zb-h1+fuse and zb-h2+fuse over our 1f1b, and their medians over the rounds
+   (:func:`round_ratios`; ours from ``@turns`` where it ran, else ``@procs``, else threads);
+4. prints, for the first round, one table (median and minimum step time over the timed steps,
+   speed-up over the side's own 1-core baseline, loss of the first and last step, the largest
+   difference of any step's loss from PyTorch's baseline, and the CPU cores other programs used
+   meanwhile) and the issue's targets for each set-up, each with PASS or FAIL.
 
 Schedules that take planned costs (zb-v, zb-auto) are planned from costs measured on this job:
 a short calibration run with unit costs, then the schedule is rebuilt from its measured mean
@@ -46,9 +52,10 @@ B and W apart, zb-auto splits the backward only where W fills a bubble.
 Timings are only meaningful on an otherwise idle machine: every run reports the CPU cores other
 programs used while it ran, and a run above 0.1 is flagged to be repeated.
 
-Run (about 15 minutes on 2 cores):
+Run (about 15 minutes a round on 2 cores):
     python benchmarks/bench_vs_torch.py --json vs_torch.json
     python benchmarks/bench_vs_torch.py --runs baseline,1f1b,zb-h2 --torch-schedules baseline,1F1B --steps 5
+    python benchmarks/bench_vs_torch.py --runs turns@procs --torch-schedules 1F1B --steps 3 --warmup 1
 """
 
 from __future__ import annotations
@@ -80,7 +87,8 @@ BASELINES = {
 }
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", *ZERO_BUBBLE]
 PROCS = "@procs"  # suffix: one pinned single-threaded process per rank (PyTorch's set-up)
-TURNS = ("1f1b", "zb-h1", "zb-h2", "zb-auto")  # one stage per rank: run in turns, step by step
+FUSED = ("zb-h1+fuse", "zb-h2+fuse")  # B and W fused where no other rank waits (issue 32)
+TURNS = ("1f1b", "zb-h1", "zb-h2", "zb-auto", *FUSED)  # one stage per rank: run in turns, step by step
 TURN = "@turns"  # suffix of their figures
 TURNS_RUN = "turns" + PROCS  # the run that does it
 REFERENCE = "baseline-1stage"  # also takes its turns there, as compare's one-rank reference does
@@ -663,6 +671,50 @@ def targets_main_job(ours: dict, torch_results: dict) -> list[tuple[str, str, bo
     return checks
 
 
+def _ours_median(ours: dict, name: str, suffixes: tuple[str, ...]) -> tuple[float, str] | None:
+    """(median ms, the run's name) of ``name`` in the first set-up of ``suffixes`` where it ran."""
+    for suffix in suffixes:
+        r = ours.get(name + suffix)
+        if r is not None and "error" not in r:
+            return r["median_ms"], name + suffix
+    return None
+
+
+def round_ratios(torch_results: dict, ours: dict) -> dict[str, float | None]:
+    """One round's ratios (None where a side is missing): ours / PyTorch's for 1f1b (its 1F1B)
+    and zb-auto (its best pipeline of the round), and zb-h1+fuse, zb-h2+fuse / our 1f1b in the
+    same set-up (``@turns``, else ``@procs``, else threads)."""
+    theirs = {n: r["median_ms"] for n, r in torch_results.items() if n != "baseline" and "error" not in r}
+    setups = (TURN, PROCS, "")
+    out: dict[str, float | None] = {}
+    for name, their in (("1f1b", theirs.get("1F1B")), ("zb-auto", min(theirs.values(), default=None))):
+        mine = _ours_median(ours, name, setups)
+        label = f"{name} / PyTorch's {'1F1B' if name == '1f1b' else 'best'}"
+        out[label] = mine[0] / their if mine and their else None
+    for name in FUSED:
+        pair = next(((ours[name + x]["median_ms"], ours["1f1b" + x]["median_ms"]) for x in setups
+                     if _ours_median(ours, name, (x,)) and _ours_median(ours, "1f1b", (x,))), None)
+        out[f"{name} / our 1f1b"] = pair[0] / pair[1] if pair else None
+    return out
+
+
+def report_rounds(ratios: list[dict[str, float | None]]) -> dict[str, dict]:
+    """Print each round's ratios and their median over the rounds; returns {ratio: {"rounds", "median"}}."""
+    out = {}
+    print(f"\nrounds (PyTorch's runs and ours alternating): ratio by round and the median of {len(ratios)}")
+    heads = [f"round {k + 1}" for k in range(len(ratios))] + ["median"]
+    print(f"  {'ratio':<28}" + "".join(f"{h:>9}" for h in heads))
+    for key in ratios[0]:
+        values = [r[key] for r in ratios]
+        known = [v for v in values if v is not None]
+        median = statistics.median(known) if known else None
+        out[key] = {"rounds": values, "median": median}
+        cells = "".join(f"{'-' if v is None else format(v, '.3f'):>9}" for v in (*values, median))
+        print(f"  {key:<28}{cells}")
+    print("  below 1: ours faster (or the fused variant faster than our 1f1b); '-': a side did not run")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--torch-python", help="a Python that can import torch (default: $ZBPP_TORCH_PYTHON, else /work/torchvenv/bin/python)")
@@ -675,6 +727,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false", help="pin no process to cores")
     p.add_argument("--retries", type=int, default=2, help="times a run on a busy machine is repeated (default 2)")
     p.add_argument("--quiet-wait", type=float, default=120, help="seconds to wait for a quiet machine before each run (default 120)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of PyTorch's runs then ours (default 3, at least 3)")
     p.add_argument("--json", metavar="PATH", help="write every figure as JSON")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -688,16 +742,24 @@ def main(argv=None) -> int:
     unknown = [n for n in args.runs.split(",") if n not in OURS]
     if unknown:
         p.error(f"unknown runs {unknown}; choose from {','.join(OURS)}")
+    if args.rounds < 3:
+        p.error(f"--rounds must be an integer >= 3 (a median of rounds needs three), got {args.rounds}")
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="bench_vs_torch_") as workdir:
-        init = os.path.join(workdir, "init.npz")
-        torch_report = run_torch(args, init, workdir)
-        torch_results = torch_report.get("results", {})
-        if not os.path.exists(init):
-            init = None
-            print("no PyTorch initial weights: our runs start from our own init (no loss comparison)", flush=True)
-        ours = run_ours(args, init, workdir)
+        for k in range(args.rounds):  # A B A B ...: PyTorch's runs, then ours
+            print(f"\n=== round {k + 1} of {args.rounds}: PyTorch's runs, then ours ===", flush=True)
+            init = os.path.join(workdir, "init.npz")
+            torch_report = run_torch(args, init, workdir)
+            if not os.path.exists(init):
+                init = None
+                print("no PyTorch initial weights: our runs start from our own init (no loss comparison)",
+                      flush=True)
+            rounds.append((torch_report, run_ours(args, init, workdir)))
+    torch_report, ours = rounds[0]
+    torch_results = torch_report.get("results", {})
     rows = table(ours, torch_results)
-    print(f"\njob: {JOB}, p={RANKS}, warm-up {args.warmup} + {args.steps} timed steps per run; step = forward + backward + optimizer")
+    print(f"\njob: {JOB}, p={RANKS}, warm-up {args.warmup} + {args.steps} timed steps per run; "
+          "step = forward + backward + optimizer; the table and the targets: round 1")
     print_table(rows)
     checks = {}
     for suffix, title in ((TURN, "one pinned single-threaded process per rank, schedules taking turns step by step in one run"),
@@ -709,6 +771,7 @@ def main(argv=None) -> int:
         checks[suffix or "threads"] = targets(ours, torch_results, rows, suffix)
         for what, figures, passed in checks[suffix or "threads"]:
             print(f"  {'PASS' if passed else 'FAIL' if passed is not None else 'n/a '}  {what}: {figures}")
+    by_round = report_rounds([round_ratios(t.get("results", {}), o) for t, o in rounds])
     print("\ntargets (issue 16), the schedules taking turns:")
     checks["issue 16"] = targets_main_job(ours, torch_results)
     for what, figures, passed in checks["issue 16"]:
@@ -717,7 +780,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"job": JOB, "steps": args.steps, "warmup": args.warmup, "ours": ours, "torch": torch_report,
                        "rows": rows, "targets": {mode: [{"target": w, "figures": f, "passed": ok} for w, f, ok in c]
-                                                  for mode, c in checks.items()}}, f, indent=1)
+                                                  for mode, c in checks.items()},
+                       "rounds": [{"torch": t, "ours": o} for t, o in rounds], "round_ratios": by_round},
+                      f, indent=1)
         print(f"wrote {args.json}")
     return 0
 

@@ -311,7 +311,8 @@ def test_train_command_writes_the_promised_json(tmp_path, capsys):
 @pytest.mark.parametrize("threads", [False, True])
 def test_compare_command_writes_one_report(tmp_path, capsys, threads):
     out, js = tmp_path / "compare.html", tmp_path / "compare.json"
-    argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1", "--steps", "2", "--d", "16",
+    argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1,zb-h1+fuse",
+            "--steps", "2", "--d", "16",
             "--heads", "2", "--blocks", "4", "--batch", "4", "--learn-steps", "2", "--out", str(out), "--json", str(js),
             *(["--threads"] if threads else [])]
     assert main(argv) == 0
@@ -321,7 +322,8 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
     assert "<td>1f1b</td>" in page and "<td>zb-h1</td>" in page and "planned" in page and "measured" in page
     assert "step time (ms)" in page and "was fastest" in page and "time (ms)" in page and "time (s)" not in page  # ms everywhere
     report = json.loads(js.read_text())
-    assert [r["schedule"] for r in report["runs"]] == sorted(("1f1b", "zb-h1"), key=lambda n: next(
+    names = ("1f1b", "zb-h1", "zb-h1+fuse")
+    assert [r["schedule"] for r in report["runs"]] == sorted(names, key=lambda n: next(
         r["median_step_ms"] for r in report["runs"] if r["schedule"] == n))  # ranked, fastest first
     assert report["loss_spread"] < 1e-5  # every schedule trains the same model to the same losses
     assert all(r["grad_max_rel_error"] < 1e-5 for r in report["runs"])
@@ -334,6 +336,18 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
     step_ms = {r["schedule"]: r["median_step_ms"] for r in report["runs"]}
     assert ratio["ratio"] == ratio["low"] == ratio["high"] == pytest.approx(step_ms["zb-h1"] / step_ms["1f1b"])
     assert "Step by step against 1f1b" in printed and f"zb-h1 {ratio['ratio']:.3f}" in printed
+    # the fused variant beside the plain one: rank 0's two B (stage 0) ran as BW; the sentence quotes them
+    fusion, = report["fusion"]
+    what = (fusion["schedule"], fusion["plain"], fusion["fused"], fusion["backwards"], fusion["stages"])
+    assert what == ("zb-h1+fuse", "zb-h1", 2, 4, [0])
+    assert (fusion["step_ms"], fusion["plain_step_ms"]) == (step_ms["zb-h1+fuse"], step_ms["zb-h1"])
+    assert fusion["vs_plain"]["ratio"] == pytest.approx(step_ms["zb-h1+fuse"] / step_ms["zb-h1"])
+    head = "Fusion: zb-h1+fuse ran 2 of zb-h1's 4 split backwards"
+    sentence = next(line for line in printed.splitlines() if line.startswith(head))
+    assert f"one BW took {fusion['bw_ms']:.2f} ms against B + W {fusion['b_w_ms']:.2f} ms" in sentence
+    assert f"A step took {fusion['step_ms']:.1f} ms against {fusion['plain_step_ms']:.1f} ms" in sentence
+    assert f"{fusion['plan_ms']:.1f} against {fusion['plain_plan_ms']:.1f} ms" in sentence
+    assert "<td>zb-h1+fuse</td>" in page
     costs = {r["schedule"]: r["costs"] for r in report["runs"]}  # 1f1b's b is its fused backward (no W)
     live = np.mean([(b + w) / bw for b, w, bw in zip(costs["zb-h1"]["b"], costs["zb-h1"]["w"], costs["1f1b"]["b"])])
     assert f"zb-h1's B + W took {live:.2f}x 1f1b's fused backward" in printed
@@ -390,6 +404,7 @@ def test_compare_refuses_bad_sizes_naming_the_flag(flag, value, message, capsys)
         (["--batch", "5"], "does not divide into 2 microbatches"),
         (["--blocks", "1"], "fewer than the schedule's 2 stages"),
         (["--schedule", "no-such"], "unknown schedule"),
+        (["--schedule", "no-such+fuse"], "unknown schedule 'no-such+fuse'"),
     ],
 )
 def test_train_command_refuses_bad_input_in_one_line(extra, message, capsys):

@@ -19,7 +19,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zbpp_lite"
 LAYERS = ["schedules", "runtime", "analysis", "training", "viz", "cli"]
-SCHEDULE_ORDER = ["strict_json", "ir", "costs", "memory", "timeline", "validate", "simulate", "formulas", "builders"]
+SCHEDULE_ORDER = ["strict_json", "ir", "costs", "memory", "timeline", "validate", "simulate", "formulas",
+                  "fuse", "builders"]
 
 
 def module_name(path: pathlib.Path) -> str:

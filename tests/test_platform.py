@@ -166,14 +166,16 @@ def test_compare_with_one_accelerator_simulates_every_schedule_from_profiled_cos
     monkeypatch.setattr(devices_mod, "platform_devices", lambda platform: [lone] if platform == "gpu" else jax.devices(platform))
     out = tmp_path / "compare.json"
     sizes = [*SMALL[:-1], "2", "--learn-steps", "0"]  # compare times the steps after the first: 2 at least
-    args = ["compare", "--platform", "gpu", "--schedules", "gpipe,zb-h1", *sizes, "--out", str(tmp_path / "c.html"), "--json", str(out)]
+    args = ["compare", "--platform", "gpu", "--schedules", "gpipe,zb-h1,zb-h1+fuse", *sizes,
+            "--out", str(tmp_path / "c.html"), "--json", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
     real_at = text.index("REAL runs on 2 simulated CPU devices")
     assert text.index("PROFILED gpipe") < real_at and text.index("PROFILED zb-h1") < real_at
     profiled = json.loads(out.read_text())["profiled"]
-    assert [p["schedule"] for p in profiled] == ["gpipe", "zb-h1"]
+    assert [p["schedule"] for p in profiled] == ["gpipe", "zb-h1", "zb-h1+fuse"]  # fused by name too
     for p in profiled:
         t = zb.simulate(zb.build_schedule(p["schedule"], 2, 2), zb.Costs(**p["costs_seconds"]))
         assert p["simulated"]["makespan"] == pytest.approx(t.makespan, rel=1e-12)
-    assert profiled[0]["costs_seconds"] == profiled[1]["costs_seconds"]  # same stages and microbatch: one profile
+    # same stages and microbatch: one profile
+    assert profiled[0]["costs_seconds"] == profiled[1]["costs_seconds"] == profiled[2]["costs_seconds"]

@@ -1,6 +1,7 @@
 """``python -m zbpp_lite compare``: run every schedule live and write one HTML report.
 
-Every registered schedule trains the same model from the same start on the same batches. With at
+Every registered schedule, and ZB-H1 and ZB-H2 with the backwards fused where the split buys
+nothing (:data:`FUSED`), trains the same model from the same start on the same batches. With at
 least as many cores as ranks, each rank is its own process pinned to its own core and the
 schedules take turns step by step (:func:`zbpp_lite.training.turns.train_in_turns`): a waiting
 rank's core is idle, as a real device's would be, and the machine's drift meets every schedule
@@ -40,7 +41,7 @@ import zbpp_lite as zb
 from ..analysis.profiling.timelines import timed_median
 from ..runtime.devices import ensure_devices
 from ..runtime.processes import RankProcesses
-from ..schedules.builders import options_of
+from ..schedules.builders import lookup, options_of
 from ..schedules import strict_json
 from ..schedules.costs import Costs
 from ..training.data import load_digits
@@ -56,7 +57,8 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices (default 2)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
     p.add_argument("--steps", type=int, default=8, help="training steps per schedule, the first one untimed (default 8)")
-    p.add_argument("--schedules", default="", help="comma-separated names (default: every registered schedule)")
+    p.add_argument("--schedules", default="", help="comma-separated names, any also as NAME+fuse "
+                   "(default: every registered schedule, zb-h1+fuse, zb-h2+fuse)")
     add_model_arguments(p)
     # the peer job's sizes: an action takes milliseconds, well above the executor's overhead per action
     p.set_defaults(d=128, heads=4, blocks=8, batch=256)
@@ -67,6 +69,20 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the figures of every run as JSON")
     add_platform_argument(p)
     return p
+
+
+FUSED = ("zb-h1+fuse", "zb-h2+fuse")
+"""Run by default beside every registered schedule: ZB-H1 and ZB-H2 with each B that sends to no
+other rank fused with its W (:func:`zbpp_lite.schedules.fuse.fuse_adjacent`)."""
+
+
+def _known(name: str) -> bool:
+    """Whether ``build_schedule`` knows ``name`` (a registered name, or one + "+fuse")."""
+    try:
+        lookup(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _required(name: str) -> list[str]:
@@ -277,10 +293,11 @@ def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
 
 def run(args) -> int:
     check_arguments(args)
-    names = [n.strip() for n in args.schedules.split(",") if n.strip()] or list(zb.SCHEDULES)
-    unknown = [n for n in names if n not in zb.SCHEDULES]
+    names = [n.strip() for n in args.schedules.split(",") if n.strip()] or [*zb.SCHEDULES, *FUSED]
+    unknown = [n for n in names if not _known(n)]
     if unknown:
-        raise CliError(f"unknown schedule(s) {unknown}; choose from: {', '.join(zb.SCHEDULES)}")
+        raise CliError(f"unknown schedule(s) {unknown}; choose from: {', '.join(zb.SCHEDULES)} "
+                       "(each also as NAME+fuse)")
     blocks = args.blocks if args.blocks is not None else max(4, 2 * args.ranks)
     if blocks < 2 * args.ranks:
         print(f"note: --blocks {blocks} < {2 * args.ranks}: schedules with 2 stages per rank will be refused")
@@ -371,10 +388,10 @@ def _run_all(schedules, args, model, run_config, data, devices, use_processes) -
     return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules], None, None
 
 
-NEIGHBOURS = ("one-rank reference", "zb-h1", "zb-h2", "1f1b", "zb-auto", "zb-2p")
+NEIGHBOURS = ("one-rank reference", "zb-h1+fuse", "zb-h1", "zb-h2+fuse", "zb-h2", "1f1b", "zb-auto", "zb-2p")
 """The middle of the turns' order: the schedules the report sets against 1f1b most often run
 next to it (one step apart), where the machine's slow spells meet them alike, beside the one-rank
-reference the speed-ups are taken against."""
+reference the speed-ups are taken against; each fused variant next to its plain schedule."""
 
 
 def _turn_order(schedules: list) -> list:

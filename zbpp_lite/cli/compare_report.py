@@ -85,6 +85,8 @@ class Comparison:
         bound = busy_bound(self)
         if bound is not None:  # the busiest 1f1b rank against the one-rank executor: see busy_bound
             out["busy_bound"] = dict(zip(("busy_ms", "ratio", "bound"), bound))
+        if fusions(self):  # each fused run beside its plain one: see fusions
+            out["fusion"] = fusions(self)
         if self.learned is not None:
             out["learned"] = {"schedule": self.learned.schedule.name, "steps": len(self.learned.losses),
                               "losses": self.learned.losses, "test_accuracy": self.learned.test_accuracy,
@@ -131,6 +133,55 @@ def _split_cost(c) -> str | None:
     return None
 
 
+def fusions(c) -> list[dict]:
+    """One dict per fused run ``NAME+fuse`` whose plain NAME ran too (ms): ``fused`` of the plain
+    run's ``backwards`` (its B) run as one BW, on ``stages``; the mean measured T_BW there
+    (``bw_ms``) against the plain run's T_B + T_W of those stages (``b_w_ms``); median steps
+    (``step_ms``, ``plain_step_ms``), the paired step ratio fused / plain (``vs_plain``, as
+    :func:`against`; None without it) and the plans with each run's measured costs (``plan_ms``,
+    ``plain_plan_ms``)."""
+    out = []
+    for r in c.results:
+        name = r.schedule.name
+        plain = c.by_name(name.removesuffix("+fuse")) if name.endswith("+fuse") else None
+        if plain is None:
+            continue
+        fused_at = [a.stage for _, a in r.schedule if a.kind == "BW"]
+        before = [a.stage for _, a in plain.schedule if a.kind == "BW"]
+        stages = sorted(set(fused_at) - set(before))
+        mean_ms = lambda values: statistics.mean(values) * 1e3 if stages else None  # noqa: E731
+        gain = against(r, plain)
+        out.append({"schedule": name, "plain": plain.schedule.name, "fused": len(fused_at) - len(before),
+                    "stages": stages, "backwards": sum(a.kind == "B" for _, a in plain.schedule),
+                    "bw_ms": mean_ms([r.costs.bw[s] for s in stages]),
+                    "b_w_ms": mean_ms([plain.costs.b[s] + plain.costs.w[s] for s in stages]),
+                    "step_ms": _median_step_ms(r), "plain_step_ms": _median_step_ms(plain),
+                    "vs_plain": gain and {"ratio": gain.ratio, "low": gain.low, "high": gain.high},
+                    "plan_ms": r.simulated.makespan * 1e3, "plain_plan_ms": plain.simulated.makespan * 1e3})
+    return out
+
+
+def fusion_lines(c) -> list[str]:
+    """A sentence per :func:`fusions` entry: what was fused, what the fused backward cost there,
+    and what the step gained or lost, with the paired interval's verdict."""
+    lines = []
+    for f in fusions(c):
+        where = f"stage(s) {', '.join(map(str, f['stages']))}, whose input gradient goes to no other rank"
+        cost = (f"; there one BW took {f['bw_ms']:.2f} ms against B + W {f['b_w_ms']:.2f} ms in {f['plain']} "
+                f"({f['bw_ms'] / f['b_w_ms']:.2f}x)") if f["stages"] else ""
+        g = f["vs_plain"]
+        paired = ""
+        if g is not None:
+            verdict = ("a real gain" if g["high"] < 1 else "a real loss" if g["low"] > 1
+                       else "within the noise")
+            paired = f" (step by step {g['ratio']:.3f} [{g['low']:.3f}, {g['high']:.3f}]: {verdict})"
+        lines.append(f"Fusion: {f['schedule']} ran {f['fused']} of {f['plain']}'s {f['backwards']} split "
+                     f"backwards as one BW ({where}){cost}. A step took {f['step_ms']:.1f} ms against "
+                     f"{f['plain_step_ms']:.1f} ms{paired}; the plans with each run's measured costs: "
+                     f"{f['plan_ms']:.1f} against {f['plain_plan_ms']:.1f} ms.")
+    return lines
+
+
 def summary_text(c: Comparison) -> str:
     """A short paragraph generated from the numbers: which schedule won, by how much, and why."""
     ranked = c.ranked
@@ -169,6 +220,7 @@ def summary_text(c: Comparison) -> str:
     if live is not None:
         lines.append(f"In the pipelines of this run, {live[0]}'s B + W took {live[1]:.2f}x 1f1b's fused backward per microbatch "
                      f"(mean action times of their measured steps): the split's price as the schedules paid it.")
+    lines += fusion_lines(c)
     if bound is not None:
         busy, ratio, most = bound
         p = base.schedule.num_ranks

@@ -8,6 +8,7 @@
 - :mod:`.timeline`: ``Timeline`` and ``Event``, planned or measured (makespan, bubble rate, memory);
 - :mod:`.validate`: completeness, order and deadlock freedom, errors naming rank, step and rule;
 - :mod:`.simulate`: event-driven (and lockstep) timing of a schedule under costs;
+- :mod:`.fuse`: a B right before its own W run as one BW where no other rank waits for it (``NAME+fuse``);
 - :mod:`.formulas`: the papers' closed forms (bubble rates and makespans) the simulator is checked against;
 - :mod:`.builders`: one module per schedule family and the registry by name (the automatic
   builders plan by simulating, so they sit on top of this layer).

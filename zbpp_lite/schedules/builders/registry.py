@@ -1,10 +1,15 @@
-"""One registry of schedule builders by name: ``SCHEDULES`` and ``build_schedule``."""
+"""One registry of schedule builders by name: ``SCHEDULES`` and ``build_schedule``.
+
+Any registered name + ``"+fuse"`` (``"zb-h1+fuse"``) builds that schedule, then runs
+:func:`zbpp_lite.schedules.fuse.fuse_adjacent` on it."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
+from ..fuse import FUSE_SUFFIX, fuse_adjacent
 from ..ir import Schedule
 from ._common import as_size
 
@@ -30,11 +35,17 @@ def options_of(name: str) -> dict[str, Any]:
 
 
 def lookup(name: str) -> Builder:
-    """The builder registered as ``name``; ValueError listing the valid names otherwise."""
+    """The builder registered as ``name`` (for ``NAME+fuse``, NAME's, fused after building: same
+    options); ValueError listing the valid names otherwise."""
     key = name.strip().lower().replace("_", "-")
-    if key not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)}")
-    return SCHEDULES[key]
+    base = key.removesuffix(FUSE_SUFFIX)
+    if base not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of: {', '.join(SCHEDULES)} "
+                         f"(each also as NAME{FUSE_SUFFIX})")
+    if base == key:
+        return SCHEDULES[key]
+    build = SCHEDULES[base]
+    return functools.wraps(build)(lambda *args, **options: fuse_adjacent(build(*args, **options)))
 
 
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
