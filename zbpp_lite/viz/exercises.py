@@ -155,7 +155,8 @@ def makespan_1f1b(answer: Any) -> Verdict:
     return _number_check(
         "1.1", answer, expected, "1F1B's makespan with a slow stage 1",
         "the slow rank 1 computes m(2+4) = 36 and sets the pace; add what it waits for: rank 0's first F "
-        "before it starts, rank 0's last BW after it ends, and, once, microbatch 0's gradient coming back from rank 2.",
+        "before it starts, rank 0's last BW after it ends, and, once, microbatch 0's gradient coming "
+        "back from rank 2.",
     )
 
 
@@ -203,9 +204,10 @@ def lean_schedule(actions: Any) -> Verdict:
     peaks = simulate(schedule, Costs()).peak_memory
     over = [r for r, peak in enumerate(peaks) if peak > 2]
     if over:
-        return Verdict("1.3", False, f"valid, but rank {over[0]} holds {peaks[over[0]]:g} microbatches at once.", hint)
-    return Verdict("1.3", True, f"zb.validate accepts it and the ranks hold at most {max(peaks):g} microbatches "
-                                f"(per rank {[int(x) for x in peaks]}).")
+        held = f"{peaks[over[0]]:g}"
+        return Verdict("1.3", False, f"valid, but rank {over[0]} holds {held} microbatches at once.", hint)
+    return Verdict("1.3", True, f"zb.validate accepts it and the ranks hold at most {max(peaks):g} "
+                                f"microbatches (per rank {[int(x) for x in peaks]}).")
 
 
 def peak_memory_1f1b(fn: Any) -> Verdict:
@@ -235,7 +237,7 @@ def _matmul(rows: int, inner: int, cols: int) -> int:
 
 
 WIDTH_LISTS = ((32, 64, 32), (8, 16, 4, 2), (3, 5, 7, 11, 13), (1, 1), (64, 256, 64, 256, 64, 16))
-"""The widths lists exercises 2.1 and 2.2 try: one to five layers, none of them the notebook's printed case only."""
+"""The widths lists exercises 2.1 and 2.2 try: one to five layers of uneven widths."""
 
 
 def _layer_products(n: int, widths: Sequence[int]) -> list[int]:
@@ -243,7 +245,8 @@ def _layer_products(n: int, widths: Sequence[int]) -> list[int]:
     return [_matmul(a, n, b) for a, b in itertools.pairwise(widths)]
 
 
-def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]], int], what: str, hint: str) -> Verdict:
+def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]], int], what: str,
+                  hint: str) -> Verdict:
     points = [(n, list(w)) for n, w in itertools.product((16, 5), WIDTH_LISTS)]
     return _function_check(exercise, fn, points, lambda n, w: expected(n, tuple(w)), what, hint)
 
@@ -255,7 +258,8 @@ def w_flops(fn: Any) -> Verdict:
     B kept every layer's output gradient; a (r, k) @ (k, c) product counts 2 r k c flops. Checked
     on :data:`WIDTH_LISTS` (1 to 5 layers) at two n."""
     return _widths_check("2.1", fn, lambda n, w: sum(_layer_products(n, w)), "w_flops(n, widths)",
-                         "one weight-gradient product per layer: a_l.T @ dz_l is (widths[l], n) @ (n, widths[l+1]).")
+                         "one weight-gradient product per layer: a_l.T @ dz_l is "
+                         "(widths[l], n) @ (n, widths[l+1]).")
 
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
@@ -264,12 +268,14 @@ def w_flops_without_kept_gradients(fn: Any) -> Verdict:
     elementwise activation derivative not counted). Checked on :data:`WIDTH_LISTS` at two n."""
 
     def recompute(n, w):
-        back = [_matmul(n, b, a) for a, b in itertools.pairwise(w)][1:]  # dz_{l+1} @ W_{l+1}.T, not layer 0's dx
+        back = [_matmul(n, b, a) for a, b in itertools.pairwise(w)][1:]  # dz_{l+1} @ W_{l+1}.T; not dx
         return sum(_layer_products(n, w)) + sum(back)
 
     return _widths_check("2.2", fn, recompute, "w_flops_recompute(n, widths)",
-                         "the last layer's output gradient arrives from the next stage; every other one costs one "
-                         "product dz_{l+1} @ W_{l+1}.T, (n, widths[l+2]) @ (widths[l+2], widths[l+1]); nobody needs dx here.")
+                         "the last layer's output gradient arrives from the next stage; every other one "
+                         "costs one product dz_{l+1} @ W_{l+1}.T, "
+                         "(n, widths[l+2]) @ (widths[l+2], widths[l+1]); "
+                         "nobody needs dx here.")
 
 
 def first_stage_b_ratio(answer: Any) -> Verdict:
@@ -294,8 +300,9 @@ def zb_h1_makespan(answer: Any) -> Verdict:
     closed form undercounts), predicted before simulating."""
     expected = simulate(build_schedule("zb-h1", 4, 8), LONG_W).makespan
     return _number_check("3.1", answer, expected, "ZB-H1's makespan with T_W > T_F",
-                         "m(T_F+T_B+T_W) of work plus the bubble; with T_W > T_F the form (p-1)(T_F+T_B-T_W) no longer "
-                         "holds: what does rank 0 wait for at the start and the end, whatever W costs?")
+                         "m(T_F+T_B+T_W) of work plus the bubble; with T_W > T_F the form (p-1)(T_F+T_B-T_W) "
+                         "no longer holds: what does rank 0 wait for at the start and the end, whatever W "
+                         "costs?")
 
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:
@@ -307,8 +314,8 @@ def zb_h2_peak_memory(fn: Any) -> Verdict:
              for p in ps for mw in mem_ws}
     points = [(p, r, mw) for p in ps for mw in mem_ws for r in range(p)]
     return _function_check("3.2", fn, points, lambda p, r, mw: peaks[p, mw][r], "peak(p, r, mem_w)",
-                           "right after rank r's warm-up its forwards hold M_B each; how many W's does the rank owe "
-                           "at that moment later on, when W lags B by 2r microbatches?")
+                           "right after rank r's warm-up its forwards hold M_B each; how many W's does the "
+                           "rank owe at that moment later on, when W lags B by 2r microbatches?")
 
 
 def zb_h1_bubble(fn: Any) -> Verdict:
@@ -319,7 +326,8 @@ def zb_h1_bubble(fn: Any) -> Verdict:
               (2, 4, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 7, 1.5, 1.0, 2.5)]
     return _function_check(
         "3.3", fn, points,
-        lambda p, m, f, b, w: simulate(build_schedule("zb-h1", p, m), Costs(f=f, b=b, w=w)).makespan - m * (f + b + w),
+        lambda p, m, f, b, w: (simulate(build_schedule("zb-h1", p, m), Costs(f=f, b=b, w=w)).makespan
+                               - m * (f + b + w)),
         "bubble(p, m, f, b, w)",
         "below T_W = T_F lesson 3's form holds; above it, find what rank 0 must wait for that no W can fill "
         "(try T_F != T_B in the simulator).")
@@ -333,7 +341,7 @@ AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=1.0, w=0
 
 @functools.lru_cache(maxsize=16)
 def _auto(limit: float):
-    """zb-auto's plan of :data:`AUTO_CASE` under ``limit`` M_B (cached: the checks and the reveal reuse it)."""
+    """zb-auto's plan of :data:`AUTO_CASE` under ``limit`` M_B (cached for the checks and reveal)."""
     from ..schedules.builders.auto import auto_plan
 
     c = AUTO_CASE
@@ -371,8 +379,8 @@ def bubble_floor_limit(answer: Any) -> Verdict:
     rates = _auto_rates()
     expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
     return _number_check("4.2", answer, expected, "the limit where the bubble stops falling",
-                         "a larger limit lets rank 0 start more forwards before its first B; how many can it start "
-                         "before that B could possibly arrive, the round trip being ZB-H2's warm-up?")
+                         "a larger limit lets rank 0 start more forwards before its first B; how many can it "
+                         "start before that B could possibly arrive, the round trip being ZB-H2's warm-up?")
 
 
 def auto_warmup(fn: Any) -> Verdict:
@@ -386,8 +394,8 @@ def auto_warmup(fn: Any) -> Verdict:
 
     points = [(AUTO_CASE["num_ranks"], lim, r) for lim in plans for r in range(AUTO_CASE["num_ranks"])]
     return _function_check("4.3", fn, points, counted, "warmup(p, limit, r)",
-                           "each warm-up F holds one M_B, so the limit caps the count; but a rank stops starting "
-                           "forwards once its first B could have arrived: lesson 3's ZB-H2 warm-up on rank r.")
+                           "each warm-up F holds one M_B, so the limit caps the count; but a rank stops "
+                           "starting forwards once its first B could have arrived: lesson 3's ZB-H2 warm-up.")
 
 
 # ------------------------------------------------------------------ lesson 5: V-shaped schedules
@@ -406,9 +414,10 @@ def v_transfers(fn: Any) -> Verdict:
                            "walk stages 0 .. 2p-1 and count the steps where the rank changes; look at the turn of the V.")
 
 
-def _zb_v_sweep(p: int, t: float = 1.0) -> dict[int, Any]:
-    """ZB-V's timelines for m = p .. 2p + 1 at per-stage T_F = T_B = T_W = t, T_comm = 0."""
-    return {m: simulate(build_schedule("zb-v", p, m), Costs(f=t, b=t, w=t)) for m in range(p, 2 * p + 2)}
+@functools.lru_cache(maxsize=8)
+def _zb_v_sweep(p: int) -> dict[int, Any]:
+    """ZB-V's timelines for m = p .. 2p + 1 at per-stage T_F = T_B = T_W = 1, T_comm = 0 (cached)."""
+    return {m: simulate(build_schedule("zb-v", p, m), Costs()) for m in range(p, 2 * p + 2)}
 
 
 def zb_v_first_zero(answer: Any) -> Verdict:
@@ -416,19 +425,21 @@ def zb_v_first_zero(answer: Any) -> Verdict:
     T_comm = 0) has no bubble, predicted from the p = 4 sweep before the p = 6 one is shown."""
     expected = min(m for m, t in _zb_v_sweep(6).items() if t.bubble_rate == 0.0)
     return _number_check("5.2", answer, expected, "the smallest bubble-free m at p = 6",
-                         "rank 0's first backward needs microbatch 0 to travel all 2p stages; count how many forwards "
-                         "of its own fit in that wait (p = 4 gave the sweep's value; is it 2p, p + 3, or something else?).")
+                         "rank 0's first backward needs microbatch 0 to travel all 2p stages; count how many "
+                         "forwards of its own fit in that wait (p = 4 gave the sweep's value: 2p, p + 3, "
+                         "or else?).")
 
 
 def zb_v_makespan(fn: Any) -> Verdict:
     """Exercise 5.3: a function ``makespan(p, m, t)``: ZB-V's makespan for every m >= p when every
-    stage's T_F = T_B = T_W = t and T_comm = 0; compared with the simulator for p = 2..6, m = p ..
+    stage's T_F = T_B = T_W = t and T_comm = 0; compared with the simulator for p = 2, 3, 5, m = p ..
     2p + 1, t in (1, 0.5)."""
-    spans = {(p, t): {m: tl.makespan for m, tl in _zb_v_sweep(p, t).items()} for p in range(2, 7) for t in (1.0, 0.5)}
-    points = [(p, m, t) for (p, t), by_m in spans.items() for m in by_m]
-    return _function_check("5.3", fn, points, lambda p, m, t: spans[p, t][m], "makespan(p, m, t)",
-                           "a rank holds two stages: 6t of work per microbatch; below the bubble-free m, how long "
-                           "does rank 0 wait for microbatch 0's round trip with no forward left to run?")
+    points = [(p, m, t) for p in (2, 3, 5) for m in range(p, 2 * p + 2) for t in (1.0, 0.5)]
+    # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
+    return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
+                           "makespan(p, m, t)",
+                           "a rank holds two stages: 6t of work per microbatch; below the bubble-free m, how "
+                           "long does rank 0 wait for microbatch 0's round trip with no forward left to run?")
 
 
 # ------------------------------------------------------------------ lesson 6: interleaved, looped
@@ -462,33 +473,35 @@ def looped_stages(fn: Any) -> Verdict:
     return check(fn)
 
 
+INTERLEAVED_COMM = Costs(f=0.5, b=0.5, w=0.5, comm=0.1)
+"""Exercise 6.2's costs: per stage T_F = T_B = T_W = 0.5 (v = 2 stages per rank), T_comm = 0.1."""
+
+
 def interleaved_makespan(answer: Any) -> Verdict:
     """Exercise 6.2: interleaved 1F1B's makespan for p = 4, m = 8, v = 2 stages per rank, each stage
-    costing T_F = T_B = T_W = 0.5 (half a rank's layers), T_comm = 0."""
-    expected = simulate(build_schedule("interleaved-1f1b", 4, 8), Costs(f=0.5, b=0.5, w=0.5)).makespan
-    return _number_check("6.2", answer, expected, "interleaved 1F1B's makespan",
-                         "work m(T_F+T_B+T_W) per rank in whole-rank costs, plus 1F1B's bubble divided by v.")
+    costing T_F = T_B = T_W = 0.5 (half a rank's layers), T_comm = 0.1 (:data:`INTERLEAVED_COMM`)."""
+    expected = simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM).makespan
+    return _number_check("6.2", answer, expected, "interleaved 1F1B's makespan with T_comm = 0.1",
+                         "work m(T_F+T_B+T_W) per rank in whole-rank costs, 1F1B's bubble divided by v, and "
+                         "the transfers the first microbatch's forward and the last one's backward cannot "
+                         "hide: how many links?")
 
 
-def transfers_per_step(fn: Any) -> Verdict:
-    """Exercise 6.3: a function ``transfers(p, m, v)``: how many point-to-point transfers (activations
-    forward and gradients backward) one training step makes under interleaved 1F1B with v stages
-    per rank; counted from the schedule's actions and placement."""
-    from ..schedules.ir import deps, produces
+def interleaved_peak(fn: Any) -> Verdict:
+    """Exercise 6.3: a function ``peak(p, v, r)``: the peak activation memory of rank r under
+    interleaved 1F1B with v stages per rank and m >= 2p, in one stage's M_B; compared with the
+    simulator for p = 2..5, v = 1..4, every rank, at m = 2p and 3p."""
+    def held(p, v, m):
+        return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory
 
-    def count(p, m, v):
-        s = build_schedule("interleaved-1f1b", p, m, stages_per_rank=v)
-        made_on = {}
-        for r, row in enumerate(s.actions):
-            for a in row:
-                for key in produces(a):
-                    made_on[key] = r
-        return sum(made_on[k] != r for r, row in enumerate(s.actions) for a in row
-                   for k in deps(a, s.num_stages) if k in made_on)
+    peaks = {(p, v, m): held(p, v, m) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for m in (2 * p, 3 * p)}
+    points = [(p, v, r) for (p, v, m) in peaks for r in range(p) if m == 2 * p]
 
-    return _function_check("6.3", fn, [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 4, 1), (2, 4, 4)], count, "transfers(p, m, v)",
-                           "a microbatch's forward crosses a link at every stage boundary whose two stages sit on different ranks; "
-                           "its backward crosses the same links back.")
+    return _function_check("6.3", fn, points,
+                           lambda p, v, r: max(peaks[p, v, 2 * p][r], peaks[p, v, 3 * p][r]), "peak(p, v, r)",
+                           "count rank r's warm-up forwards: enough to cover the other ranks' first pass "
+                           "down (2 per rank below it) and a whole extra round of p on each further stage it "
+                           "holds; then one more.")
 
 
 # ------------------------------------------------------------------ lesson 7: bubble detection
@@ -567,19 +580,21 @@ def _reveal_figure(key: str):
     from .figures import timeline_figure
 
     if key == "1.1":
-        return timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE), "1F1B, p = 3, m = 6, stage 1 twice as slow")
+        return timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE),
+                               "1F1B, p = 3, m = 6, stage 1 twice as slow")
     if key == "3.1":
-        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), LONG_W), "ZB-H1, p = 4, m = 8, T_B = 2, T_W = 1.5")
+        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), LONG_W),
+                               "ZB-H1, p = 4, m = 8, T_B = 2, T_W = 1.5")
     if key == "4.2":
-        return _line_figure(list(AUTO_LIMITS), _auto_rates(), "zb-auto, AUTO_CASE: bubble rate against the memory limit",
-                            "memory limit (M_B)")
+        return _line_figure(list(AUTO_LIMITS), _auto_rates(),
+                            "zb-auto, AUTO_CASE: bubble rate against the memory limit", "memory limit (M_B)")
     if key == "5.2":
         sweep = _zb_v_sweep(6)
-        return _line_figure(list(sweep), [t.bubble_rate for t in sweep.values()], "ZB-V, p = 6: bubble rate against m",
-                            "microbatches m")
+        return _line_figure(list(sweep), [t.bubble_rate for t in sweep.values()],
+                            "ZB-V, p = 6: bubble rate against m", "microbatches m")
     if key == "6.2":
-        return timeline_figure(simulate(build_schedule("interleaved-1f1b", 4, 8), Costs(f=0.5, b=0.5, w=0.5)),
-                               "interleaved 1F1B, p = 4, m = 8, v = 2")
+        return timeline_figure(simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM),
+                               "interleaved 1F1B, p = 4, m = 8, v = 2, T_comm = 0.1")
     if key == "7.1":
         return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1), "ZB-H1, stage 1 twice as slow")
     raise KeyError(f"no reveal for exercise {key}; give show=")
@@ -613,7 +628,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
     "5.3": zb_v_makespan,
     "6.1": looped_stages,
     "6.2": interleaved_makespan,
-    "6.3": transfers_per_step,
+    "6.3": interleaved_peak,
     "7.1": idlest_rank,
     "7.2": balanced_partition,
     "7.3": best_split,
