@@ -8,32 +8,39 @@ import pytest
 
 from zbpp_lite.viz import exercises as ex
 
-TWO_RANK_1F1B = [["0F0", "0F1", "0B0", "0B1"], ["1F0", "1B0", "1F1", "1B1"]]
+LEAN = [["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
+        ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1B3"],
+        ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]]
+ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"],   # valid, but rank 0 holds 3
+                   ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1B3"],
+                   ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]]
 
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
-    "1.1": (24, 8 * 2),                             # (m+p-1)(T_F+T_BW) = 8 * 3; 16 forgets T_F
+    "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
     "1.2": (28, 27),                                # 3/(m+3) < 0.1 -> m > 27; at m = 27 the rate is exactly 10%
-    "1.3": (TWO_RANK_1F1B, [["0F0", "0B0", "0F1", "0B1"], ["1B0", "1F0", "1F1", "1B1"]]),  # BW before its F
+    "1.3": (LEAN, ONE_F_ONE_B_3x4),                 # 1F1B itself is valid but holds too much
     "1.4": (lambda p, m, r: min(p - r, m), lambda p, m, r: p - r),   # the wrong one forgets m < p
-    "2.1": (lambda n, a, b, c: 2 * a * n * b + 2 * b * n * c, lambda n, a, b, c: 2 * a * n * b),  # only dW1
-    "2.2": (lambda n, a, b, c: 2 * a * n * b + 2 * b * n * c + 2 * n * c * b,
-            lambda n, a, b, c: 2 * a * n * b + 2 * b * n * c + 2 * n * b * a),   # recomputes dx's product instead
+    "2.1": (lambda n, w: sum(2 * n * a * b for a, b in zip(w, w[1:])),
+            lambda n, w: 2 * w[0] * n * w[1] + 2 * w[1] * n * w[2]),   # lesson 2's two-layer count, copied
+    "2.2": (lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
+                          + sum(2 * n * a * b for a, b in zip(w[1:], w[2:]))),
+            lambda n, w: 2 * sum(2 * n * a * b for a, b in zip(w, w[1:]))),   # recomputes dx's product too
     "2.3": (0.5, 1.0),                              # dy @ W2.T only; 1.0 is a B that also makes dx
-    "3.1": (8 * 2.5 + 3 * 1.5, 8 * 2.5 + 3 * 2.5),  # m(f+b+w) + (p-1)(f+b-w); the wrong one is 1F1B's
-    "3.2": (lambda p, r: 2 * (p - r) - 1, lambda p, r: p - r),   # against 1F1B's p - r
-    "3.3": (lambda p, m, f, b, w, c: (m + p - 1) * (f + b + w) + 2 * (p - 1) * c,
-            lambda p, m, f, b, w, c: (m + p - 1) * (f + b + w + 2 * c)),   # T_comm in every microbatch
+    "3.1": (8 * 4.5 + 3 * 2, 8 * 4.5 + 3 * 1.5),    # m(f+b+w) + (p-1)T_B; wrong: plugs into (p-1)(f+b-w)
+    "3.2": (lambda p, r, mw: 2 * (p - r) - 1 + 2 * r * mw, lambda p, r, mw: 2 * (p - r) - 1),   # forgets M_W
+    "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - w, b),
+            lambda p, m, f, b, w: (p - 1) * max(f + b - w, 0.0)),   # the form, clipped at 0 as ZB-H2's
     "4.1": (lambda p, m, f, b, w: (m * (f + b + w) + (p - 1) * (f + b - w)) / (m + p - 1) - f,
             lambda p, m, f, b, w: b + w),           # the paper's T_BW = T_B + T_W is not the break-even
-    "4.2": (5, 4),                                  # the limit: one M_B per warm-up F
-    "4.3": (1, 5),                                  # the last stage's B needs only its own F
+    "4.2": (7, 5),                                  # 2p - 1; 5 was the old exercise's limit
+    "4.3": (lambda p, lim, r: min(lim, 2 * (p - r) - 1), lambda p, lim, r: min(lim, p - r)),  # 1F1B's
     "5.1": (lambda p: 2 * p - 2, lambda p: 2 * p - 1),   # the turn of the V stays on rank p-1
-    "5.2": ([8] * 6, [12] * 6),                     # 2(p/2 + 1) stage units, not ZB-V's 2p
-    "5.3": (lambda p, m, t: 6 * m * t, lambda p, m, t: 3 * m * t + 3 * (p - 1) * t),
+    "5.2": (11, 12),                                # 2p - 1; 2p is the handcrafted bound, not the first zero
+    "5.3": (lambda p, m, t: 6 * m * t + max(0, 2 * p - 1 - m) * t, lambda p, m, t: 6 * m * t),  # m >= 2p
     "6.1": (lambda p, v, r: [r + k * p for k in range(v)], lambda p, v, r: list(range(r * v, r * v + v))),  # looped, not contiguous
-    "6.2": (8 * 3 + 3 * 3 / 2, 8 * 3 + 3 * 3),      # work + 1F1B's bubble / v; plain 1F1B's makespan
-    "6.3": (lambda p, m, v: 2 * m * (v * p - 1), lambda p, m, v: m * (v * p - 1)),   # forward only
+    "6.2": (8 * 3 + 3 * 3 / 2 + 2 * 7 * 0.1, 8 * 3 + 3 * 3 / 2),   # + 2(vp-1)T_comm; wrong: forgets T_comm
+    "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
     "7.1": (0, 1),                                  # rank 0 idles 23; the slow rank 1 never idles
     "7.2": (5, 4),                                  # 1+1+1+1+2 = 6 = 2+2+2; 4 layers leave 8 on stage 1
     "7.3": (lambda c: min(range(1, len(c)), key=lambda k: max(sum(c[:k]), sum(c[k:]))), lambda c: len(c) // 2),
@@ -71,8 +78,40 @@ def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
 
 
 def test_the_schedule_check_passes_on_the_validators_message():
-    verdict = ex.two_rank_schedule([["0F0", "0F1", "0B0"], ["1F0", "1B0", "1F1", "1B1"]])
-    assert not verdict.ok and "incomplete" in verdict.hint and "microbatch 1" in verdict.hint
+    verdict = ex.lean_schedule([row[:-1] for row in LEAN])
+    assert not verdict.ok and "incomplete" in verdict.hint and "microbatch 3" in verdict.hint
+    assert not ex.lean_schedule([["0F0", "0B0", "0F1", "0B1"], ["1B0", "1F0", "1F1", "1B1"]]).ok  # 2 ranks
+    for copied in (24, 21, 42):   # equal costs' (m+p-1)(T_F+T_BW), mean costs, GPipe's makespan
+        assert not ex.makespan_1f1b(copied).ok
+
+
+def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_form():
+    two_layer = lambda n, w: 2 * w[0] * n * w[1] + 2 * w[1] * n * w[2] + 2 * n * w[2] * w[1]  # noqa: E731
+    equal_width = lambda n, w: (2 * (len(w) - 1) - 1) * 2 * n * w[0] ** 2  # noqa: E731
+    assert not ex.w_flops_without_kept_gradients(two_layer).ok
+    assert not ex.w_flops_without_kept_gradients(equal_width).ok
+    assert not ex.w_flops(lambda n, w: (len(w) - 1) * 2 * n * w[0] ** 2).ok
+
+
+def test_the_lesson_3_checks_reject_the_printed_forms():
+    assert not ex.zb_h2_peak_memory(lambda p, r, mw: 2 * (p - r) - 1 + r * mw).ok       # ZB-H1's lag r
+    assert not ex.zb_h1_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, f)).ok    # the plateau at T_F
+    assert not ex.zb_h1_makespan(8 * 4.5 + 3 * 1).ok                                     # (p-1)T_F
+
+
+def test_the_lesson_4_checks_reject_the_printed_rules():
+    assert not ex.bubble_floor_limit(8).ok and not ex.bubble_floor_limit(2 * 4).ok   # the limit 2p (zb-2p)
+    assert not ex.auto_warmup(lambda p, lim, r: lim).ok                              # "the limit" alone
+
+
+def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
+    assert not ex.zb_v_first_zero(7).ok and not ex.zb_v_first_zero(6 + 3).ok     # p = 4's value; p + 3
+    assert not ex.zb_v_makespan(lambda p, m, t: 6 * m * t + max(0, 2 * p - m) * t).ok   # counted to 2p
+
+
+def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
+    assert not ex.interleaved_makespan(8 * 3 + 3 * 3 / 2 + 2 * 3 * 0.1).ok     # p - 1 links, as GPipe
+    assert not ex.interleaved_peak(lambda p, v, r: v * p + p - 1).ok           # rank 0's value on every rank
 
 
 def test_a_function_answer_that_raises_is_not_yet_with_the_error():

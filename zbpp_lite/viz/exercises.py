@@ -21,6 +21,7 @@ section 2.2 (interleaved 1F1B).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -142,13 +143,20 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
 # ------------------------------------------------------------------ lesson 1: pipeline bubbles
 
 
+SLOW_MIDDLE = Costs(f=[1.0, 2.0, 1.0], b=[1.0, 2.0, 1.0], w=[1.0, 2.0, 1.0])
+"""Exercise 1.1's costs: p = 3 stages, T_F = 1 and a fused T_BW = 2, but stage 1 twice as slow."""
+
+
 def makespan_1f1b(answer: Any) -> Verdict:
-    """Exercise 1.1: 1F1B's makespan for p = 3 ranks, m = 6 microbatches, T_F = 1, a fused backward
-    T_BW = 2 (T_B = T_W = 1), T_comm = 0, predicted before simulating."""
-    expected = simulate(build_schedule("1f1b", 3, 6), Costs()).makespan
+    """Exercise 1.1: 1F1B's makespan for p = 3 ranks, m = 6 microbatches, T_F = 1 and a fused
+    backward T_BW = 2 on stages 0 and 2, twice that on stage 1 (:data:`SLOW_MIDDLE`), T_comm = 0,
+    predicted before simulating."""
+    expected = simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE).makespan
     return _number_check(
-        "1.1", answer, expected, "1F1B's makespan at p = 3, m = 6",
-        "each rank computes m(T_F+T_BW) and idles (p-1)(T_F+T_BW) inside its span; the makespan is their sum.",
+        "1.1", answer, expected, "1F1B's makespan with a slow stage 1",
+        "the slow rank 1 computes m(2+4) = 36 and sets the pace; add what it waits for: rank 0's first F "
+        "before it starts, rank 0's last BW after it ends, and, once, microbatch 0's gradient coming "
+        "back from rank 2.",
     )
 
 
@@ -170,27 +178,36 @@ def microbatches_for_bubble(answer: Any) -> Verdict:
     return Verdict("1.2", True, f"m = {m} gives {rate(m):.2%}; m = {m - 1} gives {rate(m - 1):.2%}.")
 
 
-def two_rank_schedule(actions: Any) -> Verdict:
-    """Exercise 1.3: a valid schedule for p = 2 ranks (stage r on rank r) and m = 2 microbatches,
-    written as two lists of actions in PyTorch's text form (``"0F1"``: stage 0's F of
-    microbatch 1; ``"1B0"``: stage 1's fused backward BW of microbatch 0; ``"1I0"``/``"1W0"``: B and
-    W apart), or as :class:`~zbpp_lite.schedules.ir.Action` objects. Passes when
-    :func:`zbpp_lite.validate` accepts it; otherwise the hint is the validator's message."""
-    hint = ("rank 0 runs stage 0's F and backward of microbatches 0 and 1, rank 1 the same for stage 1; "
-            "a stage's F comes before its backward, and stage 0's backward needs stage 1's.")
+def lean_schedule(actions: Any) -> Verdict:
+    """Exercise 1.3: a valid schedule for p = 3 ranks (stage r on rank r) and m = 4 microbatches in
+    which no rank ever holds more than 2 microbatches' activations (1F1B's rank 0 holds 3), written
+    as three lists of actions in PyTorch's text form (``"0F1"``: stage 0's F of microbatch 1;
+    ``"1B0"``: stage 1's fused backward BW of microbatch 0; ``"1I0"``/``"1W0"``: B and W apart), or
+    as :class:`~zbpp_lite.schedules.ir.Action` objects. Passes when :func:`zbpp_lite.validate`
+    accepts it and :func:`zbpp_lite.simulate` (unit costs) finds every rank's peak at most 2 M_B;
+    otherwise the hint is the validator's message or the rank that holds too much."""
+    hint = ("each rank may start at most 2 forwards before its first backward; stage 0's backward needs "
+            "stage 1's, which needs stage 2's, so count what each rank can run while it waits.")
     if _unanswered(actions):
-        return Verdict("1.3", False, "no answer yet: replace ... with two lists of actions.", hint)
+        return Verdict("1.3", False, "no answer yet: replace ... with three lists of actions.", hint)
     try:
         rows = [[a if isinstance(a, Action) else Action.from_str(str(a)) for a in row] for row in actions]
     except (TypeError, ValueError) as e:
         return Verdict("1.3", False, f"could not read the actions: {e}", "write each action as text, e.g. \"0F0\" or \"1B1\".")
-    if len(rows) != 2:
-        return Verdict("1.3", False, f"two ranks need two lists, you gave {len(rows)}.", hint)
+    if len(rows) != 3:
+        return Verdict("1.3", False, f"three ranks need three lists, you gave {len(rows)}.", hint)
+    schedule = Schedule(tuple(map(tuple, rows)), (0, 1, 2), 4, "mine")
     try:
-        validate(Schedule(tuple(map(tuple, rows)), (0, 1), 2, "mine"))
+        validate(schedule)
     except ScheduleError as e:
         return Verdict("1.3", False, "zb.validate refuses it.", str(e).splitlines()[0])
-    return Verdict("1.3", True, "zb.validate accepts it: complete, ordered and free of deadlock.")
+    peaks = simulate(schedule, Costs()).peak_memory
+    over = [r for r, peak in enumerate(peaks) if peak > 2]
+    if over:
+        held = f"{peaks[over[0]]:g}"
+        return Verdict("1.3", False, f"valid, but rank {over[0]} holds {held} microbatches at once.", hint)
+    return Verdict("1.3", True, f"zb.validate accepts it and the ranks hold at most {max(peaks):g} "
+                                f"microbatches (per rank {[int(x) for x in peaks]}).")
 
 
 def peak_memory_1f1b(fn: Any) -> Verdict:
@@ -219,26 +236,46 @@ def _matmul(rows: int, inner: int, cols: int) -> int:
     return 2 * rows * inner * cols  # one multiply and one add per term
 
 
+WIDTH_LISTS = ((32, 64, 32), (8, 16, 4, 2), (3, 5, 7, 11, 13), (1, 1), (64, 256, 64, 256, 64, 16))
+"""The widths lists exercises 2.1 and 2.2 try: one to five layers of uneven widths."""
+
+
+def _layer_products(n: int, widths: Sequence[int]) -> list[int]:
+    """Flops of each layer's weight-gradient product x_l.T @ dz_l, (d_l, n) @ (n, d_{l+1})."""
+    return [_matmul(a, n, b) for a, b in itertools.pairwise(widths)]
+
+
+def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]], int], what: str,
+                  hint: str) -> Verdict:
+    points = [(n, list(w)) for n, w in itertools.product((16, 5), WIDTH_LISTS)]
+    return _function_check(exercise, fn, points, lambda n, w: expected(n, tuple(w)), what, hint)
+
+
 def w_flops(fn: Any) -> Verdict:
-    """Exercise 2.1: a function ``w_flops(n, d0, d1, d2)``: W's matmul flops (``x.T @ dh`` and
-    ``a.T @ dy``) for notebook 02's two-layer MLP on n tokens, x of width d0, h of width d1, y of
-    width d2; a (r, k) @ (k, c) product counts 2 r k c flops. Checked at several shapes."""
-    points = [(16, 32, 64, 32), (8, 4, 16, 2), (3, 5, 7, 11), (1, 1, 1, 1), (128, 64, 256, 64)]
-    return _function_check("2.1", fn, points, lambda n, d0, d1, d2: _matmul(d0, n, d1) + _matmul(d1, n, d2),
-                           "w_flops(n, d0, d1, d2)", "dW1 = x.T @ dh is (d0, n) @ (n, d1); dW2 = a.T @ dy is (d1, n) @ (n, d2).")
+    """Exercise 2.1: a function ``w_flops(n, widths)``: W's matmul flops for a stack of
+    ``len(widths) - 1`` layers ``z_l = a_l @ W_l`` (an elementwise activation between layers) on n
+    tokens, ``widths[l]`` the width of layer l's input, ``widths[-1]`` the stage's output width, when
+    B kept every layer's output gradient; a (r, k) @ (k, c) product counts 2 r k c flops. Checked
+    on :data:`WIDTH_LISTS` (1 to 5 layers) at two n."""
+    return _widths_check("2.1", fn, lambda n, w: sum(_layer_products(n, w)), "w_flops(n, widths)",
+                         "one weight-gradient product per layer: a_l.T @ dz_l is "
+                         "(widths[l], n) @ (n, widths[l+1]).")
 
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
-    """Exercise 2.2: a function ``w_flops_recompute(n, d0, d1, d2)``: W's matmul flops for the same
-    MLP when B keeps no output gradients, so W must recompute dh from dy (the elementwise GELU
-    derivative is not counted). Checked at several shapes."""
-    points = [(16, 32, 64, 32), (8, 4, 16, 2), (3, 5, 7, 11), (1, 1, 1, 1), (128, 64, 256, 64)]
-    return _function_check(
-        "2.2", fn, points,
-        lambda n, d0, d1, d2: _matmul(d0, n, d1) + _matmul(d1, n, d2) + _matmul(n, d2, d1),  # + da = dy @ W2.T
-        "w_flops_recompute(n, d0, d1, d2)",
-        "W still needs dh = (dy @ W2.T) * gelu'(h): which product is that, and what are its shapes?",
-    )
+    """Exercise 2.2: a function ``w_flops_recompute(n, widths)``: W's matmul flops for the same stack
+    when B keeps no output gradients, so W rebuilds them from the stage's output gradient (the
+    elementwise activation derivative not counted). Checked on :data:`WIDTH_LISTS` at two n."""
+
+    def recompute(n, w):
+        back = [_matmul(n, b, a) for a, b in itertools.pairwise(w)][1:]  # dz_{l+1} @ W_{l+1}.T; not dx
+        return sum(_layer_products(n, w)) + sum(back)
+
+    return _widths_check("2.2", fn, recompute, "w_flops_recompute(n, widths)",
+                         "the last layer's output gradient arrives from the next stage; every other one "
+                         "costs one product dz_{l+1} @ W_{l+1}.T, "
+                         "(n, widths[l+2]) @ (widths[l+2], widths[l+1]); "
+                         "nobody needs dx here.")
 
 
 def first_stage_b_ratio(answer: Any) -> Verdict:
@@ -254,34 +291,46 @@ def first_stage_b_ratio(answer: Any) -> Verdict:
 # ------------------------------------------------------------------ lesson 3: ZB-H1 and ZB-H2
 
 
+LONG_W = Costs(f=1.0, b=2.0, w=1.5)
+"""Exercise 3.1's costs: T_F = 1, T_B = 2, T_W = 1.5 > T_F, T_comm = 0."""
+
+
 def zb_h1_makespan(answer: Any) -> Verdict:
-    """Exercise 3.1: ZB-H1's makespan for p = 4, m = 8, T_F = T_B = 1, T_W = 0.5, T_comm = 0,
-    predicted before simulating."""
-    expected = simulate(build_schedule("zb-h1", 4, 8), Costs(f=1.0, b=1.0, w=0.5)).makespan
-    return _number_check("3.1", answer, expected, "ZB-H1's makespan", "m(T_F+T_B+T_W) of work plus the bubble (p-1)(T_F+T_B-T_W).")
+    """Exercise 3.1: ZB-H1's makespan for p = 4, m = 8 and :data:`LONG_W` (T_W > T_F, where the
+    closed form undercounts), predicted before simulating."""
+    expected = simulate(build_schedule("zb-h1", 4, 8), LONG_W).makespan
+    return _number_check("3.1", answer, expected, "ZB-H1's makespan with T_W > T_F",
+                         "m(T_F+T_B+T_W) of work plus the bubble; with T_W > T_F the form (p-1)(T_F+T_B-T_W) "
+                         "no longer holds: what does rank 0 wait for at the start and the end, whatever W "
+                         "costs?")
 
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:
-    """Exercise 3.2: a function ``peak(p, r)``: ZB-H2's peak activation memory on rank r, in M_B, for
-    p ranks and m >= 2p microbatches, counting what F keeps until B (M_W = 0, W holding nothing);
-    compared with the simulator for p = 2..6, every rank."""
-    points = [(p, r) for p in (2, 3, 4, 5, 6) for r in range(p)]
-    peaks = {p: simulate(build_schedule("zb-h2", p, 2 * p + 1), Costs(mem_w=0.0)).peak_memory for p in (2, 3, 4, 5, 6)}
-    return _function_check("3.2", fn, points, lambda p, r: peaks[p][r], "peak(p, r)",
-                           "count rank r's forwards before its first B: ZB-H2's warm-up is longer than 1F1B's p - r.")
+    """Exercise 3.2: a function ``peak(p, r, mem_w)``: ZB-H2's peak activation memory on rank r, in
+    M_B, for p ranks and m >= 2p microbatches, F keeping M_B until B and B keeping M_W = ``mem_w``
+    (in M_B) until W; compared with the simulator for p = 2..6, every rank, M_W in 0 .. 1."""
+    ps, mem_ws = (2, 3, 4, 5, 6), (0.0, 0.25, 0.5, 1.0)
+    peaks = {(p, mw): simulate(build_schedule("zb-h2", p, 2 * p + 1), Costs(mem_w=mw)).peak_memory
+             for p in ps for mw in mem_ws}
+    points = [(p, r, mw) for p in ps for mw in mem_ws for r in range(p)]
+    return _function_check("3.2", fn, points, lambda p, r, mw: peaks[p, mw][r], "peak(p, r, mem_w)",
+                           "right after rank r's warm-up its forwards hold M_B each; how many W's does the "
+                           "rank owe at that moment later on, when W lags B by 2r microbatches?")
 
 
-def gpipe_makespan_with_comm(fn: Any) -> Verdict:
-    """Exercise 3.3: a function ``makespan(p, m, f, b, w, c)``: GPipe's makespan with T_F = f,
-    T_B = b, T_W = w and T_comm = c; compared with the simulator at several points."""
-    points = [(4, 8, 1.0, 1.0, 1.0, 0.25), (2, 3, 1.0, 2.0, 0.5, 0.1), (5, 10, 0.5, 1.0, 1.0, 0.0),
-              (3, 1, 1.0, 1.0, 1.0, 1.0), (6, 4, 2.0, 1.5, 0.5, 0.3)]
+def zb_h1_bubble(fn: Any) -> Verdict:
+    """Exercise 3.3: a function ``bubble(p, m, f, b, w)``: ZB-H1's makespan minus m(T_F+T_B+T_W),
+    T_comm = 0, for every T_W (below and above T_F); compared with the simulator at points with
+    T_F != T_B."""
+    points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
+              (2, 4, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 7, 1.5, 1.0, 2.5)]
     return _function_check(
         "3.3", fn, points,
-        lambda p, m, f, b, w, c: simulate(build_schedule("gpipe", p, m), Costs(f=f, b=b, w=w, comm=c)).makespan,
-        "makespan(p, m, f, b, w, c)",
-        "work m(T_F+T_B+T_W) plus the bubble: the forward wave crosses p-1 links on the way down, the backward p-1 on the way back.",
-    )
+        lambda p, m, f, b, w: (simulate(build_schedule("zb-h1", p, m), Costs(f=f, b=b, w=w)).makespan
+                               - m * (f + b + w)),
+        "bubble(p, m, f, b, w)",
+        "below T_W = T_F lesson 3's form holds; above it, find what rank 0 must wait for that no W can fill "
+        "(try T_F != T_B in the simulator).")
 
 
 # ------------------------------------------------------------------ lesson 4: zb-auto
@@ -290,7 +339,9 @@ AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=1.0, w=0
 """Notebook 04's explorer case: p = 4, m = 12, T_F = T_B = 1, T_W = 0.5, T_comm = 0.05."""
 
 
+@functools.lru_cache(maxsize=16)
 def _auto(limit: float):
+    """zb-auto's plan of :data:`AUTO_CASE` under ``limit`` M_B (cached for the checks and reveal)."""
     from ..schedules.builders.auto import auto_plan
 
     c = AUTO_CASE
@@ -313,22 +364,38 @@ def bw_break_even(fn: Any) -> Verdict:
                            "set them equal and solve for T_BW.")
 
 
-def warmup_forwards(answer: Any) -> Verdict:
-    """Exercise 4.2: how many F rank 0 runs before its first B when zb-auto plans
-    :data:`AUTO_CASE` under a memory limit of 5 M_B."""
-    row = _auto(5.0).schedule.actions[0]
-    expected = next(i for i, a in enumerate(row) if a.kind != "F")
-    return _number_check("4.2", answer, expected, "rank 0's warm-up forwards under a 5 M_B limit",
-                         "each F holds M_B until its B, and no B can come before the first microbatch has gone down and back.")
+AUTO_LIMITS = tuple(range(4, 11))
+"""The memory limits (M_B) exercises 4.2 and 4.3 plan :data:`AUTO_CASE` under."""
 
 
-def last_rank_warmup(answer: Any) -> Verdict:
-    """Exercise 4.3: under the same 5 M_B limit, how many F does the *last* rank run before its
-    first B?"""
-    row = _auto(5.0).schedule.actions[-1]
-    expected = next(i for i, a in enumerate(row) if a.kind != "F")
-    return _number_check("4.3", answer, expected, "the last rank's warm-up forwards",
-                         "the last stage computes the loss: what does its B wait for, besides its own F?")
+def _auto_rates() -> list[float]:
+    return [_auto(float(lim)).bubble_rate for lim in AUTO_LIMITS]
+
+
+def bubble_floor_limit(answer: Any) -> Verdict:
+    """Exercise 4.2: the smallest whole memory limit (M_B, from 4 up) at which zb-auto's bubble rate
+    on :data:`AUTO_CASE` reaches its floor (no larger limit of :data:`AUTO_LIMITS` does better);
+    predicted before the plot."""
+    rates = _auto_rates()
+    expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
+    return _number_check("4.2", answer, expected, "the limit where the bubble stops falling",
+                         "a larger limit lets rank 0 start more forwards before its first B; how many can it "
+                         "start before that B could possibly arrive, the round trip being ZB-H2's warm-up?")
+
+
+def auto_warmup(fn: Any) -> Verdict:
+    """Exercise 4.3: a function ``warmup(p, limit, r)``: how many F rank r runs before its first B
+    when zb-auto plans :data:`AUTO_CASE` (p = 4) under a memory limit of ``limit`` M_B; compared
+    with the plans at the limits 4 to 9, every rank."""
+    plans = {lim: _auto(float(lim)).schedule for lim in AUTO_LIMITS[:-1]}
+
+    def counted(p, limit, r):
+        return next(i for i, a in enumerate(plans[limit].actions[r]) if a.kind != "F")
+
+    points = [(AUTO_CASE["num_ranks"], lim, r) for lim in plans for r in range(AUTO_CASE["num_ranks"])]
+    return _function_check("4.3", fn, points, counted, "warmup(p, limit, r)",
+                           "each warm-up F holds one M_B, so the limit caps the count; but a rank stops "
+                           "starting forwards once its first B could have arrived: lesson 3's ZB-H2 warm-up.")
 
 
 # ------------------------------------------------------------------ lesson 5: V-shaped schedules
@@ -347,23 +414,32 @@ def v_transfers(fn: Any) -> Verdict:
                            "walk stages 0 .. 2p-1 and count the steps where the rank changes; look at the turn of the V.")
 
 
-def v_half_peak_memory(answer: Any) -> Verdict:
-    """Exercise 5.2: V-Half's peak activation memory on each rank for p = 6, m = 18, in units of one
-    stage's M_B, counting what F keeps until B (M_W = 0); a list of 6 numbers, rank 0 first."""
-    expected = simulate(build_schedule("v-half", 6, 18), Costs(mem_w=0.0)).peak_memory
-    return _sequence_check("5.2", answer, expected, "V-Half's per-rank peaks at p = 6 (stage units)",
-                           "V-Half holds p/2 + 1 whole-rank M_B on every rank; a whole rank's M_B is two stages' worth.")
+@functools.lru_cache(maxsize=8)
+def _zb_v_sweep(p: int) -> dict[int, Any]:
+    """ZB-V's timelines for m = p .. 2p + 1 at per-stage T_F = T_B = T_W = 1, T_comm = 0 (cached)."""
+    return {m: simulate(build_schedule("zb-v", p, m), Costs()) for m in range(p, 2 * p + 2)}
+
+
+def zb_v_first_zero(answer: Any) -> Verdict:
+    """Exercise 5.2: the smallest m for which ZB-V on p = 6 ranks (per-stage T_F = T_B = T_W,
+    T_comm = 0) has no bubble, predicted from the p = 4 sweep before the p = 6 one is shown."""
+    expected = min(m for m, t in _zb_v_sweep(6).items() if t.bubble_rate == 0.0)
+    return _number_check("5.2", answer, expected, "the smallest bubble-free m at p = 6",
+                         "rank 0's first backward needs microbatch 0 to travel all 2p stages; count how many "
+                         "forwards of its own fit in that wait (p = 4 gave the sweep's value: 2p, p + 3, "
+                         "or else?).")
 
 
 def zb_v_makespan(fn: Any) -> Verdict:
-    """Exercise 5.3: a function ``makespan(p, m, t)``: ZB-V's makespan for m >= 2p microbatches when
-    every stage's T_F = T_B = T_W = t and T_comm = 0; compared with the simulator."""
-    points = [(2, 4, 1.0), (3, 6, 0.5), (4, 8, 1.0), (4, 10, 2.0), (5, 12, 0.25)]
-    return _function_check(
-        "5.3", fn, points,
-        lambda p, m, t: simulate(build_schedule("zb-v", p, m), Costs(f=t, b=t, w=t)).makespan,
-        "makespan(p, m, t)", "how many stages does a rank hold, how much work is that per microbatch, and how big is ZB-V's bubble?",
-    )
+    """Exercise 5.3: a function ``makespan(p, m, t)``: ZB-V's makespan for every m >= p when every
+    stage's T_F = T_B = T_W = t and T_comm = 0; compared with the simulator for p = 2, 3, 5, m = p ..
+    2p + 1, t in (1, 0.5)."""
+    points = [(p, m, t) for p in (2, 3, 5) for m in range(p, 2 * p + 2) for t in (1.0, 0.5)]
+    # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
+    return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
+                           "makespan(p, m, t)",
+                           "a rank holds two stages: 6t of work per microbatch; below the bubble-free m, how "
+                           "long does rank 0 wait for microbatch 0's round trip with no forward left to run?")
 
 
 # ------------------------------------------------------------------ lesson 6: interleaved, looped
@@ -397,33 +473,35 @@ def looped_stages(fn: Any) -> Verdict:
     return check(fn)
 
 
+INTERLEAVED_COMM = Costs(f=0.5, b=0.5, w=0.5, comm=0.1)
+"""Exercise 6.2's costs: per stage T_F = T_B = T_W = 0.5 (v = 2 stages per rank), T_comm = 0.1."""
+
+
 def interleaved_makespan(answer: Any) -> Verdict:
     """Exercise 6.2: interleaved 1F1B's makespan for p = 4, m = 8, v = 2 stages per rank, each stage
-    costing T_F = T_B = T_W = 0.5 (half a rank's layers), T_comm = 0."""
-    expected = simulate(build_schedule("interleaved-1f1b", 4, 8), Costs(f=0.5, b=0.5, w=0.5)).makespan
-    return _number_check("6.2", answer, expected, "interleaved 1F1B's makespan",
-                         "work m(T_F+T_B+T_W) per rank in whole-rank costs, plus 1F1B's bubble divided by v.")
+    costing T_F = T_B = T_W = 0.5 (half a rank's layers), T_comm = 0.1 (:data:`INTERLEAVED_COMM`)."""
+    expected = simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM).makespan
+    return _number_check("6.2", answer, expected, "interleaved 1F1B's makespan with T_comm = 0.1",
+                         "work m(T_F+T_B+T_W) per rank in whole-rank costs, 1F1B's bubble divided by v, and "
+                         "the transfers the first microbatch's forward and the last one's backward cannot "
+                         "hide: how many links?")
 
 
-def transfers_per_step(fn: Any) -> Verdict:
-    """Exercise 6.3: a function ``transfers(p, m, v)``: how many point-to-point transfers (activations
-    forward and gradients backward) one training step makes under interleaved 1F1B with v stages
-    per rank; counted from the schedule's actions and placement."""
-    from ..schedules.ir import deps, produces
+def interleaved_peak(fn: Any) -> Verdict:
+    """Exercise 6.3: a function ``peak(p, v, r)``: the peak activation memory of rank r under
+    interleaved 1F1B with v stages per rank and m >= 2p, in one stage's M_B; compared with the
+    simulator for p = 2..5, v = 1..4, every rank, at m = 2p and 3p."""
+    def held(p, v, m):
+        return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory
 
-    def count(p, m, v):
-        s = build_schedule("interleaved-1f1b", p, m, stages_per_rank=v)
-        made_on = {}
-        for r, row in enumerate(s.actions):
-            for a in row:
-                for key in produces(a):
-                    made_on[key] = r
-        return sum(made_on[k] != r for r, row in enumerate(s.actions) for a in row
-                   for k in deps(a, s.num_stages) if k in made_on)
+    peaks = {(p, v, m): held(p, v, m) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for m in (2 * p, 3 * p)}
+    points = [(p, v, r) for (p, v, m) in peaks for r in range(p) if m == 2 * p]
 
-    return _function_check("6.3", fn, [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 4, 1), (2, 4, 4)], count, "transfers(p, m, v)",
-                           "a microbatch's forward crosses a link at every stage boundary whose two stages sit on different ranks; "
-                           "its backward crosses the same links back.")
+    return _function_check("6.3", fn, points,
+                           lambda p, v, r: max(peaks[p, v, 2 * p][r], peaks[p, v, 3 * p][r]), "peak(p, v, r)",
+                           "count rank r's warm-up forwards: enough to cover the other ranks' first pass "
+                           "down (2 per rank below it) and a whole extra round of p on each further stage it "
+                           "holds; then one more.")
 
 
 # ------------------------------------------------------------------ lesson 7: bubble detection
@@ -490,23 +568,33 @@ def best_split(fn: Any) -> Verdict:
     return Verdict("7.3", True, f"best_split is optimal on all {len(lists)} lists checked.")
 
 
+def _line_figure(x: list, y: list, title: str, x_title: str):
+    """A bubble rate against one swept quantity, as a plotly figure (a reveal's plot)."""
+    import plotly.graph_objects as go
+
+    return go.Figure(go.Scatter(x=x, y=y, mode="lines+markers"),
+                     layout=dict(title=title, xaxis_title=x_title, yaxis_title="bubble rate", height=340))
+
+
 def _reveal_figure(key: str):
     from .figures import timeline_figure
 
     if key == "1.1":
-        return timeline_figure(simulate(build_schedule("1f1b", 3, 6), Costs()), "1F1B, p = 3, m = 6: the simulation")
+        return timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE),
+                               "1F1B, p = 3, m = 6, stage 1 twice as slow")
     if key == "3.1":
-        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), Costs(f=1.0, b=1.0, w=0.5)), "ZB-H1, p = 4, m = 8, T_W = 0.5")
+        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), LONG_W),
+                               "ZB-H1, p = 4, m = 8, T_B = 2, T_W = 1.5")
     if key == "4.2":
-        return timeline_figure(simulate(_auto(5.0).schedule, AUTO_CASE["costs"]), "zb-auto, AUTO_CASE, limit 5 M_B")
+        return _line_figure(list(AUTO_LIMITS), _auto_rates(),
+                            "zb-auto, AUTO_CASE: bubble rate against the memory limit", "memory limit (M_B)")
     if key == "5.2":
-        from .figures import memory_figure
-
-        return memory_figure(simulate(build_schedule("v-half", 6, 18), Costs(mem_w=0.0)),
-                             title="V-Half, p = 6, m = 18: activation memory per rank (stage units, M_W = 0)")
+        sweep = _zb_v_sweep(6)
+        return _line_figure(list(sweep), [t.bubble_rate for t in sweep.values()],
+                            "ZB-V, p = 6: bubble rate against m", "microbatches m")
     if key == "6.2":
-        return timeline_figure(simulate(build_schedule("interleaved-1f1b", 4, 8), Costs(f=0.5, b=0.5, w=0.5)),
-                               "interleaved 1F1B, p = 4, m = 8, v = 2")
+        return timeline_figure(simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM),
+                               "interleaved 1F1B, p = 4, m = 8, v = 2, T_comm = 0.1")
     if key == "7.1":
         return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1), "ZB-H1, stage 1 twice as slow")
     raise KeyError(f"no reveal for exercise {key}; give show=")
@@ -524,23 +612,23 @@ def reveal(key: str, answer: Any, show: Callable[[], Any] | None = None) -> Any:
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
     "1.1": makespan_1f1b,
     "1.2": microbatches_for_bubble,
-    "1.3": two_rank_schedule,
+    "1.3": lean_schedule,
     "1.4": peak_memory_1f1b,
     "2.1": w_flops,
     "2.2": w_flops_without_kept_gradients,
     "2.3": first_stage_b_ratio,
     "3.1": zb_h1_makespan,
     "3.2": zb_h2_peak_memory,
-    "3.3": gpipe_makespan_with_comm,
+    "3.3": zb_h1_bubble,
     "4.1": bw_break_even,
-    "4.2": warmup_forwards,
-    "4.3": last_rank_warmup,
+    "4.2": bubble_floor_limit,
+    "4.3": auto_warmup,
     "5.1": v_transfers,
-    "5.2": v_half_peak_memory,
+    "5.2": zb_v_first_zero,
     "5.3": zb_v_makespan,
     "6.1": looped_stages,
     "6.2": interleaved_makespan,
-    "6.3": transfers_per_step,
+    "6.3": interleaved_peak,
     "7.1": idlest_rank,
     "7.2": balanced_partition,
     "7.3": best_split,
