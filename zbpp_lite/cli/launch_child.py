@@ -32,7 +32,7 @@ from ..schedules.ir import Schedule
 from ..training.model import ModelConfig, RunConfig, build_parts
 from ..training.train import train_steps as train_steps_of
 from . import build_parser
-from .train import check_launchable, check_sizes, report, resolve_schedule, run_spmd
+from .train import check_launchable, check_sizes, plan_with_job_memory, report, resolve_schedule, run_spmd
 
 
 def train_process(args) -> int:
@@ -50,6 +50,9 @@ def train_process(args) -> int:
         print(f"process {process}: exiting on purpose (ZBPP_TEST_CRASH_PROCESS)", file=sys.stderr, flush=True)
         os._exit(3)
     devices = pipeline_devices(schedule.num_ranks)
+    # a memory-limited planner plans with this job's M_B and M_W in bytes, as train does (the same
+    # shapes on every process, so the same schedule); only process 0 says so
+    schedule = plan_with_job_memory(args, schedule, blocks, say=print if process == 0 else None)
     startup = time.perf_counter() - t0
     if process == 0:
         print(f"distributed runtime up in {startup:.2f} s: {count} processes; "

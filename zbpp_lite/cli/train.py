@@ -223,12 +223,13 @@ def job_stages(args, blocks: int, num_stages: int, num_microbatches: int) -> tup
     return StagedModel(build_parts(config), num_stages), x[:mb], y[:mb]
 
 
-def plan_with_job_memory(args, schedule, blocks: int):
+def plan_with_job_memory(args, schedule, blocks: int, say=print):
     """A memory-limited planner's schedule (one whose builder takes costs) planned again with this
     job's M_B and M_W per stage in bytes (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`,
     the executor's measurement, from shapes), so its peak holds what the run will hold. Kept as it
     is for a CSV schedule, another builder, or ``--option memory_limit=...`` (units of M_B: planned
-    with the default M_W share). Call it once JAX has its devices."""
+    with the default M_W share). ``say`` prints the line saying so (None: silent). Call it once JAX
+    has its devices."""
     import zbpp_lite as zb
     from ..analysis.profiling.device import stage_memory_bytes
     from ..schedules.builders import options_of
@@ -238,8 +239,9 @@ def plan_with_job_memory(args, schedule, blocks: int):
         return schedule
     job = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
     mem_b, mem_w = stage_memory_bytes(*job)
-    print(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and "
-          f"M_W {list(mem_w)} bytes", flush=True)
+    if say is not None:
+        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and "
+            f"M_W {list(mem_w)} bytes", flush=True)
     options["costs"] = zb.Costs(mem_b=mem_b, mem_w=mem_w)
     return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
 
