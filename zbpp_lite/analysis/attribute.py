@@ -125,7 +125,8 @@ class Attribution:
             cells = "".join(f"{scale * values[c]:>{width}.3f}" for c in used)
             return f"{label:<18}{cells}{scale * sum(values.values()):>{width}.3f}"
 
-        lines = [f"idle time by cause ({unit}); the {self.source} makespan is {scale * self.makespan:.3f} {unit}",
+        lines = [f"idle time by cause ({unit}); the {self.source} makespan is {scale * self.makespan:.3f} "
+                 f"{unit}",
                  f"{'':<18}" + "".join(f"{c:>{width}}" for c in used) + f"{'total':>{width}}",
                  *(row(f"rank {r}", values) for r, values in enumerate(self.by_rank())),
                  row("all ranks", self.by_cause()), row("  inside spans", self.by_cause(edges=False)),
@@ -144,20 +145,24 @@ class Attribution:
             "by_stage": {("none" if s is None else str(s)): v for s, v in self.by_stage().items()},
             "slow_stages": list(self.slow_stages), "stage_time": list(self.stage_time), "comm": self.comm,
             "gaps": [{"rank": g.rank, "start": g.start, "end": g.end, "cause": g.cause, "stage": g.stage,
-                      "before": None if g.before is None else str(g.before), "edge": g.edge} for g in self.gaps],
+                      "before": None if g.before is None else str(g.before), "edge": g.edge}
+                     for g in self.gaps],
         }
 
 
 def _check_matches(timeline: Timeline, schedule: Schedule) -> None:
     if timeline.num_ranks != schedule.num_ranks:
-        raise ValueError(f"the timeline has {timeline.num_ranks} ranks but the schedule has {schedule.num_ranks}")
+        raise ValueError(f"the timeline has {timeline.num_ranks} ranks but the schedule has "
+                         f"{schedule.num_ranks}")
     for r in range(schedule.num_ranks):
         ran, planned = Counter(e.action for e in timeline.rank_events(r)), Counter(schedule.rank_actions(r))
         if ran != planned:
             missing, extra = sorted(planned - ran), sorted(ran - planned)
             raise ValueError(
-                f"the timeline does not match the schedule on rank {r}: missing {[str(a) for a in missing[:6]]}, "
-                f"unexpected {[str(a) for a in extra[:6]]}; attribute a whole step's timeline with the schedule "
+                f"the timeline does not match the schedule on rank {r}: missing "
+                f"{[str(a) for a in missing[:6]]}, "
+                f"unexpected {[str(a) for a in extra[:6]]}; attribute a whole step's timeline with the "
+                "schedule "
                 "that produced it")
 
 
@@ -165,7 +170,8 @@ class _Waits:
     """Who waited on whom in ``timeline``: each event's binding input and the origin of its chain."""
 
     def __init__(self, timeline: Timeline, num_stages: int, tolerance: float):
-        self.made, self.S, self.tol, self.limit = producers(timeline), num_stages, tolerance, len(timeline.events)
+        self.made, self.S, self.tol = producers(timeline), num_stages, tolerance
+        self.limit = len(timeline.events)
         self.rows = [timeline.rank_events(r) for r in range(timeline.num_ranks)]
         self.index = {id(e): i for row in self.rows for i, e in enumerate(row)}
 
@@ -189,7 +195,8 @@ class _Waits:
         return e
 
 
-def _rank_gaps(r: int, timeline: Timeline, waits: _Waits, slow: tuple[int, ...], comm_of: list[float]) -> list[IdleGap]:
+def _rank_gaps(r: int, timeline: Timeline, waits: _Waits, slow: tuple[int, ...],
+               comm_of: list[float]) -> list[IdleGap]:
     """The attributed idle stretches of rank ``r``, edges included."""
     row, tol = waits.rows[r], waits.tol
     kinds = [e.action.kind for e in row]
@@ -215,21 +222,22 @@ def _rank_gaps(r: int, timeline: Timeline, waits: _Waits, slow: tuple[int, ...],
         q = waits.binding(row[0])
         stage = waits.origin(q).action.stage if q is not None else None
         gaps.append(IdleGap(r, T0, row[0].start, "warm-up", stage, row[0].action, edge=True))
-    starts: dict[float, int] = {}  # a gap ends where an event starts (the first, if zero-length ones share it)
+    starts: dict[float, int] = {}  # a gap ends where an event starts (the first of zero-length ones)
     for i, e in enumerate(row):
         starts.setdefault(e.start, i)
     for a, b in timeline.idle_gaps[r]:
         i = starts.get(b)
         if i is None:
-            raise ValueError(f"rank {r}: no event starts at the end of the idle gap ({a}, {b}); the timeline is inconsistent")
+            raise ValueError(f"rank {r}: no event starts at the end of the idle gap ({a}, {b}); the timeline "
+                             "is inconsistent")
         e, q = row[i], waits.binding(row[i])
         if q is not None and q.end > a + tol:  # waited on the producer, then its transfer
             cut, culprit = min(q.end, b), waits.origin(q).action.stage
             gaps.append(IdleGap(r, a, cut, phase(i, culprit), culprit, e.action))
             if b - cut > tol:
                 far = q.rank != r
-                gaps.append(IdleGap(r, cut, b, "communication" if far else "overhead", q.action.stage if far else None,
-                                    e.action))
+                cause, stage = ("communication", q.action.stage) if far else ("overhead", None)
+                gaps.append(IdleGap(r, cut, b, cause, stage, e.action))
         elif q is not None and q.rank != r and a - q.end < comm_of[q.action.stage] - tol:
             gaps.append(IdleGap(r, a, b, "communication", q.action.stage, e.action))  # still in flight
         else:
@@ -269,6 +277,7 @@ def attribute(timeline: Timeline, schedule: Schedule, costs: Costs | None = None
     mean = sum(stage_time) / S
     slow = tuple(s for s in range(S) if stage_time[s] > (1 + margin) * mean + tolerance)
     waits = _Waits(timeline, S, tolerance)
-    gaps = [g for r in range(timeline.num_ranks) if waits.rows[r] for g in _rank_gaps(r, timeline, waits, slow, comm_of)]
+    gaps = [g for r in range(timeline.num_ranks) if waits.rows[r]
+            for g in _rank_gaps(r, timeline, waits, slow, comm_of)]
     return Attribution(tuple(gaps), timeline.num_ranks, S, tuple(stage_time), slow, max(comm_of, default=0.0),
                        timeline.bubble_time, timeline.makespan, timeline.global_span, timeline.source)

@@ -82,7 +82,8 @@ class PairedGain:
 
     def text(self) -> str:
         """E.g. ``0.812 (interval 0.790 .. 0.840, 98%; 19 steps)``."""
-        return f"{self.ratio:.3f} (interval {self.low:.3f} .. {self.high:.3f}, {self.coverage:.0%}; {len(self.ratios)} steps)"
+        return (f"{self.ratio:.3f} (interval {self.low:.3f} .. {self.high:.3f}, {self.coverage:.0%}; "
+                f"{len(self.ratios)} steps)")
 
     def to_json(self) -> dict:
         return {"ratio": self.ratio, "low": self.low, "high": self.high, "coverage": self.coverage,
@@ -96,7 +97,8 @@ def paired_gain(before: Sequence[float], after: Sequence[float], confidence: flo
         ValueError: different lengths, no steps, or a figure that is not positive.
     """
     if len(before) != len(after):
-        raise ValueError(f"paired steps need as many 'before' as 'after' figures, got {len(before)} and {len(after)}")
+        raise ValueError(f"paired steps need as many 'before' as 'after' figures, got {len(before)} and "
+                         f"{len(after)}")
     if not before:
         raise ValueError("paired steps need at least one step")
     if not all(b > 0 and a > 0 for b, a in zip(before, after)):

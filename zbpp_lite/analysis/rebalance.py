@@ -83,7 +83,8 @@ def check_parts(parts: Sequence[Sequence[int]], num_parts: int, num_stages: int 
         raise ValueError(f"every stage needs at least one part; got {[list(p) for p in result]}")
     flat = [i for p in result for i in p]
     if flat != list(range(num_parts)):
-        raise ValueError(f"a partition must hold the parts 0 .. {num_parts - 1} in order, each once, in contiguous "
+        raise ValueError(f"a partition must hold the parts 0 .. {num_parts - 1} in order, each once, in "
+                         "contiguous "
                          f"stages; got {[list(p) for p in result]}")
     return result
 
@@ -147,7 +148,8 @@ def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_bloc
     return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(S))
 
 
-def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs, per_stage: bool = False) -> PartCosts:
+def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs,
+              per_stage: bool = False) -> PartCosts:
     """Scale per-part costs to a measured run's stage costs.
 
     Parts timed alone (``costs``, or an equal guess) give the ratio between parts but not what a
@@ -176,7 +178,8 @@ def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs,
     return PartCosts(fields["f"], fields["b"], fields["w"])
 
 
-def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]], measured: Costs) -> Costs:
+def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]],
+                measured: Costs) -> Costs:
     """Per-stage costs predicted for partition ``new`` from a run measured with partition ``old``:
     each stage's measured costs, minus the parts that leave it, plus the parts that arrive
     (per kind, with the per-part ``costs``, e.g. calibrated). What the measured run says about a
@@ -201,7 +204,7 @@ def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Se
                     values[where_old[i]] -= per_part[i]
                     values[s] += per_part[i]
         fields[kind] = [max(v, 0.0) for v in values]
-    return Costs(f=fields["f"], b=fields["b"], w=fields["w"], comm=table.comm, mem_b=table.mem_b, mem_w=table.mem_w)
+    return Costs(**fields, comm=table.comm, mem_b=table.mem_b, mem_w=table.mem_w)
 
 
 def imbalanced_parts(num_blocks: int, num_stages: int, factor: float) -> Parts:
@@ -228,8 +231,10 @@ def imbalanced_parts(num_blocks: int, num_stages: int, factor: float) -> Parts:
         k = max(1, round(N / (S - 1 + factor)))
         last = N - k * (S - 1)
         if last <= k:
-            raise ValueError(f"{N} blocks over {S} stages leave the last stage {last} block(s), not more than the "
-                             f"others' {k}; use at least {S - 1 + max(2, math.ceil(factor))} blocks for an imbalance "
+            raise ValueError(f"{N} blocks over {S} stages leave the last stage {last} block(s), not more "
+                             "than the "
+                             f"others' {k}; use at least {S - 1 + max(2, math.ceil(factor))} blocks for an "
+                             "imbalance "
                              f"of {factor}")
         counts = [k] * (S - 1) + [last]
     parts, start = [], 1

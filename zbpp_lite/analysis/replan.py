@@ -64,7 +64,8 @@ def replan(costs: Costs | CostProfile, num_ranks: int, num_microbatches: int,
         costs = costs.costs()
     costs.table(num_ranks)  # ValueError for a per-stage length other than p
     if current is not None and (current.num_ranks, current.num_stages) != (num_ranks, num_ranks):
-        raise ValueError(f"the current schedule has {current.num_ranks} ranks and {current.num_stages} stages; "
+        raise ValueError(f"the current schedule has {current.num_ranks} ranks and {current.num_stages} "
+                         "stages; "
                          f"zb-auto plans one stage per rank for {num_ranks} ranks")
     plan = auto_plan(num_ranks, num_microbatches, costs, memory_limit)
     validate(plan.schedule)
@@ -88,7 +89,8 @@ def drift(reference: Costs, observed: Costs, num_stages: int) -> float:
     """
     ref, obs = reference.table(num_stages), observed.table(num_stages)
     scale, comm_scale = _scales([ref.f[s] + ref.b[s] + ref.w[s] for s in range(num_stages)])
-    worst = [abs(getattr(obs, k)[s] - getattr(ref, k)[s]) / scale[s] for s in range(num_stages) for k in "fbw"]
+    worst = [abs(getattr(obs, k)[s] - getattr(ref, k)[s]) / scale[s]
+             for s in range(num_stages) for k in "fbw"]
     return max(worst + [abs(obs.comm[s] - ref.comm[s]) / comm_scale for s in range(num_stages)], default=0.0)
 
 
@@ -116,9 +118,10 @@ def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_s
         raise ValueError("significant_drift needs at least one step in the window and in the reference")
     ref = [c.table(num_stages) for c in reference[:n]]
     obs = [c.table(num_stages) for c in window[:n]]
-    scale, comm_scale = _scales([statistics.median(r.f[s] + r.b[s] + r.w[s] for r in ref) for s in range(num_stages)])
+    scale, comm_scale = _scales([statistics.median(r.f[s] + r.b[s] + r.w[s] for r in ref)
+                                 for s in range(num_stages)])
     worst, significant = 0.0, False
-    each = 1 - (1 - confidence) / (4 * num_stages)  # Bonferroni: 4 costs per stage tested, the family at `confidence`
+    each = 1 - (1 - confidence) / (4 * num_stages)  # Bonferroni: 4 costs a stage, the family at `confidence`
     for s in range(num_stages):
         for kind in ("f", "b", "w", "comm"):
             by = comm_scale if kind == "comm" else scale[s]
@@ -190,7 +193,8 @@ class OnlineReplanner:
         if not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"patience must be an integer >= 1, got {self.patience!r}")
         if self.schedule.num_stages != self.schedule.num_ranks:
-            raise ValueError(f"the online re-planner re-plans with zb-auto, one stage per rank; the schedule has "
+            raise ValueError("the online re-planner re-plans with zb-auto, one stage per rank; the schedule "
+                             "has "
                              f"{self.schedule.num_stages} stages on {self.schedule.num_ranks} ranks")
         self.reference.table(self.schedule.num_stages)
         if self.confidence is not None and not 0 < self.confidence < 1:
@@ -223,7 +227,8 @@ class OnlineReplanner:
             if self._reference_steps is None:
                 self._reference_steps, self.reference = steps, observed
                 return self._check(0.0, "reference")
-            moved, significant = significant_drift(self._reference_steps, steps, S, self.threshold, self.confidence)
+            moved, significant = significant_drift(self._reference_steps, steps, S, self.threshold,
+                                                   self.confidence)
         else:
             moved = drift(self.reference, observed, S)
             significant = moved > self.threshold
@@ -234,7 +239,8 @@ class OnlineReplanner:
         if self._strikes < self.patience:
             return self._check(moved, "wait")
         self._strikes = 0
-        result = replan(observed, self.schedule.num_ranks, self.schedule.num_microbatches, self.memory_limit, self.schedule)
+        s = self.schedule
+        result = replan(observed, s.num_ranks, s.num_microbatches, self.memory_limit, s)
         self.reference = observed  # the current plan has now been judged by these costs
         if steps is not None:
             self._reference_steps = steps

@@ -149,7 +149,8 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
     Raises:
         ValueError: an event whose input has no producing event in the timeline.
     """
-    S = num_stages if num_stages is not None else 1 + max((e.action.stage for e in timeline.events), default=0)
+    S = num_stages if num_stages is not None else 1 + max((e.action.stage for e in timeline.events),
+                                                          default=0)
     made = producers(timeline)
     found = []
     for r in range(timeline.num_ranks):
@@ -158,13 +159,14 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
             needed = []
             for key in deps(e.action, S):
                 if key not in made:
-                    raise ValueError(f"the timeline has no event producing {key[0]} of stage {key[1]}, microbatch "
-                                     f"{key[2]}, which {e.action} on rank {r} needs; give the whole step's timeline")
+                    raise ValueError(f"the timeline has no event producing {key[0]} of stage {key[1]}, "
+                                     "microbatch "
+                                     f"{key[2]}, which {e.action} on rank {r} needs; give the whole step's "
+                                     "timeline")
                 needed.append(made[key])
             if needed:
                 last = max(needed, key=lambda p: p.end)
-                waited = last.rank != r and last.end >= prev_end - tolerance and e.start > last.end + tolerance
-                if waited:
+                if last.rank != r and last.end >= prev_end - tolerance and e.start > last.end + tolerance:
                     found.append(Transfer(last, e, e.start - last.end))
             prev_end = e.end
     return found
@@ -197,13 +199,16 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
     for s in range(S):
         f, b, w, bw = (durations.get((k, s), []) for k in ("F", "B", "W", "BW"))
         if not f:
-            raise ValueError(f"the timeline has no F event of stage {s}; every stage needs F and B (or BW) events "
+            raise ValueError(f"the timeline has no F event of stage {s}; every stage needs F and B (or BW) "
+                             "events "
                              "to profile its costs")
         if not b and not bw:
-            raise ValueError(f"the timeline has no B or BW event of stage {s}; every stage needs a backward to "
+            raise ValueError(f"the timeline has no B or BW event of stage {s}; every stage needs a backward "
+                             "to "
                              "profile its costs")
         if b and not w:
-            raise ValueError(f"the timeline has B but no W events of stage {s}; give the whole step's timeline")
+            raise ValueError(f"the timeline has B but no W events of stage {s}; give the whole step's "
+                             "timeline")
         stats["f"].append(_mean_std(f))
         if b:
             stats["b"].append(_mean_std(b))
@@ -215,8 +220,8 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
         fused.append(not b)
     comm, comm_std = _mean_std(slacks) if slacks else (0.0, 0.0)
     return CostProfile(
-        f=tuple(m for m, _ in stats["f"]), b=tuple(m for m, _ in stats["b"]), w=tuple(m for m, _ in stats["w"]),
-        f_std=tuple(d for _, d in stats["f"]), b_std=tuple(d for _, d in stats["b"]), w_std=tuple(d for _, d in stats["w"]),
+        **{k: tuple(m for m, _ in stats[k]) for k in "fbw"},
+        **{f"{k}_std": tuple(d for _, d in stats[k]) for k in "fbw"},
         counts=tuple(counts), fused=tuple(fused), comm=comm, comm_std=comm_std, comm_count=len(slacks),
         num_timelines=len(timelines),
     )
@@ -245,13 +250,15 @@ def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -
     for i, t in enumerate(timelines):
         stages = 1 + max((e.action.stage for e in t.events), default=-1)
         if stages != num_stages:
-            raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked for; "
+            raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked "
+                             "for; "
                              "pool only timelines of one cut of the model")
     durations = _durations(timelines)
 
     f, b, w, bw = [], [], [], []
     for s in range(num_stages):
-        tf, tb, tw, tbw = (_mean_std(durations[k, s])[0] if (k, s) in durations else None for k in ("F", "B", "W", "BW"))
+        tf, tb, tw, tbw = (_mean_std(durations[k, s])[0] if (k, s) in durations else None
+                           for k in ("F", "B", "W", "BW"))
         if tf is None or (tb is None and tbw is None):
             raise ValueError(f"the timeline has no F or no backward of stage {s}; cannot derive its costs")
         f.append(tf)
