@@ -33,9 +33,12 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--processes", "-n", type=int, default=2, help="local processes (default 2)")
     p.add_argument("--devices-per-process", "-k", type=int, default=1,
                    help="simulated CPU devices per process (default 1)")
-    p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds any one wait in a child may last (default 60)")
-    p.add_argument("--deadline", type=float, default=900.0, help="seconds the whole run may last (default 900)")
+    p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free "
+                                                          "one)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any one wait in a child may last "
+                                                               "(default 60)")
+    p.add_argument("--deadline", type=float, default=900.0, help="seconds the whole run may last (default "
+                                                                 "900)")
     p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- train [train options]")
     return p
 
@@ -55,7 +58,8 @@ def child_env(process: int, num_processes: int, coordinator_port: int, transfer_
     one that receives transfers (:func:`~zbpp_lite.runtime.distributed.staging_device`)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = cpu_device_flags(devices + (num_processes > 1), current=env.get("XLA_FLAGS", ""))
-    env.update({dist.ENV_COORDINATOR: f"127.0.0.1:{coordinator_port}", dist.ENV_NUM_PROCESSES: str(num_processes),
+    env.update({dist.ENV_COORDINATOR: f"127.0.0.1:{coordinator_port}",
+                dist.ENV_NUM_PROCESSES: str(num_processes),
                 dist.ENV_PROCESS_ID: str(process), dist.ENV_TRANSFER_PORT: str(transfer_port),
                 dist.ENV_TIMEOUT: str(timeout), "PYTHONUNBUFFERED": "1"})
     return env
@@ -66,7 +70,8 @@ def _train_args(args) -> list[str]:
     if rest and rest[0] == "--":
         rest = rest[1:]
     if not rest or rest[0] != "train":
-        raise CliError("launch runs the train command: python -m zbpp_lite launch --processes 2 -- train --schedule zb-h1 ...")
+        raise CliError("launch runs the train command: python -m zbpp_lite launch --processes 2 -- train "
+                       "--schedule zb-h1 ...")
     return rest[1:]
 
 
@@ -84,17 +89,20 @@ def _check(args, train_args: list[str]) -> None:
         raise CliError(f"{n} processes for {p} ranks: every process must hold a rank; use --processes <= {p}")
     if k < -(-p // n):
         need = -(-p // n)
-        raise CliError(f"{p} ranks over {n} processes need {need} devices per process; use --devices-per-process {need}")
+        raise CliError(f"{p} ranks over {n} processes need {need} devices per process; use "
+                       f"--devices-per-process {need}")
 
 
 def launch(train_args: list[str], processes: int, devices_per_process: int = 1, port: int | None = None,
-           timeout: float = 60.0, deadline: float = 900.0, echo=print, on_start=None) -> tuple[int, list[str]]:
+           timeout: float = 60.0, deadline: float = 900.0, echo=print,
+           on_start=None) -> tuple[int, list[str]]:
     """Start the children (each with this process's environment), relay process 0's output, end
     everyone when one fails. ``on_start`` is called with the children's process ids once all have
     started. Returns (exit status, [one line per failed process]). Raises CliError for a port in use.
     """
     if port is not None and port_in_use(port):
-        raise CliError(f"coordinator port {port} on 127.0.0.1 is in use; choose another --port or leave it out "
+        raise CliError(f"coordinator port {port} on 127.0.0.1 is in use; choose another --port or leave it "
+                       "out "
                        "(a free one is chosen)")
     coordinator = port if port is not None else free_port()
     transfer_ports: list[int] = []

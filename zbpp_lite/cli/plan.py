@@ -31,7 +31,8 @@ _COSTS = {  # flag -> help: the Costs fields plan takes from the command line
     "bw": "T_BW, the fused backward's time, if measured below T_B + T_W (default T_B + T_W); "
           "zb-auto then splits only where it pays",
     "fb": "T_F&B, the time of an overlapped F&B pair (dualpipe-v; default T_F + T_BW, no overlap)",
-    "mem_b": "M_B, the activation memory F keeps per stage and microbatch, in the unit of --memory-limit (default 1)",
+    "mem_b": "M_B, the activation memory F keeps per stage and microbatch, in the unit of --memory-limit "
+             "(default 1)",
     "mem_w": "M_W, the part of M_B held from B until W, same unit (default 7/16 M_B, the paper's ratio)",
 }
 _DEFAULTS = {"f": 1.0, "b": 1.0, "w": 1.0, "comm": 0.0}
@@ -42,15 +43,19 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--schedule", "-s", default="zb-h1", help="schedule name (default zb-h1); see --list")
     p.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks p (default 4)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches m (default 8)")
-    p.add_argument("--stages-per-rank", "-v", type=int, default=None, help="stages per rank, for interleaved schedules")
+    p.add_argument("--stages-per-rank", "-v", type=int, default=None, help="stages per rank, for interleaved "
+                                                                           "schedules")
     p.add_argument("--memory-limit", type=float, default=None,
-                   help="per-rank activation memory limit in units of M_B, or of --mem-b (automatic schedules)")
+                   help="per-rank activation memory limit in units of M_B, or of --mem-b (automatic "
+                        "schedules)")
     for name, text in _COSTS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=_DEFAULTS.get(name), help=text)
     p.add_argument("--width", type=int, default=120, help="characters per grid row (default 120)")
     p.add_argument("--csv", metavar="PATH", help="write the schedule as PyTorch's compute-only CSV")
-    p.add_argument("--from-csv", metavar="PATH", help="plan a schedule read from a PyTorch-form CSV instead of building one")
-    p.add_argument("--trace", metavar="PATH", help="write a Chrome-trace (Perfetto) JSON of the simulated timeline")
+    p.add_argument("--from-csv", metavar="PATH", help="plan a schedule read from a PyTorch-form CSV instead "
+                                                      "of building one")
+    p.add_argument("--trace", metavar="PATH", help="write a Chrome-trace (Perfetto) JSON of the simulated "
+                                                   "timeline")
     p.add_argument("--list", action="store_true", help="list the schedule names and exit")
 
 
@@ -62,17 +67,20 @@ def _schedule(args: argparse.Namespace, costs: zb.Costs) -> zb.Schedule:
     accepted, options = options_of(args.schedule), {}
     if args.stages_per_rank is not None:
         if "stages_per_rank" not in accepted:
-            raise CliError(f"schedule {args.schedule!r} has a fixed number of stages per rank; drop --stages-per-rank")
+            raise CliError(f"schedule {args.schedule!r} has a fixed number of stages per rank; drop "
+                           "--stages-per-rank")
         options["stages_per_rank"] = args.stages_per_rank
     if args.memory_limit is not None:
         if "memory_limit" not in accepted:
-            raise CliError(f"schedule {args.schedule!r} takes no memory limit; automatic schedules (zb-auto) do")
+            raise CliError(f"schedule {args.schedule!r} takes no memory limit; automatic schedules "
+                           "(zb-auto) do")
         options["memory_limit"] = args.memory_limit
     if "costs" not in accepted:
         return zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options)
     slow = args.ranks * args.microbatches >= SLOW_BUILD  # a search of greedy runs: say so
     if slow:
-        print(f"planning {args.schedule} for p = {args.ranks}, m = {args.microbatches} ...", file=sys.stderr, flush=True)
+        print(f"planning {args.schedule} for p = {args.ranks}, m = {args.microbatches} ...", file=sys.stderr,
+              flush=True)
     started = time.perf_counter()
     schedule = zb.build_schedule(args.schedule, args.ranks, args.microbatches, costs=costs, **options)
     if slow:
