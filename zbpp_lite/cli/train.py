@@ -12,7 +12,7 @@ stage's F, B, W are timed on one accelerator and the pipeline is simulated from 
 """
 
 # Modules that import JAX (training, runtime.stages, analysis.profiling.device) are imported inside
-# the functions that use them: every flag is checked, and a multi-host supervisor runs, without JAX.
+# the functions that use them: train's parser and its first flag checks run before JAX is imported.
 from __future__ import annotations
 
 import argparse
