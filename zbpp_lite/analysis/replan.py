@@ -151,8 +151,8 @@ class Check:
 class OnlineReplanner:
     """Re-plan every ``every`` steps when the measured costs drift, with hysteresis.
 
-    Feed it each step's measured timeline with :meth:`observe`; it returns a :class:`Replan` on the
-    steps where the plan changes (the caller then runs ``replanner.schedule``), None otherwise.
+    :meth:`observe` each step's measured timeline: a :class:`Replan` where the plan changes (then
+    run ``replanner.schedule``), else None.
 
     Attributes:
         schedule: the schedule in use (one stage per rank, as zb-auto plans).

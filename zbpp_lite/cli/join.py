@@ -3,14 +3,14 @@ on several hosts, on JAX's distributed runtime; with none of these flags on a cl
 (SLURM, Open MPI, Cloud TPU, Kubernetes: :func:`zbpp_lite.runtime.cluster.detect_cluster`), the
 same with ``jax.distributed.initialize()`` finding them itself.
 
-The command is a small supervisor: it checks the flags, then runs the training in one child
-process (``python -m zbpp_lite.cli.launch_child``, the loop ``launch`` runs, with the ``ZBPP_*``
-environment) and relays its output. JAX's runtime ends a process from C++ on a fatal coordination
-error (a lost peer, a failed registration) with a stack trace; the supervisor prints instead one
-line naming the cause (:func:`~zbpp_lite.runtime.cluster.explain_runtime_failure`) and exits 1.
-The child dies with the supervisor (``PR_SET_PDEATHSIG``), so killing either leaves no orphan.
-Every wait is bounded: ``--timeout`` for registration, the coordinator's first answer and each
-transfer; ``--heartbeat`` for noticing a lost process. ``ZBPP_VERBOSE=1`` relays the child's whole stderr.
+The command is a small supervisor: it checks the flags, runs the training in one child process
+(``python -m zbpp_lite.cli.launch_child``, as ``launch`` does, with the ``ZBPP_*`` environment) and
+relays its output. Where JAX's runtime ends the child from C++ on a fatal coordination error (a
+lost peer, a failed registration), it prints one line naming the cause
+(:func:`~zbpp_lite.runtime.cluster.explain_runtime_failure`) and exits 1. The child dies with the
+supervisor (``PR_SET_PDEATHSIG``): no orphan. Every wait is bounded: ``--timeout`` (registration,
+the coordinator's first answer, each transfer), ``--heartbeat`` (a lost process).
+``ZBPP_VERBOSE=1`` relays the child's whole stderr.
 """
 
 from __future__ import annotations

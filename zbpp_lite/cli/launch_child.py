@@ -1,8 +1,7 @@
-"""A child process of ``python -m zbpp_lite launch``: ``python -m zbpp_lite.cli.launch_child
-TRAIN_ARGS`` starts JAX's distributed runtime (:func:`zbpp_lite.runtime.distributed.initialize`, from
-the ``ZBPP_*`` environment ``launch`` sets), trains with the ``train`` command's arguments on a
-:class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor`, and on process 0 prints the report
-``train`` prints.
+"""``python -m zbpp_lite.cli.launch_child TRAIN_ARGS``, a child of ``launch`` (or of a multi-host
+``train``): starts JAX's distributed runtime from the ``ZBPP_*`` environment
+(:func:`zbpp_lite.runtime.distributed.initialize`), trains on a
+:class:`~zbpp_lite.runtime.distributed.ProcessPipelineExecutor`; process 0 prints ``train``'s report.
 """
 
 from __future__ import annotations
@@ -89,9 +88,8 @@ def device_name(device) -> str:
 
 
 def _ensure_cpu_devices(count: int) -> None:
-    """Ask for ``count`` simulated CPU devices when no ``XLA_FLAGS`` device count was set (a
-    detected cluster: the process count was not known before the runtime started). JAX's backend
-    has not started yet; ``jax_num_cpu_devices`` exists from JAX 0.4.38."""
+    """Ask for ``count`` simulated CPU devices where no ``XLA_FLAGS`` count was set (a detected
+    cluster: the process count was unknown before the runtime started); JAX 0.4.38 and later."""
     if COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
         return
     try:
