@@ -35,6 +35,17 @@ def test_plan_writes_a_csv_that_plans_back_identically_and_a_trace(tmp_path):
     assert len(events) == len(zb.build_schedule("zb-h2", 3, 6))
 
 
+def test_plan_plans_and_simulates_with_the_given_mem_b_and_mem_w():
+    # issue 31: plan had no --mem-b / --mem-w, so a memory limit was always planned with M_W = 7/16 M_B
+    out = plan("-s", "zb-auto", "-p", "4", "-m", "8", "--mem-b", "2", "--mem-w", "0.25", "--memory-limit", "5")
+    assert out.returncode == 0, out.stderr
+    costs = zb.Costs(mem_b=2, mem_w=0.25)
+    t = zb.simulate(zb.build_schedule("zb-auto", 4, 8, costs=costs, memory_limit=5), costs)
+    assert max(t.peak_memory) <= 5
+    assert "peak memory  " + " ".join(f"{m:g}" for m in t.peak_memory) + "  (per rank, the unit of --mem-b)" in out.stdout
+    assert f"makespan     {t.makespan:.6g}" in out.stdout
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -46,6 +57,8 @@ def test_plan_writes_a_csv_that_plans_back_identically_and_a_trace(tmp_path):
         (["-s", "1f1b", "-v", "2"], "drop --stages-per-rank"),
         (["--f", "-1"], "--f must be a finite number >= 0"),
         (["--bw", "nan"], "--bw must be a finite number >= 0"),
+        (["--mem-b", "-2"], "--mem-b must be a finite number >= 0"),
+        (["--mem-b", "1", "--mem-w", "2"], "--mem-w 2 exceeds M_B 1: M_W is the part of M_B held until W"),
     ],
 )
 def test_bad_arguments_get_one_line_not_a_traceback(args, message):

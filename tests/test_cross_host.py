@@ -96,10 +96,13 @@ def _errors(stderr: str) -> list[str]:
 def test_two_addresses_train_with_the_unpartitioned_models_gradients(tmp_path):
     port = free_port()
     out = tmp_path / "run.json"
-    procs = [_start(0, 2, port, ["--steps", "2", "--json", str(out)]), _start(1, 2, port, ["--steps", "2"])]
+    auto = ["--schedule", "zb-auto", "--steps", "2"]  # issue 31: planned with the job's M_B and M_W, not 7/16
+    procs = [_start(0, 2, port, [*auto, "--json", str(out)]), _start(1, 2, port, auto)]
     (s0, o0, e0), (s1, o1, e1) = _finish(procs, 240)
     assert s0 == 0 and s1 == 0, (e0[-2000:], e1[-2000:])
     assert "rank 1 on process 1's" in o0  # rank 1 ran in the other process, the one on 127.0.0.2
+    assert "zb-auto: planned with this job's activation memory per stage" in o0
+    assert "planned with this job's" not in o1  # said once, by process 0
     run = json.loads(out.read_text())
     assert run["processes"] == 2 and len(run["steps"]) == 2
     assert run["grad_max_rel_error"] <= 1e-5

@@ -57,11 +57,12 @@ def test_two_processes_match_the_unpartitioned_model(name, executor, tmp_path, u
         assert run["executor"] == "spmd" and run["lockstep_ticks"] > 0
 
 
-def test_a_dying_process_is_named_and_every_child_ends(untimed_children):
+def test_a_dying_process_is_named_and_every_child_ends(untimed_children, monkeypatch):
     pids: list[int] = []
     t0 = time.monotonic()
+    monkeypatch.setenv("ZBPP_TEST_CRASH_PROCESS", "1")  # the children inherit the environment
     status, failures = launch(["--schedule", "1f1b", *TINY], processes=2, timeout=20, deadline=120, echo=lambda s: None,
-                              env={"ZBPP_TEST_CRASH_PROCESS": "1"}, on_start=pids.extend)
+                              on_start=pids.extend)
     assert status == 1 and len(pids) == 2
     assert any(f.startswith("process 1 exited with status 3") for f in failures), failures
     assert time.monotonic() - t0 < 60

@@ -28,7 +28,8 @@ def test_launch_help_has_no_restructuredtext_quotes():
 
 
 def test_launch_names_devices_per_process_and_says_what_the_median_step_holds():
-    argv = [sys.executable, "-m", "zbpp_lite", "launch", "--processes", "2", "--", "train", "--schedule", "zb-h1",
+    # zb-auto: issue 31, launch planned memory-limited schedules with the default M_W = 7/16 M_B
+    argv = [sys.executable, "-m", "zbpp_lite", "launch", "--processes", "2", "--", "train", "--schedule", "zb-auto",
             "--ranks", "2", "--microbatches", "2", "--steps", "2", "--d", "8", "--heads", "1", "--blocks", "2",
             "--batch", "4", "--no-progress"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
@@ -36,3 +37,4 @@ def test_launch_names_devices_per_process_and_says_what_the_median_step_holds():
     assert "rank 0 on process 0's cpu 0, rank 1 on process 1's cpu 0" in out.stdout and "cpu:" not in out.stdout
     assert "after the first, which compiles: a step's wall time on process 0" in out.stdout
     assert "(their span is the makespan above)" in out.stdout
+    assert out.stdout.count("zb-auto: planned with this job's activation memory per stage, M_B [") == 1

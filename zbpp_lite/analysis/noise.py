@@ -8,8 +8,6 @@ largest ratio, k from the binomial(n, 1/2) distribution, no assumption about the
 A gain counts when the whole interval lies below 1; a plan run against an identical copy of
 itself in the same run (an A/A control) shows how far apart two identical plans measure: the
 run-to-run noise.
-
-Layer: analysis.
 """
 
 from __future__ import annotations
@@ -21,14 +19,11 @@ from typing import Sequence
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """A distribution-free confidence interval for the median of ``values``.
-
-    Returns:
-        ``(low, high, coverage)``: the k-th smallest and k-th largest value, with the largest k
-        whose interval covers the median with probability at least ``confidence``
-        (2 * P[Binomial(n, 1/2) < k] <= 1 - confidence), and that probability. Fewer than 6 values
-        cannot reach 95%: then k = 1 (the smallest and largest value) and ``coverage`` says what
-        they give.
+    """A distribution-free confidence interval for the median of ``values``: ``(low, high,
+    coverage)``, the k-th smallest and k-th largest value for the largest k whose interval covers
+    the median with probability at least ``confidence`` (2 * P[Binomial(n, 1/2) < k] <= 1 -
+    confidence), and that probability. Fewer than 6 values cannot reach 95%: then k = 1 (the
+    smallest and largest value) and ``coverage`` says what they give.
 
     Raises:
         ValueError: no values, a value that is not finite, or ``confidence`` outside (0, 1).
@@ -51,16 +46,10 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[
 
 @dataclass(frozen=True)
 class PairedGain:
-    """``after`` against ``before``, step by step.
-
-    Attributes:
-        ratios: after_k / before_k for every paired step k.
-        ratio: their median.
-        low, high: the distribution-free interval of the median ratio (:func:`median_interval`).
-        coverage: the probability the interval holds the true median ratio.
-        confidence: the coverage asked for; fewer than 6 steps cannot reach 95%, and then no
-            difference counts (:attr:`faster` and :attr:`slower` are False).
-    """
+    """``after`` against ``before``, step by step: ``ratios`` after_k / before_k, ``ratio`` their
+    median, ``low`` .. ``high`` its distribution-free interval (:func:`median_interval`) with the
+    probability ``coverage`` of holding the true median ratio; ``confidence`` the coverage asked for
+    (fewer than 6 steps cannot reach 95%, and then no difference counts)."""
 
     ratios: tuple[float, ...]
     ratio: float
@@ -73,11 +62,6 @@ class PairedGain:
     def gain(self) -> float:
         """1 - ratio: the fraction of ``before``'s makespan saved (negative: slower)."""
         return 1.0 - self.ratio
-
-    @property
-    def spread(self) -> float:
-        """The largest distance from the median ratio to an end of the interval."""
-        return max(self.ratio - self.low, self.high - self.ratio)
 
     @property
     def faster(self) -> bool:
@@ -98,7 +82,8 @@ class PairedGain:
 
     def text(self) -> str:
         """E.g. ``0.812 (interval 0.790 .. 0.840, 98%; 19 steps)``."""
-        return f"{self.ratio:.3f} (interval {self.low:.3f} .. {self.high:.3f}, {self.coverage:.0%}; {len(self.ratios)} steps)"
+        return (f"{self.ratio:.3f} (interval {self.low:.3f} .. {self.high:.3f}, {self.coverage:.0%}; "
+                f"{len(self.ratios)} steps)")
 
     def to_json(self) -> dict:
         return {"ratio": self.ratio, "low": self.low, "high": self.high, "coverage": self.coverage,
@@ -112,7 +97,8 @@ def paired_gain(before: Sequence[float], after: Sequence[float], confidence: flo
         ValueError: different lengths, no steps, or a figure that is not positive.
     """
     if len(before) != len(after):
-        raise ValueError(f"paired steps need as many 'before' as 'after' figures, got {len(before)} and {len(after)}")
+        raise ValueError(f"paired steps need as many 'before' as 'after' figures, got {len(before)} and "
+                         f"{len(after)}")
     if not before:
         raise ValueError("paired steps need at least one step")
     if not all(b > 0 and a > 0 for b, a in zip(before, after)):

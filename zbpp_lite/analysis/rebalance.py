@@ -24,11 +24,8 @@ Parts = tuple[tuple[int, ...], ...]
 
 @dataclass(frozen=True)
 class PartCosts:
-    """T_F, T_B, T_W of every model part on one microbatch (seconds when timed).
-
-    Attributes:
-        f, b, w: one value per part, in model order (part 0 the first module, the last one the
-            head with the loss).
+    """T_F, T_B, T_W of every model part on one microbatch (seconds when timed), one value per part
+    in model order (part 0 the first module, the last one the head with the loss).
 
     Raises:
         ValueError: fields of different lengths, no part, or a negative value.
@@ -42,14 +39,16 @@ class PartCosts:
         for name in ("f", "b", "w"):
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if not self.f or not len(self.f) == len(self.b) == len(self.w):
-            raise ValueError(f"PartCosts needs one f, b and w per part, got {len(self.f)}, {len(self.b)}, {len(self.w)} values")
+            raise ValueError(f"PartCosts needs one f, b and w per part, got {len(self.f)}, {len(self.b)}, "
+                             f"{len(self.w)} values")
         if any(v < 0 or math.isnan(v) for v in (*self.f, *self.b, *self.w)):
             raise ValueError("PartCosts values must be >= 0")
 
     @classmethod
     def from_totals(cls, totals: Sequence[float]) -> "PartCosts":
         """Parts known only by their total T_F + T_B + T_W (split 1 : 1 : 1)."""
-        return cls(tuple(t / 3 for t in totals), tuple(t / 3 for t in totals), tuple(t / 3 for t in totals))
+        third = tuple(t / 3 for t in totals)
+        return cls(third, third, third)
 
     @property
     def num_parts(self) -> int:
@@ -63,22 +62,16 @@ class PartCosts:
     def stage_costs(self, parts: Sequence[Sequence[int]], comm: float = 0.0) -> Costs:
         """Per-stage costs of a partition: each stage's parts summed (T_comm as given)."""
         parts = check_parts(parts, self.num_parts)
-        return Costs(
-            f=[sum(self.f[i] for i in p) for p in parts],
-            b=[sum(self.b[i] for i in p) for p in parts],
-            w=[sum(self.w[i] for i in p) for p in parts],
-            comm=comm,
-        )
+        f, b, w = ([sum(getattr(self, k)[i] for i in p) for p in parts] for k in "fbw")
+        return Costs(f=f, b=b, w=w, comm=comm)
 
     def to_json(self) -> dict:
         return {"f": list(self.f), "b": list(self.b), "w": list(self.w)}
 
 
 def check_parts(parts: Sequence[Sequence[int]], num_parts: int, num_stages: int | None = None) -> Parts:
-    """Check a partition: every part 0 .. num_parts-1 exactly once, in order, no empty stage.
-
-    Returns:
-        The partition as a tuple of tuples.
+    """The partition as a tuple of tuples, checked: every part 0 .. num_parts-1 exactly once, in
+    order, no empty stage.
 
     Raises:
         ValueError: a wrong stage count, an empty stage, or parts missing, repeated or out of order.
@@ -90,10 +83,9 @@ def check_parts(parts: Sequence[Sequence[int]], num_parts: int, num_stages: int 
         raise ValueError(f"every stage needs at least one part; got {[list(p) for p in result]}")
     flat = [i for p in result for i in p]
     if flat != list(range(num_parts)):
-        raise ValueError(
-            f"a partition must hold the parts 0 .. {num_parts - 1} in order, each once, in contiguous stages; "
-            f"got {[list(p) for p in result]}"
-        )
+        raise ValueError(f"a partition must hold the parts 0 .. {num_parts - 1} in order, each once, in "
+                         "contiguous "
+                         f"stages; got {[list(p) for p in result]}")
     return result
 
 
@@ -106,14 +98,10 @@ def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_bloc
     """The contiguous partition of the parts into ``num_stages`` stages with the smallest largest
     per-stage cost (T_F + T_B + T_W); the first part stays on stage 0, the last on the last stage.
 
-    Exact: dynamic programming over the cut positions, O(S * N^2) for N parts and S stages. Among
-    partitions with the same largest cost it returns the one with the earliest cuts.
-
-    Args:
-        costs: per-part costs (:class:`PartCosts`) or per-part totals.
-        num_stages: S >= 1.
-        min_blocks: every stage holds at least this many of the middle parts (the blocks), so
-            the first and last stage are never the embedding or the head alone.
+    Exact: dynamic programming over the cut positions, O(S * N^2) for N parts and S stages; among
+    equally good partitions, the one with the earliest cuts. ``costs``: :class:`PartCosts` or
+    per-part totals; every stage holds at least ``min_blocks`` of the middle parts (the blocks), so
+    the first and last stage are never the embedding or the head alone.
 
     Raises:
         ValueError: S < 1, fewer than two parts when S > 1, or too few blocks for ``min_blocks``
@@ -127,15 +115,11 @@ def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_bloc
         return (tuple(range(n)),)
     blocks = n - 2
     if blocks < S * min_blocks:
-        raise ValueError(
-            f"{blocks} blocks cannot give {S} stages at least {min_blocks} block(s) each; use fewer stages or more blocks"
-        )
+        raise ValueError(f"{blocks} blocks cannot give {S} stages at least {min_blocks} block(s) each; "
+                         "use fewer stages or more blocks")
     prefix = [0.0]
     for t in totals:
         prefix.append(prefix[-1] + t)
-
-    def seg(i: int, j: int) -> float:  # parts i .. j-1
-        return prefix[j] - prefix[i]
 
     # best[s][j]: the smallest largest cost of the first s stages holding parts 0 .. j-1, where
     # stage s-1 ends after part j-1; stage 0 starts with part 0 and the last stage ends with part n-1.
@@ -151,7 +135,7 @@ def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_bloc
                 held = j - i - (i == 0) - (j == n)  # blocks in parts i .. j-1
                 if held < min_blocks:
                     continue
-                value = max(best[s - 1][i], seg(i, j))
+                value = max(best[s - 1][i], prefix[j] - prefix[i])  # parts i .. j-1
                 if value < best[s][j] - 1e-15:
                     best[s][j], cut[s][j] = value, i
     if best[S][n] == INF:  # pragma: no cover - excluded by the block count check above
@@ -164,26 +148,18 @@ def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_bloc
     return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(S))
 
 
-def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs, per_stage: bool = False) -> PartCosts:
+def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs,
+              per_stage: bool = False) -> PartCosts:
     """Scale per-part costs to a measured run's stage costs.
 
-    Parts timed alone give the intrinsic ratio between parts but not what a run adds (dispatch,
-    the measurement's block, ranks sharing cores); the measured run has the right totals but not
-    the split among a stage's parts. For each kind (F, B, W):
-
-    - ``per_stage=False`` (default): one factor for all parts, measured total over all stages /
-      the parts' total; the ratios between parts stay those of the profile, which is what decides
-      where a part is best placed;
-    - ``per_stage=True``: one factor per stage, so each stage's parts add up to that stage's
-      measured cost. With ``costs`` all equal within a stage (parts known only by count, e.g.
-      :meth:`PartCosts.from_totals` of ones), this derives per-part costs from a measured run alone;
-      it also carries that run's noise (a rank slowed by sharing a core) into every part.
-
-    Args:
-        costs: per-part costs (profiled, or an equal guess).
-        parts: the partition the run used.
-        measured: per-stage costs of the run (e.g. :meth:`zbpp_lite.analysis.profiling.timelines.CostProfile.costs`).
-        per_stage: see above.
+    Parts timed alone (``costs``, or an equal guess) give the ratio between parts but not what a
+    run adds (dispatch, ranks sharing cores); the run (``measured``, per stage, with partition
+    ``parts``; e.g. :meth:`.profiling.timelines.CostProfile.costs`) has the right totals but not the
+    split among a stage's parts. For each kind (F, B, W), ``per_stage=False`` scales all parts by
+    one factor (measured total / parts' total), keeping the profile's ratios, which decide where a
+    part goes; ``per_stage=True`` one factor per stage, so each stage's parts add up to its measured
+    cost: with ``costs`` equal within a stage (e.g. :meth:`PartCosts.from_totals` of ones) this
+    derives per-part costs from a run alone, its noise included.
 
     Raises:
         ValueError: a partition that does not fit ``costs``, or costs for another stage count.
@@ -202,7 +178,8 @@ def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs,
     return PartCosts(fields["f"], fields["b"], fields["w"])
 
 
-def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]], measured: Costs) -> Costs:
+def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]],
+                measured: Costs) -> Costs:
     """Per-stage costs predicted for partition ``new`` from a run measured with partition ``old``:
     each stage's measured costs, minus the parts that leave it, plus the parts that arrive
     (per kind, with the per-part ``costs``, e.g. calibrated). What the measured run says about a
@@ -227,16 +204,14 @@ def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Se
                     values[where_old[i]] -= per_part[i]
                     values[s] += per_part[i]
         fields[kind] = [max(v, 0.0) for v in values]
-    return Costs(f=fields["f"], b=fields["b"], w=fields["w"], comm=table.comm, mem_b=table.mem_b, mem_w=table.mem_w)
+    return Costs(**fields, comm=table.comm, mem_b=table.mem_b, mem_w=table.mem_w)
 
 
 def imbalanced_parts(num_blocks: int, num_stages: int, factor: float) -> Parts:
-    """A deliberately uneven partition: the last stage holds about ``factor`` times as many blocks
-    as each other stage (the first part with stage 0, the last part with the last stage).
-
-    With N blocks and S stages, each of the first S-1 stages holds k = max(1, round(N / (S-1+factor)))
-    blocks and the last stage the rest; ``factor`` 1 gives :func:`zbpp_lite.runtime.stages.stage_parts`'s even
-    split. Used to build a pipeline whose last stage is slow, which :func:`best_partition` can fix.
+    """A deliberately uneven partition (a slow last stage for :func:`best_partition` to fix): of N
+    blocks over S stages, each of the first S-1 holds k = max(1, round(N / (S-1+factor))) and the
+    last stage the rest (the first part with stage 0, the last with the last stage); ``factor`` 1
+    gives :func:`zbpp_lite.runtime.stages.stage_parts`'s even split.
 
     Raises:
         ValueError: factor < 1, S < 2 with factor > 1, or too few blocks for at least one block per
@@ -256,10 +231,11 @@ def imbalanced_parts(num_blocks: int, num_stages: int, factor: float) -> Parts:
         k = max(1, round(N / (S - 1 + factor)))
         last = N - k * (S - 1)
         if last <= k:
-            raise ValueError(
-                f"{N} blocks over {S} stages leave the last stage {last} block(s), not more than the others' {k}; "
-                f"use at least {S - 1 + max(2, math.ceil(factor))} blocks for an imbalance of {factor}"
-            )
+            raise ValueError(f"{N} blocks over {S} stages leave the last stage {last} block(s), not more "
+                             "than the "
+                             f"others' {k}; use at least {S - 1 + max(2, math.ceil(factor))} blocks for an "
+                             "imbalance "
+                             f"of {factor}")
         counts = [k] * (S - 1) + [last]
     parts, start = [], 1
     for count in counts:

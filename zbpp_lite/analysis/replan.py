@@ -1,44 +1,39 @@
 """Re-plan from measured costs: zb-auto under a memory limit, once or online while training (pure Python).
 
-:func:`replan` feeds measured per-stage costs (:mod:`zbpp_lite.analysis.profiling.timelines`) to the automatic
-zero-bubble scheduler (Qi et al., arXiv 2401.10241, section 3.1; :func:`zbpp_lite.schedules.builders.auto.auto_plan`)
-and predicts, with the simulator, the new schedule's makespan beside the current one's under the
-same costs.
+:func:`replan` feeds measured per-stage costs (:mod:`.profiling.timelines`) to the automatic
+zero-bubble scheduler (Qi et al., arXiv 2401.10241, section 3.1;
+:func:`zbpp_lite.schedules.builders.auto.auto_plan`) and predicts, with the simulator, the new
+schedule's makespan beside the current one's under the same costs.
 
 :class:`OnlineReplanner` does this during training: every K steps it profiles the last K measured
 timelines; when the costs have drifted from those the current plan was judged by by more than a
-threshold, on ``patience`` checks in a row, it re-plans, and it switches only when the new plan is
+threshold, on ``patience`` checks in a row, it re-plans, and switches only when the new plan is
 predicted faster by at least ``min_gain``. The drift test, the averaging over K steps and the
-required gain are the hysteresis: measurement noise moves none of them far enough to change the
-plan. Schedules change the order of the work only, never what is computed, so the gradients stay
-the unpartitioned model's (the executor's tests check this for every schedule).
+required gain are the hysteresis: noise moves none of them far enough to change the plan.
+Schedules change the order of the work only, so the gradients stay the unpartitioned model's.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
-from .profiling.timelines import CostProfile, profile
 from ..schedules.ir import Schedule
 from ..schedules.simulate import simulate
 from ..schedules.timeline import Timeline
 from ..schedules.validate import validate
+from .noise import median_interval
+from .profiling.timelines import CostProfile, profile
 
 
 @dataclass(frozen=True)
 class Replan:
-    """A re-planned schedule and what it is predicted to gain.
-
-    Attributes:
-        schedule: the zb-auto schedule for ``costs`` (validated).
-        costs: the costs it was planned for.
-        predicted: its simulated makespan under ``costs``.
-        current: the current schedule's simulated makespan under ``costs`` (None without one).
-        memory_limit: the per-rank limit it was planned under (units of Costs.mem_b).
-    """
+    """A zb-auto ``schedule`` (validated) planned for ``costs`` under ``memory_limit`` per rank
+    (units of Costs.mem_b); ``predicted`` its simulated makespan under ``costs``, ``current`` the
+    current schedule's (None without one)."""
 
     schedule: Schedule
     costs: Costs
@@ -54,102 +49,83 @@ class Replan:
         return 1.0 - self.predicted / self.current
 
 
-def replan(
-    costs: Costs | CostProfile,
-    num_ranks: int,
-    num_microbatches: int,
-    memory_limit: float | Sequence[float] | None = None,
-    current: Schedule | None = None,
-) -> Replan:
-    """zb-auto planned for ``costs`` (e.g. measured) under ``memory_limit``, with its predicted makespan.
-
-    Args:
-        costs: per-stage costs (one stage per rank), or a :class:`~zbpp_lite.analysis.profiling.timelines.CostProfile`
-            (its means and T_comm are used).
-        num_ranks, num_microbatches: p and m.
-        memory_limit: per-rank activation-memory limit in units of Costs.mem_b (default p: the
-            peak of 1F1B and ZB-H1).
-        current: the schedule in use, simulated under the same costs for comparison.
+def replan(costs: Costs | CostProfile, num_ranks: int, num_microbatches: int,
+           memory_limit: float | Sequence[float] | None = None, current: Schedule | None = None) -> Replan:
+    """zb-auto planned for ``costs`` (per stage, one stage per rank; a :class:`CostProfile` gives its
+    means and T_comm) on p = ``num_ranks``, m = ``num_microbatches`` under ``memory_limit`` (units
+    of Costs.mem_b; default p, the peak of 1F1B and ZB-H1), with its predicted makespan beside
+    ``current``'s under the same costs.
 
     Raises:
         ValueError: costs for another number of stages than p, a memory limit no schedule fits
             (the message names the smallest feasible one), bad sizes.
-        ScheduleError: never expected (the planner's result is validated before it is returned).
     """
     if isinstance(costs, CostProfile):
         costs = costs.costs()
     costs.table(num_ranks)  # ValueError for a per-stage length other than p
     if current is not None and (current.num_ranks, current.num_stages) != (num_ranks, num_ranks):
-        raise ValueError(
-            f"the current schedule has {current.num_ranks} ranks and {current.num_stages} stages; "
-            f"zb-auto plans one stage per rank for {num_ranks} ranks"
-        )
+        raise ValueError(f"the current schedule has {current.num_ranks} ranks and {current.num_stages} "
+                         "stages; "
+                         f"zb-auto plans one stage per rank for {num_ranks} ranks")
     plan = auto_plan(num_ranks, num_microbatches, costs, memory_limit)
     validate(plan.schedule)
-    predicted = simulate(plan.schedule, costs).makespan
     now = simulate(current, costs).makespan if current is not None else None
-    return Replan(plan.schedule, costs, predicted, now, plan.memory_limit)
+    return Replan(plan.schedule, costs, simulate(plan.schedule, costs).makespan, now, plan.memory_limit)
+
+
+def _scales(totals: Sequence[float]) -> tuple[list[float], float]:
+    """Per stage, what a change of its T_F, T_B or T_W is a fraction of (its T_F + T_B + T_W, or 1
+    when 0), and what a change of T_comm is (their mean, or 1)."""
+    return [t if t > 0 else 1.0 for t in totals], (sum(totals) / len(totals) or 1.0)
 
 
 def drift(reference: Costs, observed: Costs, num_stages: int) -> float:
     """How far ``observed`` costs moved from ``reference``: the largest change of any stage's
-    T_F, T_B or T_W, and of T_comm, as a fraction of that stage's reference T_F + T_B + T_W (for
-    T_comm: of the mean over stages). Relative to the whole stage, so a tiny T_W wobbling does not
-    count as a large drift.
+    T_F, T_B or T_W as a fraction of that stage's reference T_F + T_B + T_W, and of T_comm as a
+    fraction of their mean over stages (so a tiny T_W wobbling is no large drift).
 
     Raises:
         ValueError: costs with the wrong number of per-stage values.
     """
     ref, obs = reference.table(num_stages), observed.table(num_stages)
-    worst = 0.0
-    totals = [ref.f[s] + ref.b[s] + ref.w[s] for s in range(num_stages)]
-    for s in range(num_stages):
-        scale = totals[s] if totals[s] > 0 else 1.0
-        for kind in ("f", "b", "w"):
-            worst = max(worst, abs(getattr(obs, kind)[s] - getattr(ref, kind)[s]) / scale)
-    mean_total = sum(totals) / num_stages or 1.0
-    for s in range(num_stages):
-        worst = max(worst, abs(obs.comm[s] - ref.comm[s]) / mean_total)
-    return worst
+    scale, comm_scale = _scales([ref.f[s] + ref.b[s] + ref.w[s] for s in range(num_stages)])
+    worst = [abs(getattr(obs, k)[s] - getattr(ref, k)[s]) / scale[s]
+             for s in range(num_stages) for k in "fbw"]
+    return max(worst + [abs(obs.comm[s] - ref.comm[s]) / comm_scale for s in range(num_stages)], default=0.0)
 
 
 def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_stages: int, threshold: float,
                       confidence: float = 0.95) -> tuple[float, bool]:
-    """Drift of one window of per-step measured costs from a reference window, judged against the
+    """Drift of a window of per-step measured costs from a reference window, judged against the
     noise between steps.
 
     For every stage's T_F, T_B, T_W and T_comm, step k of ``window`` is paired with step k of
     ``reference`` (the shorter length), the change is scaled as in :func:`drift` (by the stage's
-    reference T_F + T_B + T_W; T_comm by their mean over stages), and the median change gets a
+    median reference T_F + T_B + T_W; T_comm by their mean), and the median change gets a
     distribution-free interval (:func:`zbpp_lite.analysis.noise.median_interval`).
 
     Returns:
         ``(drift, significant)``: the largest median change, and whether some change is both
-        larger than ``threshold`` and significant: its interval excludes 0 at the confidence
-        that keeps the whole family of 4 * num_stages tests at ``confidence`` (Bonferroni; with
-        2 stages and 95%, at least 9 paired steps are needed, and with 10 every one of them must
-        have moved the same way).
+        larger than ``threshold`` and significant: its interval excludes 0 at the confidence that
+        keeps the family of 4 * num_stages tests at ``confidence`` (Bonferroni; with 2 stages and
+        95%, at least 9 paired steps are needed, and with 10 every one must have moved the same way).
 
     Raises:
         ValueError: an empty window or reference, or costs with the wrong number of stages.
     """
-    import statistics
-
-    from .noise import median_interval
-
     n = min(len(reference), len(window))
     if n == 0:
         raise ValueError("significant_drift needs at least one step in the window and in the reference")
     ref = [c.table(num_stages) for c in reference[:n]]
     obs = [c.table(num_stages) for c in window[:n]]
-    totals = [statistics.median(r.f[s] + r.b[s] + r.w[s] for r in ref) for s in range(num_stages)]
-    mean_total = sum(totals) / num_stages or 1.0
+    scale, comm_scale = _scales([statistics.median(r.f[s] + r.b[s] + r.w[s] for r in ref)
+                                 for s in range(num_stages)])
     worst, significant = 0.0, False
-    each = 1 - (1 - confidence) / (4 * num_stages)  # Bonferroni: 4 costs per stage tested, the family at `confidence`
+    each = 1 - (1 - confidence) / (4 * num_stages)  # Bonferroni: 4 costs a stage, the family at `confidence`
     for s in range(num_stages):
         for kind in ("f", "b", "w", "comm"):
-            scale = mean_total if kind == "comm" else (totals[s] if totals[s] > 0 else 1.0)
-            changes = [(getattr(o, kind)[s] - getattr(r, kind)[s]) / scale for r, o in zip(ref, obs)]
+            by = comm_scale if kind == "comm" else scale[s]
+            changes = [(getattr(o, kind)[s] - getattr(r, kind)[s]) / by for r, o in zip(ref, obs)]
             middle = statistics.median(changes)
             low, high, coverage = median_interval(changes, each)
             worst = max(worst, abs(middle))
@@ -159,16 +135,11 @@ def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_s
 
 @dataclass(frozen=True)
 class Check:
-    """One check of the online re-planner.
-
-    Attributes:
-        step: how many timelines had been observed.
-        drift: :func:`drift` of the window's costs from the reference.
-        decision: "reference" (the first window, with ``confidence``: the costs later windows
-            are compared with), "steady" (no drift that counts), "wait" (drifted, patience not yet
-            reached), "kept" (re-planned, gain too small), or "switched".
-        gain: predicted gain of the re-plan (None when none was made).
-    """
+    """One check of the online re-planner after ``step`` observed timelines: the :func:`drift` of
+    the window's costs, the ``decision`` ("reference": the first window, with ``confidence``, the
+    costs later windows are compared with; "steady": no drift that counts; "wait": drifted, patience
+    not yet reached; "kept": re-planned, gain too small; "switched") and the re-plan's predicted
+    ``gain`` (None when none was made)."""
 
     step: int
     drift: float
@@ -180,8 +151,8 @@ class Check:
 class OnlineReplanner:
     """Re-plan every ``every`` steps when the measured costs drift, with hysteresis.
 
-    Feed it each step's measured timeline with :meth:`observe`; it returns a :class:`Replan` on the
-    steps where the plan changes (the caller then runs ``replanner.schedule``), None otherwise.
+    :meth:`observe` each step's measured timeline: a :class:`Replan` where the plan changes (then
+    run ``replanner.schedule``), else None.
 
     Attributes:
         schedule: the schedule in use (one stage per rank, as zb-auto plans).
@@ -194,10 +165,9 @@ class OnlineReplanner:
         memory_limit: passed to zb-auto (units of Costs.mem_b; default p).
         history: every :class:`Check` made.
         confidence: None, or drift must also be significant (:func:`significant_drift`): the first
-            K measured steps become the reference (decision "reference"; ``reference`` then holds
-            their costs), and a later window counts as drifted only when some per-stage cost moved
-            by more than ``threshold`` *and* the distribution-free interval (at this confidence)
-            of its step-by-step change from the reference window excludes no change. Noise
+            K steps become the reference (decision "reference"), and a later window counts as
+            drifted only when some per-stage cost moved by more than ``threshold`` *and* the
+            interval (at this confidence) of its step-by-step change excludes no change: noise
             between steps, measured in the same run, then never counts as drift.
 
     Raises:
@@ -223,62 +193,59 @@ class OnlineReplanner:
         if not isinstance(self.patience, int) or self.patience < 1:
             raise ValueError(f"patience must be an integer >= 1, got {self.patience!r}")
         if self.schedule.num_stages != self.schedule.num_ranks:
-            raise ValueError(
-                f"the online re-planner re-plans with zb-auto, one stage per rank; the schedule has "
-                f"{self.schedule.num_stages} stages on {self.schedule.num_ranks} ranks"
-            )
+            raise ValueError("the online re-planner re-plans with zb-auto, one stage per rank; the schedule "
+                             "has "
+                             f"{self.schedule.num_stages} stages on {self.schedule.num_ranks} ranks")
         self.reference.table(self.schedule.num_stages)
         if self.confidence is not None and not 0 < self.confidence < 1:
             raise ValueError(f"confidence must lie in (0, 1) or be None, got {self.confidence}")
         self._reference_steps: list[Costs] | None = None
         self._window: list[Timeline] = []
-        self._steps = 0
-        self._strikes = 0
+        self._steps = self._strikes = 0
+
+    def _check(self, moved: float, decision: str, gain: float | None = None) -> None:
+        self.history.append(Check(self._steps, moved, decision, gain))
 
     def observe(self, timeline: Timeline) -> Replan | None:
         """Record one step's measured timeline (of ``self.schedule``); once K have been gathered,
-        profile them, check the drift and maybe re-plan (the next check uses the next K steps). Returns the :class:`Replan` when the plan changed, else None.
+        profile them, check the drift and maybe re-plan (the next check uses the next K steps).
+        Returns the :class:`Replan` when the plan changed, else None.
 
         Raises:
-            ValueError: a timeline lacking events a stage needs (see :func:`zbpp_lite.analysis.profiling.timelines.profile`).
+            ValueError: a timeline lacking events a stage needs (see :func:`.profiling.timelines.profile`).
         """
         self._window.append(timeline)
         self._steps += 1
         if len(self._window) < self.every:
             return None
-        S = self.schedule.num_stages
+        S, window, self._window = self.schedule.num_stages, self._window, []
         # a timeline measures times, not memory: the plan keeps the reference's M_B and M_W
-        observed = replace(profile(self._window, S).costs(),
-                           mem_b=self.reference.mem_b, mem_w=self.reference.mem_w)
+        observed = replace(profile(window, S).costs(), mem_b=self.reference.mem_b, mem_w=self.reference.mem_w)
+        steps = None
         if self.confidence is not None:
-            steps = [profile([t], S).costs() for t in self._window]
-            self._window = []
+            steps = [profile([t], S).costs() for t in window]
             if self._reference_steps is None:
                 self._reference_steps, self.reference = steps, observed
-                self.history.append(Check(self._steps, 0.0, "reference"))
-                return None
-            moved, significant = significant_drift(self._reference_steps, steps, S, self.threshold, self.confidence)
+                return self._check(0.0, "reference")
+            moved, significant = significant_drift(self._reference_steps, steps, S, self.threshold,
+                                                   self.confidence)
         else:
-            steps = None
-            self._window = []
             moved = drift(self.reference, observed, S)
             significant = moved > self.threshold
         if not significant:
             self._strikes = 0
-            self.history.append(Check(self._steps, moved, "steady"))
-            return None
+            return self._check(moved, "steady")
         self._strikes += 1
         if self._strikes < self.patience:
-            self.history.append(Check(self._steps, moved, "wait"))
-            return None
+            return self._check(moved, "wait")
         self._strikes = 0
-        result = replan(observed, self.schedule.num_ranks, self.schedule.num_microbatches, self.memory_limit, self.schedule)
+        s = self.schedule
+        result = replan(observed, s.num_ranks, s.num_microbatches, self.memory_limit, s)
         self.reference = observed  # the current plan has now been judged by these costs
         if steps is not None:
             self._reference_steps = steps
         if result.gain < self.min_gain:
-            self.history.append(Check(self._steps, moved, "kept", result.gain))
-            return None
-        self.history.append(Check(self._steps, moved, "switched", result.gain))
+            return self._check(moved, "kept", result.gain)
+        self._check(moved, "switched", result.gain)
         self.schedule = result.schedule
         return result

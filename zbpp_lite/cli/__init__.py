@@ -18,6 +18,9 @@ import signal
 import sys
 import threading
 
+from ..runtime.compile_cache import use_compile_cache
+from ..runtime.processes import RankFailed
+
 COMMANDS = {
     "plan": "build, validate and simulate one schedule; print its grid (no JAX)",
     "train": "train the digits Transformer with one schedule on simulated or real devices",
@@ -45,7 +48,9 @@ def _module(name: str):
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zbpp_lite", description="Zero-bubble pipeline parallelism: plan, run, compare.")
+    parser = argparse.ArgumentParser(prog="python -m zbpp_lite", description="Zero-bubble pipeline "
+                                                                             "parallelism: plan, run, "
+                                                                             "compare.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     wanted = None
@@ -63,11 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
-    if args.command != "plan":  # plan never imports JAX
-        from ..runtime.compile_cache import use_compile_cache
-
+    if args.command != "plan":  # plan never runs JAX
         use_compile_cache()  # every process of the run (and the next run) reuses compiled programs
-    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() else None
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main else None
     try:
         return int(_module(args.command.replace("-", "_")).run(args) or 0)
     except Terminated:
@@ -83,11 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)  # a missing or unreadable input file: one line
         return 2
-    except RuntimeError as e:
-        from ..runtime.processes import RankFailed
-
-        if not isinstance(e, RankFailed):
-            raise
+    except RankFailed as e:
         print(f"error: {e}", file=sys.stderr)  # a rank's process failed or died: which, and how
         return 1
     finally:

@@ -46,25 +46,32 @@ from ..schedules import strict_json
 from ..schedules.costs import Costs
 from ..training.data import load_digits
 from ..training.messages import Message, parse
+from ..training.reference import ONE_RANK, one_rank_schedule
+from ..training.train import train
+from ..training.turns import train_in_turns
 from . import CliError
 from .compare_report import Comparison, html_report, summary_text
-from .train import (add_model_arguments, add_platform_argument, check_model_arguments, cost_table, profile_json,
-                    profile_pipelines, setup_platform, threads_reason)
+from .train import (add_model_arguments, add_platform_argument, check_model_arguments, cost_table,
+                    model_config, profile_json, profile_pipelines, run_config, say_mode, say_platform,
+                    setup_platform, threads_reason)
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser("compare", help=help_text, description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices (default 2)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("--steps", type=int, default=8, help="training steps per schedule, the first one untimed (default 8)")
+    p.add_argument("--steps", type=int, default=8, help="training steps per schedule, the first one untimed "
+                                                        "(default 8)")
     p.add_argument("--schedules", default="", help="comma-separated names, any also as NAME+fuse "
                    "(default: every registered schedule, zb-h1+fuse, zb-h2+fuse)")
     add_model_arguments(p)
     # the peer job's sizes: an action takes milliseconds, well above the executor's overhead per action
     p.set_defaults(d=128, heads=4, blocks=8, batch=256)
     p.add_argument("--learn-steps", type=int, default=150,
-                   help="then train the fastest schedule this many steps and report its test accuracy (default 150; 0: skip)")
-    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with enough cores")
+                   help="then train the fastest schedule this many steps and report its test accuracy "
+                        "(default 150; 0: skip)")
+    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with "
+                                                          "enough cores")
     p.add_argument("--out", default="compare.html", help="HTML report path (default compare.html)")
     p.add_argument("--json", metavar="PATH", help="also write the figures of every run as JSON")
     add_platform_argument(p)
@@ -101,42 +108,53 @@ def _options(name: str, ranks: int, costs) -> tuple[dict, str | None]:
     return {key: known[key] for key in _required(name)}, None
 
 
+def _build_one(name: str, args, blocks: int, costs) -> tuple:
+    """``(schedule, None)``: ``name`` built with the options compare gives it, or ``(None, why not)``."""
+    options, reason = _options(name, args.ranks, costs)
+    try:
+        if reason:
+            raise ValueError(reason)
+        schedule = zb.build_schedule(name, args.ranks, args.microbatches, **options)
+        if blocks < schedule.num_stages:
+            raise ValueError(f"{blocks} blocks cannot fill {schedule.num_stages} stages (use --blocks "
+                             f"{schedule.num_stages})")
+    except ValueError as e:
+        return None, str(e).strip().splitlines()[0]
+    return schedule, None
+
+
 def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
     """Every schedule simulated from per-stage costs timed on ``device`` (printed as PROFILED);
     planners that need costs get the mean profiled ones. One JSON-ready dict per schedule."""
-    print(f"PROFILED on {device}: per-stage costs timed on this one device; every pipeline below is simulated from them "
-          f"({args.ranks} ranks, no transfer cost; nothing ran on {args.ranks} devices)", flush=True)
+    print(f"PROFILED on {device}: per-stage costs timed on this one device; every pipeline below is "
+          "simulated from "
+          f"them ({args.ranks} ranks, no transfer cost; nothing ran on {args.ranks} devices)", flush=True)
     by_shape: dict = {}
     profiled, shown = [], set()
     for name in sorted(names, key=lambda n: "costs" in _required(n)):
-        mean = None
-        if by_shape:
-            every = list(by_shape.values())
-            mean = zb.Costs(**{k: float(np.mean([v for c in every for v in getattr(c, k)]))
-                               for k in ("f", "b", "w", "mem_b", "mem_w")})  # the measured M_W / M_B share
-        options, reason = _options(name, args.ranks, mean)
-        try:
-            if reason:
-                raise ValueError(reason)
-            schedule = zb.build_schedule(name, args.ranks, args.microbatches, **options)
-            if blocks < schedule.num_stages:
-                raise ValueError(f"{blocks} blocks cannot fill {schedule.num_stages} stages")
-        except ValueError as e:
-            print(f"PROFILED {name:18s} not simulated: {str(e).strip().splitlines()[0]}")
+        every = list(by_shape.values())  # planners get the mean, and the measured M_W / M_B share
+        mean = zb.Costs(**{k: float(np.mean([v for c in every for v in getattr(c, k)]))
+                           for k in ("f", "b", "w", "mem_b", "mem_w")}) if every else None
+        schedule, why = _build_one(name, args, blocks, mean)
+        if schedule is None:
+            print(f"PROFILED {name:18s} not simulated: {why}")
             continue
         (_, costs, timeline), = profile_pipelines(device, [schedule], args, blocks, by_shape)
         if schedule.num_stages not in shown:  # each stage count's cost table once
             shown.add(schedule.num_stages)
             print("\n".join(cost_table(costs, schedule.num_stages)))
-        print(f"PROFILED {name:18s} S={schedule.num_stages:<2d} simulated makespan {timeline.makespan * 1e3:7.3f} ms  "
+        print(f"PROFILED {name:18s} S={schedule.num_stages:<2d} simulated makespan "
+              f"{timeline.makespan * 1e3:7.3f} ms  "
               f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
-        profiled.append({"schedule": name, "stages": schedule.num_stages, **profile_json(device, costs, timeline)})
+        profiled.append({"schedule": name, "stages": schedule.num_stages,
+                         **profile_json(device, costs, timeline)})
     return profiled
 
 
 def check_arguments(args) -> None:
     """Every flag that can be wrong, named, before JAX starts (CliError: one line, exit 2)."""
-    for flag, value, least in (("--ranks", args.ranks, 1), ("--microbatches", args.microbatches, 1), ("--steps", args.steps, 2),
+    for flag, value, least in (("--ranks", args.ranks, 1), ("--microbatches", args.microbatches, 1),
+                               ("--steps", args.steps, 2),
                                ("--learn-steps", args.learn_steps, 0)):
         if value < least:
             extra = " (the first step compiles and is not timed)" if flag == "--steps" else ""
@@ -274,20 +292,14 @@ def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
     for name in sorted(names, key=lambda n: "costs" in _required(n)):
         costs = None
         if "costs" in _required(name):
-            num_stages = zb.build_schedule(name, args.ranks, args.microbatches, costs=zb.Costs()).num_stages
-            costs = costs_for(num_stages)
-        options, reason = _options(name, args.ranks, costs)
-        try:
-            if reason:
-                raise ValueError(reason)
-            schedule = zb.build_schedule(name, args.ranks, args.microbatches, **options)
-            if blocks < schedule.num_stages:
-                raise ValueError(f"{blocks} blocks cannot fill {schedule.num_stages} stages (use --blocks {schedule.num_stages})")
-        except ValueError as e:
-            notes[name] = str(e).strip().splitlines()[0]
-            print(f"{name:18s} not run: {notes[name]}", flush=True)
-            continue
-        schedules.append(schedule)
+            planned = zb.build_schedule(name, args.ranks, args.microbatches, costs=zb.Costs())
+            costs = costs_for(planned.num_stages)
+        schedule, why = _build_one(name, args, blocks, costs)
+        if schedule is None:
+            notes[name] = why
+            print(f"{name:18s} not run: {why}", flush=True)
+        else:
+            schedules.append(schedule)
     return schedules, notes
 
 
@@ -306,14 +318,8 @@ def run(args) -> int:
     why_threads = threads_reason(args, args.ranks, devices)
     use_processes = why_threads is None
     if args.platform is not None:
-        kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
-        print(f"REAL runs on {args.ranks} {kind} devices", flush=True)
-    if use_processes:
-        print(f"REAL runs: one process per rank, each pinned to its own core ({args.ranks} ranks); schedules take turns step by step",
-              flush=True)
-    else:
-        print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core to the "
-              f"others, so measured bubbles look smaller than on real devices", flush=True)
+        say_platform("REAL runs", devices)
+    say_mode("REAL runs", args.ranks, why_threads, ("; schedules take turns step by step", ""))
 
     by_stages: dict[int, Costs] = {}
     one = OneCore(args, use_processes)
@@ -326,23 +332,23 @@ def run(args) -> int:
     with one:
         schedules, notes = _build(names, args, blocks, costs_for)
         if not schedules:
-            raise CliError("no schedule could be run: " + "; ".join(f"{n}: {why}" for n, why in notes.items()))
-        from ..training.model import ModelConfig, RunConfig
-
-        data = load_digits(args.holdout, args.seed)
-        model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-        run_config = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, progress=sys.stderr.isatty())
-        results, learned, one_rank = _run_all(schedules, args, model, run_config, data, devices, use_processes)
+            raise CliError("no schedule could be run: "
+                           + "; ".join(f"{n}: {why}" for n, why in notes.items()))
+        data, model = load_digits(args.holdout, args.seed), model_config(args, blocks)
+        config = run_config(args, progress=sys.stderr.isatty())
+        results, learned, one_rank = _run_all(schedules, args, model, config, data, devices, use_processes)
         for r in results:
             print(one_line(r), flush=True)
             memory = r.measured.measured_memory
             if memory is not None:
-                print(f"{'':18s} activation memory peak per rank (bytes): measured {list(memory.peak_bytes)}  "
+                print(f"{'':18s} activation memory peak per rank (bytes): measured "
+                      f"{list(memory.peak_bytes)}  "
                       f"planned {[int(b) for b in r.measured.planned_peak_bytes]}", flush=True)
-        references = _references(args, model, run_config, data, devices, one_rank, one)
+        references = _references(args, model, config, data, devices, one_rank, one)
     if args.learn_steps > 0 and learned is None and not use_processes:
-        learned = _learn(results, args, model, run_config, data, devices)
-    comparison = Comparison(results, notes, references, learned, args, blocks, "processes" if use_processes else "threads",
+        learned = _learn(results, args, model, config, data, devices)
+    comparison = Comparison(results, notes, references, learned, args, blocks,
+                            "processes" if use_processes else "threads",
                             {n: c for n, c in by_stages.items()})
     print(summary_text(comparison), flush=True)
     with open(args.out, "w") as f:
@@ -356,36 +362,32 @@ def run(args) -> int:
     return 0
 
 
-def _run_all(schedules, args, model, run_config, data, devices, use_processes) -> tuple[list, object, object]:
+def _run_all(schedules, args, model, config, data, devices, use_processes) -> tuple[list, object, object]:
     """Every schedule's TrainResult; in processes, the long learning run of the fastest (it goes
     on in the same, compiled, processes after the turns, from the comparison's own steps to
     ``--learn-steps`` in all; None: threads, or no learning run; see :func:`_learn`) and the
-    one-rank executor reference, trained in the same turns (:func:`~zbpp_lite.training.reference.one_rank_schedule`; None in
-    threads)."""
-    from ..training.reference import ONE_RANK, one_rank_schedule
-
+    one-rank executor reference, trained in the same turns
+    (:func:`~zbpp_lite.training.reference.one_rank_schedule`; None in threads)."""
     steps = args.steps
     if use_processes:
-        from ..training.turns import train_in_turns
-
         def then(seconds: dict):
             if args.learn_steps <= 0:
                 return None
             best = min((n for n in seconds if n != ONE_RANK), key=lambda n: timed_median(seconds[n]))
-            print(f"training {best} on to {max(args.learn_steps, steps)} steps in all to see the model learn", flush=True)
+            print(f"training {best} on to {max(args.learn_steps, steps)} steps in all to see the model "
+                  "learn", flush=True)
             return best, max(args.learn_steps - steps, 0)
 
         turns = _turn_order([*schedules, one_rank_schedule(args.ranks, args.microbatches)])
-        out = train_in_turns(turns, steps, model=model, run=run_config, data=data, then=then)
+        out = train_in_turns(turns, steps, model=model, run=config, data=data, then=then)
         reference = out.pop(ONE_RANK)
         learned = out.then
         results = [out[s.name] for s in schedules]
-        if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner as it is
+        if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner
             learned = min(results, key=lambda r: timed_median(r.step_seconds))
         return results, learned, reference
-    from ..training.train import train
-
-    return [train(s, steps=steps, model=model, run=run_config, devices=devices, data=data) for s in schedules], None, None
+    return [train(s, steps=steps, model=model, run=config, devices=devices, data=data)
+            for s in schedules], None, None
 
 
 NEIGHBOURS = ("one-rank reference", "zb-h1+fuse", "zb-h1", "zb-h2+fuse", "zb-h2", "1f1b", "zb-auto", "zb-2p")
@@ -400,18 +402,16 @@ def _turn_order(schedules: list) -> list:
     return sorted(schedules, key=lambda s: rank.get(s.name, -1))
 
 
-def _references(args, model, run_config, data, devices, one_rank, one: OneCore) -> dict:
+def _references(args, model, config, data, devices, one_rank, one: OneCore) -> dict:
     """The two single-device references, each on one core: the whole batch as one jitted step
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
     microbatches as the pipeline): ``one_rank``, its TrainResult from the turns, or (threads)
     trained here. Median step seconds over the timed steps (as many as the pipelines': fewer let
     one slow spell of the machine make the reference look slow)."""
     if one_rank is None:
-        from ..training.reference import one_rank_schedule
-        from ..training.train import train
-
-        quiet = dataclasses.replace(run_config, check_grads=False, progress=False)
-        one_rank = train(one_rank_schedule(1, args.microbatches), steps=args.steps, model=model, run=quiet, devices=devices[:1], data=data)
+        quiet = dataclasses.replace(config, check_grads=False, progress=False)
+        one_rank = train(one_rank_schedule(1, args.microbatches), steps=args.steps, model=model, run=quiet,
+                         devices=devices[:1], data=data)
     whole = one.whole_batch(args.steps, model.blocks, devices[0])
     return {
         "one device, whole batch (one jitted step)": timed_median(whole),
@@ -442,20 +442,20 @@ def one_core(pin: bool = True):
             every_thread(affinity)
 
 
-def _learn(results, args, model, run_config, data, devices):
+def _learn(results, args, model, config, data, devices):
     """The fastest schedule trained from the start for ``--learn-steps`` steps in threads: its
     losses and its test accuracy on the held-out digits (in processes, :func:`_run_all` goes on
     with it in the comparison's processes instead)."""
-    from ..training.train import train
-
     best = min(results, key=lambda r: timed_median(r.step_seconds))
     print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
-    run = dataclasses.replace(run_config, check_grads=False)
+    run = dataclasses.replace(config, check_grads=False)
     return train(best.schedule, steps=args.learn_steps, model=model, run=run, devices=devices, data=data)
 
 
 def one_line(r) -> str:
-    return (f"{r.schedule.name:18s} S={r.schedule.num_stages:<2d} loss {r.losses[0]:.4f} -> {r.losses[-1]:.4f}  "
+    return (f"{r.schedule.name:18s} S={r.schedule.num_stages:<2d} loss {r.losses[0]:.4f} -> "
+            f"{r.losses[-1]:.4f}  "
             f"grad err {r.grad_max_rel_error:.1e}  step {timed_median(r.step_seconds) * 1e3:7.2f} ms  "
             f"makespan {r.measured.makespan * 1e3:7.2f} ms (plan {r.simulated.makespan * 1e3:7.2f})  "
-            f"bubble {timed_median([t.bubble_rate for t in r.timelines]):.3f} (plan {r.simulated.bubble_rate:.3f})")
+            f"bubble {timed_median([t.bubble_rate for t in r.timelines]):.3f} (plan "
+            f"{r.simulated.bubble_rate:.3f})")

@@ -13,7 +13,11 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..analysis.noise import paired_gain
 from ..analysis.profiling.timelines import timed_median, timed_steps
+from ..schedules.timeline import Event, Timeline
+from ..viz import compare_figure, measured_memory_figure
+from ..viz.summary import SummaryRow, summary_figure
 
 
 def _median_step_ms(r) -> float:
@@ -29,8 +33,6 @@ def against(r, base):
     the schedules took turns, so step k of both met the same state of the machine and their ratio
     cancels its drift (a slow spell of a few seconds slows every schedule's step k alike).
     None where either has fewer than one timed step or they differ in length."""
-    from ..analysis.noise import paired_gain
-
     before, after = timed_steps(base.step_seconds), timed_steps(r.step_seconds)
     if not before or len(before) != len(after):
         return None
@@ -66,7 +68,8 @@ class Comparison:
     def loss_spread(self) -> float:
         """The largest difference between two schedules' losses at the same step."""
         steps = min(len(r.losses) for r in self.results)
-        return max((max(r.losses[k] for r in self.results) - min(r.losses[k] for r in self.results) for k in range(steps)), default=0.0)
+        at = [[r.losses[k] for r in self.results] for k in range(steps)]
+        return max((max(v) - min(v) for v in at), default=0.0)
 
     def to_json(self) -> dict:
         ref_name, ref_ms = self.reference
@@ -77,7 +80,7 @@ class Comparison:
                          "speedup": ref_ms / _median_step_ms(r)})
             gain = against(r, self.by_name("1f1b")) if self.by_name("1f1b") is not None else None
             if gain is not None:  # step k over 1f1b's step k: median ratio and its interval
-                data["vs_1f1b"] = {"ratio": gain.ratio, "low": gain.low, "high": gain.high, "coverage": gain.coverage}
+                data["vs_1f1b"] = {k: getattr(gain, k) for k in ("ratio", "low", "high", "coverage")}
             runs.append(data)
         out = {"mode": self.mode, "runs": runs, "not_run": self.notes,
                "references_ms": {n: s * 1e3 for n, s in self.references.items()},
@@ -102,7 +105,8 @@ def split_in_pipeline(c) -> tuple[str, float] | None:
     for name in ("zb-h2", "zb-h1"):
         r = c.by_name(name)
         if base is not None and r is not None and r.schedule.num_stages == base.schedule.num_stages:
-            return name, statistics.mean((b + w) / bw for b, w, bw in zip(r.costs.b, r.costs.w, base.costs.bw))
+            return name, statistics.mean((b + w) / bw
+                                         for b, w, bw in zip(r.costs.b, r.costs.w, base.costs.bw))
     return None
 
 
@@ -191,141 +195,157 @@ def summary_text(c: Comparison) -> str:
     best_ms = _median_step_ms(best)
     speedup, p_best = ref_ms / best_ms, best.schedule.num_ranks
     bound = busy_bound(c)
-    why = "see why below" if bound is not None else "the reference did the same work more slowly than the ranks"
-    limit = (f"more than the {p_best}x that p = {p_best} ranks give for the same work: {why}" if speedup > p_best
-             else f"p = {p_best} ranks allow at most {p_best}x")
-    lines.append(f"{best.schedule.name} was fastest: {best_ms:.1f} ms a step (median of {len(best.step_seconds) - 1} timed steps), "
-                 f"{speedup:.2f}x the faster single-device reference ({ref_name}, {ref_ms:.1f} ms; {limit}).")
+    why = "see why below" if bound is not None else \
+        "the reference did the same work more slowly than the ranks"
+    limit = (f"more than the {p_best}x that p = {p_best} ranks give for the same work: {why}"
+             if speedup > p_best else f"p = {p_best} ranks allow at most {p_best}x")
+    lines.append(f"{best.schedule.name} was fastest: {best_ms:.1f} ms a step (median of "
+                 f"{len(best.step_seconds) - 1} timed steps), {speedup:.2f}x the faster single-device "
+                 f"reference ({ref_name}, {ref_ms:.1f} ms; {limit}).")
     if base is not None and base is not best:
         base_ms, saved = _median_step_ms(base), _median_bubble(base) - _median_bubble(best)
-        lines.append(f"Against 1f1b ({base_ms:.1f} ms, bubble rate {_median_bubble(base):.3f}) it took {best_ms / base_ms:.3f} of the time "
-                     f"with a bubble rate of {_median_bubble(best):.3f}: {saved * 100:+.1f} points of idle time saved.")
+        lines.append(f"Against 1f1b ({base_ms:.1f} ms, bubble rate {_median_bubble(base):.3f}) it took "
+                     f"{best_ms / base_ms:.3f} of the time with a bubble rate of "
+                     f"{_median_bubble(best):.3f}: {saved * 100:+.1f} points of idle time saved.")
     if base is not None:
-        paired = [(r, against(r, base)) for r in ranked if r is not base]
-        paired = [(r, g) for r, g in paired if g is not None]
+        paired = [(r, g) for r in ranked if r is not base and (g := against(r, base)) is not None]
         if paired:
-            g0 = paired[0][1]
-            lines.append(f"Step by step against 1f1b (the schedules took turns, so step k of each met the same machine; median ratio "
-                         f"and its {g0.coverage:.0%} interval): " + ", ".join(
-                             f"{r.schedule.name} {g.ratio:.3f} [{g.low:.3f}, {g.high:.3f}]" for r, g in paired[:6])
-                         + (", ..." if len(paired) > 6 else "") + ". An interval wholly below 1 is a real gain.")
+            lines.append("Step by step against 1f1b (the schedules took turns, so step k of each met the "
+                         f"same machine; median ratio and its {paired[0][1].coverage:.0%} interval): "
+                         + ", ".join(f"{r.schedule.name} {g.ratio:.3f} [{g.low:.3f}, {g.high:.3f}]"
+                                     for r, g in paired[:6])
+                         + (", ..." if len(paired) > 6 else "")
+                         + ". An interval wholly below 1 is a real gain.")
     split = _split_cost(c)
     if split is not None:
         zb = [r for r in ranked if r.schedule.name in ("zb-h1", "zb-h2")]
         tail = (" ZB-H1 and ZB-H2 split every backward and pay that on every microbatch: "
                 + ", ".join(f"{r.schedule.name} {_median_step_ms(r):.1f} ms" for r in zb) + ".") if zb else ""
-        lines.append(f"Splitting the backward into B and W costs {split}x the fused backward here (T_B + T_W against T_BW, "
-                     f"each stage timed alone); zb-auto splits only where a W fills a bubble.{tail}")
+        lines.append(f"Splitting the backward into B and W costs {split}x the fused backward here "
+                     "(T_B + T_W against T_BW, each stage timed alone); zb-auto splits only where a W "
+                     f"fills a bubble.{tail}")
     live = split_in_pipeline(c)
     if live is not None:
-        lines.append(f"In the pipelines of this run, {live[0]}'s B + W took {live[1]:.2f}x 1f1b's fused backward per microbatch "
-                     f"(mean action times of their measured steps): the split's price as the schedules paid it.")
+        lines.append(f"In the pipelines of this run, {live[0]}'s B + W took {live[1]:.2f}x 1f1b's fused "
+                     "backward per microbatch (mean action times of their measured steps): the split's "
+                     "price as the schedules paid it.")
     lines += fusion_lines(c)
     if bound is not None:
-        busy, ratio, most = bound
-        p = base.schedule.num_ranks
-        share = "half" if p == 2 else f"1/{p} of"
-        head = (f"Why not {p}x: 1f1b's busiest rank computed {busy:.1f} ms a step, {ratio:.2f}x {share} the one-rank executor's "
-                f"step (stepped in the same turns)")
-        idle = "idle time: the bubbles, and each step's start and optimizer update"
-        if speedup > p_best and ratio < 1:  # the reference did the same work more slowly than the ranks
-            lines.append(f"Why more than {p}x: 1f1b's busiest rank computed {busy:.1f} ms a step, {ratio:.2f}x {share} the "
-                         f"one-rank executor's step (stepped in the same turns): the one device did the same work more slowly "
-                         f"than the ranks. A likely cause: it holds every microbatch's activations of the whole model at once "
-                         f"(GPipe's order), where a rank holds its own stages' share, so its arrays leave the caches; the "
-                         f"pipelines' gain over it is then more than their bubbles and ranks alone explain.")
-        elif most < p:
-            lines.append(f"{head}, so a pipeline with no bubble at all would reach at most {most:.2f}x here; the rest of the gap "
-                         f"to {p}x is {idle}.")
-        else:  # the ranks did no more than their share: only idle time stands between the pipeline and px
-            lines.append(f"{head}: no more than its share of the work, so what stands between the pipelines and {p}x is {idle}.")
-    worst = max(ranked, key=lambda r: r.measured.makespan / r.simulated.makespan)
-    lines.append(f"Measured makespans are {min(r.measured.makespan / r.simulated.makespan for r in ranked):.2f}-"
-                 f"{worst.measured.makespan / worst.simulated.makespan:.2f}x the plan's for the same action costs "
-                 f"(the rest is transfers and the start of each step).")
-    lines.append(f"Every schedule computed the same losses (largest difference at one step {c.loss_spread():.1e}).")
+        lines.append(_why_not_p(bound, base.schedule.num_ranks, speedup > p_best))
+    ratios = [r.measured.makespan / r.simulated.makespan for r in ranked]
+    lines.append(f"Measured makespans are {min(ratios):.2f}-{max(ratios):.2f}x the plan's for the same "
+                 "action costs (the rest is transfers and the start of each step).")
+    lines.append("Every schedule computed the same losses (largest difference at one step "
+                 f"{c.loss_spread():.1e}).")
     if c.learned is not None:
-        lines.append(f"{c.learned.schedule.name}, trained for {len(c.learned.losses)} steps, reached a test accuracy of "
-                     f"{c.learned.test_accuracy:.3f} on the held-out digits (loss {c.learned.losses[0]:.3f} -> {c.learned.losses[-1]:.3f}).")
+        lines.append(f"{c.learned.schedule.name}, trained for {len(c.learned.losses)} steps, reached a test "
+                     f"accuracy of {c.learned.test_accuracy:.3f} on the held-out digits (loss "
+                     f"{c.learned.losses[0]:.3f} -> {c.learned.losses[-1]:.3f}).")
     if c.mode == "threads":
-        lines.append("The ranks ran as threads sharing cores: a waiting rank lent its core to the others, so bubbles cost less here "
-                     "than on real devices.")
+        lines.append("The ranks ran as threads sharing cores: a waiting rank lent its core to the others, "
+                     "so bubbles cost less here than on real devices.")
     return "\n".join(lines)
 
 
-def _in_ms(timeline):
-    from ..schedules.timeline import Event, Timeline
+def _why_not_p(bound: tuple[float, float, float], p: int, above_p: bool) -> str:
+    """The summary's sentence on :func:`busy_bound`: why the winner is not p times (or is more
+    than p times, ``above_p``) the one-rank reference."""
+    busy, ratio, most = bound
+    share = "half" if p == 2 else f"1/{p} of"
+    did = (f"1f1b's busiest rank computed {busy:.1f} ms a step, {ratio:.2f}x {share} the one-rank "
+           "executor's step")
+    idle = "idle time: the bubbles, and each step's start and optimizer update"
+    if above_p and ratio < 1:  # the reference did the same work more slowly than the ranks
+        return (f"Why more than {p}x: {did} (stepped in the same turns): the one device did the same work "
+                "more slowly than the ranks. A likely cause: it holds every microbatch's activations of "
+                "the whole model at once (GPipe's order), where a rank holds its own stages' share, so its "
+                "arrays leave the caches; the pipelines' gain over it is then more than their bubbles and "
+                "ranks alone explain.")
+    if most < p:
+        return (f"Why not {p}x: {did} (stepped in the same turns), so a pipeline with no bubble at all would "
+                f"reach at most {most:.2f}x here; the rest of the gap to {p}x is {idle}.")
+    # the ranks did no more than their share: only idle time stands between the pipeline and px
+    return (f"Why not {p}x: {did} (stepped in the same turns): no more than its share of the work, so what "
+            f"stands between the pipelines and {p}x is {idle}.")
 
+
+def _in_ms(timeline):
     events = [Event(e.rank, e.action, e.start * 1e3, e.end * 1e3) for e in timeline.events]
     return Timeline.from_events(events, timeline.num_ranks, source=timeline.source)
 
 
 def _memory_section(c: Comparison) -> str:
     """Measured activation bytes per rank beside the plan's, per schedule (where recorded)."""
-    from ..viz import measured_memory_figure
-
     runs = [r for r in c.ranked if r.measured.measured_memory is not None]
     if not runs:
         return ""
-    rows = "".join(
-        f"<tr><td>{html.escape(r.schedule.name)}</td><td>{', '.join(str(b) for b in r.measured.measured_memory.peak_bytes)}</td>"
-        f"<td>{', '.join(str(int(b)) for b in r.measured.planned_peak_bytes)}</td></tr>" for r in runs)
-    figures = "".join(measured_memory_figure(r.measured, title=r.schedule.name, time_unit="ms").to_html(full_html=False, include_plotlyjs=False)
-                      for r in runs)
-    return (f"<h2>Activation memory per rank</h2><p>Measured: the bytes each rank's actions kept for the schedule (F's residuals "
-            f"and W's operands, B's output gradients), counted from the arrays' shapes and dtypes. Planned: the plan's memory "
-            f"model with the measured M_B and M_W of every stage.</p><table><tr><th>schedule</th><th>measured peak per rank "
-            f"(bytes)</th><th>planned peak per rank (bytes)</th></tr>{rows}</table>{figures}")
+    rows = "".join(f"<tr><td>{html.escape(r.schedule.name)}</td>"
+                   f"<td>{', '.join(str(b) for b in r.measured.measured_memory.peak_bytes)}</td>"
+                   f"<td>{', '.join(str(int(b)) for b in r.measured.planned_peak_bytes)}</td></tr>"
+                   for r in runs)
+    figures = "".join(measured_memory_figure(r.measured, title=r.schedule.name, time_unit="ms")
+                      .to_html(full_html=False, include_plotlyjs=False) for r in runs)
+    return ("<h2>Activation memory per rank</h2><p>Measured: the bytes each rank's actions kept for the "
+            "schedule (F's residuals and W's operands, B's output gradients), counted from the arrays' "
+            "shapes and dtypes. Planned: the plan's memory model with the measured M_B and M_W of every "
+            "stage.</p>"
+            "<table><tr><th>schedule</th><th>measured peak per rank (bytes)</th><th>planned peak per rank "
+            f"(bytes)</th></tr>{rows}</table>{figures}")
 
 
 def html_report(c: Comparison) -> str:
     """One self-contained page: the summary figure and paragraph, the table, then planned above
     measured per schedule (ms)."""
-    from ..viz import compare_figure
-    from ..viz.summary import SummaryRow, summary_figure
-
     args = c.args
     ref_name, ref_ms = c.reference
-    rows = [SummaryRow(r.schedule.name, _median_step_ms(r), r.simulated.makespan * 1e3, _median_bubble(r), r.simulated.bubble_rate)
-            for r in c.ranked]
-    summary = summary_figure(rows, title=f"p = {args.ranks} ranks, m = {args.microbatches} microbatches: fastest at the top",
-                             reference=(ref_name, ref_ms))
+    rows = [SummaryRow(r.schedule.name, _median_step_ms(r), r.simulated.makespan * 1e3, _median_bubble(r),
+                       r.simulated.bubble_rate) for r in c.ranked]
+    summary = summary_figure(rows, reference=(ref_name, ref_ms),
+                             title=f"p = {args.ranks} ranks, m = {args.microbatches} microbatches: "
+                                   "fastest at the top")
     parts = [summary.to_html(full_html=False, include_plotlyjs=True)]
-    head = ["schedule", "stages", "step (ms)", "speed-up", "makespan (ms)", "planned (ms)", "measured / planned",
-            "bubble rate", "planned bubble rate", "loss first", "loss last", "grad rel. error"]
+    head = ["schedule", "stages", "step (ms)", "speed-up", "makespan (ms)", "planned (ms)",
+            "measured / planned", "bubble rate", "planned bubble rate", "loss first", "loss last",
+            "grad rel. error"]
     table = []
     for r in c.ranked:
         step = _median_step_ms(r)
         cells = (html.escape(r.schedule.name), r.schedule.num_stages, f"{step:.2f}", f"{ref_ms / step:.2f}",
-                 f"{r.measured.makespan * 1e3:.2f}", f"{r.simulated.makespan * 1e3:.2f}", f"{r.measured.makespan / r.simulated.makespan:.3f}",
-                 f"{_median_bubble(r):.3f}", f"{r.simulated.bubble_rate:.3f}", f"{r.losses[0]:.4f}", f"{r.losses[-1]:.4f}",
+                 f"{r.measured.makespan * 1e3:.2f}", f"{r.simulated.makespan * 1e3:.2f}",
+                 f"{r.measured.makespan / r.simulated.makespan:.3f}", f"{_median_bubble(r):.3f}",
+                 f"{r.simulated.bubble_rate:.3f}", f"{r.losses[0]:.4f}", f"{r.losses[-1]:.4f}",
                  "-" if r.grad_max_rel_error is None else f"{r.grad_max_rel_error:.1e}")
         table.append("<tr>" + "".join(f"<td>{v}</td>" for v in cells) + "</tr>")
-    table += [f"<tr><td>{html.escape(n)}</td><td colspan='{len(head) - 1}'>not run: {html.escape(why)}</td></tr>" for n, why in c.notes.items()]
-    refs = "".join(f"<li>{html.escape(n)}: {s * 1e3:.1f} ms{' (the reference)' if n == ref_name else ''}</li>" for n, s in c.references.items())
+    table += [f"<tr><td>{html.escape(n)}</td><td colspan='{len(head) - 1}'>not run: "
+              f"{html.escape(why)}</td></tr>" for n, why in c.notes.items()]
+    refs = "".join(f"<li>{html.escape(n)}: {s * 1e3:.1f} "
+                   f"ms{' (the reference)' if n == ref_name else ''}</li>" for n, s in c.references.items())
     for r in c.ranked:
         fig = compare_figure(_in_ms(r.simulated), _in_ms(r.measured), time_unit="ms",
                              title=f"{r.schedule.name}: planned (simulator, measured costs) vs measured")
         parts.append(fig.to_html(full_html=False, include_plotlyjs=False))
     memory = _memory_section(c)
     paragraph = "".join(f"<p>{html.escape(line)}</p>" for line in summary_text(c).splitlines())
-    mode = ("one process per rank, each pinned to its own core, schedules taking turns step by step" if c.mode == "processes"
-            else "ranks as threads of one process, sharing cores")
+    mode = ("one process per rank, each pinned to its own core, schedules taking turns step by step"
+            if c.mode == "processes" else "ranks as threads of one process, sharing cores")
     learned = ""
     if c.learned is not None:
-        learned = (f"<h2>Does it learn?</h2><p>{html.escape(c.learned.schedule.name)} trained from the start for "
-                   f"{len(c.learned.losses)} steps: test accuracy <b>{c.learned.test_accuracy:.3f}</b> on the held-out digits. "
-                   f"The comparison above runs only {args.steps} steps per schedule, too few to learn: it reports no accuracy.</p>")
+        learned = (f"<h2>Does it learn?</h2><p>{html.escape(c.learned.schedule.name)} trained from the "
+                   f"start for {len(c.learned.losses)} steps: test accuracy "
+                   f"<b>{c.learned.test_accuracy:.3f}</b> on the held-out digits. The comparison above runs "
+                   f"only {args.steps} steps per schedule, too few to learn: it reports no accuracy.</p>")
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>zbpp_lite compare: p={args.ranks}, m={args.microbatches}</title>
-<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} table{{border-collapse:collapse}} td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style>
+<style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}</style>
 </head><body>
 <h1>Every schedule, live: p = {args.ranks} ranks, m = {args.microbatches} microbatches</h1>
 {parts[0]}
 {paragraph}
-<p>Digits Transformer d={args.d}, heads={args.heads}, blocks={c.blocks}, batch {args.batch}; {args.steps} steps per schedule
-({mode}). Step time: median over the steps after the first (which compiles). Planned: the simulator with the measured mean
-action costs of the schedule's median step. Gradient error: the first step against the unpartitioned model. All times in ms.</p>
+<p>Digits Transformer d={args.d}, heads={args.heads}, blocks={c.blocks}, batch {args.batch};
+{args.steps} steps per schedule ({mode}). Step time: median over the steps after the first (which
+compiles). Planned: the simulator with the measured mean action costs of the schedule's median
+step. Gradient error: the first step against the unpartitioned model. All times in ms.</p>
 <p>Single-device references, each on one core:</p><ul>{refs}</ul>
 <table><tr>{''.join(f'<th>{h}</th>' for h in head)}</tr>
 {chr(10).join(table)}

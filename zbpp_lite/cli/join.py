@@ -3,14 +3,14 @@ on several hosts, on JAX's distributed runtime; with none of these flags on a cl
 (SLURM, Open MPI, Cloud TPU, Kubernetes: :func:`zbpp_lite.runtime.cluster.detect_cluster`), the
 same with ``jax.distributed.initialize()`` finding them itself.
 
-The command is a small supervisor: it checks the flags, then runs the training in one child
-process (``python -m zbpp_lite.cli.launch_child``, the loop ``launch`` runs, with the ``ZBPP_*``
-environment) and relays its output. JAX's runtime ends a process from C++ on a fatal coordination
-error (a lost peer, a failed registration) with a stack trace; the supervisor prints instead one
-line naming the cause (:func:`~zbpp_lite.runtime.cluster.explain_runtime_failure`) and exits 1.
-The child dies with the supervisor (``PR_SET_PDEATHSIG``), so killing either leaves no orphan.
-Every wait is bounded: ``--timeout`` for registration, the coordinator's first answer and each
-transfer; ``--heartbeat`` for noticing a lost process. ``ZBPP_VERBOSE=1`` relays the child's whole stderr.
+The command is a small supervisor: it checks the flags, runs the training in one child process
+(``python -m zbpp_lite.cli.launch_child``, as ``launch`` does, with the ``ZBPP_*`` environment) and
+relays its output. Where JAX's runtime ends the child from C++ on a fatal coordination error (a
+lost peer, a failed registration), it prints one line naming the cause
+(:func:`~zbpp_lite.runtime.cluster.explain_runtime_failure`) and exits 1. The child dies with the
+supervisor (``PR_SET_PDEATHSIG``): no orphan. Every wait is bounded: ``--timeout`` (registration,
+the coordinator's first answer, each transfer), ``--heartbeat`` (a lost process).
+``ZBPP_VERBOSE=1`` relays the child's whole stderr.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import threading
 
+from ..runtime.cluster import detect_cluster, explain_runtime_failure, parse_address
+from ..runtime.devices import cpu_device_flags
 from . import CliError
 
 JOIN_FLAGS = ("coordinator", "num_processes", "process_id", "transfer_address", "timeout", "heartbeat")
@@ -31,22 +33,26 @@ _XLA_LOG = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|\s+@\s|\*\*\* )")
 def add_join_arguments(p: argparse.ArgumentParser) -> None:
     """The multi-host flags of ``train``."""
     g = p.add_argument_group("several hosts (JAX's distributed runtime; see README 'Several hosts')")
-    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a free port on it; every process gives the same")
-    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run, N >= 1 (the same on every process)")
-    g.add_argument("--process-id", type=int, metavar="I", help="this process's index in 0..N-1 (0 hosts the coordinator)")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a free port on it; "
+                                                              "every process gives the same")
+    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run, N >= 1 (the same on "
+                                                                  "every process)")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index in 0..N-1 (0 hosts the "
+                                                               "coordinator)")
     g.add_argument("--transfer-address", metavar="HOST:PORT",
-                   help="where this process listens for cross-host array transfers (default: its address towards the coordinator, a free port)")
-    g.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds any one wait may last (default 60)")
+                   help="where this process listens for cross-host array transfers (default: its address "
+                        "towards the coordinator, a free port)")
+    g.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds any one wait may last "
+                                                                            "(default 60)")
     g.add_argument("--heartbeat", type=float, default=10.0, metavar="S",
-                   help="seconds without a heartbeat before a process counts as lost and the others end (default 10)")
+                   help="seconds without a heartbeat before a process counts as lost and the others end "
+                        "(default 10)")
 
 
 def wants_join(args) -> bool:
     """True when ``train`` runs as one process of a multi-host run: a join flag is given, or
     (with none) the environment is a cluster JAX detects with more than one process."""
-    from ..runtime.cluster import detect_cluster
-
-    if any(getattr(args, k, None) is not None for k in ("coordinator", "num_processes", "process_id", "transfer_address")):
+    if any(getattr(args, k, None) is not None for k in JOIN_FLAGS[:4]):
         return True
     return detect_cluster() is not None
 
@@ -54,18 +60,18 @@ def wants_join(args) -> bool:
 def check_join_arguments(args, num_ranks: int) -> str:
     """Check the join flags; returns ``"flags"`` or the detected cluster's name. Raises CliError
     in one line naming the flag and the value wanted."""
-    from ..runtime.cluster import detect_cluster, parse_address
-
     given = {k: getattr(args, k) for k in ("coordinator", "num_processes", "process_id")}
     if any(v is not None for v in given.values()):
         missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
         if missing:
-            raise CliError(f"several hosts need --coordinator HOST:PORT, --num-processes N and --process-id I together; missing {', '.join(missing)}")
+            raise CliError("several hosts need --coordinator HOST:PORT, --num-processes N and --process-id "
+                           f"I together; missing {', '.join(missing)}")
         mode = "flags"
     else:
         mode = detect_cluster()
         if mode is None:
-            raise CliError("--transfer-address needs --coordinator, --num-processes and --process-id (or a cluster JAX detects: SLURM, MPI, TPU, Kubernetes)")
+            raise CliError("--transfer-address needs --coordinator, --num-processes and --process-id (or a "
+                           "cluster JAX detects: SLURM, MPI, TPU, Kubernetes)")
     try:
         if args.coordinator is not None:
             parse_address(args.coordinator, "--coordinator")
@@ -79,9 +85,11 @@ def check_join_arguments(args, num_ranks: int) -> str:
     if i is not None and not 0 <= i < n:
         raise CliError(f"--process-id must be in 0..{n - 1} for --num-processes {n}, got {i}")
     if n is not None and n > num_ranks:
-        raise CliError(f"{n} processes for {num_ranks} ranks: every process must hold a rank; use --num-processes <= {num_ranks} or more --ranks")
+        raise CliError(f"{n} processes for {num_ranks} ranks: every process must hold a rank; use "
+                       f"--num-processes <= {num_ranks} or more --ranks")
     if not args.timeout > 0 or not args.heartbeat > 0:
-        raise CliError(f"--timeout and --heartbeat must be > 0 seconds, got {args.timeout} and {args.heartbeat}")
+        raise CliError(f"--timeout and --heartbeat must be > 0 seconds, got {args.timeout} and "
+                       f"{args.heartbeat}")
     return mode
 
 
@@ -95,10 +103,9 @@ def train_argv(args, parser: argparse.ArgumentParser) -> list[str]:
         value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue
-        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        elif isinstance(action, argparse._StoreFalseAction):
+        last = action.option_strings[-1]
+        flag = last if last.startswith("--") else action.option_strings[0]
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             argv.append(flag)
         elif isinstance(action, argparse._AppendAction):
             for v in value:
@@ -111,24 +118,22 @@ def train_argv(args, parser: argparse.ArgumentParser) -> list[str]:
 def child_env(args, num_ranks: int) -> dict:
     """The worker's environment: the ``ZBPP_*`` join settings and, for a known process count,
     the CPU devices its ranks need (plus one that receives transfers)."""
-    from ..runtime.devices import cpu_device_flags
-    from ..runtime.distributed import (
-        ENV_COORDINATOR, ENV_HEARTBEAT, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_TIMEOUT, ENV_TRANSFER_ADDRESS,
-    )
+    from ..runtime import distributed as dist  # it imports JAX, which the supervisor never needs otherwise
 
     env = dict(os.environ)
-    for name, value in ((ENV_COORDINATOR, args.coordinator), (ENV_NUM_PROCESSES, args.num_processes),
-                        (ENV_PROCESS_ID, args.process_id), (ENV_TRANSFER_ADDRESS, args.transfer_address)):
-        if value is not None:
-            env[name] = str(value)
-        else:
+    for name, value in ((dist.ENV_COORDINATOR, args.coordinator),
+                        (dist.ENV_NUM_PROCESSES, args.num_processes),
+                        (dist.ENV_PROCESS_ID, args.process_id),
+                        (dist.ENV_TRANSFER_ADDRESS, args.transfer_address)):
+        if value is None:
             env.pop(name, None)
-    env[ENV_TIMEOUT] = str(args.timeout)
-    env[ENV_HEARTBEAT] = str(args.heartbeat)
+        else:
+            env[name] = str(value)
+    env.update({dist.ENV_TIMEOUT: str(args.timeout), dist.ENV_HEARTBEAT: str(args.heartbeat),
+                "PYTHONUNBUFFERED": "1"})
     if args.num_processes is not None:
         n = args.num_processes
-        env["XLA_FLAGS"] = cpu_device_flags(-(-num_ranks // n) + (1 if n > 1 else 0), current=env.get("XLA_FLAGS", ""))
-    env["PYTHONUNBUFFERED"] = "1"
+        env["XLA_FLAGS"] = cpu_device_flags(-(-num_ranks // n) + (n > 1), current=env.get("XLA_FLAGS", ""))
     return env
 
 
@@ -137,8 +142,6 @@ def run_joined(args, schedule, parser: argparse.ArgumentParser, on_start=None) -
     with one ``error:`` line on stderr naming the cause). ``on_start`` gets the worker's pid.
     The caller has checked the train flags (``train.check_launchable``); raises CliError for bad
     join flags."""
-    from ..runtime.cluster import explain_runtime_failure
-
     check_join_arguments(args, schedule.num_ranks)
     child = subprocess.Popen(
         [sys.executable, "-m", "zbpp_lite.cli.launch_child", *train_argv(args, parser)],
@@ -172,9 +175,11 @@ def run_joined(args, schedule, parser: argparse.ArgumentParser, on_start=None) -
     if status == 0:
         return 0
     if not told:
-        line = explain_runtime_failure("".join(kept), args.process_id, args.coordinator, args.num_processes, args.timeout)
+        line = explain_runtime_failure("".join(kept), args.process_id, args.coordinator, args.num_processes,
+                                       args.timeout)
         if line is None:
             last = [x.strip() for x in kept if x.strip() and not _XLA_LOG.match(x)]
-            line = f"process {args.process_id if args.process_id is not None else '?'}: exited with status {status}" + (f": {last[-1][:300]}" if last else "")
+            who = args.process_id if args.process_id is not None else "?"
+            line = f"process {who}: exited with status {status}" + (f": {last[-1][:300]}" if last else "")
         print(f"error: {line}", file=sys.stderr, flush=True)
     return 1

@@ -1,8 +1,7 @@
-"""A child process of ``python -m zbpp_lite launch``: ``python -m zbpp_lite.cli.launch_child
-TRAIN_ARGS`` starts JAX's distributed runtime (:func:`zbpp_lite.runtime.distributed.initialize`, from
-the ``ZBPP_*`` environment ``launch`` sets), trains with the ``train`` command's arguments on a
-:func:`~zbpp_lite.runtime.distributed.process_executor`, and on process 0 prints the report
-``train`` prints.
+"""``python -m zbpp_lite.cli.launch_child TRAIN_ARGS``, a child of ``launch`` (or of a multi-host
+``train``): starts JAX's distributed runtime from the ``ZBPP_*`` environment
+(:func:`zbpp_lite.runtime.distributed.initialize`), trains on the executor of
+:func:`~zbpp_lite.runtime.distributed.process_executor`; process 0 prints ``train``'s report.
 """
 
 from __future__ import annotations
@@ -29,16 +28,16 @@ from ..runtime.devices import COUNT_FLAG
 from ..runtime.stages import StagedModel
 from ..schedules import strict_json
 from ..schedules.ir import Schedule
-from ..training.model import ModelConfig, RunConfig, build_parts
+from ..training.model import build_parts
 from ..training.train import train_steps as train_steps_of
 from . import build_parser
-from .train import check_launchable, check_sizes, report, resolve_schedule, run_spmd
+from .train import (check_launchable, check_sizes, model_config, plan_with_job_memory, report,
+                    resolve_schedule, run_config, run_spmd)
 
 
 def train_process(args) -> int:
     """A child process of ``launch``: start the runtime, train with ``args`` (the ``train``
     command's), and on process 0 print the report ``train`` prints. Returns an exit status."""
-
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
     check_launchable(args)  # launch checked it before starting us; a cluster's launcher did not
@@ -50,6 +49,9 @@ def train_process(args) -> int:
         print(f"process {process}: exiting on purpose (ZBPP_TEST_CRASH_PROCESS)", file=sys.stderr, flush=True)
         os._exit(3)
     devices = pipeline_devices(schedule.num_ranks)
+    # a memory-limited planner plans with this job's M_B and M_W in bytes, as train does (the same
+    # shapes on every process, so the same schedule); only process 0 says so
+    schedule = plan_with_job_memory(args, schedule, blocks, say=print if process == 0 else None)
     startup = time.perf_counter() - t0
     if process == 0:
         print(f"distributed runtime up in {startup:.2f} s: {count} processes; "
@@ -63,38 +65,36 @@ def train_process(args) -> int:
 
     def on_step(k: int, loss: float, timeline) -> None:
         if process == 0:
-            print(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  bubble rate {timeline.bubble_rate:.3f}", flush=True)
+            print(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  "
+                  f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
 
     result = train_steps(schedule, args, blocks, devices, on_step)
     if process == 0:
         print(report(result))
         step_ms = [1e3 * s for s in timed_steps(result.step_seconds)]
         print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s) "
-              f"{'after' if len(result.step_seconds) > 1 else 'including'} the first, which compiles: a step's wall "
-              "time on process 0, i.e. the pipeline's actions (their span is the makespan above) plus waiting for "
+              f"{'after' if len(result.step_seconds) > 1 else 'including'} the first, which compiles: a "
+              "step's wall "
+              "time on process 0, i.e. the pipeline's actions (their span is the makespan above) plus "
+              "waiting for "
               "the other processes, gathering the gradients onto one device and the AdamW update")
         if getattr(args, "json", None):
-            print(strict_json.write(args.json, {**result.to_json(), "startup_seconds": startup, "processes": count}))
+            data = {**result.to_json(), "startup_seconds": startup, "processes": count}
+            print(strict_json.write(args.json, data))
     return 0
 
 
 def device_name(device) -> str:
-    """``process 1's cpu 0``: the device's platform and its index among its own process's devices.
-
-    JAX's ``str(device)`` shows the global id (``cpu:2048`` for process 1's first CPU device), which
-    reads like a device count.
-    """
-    import jax
-
+    """``process 1's cpu 0``: the device's platform and its index among its own process's devices
+    (JAX's ``str(device)``, ``cpu:2048`` for process 1's first CPU device, reads like a device count)."""
     own = sorted((d for d in jax.devices() if d.process_index == device.process_index), key=lambda d: d.id)
     local = next((i for i, d in enumerate(own) if d.id == device.id), device.id)
     return f"process {device.process_index}'s {device.platform} {local}"
 
 
 def _ensure_cpu_devices(count: int) -> None:
-    """Ask for ``count`` simulated CPU devices when no ``XLA_FLAGS`` device count was set (a
-    detected cluster: the process count was not known before the runtime started). JAX's backend
-    has not started yet; ``jax_num_cpu_devices`` exists from JAX 0.4.38."""
+    """Ask for ``count`` simulated CPU devices where no ``XLA_FLAGS`` count was set (a detected
+    cluster: the process count was unknown before the runtime started); JAX 0.4.38 and later."""
     if COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
         return
     try:
@@ -104,16 +104,17 @@ def _ensure_cpu_devices(count: int) -> None:
 
 
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
-    """Train as :func:`zbpp_lite.training.train.train` does, through its step loop
-    (:func:`~zbpp_lite.training.train.train_steps`), with :func:`process_executor`'s executor: every
-    process holds the whole parameter list on its own default device and applies the same AdamW
-    update to the gathered gradients (identical on every process), so no final gather is needed.
-    Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config also names the process count."""
-    config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-    run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout)
-    executor = process_executor(StagedModel(build_parts(config), schedule.num_stages), schedule, devices,
-                                timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
-    result = train_steps_of(executor, args.steps, config, run, home=jax.local_devices()[0], on_step=on_step)
+    """Train through :func:`~zbpp_lite.training.train.train_steps` with a
+    :func:`process_executor`'s executor: every process holds the whole parameter list on its own default
+    device and applies the same AdamW update to the gathered gradients, so no final gather is
+    needed. Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config also names the
+    process count."""
+    config = model_config(args, blocks)
+    model = StagedModel(build_parts(config), schedule.num_stages)
+    executor = process_executor(model, schedule, devices,
+                                  timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
+    result = train_steps_of(executor, args.steps, config, run_config(args), home=jax.local_devices()[0],
+                            on_step=on_step)
     result.config["processes"] = jax.process_count()
     return result
 
@@ -134,7 +135,8 @@ if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train
         _status = train_process(_args)
     except BaseException as _e:  # noqa: BLE001 - one clear line on stderr, then out without waiting
         _msg = str(_e).strip().splitlines()[0] if str(_e).strip() else type(_e).__name__
-        _who = "" if _msg.startswith("process ") else f"process {os.environ.get(ENV_PROCESS_ID, '?')}: {type(_e).__name__}: "
+        _who = "" if _msg.startswith("process ") else \
+            f"process {os.environ.get(ENV_PROCESS_ID, '?')}: {type(_e).__name__}: "
         print(f"error: {_who}{_msg}", file=sys.stderr, flush=True)
         _status = 1
     sys.stdout.flush()

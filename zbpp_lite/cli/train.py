@@ -3,13 +3,16 @@
 Sets up the devices itself (real accelerators when there are enough, else simulated CPU
 devices; ``--platform`` picks them explicitly), prints every step's loss, the test accuracy, the
 gradient check against the unpartitioned model, and the measured makespan and bubble rate beside
-the simulated ones for the measured mean action costs. ``--json PATH`` writes all of it plus the measured trace.
+the simulated ones for the measured mean action costs. ``--json PATH`` writes all of it plus the
+measured trace.
 
 ``--platform gpu`` (or ``tpu``) with fewer such devices than ranks, but at least one: each
 stage's F, B, W are timed on one accelerator and the pipeline is simulated from those costs
 (printed as PROFILED), then the real training runs on simulated CPU devices (printed as REAL).
 """
 
+# Modules that import JAX (training, runtime.stages, analysis.profiling.device) are imported inside
+# the functions that use them: train's parser and its first flag checks run before JAX is imported.
 from __future__ import annotations
 
 import argparse
@@ -17,67 +20,107 @@ import dataclasses
 import os
 import sys
 
-from ..schedules import strict_json
-from . import CliError
+import zbpp_lite as zb
+
 from ..analysis.profiling.timelines import timed_steps
+from ..runtime import devices as dev  # a module: tests stand a CPU device in for an accelerator
+from ..runtime.processes import allowed_cores
+from ..schedules import strict_json
+from ..schedules.builders import options_of
+from ..training.data import load_digits
+from ..viz.memory import memory_lines
+from . import CliError
+from .join import add_join_arguments, run_joined, wants_join
+
+THREADS_NOTE = ("note: ranks run as threads of one process ({}); on shared cores a waiting rank lends its "
+                "core to the "
+                "others, so measured bubbles look smaller than on real devices")
+PROCESSES_NOTE = "{}: one process per rank, each pinned to its own core ({} ranks)"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model, data and optimizer flags shared by ``train`` and ``compare`` (each sets its own
-    defaults with ``set_defaults``; the help shows them)."""
-    parser.add_argument("--d", type=int, default=32, help="model width (default %(default)s; the PyTorch job uses 128)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default %(default)s)")
-    parser.add_argument("--blocks", type=int, default=None, help="Transformer blocks (default: %(default)s; none: 4, or one per stage if more stages)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch, a multiple of --microbatches (default %(default)s)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of init and batch order (default %(default)s)")
+    """Model, data and optimizer flags shared by ``train``, ``compare`` and ``adapt`` (each sets its
+    own defaults with ``set_defaults``; the help shows them)."""
+    add = parser.add_argument
+    add("--d", type=int, default=32, help="model width (default %(default)s; the PyTorch job uses 128)")
+    add("--heads", type=int, default=4, help="attention heads (default %(default)s)")
+    add("--blocks", type=int, default=None,
+        help="Transformer blocks (default: %(default)s; none: 4, or one per stage if more stages)")
+    add("--batch", type=int, default=64, help="global batch, a multiple of --microbatches (default "
+                                              "%(default)s)")
+    add("--lr", type=float, default=1e-3, help="AdamW learning rate (default %(default)s)")
+    add("--seed", type=int, default=0, help="seed of init and batch order (default %(default)s)")
+    add("--holdout", type=float, default=0.2, help="fraction of the digits held out for test accuracy "
+        "(default %(default)s; 0 = the PyTorch job's batches, tested on all)")
+
+
+def add_platform_argument(parser: argparse.ArgumentParser) -> None:
+    """``--platform``, shared by ``train`` and ``compare``."""
     parser.add_argument(
-        "--holdout", type=float, default=0.2,
-        help="fraction of the digits held out for test accuracy (default %(default)s; 0 = the PyTorch job's batches, tested on all)",
-    )
+        "--platform", choices=dev.PLATFORMS, default=None,
+        help="devices to run on: cpu = simulated CPU devices; gpu / tpu = that platform's devices, or, with "
+             "fewer "
+             "than the ranks, per-stage costs profiled on one of them and the pipeline simulated from them, "
+             "beside a "
+             "real run on simulated CPU devices (default: accelerators when there are enough, else CPU)")
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help=help_text, description=__doc__.split("\n\n")[0])
-    import zbpp_lite as zb
-
-    p.add_argument("--schedule", default="zb-h1", help=f"schedule name: {', '.join(zb.SCHEDULES)} (default zb-h1)")
-    p.add_argument("--schedule-csv", metavar="PATH", help="run a schedule read from PyTorch's CSV form instead of --schedule")
-    p.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices (default 2)")
-    p.add_argument("--microbatches", "-m", type=int, default=4, help="microbatches per step (default 4)")
-    p.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="builder option, e.g. stages_per_rank=2 (repeatable)")
+    add = p.add_argument
+    add("--schedule", default="zb-h1", help=f"schedule name: {', '.join(zb.SCHEDULES)} (default zb-h1)")
+    add("--schedule-csv", metavar="PATH", help="run a schedule read from PyTorch's CSV form instead of "
+                                               "--schedule")
+    add("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices (default 2)")
+    add("--microbatches", "-m", type=int, default=4, help="microbatches per step (default 4)")
+    add("--steps", type=int, default=30, help="training steps (default 30)")
+    add("--option", action="append", default=[], metavar="KEY=VALUE",
+        help="builder option, e.g. stages_per_rank=2 (repeatable)")
     add_model_arguments(p)
-    p.add_argument("--init", metavar="NPZ", help="start from torch_pp_bench.py --save-init weights")
-    p.add_argument("--json", metavar="PATH", help="write the results (and the measured trace) as JSON")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar (there is none when stderr is not a terminal)")
-    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with a core per rank")
-    p.add_argument("--max-grad-norm", type=float, default=None, metavar="NORM",
-                   help="clip gradients to this global norm, skip steps with NaN/Inf; the optimizer step then runs in the "
-                        "rank threads, synchronously unless --post-validation (arXiv 2401.10241 section 4)")
-    p.add_argument("--post-validation", action="store_true",
-                   help="with --max-grad-norm: step speculatively on the partial norm, validate, roll back if wrong")
-    p.add_argument("--spmd", action="store_true",
-                   help="run the schedule compiled into one SPMD program (lockstep ticks, zbpp_lite.runtime.spmd) instead of one thread per rank")
+    add("--init", metavar="NPZ", help="start from torch_pp_bench.py --save-init weights")
+    add("--json", metavar="PATH", help="write the results (and the measured trace) as JSON")
+    add("--no-progress", dest="progress", action="store_false",
+        help="no progress bar (there is none when stderr is not a terminal)")
+    add("--threads", action="store_true", help="run the ranks as threads of one process even with a core per "
+                                               "rank")
+    add("--max-grad-norm", type=float, default=None, metavar="NORM",
+        help="clip gradients to this global norm, skip steps with NaN/Inf; the optimizer step then runs in "
+             "the "
+             "rank threads, synchronously unless --post-validation (arXiv 2401.10241 section 4)")
+    add("--post-validation", action="store_true",
+        help="with --max-grad-norm: step speculatively on the partial norm, validate, roll back if wrong")
+    add("--spmd", action="store_true", help="run the schedule compiled into one SPMD program (lockstep "
+                                            "ticks, "
+        "zbpp_lite.runtime.spmd) instead of one thread per rank")
     add_platform_argument(p)
-    from .join import add_join_arguments
-
     add_join_arguments(p)
     p.set_defaults(_parser=p)
     return p
 
 
+def model_config(args, blocks: int):
+    """The job's :class:`~zbpp_lite.training.model.ModelConfig` from the model flags."""
+    from ..training.model import ModelConfig
+
+    return ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+
+
+def run_config(args, **more):
+    """The job's :class:`~zbpp_lite.training.model.RunConfig` from the data and optimizer flags."""
+    from ..training.model import RunConfig
+
+    return RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, **more)
+
+
 def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
     """``train --spmd``: the compiled SPMD executor (:func:`zbpp_lite.training.spmd.train_spmd`) on
     ``devices`` (which may span processes under ``launch``); process 0 prints and writes JSON."""
-    from ..training.data import load_digits
-    from ..training.model import ModelConfig, build_parts
-    from ..runtime.stages import StagedModel
+    import jax
+
     from ..training.spmd import train_spmd
 
-    model = StagedModel(build_parts(ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)), schedule.num_stages)
-    data = load_digits(args.holdout, args.seed)
-    batches = [data.batch(k, args.batch) for k in range(args.steps)]
+    model, x, y = job_stages(args, blocks, schedule.num_stages, None)
+    batches = [x.batch(k, args.batch) for k in range(args.steps)]
 
     def on_step(k: int, loss: float, seconds: float) -> None:
         if process == 0:
@@ -86,27 +129,15 @@ def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
     result = train_spmd(schedule, model, model.params, batches, args.lr, devices=devices, on_step=on_step)
     if process == 0:
         timed = sorted(timed_steps(result.step_seconds))
-        print(f"gradient check vs the unpartitioned model (step 0): max relative error {result.grad_max_rel_error:.2e}, "
+        print("gradient check vs the unpartitioned model (step 0): max relative error "
+              f"{result.grad_max_rel_error:.2e}, "
               f"loss difference {result.loss_error:.2e}")
         print(f"SPMD: median step {timed[len(timed) // 2] * 1e3:.2f} ms over {len(timed)} step(s); "
               f"{result.lockstep.makespan:g} lockstep ticks of the slowest action each (units of T_F)")
         if args.json:
-            import jax
-
-            print(strict_json.write(args.json, {**result.to_json(schedule), "processes": jax.process_count()}))
+            data = {**result.to_json(schedule), "processes": jax.process_count()}
+            print(strict_json.write(args.json, data))
     return 0
-
-
-def add_platform_argument(parser: argparse.ArgumentParser) -> None:
-    """``--platform``, shared by ``train`` and ``compare``."""
-    from ..runtime.devices import PLATFORMS
-
-    parser.add_argument(
-        "--platform", choices=PLATFORMS, default=None,
-        help="devices to run on: cpu = simulated CPU devices; gpu / tpu = that platform's devices, or, with fewer "
-             "than the ranks, per-stage costs profiled on one of them and the pipeline simulated from them, beside a "
-             "real run on simulated CPU devices (default: accelerators when there are enough, else CPU)",
-    )
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -116,28 +147,23 @@ def parse_options(pairs: list[str]) -> dict:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise CliError(f"--option needs KEY=VALUE, got {pair!r}")
-        for cast in (int, float):
+        for cast in (int, float, str):
             try:
                 options[key.strip().replace("-", "_")] = cast(value)
                 break
             except ValueError:
                 continue
-        else:
-            options[key.strip().replace("-", "_")] = value
     return options
 
 
 def resolve_schedule(args):
     """The Schedule the arguments ask for (validated), or CliError / ValueError naming the problem."""
-    import zbpp_lite as zb
-
-    if args.schedule_csv:
-        if not os.path.isfile(args.schedule_csv):
-            raise CliError(f"--schedule-csv: no such file {args.schedule_csv!r} (a CSV file is expected)")
-        schedule = zb.Schedule.from_csv(args.schedule_csv)
-    else:
-        schedule = zb.build_schedule(args.schedule, args.ranks, args.microbatches, **parse_options(args.option))
-    return zb.validate(schedule)
+    if not args.schedule_csv:
+        options = parse_options(args.option)
+        return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
+    if not os.path.isfile(args.schedule_csv):
+        raise CliError(f"--schedule-csv: no such file {args.schedule_csv!r} (a CSV file is expected)")
+    return zb.validate(zb.Schedule.from_csv(args.schedule_csv))
 
 
 def check_model_arguments(args, num_microbatches: int) -> None:
@@ -152,43 +178,39 @@ def check_model_arguments(args, num_microbatches: int) -> None:
 
 
 def check_sizes(args, schedule) -> int:
-    """Check every size before JAX starts; return the number of blocks to use."""
+    """Check every size before JAX starts, and ``--max-grad-norm`` / ``--post-validation`` /
+    ``--spmd`` together; return the number of blocks to use."""
     check_model_arguments(args, schedule.num_microbatches)
     blocks = args.blocks if args.blocks is not None else max(4, schedule.num_stages)
     if blocks < schedule.num_stages:
-        raise CliError(
-            f"--blocks {blocks} is fewer than the schedule's {schedule.num_stages} stages; every stage needs a block "
-            f"(use --blocks {schedule.num_stages} or more)"
-        )
-    check_guard_arguments(args)
-    return blocks
-
-
-def check_launchable(args) -> None:
-    """Train options ``launch`` cannot honour, refused with the flags named (CliError)."""
-    unsupported = [flag for flag, on in (("--max-grad-norm", args.max_grad_norm is not None), ("--init", bool(args.init)),
-                                          ("--platform", getattr(args, "platform", None) is not None)) if on]
-    if unsupported:
-        raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices: "
-                       f"{', '.join(unsupported)} is not supported there (drop it, or run train in one process)")
-
-
-def check_guard_arguments(args) -> None:
-    """``--max-grad-norm`` / ``--post-validation`` / ``--spmd`` together, before JAX starts."""
+        raise CliError(f"--blocks {blocks} is fewer than the schedule's {schedule.num_stages} stages; every "
+                       "stage needs "
+                       f"a block (use --blocks {schedule.num_stages} or more)")
     norm = getattr(args, "max_grad_norm", None)
     if getattr(args, "post_validation", False) and norm is None:
         raise CliError("--post-validation validates a clipped step: give --max-grad-norm N too")
     if norm is not None and not norm > 0:  # also NaN
         raise CliError(f"--max-grad-norm must be a number > 0, got {norm}")
     if getattr(args, "spmd", False) and (norm is not None or args.init):
-        raise CliError("--spmd trains plain AdamW from the model's own init: drop --max-grad-norm / --post-validation / --init")
+        raise CliError("--spmd trains plain AdamW from the model's own init: drop --max-grad-norm / "
+                       "--post-validation / --init")
+    return blocks
+
+
+def check_launchable(args) -> None:
+    """Train options ``launch`` cannot honour, refused with the flags named (CliError)."""
+    unsupported = [flag for flag, on in (("--max-grad-norm", args.max_grad_norm is not None),
+                                          ("--init", bool(args.init)),
+                                          ("--platform", getattr(args, "platform", None) is not None)) if on]
+    if unsupported:
+        raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices: "
+                       f"{', '.join(unsupported)} is not supported there (drop it, or run train in one "
+                       "process)")
 
 
 def setup_devices(num_ranks: int, platform: str | None = None):
-    from ..runtime.devices import ensure_devices
-
     try:
-        return ensure_devices(num_ranks, platform=platform)
+        return dev.ensure_devices(num_ranks, platform=platform)
     except RuntimeError as e:
         raise CliError(str(e)) from None
 
@@ -199,47 +221,61 @@ def setup_platform(num_ranks: int, platform: str | None):
     the real run then gets simulated CPU devices)."""
     if platform is None:
         return setup_devices(num_ranks), None
-    from ..runtime.devices import backend_started, cpu_device_flags, platform_devices
-
-    if not backend_started():  # CPU devices beside the accelerator: asked for before JAX starts
-        os.environ["XLA_FLAGS"] = cpu_device_flags(num_ranks)
-    if platform == "cpu":
-        return setup_devices(num_ranks, "cpu"), None
-    accelerators = platform_devices(platform)
-    if len(accelerators) >= num_ranks or not accelerators:
-        return setup_devices(num_ranks, platform), None  # enough, or none: CliError says how many
-    return setup_devices(num_ranks, "cpu"), accelerators[0]
+    if not dev.backend_started():  # CPU devices beside the accelerator: asked for before JAX starts
+        os.environ["XLA_FLAGS"] = dev.cpu_device_flags(num_ranks)
+    accelerators = [] if platform == "cpu" else dev.platform_devices(platform)
+    if platform == "cpu" or len(accelerators) >= num_ranks or not accelerators:  # none: CliError says so
+        devices, accelerator = setup_devices(num_ranks, platform), None
+    else:
+        devices, accelerator = setup_devices(num_ranks, "cpu"), accelerators[0]
+    return devices, accelerator
 
 
-def job_stages(args, blocks: int, num_stages: int, num_microbatches: int) -> tuple:
-    """``(model, x, y)``: the job's model cut into ``num_stages`` stages and its first microbatch."""
+def say_platform(what: str, devices) -> None:
+    """``REAL run on 2 simulated CPU devices``: where the real run of a ``--platform`` goes."""
+    kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
+    print(f"{what} on {len(devices)} {kind} devices", flush=True)
+
+
+def say_mode(what: str, num_ranks: int, why_threads: str | None, tails: tuple[str, str] = ("", "")) -> None:
+    """One process per rank (``what``: "REAL run"), or why the ranks are threads; each with its tail."""
+    line = PROCESSES_NOTE.format(what, num_ranks) + tails[0] if why_threads is None else \
+        THREADS_NOTE.format(why_threads) + tails[1]
+    print(line, flush=True)
+
+
+def job_stages(args, blocks: int, num_stages: int, num_microbatches: int | None) -> tuple:
+    """``(model, x, y)``: the job's model cut into ``num_stages`` stages and its first microbatch
+    (``num_microbatches`` None: ``x`` is the whole data set, ``y`` None)."""
     from ..runtime.stages import StagedModel, microbatch_size
-    from ..training.data import load_digits
-    from ..training.model import ModelConfig, build_parts
+    from ..training.model import build_parts
 
-    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
+    model = StagedModel(build_parts(model_config(args, blocks)), num_stages)
+    data = load_digits(args.holdout, args.seed)
+    if num_microbatches is None:
+        return model, data, None
+    x, y = data.batch(0, args.batch)
     mb = microbatch_size(args.batch, num_microbatches)
-    config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-    return StagedModel(build_parts(config), num_stages), x[:mb], y[:mb]
+    return model, x[:mb], y[:mb]
 
 
-def plan_with_job_memory(args, schedule, blocks: int):
+def plan_with_job_memory(args, schedule, blocks: int, say=print):
     """A memory-limited planner's schedule (one whose builder takes costs) planned again with this
     job's M_B and M_W per stage in bytes (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`,
     the executor's measurement, from shapes), so its peak holds what the run will hold. Kept as it
     is for a CSV schedule, another builder, or ``--option memory_limit=...`` (units of M_B: planned
-    with the default M_W share). Call it once JAX has its devices."""
-    import zbpp_lite as zb
+    with the default M_W share). ``say`` prints the line saying so (None: silent). Call it once JAX
+    has its devices."""
     from ..analysis.profiling.device import stage_memory_bytes
-    from ..schedules.builders import options_of
 
     options = parse_options(args.option)
     if args.schedule_csv or "costs" not in options_of(args.schedule) or "memory_limit" in options:
         return schedule
     job = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
     mem_b, mem_w = stage_memory_bytes(*job)
-    print(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and "
-          f"M_W {list(mem_w)} bytes", flush=True)
+    if say is not None:
+        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and "
+            f"M_W {list(mem_w)} bytes", flush=True)
     options["costs"] = zb.Costs(mem_b=mem_b, mem_w=mem_w)
     return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
 
@@ -253,45 +289,29 @@ def profile_pipelines(device, schedules: list, args, blocks: int, by_shape: dict
 
     profiled, by_shape = [], ({} if by_shape is None else by_shape)
     for schedule in schedules:
-        mb = microbatch_size(args.batch, schedule.num_microbatches)
-        if (schedule.num_stages, mb) not in by_shape:
-            model, x, y = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
-            by_shape[schedule.num_stages, mb] = profile_stage_costs(model, x, y, device)
-        costs = by_shape[schedule.num_stages, mb]
-        profiled.append((schedule, costs, simulate_profiled(schedule, costs)))
+        shape = (schedule.num_stages, microbatch_size(args.batch, schedule.num_microbatches))
+        if shape not in by_shape:
+            job = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
+            by_shape[shape] = profile_stage_costs(*job, device)
+        profiled.append((schedule, by_shape[shape], simulate_profiled(schedule, by_shape[shape])))
     return profiled
 
 
 def cost_table(costs, num_stages: int) -> list[str]:
     """Per-stage T_F, T_B, T_W in milliseconds, a header and one line per stage."""
-    return [
-        f"{'stage':>7}{'T_F (ms)':>11}{'T_B (ms)':>11}{'T_W (ms)':>11}",
-        *(f"{s:>7}{costs.f[s] * 1e3:>11.3f}{costs.b[s] * 1e3:>11.3f}{costs.w[s] * 1e3:>11.3f}" for s in range(num_stages)),
-    ]
-
-
-def profile_report(device, schedule, costs, timeline) -> str:
-    """The PROFILED lines: per-stage costs measured on ``device``, then the simulated pipeline."""
-    lines = [
-        f"PROFILED on {device}: T_F, T_B, T_W per stage, each stage timed alone on this one device",
-        *cost_table(costs, schedule.num_stages),
-        f"PROFILED on {device}: simulated pipeline from measured per-stage costs ({schedule.num_ranks} ranks, "
-        f"no transfer cost; nothing ran on {schedule.num_ranks} devices): makespan {timeline.makespan * 1e3:.3f} ms, "
-        f"bubble rate {timeline.bubble_rate:.4f}",
-    ]
-    return "\n".join(lines)
+    return [f"{'stage':>7}{'T_F (ms)':>11}{'T_B (ms)':>11}{'T_W (ms)':>11}",
+            *(f"{s:>7}{costs.f[s] * 1e3:>11.3f}{costs.b[s] * 1e3:>11.3f}{costs.w[s] * 1e3:>11.3f}"
+              for s in range(num_stages))]
 
 
 def profile_json(device, costs, timeline) -> dict:
-    return {"device": str(device), "costs_seconds": {"f": list(costs.f), "b": list(costs.b), "w": list(costs.w)},
+    return {"device": str(device), "costs_seconds": {k: list(getattr(costs, k)) for k in "fbw"},
             "simulated": {"makespan": timeline.makespan, "bubble_rate": timeline.bubble_rate}}
 
 
 def run(args) -> int:
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
-    from .join import run_joined, wants_join
-
     if wants_join(args):  # one process of a run on several hosts (README "Several hosts")
         check_launchable(args)
         return run_joined(args, schedule, args._parser)
@@ -302,48 +322,23 @@ def run(args) -> int:
     profiled = None
     if accelerator is not None:
         (_, costs, simulated), = profile_pipelines(accelerator, [schedule], args, blocks)
-        print(profile_report(accelerator, schedule, costs, simulated), flush=True)
+        print("\n".join([
+            f"PROFILED on {accelerator}: T_F, T_B, T_W per stage, each stage timed alone on this one device",
+            *cost_table(costs, schedule.num_stages),
+            f"PROFILED on {accelerator}: simulated pipeline from measured per-stage costs "
+            f"({schedule.num_ranks} ranks, "
+            f"no transfer cost; nothing ran on {schedule.num_ranks} devices): makespan "
+            f"{simulated.makespan * 1e3:.3f} ms, "
+            f"bubble rate {simulated.bubble_rate:.4f}"]), flush=True)
         profiled = profile_json(accelerator, costs, simulated)
     if args.platform is not None:
-        kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
-        print(f"REAL run on {len(devices)} {kind} devices", flush=True)
-
-    from tqdm.auto import tqdm
-
-    from ..training.model import ModelConfig
-    from ..training.train import RunConfig, train
-
-    print(
-        f"{schedule.name or 'custom'}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
-        f"{schedule.num_microbatches} microbatches; model d={args.d} heads={args.heads} blocks={blocks}; "
-        f"batch {args.batch}; devices {', '.join(str(d) for d in devices)}",
-        flush=True,
-    )
-
+        say_platform("REAL run", devices)
+    print(f"{schedule.name or 'custom'}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+          f"{schedule.num_microbatches} microbatches; model d={args.d} heads={args.heads} blocks={blocks}; "
+          f"batch {args.batch}; devices {', '.join(str(d) for d in devices)}", flush=True)
     if args.spmd:
         return run_spmd(args, schedule, blocks, devices)
-
-    def on_step(k: int, loss: float, timeline) -> None:
-        tqdm.write(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  bubble rate {timeline.bubble_rate:.3f}")
-        if loss != loss or abs(loss) == float("inf"):
-            tqdm.write(f"step {k:4d}  the loss is not finite: the run diverged (a smaller --lr may help)")
-
-    run = RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, init=args.init,
-                    progress=args.progress and sys.stderr.isatty(),  # a bar only on a terminal
-                    max_grad_norm=args.max_grad_norm, post_validation=args.post_validation)
-    model = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-    why_threads = threads_reason(args, schedule.num_ranks, devices)
-    if why_threads is None:
-        from ..training.turns import train_in_turns
-
-        named = dataclasses.replace(schedule, name=schedule.name or "custom")
-        print(f"REAL run: one process per rank, each pinned to its own core ({schedule.num_ranks} ranks)", flush=True)
-        result = train_in_turns([named], args.steps, model=model, run=run,
-                                on_step=lambda name, k, loss, timeline: on_step(k, loss, timeline))[named.name]
-    else:
-        print(f"note: ranks run as threads of one process ({why_threads}); on shared cores a waiting rank lends its core "
-              f"to the others, so measured bubbles look smaller than on real devices", flush=True)
-        result = train(schedule, steps=args.steps, model=model, run=run, devices=devices, on_step=on_step)
+    result = _train(args, schedule, blocks, devices)
     print(report(result))
     if args.json:
         data = result.to_json()
@@ -353,11 +348,35 @@ def run(args) -> int:
     return 0
 
 
+def _train(args, schedule, blocks: int, devices):
+    """Train in one pinned process per rank (:func:`~zbpp_lite.training.turns.train_in_turns`) or,
+    where :func:`threads_reason` says why not, in threads; print every step."""
+    from tqdm.auto import tqdm
+
+    from ..training.train import train
+    from ..training.turns import train_in_turns
+
+    def on_step(k: int, loss: float, timeline) -> None:
+        tqdm.write(f"step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  "
+                   f"bubble rate {timeline.bubble_rate:.3f}")
+        if loss != loss or abs(loss) == float("inf"):
+            tqdm.write(f"step {k:4d}  the loss is not finite: the run diverged (a smaller --lr may help)")
+
+    run = run_config(args, init=args.init, progress=args.progress and sys.stderr.isatty(),  # a bar: on a tty
+                     max_grad_norm=args.max_grad_norm, post_validation=args.post_validation)
+    model = model_config(args, blocks)
+    why_threads = threads_reason(args, schedule.num_ranks, devices)
+    say_mode("REAL run", schedule.num_ranks, why_threads)
+    if why_threads is not None:
+        return train(schedule, steps=args.steps, model=model, run=run, devices=devices, on_step=on_step)
+    named = dataclasses.replace(schedule, name=schedule.name or "custom")
+    return train_in_turns([named], args.steps, model=model, run=run,
+                          on_step=lambda name, k, loss, timeline: on_step(k, loss, timeline))[named.name]
+
+
 def threads_reason(args, num_ranks: int, devices) -> str | None:
     """Why this run's ranks are threads of one process rather than one pinned process each, or
     None when they get a process and a core each (CPU devices, enough cores, plain AdamW)."""
-    from ..runtime.processes import allowed_cores
-
     if getattr(args, "threads", False):
         return "--threads"
     if devices[0].platform != "cpu":
@@ -373,13 +392,12 @@ def threads_reason(args, num_ranks: int, devices) -> str | None:
 
 def report(result) -> str:
     """The closing lines: accuracy, gradient check, measured vs simulated (time and memory)."""
-    from ..viz.memory import memory_lines
-
     m, s = result.measured, result.simulated
     held = "held-out" if result.config.get("holdout") else "all"
     lines = [
         f"test accuracy ({held} samples): {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}",
-        f"gradient check vs the unpartitioned model (step 0): max relative error {result.grad_max_rel_error:.2e}, "
+        "gradient check vs the unpartitioned model (step 0): max relative error "
+        f"{result.grad_max_rel_error:.2e}, "
         f"loss difference {result.loss_error:.2e}",
         f"{'':10}{'makespan':>14}{'bubble rate':>14}",
         f"{'measured':10}{m.makespan * 1e3:>11.2f} ms{m.bubble_rate:>14.4f}",
@@ -391,9 +409,10 @@ def report(result) -> str:
     if guard:
         policy = "post-validation" if result.config.get("post_validation") else "synchronous"
         periods = sorted(result.step_seconds[1:-1]) or result.step_seconds
-        lines.append(
-            f"optimizer step in the rank threads, {policy}, max_grad_norm {result.config['max_grad_norm']:g}: "
-            f"{sum(r['clipped'] for r in guard)} of {len(guard)} steps clipped, {sum(r['skipped'] for r in guard)} skipped, "
-            f"{sum(bool(r['rolled_back']) for r in guard)} rolled back; median step period {periods[len(periods) // 2] * 1e3:.2f} ms"
-        )
+        lines.append(f"optimizer step in the rank threads, {policy}, max_grad_norm "
+                     f"{result.config['max_grad_norm']:g}: "
+                     f"{sum(r['clipped'] for r in guard)} of {len(guard)} steps clipped, "
+                     f"{sum(r['skipped'] for r in guard)} skipped, "
+                     f"{sum(bool(r['rolled_back']) for r in guard)} rolled "
+                     f"back; median step period {periods[len(periods) // 2] * 1e3:.2f} ms")
     return "\n".join(lines)

@@ -39,22 +39,15 @@ def timed(fn, *args) -> tuple[float, Any]:
 
 
 def stage_memory_bytes(model: StagedModel, x: Any, labels: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """M_B and M_W of every stage of ``model``, in bytes, for one microbatch shaped like ``x``.
+    """``(mem_b, mem_w)``: M_B and M_W of every stage of ``model``, two tuples of
+    ``model.num_stages`` integers, bytes, for one microbatch ``x`` (b, ...) with labels (b,) (arrays
+    or ``jax.ShapeDtypeStruct``).
 
     M_B: what F keeps (B's residuals and W's operands); M_W: what waits from B until W (W's
-    operands and the output gradients B keeps). These are the bytes the executor's recorder counts
-    for the same arrays (:mod:`zbpp_lite.runtime.memory`, one stage and microbatch; issue 22's
-    measurement), worked out from shapes and dtypes only (``jax.eval_shape``: nothing runs), so a
-    planner can use them before the first step. Source: Qi et al., arXiv 2401.10241, section 2.3,
-    table 1 (M_B, M_W per pass).
-
-    Args:
-        model: the staged model (its ``num_stages`` stages).
-        x: one microbatch of inputs (b, ...), an array or ``jax.ShapeDtypeStruct``.
-        labels: its labels (b,), as ``x``.
-
-    Returns:
-        ``(mem_b, mem_w)``: two tuples of ``model.num_stages`` integers, bytes.
+    operands and the output gradients B keeps): the bytes the executor's recorder counts for the
+    same arrays (:mod:`zbpp_lite.runtime.memory`), from shapes and dtypes only (``jax.eval_shape``:
+    nothing runs), so a planner can use them before the first step. Source: Qi et al., arXiv
+    2401.10241, section 2.3, table 1.
     """
     shapes = model.stage_inputs(np.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x)
     mem_b, mem_w = [], []
@@ -82,19 +75,11 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
     ``jax.block_until_ready`` of its outputs. A fused BW is timed only with ``fused``; otherwise
     the simulator costs it T_B + T_W, as :class:`~zbpp_lite.schedules.costs.Costs` does.
 
-    Args:
-        model: the staged model (its ``num_stages`` and ``parts`` are the pipeline's stages).
-        x: one microbatch of inputs (b, ...) float32, e.g. (b, 8, 8) digits.
-        labels: its labels (b,) integers.
-        device: the JAX device to time on (default ``jax.devices()[0]``).
-        repeats: timed calls per stage and kind (after the untimed ones), an integer >= 1.
-        fused: also time the fused backward BW (``Costs.bw``; on a real device often below
-            T_B + T_W, and zb-auto then splits only where the split pays).
-
-    Returns:
-        :class:`~zbpp_lite.schedules.costs.Costs` with ``f``, ``b``, ``w`` (and with ``fused`` ``bw``)
-        tuples of ``model.num_stages`` medians in seconds; ``comm`` 0; ``mem_b`` and ``mem_w`` the
-        stages' M_B and M_W in bytes (:func:`stage_memory_bytes`).
+    ``x``: one microbatch of inputs (b, ...) float32, e.g. (b, 8, 8) digits; ``labels`` (b,)
+    integers; ``device`` default ``jax.devices()[0]``; ``repeats`` timed calls per stage and kind,
+    an integer >= 1. Returns :class:`~zbpp_lite.schedules.costs.Costs`: ``f``, ``b``, ``w`` (and
+    with ``fused`` ``bw``, on a real device often below T_B + T_W) medians in seconds per stage,
+    ``comm`` 0, ``mem_b`` and ``mem_w`` in bytes (:func:`stage_memory_bytes`).
 
     Raises:
         ValueError: ``repeats`` below 1, or inputs and labels of different lengths.
@@ -116,7 +101,7 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
         aux = y if s == S - 1 else None
         _, own, _ = flat.forward(p, h, aux)
         out, own, kept = flat.forward(p, h, aux, own)  # again, into a spare (another program)
-        dy = jax.device_put(jnp.ones(jnp.shape(out), out.dtype), device)  # the last stage's output: the scalar loss
+        dy = jax.device_put(jnp.ones(jnp.shape(out), out.dtype), device)  # the last stage's: the scalar loss
         _, grads_out = flat.backward_input(p, own, dy)
         _, grads_out = flat.backward_input(p, own, dy, grads_out)
         acc = flat.backward_weight(p, kept, grads_out, None)  # a stage's first W: no sum yet
@@ -125,7 +110,8 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
         if fused:  # its own running sum (BW donates it), compiled without and with one
             acc_bw = flat.backward_fused(p, own, kept, dy, None)[1]
             acc_bw = jax.block_until_ready(flat.backward_fused(p, own, kept, dy, acc_bw)[1])
-        states.append({"flat": flat, "p": p, "h": h, "aux": aux, "dy": dy, "own": own, "grads": grads_out, "acc": acc, "acc_bw": acc_bw})
+        states.append({"flat": flat, "p": p, "h": h, "aux": aux, "dy": dy, "own": own, "grads": grads_out,
+                       "acc": acc, "acc_bw": acc_bw})
         h = out
     kinds = ("F", "B", "W", "BW") if fused else ("F", "B", "W")
     times: dict[str, list[list[float]]] = {kind: [[] for _ in range(S)] for kind in kinds}
@@ -136,7 +122,8 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
             tb, (_, grads_out) = timed(flat.backward_input, st["p"], own, st["dy"], st["grads"])
             tw, st["acc"] = timed(flat.backward_weight, st["p"], kept, grads_out, st["acc"])
             if fused:
-                tbw, (_, st["acc_bw"]) = timed(flat.backward_fused, st["p"], own, kept, st["dy"], st["acc_bw"])
+                tbw, (_, st["acc_bw"]) = timed(flat.backward_fused, st["p"], own, kept, st["dy"],
+                                               st["acc_bw"])
                 times["BW"][s].append(tbw)
             st["own"], st["grads"] = own, grads_out  # the donated spares were used up: these are next
             times["F"][s].append(tf)
@@ -149,12 +136,9 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
 
 
 def simulate_profiled(schedule: Schedule, costs: Costs) -> Timeline:
-    """The pipeline ``schedule`` would run, simulated from profiled per-stage costs.
-
-    Plain :func:`zbpp_lite.simulate` (section 3's cost model) with ``costs`` from
-    :func:`profile_stage_costs`: a timeline in seconds whose ``source`` is ``"simulated"``;
-    nothing in it ran on ``schedule.num_ranks`` devices. T_comm is whatever ``costs`` says
-    (0 from the profile).
+    """The pipeline ``schedule`` would run, simulated (:func:`zbpp_lite.simulate`, section 3's cost
+    model) from :func:`profile_stage_costs`'s costs: a timeline in seconds, ``source``
+    ``"simulated"``; nothing in it ran on ``schedule.num_ranks`` devices; T_comm as ``costs`` says.
 
     Raises:
         ScheduleError: an invalid schedule.

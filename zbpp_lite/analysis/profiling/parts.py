@@ -41,23 +41,18 @@ def _part_split(model: StagedModel, i: int, x: Any, labels: Any) -> StageSplit:
 
     aux = labels if last else None
     leaves = jax.tree_util.tree_leaves((model.params[i], x, aux))
-    key = (graphdef, i == 0, model.loss_fn if last else None, *[(np.shape(a), str(jnp.result_type(a))) for a in leaves])
+    key = (graphdef, i == 0, model.loss_fn if last else None,
+           *[(np.shape(a), str(jnp.result_type(a))) for a in leaves])
     if key not in _PART_SPLITS:
         _PART_SPLITS[key] = StageSplit(fn, model.params[i], x, aux, input_grad=i > 0)
     return _PART_SPLITS[key]
 
 
 def profile_parts(model: StagedModel, x: Any, labels: Any, device: Any = None, repeats: int = 7) -> PartCosts:
-    """Median T_F, T_B, T_W (seconds) of every part of ``model`` on one microbatch.
-
-    Args:
-        model: the staged model (its partition does not matter: parts are timed one by one).
-        x: one microbatch of inputs (b, ...) float32; ``labels`` (b,) integers.
-        device: where to run (default: JAX's first device).
-        repeats: timed calls per part and kind (after one untimed call that compiles).
-
-    Returns:
-        :class:`~zbpp_lite.analysis.rebalance.PartCosts` in model order.
+    """Median T_F, T_B, T_W (seconds) of every part of ``model`` (its partition does not matter)
+    on one microbatch ``x`` (b, ...) float32 with ``labels`` (b,) integers, on ``device`` (default:
+    JAX's first), ``repeats`` timed calls per part and kind after one that compiles: a
+    :class:`~zbpp_lite.analysis.rebalance.PartCosts` in model order.
 
     Raises:
         ValueError: repeats < 1, or inputs and labels of different lengths.

@@ -46,13 +46,8 @@ def timed_median(values: Sequence[float], skip: int = COMPILE_STEPS) -> float:
 
 @dataclass(frozen=True)
 class Transfer:
-    """One observed wait on another rank's output.
-
-    Attributes:
-        producer: the event whose output was awaited (on another rank).
-        consumer: the event that waited for it.
-        slack: consumer start - producer end, in the timeline's unit (seconds when measured).
-    """
+    """One observed wait of ``consumer`` on ``producer``'s output (on another rank); ``slack``:
+    consumer start - producer end, in the timeline's unit (seconds when measured)."""
 
     producer: Event
     consumer: Event
@@ -61,20 +56,13 @@ class Transfer:
 
 @dataclass(frozen=True)
 class CostProfile:
-    """Per-stage action costs of a run, with their spread.
+    """Per-stage action costs of ``num_timelines`` pooled timelines, with their spread.
 
-    Attributes:
-        f, b, w: mean T_F, T_B, T_W per stage (the timeline's unit, seconds when measured). For a
-            stage that only ran fused BW, ``b`` is the mean BW time and ``w`` is 0 (a BW costs
-            T_B + T_W, so the sum is right; the split is unknown: see ``fused``).
-        f_std, b_std, w_std: standard deviation of the same durations (0 for a single event).
-        counts: per stage, the number of (F, B or BW, W) events behind the means.
-        fused: per stage, whether its backward ran only as BW.
-        comm: T_comm, the mean slack of :func:`transfers` (0 when no rank ever waited on another
-            rank's output: the transfers were all hidden).
-        comm_std: standard deviation of those slacks.
-        comm_count: how many waits ``comm`` is the mean of.
-        num_timelines: how many timelines were pooled.
+    ``f``, ``b``, ``w``: mean T_F, T_B, T_W per stage (the timeline's unit, seconds when measured);
+    for a stage that only ran fused BW (``fused``), ``b`` is the mean BW time and ``w`` 0 (the sum is
+    right, the split unknown). ``*_std``: standard deviations (0 for one event); ``counts``: per
+    stage, the (F, B or BW, W) events behind the means. ``comm``: T_comm, the mean slack of
+    :func:`transfers` (0 when no rank ever waited on another's output), of ``comm_count`` waits.
     """
 
     f: tuple[float, ...]
@@ -110,16 +98,12 @@ class CostProfile:
         head = f"{'stage':>5}  {'T_F':>17}  {'T_B':>17}  {'T_W':>17}  {'F+B+W':>9}"
         lines = [f"costs in {unit} (mean +- std over {self.num_timelines} timeline(s))", head]
         for s in range(self.num_stages):
-            cells = [
-                f"{scale * m:8.3f} +- {scale * d:5.3f}"
-                for m, d in ((self.f[s], self.f_std[s]), (self.b[s], self.b_std[s]), (self.w[s], self.w_std[s]))
-            ]
+            pairs = ((self.f[s], self.f_std[s]), (self.b[s], self.b_std[s]), (self.w[s], self.w_std[s]))
+            cells = [f"{scale * m:8.3f} +- {scale * d:5.3f}" for m, d in pairs]
             note = "  (fused BW: T_B holds B+W)" if self.fused[s] else ""
             lines.append(f"{s:>5}  {'  '.join(cells)}  {scale * self.stage_time[s]:9.3f}{note}")
-        lines.append(
-            f"T_comm {scale * self.comm:.3f} +- {scale * self.comm_std:.3f} {unit} "
-            f"(from {self.comm_count} wait(s) on another rank's output)"
-        )
+        lines.append(f"T_comm {scale * self.comm:.3f} +- {scale * self.comm_std:.3f} {unit} "
+                     f"(from {self.comm_count} wait(s) on another rank's output)")
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -158,18 +142,15 @@ def producers(timeline: Timeline) -> dict[Key, Event]:
 
 def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: float = 1e-9) -> list[Transfer]:
     """Every wait on another rank's output: an event whose rank was idle when that output's
-    producer ended, and which started only afterwards, the awaited input being the last of its
-    inputs to be produced. ``slack`` is then the transfer time (plus dispatch latency when measured).
-
-    Args:
-        timeline: any timeline.
-        num_stages: S (default: one more than the largest stage in the events).
-        tolerance: a start within this of the producer's end counts as no wait.
+    producer ended, and which started only afterwards (more than ``tolerance`` later), the awaited
+    input being the last of its inputs to be produced. ``slack`` is then the transfer time (plus
+    dispatch latency when measured). ``num_stages``: S (default: one more than the largest seen).
 
     Raises:
         ValueError: an event whose input has no producing event in the timeline.
     """
-    S = num_stages if num_stages is not None else 1 + max((e.action.stage for e in timeline.events), default=0)
+    S = num_stages if num_stages is not None else 1 + max((e.action.stage for e in timeline.events),
+                                                          default=0)
     made = producers(timeline)
     found = []
     for r in range(timeline.num_ranks):
@@ -178,15 +159,14 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
             needed = []
             for key in deps(e.action, S):
                 if key not in made:
-                    raise ValueError(
-                        f"the timeline has no event producing {key[0]} of stage {key[1]}, microbatch {key[2]}, "
-                        f"which {e.action} on rank {r} needs; give the whole step's timeline"
-                    )
+                    raise ValueError(f"the timeline has no event producing {key[0]} of stage {key[1]}, "
+                                     "microbatch "
+                                     f"{key[2]}, which {e.action} on rank {r} needs; give the whole step's "
+                                     "timeline")
                 needed.append(made[key])
             if needed:
                 last = max(needed, key=lambda p: p.end)
-                waited = last.rank != r and last.end >= prev_end - tolerance and e.start > last.end + tolerance
-                if waited:
+                if last.rank != r and last.end >= prev_end - tolerance and e.start > last.end + tolerance:
                     found.append(Transfer(last, e, e.start - last.end))
             prev_end = e.end
     return found
@@ -195,24 +175,16 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
 def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = None) -> CostProfile:
     """Per-stage T_F, T_B, T_W (mean and standard deviation) and T_comm of one or several timelines.
 
-    Durations of all given timelines are pooled, so several measured steps give steadier means.
-
-    Args:
-        timelines: one :class:`~zbpp_lite.schedules.timeline.Timeline` or a sequence (e.g. every step of a
-            training run; all of the same pipeline).
-        num_stages: S (default: one more than the largest stage seen).
-
-    Returns:
-        A :class:`CostProfile` in the timelines' unit.
+    Durations of all given timelines (e.g. every step of a run, all of one pipeline) are pooled,
+    so several steps give steadier means; a :class:`CostProfile` in their unit. ``num_stages``: S
+    (default: one more than the largest stage seen).
 
     Raises:
         ValueError: no timeline or no event, a stage without an F event, a stage without B or BW
             events, or a stage with B but no W events (a partial timeline); the message names the
             stage and the missing kind.
     """
-    if isinstance(timelines, Timeline):
-        timelines = [timelines]
-    timelines = list(timelines)
+    timelines = [timelines] if isinstance(timelines, Timeline) else list(timelines)
     if not timelines or not any(t.events for t in timelines):
         raise ValueError("profile needs at least one timeline with events")
     S = num_stages if num_stages is not None else 1 + max(e.action.stage for t in timelines for e in t.events)
@@ -227,11 +199,16 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
     for s in range(S):
         f, b, w, bw = (durations.get((k, s), []) for k in ("F", "B", "W", "BW"))
         if not f:
-            raise ValueError(f"the timeline has no F event of stage {s}; every stage needs F and B (or BW) events to profile its costs")
+            raise ValueError(f"the timeline has no F event of stage {s}; every stage needs F and B (or BW) "
+                             "events "
+                             "to profile its costs")
         if not b and not bw:
-            raise ValueError(f"the timeline has no B or BW event of stage {s}; every stage needs a backward to profile its costs")
+            raise ValueError(f"the timeline has no B or BW event of stage {s}; every stage needs a backward "
+                             "to "
+                             "profile its costs")
         if b and not w:
-            raise ValueError(f"the timeline has B but no W events of stage {s}; give the whole step's timeline")
+            raise ValueError(f"the timeline has B but no W events of stage {s}; give the whole step's "
+                             "timeline")
         stats["f"].append(_mean_std(f))
         if b:
             stats["b"].append(_mean_std(b))
@@ -243,8 +220,8 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
         fused.append(not b)
     comm, comm_std = _mean_std(slacks) if slacks else (0.0, 0.0)
     return CostProfile(
-        f=tuple(m for m, _ in stats["f"]), b=tuple(m for m, _ in stats["b"]), w=tuple(m for m, _ in stats["w"]),
-        f_std=tuple(d for _, d in stats["f"]), b_std=tuple(d for _, d in stats["b"]), w_std=tuple(d for _, d in stats["w"]),
+        **{k: tuple(m for m, _ in stats[k]) for k in "fbw"},
+        **{f"{k}_std": tuple(d for _, d in stats[k]) for k in "fbw"},
         counts=tuple(counts), fused=tuple(fused), comm=comm, comm_std=comm_std, comm_count=len(slacks),
         num_timelines=len(timelines),
     )
@@ -253,14 +230,12 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
 def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -> Costs:
     """Mean measured action times per stage as :class:`~zbpp_lite.schedules.costs.Costs` (seconds).
 
-    ``timeline`` is one measured timeline or several (e.g. a zero-bubble run's with B and W
-    and a 1F1B run's with BW: their events are pooled). T_F, T_B, T_W are the mean durations of
-    that stage's F, B, W events and T_BW (``Costs.bw``) that of its BW events; where a stage ran
-    only fused BW, T_B = T_BW and T_W = 0, and where it ran no BW, T_BW = T_B + T_W. T_comm is the
-    mean wait on another rank's output (:func:`zbpp_lite.analysis.profiling.timelines.transfers`: from the producer's
-    end to the start of a consumer whose rank sat idle for it; the transfer plus the consumer's
-    wake-up), 0 when no rank waited on another (or the timelines lack the producers, e.g. one
-    process's ranks only); on a simulated timeline it is the simulated T_comm.
+    ``timeline``: one or several (e.g. a zero-bubble run's with B and W and a 1F1B run's with BW:
+    pooled). T_F, T_B, T_W, T_BW are the mean durations of that stage's F, B, W, BW events; a stage
+    that ran only BW gets T_B = T_BW and T_W = 0, one that ran no BW T_BW = T_B + T_W. T_comm is the
+    mean wait on another rank's output (:func:`transfers`: the transfer plus the consumer's
+    wake-up), 0 when no rank waited on another (or the producers are missing, e.g. one process's
+    ranks only); on a simulated timeline it is the simulated T_comm.
 
     Raises:
         ValueError: no timeline, ``num_stages`` below 1, a timeline whose stages are not
@@ -275,26 +250,20 @@ def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -
     for i, t in enumerate(timelines):
         stages = 1 + max((e.action.stage for e in t.events), default=-1)
         if stages != num_stages:
-            raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked for; "
+            raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked "
+                             "for; "
                              "pool only timelines of one cut of the model")
     durations = _durations(timelines)
 
-    def mean(kind: str, s: int) -> float | None:
-        values = durations.get((kind, s))
-        return _mean_std(values)[0] if values else None
-
     f, b, w, bw = [], [], [], []
     for s in range(num_stages):
-        tf, tb, tw, tbw = mean("F", s), mean("B", s), mean("W", s), mean("BW", s)
+        tf, tb, tw, tbw = (_mean_std(durations[k, s])[0] if (k, s) in durations else None
+                           for k in ("F", "B", "W", "BW"))
         if tf is None or (tb is None and tbw is None):
             raise ValueError(f"the timeline has no F or no backward of stage {s}; cannot derive its costs")
         f.append(tf)
-        if tb is not None:
-            b.append(tb)
-            w.append(tw if tw is not None else 0.0)
-        else:
-            b.append(tbw)
-            w.append(0.0)
+        b.append(tbw if tb is None else tb)
+        w.append(0.0 if tb is None or tw is None else tw)
         bw.append(tbw if tbw is not None else b[-1] + w[-1])
     slacks = []
     for t in timelines:
