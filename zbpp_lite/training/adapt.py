@@ -47,7 +47,8 @@ from ..schedules.ir import Schedule
 from ..schedules.timeline import Timeline
 from .data import Digits, load_digits
 from .model import ModelConfig, RunConfig, build_parts
-from .reference import evaluate, jitted_adamw, max_relative_error, reference_grads
+from .reference import evaluate
+from .train import StageAdamW, check_step, train_step
 from .turns import enough_cores, train_in_turns
 
 
@@ -419,78 +420,55 @@ class _Job:
 # ----------------------------------------------------------------------------- rank threads
 
 
-class _Trainer:
-    """Parameters and optimizer state per model module, so the partition can change between steps."""
-
-    def __init__(self, modules: list, num_stages: int, devices: Sequence[Any], run: RunConfig):
-        self.modules, self.num_stages, self.devices = modules, num_stages, list(devices)
-        self.model = StagedModel(modules, num_stages)
-        self.params = list(self.model.params)
-        self.opt, self._update = jitted_adamw(run.lr, run.weight_decay)
-        self.opt_state = [self.opt.init(p) for p in self.params]
-        self.executor = None
-
-    def use(self, parts: Parts, schedule: Schedule) -> None:
-        """Run the next steps with this partition and schedule; parameters and optimizer state
-        move to their new stages' devices."""
-        if self.model.parts != [list(p) for p in parts]:
-            self.model = StagedModel(self.modules, self.num_stages, parts=parts)
-        self.executor = PipelineExecutor(self.model, schedule, self.devices)
-        for s, stage in enumerate(self.model.parts):
-            for i in stage:
-                device = self.executor.stage_devices[s]
-                self.params[i] = jax.device_put(self.params[i], device)
-                self.opt_state[i] = jax.device_put(self.opt_state[i], device)
-
-    def step(self, x, y, check: bool) -> tuple[float, Timeline, float | None, float | None]:
-        """One training step; with ``check``, compare loss and gradients with the unpartitioned model."""
-        current = list(self.params)
-        result = self.executor.run(current, x, y)
-        grad_error = loss_error = None
-        if check:
-            ref_loss, ref_grads = reference_grads(self.model, current, x, y, self.devices[0])
-            grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - ref_loss)
-        for i, g in enumerate(result.grads):
-            self.params[i], self.opt_state[i] = self._update(g, self.opt_state[i], self.params[i])
-        jax.block_until_ready(self.params)
-        return result.loss, result.timeline, grad_error, loss_error
-
-
 def _worst(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
 
 
 class _Phases:
-    """Rank threads, one phase after the other: steps counted over both phases."""
+    """Rank threads, one phase after the other, steps counted over both phases: the one
+    :func:`~zbpp_lite.training.train.train_step`, AdamW's state carried from partition to partition."""
 
     def __init__(self, job: _Job, devices: Sequence[Any]):
-        self.job, self.step_no = job, 0
-        self.trainer = _Trainer(build_parts(job.config), job.options.ranks, devices, job.run)
+        self.job, self.devices, self.step_no = job, list(devices), 0
+        self.modules = build_parts(job.config)
+        self.model = StagedModel(self.modules, job.options.ranks)
+        self.adamw = StageAdamW(self.model.params, job.run)
+        self.executor: PipelineExecutor | None = None
 
-    def run(self, phase: Phase, name: str, count: int, replanner: OnlineReplanner | None, changes: list[dict]) -> None:
+    def use(self, parts: Parts, schedule: Schedule) -> None:
+        """Run the next steps with this partition and schedule (parameters and state move)."""
+        if self.model.parts != [list(p) for p in parts]:
+            self.model = StagedModel(self.modules, self.job.options.ranks, parts=parts)
+        self.executor = PipelineExecutor(self.model, schedule, self.devices)
+        self.adamw.place(self.model, dict(enumerate(self.executor.stage_devices)))
+
+    def run(self, phase: Phase, name: str, count: int, replanner: OnlineReplanner | None,
+            changes: list[dict]) -> None:
         """``count`` steps of ``phase``; the first step of every plan checked against the reference."""
         job, check = self.job, self.job.run.check_grads
         for _ in range(count):
             x, y = job.data.batch(self.step_no, job.run.batch)
-            loss, timeline, g_err, l_err = self.trainer.step(x, y, check)
+            before = list(self.adamw.params)
+            result, _, _ = train_step(self.executor, self.adamw, x, y)
+            if check:
+                g_err, l_err = check_step(self.model, before, x, y, result, self.devices[0])
+                phase.grad_max_rel_error = _worst(phase.grad_max_rel_error, g_err)
+                phase.loss_error = _worst(phase.loss_error, l_err)
             check = False
-            phase.schedules.append(self.trainer.executor.schedule)
-            phase.timelines.append(timeline)
-            phase.losses.append(loss)
-            phase.grad_max_rel_error = _worst(phase.grad_max_rel_error, g_err)
-            phase.loss_error = _worst(phase.loss_error, l_err)
+            phase.schedules.append(self.executor.schedule)
+            phase.timelines.append(result.timeline)
+            phase.losses.append(result.loss)
             if job.on_step is not None:
-                job.on_step(name, self.step_no, loss, timeline)
+                job.on_step(name, self.step_no, result.loss, result.timeline)
             self.step_no += 1
-            result = replanner.observe(timeline) if replanner is not None else None
-            if result is not None:
+            new = replanner.observe(result.timeline) if replanner is not None else None
+            if new is not None:
                 changes.append({
-                    "kind": "online-replan", "adopted": True, "step": self.step_no, "to": result.schedule.name,
-                    "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
-                    "why": f"costs drifted by {replanner.history[-1].drift:.1%}; predicted {result.gain:.1%} faster",
+                    "kind": "online-replan", "adopted": True, "step": self.step_no, "to": new.schedule.name,
+                    "predicted_makespan": new.predicted, "current_makespan": new.current, "gain": new.gain,
+                    "why": f"costs drifted by {replanner.history[-1].drift:.1%}; predicted {new.gain:.1%} faster",
                 })
-                self.trainer.use(phase.parts, result.schedule)
+                self.use(phase.parts, new.schedule)
                 check = job.run.check_grads
 
 
@@ -501,7 +479,7 @@ def _adapt_in_threads(job: _Job, devices: Sequence[Any]) -> AdaptResult:
     phases = _Phases(job, devices)
     # 1. before: ZB-H1 on the original partition
     before = Phase(job.original)
-    phases.trainer.use(job.original, start)
+    phases.use(job.original, start)
     phases.run(before, "before", o.profile_steps, None, [])
     # 2. detect
     measured = profile(before._timed(), o.ranks)
@@ -520,10 +498,10 @@ def _adapt_in_threads(job: _Job, devices: Sequence[Any]) -> AdaptResult:
         changes.append(change)
     # 5. after: train with the new partition and plan, re-planning online
     after = Phase(tuple(tuple(p) for p in parts))
-    phases.trainer.use(parts, schedule)
+    phases.use(parts, schedule)
     replanner = o.replanner(schedule, predicted) if o.online else None
     phases.run(after, "after", o.steps, replanner, changes)
-    test_loss, test_accuracy = evaluate(phases.trainer.model, phases.trainer.params, job.data.test_x, job.data.test_y,
+    test_loss, test_accuracy = evaluate(phases.model, phases.adamw.params, job.data.test_x, job.data.test_y,
                                         devices[0])
     return AdaptResult(
         before=before, after=after, profile=measured, attribution=found,

@@ -6,7 +6,7 @@ One module for everything a pipelined run is compared with:
   one device), :func:`evaluate` (loss and accuracy), :func:`max_relative_error` (the gradient
   check's measure);
 - the optimizer both sides use: :func:`adamw`, Optax's AdamW with PyTorch's defaults, and
-  :func:`jitted_adamw` its jitted update;
+  :func:`jitted_update` its jitted update;
 - speed: :func:`train_baseline`, the whole model trained on one device, one jitted step per batch
   (:func:`make_step`), and :func:`one_rank_schedule`, our executor on one rank.
 
@@ -65,27 +65,23 @@ def adamw(lr: float = 1e-3, weight_decay: float = 0.01) -> optax.GradientTransfo
 
 @functools.lru_cache(maxsize=8)
 def jitted_update(config: AdamWConfig) -> Callable:
-    """The jitted AdamW step of ``config``: ``update(grads, state, params) -> (params, state)``."""
+    """The package's one AdamW step, ``config.optimizer()`` (Optax) jitted over lists:
+    ``update(grads, states, params) -> (params, states)``, one entry per model module (or per
+    stage's leaves), each with its own state."""
     opt = config.optimizer()
 
     @jax.jit
-    def update(grads, state, params):
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    def update(grads, states, params):
+        out = [opt.update(g, st, p) for g, st, p in zip(grads, states, params)]
+        return [optax.apply_updates(p, u) for p, (u, _) in zip(params, out)], [st for _, st in out]
 
     return update
 
 
 def adamw_step(params: Any, state: Any, grads: Any, config: AdamWConfig) -> tuple[Any, Any]:
-    """One AdamW step of ``config`` (jitted): ``(params, state)`` after applying ``grads``."""
-    return jitted_update(config)(grads, state, params)
-
-
-def jitted_adamw(lr: float, weight_decay: float):
-    """AdamW with PyTorch's defaults (:func:`adamw`) and its jitted update
-    ``update(grads, state, params) -> (params, state)``; shared by train, adapt and distributed."""
-    config = AdamWConfig(learning_rate=lr, weight_decay=weight_decay)
-    return config.optimizer(), jitted_update(config)
+    """One AdamW step of ``config`` (:func:`jitted_update`): ``(params, state)`` after ``grads``."""
+    new, states = jitted_update(config)([grads], [state], [params])
+    return new[0], states[0]
 
 
 def max_relative_error(grads: Sequence[Any], reference: Sequence[Any]) -> float:

@@ -21,7 +21,10 @@ Layer: training.
 
 from __future__ import annotations
 
-import time
+import contextlib
+import dataclasses
+import os
+import types
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -29,12 +32,14 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from ..analysis.profiling.device import profile_stage_costs
 from ..analysis.profiling.timelines import measured_costs
 from ..analysis.rebalance import check_parts
 from ..runtime.devices import ensure_devices
 from ..runtime.executor import PipelineExecutor
 from ..runtime.processes import RankProcesses, allowed_cores, connect, disconnect
-from ..runtime.stages import StagedModel
+from ..runtime.stages import StagedModel, microbatch_size
+from ..schedules.costs import Costs
 from ..schedules.ir import Action, Schedule
 from ..schedules.memory import MeasuredMemory
 from ..schedules.simulate import simulate
@@ -42,8 +47,9 @@ from ..schedules.timeline import Event, Timeline
 from .data import Digits, load_digits
 from .messages import Message, parse
 from .model import ModelConfig, build_parts, load_torch_init
-from .reference import evaluate, max_relative_error, reference_grads
-from .train import RunConfig, StageAdamW, TrainResult, _checked_schedule, _pick_measured, settings_json
+from .reference import BaselineResult, evaluate, max_relative_error, reference_grads, train_baseline
+from .train import (RunConfig, StageAdamW, TrainResult, checked_schedule, pick_measured, settings_json,
+                    train_step)
 
 ENTRY = "zbpp_lite.training.turns:rank_main"
 
@@ -119,20 +125,9 @@ class Params(Message):
 # ----------------------------------------------------------------------------- a rank's process
 
 
-@dataclass
-class _Run:
-    """One schedule's training run on one rank: its model, executor, every module's parameters
-    (the stages of other ranks stay as initialised) and AdamW on this rank's stages."""
-
-    model: StagedModel
-    executor: Any
-    params: list
-    adamw: StageAdamW
-
-
-def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, _Run]:
-    """Every schedule's executor for rank ``rank``, each with its own parameters and AdamW state,
-    its update compiled for step 0's inputs and for its own outputs (later steps)."""
+def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, tuple[Any, StageAdamW]]:
+    """Every schedule's executor for rank ``rank`` and AdamW on its stages, each schedule with its
+    own parameters and state, the update compiled for step 0's inputs and its own outputs."""
     run = RunConfig(**config["run"])
     schedules = {name: schedule_from_json(d) for name, d in config["schedules"].items()}
     model_config = ModelConfig(**config["model"])
@@ -141,14 +136,16 @@ def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, _Run]:
     models = {name: StagedModel(build_parts(model_config), s.num_stages, parts=cuts[name]) if cuts.get(name)
               else shared[s.num_stages] for name, s in schedules.items()}
     initial = load_torch_init(run.init, model_config) if run.init else next(iter(shared.values())).params
-    executors = connect(peers, {name: (lambda remote, name=name, s=s: PipelineExecutor(models[name], s, [device], ranks=[rank],
-                                                                                     remote=remote))
-                                for name, s in schedules.items()})
+
+    def executor(name: str, s: Schedule) -> Callable:
+        return lambda remote: PipelineExecutor(models[name], s, [device], ranks=[rank], remote=remote)
+
+    executors = connect(peers, {name: executor(name, s) for name, s in schedules.items()})
     runs = {}
     for name in schedules:
-        adamw = StageAdamW(models[name], initial, {st: device for st in executors[name].local_stages}, run)
-        runs[name] = _Run(models[name], executors[name], [jax.device_put(p, device) for p in initial], adamw)
-        adamw.warm_up()
+        adamw = StageAdamW([jax.device_put(p, device) for p in initial], run)
+        adamw.place(models[name], {st: device for st in executors[name].local_stages}).warm_up()
+        runs[name] = (executors[name], adamw)
     return runs
 
 
@@ -158,26 +155,21 @@ def _leaves(tree) -> list:
 
 def _memory_json(memory, rank: int, at: float) -> dict:
     """This rank's activation-memory curves on the shared clock, its stages' M_B and M_W."""
-    return {"held": [[at + s, b] for s, b in memory.held[rank]], "received": [[at + s, b] for s, b in memory.received[rank]],
+    return {"held": [[at + s, b] for s, b in memory.held[rank]],
+            "received": [[at + s, b] for s, b in memory.received[rank]],
             "mem_b": list(memory.mem_b), "mem_w": list(memory.mem_w),
             "device_peak": memory.device_peak[rank] if len(memory.device_peak) > rank else None}
 
 
-def _rank_step(r: _Run, rank: int, command: Step, batch) -> Stepped:
-    """One step of one schedule on this rank: the executor, then AdamW on this rank's stages."""
-    for s, p in r.adamw.params.items():
-        for i, part in zip(r.model.parts[s], p):
-            r.params[i] = part
-    t0 = time.perf_counter()
-    result = r.executor.run(r.params, *batch)
-    ran = time.perf_counter() - t0
-    r.adamw.step(result.grads)
+def _rank_step(executor, adamw: StageAdamW, rank: int, command: Step, batch) -> Stepped:
+    """One step of one schedule on this rank: :func:`~zbpp_lite.training.train.train_step`."""
+    result, seconds, ran = train_step(executor, adamw, *batch)
     at, memory = result.started_at, result.timeline.measured_memory
+    grads = {str(s): _leaves(adamw.model.stage_params(result.grads, s)) for s in adamw.homes}
     return Stepped(
-        seconds=time.perf_counter() - t0, run_seconds=ran, losses=list(result.microbatch_losses),
+        seconds=seconds, run_seconds=ran, losses=list(result.microbatch_losses),
         events=[[e.rank, str(e.action), at + e.start, at + e.end] for e in result.timeline.events],
-        memory=None if memory is None else _memory_json(memory, rank, at),
-        grads={str(s): _leaves(r.model.stage_params(result.grads, s)) for s in r.adamw.params} if command.grads else None)
+        memory=None if memory is None else _memory_json(memory, rank, at), grads=grads if command.grads else None)
 
 
 def rank_main(rank: int, peers: dict, control, config: dict) -> None:
@@ -189,11 +181,11 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
     data = load_digits(config["run"]["holdout"], config["run"]["seed"])
     while (message := control.recv()) is not None:
         command = parse(message, Step, GetParams)
-        r = runs[command.schedule]
+        executor, adamw = runs[command.schedule]
         if isinstance(command, GetParams):
-            reply = Params({str(s): _leaves(p) for s, p in r.adamw.params.items()})
+            reply = Params({str(s): _leaves(p) for s, p in adamw.stage_params().items()})
         else:
-            reply = _rank_step(r, rank, command, data.batch(command.step, config["run"]["batch"]))
+            reply = _rank_step(executor, adamw, rank, command, data.batch(command.step, config["run"]["batch"]))
         control.send(reply.to_wire())
     disconnect(peers)
 
@@ -281,7 +273,7 @@ def _checked(schedules: Sequence[Schedule], steps: int, config: ModelConfig, run
     if run.max_grad_norm is not None:
         raise ValueError("max_grad_norm runs the optimizer inside the rank threads: use train() (threads) for clipping")
     for s in schedules:
-        _checked_schedule(s, s.num_ranks, s.num_microbatches, steps, config, run, None)
+        checked_schedule(s, s.num_ranks, s.num_microbatches, steps, config, run, None)
     cuts = {}
     for n, cut in (parts or {}).items():
         if n not in names:
@@ -421,7 +413,7 @@ class _Finish:
             loss_error = abs(rec.losses[0] - ref_loss)
         final = assemble(rec.final)
         test_loss, test_accuracy = evaluate(staged, final, self.data.test_x, self.data.test_y)
-        measured = _pick_measured(rec.timelines)
+        measured = pick_measured(rec.timelines)
         costs = measured_costs(measured, schedule.num_stages)
         cores = allowed_cores()
         return TrainResult(
@@ -433,3 +425,145 @@ class _Finish:
                     "processes": "one per rank, pinned",
                     "parts": [list(stage) for stage in staged.parts]},
         )
+
+
+# ----------------------------------------------------------------------------- one core
+
+
+ONE_CORE_ENTRY = "zbpp_lite.training.turns:one_core_main"
+ONE_CORE_JOB = ("holdout", "seed", "batch", "microbatches", "d", "heads", "lr")
+"""The job settings :class:`OneCore`'s helper is started with (attributes of its ``args``)."""
+
+
+@dataclass(frozen=True)
+class StageCosts(Message):
+    """To :class:`OneCore`'s helper: time every stage of the job cut into ``stages`` stages."""
+
+    op = "costs"
+    blocks: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class CostsAre(Message):
+    """The answer to :class:`StageCosts`: T_F, T_B, T_W, T_BW per stage (seconds), M_B, M_W (bytes)."""
+
+    op = "costs are"
+    f: list
+    b: list
+    w: list
+    bw: list
+    mem_b: list
+    mem_w: list
+
+
+@dataclass(frozen=True)
+class WholeBatch(Message):
+    """To :class:`OneCore`'s helper: train the whole batch as one jitted step ``steps`` times."""
+
+    op = "whole batch"
+    steps: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class StepSeconds(Message):
+    """The answer to :class:`WholeBatch`: every step's seconds."""
+
+    op = "step seconds"
+    step_seconds: list
+
+
+class OneCore:
+    """Single-device work (the planners' stage costs, the whole-batch reference) in one helper
+    process pinned to one core from its start (started on first use, stopped on leaving the
+    ``with`` block), as a rank process is: XLA then sizes its thread pool for that core. A process
+    pinned later keeps two threads taking turns on one core; on this project's 2-core machine that
+    made every pass 10-35% slower and (T_B + T_W) / T_BW 1.13-1.21, against 1.04-1.09 pinned from
+    the start. ``args``: the job (:data:`ONE_CORE_JOB` attributes); with ``use_processes`` false
+    (ranks as threads) the work runs in this process."""
+
+    def __init__(self, args, use_processes: bool):
+        self.args, self.use_processes, self.helper = args, use_processes, None
+
+    def __enter__(self) -> "OneCore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.helper is not None:
+            self.helper.close()
+            self.helper = None
+
+    def _ask(self, job: Message, reply: type[Message]) -> Message:
+        if self.helper is None:
+            config = {k: getattr(self.args, k) for k in ONE_CORE_JOB}
+            self.helper = RankProcesses(ONE_CORE_ENTRY, 1, config, pin=True)
+        self.helper.broadcast(job.to_wire())
+        return reply.from_wire(self.helper.gather()[0])
+
+    def costs(self, blocks: int, num_stages: int) -> Costs:
+        """T_F, T_B, T_W and T_BW of every stage (seconds) and M_B, M_W (bytes): :func:`_stage_costs`."""
+        if not self.use_processes:
+            return _stage_costs(self.args, blocks, num_stages)
+        return Costs(**dataclasses.asdict(self._ask(StageCosts(blocks, num_stages), CostsAre)))
+
+    def whole_batch(self, steps: int, blocks: int, device=None) -> list[float]:
+        """Step seconds of the whole batch as one jitted step on one core, every step."""
+        if not self.use_processes:
+            with one_core():
+                return list(_whole_batch(self.args, steps, blocks, device).step_seconds)
+        return self._ask(WholeBatch(steps, blocks), StepSeconds).step_seconds
+
+
+def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
+    """:class:`OneCore`'s helper process: answers :class:`StageCosts` with :class:`CostsAre` and
+    :class:`WholeBatch` with :class:`StepSeconds` for the job ``config`` (:data:`ONE_CORE_JOB`)."""
+    device = ensure_devices(1)[0]
+    args = types.SimpleNamespace(**config)
+    while (message := control.recv()) is not None:
+        job = parse(message, StageCosts, WholeBatch)
+        if isinstance(job, StageCosts):
+            costs = _stage_costs(args, job.blocks, job.stages)
+            reply: Message = CostsAre(**{f.name: list(getattr(costs, f.name)) for f in dataclasses.fields(CostsAre)})
+        else:
+            reply = StepSeconds(list(_whole_batch(args, job.steps, job.blocks, device).step_seconds))
+        control.send(reply.to_wire())
+
+
+def _whole_batch(args, steps: int, blocks: int, device) -> BaselineResult:
+    return train_baseline(steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
+                          run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout),
+                          device=device, data=load_digits(args.holdout, args.seed))
+
+
+def _stage_costs(args, blocks: int, num_stages: int) -> Costs:
+    """T_F, T_B, T_W and fused T_BW of every stage of the job cut into ``num_stages`` stages, timed
+    on this process's first device (seconds), and its M_B and M_W (bytes): what zb-auto, zb-v and
+    their kin plan with."""
+    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
+    mb = microbatch_size(args.batch, args.microbatches)
+    model = StagedModel(build_parts(ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)), num_stages)
+    return profile_stage_costs(model, x[:mb], y[:mb], repeats=15, fused=True)
+
+
+@contextlib.contextmanager
+def one_core(pin: bool = True):
+    """This process (every thread of it, XLA's pool included) on its first allowed core while
+    the block runs, as a rank process is; nothing where ``pin`` is false or affinity is unknown."""
+    affinity = os.sched_getaffinity(0) if pin and hasattr(os, "sched_getaffinity") else None
+
+    def every_thread(cores) -> None:  # Linux sets a thread's affinity, not a process's: each of them
+        tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+        for tid in tasks:
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+    try:
+        if affinity:
+            every_thread({min(affinity)})
+        yield
+    finally:
+        if affinity:
+            every_thread(affinity)

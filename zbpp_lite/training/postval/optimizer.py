@@ -38,10 +38,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ...runtime.transport import OptimizerMessage
-from .reference import StepReport
+from ..reference import adamw_step
+from .reference import StepReport, _clip
 from .rollback import AdamWConfig, adamw_rollback
 
 POLICIES = ("plain", "synchronous", "post-validation")
@@ -123,7 +123,6 @@ class StageOptimizer:
         self._pending: dict[int, dict] = {}  # rank -> what validate() needs from its last step
         self._lock = threading.Lock()
         self.reports: list[StepReport] = []
-        self._step_fn = jax.jit(_adamw_step_fn(opt), static_argnums=4)
         self._rollback_fn = jax.jit(lambda p, st, g: adamw_rollback(p, st, g, config))
         self._norm_fn = jax.jit(lambda g: (jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g]),
                                            jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g]))))
@@ -134,11 +133,11 @@ class StageOptimizer:
         inside a timed step (a compile there would show as a bubble of seconds)."""
         for s in self._params:
             zeros = tuple(jnp.zeros_like(p) for p in self._params[s])
-            outs = [self._step_fn(self._params[s], self._states[s], zeros, None, False)]
-            outs.append(self._step_fn(*outs[0], zeros, None, False))  # later steps: the outputs' own layout
+            outs = [adamw_step(self._params[s], self._states[s], zeros, self.config)]
+            outs.append(adamw_step(*outs[0], zeros, self.config))  # later steps: the outputs' own layout
             if self.policy != "plain":
                 outs.append(self._norm_fn(zeros))
-                outs.append(self._step_fn(self._params[s], self._states[s], zeros, (np.float32(1.0), np.float32(1.0)), True))
+                outs.append(_clip(zeros, self.max_norm, self.max_norm))
             if self.policy == "post-validation":
                 outs.append(self._rollback_fn(*outs[0], zeros))
             jax.block_until_ready(outs)
@@ -229,9 +228,9 @@ class StageOptimizer:
         return sq, finite
 
     def _apply(self, stage: int, grads: tuple, norm: float | None) -> None:
-        clip = norm is not None and norm >= self.max_norm
-        scale = (np.float32(norm), np.float32(self.max_norm)) if clip else None
-        self._params[stage], self._states[stage] = self._step_fn(self._params[stage], self._states[stage], grads, scale, clip)
+        if norm is not None:
+            grads = _clip(grads, norm, self.max_norm)
+        self._params[stage], self._states[stage] = adamw_step(self._params[stage], self._states[stage], grads, self.config)
 
     def _report(self, k: int, rank: int, norm: float, finite: bool, partial: float | None, rolled_back: bool) -> None:
         with self._lock:
@@ -242,17 +241,6 @@ class StageOptimizer:
                 report.partial_norms[rank] = partial
             if rolled_back:
                 report.rolled_back = sorted({*report.rolled_back, rank})
-
-
-def _adamw_step_fn(opt: optax.GradientTransformation):
-    def step(params, state, grads, scale, clip: bool):
-        if clip:  # postval._clip's rule with the norm reduced over every rank: g / norm * max_norm
-            norm, max_norm = scale
-            grads = tuple((g / norm) * max_norm for g in grads)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return step
 
 
 def guarded_run(executor, params, batches: Sequence[tuple[Any, Any]], policy: str, max_norm: float | None = None,

@@ -33,6 +33,8 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 from ..reference import adamw_step
 from .rollback import AdamWConfig, adamw_rollback
 
@@ -66,11 +68,14 @@ def _finite(tree: Any) -> bool:
     return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(tree))
 
 
+@jax.jit
+def _scale(tree: Any, norm: Any, max_norm: Any) -> Any:
+    return jax.tree_util.tree_map(lambda t: (t / norm) * max_norm, tree)
+
+
 def _clip(tree: Any, norm: float, max_norm: float) -> Any:
-    """optax.clip_by_global_norm's rule with a norm reduced elsewhere: t / norm * max_norm."""
-    if norm < max_norm:
-        return tree
-    return jax.tree_util.tree_map(lambda t: (t / jnp.asarray(norm, t.dtype)) * max_norm, tree)
+    """optax.clip_by_global_norm's rule with a norm reduced elsewhere: t / norm * max_norm (float32)."""
+    return tree if norm < max_norm else _scale(tree, np.float32(norm), np.float32(max_norm))
 
 
 def synchronous_step(
