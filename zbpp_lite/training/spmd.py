@@ -49,8 +49,9 @@ class SpmdTrainResult:
                 "lockstep_ticks": self.lockstep.makespan}
 
 
-def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: Sequence[tuple[Any, Any]], lr: float,
-               weight_decay: float = 0.01, devices: Sequence[Any] | None = None, on_step=None) -> SpmdTrainResult:
+def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: Sequence[tuple[Any, Any]],
+               lr: float, weight_decay: float = 0.01, devices: Sequence[Any] | None = None,
+               on_step=None) -> SpmdTrainResult:
     """Train any staged model the thread executor trains (its own stages, integer tokens
     included: :class:`zbpp_lite.runtime.spmd.SpmdExecutor`) with the compiled SPMD executor: each
     step one run of the program, then AdamW (PyTorch's defaults,
@@ -78,5 +79,6 @@ def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: 
         losses.append(result.loss)
         if on_step is not None:
             on_step(k, result.loss, seconds[-1])
-    return SpmdTrainResult(losses, seconds, grad_error, loss_error, simulate(schedule, Costs(), lockstep=True),
+    lockstep = simulate(schedule, Costs(), lockstep=True)
+    return SpmdTrainResult(losses, seconds, grad_error, loss_error, lockstep,
                            jax.tree_util.tree_map(np.asarray, adamw.params))

@@ -32,7 +32,7 @@ from ..schedules.simulate import simulate
 from ..schedules.timeline import Timeline
 from ..schedules.validate import validate
 from .data import Digits, load_digits
-from .model import ModelConfig, RunConfig, build_parts, load_torch_init
+from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
 from .postval import rollback
 from .postval.optimizer import StageOptimizer
 from .reference import evaluate, jitted_update, max_relative_error, reference_grads
@@ -89,10 +89,21 @@ class TrainResult:
             "simulated": {"makespan": sim.makespan, "bubble_rate": sim.bubble_rate},
             "memory": self._memory_json(),
             "costs": {"f": list(self.costs.f), "b": list(self.costs.b), "w": list(self.costs.w)},
-            "trace": [{"rank": e.rank, "action": str(e.action), "kind": e.action.kind, "stage": e.action.stage,
-                       "microbatch": e.action.microbatch, "start": e.start, "end": e.end} for e in m.events],
+            "trace": [{"rank": e.rank, "action": str(e.action), "kind": e.action.kind,
+                       "stage": e.action.stage, "microbatch": e.action.microbatch, "start": e.start,
+                       "end": e.end} for e in m.events],
             "config": self.config,
         }
+
+    @classmethod
+    def of(cls, schedule: Schedule, losses: list, timelines: list, seconds: list, params: Any,
+           errors: tuple, tested: tuple, config: dict) -> "TrainResult":
+        """The result of a run's steps: ``errors`` (gradient, loss) of the check, ``tested`` (test
+        loss, accuracy); the median step measured and simulated with its costs."""
+        measured = pick_measured(timelines)
+        costs = measured_costs(measured, schedule.num_stages)
+        return cls(schedule, losses, tested[1], tested[0], errors[0], errors[1], measured, costs,
+                   simulate(schedule, costs), timelines, seconds, params, config)
 
     def _memory_json(self) -> dict | None:
         """The measured step's activation memory (bytes, :meth:`MeasuredMemory.to_json`), the
@@ -187,7 +198,8 @@ class StageAdamW:
         for s, d in self.homes.items():
             for i in model.parts[s]:
                 self.params[i] = jax.device_put(self.params[i], d)
-                self.state[i] = jax.device_put(self.state[i] if i in self.state else opt.init(self.params[i]), d)
+                state = self.state[i] if i in self.state else opt.init(self.params[i])
+                self.state[i] = jax.device_put(state, d)
         return self
 
     def stage_params(self) -> dict[int, list]:
@@ -249,7 +261,8 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
     batches = [data.batch(k, run.batch) for k in range(steps)]
     losses, timelines, seconds, extra = [], [], [], {}
     if run.max_grad_norm is not None:
-        first, final = _guarded_steps(executor, params, batches, run, (losses, timelines, seconds, extra), on_step)
+        out = (losses, timelines, seconds, extra)
+        first, final = _guarded_steps(executor, params, batches, run, out, on_step)
     else:
         adamw = StageAdamW(params, run).place(staged, dict(enumerate(homes)))
         bar: Any = range(steps)
@@ -268,22 +281,9 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
                 on_step(k, result.loss, result.timeline)
         final = adamw.params
     errors = check_step(staged, params, *batches[0], first, homes[0]) if run.check_grads else (None, None)
-    test_loss, test_accuracy = evaluate(staged, final, data.test_x, data.test_y, homes[0])
-    measured = pick_measured(timelines)
-    costs = measured_costs(measured, sched.num_stages)
-    return TrainResult(
-        schedule=sched, losses=losses, test_accuracy=test_accuracy, test_loss=test_loss,
-        grad_max_rel_error=errors[0], loss_error=errors[1], measured=measured, costs=costs,
-        simulated=simulate(sched, costs), timelines=timelines, step_seconds=seconds, params=final,
-        config={**settings_json(config, run), "devices": [str(dev) for dev in executor.devices], **extra},
-    )
-
-
-def settings_json(config: ModelConfig, run: RunConfig) -> dict:
-    """The model's and the run's settings as ``TrainResult.config`` records them (JSON-ready)."""
-    return {"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
-            "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
-            "init": None if run.init is None else str(run.init)}
+    tested = evaluate(staged, final, data.test_x, data.test_y, homes[0])
+    settings = {**settings_json(config, run), "devices": [str(dev) for dev in executor.devices], **extra}
+    return TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
 
 
 def job_costs(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig) -> Costs:
@@ -304,11 +304,13 @@ def checked_schedule(schedule, ranks: int, microbatches: int, steps: int, config
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     options = dict(schedule_options or {})
-    needs_memory = not isinstance(schedule, Schedule) and "costs" in options_of(schedule) and "costs" not in options
+    named = not isinstance(schedule, Schedule)
+    needs_memory = named and "costs" in options_of(schedule) and "costs" not in options
     if needs_memory and "memory_limit" in options:
-        raise ValueError(f"{schedule}'s memory_limit counts units of Costs.mem_b: give costs=Costs(mem_b=..., "
-                         "mem_w=...) with it, or leave memory_limit out to plan with the job's measured M_B, M_W")
-    sched = schedule if isinstance(schedule, Schedule) else build_schedule(schedule, ranks, microbatches, **options)
+        raise ValueError(f"{schedule}'s memory_limit counts units of Costs.mem_b: give "
+                         "costs=Costs(mem_b=..., mem_w=...) with it, or leave memory_limit out "
+                         "to plan with the job's M_B, M_W")
+    sched = build_schedule(schedule, ranks, microbatches, **options) if named else schedule
     validate(sched)
     microbatch_size(run.batch, sched.num_microbatches)
     stage_parts(config.blocks, sched.num_stages)  # raises for fewer blocks than stages
@@ -338,8 +340,9 @@ def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_ste
         if on_step is not None:
             on_step(k, r.loss, r.timeline)
     extra.update({"max_grad_norm": run.max_grad_norm, "post_validation": run.post_validation,
-                  "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
-                                     "rolled_back": r.rolled_back} for r in guard.reports]})
+                  "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped,
+                                     "skipped": not r.finite, "rolled_back": r.rolled_back}
+                                    for r in guard.reports]})
     current, final = guard.params(), list(params)
     for s in range(executor.schedule.num_stages):
         like = model.stage_params(params, s)
