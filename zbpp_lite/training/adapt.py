@@ -46,7 +46,7 @@ from ..schedules.costs import Costs
 from ..schedules.ir import Schedule
 from ..schedules.timeline import Timeline
 from .data import Digits, load_digits
-from .model import ModelConfig, RunConfig, build_parts
+from .model import ModelConfig, RunConfig, build_parts, settings_json
 from .reference import evaluate
 from .train import StageAdamW, check_step, pick_measured, train_step
 from .turns import enough_cores, train_in_turns
@@ -288,13 +288,9 @@ class AdaptOptions:
 
     def to_json(self, config: ModelConfig, run: RunConfig) -> dict:
         """The settings as :attr:`AdaptResult.config` records them."""
-        return {"ranks": self.ranks, "microbatches": self.microbatches, "steps": self.steps,
-                "profile_steps": self.profile_steps, "imbalance": self.imbalance, "blocks": config.blocks,
-                "d": config.d, "heads": config.heads, "batch": run.batch, "lr": run.lr,
-                "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
-                "memory_limit": self.memory_limit, "every": self.every, "threshold": self.threshold,
-                "patience": self.patience, "min_gain": self.min_gain, "margin": self.margin,
-                "confidence": self.confidence}
+        keys = ("ranks", "microbatches", "steps", "profile_steps", "imbalance", "memory_limit", "every",
+                "threshold", "patience", "min_gain", "margin", "confidence")
+        return {**settings_json(config, run), **{k: getattr(self, k) for k in keys}}
 
 
 def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | None = None,
@@ -372,6 +368,21 @@ class _Job:
         staged = StagedModel(build_parts(self.config), self.options.ranks, parts=self.original)
         timed_parts = profile_parts(staged, x0[:mb], y0[:mb], device, self.options.repeats)
         return calibrate(timed_parts, self.original, measured.costs())
+
+    def candidates(self, measured: CostProfile, device: Any, start: Schedule,
+                   judged: bool) -> tuple[PartCosts, list[dict], Parts, Costs, Schedule]:
+        """Steps 3 and 4 from the measured costs: (part costs, change records, partition, the
+        costs predicted for it with the moved parts shifted, schedule)."""
+        o, part_costs = self.options, self.part_costs(measured, device)
+        changes, parts, schedule = [], self.original, start
+        if o.rebalance:
+            parts, change = self.rebalance(part_costs, judged)
+            changes.append(change)
+        predicted = moved_costs(part_costs, self.original, parts, measured.costs())
+        if o.replan_schedule:
+            schedule, change = self.replan(predicted, start, judged)
+            changes.append(change)
+        return part_costs, changes, parts, predicted, schedule
 
     def rebalance(self, part_costs: PartCosts, judged: bool) -> tuple[Parts, dict]:
         """The best partition and the change record (``judged``: tried now, measured later)."""
@@ -476,17 +487,8 @@ def _adapt_in_threads(job: _Job, devices: Sequence[Any]) -> AdaptResult:
     measured = profile(before._timed(), o.ranks)
     found = attribute(before.measured, before.measured_schedule, measured.costs(), o.margin)
     # 3. rebalance, 4. re-plan from the measured costs, moved parts accounted for
-    part_costs = job.part_costs(measured, devices[0])
-    changes: list[dict] = []
-    parts = job.original
-    if o.rebalance:
-        parts, change = job.rebalance(part_costs, judged=False)
-        changes.append(change)
-    predicted = moved_costs(part_costs, job.original, parts, measured.costs())
-    schedule = start
-    if o.replan_schedule:
-        schedule, change = job.replan(predicted, start, judged=False)
-        changes.append(change)
+    found_plan = job.candidates(measured, devices[0], start, judged=False)
+    part_costs, changes, parts, predicted, schedule = found_plan
     # 5. after: train with the new partition and plan, re-planning online
     after = Phase(tuple(tuple(p) for p in parts))
     phases.use(parts, schedule)
@@ -562,23 +564,16 @@ def _adapt_in_processes(job: _Job) -> AdaptResult:
     measured = profile(profiled_phase._timed(), o.ranks)
     found = attribute(profiled_phase.measured, profiled_phase.measured_schedule, measured.costs(), o.margin)
     # 2. candidates
-    part_costs = job.part_costs(measured, jax.devices()[0])
-    changes: list[dict] = []
+    found_plan = job.candidates(measured, jax.devices()[0], zb_h1, judged=True)
+    part_costs, changes, parts, predicted, schedule = found_plan
     plans: dict[str, tuple[Parts, Schedule]] = {"before": (job.original, _named(zb_h1, "before"))}
     if o.control:
         plans["control"] = (job.original, _named(zb_h1, "control"))
-    parts = job.original
-    if o.rebalance:
-        parts, change = job.rebalance(part_costs, judged=True)
-        changes.append(change)
-        if change["tried"]:
-            plans["rebalanced"] = (parts, _named(zb_h1, "rebalanced"))
-    predicted = moved_costs(part_costs, job.original, parts, measured.costs())
-    if o.replan_schedule:
-        schedule, change = job.replan(predicted, zb_h1, judged=True)
-        changes.append(change)
-        if change["tried"]:
-            plans["re-planned"] = (parts, _named(schedule, "re-planned"))
+    tried = {c["kind"] for c in changes if c["tried"]}
+    if "rebalance" in tried:
+        plans["rebalanced"] = (parts, _named(zb_h1, "rebalanced"))
+    if "replan" in tried:
+        plans["re-planned"] = (parts, _named(schedule, "re-planned"))
     # 3. judge: every plan in turns, step by step
     results = _in_turns(job, plans, job.stepper("judge", o.profile_steps))
     spans = {name: _spans(r) for name, r in results.items()}
