@@ -371,7 +371,7 @@ def test_compare_times_single_device_work_in_a_helper_pinned_from_its_start():
     to one core before JAX starts (as a rank is); what crosses back is parsed JSON."""
     import argparse
 
-    from zbpp_lite.cli.compare import OneCore
+    from zbpp_lite.training.turns import OneCore
 
     args = argparse.Namespace(holdout=0.2, seed=0, batch=8, microbatches=2, d=16, heads=2, lr=1e-3)
     with OneCore(args, use_processes=True) as one:

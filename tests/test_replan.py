@@ -267,3 +267,27 @@ def test_timed_steps_leave_out_the_compile_step_unless_it_is_the_only_one():
     assert timed_steps([9.0]) == [9.0]
     assert timed_steps([9.0, 8.0, 1.0, 3.0], skip=2) == [1.0, 3.0]
     assert timed_median([9.0, 1.0, 3.0, 2.0]) == 2.0
+
+
+def test_train_plans_a_memory_limited_schedule_named_with_the_jobs_measured_memory():
+    """Issue 31: ``train("zb-2p", ...)`` plans with the job's M_B and M_W in bytes
+    (stage_memory_bytes), not the default Costs() (M_W = 7/16 M_B); memory_limit alone is refused."""
+    import jax
+
+    from zbpp_lite.analysis.profiling.device import stage_memory_bytes
+    from zbpp_lite.runtime.stages import StagedModel
+    from zbpp_lite.training.data import load_digits
+    from zbpp_lite.training.model import ModelConfig, RunConfig, build_parts
+    from zbpp_lite.training.train import train
+
+    model, run = ModelConfig(d=16, heads=2, blocks=4), RunConfig(batch=16, check_grads=False)
+    x, y = load_digits(run.holdout, run.seed).batch(0, run.batch)
+    mem_b, mem_w = stage_memory_bytes(StagedModel(build_parts(model), 2), x[:2], y[:2])
+    measured = zb.Costs(mem_b=mem_b, mem_w=mem_w)
+    assert measured.mem_w[0] / measured.mem_b[0] != pytest.approx(7 / 16)
+    planned = zb.build_schedule("zb-2p", 2, 8, costs=measured)
+    assert planned.actions != zb.build_schedule("zb-2p", 2, 8).actions  # the defaults would plan otherwise
+    result = train("zb-2p", 2, 8, 1, model=model, run=run, devices=jax.devices()[:2])
+    assert result.schedule.actions == planned.actions
+    with pytest.raises(ValueError, match="memory_limit counts units of Costs.mem_b"):
+        train("zb-2p", 2, 8, 1, model=model, run=run, schedule_options={"memory_limit": 3.0})

@@ -12,8 +12,8 @@ Schedules whose builders need options get them from what is known: ``stages_per_
 ``memory_limit`` p activation units (1F1B's peak), and ``costs`` each stage's T_F, T_B, T_W and
 fused T_BW timed on one device before the runs (zb-auto then splits the backward only where a W
 fills a bubble; with ranks as processes, timed in a helper process pinned to one core from its
-start, as a rank is: :class:`OneCore`). A schedule that cannot be built or run is listed with the
-reason.
+start, as a rank is: :class:`~zbpp_lite.training.turns.OneCore`). A schedule that cannot be
+built or run is listed with the reason.
 
 The report (:mod:`.compare_report`) ranks the schedules by step time beside the plan's
 prediction, names the faster single-device reference the speed-ups are taken against, trains the
@@ -27,25 +27,19 @@ then the real runs go on simulated CPU devices (printed as REAL; the HTML report
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import inspect
-import os
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 
 import zbpp_lite as zb
 
 from ..analysis.profiling.timelines import timed_median
-from ..runtime.devices import ensure_devices
-from ..runtime.processes import RankProcesses
 from ..schedules.builders import lookup, options_of
 from ..schedules import strict_json
 from ..schedules.costs import Costs
 from ..training.data import load_digits
-from ..training.messages import Message, parse
 from ..training.reference import ONE_RANK, one_rank_schedule
 from ..training.train import train
 from ..training.turns import train_in_turns
@@ -162,129 +156,6 @@ def check_arguments(args) -> None:
     check_model_arguments(args, args.microbatches)
 
 
-ONE_CORE_ENTRY = "zbpp_lite.cli.compare:one_core_main"
-_JOB = ("holdout", "seed", "batch", "microbatches", "d", "heads", "lr")
-
-
-@dataclass(frozen=True)
-class StageCosts(Message):
-    """To :class:`OneCore`'s helper: time every stage of the job cut into ``stages`` stages."""
-
-    op = "costs"
-    blocks: int
-    stages: int
-
-
-@dataclass(frozen=True)
-class CostsAre(Message):
-    """The helper's answer to :class:`StageCosts`: T_F, T_B, T_W and T_BW per stage, seconds, and
-    M_B and M_W per stage, bytes."""
-
-    op = "costs are"
-    f: list
-    b: list
-    w: list
-    bw: list
-    mem_b: list
-    mem_w: list
-
-
-@dataclass(frozen=True)
-class WholeBatch(Message):
-    """To :class:`OneCore`'s helper: train the whole batch as one jitted step ``steps`` times."""
-
-    op = "whole batch"
-    steps: int
-    blocks: int
-
-
-@dataclass(frozen=True)
-class StepSeconds(Message):
-    """The helper's answer to :class:`WholeBatch`: every step's seconds."""
-
-    op = "step seconds"
-    step_seconds: list
-
-
-class OneCore:
-    """compare's single-device work (the planners' stage costs, the whole-batch reference) in one
-    helper process pinned to one core from its start (started on first use, stopped on leaving
-    the ``with`` block), as a rank process is: XLA then sizes its thread pool for that core. A
-    process that starts on two cores and is pinned later keeps two threads taking turns on one
-    core; on this project's 2-core machine that made every pass 10-35% slower and (T_B + T_W) /
-    T_BW 1.13-1.21, against 1.04-1.09 in a process pinned from its start. With ranks as threads
-    (``use_processes`` false) the work runs in this process."""
-
-    def __init__(self, args, use_processes: bool):
-        self.args, self.use_processes, self.helper = args, use_processes, None
-
-    def __enter__(self) -> "OneCore":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.helper is not None:
-            self.helper.close()
-            self.helper = None
-
-    def _ask(self, job: Message, reply: type[Message]) -> Message:
-        if self.helper is None:
-            self.helper = RankProcesses(ONE_CORE_ENTRY, 1, {k: getattr(self.args, k) for k in _JOB}, pin=True)
-        self.helper.broadcast(job.to_wire())
-        return reply.from_wire(self.helper.gather()[0])
-
-    def costs(self, blocks: int, num_stages: int):
-        """T_F, T_B, T_W and T_BW of every stage (:func:`_stage_costs`), as :class:`~zbpp_lite.Costs`."""
-        if not self.use_processes:
-            return _stage_costs(self.args, blocks, num_stages)
-        return Costs(**dataclasses.asdict(self._ask(StageCosts(blocks, num_stages), CostsAre)))
-
-    def whole_batch(self, steps: int, blocks: int, device=None) -> list[float]:
-        """Step seconds of the whole batch as one jitted step on one core, every step."""
-        if not self.use_processes:
-            with one_core():
-                return list(_whole_batch(self.args, steps, blocks, device).step_seconds)
-        return self._ask(WholeBatch(steps, blocks), StepSeconds).step_seconds
-
-
-def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
-    """:class:`OneCore`'s helper process: answers :class:`StageCosts` with :class:`CostsAre` (seconds and bytes per stage) and
-    :class:`WholeBatch` with :class:`StepSeconds`, for the job ``config`` (``holdout``, ``seed``,
-    ``batch``, ``microbatches``, ``d``, ``heads``, ``lr``)."""
-    device = ensure_devices(1)[0]
-    args = argparse.Namespace(**config)
-    while (message := control.recv()) is not None:
-        job = parse(message, StageCosts, WholeBatch)
-        if isinstance(job, StageCosts):
-            costs = _stage_costs(args, job.blocks, job.stages)
-            reply: Message = CostsAre(**{f.name: list(getattr(costs, f.name)) for f in dataclasses.fields(CostsAre)})
-        else:
-            reply = StepSeconds(list(_whole_batch(args, job.steps, job.blocks, device).step_seconds))
-        control.send(reply.to_wire())
-
-
-def _whole_batch(args, steps: int, blocks: int, device):
-    from ..training.model import ModelConfig, RunConfig
-    from ..training.reference import train_baseline
-
-    return train_baseline(steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
-                          run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout),
-                          device=device, data=load_digits(args.holdout, args.seed))
-
-
-def _stage_costs(args, blocks: int, num_stages: int):
-    """T_F, T_B, T_W and the fused T_BW of every stage of the job cut into ``num_stages`` stages,
-    timed on this process's first device (seconds), and its M_B and M_W (bytes): what zb-auto,
-    zb-v and their kin plan with."""
-    from ..analysis.profiling.device import profile_stage_costs
-    from ..runtime.stages import StagedModel, microbatch_size
-    from ..training.model import ModelConfig, build_parts
-
-    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
-    mb = microbatch_size(args.batch, args.microbatches)
-    model = StagedModel(build_parts(ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)), num_stages)
-    return profile_stage_costs(model, x[:mb], y[:mb], repeats=15, fused=True)
-
-
 def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
     """The schedules to run (in ``names``' order, planners that need costs last) and, for the
     others, why not."""
@@ -320,6 +191,8 @@ def run(args) -> int:
     if args.platform is not None:
         say_platform("REAL runs", devices)
     say_mode("REAL runs", args.ranks, why_threads, ("; schedules take turns step by step", ""))
+
+    from ..training.turns import OneCore  # JAX only once the platform is set up
 
     by_stages: dict[int, Costs] = {}
     one = OneCore(args, use_processes)
@@ -402,7 +275,7 @@ def _turn_order(schedules: list) -> list:
     return sorted(schedules, key=lambda s: rank.get(s.name, -1))
 
 
-def _references(args, model, config, data, devices, one_rank, one: OneCore) -> dict:
+def _references(args, model, config, data, devices, one_rank, one) -> dict:
     """The two single-device references, each on one core: the whole batch as one jitted step
     (``baseline``), and our executor on one rank (all stages as one, the same kernels and
     microbatches as the pipeline): ``one_rank``, its TrainResult from the turns, or (threads)
@@ -417,29 +290,6 @@ def _references(args, model, config, data, devices, one_rank, one: OneCore) -> d
         "one device, whole batch (one jitted step)": timed_median(whole),
         f"one device, our executor (m={args.microbatches} microbatches)": timed_median(one_rank.step_seconds),
     }
-
-
-@contextlib.contextmanager
-def one_core(pin: bool = True):
-    """This process (every thread of it, XLA's pool included) on its first allowed core while
-    the block runs, as a rank process is; nothing where ``pin`` is false or affinity is unknown."""
-    affinity = os.sched_getaffinity(0) if pin and hasattr(os, "sched_getaffinity") else None
-
-    def every_thread(cores) -> None:  # Linux sets a thread's affinity, not a process's: each of them
-        tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
-        for tid in tasks:
-            try:
-                os.sched_setaffinity(int(tid), cores)
-            except OSError:  # a thread that ended meanwhile
-                pass
-
-    try:
-        if affinity:
-            every_thread({min(affinity)})
-        yield
-    finally:
-        if affinity:
-            every_thread(affinity)
 
 
 def _learn(results, args, model, config, data, devices):

@@ -1,26 +1,25 @@
 """Detect and remove bubbles in a real run: profile, attribute, rebalance, re-plan, train (JAX).
 
-:func:`adapt` is what ``python -m zbpp_lite adapt`` and the notebooks call:
+:func:`adapt` (``python -m zbpp_lite adapt``, the notebooks):
 
-1. *before*: train a few steps with ZB-H1 on the original partition (with ``imbalance`` > 1 a
-   deliberately uneven one: the last stage holds ``imbalance`` times the blocks of each other
-   stage, :func:`zbpp_lite.analysis.rebalance.imbalanced_parts`), measuring every step;
-2. *detect*: per-stage T_F, T_B, T_W and T_comm from those steps (:func:`zbpp_lite.analysis.profiling.timelines.profile`)
-   and every idle gap attributed to its cause (:func:`zbpp_lite.analysis.attribute.attribute`);
-3. *rebalance*: time every model part alone (:func:`zbpp_lite.analysis.profiling.parts.profile_parts`), scale
-   the times to the measured run (:func:`zbpp_lite.analysis.rebalance.calibrate`) and choose the partition
-   with the smallest largest stage (:func:`zbpp_lite.analysis.rebalance.best_partition`), adopted when that
-   stage is predicted ``min_gain`` cheaper;
-4. *re-plan*: zb-auto under the memory limit (:func:`zbpp_lite.analysis.replan.replan`) from the measured
-   per-stage costs, with the costs of the parts that moved shifted to their new stages
-   (:func:`zbpp_lite.analysis.rebalance.moved_costs`), adopted when predicted faster than ZB-H1 by
-   ``min_gain``;
-5. *after*: keep training (same parameters and optimizer state) with the new partition and plan,
-   re-planning online every ``every`` steps when the measured costs drift
-   (:class:`zbpp_lite.analysis.replan.OnlineReplanner`).
+1. *before*: a few ZB-H1 steps on the original partition (``imbalance`` > 1: the last stage
+   holds ``imbalance`` times the blocks of each other,
+   :func:`~zbpp_lite.analysis.rebalance.imbalanced_parts`);
+2. *detect*: per-stage T_F, T_B, T_W, T_comm (:func:`~zbpp_lite.analysis.profiling.timelines.profile`),
+   every idle gap by cause (:func:`~zbpp_lite.analysis.attribute.attribute`);
+3. *rebalance*: every part timed alone (:func:`~zbpp_lite.analysis.profiling.parts.profile_parts`),
+   scaled to the run (:func:`~zbpp_lite.analysis.rebalance.calibrate`), the partition with the
+   smallest largest stage (:func:`~zbpp_lite.analysis.rebalance.best_partition`) adopted when
+   predicted ``min_gain`` cheaper;
+4. *re-plan*: zb-auto under the memory limit (:func:`~zbpp_lite.analysis.replan.replan`) from the
+   measured costs, moved parts' costs shifted (:func:`~zbpp_lite.analysis.rebalance.moved_costs`),
+   adopted when predicted ``min_gain`` faster than ZB-H1;
+5. *after*: training goes on (same parameters and AdamW state) with the new partition and plan,
+   re-planned online every ``every`` steps when the costs drift
+   (:class:`~zbpp_lite.analysis.replan.OnlineReplanner`).
 
-A partition or a schedule changes only where each computation runs and in which order, never what
-is computed: the first step of every plan is checked against the unpartitioned model's gradients.
+A partition or schedule changes where and in which order things are computed, never what: the
+first step of every plan is checked against the unpartitioned model's gradients.
 Source: Qi et al., arXiv 2401.10241, sections 2-3 (costs, bubbles, the automatic scheduler).
 """
 
@@ -36,7 +35,8 @@ from ..analysis.attribute import Attribution, attribute
 from ..analysis.noise import PairedGain, beats_noise, paired_gain
 from ..analysis.profiling.parts import profile_parts
 from ..analysis.profiling.timelines import CostProfile, profile, timed_steps
-from ..analysis.rebalance import PartCosts, Parts, best_partition, calibrate, imbalanced_parts, moved_costs, partition_cost
+from ..analysis.rebalance import (PartCosts, Parts, best_partition, calibrate, imbalanced_parts, moved_costs,
+                                  partition_cost)
 from ..analysis.replan import OnlineReplanner, replan
 from ..runtime.devices import ensure_devices
 from ..runtime.executor import PipelineExecutor
@@ -46,8 +46,9 @@ from ..schedules.costs import Costs
 from ..schedules.ir import Schedule
 from ..schedules.timeline import Timeline
 from .data import Digits, load_digits
-from .model import ModelConfig, RunConfig, build_parts
-from .reference import evaluate, jitted_adamw, max_relative_error, reference_grads
+from .model import ModelConfig, RunConfig, build_parts, settings_json
+from .reference import evaluate
+from .train import StageAdamW, check_step, pick_measured, train_step
 from .turns import enough_cores, train_in_turns
 
 
@@ -88,8 +89,7 @@ class Phase:
     @property
     def measured(self) -> Timeline:
         """The step with the median makespan (after the phase's first)."""
-        timed = sorted(self._timed(), key=lambda t: t.makespan)
-        return timed[len(timed) // 2]
+        return pick_measured(self.timelines)
 
     @property
     def measured_schedule(self) -> Schedule:
@@ -99,16 +99,12 @@ class Phase:
 
     def to_json(self) -> dict:
         return {
-            "parts": [list(p) for p in self.parts],
-            "schedule": self.schedules[-1].name or "custom",
-            "makespan": self.makespan,
-            "bubble_rate": self.bubble_rate,
-            "grad_max_rel_error": self.grad_max_rel_error,
-            "loss_error": self.loss_error,
-            "steps": [
-                {"loss": loss, "makespan": t.makespan, "bubble_rate": t.bubble_rate, "schedule": s.name or "custom"}
-                for loss, t, s in zip(self.losses, self.timelines, self.schedules)
-            ],
+            "parts": [list(p) for p in self.parts], "schedule": self.schedules[-1].name or "custom",
+            "makespan": self.makespan, "bubble_rate": self.bubble_rate,
+            "grad_max_rel_error": self.grad_max_rel_error, "loss_error": self.loss_error,
+            "steps": [{"loss": loss, "makespan": t.makespan, "bubble_rate": t.bubble_rate,
+                       "schedule": s.name or "custom"}
+                      for loss, t, s in zip(self.losses, self.timelines, self.schedules)],
         }
 
 
@@ -162,45 +158,48 @@ class AdaptResult:
         before["costs"] = self.profile.to_json()
         before["attribution"] = self.attribution.to_json()
         after["attribution"] = self.attribution_after.to_json()
-        return {
-            "before": before,
-            "after": after,
-            "makespan_ratio": self.makespan_ratio,
-            "changes": self.changes,
-            "online_checks": self.online_checks,
-            "part_costs": self.part_costs.to_json(),
-            "test_accuracy": self.test_accuracy,
-            "test_loss": self.test_loss,
-            "config": self.config,
-            "comparison": None if self.comparison is None else self.comparison.to_json(),
-            "control": None if self.control is None else self.control.to_json(),
-            "profiled": None if self.profiled is None else self.profiled.to_json(),
-        }
+        optional = {"comparison": self.comparison, "control": self.control, "profiled": self.profiled}
+        return {"before": before, "after": after, "makespan_ratio": self.makespan_ratio,
+                "changes": self.changes, "online_checks": self.online_checks,
+                "part_costs": self.part_costs.to_json(),
+                "test_accuracy": self.test_accuracy, "test_loss": self.test_loss, "config": self.config,
+                **{k: None if v is None else v.to_json() for k, v in optional.items()}}
 
     def report(self) -> str:
         """Closing lines: before / after, the changes, the gradient checks."""
         b, a = self.before, self.after
-        lines = [
-            f"{'':8}{'schedule':>10}{'partition (blocks per stage)':>32}{'makespan':>14}{'bubble rate':>13}",
-            f"{'before':8}{b.schedules[-1].name:>10}{str(_block_counts(b.parts)):>32}{b.makespan * 1e3:>11.2f} ms{b.bubble_rate:>13.4f}",
-            f"{'after':8}{a.schedules[-1].name:>10}{str(_block_counts(a.parts)):>32}{a.makespan * 1e3:>11.2f} ms{a.bubble_rate:>13.4f}",
-            f"after / before measured makespan: {self.makespan_ratio:.3f}",
-        ]
+        lines = [f"{'':8}{'schedule':>10}{'partition (blocks per stage)':>32}{'makespan':>14}"
+                 f"{'bubble rate':>13}"]
+        for name, ph in (("before", b), ("after", a)):
+            lines.append(f"{name:8}{ph.schedules[-1].name:>10}{str(_block_counts(ph.parts)):>32}"
+                         f"{ph.makespan * 1e3:>11.2f} ms{ph.bubble_rate:>13.4f}")
+        lines.append(f"after / before measured makespan: {self.makespan_ratio:.3f}")
         if self.comparison is not None:
-            lines.append(f"  step by step, taking turns: {self.comparison.text()}; gain {self.comparison.gain:+.1%}")
+            c = self.comparison
+            lines.append(f"  step by step, taking turns: {c.text()}; gain {c.gain:+.1%}")
         if self.control is not None:
             lines.append(f"  noise: the same plan twice in the same run: {self.control.text()}")
         if not any(c["adopted"] for c in self.changes):
-            lines.append("  nothing adopted: the plan after is the plan before; a ratio away from 1 above is the run's noise")
-        for c in self.changes:
-            lines.append(f"  {c['kind']}: {'adopted' if c['adopted'] else 'not adopted'} ({c['why']})")
-        for name, phase in (("before", b), ("after", a)):
-            if phase.grad_max_rel_error is not None:
-                lines.append(
-                    f"gradient check {name} (first step of every plan) vs the unpartitioned model: "
-                    f"max relative error {phase.grad_max_rel_error:.2e}, loss difference {phase.loss_error:.2e}"
-                )
+            lines.append("  nothing adopted: the plan after is the plan before; "
+                         "a ratio away from 1 above is the run's noise")
+        lines += [f"  {c['kind']}: {'adopted' if c['adopted'] else 'not adopted'} ({c['why']})"
+                  for c in self.changes]
+        lines += [f"gradient check {name} (first step of every plan) vs the unpartitioned model: "
+                  f"max relative error {ph.grad_max_rel_error:.2e}, loss difference {ph.loss_error:.2e}"
+                  for name, ph in (("before", b), ("after", a)) if ph.grad_max_rel_error is not None]
         return "\n".join(lines)
+
+
+NOT_FASTER = "not adopted: not faster beyond the noise"
+
+
+def _change(change: dict, ok: bool, judged: bool, why: str) -> dict:
+    """A rebalance or re-plan record: adopted on the prediction, or (``judged``) tried now and
+    measured later (:func:`_judge`)."""
+    if not judged:
+        return {**change, "adopted": ok, "why": why}
+    return {**change, "adopted": False, "tried": ok, "predicted_gain": change["gain"],
+            "why": why + ("" if ok else "; not tried (no predicted gain of min_gain)")}
 
 
 def _block_counts(parts: Parts) -> list[int]:
@@ -273,13 +272,14 @@ class AdaptOptions:
         if not isinstance(self.ranks, int) or self.ranks < 2:
             raise ValueError(f"adapt needs at least 2 ranks (a pipeline to balance), got {self.ranks!r}")
         if self.steps < 2 or self.profile_steps < 2:
-            raise ValueError(f"steps and profile_steps must be >= 2 (the first step of a phase is not timed), "
+            raise ValueError("steps and profile_steps must be >= 2 (the first step of a phase is not timed), "
                              f"got {self.steps}, {self.profile_steps}")
         if not self.imbalance >= 1:
             raise ValueError(f"the imbalance factor must be >= 1 (1 = even stages), got {self.imbalance}")
         if not 0 < self.confidence < 1:
             raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
-        self.replanner(build_schedule("zb-h1", self.ranks, self.microbatches), Costs())  # checks the online settings
+        # checks the online settings
+        self.replanner(build_schedule("zb-h1", self.ranks, self.microbatches), Costs())
 
     def replanner(self, schedule: Schedule, costs: Costs) -> OnlineReplanner:
         """The online re-planner with these settings, starting from ``schedule`` planned on ``costs``."""
@@ -288,13 +288,9 @@ class AdaptOptions:
 
     def to_json(self, config: ModelConfig, run: RunConfig) -> dict:
         """The settings as :attr:`AdaptResult.config` records them."""
-        return {"ranks": self.ranks, "microbatches": self.microbatches, "steps": self.steps,
-                "profile_steps": self.profile_steps, "imbalance": self.imbalance, "blocks": config.blocks,
-                "d": config.d, "heads": config.heads, "batch": run.batch, "lr": run.lr,
-                "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
-                "memory_limit": self.memory_limit, "every": self.every, "threshold": self.threshold,
-                "patience": self.patience, "min_gain": self.min_gain, "margin": self.margin,
-                "confidence": self.confidence}
+        keys = ("ranks", "microbatches", "steps", "profile_steps", "imbalance", "memory_limit", "every",
+                "threshold", "patience", "min_gain", "margin", "confidence")
+        return {**settings_json(config, run), **{k: getattr(self, k) for k in keys}}
 
 
 def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | None = None,
@@ -315,19 +311,13 @@ def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | Non
     model_settings = {k: v for k, v in groups[ModelConfig].items() if not (k == "blocks" and v is None)}
     if model is None and "blocks" not in model_settings:
         model_settings["blocks"] = default_blocks(options.ranks, options.imbalance)
-    return options, replace(model or ModelConfig(), **model_settings), replace(run or RunConfig(), **groups[RunConfig])
+    model = replace(model or ModelConfig(), **model_settings)
+    return options, model, replace(run or RunConfig(), **groups[RunConfig])
 
 
-def adapt(
-    options: AdaptOptions | None = None,
-    *,
-    model: ModelConfig | None = None,
-    run: RunConfig | None = None,
-    devices: Sequence[Any] | None = None,
-    data: Digits | None = None,
-    on_step: Callable[[str, int, float, Timeline], None] | None = None,
-    **settings,
-) -> AdaptResult:
+def adapt(options: AdaptOptions | None = None, *, model: ModelConfig | None = None,
+          run: RunConfig | None = None, devices: Sequence[Any] | None = None, data: Digits | None = None,
+          on_step: Callable[[str, int, float, Timeline], None] | None = None, **settings) -> AdaptResult:
     """Profile, detect, rebalance, re-plan, then train (see the module docstring).
 
     Args:
@@ -355,7 +345,9 @@ def adapt(
     if processes is None:
         processes = devices is None and jax.default_backend() == "cpu" and enough_cores(options.ranks)
     job = _Job(options, config, run, data, original, on_step)
-    return _adapt_in_processes(job) if processes else _adapt_in_threads(job, devices or ensure_devices(options.ranks))
+    if processes:
+        return _adapt_in_processes(job)
+    return _adapt_in_threads(job, devices or ensure_devices(options.ranks))
 
 
 @dataclass
@@ -377,6 +369,21 @@ class _Job:
         timed_parts = profile_parts(staged, x0[:mb], y0[:mb], device, self.options.repeats)
         return calibrate(timed_parts, self.original, measured.costs())
 
+    def candidates(self, measured: CostProfile, device: Any, start: Schedule,
+                   judged: bool) -> tuple[PartCosts, list[dict], Parts, Costs, Schedule]:
+        """Steps 3 and 4 from the measured costs: (part costs, change records, partition, the
+        costs predicted for it with the moved parts shifted, schedule)."""
+        o, part_costs = self.options, self.part_costs(measured, device)
+        changes, parts, schedule = [], self.original, start
+        if o.rebalance:
+            parts, change = self.rebalance(part_costs, judged)
+            changes.append(change)
+        predicted = moved_costs(part_costs, self.original, parts, measured.costs())
+        if o.replan_schedule:
+            schedule, change = self.replan(predicted, start, judged)
+            changes.append(change)
+        return part_costs, changes, parts, predicted, schedule
+
     def rebalance(self, part_costs: PartCosts, judged: bool) -> tuple[Parts, dict]:
         """The best partition and the change record (``judged``: tried now, measured later)."""
         o, original = self.options, self.original
@@ -386,27 +393,22 @@ class _Job:
         ok = candidate != original and gain >= o.min_gain
         why = (f"largest stage F+B+W {now * 1e3:.3f} -> {new * 1e3:.3f} ms predicted ({gain:.1%}), "
                f"blocks per stage {_block_counts(original)} -> {_block_counts(candidate)}")
-        change = {"kind": "rebalance", "adopted": ok and not judged, "from": [list(p) for p in original],
-                  "to": [list(p) for p in candidate], "predicted_largest_stage": new, "current_largest_stage": now,
-                  "gain": gain, "why": why}
-        if judged:
-            change.update({"adopted": False, "tried": ok, "predicted_gain": gain,
-                           "why": why + ("" if ok else "; not tried (no predicted gain of min_gain)")})
-        return (candidate if ok else original), change
+        change = {"kind": "rebalance", "from": [list(p) for p in original],
+                  "to": [list(p) for p in candidate],
+                  "predicted_largest_stage": new, "current_largest_stage": now, "gain": gain}
+        return (candidate if ok else original), _change(change, ok, judged, why)
 
     def replan(self, predicted: Costs, current: Schedule, judged: bool) -> tuple[Schedule, dict]:
         """zb-auto from ``predicted`` and the change record (``judged`` as in :meth:`rebalance`)."""
         o = self.options
         result = replan(predicted, o.ranks, o.microbatches, o.memory_limit, current=current)
         ok = result.gain >= o.min_gain and (not judged or result.schedule.actions != current.actions)
-        why = f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 {result.current * 1e3:.2f} ms ({result.gain:.1%})"
-        change = {"kind": "replan", "adopted": ok and not judged, "from": current.name, "to": result.schedule.name,
-                  "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
-                  "memory_limit": list(result.memory_limit), "why": why}
-        if judged:
-            change.update({"adopted": False, "tried": ok, "predicted_gain": result.gain,
-                           "why": why + ("" if ok else "; not tried (no predicted gain of min_gain)")})
-        return (result.schedule if ok else current), change
+        why = (f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 {result.current * 1e3:.2f} ms "
+               f"({result.gain:.1%})")
+        change = {"kind": "replan", "from": current.name, "to": result.schedule.name,
+                  "predicted_makespan": result.predicted, "current_makespan": result.current,
+                  "gain": result.gain, "memory_limit": list(result.memory_limit)}
+        return (result.schedule if ok else current), _change(change, ok, judged, why)
 
     def stepper(self, phase: str, offset: int = 0) -> Callable[[str, int, float, Timeline], None]:
         """``on_step`` for a run in turns: the phase and the plan's name, steps counted from ``offset``."""
@@ -419,78 +421,56 @@ class _Job:
 # ----------------------------------------------------------------------------- rank threads
 
 
-class _Trainer:
-    """Parameters and optimizer state per model module, so the partition can change between steps."""
-
-    def __init__(self, modules: list, num_stages: int, devices: Sequence[Any], run: RunConfig):
-        self.modules, self.num_stages, self.devices = modules, num_stages, list(devices)
-        self.model = StagedModel(modules, num_stages)
-        self.params = list(self.model.params)
-        self.opt, self._update = jitted_adamw(run.lr, run.weight_decay)
-        self.opt_state = [self.opt.init(p) for p in self.params]
-        self.executor = None
-
-    def use(self, parts: Parts, schedule: Schedule) -> None:
-        """Run the next steps with this partition and schedule; parameters and optimizer state
-        move to their new stages' devices."""
-        if self.model.parts != [list(p) for p in parts]:
-            self.model = StagedModel(self.modules, self.num_stages, parts=parts)
-        self.executor = PipelineExecutor(self.model, schedule, self.devices)
-        for s, stage in enumerate(self.model.parts):
-            for i in stage:
-                device = self.executor.stage_devices[s]
-                self.params[i] = jax.device_put(self.params[i], device)
-                self.opt_state[i] = jax.device_put(self.opt_state[i], device)
-
-    def step(self, x, y, check: bool) -> tuple[float, Timeline, float | None, float | None]:
-        """One training step; with ``check``, compare loss and gradients with the unpartitioned model."""
-        current = list(self.params)
-        result = self.executor.run(current, x, y)
-        grad_error = loss_error = None
-        if check:
-            ref_loss, ref_grads = reference_grads(self.model, current, x, y, self.devices[0])
-            grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - ref_loss)
-        for i, g in enumerate(result.grads):
-            self.params[i], self.opt_state[i] = self._update(g, self.opt_state[i], self.params[i])
-        jax.block_until_ready(self.params)
-        return result.loss, result.timeline, grad_error, loss_error
-
-
 def _worst(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
 
 
 class _Phases:
-    """Rank threads, one phase after the other: steps counted over both phases."""
+    """Rank threads, one phase after the other, steps counted over both phases: the one
+    :func:`~zbpp_lite.training.train.train_step`, AdamW's state carried from partition to partition."""
 
     def __init__(self, job: _Job, devices: Sequence[Any]):
-        self.job, self.step_no = job, 0
-        self.trainer = _Trainer(build_parts(job.config), job.options.ranks, devices, job.run)
+        self.job, self.devices, self.step_no = job, list(devices), 0
+        self.modules = build_parts(job.config)
+        self.model = StagedModel(self.modules, job.options.ranks)
+        self.adamw = StageAdamW(self.model.params, job.run)
+        self.executor: PipelineExecutor | None = None
 
-    def run(self, phase: Phase, name: str, count: int, replanner: OnlineReplanner | None, changes: list[dict]) -> None:
+    def use(self, parts: Parts, schedule: Schedule) -> None:
+        """Run the next steps with this partition and schedule (parameters and state move)."""
+        if self.model.parts != [list(p) for p in parts]:
+            self.model = StagedModel(self.modules, self.job.options.ranks, parts=parts)
+        self.executor = PipelineExecutor(self.model, schedule, self.devices)
+        self.adamw.place(self.model, dict(enumerate(self.executor.stage_devices)))
+
+    def run(self, phase: Phase, name: str, count: int, replanner: OnlineReplanner | None,
+            changes: list[dict]) -> None:
         """``count`` steps of ``phase``; the first step of every plan checked against the reference."""
         job, check = self.job, self.job.run.check_grads
         for _ in range(count):
             x, y = job.data.batch(self.step_no, job.run.batch)
-            loss, timeline, g_err, l_err = self.trainer.step(x, y, check)
+            before = list(self.adamw.params)
+            result, _, _ = train_step(self.executor, self.adamw, x, y)
+            if check:
+                g_err, l_err = check_step(self.model, before, x, y, result, self.devices[0])
+                phase.grad_max_rel_error = _worst(phase.grad_max_rel_error, g_err)
+                phase.loss_error = _worst(phase.loss_error, l_err)
             check = False
-            phase.schedules.append(self.trainer.executor.schedule)
-            phase.timelines.append(timeline)
-            phase.losses.append(loss)
-            phase.grad_max_rel_error = _worst(phase.grad_max_rel_error, g_err)
-            phase.loss_error = _worst(phase.loss_error, l_err)
+            phase.schedules.append(self.executor.schedule)
+            phase.timelines.append(result.timeline)
+            phase.losses.append(result.loss)
             if job.on_step is not None:
-                job.on_step(name, self.step_no, loss, timeline)
+                job.on_step(name, self.step_no, result.loss, result.timeline)
             self.step_no += 1
-            result = replanner.observe(timeline) if replanner is not None else None
-            if result is not None:
+            new = replanner.observe(result.timeline) if replanner is not None else None
+            if new is not None:
                 changes.append({
-                    "kind": "online-replan", "adopted": True, "step": self.step_no, "to": result.schedule.name,
-                    "predicted_makespan": result.predicted, "current_makespan": result.current, "gain": result.gain,
-                    "why": f"costs drifted by {replanner.history[-1].drift:.1%}; predicted {result.gain:.1%} faster",
+                    "kind": "online-replan", "adopted": True, "step": self.step_no, "to": new.schedule.name,
+                    "predicted_makespan": new.predicted, "current_makespan": new.current, "gain": new.gain,
+                    "why": f"costs drifted by {replanner.history[-1].drift:.1%}; "
+                           f"predicted {new.gain:.1%} faster",
                 })
-                self.trainer.use(phase.parts, result.schedule)
+                self.use(phase.parts, new.schedule)
                 check = job.run.check_grads
 
 
@@ -501,36 +481,26 @@ def _adapt_in_threads(job: _Job, devices: Sequence[Any]) -> AdaptResult:
     phases = _Phases(job, devices)
     # 1. before: ZB-H1 on the original partition
     before = Phase(job.original)
-    phases.trainer.use(job.original, start)
+    phases.use(job.original, start)
     phases.run(before, "before", o.profile_steps, None, [])
     # 2. detect
     measured = profile(before._timed(), o.ranks)
     found = attribute(before.measured, before.measured_schedule, measured.costs(), o.margin)
     # 3. rebalance, 4. re-plan from the measured costs, moved parts accounted for
-    part_costs = job.part_costs(measured, devices[0])
-    changes: list[dict] = []
-    parts = job.original
-    if o.rebalance:
-        parts, change = job.rebalance(part_costs, judged=False)
-        changes.append(change)
-    predicted = moved_costs(part_costs, job.original, parts, measured.costs())
-    schedule = start
-    if o.replan_schedule:
-        schedule, change = job.replan(predicted, start, judged=False)
-        changes.append(change)
+    found_plan = job.candidates(measured, devices[0], start, judged=False)
+    part_costs, changes, parts, predicted, schedule = found_plan
     # 5. after: train with the new partition and plan, re-planning online
     after = Phase(tuple(tuple(p) for p in parts))
-    phases.trainer.use(parts, schedule)
+    phases.use(parts, schedule)
     replanner = o.replanner(schedule, predicted) if o.online else None
     phases.run(after, "after", o.steps, replanner, changes)
-    test_loss, test_accuracy = evaluate(phases.trainer.model, phases.trainer.params, job.data.test_x, job.data.test_y,
+    test_loss, test_accuracy = evaluate(phases.model, phases.adamw.params, job.data.test_x, job.data.test_y,
                                         devices[0])
     return AdaptResult(
         before=before, after=after, profile=measured, attribution=found,
         attribution_after=attribute(after.measured, after.measured_schedule, None, o.margin),
         part_costs=part_costs, changes=changes,
-        online_checks=[{"step": o.profile_steps + c.step - 1, "drift": c.drift, "decision": c.decision, "gain": c.gain}
-                       for c in (replanner.history if replanner else [])],
+        online_checks=_checks(replanner, o.profile_steps - 1),
         test_accuracy=test_accuracy, test_loss=test_loss,
         config={**o.to_json(job.config, job.run), "devices": [str(dev) for dev in devices],
                 "measured": "rank threads of one process, one phase after the other"},
@@ -546,35 +516,40 @@ def _named(schedule: Schedule, name: str) -> Schedule:
 
 def _phase(parts: Parts, result) -> Phase:
     """A :class:`Phase` from one plan's :class:`~zbpp_lite.training.train.TrainResult` in a run in turns."""
-    return Phase(tuple(tuple(p) for p in parts), [result.schedule] * len(result.timelines), list(result.timelines),
-                 list(result.losses), result.grad_max_rel_error, result.loss_error)
+    return Phase(tuple(tuple(p) for p in parts), [result.schedule] * len(result.timelines),
+                 list(result.timelines), list(result.losses), result.grad_max_rel_error, result.loss_error)
 
 
 def _spans(result) -> list[float]:
     return [t.makespan for t in timed_steps(result.timelines)]
 
 
-def _in_turns(job: _Job, plans: dict, on_step) -> dict:
-    return train_in_turns([s for _, s in plans.values()], job.options.steps, model=job.config, run=job.run, data=job.data,
-                          parts={name: p for name, (p, _) in plans.items()}, on_step=on_step)
+def _in_turns(job: _Job, plans: dict, on_step, steps: int | None = None) -> dict:
+    return train_in_turns([s for _, s in plans.values()], steps or job.options.steps, model=job.config,
+                          run=job.run, data=job.data, parts={name: p for name, (p, _) in plans.items()},
+                          on_step=on_step)
+
+
+def _checks(replanner: OnlineReplanner | None, offset: int) -> list[dict]:
+    """The online re-planner's checks, steps counted from 0 over both phases."""
+    return [{"step": offset + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
+            for c in (replanner.history if replanner else [])]
 
 
 def _adapt_in_processes(job: _Job) -> AdaptResult:
     """:func:`adapt` measured on real cores, every change judged against the noise of the same run.
 
     1. *profile*: ``profile_steps`` ZB-H1 steps on the original partition, one pinned process
-       per rank (:func:`~zbpp_lite.training.turns.train_in_turns`); per-stage costs and the idle
-       time by cause.
+       per rank (:func:`~zbpp_lite.training.turns.train_in_turns`): costs, idle time by cause.
     2. *candidates*: the rebalanced partition and the zb-auto re-plan, each tried only when
        predicted at least ``min_gain`` faster.
-    3. *judge*: ``steps`` steps of every plan taking turns step by step in one run (step k of every
-       plan on batch k): the original plan, with ``control`` the original plan again (an A/A
-       control: the run-to-run noise), and the candidates. A candidate is adopted only when its
-       per-step makespans, paired with those of the plan it would replace
+    3. *judge*: ``steps`` steps of every plan taking turns in one run: the original, with
+       ``control`` the original again (A/A: the run's noise), the candidates. A candidate is
+       adopted only when its step makespans, paired with those of the plan it would replace
        (:func:`~zbpp_lite.analysis.noise.paired_gain`), are faster beyond the noise
        (:func:`~zbpp_lite.analysis.noise.beats_noise`).
-    4. *online*: the kept plan's steps, in order, go through an :class:`OnlineReplanner`; a
-       re-plan it makes is judged like the others in one more run in turns (:func:`_online`).
+    4. *online*: the kept plan's steps go through an :class:`OnlineReplanner`; its re-plan is
+       judged likewise in one more run in turns (:func:`_online`).
 
     ``before`` and ``after`` of the result are the original and the kept plan in the judge run
     (with nothing adopted, ``after`` is the control, or the original plan itself without one);
@@ -583,41 +558,37 @@ def _adapt_in_processes(job: _Job) -> AdaptResult:
     o = job.options
     zb_h1 = build_schedule("zb-h1", o.ranks, o.microbatches)
     # 1. profile
-    profiled = train_in_turns([_named(zb_h1, "before")], o.profile_steps, model=job.config, run=job.run, data=job.data,
-                              parts={"before": job.original}, on_step=job.stepper("profile"))["before"]
+    first = {"before": (job.original, _named(zb_h1, "before"))}
+    profiled = _in_turns(job, first, job.stepper("profile"), o.profile_steps)["before"]
     profiled_phase = _phase(job.original, profiled)
     measured = profile(profiled_phase._timed(), o.ranks)
     found = attribute(profiled_phase.measured, profiled_phase.measured_schedule, measured.costs(), o.margin)
     # 2. candidates
-    part_costs = job.part_costs(measured, jax.devices()[0])
-    changes: list[dict] = []
+    found_plan = job.candidates(measured, jax.devices()[0], zb_h1, judged=True)
+    part_costs, changes, parts, predicted, schedule = found_plan
     plans: dict[str, tuple[Parts, Schedule]] = {"before": (job.original, _named(zb_h1, "before"))}
     if o.control:
         plans["control"] = (job.original, _named(zb_h1, "control"))
-    parts = job.original
-    if o.rebalance:
-        parts, change = job.rebalance(part_costs, judged=True)
-        changes.append(change)
-        if change["tried"]:
-            plans["rebalanced"] = (parts, _named(zb_h1, "rebalanced"))
-    predicted = moved_costs(part_costs, job.original, parts, measured.costs())
-    if o.replan_schedule:
-        schedule, change = job.replan(predicted, zb_h1, judged=True)
-        changes.append(change)
-        if change["tried"]:
-            plans["re-planned"] = (parts, _named(schedule, "re-planned"))
+    tried = {c["kind"] for c in changes if c["tried"]}
+    if "rebalance" in tried:
+        plans["rebalanced"] = (parts, _named(zb_h1, "rebalanced"))
+    if "replan" in tried:
+        plans["re-planned"] = (parts, _named(schedule, "re-planned"))
     # 3. judge: every plan in turns, step by step
     results = _in_turns(job, plans, job.stepper("judge", o.profile_steps))
     spans = {name: _spans(r) for name, r in results.items()}
     noise = paired_gain(spans["before"], spans["control"], o.confidence) if o.control else None
     kept = _judge(changes, plans, spans, noise, o.confidence)
     # 4. online
-    checks, kept_name = _online(job, plans, results, kept, predicted, noise, changes) if o.online else ([], kept)
+    checks, kept_name = ([], kept)
+    if o.online:
+        checks, kept_name = _online(job, plans, results, kept, predicted, noise, changes)
     after_name = kept if kept != "before" else ("control" if o.control else "before")
     after_phase = _phase(plans[after_name][0], results[after_name])
     final = results[kept_name]
     return AdaptResult(
-        before=_phase(job.original, results["before"]), after=after_phase, profile=measured, attribution=found,
+        before=_phase(job.original, results["before"]), after=after_phase, profile=measured,
+        attribution=found,
         attribution_after=attribute(after_phase.measured, after_phase.measured_schedule, None, o.margin),
         part_costs=part_costs, changes=changes, online_checks=checks,
         test_accuracy=final.test_accuracy, test_loss=final.test_loss,
@@ -638,11 +609,11 @@ def _judge(changes: list[dict], plans: dict, spans: dict, noise: PairedGain | No
             continue
         judged = paired_gain(spans[kept], spans[name], confidence)
         adopted = beats_noise(judged, noise)
-        record.update({"adopted": adopted, "measured_against": kept, "measured": judged.to_json(), "gain": judged.gain,
-                       "noise": None if noise is None else noise.deviation})
+        record.update({"adopted": adopted, "measured_against": kept, "measured": judged.to_json(),
+                       "gain": judged.gain, "noise": None if noise is None else noise.deviation})
         record["why"] += (f"; measured {name} / {kept}: {judged.text()}, "
                           + (f"noise (same plan twice) {noise.deviation:.1%}; " if noise is not None else "")
-                          + ("adopted: faster beyond the noise" if adopted else "not adopted: not faster beyond the noise"))
+                          + ("adopted: faster beyond the noise" if adopted else NOT_FASTER))
         if adopted:
             kept = name
     return kept
@@ -658,8 +629,7 @@ def _online(job: _Job, plans: dict, results: dict, kept: str, predicted: Costs, 
     proposal = None
     for t in timed_steps(results[kept].timelines):
         proposal = replanner.observe(t) or proposal
-    checks = [{"step": o.profile_steps + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
-              for c in replanner.history]
+    checks = _checks(replanner, o.profile_steps)
     if proposal is None or proposal.schedule.actions == kept_schedule.actions:
         return checks, kept
     online_plans = {kept: plans[kept], "online": (kept_parts, _named(proposal.schedule, "online"))}
@@ -668,8 +638,9 @@ def _online(job: _Job, plans: dict, results: dict, kept: str, predicted: Costs, 
     adopted = beats_noise(judged, noise)
     changes.append({"kind": "online-replan", "adopted": adopted, "to": proposal.schedule.name,
                     "predicted_gain": proposal.gain, "gain": judged.gain, "measured": judged.to_json(),
-                    "why": f"costs drifted significantly ({replanner.history[-1].drift:.1%}); measured online / {kept}: "
-                           f"{judged.text()}; " + ("adopted" if adopted else "not adopted: not faster beyond the noise")})
+                    "why": f"costs drifted significantly ({replanner.history[-1].drift:.1%}); "
+                           f"measured online / {kept}: {judged.text()}; "
+                           + ("adopted" if adopted else NOT_FASTER)})
     if not adopted:
         return checks, kept
     plans["online"] = online_plans["online"]

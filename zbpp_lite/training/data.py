@@ -25,7 +25,7 @@ NUM_SAMPLES = 1797
 
 def load_digit_tokens() -> tuple[np.ndarray, np.ndarray]:
     """All 1,797 digits: ``x`` (1797, 8, 8) float32 in [0, 1] (rows as tokens), ``y`` (1797,) int32."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazy: scikit-learn takes seconds to import, needed once
 
     digits = load_digits()
     return (digits.images / 16.0).astype(np.float32), digits.target.astype(np.int32)
@@ -72,7 +72,8 @@ def load_digits(holdout: float = 0.0, seed: int = 0) -> Digits:
     x, y = load_digit_tokens()
     n_test = round(holdout * NUM_SAMPLES)
     if holdout > 0 and not 0 < n_test < NUM_SAMPLES:
-        raise ValueError(f"holdout {holdout} leaves {n_test} test samples of {NUM_SAMPLES}; choose a larger or smaller fraction")
+        raise ValueError(f"holdout {holdout} leaves {n_test} test samples of {NUM_SAMPLES}; "
+                         "choose a larger or smaller fraction")
     if n_test == 0:
         return Digits(x, y, x, y, holdout, seed)
     test = np.sort(np.random.default_rng(seed + 1).permutation(NUM_SAMPLES)[NUM_SAMPLES - n_test :])

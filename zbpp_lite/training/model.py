@@ -145,6 +145,13 @@ class RunConfig:
             raise ValueError("post_validation validates a clipped step: give max_grad_norm too")
 
 
+def settings_json(config: ModelConfig, run: RunConfig) -> dict:
+    """The model's and the run's settings as ``TrainResult.config`` records them (JSON-ready)."""
+    return {"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
+            "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
+            "init": None if run.init is None else str(run.init)}
+
+
 # ---------------------------------------------------------------------------- layers
 
 
@@ -219,7 +226,8 @@ class Head(nnx.Module):
 def build_parts(config: ModelConfig = ModelConfig()) -> list[nnx.Module]:
     """The digits Transformer as its list of parts ``[Embed, Block x N, Head]`` (fresh init)."""
     rngs = nnx.Rngs(config.seed)
-    return [Embed(config.d, rngs=rngs), *[Block(config.d, config.heads, rngs=rngs) for _ in range(config.blocks)], Head(config.d, rngs=rngs)]
+    blocks = [Block(config.d, config.heads, rngs=rngs) for _ in range(config.blocks)]
+    return [Embed(config.d, rngs=rngs), *blocks, Head(config.d, rngs=rngs)]
 
 
 # ---------------------------------------------------------------------------- PyTorch weights
@@ -232,28 +240,14 @@ def torch_names(config: ModelConfig) -> dict[str, tuple[int, tuple[str, ...], bo
     ``0.pos``, ``{i}.qkv.weight`` ..., ``{N+1}.out.bias``. PyTorch's Linear weight is (out, in)
     and Flax's kernel (in, out), hence the transpose; LayerNorm ``weight`` is Flax's ``scale``.
     """
-    names: dict[str, tuple[int, tuple[str, ...], bool]] = {}
-
-    def linear(part: int, layer: str) -> None:
-        names[f"{part}.{layer}.weight"] = (part, (layer, "kernel"), True)
-        names[f"{part}.{layer}.bias"] = (part, (layer, "bias"), False)
-
-    def norm(part: int, layer: str) -> None:
-        names[f"{part}.{layer}.weight"] = (part, (layer, "scale"), False)
-        names[f"{part}.{layer}.bias"] = (part, (layer, "bias"), False)
-
-    linear(0, "tok")
-    names["0.pos"] = (0, ("pos",), False)
-    for i in range(1, config.blocks + 1):
-        norm(i, "ln1")
-        linear(i, "qkv")
-        linear(i, "proj")
-        norm(i, "ln2")
-        linear(i, "fc1")
-        linear(i, "fc2")
     head = config.blocks + 1
-    norm(head, "ln")
-    linear(head, "out")
+    block = (("ln1", False), ("qkv", True), ("proj", True), ("ln2", False), ("fc1", True), ("fc2", True))
+    layers = [(0, "tok", True), *((i, name, linear) for i in range(1, head) for name, linear in block),
+              (head, "ln", False), (head, "out", True)]  # (part, layer, Linear? else LayerNorm)
+    names = {"0.pos": (0, ("pos",), False)}
+    for part, layer, linear in layers:
+        names[f"{part}.{layer}.weight"] = (part, (layer, "kernel" if linear else "scale"), linear)
+        names[f"{part}.{layer}.bias"] = (part, (layer, "bias"), False)
     return names
 
 
@@ -270,7 +264,8 @@ def torch_params(arrays: Mapping[str, Any], config: ModelConfig) -> Params:
     if missing or extra:
         raise ValueError(
             f"PyTorch weights do not match the model (d={config.d}, blocks={config.blocks}): "
-            f"missing {missing[:6]}{'...' if len(missing) > 6 else ''}, unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}"
+            f"missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+            f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''}"
         )
     params = [nnx.state(m, nnx.Param) for m in build_parts(config)]
     pure = [nnx.to_pure_dict(p) for p in params]

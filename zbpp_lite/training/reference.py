@@ -1,39 +1,27 @@
-"""The single-device reference: the unpartitioned model every pipeline run is checked and timed against.
+"""The single-device reference every pipeline run is checked and timed against.
 
-One module for everything a pipelined run is compared with:
-
-- correctness: :func:`reference_grads` (loss and gradients of the whole model on the whole batch,
-  one device), :func:`evaluate` (loss and accuracy), :func:`max_relative_error` (the gradient
-  check's measure);
-- the optimizer both sides use: :func:`adamw`, Optax's AdamW with PyTorch's defaults, and
-  :func:`jitted_adamw` its jitted update;
-- speed: :func:`train_baseline`, the whole model trained on one device, one jitted step per batch
+- correctness: :func:`reference_grads` (the whole model's loss and gradients on the whole batch,
+  one device), :func:`evaluate` (loss, accuracy), :func:`max_relative_error` (the check's measure);
+- the one optimizer: :func:`adamw` (Optax's AdamW, PyTorch's defaults) and :func:`jitted_update`;
+- speed: :func:`train_baseline`, the whole model on one device, one jitted step per batch
   (:func:`make_step`), and :func:`one_rank_schedule`, our executor on one rank.
 
-The baseline is what a pipeline's speed-up is measured against (the PyTorch benchmark's
-``baseline`` run, ``shared/peers/torch_pp_bench.py``): the whole global batch at once,
-``jax.value_and_grad`` of the mean loss and the AdamW update in one ``jax.jit``-ed program whose
-parameters and optimizer state are donated. Same model, data, batch order, initial weights and
-optimizer as :func:`zbpp_lite.training.train.train`, so the two give the same losses step for step
-(up to float32 rounding).
+The baseline is the PyTorch benchmark's ``baseline`` run (``shared/peers/torch_pp_bench.py``): the
+whole batch, ``jax.value_and_grad`` of the mean loss and AdamW in one jitted program with donated
+parameters and state; same model, data, batch order, initial weights and optimizer as
+:func:`zbpp_lite.training.train.train`, so the losses agree step for step (to float32 rounding).
 
-Why this whole-batch step is slower on XLA:CPU than our executor on one rank (about 2.8x on the
-peer job, d = 128, batch 256, one core): its weight gradients ``dW = x^T dy`` contract over the
-batch and token dimensions of 3-D activations, and XLA:CPU makes ``x^T`` with a strided transpose
-copy of every (2048, 128) activation before a plain (non-YNNPACK) dot. In a profile of one step
-(``jax.profiler``, op by op) those ``copy_bitcast_fusion`` transposes take more time than the
-products themselves. The backward split (:mod:`zbpp_lite.runtime.split`) stores ``x^T`` in F for
-each 32-sample microbatch, where the transpose fits in cache, and W is one row-major product. So
-speed-ups are taken against the faster of the two single-device references (``compare`` names
-it): the whole-batch step, and our executor on one rank (the same kernels and microbatches as the
-pipeline).
+It is slower on XLA:CPU than our executor on one rank (about 2.8x on the peer job, d = 128, batch
+256, one core): its ``dW = x^T dy`` contract over the batch and token dimensions of 3-D
+activations, and XLA:CPU makes ``x^T`` by a strided transpose copy of every (2048, 128) activation
+before a plain (non-YNNPACK) dot; in a ``jax.profiler`` trace these ``copy_bitcast_fusion``
+transposes outweigh the products. The backward split (:mod:`zbpp_lite.runtime.split`) stores
+``x^T`` in F per 32-sample microbatch, where it fits in cache. Speed-ups are therefore taken
+against the faster of the two references (``compare`` names it).
 
-``microbatches`` > 1 is an option of ours, not the PyTorch job's: the same step accumulating the
-gradient over that many microbatches in order (``jax.lax.scan``), still on one device. It
-separates what microbatching alone changes (smaller working sets) from what the pipeline adds
-(a second device).
-
-Layer: training.
+``microbatches`` > 1 (ours, not the PyTorch job's): the same step accumulating the gradient over
+that many microbatches (``jax.lax.scan``) on one device, separating what microbatching changes
+(smaller working sets) from what the pipeline adds (a second device).
 """
 
 from __future__ import annotations
@@ -53,7 +41,7 @@ from ..runtime.stages import StagedModel, microbatch_size
 from ..schedules.builders import build_schedule
 from ..schedules.ir import Schedule
 from .data import Digits, load_digits
-from .model import ModelConfig, RunConfig, build_parts, load_torch_init
+from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
 from .postval.rollback import AdamWConfig
 
 
@@ -65,27 +53,23 @@ def adamw(lr: float = 1e-3, weight_decay: float = 0.01) -> optax.GradientTransfo
 
 @functools.lru_cache(maxsize=8)
 def jitted_update(config: AdamWConfig) -> Callable:
-    """The jitted AdamW step of ``config``: ``update(grads, state, params) -> (params, state)``."""
+    """The package's one AdamW step, ``config.optimizer()`` (Optax) jitted over lists:
+    ``update(grads, states, params) -> (params, states)``, one entry per model module (or per
+    stage's leaves), each with its own state."""
     opt = config.optimizer()
 
     @jax.jit
-    def update(grads, state, params):
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+    def update(grads, states, params):
+        out = [opt.update(g, st, p) for g, st, p in zip(grads, states, params)]
+        return [optax.apply_updates(p, u) for p, (u, _) in zip(params, out)], [st for _, st in out]
 
     return update
 
 
 def adamw_step(params: Any, state: Any, grads: Any, config: AdamWConfig) -> tuple[Any, Any]:
-    """One AdamW step of ``config`` (jitted): ``(params, state)`` after applying ``grads``."""
-    return jitted_update(config)(grads, state, params)
-
-
-def jitted_adamw(lr: float, weight_decay: float):
-    """AdamW with PyTorch's defaults (:func:`adamw`) and its jitted update
-    ``update(grads, state, params) -> (params, state)``; shared by train, adapt and distributed."""
-    config = AdamWConfig(learning_rate=lr, weight_decay=weight_decay)
-    return config.optimizer(), jitted_update(config)
+    """One AdamW step of ``config`` (:func:`jitted_update`): ``(params, state)`` after ``grads``."""
+    new, states = jitted_update(config)([grads], [state], [params])
+    return new[0], states[0]
 
 
 def max_relative_error(grads: Sequence[Any], reference: Sequence[Any]) -> float:
@@ -239,23 +223,23 @@ def train_baseline(
     data = data if data is not None else load_digits(run.holdout, run.seed)
     staged = StagedModel(build_parts(config), 1)
     optimizer = adamw(run.lr, run.weight_decay)
-    params = jax.device_put(load_torch_init(run.init, config) if run.init is not None else staged.params, device)
+    params = load_torch_init(run.init, config) if run.init is not None else staged.params
+    params = jax.device_put(params, device)
     opt_state = jax.device_put(optimizer.init(params), device)
     step = make_step(staged, optimizer, microbatches)
     losses, seconds = [], []
     for k in range(steps):
         x, y = data.batch(k, run.batch)
         t0 = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, jax.device_put(x, device), jax.device_put(y, device))
+        x, y = jax.device_put(x, device), jax.device_put(y, device)
+        params, opt_state, loss = step(params, opt_state, x, y)
         jax.block_until_ready(params)
         seconds.append(time.perf_counter() - t0)
         losses.append(float(loss))
     test_loss, test_accuracy = evaluate(staged, params, data.test_x, data.test_y, device)
     return BaselineResult(
         losses=losses, step_seconds=seconds, test_loss=test_loss, test_accuracy=test_accuracy, params=params,
-        config={"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
-                "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
-                "init": None if run.init is None else str(run.init), "microbatches": microbatches, "device": str(device)},
+        config={**settings_json(config, run), "microbatches": microbatches, "device": str(device)},
     )
 
 

@@ -5,7 +5,6 @@ Layer: training (the loop over :class:`zbpp_lite.runtime.spmd.SpmdExecutor`).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -17,7 +16,8 @@ from ..runtime.stages import Params, StagedModel
 from ..schedules.costs import Costs
 from ..schedules.ir import Schedule
 from ..schedules.simulate import simulate
-from .reference import jitted_adamw, max_relative_error, reference_grads
+from .model import RunConfig
+from .train import StageAdamW, check_step, train_step
 
 
 @dataclass
@@ -42,18 +42,20 @@ class SpmdTrainResult:
     params: Params
 
     def to_json(self, schedule: Schedule) -> dict:
+        steps = [{"loss": loss, "seconds": s} for loss, s in zip(self.losses, self.step_seconds)]
         return {"executor": "spmd", "schedule": schedule.name or "custom", "ranks": schedule.num_ranks,
-                "microbatches": schedule.num_microbatches, "steps": [{"loss": l, "seconds": s} for l, s in zip(self.losses, self.step_seconds)],
+                "microbatches": schedule.num_microbatches, "steps": steps,
                 "grad_max_rel_error": self.grad_max_rel_error, "loss_error": self.loss_error,
                 "lockstep_ticks": self.lockstep.makespan}
 
 
-def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: Sequence[tuple[Any, Any]], lr: float,
-               weight_decay: float = 0.01, devices: Sequence[Any] | None = None, on_step=None) -> SpmdTrainResult:
+def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: Sequence[tuple[Any, Any]],
+               lr: float, weight_decay: float = 0.01, devices: Sequence[Any] | None = None,
+               on_step=None) -> SpmdTrainResult:
     """Train any staged model the thread executor trains (its own stages, integer tokens
     included: :class:`zbpp_lite.runtime.spmd.SpmdExecutor`) with the compiled SPMD executor: each
     step one run of the program, then AdamW (PyTorch's defaults,
-    :func:`zbpp_lite.training.reference.jitted_adamw`) on the replicated gradients, the same update
+    :func:`zbpp_lite.training.train.train_step`) on the replicated gradients, the same update
     on every process. ``devices`` may span processes (a multi-process mesh); every
     process must call this with the same arguments. ``on_step(k, loss, seconds)`` after every step.
 
@@ -63,28 +65,20 @@ def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: 
             divide into microbatches).
     """
     executor = SpmdExecutor(model, schedule, devices)
-    opt, update = jitted_adamw(lr, weight_decay)
     home = jax.local_devices()[0]
     params = jax.device_put(params, home)
-    state = opt.init(params)
-    zeros = jax.device_put(jax.tree_util.tree_map(np.zeros_like, params), home)
-    once = update(zeros, state, params)  # compile the update for the first step's inputs and the later steps' (its own outputs)
-    jax.block_until_ready(update(zeros, once[1], once[0]))
+    adamw = StageAdamW(params, RunConfig(lr=lr, weight_decay=weight_decay))
+    adamw.place(model, {s: home for s in range(model.num_stages)}).warm_up()
     losses, seconds = [], []
     grad_error = loss_error = float("nan")
     for k, (x, y) in enumerate(batches):
-        t0 = time.perf_counter()
-        result = executor.run(params, x, y)
-        new_params, state = update(jax.device_put(result.grads, home), state, params)
-        jax.block_until_ready(new_params)
-        seconds.append(time.perf_counter() - t0)
+        result, sec, _ = train_step(executor, adamw, x, y)
+        seconds.append(sec)
         if k == 0:
-            ref_loss, ref_grads = reference_grads(model, params, x, y, home)
-            grad_error = max_relative_error(result.grads, ref_grads)
-            loss_error = abs(result.loss - ref_loss)
-        params = new_params
+            grad_error, loss_error = check_step(model, params, x, y, result, home)
         losses.append(result.loss)
         if on_step is not None:
             on_step(k, result.loss, seconds[-1])
-    return SpmdTrainResult(losses, seconds, grad_error, loss_error, simulate(schedule, Costs(), lockstep=True),
-                           jax.tree_util.tree_map(np.asarray, params))
+    lockstep = simulate(schedule, Costs(), lockstep=True)
+    return SpmdTrainResult(losses, seconds, grad_error, loss_error, lockstep,
+                           jax.tree_util.tree_map(np.asarray, adamw.params))

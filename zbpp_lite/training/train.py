@@ -5,32 +5,37 @@ schedule, cuts the model into its stages, runs every step with the executor (gra
 accumulated over microbatches, then AdamW per stage on that stage's device, as PyTorch's
 pipelining does), checks the first step's loss and gradients against the unpartitioned model, and
 compares the measured timeline with the simulator's for the measured mean action costs.
+
+:func:`train_step` is the one step every loop takes (``train``, the turns' rank processes,
+adapt's rank threads, ``launch``'s hosts, SPMD): the executor on the current parameters, then
+:class:`StageAdamW`. Threads, processes and hosts only change what carries values between ranks.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Sequence
 
 import jax
 from tqdm.auto import tqdm
 
+from ..analysis.profiling.device import stage_memory_bytes
 from ..analysis.profiling.timelines import measured_costs, timed_steps
 from ..runtime.devices import ensure_devices
 from ..runtime.executor import PipelineExecutor
 from ..runtime.stages import StagedModel, microbatch_size, stage_parts
-from ..schedules.builders import build_schedule
+from ..schedules.builders import build_schedule, options_of
 from ..schedules.costs import Costs
 from ..schedules.ir import Schedule
 from ..schedules.simulate import simulate
 from ..schedules.timeline import Timeline
 from ..schedules.validate import validate
 from .data import Digits, load_digits
-from .model import ModelConfig, RunConfig, build_parts, load_torch_init
-from .postval.optimizer import StageOptimizer
+from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
 from .postval import rollback
-from .reference import evaluate, jitted_adamw, max_relative_error, reference_grads
+from .postval.optimizer import StageOptimizer
+from .reference import evaluate, jitted_update, max_relative_error, reference_grads
 
 
 @dataclass
@@ -39,21 +44,18 @@ class TrainResult:
 
     Attributes:
         schedule: the schedule that ran.
-        losses: global-batch mean training loss of every step, computed in that step (before
-            its update), floats.
+        losses: global-batch mean training loss of every step, before its update (floats).
         test_accuracy, test_loss: the trained model on the test samples.
-        grad_max_rel_error: first step, the largest over parameters of
-            max|g - g_ref| / max|g_ref|, g_ref from ``jax.value_and_grad`` of the unpartitioned
-            model on the whole batch (``None`` when the check was off).
-        loss_error: first step, |loss - loss_ref| (``None`` when the check was off).
-        measured: the measured timeline of the step with the median makespan (steps after the
-            first when there are several).
-        costs: mean action times of that step (seconds), :func:`zbpp_lite.analysis.profiling.timelines.measured_costs`.
-        simulated: :func:`zbpp_lite.simulate` of the schedule with those costs.
-        timelines: every step's measured timeline.
-        step_seconds: wall time of every step (the first includes compilation).
+        grad_max_rel_error: first step, max over parameters of max|g - g_ref| / max|g_ref|,
+            g_ref from ``jax.value_and_grad`` of the unpartitioned model (None: check off).
+        loss_error: first step, |loss - loss_ref| (None: check off).
+        measured: the timeline of the step with the median makespan (after the first).
+        costs: that step's mean action times, seconds (:func:`~zbpp_lite.analysis.profiling.
+            timelines.measured_costs`); simulated: :func:`zbpp_lite.simulate` with them.
+        timelines: every step's measured timeline; step_seconds: every step's wall time (the
+            first includes compilation).
         params: the trained parameters (one pytree per model module).
-        config: the settings of the run (model sizes, batch, learning rate, ...).
+        config: the run's settings (model sizes, batch, learning rate, ...).
     """
 
     schedule: Schedule
@@ -73,38 +75,40 @@ class TrainResult:
     def to_json(self) -> dict:
         """A JSON-ready dict: schedule, ranks, microbatches, steps (each with ``loss``),
         test_accuracy, grad_max_rel_error, measured and simulated (``makespan`` in seconds,
-        ``bubble_rate``), memory (the measured step's activation bytes per rank beside the
-        plan's, see :meth:`_memory_json`), trace (the measured events), plus costs and config."""
-        s = self.schedule
+        ``bubble_rate``), memory (:meth:`_memory_json`), trace (the measured events), costs, config."""
+        s, m, sim = self.schedule, self.measured, self.simulated
+        steps = zip(self.losses, self.timelines, self.step_seconds)
         return {
-            "schedule": s.name or "custom",
-            "ranks": s.num_ranks,
-            "stages": s.num_stages,
+            "schedule": s.name or "custom", "ranks": s.num_ranks, "stages": s.num_stages,
             "microbatches": s.num_microbatches,
             "steps": [{"loss": loss, "makespan": t.makespan, "bubble_rate": t.bubble_rate, "seconds": sec}
-                      for loss, t, sec in zip(self.losses, self.timelines, self.step_seconds)],
-            "test_accuracy": self.test_accuracy,
-            "test_loss": self.test_loss,
-            "grad_max_rel_error": self.grad_max_rel_error,
-            "loss_error": self.loss_error,
-            "measured": {"makespan": self.measured.makespan, "bubble_rate": self.measured.bubble_rate},
-            "simulated": {"makespan": self.simulated.makespan, "bubble_rate": self.simulated.bubble_rate},
+                      for loss, t, sec in steps],
+            "test_accuracy": self.test_accuracy, "test_loss": self.test_loss,
+            "grad_max_rel_error": self.grad_max_rel_error, "loss_error": self.loss_error,
+            "measured": {"makespan": m.makespan, "bubble_rate": m.bubble_rate},
+            "simulated": {"makespan": sim.makespan, "bubble_rate": sim.bubble_rate},
             "memory": self._memory_json(),
             "costs": {"f": list(self.costs.f), "b": list(self.costs.b), "w": list(self.costs.w)},
-            "trace": [
-                {"rank": e.rank, "action": str(e.action), "kind": e.action.kind, "stage": e.action.stage,
-                 "microbatch": e.action.microbatch, "start": e.start, "end": e.end}
-                for e in self.measured.events
-            ],
+            "trace": [{"rank": e.rank, "action": str(e.action), "kind": e.action.kind,
+                       "stage": e.action.stage, "microbatch": e.action.microbatch, "start": e.start,
+                       "end": e.end} for e in m.events],
             "config": self.config,
         }
 
+    @classmethod
+    def of(cls, schedule: Schedule, losses: list, timelines: list, seconds: list, params: Any,
+           errors: tuple, tested: tuple, config: dict) -> "TrainResult":
+        """The result of a run's steps: ``errors`` (gradient, loss) of the check, ``tested`` (test
+        loss, accuracy); the median step measured and simulated with its costs."""
+        measured = pick_measured(timelines)
+        costs = measured_costs(measured, schedule.num_stages)
+        return cls(schedule, losses, tested[1], tested[0], errors[0], errors[1], measured, costs,
+                   simulate(schedule, costs), timelines, seconds, params, config)
 
     def _memory_json(self) -> dict | None:
-        """The measured step's activation memory (:meth:`MeasuredMemory.to_json`, bytes) with
-        the plan's peak per rank in bytes (its model with the measured M_B and M_W) and the
-        measured peak in units of one stage-microbatch's activations (M_B of the rank's first
-        stage), or None when the run measured none (SPMD)."""
+        """The measured step's activation memory (bytes, :meth:`MeasuredMemory.to_json`), the
+        plan's peak per rank in bytes (planned with the measured M_B, M_W) and the measured peak in
+        units of the rank's first stage's M_B; None when nothing was measured (SPMD)."""
         memory = self.measured.measured_memory
         if memory is None:
             return None
@@ -113,197 +117,236 @@ class TrainResult:
                 "peak_units": list(memory.peak_units(first))}
 
 
-def _pick_measured(timelines: list[Timeline]) -> Timeline:
+def pick_measured(timelines: list[Timeline]) -> Timeline:
+    """The timed step (after the first) with the median makespan."""
     timed = timed_steps(timelines)
     return sorted(timed, key=lambda t: t.makespan)[len(timed) // 2]
 
 
-@dataclass
-class _Run:
-    """What the step loops fill in."""
+@dataclass(frozen=True)
+class TrainOptions:
+    """Where and how :func:`train` runs, beside the schedule, model and run.
 
-    losses: list = field(default_factory=list)
-    timelines: list = field(default_factory=list)
-    seconds: list = field(default_factory=list)
-    grad_error: float | None = None
-    loss_error: float | None = None
-    extra: dict = field(default_factory=dict)
+    Attributes:
+        schedule_options: keyword options for the builder (e.g. ``stages_per_rank``). A builder
+            that plans memory with ``costs`` (zb-auto, zb-1p, zb-2p, ...) gets, when none are
+            given, ``Costs(mem_b, mem_w)`` measured on the job in bytes (:func:`job_costs`).
+        devices: one device per rank; default :func:`zbpp_lite.runtime.devices.ensure_devices`
+            (real accelerators if enough, else simulated CPU devices).
+        data: the digits split (default ``load_digits(run.holdout, run.seed)``).
+        on_step: called after every step with (step index, loss, measured timeline).
+    """
+
+    schedule_options: dict | None = None
+    devices: Sequence[Any] | None = None
+    data: Digits | None = None
+    on_step: Callable[[int, float, Timeline], None] | None = None
 
 
-def train(
-    schedule: str | Schedule = "zb-h1",
-    ranks: int = 2,
-    microbatches: int = 4,
-    steps: int = 20,
-    *,
-    model: ModelConfig | None = None,
-    run: RunConfig | None = None,
-    schedule_options: dict | None = None,
-    devices: Sequence[Any] | None = None,
-    data: Digits | None = None,
-    on_step: Callable[[int, float, Timeline], None] | None = None,
-) -> TrainResult:
+def train(schedule: str | Schedule = "zb-h1", ranks: int = 2, microbatches: int = 4, steps: int = 20, *,
+          model: ModelConfig | None = None, run: RunConfig | None = None, options: TrainOptions | None = None,
+          **settings) -> TrainResult:
     """Train the digits Transformer with one schedule and measure it.
 
     Args:
         schedule: a registered name (``zb.SCHEDULES``) or a :class:`~zbpp_lite.schedules.ir.Schedule`
-            (e.g. read from CSV; its ranks and microbatches then override ``ranks`` and
-            ``microbatches``).
-        ranks, microbatches: p and m.
-        steps: training steps (optimizer updates).
-        model: the model's sizes and init seed (:class:`~zbpp_lite.training.model.ModelConfig`;
-            ``blocks`` >= stages).
+            (e.g. read from CSV; its ranks and microbatches then override ``ranks``, ``microbatches``).
+        ranks, microbatches: p and m; steps: training steps (optimizer updates).
+        model: sizes and init seed (:class:`~zbpp_lite.training.model.ModelConfig`; blocks >= stages).
         run: batch, optimizer, data split, gradient check, clipping (:class:`RunConfig`).
-        schedule_options: keyword options for the builder (e.g. ``stages_per_rank``).
-        devices: one device per rank; default :func:`zbpp_lite.runtime.devices.ensure_devices` (real
-            accelerators if enough, else simulated CPU devices).
-        data: the digits split to use (default ``load_digits(run.holdout, run.seed)``).
-        on_step: called after every step with (step index, loss, measured timeline).
+        options: :class:`TrainOptions`; ``settings``: its fields by name, e.g.
+            ``train("1f1b", devices=devs, data=data, on_step=f, schedule_options={...})``.
 
     Raises:
-        ValueError: an unknown or invalid schedule, fewer blocks than stages, a batch that does
-            not divide into microbatches, bad sizes; all before any compute.
+        ValueError: an unknown or invalid schedule, a memory-limited planner given ``memory_limit``
+            without ``costs``, fewer blocks than stages, a batch that does not divide into
+            microbatches, bad sizes; all before any compute. TypeError: an unknown setting.
         RuntimeError: too few devices (the message says how to get simulated ones), or a rank's
             action failed.
     """
+    unknown = set(settings) - {f.name for f in fields(TrainOptions)}
+    if unknown:
+        raise TypeError(f"train got unknown setting(s) {sorted(unknown)}; TrainOptions has "
+                        f"{[f.name for f in fields(TrainOptions)]}")
+    o = TrainOptions(**{**(vars(options) if options is not None else {}), **settings})
     config, run = model or ModelConfig(), run or RunConfig()
-    sched = _checked_schedule(schedule, ranks, microbatches, steps, config, run, schedule_options)
-    devices = devices if devices is not None else ensure_devices(sched.num_ranks)
+    sched = checked_schedule(schedule, ranks, microbatches, steps, config, run, o.schedule_options)
+    devices = o.devices if o.devices is not None else ensure_devices(sched.num_ranks)
     executor = PipelineExecutor(StagedModel(build_parts(config), sched.num_stages), sched, devices)
-    return train_steps(executor, steps, config, run, data=data, on_step=on_step)
+    return train_steps(executor, steps, config, run, data=o.data, on_step=o.on_step)
+
+
+class StageAdamW:
+    """AdamW (Optax, :meth:`~zbpp_lite.training.postval.rollback.AdamWConfig.optimizer`) on the
+    model modules of the stages this process updates: parameters and state per module, on its
+    stage's device, one jitted update per stage. :meth:`place` moves them when the partition or
+    schedule changes (adapt), the state carried over.
+
+    ``params``: one pytree per model module (every module; those of other ranks' stages stay as given).
+    """
+
+    def __init__(self, params: list, run: RunConfig):
+        self.config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
+        self.params, self.state = list(params), {}
+        self.model: StagedModel | None = None
+        self.homes: dict = {}
+
+    def place(self, model: StagedModel, homes: dict) -> "StageAdamW":
+        """Update ``model``'s stages ``homes`` (``{stage: device}``) from now on, each on its device."""
+        opt = self.config.optimizer()
+        self.model, self.homes = model, dict(homes)
+        for s, d in self.homes.items():
+            for i in model.parts[s]:
+                self.params[i] = jax.device_put(self.params[i], d)
+                state = self.state[i] if i in self.state else opt.init(self.params[i])
+                self.state[i] = jax.device_put(state, d)
+        return self
+
+    def stage_params(self) -> dict[int, list]:
+        """``{stage: [module pytree]}`` of the stages this process updates."""
+        return {s: [self.params[i] for i in self.model.parts[s]] for s in self.homes}
+
+    def step(self, grads: list) -> None:
+        """One update from ``grads`` (one pytree per model module), wherever the executor left them."""
+        update = jitted_update(self.config)
+        for s, d in self.homes.items():
+            idx = self.model.parts[s]
+            new, states = update([jax.device_put(grads[i], d) for i in idx], [self.state[i] for i in idx],
+                                 [self.params[i] for i in idx])
+            for i, p, st in zip(idx, new, states):
+                self.params[i], self.state[i] = p, st
+        jax.block_until_ready(self.params)
+
+    def warm_up(self) -> None:
+        """Compile the update for the first step's inputs and for its own outputs, changing nothing."""
+        update = jitted_update(self.config)
+        for idx in (self.model.parts[s] for s in self.homes):
+            p, st = [self.params[i] for i in idx], [self.state[i] for i in idx]
+            zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, p)
+            once = update(zeros, st, p)
+            jax.block_until_ready(update(zeros, once[1], once[0]))
+
+
+def train_step(executor, adamw: StageAdamW, x, y) -> tuple[Any, float, float]:
+    """The one training step: ``executor`` (any transport) on ``adamw``'s parameters, then its
+    update. Returns (the executor's result, seconds to the end of the update, seconds of the run)."""
+    t0 = time.perf_counter()
+    result = executor.run(adamw.params, x, y)
+    ran = time.perf_counter() - t0
+    adamw.step(result.grads)
+    return result, time.perf_counter() - t0, ran
+
+
+def check_step(model, params: list, x, y, result, device) -> tuple[float, float]:
+    """The step's (max relative gradient error, |loss - loss_ref|) against the unpartitioned
+    model on the whole batch from the same ``params`` (:func:`reference_grads`)."""
+    ref_loss, ref_grads = reference_grads(model, params, x, y, device)
+    return max_relative_error(result.grads, ref_grads), abs(result.loss - ref_loss)
 
 
 def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, home: Any = None,
-                data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None) -> TrainResult:
-    """The step loop every pipeline run of this process goes through, whatever carries the
-    values between its ranks (``executor``: the thread executor, or
-    :func:`~zbpp_lite.runtime.distributed.process_executor` over JAX's distributed
-    runtime): ``steps`` executor steps from ``config``'s initial parameters (or ``run.init``) on
-    batches 0, 1, ..., AdamW per stage (or, with ``run.max_grad_norm``, inside the rank threads),
-    then the first step checked against the one reference, the trained model evaluated, the
-    median step's measured costs simulated. ``home``: one device holding every stage's parameters
-    and optimizer state (default: each stage's own device). Returns :class:`TrainResult`.
-    """
+                data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None
+                ) -> TrainResult:
+    """``steps`` steps of :func:`train_step` with ``executor`` (the thread executor, or
+    :func:`~zbpp_lite.runtime.distributed.process_executor`'s executor over JAX's distributed runtime)
+    from ``config``'s initial parameters (or ``run.init``) on batches 0, 1, ... (with
+    ``run.max_grad_norm``: the clipped AdamW inside the rank threads instead); then the first step
+    checked, the trained model evaluated, the median step's costs simulated. ``home``: one device
+    for every stage's parameters and optimizer state (default: each stage's own). Returns
+    :class:`TrainResult`."""
     staged, sched = executor.model, executor.schedule
     data = data if data is not None else load_digits(run.holdout, run.seed)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
     homes = [home] * sched.num_stages if home is not None else list(executor.stage_devices)
     batches = [data.batch(k, run.batch) for k in range(steps)]
+    losses, timelines, seconds, extra = [], [], [], {}
     if run.max_grad_norm is not None:
-        out, stage_params = _guarded_steps(executor, params, batches, run, on_step)
+        out = (losses, timelines, seconds, extra)
+        first, final = _guarded_steps(executor, params, batches, run, out, on_step)
     else:
-        out, stage_params = _plain_steps(executor, params, batches, run, on_step, homes)
-    first_grads = out.extra.pop("first_grads", None)
-    if run.check_grads:  # the first step against the unpartitioned model on the whole batch
-        ref_loss, ref_grads = reference_grads(staged, params, *batches[0], homes[0])
-        out.grad_error = max_relative_error(first_grads, ref_grads)
-        out.loss_error = abs(out.losses[0] - ref_loss)
-    final = staged.join_stage_params(stage_params)
-    test_loss, test_accuracy = evaluate(staged, final, data.test_x, data.test_y, homes[0])
-    measured = _pick_measured(out.timelines)
-    costs = measured_costs(measured, sched.num_stages)
-    return TrainResult(
-        schedule=sched, losses=out.losses, test_accuracy=test_accuracy, test_loss=test_loss,
-        grad_max_rel_error=out.grad_error, loss_error=out.loss_error, measured=measured, costs=costs,
-        simulated=simulate(sched, costs), timelines=out.timelines, step_seconds=out.seconds, params=final,
-        config={**settings_json(config, run), "devices": [str(dev) for dev in executor.devices], **out.extra},
-    )
+        adamw = StageAdamW(params, run).place(staged, dict(enumerate(homes)))
+        bar: Any = range(steps)
+        if run.progress:
+            desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
+            bar = tqdm(bar, desc=desc, leave=False)
+        for k in bar:
+            result, sec, _ = train_step(executor, adamw, *batches[k])
+            first = result if k == 0 else first
+            losses.append(result.loss)
+            timelines.append(result.timeline)
+            seconds.append(sec)
+            if run.progress:
+                bar.set_postfix(loss=f"{result.loss:.4f}")
+            if on_step is not None:
+                on_step(k, result.loss, result.timeline)
+        final = adamw.params
+    errors = check_step(staged, params, *batches[0], first, homes[0]) if run.check_grads else (None, None)
+    tested = evaluate(staged, final, data.test_x, data.test_y, homes[0])
+    settings = {**settings_json(config, run), "devices": [str(dev) for dev in executor.devices], **extra}
+    return TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
 
 
-def settings_json(config: ModelConfig, run: RunConfig) -> dict:
-    """The model's and the run's settings as ``TrainResult.config`` records them (JSON-ready)."""
-    return {"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
-            "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
-            "init": None if run.init is None else str(run.init)}
+def job_costs(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig) -> Costs:
+    """``Costs(mem_b, mem_w)``: the job's M_B and M_W per stage in bytes for one microbatch
+    (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`, from shapes: nothing runs),
+    what a memory-limited planner plans with (issue 31)."""
+    x, y = load_digits(run.holdout, run.seed).batch(0, run.batch)
+    mb = microbatch_size(run.batch, microbatches)
+    mem_b, mem_w = stage_memory_bytes(StagedModel(build_parts(config), num_stages), x[:mb], y[:mb])
+    return Costs(mem_b=mem_b, mem_w=mem_w)
 
 
-def _checked_schedule(schedule, ranks, microbatches, steps, config: ModelConfig, run: RunConfig,
-                      schedule_options: dict | None) -> Schedule:
+def checked_schedule(schedule, ranks: int, microbatches: int, steps: int, config: ModelConfig, run: RunConfig,
+                     schedule_options: dict | None) -> Schedule:
     """The schedule to run, once everything that can be wrong with the request has been checked
-    (before JAX computes anything)."""
-    sched = schedule if isinstance(schedule, Schedule) else build_schedule(schedule, ranks, microbatches, **(schedule_options or {}))
-    validate(sched)
+    (before any training compute); a memory-limited planner named without ``costs`` is planned
+    with :func:`job_costs`."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    options = dict(schedule_options or {})
+    named = not isinstance(schedule, Schedule)
+    needs_memory = named and "costs" in options_of(schedule) and "costs" not in options
+    if needs_memory and "memory_limit" in options:
+        raise ValueError(f"{schedule}'s memory_limit counts units of Costs.mem_b: give "
+                         "costs=Costs(mem_b=..., mem_w=...) with it, or leave memory_limit out "
+                         "to plan with the job's M_B, M_W")
+    sched = build_schedule(schedule, ranks, microbatches, **options) if named else schedule
+    validate(sched)
     microbatch_size(run.batch, sched.num_microbatches)
     stage_parts(config.blocks, sched.num_stages)  # raises for fewer blocks than stages
+    if needs_memory:
+        options["costs"] = job_costs(sched.num_stages, microbatches, config, run)
+        sched = validate(build_schedule(schedule, ranks, microbatches, **options))
     return sched
 
 
-class StageAdamW:
-    """AdamW per stage, each stage's parameters and state on its own device: the update after
-    every step of every loop (``train``'s, and each rank process's in ``train_in_turns``).
-
-    ``homes``: ``{stage: device}`` for the stages this process updates.
-    """
-
-    def __init__(self, model: StagedModel, params: list, homes: dict, run: RunConfig):
-        opt, self._update = jitted_adamw(run.lr, run.weight_decay)
-        self.model, self.homes = model, dict(homes)
-        self.params = {s: jax.device_put(model.stage_params(params, s), d) for s, d in self.homes.items()}
-        self.state = {s: jax.device_put(opt.init(p), d) for (s, d), p in zip(self.homes.items(), self.params.values())}
-
-    def step(self, grads: list) -> None:
-        """One update from ``grads`` (one pytree per model module), wherever the executor left them."""
-        for s, d in self.homes.items():
-            g = jax.device_put(self.model.stage_params(grads, s), d)
-            self.params[s], self.state[s] = self._update(g, self.state[s], self.params[s])
-        jax.block_until_ready(self.params)
-
-    def warm_up(self) -> None:
-        """Compile the update for the first step's inputs and for its own outputs, changing nothing."""
-        for s, p in self.params.items():
-            zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, p)
-            once = self._update(zeros, self.state[s], p)
-            jax.block_until_ready(self._update(zeros, once[1], once[0]))
-
-
-def _plain_steps(executor, params, batches, run: RunConfig, on_step, homes: list) -> tuple[_Run, list]:
-    """One executor step at a time, then AdamW per stage on ``homes[stage]``."""
-    model, sched = executor.model, executor.schedule
-    adamw = StageAdamW(model, params, dict(enumerate(homes)), run)
-    out = _Run()
-    steps_iter: Any = range(len(batches))
-    if run.progress:
-        steps_iter = tqdm(steps_iter, desc=f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}", leave=False)
-    for k in steps_iter:
-        t0 = time.perf_counter()
-        result = executor.run(model.join_stage_params(list(adamw.params.values())), *batches[k])
-        adamw.step(result.grads)
-        out.seconds.append(time.perf_counter() - t0)
-        if k == 0:
-            out.extra["first_grads"] = result.grads
-        out.losses.append(result.loss)
-        out.timelines.append(result.timeline)
-        if run.progress:
-            steps_iter.set_postfix(loss=f"{result.loss:.4f}")
-        if on_step is not None:
-            on_step(k, result.loss, result.timeline)
-    return out, list(adamw.params.values())
-
-
-def _guarded_steps(executor, params, batches, run: RunConfig, on_step) -> tuple[_Run, list]:
+def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_step) -> tuple[Any, list]:
     """The steps back to back with the clipped AdamW inside the rank threads (synchronous or
-    post-validated, :class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`)."""
+    post-validated, :class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`); fills ``out``
+    (losses, timelines, seconds, extra config) and returns (the first step's result, the trained
+    parameters)."""
+    losses, timelines, seconds, extra = out
     model = executor.model
-    guard = StageOptimizer(executor, params, rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay),
-                           "post-validation" if run.post_validation else "synchronous", run.max_grad_norm)
+    config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
+    policy = "post-validation" if run.post_validation else "synchronous"
+    guard = StageOptimizer(executor, params, config, policy, run.max_grad_norm)
     results = executor.run_steps(params, batches, guard)
-    out = _Run()
     starts = [r.start for r in results]
     starts.append(starts[-1] + results[-1].timeline.global_span)  # the last step: its own span
     for k, r in enumerate(results):
-        out.losses.append(r.loss)
-        out.timelines.append(r.timeline)
-        out.seconds.append(starts[k + 1] - starts[k])
+        losses.append(r.loss)
+        timelines.append(r.timeline)
+        seconds.append(starts[k + 1] - starts[k])
         if on_step is not None:
             on_step(k, r.loss, r.timeline)
-    out.extra = {"first_grads": results[0].grads, "max_grad_norm": run.max_grad_norm, "post_validation": run.post_validation,
-                 "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
-                                    "rolled_back": r.rolled_back} for r in guard.reports]}
-    current = guard.params()
-    stage_params = []
+    extra.update({"max_grad_norm": run.max_grad_norm, "post_validation": run.post_validation,
+                  "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped,
+                                     "skipped": not r.finite, "rolled_back": r.rolled_back}
+                                    for r in guard.reports]})
+    current, final = guard.params(), list(params)
     for s in range(executor.schedule.num_stages):
         like = model.stage_params(params, s)
-        stage_params.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), list(current[s])))
-    return out, stage_params
+        tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), list(current[s]))
+        for i, part in zip(model.parts[s], tree):
+            final[i] = part
+    return results[0], final

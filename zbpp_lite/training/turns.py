@@ -1,27 +1,26 @@
-"""Several schedules trained side by side, one pinned process per rank, taking turns step by step.
+"""Several schedules trained side by side, one pinned process per rank, taking turns step by step,
+and the one-core helper process (:class:`OneCore`): the training layer's process protocols.
 
-:func:`train_in_turns` is how ``compare`` and ``train`` measure on a machine with at least as
-many cores as ranks. Each rank is its own process pinned to its own core
-(:class:`zbpp_lite.runtime.processes.RankProcesses`), so a rank that waits leaves its core idle,
-as a real device does, and the measured bubbles are the schedule's. Every schedule keeps its own
-copy of the model (the same initial parameters) and its own AdamW state, and step k of every
-schedule trains on batch k: the schedules compute the same losses, and step k of all of them
-runs before step k + 1 of any, so whatever drifts on the machine during the run (other load, a
-slow spell of one core) meets every schedule alike. Their ratios are the fairest this machine
-gives.
+:func:`train_in_turns` is how ``compare`` and ``train`` measure with at least as many cores as
+ranks. Each rank is a process pinned to its own core
+(:class:`~zbpp_lite.runtime.processes.RankProcesses`), so a waiting rank leaves its core idle, as a
+device does, and the measured bubbles are the schedule's. Every schedule has its own copy of the
+model (same initial parameters) and AdamW state; step k of every schedule trains on batch k and
+runs before step k + 1 of any, so whatever drifts on the machine meets every schedule alike.
 
-Per step and schedule, each rank runs its actions (the executor, ``ranks=[r]``), then AdamW on its
-own stages, and reports its wall time, the last stage's microbatch losses and the measured events
-on the clock all processes share (Linux's CLOCK_MONOTONIC), by which the parent aligns the ranks'
-timelines. The first step of each schedule compiles; :class:`~zbpp_lite.training.train.TrainResult`'s
-measured timeline is the median step after it.
-
-Layer: training.
+Per step and schedule, each rank takes :func:`~zbpp_lite.training.train.train_step` (the executor
+with ``ranks=[r]``, AdamW on its stages) and reports its wall time, the last stage's microbatch
+losses and its events on the clock all processes share (CLOCK_MONOTONIC), by which the parent
+aligns the timelines. The first step compiles; the measured timeline is the median step after it.
+Messages are typed (:mod:`~zbpp_lite.training.messages`): parsed JSON, never unpickled.
 """
 
 from __future__ import annotations
 
-import time
+import contextlib
+import dataclasses
+import os
+import types
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -29,21 +28,21 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..analysis.profiling.timelines import measured_costs
+from ..analysis.profiling.device import profile_stage_costs
 from ..analysis.rebalance import check_parts
 from ..runtime.devices import ensure_devices
 from ..runtime.executor import PipelineExecutor
 from ..runtime.processes import RankProcesses, allowed_cores, connect, disconnect
-from ..runtime.stages import StagedModel
+from ..runtime.stages import StagedModel, microbatch_size
+from ..schedules.costs import Costs
 from ..schedules.ir import Action, Schedule
 from ..schedules.memory import MeasuredMemory
-from ..schedules.simulate import simulate
 from ..schedules.timeline import Event, Timeline
 from .data import Digits, load_digits
 from .messages import Message, parse
-from .model import ModelConfig, build_parts, load_torch_init
-from .reference import evaluate, max_relative_error, reference_grads
-from .train import RunConfig, StageAdamW, TrainResult, _checked_schedule, _pick_measured, settings_json
+from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
+from .reference import BaselineResult, evaluate, max_relative_error, reference_grads, train_baseline
+from .train import StageAdamW, TrainResult, checked_schedule, train_step
 
 ENTRY = "zbpp_lite.training.turns:rank_main"
 
@@ -62,7 +61,8 @@ def schedule_from_json(d: dict) -> Schedule:
     """
     s = Schedule.from_rows(d["actions"], int(d["microbatches"]), name=d.get("name", ""))
     if list(s.placement) != list(d["placement"]):
-        raise ValueError(f"the schedule's rows place its stages {list(s.placement)}, not {list(d['placement'])}")
+        raise ValueError(f"the schedule's rows place its stages {list(s.placement)}, "
+                         f"not {list(d['placement'])}")
     return s
 
 
@@ -119,36 +119,28 @@ class Params(Message):
 # ----------------------------------------------------------------------------- a rank's process
 
 
-@dataclass
-class _Run:
-    """One schedule's training run on one rank: its model, executor, every module's parameters
-    (the stages of other ranks stay as initialised) and AdamW on this rank's stages."""
-
-    model: StagedModel
-    executor: Any
-    params: list
-    adamw: StageAdamW
-
-
-def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, _Run]:
-    """Every schedule's executor for rank ``rank``, each with its own parameters and AdamW state,
-    its update compiled for step 0's inputs and for its own outputs (later steps)."""
+def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, tuple[Any, StageAdamW]]:
+    """Every schedule's executor for rank ``rank`` and AdamW on its stages, each schedule with its
+    own parameters and state, the update compiled for step 0's inputs and its own outputs."""
     run = RunConfig(**config["run"])
     schedules = {name: schedule_from_json(d) for name, d in config["schedules"].items()}
     model_config = ModelConfig(**config["model"])
     cuts = config.get("parts") or {}  # {name: partition} for the schedules not cut the default way
-    shared = {S: StagedModel(build_parts(model_config), S) for S in sorted({s.num_stages for s in schedules.values()})}
+    counts = sorted({s.num_stages for s in schedules.values()})
+    shared = {S: StagedModel(build_parts(model_config), S) for S in counts}
     models = {name: StagedModel(build_parts(model_config), s.num_stages, parts=cuts[name]) if cuts.get(name)
               else shared[s.num_stages] for name, s in schedules.items()}
     initial = load_torch_init(run.init, model_config) if run.init else next(iter(shared.values())).params
-    executors = connect(peers, {name: (lambda remote, name=name, s=s: PipelineExecutor(models[name], s, [device], ranks=[rank],
-                                                                                     remote=remote))
-                                for name, s in schedules.items()})
+
+    def executor(name: str, s: Schedule) -> Callable:
+        return lambda remote: PipelineExecutor(models[name], s, [device], ranks=[rank], remote=remote)
+
+    executors = connect(peers, {name: executor(name, s) for name, s in schedules.items()})
     runs = {}
     for name in schedules:
-        adamw = StageAdamW(models[name], initial, {st: device for st in executors[name].local_stages}, run)
-        runs[name] = _Run(models[name], executors[name], [jax.device_put(p, device) for p in initial], adamw)
-        adamw.warm_up()
+        adamw = StageAdamW([jax.device_put(p, device) for p in initial], run)
+        adamw.place(models[name], {st: device for st in executors[name].local_stages}).warm_up()
+        runs[name] = (executors[name], adamw)
     return runs
 
 
@@ -158,26 +150,22 @@ def _leaves(tree) -> list:
 
 def _memory_json(memory, rank: int, at: float) -> dict:
     """This rank's activation-memory curves on the shared clock, its stages' M_B and M_W."""
-    return {"held": [[at + s, b] for s, b in memory.held[rank]], "received": [[at + s, b] for s, b in memory.received[rank]],
+    return {"held": [[at + s, b] for s, b in memory.held[rank]],
+            "received": [[at + s, b] for s, b in memory.received[rank]],
             "mem_b": list(memory.mem_b), "mem_w": list(memory.mem_w),
             "device_peak": memory.device_peak[rank] if len(memory.device_peak) > rank else None}
 
 
-def _rank_step(r: _Run, rank: int, command: Step, batch) -> Stepped:
-    """One step of one schedule on this rank: the executor, then AdamW on this rank's stages."""
-    for s, p in r.adamw.params.items():
-        for i, part in zip(r.model.parts[s], p):
-            r.params[i] = part
-    t0 = time.perf_counter()
-    result = r.executor.run(r.params, *batch)
-    ran = time.perf_counter() - t0
-    r.adamw.step(result.grads)
+def _rank_step(executor, adamw: StageAdamW, rank: int, command: Step, batch) -> Stepped:
+    """One step of one schedule on this rank: :func:`~zbpp_lite.training.train.train_step`."""
+    result, seconds, ran = train_step(executor, adamw, *batch)
     at, memory = result.started_at, result.timeline.measured_memory
+    grads = {str(s): _leaves(adamw.model.stage_params(result.grads, s)) for s in adamw.homes}
     return Stepped(
-        seconds=time.perf_counter() - t0, run_seconds=ran, losses=list(result.microbatch_losses),
+        seconds=seconds, run_seconds=ran, losses=list(result.microbatch_losses),
         events=[[e.rank, str(e.action), at + e.start, at + e.end] for e in result.timeline.events],
         memory=None if memory is None else _memory_json(memory, rank, at),
-        grads={str(s): _leaves(r.model.stage_params(result.grads, s)) for s in r.adamw.params} if command.grads else None)
+        grads=grads if command.grads else None)
 
 
 def rank_main(rank: int, peers: dict, control, config: dict) -> None:
@@ -189,11 +177,12 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
     data = load_digits(config["run"]["holdout"], config["run"]["seed"])
     while (message := control.recv()) is not None:
         command = parse(message, Step, GetParams)
-        r = runs[command.schedule]
+        executor, adamw = runs[command.schedule]
         if isinstance(command, GetParams):
-            reply = Params({str(s): _leaves(p) for s, p in r.adamw.params.items()})
+            reply = Params({str(s): _leaves(p) for s, p in adamw.stage_params().items()})
         else:
-            reply = _rank_step(r, rank, command, data.batch(command.step, config["run"]["batch"]))
+            batch = data.batch(command.step, config["run"]["batch"])
+            reply = _rank_step(executor, adamw, rank, command, batch)
         control.send(reply.to_wire())
     disconnect(peers)
 
@@ -205,12 +194,14 @@ def _aligned(replies: list[Stepped], num_ranks: int, num_stages: int) -> Timelin
     """One measured timeline from every rank's events (and activation memory) on the clock all
     processes share, counted from the step's first action."""
     origin = min(t0 for rep in replies for _, _, t0, _ in rep.events)
-    events = [Event(r, Action.from_str(a), t0 - origin, t1 - origin) for rep in replies for r, a, t0, t1 in rep.events]
+    events = [Event(r, Action.from_str(a), t0 - origin, t1 - origin)
+              for rep in replies for r, a, t0, t1 in rep.events]
     timeline = Timeline.from_events(events, num_ranks, num_stages=num_stages, source="measured")
     if all(rep.memory is not None for rep in replies):
         mem = [rep.memory for rep in replies]  # rank order
         curve = lambda points: tuple((max(t - origin, 0.0), int(b)) for t, b in points)  # noqa: E731
-        memory = MeasuredMemory(held=tuple(curve(m["held"]) for m in mem), received=tuple(curve(m["received"]) for m in mem),
+        memory = MeasuredMemory(held=tuple(curve(m["held"]) for m in mem),
+                                received=tuple(curve(m["received"]) for m in mem),
                                 mem_b=tuple(max(m["mem_b"][s] for m in mem) for s in range(num_stages)),
                                 mem_w=tuple(max(m["mem_w"][s] for m in mem) for s in range(num_stages)),
                                 device_peak=tuple(m["device_peak"] for m in mem))
@@ -266,7 +257,8 @@ class InTurns(dict):
     then: TrainResult | None = None
 
 
-def _checked(schedules: Sequence[Schedule], steps: int, config: ModelConfig, run: RunConfig, parts) -> tuple[list, dict]:
+def _checked(schedules: Sequence[Schedule], steps: int, config: ModelConfig, run: RunConfig,
+             parts) -> tuple[list, dict]:
     """The schedules' names and the partitions asked for, once everything is checked."""
     names = [s.name or f"schedule {i}" for i, s in enumerate(schedules)]
     if not schedules:
@@ -275,62 +267,52 @@ def _checked(schedules: Sequence[Schedule], steps: int, config: ModelConfig, run
         raise ValueError(f"schedules run in turns need distinct names, got {names}")
     if len({(s.num_ranks, s.num_microbatches) for s in schedules}) != 1:
         raise ValueError("schedules run in turns need the same numbers of ranks and microbatches, got "
-                         + ", ".join(f"{n}: p={s.num_ranks} m={s.num_microbatches}" for n, s in zip(names, schedules)))
+                         + ", ".join(f"{n}: p={s.num_ranks} m={s.num_microbatches}"
+                                     for n, s in zip(names, schedules)))
     if not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps must be an integer >= 2 (the first compiles), got {steps!r}")
     if run.max_grad_norm is not None:
-        raise ValueError("max_grad_norm runs the optimizer inside the rank threads: use train() (threads) for clipping")
+        raise ValueError("max_grad_norm runs the optimizer inside the rank threads: "
+                         "use train() (threads) for clipping")
     for s in schedules:
-        _checked_schedule(s, s.num_ranks, s.num_microbatches, steps, config, run, None)
+        checked_schedule(s, s.num_ranks, s.num_microbatches, steps, config, run, None)
     cuts = {}
     for n, cut in (parts or {}).items():
         if n not in names:
             raise ValueError(f"parts names {n!r}, which is not one of the schedules {names}")
-        cuts[n] = [list(stage) for stage in check_parts(cut, config.blocks + 2, schedules[names.index(n)].num_stages)]
+        checked = check_parts(cut, config.blocks + 2, schedules[names.index(n)].num_stages)
+        cuts[n] = [list(stage) for stage in checked]
     return names, cuts
 
 
-def train_in_turns(
-    schedules: Sequence[Schedule],
-    steps: int,
-    *,
-    model: ModelConfig | None = None,
-    run: RunConfig | None = None,
-    data: Digits | None = None,
-    on_step: Callable[[str, int, float, Timeline], None] | None = None,
-    parts: dict[str, Sequence[Sequence[int]]] | None = None,
-    then: Callable[[dict[str, list[float]]], tuple[str, int] | None] | None = None,
-) -> InTurns:
-    """Train every schedule for ``steps`` steps, taking turns step by step, one process per rank.
-
-    Step k of every schedule runs before step k + 1 of any, in the order given for even k, reversed
-    for odd k: the machine's slow spells then meet neighbours alike (put the ones to compare together).
+def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelConfig | None = None,
+                   run: RunConfig | None = None, data: Digits | None = None,
+                   on_step: Callable[[str, int, float, Timeline], None] | None = None,
+                   parts: dict[str, Sequence[Sequence[int]]] | None = None,
+                   then: Callable[[dict[str, list[float]]], tuple[str, int] | None] | None = None) -> InTurns:
+    """Train every schedule for ``steps`` steps, taking turns step by step, one process per rank:
+    step k in the order given for even k, reversed for odd k (neighbours meet slow spells alike).
 
     Args:
         schedules: valid schedules with distinct names, all with the same number of ranks and
             microbatches (their stage counts may differ: each has its own copy of the model).
         steps: steps per schedule (>= 2: the first compiles and is not timed).
-        model, run: as for :func:`~zbpp_lite.training.train.train` (``run.max_grad_norm`` is not
-            supported here: the clipped optimizer runs in threads, see ``train``;
-            ``run.progress``: a tqdm bar over the steps).
+        model, run: as for :func:`~zbpp_lite.training.train.train` (no ``run.max_grad_norm``: the
+            clipped optimizer runs in threads; ``run.progress``: a tqdm bar).
         data: the digits split (default ``load_digits(run.holdout, run.seed)``).
         on_step: called after every step with (schedule name, step, loss, measured timeline).
-        parts: ``{name: partition}`` for schedules whose model is cut otherwise than the default
-            (``partition[s]``: the model part indices of stage s, 0 = embedding, 1..blocks = the
-            blocks, blocks + 1 = the head; e.g. from :func:`zbpp_lite.analysis.rebalance.best_partition`);
-            the others get :func:`zbpp_lite.runtime.stages.stage_parts`.
-        then: called once the turns are over with ``{name: step seconds}``; it may return
-            ``(name, extra)`` to go on training that schedule alone for ``extra`` more steps in
-            the same processes (already compiled: no second start-up), on batches ``steps``,
-            ``steps + 1``, ... Its result is then :attr:`InTurns.then`: the same schedule
-            trained ``steps + extra`` steps from the start, with the loss of every step.
+        parts: ``{name: partition}`` for schedules cut otherwise than
+            :func:`~zbpp_lite.runtime.stages.stage_parts` (``partition[s]``: part indices of stage
+            s, 0 the embedding, blocks + 1 the head; e.g. from
+            :func:`~zbpp_lite.analysis.rebalance.best_partition`).
+        then: called after the turns with ``{name: step seconds}``; it may return ``(name, extra)``
+            to train that schedule alone ``extra`` more steps in the same (compiled) processes on
+            batches ``steps``, ``steps + 1``, ...: :attr:`InTurns.then`, with every step's loss.
 
     Returns:
-        :class:`InTurns`, ``{name: TrainResult}`` in the order given. ``step_seconds`` are each
-        step's wall time on its slowest rank (from the parent's word to the end of that rank's
-        AdamW update); ``timelines`` are aligned across ranks; the gradient check compares step 0
-        with the unpartitioned model (in this process); ``params`` and the test accuracy are the
-        trained model's.
+        :class:`InTurns`, ``{name: TrainResult}`` in the order given: ``step_seconds`` each step's
+        wall time on its slowest rank (the parent's word to the end of its AdamW update),
+        ``timelines`` aligned across ranks, step 0 checked against the unpartitioned model here.
 
     Raises:
         ValueError: no schedules, duplicate names, differing rank or microbatch counts, fewer
@@ -349,9 +331,11 @@ def train_in_turns(
             "run": {"batch": run.batch, "lr": run.lr, "weight_decay": run.weight_decay, "seed": run.seed,
                     "holdout": run.holdout, "init": None if run.init is None else str(run.init)}}
     records = {n: _Record(s) for n, s in zip(names, schedules)}
-    with RankProcesses(ENTRY, p, spec, pin=True) as ranks:  # rank r on the r-th allowed core (:func:`enough_cores`)
-        turns = _Turns(ranks, tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False)
-                       if run.progress else None)
+    bar = tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False) \
+        if run.progress else None
+    # rank r on the r-th allowed core (:func:`enough_cores`)
+    with RankProcesses(ENTRY, p, spec, pin=True) as ranks:
+        turns = _Turns(ranks, bar)
         for k in range(steps):
             # there and back: even steps in the order given, odd ones reversed, so that
             # neighbours in the order stay a step apart and no place in the round is favoured
@@ -362,7 +346,8 @@ def train_in_turns(
         for n in names:
             records[n].final = turns.params(n)
         chosen = then({n: list(records[n].seconds) for n in names}) if then is not None else None
-        more = _go_on(turns, records, chosen, steps, run.progress) if chosen is not None and chosen[1] > 0 else None
+        go_on = chosen is not None and chosen[1] > 0
+        more = _go_on(turns, records, chosen, steps, run.progress) if go_on else None
     if turns.bar is not None:
         turns.bar.close()
     finish = _Finish(config, run, data, p)
@@ -372,7 +357,8 @@ def train_in_turns(
     return results
 
 
-def _go_on(turns: _Turns, records: dict[str, _Record], chosen: tuple[str, int], steps: int, progress: bool) -> _Record:
+def _go_on(turns: _Turns, records: dict[str, _Record], chosen: tuple[str, int], steps: int,
+           progress: bool) -> _Record:
     """``then``'s choice trained ``extra`` more steps alone in the same processes: its record
     with every step's loss from the start, the timelines and seconds of the extra steps only."""
     n, extra = chosen
@@ -410,7 +396,8 @@ class _Finish:
             out = list(initial)
             for s, leaves in per_stage.items():
                 like = staged.stage_params(initial, s)
-                for i, part in zip(staged.parts[s], jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)):
+                tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
+                for i, part in zip(staged.parts[s], tree):
                     out[i] = part
             return out
 
@@ -420,16 +407,156 @@ class _Finish:
             grad_error = max_relative_error(assemble(rec.grads), ref_grads)  # every stage is some rank's
             loss_error = abs(rec.losses[0] - ref_loss)
         final = assemble(rec.final)
-        test_loss, test_accuracy = evaluate(staged, final, self.data.test_x, self.data.test_y)
-        measured = _pick_measured(rec.timelines)
-        costs = measured_costs(measured, schedule.num_stages)
+        tested = evaluate(staged, final, self.data.test_x, self.data.test_y)
         cores = allowed_cores()
-        return TrainResult(
-            schedule=schedule, losses=rec.losses, test_accuracy=test_accuracy, test_loss=test_loss,
-            grad_max_rel_error=grad_error, loss_error=loss_error, measured=measured, costs=costs,
-            simulated=simulate(schedule, costs), timelines=rec.timelines, step_seconds=rec.seconds, params=final,
-            config={**settings_json(config, run),
-                    "devices": [f"rank {r}: own process, core {cores[r % len(cores)]}" for r in range(self.num_ranks)],
-                    "processes": "one per rank, pinned",
-                    "parts": [list(stage) for stage in staged.parts]},
-        )
+        settings = {**settings_json(config, run),
+                    "devices": [f"rank {r}: own process, core {cores[r % len(cores)]}"
+                                for r in range(self.num_ranks)],
+                    "processes": "one per rank, pinned", "parts": [list(stage) for stage in staged.parts]}
+        errors = (grad_error, loss_error)
+        return TrainResult.of(schedule, rec.losses, rec.timelines, rec.seconds, final, errors, tested,
+                              settings)
+
+
+# ----------------------------------------------------------------------------- one core
+
+
+ONE_CORE_ENTRY = "zbpp_lite.training.turns:one_core_main"
+ONE_CORE_JOB = ("holdout", "seed", "batch", "microbatches", "d", "heads", "lr")
+"""The job settings :class:`OneCore`'s helper is started with (attributes of its ``args``)."""
+
+
+@dataclass(frozen=True)
+class StageCosts(Message):
+    """To :class:`OneCore`'s helper: time every stage of the job cut into ``stages`` stages."""
+
+    op = "costs"
+    blocks: int
+    stages: int
+
+
+@dataclass(frozen=True)
+class CostsAre(Message):
+    """The answer to :class:`StageCosts`: T_F, T_B, T_W, T_BW per stage (seconds), M_B, M_W (bytes)."""
+
+    op = "costs are"
+    f: list
+    b: list
+    w: list
+    bw: list
+    mem_b: list
+    mem_w: list
+
+
+@dataclass(frozen=True)
+class WholeBatch(Message):
+    """To :class:`OneCore`'s helper: train the whole batch as one jitted step ``steps`` times."""
+
+    op = "whole batch"
+    steps: int
+    blocks: int
+
+
+@dataclass(frozen=True)
+class StepSeconds(Message):
+    """The answer to :class:`WholeBatch`: every step's seconds."""
+
+    op = "step seconds"
+    step_seconds: list
+
+
+class OneCore:
+    """Single-device work (the planners' stage costs, the whole-batch reference) in one helper
+    process pinned to one core from its start (started on first use, stopped on leaving the
+    ``with`` block), as a rank process is: XLA then sizes its thread pool for that core. A process
+    pinned later keeps two threads taking turns on one core; on this project's 2-core machine that
+    made every pass 10-35% slower and (T_B + T_W) / T_BW 1.13-1.21, against 1.04-1.09 pinned from
+    the start. ``args``: the job (:data:`ONE_CORE_JOB` attributes); with ``use_processes`` false
+    (ranks as threads) the work runs in this process."""
+
+    def __init__(self, args, use_processes: bool):
+        self.args, self.use_processes, self.helper = args, use_processes, None
+
+    def __enter__(self) -> "OneCore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.helper is not None:
+            self.helper.close()
+            self.helper = None
+
+    def _ask(self, job: Message, reply: type[Message]) -> Message:
+        if self.helper is None:
+            config = {k: getattr(self.args, k) for k in ONE_CORE_JOB}
+            self.helper = RankProcesses(ONE_CORE_ENTRY, 1, config, pin=True)
+        self.helper.broadcast(job.to_wire())
+        return reply.from_wire(self.helper.gather()[0])
+
+    def costs(self, blocks: int, num_stages: int) -> Costs:
+        """T_F, T_B, T_W and T_BW of every stage (seconds) and M_B, M_W (bytes): :func:`_stage_costs`."""
+        if not self.use_processes:
+            return _stage_costs(self.args, blocks, num_stages)
+        return Costs(**dataclasses.asdict(self._ask(StageCosts(blocks, num_stages), CostsAre)))
+
+    def whole_batch(self, steps: int, blocks: int, device=None) -> list[float]:
+        """Step seconds of the whole batch as one jitted step on one core, every step."""
+        if not self.use_processes:
+            with one_core():
+                return list(_whole_batch(self.args, steps, blocks, device).step_seconds)
+        return self._ask(WholeBatch(steps, blocks), StepSeconds).step_seconds
+
+
+def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
+    """:class:`OneCore`'s helper process: answers :class:`StageCosts` with :class:`CostsAre` and
+    :class:`WholeBatch` with :class:`StepSeconds` for the job ``config`` (:data:`ONE_CORE_JOB`)."""
+    device = ensure_devices(1)[0]
+    args = types.SimpleNamespace(**config)
+    while (message := control.recv()) is not None:
+        job = parse(message, StageCosts, WholeBatch)
+        if isinstance(job, StageCosts):
+            costs = _stage_costs(args, job.blocks, job.stages)
+            reply: Message = CostsAre(**{f.name: list(getattr(costs, f.name))
+                                         for f in dataclasses.fields(CostsAre)})
+        else:
+            reply = StepSeconds(list(_whole_batch(args, job.steps, job.blocks, device).step_seconds))
+        control.send(reply.to_wire())
+
+
+def _whole_batch(args, steps: int, blocks: int, device) -> BaselineResult:
+    return train_baseline(steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
+                          run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout),
+                          device=device, data=load_digits(args.holdout, args.seed))
+
+
+def _stage_costs(args, blocks: int, num_stages: int) -> Costs:
+    """T_F, T_B, T_W and fused T_BW of every stage of the job cut into ``num_stages`` stages, timed
+    on this process's first device (seconds), and its M_B and M_W (bytes): what zb-auto, zb-v and
+    their kin plan with."""
+    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
+    mb = microbatch_size(args.batch, args.microbatches)
+    config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+    model = StagedModel(build_parts(config), num_stages)
+    return profile_stage_costs(model, x[:mb], y[:mb], repeats=15, fused=True)
+
+
+@contextlib.contextmanager
+def one_core(pin: bool = True):
+    """This process (every thread of it, XLA's pool included) on its first allowed core while
+    the block runs, as a rank process is; nothing where ``pin`` is false or affinity is unknown."""
+    affinity = os.sched_getaffinity(0) if pin and hasattr(os, "sched_getaffinity") else None
+
+    def every_thread(cores) -> None:  # Linux sets a thread's affinity, not a process's: each of them
+        tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+        for tid in tasks:
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+    try:
+        if affinity:
+            every_thread({min(affinity)})
+        yield
+    finally:
+        if affinity:
+            every_thread(affinity)

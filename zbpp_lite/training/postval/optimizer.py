@@ -1,32 +1,31 @@
 """The optimizer step inside the executor's rank threads: AdamW per stage, plain, with a
-synchronous global-norm clip and NaN check, or post-validated.
+synchronous global-norm clip and NaN check, or post-validated (Qi et al., arXiv 2401.10241,
+section 4).
 
-Qi et al., arXiv 2401.10241, section 4. :mod:`zbpp_lite.training.postval.reference` gives the two guarded steps as
-reference functions over all stages at once; here each rank runs its own share in its own thread
-(:meth:`zbpp_lite.runtime.executor.PipelineExecutor.run_steps`), exchanging only a few floats with the
-other ranks, so what a schedule loses to the synchronisation is measured, not composed:
+:mod:`~zbpp_lite.training.postval.reference` gives the two guarded steps as reference functions
+over all stages at once; here each rank runs its share in its own thread
+(:meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps`), exchanging a few floats with the
+others, so what a schedule loses to the synchronisation is measured, not composed:
 
-- ``"plain"``: each rank steps its stages right after its last action (no clip, no check);
+- ``"plain"``: each rank steps its stages right after its last action;
 - ``"synchronous"``: after its last action a rank sends its squared gradient norm and NaN flag to
-  every other rank and waits for all of theirs; then it skips the step (NaN/Inf anywhere) or
-  clips by the global norm (Optax ``clip_by_global_norm``: ``g / norm * max_norm`` when
-  ``norm >= max_norm``) and steps. Every rank waits for the slowest: ZB-H2's parallelogram
-  becomes a trapezoid (:attr:`zbpp_lite.schedules.timeline.Timeline.sync_bubble`);
-- ``"post-validation"``: rank r takes the partial reduction from rank r-1, adds its own, passes it
-  to rank r+1 and steps at once on what it has (unclipped; skipped when the partial flag shows a
-  NaN); the last rank sends the full reduction back to all. A rank validates it during its next
-  step's warm-up (``speculative=True``, the default, as the paper does: its F's run on the
-  speculatively stepped parameters until the full reduction arrives, at the latest until its
-  first backward) or before its next step's first action (``speculative=False``): if the global
-  norm needed clipping, or a NaN appeared on a later rank, it rolls its step back in place
-  (:func:`zbpp_lite.training.postval.rollback.adamw_rollback`, the paper's algorithm 1) and redoes it correctly;
-  speculatively, every rank then also redoes the F's it ran on the wrong parameters (the
-  executor's restart of the warm-up). Before its first F, no rank waits for the full
-  reduction: the synchronisation is off the critical path unless a rollback happens.
+  every other rank and waits for theirs; then it skips the step (NaN/Inf anywhere) or clips by the
+  global norm (Optax ``clip_by_global_norm``: ``g / norm * max_norm`` when ``norm >= max_norm``)
+  and steps. Every rank waits for the slowest: ZB-H2's parallelogram becomes a trapezoid
+  (:attr:`~zbpp_lite.schedules.timeline.Timeline.sync_bubble`);
+- ``"post-validation"``: rank r adds its share to the partial reduction from rank r-1, passes it
+  on and steps at once on what it has (unclipped; skipped on a partial NaN); the last rank sends
+  the full reduction back to all. A rank validates during its next step's warm-up
+  (``speculative=True``, as the paper: its F's run on the speculative parameters until the full
+  reduction arrives, at the latest until its first backward) or before its next step's first
+  action (``speculative=False``). If the norm needed clipping or a later rank saw a NaN, it rolls
+  back in place (:func:`~zbpp_lite.training.postval.rollback.adamw_rollback`, algorithm 1) and
+  redoes the step; speculatively, every rank also redoes the F's run on the wrong parameters.
+  The synchronisation is off the critical path unless a rollback happens.
 
-Norms are reduced as :func:`zbpp_lite.training.postval.reference.synchronous_step` does (per-leaf float32 sums of
-squares, added in float64 on the host), so the synchronous step here equals it to float32
-rounding and post-validation equals it within the rollback bound (:mod:`zbpp_lite.training.postval.reference`).
+Norms are reduced as :func:`~zbpp_lite.training.postval.reference.synchronous_step` does (per-leaf
+float32 sums of squares, added in float64 on the host): the synchronous step equals it to float32
+rounding, post-validation within the rollback bound.
 """
 
 from __future__ import annotations
@@ -38,10 +37,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ...runtime.transport import OptimizerMessage
-from .reference import StepReport
+from ..reference import adamw_step
+from .reference import StepReport, _clip
 from .rollback import AdamWConfig, adamw_rollback
 
 POLICIES = ("plain", "synchronous", "post-validation")
@@ -49,7 +48,8 @@ POLICIES = ("plain", "synchronous", "post-validation")
 
 class StageOptimizer:
     """AdamW on every stage, stepped inside the rank threads (a
-    :class:`zbpp_lite.runtime.executor.RankUpdate` for :meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps`).
+    :class:`~zbpp_lite.runtime.executor.RankUpdate` for
+    :meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps`).
 
     Args:
         executor: the :class:`~zbpp_lite.runtime.executor.PipelineExecutor` that will run the steps (its
@@ -67,8 +67,9 @@ class StageOptimizer:
             reduction, which leaves at most the optimizer step off the critical path).
 
     Attributes:
-        reports: one :class:`~zbpp_lite.training.postval.reference.StepReport` per step of the latest ``run_steps``
-            call (guarded policies; global norm, finite, clipped, ranks rolled back, partial
+        reports: one :class:`~zbpp_lite.training.postval.reference.StepReport` per step of the
+            latest ``run_steps`` call (guarded policies; global norm, finite, clipped, ranks rolled
+            back, partial
             norms per rank). The parameters and AdamW states carry over from call to call.
 
     Every function a rank calls is compiled here, on zeros, so none compiles inside a timed step.
@@ -97,20 +98,25 @@ class StageOptimizer:
             try:
                 max_norm = float(max_norm)
             except (TypeError, ValueError):
-                raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm, a number > 0, got {max_norm!r}") from None
+                raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm, "
+                                 f"a number > 0, got {max_norm!r}") from None
             if not max_norm > 0:
-                raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm > 0, got {max_norm}")
+                raise ValueError(f"the {policy!r} policy clips by the global norm: give max_norm > 0, "
+                                 f"got {max_norm}")
         if policy == "post-validation":  # its rollback divides by 1 - lr * weight_decay
             config.check_invertible()
         if not hasattr(executor, "schedule") or not hasattr(executor, "local_stages"):
-            raise ValueError(f"executor must be a zbpp_lite.runtime.executor.PipelineExecutor, got {type(executor).__name__}")
+            raise ValueError("executor must be a zbpp_lite.runtime.executor.PipelineExecutor, "
+                             f"got {type(executor).__name__}")
         if len(params) != executor.model.num_parts:
-            raise ValueError(f"params must hold one pytree per model module ({executor.model.num_parts}), got {len(params)}")
+            raise ValueError(f"params must hold one pytree per model module ({executor.model.num_parts}), "
+                             f"got {len(params)}")
         self.executor, self.config, self.policy, self.max_norm = executor, config, policy, max_norm
         self.gradient_filter = gradient_filter
         self.speculative = bool(speculative) and policy == "post-validation"
         # the message whose arrival lets validate() run without waiting (RankUpdate): speculative warm-up
-        self.verdict_key = OptimizerMessage("FULL", executor.schedule.num_ranks - 1) if self.speculative else None
+        last = executor.schedule.num_ranks - 1
+        self.verdict_key = OptimizerMessage("FULL", last) if self.speculative else None
         model, schedule = executor.model, executor.schedule
         self.num_ranks = schedule.num_ranks
         opt = config.optimizer()
@@ -123,7 +129,6 @@ class StageOptimizer:
         self._pending: dict[int, dict] = {}  # rank -> what validate() needs from its last step
         self._lock = threading.Lock()
         self.reports: list[StepReport] = []
-        self._step_fn = jax.jit(_adamw_step_fn(opt), static_argnums=4)
         self._rollback_fn = jax.jit(lambda p, st, g: adamw_rollback(p, st, g, config))
         self._norm_fn = jax.jit(lambda g: (jnp.stack([jnp.sum(jnp.square(x.astype(jnp.float32))) for x in g]),
                                            jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in g]))))
@@ -134,11 +139,11 @@ class StageOptimizer:
         inside a timed step (a compile there would show as a bubble of seconds)."""
         for s in self._params:
             zeros = tuple(jnp.zeros_like(p) for p in self._params[s])
-            outs = [self._step_fn(self._params[s], self._states[s], zeros, None, False)]
-            outs.append(self._step_fn(*outs[0], zeros, None, False))  # later steps: the outputs' own layout
+            outs = [adamw_step(self._params[s], self._states[s], zeros, self.config)]
+            outs.append(adamw_step(*outs[0], zeros, self.config))  # later steps: the outputs' own layout
             if self.policy != "plain":
                 outs.append(self._norm_fn(zeros))
-                outs.append(self._step_fn(self._params[s], self._states[s], zeros, (np.float32(1.0), np.float32(1.0)), True))
+                outs.append(_clip(zeros, self.max_norm, self.max_norm))
             if self.policy == "post-validation":
                 outs.append(self._rollback_fn(*outs[0], zeros))
             jax.block_until_ready(outs)
@@ -185,7 +190,8 @@ class StageOptimizer:
         # post-validation: the partial reduction travels rank 0 -> p-1, with whether rank 0 stepped
         # (if it did not, a NaN there, no rank did: nothing speculative to redo)
         if rank > 0:
-            before, before_finite, first_stepped = channel.take(OptimizerMessage("PARTIAL", rank - 1), "the partial gradient norm")
+            key = OptimizerMessage("PARTIAL", rank - 1)
+            before, before_finite, first_stepped = channel.take(key, "the partial gradient norm")
             sq, finite = before + sq, before_finite and finite
         else:
             first_stepped = finite
@@ -206,7 +212,8 @@ class StageOptimizer:
         if self.policy != "post-validation":
             return False
         pending = self._pending.pop(rank)
-        sq, finite, first_stepped = channel.take(OptimizerMessage("FULL", self.num_ranks - 1), "the full gradient norm")
+        key = OptimizerMessage("FULL", self.num_ranks - 1)
+        sq, finite, first_stepped = channel.take(key, "the full gradient norm")
         norm = math.sqrt(sq)
         needed = not finite or norm >= self.max_norm  # clip, or skip: what no rank assumed
         wrong = pending["stepped"] and needed
@@ -229,11 +236,13 @@ class StageOptimizer:
         return sq, finite
 
     def _apply(self, stage: int, grads: tuple, norm: float | None) -> None:
-        clip = norm is not None and norm >= self.max_norm
-        scale = (np.float32(norm), np.float32(self.max_norm)) if clip else None
-        self._params[stage], self._states[stage] = self._step_fn(self._params[stage], self._states[stage], grads, scale, clip)
+        if norm is not None:
+            grads = _clip(grads, norm, self.max_norm)
+        p, st = self._params[stage], self._states[stage]
+        self._params[stage], self._states[stage] = adamw_step(p, st, grads, self.config)
 
-    def _report(self, k: int, rank: int, norm: float, finite: bool, partial: float | None, rolled_back: bool) -> None:
+    def _report(self, k: int, rank: int, norm: float, finite: bool, partial: float | None,
+                rolled_back: bool) -> None:
         with self._lock:
             report = self.reports[k]
             report.global_norm, report.finite = norm, finite
@@ -244,19 +253,9 @@ class StageOptimizer:
                 report.rolled_back = sorted({*report.rolled_back, rank})
 
 
-def _adamw_step_fn(opt: optax.GradientTransformation):
-    def step(params, state, grads, scale, clip: bool):
-        if clip:  # postval._clip's rule with the norm reduced over every rank: g / norm * max_norm
-            norm, max_norm = scale
-            grads = tuple((g / norm) * max_norm for g in grads)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return step
-
-
-def guarded_run(executor, params, batches: Sequence[tuple[Any, Any]], policy: str, max_norm: float | None = None,
-                config: AdamWConfig = AdamWConfig(), gradient_filter=None, speculative: bool = True):
+def guarded_run(executor, params, batches: Sequence[tuple[Any, Any]], policy: str,
+                max_norm: float | None = None, config: AdamWConfig = AdamWConfig(), gradient_filter=None,
+                speculative: bool = True):
     """Train ``len(batches)`` steps with the optimizer inside the rank threads.
 
     Returns ``(results, optimizer)``: the executor's per-step

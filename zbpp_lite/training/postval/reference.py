@@ -1,28 +1,27 @@
 """Optimizer post-validation: gradient clipping and NaN checks without a global barrier.
 
 Qi et al., arXiv 2401.10241, section 4. Clipping by the global gradient norm and skipping a step
-on NaN/Inf need a reduction over every stage before any stage may step: a synchronisation that
-makes every rank wait for the last one (ZB-H2's parallelogram becomes a trapezoid again, see
-:attr:`zbpp_lite.schedules.timeline.Timeline.sync_bubble`). Post-validation removes the wait:
+on NaN/Inf need a reduction over every stage before any stage steps: every rank waits for the
+last (ZB-H2's parallelogram becomes a trapezoid again,
+:attr:`~zbpp_lite.schedules.timeline.Timeline.sync_bubble`). Post-validation removes the wait:
 
-1. rank r receives the partially reduced squared norm and NaN flag from rank r-1, adds its own
-   stages', passes them on, and steps at once, speculatively, on what it has (unclipped; skipped
-   if the partial flag already shows a NaN);
-2. the fully reduced values come back from the last rank (during the next iteration's warm-up);
-3. a rank whose speculative step was wrong (the global norm needs clipping, or a NaN appeared on a
-   later rank) rolls its parameters and AdamW state back in place (:mod:`zbpp_lite.training.postval.rollback`)
-   and redoes the step correctly, before the next iteration's first F uses them.
+1. rank r adds its stages' squared norm and NaN flag to the partial reduction from rank r-1,
+   passes it on and steps at once, speculatively (unclipped; skipped on a partial NaN);
+2. the full reduction comes back from the last rank (during the next iteration's warm-up);
+3. a rank whose speculative step was wrong (clipping needed, or a NaN on a later rank) rolls its
+   parameters and AdamW state back in place (:mod:`~zbpp_lite.training.postval.rollback`) and
+   redoes the step before the next iteration's first F uses them.
 
-The result equals the synchronous step (:func:`synchronous_step`, Optax ``clip_by_global_norm``
-semantics plus skip-on-NaN) within the rollback's float32 bound. That bound is a few ulps of the
-*speculative* moments (:func:`zbpp_lite.training.postval.rollback.rollback_error_bound`); the redone step uses
-gradients scaled down by k = norm / max_norm, so the recovered second moment carries a relative
-error of about 4 u32 k^2 against the clipped one and the parameters about lr * 2 u32 k^2
-(u32 = 2^-24). Measured (tests/test_postval.py, lr 1e-2): a spike of k ~ 3 leaves the parameters
-within 1e-5 of the synchronous run's (relative to each tensor's largest entry), k ~ 33 within 1e-4.
+The result equals the synchronous step (:func:`synchronous_step`: Optax ``clip_by_global_norm``
+plus skip-on-NaN) within the rollback's float32 bound, a few ulps of the *speculative* moments
+(:func:`~zbpp_lite.training.postval.rollback.rollback_error_bound`); the redo's gradients are
+scaled by 1/k, k = norm / max_norm, so the recovered second moment is off by about 4 u32 k^2
+relative and the parameters by lr * 2 u32 k^2 (u32 = 2^-24). Measured (tests/test_postval.py,
+lr 1e-2): k ~ 3 leaves the parameters within 1e-5 of the synchronous run's (relative to each
+tensor's largest entry), k ~ 33 within 1e-4.
 
-Parameters and optimizer states are lists with one entry per stage; ``placement[stage]`` gives
-the rank, and ranks are visited in order 0 .. p-1 (the order the partial reduction travels).
+Parameters and optimizer states are lists, one entry per stage; ``placement[stage]`` is its rank;
+ranks are visited 0 .. p-1 (the order the partial reduction travels).
 """
 
 from __future__ import annotations
@@ -33,6 +32,8 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
 from ..reference import adamw_step
 from .rollback import AdamWConfig, adamw_rollback
 
@@ -59,18 +60,22 @@ class StepReport:
 def _sumsq(tree: Any) -> float:
     """One stage's share of the squared global norm, as a host float (what a rank sends on: the
     stages live on different devices)."""
-    return float(sum(float(jnp.sum(jnp.square(x.astype(jnp.float32)))) for x in jax.tree_util.tree_leaves(tree)))
+    leaves = jax.tree_util.tree_leaves(tree)
+    return float(sum(float(jnp.sum(jnp.square(x.astype(jnp.float32)))) for x in leaves))
 
 
 def _finite(tree: Any) -> bool:
     return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(tree))
 
 
+@jax.jit
+def _scale(tree: Any, norm: Any, max_norm: Any) -> Any:
+    return jax.tree_util.tree_map(lambda t: (t / norm) * max_norm, tree)
+
+
 def _clip(tree: Any, norm: float, max_norm: float) -> Any:
-    """optax.clip_by_global_norm's rule with a norm reduced elsewhere: t / norm * max_norm."""
-    if norm < max_norm:
-        return tree
-    return jax.tree_util.tree_map(lambda t: (t / jnp.asarray(norm, t.dtype)) * max_norm, tree)
+    """optax.clip_by_global_norm's rule with a norm reduced elsewhere: t / norm * max_norm (float32)."""
+    return tree if norm < max_norm else _scale(tree, np.float32(norm), np.float32(max_norm))
 
 
 def synchronous_step(
@@ -120,7 +125,8 @@ def post_validated_step(
     """
     _check(stage_params, opt_states, stage_grads, max_norm)
     if len(placement) != len(stage_params):
-        raise ValueError(f"placement has {len(placement)} stages but there are {len(stage_params)} stage parameter sets")
+        raise ValueError(f"placement has {len(placement)} stages but there are {len(stage_params)} "
+                         "stage parameter sets")
     params, states = list(stage_params), list(opt_states)
     ranks = sorted(set(placement))
     stepped: dict[int, bool] = {}
@@ -148,7 +154,8 @@ def post_validated_step(
         for s in (s for s, owner in enumerate(placement) if owner == r):
             params[s], states[s] = adamw_rollback(params[s], states[s], stage_grads[s], config)
             if finite:  # redo, clipped by the global norm
-                params[s], states[s] = adamw_step(params[s], states[s], _clip(stage_grads[s], norm, max_norm), config)
+                clipped_grads = _clip(stage_grads[s], norm, max_norm)
+                params[s], states[s] = adamw_step(params[s], states[s], clipped_grads, config)
     return params, states, report
 
 
@@ -162,7 +169,8 @@ def _check(stage_params, opt_states, stage_grads, max_norm) -> None:
         )
 
 
-def step_makespans(timeline, optimizer_seconds: Sequence[float], reduce_seconds: float = 0.0) -> dict[str, float]:
+def step_makespans(timeline, optimizer_seconds: Sequence[float],
+                   reduce_seconds: float = 0.0) -> dict[str, float]:
     """Makespan of one training step with the optimizer step included, both ways.
 
     ``timeline`` is one step's (measured or simulated) timeline; ``optimizer_seconds[r]`` the
@@ -176,7 +184,8 @@ def step_makespans(timeline, optimizer_seconds: Sequence[float], reduce_seconds:
         {"synchronous": ..., "post_validation": ...}.
     """
     if len(optimizer_seconds) != timeline.num_ranks:
-        raise ValueError(f"need one optimizer time per rank ({timeline.num_ranks}), got {len(optimizer_seconds)}")
+        raise ValueError(f"need one optimizer time per rank ({timeline.num_ranks}), "
+                         f"got {len(optimizer_seconds)}")
     global_end = max(e.end for e in timeline.events)
     sync, pv = [], []
     for r in range(timeline.num_ranks):

@@ -53,27 +53,40 @@ class AdamWConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         for name in ("b1", "b2"):
             if not 0 < getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in (0, 1) (the rollback divides by it), got {getattr(self, name)}")
+                raise ValueError(f"{name} must be in (0, 1) (the rollback divides by it), "
+                                 f"got {getattr(self, name)}")
         if not self.eps > 0 or not self.weight_decay >= 0:
-            raise ValueError(f"need eps > 0 and weight_decay >= 0; got eps={self.eps}, weight_decay={self.weight_decay}")
+            raise ValueError(f"need eps > 0 and weight_decay >= 0; got eps={self.eps}, "
+                             f"weight_decay={self.weight_decay}")
 
     def check_invertible(self) -> None:
         """Raises ValueError unless learning_rate * weight_decay < 1: the rollback divides by
         1 - lr * weight_decay (a plain step takes any learning rate, and may diverge)."""
         if not self.learning_rate * self.weight_decay < 1:
-            raise ValueError(f"a rolled-back step needs learning_rate * weight_decay < 1 (it divides by 1 - lr * wd); got "
+            raise ValueError("a rolled-back step needs learning_rate * weight_decay < 1 (it divides by "
+                             "1 - lr * wd); got "
                              f"learning_rate={self.learning_rate}, weight_decay={self.weight_decay}")
 
     def optimizer(self) -> optax.GradientTransformation:
         """The matching ``optax.adamw``."""
-        return optax.adamw(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=self.weight_decay)
+        return optax.adamw(self.learning_rate, b1=self.b1, b2=self.b2, eps=self.eps,
+                           weight_decay=self.weight_decay)
 
 
 def _adam_state(opt_state) -> optax.ScaleByAdamState:
-    state = opt_state[0] if isinstance(opt_state, tuple) and not isinstance(opt_state, optax.ScaleByAdamState) else opt_state
+    adam = isinstance(opt_state, optax.ScaleByAdamState)
+    state = opt_state[0] if isinstance(opt_state, tuple) and not adam else opt_state
     if not isinstance(state, optax.ScaleByAdamState):
-        raise TypeError(f"expected the state of optax.adamw (ScaleByAdamState first), got {type(state).__name__}")
+        raise TypeError(f"expected the state of optax.adamw (ScaleByAdamState first), "
+                        f"got {type(state).__name__}")
     return state
+
+
+def _update(adam: optax.ScaleByAdamState, c: AdamWConfig):
+    """The step's bias-corrected Adam direction u (module docstring), from its moments."""
+    t = adam.count.astype(jnp.float32)
+    bc1, bc2 = 1 - c.b1**t, 1 - c.b2**t
+    return jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + c.eps), adam.mu, adam.nu)
 
 
 def _with_adam_state(opt_state, adam):
@@ -97,12 +110,9 @@ def adamw_rollback(params, opt_state, grads, config: AdamWConfig):
         ValueError: learning_rate * weight_decay >= 1 (:meth:`AdamWConfig.check_invertible`).
     """
     config.check_invertible()
-    adam = _adam_state(opt_state)
-    c = config
-    t = adam.count.astype(jnp.float32)
-    bc1, bc2 = 1 - c.b1**t, 1 - c.b2**t
-    update = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + c.eps), adam.mu, adam.nu)
-    old_params = jax.tree.map(lambda p, u: (p + c.learning_rate * u) / (1 - c.learning_rate * c.weight_decay), params, update)
+    adam, c = _adam_state(opt_state), config
+    lr, decay = c.learning_rate, 1 - c.learning_rate * c.weight_decay
+    old_params = jax.tree.map(lambda p, u: (p + lr * u) / decay, params, _update(adam, c))
     mu = jax.tree.map(lambda m, g: (m - (1 - c.b1) * g) / c.b1, adam.mu, grads)
     # nu >= 0 always; float32 rounding of nu_t - (1 - b2) g^2 can leave a tiny negative value where
     # the step's g^2 dominated nu_t (a heavily clipped redo), and sqrt(negative) would be NaN
@@ -114,12 +124,11 @@ def adamw_rollback(params, opt_state, grads, config: AdamWConfig):
 def rollback_error_bound(params, opt_state, grads, config: AdamWConfig):
     """Per-entry bounds ``(params, mu, nu)`` on the rollback's float32 error (module docstring),
     evaluated at the post-step values."""
-    adam = _adam_state(opt_state)
-    c = config
-    t = adam.count.astype(jnp.float32)
-    bc1, bc2 = 1 - c.b1**t, 1 - c.b2**t
-    update = jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + c.eps), adam.mu, adam.nu)
-    p_bound = jax.tree.map(lambda p, u: 4 * U32 * (jnp.abs(p) + c.learning_rate * jnp.abs(u)) / (1 - c.learning_rate * c.weight_decay), params, update)
-    mu_bound = jax.tree.map(lambda m, g: 4 * U32 * (jnp.abs(m) + (1 - c.b1) * jnp.abs(g)) / c.b1, adam.mu, grads)
+    adam, c = _adam_state(opt_state), config
+    lr, decay = c.learning_rate, 1 - c.learning_rate * c.weight_decay
+    p_bound = jax.tree.map(lambda p, u: 4 * U32 * (jnp.abs(p) + lr * jnp.abs(u)) / decay, params,
+                           _update(adam, c))
+    mu_bound = jax.tree.map(lambda m, g: 4 * U32 * (jnp.abs(m) + (1 - c.b1) * jnp.abs(g)) / c.b1, adam.mu,
+                            grads)
     nu_bound = jax.tree.map(lambda v, g: 4 * U32 * (jnp.abs(v) + (1 - c.b2) * g * g) / c.b2, adam.nu, grads)
     return p_bound, mu_bound, nu_bound
