@@ -1,26 +1,17 @@
 """Detect and remove bubbles in a real run: profile, attribute, rebalance, re-plan, train (JAX).
 
-:func:`adapt` (``python -m zbpp_lite adapt``, the notebooks):
-
-1. *before*: a few ZB-H1 steps on the original partition (``imbalance`` > 1: the last stage
-   holds ``imbalance`` times the blocks of each other,
-   :func:`~zbpp_lite.analysis.rebalance.imbalanced_parts`);
+:func:`adapt` (``python -m zbpp_lite adapt``): 1. *before*: ZB-H1 steps on the original partition
+(last stage ``imbalance`` times the blocks, :func:`~zbpp_lite.analysis.rebalance.imbalanced_parts`);
 2. *detect*: per-stage T_F, T_B, T_W, T_comm (:func:`~zbpp_lite.analysis.profiling.timelines.profile`),
-   every idle gap by cause (:func:`~zbpp_lite.analysis.attribute.attribute`);
-3. *rebalance*: every part timed alone (:func:`~zbpp_lite.analysis.profiling.parts.profile_parts`),
-   scaled to the run (:func:`~zbpp_lite.analysis.rebalance.calibrate`), the partition with the
-   smallest largest stage (:func:`~zbpp_lite.analysis.rebalance.best_partition`) adopted when
-   predicted ``min_gain`` cheaper;
-4. *re-plan*: zb-auto under the memory limit (:func:`~zbpp_lite.analysis.replan.replan`) from the
-   measured costs, moved parts' costs shifted (:func:`~zbpp_lite.analysis.rebalance.moved_costs`),
-   adopted when predicted ``min_gain`` faster than ZB-H1;
-5. *after*: training goes on (same parameters and AdamW state) with the new partition and plan,
-   re-planned online every ``every`` steps when the costs drift
-   (:class:`~zbpp_lite.analysis.replan.OnlineReplanner`).
-
-A partition or schedule changes where and in which order things are computed, never what: the
-first step of every plan is checked against the unpartitioned model's gradients.
-Source: Qi et al., arXiv 2401.10241, sections 2-3 (costs, bubbles, the automatic scheduler).
+idle gaps by cause (:func:`~zbpp_lite.analysis.attribute.attribute`); 3. *rebalance*: parts timed alone,
+calibrated, the partition with the smallest largest stage
+(:func:`~zbpp_lite.analysis.rebalance.best_partition`); 4. *re-plan*: zb-auto under the memory limit
+(:func:`~zbpp_lite.analysis.replan.replan`) with moved parts' costs shifted; 5. *after*: training goes on
+(same parameters and AdamW state), re-planned online when costs drift
+(:class:`~zbpp_lite.analysis.replan.OnlineReplanner`). Changes 3-4 are adopted when predicted ``min_gain``
+better (rank threads) or measured faster beyond the noise (processes). The first step of every plan is
+checked against the unpartitioned model's gradients.
+Source: Qi et al., arXiv 2401.10241, sections 2-3.
 """
 
 from __future__ import annotations
@@ -54,17 +45,9 @@ from .turns import enough_cores, train_in_turns
 
 @dataclass
 class Phase:
-    """One stretch of training with one partition.
-
-    Attributes:
-        parts: the layer-to-stage partition (``parts[s]``: module indices of stage s).
-        schedules: the schedule of every step (the online re-planner may change it).
-        timelines: every step's measured timeline.
-        losses: every step's global-batch mean loss.
-        grad_max_rel_error: the worst max|g - g_ref| / max|g_ref| over the checked steps (the first
-            step of every plan), against the unpartitioned model (None when not checked).
-        loss_error: the worst |loss - loss_ref| over the same steps.
-    """
+    """One stretch of training with one partition (``parts[s]``: module indices of stage s): every step's
+    schedule, measured timeline and mean loss; ``grad_max_rel_error`` (worst max|g - g_ref| / max|g_ref|)
+    and ``loss_error`` over the checked steps vs the unpartitioned model (None when not checked)."""
 
     parts: Parts
     schedules: list[Schedule] = field(default_factory=list)
@@ -78,12 +61,12 @@ class Phase:
 
     @property
     def makespan(self) -> float:
-        """Median measured makespan (seconds) over the steps after the phase's first."""
+        """Median makespan (seconds), the phase's first step left out."""
         return statistics.median(t.makespan for t in self._timed())
 
     @property
     def bubble_rate(self) -> float:
-        """Median measured bubble rate over the steps after the phase's first."""
+        """Median bubble rate, the phase's first step left out."""
         return statistics.median(t.bubble_rate for t in self._timed())
 
     @property
@@ -112,19 +95,12 @@ class Phase:
 class AdaptResult:
     """What :func:`adapt` measured, found and changed.
 
-    Attributes:
-        before, after: the two :class:`Phase`s.
-        profile: per-stage costs measured in ``before`` (seconds).
-        attribution: the idle gaps of ``before``'s median step, by cause.
-        attribution_after: the same for ``after``.
-        part_costs: per-part costs, timed and calibrated to ``before``'s stage totals (seconds).
-        changes: the plan changes considered, in order, each a dict with ``kind`` ("rebalance",
-            "replan" or "online-replan"), ``adopted``, ``why`` and the numbers behind the decision
-            (an online re-plan's ``step`` is the first step run with the new schedule).
-        online_checks: the online re-planner's checks: ``step`` (the last step of the checked
-            window; steps count from 0 over both phases), ``drift``, ``decision``, ``gain``.
-        test_accuracy, test_loss: the trained model on the test samples.
-        config: the settings of the run.
+    ``profile``: ``before``'s per-stage costs (seconds); ``attribution(_after)``: idle gaps of the median
+    step by cause; ``part_costs``: calibrated per-part costs (seconds); ``changes``: dicts with ``kind``
+    ("rebalance", "replan", "online-replan"), ``adopted``, ``why`` and the numbers (an online re-plan's
+    ``step`` is its first step); ``online_checks``: ``step`` (last of the window, counted over both
+    phases), ``drift``, ``decision``, ``gain``; ``comparison``/``control``: with processes, the paired
+    after/before and A/A ratios.
     """
 
     before: Phase
@@ -144,16 +120,14 @@ class AdaptResult:
 
     @property
     def makespan_ratio(self) -> float:
-        """after / before measured makespan: with plans taking turns (:attr:`comparison`), the
-        median of the step-by-step ratios; otherwise the ratio of the two phases' medians."""
+        """after / before makespan: the median step-by-step ratio with :attr:`comparison`, else the
+        ratio of the phases' medians."""
         if self.comparison is not None:
             return self.comparison.ratio
         return self.after.makespan / self.before.makespan
 
     def to_json(self) -> dict:
-        """JSON-ready: ``before`` and ``after`` (each with measured ``makespan`` in seconds and
-        ``bubble_rate``, partition, schedule, steps, gradient check, attribution), the
-        ``changes``, the online checks, the costs and the config."""
+        """JSON-ready dict (makespans in seconds)."""
         before, after = self.before.to_json(), self.after.to_json()
         before["costs"] = self.profile.to_json()
         before["attribution"] = self.attribution.to_json()
@@ -194,8 +168,7 @@ NOT_FASTER = "not adopted: not faster beyond the noise"
 
 
 def _change(change: dict, ok: bool, judged: bool, why: str) -> dict:
-    """A rebalance or re-plan record: adopted on the prediction, or (``judged``) tried now and
-    measured later (:func:`_judge`)."""
+    """A change record: adopted on the prediction, or (``judged``) tried now, judged by :func:`_judge`."""
     if not judged:
         return {**change, "adopted": ok, "why": why}
     return {**change, "adopted": False, "tried": ok, "predicted_gain": change["gain"],
@@ -208,8 +181,7 @@ def _block_counts(parts: Parts) -> list[int]:
 
 
 def default_blocks(num_stages: int, imbalance: float) -> int:
-    """Blocks for :func:`adapt` when none are given: 2 on each stage but the last, and about
-    ``2 * imbalance`` (at least 3 when imbalanced) on the last."""
+    """Default blocks: 2 per stage but the last, about ``2 * imbalance`` (>= 3 if imbalanced) on it."""
     if imbalance == 1:
         return 2 * num_stages
     return 2 * (num_stages - 1) + max(3, round(2 * imbalance))
@@ -219,34 +191,19 @@ def default_blocks(num_stages: int, imbalance: float) -> int:
 class AdaptOptions:
     """What :func:`adapt` runs, how it measures, and what it may change.
 
-    Attributes:
-        ranks, microbatches: p >= 2 and m >= 1.
-        steps: training steps after adapting (the *after* phase), >= 2.
-        imbalance: >= 1; the original partition's last stage holds this many times the blocks of
-            each other stage (1: the even split).
-        profile_steps: training steps of the *before* phase (ZB-H1, original partition), >= 2;
-            the first of each phase is left out of the medians.
-        memory_limit: per-rank activation-memory limit for zb-auto, units of one stage's M_B
-            (default p, the memory of ZB-H1 and 1F1B).
-        every, threshold, patience, min_gain: the online re-planner
-            (:class:`~zbpp_lite.analysis.replan.OnlineReplanner`); ``min_gain`` also gates the
-            rebalance and the first re-plan.
-        margin: a stage is slow (imbalance) when its cost exceeds the mean by this fraction.
-        rebalance, replan_schedule, online: switch each adaptation on or off.
-        repeats: timed calls per part when profiling the parts.
-        processes: measure with one pinned process per rank
-            (:func:`~zbpp_lite.training.turns.train_in_turns`), the plans taking turns step by
-            step, and adopt a change only when its measured gain beats the noise. Default: when
-            no devices are given, JAX runs on CPU and there is a core per rank; otherwise rank
-            threads, one phase after the other, changes adopted on their predicted gain.
-        control: with processes, also run the original plan a second time (an A/A control) to
-            measure the run-to-run noise in the same run.
-        confidence: of the distribution-free intervals that judge measured gains and the online
-            re-planner's drift (:mod:`zbpp_lite.analysis.noise`).
+    ``steps``: *after* phase steps; ``profile_steps``: *before* phase (ZB-H1) steps, the first of each
+    phase left out of medians. ``imbalance``: the original last stage holds this many times the blocks
+    (1: even). ``memory_limit``: zb-auto's per-rank limit in units of one stage's M_B (default p).
+    ``every, threshold, patience, min_gain``: the :class:`~zbpp_lite.analysis.replan.OnlineReplanner`
+    (``min_gain`` also gates rebalance and re-plan). ``margin``: a stage is slow above mean * (1 + margin).
+    ``repeats``: timed calls per part. ``processes``: one pinned process per rank, plans taking turns,
+    changes adopted only beyond the noise (default: no devices given, CPU backend, a core per rank);
+    otherwise rank threads and predicted gains. ``control``: also run the original plan twice (A/A noise).
+    ``confidence``: of the intervals in :mod:`zbpp_lite.analysis.noise`.
 
     Raises:
-        ValueError: p < 2, m < 1, steps or profile_steps < 2, imbalance < 1, confidence outside
-            (0, 1), or bad online settings.
+        ValueError: p < 2, m < 1, steps or profile_steps < 2, imbalance < 1, confidence outside (0, 1),
+            or bad online settings.
     """
 
     ranks: int = 2
@@ -282,7 +239,7 @@ class AdaptOptions:
         self.replanner(build_schedule("zb-h1", self.ranks, self.microbatches), Costs())
 
     def replanner(self, schedule: Schedule, costs: Costs) -> OnlineReplanner:
-        """The online re-planner with these settings, starting from ``schedule`` planned on ``costs``."""
+        """The online re-planner with these settings, starting at ``schedule`` planned on ``costs``."""
         return OnlineReplanner(schedule, costs, self.every, self.threshold, self.patience, self.min_gain,
                                self.memory_limit, confidence=self.confidence)
 
@@ -295,9 +252,8 @@ class AdaptOptions:
 
 def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | None = None,
                    run: RunConfig | None = None, **settings) -> tuple[AdaptOptions, ModelConfig, RunConfig]:
-    """``options``, ``model`` and ``run`` (defaults where None) with ``settings`` applied by field
-    name (``seed`` sets both the model's and the run's); without a model or a ``blocks`` setting,
-    :func:`default_blocks` for the ranks and imbalance.
+    """The three configs (defaults where None) with ``settings`` applied by field name (``seed`` sets
+    model's and run's); blocks default to :func:`default_blocks`.
 
     Raises:
         TypeError: a setting that is no field of the three. ValueError: as the three check.
@@ -320,17 +276,9 @@ def adapt(options: AdaptOptions | None = None, *, model: ModelConfig | None = No
           on_step: Callable[[str, int, float, Timeline], None] | None = None, **settings) -> AdaptResult:
     """Profile, detect, rebalance, re-plan, then train (see the module docstring).
 
-    Args:
-        options: what to run and change (:class:`AdaptOptions`).
-        model, run: the model (default blocks: :func:`default_blocks`) and the run's batch,
-            AdamW, data split and gradient check (``run.check_grads``: the first step of every
-            plan against the unpartitioned model), as for :func:`zbpp_lite.training.train.train`.
-        devices: one per rank (default :func:`zbpp_lite.runtime.devices.ensure_devices`); given
-            devices mean rank threads.
-        data: the digits split (default ``load_digits(run.holdout, run.seed)``).
-        on_step: called after every step with (phase, step, loss, timeline).
-        settings: any field of the three configs by name, e.g. ``adapt(ranks=2, steps=12, d=128)``
-            (:func:`adapt_settings`).
+    ``model``/``run`` as for :func:`zbpp_lite.training.train.train`; ``devices``: one per rank (given
+    devices mean rank threads); ``data``: default ``load_digits(run.holdout, run.seed)``; ``on_step(phase,
+    step, loss, timeline)``; ``settings``: any config field by name (:func:`adapt_settings`).
 
     Raises:
         ValueError: bad options, too few blocks for the imbalance, a batch that does not divide
@@ -371,8 +319,7 @@ class _Job:
 
     def candidates(self, measured: CostProfile, device: Any, start: Schedule,
                    judged: bool) -> tuple[PartCosts, list[dict], Parts, Costs, Schedule]:
-        """Steps 3 and 4 from the measured costs: (part costs, change records, partition, the
-        costs predicted for it with the moved parts shifted, schedule)."""
+        """Steps 3-4: (part costs, change records, partition, its predicted costs, schedule)."""
         o, part_costs = self.options, self.part_costs(measured, device)
         changes, parts, schedule = [], self.original, start
         if o.rebalance:
@@ -426,8 +373,7 @@ def _worst(a: float | None, b: float | None) -> float | None:
 
 
 class _Phases:
-    """Rank threads, one phase after the other, steps counted over both phases: the one
-    :func:`~zbpp_lite.training.train.train_step`, AdamW's state carried from partition to partition."""
+    """Rank threads, one phase after the other; AdamW's state carried from partition to partition."""
 
     def __init__(self, job: _Job, devices: Sequence[Any]):
         self.job, self.devices, self.step_no = job, list(devices), 0
@@ -437,7 +383,7 @@ class _Phases:
         self.executor: PipelineExecutor | None = None
 
     def use(self, parts: Parts, schedule: Schedule) -> None:
-        """Run the next steps with this partition and schedule (parameters and state move)."""
+        """Run the next steps with this partition and schedule."""
         if self.model.parts != [list(p) for p in parts]:
             self.model = StagedModel(self.modules, self.job.options.ranks, parts=parts)
         self.executor = PipelineExecutor(self.model, schedule, self.devices)
@@ -515,7 +461,7 @@ def _named(schedule: Schedule, name: str) -> Schedule:
 
 
 def _phase(parts: Parts, result) -> Phase:
-    """A :class:`Phase` from one plan's :class:`~zbpp_lite.training.train.TrainResult` in a run in turns."""
+    """A :class:`Phase` from one plan's result in a run in turns."""
     return Phase(tuple(tuple(p) for p in parts), [result.schedule] * len(result.timelines),
                  list(result.timelines), list(result.losses), result.grad_max_rel_error, result.loss_error)
 
@@ -537,24 +483,11 @@ def _checks(replanner: OnlineReplanner | None, offset: int) -> list[dict]:
 
 
 def _adapt_in_processes(job: _Job) -> AdaptResult:
-    """:func:`adapt` measured on real cores, every change judged against the noise of the same run.
-
-    1. *profile*: ``profile_steps`` ZB-H1 steps on the original partition, one pinned process
-       per rank (:func:`~zbpp_lite.training.turns.train_in_turns`): costs, idle time by cause.
-    2. *candidates*: the rebalanced partition and the zb-auto re-plan, each tried only when
-       predicted at least ``min_gain`` faster.
-    3. *judge*: ``steps`` steps of every plan taking turns in one run: the original, with
-       ``control`` the original again (A/A: the run's noise), the candidates. A candidate is
-       adopted only when its step makespans, paired with those of the plan it would replace
-       (:func:`~zbpp_lite.analysis.noise.paired_gain`), are faster beyond the noise
-       (:func:`~zbpp_lite.analysis.noise.beats_noise`).
-    4. *online*: the kept plan's steps go through an :class:`OnlineReplanner`; its re-plan is
-       judged likewise in one more run in turns (:func:`_online`).
-
-    ``before`` and ``after`` of the result are the original and the kept plan in the judge run
-    (with nothing adopted, ``after`` is the control, or the original plan itself without one);
-    ``comparison`` is their step-by-step ratio with its interval, ``control`` the A/A ratio.
-    """
+    """:func:`adapt` on pinned processes (:func:`~zbpp_lite.training.turns.train_in_turns`): profile,
+    then every plan (original, A/A control, candidates predicted ``min_gain`` faster) takes turns in
+    one run; a candidate is adopted when its paired step makespans beat the noise
+    (:func:`~zbpp_lite.analysis.noise.beats_noise`); an online re-plan is judged likewise (:func:`_online`).
+    ``after`` is the kept plan (nothing kept: the control, or the original)."""
     o = job.options
     zb_h1 = build_schedule("zb-h1", o.ranks, o.microbatches)
     # 1. profile
@@ -621,8 +554,7 @@ def _judge(changes: list[dict], plans: dict, spans: dict, noise: PairedGain | No
 
 def _online(job: _Job, plans: dict, results: dict, kept: str, predicted: Costs, noise: PairedGain | None,
             changes: list[dict]) -> tuple[list[dict], str]:
-    """The kept plan's steps watched for significant drift; a re-plan is judged in one more run in
-    turns. Returns the online checks and the name of the plan kept in the end."""
+    """Watch the kept plan for drift, judge a re-plan in one more run; (online checks, kept name)."""
     o = job.options
     kept_parts, kept_schedule = plans[kept]
     replanner = o.replanner(kept_schedule, predicted)
