@@ -1,18 +1,13 @@
-"""Several schedules trained side by side, one pinned process per rank, taking turns step by step,
-and the one-core helper process (:class:`OneCore`): the training layer's process protocols.
+"""Schedules trained side by side, one pinned process per rank, taking turns step by step
+(:func:`train_in_turns`, how ``compare`` and ``train`` measure with a core per rank), and the one-core
+helper process (:class:`OneCore`).
 
-:func:`train_in_turns` is how ``compare`` and ``train`` measure with at least as many cores as
-ranks. Each rank is a process pinned to its own core
-(:class:`~zbpp_lite.runtime.processes.RankProcesses`), so a waiting rank leaves its core idle, as a
-device does, and the measured bubbles are the schedule's. Every schedule has its own copy of the
-model (same initial parameters) and AdamW state; step k of every schedule trains on batch k and
-runs before step k + 1 of any, so whatever drifts on the machine meets every schedule alike.
-
-Per step and schedule, each rank takes :func:`~zbpp_lite.training.train.train_step` (the executor
-with ``ranks=[r]``, AdamW on its stages) and reports its wall time, the last stage's microbatch
-losses and its events on the clock all processes share (CLOCK_MONOTONIC), by which the parent
-aligns the timelines. The first step compiles; the measured timeline is the median step after it.
-Messages are typed (:mod:`~zbpp_lite.training.messages`): parsed JSON, never unpickled.
+A rank pinned to its own core (:class:`~zbpp_lite.runtime.processes.RankProcesses`) leaves it idle
+while waiting, as a device does, so measured bubbles are the schedule's. Every schedule has its own
+model copy (same initial parameters) and AdamW state; step k of every schedule runs on batch k before
+step k + 1 of any, so machine drift meets all alike. Ranks report events on the shared CLOCK_MONOTONIC,
+by which the parent aligns timelines; step 0 compiles. Messages are typed JSON
+(:mod:`~zbpp_lite.training.messages`), never unpickled.
 """
 
 from __future__ import annotations
@@ -86,10 +81,9 @@ class Step(Message):
 
 @dataclass(frozen=True)
 class Stepped(Message):
-    """A rank's answer to :class:`Step`: its wall time (to the end of its AdamW update) and the
-    executor's, the last stage's microbatch losses (empty elsewhere), its events on the clock all
-    processes share (``[rank, action, start, end]``), its activation memory on that clock
-    (:func:`_memory_json`), and with ``grads`` its stages' gradient leaves (``{stage: [leaf]}``)."""
+    """A rank's answer to :class:`Step`: wall times (to the end of AdamW) and the executor's, the last
+    stage's microbatch losses, events ``[rank, action, start, end]`` and memory on the shared clock,
+    with ``grads`` its gradient leaves ``{stage: [leaf]}``."""
 
     op = "stepped"
     seconds: float
@@ -120,8 +114,7 @@ class Params(Message):
 
 
 def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, tuple[Any, StageAdamW]]:
-    """Every schedule's executor for rank ``rank`` and AdamW on its stages, each schedule with its
-    own parameters and state, the update compiled for step 0's inputs and its own outputs."""
+    """Every schedule's executor for rank ``rank`` and AdamW on its stages, each with its own state."""
     run = RunConfig(**config["run"])
     schedules = {name: schedule_from_json(d) for name, d in config["schedules"].items()}
     model_config = ModelConfig(**config["model"])
@@ -169,9 +162,7 @@ def _rank_step(executor, adamw: StageAdamW, rank: int, command: Step, batch) -> 
 
 
 def rank_main(rank: int, peers: dict, control, config: dict) -> None:
-    """One pipeline rank: every schedule's executor for this rank, AdamW on its stages, steps on
-    the parent's word (:class:`Step`, :class:`GetParams`). Runs in its own process
-    (:class:`~zbpp_lite.runtime.processes.RankProcesses`)."""
+    """One pipeline rank process: steps on the parent's word (:class:`Step`, :class:`GetParams`)."""
     device = ensure_devices(1)[0]
     runs = _rank_runs(rank, peers, device, config)
     data = load_digits(config["run"]["holdout"], config["run"]["seed"])
@@ -191,8 +182,7 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
 
 
 def _aligned(replies: list[Stepped], num_ranks: int, num_stages: int) -> Timeline:
-    """One measured timeline from every rank's events (and activation memory) on the clock all
-    processes share, counted from the step's first action."""
+    """One timeline from every rank's events and memory, counted from the step's first action."""
     origin = min(t0 for rep in replies for _, _, t0, _ in rep.events)
     events = [Event(r, Action.from_str(a), t0 - origin, t1 - origin)
               for rep in replies for r, a, t0, t1 in rep.events]
@@ -232,8 +222,7 @@ class _Turns:
         self.ranks, self.bar = ranks, bar
 
     def step(self, name: str, rec: _Record, k: int, grads: bool) -> None:
-        """Step ``k`` of schedule ``name`` on every rank: its mean loss, aligned timeline and wall
-        time (the slowest rank's) appended to ``rec``."""
+        """Step ``k`` of ``name`` on every rank; loss, timeline and wall time appended to ``rec``."""
         self.ranks.broadcast(Step(name, k, grads).to_wire())
         replies = [Stepped.from_wire(r) for r in self.ranks.gather()]
         rec.losses.append(float(np.mean(np.asarray(next(r.losses for r in replies if r.losses), np.float64))))
@@ -251,8 +240,7 @@ class _Turns:
 
 
 class InTurns(dict):
-    """``{name: TrainResult}`` of :func:`train_in_turns`, in the order given, and :attr:`then`:
-    the schedule ``then`` chose, trained on after the turns (None when none was)."""
+    """``{name: TrainResult}`` in the order given; :attr:`then`: the schedule ``then`` chose (or None)."""
 
     then: TrainResult | None = None
 
@@ -290,35 +278,27 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
                    on_step: Callable[[str, int, float, Timeline], None] | None = None,
                    parts: dict[str, Sequence[Sequence[int]]] | None = None,
                    then: Callable[[dict[str, list[float]]], tuple[str, int] | None] | None = None) -> InTurns:
-    """Train every schedule for ``steps`` steps, taking turns step by step, one process per rank:
-    step k in the order given for even k, reversed for odd k (neighbours meet slow spells alike).
+    """Train every schedule ``steps`` (>= 2) steps taking turns, one process per rank: step k in the
+    order given for even k, reversed for odd k.
 
     Args:
-        schedules: valid schedules with distinct names, all with the same number of ranks and
-            microbatches (their stage counts may differ: each has its own copy of the model).
-        steps: steps per schedule (>= 2: the first compiles and is not timed).
-        model, run: as for :func:`~zbpp_lite.training.train.train` (no ``run.max_grad_norm``: the
-            clipped optimizer runs in threads; ``run.progress``: a tqdm bar).
-        data: the digits split (default ``load_digits(run.holdout, run.seed)``).
-        on_step: called after every step with (schedule name, step, loss, measured timeline).
-        parts: ``{name: partition}`` for schedules cut otherwise than
-            :func:`~zbpp_lite.runtime.stages.stage_parts` (``partition[s]``: part indices of stage
-            s, 0 the embedding, blocks + 1 the head; e.g. from
-            :func:`~zbpp_lite.analysis.rebalance.best_partition`).
-        then: called after the turns with ``{name: step seconds}``; it may return ``(name, extra)``
-            to train that schedule alone ``extra`` more steps in the same (compiled) processes on
-            batches ``steps``, ``steps + 1``, ...: :attr:`InTurns.then`, with every step's loss.
+        schedules: distinct names, same ranks and microbatches (stage counts may differ).
+        model, run, data: as for :func:`~zbpp_lite.training.train.train` (no ``run.max_grad_norm``).
+        on_step: called with (schedule name, step, loss, timeline).
+        parts: ``{name: partition}`` for schedules not cut by :func:`~zbpp_lite.runtime.stages.stage_parts`
+            (``partition[s]``: part indices of stage s, 0 the embedding, blocks + 1 the head).
+        then: called with ``{name: step seconds}``; may return ``(name, extra)`` to train that schedule
+            ``extra`` more steps alone in the same processes (:attr:`InTurns.then`).
 
     Returns:
-        :class:`InTurns`, ``{name: TrainResult}`` in the order given: ``step_seconds`` each step's
-        wall time on its slowest rank (the parent's word to the end of its AdamW update),
-        ``timelines`` aligned across ranks, step 0 checked against the unpartitioned model here.
+        :class:`InTurns`: ``step_seconds`` on the slowest rank (to the end of AdamW), ``timelines``
+        aligned across ranks, step 0 checked against the unpartitioned model.
 
     Raises:
-        ValueError: no schedules, duplicate names, differing rank or microbatch counts, fewer
-            than 2 steps, clipping requested, a batch that does not divide, or ``parts`` naming
-            an unknown schedule or holding a partition that is not one of this model.
-        RuntimeError: a rank's process failed (its error is printed by that process and named).
+        ValueError: no schedules, duplicate names, differing rank or microbatch counts, < 2 steps,
+            clipping, a batch that does not divide, or ``parts`` naming an unknown schedule or a bad
+            partition.
+        RuntimeError: a rank's process failed (its error is printed by that process).
     """
     config, run = model or ModelConfig(), run or RunConfig()
     schedules = list(schedules)
@@ -359,8 +339,7 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
 
 def _go_on(turns: _Turns, records: dict[str, _Record], chosen: tuple[str, int], steps: int,
            progress: bool) -> _Record:
-    """``then``'s choice trained ``extra`` more steps alone in the same processes: its record
-    with every step's loss from the start, the timelines and seconds of the extra steps only."""
+    """``then``'s choice trained ``extra`` more steps alone (losses from the start, timings of the extra)."""
     n, extra = chosen
     rec = _Record(records[n].schedule, losses=list(records[n].losses))
     if turns.bar is not None:
@@ -373,9 +352,8 @@ def _go_on(turns: _Turns, records: dict[str, _Record], chosen: tuple[str, int], 
 
 
 class _Finish:
-    """The parent's side of the results: the gradient check against the one reference (every
-    schedule starts from the same parameters on batch 0: computed once), the trained model's
-    test accuracy, the measured step and its simulation."""
+    """The parent's side: the gradient check (one reference: all start alike), test accuracy, the
+    measured step and its simulation."""
 
     def __init__(self, config: ModelConfig, run: RunConfig, data: Digits, num_ranks: int):
         self.config, self.run, self.data, self.num_ranks = config, run, data, num_ranks
@@ -466,13 +444,10 @@ class StepSeconds(Message):
 
 
 class OneCore:
-    """Single-device work (the planners' stage costs, the whole-batch reference) in one helper
-    process pinned to one core from its start (started on first use, stopped on leaving the
-    ``with`` block), as a rank process is: XLA then sizes its thread pool for that core. A process
-    pinned later keeps two threads taking turns on one core; on this project's 2-core machine that
-    made every pass 10-35% slower and (T_B + T_W) / T_BW 1.13-1.21, against 1.04-1.09 pinned from
-    the start. ``args``: the job (:data:`ONE_CORE_JOB` attributes); with ``use_processes`` false
-    (ranks as threads) the work runs in this process."""
+    """Single-device work (stage costs, the whole-batch reference) in a helper process pinned to one
+    core from its start, so XLA sizes its pool for it (pinned later: passes 10-35% slower on 2 cores).
+    Started on first use, stopped on leaving the ``with`` block; ``args``: :data:`ONE_CORE_JOB`
+    attributes; with ``use_processes`` false the work runs in this process."""
 
     def __init__(self, args, use_processes: bool):
         self.args, self.use_processes, self.helper = args, use_processes, None
@@ -493,7 +468,7 @@ class OneCore:
         return reply.from_wire(self.helper.gather()[0])
 
     def costs(self, blocks: int, num_stages: int) -> Costs:
-        """T_F, T_B, T_W and T_BW of every stage (seconds) and M_B, M_W (bytes): :func:`_stage_costs`."""
+        """:func:`_stage_costs` in the helper."""
         if not self.use_processes:
             return _stage_costs(self.args, blocks, num_stages)
         return Costs(**dataclasses.asdict(self._ask(StageCosts(blocks, num_stages), CostsAre)))
@@ -507,8 +482,8 @@ class OneCore:
 
 
 def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
-    """:class:`OneCore`'s helper process: answers :class:`StageCosts` with :class:`CostsAre` and
-    :class:`WholeBatch` with :class:`StepSeconds` for the job ``config`` (:data:`ONE_CORE_JOB`)."""
+    """:class:`OneCore`'s helper: :class:`StageCosts` -> :class:`CostsAre`, :class:`WholeBatch` ->
+    :class:`StepSeconds`."""
     device = ensure_devices(1)[0]
     args = types.SimpleNamespace(**config)
     while (message := control.recv()) is not None:
@@ -529,9 +504,7 @@ def _whole_batch(args, steps: int, blocks: int, device) -> BaselineResult:
 
 
 def _stage_costs(args, blocks: int, num_stages: int) -> Costs:
-    """T_F, T_B, T_W and fused T_BW of every stage of the job cut into ``num_stages`` stages, timed
-    on this process's first device (seconds), and its M_B and M_W (bytes): what zb-auto, zb-v and
-    their kin plan with."""
+    """T_F, T_B, T_W, T_BW per stage (seconds, first device) and M_B, M_W (bytes): what the planners use."""
     x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
     mb = microbatch_size(args.batch, args.microbatches)
     config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
@@ -541,8 +514,7 @@ def _stage_costs(args, blocks: int, num_stages: int) -> Costs:
 
 @contextlib.contextmanager
 def one_core(pin: bool = True):
-    """This process (every thread of it, XLA's pool included) on its first allowed core while
-    the block runs, as a rank process is; nothing where ``pin`` is false or affinity is unknown."""
+    """This process on its first allowed core while the block runs (no-op if not ``pin`` or unknown)."""
     affinity = os.sched_getaffinity(0) if pin and hasattr(os, "sched_getaffinity") else None
 
     def every_thread(cores) -> None:  # Linux sets a thread's affinity, not a process's: each of them
