@@ -1,14 +1,10 @@
 """Train the digits Transformer with any schedule on several devices, and measure it.
 
-:func:`train` is what ``python -m zbpp_lite train`` and the notebooks call: it builds the
-schedule, cuts the model into its stages, runs every step with the executor (gradients
-accumulated over microbatches, then AdamW per stage on that stage's device, as PyTorch's
-pipelining does), checks the first step's loss and gradients against the unpartitioned model, and
-compares the measured timeline with the simulator's for the measured mean action costs.
-
-:func:`train_step` is the one step every loop takes (``train``, the turns' rank processes,
-adapt's rank threads, ``launch``'s hosts, SPMD): the executor on the current parameters, then
-:class:`StageAdamW`. Threads, processes and hosts only change what carries values between ranks.
+:func:`train` (``python -m zbpp_lite train``): build the schedule, cut the model into stages, run every
+step with the executor (gradients accumulated over microbatches, then AdamW per stage on its device),
+check the first step against the unpartitioned model, compare the measured timeline with the simulated.
+:func:`train_step` is the one step every loop takes (threads, turns' processes, adapt, ``launch``, SPMD);
+they differ only in what carries values between ranks.
 """
 
 from __future__ import annotations
@@ -42,20 +38,11 @@ from .reference import evaluate, jitted_update, max_relative_error, reference_gr
 class TrainResult:
     """What one training run did and measured.
 
-    Attributes:
-        schedule: the schedule that ran.
-        losses: global-batch mean training loss of every step, before its update (floats).
-        test_accuracy, test_loss: the trained model on the test samples.
-        grad_max_rel_error: first step, max over parameters of max|g - g_ref| / max|g_ref|,
-            g_ref from ``jax.value_and_grad`` of the unpartitioned model (None: check off).
-        loss_error: first step, |loss - loss_ref| (None: check off).
-        measured: the timeline of the step with the median makespan (after the first).
-        costs: that step's mean action times, seconds (:func:`~zbpp_lite.analysis.profiling.
-            timelines.measured_costs`); simulated: :func:`zbpp_lite.simulate` with them.
-        timelines: every step's measured timeline; step_seconds: every step's wall time (the
-            first includes compilation).
-        params: the trained parameters (one pytree per model module).
-        config: the run's settings (model sizes, batch, learning rate, ...).
+    ``losses``: every step's global-batch mean loss before its update; ``grad_max_rel_error``: first
+    step, max over parameters of max|g - g_ref| / max|g_ref| vs the unpartitioned model, and
+    ``loss_error`` |loss - loss_ref| (None: check off); ``measured``: the median-makespan step after the
+    first, ``costs`` its mean action times (seconds), ``simulated`` :func:`zbpp_lite.simulate` with them;
+    ``step_seconds``: wall times (the first compiles); ``params``: one pytree per model module.
     """
 
     schedule: Schedule
@@ -73,9 +60,7 @@ class TrainResult:
     config: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        """A JSON-ready dict: schedule, ranks, microbatches, steps (each with ``loss``),
-        test_accuracy, grad_max_rel_error, measured and simulated (``makespan`` in seconds,
-        ``bubble_rate``), memory (:meth:`_memory_json`), trace (the measured events), costs, config."""
+        """A JSON-ready dict (``makespan`` in seconds)."""
         s, m, sim = self.schedule, self.measured, self.simulated
         steps = zip(self.losses, self.timelines, self.step_seconds)
         return {
@@ -98,17 +83,15 @@ class TrainResult:
     @classmethod
     def of(cls, schedule: Schedule, losses: list, timelines: list, seconds: list, params: Any,
            errors: tuple, tested: tuple, config: dict) -> "TrainResult":
-        """The result of a run's steps: ``errors`` (gradient, loss) of the check, ``tested`` (test
-        loss, accuracy); the median step measured and simulated with its costs."""
+        """From the steps, the check's ``errors`` and ``tested`` (test loss, accuracy)."""
         measured = pick_measured(timelines)
         costs = measured_costs(measured, schedule.num_stages)
         return cls(schedule, losses, tested[1], tested[0], errors[0], errors[1], measured, costs,
                    simulate(schedule, costs), timelines, seconds, params, config)
 
     def _memory_json(self) -> dict | None:
-        """The measured step's activation memory (bytes, :meth:`MeasuredMemory.to_json`), the
-        plan's peak per rank in bytes (planned with the measured M_B, M_W) and the measured peak in
-        units of the rank's first stage's M_B; None when nothing was measured (SPMD)."""
+        """Measured activation memory and planned peak per rank (bytes), measured peak in units of the
+        rank's first stage's M_B; None when nothing was measured (SPMD)."""
         memory = self.measured.measured_memory
         if memory is None:
             return None
@@ -125,17 +108,10 @@ def pick_measured(timelines: list[Timeline]) -> Timeline:
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """Where and how :func:`train` runs, beside the schedule, model and run.
-
-    Attributes:
-        schedule_options: keyword options for the builder (e.g. ``stages_per_rank``). A builder
-            that plans memory with ``costs`` (zb-auto, zb-1p, zb-2p, ...) gets, when none are
-            given, ``Costs(mem_b, mem_w)`` measured on the job in bytes (:func:`job_costs`).
-        devices: one device per rank; default :func:`zbpp_lite.runtime.devices.ensure_devices`
-            (real accelerators if enough, else simulated CPU devices).
-        data: the digits split (default ``load_digits(run.holdout, run.seed)``).
-        on_step: called after every step with (step index, loss, measured timeline).
-    """
+    """Where and how :func:`train` runs: ``schedule_options`` for the builder (a memory-planning builder
+    without ``costs`` gets :func:`job_costs`); ``devices``, one per rank (default
+    :func:`zbpp_lite.runtime.devices.ensure_devices`); ``data`` (default ``load_digits(run.holdout,
+    run.seed)``); ``on_step(step, loss, timeline)``."""
 
     schedule_options: dict | None = None
     devices: Sequence[Any] | None = None
@@ -149,20 +125,15 @@ def train(schedule: str | Schedule = "zb-h1", ranks: int = 2, microbatches: int 
     """Train the digits Transformer with one schedule and measure it.
 
     Args:
-        schedule: a registered name (``zb.SCHEDULES``) or a :class:`~zbpp_lite.schedules.ir.Schedule`
-            (e.g. read from CSV; its ranks and microbatches then override ``ranks``, ``microbatches``).
-        ranks, microbatches: p and m; steps: training steps (optimizer updates).
-        model: sizes and init seed (:class:`~zbpp_lite.training.model.ModelConfig`; blocks >= stages).
-        run: batch, optimizer, data split, gradient check, clipping (:class:`RunConfig`).
-        options: :class:`TrainOptions`; ``settings``: its fields by name, e.g.
-            ``train("1f1b", devices=devs, data=data, on_step=f, schedule_options={...})``.
+        schedule: a name in ``zb.SCHEDULES`` or a :class:`~zbpp_lite.schedules.ir.Schedule` (its ranks
+            and microbatches then override ``ranks``, ``microbatches``).
+        steps: optimizer updates. model: :class:`~zbpp_lite.training.model.ModelConfig` (blocks >= stages).
+        run: :class:`RunConfig`. options: :class:`TrainOptions`, or its fields by name in ``settings``.
 
     Raises:
-        ValueError: an unknown or invalid schedule, a memory-limited planner given ``memory_limit``
-            without ``costs``, fewer blocks than stages, a batch that does not divide into
-            microbatches, bad sizes; all before any compute. TypeError: an unknown setting.
-        RuntimeError: too few devices (the message says how to get simulated ones), or a rank's
-            action failed.
+        ValueError: an unknown or invalid schedule, ``memory_limit`` without ``costs``, fewer blocks
+            than stages, a batch that does not divide, bad sizes; all before any compute.
+        TypeError: an unknown setting. RuntimeError: too few devices, or a rank's action failed.
     """
     unknown = set(settings) - {f.name for f in fields(TrainOptions)}
     if unknown:
@@ -177,13 +148,9 @@ def train(schedule: str | Schedule = "zb-h1", ranks: int = 2, microbatches: int 
 
 
 class StageAdamW:
-    """AdamW (Optax, :meth:`~zbpp_lite.training.postval.rollback.AdamWConfig.optimizer`) on the
-    model modules of the stages this process updates: parameters and state per module, on its
-    stage's device, one jitted update per stage. :meth:`place` moves them when the partition or
-    schedule changes (adapt), the state carried over.
-
-    ``params``: one pytree per model module (every module; those of other ranks' stages stay as given).
-    """
+    """AdamW (:meth:`~zbpp_lite.training.postval.rollback.AdamWConfig.optimizer`) on this process's
+    stages: state per module on its stage's device, one jitted update per stage; :meth:`place` moves
+    them (state kept). ``params``: one pytree per model module (other ranks' stay as given)."""
 
     def __init__(self, params: list, run: RunConfig):
         self.config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
@@ -192,7 +159,7 @@ class StageAdamW:
         self.homes: dict = {}
 
     def place(self, model: StagedModel, homes: dict) -> "StageAdamW":
-        """Update ``model``'s stages ``homes`` (``{stage: device}``) from now on, each on its device."""
+        """Update ``model``'s stages ``homes`` (``{stage: device}``) from now on."""
         opt = self.config.optimizer()
         self.model, self.homes = model, dict(homes)
         for s, d in self.homes.items():
@@ -228,8 +195,7 @@ class StageAdamW:
 
 
 def train_step(executor, adamw: StageAdamW, x, y) -> tuple[Any, float, float]:
-    """The one training step: ``executor`` (any transport) on ``adamw``'s parameters, then its
-    update. Returns (the executor's result, seconds to the end of the update, seconds of the run)."""
+    """``executor`` on ``adamw``'s parameters, then the update; (result, seconds to update's end, run seconds)."""
     t0 = time.perf_counter()
     result = executor.run(adamw.params, x, y)
     ran = time.perf_counter() - t0
@@ -238,8 +204,7 @@ def train_step(executor, adamw: StageAdamW, x, y) -> tuple[Any, float, float]:
 
 
 def check_step(model, params: list, x, y, result, device) -> tuple[float, float]:
-    """The step's (max relative gradient error, |loss - loss_ref|) against the unpartitioned
-    model on the whole batch from the same ``params`` (:func:`reference_grads`)."""
+    """(max relative gradient error, |loss - loss_ref|) vs the unpartitioned model from ``params``."""
     ref_loss, ref_grads = reference_grads(model, params, x, y, device)
     return max_relative_error(result.grads, ref_grads), abs(result.loss - ref_loss)
 
@@ -247,13 +212,9 @@ def check_step(model, params: list, x, y, result, device) -> tuple[float, float]
 def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, home: Any = None,
                 data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None
                 ) -> TrainResult:
-    """``steps`` steps of :func:`train_step` with ``executor`` (the thread executor, or
-    :func:`~zbpp_lite.runtime.distributed.process_executor`'s executor over JAX's distributed runtime)
-    from ``config``'s initial parameters (or ``run.init``) on batches 0, 1, ... (with
-    ``run.max_grad_norm``: the clipped AdamW inside the rank threads instead); then the first step
-    checked, the trained model evaluated, the median step's costs simulated. ``home``: one device
-    for every stage's parameters and optimizer state (default: each stage's own). Returns
-    :class:`TrainResult`."""
+    """``steps`` steps of :func:`train_step` from ``config``'s initial parameters (or ``run.init``) on
+    batches 0, 1, ... (clipped AdamW in the rank threads with ``run.max_grad_norm``), then checked,
+    evaluated, simulated. ``home``: one device for all stages' state (default: each stage's own)."""
     staged, sched = executor.model, executor.schedule
     data = data if data is not None else load_digits(run.holdout, run.seed)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
@@ -287,9 +248,8 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
 
 
 def job_costs(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig) -> Costs:
-    """``Costs(mem_b, mem_w)``: the job's M_B and M_W per stage in bytes for one microbatch
-    (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`, from shapes: nothing runs),
-    what a memory-limited planner plans with (issue 31)."""
+    """``Costs(mem_b, mem_w)``: M_B, M_W per stage in bytes for one microbatch, from shapes
+    (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`), for memory-limited planners."""
     x, y = load_digits(run.holdout, run.seed).batch(0, run.batch)
     mb = microbatch_size(run.batch, microbatches)
     mem_b, mem_w = stage_memory_bytes(StagedModel(build_parts(config), num_stages), x[:mb], y[:mb])
@@ -298,9 +258,8 @@ def job_costs(num_stages: int, microbatches: int, config: ModelConfig, run: RunC
 
 def checked_schedule(schedule, ranks: int, microbatches: int, steps: int, config: ModelConfig, run: RunConfig,
                      schedule_options: dict | None) -> Schedule:
-    """The schedule to run, once everything that can be wrong with the request has been checked
-    (before any training compute); a memory-limited planner named without ``costs`` is planned
-    with :func:`job_costs`."""
+    """The schedule to run, the request checked before any compute (planners without ``costs``:
+    :func:`job_costs`)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     options = dict(schedule_options or {})
@@ -321,10 +280,9 @@ def checked_schedule(schedule, ranks: int, microbatches: int, steps: int, config
 
 
 def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_step) -> tuple[Any, list]:
-    """The steps back to back with the clipped AdamW inside the rank threads (synchronous or
-    post-validated, :class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`); fills ``out``
-    (losses, timelines, seconds, extra config) and returns (the first step's result, the trained
-    parameters)."""
+    """Steps with the clipped AdamW in the rank threads
+    (:class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`); fills ``out``, returns (first
+    step's result, trained parameters)."""
     losses, timelines, seconds, extra = out
     model = executor.model
     config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
