@@ -1,16 +1,11 @@
 """Re-plan from measured costs: zb-auto under a memory limit, once or online while training (pure Python).
 
-:func:`replan` feeds measured per-stage costs (:mod:`.profiling.timelines`) to the automatic
-zero-bubble scheduler (Qi et al., arXiv 2401.10241, section 3.1;
-:func:`zbpp_lite.schedules.builders.auto.auto_plan`) and predicts, with the simulator, the new
-schedule's makespan beside the current one's under the same costs.
-
-:class:`OnlineReplanner` does this during training: every K steps it profiles the last K measured
-timelines; when the costs have drifted from those the current plan was judged by by more than a
-threshold, on ``patience`` checks in a row, it re-plans, and switches only when the new plan is
-predicted faster by at least ``min_gain``. The drift test, the averaging over K steps and the
-required gain are the hysteresis: noise moves none of them far enough to change the plan.
-Schedules change the order of the work only, so the gradients stay the unpartitioned model's.
+:func:`replan` feeds measured per-stage costs to the automatic scheduler
+(:func:`zbpp_lite.schedules.builders.auto.auto_plan`; Qi et al., arXiv 2401.10241, section 3.1) and
+simulates the new and the current schedule under the same costs. :class:`OnlineReplanner` does it while
+training: every K steps it profiles the last K timelines and re-plans after ``patience`` drifted checks
+in a row, switching only for a predicted ``min_gain``; drift threshold, K-step averaging and required
+gain are the hysteresis that keeps noise from changing the plan.
 """
 
 from __future__ import annotations
@@ -31,9 +26,8 @@ from .profiling.timelines import CostProfile, profile
 
 @dataclass(frozen=True)
 class Replan:
-    """A zb-auto ``schedule`` (validated) planned for ``costs`` under ``memory_limit`` per rank
-    (units of Costs.mem_b); ``predicted`` its simulated makespan under ``costs``, ``current`` the
-    current schedule's (None without one)."""
+    """A zb-auto ``schedule`` for ``costs`` under ``memory_limit`` per rank (units of Costs.mem_b);
+    simulated makespans ``predicted`` (its) and ``current`` (None without a current schedule)."""
 
     schedule: Schedule
     costs: Costs
@@ -43,7 +37,7 @@ class Replan:
 
     @property
     def gain(self) -> float:
-        """1 - predicted / current: the fraction of the current makespan saved (0 without a current)."""
+        """1 - predicted / current (0 without a current)."""
         if self.current is None or self.current <= 0:
             return 0.0
         return 1.0 - self.predicted / self.current
@@ -51,14 +45,12 @@ class Replan:
 
 def replan(costs: Costs | CostProfile, num_ranks: int, num_microbatches: int,
            memory_limit: float | Sequence[float] | None = None, current: Schedule | None = None) -> Replan:
-    """zb-auto planned for ``costs`` (per stage, one stage per rank; a :class:`CostProfile` gives its
-    means and T_comm) on p = ``num_ranks``, m = ``num_microbatches`` under ``memory_limit`` (units
-    of Costs.mem_b; default p, the peak of 1F1B and ZB-H1), with its predicted makespan beside
-    ``current``'s under the same costs.
+    """zb-auto for ``costs`` (one stage per rank; a :class:`CostProfile` gives means and T_comm) under
+    ``memory_limit`` (units of Costs.mem_b; default p, the peak of 1F1B), beside ``current``.
 
     Raises:
-        ValueError: costs for another number of stages than p, a memory limit no schedule fits
-            (the message names the smallest feasible one), bad sizes.
+        ValueError: costs for other than p stages, a memory limit no schedule fits (the message names
+            the smallest feasible one), bad sizes.
     """
     if isinstance(costs, CostProfile):
         costs = costs.costs()
@@ -74,15 +66,13 @@ def replan(costs: Costs | CostProfile, num_ranks: int, num_microbatches: int,
 
 
 def _scales(totals: Sequence[float]) -> tuple[list[float], float]:
-    """Per stage, what a change of its T_F, T_B or T_W is a fraction of (its T_F + T_B + T_W, or 1
-    when 0), and what a change of T_comm is (their mean, or 1)."""
+    """Per-stage scales (T_F + T_B + T_W, or 1) and T_comm's (their mean, or 1) for :func:`drift`."""
     return [t if t > 0 else 1.0 for t in totals], (sum(totals) / len(totals) or 1.0)
 
 
 def drift(reference: Costs, observed: Costs, num_stages: int) -> float:
-    """How far ``observed`` costs moved from ``reference``: the largest change of any stage's
-    T_F, T_B or T_W as a fraction of that stage's reference T_F + T_B + T_W, and of T_comm as a
-    fraction of their mean over stages (so a tiny T_W wobbling is no large drift).
+    """Largest change of any stage's T_F, T_B or T_W as a fraction of its reference T_F + T_B + T_W
+    (T_comm: of their mean over stages), so a tiny T_W wobbling is no large drift.
 
     Raises:
         ValueError: costs with the wrong number of per-stage values.
@@ -96,19 +86,14 @@ def drift(reference: Costs, observed: Costs, num_stages: int) -> float:
 
 def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_stages: int, threshold: float,
                       confidence: float = 0.95) -> tuple[float, bool]:
-    """Drift of a window of per-step measured costs from a reference window, judged against the
-    noise between steps.
-
-    For every stage's T_F, T_B, T_W and T_comm, step k of ``window`` is paired with step k of
-    ``reference`` (the shorter length), the change is scaled as in :func:`drift` (by the stage's
-    median reference T_F + T_B + T_W; T_comm by their mean), and the median change gets a
-    distribution-free interval (:func:`zbpp_lite.analysis.noise.median_interval`).
+    """Drift of per-step costs from a reference window, against the noise between steps: step k of
+    each is paired, each cost's change scaled as in :func:`drift`, its median given an interval
+    (:func:`zbpp_lite.analysis.noise.median_interval`).
 
     Returns:
-        ``(drift, significant)``: the largest median change, and whether some change is both
-        larger than ``threshold`` and significant: its interval excludes 0 at the confidence that
-        keeps the family of 4 * num_stages tests at ``confidence`` (Bonferroni; with 2 stages and
-        95%, at least 9 paired steps are needed, and with 10 every one must have moved the same way).
+        ``(drift, significant)``: the largest median change, and whether some change exceeds
+        ``threshold`` with its interval excluding 0 (Bonferroni over the 4 * num_stages tests; with 2
+        stages at 95% that needs >= 9 paired steps).
 
     Raises:
         ValueError: an empty window or reference, or costs with the wrong number of stages.
@@ -135,11 +120,9 @@ def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_s
 
 @dataclass(frozen=True)
 class Check:
-    """One check of the online re-planner after ``step`` observed timelines: the :func:`drift` of
-    the window's costs, the ``decision`` ("reference": the first window, with ``confidence``, the
-    costs later windows are compared with; "steady": no drift that counts; "wait": drifted, patience
-    not yet reached; "kept": re-planned, gain too small; "switched") and the re-plan's predicted
-    ``gain`` (None when none was made)."""
+    """One check after ``step`` timelines: ``drift``, ``decision`` ("reference": the first window, with
+    ``confidence``; "steady"; "wait": patience not reached; "kept": gain too small; "switched") and the
+    re-plan's predicted ``gain`` (or None)."""
 
     step: int
     drift: float
@@ -151,24 +134,15 @@ class Check:
 class OnlineReplanner:
     """Re-plan every ``every`` steps when the measured costs drift, with hysteresis.
 
-    :meth:`observe` each step's measured timeline: a :class:`Replan` where the plan changes (then
-    run ``replanner.schedule``), else None.
+    :meth:`observe` every step's timeline; it returns a :class:`Replan` when the plan changes.
 
     Attributes:
-        schedule: the schedule in use (one stage per rank, as zb-auto plans).
-        reference: the costs the current plan was last judged by.
-        every: K, steps between checks; the check profiles the last K timelines.
-        threshold: drift (:func:`drift`) above which a check counts as drifted.
-        patience: drifted checks in a row needed before re-planning.
-        min_gain: the re-plan must be predicted at least this much faster (a fraction of the
-            current plan's makespan under the same costs) to be adopted.
-        memory_limit: passed to zb-auto (units of Costs.mem_b; default p).
-        history: every :class:`Check` made.
-        confidence: None, or drift must also be significant (:func:`significant_drift`): the first
-            K steps become the reference (decision "reference"), and a later window counts as
-            drifted only when some per-stage cost moved by more than ``threshold`` *and* the
-            interval (at this confidence) of its step-by-step change excludes no change: noise
-            between steps, measured in the same run, then never counts as drift.
+        schedule: in use (one stage per rank). reference: the costs it was last judged by.
+        every: K, steps between checks. threshold: :func:`drift` above which a check is drifted.
+        patience: drifted checks in a row before re-planning. min_gain: predicted fraction faster
+            needed to switch. memory_limit: for zb-auto (units of Costs.mem_b; default p).
+        history: every :class:`Check`. confidence: None, or the first K steps are the reference and
+            drift must also be significant (:func:`significant_drift`).
 
     Raises:
         ValueError: every < 1, threshold or min_gain < 0, patience < 1, or a schedule with other
@@ -207,9 +181,8 @@ class OnlineReplanner:
         self.history.append(Check(self._steps, moved, decision, gain))
 
     def observe(self, timeline: Timeline) -> Replan | None:
-        """Record one step's measured timeline (of ``self.schedule``); once K have been gathered,
-        profile them, check the drift and maybe re-plan (the next check uses the next K steps).
-        Returns the :class:`Replan` when the plan changed, else None.
+        """Record one step's timeline; every K, check the drift and maybe re-plan. Returns the
+        :class:`Replan` when the plan changed, else None.
 
         Raises:
             ValueError: a timeline lacking events a stage needs (see :func:`.profiling.timelines.profile`).
