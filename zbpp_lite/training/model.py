@@ -1,7 +1,6 @@
 """The digits Transformer classifier (Flax NNX), the job of this project's course and benchmarks.
 
-The model is the job fixed by ``shared/peers/torch_pp_bench.py`` so that losses can be compared
-with PyTorch number for number (float32 throughout):
+It is ``shared/peers/torch_pp_bench.py``'s job, so losses match PyTorch number for number (float32):
 
     x (b, 8, 8): 8 row tokens of 8 pixels / 16
     -> Linear(8, d) + learned position embedding (8, d)                        Embed   (part 0)
@@ -9,18 +8,11 @@ with PyTorch number for number (float32 throughout):
     -> LayerNorm -> mean over the 8 tokens -> Linear(d, 10)                    Head    (part N+1)
     -> mean cross-entropy over the (micro)batch
 
-Attention uses one fused qkv Linear(d, 3d) with bias whose outputs are laid out
-[q | k | v], each [head 0 | head 1 | ...]; softmax(q k^T / sqrt(d/h)), no mask; GELU is the
-exact (erf) form; LayerNorm eps 1e-5 with scale and bias, two-pass variance as PyTorch. Init
-follows PyTorch's defaults in distribution (Linear weight and bias ~ U(-1/sqrt(in), 1/sqrt(in)),
-LayerNorm 1 and 0, position embedding ~ N(0, 0.02^2)); :func:`load_torch_init` takes the exact
-values from the script's ``--save-init`` file.
-
-The model is handed to the pipeline as its list of parts (:func:`build_parts`); the cut into
-stages is :class:`zbpp_lite.runtime.stages.StagedModel`'s (whole blocks per stage, the same rule as
-the PyTorch script).
-
-Layer: training (imports the runtime and schedules layers).
+Attention: one fused qkv Linear(d, 3d) laid out [q | k | v], each [head 0 | head 1 | ...];
+softmax(q k^T / sqrt(d/h)), no mask. GELU exact (erf); LayerNorm eps 1e-5, two-pass variance. Init is
+PyTorch's in distribution (Linear ~ U(-1/sqrt(in), 1/sqrt(in)), position embedding ~ N(0, 0.02^2));
+:func:`load_torch_init` loads the script's exact values. The pipeline gets the list of parts
+(:func:`build_parts`), cut into stages by :class:`zbpp_lite.runtime.stages.StagedModel`.
 """
 
 from __future__ import annotations
@@ -48,15 +40,11 @@ NUM_CLASSES = 10
 
 @jax.custom_jvp
 def gelu(u: jax.Array) -> jax.Array:
-    """Exact (erf) GELU, ``u * Phi(u)``, elementwise, any shape, float32 in and out.
+    """Exact (erf) GELU ``0.5 u (1 + erf(u / sqrt 2))`` as PyTorch's ``nn.GELU()``, elementwise, float32.
 
-    The values are PyTorch's ``nn.GELU()`` formula ``0.5 u (1 + erf(u / sqrt 2))``, equal to
-    ``jax.nn.gelu(u, approximate=False)`` within 1e-6 absolute (JAX's erfc form avoids the
-    float32 cancellation of ``1 + erf`` below u = -5, where both are under 1e-6); the
-    derivative rule differs: the slope ``Phi(u) + u * phi(u)`` is computed in the forward, so the
-    backward keeps that one array (the size of ``u``) where JAX's generic rule keeps three. On
-    this project's job that is 4 MB less for F to write and B to read per stage and microbatch,
-    about 5% of each (``benchmarks/bench_vs_torch.py``'s per-action times).
+    Equals ``jax.nn.gelu(u, approximate=False)`` within 1e-6; the slope ``Phi(u) + u * phi(u)`` is
+    computed in the forward, so the backward keeps one array where JAX's rule keeps three (about 5% of
+    F and B on this job, ``benchmarks/bench_vs_torch.py``).
     """
     return u * _normal_cdf(u)
 
@@ -96,24 +84,17 @@ class RunConfig:
     """How a training run goes (everything but the model and the schedule).
 
     Attributes:
-        batch: global batch, samples; must be a multiple of the microbatch count.
-        lr, weight_decay: AdamW (PyTorch's defaults otherwise).
-        seed: seed of the batch order and the held-out split.
-        holdout: fraction of the digits held out for the test accuracy (0: the PyTorch job's
-            batches, tested on all samples); see :mod:`zbpp_lite.training.data`.
-        init: a ``torch_pp_bench.py --save-init`` .npz to start from (the model's ``d`` and
-            ``blocks`` must match).
-        check_grads: compare the first step with the unpartitioned model.
-        progress: show a tqdm progress bar.
-        max_grad_norm: clip the gradients to this global norm and skip a step whose gradients
-            hold a NaN/Inf (Optax ``clip_by_global_norm`` semantics). The optimizer step then
-            runs inside the rank threads and the steps run back to back
-            (:class:`zbpp_lite.training.postval.optimizer.StageOptimizer`): synchronously (every
-            rank waits for every rank's norm) or, with ``post_validation``, speculatively and
-            validated (paper section 4). ``on_step`` then reports once the steps are done (no
-            progress bar); ``step_seconds`` are the periods between step starts (the last step:
-            its span; compilation comes before the first). ``TrainResult.config`` gets the
-            per-step ``guard_reports`` (global norm, clipped, skipped, rolled back).
+        batch: global batch, samples; a multiple of the microbatch count.
+        lr, weight_decay: AdamW (PyTorch's defaults otherwise). seed: batch order and held-out split.
+        holdout: fraction held out for the test (0: the PyTorch job's batches, tested on all samples).
+        init: a ``torch_pp_bench.py --save-init`` .npz to start from (same ``d`` and ``blocks``).
+        check_grads: compare the first step with the unpartitioned model. progress: a tqdm bar.
+        max_grad_norm: clip to this global norm, skip a step with NaN/Inf (Optax
+            ``clip_by_global_norm``); the optimizer then runs inside the rank threads, steps back to
+            back (:class:`zbpp_lite.training.postval.optimizer.StageOptimizer`), synchronous or, with
+            ``post_validation``, post-validated (paper section 4). ``on_step`` then reports at the end,
+            ``step_seconds`` are periods between step starts, ``TrainResult.config`` gets
+            ``guard_reports``.
         post_validation: see ``max_grad_norm`` (requires it).
 
     Raises:
@@ -234,12 +215,8 @@ def build_parts(config: ModelConfig = ModelConfig()) -> list[nnx.Module]:
 
 
 def torch_names(config: ModelConfig) -> dict[str, tuple[int, tuple[str, ...], bool]]:
-    """PyTorch state-dict name -> (part index, path inside that part's nnx.State, transpose?).
-
-    Names follow ``nn.Sequential(Embed, *Blocks, Head)`` of the PyTorch script: ``0.tok.weight``,
-    ``0.pos``, ``{i}.qkv.weight`` ..., ``{N+1}.out.bias``. PyTorch's Linear weight is (out, in)
-    and Flax's kernel (in, out), hence the transpose; LayerNorm ``weight`` is Flax's ``scale``.
-    """
+    """PyTorch state-dict name (``0.tok.weight``, ``{i}.qkv.weight``, ...) -> (part index, path in its
+    nnx.State, transpose? (Linear (out, in) vs Flax (in, out))); LayerNorm ``weight`` is ``scale``."""
     head = config.blocks + 1
     block = (("ln1", False), ("qkv", True), ("proj", True), ("ln2", False), ("fc1", True), ("fc2", True))
     layers = [(0, "tok", True), *((i, name, linear) for i in range(1, head) for name, linear in block),
@@ -287,10 +264,7 @@ def torch_params(arrays: Mapping[str, Any], config: ModelConfig) -> Params:
 
 
 def load_torch_init(path: str | os.PathLike, config: ModelConfig) -> Params:
-    """Read the ``--save-init`` .npz of ``torch_pp_bench.py`` into our parameters.
-
-    ``config`` must have the script's d and blocks (heads does not change shapes, so give the
-    same heads too). Raises FileNotFoundError or ValueError (see :func:`torch_params`).
-    """
+    """Read ``torch_pp_bench.py``'s ``--save-init`` .npz (``config`` with the script's d, blocks, heads).
+    Raises FileNotFoundError or ValueError (see :func:`torch_params`)."""
     with np.load(path) as data:
         return torch_params({k: data[k] for k in data.files}, config)
