@@ -1,27 +1,15 @@
 """The single-device reference every pipeline run is checked and timed against.
 
-- correctness: :func:`reference_grads` (the whole model's loss and gradients on the whole batch,
-  one device), :func:`evaluate` (loss, accuracy), :func:`max_relative_error` (the check's measure);
-- the one optimizer: :func:`adamw` (Optax's AdamW, PyTorch's defaults) and :func:`jitted_update`;
-- speed: :func:`train_baseline`, the whole model on one device, one jitted step per batch
-  (:func:`make_step`), and :func:`one_rank_schedule`, our executor on one rank.
-
-The baseline is the PyTorch benchmark's ``baseline`` run (``shared/peers/torch_pp_bench.py``): the
-whole batch, ``jax.value_and_grad`` of the mean loss and AdamW in one jitted program with donated
-parameters and state; same model, data, batch order, initial weights and optimizer as
-:func:`zbpp_lite.training.train.train`, so the losses agree step for step (to float32 rounding).
-
-It is slower on XLA:CPU than our executor on one rank (about 2.8x on the peer job, d = 128, batch
-256, one core): its ``dW = x^T dy`` contract over the batch and token dimensions of 3-D
-activations, and XLA:CPU makes ``x^T`` by a strided transpose copy of every (2048, 128) activation
-before a plain (non-YNNPACK) dot; in a ``jax.profiler`` trace these ``copy_bitcast_fusion``
-transposes outweigh the products. The backward split (:mod:`zbpp_lite.runtime.split`) stores
-``x^T`` in F per 32-sample microbatch, where it fits in cache. Speed-ups are therefore taken
-against the faster of the two references (``compare`` names it).
-
-``microbatches`` > 1 (ours, not the PyTorch job's): the same step accumulating the gradient over
-that many microbatches (``jax.lax.scan``) on one device, separating what microbatching changes
-(smaller working sets) from what the pipeline adds (a second device).
+Correctness: :func:`reference_grads`, :func:`evaluate`, :func:`max_relative_error`. The one optimizer:
+:func:`adamw`, :func:`jitted_update`. Speed: :func:`train_baseline` (the PyTorch benchmark's
+``baseline``: whole batch, loss, gradients and AdamW in one jitted step with donated state; same model,
+data, batches, init and optimizer as :func:`zbpp_lite.training.train.train`, so losses agree to float32
+rounding) and :func:`one_rank_schedule` (our executor on one rank). On XLA:CPU the baseline is about
+2.8x slower than the latter (d = 128, batch 256, one core): its ``dW = x^T dy`` makes a strided
+transpose copy of every (2048, 128) activation, where the split backward (:mod:`zbpp_lite.runtime.split`)
+stores ``x^T`` per microbatch in cache; so speed-ups are taken against the faster (``compare`` names
+it). ``microbatches`` > 1 accumulates over microbatches on one device, separating what microbatching
+changes from what the pipeline adds.
 """
 
 from __future__ import annotations
@@ -46,16 +34,15 @@ from .postval.rollback import AdamWConfig
 
 
 def adamw(lr: float = 1e-3, weight_decay: float = 0.01) -> optax.GradientTransformation:
-    """``optax.adamw`` with PyTorch's AdamW defaults (betas 0.9, 0.999, eps 1e-8): the one
-    optimizer of the package (:class:`~zbpp_lite.training.postval.rollback.AdamWConfig`)."""
+    """``optax.adamw`` with PyTorch's defaults (betas 0.9, 0.999, eps 1e-8), via
+    :class:`~zbpp_lite.training.postval.rollback.AdamWConfig`."""
     return AdamWConfig(learning_rate=lr, weight_decay=weight_decay).optimizer()
 
 
 @functools.lru_cache(maxsize=8)
 def jitted_update(config: AdamWConfig) -> Callable:
-    """The package's one AdamW step, ``config.optimizer()`` (Optax) jitted over lists:
-    ``update(grads, states, params) -> (params, states)``, one entry per model module (or per
-    stage's leaves), each with its own state."""
+    """``config.optimizer()`` jitted over lists: ``update(grads, states, params) -> (params, states)``,
+    one entry per model module (or per stage's leaves)."""
     opt = config.optimizer()
 
     @jax.jit
@@ -86,8 +73,7 @@ _JITTED: dict = {}  # (what, the model's structure) -> its jitted function, comp
 
 
 def _jitted(what: str, model, make):
-    """One jitted ``make(model)`` per model structure (its modules and loss): every staged copy
-    of one model, however cut, computes the same unpartitioned function, so they share it."""
+    """One jitted ``make(model)`` per model structure, shared by every staged copy however cut."""
     graphdefs = tuple(getattr(model, "graphdefs", ()))
     if not graphdefs:  # no structure to key on: this model's own function, not kept
         return make(model)
@@ -128,10 +114,8 @@ ONE_RANK = "one-rank reference"
 
 
 def one_rank_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
-    """Our executor on one rank, the whole model as one stage, the same microbatches and kernels as
-    the pipelines (GPipe's order, nothing to overlap), as a ``num_ranks``-rank schedule whose other
-    ranks have no action: it then takes its turns among the pipelines, step by step, and its
-    steps meet the machine's slow spells as theirs do."""
+    """The whole model as one stage on rank 0 (GPipe's order), in a ``num_ranks``-rank schedule whose
+    other ranks are idle, so it can take turns among the pipelines."""
     alone = build_schedule("gpipe", 1, num_microbatches)
     return Schedule((alone.actions[0], *([()] * (num_ranks - 1))), (0,), num_microbatches, ONE_RANK)
 
@@ -139,16 +123,10 @@ def one_rank_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
 def make_step(model, optimizer, microbatches: int = 1) -> Callable:
     """The jitted training step ``step(params, opt_state, x, labels) -> (params, opt_state, loss)``.
 
-    Args:
-        model: a :class:`~zbpp_lite.runtime.stages.StagedModel` (any number of stages: only its
-            unpartitioned :meth:`~zbpp_lite.runtime.stages.StagedModel.loss` is used).
-        optimizer: an optax transformation (e.g. :func:`adamw`).
-        microbatches: 1 for the whole batch at once; m > 1 accumulates the gradient over m
-            equal microbatches (the mean of their mean losses, i.e. the global-batch mean).
-
-    ``x`` is (b, ...) float32 and ``labels`` (b,) integers; ``loss`` is the global-batch mean
-    loss before the update (float32 scalar). ``params`` and ``opt_state`` are donated: the arrays
-    passed in are consumed, use the returned ones.
+    ``model``: a :class:`~zbpp_lite.runtime.stages.StagedModel` (only its unpartitioned loss is used);
+    ``optimizer``: optax; ``microbatches`` m > 1 accumulates over m equal microbatches. ``x`` (b, ...)
+    float32, ``labels`` (b,) int; ``loss``: global-batch mean before the update (float32 scalar).
+    ``params`` and ``opt_state`` are donated: use the returned ones.
     """
     grad_fn = jax.value_and_grad(model.loss)
 
@@ -176,16 +154,8 @@ def make_step(model, optimizer, microbatches: int = 1) -> Callable:
 
 @dataclass
 class BaselineResult:
-    """What one baseline run did and measured.
-
-    Attributes:
-        losses: global-batch mean training loss of every step (before its update), floats.
-        step_seconds: wall time of every step, the update included (the first includes
-            compilation).
-        test_loss, test_accuracy: the trained model on the test samples.
-        params: the trained parameters (one pytree per model module).
-        config: the settings of the run.
-    """
+    """One baseline run: every step's mean loss (before its update) and ``step_seconds`` (the first
+    compiles), test loss and accuracy, the trained ``params`` (one pytree per module), ``config``."""
 
     losses: list[float]
     step_seconds: list[float]
@@ -206,14 +176,12 @@ def train_baseline(
 ) -> BaselineResult:
     """Train the unpartitioned digits Transformer on one device, one jitted step per batch.
 
-    Arguments as :func:`zbpp_lite.training.train.train` (same model, data, batches and AdamW;
-    ``run.check_grads``, ``progress`` and clipping do not apply); ``device`` defaults to JAX's
-    first device; ``microbatches`` as in :func:`make_step`.
+    Arguments as :func:`zbpp_lite.training.train.train` (no gradient check, progress or clipping);
+    ``device``: default JAX's first; ``microbatches`` as in :func:`make_step`.
 
     Raises:
         ValueError: steps < 1, or a batch that does not divide into ``microbatches``; before any
-            compute. FileNotFoundError / ValueError: an ``init`` file that is missing or does not
-            fit the model (see :func:`zbpp_lite.training.model.load_torch_init`).
+            compute. FileNotFoundError / ValueError: a bad ``init`` file (:func:`~.model.load_torch_init`).
     """
     config, run = model or ModelConfig(), run or RunConfig()
     if steps < 1:
@@ -244,8 +212,7 @@ def train_baseline(
 
 
 def step_stats(step_seconds: list[float], warmup: int) -> dict:
-    """Median and minimum step time in milliseconds over the steps after ``warmup``
-    (:func:`~zbpp_lite.analysis.profiling.timelines.timed_steps`)."""
+    """Median and minimum step time (ms) over the steps after ``warmup``."""
     if len(step_seconds) <= warmup:
         raise ValueError(f"no timed steps: {len(step_seconds)} step(s), {warmup} warm-up")
     timed = np.asarray(timed_steps(step_seconds, warmup), np.float64) * 1e3

@@ -195,7 +195,8 @@ class StageAdamW:
 
 
 def train_step(executor, adamw: StageAdamW, x, y) -> tuple[Any, float, float]:
-    """``executor`` on ``adamw``'s parameters, then the update; (result, seconds to update's end, run seconds)."""
+    """``executor`` on ``adamw``'s parameters, then the update; (result, seconds to the update's end,
+    seconds of the run)."""
     t0 = time.perf_counter()
     result = executor.run(adamw.params, x, y)
     ran = time.perf_counter() - t0
