@@ -1,31 +1,18 @@
-"""The optimizer step inside the executor's rank threads: AdamW per stage, plain, with a
-synchronous global-norm clip and NaN check, or post-validated (Qi et al., arXiv 2401.10241,
-section 4).
-
-:mod:`~zbpp_lite.training.postval.reference` gives the two guarded steps as reference functions
-over all stages at once; here each rank runs its share in its own thread
-(:meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps`), exchanging a few floats with the
-others, so what a schedule loses to the synchronisation is measured, not composed:
+"""The optimizer step inside the executor's rank threads, so what a schedule loses to synchronisation is
+measured: AdamW per stage, plain, synchronous clip, or post-validated (Qi et al., arXiv 2401.10241, sec. 4).
 
 - ``"plain"``: each rank steps its stages right after its last action;
-- ``"synchronous"``: after its last action a rank sends its squared gradient norm and NaN flag to
-  every other rank and waits for theirs; then it skips the step (NaN/Inf anywhere) or clips by the
-  global norm (Optax ``clip_by_global_norm``: ``g / norm * max_norm`` when ``norm >= max_norm``)
-  and steps. Every rank waits for the slowest: ZB-H2's parallelogram becomes a trapezoid
-  (:attr:`~zbpp_lite.schedules.timeline.Timeline.sync_bubble`);
-- ``"post-validation"``: rank r adds its share to the partial reduction from rank r-1, passes it
-  on and steps at once on what it has (unclipped; skipped on a partial NaN); the last rank sends
-  the full reduction back to all. A rank validates during its next step's warm-up
-  (``speculative=True``, as the paper: its F's run on the speculative parameters until the full
-  reduction arrives, at the latest until its first backward) or before its next step's first
-  action (``speculative=False``). If the norm needed clipping or a later rank saw a NaN, it rolls
-  back in place (:func:`~zbpp_lite.training.postval.rollback.adamw_rollback`, algorithm 1) and
-  redoes the step; speculatively, every rank also redoes the F's run on the wrong parameters.
-  The synchronisation is off the critical path unless a rollback happens.
-
-Norms are reduced as :func:`~zbpp_lite.training.postval.reference.synchronous_step` does (per-leaf
-float32 sums of squares, added in float64 on the host): the synchronous step equals it to float32
-rounding, post-validation within the rollback bound.
+- ``"synchronous"``: ranks exchange squared gradient norms and NaN flags, then skip (NaN/Inf anywhere)
+  or clip by the global norm (Optax ``clip_by_global_norm``) and step; every rank waits for the slowest
+  (ZB-H2's parallelogram becomes a trapezoid, :attr:`~zbpp_lite.schedules.timeline.Timeline.sync_bubble`);
+- ``"post-validation"``: rank r adds its share to rank r-1's partial reduction, passes it on and steps
+  at once (unclipped); the last rank sends the full reduction back. A rank validates during its next
+  warm-up (``speculative=True``, as the paper: F's run on speculative parameters until at most its first
+  backward) or before its next first action; if clipping or a NaN was missed it rolls back in place
+  (:func:`~zbpp_lite.training.postval.rollback.adamw_rollback`, algorithm 1) and redoes the step (and
+  speculative F's). Norms reduce as :func:`~zbpp_lite.training.postval.reference.synchronous_step`
+  (float32 per leaf, float64 on the host): synchronous equals it to float32 rounding, post-validation
+  within the rollback bound.
 """
 
 from __future__ import annotations
@@ -48,31 +35,20 @@ POLICIES = ("plain", "synchronous", "post-validation")
 
 class StageOptimizer:
     """AdamW on every stage, stepped inside the rank threads (a
-    :class:`~zbpp_lite.runtime.executor.RankUpdate` for
-    :meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps`).
+    :class:`~zbpp_lite.runtime.executor.RankUpdate` for ``PipelineExecutor.run_steps``).
 
     Args:
-        executor: the :class:`~zbpp_lite.runtime.executor.PipelineExecutor` that will run the steps (its
-            schedule gives the ranks and stages, its devices the stages' devices).
+        executor: the :class:`~zbpp_lite.runtime.executor.PipelineExecutor` that will run the steps.
         params: one parameter pytree per model module (``StagedModel.params``), the start.
-        config: AdamW's hyper-parameters (:class:`~zbpp_lite.training.postval.rollback.AdamWConfig`).
+        config: :class:`~zbpp_lite.training.postval.rollback.AdamWConfig`.
         policy: "plain", "synchronous" or "post-validation" (module docstring).
-        max_norm: the global gradient norm clipped to (float > 0); required by the two guarded
-            policies, refused by "plain".
-        gradient_filter: optional ``fn(step, stage, grads) -> grads`` applied to a stage's
-            gradient sums before anything else (a per-stage transform, or a fault injected in a
-            test: a NaN, a spike).
-        speculative: post-validation only: validate during the next step's warm-up (True), or
-            before its first action (False; every rank's first F then waits for the full
-            reduction, which leaves at most the optimizer step off the critical path).
+        max_norm: global norm clipped to (float > 0); required by the guarded policies, refused by "plain".
+        gradient_filter: optional ``fn(step, stage, grads) -> grads`` applied first (e.g. a test's fault).
+        speculative: post-validation: validate during the next warm-up (True) or before its first action.
 
     Attributes:
-        reports: one :class:`~zbpp_lite.training.postval.reference.StepReport` per step of the
-            latest ``run_steps`` call (guarded policies; global norm, finite, clipped, ranks rolled
-            back, partial
-            norms per rank). The parameters and AdamW states carry over from call to call.
-
-    Every function a rank calls is compiled here, on zeros, so none compiles inside a timed step.
+        reports: one :class:`~zbpp_lite.training.postval.reference.StepReport` per step of the latest
+            ``run_steps`` (guarded policies). Parameters and states carry over between calls.
 
     Raises:
         ValueError: an unknown policy, a missing, non-numeric or non-positive ``max_norm``,
@@ -135,8 +111,7 @@ class StageOptimizer:
         self._warm_up()
 
     def _warm_up(self) -> None:
-        """Compile every function a rank may call, on zeros, results dropped: nothing compiles
-        inside a timed step (a compile there would show as a bubble of seconds)."""
+        """Compile every function a rank may call, on zeros, so nothing compiles inside a timed step."""
         for s in self._params:
             zeros = tuple(jnp.zeros_like(p) for p in self._params[s])
             outs = [adamw_step(self._params[s], self._states[s], zeros, self.config)]
@@ -206,9 +181,8 @@ class StageOptimizer:
         self._pending[rank] = {"grads": grads, "stepped": finite, "partial": math.sqrt(sq), "k": k}
 
     def validate(self, rank: int, k: int, channel) -> bool:
-        """Check step ``k``'s speculative step of ``rank`` against the full reduction; roll back
-        and redo it when it was wrong. Returns whether any rank's step was wrong (then every
-        rank's speculative warm-up of step k+1 must be redone; the same answer on every rank)."""
+        """Check ``rank``'s speculative step ``k`` against the full reduction, rolling back and redoing
+        it if wrong. Returns whether any rank's was (then every rank redoes its warm-up of step k+1)."""
         if self.policy != "post-validation":
             return False
         pending = self._pending.pop(rank)
@@ -256,12 +230,8 @@ class StageOptimizer:
 def guarded_run(executor, params, batches: Sequence[tuple[Any, Any]], policy: str,
                 max_norm: float | None = None, config: AdamWConfig = AdamWConfig(), gradient_filter=None,
                 speculative: bool = True):
-    """Train ``len(batches)`` steps with the optimizer inside the rank threads.
-
-    Returns ``(results, optimizer)``: the executor's per-step
-    :class:`~zbpp_lite.runtime.executor.StepResult` list and the :class:`StageOptimizer` (its
-    ``params()`` and ``reports``). Raises as :class:`StageOptimizer` and
-    :meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps`.
-    """
+    """Train ``len(batches)`` steps with the optimizer inside the rank threads; returns the per-step
+    :class:`~zbpp_lite.runtime.executor.StepResult` list and the :class:`StageOptimizer`. Raises as
+    :class:`StageOptimizer` and ``PipelineExecutor.run_steps``."""
     optimizer = StageOptimizer(executor, params, config, policy, max_norm, gradient_filter, speculative)
     return executor.run_steps(params, batches, optimizer), optimizer
