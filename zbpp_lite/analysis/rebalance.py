@@ -1,13 +1,10 @@
 """Rebalance: the layer-to-stage partition that evens the per-stage costs (pure Python).
 
-A model is a list of parts ``[first, *blocks, last]`` (the embedding, the Transformer blocks, the
-head with the loss); stage s holds a contiguous run of parts, the first part always on stage 0 and
-the last on the last stage (:func:`zbpp_lite.runtime.stages.stage_parts`). A rank's busy time per step is
-m * (T_F + T_B + T_W) of its stage, so the longest stage sets the pace of the whole pipeline
-(Qi et al., arXiv 2401.10241, section 3: the makespan is at least the busiest rank's work).
-:func:`best_partition` picks, by dynamic programming over the contiguous splits, the partition
-whose largest per-stage cost is the smallest possible, from per-part costs that were timed
-(:func:`zbpp_lite.analysis.profiling.parts.profile_parts`) or derived from a measured run (:func:`calibrate`).
+A model is a list of parts ``[embedding, *blocks, head]``; stage s holds a contiguous run, the first
+part on stage 0 and the last on the last stage (:func:`zbpp_lite.runtime.stages.stage_parts`). A rank is
+busy m * (T_F + T_B + T_W) of its stage per step, so the longest stage sets the pace (Qi et al., arXiv
+2401.10241, section 3). :func:`best_partition` minimises the largest stage from per-part costs timed
+(:func:`zbpp_lite.analysis.profiling.parts.profile_parts`) or derived from a run (:func:`calibrate`).
 """
 
 from __future__ import annotations
@@ -24,8 +21,7 @@ Parts = tuple[tuple[int, ...], ...]
 
 @dataclass(frozen=True)
 class PartCosts:
-    """T_F, T_B, T_W of every model part on one microbatch (seconds when timed), one value per part
-    in model order (part 0 the first module, the last one the head with the loss).
+    """T_F, T_B, T_W of every model part on one microbatch (seconds when timed), in model order.
 
     Raises:
         ValueError: fields of different lengths, no part, or a negative value.
@@ -70,8 +66,7 @@ class PartCosts:
 
 
 def check_parts(parts: Sequence[Sequence[int]], num_parts: int, num_stages: int | None = None) -> Parts:
-    """The partition as a tuple of tuples, checked: every part 0 .. num_parts-1 exactly once, in
-    order, no empty stage.
+    """The partition as a tuple of tuples: every part 0 .. num_parts-1 once, in order, no empty stage.
 
     Raises:
         ValueError: a wrong stage count, an empty stage, or parts missing, repeated or out of order.
@@ -95,13 +90,9 @@ def partition_cost(totals: Sequence[float], parts: Sequence[Sequence[int]]) -> f
 
 
 def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_blocks: int = 1) -> Parts:
-    """The contiguous partition of the parts into ``num_stages`` stages with the smallest largest
-    per-stage cost (T_F + T_B + T_W); the first part stays on stage 0, the last on the last stage.
-
-    Exact: dynamic programming over the cut positions, O(S * N^2) for N parts and S stages; among
-    equally good partitions, the one with the earliest cuts. ``costs``: :class:`PartCosts` or
-    per-part totals; every stage holds at least ``min_blocks`` of the middle parts (the blocks), so
-    the first and last stage are never the embedding or the head alone.
+    """The contiguous partition into ``num_stages`` stages with the smallest largest T_F + T_B + T_W,
+    exact by dynamic programming, O(S * N^2); ties go to the earliest cuts. ``costs``: :class:`PartCosts`
+    or per-part totals; every stage holds at least ``min_blocks`` blocks.
 
     Raises:
         ValueError: S < 1, fewer than two parts when S > 1, or too few blocks for ``min_blocks``
@@ -150,16 +141,10 @@ def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_bloc
 
 def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs,
               per_stage: bool = False) -> PartCosts:
-    """Scale per-part costs to a measured run's stage costs.
-
-    Parts timed alone (``costs``, or an equal guess) give the ratio between parts but not what a
-    run adds (dispatch, ranks sharing cores); the run (``measured``, per stage, with partition
-    ``parts``; e.g. :meth:`.profiling.timelines.CostProfile.costs`) has the right totals but not the
-    split among a stage's parts. For each kind (F, B, W), ``per_stage=False`` scales all parts by
-    one factor (measured total / parts' total), keeping the profile's ratios, which decide where a
-    part goes; ``per_stage=True`` one factor per stage, so each stage's parts add up to its measured
-    cost: with ``costs`` equal within a stage (e.g. :meth:`PartCosts.from_totals` of ones) this
-    derives per-part costs from a run alone, its noise included.
+    """Scale per-part costs (timed alone: right ratios, not what a run adds) to a run's per-stage
+    ``measured`` costs with partition ``parts`` (right totals, no split). Per kind (F, B, W):
+    ``per_stage=False`` one factor for all parts, keeping the ratios; ``per_stage=True`` one per stage,
+    so each stage's parts add up to its measured cost (with equal ``costs``: per-part costs from a run).
 
     Raises:
         ValueError: a partition that does not fit ``costs``, or costs for another stage count.
@@ -180,11 +165,9 @@ def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs,
 
 def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]],
                 measured: Costs) -> Costs:
-    """Per-stage costs predicted for partition ``new`` from a run measured with partition ``old``:
-    each stage's measured costs, minus the parts that leave it, plus the parts that arrive
-    (per kind, with the per-part ``costs``, e.g. calibrated). What the measured run says about a
-    stage beyond its parts (a per-action overhead, a rank that shares a core) stays with the stage.
-    T_comm is the measured one. Values are floored at 0.
+    """Per-stage costs predicted for partition ``new`` from a run measured with ``old``: each stage's
+    measured costs minus the parts that leave, plus those that arrive (per-part ``costs``), floored
+    at 0; a stage's overhead beyond its parts stays with it; T_comm is the measured one.
 
     Raises:
         ValueError: partitions that do not fit ``costs`` or differ in stage count, or measured
@@ -208,10 +191,8 @@ def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Se
 
 
 def imbalanced_parts(num_blocks: int, num_stages: int, factor: float) -> Parts:
-    """A deliberately uneven partition (a slow last stage for :func:`best_partition` to fix): of N
-    blocks over S stages, each of the first S-1 holds k = max(1, round(N / (S-1+factor))) and the
-    last stage the rest (the first part with stage 0, the last with the last stage); ``factor`` 1
-    gives :func:`zbpp_lite.runtime.stages.stage_parts`'s even split.
+    """An uneven partition (a slow last stage): of N blocks, each of the first S-1 stages holds
+    max(1, round(N / (S-1+factor))), the last the rest; ``factor`` 1 gives the even split.
 
     Raises:
         ValueError: factor < 1, S < 2 with factor > 1, or too few blocks for at least one block per

@@ -1,16 +1,11 @@
 """Per-stage action costs profiled from one or several timelines, measured or simulated (pure Python).
 
-From the events of a run: T_F, T_B, T_W of every stage (mean and spread over all its events) and
-T_comm, the point-to-point transfer time (Qi et al., arXiv 2401.10241, section 2.1 and table 1).
-Transfers are not events of their own (the executor sends asynchronously), so T_comm is read off
-the slack they leave: where a rank sat idle until an input from another rank arrived, the time
-from the producer's end to the consumer's start is the transfer (plus, on a real machine, the
-consumer's dispatch latency). On a simulated timeline that slack is exactly the T_comm simulated.
-
-The profile feeds the re-planner (:mod:`zbpp_lite.analysis.replan`) and the bubble attribution
-(:mod:`zbpp_lite.analysis.attribute`); :func:`measured_costs` gives the same measurements as the
-:class:`~zbpp_lite.schedules.costs.Costs` a schedule is planned from, with the fused backward's own T_BW.
-Importing this module does not import JAX.
+T_F, T_B, T_W per stage (mean and spread) and T_comm (Qi et al., arXiv 2401.10241, section 2.1, table
+1). Transfers are no events (sends are asynchronous), so T_comm is read off the slack: where a rank
+idled until another rank's output arrived, producer end to consumer start (plus dispatch latency when
+measured; exactly T_comm when simulated). Feeds :mod:`zbpp_lite.analysis.replan` and
+:mod:`zbpp_lite.analysis.attribute`; :func:`measured_costs` gives planner
+:class:`~zbpp_lite.schedules.costs.Costs` with T_BW. Does not import JAX.
 """
 
 from __future__ import annotations
@@ -32,9 +27,8 @@ COMPILE_STEPS = 1
 
 
 def timed_steps(steps: Sequence[T], skip: int = COMPILE_STEPS) -> list[T]:
-    """The one rule for which steps of a run are timed: every step after the first ``skip``
-    (which compile), or every step when there are no others (a run too short to leave one out).
-    ``steps`` is any per-step sequence: step seconds, timelines, records."""
+    """The one rule for timed steps: those after the first ``skip`` (which compile), or all when no
+    other is left. ``steps``: any per-step sequence."""
     steps = list(steps)
     return steps[skip:] or steps
 
@@ -58,11 +52,9 @@ class Transfer:
 class CostProfile:
     """Per-stage action costs of ``num_timelines`` pooled timelines, with their spread.
 
-    ``f``, ``b``, ``w``: mean T_F, T_B, T_W per stage (the timeline's unit, seconds when measured);
-    for a stage that only ran fused BW (``fused``), ``b`` is the mean BW time and ``w`` 0 (the sum is
-    right, the split unknown). ``*_std``: standard deviations (0 for one event); ``counts``: per
-    stage, the (F, B or BW, W) events behind the means. ``comm``: T_comm, the mean slack of
-    :func:`transfers` (0 when no rank ever waited on another's output), of ``comm_count`` waits.
+    ``f``, ``b``, ``w``: mean T_F, T_B, T_W per stage (seconds when measured; a ``fused`` stage: ``b``
+    the BW time, ``w`` 0); ``*_std``: standard deviations; ``counts``: (F, B or BW, W) events per stage;
+    ``comm``: mean slack of :func:`transfers` over ``comm_count`` waits (0 when none).
     """
 
     f: tuple[float, ...]
@@ -88,13 +80,12 @@ class CostProfile:
         return tuple(f + b + w for f, b, w in zip(self.f, self.b, self.w))
 
     def costs(self, comm: bool = True) -> Costs:
-        """The means as :class:`~zbpp_lite.schedules.costs.Costs` (memory fields left at their defaults:
-        M_B = 1, M_W = 0, in units of one stage's activations). ``comm=False`` leaves T_comm 0."""
+        """The means as :class:`~zbpp_lite.schedules.costs.Costs` (default memory fields; ``comm=False``:
+        T_comm 0)."""
         return Costs(f=self.f, b=self.b, w=self.w, comm=self.comm if comm else 0.0)
 
     def table(self, unit: str = "ms", scale: float = 1e3) -> str:
-        """A text table: one row per stage, mean +- standard deviation of T_F, T_B, T_W, and T_comm
-        below (times multiplied by ``scale`` and labelled ``unit``; default seconds -> ms)."""
+        """A text table: mean +- std per stage and T_comm (times * ``scale``, labelled ``unit``)."""
         head = f"{'stage':>5}  {'T_F':>17}  {'T_B':>17}  {'T_W':>17}  {'F+B+W':>9}"
         lines = [f"costs in {unit} (mean +- std over {self.num_timelines} timeline(s))", head]
         for s in range(self.num_stages):
@@ -141,10 +132,9 @@ def producers(timeline: Timeline) -> dict[Key, Event]:
 
 
 def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: float = 1e-9) -> list[Transfer]:
-    """Every wait on another rank's output: an event whose rank was idle when that output's
-    producer ended, and which started only afterwards (more than ``tolerance`` later), the awaited
-    input being the last of its inputs to be produced. ``slack`` is then the transfer time (plus
-    dispatch latency when measured). ``num_stages``: S (default: one more than the largest seen).
+    """Every wait on another rank's output: an event whose rank idled when its last-produced input's
+    producer ended and that started more than ``tolerance`` later. ``num_stages``: default the largest
+    seen + 1.
 
     Raises:
         ValueError: an event whose input has no producing event in the timeline.
@@ -173,16 +163,12 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
 
 
 def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = None) -> CostProfile:
-    """Per-stage T_F, T_B, T_W (mean and standard deviation) and T_comm of one or several timelines.
-
-    Durations of all given timelines (e.g. every step of a run, all of one pipeline) are pooled,
-    so several steps give steadier means; a :class:`CostProfile` in their unit. ``num_stages``: S
-    (default: one more than the largest stage seen).
+    """A :class:`CostProfile` of the pooled durations of one or several timelines (one pipeline's).
+    ``num_stages``: default the largest seen + 1.
 
     Raises:
-        ValueError: no timeline or no event, a stage without an F event, a stage without B or BW
-            events, or a stage with B but no W events (a partial timeline); the message names the
-            stage and the missing kind.
+        ValueError: no timeline or event, a stage without F, without B or BW, or with B but no W (the
+            message names the stage and the kind).
     """
     timelines = [timelines] if isinstance(timelines, Timeline) else list(timelines)
     if not timelines or not any(t.events for t in timelines):
@@ -230,17 +216,12 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
 def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -> Costs:
     """Mean measured action times per stage as :class:`~zbpp_lite.schedules.costs.Costs` (seconds).
 
-    ``timeline``: one or several (e.g. a zero-bubble run's with B and W and a 1F1B run's with BW:
-    pooled). T_F, T_B, T_W, T_BW are the mean durations of that stage's F, B, W, BW events; a stage
-    that ran only BW gets T_B = T_BW and T_W = 0, one that ran no BW T_BW = T_B + T_W. T_comm is the
-    mean wait on another rank's output (:func:`transfers`: the transfer plus the consumer's
-    wake-up), 0 when no rank waited on another (or the producers are missing, e.g. one process's
-    ranks only); on a simulated timeline it is the simulated T_comm.
+    ``timeline``: one or several, pooled (e.g. a zero-bubble and a 1F1B run). Only BW: T_B = T_BW,
+    T_W = 0; no BW: T_BW = T_B + T_W. T_comm: mean wait of :func:`transfers` (0 when none).
 
     Raises:
-        ValueError: no timeline, ``num_stages`` below 1, a timeline whose stages are not
-            0..num_stages-1 (timelines of different cuts pooled, or the wrong count), a stage
-            with no F event, or none of B / BW.
+        ValueError: no timeline, ``num_stages`` < 1, stages other than 0..num_stages-1, a stage with no F,
+            or none of B / BW.
     """
     timelines = [timeline] if isinstance(timeline, Timeline) else list(timeline)
     if not timelines or not all(isinstance(t, Timeline) for t in timelines):
