@@ -1,29 +1,20 @@
 """Where the bubbles come from: every idle gap of a timeline, attributed to a cause (pure Python).
 
-A rank idles because the next action in its list waits for an input (:func:`zbpp_lite.schedules.ir.deps`).
-For each idle stretch this module asks what the rank was waiting for, and why that came late:
+A rank idles while its next action waits for an input (:func:`zbpp_lite.schedules.ir.deps`). Causes,
+checked in this order (Qi et al., arXiv 2401.10241, sections 2-3):
 
-- ``warm-up``: before the rank's first action, or while it has not yet run a backward (the
-  pipeline is filling: paper section 2, figure 2, the bubbles before the first B);
-- ``cool-down``: the rank has no F left and waits for the backward of the last microbatches,
-  or has finished while other ranks still work (the bubbles after the last F);
-- ``imbalance``: in the steady state, waiting on a chain of dependencies whose origin is a stage
-  slower than the mean by more than a margin (that stage is named);
-- ``communication``: the input had been computed, but its transfer from another rank took the time;
-- ``no W to fill``: in the steady state, waiting, with no W work pending on the rank that could
-  fill the gap (1F1B-like order: W ran right after its B, there is no split W at all, or T_W = 0);
-- ``W held back``: in the steady state, waiting while a W was pending: the schedule chose not to
-  fill the gap (e.g. to keep memory, or because filling would delay the critical path);
-- ``overhead``: the input was there and nothing was awaited (a measured run's dispatch latency).
+- ``warm-up``: before the rank's first action or its first backward (the pipeline filling);
+- ``cool-down``: no F left, waiting for the last backwards, or done while others work;
+- ``imbalance``: steady state, waiting on a chain whose origin (followed back to an action that ran as
+  soon as its rank was free) is a stage slower than the mean by more than a margin;
+- ``communication``: the input was computed, its transfer took the time;
+- ``no W to fill``: steady state, no W pending on the rank (1F1B-like order, no split W, T_W = 0);
+- ``W held back``: steady state, a W pending that the schedule chose not to run;
+- ``overhead``: the input was there (a measured run's dispatch latency).
 
-"Origin" follows the chain of waits back to an action that ran as soon as its rank was free: that
-rank was the busy one, so its stage is blamed (``IdleGap.stage``). Causes are checked in the order
-listed, the structural ones first: a pipeline with equal stages has those too. Source: Qi et al.,
-arXiv 2401.10241, sections 2-3 (warm-up and cool-down bubbles, filling bubbles with W).
-
-The gaps inside each rank's span are exactly :attr:`Timeline.idle_gaps` (per rank they add up to
-:attr:`Timeline.bubble_time`); ``edge`` gaps are the stretches before a rank's first action and
-after its last one, up to the first start and last end over all ranks.
+Gaps inside each rank's span are :attr:`Timeline.idle_gaps` (summing to :attr:`Timeline.bubble_time`);
+``edge`` gaps lie before a rank's first and after its last action, up to the step's first start and
+last end.
 """
 
 from __future__ import annotations
@@ -43,14 +34,9 @@ CAUSES = ("warm-up", "cool-down", "imbalance", "communication", "no W to fill", 
 
 @dataclass(frozen=True)
 class IdleGap:
-    """One idle stretch ``start`` .. ``end`` (the timeline's unit) of ``rank``, with its ``cause``
-    (one of :data:`CAUSES`).
-
-    ``stage`` is the stage blamed: the origin of the chain of waits, the sending stage
-    (``communication``), the stage that ends the step last (a rank's final idle stretch); None for
-    ``overhead``. ``before`` is the action run at the end of the stretch (None after the rank's
-    last one); ``edge`` marks the stretches outside the rank's span (not in its bubble rate).
-    """
+    """One idle stretch ``start`` .. ``end`` of ``rank`` with its ``cause`` (one of :data:`CAUSES`).
+    ``stage``: the stage blamed (the chain's origin, the sender, or the stage ending the step last; None
+    for ``overhead``); ``before``: the action ending the stretch (or None); ``edge``: outside the span."""
 
     rank: int
     start: float
@@ -67,14 +53,10 @@ class IdleGap:
 
 @dataclass(frozen=True)
 class Attribution:
-    """Every idle stretch of a timeline with its cause, and the totals.
-
-    ``gaps`` by rank then time; ``stage_time`` the per-stage T_F + T_B + T_W the ``slow_stages``
-    (above the mean by more than the margin) were found with; ``comm`` the T_comm that tells a
-    transfer from dispatch overhead; ``bubble_time`` per rank the idle time inside its span;
-    ``source`` "measured" or "simulated". Every ``edges=False`` below counts only the stretches
-    inside the ranks' spans.
-    """
+    """Every idle stretch of a timeline with its cause (``gaps`` by rank then time), and the totals.
+    ``stage_time``: the T_F + T_B + T_W that found ``slow_stages``; ``comm``: T_comm telling a transfer
+    from overhead; ``bubble_time``: per rank, inside its span; ``source``: "measured" or "simulated";
+    ``edges=False`` below counts only stretches inside the spans."""
 
     gaps: tuple[IdleGap, ...]
     num_ranks: int
@@ -112,9 +94,8 @@ class Attribution:
         return sum(self.by_cause(edges).values())
 
     def table(self, scale: float | None = None, unit: str | None = None) -> str:
-        """A text report: idle time per rank and per stage blamed, by cause, and the slow stages;
-        times multiplied by ``scale`` and labelled ``unit`` (default: ms for measured timelines,
-        the costs' unit for simulated ones)."""
+        """A text report: idle time per rank and per stage blamed, by cause, and the slow stages (times
+        * ``scale``, labelled ``unit``; default ms when measured)."""
         if scale is None:
             scale, unit = (1e3, "ms") if self.source == "measured" else (1.0, unit or "time units")
         unit = unit or ""
@@ -250,13 +231,9 @@ def _rank_gaps(r: int, timeline: Timeline, waits: _Waits, slow: tuple[int, ...],
 
 def attribute(timeline: Timeline, schedule: Schedule, costs: Costs | None = None, margin: float = 0.1,
               tolerance: float = 1e-9) -> Attribution:
-    """Attribute every idle stretch of ``timeline`` (a whole step of ``schedule``, measured or
-    simulated) to a cause (see the module docstring).
-
-    ``costs`` judge the stages (per-stage T_F + T_B + T_W, and T_comm); default: profiled from the
-    timeline itself (:func:`zbpp_lite.analysis.profiling.timelines.profile`). A stage is slow when
-    its T_F + T_B + T_W exceeds the mean over stages by more than ``margin`` (0.1: 10%). Times
-    closer than ``tolerance`` (the timeline's unit) count as equal.
+    """Attribute every idle stretch of ``timeline`` (one step of ``schedule``) to a cause (module docstring).
+    ``costs``: default profiled from the timeline; a stage is slow above the mean T_F + T_B + T_W by
+    ``margin`` (0.1: 10%); times closer than ``tolerance`` count as equal.
 
     Raises:
         ValueError: a timeline that does not hold exactly the schedule's actions on each rank, or

@@ -1,27 +1,13 @@
 """Optimizer post-validation: gradient clipping and NaN checks without a global barrier.
 
-Qi et al., arXiv 2401.10241, section 4. Clipping by the global gradient norm and skipping a step
-on NaN/Inf need a reduction over every stage before any stage steps: every rank waits for the
-last (ZB-H2's parallelogram becomes a trapezoid again,
-:attr:`~zbpp_lite.schedules.timeline.Timeline.sync_bubble`). Post-validation removes the wait:
-
-1. rank r adds its stages' squared norm and NaN flag to the partial reduction from rank r-1,
-   passes it on and steps at once, speculatively (unclipped; skipped on a partial NaN);
-2. the full reduction comes back from the last rank (during the next iteration's warm-up);
-3. a rank whose speculative step was wrong (clipping needed, or a NaN on a later rank) rolls its
-   parameters and AdamW state back in place (:mod:`~zbpp_lite.training.postval.rollback`) and
-   redoes the step before the next iteration's first F uses them.
-
-The result equals the synchronous step (:func:`synchronous_step`: Optax ``clip_by_global_norm``
-plus skip-on-NaN) within the rollback's float32 bound, a few ulps of the *speculative* moments
-(:func:`~zbpp_lite.training.postval.rollback.rollback_error_bound`); the redo's gradients are
-scaled by 1/k, k = norm / max_norm, so the recovered second moment is off by about 4 u32 k^2
-relative and the parameters by lr * 2 u32 k^2 (u32 = 2^-24). Measured (tests/test_postval.py,
-lr 1e-2): k ~ 3 leaves the parameters within 1e-5 of the synchronous run's (relative to each
-tensor's largest entry), k ~ 33 within 1e-4.
-
-Parameters and optimizer states are lists, one entry per stage; ``placement[stage]`` is its rank;
-ranks are visited 0 .. p-1 (the order the partial reduction travels).
+Qi et al., arXiv 2401.10241, section 4; the algorithm is described in
+:mod:`~zbpp_lite.training.postval.optimizer`, here as reference functions over all stages at once.
+The result equals :func:`synchronous_step` (Optax ``clip_by_global_norm`` plus skip-on-NaN) within the
+rollback's float32 bound (:func:`~zbpp_lite.training.postval.rollback.rollback_error_bound`): with
+k = norm / max_norm the second moment is off by about 4 u32 k^2 relative, the parameters by
+lr * 2 u32 k^2 (u32 = 2^-24); measured (tests/test_postval.py, lr 1e-2), k ~ 3: within 1e-5 of the
+synchronous run's (relative to each tensor's largest entry), k ~ 33: within 1e-4.
+Parameters and states are lists, one entry per stage; ``placement[stage]`` is its rank.
 """
 
 from __future__ import annotations
@@ -40,15 +26,8 @@ from .rollback import AdamWConfig, adamw_rollback
 
 @dataclass
 class StepReport:
-    """What one guarded optimizer step found and did.
-
-    Attributes:
-        global_norm: the global gradient norm over every stage (float; nan if any entry is).
-        finite: False when some gradient entry was NaN or Inf (the step was skipped).
-        clipped: whether the gradients were scaled to ``max_norm``.
-        rolled_back: ranks whose speculative step was undone and redone (post-validation only).
-        partial_norms: per rank, the partially reduced norm it stepped on (post-validation only).
-    """
+    """One guarded optimizer step: ``global_norm`` (nan if any entry is), ``finite`` (False: skipped),
+    ``clipped``; post-validation only: ``rolled_back`` ranks and each rank's ``partial_norms``."""
 
     global_norm: float
     finite: bool
@@ -58,8 +37,7 @@ class StepReport:
 
 
 def _sumsq(tree: Any) -> float:
-    """One stage's share of the squared global norm, as a host float (what a rank sends on: the
-    stages live on different devices)."""
+    """One stage's share of the squared global norm, as a host float."""
     leaves = jax.tree_util.tree_leaves(tree)
     return float(sum(float(jnp.sum(jnp.square(x.astype(jnp.float32)))) for x in leaves))
 
@@ -85,8 +63,8 @@ def synchronous_step(
     config: AdamWConfig,
     max_norm: float,
 ) -> tuple[list, list, StepReport]:
-    """The synchronous baseline: reduce the global norm and NaN flag over every stage, skip the
-    step on NaN/Inf, else clip (Optax ``clip_by_global_norm`` semantics) and step every stage.
+    """The synchronous baseline: global norm and NaN flag over every stage, skip on NaN/Inf, else clip
+    (Optax ``clip_by_global_norm``) and step every stage.
 
     Raises:
         ValueError: ``max_norm`` not positive, or lists of different lengths.
@@ -113,11 +91,8 @@ def post_validated_step(
     max_norm: float,
     placement: Sequence[int],
 ) -> tuple[list, list, StepReport]:
-    """Post-validation (module docstring): speculative per-rank steps on partial reductions,
-    then validation against the full reduction, rolling back and redoing wrong steps in place.
-
-    Returns the same as :func:`synchronous_step`, equal to it within the rollback bound of
-    :func:`zbpp_lite.training.postval.rollback.rollback_error_bound`.
+    """Post-validation: speculative per-rank steps on partial reductions (ranks 0 .. p-1), validated
+    against the full reduction, wrong steps rolled back and redone; returns as :func:`synchronous_step`.
 
     Raises:
         ValueError: ``max_norm`` not positive, lists of different lengths, or a placement that
@@ -173,12 +148,9 @@ def step_makespans(timeline, optimizer_seconds: Sequence[float],
                    reduce_seconds: float = 0.0) -> dict[str, float]:
     """Makespan of one training step with the optimizer step included, both ways.
 
-    ``timeline`` is one step's (measured or simulated) timeline; ``optimizer_seconds[r]`` the
-    time rank r's optimizer step takes (same unit). Synchronous: every rank waits for the last
-    rank's last action plus the global reduction (``reduce_seconds``) before it steps.
-    Post-validation: each rank steps as soon as its own last action ends (the partial reduction
-    rides along with the pipeline's own traffic). Spans count from each rank's first F, as the
-    makespan does.
+    ``optimizer_seconds[r]``: rank r's optimizer step (the timeline's unit). Synchronous: every rank
+    waits for the last action plus ``reduce_seconds``; post-validation: each steps after its own last
+    action. Spans count from each rank's first F.
 
     Returns:
         {"synchronous": ..., "post_validation": ...}.
