@@ -1,13 +1,9 @@
 """Is a measured gain real? Paired step-by-step ratios and a distribution-free interval (pure Python).
 
-Two plans that take turns step by step (step k of each on batch k, one right after the other)
-meet the machine's drift alike, so the ratio of their step k makespans cancels most of it. Over
-n such steps, :func:`paired_gain` gives the median ratio and a distribution-free confidence
-interval for it, from order statistics (the sign-test interval: the k-th smallest and k-th
-largest ratio, k from the binomial(n, 1/2) distribution, no assumption about the noise's shape).
-A gain counts when the whole interval lies below 1; a plan run against an identical copy of
-itself in the same run (an A/A control) shows how far apart two identical plans measure: the
-run-to-run noise.
+Two plans taking turns step by step meet the machine's drift alike, so the ratio of their step-k
+makespans cancels most of it. :func:`paired_gain` gives the median ratio with a sign-test interval
+(order statistics, no assumption on the noise's shape). A gain counts when the whole interval lies
+below 1; an A/A control (the same plan twice) measures the run's noise.
 """
 
 from __future__ import annotations
@@ -19,11 +15,9 @@ from typing import Sequence
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """A distribution-free confidence interval for the median of ``values``: ``(low, high,
-    coverage)``, the k-th smallest and k-th largest value for the largest k whose interval covers
-    the median with probability at least ``confidence`` (2 * P[Binomial(n, 1/2) < k] <= 1 -
-    confidence), and that probability. Fewer than 6 values cannot reach 95%: then k = 1 (the
-    smallest and largest value) and ``coverage`` says what they give.
+    """``(low, high, coverage)`` for the median of ``values``: the k-th smallest and largest, k the
+    largest with 2 * P[Binomial(n, 1/2) < k] <= 1 - confidence. Fewer than 6 values cannot reach 95%:
+    then k = 1 and ``coverage`` says what they give.
 
     Raises:
         ValueError: no values, a value that is not finite, or ``confidence`` outside (0, 1).
@@ -46,10 +40,8 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[
 
 @dataclass(frozen=True)
 class PairedGain:
-    """``after`` against ``before``, step by step: ``ratios`` after_k / before_k, ``ratio`` their
-    median, ``low`` .. ``high`` its distribution-free interval (:func:`median_interval`) with the
-    probability ``coverage`` of holding the true median ratio; ``confidence`` the coverage asked for
-    (fewer than 6 steps cannot reach 95%, and then no difference counts)."""
+    """``after`` vs ``before`` step by step: ``ratios`` after_k / before_k, ``ratio`` their median,
+    ``low`` .. ``high`` its :func:`median_interval` with ``coverage``; ``confidence`` the one asked."""
 
     ratios: tuple[float, ...]
     ratio: float
@@ -65,8 +57,7 @@ class PairedGain:
 
     @property
     def faster(self) -> bool:
-        """The whole interval lies below 1 (and it reaches the confidence asked for): ``after`` is
-        faster beyond this run's noise."""
+        """The whole interval lies below 1 at the confidence asked for."""
         return self.high < 1.0 and self.coverage >= self.confidence
 
     @property
@@ -76,8 +67,7 @@ class PairedGain:
 
     @property
     def deviation(self) -> float:
-        """The farthest an end of the interval lies from 1 (for an A/A control: how far apart two
-        identical plans can measure in this run)."""
+        """The farthest an end of the interval lies from 1 (for an A/A control: the run's noise)."""
         return max(abs(1.0 - self.low), abs(self.high - 1.0))
 
     def text(self) -> str:
@@ -109,7 +99,6 @@ def paired_gain(before: Sequence[float], after: Sequence[float], confidence: flo
 
 
 def beats_noise(candidate: PairedGain, control: PairedGain | None = None) -> bool:
-    """Whether ``candidate`` is faster beyond the run's noise: its whole interval lies below 1,
-    and, with an A/A ``control`` (the same plan measured twice in the same run), its gain also
-    exceeds how far apart the identical plans measured (:attr:`PairedGain.deviation`)."""
+    """``candidate`` is :attr:`~PairedGain.faster` and, with an A/A ``control``, gains more than its
+    :attr:`~PairedGain.deviation`."""
     return candidate.faster and (control is None or candidate.gain > control.deviation)

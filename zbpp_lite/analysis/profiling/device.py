@@ -1,15 +1,9 @@
 """Per-stage T_F, T_B, T_W timed on one device: the pipeline of a machine with too few accelerators.
 
-A single-chip TPU or GPU runtime cannot run a p-rank pipeline, but it can time what each rank
-would do. :func:`profile_stage_costs` runs every stage's F, B and W (Qi et al., "Zero Bubble
-Pipeline Parallelism", arXiv 2401.10241, section 2: B the input gradient, W the weight gradient)
-on that one device, with the very jitted functions the executor runs
-(:attr:`zbpp_lite.runtime.split.StageSplit.flat`), called as the executor calls them (an earlier output's
-memory handed back for F's and B's outputs, W adding into a running sum). The simulator then draws
-the pipeline from those costs: :func:`simulate_profiled`. What that leaves out: transfers between
-ranks (one device has no link to time, so T_comm = 0) and the executor's per-action overhead.
-
-Importing this module imports JAX.
+:func:`profile_stage_costs` times every stage's F, B and W (Qi et al., arXiv 2401.10241, section 2) on
+one device with the executor's own jitted functions (:attr:`zbpp_lite.runtime.split.StageSplit.flat`),
+called as the executor calls them; :func:`simulate_profiled` draws the pipeline from those costs,
+leaving out transfers (T_comm = 0) and the executor's per-action overhead. Imports JAX.
 """
 
 from __future__ import annotations
@@ -31,24 +25,17 @@ from ...schedules.timeline import Timeline
 
 
 def timed(fn, *args) -> tuple[float, Any]:
-    """``(seconds, fn(*args))``: the wall time of one call until its outputs are ready
-    (``jax.block_until_ready``), the package's one way of timing a call on a device."""
+    """``(seconds, fn(*args))``: one call's wall time until its outputs are ready (the one timer)."""
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     return time.perf_counter() - start, out
 
 
 def stage_memory_bytes(model: StagedModel, x: Any, labels: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(mem_b, mem_w)``: M_B and M_W of every stage of ``model``, two tuples of
-    ``model.num_stages`` integers, bytes, for one microbatch ``x`` (b, ...) with labels (b,) (arrays
-    or ``jax.ShapeDtypeStruct``).
-
-    M_B: what F keeps (B's residuals and W's operands); M_W: what waits from B until W (W's
-    operands and the output gradients B keeps): the bytes the executor's recorder counts for the
-    same arrays (:mod:`zbpp_lite.runtime.memory`), from shapes and dtypes only (``jax.eval_shape``:
-    nothing runs), so a planner can use them before the first step. Source: Qi et al., arXiv
-    2401.10241, section 2.3, table 1.
-    """
+    """``(mem_b, mem_w)``: per-stage bytes (tuples of ints) for one microbatch ``x`` (b, ...), labels
+    (b,) (arrays or ``jax.ShapeDtypeStruct``), from shapes only (nothing runs). M_B: what F keeps;
+    M_W: what waits from B until W; as :mod:`zbpp_lite.runtime.memory` counts them. Source: Qi et al.,
+    arXiv 2401.10241, section 2.3, table 1."""
     shapes = model.stage_inputs(np.asarray(x) if not isinstance(x, jax.ShapeDtypeStruct) else x)
     mem_b, mem_w = [], []
     for s in range(model.num_stages):
@@ -64,22 +51,13 @@ def stage_memory_bytes(model: StagedModel, x: Any, labels: Any) -> tuple[tuple[i
 
 def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = None, repeats: int = 7,
                         fused: bool = False) -> Costs:
-    """Median T_F, T_B, T_W (and, with ``fused``, T_BW) of every stage of ``model`` on one
-    microbatch, on one device.
+    """Median T_F, T_B, T_W (with ``fused`` also T_BW) of every stage on one microbatch, one device.
 
-    Each stage runs on the previous stage's real output (stage 0 on ``x``; the last stage also
-    takes ``labels`` and returns the loss). Every F, B, W is first called untimed (compilation,
-    both with and without a spare output buffer / running sum, as the executor calls them), then
-    ``repeats`` times each, round-robin over the stages so that a slow spell of a shared machine
-    hits every stage alike, each call timed with ``time.perf_counter`` around the call and
-    ``jax.block_until_ready`` of its outputs. A fused BW is timed only with ``fused``; otherwise
-    the simulator costs it T_B + T_W, as :class:`~zbpp_lite.schedules.costs.Costs` does.
-
-    ``x``: one microbatch of inputs (b, ...) float32, e.g. (b, 8, 8) digits; ``labels`` (b,)
-    integers; ``device`` default ``jax.devices()[0]``; ``repeats`` timed calls per stage and kind,
-    an integer >= 1. Returns :class:`~zbpp_lite.schedules.costs.Costs`: ``f``, ``b``, ``w`` (and
-    with ``fused`` ``bw``, on a real device often below T_B + T_W) medians in seconds per stage,
-    ``comm`` 0, ``mem_b`` and ``mem_w`` in bytes (:func:`stage_memory_bytes`).
+    Each stage runs on the previous one's real output; after untimed compiling calls, each F, B, W
+    runs ``repeats`` (>= 1) times round-robin over the stages (a slow spell hits all alike). ``x``: (b,
+    ...) float32, ``labels`` (b,) ints, ``device`` default ``jax.devices()[0]``. Returns
+    :class:`~zbpp_lite.schedules.costs.Costs` in seconds per stage, ``comm`` 0, ``mem_b``/``mem_w`` in
+    bytes (:func:`stage_memory_bytes`).
 
     Raises:
         ValueError: ``repeats`` below 1, or inputs and labels of different lengths.
@@ -136,9 +114,8 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
 
 
 def simulate_profiled(schedule: Schedule, costs: Costs) -> Timeline:
-    """The pipeline ``schedule`` would run, simulated (:func:`zbpp_lite.simulate`, section 3's cost
-    model) from :func:`profile_stage_costs`'s costs: a timeline in seconds, ``source``
-    ``"simulated"``; nothing in it ran on ``schedule.num_ranks`` devices; T_comm as ``costs`` says.
+    """``schedule`` simulated (:func:`zbpp_lite.simulate`) from :func:`profile_stage_costs`'s costs: a
+    timeline in seconds, ``source`` ``"simulated"``.
 
     Raises:
         ScheduleError: an invalid schedule.

@@ -1,17 +1,10 @@
 """Time every part of a staged model on its own: per-part T_F, T_B, T_W for the rebalancer (JAX).
 
-Each part (the embedding, every block, the head with the loss) becomes a one-part stage function,
-split into F, B and W by :class:`zbpp_lite.runtime.split.StageSplit` exactly as the executor's stages are
-(Qi et al., arXiv 2401.10241, section 2: B the input gradient, W the weight gradient), jitted and
-run once to compile. Then every part's F, B and W are timed ``repeats`` times, round-robin over the
-parts (so a slow spell of a shared machine hits all parts alike), on one device, on a real
-microbatch, each call followed by ``jax.block_until_ready`` as the executor's measurement does.
-The medians are the per-part costs (seconds). Parts alike (same module structure and shapes)
-share one compiled split.
-
-These times miss what a run adds (a stage pays dispatch once per action, ranks share cores); use
-:func:`zbpp_lite.analysis.rebalance.calibrate` with a measured run to take the time scale from the run and
-the ratios between parts from here.
+Each part becomes a one-part stage split into F, B, W by :class:`zbpp_lite.runtime.split.StageSplit` as
+the executor's stages are (Qi et al., arXiv 2401.10241, section 2), timed round-robin on one device as
+:func:`~zbpp_lite.analysis.profiling.device.profile_stage_costs` times stages; alike parts share one
+compiled split. These times miss what a run adds: :func:`zbpp_lite.analysis.rebalance.calibrate` takes
+the scale from a run and the ratios from here.
 """
 
 from __future__ import annotations
@@ -49,9 +42,8 @@ def _part_split(model: StagedModel, i: int, x: Any, labels: Any) -> StageSplit:
 
 
 def profile_parts(model: StagedModel, x: Any, labels: Any, device: Any = None, repeats: int = 7) -> PartCosts:
-    """Median T_F, T_B, T_W (seconds) of every part of ``model`` (its partition does not matter)
-    on one microbatch ``x`` (b, ...) float32 with ``labels`` (b,) integers, on ``device`` (default:
-    JAX's first), ``repeats`` timed calls per part and kind after one that compiles: a
+    """Median T_F, T_B, T_W (seconds) of every part of ``model`` on one microbatch ``x`` (b, ...)
+    float32, ``labels`` (b,) ints, ``repeats`` timed calls each: a
     :class:`~zbpp_lite.analysis.rebalance.PartCosts` in model order.
 
     Raises:
