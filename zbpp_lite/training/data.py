@@ -1,17 +1,11 @@
 """scikit-learn's bundled handwritten digits as sequences of 8 row tokens, batched as the PyTorch
 benchmark (``shared/peers/torch_pp_bench.py``) batches them.
 
-Each 8x8 image is a sequence of 8 tokens (its rows) of 8 pixel values divided by 16, so in
-[0, 1], float32; labels are int32 in 0..9. 1,797 samples.
-
-Training batches: ``perm = np.random.default_rng(seed).permutation(n)``; step k (from 0) uses
-``perm[(k * batch + arange(batch)) % n]`` over the n training samples, the PyTorch script's rule.
-
-Held-out split (``holdout`` > 0, an option of ours, not the PyTorch job's): the test set is the
-last ``round(holdout * 1797)`` samples of ``np.random.default_rng(seed + 1).permutation(1797)``,
-the training set the other samples in their original order. With ``holdout=0`` every sample
-trains, the batches are exactly the PyTorch script's, and the "test" set is all 1,797 samples
-(the script's final evaluation).
+1,797 images, each 8 row tokens of 8 pixels / 16 (float32 in [0, 1]); labels int32 in 0..9. Step k
+uses ``perm[(k * batch + arange(batch)) % n]``, ``perm = np.random.default_rng(seed).permutation(n)``.
+``holdout`` > 0 (ours): the test set is the last ``round(holdout * 1797)`` of
+``default_rng(seed + 1).permutation(1797)``, training the rest in order; ``holdout=0``: the PyTorch
+script's batches, tested on all samples.
 """
 
 from __future__ import annotations
@@ -39,14 +33,8 @@ def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Digits:
-    """The digits, split into training and test samples.
-
-    Attributes:
-        train_x, train_y: training samples (n, 8, 8) float32 and labels (n,) int32.
-        test_x, test_y: held-out samples, or all samples when ``holdout`` is 0.
-        holdout: fraction held out for testing.
-        seed: seed of the batch order (and, plus one, of the held-out split).
-    """
+    """Training samples ``train_x`` (n, 8, 8) float32, ``train_y`` (n,) int32; ``test_x``, ``test_y``
+    held out (all samples when ``holdout`` is 0); ``seed`` of the batch order (+1: of the split)."""
 
     train_x: np.ndarray
     train_y: np.ndarray

@@ -1,13 +1,6 @@
-"""Typed messages between processes: frozen dataclasses, sent as JSON through
-:mod:`zbpp_lite.runtime.wire` (NumPy arrays as raw bytes beside it) and parsed back by name, never
-unpickled.
-
-A message class names its kind in ``op``; :meth:`Message.to_wire` gives the dict a channel sends
-(``{"op": ..., field: value, ...}``) and :func:`parse` turns a received dict back into the class
-its ``op`` names, refusing unknown kinds and fields (PyTorch's ``_Action(NamedTuple)`` idea: named
-records, not tagged dicts).
-
-Layer: training.
+"""Typed messages between processes: frozen dataclasses sent as JSON through :mod:`zbpp_lite.runtime.wire`
+(arrays as raw bytes), never unpickled. A class names its kind in ``op``; :meth:`Message.to_wire` gives
+``{"op": ..., field: value}`` and :func:`parse` builds the class back, refusing unknown kinds and fields.
 """
 
 from __future__ import annotations

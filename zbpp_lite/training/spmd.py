@@ -1,7 +1,5 @@
-"""Training with the SPMD executor: one compiled program a step, then AdamW on every process.
-
-Layer: training (the loop over :class:`zbpp_lite.runtime.spmd.SpmdExecutor`).
-"""
+"""Training with the SPMD executor (:class:`zbpp_lite.runtime.spmd.SpmdExecutor`): one compiled program
+a step, then AdamW on every process."""
 
 from __future__ import annotations
 
@@ -22,17 +20,9 @@ from .train import StageAdamW, check_step, train_step
 
 @dataclass
 class SpmdTrainResult:
-    """A training run of the compiled SPMD executor (:func:`train_spmd`).
-
-    Attributes:
-        losses: global-batch mean loss of every step (before its update), floats.
-        step_seconds: wall time of every step, the update included (the first compiles).
-        grad_max_rel_error, loss_error: the first step against ``jax.value_and_grad`` of the
-            unpartitioned model (as :class:`zbpp_lite.training.train.TrainResult`'s).
-        lockstep: :func:`zbpp_lite.simulate` with ``lockstep=True`` for the schedule with unit
-            costs: the tick structure the program runs (what lockstep costs, in units of T_F).
-        params: the trained parameters (one pytree per model module, NumPy).
-    """
+    """A :func:`train_spmd` run; fields as :class:`zbpp_lite.training.train.TrainResult`'s, plus
+    ``lockstep``: :func:`zbpp_lite.simulate` with ``lockstep=True`` and unit costs (the program's ticks,
+    in units of T_F); ``params`` as NumPy."""
 
     losses: list
     step_seconds: list
@@ -52,12 +42,9 @@ class SpmdTrainResult:
 def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: Sequence[tuple[Any, Any]],
                lr: float, weight_decay: float = 0.01, devices: Sequence[Any] | None = None,
                on_step=None) -> SpmdTrainResult:
-    """Train any staged model the thread executor trains (its own stages, integer tokens
-    included: :class:`zbpp_lite.runtime.spmd.SpmdExecutor`) with the compiled SPMD executor: each
-    step one run of the program, then AdamW (PyTorch's defaults,
-    :func:`zbpp_lite.training.train.train_step`) on the replicated gradients, the same update
-    on every process. ``devices`` may span processes (a multi-process mesh); every
-    process must call this with the same arguments. ``on_step(k, loss, seconds)`` after every step.
+    """Train any staged model with the SPMD executor: one program run a step, then
+    :func:`zbpp_lite.training.train.train_step`'s AdamW on the replicated gradients on every process.
+    ``devices`` may span processes (all call this alike); ``on_step(k, loss, seconds)``.
 
     Raises:
         ValueError: as :class:`SpmdExecutor` (an unsupported placement, too few devices) and its

@@ -1,11 +1,8 @@
 """In-place rollback of an Optax AdamW step (Qi et al., arXiv 2401.10241, section 4, algorithm 1).
 
-Post-validation steps the optimizer speculatively, before the global gradient norm and the NaN
-flag are known, and undoes the step in the rare case it was wrong. Undoing needs no copy of the
-old state: AdamW's update is invertible given the gradient it used.
-
-optax.adamw(lr, b1, b2, eps, eps_root=0, weight_decay=wd) with a constant learning rate does,
-with t the step count after the update:
+Post-validation undoes a wrong speculative step without a copy of the old state: AdamW's update is
+invertible given its gradient. optax.adamw(lr, b1, b2, eps, eps_root=0, weight_decay=wd), constant lr,
+t the count after the update:
 
     mu_t = b1 mu + (1 - b1) g            nu_t = b2 nu + (1 - b2) g^2
     u    = (mu_t / (1 - b1^t)) / (sqrt(nu_t / (1 - b2^t)) + eps)
@@ -14,13 +11,10 @@ with t the step count after the update:
 so  mu = (mu_t - (1 - b1) g) / b1,  nu = (nu_t - (1 - b2) g^2) / b2,  p = (p_t + lr u) / (1 - lr wd),
 and the count goes back by one. Everything is computed in float32.
 
-Error (float32, unit roundoff u32 = 2^-24 ~ 6e-8): each recovered value carries the rounding of
-the few operations above, so per entry
+Error per entry (float32, u32 = 2^-24 ~ 6e-8; :func:`rollback_error_bound`, checked by the tests):
     |p_rec - p|   <= 4 u32 (|p_t| + lr |u|) / (1 - lr wd)
     |mu_rec - mu| <= 4 u32 (|mu_t| + (1 - b1)|g|) / b1
     |nu_rec - nu| <= 4 u32 (|nu_t| + (1 - b2) g^2) / b2
-(:func:`rollback_error_bound` returns these), i.e. a few ulps of the larger operand; the tests
-check the round trip against them.
 """
 
 from __future__ import annotations
@@ -47,8 +41,7 @@ class AdamWConfig:
     weight_decay: float = 0.01
 
     def __post_init__(self) -> None:
-        """Raises ValueError for settings the step cannot take (the rollback's own condition is
-        :meth:`check_invertible`)."""
+        """Raises ValueError for settings the step cannot take (the rollback's: :meth:`check_invertible`)."""
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         for name in ("b1", "b2"):
@@ -60,8 +53,7 @@ class AdamWConfig:
                              f"weight_decay={self.weight_decay}")
 
     def check_invertible(self) -> None:
-        """Raises ValueError unless learning_rate * weight_decay < 1: the rollback divides by
-        1 - lr * weight_decay (a plain step takes any learning rate, and may diverge)."""
+        """Raises ValueError unless learning_rate * weight_decay < 1 (the rollback divides by 1 - lr wd)."""
         if not self.learning_rate * self.weight_decay < 1:
             raise ValueError("a rolled-back step needs learning_rate * weight_decay < 1 (it divides by "
                              "1 - lr * wd); got "
@@ -96,14 +88,8 @@ def _with_adam_state(opt_state, adam):
 
 
 def adamw_rollback(params, opt_state, grads, config: AdamWConfig):
-    """Undo one ``optax.adamw`` step that used ``grads``; returns ``(params, opt_state)`` as they
-    were before it (within :func:`rollback_error_bound`).
-
-    Args:
-        params: the parameters after the step (any pytree of float32 arrays).
-        opt_state: the state of ``config.optimizer()`` after the step.
-        grads: the gradients the step used, same tree as ``params``.
-        config: the step's hyper-parameters.
+    """Undo one ``optax.adamw`` step of ``config`` that used ``grads`` (same tree as ``params``, float32):
+    ``(params, opt_state)`` after it -> as before it (within :func:`rollback_error_bound`).
 
     Raises:
         TypeError: a state that is not optax.adamw's.
