@@ -1,7 +1,6 @@
 """Layer 3, analysis: what a measured run says, and what to change.
 
-- :mod:`.profiling`: costs from measured timelines (T_F, T_B, T_W, T_BW, T_comm), and timing of
-  model parts and stages on a device;
+- :mod:`.profiling`: costs from measured timelines, and model parts and stages timed on a device;
 - :mod:`.attribute`: every idle gap of a timeline attributed to a cause and a stage;
 - :mod:`.rebalance`: moving layers between stages from measured per-part costs;
 - :mod:`.replan`: re-planning the automatic scheduler from measured costs, online drift checks.

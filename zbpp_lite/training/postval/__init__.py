@@ -2,8 +2,7 @@
 
 - :mod:`.rollback`: ``AdamWConfig`` and the exact in-place rollback of an AdamW step;
 - :mod:`.reference`: the synchronous and post-validated steps as plain reference functions;
-- :mod:`.optimizer`: ``StageOptimizer``, AdamW inside the executor's rank threads (plain,
-  synchronous clip, speculative post-validation with redo).
+- :mod:`.optimizer`: ``StageOptimizer``, AdamW inside the rank threads (plain, synchronous, post-validated).
 
 May import: the layers below :mod:`zbpp_lite.training`.
 """
