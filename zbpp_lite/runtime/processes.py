@@ -77,7 +77,7 @@ class RankFailed(RuntimeError):
 
 
 def exit_reason(code: int) -> str:
-    """How a child ended (``Popen.returncode``): "exited with status 3", "was killed by signal 9 (SIGKILL)"."""
+    """How a child ended: "exited with status 3", "was killed by signal 9 (SIGKILL)"."""
     if code >= 0:
         return f"exited with status {code}"
     try:
