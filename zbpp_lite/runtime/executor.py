@@ -47,8 +47,7 @@ class StepResult:
         microbatch_losses: the last stage's loss for each microbatch, floats.
         grads: gradient of ``loss``, one pytree per model module (as ``StagedModel.params``), float32,
             each on its stage's device.
-        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (seconds from the step's
-            first action).
+        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (s from the first action).
         start: seconds from the first step of the :meth:`PipelineExecutor.run_steps` call (0.0 for ``run``).
         discarded: events of speculative actions redone after a rollback (:class:`RankUpdate`).
         started_at: ``time.perf_counter()`` at the first action (CLOCK_MONOTONIC: aligns processes of one
@@ -99,9 +98,7 @@ class RankUpdate(Protocol):
       ``verdict_key`` it runs before step ``k + 1``. With it (the deciding message's key) step ``k + 1``'s
       warm-up runs speculatively and ``validate`` runs when that message arrives, at the latest before
       the first backward; True (a rollback) makes every rank redo its share so far;
-    - ``begin(num_steps)``, if it has one, once before the threads start.
-
-    ``channel`` is a :class:`_Channel`.
+    - ``begin(num_steps)``, if it has one, once before the threads start. ``channel``: a :class:`_Channel`.
     """
 
     def stage_params(self, stage: int) -> tuple: ...
@@ -186,21 +183,18 @@ class PipelineExecutor:
         model: the :class:`~zbpp_lite.runtime.stages.StagedModel`, cut into the schedule's stages.
         schedule: any valid schedule (validated here, before anything is computed).
         devices: one per rank in ``ranks`` (or per schedule rank); default ``jax.devices()[:len(ranks)]``.
-        timeout: seconds a rank may wait for one input before the step fails (an error in any rank stops
-            the others).
+        timeout: seconds a rank may wait for one input before the step fails.
         ranks: the ranks run here (default all). With some only, ``remote(rank, key, value, step)``
             carries a local rank's sends (``key`` a :class:`~zbpp_lite.runtime.transport.Transfer` or
             :class:`~zbpp_lite.runtime.transport.OptimizerMessage`; ``step`` counts the executor's steps)
             to the other process's :meth:`deliver`.
         remote: see ``ranks``.
         transport: instead of ``remote``, ``transport(put)`` builds the
-            :class:`~zbpp_lite.runtime.transport.Transport`, e.g.
-            :func:`zbpp_lite.runtime.distributed.process_executor`'s.
+            :class:`~zbpp_lite.runtime.transport.Transport` (e.g. ``process_executor``'s).
         record_memory: fill each step's ``timeline.measured_memory`` (else None).
 
     Attributes:
-        ranks: the ranks run here; ``local_stages``: their stages; ``stage_devices[s]``: stage s's
-            device, ``None`` for a stage run elsewhere.
+        ranks: the ranks run here; ``local_stages``: theirs; ``stage_devices[s]``: device or None.
 
     Raises:
         ScheduleError: an invalid schedule.
@@ -260,8 +254,7 @@ class PipelineExecutor:
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
 
     def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
-        """Each local stage's :class:`~zbpp_lite.runtime.split.StageSplit` for this shape (None elsewhere),
-        its functions compiled (run untimed on zeros) the first time the shape is seen."""
+        """Each local stage's :class:`~zbpp_lite.runtime.split.StageSplit`, compiled on first sight of a shape."""
         signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
         if signature in self._prepared:
             splits, self._input_shapes = self._prepared[signature]
@@ -371,8 +364,7 @@ class PipelineExecutor:
         return self.transport.finish([self._result(st, stage_params) for st in steps])
 
     def _run_ranks(self, steps: list, update: "RankUpdate | None", abort: threading.Event) -> None:
-        """One thread per local rank over ``steps`` (pending remote messages delivered first); raises the
-        first error."""
+        """One thread per local rank over ``steps``; raises the first error."""
         base = steps[0].index
         errors: list[tuple[int, Action | None, BaseException]] = []
         threads = [threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors),
@@ -443,8 +435,7 @@ class PipelineExecutor:
 
     def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event,
                     errors: list) -> None:
-        """Rank ``rank``'s thread: its share of every step (:meth:`_walk`), with ``update``'s
-        optimizer step between steps and post-validation's hooks around the walk."""
+        """Rank ``rank``'s thread: :meth:`_walk` each step, ``update``'s optimizer step between them."""
         stages = list(self.schedule.stages_of(rank))
         speculative = update is not None and getattr(update, "verdict_key", None) is not None
         at: list = [None]  # the action running or waiting, for error messages
@@ -514,8 +505,7 @@ class PipelineExecutor:
         return value
 
     def _redo(self, rank: int, step: _Step, stages: list, update) -> None:
-        """Before redoing rank ``rank``'s share of ``step``: its next attempt, what its actions
-        so far left dropped (their events kept as ``discarded``), the parameters re-read."""
+        """Reset ``rank``'s share of ``step`` for a redo (events kept as ``discarded``)."""
         step.attempts[rank] = step.attempts.get(rank, 0) + 1
         for key in [key for key in step.store if key[0] in stages]:
             del step.store[key]
