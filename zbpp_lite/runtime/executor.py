@@ -254,7 +254,7 @@ class PipelineExecutor:
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
 
     def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
-        """Each local stage's :class:`~zbpp_lite.runtime.split.StageSplit`, compiled on a shape's first use."""
+        """Each local stage's :class:`~zbpp_lite.runtime.split.StageSplit`, compiled for a new shape."""
         signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
         if signature in self._prepared:
             splits, self._input_shapes = self._prepared[signature]
