@@ -43,7 +43,7 @@ _REMAT = {"checkpoint", "remat", "remat2"}
 _OPERAND_FREE = {"add", "sub", "add_any"}
 """Weight operations whose vjp for the parameter side does not read the other operand."""
 _IN_B = {"add", "sub", "mul", "add_any"}
-"""Elementwise weight operations whose parameter gradient the flat B computes (step 4 above)."""
+"""Elementwise weight operations whose parameter gradient the flat B computes (module docstring, step 4)."""
 
 
 # ---------------------------------------------------------------------------- flat program
