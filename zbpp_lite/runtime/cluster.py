@@ -1,13 +1,10 @@
 """Joining a run on several hosts: addresses, cluster detection, the runtime's failures in one line.
 
-A multi-host run has processes 0..N-1; process 0 hosts JAX's coordination service at
-``HOST:PORT`` (the coordinator), and each process listens for cross-host transfers on its own
-``HOST:PORT`` (``jax_cross_host_transfer_socket_address``). Without addresses JAX detects the
-cluster from its scheduler's environment (``jax.distributed.initialize()``: Cloud TPU, SLURM,
-Open MPI, Kubernetes); :func:`detect_cluster` says which from the environment alone, before JAX
-starts. JAX ends a process on a fatal coordination error with ``LOG(FATAL)``, which Python cannot
-catch; :func:`explain_runtime_failure` turns that text into one line naming the cause (printed by
-the ``train`` supervisor, :mod:`zbpp_lite.cli.join`).
+Process 0 of 0..N-1 hosts JAX's coordination service at ``HOST:PORT``; each process listens for
+cross-host transfers on its own ``HOST:PORT``. Without addresses JAX detects the cluster (Cloud TPU,
+SLURM, Open MPI, Kubernetes); :func:`detect_cluster` says which before JAX starts. JAX ends a process on
+a fatal coordination error (``LOG(FATAL)``); :func:`explain_runtime_failure` names the cause in one line
+(for :mod:`zbpp_lite.cli.join`).
 
 Layer 2 (runtime); no JAX import.
 """
@@ -37,15 +34,11 @@ def parse_address(text: str, what: str) -> tuple[str, int]:
 
 
 def detect_cluster(env: Mapping[str, str] | None = None) -> str | None:
-    """The cluster JAX's ``jax.distributed.initialize()`` would detect with more than one process,
-    read from the environment only: ``"slurm"`` (``srun`` with ``SLURM_NTASKS`` > 1), ``"ompi"``
-    (``mpirun``, ``OMPI_COMM_WORLD_SIZE`` > 1), ``"tpu"`` (a multi-host TPU slice listing its
-    workers in ``TPU_WORKER_HOSTNAMES`` or ``TPU_PROCESS_ADDRESSES``), ``"k8s"`` (an indexed
-    Kubernetes Job: ``KUBERNETES_SERVICE_HOST`` and ``JOB_COMPLETION_INDEX``), ``"jax"``
-    (``JAX_COORDINATOR_ADDRESS`` set by hand); else ``None``. A one-task SLURM or MPI job is
-    ``None``: it trains in one process as on a laptop.
-
-    The variables are the ones JAX's cluster classes read (``jax._src.clusters``, JAX 0.4-0.10).
+    """The multi-process cluster ``jax.distributed.initialize()`` would detect, from the environment
+    (the variables of ``jax._src.clusters``, JAX 0.4-0.10): ``"slurm"`` (``SLURM_NTASKS`` > 1),
+    ``"ompi"`` (``OMPI_COMM_WORLD_SIZE`` > 1), ``"tpu"`` (``TPU_WORKER_HOSTNAMES`` or
+    ``TPU_PROCESS_ADDRESSES``), ``"k8s"`` (``KUBERNETES_SERVICE_HOST`` and ``JOB_COMPLETION_INDEX``),
+    ``"jax"`` (``JAX_COORDINATOR_ADDRESS``); else ``None`` (a one-task job too).
     """
     env = os.environ if env is None else env
 
@@ -71,9 +64,7 @@ def detect_cluster(env: Mapping[str, str] | None = None) -> str | None:
 
 
 def address_towards(host: str, port: int = 9) -> str:
-    """This host's own address on the route to ``host`` (a UDP socket's local end after
-    ``connect``; no packet is sent), e.g. the coordinator's peer on the same network; loopback for
-    a loopback ``host``. Falls back to ``127.0.0.1`` when the OS has no route."""
+    """This host's address on the route to ``host`` (no packet sent); ``127.0.0.1`` without a route."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -130,11 +121,9 @@ _UNHEALTHY = re.compile(r"tasks are unhealthy[^\n]*:\s*\n?\s*([\d,\s]+)", re.S)
 
 def explain_runtime_failure(text: str, process: int | None, coordinator: str | None,
                             num_processes: int | None = None, timeout: float | None = None) -> str | None:
-    """One line naming why JAX's runtime ended a process (``text``: its stderr), or ``None`` when
-    ``text`` shows no fatal runtime error: a lost process (heartbeats stopped), a lost coordinator,
-    a duplicate process id, a process id the coordinator does not expect (``--num-processes``
-    differs), a registration that timed out; else the status line. The text matched is XLA's
-    coordination service's (JAX 0.4-0.10)."""
+    """One line naming why JAX's runtime ended a process (``text``: its stderr; lost process or
+    coordinator, duplicate or unexpected process id, registration timeout, else the status line), or
+    ``None`` when ``text`` shows no fatal runtime error (JAX 0.4-0.10's messages)."""
     if "Terminating process because the JAX distributed service" not in text and "Check failure" not in text \
             and "CoordinationService" not in text:
         return None

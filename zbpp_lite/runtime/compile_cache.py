@@ -1,17 +1,13 @@
 """A persistent XLA compilation cache shared by every process of a run, and by the next run.
 
-A live run compiles the same stage programs several times (the planners' profile, each rank
-process, the next ``compare``); JAX can keep compiled executables on disk, keyed by program,
-backend, XLA flags and JAX version (JAX documentation, "Persistent compilation cache"). On the
-2-core CPU machine the planners' profile compiled in 34 s into an empty cache, 7 s from a full one.
-:func:`use_compile_cache` switches it on through environment variables, so every child process
-inherits it; it is the command line's default, never switched on by the package's functions.
+A run compiles the same stage programs several times (profile, each rank process, ``compare``): 34 s into
+an empty cache, 7 s from a full one on the 2-core machine. :func:`use_compile_cache` switches JAX's
+"Persistent compilation cache" on through the environment, so children inherit it; the command line's
+default, never switched on by the package's functions.
 
-Environment: ``ZBPP_LITE_COMPILE_CACHE``: ``0`` / ``off`` / ``no`` / ``false`` turns it off, any
-other value is the directory (default ``$XDG_CACHE_HOME/zbpp_lite/xla``, else
-``~/.cache/zbpp_lite/xla``); a ``JAX_COMPILATION_CACHE_DIR`` already set is kept, with JAX's own
-thresholds. Deleting the directory is always safe; an entry that cannot be read (still being
-written) is compiled again by JAX, with a warning.
+``ZBPP_LITE_COMPILE_CACHE``: ``0`` / ``off`` / ``no`` / ``false`` turns it off, else the directory
+(default ``$XDG_CACHE_HOME/zbpp_lite/xla``, else ``~/.cache/zbpp_lite/xla``); a set
+``JAX_COMPILATION_CACHE_DIR`` is kept. Deleting the directory is always safe.
 
 Layer 2 (runtime); imports no JAX.
 """
@@ -44,18 +40,15 @@ def default_cache_dir(environ: dict[str, str] | None = None) -> Path:
 def use_compile_cache(environ: dict[str, str] | None = None) -> str | None:
     """Switch on JAX's persistent compilation cache for this process and every process it starts.
 
-    Sets ``JAX_COMPILATION_CACHE_DIR`` and JAX's two thresholds (minimum compile time 0 s, minimum
-    entry size none) in ``environ`` (default ``os.environ``), unless the cache directory is already
-    set there. When JAX is already imported in this process, the same settings are also applied
-    with ``jax.config.update``; they take effect only if this process has compiled nothing yet (JAX
-    decides whether to use the cache at its first compile).
+    Sets ``JAX_COMPILATION_CACHE_DIR`` and JAX's thresholds (0 s, no minimum size) in ``environ`` unless
+    the directory is set there; also ``jax.config.update`` if JAX is imported (effective before the
+    first compile).
 
     Args:
         environ: the environment to read and update (tests pass a dict).
 
     Returns:
-        The cache directory in use (str), or None when ``ZBPP_LITE_COMPILE_CACHE`` turns it off or the
-        directory cannot be created (a read-only home: the run goes on without a cache).
+        The cache directory (str), or None when switched off or the directory cannot be created.
     """
     env = os.environ if environ is None else environ
     if env.get("JAX_COMPILATION_CACHE_DIR"):

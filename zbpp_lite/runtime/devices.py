@@ -1,22 +1,15 @@
 """Devices for a pipeline: real accelerators when there are enough, else simulated CPU devices.
 
-JAX fixes its device list when its backend starts, so simulated CPU devices must be asked for
-before that: :func:`ensure_devices` sets ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
-(the uvadlc JAX tutorials' ``simulate_CPU_devices``); only the CPU backend reads the count.
-``platform`` picks the devices: ``"cpu"`` simulated ones, ``"gpu"`` / ``"tpu"`` that platform's,
-or an error saying how many there are. With fewer accelerators than ranks,
-:mod:`zbpp_lite.analysis.profiling.device` times each stage on one accelerator and the simulator
-draws the pipeline (``python -m zbpp_lite train --platform gpu``).
+JAX fixes its device list when its backend starts, so :func:`ensure_devices` sets
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before that (only the CPU backend reads it).
+``platform``: ``"cpu"`` simulated devices, ``"gpu"`` / ``"tpu"`` that platform's, or an error saying how
+many there are; with fewer accelerators than ranks, :mod:`zbpp_lite.analysis.profiling.device` times
+stages on one and the simulator draws the pipeline.
 
-Threads: ``single_threaded`` adds :data:`SINGLE_THREAD_FLAGS`, which on JAX 0.10.2 do NOT make a
-simulated CPU device single-threaded (the dashed flag changes nothing measurable; the other is no
-XLA flag, and XLA stops parsing ``XLA_FLAGS`` at the first word without ``--``, which is why
-:func:`cpu_device_flags` puts such words last). Measured on the 2-core machine: every simulated
-device of a process computes on every core the process may use, from one shared pool (two
-devices each running a 2048^2 product at once: 195 ms each, 94-98 ms alone). For one core per
-rank, run one pinned process per rank (``benchmarks/bench_vs_torch.py``).
-
-Importing this module does not import JAX (so ``XLA_FLAGS`` can still be set).
+:data:`SINGLE_THREAD_FLAGS` do NOT make a simulated CPU device single-threaded on JAX 0.10.2 (XLA stops
+parsing ``XLA_FLAGS`` at the first word without ``--``, so :func:`cpu_device_flags` puts such words last):
+all simulated devices share the process's cores. For one core per rank run one pinned process per rank
+(``benchmarks/bench_vs_torch.py``). Importing this module does not import JAX.
 """
 
 from __future__ import annotations
@@ -34,10 +27,8 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 def cpu_device_flags(num_devices: int, single_threaded: bool = True, current: str | None = None) -> str:
     """``XLA_FLAGS`` asking for at least ``num_devices`` CPU devices, other flags kept.
 
-    ``current`` defaults to the environment's ``XLA_FLAGS``; a device count already there is
-    raised to ``num_devices`` if smaller, never lowered. ``single_threaded`` adds
-    :data:`SINGLE_THREAD_FLAGS`, which on JAX 0.10 do not limit a device's threads (see the
-    module docstring).
+    ``current`` defaults to the environment's; a device count there is raised, never lowered.
+    ``single_threaded`` adds :data:`SINGLE_THREAD_FLAGS` (see the module docstring).
     """
     flags = (os.environ.get("XLA_FLAGS", "") if current is None else current).split()
     count = num_devices
@@ -72,11 +63,8 @@ def _check_platform(platform: str | None) -> None:
 
 
 def platform_devices(platform: str) -> list:
-    """Every JAX device of ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``); ``[]`` when JAX has
-    no such backend (JAX raises RuntimeError for a platform that is absent or fails to start).
-
-    Starts JAX's backends if they have not started: for simulated CPU devices beside the
-    accelerator, call :func:`ensure_devices` or set ``XLA_FLAGS`` (:func:`cpu_device_flags`) first.
+    """Every JAX device of ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``); ``[]`` when JAX has no such
+    backend. Starts JAX's backends (call :func:`ensure_devices` first for simulated CPU devices).
 
     Raises:
         ValueError: an unknown platform name.
@@ -97,25 +85,20 @@ def ensure_devices(num_devices: int, single_threaded: bool = True, platform: str
 
     Args:
         num_devices: ranks, one device each.
-        single_threaded: add :data:`SINGLE_THREAD_FLAGS` when setting ``XLA_FLAGS`` (no effect
-            on JAX 0.10, see the module docstring).
-        platform: ``None``: the default backend's devices (TPU, GPU) when it has at least
-            ``num_devices`` of them, else CPU devices. ``"cpu"``: CPU devices (simulated ones).
-            ``"gpu"`` / ``"tpu"``: that platform's devices, never a fallback.
+        single_threaded: add :data:`SINGLE_THREAD_FLAGS` (see the module docstring).
+        platform: ``None``: the default backend's devices if it has ``num_devices``, else CPU.
+            ``"cpu"``: (simulated) CPU devices. ``"gpu"`` / ``"tpu"``: that platform's, never a fallback.
 
-    Before JAX starts, ``XLA_FLAGS`` is set to ask for ``num_devices`` CPU devices whatever the
-    platform (only the CPU backend reads the count).
+    Before JAX starts, ``XLA_FLAGS`` asks for ``num_devices`` CPU devices whatever the platform.
 
     Returns:
         A list of ``num_devices`` devices.
 
     Raises:
         ValueError: ``num_devices`` below 1, or an unknown platform.
-        RuntimeError: too few devices. Without a platform or with ``"cpu"``: JAX has already
-            started with too few CPU devices; the message says how to get simulated devices.
-            With ``"gpu"`` / ``"tpu"``: the message names how many devices of that platform JAX
-            has (0 when the platform is absent) and points at profiling on one accelerator
-            (:func:`zbpp_lite.analysis.profiling.device.profile_stage_costs`) or ``platform="cpu"``.
+        RuntimeError: too few devices; the message says how to get simulated CPU devices, or names how
+            many ``"gpu"`` / ``"tpu"`` devices there are and points at
+            :func:`zbpp_lite.analysis.profiling.device.profile_stage_costs` or ``platform="cpu"``.
     """
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")

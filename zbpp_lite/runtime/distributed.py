@@ -1,31 +1,17 @@
 """The executor across processes (MPMD on JAX's multi-controller runtime): a transport.
 
-Each process starts JAX's distributed runtime (:func:`initialize`), sees every process's devices
-(``jax.devices()``) and runs the ranks whose devices it owns: :func:`process_executor` is the one
-:class:`~zbpp_lite.runtime.executor.PipelineExecutor`, for those ranks, with the transport
-:class:`_CrossProcess`. Values between ranks of one process move as between threads; between
-processes with ``jax.device_put`` onto the other process's device, JAX's cross-host transfer over
-sockets (``jax_cross_host_transfer_socket_address``, one explicit port per process: a port of 0
-was seen to hang the receiver).
+Each process starts JAX's distributed runtime (:func:`initialize`) and runs the ranks whose devices it owns
+(:func:`process_executor`: a :class:`~zbpp_lite.runtime.executor.PipelineExecutor` over
+:class:`_CrossProcess`). Between processes values move by ``jax.device_put`` onto the other process's
+device (cross-host transfer over sockets, one explicit port per process: port 0 hung the receiver).
 
-JAX pairs a cross-host ``device_put`` on the sender with the same call on the receiver (a
-placeholder array on the sender's device); a sender blocks until its receiver calls, and two
-processes' transfers are matched in the order issued, both directions together (issued from two
-threads they were seen to mismatch and lose data). So each process issues all its transfers from
-one thread, walking :func:`transfer_plan` (the order of
-:func:`zbpp_lite.schedules.validate.execution_order`, the same on every process): a transfer waits
-only on earlier actions, hence on earlier transfers, so it cannot deadlock. A receiver posts its
-half once the sender has said (key-value store) that the value exists, and receives on a device
-of its own (:func:`staging_device`). Rank threads never block on a send.
-
-After the step, losses, gradients and events are exchanged through the key-value store, so every
-process returns the whole :class:`~zbpp_lite.runtime.executor.StepResult`; each process's event
-times count from its own start of the step (clocks are not aligned).
-
-Failure, not hang: every wait has a timeout (per input, per transfer, the runtime's
-initialisation and heartbeat); an error names the process and rank, and
-:mod:`zbpp_lite.cli.launch` ends every child when one fails (the child's loop:
-:mod:`zbpp_lite.cli.launch_child`).
+JAX pairs a sender's cross-host ``device_put`` with the receiver's, in issue order, both directions
+together (from two threads they mismatched). So each process issues all its transfers from one thread in
+:func:`transfer_plan`'s order (:func:`zbpp_lite.schedules.validate.execution_order`, the same everywhere),
+which cannot deadlock; a receiver posts its half once the key-value store says the value exists, on its
+:func:`staging_device`. After the step, results go through the key-value store so every process returns
+the whole :class:`~zbpp_lite.runtime.executor.StepResult`. Every wait has a timeout and errors name the
+process and rank (:mod:`zbpp_lite.cli.launch` ends every child when one fails).
 """
 
 from __future__ import annotations
@@ -57,8 +43,7 @@ ENV_TRANSFER_PORT = "ZBPP_TRANSFER_PORT"
 ENV_TIMEOUT = "ZBPP_TIMEOUT"
 ENV_TRANSFER_ADDRESS = "ZBPP_TRANSFER_ADDRESS"
 ENV_HEARTBEAT = "ZBPP_HEARTBEAT"
-"""Environment the launcher gives each child; a cluster launcher may leave the first three out
-and let ``jax.distributed.initialize()`` detect them (SLURM, Open MPI, TPU pods)."""
+"""Environment the launcher gives each child (without the first three JAX detects SLURM, Open MPI, TPU)."""
 
 
 def initialize(
@@ -77,26 +62,20 @@ def initialize(
         coordinator: ``"HOST:PORT"`` of process 0's coordination service.
         num_processes, process_id: N and this process's index in 0..N-1.
         transfer_port: this process's cross-host transfer port on ``host`` (``launch``'s form).
-        transfer_address: ``"HOST:PORT"`` this process listens on for cross-host transfers; wins
-            over ``transfer_port``. Default: this host's address towards the coordinator
-            (:func:`~zbpp_lite.runtime.cluster.address_towards`) and a free port.
-        timeout: seconds registration, the coordinator's first answer, each cross-host transfer,
-            and the roll call may take.
-        heartbeat: seconds without a heartbeat after which JAX declares a process lost and ends
-            the others (default ``max(timeout, 10)``).
+        transfer_address: ``"HOST:PORT"`` to listen on for transfers (wins over ``transfer_port``; default
+            :func:`~zbpp_lite.runtime.cluster.address_towards` the coordinator and a free port).
+        timeout: seconds for registration, the coordinator's first answer, each transfer, the roll call.
+        heartbeat: seconds without a heartbeat before JAX declares a process lost (default
+            ``max(timeout, 10)``).
 
-    Arguments default to the ``ZBPP_*`` environment (``launch`` and ``train --coordinator`` set
-    it); with no coordinator at all, ``jax.distributed.initialize()`` detects the cluster (SLURM,
-    Open MPI, Cloud TPU, Kubernetes). Must run before JAX starts its backend. Before registering,
-    a process other than 0 waits (``timeout``) for the coordinator, and process 0 checks it can
-    listen on the port; after, every process checks its process count against process 0's
-    (:func:`roll_call`). Sets, on CPU, gloo collectives.
+    Arguments default to the ``ZBPP_*`` environment; with no coordinator JAX detects the cluster. Must run
+    before JAX starts its backend; checks the coordinator first and the process count after
+    (:func:`roll_call`). Sets gloo collectives on CPU.
 
     Raises:
-        RuntimeError: one line naming this process and the cause: coordinator unreachable, its
-            port not free here, a process count differing from process 0's, or the runtime not
-            starting. (Registration failures inside JAX end the process from C++ instead; the
-            ``train`` supervisor, :mod:`zbpp_lite.cli.join`, names their cause.)
+        RuntimeError: one line naming this process and the cause (coordinator unreachable, port not free,
+            process count differing from process 0's, runtime not starting). Failures inside JAX end the
+            process from C++; :mod:`zbpp_lite.cli.join` names their cause.
     """
     env = os.environ
     coordinator = coordinator or env.get(ENV_COORDINATOR)
@@ -156,9 +135,8 @@ def _first_line(e: BaseException) -> str:
 
 
 def roll_call(process: int, num_processes: int, timeout: float, transfer_address: str = "") -> list[dict]:
-    """Every process's ``{"process", "num_processes", "host", "transfer_address"}`` through the
-    key-value store, checked against process 0's before JAX's backend starts; returns the list
-    in process order.
+    """Every process's ``{"process", "num_processes", "host", "transfer_address"}`` in process order,
+    through the key-value store, checked against process 0's before JAX's backend starts.
 
     Raises:
         RuntimeError: one line: this process's count differs from process 0's, or a process did
@@ -203,9 +181,8 @@ def _env(name: str, kind: type) -> Any:
 
 
 def pipeline_devices(num_ranks: int) -> list:
-    """One global device per rank, ranks spread evenly over the processes in order: rank r on
-    process ``r * N // p`` (N processes), each process's ranks on its local devices in order;
-    with several processes each keeps its last device for receiving (:func:`staging_device`).
+    """One global device per rank: rank r on process ``r * N // p``, on its local devices in order (with
+    several processes the last is kept for :func:`staging_device`).
 
     Raises:
         ValueError: more processes than ranks (a process would hold no rank), or a process with
@@ -230,23 +207,15 @@ def pipeline_devices(num_ranks: int) -> list:
 
 
 def staging_device(process: int):
-    """The device of ``process`` that receives its cross-process transfers: its last local one,
-    never a rank's. A cross-host receive waits in its device's queue until the data comes; on a
-    rank's own device it would hold up that rank's computations, and two such waits, one per
-    process, each ahead of the send the other needs, never end. The received value then moves
-    to the rank's device locally. (On CPU the launcher asks for one more device per process.)"""
+    """The last local device of ``process``, never a rank's, receives its transfers: a waiting receive on
+    a rank's device would block that rank (and could deadlock two processes)."""
     return [d for d in jax.devices() if d.process_index == process][-1]
 
 
 def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action, int, int, int, int]]:
-    """Cross-process transfers of one step as (producing action, producer rank, consumer stage,
-    sending process, receiving process), in :func:`execution_order` order (the same list on every
-    process). ``owner[rank]`` is the process of each rank.
-
-    JAX matches a process's cross-host transfers with its peer's in the order they are issued, in
-    both directions together, so each process issues its transfers (sends and receives) from one
-    thread in this order; a transfer waits only on actions earlier in a topological order, hence
-    on earlier transfers, so no process waits on a later one."""
+    """One step's cross-process transfers as (action, producer rank, consumer stage, sending process,
+    receiving process) in :func:`execution_order` order, the same on every process (see the module
+    docstring). ``owner[rank]`` is each rank's process."""
     plan = []
     for rank, step in execution_order(schedule):
         for a in parts(schedule.actions[rank][step]):  # a pair: its forward's, then its backward's
@@ -261,12 +230,9 @@ def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action
 
 
 class _CrossProcess(Threads):
-    """The transport across processes: to a rank of this process straight into its inbox
-    (``put``: the executor's), to a rank of another process into the step's outbox (an
-    :class:`~zbpp_lite.runtime.transport.Inbox`), from which this process's transfer thread
-    (:meth:`start`) moves it in :func:`transfer_plan`'s order; :meth:`finish` gathers every
-    process's share of the results. ``devices``: one global device per rank; ``model``,
-    ``schedule``, ``timeout``: the executor's."""
+    """The transport across processes: local ranks via ``put``, others via the step's outbox, which the
+    transfer thread (:meth:`start`) drains in :func:`transfer_plan`'s order; :meth:`finish` gathers the
+    results. ``devices``: one global device per rank."""
 
     def __init__(self, put, model: StagedModel, schedule: Schedule, devices: Sequence[Any], timeout: float):
         super().__init__(put)
@@ -375,8 +341,7 @@ def process_executor(model: StagedModel, schedule: Schedule, devices: Sequence[A
         model, schedule, timeout: as the executor's.
         devices: one global device per rank (default :func:`pipeline_devices`).
 
-    Every process must call ``run`` / ``run_steps`` with the same arguments (same parameters and
-    batches), as multi-controller JAX programs do; each returns the whole
+    Every process calls ``run`` / ``run_steps`` with the same arguments; each returns the whole
     :class:`~zbpp_lite.runtime.executor.StepResult` (``started_at`` 0.0: clocks differ).
 
     Raises:
@@ -399,9 +364,8 @@ def _client():
 
 
 def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout: float) -> list:
-    """Every process's ``value``, in process order, through the distributed runtime's key-value
-    store, sent as JSON with NumPy arrays as raw bytes (:mod:`zbpp_lite.runtime.wire`: parsed,
-    never unpickled). ``value`` holds JSON values, tuples and NumPy arrays; dict keys are str.
+    """Every process's ``value`` (JSON values, tuples, NumPy arrays; str keys) in process order, through
+    the key-value store in :mod:`zbpp_lite.runtime.wire`'s format.
 
     Raises:
         TimeoutError: a process published nothing within ``timeout`` seconds (named).

@@ -1,35 +1,19 @@
 """The multi-device executor: run any valid Schedule for real, one thread per rank.
 
-Each rank is a thread that walks its own action list in order (no global clock, no central
-scheduler): **the rank loop**, :meth:`PipelineExecutor._walk`. An action waits only for what it
-takes from other ranks (:func:`zbpp_lite.schedules.ir.deps`: F(s, j) stage s-1's activation,
-B / BW(s, j) stage s+1's input gradient); what it needs from its own rank is there by the
-schedule's order, which :func:`zbpp_lite.validate` checked. For each action the loop takes the
-inputs from the rank's inbox, runs the handler of its kind (every stage's F, B, W, BW are the
-jitted pure functions of :class:`zbpp_lite.runtime.split.StageSplit`, on the rank's device),
-records the event and the memory, and sends the output through a transport
-(:mod:`zbpp_lite.runtime.transport`: threads, processes on this machine, JAX's distributed
-runtime across hosts). An overlapped pair F&B (DualPipeV's unit) takes both inputs, then runs its
-two parts back to back, each its own event (overlapping compute with communication is a
-kernel-level matter not modelled here). Post-validation's speculative warm-up wraps the loop
-through hooks (:class:`_Speculation`). The last stage's backward starts from d loss / d loss_j =
-1/m and each stage sums its W's over the microbatches on its device, so the sums are the
-gradient of the global-batch mean loss (Qi et al., arXiv 2401.10241, section 2).
+Each rank is a thread walking its own action list (no global clock): the rank loop,
+:meth:`PipelineExecutor._walk`. An action waits only for what other ranks send
+(:func:`zbpp_lite.schedules.ir.deps`); its own rank's inputs are there by the validated order. It runs the
+jitted F, B, W or BW of :class:`zbpp_lite.runtime.split.StageSplit` on the rank's device, records the event
+and memory, and sends its output through a :mod:`zbpp_lite.runtime.transport`. An F&B pair (DualPipeV)
+runs its parts back to back, each its own event. Post-validation's speculative warm-up wraps the loop
+(:class:`_Speculation`). The last stage's backward starts from d loss / d loss_j = 1/m, so the summed W's
+are the gradient of the global-batch mean loss (Qi et al., arXiv 2401.10241, section 2).
 
-Measurement: ``time.perf_counter()`` around each action, after its inputs arrived and after
-``jax.block_until_ready`` of its outputs, give a measured
-:class:`~zbpp_lite.schedules.timeline.Timeline` (seconds since the step began). The block stops a
-rank from dispatching its next action early: about 70-90 us per action on the 2-core machine of
-``benchmarks/bench_executor.py``, beside 5-35 us of bookkeeping, for 5-20 ms actions. Each
-timeline also carries the activation bytes every rank kept (``timeline.measured_memory``,
-:mod:`zbpp_lite.runtime.memory`). Compilation happens before the first timed step. Ranks are
-threads: XLA releases the GIL while it computes.
-
-Cores: simulated CPU devices of one process share XLA's thread pool, so a waiting rank lends its
-core to the others and a bubble costs less than an idle core. For one core per rank (PyTorch
-pipelining's set-up) run one process per rank: ``PipelineExecutor(..., ranks=[r], remote=send)``
-runs rank r only, ``remote`` carries its sends and :meth:`PipelineExecutor.deliver` takes the
-others' (:mod:`zbpp_lite.runtime.processes`; ``benchmarks/bench_vs_torch.py``).
+Timing: ``time.perf_counter()`` around each action, after its inputs arrived and after
+``jax.block_until_ready``, gives a measured :class:`~zbpp_lite.schedules.timeline.Timeline` (seconds since
+the step began) with ``measured_memory`` (:mod:`zbpp_lite.runtime.memory`); compilation happens before.
+Simulated CPU devices share XLA's thread pool; for one core per rank run one process per rank
+(``ranks=[r], remote=send`` and :meth:`PipelineExecutor.deliver`; :mod:`zbpp_lite.runtime.processes`).
 """
 
 from __future__ import annotations
@@ -61,18 +45,13 @@ class StepResult:
     Attributes:
         loss: the global-batch mean loss, float (mean of the microbatch losses).
         microbatch_losses: the last stage's loss for each microbatch, floats.
-        grads: gradient of ``loss`` for every parameter, one pytree per model module (as
-            ``StagedModel.params``), float32, each on its stage's device.
-        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (seconds, source
-            "measured"), counted from the step's first action.
-        start: when the step's first action began, seconds since the first step of the same
-            :meth:`PipelineExecutor.run_steps` call began (0.0 for :meth:`PipelineExecutor.run`,
-            up to the thread start-up).
-        discarded: events (times as ``timeline``'s) of actions run speculatively on parameters a
-            post-validated optimizer step then rolled back, and redone (:class:`RankUpdate`).
-        started_at: ``time.perf_counter()`` at the step's first action, seconds: one clock for
-            all processes of a machine (CLOCK_MONOTONIC), so ranks in separate processes align
-            their timelines by it; 0.0 across hosts (clocks differ).
+        grads: gradient of ``loss``, one pytree per model module (as ``StagedModel.params``), float32,
+            each on its stage's device.
+        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (s from the first action).
+        start: seconds from the first step of the :meth:`PipelineExecutor.run_steps` call (0.0 for ``run``).
+        discarded: events of speculative actions redone after a rollback (:class:`RankUpdate`).
+        started_at: ``time.perf_counter()`` at the first action (CLOCK_MONOTONIC: aligns processes of one
+            machine); 0.0 across hosts.
     """
 
     loss: float
@@ -85,8 +64,7 @@ class StepResult:
 
 
 class _Leaves(list):
-    """The leaves of a pytree activation or input gradient received from another process (sent
-    as a list of arrays); unflattened with the consumer's input structure once it is known."""
+    """A pytree's leaves received from another process, unflattened once the consumer's tree is known."""
 
 
 class _Restart(Exception):
@@ -94,10 +72,8 @@ class _Restart(Exception):
 
 
 class _Channel:
-    """What an optimizer step in rank ``rank``'s thread exchanges with other ranks in one step:
-    ``send(to, key, value)`` into rank ``to``'s inbox (through the transport), ``take(key)`` from
-    its own (at most the executor's timeout); keys are
-    :class:`~zbpp_lite.runtime.transport.OptimizerMessage`, values host values (floats)."""
+    """An optimizer step's exchange with other ranks: ``send(to, key, value)``, ``take(key)`` (keys
+    :class:`~zbpp_lite.runtime.transport.OptimizerMessage`, values host floats)."""
 
     def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
         self._executor, self._step, self.rank = executor, step, rank
@@ -114,21 +90,15 @@ class RankUpdate(Protocol):
 
     The executor calls, in rank ``rank``'s thread:
 
-    - ``stage_params(stage)`` before the rank's first action of every step (and of a redone
-      warm-up): the stage's parameters as a tuple of leaves on the stage's device;
-    - ``step(rank, k, grads, channel)`` after the rank's last action of step ``k``: ``grads``
-      maps each of the rank's stages to its gradient sums (tuple of leaves, float32, on the
-      stage's device) of the global-batch mean loss;
-    - ``validate(rank, k, channel) -> bool`` once per step and after the last one, to check a
-      speculative step (paper section 4). Without ``verdict_key`` it runs before the rank's
-      first action of step ``k + 1`` (result unused). With ``verdict_key`` (the channel key of
-      the deciding message, e.g. the full gradient norm) the warm-up of step ``k + 1`` runs
-      speculatively and ``validate`` runs once that message arrived, at the latest before the
-      rank's first backward; True means it rolled the parameters back, and then every rank
-      returns True and redoes its share of step ``k + 1`` so far (``StepResult.discarded``);
-    - ``begin(num_steps)``, if it has one, once before the threads start.
-
-    ``channel`` exchanges values with the other ranks' calls of the same step (:class:`_Channel`).
+    - ``stage_params(stage)`` before the rank's first action of every step (and of a redone warm-up):
+      the stage's parameters, a tuple of leaves on its device;
+    - ``step(rank, k, grads, channel)`` after its last action of step ``k``: ``grads`` maps each stage to
+      its gradient sums (tuple of float32 leaves on its device) of the global-batch mean loss;
+    - ``validate(rank, k, channel) -> bool`` once per step and after the last (paper section 4). Without
+      ``verdict_key`` it runs before step ``k + 1``. With it (the deciding message's key) step ``k + 1``'s
+      warm-up runs speculatively and ``validate`` runs when that message arrives, at the latest before
+      the first backward; True (a rollback) makes every rank redo its share so far;
+    - ``begin(num_steps)``, if it has one, once before the threads start. ``channel``: a :class:`_Channel`.
     """
 
     def stage_params(self, stage: int) -> tuple: ...
@@ -139,10 +109,8 @@ class RankUpdate(Protocol):
 
 
 class _Hooks:
-    """What wraps the rank loop (:meth:`PipelineExecutor._walk`): called before each entry
-    (``before``), when a wait was cut short (``validate``), and after the last entry (``end``);
-    ``interrupt`` (None, or a function) may cut an input's wait short. These do nothing:
-    the loop of a step that is not a speculative warm-up."""
+    """Hooks around the rank loop: ``before`` each entry, ``validate`` when ``interrupt`` cut a wait short,
+    ``end``. These do nothing (a step that is not a speculative warm-up)."""
 
     interrupt: Callable[[], bool] | None = None
 
@@ -160,11 +128,9 @@ _HOOKS = _Hooks()  # the loop of a step that is not a speculative warm-up
 
 
 class _Speculation(_Hooks):
-    """Post-validation's speculative warm-up (Qi et al., arXiv 2401.10241, section 4): rank
-    ``rank`` walks step k + 1 on the parameters it stepped speculatively at step k, and step k's
-    update is validated as soon as its verdict (``update.verdict_key``) arrives, at the latest
-    before the rank's first backward; a rollback raises :class:`_Restart`, and the warm-up is
-    redone."""
+    """Post-validation's speculative warm-up (arXiv 2401.10241, section 4): step k + 1 on step k's
+    speculative parameters, validated when ``update.verdict_key`` arrives (by the first backward); a
+    rollback raises :class:`_Restart`."""
 
     def __init__(self, executor: "PipelineExecutor", rank: int, update: RankUpdate, k: int,
                  previous: "_Step"):
@@ -216,32 +182,24 @@ class PipelineExecutor:
     Args:
         model: the :class:`~zbpp_lite.runtime.stages.StagedModel`, cut into the schedule's stages.
         schedule: any valid schedule (validated here, before anything is computed).
-        devices: one device per rank in ``ranks`` (or per rank of the schedule: those of
-            ``ranks`` are used); default ``jax.devices()[:len(ranks)]``.
-        timeout: seconds a rank may wait for one input before the step fails (an error in any
-            rank stops the others at once; the caller gets it).
-        ranks: the ranks run here (default: all). With some only, each process runs its own:
-            ``remote(rank, key, value, step)`` carries what a local rank sends to ``rank``, and
-            that process hands it to its executor's ``deliver(key, value, step, rank)``: arrays
-            (``key`` a :class:`~zbpp_lite.runtime.transport.Transfer`) and an optimizer's host
-            values (an :class:`~zbpp_lite.runtime.transport.OptimizerMessage`); ``step``
-            numbers the steps over the executor's life (every process runs the same calls).
+        devices: one per rank in ``ranks`` (or per schedule rank); default ``jax.devices()[:len(ranks)]``.
+        timeout: seconds a rank may wait for one input before the step fails.
+        ranks: the ranks run here (default all). With some only, ``remote(rank, key, value, step)``
+            carries a local rank's sends (``key`` a :class:`~zbpp_lite.runtime.transport.Transfer` or
+            :class:`~zbpp_lite.runtime.transport.OptimizerMessage`; ``step`` counts the executor's steps)
+            to the other process's :meth:`deliver`.
         remote: see ``ranks``.
         transport: instead of ``remote``, ``transport(put)`` builds the
-            :class:`~zbpp_lite.runtime.transport.Transport` (``put``: into a local rank's inbox),
-            e.g. :func:`zbpp_lite.runtime.distributed.process_executor`'s, across hosts.
-        record_memory: count the activation bytes each rank keeps onto each step's
-            ``timeline.measured_memory`` (:mod:`zbpp_lite.runtime.memory`); False leaves it None.
+            :class:`~zbpp_lite.runtime.transport.Transport` (e.g. ``process_executor``'s).
+        record_memory: fill each step's ``timeline.measured_memory`` (else None).
 
     Attributes:
-        ranks: the ranks run here; ``local_stages``: their stages; ``stage_devices[s]``: stage s's
-            device, ``None`` for a stage run elsewhere.
+        ranks: the ranks run here; ``local_stages``: theirs; ``stage_devices[s]``: device or None.
 
     Raises:
         ScheduleError: an invalid schedule.
-        ValueError: a model with a different number of stages, fewer devices than ranks (the
-            message says how to get simulated CPU devices), an unknown rank, or some ranks
-            without ``remote`` or ``transport``.
+        ValueError: a model with another stage count, fewer devices than ranks, an unknown rank, or
+            some ranks without ``remote`` or ``transport``.
     """
 
     def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None,
@@ -296,10 +254,7 @@ class PipelineExecutor:
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
 
     def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
-        """Every local stage's :class:`~zbpp_lite.runtime.split.StageSplit` for this microbatch shape
-        (``None`` for a stage run elsewhere). The first time a shape is seen, each local stage's
-        F, B, W and BW run once, untimed, on zeros of the right shapes, so the jitted functions
-        are compiled for their devices before anything is timed."""
+        """Each local stage's :class:`~zbpp_lite.runtime.split.StageSplit`, compiled for a new shape."""
         signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
         if signature in self._prepared:
             splits, self._input_shapes = self._prepared[signature]
@@ -335,42 +290,32 @@ class PipelineExecutor:
         return splits
 
     def run(self, params: Params, x: Any, labels: Any) -> StepResult:
-        """Run one step of the schedule: forward and backward of every microbatch, gradients
-        accumulated; no optimizer update. The first step with a new batch shape first runs every
-        stage function once, untimed (compilation).
+        """One step: forward and backward of every microbatch, gradients summed; no optimizer update.
 
         Args:
-            params: one parameter pytree per model module (as ``StagedModel.params``); moved
-                to the stages' devices (no copy when already there).
+            params: one pytree per model module (as ``StagedModel.params``); moved to the stages' devices.
             x: the global batch (b, ...) float32; labels (b,) integers.
 
         Raises:
             ValueError: a batch that does not divide into microbatches (before any compute).
             TimeoutError: a rank waited longer than ``timeout`` for an input.
-            RuntimeError: an action failed on some rank; the message names rank and action and
-                the original error is chained.
+            RuntimeError: an action failed (names rank and action; the error is chained).
         """
         return self.run_steps(params, [(x, labels)])[0]
 
     def run_steps(self, params: Params, batches: Sequence[tuple[Any, Any]],
                   update: "RankUpdate | None" = None) -> list[StepResult]:
-        """Run several steps back to back, each rank going on to its next step as soon as its own
-        part of the previous one (and of the optimizer step) is done: no barrier between steps.
-        Without ``update`` every step uses ``params`` (``run`` is one such step).
-
-        ``update`` puts the optimizer step inside the rank threads (:class:`RankUpdate`, e.g.
-        :class:`zbpp_lite.training.postval.optimizer.StageOptimizer`); ``params`` then only
-        sets the shapes. With ranks in other processes, every process calls ``run_steps`` with
-        the same batches and runs its own ranks' share.
+        """Several steps back to back, no barrier between them (each rank goes on when its share is done).
 
         Args:
-            params: as :meth:`run`'s.
-            batches: one ``(x, labels)`` per step, each as :meth:`run`'s, all of one shape.
-            update: the optimizer step inside the rank threads, or None.
+            params: as :meth:`run`'s (only the shapes with ``update``).
+            batches: one ``(x, labels)`` per step, as :meth:`run`'s, all of one shape; every process of
+                a multi-process run passes the same.
+            update: a :class:`RankUpdate` (e.g. :class:`zbpp_lite.training.postval.optimizer.StageOptimizer`)
+                stepping the optimizer in the rank threads, or None (every step uses ``params``).
 
         Returns:
-            One :class:`StepResult` per step; each timeline counts from its step's first action,
-            ``StepResult.start`` gives that moment in seconds since the first step began.
+            One :class:`StepResult` per step.
 
         Raises:
             ValueError: no batches or batches of different shapes. Otherwise as :meth:`run`.
@@ -419,9 +364,7 @@ class PipelineExecutor:
         return self.transport.finish([self._result(st, stage_params) for st in steps])
 
     def _run_ranks(self, steps: list, update: "RankUpdate | None", abort: threading.Event) -> None:
-        """One thread per local rank over ``steps`` (numbered from ``steps[0].index``), what
-        other processes sent for them so far delivered first, beside the transport's own
-        threads; raises the first error."""
+        """One thread per local rank over ``steps``; raises the first error."""
         base = steps[0].index
         errors: list[tuple[int, Action | None, BaseException]] = []
         threads = [threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors),
@@ -492,8 +435,7 @@ class PipelineExecutor:
 
     def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event,
                     errors: list) -> None:
-        """Rank ``rank``'s thread: its share of every step (:meth:`_walk`), with ``update``'s
-        optimizer step between steps and post-validation's hooks around the walk."""
+        """Rank ``rank``'s thread: :meth:`_walk` each step, ``update``'s optimizer step between them."""
         stages = list(self.schedule.stages_of(rank))
         speculative = update is not None and getattr(update, "verdict_key", None) is not None
         at: list = [None]  # the action running or waiting, for error messages
@@ -527,9 +469,7 @@ class PipelineExecutor:
                         inbox.wake()
 
     def _walk(self, rank: int, step: _Step, at: list, hooks: _Hooks) -> None:
-        """The rank loop: rank ``rank``'s actions of ``step``, in order (``at[0]``: the one under
-        way). Each takes its inputs from the rank's inbox, runs its handler (the kind -> handler
-        table), records its event and the rank's memory, and sends its output on."""
+        """The rank loop: ``rank``'s actions of ``step`` in order (``at[0]``: the current one)."""
         attempt = step.attempts.get(rank, 0)
         for entry in self.schedule.actions[rank]:
             at[0] = entry
@@ -550,8 +490,7 @@ class PipelineExecutor:
         hooks.end()
 
     def _from_others(self, action: Action) -> list[Key]:
-        """What ``action`` takes from other stages (what it needs from its own, F's residuals
-        and B's output gradients, is there by the schedule's order, which ``validate`` checked)."""
+        """The keys ``action`` takes from other stages (its own stage's are there by the order)."""
         return [key for key in deps(action, self.model.num_stages) if key.stage != action.stage]
 
     def _take(self, step: _Step, rank: int, key: Key, action: Action, attempt: int, hooks: _Hooks) -> Any:
@@ -566,8 +505,7 @@ class PipelineExecutor:
         return value
 
     def _redo(self, rank: int, step: _Step, stages: list, update) -> None:
-        """Before redoing rank ``rank``'s share of ``step``: its next attempt, what its actions
-        so far left dropped (their events kept as ``discarded``), the parameters re-read."""
+        """Reset ``rank``'s share of ``step`` for a redo (events kept as ``discarded``)."""
         step.attempts[rank] = step.attempts.get(rank, 0) + 1
         for key in [key for key in step.store if key[0] in stages]:
             del step.store[key]
@@ -579,15 +517,12 @@ class PipelineExecutor:
             step.params[s] = update.stage_params(s)
 
     def _send(self, step: _Step, action: Action, value: Any, attempt: int = 0) -> None:
-        """An F's activation goes to stage s+1, a B's (or BW's) input gradient to stage s-1,
-        through the transport to the rank that holds that stage."""
+        """Send F's activation to stage s+1, B's (BW's) input gradient to stage s-1."""
         transfer = Transfer(*produces(action)[0], attempt)
         self.transport.send(step, self.schedule.placement[transfer.consumer], transfer, value)
 
     def _put(self, step: _Step, key: Transfer | OptimizerMessage, value: Any, rank: int | None = None):
-        """Into the inbox of the local rank that takes it: an activation or input gradient onto
-        its consumer stage's device (and counted as received), an optimizer's message for ``rank``
-        as sent."""
+        """Into the taking local rank's inbox (a transfer on its consumer's device, counted as received)."""
         if isinstance(key, OptimizerMessage):  # an optimizer's message (RankUpdate) for ``rank``, as sent
             step.inboxes[rank].put(key, value)
             return
@@ -601,13 +536,10 @@ class PipelineExecutor:
         step.inboxes[rank].put(key.key, value, key.attempt)
 
     def deliver(self, key: Transfer | OptimizerMessage, value: Any, step: int, rank: int | None = None):
-        """Hand this executor what another process's rank sent it (see ``remote``) for step
-        number ``step``: a :class:`~zbpp_lite.runtime.transport.Transfer` ("F", s, j, attempt:
-        the activation for stage s+1; "B": the input gradient for stage s-1) with a NumPy array
-        (or a pytree's list of leaves, ``jax.tree_util`` order), or an
-        :class:`~zbpp_lite.runtime.transport.OptimizerMessage` for local rank ``rank``; a plain
-        tuple is read by :func:`~zbpp_lite.runtime.transport.message_key`. Safe from any
-        thread, also before :meth:`run_steps` has begun that step.
+        """Hand this executor what another process's rank sent it (see ``remote``) for step ``step``: a
+        :class:`~zbpp_lite.runtime.transport.Transfer` with a NumPy array (or a pytree's leaves), or an
+        :class:`~zbpp_lite.runtime.transport.OptimizerMessage` for local ``rank``; a plain tuple is read by
+        :func:`~zbpp_lite.runtime.transport.message_key`. Thread-safe, also before that step began.
 
         Raises:
             ValueError: an activation or gradient for no local stage, or an optimizer's message
@@ -701,11 +633,9 @@ class PipelineExecutor:
 
 def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,
                  devices: Sequence[Any] | None = None, timeout: float = 120.0, executor: str = "threads"):
-    """One step of ``schedule`` on ``model``, ``params`` defaulting to the model's own: with
-    ``executor="threads"`` one :meth:`PipelineExecutor.run` (a :class:`StepResult`; ``timeout``
-    as the executor's), with ``"spmd"`` one :meth:`~zbpp_lite.runtime.spmd.SpmdExecutor.run` (an
-    :class:`~zbpp_lite.runtime.spmd.SpmdResult`). For many steps keep one executor (its
-    functions compile once).
+    """One step of ``schedule`` on ``model`` (``params`` default: the model's): ``executor="threads"``
+    gives a :class:`StepResult`, ``"spmd"`` an :class:`~zbpp_lite.runtime.spmd.SpmdResult`. For many steps
+    keep one executor (it compiles once).
 
     Raises:
         ValueError: another ``executor``; otherwise as the executor's."""
@@ -723,9 +653,7 @@ def _leaves(value: Any) -> Any:
 
 
 def _placed(tree: Any, device) -> Any:
-    """``tree`` on ``device``: as it is when every leaf is already there (a training loop's
-    parameters after the optimizer step: ``jax.device_put`` would cost 0.5 ms per stage of the
-    benchmark job for nothing), else ``jax.device_put(tree, device)``."""
+    """``tree`` on ``device``, without a ``device_put`` when every leaf is already there."""
     sharding = jax.sharding.SingleDeviceSharding(device)
     if all(isinstance(a, jax.Array) and a.committed and a.sharding == sharding
            for a in jax.tree_util.tree_leaves(tree)):

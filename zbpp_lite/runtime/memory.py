@@ -1,15 +1,11 @@
 """The executor's memory recorder: the activation bytes each rank keeps alive, as they change.
 
-The executor calls it where it keeps or frees an array (one recorder per step):
-``keep(rank, key, arrays)`` / ``free(rank, key)`` from a rank's action, ``key`` = (what, stage,
-microbatch), what "res" (F's residuals for B), "kept" (W's operands, from F) or "grads" (B's
-output gradients for W), applied together at the action's end (:meth:`MemoryRecorder.settle`, as
-the plan's model changes memory once per action); ``receive(rank, key, value, t)`` when another
-rank's activation ("F", s, j) or input gradient ("B", s, j) arrives (any thread), freed by the
-action that consumes it. Bytes are ``size * itemsize`` of every leaf, taken when kept and given
-back when freed, so a buffer donated later is still counted right (F's outputs alias nothing; a
-test checks it). Cost: a few microseconds per action (``benchmarks/bench_memory.py``). The
-result is a :class:`~zbpp_lite.schedules.memory.MeasuredMemory`.
+One recorder per step: ``keep(rank, key, arrays)`` / ``free(rank, key)`` from an action, ``key`` = (what,
+stage, microbatch) with what "res" (F's residuals), "kept" (W's operands) or "grads" (B's output
+gradients), applied at the action's end (:meth:`MemoryRecorder.settle`); ``receive(rank, key, value, t)``
+when an activation ("F", s, j) or input gradient ("B", s, j) arrives, freed by its consumer. Bytes are
+``size * itemsize`` per leaf, counted when kept (so later donation does not matter). The result is a
+:class:`~zbpp_lite.schedules.memory.MeasuredMemory` (cost: ``benchmarks/bench_memory.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +24,7 @@ _BYTES: dict = {}  # (shape, dtype) -> bytes: the few shapes of a job, each work
 
 
 def nbytes(tree: Any) -> int:
-    """Bytes of every array leaf of ``tree`` (jax or NumPy arrays): the sum of the product of
-    each one's shape times its dtype's itemsize (read off a jax array's abstract value, about
-    half a microsecond a leaf; ``Array.size`` costs twice that)."""
+    """Bytes of every array leaf of ``tree`` (jax or NumPy): sum of ``prod(shape) * itemsize``."""
     total = 0
     for a in jax.tree_util.tree_leaves(tree):
         v = getattr(a, "aval", a)
@@ -72,8 +66,7 @@ class MemoryRecorder:
         self._pending[rank].append((key, None))
 
     def receive(self, rank: int, key: tuple, value: Any, t: float) -> None:
-        """``value`` arrived in rank ``rank``'s inbox under ``key`` at ``t`` seconds (a second
-        arrival under one key, a redone step's, replaces the first)."""
+        """``value`` arrived in ``rank``'s inbox under ``key`` at ``t`` s (a redone step's replaces it)."""
         size = nbytes(value)
         with self._lock:
             old = self._live[rank].pop(key, (0, True))[0]
@@ -127,8 +120,7 @@ class MemoryRecorder:
 
 
 class NoMemoryRecorder:
-    """A recorder that records nothing (``PipelineExecutor(record_memory=False)``): every
-    method of :class:`MemoryRecorder`, each returning None."""
+    """A recorder that records nothing (``PipelineExecutor(record_memory=False)``)."""
 
     def _nothing(self, *args: Any) -> None:
         return None
@@ -137,8 +129,7 @@ class NoMemoryRecorder:
 
 
 def device_peak_bytes(device: Any) -> int | None:
-    """``device.memory_stats()["peak_bytes_in_use"]``: the allocator's peak since the process
-    began, bytes, on a GPU or TPU; None where the device gives no count (CPU)."""
+    """The allocator's peak bytes since the process began (GPU, TPU); None where there is none (CPU)."""
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - a backend without the call has no count

@@ -1,21 +1,14 @@
 """One process per pipeline rank, each pinned to its own core: the cross-process transport.
 
-With ranks as threads of one process a waiting rank lends its core to the others (XLA's shared
-pool), so bubbles cost less than on real devices. Here each rank is its own process, pinned to
-one core before JAX starts, with one CPU device and a
-:class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its own rank (``ranks=[r], remote=...``):
-PyTorch pipelining's set-up, in which measured bubbles are real. Nothing crossing a process is
-unpickled: the ranks start with :mod:`subprocess` (``python -m zbpp_lite.runtime.processes``),
-their set-up given as JSON; between two ranks (:func:`connect`) an array goes into a
-shared-memory ring per direction, written by the sender's own thread, with a JSON notice through
-the pair's socket (small host values go as JSON); the parent talks to each rank through a control
-socket (:class:`Channel`, :mod:`~zbpp_lite.runtime.wire`'s messages).
-
-Measured on the 2-core machine (peer job, 1f1b, 128 KiB activations): from the producing action's
-end to the waiting consumer's start about 1 ms, mostly waking the idle rank (0.2 ms) and JAX's
-first call after idling (``jax.device_put``: 0.3 ms, 0.06 ms warm). JAX's distributed runtime
-(:mod:`.distributed`) is several times slower per crossing on CPU
-(``benchmarks/bench_transport.py`` measures both side by side).
+As threads of one process, a waiting rank lends its core to the others (XLA's shared pool), so bubbles
+cost less than on real devices. Here each rank is a process pinned to one core before JAX starts, with one
+CPU device and a :class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its rank (``ranks=[r],
+remote=...``): PyTorch pipelining's set-up. Nothing is unpickled: ranks start with :mod:`subprocess`
+(``python -m zbpp_lite.runtime.processes``) given JSON; between two ranks (:func:`connect`) an array goes
+through a shared-memory ring per direction with a JSON notice on the pair's socket; the parent talks to
+each rank over a control socket (:class:`Channel`, :mod:`~zbpp_lite.runtime.wire`). A crossing takes about
+1 ms on the 2-core machine, several times faster than :mod:`.distributed` on CPU
+(``benchmarks/bench_transport.py``).
 """
 
 from __future__ import annotations
@@ -42,17 +35,14 @@ from . import wire
 from .transport import Transfer, from_wire, to_wire
 
 RING_BYTES = 8 << 20
-"""Shared memory per direction between two ranks: room for 64 of the peer job's activations,
-where a step has at most 8 in flight each way (the sender waits if the receiver falls that far
-behind)."""
+"""Shared memory per direction between two ranks: 64 of the peer job's activations (8 in flight per step)."""
 _HEADER = 64  # the ring's first bytes: how far the receiver has read (uint64)
 ENV_SPEC = "ZBPP_RANK_SPEC"
 
 
 class Channel:
-    """A message link to one other process: ``send(obj)`` writes ``obj`` as one
-    :mod:`~zbpp_lite.runtime.wire` message (JSON, NumPy arrays as raw bytes beside it),
-    ``recv()`` parses the next one. ``recv`` raises ``EOFError`` when the other end has closed."""
+    """A message link to one other process: ``send(obj)`` / ``recv()`` one :mod:`~zbpp_lite.runtime.wire`
+    message; ``recv`` raises ``EOFError`` once the other end closed."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
@@ -76,8 +66,7 @@ def _pair() -> tuple[int, int]:
 
 
 def allowed_cores() -> list[int]:
-    """The cores this process may run on (``os.sched_getaffinity``; all of ``os.cpu_count()``
-    where that does not exist)."""
+    """The cores this process may run on (``os.sched_getaffinity``, else all)."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
@@ -88,8 +77,7 @@ class RankFailed(RuntimeError):
 
 
 def exit_reason(code: int) -> str:
-    """How a child process ended, from ``Popen.returncode``: "exited with status 3", or "was
-    killed by signal 9 (SIGKILL)"."""
+    """How a child ended: "exited with status 3", "was killed by signal 9 (SIGKILL)"."""
     if code >= 0:
         return f"exited with status {code}"
     try:
@@ -100,14 +88,12 @@ def exit_reason(code: int) -> str:
 
 
 def failed(procs: list) -> list[tuple[int, int]]:
-    """``(index, exit status)`` of every process of ``procs`` that has ended with a non-zero
-    status: the watch ``launch`` and :class:`RankProcesses` poll every 0.1 s."""
+    """``(index, exit status)`` of every process of ``procs`` that ended with a non-zero status."""
     return [(i, code) for i, code in enumerate(p.poll() for p in procs) if code not in (None, 0)]
 
 
 def end_process(proc: subprocess.Popen, group: bool = False) -> None:
-    """End a child we started, by its id: SIGKILL (JAX's preemption notifier catches SIGTERM),
-    to its whole session with ``group`` (a child started with ``start_new_session``)."""
+    """SIGKILL a child we started (JAX catches SIGTERM), its whole session with ``group``."""
     if proc.poll() is None:
         try:
             if group:
@@ -126,18 +112,15 @@ class RankProcesses:
     """``num_ranks`` processes, rank r running ``entry(rank, peers, control, config)``.
 
     Args:
-        entry: ``"package.module:function"``, or ``"path/to/file.py:function"``; imported in the
-            child after it pinned itself (so the module may import JAX at its top).
+        entry: ``"package.module:function"`` or ``"path/to/file.py:function"``, imported in the child
+            after pinning (it may import JAX at its top).
         num_ranks: processes to start, one per rank (>= 1).
-        config: JSON-ready settings handed to every rank as they are.
-        pin: pin rank r to the r-th allowed core (modulo their number); ``False`` leaves the
-            ranks free.
+        config: JSON-ready settings handed to every rank.
+        pin: pin rank r to the r-th allowed core (modulo their number); ``False`` leaves them free.
         env: extra environment variables for the children (e.g. ``XLA_FLAGS``).
 
-    ``controls[r]`` is the parent's :class:`Channel` to rank r. Use as a context manager, or
-    call :meth:`close`: it tells every rank to stop, waits, ends any that does not, and
-    removes the shared memory. Leaving the context on an exception (a rank failed, SIGTERM
-    turned into an exception by the command line) ends the ranks at once.
+    ``controls[r]`` is the parent's :class:`Channel` to rank r. Use as a context manager or call
+    :meth:`close`; leaving on an exception ends the ranks at once.
 
     Raises:
         ValueError: ``num_ranks`` below 1 or an entry without ``:function``.
@@ -202,13 +185,11 @@ class RankProcesses:
                 self._ended(r)
 
     def gather(self, timeout: float = 600.0) -> list:
-        """Every rank's next reply, in rank order. Waits on all ranks at once, and every 0.1 s
-        looks whether one of their processes has ended (:func:`failed`), so a rank killed
-        while another is waiting for it is reported at once.
+        """Every rank's next reply, in rank order, checking every 0.1 s for ended processes (:func:`failed`).
 
         Raises:
-            RankFailed: one line: a rank's error, a rank's process that ended (how: its exit
-                status or signal), or ranks that said nothing within ``timeout`` seconds.
+            RankFailed: one line: a rank's error, a rank's process that ended (exit status or signal),
+                or ranks silent for ``timeout`` seconds.
         """
         replies: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
@@ -243,8 +224,7 @@ class RankProcesses:
         raise RankFailed(f"rank {r}'s process {exit_reason(code)}")
 
     def close(self, timeout: float = 30.0) -> None:
-        """Tell every rank to stop and wait ``timeout`` seconds for each (0: end them at once),
-        end any still running (SIGKILL), and remove the shared memory."""
+        """Stop every rank (waiting ``timeout`` s each, then SIGKILL) and remove the shared memory."""
         for control in self.controls:
             try:
                 control.send(None)
@@ -273,16 +253,12 @@ def pin_to(core: int | None) -> None:
 
 
 def connect(peers: dict, executor_for):
-    """Build this rank's executor(s) with a ``remote`` that sends to the other ranks, and start one
-    receiver thread per link that hands what arrives to the right executor's ``deliver``.
+    """Build this rank's executor(s) with a ``remote`` sending to the other ranks, and start one receiver
+    thread per link feeding the right executor's ``deliver``.
 
-    ``peers`` is what the rank's entry was given. ``executor_for(remote)`` builds the executor;
-    or a dict ``{name: executor_for}`` builds several (one per schedule, run in turns: each
-    message carries its executor's name, so one arriving early for the next schedule's step
-    never reaches the wrong executor). ``remote`` runs in the rank's own thread and never waits
-    for the other rank: an array is copied into the shared-memory ring (:class:`_Ring`) and a
-    JSON notice written to the socket (a few hundred bytes, which the socket's buffer takes at
-    once); other values go through the socket as JSON. Returns the executor, or the dict
+    ``peers``: what the rank's entry was given. ``executor_for(remote)`` builds the executor, or a dict
+    ``{name: executor_for}`` several (run in turns; messages carry the name). ``remote`` never waits: an
+    array goes into the :class:`_Ring`, a JSON notice to the socket. Returns the executor or
     ``{name: executor}``; :func:`disconnect` ends the receivers.
     """
     single = callable(executor_for)
@@ -318,10 +294,7 @@ def disconnect(peers: dict) -> None:
 
 
 def _favour_this_thread() -> None:
-    """Give this (mostly sleeping) communication thread a higher priority than the rank's compute
-    on the one core the process is pinned to, so a message is taken in at once instead of after
-    the compute thread's time slice (Linux; needs the right to lower a nice value: as root, or
-    with CAP_SYS_NICE; otherwise nothing changes)."""
+    """Raise this communication thread's priority above the rank's compute (Linux, CAP_SYS_NICE)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
     except (AttributeError, OSError):
@@ -329,9 +302,8 @@ def _favour_this_thread() -> None:
 
 
 class _Ring:
-    """One direction's shared-memory ring: one writer (the sending rank), one reader (the other
-    rank's receiver thread). Arrays are written at 64-byte-aligned places in turn; the reader
-    stores in the header how far it has read, and the writer never overwrites what is unread."""
+    """One direction's shared-memory ring, one writer and one reader: 64-byte-aligned arrays in turn; the
+    header holds how far the reader got, and the writer never overwrites what is unread."""
 
     def __init__(self, name: str):
         self.shm = SharedMemory(name=name)  # the parent created it and removes it (RankProcesses.close)
@@ -369,8 +341,7 @@ class _Ring:
 
 
 class _Link:
-    """This rank's end of the link to one other rank: the pair's socket, the ring it writes and
-    the ring it reads."""
+    """This rank's end of a link: the pair's socket, the ring it writes and the ring it reads."""
 
     def __init__(self, fd: int, out: str, inc: str | None = None, **names):
         self.channel = Channel(Connection(fd))

@@ -1,62 +1,24 @@
 """The backward split: one stage's F, B, W and fused BW as jitted pure functions.
 
-Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241), section 2: the backward of
-``y = x W`` is the input gradient ``dx = dy W^T`` (B, on the critical path) and the weight
-gradient ``dW = x^T dy`` (W, which can wait and fill bubbles). Any stage function is split so:
+Qi et al. (arXiv 2401.10241) section 2: the backward of ``y = x W`` is B, ``dx = dy W^T`` (critical path),
+and W, ``dW = x^T dy`` (can wait and fill bubbles). A stage ``fn(params, x, aux) -> y`` is traced to a
+jaxpr (jit calls inlined); a *weight operation* has an operand that depends on the parameters only and an
+output that depends on parameters and activations (a kernel, a LayerNorm scale, a bias).
 
-1. The stage ``fn(params, x, aux) -> y`` is traced to a jaxpr (nested ``jit`` calls inlined).
-2. Every operation is marked by what it depends on: the parameters (P), the activations / input
-   / labels (A). A *weight operation* has an operand on P only (a kernel, a LayerNorm scale, a
-   broadcast bias) and an output on both; every path from a parameter to the output crosses one.
-3. F evaluates the stage with a zero "probe" added to each weight operation's output, under
-   ``jax.vjp`` with respect to the input and the probes only, and keeps B's residuals (less the
-   parameters, which B takes as inputs) and W's operands (``x`` of ``x W`` as the matrix ``x^T``;
-   the normalised input of a LayerNorm scale; nothing for a bias). An operand B's residuals hold
-   already (tanh's output, a checkpoint's input) is not kept again: B hands it to W (as ``x^T``
-   for a product), so F keeps what ``jax.vjp`` keeps (``h + tanh(sin(h @ a)) @ b``: 1.00x with
-   and without ``jax.checkpoint``, against 1.31x and 2.00x when kept twice).
-4. B runs that pullback: the input gradient (none for stage 0, whose input is data:
-   ``input_grad=False``) and the probes' gradients, each weight operation's output gradient.
-5. W takes the vjp, with respect to the parameters, of the weight operations alone on the kept
-   operands: ``x^T dy`` for a kernel (one row-major product on the stored ``x^T``), ``sum(dy)``
-   for a bias, ``sum(dy * x_hat)`` for a scale. No activation is recomputed; parameter-only
-   operations (reshapes, broadcasts) are re-derived from the parameters.
-6. BW is B then W in one jitted function, for GPipe and 1F1B.
-7. In the flat programs the executor runs (:class:`FlatStage`), B also computes the gradients of
-   the elementwise weight operations outside checkpoints (a bias, a LayerNorm scale and shift):
-   reductions of output gradients B has just made, which it then need not write out for W. W is
-   the weight products alone (the pytree functions keep every parameter gradient in W).
+1. F runs the stage under ``jax.vjp`` w.r.t. the input and a zero "probe" added to each weight operation's
+   output; it keeps B's residuals (less the parameters) and W's operands (``x^T`` for a product, ``x_hat``
+   for a scale, nothing for a bias), never twice: an operand B holds already is handed over by B.
+2. B runs that pullback: ``dx`` (none with ``input_grad=False``) and each weight operation's output gradient.
+3. W is the vjp of the weight operations alone on the kept operands (``x^T dy``, ``sum(dy)``,
+   ``sum(dy * x_hat)``); nothing is recomputed. BW is B then W in one program (GPipe, 1F1B).
+4. In the flat programs (:class:`FlatStage`) B also computes the elementwise weight gradients (bias, scale)
+   outside checkpoints; W is the products alone.
 
-Side effects (``jax.debug.print`` / ``callback``, equations without outputs) run in F only, never
-in B or W (inside a checkpoint B's recomputation runs them again, as ``jax.vjp``'s backward does).
-
-Activation checkpointing (``jax.checkpoint``, ``nnx.remat``): the body is inlined (its weight
-operations are found) and remembered as a region that F evaluates under ``jax.checkpoint`` with
-the same policy, so F keeps what the policy saves (B makes the zero probes anew). W's operands
-inside the region are recomputed by B, each as the gradient of a zero "sink" ``s`` in
-``sum(s * stop_gradient(operand))``, and handed to W. ``benchmarks/bench_split_targets.py``: F
-keeps 1.00x ``jax.vjp``'s bytes under the same policy, 28x with the checkpoint inlined.
-
-Layer stacks under ``scan`` (``jax.lax.scan``, ``nnx.scan``, a recurrent cell with shared
-weights) whose carries are activations or start from constants: the body is split like a stage;
-F scans it with one probe per weight operation and iteration (like ``xs``) and emits W's operands
-stacked (like ``ys``); B is the scan's pullback; W does each weight product once per layer (a
-batched ``x^T dy``). XLA's cost analysis: flops(B) + flops(W) = 1.00x the fused backward, W =
-1.003x the weight products (1.94x and 2.89x with the scan kept whole). Other loops (``while``, a
-carry starting from the parameters alone, a nested loop) stay one weight operation, whose W
-re-runs the loop's vjp. The ``scan`` equation is read on JAX 0.4.35 through 0.12
-(:func:`_scan_counts`); a parameter the split needs and does not find is refused in one line
-naming the primitive and the JAX version.
-
-Time (``benchmarks/bench_split_cost.py``, the peer job's stage, d = 128, 4 blocks, 32-sample
-microbatches, one CPU core): (T_B + T_W) / T_BW 1.06-1.09 with step 7, 1.08-1.15 without; the
-rest is a second program's dispatch and W reading its operands back. ``test_split.py``: flops(B)
-+ flops(W) within 5% of the fused backward, flops(W) within 5% of the weight products.
-
-Memory (section 2.1's M_B, M_W): F holds B's residuals and W's operands until B; from B to W the
-stage holds W's operands and the output gradients (in the flat programs those of the products
-only, and B's share of the parameter gradients): M_W is 60-80% of M_B on the project's model
-(lesson 5), against more than 80% with every gradient in W.
+Side effects run in F only. ``jax.checkpoint`` bodies are inlined and F evaluates them as a region under
+the same policy; W's operands inside are recomputed by B. A ``scan`` over a layer stack is split inside (W
+is one batched ``x^T dy`` per layer); other loops stay one weight operation whose W re-runs their vjp. The
+``scan`` equation is read on JAX 0.4.35 through 0.12. Cost and memory (section 2.1's M_B, M_W):
+``benchmarks/bench_split_cost.py``, ``benchmarks/bench_split_targets.py``, ``tests/test_split.py``.
 """
 
 from __future__ import annotations
@@ -75,20 +37,13 @@ except ImportError:  # pragma: no cover - older JAX
     from jax.core import Literal
 
 _INLINE = {"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat", "remat2"}
-"""Call primitives whose body is inlined, so weight operations inside them are found. A
-``scan`` over a layer stack is split inside (:class:`_Loop`); other primitives with a body
-(``while``, ``cond``, custom derivatives) stay whole: one that mixes parameters and activations
-is then one weight operation, and W re-runs its vjp."""
+"""Call primitives inlined so weight operations inside are found (``while`` etc. stay whole)."""
 _REMAT = {"checkpoint", "remat", "remat2"}
-"""Of those, the checkpoints (``jax.checkpoint``, ``nnx.remat``): their body is inlined, and also
-remembered as a :class:`_Region` that F evaluates under ``jax.checkpoint`` with its policy (a
-checkpoint nested in another, or in a split scan's body, is inlined into it)."""
+"""Checkpoints: inlined and remembered as a :class:`_Region` (nested ones belong to the outer one)."""
 _OPERAND_FREE = {"add", "sub", "add_any"}
 """Weight operations whose vjp for the parameter side does not read the other operand."""
 _IN_B = {"add", "sub", "mul", "add_any"}
-"""Elementwise weight operations whose parameter gradient the flat B computes (a bias, a
-LayerNorm's scale and shift): a reduction of an output gradient B has just computed, which B
-then need not write for W to read again."""
+"""Elementwise weight operations whose parameter gradient the flat B computes (module docstring, step 4)."""
 
 
 # ---------------------------------------------------------------------------- flat program
@@ -197,9 +152,7 @@ class _WeightOp:
 def _matmul_shape(
     node: _Node, weight_inputs: tuple[int, ...], kept_inputs: tuple[int, ...], avals
 ) -> tuple[int, int, int] | None:
-    """``(rows, k, n)`` when a weight operation is a plain product ``x @ w`` (a Linear layer):
-    ``dot_general`` of the activation x (lhs) over its trailing dimensions with the parameter w
-    (rhs) over its leading ones, no batch dimensions, one dtype; else ``None``."""
+    """``(rows, k, n)`` when a weight operation is a plain ``x @ w`` (no batch dims, one dtype), else None."""
     eqn = node.eqn
     if eqn.primitive.name != "dot_general" or weight_inputs != (1,) or kept_inputs != (0,):
         return None
@@ -216,10 +169,8 @@ def _matmul_shape(
 def _mark_program(
     prog: _Program, on_p: set, on_a: set, split_loop: Callable | None = None
 ) -> tuple[list, dict]:
-    """Mark every ref of ``prog`` as depending on the parameters (``on_p``) and / or the
-    activations (``on_a``), both updated in place, and find the weight operations. A node for
-    which ``split_loop(i, node)`` returns a :class:`_Loop` (a scan over a layer stack) is not a
-    weight operation: its body's are. Returns ``(weight_ops, {node index: _Loop})``."""
+    """Mark refs in ``on_p`` / ``on_a`` (updated in place); returns ``(weight_ops, {node index: _Loop})``.
+    A node for which ``split_loop(i, node)`` gives a :class:`_Loop` is not a weight op: its body's are."""
     weight_ops, loops = [], {}
     for i, node in enumerate(prog.nodes):
         if not node.outs:
@@ -252,9 +203,7 @@ def _mark_program(
 
 
 def _op_cotangent(node: _Node, op: _WeightOp, avals: dict, weights: tuple, dys: tuple, others: dict) -> tuple:
-    """The vjp of one weight operation with respect to its parameter operands ``weights``, for
-    its output gradients ``dys``; ``others``: its other operands by position (constants, kept
-    activations); an activation it does not read (a bias addition's) is a zero."""
+    """Vjp of one weight op w.r.t. ``weights`` for ``dys``; ``others``: its other operands by position."""
 
     def outputs(*weights):
         values = []
@@ -273,9 +222,7 @@ def _op_cotangent(node: _Node, op: _WeightOp, avals: dict, weights: tuple, dys: 
 
 @dataclass
 class _Loop:
-    """A ``scan`` over a layer stack, split inside: its body's weight operations get probes (one
-    per iteration, scanned like ``xs``) and W's operands come out stacked like ``ys``; W then
-    does each weight product once per iteration (a batched product), never the loop's vjp."""
+    """A ``scan`` split inside: probes go in like ``xs``, W's operands come out stacked like ``ys``."""
 
     body: _Program
     num_consts: int
@@ -291,8 +238,7 @@ class _Loop:
 
 
 def _unsupported(eqn, what: str) -> ValueError:
-    """The one-line refusal for an equation the split cannot read (a JAX whose params it does
-    not know): names the primitive, the JAX version, what is missing and what would work."""
+    """The one-line refusal for an equation whose params the split cannot read."""
     name = eqn.primitive.name
     return ValueError(
         f"the split cannot read JAX {jax.__version__}'s {name!r} equation: {what} "
@@ -309,10 +255,7 @@ def _param(eqn, key: str) -> Any:
 
 
 def _scan_counts(eqn) -> tuple[int, int]:
-    """``(number of constants, number of carries)`` of a ``scan`` equation, whose operands are
-    ``consts + carry + xs`` in every JAX: its ``num_consts`` and ``num_carry`` params up to JAX
-    0.11; in JAX 0.12, ``ft_in``, a flat tree packing the groups (consts, carry, xs) whose parts'
-    lengths count their operands (``ft_out`` packs (carry, ys); ``linear`` is gone).
+    """``(num_consts, num_carry)`` of a ``scan``: its params up to JAX 0.11, ``ft_in``'s groups in 0.12.
 
     Raises:
         ValueError: neither form (one line naming the primitive and the JAX version).
@@ -332,9 +275,7 @@ def _scan_counts(eqn) -> tuple[int, int]:
 
 
 def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | None:
-    """The :class:`_Loop` of a ``scan`` node whose carries are activations (or start from
-    constants, an RNN's zero state) and whose body holds no nested loop; ``None`` (the scan
-    stays one weight operation) otherwise, e.g. a carry that starts from the parameters alone."""
+    """The :class:`_Loop` of a ``scan`` with activation carries and no nested loop, else ``None``."""
     eqn = node.eqn
     if eqn.primitive.name != "scan":
         return None
@@ -376,18 +317,13 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
 
 
 class Handover(NamedTuple):
-    """What B hands W (section 2: B computes the output gradients, W consumes them later): a
-    pytree, so it is held, donated and packed like any tuple of arrays.
+    """What B hands W (section 2), a pytree of arrays.
 
     Attributes:
-        output_grads: the weight operations' output gradients W reads (in the flat programs each
-            distinct one once, none whose only use is B's share; in the pytree functions one per
-            probe, top-level ones first, then a split ``scan``'s stacked over its iterations).
-        recomputed: W's operands B hands over: those it recomputed inside checkpoints, in region
-            order, then those among its residuals that F did not keep twice (step 3).
-        b_grads: B's share of the parameter gradients, one per parameter leaf it covers (the
-            elementwise weight operations: step 7 of the module docstring); empty in the pytree
-            functions, whose W computes every gradient.
+        output_grads: weight operations' output gradients W reads (flat: each distinct one once; pytree
+            functions: one per probe, top-level first, then a split ``scan``'s stacked per iteration).
+        recomputed: W's operands recomputed in checkpoints (region order), then those held by B (step 1).
+        b_grads: B's share of the parameter gradients (step 4); empty in the pytree functions.
     """
 
     output_grads: tuple
@@ -397,27 +333,17 @@ class Handover(NamedTuple):
 
 @dataclass(frozen=True)
 class FlatStage:
-    """A stage's F, B, W and BW over flat tuples of arrays, for callers that run them many times
-    (the executor): ``p`` is ``tuple(jax.tree_util.tree_leaves(params))`` and gradient sums are
-    tuples of the same shapes, so a call costs no pytree walk over the parameters (tens of
-    microseconds each for Flax NNX state). ``x``, ``aux``, ``dy`` and ``dx`` are as in
-    :class:`StageSplit`. All four are ``jax.jit``-ed.
+    """A stage's jitted F, B, W and BW over flat tuples (``p = tuple(tree_leaves(params))``; no pytree walk
+    per call), what the executor runs. ``x``, ``aux``, ``dy``, ``dx`` as in :class:`StageSplit`.
 
-    - ``forward(p, x, aux, spare=None) -> (y, own, kept)``: ``own`` is B's residuals without
-      the parameters, then the operands of B's share of the parameter gradients.
-    - ``backward_input(p, own, dy, spare=None) -> (dx, handover)``: a :class:`Handover` of each
-      distinct output gradient W reads, once (a product and the bias addition after it share
-      one), W's operands B hands over (step 3; those recomputed in checkpoints), and B's share
-      of the parameter gradients (the elementwise weight operations', step 7).
-    - ``backward_weight(p, kept, handover, acc) -> acc + dparams``, or ``dparams`` when ``acc``
-      is ``None`` (a stage's first W of a step: no zeros to add to). It adds B's share.
-    - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``, ``acc`` as in W.
+    - ``forward(p, x, aux, spare=None) -> (y, own, kept)``: ``own`` is B's residuals less the parameters,
+      then the operands of B's share of the parameter gradients.
+    - ``backward_input(p, own, dy, spare=None) -> (dx, handover)``: a :class:`Handover`.
+    - ``backward_weight(p, kept, handover, acc) -> acc + dparams`` (``dparams`` when ``acc`` is None).
+    - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``.
 
-    ``acc`` is donated: its buffers take the sum in place, and the tuple passed in must not be
-    used again. So is ``spare``: arrays no longer needed, of the shapes of the outputs (an
-    earlier microbatch's ``own`` for F, its handover for B), whose memory the outputs take
-    over. Fresh memory costs page faults, tens of microseconds per megabyte on a virtual machine:
-    about 20% of F on this project's 2-core CPU machine, where F writes some 15 MB.
+    ``acc`` is donated (do not reuse it), and so is ``spare``: dead arrays of the outputs' shapes (an earlier
+    microbatch's ``own`` or handover) whose memory the outputs reuse, saving page faults (~20% of F on CPU).
     """
 
     forward: Callable
@@ -430,26 +356,20 @@ class StageSplit:
     """F, B, W and BW of one stage function, for one set of input shapes.
 
     Args:
-        fn: the stage, a pure ``fn(params, x, aux) -> y`` (any pytrees of arrays; ``aux`` is
-            not differentiated, e.g. the labels of the last stage, or ``None``).
+        fn: pure ``fn(params, x, aux) -> y`` over pytrees of arrays; ``aux`` (labels, or None) is not
+            differentiated.
         params, x, aux: example arguments (only shapes and dtypes are used).
-        input_grad: whether B returns the gradient for ``x`` (False for the first stage, whose
-            input is the data).
+        input_grad: whether B returns ``dx`` (False for the first stage, whose input is data).
 
-    The four functions are pure (arrays in, arrays out) and run jitted programs:
+    Pure functions running jitted programs:
 
-    - ``forward(params, x, aux) -> (y, res, kept)``: the output, B's residuals (a tuple of
-      arrays; the parameters B needs as they are, e.g. a kernel for ``dy W^T``, are among
-      them as the very arrays given, not copies) and W's operands (a tuple of arrays).
-    - ``backward_input(res, dy) -> (dx, handover)``: the input gradient (``None`` when
-      ``input_grad`` is false) and a :class:`Handover`: every weight operation's output
-      gradient, and W's operands B hands over (recomputed in checkpoints, or held by B: step 3).
-    - ``backward_weight(params, kept, handover, acc) -> acc + dparams``: the parameter
-      gradients, added to the accumulator ``acc`` (same pytree as ``params``).
+    - ``forward(params, x, aux) -> (y, res, kept)``: B's residuals (the parameters B needs among them,
+      not copied) and W's operands, tuples of arrays.
+    - ``backward_input(res, dy) -> (dx, handover)``: ``dx`` (None without ``input_grad``), :class:`Handover`.
+    - ``backward_weight(params, kept, handover, acc) -> acc + dparams`` (``acc``: pytree like ``params``).
     - ``backward_fused(params, res, kept, dy, acc) -> (dx, acc + dparams)``: B then W.
 
-    ``weight_gradient(params, kept, handover)`` is W without the accumulator. ``flat`` holds
-    the same programs over flat tuples of arrays (:class:`FlatStage`), what the executor calls.
+    ``weight_gradient(params, kept, handover)`` is W without ``acc``; ``flat`` is a :class:`FlatStage`.
 
     Raises:
         ValueError: an output that does not depend on the stage input, or a non-float output; W
@@ -543,10 +463,7 @@ class StageSplit:
         self._mark_regions()
 
     def _mark_b_share(self, in_region: set) -> None:
-        """B's share of the parameter gradients (flat programs only): the elementwise weight
-        operations outside checkpoints (a bias, a LayerNorm's scale and shift), whose gradient is
-        a reduction of an output gradient B computes anyway (see _small_grads); the operands
-        they read and the parameter leaves they reach."""
+        """Mark B's share (step 4): elementwise weight ops outside checkpoints, their operands and leaves."""
         prog, weight_ops = self._prog, self.weight_ops
         self._b_ops = frozenset(
             j
@@ -572,8 +489,7 @@ class StageSplit:
         self._b_leaves = tuple(i for i, r in enumerate(self._param_refs) if r in reached)
 
     def _mark_regions(self) -> None:
-        """Each checkpoint region's inputs, outputs, probes, and the W operands defined inside
-        it that F does not keep (B recomputes them, as the checkpoint's own backward does)."""
+        """Each checkpoint region's inputs, outputs, probes and the W operands B recomputes inside it."""
         prog = self._prog
         slots = [("k", r) for r in self._kept_refs] + [("t", r, shape) for r, shape in self._kept_t_refs]
         recomputed: list = []
@@ -607,8 +523,7 @@ class StageSplit:
 
     @staticmethod
     def _slot(env, slot):
-        """A W operand's value: ``x`` as it is ("k"), the product's ``x^T`` ("t"), or a loop's
-        stacked over its iterations ("l": put in ``env`` under the slot by the loop)."""
+        """A W operand: ``x`` ("k"), a product's ``x^T`` ("t"), or a loop's stacked per iteration ("l")."""
         if slot[0] == "l":
             return env[slot]
         return env[slot[1]] if slot[0] == "k" else env[slot[1]].reshape(slot[2]).T
@@ -648,9 +563,8 @@ class StageSplit:
 
     @property
     def weight_primitives(self) -> tuple[str, ...]:
-        """The primitive of every weight operation, in program order (``dot_general`` for a
-        matrix product, ``mul`` for a scale, ``add`` for a bias, ...), then those inside each
-        split ``scan`` (a layer stack) as ``"scan/dot_general"``, ..."""
+        """Each weight operation's primitive in program order (``dot_general``, ``mul``, ``add``, ...),
+        then those inside each split ``scan`` as ``"scan/dot_general"``, ..."""
         top = tuple(self._prog.nodes[op.node].eqn.primitive.name for op in self.weight_ops)
         return top + tuple(
             f"scan/{loop.body.nodes[op.node].eqn.primitive.name}"
@@ -669,10 +583,8 @@ class StageSplit:
     def _evaluate(
         self, p_leaves, x_leaves, aux_leaves, probes: dict[int, Any], sinks: dict | None = None
     ) -> tuple[dict, list]:
-        """The stage's values by ref, and one "tick" per checkpoint region that has W operands
-        for B to recompute: ``sum(sink * stop_gradient(operand))``, zero in F (the sinks are
-        zeros), whose pullback with cotangent 1 gives ``d tick / d sink = operand``, recomputed
-        inside the checkpoint's backward from what its policy saved."""
+        """The stage's values by ref, and one "tick" ``sum(sink * stop_gradient(operand))`` per region with
+        W operands (zero in F); its pullback gives ``d tick / d sink = operand``, recomputed by B."""
         prog = self._prog
         env = dict(zip(self._param_refs, p_leaves))
         env.update(zip(self._x_refs, x_leaves))
@@ -765,15 +677,13 @@ class StageSplit:
         return y, own + b_kept, tuple(v for k, v in enumerate(kept) if shared[k] is None)
 
     def _split_own(self, own) -> tuple[tuple, tuple]:
-        """F's ``own``: B's residuals (less the parameters), then the operands of B's share of
-        the parameter gradients (``_b_kept_refs``)."""
+        """F's ``own`` as (B's residuals less the parameters, operands of B's share ``_b_kept_refs``)."""
         n = len(own) - len(self._b_kept_refs)
         return tuple(own[:n]), tuple(own[n:])
 
     def _residuals(self, p_leaves, own, like=None):
-        """B's residuals in the pullback's order: F's outputs ``own`` (less its tail of B's
-        operands) with the parameters put back and the zero probes made anew (``zeros_like(like)``:
-        inside shard_map, of its axes)."""
+        """B's residuals in pullback order: ``own`` with the parameters put back and zero probes made anew
+        (``zeros_like(like)``: inside shard_map, of its axes)."""
         if self._res_params is None:
             raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
         rest = iter(self._split_own(own)[0])
@@ -807,8 +717,7 @@ class StageSplit:
         return jax.tree_util.tree_unflatten(self._params_tree, list(g_leaves))
 
     def _parameter_values(self, p_leaves) -> dict:
-        """Every parameter-only and constant value of the program by ref (a broadcast bias, a
-        reshaped kernel), never an activation: what the weight operations' parameter side reads."""
+        """Every parameter-only and constant value by ref (a broadcast bias, a reshaped kernel)."""
         env = dict(zip(self._param_refs, p_leaves))
         for node in self._prog.nodes:
             if not node.outs or any(r in self._on_a for r in node.outs):
@@ -837,11 +746,7 @@ class StageSplit:
         return others
 
     def _small_grads(self, p_leaves, b_kept, probe_grads) -> tuple:
-        """B's share of the parameter gradients, one per leaf of ``_b_leaves``: those of the
-        elementwise weight operations (``_b_ops``: a bias ``sum(dy)``, a LayerNorm scale
-        ``sum(dy * x_hat)``), computed in B from the output gradients it has just made, instead
-        of being written out by B and read back by W (on XLA:CPU that round trip is most of what
-        the split costs beyond the fused backward: ``benchmarks/bench_split_cost.py``)."""
+        """B's share of the parameter gradients (step 4), one per leaf of ``_b_leaves``."""
         ops, grads = sorted(self._b_ops), iter(probe_grads)
         dys = [tuple(next(grads) for _ in op.probed) for op in self.weight_ops]
 
@@ -867,8 +772,7 @@ class StageSplit:
         )
 
     def _cotangent(self, j: int, weights, dys, constants: dict, kept_env: dict, kept_t=None) -> tuple:
-        """Weight operation ``j``'s cotangent for its parameter operands ``weights``: ``x^T dy``
-        for a product (``kept_t``: its ``x^T`` by ref), else the vjp of the operation alone."""
+        """Weight op ``j``'s cotangent: ``x^T dy`` (``kept_t``: ``x^T`` by ref), else its vjp."""
         op = self.weight_ops[j]
         node = self._prog.nodes[op.node]
         if op.matmul is not None and kept_t is not None:
@@ -879,11 +783,9 @@ class StageSplit:
         )
 
     def _weight_gradient_flat(self, p_leaves, kept, grads_out, recomputed, in_b=frozenset()):
-        """The parameter gradients, one per leaf. ``kept``: F's W operands (``_f_kept``), then
-        (when W does every gradient) the operands of B's share (``_b_kept_refs``); ``grads_out``:
-        every probe's gradient (``None`` for those of ``in_b``); ``recomputed``: the operands B
-        hands over (``_b_slots``, then ``_shared``'s); ``in_b``: the weight operations (indices)
-        whose gradients B computed, left out here."""
+        """The parameter gradients, one per leaf. ``kept``: ``_f_kept`` (then ``_b_kept_refs`` when W does
+        all); ``grads_out``: each probe's gradient; ``recomputed``: ``_b_slots`` then ``_shared``'s;
+        ``in_b``: weight ops (indices) whose gradients B computed, left out."""
         if self._f_kept is None:
             raise RuntimeError("StageSplit: call forward before backward_weight (W reads what F keeps)")
         n_f, handed = len(self._f_kept), self._b_slots + tuple(slot for slot, _ in self._shared)
@@ -922,8 +824,7 @@ class StageSplit:
         return tuple(g_leaves)
 
     def _loop_cotangents(self, i: int, operands: dict, weights_by_op, constants: dict, grads) -> tuple:
-        """A split loop's weight operations' cotangents: each weight product once per iteration,
-        batched over them (``dw_l = x_l^T dy_l``); ``grads`` yields the loop's output gradients."""
+        """A split loop's cotangents, batched over iterations (``dw_l = x_l^T dy_l``)."""
         loop, cts = self._loops[i], []
         for op, weights in zip(loop.weight_ops, weights_by_op):
             node, dys = loop.body.nodes[op.node], tuple(next(grads) for _ in op.probed)
@@ -950,8 +851,7 @@ class StageSplit:
         return tuple(cts)
 
     def _loop_operands(self, i: int, env: dict) -> tuple:
-        """A split loop's weight operands, stacked over its iterations (the body's parameter-only
-        operations, vmapped), and the body's constants its weight operations read."""
+        """A split loop's weight operands stacked per iteration, and the body constants they read."""
         node, loop = self._prog.nodes[i], self._loops[i]
         nc, nk = loop.num_consts, loop.num_carry
         known = [None if isinstance(r, int) and r in self._on_a else self._read(env, r) for r in node.ins]
@@ -1021,10 +921,7 @@ class StageSplit:
 
 
 def compiled_flops(fn: Callable, *args: Any) -> float:
-    """XLA's own flop count of ``jax.jit(fn)`` compiled for ``args`` (the backend's cost analysis).
-
-    ``cost_analysis()`` returns a dict in recent JAX and a list with one dict per computation in
-    older versions; both are handled.
+    """XLA's flop count of ``jax.jit(fn)`` compiled for ``args`` (``cost_analysis()``, dict or list).
 
     Raises:
         RuntimeError: the backend reports no flop count.
@@ -1042,18 +939,15 @@ def _nbytes(leaves) -> int:
 
 
 def forward_kept_bytes(split: StageSplit, params: Any, x: Any, aux: Any = None) -> int:
-    """Bytes F keeps per microbatch until B and W: B's residuals less the parameters (which B
-    takes as they are) plus W's operands (the sum of ``(own, kept)``'s array sizes). Shapes
-    only: nothing is computed. Section 2.1's M_B, measured on the program."""
+    """Bytes F keeps per microbatch for B and W (``own`` + ``kept``, shapes only): section 2.1's M_B."""
     p = tuple(jax.tree_util.tree_leaves(params))
     _, own, kept = jax.eval_shape(split.flat.forward, p, x, aux)
     return _nbytes(jax.tree_util.tree_leaves((own, kept)))
 
 
 def vjp_residual_bytes(fn: Callable, params: Any, x: Any, aux: Any = None) -> int:
-    """Bytes ``jax.vjp`` of ``fn(params, x, aux)`` with respect to ``(params, x)`` keeps for its
-    backward, less the parameters themselves (as :func:`forward_kept_bytes` counts): the
-    reference for a split's memory, e.g. under the same checkpoint policy."""
+    """Bytes ``jax.vjp`` of ``fn`` w.r.t. ``(params, x)`` keeps less the parameters: the reference for
+    :func:`forward_kept_bytes`."""
     sizes: list = []
 
     def residuals(params, x):

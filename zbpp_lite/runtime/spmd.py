@@ -1,38 +1,19 @@
 """The compiled SPMD executor: a whole schedule as one jitted program over a mesh axis ``stage``.
 
-Where :class:`~zbpp_lite.runtime.executor.PipelineExecutor` runs one thread per rank (MPMD), this
-module compiles a :class:`~zbpp_lite.schedules.ir.Schedule` into one program every rank runs in
-lockstep, the form TPU pods use:
+Where :class:`~zbpp_lite.runtime.executor.PipelineExecutor` runs one thread per rank (MPMD), this compiles
+a :class:`~zbpp_lite.schedules.ir.Schedule` into one program every rank runs in lockstep (as on TPU pods):
+:func:`tick_tables` gives static per-tick tables (:func:`zbpp_lite.schedules.simulate.lockstep_ticks`);
+the program is ``lax.scan`` over ticks inside ``shard_map``, each tick a ``lax.switch`` on (kind, stage),
+then one message sent with two ``lax.ppermute`` to ranks r+1 and r-1 (1F1B, looped and V placements).
+Received values wait in per-(chunk, microbatch) buffers; the switch returns only the tick's slot values
+(``benchmarks/bench_spmd.py``). Stage s is ``StagedModel.stage_fn(s)`` split by
+:class:`~zbpp_lite.runtime.split.StageSplit`, so results match the thread executor. Every rank's program
+holds every stage's F, B, W, BW; per-stage values live in flat vectors per dtype (:class:`Packing`);
+activations need one structure at every boundary (:meth:`SpmdExecutor.boundary`).
 
-1. :func:`tick_tables`: the schedule as static per-tick tables
-   (:func:`zbpp_lite.schedules.simulate.lockstep_ticks`): per tick and rank the action kind, the
-   rank's chunk and the microbatch, and what arrives at the end of the tick.
-2. The program is ``lax.scan`` over the ticks inside ``shard_map``: each tick every rank does
-   ``lax.switch`` on (kind, stage) (idle, F, B, W, BW), then its one message (an activation or an
-   input gradient) travels with two ``lax.ppermute``, to ranks r+1 and r-1 (cyclic): the 1F1B,
-   looped and V placements.
-3. Received values wait in per-(chunk, microbatch) buffers. The switch returns only the tick's
-   slot values, written back outside it: a switch passing the whole carry through made XLA copy
-   every buffer each tick (4.3x the MPMD step time, now 1.6x: ``benchmarks/bench_spmd.py``).
-
-The stages are the staged model's own: stage s is ``StagedModel.stage_fn(s)`` split by
-:class:`~zbpp_lite.runtime.split.StageSplit` (its flat programs, as the thread executor calls
-them), so any model the thread executor runs gives the same loss and gradients (integer token
-inputs too). Costs of one program for stages that differ: every rank's program holds every
-stage's F, B, W, BW (1 + 4 S branches, compile time grows with S); per-stage values (parameters,
-residuals, W's operands, B's hand-over, sums) live in one flat vector per dtype sized for the
-largest stage (:class:`Packing`); activations must have one structure at every boundary, else
-:meth:`SpmdExecutor.boundary` refuses the model in one line.
-
-JAX issue #40823: a ``lax.switch`` whose index varies over a mesh axis, applied to an input
-replicated over it, can return wrong gradients (the implicit broadcast transposes to a ``psum``
-only some ranks reach). So every replicated input and every loop carry made inside ``shard_map``
-is first made varying (:func:`to_varying`); ``tests/test_spmd.py`` keeps a test that fails
-without it. Lockstep: every tick lasts as long as its slowest action (:func:`zbpp_lite.simulate`
-with ``lockstep=True`` predicts it); buffers hold every microbatch (m slots per chunk + scratch).
-
-Sources: Qi et al., arXiv 2401.10241, sections 2-3; the V placement and ZB-V, arXiv 2405.15362,
-section 3.
+JAX issue #40823: a ``lax.switch`` whose index varies over a mesh axis can return wrong gradients for an
+input replicated over it, so replicated inputs and loop carries are made varying (:func:`to_varying`).
+Sources: Qi et al., arXiv 2401.10241, sections 2-3; V placement and ZB-V, arXiv 2405.15362, section 3.
 """
 
 from __future__ import annotations
@@ -60,8 +41,7 @@ AXIS = "stage"
 KIND_CODE = {"F": 1, "B": 2, "W": 3, "BW": 4}
 """Action kind -> branch index of the tick's ``lax.switch`` (0 is idle)."""
 NO_BUFFER, ACT_BUFFER, GRAD_BUFFER = 0, 1, 2
-"""Where an arriving message goes: nowhere, the activation buffer (input of a later F), the
-gradient buffer (output gradient of a later B or BW)."""
+"""Where an arriving message goes: nowhere, the activation buffer (F's input), the gradient buffer (B's)."""
 SOURCES = ("left", "right", "self")
 """Where a message can come from: rank r-1 (cyclic), rank r+1 (cyclic), the rank itself."""
 
@@ -75,12 +55,8 @@ except AttributeError:  # pragma: no cover - older JAX
 
 
 def to_varying(x: Any, axis: str = AXIS) -> Any:
-    """Mark every leaf of ``x`` as varying over ``axis`` (see the module docstring, #40823).
-
-    ``lax.pcast(x, axis, to="varying")`` in current JAX, ``lax.pvary`` in JAX 0.6-0.7; identity
-    where JAX has no varying-axes types (nothing to fix there). Leaves already varying stay as
-    they are.
-    """
+    """Mark every leaf of ``x`` as varying over ``axis`` (#40823): ``lax.pcast`` / ``lax.pvary``, identity
+    where JAX has no varying-axes types."""
     if hasattr(lax, "pcast"):
         cast = lambda a: lax.pcast(a, axis, to="varying")  # noqa: E731
     elif hasattr(lax, "pvary"):  # pragma: no cover - JAX 0.6-0.7
@@ -91,8 +67,7 @@ def to_varying(x: Any, axis: str = AXIS) -> Any:
 
 
 def varying_axes(x: Any) -> frozenset:
-    """The mesh axes a traced value varies over: ``aval.vma`` in JAX 0.6-0.9,
-    ``aval.manual_axis_type.varying`` from JAX 0.10; empty outside ``shard_map``."""
+    """The mesh axes a traced value varies over (empty outside ``shard_map``)."""
     aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
     vma = getattr(aval, "vma", None)
     if vma is None:
@@ -105,12 +80,10 @@ class TickTables:
     """A schedule's lockstep program as static integer tables (NumPy int32).
 
     Attributes:
-        kind, chunk, microbatch: ``(num_ranks, num_ticks)``: what rank r does in tick t (kind 0
-            idle, else :data:`KIND_CODE`), on which of its chunks (index into
-            ``schedule.stages_of(r)``) and which microbatch.
-        recv: ``{source: (buffer, chunk, microbatch)}`` for each of :data:`SOURCES`, each table
-            ``(num_ranks, num_ticks)``: where the message arriving at the end of tick t from that
-            source is stored (buffer :data:`NO_BUFFER` when none arrives).
+        kind, chunk, microbatch: ``(num_ranks, num_ticks)``: rank r's action in tick t (kind 0 idle, else
+            :data:`KIND_CODE`), its chunk (index into ``schedule.stages_of(r)``) and microbatch.
+        recv: ``{source: (buffer, chunk, microbatch)}`` per :data:`SOURCES`, tables as above: where the
+            message arriving at the end of tick t is stored (:data:`NO_BUFFER`: none).
     """
 
     kind: np.ndarray
@@ -128,9 +101,8 @@ def tick_tables(schedule: Schedule) -> TickTables:
 
     Raises:
         ScheduleError: an invalid schedule.
-        ValueError: ranks holding different numbers of stages, a transfer between ranks that
-            are not neighbours on the ring (only r -> r+1, r -> r-1 and r -> r travel), or an
-            overlapped F&B pair (DualPipeV's): a tick runs one action per rank.
+        ValueError: ranks holding different numbers of stages, a transfer beyond ring neighbours, or an
+            F&B pair.
     """
     validate(schedule)
     if schedule.has_pairs:
@@ -175,8 +147,7 @@ def tick_tables(schedule: Schedule) -> TickTables:
 
 @dataclass(frozen=True)
 class Packing:
-    """Where each leaf of a per-stage pytree sits in one flat vector per dtype: how one SPMD
-    program holds values whose structure differs from stage to stage (see the module docstring).
+    """Where each leaf of a per-stage pytree sits in one flat vector per dtype.
 
     Attributes:
         dtypes: the vectors' dtypes (NumPy dtypes, bfloat16 too; sorted by name).
@@ -184,8 +155,7 @@ class Packing:
         trees: per stage, the pytree structure.
         slots: per stage, per leaf: ``(vector index, offset, shape)``.
 
-    :meth:`pack` works on NumPy (host) and JAX (traced) values alike; :meth:`unpack` is static
-    slices and reshapes.
+    :meth:`pack` takes NumPy or traced JAX values; :meth:`unpack` is static slices and reshapes.
     """
 
     dtypes: tuple
@@ -247,8 +217,7 @@ class SpmdResult:
 
 @dataclass(frozen=True)
 class _Stage:
-    """One global stage inside the program: its split (traced on values varying over the axis)
-    and its index; the packings of what it keeps are shared by all stages (:class:`_Traced`)."""
+    """One global stage inside the program: its index and split."""
 
     index: int
     split: StageSplit
@@ -258,8 +227,7 @@ class _Stage:
 
 @dataclass(frozen=True)
 class _Traced:
-    """Every stage's split and the packings of F's residuals (``own``), W's operands (``kept``)
-    and B's hand-over to W (``gout``), from the stages' traced shapes."""
+    """Every stage's split and the packings of ``own``, ``kept`` and B's hand-over ``gout``."""
 
     stages: tuple
     own: Packing
@@ -269,27 +237,21 @@ class _Traced:
 
 
 class SpmdExecutor:
-    """A schedule compiled into one jitted SPMD program over the mesh axis ``stage``, running the
-    staged model's own stages (see the module docstring).
+    """A schedule compiled into one jitted SPMD program over the mesh axis ``stage``.
 
     Args:
-        model: the staged model (its ``num_stages`` must be the schedule's): any list of parts the
-            thread executor runs, stages as different as their parts are.
-        schedule: any valid schedule whose ranks hold equally many stages and whose transfers go
-            to ring neighbours (1f1b, zb-h1, zb-h2, interleaved, zb-v, ...).
-        devices: one device per rank (default ``jax.devices()[:p]``); in a multi-process run the
-            global devices, any process's.
-        vary_replicated: make replicated inputs varying before the switch (the #40823 fix). Only
-            tests turn it off, to show what goes wrong without it.
+        model: the staged model (``num_stages`` as the schedule's).
+        schedule: a valid schedule with equally many stages per rank and ring-neighbour transfers (1f1b,
+            zb-h1, zb-h2, interleaved, zb-v, ...).
+        devices: one per rank (default ``jax.devices()[:p]``); multi-process: the global devices.
+        vary_replicated: the #40823 fix; only tests turn it off.
 
-    :meth:`run` takes the model's parameters, a global batch ``x`` (b, ...) of any dtype the
-    first stage takes (float32 features, int32 tokens) and ``labels`` (b, ...), and returns an
-    :class:`SpmdResult`. Compilation happens on the first call for a batch shape.
+    :meth:`run` takes ``params``, a global batch ``x`` (b, ...) of any dtype (float32 features, int32
+    tokens) and ``labels`` (b, ...), and returns an :class:`SpmdResult`; it compiles once per batch shape.
 
     Raises:
-        ScheduleError: an invalid schedule. ValueError: a model with another number of stages, an
-        unsupported placement (see :func:`tick_tables`), too few devices; at :meth:`run`, before
-        anything runs, stages that pass on activations of different structures
+        ScheduleError: an invalid schedule. ValueError: another number of stages, an unsupported
+        placement (:func:`tick_tables`), too few devices; at :meth:`run`, differing boundaries
         (:meth:`boundary`) or a batch that does not divide into microbatches.
     """
 
@@ -312,8 +274,7 @@ class SpmdExecutor:
         self._compiled: dict = {}
 
     def pack_params(self, params: Params) -> tuple:
-        """Every rank's stages' parameters, one NumPy array ``(p, stages per rank, size)`` per
-        dtype (:class:`Packing`)."""
+        """Every rank's stages' parameters, one NumPy array ``(p, stages per rank, size)`` per dtype."""
         packing, model = self.params_packing, self.model
         per_stage = [packing.pack(s, jax.tree_util.tree_map(np.asarray, model.stage_params(params, s)), np)
                      for s in range(model.num_stages)]
@@ -329,13 +290,11 @@ class SpmdExecutor:
         return self.model.join_stage_params(per_stage)
 
     def boundary(self, x_mb: Any) -> Any:
-        """What every stage passes to the next, as ``jax.ShapeDtypeStruct`` (a pytree of them for
-        tuple or dict activations), for a microbatch shaped like ``x_mb``; a float32 scalar
-        stand-in for a single stage.
+        """What every stage passes to the next for microbatch ``x_mb``, as (a pytree of)
+        ``jax.ShapeDtypeStruct``; a float32 scalar for a single stage.
 
         Raises:
-            ValueError: two boundaries with different structures, shapes or dtypes (one line: both,
-                and what would work).
+            ValueError: two boundaries with different structures, shapes or dtypes.
         """
         shapes = self.model.stage_inputs(x_mb)[1:]
         if not shapes:
@@ -353,9 +312,8 @@ class SpmdExecutor:
         return shapes[0]
 
     def _trace_stages(self, p_packed: tuple, tokens: Any, labels: Any, boundary: Any) -> _Traced:
-        """Every global stage's :class:`~zbpp_lite.runtime.split.StageSplit`, traced inside
-        ``shard_map`` on values varying over the axis (the split replays primitives one by one,
-        so the varying-axes casts must be in its program), and the packings of what they keep."""
+        """Every stage's :class:`~zbpp_lite.runtime.split.StageSplit`, traced inside ``shard_map`` on varying
+        values, and the packings of what they keep."""
         model, S = self.model, self.model.num_stages
         x_between = to_varying(jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), boundary))
         stages, own, kept, gout = [], [], [], []
@@ -376,9 +334,7 @@ class SpmdExecutor:
         return _Traced(tuple(stages), Packing.of(own), Packing.of(kept), Packing.of(gout), loss)
 
     def _branches(self, traced: _Traced, p_packed: tuple, tokens: Any, labels: Any, zero_msg: Any) -> list:
-        """The tick's branches: idle, then F, B, W, BW of every stage (kind-major, as
-        ``1 + (kind - 1) * S + stage``; a kind the schedule never uses stays idle). Each returns
-        the tick's slot values (see :meth:`_outputs`)."""
+        """The tick's branches: idle, then F, B, W, BW of every stage at ``1 + (kind - 1) * S + stage``."""
         pk, m = self.params_packing, self.schedule.num_microbatches
         seed = to_varying(jnp.full(traced.loss.shape, 1.0 / m, traced.loss.dtype))  # as PipelineExecutor's
         used = {a.kind for row in self.schedule.actions for a in row}
@@ -430,17 +386,15 @@ class SpmdExecutor:
 
     def _outputs(self, traced: _Traced, zero_msg: Any, *, own=None, kept=None, gout=None, grads=None,
                  msg=None, loss=None) -> dict:
-        """A branch's results, every field present (zeros where the kind produces none), all
-        varying over the axis so that every branch returns the same types."""
+        """A branch's results, every field present (zeros if none) and varying, so branches' types match."""
         return to_varying(dict(
             own=own or traced.own.zeros(), kept=kept or traced.kept.zeros(), gout=gout or traced.gout.zeros(),
             grads=grads or self.params_packing.zeros(), msg=zero_msg if msg is None else msg,
             loss=jnp.zeros((), jnp.float32) if loss is None else loss.reshape(())))
 
     def _program(self, x_mb: Any, labels_mb: Any):
-        """The jitted program for microbatches shaped like ``x_mb`` and ``labels_mb``
-        (``jax.ShapeDtypeStruct``): ``(kind, chunk, microbatch, recv, stage_of, params, tokens,
-        labels) -> (losses, gradient sums)``, every output replicated."""
+        """The jitted ``(kind, chunk, microbatch, recv, stage_of, params, tokens, labels) -> (losses,
+        gradient sums)`` for microbatches like ``x_mb``, ``labels_mb``; outputs replicated."""
         m = self.schedule.num_microbatches
         boundary = self.boundary(x_mb)  # refuses differing boundaries before anything is traced
         v = self.stage_of.shape[1]
@@ -477,9 +431,7 @@ class SpmdExecutor:
                                   **{_CHECK_ARG: True}))
 
     def _tick(self, branches: list, stage_of: Any, n: int):
-        """One tick of rank ``lax.axis_index``'s program, for ``lax.scan`` over the tick tables:
-        the switch over (kind, stage), the slot values written back outside it, then the
-        message sent both ways round the ring and stored where the tables say."""
+        """One tick for ``lax.scan``: the switch, its slot values written back, the message passed on."""
         m, S, tmap = self.schedule.num_microbatches, self.model.num_stages, jax.tree_util.tree_map
         to_right, to_left = [(i, (i + 1) % n) for i in range(n)], [(i, (i - 1) % n) for i in range(n)]
 
@@ -523,8 +475,7 @@ class SpmdExecutor:
             np.shape(a), sharding, lambda idx, a=np.asarray(a): a[idx]), value)
 
     def inputs(self, params: Params, x: Any, labels: Any) -> tuple:
-        """The program's arguments (global arrays) for ``params`` and a batch; ``x`` keeps its
-        dtype (integer tokens stay integers)."""
+        """The program's arguments (global arrays) for ``params`` and a batch (``x`` keeps its dtype)."""
         m = self.schedule.num_microbatches
         # each keeps its dtype, as jax.device_put would give it (float64 -> float32 without x64)
         x, labels = (np.asarray(a, jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)) for a in (x, labels))
@@ -544,8 +495,7 @@ class SpmdExecutor:
         return self._compiled[key]
 
     def run(self, params: Params, x: Any, labels: Any) -> SpmdResult:
-        """One step: loss and gradients of the global-batch mean loss (gradients summed over
-        microbatches from the seed 1/m, as the MPMD executor). See the class docstring."""
+        """One step: loss and gradients of the global-batch mean loss (seed 1/m, as the MPMD executor)."""
         args = self.inputs(params, x, labels)
         losses, acc = self.compiled(args)(*args)
         losses, acc = jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), (losses, acc))

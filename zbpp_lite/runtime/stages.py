@@ -1,13 +1,9 @@
 """A model as a list of modules, cut into pipeline stages: the runtime's view of any model.
 
-:class:`StagedModel` takes a list of Flax NNX modules ``[first, *blocks, last]`` and a loss, cuts
-it into ``num_stages`` stages of whole modules (:func:`stage_parts`) and gives each stage's pure
-function and its backward split (:class:`~zbpp_lite.runtime.split.StageSplit`). The executor,
-SPMD and the profilers work on this class only, so any list of NNX modules whose state is
-parameters only runs in a pipeline, not just this project's digits Transformer
-(:mod:`zbpp_lite.training.model`). :func:`microbatch_size` cuts a global batch into microbatches.
-
-Layer: runtime (imports the schedules layer and JAX, nothing above).
+:class:`StagedModel` cuts ``[first, *blocks, last]`` (Flax NNX modules or ``(fn, params)`` pairs) and a
+loss into stages of whole modules (:func:`stage_parts`), each a pure function with its backward split
+(:class:`~zbpp_lite.runtime.split.StageSplit`). The executors and profilers use only this class, so any
+such model runs in a pipeline. :func:`microbatch_size` cuts a global batch into microbatches.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ def microbatch_size(batch: int, num_microbatches: int) -> int:
     """Samples per microbatch of a global batch.
 
     Raises:
-        ValueError: a batch that does not divide into the microbatches (the message suggests one
-            that does).
+        ValueError: a batch that does not divide into the microbatches (the message suggests one).
     """
     m = num_microbatches
     if batch < 1 or batch % m:
@@ -66,8 +61,7 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 def stage_parts(num_blocks: int, num_stages: int) -> list[list[int]]:
     """Indices of the parts (0 = first module, 1..N = blocks, N+1 = last module) in each stage.
 
-    Block boundaries at ``round(i * N / S)``, the first module with stage 0, the last with stage
-    S-1: the rule of the PyTorch benchmark's ``stage_parts``.
+    Block boundaries at ``round(i * N / S)`` (as the PyTorch benchmark's ``stage_parts``).
 
     Raises:
         ValueError: fewer blocks than stages (a stage would hold no block), or num_stages < 1.
@@ -89,29 +83,23 @@ def stage_parts(num_blocks: int, num_stages: int) -> list[list[int]]:
 class StagedModel:
     """A model given as a list of parts ``[first, *blocks, last]``, cut into stages.
 
-    Each part is a Flax NNX module (``module(x) -> y``, parameters only) or a plain function
-    with its parameters, a pair ``(fn, params)`` with ``fn(params, x) -> y`` pure and ``params``
-    any pytree of floating-point arrays. What passes between parts and stages may be one array or
-    a pytree of them (a tuple ``(hidden, residual)``, a dict): every output leaf must depend on
-    the stage input and be floating point. This is the "pipeline your own model" path (README;
-    notebook 06): e.g. ``StagedModel([embed, (block_fn, block_params), head], 2, my_loss,
-    parts=[[0, 1], [2]])``.
+    Each part is a Flax NNX module (``module(x) -> y``, parameters only) or a pair ``(fn, params)`` with
+    pure ``fn(params, x) -> y`` and ``params`` a pytree of float arrays. Between parts flows one array or a
+    pytree (tuple, dict) whose leaves are float and depend on the stage input. See README / notebook 06.
 
     Attributes:
         num_stages: S.
-        parts: ``parts[s]`` lists the module indices of stage s (:func:`stage_parts`, or the
-            ``parts`` argument: a custom contiguous partition, e.g. from the rebalancer).
-        params: the parameters, one ``nnx.State`` per module (a list; pytrees of float32 arrays).
+        parts: ``parts[s]``: stage s's module indices (:func:`stage_parts`, or a custom contiguous
+            partition via ``parts``).
+        params: one ``nnx.State`` per module (a list; pytrees of float32 arrays).
 
-    Stage s is the pure function :meth:`stage_fn` ``(stage_params, x, labels) -> y``: stage 0
-    takes the input batch, the last stage returns the scalar ``loss_fn(logits, labels)``, the
-    others ignore ``labels``. :meth:`split_stage` gives its F, B, W and BW
-    (:class:`~zbpp_lite.runtime.split.StageSplit`); :meth:`loss` is the unpartitioned model on a whole batch.
+    :meth:`stage_fn` is stage s's pure ``(stage_params, x, labels) -> y`` (the last returns the scalar
+    ``loss_fn(logits, labels)``); :meth:`split_stage` its :class:`~zbpp_lite.runtime.split.StageSplit`;
+    :meth:`loss` the unpartitioned model on a whole batch.
 
     Raises:
-        ValueError: fewer than two modules, fewer blocks than stages, a module holding state
-            other than parameters (batch statistics, RNG counters), or a part that is neither an
-            NNX module nor a ``(fn, params)`` pair.
+        ValueError: fewer than two modules, fewer blocks than stages, a module with non-parameter state
+            (batch statistics, RNG counters), or a part neither an NNX module nor ``(fn, params)``.
     """
 
     def __init__(self, modules: Sequence[nnx.Module | tuple[Callable, Any]], num_stages: int,
@@ -173,8 +161,7 @@ class StagedModel:
         return fn
 
     def stage_inputs(self, x: Any) -> list[Any]:
-        """Shape and dtype of every stage's input for a (micro)batch shaped like ``x``: a
-        ``jax.ShapeDtypeStruct``, or a pytree of them where a stage passes a tuple or dict on."""
+        """Every stage's input for a batch like ``x``, as (a pytree of) ``jax.ShapeDtypeStruct``."""
         shapes = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))]
         for s in range(self.num_stages - 1):
             shapes.append(jax.eval_shape(self.stage_fn(s), self.stage_params(self.params, s), shapes[-1],
@@ -182,13 +169,8 @@ class StagedModel:
         return shapes
 
     def split_stage(self, stage: int, x: Any, labels: Any = None) -> StageSplit:
-        """F, B, W and BW of ``stage`` (:class:`~zbpp_lite.runtime.split.StageSplit`) for a stage input
-        shaped like ``x`` and, on the last stage, labels shaped like ``labels``.
-
-        Cached by what the stage computes (its modules' structure, first / last, loss, shapes),
-        so stages alike (in this model or another) share one set of jitted functions, compiled
-        once per device.
-        """
+        """The :class:`~zbpp_lite.runtime.split.StageSplit` of ``stage`` for inputs like ``x`` (and
+        ``labels`` on the last stage), cached by what the stage computes so alike stages share one."""
         last = stage == self.num_stages - 1
         aux = labels if last else None
         params = self.stage_params(self.params, stage)
@@ -212,9 +194,8 @@ class StagedModel:
 
 
 def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None:
-    """Raise a one-line ValueError when a stage of ``model`` passes a pytree (a tuple or dict of
-    arrays) to the next, for an ``executor`` that moves only single arrays between stages; ``x``
-    is a microbatch (an array or a ``jax.ShapeDtypeStruct``)."""
+    """Raise a one-line ValueError when a stage passes a pytree on, for an ``executor`` that moves single
+    arrays; ``x``: a microbatch (array or ``jax.ShapeDtypeStruct``)."""
     for s, shape in enumerate(model.stage_inputs(x)[1:]):
         if not isinstance(shape, jax.ShapeDtypeStruct):
             n = len(jax.tree_util.tree_leaves(shape))
@@ -225,8 +206,7 @@ def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None
 
 
 class _Fn:
-    """A plain-function part's stand-in for a graphdef: hashable by the function itself, so
-    :meth:`StagedModel.split_stage`'s cache shares splits between stages running one function."""
+    """A plain-function part's stand-in for a graphdef, hashable by the function (for the split cache)."""
 
     __slots__ = ("fn",)
 

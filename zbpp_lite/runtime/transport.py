@@ -1,21 +1,16 @@
 """What ranks send each other, the inbox it waits in, and the transports that carry it.
 
-Two named records cross between ranks (threads, processes, hosts): :class:`Transfer` ``(kind,
-stage, microbatch, attempt)``, an activation ("F", for stage s+1) or input gradient ("B", for
-stage s-1) as :func:`~zbpp_lite.schedules.ir.produces` names it, with the attempt of its step (1
-once a speculative warm-up was redone after a post-validation rollback); and
-:class:`OptimizerMessage` ``(tag, sender)``, a host value an optimizer step in the rank loop sends
-(e.g. ``("FULL", p-1)``: the full gradient norm). Across processes a record goes as a JSON object
-(:func:`to_wire` / :func:`from_wire`), never pickled. :class:`Inbox` is where a rank's inputs wait.
+Records crossing between ranks: :class:`Transfer` ``(kind, stage, microbatch, attempt)``, an activation
+("F", for stage s+1) or input gradient ("B", for s-1) as :func:`~zbpp_lite.schedules.ir.produces` names
+it (attempt 1 once a speculative warm-up was redone); :class:`OptimizerMessage` ``(tag, sender)``, a host
+value from an optimizer step (e.g. ``("FULL", p-1)``). Across processes a record is JSON
+(:func:`to_wire` / :func:`from_wire`). :class:`Inbox` is where a rank's inputs wait.
 
-The rank loop (:meth:`zbpp_lite.runtime.executor.PipelineExecutor._walk`) sends through a
-:class:`Transport` and does not know whether the receiver is a thread, a process or a host:
-:class:`Threads` (straight into the receiver's inbox), :class:`Carrier` (other processes of this
-machine, through ``remote``: :func:`zbpp_lite.runtime.processes.connect`), and
-``distributed._CrossProcess`` (JAX's distributed runtime, across hosts). Add one: a
-:class:`Threads` subclass whose ``send`` gets ``value`` into rank ``rank``'s inbox of ``step`` (on
-the receiving side through ``PipelineExecutor.deliver`` or the inbox's ``put``), never waiting
-for the receiver; ``start`` and ``finish`` if it needs threads or a gather.
+The rank loop sends through a :class:`Transport`: :class:`Threads` (into the receiver's inbox),
+:class:`Carrier` (other processes via ``remote``: :func:`zbpp_lite.runtime.processes.connect`),
+``distributed._CrossProcess`` (across hosts). Add one as a :class:`Threads` subclass whose ``send`` gets
+``value`` into rank ``rank``'s inbox of ``step`` without waiting for the receiver (plus ``start`` /
+``finish`` if it needs threads or a gather).
 
 Layer: runtime (no JAX import).
 """
@@ -30,8 +25,7 @@ from ..schedules.ir import Key
 
 
 class Transfer(NamedTuple):
-    """An activation ("F", s, j: for stage s+1) or input gradient ("B", s, j: for stage s-1) on
-    its way, computed in ``attempt`` of its step."""
+    """An activation ("F", s, j: for s+1) or input gradient ("B", s, j: for s-1), from ``attempt``."""
 
     kind: str
     stage: int
@@ -49,8 +43,7 @@ class Transfer(NamedTuple):
 
 
 class OptimizerMessage(NamedTuple):
-    """A value an optimizer step inside the rank loop sends (``tag``, e.g. "NORM", "PARTIAL",
-    "FULL") from rank ``sender``."""
+    """A value an optimizer step in the rank loop sends (``tag``: "NORM", "PARTIAL", "FULL", ...)."""
 
     tag: str
     sender: int
@@ -99,8 +92,7 @@ class Aborted(Exception):
 
 
 class Interrupted(Exception):
-    """A wait of a speculative warm-up was cut short: the verdict on the previous step's optimizer
-    step arrived (``newer`` False), or a sender already redoes this step (``newer`` True)."""
+    """A speculative wait cut short: the verdict arrived (``newer`` False) or a sender redoes the step."""
 
     def __init__(self, newer: bool):
         super().__init__()
@@ -108,9 +100,8 @@ class Interrupted(Exception):
 
 
 class Inbox:
-    """What other ranks sent to one rank in one step, keyed by :class:`~zbpp_lite.schedules.ir.Key`
-    or :class:`OptimizerMessage`, each value with the attempt it was computed in (a take waits for
-    its own attempt's and drops older ones). A rank's inboxes of all steps share one condition."""
+    """What other ranks sent one rank in one step, keyed by :class:`~zbpp_lite.schedules.ir.Key` or
+    :class:`OptimizerMessage`, with attempts (a take drops older ones); one condition per rank."""
 
     def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None,
                  where: str = ""):
@@ -130,10 +121,8 @@ class Inbox:
 
     def take(self, key: InboxKey, timeout: float, action: Any, attempt: int = 0,
              interrupt: Callable[[], bool] | None = None) -> Any:
-        """The value sent under ``key`` in ``attempt``; ``action`` (an Action, or a description
-        such as "the optimizer step") names what waits, for the timeout's message. With
-        ``interrupt``, the wait ends with :class:`Interrupted` once ``interrupt()`` is true or
-        the value of a later attempt is there."""
+        """The value sent under ``key`` in ``attempt`` (``action`` names the waiter in the timeout's
+        message); raises :class:`Interrupted` once ``interrupt()`` is true or a later attempt's is there."""
         deadline = time.perf_counter() + timeout
         with self.cond:
             while True:
@@ -162,16 +151,13 @@ class Inbox:
 class Transport(Protocol):
     """How what a rank sends reaches the rank that takes it (module docstring).
 
-    ``send`` is the one method the rank loop calls; the executor also calls ``start`` (threads
-    that run beside the ranks, e.g. a cross-host mover), ``finish`` (the step results made
-    whole, e.g. gathered from every process) and reads ``where`` (what names this process in an
-    error, "" in one process). :class:`Threads` gives the defaults."""
+    The executor calls ``send``, ``start`` (threads beside the ranks) and ``finish`` (results made whole)
+    and reads ``where`` (this process's name in errors). :class:`Threads` gives the defaults."""
 
     where: str
 
     def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
-        """``value`` under ``key`` for rank ``rank`` in ``step`` (the executor's step in flight;
-        ``step.index`` numbers it over the executor's life); never waits for the receiver."""
+        """``value`` under ``key`` for rank ``rank`` in ``step``; never waits for the receiver."""
 
     def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
         """Threads to run beside the rank threads over ``steps`` (``shapes``: every stage's input)."""
@@ -181,8 +167,7 @@ class Transport(Protocol):
 
 
 class Threads:
-    """Every rank a thread of this process: ``put(step, key, value, rank)`` (the executor's)
-    puts the value into the receiving rank's inbox, on its stage's device."""
+    """Every rank a thread of this process: ``put(step, key, value, rank)`` fills the receiver's inbox."""
 
     where = ""
 
@@ -200,9 +185,8 @@ class Threads:
 
 
 class Carrier(Threads):
-    """Ranks ``local`` threads of this process (as :class:`Threads`), the others reached through
-    ``remote(rank, key, value, step_number)``; an activation or input gradient goes as an array,
-    or a pytree as its list of leaves (``leaves(value)``)."""
+    """Ranks ``local`` as threads, the others via ``remote(rank, key, value, step_number)`` (a pytree as
+    ``leaves(value)``)."""
 
     def __init__(self, put, local: Any, remote: Callable[[int, Any, Any, int], None],
                  leaves: Callable[[Any], Any]):

@@ -1,18 +1,15 @@
-"""What crosses a process or host boundary, as bytes: JSON, with NumPy arrays as raw bytes beside
-it (dtype, shape), parsed on the way in and never unpickled.
+"""What crosses a process or host boundary: JSON with NumPy arrays as raw bytes beside it, never pickled.
 
 Layout of one message (all integers little-endian)::
 
     b"ZBW1" | header length (8 bytes) | header: UTF-8 JSON | array bytes, one after another
 
-The header is ``{"value": V, "arrays": [{"dtype": "<f4", "shape": [3, 4], "nbytes": 48}, ...]}``;
-inside ``V`` an array is ``{"$array": i}`` (its index in ``arrays``) and a non-finite float is
-``{"$float": "nan"}`` (or ``"inf"``, ``"-inf"``), so the header is strict JSON and NaN still
-crosses (:mod:`zbpp_lite.schedules.strict_json`). Values are JSON's own
-(dict with str keys, list, str, int, float, bool, None), tuples (sent as lists) and NumPy arrays
-or scalars of a numeric or bool dtype (NumPy scalars cross as 0-d arrays). Anything else (an
-object array, a dict with non-str keys or the key ``"$array"`` or ``"$float"``) raises
-``TypeError`` on encoding; a malformed message raises ``ValueError`` naming what is wrong.
+The header is ``{"value": V, "arrays": [{"dtype": "<f4", "shape": [3, 4], "nbytes": 48}, ...]}``; in
+``V`` an array is ``{"$array": i}`` and a non-finite float ``{"$float": "nan"}`` (strict JSON:
+:mod:`zbpp_lite.schedules.strict_json`). Values: JSON's own (str dict keys), tuples (sent as lists), NumPy
+arrays or scalars of numeric or bool dtype (scalars as 0-d arrays). Anything else (object arrays,
+non-str keys, the keys ``"$array"`` / ``"$float"``) raises ``TypeError``; a malformed message raises
+``ValueError`` naming what is wrong.
 """
 
 from __future__ import annotations
