@@ -156,8 +156,7 @@ class CostTable:
 
     def duration(self, entry: Entry) -> float:
         """Duration of a rank's list entry: an Action's :meth:`time`, or a pair's T_F&B (its forward stage's
-        ``fb``; else both parts' times).
-        """
+        ``fb``; else both parts' times)."""
         if isinstance(entry, Overlap):
             f, b = entry.forward, entry.backward
             return self.fb[f.stage] if self.fb else self.time("F", f.stage) + self.time(b.kind, b.stage)

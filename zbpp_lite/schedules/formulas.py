@@ -57,8 +57,7 @@ def bubble_time(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: fl
 
 def bubble_rate(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
     """bubble / (bubble + m (T_F + T_B + T_W)); (p - 1) / (m + p - 1) for 1F1B and GPipe at equal costs.
-    Raises as :func:`bubble_time`.
-    """
+    Raises as :func:`bubble_time`."""
     bubble = bubble_time(name, p, m, f, b, w)
     work = m * (f + b + w)
     return bubble / (bubble + work) if bubble + work > 0 else 0.0
@@ -71,7 +70,6 @@ def makespan(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float
 
 def peak_memory(name: str, p: int, m: int) -> int:
     """Rank 0's peak activation memory in M_B: GPipe m, 1F1B and ZB-H1 p, ZB-H2 2p - 1 (each at most m).
-    Raises as :func:`bubble_time`.
-    """
+    Raises as :func:`bubble_time`."""
     _check(name, p, max(m, 2 * p - 1) if name == "zb-h2" else max(m, p), 1.0, 1.0, 0.0)
     return min(m, {"gpipe": m, "1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name])

@@ -20,8 +20,7 @@ FUSE_SUFFIX = "+fuse"
 
 def fuse_adjacent(schedule: Schedule) -> Schedule:
     """``schedule`` with every fusable B, W pair run as one BW (overlapped pairs left alone); a new Schedule,
-    same placement and m, named ``name + "+fuse"`` ("" stays "").
-    """
+    same placement and m, named ``name + "+fuse"`` ("" stays "")."""
     S, placement = schedule.num_stages, schedule.placement
     needed_elsewhere = {key for rank, row in enumerate(schedule.actions) for entry in row
                         for a in parts(entry) for key in deps(a, S) if placement[key.stage] != rank}

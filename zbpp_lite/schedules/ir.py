@@ -163,8 +163,7 @@ def v_placement(num_ranks: int) -> tuple[int, ...]:
 
 class Key(NamedTuple):
     """What an action produces or needs: kind "F" (activation), "B" (input gradient) or "W" (weight
-    gradient) of ``stage`` on ``microbatch``; equal to the tuple ``(kind, stage, microbatch)``.
-    """
+    gradient) of ``stage`` on ``microbatch``; equal to the tuple ``(kind, stage, microbatch)``."""
 
     kind: str
     stage: int

@@ -102,8 +102,7 @@ class MeasuredMemory:
 
     def to_json(self) -> dict:
         """A JSON-ready dict: per-rank peaks, per-stage M_B and M_W (bytes), device peaks (or null), and the
-        curves as [time s, bytes] pairs.
-        """
+        curves as [time s, bytes] pairs."""
         return {
             "peak_bytes": list(self.peak_bytes),
             "peak_received_bytes": list(self.peak_received_bytes),

@@ -134,8 +134,7 @@ class Timeline:
 
     def memory_curve(self, rank: int, costs: Costs | CostTable | None = None) -> list[tuple[float, float]]:
         """(time, activation memory) steps for one rank, rising at an F's start, falling at a backward's end;
-        ``costs`` defaults to ``memory_costs`` (else ``Costs()``).
-        """
+        ``costs`` defaults to ``memory_costs`` (else ``Costs()``)."""
         stages = 1 + max((e.action.stage for e in self.events), default=0)
         costs = costs or self.memory_costs or Costs()
         table = costs.table(stages) if isinstance(costs, Costs) else costs

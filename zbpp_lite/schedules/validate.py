@@ -16,8 +16,7 @@ from .ir import Action, Entry, Key, Overlap, Schedule, deps, parts, produces
 
 class ScheduleError(ValueError):
     """A schedule that cannot run as written; ``rank``, ``step``, ``action`` (the step's entry, maybe an
-    :class:`Overlap`) locate it, ``None`` where no single place (e.g. a missing action).
-    """
+    :class:`Overlap`) locate it, ``None`` where no single place (e.g. a missing action)."""
 
     def __init__(self, message: str, rank: int | None = None, step: int | None = None,
             action: Entry | None = None):
@@ -36,8 +35,7 @@ def describe(action: Entry) -> str:
 
 def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, window: int = 8) -> str:
     """The rank x step grid in PyTorch notation; ``mark=(rank, step)`` brackets one cell and shows only
-    ``window`` steps either side.
-    """
+    ``window`` steps either side."""
     lo, hi = 0, max((len(r) for r in schedule.actions), default=0)
     if mark is not None:
         lo, hi = max(0, mark[1] - window), min(hi, mark[1] + window + 1)

@@ -1,7 +1,6 @@
 """Figure of a bubble attribution: the timeline with each idle stretch coloured by its cause, and idle
 time per blamed stage stacked by cause (causes: :mod:`zbpp_lite.analysis.attribute`, arXiv 2401.10241
-sections 2-3).
-"""
+sections 2-3)."""
 
 from __future__ import annotations
 

@@ -152,8 +152,7 @@ SLOW_MIDDLE = Costs(f=[1.0, 2.0, 1.0], b=[1.0, 2.0, 1.0], w=[1.0, 2.0, 1.0])
 
 def makespan_1f1b(answer: Any) -> Verdict:
     """Exercise 1.1: 1F1B's makespan for p = 3, m = 6, T_F = 1, T_BW = 2 (twice on stage 1:
-    :data:`SLOW_MIDDLE`), T_comm = 0; predicted.
-    """
+    :data:`SLOW_MIDDLE`), T_comm = 0; predicted."""
     expected = simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE).makespan
     return _number_check(
         "1.1", answer, expected, "1F1B's makespan with a slow stage 1",
@@ -184,8 +183,7 @@ def lean_schedule(actions: Any) -> Verdict:
     """Exercise 1.3: a valid schedule for p = 3, m = 4 (stage r on rank r) in which no rank holds more than
     2 microbatches' activations (1F1B's rank 0 holds 3): three lists of actions in PyTorch's text form
     (``"0F1"``, ``"1B0"`` fused, ``"1I0"``/``"1W0"`` split) or :class:`~zbpp_lite.schedules.ir.Action`.
-    Checked with :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs, peak <= 2 M_B).
-    """
+    Checked with :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs, peak <= 2 M_B)."""
     hint = ("each rank may start at most 2 forwards before its first backward; stage 0's backward needs "
             "stage 1's, which needs stage 2's, so count what each rank can run while it waits.")
     if _unanswered(actions):
@@ -213,8 +211,7 @@ def lean_schedule(actions: Any) -> Verdict:
 
 def peak_memory_1f1b(fn: Any) -> Verdict:
     """Exercise 1.4: ``held(p, m, r)``, rank r's peak activations under 1F1B in M_B; checked at p = 1..6,
-    m = 1..9, every rank.
-    """
+    m = 1..9, every rank."""
     points = [(p, m, r) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 9) for r in range(p)]
     table: dict[tuple[int, int], tuple[float, ...]] = {}
 
@@ -265,8 +262,7 @@ def w_flops(fn: Any) -> Verdict:
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
     """Exercise 2.2: ``w_flops_recompute(n, widths)``, the same when B keeps no output gradients, so W
-    rebuilds them from the stage's output gradient (activation derivative not counted).
-    """
+    rebuilds them from the stage's output gradient (activation derivative not counted)."""
 
     def recompute(n, w):
         back = [_matmul(n, b, a) for a, b in itertools.pairwise(w)][1:]  # dz_{l+1} @ W_{l+1}.T; not dx
@@ -281,8 +277,7 @@ def w_flops_without_kept_gradients(fn: Any) -> Verdict:
 
 def first_stage_b_ratio(answer: Any) -> Verdict:
     """Exercise 2.3: on the *first* stage (no dx needed), B's matmul flops over F's of the two-layer MLP;
-    predicted.
-    """
+    predicted."""
     n, (d0, d1, d2) = MLP_TOKENS, MLP_WIDTHS
     f = _matmul(n, d0, d1) + _matmul(n, d1, d2)
     b = _matmul(n, d2, d1)  # da = dy @ W2.T; dh @ W1.T (dx) is skipped
@@ -309,8 +304,7 @@ def zb_h1_makespan(answer: Any) -> Verdict:
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:
     """Exercise 3.2: ``peak(p, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B (m >= 2p,
-    M_W = ``mem_w``); checked for p = 2..6, every rank, M_W in 0 .. 1.
-    """
+    M_W = ``mem_w``); checked for p = 2..6, every rank, M_W in 0 .. 1."""
     ps, mem_ws = (2, 3, 4, 5, 6), (0.0, 0.25, 0.5, 1.0)
     peaks = {(p, mw): simulate(build_schedule("zb-h2", p, 2 * p + 1), Costs(mem_w=mw)).peak_memory
              for p in ps for mw in mem_ws}
@@ -322,8 +316,7 @@ def zb_h2_peak_memory(fn: Any) -> Verdict:
 
 def zb_h1_bubble(fn: Any) -> Verdict:
     """Exercise 3.3: ``bubble(p, m, f, b, w)``, ZB-H1's makespan minus m(T_F+T_B+T_W), T_comm = 0, for
-    T_W below and above T_F; checked at points with T_F != T_B.
-    """
+    T_W below and above T_F; checked at points with T_F != T_B."""
     points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
               (2, 4, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 7, 1.5, 1.0, 2.5)]
     return _function_check(
@@ -351,8 +344,7 @@ def _auto(limit: float):
 
 def bw_break_even(fn: Any) -> Verdict:
     """Exercise 4.1: ``break_even(p, m, f, b, w)``, the T_BW at which 1F1B and ZB-H1 take the same
-    makespan (T_W <= T_F, T_comm = 0); checked against both simulations.
-    """
+    makespan (T_W <= T_F, T_comm = 0); checked against both simulations."""
     points = [(4, 8, 1.0, 1.0, 1.0), (2, 4, 1.0, 1.2, 0.6), (8, 24, 18.522, 18.086, 9.337),
               (3, 9, 2.0, 2.0, 1.0), (5, 5, 1.0, 0.5, 0.25)]
 
@@ -376,8 +368,7 @@ def _auto_rates() -> list[float]:
 
 def bubble_floor_limit(answer: Any) -> Verdict:
     """Exercise 4.2: the smallest whole memory limit (M_B, from 4) at which zb-auto's bubble rate on
-    :data:`AUTO_CASE` reaches its floor over :data:`AUTO_LIMITS`; predicted.
-    """
+    :data:`AUTO_CASE` reaches its floor over :data:`AUTO_LIMITS`; predicted."""
     rates = _auto_rates()
     expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
     return _number_check("4.2", answer, expected, "the limit where the bubble stops falling",
@@ -387,8 +378,7 @@ def bubble_floor_limit(answer: Any) -> Verdict:
 
 def auto_warmup(fn: Any) -> Verdict:
     """Exercise 4.3: ``warmup(p, limit, r)``, the F rank r runs before its first B when zb-auto plans
-    :data:`AUTO_CASE` under ``limit`` M_B; checked at limits 4 to 9, every rank.
-    """
+    :data:`AUTO_CASE` under ``limit`` M_B; checked at limits 4 to 9, every rank."""
     plans = {lim: _auto(float(lim)).schedule for lim in AUTO_LIMITS[:-1]}
 
     def counted(p, limit, r):
@@ -405,8 +395,7 @@ def auto_warmup(fn: Any) -> Verdict:
 
 def v_transfers(fn: Any) -> Verdict:
     """Exercise 5.1: ``transfers(p)``, rank-to-rank crossings of one microbatch's forward in the V placement;
-    checked for p = 1..8.
-    """
+    checked for p = 1..8."""
 
     def count(p):
         place = _v(p)
@@ -434,8 +423,7 @@ def zb_v_first_zero(answer: Any) -> Verdict:
 
 def zb_v_makespan(fn: Any) -> Verdict:
     """Exercise 5.3: ``makespan(p, m, t)``, ZB-V's makespan for m >= p with T_F = T_B = T_W = t, T_comm = 0;
-    checked for p = 2, 3, 5, m = p .. 2p + 1, t in (1, 0.5).
-    """
+    checked for p = 2, 3, 5, m = p .. 2p + 1, t in (1, 0.5)."""
     points = [(p, m, t) for p in (2, 3, 5) for m in range(p, 2 * p + 2) for t in (1.0, 0.5)]
     # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
     return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
@@ -483,8 +471,7 @@ INTERLEAVED_COMM = Costs(f=0.5, b=0.5, w=0.5, comm=0.1)
 
 def interleaved_makespan(answer: Any) -> Verdict:
     """Exercise 6.2: interleaved 1F1B's makespan for p = 4, m = 8, v = 2, per-stage costs 0.5,
-    T_comm = 0.1 (:data:`INTERLEAVED_COMM`).
-    """
+    T_comm = 0.1 (:data:`INTERLEAVED_COMM`)."""
     expected = simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM).makespan
     return _number_check("6.2", answer, expected, "interleaved 1F1B's makespan with T_comm = 0.1",
                          "work m(T_F+T_B+T_W) per rank in whole-rank costs, 1F1B's bubble divided by v, and "
@@ -494,8 +481,7 @@ def interleaved_makespan(answer: Any) -> Verdict:
 
 def interleaved_peak(fn: Any) -> Verdict:
     """Exercise 6.3: ``peak(p, v, r)``, rank r's peak activations under interleaved 1F1B (m >= 2p) in one
-    stage's M_B; checked for p = 2..5, v = 1..4, every rank, m = 2p and 3p.
-    """
+    stage's M_B; checked for p = 2..5, v = 1..4, every rank, m = 2p and 3p."""
     def held(p, v, m):
         return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory
 
@@ -551,8 +537,7 @@ def balanced_partition(answer: Any) -> Verdict:
 
 def best_split(fn: Any) -> Verdict:
     """Exercise 7.3: ``best_split(costs)``, the front layers on stage 0 of a two-stage contiguous cut that
-    minimises the slower stage (any optimum is right).
-    """
+    minimises the slower stage (any optimum is right)."""
     lists = [LAYER_COSTS, (3.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 5.0), (2.0, 2.0),
              (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), (5.0, 1.0, 1.0, 1.0, 1.0, 1.0)]
     hint = "try every cut k = 1 .. len(costs)-1 and keep the one whose slower stage is cheapest."
@@ -612,8 +597,7 @@ def _reveal_figure(key: str):
 
 def reveal(key: str, answer: Any, show: Callable[[], Any] | None = None) -> Any:
     """A predict-first exercise's simulation (a figure, or what ``show()`` returns) once ``answer`` holds a
-    prediction; before that, a line asking for one (and None).
-    """
+    prediction; before that, a line asking for one (and None)."""
     if _unanswered(answer):
         print(f"Exercise {key}: commit to your prediction above first; then this cell shows the simulation.")
         return None
@@ -692,8 +676,7 @@ def _weight_hint(mine: Sequence, ref: Sequence) -> str:
 def _run_problem(key: str, result: Any, field: str, call: str, fill: str, who: str,
                  hint: str) -> Verdict | None:
     """The verdict on a lesson-8 result not ready to check (no answer, wrong type, or an error raised by
-    ``who``), or None when ``result[field]`` is there.
-    """
+    ``who``), or None when ``result[field]`` is there."""
     if _unanswered(result):
         return Verdict(key, False, f"no answer yet: fill in {fill}.", hint)
     if not isinstance(result, dict) or field not in result:
@@ -743,8 +726,7 @@ def stage_split(result: Any) -> Verdict:
 
 def weight_bytes(answer: Any) -> Verdict:
     """Exercise 8.2: M_W in bytes of one stage of :data:`BUILD_CASE` for one microbatch (each layer's input
-    and output gradient); predicted.
-    """
+    and output gradient); predicted."""
     c = BUILD_CASE
     per_stage = c["layers"] // c["ranks"]
     expected = per_stage * 2 * c["microbatch_size"] * c["width"] * c["itemsize"]
@@ -815,8 +797,7 @@ def _order_problem(schedule: Schedule, timeline: Any) -> str:
 
 def zb_h1_peak(answer: Any) -> Verdict:
     """Exercise 8.4: ``peak(p, r, mem_b, mem_w)``, rank r's peak activation memory under ZB-H1 (m = 2p), F
-    keeping M_B = ``mem_b`` until B and B keeping M_W = ``mem_w`` until W; checked against the simulator.
-    """
+    keeping M_B = ``mem_b`` until B and B keeping M_W = ``mem_w`` until W; checked against the simulator."""
     hint = ("list what rank r holds right after an F of the steady state: microbatches past F but not B "
             "hold M_B each, those past B but not W hold M_W each; ZB-H1 runs rank r's W of microbatch j "
             "after its B of microbatch j + r.")

@@ -306,8 +306,7 @@ def memory_layout(
     memory_unit: str = "M_B",
 ) -> dict[str, Any]:
     """Layout for :func:`memory_traces`: dashed ``memory_limit`` (default ``timeline.memory_limit``), peak in
-    the title.
-    """
+    the title."""
     limit = timeline.memory_limit if memory_limit is None else memory_limit
     peak = max(timeline.peak_memory, default=0.0)
     text = f"{title}: " if title else ""
@@ -412,8 +411,7 @@ def bubble_sweep_figure(
     title: str | None = None,
 ) -> go.Figure:
     """Bubble rate against m (or p) for several schedules, one line each (:func:`bubble_sweep`); refused
-    sizes leave gaps.
-    """
+    sizes leave gaps."""
     axis, xs, rates = bubble_sweep(
         names, num_ranks, num_microbatches, costs=costs, stages_per_rank=stages_per_rank,
         memory_limit=memory_limit
@@ -451,8 +449,7 @@ def dependency_arrows(timeline: Timeline, *, same_rank: bool = False,
         offset: float | None = None) -> list[dict[str, Any]]:
     """Plotly annotations, one arrow per :func:`~zbpp_lite.schedules.ir.deps` edge, from the producer's end
     to the consumer's start: transfers between ranks solid; with ``same_rank`` a rank's own F -> B -> W
-    dotted.
-    """
+    dotted."""
     t0 = start_time(timeline) if offset is None else offset
     num_stages = 1 + max((s for e in timeline.events for s in _stages_of(e.action)), default=0)
     made = {}
@@ -494,8 +491,7 @@ def postvalidation_figure(timeline: Timeline, title: str | None = None) -> go.Fi
     """Two consecutive steps of one schedule (paper section 4): above with a synchronous optimizer step
     (the wait hatched), below post-validated, each rank starting step 2 once it ended step 1 (valid when
     every rank's span is the makespan, as ZB-H1/H2). Step 2's forwards before the dashed line (the last
-    rank's end of step 1) run on speculative parameters, outlined red; a rollback redoes them.
-    """
+    rank's end of step 1) run on speculative parameters, outlined red; a rollback redoes them."""
     t0, t_end = start_time(timeline), end_time(timeline)
     titles = (f"synchronous step: wait {timeline.sync_bubble:.4g} on the earliest rank",
               "post-validated: no wait; red F's are speculative, redone on a rollback")

@@ -101,8 +101,7 @@ def measured_memory_figure(timeline: Timeline, *, title: str | None = None,
 
 def memory_lines(timeline: Timeline) -> list[str]:
     """Per rank a text line: measured and planned peak bytes, their ratio, the peak with received bytes, and
-    the device's peak where known; empty without ``measured_memory``.
-    """
+    the device's peak where known; empty without ``measured_memory``."""
     memory = timeline.measured_memory
     if memory is None:
         return []

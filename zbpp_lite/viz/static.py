@@ -1,6 +1,5 @@
 """Widget-free explorers: one Plotly figure with a layout slider over precomputed timelines, so it moves
-where ipywidgets do not render (GitHub, nbviewer, HTML) with no kernel.
-"""
+where ipywidgets do not render (GitHub, nbviewer, HTML) with no kernel."""
 
 from __future__ import annotations
 

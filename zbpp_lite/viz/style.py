@@ -1,6 +1,5 @@
 """One colour and label table for every action kind, shared by figures, grids and traces: colour-blind-safe
-Tableau 10; idle time hatched light grey.
-"""
+Tableau 10; idle time hatched light grey."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A text grid of a Timeline for terminals (``python -m zbpp_lite plan``): one row per rank, time left to
-right, idle columns ``.``.
-"""
+right, idle columns ``.``."""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
 
 def _rank_cells(events, t0: float, scale: float, width: int) -> tuple[list, list]:
     """One rank's columns (IDLE, FOLDED where actions share one, None where one action holds it) and each
-    action's column range [c0, c1).
-    """
+    action's column range [c0, c1)."""
     cells: list = [IDLE] * width
     count = [0] * width
     owner = []

@@ -106,8 +106,7 @@ def write_chrome_trace(
     timeline: Timeline | Mapping[str, Timeline], path: str | os.PathLike, **options: Any
 ) -> Path:
     """Write :func:`to_chrome_trace` (``options``) as JSON to ``path`` (parents created); return the path.
-    Open it in https://ui.perfetto.dev or chrome://tracing.
-    """
+    Open it in https://ui.perfetto.dev or chrome://tracing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(strict_json.dumps(to_chrome_trace(timeline, **options)))

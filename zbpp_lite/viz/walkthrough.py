@@ -1,7 +1,6 @@
 """zb-auto's heuristic step by step: the paper's eight binary-choice runs, and one rank's plan read back
 action by action with why each ran when it did (pure Python; arXiv 2401.10241 section 3.1; engine
-:mod:`zbpp_lite.schedules.builders.greedy`).
-"""
+:mod:`zbpp_lite.schedules.builders.greedy`)."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs,
 def narrate(schedule: Schedule, costs: Costs, rank: int, memory_limit: float | None = None) -> list[str]:
     """One line per action of ``rank`` (``schedule`` simulated with ``costs``): start, end, action, memory
     after it (beside ``memory_limit`` in M_B if given) and why it ran then (warm-up under the limit, input
-    arrived, a W filling or delaying, a W left for the end).
-    """
+    arrived, a W filling or delaying, a W left for the end)."""
     table = costs.table(schedule.num_stages)
     timeline = simulate(schedule, costs)
     end = {key: (e.end, e.rank) for e in timeline.events for key in produces(e.action)}

@@ -40,8 +40,7 @@ except ImportError:
 
 def enable_colab_widgets() -> bool:
     """On Google Colab, turn on the custom widget manager Plotly's FigureWidget needs; True there, else
-    False (nothing done).
-    """
+    False (nothing done)."""
     if _colab_output is None:
         return False
     _colab_output.enable_custom_widget_manager()
@@ -108,8 +107,7 @@ class ExplorerState:
 
 def explore_state(settings: ExplorerSettings) -> ExplorerState:
     """Build and simulate ``settings`` into an :class:`ExplorerState`; never raises for refused settings or
-    bad costs (the ValueError's message, ScheduleError included, goes to ``error``).
-    """
+    bad costs (the ValueError's message, ScheduleError included, goes to ``error``)."""
     x = settings
     limit = float(x.memory_limit) if x.memory_limit is not None and x.memory_limit > 0 else None
     try:
@@ -238,8 +236,7 @@ class Explorer(widgets.VBox):
 
     def redraw(self) -> ExplorerState:
         """Recompute from the controls, update the figures in place, return the new state; errors show in
-        ``message`` (plots emptied), never escape.
-        """
+        ``message`` (plots emptied), never escape."""
         t0 = time.perf_counter()
         try:
             state = self._compute()

@@ -70,8 +70,7 @@ def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits:
     """The paper's eight runs, the feed / keep-gaps variants of the two best (at most 14 runs), then
     :func:`polish`. Where ``Costs.bw`` < b + w, also that plan after
     :func:`~zbpp_lite.schedules.builders.greedy.fuse_backward` and 1F1B after
-    :func:`~zbpp_lite.schedules.builders.greedy.split_backward`; the shortest is kept.
-    """
+    :func:`~zbpp_lite.schedules.builders.greedy.split_backward`; the shortest is kept."""
     # With no budget to polish, only the best run matters (and the two best of the first eight):
     # runs stop once they cannot be among those (:class:`~zbpp_lite.schedules.builders.greedy.Runs`).
     prune = polish_budget(placement, m) <= 0
@@ -118,8 +117,7 @@ def polish_budget(placement: Sequence[int], m: int) -> int:
 def polish(runs: list[Plan], placement: Sequence[int], m: int, table: CostTable,
         limits: Sequence[float]) -> Plan:
     """Local search on the best distinct plans of ``runs`` in turn within one :func:`polish_budget`;
-    the best result wins.
-    """
+    the best result wins."""
     runs = sorted(runs, key=lambda x: (x.makespan, max(x.peak_memory)))
     left = polish_budget(placement, m)
     best, seen = runs[0], []

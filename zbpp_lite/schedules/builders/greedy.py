@@ -92,8 +92,7 @@ def rank_stage_memory(placement: Sequence[int], table: CostTable) -> list[float]
 
 def smallest_feasible_limit(placement: Sequence[int], table: CostTable) -> float:
     """The smallest per-rank memory limit any schedule meets: one microbatch on all the rank's stages
-    (arXiv 2401.10241 section 3; units of mem_b).
-    """
+    (arXiv 2401.10241 section 3; units of mem_b)."""
     return max(rank_stage_memory(placement, table), default=0.0)
 
 
@@ -204,8 +203,7 @@ class _Rejoined(Exception):
 @dataclass(frozen=True)
 class _Record:
     """One greedy run: its plan (None: abandoned), the largest-yes/smallest-no warm-up cap asked per rank,
-    and its lower bound and peak memory at the end.
-    """
+    and its lower bound and peak memory at the end."""
 
     rules: Rules
     plan: Plan | None
@@ -262,8 +260,7 @@ class Runs:
 
     def _rejoin(self, rules: Rules, state: tuple, cutoff: Cutoff | None) -> None:
         """At the end of the warm-up: raise :class:`_Rejoined` if an earlier run with equal rules outside the
-        warm-up reached this state (and, if abandoned, this run's cutoff would stop it there too).
-        """
+        warm-up reached this state (and, if abandoned, this run's cutoff would stop it there too)."""
         plain = replace(rules, fit_f=False, warmup_cap=None)
         for rec in self.records:
             if rec.warm_end is None or replace(rec.rules, fit_f=False, warmup_cap=None) != plain:
@@ -276,8 +273,7 @@ class Runs:
 
     def best(self, candidates: Iterable[Rules], best: Plan | None = None) -> Plan:
         """The plan of the shortest makespan over ``candidates`` (ties: lower peak memory, then ``best``, then
-        the earlier candidate): the paper's search over its binary choices (arXiv 2401.10241 section 3.1).
-        """
+        the earlier candidate): the paper's search over its binary choices (arXiv 2401.10241 section 3.1)."""
         for rules in candidates:
             result = self.run(rules, None if best is None else Cutoff.not_better(best))
             if result is not None and (best is None or _better(result, best)):
@@ -706,8 +702,7 @@ def search_budget(rows) -> int:
 def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable,
         limits: Sequence[float]):
     """A function simulating ``rows`` as they are when called: (makespan, per-rank peak memory), or
-    (inf, ()) for a deadlock or a memory-limit overrun.
-    """
+    (inf, ()) for a deadlock or a memory-limit overrun."""
     costs = table.costs()
 
     def evaluate() -> tuple[float, tuple[float, ...]]:

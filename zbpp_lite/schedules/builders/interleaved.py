@@ -19,8 +19,7 @@ def _check_v(name: str, stages_per_rank: int) -> None:
 
 def _interleaved_order(p: int, m: int, v: int, rank: int, backward: bool) -> list[tuple[int, int]]:
     """(stage, microbatch) in a rank's visiting order: groups of p microbatches through its stages (reversed
-    for the backward).
-    """
+    for the backward)."""
     order = []
     for g0 in range(0, m, p):
         group = range(g0, min(g0 + p, m))

@@ -159,8 +159,7 @@ class _Rows:
 
 class _Model:
     """The ILP of the paper's appendix as sparse arrays for ``scipy.optimize.milp``: end times E (n), span
-    origins O (p), objective z, then an ordering binary y per unordered same-rank pair (y = 1: a first).
-    """
+    origins O (p), objective z, then an ordering binary y per unordered same-rank pair (y = 1: a first)."""
 
     def __init__(self, placement, m, table: CostTable, limits, upper_bound: float):
         self.placement, self.m, self.table, self.limits = placement, m, table, limits
@@ -202,8 +201,7 @@ class _Model:
 
     def _graph(self) -> None:
         """Dependencies (pred, succ, lag) incl. per-stage microbatch order; topological order, earliest ends,
-        descendant bitsets.
-        """
+        descendant bitsets."""
         index, table, placement, n = self.index, self.table, self.placement, self.n
 
         def lag(a: int, b: int) -> float:

@@ -29,8 +29,7 @@ def register(name: str, builder: Builder) -> Builder:
 
 def options_of(name: str) -> dict[str, Any]:
     """A builder's keyword options beyond (num_ranks, num_microbatches), with defaults (``Parameter.empty``:
-    required).
-    """
+    required)."""
     params = list(inspect.signature(lookup(name)).parameters.values())[2:]
     return {p.name: p.default for p in params}
 

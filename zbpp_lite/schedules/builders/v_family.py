@@ -63,8 +63,7 @@ def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) 
 
 def tight_v_block(num_ranks: int, num_microbatches: int, table: CostTable) -> list[list[Action]]:
     """``rows[rank]``: the tight V block (module docstring) repeated m times on p ranks (2p stages, V
-    placement, ``table`` their resolved costs), each rank's actions in planned start order.
-    """
+    placement, ``table`` their resolved costs), each rank's actions in planned start order."""
     p, m = num_ranks, num_microbatches
     placement = v_placement(p)
     S = len(placement)

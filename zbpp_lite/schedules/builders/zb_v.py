@@ -49,8 +49,7 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
         keep: int = 2) -> Plan:
     """The staged search: caps (with and without the warm-up fit), then the binary choices and second
     priority order for the ``keep`` best caps. Picks what the full search would; runs stop once they cannot
-    change the pick (:class:`Runs`), tried most promising first (:func:`_try_order`).
-    """
+    change the pick (:class:`Runs`), tried most promising first (:func:`_try_order`)."""
     runs = Runs(placement, m, table, limits)
     tries = [(shape, fit_f) for shape in CAP_SHAPES for fit_f in (False, True)]
     scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
@@ -84,8 +83,7 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
 
 def _try_order(tries: list, scored: dict):
     """Indices of ``tries`` (shape, fit_f) in run order: no cap, the smallest caps, then slope by slope from
-    the better end as ``scored`` fills. Changes only how soon runs stop, not the plan.
-    """
+    the better end as ``scored`` fills. Changes only how soon runs stop, not the plan."""
     first = [tries.index((None, False)), tries.index((CAP_SHAPES[1], False))]
     yield from first
     done = [scored[i][:2] for i in first if i in scored]
