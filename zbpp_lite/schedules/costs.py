@@ -96,11 +96,8 @@ class Costs:
             object.__setattr__(self, "mem_w", share)
 
     def table(self, num_stages: int) -> "CostTable":
-        """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages.
-
-        Raises:
-            ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b.
-        """
+        """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages. Raises
+        ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b."""
         fields = {k: _per_stage(getattr(self, k), num_stages, k)
             for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
         if self.bw is None:

@@ -32,17 +32,9 @@ _TORCH_OVERLAP = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of pipeline work: ``kind`` of ``stage`` on ``microbatch``; ``str()`` / :meth:`from_str` give
-    and parse PyTorch's text form.
-
-    Attributes:
-        kind: "F", "B" (input gradient), "W" (weight gradient) or "BW" (fused backward).
-        stage: global stage index, 0 .. num_stages-1.
-        microbatch: microbatch index, 0 .. num_microbatches-1.
-
-    Raises:
-        ValueError: an unknown kind or a negative index.
-    """
+    """One unit of pipeline work: ``kind`` ("F", "B" input gradient, "W" weight gradient, "BW" fused
+    backward) of global ``stage`` on ``microbatch`` (0-based); ``str()`` / :meth:`from_str` give and parse
+    PyTorch's text form. Raises ValueError on an unknown kind or a negative index."""
 
     kind: str
     stage: int
@@ -64,11 +56,7 @@ class Action:
 
     @classmethod
     def from_str(cls, text: str) -> "Action":
-        """Parse PyTorch's text form (``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``).
-
-        Raises:
-            ValueError: text that is not ``{stage}{F|I|W|B}{microbatch}``.
-        """
+        """Parse PyTorch's text form (``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``); ValueError otherwise."""
         match = _ACTION_RE.match(text)
         if not match or match.group(2) not in KIND_OF_CODE:
             raise ValueError(
@@ -83,15 +71,10 @@ class Action:
 class Overlap:
     """DualPipe's overlapped pair F&B, run as one unit on one rank so one part's compute hides the other's
     communication (arXiv 2412.19437 section 3.2.1). Starts once both inputs are there; lasts T_F&B
-    (:attr:`zbpp_lite.Costs.fb`). ``str()`` / :meth:`from_str`: ``"(0F7;7B3)OVERLAP_F_B"``, forward first.
+    (:attr:`zbpp_lite.Costs.fb`). ``str()`` / :meth:`from_str`: ``"(0F7;7B3)OVERLAP_F_B"``.
 
-    Attributes:
-        forward: an F action.
-        backward: a B or BW action of another stage or microbatch.
-
-    Raises:
-        ValueError: a forward that is not F, a backward that is not B or BW, or a backward that needs the
-            pair's own forward (same stage and microbatch).
+    ``forward`` is an F, ``backward`` a B or BW of another stage or microbatch; ValueError otherwise, or when
+    the backward needs the pair's own forward.
     """
 
     forward: Action
@@ -124,11 +107,7 @@ class Overlap:
 
     @classmethod
     def from_str(cls, text: str) -> "Overlap":
-        """Parse ``"(0F7;7B3)OVERLAP_F_B"``.
-
-        Raises:
-            ValueError: text not of that form, or parts that are not (F; I or B).
-        """
+        """Parse ``"(0F7;7B3)OVERLAP_F_B"``; ValueError for other text or parts that are not (F; I or B)."""
         match = _TORCH_OVERLAP.match(text)
         parts = match.group(1).split(";") if match else []
         if len(parts) != 2:
@@ -203,18 +182,15 @@ def deps(action: Entry, num_stages: int) -> tuple[Key, ...]:
 
 @dataclass(frozen=True)
 class Schedule:
-    """One ordered action list per rank, plus the placement stage -> rank. Dependencies are not checked
-    here (:func:`zbpp_lite.validate` does).
+    """One ordered action list per rank, plus the placement stage -> rank (dependencies are checked by
+    :func:`zbpp_lite.validate`, not here).
 
     Attributes:
-        actions: ``actions[rank]``, the rank's entries: :class:`Action` or :class:`Overlap`
-            (:meth:`rank_actions` gives the actions alone).
-        placement: ``placement[stage]`` is the rank holding that stage.
+        actions: ``actions[rank]``, the rank's :class:`Action` and :class:`Overlap` entries
+            (:meth:`rank_actions`: the actions alone).
+        placement: ``placement[stage]`` is the rank holding that stage; ValueError if outside the ranks.
         num_microbatches: m, microbatches per training step.
         name: the builder's registry name, or "" for hand-written / loaded schedules.
-
-    Raises:
-        ValueError: a placement naming a rank outside ``0 .. len(actions)-1``.
     """
 
     actions: tuple[tuple[Action, ...], ...]
@@ -300,12 +276,9 @@ class Schedule:
 
         Skips empty cells, ``None`` (idle steps) and PyTorch's lowered transfer/bookkeeping entries
         (``SEND_F``, ``UNSHARD``, ...); ``(0F7;7B3)OVERLAP_F_B`` becomes an :class:`Overlap`.
-        ``num_microbatches`` defaults to one more than the largest microbatch index.
-
-        Raises:
-            ValueError: an unparsable action, an index beyond :func:`check_index_range`, a stage on two ranks,
-                or a stage no rank holds.
-        """
+        ``num_microbatches`` defaults to one more than the largest microbatch index. Raises
+        ValueError: an unparsable action, an index beyond :func:`check_index_range`, a stage on two
+        ranks, or a stage no rank holds."""
         actions: list[list[Entry]] = []
         for rank, row in enumerate(rows):
             parsed = []
@@ -400,11 +373,8 @@ def check_index_range(actions: Sequence[Sequence[Entry]], num_microbatches: int 
     """Refuse stage/microbatch indices (and ``num_microbatches``) not below the rows' action count N.
 
     A complete schedule has an F of every stage on every microbatch, so larger indices are typos
-    (``1000000F0``) that would make the placement or validator walk a million stages.
-
-    Raises:
-        ValueError: naming the rank, the action and the largest index the rows allow.
-    """
+    (``1000000F0``) that would make the placement or validator walk a million stages. Raises ValueError:
+    naming the rank, the action and the largest index the rows allow."""
     count = sum(len(parts(e)) for row in actions for e in row)
     for rank, row in enumerate(actions):
         for a in (a for e in row for a in parts(e)):
@@ -423,11 +393,7 @@ def check_index_range(actions: Sequence[Sequence[Entry]], num_microbatches: int 
 
 
 def infer_placement(actions: Sequence[Sequence[Entry]]) -> tuple[int, ...]:
-    """Placement stage -> rank read off per-rank action lists.
-
-    Raises:
-        ValueError: a stage on two ranks, or stage indices with a gap (no rank holds it).
-    """
+    """Placement stage -> rank read off per-rank action lists; ValueError on a stage on two ranks or a gap."""
     owner: dict[int, int] = {}
     for rank, row in enumerate(actions):
         for a in (a for e in row for a in parts(e)):

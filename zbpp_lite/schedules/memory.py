@@ -85,10 +85,7 @@ class MeasuredMemory:
 
     def costs(self, base: Costs | None = None) -> Costs:
         """``base`` (default :class:`Costs`) with the measured per-stage bytes as mem_b and mem_w.
-
-        Raises:
-            ValueError: a stage whose measured M_W exceeds its M_B.
-        """
+        Raises ValueError: a stage whose measured M_W exceeds its M_B."""
         bad = [s for s, (b, w) in enumerate(zip(self.mem_b, self.mem_w)) if w > b]
         if bad:
             raise ValueError(

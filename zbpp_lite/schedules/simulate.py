@@ -56,12 +56,8 @@ def simulate(
 def lockstep_ticks(schedule: Schedule) -> list[list[int | None]]:
     """``table[tick][rank]``: the index of the action the rank runs in a lockstep (SPMD) run, or None.
 
-    Each action takes the earliest tick after its rank's previous one and after all it needs (results cross
-    ranks at a tick's end).
-
-    Raises:
-        ScheduleError: a deadlocking schedule.
-    """
+    Each action takes the earliest tick after its rank's previous one and after all it needs (results
+    cross ranks at a tick's end). Raises ScheduleError: a deadlocking schedule."""
     S = schedule.num_stages
     tick_of: dict[Key, int] = {}
     next_free = [0] * schedule.num_ranks

@@ -43,11 +43,8 @@ def sanitize(value: Any, nonfinite: Callable[[float], Any] = _null) -> tuple[Any
 
 
 def dumps(value: Any, nonfinite: Callable[[float], Any] = _null, **options: Any) -> str:
-    """``json.dumps`` of :func:`sanitize`'s copy with ``allow_nan=False``: strict JSON.
-
-    Raises:
-        TypeError: a value JSON cannot hold (as ``json.dumps``).
-    """
+    """``json.dumps`` of :func:`sanitize`'s copy with ``allow_nan=False``: strict JSON. Raises TypeError:
+    a value JSON cannot hold (as ``json.dumps``)."""
     options.pop("allow_nan", None)
     return json.dumps(sanitize(value, nonfinite)[0], allow_nan=False, **options)
 

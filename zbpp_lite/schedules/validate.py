@@ -138,11 +138,8 @@ def _check_structure(schedule: Schedule) -> None:
 
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     """A global (rank, step) order running every list in order, each action after what it needs (shared by
-    validator and simulator).
-
-    Raises:
-        ScheduleError: deadlock, naming every stuck rank's head action and what it waits for.
-    """
+    validator and simulator). Raises ScheduleError: deadlock, naming every stuck rank's head action and
+    what it waits for."""
     S = schedule.num_stages
     rows = schedule.actions
     needs = [[deps(a, S) for a in row] for row in rows]
@@ -179,12 +176,9 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
 
 
 def validate(schedule: Schedule) -> Schedule:
-    """Check a schedule; return it unchanged if valid.
-
-    Raises:
-        ScheduleError: the first problem found, naming rank, step, action and rule, with the
-            rank x step grid (PyTorch notation; the bad cell in brackets).
-    """
+    """Check a schedule; return it unchanged if valid. Raises ScheduleError: the first problem found,
+    naming rank, step, action and rule, with the rank x step grid (PyTorch notation; the bad cell in
+    brackets)."""
     _check_structure(schedule)
     execution_order(schedule)
     return schedule

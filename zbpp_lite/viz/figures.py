@@ -236,11 +236,7 @@ def compare_figure(
     time_unit: str | None = None,
 ) -> go.Figure:
     """Planned above measured on one shared time axis (same unit), each from 0; the title gives both
-    makespans and their ratio.
-
-    Raises:
-        ValueError: timelines with different numbers of ranks.
-    """
+    makespans and their ratio. Raises ValueError: timelines with different numbers of ranks."""
     if planned.num_ranks != measured.num_ranks:
         raise ValueError(
             f"compare_figure needs the same number of ranks, got {planned.num_ranks} planned and "

@@ -35,11 +35,8 @@ _SCALE = {"s": 1.0, "ms": 1e3}
 
 def measured_memory_traces(timeline: Timeline, rank: int, showlegend: bool = True,
         time_unit: str = "s") -> list[dict[str, Any]]:
-    """Three step lines (bytes) for one rank: measured, plan, measured + received; times from the first event.
-
-    Raises:
-        ValueError: a timeline without ``measured_memory``.
-    """
+    """Three step lines (bytes) for one rank: measured, plan, measured + received; times from the first
+    event. Raises ValueError: a timeline without ``measured_memory``."""
     memory = timeline.measured_memory
     if memory is None:
         raise ValueError("this timeline has no measured memory: give a measured Timeline from "

@@ -20,11 +20,8 @@ def applicable_options(
     costs: Costs | None = None,
     memory_limit: float | None = None,
 ) -> dict[str, Any]:
-    """The non-None subset of {stages_per_rank, costs, memory_limit} that builder ``name`` accepts.
-
-    Raises:
-        ValueError: an unknown schedule name (the message lists the valid ones).
-    """
+    """The non-None subset of {stages_per_rank, costs, memory_limit} that builder ``name`` accepts. Raises
+    ValueError: an unknown schedule name (the message lists the valid ones)."""
     accepted = options_of(name)
     given = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     return {k: v for k, v in given.items() if k in accepted and v is not None}

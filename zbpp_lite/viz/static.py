@@ -75,11 +75,8 @@ def microbatch_slider_figure(
     stages_per_rank: int | None = None,
     memory_limit: float | None = None,
 ) -> go.Figure:
-    """One schedule's timeline with a slider over m; sizes the schedule refuses are left out.
-
-    Raises:
-        ValueError: the schedule refuses every m given (the last refusal's message).
-    """
+    """One schedule's timeline with a slider over m; sizes the schedule refuses are left out. Raises
+    ValueError: the schedule refuses every m given (the last refusal's message)."""
     options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     states, error = _states([(f"m={m}", name, m) for m in num_microbatches], num_ranks, options)
     if not states:
@@ -97,11 +94,7 @@ def schedule_slider_figure(
     memory_limit: float | None = None,
 ) -> go.Figure:
     """One slider step per schedule (default: all registered) at the same p, m and costs; refusing ones
-    are left out.
-
-    Raises:
-        ValueError: every schedule refused (the last refusal's message).
-    """
+    are left out. Raises ValueError: every schedule refused (the last refusal's message)."""
     options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     names = list(names) if names is not None else list(SCHEDULES)
     states, error = _states([(name, name, num_microbatches) for name in names], num_ranks, options)

@@ -36,11 +36,8 @@ class SummaryRow:
 def summary_figure(rows: Sequence[SummaryRow], title: str | None = None,
         reference: tuple[str, float] | None = None) -> go.Figure:
     """Two panels, fastest schedule on top: step time (ms) and bubble rate, measured (dark) beside planned
-    (light); ``reference`` ``(name, ms)``, a single-device step, is a dashed line.
-
-    Raises:
-        ValueError: no rows.
-    """
+    (light); ``reference`` ``(name, ms)``, a single-device step, is a dashed line. Raises ValueError: no
+    rows."""
     if not rows:
         raise ValueError("summary_figure needs at least one schedule")
     ranked = sorted(rows, key=lambda r: r.step_ms,

@@ -37,12 +37,8 @@ class ChoiceRun:
 def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs,
         memory_limit: float) -> list[ChoiceRun]:
     """The greedy scheduler once per combination of the three binary choices (rank r holds stage r),
-    shortest first.
-
-    Raises:
-        ValueError: a memory limit below what any schedule needs
-            (:func:`zbpp_lite.schedules.builders.greedy.per_rank_limits`).
-    """
+    shortest first. Raises ValueError: a memory limit below what any schedule needs
+    (:func:`zbpp_lite.schedules.builders.greedy.per_rank_limits`)."""
     placement = looped_placement(num_ranks, num_ranks)
     table = costs.table(num_ranks)
     limits = per_rank_limits("zb-auto", memory_limit, placement, table)

@@ -178,29 +178,19 @@ def zb_auto(
     memory_limit: float | Sequence[float] | None = None,
 ) -> Schedule:
     """The automatic zero-bubble schedule under a per-rank ``memory_limit`` (paper section 3.1; default
-    p * M_B). :func:`auto_plan` also returns the limit, makespan and rules.
-
-    Raises:
-        ValueError: see :func:`auto_plan`.
-    """
+    p * M_B). :func:`auto_plan` also returns the limit, makespan and rules; raises ValueError as it does."""
     return auto_plan(num_ranks, num_microbatches, costs, memory_limit, "zb-auto").schedule
 
 
 def zb_1p(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
-    """ZB-1p: zb-auto with 1F1B's memory, p * M_B per rank (paper section 5).
-
-    Raises:
-        ValueError: sizes below 1 or costs with the wrong number of per-stage values.
-    """
+    """ZB-1p: zb-auto with 1F1B's memory, p * M_B per rank (paper section 5). Raises ValueError: sizes
+    below 1 or costs with the wrong number of per-stage values."""
     return _with_factor("zb-1p", 1, num_ranks, num_microbatches, costs)
 
 
 def zb_2p(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
-    """ZB-2p: zb-auto with twice 1F1B's memory, 2p * M_B per rank (paper section 5).
-
-    Raises:
-        ValueError: sizes below 1 or costs with the wrong number of per-stage values.
-    """
+    """ZB-2p: zb-auto with twice 1F1B's memory, 2p * M_B per rank (paper section 5). Raises ValueError:
+    sizes below 1 or costs with the wrong number of per-stage values."""
     return _with_factor("zb-2p", 2, num_ranks, num_microbatches, costs)
 
 

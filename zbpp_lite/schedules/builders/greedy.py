@@ -99,12 +99,9 @@ def smallest_feasible_limit(placement: Sequence[int], table: CostTable) -> float
 def per_rank_limits(
     name: str, memory_limit: float | Sequence[float], placement: Sequence[int], table: CostTable
 ) -> list[float]:
-    """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible.
-
-    Raises:
-        ValueError: a NaN, infinite, negative or wrongly sized limit, or one below
-            :func:`smallest_feasible_limit` (the message names it).
-    """
+    """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible. Raises
+    ValueError: a NaN, infinite, negative or wrongly sized limit, or one below
+    :func:`smallest_feasible_limit` (the message names it)."""
     p = 1 + max(placement, default=-1)
     is_number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
     if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple))

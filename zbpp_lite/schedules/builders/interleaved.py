@@ -32,12 +32,9 @@ def _interleaved_order(p: int, m: int, v: int, rank: int, backward: bool) -> lis
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Interleaved 1F1B with ``stages_per_rank`` (v) stages per rank, looped placement.
 
-    Rank r warms up with 2(p-r-1) + (v-1)p forwards (Megatron-LM's count), then one F one BW, then the rest.
-    Any m >= 1: when p does not divide m the warm-up grows by the fewest forwards that avoid a deadlock.
-
-    Raises:
-        ValueError: num_ranks, num_microbatches or stages_per_rank below 1.
-    """
+    Rank r warms up with 2(p-r-1) + (v-1)p forwards (Megatron-LM's count), then one F one BW, then the
+    rest. Any m >= 1: when p does not divide m the warm-up grows by the fewest forwards that avoid a
+    deadlock. Raises ValueError: num_ranks, num_microbatches or stages_per_rank below 1."""
     check_sizes("interleaved-1f1b", num_ranks, num_microbatches)
     _check_v("interleaved-1f1b", stages_per_rank)
     p, m, v = num_ranks, num_microbatches, stages_per_rank
@@ -68,11 +65,8 @@ def _interleaved_row(p: int, m: int, v: int, r: int, extra: int) -> list[Action]
 
 def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Looped BFS: F of every microbatch stage by stage, then BW in reverse stage and microbatch order
-    (PyTorch's ScheduleLoopedBFS); peak v * m stage M_B, bubble GPipe's over v.
-
-    Raises:
-        ValueError: num_ranks, num_microbatches or stages_per_rank below 1.
-    """
+    (PyTorch's ScheduleLoopedBFS); peak v * m stage M_B, bubble GPipe's over v. Raises ValueError:
+    num_ranks, num_microbatches or stages_per_rank below 1."""
     check_sizes("looped-bfs", num_ranks, num_microbatches)
     _check_v("looped-bfs", stages_per_rank)
     p, m, v = num_ranks, num_microbatches, stages_per_rank

@@ -50,13 +50,10 @@ def lookup(name: str) -> Builder:
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
     """Build the schedule registered as ``name`` for p = ``num_ranks``, m = ``num_microbatches``.
 
-    ``options`` go to the builder (``stages_per_rank``, ``costs``, ``memory_limit``, ...); sizes may be any
-    integer type (e.g. NumPy int64), passed on as Python ints.
-
-    Raises:
-        ValueError: an unknown name (listing the valid ones), an option the builder does not take, a size that
-            is not an integer >= 1, or sizes the builder cannot support (its message says what works).
-    """
+    ``options`` go to the builder (``stages_per_rank``, ``costs``, ``memory_limit``, ...); sizes may be
+    any integer type (e.g. NumPy int64), passed on as Python ints. Raises ValueError: an unknown name
+    (listing the valid ones), an option the builder does not take, a size that is not an integer >= 1, or
+    sizes the builder cannot support (its message says what works)."""
     builder = lookup(name)
     num_ranks = as_size(name, "num_ranks", num_ranks)
     num_microbatches = as_size(name, "num_microbatches", num_microbatches)

@@ -25,11 +25,8 @@ def v_half(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None)
     """V-Half: peak activation memory at most (p+2)//2 whole-rank M_B per rank (about half of 1F1B's).
 
     Measured (T_F = T_B = T_W, T_comm = 0, default M_W): bubble rate 0.150 at p = 16, m = 48 and 0.148 at
-    p = 8, m = 24 (paper's p/(2m): 0.167); with M_W = 0, 0.077 and 0.059.
-
-    Raises:
-        ValueError: sizes below 1 or costs with the wrong number of per-stage values.
-    """
+    p = 8, m = 24 (paper's p/(2m): 0.167); with M_W = 0, 0.077 and 0.059. Raises ValueError: sizes below 1
+    or costs with the wrong number of per-stage values."""
     check_sizes("v-half", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     limits, table = v_limits("v-half", (p + 2) // 2, p, costs, None)
@@ -40,12 +37,9 @@ def v_half(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None)
 def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
     """V-Min: peak activation memory at most (p+4)//3 whole-rank M_B per rank (about a third of 1F1B's).
 
-    Measured (T_F = T_B = T_W, T_comm = 0, either M_W): bubble rate 0.170 at p = 16, m = 48 (paper's 2p/(3m):
-    0.222). Where the tight block does not fit the limit, the greedy plan is used.
-
-    Raises:
-        ValueError: sizes below 1 or costs with the wrong number of per-stage values.
-    """
+    Measured (T_F = T_B = T_W, T_comm = 0, either M_W): bubble rate 0.170 at p = 16, m = 48 (paper's
+    2p/(3m): 0.222). Where the tight block does not fit the limit, the greedy plan is used. Raises
+    ValueError: sizes below 1 or costs with the wrong number of per-stage values."""
     check_sizes("v-min", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     costs = costs or Costs()

@@ -36,22 +36,16 @@ def _delayed_w(name: str, p: int, m: int, warmup: list[int], delay: list[int]) -
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1 (paper section 3.1, figure 3 top): 1F1B's memory, bubble (p-1)(T_F+T_B-T_W).
-
-    Raises:
-        ValueError: num_ranks or num_microbatches below 1.
-    """
+    """ZB-H1 (paper section 3.1, figure 3 top): 1F1B's memory, bubble (p-1)(T_F+T_B-T_W). Raises
+    ValueError: num_ranks or num_microbatches below 1."""
     check_sizes("zb-h1", num_ranks, num_microbatches)
     p = num_ranks
     return _delayed_w("zb-h1", p, num_microbatches, [p - r for r in range(p)], list(range(p)))
 
 
 def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H2 (paper section 3.1, figure 3 bottom): (2p-1) M_B memory, bubble (p-1)(T_F+T_B-2T_W).
-
-    Raises:
-        ValueError: num_ranks or num_microbatches below 1.
-    """
+    """ZB-H2 (paper section 3.1, figure 3 bottom): (2p-1) M_B memory, bubble (p-1)(T_F+T_B-2T_W). Raises
+    ValueError: num_ranks or num_microbatches below 1."""
     check_sizes("zb-h2", num_ranks, num_microbatches)
     p = num_ranks
     return _delayed_w("zb-h2", p, num_microbatches, [2 * (p - r) - 1 for r in range(p)],
