@@ -94,26 +94,6 @@ def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: 
     return Verdict(exercise, False, f"{value:g} is not {what}.", hint)
 
 
-def _sequence_check(exercise: str, answer: Any, expected: Sequence, what: str, hint: str) -> Verdict:
-    if _unanswered(answer):
-        return Verdict(exercise, False, "no answer yet: replace ... with yours.", hint)
-    try:
-        given = tuple(answer)
-    except TypeError:
-        return Verdict(exercise, False, f"expected a list for {what}, got {answer!r}.", hint)
-    if len(given) != len(expected):
-        return Verdict(exercise, False, f"{what} has {len(expected)} entries, you gave {len(given)}.", hint)
-    values = [_as_number(x) for x in given]
-    if any(v is None for v in values):
-        return Verdict(exercise, False, f"every entry of {what} is a number, got {list(given)!r}.", hint)
-    wrong = [i for i, (v, e) in enumerate(zip(values, expected)) if abs(v - e) > 1e-6 * max(1.0, abs(e))]
-    if not wrong:
-        return Verdict(exercise, True, f"{what} is {list(expected)}.")
-    return Verdict(exercise, False,
-                   f"entry {wrong[0]} of {what} is off ({len(wrong)} of {len(expected)} entries wrong).",
-                   hint)
-
-
 def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float],
                     what: str, hint: str, tol: float = 1e-6) -> Verdict:
     """Call the learner's function at every point and compare with ``expected(*point)``."""
