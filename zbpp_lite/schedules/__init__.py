@@ -1,18 +1,15 @@
-"""Layer 1, schedules: what a pipeline does and how long it takes, in pure Python (no JAX).
+"""Layer 1, schedules: what a pipeline does and how long it takes, in pure Python.
 
 - :mod:`.strict_json`: the one JSON writer (NaN and infinity written as null, and listed);
-- :mod:`.ir`: ``Action``, ``Overlap`` (the F&B pair), ``Schedule``, placements, dependencies,
-  PyTorch's text and CSV forms;
+- :mod:`.ir`: ``Action``, ``Overlap``, ``Schedule``, placements, dependencies, PyTorch's text and CSV forms;
 - :mod:`.costs`: ``Costs`` (T_F, T_B, T_W, T_BW, T_F&B, T_comm, M_B, M_W), per stage;
 - :mod:`.memory`: ``MeasuredMemory``, the activation bytes each rank held in a measured step;
-- :mod:`.timeline`: ``Timeline`` and ``Event``, planned or measured (makespan, bubble rate, memory);
-- :mod:`.validate`: completeness, order and deadlock freedom, errors naming rank, step and rule;
-- :mod:`.simulate`: event-driven (and lockstep) timing of a schedule under costs;
-- :mod:`.fuse`: a B right before its own W run as one BW where no other rank waits for it (``NAME+fuse``);
-- :mod:`.formulas`: the papers' closed forms (bubble rates and makespans) the simulator is checked against;
-- :mod:`.builders`: one module per schedule family and the registry by name (the automatic
-  builders plan by simulating, so they sit on top of this layer).
+- :mod:`.timeline`: ``Timeline`` and ``Event``, planned or measured;
+- :mod:`.validate`: completeness, order and deadlock freedom;
+- :mod:`.simulate`: event-driven (and lockstep) timing under costs;
+- :mod:`.fuse`: a B right before its own W run as one BW (``NAME+fuse``);
+- :mod:`.formulas`: the papers' closed forms the simulator is checked against;
+- :mod:`.builders`: one module per schedule family and the registry (on top: they plan by simulating).
 
-May import: nothing of zbpp_lite outside this package, and never JAX (a test checks both), so
-widgets stay responsive and planning takes milliseconds.
+May import nothing of zbpp_lite outside this package, and never JAX (a test checks both).
 """

@@ -1,17 +1,12 @@
 """Per-action costs and the activation-memory model (pure Python).
 
-Source: Qi et al., arXiv 2401.10241, section 2.1 and table 1: T_F, T_B, T_W are the times of one
-stage's F, B and W on one microbatch, T_comm the point-to-point transfer time between ranks; F
-allocates M_B of activations, B frees M_B - M_W of them and keeps M_W until W frees the rest.
-By default M_W is the paper's share of M_B (:data:`MEM_W_RATIO`), never 0: a memory-limited plan
-made with M_W = 0 puts every W at the end of the step and hides memory that grows with m.
-A fused BW costs T_B + T_W and frees M_B, unless a measured T_BW says otherwise: on a real device
-the split has a price (the weight operations' output gradients are written by B and read back by
-W, and two programs are launched instead of one), so a fused BW may cost less than B and W apart.
-
-An overlapped pair F&B (:class:`zbpp_lite.schedules.ir.Overlap`, DualPipe's unit, arXiv
-2412.19437, section 3.2.1) costs T_F&B: by default its two parts' times added (no overlap), less
-when one part's compute hides the other's communication.
+Source: arXiv 2401.10241 section 2.1 and table 1: T_F, T_B, T_W are one stage's F, B, W times on one
+microbatch, T_comm the transfer time between ranks; F allocates M_B, B frees M_B - M_W, W frees M_W.
+M_W defaults to the paper's share of M_B (:data:`MEM_W_RATIO`), never 0: a plan made with M_W = 0 puts
+every W at the end and hides memory that grows with m. A fused BW costs T_B + T_W and frees M_B unless a
+measured T_BW is given: on a device the split has a price (B writes the gradients W reads; two launches).
+An overlapped pair F&B (:class:`~zbpp_lite.schedules.ir.Overlap`, arXiv 2412.19437 section 3.2.1) costs
+T_F&B: by default its parts' times added (no overlap).
 """
 
 from __future__ import annotations
@@ -52,33 +47,23 @@ def _per_stage(value: PerStage, num_stages: int, name: str) -> tuple[float, ...]
 
 @dataclass(frozen=True)
 class Costs:
-    """Action times (any consistent unit; the executor uses seconds) and memory per stage.
-
-    Every field is a scalar (same for every stage) or a sequence with one value per stage.
+    """Action times (any consistent unit; the executor uses seconds) and memory per stage; each field is a
+    scalar or one value per stage.
 
     Attributes:
         f: T_F, forward time of one stage on one microbatch.
         b: T_B, input-gradient backward time.
         w: T_W, weight-gradient backward time.
-        bw: T_BW, the fused backward's time, or None (the default): b + w, the paper's model.
-            Measured, it is often below b + w (the split's own cost); the automatic scheduler
-            then fuses a B with the W right after it wherever that does not lengthen the
-            schedule (:func:`zbpp_lite.schedules.builders.greedy.fuse_backward`).
-        fb: T_F&B, the time of an overlapped pair (:class:`~zbpp_lite.schedules.ir.Overlap`),
-            one value per stage of the pair's forward, or None (the default): the forward's T_F
-            plus its backward's T_BW (or T_B), which means no overlap. DualPipe's bubble formula
-            (PP/2 - 1)(F&B + B - 3W) is written with it (arXiv 2412.19437, DualPipe's README).
-        comm: T_comm, time to move an activation or gradient to another rank (none on one rank).
-            A scalar, or one value per stage: the cost of sending that stage's output onward
-            (or its input gradient backward).
-        mem_b: M_B, activation memory F allocates and B releases (minus mem_w), e.g. bytes or
-            "units of one stage's activations for one microbatch" (the default 1.0).
-        mem_w: M_W, the part of M_B still held after B until W, same unit as mem_b. Default
-            (None): :data:`MEM_W_RATIO` (7/16) times mem_b, stage by stage, the paper's ratio
-            (section 2.3, table 1); give 0 explicitly for the idealised W that holds nothing. A
-            plan made with M_W = 0 defers every W to the end of the step, so its real peak grows
-            with m. The share is worked out when the Costs is made: ``dataclasses.replace(c,
-            mem_b=...)`` keeps the old mem_w, so give mem_w with it.
+        bw: T_BW, the fused backward's time; None: b + w (the paper's model). Measured below b + w, the
+            automatic scheduler fuses where it pays
+            (:func:`~zbpp_lite.schedules.builders.greedy.fuse_backward`).
+        fb: T_F&B of an overlapped pair, per stage of its forward; None: T_F plus the backward's time (no
+            overlap). DualPipe's bubble (PP/2 - 1)(F&B + B - 3W) uses it (arXiv 2412.19437).
+        comm: T_comm, time to send a stage's output onward (or its input gradient back) to another rank.
+        mem_b: M_B, activation memory F allocates (e.g. bytes; default 1.0, one stage-microbatch).
+        mem_w: M_W, the part of M_B held from B until W, unit of mem_b. None: :data:`MEM_W_RATIO` (7/16)
+            times mem_b (section 2.3, table 1); 0 is the idealised W. Resolved at construction, so
+            ``dataclasses.replace(c, mem_b=...)`` keeps the old mem_w.
 
     Raises:
         ValueError: a negative, NaN or infinite value, or mem_w > mem_b.
@@ -111,11 +96,8 @@ class Costs:
             object.__setattr__(self, "mem_w", share)
 
     def table(self, num_stages: int) -> "CostTable":
-        """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages.
-
-        Raises:
-            ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b.
-        """
+        """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages. Raises
+        ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b."""
         fields = {k: _per_stage(getattr(self, k), num_stages, k)
             for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
         if self.bw is None:
@@ -170,8 +152,8 @@ class CostTable:
         raise ValueError(f"unknown action kind {kind!r}")
 
     def duration(self, entry: Entry) -> float:
-        """Duration of one entry of a rank's list: an Action's :meth:`time`, or an overlapped
-        pair's T_F&B (its forward's stage's ``fb``; without one, the two parts' times added)."""
+        """Duration of a rank's list entry: an Action's :meth:`time`, or a pair's T_F&B (its forward stage's
+        ``fb``; else both parts' times)."""
         if isinstance(entry, Overlap):
             f, b = entry.forward, entry.backward
             return self.fb[f.stage] if self.fb else self.time("F", f.stage) + self.time(b.kind, b.stage)

@@ -1,9 +1,7 @@
-"""The papers' closed forms: bubble time, bubble rate and peak activation memory of the
-one-stage-per-rank schedules, against which the simulator is tested.
+"""The papers' closed forms for the one-stage-per-rank schedules, against which the simulator is tested.
 
-With p ranks, m >= p microbatches (m >= 2p - 1 for ZB-H2), one stage per rank and uniform costs,
-a rank's work is m (T_F + T_B + T_W) and its bubble is the makespan minus that work
-(Qi et al., arXiv 2401.10241, section 3, Table 1):
+p ranks, m >= p microbatches (ZB-H2: m >= 2p - 1), uniform costs, T_comm = 0; bubble = makespan - m (T_F +
+T_B + T_W) (arXiv 2401.10241 section 3, table 1):
 
 ============  =============================  ======================
 schedule      bubble time                    peak memory (in M_B)
@@ -14,14 +12,8 @@ zb-h1         (p - 1)(T_F + T_B - T_W)       p
 zb-h2         (p - 1)(T_F + T_B - 2 T_W)     2p - 1
 ============  =============================  ======================
 
-The zero-bubble forms hold where each W fits the gap it fills: T_W <= T_F and T_W <= T_B for
-ZB-H1, and 2 T_W <= T_F + T_B for ZB-H2 (the paper's setting). Outside that, a W can no longer
-shrink the bubble further and the form would undercount (for ZB-H2 it even goes negative): the
-functions here refuse such costs rather than return a number the simulator would not reproduce.
-All are for T_comm = 0; with transfers the makespan depends on the schedule's wait pattern and
-only the simulator gives it (GPipe's bubble grows to (p - 1)(T_F + T_B + T_W + 2 T_comm)).
-
-Layer: schedules (pure Python).
+The zero-bubble forms need each W to fit its gap (ZB-H1: T_W <= T_F, T_B; ZB-H2: 2 T_W <= T_F + T_B);
+other costs are refused. With T_comm > 0 only the simulator gives the makespan.
 """
 
 from __future__ import annotations
@@ -48,16 +40,15 @@ def _check(name: str, p: int, m: int, f: float, b: float, w: float) -> None:
 
 
 def bubble_time(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
-    """Idle time of each rank per step, in the units of the costs (e.g. seconds).
+    """Idle time of each rank per step, in the costs' unit.
 
     Args:
-        name: one of ``gpipe``, ``1f1b``, ``zb-h1``, ``zb-h2``.
+        name: ``gpipe``, ``1f1b``, ``zb-h1`` or ``zb-h2``.
         p, m: ranks (= stages) and microbatches.
-        f, b, w: T_F, T_B, T_W of one stage and microbatch (T_comm = 0).
+        f, b, w: T_F, T_B, T_W of one stage and microbatch.
 
     Raises:
-        ValueError: a schedule without a closed form, bad sizes, or costs outside the form's
-            regime (see the module docstring).
+        ValueError: a schedule without a closed form, bad sizes, or costs outside the form's regime.
     """
     _check(name, p, m, f, b, w)
     per_rank = {"gpipe": f + b + w, "1f1b": f + b + w, "zb-h1": f + b - w, "zb-h2": f + b - 2 * w}[name]
@@ -65,8 +56,8 @@ def bubble_time(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: fl
 
 
 def bubble_rate(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
-    """Bubble rate, bubble / makespan = bubble / (bubble + m (T_F + T_B + T_W)); for 1F1B and
-    GPipe with equal costs it is (p - 1) / (m + p - 1). Raises as :func:`bubble_time`."""
+    """bubble / (bubble + m (T_F + T_B + T_W)); (p - 1) / (m + p - 1) for 1F1B and GPipe at equal costs.
+    Raises as :func:`bubble_time`."""
     bubble = bubble_time(name, p, m, f, b, w)
     work = m * (f + b + w)
     return bubble / (bubble + work) if bubble + work > 0 else 0.0
@@ -78,7 +69,7 @@ def makespan(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float
 
 
 def peak_memory(name: str, p: int, m: int) -> int:
-    """Peak activation memory of rank 0, in units of M_B (one stage-microbatch's activations):
-    GPipe m, 1F1B and ZB-H1 p, ZB-H2 2p - 1 (each at most m). Raises as :func:`bubble_time`."""
+    """Rank 0's peak activation memory in M_B: GPipe m, 1F1B and ZB-H1 p, ZB-H2 2p - 1 (each at most m).
+    Raises as :func:`bubble_time`."""
     _check(name, p, max(m, 2 * p - 1) if name == "zb-h2" else max(m, p), 1.0, 1.0, 0.0)
     return min(m, {"gpipe": m, "1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name])

@@ -1,24 +1,13 @@
 """Fusion: a B run right before its own W becomes one BW, where no other rank waits for the B.
 
-Splitting the backward has a price on a real device (``Costs.bw`` below T_B + T_W: W reads back
-what B wrote, two programs launch instead of one), so a split that buys nothing should not be
-paid. :func:`fuse_adjacent` is a schedule -> schedule pass (the shape of the zero-bubble
-scheduler's passes, ``(schedule) -> schedule``); ``build_schedule("zb-h1+fuse", ...)`` applies it
-to any registered builder. Not in the paper, whose costs have T_BW = T_B + T_W (Qi et al., arXiv
-2401.10241, section 2); the search-based cousin the automatic planner uses is
+Splitting has a price on a device (``Costs.bw`` < T_B + T_W), so a split that buys nothing should not be
+paid. :func:`fuse_adjacent` is a schedule -> schedule pass; ``build_schedule("zb-h1+fuse", ...)`` applies it
+to any builder. Not in the paper (T_BW = T_B + T_W, arXiv 2401.10241 section 2); the search-based variant is
 :func:`zbpp_lite.schedules.builders.greedy.fuse_backward`.
 
-The rule, cost-free and structural: B(s, j) directly followed by W(s, j) on a rank becomes
-BW(s, j) when no action on another rank needs B(s, j)'s output (by :func:`~.ir.deps`: stage s
-is the first stage, or stage s-1 sits on the same rank, as at the V's turn). Why it delays
-nothing when T_BW <= T_B + T_W: the fused BW ends no later than the W did, its other output (the
-input gradient) is needed only later on the same rank, after the W's old place, and the
-simulator's start times never grow when a duration shrinks (each is a max of sums of earlier
-ends). So every event of every rank starts no later, the makespan does not grow, and each
-rank's memory peak does not either (the rank runs nothing between B and W). A B whose gradient
-goes to another rank is left alone: fused, it would send T_BW - T_B later. This holds for the
-event-driven runs (threads, processes, :func:`~.simulate.simulate`); in lockstep (the SPMD
-program) a fused BW lengthens its tick to T_BW and may cost there.
+Rule: B(s, j) directly followed by W(s, j) becomes BW(s, j) when no other rank needs B's output (stage s is
+first, or s-1 is on the same rank). With T_BW <= T_B + T_W this delays nothing in event-driven runs (start
+times are maxes of sums of earlier ends, so none grows; peaks neither); in lockstep a BW lengthens its tick.
 """
 
 from __future__ import annotations
@@ -30,14 +19,8 @@ FUSE_SUFFIX = "+fuse"
 
 
 def fuse_adjacent(schedule: Schedule) -> Schedule:
-    """``schedule`` with every fusable B, W pair run as one BW (see the module's rule).
-
-    Args:
-        schedule: any schedule (overlapped pairs are left as they are).
-
-    Returns:
-        A new Schedule, same placement and m, named ``name + "+fuse"`` ("" stays "").
-    """
+    """``schedule`` with every fusable B, W pair run as one BW (overlapped pairs left alone); a new Schedule,
+    same placement and m, named ``name + "+fuse"`` ("" stays "")."""
     S, placement = schedule.num_stages, schedule.placement
     needed_elsewhere = {key for rank, row in enumerate(schedule.actions) for entry in row
                         for a in parts(entry) for key in deps(a, S) if placement[key.stage] != rank}

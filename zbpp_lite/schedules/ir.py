@@ -1,20 +1,10 @@
-"""The schedule IR: actions, per-rank action lists, placement, and PyTorch's text/CSV form.
+"""The schedule IR: actions, per-rank action lists, placement, PyTorch's text/CSV form (pure Python, no JAX).
 
-Pure Python: importing this module never imports JAX.
-
-Terms (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv 2401.10241, section 2):
-F is the forward of one stage on one microbatch, B the backward for the input (activation)
-gradient only, W the backward for the weight gradient only, BW the fused full backward (B then W)
-used by GPipe and 1F1B.
-
-Text form follows PyTorch's ``torch.distributed.pipelining`` notation ``{stage}{code}{microbatch}``
-with codes F (forward), I (our B: backward-input), W (backward-weight) and B (our BW: full backward),
-so ``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``.
-
-A rank's list may also hold an :class:`Overlap`: DualPipe's overlapped pair F&B, the forward of
-one microbatch run together with the backward of another on the same rank (DeepSeek-AI,
-"DeepSeek-V3 Technical Report", arXiv 2412.19437, section 3.2.1), written as PyTorch writes it,
-``"(0F7;7B3)OVERLAP_F_B"``.
+Terms (arXiv 2401.10241 section 2): F is one stage's forward on one microbatch, B the backward for the input
+gradient only, W the backward for the weight gradient only, BW the fused full backward (GPipe, 1F1B).
+Text form is ``torch.distributed.pipelining``'s ``{stage}{code}{microbatch}`` with codes F, I (our B),
+W and B (our BW): ``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``. An :class:`Overlap` is DualPipe's F&B pair
+(arXiv 2412.19437 section 3.2.1), written ``"(0F7;7B3)OVERLAP_F_B"``.
 """
 
 from __future__ import annotations
@@ -42,18 +32,9 @@ _TORCH_OVERLAP = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of pipeline work: ``kind`` of ``stage`` on ``microbatch``.
-
-    Attributes:
-        kind: "F", "B" (input gradient), "W" (weight gradient) or "BW" (fused backward).
-        stage: global stage index, 0 .. num_stages-1.
-        microbatch: microbatch index, 0 .. num_microbatches-1.
-
-    ``str(action)`` gives PyTorch's text form and ``Action.from_str`` parses it back.
-
-    Raises:
-        ValueError: an unknown kind or a negative index.
-    """
+    """One unit of pipeline work: ``kind`` ("F", "B" input gradient, "W" weight gradient, "BW" fused
+    backward) of global ``stage`` on ``microbatch`` (0-based); ``str()`` / :meth:`from_str` give and parse
+    PyTorch's text form. Raises ValueError on an unknown kind or a negative index."""
 
     kind: str
     stage: int
@@ -75,11 +56,7 @@ class Action:
 
     @classmethod
     def from_str(cls, text: str) -> "Action":
-        """Parse PyTorch's text form (``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``).
-
-        Raises:
-            ValueError: text that is not ``{stage}{F|I|W|B}{microbatch}``.
-        """
+        """Parse PyTorch's text form (``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``); ValueError otherwise."""
         match = _ACTION_RE.match(text)
         if not match or match.group(2) not in KIND_OF_CODE:
             raise ValueError(
@@ -92,23 +69,12 @@ class Action:
 
 @dataclass(frozen=True)
 class Overlap:
-    """DualPipe's overlapped pair F&B: the forward ``forward`` of one microbatch and the backward
-    ``backward`` of another, run as one unit on one rank, so that one's compute hides the other's
-    communication (arXiv 2412.19437, section 3.2.1; its V form DualPipeV, the "cut-in-half" of
-    DualPipe). It starts once both parts' inputs are there and lasts T_F&B
-    (:attr:`zbpp_lite.Costs.fb`).
+    """DualPipe's overlapped pair F&B, run as one unit on one rank so one part's compute hides the other's
+    communication (arXiv 2412.19437 section 3.2.1). Starts once both inputs are there; lasts T_F&B
+    (:attr:`zbpp_lite.Costs.fb`). ``str()`` / :meth:`from_str`: ``"(0F7;7B3)OVERLAP_F_B"``.
 
-    Attributes:
-        forward: an F action.
-        backward: a B or BW action of another stage or microbatch (PyTorch's and DualPipe's pair
-            holds a full backward, BW).
-
-    ``str(pair)`` is PyTorch's text form ``"(0F7;7B3)OVERLAP_F_B"`` (forward first) and
-    :meth:`from_str` parses it back.
-
-    Raises:
-        ValueError: a forward that is not F, a backward that is not B or BW, or a backward that
-            needs the pair's own forward (same stage and microbatch).
+    ``forward`` is an F, ``backward`` a B or BW of another stage or microbatch; ValueError otherwise, or when
+    the backward needs the pair's own forward.
     """
 
     forward: Action
@@ -141,11 +107,7 @@ class Overlap:
 
     @classmethod
     def from_str(cls, text: str) -> "Overlap":
-        """Parse ``"(0F7;7B3)OVERLAP_F_B"``.
-
-        Raises:
-            ValueError: text not of that form, or parts that are not (F; I or B).
-        """
+        """Parse ``"(0F7;7B3)OVERLAP_F_B"``; ValueError for other text or parts that are not (F; I or B)."""
         match = _TORCH_OVERLAP.match(text)
         parts = match.group(1).split(";") if match else []
         if len(parts) != 2:
@@ -179,9 +141,8 @@ def v_placement(num_ranks: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------- dependencies
 
 class Key(NamedTuple):
-    """What an action produces or needs: kind "F" (an activation), "B" (an input gradient) or "W"
-    (a weight gradient), of ``stage`` on ``microbatch``. BW produces both B and W. Equal to the
-    plain tuple ``(kind, stage, microbatch)``."""
+    """What an action produces or needs: kind "F" (activation), "B" (input gradient) or "W" (weight
+    gradient) of ``stage`` on ``microbatch``; equal to the tuple ``(kind, stage, microbatch)``."""
 
     kind: str
     stage: int
@@ -198,12 +159,11 @@ def produces(action: Entry) -> tuple[Key, ...]:
 
 
 def deps(action: Entry, num_stages: int) -> tuple[Key, ...]:
-    """Keys an action needs before it may start (paper section 2, figure 1).
+    """Keys an action needs before it may start (paper section 2, figure 1); shared by the validator,
+    simulator, executor and figures.
 
-    F(s, j) needs F(s-1, j); B(s, j) and BW(s, j) need F(s, j) and the input gradient B(s+1, j)
-    from the next stage (the last stage's backward needs only its own F, which computed the loss);
-    W(s, j) needs B(s, j). This one function serves the validator, the simulator, the executor and
-    the figures. A pair needs what both its parts need (it starts once both inputs are there).
+    F(s, j) needs F(s-1, j); B and BW(s, j) need F(s, j) and B(s+1, j) (the last stage only its own F);
+    W(s, j) needs B(s, j). A pair needs what both its parts need.
     """
     if isinstance(action, Overlap):
         return deps(action.forward, num_stages) + deps(action.backward, num_stages)
@@ -222,19 +182,15 @@ def deps(action: Entry, num_stages: int) -> tuple[Key, ...]:
 
 @dataclass(frozen=True)
 class Schedule:
-    """One ordered action list per rank, plus the placement stage -> rank.
+    """One ordered action list per rank, plus the placement stage -> rank (dependencies are checked by
+    :func:`zbpp_lite.validate`, not here).
 
     Attributes:
-        actions: ``actions[rank]`` is that rank's ordered tuple of entries: :class:`Action`, or
-            :class:`Overlap` for an overlapped pair (see :meth:`rank_actions` for the actions alone).
-        placement: ``placement[stage]`` is the rank holding that stage.
+        actions: ``actions[rank]``, the rank's :class:`Action` and :class:`Overlap` entries
+            (:meth:`rank_actions`: the actions alone).
+        placement: ``placement[stage]`` is the rank holding that stage; ValueError if outside the ranks.
         num_microbatches: m, microbatches per training step.
         name: the builder's registry name, or "" for hand-written / loaded schedules.
-
-    Construction does not check dependencies; call :func:`zbpp_lite.validate` for that.
-
-    Raises:
-        ValueError: a placement naming a rank outside ``0 .. len(actions)-1``.
     """
 
     actions: tuple[tuple[Action, ...], ...]
@@ -287,8 +243,7 @@ class Schedule:
         return any(isinstance(e, Overlap) for row in self.actions for e in row)
 
     def split_pairs(self) -> "Schedule":
-        """The same schedule with every pair written as its two consecutive actions (what
-        PyTorch's compute-only CSV generator in tests/artifacts does)."""
+        """The same schedule with every pair written as its two consecutive actions."""
         return Schedule(tuple(self.rank_actions(r) for r in range(self.num_ranks)), self.placement,
             self.num_microbatches, self.name)
 
@@ -299,10 +254,7 @@ class Schedule:
         return [[str(a) for a in row] for row in self.actions]
 
     def to_csv(self, path: str | os.PathLike | None = None) -> str:
-        """Write PyTorch pipelining's compute-only CSV: one row per rank, no header.
-
-        Returns the CSV text; also writes it to ``path`` when given.
-        """
+        """PyTorch's compute-only CSV text (one row per rank, no header), also written to ``path``."""
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         for row in self.to_rows():
@@ -322,17 +274,11 @@ class Schedule:
     ) -> "Schedule":
         """Build a schedule from per-rank action strings; placement inferred from the rows.
 
-        Empty cells and ``None`` (PyTorch's idle steps) are skipped, and so are the transfer and
-        bookkeeping entries of PyTorch's lowered form (``SEND_F``, ``RECV_B``, ``UNSHARD``,
-        ``REDUCE_GRAD``, ...); an overlapped pair ``(0F7;7B3)OVERLAP_F_B`` becomes an
-        :class:`Overlap`. ``num_microbatches``
-        defaults to one more than the largest microbatch index.
-
-        Raises:
-            ValueError: an unparsable action, a stage or microbatch index far beyond what the rows
-                hold (:func:`check_index_range`), a stage that appears on two ranks, or a gap in
-                the stage numbering (a stage no rank holds).
-        """
+        Skips empty cells, ``None`` (idle steps) and PyTorch's lowered transfer/bookkeeping entries
+        (``SEND_F``, ``UNSHARD``, ...); ``(0F7;7B3)OVERLAP_F_B`` becomes an :class:`Overlap`.
+        ``num_microbatches`` defaults to one more than the largest microbatch index. Raises
+        ValueError: an unparsable action, an index beyond :func:`check_index_range`, a stage on two
+        ranks, or a stage no rank holds."""
         actions: list[list[Entry]] = []
         for rank, row in enumerate(rows):
             parsed = []
@@ -351,14 +297,13 @@ class Schedule:
 
     @classmethod
     def from_csv(cls, path: str | os.PathLike, num_microbatches: int | None = None) -> "Schedule":
-        """Read PyTorch's compute-only CSV from the file at ``path`` (UTF-8); see :meth:`from_csv_text`.
-
-        ``path`` is always a file name, never CSV text: text goes to :meth:`from_csv_text`.
+        """Read PyTorch's compute-only CSV from the UTF-8 file at ``path`` (a file name, never CSV text:
+        see :meth:`from_csv_text`).
 
         Raises:
             FileNotFoundError: no file at ``path``.
             IsADirectoryError: ``path`` is a directory.
-            ValueError: a file that is not UTF-8 text, or a bad row (see :meth:`from_csv_text`).
+            ValueError: a file that is not UTF-8 text, or a bad row.
             TypeError: ``path`` that is not a ``str`` or ``os.PathLike``.
         """
         if not isinstance(path, (str, os.PathLike)):
@@ -383,16 +328,14 @@ class Schedule:
 
     @classmethod
     def from_csv_text(cls, text: str, num_microbatches: int | None = None) -> "Schedule":
-        """Parse PyTorch's compute-only CSV text: one row per rank, no header.
+        """Parse PyTorch's compute-only CSV text: one row per rank, no header, cells as in :meth:`from_rows`.
 
-        Any line ending is accepted (LF, CRLF, CR alone, mixed); blank lines (empty or only
-        whitespace) are skipped anywhere, so the i-th non-blank line is rank i. Placement is
-        inferred from the rows; cells as in :meth:`from_rows`.
+        Any line ending is accepted; blank lines are skipped, so the i-th non-blank line is rank i.
 
         Raises:
-            TypeError: ``text`` that is not a ``str`` (e.g. a path object: use :meth:`from_csv`).
-            ValueError: one line naming the CSV line and rank of an unparsable cell, a malformed
-                CSV line, or a stage on two ranks (see :meth:`from_rows`).
+            TypeError: ``text`` that is not a ``str`` (for a path use :meth:`from_csv`).
+            ValueError: naming the CSV line and rank of an unparsable cell, a malformed line, or a stage on
+                two ranks.
         """
         if not isinstance(text, str):
             raise TypeError(f"Schedule.from_csv_text takes CSV text (str), got {type(text).__name__}; for a "
@@ -427,17 +370,11 @@ def _parse_cell(cell: str | Entry | None) -> list[Entry]:
 
 
 def check_index_range(actions: Sequence[Sequence[Entry]], num_microbatches: int | None = None) -> None:
-    """Refuse indices no complete schedule of these rows can have, before anything is built.
+    """Refuse stage/microbatch indices (and ``num_microbatches``) not below the rows' action count N.
 
-    A complete schedule runs an F of every stage on every microbatch, so it has at least as many
-    actions as stages and as microbatches: with N actions in the rows, every stage and microbatch
-    index is below N, and so is ``num_microbatches``. An index beyond that is a typo (``1000000F0``
-    for ``1F0``); without this check it would make the placement or the validator walk a million
-    stages or microbatches.
-
-    Raises:
-        ValueError: one line naming the rank, the action and the largest index the rows allow.
-    """
+    A complete schedule has an F of every stage on every microbatch, so larger indices are typos
+    (``1000000F0``) that would make the placement or validator walk a million stages. Raises ValueError:
+    naming the rank, the action and the largest index the rows allow."""
     count = sum(len(parts(e)) for row in actions for e in row)
     for rank, row in enumerate(actions):
         for a in (a for e in row for a in parts(e)):
@@ -456,11 +393,7 @@ def check_index_range(actions: Sequence[Sequence[Entry]], num_microbatches: int 
 
 
 def infer_placement(actions: Sequence[Sequence[Entry]]) -> tuple[int, ...]:
-    """Placement stage -> rank read off per-rank action lists.
-
-    Raises:
-        ValueError: a stage on two ranks, or stage indices with a gap (no rank holds it).
-    """
+    """Placement stage -> rank read off per-rank action lists; ValueError on a stage on two ranks or a gap."""
     owner: dict[int, int] = {}
     for rank, row in enumerate(actions):
         for a in (a for e in row for a in parts(e)):

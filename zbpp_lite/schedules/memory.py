@@ -1,21 +1,15 @@
 """Measured activation memory: the bytes each rank held over a step, beside the plan (pure Python).
 
-The plan's memory model (Qi et al., arXiv 2401.10241, section 2.1 and table 1; :mod:`.costs`):
-F allocates M_B of activations, B frees M_B - M_W and W frees the last M_W. The executor
-(:mod:`zbpp_lite.runtime.memory`) counts what a rank really keeps alive for the schedule, from
-the shapes and dtypes of the arrays:
+The plan's model is :mod:`.costs`'s (arXiv 2401.10241 section 2.1). The executor
+(:mod:`zbpp_lite.runtime.memory`) counts from array shapes and dtypes what a rank keeps:
 
-- held: what the rank's own actions keep, each from the end of the action that made it to the
-  end of the action that released it: F's residuals for B and W's operands (the stage's M_B),
-  B's output gradients for W (with W's operands: the stage's M_W). This is what the plan
-  models, so its peak is compared with the plan's to the byte.
-- received: the activations and input gradients other ranks sent, from their arrival in the
-  rank's inbox to the end of the action that consumed them. The plan does not model them (their
-  arrival depends on timing); they are reported beside the held bytes.
+- held: what its own actions keep, from the end of the action that made it to the end of the one that
+  released it (F's residuals: M_B; B's output gradients with W's operands: M_W); compared with the plan
+  to the byte.
+- received: what other ranks sent, from arrival to the end of the consuming action (not in the plan).
 
-On a GPU or TPU the device's own count is recorded too: ``memory_stats()["peak_bytes_in_use"]``,
-the allocator's peak since the process began, which also holds the parameters, the optimizer
-state, dead buffers kept for reuse and the compiled programs' temporaries.
+On GPU/TPU ``memory_stats()["peak_bytes_in_use"]`` is recorded too (the allocator's peak since the process
+began, parameters, optimizer state and temporaries included).
 """
 
 from __future__ import annotations
@@ -55,17 +49,12 @@ class MeasuredMemory:
     """Activation bytes each rank held during one measured step.
 
     Attributes:
-        held: per rank, the :data:`Curve` of the bytes its own actions keep (F's residuals and
-            W's operands, B's output gradients), seconds on the timeline's clock.
-        received: per rank, the :data:`Curve` of the bytes received from other ranks and not
-            yet consumed (inbox, then the action that takes them until it ends).
-        mem_b: per stage, M_B measured: bytes one F keeps (B's residuals + W's operands, one
-            microbatch), int; 0 for a stage this process did not run.
-        mem_w: per stage, M_W measured: bytes held from B until W (W's operands + the output
-            gradients B keeps), int; 0 as ``mem_b``.
-        device_peak: per rank, the device's ``memory_stats()["peak_bytes_in_use"]`` after the
-            step (bytes since the process began, everything the device holds), or None where
-            the device gives no count (CPU) or the rank ran elsewhere.
+        held: per rank, the :data:`Curve` of bytes its own actions keep (seconds on the timeline's clock).
+        received: per rank, the :data:`Curve` of bytes received and not yet consumed.
+        mem_b: per stage, measured M_B in bytes (int; 0 for a stage this process did not run).
+        mem_w: per stage, measured M_W in bytes (int; 0 as ``mem_b``).
+        device_peak: per rank, the device's ``peak_bytes_in_use`` after the step, or None (CPU, or run
+            elsewhere).
     """
 
     held: tuple[Curve, ...]
@@ -90,20 +79,13 @@ class MeasuredMemory:
         return tuple(curve_peak(add_curves(h, r)) for h, r in zip(self.held, self.received))
 
     def peak_units(self, unit_stages: Sequence[int]) -> tuple[float, ...]:
-        """Per rank r, the measured peak in units of one stage-microbatch's activations: bytes
-        over the measured M_B of stage ``unit_stages[r]`` (e.g. the rank's first stage); nan
-        where that M_B is 0 (a stage run elsewhere)."""
+        """Per rank r, the measured peak over the measured M_B of stage ``unit_stages[r]`` (nan if 0)."""
         return tuple(b / self.mem_b[s] if self.mem_b[s] else float("nan")
             for b, s in zip(self.peak_bytes, unit_stages))
 
     def costs(self, base: Costs | None = None) -> Costs:
-        """``base`` (default :class:`Costs`) with mem_b and mem_w set to the measured bytes per
-        stage, so :func:`zbpp_lite.simulate` plans memory in bytes.
-
-        Raises:
-            ValueError: a stage whose measured M_W exceeds its M_B (the plan's model cannot
-                hold it: B would allocate more than it frees).
-        """
+        """``base`` (default :class:`Costs`) with the measured per-stage bytes as mem_b and mem_w.
+        Raises ValueError: a stage whose measured M_W exceeds its M_B."""
         bad = [s for s, (b, w) in enumerate(zip(self.mem_b, self.mem_w)) if w > b]
         if bad:
             raise ValueError(
@@ -116,8 +98,8 @@ class MeasuredMemory:
             mem_w=self.mem_w)
 
     def to_json(self) -> dict:
-        """A JSON-ready dict: peaks per rank (bytes), M_B and M_W per stage (bytes), the
-        device's peak per rank (or null), and the curves as [time s, bytes] pairs."""
+        """A JSON-ready dict: per-rank peaks, per-stage M_B and M_W (bytes), device peaks (or null), and the
+        curves as [time s, bytes] pairs."""
         return {
             "peak_bytes": list(self.peak_bytes),
             "peak_received_bytes": list(self.peak_received_bytes),

@@ -1,15 +1,9 @@
 """The simulator: time a schedule under given costs (pure Python, milliseconds).
 
-Event-driven with a cursor per rank, in the manner of the zero-bubble scheduler's timing pass: a
-rank's head action starts once the rank is free and everything it needs has ended, plus T_comm
-for what comes from another rank. Actions on one rank never overlap. Source: Qi et al.,
-arXiv 2401.10241, section 3 (the cost model of the automatic scheduler).
-
-An overlapped pair F&B (:class:`~zbpp_lite.schedules.ir.Overlap`) starts once both parts' inputs
-are there, lasts T_F&B (``Costs.fb``) and hands both parts' outputs on at its end, as DualPipe
-sends them (arXiv 2412.19437, section 3.2.1). On the timeline it is two events, its forward then
-its backward, back to back, splitting T_F&B in proportion to T_F and the backward's time, so each
-event is one action, as the executor measures them.
+Event-driven, a cursor per rank (arXiv 2401.10241 section 3's cost model): a rank's head action starts once
+the rank is free and all it needs has ended (plus T_comm across ranks). An overlapped pair F&B starts once
+both inputs are there, lasts T_F&B and hands both outputs on at its end (arXiv 2412.19437 section 3.2.1);
+on the timeline it is two back-to-back events splitting T_F&B in proportion to its parts' times.
 """
 
 from __future__ import annotations
@@ -30,25 +24,18 @@ def simulate(
     check: bool = True,
     lockstep: bool = False,
 ) -> Timeline:
-    """Simulate ``schedule`` under ``costs`` and return its :class:`Timeline`.
+    """Simulate ``schedule`` under ``costs`` and return its :class:`Timeline` (the costs' time unit).
 
     Args:
-        schedule: any schedule; validated first when ``check`` is true.
-        costs: per-action times and memory; default T_F = T_B = T_W = 1, T_comm = 0, M_B = 1.
-        memory_limit: recorded on the timeline for figures (the simulator does not enforce it).
-        check: run the full :func:`validate` first (structure and order). With ``check=False``
-            only deadlock is detected.
-        lockstep: time the schedule as a compiled SPMD program runs it: in ticks (see
-            :func:`lockstep_ticks`), every rank doing at most one action per tick, a tick lasting
-            as long as its slowest action plus T_comm when any transfer crosses ranks after it.
-
-    Returns:
-        A Timeline in the costs' time unit.
+        costs: default T_F = T_B = T_W = 1, T_comm = 0, M_B = 1.
+        memory_limit: recorded for figures, not enforced.
+        check: run :func:`validate` first; with ``check=False`` only deadlock is detected.
+        lockstep: time it as a compiled SPMD program runs it, in :func:`lockstep_ticks` ticks lasting
+            their slowest action plus T_comm when a transfer crosses ranks after it.
 
     Raises:
         ScheduleError: an invalid or deadlocking schedule.
-        ValueError: costs with the wrong number of per-stage values, or costs so large that the
-            times overflow to infinity (each finite, their sums not: ``Costs(f=1e308, comm=1e308)``).
+        ValueError: costs with the wrong number of per-stage values, or times overflowing to infinity.
     """
     costs = costs or Costs()
     table = costs.table(schedule.num_stages)
@@ -67,15 +54,10 @@ def simulate(
 
 
 def lockstep_ticks(schedule: Schedule) -> list[list[int | None]]:
-    """The per-tick action table of a lockstep (SPMD) run: ``table[tick][rank]`` is the index of
-    the action that rank runs in that tick, or None when it idles.
+    """``table[tick][rank]``: the index of the action the rank runs in a lockstep (SPMD) run, or None.
 
-    Each action takes the earliest tick after its rank's previous action and after every action
-    it needs (results cross ranks at the end of a tick), so the table keeps every rank's order.
-
-    Raises:
-        ScheduleError: a deadlocking schedule.
-    """
+    Each action takes the earliest tick after its rank's previous one and after all it needs (results
+    cross ranks at a tick's end). Raises ScheduleError: a deadlocking schedule."""
     S = schedule.num_stages
     tick_of: dict[Key, int] = {}
     next_free = [0] * schedule.num_ranks
@@ -93,8 +75,7 @@ def lockstep_ticks(schedule: Schedule) -> list[list[int | None]]:
 
 
 def _events_of(rank: int, entry: Entry, start: float, end: float, table: CostTable) -> list[Event]:
-    """One event for an action; a pair's forward and backward back to back over [start, end],
-    split in proportion to their own times."""
+    """One event per action; a pair's two back to back over [start, end], split by their own times."""
     if not isinstance(entry, Overlap):
         return [Event(rank, entry, start, end)]
     f, b = entry.parts

@@ -1,12 +1,8 @@
 """Strict JSON out of the package: a non-finite float (NaN, +-inf) is written as null, and said so.
 
-Python's ``json`` writes ``NaN`` and ``Infinity`` by default. That is not JSON (RFC 8259, section 6:
-"Numeric values that cannot be represented ... such as Infinity and NaN are not permitted"), so
-Node's ``JSON.parse``, ``jq`` and most other tools refuse the whole file. A run whose loss
-diverged is exactly when a reader needs the file. Every JSON writer of the package goes through
-:func:`dumps` or :func:`write`, which always pass ``allow_nan=False``.
-
-This module sits in the schedule layer (pure Python, no JAX) so that every layer may import it.
+Python's ``json`` writes ``NaN`` / ``Infinity``, which RFC 8259 section 6 forbids, so ``JSON.parse``, ``jq``
+and others refuse the file, just when a diverged run needs reading. Every JSON writer of the package uses
+:func:`dumps` or :func:`write` (``allow_nan=False``). In the schedule layer so every layer may import it.
 """
 
 from __future__ import annotations
@@ -25,12 +21,11 @@ def _null(x: float) -> None:
 
 
 def sanitize(value: Any, nonfinite: Callable[[float], Any] = _null) -> tuple[Any, list[str]]:
-    """``value`` with every non-finite float ``x`` replaced by ``nonfinite(x)`` (default: None).
-
-    Dicts and lists are copied (tuples become lists, as JSON writes them); other values are kept.
+    """``value`` with each non-finite float ``x`` replaced by ``nonfinite(x)`` (default None); dicts and
+    lists copied (tuples become lists).
 
     Returns:
-        (the copy, the paths of the replaced values, e.g. ``["loss[2]", "test_loss"]``).
+        (the copy, the replaced values' paths, e.g. ``["loss[2]", "test_loss"]``).
     """
     found: list[str] = []
 
@@ -48,23 +43,17 @@ def sanitize(value: Any, nonfinite: Callable[[float], Any] = _null) -> tuple[Any
 
 
 def dumps(value: Any, nonfinite: Callable[[float], Any] = _null, **options: Any) -> str:
-    """``json.dumps`` of :func:`sanitize`'s copy with ``allow_nan=False``: strict JSON.
-
-    Raises:
-        TypeError: a value JSON cannot hold (as ``json.dumps``).
-    """
+    """``json.dumps`` of :func:`sanitize`'s copy with ``allow_nan=False``: strict JSON. Raises TypeError:
+    a value JSON cannot hold (as ``json.dumps``)."""
     options.pop("allow_nan", None)
     return json.dumps(sanitize(value, nonfinite)[0], allow_nan=False, **options)
 
 
 def write(path: str | os.PathLike, value: Any, indent: int | None = 1) -> str:
-    """Write ``value`` to ``path`` as strict JSON; non-finite floats become null.
-
-    Where there were any and ``value`` is a dict, it gets the key ``"nonfinite"``: their paths.
+    """Write ``value`` to ``path`` as strict JSON; a dict gets key ``"nonfinite"`` listing any nulled paths.
 
     Returns:
-        The line to print: ``wrote PATH``, and where values were not finite, which ones; if a loss is
-        among them, that the run diverged.
+        The line to print: ``wrote PATH``, which values were not finite, and whether a loss diverged.
     """
     clean, found = sanitize(value)
     if found and isinstance(clean, dict):

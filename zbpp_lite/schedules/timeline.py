@@ -1,10 +1,8 @@
-"""Timeline: what happened (or would happen) on every rank, simulated or measured (pure Python).
+"""Timeline: what happened (or would happen) on every rank, simulated or measured alike (pure Python).
 
-One type for both, so planned and measured runs are compared like for like.
-
-Definitions (Qi et al., arXiv 2401.10241, section 3 and DESIGN.md): a rank's span runs from the
-start of its first F to the end of its last action; the makespan is the longest span; the bubble
-rate is (makespan - busy) / makespan where busy is the busiest rank's total compute time.
+Definitions (arXiv 2401.10241 section 3, DESIGN.md): a rank's span runs from its first F's start to its last
+action's end; the makespan is the longest span; bubble rate = (makespan - busy) / makespan, busy being the
+busiest rank's compute time.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from .memory import MeasuredMemory
 
 @dataclass(frozen=True)
 class Event:
-    """One action's execution: ``rank`` ran ``action`` from ``start`` to ``end`` (same unit as the
-    costs; seconds for measured timelines)."""
+    """``rank`` ran ``action`` from ``start`` to ``end`` (unit of the costs; seconds when measured)."""
 
     rank: int
     action: Action
@@ -39,18 +36,17 @@ class Timeline:
     Attributes:
         events: every :class:`Event`, sorted by (rank, start).
         num_ranks: p.
-        makespan: longest per-rank span, first F start to last action end.
-        bubble_rate: (makespan - busy) / makespan, busy = the busiest rank's compute time.
+        makespan: longest per-rank span.
+        bubble_rate: (makespan - busy) / makespan.
         busy: per-rank total compute time.
-        peak_memory: per-rank peak activation memory (units of the costs' mem_b / mem_w).
+        peak_memory: per-rank peak activation memory (units of mem_b / mem_w).
         idle_gaps: per rank, the (start, end) intervals inside its span where it ran nothing.
-        memory_limit: the per-rank limit the schedule was planned for, if any (for figures).
+        memory_limit: the per-rank limit planned for, if any (for figures).
         source: "simulated" or "measured".
-        measured_memory: on a measured timeline, the bytes each rank really held
-            (:class:`~zbpp_lite.schedules.memory.MeasuredMemory`: curves and peaks in bytes, M_B
-            and M_W per stage); None on a simulated one.
-        memory_costs: the per-stage M_B and M_W ``peak_memory`` was computed with (the default
-            of :meth:`memory_curve`); not compared.
+        measured_memory: measured bytes per rank (:class:`~zbpp_lite.schedules.memory.MeasuredMemory`), or
+            None.
+        memory_costs: the per-stage M_B, M_W ``peak_memory`` used (:meth:`memory_curve`'s default); not
+            compared.
     """
 
     events: tuple[Event, ...]
@@ -78,10 +74,8 @@ class Timeline:
     ) -> "Timeline":
         """Derive makespan, bubble rate, peak memory and idle gaps from raw events.
 
-        Memory follows each rank's own action order (only a rank's own actions change its
-        memory): F adds M_B, B frees M_B - M_W, W frees M_W, BW frees M_B. Without ``costs``,
-        ``Costs()``'s: M_B = 1 (one stage's activations for one microbatch), M_W = 7/16 M_B.
-        Gaps shorter than ``gap_tolerance`` are ignored (float noise).
+        Memory follows each rank's own action order (model of :mod:`.costs`; default ``Costs()``: M_B = 1,
+        M_W = 7/16). Gaps shorter than ``gap_tolerance`` are ignored (float noise).
         """
         events = tuple(sorted(events, key=lambda e: (e.rank, e.start, e.end)))
         if num_stages is None:
@@ -117,11 +111,9 @@ class Timeline:
 
     @property
     def global_span(self) -> float:
-        """First start to last end over all ranks: the step time when the optimizer step waits
-        for every rank (a synchronous gradient-norm clip or NaN check, paper section 4). It
-        exceeds the makespan when ranks start and end at different times (ZB-H2's
-        parallelogram); post-validation lets each rank step as soon as it ends, so the step
-        time falls back to the makespan."""
+        """First start to last end over all ranks: the step time with a synchronous optimizer step (paper
+        section 4); above the makespan when ranks start and end apart (ZB-H2), which post-validation recovers.
+        """
         if not self.events:
             return 0.0
         return max(e.end for e in self.events) - min(e.start for e in self.events)
@@ -141,9 +133,8 @@ class Timeline:
         return tuple(sum(b - a for a, b in g) for g in self.idle_gaps)
 
     def memory_curve(self, rank: int, costs: Costs | CostTable | None = None) -> list[tuple[float, float]]:
-        """(time, activation memory) steps for one rank: memory rises at an F's start and falls at
-        a backward's end. ``costs`` defaults to the ones ``peak_memory`` was computed with
-        (``memory_costs``; ``Costs()`` where none were recorded)."""
+        """(time, activation memory) steps for one rank, rising at an F's start, falling at a backward's end;
+        ``costs`` defaults to ``memory_costs`` (else ``Costs()``)."""
         stages = 1 + max((e.action.stage for e in self.events), default=0)
         costs = costs or self.memory_costs or Costs()
         table = costs.table(stages) if isinstance(costs, Costs) else costs
@@ -160,20 +151,14 @@ class Timeline:
 
     @property
     def peak_memory_bytes(self) -> tuple[int, ...] | None:
-        """Per rank, the measured peak of the activation bytes its own actions kept
-        (``measured_memory.peak_bytes``), or None without a measurement."""
+        """Per rank, ``measured_memory.peak_bytes``, or None without a measurement."""
         return None if self.measured_memory is None else self.measured_memory.peak_bytes
 
     @property
     def planned_peak_bytes(self) -> tuple[float, ...] | None:
-        """Per rank, the plan's peak memory in bytes: the plan's model (F +M_B, B -(M_B-M_W),
-        W -M_W, BW -M_B) over this timeline's per-rank action order, with the measured M_B and
-        M_W of every stage (:meth:`MeasuredMemory.costs`); None without a measurement. The
-        simulator gives the same peaks (they depend on each rank's order only).
-
-        Raises:
-            ValueError: as :meth:`MeasuredMemory.costs`.
-        """
+        """Per rank, the plan's peak in bytes: the plan's memory model over this timeline's action
+        order with the measured per-stage M_B, M_W (:meth:`MeasuredMemory.costs`); None without a
+        measurement. Raises ValueError: as :meth:`MeasuredMemory.costs`."""
         if self.measured_memory is None:
             return None
         table = self.measured_memory.costs().table(len(self.measured_memory.mem_b))
@@ -187,8 +172,7 @@ class Timeline:
 
 
 def with_schedule_order(timeline: Timeline, schedule: Schedule) -> bool:
-    """True when the timeline's per-rank event order matches the schedule's action lists (a pair
-    as its forward then its backward)."""
+    """Does the timeline's per-rank event order match the schedule's lists (pairs as forward, backward)?"""
     return all(
         tuple(e.action for e in timeline.rank_events(r)) == schedule.rank_actions(r)
         for r in range(schedule.num_ranks)

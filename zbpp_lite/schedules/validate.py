@@ -1,20 +1,11 @@
 """The validator: is a schedule complete, ordered, and free of deadlock? (pure Python)
 
-``validate(schedule)`` checks, in this order, and raises :class:`ScheduleError` naming the rank,
-the step (position in that rank's list), the action and the rule it breaks, with the rank x step
-grid around the offending step marked:
-
-1. every action's stage and microbatch exist, and the action sits on the rank its stage is placed on;
-2. completeness: every (stage, microbatch) has exactly one F and either one BW or one B and one W;
-3. order within a rank: what an action needs from its own rank comes earlier in that rank's list
-   (F before B, B before W, F of stage s-1 before F of stage s where both live on one rank, ...);
-4. deadlock freedom: when every rank runs its list in order with blocking receives, all finish.
-
-An overlapped pair (:class:`~zbpp_lite.schedules.ir.Overlap`) is one step of its rank's list: each
-part is checked as an action of that step, and the pair starts only once both parts' inputs are
-there, so deadlock freedom is checked with it waiting for both.
-
-Dependencies come from :func:`zbpp_lite.schedules.ir.deps` (paper section 2, figure 1).
+:func:`validate` checks in order, raising :class:`ScheduleError` with rank, step, action, rule and the
+marked rank x step grid: 1. every action's stage and microbatch exist, on the rank its stage is placed on;
+2. every (stage, microbatch) has one F and either one BW or one B and one W; 3. what an action needs from
+its own rank comes earlier in the list; 4. running every list in order with blocking receives finishes.
+An :class:`~zbpp_lite.schedules.ir.Overlap` is one step whose parts are checked as actions of that step,
+waiting for both inputs. Dependencies: :func:`zbpp_lite.schedules.ir.deps` (paper section 2, figure 1).
 """
 
 from __future__ import annotations
@@ -24,9 +15,8 @@ from .ir import Action, Entry, Key, Overlap, Schedule, deps, parts, produces
 
 
 class ScheduleError(ValueError):
-    """A schedule that cannot run as written. ``rank``, ``step`` and ``action`` locate the problem
-    (``None`` where it has no single place, e.g. a missing action); ``action`` is the entry at
-    that step, an :class:`Overlap` where the step is an overlapped pair."""
+    """A schedule that cannot run as written; ``rank``, ``step``, ``action`` (the step's entry, maybe an
+    :class:`Overlap`) locate it, ``None`` where no single place (e.g. a missing action)."""
 
     def __init__(self, message: str, rank: int | None = None, step: int | None = None,
             action: Entry | None = None):
@@ -44,10 +34,8 @@ def describe(action: Entry) -> str:
 
 
 def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, window: int = 8) -> str:
-    """The rank x step grid in PyTorch notation; ``mark=(rank, step)`` brackets one cell.
-
-    With a mark, only ``window`` steps either side of it are shown.
-    """
+    """The rank x step grid in PyTorch notation; ``mark=(rank, step)`` brackets one cell and shows only
+    ``window`` steps either side."""
     lo, hi = 0, max((len(r) for r in schedule.actions), default=0)
     if mark is not None:
         lo, hi = max(0, mark[1] - window), min(hi, mark[1] + window + 1)
@@ -149,13 +137,9 @@ def _check_structure(schedule: Schedule) -> None:
 
 
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
-    """A global order of (rank, step) in which every rank runs its list in order and every action
-    starts only after what it needs: the dependency walk shared by the validator and simulator.
-
-    Raises:
-        ScheduleError: deadlock; the message names every stuck rank's head action and what it
-            waits for.
-    """
+    """A global (rank, step) order running every list in order, each action after what it needs (shared by
+    validator and simulator). Raises ScheduleError: deadlock, naming every stuck rank's head action and
+    what it waits for."""
     S = schedule.num_stages
     rows = schedule.actions
     needs = [[deps(a, S) for a in row] for row in rows]
@@ -192,12 +176,9 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
 
 
 def validate(schedule: Schedule) -> Schedule:
-    """Check a schedule; return it unchanged if valid.
-
-    Raises:
-        ScheduleError: the first problem found, naming rank, step, action and rule, with the
-            rank x step grid (PyTorch notation; the bad cell in brackets).
-    """
+    """Check a schedule; return it unchanged if valid. Raises ScheduleError: the first problem found,
+    naming rank, step, action and rule, with the rank x step grid (PyTorch notation; the bad cell in
+    brackets)."""
     _check_structure(schedule)
     execution_order(schedule)
     return schedule

@@ -1,8 +1,5 @@
-"""Layer 5, presentation: Plotly figures, the ipywidgets explorer, slider figures, text grids and
-Chrome-trace export of any Timeline, planned or measured. No JAX here.
-
-Figures return ``go.Figure`` and never display; the explorer only calls build -> simulate ->
-figure.
+"""Layer 5, presentation: Plotly figures (returned, never displayed), the ipywidgets explorer, slider
+figures, text grids and Chrome-trace export of any Timeline, planned or measured.
 
 May import: :mod:`zbpp_lite.schedules` and :mod:`zbpp_lite.analysis` (never JAX itself).
 """

@@ -1,8 +1,6 @@
-"""Figure of a bubble attribution: the timeline with every idle stretch coloured by its cause, and
-the idle time per stage blamed, stacked by cause. Returns a ``go.Figure``, displays nothing.
-
-Causes and their meaning: :mod:`zbpp_lite.analysis.attribute` (arXiv 2401.10241, sections 2-3).
-"""
+"""Figure of a bubble attribution: the timeline with each idle stretch coloured by its cause, and idle
+time per blamed stage stacked by cause (causes: :mod:`zbpp_lite.analysis.attribute`, arXiv 2401.10241
+sections 2-3)."""
 
 from __future__ import annotations
 
@@ -33,18 +31,16 @@ hovering a bar still names its action."""
 
 
 def attribution_figure(attribution: Attribution, timeline: Timeline, title: str | None = None) -> go.Figure:
-    """Two panels: above, the timeline (actions in greys, :data:`ACTION_GREY`) with each idle
-    stretch drawn in its cause's colour; below, per stage blamed, the idle time stacked by cause.
+    """Two panels: the timeline (actions in :data:`ACTION_GREY`) with idle stretches in their cause's
+    colour; below, per blamed stage, idle time stacked by cause.
 
     Args:
         attribution: :func:`zbpp_lite.analysis.attribute.attribute` of ``timeline``.
-        timeline: the timeline that was attributed.
         title: heading (default: "where the bubbles come from").
 
     Returns:
-        A new ``go.Figure``: 5 action traces, then one idle trace per cause in :data:`CAUSES`
-        order for the timeline panel, then one bar trace per cause for the per-stage panel.
-        Times start at 0; milliseconds for measured timelines.
+        A new ``go.Figure``: 5 action traces, one idle trace per cause (:data:`CAUSES` order), then one
+        bar trace per cause. Times start at 0; milliseconds for measured timelines.
 
     Raises:
         ValueError: an attribution of another timeline (different rank count).

@@ -1,22 +1,14 @@
 """The course's exercises: one check function per exercise, which says right or wrong and hints.
 
-Each lesson (notebooks 01-08) asks at least three questions, one of them to be predicted before
-the simulation runs (:func:`reveal` draws it only once an answer is given); where the answer is a
-formula, the learner writes a function of p, m and the costs and the check calls it at several
-points; in lesson 8 the learner writes the pipeline itself. The learner types an answer into the
-exercise cell and calls its check. A check never raises for a wrong answer: it returns a
-:class:`Verdict`, which prints "right" or "not yet" with a hint, and is truthy only when right
-(so a notebook's solutions section can ``assert`` it). Answers are compared with what the
-simulator, the validator, the placement functions, the attribution or the rebalancer compute, or
-(for the flop counts) with a count the check makes from the matrix shapes; no answer is stored.
+Each lesson (notebooks 01-08) asks at least three questions, one predicted before the simulation runs
+(:func:`reveal` draws it only once answered); formula answers are functions of p, m and the costs, called at
+several points; in lesson 8 the learner writes the pipeline. A check never raises for a wrong answer: it
+returns a :class:`Verdict` (prints "right" or "not yet" with a hint; truthy only when right, so solutions can
+``assert`` it). Answers are compared with what the simulator, validator, placements, attribution or
+rebalancer compute, or with flop counts from the shapes; no answer is stored. No JAX at import.
 
-Pure Python: the schedule layer and :mod:`zbpp_lite.analysis` (attribution, rebalancing) are
-imported inside the checks that use them; no JAX.
-
-Sources: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), sections 2-3
-(bubble formulas, memory, the heuristic); Qi et al., "Pipeline Parallelism with Controllable
-Memory", NeurIPS 2024 (arXiv 2405.15362), section 3 (the V placement); Narayanan et al., SC 2021,
-section 2.2 (interleaved 1F1B).
+Sources: arXiv 2401.10241 sections 2-3 (bubbles, memory, heuristic); arXiv 2405.15362 section 3
+(V placement); Narayanan et al., SC 2021, section 2.2 (interleaved 1F1B).
 """
 
 from __future__ import annotations
@@ -29,11 +21,17 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+import numpy as np
+import plotly.graph_objects as go
+
+from ..analysis.rebalance import best_partition
 from ..schedules.builders import build_schedule
+from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.ir import Action, Schedule, looped_placement as _looped, v_placement as _v
 from ..schedules.simulate import simulate
 from ..schedules.validate import ScheduleError, validate
+from .figures import timeline_figure
 
 
 @dataclass(frozen=True)
@@ -43,7 +41,7 @@ class Verdict:
     Attributes:
         exercise: the exercise's id, e.g. ``"1.1"`` (lesson 1, exercise 1).
         ok: True when the answer is right.
-        message: why it is right, or what is wrong with it.
+        message: why it is right, or what is wrong.
         hint: a nudge towards the answer (empty when right).
     """
 
@@ -84,7 +82,8 @@ def _as_number(answer: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: str, tol: float = 1e-6) -> Verdict:
+def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: str,
+                  tol: float = 1e-6) -> Verdict:
     if _unanswered(answer):
         return Verdict(exercise, False, "no answer yet: replace ... with yours.", hint)
     value = _as_number(answer)
@@ -95,26 +94,8 @@ def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: 
     return Verdict(exercise, False, f"{value:g} is not {what}.", hint)
 
 
-def _sequence_check(exercise: str, answer: Any, expected: Sequence, what: str, hint: str) -> Verdict:
-    if _unanswered(answer):
-        return Verdict(exercise, False, "no answer yet: replace ... with yours.", hint)
-    try:
-        given = tuple(answer)
-    except TypeError:
-        return Verdict(exercise, False, f"expected a list for {what}, got {answer!r}.", hint)
-    if len(given) != len(expected):
-        return Verdict(exercise, False, f"{what} has {len(expected)} entries, you gave {len(given)}.", hint)
-    values = [_as_number(x) for x in given]
-    if any(v is None for v in values):
-        return Verdict(exercise, False, f"every entry of {what} is a number, got {list(given)!r}.", hint)
-    wrong = [i for i, (v, e) in enumerate(zip(values, expected)) if abs(v - e) > 1e-6 * max(1.0, abs(e))]
-    if not wrong:
-        return Verdict(exercise, True, f"{what} is {list(expected)}.")
-    return Verdict(exercise, False, f"entry {wrong[0]} of {what} is off ({len(wrong)} of {len(expected)} entries wrong).", hint)
-
-
-def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float], what: str,
-                    hint: str, tol: float = 1e-6) -> Verdict:
+def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float],
+                    what: str, hint: str, tol: float = 1e-6) -> Verdict:
     """Call the learner's function at every point and compare with ``expected(*point)``."""
     if _unanswered(fn):
         return Verdict(exercise, False, "no answer yet: write the function.", hint)
@@ -124,14 +105,16 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
         want = expected(*point)
         try:
             got = fn(*point)
-        except Exception as e:  # noqa: BLE001  (the learner's code: any error is an answer to report, not to raise)
+        except Exception as e:  # noqa: BLE001  (the learner's error is an answer to report, not to raise)
             return Verdict(exercise, False, f"your function raised {type(e).__name__} at {point}: {e}", hint)
         value = _as_number(got) if not isinstance(got, bool) else None
         if isinstance(want, bool):
-            if not isinstance(got, (bool,)) and not (hasattr(got, "__bool__") and type(got).__name__ == "bool_"):
+            if not isinstance(got, (bool,)) and not (hasattr(got, "__bool__")
+                                                     and type(got).__name__ == "bool_"):
                 return Verdict(exercise, False, f"at {point} expected True or False, got {got!r}.", hint)
             if bool(got) != want:
-                return Verdict(exercise, False, f"at {point} your function gives {bool(got)}, the simulator {want}.", hint)
+                return Verdict(exercise, False,
+                               f"at {point} your function gives {bool(got)}, the simulator {want}.", hint)
             continue
         if value is None:
             return Verdict(exercise, False, f"at {point} expected a number, got {got!r}.", hint)
@@ -148,9 +131,8 @@ SLOW_MIDDLE = Costs(f=[1.0, 2.0, 1.0], b=[1.0, 2.0, 1.0], w=[1.0, 2.0, 1.0])
 
 
 def makespan_1f1b(answer: Any) -> Verdict:
-    """Exercise 1.1: 1F1B's makespan for p = 3 ranks, m = 6 microbatches, T_F = 1 and a fused
-    backward T_BW = 2 on stages 0 and 2, twice that on stage 1 (:data:`SLOW_MIDDLE`), T_comm = 0,
-    predicted before simulating."""
+    """Exercise 1.1: 1F1B's makespan for p = 3, m = 6, T_F = 1, T_BW = 2 (twice on stage 1:
+    :data:`SLOW_MIDDLE`), T_comm = 0; predicted."""
     expected = simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE).makespan
     return _number_check(
         "1.1", answer, expected, "1F1B's makespan with a slow stage 1",
@@ -161,8 +143,7 @@ def makespan_1f1b(answer: Any) -> Verdict:
 
 
 def microbatches_for_bubble(answer: Any) -> Verdict:
-    """Exercise 1.2: the smallest m for which 1F1B on p = 4 ranks (equal costs, T_comm = 0) has a
-    bubble rate below 10%."""
+    """Exercise 1.2: the smallest m for which 1F1B on p = 4 (unit costs) has a bubble rate below 10%."""
     if _unanswered(answer) or _as_number(answer) is None or not float(_as_number(answer)).is_integer():
         return _number_check("1.2", None if _unanswered(answer) else answer, -1, "the smallest m",
                              "m is a whole number of microbatches; solve (p-1)/(m+p-1) < 0.1 for m.")
@@ -179,13 +160,10 @@ def microbatches_for_bubble(answer: Any) -> Verdict:
 
 
 def lean_schedule(actions: Any) -> Verdict:
-    """Exercise 1.3: a valid schedule for p = 3 ranks (stage r on rank r) and m = 4 microbatches in
-    which no rank ever holds more than 2 microbatches' activations (1F1B's rank 0 holds 3), written
-    as three lists of actions in PyTorch's text form (``"0F1"``: stage 0's F of microbatch 1;
-    ``"1B0"``: stage 1's fused backward BW of microbatch 0; ``"1I0"``/``"1W0"``: B and W apart), or
-    as :class:`~zbpp_lite.schedules.ir.Action` objects. Passes when :func:`zbpp_lite.validate`
-    accepts it and :func:`zbpp_lite.simulate` (unit costs) finds every rank's peak at most 2 M_B;
-    otherwise the hint is the validator's message or the rank that holds too much."""
+    """Exercise 1.3: a valid schedule for p = 3, m = 4 (stage r on rank r) in which no rank holds more than
+    2 microbatches' activations (1F1B's rank 0 holds 3): three lists of actions in PyTorch's text form
+    (``"0F1"``, ``"1B0"`` fused, ``"1I0"``/``"1W0"`` split) or :class:`~zbpp_lite.schedules.ir.Action`.
+    Checked with :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs, peak <= 2 M_B)."""
     hint = ("each rank may start at most 2 forwards before its first backward; stage 0's backward needs "
             "stage 1's, which needs stage 2's, so count what each rank can run while it waits.")
     if _unanswered(actions):
@@ -193,7 +171,8 @@ def lean_schedule(actions: Any) -> Verdict:
     try:
         rows = [[a if isinstance(a, Action) else Action.from_str(str(a)) for a in row] for row in actions]
     except (TypeError, ValueError) as e:
-        return Verdict("1.3", False, f"could not read the actions: {e}", "write each action as text, e.g. \"0F0\" or \"1B1\".")
+        return Verdict("1.3", False, f"could not read the actions: {e}",
+                       "write each action as text, e.g. \"0F0\" or \"1B1\".")
     if len(rows) != 3:
         return Verdict("1.3", False, f"three ranks need three lists, you gave {len(rows)}.", hint)
     schedule = Schedule(tuple(map(tuple, rows)), (0, 1, 2), 4, "mine")
@@ -211,8 +190,8 @@ def lean_schedule(actions: Any) -> Verdict:
 
 
 def peak_memory_1f1b(fn: Any) -> Verdict:
-    """Exercise 1.4: a function ``held(p, m, r)``, the most microbatches' activations (in M_B) rank r
-    holds at once under 1F1B; compared with the simulator at p = 1..6, m = 1..9, every rank."""
+    """Exercise 1.4: ``held(p, m, r)``, rank r's peak activations under 1F1B in M_B; checked at p = 1..6,
+    m = 1..9, every rank."""
     points = [(p, m, r) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 9) for r in range(p)]
     table: dict[tuple[int, int], tuple[float, ...]] = {}
 
@@ -252,20 +231,18 @@ def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]
 
 
 def w_flops(fn: Any) -> Verdict:
-    """Exercise 2.1: a function ``w_flops(n, widths)``: W's matmul flops for a stack of
-    ``len(widths) - 1`` layers ``z_l = a_l @ W_l`` (an elementwise activation between layers) on n
-    tokens, ``widths[l]`` the width of layer l's input, ``widths[-1]`` the stage's output width, when
-    B kept every layer's output gradient; a (r, k) @ (k, c) product counts 2 r k c flops. Checked
-    on :data:`WIDTH_LISTS` (1 to 5 layers) at two n."""
+    """Exercise 2.1: ``w_flops(n, widths)``, W's matmul flops for ``len(widths) - 1`` layers
+    ``z_l = a_l @ W_l`` on n tokens (``widths[l]``: layer l's input width, ``widths[-1]``: the output width)
+    when B kept every layer's output gradient; (r, k) @ (k, c) counts 2 r k c. Checked on :data:`WIDTH_LISTS`.
+    """
     return _widths_check("2.1", fn, lambda n, w: sum(_layer_products(n, w)), "w_flops(n, widths)",
                          "one weight-gradient product per layer: a_l.T @ dz_l is "
                          "(widths[l], n) @ (n, widths[l+1]).")
 
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
-    """Exercise 2.2: a function ``w_flops_recompute(n, widths)``: W's matmul flops for the same stack
-    when B keeps no output gradients, so W rebuilds them from the stage's output gradient (the
-    elementwise activation derivative not counted). Checked on :data:`WIDTH_LISTS` at two n."""
+    """Exercise 2.2: ``w_flops_recompute(n, widths)``, the same when B keeps no output gradients, so W
+    rebuilds them from the stage's output gradient (activation derivative not counted)."""
 
     def recompute(n, w):
         back = [_matmul(n, b, a) for a, b in itertools.pairwise(w)][1:]  # dz_{l+1} @ W_{l+1}.T; not dx
@@ -279,13 +256,14 @@ def w_flops_without_kept_gradients(fn: Any) -> Verdict:
 
 
 def first_stage_b_ratio(answer: Any) -> Verdict:
-    """Exercise 2.3: the two-layer MLP is the *first* stage, so nobody needs dx. B's matmul flops
-    divided by F's, predicted (B still makes every output gradient W needs)."""
+    """Exercise 2.3: on the *first* stage (no dx needed), B's matmul flops over F's of the two-layer MLP;
+    predicted."""
     n, (d0, d1, d2) = MLP_TOKENS, MLP_WIDTHS
     f = _matmul(n, d0, d1) + _matmul(n, d1, d2)
     b = _matmul(n, d2, d1)  # da = dy @ W2.T; dh @ W1.T (dx) is skipped
     return _number_check("2.3", answer, b / f, "B's matmul flops over F's on the first stage",
-                         "B must still produce dh for W (dy @ W2.T); only dx = dh @ W1.T has no reader on the first stage.")
+                         "B must still produce dh for W (dy @ W2.T); "
+                         "only dx = dh @ W1.T has no reader on the first stage.")
 
 
 # ------------------------------------------------------------------ lesson 3: ZB-H1 and ZB-H2
@@ -296,8 +274,7 @@ LONG_W = Costs(f=1.0, b=2.0, w=1.5)
 
 
 def zb_h1_makespan(answer: Any) -> Verdict:
-    """Exercise 3.1: ZB-H1's makespan for p = 4, m = 8 and :data:`LONG_W` (T_W > T_F, where the
-    closed form undercounts), predicted before simulating."""
+    """Exercise 3.1: ZB-H1's makespan for p = 4, m = 8 and :data:`LONG_W` (T_W > T_F); predicted."""
     expected = simulate(build_schedule("zb-h1", 4, 8), LONG_W).makespan
     return _number_check("3.1", answer, expected, "ZB-H1's makespan with T_W > T_F",
                          "m(T_F+T_B+T_W) of work plus the bubble; with T_W > T_F the form (p-1)(T_F+T_B-T_W) "
@@ -306,9 +283,8 @@ def zb_h1_makespan(answer: Any) -> Verdict:
 
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:
-    """Exercise 3.2: a function ``peak(p, r, mem_w)``: ZB-H2's peak activation memory on rank r, in
-    M_B, for p ranks and m >= 2p microbatches, F keeping M_B until B and B keeping M_W = ``mem_w``
-    (in M_B) until W; compared with the simulator for p = 2..6, every rank, M_W in 0 .. 1."""
+    """Exercise 3.2: ``peak(p, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B (m >= 2p,
+    M_W = ``mem_w``); checked for p = 2..6, every rank, M_W in 0 .. 1."""
     ps, mem_ws = (2, 3, 4, 5, 6), (0.0, 0.25, 0.5, 1.0)
     peaks = {(p, mw): simulate(build_schedule("zb-h2", p, 2 * p + 1), Costs(mem_w=mw)).peak_memory
              for p in ps for mw in mem_ws}
@@ -319,9 +295,8 @@ def zb_h2_peak_memory(fn: Any) -> Verdict:
 
 
 def zb_h1_bubble(fn: Any) -> Verdict:
-    """Exercise 3.3: a function ``bubble(p, m, f, b, w)``: ZB-H1's makespan minus m(T_F+T_B+T_W),
-    T_comm = 0, for every T_W (below and above T_F); compared with the simulator at points with
-    T_F != T_B."""
+    """Exercise 3.3: ``bubble(p, m, f, b, w)``, ZB-H1's makespan minus m(T_F+T_B+T_W), T_comm = 0, for
+    T_W below and above T_F; checked at points with T_F != T_B."""
     points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
               (2, 4, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 7, 1.5, 1.0, 2.5)]
     return _function_check(
@@ -341,26 +316,25 @@ AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=1.0, w=0
 
 @functools.lru_cache(maxsize=16)
 def _auto(limit: float):
-    """zb-auto's plan of :data:`AUTO_CASE` under ``limit`` M_B (cached for the checks and reveal)."""
-    from ..schedules.builders.auto import auto_plan
+    """zb-auto's plan of :data:`AUTO_CASE` under ``limit`` M_B (cached)."""
 
     c = AUTO_CASE
     return auto_plan(c["num_ranks"], c["num_microbatches"], c["costs"], limit)
 
 
 def bw_break_even(fn: Any) -> Verdict:
-    """Exercise 4.1: a function ``break_even(p, m, f, b, w)``: the fused backward time T_BW at
-    which 1F1B (fused BW) and ZB-H1 (split B and W) take the same makespan, T_W <= T_F, T_comm = 0;
-    below it 1F1B is faster. Checked against both simulations at several points."""
-    points = [(4, 8, 1.0, 1.0, 1.0), (2, 4, 1.0, 1.2, 0.6), (8, 24, 18.522, 18.086, 9.337), (3, 9, 2.0, 2.0, 1.0),
-              (5, 5, 1.0, 0.5, 0.25)]
+    """Exercise 4.1: ``break_even(p, m, f, b, w)``, the T_BW at which 1F1B and ZB-H1 take the same
+    makespan (T_W <= T_F, T_comm = 0); checked against both simulations."""
+    points = [(4, 8, 1.0, 1.0, 1.0), (2, 4, 1.0, 1.2, 0.6), (8, 24, 18.522, 18.086, 9.337),
+              (3, 9, 2.0, 2.0, 1.0), (5, 5, 1.0, 0.5, 0.25)]
 
     def even(p, m, f, b, w):
         h1 = simulate(build_schedule("zb-h1", p, m), Costs(f=f, b=b, w=w)).makespan
         return h1 / (m + p - 1) - f  # 1F1B's makespan is (m+p-1)(T_F+T_BW), checked in notebook 01
 
     return _function_check("4.1", fn, points, even, "break_even(p, m, f, b, w)",
-                           "write both makespans: 1F1B's (m+p-1)(T_F+T_BW) and ZB-H1's m(T_F+T_B+T_W)+(p-1)(T_F+T_B-T_W); "
+                           "write both makespans: 1F1B's (m+p-1)(T_F+T_BW) and ZB-H1's "
+                           "m(T_F+T_B+T_W)+(p-1)(T_F+T_B-T_W); "
                            "set them equal and solve for T_BW.")
 
 
@@ -373,9 +347,8 @@ def _auto_rates() -> list[float]:
 
 
 def bubble_floor_limit(answer: Any) -> Verdict:
-    """Exercise 4.2: the smallest whole memory limit (M_B, from 4 up) at which zb-auto's bubble rate
-    on :data:`AUTO_CASE` reaches its floor (no larger limit of :data:`AUTO_LIMITS` does better);
-    predicted before the plot."""
+    """Exercise 4.2: the smallest whole memory limit (M_B, from 4) at which zb-auto's bubble rate on
+    :data:`AUTO_CASE` reaches its floor over :data:`AUTO_LIMITS`; predicted."""
     rates = _auto_rates()
     expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
     return _number_check("4.2", answer, expected, "the limit where the bubble stops falling",
@@ -384,9 +357,8 @@ def bubble_floor_limit(answer: Any) -> Verdict:
 
 
 def auto_warmup(fn: Any) -> Verdict:
-    """Exercise 4.3: a function ``warmup(p, limit, r)``: how many F rank r runs before its first B
-    when zb-auto plans :data:`AUTO_CASE` (p = 4) under a memory limit of ``limit`` M_B; compared
-    with the plans at the limits 4 to 9, every rank."""
+    """Exercise 4.3: ``warmup(p, limit, r)``, the F rank r runs before its first B when zb-auto plans
+    :data:`AUTO_CASE` under ``limit`` M_B; checked at limits 4 to 9, every rank."""
     plans = {lim: _auto(float(lim)).schedule for lim in AUTO_LIMITS[:-1]}
 
     def counted(p, limit, r):
@@ -402,27 +374,26 @@ def auto_warmup(fn: Any) -> Verdict:
 
 
 def v_transfers(fn: Any) -> Verdict:
-    """Exercise 5.1: a function ``transfers(p)``: how many times one microbatch's forward crosses
-    from one rank to another in ZB-V's V placement (2p stages on p ranks); counted from the
-    placement for p = 1..8."""
+    """Exercise 5.1: ``transfers(p)``, rank-to-rank crossings of one microbatch's forward in the V placement;
+    checked for p = 1..8."""
 
     def count(p):
         place = _v(p)
         return sum(a != b for a, b in itertools.pairwise(place))
 
     return _function_check("5.1", fn, [(p,) for p in range(1, 9)], count, "transfers(p)",
-                           "walk stages 0 .. 2p-1 and count the steps where the rank changes; look at the turn of the V.")
+                           "walk stages 0 .. 2p-1 and count the steps where the rank changes; "
+                           "look at the turn of the V.")
 
 
 @functools.lru_cache(maxsize=8)
 def _zb_v_sweep(p: int) -> dict[int, Any]:
-    """ZB-V's timelines for m = p .. 2p + 1 at per-stage T_F = T_B = T_W = 1, T_comm = 0 (cached)."""
+    """ZB-V's timelines for m = p .. 2p + 1 at unit per-stage costs, T_comm = 0 (cached)."""
     return {m: simulate(build_schedule("zb-v", p, m), Costs()) for m in range(p, 2 * p + 2)}
 
 
 def zb_v_first_zero(answer: Any) -> Verdict:
-    """Exercise 5.2: the smallest m for which ZB-V on p = 6 ranks (per-stage T_F = T_B = T_W,
-    T_comm = 0) has no bubble, predicted from the p = 4 sweep before the p = 6 one is shown."""
+    """Exercise 5.2: the smallest m with no bubble for ZB-V on p = 6 (unit costs), predicted from p = 4."""
     expected = min(m for m, t in _zb_v_sweep(6).items() if t.bubble_rate == 0.0)
     return _number_check("5.2", answer, expected, "the smallest bubble-free m at p = 6",
                          "rank 0's first backward needs microbatch 0 to travel all 2p stages; count how many "
@@ -431,9 +402,8 @@ def zb_v_first_zero(answer: Any) -> Verdict:
 
 
 def zb_v_makespan(fn: Any) -> Verdict:
-    """Exercise 5.3: a function ``makespan(p, m, t)``: ZB-V's makespan for every m >= p when every
-    stage's T_F = T_B = T_W = t and T_comm = 0; compared with the simulator for p = 2, 3, 5, m = p ..
-    2p + 1, t in (1, 0.5)."""
+    """Exercise 5.3: ``makespan(p, m, t)``, ZB-V's makespan for m >= p with T_F = T_B = T_W = t, T_comm = 0;
+    checked for p = 2, 3, 5, m = p .. 2p + 1, t in (1, 0.5)."""
     points = [(p, m, t) for p in (2, 3, 5) for m in range(p, 2 * p + 2) for t in (1.0, 0.5)]
     # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
     return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
@@ -446,8 +416,7 @@ def zb_v_makespan(fn: Any) -> Verdict:
 
 
 def looped_stages(fn: Any) -> Verdict:
-    """Exercise 6.1: a function ``stages(p, v, r)``: the stages rank r holds under interleaved
-    1F1B's looped placement with v stages per rank, as a list in increasing order."""
+    """Exercise 6.1: ``stages(p, v, r)``, rank r's stages (increasing) in the looped placement."""
     points = [(p, v, r) for p, v in ((2, 2), (4, 2), (3, 3), (4, 1), (5, 4)) for r in range(p)]
 
     def check(fn_):
@@ -458,11 +427,14 @@ def looped_stages(fn: Any) -> Verdict:
             try:
                 got = list(fn_(p, v, r))
             except Exception as e:  # noqa: BLE001  (the learner's code)
-                return Verdict("6.1", False, f"your function raised {type(e).__name__} at {(p, v, r)}: {e}", hint)
+                return Verdict("6.1", False,
+                               f"your function raised {type(e).__name__} at {(p, v, r)}: {e}", hint)
             if got != want:
                 wrong.append((p, v, r))
         if wrong:
-            return Verdict("6.1", False, f"stages(p, v, r) is off at {wrong[0]} ({len(wrong)} of {len(points)} points).", hint)
+            return Verdict("6.1", False,
+                           f"stages(p, v, r) is off at {wrong[0]} ({len(wrong)} of {len(points)} points).",
+                           hint)
         return Verdict("6.1", True, f"stages(p, v, r) agrees at all {len(points)} points checked.")
 
     hint = "stage s goes to rank s % p; which s between 0 and vp-1 land on rank r?"
@@ -478,8 +450,8 @@ INTERLEAVED_COMM = Costs(f=0.5, b=0.5, w=0.5, comm=0.1)
 
 
 def interleaved_makespan(answer: Any) -> Verdict:
-    """Exercise 6.2: interleaved 1F1B's makespan for p = 4, m = 8, v = 2 stages per rank, each stage
-    costing T_F = T_B = T_W = 0.5 (half a rank's layers), T_comm = 0.1 (:data:`INTERLEAVED_COMM`)."""
+    """Exercise 6.2: interleaved 1F1B's makespan for p = 4, m = 8, v = 2, per-stage costs 0.5,
+    T_comm = 0.1 (:data:`INTERLEAVED_COMM`)."""
     expected = simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM).makespan
     return _number_check("6.2", answer, expected, "interleaved 1F1B's makespan with T_comm = 0.1",
                          "work m(T_F+T_B+T_W) per rank in whole-rank costs, 1F1B's bubble divided by v, and "
@@ -488,9 +460,8 @@ def interleaved_makespan(answer: Any) -> Verdict:
 
 
 def interleaved_peak(fn: Any) -> Verdict:
-    """Exercise 6.3: a function ``peak(p, v, r)``: the peak activation memory of rank r under
-    interleaved 1F1B with v stages per rank and m >= 2p, in one stage's M_B; compared with the
-    simulator for p = 2..5, v = 1..4, every rank, at m = 2p and 3p."""
+    """Exercise 6.3: ``peak(p, v, r)``, rank r's peak activations under interleaved 1F1B (m >= 2p) in one
+    stage's M_B; checked for p = 2..5, v = 1..4, every rank, m = 2p and 3p."""
     def held(p, v, m):
         return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory
 
@@ -512,12 +483,12 @@ SLOW_STAGE_1 = Costs(f=[1, 2, 1, 1], b=[1, 2, 1, 1], w=[1, 2, 1, 1])
 
 
 def idlest_rank(answer: Any) -> Verdict:
-    """Exercise 7.1: in ZB-H1 on p = 4, m = 8 with stage 1 twice as slow (:data:`SLOW_STAGE_1`),
-    which rank idles the longest inside its span? Predicted before simulating."""
+    """Exercise 7.1: the rank idling longest in ZB-H1, p = 4, m = 8, :data:`SLOW_STAGE_1`; predicted."""
     t = simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1)
     expected = max(range(4), key=lambda r: t.bubble_time[r])
     return _number_check("7.1", answer, expected, "the rank with the most idle time",
-                         "the slow rank sets the pace for everyone; which rank's span starts earliest and ends latest "
+                         "the slow rank sets the pace for everyone; "
+                         "which rank's span starts earliest and ends latest "
                          "around that pace, with only T_F+T_B+T_W = 3 of work per microbatch?")
 
 
@@ -526,28 +497,29 @@ LAYER_COSTS = (1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0)
 
 
 def balanced_partition(answer: Any) -> Verdict:
-    """Exercise 7.2: how many of :data:`LAYER_COSTS`' 8 layers (taken from the front) go on stage 0
-    of 2 so that the slower stage is as fast as it can be?"""
-    from ..analysis.rebalance import best_partition
+    """Exercise 7.2: how many of :data:`LAYER_COSTS`' 8 layers go on stage 0 of 2 to minimise the slowest."""
 
     best = best_partition(list(LAYER_COSTS), 2)
     hint = "add layer costs from the front until stage 0 holds half of the total, 12."
     value = None if _unanswered(answer) else _as_number(answer)
     if value is None or not value.is_integer() or not 1 <= value <= len(LAYER_COSTS) - 1:
-        return _number_check("7.2", None if _unanswered(answer) else answer, len(best[0]), "the layers on stage 0", hint)
+        return _number_check("7.2", None if _unanswered(answer) else answer, len(best[0]),
+                             "the layers on stage 0", hint)
     k = int(value)
     slowest = max(sum(LAYER_COSTS[:k]), sum(LAYER_COSTS[k:]))
     optimum = max(sum(LAYER_COSTS[i] for i in part) for part in best)
     if slowest <= optimum + 1e-9:
         return Verdict("7.2", True, f"{k} layers on stage 0: both stages cost {optimum:g}.")
-    return Verdict("7.2", False, f"with {k} layers on stage 0 the slower stage costs {slowest:g}; {optimum:g} is possible.", hint)
+    return Verdict("7.2", False,
+                   f"with {k} layers on stage 0 the slower stage costs {slowest:g}; {optimum:g} is possible.",
+                   hint)
 
 
 def best_split(fn: Any) -> Verdict:
-    """Exercise 7.3: a function ``best_split(costs)``: for a list of per-layer costs cut into two
-    contiguous stages, how many layers (from the front) go on stage 0 so that the slower stage is as
-    fast as possible; any optimal cut is right. Checked on several lists."""
-    lists = [LAYER_COSTS, (3.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 5.0), (2.0, 2.0), (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), (5.0, 1.0, 1.0, 1.0, 1.0, 1.0)]
+    """Exercise 7.3: ``best_split(costs)``, the front layers on stage 0 of a two-stage contiguous cut that
+    minimises the slower stage (any optimum is right)."""
+    lists = [LAYER_COSTS, (3.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 5.0), (2.0, 2.0),
+             (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), (5.0, 1.0, 1.0, 1.0, 1.0, 1.0)]
     hint = "try every cut k = 1 .. len(costs)-1 and keep the one whose slower stage is cheapest."
     if _unanswered(fn):
         return Verdict("7.3", False, "no answer yet: write the function.", hint)
@@ -558,26 +530,28 @@ def best_split(fn: Any) -> Verdict:
         try:
             k = fn(list(costs))
         except Exception as e:  # noqa: BLE001  (the learner's code)
-            return Verdict("7.3", False, f"your function raised {type(e).__name__} on {list(costs)}: {e}", hint)
+            return Verdict("7.3", False,
+                           f"your function raised {type(e).__name__} on {list(costs)}: {e}", hint)
         value = _as_number(k)
         if value is None or not value.is_integer() or not 1 <= value <= len(costs) - 1:
-            return Verdict("7.3", False, f"on {list(costs)} expected a whole number of layers between 1 and {len(costs) - 1}, got {k!r}.", hint)
+            return Verdict("7.3", False, f"on {list(costs)} expected a whole number of layers between 1 and "
+                                         f"{len(costs) - 1}, got {k!r}.", hint)
         slower = max(sum(costs[: int(value)]), sum(costs[int(value):]))
         if slower > best + 1e-9:
-            return Verdict("7.3", False, f"on {list(costs)} your cut leaves a stage of {slower:g}; {best:g} is possible.", hint)
+            return Verdict("7.3", False,
+                           f"on {list(costs)} your cut leaves a stage of {slower:g}; {best:g} is possible.",
+                           hint)
     return Verdict("7.3", True, f"best_split is optimal on all {len(lists)} lists checked.")
 
 
 def _line_figure(x: list, y: list, title: str, x_title: str):
-    """A bubble rate against one swept quantity, as a plotly figure (a reveal's plot)."""
-    import plotly.graph_objects as go
+    """A bubble rate against one swept quantity (a reveal's plotly figure)."""
 
     return go.Figure(go.Scatter(x=x, y=y, mode="lines+markers"),
                      layout=dict(title=title, xaxis_title=x_title, yaxis_title="bubble rate", height=340))
 
 
 def _reveal_figure(key: str):
-    from .figures import timeline_figure
 
     if key == "1.1":
         return timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE),
@@ -596,13 +570,14 @@ def _reveal_figure(key: str):
         return timeline_figure(simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM),
                                "interleaved 1F1B, p = 4, m = 8, v = 2, T_comm = 0.1")
     if key == "7.1":
-        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1), "ZB-H1, stage 1 twice as slow")
+        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1),
+                               "ZB-H1, stage 1 twice as slow")
     raise KeyError(f"no reveal for exercise {key}; give show=")
 
 
 def reveal(key: str, answer: Any, show: Callable[[], Any] | None = None) -> Any:
-    """A predict-first exercise's reveal: the simulation (a figure, or what ``show()`` returns), but
-    only once ``answer`` holds a prediction; before that, a line asking for one (and None)."""
+    """A predict-first exercise's simulation (a figure, or what ``show()`` returns) once ``answer`` holds a
+    prediction; before that, a line asking for one (and None)."""
     if _unanswered(answer):
         print(f"Exercise {key}: commit to your prediction above first; then this cell shows the simulation.")
         return None
@@ -649,7 +624,6 @@ learner's arrays and JAX's: float32 sums in another order differ by about 1e-6 o
 
 def _rel_diff(mine: Any, ref: Any) -> float:
     """max |mine - ref| / max |ref| for two arrays of one shape (inf for other shapes)."""
-    import numpy as np
 
     try:
         a, b = np.asarray(mine, dtype=np.float64), np.asarray(ref, dtype=np.float64)
@@ -672,15 +646,17 @@ def _weight_hint(mine: Sequence, ref: Sequence) -> str:
         if getattr(b, "ndim", 0) == 2 and _rel_diff(a, b.T) <= BUILD_TOLERANCE:
             return f"parameter {i} is the transpose of dW: dW = x.T @ dz, (width, rows) @ (rows, width)."
         if any(_rel_diff(a, c) <= BUILD_TOLERANCE for c in ref if c is not b):
-            return f"parameter {i} equals another layer's gradient: pair each layer's input with its own output gradient."
+            return (f"parameter {i} equals another layer's gradient: "
+                    "pair each layer's input with its own output gradient.")
         return (f"parameter {i} is off: dW = x.T @ dz with x the layer's input (kept by F) and dz its "
                 "output gradient (kept by B); db = dz summed over the rows.")
     return ""
 
 
-def _run_problem(key: str, result: Any, field: str, call: str, fill: str, who: str, hint: str) -> Verdict | None:
-    """The verdict on a lesson-8 run's result that is not one to check yet (no answer, not what
-    ``call`` returns, or an error raised by ``who``), or None when ``result[field]`` is there."""
+def _run_problem(key: str, result: Any, field: str, call: str, fill: str, who: str,
+                 hint: str) -> Verdict | None:
+    """The verdict on a lesson-8 result not ready to check (no answer, wrong type, or an error raised by
+    ``who``), or None when ``result[field]`` is there."""
     if _unanswered(result):
         return Verdict(key, False, f"no answer yet: fill in {fill}.", hint)
     if not isinstance(result, dict) or field not in result:
@@ -691,12 +667,12 @@ def _run_problem(key: str, result: Any, field: str, call: str, fill: str, who: s
 
 
 def stage_split(result: Any) -> Verdict:
-    """Exercise 8.1: a stage's F, B and W written by the learner. ``result`` is what notebook
-    08's ``try_stage(F, B, W)`` returns: ``{"error": None or the exception's text, "cases": [...]}``,
-    one case per tried stage, each a dict of NumPy arrays: ``y`` / ``ref_y`` (F's output and the
-    stage function's), ``dx`` / ``ref_dx`` (B's input gradient and ``jax.vjp``'s; None for stage 0),
-    ``grads`` / ``ref_grads`` (W's parameter gradients and ``jax.vjp``'s, flat, layer order) and
-    ``recomputed`` (True when B or W ran the stage's forward again instead of using what F kept)."""
+    """Exercise 8.1: a stage's F, B and W written by the learner.
+
+    ``result`` is notebook 08's ``try_stage(F, B, W)``: ``{"error": None or text, "cases": [...]}``, per
+    tried stage a dict of NumPy arrays ``y``/``ref_y``, ``dx``/``ref_dx`` (None for stage 0),
+    ``grads``/``ref_grads`` (flat, layer order; refs from ``jax.vjp``) and ``recomputed`` (B or W reran F).
+    """
     hint = ("F: jax.vjp of the stage with respect to its input and the zero probes, keep the pullback and "
             "the layer inputs; B: call the pullback on dy; W: x.T @ dz and dz.sum(0) per layer.")
     problem = _run_problem("8.1", result, "cases", "try_stage(F, B, W)", "F, B and W", "your functions", hint)
@@ -709,7 +685,8 @@ def stage_split(result: Any) -> Verdict:
         s = case["stage"]
         if case.get("recomputed"):
             return Verdict("8.1", False, f"on stage {s}, B or W ran the stage's layers again.",
-                           "F keeps the pullback jax.vjp returned; B only calls it, W only multiplies what F and B kept.")
+                           "F keeps the pullback jax.vjp returned; "
+                           "B only calls it, W only multiplies what F and B kept.")
         if _rel_diff(case["y"], case["ref_y"]) > BUILD_TOLERANCE:
             return Verdict("8.1", False, f"F's output on stage {s} is not the stage's output.", hint)
         if case["ref_dx"] is not None and _rel_diff(case["dx"], case["ref_dx"]) > BUILD_TOLERANCE:
@@ -719,15 +696,17 @@ def stage_split(result: Any) -> Verdict:
         why = _weight_hint(mine, ref)
         if why:
             return Verdict("8.1", False, f"W's gradients on stage {s} differ from jax.vjp's.", why)
-        worst = max([worst, _rel_diff(case["y"], case["ref_y"])] + [_rel_diff(a, b) for a, b in zip(mine, ref)])
+        worst = max([worst, _rel_diff(case["y"], case["ref_y"])]
+                    + [_rel_diff(a, b) for a, b in zip(mine, ref)])
     stages = ", ".join(str(c["stage"]) for c in result["cases"])
-    return Verdict("8.1", True, f"on stages {stages}, F, B and W give the stage's output and jax.vjp's gradients "
-                                f"(largest relative difference {worst:.1e}).")
+    return Verdict("8.1", True,
+                   f"on stages {stages}, F, B and W give the stage's output and jax.vjp's gradients "
+                   f"(largest relative difference {worst:.1e}).")
 
 
 def weight_bytes(answer: Any) -> Verdict:
-    """Exercise 8.2: M_W of one stage of :data:`BUILD_CASE` for one microbatch, in bytes: what B
-    keeps for W (each layer's input and its output gradient), predicted from the shapes."""
+    """Exercise 8.2: M_W in bytes of one stage of :data:`BUILD_CASE` for one microbatch (each layer's input
+    and output gradient); predicted."""
     c = BUILD_CASE
     per_stage = c["layers"] // c["ranks"]
     expected = per_stage * 2 * c["microbatch_size"] * c["width"] * c["itemsize"]
@@ -737,12 +716,10 @@ def weight_bytes(answer: Any) -> Verdict:
 
 
 def pipeline_run(result: Any) -> Verdict:
-    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
-    1F1B and on ZB-H1. ``result``: ``{"error": None or text, "runs": {name: {"timeline":
-    Timeline, "grad_error": float}}}``. Right when, for both schedules, every rank ran exactly its
-    actions in the schedule's order (one event each), every action started after the actions of
-    other ranks it needs had ended, and the gradients equal ``jax.grad``'s within
-    :data:`BUILD_TOLERANCE`."""
+    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on 1F1B and
+    ZB-H1; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
+    "grad_error": float}}}``. Right when every rank ran its actions in order, one event each, each after
+    its inputs ended, and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`."""
     hint = ("walk `actions` in order; F takes its input from the inbox (stage 0: the data), B its "
             "output gradient (last stage: 1/m); block_until_ready, record the Event, then device_put "
             "the result into the next rank's inbox.")
@@ -760,17 +737,18 @@ def pipeline_run(result: Any) -> Verdict:
             return Verdict("8.3", False, f"{name}: {why}", hint)
         error = float(run["grad_error"])
         if not error <= BUILD_TOLERANCE:
-            return Verdict("8.3", False, f"{name}: the gradients differ from jax.grad's (relative difference {error:.1e}).",
-                           "each W must use the layer inputs and output gradients of its own (stage, microbatch), "
-                           "and each stage add up its W's over all m microbatches.")
+            return Verdict("8.3", False,
+                           f"{name}: the gradients differ from jax.grad's (relative difference {error:.1e}).",
+                           "each W must use the layer inputs and output gradients of its own "
+                           "(stage, microbatch), and each stage add up its W's over all m microbatches.")
         worst = max(worst, error)
-    return Verdict("8.3", True, "1F1B and ZB-H1 ran in their schedules' order on every rank, each action after its "
-                                f"inputs; the gradients equal jax.grad's (largest relative difference {worst:.1e}).")
+    return Verdict("8.3", True,
+                   "1F1B and ZB-H1 ran in their schedules' order on every rank, each action after its "
+                   f"inputs; the gradients equal jax.grad's (largest relative difference {worst:.1e}).")
 
 
 def _order_problem(schedule: Schedule, timeline: Any) -> str:
-    """What is wrong with a measured run of ``schedule``, or "" when each rank ran its actions in
-    order, one event each, and each action began after the other ranks' actions it needs ended."""
+    """What is wrong with a measured run of ``schedule`` (order, one event each, inputs first), or ""."""
     events = getattr(timeline, "events", None)
     if not events:
         return "the run recorded no events: append one zb.Event per action."
@@ -792,19 +770,20 @@ def _order_problem(schedule: Schedule, timeline: Any) -> str:
             need = [("B", s + 1, j)]
         for key in need:
             if key not in ended or e.start < ended[key]:
-                return f"{e.action} on rank {e.rank} started before {key[0]} of stage {key[1]}, microbatch {j} had ended."
+                return (f"{e.action} on rank {e.rank} started before {key[0]} of stage {key[1]}, "
+                        f"microbatch {j} had ended.")
     return ""
 
 
 def zb_h1_peak(answer: Any) -> Verdict:
-    """Exercise 8.4: a function ``peak(p, r, mem_b, mem_w)``: the peak activation memory of rank r
-    under ZB-H1 with p ranks (one stage each, m = 2p microbatches), F keeping M_B = ``mem_b`` until
-    B and B keeping M_W = ``mem_w`` until W. Checked against the simulator at several points."""
+    """Exercise 8.4: ``peak(p, r, mem_b, mem_w)``, rank r's peak activation memory under ZB-H1 (m = 2p), F
+    keeping M_B = ``mem_b`` until B and B keeping M_W = ``mem_w`` until W; checked against the simulator."""
     hint = ("list what rank r holds right after an F of the steady state: microbatches past F but not B "
             "hold M_B each, those past B but not W hold M_W each; ZB-H1 runs rank r's W of microbatch j "
             "after its B of microbatch j + r.")
     if _unanswered(answer):
-        return Verdict("8.4", False, "no answer yet: replace ... with a function peak(p, r, mem_b, mem_w).", hint)
+        return Verdict("8.4", False,
+                       "no answer yet: replace ... with a function peak(p, r, mem_b, mem_w).", hint)
     if not callable(answer):
         return Verdict("8.4", False, f"expected a function of (p, r, mem_b, mem_w), got {answer!r}.", hint)
     for p, m, mem_b, mem_w in ((4, 8, 1.0, 0.5), (3, 6, 5.0, 1.0), (5, 10, 2.0, 1.5), (2, 4, 1.0, 0.0)):
@@ -813,9 +792,11 @@ def zb_h1_peak(answer: Any) -> Verdict:
             try:
                 value = _as_number(answer(p, r, mem_b, mem_w))
             except Exception as e:  # noqa: BLE001 - the learner's function: say what it raised
-                return Verdict("8.4", False, f"peak({p}, {r}, {mem_b}, {mem_w}) raised {type(e).__name__}: {e}", hint)
+                return Verdict("8.4", False,
+                               f"peak({p}, {r}, {mem_b}, {mem_w}) raised {type(e).__name__}: {e}", hint)
             if value is None or abs(value - planned[r]) > 1e-9 * max(1.0, planned[r]):
-                return Verdict("8.4", False, f"peak({p}, {r}, {mem_b}, {mem_w}) gives {value}; the simulator gives {planned[r]:g}.", hint)
+                return Verdict("8.4", False, f"peak({p}, {r}, {mem_b}, {mem_w}) gives {value}; "
+                                             f"the simulator gives {planned[r]:g}.", hint)
     return Verdict("8.4", True, "your peak agrees with zb.simulate on every rank of four cases (p = 2 to 5).")
 
 

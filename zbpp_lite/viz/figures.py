@@ -1,8 +1,7 @@
-"""Plotly figures of a Timeline, planned (simulated) or measured. Nothing here displays anything:
-every function returns a ``plotly.graph_objects.Figure`` for the caller to show, save or test.
+"""Plotly figures of a Timeline, planned (simulated) or measured; each returns a ``go.Figure`` (none shown).
 
-Terms and definitions (makespan, bubble rate, M_B) follow Qi et al., "Zero Bubble Pipeline
-Parallelism", arXiv 2401.10241, sections 2-3; colours come from :data:`~.style.KIND_STYLE`.
+Terms (makespan, bubble rate, M_B) follow arXiv 2401.10241 sections 2-3; colours come from
+:data:`~.style.KIND_STYLE`.
 """
 
 from __future__ import annotations
@@ -70,8 +69,7 @@ CHUNK_NOTE = "lighter shade: a rank's later stage (its 2nd or later chunk, in an
 
 
 def chunk_note(*timelines: Timeline) -> str | None:
-    """The legend's note for the lighter shades, when some rank of ``timelines`` holds several
-    stages (otherwise ``None``: every bar is full colour)."""
+    """The legend's note for lighter shades when a rank holds several stages (else ``None``)."""
     return CHUNK_NOTE if any(max(_chunk_index(t).values(), default=0) > 0 for t in timelines) else None
 
 
@@ -94,20 +92,17 @@ def timeline_traces(
     xaxis: str = "x",
     yaxis: str = "y",
 ) -> list[dict[str, Any]]:
-    """Plotly bar traces (plain dicts of NumPy arrays) for a timeline: one per kind in :data:`BAR_KINDS`.
+    """Plotly bar traces (dicts of NumPy arrays), one per kind in :data:`BAR_KINDS`, always all present
+    so a figure can be updated in place.
 
-    Every trace is always present (possibly empty), so a figure can be updated in place when the
-    timeline changes. Bars are horizontal: ``base`` is the start, ``x`` the duration, ``y`` the
-    rank (an integer; the axis labels it ``rank r``); ``customdata`` rows are
-    (stage, microbatch, start, end), -1 for the stage and microbatch of idle bars. Ranks that hold
-    several stages (interleaved, V) draw later chunks lighter.
-    The idle trace has exactly one bar per entry of ``timeline.idle_gaps``.
+    Horizontal bars: ``base`` start, ``x`` duration, ``y`` rank; ``customdata`` rows (stage, microbatch,
+    start, end), -1 for idle bars' stage and microbatch; later chunks of a rank drawn lighter. The idle trace
+    has one bar per ``timeline.idle_gaps`` entry.
 
     Args:
-        timeline: the timeline to draw.
-        offset: subtracted from every time (default: the earliest start, so bars start at 0).
+        offset: subtracted from every time (default: the earliest start).
         show_idle: draw the idle gaps (the trace stays, empty, when false).
-        show_labels: print microbatch numbers on the bars.
+        show_labels: microbatch numbers on the bars.
         showlegend: legend entries for the non-empty kinds.
         xaxis, yaxis: axis ids for subplots.
     """
@@ -212,21 +207,19 @@ def timeline_figure(
     show_labels: bool = True,
     time_unit: str | None = None,
 ) -> go.Figure:
-    """The pipeline timeline: one row per rank, one bar per action, idle gaps hatched.
+    """The pipeline timeline: one row per rank, one bar per action coloured by kind, idle gaps hatched.
 
-    Colours by kind (F, B, W, BW) from :data:`KIND_STYLE`; microbatch numbers on the bars; hover
-    gives the action (PyTorch text form), stage, microbatch, start and end. The title names the
-    schedule (``title``), the source, the makespan and the bubble rate (arXiv 2401.10241, sec. 3).
+    Hover gives the action (PyTorch text), stage, microbatch, start and end; the title names ``title``, the
+    source, makespan and bubble rate (arXiv 2401.10241 section 3).
 
     Args:
         timeline: simulated or measured.
-        title: usually the schedule name.
         show_idle: draw ``timeline.idle_gaps`` as grey hatched bars.
         show_labels: microbatch numbers on the bars.
-        time_unit: x-axis unit text (default: "s" for measured, "units of the costs" otherwise).
+        time_unit: x-axis unit (default "s" for measured, "units of the costs" otherwise).
 
     Returns:
-        A new ``go.Figure`` with 5 traces, in :data:`BAR_KINDS` order. Times start at 0.
+        A new ``go.Figure`` with 5 traces in :data:`BAR_KINDS` order; times start at 0.
     """
     traces = timeline_traces(timeline, show_idle=show_idle, show_labels=show_labels)
     fig = go.Figure(data=[go.Bar(t) for t in traces], layout=timeline_layout(timeline, title, time_unit))
@@ -242,14 +235,8 @@ def compare_figure(
     title: str | None = None,
     time_unit: str | None = None,
 ) -> go.Figure:
-    """Planned above measured on one shared time axis, each shifted to start at 0.
-
-    Both timelines must use the same time unit (e.g. simulate with costs profiled in seconds).
-    The title gives both makespans and measured / planned.
-
-    Raises:
-        ValueError: timelines with different numbers of ranks.
-    """
+    """Planned above measured on one shared time axis (same unit), each from 0; the title gives both
+    makespans and their ratio. Raises ValueError: timelines with different numbers of ranks."""
     if planned.num_ranks != measured.num_ranks:
         raise ValueError(
             f"compare_figure needs the same number of ranks, got {planned.num_ranks} planned and "
@@ -314,10 +301,8 @@ def memory_layout(
     title: str | None = None,
     memory_unit: str = "M_B",
 ) -> dict[str, Any]:
-    """Layout for :func:`memory_traces`: the memory limit as a dashed line, peak in the title.
-
-    ``memory_limit`` defaults to ``timeline.memory_limit``; none drawn if both are None.
-    """
+    """Layout for :func:`memory_traces`: dashed ``memory_limit`` (default ``timeline.memory_limit``), peak in
+    the title."""
     limit = timeline.memory_limit if memory_limit is None else memory_limit
     peak = max(timeline.peak_memory, default=0.0)
     text = f"{title}: " if title else ""
@@ -356,23 +341,16 @@ def memory_figure(
     title: str | None = None,
     memory_unit: str = "M_B",
 ) -> go.Figure:
-    """Activation memory over time, one line per rank, with the memory limit drawn.
+    """Activation memory over time, one step line per rank, with the memory limit dashed.
 
-    Memory model (arXiv 2401.10241, section 2.1): F adds M_B at its start, B frees M_B - M_W and
-    W frees M_W at their end, BW frees M_B.
+    Memory model (arXiv 2401.10241 section 2.1): F adds M_B at its start, B frees M_B - M_W and W frees M_W at
+    their end, BW frees M_B.
 
     Args:
-        timeline: simulated or measured.
-        costs: the memory fields M_B and M_W; default the ones the timeline's ``peak_memory``
-            was computed with (``Costs()``'s where none were recorded: M_B = 1, one stage's
-            activations for one microbatch, M_W = 7/16 M_B); must match the timeline's stages.
-        memory_limit: dashed horizontal line; default ``timeline.memory_limit`` (none if both
-            are None). Same unit as M_B.
-        title: usually the schedule name.
+        costs: M_B and M_W; default those of the timeline's ``peak_memory`` (else ``Costs()``: M_B = 1,
+            M_W = 7/16); must match the timeline's stages.
+        memory_limit: default ``timeline.memory_limit`` (none if both are None); unit of M_B.
         memory_unit: y-axis unit text.
-
-    Returns:
-        A new ``go.Figure`` with one step-line trace per rank.
     """
     return go.Figure(
         data=[go.Scatter(t) for t in memory_traces(timeline, costs)],
@@ -392,13 +370,11 @@ def bubble_sweep(
     stages_per_rank: int | None = None,
     memory_limit: float | None = None,
 ) -> tuple[str, list[int], dict[str, list[float | None]]]:
-    """Bubble rate of several schedules as p or m varies (the other held fixed).
-
-    Exactly one of ``num_ranks`` and ``num_microbatches`` is a sequence: the swept axis.
+    """Bubble rate of several schedules as p or m varies; exactly one of ``num_ranks`` and
+    ``num_microbatches`` is a sequence.
 
     Returns:
-        (axis name "num_ranks" or "num_microbatches", the x values, name -> bubble rates),
-        with None where the schedule refuses that size.
+        (axis name "num_ranks" or "num_microbatches", x values, name -> bubble rates, None where refused).
 
     Raises:
         ValueError: both or neither of num_ranks and num_microbatches are sequences.
@@ -430,11 +406,8 @@ def bubble_sweep_figure(
     memory_limit: float | None = None,
     title: str | None = None,
 ) -> go.Figure:
-    """Bubble rate against microbatches (or against ranks) for several schedules, one line each.
-
-    Exactly one of ``num_ranks`` / ``num_microbatches`` is a sequence (see :func:`bubble_sweep`);
-    sizes a schedule refuses leave a gap in its line.
-    """
+    """Bubble rate against m (or p) for several schedules, one line each (:func:`bubble_sweep`); refused
+    sizes leave gaps."""
     axis, xs, rates = bubble_sweep(
         names, num_ranks, num_microbatches, costs=costs, stages_per_rank=stages_per_rank,
         memory_limit=memory_limit
@@ -470,11 +443,9 @@ def bubble_sweep_figure(
 
 def dependency_arrows(timeline: Timeline, *, same_rank: bool = False,
         offset: float | None = None) -> list[dict[str, Any]]:
-    """Plotly annotations, one arrow per dependency of the timeline's actions (:func:`~zbpp_lite.
-    schedules.ir.deps`): from the end of the action that made a value to the start of the action
-    that needs it. Arrows between ranks are transfers (solid); with ``same_rank`` a rank's own
-    dependencies (F before its B, B before its W) are drawn too, dotted. An arrow whose head lies
-    right of its tail by more than nothing shows time spent waiting or, with T_comm > 0, in transit."""
+    """Plotly annotations, one arrow per :func:`~zbpp_lite.schedules.ir.deps` edge, from the producer's end
+    to the consumer's start: transfers between ranks solid; with ``same_rank`` a rank's own F -> B -> W
+    dotted."""
     t0 = start_time(timeline) if offset is None else offset
     num_stages = 1 + max((s for e in timeline.events for s in _stages_of(e.action)), default=0)
     made = {}
@@ -505,9 +476,7 @@ def _stages_of(action: Any) -> tuple[int, ...]:
 
 
 def dependency_figure(timeline: Timeline, title: str | None = None, *, same_rank: bool = False) -> go.Figure:
-    """:func:`timeline_figure` with an arrow for every transfer between ranks (an F's activation
-    to the next stage, a B's input gradient to the previous one), and with ``same_rank`` a rank's
-    own F -> B -> W dependencies, dotted grey. Best read on small schedules (p, m up to about 4 and 8)."""
+    """:func:`timeline_figure` with :func:`dependency_arrows` (best for p, m up to about 4 and 8)."""
     fig = timeline_figure(timeline, title)
     for arrow in dependency_arrows(timeline, same_rank=same_rank):
         fig.add_annotation(**arrow)
@@ -515,13 +484,10 @@ def dependency_figure(timeline: Timeline, title: str | None = None, *, same_rank
 
 
 def postvalidation_figure(timeline: Timeline, title: str | None = None) -> go.Figure:
-    """Two consecutive steps of one schedule, drawn twice (paper section 4): above, with a
-    synchronous optimizer step, step 2 starts on every rank only when the last rank has ended step
-    1 (the wait is hatched); below, post-validated, each rank starts step 2 as soon as it has
-    ended step 1 (step 2 is drawn one makespan after step 1, valid when every rank's span is the
-    makespan, as in ZB-H1 and ZB-H2). Step 2's forwards that start before the last rank has ended
-    step 1, and with it the full gradient-norm check, run on speculative parameters: outlined in
-    red; a rollback redoes them. The dashed line marks that moment."""
+    """Two consecutive steps of one schedule (paper section 4): above with a synchronous optimizer step
+    (the wait hatched), below post-validated, each rank starting step 2 once it ended step 1 (valid when
+    every rank's span is the makespan, as ZB-H1/H2). Step 2's forwards before the dashed line (the last
+    rank's end of step 1) run on speculative parameters, outlined red; a rollback redoes them."""
     t0, t_end = start_time(timeline), end_time(timeline)
     titles = (f"synchronous step: wait {timeline.sync_bubble:.4g} on the earliest rank",
               "post-validated: no wait; red F's are speculative, redone on a rollback")
@@ -566,11 +532,9 @@ def _shifted(timeline: Timeline, dt: float) -> Timeline:
 
 
 def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go.Figure:
-    """The per-layer dependency graph of one stage's F, B and W (paper section 2, figure 1): F of
-    layer l feeds F of layer l+1; B runs the layers backwards, B of layer l needing B of layer
-    l+1 (the output gradient) and F of layer l (what it kept); W of layer l needs only F of layer
-    l (its input) and B of layer l+1's output gradient. No arrow leaves a W: nothing waits for it
-    but the optimizer step."""
+    """The per-layer dependency graph of one stage's F, B and W (paper section 2, figure 1): F(l) feeds
+    F(l+1); B(l) needs B(l+1) and F(l); W(l) needs F(l) and B(l+1); nothing but the optimizer waits for a W.
+    """
     L = int(num_layers)
     if L < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers!r}")

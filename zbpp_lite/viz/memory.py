@@ -1,10 +1,8 @@
 """Measured activation memory beside the plan: one panel per rank, bytes over time.
 
-Per rank: the bytes its own actions kept (measured: F's residuals and W's operands, B's output
-gradients), the plan's curve in bytes on the same measured events (Qi et al., arXiv 2401.10241,
-section 2.1: F +M_B, B -(M_B - M_W), W -M_W, BW -M_B, with the measured M_B and M_W of every
-stage), and the measured bytes plus what other ranks sent and the rank had not yet consumed.
-See :class:`~zbpp_lite.schedules.memory.MeasuredMemory`.
+Per rank: bytes its own actions kept (measured), the plan's curve on the same events with the measured
+per-stage M_B, M_W (arXiv 2401.10241 section 2.1), and measured plus received-not-yet-consumed bytes
+(:class:`~zbpp_lite.schedules.memory.MeasuredMemory`).
 """
 
 from __future__ import annotations
@@ -37,12 +35,8 @@ _SCALE = {"s": 1.0, "ms": 1e3}
 
 def measured_memory_traces(timeline: Timeline, rank: int, showlegend: bool = True,
         time_unit: str = "s") -> list[dict[str, Any]]:
-    """Three step lines for one rank of a measured timeline (bytes): measured, plan, measured +
-    received. Times start at the timeline's first event.
-
-    Raises:
-        ValueError: a timeline without ``measured_memory``.
-    """
+    """Three step lines (bytes) for one rank: measured, plan, measured + received; times from the first
+    event. Raises ValueError: a timeline without ``measured_memory``."""
     memory = timeline.measured_memory
     if memory is None:
         raise ValueError("this timeline has no measured memory: give a measured Timeline from "
@@ -67,14 +61,11 @@ def measured_memory_traces(timeline: Timeline, rank: int, showlegend: bool = Tru
 
 def measured_memory_figure(timeline: Timeline, *, title: str | None = None,
         time_unit: str = "s") -> go.Figure:
-    """Measured and planned activation memory, one panel per rank, bytes over seconds.
-
-    The title gives each rank's measured / planned peak (1 when the executor holds exactly what
-    the plan says) and the measured peak in KiB.
+    """Measured and planned activation memory, one panel per rank, bytes over seconds; the title gives each
+    rank's measured / planned peak (1: exactly as planned) and the measured peak in KiB.
 
     Args:
         timeline: a measured timeline with ``measured_memory`` (``PipelineExecutor``'s).
-        title: usually the schedule name.
 
     Raises:
         ValueError: a timeline without ``measured_memory``.
@@ -106,9 +97,8 @@ def measured_memory_figure(timeline: Timeline, *, title: str | None = None,
 
 
 def memory_lines(timeline: Timeline) -> list[str]:
-    """Text lines, one per rank: measured and planned peak bytes, their ratio, the peak with what
-    was received, and the device's own peak (``memory_stats``) where there is one. Empty for a
-    timeline without ``measured_memory``."""
+    """Per rank a text line: measured and planned peak bytes, their ratio, the peak with received bytes, and
+    the device's peak where known; empty without ``measured_memory``."""
     memory = timeline.measured_memory
     if memory is None:
         return []

@@ -1,12 +1,8 @@
-"""Activation memory per rank *and per stage*: what each of a rank's stages holds at the rank's
-peak, as numbers and as a stacked bar figure (pure Python and Plotly, no JAX).
+"""Activation memory per rank *and per stage* at the rank's peak, as numbers and stacked bars (no JAX).
 
-With several stages per rank (interleaved, V-shape) a rank's memory is the sum over its stages.
-The V placement pairs stage r, whose microbatches wait longest for their backward (many in flight),
-with stage 2p-1-r, whose backward comes soon after its forward (few in flight), so every rank's sum
-comes out the same (Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024,
-arXiv 2405.15362, section 3). Memory model as :meth:`zbpp_lite.Timeline.memory_curve`: F adds M_B
-at its start, B frees M_B - M_W and W frees M_W at their ends, BW frees M_B.
+With several stages per rank a rank's memory sums its stages'. The V placement pairs stage r (many
+microbatches in flight) with stage 2p-1-r (few), so every rank's sum is the same (arXiv 2405.15362
+section 3). Memory model: :meth:`zbpp_lite.Timeline.memory_curve`.
 """
 
 from __future__ import annotations
@@ -23,17 +19,10 @@ def _table(timeline: Timeline, costs: Costs | CostTable | None) -> CostTable:
 
 
 def memory_by_stage(timeline: Timeline, costs: Costs | CostTable | None = None) -> list[dict[int, float]]:
-    """Per rank: the activation memory each of its stages holds at the moment the rank peaks.
+    """``result[rank][stage]``: memory each stage holds at the rank's first peak (units of M_B).
 
-    Args:
-        timeline: simulated or measured.
-        costs: M_B and M_W per stage (default M_B = 1, M_W = 0: units of one stage's activations
-            for one microbatch).
-
-    Returns:
-        ``result[rank][stage]``: memory held by that stage (units of M_B) at the rank's first peak;
-        the values of one rank sum to ``timeline.peak_memory[rank]`` when the costs are the ones
-        the timeline was simulated with.
+    ``costs`` give M_B, M_W per stage (default M_B = 1, M_W = 0); with the costs the timeline was simulated
+    with, a rank's values sum to ``timeline.peak_memory[rank]``.
     """
     table = _table(timeline, costs)
     result = []
@@ -57,17 +46,10 @@ def stage_memory_figure(
     timeline: Timeline, costs: Costs | CostTable | None = None, *, title: str | None = None,
     memory_unit: str = "M_B"
 ) -> go.Figure:
-    """Stacked bars, one per rank: the memory each stage of the rank holds at the rank's peak.
-
-    Args:
-        timeline: simulated or measured.
-        costs: memory fields, as :func:`memory_by_stage`.
-        title: figure title (default: the peaks).
-        memory_unit: y-axis unit text.
+    """Stacked bars, one per rank, of :func:`memory_by_stage` (``title`` default: the peaks).
 
     Returns:
-        A new ``go.Figure``; one bar trace per stage position on a rank ("first stage", "second
-        stage", ...), hover text naming the stage.
+        A new ``go.Figure``, one bar trace per stage position ("first stage", ...), hover naming the stage.
     """
     split = memory_by_stage(timeline, costs)
     depth = max((len(d) for d in split), default=0)

@@ -1,9 +1,7 @@
 """Build -> simulate with whatever options a schedule takes (pure Python, no figures).
 
-The explorer, the slider figures and the bubble sweeps all turn (schedule name, p, m, costs,
-memory limit) into a :class:`~zbpp_lite.schedules.timeline.Timeline`. Which options to pass is read from the
-builder's signature (:func:`zbpp_lite.schedules.builders.options_of`), so newly registered schedules work
-without changes here.
+Options are read from the builder's signature (:func:`zbpp_lite.schedules.builders.options_of`), so newly
+registered schedules need no change here.
 """
 
 from __future__ import annotations
@@ -22,13 +20,8 @@ def applicable_options(
     costs: Costs | None = None,
     memory_limit: float | None = None,
 ) -> dict[str, Any]:
-    """The subset of {stages_per_rank, costs, memory_limit} that builder ``name`` accepts.
-
-    ``None`` values are left out, so the builder's own defaults apply.
-
-    Raises:
-        ValueError: an unknown schedule name (the message lists the valid ones).
-    """
+    """The non-None subset of {stages_per_rank, costs, memory_limit} that builder ``name`` accepts. Raises
+    ValueError: an unknown schedule name (the message lists the valid ones)."""
     accepted = options_of(name)
     given = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     return {k: v for k, v in given.items() if k in accepted and v is not None}
@@ -47,20 +40,16 @@ def plan_timeline(
 
     Args:
         name: a registered schedule (``zbpp_lite.SCHEDULES``).
-        num_ranks: p.
-        num_microbatches: m.
-        stages_per_rank: v, passed only to builders that take ``stages_per_rank``.
-        costs: T_F, T_B, T_W, T_comm, M_B, M_W; passed to builders that take ``costs`` and always
-            to the simulator (default unit costs).
-        memory_limit: per-rank activation memory limit (units of the costs' mem_b); passed to
-            builders that take ``memory_limit`` and recorded on the timeline for figures.
+        stages_per_rank: v, only to builders that take it.
+        costs: to builders that take ``costs`` and always to the simulator (default unit costs).
+        memory_limit: per-rank limit (units of mem_b), to builders that take it; recorded on the timeline.
 
     Returns:
-        The simulated Timeline (time in the costs' unit).
+        The simulated Timeline (the costs' time unit).
 
     Raises:
-        ValueError: an unknown name, or sizes/options the builder refuses (its message says why);
-            ScheduleError (a ValueError) if the built schedule is invalid.
+        ValueError: an unknown name, or sizes/options the builder refuses; ScheduleError (a ValueError) if
+            the built schedule is invalid.
     """
     options = applicable_options(name, stages_per_rank, costs, memory_limit)
     schedule = build_schedule(name, num_ranks, num_microbatches, **options)
@@ -70,8 +59,7 @@ def plan_timeline(
 def plan_or_refusal(
     name: str, num_ranks: int, num_microbatches: int, **options: Any
 ) -> Timeline | ValueError:
-    """:func:`plan_timeline`, returning the ValueError with which the schedule refuses the settings
-    (ScheduleError included) instead of raising it: for sweeps and sliders that skip refused sizes."""
+    """:func:`plan_timeline`, returning (not raising) the schedule's ValueError, for sweeps and sliders."""
     try:
         return plan_timeline(name, num_ranks, num_microbatches, **options)
     except ValueError as exc:

@@ -1,9 +1,5 @@
-"""Widget-free explorers: one plain Plotly figure with a slider over precomputed timelines.
-
-Where ipywidgets do not render (GitHub, nbviewer, exported HTML) these figures still move: every
-state's bars are in the figure and the layout slider's steps switch which are visible, all in the
-browser with no kernel.
-"""
+"""Widget-free explorers: one Plotly figure with a layout slider over precomputed timelines, so it moves
+where ipywidgets do not render (GitHub, nbviewer, HTML) with no kernel."""
 
 from __future__ import annotations
 
@@ -25,15 +21,13 @@ def slider_figure(
     titles: Sequence[str] | None = None,
     active: int = 0,
 ) -> go.Figure:
-    """A timeline figure with a slider step per (label, timeline) in ``states``.
-
-    Each state contributes the 5 traces of :func:`~.figures.timeline_traces`; step ``i`` shows
-    only state ``i``'s traces and sets the title, the time range and the ranks on the y axis.
+    """A timeline figure with a slider step per (label, timeline) in ``states``; step ``i`` shows state
+    ``i``'s 5 :func:`~.figures.timeline_traces` and sets title, time range and ranks.
 
     Args:
         states: (step label, timeline) pairs, e.g. ``[("m=4", t4), ("m=8", t8)]``.
         slider_label: text before the current step's label, e.g. ``"microbatches: "``.
-        titles: title heading per state (default: the step labels).
+        titles: title per state (default: the step labels).
         active: the step shown first.
 
     Raises:
@@ -81,11 +75,8 @@ def microbatch_slider_figure(
     stages_per_rank: int | None = None,
     memory_limit: float | None = None,
 ) -> go.Figure:
-    """One schedule's timeline with a slider over m; sizes the schedule refuses are left out.
-
-    Raises:
-        ValueError: the schedule refuses every m given (the last refusal's message).
-    """
+    """One schedule's timeline with a slider over m; sizes the schedule refuses are left out. Raises
+    ValueError: the schedule refuses every m given (the last refusal's message)."""
     options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     states, error = _states([(f"m={m}", name, m) for m in num_microbatches], num_ranks, options)
     if not states:
@@ -102,12 +93,8 @@ def schedule_slider_figure(
     stages_per_rank: int | None = None,
     memory_limit: float | None = None,
 ) -> go.Figure:
-    """One slider step per schedule (default: every registered one) at the same p, m and costs;
-    schedules that refuse these settings are left out.
-
-    Raises:
-        ValueError: every schedule refused (the last refusal's message).
-    """
+    """One slider step per schedule (default: all registered) at the same p, m and costs; refusing ones
+    are left out. Raises ValueError: every schedule refused (the last refusal's message)."""
     options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     names = list(names) if names is not None else list(SCHEDULES)
     states, error = _states([(name, name, num_microbatches) for name in names], num_ranks, options)

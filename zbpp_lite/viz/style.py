@@ -1,8 +1,5 @@
-"""One colour and label table for every action kind, shared by all figures, grids and traces.
-
-Colours are from the colour-blind-safe Tableau 10 palette; idle time is a light grey with a
-hatch so it reads as "nothing ran here" in print and on screen alike.
-"""
+"""One colour and label table for every action kind, shared by figures, grids and traces: colour-blind-safe
+Tableau 10; idle time hatched light grey."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The summary of a comparison: step time and bubble rate per schedule, measured beside planned.
-
-Layer: presentation (Plotly only; no JAX).
-"""
+"""The summary of a comparison: step time and bubble rate per schedule, measured beside planned (no JAX)."""
 
 from __future__ import annotations
 
@@ -23,9 +20,9 @@ class SummaryRow:
 
     Attributes:
         name: the schedule's name.
-        step_ms: measured median step time over the timed steps, milliseconds.
-        planned_ms: the simulator's makespan for the measured action costs, milliseconds.
-        bubble_rate: measured median bubble rate over the timed steps (0..1).
+        step_ms: measured median step time, ms.
+        planned_ms: the simulator's makespan for the measured action costs, ms.
+        bubble_rate: measured median bubble rate (0..1).
         planned_bubble_rate: the simulator's bubble rate for the same costs (0..1).
     """
 
@@ -38,18 +35,9 @@ class SummaryRow:
 
 def summary_figure(rows: Sequence[SummaryRow], title: str | None = None,
         reference: tuple[str, float] | None = None) -> go.Figure:
-    """Two panels, schedules ranked fastest first (top): step time in ms and bubble rate, each
-    measured (dark) beside the plan's prediction (light).
-
-    Args:
-        rows: one :class:`SummaryRow` per schedule.
-        title: the figure's title.
-        reference: ``(name, ms)`` of a single-device reference step, drawn as a dashed line on
-            the step-time panel.
-
-    Raises:
-        ValueError: no rows.
-    """
+    """Two panels, fastest schedule on top: step time (ms) and bubble rate, measured (dark) beside planned
+    (light); ``reference`` ``(name, ms)``, a single-device step, is a dashed line. Raises ValueError: no
+    rows."""
     if not rows:
         raise ValueError("summary_figure needs at least one schedule")
     ranked = sorted(rows, key=lambda r: r.step_ms,

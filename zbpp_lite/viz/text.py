@@ -1,11 +1,5 @@
-"""A text grid of a Timeline for terminals: one row per rank, time left to right.
-
-Each action fills the columns of its time span and is labelled with its kind and microbatch
-(``F3``, ``B3``, ``W3``, ``BW3``; with ``{stage}`` in front where a rank holds several stages,
-e.g. ``5F3``, then followed by a blank so labels never run together); columns where a rank
-runs nothing are ``.``; where the grid is too narrow it shortens labels or folds actions into
-shared ``*`` columns, and says so in a last line. Used by ``python -m zbpp_lite plan``.
-"""
+"""A text grid of a Timeline for terminals (``python -m zbpp_lite plan``): one row per rank, time left to
+right, idle columns ``.``."""
 
 from __future__ import annotations
 
@@ -29,24 +23,14 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     """Render ``timeline`` as text, one line per rank.
 
     Args:
-        timeline: simulated or measured.
-        width: number of time columns. Default: wide enough that the shortest action shows its
-            whole label plus one column, capped at 160 columns.
-        header: first line with the makespan, bubble rate and the time per column.
+        width: time columns; default: the shortest action shows its label plus one column, at most 160.
+        header: a first line with makespan, bubble rate and time per column.
 
     Returns:
-        The grid as one string (lines joined by ``\n``, no trailing newline). Row ``r`` reads
-        ``"rank r |"`` followed by ``width`` columns. Every action is shown, in order, and never
-        stands for another:
-
-        - an action whose columns hold its label shows it (``F12``); with stage numbers
-          (``5F3``) also a blank after it, so ``0F12F0`` cannot happen;
-        - one with fewer columns shows its kind alone (``F``, ``B``, ``W``; ``X`` for ``BW``);
-        - a column that several actions of a rank share (the grid is too narrow for them) shows
-          ``*``.
-
-        Where labels were shortened or columns shared, a last line says how many and which
-        ``width`` shows every label.
+        One string (lines joined by ``\n``, no trailing newline); row ``r`` is ``"rank r |"`` then ``width``
+        columns. Every action shows, in order: its label (``F12``; ``5F3`` plus a blank where a rank holds
+        several stages) if it fits, else its kind (``F``, ``B``, ``W``, ``X`` for ``BW``); columns shared
+        by several actions show ``*``, and a last line says how many and which ``width`` shows all labels.
 
     Raises:
         ValueError: ``width`` below 1.
@@ -103,8 +87,8 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
 
 
 def _rank_cells(events, t0: float, scale: float, width: int) -> tuple[list, list]:
-    """One rank's columns: IDLE, FOLDED where two or more actions share a column, None where one
-    action alone holds it (to be labelled); and each action with its column range [c0, c1)."""
+    """One rank's columns (IDLE, FOLDED where actions share one, None where one action holds it) and each
+    action's column range [c0, c1)."""
     cells: list = [IDLE] * width
     count = [0] * width
     owner = []

@@ -1,12 +1,8 @@
 """Chrome-trace (Perfetto) JSON of a Timeline: one named track per rank.
 
-The format is the Trace Event Format read by https://ui.perfetto.dev and chrome://tracing:
-``{"traceEvents": [...]}`` with complete events (``"ph": "X"``, ``ts`` and ``dur`` in
-microseconds) and metadata events (``"ph": "M"``) that name the process and one thread per rank.
-
-Time units: simulated timelines are in the costs' unit (often abstract, "one T_F"), measured
-ones in seconds. ``time_unit_us`` says how many microseconds one timeline unit is; by default
-1e6 for measured timelines (seconds) and 1000 for simulated ones (one cost unit drawn as 1 ms).
+Trace Event Format (https://ui.perfetto.dev, chrome://tracing): ``{"traceEvents": [...]}`` with complete
+events (``"ph": "X"``, ``ts``/``dur`` in microseconds) and ``"ph": "M"`` metadata naming process and rank
+threads. ``time_unit_us`` is microseconds per timeline unit: default 1e6 measured (seconds), 1000 simulated.
 """
 
 from __future__ import annotations
@@ -76,21 +72,18 @@ def to_chrome_trace(
     """The Chrome-trace JSON object of one timeline, or of several side by side.
 
     Args:
-        timeline: one Timeline (one process with a track per rank), or a mapping label -> Timeline
-            (e.g. ``{"planned": t_sim, "measured": t_run}``), each its own process.
-        time_unit_us: microseconds per timeline unit (see the module docstring); default by source.
+        timeline: a Timeline (one process, a track per rank) or label -> Timeline, a process each.
+        time_unit_us: microseconds per timeline unit; default by source.
         name: process label for a single timeline (default ``"pipeline (<source>)"``).
-        relative: shift each timeline so its first event starts at ts = 0.
+        relative: shift each timeline to start at ts = 0.
 
     Returns:
-        ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``: per action one
-        ``"X"`` event named like ``F3 (stage 1)``, category = kind, pid = timeline index,
-        tid = rank, with the action (PyTorch text form), stage, microbatch and original start/end
-        in ``args``; ``otherData`` holds each timeline's makespan, bubble rate and source.
+        ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``: an ``"X"`` event per action
+        (``F3 (stage 1)``, cat = kind, pid = timeline index, tid = rank, ``args`` with action, stage,
+        microbatch, start/end); ``otherData`` holds each makespan, bubble rate and source.
 
     Raises:
-        ValueError: a ``time_unit_us`` that is not a finite number > 0 (NaN, infinite, zero or
-            negative), which would write ``NaN`` / ``Infinity`` that Perfetto refuses.
+        ValueError: a ``time_unit_us`` that is not a finite number > 0.
     """
     if isinstance(timeline, Timeline):
         items = [(name or f"pipeline ({timeline.source})", timeline)]
@@ -112,11 +105,8 @@ def to_chrome_trace(
 def write_chrome_trace(
     timeline: Timeline | Mapping[str, Timeline], path: str | os.PathLike, **options: Any
 ) -> Path:
-    """Write :func:`to_chrome_trace` as JSON to ``path`` (parent folders created); return the path.
-
-    Open the file in https://ui.perfetto.dev ("Open trace file") or chrome://tracing ("Load").
-    ``options`` go to :func:`to_chrome_trace`.
-    """
+    """Write :func:`to_chrome_trace` (``options``) as JSON to ``path`` (parents created); return the path.
+    Open it in https://ui.perfetto.dev or chrome://tracing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(strict_json.dumps(to_chrome_trace(timeline, **options)))

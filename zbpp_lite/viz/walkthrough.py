@@ -1,12 +1,6 @@
-"""zb-auto's heuristic, step by step: the paper's eight binary choices each run once, and one
-rank's plan read back action by action with the reason each action ran when it did (pure Python).
-
-Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), section 3.1:
-warm-up forwards as the memory limit allows; then F and B as they arrive; a W into a gap before
-the next F or B arrives; the rest of the W at the end. Three choices are binary (B or F first; a W
-into every partial gap or only where it pays; one more warm-up F or not), and the search keeps the
-shortest of the 2^3 runs. The engine is :mod:`zbpp_lite.schedules.builders.greedy`.
-"""
+"""zb-auto's heuristic step by step: the paper's eight binary-choice runs, and one rank's plan read back
+action by action with why each ran when it did (pure Python; arXiv 2401.10241 section 3.1; engine
+:mod:`zbpp_lite.schedules.builders.greedy`)."""
 
 from __future__ import annotations
 
@@ -29,8 +23,8 @@ class ChoiceRun:
         first: "B" or "F": which kind runs first when both have arrived.
         fill_partial: a W goes into every gap, even one shorter than T_W.
         fit_f: one more warm-up F only where it ends before the first B arrives.
-        makespan: the run's makespan (the costs' time unit).
-        peak_memory: its largest per-rank peak (units of M_B).
+        makespan: the costs' time unit.
+        peak_memory: largest per-rank peak (units of M_B).
     """
 
     first: str
@@ -42,13 +36,9 @@ class ChoiceRun:
 
 def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs,
         memory_limit: float) -> list[ChoiceRun]:
-    """Run the greedy scheduler once per combination of the paper's three binary choices (rank r
-    holds stage r), shortest first.
-
-    Raises:
-        ValueError: a memory limit below what any schedule needs (see
-            :func:`zbpp_lite.schedules.builders.greedy.per_rank_limits`).
-    """
+    """The greedy scheduler once per combination of the three binary choices (rank r holds stage r),
+    shortest first. Raises ValueError: a memory limit below what any schedule needs
+    (:func:`zbpp_lite.schedules.builders.greedy.per_rank_limits`)."""
     placement = looped_placement(num_ranks, num_ranks)
     table = costs.table(num_ranks)
     limits = per_rank_limits("zb-auto", memory_limit, placement, table)
@@ -61,16 +51,9 @@ def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs,
 
 
 def narrate(schedule: Schedule, costs: Costs, rank: int, memory_limit: float | None = None) -> list[str]:
-    """One line per action of ``rank``: start, end, the action, memory held after it, and why it
-    ran then (warm-up F under the limit; an F or B whose input arrived; a W filling idle time
-    before the next F or B is ready, or delaying it; a W left for the end).
-
-    Args:
-        schedule: any valid schedule (simulated here with ``costs``).
-        costs: T_F, T_B, T_W, T_comm and memory per stage.
-        rank: which rank to read.
-        memory_limit: printed beside the memory, if given (units of M_B).
-    """
+    """One line per action of ``rank`` (``schedule`` simulated with ``costs``): start, end, action, memory
+    after it (beside ``memory_limit`` in M_B if given) and why it ran then (warm-up under the limit, input
+    arrived, a W filling or delaying, a W left for the end)."""
     table = costs.table(schedule.num_stages)
     timeline = simulate(schedule, costs)
     end = {key: (e.end, e.rank) for e in timeline.events for key in produces(e.action)}

@@ -1,17 +1,11 @@
 """The schedule explorer: pick a schedule, move sliders, see the timeline and memory redraw.
 
-The computing part is the pure function :func:`explore_state` (build -> simulate, errors caught
-as messages); :class:`Explorer` only wires ipywidgets controls to it and copies the result into
-two Plotly ``FigureWidget`` s in place. Plotly 6+ ``FigureWidget`` needs ``anywidget``; on Colab
-it also needs the custom widget manager, which :func:`enable_colab_widgets` turns on (the
-explorer calls it itself).
-
-Which sliders apply is read from the builder's signature (``zbpp_lite.schedules.builders.options_of``):
-"stages per rank" is enabled only for builders taking ``stages_per_rank``; costs and the memory
-limit go to builders that take ``costs`` / ``memory_limit`` (the automatic schedules of
-arXiv 2401.10241, section 3.2) and the limit is drawn on the memory plot for every schedule.
-"T_F&B" sets the time of DualPipeV's overlapped pairs (``Costs.fb``; 0: no overlap); it changes
-nothing for schedules without pairs.
+:func:`explore_state` computes (build -> simulate, errors caught as messages); :class:`Explorer` wires
+ipywidgets controls to it and updates two Plotly ``FigureWidget`` s in place (Plotly 6+ needs ``anywidget``;
+Colab needs :func:`enable_colab_widgets`, which the explorer calls). Sliders apply per the builder's
+signature (``options_of``): "stages per rank" for ``stages_per_rank`` builders, costs and memory limit
+for those taking ``costs`` / ``memory_limit`` (arXiv 2401.10241 section 3.2); the limit is always drawn.
+"T_F&B" sets DualPipeV's overlapped-pair time (``Costs.fb``; 0: no overlap).
 """
 
 from __future__ import annotations
@@ -45,11 +39,8 @@ except ImportError:
 
 
 def enable_colab_widgets() -> bool:
-    """On Google Colab, turn on the custom widget manager that Plotly's FigureWidget needs.
-
-    Returns True when running in Colab (and the manager was enabled), False elsewhere, where
-    nothing is done.
-    """
+    """On Google Colab, turn on the custom widget manager Plotly's FigureWidget needs; True there, else
+    False (nothing done)."""
     if _colab_output is None:
         return False
     _colab_output.enable_custom_widget_manager()
@@ -63,10 +54,10 @@ class ExplorerSettings:
     Attributes:
         schedule: a registered schedule name.
         num_ranks: p; num_microbatches: m.
-        stages_per_rank: v, used only by builders that take ``stages_per_rank`` (None: not given).
+        stages_per_rank: v, for builders that take it (None: not given).
         f, b, w, comm: T_F, T_B, T_W, T_comm (the costs' time unit).
-        memory_limit: per-rank limit in units of M_B; <= 0 or None: no limit.
-        fb: T_F&B of DualPipeV's overlapped pairs (``Costs.fb``); <= 0 or None: no overlap.
+        memory_limit: per-rank limit in M_B; <= 0 or None: no limit.
+        fb: T_F&B (``Costs.fb``); <= 0 or None: no overlap.
     """
 
     schedule: str = "zb-h1"
@@ -87,9 +78,9 @@ class ExplorerState:
 
     Attributes:
         name: schedule name.
-        timeline: the simulated Timeline, or None when the schedule refused the settings.
+        timeline: the simulated Timeline, or None when refused.
         costs: the Costs built from the sliders.
-        memory_limit: per-rank limit in units of M_B, or None.
+        memory_limit: per-rank limit in M_B, or None.
         error: the refusal's message (no traceback), or None.
     """
 
@@ -115,12 +106,8 @@ class ExplorerState:
 
 
 def explore_state(settings: ExplorerSettings) -> ExplorerState:
-    """Build ``settings.schedule`` for p ranks, m microbatches (v stages per rank where the builder
-    takes it), simulate it with the settings' costs and limit, and return the state.
-
-    Never raises for settings a schedule refuses or bad costs: the ValueError's message
-    (ScheduleError included) is returned in ``error`` instead.
-    """
+    """Build and simulate ``settings`` into an :class:`ExplorerState`; never raises for refused settings or
+    bad costs (the ValueError's message, ScheduleError included, goes to ``error``)."""
     x = settings
     limit = float(x.memory_limit) if x.memory_limit is not None and x.memory_limit > 0 else None
     try:
@@ -152,19 +139,17 @@ def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: An
 class Explorer(widgets.VBox):
     """Schedule picker and sliders over a live timeline and memory plot (an ipywidgets VBox).
 
-    Attributes:
-        controls: name -> widget, names ``schedule``, ``num_ranks``, ``num_microbatches``,
-            ``stages_per_rank``, ``f``, ``b``, ``w``, ``comm``, ``fb`` (T_F&B), ``memory_limit``.
-        figure: the timeline ``go.FigureWidget`` (5 bar traces: F, B, W, BW, idle).
-        memory: the memory ``go.FigureWidget`` (one line per rank), or None with show_memory=False.
-        message: an HTML widget with the summary, or the error when settings are refused.
-        state: the last :class:`ExplorerState`.
-        last_redraw_ms: wall time of the last redraw, in milliseconds.
+    ``Explorer(schedule, *, max_ranks, max_microbatches, show_memory, **settings)``, ``settings`` the other
+    :class:`ExplorerSettings` fields; display it as a cell's last expression.
 
-    Constructor: ``Explorer(schedule, *, max_ranks, max_microbatches, show_memory, **settings)``,
-    ``settings`` the initial values of the other :class:`ExplorerSettings` fields. Display it as
-    the last expression of a cell, or with ``IPython.display.display``. On Colab the constructor
-    enables the custom widget manager (:func:`enable_colab_widgets`).
+    Attributes:
+        controls: name -> widget (``schedule``, ``num_ranks``, ``num_microbatches``, ``stages_per_rank``,
+            ``f``, ``b``, ``w``, ``comm``, ``fb``, ``memory_limit``).
+        figure: the timeline ``go.FigureWidget`` (5 bar traces: F, B, W, BW, idle).
+        memory: the memory ``go.FigureWidget`` (a line per rank), or None with show_memory=False.
+        message: HTML widget with the summary or the refusal.
+        state: the last :class:`ExplorerState`.
+        last_redraw_ms: wall time of the last redraw, ms.
 
     Raises:
         ValueError: an unknown initial schedule name (the message lists the valid ones).
@@ -250,11 +235,8 @@ class Explorer(widgets.VBox):
         self.redraw()
 
     def redraw(self) -> ExplorerState:
-        """Recompute from the controls and update the figures in place; return the new state.
-
-        Errors never escape: a refused setting or any unexpected exception is shown in
-        ``message`` and the plots are emptied.
-        """
+        """Recompute from the controls, update the figures in place, return the new state; errors show in
+        ``message`` (plots emptied), never escape."""
         t0 = time.perf_counter()
         try:
             state = self._compute()

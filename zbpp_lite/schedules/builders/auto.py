@@ -1,30 +1,16 @@
 """zb-auto, zb-1p, zb-2p: automatic zero-bubble schedules planned from costs under a memory limit.
 
-Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), section 3.1
-("Heuristic algorithm") and section 5 (ZB-1p and ZB-2p: the automatic schedule with memory limits
-of p * M_B, as 1F1B, and 2p * M_B). Rank r holds stage r.
+Source: arXiv 2401.10241 section 3.1 (heuristic) and section 5 (ZB-1p / ZB-2p: limits p * M_B, as 1F1B, and
+2p * M_B). Rank r holds stage r. The heuristic runs on :mod:`~zbpp_lite.schedules.builders.greedy` over the
+paper's three binary choices (eight runs; shortest makespan wins), honouring per-stage costs and T_comm.
+Ours: feed / keep-gaps variants of the two best runs, a short local search (:func:`polish`), and B and W
+fused again where a measured cheaper ``Costs.bw`` makes the split not pay. Against the MILP optimum
+(p <= 4, m <= 8): within 0.2% on the paper's costs, within 2.2% on 161 random per-stage instances.
 
-The heuristic (the shared engine, :mod:`zbpp_lite.schedules.builders.greedy`): as many warm-up F as memory
-allows, with one more F when that leaves only a small gap before the first B (or not: a binary
-choice); then F and B as they arrive, B first (or F first: the second binary choice); W inserted
-into gaps of at least T_W, when memory demands it, or when leaving a gap would raise the largest
-accumulated bubble (or into every gap: the third binary choice); the remaining W at the end. The
-search runs all eight combinations and keeps the shortest makespan. Per-stage costs and T_comm
-are honoured.
+Measured (paper Table 5, p = 8, m = 24, M_W = 7/16 M_B): 1.5B zb-1p 0.1585 (paper 0.1585), zb-2p 0.04331
+(paper 0.0433); 6.2B zb-2p 0.0029 (paper 0.0029). p = 32, m = 96 plans in about 1 s.
 
-Three additions of ours: for the two best runs, variants that feed the next rank first or never
-fill a partial gap; a short local search on the best plans (at most 200 simulations, fewer for
-large pipelines: :func:`polish`); and, when the costs say a fused BW is cheaper than B and W
-apart (``Costs.bw``, measured), B and W fused again wherever the split does not pay. Against the
-MILP optimum (:mod:`zbpp_lite.schedules.builders.milp`) for p <= 4, m <= 8: within 0.2% on the
-paper's costs; on 161 random per-stage instances all but one within 2% (the worst 2.2%).
-
-Measured (paper Table 5 setting, p = 8, m = 24, the default M_W = 7/16 M_B): 1.5B zb-1p 0.1585
-(paper 0.1585; 0.1091 with M_W = 0, a W that holds nothing), zb-2p 0.04331 (paper 0.0433); 6.2B
-zb-2p 0.0029 (paper 0.0029). zb-auto for p = 32, m = 96 plans in about 1 s.
-
-Memory limits are per rank and in the units of ``Costs.mem_b`` (the default ``mem_b = 1`` makes
-the unit M_B, one stage's activations for one microbatch).
+Memory limits are per rank, in units of ``Costs.mem_b`` (default 1: the unit is M_B).
 """
 
 from __future__ import annotations
@@ -64,9 +50,9 @@ class AutoPlan:
     """A zb-auto result with what it was planned for.
 
     Attributes:
-        schedule: the schedule (what ``build_schedule("zb-auto", ...)`` returns).
-        memory_limit: the per-rank memory limit it was planned under (units of Costs.mem_b).
-        makespan: its makespan under the costs (their time unit).
+        schedule: what ``build_schedule("zb-auto", ...)`` returns.
+        memory_limit: per-rank memory limit used (units of Costs.mem_b).
+        makespan: under the costs (their time unit).
         bubble_rate: (makespan - busiest rank's busy time) / makespan.
         peak_memory: per-rank peak activation memory (units of Costs.mem_b).
         rules: the winning binary choices.
@@ -81,12 +67,10 @@ class AutoPlan:
 
 
 def search_one_stage(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float]) -> Plan:
-    """The paper's eight runs; then, for the two best, the feed and keep-gaps variants (at most 14
-    greedy runs); then :func:`polish`. Where a measured ``Costs.bw`` makes the fused backward
-    cheaper than B and W apart, two more candidates, the shorter kept: that plan with B and W
-    fused again where the split does not pay (:func:`~zbpp_lite.schedules.builders.greedy.fuse_backward`),
-    and 1F1B with the backwards split only where that pays
-    (:func:`~zbpp_lite.schedules.builders.greedy.split_backward`)."""
+    """The paper's eight runs, the feed / keep-gaps variants of the two best (at most 14 runs), then
+    :func:`polish`. Where ``Costs.bw`` < b + w, also that plan after
+    :func:`~zbpp_lite.schedules.builders.greedy.fuse_backward` and 1F1B after
+    :func:`~zbpp_lite.schedules.builders.greedy.split_backward`; the shortest is kept."""
     # With no budget to polish, only the best run matters (and the two best of the first eight):
     # runs stop once they cannot be among those (:class:`~zbpp_lite.schedules.builders.greedy.Runs`).
     prune = polish_budget(placement, m) <= 0
@@ -126,14 +110,14 @@ def _add(runs: list[Plan], result: Plan | None) -> None:
 
 
 def polish_budget(placement: Sequence[int], m: int) -> int:
-    """The simulations :func:`polish` may spend: min(200, 20000 // actions), none from 20,000 actions."""
+    """The simulations :func:`polish` may spend: min(200, 20000 // actions)."""
     return min(200, 20000 // (3 * len(placement) * m))
 
 
 def polish(runs: list[Plan], placement: Sequence[int], m: int, table: CostTable,
         limits: Sequence[float]) -> Plan:
-    """Local search on the best distinct plans of ``runs`` in turn, until one budget of
-    min(200, 20000 // actions) simulations is spent; the best result wins."""
+    """Local search on the best distinct plans of ``runs`` in turn within one :func:`polish_budget`;
+    the best result wins."""
     runs = sorted(runs, key=lambda x: (x.makespan, max(x.peak_memory)))
     left = polish_budget(placement, m)
     best, seen = runs[0], []
@@ -162,15 +146,14 @@ def auto_plan(
     Args:
         num_ranks: p >= 1 (rank r holds stage r).
         num_microbatches: m >= 1.
-        costs: per-stage T_F, T_B, T_W, T_comm and M_B, M_W (default all 1, T_comm = 0).
-        memory_limit: per-rank activation-memory limit in units of Costs.mem_b: one number for every
-            rank or one per rank. Default: p times the rank's mem_b, 1F1B's peak (as zb-1p).
+        costs: per-stage T_F, T_B, T_W, T_comm, M_B, M_W (default all 1, T_comm = 0).
+        memory_limit: per-rank activation-memory limit (units of Costs.mem_b), one number or one per rank.
+            Default: p times the rank's mem_b, 1F1B's peak (as zb-1p).
         name: the schedule's name.
 
     Raises:
-        ValueError: sizes below 1, costs with the wrong number of per-stage values, or a memory
-            limit below what any schedule needs (one microbatch's activations on every rank; the
-            message names the smallest feasible limit).
+        ValueError: sizes below 1, costs with the wrong number of per-stage values, or a memory limit
+            below the smallest feasible one (the message names it).
     """
     check_sizes(name, num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
@@ -194,32 +177,20 @@ def zb_auto(
     costs: Costs | None = None,
     memory_limit: float | Sequence[float] | None = None,
 ) -> Schedule:
-    """The automatic zero-bubble schedule under a memory limit (paper section 3.1).
-
-    ``memory_limit`` is per rank, in units of Costs.mem_b (default p * M_B, 1F1B's peak); use
-    :func:`auto_plan` to also get the limit used, the makespan and the chosen rules.
-
-    Raises:
-        ValueError: see :func:`auto_plan`.
-    """
+    """The automatic zero-bubble schedule under a per-rank ``memory_limit`` (paper section 3.1; default
+    p * M_B). :func:`auto_plan` also returns the limit, makespan and rules; raises ValueError as it does."""
     return auto_plan(num_ranks, num_microbatches, costs, memory_limit, "zb-auto").schedule
 
 
 def zb_1p(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
-    """ZB-1p: zb-auto with 1F1B's memory, p * M_B per rank (p times the rank's mem_b; paper section 5).
-
-    Raises:
-        ValueError: sizes below 1 or costs with the wrong number of per-stage values.
-    """
+    """ZB-1p: zb-auto with 1F1B's memory, p * M_B per rank (paper section 5). Raises ValueError: sizes
+    below 1 or costs with the wrong number of per-stage values."""
     return _with_factor("zb-1p", 1, num_ranks, num_microbatches, costs)
 
 
 def zb_2p(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
-    """ZB-2p: zb-auto with twice 1F1B's memory, 2p * M_B per rank (paper section 5).
-
-    Raises:
-        ValueError: sizes below 1 or costs with the wrong number of per-stage values.
-    """
+    """ZB-2p: zb-auto with twice 1F1B's memory, 2p * M_B per rank (paper section 5). Raises ValueError:
+    sizes below 1 or costs with the wrong number of per-stage values."""
     return _with_factor("zb-2p", 2, num_ranks, num_microbatches, costs)
 
 

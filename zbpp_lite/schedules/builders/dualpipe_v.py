@@ -1,49 +1,17 @@
 """dualpipe-v: DualPipeV, DualPipe cut in half onto the V placement, with overlapped F&B pairs.
 
-Sources: DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv 2412.19437, section 3.2.1: DualPipe,
-the overlapped forward-and-backward chunk); the "cut-in-half" V form by Sea AI Lab, published as
-DualPipeV in DeepSeek's DualPipe repository and as PyTorch's ``ScheduleDualPipeV``. The V
-placement is that of ZB-V (Qi et al., arXiv 2405.15362, section 3): p ranks, 2p stages, rank r
-holding stage r (chunk 0, going down) and stage 2p-1-r (chunk 1, coming back), so rank 0 holds
-the first and the last stage.
+Sources: arXiv 2412.19437 section 3.2.1 (DualPipe, the overlapped F&B chunk); the V form by Sea AI Lab
+(DualPipeV in DeepSeek's DualPipe repository, PyTorch's ``ScheduleDualPipeV``); the V placement of ZB-V
+(arXiv 2405.15362 section 3: rank r holds stage r, chunk 0, and 2p-1-r, chunk 1). A rank's list runs the
+eight phases commented in :func:`dualpipe_v` (warm-up F0, F0 F1, split B1 W1 F1, main F0&B1 F1&B0 pairs
+with full backwards, then drains with queued W); each kind of each chunk takes the next microbatch.
 
-A rank's list, in DualPipeV's eight phases (p ranks, m microbatches, rank r; "F0" is the forward
-of chunk 0, "B1" the backward of chunk 1, "F0&B1" an overlapped pair, :class:`Overlap`):
-
-====  ==========================  ==================  =========================================
-no.   phase                       times               backward kind
-====  ==========================  ==================  =========================================
-1     F0                          2(p - r - 1)
-2     F0 F1                       r + 1
-3     B1 W1 F1                    p - r - 1           split, its W right after
-4     F0&B1  F1&B0  (main)        m - 2p + r + 1      full (BW); on the last rank the first
-                                                      F0&B1 runs as F0 then BW1, not overlapped
-5     B1  F1&B0                   p - r - 1           full (BW)
-6     B1 B0                       r + 1               BW, the last r + 1 of them split (B; W
-                                                      queued)
-7     W  B0                       p - r - 1           B split, W queued; W the oldest queued
-8     W                           r + 1               the queued W, oldest first
-====  ==========================  ==================  =========================================
-
-Each kind of each chunk takes the next microbatch in turn. DualPipeV needs m >= 2p (phase 4
-runs at least once on rank 0); for m < 2p the builder refuses with a ValueError saying so.
-
-What it achieves (simulated, T_comm = 0, m >= 2p). DualPipe's published bubble,
-(PP/2 - 1)(F&B + B - 3W) with PP = 2p stages and B its full backward (our T_B + T_W), is
-(p - 1)(T_F&B + T_B - 2 T_W): it equals the makespan less the busy time of the last rank (the
-rank with the most pairs; with the default T_F&B = T_F + T_BW every rank's) whenever
-T_F = T_B, T_W <= T_F and max(T_F, T_BW) <= T_F&B <= T_F + T_BW. Where it does not apply: with
-T_F != T_B a pair's two inputs arrive at different times and the pair waits for the later one
-(T_F = 2, T_B = T_W = 1, p = 4: bubble 12, the form says 9); with T_W > T_F a W no longer fits the
-gap it is placed in (the form undercounts, even goes negative); with T_F&B < max(T_F, T_BW) the
-pair would be faster than its longer part, which no overlap gives; with T_comm > 0 the waits
-depend on the transfers. Peak activation memory: 2p + 1 stage activations on every rank
-(DualPipe's "PP + 1"; ZB-V holds 2p).
-
-Unit costs with no overlap (T_F = T_B = T_W = 1, T_F&B = 3, p = 4, m = 8): makespan 54, the same
-as PyTorch's own DualPipeV order with its pairs (tests/artifacts/torch_DualPipeV_comms.csv: the
-same lists); PyTorch's compute-only CSV writes each pair as two actions, which need not wait for
-each other's input: 51. A pair pays off once it overlaps (T_F&B = 2: makespan 44).
+Simulated (T_comm = 0, m >= 2p): DualPipe's bubble (PP/2 - 1)(F&B + B - 3W), here (p - 1)(T_F&B + T_B -
+2 T_W), holds when T_F = T_B, T_W <= T_F and max(T_F, T_BW) <= T_F&B <= T_F + T_BW; with T_F != T_B a pair
+waits for its later input (T_F = 2, T_B = T_W = 1, p = 4: 12, not 9); with T_W > T_F it undercounts.
+Peak memory 2p + 1 stage activations per rank (DualPipe's "PP + 1"; ZB-V: 2p). Unit costs, T_F&B = 3,
+p = 4, m = 8: makespan 54, as PyTorch's DualPipeV order (tests/artifacts/torch_DualPipeV_comms.csv);
+pairs split into two actions: 51; T_F&B = 2: 44.
 """
 
 from __future__ import annotations
@@ -55,8 +23,7 @@ from ._common import assemble, check_sizes
 
 
 class _Rank:
-    """One rank's list under construction: the next microbatch per (kind, chunk), the queue of
-    W deferred by split backwards (first in, first out)."""
+    """One rank's list under construction: next microbatch per (kind, chunk), and the FIFO of deferred W."""
 
     def __init__(self, num_ranks: int, rank: int):
         self.stage = (rank, 2 * num_ranks - 1 - rank)  # chunk 0, chunk 1
@@ -88,23 +55,19 @@ class _Rank:
 
 
 def dualpipe_v(num_ranks: int, num_microbatches: int, overlap: bool = True) -> Schedule:
-    """DualPipeV on p = ``num_ranks`` ranks and 2p stages (V placement), m = ``num_microbatches``.
+    """DualPipeV on p = ``num_ranks`` ranks and 2p stages (V placement), m = ``num_microbatches`` >= 2p.
 
     Args:
-        overlap: keep each overlapped F&B pair as one entry (:class:`Overlap`, costed T_F&B, both
-            inputs awaited before either part runs). ``False`` writes each pair as its two
-            actions, in the same order (PyTorch's compute-only CSV of DualPipeV): the F may then
-            start before the backward's input arrives, which is shorter where a pair saves
-            nothing (at unit costs, p = 4, m = 8: 51 against 54) and cannot use the overlap.
+        overlap: keep each F&B pair as one :class:`Overlap` entry (costed T_F&B, both inputs awaited).
+            ``False`` writes it as its two actions in order (PyTorch's compute-only CSV), so the F may start
+            early: shorter where a pair saves nothing (unit costs, p = 4, m = 8: 51 against 54).
 
     Returns:
-        A :class:`Schedule` whose lists hold :class:`Overlap` pairs (F with a full backward BW)
-        besides F, B, W and BW actions (with ``overlap=False``, the actions only); 3 * 2p * m
-        actions, m F per stage.
+        A :class:`Schedule` of F, B, W, BW actions and (unless ``overlap=False``) :class:`Overlap` pairs
+        of an F with a BW; 3 * 2p * m actions, m F per stage.
 
     Raises:
-        ValueError: sizes that are not integers >= 1, or m < 2p (the message gives the least m
-            that works for this p).
+        ValueError: sizes that are not integers >= 1, or m < 2p (the message gives the least m).
     """
     check_sizes("dualpipe-v", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches

@@ -11,11 +11,8 @@ from ._common import Next, assemble, check_sizes
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
-    """GPipe for p ranks and m microbatches: ``F x m`` then ``BW x m`` on every rank.
-
-    Raises:
-        ValueError: num_ranks or num_microbatches below 1.
-    """
+    """GPipe for p ranks and m microbatches: ``F x m`` then ``BW x m`` on every rank. Raises ValueError:
+    num_ranks or num_microbatches below 1."""
     check_sizes("gpipe", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     rows = []

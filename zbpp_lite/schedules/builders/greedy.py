@@ -1,37 +1,18 @@
 """The greedy, time-driven list scheduler shared by zb-auto, zb-v, v-half and v-min (pure Python).
 
-Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), section 3.1
-(the heuristic of the automatic scheduler) and Qi et al., "Pipeline Parallelism with Controllable
-Memory", NeurIPS 2024 (arXiv 2405.15362), section 4 (greedy V-shape schedules under a memory limit).
+Source: arXiv 2401.10241 section 3.1 (the automatic scheduler's heuristic) and arXiv 2405.15362 section 4
+(greedy V-shape schedules under a memory limit).
 
-How it works. Every rank walks through time. When a rank is free it looks at the F and B it could
-run -- the next microbatch of each of its stages whose inputs have been computed -- and at the time
-each input arrives (its producer's end, plus T_comm when it comes from another rank):
+Every rank walks through time. When free it looks at the F and B whose inputs have arrived (producer's end,
+plus T_comm across ranks) and runs the first in its :class:`Rules` priority order; an F runs only if memory
+stays within the limit and *safe*, after running pending W if needed ("W when memory demands it"). When
+nothing has arrived a pending W fills the gap if it fits, or if leaving the gap would raise the largest
+accumulated bubble (``Rules.fill_partial``: always; ``Rules.keep_gaps``: never). ``Rules.fit_f`` makes a
+warm-up chunk-0 F a filler too; ``Rules.warmup_cap`` bounds the warm-up. Leftover W run last. Plans equal
+what :func:`zbpp_lite.simulate` computes for their action lists.
 
-- an F or B that has arrived runs at once, the first one in the rank's priority order (a
-  :class:`Rules` field); an F runs only if the rank's memory stays within the limit and stays
-  *safe* (see below), after the rank runs pending W to free memory if it must ("W when memory
-  demands it", paper 3.1);
-- when nothing has arrived, a pending W fills the gap. A W that fits before the next F or B arrives
-  runs ("W into gaps of at least T_W"); when the next arrival comes sooner, the W still runs if
-  leaving the gap would raise the largest accumulated bubble (paper 3.1; with per-stage costs the
-  comparison is of each rank's work plus its idle time so far), or always when
-  ``Rules.fill_partial`` is set, or never when ``Rules.keep_gaps`` is; otherwise the rank leaves
-  the gap;
-- with ``Rules.fit_f``, during a rank's warm-up a chunk-0 F is a filler too: it runs only if nothing
-  of higher priority arrives before it would end (the paper's binary choice about one more warm-up
-  F before the first B); ``Rules.warmup_cap`` bounds how many the warm-up may run;
-- W left at the end run last.
-
-A rank decides only at a time when everything that could arrive earlier is already known, so the
-plan it returns is exactly what :func:`zbpp_lite.simulate` computes for its action lists.
-
-Memory is kept safe, not just within the limit: an F is allowed only if, after it, every
-microbatch in flight on the rank could still finish in microbatch order -- for each in-flight
-microbatch k, the activations held by microbatches k and later plus what k still needs for the
-rank's remaining stages fit the limit. Finishing is then always possible (B and W only free
-memory), so the scheduler never deadlocks for any limit of at least one whole microbatch of the
-rank's stages (:func:`smallest_feasible_limit`).
+*Safe*: after the F, every in-flight microbatch could still finish in microbatch order within the limit, so
+the scheduler never deadlocks for any limit >= :func:`smallest_feasible_limit`.
 """
 
 from __future__ import annotations
@@ -59,21 +40,14 @@ class Rules:
     """The choices of one greedy run: the priority order and the paper's binary hyperparameters.
 
     Attributes:
-        order: priority of the F/B classes a rank runs when several have arrived, as
-            ``(kind, chunk)`` pairs; chunk is the stage's position among the rank's stages in
-            increasing stage order (0 for the one stage of a one-stage-per-rank placement; in the V
-            placement chunk 0 is stage r and chunk 1 is stage 2p-1-r). Classes not listed come last.
-        fill_partial: run a W in a gap shorter than T_W even when leaving the gap would not raise the
-            largest accumulated bubble (the paper's third binary choice).
-        fit_f: during a rank's warm-up (before its first B), an F of chunk 0 starts only if nothing
-            of higher priority arrives before it would end; otherwise the rank waits for that (the
-            paper's choice about one more warm-up F before the first B).
-        warmup_cap: per rank, the most chunk-0 F the rank runs before its first B (None: only memory
-            limits the warm-up). Capping the warm-up keeps the V placement from flooding every rank
-            with new microbatches when T_comm makes the round trip long.
-        feed: an F whose consumer on the next rank has run out of input goes before everything else
-            (the paper keeps stage i at least one F ahead of stage i+1).
-        keep_gaps: never run a W in a gap shorter than T_W (the opposite extreme of fill_partial).
+        order: priority of the F/B classes as ``(kind, chunk)`` pairs; chunk is the stage's position among the
+            rank's stages (V placement: chunk 0 is stage r, chunk 1 is stage 2p-1-r). Unlisted classes last.
+        fill_partial: run a W in a gap shorter than T_W even when the largest bubble would not grow.
+        fit_f: in a rank's warm-up, a chunk-0 F starts only if nothing of higher priority arrives
+            before it ends.
+        warmup_cap: per rank, the most chunk-0 F before its first B (None: only memory limits the warm-up).
+        feed: an F whose consumer on the next rank has run out of input goes first.
+        keep_gaps: never run a W in a gap shorter than T_W.
     """
 
     order: tuple[tuple[str, int], ...] = (("B", 0), ("F", 0))
@@ -86,12 +60,12 @@ class Rules:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a greedy run produced: the per-rank action lists and their timing.
+    """What a greedy run produced.
 
     Attributes:
         actions: ``actions[rank]``, the rank's actions in start order.
         makespan: longest per-rank span (first F start to last end), the costs' time unit.
-        peak_memory: per-rank peak activation memory (units of the costs' mem_b).
+        peak_memory: per-rank peak activation memory (units of mem_b).
         rules: the :class:`Rules` that produced it.
     """
 
@@ -117,21 +91,17 @@ def rank_stage_memory(placement: Sequence[int], table: CostTable) -> list[float]
 
 
 def smallest_feasible_limit(placement: Sequence[int], table: CostTable) -> float:
-    """The smallest per-rank memory limit any schedule can meet: the first microbatch must reach the
-    last stage before any backward frees memory, so every rank holds one microbatch's activations
-    of all its stages at once (arXiv 2401.10241, section 3; units of mem_b)."""
+    """The smallest per-rank memory limit any schedule meets: one microbatch on all the rank's stages
+    (arXiv 2401.10241 section 3; units of mem_b)."""
     return max(rank_stage_memory(placement, table), default=0.0)
 
 
 def per_rank_limits(
     name: str, memory_limit: float | Sequence[float], placement: Sequence[int], table: CostTable
 ) -> list[float]:
-    """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible.
-
-    Raises:
-        ValueError: a NaN, infinite, negative or wrongly sized limit, or one below what the ranks need
-            for the first microbatch to reach the last stage; the message names the smallest feasible limit.
-    """
+    """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible. Raises
+    ValueError: a NaN, infinite, negative or wrongly sized limit, or one below
+    :func:`smallest_feasible_limit` (the message names it)."""
     p = 1 + max(placement, default=-1)
     is_number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
     if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple))
@@ -183,8 +153,7 @@ def plan(
         placement: stage -> rank.
         num_microbatches: m >= 1.
         table: resolved per-stage costs (``Costs.table(num_stages)``).
-        limits: per-rank activation-memory limit, units of mem_b; each at least
-            :func:`smallest_feasible_limit` (checked by :func:`per_rank_limits`).
+        limits: per-rank activation-memory limits (units of mem_b), from :func:`per_rank_limits`.
         rules: the priority order and binary choices.
 
     Returns:
@@ -195,13 +164,10 @@ def plan(
 
 @dataclass(frozen=True)
 class Cutoff:
-    """When a greedy run may stop: as soon as it is certain that its plan (makespan, peak memory)
-    cannot win a comparison with a plan already made (branch and bound; not in the paper).
+    """When a greedy run may stop: its (makespan, peak memory) cannot win (branch and bound, not in paper).
 
-    The run stops once its makespan is certain to exceed ``above``, or to be at least ``floor``
-    while its peak memory has reached ``peak``. "Certain" rests on a lower bound of the makespan
-    that only grows: per rank, the span so far plus the rank's work not yet done (rounding
-    allowed for; exact where every time is an integer). Peak memory only grows too.
+    Stops once the makespan is certain to exceed ``above``, or to be >= ``floor`` with peak memory >=
+    ``peak``. "Certain" uses a growing lower bound: per rank, span so far plus work left (rounding allowed).
     """
 
     above: float
@@ -216,8 +182,7 @@ class Cutoff:
 
     @classmethod
     def not_before(cls, makespan: float, peak: float, ties_lose: bool) -> "Cutoff":
-        """Stop where (makespan, peak) cannot sort before the given pair (exact comparison; on an
-        equal pair the run loses when ``ties_lose``, e.g. because it comes later in a stable sort)."""
+        """Stop where (makespan, peak) cannot sort before the pair (an equal pair loses if ``ties_lose``)."""
         return cls(makespan, makespan, peak if ties_lose else math.nextafter(peak, _INF))
 
 
@@ -234,9 +199,8 @@ class _Rejoined(Exception):
 
 @dataclass(frozen=True)
 class _Record:
-    """What one greedy run showed: its plan (None: abandoned), the warm-up counts at which its caps
-    were asked (the largest answered yes and the smallest answered no, per rank), and its lower
-    bound and peak memory when it ended."""
+    """One greedy run: its plan (None: abandoned), the largest-yes/smallest-no warm-up cap asked per rank,
+    and its lower bound and peak memory at the end."""
 
     rules: Rules
     plan: Plan | None
@@ -248,16 +212,12 @@ class _Record:
 
 
 class Runs:
-    """Greedy runs of one planning problem (placement, m, costs, limits), remembered.
+    """Greedy runs of one planning problem (placement, m, costs, limits), remembered; plans equal
+    :func:`plan`'s.
 
-    Three savings, all exact (the plans returned are the ones :func:`plan` computes):
-
-    - a run whose rules differ from an earlier run's only in ``warmup_cap``, where the new caps
-      answer every cap question of the earlier run the same way, *is* that run (same actions);
-    - ``fit_f`` and ``warmup_cap`` act only in the warm-up (before a rank's first B): a run whose
-      whole state when its last rank leaves the warm-up equals that of an earlier run with
-      otherwise equal rules continues as that run did, so it ends there with that run's plan;
-    - with a :class:`Cutoff`, a run stops once it cannot win (it returns None).
+    Exact savings: a run whose caps answer every cap question of an earlier run alike *is* that run; a
+    run whose state at the end of the warm-up equals an earlier run's (rules equal outside the warm-up)
+    ends with its plan; with a :class:`Cutoff` a run stops (returns None) once it cannot win.
     """
 
     def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
@@ -296,9 +256,8 @@ class Runs:
         return result
 
     def _rejoin(self, rules: Rules, state: tuple, cutoff: Cutoff | None) -> None:
-        """At the end of a run's warm-up: raise :class:`_Rejoined` if an earlier run with the same
-        rules outside the warm-up reached this very state (and, if it was abandoned, this run's
-        cutoff would stop it at the same point)."""
+        """At the end of the warm-up: raise :class:`_Rejoined` if an earlier run with equal rules outside the
+        warm-up reached this state (and, if abandoned, this run's cutoff would stop it there too)."""
         plain = replace(rules, fit_f=False, warmup_cap=None)
         for rec in self.records:
             if rec.warm_end is None or replace(rec.rules, fit_f=False, warmup_cap=None) != plain:
@@ -310,9 +269,8 @@ class Runs:
                 raise _Rejoined(rec)
 
     def best(self, candidates: Iterable[Rules], best: Plan | None = None) -> Plan:
-        """The plan of the shortest makespan over ``candidates`` (ties: the lower peak memory, then
-        ``best`` if given, then the earlier candidate): the paper's search over its binary choices
-        (arXiv 2401.10241, section 3.1)."""
+        """The plan of the shortest makespan over ``candidates`` (ties: lower peak memory, then ``best``, then
+        the earlier candidate): the paper's search over its binary choices (arXiv 2401.10241 section 3.1)."""
         for rules in candidates:
             result = self.run(rules, None if best is None else Cutoff.not_better(best))
             if result is not None and (best is None or _better(result, best)):
@@ -322,8 +280,7 @@ class Runs:
         return best
 
     def _slack(self, cutoff: Cutoff) -> float:
-        """How far the lower bound may be off by rounding: nothing where every time is an integer
-        (below 2**50 in all), else 8 ulps per action of the magnitudes compared."""
+        """Rounding allowance of the lower bound: 0 for integer times (< 2**50), else 8 ulps per action."""
         _, m, t, _ = self.args
         times = (*t.f, *t.b, *t.w, *t.comm)
         actions = 3 * len(t.f) * m
@@ -342,8 +299,7 @@ def _same_run(rec: _Record, rules: Rules) -> bool:
 
 
 class _Greedy:
-    """One run: per-rank clocks, counters of the next F and B of every stage, the memory held, the
-    pending W, and a heap of the times at which each rank decides next."""
+    """One run: per-rank clocks, next F/B per stage, memory held, pending W, and a heap of decision times."""
 
     def __init__(self, placement, m, table: CostTable, limits, rules: Rules):
         self.placement = list(placement)
@@ -484,8 +440,7 @@ class _Greedy:
         return end
 
     def state(self, r: int) -> tuple:
-        """Everything the rest of the run depends on, in the middle of rank r's decision at ``now``
-        (the heap as its entries' (time, rank) in pop order: later pushes sort after all of them)."""
+        """Everything the rest of the run depends on, mid-decision of rank r at ``now``."""
         heap = [(t, q) for t, _, q in sorted(self.heap)]
         inflight = [tuple((k, tuple(v)) for k, v in d.items()) for d in self.inflight]
         return (
@@ -499,15 +454,13 @@ class _Greedy:
 
     @staticmethod
     def meets(cutoff: Cutoff, bound: float, peak: float, slack: float) -> bool:
-        """Is ``cutoff`` met by a run whose makespan is at least ``bound`` (up to ``slack``) and whose
-        peak memory is at least ``peak``?"""
+        """Is ``cutoff`` met with makespan >= ``bound`` (up to ``slack``) and peak memory >= ``peak``?"""
         return bound > cutoff.above + slack or (bound >= cutoff.floor + slack and peak >= cutoff.peak)
 
     # ------------------------------------------------------------------ candidates
 
     def candidates(self, r: int) -> list[tuple[int, float, str, int, int]]:
-        """(priority, arrival, kind, stage, microbatch) of the next F and B of each of the rank's stages
-        whose inputs are computed (F only if memory allows it safely)."""
+        """(priority, arrival, kind, stage, microbatch) of the rank's next ready F and B (F only if safe)."""
         out = []
         S, placement, comm, nf, end_f = self.S, self.placement, self.comm, self.nf, self.end_f
         safe = self.safe[r]
@@ -552,8 +505,7 @@ class _Greedy:
         return False
 
     def safe_f(self, r: int, s: int, j: int) -> bool:
-        """Would F(s, j) leave rank r safe? For every microbatch k in flight (in increasing order), the
-        memory held by k and later microbatches plus what k still needs must fit the limit."""
+        """Would F(s, j) leave rank r safe (every in-flight microbatch k, with those after it, still fits)?"""
         mb = self.t.mem_b[s]
         limit = self.limits[r] + _EPS
         if self.held[r] + mb + self.rank_total_mem[r] <= limit:
@@ -692,13 +644,11 @@ def improve(
     limits: Sequence[float],
     budget: int | None = None,
 ) -> tuple[Plan, int]:
-    """Polish a plan by local search: move an action up to four places earlier on its rank (past
-    actions it does not need, never past one of the same kind and stage, so each stage keeps its
-    microbatch order) and keep the move when the simulated makespan shrinks within the memory limit;
-    stop at a local optimum or when ``budget`` simulations are spent.
+    """Polish a plan by local search (not in the paper).
 
-    ``budget`` defaults to min(200, 20000 // actions): a few hundred simulations for small
-    pipelines, a handful for p = 32, m = 96. Not in the paper.
+    Moves an action up to four places earlier on its rank (never past an action it needs or one of the
+    same kind and stage) and keeps moves that shrink the simulated makespan within the memory limit, until
+    a local optimum or ``budget`` simulations (default :func:`search_budget`).
 
     Returns:
         (the polished plan, or ``result`` itself if nothing improved; the simulations used).
@@ -742,16 +692,14 @@ def improve(
 
 
 def search_budget(rows) -> int:
-    """The default number of simulations for a local search over the per-rank action lists
-    ``rows``: min(200, 20000 // actions), a few hundred for small pipelines, a handful for
-    p = 32, m = 96 (:func:`improve`, :func:`fuse_backward`, :func:`split_backward`)."""
+    """Default simulations for a local search over ``rows``: min(200, 20000 // actions)."""
     return min(200, 20000 // max(sum(len(row) for row in rows), 1))
 
 
 def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable,
         limits: Sequence[float]):
-    """A function that simulates ``rows`` (as they are when called) and returns (makespan, peak
-    memory per rank), or (inf, ()) for a deadlocking order or one over the memory limits."""
+    """A function simulating ``rows`` as they are when called: (makespan, per-rank peak memory), or
+    (inf, ()) for a deadlock or a memory-limit overrun."""
     costs = table.costs()
 
     def evaluate() -> tuple[float, tuple[float, ...]]:
@@ -779,16 +727,11 @@ def fuse_backward(
     limits: Sequence[float],
     budget: int | None = None,
 ) -> tuple[Plan, int]:
-    """Fuse B and W back into one BW where the split does not pay.
+    """Fuse B and W back into one BW where the split does not pay (not in the paper, whose T_BW = T_B + T_W).
 
-    Splitting the backward has a price on real hardware: a fused BW often costs less than B and
-    W apart (``Costs.bw`` below ``b + w``), so the split pays only where a W fills a bubble.
-    Each B(s, j) in turn, rank by rank in order, becomes BW(s, j) with its W(s, j) removed from
-    later in the rank's list, and the change is kept when the simulated makespan does not grow
-    and memory stays within the limits (a fused BW holds M_B until it ends and delays the input
-    gradient it sends by T_BW - T_B). At most ``budget`` simulations (default as
-    :func:`improve`'s). Nothing happens where T_BW >= T_B + T_W. Not in the paper (whose costs
-    have T_BW = T_B + T_W).
+    Where ``Costs.bw`` < b + w, each B(s, j) in rank order becomes BW(s, j) (its W removed), kept if the
+    simulated makespan does not grow within the memory limits. At most ``budget`` simulations (default
+    :func:`search_budget`).
 
     Returns:
         (the plan, ``result`` itself if nothing was fused; the simulations used).
@@ -828,12 +771,9 @@ def split_backward(
     limits: Sequence[float],
     budget: int | None = None,
 ) -> tuple[Plan, int]:
-    """The other way round from :func:`fuse_backward`: start from fused backwards (e.g. 1F1B)
-    and split a BW(s, j) into B(s, j) in its place and W(s, j) later on its rank (right after
-    the next action, or at the rank's end), last microbatches first, keeping each split that
-    shortens the simulated makespan within the memory limits. This finds the few splits that pay
-    when a fused BW is much cheaper than B and W apart. At most ``budget`` simulations (default
-    as :func:`improve`'s). Not in the paper.
+    """The reverse of :func:`fuse_backward`: split BW(s, j) into B in place and W later on its rank, last
+    microbatches first, keeping splits that shorten the simulated makespan within the memory limits. At most
+    ``budget`` simulations (default :func:`search_budget`). Not in the paper.
 
     Returns:
         (the plan, ``result`` itself if nothing was split; the simulations used).

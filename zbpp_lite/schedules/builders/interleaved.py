@@ -1,13 +1,9 @@
 """Interleaved 1F1B and looped BFS: v stages per rank, looped placement (stage s on rank s % p).
 
-Interleaved 1F1B (Narayanan et al., SC 2021, section 2.2): microbatches go through the rank's
-stages in groups of p; with v stages per rank, each stage has 1/v of the layers, so the bubble
-of 1F1B, (p-1)(T_F+T_B+T_W) for whole-rank costs, shrinks to (p-1)(T_F+T_B+T_W)/v when m is a
-multiple of p; activation memory grows to about (1 + (p-1)/(p v)) times 1F1B's.
-
-Looped BFS (Lamy-Poirier, "Breadth-First Pipeline Parallelism", 2023; PyTorch's
-ScheduleLoopedBFS): each rank runs all microbatches through one stage before the next, then all
-backwards in reverse stage order: GPipe over the looped placement.
+Interleaved 1F1B (Narayanan et al., SC 2021, section 2.2): microbatches pass the rank's stages in groups of
+p; 1F1B's bubble (p-1)(T_F+T_B+T_W) (whole-rank costs) shrinks to 1/v of it when p divides m; activation
+memory grows to about (1 + (p-1)/(p v)) times 1F1B's. Looped BFS (Lamy-Poirier 2023; PyTorch's
+ScheduleLoopedBFS): GPipe over the looped placement.
 """
 
 from __future__ import annotations
@@ -22,8 +18,8 @@ def _check_v(name: str, stages_per_rank: int) -> None:
 
 
 def _interleaved_order(p: int, m: int, v: int, rank: int, backward: bool) -> list[tuple[int, int]]:
-    """(stage, microbatch) in the order a rank visits them: groups of p microbatches, each group
-    through the rank's stages (in reverse stage order for the backward)."""
+    """(stage, microbatch) in a rank's visiting order: groups of p microbatches through its stages (reversed
+    for the backward)."""
     order = []
     for g0 in range(0, m, p):
         group = range(g0, min(g0 + p, m))
@@ -36,14 +32,9 @@ def _interleaved_order(p: int, m: int, v: int, rank: int, backward: bool) -> lis
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
     """Interleaved 1F1B with ``stages_per_rank`` (v) stages per rank, looped placement.
 
-    Warm-up on rank r: 2(p-r-1) + (v-1)p forwards (Megatron-LM's count), then one F one BW,
-    then the remaining BW. Any m >= 1 is accepted; when m is not a multiple of p the last group
-    is partial, the warm-up is lengthened by the fewest forwards that avoid a deadlock, and the
-    bubble and memory are larger than with m a multiple of p.
-
-    Raises:
-        ValueError: num_ranks, num_microbatches or stages_per_rank below 1.
-    """
+    Rank r warms up with 2(p-r-1) + (v-1)p forwards (Megatron-LM's count), then one F one BW, then the
+    rest. Any m >= 1: when p does not divide m the warm-up grows by the fewest forwards that avoid a
+    deadlock. Raises ValueError: num_ranks, num_microbatches or stages_per_rank below 1."""
     check_sizes("interleaved-1f1b", num_ranks, num_microbatches)
     _check_v("interleaved-1f1b", stages_per_rank)
     p, m, v = num_ranks, num_microbatches, stages_per_rank
@@ -73,14 +64,9 @@ def _interleaved_row(p: int, m: int, v: int, r: int, extra: int) -> list[Action]
 
 
 def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> Schedule:
-    """Looped BFS: on each rank, F of every microbatch stage by stage, then BW in reverse stage and
-    microbatch order (as PyTorch's ScheduleLoopedBFS).
-
-    Peak activation memory v * m * M_B (per stage units); bubble as GPipe's divided by v.
-
-    Raises:
-        ValueError: num_ranks, num_microbatches or stages_per_rank below 1.
-    """
+    """Looped BFS: F of every microbatch stage by stage, then BW in reverse stage and microbatch order
+    (PyTorch's ScheduleLoopedBFS); peak v * m stage M_B, bubble GPipe's over v. Raises ValueError:
+    num_ranks, num_microbatches or stages_per_rank below 1."""
     check_sizes("looped-bfs", num_ranks, num_microbatches)
     _check_v("looped-bfs", stages_per_rank)
     p, m, v = num_ranks, num_microbatches, stages_per_rank

@@ -1,20 +1,13 @@
 """The exact optimum for small instances: the paper's ILP solved with SciPy's HiGHS (pure Python + SciPy).
 
-Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241), section 3.2
-and appendix ("ILP formulation"): one end-time variable per action, an ordering binary for every
-two actions on one rank that no dependency orders, the memory limit checked at every F, and the
-objective the longest per-rank span. The heuristic's plan bounds the search from above (its
-makespan caps the objective and sets the big-M), and a time limit ends the search with the best
-schedule found and its proven gap.
+Source: arXiv 2401.10241 section 3.2 and appendix ("ILP formulation"): an end time per action, an ordering
+binary per dependency-free pair on one rank, memory checked at every F, objective the longest per-rank
+span. The heuristic's plan caps the objective and sets the big-M; a time limit returns the best found
+with its proven gap.
 
-Modelling choices, so that the MILP's objective is exactly :func:`zbpp_lite.simulate`'s makespan:
-
-- every stage runs its F, its B and its W in microbatch order (as every builder here does, and as
-  the paper's ILP assumes), so the optimum is over all such schedules;
-- a rank's span is measured from its first F, whose start no schedule can change: the first F of
-  a rank is its first action, and (for one-stage-per-rank, looped and V placements) the F of
-  microbatch 0 reaches it along a chain of first actions, so its start is a constant. The MILP
-  fixes it to that constant, and its objective is then the simulated makespan of the optimal order.
+So that the objective is exactly :func:`zbpp_lite.simulate`'s makespan: every stage runs F, B and W in
+microbatch order (as the paper assumes), and a rank's span starts at its first F, whose start is a
+constant for one-stage-per-rank, looped and V placements (the MILP fixes it).
 """
 
 from __future__ import annotations
@@ -44,14 +37,12 @@ class MilpResult:
     """The outcome of :func:`solve_optimal`.
 
     Attributes:
-        schedule: the best schedule found (the heuristic's when the solver found nothing better).
+        schedule: the best schedule found (the heuristic's when nothing better was found).
         makespan: its simulated makespan (the costs' time unit).
         lower_bound: a proven lower bound on the optimal makespan.
         gap: (makespan - lower_bound) / makespan; 0 when proven optimal (up to HiGHS's tolerance).
-        status: "optimal" (proven: the gap is below 1e-6), "time_limit" (stopped by the time limit
-            with a schedule better than the heuristic's; ``gap`` says how far from optimal it can
-            be) or "heuristic" (stopped before finding anything better than the heuristic's
-            schedule, which is returned with its proven gap).
+        status: "optimal" (gap below 1e-6), "time_limit" (stopped, better than the heuristic) or
+            "heuristic" (stopped before beating the heuristic, whose schedule is returned).
         heuristic_makespan: the makespan of the heuristic schedule that bounded the search.
         seconds: wall-clock time of the solve.
         memory_limit: the per-rank limit used (units of Costs.mem_b).
@@ -80,21 +71,20 @@ def solve_optimal(
 
     Args:
         num_ranks: p >= 1.
-        num_microbatches: m >= 1. The model has 3 * stages * m end times and about
-            1.5 * m^2 ordering binaries per stage; p <= 4, m <= 8 solves in seconds.
+        num_microbatches: m >= 1; 3 * stages * m end times and ~1.5 m^2 binaries per stage (p <= 4, m <= 8:
+            seconds).
         costs: per-stage times and memory (default unit costs).
-        memory_limit: per-rank activation-memory limit in units of Costs.mem_b (a number or one per
-            rank); default p times a rank's stages' mem_b (1F1B's peak, as zb-1p).
+        memory_limit: per-rank limit in units of Costs.mem_b (a number or one per rank); default p times a
+            rank's stages' mem_b (1F1B's peak, as zb-1p).
         time_limit: seconds HiGHS may search before returning the best found.
-        placement: stage -> rank; default one stage per rank. The V placement
-            (:func:`zbpp_lite.v_placement`) and looped placements are supported exactly.
+        placement: stage -> rank; default one stage per rank; V and looped placements are exact.
 
     Returns:
         A :class:`MilpResult`: the optimum, or the best found and its proven gap.
 
     Raises:
-        ValueError: bad sizes, costs with the wrong number of per-stage values, or a memory limit
-            below the smallest feasible one (the message names it).
+        ValueError: bad sizes, costs with the wrong number of per-stage values, or a memory limit below the
+            smallest feasible one (the message names it).
     """
     check_sizes("solve_optimal", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
@@ -168,10 +158,8 @@ class _Rows:
 
 
 class _Model:
-    """The ILP of the paper's appendix as sparse arrays for ``scipy.optimize.milp``.
-
-    Variables: end times E (n), per-rank span origins O (p), the objective z (1), then one ordering
-    binary y per pair of actions on one rank that no dependency orders (y = 1: a before b)."""
+    """The ILP of the paper's appendix as sparse arrays for ``scipy.optimize.milp``: end times E (n), span
+    origins O (p), objective z, then an ordering binary y per unordered same-rank pair (y = 1: a first)."""
 
     def __init__(self, placement, m, table: CostTable, limits, upper_bound: float):
         self.placement, self.m, self.table, self.limits = placement, m, table, limits
@@ -212,8 +200,8 @@ class _Model:
         self.topo_rank = {i: x for x, i in enumerate(self.order)}
 
     def _graph(self) -> None:
-        """Dependencies (pred, succ, lag): the paper's graph plus microbatch order per stage and kind;
-        their topological order, earliest end times (resources ignored), descendants as bitsets."""
+        """Dependencies (pred, succ, lag) incl. per-stage microbatch order; topological order, earliest ends,
+        descendant bitsets."""
         index, table, placement, n = self.index, self.table, self.placement, self.n
 
         def lag(a: int, b: int) -> float:
@@ -332,8 +320,7 @@ class _Model:
         return schedule
 
     def _warmup_bound(self, r: int) -> float:
-        """A lower bound on rank r's span: before its first B can start the rank can only run F, and
-        only as many as fit its memory limit, so the rest of that interval is idle."""
+        """Lower bound on rank r's span: only F that fit in memory run before its first B."""
         table = self.table
         stages = [s for s in range(self.S) if self.placement[s] == r]
         first_b = min(self.earliest[self.index["B", s, 0]] - table.b[s] for s in stages)

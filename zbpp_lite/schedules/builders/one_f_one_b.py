@@ -11,11 +11,8 @@ from ._common import Next, assemble, check_sizes
 
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
-    """1F1B for p ranks and m microbatches (any m >= 1; for m < p the warm-up is shorter).
-
-    Raises:
-        ValueError: num_ranks or num_microbatches below 1.
-    """
+    """1F1B for p ranks and m microbatches (any m >= 1; for m < p the warm-up is shorter). Raises
+    ValueError: num_ranks or num_microbatches below 1."""
     check_sizes("1f1b", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     rows = []

@@ -28,15 +28,14 @@ def register(name: str, builder: Builder) -> Builder:
 
 
 def options_of(name: str) -> dict[str, Any]:
-    """The keyword options a builder accepts beyond (num_ranks, num_microbatches), with defaults
-    (``inspect.Parameter.empty`` where required)."""
+    """A builder's keyword options beyond (num_ranks, num_microbatches), with defaults (``Parameter.empty``:
+    required)."""
     params = list(inspect.signature(lookup(name)).parameters.values())[2:]
     return {p.name: p.default for p in params}
 
 
 def lookup(name: str) -> Builder:
-    """The builder registered as ``name`` (for ``NAME+fuse``, NAME's, fused after building: same
-    options); ValueError listing the valid names otherwise."""
+    """The builder registered as ``name`` (``NAME+fuse``: NAME's, fused after); ValueError listing names."""
     key = name.strip().lower().replace("_", "-")
     base = key.removesuffix(FUSE_SUFFIX)
     if base not in SCHEDULES:
@@ -49,19 +48,12 @@ def lookup(name: str) -> Builder:
 
 
 def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: Any) -> Schedule:
-    """Build the schedule registered as ``name`` for p = ``num_ranks`` and m = ``num_microbatches``.
+    """Build the schedule registered as ``name`` for p = ``num_ranks``, m = ``num_microbatches``.
 
-    ``options`` go to the builder (``stages_per_rank`` for interleaved ones; ``costs`` and
-    ``memory_limit`` for the automatic ones); unknown options are refused.
-
-    ``num_ranks``, ``num_microbatches`` (and ``stages_per_rank``) may be any integer type, e.g.
-    NumPy's int64; the builder gets Python ints.
-
-    Raises:
-        ValueError: an unknown name (the message lists the valid ones), an option the builder
-            does not take, a size that is not an integer >= 1, or sizes the builder cannot support
-            (its message says what works).
-    """
+    ``options`` go to the builder (``stages_per_rank``, ``costs``, ``memory_limit``, ...); sizes may be
+    any integer type (e.g. NumPy int64), passed on as Python ints. Raises ValueError: an unknown name
+    (listing the valid ones), an option the builder does not take, a size that is not an integer >= 1, or
+    sizes the builder cannot support (its message says what works)."""
     builder = lookup(name)
     num_ranks = as_size(name, "num_ranks", num_ranks)
     num_microbatches = as_size(name, "num_microbatches", num_microbatches)

@@ -1,27 +1,15 @@
 """v-half and v-min: V-shaped schedules with about 1/2 and 1/3 of 1F1B's activation memory.
 
-Source: Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024 (arXiv 2405.15362),
-sections 3-4: a schedule repeats a building block; the block's lifespan on a rank sets the rank's
-peak activation memory. V-Min, V-Half and V-ZB keep (p+4)//3, (p+2)//2 and p microbatches' worth of
-a rank's layers, against p for 1F1B; with T_F = T_B = T_W the paper puts their bubble rates at about
-2p/(3m), p/(2m) and 0 (1F1B: about p/m).
+Source: arXiv 2405.15362 sections 3-4: a repeated building block whose lifespan sets a rank's peak memory.
+V-Min, V-Half, V-ZB keep (p+4)//3, (p+2)//2 and p whole-rank M_B (one microbatch on both of a rank's stages;
+1F1B: p); with T_F = T_B = T_W their bubble rates are about 2p/(3m), p/(2m) and 0 (1F1B: p/m).
+v-half is zb-v's greedy scheduler under (p+2)//2 units; v-min the shorter of that under (p+4)//3 units and
+the tight V block, whichever fits.
 
-Units: "whole-rank" M_B is one microbatch's activations on both of a rank's stages (the sum of the
-two stages' ``Costs.mem_b``); 1F1B with one stage per rank peaks at p of them on rank 0.
-
-- v-half: the greedy V scheduler of zb-v under a limit of (p+2)//2 whole-rank units per rank.
-  Guaranteed peak: at most (p+2)//2 whole-rank units, i.e. (p+2)//2 / p of 1F1B's (9/16 for p = 16).
-- v-min: the same under (p+4)//3 whole-rank units, together with the tight V building block (below);
-  the shorter of the two that fits the limit wins. Guaranteed peak: at most (p+4)//3 whole-rank
-  units, (p+4)//3 / p of 1F1B's (6/16 for p = 16).
-
-The tight V building block: the forward runs down and back up the V with no gap, the backward
-follows straight back, and each stage's W takes the first free slot after its B; every action is
-kept at its offset modulo the period (a rank's work for one microbatch), moved later only where two
-of a rank's actions would overlap. Microbatch j repeats the block j periods later; each rank runs
-its actions in that order. A chunk-0 activation on rank r lives 4p - 2r action times and a chunk-1
-activation 2r + 2, so with T_F = T_B = T_W the rank holds ceil((4p-2r)/6) + ceil((2r+2)/6) stage
-activations, at most 2 * ((p+4)//3): V-Min's memory.
+Tight V block: the forward runs down and up the V with no gap, the backward straight back, each W in the
+first free slot after its B; offsets are kept modulo the period (a rank's work per microbatch), moved later
+only on overlaps; microbatch j runs j periods later. Chunk-0 activations on rank r live 4p - 2r action times,
+chunk-1 2r + 2: at most 2 * ((p+4)//3) stage activations, V-Min's memory.
 """
 
 from __future__ import annotations
@@ -36,13 +24,9 @@ from .zb_v import search_v, v_limits
 def v_half(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
     """V-Half: peak activation memory at most (p+2)//2 whole-rank M_B per rank (about half of 1F1B's).
 
-    Measured with T_F = T_B = T_W, T_comm = 0 and the default M_W (7/16 of M_B): bubble rate 0.150
-    for p = 16, m = 48 and 0.148 for p = 8, m = 24 (the paper's estimate p/(2m): 0.167); with
-    M_W = 0, a W that holds nothing, 0.077 and 0.059.
-
-    Raises:
-        ValueError: sizes below 1 or costs with the wrong number of per-stage values.
-    """
+    Measured (T_F = T_B = T_W, T_comm = 0, default M_W): bubble rate 0.150 at p = 16, m = 48 and 0.148 at
+    p = 8, m = 24 (paper's p/(2m): 0.167); with M_W = 0, 0.077 and 0.059. Raises ValueError: sizes below 1
+    or costs with the wrong number of per-stage values."""
     check_sizes("v-half", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     limits, table = v_limits("v-half", (p + 2) // 2, p, costs, None)
@@ -53,14 +37,9 @@ def v_half(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None)
 def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
     """V-Min: peak activation memory at most (p+4)//3 whole-rank M_B per rank (about a third of 1F1B's).
 
-    Measured with T_F = T_B = T_W, T_comm = 0: bubble rate 0.170 for p = 16, m = 48, with the
-    default M_W as with M_W = 0 (the paper's
-    estimate 2p/(3m): 0.222). With other costs the tight block may not fit the limit; the greedy
-    plan under the limit is used then.
-
-    Raises:
-        ValueError: sizes below 1 or costs with the wrong number of per-stage values.
-    """
+    Measured (T_F = T_B = T_W, T_comm = 0, either M_W): bubble rate 0.170 at p = 16, m = 48 (paper's
+    2p/(3m): 0.222). Where the tight block does not fit the limit, the greedy plan is used. Raises
+    ValueError: sizes below 1 or costs with the wrong number of per-stage values."""
     check_sizes("v-min", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     costs = costs or Costs()
@@ -77,16 +56,8 @@ def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) 
 
 
 def tight_v_block(num_ranks: int, num_microbatches: int, table: CostTable) -> list[list[Action]]:
-    """Per-rank action lists of the tight V building block repeated m times (module docstring).
-
-    Args:
-        num_ranks: p >= 1; stages 0 .. 2p-1 in the V placement.
-        num_microbatches: m >= 1.
-        table: resolved costs of the 2p stages.
-
-    Returns:
-        ``rows[rank]``: the rank's actions ordered by their planned start.
-    """
+    """``rows[rank]``: the tight V block (module docstring) repeated m times on p ranks (2p stages, V
+    placement, ``table`` their resolved costs), each rank's actions in planned start order."""
     p, m = num_ranks, num_microbatches
     placement = v_placement(p)
     S = len(placement)
@@ -120,8 +91,7 @@ def tight_v_block(num_ranks: int, num_microbatches: int, table: CostTable) -> li
 
 
 def _first_free(busy: list[tuple[float, float]], ready: float, duration: float, period: float) -> float:
-    """Earliest start >= ready whose interval, taken modulo ``period``, overlaps none in ``busy``
-    (or ``ready`` itself when no such slot exists)."""
+    """Earliest start >= ready whose interval modulo ``period`` overlaps none in ``busy`` (else ``ready``)."""
     if period <= 0 or duration <= 0:
         return ready
     start = ready

@@ -1,33 +1,16 @@
 """zb-v: the V-shaped zero-bubble schedule, planned from costs under a memory limit.
 
-Source: Qi et al., "Zero Bubble Pipeline Parallelism" (arXiv 2401.10241, section 6, ZB-V) and
-Qi et al., "Pipeline Parallelism with Controllable Memory", NeurIPS 2024 (arXiv 2405.15362,
-sections 3-4). Each rank holds two stages in the V placement (:func:`zbpp_lite.v_placement`):
-stage s on rank s if s < p else 2p-1-s, so a microbatch's forward goes down the ranks and back up,
-and rank 0 holds both the first and the last stage.
+Source: arXiv 2401.10241 section 6 (ZB-V) and arXiv 2405.15362 sections 3-4. Two stages per rank in the V
+placement (:func:`zbpp_lite.v_placement`), so rank 0 holds the first and last stage. The plan is the shared
+:mod:`~zbpp_lite.schedules.builders.greedy` engine with a staged search: warm-up caps, then the binary
+choices for the two best caps, plus four uncapped ``Rules.feed`` runs (48 runs, shortest wins), polished by
+:func:`~zbpp_lite.schedules.builders.greedy.improve`.
 
-The plan is the shared greedy engine (:mod:`zbpp_lite.schedules.builders.greedy`) with a staged search:
-first over warm-up caps (how many chunk-0 F a rank runs before its first B: none, or a fraction of
-the memory limit decreasing along the ranks), then over the paper's binary choices for the two best
-caps, and four uncapped runs that feed the next rank first (``Rules.feed``, which W's memory
-needs: without it, p = 8, m = 16 at the default M_W pays a bubble of 0.010); 48 greedy runs, the
-shortest makespan wins (a run stops as soon as it cannot win, and one that meets an earlier run's
-state is not run again: :class:`~zbpp_lite.schedules.builders.greedy.Runs`), then a short local
-search polishes it
-(:func:`zbpp_lite.schedules.builders.greedy.improve`).
-
-What it achieves (units: a whole rank's layers for one microbatch, "M_B of a rank", which is the
-sum of the rank's two stages' ``Costs.mem_b``; the default limit is p of them, 1F1B's peak; W holds
-``Costs.mem_w``, by default 7/16 of M_B, until it runs, so the peak holds at any m):
-
-- T_F = T_B = T_W, T_comm = 0, m >= 2p: zero bubble and peak memory exactly p whole-rank units
-  (the handcrafted ZB-V's figures, paper section 6), with the default M_W as with M_W = 0;
-- any m >= 1: a valid schedule. The handcrafted ZB-V needs m >= 2p-1 microbatches to fill the V's
-  round trip; below 2p this plan still works but pays a bubble (unit costs, 8 ranks: bubble rate
-  0.127 at m = 8 and 0.040 at m = 12, against 0 from m = 16), memory staying within the limit;
-- the paper's profiled setting (per stage T_F 14.407, T_B 14.380, T_W 9.676, T_comm 1.610,
-  p = 16, m = 48, limit p whole-rank units): bubble rate 0.116 with the default M_W, where the
-  paper reports 0.0697 (0.0453 with M_W = 0, a W that holds nothing: not a fair comparison).
+Memory unit: a whole rank's M_B (sum of its two stages' ``Costs.mem_b``); default limit p of them (1F1B's
+peak); W holds ``Costs.mem_w`` (default 7/16 M_B) until it runs. Results: unit costs, m >= 2p: zero bubble,
+peak exactly p (paper section 6), for either M_W; any m >= 1 is valid, below 2p with a bubble (p = 8: 0.127
+at m = 8, 0.040 at m = 12, 0 from 16); the paper's profiled setting (T_F 14.407, T_B 14.380, T_W 9.676,
+T_comm 1.610, p = 16, m = 48): 0.116 with the default M_W (paper 0.0697; 0.0453 with M_W = 0).
 """
 
 from __future__ import annotations
@@ -64,14 +47,9 @@ def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Seque
 
 def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float],
         keep: int = 2) -> Plan:
-    """The staged search: caps first (with and without the warm-up fit), then the binary choices and
-    the second priority order for the ``keep`` best caps.
-
-    The plan is the one the full search (every run to its end) picks; runs stop early once they
-    cannot change that pick, and a run whose caps never bind is not repeated (:class:`Runs`). The
-    caps are tried most promising first, which makes the savings bite: no cap and the smallest
-    caps first, then the others from the better of those two ends (:func:`_try_order`).
-    """
+    """The staged search: caps (with and without the warm-up fit), then the binary choices and second
+    priority order for the ``keep`` best caps. Picks what the full search would; runs stop once they cannot
+    change the pick (:class:`Runs`), tried most promising first (:func:`_try_order`)."""
     runs = Runs(placement, m, table, limits)
     tries = [(shape, fit_f) for shape in CAP_SHAPES for fit_f in (False, True)]
     scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
@@ -104,10 +82,8 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
 
 
 def _try_order(tries: list, scored: dict):
-    """Indices of ``tries`` (shape, fit_f) in the order to run them: no cap, then the smallest caps
-    (fit_f off); then, read off ``scored`` as it fills, the rest slope by slope (flat caps first),
-    each from the better end: largest caps first if no cap did better (zb-v with unit costs),
-    smallest first otherwise (v-half). The order changes only how soon runs stop, not the plan."""
+    """Indices of ``tries`` (shape, fit_f) in run order: no cap, the smallest caps, then slope by slope from
+    the better end as ``scored`` fills. Changes only how soon runs stop, not the plan."""
     first = [tries.index((None, False)), tries.index((CAP_SHAPES[1], False))]
     yield from first
     done = [scored[i][:2] for i in first if i in scored]
@@ -119,8 +95,7 @@ def _try_order(tries: list, scored: dict):
 
 
 def _bar(scored: Iterable[tuple], caps, keep: int) -> tuple | None:
-    """The (makespan, peak, index) a new run with ``caps`` must sort before to matter: before the
-    best run so far with the same caps, and before the ``keep``-th best distinct caps (None: no bar yet)."""
+    """The (makespan, peak, index) a run with ``caps`` must sort before to matter (None: no bar yet)."""
     best_of: dict = {}
     for entry in sorted(scored, key=lambda x: x[:3]):
         best_of.setdefault(entry[4], entry[:3])
@@ -152,16 +127,14 @@ def zb_v(
 
     Args:
         num_ranks: p >= 1; the schedule has 2p stages.
-        num_microbatches: m >= 1 (m >= 2p for the zero-bubble figures; fewer still works, see the
-            module docstring for the cost).
-        costs: per-stage costs, one value per stage of the 2p (or scalars); a stage holds half a
-            rank's layers.
-        memory_limit: per-rank activation-memory limit in units of Costs.mem_b (a number or one per
-            rank). Default: p times the rank's two stages' mem_b, i.e. p whole-rank M_B, 1F1B's peak.
+        num_microbatches: m >= 1 (zero bubble needs m >= 2p; see the module docstring).
+        costs: per-stage costs, one per stage of the 2p (or scalars); a stage is half a rank's layers.
+        memory_limit: per-rank limit in units of Costs.mem_b (a number or one per rank); default p
+            whole-rank M_B, 1F1B's peak.
 
     Raises:
-        ValueError: sizes below 1, costs with the wrong number of per-stage values, or a limit below
-            one microbatch on both of a rank's stages (the message names the smallest feasible one).
+        ValueError: sizes below 1, costs with the wrong number of per-stage values, or a limit below one
+            microbatch on both of a rank's stages (the message names the smallest feasible one).
     """
     check_sizes("zb-v", num_ranks, num_microbatches)
     limits, table = v_limits("zb-v", num_ranks, num_ranks, costs, memory_limit)

@@ -1,17 +1,13 @@
-"""Handcrafted zero-bubble schedules ZB-H1 and ZB-H2 (Qi et al., arXiv 2401.10241, section 3.1).
+"""Handcrafted zero-bubble schedules ZB-H1 and ZB-H2 (arXiv 2401.10241 section 3.1).
 
-Both keep 1F1B's shape of F and B and move the weight-gradient passes W into what would be
-bubbles. Rank r holds stage r. With T_comm = 0 and T_W <= T_F, T_B:
+1F1B's shape of F and B with the W moved into the bubbles; rank r holds stage r. T_comm = 0, T_W <= T_F, T_B:
 
-- ZB-H1: bubble (p-1)(T_F + T_B - T_W) for m >= p, peak activation memory p * M_B (as 1F1B).
-  Rank r runs F x (p-r) warm-up forwards, then B [W] F cycles with its W delayed by r
-  microbatches, then the remaining B and W.
-- ZB-H2: bubble (p-1)(T_F + T_B - 2 T_W) for m >= 2p-1, zero when T_F = T_B = T_W; peak
-  activation memory (2p-1) * M_B. Rank r runs F x (2(p-r)-1) warm-up forwards and delays W by
-  2r microbatches.
+- ZB-H1: bubble (p-1)(T_F + T_B - T_W) for m >= p, peak p * M_B; rank r warms up with p-r F, then B [W] F
+  cycles with W delayed by r microbatches.
+- ZB-H2: bubble (p-1)(T_F + T_B - 2 T_W) for m >= 2p-1, peak (2p-1) * M_B; warm-up 2(p-r)-1 F, W delayed
+  by 2r.
 
-For smaller m the warm-up is capped at m and the schedule stays valid; it then behaves like
-ZB-H1 (and for m < p like a shortened 1F1B), so the bubble is larger than the formula.
+For smaller m the warm-up is capped at m: still valid, bubble above the formula.
 """
 
 from __future__ import annotations
@@ -40,22 +36,16 @@ def _delayed_w(name: str, p: int, m: int, warmup: list[int], delay: list[int]) -
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1 (paper section 3.1, figure 3 top): 1F1B's memory, bubble (p-1)(T_F+T_B-T_W).
-
-    Raises:
-        ValueError: num_ranks or num_microbatches below 1.
-    """
+    """ZB-H1 (paper section 3.1, figure 3 top): 1F1B's memory, bubble (p-1)(T_F+T_B-T_W). Raises
+    ValueError: num_ranks or num_microbatches below 1."""
     check_sizes("zb-h1", num_ranks, num_microbatches)
     p = num_ranks
     return _delayed_w("zb-h1", p, num_microbatches, [p - r for r in range(p)], list(range(p)))
 
 
 def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H2 (paper section 3.1, figure 3 bottom): (2p-1) M_B memory, bubble (p-1)(T_F+T_B-2T_W).
-
-    Raises:
-        ValueError: num_ranks or num_microbatches below 1.
-    """
+    """ZB-H2 (paper section 3.1, figure 3 bottom): (2p-1) M_B memory, bubble (p-1)(T_F+T_B-2T_W). Raises
+    ValueError: num_ranks or num_microbatches below 1."""
     check_sizes("zb-h2", num_ranks, num_microbatches)
     p = num_ranks
     return _delayed_w("zb-h2", p, num_microbatches, [2 * (p - r) - 1 for r in range(p)],
