@@ -260,23 +260,21 @@ def job_stages(args, blocks: int, num_stages: int, num_microbatches: int | None)
 
 
 def plan_with_job_memory(args, schedule, blocks: int, say=print):
-    """A memory-limited planner's schedule (one whose builder takes costs) planned again with this
-    job's M_B and M_W per stage in bytes (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`,
-    the executor's measurement, from shapes), so its peak holds what the run will hold. Kept as it
-    is for a CSV schedule, another builder, or ``--option memory_limit=...`` (units of M_B: planned
-    with the default M_W share). ``say`` prints the line saying so (None: silent). Call it once JAX
-    has its devices."""
-    from ..analysis.profiling.device import stage_memory_bytes
+    """A memory-limited planner's schedule (its builder takes costs) planned again with this job's
+    M_B, M_W per stage in bytes (:func:`~zbpp_lite.training.train.job_costs`); kept as it is for a
+    CSV schedule, another builder, or ``--option memory_limit=...`` (units of M_B). ``say`` prints
+    the line saying so (None: silent). Call it once JAX has its devices."""
+    from ..training.train import job_costs
 
     options = parse_options(args.option)
     if args.schedule_csv or "costs" not in options_of(args.schedule) or "memory_limit" in options:
         return schedule
-    job = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
-    mem_b, mem_w = stage_memory_bytes(*job)
+    costs = job_costs(schedule.num_stages, schedule.num_microbatches, model_config(args, blocks),
+                      run_config(args))
     if say is not None:
-        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and "
-            f"M_W {list(mem_w)} bytes", flush=True)
-    options["costs"] = zb.Costs(mem_b=mem_b, mem_w=mem_w)
+        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(costs.mem_b)} "
+            f"and M_W {list(costs.mem_w)} bytes", flush=True)
+    options["costs"] = costs
     return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
 
 
