@@ -272,8 +272,9 @@ def plan_with_job_memory(args, schedule, blocks: int, say=print):
     costs = job_costs(schedule.num_stages, schedule.num_microbatches, model_config(args, blocks),
                       run_config(args))
     if say is not None:
-        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(costs.mem_b)} "
-            f"and M_W {list(costs.mem_w)} bytes", flush=True)
+        mem_b, mem_w = ([int(v) for v in mem] for mem in (costs.mem_b, costs.mem_w))  # Costs holds floats
+        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {mem_b} and "
+            f"M_W {mem_w} bytes", flush=True)
     options["costs"] = costs
     return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
 
