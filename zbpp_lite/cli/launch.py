@@ -52,7 +52,8 @@ def port_in_use(port: int) -> bool:
 
 def child_env(process: int, num_processes: int, coordinator_port: int, transfer_port: int, devices: int,
               timeout: float) -> dict:
-    """``ZBPP_*`` settings, ``devices`` CPU devices + 1 (:func:`~zbpp_lite.runtime.distributed.staging_device`)."""
+    """``ZBPP_*`` settings, ``devices`` CPU devices + 1 for transfers
+    (:func:`~zbpp_lite.runtime.distributed.staging_device`)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = cpu_device_flags(devices + (num_processes > 1), current=env.get("XLA_FLAGS", ""))
     env.update({dist.ENV_COORDINATOR: f"127.0.0.1:{coordinator_port}",
