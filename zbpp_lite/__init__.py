@@ -1,11 +1,9 @@
 """zbpp_lite: learn, see and run zero-bubble pipeline parallelism.
 
-The schedule layers (IR, builders, validator, simulator) are pure Python and import no JAX;
-the executor and model live in ``zbpp_lite.runtime.executor`` / ``zbpp_lite.training.model`` and import JAX
-when first used.
-
-Source: Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241); Qi et al.,
-"Pipeline Parallelism with Controllable Memory", NeurIPS 2024 (arXiv 2405.15362).
+Re-exports the schedule layer (pure Python, no JAX); the JAX executor and model are in
+:mod:`zbpp_lite.runtime.executor` and :mod:`zbpp_lite.training.model`. Sources: Qi et al., "Zero Bubble
+Pipeline Parallelism", ICLR 2024 (arXiv 2401.10241); "Pipeline Parallelism with Controllable Memory",
+NeurIPS 2024 (arXiv 2405.15362).
 """
 
 from .schedules.builders import SCHEDULES, build_schedule

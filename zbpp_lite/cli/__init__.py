@@ -1,13 +1,9 @@
-"""Command line: ``python -m zbpp_lite {plan,train,compare,adapt,launch} ...``.
+"""Command line: ``python -m zbpp_lite {plan,train,compare,adapt,launch} ...``. Layer 6, the top: may
+import every layer below.
 
-Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``;
-modules are imported only when their command runs, so ``plan`` never imports JAX.
-
-Every command that runs JAX switches on the persistent compilation cache first
-(:mod:`zbpp_lite.runtime.compile_cache`; ``ZBPP_LITE_COMPILE_CACHE=0`` turns it off), so the rank
-processes of a run, and the next run, read the programs compiled before instead of compiling them.
-
-Layer 6, the top: may import every layer below.
+Each subcommand's module has ``add_parser(subparsers, help)`` and ``run(args) -> int`` and is imported only
+when its command runs (``plan`` never imports JAX). Commands that run JAX switch on the persistent
+compilation cache (:mod:`zbpp_lite.runtime.compile_cache`; ``ZBPP_LITE_COMPILE_CACHE=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ class CliError(Exception):
 
 
 class Terminated(BaseException):
-    """SIGTERM reached the command. Raised in the main thread, so every ``with`` block on the way
-    out cleans up (rank processes ended, shared memory removed); printed as one line."""
+    """SIGTERM, raised in the main thread so every ``with`` block cleans up; printed as one line."""
 
 
 def _terminated(signum, frame) -> None:

@@ -1,11 +1,9 @@
 """``python -m zbpp_lite adapt``: measure a run, find where its bubbles come from, remove them, train.
 
-Trains a few steps with ZB-H1 on the original partition (``--imbalance FACTOR`` puts FACTOR
-times the blocks of each other stage on the last stage), profiles per-stage costs, attributes every
-idle gap to a cause, rebalances the layers over the stages and re-plans with zb-auto from the
-measured costs, then trains ``--steps`` steps with the new plan, re-planning online when the costs
-drift. ``--json PATH`` writes ``before`` and ``after`` (each with the measured ``makespan`` and
-``bubble_rate``), the plan changes and the attribution; ``--html PATH`` the attribution figures.
+Trains a few ZB-H1 steps (``--imbalance FACTOR``: FACTOR times the blocks on the last stage), profiles
+stage costs, attributes each idle gap, rebalances layers and re-plans with zb-auto from measured costs,
+then trains ``--steps`` steps, re-planning when costs drift. ``--json PATH`` writes ``before``/``after``
+(measured ``makespan``, ``bubble_rate``), plan changes and attribution; ``--html PATH`` the figures.
 """
 
 from __future__ import annotations

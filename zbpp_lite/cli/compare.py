@@ -1,27 +1,13 @@
 """``python -m zbpp_lite compare``: run every schedule live and write one HTML report.
 
-Every registered schedule, and ZB-H1 and ZB-H2 with the backwards fused where the split buys
-nothing (:data:`FUSED`), trains the same model from the same start on the same batches. With at
-least as many cores as ranks, each rank is its own process pinned to its own core and the
-schedules take turns step by step (:func:`zbpp_lite.training.turns.train_in_turns`): a waiting
-rank's core is idle, as a real device's would be, and the machine's drift meets every schedule
-alike. With fewer cores the ranks are threads of one process (a one-line note says so). The
-first step of each schedule compiles and is not timed; figures are medians over the timed steps.
-
-Schedules whose builders need options get them from what is known: ``stages_per_rank`` 2,
-``memory_limit`` p activation units (1F1B's peak), and ``costs`` each stage's T_F, T_B, T_W and
-fused T_BW timed on one device before the runs (zb-auto then splits the backward only where a W
-fills a bubble; with ranks as processes, timed in a helper process pinned to one core from its
-start, as a rank is: :class:`~zbpp_lite.training.turns.OneCore`). A schedule that cannot be
-built or run is listed with the reason.
-
-The report (:mod:`.compare_report`) ranks the schedules by step time beside the plan's
-prediction, names the faster single-device reference the speed-ups are taken against, trains the
-winner long enough to learn the digits, and says in a paragraph which schedule won and why.
-
-``--platform gpu`` (or ``tpu``) with fewer such devices than ranks, but at least one: every
-schedule is first simulated from per-stage costs timed on one accelerator (printed as PROFILED),
-then the real runs go on simulated CPU devices (printed as REAL; the HTML report shows these).
+Every registered schedule, plus ZB-H1/ZB-H2 with backwards fused where the split buys nothing
+(:data:`FUSED`), trains one model from one start on the same batches: with a core per rank as pinned
+processes taking turns step by step (:func:`zbpp_lite.training.turns.train_in_turns`, so drift meets all
+alike), else as threads. Builder options: ``stages_per_rank`` 2, ``memory_limit`` p (1F1B's peak),
+``costs`` timed per stage first (:class:`~zbpp_lite.training.turns.OneCore`); what cannot run is listed
+with the reason. The report (:mod:`.compare_report`) ranks them, trains the winner and says why it won.
+``--platform gpu|tpu`` with too few such devices: simulated from costs profiled on one (PROFILED), then
+run on CPU (REAL).
 """
 
 from __future__ import annotations
@@ -87,8 +73,7 @@ def _known(name: str) -> bool:
 
 
 def _required(name: str) -> list[str]:
-    """The options a builder cannot do without, and ``costs`` for every builder that plans with
-    costs (zb-auto, zb-1p, zb-2p: without them they would plan for unit costs, not this job's)."""
+    """A builder's required options, plus ``costs`` for builders that plan with them (zb-auto, zb-1p, ...)."""
     options = options_of(name)
     return [key for key, default in options.items() if default is inspect.Parameter.empty or key == "costs"]
 
@@ -103,7 +88,7 @@ def _options(name: str, ranks: int, costs) -> tuple[dict, str | None]:
 
 
 def _build_one(name: str, args, blocks: int, costs) -> tuple:
-    """``(schedule, None)``: ``name`` built with the options compare gives it, or ``(None, why not)``."""
+    """``(schedule, None)`` built with compare's options, or ``(None, why not)``."""
     options, reason = _options(name, args.ranks, costs)
     try:
         if reason:
@@ -118,8 +103,7 @@ def _build_one(name: str, args, blocks: int, costs) -> tuple:
 
 
 def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
-    """Every schedule simulated from per-stage costs timed on ``device`` (printed as PROFILED);
-    planners that need costs get the mean profiled ones. One JSON-ready dict per schedule."""
+    """A JSON-ready dict per schedule simulated from stage costs timed on ``device`` (PROFILED)."""
     print(f"PROFILED on {device}: per-stage costs timed on this one device; every pipeline below is "
           "simulated from "
           f"them ({args.ranks} ranks, no transfer cost; nothing ran on {args.ranks} devices)", flush=True)
@@ -146,7 +130,7 @@ def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
 
 
 def check_arguments(args) -> None:
-    """Every flag that can be wrong, named, before JAX starts (CliError: one line, exit 2)."""
+    """Every flag checked before JAX starts (CliError)."""
     for flag, value, least in (("--ranks", args.ranks, 1), ("--microbatches", args.microbatches, 1),
                                ("--steps", args.steps, 2),
                                ("--learn-steps", args.learn_steps, 0)):
@@ -157,8 +141,7 @@ def check_arguments(args) -> None:
 
 
 def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
-    """The schedules to run (in ``names``' order, planners that need costs last) and, for the
-    others, why not."""
+    """The schedules to run (``names``' order, cost planners last) and, for the others, why not."""
     schedules, notes = [], {}
     for name in sorted(names, key=lambda n: "costs" in _required(n)):
         costs = None
@@ -236,10 +219,8 @@ def run(args) -> int:
 
 
 def _run_all(schedules, args, model, config, data, devices, use_processes) -> tuple[list, object, object]:
-    """Every schedule's TrainResult; in processes, the long learning run of the fastest (it goes
-    on in the same, compiled, processes after the turns, from the comparison's own steps to
-    ``--learn-steps`` in all; None: threads, or no learning run; see :func:`_learn`) and the
-    one-rank executor reference, trained in the same turns
+    """Every schedule's TrainResult; in processes also the fastest's learning run continued to
+    ``--learn-steps`` (else None, :func:`_learn`) and the one-rank reference trained in the same turns
     (:func:`~zbpp_lite.training.reference.one_rank_schedule`; None in threads)."""
     steps = args.steps
     if use_processes:
@@ -276,11 +257,9 @@ def _turn_order(schedules: list) -> list:
 
 
 def _references(args, model, config, data, devices, one_rank, one) -> dict:
-    """The two single-device references, each on one core: the whole batch as one jitted step
-    (``baseline``), and our executor on one rank (all stages as one, the same kernels and
-    microbatches as the pipeline): ``one_rank``, its TrainResult from the turns, or (threads)
-    trained here. Median step seconds over the timed steps (as many as the pipelines': fewer let
-    one slow spell of the machine make the reference look slow)."""
+    """Median step seconds of the two single-device references on one core: the whole batch as one
+    jitted step (``baseline``) and our executor on one rank (``one_rank``: from the turns, or trained
+    here in threads), over as many timed steps as the pipelines'."""
     if one_rank is None:
         quiet = dataclasses.replace(config, check_grads=False, progress=False)
         one_rank = train(one_rank_schedule(1, args.microbatches), steps=args.steps, model=model, run=quiet,
@@ -293,9 +272,7 @@ def _references(args, model, config, data, devices, one_rank, one) -> dict:
 
 
 def _learn(results, args, model, config, data, devices):
-    """The fastest schedule trained from the start for ``--learn-steps`` steps in threads: its
-    losses and its test accuracy on the held-out digits (in processes, :func:`_run_all` goes on
-    with it in the comparison's processes instead)."""
+    """Losses and held-out accuracy of the fastest schedule trained ``--learn-steps`` steps in threads."""
     best = min(results, key=lambda r: timed_median(r.step_seconds))
     print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
     run = dataclasses.replace(config, check_grads=False)

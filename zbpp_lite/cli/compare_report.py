@@ -1,9 +1,9 @@
 """The ``compare`` report: what the runs measured, ranked, explained in a paragraph, drawn.
 
-Everything is in milliseconds. Step times and bubble rates are medians over the timed steps (the
-first step of each schedule compiles and is left out); the plan is the simulator with the
-measured mean action costs of the schedule's median step. Speed-ups are taken against the
-faster of the two single-device references, which is named.
+All in milliseconds. Step times and bubble rates are medians over the timed steps (the first, compiling,
+is left out); the plan is the simulator with the measured mean action costs of the median step.
+Speed-ups are against the faster of the two single-device references, which is named. Paired ratios
+(:func:`against`) compare step k with step k: the schedules took turns, so the machine's drift cancels.
 """
 
 from __future__ import annotations
@@ -29,10 +29,7 @@ def _median_bubble(r) -> float:
 
 
 def against(r, base):
-    """``r``'s steps over ``base``'s, step by step (:func:`~zbpp_lite.analysis.noise.paired_gain`):
-    the schedules took turns, so step k of both met the same state of the machine and their ratio
-    cancels its drift (a slow spell of a few seconds slows every schedule's step k alike).
-    None where either has fewer than one timed step or they differ in length."""
+    """``r``'s steps over ``base``'s, paired (:func:`~zbpp_lite.analysis.noise.paired_gain`), or None."""
     before, after = timed_steps(base.step_seconds), timed_steps(r.step_seconds)
     if not before or len(before) != len(after):
         return None
@@ -98,9 +95,8 @@ class Comparison:
 
 
 def split_in_pipeline(c) -> tuple[str, float] | None:
-    """``(name, ratio)``: zb-h2's (else zb-h1's) measured T_B + T_W over 1f1b's measured T_BW,
-    the mean over stages, both from their measured steps in this run; None without the pair.
-    What the split really cost in the pipeline, beside :func:`_split_cost`'s stages timed alone."""
+    """``(name, ratio)``: zb-h2's (else zb-h1's) measured T_B + T_W over 1f1b's T_BW, mean over stages
+    (the split's cost in the pipeline, beside :func:`_split_cost`); None without the pair."""
     base = c.by_name("1f1b")
     for name in ("zb-h2", "zb-h1"):
         r = c.by_name(name)
@@ -111,14 +107,10 @@ def split_in_pipeline(c) -> tuple[str, float] | None:
 
 
 def busy_bound(c) -> tuple[float, float, float] | None:
-    """``(busy_ms, ratio, bound)``: 1f1b's busiest rank's compute time per step (median over its
-    timed steps, ms); its ratio to a p-th of the one-rank executor reference's step (the same
-    kernels and microbatches on one rank, stepped in the same turns); and that reference's step
-    over the busy time: the speed-up a pipeline without any bubble could reach at most, its ranks
-    computing as 1f1b's did. A ratio above 1 is work the pipeline's ranks did beyond their share
-    of the one-rank step: per-action costs that do not shrink with the stage (dispatch, sends),
-    and passes slower than the same work on one rank. None without 1f1b or the executor
-    reference, or with ranks as threads (they share cores by design)."""
+    """``(busy_ms, ratio, bound)``: 1f1b's busiest rank's median compute per step (ms); its ratio to a
+    p-th of the one-rank reference's step (above 1: work beyond its share, e.g. per-action dispatch and
+    sends); and the reference's step over it, the most a bubble-free pipeline could gain. None without
+    1f1b or the reference, or in threads."""
     base = c.by_name("1f1b")
     executor = next((ms for n, ms in c.references.items() if "executor" in n), None)
     if base is None or executor is None or c.mode != "processes" or len(base.timelines) < 2:
@@ -138,12 +130,10 @@ def _split_cost(c) -> str | None:
 
 
 def fusions(c) -> list[dict]:
-    """One dict per fused run ``NAME+fuse`` whose plain NAME ran too (ms): ``fused`` of the plain
-    run's ``backwards`` (its B) run as one BW, on ``stages``; the mean measured T_BW there
-    (``bw_ms``) against the plain run's T_B + T_W of those stages (``b_w_ms``); median steps
-    (``step_ms``, ``plain_step_ms``), the paired step ratio fused / plain (``vs_plain``, as
-    :func:`against`; None without it) and the plans with each run's measured costs (``plan_ms``,
-    ``plain_plan_ms``)."""
+    """One dict (ms) per ``NAME+fuse`` run whose NAME ran too: ``fused`` of ``backwards`` run as BW on
+    ``stages``; mean T_BW (``bw_ms``) vs the plain T_B + T_W (``b_w_ms``); median steps (``step_ms``,
+    ``plain_step_ms``); paired ratio ``vs_plain`` (:func:`against`, or None); plans with each run's
+    measured costs (``plan_ms``, ``plain_plan_ms``)."""
     out = []
     for r in c.results:
         name = r.schedule.name
@@ -166,8 +156,7 @@ def fusions(c) -> list[dict]:
 
 
 def fusion_lines(c) -> list[str]:
-    """A sentence per :func:`fusions` entry: what was fused, what the fused backward cost there,
-    and what the step gained or lost, with the paired interval's verdict."""
+    """A sentence per :func:`fusions` entry: what was fused, its cost, the step's gain or loss."""
     lines = []
     for f in fusions(c):
         where = f"stage(s) {', '.join(map(str, f['stages']))}, whose input gradient goes to no other rank"
@@ -248,8 +237,7 @@ def summary_text(c: Comparison) -> str:
 
 
 def _why_not_p(bound: tuple[float, float, float], p: int, above_p: bool) -> str:
-    """The summary's sentence on :func:`busy_bound`: why the winner is not p times (or is more
-    than p times, ``above_p``) the one-rank reference."""
+    """Why the winner is not (``above_p``: is more than) p times the one-rank reference."""
     busy, ratio, most = bound
     share = "half" if p == 2 else f"1/{p} of"
     did = (f"1f1b's busiest rank computed {busy:.1f} ms a step, {ratio:.2f}x {share} the one-rank "
@@ -294,8 +282,7 @@ def _memory_section(c: Comparison) -> str:
 
 
 def html_report(c: Comparison) -> str:
-    """One self-contained page: the summary figure and paragraph, the table, then planned above
-    measured per schedule (ms)."""
+    """One self-contained page: summary figure and paragraph, table, planned over measured per schedule."""
     args = c.args
     ref_name, ref_ms = c.reference
     rows = [SummaryRow(r.schedule.name, _median_step_ms(r), r.simulated.makespan * 1e3, _median_bubble(r),

@@ -1,16 +1,12 @@
-"""``train --coordinator HOST:PORT --num-processes N --process-id I``: this host's process of a run
-on several hosts, on JAX's distributed runtime; with none of these flags on a cluster JAX detects
-(SLURM, Open MPI, Cloud TPU, Kubernetes: :func:`zbpp_lite.runtime.cluster.detect_cluster`), the
-same with ``jax.distributed.initialize()`` finding them itself.
+"""``train --coordinator HOST:PORT --num-processes N --process-id I``: this host's process of a multi-host
+run on JAX's distributed runtime; with none of these flags on a cluster JAX detects
+(:func:`zbpp_lite.runtime.cluster.detect_cluster`), ``jax.distributed.initialize()`` finds them.
 
-The command is a small supervisor: it checks the flags, runs the training in one child process
-(``python -m zbpp_lite.cli.launch_child``, as ``launch`` does, with the ``ZBPP_*`` environment) and
-relays its output. Where JAX's runtime ends the child from C++ on a fatal coordination error (a
-lost peer, a failed registration), it prints one line naming the cause
-(:func:`~zbpp_lite.runtime.cluster.explain_runtime_failure`) and exits 1. The child dies with the
-supervisor (``PR_SET_PDEATHSIG``): no orphan. Every wait is bounded: ``--timeout`` (registration,
-the coordinator's first answer, each transfer), ``--heartbeat`` (a lost process).
-``ZBPP_VERBOSE=1`` relays the child's whole stderr.
+A small supervisor: checks the flags, trains in one child (``python -m zbpp_lite.cli.launch_child`` with
+the ``ZBPP_*`` environment, as ``launch``), relays its output. A fatal coordination error in JAX's C++
+runtime becomes one line naming the cause (:func:`~zbpp_lite.runtime.cluster.explain_runtime_failure`),
+exit 1. The child dies with the supervisor (``PR_SET_PDEATHSIG``). Waits are bounded by ``--timeout``
+(registration, first answer, each transfer) and ``--heartbeat``; ``ZBPP_VERBOSE=1`` relays all stderr.
 """
 
 from __future__ import annotations
@@ -50,16 +46,14 @@ def add_join_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def wants_join(args) -> bool:
-    """True when ``train`` runs as one process of a multi-host run: a join flag is given, or
-    (with none) the environment is a cluster JAX detects with more than one process."""
+    """A join flag is given, or a detected cluster has more than one process."""
     if any(getattr(args, k, None) is not None for k in JOIN_FLAGS[:4]):
         return True
     return detect_cluster() is not None
 
 
 def check_join_arguments(args, num_ranks: int) -> str:
-    """Check the join flags; returns ``"flags"`` or the detected cluster's name. Raises CliError
-    in one line naming the flag and the value wanted."""
+    """Returns ``"flags"`` or the detected cluster's name; CliError names a bad flag and what is wanted."""
     given = {k: getattr(args, k) for k in ("coordinator", "num_processes", "process_id")}
     if any(v is not None for v in given.values()):
         missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
@@ -94,8 +88,7 @@ def check_join_arguments(args, num_ranks: int) -> str:
 
 
 def train_argv(args, parser: argparse.ArgumentParser) -> list[str]:
-    """The train flags of ``args`` that differ from their defaults, as a command line the child
-    parses back (the join flags travel in the environment)."""
+    """``args``' non-default train flags as a command line for the child (join flags go in the env)."""
     argv: list[str] = []
     for action in parser._actions:  # argparse keeps no public list of a parser's options
         if not action.option_strings or action.dest in JOIN_FLAGS + ("help",):
@@ -116,8 +109,7 @@ def train_argv(args, parser: argparse.ArgumentParser) -> list[str]:
 
 
 def child_env(args, num_ranks: int) -> dict:
-    """The worker's environment: the ``ZBPP_*`` join settings and, for a known process count,
-    the CPU devices its ranks need (plus one that receives transfers)."""
+    """The ``ZBPP_*`` join settings and, for a known process count, the CPU devices (+1 for transfers)."""
     from ..runtime import distributed as dist  # it imports JAX, which the supervisor never needs otherwise
 
     env = dict(os.environ)
@@ -138,10 +130,8 @@ def child_env(args, num_ranks: int) -> dict:
 
 
 def run_joined(args, schedule, parser: argparse.ArgumentParser, on_start=None) -> int:
-    """Run this process of a multi-host run under supervision; returns the exit status (0, or 1
-    with one ``error:`` line on stderr naming the cause). ``on_start`` gets the worker's pid.
-    The caller has checked the train flags (``train.check_launchable``); raises CliError for bad
-    join flags."""
+    """Run this process under supervision; returns 0, or 1 with one ``error:`` line on stderr.
+    ``on_start`` gets the worker's pid; CliError for bad join flags (train flags: ``check_launchable``)."""
     check_join_arguments(args, schedule.num_ranks)
     child = subprocess.Popen(
         [sys.executable, "-m", "zbpp_lite.cli.launch_child", *train_argv(args, parser)],

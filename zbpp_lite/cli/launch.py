@@ -1,12 +1,10 @@
 """``python -m zbpp_lite launch --processes N --devices-per-process K -- train ...``: the train
 command across N local processes on JAX's distributed runtime (127.0.0.1, free ports chosen here).
 
-Each child runs ``python -m zbpp_lite.cli.launch_child`` with the train arguments and the ``ZBPP_*``
-environment (coordinator, process count and index, its own cross-host transfer port) and, on
-CPU, K simulated devices. Process 0's output is shown as it comes; when every child has exited
-the command returns 0. When one fails (a process that dies, a port in use, a rank stuck past its
-timeout) the others are ended at once and the error names the process, within a bounded time:
-``--timeout`` seconds per wait inside the children, ``--deadline`` for the whole run.
+Each child runs ``python -m zbpp_lite.cli.launch_child`` with the train arguments, the ``ZBPP_*``
+environment (coordinator, process count and index, transfer port) and K simulated CPU devices. Process 0's
+output is relayed. When one fails (died, port in use, a rank stuck) the others are ended and the error
+names it, bounded by ``--timeout`` per wait in the children and ``--deadline`` for the run.
 """
 
 from __future__ import annotations
@@ -54,8 +52,8 @@ def port_in_use(port: int) -> bool:
 
 def child_env(process: int, num_processes: int, coordinator_port: int, transfer_port: int, devices: int,
               timeout: float) -> dict:
-    """Child ``process``'s environment: the ``ZBPP_*`` settings and ``devices`` CPU devices, plus
-    one that receives transfers (:func:`~zbpp_lite.runtime.distributed.staging_device`)."""
+    """``ZBPP_*`` settings, ``devices`` CPU devices + 1 for transfers
+    (:func:`~zbpp_lite.runtime.distributed.staging_device`)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = cpu_device_flags(devices + (num_processes > 1), current=env.get("XLA_FLAGS", ""))
     env.update({dist.ENV_COORDINATOR: f"127.0.0.1:{coordinator_port}",
@@ -76,7 +74,7 @@ def _train_args(args) -> list[str]:
 
 
 def _check(args, train_args: list[str]) -> None:
-    """Sizes checked before any process starts: processes, devices and ranks must fit."""
+    """Processes, devices and ranks must fit; checked before any process starts."""
     n, k = args.processes, args.devices_per_process
     if n < 1 or k < 1:
         raise CliError(f"--processes and --devices-per-process must be >= 1, got {n} and {k}")
@@ -96,10 +94,8 @@ def _check(args, train_args: list[str]) -> None:
 def launch(train_args: list[str], processes: int, devices_per_process: int = 1, port: int | None = None,
            timeout: float = 60.0, deadline: float = 900.0, echo=print,
            on_start=None) -> tuple[int, list[str]]:
-    """Start the children (each with this process's environment), relay process 0's output, end
-    everyone when one fails. ``on_start`` is called with the children's process ids once all have
-    started. Returns (exit status, [one line per failed process]). Raises CliError for a port in use.
-    """
+    """Start the children, relay process 0's output, end all when one fails; ``on_start`` gets their
+    pids. Returns (exit status, [a line per failed process]); CliError for a port in use."""
     if port is not None and port_in_use(port):
         raise CliError(f"coordinator port {port} on 127.0.0.1 is in use; choose another --port or leave it "
                        "out "

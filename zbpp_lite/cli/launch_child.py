@@ -1,6 +1,5 @@
-"""``python -m zbpp_lite.cli.launch_child TRAIN_ARGS``, a child of ``launch`` (or of a multi-host
-``train``): starts JAX's distributed runtime from the ``ZBPP_*`` environment
-(:func:`zbpp_lite.runtime.distributed.initialize`), trains on the executor of
+"""``python -m zbpp_lite.cli.launch_child TRAIN_ARGS``, a child of ``launch`` or multi-host ``train``: starts
+JAX's runtime from the ``ZBPP_*`` environment (:func:`zbpp_lite.runtime.distributed.initialize`), trains on
 :func:`~zbpp_lite.runtime.distributed.process_executor`; process 0 prints ``train``'s report.
 """
 
@@ -36,8 +35,7 @@ from .train import (check_launchable, check_sizes, model_config, plan_with_job_m
 
 
 def train_process(args) -> int:
-    """A child process of ``launch``: start the runtime, train with ``args`` (the ``train``
-    command's), and on process 0 print the report ``train`` prints. Returns an exit status."""
+    """Start the runtime, train with ``train``'s ``args``, print its report on process 0; exit status."""
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
     check_launchable(args)  # launch checked it before starting us; a cluster's launcher did not
@@ -49,8 +47,7 @@ def train_process(args) -> int:
         print(f"process {process}: exiting on purpose (ZBPP_TEST_CRASH_PROCESS)", file=sys.stderr, flush=True)
         os._exit(3)
     devices = pipeline_devices(schedule.num_ranks)
-    # a memory-limited planner plans with this job's M_B and M_W in bytes, as train does (the same
-    # shapes on every process, so the same schedule); only process 0 says so
+    # same shapes on every process, so the same plan; only process 0 says so
     schedule = plan_with_job_memory(args, schedule, blocks, say=print if process == 0 else None)
     startup = time.perf_counter() - t0
     if process == 0:
@@ -85,16 +82,14 @@ def train_process(args) -> int:
 
 
 def device_name(device) -> str:
-    """``process 1's cpu 0``: the device's platform and its index among its own process's devices
-    (JAX's ``str(device)``, ``cpu:2048`` for process 1's first CPU device, reads like a device count)."""
+    """``process 1's cpu 0`` (JAX says ``cpu:2048``, which reads like a count)."""
     own = sorted((d for d in jax.devices() if d.process_index == device.process_index), key=lambda d: d.id)
     local = next((i for i, d in enumerate(own) if d.id == device.id), device.id)
     return f"process {device.process_index}'s {device.platform} {local}"
 
 
 def _ensure_cpu_devices(count: int) -> None:
-    """Ask for ``count`` simulated CPU devices where no ``XLA_FLAGS`` count was set (a detected
-    cluster: the process count was unknown before the runtime started); JAX 0.4.38 and later."""
+    """Ask for ``count`` CPU devices where ``XLA_FLAGS`` set none (a detected cluster); JAX >= 0.4.38."""
     if COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
         return
     try:
@@ -104,11 +99,9 @@ def _ensure_cpu_devices(count: int) -> None:
 
 
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
-    """Train through :func:`~zbpp_lite.training.train.train_steps` with a
-    :func:`process_executor`'s executor: every process holds the whole parameter list on its own default
-    device and applies the same AdamW update to the gathered gradients, so no final gather is
-    needed. Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config also names the
-    process count."""
+    """:func:`~zbpp_lite.training.train.train_steps` on a :func:`process_executor`: every process holds
+    all parameters and applies the same AdamW update to the gathered gradients (no final gather).
+    Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config names the process count."""
     config = model_config(args, blocks)
     model = StagedModel(build_parts(config), schedule.num_stages)
     executor = process_executor(model, schedule, devices,
@@ -120,8 +113,7 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
 
 
 def die_with_parent() -> None:
-    """Be killed when the parent process dies (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a
-    child of ``launch`` never outlives a launcher ended by a signal it cannot catch."""
+    """Die with the parent (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``): no orphan of ``launch``."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # pragma: no cover - not Linux

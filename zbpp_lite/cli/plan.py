@@ -1,8 +1,8 @@
 """``python -m zbpp_lite plan``: build (or read), validate and simulate one schedule; no JAX.
 
-Prints the text grid (one row per rank, time left to right, idle as dots), makespan, bubble
-rate and peak activation memory per rank. ``--csv`` writes PyTorch's compute-only CSV,
-``--from-csv`` plans a schedule read from one, ``--trace`` writes a Chrome/Perfetto trace.
+Prints the text grid (a row per rank, time left to right, idle as dots), makespan, bubble rate and peak
+activation memory per rank. ``--csv`` writes PyTorch's compute-only CSV, ``--from-csv`` plans a schedule
+read from one, ``--trace`` writes a Chrome/Perfetto trace.
 """
 
 from __future__ import annotations
@@ -89,8 +89,7 @@ def _schedule(args: argparse.Namespace, costs: zb.Costs) -> zb.Schedule:
 
 
 def _costs(args: argparse.Namespace) -> zb.Costs:
-    """The Costs of the flags; CliError (one line) for a value that is not a finite number >= 0,
-    or --mem-w above M_B."""
+    """The flags' Costs; CliError for a value not finite and >= 0, or --mem-w above M_B."""
     values = {name: getattr(args, name) for name in _COSTS}
     for name, value in values.items():
         if value is not None and not (math.isfinite(value) and value >= 0):

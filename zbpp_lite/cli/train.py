@@ -1,18 +1,13 @@
 """``python -m zbpp_lite train``: train the digits Transformer with one schedule, live.
 
-Sets up the devices itself (real accelerators when there are enough, else simulated CPU
-devices; ``--platform`` picks them explicitly), prints every step's loss, the test accuracy, the
-gradient check against the unpartitioned model, and the measured makespan and bubble rate beside
-the simulated ones for the measured mean action costs. ``--json PATH`` writes all of it plus the
-measured trace.
-
-``--platform gpu`` (or ``tpu``) with fewer such devices than ranks, but at least one: each
-stage's F, B, W are timed on one accelerator and the pipeline is simulated from those costs
-(printed as PROFILED), then the real training runs on simulated CPU devices (printed as REAL).
+Devices: accelerators when there are enough, else simulated CPU ones (``--platform`` picks). Prints
+each step's loss, test accuracy, the gradient check against the unpartitioned model, and measured
+makespan and bubble rate beside the simulated ones; ``--json PATH`` writes it all plus the trace.
+``--platform gpu|tpu`` with fewer such devices than ranks (one at least): stages are timed on one
+accelerator and the pipeline simulated (PROFILED), then trained on simulated CPU devices (REAL).
 """
 
-# Modules that import JAX (training, runtime.stages, analysis.profiling.device) are imported inside
-# the functions that use them: train's parser and its first flag checks run before JAX is imported.
+# JAX-importing modules are imported inside functions: the parser and first checks run before JAX.
 from __future__ import annotations
 
 import argparse
@@ -39,8 +34,7 @@ PROCESSES_NOTE = "{}: one process per rank, each pinned to its own core ({} rank
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model, data and optimizer flags shared by ``train``, ``compare`` and ``adapt`` (each sets its
-    own defaults with ``set_defaults``; the help shows them)."""
+    """Model, data and optimizer flags of ``train``, ``compare`` and ``adapt`` (each ``set_defaults``)."""
     add = parser.add_argument
     add("--d", type=int, default=32, help="model width (default %(default)s; the PyTorch job uses 128)")
     add("--heads", type=int, default=4, help="attention heads (default %(default)s)")
@@ -113,8 +107,7 @@ def run_config(args, **more):
 
 
 def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
-    """``train --spmd``: the compiled SPMD executor (:func:`zbpp_lite.training.spmd.train_spmd`) on
-    ``devices`` (which may span processes under ``launch``); process 0 prints and writes JSON."""
+    """``train --spmd`` (:func:`zbpp_lite.training.spmd.train_spmd`); process 0 prints, writes JSON."""
     import jax
 
     from ..training.spmd import train_spmd
@@ -178,8 +171,7 @@ def check_model_arguments(args, num_microbatches: int) -> None:
 
 
 def check_sizes(args, schedule) -> int:
-    """Check every size before JAX starts, and ``--max-grad-norm`` / ``--post-validation`` /
-    ``--spmd`` together; return the number of blocks to use."""
+    """Sizes and the optimizer/SPMD flags checked before JAX starts; returns the number of blocks."""
     check_model_arguments(args, schedule.num_microbatches)
     blocks = args.blocks if args.blocks is not None else max(4, schedule.num_stages)
     if blocks < schedule.num_stages:
@@ -216,9 +208,8 @@ def setup_devices(num_ranks: int, platform: str | None = None):
 
 
 def setup_platform(num_ranks: int, platform: str | None):
-    """``(devices, accelerator)``: the devices of the real run, and the accelerator to profile on
-    (``None`` unless ``platform`` is gpu / tpu with fewer such devices than ranks, but one at least;
-    the real run then gets simulated CPU devices)."""
+    """``(devices, accelerator)``: the real run's devices and the one to profile on (None unless
+    ``platform`` is gpu/tpu with 1 <= devices < ranks; the real run then gets simulated CPU devices)."""
     if platform is None:
         return setup_devices(num_ranks), None
     if not dev.backend_started():  # CPU devices beside the accelerator: asked for before JAX starts
@@ -232,7 +223,7 @@ def setup_platform(num_ranks: int, platform: str | None):
 
 
 def say_platform(what: str, devices) -> None:
-    """``REAL run on 2 simulated CPU devices``: where the real run of a ``--platform`` goes."""
+    """Prints e.g. ``REAL run on 2 simulated CPU devices``."""
     kind = "simulated CPU" if devices[0].platform == "cpu" else devices[0].platform.upper()
     print(f"{what} on {len(devices)} {kind} devices", flush=True)
 
@@ -245,8 +236,7 @@ def say_mode(what: str, num_ranks: int, why_threads: str | None, tails: tuple[st
 
 
 def job_stages(args, blocks: int, num_stages: int, num_microbatches: int | None) -> tuple:
-    """``(model, x, y)``: the job's model cut into ``num_stages`` stages and its first microbatch
-    (``num_microbatches`` None: ``x`` is the whole data set, ``y`` None)."""
+    """``(model, x, y)``: staged model, first microbatch (``num_microbatches`` None: data set, None)."""
     from ..runtime.stages import StagedModel, microbatch_size
     from ..training.model import build_parts
 
@@ -260,30 +250,27 @@ def job_stages(args, blocks: int, num_stages: int, num_microbatches: int | None)
 
 
 def plan_with_job_memory(args, schedule, blocks: int, say=print):
-    """A memory-limited planner's schedule (one whose builder takes costs) planned again with this
-    job's M_B and M_W per stage in bytes (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`,
-    the executor's measurement, from shapes), so its peak holds what the run will hold. Kept as it
-    is for a CSV schedule, another builder, or ``--option memory_limit=...`` (units of M_B: planned
-    with the default M_W share). ``say`` prints the line saying so (None: silent). Call it once JAX
-    has its devices."""
-    from ..analysis.profiling.device import stage_memory_bytes
+    """A memory-limited planner's schedule re-planned with this job's M_B, M_W in bytes
+    (:func:`~zbpp_lite.training.train.job_costs`); unchanged for a CSV, another builder, or
+    ``--option memory_limit=...``. ``say`` prints it (None: silent). Call once JAX has its devices."""
+    from ..training.train import job_costs
 
     options = parse_options(args.option)
     if args.schedule_csv or "costs" not in options_of(args.schedule) or "memory_limit" in options:
         return schedule
-    job = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
-    mem_b, mem_w = stage_memory_bytes(*job)
+    costs = job_costs(schedule.num_stages, schedule.num_microbatches, model_config(args, blocks),
+                      run_config(args))
     if say is not None:
-        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {list(mem_b)} and "
-            f"M_W {list(mem_w)} bytes", flush=True)
-    options["costs"] = zb.Costs(mem_b=mem_b, mem_w=mem_w)
+        mem_b, mem_w = ([int(v) for v in mem] for mem in (costs.mem_b, costs.mem_w))  # Costs holds floats
+        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {mem_b} and "
+            f"M_W {mem_w} bytes", flush=True)
+    options["costs"] = costs
     return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
 
 
 def profile_pipelines(device, schedules: list, args, blocks: int, by_shape: dict | None = None) -> list:
-    """Per-stage costs timed on ``device`` and each schedule simulated from them: one
-    ``(schedule, costs, timeline)`` per schedule. Schedules with the same stages and microbatch
-    size share one profile, kept in ``by_shape`` across calls when given."""
+    """One ``(schedule, costs, timeline)`` per schedule: stage costs timed on ``device``, then simulated;
+    one profile per (stages, microbatch size), cached in ``by_shape`` when given."""
     from ..analysis.profiling.device import profile_stage_costs, simulate_profiled
     from ..runtime.stages import microbatch_size
 
@@ -298,7 +285,7 @@ def profile_pipelines(device, schedules: list, args, blocks: int, by_shape: dict
 
 
 def cost_table(costs, num_stages: int) -> list[str]:
-    """Per-stage T_F, T_B, T_W in milliseconds, a header and one line per stage."""
+    """A header and one line of T_F, T_B, T_W (ms) per stage."""
     return [f"{'stage':>7}{'T_F (ms)':>11}{'T_B (ms)':>11}{'T_W (ms)':>11}",
             *(f"{s:>7}{costs.f[s] * 1e3:>11.3f}{costs.b[s] * 1e3:>11.3f}{costs.w[s] * 1e3:>11.3f}"
               for s in range(num_stages))]
@@ -349,8 +336,7 @@ def run(args) -> int:
 
 
 def _train(args, schedule, blocks: int, devices):
-    """Train in one pinned process per rank (:func:`~zbpp_lite.training.turns.train_in_turns`) or,
-    where :func:`threads_reason` says why not, in threads; print every step."""
+    """Train in pinned processes (:func:`~zbpp_lite.training.turns.train_in_turns`) or threads."""
     from tqdm.auto import tqdm
 
     from ..training.train import train
@@ -375,8 +361,7 @@ def _train(args, schedule, blocks: int, devices):
 
 
 def threads_reason(args, num_ranks: int, devices) -> str | None:
-    """Why this run's ranks are threads of one process rather than one pinned process each, or
-    None when they get a process and a core each (CPU devices, enough cores, plain AdamW)."""
+    """Why the ranks run as threads, or None for a pinned process each (CPU, enough cores, plain AdamW)."""
     if getattr(args, "threads", False):
         return "--threads"
     if devices[0].platform != "cpu":
