@@ -207,8 +207,9 @@ class Head(nnx.Module):
 def build_parts(config: ModelConfig = ModelConfig()) -> list[nnx.Module]:
     """The digits Transformer as its list of parts ``[Embed, Block x N, Head]`` (fresh init)."""
     rngs = nnx.Rngs(config.seed)
+    embed = Embed(config.d, rngs=rngs)  # in this order: each part draws its initial values from rngs in turn
     blocks = [Block(config.d, config.heads, rngs=rngs) for _ in range(config.blocks)]
-    return [Embed(config.d, rngs=rngs), *blocks, Head(config.d, rngs=rngs)]
+    return [embed, *blocks, Head(config.d, rngs=rngs)]
 
 
 # ---------------------------------------------------------------------------- PyTorch weights
