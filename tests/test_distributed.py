@@ -92,3 +92,12 @@ def test_flags_launch_cannot_honour_are_refused_before_starting(capsys):
     assert "--max-grad-norm is not supported there" in capsys.readouterr().err
     assert main(["launch", "--processes", "2", "--", "train", "--schedule", "1f1b", *TINY, "--platform", "cpu"]) == 2
     assert "--platform is not supported there" in capsys.readouterr().err
+
+
+def test_the_launch_and_join_supervisors_do_not_import_jax():
+    """The supervisors only start and watch processes: the children import JAX, they need not."""
+    import subprocess
+    import sys
+    code = "import sys, zbpp_lite.cli.launch, zbpp_lite.cli.join; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

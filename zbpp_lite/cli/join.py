@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 
+from ..runtime import cluster
 from ..runtime.cluster import detect_cluster, explain_runtime_failure, parse_address
 from ..runtime.devices import cpu_device_flags
 from . import CliError
@@ -110,18 +111,17 @@ def train_argv(args, parser: argparse.ArgumentParser) -> list[str]:
 
 def child_env(args, num_ranks: int) -> dict:
     """The ``ZBPP_*`` join settings and, for a known process count, the CPU devices (+1 for transfers)."""
-    from ..runtime import distributed as dist  # it imports JAX, which the supervisor never needs otherwise
 
     env = dict(os.environ)
-    for name, value in ((dist.ENV_COORDINATOR, args.coordinator),
-                        (dist.ENV_NUM_PROCESSES, args.num_processes),
-                        (dist.ENV_PROCESS_ID, args.process_id),
-                        (dist.ENV_TRANSFER_ADDRESS, args.transfer_address)):
+    for name, value in ((cluster.ENV_COORDINATOR, args.coordinator),
+                        (cluster.ENV_NUM_PROCESSES, args.num_processes),
+                        (cluster.ENV_PROCESS_ID, args.process_id),
+                        (cluster.ENV_TRANSFER_ADDRESS, args.transfer_address)):
         if value is None:
             env.pop(name, None)
         else:
             env[name] = str(value)
-    env.update({dist.ENV_TIMEOUT: str(args.timeout), dist.ENV_HEARTBEAT: str(args.heartbeat),
+    env.update({cluster.ENV_TIMEOUT: str(args.timeout), cluster.ENV_HEARTBEAT: str(args.heartbeat),
                 "PYTHONUNBUFFERED": "1"})
     if args.num_processes is not None:
         n = args.num_processes

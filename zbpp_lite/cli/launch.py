@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from ..runtime import distributed as dist
+from ..runtime import cluster
 from ..runtime.cluster import free_port
 from ..runtime.devices import cpu_device_flags
 from ..runtime.processes import end_process, exit_reason, failed
@@ -56,10 +56,10 @@ def child_env(process: int, num_processes: int, coordinator_port: int, transfer_
     (:func:`~zbpp_lite.runtime.distributed.staging_device`)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = cpu_device_flags(devices + (num_processes > 1), current=env.get("XLA_FLAGS", ""))
-    env.update({dist.ENV_COORDINATOR: f"127.0.0.1:{coordinator_port}",
-                dist.ENV_NUM_PROCESSES: str(num_processes),
-                dist.ENV_PROCESS_ID: str(process), dist.ENV_TRANSFER_PORT: str(transfer_port),
-                dist.ENV_TIMEOUT: str(timeout), "PYTHONUNBUFFERED": "1"})
+    env.update({cluster.ENV_COORDINATOR: f"127.0.0.1:{coordinator_port}",
+                cluster.ENV_NUM_PROCESSES: str(num_processes),
+                cluster.ENV_PROCESS_ID: str(process), cluster.ENV_TRANSFER_PORT: str(transfer_port),
+                cluster.ENV_TIMEOUT: str(timeout), "PYTHONUNBUFFERED": "1"})
     return env
 
 

@@ -17,6 +17,15 @@ import socket
 import time
 from typing import Mapping
 
+# the environment `launch` and `join` hand each process (read by runtime.distributed.initialize)
+ENV_COORDINATOR = "ZBPP_COORDINATOR"
+ENV_NUM_PROCESSES = "ZBPP_NUM_PROCESSES"
+ENV_PROCESS_ID = "ZBPP_PROCESS_ID"
+ENV_TRANSFER_PORT = "ZBPP_TRANSFER_PORT"
+ENV_TIMEOUT = "ZBPP_TIMEOUT"
+ENV_TRANSFER_ADDRESS = "ZBPP_TRANSFER_ADDRESS"
+ENV_HEARTBEAT = "ZBPP_HEARTBEAT"
+
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
     """``"HOST:PORT"`` -> ``(HOST, PORT)``; ``[v6]:PORT`` too.

@@ -28,7 +28,9 @@ import numpy as np
 from jax._src import distributed as _dist  # the key-value client: no public name yet
 
 from . import wire
-from .cluster import address_towards, check_bindable, free_port, parse_address, wait_for_coordinator
+from .cluster import (  # noqa: F401 (the ENV_ names are re-exported: initialize reads them)
+    ENV_COORDINATOR, ENV_HEARTBEAT, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_TIMEOUT, ENV_TRANSFER_ADDRESS,
+    ENV_TRANSFER_PORT, address_towards, check_bindable, free_port, parse_address, wait_for_coordinator)
 from .executor import PipelineExecutor
 from .stages import StagedModel, refuse_pytree_activations
 from .transport import Aborted, Inbox, Threads, Transfer
@@ -36,13 +38,6 @@ from ..schedules.ir import Action, Schedule, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import execution_order
 
-ENV_COORDINATOR = "ZBPP_COORDINATOR"
-ENV_NUM_PROCESSES = "ZBPP_NUM_PROCESSES"
-ENV_PROCESS_ID = "ZBPP_PROCESS_ID"
-ENV_TRANSFER_PORT = "ZBPP_TRANSFER_PORT"
-ENV_TIMEOUT = "ZBPP_TIMEOUT"
-ENV_TRANSFER_ADDRESS = "ZBPP_TRANSFER_ADDRESS"
-ENV_HEARTBEAT = "ZBPP_HEARTBEAT"
 """Environment the launcher gives each child (without the first three JAX detects SLURM, Open MPI, TPU)."""
 
 
