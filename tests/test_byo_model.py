@@ -219,9 +219,9 @@ def test_the_distributed_runtime_executor_refuses_pytree_activations_in_one_line
 
     model = StagedModel(byo_parts(2), 2, loss_fn)
     x, _ = _data(1)
-    with pytest.raises(ValueError, match=r"^ProcessPipelineExecutor passes one array between stages, but stage 0 passes a "
+    with pytest.raises(ValueError, match=r"^the cross-process transport passes one array between stages, but stage 0 passes a "
                                          r"tuple of 2 arrays \(pytree activations\); run this model with PipelineExecutor") as err:
-        refuse_pytree_activations(model, x, "ProcessPipelineExecutor")
+        refuse_pytree_activations(model, x, "the cross-process transport")
     assert len(str(err.value).splitlines()) == 1
     single = StagedModel([(lambda p, x: x @ p, jnp.eye(D)), (lambda p, x: x @ p, jnp.eye(D)), (lambda p, x: x @ p, jnp.ones((D, CLASSES)))], 1, loss_fn)
-    refuse_pytree_activations(single, x, "ProcessPipelineExecutor")  # one array: accepted
+    refuse_pytree_activations(single, x, "the cross-process transport")  # one array: accepted
