@@ -901,7 +901,8 @@ def zigzag_stages(fn: Any) -> Verdict:
         if not isinstance(got, (list, tuple, range)) or list(got) != want:
             wrong.append((p, v, r))
     if wrong:
-        return Verdict("6.1", False, f"stages(p, v, r) is off at {wrong[0]} ({len(wrong)} of {len(points)} points).", hint)
+        return Verdict("6.1", False,
+                       f"stages(p, v, r) is off at {wrong[0]} ({len(wrong)} of {len(points)} points).", hint)
     return Verdict("6.1", True, f"stages(p, v, r) agrees at all {len(points)} points checked.")
 
 
@@ -920,9 +921,10 @@ def v_sends(fn: Any) -> Verdict:
         up = sum(place[s] == r != place[s - 1] for s in range(1, 2 * p))
         return down + up
 
-    return _function_check("5.1", fn, [(p, r) for p in range(1, 9) for r in range(p)], count, "sends(p, r)",
-                           "list rank r's two stages, r and 2p-1-r; for each, does its F's output and its B's "
-                           "input gradient leave the rank? Look at the ends of the V and at its turn.")
+    points = [(p, r) for p in range(1, 9) for r in range(p)]
+    return _function_check("5.1", fn, points, count, "sends(p, r)",
+                           "list rank r's two stages, r and 2p-1-r; for each, does its F's output and its "
+                           "B's input gradient leave the rank? Look at the ends of the V and at its turn.")
 
 
 EXERCISES.update({"5.1": v_sends})
