@@ -18,7 +18,7 @@ ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"],   #
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
-    "1.2": (28, 27),                                # 3/(m+3) < 0.1 -> m > 27; at m = 27 the rate is exactly 10%
+    "1.2": (12, 11),                                # (m+3)(3+144/m) = 3m + 153 + 432/m: least at m = 12
     "1.3": (LEAN, ONE_F_ONE_B_3x4),                 # 1F1B itself is valid but holds too much
     "1.4": (lambda p, m, r: min(p - r, m), lambda p, m, r: p - r),   # the wrong one forgets m < p
     "2.1": (lambda n, w: sum(2 * n * a * b for a, b in zip(w, w[1:])),
@@ -29,16 +29,18 @@ CASES = {
     "2.3": (0.5, 1.0),                              # dy @ W2.T only; 1.0 is a B that also makes dx
     "3.1": (8 * 4.5 + 3 * 2, 8 * 4.5 + 3 * 1.5),    # m(f+b+w) + (p-1)T_B; wrong: plugs into (p-1)(f+b-w)
     "3.2": (lambda p, r, mw: 2 * (p - r) - 1 + 2 * r * mw, lambda p, r, mw: 2 * (p - r) - 1),   # forgets M_W
-    "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - w, b),
-            lambda p, m, f, b, w: (p - 1) * max(f + b - w, 0.0)),   # the form, clipped at 0 as ZB-H2's
+    "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f, 0.0),
+            lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
     "4.1": (lambda p, m, f, b, w: (m * (f + b + w) + (p - 1) * (f + b - w)) / (m + p - 1) - f,
             lambda p, m, f, b, w: b + w),           # the paper's T_BW = T_B + T_W is not the break-even
     "4.2": (7, 5),                                  # 2p - 1; 5 was the old exercise's limit
     "4.3": (lambda p, lim, r: min(lim, 2 * (p - r) - 1), lambda p, lim, r: min(lim, p - r)),  # 1F1B's
-    "5.1": (lambda p: 2 * p - 2, lambda p: 2 * p - 1),   # the turn of the V stays on rank p-1
+    "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
+            lambda p, r: 0 if p == 1 else (1 if r in (0, p - 1) else 2)),   # 1F1B's one stage per rank
     "5.2": (11, 12),                                # 2p - 1; 2p is the handcrafted bound, not the first zero
     "5.3": (lambda p, m, t: 6 * m * t + max(0, 2 * p - 1 - m) * t, lambda p, m, t: 6 * m * t),  # m >= 2p
-    "6.1": (lambda p, v, r: [r + k * p for k in range(v)], lambda p, v, r: list(range(r * v, r * v + v))),  # looped, not contiguous
+    "6.1": (lambda p, v, r: [k * p + (r if k % 2 == 0 else p - 1 - r) for k in range(v)],
+            lambda p, v, r: list(range(r * v, r * v + v))),   # zig-zag passes, not contiguous blocks
     "6.2": (8 * 3 + 3 * 3 / 2 + 2 * 7 * 0.1, 8 * 3 + 3 * 3 / 2),   # + 2(vp-1)T_comm; wrong: forgets T_comm
     "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
     "7.1": (0, 1),                                  # rank 0 idles 23; the slow rank 1 never idles
@@ -97,6 +99,15 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
     assert not ex.zb_h2_peak_memory(lambda p, r, mw: 2 * (p - r) - 1 + r * mw).ok       # ZB-H1's lag r
     assert not ex.zb_h1_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, f)).ok    # the plateau at T_F
     assert not ex.zb_h1_makespan(8 * 4.5 + 3 * 1).ok                                     # (p-1)T_F
+    assert ex.zb_h1_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, b)).ok        # the old 3.3's answer
+    assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (f + b - 2 * w)).ok      # the printed form
+    assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, b)).ok    # ZB-H1's bubble
+
+
+def test_the_lesson_1_batch_split_rejects_the_bubble_rate_plug_in_and_the_largest_m():
+    assert not ex.batch_split(28).ok                # the old 1.2: 3/(m+3) < 0.1 plugged in
+    assert not ex.batch_split(64).ok                # as many microbatches as allowed
+    assert not ex.batch_split(65).ok and not ex.batch_split(0).ok
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():
@@ -105,11 +116,15 @@ def test_the_lesson_4_checks_reject_the_printed_rules():
 
 
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
+    assert not ex.v_sends(lambda p, r: 2 * p - 2).ok                               # the placement's changes, copied
+    assert ex.v_transfers(lambda p: 2 * p - 2).ok                                  # (the old 5.1's check)
     assert not ex.zb_v_first_zero(7).ok and not ex.zb_v_first_zero(6 + 3).ok     # p = 4's value; p + 3
     assert not ex.zb_v_makespan(lambda p, m, t: 6 * m * t + max(0, 2 * p - m) * t).ok   # counted to 2p
 
 
 def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
+    assert not ex.zigzag_stages(lambda p, v, r: [r + k * p for k in range(v)]).ok   # the looped s % p, copied
+    assert ex.looped_stages(lambda p, v, r: [r + k * p for k in range(v)]).ok       # (the old 6.1's check)
     assert not ex.interleaved_makespan(8 * 3 + 3 * 3 / 2 + 2 * 3 * 0.1).ok     # p - 1 links, as GPipe
     assert not ex.interleaved_peak(lambda p, v, r: v * p + p - 1).ok           # rank 0's value on every rank
 

@@ -801,3 +801,111 @@ def zb_h1_peak(answer: Any) -> Verdict:
 
 
 EXERCISES.update({"8.1": stage_split, "8.2": weight_bytes, "8.3": pipeline_run, "8.4": zb_h1_peak})
+
+
+# ------------------------------------------------------------------ reworked exercises 1.2 and 3.3
+
+BATCH_SPLIT = dict(num_ranks=4, max_microbatches=64, overhead=1.0, batch_work=48.0)
+"""Exercise 1.2's case: 1F1B on 4 ranks; one step's batch cut into m microbatches (1 .. 64); each
+F, B and W costs ``overhead`` + ``batch_work`` / m (a fixed cost per action plus the action's share
+of the batch), so T_F = 1 + 48/m and a fused T_BW = 2 + 96/m; T_comm = 0."""
+
+
+def _batch_split_makespans() -> dict[int, float]:
+    c = BATCH_SPLIT
+    each = {m: c["overhead"] + c["batch_work"] / m for m in range(1, c["max_microbatches"] + 1)}
+    return {m: simulate(build_schedule("1f1b", c["num_ranks"], m), Costs(f=t, b=t, w=t)).makespan
+            for m, t in each.items()}
+
+
+def batch_split(answer: Any) -> Verdict:
+    """Exercise 1.2: the m (1 .. 64) that gives 1F1B the shortest makespan on :data:`BATCH_SPLIT`,
+    where more microbatches shrink the bubble but each action pays a fixed overhead."""
+    hint = ("write the makespan as a function of m: (m+p-1)(T_F+T_BW) with T_F and T_BW depending on m; "
+            "more microbatches shrink the warm-up's share but add an overhead per action: minimise.")
+    spans = _batch_split_makespans()
+    if _unanswered(answer) or _as_number(answer) is None or not float(_as_number(answer)).is_integer():
+        return _number_check("1.2", None if _unanswered(answer) else answer, -1, "the best m", hint)
+    m = int(_as_number(answer))
+    if m not in spans:
+        return Verdict("1.2", False, f"m = {m} is not a number of microbatches from 1 to 64.", hint)
+    best = min(spans, key=spans.get)
+    if m != best:
+        return Verdict("1.2", False, f"at m = {m} the makespan is {spans[m]:g}; another m does better.", hint)
+    return Verdict("1.2", True, f"m = {m}: makespan {spans[m]:g}; m = {m - 1} gives {spans[m - 1]:g}, "
+                                f"m = {m + 1} gives {spans[m + 1]:g}.")
+
+
+def zb_h2_bubble(fn: Any) -> Verdict:
+    """Exercise 3.3: a function ``bubble(p, m, f, b, w)``: ZB-H2's makespan minus m(T_F+T_B+T_W),
+    T_comm = 0, m >= 2p, for every T_F, T_B and T_W (the lesson's form holds only while it is
+    positive and T_B <= T_F); compared with the simulator at points with T_F != T_B."""
+    points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
+              (2, 4, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 7, 1.5, 1.0, 2.5), (4, 9, 0.5, 1.5, 0.25),
+              (5, 11, 1.2, 1.5, 0.8)]
+    return _function_check(
+        "3.3", fn, points,
+        lambda p, m, f, b, w: (simulate(build_schedule("zb-h2", p, m), Costs(f=f, b=b, w=w)).makespan
+                               - m * (f + b + w)),
+        "bubble(p, m, f, b, w)",
+        "the form (p-1)(T_F+T_B-2T_W) is what the W's cannot fill; but W's cannot fill a wait for a gradient "
+        "either: with T_B > T_F, how much longer does each rank wait per rank of the round trip?")
+
+
+EXERCISES.update({"1.2": batch_split, "3.3": zb_h2_bubble})
+
+
+def _zigzag_rank(p: int, s: int) -> int:
+    """The rank of stage s when v passes over p ranks turn at each end (down, up, down, ...)."""
+    return s % p if (s // p) % 2 == 0 else p - 1 - s % p
+
+
+def zigzag_stages(fn: Any) -> Verdict:
+    """Exercise 6.1: a function ``stages(p, v, r)``: the stages rank r holds when lesson 5's V is
+    extended to v stages per rank (v passes over the ranks, down on even passes and up on odd ones,
+    so a pass starts on the rank the previous one ended on; v = 2 is ZB-V's placement), as a list in
+    increasing order. Checked for p = 1..5, v = 1..5, every rank."""
+    hint = ("write down pass k's stages, kp .. kp + p - 1, and which rank each lands on when the pass runs "
+            "down the ranks and when it runs back up; rank r gets one stage from every pass.")
+    if _unanswered(fn):
+        return Verdict("6.1", False, "no answer yet: write the function.", hint)
+    if not callable(fn):
+        return Verdict("6.1", False, f"expected a function, got {fn!r}.", hint)
+    points = [(p, v, r) for p in range(1, 6) for v in range(1, 6) for r in range(p)]
+    wrong = []
+    for p, v, r in points:
+        want = [s for s in range(p * v) if _zigzag_rank(p, s) == r]
+        try:
+            got = fn(p, v, r)
+        except Exception as e:  # noqa: BLE001  (the learner's code)
+            return Verdict("6.1", False, f"your function raised {type(e).__name__} at {(p, v, r)}: {e}", hint)
+        if not isinstance(got, (list, tuple, range)) or list(got) != want:
+            wrong.append((p, v, r))
+    if wrong:
+        return Verdict("6.1", False,
+                       f"stages(p, v, r) is off at {wrong[0]} ({len(wrong)} of {len(points)} points).", hint)
+    return Verdict("6.1", True, f"stages(p, v, r) agrees at all {len(points)} points checked.")
+
+
+EXERCISES.update({"6.1": zigzag_stages})
+
+
+def v_sends(fn: Any) -> Verdict:
+    """Exercise 5.1: a function ``sends(p, r)``: how many values rank r sends to another rank for one
+    microbatch's F's and B's under ZB-V's V placement (2p stages on p ranks): an F's activation goes
+    to stage s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send.
+    Counted from the placement for p = 1..8, every rank."""
+
+    def count(p, r):
+        place = _v(p)
+        down = sum(place[s] == r != place[s + 1] for s in range(2 * p - 1))
+        up = sum(place[s] == r != place[s - 1] for s in range(1, 2 * p))
+        return down + up
+
+    points = [(p, r) for p in range(1, 9) for r in range(p)]
+    return _function_check("5.1", fn, points, count, "sends(p, r)",
+                           "list rank r's two stages, r and 2p-1-r; for each, does its F's output and its "
+                           "B's input gradient leave the rank? Look at the ends of the V and at its turn.")
+
+
+EXERCISES.update({"5.1": v_sends})
