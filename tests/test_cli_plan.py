@@ -79,3 +79,11 @@ def test_plan_reads_a_csv_with_cr_line_endings_and_blank_lines(tmp_path):
     assert "p = 2 ranks, 2 stages, m = 3 microbatches" in b.stdout
     figures = lambda out: out.stdout.split("makespan")[1]  # noqa: E731
     assert figures(a) == figures(b)
+
+
+def test_plan_lists_every_registered_name_and_says_each_also_fuses():
+    out = plan("--list")
+    assert out.returncode == 0
+    names = out.stdout.splitlines()
+    assert names[:len(zb.SCHEDULES)] == list(zb.SCHEDULES) and "NAME+fuse" in names[-1]
+    assert plan("--schedule", names[1] + "+fuse", "--ranks", "2", "--microbatches", "4").returncode == 0

@@ -104,6 +104,7 @@ def _costs(args: argparse.Namespace) -> zb.Costs:
 def run(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(zb.SCHEDULES))
+        print("(each also as NAME+fuse: a B right before its own W runs as one BW where no other rank waits)")
         return 0
     costs = _costs(args)
     schedule = _schedule(args, costs)
