@@ -510,7 +510,8 @@ def run_ours(args, init: str | None, workdir: str) -> dict:
                 results[name] = result
             if (other or 0) <= BUSY_CORES:
                 break
-            print(f"[ours] {name}: busy machine ({other:.2f} cores), again", flush=True)
+            again = "again" if attempt < args.retries else "no retries left: quoted as measured"
+            print(f"[ours] {name}: busy machine ({other:.2f} cores), {again}", flush=True)
         if done.returncode != 0 or not os.path.exists(out):
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             results[name] = {"error": tail[0]}
