@@ -583,7 +583,10 @@ def test_f_keeps_no_more_than_jax_vjp_where_the_stage_input_feeds_a_product(rema
     h = jax.random.normal(keys[2], (32, 64))
     split = StageSplit(fn, p, h)
     assert forward_kept_bytes(split, p, h) == vjp_residual_bytes(fn, p, h) == (8_192 if remat else 106_496)
-    assert len(split._shared) == 1  # the one operand that was kept twice
+    # JAX 0.10's residuals hold the operand W also reads (tanh's output; h under the checkpoint):
+    # kept once, shared. JAX 0.12's differ (without the checkpoint nothing is shared); the bytes above
+    # equal jax.vjp's on both
+    assert len(split._shared) == 1 if jax.__version_info__ < (0, 11) else len(split._shared) <= 1
     g_ref, dx_ref = jax.grad(lambda p, h: fn(p, h, None).sum(), argnums=(0, 1))(p, h)
     y, res, kept = split.forward(p, h, None)
     dx, handover = split.backward_input(res, jnp.ones_like(y))
