@@ -385,3 +385,14 @@ def test_a_synchronous_optimizer_step_turns_zb_h2s_parallelogram_into_a_trapezoi
     assert t.sync_bubble == pytest.approx((p - 1) * f)
     for name in ("1f1b", "zb-h1"):  # rank 0 starts first and ends last: nothing to lose
         assert zb.simulate(zb.build_schedule(name, p, 3 * p)).sync_bubble == 0.0
+
+
+def test_zb_h2s_closed_form_is_refused_where_it_would_undercount_the_simulator():
+    """T_F < T_W <= (T_F + T_B) / 2 (T_F = 1, T_B = 2, T_W = 1.4): the form (p-1)(T_F + T_B - 2 T_W)
+    gives 0.6 at p = 4 while the simulated bubble is larger; formulas refuses it, in one line."""
+    p, m = 4, 8
+    simulated = zb.simulate(zb.build_schedule("zb-h2", p, m), zb.Costs(f=1.0, b=2.0, w=1.4)).makespan - m * 4.4
+    assert simulated > (p - 1) * (1.0 + 2.0 - 2 * 1.4) + 1e-9
+    with pytest.raises(ValueError, match=r"^ZB-H2's form needs T_W <= T_F and 2 T_W <= T_F \+ T_B [^\n]*$"):
+        formulas.bubble_time("zb-h2", p, m, f=1.0, b=2.0, w=1.4)
+    assert formulas.bubble_time("zb-h2", p, m, f=1.0, b=2.0, w=1.0) == (p - 1) * 1.0  # inside: accepted

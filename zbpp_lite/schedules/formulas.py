@@ -34,9 +34,9 @@ def _check(name: str, p: int, m: int, f: float, b: float, w: float) -> None:
         raise ValueError(f"the closed form of {name} needs m >= {least} microbatches at p={p}, got m={m}")
     if name == "zb-h1" and w > min(f, b):
         raise ValueError(f"ZB-H1's form needs T_W <= T_F and T_W <= T_B, got T_F={f}, T_B={b}, T_W={w}")
-    if name == "zb-h2" and 2 * w > f + b:
-        raise ValueError(f"ZB-H2's form needs 2 T_W <= T_F + T_B (it would be negative), got 2 T_W = {2 * w} "
-            f"> {f + b}")
+    if name == "zb-h2" and (w > f or 2 * w > f + b):
+        raise ValueError(f"ZB-H2's form needs T_W <= T_F and 2 T_W <= T_F + T_B (else it undercounts or goes "
+                         f"negative), got T_F={f}, T_B={b}, T_W={w}")
 
 
 def bubble_time(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
