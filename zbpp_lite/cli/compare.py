@@ -28,7 +28,7 @@ from ..schedules.costs import Costs
 from ..training.data import load_digits
 from ..training.reference import ONE_RANK, one_rank_schedule
 from ..training.train import train
-from ..training.turns import train_in_turns
+from ..training.turns import OneCore, train_in_turns
 from . import CliError
 from .compare_report import Comparison, html_report, summary_text
 from .train import (add_model_arguments, add_platform_argument, check_model_arguments, cost_table,
@@ -174,8 +174,6 @@ def run(args) -> int:
     if args.platform is not None:
         say_platform("REAL runs", devices)
     say_mode("REAL runs", args.ranks, why_threads, ("; schedules take turns step by step", ""))
-
-    from ..training.turns import OneCore  # JAX only once the platform is set up
 
     by_stages: dict[int, Costs] = {}
     one = OneCore(args, use_processes)

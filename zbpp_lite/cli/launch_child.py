@@ -16,13 +16,8 @@ import jax
 import numpy as np
 
 from ..analysis.profiling.timelines import timed_steps
-from ..runtime.distributed import (
-    ENV_PROCESS_ID,
-    ENV_TIMEOUT,
-    initialize,
-    pipeline_devices,
-    process_executor,
-)
+from ..runtime.cluster import ENV_PROCESS_ID, ENV_TIMEOUT
+from ..runtime.distributed import initialize, pipeline_devices, process_executor
 from ..runtime.devices import COUNT_FLAG
 from ..runtime.stages import StagedModel
 from ..schedules import strict_json

@@ -28,9 +28,9 @@ import numpy as np
 from jax._src import distributed as _dist  # the key-value client: no public name yet
 
 from . import wire
-from .cluster import (  # noqa: F401 (the ENV_ names are re-exported: initialize reads them)
-    ENV_COORDINATOR, ENV_HEARTBEAT, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_TIMEOUT, ENV_TRANSFER_ADDRESS,
-    ENV_TRANSFER_PORT, address_towards, check_bindable, free_port, parse_address, wait_for_coordinator)
+from .cluster import (ENV_COORDINATOR, ENV_HEARTBEAT, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_TRANSFER_ADDRESS,
+                      ENV_TRANSFER_PORT, address_towards, check_bindable, free_port, parse_address,
+                      wait_for_coordinator)
 from .executor import PipelineExecutor
 from .stages import StagedModel, refuse_pytree_activations
 from .transport import Aborted, Inbox, Threads, Transfer
