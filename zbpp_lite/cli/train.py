@@ -237,16 +237,14 @@ def say_mode(what: str, num_ranks: int, why_threads: str | None, tails: tuple[st
 
 def job_stages(args, blocks: int, num_stages: int, num_microbatches: int | None) -> tuple:
     """``(model, x, y)``: staged model, first microbatch (``num_microbatches`` None: data set, None)."""
-    from ..runtime.stages import StagedModel, microbatch_size
+    from ..runtime.stages import StagedModel
     from ..training.model import build_parts
+    from ..training.train import job_microbatch
 
+    if num_microbatches is not None:
+        return job_microbatch(num_stages, num_microbatches, model_config(args, blocks), run_config(args))
     model = StagedModel(build_parts(model_config(args, blocks)), num_stages)
-    data = load_digits(args.holdout, args.seed)
-    if num_microbatches is None:
-        return model, data, None
-    x, y = data.batch(0, args.batch)
-    mb = microbatch_size(args.batch, num_microbatches)
-    return model, x[:mb], y[:mb]
+    return model, load_digits(args.holdout, args.seed), None
 
 
 def plan_with_job_memory(args, schedule, blocks: int, say=print):

@@ -248,12 +248,17 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
     return TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
 
 
+def job_microbatch(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig) -> tuple:
+    """``(model, x, y)``: the job's model cut into ``num_stages`` stages and batch 0's first microbatch."""
+    x, y = load_digits(run.holdout, run.seed).batch(0, run.batch)
+    mb = microbatch_size(run.batch, microbatches)
+    return StagedModel(build_parts(config), num_stages), x[:mb], y[:mb]
+
+
 def job_costs(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig) -> Costs:
     """``Costs(mem_b, mem_w)``: M_B, M_W per stage in bytes for one microbatch, from shapes
     (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`), for memory-limited planners."""
-    x, y = load_digits(run.holdout, run.seed).batch(0, run.batch)
-    mb = microbatch_size(run.batch, microbatches)
-    mem_b, mem_w = stage_memory_bytes(StagedModel(build_parts(config), num_stages), x[:mb], y[:mb])
+    mem_b, mem_w = stage_memory_bytes(*job_microbatch(num_stages, microbatches, config, run))
     return Costs(mem_b=mem_b, mem_w=mem_w)
 
 
