@@ -4,6 +4,8 @@ definitions, so each check's simulator-computed reference is tested against them
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from zbpp_lite.viz import exercises as ex
@@ -20,19 +22,21 @@ CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
     "1.2": (12, 11),                                # (m+3)(3+144/m) = 3m + 153 + 432/m: least at m = 12
     "1.3": (LEAN, ONE_F_ONE_B_3x4),                 # 1F1B itself is valid but holds too much
-    "1.4": (lambda p, m, r: min(p - r, m), lambda p, m, r: p - r),   # the wrong one forgets m < p
-    "2.1": (lambda n, w: sum(2 * n * a * b for a, b in zip(w, w[1:])),
-            lambda n, w: 2 * w[0] * n * w[1] + 2 * w[1] * n * w[2]),   # lesson 2's two-layer count, copied
+    "1.4": (lambda p, m, r, f, bw: (min(p, r + m) - 1) * f,
+            lambda p, m, r, f, bw: (p - 1) * f),    # the wrong one forgets m < p
+    "2.1": (lambda n, w: n * (sum(w[:-1]) + sum(w[1:])),
+            lambda n, w: n * (w[0] + w[1] + w[1] + w[2])),   # lesson 2's two-layer x, a, dh, dy, copied
     "2.2": (lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
                           + sum(2 * n * a * b for a, b in zip(w[1:], w[2:]))),
             lambda n, w: 2 * sum(2 * n * a * b for a, b in zip(w, w[1:]))),   # recomputes dx's product too
     "2.3": (0.5, 1.0),                              # dy @ W2.T only; 1.0 is a B that also makes dx
-    "3.1": (8 * 4.5 + 3 * 2, 8 * 4.5 + 3 * 1.5),    # m(f+b+w) + (p-1)T_B; wrong: plugs into (p-1)(f+b-w)
-    "3.2": (lambda p, r, mw: 2 * (p - r) - 1 + 2 * r * mw, lambda p, r, mw: 2 * (p - r) - 1),   # forgets M_W
+    "3.1": ((2 + 4 - 1) * 3 + 0.5, 2 * 3.5 + 3 * 2.5),   # (m+p-1)(f+b) + w; wrong: plugs into (p-1)(f+b-w)
+    "3.2": (lambda p, m, r, mw: min(2 * (p - r) - 1, m) + min(2 * r, max(0, m - 2 * (p - r) + 1)) * mw,
+            lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # the m >= 2p pattern, copied
     "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f, 0.0),
             lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
-    "4.1": (lambda p, m, f, b, w: (m * (f + b + w) + (p - 1) * (f + b - w)) / (m + p - 1) - f,
-            lambda p, m, f, b, w: b + w),           # the paper's T_BW = T_B + T_W is not the break-even
+    "4.1": (lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1,
+            lambda p, f, b, w, bw: math.ceil((p - 1) * 2 * w / (b + w - bw)) - 1),   # saving as if BW = B + W
     "4.2": (7, 5),                                  # 2p - 1; 5 was the old exercise's limit
     "4.3": (lambda p, lim, r: min(lim, 2 * (p - r) - 1), lambda p, lim, r: min(lim, p - r)),  # 1F1B's
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
@@ -87,17 +91,27 @@ def test_the_schedule_check_passes_on_the_validators_message():
         assert not ex.makespan_1f1b(copied).ok
 
 
+def test_the_lesson_1_peak_time_rejects_the_printed_count_and_the_f_s_end():
+    assert not ex.peak_memory_1f1b(lambda p, m, r, f, bw: min(p - r, m)).ok          # the peak, not its time
+    assert not ex.peak_memory_1f1b(lambda p, m, r, f, bw: min(p, r + m) * f).ok      # when the last F ends
+    assert not ex.peak_memory_1f1b(lambda p, m, r, f, bw: (min(p - r, m) - 1) * f).ok  # no r's start
+
+
 def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_form():
     two_layer = lambda n, w: 2 * w[0] * n * w[1] + 2 * w[1] * n * w[2] + 2 * n * w[2] * w[1]  # noqa: E731
     equal_width = lambda n, w: (2 * (len(w) - 1) - 1) * 2 * n * w[0] ** 2  # noqa: E731
     assert not ex.w_flops_without_kept_gradients(two_layer).ok
     assert not ex.w_flops_without_kept_gradients(equal_width).ok
-    assert not ex.w_flops(lambda n, w: (len(w) - 1) * 2 * n * w[0] ** 2).ok
+    assert not ex.w_held_floats(lambda n, w: (len(w) - 1) * 2 * n * w[0]).ok      # the equal-width form
+    assert not ex.w_held_floats(lambda n, w: n * sum(w)).ok                        # each width once
 
 
 def test_the_lesson_3_checks_reject_the_printed_forms():
-    assert not ex.zb_h2_peak_memory(lambda p, r, mw: 2 * (p - r) - 1 + r * mw).ok       # ZB-H1's lag r
-    assert not ex.zb_h1_makespan(8 * 4.5 + 3 * 1).ok                                     # (p-1)T_F
+    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: min(2 * (p - r) - 1, m)
+                                    + min(r, max(0, m - 2 * (p - r) + 1)) * mw).ok       # ZB-H1's lag r
+    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: min(2 * (p - r) - 1, m)).ok     # forgets M_W
+    assert not ex.zb_h1_makespan((2 + 4 - 1) * 3.5).ok                                  # 1F1B's
+    assert not ex.zb_h1_makespan(2 * 3.5 + 3 * 2).ok                                    # (p-1)T_B
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (f + b - 2 * w)).ok      # the printed form
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, b)).ok    # ZB-H1's bubble
 
@@ -111,6 +125,9 @@ def test_the_lesson_1_batch_split_rejects_the_bubble_rate_plug_in_and_the_larges
 def test_the_lesson_4_checks_reject_the_printed_rules():
     assert not ex.bubble_floor_limit(8).ok and not ex.bubble_floor_limit(2 * 4).ok   # the limit 2p (zb-2p)
     assert not ex.auto_warmup(lambda p, lim, r: lim).ok                              # "the limit" alone
+    floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + w) / (b + w - bw))  # noqa: E731
+    assert not ex.bw_break_even(floor_m).ok                                        # counts the tie
+    assert not ex.bw_break_even(lambda p, f, b, w, bw: p).ok                         # "m = p" alone
 
 
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
@@ -126,7 +143,7 @@ def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
 
 
 def test_a_function_answer_that_raises_is_not_yet_with_the_error():
-    verdict = ex.peak_memory_1f1b(lambda p, m, r: 1 / 0)
+    verdict = ex.peak_memory_1f1b(lambda p, m, r, f, bw: 1 / 0)
     assert not verdict.ok and "ZeroDivisionError" in verdict.message
 
 

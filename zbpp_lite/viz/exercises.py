@@ -173,19 +173,20 @@ def lean_schedule(actions: Any) -> Verdict:
 
 
 def peak_memory_1f1b(fn: Any) -> Verdict:
-    """Exercise 1.4: ``held(p, m, r)``, rank r's peak activations under 1F1B in M_B; checked at p = 1..6,
-    m = 1..9, every rank."""
-    points = [(p, m, r) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 9) for r in range(p)]
-    table: dict[tuple[int, int], tuple[float, ...]] = {}
+    """Exercise 1.4: ``peak_time(p, m, r, f, bw)``, the earliest time rank r holds its peak activations
+    under 1F1B (T_F = f, fused T_BW = bw, T_comm = 0); checked at p = 1..6, m = 1..9, every rank, three
+    (T_F, T_BW), against the simulator's memory curve."""
+    points = [(p, m, r, f, bw) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 9) for r in range(p)
+              for f, bw in ((1.0, 2.0), (1.5, 1.0), (0.5, 3.0))]
 
-    def peak(p: int, m: int, r: int) -> float:
-        if (p, m) not in table:
-            table[p, m] = simulate(build_schedule("1f1b", p, m), Costs()).peak_memory
-        return table[p, m][r]
+    def first_peak(p: int, m: int, r: int, f: float, bw: float) -> float:
+        curve = simulate(build_schedule("1f1b", p, m), Costs(f=f, b=bw / 2, w=bw / 2)).memory_curve(r)
+        top = max(v for _, v in curve)
+        return next(t for t, v in curve if v == top)
 
-    return _function_check("1.4", fn, points, peak, "held(p, m, r)",
-                           "rank r runs warm-up forwards until its first backward can start; count them, and "
-                           "remember there may be fewer microbatches than that.")
+    return _function_check("1.4", fn, points, first_peak, "peak_time(p, m, r, f, bw)",
+                           "the peak comes with rank r's last warm-up F: how many F's does it run before its "
+                           "first backward (mind m < p), and when can each start, given rank r - 1's?")
 
 
 # ------------------------------------------------------------------ lesson 2: the backward split
@@ -213,19 +214,24 @@ def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]
     return _function_check(exercise, fn, points, lambda n, w: expected(n, tuple(w)), what, hint)
 
 
-def w_flops(fn: Any) -> Verdict:
-    """Exercise 2.1: ``w_flops(n, widths)``, W's matmul flops for ``len(widths) - 1`` layers
-    ``z_l = a_l @ W_l`` on n tokens (``widths[l]``: layer l's input width, ``widths[-1]``: the output width)
-    when B kept every layer's output gradient; (r, k) @ (k, c) counts 2 r k c. Checked on :data:`WIDTH_LISTS`.
-    """
-    return _widths_check("2.1", fn, lambda n, w: sum(_layer_products(n, w)), "w_flops(n, widths)",
-                         "one weight-gradient product per layer: a_l.T @ dz_l is "
-                         "(widths[l], n) @ (n, widths[l+1]).")
+def w_held_floats(fn: Any) -> Verdict:
+    """Exercise 2.1: ``m_w(n, widths)``, the floats a microbatch holds from B to W (its M_W) for
+    ``len(widths) - 1`` layers ``z_l = a_l @ W_l`` on n tokens (``widths[l]``: layer l's input width,
+    ``widths[-1]``: the output width), B having kept every output gradient: the sizes of the arrays W
+    reads, each once. Checked on :data:`WIDTH_LISTS`."""
+
+    def read_by_w(n, w):  # a_l (n, w[l]) and dz_l (n, w[l+1]) for every layer l
+        return sum(n * a + n * b for a, b in itertools.pairwise(w))
+
+    return _widths_check("2.1", fn, read_by_w, "m_w(n, widths)",
+                         "W of layer l is a_l.T @ dz_l: what shape is each operand, and which of them are "
+                         "the same array for two layers?")
 
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
-    """Exercise 2.2: ``w_flops_recompute(n, widths)``, the same when B keeps no output gradients, so W
-    rebuilds them from the stage's output gradient (activation derivative not counted)."""
+    """Exercise 2.2: ``w_flops_recompute(n, widths)``, W's matmul flops on 2.1's stack when B keeps no output
+    gradients, so W rebuilds them from the stage's output gradient (activation derivative not counted);
+    (r, k) @ (k, c) counts 2 r k c."""
 
     def recompute(n, w):
         back = [_matmul(n, b, a) for a, b in itertools.pairwise(w)][1:]  # dz_{l+1} @ W_{l+1}.T; not dx
@@ -252,29 +258,35 @@ def first_stage_b_ratio(answer: Any) -> Verdict:
 # ------------------------------------------------------------------ lesson 3: ZB-H1 and ZB-H2
 
 
-LONG_W = Costs(f=1.0, b=2.0, w=1.5)
-"""Exercise 3.1's costs: T_F = 1, T_B = 2, T_W = 1.5 > T_F, T_comm = 0."""
+FEW_MICROBATCHES = dict(num_ranks=4, num_microbatches=2, costs=Costs(f=1.0, b=2.0, w=0.5))
+"""Exercise 3.1's case: ZB-H1 with fewer microbatches than ranks, p = 4, m = 2, T_F = 1, T_B = 2,
+T_W = 0.5, T_comm = 0 (outside the form's domain m >= p)."""
+
+
+def _few_microbatches():
+    c = FEW_MICROBATCHES
+    return simulate(build_schedule("zb-h1", c["num_ranks"], c["num_microbatches"]), c["costs"])
 
 
 def zb_h1_makespan(answer: Any) -> Verdict:
-    """Exercise 3.1: ZB-H1's makespan for p = 4, m = 8 and :data:`LONG_W` (T_W > T_F); predicted."""
-    expected = simulate(build_schedule("zb-h1", 4, 8), LONG_W).makespan
-    return _number_check("3.1", answer, expected, "ZB-H1's makespan with T_W > T_F",
-                         "m(T_F+T_B+T_W) of work plus the bubble; with T_W > T_F the form (p-1)(T_F+T_B-T_W) "
-                         "no longer holds: what does rank 0 wait for at the start and the end, whatever W "
-                         "costs?")
+    """Exercise 3.1: ZB-H1's makespan on :data:`FEW_MICROBATCHES` (m < p); predicted."""
+    return _number_check("3.1", answer, _few_microbatches().makespan, "ZB-H1's makespan with m < p",
+                         "the form (p-1)(T_F+T_B-T_W) counts p - 1 W's filling gaps on the busiest rank; "
+                         "with m < p, how many W's does rank 0 have, and which of them can still hide in a "
+                         "wait for a gradient?")
 
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:
-    """Exercise 3.2: ``peak(p, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B (m >= 2p,
-    M_W = ``mem_w``); checked for p = 2..6, every rank, M_W in 0 .. 1."""
-    ps, mem_ws = (2, 3, 4, 5, 6), (0.0, 0.25, 0.5, 1.0)
-    peaks = {(p, mw): simulate(build_schedule("zb-h2", p, 2 * p + 1), Costs(mem_w=mw)).peak_memory
-             for p in ps for mw in mem_ws}
-    points = [(p, r, mw) for p in ps for mw in mem_ws for r in range(p)]
-    return _function_check("3.2", fn, points, lambda p, r, mw: peaks[p, mw][r], "peak(p, r, mem_w)",
+    """Exercise 3.2: ``peak(p, m, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B (any m >= 1,
+    M_W = ``mem_w``); checked for p = 2..6, m = 1..2p+1 (five values), every rank, M_W in 0.25 .. 1."""
+    cases = {(p, m, mw) for p in (2, 3, 4, 5, 6) for m in (1, 2, p, 2 * p - 2, 2 * p + 1)
+             for mw in (0.25, 0.5, 1.0)}
+    peaks = {c: simulate(build_schedule("zb-h2", c[0], c[1]), Costs(mem_w=c[2])).peak_memory for c in cases}
+    points = [(p, m, r, mw) for p, m, mw in sorted(cases) for r in range(p)]
+    return _function_check("3.2", fn, points, lambda p, m, r, mw: peaks[p, m, mw][r], "peak(p, m, r, mem_w)",
                            "right after rank r's warm-up its forwards hold M_B each; how many W's does the "
-                           "rank owe at that moment later on, when W lags B by 2r microbatches?")
+                           "rank owe at that moment later on, when W lags B by 2r microbatches, and what if "
+                           "m is too small for either?")
 
 
 # ------------------------------------------------------------------ lesson 4: zb-auto
@@ -292,19 +304,22 @@ def _auto(limit: float):
 
 
 def bw_break_even(fn: Any) -> Verdict:
-    """Exercise 4.1: ``break_even(p, m, f, b, w)``, the T_BW at which 1F1B and ZB-H1 take the same
-    makespan (T_W <= T_F, T_comm = 0); checked against both simulations."""
-    points = [(4, 8, 1.0, 1.0, 1.0), (2, 4, 1.0, 1.2, 0.6), (8, 24, 18.522, 18.086, 9.337),
-              (3, 9, 2.0, 2.0, 1.0), (5, 5, 1.0, 0.5, 0.25)]
+    """Exercise 4.1: ``largest_m(p, f, b, w, bw)``, the most microbatches (m >= p) for which ZB-H1 (split)
+    is strictly faster than 1F1B (fused T_BW = bw < T_B + T_W), T_W <= T_F, T_comm = 0; checked
+    against both simulations at six points (the paper's costs, and a tie)."""
+    points = [(4, 1.0, 1.0, 1.0, 1.55), (2, 1.0, 1.2, 0.6, 1.45), (8, 18.522, 18.086, 9.337, 24.0),
+              (5, 2.0, 1.5, 1.0, 2.2), (3, 1.0, 0.5, 0.8, 1.0), (4, 1.0, 1.0, 1.0, 1.5)]  # a tie at m = 9
 
-    def even(p, m, f, b, w):
-        h1 = simulate(build_schedule("zb-h1", p, m), Costs(f=f, b=b, w=w)).makespan
-        return h1 / (m + p - 1) - f  # 1F1B's makespan is (m+p-1)(T_F+T_BW), checked in notebook 01
+    def largest(p, f, b, w, bw):
+        c, m = Costs(f=f, b=b, w=w, bw=bw), p
+        spans = lambda n: simulate(build_schedule(n, p, m), c).makespan  # noqa: E731
+        while m <= 400 and spans("zb-h1") < spans("1f1b") - 1e-9:
+            m += 1
+        return m - 1
 
-    return _function_check("4.1", fn, points, even, "break_even(p, m, f, b, w)",
-                           "write both makespans: 1F1B's (m+p-1)(T_F+T_BW) and ZB-H1's "
-                           "m(T_F+T_B+T_W)+(p-1)(T_F+T_B-T_W); "
-                           "set them equal and solve for T_BW.")
+    return _function_check("4.1", fn, points, largest, "largest_m(p, f, b, w, bw)",
+                           "the split saves bubble once per step but pays T_B + T_W - T_BW on every "
+                           "microbatch: write both makespans as functions of m and find where they cross.")
 
 
 AUTO_LIMITS = tuple(range(4, 11))
@@ -483,8 +498,7 @@ def _reveal_figure(key: str):
         return timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE),
                                "1F1B, p = 3, m = 6, stage 1 twice as slow")
     if key == "3.1":
-        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), LONG_W),
-                               "ZB-H1, p = 4, m = 8, T_B = 2, T_W = 1.5")
+        return timeline_figure(_few_microbatches(), "ZB-H1, p = 4, m = 2, T_F = 1, T_B = 2, T_W = 0.5")
     if key == "4.2":
         return _line_figure(list(AUTO_LIMITS), _auto_rates(),
                             "zb-auto, AUTO_CASE: bubble rate against the memory limit", "memory limit (M_B)")
@@ -806,7 +820,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
     "1.2": batch_split,
     "1.3": lean_schedule,
     "1.4": peak_memory_1f1b,
-    "2.1": w_flops,
+    "2.1": w_held_floats,
     "2.2": w_flops_without_kept_gradients,
     "2.3": first_stage_b_ratio,
     "3.1": zb_h1_makespan,
