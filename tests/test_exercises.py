@@ -44,7 +44,8 @@ CASES = {
             lambda p, v, r: list(range(r * v, r * v + v))),   # zig-zag passes, not contiguous blocks
     "6.2": (3, 2),            # 24 + 9/v + 2(4v - 1)0.125: 33.75, 30.25, 29.75, 30 at v = 1..4; 2: the lesson's v
     "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
-    "7.1": (0, 1),                                  # rank 0 idles 23; the slow rank 1 never idles
+    "7.1": (1, 0),                                  # rank 1 idles 14; the slow rank 0 never idles (and
+                                                    # 0 is the planted demo's idlest rank, copied)
     "7.2": (5, 4),                                  # 1+1+1+1+2 = 6 = 2+2+2; 4 layers leave 8 on stage 1
     "7.3": (lambda c: min(range(1, len(c)), key=lambda k: max(sum(c[:k]), sum(c[k:]))), lambda c: len(c) // 2),
 }

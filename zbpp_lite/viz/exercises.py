@@ -423,18 +423,19 @@ def interleaved_peak(fn: Any) -> Verdict:
 # ------------------------------------------------------------------ lesson 7: bubble detection
 
 
-SLOW_STAGE_1 = Costs(f=[1, 2, 1, 1], b=[1, 2, 1, 1], w=[1, 2, 1, 1])
-"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 1 twice as slow as the others."""
+SLOW_STAGE_0 = Costs(f=[2, 1, 1, 1], b=[2, 1, 1, 1], w=[2, 1, 1, 1])
+"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 0 twice as slow as the others."""
 
 
 def idlest_rank(answer: Any) -> Verdict:
-    """Exercise 7.1: the rank idling longest in ZB-H1, p = 4, m = 8, :data:`SLOW_STAGE_1`; predicted."""
-    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1)
+    """Exercise 7.1: the rank idling longest inside its span in ZB-H1, p = 4, m = 8, :data:`SLOW_STAGE_0`
+    (the lesson's planted case slows the last stage instead); predicted."""
+    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_0)
     expected = max(range(4), key=lambda r: t.bubble_time[r])
     return _number_check("7.1", answer, expected, "the rank with the most idle time",
-                         "the slow rank sets the pace for everyone; "
-                         "which rank's span starts earliest and ends latest "
-                         "around that pace, with only T_F+T_B+T_W = 3 of work per microbatch?")
+                         "the slow rank sets the pace and never waits; the others all do the same work, "
+                         "T_F+T_B+T_W = 3 per microbatch, so the one with the longest span idles most: "
+                         "when does each start and end?")
 
 
 LAYER_COSTS = (1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0)
@@ -517,8 +518,8 @@ def _reveal_figure(key: str):
                             "interleaved 1F1B, INTERLEAVED_CASE: makespan against v", "stages per rank v",
                             "makespan")
     if key == "7.1":
-        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1),
-                               "ZB-H1, stage 1 twice as slow")
+        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_0),
+                               "ZB-H1, stage 0 twice as slow")
     raise KeyError(f"no reveal for exercise {key}; give show=")
 
 
