@@ -59,7 +59,7 @@ def lesson():
 
 def test_the_right_build_passes_every_check(lesson):
     assert ex.stage_split(lesson["try_stage"](lesson["F"], lesson["B"], lesson["W"]))
-    assert ex.weight_bytes(2 * 2 * 64 * 256 * 4)
+    assert ex.weight_bytes(64 * (256 + 512) * 2 + 64 * (512 + 128) * 2)   # x and dz of each layer, bfloat16
     assert ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
     assert ex.zb_h1_peak(lesson["peak"])
 
@@ -129,10 +129,13 @@ def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
 
 
 def test_wrong_predictions_fail():
-    assert not ex.weight_bytes(3 * 2 * 64 * 256 * 4)  # also the layer outputs: W does not need them
-    assert not ex.weight_bytes(2 * 64 * 256 * 4)       # the output gradients only
-    assert not ex.zb_h1_peak(lambda p, r, mem_b, mem_w: (p - r) * mem_b)  # 1F1B's peak: M_W forgotten
-    assert not ex.zb_h1_peak(lambda p, r, mem_b, mem_w: p * mem_b)
+    assert not ex.weight_bytes(2 * 2 * 64 * 256 * 4)   # the lesson's float32 middle stage, copied
+    assert not ex.weight_bytes(2 * 2 * 64 * 256 * 2)   # its equal-width form in bfloat16
+    assert not ex.weight_bytes(64 * (256 + 2 * 512) * 2 + 64 * (512 + 2 * 128) * 2)   # outputs kept too
+    assert not ex.weight_bytes(64 * (512 + 128) * 2)   # the output gradients only
+    assert not ex.zb_h1_peak(lambda p, m, r, b, w: (p - r) * b + r * w)          # right for m >= p only
+    assert not ex.zb_h1_peak(lambda p, m, r, b, w: min(m, p - r) * b)            # 1F1B's peak: M_W forgotten
+    assert not ex.zb_h1_peak(lambda p, m, r, b, w: p * b)
 
 
 @pytest.mark.parametrize("key", ["8.1", "8.2", "8.3", "8.4"])

@@ -41,13 +41,15 @@ CASES = {
     "4.3": (lambda p, lim, r: min(lim, 2 * (p - r) - 1), lambda p, lim, r: min(lim, p - r)),  # 1F1B's
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
             lambda p, r: 0 if p == 1 else (1 if r in (0, p - 1) else 2)),   # 1F1B's one stage per rank
-    "5.2": (11, 12),                                # 2p - 1; 2p is the handcrafted bound, not the first zero
-    "5.3": (lambda p, m, t: 6 * m * t + max(0, 2 * p - 1 - m) * t, lambda p, m, t: 6 * m * t),  # m >= 2p
+    "5.2": (9, 11),                                 # rate (11-m)/(5m+11) < 0.05 from m = 9; 11 is the first zero
+    "5.3": (lambda p, m, t: t * (6 * m + max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)),   # m = 1: (4p + 1)t
+            lambda p, m, t: 6 * m * t + max(0, 2 * p - 1 - m) * t),   # the old answer: right for m >= p only
     "6.1": (lambda p, v, r: [k * p + (r if k % 2 == 0 else p - 1 - r) for k in range(v)],
             lambda p, v, r: list(range(r * v, r * v + v))),   # zig-zag passes, not contiguous blocks
-    "6.2": (8 * 3 + 3 * 3 / 2 + 2 * 7 * 0.1, 8 * 3 + 3 * 3 / 2),   # + 2(vp-1)T_comm; wrong: forgets T_comm
+    "6.2": (3, 2),            # 24 + 9/v + 2(4v - 1)0.125: 33.75, 30.25, 29.75, 30 at v = 1..4; 2: the lesson's v
     "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
-    "7.1": (0, 1),                                  # rank 0 idles 23; the slow rank 1 never idles
+    "7.1": (1, 0),                                  # rank 1 idles 14; the slow rank 0 never idles (and
+                                                    # 0 is the planted demo's idlest rank, copied)
     "7.2": (5, 4),                                  # 1+1+1+1+2 = 6 = 2+2+2; 4 layers leave 8 on stage 1
     "7.3": (lambda c: min(range(1, len(c)), key=lambda k: max(sum(c[:k]), sum(c[k:]))), lambda c: len(c) // 2),
 }
@@ -132,13 +134,16 @@ def test_the_lesson_4_checks_reject_the_printed_rules():
 
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
     assert not ex.v_sends(lambda p, r: 2 * p - 2).ok                               # the placement's changes, copied
-    assert not ex.zb_v_first_zero(7).ok and not ex.zb_v_first_zero(6 + 3).ok     # p = 4's value; p + 3
+    for copied in (6, 10, 11, 12):   # p = 4's first m under 5%; the first zero less one; 2p - 1; 2p
+        assert not ex.zb_v_first_zero(copied).ok
     assert not ex.zb_v_makespan(lambda p, m, t: 6 * m * t + max(0, 2 * p - m) * t).ok   # counted to 2p
+    assert not ex.zb_v_makespan(lambda p, m, t: t * (6 * m + max(4 * p - 1 - 4 * m, 0))).ok   # m << p only
 
 
 def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
     assert not ex.zigzag_stages(lambda p, v, r: [r + k * p for k in range(v)]).ok   # the looped s % p, copied
-    assert not ex.interleaved_makespan(8 * 3 + 3 * 3 / 2 + 2 * 3 * 0.1).ok     # p - 1 links, as GPipe
+    for copied in (1, 2, 6):   # no interleaving; the lesson's v = 2; the most v, the smallest printed bubble
+        assert not ex.interleaved_best_v(copied).ok
     assert not ex.interleaved_peak(lambda p, v, r: v * p + p - 1).ok           # rank 0's value on every rank
 
 

@@ -359,45 +359,64 @@ def auto_warmup(fn: Any) -> Verdict:
 
 @functools.lru_cache(maxsize=8)
 def _zb_v_sweep(p: int) -> dict[int, Any]:
-    """ZB-V's timelines for m = p .. 2p + 1 at unit per-stage costs, T_comm = 0 (cached)."""
-    return {m: simulate(build_schedule("zb-v", p, m), Costs()) for m in range(p, 2 * p + 2)}
+    """ZB-V's timelines for m = 1 .. 2p + 1 at unit per-stage costs, T_comm = 0 (cached)."""
+    return {m: simulate(build_schedule("zb-v", p, m), Costs()) for m in range(1, 2 * p + 2)}
+
+
+ZB_V_RATE = 0.05
+"""Exercise 5.2's target: the bubble rate ZB-V must fall below (p = 6, unit costs)."""
 
 
 def zb_v_first_zero(answer: Any) -> Verdict:
-    """Exercise 5.2: the smallest m with no bubble for ZB-V on p = 6 (unit costs), predicted from p = 4."""
-    expected = min(m for m, t in _zb_v_sweep(6).items() if t.bubble_rate == 0.0)
-    return _number_check("5.2", answer, expected, "the smallest bubble-free m at p = 6",
-                         "rank 0's first backward needs microbatch 0 to travel all 2p stages; count how many "
-                         "forwards of its own fit in that wait (p = 4 gave the sweep's value: 2p, p + 3, "
-                         "or else?).")
+    """Exercise 5.2: the smallest m with ZB-V's bubble rate below :data:`ZB_V_RATE` on p = 6 (unit costs,
+    T_comm = 0); predicted. The lesson prints only p = 4's sweep."""
+    expected = min(m for m, t in _zb_v_sweep(6).items() if t.bubble_rate < ZB_V_RATE)
+    return _number_check("5.2", answer, expected,
+                         f"the smallest m with a bubble rate below {ZB_V_RATE:g} at p = 6",
+                         "write rank 0's idle time as a function of m between p and the first bubble-free m "
+                         "(p = 4's sweep shows how it falls per microbatch), then the rate idle / makespan "
+                         "with makespan = 6m + idle; solve for m.")
 
 
 def zb_v_makespan(fn: Any) -> Verdict:
-    """Exercise 5.3: ``makespan(p, m, t)``, ZB-V's makespan for m >= p with T_F = T_B = T_W = t, T_comm = 0;
-    checked for p = 2, 3, 5, m = p .. 2p + 1, t in (1, 0.5)."""
-    points = [(p, m, t) for p in (2, 3, 5) for m in range(p, 2 * p + 2) for t in (1.0, 0.5)]
+    """Exercise 5.3: ``makespan(p, m, t)``, ZB-V's makespan for every m >= 1 (the lesson shows m >= p only)
+    with T_F = T_B = T_W = t, T_comm = 0; checked for p = 2, 3, 5, m = 1 .. 2p + 1, t in (1, 0.5)."""
+    points = [(p, m, t) for p in (2, 3, 5) for m in range(1, 2 * p + 2) for t in (1.0, 0.5)]
     # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
     return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
                            "makespan(p, m, t)",
-                           "a rank holds two stages: 6t of work per microbatch; below the bubble-free m, how "
-                           "long does rank 0 wait for microbatch 0's round trip with no forward left to run?")
+                           "6t of work per microbatch on a rank; with few microbatches rank 0 waits for "
+                           "microbatch 0's round trip, with very few (m = 1: F down and up 2p stages, B "
+                           "back, then W) for the last microbatch's: which wait is longer at each m?")
 
 
 # ------------------------------------------------------------------ lesson 6: interleaved, looped
 
 
-INTERLEAVED_COMM = Costs(f=0.5, b=0.5, w=0.5, comm=0.1)
-"""Exercise 6.2's costs: per stage T_F = T_B = T_W = 0.5 (v = 2 stages per rank), T_comm = 0.1."""
+INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, comm=0.125, max_v=6)
+"""Exercise 6.2's case: interleaved 1F1B, p = 4, m = 8, a whole rank's T_F = T_B = T_W = 1 (each of v
+stages per rank costs 1/v of it), T_comm = 0.125 per transfer; v from 1 to 6."""
 
 
-def interleaved_makespan(answer: Any) -> Verdict:
-    """Exercise 6.2: interleaved 1F1B's makespan for p = 4, m = 8, v = 2, per-stage costs 0.5,
-    T_comm = 0.1 (:data:`INTERLEAVED_COMM`)."""
-    expected = simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM).makespan
-    return _number_check("6.2", answer, expected, "interleaved 1F1B's makespan with T_comm = 0.1",
-                         "work m(T_F+T_B+T_W) per rank in whole-rank costs, 1F1B's bubble divided by v, and "
-                         "the transfers the first microbatch's forward and the last one's backward cannot "
-                         "hide: how many links?")
+@functools.lru_cache(maxsize=1)
+def _interleaved_makespans() -> dict[int, float]:
+    c = INTERLEAVED_CASE
+    return {v: simulate(build_schedule("interleaved-1f1b", c["num_ranks"], c["num_microbatches"],
+                                       stages_per_rank=v),
+                        Costs(f=c["whole_rank"] / v, b=c["whole_rank"] / v, w=c["whole_rank"] / v,
+                              comm=c["comm"])).makespan
+            for v in range(1, c["max_v"] + 1)}
+
+
+def interleaved_best_v(answer: Any) -> Verdict:
+    """Exercise 6.2: the v (1 .. 6) giving interleaved 1F1B the shortest makespan on
+    :data:`INTERLEAVED_CASE`, where more stages per rank shrink the bubble but add transfers; predicted."""
+    spans = _interleaved_makespans()
+    best = min(spans, key=spans.get)
+    return _number_check("6.2", answer, best, "the v with the shortest makespan",
+                         "the bubble (p-1)(T_F+T_B+T_W)/v falls with v; T_comm is paid on every link the "
+                         "first microbatch's forward and the last one's backward cross (vp - 1 each): add "
+                         "the two and minimise over v.")
 
 
 def interleaved_peak(fn: Any) -> Verdict:
@@ -419,18 +438,19 @@ def interleaved_peak(fn: Any) -> Verdict:
 # ------------------------------------------------------------------ lesson 7: bubble detection
 
 
-SLOW_STAGE_1 = Costs(f=[1, 2, 1, 1], b=[1, 2, 1, 1], w=[1, 2, 1, 1])
-"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 1 twice as slow as the others."""
+SLOW_STAGE_0 = Costs(f=[2, 1, 1, 1], b=[2, 1, 1, 1], w=[2, 1, 1, 1])
+"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 0 twice as slow as the others."""
 
 
 def idlest_rank(answer: Any) -> Verdict:
-    """Exercise 7.1: the rank idling longest in ZB-H1, p = 4, m = 8, :data:`SLOW_STAGE_1`; predicted."""
-    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1)
+    """Exercise 7.1: the rank idling longest inside its span in ZB-H1, p = 4, m = 8, :data:`SLOW_STAGE_0`
+    (the lesson's planted case slows the last stage instead); predicted."""
+    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_0)
     expected = max(range(4), key=lambda r: t.bubble_time[r])
     return _number_check("7.1", answer, expected, "the rank with the most idle time",
-                         "the slow rank sets the pace for everyone; "
-                         "which rank's span starts earliest and ends latest "
-                         "around that pace, with only T_F+T_B+T_W = 3 of work per microbatch?")
+                         "the slow rank sets the pace and never waits; the others all do the same work, "
+                         "T_F+T_B+T_W = 3 per microbatch, so the one with the longest span idles most: "
+                         "when does each start and end?")
 
 
 LAYER_COSTS = (1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0)
@@ -485,11 +505,11 @@ def best_split(fn: Any) -> Verdict:
     return Verdict("7.3", True, f"best_split is optimal on all {len(lists)} lists checked.")
 
 
-def _line_figure(x: list, y: list, title: str, x_title: str):
-    """A bubble rate against one swept quantity (a reveal's plotly figure)."""
+def _line_figure(x: list, y: list, title: str, x_title: str, y_title: str = "bubble rate"):
+    """A bubble rate (or ``y_title``) against one swept quantity (a reveal's plotly figure)."""
 
     return go.Figure(go.Scatter(x=x, y=y, mode="lines+markers"),
-                     layout=dict(title=title, xaxis_title=x_title, yaxis_title="bubble rate", height=340))
+                     layout=dict(title=title, xaxis_title=x_title, yaxis_title=y_title, height=340))
 
 
 def _reveal_figure(key: str):
@@ -507,11 +527,13 @@ def _reveal_figure(key: str):
         return _line_figure(list(sweep), [t.bubble_rate for t in sweep.values()],
                             "ZB-V, p = 6: bubble rate against m", "microbatches m")
     if key == "6.2":
-        return timeline_figure(simulate(build_schedule("interleaved-1f1b", 4, 8), INTERLEAVED_COMM),
-                               "interleaved 1F1B, p = 4, m = 8, v = 2, T_comm = 0.1")
+        spans = _interleaved_makespans()
+        return _line_figure(list(spans), list(spans.values()),
+                            "interleaved 1F1B, INTERLEAVED_CASE: makespan against v", "stages per rank v",
+                            "makespan")
     if key == "7.1":
-        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_1),
-                               "ZB-H1, stage 1 twice as slow")
+        return timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_0),
+                               "ZB-H1, stage 0 twice as slow")
     raise KeyError(f"no reveal for exercise {key}; give show=")
 
 
@@ -620,15 +642,18 @@ def stage_split(result: Any) -> Verdict:
                    f"(largest relative difference {worst:.1e}).")
 
 
+WIDE_STAGE = dict(widths=(256, 512, 128), rows=64, itemsize=2)
+"""Exercise 8.2's stage: 2 layers ``tanh(x @ W + b)``, 256 -> 512 -> 128 wide, 64 rows, bfloat16."""
+
+
 def weight_bytes(answer: Any) -> Verdict:
-    """Exercise 8.2: M_W in bytes of one stage of :data:`BUILD_CASE` for one microbatch (each layer's input
-    and output gradient); predicted."""
-    c = BUILD_CASE
-    per_stage = c["layers"] // c["ranks"]
-    expected = per_stage * 2 * c["microbatch_size"] * c["width"] * c["itemsize"]
-    return _number_check("8.2", answer, expected, "M_W in bytes",
-                         "W needs, for each layer of the stage, its input x and its output gradient dz: "
-                         "each (rows, width) float32, 4 bytes a number. The bias gradient needs dz only.")
+    """Exercise 8.2: M_W in bytes, for one microbatch, of :data:`WIDE_STAGE` (each layer's input and output
+    gradient, what W needs); predicted. The lesson prints the equal-width float32 form only."""
+    c = WIDE_STAGE
+    expected = sum(c["rows"] * (a + b) * c["itemsize"] for a, b in zip(c["widths"], c["widths"][1:]))
+    return _number_check("8.2", answer, expected, "M_W in bytes of the wide stage",
+                         "W of a layer a -> b wide needs its input x, (rows, a), and its output gradient dz, "
+                         "(rows, b); bfloat16 is 2 bytes a number. The bias gradient needs dz only.")
 
 
 def pipeline_run(result: Any) -> Verdict:
@@ -692,28 +717,19 @@ def _order_problem(schedule: Schedule, timeline: Any) -> str:
 
 
 def zb_h1_peak(answer: Any) -> Verdict:
-    """Exercise 8.4: ``peak(p, r, mem_b, mem_w)``, rank r's peak activation memory under ZB-H1 (m = 2p), F
-    keeping M_B = ``mem_b`` until B and B keeping M_W = ``mem_w`` until W; checked against the simulator."""
+    """Exercise 8.4: ``peak(p, m, r, mem_b, mem_w)``, rank r's peak activation memory under ZB-H1 for every
+    m >= 1 (fewer microbatches than ranks too), F keeping M_B = ``mem_b`` until B and B keeping M_W =
+    ``mem_w`` until W; checked against the simulator at p = 2 to 5, m = 1 to 2p + 1, three memory pairs."""
     hint = ("list what rank r holds right after an F of the steady state: microbatches past F but not B "
             "hold M_B each, those past B but not W hold M_W each; ZB-H1 runs rank r's W of microbatch j "
-            "after its B of microbatch j + r.")
-    if _unanswered(answer):
-        return Verdict("8.4", False,
-                       "no answer yet: replace ... with a function peak(p, r, mem_b, mem_w).", hint)
-    if not callable(answer):
-        return Verdict("8.4", False, f"expected a function of (p, r, mem_b, mem_w), got {answer!r}.", hint)
-    for p, m, mem_b, mem_w in ((4, 8, 1.0, 0.5), (3, 6, 5.0, 1.0), (5, 10, 2.0, 1.5), (2, 4, 1.0, 0.0)):
-        planned = simulate(build_schedule("zb-h1", p, m), Costs(mem_b=mem_b, mem_w=mem_w)).peak_memory
-        for r in range(p):
-            try:
-                value = _as_number(answer(p, r, mem_b, mem_w))
-            except Exception as e:  # noqa: BLE001 - the learner's function: say what it raised
-                return Verdict("8.4", False,
-                               f"peak({p}, {r}, {mem_b}, {mem_w}) raised {type(e).__name__}: {e}", hint)
-            if value is None or abs(value - planned[r]) > 1e-9 * max(1.0, planned[r]):
-                return Verdict("8.4", False, f"peak({p}, {r}, {mem_b}, {mem_w}) gives {value}; "
-                                             f"the simulator gives {planned[r]:g}.", hint)
-    return Verdict("8.4", True, "your peak agrees with zb.simulate on every rank of four cases (p = 2 to 5).")
+            "after its B of microbatch j + r. With few microbatches, how many of each exist at all?")
+    cases = [(p, m, mem_b, mem_w) for p in (2, 3, 5) for m in range(1, 2 * p + 2)
+             for mem_b, mem_w in ((1.0, 0.5), (5.0, 1.0), (2.0, 1.5))]
+    planned = {case: simulate(build_schedule("zb-h1", case[0], case[1]),
+                              Costs(mem_b=case[2], mem_w=case[3])).peak_memory for case in cases}
+    points = [(p, m, r, mem_b, mem_w) for (p, m, mem_b, mem_w) in cases for r in range(p)]
+    return _function_check("8.4", answer, points, lambda p, m, r, b, w: planned[p, m, b, w][r],
+                           "peak(p, m, r, mem_b, mem_w)", hint, tol=1e-9)
 
 
 # ------------------------------------------------------------------ reworked exercises 1.2 and 3.3
@@ -833,7 +849,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
     "5.2": zb_v_first_zero,
     "5.3": zb_v_makespan,
     "6.1": zigzag_stages,
-    "6.2": interleaved_makespan,
+    "6.2": interleaved_best_v,
     "6.3": interleaved_peak,
     "7.1": idlest_rank,
     "7.2": balanced_partition,
