@@ -202,7 +202,7 @@ class AdaptOptions:
 
     Raises:
         ValueError: p < 2, m < 1, steps or profile_steps < 2, imbalance < 1, confidence outside (0, 1),
-            or bad online settings.
+            margin < 0, or bad online settings.
     """
 
     ranks: int = 2
@@ -234,6 +234,9 @@ class AdaptOptions:
             raise ValueError(f"the imbalance factor must be >= 1 (1 = even stages), got {self.imbalance}")
         if not 0 < self.confidence < 1:
             raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
+        if not self.margin >= 0:
+            raise ValueError(f"margin must be >= 0 (a stage is slow above mean * (1 + margin)), "
+                             f"got {self.margin}")
         # checks the online settings
         self.replanner(build_schedule("zb-h1", self.ranks, self.microbatches), Costs())
 
