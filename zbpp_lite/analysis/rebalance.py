@@ -147,16 +147,16 @@ def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs,
     """
     parts = check_parts(parts, costs.num_parts)
     table = measured.table(len(parts))
-    fields: dict[str, list[float]] = {"f": list(costs.f), "b": list(costs.b), "w": list(costs.w)}
-    for kind, values in fields.items():
-        target = getattr(table, kind)
-        groups = parts if per_stage else (tuple(i for p in parts for i in p),)
-        goals = target if per_stage else (sum(target),)
-        for group, goal in zip(groups, goals):
+    groups = parts if per_stage else (tuple(range(costs.num_parts)),)
+    scaled = {}
+    for kind in "fbw":
+        values, target = list(getattr(costs, kind)), getattr(table, kind)
+        for group, goal in zip(groups, target if per_stage else (sum(target),)):
             have = sum(values[i] for i in group)
             for i in group:
                 values[i] = values[i] * goal / have if have > 0 else goal / len(group)
-    return PartCosts(fields["f"], fields["b"], fields["w"])
+        scaled[kind] = values
+    return PartCosts(**scaled)
 
 
 def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]],

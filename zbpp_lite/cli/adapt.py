@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields, replace
 
-from ..analysis.rebalance import imbalanced_parts
 from ..schedules import strict_json
-from ..training.adapt import AdaptOptions, adapt, default_blocks
+from ..training.adapt import AdaptOptions, adapt, adapt_settings
+from ..training.model import ModelConfig, RunConfig
 from ..viz.attribution import attribution_figure
 from . import CliError
-from .train import (add_model_arguments, check_model_arguments, model_config, run_config, say_mode,
-                    setup_devices, threads_reason)
+from .train import add_model_arguments, check_model_arguments, say_mode, setup_devices, threads_reason
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
@@ -64,40 +63,41 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     return p
 
 
-def _settings(args) -> tuple[AdaptOptions, int]:
-    """Every argument checked before JAX starts (a ValueError names the bad one): the options, the blocks."""
+def _settings(args) -> tuple:
+    """Every argument checked before JAX starts (a ValueError names the bad one): the options, model and
+    run configs (:func:`~zbpp_lite.training.adapt.adapt_settings`)."""
     if args.ranks < 2:
         raise CliError(f"--ranks must be >= 2 (a pipeline to balance), got {args.ranks}")
+    if args.microbatches < 1:
+        raise CliError(f"--microbatches must be >= 1, got {args.microbatches}")
     if not args.imbalance >= 1:
         raise CliError("--imbalance must be >= 1 (1 = even stages; 2 = the last stage holds twice the "
                        f"blocks), got {args.imbalance}")
     if args.steps < 2 or args.profile_steps < 2:
         raise CliError("--steps and --profile-steps must be >= 2 (each phase's first step is not timed), "
                        f"got {args.steps}, {args.profile_steps}")
-    options = AdaptOptions(**{f.name: getattr(args, f.name) for f in fields(AdaptOptions) if f.name in args})
     check_model_arguments(args, args.microbatches)
-    blocks = args.blocks if args.blocks is not None else default_blocks(args.ranks, args.imbalance)
-    imbalanced_parts(blocks, args.ranks, args.imbalance)  # ValueError naming the blocks needed
-    return options, blocks
+    names = {f.name for config in (AdaptOptions, ModelConfig, RunConfig) for f in fields(config)}
+    return adapt_settings(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def run(args) -> int:
-    options, blocks = _settings(args)
+    options, model, run = _settings(args)
     devices = setup_devices(args.ranks)
     why_threads = threads_reason(args, args.ranks, devices)
     say_mode("REAL run", args.ranks, why_threads, ("; the plans take turns step by step and a change is kept "
                                                    "only when measured faster beyond the run's noise",
                                                    ", and changes are adopted on their predicted gain"))
     print(f"adapt: {args.ranks} ranks, {args.microbatches} microbatches, imbalance {args.imbalance:g}; "
-          f"model d={args.d} heads={args.heads} blocks={blocks}; batch {args.batch}; devices "
+          f"model d={args.d} heads={args.heads} blocks={model.blocks}; batch {args.batch}; devices "
           f"{', '.join(str(d) for d in devices)}", flush=True)
 
     def on_step(phase: str, k: int, loss: float, timeline) -> None:
         print(f"{phase:18} step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  "
               f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
 
-    result = adapt(replace(options, processes=why_threads is None), model=model_config(args, blocks),
-                   run=run_config(args), devices=None if why_threads is None else devices, on_step=on_step)
+    result = adapt(replace(options, processes=why_threads is None), model=model, run=run,
+                   devices=None if why_threads is None else devices, on_step=on_step)
     print(f"\nmeasured before adapting (ZB-H1, original partition):\n{result.profile.table()}\n"
           f"{result.attribution.table()}\n\n{result.report()}")
     print(f"test accuracy: {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}")

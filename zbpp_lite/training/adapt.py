@@ -56,18 +56,15 @@ class Phase:
     grad_max_rel_error: float | None = None
     loss_error: float | None = None
 
-    def _timed(self) -> list[Timeline]:
-        return timed_steps(self.timelines)
-
     @property
     def makespan(self) -> float:
         """Median makespan (seconds), the phase's first step left out."""
-        return statistics.median(t.makespan for t in self._timed())
+        return statistics.median(t.makespan for t in timed_steps(self.timelines))
 
     @property
     def bubble_rate(self) -> float:
         """Median bubble rate, the phase's first step left out."""
-        return statistics.median(t.bubble_rate for t in self._timed())
+        return statistics.median(t.bubble_rate for t in timed_steps(self.timelines))
 
     @property
     def measured(self) -> Timeline:
@@ -255,10 +252,11 @@ class AdaptOptions:
 def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | None = None,
                    run: RunConfig | None = None, **settings) -> tuple[AdaptOptions, ModelConfig, RunConfig]:
     """The three configs (defaults where None) with ``settings`` applied by field name (``seed`` sets
-    model's and run's); blocks default to :func:`default_blocks`.
+    model's and run's); blocks default to :func:`default_blocks`. Checked before any compute.
 
     Raises:
-        TypeError: a setting that is no field of the three. ValueError: as the three check.
+        TypeError: a setting that is no field of the three. ValueError: as the three check, too few
+            blocks for the imbalance, a batch that does not divide into microbatches.
     """
     groups = {cls: {k: v for k, v in settings.items() if k in {f.name for f in fields(cls)}}
               for cls in (AdaptOptions, ModelConfig, RunConfig)}
@@ -270,7 +268,10 @@ def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | Non
     if model is None and "blocks" not in model_settings:
         model_settings["blocks"] = default_blocks(options.ranks, options.imbalance)
     model = replace(model or ModelConfig(), **model_settings)
-    return options, model, replace(run or RunConfig(), **groups[RunConfig])
+    run = replace(run or RunConfig(), **groups[RunConfig])
+    imbalanced_parts(model.blocks, options.ranks, options.imbalance)  # ValueError naming the blocks needed
+    microbatch_size(run.batch, options.microbatches)
+    return options, model, run
 
 
 def adapt(options: AdaptOptions | None = None, *, model: ModelConfig | None = None,
@@ -283,18 +284,16 @@ def adapt(options: AdaptOptions | None = None, *, model: ModelConfig | None = No
     step, loss, timeline)``; ``settings``: any config field by name (:func:`adapt_settings`).
 
     Raises:
-        ValueError: bad options, too few blocks for the imbalance, a batch that does not divide
-            into microbatches; all before any compute. RuntimeError: too few devices, or a rank's
-            process failed.
+        ValueError: as :func:`adapt_settings`, before any compute. RuntimeError: too few devices, or a
+            rank's process failed.
     """
     options, config, run = adapt_settings(options, model, run, **settings)
-    original = imbalanced_parts(config.blocks, options.ranks, options.imbalance)
-    microbatch_size(run.batch, options.microbatches)
     data = data if data is not None else load_digits(run.holdout, run.seed)
     processes = options.processes
     if processes is None:
         processes = devices is None and jax.default_backend() == "cpu" and enough_cores(options.ranks)
-    job = _Job(options, config, run, data, original, on_step)
+    job = _Job(options, config, run, data, imbalanced_parts(config.blocks, options.ranks, options.imbalance),
+               on_step)
     return job.adapt(None if processes else list(devices or ensure_devices(options.ranks)))
 
 
@@ -318,7 +317,7 @@ class _Job:
         profiled = threads.run(plan, o.profile_steps) if threads else _phase(self, _in_turns(
             self, plan, "profile", o.profile_steps)["before"])
         # 2. detect
-        measured = profile(profiled._timed(), o.ranks)
+        measured = profile(timed_steps(profiled.timelines), o.ranks)
         found = attribute(profiled.measured, profiled.measured_schedule, measured.costs(), o.margin)
         # 3. rebalance, 4. re-plan from the measured costs, moved parts accounted for
         part_costs, changes, parts, predicted, schedule = self.candidates(
@@ -380,10 +379,6 @@ def _checks(replanner: OnlineReplanner | None, offset: int) -> list[dict]:
 # ----------------------------------------------------------------------------- rank threads
 
 
-def _worst(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else max(a, b)
-
-
 class _Threads:
     """Rank threads of this process, one phase after the other; AdamW's state carried from partition to
     partition, the first step of every plan checked against the reference."""
@@ -416,8 +411,8 @@ class _Threads:
             result, _, _ = train_step(self.executor, self.adamw, x, y)
             if check:
                 g_err, l_err = check_step(self.model, before, x, y, result, self.devices[0])
-                phase.grad_max_rel_error = _worst(phase.grad_max_rel_error, g_err)
-                phase.loss_error = _worst(phase.loss_error, l_err)
+                phase.grad_max_rel_error = max(g_err, phase.grad_max_rel_error or 0.0)
+                phase.loss_error = max(l_err, phase.loss_error or 0.0)
             check = False
             phase.schedules.append(self.executor.schedule)
             phase.timelines.append(result.timeline)
@@ -427,12 +422,8 @@ class _Threads:
             self.step_no += 1
             new = replanner.observe(result.timeline) if replanner is not None else None
             if new is not None:
-                changes.append({
-                    "kind": "online-replan", "adopted": True, "step": self.step_no, "to": new.schedule.name,
-                    "predicted_makespan": new.predicted, "current_makespan": new.current, "gain": new.gain,
-                    "why": f"costs drifted by {replanner.history[-1].drift:.1%}; "
-                           f"predicted {new.gain:.1%} faster",
-                })
+                changes.append(_online_change(new, replanner, adopted=True, step=self.step_no))
+                changes[-1]["why"] += f"; predicted {new.gain:.1%} faster"
                 self.use(phase.parts, new.schedule)
                 check = job.run.check_grads
         return phase
@@ -481,23 +472,20 @@ def _in_turns(job: _Job, plans: dict[str, tuple[Parts, Schedule]], phase: str, s
 def _after_in_processes(job: _Job, profiled: Phase, plan: tuple[Parts, Schedule], predicted: Costs,
                         changes: list[dict]) -> dict:
     """Every plan (original, A/A control, candidates predicted ``min_gain`` faster) taking turns in one
-    run; a candidate adopted when its paired step makespans beat the noise
-    (:func:`~zbpp_lite.analysis.noise.beats_noise`), an online re-plan judged likewise (:func:`_online`).
-    ``after`` is the kept plan (nothing kept: the control, or the original). The result's fields."""
+    run; a candidate adopted when its paired step makespans beat the noise (:func:`_judge`), an online
+    re-plan judged likewise (:func:`_online`). ``after`` is the kept plan (nothing kept: the control, or
+    the original). The result's fields."""
     o, (parts, schedule) = job.options, plan
     zb_h1 = build_schedule("zb-h1", o.ranks, o.microbatches)
-    plans = {"before": (job.original, zb_h1)}
-    if o.control:
-        plans["control"] = (job.original, zb_h1)
-    tried = {c["kind"] for c in changes if c["tried"]}
-    if "rebalance" in tried:
-        plans["rebalanced"] = (parts, zb_h1)
-    if "replan" in tried:
-        plans["re-planned"] = (parts, schedule)
+    plans = {"before": (job.original, zb_h1), "control": (job.original, zb_h1)}
+    if not o.control:
+        del plans["control"]
+    trials = [(c, PLANS[c["kind"]]) for c in changes if c["tried"]]
+    plans.update({name: (parts, schedule if name == "re-planned" else zb_h1) for _, name in trials})
     results = _in_turns(job, plans, "judge", o.steps, o.profile_steps)
     spans = {name: _spans(r) for name, r in results.items()}
     noise = paired_gain(spans["before"], spans["control"], o.confidence) if o.control else None
-    kept = _judge(changes, plans, spans, noise, o.confidence)
+    kept = _judge(trials, spans, noise, o.confidence)
     checks, kept_name = ([], kept)
     if o.online:
         checks, kept_name = _online(job, plans, results, kept, predicted, noise, changes)
@@ -511,13 +499,15 @@ def _after_in_processes(job: _Job, profiled: Phase, plan: tuple[Parts, Schedule]
                        "measured": "one pinned process per rank, the plans taking turns step by step"}}
 
 
-def _judge(changes: list[dict], plans: dict, spans: dict, noise: PairedGain | None, confidence: float) -> str:
-    """Each tried candidate against the plan it would replace, in order; returns the kept plan's name."""
-    kept = "before"
-    for change, name in (("rebalance", "rebalanced"), ("replan", "re-planned")):
-        record = next((c for c in changes if c["kind"] == change), None)
-        if record is None or name not in plans:
-            continue
+PLANS = {"rebalance": "rebalanced", "replan": "re-planned"}
+"""The plan that tries each kind of change in a run in turns."""
+
+
+def _judge(trials: list[tuple[dict, str]], spans: dict, noise: PairedGain | None, confidence: float,
+           kept: str = "before") -> str:
+    """Each tried change (its record, its plan) against the plan it would replace, in order; returns the
+    kept plan's name."""
+    for record, name in trials:
         judged = paired_gain(spans[kept], spans[name], confidence)
         adopted = beats_noise(judged, noise)
         record.update({"adopted": adopted, "measured_against": kept, "measured": judged.to_json(),
@@ -525,9 +515,15 @@ def _judge(changes: list[dict], plans: dict, spans: dict, noise: PairedGain | No
         record["why"] += (f"; measured {name} / {kept}: {judged.text()}, "
                           + (f"noise (same plan twice) {noise.deviation:.1%}; " if noise is not None else "")
                           + ("adopted: faster beyond the noise" if adopted else NOT_FASTER))
-        if adopted:
-            kept = name
+        kept = name if adopted else kept
     return kept
+
+
+def _online_change(proposal, replanner: OnlineReplanner, **record) -> dict:
+    """The change record of an online re-plan ``proposal`` (a :class:`~zbpp_lite.analysis.replan.Replan`)."""
+    return {"kind": "online-replan", "to": proposal.schedule.name, "predicted_gain": proposal.gain,
+            "predicted_makespan": proposal.predicted, "current_makespan": proposal.current,
+            "gain": proposal.gain, "why": f"costs drifted by {replanner.history[-1].drift:.1%}", **record}
 
 
 def _online(job: _Job, plans: dict, results: dict, kept: str, predicted: Costs, noise: PairedGain | None,
@@ -542,17 +538,11 @@ def _online(job: _Job, plans: dict, results: dict, kept: str, predicted: Costs, 
     checks = _checks(replanner, o.profile_steps)
     if proposal is None or proposal.schedule.actions == kept_schedule.actions:
         return checks, kept
-    online_plans = {kept: plans[kept], "online": (kept_parts, proposal.schedule)}
-    again = _in_turns(job, online_plans, "online", o.steps)
-    judged = paired_gain(_spans(again[kept]), _spans(again["online"]), o.confidence)
-    adopted = beats_noise(judged, noise)
-    changes.append({"kind": "online-replan", "adopted": adopted, "to": proposal.schedule.name,
-                    "predicted_gain": proposal.gain, "gain": judged.gain, "measured": judged.to_json(),
-                    "why": f"costs drifted significantly ({replanner.history[-1].drift:.1%}); "
-                           f"measured online / {kept}: {judged.text()}; "
-                           + ("adopted" if adopted else NOT_FASTER)})
-    if not adopted:
+    online = (kept_parts, proposal.schedule)
+    again = _in_turns(job, {kept: plans[kept], "online": online}, "online", o.steps)
+    changes.append(_online_change(proposal, replanner, adopted=False))
+    spans = {name: _spans(r) for name, r in again.items()}
+    if _judge([(changes[-1], "online")], spans, noise, o.confidence, kept) == kept:
         return checks, kept
-    plans["online"] = online_plans["online"]
-    results["online"] = again["online"]
+    plans["online"], results["online"] = online, again["online"]
     return checks, "online"
