@@ -6,11 +6,11 @@
 idle gaps by cause (:func:`~zbpp_lite.analysis.attribute.attribute`); 3. *rebalance*: parts timed alone,
 calibrated, the partition with the smallest largest stage
 (:func:`~zbpp_lite.analysis.rebalance.best_partition`); 4. *re-plan*: zb-auto under the memory limit
-(:func:`~zbpp_lite.analysis.replan.replan`) with moved parts' costs shifted; 5. *after*: training goes on
-(same parameters and AdamW state), re-planned online when costs drift
-(:class:`~zbpp_lite.analysis.replan.OnlineReplanner`). Changes 3-4 are adopted when predicted ``min_gain``
-better (rank threads) or measured faster beyond the noise (processes). The first step of every plan is
-checked against the unpartitioned model's gradients.
+(:func:`~zbpp_lite.analysis.replan.replan`) with moved parts' costs shifted; 5. *after*, re-planned online
+when costs drift (:class:`~zbpp_lite.analysis.replan.OnlineReplanner`). Steps 1-4 are one path; only step
+5 differs by transport: rank threads train on (same parameters and AdamW state), adopting changes predicted
+``min_gain`` better; pinned processes run the plans in turns and adopt those measured faster beyond the
+noise. The first step of every plan is checked against the unpartitioned model's gradients.
 Source: Qi et al., arXiv 2401.10241, sections 2-3.
 """
 
@@ -477,9 +477,9 @@ def _after_in_processes(job: _Job, profiled: Phase, plan: tuple[Parts, Schedule]
     the original). The result's fields."""
     o, (parts, schedule) = job.options, plan
     zb_h1 = build_schedule("zb-h1", o.ranks, o.microbatches)
-    plans = {"before": (job.original, zb_h1), "control": (job.original, zb_h1)}
-    if not o.control:
-        del plans["control"]
+    plans = {"before": (job.original, zb_h1)}
+    if o.control:
+        plans["control"] = (job.original, zb_h1)
     trials = [(c, PLANS[c["kind"]]) for c in changes if c["tried"]]
     plans.update({name: (parts, schedule if name == "re-planned" else zb_h1) for _, name in trials})
     results = _in_turns(job, plans, "judge", o.steps, o.profile_steps)
