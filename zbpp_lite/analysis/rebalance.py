@@ -9,6 +9,7 @@ busy m * (T_F + T_B + T_W) of its stage per step, so the longest stage sets the 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -79,8 +80,7 @@ def check_parts(parts: Sequence[Sequence[int]], num_parts: int, num_stages: int 
     flat = [i for p in result for i in p]
     if flat != list(range(num_parts)):
         raise ValueError(f"a partition must hold the parts 0 .. {num_parts - 1} in order, each once, in "
-                         "contiguous "
-                         f"stages; got {[list(p) for p in result]}")
+                         f"contiguous stages; got {[list(p) for p in result]}")
     return result
 
 
@@ -108,9 +108,7 @@ def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_bloc
     if blocks < S * min_blocks:
         raise ValueError(f"{blocks} blocks cannot give {S} stages at least {min_blocks} block(s) each; "
                          "use fewer stages or more blocks")
-    prefix = [0.0]
-    for t in totals:
-        prefix.append(prefix[-1] + t)
+    prefix = [0.0, *itertools.accumulate(totals)]
 
     # best[s][j]: the smallest largest cost of the first s stages holding parts 0 .. j-1, where
     # stage s-1 ends after part j-1; stage 0 starts with part 0 and the last stage ends with part n-1.
@@ -129,8 +127,6 @@ def best_partition(costs: PartCosts | Sequence[float], num_stages: int, min_bloc
                 value = max(best[s - 1][i], prefix[j] - prefix[i])  # parts i .. j-1
                 if value < best[s][j] - 1e-15:
                     best[s][j], cut[s][j] = value, i
-    if best[S][n] == INF:  # pragma: no cover - excluded by the block count check above
-        raise ValueError("no partition satisfies the constraints")
     bounds, j = [n], n
     for s in range(S, 0, -1):
         j = cut[s][j]
@@ -151,16 +147,16 @@ def calibrate(costs: PartCosts, parts: Sequence[Sequence[int]], measured: Costs,
     """
     parts = check_parts(parts, costs.num_parts)
     table = measured.table(len(parts))
-    fields: dict[str, list[float]] = {"f": list(costs.f), "b": list(costs.b), "w": list(costs.w)}
-    for kind, values in fields.items():
-        target = getattr(table, kind)
-        groups = parts if per_stage else (tuple(i for p in parts for i in p),)
-        goals = target if per_stage else (sum(target),)
-        for group, goal in zip(groups, goals):
+    groups = parts if per_stage else (tuple(range(costs.num_parts)),)
+    scaled = {}
+    for kind in "fbw":
+        values, target = list(getattr(costs, kind)), getattr(table, kind)
+        for group, goal in zip(groups, target if per_stage else (sum(target),)):
             have = sum(values[i] for i in group)
             for i in group:
                 values[i] = values[i] * goal / have if have > 0 else goal / len(group)
-    return PartCosts(fields["f"], fields["b"], fields["w"])
+        scaled[kind] = values
+    return PartCosts(**scaled)
 
 
 def moved_costs(costs: PartCosts, old: Sequence[Sequence[int]], new: Sequence[Sequence[int]],
@@ -203,25 +199,17 @@ def imbalanced_parts(num_blocks: int, num_stages: int, factor: float) -> Parts:
     S, N = num_stages, num_blocks
     if S < 1 or N < S:
         raise ValueError(f"{N} blocks cannot fill {S} stages: every stage needs at least one block")
-    if factor == 1 or S == 1:
-        if S == 1 and factor != 1:
-            raise ValueError("an imbalance needs at least 2 stages")
-        cuts = [round(i * N / S) for i in range(S + 1)]
-        counts = [cuts[s + 1] - cuts[s] for s in range(S)]
+    if S == 1 and factor != 1:
+        raise ValueError("an imbalance needs at least 2 stages")
+    if factor == 1:
+        cuts = [round(i * N / S) for i in range(S + 1)]  # block b is part b + 1
     else:
         k = max(1, round(N / (S - 1 + factor)))
         last = N - k * (S - 1)
         if last <= k:
             raise ValueError(f"{N} blocks over {S} stages leave the last stage {last} block(s), not more "
-                             "than the "
-                             f"others' {k}; use at least {S - 1 + max(2, math.ceil(factor))} blocks for an "
-                             "imbalance "
-                             f"of {factor}")
-        counts = [k] * (S - 1) + [last]
-    parts, start = [], 1
-    for count in counts:
-        parts.append(list(range(start, start + count)))
-        start += count
-    parts[0].insert(0, 0)
-    parts[-1].append(N + 1)
-    return tuple(tuple(p) for p in parts)
+                             f"than the others' {k}; use at least {S - 1 + max(2, math.ceil(factor))} blocks "
+                             f"for an imbalance of {factor}")
+        cuts = [k * s for s in range(S)] + [N]
+    cuts[0], cuts[-1] = -1, N + 1  # the embedding on the first stage, the head on the last
+    return tuple(tuple(range(cuts[s] + 1, cuts[s + 1] + 1)) for s in range(S))

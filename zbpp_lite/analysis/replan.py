@@ -10,6 +10,7 @@ gain are the hysteresis that keeps noise from changing the plan.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -57,37 +58,29 @@ def replan(costs: Costs | CostProfile, num_ranks: int, num_microbatches: int,
     costs.table(num_ranks)  # ValueError for a per-stage length other than p
     if current is not None and (current.num_ranks, current.num_stages) != (num_ranks, num_ranks):
         raise ValueError(f"the current schedule has {current.num_ranks} ranks and {current.num_stages} "
-                         "stages; "
-                         f"zb-auto plans one stage per rank for {num_ranks} ranks")
+                         f"stages; zb-auto plans one stage per rank for {num_ranks} ranks")
     plan = auto_plan(num_ranks, num_microbatches, costs, memory_limit)
     validate(plan.schedule)
     now = simulate(current, costs).makespan if current is not None else None
     return Replan(plan.schedule, costs, simulate(plan.schedule, costs).makespan, now, plan.memory_limit)
 
 
-def _scales(totals: Sequence[float]) -> tuple[list[float], float]:
-    """Per-stage scales (T_F + T_B + T_W, or 1) and T_comm's (their mean, or 1) for :func:`drift`."""
-    return [t if t > 0 else 1.0 for t in totals], (sum(totals) / len(totals) or 1.0)
-
-
 def drift(reference: Costs, observed: Costs, num_stages: int) -> float:
     """Largest change of any stage's T_F, T_B or T_W as a fraction of its reference T_F + T_B + T_W
-    (T_comm: of their mean over stages), so a tiny T_W wobbling is no large drift.
+    (T_comm: of their mean over stages), so a tiny T_W wobbling is no large drift: :func:`significant_drift`
+    of one step each.
 
     Raises:
         ValueError: costs with the wrong number of per-stage values.
     """
-    ref, obs = reference.table(num_stages), observed.table(num_stages)
-    scale, comm_scale = _scales([ref.f[s] + ref.b[s] + ref.w[s] for s in range(num_stages)])
-    worst = [abs(getattr(obs, k)[s] - getattr(ref, k)[s]) / scale[s]
-             for s in range(num_stages) for k in "fbw"]
-    return max(worst + [abs(obs.comm[s] - ref.comm[s]) / comm_scale for s in range(num_stages)], default=0.0)
+    return significant_drift([reference], [observed], num_stages, math.inf)[0]
 
 
 def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_stages: int, threshold: float,
                       confidence: float = 0.95) -> tuple[float, bool]:
     """Drift of per-step costs from a reference window, against the noise between steps: step k of
-    each is paired, each cost's change scaled as in :func:`drift`, its median given an interval
+    each is paired, each cost's change scaled by the stage's median reference T_F + T_B + T_W (T_comm's by
+    their mean; a zero scale counts as 1), its median given an interval
     (:func:`zbpp_lite.analysis.noise.median_interval`).
 
     Returns:
@@ -103,13 +96,13 @@ def significant_drift(reference: Sequence[Costs], window: Sequence[Costs], num_s
         raise ValueError("significant_drift needs at least one step in the window and in the reference")
     ref = [c.table(num_stages) for c in reference[:n]]
     obs = [c.table(num_stages) for c in window[:n]]
-    scale, comm_scale = _scales([statistics.median(r.f[s] + r.b[s] + r.w[s] for r in ref)
-                                 for s in range(num_stages)])
+    totals = [statistics.median(r.f[s] + r.b[s] + r.w[s] for r in ref) for s in range(num_stages)]
+    comm_scale = sum(totals) / num_stages or 1.0
     worst, significant = 0.0, False
     each = 1 - (1 - confidence) / (4 * num_stages)  # Bonferroni: 4 costs a stage, the family at `confidence`
     for s in range(num_stages):
         for kind in ("f", "b", "w", "comm"):
-            by = comm_scale if kind == "comm" else scale[s]
+            by = comm_scale if kind == "comm" else totals[s] if totals[s] > 0 else 1.0
             changes = [(getattr(o, kind)[s] - getattr(r, kind)[s]) / by for r, o in zip(ref, obs)]
             middle = statistics.median(changes)
             low, high, coverage = median_interval(changes, each)
@@ -168,8 +161,7 @@ class OnlineReplanner:
             raise ValueError(f"patience must be an integer >= 1, got {self.patience!r}")
         if self.schedule.num_stages != self.schedule.num_ranks:
             raise ValueError("the online re-planner re-plans with zb-auto, one stage per rank; the schedule "
-                             "has "
-                             f"{self.schedule.num_stages} stages on {self.schedule.num_ranks} ranks")
+                             f"has {self.schedule.num_stages} stages on {self.schedule.num_ranks} ranks")
         self.reference.table(self.schedule.num_stages)
         if self.confidence is not None and not 0 < self.confidence < 1:
             raise ValueError(f"confidence must lie in (0, 1) or be None, got {self.confidence}")

@@ -9,49 +9,47 @@ then trains ``--steps`` steps, re-planning when costs drift. ``--json PATH`` wri
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields, replace
 
-from ..analysis.rebalance import imbalanced_parts
 from ..schedules import strict_json
-from ..training.adapt import AdaptOptions, adapt, default_blocks
+from ..training.adapt import AdaptOptions, adapt, adapt_settings
+from ..training.model import ModelConfig, RunConfig
 from ..viz.attribution import attribution_figure
 from . import CliError
-from .train import (add_model_arguments, check_model_arguments, model_config, run_config, say_mode,
-                    setup_devices, threads_reason)
+from .train import add_model_arguments, check_model_arguments, say_mode, setup_devices, threads_reason
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser("adapt", help=help_text, description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices, >= 2 (default 2)")
-    p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("--steps", type=int, default=20, help="training steps after adapting, >= 2 (default 20)")
-    p.add_argument("--imbalance", type=float, default=1.0, metavar="FACTOR",
-                   help="the original last stage holds FACTOR times the blocks of each other stage (>= 1; "
-                        "default 1: even)")
-    p.add_argument("--profile-steps", type=int, default=6, help="ZB-H1 steps measured before adapting, >= 2 "
-                                                                "(default 6)")
-    p.add_argument("--memory-limit", type=float, default=None, help="zb-auto's per-rank activation limit, "
-                                                                    "units of M_B (default p)")
-    p.add_argument("--every", type=int, default=10, help="online: steps between checks of the measured costs "
-                                                         "(default 10)")
-    p.add_argument("--threshold", type=float, default=0.15, help="online: drift that counts, fraction of a "
-                                                                 "stage's cost (default 0.15)")
-    p.add_argument("--patience", type=int, default=2, help="online: drifted checks in a row before "
-                                                           "re-planning (default 2)")
-    p.add_argument("--min-gain", type=float, default=0.03, help="adopt a change only if predicted this much "
-                                                                "faster (default 0.03)")
-    p.add_argument("--margin", type=float, default=0.1, help="a stage is slow when its cost exceeds the mean "
-                                                             "by this fraction (default 0.1)")
-    p.add_argument("--no-rebalance", dest="rebalance", action="store_false", help="keep the original "
-                                                                                  "partition")
-    p.add_argument("--no-replan", dest="replan", action="store_false", help="keep ZB-H1 (no zb-auto re-plan)")
-    p.add_argument("--no-online", dest="online", action="store_false", help="no online re-planning while "
-                                                                            "training")
-    p.add_argument("--no-control", dest="control", action="store_false",
-                   help="no A/A control (the original plan run twice in turns to measure the noise)")
-    p.add_argument("--confidence", type=float, default=0.95,
-                   help="of the intervals that judge measured gains and drift (default 0.95)")
-    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with "
-                                                          "a core per rank")
+    add = p.add_argument
+    add("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices, >= 2 (default 2)")
+    add("--microbatches", "-m", type=int, default=8, help="microbatches per step (default 8)")
+    add("--steps", type=int, default=20, help="training steps after adapting, >= 2 (default 20)")
+    add("--imbalance", type=float, default=1.0, metavar="FACTOR",
+        help="the original last stage holds FACTOR times the blocks of each other stage (>= 1; default 1: "
+             "even)")
+    add("--profile-steps", type=int, default=6, help="ZB-H1 steps measured before adapting, >= 2 (default 6)")
+    add("--memory-limit", type=float, default=None, help="zb-auto's per-rank activation limit, units of M_B "
+        "(default p)")
+    add("--every", type=int, default=10, help="online: steps between checks of the measured costs "
+        "(default 10)")
+    add("--threshold", type=float, default=0.15, help="online: drift that counts, fraction of a stage's cost "
+        "(default 0.15)")
+    add("--patience", type=int, default=2, help="online: drifted checks in a row before re-planning "
+        "(default 2)")
+    add("--min-gain", type=float, default=0.03, help="adopt a change only if predicted this much faster "
+        "(default 0.03)")
+    add("--margin", type=float, default=0.1, help="a stage is slow when its cost exceeds the mean by this "
+        "fraction (default 0.1)")
+    add("--no-rebalance", dest="rebalance", action="store_false", help="keep the original partition")
+    add("--no-replan", dest="replan_schedule", action="store_false", help="keep ZB-H1 (no zb-auto re-plan)")
+    add("--no-online", dest="online", action="store_false", help="no online re-planning while training")
+    add("--no-control", dest="control", action="store_false",
+        help="no A/A control (the original plan run twice in turns to measure the noise)")
+    add("--confidence", type=float, default=0.95,
+        help="of the intervals that judge measured gains and drift (default 0.95)")
+    add("--threads", action="store_true", help="run the ranks as threads of one process even with a core per "
+        "rank")
     add_model_arguments(p)
     # actions of milliseconds, so compute, not dispatch, sets the stage costs
     p.set_defaults(d=128, batch=256)
@@ -60,14 +58,14 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
              "blocks": "Transformer blocks (default: 2 per stage, about 2 x FACTOR on the last)"}
     for action in p._actions:
         action.help = helps.get(action.dest, action.help)
-    p.add_argument("--json", metavar="PATH", help="write before / after, the changes and the attribution as "
-                                                  "JSON")
-    p.add_argument("--html", metavar="PATH", help="write the attribution figures (before and after) as HTML")
+    add("--json", metavar="PATH", help="write before / after, the changes and the attribution as JSON")
+    add("--html", metavar="PATH", help="write the attribution figures (before and after) as HTML")
     return p
 
 
-def _check(args) -> int:
-    """Every argument checked before JAX starts; returns the number of blocks."""
+def _settings(args) -> tuple:
+    """Every argument checked before JAX starts (a ValueError names the bad one): the options, model and
+    run configs (:func:`~zbpp_lite.training.adapt.adapt_settings`)."""
     if args.ranks < 2:
         raise CliError(f"--ranks must be >= 2 (a pipeline to balance), got {args.ranks}")
     if args.microbatches < 1:
@@ -78,41 +76,27 @@ def _check(args) -> int:
     if args.steps < 2 or args.profile_steps < 2:
         raise CliError("--steps and --profile-steps must be >= 2 (each phase's first step is not timed), "
                        f"got {args.steps}, {args.profile_steps}")
-    if not 0 < args.confidence < 1:
-        raise CliError(f"--confidence must lie in (0, 1), got {args.confidence}")
-    if args.every < 1 or args.patience < 1 or args.threshold < 0 or args.min_gain < 0 or args.margin < 0:
-        raise CliError("--every and --patience must be >= 1; --threshold, --min-gain and --margin >= 0")
     check_model_arguments(args, args.microbatches)
-    blocks = args.blocks if args.blocks is not None else default_blocks(args.ranks, args.imbalance)
-    imbalanced_parts(blocks, args.ranks, args.imbalance)  # ValueError naming the blocks needed
-    return blocks
+    names = {f.name for config in (AdaptOptions, ModelConfig, RunConfig) for f in fields(config)}
+    return adapt_settings(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def run(args) -> int:
-    blocks = _check(args)
+    options, model, run = _settings(args)
     devices = setup_devices(args.ranks)
     why_threads = threads_reason(args, args.ranks, devices)
     say_mode("REAL run", args.ranks, why_threads, ("; the plans take turns step by step and a change is kept "
-                                                   "only when "
-             "measured faster beyond the run's noise", ", and changes are adopted on their predicted gain"))
-    print(f"adapt: {args.ranks} ranks, {args.microbatches} microbatches, imbalance {args.imbalance:g}; model "
-          f"d={args.d} "
-          f"heads={args.heads} blocks={blocks}; batch {args.batch}; devices "
-          f"{', '.join(str(d) for d in devices)}",
-          flush=True)
+                                                   "only when measured faster beyond the run's noise",
+                                                   ", and changes are adopted on their predicted gain"))
+    print(f"adapt: {args.ranks} ranks, {args.microbatches} microbatches, imbalance {args.imbalance:g}; "
+          f"model d={args.d} heads={args.heads} blocks={model.blocks}; batch {args.batch}; devices "
+          f"{', '.join(str(d) for d in devices)}", flush=True)
 
     def on_step(phase: str, k: int, loss: float, timeline) -> None:
         print(f"{phase:18} step {k:4d}  loss {loss:.4f}  makespan {timeline.makespan * 1e3:8.2f} ms  "
               f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
 
-    options = AdaptOptions(
-        ranks=args.ranks, microbatches=args.microbatches, steps=args.steps, imbalance=args.imbalance,
-        profile_steps=args.profile_steps, memory_limit=args.memory_limit, every=args.every,
-        threshold=args.threshold,
-        patience=args.patience, min_gain=args.min_gain, margin=args.margin, rebalance=args.rebalance,
-        replan_schedule=args.replan, online=args.online, control=args.control, confidence=args.confidence,
-        processes=why_threads is None)
-    result = adapt(options, model=model_config(args, blocks), run=run_config(args),
+    result = adapt(replace(options, processes=why_threads is None), model=model, run=run,
                    devices=None if why_threads is None else devices, on_step=on_step)
     print(f"\nmeasured before adapting (ZB-H1, original partition):\n{result.profile.table()}\n"
           f"{result.attribution.table()}\n\n{result.report()}")
@@ -126,10 +110,10 @@ def run(args) -> int:
 
 
 def _write_html(result, path: str) -> None:
-    before = attribution_figure(result.attribution, result.before.measured, "before: ZB-H1 on the original "
-                                                                            "partition")
-    after = attribution_figure(result.attribution_after, result.after.measured, "after: rebalanced and "
-                                                                                "re-planned")
+    before = attribution_figure(result.attribution, result.before.measured,
+                                "before: ZB-H1 on the original partition")
+    after = attribution_figure(result.attribution_after, result.after.measured,
+                               "after: rebalanced and re-planned")
     with open(path, "w") as f:
         f.write("<html><head><meta charset='utf-8'><title>zbpp_lite adapt</title></head><body>\n")
         f.write(before.to_html(full_html=False, include_plotlyjs=True))

@@ -6,11 +6,11 @@
 idle gaps by cause (:func:`~zbpp_lite.analysis.attribute.attribute`); 3. *rebalance*: parts timed alone,
 calibrated, the partition with the smallest largest stage
 (:func:`~zbpp_lite.analysis.rebalance.best_partition`); 4. *re-plan*: zb-auto under the memory limit
-(:func:`~zbpp_lite.analysis.replan.replan`) with moved parts' costs shifted; 5. *after*: training goes on
-(same parameters and AdamW state), re-planned online when costs drift
-(:class:`~zbpp_lite.analysis.replan.OnlineReplanner`). Changes 3-4 are adopted when predicted ``min_gain``
-better (rank threads) or measured faster beyond the noise (processes). The first step of every plan is
-checked against the unpartitioned model's gradients.
+(:func:`~zbpp_lite.analysis.replan.replan`) with moved parts' costs shifted; 5. *after*, re-planned online
+when costs drift (:class:`~zbpp_lite.analysis.replan.OnlineReplanner`). Steps 1-4 are one path; only step
+5 differs by transport: rank threads train on (same parameters and AdamW state), adopting changes predicted
+``min_gain`` better; pinned processes run the plans in turns and adopt those measured faster beyond the
+noise. The first step of every plan is checked against the unpartitioned model's gradients.
 Source: Qi et al., arXiv 2401.10241, sections 2-3.
 """
 
@@ -56,18 +56,15 @@ class Phase:
     grad_max_rel_error: float | None = None
     loss_error: float | None = None
 
-    def _timed(self) -> list[Timeline]:
-        return timed_steps(self.timelines)
-
     @property
     def makespan(self) -> float:
         """Median makespan (seconds), the phase's first step left out."""
-        return statistics.median(t.makespan for t in self._timed())
+        return statistics.median(t.makespan for t in timed_steps(self.timelines))
 
     @property
     def bubble_rate(self) -> float:
         """Median bubble rate, the phase's first step left out."""
-        return statistics.median(t.bubble_rate for t in self._timed())
+        return statistics.median(t.bubble_rate for t in timed_steps(self.timelines))
 
     @property
     def measured(self) -> Timeline:
@@ -167,11 +164,10 @@ class AdaptResult:
 NOT_FASTER = "not adopted: not faster beyond the noise"
 
 
-def _change(change: dict, ok: bool, judged: bool, why: str) -> dict:
-    """A change record: adopted on the prediction, or (``judged``) tried now, judged by :func:`_judge`."""
-    if not judged:
-        return {**change, "adopted": ok, "why": why}
-    return {**change, "adopted": False, "tried": ok, "predicted_gain": change["gain"],
+def _change(ok: bool, why: str, **record) -> dict:
+    """A change record: ``tried`` (on rank threads also ``adopted``) when predicted ``min_gain`` better;
+    in processes :func:`_judge` decides ``adopted`` from the measured steps."""
+    return {**record, "adopted": ok, "tried": ok, "predicted_gain": record["gain"],
             "why": why + ("" if ok else "; not tried (no predicted gain of min_gain)")}
 
 
@@ -203,7 +199,7 @@ class AdaptOptions:
 
     Raises:
         ValueError: p < 2, m < 1, steps or profile_steps < 2, imbalance < 1, confidence outside (0, 1),
-            or bad online settings.
+            margin < 0, or bad online settings.
     """
 
     ranks: int = 2
@@ -235,6 +231,9 @@ class AdaptOptions:
             raise ValueError(f"the imbalance factor must be >= 1 (1 = even stages), got {self.imbalance}")
         if not 0 < self.confidence < 1:
             raise ValueError(f"confidence must lie in (0, 1), got {self.confidence}")
+        if not self.margin >= 0:
+            raise ValueError(f"margin must be >= 0 (a stage is slow above mean * (1 + margin)), "
+                             f"got {self.margin}")
         # checks the online settings
         self.replanner(build_schedule("zb-h1", self.ranks, self.microbatches), Costs())
 
@@ -253,10 +252,11 @@ class AdaptOptions:
 def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | None = None,
                    run: RunConfig | None = None, **settings) -> tuple[AdaptOptions, ModelConfig, RunConfig]:
     """The three configs (defaults where None) with ``settings`` applied by field name (``seed`` sets
-    model's and run's); blocks default to :func:`default_blocks`.
+    model's and run's); blocks default to :func:`default_blocks`. Checked before any compute.
 
     Raises:
-        TypeError: a setting that is no field of the three. ValueError: as the three check.
+        TypeError: a setting that is no field of the three. ValueError: as the three check, too few
+            blocks for the imbalance, a batch that does not divide into microbatches.
     """
     groups = {cls: {k: v for k, v in settings.items() if k in {f.name for f in fields(cls)}}
               for cls in (AdaptOptions, ModelConfig, RunConfig)}
@@ -268,7 +268,10 @@ def adapt_settings(options: AdaptOptions | None = None, model: ModelConfig | Non
     if model is None and "blocks" not in model_settings:
         model_settings["blocks"] = default_blocks(options.ranks, options.imbalance)
     model = replace(model or ModelConfig(), **model_settings)
-    return options, model, replace(run or RunConfig(), **groups[RunConfig])
+    run = replace(run or RunConfig(), **groups[RunConfig])
+    imbalanced_parts(model.blocks, options.ranks, options.imbalance)  # ValueError naming the blocks needed
+    microbatch_size(run.batch, options.microbatches)
+    return options, model, run
 
 
 def adapt(options: AdaptOptions | None = None, *, model: ModelConfig | None = None,
@@ -281,26 +284,22 @@ def adapt(options: AdaptOptions | None = None, *, model: ModelConfig | None = No
     step, loss, timeline)``; ``settings``: any config field by name (:func:`adapt_settings`).
 
     Raises:
-        ValueError: bad options, too few blocks for the imbalance, a batch that does not divide
-            into microbatches; all before any compute. RuntimeError: too few devices, or a rank's
-            process failed.
+        ValueError: as :func:`adapt_settings`, before any compute. RuntimeError: too few devices, or a
+            rank's process failed.
     """
     options, config, run = adapt_settings(options, model, run, **settings)
-    original = imbalanced_parts(config.blocks, options.ranks, options.imbalance)
-    microbatch_size(run.batch, options.microbatches)
     data = data if data is not None else load_digits(run.holdout, run.seed)
     processes = options.processes
     if processes is None:
         processes = devices is None and jax.default_backend() == "cpu" and enough_cores(options.ranks)
-    job = _Job(options, config, run, data, original, on_step)
-    if processes:
-        return _adapt_in_processes(job)
-    return _adapt_in_threads(job, devices or ensure_devices(options.ranks))
+    job = _Job(options, config, run, data, imbalanced_parts(config.blocks, options.ranks, options.imbalance),
+               on_step)
+    return job.adapt(None if processes else list(devices or ensure_devices(options.ranks)))
 
 
 @dataclass
 class _Job:
-    """One adapt run's settings and inputs, as the two ways of measuring share them."""
+    """One adapt run's settings and inputs; its steps 1-4 are the same on rank threads and in processes."""
 
     options: AdaptOptions
     config: ModelConfig
@@ -309,74 +308,83 @@ class _Job:
     original: Parts
     on_step: Callable[[str, int, float, Timeline], None] | None
 
-    def part_costs(self, measured: CostProfile, device: Any) -> PartCosts:
-        """Every part timed alone on one microbatch, calibrated to the measured stage totals."""
-        mb = microbatch_size(self.run.batch, self.options.microbatches)
-        x0, y0 = self.data.batch(0, self.run.batch)
-        staged = StagedModel(build_parts(self.config), self.options.ranks, parts=self.original)
-        timed_parts = profile_parts(staged, x0[:mb], y0[:mb], device, self.options.repeats)
-        return calibrate(timed_parts, self.original, measured.costs())
+    def adapt(self, devices: list | None) -> AdaptResult:
+        """Steps 1-5 on rank threads on ``devices``, or (None) in one pinned process per rank."""
+        o, zb_h1 = self.options, build_schedule("zb-h1", self.options.ranks, self.options.microbatches)
+        threads = _Threads(self, devices) if devices is not None else None
+        # 1. before: ZB-H1 on the original partition
+        plan = {"before": (self.original, zb_h1)}
+        profiled = threads.run(plan, o.profile_steps) if threads else _phase(self, _in_turns(
+            self, plan, "profile", o.profile_steps)["before"])
+        # 2. detect
+        measured = profile(timed_steps(profiled.timelines), o.ranks)
+        found = attribute(profiled.measured, profiled.measured_schedule, measured.costs(), o.margin)
+        # 3. rebalance, 4. re-plan from the measured costs, moved parts accounted for
+        part_costs, changes, parts, predicted, schedule = self.candidates(
+            measured, devices[0] if threads else jax.devices()[0], zb_h1)
+        # 5. after: train on, re-planning online (threads), or judge the plans in turns (processes)
+        if threads:
+            kept = _after_in_threads(threads, profiled, (parts, schedule), predicted, changes)
+        else:
+            kept = _after_in_processes(self, profiled, (parts, schedule), predicted, changes)
+        kept["config"] = {**o.to_json(self.config, self.run), **kept["config"]}
+        after = kept["after"]
+        return AdaptResult(
+            profile=measured, attribution=found, part_costs=part_costs, changes=changes,
+            attribution_after=attribute(after.measured, after.measured_schedule, None, o.margin), **kept)
 
-    def candidates(self, measured: CostProfile, device: Any, start: Schedule,
-                   judged: bool) -> tuple[PartCosts, list[dict], Parts, Costs, Schedule]:
-        """Steps 3-4: (part costs, change records, partition, its predicted costs, schedule)."""
-        o, part_costs = self.options, self.part_costs(measured, device)
-        changes, parts, schedule = [], self.original, start
+    def candidates(self, measured: CostProfile, device: Any,
+                   start: Schedule) -> tuple[PartCosts, list[dict], Parts, Costs, Schedule]:
+        """Steps 3-4: every part timed alone on one microbatch, calibrated to the measured stage totals;
+        (part costs, change records, partition, its predicted costs, schedule)."""
+        o, original = self.options, self.original
+        mb = microbatch_size(self.run.batch, o.microbatches)
+        x0, y0 = self.data.batch(0, self.run.batch)
+        staged = StagedModel(build_parts(self.config), o.ranks, parts=original)
+        part_costs = calibrate(profile_parts(staged, x0[:mb], y0[:mb], device, o.repeats), original,
+                               measured.costs())
+        changes, parts, schedule = [], original, start
         if o.rebalance:
-            parts, change = self.rebalance(part_costs, judged)
-            changes.append(change)
-        predicted = moved_costs(part_costs, self.original, parts, measured.costs())
+            candidate = best_partition(part_costs, o.ranks)
+            now, new = (partition_cost(part_costs.totals, p) for p in (original, candidate))
+            gain = 1 - new / now if now > 0 else 0.0
+            ok = candidate != original and gain >= o.min_gain
+            parts = candidate if ok else original
+            changes.append(_change(
+                ok, f"largest stage F+B+W {now * 1e3:.3f} -> {new * 1e3:.3f} ms predicted ({gain:.1%}), "
+                    f"blocks per stage {_block_counts(original)} -> {_block_counts(candidate)}",
+                kind="rebalance", predicted_largest_stage=new, current_largest_stage=now, gain=gain,
+                **{"from": [list(p) for p in original], "to": [list(p) for p in candidate]}))
+        predicted = moved_costs(part_costs, original, parts, measured.costs())
         if o.replan_schedule:
-            schedule, change = self.replan(predicted, start, judged)
-            changes.append(change)
+            result = replan(predicted, o.ranks, o.microbatches, o.memory_limit, current=start)
+            ok = result.gain >= o.min_gain and result.schedule.actions != start.actions
+            schedule = result.schedule if ok else start
+            why = (f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 "
+                   f"{result.current * 1e3:.2f} ms ({result.gain:.1%})")
+            changes.append(_change(
+                ok, why,
+                kind="replan", to=result.schedule.name, predicted_makespan=result.predicted,
+                current_makespan=result.current, gain=result.gain, memory_limit=list(result.memory_limit),
+                **{"from": start.name}))
         return part_costs, changes, parts, predicted, schedule
 
-    def rebalance(self, part_costs: PartCosts, judged: bool) -> tuple[Parts, dict]:
-        """The best partition and the change record (``judged``: tried now, measured later)."""
-        o, original = self.options, self.original
-        candidate = best_partition(part_costs, o.ranks)
-        now, new = partition_cost(part_costs.totals, original), partition_cost(part_costs.totals, candidate)
-        gain = 1 - new / now if now > 0 else 0.0
-        ok = candidate != original and gain >= o.min_gain
-        why = (f"largest stage F+B+W {now * 1e3:.3f} -> {new * 1e3:.3f} ms predicted ({gain:.1%}), "
-               f"blocks per stage {_block_counts(original)} -> {_block_counts(candidate)}")
-        change = {"kind": "rebalance", "from": [list(p) for p in original],
-                  "to": [list(p) for p in candidate],
-                  "predicted_largest_stage": new, "current_largest_stage": now, "gain": gain}
-        return (candidate if ok else original), _change(change, ok, judged, why)
 
-    def replan(self, predicted: Costs, current: Schedule, judged: bool) -> tuple[Schedule, dict]:
-        """zb-auto from ``predicted`` and the change record (``judged`` as in :meth:`rebalance`)."""
-        o = self.options
-        result = replan(predicted, o.ranks, o.microbatches, o.memory_limit, current=current)
-        ok = result.gain >= o.min_gain and (not judged or result.schedule.actions != current.actions)
-        why = (f"zb-auto predicted {result.predicted * 1e3:.2f} ms vs zb-h1 {result.current * 1e3:.2f} ms "
-               f"({result.gain:.1%})")
-        change = {"kind": "replan", "from": current.name, "to": result.schedule.name,
-                  "predicted_makespan": result.predicted, "current_makespan": result.current,
-                  "gain": result.gain, "memory_limit": list(result.memory_limit)}
-        return (result.schedule if ok else current), _change(change, ok, judged, why)
-
-    def stepper(self, phase: str, offset: int = 0) -> Callable[[str, int, float, Timeline], None]:
-        """``on_step`` for a run in turns: the phase and the plan's name, steps counted from ``offset``."""
-        def call(name: str, k: int, loss: float, timeline: Timeline) -> None:
-            if self.on_step is not None:
-                self.on_step(f"{phase}:{name}", offset + k, loss, timeline)
-        return call
+def _checks(replanner: OnlineReplanner | None, offset: int) -> list[dict]:
+    """The online re-planner's checks, steps counted from 0 over both phases."""
+    return [{"step": offset + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
+            for c in (replanner.history if replanner else [])]
 
 
 # ----------------------------------------------------------------------------- rank threads
 
 
-def _worst(a: float | None, b: float | None) -> float | None:
-    return b if a is None else a if b is None else max(a, b)
+class _Threads:
+    """Rank threads of this process, one phase after the other; AdamW's state carried from partition to
+    partition, the first step of every plan checked against the reference."""
 
-
-class _Phases:
-    """Rank threads, one phase after the other; AdamW's state carried from partition to partition."""
-
-    def __init__(self, job: _Job, devices: Sequence[Any]):
-        self.job, self.devices, self.step_no = job, list(devices), 0
+    def __init__(self, job: _Job, devices: list):
+        self.job, self.devices, self.step_no = job, devices, 0
         self.modules = build_parts(job.config)
         self.model = StagedModel(self.modules, job.options.ranks)
         self.adamw = StageAdamW(self.model.params, job.run)
@@ -389,18 +397,22 @@ class _Phases:
         self.executor = PipelineExecutor(self.model, schedule, self.devices)
         self.adamw.place(self.model, dict(enumerate(self.executor.stage_devices)))
 
-    def run(self, phase: Phase, name: str, count: int, replanner: OnlineReplanner | None,
-            changes: list[dict]) -> None:
-        """``count`` steps of ``phase``; the first step of every plan checked against the reference."""
+    def run(self, plan: dict[str, tuple[Parts, Schedule]], count: int,
+            replanner: OnlineReplanner | None = None, changes: list[dict] | None = None) -> Phase:
+        """``count`` steps of the one plan ``{name: (parts, schedule)}``; online re-plans recorded in
+        ``changes``."""
         job, check = self.job, self.job.run.check_grads
+        [(name, (parts, schedule))] = plan.items()
+        phase = Phase(tuple(tuple(p) for p in parts))
+        self.use(parts, schedule)
         for _ in range(count):
             x, y = job.data.batch(self.step_no, job.run.batch)
             before = list(self.adamw.params)
             result, _, _ = train_step(self.executor, self.adamw, x, y)
             if check:
                 g_err, l_err = check_step(self.model, before, x, y, result, self.devices[0])
-                phase.grad_max_rel_error = _worst(phase.grad_max_rel_error, g_err)
-                phase.loss_error = _worst(phase.loss_error, l_err)
+                phase.grad_max_rel_error = max(g_err, phase.grad_max_rel_error or 0.0)
+                phase.loss_error = max(l_err, phase.loss_error or 0.0)
             check = False
             phase.schedules.append(self.executor.schedule)
             phase.timelines.append(result.timeline)
@@ -410,59 +422,33 @@ class _Phases:
             self.step_no += 1
             new = replanner.observe(result.timeline) if replanner is not None else None
             if new is not None:
-                changes.append({
-                    "kind": "online-replan", "adopted": True, "step": self.step_no, "to": new.schedule.name,
-                    "predicted_makespan": new.predicted, "current_makespan": new.current, "gain": new.gain,
-                    "why": f"costs drifted by {replanner.history[-1].drift:.1%}; "
-                           f"predicted {new.gain:.1%} faster",
-                })
+                changes.append(_online_change(new, replanner, adopted=True, step=self.step_no))
+                changes[-1]["why"] += f"; predicted {new.gain:.1%} faster"
                 self.use(phase.parts, new.schedule)
                 check = job.run.check_grads
+        return phase
 
 
-def _adapt_in_threads(job: _Job, devices: Sequence[Any]) -> AdaptResult:
-    """Rank threads of this process, one phase after the other; changes adopted on their predicted gain."""
-    o = job.options
-    start = build_schedule("zb-h1", o.ranks, o.microbatches)
-    phases = _Phases(job, devices)
-    # 1. before: ZB-H1 on the original partition
-    before = Phase(job.original)
-    phases.use(job.original, start)
-    phases.run(before, "before", o.profile_steps, None, [])
-    # 2. detect
-    measured = profile(before._timed(), o.ranks)
-    found = attribute(before.measured, before.measured_schedule, measured.costs(), o.margin)
-    # 3. rebalance, 4. re-plan from the measured costs, moved parts accounted for
-    found_plan = job.candidates(measured, devices[0], start, judged=False)
-    part_costs, changes, parts, predicted, schedule = found_plan
-    # 5. after: train with the new partition and plan, re-planning online
-    after = Phase(tuple(tuple(p) for p in parts))
-    phases.use(parts, schedule)
-    replanner = o.replanner(schedule, predicted) if o.online else None
-    phases.run(after, "after", o.steps, replanner, changes)
-    test_loss, test_accuracy = evaluate(phases.model, phases.adamw.params, job.data.test_x, job.data.test_y,
-                                        devices[0])
-    return AdaptResult(
-        before=before, after=after, profile=measured, attribution=found,
-        attribution_after=attribute(after.measured, after.measured_schedule, None, o.margin),
-        part_costs=part_costs, changes=changes,
-        online_checks=_checks(replanner, o.profile_steps - 1),
-        test_accuracy=test_accuracy, test_loss=test_loss,
-        config={**o.to_json(job.config, job.run), "devices": [str(dev) for dev in devices],
-                "measured": "rank threads of one process, one phase after the other"},
-    )
+def _after_in_threads(threads: _Threads, before: Phase, plan: tuple[Parts, Schedule], predicted: Costs,
+                      changes: list[dict]) -> dict:
+    """The changes adopted on their predicted gain, training going on with them: the result's fields."""
+    job, o = threads.job, threads.job.options
+    replanner = o.replanner(plan[1], predicted) if o.online else None
+    after = threads.run({"after": plan}, o.steps, replanner, changes)
+    test_loss, test_accuracy = evaluate(threads.model, threads.adamw.params, job.data.test_x,
+                                        job.data.test_y, threads.devices[0])
+    return {"before": before, "after": after, "online_checks": _checks(replanner, o.profile_steps - 1),
+            "test_accuracy": test_accuracy, "test_loss": test_loss,
+            "config": {"devices": [str(dev) for dev in threads.devices],
+                       "measured": "rank threads of one process, one phase after the other"}}
 
 
 # ----------------------------------------------------------------------------- one process per rank
 
 
-def _named(schedule: Schedule, name: str) -> Schedule:
-    return replace(schedule, name=name)
-
-
-def _phase(parts: Parts, result) -> Phase:
-    """A :class:`Phase` from one plan's result in a run in turns."""
-    return Phase(tuple(tuple(p) for p in parts), [result.schedule] * len(result.timelines),
+def _phase(job: _Job, result, parts: Parts | None = None) -> Phase:
+    """A :class:`Phase` from one plan's result in a run in turns (``parts``: default the original)."""
+    return Phase(tuple(tuple(p) for p in parts or job.original), [result.schedule] * len(result.timelines),
                  list(result.timelines), list(result.losses), result.grad_max_rel_error, result.loss_error)
 
 
@@ -470,76 +456,58 @@ def _spans(result) -> list[float]:
     return [t.makespan for t in timed_steps(result.timelines)]
 
 
-def _in_turns(job: _Job, plans: dict, on_step, steps: int | None = None) -> dict:
-    return train_in_turns([s for _, s in plans.values()], steps or job.options.steps, model=job.config,
-                          run=job.run, data=job.data, parts={name: p for name, (p, _) in plans.items()},
-                          on_step=on_step)
+def _in_turns(job: _Job, plans: dict[str, tuple[Parts, Schedule]], phase: str, steps: int,
+              offset: int = 0) -> dict:
+    """``plans`` taking turns (:func:`~zbpp_lite.training.turns.train_in_turns`), each schedule named as
+    its plan; ``on_step`` gets ``phase:plan`` and the steps counted from ``offset``."""
+    def on_step(name: str, k: int, loss: float, timeline: Timeline) -> None:
+        if job.on_step is not None:
+            job.on_step(f"{phase}:{name}", offset + k, loss, timeline)
+
+    return train_in_turns([replace(s, name=name) for name, (_, s) in plans.items()], steps,
+                          model=job.config, run=job.run, data=job.data,
+                          parts={name: p for name, (p, _) in plans.items()}, on_step=on_step)
 
 
-def _checks(replanner: OnlineReplanner | None, offset: int) -> list[dict]:
-    """The online re-planner's checks, steps counted from 0 over both phases."""
-    return [{"step": offset + c.step, "drift": c.drift, "decision": c.decision, "gain": c.gain}
-            for c in (replanner.history if replanner else [])]
-
-
-def _adapt_in_processes(job: _Job) -> AdaptResult:
-    """:func:`adapt` on pinned processes (:func:`~zbpp_lite.training.turns.train_in_turns`): profile,
-    then every plan (original, A/A control, candidates predicted ``min_gain`` faster) takes turns in
-    one run; a candidate is adopted when its paired step makespans beat the noise
-    (:func:`~zbpp_lite.analysis.noise.beats_noise`); an online re-plan is judged likewise (:func:`_online`).
-    ``after`` is the kept plan (nothing kept: the control, or the original)."""
-    o = job.options
+def _after_in_processes(job: _Job, profiled: Phase, plan: tuple[Parts, Schedule], predicted: Costs,
+                        changes: list[dict]) -> dict:
+    """Every plan (original, A/A control, candidates predicted ``min_gain`` faster) taking turns in one
+    run; a candidate adopted when its paired step makespans beat the noise (:func:`_judge`), an online
+    re-plan judged likewise (:func:`_online`). ``after`` is the kept plan (nothing kept: the control, or
+    the original). The result's fields."""
+    o, (parts, schedule) = job.options, plan
     zb_h1 = build_schedule("zb-h1", o.ranks, o.microbatches)
-    # 1. profile
-    first = {"before": (job.original, _named(zb_h1, "before"))}
-    profiled = _in_turns(job, first, job.stepper("profile"), o.profile_steps)["before"]
-    profiled_phase = _phase(job.original, profiled)
-    measured = profile(profiled_phase._timed(), o.ranks)
-    found = attribute(profiled_phase.measured, profiled_phase.measured_schedule, measured.costs(), o.margin)
-    # 2. candidates
-    found_plan = job.candidates(measured, jax.devices()[0], zb_h1, judged=True)
-    part_costs, changes, parts, predicted, schedule = found_plan
-    plans: dict[str, tuple[Parts, Schedule]] = {"before": (job.original, _named(zb_h1, "before"))}
+    plans = {"before": (job.original, zb_h1)}
     if o.control:
-        plans["control"] = (job.original, _named(zb_h1, "control"))
-    tried = {c["kind"] for c in changes if c["tried"]}
-    if "rebalance" in tried:
-        plans["rebalanced"] = (parts, _named(zb_h1, "rebalanced"))
-    if "replan" in tried:
-        plans["re-planned"] = (parts, _named(schedule, "re-planned"))
-    # 3. judge: every plan in turns, step by step
-    results = _in_turns(job, plans, job.stepper("judge", o.profile_steps))
+        plans["control"] = (job.original, zb_h1)
+    trials = [(c, PLANS[c["kind"]]) for c in changes if c["tried"]]
+    plans.update({name: (parts, schedule if name == "re-planned" else zb_h1) for _, name in trials})
+    results = _in_turns(job, plans, "judge", o.steps, o.profile_steps)
     spans = {name: _spans(r) for name, r in results.items()}
     noise = paired_gain(spans["before"], spans["control"], o.confidence) if o.control else None
-    kept = _judge(changes, plans, spans, noise, o.confidence)
-    # 4. online
+    kept = _judge(trials, spans, noise, o.confidence)
     checks, kept_name = ([], kept)
     if o.online:
         checks, kept_name = _online(job, plans, results, kept, predicted, noise, changes)
     after_name = kept if kept != "before" else ("control" if o.control else "before")
-    after_phase = _phase(plans[after_name][0], results[after_name])
     final = results[kept_name]
-    return AdaptResult(
-        before=_phase(job.original, results["before"]), after=after_phase, profile=measured,
-        attribution=found,
-        attribution_after=attribute(after_phase.measured, after_phase.measured_schedule, None, o.margin),
-        part_costs=part_costs, changes=changes, online_checks=checks,
-        test_accuracy=final.test_accuracy, test_loss=final.test_loss,
-        config={**o.to_json(job.config, job.run), "plans": list(plans), "kept": kept_name,
-                "devices": final.config["devices"],
-                "measured": "one pinned process per rank, the plans taking turns step by step"},
-        comparison=paired_gain(spans["before"], spans[after_name], o.confidence), control=noise,
-        profiled=profiled_phase,
-    )
+    return {"before": _phase(job, results["before"]), "profiled": profiled,
+            "after": _phase(job, results[after_name], plans[after_name][0]), "online_checks": checks,
+            "test_accuracy": final.test_accuracy, "test_loss": final.test_loss,
+            "comparison": paired_gain(spans["before"], spans[after_name], o.confidence), "control": noise,
+            "config": {"plans": list(plans), "kept": kept_name, "devices": final.config["devices"],
+                       "measured": "one pinned process per rank, the plans taking turns step by step"}}
 
 
-def _judge(changes: list[dict], plans: dict, spans: dict, noise: PairedGain | None, confidence: float) -> str:
-    """Each tried candidate against the plan it would replace, in order; returns the kept plan's name."""
-    kept = "before"
-    for change, name in (("rebalance", "rebalanced"), ("replan", "re-planned")):
-        record = next((c for c in changes if c["kind"] == change), None)
-        if record is None or name not in plans:
-            continue
+PLANS = {"rebalance": "rebalanced", "replan": "re-planned"}
+"""The plan that tries each kind of change in a run in turns."""
+
+
+def _judge(trials: list[tuple[dict, str]], spans: dict, noise: PairedGain | None, confidence: float,
+           kept: str = "before") -> str:
+    """Each tried change (its record, its plan) against the plan it would replace, in order; returns the
+    kept plan's name."""
+    for record, name in trials:
         judged = paired_gain(spans[kept], spans[name], confidence)
         adopted = beats_noise(judged, noise)
         record.update({"adopted": adopted, "measured_against": kept, "measured": judged.to_json(),
@@ -547,9 +515,15 @@ def _judge(changes: list[dict], plans: dict, spans: dict, noise: PairedGain | No
         record["why"] += (f"; measured {name} / {kept}: {judged.text()}, "
                           + (f"noise (same plan twice) {noise.deviation:.1%}; " if noise is not None else "")
                           + ("adopted: faster beyond the noise" if adopted else NOT_FASTER))
-        if adopted:
-            kept = name
+        kept = name if adopted else kept
     return kept
+
+
+def _online_change(proposal, replanner: OnlineReplanner, **record) -> dict:
+    """The change record of an online re-plan ``proposal`` (a :class:`~zbpp_lite.analysis.replan.Replan`)."""
+    return {"kind": "online-replan", "to": proposal.schedule.name, "predicted_gain": proposal.gain,
+            "predicted_makespan": proposal.predicted, "current_makespan": proposal.current,
+            "gain": proposal.gain, "why": f"costs drifted by {replanner.history[-1].drift:.1%}", **record}
 
 
 def _online(job: _Job, plans: dict, results: dict, kept: str, predicted: Costs, noise: PairedGain | None,
@@ -564,17 +538,11 @@ def _online(job: _Job, plans: dict, results: dict, kept: str, predicted: Costs, 
     checks = _checks(replanner, o.profile_steps)
     if proposal is None or proposal.schedule.actions == kept_schedule.actions:
         return checks, kept
-    online_plans = {kept: plans[kept], "online": (kept_parts, _named(proposal.schedule, "online"))}
-    again = _in_turns(job, online_plans, job.stepper("online"))
-    judged = paired_gain(_spans(again[kept]), _spans(again["online"]), o.confidence)
-    adopted = beats_noise(judged, noise)
-    changes.append({"kind": "online-replan", "adopted": adopted, "to": proposal.schedule.name,
-                    "predicted_gain": proposal.gain, "gain": judged.gain, "measured": judged.to_json(),
-                    "why": f"costs drifted significantly ({replanner.history[-1].drift:.1%}); "
-                           f"measured online / {kept}: {judged.text()}; "
-                           + ("adopted" if adopted else NOT_FASTER)})
-    if not adopted:
+    online = (kept_parts, proposal.schedule)
+    again = _in_turns(job, {kept: plans[kept], "online": online}, "online", o.steps)
+    changes.append(_online_change(proposal, replanner, adopted=False))
+    spans = {name: _spans(r) for name, r in again.items()}
+    if _judge([(changes[-1], "online")], spans, noise, o.confidence, kept) == kept:
         return checks, kept
-    plans["online"] = online_plans["online"]
-    results["online"] = again["online"]
+    plans["online"], results["online"] = online, again["online"]
     return checks, "online"
