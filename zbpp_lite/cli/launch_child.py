@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from ..analysis.profiling.timelines import timed_steps
-from ..runtime.cluster import ENV_PROCESS_ID, ENV_TIMEOUT
+from ..runtime.cluster import JOIN_ENV, join_settings
 from ..runtime.distributed import initialize, pipeline_devices, process_executor
 from ..runtime.devices import COUNT_FLAG
 from ..runtime.stages import StagedModel
@@ -34,9 +34,8 @@ def train_process(args) -> int:
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
     check_launchable(args)  # launch checked it before starting us; a cluster's launcher did not
-    timeout = float(os.environ.get(ENV_TIMEOUT, "60"))
     t0 = time.perf_counter()
-    process, count = initialize(timeout=timeout)
+    process, count = initialize()
     _ensure_cpu_devices(-(-schedule.num_ranks // count) + (1 if count > 1 else 0))
     if os.environ.get("ZBPP_TEST_CRASH_PROCESS") == str(process):  # tests: a process that dies
         print(f"process {process}: exiting on purpose (ZBPP_TEST_CRASH_PROCESS)", file=sys.stderr, flush=True)
@@ -99,8 +98,7 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
     Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config names the process count."""
     config = model_config(args, blocks)
     model = StagedModel(build_parts(config), schedule.num_stages)
-    executor = process_executor(model, schedule, devices,
-                                  timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
+    executor = process_executor(model, schedule, devices, timeout=join_settings()["timeout"] or 60.0)
     result = train_steps_of(executor, args.steps, config, run_config(args), home=jax.local_devices()[0],
                             on_step=on_step)
     result.config["processes"] = jax.process_count()
@@ -123,7 +121,7 @@ if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train
     except BaseException as _e:  # noqa: BLE001 - one clear line on stderr, then out without waiting
         _msg = str(_e).strip().splitlines()[0] if str(_e).strip() else type(_e).__name__
         _who = "" if _msg.startswith("process ") else \
-            f"process {os.environ.get(ENV_PROCESS_ID, '?')}: {type(_e).__name__}: "
+            f"process {os.environ.get(JOIN_ENV['process_id'], '?')}: {type(_e).__name__}: "
         print(f"error: {_who}{_msg}", file=sys.stderr, flush=True)
         _status = 1
     sys.stdout.flush()

@@ -17,7 +17,6 @@ process and rank (:mod:`zbpp_lite.cli.launch` ends every child when one fails).
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import threading
 import time
@@ -28,8 +27,7 @@ import numpy as np
 from jax._src import distributed as _dist  # the key-value client: no public name yet
 
 from . import wire
-from .cluster import (ENV_COORDINATOR, ENV_HEARTBEAT, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_TRANSFER_ADDRESS,
-                      ENV_TRANSFER_PORT, address_towards, check_bindable, free_port, parse_address,
+from .cluster import (address_towards, check_bindable, free_port, join_settings, parse_address,
                       wait_for_coordinator)
 from .executor import PipelineExecutor
 from .stages import StagedModel, refuse_pytree_activations
@@ -38,60 +36,48 @@ from ..schedules.ir import Action, Schedule, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import execution_order
 
-"""Environment the launcher gives each child (without the first three JAX detects SLURM, Open MPI, TPU)."""
 
-
-def initialize(
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    transfer_port: int | None = None,
-    timeout: float = 60.0,
-    host: str = "127.0.0.1",
-    transfer_address: str | None = None,
-    heartbeat: float | None = None,
-) -> tuple[int, int]:
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, timeout: float | None = None,
+               transfer_address: str | None = None, heartbeat: float | None = None) -> tuple[int, int]:
     """Start JAX's distributed runtime for this process; returns (process index, process count).
 
     Args:
         coordinator: ``"HOST:PORT"`` of process 0's coordination service.
         num_processes, process_id: N and this process's index in 0..N-1.
-        transfer_port: this process's cross-host transfer port on ``host`` (``launch``'s form).
-        transfer_address: ``"HOST:PORT"`` to listen on for transfers (wins over ``transfer_port``; default
+        transfer_address: ``"HOST:PORT"`` to listen on for transfers (default
             :func:`~zbpp_lite.runtime.cluster.address_towards` the coordinator and a free port).
-        timeout: seconds for registration, the coordinator's first answer, each transfer, the roll call.
+        timeout: seconds for registration, the coordinator's first answer, each transfer, the roll call
+            (default 60).
         heartbeat: seconds without a heartbeat before JAX declares a process lost (default
             ``max(timeout, 10)``).
 
-    Arguments default to the ``ZBPP_*`` environment; with no coordinator JAX detects the cluster. Must run
-    before JAX starts its backend; checks the coordinator first and the process count after
-    (:func:`roll_call`). Sets gloo collectives on CPU.
+    Arguments default to the ``ZBPP_*`` environment (:func:`~zbpp_lite.runtime.cluster.join_settings`);
+    with no coordinator JAX detects the cluster. Must run before JAX starts its backend; checks the
+    coordinator first and the process count after (:func:`roll_call`). Sets gloo collectives on CPU.
 
     Raises:
         RuntimeError: one line naming this process and the cause (coordinator unreachable, port not free,
             process count differing from process 0's, runtime not starting). Failures inside JAX end the
             process from C++; :mod:`zbpp_lite.cli.join` names their cause.
     """
-    env = os.environ
-    coordinator = coordinator or env.get(ENV_COORDINATOR)
-    num_processes = num_processes if num_processes is not None else _env(ENV_NUM_PROCESSES, int)
-    process_id = process_id if process_id is not None else _env(ENV_PROCESS_ID, int)
-    transfer_port = transfer_port if transfer_port is not None else _env(ENV_TRANSFER_PORT, int)
-    transfer_address = transfer_address or env.get(ENV_TRANSFER_ADDRESS) or None
-    heartbeat = heartbeat if heartbeat is not None else _env(ENV_HEARTBEAT, float)
+    env = join_settings()
+    coordinator = coordinator or env["coordinator"]
+    num_processes = num_processes if num_processes is not None else env["num_processes"]
+    process_id = process_id if process_id is not None else env["process_id"]
+    timeout = timeout or env["timeout"] or 60.0
+    transfer_address = transfer_address or env["transfer_address"]
+    heartbeat = heartbeat or env["heartbeat"] or max(timeout, 10)
     me = f"process {process_id if process_id is not None else '?'}"
     if transfer_address:
         parse_address(transfer_address, "the transfer address")
-    elif transfer_port:
-        transfer_address = f"{host}:{transfer_port}"
     if coordinator:
         c_host, c_port = parse_address(coordinator, "--coordinator")
         if process_id == 0:
             check_bindable("0.0.0.0", c_port, f"{me}: the coordinator port")
         else:
             wait_for_coordinator(c_host, c_port, timeout, process_id)
-    _start_runtime(coordinator, num_processes, process_id, timeout,
-                   int(max(heartbeat if heartbeat else max(timeout, 10), 1)), me)
+    _start_runtime(coordinator, num_processes, process_id, timeout, int(max(heartbeat, 1)), me)
     state = _dist.global_state
     process_id = state.process_id if process_id is None else process_id
     num_processes = state.num_processes if num_processes is None else num_processes
@@ -167,12 +153,6 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
     if problem is not None:
         raise RuntimeError(problem)
     return out
-
-
-def _env(name: str, kind: type) -> Any:
-    """``kind(os.environ[name])``, or None when unset or empty."""
-    value = os.environ.get(name)
-    return kind(value) if value not in (None, "") else None
 
 
 def pipeline_devices(num_ranks: int) -> list:
