@@ -20,7 +20,8 @@ import dataclasses
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from contextlib import suppress
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -122,37 +123,27 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
     Raises:
         RuntimeError: one line: this process's count differs from process 0's, or a process did
             not answer within ``timeout`` seconds (named)."""
-    client = _client()
     mine = {"process": process, "num_processes": num_processes, "host": socket.gethostname(),
             "transfer_address": transfer_address}
-    client.key_value_set_bytes(f"zbpp/roll/{process}", wire.encode(mine))
-    out, problem = [], None
-    for q in range(num_processes):
-        try:
-            entry = wire.decode(client.blocking_key_value_get_bytes(f"zbpp/roll/{q}", int(timeout * 1000)))
-        except Exception as e:  # noqa: BLE001
-            problem = (f"process {process}: process {q} did not answer the roll call within {timeout:g} s "
-                       f"({_first_line(e) or type(e).__name__})")
-            break
+
+    def check(q: int, entry: dict) -> None:
         if entry.get("num_processes") != num_processes:
-            problem = (f"process {process}: mismatched process counts: this process was started with "
-                       f"--num-processes {num_processes}, process {q} (on {entry.get('host')}) with "
-                       f"{entry.get('num_processes')}; give every process the same N")
-            break
-        out.append(entry)
-    client.key_value_set(f"zbpp/roll/checked/{process}", "1")
-    if problem is not None and process == 0:
-        # process 0 hosts the service: leaving at once would end the others with "lost the
-        # coordinator" before they name the mismatch themselves; wait (bounded) for their verdicts
-        for q in range(1, num_processes):
-            try:
-                client.blocking_key_value_get(f"zbpp/roll/checked/{q}", int(min(timeout, 5.0) * 1000))
-            except Exception:  # noqa: BLE001 - that process is not there: nothing to wait for
-                pass
-        time.sleep(1.0)  # their one line is printed after their verdict
-    if problem is not None:
-        raise RuntimeError(problem)
-    return out
+            raise RuntimeError(f"process {process}: mismatched process counts: this process was started "
+                               f"with --num-processes {num_processes}, process {q} (on {entry.get('host')}) "
+                               f"with {entry.get('num_processes')}; give every process the same N")
+
+    try:
+        return _exchange("zbpp/roll", mine, process, num_processes, timeout, check)
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        _client().key_value_set(f"zbpp/roll/checked/{process}", "1")
+        if process == 0:
+            # process 0 hosts the service: leaving at once would end the others with "lost the
+            # coordinator" before they name the mismatch themselves; wait (bounded) for their verdicts
+            for q in range(1, num_processes):
+                with suppress(Exception):  # that process is not there: nothing to wait for
+                    _client().blocking_key_value_get(f"zbpp/roll/checked/{q}", int(min(timeout, 5.0) * 1000))
+            time.sleep(1.0)  # their one line is printed after their verdict
+        raise RuntimeError(str(e)) from None
 
 
 def pipeline_devices(num_ranks: int) -> list:
@@ -338,9 +329,11 @@ def _client():
     return _dist.global_state.client
 
 
-def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout: float) -> list:
+def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout: float,
+              check: Callable[[int, Any], None] | None = None) -> list:
     """Every process's ``value`` (JSON values, tuples, NumPy arrays; str keys) in process order, through
-    the key-value store in :mod:`zbpp_lite.runtime.wire`'s format.
+    the key-value store in :mod:`zbpp_lite.runtime.wire`'s format; ``check(q, value)`` may raise for
+    process q's before the next is awaited.
 
     Raises:
         TimeoutError: a process published nothing within ``timeout`` seconds (named).
@@ -354,10 +347,12 @@ def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout
             data = client.blocking_key_value_get_bytes(f"{prefix}/{q}", int(timeout * 1000))
         except Exception as e:  # noqa: BLE001
             raise TimeoutError(f"process {process}: process {q} published no results for {prefix} "
-                               f"within {timeout:g} s ({e})") from e
+                               f"within {timeout:g} s ({_first_line(e) or type(e).__name__})") from None
         try:
             out.append(wire.decode(data))
         except ValueError as e:
             raise ValueError(f"process {process}: the message of process {q} for {prefix} is malformed: "
                              f"{e}") from None
+        if check is not None:
+            check(q, out[-1])
     return out
