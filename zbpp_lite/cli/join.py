@@ -29,17 +29,17 @@ _XLA_LOG = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|\s+@\s|\*\*\* )")
 def add_join_arguments(p: argparse.ArgumentParser) -> None:
     """The multi-host flags of ``train``."""
     g = p.add_argument_group("several hosts (JAX's distributed runtime; see README 'Several hosts')")
-    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a free port on it; "
-                                                              "every process gives the same")
-    g.add_argument("--num-processes", type=int, metavar="N", help="processes in the run, N >= 1 (the same on "
-                                                                  "every process)")
-    g.add_argument("--process-id", type=int, metavar="I", help="this process's index in 0..N-1 (0 hosts the "
-                                                               "coordinator)")
+    g.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="process 0's address and a free port on it; every process gives the same")
+    g.add_argument("--num-processes", type=int, metavar="N",
+                   help="processes in the run, N >= 1 (the same on every process)")
+    g.add_argument("--process-id", type=int, metavar="I",
+                   help="this process's index in 0..N-1 (0 hosts the coordinator)")
     g.add_argument("--transfer-address", metavar="HOST:PORT",
                    help="where this process listens for cross-host array transfers (default: its address "
                         "towards the coordinator, a free port)")
-    g.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds any one wait may last "
-                                                                            "(default 60)")
+    g.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds any one wait may last (default 60)")
     g.add_argument("--heartbeat", type=float, default=10.0, metavar="S",
                    help="seconds without a heartbeat before a process counts as lost and the others end "
                         "(default 10)")
@@ -47,9 +47,7 @@ def add_join_arguments(p: argparse.ArgumentParser) -> None:
 
 def wants_join(args) -> bool:
     """A join flag is given, or a detected cluster has more than one process."""
-    if any(getattr(args, k, None) is not None for k in JOIN_FLAGS[:4]):
-        return True
-    return detect_cluster() is not None
+    return any(getattr(args, k, None) is not None for k in JOIN_FLAGS[:4]) or detect_cluster() is not None
 
 
 def check_join_arguments(args, num_ranks: int) -> str:
@@ -94,8 +92,7 @@ def train_argv(args, parser: argparse.ArgumentParser) -> list[str]:
         value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue
-        last = action.option_strings[-1]
-        flag = last if last.startswith("--") else action.option_strings[0]
+        flag = max(action.option_strings, key=len)  # the long form
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             argv.append(flag)
         elif isinstance(action, argparse._AppendAction):

@@ -27,12 +27,11 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--processes", "-n", type=int, default=2, help="local processes (default 2)")
     p.add_argument("--devices-per-process", "-k", type=int, default=1,
                    help="simulated CPU devices per process (default 1)")
-    p.add_argument("--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free "
-                                                          "one)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds any one wait in a child may last "
-                                                               "(default 60)")
-    p.add_argument("--deadline", type=float, default=900.0, help="seconds the whole run may last (default "
-                                                                 "900)")
+    p.add_argument("--port", type=int, help="coordinator port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any one wait in a child may last (default 60)")
+    p.add_argument("--deadline", type=float, default=900.0,
+                   help="seconds the whole run may last (default 900)")
     p.add_argument("command_args", nargs=argparse.REMAINDER, help="-- train [train options]")
     return p
 

@@ -65,10 +65,9 @@ def train_process(args) -> int:
         step_ms = [1e3 * s for s in timed_steps(result.step_seconds)]
         print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s) "
               f"{'after' if len(result.step_seconds) > 1 else 'including'} the first, which compiles: a "
-              "step's wall "
-              "time on process 0, i.e. the pipeline's actions (their span is the makespan above) plus "
-              "waiting for "
-              "the other processes, gathering the gradients onto one device and the AdamW update")
+              "step's wall time on process 0, i.e. the pipeline's actions (their span is the makespan above) "
+              "plus waiting for the other processes, gathering the gradients onto one device and the AdamW "
+              "update")
         if getattr(args, "json", None):
             data = {**result.to_json(), "startup_seconds": startup, "processes": count}
             print(strict_json.write(args.json, data))

@@ -31,8 +31,9 @@ from . import wire
 from .cluster import (address_towards, check_bindable, free_port, join_settings, parse_address,
                       wait_for_coordinator)
 from .executor import PipelineExecutor
+from .processes import one_line
 from .stages import StagedModel, refuse_pytree_activations
-from .transport import Aborted, Inbox, Threads, Transfer
+from .transport import Aborted, Carrier, Inbox, Transfer
 from ..schedules.ir import Action, Schedule, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import execution_order
@@ -109,11 +110,7 @@ def _start_runtime(coordinator, num_processes, process_id, timeout: float, heart
             jax.distributed.initialize(coordinator, num_processes, process_id, **options)
     except Exception as e:  # noqa: BLE001 - re-raised with the process named
         raise RuntimeError(f"{me} of {num_processes}: JAX's distributed runtime did not start "
-                           f"(coordinator {coordinator}): {type(e).__name__}: {_first_line(e)}") from e
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else ""
+                           f"(coordinator {coordinator}): {one_line(e)}") from e
 
 
 def roll_call(process: int, num_processes: int, timeout: float, transfer_address: str = "") -> list[dict]:
@@ -195,27 +192,22 @@ def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action
     return plan
 
 
-class _CrossProcess(Threads):
+class _CrossProcess(Carrier):
     """The transport across processes: local ranks via ``put``, others via the step's outbox, which the
     transfer thread (:meth:`start`) drains in :func:`transfer_plan`'s order; :meth:`finish` gathers the
     results. ``devices``: one global device per rank."""
 
     def __init__(self, put, model: StagedModel, schedule: Schedule, devices: Sequence[Any], timeout: float):
-        super().__init__(put)
-        self.model, self.schedule, self.devices, self.timeout = model, schedule, list(devices), timeout
         self.process, self.num_processes = jax.process_index(), jax.process_count()
-        self.owner = [d.process_index for d in self.devices]
+        self.owner = [d.process_index for d in devices]
+        super().__init__(put, [r for r, q in enumerate(self.owner) if q == self.process],
+                         lambda rank, key, value, step: self.outboxes[step].put(key.key, value), lambda v: v)
+        self.model, self.schedule, self.devices, self.timeout = model, schedule, list(devices), timeout
         self.plan = transfer_plan(schedule, self.owner)
         self.staging = {q: staging_device(q) for q in range(self.num_processes)}
         self.where = f"process {self.process}: "
         self.outboxes: dict = {}  # step number -> Inbox of what local ranks send to other processes
         self.sent: list = []  # (value, moved) of sends that may still read their buffers
-
-    def send(self, step, rank: int, key, value) -> None:
-        if self.owner[rank] == self.process:
-            self.put(step, key, value, rank)
-        else:
-            self.outboxes[step.index].put(key.key, value)
 
     def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
         """The thread that issues this process's transfers of ``steps`` in plan order."""
@@ -347,7 +339,7 @@ def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout
             data = client.blocking_key_value_get_bytes(f"{prefix}/{q}", int(timeout * 1000))
         except Exception as e:  # noqa: BLE001
             raise TimeoutError(f"process {process}: process {q} published no results for {prefix} "
-                               f"within {timeout:g} s ({_first_line(e) or type(e).__name__})") from None
+                               f"within {timeout:g} s ({one_line(e)})") from None
         try:
             out.append(wire.decode(data))
         except ValueError as e:

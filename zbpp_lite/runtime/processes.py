@@ -33,7 +33,7 @@ import numpy as np
 
 from ..schedules import strict_json
 from . import wire
-from .transport import Transfer, from_wire, to_wire
+from .transport import from_wire, to_wire
 
 RING_BYTES = 8 << 20
 """Shared memory per direction between two ranks: 64 of the peer job's activations (8 in flight per step)."""
@@ -43,14 +43,14 @@ ENV_SPEC = "ZBPP_RANK_SPEC"
 
 class Channel(Connection):
     """A message link to one other process over a socket's file descriptor: ``send(obj)`` / ``recv()``
-    one :mod:`~zbpp_lite.runtime.wire` message, never pickled; ``recv`` raises ``EOFError`` once the other
-    end closed."""
+    one :mod:`~zbpp_lite.runtime.wire` message, never pickled (``place`` / ``fetch``: as there); ``recv``
+    raises ``EOFError`` once the other end closed."""
 
-    def send(self, obj: Any) -> None:
-        self.send_bytes(wire.encode(obj))
+    def send(self, obj: Any, place: Callable | None = None) -> None:
+        self.send_bytes(wire.encode(obj, place))
 
-    def recv(self) -> Any:
-        return wire.decode(self.recv_bytes())
+    def recv(self, fetch: Callable | None = None) -> Any:
+        return wire.decode(self.recv_bytes(), fetch)
 
 
 def _pair() -> tuple[int, int]:
@@ -78,6 +78,11 @@ def exit_reason(code: int) -> str:
     except ValueError:
         name = ""
     return f"was killed by signal {-code}{name}"
+
+
+def one_line(e: BaseException) -> str:
+    """``"ValueError: its message's first line"``."""
+    return f"{type(e).__name__}: {str(e).strip()}".splitlines()[0].rstrip(": ")
 
 
 def failed(procs: list) -> list[tuple[int, int]]:
@@ -127,7 +132,6 @@ class RankProcesses:
         self.procs: list[subprocess.Popen] = []
         self.controls: list[Channel] = []
         links: list[dict] = [{} for _ in range(num_ranks)]
-        child_fds: list[list[int]] = [[] for _ in range(num_ranks)]
         for a in range(num_ranks):
             for b in range(a + 1, num_ranks):
                 ab, ba = (SharedMemory(create=True, size=RING_BYTES) for _ in range(2))
@@ -135,8 +139,6 @@ class RankProcesses:
                 fa, fb = _pair()
                 links[a][str(b)] = [fa, ab.name, ba.name]  # _Link's fd, outgoing ring, incoming ring
                 links[b][str(a)] = [fb, ba.name, ab.name]
-                child_fds[a].append(fa)
-                child_fds[b].append(fb)
         try:
             for r in range(num_ranks):
                 mine, theirs = _pair()
@@ -146,7 +148,8 @@ class RankProcesses:
                 path = os.pathsep.join(p for p in sys.path if p)
                 child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), path) if p)
                 command = [sys.executable, "-m", "zbpp_lite.runtime.processes"]
-                self.procs.append(subprocess.Popen(command, env=child_env, pass_fds=[theirs, *child_fds[r]],
+                fds = [theirs, *(fd for fd, *_ in links[r].values())]
+                self.procs.append(subprocess.Popen(command, env=child_env, pass_fds=fds,
                                                    stdin=subprocess.DEVNULL))
                 os.close(theirs)
                 self.controls.append(Channel(mine))
@@ -154,10 +157,9 @@ class RankProcesses:
             self.close()
             raise
         finally:
-            for fds in child_fds:
-                for fd in fds:
-                    with suppress(OSError):
-                        os.close(fd)
+            for fd in (fd for mine in links for fd, *_ in mine.values()):
+                with suppress(OSError):
+                    os.close(fd)
 
     def __enter__(self) -> "RankProcesses":
         return self
@@ -247,8 +249,6 @@ def connect(peers: dict, executor_for):
 
     def remote_for(name):
         def remote(to: int, key, value, step: int) -> None:
-            if isinstance(key, Transfer):  # an array, or a pytree activation's leaves: to host memory
-                value = [np.asarray(leaf) for leaf in value] if isinstance(value, list) else np.asarray(value)
             links[to].send(name, key, value, step, to)
 
         return remote
@@ -300,7 +300,8 @@ class _Ring:
         self.head = end
         return [at, list(value.shape), value.dtype.str, end]
 
-    def read(self, at: int, shape: list, dtype: str, end: int) -> np.ndarray:
+    def read(self, place: list) -> np.ndarray:
+        at, shape, dtype, end = place
         value = np.ndarray(tuple(shape), np.dtype(dtype), self.shm.buf, _HEADER + at).copy()
         self.read_upto[0] = end
         return value
@@ -319,30 +320,20 @@ class _Link:
         self.lock = threading.Lock()  # one writer at a time on the socket and the outgoing ring
 
     def send(self, name, key, value, step: int, to: int) -> None:
-        def array(v):
-            return isinstance(v, np.ndarray) and v.dtype != object
-
+        """A JSON notice on the socket; the arrays in ``value`` (a JAX one to host memory first) go into
+        the ring."""
         with self.lock:
-            message = {"name": name, "key": to_wire(key), "step": step, "to": to}
-            if array(value) or isinstance(value, list) and value and all(array(v) for v in value):
-                message["list"] = not array(value)  # a pytree's leaves: a list on arrival
-                message["rings"] = [self.out.write(v) for v in (value if message["list"] else [value])]
-            else:
-                message["value"] = value
-            self.channel.send(message)
+            message = {"name": name, "key": to_wire(key), "step": step, "to": to, "value": value}
+            self.channel.send(message, self.out.write)
 
     def receive(self):
         try:
-            message = self.channel.recv()
+            message = self.channel.recv(self.inc.read)
         except (EOFError, OSError):
             return None
         if message is None:
             return None
-        value = message.get("value")
-        if "rings" in message:
-            value = [self.inc.read(*place) for place in message["rings"]]
-            value = value if message["list"] else value[0]
-        return message["name"], from_wire(message["key"]), value, message["step"], message["to"]
+        return message["name"], from_wire(message["key"]), message["value"], message["step"], message["to"]
 
     def close(self) -> None:
         with self.lock, suppress(OSError):
@@ -376,7 +367,7 @@ def _main() -> None:
         sys.exit(1)
     except BaseException as e:  # the parent hears why, then the traceback goes to stderr
         with suppress(OSError):
-            control.send({"error": f"{type(e).__name__}: {e}".splitlines()[0]})
+            control.send({"error": one_line(e)})
         raise
 
 
