@@ -50,20 +50,17 @@ def wants_join(args) -> bool:
     return any(getattr(args, k, None) is not None for k in JOIN_FLAGS[:4]) or detect_cluster() is not None
 
 
-def check_join_arguments(args, num_ranks: int) -> str:
-    """Returns ``"flags"`` or the detected cluster's name; CliError names a bad flag and what is wanted."""
+def check_join_arguments(args, num_ranks: int) -> None:
+    """CliError naming a bad join flag and what is wanted (flags, or a cluster JAX detects)."""
     given = {k: getattr(args, k) for k in ("coordinator", "num_processes", "process_id")}
     if any(v is not None for v in given.values()):
         missing = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is None]
         if missing:
             raise CliError("several hosts need --coordinator HOST:PORT, --num-processes N and --process-id "
                            f"I together; missing {', '.join(missing)}")
-        mode = "flags"
-    else:
-        mode = detect_cluster()
-        if mode is None:
-            raise CliError("--transfer-address needs --coordinator, --num-processes and --process-id (or a "
-                           "cluster JAX detects: SLURM, MPI, TPU, Kubernetes)")
+    elif detect_cluster() is None:
+        raise CliError("--transfer-address needs --coordinator, --num-processes and --process-id (or a "
+                       "cluster JAX detects: SLURM, MPI, TPU, Kubernetes)")
     try:
         if args.coordinator is not None:
             parse_address(args.coordinator, "--coordinator")
@@ -80,7 +77,6 @@ def check_join_arguments(args, num_ranks: int) -> str:
     if not args.timeout > 0 or not args.heartbeat > 0:
         raise CliError(f"--timeout and --heartbeat must be > 0 seconds, got {args.timeout} and "
                        f"{args.heartbeat}")
-    return mode
 
 
 def train_argv(args, parser: argparse.ArgumentParser) -> list[str]:
