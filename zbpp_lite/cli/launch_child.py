@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 from typing import Any, Sequence
 
 import jax
@@ -19,6 +20,7 @@ from ..analysis.profiling.timelines import timed_steps
 from ..runtime.cluster import JOIN_ENV, join_settings
 from ..runtime.distributed import initialize, pipeline_devices, process_executor
 from ..runtime.devices import COUNT_FLAG
+from ..runtime.processes import one_line
 from ..runtime.stages import StagedModel
 from ..schedules import strict_json
 from ..schedules.ir import Schedule
@@ -36,7 +38,9 @@ def train_process(args) -> int:
     check_launchable(args)  # launch checked it before starting us; a cluster's launcher did not
     t0 = time.perf_counter()
     process, count = initialize()
-    _ensure_cpu_devices(-(-schedule.num_ranks // count) + (1 if count > 1 else 0))
+    if COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):  # a detected cluster set no CPU device count
+        with suppress(AttributeError, KeyError, ValueError, RuntimeError):  # JAX >= 0.4.38 has the option
+            jax.config.update("jax_num_cpu_devices", -(-schedule.num_ranks // count) + (count > 1))
     if os.environ.get("ZBPP_TEST_CRASH_PROCESS") == str(process):  # tests: a process that dies
         print(f"process {process}: exiting on purpose (ZBPP_TEST_CRASH_PROCESS)", file=sys.stderr, flush=True)
         os._exit(3)
@@ -81,16 +85,6 @@ def device_name(device) -> str:
     return f"process {device.process_index}'s {device.platform} {local}"
 
 
-def _ensure_cpu_devices(count: int) -> None:
-    """Ask for ``count`` CPU devices where ``XLA_FLAGS`` set none (a detected cluster); JAX >= 0.4.38."""
-    if COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except (AttributeError, KeyError, ValueError, RuntimeError):  # pragma: no cover - an older JAX
-        pass
-
-
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
     """:func:`~zbpp_lite.training.train.train_steps` on a :func:`process_executor`: every process holds
     all parameters and applies the same AdamW update to the gathered gradients (no final gather).
@@ -106,10 +100,8 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
 
 def die_with_parent() -> None:
     """Die with the parent (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``): no orphan of ``launch``."""
-    try:
+    with suppress(OSError, AttributeError):  # not Linux: nothing to do
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
 
 
 if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
@@ -118,10 +110,9 @@ if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train
     try:
         _status = train_process(_args)
     except BaseException as _e:  # noqa: BLE001 - one clear line on stderr, then out without waiting
-        _msg = str(_e).strip().splitlines()[0] if str(_e).strip() else type(_e).__name__
-        _who = "" if _msg.startswith("process ") else \
-            f"process {os.environ.get(JOIN_ENV['process_id'], '?')}: {type(_e).__name__}: "
-        print(f"error: {_who}{_msg}", file=sys.stderr, flush=True)
+        _line = str(_e).strip().splitlines()[0] if str(_e).startswith("process ") else \
+            f"process {os.environ.get(JOIN_ENV['process_id'], '?')}: {one_line(_e)}"
+        print(f"error: {_line}", file=sys.stderr, flush=True)
         _status = 1
     sys.stdout.flush()
     sys.stderr.flush()

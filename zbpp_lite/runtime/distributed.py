@@ -251,7 +251,7 @@ class _CrossProcess(Carrier):
             _client().blocking_key_value_get(f"zbpp/step{step.index}/ready/{a}", int(self.timeout * 1000))
         except Exception as e:  # noqa: BLE001
             raise TimeoutError(f"rank {rank} on process {src} did not produce {a} within {self.timeout:g} s "
-                               f"({e})") from None
+                               f"({one_line(e)})") from None
         single = jax.sharding.SingleDeviceSharding
         shape = shapes[consumer] if a.kind == "F" else shapes[a.stage]
         placeholder = jax.make_array_from_single_device_arrays(
