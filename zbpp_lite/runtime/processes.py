@@ -137,8 +137,8 @@ class RankProcesses:
                 ab, ba = (SharedMemory(create=True, size=RING_BYTES) for _ in range(2))
                 self.rings += [ab, ba]
                 fa, fb = _pair()
-                links[a][str(b)] = [fa, ab.name, ba.name]  # _Link's fd, outgoing ring, incoming ring
-                links[b][str(a)] = [fb, ba.name, ab.name]
+                links[a][str(b)] = {"fd": fa, "out": ab.name, "in": ba.name}
+                links[b][str(a)] = {"fd": fb, "out": ba.name, "in": ab.name}
         try:
             for r in range(num_ranks):
                 mine, theirs = _pair()
@@ -148,7 +148,7 @@ class RankProcesses:
                 path = os.pathsep.join(p for p in sys.path if p)
                 child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), path) if p)
                 command = [sys.executable, "-m", "zbpp_lite.runtime.processes"]
-                fds = [theirs, *(fd for fd, *_ in links[r].values())]
+                fds = [theirs, *(link["fd"] for link in links[r].values())]
                 self.procs.append(subprocess.Popen(command, env=child_env, pass_fds=fds,
                                                    stdin=subprocess.DEVNULL))
                 os.close(theirs)
@@ -157,7 +157,7 @@ class RankProcesses:
             self.close()
             raise
         finally:
-            for fd in (fd for mine in links for fd, *_ in mine.values()):
+            for fd in (link["fd"] for mine in links for link in mine.values()):
                 with suppress(OSError):
                     os.close(fd)
 
@@ -244,7 +244,7 @@ def connect(peers: dict, executor_for):
     """
     single = callable(executor_for)
     factories = {None: executor_for} if single else dict(executor_for)
-    links = {int(to): _Link(*link) for to, link in peers.items()}
+    links = {int(to): _Link(link["fd"], link["out"], link["in"]) for to, link in peers.items()}
     _LINKS[id(peers)] = links
 
     def remote_for(name):
