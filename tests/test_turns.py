@@ -122,10 +122,9 @@ def test_bad_entries_and_sizes_are_refused():
 
 def test_a_channel_refuses_what_is_not_data():
     import socket
-    from multiprocessing.connection import Connection
 
     a, b = socket.socketpair()
-    left, right = Channel(Connection(a.detach())), Channel(Connection(b.detach()))
+    left, right = Channel(a.detach()), Channel(b.detach())
     left.send({"v": [1, 2], "a": np.ones(3, np.int64)})
     got = right.recv()
     assert got["v"] == [1, 2] and got["a"].tolist() == [1, 1, 1]

@@ -10,15 +10,17 @@ import os
 import signal
 import sys
 import time
+from contextlib import suppress
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 
 from ..analysis.profiling.timelines import timed_steps
-from ..runtime.cluster import ENV_PROCESS_ID, ENV_TIMEOUT
+from ..runtime.cluster import JOIN_ENV, join_settings
 from ..runtime.distributed import initialize, pipeline_devices, process_executor
 from ..runtime.devices import COUNT_FLAG
+from ..runtime.processes import one_line
 from ..runtime.stages import StagedModel
 from ..schedules import strict_json
 from ..schedules.ir import Schedule
@@ -34,10 +36,11 @@ def train_process(args) -> int:
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
     check_launchable(args)  # launch checked it before starting us; a cluster's launcher did not
-    timeout = float(os.environ.get(ENV_TIMEOUT, "60"))
     t0 = time.perf_counter()
-    process, count = initialize(timeout=timeout)
-    _ensure_cpu_devices(-(-schedule.num_ranks // count) + (1 if count > 1 else 0))
+    process, count = initialize()
+    if COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):  # a detected cluster set no CPU device count
+        with suppress(AttributeError, KeyError, ValueError, RuntimeError):  # JAX >= 0.4.38 has the option
+            jax.config.update("jax_num_cpu_devices", -(-schedule.num_ranks // count) + (count > 1))
     if os.environ.get("ZBPP_TEST_CRASH_PROCESS") == str(process):  # tests: a process that dies
         print(f"process {process}: exiting on purpose (ZBPP_TEST_CRASH_PROCESS)", file=sys.stderr, flush=True)
         os._exit(3)
@@ -66,10 +69,9 @@ def train_process(args) -> int:
         step_ms = [1e3 * s for s in timed_steps(result.step_seconds)]
         print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s) "
               f"{'after' if len(result.step_seconds) > 1 else 'including'} the first, which compiles: a "
-              "step's wall "
-              "time on process 0, i.e. the pipeline's actions (their span is the makespan above) plus "
-              "waiting for "
-              "the other processes, gathering the gradients onto one device and the AdamW update")
+              "step's wall time on process 0, i.e. the pipeline's actions (their span is the makespan above) "
+              "plus waiting for the other processes, gathering the gradients onto one device and the AdamW "
+              "update")
         if getattr(args, "json", None):
             data = {**result.to_json(), "startup_seconds": startup, "processes": count}
             print(strict_json.write(args.json, data))
@@ -83,24 +85,13 @@ def device_name(device) -> str:
     return f"process {device.process_index}'s {device.platform} {local}"
 
 
-def _ensure_cpu_devices(count: int) -> None:
-    """Ask for ``count`` CPU devices where ``XLA_FLAGS`` set none (a detected cluster); JAX >= 0.4.38."""
-    if COUNT_FLAG in os.environ.get("XLA_FLAGS", ""):
-        return
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except (AttributeError, KeyError, ValueError, RuntimeError):  # pragma: no cover - an older JAX
-        pass
-
-
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
     """:func:`~zbpp_lite.training.train.train_steps` on a :func:`process_executor`: every process holds
     all parameters and applies the same AdamW update to the gathered gradients (no final gather).
     Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config names the process count."""
     config = model_config(args, blocks)
     model = StagedModel(build_parts(config), schedule.num_stages)
-    executor = process_executor(model, schedule, devices,
-                                  timeout=float(os.environ.get(ENV_TIMEOUT, "60")))
+    executor = process_executor(model, schedule, devices, timeout=join_settings()["timeout"] or 60.0)
     result = train_steps_of(executor, args.steps, config, run_config(args), home=jax.local_devices()[0],
                             on_step=on_step)
     result.config["processes"] = jax.process_count()
@@ -109,10 +100,8 @@ def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], o
 
 def die_with_parent() -> None:
     """Die with the parent (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``): no orphan of ``launch``."""
-    try:
+    with suppress(OSError, AttributeError):  # not Linux: nothing to do
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
 
 
 if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
@@ -121,10 +110,9 @@ if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train
     try:
         _status = train_process(_args)
     except BaseException as _e:  # noqa: BLE001 - one clear line on stderr, then out without waiting
-        _msg = str(_e).strip().splitlines()[0] if str(_e).strip() else type(_e).__name__
-        _who = "" if _msg.startswith("process ") else \
-            f"process {os.environ.get(ENV_PROCESS_ID, '?')}: {type(_e).__name__}: "
-        print(f"error: {_who}{_msg}", file=sys.stderr, flush=True)
+        _line = str(_e).strip().splitlines()[0] if str(_e).startswith("process ") else \
+            f"process {os.environ.get(JOIN_ENV['process_id'], '?')}: {one_line(_e)}"
+        print(f"error: {_line}", file=sys.stderr, flush=True)
         _status = 1
     sys.stdout.flush()
     sys.stderr.flush()

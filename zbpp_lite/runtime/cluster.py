@@ -17,14 +17,35 @@ import socket
 import time
 from typing import Mapping
 
-# the environment `launch` and `join` hand each process (read by runtime.distributed.initialize)
-ENV_COORDINATOR = "ZBPP_COORDINATOR"
-ENV_NUM_PROCESSES = "ZBPP_NUM_PROCESSES"
-ENV_PROCESS_ID = "ZBPP_PROCESS_ID"
-ENV_TRANSFER_PORT = "ZBPP_TRANSFER_PORT"
-ENV_TIMEOUT = "ZBPP_TIMEOUT"
-ENV_TRANSFER_ADDRESS = "ZBPP_TRANSFER_ADDRESS"
-ENV_HEARTBEAT = "ZBPP_HEARTBEAT"
+from .devices import cpu_device_flags
+
+JOIN_ENV = {"coordinator": "ZBPP_COORDINATOR", "num_processes": "ZBPP_NUM_PROCESSES",
+            "process_id": "ZBPP_PROCESS_ID", "transfer_address": "ZBPP_TRANSFER_ADDRESS",
+            "timeout": "ZBPP_TIMEOUT", "heartbeat": "ZBPP_HEARTBEAT"}
+"""The join settings (``train``'s flags' names) -> the variable ``launch`` and ``join`` hand each child."""
+_TYPES = {"num_processes": int, "process_id": int, "timeout": float, "heartbeat": float}
+
+
+def child_env(settings: Mapping, rank_devices: int | None = None) -> dict:
+    """This environment with ``settings`` (:data:`JOIN_ENV`'s keys; None: unset) as ``ZBPP_*`` variables
+    and, with ``rank_devices``, that many CPU devices plus one receiving transfers when there are several
+    processes (:func:`~zbpp_lite.runtime.distributed.staging_device`)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key, name in JOIN_ENV.items():
+        if settings.get(key) is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(settings[key])
+    if rank_devices is not None:
+        extra = settings["num_processes"] > 1
+        env["XLA_FLAGS"] = cpu_device_flags(rank_devices + extra, current=env.get("XLA_FLAGS", ""))
+    return env
+
+
+def join_settings() -> dict:
+    """The settings :func:`child_env` handed this process, typed; None where unset."""
+    return {key: _TYPES.get(key, str)(os.environ[name]) if os.environ.get(name) else None
+            for key, name in JOIN_ENV.items()}
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:
@@ -99,7 +120,7 @@ def check_bindable(host: str, port: int, what: str) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise RuntimeError(f"{what} {host}:{port} cannot be listened on here ({e.strerror}): "
+            raise RuntimeError(f"{what} {port} on {host} cannot be listened on here ({e.strerror}): "
                                f"give a free port on one of this host's own addresses") from None
 
 

@@ -56,12 +56,6 @@ def backend_started() -> bool:
     return started() if started is not None else bool(getattr(xla_bridge, "_backends", {}))
 
 
-def _check_platform(platform: str | None) -> None:
-    if platform is not None and platform not in PLATFORMS:
-        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)} (or None for the automatic "
-                         f"choice), got {platform!r}")
-
-
 def platform_devices(platform: str) -> list:
     """Every JAX device of ``platform`` (``"cpu"``, ``"gpu"``, ``"tpu"``); ``[]`` when JAX has no such
     backend. Starts JAX's backends (call :func:`ensure_devices` first for simulated CPU devices).
@@ -69,9 +63,8 @@ def platform_devices(platform: str) -> list:
     Raises:
         ValueError: an unknown platform name.
     """
-    if platform is None:
-        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, got None")
-    _check_platform(platform)
+    if platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)}, got {platform!r}")
     import jax  # lazy: importing this module must not import JAX (XLA_FLAGS first)
 
     try:
@@ -102,7 +95,9 @@ def ensure_devices(num_devices: int, single_threaded: bool = True, platform: str
     """
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices must be an integer >= 1, got {num_devices!r}")
-    _check_platform(platform)
+    if platform is not None and platform not in PLATFORMS:
+        raise ValueError(f"platform must be one of {', '.join(PLATFORMS)} (or None for the automatic "
+                         f"choice), got {platform!r}")
     if not backend_started():
         os.environ["XLA_FLAGS"] = cpu_device_flags(num_devices, single_threaded)
     import jax  # lazy: after XLA_FLAGS is set
@@ -111,7 +106,12 @@ def ensure_devices(num_devices: int, single_threaded: bool = True, platform: str
         devices = platform_devices(platform)
         if len(devices) >= num_devices:
             return devices[:num_devices]
-        raise RuntimeError(too_few_accelerators_message(num_devices, platform, len(devices)))
+        raise RuntimeError(
+            f"the pipeline needs {num_devices} {platform} devices (one per rank) but JAX has {len(devices)} "
+            f"{platform} device(s). With at least one, profile each stage's F, B, W on it and simulate the "
+            f"pipeline from those costs (zbpp_lite.analysis.profiling.device.profile_stage_costs; "
+            f"`python -m zbpp_lite train --platform {platform}` does this, then trains on simulated CPU "
+            f"devices); or run on simulated CPU devices with platform 'cpu' (--platform cpu)")
     if platform is None:
         devices = jax.devices()
         if len(devices) >= num_devices:
@@ -132,13 +132,3 @@ def too_few_devices_message(needed: int, available: int) -> str:
         f"XLA_FLAGS={COUNT_FLAG}={needed} in the environment before starting Python"
     )
 
-
-def too_few_accelerators_message(needed: int, platform: str, available: int) -> str:
-    """The explanation given when ``platform`` has fewer devices than the pipeline's ranks."""
-    return (
-        f"the pipeline needs {needed} {platform} devices (one per rank) but JAX has {available} "
-        f"{platform} device(s). With at least one, profile each stage's F, B, W on it and simulate "
-        f"the pipeline from those costs (zbpp_lite.analysis.profiling.device.profile_stage_costs; "
-        f"`python -m zbpp_lite train --platform {platform}` does this, then trains on simulated CPU "
-        f"devices); or run on simulated CPU devices with platform 'cpu' (--platform cpu)"
-    )

@@ -17,81 +17,69 @@ process and rank (:mod:`zbpp_lite.cli.launch` ends every child when one fails).
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import threading
 import time
-from typing import Any, Sequence
+from contextlib import suppress
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 from jax._src import distributed as _dist  # the key-value client: no public name yet
 
 from . import wire
-from .cluster import (ENV_COORDINATOR, ENV_HEARTBEAT, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_TRANSFER_ADDRESS,
-                      ENV_TRANSFER_PORT, address_towards, check_bindable, free_port, parse_address,
+from .cluster import (address_towards, check_bindable, free_port, join_settings, parse_address,
                       wait_for_coordinator)
 from .executor import PipelineExecutor
+from .processes import one_line
 from .stages import StagedModel, refuse_pytree_activations
-from .transport import Aborted, Inbox, Threads, Transfer
+from .transport import Aborted, Carrier, Inbox, Transfer
 from ..schedules.ir import Action, Schedule, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import execution_order
 
-"""Environment the launcher gives each child (without the first three JAX detects SLURM, Open MPI, TPU)."""
 
-
-def initialize(
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    transfer_port: int | None = None,
-    timeout: float = 60.0,
-    host: str = "127.0.0.1",
-    transfer_address: str | None = None,
-    heartbeat: float | None = None,
-) -> tuple[int, int]:
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, timeout: float | None = None,
+               transfer_address: str | None = None, heartbeat: float | None = None) -> tuple[int, int]:
     """Start JAX's distributed runtime for this process; returns (process index, process count).
 
     Args:
         coordinator: ``"HOST:PORT"`` of process 0's coordination service.
         num_processes, process_id: N and this process's index in 0..N-1.
-        transfer_port: this process's cross-host transfer port on ``host`` (``launch``'s form).
-        transfer_address: ``"HOST:PORT"`` to listen on for transfers (wins over ``transfer_port``; default
+        transfer_address: ``"HOST:PORT"`` to listen on for transfers (default
             :func:`~zbpp_lite.runtime.cluster.address_towards` the coordinator and a free port).
-        timeout: seconds for registration, the coordinator's first answer, each transfer, the roll call.
+        timeout: seconds for registration, the coordinator's first answer, each transfer, the roll call
+            (default 60).
         heartbeat: seconds without a heartbeat before JAX declares a process lost (default
             ``max(timeout, 10)``).
 
-    Arguments default to the ``ZBPP_*`` environment; with no coordinator JAX detects the cluster. Must run
-    before JAX starts its backend; checks the coordinator first and the process count after
-    (:func:`roll_call`). Sets gloo collectives on CPU.
+    Arguments default to the ``ZBPP_*`` environment (:func:`~zbpp_lite.runtime.cluster.join_settings`);
+    with no coordinator JAX detects the cluster. Must run before JAX starts its backend; checks the
+    coordinator first and the process count after (:func:`roll_call`). Sets gloo collectives on CPU.
 
     Raises:
         RuntimeError: one line naming this process and the cause (coordinator unreachable, port not free,
             process count differing from process 0's, runtime not starting). Failures inside JAX end the
             process from C++; :mod:`zbpp_lite.cli.join` names their cause.
     """
-    env = os.environ
-    coordinator = coordinator or env.get(ENV_COORDINATOR)
-    num_processes = num_processes if num_processes is not None else _env(ENV_NUM_PROCESSES, int)
-    process_id = process_id if process_id is not None else _env(ENV_PROCESS_ID, int)
-    transfer_port = transfer_port if transfer_port is not None else _env(ENV_TRANSFER_PORT, int)
-    transfer_address = transfer_address or env.get(ENV_TRANSFER_ADDRESS) or None
-    heartbeat = heartbeat if heartbeat is not None else _env(ENV_HEARTBEAT, float)
+    env = join_settings()
+    coordinator = coordinator or env["coordinator"]
+    num_processes = num_processes if num_processes is not None else env["num_processes"]
+    process_id = process_id if process_id is not None else env["process_id"]
+    timeout = timeout or env["timeout"] or 60.0
+    transfer_address = transfer_address or env["transfer_address"]
+    heartbeat = heartbeat or env["heartbeat"] or max(timeout, 10)
     me = f"process {process_id if process_id is not None else '?'}"
     if transfer_address:
         parse_address(transfer_address, "the transfer address")
-    elif transfer_port:
-        transfer_address = f"{host}:{transfer_port}"
     if coordinator:
         c_host, c_port = parse_address(coordinator, "--coordinator")
         if process_id == 0:
             check_bindable("0.0.0.0", c_port, f"{me}: the coordinator port")
         else:
             wait_for_coordinator(c_host, c_port, timeout, process_id)
-    _start_runtime(coordinator, num_processes, process_id, timeout,
-                   int(max(heartbeat if heartbeat else max(timeout, 10), 1)), me)
+    _start_runtime(coordinator, num_processes, process_id, timeout, int(max(heartbeat, 1)), me)
     state = _dist.global_state
     process_id = state.process_id if process_id is None else process_id
     num_processes = state.num_processes if num_processes is None else num_processes
@@ -122,11 +110,7 @@ def _start_runtime(coordinator, num_processes, process_id, timeout: float, heart
             jax.distributed.initialize(coordinator, num_processes, process_id, **options)
     except Exception as e:  # noqa: BLE001 - re-raised with the process named
         raise RuntimeError(f"{me} of {num_processes}: JAX's distributed runtime did not start "
-                           f"(coordinator {coordinator}): {type(e).__name__}: {_first_line(e)}") from e
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else ""
+                           f"(coordinator {coordinator}): {one_line(e)}") from e
 
 
 def roll_call(process: int, num_processes: int, timeout: float, transfer_address: str = "") -> list[dict]:
@@ -136,43 +120,27 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
     Raises:
         RuntimeError: one line: this process's count differs from process 0's, or a process did
             not answer within ``timeout`` seconds (named)."""
-    client = _client()
     mine = {"process": process, "num_processes": num_processes, "host": socket.gethostname(),
             "transfer_address": transfer_address}
-    client.key_value_set_bytes(f"zbpp/roll/{process}", wire.encode(mine))
-    out, problem = [], None
-    for q in range(num_processes):
-        try:
-            entry = wire.decode(client.blocking_key_value_get_bytes(f"zbpp/roll/{q}", int(timeout * 1000)))
-        except Exception as e:  # noqa: BLE001
-            problem = (f"process {process}: process {q} did not answer the roll call within {timeout:g} s "
-                       f"({_first_line(e) or type(e).__name__})")
-            break
+
+    def check(q: int, entry: dict) -> None:
         if entry.get("num_processes") != num_processes:
-            problem = (f"process {process}: mismatched process counts: this process was started with "
-                       f"--num-processes {num_processes}, process {q} (on {entry.get('host')}) with "
-                       f"{entry.get('num_processes')}; give every process the same N")
-            break
-        out.append(entry)
-    client.key_value_set(f"zbpp/roll/checked/{process}", "1")
-    if problem is not None and process == 0:
-        # process 0 hosts the service: leaving at once would end the others with "lost the
-        # coordinator" before they name the mismatch themselves; wait (bounded) for their verdicts
-        for q in range(1, num_processes):
-            try:
-                client.blocking_key_value_get(f"zbpp/roll/checked/{q}", int(min(timeout, 5.0) * 1000))
-            except Exception:  # noqa: BLE001 - that process is not there: nothing to wait for
-                pass
-        time.sleep(1.0)  # their one line is printed after their verdict
-    if problem is not None:
-        raise RuntimeError(problem)
-    return out
+            raise RuntimeError(f"process {process}: mismatched process counts: this process was started "
+                               f"with --num-processes {num_processes}, process {q} (on {entry.get('host')}) "
+                               f"with {entry.get('num_processes')}; give every process the same N")
 
-
-def _env(name: str, kind: type) -> Any:
-    """``kind(os.environ[name])``, or None when unset or empty."""
-    value = os.environ.get(name)
-    return kind(value) if value not in (None, "") else None
+    try:
+        return _exchange("zbpp/roll", mine, process, num_processes, timeout, check)
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        _client().key_value_set(f"zbpp/roll/checked/{process}", "1")
+        if process == 0:
+            # process 0 hosts the service: leaving at once would end the others with "lost the
+            # coordinator" before they name the mismatch themselves; wait (bounded) for their verdicts
+            for q in range(1, num_processes):
+                with suppress(Exception):  # that process is not there: nothing to wait for
+                    _client().blocking_key_value_get(f"zbpp/roll/checked/{q}", int(min(timeout, 5.0) * 1000))
+            time.sleep(1.0)  # their one line is printed after their verdict
+        raise RuntimeError(str(e)) from None
 
 
 def pipeline_devices(num_ranks: int) -> list:
@@ -224,27 +192,22 @@ def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action
     return plan
 
 
-class _CrossProcess(Threads):
+class _CrossProcess(Carrier):
     """The transport across processes: local ranks via ``put``, others via the step's outbox, which the
     transfer thread (:meth:`start`) drains in :func:`transfer_plan`'s order; :meth:`finish` gathers the
     results. ``devices``: one global device per rank."""
 
     def __init__(self, put, model: StagedModel, schedule: Schedule, devices: Sequence[Any], timeout: float):
-        super().__init__(put)
-        self.model, self.schedule, self.devices, self.timeout = model, schedule, list(devices), timeout
         self.process, self.num_processes = jax.process_index(), jax.process_count()
-        self.owner = [d.process_index for d in self.devices]
+        self.owner = [d.process_index for d in devices]
+        super().__init__(put, [r for r, q in enumerate(self.owner) if q == self.process],
+                         lambda rank, key, value, step: self.outboxes[step].put(key.key, value), lambda v: v)
+        self.model, self.schedule, self.devices, self.timeout = model, schedule, list(devices), timeout
         self.plan = transfer_plan(schedule, self.owner)
         self.staging = {q: staging_device(q) for q in range(self.num_processes)}
         self.where = f"process {self.process}: "
         self.outboxes: dict = {}  # step number -> Inbox of what local ranks send to other processes
         self.sent: list = []  # (value, moved) of sends that may still read their buffers
-
-    def send(self, step, rank: int, key, value) -> None:
-        if self.owner[rank] == self.process:
-            self.put(step, key, value, rank)
-        else:
-            self.outboxes[step.index].put(key.key, value)
 
     def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
         """The thread that issues this process's transfers of ``steps`` in plan order."""
@@ -288,7 +251,7 @@ class _CrossProcess(Threads):
             _client().blocking_key_value_get(f"zbpp/step{step.index}/ready/{a}", int(self.timeout * 1000))
         except Exception as e:  # noqa: BLE001
             raise TimeoutError(f"rank {rank} on process {src} did not produce {a} within {self.timeout:g} s "
-                               f"({e})") from None
+                               f"({one_line(e)})") from None
         single = jax.sharding.SingleDeviceSharding
         shape = shapes[consumer] if a.kind == "F" else shapes[a.stage]
         placeholder = jax.make_array_from_single_device_arrays(
@@ -358,9 +321,11 @@ def _client():
     return _dist.global_state.client
 
 
-def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout: float) -> list:
+def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout: float,
+              check: Callable[[int, Any], None] | None = None) -> list:
     """Every process's ``value`` (JSON values, tuples, NumPy arrays; str keys) in process order, through
-    the key-value store in :mod:`zbpp_lite.runtime.wire`'s format.
+    the key-value store in :mod:`zbpp_lite.runtime.wire`'s format; ``check(q, value)`` may raise for
+    process q's before the next is awaited.
 
     Raises:
         TimeoutError: a process published nothing within ``timeout`` seconds (named).
@@ -374,10 +339,12 @@ def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout
             data = client.blocking_key_value_get_bytes(f"{prefix}/{q}", int(timeout * 1000))
         except Exception as e:  # noqa: BLE001
             raise TimeoutError(f"process {process}: process {q} published no results for {prefix} "
-                               f"within {timeout:g} s ({e})") from e
+                               f"within {timeout:g} s ({one_line(e)})") from None
         try:
             out.append(wire.decode(data))
         except ValueError as e:
             raise ValueError(f"process {process}: the message of process {q} for {prefix} is malformed: "
                              f"{e}") from None
+        if check is not None:
+            check(q, out[-1])
     return out

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import suppress
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from multiprocessing.shared_memory import SharedMemory
@@ -32,7 +33,7 @@ import numpy as np
 
 from ..schedules import strict_json
 from . import wire
-from .transport import Transfer, from_wire, to_wire
+from .transport import from_wire, to_wire
 
 RING_BYTES = 8 << 20
 """Shared memory per direction between two ranks: 64 of the peer job's activations (8 in flight per step)."""
@@ -40,24 +41,16 @@ _HEADER = 64  # the ring's first bytes: how far the receiver has read (uint64)
 ENV_SPEC = "ZBPP_RANK_SPEC"
 
 
-class Channel:
-    """A message link to one other process: ``send(obj)`` / ``recv()`` one :mod:`~zbpp_lite.runtime.wire`
-    message; ``recv`` raises ``EOFError`` once the other end closed."""
+class Channel(Connection):
+    """A message link to one other process over a socket's file descriptor: ``send(obj)`` / ``recv()``
+    one :mod:`~zbpp_lite.runtime.wire` message, never pickled (``place`` / ``fetch``: as there); ``recv``
+    raises ``EOFError`` once the other end closed."""
 
-    def __init__(self, conn: Connection):
-        self.conn = conn
+    def send(self, obj: Any, place: Callable | None = None) -> None:
+        self.send_bytes(wire.encode(obj, place))
 
-    def send(self, obj: Any) -> None:
-        self.conn.send_bytes(wire.encode(obj))
-
-    def recv(self) -> Any:
-        return wire.decode(self.conn.recv_bytes())
-
-    def poll(self, timeout: float) -> bool:
-        return self.conn.poll(timeout)
-
-    def close(self) -> None:
-        self.conn.close()
+    def recv(self, fetch: Callable | None = None) -> Any:
+        return wire.decode(self.recv_bytes(), fetch)
 
 
 def _pair() -> tuple[int, int]:
@@ -87,6 +80,11 @@ def exit_reason(code: int) -> str:
     return f"was killed by signal {-code}{name}"
 
 
+def one_line(e: BaseException) -> str:
+    """``"ValueError: its message's first line"``."""
+    return f"{type(e).__name__}: {str(e).strip()}".splitlines()[0].rstrip(": ")
+
+
 def failed(procs: list) -> list[tuple[int, int]]:
     """``(index, exit status)`` of every process of ``procs`` that ended with a non-zero status."""
     return [(i, code) for i, code in enumerate(p.poll() for p in procs) if code not in (None, 0)]
@@ -102,10 +100,8 @@ def end_process(proc: subprocess.Popen, group: bool = False) -> None:
                 proc.kill()
         except (ProcessLookupError, PermissionError):
             proc.kill()
-    try:
+    with suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover
-        pass
 
 
 class RankProcesses:
@@ -136,7 +132,6 @@ class RankProcesses:
         self.procs: list[subprocess.Popen] = []
         self.controls: list[Channel] = []
         links: list[dict] = [{} for _ in range(num_ranks)]
-        child_fds: list[list[int]] = [[] for _ in range(num_ranks)]
         for a in range(num_ranks):
             for b in range(a + 1, num_ranks):
                 ab, ba = (SharedMemory(create=True, size=RING_BYTES) for _ in range(2))
@@ -144,8 +139,6 @@ class RankProcesses:
                 fa, fb = _pair()
                 links[a][str(b)] = {"fd": fa, "out": ab.name, "in": ba.name}
                 links[b][str(a)] = {"fd": fb, "out": ba.name, "in": ab.name}
-                child_fds[a].append(fa)
-                child_fds[b].append(fb)
         try:
             for r in range(num_ranks):
                 mine, theirs = _pair()
@@ -155,20 +148,18 @@ class RankProcesses:
                 path = os.pathsep.join(p for p in sys.path if p)
                 child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), path) if p)
                 command = [sys.executable, "-m", "zbpp_lite.runtime.processes"]
-                self.procs.append(subprocess.Popen(command, env=child_env, pass_fds=[theirs, *child_fds[r]],
+                fds = [theirs, *(link["fd"] for link in links[r].values())]
+                self.procs.append(subprocess.Popen(command, env=child_env, pass_fds=fds,
                                                    stdin=subprocess.DEVNULL))
                 os.close(theirs)
-                self.controls.append(Channel(Connection(mine)))
+                self.controls.append(Channel(mine))
         except BaseException:
             self.close()
             raise
         finally:
-            for fds in child_fds:
-                for fd in fds:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
+            for fd in (link["fd"] for mine in links for link in mine.values()):
+                with suppress(OSError):
+                    os.close(fd)
 
     def __enter__(self) -> "RankProcesses":
         return self
@@ -194,7 +185,7 @@ class RankProcesses:
         replies: dict[int, Any] = {}
         deadline = time.monotonic() + timeout
         while len(replies) < len(self.controls):
-            waiting = {self.controls[r].conn: r for r in range(len(self.controls)) if r not in replies}
+            waiting = {self.controls[r]: r for r in range(len(self.controls)) if r not in replies}
             for conn in wait(list(waiting), 0.1):
                 replies[waiting[conn]] = self._reply(waiting[conn])
             for r, code in failed(self.procs):
@@ -226,16 +217,12 @@ class RankProcesses:
     def close(self, timeout: float = 30.0) -> None:
         """Stop every rank (waiting ``timeout`` s each, then SIGKILL) and remove the shared memory."""
         for control in self.controls:
-            try:
+            with suppress(OSError):
                 control.send(None)
-            except OSError:
-                pass
         for proc in self.procs:
             if timeout > 0:
-                try:
+                with suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    pass
             end_process(proc)
         for control in self.controls:
             control.close()
@@ -244,12 +231,6 @@ class RankProcesses:
             ring = self.rings.pop()
             ring.close()
             ring.unlink()
-
-
-def pin_to(core: int | None) -> None:
-    """Pin this process to ``core`` (before JAX starts its threads); None leaves it free."""
-    if core is not None and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {core})
 
 
 def connect(peers: dict, executor_for):
@@ -263,13 +244,11 @@ def connect(peers: dict, executor_for):
     """
     single = callable(executor_for)
     factories = {None: executor_for} if single else dict(executor_for)
-    links = {int(to): _Link(**link) for to, link in peers.items()}
+    links = {int(to): _Link(link["fd"], link["out"], link["in"]) for to, link in peers.items()}
     _LINKS[id(peers)] = links
 
     def remote_for(name):
         def remote(to: int, key, value, step: int) -> None:
-            if isinstance(key, Transfer):  # an array, or a pytree activation's leaves: to host memory
-                value = [np.asarray(leaf) for leaf in value] if isinstance(value, list) else np.asarray(value)
             links[to].send(name, key, value, step, to)
 
         return remote
@@ -277,7 +256,8 @@ def connect(peers: dict, executor_for):
     executors = {name: build(remote_for(name)) for name, build in factories.items()}
 
     def receive(link: "_Link") -> None:
-        _favour_this_thread()
+        with suppress(AttributeError, OSError):  # above the rank's compute (Linux, CAP_SYS_NICE)
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
         while (message := link.receive()) is not None:
             name, *rest = message
             executors[name].deliver(*rest)
@@ -293,24 +273,14 @@ def disconnect(peers: dict) -> None:
         link.close()
 
 
-def _favour_this_thread() -> None:
-    """Raise this communication thread's priority above the rank's compute (Linux, CAP_SYS_NICE)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
-    except (AttributeError, OSError):
-        pass
-
-
 class _Ring:
     """One direction's shared-memory ring, one writer and one reader: 64-byte-aligned arrays in turn; the
     header holds how far the reader got, and the writer never overwrites what is unread."""
 
     def __init__(self, name: str):
         self.shm = SharedMemory(name=name)  # the parent created it and removes it (RankProcesses.close)
-        try:  # Python < 3.13 registers attached memory too, and would remove it when this rank ends
+        with suppress(Exception):  # Python < 3.13 registers attached memory too, removed when this rank ends
             resource_tracker.unregister(self.shm._name, "shared_memory")  # noqa: SLF001
-        except Exception:  # noqa: BLE001
-            pass
         self.capacity = self.shm.size - _HEADER
         self.read_upto = np.ndarray((1,), np.uint64, self.shm.buf, 0)  # bytes the reader is done with
         self.head = 0  # the writer's count of bytes written (wasted tails included)
@@ -330,7 +300,8 @@ class _Ring:
         self.head = end
         return [at, list(value.shape), value.dtype.str, end]
 
-    def read(self, at: int, shape: list, dtype: str, end: int) -> np.ndarray:
+    def read(self, place: list) -> np.ndarray:
+        at, shape, dtype, end = place
         value = np.ndarray(tuple(shape), np.dtype(dtype), self.shm.buf, _HEADER + at).copy()
         self.read_upto[0] = end
         return value
@@ -343,47 +314,30 @@ class _Ring:
 class _Link:
     """This rank's end of a link: the pair's socket, the ring it writes and the ring it reads."""
 
-    def __init__(self, fd: int, out: str, inc: str | None = None, **names):
-        self.channel = Channel(Connection(fd))
-        self.out, self.inc = _Ring(out), _Ring(inc if inc is not None else names["in"])
+    def __init__(self, fd: int, out: str, inbound: str):
+        self.channel = Channel(fd)
+        self.out, self.inc = _Ring(out), _Ring(inbound)
         self.lock = threading.Lock()  # one writer at a time on the socket and the outgoing ring
 
     def send(self, name, key, value, step: int, to: int) -> None:
-        def array(v):
-            return isinstance(v, np.ndarray) and v.dtype != object
-
+        """A JSON notice on the socket; the arrays in ``value`` (a JAX one to host memory first) go into
+        the ring."""
         with self.lock:
-            message = {"name": name, "key": to_wire(key), "step": step, "to": to}
-            if array(value):
-                message["ring"] = self.out.write(value)
-            elif isinstance(value, list) and value and all(array(v) for v in value):
-                message["rings"] = [self.out.write(v) for v in value]  # a pytree's leaves; a list on arrival
-            else:
-                message["value"] = value
-            self.channel.send(message)
+            message = {"name": name, "key": to_wire(key), "step": step, "to": to, "value": value}
+            self.channel.send(message, self.out.write)
 
     def receive(self):
         try:
-            message = self.channel.recv()
+            message = self.channel.recv(self.inc.read)
         except (EOFError, OSError):
             return None
         if message is None:
             return None
-        key = from_wire(message["key"])
-        if "ring" in message:
-            value = self.inc.read(*message["ring"])
-        elif "rings" in message:
-            value = [self.inc.read(*place) for place in message["rings"]]
-        else:
-            value = message["value"]
-        return message["name"], key, value, message["step"], message["to"]
+        return message["name"], from_wire(message["key"]), message["value"], message["step"], message["to"]
 
     def close(self) -> None:
-        with self.lock:
-            try:
-                self.channel.send(None)
-            except OSError:
-                pass
+        with self.lock, suppress(OSError):
+            self.channel.send(None)
 
 
 _LINKS: dict = {}  # id(peers) -> {other rank: _Link}, this process's links
@@ -403,18 +357,17 @@ def _load(entry: str) -> Callable:
 
 def _main() -> None:
     spec = json.loads(os.environ.pop(ENV_SPEC))
-    pin_to(spec["core"])
-    control = Channel(Connection(spec["control"]))
+    if spec["core"] is not None and hasattr(os, "sched_setaffinity"):  # before JAX starts its threads
+        os.sched_setaffinity(0, {spec["core"]})
+    control = Channel(spec["control"])
     try:
         _load(spec["entry"])(spec["rank"], spec["links"], control, spec["config"])
     except EOFError:  # the parent closed the control link: it has gone, nobody waits for an answer
         print(f"rank {spec['rank']}: the parent process has gone; ending", file=sys.stderr)
         sys.exit(1)
     except BaseException as e:  # the parent hears why, then the traceback goes to stderr
-        try:
-            control.send({"error": f"{type(e).__name__}: {e}".splitlines()[0]})
-        except OSError:
-            pass
+        with suppress(OSError):
+            control.send({"error": one_line(e)})
         raise
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Protocol, Union
+from typing import Any, Callable, NamedTuple, Union
 
 from ..schedules.ir import Key
 
@@ -80,10 +80,9 @@ def to_wire(key: Transfer | OptimizerMessage) -> dict:
 
 def from_wire(data: Any) -> Transfer | OptimizerMessage:
     """The record :func:`to_wire` wrote. Raises ValueError for anything else."""
-    if isinstance(data, dict) and set(data) == set(Transfer._fields):
-        return message_key(tuple(data[f] for f in Transfer._fields))
-    if isinstance(data, dict) and set(data) == set(OptimizerMessage._fields):
-        return message_key(tuple(data[f] for f in OptimizerMessage._fields))
+    for record in (Transfer, OptimizerMessage):
+        if isinstance(data, dict) and set(data) == set(record._fields):
+            return message_key(tuple(data[f] for f in record._fields))
     raise ValueError(f"not a message key on the wire: {data!r}")
 
 
@@ -148,26 +147,10 @@ class Inbox:
                 self.cond.wait(min(left, 0.5))
 
 
-class Transport(Protocol):
-    """How what a rank sends reaches the rank that takes it (module docstring).
-
-    The executor calls ``send``, ``start`` (threads beside the ranks) and ``finish`` (results made whole)
-    and reads ``where`` (this process's name in errors). :class:`Threads` gives the defaults."""
-
-    where: str
-
-    def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
-        """``value`` under ``key`` for rank ``rank`` in ``step``; never waits for the receiver."""
-
-    def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
-        """Threads to run beside the rank threads over ``steps`` (``shapes``: every stage's input)."""
-
-    def finish(self, results: list) -> list:
-        """The step results, as every process sees them."""
-
-
 class Threads:
-    """Every rank a thread of this process: ``put(step, key, value, rank)`` fills the receiver's inbox."""
+    """The transport (module docstring) with every rank a thread of this process: ``put(step, key, value,
+    rank)`` fills the receiver's inbox. The executor calls ``send``, ``start`` and ``finish`` and reads
+    ``where`` (this process's name in errors); every transport subclasses this."""
 
     where = ""
 
@@ -175,13 +158,20 @@ class Threads:
         self.put = put
 
     def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
+        """``value`` under ``key`` for rank ``rank`` in ``step``; never waits for the receiver."""
         self.put(step, key, value, rank)
 
     def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
+        """Threads to run beside the rank threads over ``steps`` (``shapes``: every stage's input)."""
         return []
 
     def finish(self, results: list) -> list:
+        """The step results, as every process sees them."""
         return results
+
+
+Transport = Threads
+"""The interface the executor's ``transport`` argument builds: :class:`Threads` or a subclass."""
 
 
 class Carrier(Threads):

@@ -9,14 +9,15 @@ The header is ``{"value": V, "arrays": [{"dtype": "<f4", "shape": [3, 4], "nbyte
 :mod:`zbpp_lite.schedules.strict_json`). Values: JSON's own (str dict keys), tuples (sent as lists), NumPy
 arrays or scalars of numeric or bool dtype (scalars as 0-d arrays). Anything else (object arrays,
 non-str keys, the keys ``"$array"`` / ``"$float"``) raises ``TypeError``; a malformed message raises
-``ValueError`` naming what is wrong.
+``ValueError`` naming what is wrong. Between two ranks of one machine the arrays go through shared memory
+instead (``place`` / ``fetch``: :mod:`zbpp_lite.runtime.processes`); the header then holds where each is.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -26,8 +27,9 @@ MAGIC = b"ZBW1"
 _KINDS = "biufc"  # bool, signed and unsigned int, float, complex: no object, string or void dtypes
 
 
-def encode(value: Any) -> bytes:
-    """``value`` as one message (bytes). Raises TypeError naming the part that cannot be sent."""
+def encode(value: Any, place: Callable[[np.ndarray], Any] | None = None) -> bytes:
+    """``value`` as one message (bytes); ``place(array)``, where given, stores each array elsewhere and
+    returns where (JSON), sent instead of its bytes. Raises TypeError naming the part that cannot be sent."""
     arrays: list[np.ndarray] = []
 
     def walk(v, where: str):
@@ -57,14 +59,17 @@ def encode(value: Any) -> bytes:
 
     tree = walk(value, "value")
     specs = [{"dtype": a.dtype.str, "shape": list(a.shape), "nbytes": a.nbytes} for a in arrays]
+    if place is not None:
+        specs, arrays = [place(a) for a in arrays], []
     header = strict_json.dumps(
         {"value": tree, "arrays": specs}, nonfinite=lambda x: {"$float": repr(x)}, separators=(",", ":"),
     ).encode()
     return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(a.tobytes() for a in arrays)])
 
 
-def decode(data: bytes) -> Any:
-    """The value of one message from :func:`encode`. Raises ValueError naming what is malformed."""
+def decode(data: bytes, fetch: Callable[[Any], np.ndarray] | None = None) -> Any:
+    """The value of one message from :func:`encode`; ``fetch(where)`` reads an array ``place`` stored.
+    Raises ValueError naming what is malformed."""
     data = memoryview(bytes(data))
     if len(data) < 12 or bytes(data[:4]) != MAGIC:
         raise ValueError(f"wire.decode: not a zbpp message (want it to start with {MAGIC!r}, got "
@@ -79,6 +84,9 @@ def decode(data: bytes) -> Any:
         raise ValueError(f"wire.decode: header is not the JSON object encode() writes ({e})") from None
     arrays, at = [], 12 + n
     for i, spec in enumerate(specs):
+        if fetch is not None:
+            arrays.append(fetch(spec))
+            continue
         dtype = np.dtype(spec["dtype"])
         shape = tuple(int(d) for d in spec["shape"])
         nbytes = int(spec["nbytes"])
