@@ -13,14 +13,17 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..schedules.costs import Costs, CostTable
-from ..schedules.ir import TORCH_CODE, deps, produces
+from ..analysis.profiling.timelines import producers
+from ..schedules.costs import Costs
+from ..schedules.ir import TORCH_CODE, deps
 from ..schedules.timeline import Timeline
 from .states import plan_or_refusal
-from .style import BAR_KINDS, KIND_STYLE, MEMORY_LIMIT_COLOR
+from .style import BAR_KINDS, KIND_STYLE
 
 BAR_WIDTH = 0.8
 GRID_COLOR = "#E8E8E8"
+LEGEND_TOP = {"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0}
+"""The legend of every figure: one row above the plot, right-aligned."""
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -77,8 +80,7 @@ def _add_chunk_note(fig: go.Figure, *timelines: Timeline) -> None:
     note = chunk_note(*timelines)
     if note:
         fig.add_annotation(text=note, xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top",
-                           xanchor="left",
-                           showarrow=False, font={"size": 11, "color": "#555"})
+                           xanchor="left", showarrow=False, font={"size": 11, "color": "#555"})
         fig.update_layout(margin={"b": 70})
 
 
@@ -191,9 +193,28 @@ def timeline_layout(
         },
         "yaxis": rank_axis(timeline.num_ranks),
         "uniformtext": {"minsize": 8, "mode": "hide"},
-        "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
+        "legend": {**LEGEND_TOP, "y": 1.0},
         "plot_bgcolor": "white",
     }
+
+
+def stacked_figure(panels: Sequence[Sequence[tuple[Timeline, float | None]]], titles: Sequence[str],
+                   time_unit: str, *, show_idle: bool = True, spacing: float = 0.12) -> go.Figure:
+    """Timeline panels one above the other on a shared time axis; panel ``i`` draws each (timeline,
+    offset) of ``panels[i]`` (:func:`timeline_traces`), legend from the first; ``titles``: one per panel."""
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=spacing,
+                        subplot_titles=list(titles))
+    for row, panel in enumerate(panels, start=1):
+        for i, (t, offset) in enumerate(panel):
+            legend = (row, i) == (1, 0)
+            for trace in timeline_traces(t, offset=offset, show_idle=show_idle, showlegend=legend):
+                fig.add_trace(go.Bar(trace), row=row, col=1)
+    fig.update_yaxes(rank_axis(panels[0][0][0].num_ranks))
+    fig.update_xaxes(zeroline=False, gridcolor=GRID_COLOR)
+    fig.update_xaxes(title_text=f"time ({time_unit})", row=len(panels), col=1)
+    fig.update_layout(barmode="overlay", bargap=0.1, uniformtext={"minsize": 8, "mode": "hide"},
+                      plot_bgcolor="white", legend=LEGEND_TOP, margin={"l": 70, "r": 20, "t": 80, "b": 45})
+    return fig
 
 
 # ---------------------------------------------------------------------------- figures
@@ -242,120 +263,17 @@ def compare_figure(
             f"compare_figure needs the same number of ranks, got {planned.num_ranks} planned and "
             f"{measured.num_ranks} measured"
         )
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.12,
-        subplot_titles=[f"{name}: {stats_text(t)}" for name, t in zip(titles, (planned, measured))],
-    )
-    for row, (t, legend) in enumerate(((planned, True), (measured, False)), start=1):
-        for trace in timeline_traces(t, showlegend=legend):
-            fig.add_trace(go.Bar(trace), row=row, col=1)
-    for row in (1, 2):
-        fig.update_yaxes(rank_axis(planned.num_ranks), row=row, col=1)
     ratio = measured.makespan / planned.makespan if planned.makespan > 0 else float("nan")
     head = f"{title}: " if title else ""
-    unit = time_unit or time_unit_of(measured)
+    fig = stacked_figure([[(planned, None)], [(measured, None)]],
+                         [f"{name}: {stats_text(t)}" for name, t in zip(titles, (planned, measured))],
+                         time_unit or time_unit_of(measured))
     span = max(end_time(t) - start_time(t) for t in (planned, measured))
-    fig.update_xaxes(range=[0, max(span, 1e-12)], zeroline=False, gridcolor=GRID_COLOR)
-    fig.update_xaxes(title_text=f"time ({unit})", row=2, col=1)
-    fig.update_layout(
-        title={"text": f"{head}measured / planned makespan = {ratio:.3f}"},
-        barmode="overlay",
-        height=220 + 2 * 34 * planned.num_ranks,
-        uniformtext={"minsize": 8, "mode": "hide"},
-        plot_bgcolor="white",
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0},
-        margin={"l": 70, "r": 20, "t": 80, "b": 45},
-    )
+    fig.update_xaxes(range=[0, max(span, 1e-12)])
+    fig.update_layout(title={"text": f"{head}measured / planned makespan = {ratio:.3f}"},
+                      height=220 + 2 * 34 * planned.num_ranks)
     _add_chunk_note(fig, planned, measured)
     return fig
-
-
-def memory_traces(timeline: Timeline, costs: Costs | CostTable | None = None) -> list[dict[str, Any]]:
-    """One step line per rank: activation memory over time (times shifted to start at 0)."""
-    t0, t1 = start_time(timeline), end_time(timeline)
-    traces = []
-    for rank in range(timeline.num_ranks):
-        curve = timeline.memory_curve(rank, costs)
-        times = [max(t, t0) - t0 for t, _ in curve] + [t1 - t0]
-        values = [v for _, v in curve] + [curve[-1][1]]
-        traces.append(
-            {
-                "type": "scatter",
-                "mode": "lines",
-                "line": {"shape": "hv", "width": 2},
-                "name": rank_label(rank),
-                "x": times,
-                "y": values,
-                "hovertemplate": "time %{x:.4~g}<br>memory %{y:.4~g}<extra>%{fullData.name}</extra>",
-            }
-        )
-    return traces
-
-
-def memory_layout(
-    timeline: Timeline,
-    memory_limit: float | None = None,
-    title: str | None = None,
-    memory_unit: str = "M_B",
-) -> dict[str, Any]:
-    """Layout for :func:`memory_traces`: dashed ``memory_limit`` (default ``timeline.memory_limit``), peak in
-    the title."""
-    limit = timeline.memory_limit if memory_limit is None else memory_limit
-    peak = max(timeline.peak_memory, default=0.0)
-    text = f"{title}: " if title else ""
-    text += f"activation memory per rank, peak {peak:.4g}"
-    shapes, notes = [], []
-    if limit is not None:
-        text += f" (limit {limit:.4g})"
-        line = {"color": MEMORY_LIMIT_COLOR, "dash": "dash", "width": 2}
-        shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": limit,
-                       "y1": limit, "line": line})
-        notes.append(
-            {"text": f"memory limit {limit:.4g}", "xref": "paper", "x": 0, "xanchor": "left", "yref": "y",
-             "y": limit,
-             "yanchor": "bottom", "showarrow": False, "font": {"color": MEMORY_LIMIT_COLOR}}
-        )
-    top = max(peak, limit or 0.0)
-    return {
-        "title": {"text": text},
-        "xaxis": {"title": {"text": f"time ({time_unit_of(timeline)})"}, "gridcolor": GRID_COLOR},
-        "yaxis": {"title": {"text": f"activation memory ({memory_unit})"},
-                  "range": [0, 1.12 * top if top > 0 else 1],
-                  "gridcolor": GRID_COLOR},
-        "shapes": shapes,
-        "annotations": notes,
-        "height": 320,
-        "margin": {"l": 70, "r": 20, "t": 60, "b": 45},
-        "plot_bgcolor": "white",
-    }
-
-
-def memory_figure(
-    timeline: Timeline,
-    costs: Costs | CostTable | None = None,
-    memory_limit: float | None = None,
-    *,
-    title: str | None = None,
-    memory_unit: str = "M_B",
-) -> go.Figure:
-    """Activation memory over time, one step line per rank, with the memory limit dashed.
-
-    Memory model (arXiv 2401.10241 section 2.1): F adds M_B at its start, B frees M_B - M_W and W frees M_W at
-    their end, BW frees M_B.
-
-    Args:
-        costs: M_B and M_W; default those of the timeline's ``peak_memory`` (else ``Costs()``: M_B = 1,
-            M_W = 7/16); must match the timeline's stages.
-        memory_limit: default ``timeline.memory_limit`` (none if both are None); unit of M_B.
-        memory_unit: y-axis unit text.
-    """
-    return go.Figure(
-        data=[go.Scatter(t) for t in memory_traces(timeline, costs)],
-        layout=memory_layout(timeline, memory_limit, title, memory_unit),
-    )
 
 
 # ---------------------------------------------------------------------------- bubble sweeps
@@ -447,11 +365,8 @@ def dependency_arrows(timeline: Timeline, *, same_rank: bool = False,
     to the consumer's start: transfers between ranks solid; with ``same_rank`` a rank's own F -> B -> W
     dotted."""
     t0 = start_time(timeline) if offset is None else offset
-    num_stages = 1 + max((s for e in timeline.events for s in _stages_of(e.action)), default=0)
-    made = {}
-    for e in timeline.events:
-        for key in produces(e.action):
-            made[key] = e
+    num_stages = 1 + max((e.action.stage for e in timeline.events), default=0)
+    made = producers(timeline)
     arrows = []
     for e in timeline.events:
         for key in deps(e.action, num_stages):
@@ -469,12 +384,6 @@ def dependency_arrows(timeline: Timeline, *, same_rank: bool = False,
     return arrows
 
 
-def _stages_of(action: Any) -> tuple[int, ...]:
-    if hasattr(action, "stage"):
-        return (action.stage,)
-    return (action.forward.stage, action.backward.stage)  # an overlapped pair
-
-
 def dependency_figure(timeline: Timeline, title: str | None = None, *, same_rank: bool = False) -> go.Figure:
     """:func:`timeline_figure` with :func:`dependency_arrows` (best for p, m up to about 4 and 8)."""
     fig = timeline_figure(timeline, title)
@@ -488,41 +397,27 @@ def postvalidation_figure(timeline: Timeline, title: str | None = None) -> go.Fi
     (the wait hatched), below post-validated, each rank starting step 2 once it ended step 1 (valid when
     every rank's span is the makespan, as ZB-H1/H2). Step 2's forwards before the dashed line (the last
     rank's end of step 1) run on speculative parameters, outlined red; a rollback redoes them."""
-    t0, t_end = start_time(timeline), end_time(timeline)
+    t0, t_end, p = start_time(timeline), end_time(timeline), timeline.num_ranks
     titles = (f"synchronous step: wait {timeline.sync_bubble:.4g} on the earliest rank",
               "post-validated: no wait; red F's are speculative, redone on a rollback")
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.14, subplot_titles=titles)
-    shifts = (timeline.global_span, timeline.makespan)
-    for row, shift in ((1, shifts[0]), (2, shifts[1])):
-        for step in (0, 1):
-            moved = _shifted(timeline, step * shift)
-            for trace in timeline_traces(moved, offset=t0, show_idle=False,
-                                         showlegend=(row == 1 and step == 0),
-                                         xaxis="x" if row == 1 else "x2", yaxis="y" if row == 1 else "y2"):
-                fig.add_trace(go.Bar(trace))
-        if row == 1:  # the synchronous wait: each rank, from its own end of step 1 to its start of step 2
-            ranks = [r for r in range(timeline.num_ranks) if timeline.rank_events(r)]
-            ends = {r: max(e.end for e in timeline.rank_events(r)) for r in ranks}
-            starts = {r: min(e.start for e in timeline.rank_events(r)) + shift for r in ranks}
-            fig.add_trace(go.Bar(
-                orientation="h", base=[ends[r] - t0 for r in ranks], x=[starts[r] - ends[r] for r in ranks],
-                y=ranks, width=BAR_WIDTH, name="waiting for the global check", xaxis="x", yaxis="y",
-                marker={"color": "white", "line": {"color": "#E45756", "width": 1},
-                        "pattern": {"shape": "x", "fgcolor": "#E45756"}}))
-        else:
-            spec = [e for e in _shifted(timeline, shift).events if e.action.kind == "F" and e.start < t_end]
-            fig.add_trace(go.Bar(
-                orientation="h", base=[e.start - t0 for e in spec], x=[e.end - e.start for e in spec],
-                y=[e.rank for e in spec], width=BAR_WIDTH, name="speculative F (redone on a rollback)",
-                marker={"color": "rgba(0,0,0,0)", "line": {"color": "#E45756", "width": 2.5}},
-                xaxis="x2", yaxis="y2"))
-            fig.add_vline(x=t_end - t0, line_dash="dash", line_color="#E45756", row=2, col=1)
-    fig.update_layout(barmode="overlay", bargap=0.1, height=2 * (120 + 34 * timeline.num_ranks),
-                      plot_bgcolor="white", title={"text": title or "post-validation: two steps"},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right",
-                              "x": 1.0})
-    fig.update_yaxes(rank_axis(timeline.num_ranks))
-    fig.update_xaxes(title_text=f"time ({time_unit_of(timeline)})", row=2, col=1, gridcolor=GRID_COLOR)
+    sync, post = timeline.global_span, timeline.makespan  # when step 2 starts after step 1
+    fig = stacked_figure([[(_shifted(timeline, k * shift), t0) for k in (0, 1)] for shift in (sync, post)],
+                         titles, time_unit_of(timeline), show_idle=False, spacing=0.14)
+    ranks = [r for r in range(p) if timeline.rank_events(r)]  # the wait: a rank's end of step 1 to step 2
+    ends = {r: max(e.end for e in timeline.rank_events(r)) for r in ranks}
+    starts = {r: min(e.start for e in timeline.rank_events(r)) + sync for r in ranks}
+    fig.add_trace(go.Bar(
+        orientation="h", base=[ends[r] - t0 for r in ranks], x=[starts[r] - ends[r] for r in ranks],
+        y=ranks, width=BAR_WIDTH, name="waiting for the global check",
+        marker={"color": "white", "line": {"color": "#E45756", "width": 1},
+                "pattern": {"shape": "x", "fgcolor": "#E45756"}}), row=1, col=1)
+    spec = [e for e in _shifted(timeline, post).events if e.action.kind == "F" and e.start < t_end]
+    fig.add_trace(go.Bar(
+        orientation="h", base=[e.start - t0 for e in spec], x=[e.end - e.start for e in spec],
+        y=[e.rank for e in spec], width=BAR_WIDTH, name="speculative F (redone on a rollback)",
+        marker={"color": "rgba(0,0,0,0)", "line": {"color": "#E45756", "width": 2.5}}), row=2, col=1)
+    fig.add_vline(x=t_end - t0, line_dash="dash", line_color="#E45756", row=2, col=1)
+    fig.update_layout(height=2 * (120 + 34 * p), title={"text": title or "post-validation: two steps"})
     return fig
 
 

@@ -21,15 +21,8 @@ import plotly.graph_objects as go
 from ..schedules.builders import SCHEDULES, options_of
 from ..schedules.costs import Costs
 from ..schedules.timeline import Timeline
-from .figures import (
-    figure_title,
-    memory_figure,
-    memory_layout,
-    memory_traces,
-    timeline_figure,
-    timeline_layout,
-    timeline_traces,
-)
+from .figures import figure_title, timeline_figure, timeline_layout, timeline_traces
+from .memory import memory_figure, memory_layout, memory_traces
 from .states import plan_timeline
 
 try:  # Google Colab only: its custom widget manager, which FigureWidget needs there
