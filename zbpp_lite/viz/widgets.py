@@ -114,19 +114,24 @@ def explore_state(settings: ExplorerSettings) -> ExplorerState:
     return ExplorerState(x.schedule, timeline, costs, limit)
 
 
-def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: Any,
-        tip: str) -> widgets.Widget:
-    return kind(
-        value=value,
-        min=lo,
-        max=hi,
-        step=step,
-        description=description,
-        tooltip=tip,
-        continuous_update=False,
-        style={"description_width": "150px"},
-        layout=widgets.Layout(width="360px"),
-    )
+SLIDERS: dict[str, tuple[str, Any, Any, Any, str]] = {
+    "num_ranks": ("ranks p", 1, "max_ranks", 1, "pipeline ranks (devices)"),
+    "num_microbatches": ("microbatches m", 1, "max_microbatches", 1, "microbatches per step"),
+    "stages_per_rank": ("stages per rank v", 1, 4, 1,
+                        "model chunks per rank (only for schedules that take stages_per_rank)"),
+    "f": ("T_F", 0.1, 3.0, 0.1, "forward time of one stage"),
+    "b": ("T_B", 0.1, 3.0, 0.1, "input-gradient backward time"),
+    "w": ("T_W", 0.1, 3.0, 0.1, "weight-gradient backward time"),
+    "comm": ("T_comm", 0.0, 2.0, 0.05, "transfer time between ranks"),
+    "fb": ("T_F&B (0: no overlap)", 0.0, 9.0, 0.1,
+           "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap"),
+    "memory_limit": ("memory limit (M_B)", 0.0, "4 max_microbatches", 1.0,
+                     "per-rank activation memory limit in units of M_B; 0 = none"),
+}
+"""Explorer slider per :class:`ExplorerSettings` field: (label, min, max, step, tooltip); an integer step
+makes an IntSlider; a text max is taken from the explorer's arguments."""
+
+_WIDE = {"style": {"description_width": "150px"}}
 
 
 class Explorer(widgets.VBox):
@@ -163,35 +168,16 @@ class Explorer(widgets.VBox):
         if schedule not in names:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(names)}")
         x = ExplorerSettings(schedule, **settings)
-        int_slider, float_slider = widgets.IntSlider, widgets.FloatSlider
-        self.controls: dict[str, widgets.Widget] = {
-            "schedule": widgets.Dropdown(
-                options=names, value=schedule, description="schedule", style={"description_width": "150px"},
-                layout=widgets.Layout(width="360px"),
-            ),
-            "num_ranks": _slider(int_slider, "ranks p", x.num_ranks, 1, max_ranks, 1, "pipeline ranks "
-                                 "(devices)"),
-            "num_microbatches": _slider(
-                int_slider, "microbatches m", x.num_microbatches, 1, max_microbatches, 1,
-                "microbatches per step"
-            ),
-            "stages_per_rank": _slider(
-                int_slider, "stages per rank v", x.stages_per_rank, 1, 4, 1,
-                "model chunks per rank (only for schedules that take stages_per_rank)",
-            ),
-            "f": _slider(float_slider, "T_F", x.f, 0.1, 3.0, 0.1, "forward time of one stage"),
-            "b": _slider(float_slider, "T_B", x.b, 0.1, 3.0, 0.1, "input-gradient backward time"),
-            "w": _slider(float_slider, "T_W", x.w, 0.1, 3.0, 0.1, "weight-gradient backward time"),
-            "comm": _slider(float_slider, "T_comm", x.comm, 0.0, 2.0, 0.05, "transfer time between ranks"),
-            "fb": _slider(
-                float_slider, "T_F&B (0: no overlap)", x.fb, 0.0, 9.0, 0.1,
-                "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap",
-            ),
-            "memory_limit": _slider(
-                float_slider, "memory limit (M_B)", x.memory_limit, 0.0, 4.0 * max_microbatches, 1.0,
-                "per-rank activation memory limit in units of M_B; 0 = none",
-            ),
-        }
+        tops = {"max_ranks": max_ranks, "max_microbatches": max_microbatches,
+                "4 max_microbatches": 4.0 * max_microbatches}
+        self.controls: dict[str, widgets.Widget] = {"schedule": widgets.Dropdown(
+            options=names, value=schedule, description="schedule", layout=widgets.Layout(width="360px"),
+            **_WIDE)}
+        for key, (label, lo, hi, step, tip) in SLIDERS.items():
+            kind = widgets.IntSlider if isinstance(step, int) else widgets.FloatSlider
+            self.controls[key] = kind(value=getattr(x, key), min=lo, max=tops.get(hi, hi), step=step,
+                                      description=label, tooltip=tip, continuous_update=False,
+                                      layout=widgets.Layout(width="360px"), **_WIDE)
         self.message = widgets.HTML(layout=widgets.Layout(min_height="24px"))
         self.state: ExplorerState | None = None
         self.last_redraw_ms = float("nan")
@@ -216,13 +202,9 @@ class Explorer(widgets.VBox):
     # ------------------------------------------------------------------ callbacks
 
     def _compute(self) -> ExplorerState:
-        c = self.controls
-        name = c["schedule"].value
-        takes_v = "stages_per_rank" in options_of(name)
-        c["stages_per_rank"].disabled = not takes_v
-        values = {key: control.value for key, control in c.items()}
-        return explore_state(ExplorerSettings(**{**values, "stages_per_rank": values["stages_per_rank"]
-                                                 if takes_v else None}))
+        c = self.controls  # plan_timeline gives each builder only the options it takes
+        c["stages_per_rank"].disabled = "stages_per_rank" not in options_of(c["schedule"].value)
+        return explore_state(ExplorerSettings(**{key: control.value for key, control in c.items()}))
 
     def _on_change(self, _change: Any = None) -> None:
         self.redraw()
@@ -234,8 +216,8 @@ class Explorer(widgets.VBox):
         try:
             state = self._compute()
         except Exception as exc:  # noqa: BLE001 - shown to the reader instead of a traceback
-            state = ExplorerState(self.controls["schedule"].value, None, None, None, f"{type(exc).__name__}: "
-                                  f"{exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            state = ExplorerState(self.controls["schedule"].value, None, None, None, error)
         try:
             self._show(state, t0)
         except Exception as exc:  # noqa: BLE001
@@ -243,44 +225,36 @@ class Explorer(widgets.VBox):
         return state
 
     def _show(self, state: ExplorerState, t0: float) -> None:
-        self.state = state
-        if state.timeline is None:
-            self.message.value = _error_html(state.name, state.error or "")
-            with self.figure.batch_update():
-                for trace in self.figure.data:
-                    trace.update(base=[], x=[], y=[], text=[], customdata=[], showlegend=False)
-                self.figure.layout.title.text = f"{state.name}: no schedule for these settings"
+        self.state, t, name = state, state.timeline, state.name
+        if t is None:
+            self.message.value = _error_html(name, state.error or "")
+            refused = {"title": {"text": f"{name}: no schedule for these settings"}}
+            empty = {"base": [], "x": [], "y": [], "text": [], "customdata": [], "showlegend": False}
+            _refill(self.figure, [empty] * len(self.figure.data), refused)
             if self.memory is not None:
-                with self.memory.batch_update():
-                    for trace in self.memory.data:
-                        trace.update(x=[], y=[])
-                    self.memory.layout.title.text = f"{state.name}: no schedule for these settings"
-            self.last_redraw_ms = (time.perf_counter() - t0) * 1e3
-            return
-        t = state.timeline
-        with self.figure.batch_update():
-            for trace, new in zip(self.figure.data, timeline_traces(t)):
-                new.pop("type")
-                trace.update(new)
-            self.figure.layout.update(timeline_layout(t, state.name))
-        if self.memory is not None:
-            lines = memory_traces(t, state.costs)
-            with self.memory.batch_update():
-                if len(self.memory.data) > len(lines):
-                    self.memory.data = self.memory.data[: len(lines)]
-                for trace, new in zip(self.memory.data, lines):
-                    new.pop("type")
-                    trace.update(new)
-                layout = memory_layout(t, state.memory_limit, state.name)
-                # update() merges lists element-wise and would keep an old limit line: assign
-                self.memory.layout.shapes = layout.pop("shapes")
-                self.memory.layout.annotations = layout.pop("annotations")
-                self.memory.layout.update(layout)
-            extra = lines[len(self.memory.data) :]
-            if extra:
-                self.memory.add_traces([go.Scatter(new) for new in extra])
-        self.message.value = _summary_html(state)
+                _refill(self.memory, [{"x": [], "y": []}] * len(self.memory.data), refused)
+        else:
+            _refill(self.figure, timeline_traces(t), timeline_layout(t, name))
+            if self.memory is not None:
+                layout = memory_layout(t, state.memory_limit, name)
+                _refill(self.memory, memory_traces(t, state.costs), layout)
+            self.message.value = _summary_html(state)
         self.last_redraw_ms = (time.perf_counter() - t0) * 1e3
+
+
+def _refill(fig: go.FigureWidget, traces: list[dict[str, Any]], layout: dict[str, Any]) -> None:
+    """Update ``fig`` in place to ``traces`` (surplus traces dropped, missing ones added) and ``layout``."""
+    with fig.batch_update():
+        if len(fig.data) > len(traces):
+            fig.data = fig.data[: len(traces)]
+        for trace, new in zip(fig.data, traces):
+            trace.update({k: v for k, v in new.items() if k != "type"})
+        for key in ("shapes", "annotations"):  # update() merges lists element-wise: an old line would stay
+            if key in layout:
+                fig.layout[key] = layout.pop(key)
+        fig.layout.update(layout)
+    if len(traces) > len(fig.data):
+        fig.add_traces([go.Scatter(new) for new in traces[len(fig.data):]])
 
 
 def _error_html(name: str, error: str) -> str:
