@@ -93,6 +93,7 @@ def timeline_traces(
     showlegend: bool = True,
     xaxis: str = "x",
     yaxis: str = "y",
+    scale: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Plotly bar traces (dicts of NumPy arrays), one per kind in :data:`BAR_KINDS`, always all present
     so a figure can be updated in place.
@@ -107,16 +108,18 @@ def timeline_traces(
         show_labels: microbatch numbers on the bars.
         showlegend: legend entries for the non-empty kinds.
         xaxis, yaxis: axis ids for subplots.
+        scale: times are multiplied by it (1e3: seconds drawn as ms).
     """
     t0 = start_time(timeline) if offset is None else offset
     chunk = _chunk_index(timeline)
     rows: dict[str, list[tuple[float, ...]]] = {k: [] for k in BAR_KINDS}
     for e in timeline.events:  # (rank, start, end, stage, microbatch, chunk)
         a = e.action
-        rows[a.kind].append((e.rank, e.start - t0, e.end - t0, a.stage, a.microbatch, chunk[e.rank, a.stage]))
+        rows[a.kind].append((e.rank, scale * (e.start - t0), scale * (e.end - t0), a.stage, a.microbatch,
+                             chunk[e.rank, a.stage]))
     if show_idle:
-        rows["idle"] = [(r, a - t0, b - t0, -1, -1, 0) for r, gaps in enumerate(timeline.idle_gaps)
-                        for a, b in gaps]
+        rows["idle"] = [(r, scale * (a - t0), scale * (b - t0), -1, -1, 0)
+                        for r, gaps in enumerate(timeline.idle_gaps) for a, b in gaps]
     traces = []
     for kind in BAR_KINDS:
         style = KIND_STYLE[kind]

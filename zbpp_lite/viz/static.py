@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from ..schedules.builders import SCHEDULES
 from ..schedules.costs import Costs
 from ..schedules.timeline import Timeline
-from .figures import end_time, figure_title, rank_label, start_time, timeline_layout, timeline_traces
+from .figures import timeline_layout, timeline_traces
 from .states import plan_or_refusal
 
 
@@ -46,19 +46,14 @@ def slider_figure(
         for trace in timeline_traces(t):
             trace["visible"] = i == active
             data.append(go.Bar(trace))
-    max_ranks = max(t.num_ranks for _, t in states)
     layout = timeline_layout(states[active][1], titles[active])
-    layout["height"] = 140 + 34 * max_ranks + 80
+    layout["height"] = 140 + 34 * max(t.num_ranks for _, t in states) + 80
     steps = []
     for i, ((label, t), head) in enumerate(zip(states, titles)):
         visible = [j // per_state == i for j in range(len(data))]
-        relayout = {
-            "title.text": figure_title(t, head),
-            "xaxis.range": [0, max(end_time(t) - start_time(t), 1e-12)],
-            "yaxis.tickvals": list(range(t.num_ranks)),
-            "yaxis.ticktext": [rank_label(r) for r in range(t.num_ranks)],
-            "yaxis.range": [t.num_ranks - 0.5, -0.5],
-        }
+        own = timeline_layout(t, head)  # what the step changes: title, time range, ranks
+        relayout = {"title.text": own["title"]["text"], "xaxis.range": own["xaxis"]["range"],
+                    **{f"yaxis.{k}": own["yaxis"][k] for k in ("tickvals", "ticktext", "range")}}
         steps.append({"method": "update", "label": label, "args": [{"visible": visible}, relayout]})
     layout["sliders"] = [
         {"active": active, "currentvalue": {"prefix": slider_label}, "pad": {"t": 50}, "steps": steps}
@@ -78,10 +73,8 @@ def microbatch_slider_figure(
     """One schedule's timeline with a slider over m; sizes the schedule refuses are left out. Raises
     ValueError: the schedule refuses every m given (the last refusal's message)."""
     options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
-    states, error = _states([(f"m={m}", name, m) for m in num_microbatches], num_ranks, options)
-    if not states:
-        raise ValueError(f"{name} refused every microbatch count given: {error}")
-    return slider_figure(states, slider_label="microbatches ", titles=[name] * len(states))
+    return _planned_slider([(f"m={m}", name, m) for m in num_microbatches], num_ranks, options,
+                           f"{name} refused every microbatch count given", "microbatches ", name)
 
 
 def schedule_slider_figure(
@@ -96,15 +89,18 @@ def schedule_slider_figure(
     """One slider step per schedule (default: all registered) at the same p, m and costs; refusing ones
     are left out. Raises ValueError: every schedule refused (the last refusal's message)."""
     options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
-    names = list(names) if names is not None else list(SCHEDULES)
-    states, error = _states([(name, name, num_microbatches) for name in names], num_ranks, options)
-    if not states:
-        raise ValueError(f"every schedule refused p={num_ranks}, m={num_microbatches}: {error}")
-    return slider_figure(states, slider_label="schedule: ")
+    steps = [(name, name, num_microbatches) for name in (SCHEDULES if names is None else names)]
+    return _planned_slider(steps, num_ranks, options, f"every schedule refused p={num_ranks}, "
+                           f"m={num_microbatches}", "schedule: ")
 
 
-def _states(steps: list[tuple], num_ranks: int, options: dict) -> tuple[list, ValueError | None]:
-    """(label, timeline) per (label, schedule, m) the schedule accepts, and the last refusal (or None)."""
+def _planned_slider(steps: list[tuple], num_ranks: int, options: dict, refused: str, slider_label: str,
+                    title: str | None = None) -> go.Figure:
+    """:func:`slider_figure` of each (label, schedule, m) of ``steps`` the schedule accepts (titles:
+    ``title``, else the labels); ValueError ``refused: <last refusal>`` when none does."""
     planned = [(label, plan_or_refusal(name, num_ranks, m, **options)) for label, name, m in steps]
-    refusals = [t for _, t in planned if isinstance(t, ValueError)]
-    return [(label, t) for label, t in planned if not isinstance(t, ValueError)], (refusals or [None])[-1]
+    states = [(label, t) for label, t in planned if not isinstance(t, ValueError)]
+    if not states:
+        raise ValueError(f"{refused}: {planned[-1][1] if planned else None}")
+    titles = [title] * len(states) if title else None
+    return slider_figure(states, slider_label=slider_label, titles=titles)
