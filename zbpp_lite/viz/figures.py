@@ -14,7 +14,6 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..analysis.profiling.timelines import producers
-from ..schedules.costs import Costs
 from ..schedules.ir import TORCH_CODE, deps
 from ..schedules.timeline import Timeline
 from .states import plan_or_refusal
@@ -282,17 +281,11 @@ def compare_figure(
 # ---------------------------------------------------------------------------- bubble sweeps
 
 
-def bubble_sweep(
-    names: Iterable[str],
-    num_ranks: int | Sequence[int],
-    num_microbatches: int | Sequence[int],
-    *,
-    costs: Costs | None = None,
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-) -> tuple[str, list[int], dict[str, list[float | None]]]:
+def bubble_sweep(names: Iterable[str], num_ranks: int | Sequence[int], num_microbatches: int | Sequence[int],
+                 **options: Any) -> tuple[str, list[int], dict[str, list[float | None]]]:
     """Bubble rate of several schedules as p or m varies; exactly one of ``num_ranks`` and
-    ``num_microbatches`` is a sequence.
+    ``num_microbatches`` is a sequence; ``options``: :func:`~.states.plan_timeline`'s (``costs``,
+    ``stages_per_rank``, ``memory_limit``).
 
     Returns:
         (axis name "num_ranks" or "num_microbatches", x values, name -> bubble rates, None where refused).
@@ -301,15 +294,13 @@ def bubble_sweep(
         ValueError: both or neither of num_ranks and num_microbatches are sequences.
     """
     ranks_swept = not isinstance(num_ranks, int)
-    mbs_swept = not isinstance(num_microbatches, int)
-    if ranks_swept == mbs_swept:
+    if ranks_swept == (not isinstance(num_microbatches, int)):
         raise ValueError(
             "bubble_sweep sweeps one axis: give a sequence for exactly one of num_ranks and "
             f"num_microbatches, got num_ranks={num_ranks!r}, num_microbatches={num_microbatches!r}"
         )
     axis = "num_ranks" if ranks_swept else "num_microbatches"
     xs = [int(x) for x in (num_ranks if ranks_swept else num_microbatches)]  # type: ignore[union-attr]
-    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     sizes = [(x, num_microbatches) if ranks_swept else (num_ranks, x) for x in xs]
     plans = {name: [plan_or_refusal(name, p, m, **options) for p, m in sizes] for name in names}
     rates = {name: [None if isinstance(t, ValueError) else t.bubble_rate for t in row]
@@ -317,44 +308,23 @@ def bubble_sweep(
     return axis, xs, rates
 
 
-def bubble_sweep_figure(
-    names: Iterable[str],
-    num_ranks: int | Sequence[int] = 4,
-    num_microbatches: int | Sequence[int] = (4, 8, 12, 16, 24, 32),
-    *,
-    costs: Costs | None = None,
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-    title: str | None = None,
-) -> go.Figure:
-    """Bubble rate against m (or p) for several schedules, one line each (:func:`bubble_sweep`); refused
-    sizes leave gaps."""
-    axis, xs, rates = bubble_sweep(
-        names, num_ranks, num_microbatches, costs=costs, stages_per_rank=stages_per_rank,
-        memory_limit=memory_limit
-    )
+def bubble_sweep_figure(names: Iterable[str], num_ranks: int | Sequence[int] = 4,
+                        num_microbatches: int | Sequence[int] = (4, 8, 12, 16, 24, 32), *,
+                        title: str | None = None, **options: Any) -> go.Figure:
+    """Bubble rate against m (or p) for several schedules, one line each (:func:`bubble_sweep`, with
+    ``options``); refused sizes leave gaps."""
+    axis, xs, rates = bubble_sweep(names, num_ranks, num_microbatches, **options)
     xlabel = "ranks p" if axis == "num_ranks" else "microbatches m"
     fixed = f"m = {num_microbatches}" if axis == "num_ranks" else f"p = {num_ranks}"
-    fig = go.Figure(
-        data=[
-            go.Scatter(
-                x=xs,
-                y=ys,
-                mode="lines+markers",
-                name=name,
-                hovertemplate=f"{name}<br>{xlabel} %{{x}}<br>bubble rate %{{y:.1%}}<extra></extra>",
-            )
-            for name, ys in rates.items()
-        ]
-    )
+    hover = f"<br>{xlabel} %{{x}}<br>bubble rate %{{y:.1%}}<extra></extra>"
+    fig = go.Figure([go.Scatter(x=xs, y=ys, mode="lines+markers", name=name, hovertemplate=name + hover)
+                     for name, ys in rates.items()])
     fig.update_layout(
         title={"text": title or f"bubble rate against {xlabel} ({fixed})"},
         xaxis={"title": {"text": xlabel}, "gridcolor": GRID_COLOR},
         yaxis={"title": {"text": "bubble rate"}, "tickformat": ".0%", "rangemode": "tozero",
                "gridcolor": GRID_COLOR},
-        height=380,
-        plot_bgcolor="white",
-        margin={"l": 70, "r": 20, "t": 60, "b": 45},
+        height=380, plot_bgcolor="white", margin={"l": 70, "r": 20, "t": 60, "b": 45},
     )
     return fig
 

@@ -3,12 +3,11 @@ where ipywidgets do not render (GitHub, nbviewer, HTML) with no kernel."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import plotly.graph_objects as go
 
 from ..schedules.builders import SCHEDULES
-from ..schedules.costs import Costs
 from ..schedules.timeline import Timeline
 from .figures import timeline_layout, timeline_traces
 from .states import plan_or_refusal
@@ -61,34 +60,21 @@ def slider_figure(
     return go.Figure(data=data, layout=layout)
 
 
-def microbatch_slider_figure(
-    name: str,
-    num_ranks: int = 4,
-    num_microbatches: Iterable[int] = (1, 2, 4, 8, 12, 16),
-    *,
-    costs: Costs | None = None,
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-) -> go.Figure:
-    """One schedule's timeline with a slider over m; sizes the schedule refuses are left out. Raises
+def microbatch_slider_figure(name: str, num_ranks: int = 4,
+                             num_microbatches: Iterable[int] = (1, 2, 4, 8, 12, 16), **options: Any
+                             ) -> go.Figure:
+    """One schedule's timeline with a slider over m (``options``: :func:`~.states.plan_timeline`'s
+    ``costs``, ``stages_per_rank``, ``memory_limit``); sizes the schedule refuses are left out. Raises
     ValueError: the schedule refuses every m given (the last refusal's message)."""
-    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     return _planned_slider([(f"m={m}", name, m) for m in num_microbatches], num_ranks, options,
                            f"{name} refused every microbatch count given", "microbatches ", name)
 
 
-def schedule_slider_figure(
-    names: Iterable[str] | None = None,
-    num_ranks: int = 4,
-    num_microbatches: int = 8,
-    *,
-    costs: Costs | None = None,
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-) -> go.Figure:
-    """One slider step per schedule (default: all registered) at the same p, m and costs; refusing ones
-    are left out. Raises ValueError: every schedule refused (the last refusal's message)."""
-    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
+def schedule_slider_figure(names: Iterable[str] | None = None, num_ranks: int = 4, num_microbatches: int = 8,
+                           **options: Any) -> go.Figure:
+    """One slider step per schedule (default: all registered) at the same p, m and ``options`` (as
+    :func:`microbatch_slider_figure`'s); refusing ones are left out. Raises ValueError: every schedule
+    refused (the last refusal's message)."""
     steps = [(name, name, num_microbatches) for name in (SCHEDULES if names is None else names)]
     return _planned_slider(steps, num_ranks, options, f"every schedule refused p={num_ranks}, "
                            f"m={num_microbatches}", "schedule: ")

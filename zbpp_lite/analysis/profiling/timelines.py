@@ -117,9 +117,7 @@ def _durations(timelines: Sequence[Timeline]) -> dict[tuple[str, int], list[floa
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = math.fsum(values) / n
-    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
+    return statistics.fmean(values), statistics.pstdev(values)
 
 
 def producers(timeline: Timeline) -> dict[Key, Event]:
@@ -150,9 +148,8 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
             for key in deps(e.action, S):
                 if key not in made:
                     raise ValueError(f"the timeline has no event producing {key[0]} of stage {key[1]}, "
-                                     "microbatch "
-                                     f"{key[2]}, which {e.action} on rank {r} needs; give the whole step's "
-                                     "timeline")
+                                     f"microbatch {key[2]}, which {e.action} on rank {r} needs; give the "
+                                     "whole step's timeline")
                 needed.append(made[key])
             if needed:
                 last = max(needed, key=lambda p: p.end)
@@ -186,15 +183,13 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
         f, b, w, bw = (durations.get((k, s), []) for k in ("F", "B", "W", "BW"))
         if not f:
             raise ValueError(f"the timeline has no F event of stage {s}; every stage needs F and B (or BW) "
-                             "events "
-                             "to profile its costs")
+                             "events to profile its costs")
         if not b and not bw:
             raise ValueError(f"the timeline has no B or BW event of stage {s}; every stage needs a backward "
-                             "to "
-                             "profile its costs")
+                             "to profile its costs")
         if b and not w:
-            raise ValueError(f"the timeline has B but no W events of stage {s}; give the whole step's "
-                             "timeline")
+            raise ValueError(f"the timeline has B but no W events of stage {s}; "
+                             "give the whole step's timeline")
         stats["f"].append(_mean_std(f))
         if b:
             stats["b"].append(_mean_std(b))
@@ -232,8 +227,7 @@ def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -
         stages = 1 + max((e.action.stage for e in t.events), default=-1)
         if stages != num_stages:
             raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked "
-                             "for; "
-                             "pool only timelines of one cut of the model")
+                             "for; pool only timelines of one cut of the model")
     durations = _durations(timelines)
 
     f, b, w, bw = [], [], [], []
