@@ -119,19 +119,22 @@ SLIDERS: dict[str, tuple[str, Any, Any, Any, str]] = {
     "num_microbatches": ("microbatches m", 1, "max_microbatches", 1, "microbatches per step"),
     "stages_per_rank": ("stages per rank v", 1, 4, 1,
                         "model chunks per rank (only for schedules that take stages_per_rank)"),
+    "memory_limit": ("memory limit (M_B)", 0.0, "4 max_microbatches", 1.0,
+                     "per-rank activation memory limit in units of M_B; 0 = none"),
     "f": ("T_F", 0.1, 3.0, 0.1, "forward time of one stage"),
     "b": ("T_B", 0.1, 3.0, 0.1, "input-gradient backward time"),
     "w": ("T_W", 0.1, 3.0, 0.1, "weight-gradient backward time"),
     "comm": ("T_comm", 0.0, 2.0, 0.05, "transfer time between ranks"),
     "fb": ("T_F&B (0: no overlap)", 0.0, 9.0, 0.1,
            "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap"),
-    "memory_limit": ("memory limit (M_B)", 0.0, "4 max_microbatches", 1.0,
-                     "per-rank activation memory limit in units of M_B; 0 = none"),
 }
-"""Explorer slider per :class:`ExplorerSettings` field: (label, min, max, step, tooltip); an integer step
-makes an IntSlider; a text max is taken from the explorer's arguments."""
+"""Explorer slider per :class:`ExplorerSettings` field, in display order (the schedule and the first four
+left, the costs right): (label, min, max, step, tooltip); an integer step makes an IntSlider; a text max
+is taken from the explorer's arguments."""
 
-_WIDE = {"style": {"description_width": "150px"}}
+
+def _wide() -> dict[str, Any]:
+    return {"style": {"description_width": "150px"}, "layout": widgets.Layout(width="360px")}
 
 
 class Explorer(widgets.VBox):
@@ -170,14 +173,12 @@ class Explorer(widgets.VBox):
         x = ExplorerSettings(schedule, **settings)
         tops = {"max_ranks": max_ranks, "max_microbatches": max_microbatches,
                 "4 max_microbatches": 4.0 * max_microbatches}
-        self.controls: dict[str, widgets.Widget] = {"schedule": widgets.Dropdown(
-            options=names, value=schedule, description="schedule", layout=widgets.Layout(width="360px"),
-            **_WIDE)}
+        self.controls: dict[str, widgets.Widget] = {
+            "schedule": widgets.Dropdown(options=names, value=schedule, description="schedule", **_wide())}
         for key, (label, lo, hi, step, tip) in SLIDERS.items():
             kind = widgets.IntSlider if isinstance(step, int) else widgets.FloatSlider
             self.controls[key] = kind(value=getattr(x, key), min=lo, max=tops.get(hi, hi), step=step,
-                                      description=label, tooltip=tip, continuous_update=False,
-                                      layout=widgets.Layout(width="360px"), **_WIDE)
+                                      description=label, tooltip=tip, continuous_update=False, **_wide())
         self.message = widgets.HTML(layout=widgets.Layout(min_height="24px"))
         self.state: ExplorerState | None = None
         self.last_redraw_ms = float("nan")
@@ -187,14 +188,9 @@ class Explorer(widgets.VBox):
         assert start is not None
         self.figure = go.FigureWidget(timeline_figure(start, first.name))
         self.memory = go.FigureWidget(memory_figure(start)) if show_memory else None
-        c = self.controls
-        left = widgets.VBox([c["schedule"], c["num_ranks"], c["num_microbatches"], c["stages_per_rank"],
-                             c["memory_limit"]])
-        right = widgets.VBox([c["f"], c["b"], c["w"], c["comm"], c["fb"]])
-        panels: list[widgets.Widget] = [widgets.HBox([left, right]), self.message, self.figure]
-        if self.memory is not None:
-            panels.append(self.memory)
-        super().__init__(panels)
+        c = list(self.controls.values())
+        panels = [widgets.HBox([widgets.VBox(c[:5]), widgets.VBox(c[5:])]), self.message, self.figure]
+        super().__init__(panels + ([self.memory] if self.memory is not None else []))
         self._show(first, t0)
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
