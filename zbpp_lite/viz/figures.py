@@ -67,19 +67,16 @@ def _chunk_index(timeline: Timeline) -> dict[tuple[int, int], int]:
     return {(r, s): i for r, ss in stages.items() for i, s in enumerate(sorted(ss))}
 
 
-CHUNK_NOTE = "lighter shade: a rank's later stage (its 2nd or later chunk, in an interleaved or V placement)"
-
-
-def chunk_note(*timelines: Timeline) -> str | None:
-    """The legend's note for lighter shades when a rank holds several stages (else ``None``)."""
-    return CHUNK_NOTE if any(max(_chunk_index(t).values(), default=0) > 0 for t in timelines) else None
+def several_stages(*timelines: Timeline) -> bool:
+    """Does a rank of any of ``timelines`` hold several stages (an interleaved or V placement)?"""
+    return any(max(_chunk_index(t).values(), default=0) > 0 for t in timelines)
 
 
 def _add_chunk_note(fig: go.Figure, *timelines: Timeline) -> None:
-    note = chunk_note(*timelines)
-    if note:
-        fig.add_annotation(text=note, xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top",
-                           xanchor="left", showarrow=False, font={"size": 11, "color": "#555"})
+    if several_stages(*timelines):  # explain the lighter shades of later chunks
+        fig.add_annotation(text="lighter shade: a rank's later stage (its 2nd or later chunk, in an "
+                           "interleaved or V placement)", xref="paper", yref="paper", x=0.0, y=-0.02,
+                           yanchor="top", xanchor="left", showarrow=False, font={"size": 11, "color": "#555"})
         fig.update_layout(margin={"b": 70})
 
 
@@ -90,8 +87,6 @@ def timeline_traces(
     show_idle: bool = True,
     show_labels: bool = True,
     showlegend: bool = True,
-    xaxis: str = "x",
-    yaxis: str = "y",
     scale: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Plotly bar traces (dicts of NumPy arrays), one per kind in :data:`BAR_KINDS`, always all present
@@ -106,7 +101,6 @@ def timeline_traces(
         show_idle: draw the idle gaps (the trace stays, empty, when false).
         show_labels: microbatch numbers on the bars.
         showlegend: legend entries for the non-empty kinds.
-        xaxis, yaxis: axis ids for subplots.
         scale: times are multiplied by it (1e3: seconds drawn as ms).
     """
     t0 = start_time(timeline) if offset is None else offset
@@ -158,8 +152,6 @@ def timeline_traces(
                     "line": {"width": 0.5, "color": "white"},
                     "pattern": {"shape": style.pattern, "fgcolor": "#9A9A9A"} if style.pattern else None,
                 },
-                "xaxis": xaxis,
-                "yaxis": yaxis,
             }
         )
     return traces
@@ -406,36 +398,30 @@ def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go
     L = int(num_layers)
     if L < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers!r}")
-    pos = {}
+    loss = ("loss", 0)
+    pos = {loss: (L + 1, 2.0)}
+    edges = [(("F", L), loss), (loss, ("B", L)), (loss, ("W", L))]
     for l in range(1, L + 1):
-        pos["F", l] = (l, 2.0)
-        pos["B", l] = (2 * L + 1 - l, 1.0)
-        pos["W", l] = (2 * L + 1 - l, 0.0)
-    pos["loss", 0] = (L + 1, 2.0)
-    edges = [(("F", l), ("F", l + 1)) for l in range(1, L)] + [(("F", L), ("loss", 0)),
-                                                               (("loss", 0), ("B", L))]
-    edges += [(("B", l + 1), ("B", l)) for l in range(1, L)]
-    edges += [(("F", l), ("B", l)) for l in range(1, L + 1)]
-    edges += [(("B", l + 1), ("W", l)) for l in range(1, L)] + [(("loss", 0), ("W", L))]
-    edges += [(("F", l), ("W", l)) for l in range(1, L + 1)]
+        pos["F", l], pos["B", l], pos["W", l] = (l, 2.0), (2 * L + 1 - l, 1.0), (2 * L + 1 - l, 0.0)
+        edges += [(("F", l), ("B", l)), (("F", l), ("W", l))]  # what F keeps for B and W
+        if l < L:
+            edges += [(("F", l), ("F", l + 1)), (("B", l + 1), ("B", l)), (("B", l + 1), ("W", l))]
     fig = go.Figure()
     for a, b in edges:
         (x0, y0), (x1, y1) = pos[a], pos[b]
         kept = a[0] == "F" and b[0] in ("B", "W")
         fig.add_annotation(x=x1, y=y1, ax=x0, ay=y0, xref="x", yref="y", axref="x", ayref="y", text="",
-                           showarrow=True,
-                           arrowhead=2, arrowwidth=1.0 if kept else 1.6, standoff=14, startstandoff=14,
-                           arrowcolor="#BBBBBB" if kept else "#333333")
-    colors = {"F": KIND_STYLE["F"].color, "B": KIND_STYLE["B"].color, "W": KIND_STYLE["W"].color,
-              "loss": "#777777"}
-    for kind in ("F", "B", "W", "loss"):
+                           showarrow=True, arrowhead=2, arrowwidth=1.0 if kept else 1.6, standoff=14,
+                           startstandoff=14, arrowcolor="#BBBBBB" if kept else "#333333")
+    for kind, name, color in (("F", "F: forward", KIND_STYLE["F"].color),
+                              ("B", "B: input gradient", KIND_STYLE["B"].color),
+                              ("W", "W: weight gradient", KIND_STYLE["W"].color),
+                              ("loss", "loss", "#777777")):
         nodes = [(k, v) for k, v in pos.items() if k[0] == kind]
         fig.add_trace(go.Scatter(x=[v[0] for _, v in nodes], y=[v[1] for _, v in nodes], mode="markers+text",
                                  text=[kind if kind == "loss" else f"{kind}{k[1]}" for k, _ in nodes],
-                                 textposition="middle center",
-                                 marker={"size": 34, "color": colors[kind]}, textfont={"color": "white"},
-                                 name={"F": "F: forward", "B": "B: input gradient",
-                                       "W": "W: weight gradient", "loss": "loss"}[kind]))
+                                 textposition="middle center", marker={"size": 34, "color": color},
+                                 textfont={"color": "white"}, name=name))
     fig.update_layout(title={"text": title or f"one stage of {L} layers: what each F, B and W waits for"},
                       xaxis={"visible": False}, yaxis={"visible": False, "range": [-0.6, 2.6]},
                       height=320, plot_bgcolor="white", legend={"orientation": "h", "y": -0.05})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from ..schedules.timeline import Event, Timeline
-from .figures import chunk_note, end_time, start_time
+from .figures import end_time, several_stages, start_time
 
 IDLE = "."
 FOLDED = "*"
@@ -40,7 +40,7 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
         raise ValueError(f"text_grid: width must be >= 1 column, got {width}")
     events, t0 = timeline.events, start_time(timeline)
     span = end_time(timeline) - t0
-    with_stage = chunk_note(timeline) is not None  # a rank holds several stages
+    with_stage = several_stages(timeline)
     if width is None:
         shortest = min((e.duration for e in events if e.duration > 0), default=1.0)
         longest_label = max((len(_label(e, with_stage)) for e in events), default=1)
