@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import ipywidgets as widgets
@@ -40,29 +40,30 @@ def enable_colab_widgets() -> bool:
     return True
 
 
+def _slider(default: Any, label: str, lo: Any, hi: Any, step: Any, tip: str) -> Any:
+    """A settings field and its slider: (label, min, max, step, tooltip) in the field's metadata; an integer
+    step makes an IntSlider; a text max is taken from the explorer's arguments."""
+    return field(default=default, metadata={"slider": (label, lo, hi, step, tip)})
+
+
 @dataclass(frozen=True)
 class ExplorerSettings:
-    """One set of explorer settings (the sliders' values).
-
-    Attributes:
-        schedule: a registered schedule name.
-        num_ranks: p; num_microbatches: m.
-        stages_per_rank: v, for builders that take it (None: not given).
-        f, b, w, comm: T_F, T_B, T_W, T_comm (the costs' time unit).
-        memory_limit: per-rank limit in M_B; <= 0 or None: no limit.
-        fb: T_F&B (``Costs.fb``); <= 0 or None: no overlap.
-    """
+    """One set of explorer settings, the sliders' values (their tooltips say what each is); the costs in
+    their time unit, the memory limit per rank in M_B; ``memory_limit`` or ``fb`` <= 0 or None: none."""
 
     schedule: str = "zb-h1"
-    num_ranks: int = 4
-    num_microbatches: int = 8
-    stages_per_rank: int | None = 2
-    f: float = 1.0
-    b: float = 1.0
-    w: float = 1.0
-    comm: float = 0.0
-    memory_limit: float | None = 0.0
-    fb: float | None = 0.0
+    num_ranks: int = _slider(4, "ranks p", 1, "max_ranks", 1, "pipeline ranks (devices)")
+    num_microbatches: int = _slider(8, "microbatches m", 1, "max_microbatches", 1, "microbatches per step")
+    stages_per_rank: int | None = _slider(2, "stages per rank v", 1, 4, 1,
+                                          "model chunks per rank (for schedules that take stages_per_rank)")
+    f: float = _slider(1.0, "T_F", 0.1, 3.0, 0.1, "forward time of one stage")
+    b: float = _slider(1.0, "T_B", 0.1, 3.0, 0.1, "input-gradient backward time")
+    w: float = _slider(1.0, "T_W", 0.1, 3.0, 0.1, "weight-gradient backward time")
+    comm: float = _slider(0.0, "T_comm", 0.0, 2.0, 0.05, "transfer time between ranks")
+    memory_limit: float | None = _slider(0.0, "memory limit (M_B)", 0.0, "4 max_microbatches", 1.0,
+                                         "per-rank activation memory limit in units of M_B; 0 = none")
+    fb: float | None = _slider(0.0, "T_F&B (0: no overlap)", 0.0, 9.0, 0.1,
+                               "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap")
 
 
 @dataclass(frozen=True)
@@ -114,25 +115,6 @@ def explore_state(settings: ExplorerSettings) -> ExplorerState:
     return ExplorerState(x.schedule, timeline, costs, limit)
 
 
-SLIDERS: dict[str, tuple[str, Any, Any, Any, str]] = {
-    "num_ranks": ("ranks p", 1, "max_ranks", 1, "pipeline ranks (devices)"),
-    "num_microbatches": ("microbatches m", 1, "max_microbatches", 1, "microbatches per step"),
-    "stages_per_rank": ("stages per rank v", 1, 4, 1,
-                        "model chunks per rank (only for schedules that take stages_per_rank)"),
-    "memory_limit": ("memory limit (M_B)", 0.0, "4 max_microbatches", 1.0,
-                     "per-rank activation memory limit in units of M_B; 0 = none"),
-    "f": ("T_F", 0.1, 3.0, 0.1, "forward time of one stage"),
-    "b": ("T_B", 0.1, 3.0, 0.1, "input-gradient backward time"),
-    "w": ("T_W", 0.1, 3.0, 0.1, "weight-gradient backward time"),
-    "comm": ("T_comm", 0.0, 2.0, 0.05, "transfer time between ranks"),
-    "fb": ("T_F&B (0: no overlap)", 0.0, 9.0, 0.1,
-           "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap"),
-}
-"""Explorer slider per :class:`ExplorerSettings` field, in display order (the schedule and the first four
-left, the costs right): (label, min, max, step, tooltip); an integer step makes an IntSlider; a text max
-is taken from the explorer's arguments."""
-
-
 def _wide() -> dict[str, Any]:
     return {"style": {"description_width": "150px"}, "layout": widgets.Layout(width="360px")}
 
@@ -175,10 +157,12 @@ class Explorer(widgets.VBox):
                 "4 max_microbatches": 4.0 * max_microbatches}
         self.controls: dict[str, widgets.Widget] = {
             "schedule": widgets.Dropdown(options=names, value=schedule, description="schedule", **_wide())}
-        for key, (label, lo, hi, step, tip) in SLIDERS.items():
+        for key in fields(ExplorerSettings)[1:]:
+            label, lo, hi, step, tip = key.metadata["slider"]
             kind = widgets.IntSlider if isinstance(step, int) else widgets.FloatSlider
-            self.controls[key] = kind(value=getattr(x, key), min=lo, max=tops.get(hi, hi), step=step,
-                                      description=label, tooltip=tip, continuous_update=False, **_wide())
+            self.controls[key.name] = kind(value=getattr(x, key.name), min=lo, max=tops.get(hi, hi),
+                                           step=step, description=label, tooltip=tip, continuous_update=False,
+                                           **_wide())
         self.message = widgets.HTML(layout=widgets.Layout(min_height="24px"))
         self.state: ExplorerState | None = None
         self.last_redraw_ms = float("nan")
@@ -188,8 +172,9 @@ class Explorer(widgets.VBox):
         assert start is not None
         self.figure = go.FigureWidget(timeline_figure(start, first.name))
         self.memory = go.FigureWidget(memory_figure(start)) if show_memory else None
-        c = list(self.controls.values())
-        panels = [widgets.HBox([widgets.VBox(c[:5]), widgets.VBox(c[5:])]), self.message, self.figure]
+        left = ("schedule", "num_ranks", "num_microbatches", "stages_per_rank", "memory_limit")
+        columns = [[c for k, c in self.controls.items() if (k in left) == side] for side in (True, False)]
+        panels = [widgets.HBox([widgets.VBox(column) for column in columns]), self.message, self.figure]
         super().__init__(panels + ([self.memory] if self.memory is not None else []))
         self._show(first, t0)
         for control in self.controls.values():
