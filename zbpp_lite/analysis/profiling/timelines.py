@@ -98,13 +98,8 @@ class CostProfile:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """JSON-ready dict of every field (lists for tuples)."""
-        return {
-            "f": list(self.f), "b": list(self.b), "w": list(self.w),
-            "f_std": list(self.f_std), "b_std": list(self.b_std), "w_std": list(self.w_std),
-            "fused": list(self.fused), "comm": self.comm, "comm_std": self.comm_std,
-            "comm_count": self.comm_count, "num_timelines": self.num_timelines,
-        }
+        """JSON-ready dict of every field but ``counts`` (lists for tuples)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self).items() if k != "counts"}
 
 
 def _durations(timelines: Sequence[Timeline]) -> dict[tuple[str, int], list[float]]:
