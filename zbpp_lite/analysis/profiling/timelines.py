@@ -186,12 +186,8 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
             raise ValueError(f"the timeline has B but no W events of stage {s}; "
                              "give the whole step's timeline")
         stats["f"].append(_mean_std(f))
-        if b:
-            stats["b"].append(_mean_std(b))
-            stats["w"].append(_mean_std(w))
-        else:  # fused backward only: T_B holds B + W
-            stats["b"].append(_mean_std(bw))
-            stats["w"].append((0.0, 0.0))
+        stats["b"].append(_mean_std(b or bw))  # fused backward only: T_B holds B + W
+        stats["w"].append(_mean_std(w) if b else (0.0, 0.0))
         counts.append((len(f), len(b) or len(bw), len(w)))
         fused.append(not b)
     comm, comm_std = _mean_std(slacks) if slacks else (0.0, 0.0)
