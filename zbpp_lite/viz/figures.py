@@ -222,19 +222,13 @@ def timeline_figure(
     show_labels: bool = True,
     time_unit: str | None = None,
 ) -> go.Figure:
-    """The pipeline timeline: one row per rank, one bar per action coloured by kind, idle gaps hatched.
+    """The pipeline timeline, simulated or measured: one row per rank, one bar per action coloured by kind,
+    ``timeline.idle_gaps`` hatched grey (``show_idle``), microbatch numbers on the bars (``show_labels``).
 
     Hover gives the action (PyTorch text), stage, microbatch, start and end; the title names ``title``, the
-    source, makespan and bubble rate (arXiv 2401.10241 section 3).
-
-    Args:
-        timeline: simulated or measured.
-        show_idle: draw ``timeline.idle_gaps`` as grey hatched bars.
-        show_labels: microbatch numbers on the bars.
-        time_unit: x-axis unit (default "s" for measured, "units of the costs" otherwise).
-
-    Returns:
-        A new ``go.Figure`` with 5 traces in :data:`BAR_KINDS` order; times start at 0.
+    source, makespan and bubble rate (arXiv 2401.10241 section 3); ``time_unit``: the x-axis unit (default
+    "s" measured, else "units of the costs"). Returns a new ``go.Figure``, 5 traces in :data:`BAR_KINDS`
+    order, times from 0.
     """
     traces = timeline_traces(timeline, show_idle=show_idle, show_labels=show_labels)
     fig = go.Figure(data=[go.Bar(t) for t in traces], layout=timeline_layout(timeline, title, time_unit))

@@ -50,21 +50,14 @@ def to_chrome_trace(
     name: str | None = None,
     relative: bool = True,
 ) -> dict[str, Any]:
-    """The Chrome-trace JSON object of one timeline, or of several side by side.
+    """The Chrome-trace JSON object of a Timeline (one process, a track per rank; ``name`` its label,
+    default ``"pipeline (<source>)"``) or of label -> Timeline, a process each; ``relative``: each starts at
+    ts = 0; ``time_unit_us``: default by source.
 
-    Args:
-        timeline: a Timeline (one process, a track per rank) or label -> Timeline, a process each.
-        time_unit_us: microseconds per timeline unit; default by source.
-        name: process label for a single timeline (default ``"pipeline (<source>)"``).
-        relative: shift each timeline to start at ts = 0.
-
-    Returns:
-        ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``: an ``"X"`` event per action
-        (``F3 (stage 1)``, cat = kind, pid = timeline index, tid = rank, ``args`` with action, stage,
-        microbatch, start/end); ``otherData`` holds each makespan, bubble rate and source.
-
-    Raises:
-        ValueError: a ``time_unit_us`` that is not a finite number > 0.
+    Returns ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``: an ``"X"`` event per
+    action (``F3 (stage 1)``, cat = kind, pid = timeline index, tid = rank, ``args`` with action, stage,
+    microbatch, start/end); ``otherData`` holds each makespan, bubble rate and source. Raises ValueError: a
+    ``time_unit_us`` that is not a finite number > 0.
     """
     if isinstance(timeline, Timeline):
         timeline = {name or f"pipeline ({timeline.source})": timeline}

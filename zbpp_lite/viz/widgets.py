@@ -68,15 +68,9 @@ class ExplorerSettings:
 
 @dataclass(frozen=True)
 class ExplorerState:
-    """The outcome of one set of explorer settings.
-
-    Attributes:
-        name: schedule name.
-        timeline: the simulated Timeline, or None when refused.
-        costs: the Costs built from the sliders.
-        memory_limit: per-rank limit in M_B, or None.
-        error: the refusal's message (no traceback), or None.
-    """
+    """The outcome of one set of explorer settings: the schedule's ``name``, the simulated ``timeline`` and
+    the ``costs`` built from the sliders (both None when refused), the per-rank ``memory_limit`` in M_B (or
+    None) and the refusal's message, ``error`` (no traceback; None when accepted)."""
 
     name: str
     timeline: Timeline | None
