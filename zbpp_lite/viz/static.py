@@ -20,17 +20,10 @@ def slider_figure(
     titles: Sequence[str] | None = None,
     active: int = 0,
 ) -> go.Figure:
-    """A timeline figure with a slider step per (label, timeline) in ``states``; step ``i`` shows state
-    ``i``'s 5 :func:`~.figures.timeline_traces` and sets title, time range and ranks.
-
-    Args:
-        states: (step label, timeline) pairs, e.g. ``[("m=4", t4), ("m=8", t8)]``.
-        slider_label: text before the current step's label, e.g. ``"microbatches: "``.
-        titles: title per state (default: the step labels).
-        active: the step shown first.
-
-    Raises:
-        ValueError: no states, or ``titles`` / ``active`` not matching ``states``.
+    """A timeline figure with a slider step per (label, timeline) in ``states`` (``[("m=4", t4), ("m=8",
+    t8)]``); step ``i`` shows state ``i``'s 5 :func:`~.figures.timeline_traces` and sets title (``titles[i]``,
+    default the label), time range and ranks; ``slider_label`` precedes the step's label (``"microbatches:
+    "``); step ``active`` shows first. Raises ValueError: no states, or ``titles`` / ``active`` not matching.
     """
     if not states:
         raise ValueError("slider_figure needs at least one (label, timeline) state")

@@ -21,20 +21,14 @@ def _label(e: Event, with_stage: bool) -> str:
 
 
 def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = True) -> str:
-    """Render ``timeline`` as text, one line per rank.
+    """Render ``timeline`` as text: ``width`` time columns (default: the shortest action shows its label
+    plus one column, at most 160), after a ``header`` line with makespan, bubble rate and time per column.
 
-    Args:
-        width: time columns; default: the shortest action shows its label plus one column, at most 160.
-        header: a first line with makespan, bubble rate and time per column.
-
-    Returns:
-        One string (lines joined by ``\n``, no trailing newline); row ``r`` is ``"rank r |"`` then ``width``
-        columns. Every action shows, in order: its label (``F12``; ``5F3`` plus a blank where a rank holds
-        several stages) if it fits, else its kind (``F``, ``B``, ``W``, ``X`` for ``BW``); columns shared
-        by several actions show ``*``, and a last line says how many and which ``width`` shows all labels.
-
-    Raises:
-        ValueError: ``width`` below 1.
+    Returns one string (lines joined by ``\n``, no trailing newline); row ``r`` is ``"rank r |"`` then
+    ``width`` columns. Every action shows, in order: its label (``F12``; ``5F3`` plus a blank where a rank
+    holds several stages) if it fits, else its kind (``F``, ``B``, ``W``, ``X`` for ``BW``); columns shared
+    by several actions show ``*``, and a last line says how many and which ``width`` shows all labels.
+    Raises ValueError: ``width`` below 1.
     """
     if width is not None and width < 1:
         raise ValueError(f"text_grid: width must be >= 1 column, got {width}")
