@@ -31,19 +31,13 @@ hovering a bar still names its action."""
 
 
 def attribution_figure(attribution: Attribution, timeline: Timeline, title: str | None = None) -> go.Figure:
-    """Two panels: the timeline (actions in :data:`ACTION_GREY`) with idle stretches in their cause's
-    colour; below, per blamed stage, idle time stacked by cause.
+    """Two panels of ``attribution`` (:func:`zbpp_lite.analysis.attribute.attribute` of ``timeline``): the
+    timeline (actions in :data:`ACTION_GREY`) with idle stretches in their cause's colour; below, per blamed
+    stage, idle time stacked by cause; ``title`` default "where the bubbles come from (...)".
 
-    Args:
-        attribution: :func:`zbpp_lite.analysis.attribute.attribute` of ``timeline``.
-        title: heading (default: "where the bubbles come from").
-
-    Returns:
-        A new ``go.Figure``: 5 action traces, one idle trace per cause (:data:`CAUSES` order), then one
-        bar trace per cause. Times start at 0; milliseconds for measured timelines.
-
-    Raises:
-        ValueError: an attribution of another timeline (different rank count).
+    Returns a new ``go.Figure``: 5 action traces, one idle trace per cause (:data:`CAUSES` order), then one
+    bar trace per cause; times from 0, milliseconds for measured timelines. Raises ValueError: an
+    attribution of another timeline (different rank count).
     """
     if attribution.num_ranks != timeline.num_ranks:
         raise ValueError(f"the attribution has {attribution.num_ranks} ranks but the timeline "
