@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zbpp_lite as zb
 from zbpp_lite.schedules.builders.auto import auto_plan
-from zbpp_lite.viz.stage_memory import memory_by_stage, stage_memory_figure
+from zbpp_lite.viz.memory import memory_by_stage, stage_memory_figure
 from zbpp_lite.viz.walkthrough import eight_choices, narrate
 
 

@@ -10,11 +10,10 @@ from .figures import (
     compare_figure,
     dependency_figure,
     layer_dependency_figure,
-    memory_figure,
     postvalidation_figure,
     timeline_figure,
 )
-from .memory import measured_memory_figure
+from .memory import measured_memory_figure, memory_figure
 from .states import applicable_options, plan_timeline
 from .static import microbatch_slider_figure, schedule_slider_figure, slider_figure
 from .style import KIND_STYLE

@@ -9,7 +9,7 @@ from plotly.subplots import make_subplots
 
 from ..analysis.attribute import CAUSES, Attribution
 from ..schedules.timeline import Timeline
-from .figures import BAR_WIDTH, GRID_COLOR, rank_label, start_time, timeline_traces
+from .figures import BAR_WIDTH, GRID_COLOR, LEGEND_TOP, rank_axis, start_time, timeline_traces
 
 CAUSE_COLOR: dict[str, str] = {
     "warm-up": "#9ECAE9",
@@ -31,19 +31,13 @@ hovering a bar still names its action."""
 
 
 def attribution_figure(attribution: Attribution, timeline: Timeline, title: str | None = None) -> go.Figure:
-    """Two panels: the timeline (actions in :data:`ACTION_GREY`) with idle stretches in their cause's
-    colour; below, per blamed stage, idle time stacked by cause.
+    """Two panels of ``attribution`` (:func:`zbpp_lite.analysis.attribute.attribute` of ``timeline``): the
+    timeline (actions in :data:`ACTION_GREY`) with idle stretches in their cause's colour; below, per blamed
+    stage, idle time stacked by cause; ``title`` default "where the bubbles come from (...)".
 
-    Args:
-        attribution: :func:`zbpp_lite.analysis.attribute.attribute` of ``timeline``.
-        title: heading (default: "where the bubbles come from").
-
-    Returns:
-        A new ``go.Figure``: 5 action traces, one idle trace per cause (:data:`CAUSES` order), then one
-        bar trace per cause. Times start at 0; milliseconds for measured timelines.
-
-    Raises:
-        ValueError: an attribution of another timeline (different rank count).
+    Returns a new ``go.Figure``: 5 action traces, one idle trace per cause (:data:`CAUSES` order), then one
+    bar trace per cause; times from 0, milliseconds for measured timelines. Raises ValueError: an
+    attribution of another timeline (different rank count).
     """
     if attribution.num_ranks != timeline.num_ranks:
         raise ValueError(f"the attribution has {attribution.num_ranks} ranks but the timeline "
@@ -52,12 +46,8 @@ def attribution_figure(attribution: Attribution, timeline: Timeline, title: str 
     t0 = start_time(timeline)
     fig = make_subplots(rows=2, cols=1, row_heights=[0.6, 0.4], vertical_spacing=0.16,
                         subplot_titles=("idle stretches by cause", "idle time by the stage it is blamed on"))
-    for trace in timeline_traces(timeline, show_idle=False, show_labels=False, showlegend=False):
-        trace["base"] = trace["base"] * scale
-        trace["x"] = trace["x"] * scale
-        trace["marker"]["color"] = ACTION_GREY[trace["legendgroup"]]
-        trace["marker"]["opacity"] = 1.0
-        trace["customdata"] = trace["customdata"] * [1, 1, scale, scale]
+    for trace in timeline_traces(timeline, show_idle=False, show_labels=False, showlegend=False, scale=scale):
+        trace["marker"].update(color=ACTION_GREY[trace["legendgroup"]], opacity=1.0)
         fig.add_trace(go.Bar(trace), row=1, col=1)
     for cause in CAUSES:
         gaps = [g for g in attribution.gaps if g.cause == cause]
@@ -75,30 +65,22 @@ def attribution_figure(attribution: Attribution, timeline: Timeline, title: str 
         )
     stages = attribution.by_stage()
     labels = ["none" if s is None else f"stage {s}" for s in stages]
+    offsets = [0.0] * len(labels)  # stacked by hand: the figure's overlay mode would hide bars
     for cause in CAUSES:
         values = [row[cause] * scale for row in stages.values()]
-        fig.add_trace(
-            go.Bar(orientation="h", name=cause, legendgroup=cause, showlegend=False, x=values, y=labels,
-                   marker={"color": CAUSE_COLOR[cause]}, hovertemplate=f"{cause}: %{{x:.4~g}} "
-                   f"{unit}<extra>%{{y}}</extra>"),
-            row=2, col=1,
-        )
+        fig.add_trace(go.Bar(orientation="h", name=cause, legendgroup=cause, showlegend=False, base=offsets,
+                             x=values, y=labels, marker={"color": CAUSE_COLOR[cause]},
+                             hovertemplate=f"{cause}: %{{x:.4~g}} {unit}<extra>%{{y}}</extra>"), row=2, col=1)
+        offsets = [o + v for o, v in zip(offsets, values)]
     p = timeline.num_ranks
     fig.update_layout(
         title={"text": title or f"where the bubbles come from ({timeline.source}, makespan "
                f"{timeline.makespan * scale:.4g} {unit})"},
         barmode="overlay", plot_bgcolor="white", height=300 + 40 * p + 26 * len(labels),
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0},
-        margin={"l": 80, "r": 20, "t": 90, "b": 45},
+        legend=LEGEND_TOP, margin={"l": 80, "r": 20, "t": 90, "b": 45},
     )
-    fig.update_yaxes(tickmode="array", tickvals=list(range(p)), ticktext=[rank_label(r) for r in range(p)],
-                     range=[p - 0.5, -0.5], showgrid=False, row=1, col=1)
+    fig.update_yaxes(rank_axis(p), row=1, col=1)
     fig.update_xaxes(title_text=f"time ({unit})", gridcolor=GRID_COLOR, row=1, col=1)
     fig.update_xaxes(title_text=f"idle time ({unit})", gridcolor=GRID_COLOR, row=2, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
-    # the stacked panel: overlay mode would hide bars behind each other, so stack them explicitly
-    offsets = [0.0] * len(labels)
-    for trace in fig.data[len(fig.data) - len(CAUSES):]:
-        trace.base = list(offsets)
-        offsets = [o + v for o, v in zip(offsets, trace.x)]
     return fig

@@ -13,14 +13,16 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..schedules.costs import Costs, CostTable
-from ..schedules.ir import TORCH_CODE, deps, produces
+from ..analysis.profiling.timelines import producers
+from ..schedules.ir import TORCH_CODE, deps
 from ..schedules.timeline import Timeline
 from .states import plan_or_refusal
-from .style import BAR_KINDS, KIND_STYLE, MEMORY_LIMIT_COLOR
+from .style import BAR_KINDS, KIND_STYLE
 
 BAR_WIDTH = 0.8
 GRID_COLOR = "#E8E8E8"
+LEGEND_TOP = {"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0}
+"""The legend of every figure: one row above the plot, right-aligned."""
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -65,20 +67,16 @@ def _chunk_index(timeline: Timeline) -> dict[tuple[int, int], int]:
     return {(r, s): i for r, ss in stages.items() for i, s in enumerate(sorted(ss))}
 
 
-CHUNK_NOTE = "lighter shade: a rank's later stage (its 2nd or later chunk, in an interleaved or V placement)"
-
-
-def chunk_note(*timelines: Timeline) -> str | None:
-    """The legend's note for lighter shades when a rank holds several stages (else ``None``)."""
-    return CHUNK_NOTE if any(max(_chunk_index(t).values(), default=0) > 0 for t in timelines) else None
+def several_stages(*timelines: Timeline) -> bool:
+    """Does a rank of any of ``timelines`` hold several stages (an interleaved or V placement)?"""
+    return any(max(_chunk_index(t).values(), default=0) > 0 for t in timelines)
 
 
 def _add_chunk_note(fig: go.Figure, *timelines: Timeline) -> None:
-    note = chunk_note(*timelines)
-    if note:
-        fig.add_annotation(text=note, xref="paper", yref="paper", x=0.0, y=-0.02, yanchor="top",
-                           xanchor="left",
-                           showarrow=False, font={"size": 11, "color": "#555"})
+    if several_stages(*timelines):  # explain the lighter shades of later chunks
+        fig.add_annotation(text="lighter shade: a rank's later stage (its 2nd or later chunk, in an "
+                           "interleaved or V placement)", xref="paper", yref="paper", x=0.0, y=-0.02,
+                           yanchor="top", xanchor="left", showarrow=False, font={"size": 11, "color": "#555"})
         fig.update_layout(margin={"b": 70})
 
 
@@ -89,8 +87,7 @@ def timeline_traces(
     show_idle: bool = True,
     show_labels: bool = True,
     showlegend: bool = True,
-    xaxis: str = "x",
-    yaxis: str = "y",
+    scale: float = 1.0,
 ) -> list[dict[str, Any]]:
     """Plotly bar traces (dicts of NumPy arrays), one per kind in :data:`BAR_KINDS`, always all present
     so a figure can be updated in place.
@@ -104,17 +101,18 @@ def timeline_traces(
         show_idle: draw the idle gaps (the trace stays, empty, when false).
         show_labels: microbatch numbers on the bars.
         showlegend: legend entries for the non-empty kinds.
-        xaxis, yaxis: axis ids for subplots.
+        scale: times are multiplied by it (1e3: seconds drawn as ms).
     """
     t0 = start_time(timeline) if offset is None else offset
     chunk = _chunk_index(timeline)
     rows: dict[str, list[tuple[float, ...]]] = {k: [] for k in BAR_KINDS}
     for e in timeline.events:  # (rank, start, end, stage, microbatch, chunk)
         a = e.action
-        rows[a.kind].append((e.rank, e.start - t0, e.end - t0, a.stage, a.microbatch, chunk[e.rank, a.stage]))
+        rows[a.kind].append((e.rank, scale * (e.start - t0), scale * (e.end - t0), a.stage, a.microbatch,
+                             chunk[e.rank, a.stage]))
     if show_idle:
-        rows["idle"] = [(r, a - t0, b - t0, -1, -1, 0) for r, gaps in enumerate(timeline.idle_gaps)
-                        for a, b in gaps]
+        rows["idle"] = [(r, scale * (a - t0), scale * (b - t0), -1, -1, 0)
+                        for r, gaps in enumerate(timeline.idle_gaps) for a, b in gaps]
     traces = []
     for kind in BAR_KINDS:
         style = KIND_STYLE[kind]
@@ -154,8 +152,6 @@ def timeline_traces(
                     "line": {"width": 0.5, "color": "white"},
                     "pattern": {"shape": style.pattern, "fgcolor": "#9A9A9A"} if style.pattern else None,
                 },
-                "xaxis": xaxis,
-                "yaxis": yaxis,
             }
         )
     return traces
@@ -191,9 +187,28 @@ def timeline_layout(
         },
         "yaxis": rank_axis(timeline.num_ranks),
         "uniformtext": {"minsize": 8, "mode": "hide"},
-        "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.0, "xanchor": "right", "x": 1.0},
+        "legend": {**LEGEND_TOP, "y": 1.0},
         "plot_bgcolor": "white",
     }
+
+
+def stacked_figure(panels: Sequence[Sequence[tuple[Timeline, float | None]]], titles: Sequence[str],
+                   time_unit: str, *, show_idle: bool = True, spacing: float = 0.12) -> go.Figure:
+    """Timeline panels one above the other on a shared time axis; panel ``i`` draws each (timeline,
+    offset) of ``panels[i]`` (:func:`timeline_traces`), legend from the first; ``titles``: one per panel."""
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=spacing,
+                        subplot_titles=list(titles))
+    for row, panel in enumerate(panels, start=1):
+        for i, (t, offset) in enumerate(panel):
+            legend = (row, i) == (1, 0)
+            for trace in timeline_traces(t, offset=offset, show_idle=show_idle, showlegend=legend):
+                fig.add_trace(go.Bar(trace), row=row, col=1)
+    fig.update_yaxes(rank_axis(panels[0][0][0].num_ranks))
+    fig.update_xaxes(zeroline=False, gridcolor=GRID_COLOR)
+    fig.update_xaxes(title_text=f"time ({time_unit})", row=len(panels), col=1)
+    fig.update_layout(barmode="overlay", bargap=0.1, uniformtext={"minsize": 8, "mode": "hide"},
+                      plot_bgcolor="white", legend=LEGEND_TOP, margin={"l": 70, "r": 20, "t": 80, "b": 45})
+    return fig
 
 
 # ---------------------------------------------------------------------------- figures
@@ -207,19 +222,13 @@ def timeline_figure(
     show_labels: bool = True,
     time_unit: str | None = None,
 ) -> go.Figure:
-    """The pipeline timeline: one row per rank, one bar per action coloured by kind, idle gaps hatched.
+    """The pipeline timeline, simulated or measured: one row per rank, one bar per action coloured by kind,
+    ``timeline.idle_gaps`` hatched grey (``show_idle``), microbatch numbers on the bars (``show_labels``).
 
     Hover gives the action (PyTorch text), stage, microbatch, start and end; the title names ``title``, the
-    source, makespan and bubble rate (arXiv 2401.10241 section 3).
-
-    Args:
-        timeline: simulated or measured.
-        show_idle: draw ``timeline.idle_gaps`` as grey hatched bars.
-        show_labels: microbatch numbers on the bars.
-        time_unit: x-axis unit (default "s" for measured, "units of the costs" otherwise).
-
-    Returns:
-        A new ``go.Figure`` with 5 traces in :data:`BAR_KINDS` order; times start at 0.
+    source, makespan and bubble rate (arXiv 2401.10241 section 3); ``time_unit``: the x-axis unit (default
+    "s" measured, else "units of the costs"). Returns a new ``go.Figure``, 5 traces in :data:`BAR_KINDS`
+    order, times from 0.
     """
     traces = timeline_traces(timeline, show_idle=show_idle, show_labels=show_labels)
     fig = go.Figure(data=[go.Bar(t) for t in traces], layout=timeline_layout(timeline, title, time_unit))
@@ -242,136 +251,27 @@ def compare_figure(
             f"compare_figure needs the same number of ranks, got {planned.num_ranks} planned and "
             f"{measured.num_ranks} measured"
         )
-    fig = make_subplots(
-        rows=2,
-        cols=1,
-        shared_xaxes=True,
-        vertical_spacing=0.12,
-        subplot_titles=[f"{name}: {stats_text(t)}" for name, t in zip(titles, (planned, measured))],
-    )
-    for row, (t, legend) in enumerate(((planned, True), (measured, False)), start=1):
-        for trace in timeline_traces(t, showlegend=legend):
-            fig.add_trace(go.Bar(trace), row=row, col=1)
-    for row in (1, 2):
-        fig.update_yaxes(rank_axis(planned.num_ranks), row=row, col=1)
     ratio = measured.makespan / planned.makespan if planned.makespan > 0 else float("nan")
     head = f"{title}: " if title else ""
-    unit = time_unit or time_unit_of(measured)
+    fig = stacked_figure([[(planned, None)], [(measured, None)]],
+                         [f"{name}: {stats_text(t)}" for name, t in zip(titles, (planned, measured))],
+                         time_unit or time_unit_of(measured))
     span = max(end_time(t) - start_time(t) for t in (planned, measured))
-    fig.update_xaxes(range=[0, max(span, 1e-12)], zeroline=False, gridcolor=GRID_COLOR)
-    fig.update_xaxes(title_text=f"time ({unit})", row=2, col=1)
-    fig.update_layout(
-        title={"text": f"{head}measured / planned makespan = {ratio:.3f}"},
-        barmode="overlay",
-        height=220 + 2 * 34 * planned.num_ranks,
-        uniformtext={"minsize": 8, "mode": "hide"},
-        plot_bgcolor="white",
-        legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0},
-        margin={"l": 70, "r": 20, "t": 80, "b": 45},
-    )
+    fig.update_xaxes(range=[0, max(span, 1e-12)])
+    fig.update_layout(title={"text": f"{head}measured / planned makespan = {ratio:.3f}"},
+                      height=220 + 2 * 34 * planned.num_ranks)
     _add_chunk_note(fig, planned, measured)
     return fig
-
-
-def memory_traces(timeline: Timeline, costs: Costs | CostTable | None = None) -> list[dict[str, Any]]:
-    """One step line per rank: activation memory over time (times shifted to start at 0)."""
-    t0, t1 = start_time(timeline), end_time(timeline)
-    traces = []
-    for rank in range(timeline.num_ranks):
-        curve = timeline.memory_curve(rank, costs)
-        times = [max(t, t0) - t0 for t, _ in curve] + [t1 - t0]
-        values = [v for _, v in curve] + [curve[-1][1]]
-        traces.append(
-            {
-                "type": "scatter",
-                "mode": "lines",
-                "line": {"shape": "hv", "width": 2},
-                "name": rank_label(rank),
-                "x": times,
-                "y": values,
-                "hovertemplate": "time %{x:.4~g}<br>memory %{y:.4~g}<extra>%{fullData.name}</extra>",
-            }
-        )
-    return traces
-
-
-def memory_layout(
-    timeline: Timeline,
-    memory_limit: float | None = None,
-    title: str | None = None,
-    memory_unit: str = "M_B",
-) -> dict[str, Any]:
-    """Layout for :func:`memory_traces`: dashed ``memory_limit`` (default ``timeline.memory_limit``), peak in
-    the title."""
-    limit = timeline.memory_limit if memory_limit is None else memory_limit
-    peak = max(timeline.peak_memory, default=0.0)
-    text = f"{title}: " if title else ""
-    text += f"activation memory per rank, peak {peak:.4g}"
-    shapes, notes = [], []
-    if limit is not None:
-        text += f" (limit {limit:.4g})"
-        line = {"color": MEMORY_LIMIT_COLOR, "dash": "dash", "width": 2}
-        shapes.append({"type": "line", "xref": "paper", "x0": 0, "x1": 1, "yref": "y", "y0": limit,
-                       "y1": limit, "line": line})
-        notes.append(
-            {"text": f"memory limit {limit:.4g}", "xref": "paper", "x": 0, "xanchor": "left", "yref": "y",
-             "y": limit,
-             "yanchor": "bottom", "showarrow": False, "font": {"color": MEMORY_LIMIT_COLOR}}
-        )
-    top = max(peak, limit or 0.0)
-    return {
-        "title": {"text": text},
-        "xaxis": {"title": {"text": f"time ({time_unit_of(timeline)})"}, "gridcolor": GRID_COLOR},
-        "yaxis": {"title": {"text": f"activation memory ({memory_unit})"},
-                  "range": [0, 1.12 * top if top > 0 else 1],
-                  "gridcolor": GRID_COLOR},
-        "shapes": shapes,
-        "annotations": notes,
-        "height": 320,
-        "margin": {"l": 70, "r": 20, "t": 60, "b": 45},
-        "plot_bgcolor": "white",
-    }
-
-
-def memory_figure(
-    timeline: Timeline,
-    costs: Costs | CostTable | None = None,
-    memory_limit: float | None = None,
-    *,
-    title: str | None = None,
-    memory_unit: str = "M_B",
-) -> go.Figure:
-    """Activation memory over time, one step line per rank, with the memory limit dashed.
-
-    Memory model (arXiv 2401.10241 section 2.1): F adds M_B at its start, B frees M_B - M_W and W frees M_W at
-    their end, BW frees M_B.
-
-    Args:
-        costs: M_B and M_W; default those of the timeline's ``peak_memory`` (else ``Costs()``: M_B = 1,
-            M_W = 7/16); must match the timeline's stages.
-        memory_limit: default ``timeline.memory_limit`` (none if both are None); unit of M_B.
-        memory_unit: y-axis unit text.
-    """
-    return go.Figure(
-        data=[go.Scatter(t) for t in memory_traces(timeline, costs)],
-        layout=memory_layout(timeline, memory_limit, title, memory_unit),
-    )
 
 
 # ---------------------------------------------------------------------------- bubble sweeps
 
 
-def bubble_sweep(
-    names: Iterable[str],
-    num_ranks: int | Sequence[int],
-    num_microbatches: int | Sequence[int],
-    *,
-    costs: Costs | None = None,
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-) -> tuple[str, list[int], dict[str, list[float | None]]]:
+def bubble_sweep(names: Iterable[str], num_ranks: int | Sequence[int], num_microbatches: int | Sequence[int],
+                 **options: Any) -> tuple[str, list[int], dict[str, list[float | None]]]:
     """Bubble rate of several schedules as p or m varies; exactly one of ``num_ranks`` and
-    ``num_microbatches`` is a sequence.
+    ``num_microbatches`` is a sequence; ``options``: :func:`~.states.plan_timeline`'s (``costs``,
+    ``stages_per_rank``, ``memory_limit``).
 
     Returns:
         (axis name "num_ranks" or "num_microbatches", x values, name -> bubble rates, None where refused).
@@ -380,15 +280,13 @@ def bubble_sweep(
         ValueError: both or neither of num_ranks and num_microbatches are sequences.
     """
     ranks_swept = not isinstance(num_ranks, int)
-    mbs_swept = not isinstance(num_microbatches, int)
-    if ranks_swept == mbs_swept:
+    if ranks_swept == (not isinstance(num_microbatches, int)):
         raise ValueError(
             "bubble_sweep sweeps one axis: give a sequence for exactly one of num_ranks and "
             f"num_microbatches, got num_ranks={num_ranks!r}, num_microbatches={num_microbatches!r}"
         )
     axis = "num_ranks" if ranks_swept else "num_microbatches"
     xs = [int(x) for x in (num_ranks if ranks_swept else num_microbatches)]  # type: ignore[union-attr]
-    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
     sizes = [(x, num_microbatches) if ranks_swept else (num_ranks, x) for x in xs]
     plans = {name: [plan_or_refusal(name, p, m, **options) for p, m in sizes] for name in names}
     rates = {name: [None if isinstance(t, ValueError) else t.bubble_rate for t in row]
@@ -396,44 +294,23 @@ def bubble_sweep(
     return axis, xs, rates
 
 
-def bubble_sweep_figure(
-    names: Iterable[str],
-    num_ranks: int | Sequence[int] = 4,
-    num_microbatches: int | Sequence[int] = (4, 8, 12, 16, 24, 32),
-    *,
-    costs: Costs | None = None,
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-    title: str | None = None,
-) -> go.Figure:
-    """Bubble rate against m (or p) for several schedules, one line each (:func:`bubble_sweep`); refused
-    sizes leave gaps."""
-    axis, xs, rates = bubble_sweep(
-        names, num_ranks, num_microbatches, costs=costs, stages_per_rank=stages_per_rank,
-        memory_limit=memory_limit
-    )
+def bubble_sweep_figure(names: Iterable[str], num_ranks: int | Sequence[int] = 4,
+                        num_microbatches: int | Sequence[int] = (4, 8, 12, 16, 24, 32), *,
+                        title: str | None = None, **options: Any) -> go.Figure:
+    """Bubble rate against m (or p) for several schedules, one line each (:func:`bubble_sweep`, with
+    ``options``); refused sizes leave gaps."""
+    axis, xs, rates = bubble_sweep(names, num_ranks, num_microbatches, **options)
     xlabel = "ranks p" if axis == "num_ranks" else "microbatches m"
     fixed = f"m = {num_microbatches}" if axis == "num_ranks" else f"p = {num_ranks}"
-    fig = go.Figure(
-        data=[
-            go.Scatter(
-                x=xs,
-                y=ys,
-                mode="lines+markers",
-                name=name,
-                hovertemplate=f"{name}<br>{xlabel} %{{x}}<br>bubble rate %{{y:.1%}}<extra></extra>",
-            )
-            for name, ys in rates.items()
-        ]
-    )
+    hover = f"<br>{xlabel} %{{x}}<br>bubble rate %{{y:.1%}}<extra></extra>"
+    fig = go.Figure([go.Scatter(x=xs, y=ys, mode="lines+markers", name=name, hovertemplate=name + hover)
+                     for name, ys in rates.items()])
     fig.update_layout(
         title={"text": title or f"bubble rate against {xlabel} ({fixed})"},
         xaxis={"title": {"text": xlabel}, "gridcolor": GRID_COLOR},
         yaxis={"title": {"text": "bubble rate"}, "tickformat": ".0%", "rangemode": "tozero",
                "gridcolor": GRID_COLOR},
-        height=380,
-        plot_bgcolor="white",
-        margin={"l": 70, "r": 20, "t": 60, "b": 45},
+        height=380, plot_bgcolor="white", margin={"l": 70, "r": 20, "t": 60, "b": 45},
     )
     return fig
 
@@ -447,11 +324,8 @@ def dependency_arrows(timeline: Timeline, *, same_rank: bool = False,
     to the consumer's start: transfers between ranks solid; with ``same_rank`` a rank's own F -> B -> W
     dotted."""
     t0 = start_time(timeline) if offset is None else offset
-    num_stages = 1 + max((s for e in timeline.events for s in _stages_of(e.action)), default=0)
-    made = {}
-    for e in timeline.events:
-        for key in produces(e.action):
-            made[key] = e
+    num_stages = 1 + max((e.action.stage for e in timeline.events), default=0)
+    made = producers(timeline)
     arrows = []
     for e in timeline.events:
         for key in deps(e.action, num_stages):
@@ -469,12 +343,6 @@ def dependency_arrows(timeline: Timeline, *, same_rank: bool = False,
     return arrows
 
 
-def _stages_of(action: Any) -> tuple[int, ...]:
-    if hasattr(action, "stage"):
-        return (action.stage,)
-    return (action.forward.stage, action.backward.stage)  # an overlapped pair
-
-
 def dependency_figure(timeline: Timeline, title: str | None = None, *, same_rank: bool = False) -> go.Figure:
     """:func:`timeline_figure` with :func:`dependency_arrows` (best for p, m up to about 4 and 8)."""
     fig = timeline_figure(timeline, title)
@@ -488,41 +356,27 @@ def postvalidation_figure(timeline: Timeline, title: str | None = None) -> go.Fi
     (the wait hatched), below post-validated, each rank starting step 2 once it ended step 1 (valid when
     every rank's span is the makespan, as ZB-H1/H2). Step 2's forwards before the dashed line (the last
     rank's end of step 1) run on speculative parameters, outlined red; a rollback redoes them."""
-    t0, t_end = start_time(timeline), end_time(timeline)
+    t0, t_end, p = start_time(timeline), end_time(timeline), timeline.num_ranks
     titles = (f"synchronous step: wait {timeline.sync_bubble:.4g} on the earliest rank",
               "post-validated: no wait; red F's are speculative, redone on a rollback")
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.14, subplot_titles=titles)
-    shifts = (timeline.global_span, timeline.makespan)
-    for row, shift in ((1, shifts[0]), (2, shifts[1])):
-        for step in (0, 1):
-            moved = _shifted(timeline, step * shift)
-            for trace in timeline_traces(moved, offset=t0, show_idle=False,
-                                         showlegend=(row == 1 and step == 0),
-                                         xaxis="x" if row == 1 else "x2", yaxis="y" if row == 1 else "y2"):
-                fig.add_trace(go.Bar(trace))
-        if row == 1:  # the synchronous wait: each rank, from its own end of step 1 to its start of step 2
-            ranks = [r for r in range(timeline.num_ranks) if timeline.rank_events(r)]
-            ends = {r: max(e.end for e in timeline.rank_events(r)) for r in ranks}
-            starts = {r: min(e.start for e in timeline.rank_events(r)) + shift for r in ranks}
-            fig.add_trace(go.Bar(
-                orientation="h", base=[ends[r] - t0 for r in ranks], x=[starts[r] - ends[r] for r in ranks],
-                y=ranks, width=BAR_WIDTH, name="waiting for the global check", xaxis="x", yaxis="y",
-                marker={"color": "white", "line": {"color": "#E45756", "width": 1},
-                        "pattern": {"shape": "x", "fgcolor": "#E45756"}}))
-        else:
-            spec = [e for e in _shifted(timeline, shift).events if e.action.kind == "F" and e.start < t_end]
-            fig.add_trace(go.Bar(
-                orientation="h", base=[e.start - t0 for e in spec], x=[e.end - e.start for e in spec],
-                y=[e.rank for e in spec], width=BAR_WIDTH, name="speculative F (redone on a rollback)",
-                marker={"color": "rgba(0,0,0,0)", "line": {"color": "#E45756", "width": 2.5}},
-                xaxis="x2", yaxis="y2"))
-            fig.add_vline(x=t_end - t0, line_dash="dash", line_color="#E45756", row=2, col=1)
-    fig.update_layout(barmode="overlay", bargap=0.1, height=2 * (120 + 34 * timeline.num_ranks),
-                      plot_bgcolor="white", title={"text": title or "post-validation: two steps"},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right",
-                              "x": 1.0})
-    fig.update_yaxes(rank_axis(timeline.num_ranks))
-    fig.update_xaxes(title_text=f"time ({time_unit_of(timeline)})", row=2, col=1, gridcolor=GRID_COLOR)
+    sync, post = timeline.global_span, timeline.makespan  # when step 2 starts after step 1
+    fig = stacked_figure([[(_shifted(timeline, k * shift), t0) for k in (0, 1)] for shift in (sync, post)],
+                         titles, time_unit_of(timeline), show_idle=False, spacing=0.14)
+    ranks = [r for r in range(p) if timeline.rank_events(r)]  # the wait: a rank's end of step 1 to step 2
+    ends = {r: max(e.end for e in timeline.rank_events(r)) for r in ranks}
+    starts = {r: min(e.start for e in timeline.rank_events(r)) + sync for r in ranks}
+    fig.add_trace(go.Bar(
+        orientation="h", base=[ends[r] - t0 for r in ranks], x=[starts[r] - ends[r] for r in ranks],
+        y=ranks, width=BAR_WIDTH, name="waiting for the global check",
+        marker={"color": "white", "line": {"color": "#E45756", "width": 1},
+                "pattern": {"shape": "x", "fgcolor": "#E45756"}}), row=1, col=1)
+    spec = [e for e in _shifted(timeline, post).events if e.action.kind == "F" and e.start < t_end]
+    fig.add_trace(go.Bar(
+        orientation="h", base=[e.start - t0 for e in spec], x=[e.end - e.start for e in spec],
+        y=[e.rank for e in spec], width=BAR_WIDTH, name="speculative F (redone on a rollback)",
+        marker={"color": "rgba(0,0,0,0)", "line": {"color": "#E45756", "width": 2.5}}), row=2, col=1)
+    fig.add_vline(x=t_end - t0, line_dash="dash", line_color="#E45756", row=2, col=1)
+    fig.update_layout(height=2 * (120 + 34 * p), title={"text": title or "post-validation: two steps"})
     return fig
 
 
@@ -538,36 +392,30 @@ def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go
     L = int(num_layers)
     if L < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers!r}")
-    pos = {}
+    loss = ("loss", 0)
+    pos = {loss: (L + 1, 2.0)}
+    edges = [(("F", L), loss), (loss, ("B", L)), (loss, ("W", L))]
     for l in range(1, L + 1):
-        pos["F", l] = (l, 2.0)
-        pos["B", l] = (2 * L + 1 - l, 1.0)
-        pos["W", l] = (2 * L + 1 - l, 0.0)
-    pos["loss", 0] = (L + 1, 2.0)
-    edges = [(("F", l), ("F", l + 1)) for l in range(1, L)] + [(("F", L), ("loss", 0)),
-                                                               (("loss", 0), ("B", L))]
-    edges += [(("B", l + 1), ("B", l)) for l in range(1, L)]
-    edges += [(("F", l), ("B", l)) for l in range(1, L + 1)]
-    edges += [(("B", l + 1), ("W", l)) for l in range(1, L)] + [(("loss", 0), ("W", L))]
-    edges += [(("F", l), ("W", l)) for l in range(1, L + 1)]
+        pos["F", l], pos["B", l], pos["W", l] = (l, 2.0), (2 * L + 1 - l, 1.0), (2 * L + 1 - l, 0.0)
+        edges += [(("F", l), ("B", l)), (("F", l), ("W", l))]  # what F keeps for B and W
+        if l < L:
+            edges += [(("F", l), ("F", l + 1)), (("B", l + 1), ("B", l)), (("B", l + 1), ("W", l))]
     fig = go.Figure()
     for a, b in edges:
         (x0, y0), (x1, y1) = pos[a], pos[b]
         kept = a[0] == "F" and b[0] in ("B", "W")
         fig.add_annotation(x=x1, y=y1, ax=x0, ay=y0, xref="x", yref="y", axref="x", ayref="y", text="",
-                           showarrow=True,
-                           arrowhead=2, arrowwidth=1.0 if kept else 1.6, standoff=14, startstandoff=14,
-                           arrowcolor="#BBBBBB" if kept else "#333333")
-    colors = {"F": KIND_STYLE["F"].color, "B": KIND_STYLE["B"].color, "W": KIND_STYLE["W"].color,
-              "loss": "#777777"}
-    for kind in ("F", "B", "W", "loss"):
+                           showarrow=True, arrowhead=2, arrowwidth=1.0 if kept else 1.6, standoff=14,
+                           startstandoff=14, arrowcolor="#BBBBBB" if kept else "#333333")
+    for kind, name, color in (("F", "F: forward", KIND_STYLE["F"].color),
+                              ("B", "B: input gradient", KIND_STYLE["B"].color),
+                              ("W", "W: weight gradient", KIND_STYLE["W"].color),
+                              ("loss", "loss", "#777777")):
         nodes = [(k, v) for k, v in pos.items() if k[0] == kind]
         fig.add_trace(go.Scatter(x=[v[0] for _, v in nodes], y=[v[1] for _, v in nodes], mode="markers+text",
                                  text=[kind if kind == "loss" else f"{kind}{k[1]}" for k, _ in nodes],
-                                 textposition="middle center",
-                                 marker={"size": 34, "color": colors[kind]}, textfont={"color": "white"},
-                                 name={"F": "F: forward", "B": "B: input gradient",
-                                       "W": "W: weight gradient", "loss": "loss"}[kind]))
+                                 textposition="middle center", marker={"size": 34, "color": color},
+                                 textfont={"color": "white"}, name=name))
     fig.update_layout(title={"text": title or f"one stage of {L} layers: what each F, B and W waits for"},
                       xaxis={"visible": False}, yaxis={"visible": False, "range": [-0.6, 2.6]},
                       height=320, plot_bgcolor="white", legend={"orientation": "h", "y": -0.05})

@@ -36,16 +36,10 @@ def plan_timeline(
     costs: Costs | None = None,
     memory_limit: float | None = None,
 ) -> Timeline:
-    """Build schedule ``name`` for p ranks and m microbatches, validate and simulate it.
-
-    Args:
-        name: a registered schedule (``zbpp_lite.SCHEDULES``).
-        stages_per_rank: v, only to builders that take it.
-        costs: to builders that take ``costs`` and always to the simulator (default unit costs).
-        memory_limit: per-rank limit (units of mem_b), to builders that take it; recorded on the timeline.
-
-    Returns:
-        The simulated Timeline (the costs' time unit).
+    """Build schedule ``name`` (``zbpp_lite.SCHEDULES``) for p ranks and m microbatches, validate and
+    simulate it: the Timeline, in the costs' time unit. ``stages_per_rank`` (v) and ``memory_limit`` (per
+    rank, units of M_B; recorded on the timeline) go to builders that take them, ``costs`` to those and
+    always to the simulator (default unit costs).
 
     Raises:
         ValueError: an unknown name, or sizes/options the builder refuses; ScheduleError (a ValueError) if

@@ -3,14 +3,13 @@ where ipywidgets do not render (GitHub, nbviewer, HTML) with no kernel."""
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import plotly.graph_objects as go
 
 from ..schedules.builders import SCHEDULES
-from ..schedules.costs import Costs
 from ..schedules.timeline import Timeline
-from .figures import end_time, figure_title, rank_label, start_time, timeline_layout, timeline_traces
+from .figures import timeline_layout, timeline_traces
 from .states import plan_or_refusal
 
 
@@ -21,17 +20,10 @@ def slider_figure(
     titles: Sequence[str] | None = None,
     active: int = 0,
 ) -> go.Figure:
-    """A timeline figure with a slider step per (label, timeline) in ``states``; step ``i`` shows state
-    ``i``'s 5 :func:`~.figures.timeline_traces` and sets title, time range and ranks.
-
-    Args:
-        states: (step label, timeline) pairs, e.g. ``[("m=4", t4), ("m=8", t8)]``.
-        slider_label: text before the current step's label, e.g. ``"microbatches: "``.
-        titles: title per state (default: the step labels).
-        active: the step shown first.
-
-    Raises:
-        ValueError: no states, or ``titles`` / ``active`` not matching ``states``.
+    """A timeline figure with a slider step per (label, timeline) in ``states`` (``[("m=4", t4), ("m=8",
+    t8)]``); step ``i`` shows state ``i``'s 5 :func:`~.figures.timeline_traces` and sets title (``titles[i]``,
+    default the label), time range and ranks; ``slider_label`` precedes the step's label (``"microbatches:
+    "``); step ``active`` shows first. Raises ValueError: no states, or ``titles`` / ``active`` not matching.
     """
     if not states:
         raise ValueError("slider_figure needs at least one (label, timeline) state")
@@ -46,19 +38,14 @@ def slider_figure(
         for trace in timeline_traces(t):
             trace["visible"] = i == active
             data.append(go.Bar(trace))
-    max_ranks = max(t.num_ranks for _, t in states)
     layout = timeline_layout(states[active][1], titles[active])
-    layout["height"] = 140 + 34 * max_ranks + 80
+    layout["height"] = 140 + 34 * max(t.num_ranks for _, t in states) + 80
     steps = []
     for i, ((label, t), head) in enumerate(zip(states, titles)):
         visible = [j // per_state == i for j in range(len(data))]
-        relayout = {
-            "title.text": figure_title(t, head),
-            "xaxis.range": [0, max(end_time(t) - start_time(t), 1e-12)],
-            "yaxis.tickvals": list(range(t.num_ranks)),
-            "yaxis.ticktext": [rank_label(r) for r in range(t.num_ranks)],
-            "yaxis.range": [t.num_ranks - 0.5, -0.5],
-        }
+        own = timeline_layout(t, head)  # what the step changes: title, time range, ranks
+        relayout = {"title.text": own["title"]["text"], "xaxis.range": own["xaxis"]["range"],
+                    **{f"yaxis.{k}": own["yaxis"][k] for k in ("tickvals", "ticktext", "range")}}
         steps.append({"method": "update", "label": label, "args": [{"visible": visible}, relayout]})
     layout["sliders"] = [
         {"active": active, "currentvalue": {"prefix": slider_label}, "pad": {"t": 50}, "steps": steps}
@@ -66,45 +53,33 @@ def slider_figure(
     return go.Figure(data=data, layout=layout)
 
 
-def microbatch_slider_figure(
-    name: str,
-    num_ranks: int = 4,
-    num_microbatches: Iterable[int] = (1, 2, 4, 8, 12, 16),
-    *,
-    costs: Costs | None = None,
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-) -> go.Figure:
-    """One schedule's timeline with a slider over m; sizes the schedule refuses are left out. Raises
+def microbatch_slider_figure(name: str, num_ranks: int = 4,
+                             num_microbatches: Iterable[int] = (1, 2, 4, 8, 12, 16), **options: Any
+                             ) -> go.Figure:
+    """One schedule's timeline with a slider over m (``options``: :func:`~.states.plan_timeline`'s
+    ``costs``, ``stages_per_rank``, ``memory_limit``); sizes the schedule refuses are left out. Raises
     ValueError: the schedule refuses every m given (the last refusal's message)."""
-    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
-    states, error = _states([(f"m={m}", name, m) for m in num_microbatches], num_ranks, options)
-    if not states:
-        raise ValueError(f"{name} refused every microbatch count given: {error}")
-    return slider_figure(states, slider_label="microbatches ", titles=[name] * len(states))
+    return _planned_slider([(f"m={m}", name, m) for m in num_microbatches], num_ranks, options,
+                           f"{name} refused every microbatch count given", "microbatches ", name)
 
 
-def schedule_slider_figure(
-    names: Iterable[str] | None = None,
-    num_ranks: int = 4,
-    num_microbatches: int = 8,
-    *,
-    costs: Costs | None = None,
-    stages_per_rank: int | None = None,
-    memory_limit: float | None = None,
-) -> go.Figure:
-    """One slider step per schedule (default: all registered) at the same p, m and costs; refusing ones
-    are left out. Raises ValueError: every schedule refused (the last refusal's message)."""
-    options = {"stages_per_rank": stages_per_rank, "costs": costs, "memory_limit": memory_limit}
-    names = list(names) if names is not None else list(SCHEDULES)
-    states, error = _states([(name, name, num_microbatches) for name in names], num_ranks, options)
-    if not states:
-        raise ValueError(f"every schedule refused p={num_ranks}, m={num_microbatches}: {error}")
-    return slider_figure(states, slider_label="schedule: ")
+def schedule_slider_figure(names: Iterable[str] | None = None, num_ranks: int = 4, num_microbatches: int = 8,
+                           **options: Any) -> go.Figure:
+    """One slider step per schedule (default: all registered) at the same p, m and ``options`` (as
+    :func:`microbatch_slider_figure`'s); refusing ones are left out. Raises ValueError: every schedule
+    refused (the last refusal's message)."""
+    steps = [(name, name, num_microbatches) for name in (SCHEDULES if names is None else names)]
+    return _planned_slider(steps, num_ranks, options, f"every schedule refused p={num_ranks}, "
+                           f"m={num_microbatches}", "schedule: ")
 
 
-def _states(steps: list[tuple], num_ranks: int, options: dict) -> tuple[list, ValueError | None]:
-    """(label, timeline) per (label, schedule, m) the schedule accepts, and the last refusal (or None)."""
+def _planned_slider(steps: list[tuple], num_ranks: int, options: dict, refused: str, slider_label: str,
+                    title: str | None = None) -> go.Figure:
+    """:func:`slider_figure` of each (label, schedule, m) of ``steps`` the schedule accepts (titles:
+    ``title``, else the labels); ValueError ``refused: <last refusal>`` when none does."""
     planned = [(label, plan_or_refusal(name, num_ranks, m, **options)) for label, name, m in steps]
-    refusals = [t for _, t in planned if isinstance(t, ValueError)]
-    return [(label, t) for label, t in planned if not isinstance(t, ValueError)], (refusals or [None])[-1]
+    states = [(label, t) for label, t in planned if not isinstance(t, ValueError)]
+    if not states:
+        raise ValueError(f"{refused}: {planned[-1][1] if planned else None}")
+    titles = [title] * len(states) if title else None
+    return slider_figure(states, slider_label=slider_label, titles=titles)

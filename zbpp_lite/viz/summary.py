@@ -8,7 +8,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .figures import GRID_COLOR
+from .figures import GRID_COLOR, LEGEND_TOP
 
 MEASURED_COLOR = "#1F5FAD"
 PLANNED_COLOR = "#9DB9DE"
@@ -40,33 +40,26 @@ def summary_figure(rows: Sequence[SummaryRow], title: str | None = None,
     rows."""
     if not rows:
         raise ValueError("summary_figure needs at least one schedule")
-    ranked = sorted(rows, key=lambda r: r.step_ms,
-                    reverse=True)  # Plotly draws the first category at the bottom
+    ranked = sorted(rows, key=lambda r: r.step_ms, reverse=True)  # Plotly draws the first category lowest
     names = [r.name for r in ranked]
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.04,
                         subplot_titles=["step time (ms), median of the timed steps", "bubble rate"])
-    for col, (meas, plan, fmt) in enumerate(
-        ((lambda r: r.step_ms, lambda r: r.planned_ms, ".1f"),
-         (lambda r: r.bubble_rate, lambda r: r.planned_bubble_rate, ".3f")), start=1
-    ):
-        fig.add_trace(go.Bar(y=names, x=[meas(r) for r in ranked], orientation="h", name="measured",
-                             marker_color=MEASURED_COLOR,
-                             legendgroup="measured", showlegend=col == 1,
-                             text=[format(meas(r), fmt) for r in ranked],
-                             textposition="outside",
-                             hovertemplate="%{y}: %{x:" + fmt + "} measured<extra></extra>"), row=1, col=col)
-        fig.add_trace(go.Bar(y=names, x=[plan(r) for r in ranked], orientation="h",
-                             name="planned (simulator, measured costs)",
-                             marker_color=PLANNED_COLOR, legendgroup="planned", showlegend=col == 1,
-                             text=[format(plan(r), fmt) for r in ranked], textposition="outside",
-                             hovertemplate="%{y}: %{x:" + fmt + "} planned<extra></extra>"), row=1, col=col)
+    panels = ((".1f", [r.step_ms for r in ranked], [r.planned_ms for r in ranked]),
+              (".3f", [r.bubble_rate for r in ranked], [r.planned_bubble_rate for r in ranked]))
+    bars = (("measured", "measured", MEASURED_COLOR),
+            ("planned", "planned (simulator, measured costs)", PLANNED_COLOR))
+    for col, (fmt, *values) in enumerate(panels, start=1):
+        for xs, (group, name, color) in zip(values, bars):
+            fig.add_trace(go.Bar(
+                y=names, x=xs, orientation="h", name=name, marker_color=color, legendgroup=group,
+                showlegend=col == 1, text=[format(x, fmt) for x in xs], textposition="outside",
+                hovertemplate=f"%{{y}}: %{{x:{fmt}}} {group}<extra></extra>"), row=1, col=col)
     if reference is not None:
         fig.add_vline(x=reference[1], line_dash="dash", line_color="#555", row=1, col=1,
                       annotation_text=f"{reference[0]}: {reference[1]:.1f} ms", annotation_position="top")
     fig.update_xaxes(gridcolor=GRID_COLOR, zeroline=False)
     fig.update_layout(barmode="group", height=140 + 46 * len(rows), plot_bgcolor="white",
                       title={"text": title or "schedules ranked"},
-                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.06, "xanchor": "right",
-                              "x": 1.0},
+                      legend={**LEGEND_TOP, "y": 1.06},
                       margin={"l": 120, "r": 30, "t": 90, "b": 40})
     return fig

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ..schedules.timeline import Event, Timeline
+from .figures import end_time, several_stages, start_time
 
 IDLE = "."
 FOLDED = "*"
@@ -20,31 +21,20 @@ def _label(e: Event, with_stage: bool) -> str:
 
 
 def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = True) -> str:
-    """Render ``timeline`` as text, one line per rank.
+    """Render ``timeline`` as text: ``width`` time columns (default: the shortest action shows its label
+    plus one column, at most 160), after a ``header`` line with makespan, bubble rate and time per column.
 
-    Args:
-        width: time columns; default: the shortest action shows its label plus one column, at most 160.
-        header: a first line with makespan, bubble rate and time per column.
-
-    Returns:
-        One string (lines joined by ``\n``, no trailing newline); row ``r`` is ``"rank r |"`` then ``width``
-        columns. Every action shows, in order: its label (``F12``; ``5F3`` plus a blank where a rank holds
-        several stages) if it fits, else its kind (``F``, ``B``, ``W``, ``X`` for ``BW``); columns shared
-        by several actions show ``*``, and a last line says how many and which ``width`` shows all labels.
-
-    Raises:
-        ValueError: ``width`` below 1.
+    Returns one string (lines joined by ``\n``, no trailing newline); row ``r`` is ``"rank r |"`` then
+    ``width`` columns. Every action shows, in order: its label (``F12``; ``5F3`` plus a blank where a rank
+    holds several stages) if it fits, else its kind (``F``, ``B``, ``W``, ``X`` for ``BW``); columns shared
+    by several actions show ``*``, and a last line says how many and which ``width`` shows all labels.
+    Raises ValueError: ``width`` below 1.
     """
     if width is not None and width < 1:
         raise ValueError(f"text_grid: width must be >= 1 column, got {width}")
-    events = timeline.events
-    t0 = min((e.start for e in events), default=0.0)
-    t1 = max((e.end for e in events), default=0.0)
-    span = t1 - t0
-    stages: dict[int, set[int]] = {}
-    for e in events:
-        stages.setdefault(e.rank, set()).add(e.action.stage)
-    with_stage = any(len(s) > 1 for s in stages.values())
+    events, t0 = timeline.events, start_time(timeline)
+    span = end_time(timeline) - t0
+    with_stage = several_stages(timeline)
     if width is None:
         shortest = min((e.duration for e in events if e.duration > 0), default=1.0)
         longest_label = max((len(_label(e, with_stage)) for e in events), default=1)
@@ -89,18 +79,11 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
 def _rank_cells(events, t0: float, scale: float, width: int) -> tuple[list, list]:
     """One rank's columns (IDLE, FOLDED where actions share one, None where one action holds it) and each
     action's column range [c0, c1)."""
-    cells: list = [IDLE] * width
-    count = [0] * width
-    owner = []
+    count, owner = [0] * width, []
     for e in events:
         c0 = min(int(round((e.start - t0) * scale)), width - 1)
         c1 = min(max(int(round((e.end - t0) * scale)), c0 + 1), width)
         owner.append((e, c0, c1))
         for c in range(c0, c1):
             count[c] += 1
-    for c in range(width):
-        if count[c] == 1:
-            cells[c] = None
-        elif count[c] > 1:
-            cells[c] = FOLDED
-    return cells, owner
+    return [(IDLE, None, FOLDED)[min(n, 2)] for n in count], owner  # by how many actions touch a column

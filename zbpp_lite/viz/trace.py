@@ -21,44 +21,25 @@ def default_time_unit_us(timeline: Timeline) -> float:
     return 1e6 if timeline.source == "measured" else 1000.0
 
 
-def _process_events(
-    timeline: Timeline, pid: int, label: str, time_unit_us: float | None, relative: bool
-) -> list[dict[str, Any]]:
-    scale = default_time_unit_us(timeline) if time_unit_us is None else float(time_unit_us)
-    if not (math.isfinite(scale) and scale > 0):  # NaN / Infinity would be invalid JSON for Perfetto
-        raise ValueError("time_unit_us must be a finite number > 0 of microseconds per timeline unit, got "
-                         f"{time_unit_us}")
+def _meta(kind: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
+    return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": args}
+
+
+def _process_events(timeline: Timeline, pid: int, label: str, scale: float,
+                    relative: bool) -> list[dict[str, Any]]:
     t0 = min((e.start for e in timeline.events), default=0.0) if relative else 0.0
-    out: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": label}},
-        {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}},
-    ]
+    out = [_meta("process_name", pid, 0, name=label), _meta("process_sort_index", pid, 0, sort_index=pid)]
     for rank in range(timeline.num_ranks):
-        out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
-                    "args": {"name": f"rank {rank}"}})
-        out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": rank,
-                    "args": {"sort_index": rank}})
+        out += [_meta("thread_name", pid, rank, name=f"rank {rank}"),
+                _meta("thread_sort_index", pid, rank, sort_index=rank)]
     for e in timeline.events:
         a = e.action
-        out.append(
-            {
-                "name": f"{a.kind}{a.microbatch} (stage {a.stage})",
-                "cat": a.kind,
-                "ph": "X",
-                "ts": (e.start - t0) * scale,
-                "dur": (e.end - e.start) * scale,
-                "pid": pid,
-                "tid": e.rank,
-                "args": {
-                    "action": str(a),
-                    "kind": a.kind,
-                    "stage": a.stage,
-                    "microbatch": a.microbatch,
-                    "start": e.start,
-                    "end": e.end,
-                },
-            }
-        )
+        out.append({
+            "name": f"{a.kind}{a.microbatch} (stage {a.stage})", "cat": a.kind, "ph": "X",
+            "ts": (e.start - t0) * scale, "dur": (e.end - e.start) * scale, "pid": pid, "tid": e.rank,
+            "args": {"action": str(a), "kind": a.kind, "stage": a.stage, "microbatch": a.microbatch,
+                     "start": e.start, "end": e.end},
+        })
     return out
 
 
@@ -69,36 +50,27 @@ def to_chrome_trace(
     name: str | None = None,
     relative: bool = True,
 ) -> dict[str, Any]:
-    """The Chrome-trace JSON object of one timeline, or of several side by side.
+    """The Chrome-trace JSON object of a Timeline (one process, a track per rank; ``name`` its label,
+    default ``"pipeline (<source>)"``) or of label -> Timeline, a process each; ``relative``: each starts at
+    ts = 0; ``time_unit_us``: default by source.
 
-    Args:
-        timeline: a Timeline (one process, a track per rank) or label -> Timeline, a process each.
-        time_unit_us: microseconds per timeline unit; default by source.
-        name: process label for a single timeline (default ``"pipeline (<source>)"``).
-        relative: shift each timeline to start at ts = 0.
-
-    Returns:
-        ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``: an ``"X"`` event per action
-        (``F3 (stage 1)``, cat = kind, pid = timeline index, tid = rank, ``args`` with action, stage,
-        microbatch, start/end); ``otherData`` holds each makespan, bubble rate and source.
-
-    Raises:
-        ValueError: a ``time_unit_us`` that is not a finite number > 0.
+    Returns ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``: an ``"X"`` event per
+    action (``F3 (stage 1)``, cat = kind, pid = timeline index, tid = rank, ``args`` with action, stage,
+    microbatch, start/end); ``otherData`` holds each makespan, bubble rate and source. Raises ValueError: a
+    ``time_unit_us`` that is not a finite number > 0.
     """
     if isinstance(timeline, Timeline):
-        items = [(name or f"pipeline ({timeline.source})", timeline)]
-    else:
-        items = list(timeline.items())
+        timeline = {name or f"pipeline ({timeline.source})": timeline}
     events: list[dict[str, Any]] = []
     other: dict[str, Any] = {}
-    for pid, (label, t) in enumerate(items):
-        events += _process_events(t, pid, label, time_unit_us, relative)
-        other[label] = {
-            "source": t.source,
-            "makespan": t.makespan,
-            "bubble_rate": t.bubble_rate,
-            "time_unit_us": default_time_unit_us(t) if time_unit_us is None else time_unit_us,
-        }
+    for pid, (label, t) in enumerate(timeline.items()):
+        scale = default_time_unit_us(t) if time_unit_us is None else float(time_unit_us)
+        if not (math.isfinite(scale) and scale > 0):  # NaN / Infinity would be invalid JSON for Perfetto
+            raise ValueError("time_unit_us must be a finite number > 0 of microseconds per timeline unit, "
+                             f"got {time_unit_us}")
+        events += _process_events(t, pid, label, scale, relative)
+        other[label] = {"source": t.source, "makespan": t.makespan, "bubble_rate": t.bubble_rate,
+                        "time_unit_us": default_time_unit_us(t) if time_unit_us is None else time_unit_us}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..analysis.profiling.timelines import producers
 from ..schedules.builders.auto import ONE_STAGE_RULES
 from ..schedules.builders.greedy import per_rank_limits, plan
 from ..schedules.costs import Costs
-from ..schedules.ir import Schedule, deps, looped_placement, produces
+from ..schedules.ir import Schedule, deps, looped_placement
 from ..schedules.simulate import simulate
 
 _EPS = 1e-9
@@ -56,12 +57,11 @@ def narrate(schedule: Schedule, costs: Costs, rank: int, memory_limit: float | N
     arrived, a W filling or delaying, a W left for the end)."""
     table = costs.table(schedule.num_stages)
     timeline = simulate(schedule, costs)
-    end = {key: (e.end, e.rank) for e in timeline.events for key in produces(e.action)}
+    made = producers(timeline)
 
-    def ready(action) -> float:
-        times = [t + (table.transfer(k[1], action.stage) if r != rank else 0.0)
-                 for k in deps(action, schedule.num_stages) for t, r in [end[k]]]
-        return max(times, default=0.0)
+    def ready(action) -> float:  # its inputs' ends, plus the transfer when made on another rank
+        return max((made[k].end + (table.transfer(k[1], action.stage) if made[k].rank != rank else 0.0)
+                    for k in deps(action, schedule.num_stages)), default=0.0)
 
     events = timeline.rank_events(rank)
     first_b = next((i for i, e in enumerate(events) if e.action.kind in ("B", "BW")), len(events))

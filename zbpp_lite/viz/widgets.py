@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import html
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import ipywidgets as widgets
@@ -21,15 +21,8 @@ import plotly.graph_objects as go
 from ..schedules.builders import SCHEDULES, options_of
 from ..schedules.costs import Costs
 from ..schedules.timeline import Timeline
-from .figures import (
-    figure_title,
-    memory_figure,
-    memory_layout,
-    memory_traces,
-    timeline_figure,
-    timeline_layout,
-    timeline_traces,
-)
+from .figures import figure_title, timeline_figure, timeline_layout, timeline_traces
+from .memory import memory_figure, memory_layout, memory_traces
 from .states import plan_timeline
 
 try:  # Google Colab only: its custom widget manager, which FigureWidget needs there
@@ -47,42 +40,37 @@ def enable_colab_widgets() -> bool:
     return True
 
 
+def _slider(default: Any, label: str, lo: Any, hi: Any, step: Any, tip: str) -> Any:
+    """A settings field and its slider: (label, min, max, step, tooltip) in the field's metadata; an integer
+    step makes an IntSlider; a text max is taken from the explorer's arguments."""
+    return field(default=default, metadata={"slider": (label, lo, hi, step, tip)})
+
+
 @dataclass(frozen=True)
 class ExplorerSettings:
-    """One set of explorer settings (the sliders' values).
-
-    Attributes:
-        schedule: a registered schedule name.
-        num_ranks: p; num_microbatches: m.
-        stages_per_rank: v, for builders that take it (None: not given).
-        f, b, w, comm: T_F, T_B, T_W, T_comm (the costs' time unit).
-        memory_limit: per-rank limit in M_B; <= 0 or None: no limit.
-        fb: T_F&B (``Costs.fb``); <= 0 or None: no overlap.
-    """
+    """One set of explorer settings, the sliders' values (their tooltips say what each is); the costs in
+    their time unit, the memory limit per rank in M_B; ``memory_limit`` or ``fb`` <= 0 or None: none."""
 
     schedule: str = "zb-h1"
-    num_ranks: int = 4
-    num_microbatches: int = 8
-    stages_per_rank: int | None = 2
-    f: float = 1.0
-    b: float = 1.0
-    w: float = 1.0
-    comm: float = 0.0
-    memory_limit: float | None = 0.0
-    fb: float | None = 0.0
+    num_ranks: int = _slider(4, "ranks p", 1, "max_ranks", 1, "pipeline ranks (devices)")
+    num_microbatches: int = _slider(8, "microbatches m", 1, "max_microbatches", 1, "microbatches per step")
+    stages_per_rank: int | None = _slider(2, "stages per rank v", 1, 4, 1,
+                                          "model chunks per rank (for schedules that take stages_per_rank)")
+    f: float = _slider(1.0, "T_F", 0.1, 3.0, 0.1, "forward time of one stage")
+    b: float = _slider(1.0, "T_B", 0.1, 3.0, 0.1, "input-gradient backward time")
+    w: float = _slider(1.0, "T_W", 0.1, 3.0, 0.1, "weight-gradient backward time")
+    comm: float = _slider(0.0, "T_comm", 0.0, 2.0, 0.05, "transfer time between ranks")
+    memory_limit: float | None = _slider(0.0, "memory limit (M_B)", 0.0, "4 max_microbatches", 1.0,
+                                         "per-rank activation memory limit in units of M_B; 0 = none")
+    fb: float | None = _slider(0.0, "T_F&B (0: no overlap)", 0.0, 9.0, 0.1,
+                               "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap")
 
 
 @dataclass(frozen=True)
 class ExplorerState:
-    """The outcome of one set of explorer settings.
-
-    Attributes:
-        name: schedule name.
-        timeline: the simulated Timeline, or None when refused.
-        costs: the Costs built from the sliders.
-        memory_limit: per-rank limit in M_B, or None.
-        error: the refusal's message (no traceback), or None.
-    """
+    """The outcome of one set of explorer settings: the schedule's ``name``, the simulated ``timeline`` and
+    the ``costs`` built from the sliders (both None when refused), the per-rank ``memory_limit`` in M_B (or
+    None) and the refusal's message, ``error`` (no traceback; None when accepted)."""
 
     name: str
     timeline: Timeline | None
@@ -121,19 +109,8 @@ def explore_state(settings: ExplorerSettings) -> ExplorerState:
     return ExplorerState(x.schedule, timeline, costs, limit)
 
 
-def _slider(kind: type, description: str, value: Any, lo: Any, hi: Any, step: Any,
-        tip: str) -> widgets.Widget:
-    return kind(
-        value=value,
-        min=lo,
-        max=hi,
-        step=step,
-        description=description,
-        tooltip=tip,
-        continuous_update=False,
-        style={"description_width": "150px"},
-        layout=widgets.Layout(width="360px"),
-    )
+def _wide() -> dict[str, Any]:
+    return {"style": {"description_width": "150px"}, "layout": widgets.Layout(width="360px")}
 
 
 class Explorer(widgets.VBox):
@@ -170,35 +147,16 @@ class Explorer(widgets.VBox):
         if schedule not in names:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of: {', '.join(names)}")
         x = ExplorerSettings(schedule, **settings)
-        int_slider, float_slider = widgets.IntSlider, widgets.FloatSlider
+        tops = {"max_ranks": max_ranks, "max_microbatches": max_microbatches,
+                "4 max_microbatches": 4.0 * max_microbatches}
         self.controls: dict[str, widgets.Widget] = {
-            "schedule": widgets.Dropdown(
-                options=names, value=schedule, description="schedule", style={"description_width": "150px"},
-                layout=widgets.Layout(width="360px"),
-            ),
-            "num_ranks": _slider(int_slider, "ranks p", x.num_ranks, 1, max_ranks, 1, "pipeline ranks "
-                                 "(devices)"),
-            "num_microbatches": _slider(
-                int_slider, "microbatches m", x.num_microbatches, 1, max_microbatches, 1,
-                "microbatches per step"
-            ),
-            "stages_per_rank": _slider(
-                int_slider, "stages per rank v", x.stages_per_rank, 1, 4, 1,
-                "model chunks per rank (only for schedules that take stages_per_rank)",
-            ),
-            "f": _slider(float_slider, "T_F", x.f, 0.1, 3.0, 0.1, "forward time of one stage"),
-            "b": _slider(float_slider, "T_B", x.b, 0.1, 3.0, 0.1, "input-gradient backward time"),
-            "w": _slider(float_slider, "T_W", x.w, 0.1, 3.0, 0.1, "weight-gradient backward time"),
-            "comm": _slider(float_slider, "T_comm", x.comm, 0.0, 2.0, 0.05, "transfer time between ranks"),
-            "fb": _slider(
-                float_slider, "T_F&B (0: no overlap)", x.fb, 0.0, 9.0, 0.1,
-                "time of an overlapped F&B pair (DualPipeV); 0 = T_F + T_B + T_W, no overlap",
-            ),
-            "memory_limit": _slider(
-                float_slider, "memory limit (M_B)", x.memory_limit, 0.0, 4.0 * max_microbatches, 1.0,
-                "per-rank activation memory limit in units of M_B; 0 = none",
-            ),
-        }
+            "schedule": widgets.Dropdown(options=names, value=schedule, description="schedule", **_wide())}
+        for key in fields(ExplorerSettings)[1:]:
+            label, lo, hi, step, tip = key.metadata["slider"]
+            kind = widgets.IntSlider if isinstance(step, int) else widgets.FloatSlider
+            self.controls[key.name] = kind(value=getattr(x, key.name), min=lo, max=tops.get(hi, hi),
+                                           step=step, description=label, tooltip=tip, continuous_update=False,
+                                           **_wide())
         self.message = widgets.HTML(layout=widgets.Layout(min_height="24px"))
         self.state: ExplorerState | None = None
         self.last_redraw_ms = float("nan")
@@ -208,14 +166,10 @@ class Explorer(widgets.VBox):
         assert start is not None
         self.figure = go.FigureWidget(timeline_figure(start, first.name))
         self.memory = go.FigureWidget(memory_figure(start)) if show_memory else None
-        c = self.controls
-        left = widgets.VBox([c["schedule"], c["num_ranks"], c["num_microbatches"], c["stages_per_rank"],
-                             c["memory_limit"]])
-        right = widgets.VBox([c["f"], c["b"], c["w"], c["comm"], c["fb"]])
-        panels: list[widgets.Widget] = [widgets.HBox([left, right]), self.message, self.figure]
-        if self.memory is not None:
-            panels.append(self.memory)
-        super().__init__(panels)
+        left = ("schedule", "num_ranks", "num_microbatches", "stages_per_rank", "memory_limit")
+        columns = [[c for k, c in self.controls.items() if (k in left) == side] for side in (True, False)]
+        panels = [widgets.HBox([widgets.VBox(column) for column in columns]), self.message, self.figure]
+        super().__init__(panels + ([self.memory] if self.memory is not None else []))
         self._show(first, t0)
         for control in self.controls.values():
             control.observe(self._on_change, names="value")
@@ -223,13 +177,9 @@ class Explorer(widgets.VBox):
     # ------------------------------------------------------------------ callbacks
 
     def _compute(self) -> ExplorerState:
-        c = self.controls
-        name = c["schedule"].value
-        takes_v = "stages_per_rank" in options_of(name)
-        c["stages_per_rank"].disabled = not takes_v
-        values = {key: control.value for key, control in c.items()}
-        return explore_state(ExplorerSettings(**{**values, "stages_per_rank": values["stages_per_rank"]
-                                                 if takes_v else None}))
+        c = self.controls  # plan_timeline gives each builder only the options it takes
+        c["stages_per_rank"].disabled = "stages_per_rank" not in options_of(c["schedule"].value)
+        return explore_state(ExplorerSettings(**{key: control.value for key, control in c.items()}))
 
     def _on_change(self, _change: Any = None) -> None:
         self.redraw()
@@ -241,8 +191,8 @@ class Explorer(widgets.VBox):
         try:
             state = self._compute()
         except Exception as exc:  # noqa: BLE001 - shown to the reader instead of a traceback
-            state = ExplorerState(self.controls["schedule"].value, None, None, None, f"{type(exc).__name__}: "
-                                  f"{exc}")
+            error = f"{type(exc).__name__}: {exc}"
+            state = ExplorerState(self.controls["schedule"].value, None, None, None, error)
         try:
             self._show(state, t0)
         except Exception as exc:  # noqa: BLE001
@@ -250,44 +200,36 @@ class Explorer(widgets.VBox):
         return state
 
     def _show(self, state: ExplorerState, t0: float) -> None:
-        self.state = state
-        if state.timeline is None:
-            self.message.value = _error_html(state.name, state.error or "")
-            with self.figure.batch_update():
-                for trace in self.figure.data:
-                    trace.update(base=[], x=[], y=[], text=[], customdata=[], showlegend=False)
-                self.figure.layout.title.text = f"{state.name}: no schedule for these settings"
+        self.state, t, name = state, state.timeline, state.name
+        if t is None:
+            self.message.value = _error_html(name, state.error or "")
+            refused = {"title": {"text": f"{name}: no schedule for these settings"}}
+            empty = {"base": [], "x": [], "y": [], "text": [], "customdata": [], "showlegend": False}
+            _refill(self.figure, [empty] * len(self.figure.data), refused)
             if self.memory is not None:
-                with self.memory.batch_update():
-                    for trace in self.memory.data:
-                        trace.update(x=[], y=[])
-                    self.memory.layout.title.text = f"{state.name}: no schedule for these settings"
-            self.last_redraw_ms = (time.perf_counter() - t0) * 1e3
-            return
-        t = state.timeline
-        with self.figure.batch_update():
-            for trace, new in zip(self.figure.data, timeline_traces(t)):
-                new.pop("type")
-                trace.update(new)
-            self.figure.layout.update(timeline_layout(t, state.name))
-        if self.memory is not None:
-            lines = memory_traces(t, state.costs)
-            with self.memory.batch_update():
-                if len(self.memory.data) > len(lines):
-                    self.memory.data = self.memory.data[: len(lines)]
-                for trace, new in zip(self.memory.data, lines):
-                    new.pop("type")
-                    trace.update(new)
-                layout = memory_layout(t, state.memory_limit, state.name)
-                # update() merges lists element-wise and would keep an old limit line: assign
-                self.memory.layout.shapes = layout.pop("shapes")
-                self.memory.layout.annotations = layout.pop("annotations")
-                self.memory.layout.update(layout)
-            extra = lines[len(self.memory.data) :]
-            if extra:
-                self.memory.add_traces([go.Scatter(new) for new in extra])
-        self.message.value = _summary_html(state)
+                _refill(self.memory, [{"x": [], "y": []}] * len(self.memory.data), refused)
+        else:
+            _refill(self.figure, timeline_traces(t), timeline_layout(t, name))
+            if self.memory is not None:
+                layout = memory_layout(t, state.memory_limit, name)
+                _refill(self.memory, memory_traces(t, state.costs), layout)
+            self.message.value = _summary_html(state)
         self.last_redraw_ms = (time.perf_counter() - t0) * 1e3
+
+
+def _refill(fig: go.FigureWidget, traces: list[dict[str, Any]], layout: dict[str, Any]) -> None:
+    """Update ``fig`` in place to ``traces`` (surplus traces dropped, missing ones added) and ``layout``."""
+    with fig.batch_update():
+        if len(fig.data) > len(traces):
+            fig.data = fig.data[: len(traces)]
+        for trace, new in zip(fig.data, traces):
+            trace.update({k: v for k, v in new.items() if k != "type"})
+        for key in ("shapes", "annotations"):  # update() merges lists element-wise: an old line would stay
+            if key in layout:
+                fig.layout[key] = layout.pop(key)
+        fig.layout.update(layout)
+    if len(traces) > len(fig.data):
+        fig.add_traces([go.Scatter(new) for new in traces[len(fig.data):]])
 
 
 def _error_html(name: str, error: str) -> str:

@@ -98,13 +98,8 @@ class CostProfile:
         return "\n".join(lines)
 
     def to_json(self) -> dict:
-        """JSON-ready dict of every field (lists for tuples)."""
-        return {
-            "f": list(self.f), "b": list(self.b), "w": list(self.w),
-            "f_std": list(self.f_std), "b_std": list(self.b_std), "w_std": list(self.w_std),
-            "fused": list(self.fused), "comm": self.comm, "comm_std": self.comm_std,
-            "comm_count": self.comm_count, "num_timelines": self.num_timelines,
-        }
+        """JSON-ready dict of every field but ``counts`` (lists for tuples)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self).items() if k != "counts"}
 
 
 def _durations(timelines: Sequence[Timeline]) -> dict[tuple[str, int], list[float]]:
@@ -117,9 +112,7 @@ def _durations(timelines: Sequence[Timeline]) -> dict[tuple[str, int], list[floa
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    n = len(values)
-    mean = math.fsum(values) / n
-    return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
+    return statistics.fmean(values), statistics.pstdev(values)
 
 
 def producers(timeline: Timeline) -> dict[Key, Event]:
@@ -150,9 +143,8 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
             for key in deps(e.action, S):
                 if key not in made:
                     raise ValueError(f"the timeline has no event producing {key[0]} of stage {key[1]}, "
-                                     "microbatch "
-                                     f"{key[2]}, which {e.action} on rank {r} needs; give the whole step's "
-                                     "timeline")
+                                     f"microbatch {key[2]}, which {e.action} on rank {r} needs; give the "
+                                     "whole step's timeline")
                 needed.append(made[key])
             if needed:
                 last = max(needed, key=lambda p: p.end)
@@ -186,22 +178,16 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
         f, b, w, bw = (durations.get((k, s), []) for k in ("F", "B", "W", "BW"))
         if not f:
             raise ValueError(f"the timeline has no F event of stage {s}; every stage needs F and B (or BW) "
-                             "events "
-                             "to profile its costs")
+                             "events to profile its costs")
         if not b and not bw:
             raise ValueError(f"the timeline has no B or BW event of stage {s}; every stage needs a backward "
-                             "to "
-                             "profile its costs")
+                             "to profile its costs")
         if b and not w:
-            raise ValueError(f"the timeline has B but no W events of stage {s}; give the whole step's "
-                             "timeline")
+            raise ValueError(f"the timeline has B but no W events of stage {s}; "
+                             "give the whole step's timeline")
         stats["f"].append(_mean_std(f))
-        if b:
-            stats["b"].append(_mean_std(b))
-            stats["w"].append(_mean_std(w))
-        else:  # fused backward only: T_B holds B + W
-            stats["b"].append(_mean_std(bw))
-            stats["w"].append((0.0, 0.0))
+        stats["b"].append(_mean_std(b or bw))  # fused backward only: T_B holds B + W
+        stats["w"].append(_mean_std(w) if b else (0.0, 0.0))
         counts.append((len(f), len(b) or len(bw), len(w)))
         fused.append(not b)
     comm, comm_std = _mean_std(slacks) if slacks else (0.0, 0.0)
@@ -232,8 +218,7 @@ def measured_costs(timeline: "Timeline | Sequence[Timeline]", num_stages: int) -
         stages = 1 + max((e.action.stage for e in t.events), default=-1)
         if stages != num_stages:
             raise ValueError(f"timeline {i} has stages 0..{stages - 1}, not the {num_stages} stages asked "
-                             "for; "
-                             "pool only timelines of one cut of the model")
+                             "for; pool only timelines of one cut of the model")
     durations = _durations(timelines)
 
     f, b, w, bw = [], [], [], []
