@@ -33,7 +33,8 @@ def _check(name: str, p: int, m: int, f: float, b: float, w: float) -> None:
     if m < least and name != "gpipe":
         raise ValueError(f"the closed form of {name} needs m >= {least} microbatches at p={p}, got m={m}")
     if name == "zb-h1" and w > f:
-        raise ValueError(f"ZB-H1's form needs T_W <= T_F (else it undercounts), got T_F={f}, T_B={b}, T_W={w}")
+        raise ValueError(f"ZB-H1's form needs T_W <= T_F (else it undercounts), got T_F={f}, T_B={b}, "
+                         f"T_W={w}")
     if name == "zb-h2" and (w > f or 2 * w > f + b):
         raise ValueError(f"ZB-H2's form needs T_W <= T_F and 2 T_W <= T_F + T_B (else it undercounts or goes "
                          f"negative), got T_F={f}, T_B={b}, T_W={w}")
