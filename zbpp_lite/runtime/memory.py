@@ -20,20 +20,9 @@ import numpy as np
 from ..schedules.memory import MeasuredMemory
 
 
-_BYTES: dict = {}  # (shape, dtype) -> bytes: the few shapes of a job, each worked out once
-
-
 def nbytes(tree: Any) -> int:
-    """Bytes of every array leaf of ``tree`` (jax or NumPy): sum of ``prod(shape) * itemsize``."""
-    total = 0
-    for a in jax.tree_util.tree_leaves(tree):
-        v = getattr(a, "aval", a)
-        key = (v.shape, v.dtype)
-        size = _BYTES.get(key)
-        if size is None:
-            size = _BYTES[key] = math.prod(v.shape) * np.dtype(v.dtype).itemsize
-        total += size
-    return total
+    """Bytes of every array leaf of ``tree`` (jax, NumPy, avals): sum of ``prod(shape) * itemsize``."""
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
 
 
 class MemoryRecorder:
