@@ -85,12 +85,6 @@ class MemoryRecorder:
             if received:
                 self._recv_curve[rank].append((t, self._recv[rank]))
 
-    def drop_stages(self, rank: int, stages: list, t: float) -> None:
-        """Forget what rank ``rank`` held for ``stages`` (a redone warm-up drops it all)."""
-        for key in [k for k in self._live[rank] if k[0] in ("res", "kept", "grads") and k[1] in stages]:
-            self.free(rank, key)
-        self.settle(rank, t)
-
     def result(self, shift: float = 0.0, device_peak: tuple = ()) -> MeasuredMemory:
         """The :class:`MeasuredMemory` so far, times minus ``shift`` seconds (clipped at 0)."""
 
@@ -114,7 +108,7 @@ class NoMemoryRecorder:
     def _nothing(self, *args: Any) -> None:
         return None
 
-    keep = free = receive = settle = drop_stages = result = _nothing
+    keep = free = receive = settle = result = _nothing
 
 
 def device_peak_bytes(device: Any) -> int | None:
