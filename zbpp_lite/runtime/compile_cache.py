@@ -24,9 +24,10 @@ OFF_WORDS = ("0", "off", "no", "false")
 # JAX's own settings, read from the environment when JAX is imported (a child process) or set with
 # jax.config.update (this process, when JAX is already imported). Every program is cached, however
 # small or quick to compile: a stage's W compiles in well under JAX's default threshold of 1 s.
+# Each: (value, type); JAX's config name is the variable's in lower case.
 _THRESHOLDS = {
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": ("0", float),
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": ("-1", int),
 }
 
 
@@ -62,13 +63,11 @@ def use_compile_cache(environ: dict[str, str] | None = None) -> str | None:
     except OSError:
         return None
     env["JAX_COMPILATION_CACHE_DIR"] = str(directory)
-    for name, value in _THRESHOLDS.items():
+    for name, (value, _) in _THRESHOLDS.items():
         env.setdefault(name, value)
     if environ is None and "jax" in sys.modules:
         jax = sys.modules["jax"]  # already imported: apply to this process too (never import it here)
         jax.config.update("jax_compilation_cache_dir", env["JAX_COMPILATION_CACHE_DIR"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                          float(env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes",
-                          int(env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+        for name, (_, kind) in _THRESHOLDS.items():
+            jax.config.update(name.lower(), kind(env[name]))
     return str(directory)

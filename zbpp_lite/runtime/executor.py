@@ -166,7 +166,7 @@ class _Step:
     splits: list  # per stage StageSplit
     inboxes: list
     t0: float
-    store: dict  # (stage, microbatch) -> what F / B kept
+    store: dict  # (what, stage, microbatch) -> what F / B kept: "res", "kept" or "grads" (runtime.memory)
     losses: dict
     events: list
     index: int = 0  # the step's number over the executor's life (remote messages carry it)
@@ -174,6 +174,16 @@ class _Step:
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
     memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
+
+    def hold(self, rank: int, key: tuple, value: Any) -> None:
+        """Keep ``value`` under ``key`` in the store, counted as rank ``rank``'s memory."""
+        self.store[key] = value
+        self.memory.keep(rank, key, value)
+
+    def release(self, rank: int, key: tuple) -> Any:
+        """Take what ``key`` holds out of the store and out of rank ``rank``'s memory."""
+        self.memory.free(rank, key)
+        return self.store.pop(key)
 
 
 class PipelineExecutor:
@@ -250,7 +260,6 @@ class PipelineExecutor:
         self._handlers: dict[str, Callable] = {"F": self._forward, "B": self._backward_input,
                                                "W": self._backward_weight, "BW": self._backward_fused}
         self._prepared: dict = {}
-        self._input_trees: list = []  # per stage: the pytree structure of its input (set by _prepare)
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
 
     def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
@@ -258,12 +267,10 @@ class PipelineExecutor:
         signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
         if signature in self._prepared:
             splits, self._input_shapes = self._prepared[signature]
-            self._input_trees = [jax.tree_util.tree_structure(shape) for shape in self._input_shapes]
             return splits
         S = self.model.num_stages
         # what stage s takes (and what its B sends back): one array, or a pytree (tuple, dict)
         shapes = self._input_shapes = self.model.stage_inputs(x_mb)
-        self._input_trees = [jax.tree_util.tree_structure(shape) for shape in shapes]
         splits: list = [None] * S
         kinds = {a.kind for r in self.ranks for a in self.schedule.rank_actions(r)}
         for s in self.local_stages:
@@ -470,13 +477,14 @@ class PipelineExecutor:
 
     def _walk(self, rank: int, step: _Step, at: list, hooks: _Hooks) -> None:
         """The rank loop: ``rank``'s actions of ``step`` in order (``at[0]``: the current one)."""
-        attempt = step.attempts.get(rank, 0)
+        attempt, S = step.attempts.get(rank, 0), self.model.num_stages
         for entry in self.schedule.actions[rank]:
             at[0] = entry
             hooks.before(entry)
-            # a pair (F&B) takes both parts' inputs before either runs
-            inputs = [[self._take(step, rank, key, action, attempt, hooks)
-                       for key in self._from_others(action)] for action in parts(entry)]
+            # what each action takes from other stages (its own stage's are there by the order); a pair
+            # (F&B) takes both parts' inputs before either runs
+            inputs = [[self._take(step, rank, key, action, attempt, hooks) for key in deps(action, S)
+                       if key.stage != action.stage] for action in parts(entry)]
             for action, args in zip(parts(entry), inputs):
                 start = time.perf_counter()
                 ready, output = self._handlers[action.kind](step, action, *args)
@@ -488,10 +496,6 @@ class PipelineExecutor:
                 if output is not None:
                     self._send(step, action, output, attempt)
         hooks.end()
-
-    def _from_others(self, action: Action) -> list[Key]:
-        """The keys ``action`` takes from other stages (its own stage's are there by the order)."""
-        return [key for key in deps(action, self.model.num_stages) if key.stage != action.stage]
 
     def _take(self, step: _Step, rank: int, key: Key, action: Action, attempt: int, hooks: _Hooks) -> Any:
         """The value under ``key`` that ``action`` takes, from rank ``rank``'s inbox."""
@@ -507,9 +511,9 @@ class PipelineExecutor:
     def _redo(self, rank: int, step: _Step, stages: list, update) -> None:
         """Reset ``rank``'s share of ``step`` for a redo (events kept as ``discarded``)."""
         step.attempts[rank] = step.attempts.get(rank, 0) + 1
-        for key in [key for key in step.store if key[0] in stages]:
-            del step.store[key]
-        step.memory.drop_stages(rank, stages, time.perf_counter() - step.t0)
+        for key in [key for key in step.store if key[1] in stages]:
+            step.release(rank, key)
+        step.memory.settle(rank, time.perf_counter() - step.t0)
         with step.lock:
             step.discarded += [e for e in step.events if e.rank == rank]
             step.events[:] = [e for e in step.events if e.rank != rank]
@@ -528,8 +532,8 @@ class PipelineExecutor:
             return
         consumer = key.consumer  # an activation for stage s+1, an input gradient for stage s-1
         if isinstance(value, _Leaves):  # from another process: the leaves of a pytree
-            tree = self._input_trees[consumer if key.kind == "F" else key.stage]
-            value = jax.tree_util.tree_unflatten(tree, list(value))
+            shape = self._input_shapes[consumer if key.kind == "F" else key.stage]  # B's: its stage's input
+            value = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), list(value))
         value = jax.device_put(value, self.stage_devices[consumer])
         rank = self.schedule.placement[consumer]
         step.memory.receive(rank, key.key, value, time.perf_counter() - step.t0 if step.t0 else 0.0)
@@ -581,15 +585,13 @@ class PipelineExecutor:
         self._spares.setdefault((kind, stage), []).append(arrays)
 
     def _forward(self, step: _Step, a: Action, x: Any = None):
-        s, j = a.stage, a.microbatch
+        s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         last = s == self.model.num_stages - 1
         x = step.inputs[j] if s == 0 else x
         y, res, kept = step.splits[s].flat.forward(step.params[s], x, step.labels[j] if last else None,
                                                    self._spare("res", s))
-        step.store[s, j] = (res, kept)
-        rank = self.schedule.placement[s]
-        step.memory.keep(rank, ("res", s, j), res)
-        step.memory.keep(rank, ("kept", s, j), kept)
+        step.hold(rank, ("res", s, j), res)
+        step.hold(rank, ("kept", s, j), kept)
         if last:
             step.losses[j] = y
         return (y, res, kept), None if last else y
@@ -598,35 +600,26 @@ class PipelineExecutor:
         return step.seed if a.stage == self.model.num_stages - 1 else dy
 
     def _backward_input(self, step: _Step, a: Action, dy: Any = None):
-        s, j = a.stage, a.microbatch
-        res, kept = step.store[s, j]
+        s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
+        res = step.release(rank, ("res", s, j))
         dy = self._output_grad(step, a, dy)
         dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, dy, self._spare("grads", s))
-        step.store[s, j] = (kept, grads_out)
-        rank = self.schedule.placement[s]
-        step.memory.free(rank, ("res", s, j))
-        step.memory.keep(rank, ("grads", s, j), grads_out)
+        step.hold(rank, ("grads", s, j), grads_out)
         self._keep_spare("res", s, res)
         return (dx, grads_out), dx
 
     def _backward_weight(self, step: _Step, a: Action):
-        s = a.stage
-        kept, grads_out = step.store.pop((s, a.microbatch))
+        s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
+        kept, grads_out = (step.release(rank, (what, s, j)) for what in ("kept", "grads"))
         step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
-        rank = self.schedule.placement[s]
-        step.memory.free(rank, ("kept", s, a.microbatch))
-        step.memory.free(rank, ("grads", s, a.microbatch))
         self._keep_spare("grads", s, grads_out)
         return step.acc[s], None
 
     def _backward_fused(self, step: _Step, a: Action, dy: Any = None):
-        s = a.stage
-        res, kept = step.store.pop((s, a.microbatch))
-        dy = self._output_grad(step, a, dy)
-        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, dy, step.acc[s])
-        rank = self.schedule.placement[s]
-        step.memory.free(rank, ("res", s, a.microbatch))
-        step.memory.free(rank, ("kept", s, a.microbatch))
+        s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
+        res, kept = (step.release(rank, (what, s, j)) for what in ("res", "kept"))
+        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept,
+                                                             self._output_grad(step, a, dy), step.acc[s])
         self._keep_spare("res", s, res)
         return (dx, step.acc[s]), dx
 

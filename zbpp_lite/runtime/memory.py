@@ -20,20 +20,9 @@ import numpy as np
 from ..schedules.memory import MeasuredMemory
 
 
-_BYTES: dict = {}  # (shape, dtype) -> bytes: the few shapes of a job, each worked out once
-
-
 def nbytes(tree: Any) -> int:
-    """Bytes of every array leaf of ``tree`` (jax or NumPy): sum of ``prod(shape) * itemsize``."""
-    total = 0
-    for a in jax.tree_util.tree_leaves(tree):
-        v = getattr(a, "aval", a)
-        key = (v.shape, v.dtype)
-        size = _BYTES.get(key)
-        if size is None:
-            size = _BYTES[key] = math.prod(v.shape) * np.dtype(v.dtype).itemsize
-        total += size
-    return total
+    """Bytes of every array leaf of ``tree`` (jax, NumPy, avals): sum of ``prod(shape) * itemsize``."""
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
 
 
 class MemoryRecorder:
@@ -96,12 +85,6 @@ class MemoryRecorder:
             if received:
                 self._recv_curve[rank].append((t, self._recv[rank]))
 
-    def drop_stages(self, rank: int, stages: list, t: float) -> None:
-        """Forget what rank ``rank`` held for ``stages`` (a redone warm-up drops it all)."""
-        for key in [k for k in self._live[rank] if k[0] in ("res", "kept", "grads") and k[1] in stages]:
-            self.free(rank, key)
-        self.settle(rank, t)
-
     def result(self, shift: float = 0.0, device_peak: tuple = ()) -> MeasuredMemory:
         """The :class:`MeasuredMemory` so far, times minus ``shift`` seconds (clipped at 0)."""
 
@@ -125,7 +108,7 @@ class NoMemoryRecorder:
     def _nothing(self, *args: Any) -> None:
         return None
 
-    keep = free = receive = settle = drop_stages = result = _nothing
+    keep = free = receive = settle = result = _nothing
 
 
 def device_peak_bytes(device: Any) -> int | None:

@@ -31,6 +31,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from .memory import nbytes
+
 try:  # JAX >= 0.4.30
     from jax.extend.core import Literal
 except ImportError:  # pragma: no cover - older JAX
@@ -166,6 +168,18 @@ def _matmul_shape(
     return math.prod(x.shape[: x.ndim - len(lc)]), k, math.prod(w.shape[len(rc) :])
 
 
+def _kept_slots(prog: _Program, weight_ops: list, skip: frozenset = frozenset()) -> tuple:
+    """W's operands of ``weight_ops`` (those at ``skip`` left out), each once: ``("k", ref)``, then
+    ``("t", ref, (rows, k))`` for a product's ``x`` kept as the (k, rows) matrix ``x^T``: W's ``x^T dy`` is
+    then a plain row-major product, where ``x`` contracted over its rows makes XLA's CPU backend transpose
+    ``dy`` or take a slower product (1.5-2x on this model's W)."""
+    kept = [(op, prog.nodes[op.node].ins[k]) for j, op in enumerate(weight_ops) if j not in skip
+            for k in op.kept_inputs]
+    return tuple(dict.fromkeys(("k", r) for op, r in kept if op.matmul is None)) + tuple(
+        dict.fromkeys(("t", r, op.matmul[:2]) for op, r in kept if op.matmul is not None)
+    )
+
+
 def _mark_program(
     prog: _Program, on_p: set, on_a: set, split_loop: Callable | None = None
 ) -> tuple[list, dict]:
@@ -227,10 +241,7 @@ class _Loop:
     body: _Program
     num_consts: int
     num_carry: int
-    length: int
-    reverse: bool
-    unroll: Any
-    on_p: set
+    scan: dict  # lax.scan's length, reverse, unroll
     on_a: set
     weight_ops: tuple
     probe_refs: tuple  # body refs
@@ -295,25 +306,11 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
     weight_ops, _ = _mark_program(body, b_on_p, b_on_a)
     if not weight_ops:
         return None
-    kept_by_op = [(op, body.nodes[op.node].ins[k]) for op in weight_ops for k in op.kept_inputs]
-    slots = tuple(dict.fromkeys(("k", r) for op, r in kept_by_op if op.matmul is None)) + tuple(
-        dict.fromkeys(("t", r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None)
-    )
+    slots = _kept_slots(body, weight_ops)
     probes = tuple(r for op in weight_ops for r in op.probed)
-    length, reverse = _param(eqn, "length"), _param(eqn, "reverse")
-    return _Loop(
-        body,
-        nc,
-        nk,
-        length,
-        reverse,
-        eqn.params.get("unroll", 1),
-        b_on_p,
-        b_on_a,
-        tuple(weight_ops),
-        probes,
-        slots,
-    )
+    scan = {"length": _param(eqn, "length"), "reverse": _param(eqn, "reverse")}
+    scan["unroll"] = eqn.params.get("unroll", 1)
+    return _Loop(body, nc, nk, scan, b_on_a, tuple(weight_ops), probes, slots)
 
 
 class Handover(NamedTuple):
@@ -443,24 +440,11 @@ class StageSplit:
         self._mark_b_share(in_region)
         # each top-level probe's weight operation
         self._probe_op = tuple(j for j, op in enumerate(weight_ops) for _ in op.probed)
-        kept_by_op = [
-            (op, prog.nodes[op.node].ins[k])
-            for j, op in enumerate(weight_ops)
-            for k in op.kept_inputs
-            if j not in self._b_ops
-        ]
-        self._kept_refs = tuple(dict.fromkeys(r for op, r in kept_by_op if op.matmul is None))
-        # x of a product x @ w is kept as the (k, rows) matrix x^T: W's dw = x^T dy is then a plain
-        # row-major product, where x (rows, k) contracted over its rows makes XLA's CPU backend
-        # transpose dy or take a slower product (1.5-2x on this model's W).
-        self._kept_t_refs = tuple(
-            dict.fromkeys((r, op.matmul[:2]) for op, r in kept_by_op if op.matmul is not None)
-        )
         self._probe_refs = tuple(r for op in weight_ops for r in op.probed)
         # a split loop's probes and W operands, stacked over its iterations: keys ("l", node, body ref)
         self._probe_refs += tuple(("l", i, r) for i, loop in self._loops.items() for r in loop.probe_refs)
         self._loop_slots = tuple(("l", i, slot) for i, loop in self._loops.items() for slot in loop.slots)
-        self._mark_regions()
+        self._mark_regions(_kept_slots(prog, weight_ops, self._b_ops))
 
     def _mark_b_share(self, in_region: set) -> None:
         """Mark B's share (step 4): elementwise weight ops outside checkpoints, their operands and leaves."""
@@ -488,10 +472,10 @@ class StageSplit:
                 reached.update(r for r in node.ins if isinstance(r, int))
         self._b_leaves = tuple(i for i, r in enumerate(self._param_refs) if r in reached)
 
-    def _mark_regions(self) -> None:
-        """Each checkpoint region's inputs, outputs, probes and the W operands B recomputes inside it."""
+    def _mark_regions(self, slots: tuple) -> None:
+        """Each checkpoint region's inputs, outputs, probes and the W operands (``slots``) B recomputes
+        inside it."""
         prog = self._prog
-        slots = [("k", r) for r in self._kept_refs] + [("t", r, shape) for r, shape in self._kept_t_refs]
         recomputed: list = []
         for reg in prog.regions:
             inside = range(reg.start, reg.end)
@@ -537,7 +521,7 @@ class StageSplit:
             return self._prog.avals[key]
         loop = self._loops[key[1]]
         a = loop.body.avals[key[2]]
-        return jax.ShapeDtypeStruct((loop.length, *a.shape), a.dtype)
+        return jax.ShapeDtypeStruct((loop.scan["length"], *a.shape), a.dtype)
 
     def _run_loop(self, i: int, env: dict, probes: dict) -> None:
         """F of a split loop: the scan, with per-iteration probes in and W's operands out."""
@@ -555,9 +539,7 @@ class StageSplit:
             outs = [self._read(benv, r) for r in loop.body.outputs]
             return outs[:nk], (outs[nk:], tuple(self._slot(benv, slot) for slot in loop.slots))
 
-        carry, (ys, kept) = jax.lax.scan(
-            step, init, (xs, stacked), length=loop.length, reverse=loop.reverse, unroll=loop.unroll
-        )
+        carry, (ys, kept) = jax.lax.scan(step, init, (xs, stacked), **loop.scan)
         env.update(zip(node.outs, [*carry, *ys]))
         env.update(zip((("l", i, slot) for slot in loop.slots), kept))
 
@@ -718,20 +700,19 @@ class StageSplit:
 
     def _parameter_values(self, p_leaves) -> dict:
         """Every parameter-only and constant value by ref (a broadcast bias, a reshaped kernel)."""
-        env = dict(zip(self._param_refs, p_leaves))
-        for node in self._prog.nodes:
-            if not node.outs or any(r in self._on_a for r in node.outs):
-                continue  # an activation, or a side effect only (a debug print: F's, once)
-            env.update(zip(node.outs, node.run([self._read(env, r) for r in node.ins])))
-        return env
+        return self._run_inactive(self._prog.nodes, dict(zip(self._param_refs, p_leaves)), self._on_a)
 
     def _constants(self) -> dict:
         """The values of operations on constants only (an iota, a mask), by ref."""
-        constants: dict = {}
-        for node in self._prog.nodes:
-            if node.outs and not any(r in self._on_a or r in self._on_p for r in node.outs):
-                constants.update(zip(node.outs, node.run([self._read(constants, r) for r in node.ins])))
-        return constants
+        return self._run_inactive(self._prog.nodes, {}, self._on_a | self._on_p)
+
+    def _run_inactive(self, nodes, env: dict, skip: set) -> dict:
+        """Run into ``env`` the ``nodes`` none of whose outputs is in ``skip`` (activations; a side effect
+        only, a debug print, is F's, once)."""
+        for node in nodes:
+            if node.outs and not any(r in skip for r in node.outs):
+                env.update(zip(node.outs, node.run([self._read(env, r) for r in node.ins])))
+        return env
 
     def _others(self, node: _Node, op: _WeightOp, constants: dict, kept_env: dict) -> dict:
         """A weight operation's operands other than its parameters: constants, kept activations."""
@@ -831,7 +812,7 @@ class StageSplit:
             if op.matmul is not None:
                 rows, k, n = op.matmul
                 x_t = operands[("l", i, ("t", node.ins[0], (rows, k)))]
-                cts.append((jnp.matmul(x_t, dys[0].reshape(loop.length, rows, n)).reshape(weights[0].shape),))
+                cts.append((jnp.matmul(x_t, dys[0].reshape(len(x_t), rows, n)).reshape(weights[0].shape),))
                 continue
             ins = list(enumerate(node.ins))
             stacked = {
@@ -866,16 +847,14 @@ class StageSplit:
         def per_iteration(xs_i):
             benv = {b: v for b, v in zip(loop.body.inputs[:nc], consts) if v is not None}
             benv |= {b: v for b, v in zip(loop.body.inputs[nc + nk :], xs_i) if v is not None}
-            for n in loop.body.nodes:
-                if n.outs and not any(r in loop.on_a for r in n.outs):
-                    benv.update(zip(n.outs, n.run([self._read(benv, r) for r in n.ins])))
+            self._run_inactive(loop.body.nodes, benv, loop.on_a)
             weights = tuple(
                 tuple(benv[loop.body.nodes[op.node].ins[k]] for k in op.weight_inputs)
                 for op in loop.weight_ops
             )
             return weights, {r: benv[r] for r in needed}
 
-        return jax.vmap(per_iteration, axis_size=loop.length)(xs)
+        return jax.vmap(per_iteration, axis_size=loop.scan["length"])(xs)
 
     def _backward_weight(self, params, kept, handover, acc):
         grads = self._weight_gradient(params, kept, handover)
@@ -934,15 +913,11 @@ def compiled_flops(fn: Callable, *args: Any) -> float:
     return float(analysis["flops"])
 
 
-def _nbytes(leaves) -> int:
-    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves)
-
-
 def forward_kept_bytes(split: StageSplit, params: Any, x: Any, aux: Any = None) -> int:
     """Bytes F keeps per microbatch for B and W (``own`` + ``kept``, shapes only): section 2.1's M_B."""
     p = tuple(jax.tree_util.tree_leaves(params))
     _, own, kept = jax.eval_shape(split.flat.forward, p, x, aux)
-    return _nbytes(jax.tree_util.tree_leaves((own, kept)))
+    return nbytes((own, kept))
 
 
 def vjp_residual_bytes(fn: Callable, params: Any, x: Any, aux: Any = None) -> int:
@@ -954,7 +929,7 @@ def vjp_residual_bytes(fn: Callable, params: Any, x: Any, aux: Any = None) -> in
         _, pullback = jax.vjp(lambda p, v: fn(p, v, aux), params, x)
         p_leaves = jax.tree_util.tree_leaves(params)
         res = jax.tree_util.tree_leaves(pullback)
-        sizes.append(_nbytes(r.aval for r in res if not any(r is q for q in p_leaves)))
+        sizes.append(nbytes([r.aval for r in res if not any(r is q for q in p_leaves)]))
         return 0
 
     jax.eval_shape(residuals, params, x)

@@ -195,9 +195,9 @@ class Packing:
         leaves = [vectors[d][o : o + math.prod(shape)].reshape(shape) for d, o, shape in self.slots[stage]]
         return jax.tree_util.tree_unflatten(self.trees[stage], leaves)
 
-    def zeros(self, prefix: tuple = (), xp: Any = jnp) -> tuple:
-        """Empty buffers: one ``prefix + (size,)`` array per dtype."""
-        return tuple(xp.zeros(tuple(prefix) + (size,), dtype) for dtype, size in zip(self.dtypes, self.sizes))
+    def zeros(self, prefix: tuple = ()) -> tuple:
+        """Empty buffers: one ``prefix + (size,)`` JAX array per dtype."""
+        return tuple(jnp.zeros((*prefix, size), dtype) for dtype, size in zip(self.dtypes, self.sizes))
 
 
 @dataclass(frozen=True)
@@ -216,20 +216,10 @@ class SpmdResult:
 
 
 @dataclass(frozen=True)
-class _Stage:
-    """One global stage inside the program: its index and split."""
-
-    index: int
-    split: StageSplit
-    first: bool
-    last: bool
-
-
-@dataclass(frozen=True)
 class _Traced:
     """Every stage's split and the packings of ``own``, ``kept`` and B's hand-over ``gout``."""
 
-    stages: tuple
+    splits: tuple
     own: Packing
     kept: Packing
     gout: Packing
@@ -311,13 +301,11 @@ class SpmdExecutor:
                                  "shape, or run it with PipelineExecutor")
         return shapes[0]
 
-    def _trace_stages(self, p_packed: tuple, tokens: Any, labels: Any, boundary: Any) -> _Traced:
+    def _trace_stages(self, p_packed: tuple, tokens: Any, labels: Any, x_between: Any) -> _Traced:
         """Every stage's :class:`~zbpp_lite.runtime.split.StageSplit`, traced inside ``shard_map`` on varying
-        values, and the packings of what they keep."""
+        values (``x_between``: zeros like a stage boundary), and the packings of what they keep."""
         model, S = self.model, self.model.num_stages
-        x_between = to_varying(jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), boundary))
-        stages, own, kept, gout = [], [], [], []
-        loss = None
+        splits, kept_by_stage = [], []
         for s in range(S):
             params = self.params_packing.unpack(s, tuple(b[0] for b in p_packed))
             x, aux = tokens[0] if s == 0 else x_between, labels[0] if s == S - 1 else None
@@ -326,12 +314,10 @@ class SpmdExecutor:
             y, own_s, kept_s = jax.eval_shape(split.flat.forward, p_leaves, x, aux, None)
             dy = jax.tree_util.tree_map(lambda a: to_varying(jnp.zeros(a.shape, a.dtype)), y)
             _, gout_s = jax.eval_shape(split.flat.backward_input, p_leaves, own_s, dy, None)  # W reads B's
-            stages.append(_Stage(s, split, s == 0, s == S - 1))
-            own.append(own_s)
-            kept.append(kept_s)
-            gout.append(gout_s)
-            loss = y
-        return _Traced(tuple(stages), Packing.of(own), Packing.of(kept), Packing.of(gout), loss)
+            splits.append(split)
+            kept_by_stage.append((own_s, kept_s, gout_s))
+        own, kept, gout = (Packing.of(list(per_stage)) for per_stage in zip(*kept_by_stage))
+        return _Traced(tuple(splits), own, kept, gout, y)  # y: the last stage's, the loss
 
     def _branches(self, traced: _Traced, p_packed: tuple, tokens: Any, labels: Any, zero_msg: Any) -> list:
         """The tick's branches: idle, then F, B, W, BW of every stage at ``1 + (kind - 1) * S + stage``."""
@@ -340,11 +326,16 @@ class SpmdExecutor:
         used = {a.kind for row in self.schedule.actions for a in row}
         tmap = jax.tree_util.tree_map
 
-        def outputs(**new):
-            return self._outputs(traced, zero_msg, **new)
+        def outputs(own=None, kept=None, gout=None, grads=None, msg=None, loss=None) -> dict:
+            """A branch's results, every field present (zeros if none) and varying, so the types match."""
+            return to_varying(dict(
+                own=own or traced.own.zeros(), kept=kept or traced.kept.zeros(),
+                gout=gout or traced.gout.zeros(), grads=grads or pk.zeros(),
+                msg=zero_msg if msg is None else msg,
+                loss=jnp.zeros((), jnp.float32) if loss is None else loss.reshape(())))
 
-        def branches_of(st: _Stage):
-            s, flat = st.index, st.split.flat
+        def branches_of(s: int, flat):
+            first, last = s == 0, s == len(traced.splits) - 1
 
             def params(c):
                 return tuple(jax.tree_util.tree_leaves(pk.unpack(s, tuple(b[c] for b in p_packed))))
@@ -353,18 +344,18 @@ class SpmdExecutor:
                 return packing.unpack(s, tuple(b[c, j] for b in store))
 
             def output_grad(state, c, j):
-                return seed if st.last else tmap(lambda b: b[c, j], state["grad"])
+                return seed if last else tmap(lambda b: b[c, j], state["grad"])
 
             def forward(state, c, j):
-                x = tokens[j] if st.first else tmap(lambda b: b[c, j], state["act"])
-                y, own, kept = flat.forward(params(c), x, labels[j] if st.last else None, None)
+                x = tokens[j] if first else tmap(lambda b: b[c, j], state["act"])
+                y, own, kept = flat.forward(params(c), x, labels[j] if last else None, None)
                 return outputs(own=traced.own.pack(s, own), kept=traced.kept.pack(s, kept), msg=zero_msg
-                               if st.last else y, loss=y.astype(jnp.float32) if st.last else None)
+                               if last else y, loss=y.astype(jnp.float32) if last else None)
 
             def backward_input(state, c, j):
                 own = take(state["own"], traced.own, c, j)
                 dx, gout = flat.backward_input(params(c), own, output_grad(state, c, j), None)
-                return outputs(gout=traced.gout.pack(s, gout), msg=zero_msg if st.first else dx)
+                return outputs(gout=traced.gout.pack(s, gout), msg=zero_msg if first else dx)
 
             def backward_weight(state, c, j):
                 kept, gout = take(state["kept"], traced.kept, c, j), take(state["gout"], traced.gout, c, j)
@@ -373,24 +364,16 @@ class SpmdExecutor:
             def backward_fused(state, c, j):
                 own, kept = take(state["own"], traced.own, c, j), take(state["kept"], traced.kept, c, j)
                 dx, grads = flat.backward_fused(params(c), own, kept, output_grad(state, c, j), None)
-                return outputs(grads=pk.pack(s, grads), msg=zero_msg if st.first else dx)
+                return outputs(grads=pk.pack(s, grads), msg=zero_msg if first else dx)
 
             return {"F": forward, "B": backward_input, "W": backward_weight, "BW": backward_fused}
 
         def idle(state, c, j):
             return outputs()
 
-        per_stage = [branches_of(st) for st in traced.stages]
+        per_stage = [branches_of(s, split.flat) for s, split in enumerate(traced.splits)]
         return [idle] + [per_stage[s][kind] if kind in used else idle
                          for kind in KIND_CODE for s in range(len(per_stage))]
-
-    def _outputs(self, traced: _Traced, zero_msg: Any, *, own=None, kept=None, gout=None, grads=None,
-                 msg=None, loss=None) -> dict:
-        """A branch's results, every field present (zeros if none) and varying, so branches' types match."""
-        return to_varying(dict(
-            own=own or traced.own.zeros(), kept=kept or traced.kept.zeros(), gout=gout or traced.gout.zeros(),
-            grads=grads or self.params_packing.zeros(), msg=zero_msg if msg is None else msg,
-            loss=jnp.zeros((), jnp.float32) if loss is None else loss.reshape(())))
 
     def _program(self, x_mb: Any, labels_mb: Any):
         """The jitted ``(kind, chunk, microbatch, recv, stage_of, params, tokens, labels) -> (losses,
@@ -409,8 +392,8 @@ class SpmdExecutor:
             recv, p_packed = tmap(lambda a: a[0], recv), tmap(lambda a: a[0], p_packed)
             if self.vary_replicated:  # JAX #40823: replicated inputs made varying before the switch
                 tokens, labels = to_varying((tokens, labels))
-            traced = self._trace_stages(p_packed, tokens, labels, boundary)
             zero_msg = to_varying(zeros_x())
+            traced = self._trace_stages(p_packed, tokens, labels, zero_msg)
             branches = self._branches(traced, p_packed, tokens, labels, zero_msg)
             slots = lambda packing: packing.zeros((v, m + 1))  # noqa: E731 - slot m: scratch
             carry = {  # received activations and output gradients, what F, B keep, sums, losses

@@ -8,6 +8,7 @@ such model runs in a pipeline. :func:`microbatch_size` cuts a global batch into 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import jax
@@ -114,19 +115,8 @@ class StagedModel:
             raise ValueError(f"parts must split modules 0 .. {len(modules) - 1} in order into {num_stages} "
                              f"non-empty stages, got {self.parts}")
         self.loss_fn = loss_fn
-        self.graphdefs, self.params = [], []
-        for i, module in enumerate(modules):
-            if not isinstance(module, nnx.Module):
-                graphdef, params = _function_part(i, module)
-                self.graphdefs.append(graphdef)
-                self.params.append(params)
-                continue
-            graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-            if jax.tree_util.tree_leaves(rest):
-                raise ValueError(f"module {i} ({type(module).__name__}) holds state other than parameters; "
-                                 "only nnx.Param state is supported")
-            self.graphdefs.append(graphdef)
-            self.params.append(params)
+        split = [_split_part(i, module) for i, module in enumerate(modules)]
+        self.graphdefs, self.params = [g for g, _ in split], [p for _, p in split]
 
     @property
     def num_parts(self) -> int:
@@ -205,26 +195,22 @@ def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None
                              "zbpp_lite.runtime.processes) or SpmdExecutor")
 
 
+@dataclass(frozen=True)
 class _Fn:
-    """A plain-function part's stand-in for a graphdef, hashable by the function (for the split cache)."""
+    """A plain-function part's stand-in for a graphdef, equal and hashed by the function (the split cache)."""
 
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-
-    def __eq__(self, other: Any) -> bool:
-        return isinstance(other, _Fn) and other.fn is self.fn
-
-    def __hash__(self) -> int:
-        return hash(self.fn)
-
-    def __repr__(self) -> str:
-        return f"function part {getattr(self.fn, '__name__', self.fn)!r}"
+    fn: Callable
 
 
-def _function_part(i: int, part: Any) -> tuple[_Fn, Any]:
-    """``(fn, params)`` checked: fn callable, params a pytree of floating-point arrays."""
+def _split_part(i: int, part: Any) -> tuple[Any, Any]:
+    """Part ``i`` as ``(graphdef, params)``: an NNX module's (parameters only), or ``(fn, params)``
+    checked (fn callable, params a pytree of floating-point arrays) with fn as an :class:`_Fn`."""
+    if isinstance(part, nnx.Module):
+        graphdef, params, rest = nnx.split(part, nnx.Param, ...)
+        if jax.tree_util.tree_leaves(rest):
+            raise ValueError(f"module {i} ({type(part).__name__}) holds state other than parameters; "
+                             "only nnx.Param state is supported")
+        return graphdef, params
     if not (isinstance(part, tuple) and len(part) == 2 and callable(part[0])):
         raise ValueError(f"part {i} is a {type(part).__name__}; expected an nnx.Module or a pair (fn, "
                          "params) with fn(params, x) -> y")
