@@ -362,7 +362,7 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
         assert f"1f1b's busiest rank computed {bound['busy_ms']:.1f} ms a step, {bound['ratio']:.2f}x half" in printed
         if "Why not 2x" in printed:
             assert (f"at most {bound['bound']:.2f}x" in printed) == (bound["bound"] < 2) and ("no more than its share" in printed) != (bound["bound"] < 2)
-        assert bound["busy_ms"] < min(step_ms.values())  # compute time alone, within the step
+        assert bound["busy_ms"] <= step_ms["1f1b"]  # 1f1b's compute alone, within its own step (other schedules' steps ran at other moments of a loaded machine)
         assert "one-rank reference" not in {r["schedule"] for r in report["runs"]}  # a reference, stepped in the turns, not ranked
 
 
