@@ -359,13 +359,7 @@ class _Finish:
 
     def __init__(self, config: ModelConfig, run: RunConfig, data: Digits, num_ranks: int):
         self.config, self.run, self.data, self.num_ranks = config, run, data, num_ranks
-        self._reference = None
-
-    def _reference_grads(self, staged: StagedModel, initial: list):
-        if self._reference is None:
-            x, y = self.data.batch(0, self.run.batch)
-            self._reference = reference_grads(staged, initial, x, y, jax.devices()[0])
-        return self._reference
+        self.reference = None  # (loss, gradients) of the unpartitioned model on batch 0, computed once
 
     def result(self, rec: _Record, cut=None) -> TrainResult:
         config, run, schedule = self.config, self.run, rec.schedule
@@ -373,7 +367,10 @@ class _Finish:
         initial = load_torch_init(run.init, config) if run.init is not None else staged.params
         grad_error = loss_error = None
         if rec.grads is not None:  # every stage is some rank's
-            ref_loss, ref_grads = self._reference_grads(staged, initial)
+            if self.reference is None:
+                x, y = self.data.batch(0, run.batch)
+                self.reference = reference_grads(staged, initial, x, y, jax.devices()[0])
+            ref_loss, ref_grads = self.reference
             grad_error = max_relative_error(with_stage_leaves(staged, initial, rec.grads), ref_grads)
             loss_error = abs(rec.losses[0] - ref_loss)
         final = with_stage_leaves(staged, initial, rec.final)

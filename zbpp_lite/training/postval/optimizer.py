@@ -50,16 +50,6 @@ class StepReport:
     partial_norms: list[float] = field(default_factory=list)
 
 
-def _sumsq(tree: Any) -> float:
-    """One stage's share of the squared global norm, as a host float."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    return float(sum(float(jnp.sum(jnp.square(x.astype(jnp.float32)))) for x in leaves))
-
-
-def _finite(tree: Any) -> bool:
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(tree))
-
-
 @jax.jit
 def _scale(tree: Any, norm: Any, max_norm: Any) -> Any:
     return jax.tree_util.tree_map(lambda t: (t / norm) * max_norm, tree)
@@ -88,8 +78,9 @@ def synchronous_step(
     if not len(stage_params) == len(opt_states) == len(stage_grads):
         raise ValueError(f"one entry per stage expected: {len(stage_params)} parameter sets, "
                          f"{len(opt_states)} optimizer states, {len(stage_grads)} gradient sets")
-    norm = math.sqrt(sum(_sumsq(g) for g in stage_grads))
-    finite = all(_finite(g) for g in stage_grads)
+    leaves = jax.tree_util.tree_leaves(list(stage_grads))
+    norm = math.sqrt(sum(float(jnp.sum(jnp.square(x.astype(jnp.float32)))) for x in leaves))
+    finite = all(bool(jnp.all(jnp.isfinite(x))) for x in leaves)
     report = StepReport(norm, finite, finite and norm >= max_norm)
     if not finite:
         return list(stage_params), list(opt_states), report
