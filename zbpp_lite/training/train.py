@@ -223,18 +223,15 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
         first, final = _guarded_steps(executor, params, batches, run, out, on_step)
     else:
         adamw = StageAdamW(params, run).place(staged, dict(enumerate(homes)))
-        bar: Any = range(steps)
-        if run.progress:
-            desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
-            bar = tqdm(bar, desc=desc, leave=False)
+        desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
+        bar = tqdm(range(steps), desc=desc, leave=False, disable=not run.progress)
         for k in bar:
             result, sec, _ = train_step(executor, adamw, *batches[k])
             first = result if k == 0 else first
             losses.append(result.loss)
             timelines.append(result.timeline)
             seconds.append(sec)
-            if run.progress:
-                bar.set_postfix(loss=f"{result.loss:.4f}")
+            bar.set_postfix(loss=f"{result.loss:.4f}")
             if on_step is not None:
                 on_step(k, result.loss, result.timeline)
         final = adamw.params

@@ -223,7 +223,7 @@ def _stage_leaves(replies: list, key: str) -> dict[int, list]:
 class _Turns:
     """The rank processes of a run in turns and the steps they take."""
 
-    def __init__(self, ranks: RankProcesses, bar=None):
+    def __init__(self, ranks: RankProcesses, bar: tqdm):
         self.ranks, self.bar = ranks, bar
 
     def step(self, name: str, rec: _Record, k: int, grads: bool) -> None:
@@ -235,9 +235,8 @@ class _Turns:
         rec.seconds.append(max(r.seconds for r in replies))
         if grads:
             rec.grads = _stage_leaves(replies, "grads")
-        if self.bar is not None:
-            self.bar.update()
-            self.bar.set_postfix_str(f"{name} loss {rec.losses[-1]:.4f}")
+        self.bar.update()
+        self.bar.set_postfix_str(f"{name} loss {rec.losses[-1]:.4f}")
 
     def params(self, name: str) -> dict[int, list]:
         self.ranks.broadcast(GetParams(name).to_wire())
@@ -313,8 +312,8 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
     spec = {"schedules": {n: schedule_to_json(s) for n, s in zip(names, schedules)}, "parts": cuts,
             **_job_json(config, run)}
     records = {n: _Record(s) for n, s in zip(names, schedules)}
-    bar = tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False) \
-        if run.progress else None
+    bar = tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False,
+               disable=not run.progress)
     # rank r on the r-th allowed core (:func:`enough_cores`)
     with RankProcesses(ENTRY, p, spec, pin=True) as ranks:
         turns = _Turns(ranks, bar)
@@ -330,8 +329,7 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
         chosen = then({n: list(records[n].seconds) for n in names}) if then is not None else None
         go_on = chosen is not None and chosen[1] > 0
         more = _go_on(turns, records, chosen, steps, run.progress) if go_on else None
-    if turns.bar is not None:
-        turns.bar.close()
+    turns.bar.close()
     finish = _Finish(config, run, data, p)
     results = InTurns((n, finish.result(records[n], cuts.get(n))) for n in names)
     if more is not None:
@@ -344,9 +342,8 @@ def _go_on(turns: _Turns, records: dict[str, _Record], chosen: tuple[str, int], 
     """``then``'s choice trained ``extra`` more steps alone (losses from the start, timings of the extra)."""
     n, extra = chosen
     rec = _Record(records[n].schedule, losses=list(records[n].losses))
-    if turns.bar is not None:
-        turns.bar.close()
-        turns.bar = tqdm(total=extra, desc=f"training {n} on", leave=False) if progress else None
+    turns.bar.close()
+    turns.bar = tqdm(total=extra, desc=f"training {n} on", leave=False, disable=not progress)
     for k in range(steps, steps + extra):
         turns.step(n, rec, k, False)
     rec.final = turns.params(n)
