@@ -54,7 +54,7 @@ def main() -> int:
     from zbpp_lite.training.model import ModelConfig, build_parts
     from zbpp_lite.runtime.stages import StagedModel
     from zbpp_lite.training.postval.optimizer import guarded_run
-    from zbpp_lite.training.train import RunConfig, train
+    from zbpp_lite.training.train import RunConfig, TrainOptions, train
 
     report: dict = {"platform": args.platform, "device": str(devices[0]), "jax": jax.__version__}
     print(f"JAX {jax.__version__} on {devices[0]} ({getattr(devices[0], 'device_kind', '?')})", flush=True)
@@ -77,7 +77,7 @@ def main() -> int:
     for name in ("1f1b", "zb-h2", "zb-auto"):
         options = {"costs": costs} if name == "zb-auto" else {}
         result = train(name, 2, 8, args.steps, model=ModelConfig(d=128, heads=4, blocks=8), run=RunConfig(batch=256),
-                       devices=pair, schedule_options=options)
+                       options=TrainOptions(devices=pair, schedule_options=options))
         err = result.grad_max_rel_error
         kinds = sorted({a.kind for row in result.schedule.actions for a in row})
         print(f"train {name:<8} losses {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, gradient check {err:.1e}, "

@@ -24,7 +24,7 @@ def pipeline_vs_simulator(names: list[str], steps: int, devices) -> dict:
     import zbpp_lite as zb
     from zbpp_lite.analysis.profiling.timelines import measured_costs, timed_steps
     from zbpp_lite.training.model import ModelConfig
-    from zbpp_lite.training.train import RunConfig, train
+    from zbpp_lite.training.train import RunConfig, TrainOptions, train
 
     print(f"\n1. measured vs simulated, p=2, m=8, d=128, 4 heads, 8 blocks, batch 256, {steps} steps per schedule")
     print("   (costs, makespans, ratio: the median-makespan step; bubble rates: medians over the steps after the first)")
@@ -33,7 +33,7 @@ def pipeline_vs_simulator(names: list[str], steps: int, devices) -> dict:
     rows = {}
     for name in names:
         r = train(name, 2, 8, steps, model=ModelConfig(d=128, heads=4, blocks=8), run=RunConfig(batch=256, check_grads=False),
-                  devices=devices)
+                  options=TrainOptions(devices=devices))
         c, meas, sim = r.costs, r.measured, r.simulated
         timed = timed_steps(r.timelines)
         bubble = statistics.median(t.bubble_rate for t in timed)

@@ -177,9 +177,10 @@ def worker(args) -> dict:
                                holdout=0.0, init=args.init, check_grads=False))
     extra: dict = {}
     if name in BASELINES and BASELINES[name].get("executor"):
-        from zbpp_lite.training.train import train
+        from zbpp_lite.training.train import TrainOptions, train
 
-        result = train("gpipe", 1, BASELINES[name]["microbatches"], steps, devices=devices[:1], **piped)
+        result = train("gpipe", 1, BASELINES[name]["microbatches"], steps, options=TrainOptions(devices=devices[:1]),
+                       **piped)
     elif name in BASELINES:
         from zbpp_lite.training.reference import train_baseline
 
@@ -187,21 +188,21 @@ def worker(args) -> dict:
     else:
         import zbpp_lite as zb
         from zbpp_lite.schedules.builders import options_of
-        from zbpp_lite.training.train import train
+        from zbpp_lite.training.train import TrainOptions, train
 
         options = {}
         if "costs" in options_of(name):  # plan from costs measured on this job
             from zbpp_lite.analysis.profiling.timelines import measured_costs
 
-            calibration = train(name, RANKS, JOB["microbatches"], 3, devices=devices,
-                                schedule_options={"costs": zb.Costs()}, **piped)
+            calibration = train(name, RANKS, JOB["microbatches"], 3, **piped,
+                                options=TrainOptions(devices=devices, schedule_options={"costs": zb.Costs()}))
             timelines = [calibration.timelines[-1]]
             if calibration.schedule.num_stages == RANKS:  # one stage per rank: the fused BW's cost from a 1F1B run
-                timelines.append(train("1f1b", RANKS, JOB["microbatches"], 3, devices=devices, **piped).timelines[-1])
+                timelines.append(train("1f1b", RANKS, JOB["microbatches"], 3, options=TrainOptions(devices=devices), **piped).timelines[-1])
             options["costs"] = measured_costs(timelines, calibration.schedule.num_stages)
             extra["planned_costs_ms"] = planned_ms(options["costs"])
-        result = train(name, RANKS, JOB["microbatches"], steps, devices=devices,
-                       schedule_options=options, **piped)
+        result = train(name, RANKS, JOB["microbatches"], steps, **piped,
+                       options=TrainOptions(devices=devices, schedule_options=options))
         timed = result.timelines[args.warmup:]
         extra["action_ms"] = action_medians(timed)
         extra["makespan_ms"] = statistics.median(t.makespan for t in timed) * 1e3
@@ -258,7 +259,7 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     import jax
     import optax
 
-    from zbpp_lite.training.reference import adamw
+    from zbpp_lite.training.postval.rollback import AdamWConfig
     from zbpp_lite.training.data import load_digits
     from zbpp_lite.runtime.executor import PipelineExecutor
     from zbpp_lite.training.model import ModelConfig, build_parts, load_torch_init
@@ -270,7 +271,7 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     if len({s.num_stages for n, s in schedules.items() if n != REFERENCE}) > 1:
         raise ValueError(f"schedules run in turns must cut the model alike: {sorted(plans)}")
     config = ModelConfig(d=JOB["d"], heads=JOB["heads"], blocks=JOB["blocks"], seed=JOB["seed"])
-    optimizer = adamw(JOB["lr"], JOB["weight_decay"])
+    optimizer = AdamWConfig(learning_rate=JOB["lr"], weight_decay=JOB["weight_decay"]).optimizer()
 
     def apply(grads, state, p):
         updates, state = optimizer.update(grads, state, p)

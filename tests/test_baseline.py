@@ -12,7 +12,7 @@ from zbpp_lite.training.data import load_digits
 from zbpp_lite.training.model import ModelConfig, build_parts
 from zbpp_lite.runtime.stages import StagedModel
 from zbpp_lite.training.reference import make_step, max_relative_error, one_rank_schedule, step_stats, train_baseline
-from zbpp_lite.training.train import RunConfig, train
+from zbpp_lite.training.train import RunConfig, TrainOptions, train
 
 DEVICES = jax.devices()
 
@@ -59,7 +59,7 @@ def test_the_baseline_trains_like_the_pipeline_from_the_same_start():
     data = load_digits(0.2, 0)
     base = train_baseline(3, model=ModelConfig(d=16, heads=2, blocks=2), run=RunConfig(batch=8), device=DEVICES[0], data=data)
     piped = train("zb-h1", 2, 4, 3, model=ModelConfig(d=16, heads=2, blocks=2), run=RunConfig(batch=8, check_grads=False),
-                  devices=DEVICES[:2], data=data)
+                  options=TrainOptions(devices=DEVICES[:2], data=data))
     np.testing.assert_allclose(base.losses, piped.losses, rtol=1e-5)
     assert base.losses[-1] < base.losses[0]
     assert len(base.step_seconds) == 3 and all(s > 0 for s in base.step_seconds)

@@ -27,7 +27,7 @@ from zbpp_lite.runtime.stages import StagedModel
 from zbpp_lite.schedules.ir import deps, produces
 from zbpp_lite.schedules.timeline import Event, Timeline, with_schedule_order
 from zbpp_lite.training.reference import max_relative_error
-from zbpp_lite.training.train import RunConfig, train
+from zbpp_lite.training.train import RunConfig, TrainOptions, train
 
 DEVICES = jax.devices()
 assert len(DEVICES) >= 4, "tests/conftest.py asks for 4 simulated CPU devices before JAX starts"
@@ -187,7 +187,7 @@ def test_bad_sizes_and_schedules_are_refused_before_any_compute():
     with pytest.raises(zb.ScheduleError, match="B before W"):
         PipelineExecutor(model, broken, DEVICES[:2])
     with pytest.raises(ValueError, match="cannot fill 4 stages"):
-        train("1f1b", ranks=4, microbatches=4, model=ModelConfig(blocks=3), devices=[])
+        train("1f1b", ranks=4, microbatches=4, model=ModelConfig(blocks=3), options=TrainOptions(devices=[]))
 
 
 class _FailingExecutor(PipelineExecutor):
@@ -286,7 +286,7 @@ def test_training_with_every_schedule_gives_the_same_loss_curve(name, reference_
     data, expected = reference_curve
     schedule = _build(name, 2, 4)
     result = train(schedule, steps=3, model=ModelConfig(d=16, heads=2, blocks=4), run=RunConfig(batch=8, check_grads=False),
-                   data=data, devices=DEVICES[:2])
+                   options=TrainOptions(data=data, devices=DEVICES[:2]))
     np.testing.assert_allclose(result.losses, expected, rtol=1e-5)
     assert expected[-1] < expected[0]  # and it learns
 
@@ -369,14 +369,11 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
 def test_compare_times_single_device_work_in_a_helper_pinned_from_its_start():
     """The planners' stage costs and the whole-batch reference run in one helper process pinned
     to one core before JAX starts (as a rank is); what crosses back is parsed JSON."""
-    import argparse
-
     from zbpp_lite.training.turns import OneCore
 
-    args = argparse.Namespace(holdout=0.2, seed=0, batch=8, microbatches=2, d=16, heads=2, lr=1e-3)
-    with OneCore(args, use_processes=True) as one:
-        costs = one.costs(4, 2)
-        steps = one.whole_batch(3, 4)
+    with OneCore(ModelConfig(d=16, heads=2, blocks=4), RunConfig(batch=8), 2, use_processes=True) as one:
+        costs = one.costs(2)
+        steps = one.whole_batch(3)
         helper = one.helper
         assert helper is not None and len(helper.procs) == 1
     assert one.helper is None and all(p.poll() is not None for p in helper.procs)  # stopped on leaving

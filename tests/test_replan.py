@@ -278,7 +278,7 @@ def test_train_plans_a_memory_limited_schedule_named_with_the_jobs_measured_memo
     from zbpp_lite.runtime.stages import StagedModel
     from zbpp_lite.training.data import load_digits
     from zbpp_lite.training.model import ModelConfig, RunConfig, build_parts
-    from zbpp_lite.training.train import train
+    from zbpp_lite.training.train import TrainOptions, train
 
     model, run = ModelConfig(d=16, heads=2, blocks=4), RunConfig(batch=16, check_grads=False)
     x, y = load_digits(run.holdout, run.seed).batch(0, run.batch)
@@ -287,7 +287,8 @@ def test_train_plans_a_memory_limited_schedule_named_with_the_jobs_measured_memo
     assert measured.mem_w[0] / measured.mem_b[0] != pytest.approx(7 / 16)
     planned = zb.build_schedule("zb-2p", 2, 8, costs=measured)
     assert planned.actions != zb.build_schedule("zb-2p", 2, 8).actions  # the defaults would plan otherwise
-    result = train("zb-2p", 2, 8, 1, model=model, run=run, devices=jax.devices()[:2])
+    result = train("zb-2p", 2, 8, 1, model=model, run=run, options=TrainOptions(devices=jax.devices()[:2]))
     assert result.schedule.actions == planned.actions
     with pytest.raises(ValueError, match="memory_limit counts units of Costs.mem_b"):
-        train("zb-2p", 2, 8, 1, model=model, run=run, schedule_options={"memory_limit": 3.0})
+        train("zb-2p", 2, 8, 1, model=model, run=run,
+              options=TrainOptions(schedule_options={"memory_limit": 3.0}))

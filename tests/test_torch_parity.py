@@ -27,7 +27,7 @@ import pytest
 
 from zbpp_lite.training.model import ModelConfig
 from zbpp_lite.training.reference import train_baseline
-from zbpp_lite.training.train import RunConfig, train
+from zbpp_lite.training.train import RunConfig, TrainOptions, train
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tests" / "artifacts"
@@ -46,7 +46,7 @@ def _ours(name: str, cfg: dict, init: Path, steps: int):
     run = RunConfig(batch=cfg["batch"], lr=cfg["lr"], seed=cfg["seed"], holdout=0.0, init=init, check_grads=False)
     if name == "baseline":
         return train_baseline(steps, model=model, run=run, device=DEVICES[0])
-    return train(name, 2, cfg["microbatches"], steps, model=model, run=run, devices=DEVICES[:2])
+    return train(name, 2, cfg["microbatches"], steps, model=model, run=run, options=TrainOptions(devices=DEVICES[:2]))
 
 
 @pytest.mark.parametrize("name", ["baseline", "1f1b", "zb-h1", "zb-h2"])

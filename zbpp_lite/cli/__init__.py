@@ -43,9 +43,8 @@ def _module(name: str):
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zbpp_lite", description="Zero-bubble pipeline "
-                                                                             "parallelism: plan, run, "
-                                                                             "compare.")
+    parser = argparse.ArgumentParser(prog="python -m zbpp_lite",
+                                     description="Zero-bubble pipeline parallelism: plan, run, compare.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     wanted = None

@@ -17,8 +17,6 @@ import dataclasses
 import inspect
 import sys
 
-import numpy as np
-
 import zbpp_lite as zb
 
 from ..analysis.profiling.timelines import timed_median
@@ -27,12 +25,12 @@ from ..schedules import strict_json
 from ..schedules.costs import Costs
 from ..training.data import load_digits
 from ..training.reference import ONE_RANK, one_rank_schedule
-from ..training.train import train
+from ..training.train import TrainOptions, train
 from ..training.turns import OneCore, train_in_turns
 from . import CliError
 from .compare_report import Comparison, html_report, summary_text
 from .train import (add_model_arguments, add_platform_argument, check_model_arguments, cost_table,
-                    model_config, profile_json, profile_pipelines, run_config, say_mode, say_platform,
+                    model_config, profile_json, profiled_costs, run_config, say_mode, say_platform,
                     setup_platform, threads_reason)
 
 
@@ -78,21 +76,15 @@ def _required(name: str) -> list[str]:
     return [key for key, default in options.items() if default is inspect.Parameter.empty or key == "costs"]
 
 
-def _options(name: str, ranks: int, costs) -> tuple[dict, str | None]:
-    """Values for a builder's required options, or the reason they cannot be given."""
-    known = {"stages_per_rank": 2, "memory_limit": float(ranks), "costs": costs}
-    missing = [key for key in _required(name) if known.get(key) is None]
-    if missing:
-        return {}, f"needs option(s) {missing} that compare cannot supply"
-    return {key: known[key] for key in _required(name)}, None
-
-
 def _build_one(name: str, args, blocks: int, costs) -> tuple:
-    """``(schedule, None)`` built with compare's options, or ``(None, why not)``."""
-    options, reason = _options(name, args.ranks, costs)
+    """``(schedule, None)`` built with compare's values for the builder's required options, or
+    ``(None, why not)``."""
+    known = {"stages_per_rank": 2, "memory_limit": float(args.ranks), "costs": costs}
+    missing = [key for key in _required(name) if known.get(key) is None]
     try:
-        if reason:
-            raise ValueError(reason)
+        if missing:
+            raise ValueError(f"needs option(s) {missing} that compare cannot supply")
+        options = {key: known[key] for key in _required(name)}
         schedule = zb.build_schedule(name, args.ranks, args.microbatches, **options)
         if blocks < schedule.num_stages:
             raise ValueError(f"{blocks} blocks cannot fill {schedule.num_stages} stages (use --blocks "
@@ -105,26 +97,22 @@ def _build_one(name: str, args, blocks: int, costs) -> tuple:
 def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
     """A JSON-ready dict per schedule simulated from stage costs timed on ``device`` (PROFILED)."""
     print(f"PROFILED on {device}: per-stage costs timed on this one device; every pipeline below is "
-          "simulated from "
-          f"them ({args.ranks} ranks, no transfer cost; nothing ran on {args.ranks} devices)", flush=True)
+          f"simulated from them ({args.ranks} ranks, no transfer cost; nothing ran on {args.ranks} devices)",
+          flush=True)
     by_shape: dict = {}
+    m = args.microbatches
+    schedules, _ = _build(names, args, blocks, lambda S: profiled_costs(device, S, m, args, blocks, by_shape),
+                          "PROFILED ", "simulated")
     profiled, shown = [], set()
-    for name in sorted(names, key=lambda n: "costs" in _required(n)):
-        every = list(by_shape.values())  # planners get the mean, and the measured M_W / M_B share
-        mean = zb.Costs(**{k: float(np.mean([v for c in every for v in getattr(c, k)]))
-                           for k in ("f", "b", "w", "mem_b", "mem_w")}) if every else None
-        schedule, why = _build_one(name, args, blocks, mean)
-        if schedule is None:
-            print(f"PROFILED {name:18s} not simulated: {why}")
-            continue
-        (_, costs, timeline), = profile_pipelines(device, [schedule], args, blocks, by_shape)
+    for schedule in schedules:
+        costs = profiled_costs(device, schedule.num_stages, m, args, blocks, by_shape)
+        timeline = zb.simulate(schedule, costs)
         if schedule.num_stages not in shown:  # each stage count's cost table once
             shown.add(schedule.num_stages)
             print("\n".join(cost_table(costs, schedule.num_stages)))
-        print(f"PROFILED {name:18s} S={schedule.num_stages:<2d} simulated makespan "
-              f"{timeline.makespan * 1e3:7.3f} ms  "
-              f"bubble rate {timeline.bubble_rate:.3f}", flush=True)
-        profiled.append({"schedule": name, "stages": schedule.num_stages,
+        print(f"PROFILED {schedule.name:18s} S={schedule.num_stages:<2d} simulated makespan "
+              f"{timeline.makespan * 1e3:7.3f} ms  bubble rate {timeline.bubble_rate:.3f}", flush=True)
+        profiled.append({"schedule": schedule.name, "stages": schedule.num_stages,
                          **profile_json(device, costs, timeline)})
     return profiled
 
@@ -140,8 +128,9 @@ def check_arguments(args) -> None:
     check_model_arguments(args, args.microbatches)
 
 
-def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
-    """The schedules to run (``names``' order, cost planners last) and, for the others, why not."""
+def _build(names: list[str], args, blocks: int, costs_for, label: str = "", verb: str = "run") -> tuple:
+    """The schedules to run (``names``' order, cost planners last, planned with ``costs_for(stages)``)
+    and, for the others, why not (printed as ``{label}{name} not {verb}: why``)."""
     schedules, notes = [], {}
     for name in sorted(names, key=lambda n: "costs" in _required(n)):
         costs = None
@@ -151,7 +140,7 @@ def _build(names: list[str], args, blocks: int, costs_for) -> tuple[list, dict]:
         schedule, why = _build_one(name, args, blocks, costs)
         if schedule is None:
             notes[name] = why
-            print(f"{name:18s} not run: {why}", flush=True)
+            print(f"{label}{name:18s} not {verb}: {why}", flush=True)
         else:
             schedules.append(schedule)
     return schedules, notes
@@ -176,11 +165,13 @@ def run(args) -> int:
     say_mode("REAL runs", args.ranks, why_threads, ("; schedules take turns step by step", ""))
 
     by_stages: dict[int, Costs] = {}
-    one = OneCore(args, use_processes)
+    data, model = load_digits(args.holdout, args.seed), model_config(args, blocks)
+    config = run_config(args, progress=sys.stderr.isatty())
+    one = OneCore(model, config, args.microbatches, use_processes)
 
     def costs_for(num_stages: int) -> Costs:
         if num_stages not in by_stages:
-            by_stages[num_stages] = one.costs(blocks, num_stages)
+            by_stages[num_stages] = one.costs(num_stages)
         return by_stages[num_stages]
 
     with one:
@@ -188,8 +179,6 @@ def run(args) -> int:
         if not schedules:
             raise CliError("no schedule could be run: "
                            + "; ".join(f"{n}: {why}" for n, why in notes.items()))
-        data, model = load_digits(args.holdout, args.seed), model_config(args, blocks)
-        config = run_config(args, progress=sys.stderr.isatty())
         results, learned, one_rank = _run_all(schedules, args, model, config, data, devices, use_processes)
         for r in results:
             print(one_line(r), flush=True)
@@ -202,8 +191,7 @@ def run(args) -> int:
     if args.learn_steps > 0 and learned is None and not use_processes:
         learned = _learn(results, args, model, config, data, devices)
     comparison = Comparison(results, notes, references, learned, args, blocks,
-                            "processes" if use_processes else "threads",
-                            {n: c for n, c in by_stages.items()})
+                            "processes" if use_processes else "threads", by_stages)
     print(summary_text(comparison), flush=True)
     with open(args.out, "w") as f:
         f.write(html_report(comparison))
@@ -238,8 +226,8 @@ def _run_all(schedules, args, model, config, data, devices, use_processes) -> tu
         if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner
             learned = min(results, key=lambda r: timed_median(r.step_seconds))
         return results, learned, reference
-    return [train(s, steps=steps, model=model, run=config, devices=devices, data=data)
-            for s in schedules], None, None
+    options = TrainOptions(devices=devices, data=data)
+    return [train(s, steps=steps, model=model, run=config, options=options) for s in schedules], None, None
 
 
 NEIGHBOURS = ("one-rank reference", "zb-h1+fuse", "zb-h1", "zb-h2+fuse", "zb-h2", "1f1b", "zb-auto", "zb-2p")
@@ -261,8 +249,8 @@ def _references(args, model, config, data, devices, one_rank, one) -> dict:
     if one_rank is None:
         quiet = dataclasses.replace(config, check_grads=False, progress=False)
         one_rank = train(one_rank_schedule(1, args.microbatches), steps=args.steps, model=model, run=quiet,
-                         devices=devices[:1], data=data)
-    whole = one.whole_batch(args.steps, model.blocks, devices[0])
+                         options=TrainOptions(devices=devices[:1], data=data))
+    whole = one.whole_batch(args.steps, devices[0])
     return {
         "one device, whole batch (one jitted step)": timed_median(whole),
         f"one device, our executor (m={args.microbatches} microbatches)": timed_median(one_rank.step_seconds),
@@ -274,7 +262,8 @@ def _learn(results, args, model, config, data, devices):
     best = min(results, key=lambda r: timed_median(r.step_seconds))
     print(f"training {best.schedule.name} for {args.learn_steps} steps to see the model learn", flush=True)
     run = dataclasses.replace(config, check_grads=False)
-    return train(best.schedule, steps=args.learn_steps, model=model, run=run, devices=devices, data=data)
+    return train(best.schedule, steps=args.learn_steps, model=model, run=run,
+                 options=TrainOptions(devices=devices, data=data))
 
 
 def one_line(r) -> str:

@@ -101,9 +101,13 @@ def split_in_pipeline(c) -> tuple[str, float] | None:
     for name in ("zb-h2", "zb-h1"):
         r = c.by_name(name)
         if base is not None and r is not None and r.schedule.num_stages == base.schedule.num_stages:
-            return name, statistics.mean((b + w) / bw
-                                         for b, w, bw in zip(r.costs.b, r.costs.w, base.costs.bw))
+            return name, _split_ratio(r.costs, base.costs)
     return None
+
+
+def _split_ratio(split, fused) -> float:
+    """``split``'s T_B + T_W over ``fused``'s T_BW, the mean over stages."""
+    return statistics.mean((b + w) / bw for b, w, bw in zip(split.b, split.w, fused.bw))
 
 
 def busy_bound(c) -> tuple[float, float, float] | None:
@@ -124,8 +128,7 @@ def _split_cost(c) -> str | None:
     """``(T_B + T_W) / T_BW`` of the profiled stages, as text, or None without a fused cost."""
     for costs in c.stage_costs.values():
         if costs.bw is not None:
-            ratio = statistics.mean((b + w) / bw for b, w, bw in zip(costs.b, costs.w, costs.bw))
-            return f"{ratio:.2f}"
+            return f"{_split_ratio(costs, costs):.2f}"
     return None
 
 

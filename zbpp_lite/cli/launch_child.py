@@ -28,7 +28,7 @@ from ..training.model import build_parts
 from ..training.train import train_steps as train_steps_of
 from . import build_parser
 from .train import (check_launchable, check_sizes, model_config, plan_with_job_memory, report,
-                    resolve_schedule, run_config, run_spmd)
+                    resolve_schedule, run_config, train_spmd_command)
 
 
 def train_process(args) -> int:
@@ -53,7 +53,7 @@ def train_process(args) -> int:
               + ", ".join(f"rank {r} on {device_name(d)}" for r, d in enumerate(devices)), flush=True)
 
     if getattr(args, "spmd", False):  # one SPMD program over a mesh spanning the processes
-        status = run_spmd(args, schedule, blocks, devices, process)
+        status = train_spmd_command(args, schedule, blocks, devices, process)
         if process == 0:
             print(f"startup {startup:.2f} s", flush=True)
         return status

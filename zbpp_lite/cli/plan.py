@@ -43,8 +43,8 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--schedule", "-s", default="zb-h1", help="schedule name (default zb-h1); see --list")
     p.add_argument("--ranks", "-p", type=int, default=4, help="pipeline ranks p (default 4)")
     p.add_argument("--microbatches", "-m", type=int, default=8, help="microbatches m (default 8)")
-    p.add_argument("--stages-per-rank", "-v", type=int, default=None, help="stages per rank, for interleaved "
-                                                                           "schedules")
+    p.add_argument("--stages-per-rank", "-v", type=int, default=None,
+                   help="stages per rank, for interleaved schedules")
     p.add_argument("--memory-limit", type=float, default=None,
                    help="per-rank activation memory limit in units of M_B, or of --mem-b (automatic "
                         "schedules)")
@@ -52,10 +52,10 @@ def add_parser(sub, help_text: str) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=_DEFAULTS.get(name), help=text)
     p.add_argument("--width", type=int, default=120, help="characters per grid row (default 120)")
     p.add_argument("--csv", metavar="PATH", help="write the schedule as PyTorch's compute-only CSV")
-    p.add_argument("--from-csv", metavar="PATH", help="plan a schedule read from a PyTorch-form CSV instead "
-                                                      "of building one")
-    p.add_argument("--trace", metavar="PATH", help="write a Chrome-trace (Perfetto) JSON of the simulated "
-                                                   "timeline")
+    p.add_argument("--from-csv", metavar="PATH",
+                   help="plan a schedule read from a PyTorch-form CSV instead of building one")
+    p.add_argument("--trace", metavar="PATH",
+                   help="write a Chrome-trace (Perfetto) JSON of the simulated timeline")
     p.add_argument("--list", action="store_true", help="list the schedule names and exit")
 
 

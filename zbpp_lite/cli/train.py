@@ -28,8 +28,7 @@ from . import CliError
 from .join import add_join_arguments, run_joined, wants_join
 
 THREADS_NOTE = ("note: ranks run as threads of one process ({}); on shared cores a waiting rank lends its "
-                "core to the "
-                "others, so measured bubbles look smaller than on real devices")
+                "core to the others, so measured bubbles look smaller than on real devices")
 PROCESSES_NOTE = "{}: one process per rank, each pinned to its own core ({} ranks)"
 
 
@@ -40,8 +39,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add("--heads", type=int, default=4, help="attention heads (default %(default)s)")
     add("--blocks", type=int, default=None,
         help="Transformer blocks (default: %(default)s; none: 4, or one per stage if more stages)")
-    add("--batch", type=int, default=64, help="global batch, a multiple of --microbatches (default "
-                                              "%(default)s)")
+    add("--batch", type=int, default=64,
+        help="global batch, a multiple of --microbatches (default %(default)s)")
     add("--lr", type=float, default=1e-3, help="AdamW learning rate (default %(default)s)")
     add("--seed", type=int, default=0, help="seed of init and batch order (default %(default)s)")
     add("--holdout", type=float, default=0.2, help="fraction of the digits held out for test accuracy "
@@ -53,18 +52,17 @@ def add_platform_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--platform", choices=dev.PLATFORMS, default=None,
         help="devices to run on: cpu = simulated CPU devices; gpu / tpu = that platform's devices, or, with "
-             "fewer "
-             "than the ranks, per-stage costs profiled on one of them and the pipeline simulated from them, "
-             "beside a "
-             "real run on simulated CPU devices (default: accelerators when there are enough, else CPU)")
+             "fewer than the ranks, per-stage costs profiled on one of them and the pipeline simulated from "
+             "them, beside a real run on simulated CPU devices (default: accelerators when there are enough, "
+             "else CPU)")
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help=help_text, description=__doc__.split("\n\n")[0])
     add = p.add_argument
     add("--schedule", default="zb-h1", help=f"schedule name: {', '.join(zb.SCHEDULES)} (default zb-h1)")
-    add("--schedule-csv", metavar="PATH", help="run a schedule read from PyTorch's CSV form instead of "
-                                               "--schedule")
+    add("--schedule-csv", metavar="PATH",
+        help="run a schedule read from PyTorch's CSV form instead of --schedule")
     add("--ranks", "-p", type=int, default=2, help="pipeline ranks = devices (default 2)")
     add("--microbatches", "-m", type=int, default=4, help="microbatches per step (default 4)")
     add("--steps", type=int, default=30, help="training steps (default 30)")
@@ -75,17 +73,15 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     add("--json", metavar="PATH", help="write the results (and the measured trace) as JSON")
     add("--no-progress", dest="progress", action="store_false",
         help="no progress bar (there is none when stderr is not a terminal)")
-    add("--threads", action="store_true", help="run the ranks as threads of one process even with a core per "
-                                               "rank")
+    add("--threads", action="store_true",
+        help="run the ranks as threads of one process even with a core per rank")
     add("--max-grad-norm", type=float, default=None, metavar="NORM",
         help="clip gradients to this global norm, skip steps with NaN/Inf; the optimizer step then runs in "
-             "the "
-             "rank threads, synchronously unless --post-validation (arXiv 2401.10241 section 4)")
+             "the rank threads, synchronously unless --post-validation (arXiv 2401.10241 section 4)")
     add("--post-validation", action="store_true",
         help="with --max-grad-norm: step speculatively on the partial norm, validate, roll back if wrong")
     add("--spmd", action="store_true", help="run the schedule compiled into one SPMD program (lockstep "
-                                            "ticks, "
-        "zbpp_lite.runtime.spmd) instead of one thread per rank")
+        "ticks, zbpp_lite.runtime.spmd) instead of one thread per rank")
     add_platform_argument(p)
     add_join_arguments(p)
     p.set_defaults(_parser=p)
@@ -106,14 +102,17 @@ def run_config(args, **more):
     return RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout, **more)
 
 
-def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
+def train_spmd_command(args, schedule, blocks: int, devices, process: int = 0) -> int:
     """``train --spmd`` (:func:`zbpp_lite.training.spmd.train_spmd`); process 0 prints, writes JSON."""
     import jax
 
+    from ..runtime.stages import StagedModel
+    from ..training.model import build_parts
     from ..training.spmd import train_spmd
 
-    model, x, y = job_stages(args, blocks, schedule.num_stages, None)
-    batches = [x.batch(k, args.batch) for k in range(args.steps)]
+    model = StagedModel(build_parts(model_config(args, blocks)), schedule.num_stages)
+    data = load_digits(args.holdout, args.seed)
+    batches = [data.batch(k, args.batch) for k in range(args.steps)]
 
     def on_step(k: int, loss: float, seconds: float) -> None:
         if process == 0:
@@ -123,8 +122,7 @@ def run_spmd(args, schedule, blocks: int, devices, process: int = 0) -> int:
     if process == 0:
         timed = sorted(timed_steps(result.step_seconds))
         print("gradient check vs the unpartitioned model (step 0): max relative error "
-              f"{result.grad_max_rel_error:.2e}, "
-              f"loss difference {result.loss_error:.2e}")
+              f"{result.grad_max_rel_error:.2e}, loss difference {result.loss_error:.2e}")
         print(f"SPMD: median step {timed[len(timed) // 2] * 1e3:.2f} ms over {len(timed)} step(s); "
               f"{result.lockstep.makespan:g} lockstep ticks of the slowest action each (units of T_F)")
         if args.json:
@@ -176,8 +174,7 @@ def check_sizes(args, schedule) -> int:
     blocks = args.blocks if args.blocks is not None else max(4, schedule.num_stages)
     if blocks < schedule.num_stages:
         raise CliError(f"--blocks {blocks} is fewer than the schedule's {schedule.num_stages} stages; every "
-                       "stage needs "
-                       f"a block (use --blocks {schedule.num_stages} or more)")
+                       f"stage needs a block (use --blocks {schedule.num_stages} or more)")
     norm = getattr(args, "max_grad_norm", None)
     if getattr(args, "post_validation", False) and norm is None:
         raise CliError("--post-validation validates a clipped step: give --max-grad-norm N too")
@@ -235,18 +232,6 @@ def say_mode(what: str, num_ranks: int, why_threads: str | None, tails: tuple[st
     print(line, flush=True)
 
 
-def job_stages(args, blocks: int, num_stages: int, num_microbatches: int | None) -> tuple:
-    """``(model, x, y)``: staged model, first microbatch (``num_microbatches`` None: data set, None)."""
-    from ..runtime.stages import StagedModel
-    from ..training.model import build_parts
-    from ..training.train import job_microbatch
-
-    if num_microbatches is not None:
-        return job_microbatch(num_stages, num_microbatches, model_config(args, blocks), run_config(args))
-    model = StagedModel(build_parts(model_config(args, blocks)), num_stages)
-    return model, load_digits(args.holdout, args.seed), None
-
-
 def plan_with_job_memory(args, schedule, blocks: int, say=print):
     """A memory-limited planner's schedule re-planned with this job's M_B, M_W in bytes
     (:func:`~zbpp_lite.training.train.job_costs`); unchanged for a CSV, another builder, or
@@ -266,20 +251,18 @@ def plan_with_job_memory(args, schedule, blocks: int, say=print):
     return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
 
 
-def profile_pipelines(device, schedules: list, args, blocks: int, by_shape: dict | None = None) -> list:
-    """One ``(schedule, costs, timeline)`` per schedule: stage costs timed on ``device``, then simulated;
-    one profile per (stages, microbatch size), cached in ``by_shape`` when given."""
-    from ..analysis.profiling.device import profile_stage_costs, simulate_profiled
+def profiled_costs(device, num_stages: int, num_microbatches: int, args, blocks: int, by_shape: dict):
+    """The job's stage costs cut into ``num_stages`` stages, timed on ``device``; one profile per
+    (stages, microbatch size), cached in ``by_shape``."""
+    from ..analysis.profiling.device import profile_stage_costs
     from ..runtime.stages import microbatch_size
+    from ..training.train import job_microbatch
 
-    profiled, by_shape = [], ({} if by_shape is None else by_shape)
-    for schedule in schedules:
-        shape = (schedule.num_stages, microbatch_size(args.batch, schedule.num_microbatches))
-        if shape not in by_shape:
-            job = job_stages(args, blocks, schedule.num_stages, schedule.num_microbatches)
-            by_shape[shape] = profile_stage_costs(*job, device)
-        profiled.append((schedule, by_shape[shape], simulate_profiled(schedule, by_shape[shape])))
-    return profiled
+    shape = (num_stages, microbatch_size(args.batch, num_microbatches))
+    if shape not in by_shape:
+        job = job_microbatch(num_stages, num_microbatches, model_config(args, blocks), run_config(args))
+        by_shape[shape] = profile_stage_costs(*job, device)
+    return by_shape[shape]
 
 
 def cost_table(costs, num_stages: int) -> list[str]:
@@ -306,15 +289,15 @@ def run(args) -> int:
     schedule = plan_with_job_memory(args, schedule, blocks)
     profiled = None
     if accelerator is not None:
-        (_, costs, simulated), = profile_pipelines(accelerator, [schedule], args, blocks)
+        costs = profiled_costs(accelerator, schedule.num_stages, schedule.num_microbatches, args, blocks, {})
+        simulated = zb.simulate(schedule, costs)
         print("\n".join([
             f"PROFILED on {accelerator}: T_F, T_B, T_W per stage, each stage timed alone on this one device",
             *cost_table(costs, schedule.num_stages),
             f"PROFILED on {accelerator}: simulated pipeline from measured per-stage costs "
-            f"({schedule.num_ranks} ranks, "
-            f"no transfer cost; nothing ran on {schedule.num_ranks} devices): makespan "
-            f"{simulated.makespan * 1e3:.3f} ms, "
-            f"bubble rate {simulated.bubble_rate:.4f}"]), flush=True)
+            f"({schedule.num_ranks} ranks, no transfer cost; nothing ran on {schedule.num_ranks} devices): "
+            f"makespan {simulated.makespan * 1e3:.3f} ms, bubble rate {simulated.bubble_rate:.4f}"]),
+          flush=True)
         profiled = profile_json(accelerator, costs, simulated)
     if args.platform is not None:
         say_platform("REAL run", devices)
@@ -322,7 +305,7 @@ def run(args) -> int:
           f"{schedule.num_microbatches} microbatches; model d={args.d} heads={args.heads} blocks={blocks}; "
           f"batch {args.batch}; devices {', '.join(str(d) for d in devices)}", flush=True)
     if args.spmd:
-        return run_spmd(args, schedule, blocks, devices)
+        return train_spmd_command(args, schedule, blocks, devices)
     result = _train(args, schedule, blocks, devices)
     print(report(result))
     if args.json:
@@ -337,7 +320,7 @@ def _train(args, schedule, blocks: int, devices):
     """Train in pinned processes (:func:`~zbpp_lite.training.turns.train_in_turns`) or threads."""
     from tqdm.auto import tqdm
 
-    from ..training.train import train
+    from ..training.train import TrainOptions, train
     from ..training.turns import train_in_turns
 
     def on_step(k: int, loss: float, timeline) -> None:
@@ -352,7 +335,8 @@ def _train(args, schedule, blocks: int, devices):
     why_threads = threads_reason(args, schedule.num_ranks, devices)
     say_mode("REAL run", schedule.num_ranks, why_threads)
     if why_threads is not None:
-        return train(schedule, steps=args.steps, model=model, run=run, devices=devices, on_step=on_step)
+        return train(schedule, steps=args.steps, model=model, run=run,
+                     options=TrainOptions(devices=devices, on_step=on_step))
     named = dataclasses.replace(schedule, name=schedule.name or "custom")
     return train_in_turns([named], args.steps, model=model, run=run,
                           on_step=lambda name, k, loss, timeline: on_step(k, loss, timeline))[named.name]
@@ -380,8 +364,7 @@ def report(result) -> str:
     lines = [
         f"test accuracy ({held} samples): {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}",
         "gradient check vs the unpartitioned model (step 0): max relative error "
-        f"{result.grad_max_rel_error:.2e}, "
-        f"loss difference {result.loss_error:.2e}",
+        f"{result.grad_max_rel_error:.2e}, loss difference {result.loss_error:.2e}",
         f"{'':10}{'makespan':>14}{'bubble rate':>14}",
         f"{'measured':10}{m.makespan * 1e3:>11.2f} ms{m.bubble_rate:>14.4f}",
         f"{'simulated':10}{s.makespan * 1e3:>11.2f} ms{s.bubble_rate:>14.4f}   (measured mean action costs)",
@@ -396,6 +379,6 @@ def report(result) -> str:
                      f"{result.config['max_grad_norm']:g}: "
                      f"{sum(r['clipped'] for r in guard)} of {len(guard)} steps clipped, "
                      f"{sum(r['skipped'] for r in guard)} skipped, "
-                     f"{sum(bool(r['rolled_back']) for r in guard)} rolled "
-                     f"back; median step period {periods[len(periods) // 2] * 1e3:.2f} ms")
+                     f"{sum(bool(r['rolled_back']) for r in guard)} rolled back; "
+                     f"median step period {periods[len(periods) // 2] * 1e3:.2f} ms")
     return "\n".join(lines)

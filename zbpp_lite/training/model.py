@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,6 @@ SEQ_LEN = 8
 TOKEN_DIM = 8
 """Pixels per token."""
 NUM_CLASSES = 10
-
-
 
 
 @jax.custom_jvp
@@ -136,18 +134,13 @@ def settings_json(config: ModelConfig, run: RunConfig) -> dict:
 # ---------------------------------------------------------------------------- layers
 
 
-def _torch_uniform(fan_in: int) -> Callable:
-    """PyTorch's default Linear init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias."""
-    bound = 1.0 / math.sqrt(fan_in)
+def _linear(n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
+    """PyTorch's default Linear init: weight and bias ~ U(-1/sqrt(n_in), 1/sqrt(n_in))."""
+    bound = 1.0 / math.sqrt(n_in)
 
     def init(key, shape, dtype=jnp.float32):
         return jax.random.uniform(key, shape, dtype, -bound, bound)
 
-    return init
-
-
-def _linear(n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
-    init = _torch_uniform(n_in)
     return nnx.Linear(n_in, n_out, kernel_init=init, bias_init=init, rngs=rngs)
 
 

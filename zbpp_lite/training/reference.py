@@ -1,15 +1,16 @@
 """The single-device reference every pipeline run is checked and timed against.
 
 Correctness: :func:`reference_grads`, :func:`evaluate`, :func:`max_relative_error`. The one optimizer:
-:func:`adamw`, :func:`jitted_update`. Speed: :func:`train_baseline` (the PyTorch benchmark's
-``baseline``: whole batch, loss, gradients and AdamW in one jitted step with donated state; same model,
-data, batches, init and optimizer as :func:`zbpp_lite.training.train.train`, so losses agree to float32
-rounding) and :func:`one_rank_schedule` (our executor on one rank). On XLA:CPU the baseline is about
-2.8x slower than the latter (d = 128, batch 256, one core): its ``dW = x^T dy`` makes a strided
-transpose copy of every (2048, 128) activation, where the split backward (:mod:`zbpp_lite.runtime.split`)
-stores ``x^T`` per microbatch in cache; so speed-ups are taken against the faster (``compare`` names
-it). ``microbatches`` > 1 accumulates over microbatches on one device, separating what microbatching
-changes from what the pipeline adds.
+:func:`jitted_update` (Optax's AdamW of :class:`~.postval.rollback.AdamWConfig`). Speed:
+:func:`train_baseline` (the PyTorch benchmark's ``baseline``: whole batch, loss, gradients and AdamW in
+one jitted step with donated state; same model, data, batches, init and optimizer as
+:func:`zbpp_lite.training.train.train`, so losses agree to float32 rounding) and
+:func:`one_rank_schedule` (our executor on one rank). On XLA:CPU the baseline is about 2.8x slower than
+the latter (d = 128, batch 256, one core): its ``dW = x^T dy`` makes a strided transpose copy of every
+(2048, 128) activation, where the split backward (:mod:`zbpp_lite.runtime.split`) stores ``x^T`` per
+microbatch in cache; so speed-ups are taken against the faster (``compare`` names it). ``microbatches``
+> 1 accumulates over microbatches on one device, separating what microbatching changes from what the
+pipeline adds.
 """
 
 from __future__ import annotations
@@ -31,12 +32,6 @@ from ..schedules.ir import Schedule
 from .data import Digits, load_digits
 from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
 from .postval.rollback import AdamWConfig
-
-
-def adamw(lr: float = 1e-3, weight_decay: float = 0.01) -> optax.GradientTransformation:
-    """``optax.adamw`` with PyTorch's defaults (betas 0.9, 0.999, eps 1e-8), via
-    :class:`~zbpp_lite.training.postval.rollback.AdamWConfig`."""
-    return AdamWConfig(learning_rate=lr, weight_decay=weight_decay).optimizer()
 
 
 @functools.lru_cache(maxsize=8)
@@ -190,7 +185,7 @@ def train_baseline(
     device = device if device is not None else jax.devices()[0]
     data = data if data is not None else load_digits(run.holdout, run.seed)
     staged = StagedModel(build_parts(config), 1)
-    optimizer = adamw(run.lr, run.weight_decay)
+    optimizer = AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay).optimizer()
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
     params = jax.device_put(params, device)
     opt_state = jax.device_put(optimizer.init(params), device)

@@ -10,7 +10,7 @@ they differ only in what carries values between ranks.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
@@ -120,26 +120,22 @@ class TrainOptions:
 
 
 def train(schedule: str | Schedule = "zb-h1", ranks: int = 2, microbatches: int = 4, steps: int = 20, *,
-          model: ModelConfig | None = None, run: RunConfig | None = None, options: TrainOptions | None = None,
-          **settings) -> TrainResult:
+          model: ModelConfig | None = None, run: RunConfig | None = None, options: TrainOptions | None = None
+          ) -> TrainResult:
     """Train the digits Transformer with one schedule and measure it.
 
     Args:
         schedule: a name in ``zb.SCHEDULES`` or a :class:`~zbpp_lite.schedules.ir.Schedule` (its ranks
             and microbatches then override ``ranks``, ``microbatches``).
         steps: optimizer updates. model: :class:`~zbpp_lite.training.model.ModelConfig` (blocks >= stages).
-        run: :class:`RunConfig`. options: :class:`TrainOptions`, or its fields by name in ``settings``.
+        run: :class:`RunConfig`. options: :class:`TrainOptions`.
 
     Raises:
         ValueError: an unknown or invalid schedule, ``memory_limit`` without ``costs``, fewer blocks
             than stages, a batch that does not divide, bad sizes; all before any compute.
-        TypeError: an unknown setting. RuntimeError: too few devices, or a rank's action failed.
+        RuntimeError: too few devices, or a rank's action failed.
     """
-    unknown = set(settings) - {f.name for f in fields(TrainOptions)}
-    if unknown:
-        raise TypeError(f"train got unknown setting(s) {sorted(unknown)}; TrainOptions has "
-                        f"{[f.name for f in fields(TrainOptions)]}")
-    o = TrainOptions(**{**(vars(options) if options is not None else {}), **settings})
+    o = options or TrainOptions()
     config, run = model or ModelConfig(), run or RunConfig()
     sched = checked_schedule(schedule, ranks, microbatches, steps, config, run, o.schedule_options)
     devices = o.devices if o.devices is not None else ensure_devices(sched.num_ranks)
@@ -227,18 +223,15 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
         first, final = _guarded_steps(executor, params, batches, run, out, on_step)
     else:
         adamw = StageAdamW(params, run).place(staged, dict(enumerate(homes)))
-        bar: Any = range(steps)
-        if run.progress:
-            desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
-            bar = tqdm(bar, desc=desc, leave=False)
+        desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
+        bar = tqdm(range(steps), desc=desc, leave=False, disable=not run.progress)
         for k in bar:
             result, sec, _ = train_step(executor, adamw, *batches[k])
             first = result if k == 0 else first
             losses.append(result.loss)
             timelines.append(result.timeline)
             seconds.append(sec)
-            if run.progress:
-                bar.set_postfix(loss=f"{result.loss:.4f}")
+            bar.set_postfix(loss=f"{result.loss:.4f}")
             if on_step is not None:
                 on_step(k, result.loss, result.timeline)
         final = adamw.params
@@ -290,7 +283,6 @@ def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_ste
     (:class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`); fills ``out``, returns (first
     step's result, trained parameters)."""
     losses, timelines, seconds, extra = out
-    model = executor.model
     config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
     policy = "post-validation" if run.post_validation else "synchronous"
     guard = StageOptimizer(executor, params, config, policy, run.max_grad_norm)
@@ -307,10 +299,14 @@ def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_ste
                   "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped,
                                      "skipped": not r.finite, "rolled_back": r.rolled_back}
                                     for r in guard.reports]})
-    current, final = guard.params(), list(params)
-    for s in range(executor.schedule.num_stages):
-        like = model.stage_params(params, s)
-        tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), list(current[s]))
-        for i, part in zip(model.parts[s], tree):
-            final[i] = part
-    return results[0], final
+    return results[0], with_stage_leaves(executor.model, params, guard.params())
+
+
+def with_stage_leaves(model: StagedModel, params: list, per_stage: dict) -> list:
+    """``params`` (one pytree per module) with each stage ``s`` of ``per_stage`` set from its leaves."""
+    out = list(params)
+    for s, leaves in per_stage.items():
+        like = jax.tree_util.tree_structure(model.stage_params(params, s))
+        for i, part in zip(model.parts[s], jax.tree_util.tree_unflatten(like, list(leaves))):
+            out[i] = part
+    return out

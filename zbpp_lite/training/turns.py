@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import types
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -28,7 +27,7 @@ from ..analysis.rebalance import check_parts
 from ..runtime.devices import ensure_devices
 from ..runtime.executor import PipelineExecutor
 from ..runtime.processes import RankProcesses, allowed_cores, connect, disconnect
-from ..runtime.stages import StagedModel, microbatch_size
+from ..runtime.stages import StagedModel
 from ..schedules.costs import Costs
 from ..schedules.ir import Action, Schedule
 from ..schedules.memory import MeasuredMemory
@@ -36,8 +35,8 @@ from ..schedules.timeline import Event, Timeline
 from .data import Digits, load_digits
 from .messages import Message, parse
 from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
-from .reference import BaselineResult, evaluate, max_relative_error, reference_grads, train_baseline
-from .train import StageAdamW, TrainResult, checked_schedule, train_step
+from .reference import evaluate, max_relative_error, reference_grads, train_baseline
+from .train import StageAdamW, TrainResult, checked_schedule, job_microbatch, train_step, with_stage_leaves
 
 ENTRY = "zbpp_lite.training.turns:rank_main"
 
@@ -59,6 +58,12 @@ def schedule_from_json(d: dict) -> Schedule:
         raise ValueError(f"the schedule's rows place its stages {list(s.placement)}, "
                          f"not {list(d['placement'])}")
     return s
+
+
+def _job_json(config: ModelConfig, run: RunConfig) -> dict:
+    """The job's ``model`` and ``run`` settings as JSON for a helper process (their fields by name)."""
+    return {"model": dataclasses.asdict(config),
+            "run": {**dataclasses.asdict(run), "init": None if run.init is None else str(run.init)}}
 
 
 def enough_cores(num_ranks: int) -> bool:
@@ -218,7 +223,7 @@ def _stage_leaves(replies: list, key: str) -> dict[int, list]:
 class _Turns:
     """The rank processes of a run in turns and the steps they take."""
 
-    def __init__(self, ranks: RankProcesses, bar=None):
+    def __init__(self, ranks: RankProcesses, bar: tqdm):
         self.ranks, self.bar = ranks, bar
 
     def step(self, name: str, rec: _Record, k: int, grads: bool) -> None:
@@ -230,9 +235,8 @@ class _Turns:
         rec.seconds.append(max(r.seconds for r in replies))
         if grads:
             rec.grads = _stage_leaves(replies, "grads")
-        if self.bar is not None:
-            self.bar.update()
-            self.bar.set_postfix_str(f"{name} loss {rec.losses[-1]:.4f}")
+        self.bar.update()
+        self.bar.set_postfix_str(f"{name} loss {rec.losses[-1]:.4f}")
 
     def params(self, name: str) -> dict[int, list]:
         self.ranks.broadcast(GetParams(name).to_wire())
@@ -305,14 +309,11 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
     names, cuts = _checked(schedules, steps, config, run, parts)
     p = schedules[0].num_ranks
     data = data if data is not None else load_digits(run.holdout, run.seed)
-    spec = {"schedules": {n: schedule_to_json(s) for n, s in zip(names, schedules)},
-            "model": {"d": config.d, "heads": config.heads, "blocks": config.blocks, "seed": config.seed},
-            "parts": cuts,
-            "run": {"batch": run.batch, "lr": run.lr, "weight_decay": run.weight_decay, "seed": run.seed,
-                    "holdout": run.holdout, "init": None if run.init is None else str(run.init)}}
+    spec = {"schedules": {n: schedule_to_json(s) for n, s in zip(names, schedules)}, "parts": cuts,
+            **_job_json(config, run)}
     records = {n: _Record(s) for n, s in zip(names, schedules)}
-    bar = tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False) \
-        if run.progress else None
+    bar = tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False,
+               disable=not run.progress)
     # rank r on the r-th allowed core (:func:`enough_cores`)
     with RankProcesses(ENTRY, p, spec, pin=True) as ranks:
         turns = _Turns(ranks, bar)
@@ -328,8 +329,7 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
         chosen = then({n: list(records[n].seconds) for n in names}) if then is not None else None
         go_on = chosen is not None and chosen[1] > 0
         more = _go_on(turns, records, chosen, steps, run.progress) if go_on else None
-    if turns.bar is not None:
-        turns.bar.close()
+    turns.bar.close()
     finish = _Finish(config, run, data, p)
     results = InTurns((n, finish.result(records[n], cuts.get(n))) for n in names)
     if more is not None:
@@ -342,9 +342,8 @@ def _go_on(turns: _Turns, records: dict[str, _Record], chosen: tuple[str, int], 
     """``then``'s choice trained ``extra`` more steps alone (losses from the start, timings of the extra)."""
     n, extra = chosen
     rec = _Record(records[n].schedule, losses=list(records[n].losses))
-    if turns.bar is not None:
-        turns.bar.close()
-        turns.bar = tqdm(total=extra, desc=f"training {n} on", leave=False) if progress else None
+    turns.bar.close()
+    turns.bar = tqdm(total=extra, desc=f"training {n} on", leave=False, disable=not progress)
     for k in range(steps, steps + extra):
         turns.step(n, rec, k, False)
     rec.final = turns.params(n)
@@ -357,34 +356,21 @@ class _Finish:
 
     def __init__(self, config: ModelConfig, run: RunConfig, data: Digits, num_ranks: int):
         self.config, self.run, self.data, self.num_ranks = config, run, data, num_ranks
-        self._reference = None
-
-    def _reference_grads(self, staged: StagedModel, initial: list):
-        if self._reference is None:
-            x, y = self.data.batch(0, self.run.batch)
-            self._reference = reference_grads(staged, initial, x, y, jax.devices()[0])
-        return self._reference
+        self.reference = None  # (loss, gradients) of the unpartitioned model on batch 0, computed once
 
     def result(self, rec: _Record, cut=None) -> TrainResult:
         config, run, schedule = self.config, self.run, rec.schedule
         staged = StagedModel(build_parts(config), schedule.num_stages, parts=cut)
         initial = load_torch_init(run.init, config) if run.init is not None else staged.params
-
-        def assemble(per_stage: dict[int, list]) -> list:
-            out = list(initial)
-            for s, leaves in per_stage.items():
-                like = staged.stage_params(initial, s)
-                tree = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(like), leaves)
-                for i, part in zip(staged.parts[s], tree):
-                    out[i] = part
-            return out
-
         grad_error = loss_error = None
-        if rec.grads is not None:
-            ref_loss, ref_grads = self._reference_grads(staged, initial)
-            grad_error = max_relative_error(assemble(rec.grads), ref_grads)  # every stage is some rank's
+        if rec.grads is not None:  # every stage is some rank's
+            if self.reference is None:
+                x, y = self.data.batch(0, run.batch)
+                self.reference = reference_grads(staged, initial, x, y, jax.devices()[0])
+            ref_loss, ref_grads = self.reference
+            grad_error = max_relative_error(with_stage_leaves(staged, initial, rec.grads), ref_grads)
             loss_error = abs(rec.losses[0] - ref_loss)
-        final = assemble(rec.final)
+        final = with_stage_leaves(staged, initial, rec.final)
         tested = evaluate(staged, final, self.data.test_x, self.data.test_y)
         cores = allowed_cores()
         settings = {**settings_json(config, run),
@@ -400,57 +386,37 @@ class _Finish:
 
 
 ONE_CORE_ENTRY = "zbpp_lite.training.turns:one_core_main"
-ONE_CORE_JOB = ("holdout", "seed", "batch", "microbatches", "d", "heads", "lr")
-"""The job settings :class:`OneCore`'s helper is started with (attributes of its ``args``)."""
 
 
 @dataclass(frozen=True)
-class StageCosts(Message):
-    """To :class:`OneCore`'s helper: time every stage of the job cut into ``stages`` stages."""
+class OneCoreJob(Message):
+    """To :class:`OneCore`'s helper: ``what`` "costs" (T_F, T_B, T_W, T_BW per stage in seconds, M_B,
+    M_W in bytes, of the job cut into ``stages`` stages) or "whole batch" (the seconds of each of
+    ``steps`` whole-batch jitted steps, :func:`~zbpp_lite.training.reference.train_baseline`)."""
 
-    op = "costs"
-    blocks: int
-    stages: int
-
-
-@dataclass(frozen=True)
-class CostsAre(Message):
-    """The answer to :class:`StageCosts`: T_F, T_B, T_W, T_BW per stage (seconds), M_B, M_W (bytes)."""
-
-    op = "costs are"
-    f: list
-    b: list
-    w: list
-    bw: list
-    mem_b: list
-    mem_w: list
+    op = "one core"
+    what: str
+    stages: int = 1
+    steps: int = 0
 
 
 @dataclass(frozen=True)
-class WholeBatch(Message):
-    """To :class:`OneCore`'s helper: train the whole batch as one jitted step ``steps`` times."""
+class OneCoreAnswer(Message):
+    """The answer to :class:`OneCoreJob`: ``values``, the Costs fields or ``step_seconds``."""
 
-    op = "whole batch"
-    steps: int
-    blocks: int
-
-
-@dataclass(frozen=True)
-class StepSeconds(Message):
-    """The answer to :class:`WholeBatch`: every step's seconds."""
-
-    op = "step seconds"
-    step_seconds: list
+    op = "one core answer"
+    values: dict
 
 
 class OneCore:
     """Single-device work (stage costs, the whole-batch reference) in a helper process pinned to one
     core from its start, so XLA sizes its pool for it (pinned later: passes 10-35% slower on 2 cores).
-    Started on first use, stopped on leaving the ``with`` block; ``args``: :data:`ONE_CORE_JOB`
-    attributes; with ``use_processes`` false the work runs in this process."""
+    Started on first use, stopped on leaving the ``with`` block; the job is ``model``, ``run`` and
+    ``microbatches``; with ``use_processes`` false the work runs in this process."""
 
-    def __init__(self, args, use_processes: bool):
-        self.args, self.use_processes, self.helper = args, use_processes, None
+    def __init__(self, model: ModelConfig, run: RunConfig, microbatches: int, use_processes: bool):
+        self.job = {**_job_json(model, run), "microbatches": microbatches}
+        self.use_processes, self.helper = use_processes, None
 
     def __enter__(self) -> "OneCore":
         return self
@@ -460,56 +426,39 @@ class OneCore:
             self.helper.close()
             self.helper = None
 
-    def _ask(self, job: Message, reply: type[Message]) -> Message:
+    def _ask(self, job: OneCoreJob, device=None) -> dict:
+        if not self.use_processes:
+            with one_core(pin=job.what == "whole batch"):
+                return _one_core_work(job, self.job, device)
         if self.helper is None:
-            config = {k: getattr(self.args, k) for k in ONE_CORE_JOB}
-            self.helper = RankProcesses(ONE_CORE_ENTRY, 1, config, pin=True)
+            self.helper = RankProcesses(ONE_CORE_ENTRY, 1, self.job, pin=True)
         self.helper.broadcast(job.to_wire())
-        return reply.from_wire(self.helper.gather()[0])
+        return OneCoreAnswer.from_wire(self.helper.gather()[0]).values
 
-    def costs(self, blocks: int, num_stages: int) -> Costs:
-        """:func:`_stage_costs` in the helper."""
-        if not self.use_processes:
-            return _stage_costs(self.args, blocks, num_stages)
-        return Costs(**dataclasses.asdict(self._ask(StageCosts(blocks, num_stages), CostsAre)))
+    def costs(self, num_stages: int) -> Costs:
+        """The job's stage costs cut into ``num_stages`` stages, as the planners use them."""
+        return Costs(**self._ask(OneCoreJob("costs", stages=num_stages)))
 
-    def whole_batch(self, steps: int, blocks: int, device=None) -> list[float]:
+    def whole_batch(self, steps: int, device=None) -> list[float]:
         """Step seconds of the whole batch as one jitted step on one core, every step."""
-        if not self.use_processes:
-            with one_core():
-                return list(_whole_batch(self.args, steps, blocks, device).step_seconds)
-        return self._ask(WholeBatch(steps, blocks), StepSeconds).step_seconds
+        return self._ask(OneCoreJob("whole batch", steps=steps), device)["step_seconds"]
 
 
 def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
-    """:class:`OneCore`'s helper: :class:`StageCosts` -> :class:`CostsAre`, :class:`WholeBatch` ->
-    :class:`StepSeconds`."""
+    """:class:`OneCore`'s helper: :class:`OneCoreJob` -> :class:`OneCoreAnswer`."""
     device = ensure_devices(1)[0]
-    args = types.SimpleNamespace(**config)
     while (message := control.recv()) is not None:
-        job = parse(message, StageCosts, WholeBatch)
-        if isinstance(job, StageCosts):
-            costs = _stage_costs(args, job.blocks, job.stages)
-            reply: Message = CostsAre(**{f.name: list(getattr(costs, f.name))
-                                         for f in dataclasses.fields(CostsAre)})
-        else:
-            reply = StepSeconds(list(_whole_batch(args, job.steps, job.blocks, device).step_seconds))
-        control.send(reply.to_wire())
+        job = parse(message, OneCoreJob)
+        control.send(OneCoreAnswer(_one_core_work(job, config, device)).to_wire())
 
 
-def _whole_batch(args, steps: int, blocks: int, device) -> BaselineResult:
-    return train_baseline(steps, model=ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed),
-                          run=RunConfig(batch=args.batch, lr=args.lr, seed=args.seed, holdout=args.holdout),
-                          device=device, data=load_digits(args.holdout, args.seed))
-
-
-def _stage_costs(args, blocks: int, num_stages: int) -> Costs:
-    """T_F, T_B, T_W, T_BW per stage (seconds, first device) and M_B, M_W (bytes): what the planners use."""
-    x, y = load_digits(args.holdout, args.seed).batch(0, args.batch)
-    mb = microbatch_size(args.batch, args.microbatches)
-    config = ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
-    model = StagedModel(build_parts(config), num_stages)
-    return profile_stage_costs(model, x[:mb], y[:mb], repeats=15, fused=True)
+def _one_core_work(job: OneCoreJob, config: dict, device) -> dict:
+    model, run = ModelConfig(**config["model"]), RunConfig(**config["run"])
+    if job.what == "costs":
+        staged, x, y = job_microbatch(job.stages, config["microbatches"], model, run)
+        costs = profile_stage_costs(staged, x, y, repeats=15, fused=True)
+        return {k: list(getattr(costs, k)) for k in ("f", "b", "w", "bw", "mem_b", "mem_w")}
+    return {"step_seconds": train_baseline(job.steps, model=model, run=run, device=device).step_seconds}
 
 
 @contextlib.contextmanager

@@ -81,12 +81,6 @@ def _update(adam: optax.ScaleByAdamState, c: AdamWConfig):
     return jax.tree.map(lambda m, v: (m / bc1) / (jnp.sqrt(v / bc2) + c.eps), adam.mu, adam.nu)
 
 
-def _with_adam_state(opt_state, adam):
-    if isinstance(opt_state, optax.ScaleByAdamState):
-        return adam
-    return (adam, *opt_state[1:])
-
-
 def adamw_rollback(params, opt_state, grads, config: AdamWConfig):
     """Undo one ``optax.adamw`` step of ``config`` that used ``grads`` (same tree as ``params``, float32):
     ``(params, opt_state)`` after it -> as before it (within :func:`rollback_error_bound`).
@@ -104,7 +98,8 @@ def adamw_rollback(params, opt_state, grads, config: AdamWConfig):
     # the step's g^2 dominated nu_t (a heavily clipped redo), and sqrt(negative) would be NaN
     nu = jax.tree.map(lambda v, g: jnp.maximum((v - (1 - c.b2) * g * g) / c.b2, 0.0), adam.nu, grads)
     restored = optax.ScaleByAdamState(count=adam.count - 1, mu=mu, nu=nu)
-    return old_params, _with_adam_state(opt_state, restored)
+    bare = isinstance(opt_state, optax.ScaleByAdamState)
+    return old_params, restored if bare else (restored, *opt_state[1:])
 
 
 def rollback_error_bound(params, opt_state, grads, config: AdamWConfig):
