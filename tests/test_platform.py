@@ -16,7 +16,7 @@ import pytest
 
 import zbpp_lite as zb
 from zbpp_lite.runtime import devices as devices_mod
-from zbpp_lite.analysis.profiling.device import profile_stage_costs, simulate_profiled, stage_memory_bytes
+from zbpp_lite.analysis.profiling.device import profile_stage_costs, stage_memory_bytes
 from zbpp_lite.cli import main
 from zbpp_lite.training.data import load_digits
 from zbpp_lite.runtime.devices import ensure_devices, platform_devices
@@ -84,7 +84,7 @@ def test_gpipe_simulated_from_profiled_costs_has_its_closed_form(uneven):
     # fused backwards up them; each takes sum_s t_s + (m - 1) max_s t_s.
     _, c = uneven
     m = 6
-    t = simulate_profiled(zb.build_schedule("gpipe", 2, m), c)
+    t = zb.simulate(zb.build_schedule("gpipe", 2, m), c)
     bw = [b + w for b, w in zip(c.b, c.w)]
     expected = sum(c.f) + sum(bw) + (m - 1) * (max(c.f) + max(bw))
     assert t.source == "simulated"
@@ -103,7 +103,7 @@ def test_fused_profile_times_bw_per_stage_and_gpipe_uses_it(uneven):
     assert (c.mem_b, c.mem_w) == stage_memory_bytes(model, x, y)  # M_B, M_W in bytes: what planners take
     m = 6  # GPipe's closed form as above, with the measured T_BW
     expected = sum(c.f) + sum(c.bw) + (m - 1) * (max(c.f) + max(c.bw))
-    assert simulate_profiled(zb.build_schedule("gpipe", 2, m), c).makespan == pytest.approx(expected, rel=1e-12)
+    assert zb.simulate(zb.build_schedule("gpipe", 2, m), c).makespan == pytest.approx(expected, rel=1e-12)
 
 
 def test_profile_refuses_bad_arguments(uneven):

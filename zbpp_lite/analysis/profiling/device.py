@@ -2,8 +2,8 @@
 
 :func:`profile_stage_costs` times every stage's F, B and W (Qi et al., arXiv 2401.10241, section 2) on
 one device with the executor's own jitted functions (:attr:`zbpp_lite.runtime.split.StageSplit.flat`),
-called as the executor calls them; :func:`simulate_profiled` draws the pipeline from those costs,
-leaving out transfers (T_comm = 0) and the executor's per-action overhead. Imports JAX.
+called as the executor calls them; :func:`zbpp_lite.simulate` draws the pipeline from those costs (a
+timeline in seconds), leaving out transfers (T_comm = 0) and the executor's per-action overhead. Imports JAX.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import numpy as np
 from ...schedules.costs import Costs
 from ...runtime.memory import nbytes
 from ...runtime.stages import StagedModel
-from ...schedules.ir import Schedule
-from ...schedules.simulate import simulate
-from ...schedules.timeline import Timeline
 
 
 def timed(fn, *args) -> tuple[float, Any]:
@@ -111,15 +108,3 @@ def profile_stage_costs(model: StagedModel, x: Any, labels: Any, device: Any = N
     mem_b, mem_w = stage_memory_bytes(model, x, labels)
     return Costs(f=medians["F"], b=medians["B"], w=medians["W"], bw=medians.get("BW"),
                  mem_b=mem_b, mem_w=mem_w)
-
-
-def simulate_profiled(schedule: Schedule, costs: Costs) -> Timeline:
-    """``schedule`` simulated (:func:`zbpp_lite.simulate`) from :func:`profile_stage_costs`'s costs: a
-    timeline in seconds, ``source`` ``"simulated"``.
-
-    Raises:
-        ScheduleError: an invalid schedule.
-        ValueError: costs with a number of stages other than the schedule's (profile the model
-            cut into ``schedule.num_stages`` stages).
-    """
-    return simulate(schedule, costs)
