@@ -200,7 +200,7 @@ class _Rejoined(Exception):
 @dataclass(frozen=True)
 class _Record:
     """One greedy run: its plan (None: abandoned), the largest-yes/smallest-no warm-up cap asked per rank,
-    and its lower bound and peak memory at the end."""
+    its lower bound and peak memory at the end, and whether ``Rules.fill_partial`` changed any answer."""
 
     rules: Rules
     plan: Plan | None
@@ -208,6 +208,7 @@ class _Record:
     cap_no: tuple[float, ...]
     bound: float
     peak: float
+    fill_matters: bool
     warm_end: tuple | None = None  # the run's whole state when its last rank left the warm-up
 
 
@@ -215,9 +216,10 @@ class Runs:
     """Greedy runs of one planning problem (placement, m, costs, limits), remembered; plans equal
     :func:`plan`'s.
 
-    Exact savings: a run whose caps answer every cap question of an earlier run alike *is* that run; a
-    run whose state at the end of the warm-up equals an earlier run's (rules equal outside the warm-up)
-    ends with its plan; with a :class:`Cutoff` a run stops (returns None) once it cannot win.
+    Exact savings: a run whose caps answer every cap question of an earlier run alike, and whose
+    ``fill_partial`` differs only where that run's never changed an answer, *is* that run; a run whose
+    state at the end of the warm-up equals an earlier run's (rules equal outside the warm-up) ends with its
+    plan; with a :class:`Cutoff` a run stops (returns None) once it cannot win.
     """
 
     def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
@@ -251,15 +253,17 @@ class Runs:
             return None  # the earlier run was abandoned under a cutoff this one meets too (_rejoin)
         self.records.append(
             _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no), engine.bound, engine.max_peak,
-                    engine.warm_state)
+                    engine.fill_matters, engine.warm_state)
         )
         return result
 
     def _rejoin(self, rules: Rules, state: tuple, cutoff: Cutoff | None) -> None:
         """At the end of the warm-up: raise :class:`_Rejoined` if an earlier run with equal rules outside the
-        warm-up reached this state (and, if abandoned, this run's cutoff would stop it there too)."""
-        plain = replace(rules, fit_f=False, warmup_cap=None)
+        warm-up reached this state (and, if abandoned, this run's cutoff would stop it there too); as in
+        :func:`_same_run`, ``fill_partial`` counts only where it changed an answer of the earlier run."""
         for rec in self.records:
+            fill = rec.rules.fill_partial if not rec.fill_matters else rules.fill_partial
+            plain = replace(rules, fit_f=False, warmup_cap=None, fill_partial=fill)
             if rec.warm_end is None or replace(rec.rules, fit_f=False, warmup_cap=None) != plain:
                 continue
             if rec.warm_end == state and (
@@ -292,7 +296,8 @@ class Runs:
 
 def _same_run(rec: _Record, rules: Rules) -> bool:
     """Would ``rules`` make the same decisions as ``rec`` did (up to where ``rec`` ended)?"""
-    if replace(rules, warmup_cap=rec.rules.warmup_cap) != rec.rules:
+    fill = rec.rules.fill_partial if not rec.fill_matters else rules.fill_partial
+    if replace(rules, warmup_cap=rec.rules.warmup_cap, fill_partial=fill) != rec.rules:
         return False
     caps = rules.warmup_cap or (_INF,) * len(rec.cap_yes)
     return all(yes < cap <= no for yes, cap, no in zip(rec.cap_yes, caps, rec.cap_no, strict=True))
@@ -355,6 +360,7 @@ class _Greedy:
         # warm-up cap questions (Runs): per rank, the largest count answered yes and smallest answered no
         self.cap_yes = [-1] * p
         self.cap_no = [_INF] * p
+        self.fill_matters = False  # did fill_partial change a keep_filler answer (Runs)
         self.safe: list[dict[int, bool]] = [{} for _ in range(p)]  # stage -> safe_f of its next F, per rank
 
     # ------------------------------------------------------------------ bookkeeping
@@ -619,11 +625,10 @@ class _Greedy:
         """A filler started at ``start`` would delay what just arrived after ``gap``: keep it?"""
         if kind == "F":
             return False  # fit_f: the warm-up F waits for what arrived
-        if self.rules.fill_partial:
-            return True
-        if self.rules.keep_gaps:
-            return False
-        return self.work[r] + self.bubble[r] + gap > self.most_projected + _EPS
+        grows = self.work[r] + self.bubble[r] + gap > self.most_projected + _EPS
+        if self.rules.keep_gaps or not grows:
+            self.fill_matters = True  # fill_partial's True differs from the answer without it
+        return self.rules.fill_partial or (not self.rules.keep_gaps and grows)
 
 
 def _better(a: Plan, b: Plan) -> bool:
