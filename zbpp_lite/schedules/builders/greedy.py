@@ -167,7 +167,8 @@ class Cutoff:
     """When a greedy run may stop: its (makespan, peak memory) cannot win (branch and bound, not in paper).
 
     Stops once the makespan is certain to exceed ``above``, or to be >= ``floor`` with peak memory >=
-    ``peak``. "Certain" uses a growing lower bound: per rank, span so far plus work left (rounding allowed).
+    ``peak``. "Certain" uses growing lower bounds: per rank, span so far plus work left (rounding allowed);
+    once the last microbatch has entered, :meth:`_Greedy.last_chain`.
     """
 
     above: float
@@ -252,8 +253,8 @@ class Runs:
                 return replace(same.record.plan, rules=rules)
             return None  # the earlier run was abandoned under a cutoff this one meets too (_rejoin)
         self.records.append(
-            _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no), engine.bound, engine.max_peak,
-                    engine.fill_matters, engine.warm_state)
+            _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no),
+                    max(engine.bound, engine.chain), engine.max_peak, engine.fill_matters, engine.warm_state)
         )
         return result
 
@@ -346,6 +347,11 @@ class _Greedy:
         self.rows: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]  # (kind, stage, microbatch)
         self.dur = {"F": table.f, "B": table.b, "W": table.w}
         self.comm = table.comm
+        # transfer time added to an input's arrival: from stage s-1 (F) or s+1 (B) when on another rank
+        self.f_delay = [table.comm[s - 1] if s and placement[s - 1] != placement[s] else 0.0
+            for s in range(S)]
+        self.b_delay = [table.comm[s + 1] if s + 1 < S and placement[s + 1] != placement[s] else 0.0
+            for s in range(S)]
         self.most_projected = max(self.work, default=0.0)  # max over ranks of work + bubble so far
         self.left = 3 * S * m
         self.heap: list[tuple[float, int, int]] = []
@@ -356,6 +362,7 @@ class _Greedy:
         self.slack = 0.0
         self.done = [0.0] * p
         self.bound = max(self.work, default=0.0)
+        self.chain = 0.0  # last_chain's largest, once the last microbatch has entered
         self.max_peak = 0.0
         # warm-up cap questions (Runs): per rank, the largest count answered yes and smallest answered no
         self.cap_yes = [-1] * p
@@ -436,14 +443,49 @@ class _Greedy:
         if bound > self.bound:
             self.bound = bound
             grew = True
+        if self.stop is not None and self.nf[0] == self.m and self.left % self.S == 0:
+            chain = self.last_chain()  # once every stage's worth of actions, kept out of state()
+            if chain > self.chain:
+                self.chain = chain
+                grew = True
         # the cutoff only grows more certain as bound and peak grow: checked when they do (and at first)
         if (grew or self.left == 3 * self.S * self.m - 1) and self.stop is not None and self.meets(
-                self.stop, self.bound, self.max_peak, self.slack):
+                self.stop, max(self.bound, self.chain), self.max_peak, self.slack):
             raise _Abandoned
         if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
             self.warm_state = self.state(r)
             self.at_warm_end(self.warm_state)
         return end
+
+    def last_chain(self) -> float:
+        """A lower bound on the makespan from the last microbatch alone: its F and B down and up the stages
+        as early as their inputs and ranks (``free``) allow, then each rank's W after its B."""
+        j, t, free, placement = self.m - 1, self.t, self.free, self.placement
+        ends_f = []
+        ready = 0.0
+        for s in range(self.S):
+            if self.nf[s] > j:
+                end = self.end_f[s][j]
+            else:
+                if s:
+                    ready += self.f_delay[s]
+                end = max(free[placement[s]], ready) + t.f[s]
+            ends_f.append(end)
+            ready = end
+        most = 0.0
+        ready = ends_f[-1]
+        for s in range(self.S - 1, -1, -1):
+            r = placement[s]
+            if self.nb[s] > j:
+                end = self.end_b[s][j]
+            else:
+                if s < self.S - 1:
+                    ready += self.b_delay[s]
+                end = max(free[r], ready, ends_f[s]) + t.b[s]
+            ready = end
+            if self.first[r] >= 0:
+                most = max(most, end + t.w[s] - self.first[r])
+        return most
 
     def state(self, r: int) -> tuple:
         """Everything the rest of the run depends on, mid-decision of rank r at ``now``."""
