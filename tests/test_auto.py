@@ -236,6 +236,9 @@ def test_a_run_stops_once_it_cannot_win_and_a_run_whose_caps_never_bind_is_not_r
     twin = runs.run(replace(first.rules, fit_f=True))
     assert twin.actions == first.actions and twin.rules.fit_f and runs.rejoined == 1
     assert twin.actions == plan(v_placement(p), m, table, limits, twin.rules).actions  # as a run to the end
+    # the twin is remembered: asked again, with a fill_partial that changes no answer, it is not simulated
+    ran = runs.greedy_runs
+    assert runs.run(replace(twin.rules, fill_partial=True)).actions == twin.actions and runs.greedy_runs == ran
 
 
 def test_a_fill_partial_that_changed_no_answer_is_not_run_again_and_the_last_microbatch_bounds_the_span():

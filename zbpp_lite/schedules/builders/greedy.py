@@ -220,7 +220,8 @@ class Runs:
     Exact savings: a run whose caps answer every cap question of an earlier run alike, and whose
     ``fill_partial`` differs only where that run's never changed an answer, *is* that run; a run whose
     state at the end of the warm-up equals an earlier run's (rules equal outside the warm-up) ends with its
-    plan; with a :class:`Cutoff` a run stops (returns None) once it cannot win.
+    plan, and is remembered as a run of its own; with a :class:`Cutoff` a run stops (returns None) once it
+    cannot win.
     """
 
     def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
@@ -249,8 +250,11 @@ class Runs:
             result = None
         except _Rejoined as same:
             self.rejoined += 1
-            if same.record.plan is not None:
-                return replace(same.record.plan, rules=rules)
+            rec = same.record  # this run from here on: its own warm-up answers, then rec's
+            self.records.append(replace(rec, rules=rules, cap_yes=tuple(engine.cap_yes),
+                cap_no=tuple(engine.cap_no), fill_matters=rec.fill_matters or engine.fill_matters))
+            if rec.plan is not None:
+                return replace(rec.plan, rules=rules)
             return None  # the earlier run was abandoned under a cutoff this one meets too (_rejoin)
         self.records.append(
             _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no),
