@@ -236,6 +236,59 @@ def test_a_run_stops_once_it_cannot_win_and_a_run_whose_caps_never_bind_is_not_r
     twin = runs.run(replace(first.rules, fit_f=True))
     assert twin.actions == first.actions and twin.rules.fit_f and runs.rejoined == 1
     assert twin.actions == plan(v_placement(p), m, table, limits, twin.rules).actions  # as a run to the end
+    # the twin is remembered: asked again, with a fill_partial that changes no answer, it is not simulated
+    ran = runs.greedy_runs
+    assert runs.run(replace(twin.rules, fill_partial=True)).actions == twin.actions and runs.greedy_runs == ran
+
+
+def test_a_fill_partial_that_changed_no_answer_is_not_run_again_and_the_last_microbatch_bounds_the_span():
+    from dataclasses import replace
+
+    from zbpp_lite.schedules.builders.greedy import Cutoff, Runs, _Abandoned, _Greedy
+    from zbpp_lite.schedules.builders.zb_v import v_limits
+    from zbpp_lite.schedules.ir import v_placement
+
+    p, m, order = 8, 16, (("B", 1), ("B", 0), ("F", 1), ("F", 0))
+    # unit costs: no W ever meets a gap shorter than T_W, so fill_partial changes no answer
+    limits, table = v_limits("v-half", (p + 2) // 2, p, zb.Costs(), None)
+    runs = Runs(v_placement(p), m, table, limits)
+    first = runs.run(Rules(order=order))
+    again = runs.run(Rules(order=order, fill_partial=True))
+    assert again.actions == first.actions and runs.greedy_runs == 1 and not runs.records[0].fill_matters
+    assert again.actions == plan(v_placement(p), m, table, limits, again.rules).actions  # as a run to the end
+    # the paper's costs: there it does change answers, so the run is simulated
+    paper = zb.Costs(f=14.407, b=14.380, w=9.676, comm=1.610)
+    limits, table = v_limits("v-half", (p + 2) // 2, p, paper, None)
+    runs = Runs(v_placement(p), m, table, limits)
+    first = runs.run(Rules(order=order))
+    runs.run(Rules(order=order, fill_partial=True))
+    assert runs.records[0].fill_matters and runs.greedy_runs == 2
+
+    # last_chain (the last microbatch down and up the V, each B's W after it) never exceeds the span
+    # and reaches it at the end; a run that cannot win stops sooner with it than on the work bound alone
+    class Probe(_Greedy):
+        most = 0.0
+
+        def commit(self, *args):
+            end = super().commit(*args)
+            if self.nf[0] == self.m:
+                self.most = max(self.most, self.last_chain())
+            return end
+
+    slower = replace(first.rules, order=(("B", 0), ("B", 1), ("F", 1), ("F", 0)))
+    probe = Probe(v_placement(p), m, table, limits, slower)
+    done = probe.run()
+    assert probe.most == done.makespan > first.makespan
+    left = {}
+    for chain in (True, False):
+        engine = Probe(v_placement(p), m, table, limits, slower)
+        engine.stop = Cutoff.not_better(first)
+        if not chain:
+            engine.last_chain = lambda: 0.0
+        with pytest.raises(_Abandoned):
+            engine.run()
+        left[chain] = engine.left
+    assert left[True] > left[False]
 
 
 def replace_caps(rules, caps):

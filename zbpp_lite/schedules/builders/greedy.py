@@ -167,7 +167,8 @@ class Cutoff:
     """When a greedy run may stop: its (makespan, peak memory) cannot win (branch and bound, not in paper).
 
     Stops once the makespan is certain to exceed ``above``, or to be >= ``floor`` with peak memory >=
-    ``peak``. "Certain" uses a growing lower bound: per rank, span so far plus work left (rounding allowed).
+    ``peak``. "Certain" uses growing lower bounds: per rank, span so far plus work left (rounding allowed);
+    once the last microbatch has entered, :meth:`_Greedy.last_chain`.
     """
 
     above: float
@@ -200,7 +201,7 @@ class _Rejoined(Exception):
 @dataclass(frozen=True)
 class _Record:
     """One greedy run: its plan (None: abandoned), the largest-yes/smallest-no warm-up cap asked per rank,
-    and its lower bound and peak memory at the end."""
+    its lower bound and peak memory at the end, and whether ``Rules.fill_partial`` changed any answer."""
 
     rules: Rules
     plan: Plan | None
@@ -208,6 +209,7 @@ class _Record:
     cap_no: tuple[float, ...]
     bound: float
     peak: float
+    fill_matters: bool
     warm_end: tuple | None = None  # the run's whole state when its last rank left the warm-up
 
 
@@ -215,9 +217,11 @@ class Runs:
     """Greedy runs of one planning problem (placement, m, costs, limits), remembered; plans equal
     :func:`plan`'s.
 
-    Exact savings: a run whose caps answer every cap question of an earlier run alike *is* that run; a
-    run whose state at the end of the warm-up equals an earlier run's (rules equal outside the warm-up)
-    ends with its plan; with a :class:`Cutoff` a run stops (returns None) once it cannot win.
+    Exact savings: a run whose caps answer every cap question of an earlier run alike, and whose
+    ``fill_partial`` differs only where that run's never changed an answer, *is* that run; a run whose
+    state at the end of the warm-up equals an earlier run's (rules equal outside the warm-up) ends with its
+    plan, and is remembered as a run of its own; with a :class:`Cutoff` a run stops (returns None) once it
+    cannot win.
     """
 
     def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
@@ -246,20 +250,25 @@ class Runs:
             result = None
         except _Rejoined as same:
             self.rejoined += 1
-            if same.record.plan is not None:
-                return replace(same.record.plan, rules=rules)
+            rec = same.record  # this run from here on: its own warm-up answers, then rec's
+            self.records.append(replace(rec, rules=rules, cap_yes=tuple(engine.cap_yes),
+                cap_no=tuple(engine.cap_no), fill_matters=rec.fill_matters or engine.fill_matters))
+            if rec.plan is not None:
+                return replace(rec.plan, rules=rules)
             return None  # the earlier run was abandoned under a cutoff this one meets too (_rejoin)
         self.records.append(
-            _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no), engine.bound, engine.max_peak,
-                    engine.warm_state)
+            _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no),
+                    max(engine.bound, engine.chain), engine.max_peak, engine.fill_matters, engine.warm_state)
         )
         return result
 
     def _rejoin(self, rules: Rules, state: tuple, cutoff: Cutoff | None) -> None:
         """At the end of the warm-up: raise :class:`_Rejoined` if an earlier run with equal rules outside the
-        warm-up reached this state (and, if abandoned, this run's cutoff would stop it there too)."""
-        plain = replace(rules, fit_f=False, warmup_cap=None)
+        warm-up reached this state (and, if abandoned, this run's cutoff would stop it there too); as in
+        :func:`_same_run`, ``fill_partial`` counts only where it changed an answer of the earlier run."""
         for rec in self.records:
+            fill = rec.rules.fill_partial if not rec.fill_matters else rules.fill_partial
+            plain = replace(rules, fit_f=False, warmup_cap=None, fill_partial=fill)
             if rec.warm_end is None or replace(rec.rules, fit_f=False, warmup_cap=None) != plain:
                 continue
             if rec.warm_end == state and (
@@ -292,7 +301,8 @@ class Runs:
 
 def _same_run(rec: _Record, rules: Rules) -> bool:
     """Would ``rules`` make the same decisions as ``rec`` did (up to where ``rec`` ended)?"""
-    if replace(rules, warmup_cap=rec.rules.warmup_cap) != rec.rules:
+    fill = rec.rules.fill_partial if not rec.fill_matters else rules.fill_partial
+    if replace(rules, warmup_cap=rec.rules.warmup_cap, fill_partial=fill) != rec.rules:
         return False
     caps = rules.warmup_cap or (_INF,) * len(rec.cap_yes)
     return all(yes < cap <= no for yes, cap, no in zip(rec.cap_yes, caps, rec.cap_no, strict=True))
@@ -341,6 +351,11 @@ class _Greedy:
         self.rows: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]  # (kind, stage, microbatch)
         self.dur = {"F": table.f, "B": table.b, "W": table.w}
         self.comm = table.comm
+        # transfer time added to an input's arrival: from stage s-1 (F) or s+1 (B) when on another rank
+        self.f_delay = [table.comm[s - 1] if s and placement[s - 1] != placement[s] else 0.0
+            for s in range(S)]
+        self.b_delay = [table.comm[s + 1] if s + 1 < S and placement[s + 1] != placement[s] else 0.0
+            for s in range(S)]
         self.most_projected = max(self.work, default=0.0)  # max over ranks of work + bubble so far
         self.left = 3 * S * m
         self.heap: list[tuple[float, int, int]] = []
@@ -351,10 +366,12 @@ class _Greedy:
         self.slack = 0.0
         self.done = [0.0] * p
         self.bound = max(self.work, default=0.0)
+        self.chain = 0.0  # last_chain's largest, once the last microbatch has entered
         self.max_peak = 0.0
         # warm-up cap questions (Runs): per rank, the largest count answered yes and smallest answered no
         self.cap_yes = [-1] * p
         self.cap_no = [_INF] * p
+        self.fill_matters = False  # did fill_partial change a keep_filler answer (Runs)
         self.safe: list[dict[int, bool]] = [{} for _ in range(p)]  # stage -> safe_f of its next F, per rank
 
     # ------------------------------------------------------------------ bookkeeping
@@ -430,14 +447,49 @@ class _Greedy:
         if bound > self.bound:
             self.bound = bound
             grew = True
+        if self.stop is not None and self.nf[0] == self.m and self.left % self.S == 0:
+            chain = self.last_chain()  # once every stage's worth of actions, kept out of state()
+            if chain > self.chain:
+                self.chain = chain
+                grew = True
         # the cutoff only grows more certain as bound and peak grow: checked when they do (and at first)
         if (grew or self.left == 3 * self.S * self.m - 1) and self.stop is not None and self.meets(
-                self.stop, self.bound, self.max_peak, self.slack):
+                self.stop, max(self.bound, self.chain), self.max_peak, self.slack):
             raise _Abandoned
         if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
             self.warm_state = self.state(r)
             self.at_warm_end(self.warm_state)
         return end
+
+    def last_chain(self) -> float:
+        """A lower bound on the makespan from the last microbatch alone: its F and B down and up the stages
+        as early as their inputs and ranks (``free``) allow, then each rank's W after its B."""
+        j, t, free, placement = self.m - 1, self.t, self.free, self.placement
+        ends_f = []
+        ready = 0.0
+        for s in range(self.S):
+            if self.nf[s] > j:
+                end = self.end_f[s][j]
+            else:
+                if s:
+                    ready += self.f_delay[s]
+                end = max(free[placement[s]], ready) + t.f[s]
+            ends_f.append(end)
+            ready = end
+        most = 0.0
+        ready = ends_f[-1]
+        for s in range(self.S - 1, -1, -1):
+            r = placement[s]
+            if self.nb[s] > j:
+                end = self.end_b[s][j]
+            else:
+                if s < self.S - 1:
+                    ready += self.b_delay[s]
+                end = max(free[r], ready, ends_f[s]) + t.b[s]
+            ready = end
+            if self.first[r] >= 0:
+                most = max(most, end + t.w[s] - self.first[r])
+        return most
 
     def state(self, r: int) -> tuple:
         """Everything the rest of the run depends on, mid-decision of rank r at ``now``."""
@@ -619,11 +671,10 @@ class _Greedy:
         """A filler started at ``start`` would delay what just arrived after ``gap``: keep it?"""
         if kind == "F":
             return False  # fit_f: the warm-up F waits for what arrived
-        if self.rules.fill_partial:
-            return True
-        if self.rules.keep_gaps:
-            return False
-        return self.work[r] + self.bubble[r] + gap > self.most_projected + _EPS
+        grows = self.work[r] + self.bubble[r] + gap > self.most_projected + _EPS
+        if self.rules.keep_gaps or not grows:
+            self.fill_matters = True  # fill_partial's True differs from the answer without it
+        return self.rules.fill_partial or (not self.rules.keep_gaps and grows)
 
 
 def _better(a: Plan, b: Plan) -> bool:

@@ -53,7 +53,9 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
     runs = Runs(placement, m, table, limits)
     tries = [(shape, fit_f) for shape in CAP_SHAPES for fit_f in (False, True)]
     scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
-    for i in _try_order(tries, scored):
+    p = 1 + max(placement)
+    roomy = all(x + 1e-9 >= p * y for x, y in zip(limits, rank_stage_memory(placement, table)))
+    for i in _try_order(tries, scored, roomy):
         shape, fit_f = tries[i]
         caps = warmup_caps(shape, placement, table, limits)
         bar = _bar(scored.values(), caps, keep)
@@ -81,15 +83,21 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
     return improve(best, placement, m, table, limits)[0]
 
 
-def _try_order(tries: list, scored: dict):
-    """Indices of ``tries`` (shape, fit_f) in run order: no cap, the smallest caps, then slope by slope from
-    the better end as ``scored`` fills. Changes only how soon runs stop, not the plan."""
-    first = [tries.index((None, False)), tries.index((CAP_SHAPES[1], False))]
+def _try_order(tries: list, scored: dict, roomy: bool):
+    """Indices of ``tries`` (shape, fit_f) in run order: two probes, the smallest cap and a larger one (no cap
+    where the limit is ``roomy``: p whole-rank M_B, zb-v's default; else flat a = 0.625, and no cap next,
+    which where it loses then has a bar to stop at), then slope by slope from the better end as ``scored``
+    fills. Changes only how soon runs stop, not the plan."""
+    larger = (None, False) if roomy else ((0.625, 0.0), False)
+    first = [tries.index(larger), tries.index((CAP_SHAPES[1], False))]
     yield from first
     done = [scored[i][:2] for i in first if i in scored]
-    uncapped_better = len(done) < 2 or done[0] <= done[1]
+    larger_better = len(done) < 2 or done[0] <= done[1]
+    if not roomy:
+        first.append(tries.index((None, False)))
+        yield first[2]
     rest = [i for i in range(len(tries)) if i not in first]
-    sign = -1.0 if uncapped_better else 1.0
+    sign = -1.0 if larger_better else 1.0
     yield from sorted(rest, key=lambda i: (tries[i][0] is not None, (tries[i][0] or (0.0, 0.0))[1],
                                            sign * (tries[i][0] or (0.0, 0.0))[0], tries[i][1]))
 
