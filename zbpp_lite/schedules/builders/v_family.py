@@ -48,7 +48,7 @@ def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) 
     plan = search_v(placement, m, table, limits)  # its makespan is the simulated one (greedy.plan)
     block = Schedule(tight_v_block(p, m, table), placement, m, "v-min")
     best, best_span = plan.schedule(placement, m, "v-min"), plan.makespan
-    timeline = simulate(block, costs)
+    timeline = simulate(block, costs, check=False)  # complete by construction; a deadlock still raises
     fits = all(peak <= limit + 1e-9 for peak, limit in zip(timeline.peak_memory, limits))
     if fits and timeline.makespan < best_span - 1e-9 * max(1.0, best_span):
         best = block

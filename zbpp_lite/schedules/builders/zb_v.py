@@ -3,7 +3,8 @@
 Source: arXiv 2401.10241 section 6 (ZB-V) and arXiv 2405.15362 sections 3-4. Two stages per rank in the V
 placement (:func:`zbpp_lite.v_placement`), so rank 0 holds the first and last stage. The plan is the shared
 :mod:`~zbpp_lite.schedules.builders.greedy` engine with a staged search: warm-up caps, then the binary
-choices for the two best caps, plus four uncapped ``Rules.feed`` runs (48 runs, shortest wins), polished by
+choices for the two best caps, plus four uncapped ``Rules.feed`` runs (48 runs, shortest wins; fewer above
+:data:`NARROW_ABOVE` actions), polished by
 :func:`~zbpp_lite.schedules.builders.greedy.improve`.
 
 Memory unit: a whole rank's M_B (sum of its two stages' ``Costs.mem_b``); default limit p of them (1F1B's
@@ -30,6 +31,11 @@ CAP_SHAPES = (None,) + tuple((a, slope) for a in (0.5, 0.625, 0.75, 0.875, 1.0) 
 rank's memory limit in units of its chunk-0 stage's mem_b."""
 
 
+NARROW_ABOVE = 20_000
+"""Above this many actions (3 x stages x m) the search keeps one cap and tries flat caps only (slope 0), to
+plan p = 64, m = 128 in under 2 s; at p = 16 and 32 (unit and the paper's costs) it picks the same plans."""
+
+
 def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Sequence[float]):
     """The per-rank warm-up caps of one :data:`CAP_SHAPES` entry (None: no cap)."""
     if shape is None:
@@ -48,10 +54,14 @@ def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Seque
 def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float],
         keep: int = 2) -> Plan:
     """The staged search: caps (with and without the warm-up fit), then the binary choices and second
-    priority order for the ``keep`` best caps. Picks what the full search would; runs stop once they cannot
-    change the pick (:class:`Runs`), tried most promising first (:func:`_try_order`)."""
+    priority order for the ``keep`` best caps (above :data:`NARROW_ABOVE` actions: flat caps, the best one).
+    Picks what that search would; runs stop once they cannot change the pick (:class:`Runs`), tried most
+    promising first (:func:`_try_order`)."""
     runs = Runs(placement, m, table, limits)
-    tries = [(shape, fit_f) for shape in CAP_SHAPES for fit_f in (False, True)]
+    narrow = 3 * len(placement) * m > NARROW_ABOVE
+    keep = 1 if narrow else keep
+    shapes = [shape for shape in CAP_SHAPES if not narrow or shape is None or shape[1] == 0.0]
+    tries = [(shape, fit_f) for shape in shapes for fit_f in (False, True)]
     scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
     p = 1 + max(placement)
     roomy = all(x + 1e-9 >= p * y for x, y in zip(limits, rank_stage_memory(placement, table)))
