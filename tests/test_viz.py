@@ -442,3 +442,15 @@ def test_explorer_offers_dualpipe_v_with_a_t_fb_slider_and_its_refusal_below_2p(
     assert want.makespan == 44 and f"makespan {want.makespan:.4g}" in ex.figure.layout.title.text
     c["num_microbatches"].value = 7
     assert not ex.state.ok and "use m &gt;= 8" in ex.message.value  # HTML-escaped
+
+
+def test_explorer_adds_and_drops_the_chunk_note_as_the_schedule_changes():
+    from zbpp_lite.viz import Explorer
+
+    note = "lighter shade: a rank's later stage"
+    ex = Explorer("1f1b", num_ranks=4, num_microbatches=8)
+    assert not any(note in a.text for a in ex.figure.layout.annotations)
+    ex.controls["schedule"].value = "zb-v"  # two stages per rank: the note appears
+    assert [a.text for a in ex.figure.layout.annotations if note in a.text] and ex.figure.layout.margin.b == 70
+    ex.controls["schedule"].value = "zb-h1"  # one stage per rank again: the old note goes
+    assert not any(note in a.text for a in ex.figure.layout.annotations) and ex.figure.layout.margin.b == 45

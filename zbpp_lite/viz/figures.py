@@ -72,12 +72,14 @@ def several_stages(*timelines: Timeline) -> bool:
     return any(max(_chunk_index(t).values(), default=0) > 0 for t in timelines)
 
 
-def _add_chunk_note(fig: go.Figure, *timelines: Timeline) -> None:
-    if several_stages(*timelines):  # explain the lighter shades of later chunks
-        fig.add_annotation(text="lighter shade: a rank's later stage (its 2nd or later chunk, in an "
-                           "interleaved or V placement)", xref="paper", yref="paper", x=0.0, y=-0.02,
-                           yanchor="top", xanchor="left", showarrow=False, font={"size": 11, "color": "#555"})
-        fig.update_layout(margin={"b": 70})
+def _chunk_note(*timelines: Timeline) -> list[dict[str, Any]]:
+    """The annotation explaining the lighter shades of later chunks, where a rank of ``timelines`` holds
+    several stages; else none (so a redrawn figure loses an old note)."""
+    if not several_stages(*timelines):
+        return []
+    return [{"text": "lighter shade: a rank's later stage (its 2nd or later chunk, in an interleaved or V "
+             "placement)", "xref": "paper", "yref": "paper", "x": 0.0, "y": -0.02, "yanchor": "top",
+             "xanchor": "left", "showarrow": False, "font": {"size": 11, "color": "#555"}}]
 
 
 def timeline_traces(
@@ -172,13 +174,15 @@ def rank_axis(num_ranks: int) -> dict[str, Any]:
 def timeline_layout(
     timeline: Timeline, title: str | None = None, time_unit: str | None = None
 ) -> dict[str, Any]:
-    """Layout for :func:`timeline_traces`: ranks top to bottom, time axis, stats in the title."""
+    """Layout for :func:`timeline_traces`: ranks top to bottom, time axis, stats in the title, the chunk note
+    where a rank holds several stages."""
+    note = _chunk_note(timeline)
     return {
         "title": {"text": figure_title(timeline, title)},
         "barmode": "overlay",
         "bargap": 0.1,
         "height": 140 + 34 * timeline.num_ranks,
-        "margin": {"l": 70, "r": 20, "t": 60, "b": 45},
+        "margin": {"l": 70, "r": 20, "t": 60, "b": 70 if note else 45},
         "xaxis": {
             "title": {"text": f"time ({time_unit or time_unit_of(timeline)})"},
             "range": [0, max(end_time(timeline) - start_time(timeline), 1e-12)],
@@ -189,6 +193,7 @@ def timeline_layout(
         "uniformtext": {"minsize": 8, "mode": "hide"},
         "legend": {**LEGEND_TOP, "y": 1.0},
         "plot_bgcolor": "white",
+        "annotations": note,
     }
 
 
@@ -231,9 +236,7 @@ def timeline_figure(
     order, times from 0.
     """
     traces = timeline_traces(timeline, show_idle=show_idle, show_labels=show_labels)
-    fig = go.Figure(data=[go.Bar(t) for t in traces], layout=timeline_layout(timeline, title, time_unit))
-    _add_chunk_note(fig, timeline)
-    return fig
+    return go.Figure(data=[go.Bar(t) for t in traces], layout=timeline_layout(timeline, title, time_unit))
 
 
 def compare_figure(
@@ -260,7 +263,9 @@ def compare_figure(
     fig.update_xaxes(range=[0, max(span, 1e-12)])
     fig.update_layout(title={"text": f"{head}measured / planned makespan = {ratio:.3f}"},
                       height=220 + 2 * 34 * planned.num_ranks)
-    _add_chunk_note(fig, planned, measured)
+    for note in _chunk_note(planned, measured):
+        fig.add_annotation(note)
+        fig.update_layout(margin={"b": 70})
     return fig
 
 
