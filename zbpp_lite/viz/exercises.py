@@ -683,24 +683,29 @@ def weight_bytes(answer: Any) -> Verdict:
                          "(rows, b); bfloat16 is 2 bytes a number. The bias gradient needs dz only.")
 
 
+PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-v", 2))
+"""Exercise 8.3's runs (schedule, ranks) on :data:`BUILD_CASE`'s 4 stages: ZB-V's V placement (0, 1, 1, 0)
+catches a loop that sends to rank +- 1 instead of the rank ``placement`` names."""
+
+
 def pipeline_run(result: Any) -> Verdict:
-    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on 1F1B and
-    ZB-H1; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
+    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
+    :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
     "grad_error": float}}}``. Right when every rank ran its actions in order, one event each, each after
     its inputs ended, and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`."""
     hint = ("walk `actions` in order; F takes its input from the inbox (stage 0: the data), B its "
             "output gradient (last stage: 1/m); block_until_ready, record the Event, then device_put "
-            "the result into the next rank's inbox.")
+            "the result into the inbox of the rank `placement` names for the next (or previous) stage.")
     problem = _run_problem("8.3", result, "runs", "try_pipeline(rank_loop)", "rank_loop", "running it", hint)
     if problem is not None:
         return problem
     c = BUILD_CASE
     worst = 0.0
-    for name in ("1f1b", "zb-h1"):
+    for name, ranks in PIPELINE_RUNS:
         if name not in result["runs"]:
             return Verdict("8.3", False, f"no run of {name}.", hint)
         run = result["runs"][name]
-        why = _order_problem(build_schedule(name, c["ranks"], c["microbatches"]), run["timeline"])
+        why = _order_problem(build_schedule(name, ranks, c["microbatches"]), run["timeline"])
         if why:
             return Verdict("8.3", False, f"{name}: {why}", hint)
         error = float(run["grad_error"])
@@ -711,7 +716,7 @@ def pipeline_run(result: Any) -> Verdict:
                            "(stage, microbatch), and each stage add up its W's over all m microbatches.")
         worst = max(worst, error)
     return Verdict("8.3", True,
-                   "1F1B and ZB-H1 ran in their schedules' order on every rank, each action after its "
+                   "1F1B, ZB-H1 and ZB-V ran in their schedules' order on every rank, each action after its "
                    f"inputs; the gradients equal jax.grad's (largest relative difference {worst:.1e}).")
 
 
