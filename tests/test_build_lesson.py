@@ -119,6 +119,22 @@ def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(le
     assert lesson["placement"] == list(range(4))                           # try_pipeline put it back
 
 
+def test_a_loop_that_starts_the_clock_before_its_inputs_arrive_fails(lesson):
+    """The wait for an input is not part of the action: an event that starts before it is caught."""
+    _, solutions = _sections(jupytext.read(LESSON))
+    source = next(c for c in solutions if "def rank_loop" in c).split("verdict =")[0]
+    clock, first = "        start = time.perf_counter()\n", "        s, j = a.stage, a.microbatch\n"
+    wrong = source.replace(clock, "").replace(first, first + clock)
+    assert wrong.count(clock) == 1 and wrong.index(clock) < wrong.index("take(")
+    right = lesson["rank_loop"]
+    try:
+        exec(compile(wrong, "rank_loop_clock_first", "exec"), lesson)
+        verdict = ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
+    finally:
+        lesson["rank_loop"] = right
+    assert not verdict and "started before" in str(verdict), str(verdict)
+
+
 def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
     F, B, W = lesson["F"], lesson["B"], lesson["W"]
 
