@@ -101,6 +101,40 @@ def test_a_loop_that_ignores_the_schedule_order_fails(lesson):
     assert "the schedule says" in str(verdict), str(verdict)
 
 
+def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(lesson):
+    """Right on 1F1B and ZB-H1 (stage s on rank s); ZB-V's V keeps stages 1 and 2 on one rank."""
+    _, solutions = _sections(jupytext.read(LESSON))
+    source = next(c for c in solutions if "def rank_loop" in c)
+    wrong = source.replace("placement[s + 1]", "rank + 1").replace("placement[s - 1]", "rank - 1")
+    assert wrong.count("rank + 1") == 1 and wrong.count("rank - 1") == 1
+    right = lesson["rank_loop"]
+    try:
+        exec(compile(wrong.split("verdict =")[0], "rank_loop_to_neighbours", "exec"), lesson)
+        result = lesson["try_pipeline"](lesson["rank_loop"])
+    finally:
+        lesson["rank_loop"] = right
+    assert set(result["runs"]) == {"1f1b", "zb-h1"} and result["error"]   # fails only on ZB-V
+    verdict = ex.pipeline_run(result)
+    assert not verdict and verdict.hint and "placement" in verdict.hint, str(verdict)
+    assert lesson["placement"] == list(range(4))                           # try_pipeline put it back
+
+
+def test_a_loop_that_starts_the_clock_before_its_inputs_arrive_fails(lesson):
+    """The wait for an input is not part of the action: an event that starts before it is caught."""
+    _, solutions = _sections(jupytext.read(LESSON))
+    source = next(c for c in solutions if "def rank_loop" in c).split("verdict =")[0]
+    clock, first = "        start = time.perf_counter()\n", "        s, j = a.stage, a.microbatch\n"
+    wrong = source.replace(clock, "").replace(first, first + clock)
+    assert wrong.count(clock) == 1 and wrong.index(clock) < wrong.index("take(")
+    right = lesson["rank_loop"]
+    try:
+        exec(compile(wrong, "rank_loop_clock_first", "exec"), lesson)
+        verdict = ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
+    finally:
+        lesson["rank_loop"] = right
+    assert not verdict and "started before" in str(verdict), str(verdict)
+
+
 def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
     F, B, W = lesson["F"], lesson["B"], lesson["W"]
 

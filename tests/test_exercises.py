@@ -4,6 +4,7 @@ definitions, so each check's simulator-computed reference is tested against them
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -50,9 +51,35 @@ CASES = {
     "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
     "7.1": (1, 0),                                  # rank 1 idles 14; the slow rank 0 never idles (and
                                                     # 0 is the planted demo's idlest rank, copied)
-    "7.2": (5, 4),                                  # 1+1+1+1+2 = 6 = 2+2+2; 4 layers leave 8 on stage 1
-    "7.3": (lambda c: min(range(1, len(c)), key=lambda k: max(sum(c[:k]), sum(c[k:]))), lambda c: len(c) // 2),
+    "7.2": ((4, 2, 2), (5, 2, 1)),                  # 7, 8, 8; the wrong one fills stage 0 past 23/3: 11, 8, 4
+    "7.3": (lambda c, s: _best_cut(c, s),                 # the wrong one: equal layer counts, the rest last
+            lambda c, s: [len(c) // s] * (s - 1) + [len(c) - (s - 1) * (len(c) // s)]),
 }
+
+
+def _stage_totals(costs, counts):
+    ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+    return [sum(costs[a:b]) for a, b in zip([0, *ends], ends)]
+
+
+def _best_cut(costs, stages):
+    """Exercise 7.3 by hand: of every choice of stages - 1 cut places, the cheapest slowest stage."""
+    n = len(costs)
+    cuts = [[b - a for a, b in zip((0, *c), (*c, n))]
+            for c in itertools.combinations(range(1, n), stages - 1)]
+    return min(cuts, key=lambda counts: max(_stage_totals(costs, counts)))
+
+
+def _fill_to_share(costs, stages, at_least):
+    """A plausible wrong 7.3: fill each stage front to back up to (or just past) total / stages."""
+    share, counts, i = sum(costs) / stages, [], 0
+    for left in range(stages - 1, 0, -1):
+        k, total = 1, costs[i]
+        while i + k < len(costs) - left and (total < share if at_least else total + costs[i + k] <= share):
+            total, k = total + costs[i + k], k + 1
+        counts.append(k)
+        i += k
+    return [*counts, len(costs) - i]
 
 
 def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
@@ -145,6 +172,16 @@ def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
     for copied in (1, 2, 6):   # no interleaving; the lesson's v = 2; the most v, the smallest printed bubble
         assert not ex.interleaved_best_v(copied).ok
     assert not ex.interleaved_peak(lambda p, v, r: v * p + p - 1).ok           # rank 0's value on every rank
+
+
+def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_stage_answer():
+    assert _stage_totals(ex.LAYER_COSTS, (4, 2, 2)) == [7, 8, 8]
+    for at_least in (True, False):   # fill each stage up to a third of the total, or just past it
+        assert not ex.balanced_partition(tuple(_fill_to_share(ex.LAYER_COSTS, 3, at_least))).ok
+        assert not ex.best_split(lambda c, s, a=at_least: _fill_to_share(c, s, a)).ok
+    assert not ex.balanced_partition(5).ok and not ex.balanced_partition((4, 4)).ok   # the old 2-stage answer
+    assert not ex.best_split(lambda c, s: min(range(1, len(c)), key=lambda k: max(sum(c[:k]), sum(c[k:])))).ok
+    assert ex.balanced_partition([4, 2, 2]).ok and ex.best_split(_best_cut).ok   # a list is fine too
 
 
 def test_a_function_answer_that_raises_is_not_yet_with_the_error():

@@ -24,7 +24,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from ..analysis.rebalance import best_partition
 from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
@@ -453,56 +452,84 @@ def idlest_rank(answer: Any) -> Verdict:
                          "when does each start and end?")
 
 
-LAYER_COSTS = (1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0)
-"""Exercise 7.2's per-layer costs (T_F + T_B + T_W of each of 8 layers)."""
+LAYER_COSTS = (2.0, 1.0, 3.0, 1.0, 4.0, 4.0, 4.0, 4.0)
+"""Exercise 7.2's per-layer costs (T_F + T_B + T_W of each of 8 layers), cut into 3 contiguous stages."""
+
+SPLIT_CASES = ((LAYER_COSTS, 3), (LAYER_COSTS, 2), ((1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0), 3),
+               ((3.0, 1.0, 1.0, 1.0), 2), ((1.0, 1.0, 1.0, 5.0), 2), ((2.0, 1.0, 1.0, 2.0), 3),
+               ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0), 3), ((5.0, 1.0, 1.0, 1.0, 1.0, 1.0), 3),
+               ((3.0, 3.0, 2.0, 2.0, 2.0, 3.0, 3.0), 3), ((1.0, 2.0, 1.0), 1), ((4.0, 1.0, 2.0, 7.0), 4))
+"""Exercise 7.3's (per-layer costs, stages) cases: unequal costs, ties, one stage, one layer per stage."""
+
+
+def _slowest(costs: Sequence[float], counts: Sequence[int]) -> float:
+    """The largest stage total when ``costs`` is cut, front to back, into stages of ``counts`` layers."""
+    ends = list(itertools.accumulate(counts))
+    return max(sum(costs[a:b]) for a, b in zip([0, *ends], ends))
+
+
+def _fewest_slowest(costs: Sequence[float], stages: int) -> float:
+    """The smallest slowest stage over every contiguous cut (exhaustive: the lists are short)."""
+    n = len(costs)
+    return min(_slowest(costs, [b - a for a, b in zip((0, *cuts), (*cuts, n))])
+               for cuts in itertools.combinations(range(1, n), stages - 1))
+
+
+def _split_problem(costs: Sequence[float], stages: int, counts: Any) -> str:
+    """Why ``counts`` is not an optimal cut of ``costs`` into ``stages`` contiguous stages, or ""."""
+    try:
+        whole = [int(k) for k in counts if _as_number(k) is not None and _as_number(k).is_integer()]
+    except TypeError:
+        whole = []
+    if len(whole) != stages or len(whole) != len(counts) or min(whole) < 1 or sum(whole) != len(costs):
+        return (f"on {list(costs)}, {stages} stage(s): expected {stages} whole layer counts >= 1 adding up "
+                f"to {len(costs)}, got {counts!r}.")
+    slower, best = _slowest(costs, whole), _fewest_slowest(costs, stages)
+    if slower > best + 1e-9:
+        return (f"on {list(costs)}, {stages} stage(s): your cut {whole} leaves a stage of {slower:g}; "
+                f"{best:g} is possible.")
+    return ""
 
 
 def balanced_partition(answer: Any) -> Verdict:
-    """Exercise 7.2: how many of :data:`LAYER_COSTS`' 8 layers go on stage 0 of 2 to minimise the slowest."""
-
-    best = best_partition(list(LAYER_COSTS), 2)
-    hint = "add layer costs from the front until stage 0 holds half of the total, 12."
-    value = None if _unanswered(answer) else _as_number(answer)
-    if value is None or not value.is_integer() or not 1 <= value <= len(LAYER_COSTS) - 1:
-        return _number_check("7.2", None if _unanswered(answer) else answer, len(best[0]),
-                             "the layers on stage 0", hint)
-    k = int(value)
-    slowest = max(sum(LAYER_COSTS[:k]), sum(LAYER_COSTS[k:]))
-    optimum = max(sum(LAYER_COSTS[i] for i in part) for part in best)
-    if slowest <= optimum + 1e-9:
-        return Verdict("7.2", True, f"{k} layers on stage 0: both stages cost {optimum:g}.")
-    return Verdict("7.2", False,
-                   f"with {k} layers on stage 0 the slower stage costs {slowest:g}; {optimum:g} is possible.",
-                   hint)
+    """Exercise 7.2: the layers per stage, front to back, cutting :data:`LAYER_COSTS` into 3 contiguous stages
+    so that the slowest is as fast as possible (any optimal cut is right)."""
+    hint = ("no cut beats the larger of the costliest layer and a third of the total; start from that "
+            "bound, see which stage breaks it, and raise it to the next stage total reachable.")
+    if _unanswered(answer):
+        return Verdict("7.2", False, "no answer yet: write the three layer counts.", hint)
+    if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence):
+        return Verdict("7.2", False, f"expected three layer counts such as (3, 3, 2), got {answer!r}.", hint)
+    why = _split_problem(LAYER_COSTS, 3, answer)
+    if why:
+        return Verdict("7.2", False, why, hint)
+    slowest = _slowest(LAYER_COSTS, answer)
+    return Verdict("7.2", True, f"{tuple(answer)}: the slowest stage costs {slowest:g}, "
+                                "the least any contiguous cut into 3 allows.")
 
 
 def best_split(fn: Any) -> Verdict:
-    """Exercise 7.3: ``best_split(costs)``, the front layers on stage 0 of a two-stage contiguous cut that
-    minimises the slower stage (any optimum is right)."""
-    lists = [LAYER_COSTS, (3.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 5.0), (2.0, 2.0),
-             (1.0, 2.0, 3.0, 4.0, 5.0, 6.0), (5.0, 1.0, 1.0, 1.0, 1.0, 1.0)]
-    hint = "try every cut k = 1 .. len(costs)-1 and keep the one whose slower stage is cheapest."
+    """Exercise 7.3: ``best_split(costs, stages)``, the layers per stage, front to back, of a contiguous cut
+    into ``stages`` stages that minimises the slowest (any optimum is right); checked on
+    :data:`SPLIT_CASES`."""
+    hint = ("one cut is a choice of stages - 1 places among len(costs) - 1 (itertools.combinations); "
+            "or, faster: the best cut's slowest stage is the smallest limit for which filling each stage "
+            "greedily up to the limit needs at most `stages` stages (then split further).")
     if _unanswered(fn):
         return Verdict("7.3", False, "no answer yet: write the function.", hint)
     if not callable(fn):
         return Verdict("7.3", False, f"expected a function, got {fn!r}.", hint)
-    for costs in lists:
-        best = min(max(sum(costs[:k]), sum(costs[k:])) for k in range(1, len(costs)))
+    for costs, stages in SPLIT_CASES:
         try:
-            k = fn(list(costs))
+            counts = fn(list(costs), stages)
         except Exception as e:  # noqa: BLE001  (the learner's code)
             return Verdict("7.3", False,
-                           f"your function raised {type(e).__name__} on {list(costs)}: {e}", hint)
-        value = _as_number(k)
-        if value is None or not value.is_integer() or not 1 <= value <= len(costs) - 1:
-            return Verdict("7.3", False, f"on {list(costs)} expected a whole number of layers between 1 and "
-                                         f"{len(costs) - 1}, got {k!r}.", hint)
-        slower = max(sum(costs[: int(value)]), sum(costs[int(value):]))
-        if slower > best + 1e-9:
-            return Verdict("7.3", False,
-                           f"on {list(costs)} your cut leaves a stage of {slower:g}; {best:g} is possible.",
-                           hint)
-    return Verdict("7.3", True, f"best_split is optimal on all {len(lists)} lists checked.")
+                           f"your function raised {type(e).__name__} on {list(costs)}, {stages}: {e}", hint)
+        why = _split_problem(costs, stages, counts if isinstance(counts, Sequence) else [counts])
+        if why:
+            return Verdict("7.3", False, why, hint)
+    return Verdict("7.3", True, f"best_split is optimal on all {len(SPLIT_CASES)} cases checked "
+                                "(ties, one stage, one layer per stage included).")
 
 
 def _line_figure(x: list, y: list, title: str, x_title: str, y_title: str = "bubble rate"):
@@ -656,24 +683,29 @@ def weight_bytes(answer: Any) -> Verdict:
                          "(rows, b); bfloat16 is 2 bytes a number. The bias gradient needs dz only.")
 
 
+PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-v", 2))
+"""Exercise 8.3's runs (schedule, ranks) on :data:`BUILD_CASE`'s 4 stages: ZB-V's V placement (0, 1, 1, 0)
+catches a loop that sends to rank +- 1 instead of the rank ``placement`` names."""
+
+
 def pipeline_run(result: Any) -> Verdict:
-    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on 1F1B and
-    ZB-H1; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
+    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
+    :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
     "grad_error": float}}}``. Right when every rank ran its actions in order, one event each, each after
     its inputs ended, and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`."""
     hint = ("walk `actions` in order; F takes its input from the inbox (stage 0: the data), B its "
             "output gradient (last stage: 1/m); block_until_ready, record the Event, then device_put "
-            "the result into the next rank's inbox.")
+            "the result into the inbox of the rank `placement` names for the next (or previous) stage.")
     problem = _run_problem("8.3", result, "runs", "try_pipeline(rank_loop)", "rank_loop", "running it", hint)
     if problem is not None:
         return problem
     c = BUILD_CASE
     worst = 0.0
-    for name in ("1f1b", "zb-h1"):
+    for name, ranks in PIPELINE_RUNS:
         if name not in result["runs"]:
             return Verdict("8.3", False, f"no run of {name}.", hint)
         run = result["runs"][name]
-        why = _order_problem(build_schedule(name, c["ranks"], c["microbatches"]), run["timeline"])
+        why = _order_problem(build_schedule(name, ranks, c["microbatches"]), run["timeline"])
         if why:
             return Verdict("8.3", False, f"{name}: {why}", hint)
         error = float(run["grad_error"])
@@ -684,7 +716,7 @@ def pipeline_run(result: Any) -> Verdict:
                            "(stage, microbatch), and each stage add up its W's over all m microbatches.")
         worst = max(worst, error)
     return Verdict("8.3", True,
-                   "1F1B and ZB-H1 ran in their schedules' order on every rank, each action after its "
+                   "1F1B, ZB-H1 and ZB-V ran in their schedules' order on every rank, each action after its "
                    f"inputs; the gradients equal jax.grad's (largest relative difference {worst:.1e}).")
 
 
