@@ -27,8 +27,9 @@ CASES = {
     "2.1": (lambda n, w: n * (sum(w[:-1]) + sum(w[1:])),
             lambda n, w: n * (w[0] + w[1] + w[1] + w[2])),   # lesson 2's two-layer x, a, dh, dy, copied
     "2.2": (lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
-                          + sum(2 * n * a * b for a, b in zip(w[1:], w[2:]))),
-            lambda n, w: 2 * sum(2 * n * a * b for a, b in zip(w, w[1:]))),   # recomputes dx's product too
+                          + sum(2 * n * w[k + 1] * w[k + 2] for k in range(1, len(w) - 2, 2))),
+            lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
+                          + sum(2 * n * a * b for a, b in zip(w[1:], w[2:])))),   # rebuilds every one
     "2.3": (0.36, 1.0),                             # (64*16 + 16*8) / (32*64 + 64*16 + 16*8); 1.0 makes dx too
     "3.1": ((2 + 4 - 1) * 3 + 0.5, 2 * 3.5 + 3 * 2.5),   # (m+p-1)(f+b) + w; wrong: plugs into (p-1)(f+b-w)
     "3.2": (lambda p, m, r, mw: min(2 * (p - r) - 1, m) + min(2 * r, max(0, m - 2 * (p - r) + 1)) * mw,

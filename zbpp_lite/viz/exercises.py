@@ -231,19 +231,19 @@ def w_held_floats(fn: Any) -> Verdict:
 
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
-    """Exercise 2.2: ``w_flops_recompute(n, widths)``, W's matmul flops on 2.1's stack when B keeps no output
-    gradients, so W rebuilds them from the stage's output gradient (activation derivative not counted);
-    (r, k) @ (k, c) counts 2 r k c."""
+    """Exercise 2.2: ``w_flops_recompute(n, widths)``, W's matmul flops on 2.1's stack when B keeps the
+    output gradients of the even layers (0, 2, ...) only, so W rebuilds each odd layer's from the one
+    after it (activation derivative not counted); (r, k) @ (k, c) counts 2 r k c."""
 
     def recompute(n, w):
-        back = [_matmul(n, b, a) for a, b in itertools.pairwise(w)][1:]  # dz_{l+1} @ W_{l+1}.T; not dx
+        layers = len(w) - 1
+        back = [_matmul(n, w[k + 2], w[k + 1]) for k in range(1, layers - 1, 2)]  # dz_{l+1} @ W_{l+1}.T
         return sum(_layer_products(n, w)) + sum(back)
 
     return _widths_check("2.2", fn, recompute, "w_flops_recompute(n, widths)",
-                         "the last layer's output gradient arrives from the next stage; every other one "
-                         "costs one product dz_{l+1} @ W_{l+1}.T, "
-                         "(n, widths[l+2]) @ (widths[l+2], widths[l+1]); "
-                         "nobody needs dx here.")
+                         "an odd layer's output gradient costs one product dz_{l+1} @ W_{l+1}.T, "
+                         "(n, widths[l+2]) @ (widths[l+2], widths[l+1]), from the kept one after it; "
+                         "but the last layer's arrives from the next stage, whatever its parity.")
 
 
 def first_stage_b_ratio(answer: Any) -> Verdict:
