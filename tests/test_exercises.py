@@ -21,16 +21,17 @@ ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"],   #
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
-    "1.2": (12, 11),                                # (m+3)(3+144/m) = 3m + 153 + 432/m: least at m = 12
+    "1.2": (9 / 8, 12),                             # 33(c + 6) = 57(c + 3) at c = 9/8; 12: the old best m
     "1.3": (LEAN, ONE_F_ONE_B_3x4),                 # 1F1B itself is valid but holds too much
     "1.4": (lambda p, m, r, f, bw: (min(p, r + m) - 1) * f,
             lambda p, m, r, f, bw: (p - 1) * f),    # the wrong one forgets m < p
     "2.1": (lambda n, w: n * (sum(w[:-1]) + sum(w[1:])),
             lambda n, w: n * (w[0] + w[1] + w[1] + w[2])),   # lesson 2's two-layer x, a, dh, dy, copied
     "2.2": (lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
-                          + sum(2 * n * a * b for a, b in zip(w[1:], w[2:]))),
-            lambda n, w: 2 * sum(2 * n * a * b for a, b in zip(w, w[1:]))),   # recomputes dx's product too
-    "2.3": (0.5, 1.0),                              # dy @ W2.T only; 1.0 is a B that also makes dx
+                          + sum(2 * n * w[k + 1] * w[k + 2] for k in range(1, len(w) - 2, 2))),
+            lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
+                          + sum(2 * n * a * b for a, b in zip(w[1:], w[2:])))),   # rebuilds every one
+    "2.3": (0.36, 1.0),                             # (64*16 + 16*8) / (32*64 + 64*16 + 16*8); 1.0 makes dx too
     "3.1": ((2 + 4 - 1) * 3 + 0.5, 2 * 3.5 + 3 * 2.5),   # (m+p-1)(f+b) + w; wrong: plugs into (p-1)(f+b-w)
     "3.2": (lambda p, m, r, mw: min(2 * (p - r) - 1, m) + min(2 * r, max(0, m - 2 * (p - r) + 1)) * mw,
             lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # the m >= 2p pattern, copied
@@ -133,6 +134,8 @@ def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_f
     assert not ex.w_flops_without_kept_gradients(equal_width).ok
     assert not ex.w_held_floats(lambda n, w: (len(w) - 1) * 2 * n * w[0]).ok      # the equal-width form
     assert not ex.w_held_floats(lambda n, w: n * sum(w)).ok                        # each width once
+    for copied in (0.5, 2 / 3):   # the old two-layer MLP's 1/2; "drops one of three products"
+        assert not ex.first_stage_b_ratio(copied).ok
 
 
 def test_the_lesson_3_checks_reject_the_printed_forms():
@@ -143,12 +146,16 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
     assert not ex.zb_h1_makespan(2 * 3.5 + 3 * 2).ok                                    # (p-1)T_B
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (f + b - 2 * w)).ok      # the printed form
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, b)).ok    # ZB-H1's bubble
+    assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f)).ok   # no floor at 0
 
 
-def test_the_lesson_1_batch_split_rejects_the_bubble_rate_plug_in_and_the_largest_m():
+def test_the_lesson_1_batch_split_rejects_the_old_answers_and_the_old_price():
     assert not ex.batch_split(28).ok                # the old 1.2: 3/(m+3) < 0.1 plugged in
     assert not ex.batch_split(64).ok                # as many microbatches as allowed
     assert not ex.batch_split(65).ok and not ex.batch_split(0).ok
+    assert not ex.batch_split(1).ok and not ex.batch_split(12).ok   # the old price c = 1; its best m
+    assert not ex.batch_split(27 / 8).ok            # 24c = 27 misread as 8c = 27
+    assert ex.batch_split(1.125).ok
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():

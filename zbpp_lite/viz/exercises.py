@@ -191,6 +191,8 @@ def peak_memory_1f1b(fn: Any) -> Verdict:
 # ------------------------------------------------------------------ lesson 2: the backward split
 
 MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
+FIRST_STAGE_WIDTHS = (32, 64, 16, 8)
+"""Exercise 2.3's first stage: three layers ``z_l = a_l @ W_l`` of these widths (2.1's convention)."""
 """The two-layer MLP of notebook 02: 16 tokens, x (16, 32) @ W1 (32, 64), then (16, 64) @ W2 (64, 32)."""
 
 
@@ -228,30 +230,31 @@ def w_held_floats(fn: Any) -> Verdict:
 
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
-    """Exercise 2.2: ``w_flops_recompute(n, widths)``, W's matmul flops on 2.1's stack when B keeps no output
-    gradients, so W rebuilds them from the stage's output gradient (activation derivative not counted);
-    (r, k) @ (k, c) counts 2 r k c."""
+    """Exercise 2.2: ``w_flops_recompute(n, widths)``, W's matmul flops on 2.1's stack when B keeps the
+    output gradients of the even layers (0, 2, ...) only, so W rebuilds each odd layer's from the one
+    after it (activation derivative not counted); (r, k) @ (k, c) counts 2 r k c."""
 
     def recompute(n, w):
-        back = [_matmul(n, b, a) for a, b in itertools.pairwise(w)][1:]  # dz_{l+1} @ W_{l+1}.T; not dx
+        layers = len(w) - 1
+        back = [_matmul(n, w[k + 2], w[k + 1]) for k in range(1, layers - 1, 2)]  # dz_{l+1} @ W_{l+1}.T
         return sum(_layer_products(n, w)) + sum(back)
 
     return _widths_check("2.2", fn, recompute, "w_flops_recompute(n, widths)",
-                         "the last layer's output gradient arrives from the next stage; every other one "
-                         "costs one product dz_{l+1} @ W_{l+1}.T, "
-                         "(n, widths[l+2]) @ (widths[l+2], widths[l+1]); "
-                         "nobody needs dx here.")
+                         "an odd layer's output gradient costs one product dz_{l+1} @ W_{l+1}.T, "
+                         "(n, widths[l+2]) @ (widths[l+2], widths[l+1]), from the kept one after it; "
+                         "but the last layer's arrives from the next stage, whatever its parity.")
 
 
 def first_stage_b_ratio(answer: Any) -> Verdict:
-    """Exercise 2.3: on the *first* stage (no dx needed), B's matmul flops over F's of the two-layer MLP;
-    predicted."""
-    n, (d0, d1, d2) = MLP_TOKENS, MLP_WIDTHS
-    f = _matmul(n, d0, d1) + _matmul(n, d1, d2)
-    b = _matmul(n, d2, d1)  # da = dy @ W2.T; dh @ W1.T (dx) is skipped
+    """Exercise 2.3: on the *first* stage (no dx needed), B's matmul flops over F's for the stack
+    :data:`FIRST_STAGE_WIDTHS` on :data:`MLP_TOKENS` tokens; predicted."""
+    n, w = MLP_TOKENS, FIRST_STAGE_WIDTHS
+    f = sum(_matmul(n, a, b) for a, b in itertools.pairwise(w))
+    b = sum(_matmul(n, b, a) for a, b in itertools.pairwise(w[1:]))  # dz_{l+1} @ W_{l+1}.T; no dx
     return _number_check("2.3", answer, b / f, "B's matmul flops over F's on the first stage",
-                         "B must still produce dh for W (dy @ W2.T); "
-                         "only dx = dh @ W1.T has no reader on the first stage.")
+                         "B must still make every layer's output gradient for W, each one product "
+                         "dz_{l+1} @ W_{l+1}.T; only dx = dz_0 @ W_0.T has no reader on the first stage. "
+                         "Which of F's products has no counterpart in B?")
 
 
 # ------------------------------------------------------------------ lesson 3: ZB-H1 and ZB-H2
@@ -766,35 +769,33 @@ def zb_h1_peak(answer: Any) -> Verdict:
 
 # ------------------------------------------------------------------ reworked exercises 1.2 and 3.3
 
-BATCH_SPLIT = dict(num_ranks=4, max_microbatches=64, overhead=1.0, batch_work=48.0)
-"""Exercise 1.2's case: 1F1B on 4 ranks; one step's batch cut into m microbatches (1 .. 64); each
-F, B and W costs ``overhead`` + ``batch_work`` / m (a fixed cost per action plus the action's share
-of the batch), so T_F = 1 + 48/m and a fused T_BW = 2 + 96/m; T_comm = 0."""
+BATCH_SPLIT = dict(num_ranks=4, batch_work=48.0, splits=(8, 16))
+"""Exercise 1.2's case: 1F1B on 4 ranks; one step's batch cut into m microbatches; each F, B and W
+costs c + ``batch_work`` / m (a fixed price c per action plus the action's share of the batch), so
+T_F = c + 48/m and a fused T_BW = 2c + 96/m; T_comm = 0. The question: the c at which the two
+``splits`` tie."""
 
 
-def _batch_split_makespans() -> dict[int, float]:
+def _batch_split_span(m: int, price: float) -> float:
     c = BATCH_SPLIT
-    each = {m: c["overhead"] + c["batch_work"] / m for m in range(1, c["max_microbatches"] + 1)}
-    return {m: simulate(build_schedule("1f1b", c["num_ranks"], m), Costs(f=t, b=t, w=t)).makespan
-            for m, t in each.items()}
+    t = price + c["batch_work"] / m
+    return simulate(build_schedule("1f1b", c["num_ranks"], m), Costs(f=t, b=t, w=t)).makespan
 
 
 def batch_split(answer: Any) -> Verdict:
-    """Exercise 1.2: the m (1 .. 64) that gives 1F1B the shortest makespan on :data:`BATCH_SPLIT`,
-    where more microbatches shrink the bubble but each action pays a fixed overhead."""
-    hint = ("write the makespan as a function of m: (m+p-1)(T_F+T_BW) with T_F and T_BW depending on m; "
-            "more microbatches shrink the warm-up's share but add an overhead per action: minimise.")
-    spans = _batch_split_makespans()
-    if _unanswered(answer) or _as_number(answer) is None or not float(_as_number(answer)).is_integer():
-        return _number_check("1.2", None if _unanswered(answer) else answer, -1, "the best m", hint)
-    m = int(_as_number(answer))
-    if m not in spans:
-        return Verdict("1.2", False, f"m = {m} is not a number of microbatches from 1 to 64.", hint)
-    best = min(spans, key=spans.get)
-    if m != best:
-        return Verdict("1.2", False, f"at m = {m} the makespan is {spans[m]:g}; another m does better.", hint)
-    return Verdict("1.2", True, f"m = {m}: makespan {spans[m]:g}; m = {m - 1} gives {spans[m - 1]:g}, "
-                                f"m = {m + 1} gives {spans[m + 1]:g}.")
+    """Exercise 1.2 (an inverse question): the fixed price c per action at which 1F1B on
+    :data:`BATCH_SPLIT` takes as long with m = 8 as with m = 16; the makespans are linear in c, so
+    the reference solves the two simulations at c = 0 and c = 1 for their crossing."""
+    small, large = BATCH_SPLIT["splits"]
+    slope = {m: _batch_split_span(m, 1.0) - _batch_split_span(m, 0.0) for m in (small, large)}
+    tie = (_batch_split_span(small, 0.0) - _batch_split_span(large, 0.0)) / (slope[large] - slope[small])
+    verdict = _number_check("1.2", answer, tie, f"the price at which m = {small} and m = {large} tie",
+                            "write the makespan (m+p-1)(T_F+T_BW) with T_F and T_BW as functions of c "
+                            "and m, once for each m, and set the two equal.")
+    if verdict.ok:
+        verdict = Verdict("1.2", True, f"{verdict.message} Both take {_batch_split_span(small, tie):g}; "
+                                       f"a smaller price favours m = {large}, a larger one m = {small}.")
+    return verdict
 
 
 def zb_h2_bubble(fn: Any) -> Verdict:
