@@ -337,7 +337,7 @@ def bubble_floor_limit(answer: Any) -> Verdict:
     :data:`AUTO_CASE` reaches its floor over :data:`AUTO_LIMITS`; predicted."""
     rates = _auto_rates()
     expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
-    return _number_check("4.2", answer, expected, "the limit where the bubble stops falling",
+    return _number_check("4.2", answer, expected, "the limit where the bubble first reaches its floor",
                          "a larger limit lets rank 0 start more forwards before its first B; how many can it "
                          "start before that B could possibly arrive, the round trip being ZB-H2's warm-up?")
 
