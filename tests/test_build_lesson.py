@@ -162,6 +162,27 @@ def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
     assert not verdict and "ran the stage's layers again" in str(verdict), str(verdict)
 
 
+def test_a_b_that_also_computes_the_weight_gradients_fails(lesson):
+    import jax
+
+    stage_apply, zero_probes = lesson["stage_apply"], lesson["zero_probes"]
+
+    def F_all(s, x, target=None):  # pullback with respect to the parameters too: B does W's products
+        f = lambda layers, x, probes: stage_apply(layers, x, probes, target)  # noqa: E731
+        y, pullback, _ = jax.vjp(f, lesson["stage_params"][s], x, zero_probes(s, x), has_aux=True)
+        return y, pullback
+
+    def B_all(saved, dy):
+        dlayers, dx, _ = saved(dy)
+        return dx, dlayers
+
+    def W_stashed(kept):  # returns what B already computed
+        return [tuple(pair) for pair in kept]
+
+    verdict = ex.stage_split(lesson["try_stage"](F_all, B_all, W_stashed))
+    assert not verdict and "computes the weight gradients too" in str(verdict), str(verdict)
+
+
 def test_wrong_predictions_fail():
     assert not ex.weight_bytes(2 * 2 * 64 * 256 * 4)   # the lesson's float32 middle stage, copied
     assert not ex.weight_bytes(2 * 2 * 64 * 256 * 2)   # its equal-width form in bfloat16

@@ -639,7 +639,8 @@ def stage_split(result: Any) -> Verdict:
 
     ``result`` is notebook 08's ``try_stage(F, B, W)``: ``{"error": None or text, "cases": [...]}``, per
     tried stage a dict of NumPy arrays ``y``/``ref_y``, ``dx``/``ref_dx`` (None for stage 0),
-    ``grads``/``ref_grads`` (flat, layer order; refs from ``jax.vjp``) and ``recomputed`` (B or W reran F).
+    ``grads``/``ref_grads`` (flat, layer order; refs from ``jax.vjp``), ``recomputed`` (B or W reran F) and
+    ``b_flops``/``ref_b_flops`` (XLA's flops of B and of the input-gradient pullback; None: not counted).
     """
     hint = ("F: jax.vjp of the stage with respect to its input and the zero probes, keep the pullback and "
             "the layer inputs; B: call the pullback on dy; W: x.T @ dz and dz.sum(0) per layer.")
@@ -655,6 +656,11 @@ def stage_split(result: Any) -> Verdict:
             return Verdict("8.1", False, f"on stage {s}, B or W ran the stage's layers again.",
                            "F keeps the pullback jax.vjp returned; "
                            "B only calls it, W only multiplies what F and B kept.")
+        extra = (case.get("b_flops") or 0.0) / (case.get("ref_b_flops") or float("inf"))
+        if extra > 1.5:
+            return Verdict("8.1", False, f"on stage {s}, B did {extra:.1f}x the flops of the input gradient "
+                           "alone: it computes the weight gradients too.",
+                           "take jax.vjp with respect to x and the probes only; dW and db are W's work.")
         if _rel_diff(case["y"], case["ref_y"]) > BUILD_TOLERANCE:
             return Verdict("8.1", False, f"F's output on stage {s} is not the stage's output.", hint)
         if case["ref_dx"] is not None and _rel_diff(case["dx"], case["ref_dx"]) > BUILD_TOLERANCE:
