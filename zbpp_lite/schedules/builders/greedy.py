@@ -514,7 +514,7 @@ class _Greedy:
     def candidates(self, r: int) -> list[tuple[int, float, str, int, int]]:
         """(priority, arrival, kind, stage, microbatch) of the rank's next ready F and B (F only if safe)."""
         out = []
-        S, placement, comm, nf, end_f = self.S, self.placement, self.comm, self.nf, self.end_f
+        S, placement, nf, end_f = self.S, self.placement, self.nf, self.end_f
         safe = self.safe[r]
         for s in self.stages[r]:
             j = nf[s]
@@ -523,7 +523,7 @@ class _Greedy:
                     arr = 0.0
                 else:
                     e = end_f[s - 1][j]
-                    arr = -1.0 if e < 0 else e + comm[s - 1] if placement[s - 1] != r else e
+                    arr = -1.0 if e < 0 else e + self.f_delay[s]
                 ok = arr >= 0 and safe.get(s)
                 if ok is None:
                     ok = safe[s] = self.safe_f(r, s, j)
@@ -538,8 +538,7 @@ class _Greedy:
                     e = self.end_b[s + 1][j]
                     if e < 0:
                         continue
-                    if placement[s + 1] != r:
-                        e += comm[s + 1]
+                    e += self.b_delay[s]
                     arr = end_f[s][j]
                     if e > arr:
                         arr = e
