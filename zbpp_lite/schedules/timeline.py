@@ -132,19 +132,26 @@ class Timeline:
         """Per rank: total idle time inside its span."""
         return tuple(sum(b - a for a, b in g) for g in self.idle_gaps)
 
-    def memory_curve(self, rank: int, costs: Costs | CostTable | None = None) -> list[tuple[float, float]]:
-        """(time, activation memory) steps for one rank, rising at an F's start, falling at a backward's end;
-        ``costs`` defaults to ``memory_costs`` (else ``Costs()``)."""
+    def memory_changes(
+        self, rank: int, costs: Costs | CostTable | None = None
+    ) -> list[tuple[float, float, int]]:
+        """(time, change of activation memory, stage) for one rank in time order (frees first on a tie):
+        rising at an F's start, falling at a backward's end; ``costs`` defaults to ``memory_costs`` (else
+        ``Costs()``)."""
         stages = 1 + max((e.action.stage for e in self.events), default=0)
         costs = costs or self.memory_costs or Costs()
         table = costs.table(stages) if isinstance(costs, Costs) else costs
         changes = []
         for e in self.rank_events(rank):
             delta = table.memory_delta(e.action.kind, e.action.stage)
-            changes.append((e.start if delta > 0 else e.end, delta))
+            changes.append((e.start if delta > 0 else e.end, delta, e.action.stage))
         changes.sort(key=lambda c: (c[0], c[1]))
+        return changes
+
+    def memory_curve(self, rank: int, costs: Costs | CostTable | None = None) -> list[tuple[float, float]]:
+        """(time, activation memory) steps for one rank (:meth:`memory_changes` summed)."""
         mem, curve = 0.0, [(0.0, 0.0)]
-        for t, d in changes:
+        for t, d, _ in self.memory_changes(rank, costs):
             mem += d
             curve.append((t, mem))
         return curve

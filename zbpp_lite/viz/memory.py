@@ -113,15 +113,9 @@ def memory_by_stage(timeline: Timeline, costs: Costs | CostTable | None = None) 
     ``costs`` give M_B, M_W per stage (default ``Costs()``); with the costs the timeline was simulated
     with, a rank's values sum to ``timeline.peak_memory[rank]``.
     """
-    stages = 1 + max((e.action.stage for e in timeline.events), default=0)
-    table = costs.table(stages) if isinstance(costs, Costs) else (costs or Costs().table(stages))
     result = []
     for rank in range(timeline.num_ranks):
-        changes = []
-        for e in timeline.rank_events(rank):
-            delta = table.memory_delta(e.action.kind, e.action.stage)
-            changes.append((e.start if delta > 0 else e.end, delta, e.action.stage))
-        changes.sort(key=lambda c: (c[0], c[1]))
+        changes = timeline.memory_changes(rank, costs or Costs())
         held: dict[int, float] = {s: 0.0 for _, _, s in changes}
         best, at_best = -1.0, dict(held)
         for _, delta, stage in changes:
