@@ -59,7 +59,7 @@ def lesson():
 
 def test_the_right_build_passes_every_check(lesson):
     assert ex.stage_split(lesson["try_stage"](lesson["F"], lesson["B"], lesson["W"]))
-    assert ex.weight_bytes(64 * (256 + 512) * 2 + 64 * (512 + 128) * 2)   # x and dz of each layer, bfloat16
+    assert ex.weight_bytes(64 * (512 + 128) * 2)   # each layer's dz, bfloat16 (the x's are F's)
     assert ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
     assert ex.zb_h1_peak(lesson["peak"])
 
@@ -184,10 +184,12 @@ def test_a_b_that_also_computes_the_weight_gradients_fails(lesson):
 
 
 def test_wrong_predictions_fail():
-    assert not ex.weight_bytes(2 * 2 * 64 * 256 * 4)   # the lesson's float32 middle stage, copied
-    assert not ex.weight_bytes(2 * 2 * 64 * 256 * 2)   # its equal-width form in bfloat16
-    assert not ex.weight_bytes(64 * (256 + 2 * 512) * 2 + 64 * (512 + 2 * 128) * 2)   # outputs kept too
-    assert not ex.weight_bytes(64 * (512 + 128) * 2)   # the output gradients only
+    assert not ex.weight_bytes(2 * 2 * 64 * 256 * 4)   # the lesson's float32 middle stage's M_W, copied
+    assert not ex.weight_bytes(2 * 64 * 256 * 4)   # its output gradients, float32
+    assert not ex.weight_bytes(2 * 64 * 256 * 2)   # its equal-width form in bfloat16
+    whole = 64 * (256 + 512) * 2 + 64 * (512 + 128) * 2   # x and dz of each layer: all of M_W
+    assert not ex.weight_bytes(whole) and "all of M_W" in str(ex.weight_bytes(whole))
+    assert not ex.weight_bytes(64 * (256 + 512) * 2)   # the inputs x: F's arrays
     assert not ex.zb_h1_peak(lambda p, m, r, b, w: (p - r) * b + r * w)          # right for m >= p only
     assert not ex.zb_h1_peak(lambda p, m, r, b, w: min(m, p - r) * b)            # 1F1B's peak: M_W forgotten
     assert not ex.zb_h1_peak(lambda p, m, r, b, w: p * b)

@@ -683,13 +683,20 @@ WIDE_STAGE = dict(widths=(256, 512, 128), rows=64, itemsize=2)
 
 
 def weight_bytes(answer: Any) -> Verdict:
-    """Exercise 8.2: M_W in bytes, for one microbatch, of :data:`WIDE_STAGE` (each layer's input and output
-    gradient, what W needs); predicted. The lesson prints the equal-width float32 form only."""
+    """Exercise 8.2: of M_W (what B keeps for W: each layer's input x and output gradient dz), the bytes of
+    :data:`WIDE_STAGE` for one microbatch that B newly creates: the dz's (the x's are F's arrays, handed
+    on); predicted. The whole M_W is refused with its own hint."""
     c = WIDE_STAGE
-    expected = sum(c["rows"] * (a + b) * c["itemsize"] for a, b in zip(c["widths"], c["widths"][1:]))
-    return _number_check("8.2", answer, expected, "M_W in bytes of the wide stage",
-                         "W of a layer a -> b wide needs its input x, (rows, a), and its output gradient dz, "
-                         "(rows, b); bfloat16 is 2 bytes a number. The bias gradient needs dz only.")
+    rows, widths, size = c["rows"], c["widths"], c["itemsize"]
+    hint = ("W of a layer a -> b wide needs its input x, (rows, a), and its output gradient dz, (rows, b); "
+            "bfloat16 is 2 bytes a number. Which of these existed before B ran?")
+    whole = sum(rows * (a + b) * size for a, b in zip(widths, widths[1:]))
+    if _as_number(answer) == whole:
+        return Verdict("8.2", False, f"{whole} bytes is all of M_W, not what B adds.",
+                       "each layer's input x was kept by F (stage_apply returned it); B hands those very "
+                       "arrays on. Count only what B computes.")
+    return _number_check("8.2", answer, rows * sum(widths[1:]) * size,
+                         "the bytes of M_W that B creates (the output gradients dz)", hint)
 
 
 PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-v", 2))
