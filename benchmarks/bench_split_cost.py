@@ -18,6 +18,12 @@ pinned to one core:
    (as the executor calls them) and as their compiled XLA executables on pre-flattened argument
    lists, interleaved; medians of ``--repeats`` rounds of 100 calls. On JAX 0.10 the executable
    called from Python was no faster than jit's C++ dispatch (issue 32: 2 runs under load 12-16).
+   Then, on the peer job's stage, what the wait between two calls costs: B then W with a wait for
+   B's outputs between them (as the executor runs them: it times B and sends its input gradient
+   first), against W dispatched before B ends (the device runs it straight after B), against BW;
+   one timer around each, no running sums (W and BW write fresh gradients). Issue 32, idle: 1.037,
+   1.016 and 1 at load 0.6, against (B + W) / BW 1.157 from part 1's separate timers and donated
+   sums: the second call's wake-up and timer, and W's sum, make most of the split's price here.
 
     taskset -c 1 python benchmarks/bench_split_cost.py [--repeats 40] [--stage 0] [--parts 1234]
 """
@@ -102,6 +108,7 @@ def main() -> None:
         _first_stage_flops(model, x)
     if "4" in args.parts:
         _dispatch_overhead(args.repeats)
+        _wait_between(_stage_passes(model, x, y, args.stage), args.repeats, args.stage)
 
 
 def _stage_passes(model, x, y, stage: int) -> dict:
@@ -156,6 +163,32 @@ def _dispatch_overhead(repeats: int) -> None:
             f"   {kind:2s} jax.jit {jitted:7.1f}  compiled executable {direct:7.1f}  "
             f"overhead {jitted - direct:+7.1f}"
         )
+
+
+def _wait_between(passes: dict, repeats: int, stage: int) -> None:
+    """Part 4, second half: B;W with a wait between, B;W without, and BW (ms, paired medians)."""
+    (b, b_args), (w, w_args), (bw, bw_args) = passes["B"], passes["W"], passes["BW"]
+
+    def split(wait: bool):
+        dx, grads_out = b(*b_args)
+        if wait:
+            jax.block_until_ready((dx, grads_out))
+        return jax.block_until_ready((dx, w(w_args[0], w_args[1], grads_out, None)))
+
+    ways = {"B, wait, W": lambda: split(True), "B, W queued": lambda: split(False), "BW": lambda: bw(*bw_args)}
+    times = collections.defaultdict(list)
+    for _ in range(2):
+        [jax.block_until_ready(call()) for call in ways.values()]
+    for _ in range(repeats):
+        for name, call in ways.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append((time.perf_counter() - start) * 1e3)
+    print(f"   stage {stage} of the peer job, ms per microbatch (median of {repeats}; load average "
+          f"{os.getloadavg()[0]:.2f}):")
+    for name in ways:
+        ratio = statistics.median(a / c for a, c in zip(times[name], times["BW"]))
+        print(f"   {name:12s} {statistics.median(times[name]):6.2f}   / BW {ratio:.3f} (paired)")
 
 
 def _first_stage_flops(model, x) -> None:
