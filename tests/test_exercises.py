@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 
 import pytest
 
+import zbpp_lite as zb
 from zbpp_lite.viz import exercises as ex
 
 LEAN = [["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
@@ -202,3 +204,38 @@ def test_reveal_shows_the_simulation_only_after_a_prediction(key, capsys):
     fig = ex.reveal(key, 1)
     assert fig.data and fig.layout.title.text
     assert ex.reveal("2.3", 0.5, show=lambda: "shown") == "shown"
+
+
+def _sends_from_placement(place, r):
+    down = sum(place[s] == r != place[s + 1] for s in range(len(place) - 1))
+    return down + sum(place[s] == r != place[s - 1] for s in range(1, len(place)))
+
+
+SIMULATED = {  # function answers that ask the package instead of deriving: each exactly right at every point
+    "3.3": lambda p, m, f, b, w: (zb.simulate(zb.build_schedule("zb-h2", p, m), zb.Costs(f=f, b=b, w=w)).makespan
+                                  - m * (f + b + w)),
+    "5.3": lambda p, m, t: zb.simulate(zb.build_schedule("zb-v", p, m), zb.Costs(f=t, b=t, w=t)).makespan,
+    "6.3": lambda p, v, r: max(zb.simulate(zb.build_schedule("interleaved-1f1b", p, k * p, stages_per_rank=v),
+                                           zb.Costs()).peak_memory[r] for k in (2, 3)),
+    "8.4": lambda p, m, r, b, w: zb.simulate(zb.build_schedule("zb-h1", p, m),
+                                             zb.Costs(mem_b=b, mem_w=w)).peak_memory[r],
+    "5.1": lambda p, r: _sends_from_placement(zb.build_schedule("zb-v", p, 2 * p).placement, r),
+}
+
+
+@pytest.mark.parametrize("key", sorted(SIMULATED))
+def test_a_function_answer_that_calls_the_package_is_refused_by_name(key):
+    verdict = ex.EXERCISES[key](SIMULATED[key])
+    assert not verdict and "called zbpp_lite's" in verdict.message and verdict.hint, str(verdict)
+
+
+def test_the_package_guard_leaves_the_profile_hook_and_plain_answers_alone():
+    before = sys.getprofile()
+    assert ex.EXERCISES["3.3"](CASES["3.3"][0])   # the closed form, no package call
+    assert sys.getprofile() is before
+
+
+@pytest.mark.parametrize("key", sorted(SIMULATED))
+def test_those_package_answers_are_right_so_only_the_guard_refuses_them(key, monkeypatch):
+    monkeypatch.setattr(ex, "_alone", lambda fn, point: fn(*point))
+    assert ex.EXERCISES[key](SIMULATED[key])

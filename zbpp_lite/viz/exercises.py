@@ -5,7 +5,9 @@ Each lesson (notebooks 01-08) asks at least three questions, one predicted befor
 several points; in lesson 8 the learner writes the pipeline. A check never raises for a wrong answer: it
 returns a :class:`Verdict` (prints "right" or "not yet" with a hint; truthy only when right, so solutions can
 ``assert`` it). Answers are compared with what the simulator, validator, placements, attribution or
-rebalancer compute, or with flop counts from the shapes; no answer is stored. No JAX at import.
+rebalancer compute, or with flop counts from the shapes; no answer is stored. No JAX at import. A function
+answer runs with the package out of bounds: one that calls any zbpp_lite function (the simulator, a builder,
+a planner, a closed form) is refused, so that wrapping ``zb.simulate`` does not pass for a derivation.
 
 Sources: arXiv 2401.10241 sections 2-3 (bubbles, memory, heuristic); arXiv 2405.15362 section 3
 (V placement); Narayanan et al., SC 2021, section 2.2 (interleaved 1F1B).
@@ -17,6 +19,8 @@ import functools
 import itertools
 import math
 import numbers
+import os
+import sys
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Sequence
@@ -93,19 +97,58 @@ def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: 
     return Verdict(exercise, False, f"{value:g} is not {what}.", hint)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The zbpp_lite folder: a function answer may call nothing in it (module docstring)."""
+
+
+class _UsedPackage(Exception):
+    """The learner's function called ``name``, a zbpp_lite function."""
+
+
+def _alone(fn: Callable, point: tuple) -> Any:
+    """``fn(*point)``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a profile hook)."""
+    used: list[str] = []
+
+    def watch(frame, event, arg):
+        if event == "call" and not used and frame.f_code.co_filename.startswith(_PACKAGE):
+            used.append(f"{frame.f_code.co_name} ({os.path.relpath(frame.f_code.co_filename, _PACKAGE)})")
+
+    previous = sys.getprofile()
+    sys.setprofile(watch)
+    try:
+        got = fn(*point)
+    finally:
+        sys.setprofile(previous)
+    if used:
+        raise _UsedPackage(used[0])
+    return got
+
+
+def _called(exercise: str, fn: Callable, point: tuple, hint: str) -> tuple[Any, Verdict | None]:
+    """``(fn(*point), None)``, or ``(None, the verdict)`` when it raised or called the package."""
+    try:
+        return _alone(fn, point), None
+    except _UsedPackage as e:
+        return None, Verdict(exercise, False, f"your function called zbpp_lite's {e} at {point}: this "
+                             "exercise asks you to derive the answer, so the check refuses one that asks the "
+                             "package (the simulator, a builder, a planner or a closed form).", hint)
+    except Exception as e:  # noqa: BLE001  (the learner's error is an answer to report, not to raise)
+        return None, Verdict(exercise, False, f"your function raised {type(e).__name__} at {point}: {e}",
+                             hint)
+
+
 def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float],
                     what: str, hint: str, tol: float = 1e-6) -> Verdict:
-    """Call the learner's function at every point and compare with ``expected(*point)``."""
+    """Call the learner's function at every point (:func:`_alone`) and compare with ``expected(*point)``."""
     if _unanswered(fn):
         return Verdict(exercise, False, "no answer yet: write the function.", hint)
     if not callable(fn):
         return Verdict(exercise, False, f"expected a function for {what}, got {fn!r}.", hint)
     for point in points:
         want = expected(*point)
-        try:
-            got = fn(*point)
-        except Exception as e:  # noqa: BLE001  (the learner's error is an answer to report, not to raise)
-            return Verdict(exercise, False, f"your function raised {type(e).__name__} at {point}: {e}", hint)
+        got, refused = _called(exercise, fn, point, hint)
+        if refused is not None:
+            return refused
         value = _as_number(got) if not isinstance(got, bool) else None
         if isinstance(want, bool):
             if not isinstance(got, (bool,)) and not (hasattr(got, "__bool__")
@@ -523,11 +566,9 @@ def best_split(fn: Any) -> Verdict:
     if not callable(fn):
         return Verdict("7.3", False, f"expected a function, got {fn!r}.", hint)
     for costs, stages in SPLIT_CASES:
-        try:
-            counts = fn(list(costs), stages)
-        except Exception as e:  # noqa: BLE001  (the learner's code)
-            return Verdict("7.3", False,
-                           f"your function raised {type(e).__name__} on {list(costs)}, {stages}: {e}", hint)
+        counts, refused = _called("7.3", fn, (list(costs), stages), hint)  # the package's rebalancer: refused
+        if refused is not None:
+            return refused
         why = _split_problem(costs, stages, counts if isinstance(counts, Sequence) else [counts])
         if why:
             return Verdict("7.3", False, why, hint)
@@ -847,10 +888,9 @@ def zigzag_stages(fn: Any) -> Verdict:
     wrong = []
     for p, v, r in points:
         want = [s for s in range(p * v) if _zigzag_rank(p, s) == r]
-        try:
-            got = fn(p, v, r)
-        except Exception as e:  # noqa: BLE001  (the learner's code)
-            return Verdict("6.1", False, f"your function raised {type(e).__name__} at {(p, v, r)}: {e}", hint)
+        got, refused = _called("6.1", fn, (p, v, r), hint)
+        if refused is not None:
+            return refused
         if not isinstance(got, (list, tuple, range)) or list(got) != want:
             wrong.append((p, v, r))
     if wrong:
