@@ -23,7 +23,7 @@ ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"],   #
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
-    "1.2": (9 / 8, 12),                             # 33(c + 6) = 57(c + 3) at c = 9/8; 12: the old best m
+    "1.2": (27 / 16, 12),                           # 11(2c + 18) = 19(2c + 9) at 16c = 27; 12: the old best m
     "1.3": (LEAN, ONE_F_ONE_B_3x4),                 # 1F1B itself is valid but holds too much
     "1.4": (lambda p, m, r, f, bw: (min(p, r + m) - 1) * f,
             lambda p, m, r, f, bw: (p - 1) * f),    # the wrong one forgets m < p
@@ -156,8 +156,10 @@ def test_the_lesson_1_batch_split_rejects_the_old_answers_and_the_old_price():
     assert not ex.batch_split(64).ok                # as many microbatches as allowed
     assert not ex.batch_split(65).ok and not ex.batch_split(0).ok
     assert not ex.batch_split(1).ok and not ex.batch_split(12).ok   # the old price c = 1; its best m
-    assert not ex.batch_split(27 / 8).ok            # 24c = 27 misread as 8c = 27
-    assert ex.batch_split(1.125).ok
+    assert not ex.batch_split(27 / 8).ok            # 16c = 27 misread as 8c = 27
+    verdict = ex.batch_split(9 / 8)                 # the backward priced twice (2c), the old prompt's T_BW
+    assert not verdict and "twice" in verdict.message
+    assert ex.batch_split(1.6875).ok
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():

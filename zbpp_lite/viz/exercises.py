@@ -823,29 +823,33 @@ def zb_h1_peak(answer: Any) -> Verdict:
 
 # ------------------------------------------------------------------ reworked exercises 1.2 and 3.3
 
-BATCH_SPLIT = dict(num_ranks=4, batch_work=48.0, splits=(8, 16))
-"""Exercise 1.2's case: 1F1B on 4 ranks; one step's batch cut into m microbatches; each F, B and W
-costs c + ``batch_work`` / m (a fixed price c per action plus the action's share of the batch), so
-T_F = c + 48/m and a fused T_BW = 2c + 96/m; T_comm = 0. The question: the c at which the two
-``splits`` tie."""
+BATCH_SPLIT = dict(num_ranks=4, f_work=48.0, backward_work=96.0, splits=(8, 16))
+"""Exercise 1.2's case: 1F1B on 4 ranks; one step's batch cut into m microbatches; every action costs a
+fixed price c plus its share of the batch's work, so T_F = c + 48/m and the fused backward, one action,
+T_BW = c + 96/m; T_comm = 0. The question: the c at which the two ``splits`` tie."""
 
 
 def _batch_split_span(m: int, price: float) -> float:
     c = BATCH_SPLIT
-    t = price + c["batch_work"] / m
-    return simulate(build_schedule("1f1b", c["num_ranks"], m), Costs(f=t, b=t, w=t)).makespan
+    f, bw = price + c["f_work"] / m, price + c["backward_work"] / m
+    return simulate(build_schedule("1f1b", c["num_ranks"], m), Costs(f=f, b=bw / 2, w=bw / 2, bw=bw)).makespan
 
 
 def batch_split(answer: Any) -> Verdict:
     """Exercise 1.2 (an inverse question): the fixed price c per action at which 1F1B on
     :data:`BATCH_SPLIT` takes as long with m = 8 as with m = 16; the makespans are linear in c, so
-    the reference solves the two simulations at c = 0 and c = 1 for their crossing."""
+    the reference solves the two simulations at c = 0 and c = 1 for their crossing. Pricing the fused
+    backward twice (as a B and a W) gives 9/8, refused with its own hint."""
     small, large = BATCH_SPLIT["splits"]
     slope = {m: _batch_split_span(m, 1.0) - _batch_split_span(m, 0.0) for m in (small, large)}
     tie = (_batch_split_span(small, 0.0) - _batch_split_span(large, 0.0)) / (slope[large] - slope[small])
+    if _as_number(answer) is not None and abs(_as_number(answer) - 9 / 8) < 1e-9:
+        return Verdict("1.2", False, "9/8 prices the backward twice.",
+                       "1F1B runs each backward fused: one action, so one price c, not two.")
     verdict = _number_check("1.2", answer, tie, f"the price at which m = {small} and m = {large} tie",
                             "write the makespan (m+p-1)(T_F+T_BW) with T_F and T_BW as functions of c "
-                            "and m, once for each m, and set the two equal.")
+                            "and m (how many actions, so how many prices c, does a microbatch's backward "
+                            "take in 1F1B?), once for each m, and set the two equal.")
     if verdict.ok:
         verdict = Verdict("1.2", True, f"{verdict.message} Both take {_batch_split_span(small, tie):g}; "
                                        f"a smaller price favours m = {large}, a larger one m = {small}.")
