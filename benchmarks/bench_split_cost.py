@@ -21,9 +21,10 @@ pinned to one core:
    Then, on the peer job's stage, what the wait between two calls costs: B then W with a wait for
    B's outputs between them (as the executor runs them: it times B and sends its input gradient
    first), against W dispatched before B ends (the device runs it straight after B), against BW;
-   one timer around each, no running sums (W and BW write fresh gradients). Issue 32, idle: 1.037,
-   1.016 and 1 at load 0.6, against (B + W) / BW 1.157 from part 1's separate timers and donated
-   sums: the second call's wake-up and timer, and W's sum, make most of the split's price here.
+   one timer around each, no running sums (W and BW write fresh gradients). Issue 32, two idle runs
+   (load 0.6 and 1.1): 1.037 and 1.057, 1.016 and 1.051, against (B + W) / BW 1.157 and 1.169 from
+   part 1's separate timers and donated sums: beyond the products, the second call's wake-up and
+   timer and W's sum make most of the split's price here.
 
     taskset -c 1 python benchmarks/bench_split_cost.py [--repeats 40] [--stage 0] [--parts 1234]
 """
