@@ -86,14 +86,23 @@ def _as_number(answer: Any) -> float | None:
 
 
 def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: str,
-                  tol: float = 1e-6) -> Verdict:
+                  tol: float = 1e-6, known: dict[float, tuple[str, str]] | None = None) -> Verdict:
+    """``answer`` against ``expected`` within ``tol`` (relative above 1); ``known`` maps a wrong answer the
+    lesson's printed pattern gives to its own (message, hint)."""
     if _unanswered(answer):
         return Verdict(exercise, False, "no answer yet: replace ... with yours.", hint)
     value = _as_number(answer)
     if value is None:
         return Verdict(exercise, False, f"expected a number for {what}, got {answer!r}.", hint)
-    if abs(value - expected) <= tol * max(1.0, abs(expected)):
+
+    def near(target: float) -> bool:
+        return abs(value - target) <= tol * max(1.0, abs(target))
+
+    if near(expected):
         return Verdict(exercise, True, f"{what} is {expected:g}.")
+    for wrong, (message, why) in (known or {}).items():
+        if near(wrong):
+            return Verdict(exercise, False, message, why)
     return Verdict(exercise, False, f"{value:g} is not {what}.", hint)
 
 
@@ -234,9 +243,9 @@ def peak_memory_1f1b(fn: Any) -> Verdict:
 # ------------------------------------------------------------------ lesson 2: the backward split
 
 MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
+"""The two-layer MLP of notebook 02: 16 tokens, x (16, 32) @ W1 (32, 64), then (16, 64) @ W2 (64, 32)."""
 FIRST_STAGE_WIDTHS = (32, 64, 16, 8)
 """Exercise 2.3's first stage: three layers ``z_l = a_l @ W_l`` of these widths (2.1's convention)."""
-"""The two-layer MLP of notebook 02: 16 tokens, x (16, 32) @ W1 (32, 64), then (16, 64) @ W2 (64, 32)."""
 
 
 def _matmul(rows: int, inner: int, cols: int) -> int:
@@ -732,12 +741,11 @@ def weight_bytes(answer: Any) -> Verdict:
     hint = ("W of a layer a -> b wide needs its input x, (rows, a), and its output gradient dz, (rows, b); "
             "bfloat16 is 2 bytes a number. Which of these existed before B ran?")
     whole = sum(rows * (a + b) * size for a, b in zip(widths, widths[1:]))
-    if _as_number(answer) == whole:
-        return Verdict("8.2", False, f"{whole} bytes is all of M_W, not what B adds.",
-                       "each layer's input x was kept by F (stage_apply returned it); B hands those very "
-                       "arrays on. Count only what B computes.")
     return _number_check("8.2", answer, rows * sum(widths[1:]) * size,
-                         "the bytes of M_W that B creates (the output gradients dz)", hint)
+                         "the bytes of M_W that B creates (the output gradients dz)", hint,
+                         known={whole: (f"{whole} bytes is all of M_W, not what B adds.",
+                                        "each layer's input x was kept by F (stage_apply returned it); B "
+                                        "hands those very arrays on. Count only what B computes.")})
 
 
 PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-v", 2))
@@ -843,13 +851,13 @@ def batch_split(answer: Any) -> Verdict:
     small, large = BATCH_SPLIT["splits"]
     slope = {m: _batch_split_span(m, 1.0) - _batch_split_span(m, 0.0) for m in (small, large)}
     tie = (_batch_split_span(small, 0.0) - _batch_split_span(large, 0.0)) / (slope[large] - slope[small])
-    if _as_number(answer) is not None and abs(_as_number(answer) - 9 / 8) < 1e-9:
-        return Verdict("1.2", False, "9/8 prices the backward twice.",
-                       "1F1B runs each backward fused: one action, so one price c, not two.")
     verdict = _number_check("1.2", answer, tie, f"the price at which m = {small} and m = {large} tie",
                             "write the makespan (m+p-1)(T_F+T_BW) with T_F and T_BW as functions of c "
                             "and m (how many actions, so how many prices c, does a microbatch's backward "
-                            "take in 1F1B?), once for each m, and set the two equal.")
+                            "take in 1F1B?), once for each m, and set the two equal.",
+                            known={9 / 8: ("9/8 prices the backward twice.",
+                                           "1F1B runs each backward fused: one action, so one price c, "
+                                           "not two.")})
     if verdict.ok:
         verdict = Verdict("1.2", True, f"{verdict.message} Both take {_batch_split_span(small, tie):g}; "
                                        f"a smaller price favours m = {large}, a larger one m = {small}.")
