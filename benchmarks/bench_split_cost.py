@@ -48,7 +48,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from zbpp_lite.analysis.profiling.device import profile_stage_costs  # noqa: E402
+from zbpp_lite.analysis.profiling.device import profile_stage_costs, timed  # noqa: E402
 from zbpp_lite.runtime.split import StageSplit, compiled_flops  # noqa: E402
 from zbpp_lite.runtime.stages import StagedModel  # noqa: E402
 from zbpp_lite.training.data import load_digits  # noqa: E402
@@ -182,9 +182,7 @@ def _wait_between(passes: dict, repeats: int, stage: int) -> None:
         [jax.block_until_ready(call()) for call in ways.values()]
     for _ in range(repeats):
         for name, call in ways.items():
-            start = time.perf_counter()
-            jax.block_until_ready(call())
-            times[name].append((time.perf_counter() - start) * 1e3)
+            times[name].append(timed(call)[0] * 1e3)
     print(f"   stage {stage} of the peer job, ms per microbatch (median of {repeats}; load average "
           f"{os.getloadavg()[0]:.2f}):")
     for name in ways:
