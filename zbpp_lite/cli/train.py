@@ -21,7 +21,6 @@ from ..analysis.profiling.timelines import timed_steps
 from ..runtime import devices as dev  # a module: tests stand a CPU device in for an accelerator
 from ..runtime.processes import allowed_cores
 from ..schedules import strict_json
-from ..schedules.builders import options_of
 from ..training.data import load_digits
 from ..viz.memory import memory_lines
 from . import CliError
@@ -233,22 +232,20 @@ def say_mode(what: str, num_ranks: int, why_threads: str | None, tails: tuple[st
 
 
 def plan_with_job_memory(args, schedule, blocks: int, say=print):
-    """A memory-limited planner's schedule re-planned with this job's M_B, M_W in bytes
-    (:func:`~zbpp_lite.training.train.job_costs`); unchanged for a CSV, another builder, or
-    ``--option memory_limit=...``. ``say`` prints it (None: silent). Call once JAX has its devices."""
-    from ..training.train import job_costs
+    """The schedule to run: a name through :func:`~zbpp_lite.training.train.job_plan` (a planner that
+    takes ``costs`` plans with this job's M_B, M_W in bytes; ``--option memory_limit=...`` with it is
+    refused), a CSV's unchanged. ``say`` prints the bytes (None: silent). Call once JAX has its devices."""
+    from ..training.train import job_plan
 
-    options = parse_options(args.option)
-    if args.schedule_csv or "costs" not in options_of(args.schedule) or "memory_limit" in options:
+    if args.schedule_csv:
         return schedule
-    costs = job_costs(schedule.num_stages, schedule.num_microbatches, model_config(args, blocks),
-                      run_config(args))
-    if say is not None:
+    planned, costs = job_plan(args.schedule, args.ranks, args.microbatches, parse_options(args.option),
+                              model_config(args, blocks), run_config(args))
+    if costs is not None and say is not None:
         mem_b, mem_w = ([int(v) for v in mem] for mem in (costs.mem_b, costs.mem_w))  # Costs holds floats
-        say(f"{schedule.name}: planned with this job's activation memory per stage, M_B {mem_b} and "
+        say(f"{planned.name}: planned with this job's activation memory per stage, M_B {mem_b} and "
             f"M_W {mem_w} bytes", flush=True)
-    options["costs"] = costs
-    return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
+    return planned
 
 
 def profiled_costs(device, num_stages: int, num_microbatches: int, args, blocks: int, by_shape: dict):

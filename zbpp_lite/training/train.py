@@ -255,26 +255,43 @@ def job_costs(num_stages: int, microbatches: int, config: ModelConfig, run: RunC
     return Costs(mem_b=mem_b, mem_w=mem_w)
 
 
-def checked_schedule(schedule, ranks: int, microbatches: int, steps: int, config: ModelConfig, run: RunConfig,
-                     schedule_options: dict | None) -> Schedule:
-    """The schedule to run, the request checked before any compute (planners without ``costs``:
-    :func:`job_costs`)."""
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    options = dict(schedule_options or {})
-    named = not isinstance(schedule, Schedule)
-    needs_memory = named and "costs" in options_of(schedule) and "costs" not in options
-    if needs_memory and "memory_limit" in options:
-        raise ValueError(f"{schedule}'s memory_limit counts units of Costs.mem_b: give "
+def job_plan(name: str, ranks: int, microbatches: int, options: dict, config: ModelConfig, run: RunConfig
+             ) -> tuple[Schedule, Costs | None]:
+    """The named schedule built with ``options`` and validated: a planner that takes ``costs``
+    (zb-auto, zb-v, ...) and was given none plans with this job's M_B, M_W in bytes
+    (:func:`job_costs`, returned beside it; else None). The one copy the library and the command line use.
+
+    Raises:
+        ValueError: ``memory_limit`` without ``costs`` (the limit counts units of ``Costs.mem_b``, which
+            this job measures in bytes: a limit in other units would promise memory the run does not
+            see); an unknown schedule, bad sizes, fewer blocks than stages.
+    """
+    options = dict(options)
+    with_job_memory = "costs" in options_of(name) and "costs" not in options
+    if with_job_memory and "memory_limit" in options:
+        raise ValueError(f"{name}'s memory_limit counts units of Costs.mem_b: give "
                          "costs=Costs(mem_b=..., mem_w=...) with it, or leave memory_limit out "
                          "to plan with the job's M_B, M_W")
-    sched = build_schedule(schedule, ranks, microbatches, **options) if named else schedule
-    validate(sched)
+    sched = validate(build_schedule(name, ranks, microbatches, **options))
+    if not with_job_memory:
+        return sched, None
     microbatch_size(run.batch, sched.num_microbatches)
     stage_parts(config.blocks, sched.num_stages)  # raises for fewer blocks than stages
-    if needs_memory:
-        options["costs"] = job_costs(sched.num_stages, microbatches, config, run)
-        sched = validate(build_schedule(schedule, ranks, microbatches, **options))
+    costs = job_costs(sched.num_stages, microbatches, config, run)
+    return validate(build_schedule(name, ranks, microbatches, **options, costs=costs)), costs
+
+
+def checked_schedule(schedule, ranks: int, microbatches: int, steps: int, config: ModelConfig, run: RunConfig,
+                     schedule_options: dict | None) -> Schedule:
+    """The schedule to run, the request checked before any compute (a name: :func:`job_plan`)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if isinstance(schedule, Schedule):
+        sched = validate(schedule)
+    else:
+        sched, _ = job_plan(schedule, ranks, microbatches, schedule_options or {}, config, run)
+    microbatch_size(run.batch, sched.num_microbatches)
+    stage_parts(config.blocks, sched.num_stages)  # raises for fewer blocks than stages
     return sched
 
 
