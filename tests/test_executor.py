@@ -371,7 +371,7 @@ def test_compare_times_single_device_work_in_a_helper_pinned_from_its_start():
     to one core before JAX starts (as a rank is); what crosses back is parsed JSON."""
     from zbpp_lite.training.turns import OneCore
 
-    with OneCore(ModelConfig(d=16, heads=2, blocks=4), RunConfig(batch=8), 2, use_processes=True) as one:
+    with OneCore(ModelConfig(d=16, heads=2, blocks=4), RunConfig(batch=4), 2, use_processes=True) as one:
         costs = one.costs(2)
         steps = one.whole_batch(3)
         helper = one.helper
@@ -402,12 +402,15 @@ def test_compare_refuses_bad_sizes_naming_the_flag(flag, value, message, capsys)
         (["--blocks", "1"], "fewer than the schedule's 2 stages"),
         (["--schedule", "no-such"], "unknown schedule"),
         (["--schedule", "no-such+fuse"], "unknown schedule 'no-such+fuse'"),
+        # the library's rule (training.train.job_plan), not a plan in units the run does not see
+        (["--schedule", "zb-auto", "--option", "memory_limit=3"], "zb-auto's memory_limit counts units of Costs.mem_b"),
     ],
 )
 def test_train_command_refuses_bad_input_in_one_line(extra, message, capsys):
     argv = ["train", "--ranks", "2", "--microbatches", "2", "--steps", "1", "--batch", "4", *extra]
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
 
 
 def test_train_command_refuses_an_invalid_schedule_file(tmp_path, capsys):
