@@ -50,6 +50,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from zbpp_lite.analysis.profiling.device import profile_stage_costs, timed  # noqa: E402
 from zbpp_lite.runtime.split import StageSplit, compiled_flops  # noqa: E402
+from zbpp_lite.schedules.builders import build_schedule  # noqa: E402
+from zbpp_lite.schedules.costs import Costs  # noqa: E402
+from zbpp_lite.schedules.simulate import simulate  # noqa: E402
 from zbpp_lite.runtime.stages import StagedModel  # noqa: E402
 from zbpp_lite.training.data import load_digits  # noqa: E402
 from zbpp_lite.training.model import ModelConfig, build_parts  # noqa: E402
@@ -103,6 +106,7 @@ def main() -> None:
         for s in range(2):
             f, b, w, bw = (v[s] * 1e3 for v in (costs.f, costs.b, costs.w, costs.bw))
             print(f"   stage {s}: F {f:.2f}  B {b:.2f}  W {w:.2f}  BW {bw:.2f}   (B+W)/BW {(b + w) / bw:.3f}")
+        _what_the_ratio_buys(costs)
     if "2" in args.parts:
         _profile(_stage_passes(model, x, y, args.stage), args.stage)
     if "3" in args.parts:
@@ -110,6 +114,31 @@ def main() -> None:
     if "4" in args.parts:
         _dispatch_overhead(args.repeats)
         _wait_between(_stage_passes(model, x, y, args.stage), args.repeats, args.stage)
+
+
+def _what_the_ratio_buys(costs, target: float = 0.97) -> None:
+    """The peer job's schedules (p = 2, m = 8) simulated from these costs against 1f1b, and the
+    largest split price (T_B + T_W) / T_BW at which each would take ``target`` of 1f1b's step (T_B
+    and T_W scaled alike, T_F and T_BW as measured; no transfer cost)."""
+
+    def ratios(price: float | None) -> dict[str, float]:
+        scale = [1.0 if price is None else price * bw / (b + w) for b, w, bw in zip(costs.b, costs.w, costs.bw)]
+        c = Costs(f=costs.f, b=[b * k for b, k in zip(costs.b, scale)],
+                  w=[w * k for w, k in zip(costs.w, scale)], bw=costs.bw)
+        base = simulate(build_schedule("1f1b", 2, 8), c).makespan
+        return {n: simulate(build_schedule(n, 2, 8), c).makespan / base for n in SIMULATED}
+
+    now = ratios(None)
+    prices = [1 + k / 1000 for k in range(0, 301)]
+    print("   simulated at these costs, p = 2, m = 8, against 1f1b: "
+          + ", ".join(f"{n} {r:.3f}" for n, r in now.items()))
+    for n in SIMULATED:
+        fits = [r for r in prices if ratios(r)[n] <= target]
+        where = f"at a split price of {max(fits):.3f} or less" if fits else "at no split price from 1.000 to 1.300"
+        print(f"   {n} would take {target} of 1f1b's step {where}")
+
+
+SIMULATED = ("zb-h1+fuse", "zb-h2+fuse")
 
 
 def _stage_passes(model, x, y, stage: int) -> dict:
