@@ -1,5 +1,6 @@
 """The executor across processes on JAX's distributed runtime (loopback): the unpartitioned
-model's loss and gradients with 2 processes for 1f1b, zb-h1, zb-h2, zb-v; and failure, not hang:
+model's loss and gradients with 2 processes (each schedule's gradients in one process are
+tests/test_executor.py's and tests/test_spmd.py's; here, one of each kind of traffic); and failure, not hang:
 a dying process and a port in use give a clear error naming the process within bounded time,
 with every child ended. Each test starts its own children and ends only those."""
 
@@ -38,8 +39,11 @@ def untimed_children(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", UNTIMED_CHILD_FLAGS)
 
 
-@pytest.mark.parametrize("executor, name", [(e, n) for e in ("mpmd", "spmd") for n in ("1f1b", "zb-h1", "zb-h2", "zb-v")]
-                         + [("mpmd", "dualpipe-v")])  # SPMD refuses DualPipeV's overlapped pairs (tests/test_spmd.py)
+# MPMD: zb-h2 (split backwards, W held back), zb-v (a V: stages hand over on a rank and send both ways),
+# dualpipe-v (overlapped pairs); SPMD (one program over both processes): zb-h1 and zb-v. (SPMD refuses
+# DualPipeV's overlapped pairs: tests/test_spmd.py.)
+@pytest.mark.parametrize("executor, name", [("mpmd", "zb-h2"), ("mpmd", "zb-v"), ("mpmd", "dualpipe-v"),
+                                            ("spmd", "zb-h1"), ("spmd", "zb-v")])
 def test_two_processes_match_the_unpartitioned_model(name, executor, tmp_path, untimed_children):
     out = tmp_path / "run.json"
     lines: list[str] = []

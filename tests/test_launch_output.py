@@ -30,7 +30,7 @@ def test_launch_help_has_no_restructuredtext_quotes():
 def test_launch_names_devices_per_process_and_says_what_the_median_step_holds():
     # zb-auto: issue 31, launch planned memory-limited schedules with the default M_W = 7/16 M_B
     argv = [sys.executable, "-m", "zbpp_lite", "launch", "--processes", "2", "--", "train", "--schedule", "zb-auto",
-            "--ranks", "2", "--microbatches", "2", "--steps", "2", "--d", "8", "--heads", "1", "--blocks", "2",
+            "--ranks", "2", "--microbatches", "2", "--steps", "2", "--d", "16", "--heads", "2", "--blocks", "4",
             "--batch", "4", "--no-progress"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
