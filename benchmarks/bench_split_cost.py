@@ -51,7 +51,6 @@ import jax.numpy as jnp  # noqa: E402
 from zbpp_lite.analysis.profiling.device import profile_stage_costs, timed  # noqa: E402
 from zbpp_lite.runtime.split import StageSplit, compiled_flops  # noqa: E402
 from zbpp_lite.schedules.builders import build_schedule  # noqa: E402
-from zbpp_lite.schedules.costs import Costs  # noqa: E402
 from zbpp_lite.schedules.simulate import simulate  # noqa: E402
 from zbpp_lite.runtime.stages import StagedModel  # noqa: E402
 from zbpp_lite.training.data import load_digits  # noqa: E402
@@ -122,9 +121,7 @@ def _what_the_ratio_buys(costs, target: float = 0.97) -> None:
     and T_W scaled alike, T_F and T_BW as measured; no transfer cost)."""
 
     def ratios(price: float | None) -> dict[str, float]:
-        scale = [1.0 if price is None else price * bw / (b + w) for b, w, bw in zip(costs.b, costs.w, costs.bw)]
-        c = Costs(f=costs.f, b=[b * k for b, k in zip(costs.b, scale)],
-                  w=[w * k for w, k in zip(costs.w, scale)], bw=costs.bw)
+        c = costs if price is None else costs.with_split_price(price)
         base = simulate(build_schedule("1f1b", 2, 8), c).makespan
         return {n: simulate(build_schedule(n, 2, 8), c).makespan / base for n in SIMULATED}
 

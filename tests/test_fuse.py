@@ -110,3 +110,38 @@ def test_plan_command_accepts_fused_names(capsys):
     assert main(["plan", "-s", "zb-h3+fuse"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown schedule 'zb-h3+fuse'" in err[0]
+
+
+def test_with_split_price_sets_each_stages_price_and_keeps_the_rest():
+    c = zb.Costs(f=(1.0, 2.0), b=(2.0, 1.0), w=(1.0, 1.0), bw=(2.0, 1.5), comm=0.25, mem_b=3.0)
+    priced = c.with_split_price(1.2)
+    for s in range(2):
+        assert (priced.b[s] + priced.w[s]) / priced.bw[s] == pytest.approx(1.2, rel=1e-12)
+        assert priced.b[s] / priced.w[s] == pytest.approx(c.b[s] / c.w[s], rel=1e-12)  # scaled alike
+    assert (priced.f, priced.bw, priced.comm, priced.mem_b, priced.mem_w) == (c.f, c.bw, c.comm, c.mem_b, c.mem_w)
+    assert zb.Costs(b=1.0, w=1.0, bw=1.6).with_split_price(1.0) == zb.Costs(b=0.8, w=0.8, bw=1.6)  # scalars stay scalars
+
+
+@pytest.mark.parametrize("costs, price, message", [
+    (zb.Costs(), 1.1, "needs the fused backward's time"),
+    (zb.Costs(bw=1.5), float("nan"), "price must be a finite number > 0"),
+    (zb.Costs(bw=1.5), 0.0, "price must be a finite number > 0"),
+    (zb.Costs(b=(1.0, 1.0), w=(1.0, 1.0, 1.0), bw=1.5), 1.1, "different numbers of stages"),
+    (zb.Costs(b=0.0, w=0.0, bw=1.0), 1.1, "no split to price"),
+])
+def test_with_split_price_refuses_what_it_cannot_price(costs, price, message):
+    with pytest.raises(ValueError, match=message):
+        costs.with_split_price(price)
+
+
+@pytest.mark.parametrize("name", ["zb-h1+fuse", "zb-h2+fuse"])
+def test_a_dearer_split_never_shortens_the_step_and_a_free_one_beats_1f1b(name):
+    # 1f1b runs fused backwards only: the price leaves it alone, and every action of the split
+    # schedule lasts no shorter at a higher price, so its step against 1f1b's can only grow
+    measured = zb.Costs(f=6.65, b=6.44, w=3.87, bw=8.92)  # the peer job's stage 0 on XLA:CPU, ms (issue 32)
+    ratios = []
+    for price in (1.0, 1.04, 1.08, 1.157, 1.3):
+        c = measured.with_split_price(price)
+        ratios.append(zb.simulate(zb.build_schedule(name, 2, 8), c).makespan
+                      / zb.simulate(zb.build_schedule("1f1b", 2, 8), c).makespan)
+    assert ratios == sorted(ratios) and ratios[0] < 0.96 and ratios[-1] > 1.0

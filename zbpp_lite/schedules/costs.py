@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
 from .ir import Entry, Overlap
@@ -110,6 +110,33 @@ class Costs:
         if bad:
             raise ValueError(f"mem_w exceeds mem_b on stage(s) {bad}: W's share M_W is part of M_B")
         return t
+
+    def with_split_price(self, price: float) -> "Costs":
+        """These costs with T_B and T_W scaled alike, stage by stage, so that (T_B + T_W) / T_BW is
+        ``price`` (T_F, T_BW and every other field kept): what a split schedule would take were the
+        split that much dearer or cheaper than the fused backward (issue 32's break-even question).
+
+        Raises:
+            ValueError: ``bw`` not given, ``price`` not a finite number > 0, per-stage fields of
+                different lengths, or a stage with T_B + T_W = 0.
+        """
+        if self.bw is None:
+            raise ValueError("with_split_price needs the fused backward's time: give Costs(bw=...)")
+        if not (isinstance(price, numbers.Real) and math.isfinite(price) and price > 0):
+            raise ValueError(f"price must be a finite number > 0, got {price!r}")
+        fields = [self.b, self.w, self.bw]
+        lengths = {len(v) for v in fields if isinstance(v, tuple)}
+        if len(lengths) > 1:
+            raise ValueError(f"b, w and bw have different numbers of stages: {sorted(lengths)}")
+        n = max(lengths, default=1)
+        b, w, bw = ([v] * n if isinstance(v, float) else list(v) for v in fields)
+        if any(x + y == 0 for x, y in zip(b, w)):
+            raise ValueError("a stage with T_B + T_W = 0 has no split to price")
+        scale = [price * z / (x + y) for x, y, z in zip(b, w, bw)]
+        new_b, new_w = ([v * k for v, k in zip(vs, scale)] for vs in (b, w))
+        if not lengths:
+            return replace(self, b=new_b[0], w=new_w[0])
+        return replace(self, b=tuple(new_b), w=tuple(new_w))
 
     @classmethod
     def uniform(cls, value: float = 1.0) -> "Costs":
