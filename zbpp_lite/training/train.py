@@ -270,8 +270,8 @@ def job_plan(name: str, ranks: int, microbatches: int, options: dict, config: Mo
     with_job_memory = "costs" in options_of(name) and "costs" not in options
     if with_job_memory and "memory_limit" in options:
         raise ValueError(f"{name}'s memory_limit counts units of Costs.mem_b: give "
-                         "costs=Costs(mem_b=..., mem_w=...) with it, or leave memory_limit out "
-                         "to plan with the job's M_B, M_W")
+                         "costs=Costs(mem_b=..., mem_w=...) with it (from Python), or leave memory_limit "
+                         "out to plan with the job's M_B, M_W in bytes (the command line's only way)")
     sched = validate(build_schedule(name, ranks, microbatches, **options))
     if not with_job_memory:
         return sched, None
