@@ -6,7 +6,10 @@ pinned to one core:
 1. T_F, T_B, T_W and the fused T_BW of both stages as the executor calls them
    (:func:`~zbpp_lite.analysis.profiling.device.profile_stage_costs`, the stages and passes
    interleaved so that a slow spell meets every pass alike), and the ratio (T_B + T_W) / T_BW
-   (the target is <= 1.08);
+   (the target is <= 1.08); then zb-h1+fuse and zb-h2+fuse simulated from those costs against
+   1f1b (p = 2, m = 8), and the highest split price at which each would take 0.97 of 1f1b's step
+   (T_B and T_W rescaled with ``Costs.with_split_price``). Issue 32, one idle run (load 1.6):
+   prices 1.168 and 1.164; zb-h1+fuse needs 1.038 or less, zb-h2+fuse 1.095 or less;
 2. where the time goes: one profile (``jax.profiler``) of the same calls, each XLA operation
    classified from the compiled HLO (a product, a reduction, a transpose or copy, the rest
    elementwise) and summed per pass, and B + W against BW per class and per output shape. (These
