@@ -129,11 +129,11 @@ def _what_the_ratio_buys(costs, target: float = 0.97) -> None:
         return {n: simulate(build_schedule(n, 2, 8), c).makespan / base for n in SIMULATED}
 
     now = ratios(None)
-    prices = [1 + k / 1000 for k in range(0, 301)]
+    by_price = {price: ratios(price) for price in (1 + k / 1000 for k in range(0, 301))}
     print("   simulated at these costs, p = 2, m = 8, against 1f1b: "
           + ", ".join(f"{n} {r:.3f}" for n, r in now.items()))
     for n in SIMULATED:
-        fits = [r for r in prices if ratios(r)[n] <= target]
+        fits = [price for price, r in by_price.items() if r[n] <= target]
         where = f"at a split price of {max(fits):.3f} or less" if fits else "at no split price from 1.000 to 1.300"
         print(f"   {n} would take {target} of 1f1b's step {where}")
 

@@ -272,11 +272,9 @@ def job_plan(name: str, ranks: int, microbatches: int, options: dict, config: Mo
         raise ValueError(f"{name}'s memory_limit counts units of Costs.mem_b: give "
                          "costs=Costs(mem_b=..., mem_w=...) with it (from Python), or leave memory_limit "
                          "out to plan with the job's M_B, M_W in bytes (the command line's only way)")
-    sched = validate(build_schedule(name, ranks, microbatches, **options))
+    sched = _fits_job(validate(build_schedule(name, ranks, microbatches, **options)), config, run)
     if not with_job_memory:
         return sched, None
-    microbatch_size(run.batch, sched.num_microbatches)
-    stage_parts(config.blocks, sched.num_stages)  # raises for fewer blocks than stages
     costs = job_costs(sched.num_stages, microbatches, config, run)
     return validate(build_schedule(name, ranks, microbatches, **options, costs=costs)), costs
 
@@ -287,9 +285,12 @@ def checked_schedule(schedule, ranks: int, microbatches: int, steps: int, config
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if isinstance(schedule, Schedule):
-        sched = validate(schedule)
-    else:
-        sched, _ = job_plan(schedule, ranks, microbatches, schedule_options or {}, config, run)
+        return _fits_job(validate(schedule), config, run)
+    return job_plan(schedule, ranks, microbatches, schedule_options or {}, config, run)[0]
+
+
+def _fits_job(sched: Schedule, config: ModelConfig, run: RunConfig) -> Schedule:
+    """``sched``, once the batch divides into its microbatches and every stage gets a block (ValueError)."""
     microbatch_size(run.batch, sched.num_microbatches)
     stage_parts(config.blocks, sched.num_stages)  # raises for fewer blocks than stages
     return sched
