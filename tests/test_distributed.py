@@ -105,3 +105,42 @@ def test_the_launch_and_join_supervisors_do_not_import_jax():
     code = "import sys, zbpp_lite.cli.launch, zbpp_lite.cli.join; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+_MANY_STEPS = """
+import sys
+import zbpp_lite as zb
+from zbpp_lite.runtime.cluster import free_port
+from zbpp_lite.runtime.distributed import _client, initialize, process_executor
+from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.training.data import load_digits
+from zbpp_lite.training.model import ModelConfig, build_parts
+
+initialize(f"127.0.0.1:{free_port()}", 1, 0, timeout=30, transfer_address=f"127.0.0.1:{free_port()}")
+schedule = zb.build_schedule("1f1b", 2, 2)
+model = StagedModel(build_parts(ModelConfig(d=8, heads=2, blocks=2)), 2)
+executor = process_executor(model, schedule, timeout=30)
+x, y = load_digits().batch(0, 4)
+counts = []
+for k in range(int(sys.argv[1])):
+    executor.run(model.params, x, y)
+    counts.append(sum(key.startswith("zbpp/step") for key, _ in _client().key_value_dir_get_bytes("zbpp/")))
+print("keys", counts[9], counts[-1])
+"""
+
+
+def test_the_coordinator_keeps_one_steps_results_however_many_steps_run(tmp_path, untimed_children):
+    """Each step's results go through the coordinator's key-value store; those every process has read are
+    deleted, so the store (process 0's memory) stays flat over many steps instead of growing by the
+    model's gradient bytes a step."""
+    import subprocess
+    import sys
+
+    from zbpp_lite.runtime.devices import cpu_device_flags
+
+    env = {**os.environ, "XLA_FLAGS": cpu_device_flags(2, current=os.environ["XLA_FLAGS"])}
+    done = subprocess.run([sys.executable, "-c", _MANY_STEPS, "300"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after_10, after_300 = (int(v) for v in done.stdout.split("keys")[1].split())
+    assert after_10 == after_300 <= 2, done.stdout  # one step's results (one per process) and no more

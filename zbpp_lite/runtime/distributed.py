@@ -274,6 +274,8 @@ class _CrossProcess(Carrier):
             }
             shares = _exchange(f"zbpp/step{number}", mine, self.process, self.num_processes,
                                self.timeout)
+            if self.process == 0:
+                _forget_before(number)
             losses_by_mb, grads, events = {}, [None] * S, []
             for share in shares:
                 losses_by_mb.update((int(j), v) for j, v in share["losses"])
@@ -319,6 +321,17 @@ def _client():
         raise RuntimeError("JAX's distributed runtime is not started; call "
                            "zbpp_lite.runtime.distributed.initialize() first")
     return _dist.global_state.client
+
+
+def _forget_before(number: int) -> None:
+    """Delete the key-value store's keys of steps before ``number`` and step ``number``'s transfer notices,
+    once process 0 holds every process's results of step ``number``: each process published those after
+    its transfers of the step ended and after reading every result of the step before, so no process
+    reads these keys again. The store then keeps one step's results, however many steps run."""
+    client = _client()
+    client.key_value_delete(f"zbpp/step{number}/ready")
+    if number > 0:
+        client.key_value_delete(f"zbpp/step{number - 1}")
 
 
 def _exchange(prefix: str, value: Any, process: int, num_processes: int, timeout: float,
