@@ -116,3 +116,23 @@ def test_the_child_gets_back_the_train_flags_given():
     for k, v in vars(args).items():
         if k not in ("coordinator", "num_processes", "process_id", "_parser"):
             assert getattr(again, k) == v, k
+
+
+def test_every_setting_but_where_a_process_joins_and_writes_must_agree():
+    """The roll call compares these across processes; a new train option is compared unless it is named
+    per-process."""
+    from zbpp_lite.cli import build_parser
+    from zbpp_lite.cli.join import agreed_settings
+
+    argv = ["train", "--schedule", "zb-v", "-m", "6", "--seed", "3", "--option", "a=1", "--json", "out.json",
+            "--coordinator", "h:1", "--num-processes", "2", "--process-id", "1", "--transfer-address", "h:2"]
+    args = build_parser(argv).parse_args(argv)
+    settings = agreed_settings(args, args._parser)
+    assert settings["--schedule"] == "zb-v" and settings["--microbatches"] == 6 and settings["--seed"] == 3
+    assert settings["--option"] == ["a=1"] and settings["--blocks"] is None
+    for flag in ("--ranks", "--steps", "--batch", "--d", "--heads", "--lr", "--holdout", "--max-grad-norm",
+                 "--post-validation", "--spmd", "--schedule-csv", "--init"):
+        assert flag in settings, flag
+    for flag in ("--json", "--no-progress", "--coordinator", "--num-processes", "--process-id", "--transfer-address",
+                 "--timeout", "--heartbeat", "--help"):
+        assert flag not in settings, flag

@@ -153,6 +153,22 @@ def test_mismatched_process_counts_are_named_by_both_processes():
         assert errors[0].startswith(f"error: process {q}: mismatched process counts: this process was started with --num-processes {2 + q}")
 
 
+def test_a_setting_that_differs_is_refused_at_the_roll_call_by_every_process_naming_it():
+    """Before any compute: not a crash 33 s in (a slice of the wrong size), nor a silent wrong run."""
+    port = free_port()
+    t0 = time.monotonic()
+    results = _finish([_start(0, 2, port, ["--steps", "1"]), _start(1, 2, port, ["--steps", "1", "--microbatches", "8"])],
+                      90)
+    took = time.monotonic() - t0
+    for q, (status, out, err) in enumerate(results):
+        errors = _errors(err)
+        assert status == 1 and len(errors) == 1, err[-2000:]
+        assert errors[0] == (f"error: process {q}: --microbatches: process 0 has 4, process 1 has 8; give every process "
+                             "of a run the same"), errors
+        assert "step    0" not in out
+    print(f"both processes refused the run {took:.1f} s after starting")
+
+
 def test_a_duplicate_process_id_is_named_and_every_process_ends():
     port = free_port()
     four = ["--ranks", "4", "--steps", "1"]

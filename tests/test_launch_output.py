@@ -38,3 +38,17 @@ def test_launch_names_devices_per_process_and_says_what_the_median_step_holds():
     assert "after the first, which compiles: a step's wall time on process 0" in out.stdout
     assert "(their span is the makespan above)" in out.stdout
     assert out.stdout.count("zb-auto: planned with this job's activation memory per stage, M_B [") == 1
+
+
+def test_a_failed_gradient_check_makes_train_exit_non_zero(capsys, monkeypatch):
+    """Step 0's gradients beyond the tolerance the report states: one error line and status 1, not 0."""
+    from zbpp_lite.cli import main
+    from zbpp_lite.training import train
+
+    monkeypatch.setattr(train, "check_step", lambda *args: (2.5, 0.0))  # gradients as two seeds' would differ
+    tiny = ["--ranks", "2", "--microbatches", "2", "--steps", "1", "--d", "8", "--heads", "2", "--blocks", "2", "--batch", "4"]
+    assert main(["train", "--schedule", "1f1b", *tiny, "--threads", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "max relative error 2.50e+00, loss difference 0.00e+00 (tolerance 0.001, relative)" in captured.out
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "the gradient check failed" in errors[0] and "2.50e+00" in errors[0], captured.err

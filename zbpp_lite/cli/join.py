@@ -12,6 +12,7 @@ exit 1. The child dies with the supervisor (``PR_SET_PDEATHSIG``). Waits are bou
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import subprocess
@@ -23,6 +24,9 @@ from ..runtime.processes import end_process, exit_reason
 from . import CliError
 
 JOIN_FLAGS = tuple(JOIN_ENV)
+PER_PROCESS = (*JOIN_FLAGS, "json", "progress", "help")
+"""The train options each process of a run sets for itself (where it joins, what it writes, its progress
+bar); every other one must be the same on all (:func:`agreed_settings`)."""
 _XLA_LOG = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|\s+@\s|\*\*\* )")
 
 
@@ -79,16 +83,37 @@ def check_join_arguments(args, num_ranks: int) -> None:
                        f"{args.heartbeat}")
 
 
+def _options(parser: argparse.ArgumentParser):
+    """Each option of ``parser`` (argparse keeps no public list of them) with its long form."""
+    for action in parser._actions:
+        if action.option_strings:
+            yield action, max(action.option_strings, key=len)
+
+
+def agreed_settings(args, parser: argparse.ArgumentParser) -> dict:
+    """``{"--flag": value}`` of every train option but :data:`PER_PROCESS`: what the processes of one run
+    must agree on (the roll call compares them before any compute,
+    :func:`~zbpp_lite.runtime.distributed.roll_call`). A ``--schedule-csv`` counts by its content."""
+    settings = {}
+    for action, flag in _options(parser):
+        if action.dest not in PER_PROCESS:
+            settings[flag] = getattr(args, action.dest, action.default)
+    csv = settings.get("--schedule-csv")
+    if csv:
+        with open(csv, "rb") as f:
+            settings["--schedule-csv"] = f"a file with sha256 {hashlib.sha256(f.read()).hexdigest()[:16]}"
+    return settings
+
+
 def train_argv(args, parser: argparse.ArgumentParser) -> list[str]:
     """``args``' non-default train flags as a command line for the child (join flags go in the env)."""
     argv: list[str] = []
-    for action in parser._actions:  # argparse keeps no public list of a parser's options
-        if not action.option_strings or action.dest in JOIN_FLAGS + ("help",):
+    for action, flag in _options(parser):
+        if action.dest in JOIN_FLAGS + ("help",):
             continue
         value = getattr(args, action.dest, action.default)
         if value == action.default:
             continue
-        flag = max(action.option_strings, key=len)  # the long form
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             argv.append(flag)
         elif isinstance(action, argparse._AppendAction):

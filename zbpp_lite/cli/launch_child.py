@@ -27,8 +27,9 @@ from ..schedules.ir import Schedule
 from ..training.model import build_parts
 from ..training.train import train_steps as train_steps_of
 from . import build_parser
-from .train import (check_launchable, check_sizes, model_config, plan_with_job_memory, report,
-                    resolve_schedule, run_config, train_spmd_command)
+from .join import agreed_settings
+from .train import (check_launchable, check_sizes, grad_check_status, model_config, plan_with_job_memory,
+                    report, resolve_schedule, run_config, train_spmd_command)
 
 
 def train_process(args) -> int:
@@ -37,7 +38,7 @@ def train_process(args) -> int:
     blocks = check_sizes(args, schedule)
     check_launchable(args)  # launch checked it before starting us; a cluster's launcher did not
     t0 = time.perf_counter()
-    process, count = initialize()
+    process, count = initialize(settings=agreed_settings(args, args._parser))
     if COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):  # a detected cluster set no CPU device count
         with suppress(AttributeError, KeyError, ValueError, RuntimeError):  # JAX >= 0.4.38 has the option
             jax.config.update("jax_num_cpu_devices", -(-schedule.num_ranks // count) + (count > 1))
@@ -75,7 +76,7 @@ def train_process(args) -> int:
         if getattr(args, "json", None):
             data = {**result.to_json(), "startup_seconds": startup, "processes": count}
             print(strict_json.write(args.json, data))
-    return 0
+    return grad_check_status(result, process)  # every process holds the whole result: all exit alike
 
 
 def device_name(device) -> str:
@@ -107,8 +108,10 @@ def die_with_parent() -> None:
 if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
     die_with_parent()  # launch's or train's supervisor: never outlive it
     _args = build_parser(["train", *sys.argv[1:]]).parse_args(["train", *sys.argv[1:]])
+    _finished = False
     try:
         _status = train_process(_args)
+        _finished = True  # a failed gradient check too: every process got this far
     except BaseException as _e:  # noqa: BLE001 - one clear line on stderr, then out without waiting
         _line = str(_e).strip().splitlines()[0] if str(_e).startswith("process ") else \
             f"process {os.environ.get(JOIN_ENV['process_id'], '?')}: {one_line(_e)}"
@@ -116,6 +119,6 @@ if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train
         _status = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    if _status == 0:
+    if _finished:
         jax.distributed.shutdown()  # waits for every process: the coordinator leaves last
     os._exit(_status)  # threads blocked in a transfer must not keep a failed process alive

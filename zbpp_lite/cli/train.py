@@ -120,14 +120,35 @@ def train_spmd_command(args, schedule, blocks: int, devices, process: int = 0) -
     result = train_spmd(schedule, model, model.params, batches, args.lr, devices=devices, on_step=on_step)
     if process == 0:
         timed = sorted(timed_steps(result.step_seconds))
-        print("gradient check vs the unpartitioned model (step 0): max relative error "
-              f"{result.grad_max_rel_error:.2e}, loss difference {result.loss_error:.2e}")
+        print(grad_check_line(result))
         print(f"SPMD: median step {timed[len(timed) // 2] * 1e3:.2f} ms over {len(timed)} step(s); "
               f"{result.lockstep.makespan:g} lockstep ticks of the slowest action each (units of T_F)")
         if args.json:
             data = {**result.to_json(schedule), "processes": jax.process_count()}
             print(strict_json.write(args.json, data))
-    return 0
+    return grad_check_status(result, process if jax.process_count() > 1 else None)
+
+
+def grad_check_line(result) -> str:
+    """The report's line on step 0's check against the unpartitioned model, with the tolerance."""
+    from ..training.reference import GRAD_CHECK_TOLERANCE
+
+    return ("gradient check vs the unpartitioned model (step 0): max relative error "
+            f"{result.grad_max_rel_error:.2e}, loss difference {result.loss_error:.2e} (tolerance "
+            f"{GRAD_CHECK_TOLERANCE:g}, relative)")
+
+
+def grad_check_status(result, process: int | None = None) -> int:
+    """0, or 1 after an ``error:`` line on stderr (naming ``process`` where given) when step 0's gradient
+    check failed (:func:`~zbpp_lite.training.reference.grad_check_failure`)."""
+    from ..training.reference import grad_check_failure
+
+    failure = grad_check_failure(result.grad_max_rel_error, result.loss_error, result.losses[0])
+    if failure is None:
+        return 0
+    who = f"process {process}: " if process is not None else ""
+    print(f"error: {who}{failure}", file=sys.stderr, flush=True)
+    return 1
 
 
 def parse_options(pairs: list[str]) -> dict:
@@ -310,7 +331,7 @@ def run(args) -> int:
         if profiled is not None:
             data["profiled"] = profiled
         print(strict_json.write(args.json, data))
-    return 0
+    return grad_check_status(result)
 
 
 def _train(args, schedule, blocks: int, devices):
@@ -360,8 +381,7 @@ def report(result) -> str:
     held = "held-out" if result.config.get("holdout") else "all"
     lines = [
         f"test accuracy ({held} samples): {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}",
-        "gradient check vs the unpartitioned model (step 0): max relative error "
-        f"{result.grad_max_rel_error:.2e}, loss difference {result.loss_error:.2e}",
+        grad_check_line(result),
         f"{'':10}{'makespan':>14}{'bubble rate':>14}",
         f"{'measured':10}{m.makespan * 1e3:>11.2f} ms{m.bubble_rate:>14.4f}",
         f"{'simulated':10}{s.makespan * 1e3:>11.2f} ms{s.bubble_rate:>14.4f}   (measured mean action costs)",

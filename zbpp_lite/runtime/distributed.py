@@ -17,6 +17,7 @@ process and rank (:mod:`zbpp_lite.cli.launch` ends every child when one fails).
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import threading
 import time
@@ -41,7 +42,8 @@ from ..schedules.validate import execution_order
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, timeout: float | None = None,
-               transfer_address: str | None = None, heartbeat: float | None = None) -> tuple[int, int]:
+               transfer_address: str | None = None, heartbeat: float | None = None,
+               settings: dict | None = None) -> tuple[int, int]:
     """Start JAX's distributed runtime for this process; returns (process index, process count).
 
     Args:
@@ -53,15 +55,18 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             (default 60).
         heartbeat: seconds without a heartbeat before JAX declares a process lost (default
             ``max(timeout, 10)``).
+        settings: what every process must be given alike, compared with process 0's at the roll call
+            (:func:`roll_call`).
 
     Arguments default to the ``ZBPP_*`` environment (:func:`~zbpp_lite.runtime.cluster.join_settings`);
     with no coordinator JAX detects the cluster. Must run before JAX starts its backend; checks the
-    coordinator first and the process count after (:func:`roll_call`). Sets gloo collectives on CPU.
+    coordinator first, the process count and ``settings`` after (:func:`roll_call`). Sets gloo
+    collectives on CPU.
 
     Raises:
         RuntimeError: one line naming this process and the cause (coordinator unreachable, port not free,
-            process count differing from process 0's, runtime not starting). Failures inside JAX end the
-            process from C++; :mod:`zbpp_lite.cli.join` names their cause.
+            process count or a setting differing from process 0's, runtime not starting). Failures inside
+            JAX end the process from C++; :mod:`zbpp_lite.cli.join` names their cause.
     """
     env = join_settings()
     coordinator = coordinator or env["coordinator"]
@@ -87,7 +92,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         mine = address_towards(parse_address(state.coordinator_address, "the coordinator address")[0])
         transfer_address = f"{mine}:{free_port(mine)}"
     jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
-    roll_call(process_id, num_processes, timeout, transfer_address)
+    roll_call(process_id, num_processes, timeout, transfer_address, settings)
     return process_id, num_processes
 
 
@@ -113,21 +118,36 @@ def _start_runtime(coordinator, num_processes, process_id, timeout: float, heart
                            f"(coordinator {coordinator}): {one_line(e)}") from e
 
 
-def roll_call(process: int, num_processes: int, timeout: float, transfer_address: str = "") -> list[dict]:
-    """Every process's ``{"process", "num_processes", "host", "transfer_address"}`` in process order,
-    through the key-value store, checked against process 0's before JAX's backend starts.
+def roll_call(process: int, num_processes: int, timeout: float, transfer_address: str = "",
+              settings: dict | None = None) -> list[dict]:
+    """Every process's ``{"process", "num_processes", "host", "transfer_address", "settings"}`` in process
+    order, through the key-value store, checked against process 0's before JAX's backend starts.
+
+    ``settings``: ``{name: value}`` (JSON values) every process must be given alike, named as the user
+    gave them (``{"--microbatches": 4, ...}``); processes that disagree would compute with different
+    models or programs and fail late or, worse, not at all.
 
     Raises:
-        RuntimeError: one line: this process's count differs from process 0's, or a process did
-            not answer within ``timeout`` seconds (named)."""
+        RuntimeError: one line, the same on every process: a process count or a setting that differs
+            from process 0's (named, with both values), or a process that did not answer within
+            ``timeout`` seconds (named)."""
     mine = {"process": process, "num_processes": num_processes, "host": socket.gethostname(),
-            "transfer_address": transfer_address}
+            "transfer_address": transfer_address, "settings": dict(settings or {})}
+    first: dict = {}  # process 0's settings
 
     def check(q: int, entry: dict) -> None:
         if entry.get("num_processes") != num_processes:
             raise RuntimeError(f"process {process}: mismatched process counts: this process was started "
                                f"with --num-processes {num_processes}, process {q} (on {entry.get('host')}) "
                                f"with {entry.get('num_processes')}; give every process the same N")
+        theirs = entry.get("settings") or {}
+        if q == 0:
+            first.update(theirs)
+            return
+        for name in [*first, *(k for k in theirs if k not in first)]:
+            if name not in first or name not in theirs or first[name] != theirs[name]:
+                raise RuntimeError(f"process {process}: {name}: process 0 has {_shown(first, name)}, process "
+                                   f"{q} has {_shown(theirs, name)}; give every process of a run the same")
 
     try:
         return _exchange("zbpp/roll", mine, process, num_processes, timeout, check)
@@ -141,6 +161,14 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
                     _client().blocking_key_value_get(f"zbpp/roll/checked/{q}", int(min(timeout, 5.0) * 1000))
             time.sleep(1.0)  # their one line is printed after their verdict
         raise RuntimeError(str(e)) from None
+
+
+def _shown(settings: dict, name: str) -> str:
+    """A setting's value as the roll call's error names it."""
+    if name not in settings:
+        return "no such setting (another version of zbpp_lite?)"
+    value = settings[name]
+    return "none" if value is None else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def pipeline_devices(num_ranks: int) -> list:

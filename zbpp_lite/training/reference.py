@@ -64,6 +64,28 @@ def max_relative_error(grads: Sequence[Any], reference: Sequence[Any]) -> float:
     return worst
 
 
+GRAD_CHECK_TOLERANCE = 1e-3
+"""The largest step-0 difference from the unpartitioned model a run accepts, relative: the gradients' max
+relative error (:func:`max_relative_error`) and the loss difference over the loss. Float32 rounding of
+another summation order stays near 1e-6 on CPU (the tests hold 1e-5); TF32 matmuls (JAX's default for
+float32 on recent NVIDIA GPUs) keep 10 mantissa bits, about 1e-3. A wrong gradient is far above it: a
+microbatch of four lost is 0.25, another initialisation about 1."""
+
+
+def grad_check_failure(grad_error: float | None, loss_error: float | None, loss: float) -> str | None:
+    """One line saying how step 0's gradients or loss differ from the unpartitioned model's by more than
+    :data:`GRAD_CHECK_TOLERANCE`, or None when both are within it (or the check was off: None errors).
+    ``loss``: step 0's loss; NaN errors fail."""
+    if grad_error is None or loss_error is None:
+        return None
+    relative = loss_error / max(abs(loss), 1e-30)
+    if grad_error <= GRAD_CHECK_TOLERANCE and relative <= GRAD_CHECK_TOLERANCE:
+        return None
+    return (f"the gradient check failed: step 0 differs from the unpartitioned model by a max relative "
+            f"gradient error of {grad_error:.2e} and a relative loss difference of {relative:.2e}, beyond "
+            f"the tolerance {GRAD_CHECK_TOLERANCE:g}: this run's gradients are wrong")
+
+
 _JITTED: dict = {}  # (what, the model's structure) -> its jitted function, compiled once per shape
 
 
