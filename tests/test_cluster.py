@@ -68,6 +68,8 @@ DUPLICATE = FATAL + ("ALREADY_EXISTS: Aborted connect attempt as there is a requ
                      "RPC: /xla.coordination.CoordinationService/RegisterTask\n*** Check failure stack trace: ***\n")
 UNEXPECTED = FATAL + "INVALID_ARGUMENT: Unexpected task registered with task=2\n\nRPC: /xla.coordination.CoordinationService/RegisterTask\n"
 TIMED_OUT = FATAL + "DEADLINE_EXCEEDED: Deadline Exceeded\n\nRPC: /xla.coordination.CoordinationService/RegisterTask\n"
+STRANGER = ("F1202 06:03:54.057102    7296 socket-server.cc:299] Implement: goo.gle/debugstr    \n\n"  # JAX 0.10, one
+            "*** Check failure stack trace: ***\n    @     0x7f60386f0321  (unknown)\n")  # frame of 8 zero bytes
 
 
 @pytest.mark.parametrize("text, process, want", [
@@ -76,6 +78,9 @@ TIMED_OUT = FATAL + "DEADLINE_EXCEEDED: Deadline Exceeded\n\nRPC: /xla.coordinat
     (DUPLICATE, 1, "process 1: duplicate process id: another process registered as process 1"),
     (UNEXPECTED, 2, "process 2: the coordinator (coordinator 10.0.0.1:4321) does not expect process 2: --num-processes differs"),
     (TIMED_OUT, 0, "process 0: not every process registered with the coordinator (coordinator 10.0.0.1:4321) within 5 s"),
+    (STRANGER, 1, "process 1: JAX ended it on a message to its transfer port that it could not take (socket-server.cc:299: "
+                  "Implement: goo.gle/debugstr): most likely an unexpected client (a port scanner? another run?) reached "
+                  "that port; these ports belong on a trusted cluster network"),
     (FATAL + "INTERNAL: something new\n", 0, "process 0: JAX's distributed runtime ended it: INTERNAL: something new"),
 ])
 def test_jax_fatal_runtime_text_becomes_one_line_naming_the_cause(text, process, want):
@@ -136,3 +141,19 @@ def test_every_setting_but_where_a_process_joins_and_writes_must_agree():
     for flag in ("--json", "--no-progress", "--coordinator", "--num-processes", "--process-id", "--transfer-address",
                  "--timeout", "--heartbeat", "--help"):
         assert flag not in settings, flag
+
+
+def test_the_coordinator_listens_on_the_address_given_where_this_host_has_it():
+    import socket
+
+    from zbpp_lite.runtime.cluster import free_port, listen_address
+
+    port = free_port()
+    assert listen_address("127.0.0.1", port, "the coordinator port") == f"127.0.0.1:{port}"
+    assert listen_address("localhost", port, "the coordinator port") in (f"127.0.0.1:{port}", f"[::1]:{port}")
+    assert listen_address("192.0.2.1", port, "the coordinator port") == f"[::]:{port}"  # not this host's (NAT): all
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        with pytest.raises(RuntimeError, match=f"the coordinator port {port} on 127.0.0.1 cannot be listened on"):
+            listen_address("127.0.0.1", port, "the coordinator port")

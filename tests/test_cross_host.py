@@ -7,8 +7,11 @@ starts its own processes (new sessions) and ends only those."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
+import struct
 import signal
 import subprocess
 import sys
@@ -42,11 +45,13 @@ def _env() -> dict:
     return {**os.environ, "XLA_FLAGS": UNTIMED_CHILD_FLAGS}  # fast compiles: nothing is timed here
 
 
-def _start(process: int, count: int, port: int, extra: list[str], timeout: float = 30, heartbeat: float = 10) -> subprocess.Popen:
+def _start(process: int, count: int, port: int, extra: list[str], timeout: float = 30, heartbeat: float = 10,
+           transfer: str | None = None) -> subprocess.Popen:
     host = ADDRESS[process]
     cmd = [sys.executable, "-m", "zbpp_lite", "train", "--schedule", "1f1b", *TINY, *extra,
            "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(count), "--process-id", str(process),
-           "--transfer-address", f"{host}:{free_port(host)}", "--timeout", str(timeout), "--heartbeat", str(heartbeat)]
+           "--transfer-address", transfer or f"{host}:{free_port(host)}", "--timeout", str(timeout), "--heartbeat",
+           str(heartbeat)]
     return subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -87,6 +92,26 @@ def _kill(p: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     p.wait(timeout=10)
+
+
+def _wildcard_listeners(pgid: int) -> list[str]:
+    """The TCP ports that processes of group ``pgid`` listen on on every interface (0.0.0.0 or ::)."""
+    inodes = set()
+    for pid in _group_alive(pgid):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state, inode = row.split()[1], row.split()[3], row.split()[9]
+                host, port = local.split(":")
+                if state == "0A" and inode in inodes and set(host) == {"0"}:  # 0A: LISTEN
+                    found.append(f"{table.rsplit('/', 1)[1]} port {int(port, 16)}")
+    return found
 
 
 def _errors(stderr: str) -> list[str]:
@@ -133,6 +158,35 @@ def test_a_killed_process_ends_the_other_in_bounded_time_naming_it():
     assert after < heartbeat + 20
     time.sleep(0.5)
     assert not _group_alive(procs[0].pid) and not _group_alive(procs[1].pid)  # no orphan
+
+
+def test_listeners_bind_the_addresses_given_and_a_strangers_message_is_named():
+    """No port of the run is open on every interface; a stranger's message that JAX's transfer listener
+    cannot take ends that process (JAX aborts in C++, out of our reach) with one line naming the likely cause."""
+    port, heartbeat = free_port(), 4
+    transfer = f"127.0.0.2:{free_port('127.0.0.2')}"
+    procs = [_start(0, 2, port, ["--steps", "100000"], heartbeat=heartbeat),
+             _start(1, 2, port, ["--steps", "100000"], heartbeat=heartbeat, transfer=transfer)]
+    try:
+        deadline, seen = time.monotonic() + 180, ""
+        while "step    1" not in seen:  # every listener is up: the pipeline is stepping
+            assert procs[0].poll() is None and time.monotonic() < deadline, seen[-2000:]
+            seen += procs[0].stdout.readline()
+        assert _wildcard_listeners(procs[0].pid) == [] and _wildcard_listeners(procs[1].pid) == []
+        host, p = transfer.split(":")
+        with socket.create_connection((host, int(p))) as s:
+            s.sendall(struct.pack("<Q", 2**63) + b"x" * 64)
+        (s0, _, e0), (s1, _, e1) = _finish(procs, heartbeat + 60)
+    finally:
+        for p in procs:
+            _kill(p)
+    assert s0 == 1 and s1 == 1
+    (line,) = _errors(e1)
+    assert line.startswith(f"error: process 1: JAX ended it on a message to its transfer port {transfer} that it could not "
+                           "take (socket-server.cc:"), e1[-2000:]
+    assert line.endswith("): most likely an unexpected client (a port scanner? another run?) reached that port; these ports "
+                         "belong on a trusted cluster network (README 'Several hosts: trust')"), line
+    assert _errors(e0) == ["error: process 0: lost process 1 (no heartbeat from it): ending this process too"], e0[-2000:]
 
 
 def test_a_missing_coordinator_is_named_within_the_timeout():

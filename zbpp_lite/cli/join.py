@@ -185,7 +185,8 @@ def run_joined(args, schedule, parser: argparse.ArgumentParser, on_start=None) -
     if status == 0:
         return 0
     if not told:
-        line = explain_runtime_failure("\n".join(kept), args.process_id, args.coordinator, n, args.timeout)
+        line = explain_runtime_failure("\n".join(kept), args.process_id, args.coordinator, n, args.timeout,
+                                       args.transfer_address)
         if line is None:
             who = args.process_id if args.process_id is not None else "?"
             line = f"process {who}: {exit_reason(status)}: {last_line(kept)}"

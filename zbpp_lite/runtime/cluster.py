@@ -11,6 +11,7 @@ Layer 2 (runtime); no JAX import.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
@@ -112,16 +113,45 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def check_bindable(host: str, port: int, what: str) -> None:
-    """Raise RuntimeError in one line when this host cannot listen on ``host:port`` (in use, or
-    not an address of this host): ``what`` names the flag."""
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why this host cannot listen on ``host:port`` now (None: it can)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise RuntimeError(f"{what} {port} on {host} cannot be listened on here ({e.strerror}): "
-                               f"give a free port on one of this host's own addresses") from None
+            return e
+    return None
+
+
+def check_bindable(host: str, port: int, what: str) -> None:
+    """Raise RuntimeError in one line when this host cannot listen on ``host:port`` (in use, or
+    not an address of this host): ``what`` names the flag."""
+    e = _bind_error(host, port)
+    if e is not None:
+        raise RuntimeError(f"{what} {port} on {host} cannot be listened on here ({e.strerror}): "
+                           f"give a free port on one of this host's own addresses")
+
+
+def listen_address(host: str, port: int, what: str) -> str:
+    """``"HOST:PORT"`` to listen on for the address ``host:port`` the other processes are given: that
+    address where it is one of this host's own (a name resolved), so no other interface is open; every
+    interface (``[::]``) where it is not (e.g. an address a NAT forwards here).
+
+    Raises:
+        RuntimeError: one line naming ``what`` and the port, which is in use.
+    """
+    try:
+        ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError):
+        ip = None
+    e = _bind_error(ip, port) if ip is not None else None
+    if ip is not None and e is None:
+        return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+    if e is not None and e.errno != errno.EADDRNOTAVAIL:
+        check_bindable(ip, port, what)  # in use, or not allowed: raises, naming it
+    check_bindable("0.0.0.0", port, what)
+    return f"[::]:{port}"
 
 
 def wait_for_coordinator(host: str, port: int, timeout: float, process: int | None = None) -> float:
@@ -149,16 +179,28 @@ def wait_for_coordinator(host: str, port: int, timeout: float, process: int | No
 _UNHEALTHY = re.compile(r"tasks are unhealthy[^\n]*:\s*\n?\s*([\d,\s]+)", re.S)
 
 
+_TRANSFER_CODE = re.compile(r"((?:socket-server|socket_bulk_transport)\.cc:\d+)\]\s*([^\n]*)")
+
+
 def explain_runtime_failure(text: str, process: int | None, coordinator: str | None,
-                            num_processes: int | None = None, timeout: float | None = None) -> str | None:
-    """One line naming why JAX's runtime ended a process (``text``: its stderr; lost process or
-    coordinator, duplicate or unexpected process id, registration timeout, else the status line), or
-    ``None`` when ``text`` shows no fatal runtime error (JAX 0.4-0.10's messages)."""
+                            num_processes: int | None = None, timeout: float | None = None,
+                            transfer_address: str | None = None) -> str | None:
+    """One line naming why JAX's runtime ended a process (``text``: its stderr; a message its transfer
+    listener could not take, lost process or coordinator, duplicate or unexpected process id, registration
+    timeout, else the status line), or ``None`` when ``text`` shows no fatal runtime error (JAX 0.4-0.10's
+    messages)."""
     if "Terminating process because the JAX distributed service" not in text and "Check failure" not in text \
             and "CoordinationService" not in text:
         return None
     me = f"process {process}" if process is not None else "this process"
     who = f" (coordinator {coordinator})" if coordinator else ""
+    transfer = _TRANSFER_CODE.search(text)
+    if transfer:
+        port = f" {transfer_address}" if transfer_address else ""
+        return (f"{me}: JAX ended it on a message to its transfer port{port} that it could not take "
+                f"({transfer.group(1)}: {transfer.group(2).strip()[:80]}): most likely an unexpected client "
+                "(a port scanner? another run?) reached that port; these ports belong on a trusted cluster "
+                "network (README 'Several hosts: trust')")
     lost = _UNHEALTHY.search(text)
     if lost:
         ids = sorted({int(t) for t in re.findall(r"\d+", lost.group(1))} - {process})

@@ -29,7 +29,7 @@ import numpy as np
 from jax._src import distributed as _dist  # the key-value client: no public name yet
 
 from . import wire
-from .cluster import (address_towards, check_bindable, free_port, join_settings, parse_address,
+from .cluster import (address_towards, free_port, join_settings, listen_address, parse_address,
                       wait_for_coordinator)
 from .executor import PipelineExecutor
 from .processes import one_line
@@ -78,33 +78,46 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     me = f"process {process_id if process_id is not None else '?'}"
     if transfer_address:
         parse_address(transfer_address, "the transfer address")
+    bind = None
     if coordinator:
         c_host, c_port = parse_address(coordinator, "--coordinator")
         if process_id == 0:
-            check_bindable("0.0.0.0", c_port, f"{me}: the coordinator port")
+            bind = listen_address(c_host, c_port, f"{me}: the coordinator port")
         else:
             wait_for_coordinator(c_host, c_port, timeout, process_id)
-    _start_runtime(coordinator, num_processes, process_id, timeout, int(max(heartbeat, 1)), me)
+    _start_runtime(coordinator, num_processes, process_id, timeout, int(max(heartbeat, 1)), me, bind)
     state = _dist.global_state
     process_id = state.process_id if process_id is None else process_id
     num_processes = state.num_processes if num_processes is None else num_processes
     if not transfer_address:  # a detected cluster: the address towards the coordinator it found
         mine = address_towards(parse_address(state.coordinator_address, "the coordinator address")[0])
         transfer_address = f"{mine}:{free_port(mine)}"
-    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+    _listen_for_transfers(transfer_address)
     roll_call(process_id, num_processes, timeout, transfer_address, settings)
     return process_id, num_processes
 
 
-def _start_runtime(coordinator, num_processes, process_id, timeout: float, heartbeat: int, me: str) -> None:
-    """``jax.distributed.initialize`` with this package's timeouts; its failure in one line."""
+def _listen_for_transfers(transfer_address: str) -> None:
+    """JAX's transfer listeners on ``transfer_address`` and, for the bulk data, on free ports of its host
+    (JAX's default: 4 on every interface)."""
+    jax.config.update("jax_cross_host_transfer_socket_address", transfer_address)
+    host = parse_address(transfer_address, "the transfer address")[0]
+    host = f"[{host}]" if ":" in host else host
+    with suppress(AttributeError, KeyError):  # a JAX without the option: its own default
+        jax.config.update("jax_cross_host_transport_addresses", ",".join([f"{host}:0"] * 4))
+
+
+def _start_runtime(coordinator, num_processes, process_id, timeout: float, heartbeat: int, me: str,
+                   bind: str | None = None) -> None:
+    """``jax.distributed.initialize`` with this package's timeouts, its coordinator listening on ``bind``
+    (``HOST:PORT``; None: JAX's default, every interface); its failure in one line."""
     jax.config.update("jax_cross_host_transfer_timeout_seconds", int(max(timeout, 1)))
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except Exception:  # pragma: no cover - a JAX without the option
         pass
     options = {"initialization_timeout": int(max(timeout, 1)), "heartbeat_timeout_seconds": heartbeat,
-               "shutdown_timeout_seconds": int(max(timeout, 1))}
+               "shutdown_timeout_seconds": int(max(timeout, 1)), "coordinator_bind_address": bind}
     try:
         try:
             jax.distributed.initialize(coordinator, num_processes, process_id, **options)
