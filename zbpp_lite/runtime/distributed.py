@@ -10,8 +10,10 @@ together (from two threads they mismatched). So each process issues all its tran
 :func:`transfer_plan`'s order (:func:`zbpp_lite.schedules.validate.execution_order`, the same everywhere),
 which cannot deadlock; a receiver posts its half once the key-value store says the value exists, on its
 :func:`staging_device`. After the step, results go through the key-value store so every process returns
-the whole :class:`~zbpp_lite.runtime.executor.StepResult`. Every wait has a timeout and errors name the
-process and rank (:mod:`zbpp_lite.cli.launch` ends every child when one fails).
+the whole :class:`~zbpp_lite.runtime.executor.StepResult`; process 0 deletes a step's keys once every
+process has read them, so the store holds one step's however many run. Every wait has a timeout and
+errors name the process and rank (:mod:`zbpp_lite.cli.launch` ends every child when one fails). The
+listeners bind the addresses given (README "Several hosts: trust").
 """
 
 from __future__ import annotations
@@ -141,9 +143,9 @@ def roll_call(process: int, num_processes: int, timeout: float, transfer_address
     models or programs and fail late or, worse, not at all.
 
     Raises:
-        RuntimeError: one line, the same on every process: a process count or a setting that differs
-            from process 0's (named, with both values), or a process that did not answer within
-            ``timeout`` seconds (named)."""
+        RuntimeError: one line: a process count or a setting that differs from process 0's (a setting
+            named with both values, in the same line on every process), or a process that did not
+            answer within ``timeout`` seconds (named)."""
     mine = {"process": process, "num_processes": num_processes, "host": socket.gethostname(),
             "transfer_address": transfer_address, "settings": dict(settings or {})}
     first: dict = {}  # process 0's settings
