@@ -144,3 +144,36 @@ def test_the_coordinator_keeps_one_steps_results_however_many_steps_run(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     after_10, after_300 = (int(v) for v in done.stdout.split("keys")[1].split())
     assert after_10 == after_300 <= 2, done.stdout  # one step's results (one per process) and no more
+
+
+_WRONG_GRADIENTS = """
+import runpy, sys
+from zbpp_lite.training import train
+train.check_step = lambda *args: (2.5, 0.0)  # step 0's gradients as far off as two seeds' would be
+sys.argv = ["launch_child", *sys.argv[1:]]
+runpy.run_module("zbpp_lite.cli.launch_child", run_name="__main__")
+"""
+
+
+def test_a_failed_gradient_check_makes_every_process_exit_non_zero(untimed_children):
+    import subprocess
+    import sys
+
+    from zbpp_lite.runtime.cluster import child_env, free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-c", _WRONG_GRADIENTS, "--schedule", "1f1b", *TINY], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=child_env({"coordinator": coordinator, "num_processes": 2, "process_id": q,
+                                             "transfer_address": f"127.0.0.1:{free_port()}", "timeout": 30}, 1))
+             for q in (0, 1)]
+    try:
+        results = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for q, (p, (out, err)) in enumerate(zip(procs, results)):
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert p.returncode == 1 and len(errors) == 1, err[-2000:]
+        assert errors[0].startswith(f"error: process {q}: the gradient check failed") and "2.50e+00" in errors[0]
+    assert "max relative error 2.50e+00, loss difference 0.00e+00 (tolerance 0.001, relative)" in results[0][0]
