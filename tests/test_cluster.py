@@ -88,6 +88,16 @@ def test_jax_fatal_runtime_text_becomes_one_line_naming_the_cause(text, process,
     assert line.startswith(want) and "\n" not in line
 
 
+def test_launch_names_the_cause_of_a_childs_end_in_jaxs_runtime():
+    from zbpp_lite.cli.launch import failure_line
+
+    line = failure_line(1, -6, STRANGER.splitlines())
+    assert line.startswith("process 1 ") and "process 1: JAX ended it on a message to its transfer port" in line
+    assert "most likely an unexpected client" in line and "\n" not in line
+    assert failure_line(1, 1, ["error: process 1: --seed: process 0 has 0, process 1 has 1"]).endswith(
+        ": error: process 1: --seed: process 0 has 0, process 1 has 1")  # its own line first
+
+
 def test_ordinary_errors_are_not_taken_for_runtime_failures():
     assert explain_runtime_failure("Traceback ...\nValueError: bad\n", 0, None) is None
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from ..runtime.cluster import check_bindable, child_env, free_port
+from ..runtime.cluster import check_bindable, child_env, explain_runtime_failure, free_port
 from ..runtime.processes import end_process, exit_reason, failed
 from . import CliError, build_parser
 from .join import check_process_count, last_line, start_child
@@ -80,7 +80,7 @@ def launch(train_args: list[str], processes: int, devices_per_process: int = 1, 
     for i in range(processes):
         settings = {"coordinator": f"127.0.0.1:{ports[0]}", "num_processes": processes, "process_id": i,
                     "transfer_address": f"127.0.0.1:{ports[i + 1]}", "timeout": timeout}
-        child, tail, threads = start_child(train_args, child_env(settings, devices_per_process), 20,
+        child, tail, threads = start_child(train_args, child_env(settings, devices_per_process), 100,
                                            show_out=echo if i == 0 else None, stdout=subprocess.PIPE,
                                            start_new_session=True)
         children.append(child)
@@ -104,7 +104,7 @@ def _watch(children: list, tails: list[list[str]], deadline: float) -> tuple[int
         codes, bad = [c.poll() for c in children], failed(children)
         if bad:
             time.sleep(0.5)  # let the first error's last lines arrive
-            return 1, [f"process {i} {exit_reason(code)}: {last_line(tails[i])}" for i, code in bad]
+            return 1, [failure_line(i, code, tails[i]) for i, code in bad]
         if all(c == 0 for c in codes):
             return 0, []
         if time.monotonic() > end:
@@ -112,6 +112,15 @@ def _watch(children: list, tails: list[list[str]], deadline: float) -> tuple[int
             return 1, [f"process(es) {running} still running after the {deadline:g} s deadline: "
                        f"{last_line(tails[running[0]])}"]
         time.sleep(0.1)
+
+
+def failure_line(process: int, code: int, tail: list[str]) -> str:
+    """Why child ``process`` failed (exit ``code``; ``tail``: its last lines): its own ``error:`` line, else
+    the cause of an end in JAX's C++ runtime (:func:`~zbpp_lite.runtime.cluster.explain_runtime_failure`),
+    else its last line."""
+    told = any(line.startswith("error:") for line in tail)
+    explained = None if told else explain_runtime_failure("\n".join(tail), process, None)
+    return f"process {process} {exit_reason(code)}: {explained or last_line(tail)}"
 
 
 def run(args) -> int:
