@@ -2,8 +2,10 @@
 coordinator) and 127.0.0.2 (process 1), as two hosts would be. They train with the unpartitioned
 model's gradients; a killed process ends the other within a bounded time with one line naming it,
 and no process is left behind; a missing coordinator, mismatched process counts and a duplicate
-process id each end every process within a bounded time with one line naming the cause. Each test
-starts its own processes (new sessions) and ends only those."""
+process id each end every process within a bounded time with one line naming the cause; so does a
+setting that differs between the processes, at the roll call; no port is open on every interface, and
+a stranger's message to a transfer port is named as such. Each test starts its own processes (new
+sessions) and ends only those."""
 
 from __future__ import annotations
 

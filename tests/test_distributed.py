@@ -2,7 +2,8 @@
 model's loss and gradients with 2 processes (each schedule's gradients in one process are
 tests/test_executor.py's and tests/test_spmd.py's; here, one of each kind of traffic); and failure, not hang:
 a dying process and a port in use give a clear error naming the process within bounded time,
-with every child ended. Each test starts its own children and ends only those."""
+with every child ended; a failed gradient check ends every process with status 1; the coordinator keeps
+one step's results however many steps run. Each test starts its own children and ends only those."""
 
 from __future__ import annotations
 
