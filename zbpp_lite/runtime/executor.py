@@ -45,8 +45,9 @@ class StepResult:
     Attributes:
         loss: the global-batch mean loss, float (mean of the microbatch losses).
         microbatch_losses: the last stage's loss for each microbatch, floats.
-        grads: gradient of ``loss``, one pytree per model module (as ``StagedModel.params``), float32,
-            each on its stage's device.
+        grads: gradient of ``loss``, one pytree per model module (as ``StagedModel.params``), each on its
+            stage's device, summed over the microbatches in float32 (float64 for float64 parameters:
+            :func:`~zbpp_lite.runtime.split.sum_dtype`), bfloat16 parameters too.
         timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (s from the first action).
         start: seconds from the first step of the :meth:`PipelineExecutor.run_steps` call (0.0 for ``run``).
         discarded: events of speculative actions redone after a rollback (:class:`RankUpdate`).
@@ -93,7 +94,8 @@ class RankUpdate(Protocol):
     - ``stage_params(stage)`` before the rank's first action of every step (and of a redone warm-up):
       the stage's parameters, a tuple of leaves on its device;
     - ``step(rank, k, grads, channel)`` after its last action of step ``k``: ``grads`` maps each stage to
-      its gradient sums (tuple of float32 leaves on its device) of the global-batch mean loss;
+      its gradient sums (tuple of leaves on its device, float32 for float32 and bfloat16 parameters:
+      :func:`~zbpp_lite.runtime.split.sum_dtype`) of the global-batch mean loss;
     - ``validate(rank, k, channel) -> bool`` once per step and after the last (paper section 4). Without
       ``verdict_key`` it runs before step ``k + 1``. With it (the deciding message's key) step ``k + 1``'s
       warm-up runs speculatively and ``validate`` runs when that message arrives, at the latest before

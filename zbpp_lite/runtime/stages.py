@@ -92,7 +92,9 @@ class StagedModel:
         num_stages: S.
         parts: ``parts[s]``: stage s's module indices (:func:`stage_parts`, or a custom contiguous
             partition via ``parts``).
-        params: one ``nnx.State`` per module (a list; pytrees of float32 arrays).
+        params: one ``nnx.State`` per module (a list; pytrees of float arrays, float32 or lower precision);
+            the pipelines return their gradients summed in float32 at least
+            (:func:`~zbpp_lite.runtime.split.sum_dtype`).
 
     :meth:`stage_fn` is stage s's pure ``(stage_params, x, labels) -> y`` (the last returns the scalar
     ``loss_fn(logits, labels)``); :meth:`split_stage` its :class:`~zbpp_lite.runtime.split.StageSplit`;

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...runtime.split import sum_dtype
 from ...runtime.transport import OptimizerMessage
 from ..reference import adamw_step
 from .rollback import AdamWConfig, adamw_rollback
@@ -194,7 +195,7 @@ class StageOptimizer:
     def _warm_up(self) -> None:
         """Compile every function a rank may call, on zeros, so nothing compiles inside a timed step."""
         for s in self._params:
-            zeros = tuple(jnp.zeros_like(p) for p in self._params[s])
+            zeros = tuple(jnp.zeros_like(p, sum_dtype(p.dtype)) for p in self._params[s])  # the sums' dtypes
             outs = [adamw_step(self._params[s], self._states[s], zeros, self.config)]
             outs.append(adamw_step(*outs[0], zeros, self.config))  # later steps: the outputs' own layout
             if self.policy != "plain":
