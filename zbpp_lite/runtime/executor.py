@@ -19,6 +19,8 @@ Simulated CPU devices share XLA's thread pool; for one core per rank run one pro
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +55,8 @@ class StepResult:
         discarded: events of speculative actions redone after a rollback (:class:`RankUpdate`).
         started_at: ``time.perf_counter()`` at the first action (CLOCK_MONOTONIC: aligns processes of one
             machine); 0.0 across hosts.
+        tie_sums: one :class:`TieSum` per rank and tie of a model with tied weights (``StagedModel.ties``):
+            the exchange that sums the copies' gradients, timed like the timeline's events.
     """
 
     loss: float
@@ -62,6 +66,23 @@ class StepResult:
     start: float = 0.0
     discarded: tuple = ()
     started_at: float = 0.0
+    tie_sums: tuple = ()
+
+
+@dataclass(frozen=True)
+class TieSum:
+    """One rank's share of summing a tied parameter's gradient copies after its last action (section 2's
+    W sums, then one exchange, as Megatron-LM's embedding all-reduce): ``tie`` indexes ``StagedModel.ties``;
+    ``ranks`` hold copies (this one sends its partial sum to each other one and adds theirs, in rank order,
+    so every copy gets the same sum); ``nbytes`` sent to each; ``start``, ``end`` in seconds (the wait for
+    the others' sums included), measured as the timeline's events."""
+
+    rank: int
+    tie: int
+    ranks: tuple[int, ...]
+    nbytes: int
+    start: float
+    end: float
 
 
 class _Leaves(list):
@@ -174,6 +195,7 @@ class _Step:
     index: int = 0  # the step's number over the executor's life (remote messages carry it)
     attempts: dict = field(default_factory=dict)  # rank -> its attempt (1 once its warm-up was redone)
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
+    tie_sums: list = field(default_factory=list)  # TieSum per rank and tie (guarded by lock)
     memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
 
@@ -429,7 +451,9 @@ class PipelineExecutor:
         loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
         discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.discarded)
         grads = self.model.join_stage_params(grads)
-        return StepResult(loss, losses, grads, timeline, begin, discarded, step.t0 + begin)
+        tie_sums = tuple(dataclasses.replace(t, start=t.start - begin, end=t.end - begin)
+                         for t in step.tie_sums)
+        return StepResult(loss, losses, grads, timeline, begin, discarded, step.t0 + begin, tie_sums)
 
     @staticmethod
     def _raise_first(errors) -> None:
@@ -465,6 +489,7 @@ class PipelineExecutor:
                         hooks = _HOOKS
                         self._redo(rank, step, stages, update)
                 at[0] = None
+                self._sum_ties(rank, step)
                 if update is not None:
                     update.step(rank, k, {s: step.acc[s] for s in stages}, _Channel(self, step, rank))
             if update is not None:
@@ -498,6 +523,30 @@ class PipelineExecutor:
                 if output is not None:
                     self._send(step, action, output, attempt)
         hooks.end()
+
+    def _sum_ties(self, rank: int, step: _Step) -> None:
+        """Tied weights: for each tie with a copy on ``rank``, send the sum of its copies here to the other
+        ranks holding copies, add theirs in rank order, and put the total into every copy here."""
+        placement = self.schedule.placement
+        for t, copies in enumerate(self.model.tied_leaves()):
+            mine = [(s, i) for s, i in copies if placement[s] == rank]
+            if not mine:
+                continue
+            start, ranks = time.perf_counter(), tuple(sorted({placement[s] for s, _ in copies}))
+            own = functools.reduce(operator.add, [step.acc[s][i] for s, i in mine])
+            for q in ranks:
+                if q != rank:
+                    self.transport.send(step, q, OptimizerMessage(f"TIE{t}", rank), own)
+            device = self.stage_devices[mine[0][0]]
+            shares = [own if q == rank else jax.device_put(step.inboxes[rank].take(
+                OptimizerMessage(f"TIE{t}", q), self.timeout, f"the sum of tie {t}"), device) for q in ranks]
+            total = functools.reduce(operator.add, shares)
+            for s, i in mine:
+                step.acc[s] = (*step.acc[s][:i], _placed(total, self.stage_devices[s]), *step.acc[s][i + 1:])
+            jax.block_until_ready(total)
+            with step.lock:
+                step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, start - step.t0,
+                                            time.perf_counter() - step.t0))
 
     def _take(self, step: _Step, rank: int, key: Key, action: Action, attempt: int, hooks: _Hooks) -> Any:
         """The value under ``key`` that ``action`` takes, from rank ``rank``'s inbox."""

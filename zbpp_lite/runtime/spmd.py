@@ -482,9 +482,11 @@ class SpmdExecutor:
         return self._compiled[key]
 
     def run(self, params: Params, x: Any, labels: Any) -> SpmdResult:
-        """One step: loss and gradients of the global-batch mean loss (seed 1/m, as the MPMD executor)."""
+        """One step: loss and gradients of the global-batch mean loss (seed 1/m, as the MPMD executor);
+        each tied copy's gradient is the sum over its copies (``StagedModel.sum_tied``)."""
         args = self.inputs(params, x, labels)
         losses, acc = self.compiled(args)(*args)
         losses, acc = jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), (losses, acc))
+        # every rank's sums are on every rank (the psum above): tied copies summed here, on the host
         return SpmdResult(float(np.mean(losses.astype(np.float64))), tuple(float(v) for v in losses),
-                          self.unpack_grads(acc))
+                          self.model.sum_tied(self.unpack_grads(acc)))

@@ -184,6 +184,9 @@ class StageOptimizer:
             leaves = tuple(jax.tree_util.tree_leaves(model.stage_params(params, s)))
             self._params[s] = jax.device_put(leaves, executor.stage_devices[s])
             self._states[s] = jax.device_put(opt.init(self._params[s]), executor.stage_devices[s])
+        # tied weights (StagedModel.ties): every copy holds the whole gradient; the norm counts the first
+        self._repeats = {s: {i for copies in model.tied_leaves() for t, i in copies[1:] if t == s}
+                         for s in executor.local_stages}
         self._pending: dict[int, dict] = {}  # rank -> what validate() needs from its last step
         self._lock = threading.Lock()
         self.reports: list[StepReport] = []
@@ -287,7 +290,8 @@ class StageOptimizer:
         sq, finite = 0.0, True
         for s in sorted(grads):
             sums, ok = jax.device_get(self._norm_fn(grads[s]))
-            sq += float(np.sum(np.asarray(sums, np.float64)))
+            sums = [v for i, v in enumerate(np.asarray(sums, np.float64)) if i not in self._repeats[s]]
+            sq += float(np.sum(sums))
             finite = finite and bool(ok)
         return sq, finite
 
