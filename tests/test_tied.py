@@ -198,3 +198,39 @@ def test_adamw_in_the_rank_threads_counts_the_tie_once_in_the_global_norm(policy
     (s0, i0), (s1, i1) = tied
     assert np.array_equal(np.asarray(params[s0][i0]), np.asarray(params[s1][i1]))
     _close(params[s0][i0], want["embedding"], 1e-4)
+
+
+def test_the_copies_gradients_cross_processes_through_the_shared_memory_rings():
+    """One executor per rank (zbpp_lite.runtime.processes), linked by a socket and shared-memory rings:
+    each rank sends its copy's share to the other, and both copies get the tied gradient."""
+    from test_byo_model import run_over_rings
+
+    m = 3
+    schedule = zb.build_schedule("zb-h1", 2, m)
+    model = StagedModel(function_parts(), 2, loss_fn)
+    x, y = _batch(m)
+    results = run_over_rings(model, schedule, x, y)
+    ref = jax.grad(tied_loss)(_start(), x, y)
+    (tie,) = model.ties  # the first part's copy on rank 0, the last part's on rank 1
+    copies = [np.asarray(jax.tree_util.tree_leaves(results[r].grads[part])[leaf]) for r, (part, leaf, _) in enumerate(tie.copies)]
+    assert np.array_equal(copies[0], copies[1])
+    _close(copies[0], ref["embedding"])
+    assert [t.rank for t in results[0].tie_sums + results[1].tie_sums] == [0, 1]
+
+
+def test_the_cross_host_transport_refuses_ties_across_processes_in_one_line():
+    """JAX's distributed runtime carries activations only: a tie whose copies sit in two processes is
+    refused before any compute, naming the shared array."""
+    from zbpp_lite.runtime.distributed import _CrossProcess
+
+    class TwoProcesses:  # the devices of ranks 0 and 1 in processes 0 and 1
+        def __init__(self, process):
+            self.process_index = process
+
+    model = StagedModel(function_parts(), 2, loss_fn)
+    with pytest.raises(ValueError, match=r"^parts 0 and 5 share one array \(part 0 at \['embedding'\], part 5 at "
+                                         r"\['embedding'\]; tied weights\), on ranks of different processes") as err:
+        _CrossProcess(None, model, zb.build_schedule("zb-h1", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
+    assert len(str(err.value).splitlines()) == 1
+    v_model = StagedModel(function_parts(), 4, loss_fn)  # zb-v: the first and last stage on rank 0
+    _CrossProcess(None, v_model, zb.build_schedule("zb-v", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
