@@ -189,6 +189,8 @@ class StagedModel:
     def tied_leaves(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per :attr:`ties` entry, each copy as ``(stage, index)``: its place among
         ``tree_leaves(stage_params(params, stage))`` (what the executors hold per stage)."""
+        if not self.ties:
+            return ()
         stage_of = {i: s for s, indices in enumerate(self.parts) for i in indices}
         counts = [len(jax.tree_util.tree_leaves(p)) for p in self.params]
 
