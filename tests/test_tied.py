@@ -234,3 +234,30 @@ def test_the_cross_host_transport_refuses_ties_across_processes_in_one_line():
     assert len(str(err.value).splitlines()) == 1
     v_model = StagedModel(function_parts(), 4, loss_fn)  # zb-v: the first and last stage on rank 0
     _CrossProcess(None, v_model, zb.build_schedule("zb-v", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
+
+
+def test_two_ties_one_of_them_inside_a_stage():
+    """Blocks 1 and 2 share one dict (both in stage 0 of zb-h1, so on one rank) beside the embedding tie:
+    two ties, each copy with its tie's gradient."""
+    blocks = _blocks()
+    blocks[1] = blocks[0]
+    shared = {"embedding": _embedding()}
+    model = StagedModel([(lookup, shared), *[(block, p) for p in blocks], (logits_of, shared)], 2, loss_fn)
+    assert [[part for part, _, _ in tie.copies] for tie in model.ties] == [[0, 5], [1, 2], [1, 2]]  # w, b
+    assert model.ties[1].describe().startswith("parts 1 and 2 share one array (part 1 at ['b'], part 2 at ['b']")
+    m = 4
+    x, y = _batch(m)
+    result = run_schedule(zb.build_schedule("zb-h1", 2, m), model, x, y, devices=DEVICES[:2])
+    ref = jax.grad(tied_loss)({"embedding": _embedding(), "blocks": blocks}, x, y)  # blocks' shares apart
+    for i in (1, 2):
+        for key in ("w", "b"):  # d/dp L(p, p) = the two uses' shares summed
+            _close(result.grads[i][key], ref["blocks"][0][key] + ref["blocks"][1][key])
+    _close(result.grads[0]["embedding"], ref["embedding"])
+    _close(result.grads[5]["embedding"], ref["embedding"])
+    same = StagedModel([(lookup, {"embedding": _embedding(), "again": shared["embedding"]}), *[(block, p) for p in _blocks()],
+                        (logits_of, shared)], 2, loss_fn)
+    assert same.ties[0].describe().startswith("parts 0 and 5 share one array (part 0 at ['again'], part 5")
+    one_part = StagedModel([(lookup, {"embedding": shared["embedding"], "again": shared["embedding"]}),
+                            *[(block, p) for p in _blocks()], (logits_of, {"embedding": _embedding()})], 2, loss_fn)
+    assert one_part.ties[0].describe() == ("part 0 holds one array in 2 places (part 0 at ['again'], part 0 at "
+                                           "['embedding']; tied weights)")

@@ -31,6 +31,7 @@ import numpy as np
 
 from .devices import too_few_devices_message
 from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
+from .split import sum_dtype
 from .spmd import SpmdExecutor
 from .stages import Params, StagedModel, batch_microbatch_size
 from .transport import (Aborted, Carrier, Inbox, Interrupted, OptimizerMessage, Threads, Transfer, Transport,
@@ -317,6 +318,7 @@ class PipelineExecutor:
                 _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
                 acc = flat.backward_weight(params[s], kept, grads_out, None)
                 jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
+        self._warm_ties(params)
         self._prepared[signature] = splits, shapes
         return splits
 
@@ -523,6 +525,13 @@ class PipelineExecutor:
                 if output is not None:
                     self._send(step, action, output, attempt)
         hooks.end()
+
+    def _warm_ties(self, params: list) -> None:
+        """Compile :meth:`_sum_ties`' addition for each local copy, so no step compiles it."""
+        for s, i in (c for copies in self.model.tied_leaves() for c in copies if c[0] in self.local_stages):
+            leaf = params[s][i]
+            zeros = jax.device_put(np.zeros(leaf.shape, sum_dtype(leaf.dtype)), self.stage_devices[s])
+            jax.block_until_ready(zeros + zeros)
 
     def _sum_ties(self, rank: int, step: _Step) -> None:
         """Tied weights: for each tie with a copy on ``rank``, send the sum of its copies here to the other

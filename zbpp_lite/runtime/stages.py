@@ -251,8 +251,10 @@ class Tie:
 
     def describe(self) -> str:
         """E.g. ``parts 0 and 3 share one array (part 0 at ['embedding'], part 3 at ['w']; tied weights)``."""
-        parts = [str(part) for part, _, _ in self.copies]
+        parts = list(dict.fromkeys(str(part) for part, _, _ in self.copies))
         where = ", ".join(f"part {part} at {path}" for part, _, path in self.copies)
+        if len(parts) == 1:
+            return f"part {parts[0]} holds one array in {len(self.copies)} places ({where}; tied weights)"
         return f"parts {', '.join(parts[:-1])} and {parts[-1]} share one array ({where}; tied weights)"
 
 
