@@ -178,11 +178,11 @@ def test_three_adamw_steps_train_the_tied_model_as_optax_does(form):
         _close(adamw.params[i]["w"], r["w"], 1e-4)
 
 
-@pytest.mark.parametrize("policy, clip", [("plain", None), ("synchronous", 0.05)])
+@pytest.mark.parametrize("policy, clip", [("plain", None), ("synchronous", 0.05), ("post-validation", 0.05)])
 def test_adamw_in_the_rank_threads_counts_the_tie_once_in_the_global_norm(policy, clip):
     """The optimizer inside the rank threads (StageOptimizer): plain, and clipped by a global norm small
-    enough to clip every step, which must count the tied parameter once, as optax.clip_by_global_norm
-    on the tied model does."""
+    enough to clip every step (synchronously, or post-validated: every speculative step rolled back and
+    redone), which must count the tied parameter once, as optax.clip_by_global_norm on the tied model does."""
     m = 4
     schedule = zb.build_schedule("zb-h1", 2, m)
     model = StagedModel(function_parts(), 2, loss_fn)
