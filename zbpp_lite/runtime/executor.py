@@ -117,7 +117,8 @@ class RankUpdate(Protocol):
       the stage's parameters, a tuple of leaves on its device;
     - ``step(rank, k, grads, channel)`` after its last action of step ``k``: ``grads`` maps each stage to
       its gradient sums (tuple of leaves on its device, float32 for float32 and bfloat16 parameters:
-      :func:`~zbpp_lite.runtime.split.sum_dtype`) of the global-batch mean loss;
+      :func:`~zbpp_lite.runtime.split.sum_dtype`) of the global-batch mean loss, each tied copy
+      holding its tie's whole gradient (:class:`TieSum`);
     - ``validate(rank, k, channel) -> bool`` once per step and after the last (paper section 4). Without
       ``verdict_key`` it runs before step ``k + 1``. With it (the deciding message's key) step ``k + 1``'s
       warm-up runs speculatively and ``validate`` runs when that message arrives, at the latest before
