@@ -172,20 +172,16 @@ def test_a_debug_callback_in_a_stage_runs_once_per_f_in_a_pipeline():
         _assert_close(result.grads, ref_grads)
 
 
-def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
-    """The one-process-per-rank path (zbpp_lite.runtime.processes.connect): each rank its own
-    executor, a tuple activation and its input gradient sent as their leaves through a real socket
-    and shared-memory ring pair (here both ends in one process), unflattened by the receiver."""
+def run_over_rings(model: StagedModel, schedule: zb.Schedule, x, y) -> dict:
+    """One step with each rank its own executor (zbpp_lite.runtime.processes.connect), linked by a real
+    socket and shared-memory ring pair per pair of ranks (here all ends in one process): rank -> result."""
     import socket
     import threading
     from multiprocessing.shared_memory import SharedMemory
 
     from zbpp_lite.runtime.processes import connect, disconnect
 
-    m = 3
-    schedule = zb.build_schedule("zb-h1", 2, m)
-    model = StagedModel(byo_parts(2), 2, loss_fn)
-    x, y = _data(m)
+    assert schedule.num_ranks == 2
     rings = [SharedMemory(create=True, size=1 << 20) for _ in range(2)]
     a, b = (end.detach() for end in socket.socketpair())
     peers = [{"1": {"fd": a, "out": rings[0].name, "in": rings[1].name}}, {"0": {"fd": b, "out": rings[1].name, "in": rings[0].name}}]
@@ -205,6 +201,18 @@ def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
             ring.close()
             ring.unlink()
     assert set(results) == {0, 1}
+    return results
+
+
+def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
+    """The one-process-per-rank path (zbpp_lite.runtime.processes.connect): each rank its own
+    executor, a tuple activation and its input gradient sent as their leaves through a real socket
+    and shared-memory ring pair (here both ends in one process), unflattened by the receiver."""
+    m = 3
+    schedule = zb.build_schedule("zb-h1", 2, m)
+    model = StagedModel(byo_parts(2), 2, loss_fn)
+    x, y = _data(m)
+    results = run_over_rings(model, schedule, x, y)
     ref_loss, ref_grads = jax.value_and_grad(whole_model_loss)(model.params, x, y)
     assert results[1].loss == pytest.approx(float(ref_loss), rel=1e-5)
     for s in range(2):

@@ -246,6 +246,12 @@ class _CrossProcess(Carrier):
         super().__init__(put, [r for r, q in enumerate(self.owner) if q == self.process],
                          lambda rank, key, value, step: self.outboxes[step].put(key.key, value), lambda v: v)
         self.model, self.schedule, self.devices, self.timeout = model, schedule, list(devices), timeout
+        for tie, copies in zip(model.ties, model.tied_leaves()):
+            if len({self.owner[schedule.placement[s]] for s, _ in copies}) > 1:
+                raise ValueError(f"{tie.describe()}, on ranks of different processes: the cross-process "
+                                 "transport carries no tied copies' gradients; put their stages on one "
+                                 "process's ranks (a V-shaped schedule puts the first and last on rank 0) "
+                                 "or run them with PipelineExecutor")
         self.plan = transfer_plan(schedule, self.owner)
         self.staging = {q: staging_device(q) for q in range(self.num_processes)}
         self.where = f"process {self.process}: "

@@ -19,6 +19,8 @@ Simulated CPU devices share XLA's thread pool; for one core per rank run one pro
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +31,7 @@ import numpy as np
 
 from .devices import too_few_devices_message
 from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
+from .split import sum_dtype
 from .spmd import SpmdExecutor
 from .stages import Params, StagedModel, batch_microbatch_size
 from .transport import (Aborted, Carrier, Inbox, Interrupted, OptimizerMessage, Threads, Transfer, Transport,
@@ -45,13 +48,16 @@ class StepResult:
     Attributes:
         loss: the global-batch mean loss, float (mean of the microbatch losses).
         microbatch_losses: the last stage's loss for each microbatch, floats.
-        grads: gradient of ``loss``, one pytree per model module (as ``StagedModel.params``), float32,
-            each on its stage's device.
+        grads: gradient of ``loss``, one pytree per model module (as ``StagedModel.params``), each on its
+            stage's device, summed over the microbatches in float32 (float64 for float64 parameters:
+            :func:`~zbpp_lite.runtime.split.sum_dtype`), bfloat16 parameters too.
         timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (s from the first action).
         start: seconds from the first step of the :meth:`PipelineExecutor.run_steps` call (0.0 for ``run``).
         discarded: events of speculative actions redone after a rollback (:class:`RankUpdate`).
         started_at: ``time.perf_counter()`` at the first action (CLOCK_MONOTONIC: aligns processes of one
             machine); 0.0 across hosts.
+        tie_sums: one :class:`TieSum` per rank and tie of a model with tied weights (``StagedModel.ties``):
+            the exchange that sums the copies' gradients, timed like the timeline's events.
     """
 
     loss: float
@@ -61,6 +67,23 @@ class StepResult:
     start: float = 0.0
     discarded: tuple = ()
     started_at: float = 0.0
+    tie_sums: tuple = ()
+
+
+@dataclass(frozen=True)
+class TieSum:
+    """One rank's share of summing a tied parameter's gradient copies after its last action (section 2's
+    W sums, then one exchange, as Megatron-LM's embedding all-reduce): ``tie`` indexes ``StagedModel.ties``;
+    ``ranks`` hold copies (this one sends its partial sum to each other one and adds theirs, in rank order,
+    so every copy gets the same sum); ``nbytes`` sent to each; ``start``, ``end`` in seconds (the wait for
+    the others' sums included), measured as the timeline's events."""
+
+    rank: int
+    tie: int
+    ranks: tuple[int, ...]
+    nbytes: int
+    start: float
+    end: float
 
 
 class _Leaves(list):
@@ -93,7 +116,9 @@ class RankUpdate(Protocol):
     - ``stage_params(stage)`` before the rank's first action of every step (and of a redone warm-up):
       the stage's parameters, a tuple of leaves on its device;
     - ``step(rank, k, grads, channel)`` after its last action of step ``k``: ``grads`` maps each stage to
-      its gradient sums (tuple of float32 leaves on its device) of the global-batch mean loss;
+      its gradient sums (tuple of leaves on its device, float32 for float32 and bfloat16 parameters:
+      :func:`~zbpp_lite.runtime.split.sum_dtype`) of the global-batch mean loss, each tied copy
+      holding its tie's whole gradient (:class:`TieSum`);
     - ``validate(rank, k, channel) -> bool`` once per step and after the last (paper section 4). Without
       ``verdict_key`` it runs before step ``k + 1``. With it (the deciding message's key) step ``k + 1``'s
       warm-up runs speculatively and ``validate`` runs when that message arrives, at the latest before
@@ -172,6 +197,7 @@ class _Step:
     index: int = 0  # the step's number over the executor's life (remote messages carry it)
     attempts: dict = field(default_factory=dict)  # rank -> its attempt (1 once its warm-up was redone)
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
+    tie_sums: list = field(default_factory=list)  # TieSum per rank and tie (guarded by lock)
     memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
 
@@ -293,6 +319,7 @@ class PipelineExecutor:
                 _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
                 acc = flat.backward_weight(params[s], kept, grads_out, None)
                 jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
+        self._warm_ties(params)
         self._prepared[signature] = splits, shapes
         return splits
 
@@ -427,7 +454,9 @@ class PipelineExecutor:
         loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
         discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.discarded)
         grads = self.model.join_stage_params(grads)
-        return StepResult(loss, losses, grads, timeline, begin, discarded, step.t0 + begin)
+        tie_sums = tuple(dataclasses.replace(t, start=t.start - begin, end=t.end - begin)
+                         for t in step.tie_sums)
+        return StepResult(loss, losses, grads, timeline, begin, discarded, step.t0 + begin, tie_sums)
 
     @staticmethod
     def _raise_first(errors) -> None:
@@ -463,6 +492,7 @@ class PipelineExecutor:
                         hooks = _HOOKS
                         self._redo(rank, step, stages, update)
                 at[0] = None
+                self._sum_ties(rank, step)
                 if update is not None:
                     update.step(rank, k, {s: step.acc[s] for s in stages}, _Channel(self, step, rank))
             if update is not None:
@@ -496,6 +526,37 @@ class PipelineExecutor:
                 if output is not None:
                     self._send(step, action, output, attempt)
         hooks.end()
+
+    def _warm_ties(self, params: list) -> None:
+        """Compile :meth:`_sum_ties`' addition for each local copy, so no step compiles it."""
+        for s, i in (c for copies in self.model.tied_leaves() for c in copies if c[0] in self.local_stages):
+            leaf = params[s][i]
+            zeros = jax.device_put(np.zeros(leaf.shape, sum_dtype(leaf.dtype)), self.stage_devices[s])
+            jax.block_until_ready(zeros + zeros)
+
+    def _sum_ties(self, rank: int, step: _Step) -> None:
+        """Tied weights: for each tie with a copy on ``rank``, send the sum of its copies here to the other
+        ranks holding copies, add theirs in rank order, and put the total into every copy here."""
+        placement = self.schedule.placement
+        for t, copies in enumerate(self.model.tied_leaves()):
+            mine = [(s, i) for s, i in copies if placement[s] == rank]
+            if not mine:
+                continue
+            start, ranks = time.perf_counter(), tuple(sorted({placement[s] for s, _ in copies}))
+            own = functools.reduce(operator.add, [step.acc[s][i] for s, i in mine])
+            for q in ranks:
+                if q != rank:
+                    self.transport.send(step, q, OptimizerMessage(f"TIE{t}", rank), own)
+            device = self.stage_devices[mine[0][0]]
+            shares = [own if q == rank else jax.device_put(step.inboxes[rank].take(
+                OptimizerMessage(f"TIE{t}", q), self.timeout, f"the sum of tie {t}"), device) for q in ranks]
+            total = functools.reduce(operator.add, shares)
+            for s, i in mine:
+                step.acc[s] = (*step.acc[s][:i], _placed(total, self.stage_devices[s]), *step.acc[s][i + 1:])
+            jax.block_until_ready(total)
+            with step.lock:
+                step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, start - step.t0,
+                                            time.perf_counter() - step.t0))
 
     def _take(self, step: _Step, rank: int, key: Key, action: Action, attempt: int, hooks: _Hooks) -> Any:
         """The value under ``key`` that ``action`` takes, from rank ``rank``'s inbox."""

@@ -216,6 +216,18 @@ def _mark_program(
     return weight_ops, loops
 
 
+def sum_dtype(dtype: Any) -> Any:
+    """The dtype a parameter's gradient sums are kept in: float32 for lower-precision floats (bfloat16,
+    float16), so a sum over many microbatches rounds like float32, not like its addends; float32 and
+    float64 as they are."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _in_sum_dtype(grads) -> tuple:
+    """Each gradient leaf in its :func:`sum_dtype`."""
+    return tuple(g.astype(sum_dtype(g.dtype)) for g in grads)
+
+
 def _op_cotangent(node: _Node, op: _WeightOp, avals: dict, weights: tuple, dys: tuple, others: dict) -> tuple:
     """Vjp of one weight op w.r.t. ``weights`` for ``dys``; ``others``: its other operands by position."""
 
@@ -339,6 +351,9 @@ class FlatStage:
     - ``backward_weight(p, kept, handover, acc) -> acc + dparams`` (``dparams`` when ``acc`` is None).
     - ``backward_fused(p, own, kept, dy, acc) -> (dx, acc + dparams)``.
 
+    The sums (``acc`` and what W returns) are in each leaf's :func:`sum_dtype`: float32 for bfloat16 or
+    float16 parameters.
+
     ``acc`` is donated (do not reuse it), and so is ``spare``: dead arrays of the outputs' shapes (an earlier
     microbatch's ``own`` or handover) whose memory the outputs reuse, saving page faults (~20% of F on CPU).
     """
@@ -363,7 +378,8 @@ class StageSplit:
     - ``forward(params, x, aux) -> (y, res, kept)``: B's residuals (the parameters B needs among them,
       not copied) and W's operands, tuples of arrays.
     - ``backward_input(res, dy) -> (dx, handover)``: ``dx`` (None without ``input_grad``), :class:`Handover`.
-    - ``backward_weight(params, kept, handover, acc) -> acc + dparams`` (``acc``: pytree like ``params``).
+    - ``backward_weight(params, kept, handover, acc) -> acc + dparams`` (``acc``: pytree like ``params``,
+      each leaf in its :func:`sum_dtype`, float32 for bfloat16 parameters).
     - ``backward_fused(params, res, kept, dy, acc) -> (dx, acc + dparams)``: B then W.
 
     ``weight_gradient(params, kept, handover)`` is W without ``acc``; ``flat`` is a :class:`FlatStage`.
@@ -858,7 +874,7 @@ class StageSplit:
 
     def _backward_weight(self, params, kept, handover, acc):
         grads = self._weight_gradient(params, kept, handover)
-        return jax.tree_util.tree_map(jnp.add, acc, grads)
+        return jax.tree_util.tree_map(lambda a, g: a + g.astype(sum_dtype(g.dtype)), acc, grads)
 
     def _backward_fused(self, params, res, kept, dy, acc):
         dx, handover = self._backward_input(res, dy)
@@ -892,7 +908,8 @@ class StageSplit:
         grads = list(self._weight_gradient_flat(p_leaves, kept, grads_out, handover.recomputed, self._b_ops))
         for i, g in zip(self._b_leaves, handover.b_grads, strict=True):  # B's share
             grads[i] = grads[i] + g
-        return tuple(grads) if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
+        grads = _in_sum_dtype(grads)  # summed over microbatches in float32 at least (sum_dtype)
+        return grads if acc is None else tuple(a + g for a, g in zip(acc, grads, strict=True))
 
     def _backward_fused_flat(self, p_leaves, own, kept, dy, acc):
         dx, handover = self._backward_input_flat(p_leaves, own, dy)

@@ -32,7 +32,7 @@ from .stages import Params, StagedModel, batch_microbatch_size
 from .transport import Transfer
 from ..schedules.ir import Schedule, produces
 from ..schedules.simulate import lockstep_ticks
-from .split import StageSplit
+from .split import StageSplit, sum_dtype
 from ..schedules.validate import validate
 
 AXIS = "stage"
@@ -207,7 +207,8 @@ class SpmdResult:
     Attributes:
         loss: global-batch mean loss, float.
         microbatch_losses: the loss of each microbatch, floats.
-        grads: gradient of ``loss`` per model module (as ``StagedModel.params``), NumPy.
+        grads: gradient of ``loss`` per model module (as ``StagedModel.params``), NumPy, each leaf in its
+            :func:`~zbpp_lite.runtime.split.sum_dtype` (float32 for bfloat16 parameters).
     """
 
     loss: float
@@ -261,6 +262,8 @@ class SpmdExecutor:
         self.mesh = Mesh(np.array(devices), (AXIS,))
         self.stage_of = np.array([schedule.stages_of(r) for r in range(p)], np.int32)  # (p, v): chunk c's
         self.params_packing = Packing.of(stage_params)
+        self.grads_packing = Packing.of(jax.tree_util.tree_map(  # the sums: float32 for bfloat16 leaves
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), sum_dtype(a.dtype)), stage_params))
         self._compiled: dict = {}
 
     def pack_params(self, params: Params) -> tuple:
@@ -272,11 +275,12 @@ class SpmdExecutor:
                      for d in range(len(packing.dtypes)))
 
     def unpack_grads(self, packed: Sequence[np.ndarray]) -> Params:
-        """Inverse of :meth:`pack_params` (for the gradient sums): one pytree per model module."""
+        """The gradient sums (:attr:`grads_packing`) as one pytree per model module, each leaf in its
+        :func:`~zbpp_lite.runtime.split.sum_dtype` (float32 for bfloat16 parameters)."""
         per_stage: list = [None] * self.model.num_stages
         for r, row in enumerate(self.stage_of):
             for c, s in enumerate(row):
-                per_stage[s] = self.params_packing.unpack(int(s), [np.asarray(a)[r, c] for a in packed])
+                per_stage[s] = self.grads_packing.unpack(int(s), [np.asarray(a)[r, c] for a in packed])
         return self.model.join_stage_params(per_stage)
 
     def boundary(self, x_mb: Any) -> Any:
@@ -321,7 +325,7 @@ class SpmdExecutor:
 
     def _branches(self, traced: _Traced, p_packed: tuple, tokens: Any, labels: Any, zero_msg: Any) -> list:
         """The tick's branches: idle, then F, B, W, BW of every stage at ``1 + (kind - 1) * S + stage``."""
-        pk, m = self.params_packing, self.schedule.num_microbatches
+        pk, gk, m = self.params_packing, self.grads_packing, self.schedule.num_microbatches
         seed = to_varying(jnp.full(traced.loss.shape, 1.0 / m, traced.loss.dtype))  # as PipelineExecutor's
         used = {a.kind for row in self.schedule.actions for a in row}
         tmap = jax.tree_util.tree_map
@@ -330,7 +334,7 @@ class SpmdExecutor:
             """A branch's results, every field present (zeros if none) and varying, so the types match."""
             return to_varying(dict(
                 own=own or traced.own.zeros(), kept=kept or traced.kept.zeros(),
-                gout=gout or traced.gout.zeros(), grads=grads or pk.zeros(),
+                gout=gout or traced.gout.zeros(), grads=grads or gk.zeros(),
                 msg=zero_msg if msg is None else msg,
                 loss=jnp.zeros((), jnp.float32) if loss is None else loss.reshape(())))
 
@@ -359,12 +363,12 @@ class SpmdExecutor:
 
             def backward_weight(state, c, j):
                 kept, gout = take(state["kept"], traced.kept, c, j), take(state["gout"], traced.gout, c, j)
-                return outputs(grads=pk.pack(s, flat.backward_weight(params(c), kept, gout, None)))
+                return outputs(grads=gk.pack(s, flat.backward_weight(params(c), kept, gout, None)))
 
             def backward_fused(state, c, j):
                 own, kept = take(state["own"], traced.own, c, j), take(state["kept"], traced.kept, c, j)
                 dx, grads = flat.backward_fused(params(c), own, kept, output_grad(state, c, j), None)
-                return outputs(grads=pk.pack(s, grads), msg=zero_msg if first else dx)
+                return outputs(grads=gk.pack(s, grads), msg=zero_msg if first else dx)
 
             return {"F": forward, "B": backward_input, "W": backward_weight, "BW": backward_fused}
 
@@ -399,7 +403,7 @@ class SpmdExecutor:
             carry = {  # received activations and output gradients, what F, B keep, sums, losses
                 "act": zeros_x((v, m)), "grad": zeros_x((v, m)), "own": slots(traced.own),
                 "kept": slots(traced.kept), "gout": slots(traced.gout), "msg": zero_msg,
-                "acc": self.params_packing.zeros((v,)), "losses": jnp.zeros((m,), jnp.float32),
+                "acc": self.grads_packing.zeros((v,)), "losses": jnp.zeros((m,), jnp.float32),
             }
             carry = to_varying(carry)  # loop carries created inside shard_map: varying too (#40823)
             n = lax.axis_size(AXIS) if hasattr(lax, "axis_size") else self.schedule.num_ranks
@@ -478,9 +482,11 @@ class SpmdExecutor:
         return self._compiled[key]
 
     def run(self, params: Params, x: Any, labels: Any) -> SpmdResult:
-        """One step: loss and gradients of the global-batch mean loss (seed 1/m, as the MPMD executor)."""
+        """One step: loss and gradients of the global-batch mean loss (seed 1/m, as the MPMD executor);
+        each tied copy's gradient is the sum over its copies (``StagedModel.sum_tied``)."""
         args = self.inputs(params, x, labels)
         losses, acc = self.compiled(args)(*args)
         losses, acc = jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), (losses, acc))
+        # every rank's sums are on every rank (the psum above): tied copies summed here, on the host
         return SpmdResult(float(np.mean(losses.astype(np.float64))), tuple(float(v) for v in losses),
-                          self.unpack_grads(acc))
+                          self.model.sum_tied(self.unpack_grads(acc)))

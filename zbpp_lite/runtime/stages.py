@@ -8,6 +8,8 @@ such model runs in a pipeline. :func:`microbatch_size` cuts a global batch into 
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -92,11 +94,20 @@ class StagedModel:
         num_stages: S.
         parts: ``parts[s]``: stage s's module indices (:func:`stage_parts`, or a custom contiguous
             partition via ``parts``).
-        params: one ``nnx.State`` per module (a list; pytrees of float32 arrays).
+        params: one ``nnx.State`` per module (a list; pytrees of float arrays, float32 or lower precision);
+            the pipelines return their gradients summed in float32 at least
+            (:func:`~zbpp_lite.runtime.split.sum_dtype`).
+        ties: the tied weights, a tuple of :class:`Tie` (empty: none), found when the model is built.
 
     :meth:`stage_fn` is stage s's pure ``(stage_params, x, labels) -> y`` (the last returns the scalar
     ``loss_fn(logits, labels)``); :meth:`split_stage` its :class:`~zbpp_lite.runtime.split.StageSplit`;
     :meth:`loss` the unpartitioned model on a whole batch.
+
+    Tied weights: parts that hold the same array object (one dict or array in two ``(fn, params)`` pairs,
+    one NNX module or ``nnx.Param`` in two modules; GPT-2's token embedding reused by its head, Press &
+    Wolf, arXiv 1608.05859) are one parameter, recorded in :attr:`ties`. :meth:`loss` uses one value for
+    all copies and gives every copy the whole gradient; the pipelines sum the copies' gradients after the
+    last W (every copy then gets that sum), so an optimizer that updates each copy alike keeps them equal.
 
     Raises:
         ValueError: fewer than two modules, fewer blocks than stages, a module with non-parameter state
@@ -117,6 +128,7 @@ class StagedModel:
         self.loss_fn = loss_fn
         split = [_split_part(i, module) for i, module in enumerate(modules)]
         self.graphdefs, self.params = [g for g, _ in split], [p for _, p in split]
+        self.ties = find_ties(modules)
 
     @property
     def num_parts(self) -> int:
@@ -174,9 +186,44 @@ class StagedModel:
             _SPLITS[key] = StageSplit(self.stage_fn(stage), params, x, aux, input_grad=stage > 0)
         return _SPLITS[key]
 
+    def tied_leaves(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per :attr:`ties` entry, each copy as ``(stage, index)``: its place among
+        ``tree_leaves(stage_params(params, stage))`` (what the executors hold per stage)."""
+        if not self.ties:
+            return ()
+        stage_of = {i: s for s, indices in enumerate(self.parts) for i in indices}
+        counts = [len(jax.tree_util.tree_leaves(p)) for p in self.params]
+
+        def at(part: int, leaf: int) -> tuple[int, int]:
+            s = stage_of[part]
+            return s, sum(counts[i] for i in self.parts[s] if i < part) + leaf
+
+        return tuple(tuple(at(part, leaf) for part, leaf, _ in tie.copies) for tie in self.ties)
+
+    def _combine_ties(self, params: Params, combine: Callable) -> Params:
+        """``params`` with every tie's copies replaced by ``combine([copy, ...])`` (part order)."""
+        if not self.ties:
+            return params
+        leaves = [list(jax.tree_util.tree_leaves(p)) for p in params]
+        for tie in self.ties:
+            one = combine([leaves[part][leaf] for part, leaf, _ in tie.copies])
+            for part, leaf, _ in tie.copies:
+                leaves[part][leaf] = one
+        tree = jax.tree_util
+        return [tree.tree_unflatten(tree.tree_structure(p), v) for p, v in zip(params, leaves)]
+
+    def sum_tied(self, grads: Params) -> Params:
+        """``grads`` (one pytree per module) with each tied copy's gradient replaced by the sum over its
+        copies, in part order: the tied parameter's gradient, the same in every copy."""
+        return self._combine_ties(grads, lambda copies: functools.reduce(operator.add, copies))
+
     def logits(self, params: Params, x: jax.Array) -> jax.Array:
-        """The unpartitioned model's output (logits) on ``x``."""
-        return self._apply(range(self.num_parts), params, x)
+        """The unpartitioned model's output (logits) on ``x``; tied copies are one parameter: every use
+        reads the first copy's value and passes its gradient to every copy (``jax.grad`` of :meth:`loss`
+        gives each copy the whole gradient, as :meth:`sum_tied` of the pipeline's)."""
+        one = self._combine_ties(params, lambda copies: copies[0] + sum(
+            c - jax.lax.stop_gradient(c) for c in copies[1:]))
+        return self._apply(range(self.num_parts), one, x)
 
     def loss(self, params: Params, x: jax.Array, labels: jax.Array) -> jax.Array:
         """The unpartitioned model's loss on a whole batch (the reference for the pipeline)."""
@@ -193,6 +240,34 @@ def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None
                              f"{type(shape).__name__} of {n} arrays (pytree activations); run this model "
                              "with PipelineExecutor (threads, or one process per rank through "
                              "zbpp_lite.runtime.processes) or SpmdExecutor")
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One array held by several parts (tied weights): ``copies`` ``((part, leaf, path), ...)`` in part
+    order, ``leaf`` its index among ``tree_leaves(params[part])``, ``path`` its ``jax.tree_util.keystr``."""
+
+    copies: tuple[tuple[int, int, str], ...]
+
+    def describe(self) -> str:
+        """E.g. ``parts 0 and 3 share one array (part 0 at ['embedding'], part 3 at ['w']; tied weights)``."""
+        parts = list(dict.fromkeys(str(part) for part, _, _ in self.copies))
+        where = ", ".join(f"part {part} at {path}" for part, _, path in self.copies)
+        if len(parts) == 1:
+            return f"part {parts[0]} holds one array in {len(self.copies)} places ({where}; tied weights)"
+        return f"parts {', '.join(parts[:-1])} and {parts[-1]} share one array ({where}; tied weights)"
+
+
+def find_ties(modules: Sequence[Any]) -> tuple[Tie, ...]:
+    """The arrays that several parts (or places in one part) hold as the same object, as :class:`Tie`
+    records, each once, in order of first use. NNX parts are read through their ``nnx.Param`` state."""
+    seen: dict[int, list] = {}
+    for i, part in enumerate(modules):
+        tree = nnx.state(part, nnx.Param) if isinstance(part, nnx.Module) else part[1]
+        for k, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
+            if isinstance(leaf, (jax.Array, np.ndarray)):  # not Python numbers (small ones are shared)
+                seen.setdefault(id(leaf), []).append((i, k, jax.tree_util.keystr(path)))
+    return tuple(Tie(tuple(copies)) for copies in seen.values() if len(copies) > 1)
 
 
 @dataclass(frozen=True)

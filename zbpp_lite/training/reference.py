@@ -94,7 +94,7 @@ def _jitted(what: str, model, make):
     graphdefs = tuple(getattr(model, "graphdefs", ()))
     if not graphdefs:  # no structure to key on: this model's own function, not kept
         return make(model)
-    key = (what, graphdefs, getattr(model, "loss_fn", None))
+    key = (what, graphdefs, getattr(model, "loss_fn", None), getattr(model, "ties", ()))
     if key not in _JITTED:
         _JITTED[key] = make(model)
     return _JITTED[key]

@@ -20,6 +20,7 @@ from ..analysis.profiling.device import stage_memory_bytes
 from ..analysis.profiling.timelines import measured_costs, timed_steps
 from ..runtime.devices import ensure_devices
 from ..runtime.executor import PipelineExecutor
+from ..runtime.split import sum_dtype
 from ..runtime.stages import StagedModel, microbatch_size, stage_parts
 from ..schedules.builders import build_schedule, options_of
 from ..schedules.costs import Costs
@@ -185,7 +186,7 @@ class StageAdamW:
         update = jitted_update(self.config)
         for idx in (self.model.parts[s] for s in self.homes):
             p, st = [self.params[i] for i in idx], [self.state[i] for i in idx]
-            zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, p)
+            zeros = jax.tree_util.tree_map(lambda a: jax.numpy.zeros_like(a, sum_dtype(a.dtype)), p)
             once = update(zeros, st, p)
             jax.block_until_ready(update(zeros, once[1], once[0]))
 

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ...runtime.split import sum_dtype
 from ...runtime.transport import OptimizerMessage
 from ..reference import adamw_step
 from .rollback import AdamWConfig, adamw_rollback
@@ -183,6 +184,9 @@ class StageOptimizer:
             leaves = tuple(jax.tree_util.tree_leaves(model.stage_params(params, s)))
             self._params[s] = jax.device_put(leaves, executor.stage_devices[s])
             self._states[s] = jax.device_put(opt.init(self._params[s]), executor.stage_devices[s])
+        # tied weights (StagedModel.ties): every copy holds the whole gradient; the norm counts the first
+        self._repeats = {s: {i for copies in model.tied_leaves() for t, i in copies[1:] if t == s}
+                         for s in executor.local_stages}
         self._pending: dict[int, dict] = {}  # rank -> what validate() needs from its last step
         self._lock = threading.Lock()
         self.reports: list[StepReport] = []
@@ -194,7 +198,7 @@ class StageOptimizer:
     def _warm_up(self) -> None:
         """Compile every function a rank may call, on zeros, so nothing compiles inside a timed step."""
         for s in self._params:
-            zeros = tuple(jnp.zeros_like(p) for p in self._params[s])
+            zeros = tuple(jnp.zeros_like(p, sum_dtype(p.dtype)) for p in self._params[s])  # the sums' dtypes
             outs = [adamw_step(self._params[s], self._states[s], zeros, self.config)]
             outs.append(adamw_step(*outs[0], zeros, self.config))  # later steps: the outputs' own layout
             if self.policy != "plain":
@@ -286,7 +290,8 @@ class StageOptimizer:
         sq, finite = 0.0, True
         for s in sorted(grads):
             sums, ok = jax.device_get(self._norm_fn(grads[s]))
-            sq += float(np.sum(np.asarray(sums, np.float64)))
+            sums = [v for i, v in enumerate(np.asarray(sums, np.float64)) if i not in self._repeats[s]]
+            sq += float(np.sum(sums))
             finite = finite and bool(ok)
         return sq, finite
 
