@@ -211,8 +211,9 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
                 data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None
                 ) -> TrainResult:
     """``steps`` steps of :func:`train_step` from ``config``'s initial parameters (or ``run.init``) on
-    batches 0, 1, ... (clipped AdamW in the rank threads with ``run.max_grad_norm``), then checked,
-    evaluated, simulated. ``home``: one device for all stages' state (default: each stage's own)."""
+    batches 0, 1, ... (clipped AdamW in the rank threads with ``run.max_grad_norm``; a model with dropout:
+    step k's keys ``dropout_keys(run.seed, k, m)``), then checked, evaluated (without dropout),
+    simulated. ``home``: one device for all stages' state (default: each stage's own)."""
     staged, sched = executor.model, executor.schedule
     data = data if data is not None else load_digits(run.holdout, run.seed)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
