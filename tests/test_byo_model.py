@@ -172,20 +172,16 @@ def test_a_debug_callback_in_a_stage_runs_once_per_f_in_a_pipeline():
         _assert_close(result.grads, ref_grads)
 
 
-def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
-    """The one-process-per-rank path (zbpp_lite.runtime.processes.connect): each rank its own
-    executor, a tuple activation and its input gradient sent as their leaves through a real socket
-    and shared-memory ring pair (here both ends in one process), unflattened by the receiver."""
+def run_one_process_per_rank(model: StagedModel, schedule: zb.Schedule, run) -> dict:
+    """``{rank: run(executor)}`` for a 2-rank schedule, each rank its own executor on the one-process-per-rank
+    path (zbpp_lite.runtime.processes.connect) over a real socket and shared-memory ring pair (here both
+    ends in one process)."""
     import socket
     import threading
     from multiprocessing.shared_memory import SharedMemory
 
     from zbpp_lite.runtime.processes import connect, disconnect
 
-    m = 3
-    schedule = zb.build_schedule("zb-h1", 2, m)
-    model = StagedModel(byo_parts(2), 2, loss_fn)
-    x, y = _data(m)
     rings = [SharedMemory(create=True, size=1 << 20) for _ in range(2)]
     a, b = (end.detach() for end in socket.socketpair())
     peers = [{"1": {"fd": a, "out": rings[0].name, "in": rings[1].name}}, {"0": {"fd": b, "out": rings[1].name, "in": rings[0].name}}]
@@ -193,7 +189,7 @@ def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
         executors = [connect(peers[r], lambda remote, r=r: PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r], remote=remote))
                      for r in range(2)]
         results: dict = {}
-        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, executors[r].run(model.params, x, y))) for r in range(2)]
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, run(executors[r]))) for r in range(2)]
         for t in threads:
             t.start()
         for t in threads:
@@ -205,6 +201,17 @@ def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
             ring.close()
             ring.unlink()
     assert set(results) == {0, 1}
+    return results
+
+
+def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
+    """The one-process-per-rank path: a tuple activation and its input gradient sent as their leaves,
+    unflattened by the receiver."""
+    m = 3
+    schedule = zb.build_schedule("zb-h1", 2, m)
+    model = StagedModel(byo_parts(2), 2, loss_fn)
+    x, y = _data(m)
+    results = run_one_process_per_rank(model, schedule, lambda executor: executor.run(model.params, x, y))
     ref_loss, ref_grads = jax.value_and_grad(whole_model_loss)(model.params, x, y)
     assert results[1].loss == pytest.approx(float(ref_loss), rel=1e-5)
     for s in range(2):

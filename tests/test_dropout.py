@@ -17,6 +17,7 @@ import zbpp_lite as zb
 from zbpp_lite.runtime.executor import PipelineExecutor
 from zbpp_lite.runtime.spmd import SpmdExecutor
 from zbpp_lite.runtime.stages import StagedModel, dropout_keys
+from test_byo_model import run_one_process_per_rank
 
 DEVICES = jax.devices()
 D, CLASSES, MB, M, RATE = 8, 3, 2, 4, 0.5  # tiny: every schedule compiles fast
@@ -47,8 +48,8 @@ class Block(nnx.Module):
 
 
 class Head(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.out = nnx.Linear(D, CLASSES, rngs=rngs)
+    def __init__(self, rngs: nnx.Rngs, classes: int = CLASSES):
+        self.out = nnx.Linear(D, classes, rngs=rngs)
 
     def __call__(self, x):
         return self.out(x)
@@ -95,31 +96,22 @@ def test_each_microbatch_and_each_step_draws_its_own_mask_and_a_seed_repeats_the
     assert not np.any(np.asarray(model.apply_part(1, model.params[1], x, None)) == 0)
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-v"])
-def test_pipeline_gradients_equal_jax_grad_of_the_same_masked_model(name):
-    """BW (1f1b), B then W (zb-h1), two stages a rank (zb-v); blocks under nnx.remat recompute their
-    masks in B from the key F kept."""
+@pytest.mark.parametrize("executor, name", [("threads", "1f1b"), ("threads", "zb-h1"), ("threads", "zb-v"),
+                                            ("spmd", "zb-h1")])
+def test_pipeline_gradients_equal_jax_grad_of_the_same_masked_model(executor, name):
+    """BW (1f1b), B then W (zb-h1), two stages a rank (zb-v), the compiled SPMD program; blocks under
+    nnx.remat recompute their masks in B from the key F kept."""
     schedule = zb.build_schedule(name, 2, M)
     model = StagedModel(dropout_parts(), schedule.num_stages, loss_fn)
     x, y = _data()
     keys = dropout_keys(7, 3, M)
-    result = PipelineExecutor(model, schedule, DEVICES[:2]).run(model.params, x, y, keys)
+    make = {"threads": PipelineExecutor, "spmd": SpmdExecutor}[executor]
+    result = make(model, schedule, DEVICES[:2]).run(model.params, x, y, keys)
     ref_loss, ref_grads = jax.value_and_grad(model.loss)(model.params, x, y, keys)
     assert result.loss == pytest.approx(float(ref_loss), rel=1e-5)
     _assert_close(result.grads, ref_grads)
     # the masks are on: without them the loss is another
     assert abs(float(model.loss(model.params, x, y)) - float(ref_loss)) > 1e-3
-
-
-def test_spmd_program_masks_as_the_threads_do():
-    schedule = zb.build_schedule("zb-h1", 2, M)
-    model = StagedModel(dropout_parts(), 2, loss_fn)
-    x, y = _data()
-    keys = dropout_keys(7, 3, M)
-    result = SpmdExecutor(model, schedule, DEVICES[:2]).run(model.params, x, y, keys)
-    ref_loss, ref_grads = jax.value_and_grad(model.loss)(model.params, x, y, keys)
-    assert result.loss == pytest.approx(float(ref_loss), rel=1e-5)
-    _assert_close(result.grads, ref_grads)
 
 
 def test_f_keeps_a_mask_for_b_or_a_key_that_b_recomputes_it_from():
@@ -154,38 +146,13 @@ def test_two_runs_under_one_seed_repeat_and_training_steps_differ():
 
 
 def test_dropout_keys_cross_processes_each_rank_drawing_its_own():
-    """One process per rank (runtime.processes.connect, both ends here): each rank's executor puts its
-    own stages' keys; the gradients are the masked model's."""
-    import socket
-    import threading
-    from multiprocessing.shared_memory import SharedMemory
-
-    from zbpp_lite.runtime.processes import connect, disconnect
-
+    """One process per rank (runtime.processes.connect): each rank's executor puts its own stages' keys;
+    the gradients are the masked model's."""
     schedule = zb.build_schedule("zb-h1", 2, M)
     model = StagedModel(dropout_parts(), 2, loss_fn)
     x, y = _data()
     keys = dropout_keys(7, 3, M)
-    rings = [SharedMemory(create=True, size=1 << 20) for _ in range(2)]
-    a, b = (end.detach() for end in socket.socketpair())
-    peers = [{"1": {"fd": a, "out": rings[0].name, "in": rings[1].name}},
-             {"0": {"fd": b, "out": rings[1].name, "in": rings[0].name}}]
-    try:
-        executors = [connect(peers[r], lambda remote, r=r: PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r],
-                                                                            remote=remote)) for r in range(2)]
-        results: dict = {}
-        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, executors[r].run(model.params, x, y, keys)))
-                   for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        for r in range(2):
-            disconnect(peers[r])
-    finally:
-        for ring in rings:
-            ring.close()
-            ring.unlink()
+    results = run_one_process_per_rank(model, schedule, lambda executor: executor.run(model.params, x, y, keys))
     ref_loss, ref_grads = jax.value_and_grad(model.loss)(model.params, x, y, keys)
     assert results[1].loss == pytest.approx(float(ref_loss), rel=1e-5)
     for s in range(2):
@@ -227,3 +194,28 @@ def test_deterministic_runs_without_dropout_and_without_keys():
     _assert_close(result.grads, ref_grads)
     keyed = PipelineExecutor(model, schedule, DEVICES[:2]).run(model.params, x, y, dropout_keys(0, 0, M))
     assert keyed.loss == result.loss  # keys given to a deterministic model are unused
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 1.0])
+def test_training_draws_each_steps_keys_from_the_runs_seed(max_grad_norm):
+    """train_steps (the loop of train and launch; with max_grad_norm the optimizer in the rank threads,
+    run_steps) on the digits with dropout: the first step equals the masked unpartitioned model's, and a
+    second run under the same seed repeats every loss."""
+    from zbpp_lite.training.model import ModelConfig, RunConfig
+    from zbpp_lite.training.train import train_steps
+
+    def pixels(params, x, key):  # digits (b, 8, 8) -> (b, D), with dropout
+        return embed(params, x.reshape(len(x), -1), key)
+
+    schedule = zb.build_schedule("zb-h1", 2, M)
+    run = RunConfig(batch=2 * M, max_grad_norm=max_grad_norm)
+    losses = []
+    for _ in range(2):
+        rngs = nnx.Rngs(0)
+        parts = [(pixels, {"w": jax.random.normal(jax.random.key(1), (64, D)) / 8}), Block(rngs),
+                 Block(rngs, remat=True), Head(rngs, classes=10)]
+        executor = PipelineExecutor(StagedModel(parts, 2), schedule, DEVICES[:2])
+        result = train_steps(executor, 3, ModelConfig(), run)
+        assert result.grad_max_rel_error < 1e-5 and result.loss_error < 1e-5
+        losses.append(result.losses)
+    assert losses[0] == losses[1]
