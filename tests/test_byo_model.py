@@ -172,9 +172,10 @@ def test_a_debug_callback_in_a_stage_runs_once_per_f_in_a_pipeline():
         _assert_close(result.grads, ref_grads)
 
 
-def run_over_rings(model: StagedModel, schedule: zb.Schedule, x, y) -> dict:
-    """One step with each rank its own executor (zbpp_lite.runtime.processes.connect), linked by a real
-    socket and shared-memory ring pair per pair of ranks (here all ends in one process): rank -> result."""
+def run_one_process_per_rank(model: StagedModel, schedule: zb.Schedule, run) -> dict:
+    """``{rank: run(executor)}`` for a 2-rank schedule, each rank its own executor on the one-process-per-rank
+    path (zbpp_lite.runtime.processes.connect) over a real socket and shared-memory ring pair (here both
+    ends in one process)."""
     import socket
     import threading
     from multiprocessing.shared_memory import SharedMemory
@@ -189,7 +190,7 @@ def run_over_rings(model: StagedModel, schedule: zb.Schedule, x, y) -> dict:
         executors = [connect(peers[r], lambda remote, r=r: PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r], remote=remote))
                      for r in range(2)]
         results: dict = {}
-        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, executors[r].run(model.params, x, y))) for r in range(2)]
+        threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, run(executors[r]))) for r in range(2)]
         for t in threads:
             t.start()
         for t in threads:
@@ -212,7 +213,7 @@ def test_tuple_activations_cross_processes_through_the_shared_memory_rings():
     schedule = zb.build_schedule("zb-h1", 2, m)
     model = StagedModel(byo_parts(2), 2, loss_fn)
     x, y = _data(m)
-    results = run_over_rings(model, schedule, x, y)
+    results = run_one_process_per_rank(model, schedule, lambda executor: executor.run(model.params, x, y))
     ref_loss, ref_grads = jax.value_and_grad(whole_model_loss)(model.params, x, y)
     assert results[1].loss == pytest.approx(float(ref_loss), rel=1e-5)
     for s in range(2):

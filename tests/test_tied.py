@@ -203,13 +203,13 @@ def test_adamw_in_the_rank_threads_counts_the_tie_once_in_the_global_norm(policy
 def test_the_copies_gradients_cross_processes_through_the_shared_memory_rings():
     """One executor per rank (zbpp_lite.runtime.processes), linked by a socket and shared-memory rings:
     each rank sends its copy's share to the other, and both copies get the tied gradient."""
-    from test_byo_model import run_over_rings
+    from test_byo_model import run_one_process_per_rank
 
     m = 3
     schedule = zb.build_schedule("zb-h1", 2, m)
     model = StagedModel(function_parts(), 2, loss_fn)
     x, y = _batch(m)
-    results = run_over_rings(model, schedule, x, y)
+    results = run_one_process_per_rank(model, schedule, lambda executor: executor.run(model.params, x, y))
     ref = jax.grad(tied_loss)(_start(), x, y)
     (tie,) = model.ties  # the first part's copy on rank 0, the last part's on rank 1
     copies = [np.asarray(jax.tree_util.tree_leaves(results[r].grads[part])[leaf]) for r, (part, leaf, _) in enumerate(tie.copies)]

@@ -199,6 +199,7 @@ class _Step:
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
     tie_sums: list = field(default_factory=list)  # TieSum per rank and tie (guarded by lock)
     memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
+    keys: dict = field(default_factory=dict)  # local stage -> per microbatch its dropout key ({}: no dropout)
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
 
     def hold(self, rank: int, key: tuple, value: Any) -> None:
@@ -288,9 +289,10 @@ class PipelineExecutor:
         self._prepared: dict = {}
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
 
-    def _prepare(self, params: list, x_mb: Any, y_mb: Any) -> list:
-        """Each local stage's :class:`~zbpp_lite.runtime.split.StageSplit`, compiled for a new shape."""
-        signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype))
+    def _prepare(self, params: list, x_mb: Any, y_mb: Any, key: Any = None) -> list:
+        """Each local stage's :class:`~zbpp_lite.runtime.split.StageSplit`, compiled for a new shape (and
+        with a dropout ``key`` row, or without)."""
+        signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype), key is None)
         if signature in self._prepared:
             splits, self._input_shapes = self._prepared[signature]
             return splits
@@ -301,11 +303,11 @@ class PipelineExecutor:
         kinds = {a.kind for r in self.ranks for a in self.schedule.rank_actions(r)}
         for s in self.local_stages:
             device, last = self.stage_devices[s], s == S - 1
-            splits[s] = self.model.split_stage(s, shapes[s], y_mb)
+            splits[s] = self.model.split_stage(s, shapes[s], y_mb, key)
             flat = splits[s].flat
             x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes[s]),
                                device)
-            aux = jax.device_put(y_mb, device) if last else None
+            aux = jax.device_put(self.model.stage_aux(s, y_mb if last else None, key), device)
             # each twice: new memory, then a spare's; spare=None passed as the handlers pass it
             # (jit keys its cache on the call's arguments: an omitted default compiles anew)
             _, res, _ = flat.forward(params[s], x, aux, None)
@@ -323,22 +325,24 @@ class PipelineExecutor:
         self._prepared[signature] = splits, shapes
         return splits
 
-    def run(self, params: Params, x: Any, labels: Any) -> StepResult:
+    def run(self, params: Params, x: Any, labels: Any, keys: Any = None) -> StepResult:
         """One step: forward and backward of every microbatch, gradients summed; no optimizer update.
 
         Args:
             params: one pytree per model module (as ``StagedModel.params``); moved to the stages' devices.
             x: the global batch (b, ...) float32; labels (b,) integers.
+            keys: the step's :func:`~zbpp_lite.runtime.stages.dropout_keys` (m, 2) for a model with dropout.
 
         Raises:
-            ValueError: a batch that does not divide into microbatches (before any compute).
+            ValueError: a batch that does not divide into microbatches, a model with dropout given no keys
+                (:meth:`~zbpp_lite.runtime.stages.StagedModel.step_keys`); before any compute.
             TimeoutError: a rank waited longer than ``timeout`` for an input.
             RuntimeError: an action failed (names rank and action; the error is chained).
         """
-        return self.run_steps(params, [(x, labels)])[0]
+        return self.run_steps(params, [(x, labels)], keys=None if keys is None else [keys])[0]
 
     def run_steps(self, params: Params, batches: Sequence[tuple[Any, Any]],
-                  update: "RankUpdate | None" = None) -> list[StepResult]:
+                  update: "RankUpdate | None" = None, keys: Sequence[Any] | None = None) -> list[StepResult]:
         """Several steps back to back, no barrier between them (each rank goes on when its share is done).
 
         Args:
@@ -347,6 +351,8 @@ class PipelineExecutor:
                 a multi-process run passes the same.
             update: a :class:`RankUpdate` (e.g. :class:`zbpp_lite.training.postval.optimizer.StageOptimizer`)
                 stepping the optimizer in the rank threads, or None (every step uses ``params``).
+            keys: one :func:`~zbpp_lite.runtime.stages.dropout_keys` per batch, for a model with dropout;
+                every process of a multi-process run passes the same (each process puts its own stages').
 
         Returns:
             One :class:`StepResult` per step.
@@ -367,7 +373,9 @@ class PipelineExecutor:
                         if s in local else None for s in range(S)]
         leaves = [None if p is None else tuple(jax.tree_util.tree_leaves(p)) for p in stage_params]
         first, last = self.stage_devices[0], self.stage_devices[-1]
-        splits = self._prepare(leaves, np.asarray(x0)[:mb], np.asarray(y0)[:mb])
+        keys = self.model.step_keys(keys, len(batches), m)
+        splits = self._prepare(leaves, np.asarray(x0)[:mb], np.asarray(y0)[:mb],
+                               None if keys[0] is None else keys[0][0])
         if self._spares_for != (np.shape(x0), np.shape(y0)):
             self._spares, self._spares_for = {}, (np.shape(x0), np.shape(y0))
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
@@ -382,7 +390,7 @@ class PipelineExecutor:
                    for k in range(len(batches))]
         self._steps_begun += len(batches)
         record = MemoryRecorder if self.record_memory else lambda p, S: NoMemoryRecorder()
-        for (x, labels), boxes in zip(batches, inboxes):
+        for (x, labels), boxes, step_keys in zip(batches, inboxes, keys):
             x, labels = np.asarray(x), np.asarray(labels)
             inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
             ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
@@ -390,6 +398,8 @@ class PipelineExecutor:
                 params=list(leaves), acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
                 inboxes=boxes, t0=0.0, store={}, losses={}, events=[], index=base + len(steps),
                 memory=record(self.schedule.num_ranks, S),
+                keys={} if step_keys is None else {s: jax.device_put(list(step_keys), self.stage_devices[s])
+                                                   for s in local},
             ))
         jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
         if update is not None and hasattr(update, "begin"):
@@ -649,8 +659,9 @@ class PipelineExecutor:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         last = s == self.model.num_stages - 1
         x = step.inputs[j] if s == 0 else x
-        y, res, kept = step.splits[s].flat.forward(step.params[s], x, step.labels[j] if last else None,
-                                                   self._spare("res", s))
+        key = step.keys[s][j] if step.keys else None
+        aux = self.model.stage_aux(s, step.labels[j] if last else None, key)
+        y, res, kept = step.splits[s].flat.forward(step.params[s], x, aux, self._spare("res", s))
         step.hold(rank, ("res", s, j), res)
         step.hold(rank, ("kept", s, j), kept)
         if last:

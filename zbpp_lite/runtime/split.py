@@ -411,6 +411,7 @@ class StageSplit:
         self._res_tree = None  # structure of F's pullback, known once F is traced
         # per residual (F's trace): the parameter leaf it is, a zero probe / sink (shape, dtype), or None
         self._res_params = None
+        self._own_keys: tuple = ()  # per entry of F's own: the PRNG impl of a key sent as its data, or None
         self._grads_index = None  # per weight-op output gradient: its place among B's outputs (B's trace)
         self._f_kept = None  # W's operands F keeps (F's trace); _shared: those B's residuals hold, by place
         self._shared: tuple = ()
@@ -672,6 +673,10 @@ class StageSplit:
         shared = {k: next((j for j, r in enumerate(own) if r is v), None) for k, v in enumerate(raw)}
         self._shared = tuple((self._f_slots[k], j) for k, j in shared.items() if j is not None)
         self._f_kept = tuple(slot for k, slot in enumerate(self._f_slots) if shared[k] is None)
+        # a typed PRNG key among them (a checkpoint's input that B's recomputed dropout mask draws from)
+        # leaves F as its uint32 data, as any other array: B wraps it back
+        self._own_keys = tuple(jax.random.key_impl(r) if _is_key(r) else None for r in own)
+        own = tuple(r if impl is None else jax.random.key_data(r) for r, impl in zip(own, self._own_keys))
         return y, own + b_kept, tuple(v for k, v in enumerate(kept) if shared[k] is None)
 
     def _split_own(self, own) -> tuple[tuple, tuple]:
@@ -684,7 +689,7 @@ class StageSplit:
         (``zeros_like(like)``: inside shard_map, of its axes)."""
         if self._res_params is None:
             raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
-        rest = iter(self._split_own(own)[0])
+        rest = iter(_wrap_keys(self._split_own(own)[0], self._own_keys))
         return tuple(
             next(rest)
             if i is None
@@ -914,6 +919,16 @@ class StageSplit:
     def _backward_fused_flat(self, p_leaves, own, kept, dy, acc):
         dx, handover = self._backward_input_flat(p_leaves, own, dy)
         return dx, self._backward_weight_flat(p_leaves, kept, handover, acc)
+
+
+def _is_key(a: Any) -> bool:
+    return jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+
+
+def _wrap_keys(values: Sequence[Any], impls: Sequence[Any]) -> tuple:
+    """``values`` with each one whose ``impls`` entry is a PRNG impl made a typed key again."""
+    return tuple(v if impl is None else jax.random.wrap_key_data(v, impl=impl)
+                 for v, impl in zip(values, impls, strict=True))
 
 
 def compiled_flops(fn: Callable, *args: Any) -> float:

@@ -54,6 +54,11 @@ except AttributeError:  # pragma: no cover - older JAX
     _CHECK_ARG = "check_rep"
 
 
+def _aux(model: StagedModel, stage: int, labels: Any, keys: Any, j: Any) -> Any:
+    """Stage ``stage``'s ``aux`` for microbatch ``j`` (:meth:`StagedModel.stage_aux`); ``keys`` None: none."""
+    return model.stage_aux(stage, labels[j], None if keys is None else keys[j])
+
+
 def to_varying(x: Any, axis: str = AXIS) -> Any:
     """Mark every leaf of ``x`` as varying over ``axis`` (#40823): ``lax.pcast`` / ``lax.pvary``, identity
     where JAX has no varying-axes types."""
@@ -305,14 +310,14 @@ class SpmdExecutor:
                                  "shape, or run it with PipelineExecutor")
         return shapes[0]
 
-    def _trace_stages(self, p_packed: tuple, tokens: Any, labels: Any, x_between: Any) -> _Traced:
+    def _trace_stages(self, p_packed: tuple, tokens: Any, labels: Any, keys: Any, x_between: Any) -> _Traced:
         """Every stage's :class:`~zbpp_lite.runtime.split.StageSplit`, traced inside ``shard_map`` on varying
         values (``x_between``: zeros like a stage boundary), and the packings of what they keep."""
         model, S = self.model, self.model.num_stages
         splits, kept_by_stage = [], []
         for s in range(S):
             params = self.params_packing.unpack(s, tuple(b[0] for b in p_packed))
-            x, aux = tokens[0] if s == 0 else x_between, labels[0] if s == S - 1 else None
+            x, aux = tokens[0] if s == 0 else x_between, _aux(model, s, labels, keys, 0)
             split = StageSplit(model.stage_fn(s), params, x, aux, input_grad=s > 0)
             p_leaves = tuple(jax.tree_util.tree_leaves(params))
             y, own_s, kept_s = jax.eval_shape(split.flat.forward, p_leaves, x, aux, None)
@@ -323,7 +328,8 @@ class SpmdExecutor:
         own, kept, gout = (Packing.of(list(per_stage)) for per_stage in zip(*kept_by_stage))
         return _Traced(tuple(splits), own, kept, gout, y)  # y: the last stage's, the loss
 
-    def _branches(self, traced: _Traced, p_packed: tuple, tokens: Any, labels: Any, zero_msg: Any) -> list:
+    def _branches(self, traced: _Traced, p_packed: tuple, tokens: Any, labels: Any, keys: Any,
+                  zero_msg: Any) -> list:
         """The tick's branches: idle, then F, B, W, BW of every stage at ``1 + (kind - 1) * S + stage``."""
         pk, gk, m = self.params_packing, self.grads_packing, self.schedule.num_microbatches
         seed = to_varying(jnp.full(traced.loss.shape, 1.0 / m, traced.loss.dtype))  # as PipelineExecutor's
@@ -352,7 +358,7 @@ class SpmdExecutor:
 
             def forward(state, c, j):
                 x = tokens[j] if first else tmap(lambda b: b[c, j], state["act"])
-                y, own, kept = flat.forward(params(c), x, labels[j] if last else None, None)
+                y, own, kept = flat.forward(params(c), x, _aux(self.model, s, labels, keys, j), None)
                 return outputs(own=traced.own.pack(s, own), kept=traced.kept.pack(s, kept), msg=zero_msg
                                if last else y, loss=y.astype(jnp.float32) if last else None)
 
@@ -380,8 +386,9 @@ class SpmdExecutor:
                          for kind in KIND_CODE for s in range(len(per_stage))]
 
     def _program(self, x_mb: Any, labels_mb: Any):
-        """The jitted ``(kind, chunk, microbatch, recv, stage_of, params, tokens, labels) -> (losses,
-        gradient sums)`` for microbatches like ``x_mb``, ``labels_mb``; outputs replicated."""
+        """The jitted ``(kind, chunk, microbatch, recv, stage_of, params, tokens, labels, keys) -> (losses,
+        gradient sums)`` for microbatches like ``x_mb``, ``labels_mb``; outputs replicated. ``keys``:
+        the step's dropout keys (m, 2), or (m, 0) without dropout."""
         m = self.schedule.num_microbatches
         boundary = self.boundary(x_mb)  # refuses differing boundaries before anything is traced
         v = self.stage_of.shape[1]
@@ -390,15 +397,16 @@ class SpmdExecutor:
         def zeros_x(prefix=()):  # zeros shaped like what stages pass on, with leading dimensions prefix
             return tmap(lambda s: jnp.zeros(tuple(prefix) + tuple(s.shape), s.dtype), boundary)
 
-        def rank_program(kind, chunk, mbs, recv, stage_of, p_packed, tokens, labels):
+        def rank_program(kind, chunk, mbs, recv, stage_of, p_packed, tokens, labels, keys):
             # kind, chunk, mbs (1, T); stage_of (1, v); p_packed: (1, v, size) per dtype; tokens (m, mb, ...)
             kind, chunk, mbs, stage_of = kind[0], chunk[0], mbs[0], stage_of[0]
             recv, p_packed = tmap(lambda a: a[0], recv), tmap(lambda a: a[0], p_packed)
             if self.vary_replicated:  # JAX #40823: replicated inputs made varying before the switch
-                tokens, labels = to_varying((tokens, labels))
+                tokens, labels, keys = to_varying((tokens, labels, keys))
+            keys = keys if keys.shape[1] else None
             zero_msg = to_varying(zeros_x())
-            traced = self._trace_stages(p_packed, tokens, labels, zero_msg)
-            branches = self._branches(traced, p_packed, tokens, labels, zero_msg)
+            traced = self._trace_stages(p_packed, tokens, labels, keys, zero_msg)
+            branches = self._branches(traced, p_packed, tokens, labels, keys, zero_msg)
             slots = lambda packing: packing.zeros((v, m + 1))  # noqa: E731 - slot m: scratch
             carry = {  # received activations and output gradients, what F, B keep, sums, losses
                 "act": zeros_x((v, m)), "grad": zeros_x((v, m)), "own": slots(traced.own),
@@ -413,7 +421,7 @@ class SpmdExecutor:
             acc = tuple(lax.psum(jnp.zeros((n,) + a.shape, a.dtype).at[rank].set(a), AXIS) for a in st["acc"])
             return lax.psum(st["losses"], AXIS), acc
 
-        in_specs = (P(AXIS),) * 6 + (P(), P())
+        in_specs = (P(AXIS),) * 6 + (P(), P(), P())
         return jax.jit(_shard_map(rank_program, mesh=self.mesh, in_specs=in_specs, out_specs=(P(), P()),
                                   **{_CHECK_ARG: True}))
 
@@ -461,30 +469,35 @@ class SpmdExecutor:
         return jax.tree_util.tree_map(lambda a: jax.make_array_from_callback(
             np.shape(a), sharding, lambda idx, a=np.asarray(a): a[idx]), value)
 
-    def inputs(self, params: Params, x: Any, labels: Any) -> tuple:
-        """The program's arguments (global arrays) for ``params`` and a batch (``x`` keeps its dtype)."""
+    def inputs(self, params: Params, x: Any, labels: Any, keys: Any = None) -> tuple:
+        """The program's arguments (global arrays) for ``params`` and a batch (``x`` keeps its dtype), and
+        the step's dropout ``keys`` (as :meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run`'s)."""
         m = self.schedule.num_microbatches
         # each keeps its dtype, as jax.device_put would give it (float64 -> float32 without x64)
         x, labels = (np.asarray(a, jax.dtypes.canonicalize_dtype(np.asarray(a).dtype)) for a in (x, labels))
         batch_microbatch_size(x, labels, m)  # ValueError: a batch that does not cut into m microbatches
+        keys = self.model.step_keys(None if keys is None else [keys], 1, m)[0]
+        keys = np.zeros((m, 0), np.uint32) if keys is None else keys
         t = self.tables
         recv = {src: t.recv[src] for src in SOURCES}
         args_sharded = (t.kind, t.chunk, t.microbatch, recv, self.stage_of, self.pack_params(params))
-        args_replicated = (x.reshape((m, -1) + x.shape[1:]), labels.reshape((m, -1) + labels.shape[1:]))
+        args_replicated = (x.reshape((m, -1) + x.shape[1:]), labels.reshape((m, -1) + labels.shape[1:]), keys)
         return self._global(args_sharded, P(AXIS)) + self._global(args_replicated, P())
 
     def compiled(self, args: tuple):
         """The jitted program for :meth:`inputs`' ``args`` (built on first use per batch shape)."""
-        x_mb, labels_mb = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in args[-2:])
-        key = (x_mb.shape, str(x_mb.dtype), labels_mb.shape, str(labels_mb.dtype))
+        x_mb, labels_mb = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in args[-3:-1])
+        key = (x_mb.shape, str(x_mb.dtype), labels_mb.shape, str(labels_mb.dtype), args[-1].shape)
         if key not in self._compiled:
             self._compiled[key] = self._program(x_mb, labels_mb)
         return self._compiled[key]
 
-    def run(self, params: Params, x: Any, labels: Any) -> SpmdResult:
+    def run(self, params: Params, x: Any, labels: Any, keys: Any = None) -> SpmdResult:
         """One step: loss and gradients of the global-batch mean loss (seed 1/m, as the MPMD executor);
-        each tied copy's gradient is the sum over its copies (``StagedModel.sum_tied``)."""
-        args = self.inputs(params, x, labels)
+        each tied copy's gradient is the sum over its copies (``StagedModel.sum_tied``). ``keys``: the
+        step's :func:`~zbpp_lite.runtime.stages.dropout_keys` for a model with dropout (ValueError
+        without them, :meth:`~zbpp_lite.runtime.stages.StagedModel.step_keys`)."""
+        args = self.inputs(params, x, labels, keys)
         losses, acc = self.compiled(args)(*args)
         losses, acc = jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), (losses, acc))
         # every rank's sums are on every rank (the psum above): tied copies summed here, on the host

@@ -3,15 +3,17 @@
 :class:`StagedModel` cuts ``[first, *blocks, last]`` (Flax NNX modules or ``(fn, params)`` pairs) and a
 loss into stages of whole modules (:func:`stage_parts`), each a pure function with its backward split
 (:class:`~zbpp_lite.runtime.split.StageSplit`). The executors and profilers use only this class, so any
-such model runs in a pipeline. :func:`microbatch_size` cuts a global batch into microbatches.
+such model runs in a pipeline. :func:`microbatch_size` cuts a global batch into microbatches;
+:func:`dropout_keys` gives each microbatch of each step its dropout key.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +58,32 @@ def batch_microbatch_size(x: Any, labels: Any, num_microbatches: int) -> int:
     return microbatch_size(b, num_microbatches)
 
 
+def dropout_keys(seed: int, step: int, num_microbatches: int) -> np.ndarray:
+    """The dropout keys of one step: uint32 ``(m, 2)``, row j ``fold_in(fold_in(key(seed), step), j)``
+    (JAX's default threefry2x32 key data; larger rows under another ``jax_default_prng_impl``).
+
+    The one place a run's seed becomes keys: the executors (threads, processes, hosts, SPMD) and the
+    reference :meth:`StagedModel.loss` take these rows, so microbatch j of a step draws the same masks
+    wherever it runs. Part i draws from ``fold_in(row j, i)`` (:meth:`StagedModel.apply_part`): the
+    masks do not depend on how the model is cut into stages.
+    """
+    step_key = jax.random.fold_in(jax.random.key(seed), step)
+    keys = jax.vmap(lambda j: jax.random.fold_in(step_key, j))(jnp.arange(num_microbatches))
+    return np.asarray(jax.random.key_data(keys))
+
+
+class StageAux(NamedTuple):
+    """What a stage function takes beside its parameters and input when it draws random numbers.
+
+    Attributes:
+        labels: the microbatch's labels on the last stage, else None.
+        key: the microbatch's row of :func:`dropout_keys`, uint32 (2,).
+    """
+
+    labels: Any
+    key: Any
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy of ``logits`` (b, classes) float32 against integer ``labels`` (b,)."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -90,6 +118,13 @@ class StagedModel:
     pure ``fn(params, x) -> y`` and ``params`` a pytree of float arrays. Between parts flows one array or a
     pytree (tuple, dict) whose leaves are float and depend on the stage input. See README / notebook 06.
 
+    Dropout: an NNX module may hold RNG streams (``nnx.Dropout(rate, rngs=rngs)``): each call gets them
+    made anew from its microbatch's key, the rates and ``deterministic`` flags kept. A pair whose ``fn``
+    has a parameter named ``key``, ``fn(params, x, key) -> y``, gets a uint32 (2,) key, or None without
+    dropout. The key of (step, microbatch) comes from :func:`dropout_keys`; it enters the stage as an
+    input of F, never as a parameter; B and W use F's masks (kept by F, or recomputed in B from the
+    key inside a ``jax.checkpoint``). ``deterministic=True`` (or a call without keys) runs without dropout.
+
     Attributes:
         num_stages: S.
         parts: ``parts[s]``: stage s's module indices (:func:`stage_parts`, or a custom contiguous
@@ -98,8 +133,10 @@ class StagedModel:
             the pipelines return their gradients summed in float32 at least
             (:func:`~zbpp_lite.runtime.split.sum_dtype`).
         ties: the tied weights, a tuple of :class:`Tie` (empty: none), found when the model is built.
+        random_parts: the parts that draw random numbers (dropout), indices into ``params``.
+        deterministic: run without dropout (evaluation); keys given to the executors are then unused.
 
-    :meth:`stage_fn` is stage s's pure ``(stage_params, x, labels) -> y`` (the last returns the scalar
+    :meth:`stage_fn` is stage s's pure ``(stage_params, x, aux) -> y`` (the last returns the scalar
     ``loss_fn(logits, labels)``); :meth:`split_stage` its :class:`~zbpp_lite.runtime.split.StageSplit`;
     :meth:`loss` the unpartitioned model on a whole batch.
 
@@ -110,12 +147,14 @@ class StagedModel:
     last W (every copy then gets that sum), so an optimizer that updates each copy alike keeps them equal.
 
     Raises:
-        ValueError: fewer than two modules, fewer blocks than stages, a module with non-parameter state
-            (batch statistics, RNG counters), or a part neither an NNX module nor ``(fn, params)``.
+        ValueError: fewer than two modules, fewer blocks than stages, a module with state other than
+            parameters and RNG streams (batch statistics), an ``nnx.Dropout`` without ``rngs``, a key
+            among the parameters, or a part neither an NNX module nor ``(fn, params)``.
     """
 
     def __init__(self, modules: Sequence[nnx.Module | tuple[Callable, Any]], num_stages: int,
-                 loss_fn: Callable = cross_entropy, parts: Sequence[Sequence[int]] | None = None):
+                 loss_fn: Callable = cross_entropy, parts: Sequence[Sequence[int]] | None = None,
+                 deterministic: bool = False):
         if len(modules) < 2:
             raise ValueError(f"a staged model needs at least a first and a last module, got {len(modules)} "
                              "module(s)")
@@ -129,6 +168,8 @@ class StagedModel:
         split = [_split_part(i, module) for i, module in enumerate(modules)]
         self.graphdefs, self.params = [g for g, _ in split], [p for _, p in split]
         self.ties = find_ties(modules)
+        self.random_parts = tuple(i for i, g in enumerate(self.graphdefs) if _draws_random(g))
+        self.deterministic = deterministic
 
     @property
     def num_parts(self) -> int:
@@ -142,25 +183,63 @@ class StagedModel:
         """Inverse of :meth:`stage_params` over all stages: per-stage lists -> one per-module list."""
         return [p for stage in per_stage for p in stage]
 
-    def apply_part(self, i: int, params: Any, x: Any) -> Any:
-        """Part ``i`` on ``x`` with ``params`` (its entry of :attr:`params`)."""
+    def apply_part(self, i: int, params: Any, x: Any, key: Any = None) -> Any:
+        """Part ``i`` on ``x`` with ``params`` (its entry of :attr:`params`); ``key``: the microbatch's
+        row of :func:`dropout_keys` (part i draws from ``fold_in(key, i)``), or None: no dropout."""
         graphdef = self.graphdefs[i]
-        return graphdef.fn(params, x) if isinstance(graphdef, _Fn) else nnx.merge(graphdef, params)(x)
+        key = None if key is None or self.deterministic else jax.random.fold_in(key, i)
+        if isinstance(graphdef, _Random):
+            return graphdef.merge(params, key)(x)
+        if isinstance(graphdef, _Fn):
+            return graphdef.fn(params, x, key) if graphdef.takes_key else graphdef.fn(params, x)
+        return nnx.merge(graphdef, params)(x)
 
-    def _apply(self, indices: Sequence[int], params: Sequence, x: Any) -> Any:
+    def _apply(self, indices: Sequence[int], params: Sequence, x: Any, key: Any = None) -> Any:
         for i, p in zip(indices, params):
-            x = self.apply_part(i, p, x)
+            x = self.apply_part(i, p, x, key)
         return x
 
     def stage_fn(self, stage: int) -> Callable:
-        """Pure ``(stage_params, x, labels) -> y`` of one stage; the last stage returns the loss."""
+        """Pure ``(stage_params, x, aux) -> y`` of one stage; the last stage returns the loss. ``aux``: the
+        labels (None but on the last stage), or a :class:`StageAux` with the microbatch's dropout key."""
         indices, last = self.parts[stage], stage == self.num_stages - 1
 
-        def fn(stage_params, x, labels):
-            y = self._apply(indices, stage_params, x)
+        def fn(stage_params, x, aux):
+            labels, key = aux if isinstance(aux, StageAux) else (aux, None)
+            y = self._apply(indices, stage_params, x, key)
             return self.loss_fn(y, labels) if last else y
 
         return fn
+
+    def stage_aux(self, stage: int, labels: Any, key: Any) -> Any:
+        """What stage ``stage``'s function takes as ``aux`` for a microbatch's ``labels`` and dropout ``key``
+        (either may be None): a :class:`StageAux` where the stage draws random numbers and a key is given
+        (unless :attr:`deterministic`), else the labels on the last stage, None elsewhere."""
+        labels = labels if stage == self.num_stages - 1 else None
+        if key is None or self.deterministic or not set(self.parts[stage]) & set(self.random_parts):
+            return labels
+        return StageAux(labels, key)
+
+    def step_keys(self, keys: Sequence[Any] | None, num_steps: int, num_microbatches: int) -> list:
+        """Each step's dropout keys checked (uint32 ``(m, 2)`` NumPy, or None where no stage draws them).
+
+        Raises:
+            ValueError: a model with dropout given no keys, or keys not one :func:`dropout_keys` per step.
+        """
+        m = num_microbatches
+        if keys is None:
+            if self.random_parts and not self.deterministic:
+                raise ValueError(f"parts {list(self.random_parts)} use dropout: pass the step's "
+                                 f"dropout_keys(seed, step, {m}) as keys (run_steps: one per batch), or "
+                                 "build the StagedModel with deterministic=True to run without dropout")
+            return [None] * num_steps
+        like = dropout_keys(0, 0, m)
+        keys = [np.asarray(k) for k in keys]
+        if len(keys) != num_steps or any(k.shape != like.shape or k.dtype != like.dtype for k in keys):
+            got = [f"{k.dtype}{list(k.shape)}" for k in keys]
+            raise ValueError(f"keys must be one dropout_keys(seed, step, {m}) per step ({num_steps} of "
+                             f"{like.dtype}{list(like.shape)}), got {got}")
+        return keys if self.random_parts and not self.deterministic else [None] * num_steps
 
     def stage_inputs(self, x: Any) -> list[Any]:
         """Every stage's input for a batch like ``x``, as (a pytree of) ``jax.ShapeDtypeStruct``."""
@@ -170,16 +249,18 @@ class StagedModel:
                                          None))
         return shapes
 
-    def split_stage(self, stage: int, x: Any, labels: Any = None) -> StageSplit:
+    def split_stage(self, stage: int, x: Any, labels: Any = None, key: Any = None) -> StageSplit:
         """The :class:`~zbpp_lite.runtime.split.StageSplit` of ``stage`` for inputs like ``x`` (and
-        ``labels`` on the last stage), cached by what the stage computes so alike stages share one."""
+        ``labels`` on the last stage, a dropout ``key`` row where it draws random numbers; as
+        :meth:`stage_aux`), cached by what the stage computes so alike stages share one."""
         last = stage == self.num_stages - 1
-        aux = labels if last else None
+        aux = self.stage_aux(stage, labels, key)
         params = self.stage_params(self.params, stage)
         key = (
             tuple(self.graphdefs[i] for i in self.parts[stage]),
             stage == 0,
             self.loss_fn if last else None,
+            isinstance(aux, StageAux),
             *[(np.shape(a), str(jnp.result_type(a))) for a in jax.tree_util.tree_leaves((params, x, aux))],
         )
         if key not in _SPLITS:
@@ -218,16 +299,30 @@ class StagedModel:
         return self._combine_ties(grads, lambda copies: functools.reduce(operator.add, copies))
 
     def logits(self, params: Params, x: jax.Array) -> jax.Array:
-        """The unpartitioned model's output (logits) on ``x``; tied copies are one parameter: every use
-        reads the first copy's value and passes its gradient to every copy (``jax.grad`` of :meth:`loss`
-        gives each copy the whole gradient, as :meth:`sum_tied` of the pipeline's)."""
-        one = self._combine_ties(params, lambda copies: copies[0] + sum(
-            c - jax.lax.stop_gradient(c) for c in copies[1:]))
-        return self._apply(range(self.num_parts), one, x)
+        """The unpartitioned model's output (logits) on ``x``, without dropout; tied copies are one
+        parameter (:meth:`as_one`)."""
+        return self._apply(range(self.num_parts), self.as_one(params), x)
 
-    def loss(self, params: Params, x: jax.Array, labels: jax.Array) -> jax.Array:
-        """The unpartitioned model's loss on a whole batch (the reference for the pipeline)."""
-        return self.loss_fn(self.logits(params, x), labels)
+    def as_one(self, params: Params) -> Params:
+        """``params`` with tied copies made one parameter: every use reads the first copy's value and
+        passes its gradient to every copy (``jax.grad`` of :meth:`loss` gives each copy the whole
+        gradient, as :meth:`sum_tied` of the pipeline's)."""
+        return self._combine_ties(params, lambda copies: copies[0] + sum(
+            c - jax.lax.stop_gradient(c) for c in copies[1:]))
+
+    def loss(self, params: Params, x: jax.Array, labels: jax.Array, keys: Any = None) -> jax.Array:
+        """The unpartitioned model's loss on a whole batch (the reference for the pipeline).
+
+        ``keys``: None (no dropout), or a step's :func:`dropout_keys` (m, 2): the batch is then cut into
+        m microbatches, microbatch j masked with ``keys[j]`` as the pipeline masks it, and the loss is the
+        mean of the microbatch losses, the pipeline's. Raises ValueError: a batch that does not divide.
+        """
+        if keys is None:
+            return self.loss_fn(self.logits(params, x), labels)
+        m, parts, params = len(keys), range(self.num_parts), self.as_one(params)
+        b = batch_microbatch_size(x, labels, m)
+        return jnp.mean(jnp.stack([self.loss_fn(self._apply(parts, params, x[j * b : (j + 1) * b], keys[j]),
+                                                labels[j * b : (j + 1) * b]) for j in range(m)]))
 
 
 def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None:
@@ -272,20 +367,73 @@ def find_ties(modules: Sequence[Any]) -> tuple[Tie, ...]:
 
 @dataclass(frozen=True)
 class _Fn:
-    """A plain-function part's stand-in for a graphdef, equal and hashed by the function (the split cache)."""
+    """A plain-function part's stand-in for a graphdef, equal and hashed by the function (the split cache);
+    ``takes_key``: ``fn(params, x, key)``."""
 
     fn: Callable
+    takes_key: bool = False
+
+
+@dataclass(frozen=True)
+class _Random:
+    """An NNX module with RNG streams (``nnx.Dropout(rate, rngs=...)``): its graphdef and its RNG state's
+    structure (per leaf: shape, and whether a key or a counter), the state made anew from each call's key."""
+
+    graphdef: Any
+    tree: Any
+    leaves: tuple
+
+    def merge(self, params: Any, key: Any) -> nnx.Module:
+        """The module with stream n's key ``fold_in(key, n)`` and counters at 0; ``key`` None: a fixed key,
+        the module in evaluation mode (``Module.eval``: dropout off)."""
+        data = jax.random.key_data(jax.random.key(0)) if key is None else key
+        leaves = []
+        for n, (shape, is_key) in enumerate(self.leaves):
+            k = jax.random.wrap_key_data(jax.random.fold_in(data, n))
+            keys = jax.random.split(k, shape) if shape else k
+            leaves.append(keys if is_key else jnp.zeros(shape, jnp.uint32))
+        module = nnx.merge(self.graphdef, params, jax.tree_util.tree_unflatten(self.tree, leaves))
+        if key is None:
+            module.eval()
+        return module
+
+
+def _draws_random(graphdef: Any) -> bool:
+    return isinstance(graphdef, _Random) or isinstance(graphdef, _Fn) and graphdef.takes_key
+
+
+def _takes_key(fn: Callable) -> bool:
+    try:
+        return "key" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature (a builtin): takes none
+        return False
+
+
+def _split_module(i: int, part: nnx.Module) -> tuple[Any, Any]:
+    """An NNX module as ``(graphdef or _Random, params)``; see :func:`_split_part`."""
+    name = type(part).__name__
+    graphdef, params, rng, rest = nnx.split(part, nnx.Param, nnx.RngState, ...)
+    if jax.tree_util.tree_leaves(rest):
+        raise ValueError(f"module {i} ({name}) holds state other than parameters and RNG streams (batch "
+                         "statistics?); use a stateless layer (LayerNorm, not BatchNorm) or a (fn, params) "
+                         "part")
+    leaves, tree = jax.tree_util.tree_flatten(rng)
+    if leaves:
+        return _Random(graphdef, tree, tuple((a.shape, jnp.issubdtype(a.dtype, jax.dtypes.prng_key))
+                                             for a in leaves)), params
+    if any(isinstance(n, nnx.Dropout) and n.rate > 0 and n.deterministic is False
+           for _, n in nnx.iter_graph(part)):
+        raise ValueError(f"module {i} ({name}) has an nnx.Dropout without rngs; build it with "
+                         "nnx.Dropout(rate, rngs=rngs): each microbatch's key (dropout_keys) replaces them")
+    return graphdef, params
 
 
 def _split_part(i: int, part: Any) -> tuple[Any, Any]:
-    """Part ``i`` as ``(graphdef, params)``: an NNX module's (parameters only), or ``(fn, params)``
-    checked (fn callable, params a pytree of floating-point arrays) with fn as an :class:`_Fn`."""
+    """Part ``i`` as ``(graphdef, params)``: an NNX module's (parameters only; with RNG streams a
+    :class:`_Random`), or ``(fn, params)`` checked (fn callable, params a pytree of floating-point arrays)
+    with fn as an :class:`_Fn`."""
     if isinstance(part, nnx.Module):
-        graphdef, params, rest = nnx.split(part, nnx.Param, ...)
-        if jax.tree_util.tree_leaves(rest):
-            raise ValueError(f"module {i} ({type(part).__name__}) holds state other than parameters; "
-                             "only nnx.Param state is supported")
-        return graphdef, params
+        return _split_module(i, part)
     if not (isinstance(part, tuple) and len(part) == 2 and callable(part[0])):
         raise ValueError(f"part {i} is a {type(part).__name__}; expected an nnx.Module or a pair (fn, "
                          "params) with fn(params, x) -> y")
@@ -294,5 +442,6 @@ def _split_part(i: int, part: Any) -> tuple[Any, Any]:
     bad = [d for d in dtypes if not jnp.issubdtype(d, jnp.inexact)]
     if bad:
         raise ValueError(f"part {i}: parameters must be floating-point arrays to be differentiated, got "
-                         f"{bad[0]}")
-    return _Fn(fn), jax.tree_util.tree_map(jnp.asarray, params)
+                         f"{bad[0]}; for dropout take the key as an argument, fn(params, x, key), not a "
+                         "parameter")
+    return _Fn(fn, _takes_key(fn)), jax.tree_util.tree_map(jnp.asarray, params)

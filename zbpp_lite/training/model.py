@@ -83,7 +83,8 @@ class RunConfig:
 
     Attributes:
         batch: global batch, samples; a multiple of the microbatch count.
-        lr, weight_decay: AdamW (PyTorch's defaults otherwise). seed: batch order and held-out split.
+        lr, weight_decay: AdamW (PyTorch's defaults otherwise). seed: batch order, held-out split and, for
+            a model with dropout, the keys (:func:`~zbpp_lite.runtime.stages.dropout_keys`).
         holdout: fraction held out for the test (0: the PyTorch job's batches, tested on all samples).
         init: a ``torch_pp_bench.py --save-init`` .npz to start from (same ``d`` and ``blocks``).
         check_grads: compare the first step with the unpartitioned model. progress: a tqdm bar.

@@ -94,16 +94,18 @@ def _jitted(what: str, model, make):
     graphdefs = tuple(getattr(model, "graphdefs", ()))
     if not graphdefs:  # no structure to key on: this model's own function, not kept
         return make(model)
-    key = (what, graphdefs, getattr(model, "loss_fn", None), getattr(model, "ties", ()))
+    key = (what, graphdefs, getattr(model, "loss_fn", None), getattr(model, "ties", ()),
+           getattr(model, "deterministic", False))
     if key not in _JITTED:
         _JITTED[key] = make(model)
     return _JITTED[key]
 
 
-def reference_grads(model, params, x, y, device) -> tuple[float, Any]:
-    """Loss and gradients of the unpartitioned model on the whole batch (one device)."""
+def reference_grads(model, params, x, y, device, keys=None) -> tuple[float, Any]:
+    """Loss and gradients of the unpartitioned model on the whole batch (one device); ``keys``: the step's
+    dropout keys, each microbatch masked as the pipeline masks it (``StagedModel.loss``)."""
     params = jax.device_put(params, device)
-    loss, grads = _jitted("grads", model, lambda m: jax.jit(jax.value_and_grad(m.loss)))(params, x, y)
+    loss, grads = _jitted("grads", model, lambda m: jax.jit(jax.value_and_grad(m.loss)))(params, x, y, keys)
     return float(loss), grads
 
 

@@ -21,7 +21,7 @@ from ..analysis.profiling.timelines import measured_costs, timed_steps
 from ..runtime.devices import ensure_devices
 from ..runtime.executor import PipelineExecutor
 from ..runtime.split import sum_dtype
-from ..runtime.stages import StagedModel, microbatch_size, stage_parts
+from ..runtime.stages import StagedModel, dropout_keys, microbatch_size, stage_parts
 from ..schedules.builders import build_schedule, options_of
 from ..schedules.costs import Costs
 from ..schedules.ir import Schedule
@@ -191,19 +191,20 @@ class StageAdamW:
             jax.block_until_ready(update(zeros, once[1], once[0]))
 
 
-def train_step(executor, adamw: StageAdamW, x, y) -> tuple[Any, float, float]:
-    """``executor`` on ``adamw``'s parameters, then the update; (result, seconds to the update's end,
-    seconds of the run)."""
+def train_step(executor, adamw: StageAdamW, x, y, keys=None) -> tuple[Any, float, float]:
+    """``executor`` on ``adamw``'s parameters (``keys``: the step's dropout keys, as the executor's
+    ``run``), then the update; (result, seconds to the update's end, seconds of the run)."""
     t0 = time.perf_counter()
-    result = executor.run(adamw.params, x, y)
+    result = executor.run(adamw.params, x, y, keys)
     ran = time.perf_counter() - t0
     adamw.step(result.grads)
     return result, time.perf_counter() - t0, ran
 
 
-def check_step(model, params: list, x, y, result, device) -> tuple[float, float]:
-    """(max relative gradient error, |loss - loss_ref|) vs the unpartitioned model from ``params``."""
-    ref_loss, ref_grads = reference_grads(model, params, x, y, device)
+def check_step(model, params: list, x, y, result, device, keys=None) -> tuple[float, float]:
+    """(max relative gradient error, |loss - loss_ref|) vs the unpartitioned model from ``params``, with
+    the step's dropout ``keys``."""
+    ref_loss, ref_grads = reference_grads(model, params, x, y, device, keys)
     return max_relative_error(result.grads, ref_grads), abs(result.loss - ref_loss)
 
 
@@ -211,23 +212,27 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
                 data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None
                 ) -> TrainResult:
     """``steps`` steps of :func:`train_step` from ``config``'s initial parameters (or ``run.init``) on
-    batches 0, 1, ... (clipped AdamW in the rank threads with ``run.max_grad_norm``), then checked,
-    evaluated, simulated. ``home``: one device for all stages' state (default: each stage's own)."""
+    batches 0, 1, ... (clipped AdamW in the rank threads with ``run.max_grad_norm``; a model with dropout:
+    step k's keys ``dropout_keys(run.seed, k, m)``), then checked, evaluated (without dropout),
+    simulated. ``home``: one device for all stages' state (default: each stage's own)."""
     staged, sched = executor.model, executor.schedule
     data = data if data is not None else load_digits(run.holdout, run.seed)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
     homes = [home] * sched.num_stages if home is not None else list(executor.stage_devices)
     batches = [data.batch(k, run.batch) for k in range(steps)]
+    # step k's dropout keys from the run's seed (none for a model without dropout)
+    keys = [dropout_keys(run.seed, k, sched.num_microbatches) if staged.random_parts else None
+            for k in range(steps)]
     losses, timelines, seconds, extra = [], [], [], {}
     if run.max_grad_norm is not None:
         out = (losses, timelines, seconds, extra)
-        first, final = _guarded_steps(executor, params, batches, run, out, on_step)
+        first, final = _guarded_steps(executor, params, batches, run, out, on_step, keys)
     else:
         adamw = StageAdamW(params, run).place(staged, dict(enumerate(homes)))
         desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
         bar = tqdm(range(steps), desc=desc, leave=False, disable=not run.progress)
         for k in bar:
-            result, sec, _ = train_step(executor, adamw, *batches[k])
+            result, sec, _ = train_step(executor, adamw, *batches[k], keys[k])
             first = result if k == 0 else first
             losses.append(result.loss)
             timelines.append(result.timeline)
@@ -236,7 +241,8 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
             if on_step is not None:
                 on_step(k, result.loss, result.timeline)
         final = adamw.params
-    errors = check_step(staged, params, *batches[0], first, homes[0]) if run.check_grads else (None, None)
+    errors = (check_step(staged, params, *batches[0], first, homes[0], keys[0]) if run.check_grads
+              else (None, None))
     tested = evaluate(staged, final, data.test_x, data.test_y, homes[0])
     settings = {**settings_json(config, run), "devices": [str(dev) for dev in executor.devices], **extra}
     return TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
@@ -297,7 +303,8 @@ def _fits_job(sched: Schedule, config: ModelConfig, run: RunConfig) -> Schedule:
     return sched
 
 
-def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_step) -> tuple[Any, list]:
+def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_step, keys: list
+                   ) -> tuple[Any, list]:
     """Steps with the clipped AdamW in the rank threads
     (:class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`); fills ``out``, returns (first
     step's result, trained parameters)."""
@@ -305,7 +312,7 @@ def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_ste
     config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
     policy = "post-validation" if run.post_validation else "synchronous"
     guard = StageOptimizer(executor, params, config, policy, run.max_grad_norm)
-    results = executor.run_steps(params, batches, guard)
+    results = executor.run_steps(params, batches, guard, None if keys[0] is None else keys)
     starts = [r.start for r in results]
     starts.append(starts[-1] + results[-1].timeline.global_span)  # the last step: its own span
     for k, r in enumerate(results):
