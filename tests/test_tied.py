@@ -15,7 +15,9 @@ from flax import nnx
 
 import zbpp_lite as zb
 from zbpp_lite.runtime.executor import PipelineExecutor, run_schedule
+from zbpp_lite.runtime.spmd import SpmdExecutor
 from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.runtime.stages import dropout_keys as zb_dropout_keys
 from zbpp_lite.training.model import RunConfig
 from zbpp_lite.training.postval.optimizer import guarded_run
 from zbpp_lite.training.postval.rollback import AdamWConfig
@@ -261,3 +263,38 @@ def test_two_ties_one_of_them_inside_a_stage():
                             *[(block, p) for p in _blocks()], (logits_of, {"embedding": _embedding()})], 2, loss_fn)
     assert one_part.ties[0].describe() == ("part 0 holds one array in 2 places (part 0 at ['again'], part 0 at "
                                            "['embedding']; tied weights)")
+
+
+def dropout_block(params, h, key):
+    """A block with dropout (rate 0.25) after its tanh: the masks come from the microbatch's key."""
+    y = jnp.tanh(h @ params["w"] + params["b"])
+    if key is None:  # dropout off (no keys: evaluation)
+        return y
+    keep = jax.random.bernoulli(key, 0.75, y.shape)
+    return jnp.where(keep, y / 0.75, 0.0)
+
+
+@pytest.mark.parametrize("name, executor", [("zb-h1", "threads"), ("zb-v", "threads"), ("zb-h1", "spmd")])
+def test_tied_weights_with_dropout_equal_jax_grad_of_the_same_masked_tied_model(name, executor):
+    """Ties and dropout together (a GPT-style model has both): every copy's gradient is jax.grad of the
+    unpartitioned model's loss with the same keys, whose tied copies are one parameter."""
+    m = 4
+    schedule = zb.build_schedule(name, 2, m)
+    shared = {"embedding": _embedding()}
+    parts = [(lookup, shared), *[(dropout_block, p) for p in _blocks()], (logits_of, shared)]
+    model = StagedModel(parts, schedule.num_stages, loss_fn)
+    assert model.ties and model.random_parts
+    x, y = _batch(m)
+    keys = zb_dropout_keys(7, 0, m)
+    if executor == "spmd":
+        result = SpmdExecutor(model, schedule, DEVICES[:2]).run(model.params, x, y, keys)
+    else:
+        result = PipelineExecutor(model, schedule, DEVICES[:2]).run(model.params, x, y, keys)
+    ref_loss, ref = jax.value_and_grad(model.loss)(model.params, x, y, keys)
+    assert float(ref_loss) != pytest.approx(float(model.loss(model.params, x, y)), rel=1e-3)  # masks are on
+    assert result.loss == pytest.approx(float(ref_loss), rel=1e-5)
+    copies = _copies(model, result.grads)
+    assert np.array_equal(copies[0], copies[1])
+    _close(copies[0], _copies(model, ref)[0])
+    for i in range(1, BLOCKS + 1):
+        _close(result.grads[i]["w"], ref[i]["w"])

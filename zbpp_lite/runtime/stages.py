@@ -261,6 +261,8 @@ class StagedModel:
             stage == 0,
             self.loss_fn if last else None,
             isinstance(aux, StageAux),
+            # a part draws from fold_in(key, its index): alike stages at other indices draw other masks
+            (tuple(self.parts[stage]), self.deterministic) if isinstance(aux, StageAux) else None,
             *[(np.shape(a), str(jnp.result_type(a))) for a in jax.tree_util.tree_leaves((params, x, aux))],
         )
         if key not in _SPLITS:
