@@ -231,3 +231,16 @@ def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsy
     assert "activation memory peak per rank (bytes): measured" in capsys.readouterr().out
     page = out_html.read_text()
     assert "Activation memory per rank" in page and page.count("measured beside the plan") == 2
+
+
+def test_the_executor_warns_in_one_line_when_the_models_m_w_breaks_the_schedules_memory_plan():
+    # zb-2p planned with M_W = 7/16 M_B at p = 2, m = 8 promises 4 M_B per rank; this model's M_W is
+    # about 0.7 of its M_B: the executor says so before the step, and the measured peak bears it out
+    from zbpp_lite.runtime.executor import PlanMemoryWarning
+
+    schedule = zb.build_schedule("zb-2p", 2, 8)
+    with pytest.warns(PlanMemoryWarning, match=r"planned with M_W = 0\.4375 M_B to hold at most 4 M_B"):
+        memory = _run(schedule).measured_memory
+    assert max(memory.peak_units([0, 1])) > 4
+    planned = zb.build_schedule("zb-2p", 2, 8, costs=memory.costs())
+    assert planned.memory_plan.overrun(planned, memory.costs()) is None

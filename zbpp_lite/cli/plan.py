@@ -11,10 +11,12 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import replace
 
 import zbpp_lite as zb
 
 from ..schedules.builders import options_of
+from ..schedules.memory import MemoryPlan
 from ..viz.text import text_grid
 from ..viz.trace import write_chrome_trace
 from . import CliError
@@ -101,6 +103,16 @@ def _costs(args: argparse.Namespace) -> zb.Costs:
     return zb.Costs(**{k: v for k, v in values.items() if v is not None})
 
 
+def _print_m_w(schedule: zb.Schedule, costs: zb.Costs, unit: str) -> None:
+    """Which M_W the peak assumed (and the limit planned under), and the peak of the same order were M_W
+    = M_B: a W that waits holds M_W, so the peak moves with it."""
+    plan = schedule.memory_plan or MemoryPlan.of(costs, schedule.num_stages)
+    limit = "" if plan.limit is None else ", planned under " + " ".join(f"{x:g}" for x in plan.limit)
+    print(f"assumed      {plan.assumed()}{limit}  (--mem-w: your model's M_W)")
+    heavy = zb.simulate(schedule, replace(costs, mem_w=costs.mem_b)).peak_memory
+    print("at M_W = M_B " + " ".join(f"{m:g}" for m in heavy) + f"  (peak per rank of this order, {unit})")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
         print("\n".join(zb.SCHEDULES))
@@ -117,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"bubble rate  {timeline.bubble_rate:.4f}")
     unit = "units of M_B" if args.mem_b is None else "the unit of --mem-b"
     print("peak memory  " + " ".join(f"{m:g}" for m in timeline.peak_memory) + f"  (per rank, {unit})")
+    if any(a.kind == "W" for _, a in schedule):
+        _print_m_w(schedule, costs, unit)
     if args.csv:
         schedule.to_csv(args.csv)
         print(f"wrote {args.csv}")
