@@ -317,3 +317,16 @@ def test_a_memory_limited_plan_says_which_m_w_it_assumed_and_a_model_whose_m_w_b
     assert v.memory_plan.limit is None and v.memory_plan.overrun(v, zb.Costs()) is None
     assert "zb-v+fuse was planned with M_W = 0.4375 M_B" in v.memory_plan.overrun(v, heavy)
     assert zb.build_schedule("zb-h1", 2, 4).memory_plan is None  # handcrafted: no plan to keep
+
+
+@pytest.mark.parametrize("mem_w", [0.0, 7 / 16, 1.0, 1.5])
+def test_a_plans_promised_peak_is_the_simulators_for_every_schedule_and_m_w(mem_w):
+    # the plan's peaks come from each rank's order alone; they must be the simulator's (pairs, B allocating)
+    from zbpp_lite.schedules.memory import MemoryPlan
+
+    costs = zb.Costs(f=1.0, b=1.3, w=0.7, comm=0.1, mem_b=2.0, mem_w=2.0 * mem_w)
+    for name in zb.SCHEDULES:
+        s = zb.build_schedule(name, 3, 6)
+        per_rank = [sum(2.0 for _ in s.stages_of(r)) for r in range(3)]
+        expected = tuple(x / n for x, n in zip(zb.simulate(s, costs).peak_memory, per_rank))
+        assert MemoryPlan.of(costs, s.num_stages).limit_units(s) == pytest.approx(expected, abs=1e-12), name

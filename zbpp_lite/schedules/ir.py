@@ -15,10 +15,7 @@ import io
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Iterator, NamedTuple, Sequence, Union
-
-if TYPE_CHECKING:
-    from .memory import MemoryPlan
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence, Union
 
 KINDS = ("F", "B", "W", "BW")
 """Action kinds: forward, backward-input, backward-weight, fused backward."""
@@ -194,15 +191,16 @@ class Schedule:
         placement: ``placement[stage]`` is the rank holding that stage; ValueError if outside the ranks.
         num_microbatches: m, microbatches per training step.
         name: the builder's registry name, or "" for hand-written / loaded schedules.
-        memory_plan: a memory-limited planner's M_B, M_W and promised peak
-            (:class:`~zbpp_lite.schedules.memory.MemoryPlan`), or None; not compared, not in the CSV.
+        memory_plan: a memory-limited planner's M_B, M_W and promised peak, a
+            :class:`~zbpp_lite.schedules.memory.MemoryPlan` (a module above this one), or None; not
+            compared, not in the CSV.
     """
 
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...]
     num_microbatches: int
     name: str = ""
-    memory_plan: MemoryPlan | None = field(default=None, compare=False, repr=False)
+    memory_plan: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))

@@ -19,12 +19,10 @@ order can hold far more than promised (zb-2p at p = 4, m = 16: 15 M_B at M_W = M
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from .costs import Costs
-
-if TYPE_CHECKING:
-    from .ir import Schedule
+from .ir import Schedule
 
 Curve = tuple[tuple[float, int], ...]
 """A step curve: (time in seconds, bytes from then on), in time order, from (0.0, 0)."""
@@ -142,12 +140,12 @@ class MemoryPlan:
             return f"M_W = {ratios[0]:.4g} M_B"
         return "M_W / M_B per stage " + ", ".join(f"{r:.3g}" for r in ratios)
 
-    def limit_units(self, schedule: "Schedule") -> tuple[float, ...]:
+    def limit_units(self, schedule: Schedule) -> tuple[float, ...]:
         """Per rank, the promised peak in units of the rank's M_B (its stages' planned M_B summed)."""
         limit = self.limit or _peaks(schedule, Costs(mem_b=self.mem_b, mem_w=self.mem_w))
         return tuple(x / _rank_sum(schedule, self.mem_b, r) for r, x in enumerate(limit))
 
-    def overrun(self, schedule: "Schedule", costs: Costs) -> str | None:
+    def overrun(self, schedule: Schedule, costs: Costs) -> str | None:
         """One line when ``schedule`` under ``costs``' M_B, M_W (a model's, e.g. bytes) peaks above the plan
         on some rank, each side in units of the rank's M_B; None when it keeps the promise. Raises
         ValueError: as :meth:`Costs.table`."""
@@ -165,12 +163,20 @@ class MemoryPlan:
                 "mem_w=...), e.g. zbpp_lite.training.train.job_costs, or pass its name to train)")
 
 
-def _rank_sum(schedule: "Schedule", values: Sequence[float], rank: int) -> float:
+def _rank_sum(schedule: Schedule, values: Sequence[float], rank: int) -> float:
     return sum(values[s] for s in schedule.stages_of(rank)) or 1.0
 
 
-def _peaks(schedule: "Schedule", costs: Costs) -> tuple[float, ...]:
-    """Per rank, the simulated peak under ``costs`` (a rank's order alone sets it)."""
-    from .simulate import simulate  # simulate -> timeline -> this module
-
-    return simulate(schedule, costs, check=False).peak_memory
+def _peaks(schedule: Schedule, costs: Costs) -> tuple[float, ...]:
+    """Per rank, the peak of its memory over its own order (F adds M_B, B and W change it as
+    :meth:`~zbpp_lite.schedules.costs.CostTable.memory_delta` says): the simulator's peak, which no timing
+    moves (a rank runs one entry at a time; a pair's F allocates before its backward frees)."""
+    table = costs.table(schedule.num_stages)
+    peaks = []
+    for r in range(schedule.num_ranks):
+        held = peak = 0.0
+        for a in schedule.rank_actions(r):
+            held += table.memory_delta(a.kind, a.stage)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)
