@@ -295,3 +295,38 @@ def replace_caps(rules, caps):
     from dataclasses import replace
 
     return replace(rules, warmup_cap=caps)
+
+
+def test_a_memory_limited_plan_says_which_m_w_it_assumed_and_a_model_whose_m_w_breaks_it_is_named():
+    """zb-2p at p = 4, m = 16 planned with the default M_W = 7/16 M_B promises 8 M_B per rank; the same
+    order with M_W = M_B peaks at 15 M_B (a postponed W holds M_W). Planned with M_W = M_B it keeps 8."""
+    s = zb.build_schedule("zb-2p", 4, 16)
+    plan = s.memory_plan
+    assert plan.assumed() == "M_W = 0.4375 M_B" and plan.limit_units(s) == (8.0,) * 4
+    heavy = zb.Costs(mem_w=1.0)
+    assert zb.simulate(s, heavy).peak_memory == (10.0, 13.0, 14.0, 15.0)
+    message = plan.overrun(s, heavy)
+    assert "planned with M_W = 0.4375 M_B to hold at most 8 M_B on rank 3" in message
+    assert "M_W = 1 M_B it holds 15 M_B there" in message and "\n" not in message
+    assert plan.overrun(s, zb.Costs()) is None and plan.overrun(s, zb.Costs(mem_w=0.0)) is None
+    replanned = zb.build_schedule("zb-2p", 4, 16, costs=heavy)
+    assert replanned.memory_plan.assumed() == "M_W = 1 M_B" and replanned.memory_plan.overrun(replanned, heavy) is None
+    assert max(zb.simulate(replanned, heavy).peak_memory) == 8.0
+    # a planner without a limit promises its planned peak; fusing keeps the plan (it frees no later)
+    v = zb.build_schedule("zb-v+fuse", 2, 8)
+    assert v.memory_plan.limit is None and v.memory_plan.overrun(v, zb.Costs()) is None
+    assert "zb-v+fuse was planned with M_W = 0.4375 M_B" in v.memory_plan.overrun(v, heavy)
+    assert zb.build_schedule("zb-h1", 2, 4).memory_plan is None  # handcrafted: no plan to keep
+
+
+@pytest.mark.parametrize("mem_w", [0.0, 7 / 16, 1.0, 1.5])
+def test_a_plans_promised_peak_is_the_simulators_for_every_schedule_and_m_w(mem_w):
+    # the plan's peaks come from each rank's order alone; they must be the simulator's (pairs, B allocating)
+    from zbpp_lite.schedules.memory import MemoryPlan
+
+    costs = zb.Costs(f=1.0, b=1.3, w=0.7, comm=0.1, mem_b=2.0, mem_w=2.0 * mem_w)
+    for name in zb.SCHEDULES:
+        s = zb.build_schedule(name, 3, 6)
+        per_rank = [sum(2.0 for _ in s.stages_of(r)) for r in range(3)]
+        expected = tuple(x / n for x, n in zip(zb.simulate(s, costs).peak_memory, per_rank))
+        assert MemoryPlan.of(costs, s.num_stages).limit_units(s) == pytest.approx(expected, abs=1e-12), name

@@ -35,6 +35,16 @@ def test_plan_writes_a_csv_that_plans_back_identically_and_a_trace(tmp_path):
     assert len(events) == len(zb.build_schedule("zb-h2", 3, 6))
 
 
+def test_plan_says_which_m_w_a_memory_limited_plan_assumed_and_its_peak_at_m_w_equal_m_b():
+    # issue 39: zb-2p planned with the default M_W promised 8 M_B; the same order at M_W = M_B holds 15
+    out = plan("-s", "zb-2p", "-p", "4", "-m", "16")
+    assert out.returncode == 0, out.stderr
+    assert "assumed      M_W = 0.4375 M_B, planned under 8 8 8 8" in out.stdout
+    assert "at M_W = M_B 10 13 14 15  (peak per rank of this order, units of M_B)" in out.stdout
+    heavy = plan("-s", "zb-h1", "-p", "2", "-m", "4", "--mem-w", "1.5")  # a simulation holds M_W > M_B
+    assert heavy.returncode == 0 and "peak memory  2.5 3  (per rank, units of M_B)" in heavy.stdout
+
+
 def test_plan_plans_and_simulates_with_the_given_mem_b_and_mem_w():
     # issue 31: plan had no --mem-b / --mem-w, so a memory limit was always planned with M_W = 7/16 M_B
     out = plan("-s", "zb-auto", "-p", "4", "-m", "8", "--mem-b", "2", "--mem-w", "0.25", "--memory-limit", "5")
@@ -58,7 +68,7 @@ def test_plan_plans_and_simulates_with_the_given_mem_b_and_mem_w():
         (["--f", "-1"], "--f must be a finite number >= 0"),
         (["--bw", "nan"], "--bw must be a finite number >= 0"),
         (["--mem-b", "-2"], "--mem-b must be a finite number >= 0"),
-        (["--mem-b", "1", "--mem-w", "2"], "--mem-w 2 exceeds M_B 1: M_W is the part of M_B held until W"),
+        (["-s", "zb-2p", "--mem-b", "1", "--mem-w", "2"], "zb-2p: M_W exceeds M_B on stage(s) [0, 1, 2, 3]"),
     ],
 )
 def test_bad_arguments_get_one_line_not_a_traceback(args, message):

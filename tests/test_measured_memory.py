@@ -8,12 +8,13 @@ import inspect
 from fractions import Fraction
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import zbpp_lite as zb
 from zbpp_lite.analysis.profiling.device import stage_memory_bytes
-from zbpp_lite.runtime.executor import PipelineExecutor
+from zbpp_lite.runtime.executor import PipelineExecutor, PlanMemoryWarning
 from zbpp_lite.runtime.memory import MemoryRecorder, nbytes
 from zbpp_lite.runtime.stages import StagedModel
 from zbpp_lite.schedules.builders import options_of
@@ -162,10 +163,13 @@ def test_the_recorder_counts_keeps_frees_and_arrivals_at_the_right_times():
     assert add_curves(((0.0, 0), (1.0, 5)), ((0.0, 1), (0.5, 2), (1.0, 0))) == ((0.0, 1), (0.5, 2), (1.0, 5))
 
 
-def test_a_measured_m_w_above_m_b_is_refused_in_one_line():
-    memory = MeasuredMemory(((0.0, 0),), ((0.0, 0),), (10, 20), (5, 30))
-    with pytest.raises(ValueError, match=r"M_W exceeds M_B on stage\(s\) \[1\]"):
-        memory.costs()
+def test_a_measured_m_w_above_m_b_is_simulated_and_refused_by_the_planners_in_one_line():
+    # under jax.checkpoint B recomputes W's operands: B allocates M_W - M_B, which a planner cannot hold
+    costs = MeasuredMemory(((0.0, 0),), ((0.0, 0),), (10, 20), (5, 30)).costs()
+    assert zb.simulate(zb.build_schedule("zb-h1", 2, 2), costs).peak_memory == (20.0, 60.0)  # rank 1: F +20, B +10, F +20, B +10
+    with pytest.raises(ValueError, match=r"zb-2p: M_W exceeds M_B on stage\(s\) \[1\] \(M_B \[20.0\], M_W "
+                                         r"\[30.0\]\): the planner has B free memory; give mem_b = max"):
+        zb.build_schedule("zb-2p", 2, 4, costs=costs)
 
 
 def test_recording_can_be_turned_off():
@@ -231,3 +235,57 @@ def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsy
     assert "activation memory peak per rank (bytes): measured" in capsys.readouterr().out
     page = out_html.read_text()
     assert "Activation memory per rank" in page and page.count("measured beside the plan") == 2
+
+
+def test_the_executor_warns_in_one_line_when_the_models_m_w_breaks_the_schedules_memory_plan():
+    # zb-2p planned with M_W = 7/16 M_B at p = 2, m = 8 promises 4 M_B per rank; this model's M_W is
+    # about 0.7 of its M_B: the executor says so before the step, and the measured peak bears it out
+    schedule = zb.build_schedule("zb-2p", 2, 8)
+    with pytest.warns(PlanMemoryWarning, match=r"planned with M_W = 0\.4375 M_B to hold at most 4 M_B"):
+        memory = _run(schedule).measured_memory
+    assert max(memory.peak_units([0, 1])) > 4
+    planned = zb.build_schedule("zb-2p", 2, 8, costs=memory.costs())
+    assert planned.memory_plan.overrun(planned, memory.costs()) is None
+
+
+def _ffn(p, x):
+    return x + jnp.tanh(x @ p["up"]) @ p["down"]
+
+
+def _linear(p, x):
+    return x @ p["w"]
+
+
+def _ffn_model(remat: bool) -> StagedModel:
+    """[linear, ffn, ffn, linear] on d = 16 (ffn 64 wide), two stages; the ffn under jax.checkpoint or not."""
+    k = jax.random.split(jax.random.key(0), 6)
+    block = jax.checkpoint(_ffn) if remat else _ffn
+    parts = [(_linear, {"w": 0.3 * jax.random.normal(k[0], (16, 16))})]
+    parts += [(block, {"up": 0.3 * jax.random.normal(k[i], (16, 64)), "down": 0.3 * jax.random.normal(k[i + 1], (64, 16))})
+              for i in (1, 3)]
+    parts += [(_linear, {"w": 0.3 * jax.random.normal(k[5], (16, 16))})]
+    return StagedModel(parts, 2, loss_fn=lambda y, t: jnp.mean((y - t) ** 2))
+
+
+def test_under_jax_checkpoint_w_keeps_what_b_recomputed_and_the_plan_counts_it_to_the_byte():
+    """F keeps the checkpoints' inputs only (M_B 1,024 and 1,536 B against 5,120 and 5,632 without), but
+    W's operands and output gradients wait from B to W as without (M_W 6,144 B, above M_B): 1F1B's fused
+    backward keeps the saving, a schedule that postpones W does not (ZB-H1's rank 1 holds what it holds
+    without checkpoints). The simulator with the measured M_B, M_W (B allocating M_W - M_B) predicts
+    every peak to the byte; a planner refuses such costs in one line."""
+    x, y = jax.random.normal(jax.random.key(1), (32, 16)), jnp.ones((32, 16))
+    model = _ffn_model(remat=True)
+    timeline = PipelineExecutor(model, zb.build_schedule("zb-h1", 2, 4), DEVICES[:2]).run(model.params, x, y).timeline
+    memory = timeline.measured_memory
+    assert (memory.mem_b, memory.mem_w) == stage_memory_bytes(model, x[:8], y[:8]) == ((1024, 1536), (6144, 6144))
+    assert memory.peak_bytes == timeline.planned_peak_bytes == (7168, 12288)
+    mem_b, mem_w = stage_memory_bytes(_ffn_model(remat=False), x[:8], y[:8])
+    plain = zb.Costs(mem_b=mem_b, mem_w=mem_w)
+    peaks = {(remat, name): zb.simulate(zb.build_schedule(name, 2, 4), costs).peak_memory
+             for remat, costs in ((True, memory.costs()), (False, plain)) for name in ("1f1b", "zb-h1")}
+    assert peaks[True, "1f1b"] == (2048, 1536) and peaks[False, "1f1b"][0] >= 4 * 2048
+    assert peaks[True, "zb-h1"][1] == peaks[False, "zb-h1"][1] == 2 * 6144  # two W's wait on rank 1
+    with pytest.warns(PlanMemoryWarning, match=r"M_W / M_B per stage 6, 4 it holds 16 M_B"):
+        PipelineExecutor(model, zb.build_schedule("zb-2p", 2, 4), DEVICES[:2]).run(model.params, x, y)
+    with pytest.raises(ValueError, match=r"zb-2p: M_W exceeds M_B on stage\(s\) \[0, 1\]"):
+        zb.build_schedule("zb-2p", 2, 4, costs=memory.costs())

@@ -292,3 +292,23 @@ def test_train_plans_a_memory_limited_schedule_named_with_the_jobs_measured_memo
     with pytest.raises(ValueError, match="memory_limit counts units of Costs.mem_b"):
         train("zb-2p", 2, 8, 1, model=model, run=run,
               options=TrainOptions(schedule_options={"memory_limit": 3.0}))
+
+
+def test_train_refuses_a_schedule_planned_with_the_default_m_w_that_this_model_breaks():
+    """zb-2p built with the default M_W = 7/16 M_B promises 8 M_B per rank at p = 4, m = 16; this
+    model's M_W is 0.65-0.81 of its M_B, with which the same order holds 10.8 M_B: refused in one
+    line before any compute. By name it is planned with the job's M_B, M_W and keeps 8 M_B."""
+    from zbpp_lite.training.model import ModelConfig, RunConfig
+    from zbpp_lite.training.train import checked_schedule, job_costs, train
+
+    model, run = ModelConfig(d=8, heads=1, blocks=4), RunConfig(batch=32, check_grads=False)
+    built = zb.build_schedule("zb-2p", 4, 16)
+    with pytest.raises(ValueError, match=r"planned with M_W = 0\.4375 M_B to hold at most 8 M_B on rank 2, "
+                                         r"but with the model's M_W / M_B per stage 0\.812, .* 10\.82 M_B"):
+        train(built, steps=1, model=model, run=run)
+    named = checked_schedule("zb-2p", 4, 16, 1, model, run, None)
+    costs = job_costs(4, 16, model, run)
+    assert named.memory_plan.overrun(named, costs) is None
+    assert checked_schedule(named, 4, 16, 1, model, run, None) is named
+    peaks = zb.simulate(named, costs).peak_memory
+    assert all(peaks[r] <= 8 * costs.mem_b[r] for r in range(4))

@@ -15,7 +15,7 @@ import zbpp_lite as zb
 from zbpp_lite.runtime.processes import Channel, RankProcesses
 from zbpp_lite.schedules.ir import deps, produces
 from zbpp_lite.training.model import ModelConfig
-from zbpp_lite.training.train import RunConfig
+from zbpp_lite.training.train import RunConfig, job_costs
 from zbpp_lite.training.turns import schedule_from_json, schedule_to_json, train_in_turns
 
 SMALL = dict(model=ModelConfig(d=16, heads=2, blocks=4), run=RunConfig(batch=8))
@@ -23,7 +23,9 @@ SMALL = dict(model=ModelConfig(d=16, heads=2, blocks=4), run=RunConfig(batch=8))
 
 @pytest.fixture(scope="module")
 def turns():
-    schedules = [zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h2", 2, 4), zb.build_schedule("zb-v", 2, 4)]
+    # zb-v planned with this job's M_B, M_W: with the default M_W train refuses it (its peak would pass the plan's)
+    zb_v = zb.build_schedule("zb-v", 2, 4, costs=job_costs(4, 4, SMALL["model"], SMALL["run"]))
+    schedules = [zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h2", 2, 4), zb_v]
     ran = []
     results = train_in_turns(schedules, 3, on_step=lambda name, k, loss, timeline: ran.append((name, k)), **SMALL)
     # there and back: step 1 in reverse, so each schedule's neighbours stay one step away

@@ -11,10 +11,12 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import replace
 
 import zbpp_lite as zb
 
 from ..schedules.builders import options_of
+from ..schedules.memory import MemoryPlan
 from ..viz.text import text_grid
 from ..viz.trace import write_chrome_trace
 from . import CliError
@@ -33,7 +35,8 @@ _COSTS = {  # flag -> help: the Costs fields plan takes from the command line
     "fb": "T_F&B, the time of an overlapped F&B pair (dualpipe-v; default T_F + T_BW, no overlap)",
     "mem_b": "M_B, the activation memory F keeps per stage and microbatch, in the unit of --memory-limit "
              "(default 1)",
-    "mem_w": "M_W, the part of M_B held from B until W, same unit (default 7/16 M_B, the paper's ratio)",
+    "mem_w": "M_W, what a microbatch holds from B until W, same unit (default 7/16 M_B, the paper's ratio; "
+             "above M_B under activation checkpointing, which the planners refuse)",
 }
 _DEFAULTS = {"f": 1.0, "b": 1.0, "w": 1.0, "comm": 0.0}
 
@@ -89,16 +92,23 @@ def _schedule(args: argparse.Namespace, costs: zb.Costs) -> zb.Schedule:
 
 
 def _costs(args: argparse.Namespace) -> zb.Costs:
-    """The flags' Costs; CliError for a value not finite and >= 0, or --mem-w above M_B."""
+    """The flags' Costs; CliError for a value not finite and >= 0 (--mem-w above M_B: the planners refuse it,
+    the simulator counts it)."""
     values = {name: getattr(args, name) for name in _COSTS}
     for name, value in values.items():
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise CliError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
-    mem_b = 1.0 if args.mem_b is None else args.mem_b
-    if args.mem_w is not None and args.mem_w > mem_b:
-        raise CliError(f"--mem-w {args.mem_w:g} exceeds M_B {mem_b:g}: M_W is the part of M_B held until W; "
-                       f"give --mem-w <= {mem_b:g}")
     return zb.Costs(**{k: v for k, v in values.items() if v is not None})
+
+
+def _print_m_w(schedule: zb.Schedule, costs: zb.Costs, unit: str) -> None:
+    """Which M_W the peak assumed (and the limit planned under), and the peak of the same order were M_W
+    = M_B: a W that waits holds M_W, so the peak moves with it."""
+    plan = schedule.memory_plan or MemoryPlan.of(costs, schedule.num_stages)
+    limit = "" if plan.limit is None else ", planned under " + " ".join(f"{x:g}" for x in plan.limit)
+    print(f"assumed      {plan.assumed()}{limit}  (--mem-w: your model's M_W)")
+    heavy = zb.simulate(schedule, replace(costs, mem_w=costs.mem_b)).peak_memory
+    print("at M_W = M_B " + " ".join(f"{m:g}" for m in heavy) + f"  (peak per rank of this order, {unit})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"bubble rate  {timeline.bubble_rate:.4f}")
     unit = "units of M_B" if args.mem_b is None else "the unit of --mem-b"
     print("peak memory  " + " ".join(f"{m:g}" for m in timeline.peak_memory) + f"  (per rank, {unit})")
+    if any(a.kind == "W" for _, a in schedule):
+        _print_m_w(schedule, costs, unit)
     if args.csv:
         schedule.to_csv(args.csv)
         print(f"wrote {args.csv}")

@@ -23,6 +23,7 @@ import functools
 import operator
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -30,12 +31,13 @@ import jax
 import numpy as np
 
 from .devices import too_few_devices_message
-from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
+from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes, nbytes
 from .split import sum_dtype
 from .spmd import SpmdExecutor
 from .stages import Params, StagedModel, batch_microbatch_size
 from .transport import (Aborted, Carrier, Inbox, Interrupted, OptimizerMessage, Threads, Transfer, Transport,
                         message_key)
+from ..schedules.costs import Costs
 from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import validate
@@ -84,6 +86,11 @@ class TieSum:
     nbytes: int
     start: float
     end: float
+
+
+class PlanMemoryWarning(UserWarning):
+    """A schedule run on a model whose M_W / M_B moves its peak above what its planner promised
+    (:meth:`zbpp_lite.schedules.memory.MemoryPlan.overrun`)."""
 
 
 class _Leaves(list):
@@ -300,6 +307,7 @@ class PipelineExecutor:
         # what stage s takes (and what its B sends back): one array, or a pytree (tuple, dict)
         shapes = self._input_shapes = self.model.stage_inputs(x_mb)
         splits: list = [None] * S
+        sizes: dict = {}  # stage -> (M_B, M_W) bytes, for the schedule's memory plan
         kinds = {a.kind for r in self.ranks for a in self.schedule.rank_actions(r)}
         for s in self.local_stages:
             device, last = self.stage_devices[s], s == S - 1
@@ -321,9 +329,22 @@ class PipelineExecutor:
                 _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
                 acc = flat.backward_weight(params[s], kept, grads_out, None)
                 jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
+                sizes[s] = nbytes((res, kept)), nbytes((kept, grads_out))  # M_B, M_W as the recorder's
         self._warm_ties(params)
         self._prepared[signature] = splits, shapes
+        self._check_memory_plan(sizes)
         return splits
+
+    def _check_memory_plan(self, sizes: dict) -> None:
+        """Warn (:class:`PlanMemoryWarning`) when the schedule's memory plan does not hold at this model's
+        M_B, M_W (``sizes[stage]``, bytes; checked when every stage runs here)."""
+        plan = self.schedule.memory_plan
+        if plan is None or len(sizes) < self.model.num_stages:
+            return
+        mem_b, mem_w = zip(*(sizes[s] for s in range(self.model.num_stages)))
+        message = plan.overrun(self.schedule, Costs(mem_b=mem_b, mem_w=mem_w))
+        if message:
+            warnings.warn(message, PlanMemoryWarning, stacklevel=4)
 
     def run(self, params: Params, x: Any, labels: Any, keys: Any = None) -> StepResult:
         """One step: forward and backward of every microbatch, gradients summed; no optimizer update.

@@ -1,7 +1,9 @@
 """Per-action costs and the activation-memory model (pure Python).
 
 Source: arXiv 2401.10241 section 2.1 and table 1: T_F, T_B, T_W are one stage's F, B, W times on one
-microbatch, T_comm the transfer time between ranks; F allocates M_B, B frees M_B - M_W, W frees M_W.
+microbatch, T_comm the transfer time between ranks; F allocates M_B, B frees M_B - M_W, W frees M_W. Under
+activation checkpointing M_W may exceed M_B (B recomputes W's operands and keeps them, with the output
+gradients, until W): B then allocates M_W - M_B, which the simulator counts; the planners refuse it.
 M_W defaults to the paper's share of M_B (:data:`MEM_W_RATIO`), never 0: a plan made with M_W = 0 puts
 every W at the end and hides memory that grows with m. A fused BW costs T_B + T_W and frees M_B unless a
 measured T_BW is given: on a device the split has a price (B writes the gradients W reads; two launches).
@@ -61,12 +63,13 @@ class Costs:
             overlap). DualPipe's bubble (PP/2 - 1)(F&B + B - 3W) uses it (arXiv 2412.19437).
         comm: T_comm, time to send a stage's output onward (or its input gradient back) to another rank.
         mem_b: M_B, activation memory F allocates (e.g. bytes; default 1.0, one stage-microbatch).
-        mem_w: M_W, the part of M_B held from B until W, unit of mem_b. None: :data:`MEM_W_RATIO` (7/16)
-            times mem_b (section 2.3, table 1); 0 is the idealised W. Resolved at construction, so
+        mem_w: M_W, what a microbatch holds from B until W, unit of mem_b. None: :data:`MEM_W_RATIO` (7/16)
+            times mem_b (section 2.3, table 1); 0 is the idealised W; above mem_b under
+            ``jax.checkpoint`` (module docstring). Resolved at construction, so
             ``dataclasses.replace(c, mem_b=...)`` keeps the old mem_w.
 
     Raises:
-        ValueError: a negative, NaN or infinite value, or mem_w > mem_b.
+        ValueError: a negative, NaN or infinite value.
     """
 
     f: PerStage = 1.0
@@ -97,7 +100,7 @@ class Costs:
 
     def table(self, num_stages: int) -> "CostTable":
         """Resolve scalars to per-stage tuples for a schedule with ``num_stages`` stages. Raises
-        ValueError: a per-stage field whose length is not ``num_stages``, or mem_w > mem_b."""
+        ValueError: a per-stage field whose length is not ``num_stages``."""
         fields = {k: _per_stage(getattr(self, k), num_stages, k)
             for k in ("f", "b", "w", "comm", "mem_b", "mem_w")}
         if self.bw is None:
@@ -105,11 +108,7 @@ class Costs:
         else:
             bw = _per_stage(self.bw, num_stages, "bw")
         fb = () if self.fb is None else _per_stage(self.fb, num_stages, "fb")
-        t = CostTable(**fields, bw=bw, fb=fb)
-        bad = [s for s in range(num_stages) if t.mem_w[s] > t.mem_b[s]]
-        if bad:
-            raise ValueError(f"mem_w exceeds mem_b on stage(s) {bad}: W's share M_W is part of M_B")
-        return t
+        return CostTable(**fields, bw=bw, fb=fb)
 
     def with_split_price(self, price: float) -> "Costs":
         """These costs with T_B and T_W scaled alike, stage by stage, so that (T_B + T_W) / T_BW is
@@ -187,7 +186,8 @@ class CostTable:
         return self.time(entry.kind, entry.stage)
 
     def memory_delta(self, kind: str, stage: int) -> float:
-        """Change of activation memory an action causes: F +M_B, B -(M_B-M_W), W -M_W, BW -M_B."""
+        """Change of activation memory an action causes: F +M_B, B -(M_B-M_W) (an allocation where M_W > M_B),
+        W -M_W, BW -M_B."""
         if kind == "F":
             return self.mem_b[stage]
         if kind == "B":

@@ -38,4 +38,5 @@ def fuse_adjacent(schedule: Schedule) -> Schedule:
                 i += 1
         rows.append(tuple(out))
     name = schedule.name + FUSE_SUFFIX if schedule.name else ""
-    return Schedule(tuple(rows), placement, schedule.num_microbatches, name)
+    # fusing a B with its W frees M_W no later: the plan's memory promise still holds
+    return Schedule(tuple(rows), placement, schedule.num_microbatches, name, schedule.memory_plan)

@@ -14,8 +14,8 @@ import itertools
 import io
 import os
 import re
-from dataclasses import dataclass
-from typing import Iterable, Iterator, NamedTuple, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence, Union
 
 KINDS = ("F", "B", "W", "BW")
 """Action kinds: forward, backward-input, backward-weight, fused backward."""
@@ -191,12 +191,16 @@ class Schedule:
         placement: ``placement[stage]`` is the rank holding that stage; ValueError if outside the ranks.
         num_microbatches: m, microbatches per training step.
         name: the builder's registry name, or "" for hand-written / loaded schedules.
+        memory_plan: a memory-limited planner's M_B, M_W and promised peak, a
+            :class:`~zbpp_lite.schedules.memory.MemoryPlan` (a module above this one), or None; not
+            compared, not in the CSV.
     """
 
     actions: tuple[tuple[Action, ...], ...]
     placement: tuple[int, ...]
     num_microbatches: int
     name: str = ""
+    memory_plan: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(tuple(row) for row in self.actions))
@@ -245,7 +249,7 @@ class Schedule:
     def split_pairs(self) -> "Schedule":
         """The same schedule with every pair written as its two consecutive actions."""
         return Schedule(tuple(self.rank_actions(r) for r in range(self.num_ranks)), self.placement,
-            self.num_microbatches, self.name)
+            self.num_microbatches, self.name, self.memory_plan)
 
     # ------------------------------------------------------------------ text / CSV form
 

@@ -10,6 +10,10 @@ The plan's model is :mod:`.costs`'s (arXiv 2401.10241 section 2.1). The executor
 
 On GPU/TPU ``memory_stats()["peak_bytes_in_use"]`` is recorded too (the allocator's peak since the process
 began, parameters, optimizer state and temporaries included).
+
+A memory-limited planner's schedule carries the M_B, M_W it was planned with and the peak it promised
+(:class:`MemoryPlan`): a model whose M_W / M_B is larger moves every postponed W's share up, so the same
+order can hold far more than promised (zb-2p at p = 4, m = 16: 15 M_B at M_W = M_B against 8).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from .costs import Costs
+from .ir import Schedule
 
 Curve = tuple[tuple[float, int], ...]
 """A step curve: (time in seconds, bytes from then on), in time order, from (0.0, 0)."""
@@ -84,15 +89,8 @@ class MeasuredMemory:
             for b, s in zip(self.peak_bytes, unit_stages))
 
     def costs(self, base: Costs | None = None) -> Costs:
-        """``base`` (default :class:`Costs`) with the measured per-stage bytes as mem_b and mem_w.
-        Raises ValueError: a stage whose measured M_W exceeds its M_B."""
-        bad = [s for s, (b, w) in enumerate(zip(self.mem_b, self.mem_w)) if w > b]
-        if bad:
-            raise ValueError(
-                f"measured M_W exceeds M_B on stage(s) {bad} (M_B {list(self.mem_b)}, M_W {list(self.mem_w)} "
-                "bytes): B keeps more than it frees, which the plan's memory model "
-                "(F +M_B, B -(M_B-M_W), W -M_W) cannot hold"
-            )
+        """``base`` (default :class:`Costs`) with the measured per-stage bytes as mem_b and mem_w (M_W above
+        M_B under ``jax.checkpoint``: the planners refuse such costs, the simulator counts them)."""
         base = base or Costs()
         return Costs(f=base.f, b=base.b, w=base.w, comm=base.comm, bw=base.bw, mem_b=self.mem_b,
             mem_w=self.mem_w)
@@ -110,3 +108,75 @@ class MeasuredMemory:
             "held": [[list(p) for p in c] for c in self.held],
             "received": [[list(p) for p in c] for c in self.received],
         }
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a memory-limited planner planned a schedule with (arXiv 2401.10241 section 3.1: the limit binds
+    the peak, which M_W moves: every W waiting holds its M_W).
+
+    Attributes:
+        mem_b: per stage, the M_B planned with (the unit of the planner's ``Costs.mem_b``).
+        mem_w: per stage, the M_W planned with (same unit).
+        limit: per rank, the memory limit planned under (same unit), or None: the schedule's peak under
+            these M_B, M_W is what the plan promised.
+    """
+
+    mem_b: tuple[float, ...]
+    mem_w: tuple[float, ...]
+    limit: tuple[float, ...] | None = None
+
+    @classmethod
+    def of(cls, costs: Costs, num_stages: int, limit: Sequence[float] | None = None) -> "MemoryPlan":
+        """The plan of a schedule of ``num_stages`` stages built with ``costs`` under ``limit`` per rank
+        (None: its peak under these M_B, M_W). Raises ValueError: as :meth:`Costs.table`."""
+        table = costs.table(num_stages)
+        return cls(table.mem_b, table.mem_w, None if limit is None else tuple(float(x) for x in limit))
+
+    def assumed(self) -> str:
+        """The M_W planned with, in words: ``"M_W = 0.4375 M_B"`` (one ratio) or the per-stage ratios."""
+        ratios = [w / b if b else 0.0 for b, w in zip(self.mem_b, self.mem_w)]
+        if len(set(ratios)) == 1:
+            return f"M_W = {ratios[0]:.4g} M_B"
+        return "M_W / M_B per stage " + ", ".join(f"{r:.3g}" for r in ratios)
+
+    def limit_units(self, schedule: Schedule) -> tuple[float, ...]:
+        """Per rank, the promised peak in units of the rank's M_B (its stages' planned M_B summed)."""
+        limit = self.limit or _peaks(schedule, Costs(mem_b=self.mem_b, mem_w=self.mem_w))
+        return tuple(x / _rank_sum(schedule, self.mem_b, r) for r, x in enumerate(limit))
+
+    def overrun(self, schedule: Schedule, costs: Costs) -> str | None:
+        """One line when ``schedule`` under ``costs``' M_B, M_W (a model's, e.g. bytes) peaks above the plan
+        on some rank, each side in units of the rank's M_B; None when it keeps the promise. Raises
+        ValueError: as :meth:`Costs.table`."""
+        table = costs.table(schedule.num_stages)
+        units = [x / _rank_sum(schedule, table.mem_b, r) for r, x in enumerate(_peaks(schedule, costs))]
+        promised = self.limit_units(schedule)
+        over = [r for r, (u, lim) in enumerate(zip(units, promised)) if u > lim * (1 + 1e-9)]
+        if not over:
+            return None
+        r = max(over, key=lambda k: units[k] / promised[k])
+        model = MemoryPlan(table.mem_b, table.mem_w).assumed()
+        return (f"{schedule.name or 'the schedule'} was planned with {self.assumed()} to hold at most "
+                f"{promised[r]:.4g} M_B on rank {r}, but with the model's {model} it holds "
+                f"{units[r]:.4g} M_B there: plan it with the model's memory (costs=Costs(mem_b=..., "
+                "mem_w=...), e.g. zbpp_lite.training.train.job_costs, or pass its name to train)")
+
+
+def _rank_sum(schedule: Schedule, values: Sequence[float], rank: int) -> float:
+    return sum(values[s] for s in schedule.stages_of(rank)) or 1.0
+
+
+def _peaks(schedule: Schedule, costs: Costs) -> tuple[float, ...]:
+    """Per rank, the peak of its memory over its own order (F adds M_B, B and W change it as
+    :meth:`~zbpp_lite.schedules.costs.CostTable.memory_delta` says): the simulator's peak, which no timing
+    moves (a rank runs one entry at a time; a pair's F allocates before its backward frees)."""
+    table = costs.table(schedule.num_stages)
+    peaks = []
+    for r in range(schedule.num_ranks):
+        held = peak = 0.0
+        for a in schedule.rank_actions(r):
+            held += table.memory_delta(a.kind, a.stage)
+            peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)

@@ -165,7 +165,7 @@ class Timeline:
     def planned_peak_bytes(self) -> tuple[float, ...] | None:
         """Per rank, the plan's peak in bytes: the plan's memory model over this timeline's action
         order with the measured per-stage M_B, M_W (:meth:`MeasuredMemory.costs`); None without a
-        measurement. Raises ValueError: as :meth:`MeasuredMemory.costs`."""
+        measurement."""
         if self.measured_memory is None:
             return None
         table = self.measured_memory.costs().table(len(self.measured_memory.mem_b))

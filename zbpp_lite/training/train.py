@@ -133,7 +133,8 @@ def train(schedule: str | Schedule = "zb-h1", ranks: int = 2, microbatches: int 
 
     Raises:
         ValueError: an unknown or invalid schedule, ``memory_limit`` without ``costs``, fewer blocks
-            than stages, a batch that does not divide, bad sizes; all before any compute.
+            than stages, a batch that does not divide, bad sizes, a planned ``Schedule`` whose memory
+            promise this model's M_W breaks (:func:`checked_schedule`); all before any compute.
         RuntimeError: too few devices, or a rank's action failed.
     """
     o = options or TrainOptions()
@@ -288,11 +289,20 @@ def job_plan(name: str, ranks: int, microbatches: int, options: dict, config: Mo
 
 def checked_schedule(schedule, ranks: int, microbatches: int, steps: int, config: ModelConfig, run: RunConfig,
                      schedule_options: dict | None) -> Schedule:
-    """The schedule to run, the request checked before any compute (a name: :func:`job_plan`)."""
+    """The schedule to run, the request checked before any compute (a name: :func:`job_plan`). Raises
+    ValueError: as :func:`job_plan`, or a schedule whose ``memory_plan`` (a memory-limited planner's, e.g.
+    built with default costs) peaks above its promise at this job's M_B, M_W
+    (:meth:`~zbpp_lite.schedules.memory.MemoryPlan.overrun`)."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     if isinstance(schedule, Schedule):
-        return _fits_job(validate(schedule), config, run)
+        sched = _fits_job(validate(schedule), config, run)
+        plan = sched.memory_plan
+        if plan is not None:  # planned elsewhere: its promise must hold at this job's M_B, M_W
+            message = plan.overrun(sched, job_costs(sched.num_stages, sched.num_microbatches, config, run))
+            if message:
+                raise ValueError(message)
+        return sched
     return job_plan(schedule, ranks, microbatches, schedule_options or {}, config, run)[0]
 
 

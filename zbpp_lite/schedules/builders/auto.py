@@ -20,6 +20,7 @@ from typing import Sequence
 
 from ..costs import Costs, CostTable
 from ..ir import Schedule, looped_placement
+from ..memory import MemoryPlan
 from ._common import check_sizes
 from .greedy import (
     Cutoff,
@@ -50,7 +51,8 @@ class AutoPlan:
     """A zb-auto result with what it was planned for.
 
     Attributes:
-        schedule: what ``build_schedule("zb-auto", ...)`` returns.
+        schedule: what ``build_schedule("zb-auto", ...)`` returns; its ``memory_plan`` holds the M_B, M_W
+            and the limit it was planned with.
         memory_limit: per-rank memory limit used (units of Costs.mem_b).
         makespan: under the costs (their time unit).
         bubble_rate: (makespan - busiest rank's busy time) / makespan.
@@ -164,7 +166,7 @@ def auto_plan(
         memory_limit = [p * x for x in rank_stage_memory(placement, table)]
     limits = per_rank_limits(name, memory_limit, placement, table)
     plan = search_one_stage(placement, m, table, limits)
-    schedule = plan.schedule(placement, m, name)
+    schedule = replace(plan.schedule(placement, m, name), memory_plan=MemoryPlan.of(costs, p, limits))
     busy = max(sum(table.time(a.kind, a.stage) for a in row) for row in schedule.actions)
     rate = (plan.makespan - busy) / plan.makespan if plan.makespan > 0 else 0.0
     return AutoPlan(schedule, tuple(limits), plan.makespan, max(rate, 0.0), plan.peak_memory, plan.rules)

@@ -100,8 +100,8 @@ def per_rank_limits(
     name: str, memory_limit: float | Sequence[float], placement: Sequence[int], table: CostTable
 ) -> list[float]:
     """Resolve ``memory_limit`` (a scalar or one value per rank) and check it is feasible. Raises
-    ValueError: a NaN, infinite, negative or wrongly sized limit, or one below
-    :func:`smallest_feasible_limit` (the message names it)."""
+    ValueError: a NaN, infinite, negative or wrongly sized limit, one below
+    :func:`smallest_feasible_limit` (the message names it), or a stage whose M_W exceeds its M_B."""
     p = 1 + max(placement, default=-1)
     is_number = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731
     if not (is_number(memory_limit) or isinstance(memory_limit, (list, tuple))
@@ -124,6 +124,13 @@ def per_rank_limits(
         )
     if any(x < 0 for x in limits):
         raise ValueError(f"{name}: memory_limit must be >= 0, got {memory_limit!r}")
+    heavy = [s for s, (b, w) in enumerate(zip(table.mem_b, table.mem_w)) if w > b]
+    if heavy:  # B would allocate (jax.checkpoint: W's operands recomputed by B wait for W)
+        raise ValueError(
+            f"{name}: M_W exceeds M_B on stage(s) {heavy} (M_B {[table.mem_b[s] for s in heavy]}, M_W "
+            f"{[table.mem_w[s] for s in heavy]}): the planner has B free memory; give mem_b = max(M_B, M_W) "
+            "to plan as if F held M_W already (the limit then holds), or a schedule without a W apart (1f1b)"
+        )
     need = rank_stage_memory(placement, table)
     short = [r for r in range(p) if limits[r] + _EPS < need[r]]
     if short:

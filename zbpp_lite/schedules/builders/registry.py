@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import replace
 from typing import Any, Callable
 
+from ..costs import Costs
 from ..fuse import FUSE_SUFFIX, fuse_adjacent
 from ..ir import Schedule
+from ..memory import MemoryPlan
 from ._common import as_size
 
 Builder = Callable[..., Schedule]
@@ -53,7 +56,11 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: 
     ``options`` go to the builder (``stages_per_rank``, ``costs``, ``memory_limit``, ...); sizes may be
     any integer type (e.g. NumPy int64), passed on as Python ints. Raises ValueError: an unknown name
     (listing the valid ones), an option the builder does not take, a size that is not an integer >= 1, or
-    sizes the builder cannot support (its message says what works)."""
+    sizes the builder cannot support (its message says what works).
+
+    A builder that plans from ``costs`` returns a schedule whose ``memory_plan``
+    (:class:`~zbpp_lite.schedules.memory.MemoryPlan`) holds the M_B, M_W it planned with (the defaults'
+    7/16 M_B unless ``costs`` says otherwise) and, where it planned under one, the memory limit."""
     builder = lookup(name)
     num_ranks = as_size(name, "num_ranks", num_ranks)
     num_microbatches = as_size(name, "num_microbatches", num_microbatches)
@@ -65,4 +72,8 @@ def build_schedule(name: str, num_ranks: int, num_microbatches: int, **options: 
         raise ValueError(
             f"schedule {name!r} takes no option(s) {unknown}; it accepts: {', '.join(accepted) or 'none'}"
         )
-    return builder(num_ranks, num_microbatches, **options)
+    schedule = builder(num_ranks, num_microbatches, **options)
+    if "costs" not in accepted or schedule.memory_plan is not None:
+        return schedule
+    plan = MemoryPlan.of(options.get("costs") or Costs(), schedule.num_stages)
+    return replace(schedule, memory_plan=plan)
