@@ -66,13 +66,13 @@ class Plan:
         actions: ``actions[rank]``, the rank's actions in start order.
         makespan: longest per-rank span (first F start to last end), the costs' time unit.
         peak_memory: per-rank peak activation memory (units of mem_b).
-        rules: the :class:`Rules` that produced it.
+        rules: the :class:`Rules` that produced it (None: not a greedy run, e.g. zb-v's ``paper_v``).
     """
 
     actions: tuple[tuple[Action, ...], ...]
     makespan: float
     peak_memory: tuple[float, ...]
-    rules: Rules
+    rules: Rules | None
 
     def schedule(self, placement: Sequence[int], num_microbatches: int, name: str) -> Schedule:
         """The plan as a :class:`~zbpp_lite.schedules.ir.Schedule` (placement and m as planned)."""
