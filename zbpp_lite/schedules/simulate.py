@@ -14,7 +14,7 @@ import sys
 from .costs import Costs, CostTable
 from .ir import Entry, Key, Overlap, Schedule, deps, parts, produces
 from .timeline import Event, Timeline
-from .validate import execution_order, validate
+from .validate import checked_order, execution_order
 
 
 def simulate(
@@ -39,9 +39,8 @@ def simulate(
     """
     costs = costs or Costs()
     table = costs.table(schedule.num_stages)
-    if check:
-        validate(schedule)
-    events = _lockstep_events(schedule, table) if lockstep else _timed_events(schedule, table)
+    order = checked_order(schedule) if check else None
+    events = _lockstep_events(schedule, table, order) if lockstep else _timed_events(schedule, table, order)
     if not all(math.isfinite(e.end) for e in events):
         big = max((*table.f, *table.b, *table.w, *table.comm))
         raise ValueError(
@@ -53,16 +52,17 @@ def simulate(
         "simulated")
 
 
-def lockstep_ticks(schedule: Schedule) -> list[list[int | None]]:
+def lockstep_ticks(schedule: Schedule, order: list[tuple[int, int]] | None = None) -> list[list[int | None]]:
     """``table[tick][rank]``: the index of the action the rank runs in a lockstep (SPMD) run, or None.
 
     Each action takes the earliest tick after its rank's previous one and after all it needs (results
-    cross ranks at a tick's end). Raises ScheduleError: a deadlocking schedule."""
+    cross ranks at a tick's end); ``order``: its :func:`execution_order` if known. Raises ScheduleError: a
+    deadlocking schedule."""
     S = schedule.num_stages
     tick_of: dict[Key, int] = {}
     next_free = [0] * schedule.num_ranks
     table: list[list[int | None]] = []
-    for rank, step in execution_order(schedule):
+    for rank, step in execution_order(schedule) if order is None else order:
         a = schedule.actions[rank][step]
         tick = max([next_free[rank]] + [tick_of[k] + 1 for k in deps(a, S)])
         while len(table) <= tick:
@@ -93,9 +93,9 @@ def _sends_across(schedule: Schedule, rank: int, a) -> bool:
     return False
 
 
-def _lockstep_events(schedule: Schedule, table: CostTable) -> list[Event]:
+def _lockstep_events(schedule: Schedule, table: CostTable, order=None) -> list[Event]:
     events, now = [], 0.0
-    for row in lockstep_ticks(schedule):
+    for row in lockstep_ticks(schedule, order):
         actions = [(r, schedule.actions[r][i]) for r, i in enumerate(row) if i is not None]
         length = max(table.duration(a) for _, a in actions)
         for r, a in actions:
@@ -105,12 +105,12 @@ def _lockstep_events(schedule: Schedule, table: CostTable) -> list[Event]:
     return events
 
 
-def _timed_events(schedule: Schedule, table: CostTable) -> list[Event]:
+def _timed_events(schedule: Schedule, table: CostTable, order=None) -> list[Event]:
     S, placement = schedule.num_stages, schedule.placement
     finish: dict[Key, tuple[float, int]] = {}  # key -> (end time, stage that produced it)
     free = [0.0] * schedule.num_ranks
     events = []
-    for rank, step in execution_order(schedule):
+    for rank, step in execution_order(schedule) if order is None else order:
         a = schedule.actions[rank][step]
         start = free[rank]
         for key in deps(a, S):

@@ -179,6 +179,12 @@ def validate(schedule: Schedule) -> Schedule:
     """Check a schedule; return it unchanged if valid. Raises ScheduleError: the first problem found,
     naming rank, step, action and rule, with the rank x step grid (PyTorch notation; the bad cell in
     brackets)."""
-    _check_structure(schedule)
-    execution_order(schedule)
+    checked_order(schedule)
     return schedule
+
+
+def checked_order(schedule: Schedule) -> list[tuple[int, int]]:
+    """:func:`validate`'s checks, returning the :func:`execution_order` they found (the simulator times
+    that order, so a checked simulation walks the schedule once). Raises ScheduleError as validate."""
+    _check_structure(schedule)
+    return execution_order(schedule)
