@@ -4,7 +4,11 @@ Target (issue 2): zb-h1 with p = 32, m = 256 well under a second in all.
 Target (issue 31): every registered schedule builds in under 2 s at p = 64, m = 128 and under 10 s at
 p = 128, m = 256 (``--planning``: one build of each at m = 2p, wall and CPU seconds, with the load
 average beside them, since the CPU time is what a loaded machine does not inflate).
+Target (issue 39): ``python -m zbpp_lite plan`` under 20 s for every registered schedule at p = 256,
+m = 512 (``--plan-at 256 512``: per schedule the seconds of each step ``plan`` takes, build, validate,
+simulate and the text grid, unit costs, with the load average beside them).
 Run: python benchmarks/bench_schedule_core.py [--planning [--ranks 16 32 64 128] [--skip-after 60]]
+     python benchmarks/bench_schedule_core.py --plan-at 256 512 [--only zb-v v-half]
 """
 
 from __future__ import annotations
@@ -59,13 +63,42 @@ def planning(ranks: list[int], skip_after: float) -> None:
     print("(targets: < 2 s at p = 64, < 10 s at p = 128; load: the 1-minute load average after the build)")
 
 
+def plan_steps(p: int, m: int, names: list[str]) -> None:
+    """What ``python -m zbpp_lite plan -s NAME -p p -m m`` does, step by step, for each schedule in ``names``:
+    build, validate, simulate (as the CLI calls it) and the text grid; wall seconds, total CPU seconds."""
+    from zbpp_lite.schedules.builders.registry import options_of
+    from zbpp_lite.viz.text import text_grid
+
+    print(f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores; p = {p}, m = {m}, unit costs")
+    print(f"{'schedule':<18} {'build':>7} {'validate':>9} {'simulate':>9} {'grid':>6} {'wall s':>7} {'cpu s':>7} {'load':>6}")
+    costs = zb.Costs()
+    for name in names:
+        c0, marks = time.process_time(), [time.perf_counter()]
+        s = zb.build_schedule(name, p, m, **({"costs": costs} if "costs" in options_of(name) else {}))
+        marks.append(time.perf_counter())
+        zb.validate(s)
+        marks.append(time.perf_counter())
+        timeline = zb.simulate(s, costs)
+        marks.append(time.perf_counter())
+        text_grid(timeline, width=120)
+        marks.append(time.perf_counter())
+        steps = [b - a for a, b in zip(marks, marks[1:])]
+        print(f"{name:<18} {steps[0]:>7.2f} {steps[1]:>9.2f} {steps[2]:>9.2f} {steps[3]:>6.2f} "
+              f"{marks[-1] - marks[0]:>7.2f} {time.process_time() - c0:>7.2f} {os.getloadavg()[0]:>6.2f}", flush=True)
+    print("(target: wall < 20 s per schedule; plan's simulate validates too, so validate is counted twice here)")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--planning", action="store_true", help="time one build of every schedule at m = 2p")
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64, 128], help="p values for --planning")
     parser.add_argument("--skip-after", type=float, default=60.0, help="wall seconds after which larger p is skipped")
+    parser.add_argument("--plan-at", type=int, nargs=2, metavar=("P", "M"), help="time plan's steps at p, m")
+    parser.add_argument("--only", nargs="+", help="schedules for --plan-at (default: all registered)")
     args = parser.parse_args()
-    if args.planning:
+    if args.plan_at:
+        plan_steps(*args.plan_at, args.only or list(zb.SCHEDULES))
+    elif args.planning:
         planning(args.ranks, args.skip_after)
     else:
         main()

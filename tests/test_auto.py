@@ -330,3 +330,47 @@ def test_a_plans_promised_peak_is_the_simulators_for_every_schedule_and_m_w(mem_
         per_rank = [sum(2.0 for _ in s.stages_of(r)) for r in range(3)]
         expected = tuple(x / n for x, n in zip(zb.simulate(s, costs).peak_memory, per_rank))
         assert MemoryPlan.of(costs, s.num_stages).limit_units(s) == pytest.approx(expected, abs=1e-12), name
+
+
+def test_the_memory_safety_check_walks_only_microbatches_still_needing_memory_and_answers_as_the_full_walk():
+    from zbpp_lite.schedules.builders.greedy import _EPS, _Greedy
+    from zbpp_lite.schedules.builders.zb_v import V_ORDERS, v_limits
+    from zbpp_lite.schedules.ir import v_placement
+
+    class Walked(dict):
+        seen = 0
+
+        def __reversed__(self):
+            for k in super().__reversed__():
+                Walked.seen += 1
+                yield k
+
+    def full_walk(engine, r, s, j):  # every in-flight microbatch, newest first
+        mb, limit, inflight = engine.t.mem_b[s], engine.limits[r] + _EPS, dict(engine.inflight[r])
+        suffix = 0.0 if j in inflight else mb
+        if j not in inflight and suffix + engine.rank_total_mem[r] - mb > limit:
+            return False, 0
+        for k in reversed(list(inflight)):
+            held, need, _ = inflight[k]
+            held, need = (held + mb, need - mb) if k == j else (held, need)
+            suffix += held
+            if suffix + need > limit:
+                return False, len(inflight)
+        return True, len(inflight)
+
+    class Checked(_Greedy):
+        answers = walked_all = 0
+
+        def safe_f(self, r, s, j):
+            self.inflight[r] = Walked(self.inflight[r])
+            answer = super().safe_f(r, s, j)
+            assert answer == full_walk(self, r, s, j)[0]
+            Checked.answers += 1
+            Checked.walked_all += full_walk(self, r, s, j)[1]
+            return answer
+
+    p, m = 8, 24
+    costs = zb.Costs(f=14.407, b=14.380, w=9.676, comm=1.610, mem_b=[1.0 + 0.125 * (s % 3) for s in range(2 * p)])
+    limits, table = v_limits("zb-v", p, p, costs, None)
+    Checked(v_placement(p), m, table, limits, Rules(order=V_ORDERS[0])).run()
+    assert Checked.answers > 0 and Walked.seen < Checked.walked_all / 2

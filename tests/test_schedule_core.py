@@ -398,3 +398,43 @@ def test_zb_h2s_closed_form_is_refused_where_it_would_undercount_the_simulator()
     with pytest.raises(ValueError, match=r"^ZB-H2's form needs T_W <= T_F and 2 T_W <= T_F \+ T_B [^\n]*$"):
         formulas.bubble_time("zb-h2", p, m, f=1.0, b=2.0, w=1.4)
     assert formulas.bubble_time("zb-h2", p, m, f=1.0, b=2.0, w=1.0) == (p - 1) * 1.0  # inside: accepted
+
+
+# --------------------------------------------------------------------------- planning large sizes: one pass each
+
+
+def test_a_checked_simulation_finds_the_execution_order_once(monkeypatch):
+    import zbpp_lite.schedules.simulate as simulate_module
+    import zbpp_lite.schedules.validate as validate_module
+
+    calls = []
+    real = validate_module.execution_order
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(validate_module, "execution_order", counted)
+    monkeypatch.setattr(simulate_module, "execution_order", counted)
+    s = zb.build_schedule("zb-h1", 4, 8)
+    t = zb.simulate(s)
+    assert len(calls) == 1  # the check's order is the one timed, not found again
+    assert t.makespan == zb.simulate(s, check=False).makespan
+
+
+def test_every_ranks_events_come_from_one_pass_over_the_timeline():
+    import dataclasses
+
+    class Counted(tuple):
+        passes = 0
+
+        def __iter__(self):
+            Counted.passes += 1
+            return super().__iter__()
+
+    t = zb.simulate(zb.build_schedule("1f1b", 8, 16))
+    counted = dataclasses.replace(t, events=Counted(t.events))
+    rows = [counted.rank_events(r) for r in range(counted.num_ranks)]
+    assert Counted.passes == 1  # not once per rank: the text grid asks for every rank
+    assert [e for row in rows for e in row] == list(t.events)
+    assert all(e.rank == r for r, row in enumerate(rows) for e in row)

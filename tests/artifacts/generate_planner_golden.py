@@ -2,7 +2,8 @@
 v-half, v-min) for fixed cases, so a change meant to make planning faster is shown to change no plan.
 
 The file in the repository was written by the planners as they were before the branch-and-bound
-search (commit 4c28522, every greedy run to its end); the last two cases by commit 14ce796. Small
+search (commit 4c28522, every greedy run to its end); the last two cases by commit 14ce796; the two zb-v
+cases with the paper's costs again once zb-v took the paper's V heuristic where shorter (issue 39). Small
 cases keep the CSV itself; large ones its SHA-256. Run: PYTHONPATH=<tree> python tests/artifacts/generate_planner_golden.py OUT.json
 """
 

@@ -12,9 +12,9 @@ import math
 import sys
 
 from .costs import Costs, CostTable
-from .ir import Entry, Key, Overlap, Schedule, deps, parts, produces
+from .ir import Entry, Key, Overlap, Schedule, parts
 from .timeline import Event, Timeline
-from .validate import execution_order, validate
+from .validate import checked_order, execution_order, step_keys
 
 
 def simulate(
@@ -39,9 +39,8 @@ def simulate(
     """
     costs = costs or Costs()
     table = costs.table(schedule.num_stages)
-    if check:
-        validate(schedule)
-    events = _lockstep_events(schedule, table) if lockstep else _timed_events(schedule, table)
+    walk = checked_order(schedule) if check else None
+    events = _lockstep_events(schedule, table, walk) if lockstep else _timed_events(schedule, table, walk)
     if not all(math.isfinite(e.end) for e in events):
         big = max((*table.f, *table.b, *table.w, *table.comm))
         raise ValueError(
@@ -53,23 +52,23 @@ def simulate(
         "simulated")
 
 
-def lockstep_ticks(schedule: Schedule) -> list[list[int | None]]:
+def lockstep_ticks(schedule: Schedule, walk: tuple | None = None) -> list[list[int | None]]:
     """``table[tick][rank]``: the index of the action the rank runs in a lockstep (SPMD) run, or None.
 
     Each action takes the earliest tick after its rank's previous one and after all it needs (results
-    cross ranks at a tick's end). Raises ScheduleError: a deadlocking schedule."""
-    S = schedule.num_stages
+    cross ranks at a tick's end); ``walk``: its (execution order, step keys) if known
+    (:func:`~zbpp_lite.schedules.validate.checked_order`). Raises ScheduleError: a deadlocking schedule."""
     tick_of: dict[Key, int] = {}
     next_free = [0] * schedule.num_ranks
     table: list[list[int | None]] = []
-    for rank, step in execution_order(schedule):
-        a = schedule.actions[rank][step]
-        tick = max([next_free[rank]] + [tick_of[k] + 1 for k in deps(a, S)])
+    order, (needs, made) = _walk(schedule, walk)
+    for rank, step in order:
+        tick = max([next_free[rank]] + [tick_of[k] + 1 for k in needs[rank][step]])
         while len(table) <= tick:
             table.append([None] * schedule.num_ranks)
         table[tick][rank] = step
         next_free[rank] = tick + 1
-        for key in produces(a):
+        for key in made[rank][step]:
             tick_of[key] = tick
     return table
 
@@ -93,9 +92,17 @@ def _sends_across(schedule: Schedule, rank: int, a) -> bool:
     return False
 
 
-def _lockstep_events(schedule: Schedule, table: CostTable) -> list[Event]:
+def _walk(schedule: Schedule, walk: tuple | None) -> tuple:
+    """(execution order, step keys): ``walk`` if given, else found (deadlock raises ScheduleError)."""
+    if walk is not None:
+        return walk
+    keys = step_keys(schedule)
+    return execution_order(schedule, keys), keys
+
+
+def _lockstep_events(schedule: Schedule, table: CostTable, walk=None) -> list[Event]:
     events, now = [], 0.0
-    for row in lockstep_ticks(schedule):
+    for row in lockstep_ticks(schedule, walk):
         actions = [(r, schedule.actions[r][i]) for r, i in enumerate(row) if i is not None]
         length = max(table.duration(a) for _, a in actions)
         for r, a in actions:
@@ -105,23 +112,23 @@ def _lockstep_events(schedule: Schedule, table: CostTable) -> list[Event]:
     return events
 
 
-def _timed_events(schedule: Schedule, table: CostTable) -> list[Event]:
-    S, placement = schedule.num_stages, schedule.placement
+def _timed_events(schedule: Schedule, table: CostTable, walk=None) -> list[Event]:
+    placement = schedule.placement
     finish: dict[Key, tuple[float, int]] = {}  # key -> (end time, stage that produced it)
     free = [0.0] * schedule.num_ranks
     events = []
-    for rank, step in execution_order(schedule):
+    order, (needs, made) = _walk(schedule, walk)
+    for rank, step in order:
         a = schedule.actions[rank][step]
         start = free[rank]
-        for key in deps(a, S):
+        for key in needs[rank][step]:
             end, src_stage = finish[key]
             if placement[src_stage] != rank:
                 end += table.transfer(src_stage, src_stage + 1 if key[0] == "F" else src_stage - 1)
             start = max(start, end)
         end = start + table.duration(a)
         free[rank] = end
-        for part in parts(a):
-            for key in produces(part):
-                finish[key] = (end, part.stage)
+        for key in made[rank][step]:  # each key's stage is the stage of the part that made it
+            finish[key] = (end, key[1])
         events += _events_of(rank, a, start, end, table)
     return events

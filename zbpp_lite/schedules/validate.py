@@ -72,6 +72,15 @@ def _rule(action: Action, key: Key, num_stages: int) -> str:
     return f"backward order: B of stage {stage} must come before B of stage {action.stage}"
 
 
+def step_keys(schedule: Schedule) -> tuple[list[list[tuple[Key, ...]]], list[list[tuple[Key, ...]]]]:
+    """(needs, made): per rank and list entry, the keys it needs (:func:`deps`) and those it completes
+    (:func:`produces`), computed once for the checks, the execution order and the simulator."""
+    S = schedule.num_stages
+    needs = [[deps(a, S) for a in row] for row in schedule.actions]
+    made = [[produces(a) for a in row] for row in schedule.actions]
+    return needs, made
+
+
 def _check_structure(schedule: Schedule) -> None:
     S, m = schedule.num_stages, schedule.num_microbatches
     if schedule.num_ranks < 1:
@@ -95,11 +104,16 @@ def _check_structure(schedule: Schedule) -> None:
                         rank,
                         step,
                     )
+
+
+def _check_keys(schedule: Schedule, keys) -> None:
+    S, m = schedule.num_stages, schedule.num_microbatches
+    needs, made = keys
     # completeness: count what every action produces; F once, B once, W once (BW gives B and W)
     seen: dict[Key, tuple[int, int]] = {}
     for rank, row in enumerate(schedule.actions):
         for step, a in enumerate(row):
-            for key in produces(a):
+            for key in made[rank][step]:
                 if key in seen:
                     r0, s0 = seen[key]
                     _fail(
@@ -111,7 +125,9 @@ def _check_structure(schedule: Schedule) -> None:
                         step,
                     )
                 seen[key] = (rank, step)
-    missing = [(k, s, j) for s in range(S) for j in range(m) for k in "FBW" if (k, s, j) not in seen]
+    # every key seen is in range (stage, microbatch checked above) and seen once: none missing if 3 S m
+    missing = [] if len(seen) == 3 * S * m else [
+        (k, s, j) for s in range(S) for j in range(m) for k in "FBW" if (k, s, j) not in seen]
     if missing:
         names = {"F": "F", "B": "B (or BW)", "W": "W (or BW)"}
         shown = ", ".join(
@@ -122,27 +138,36 @@ def _check_structure(schedule: Schedule) -> None:
         raise ScheduleError(f"incomplete schedule: missing {shown}{more}\n{format_grid(schedule)}")
     # order within a rank
     for rank, row in enumerate(schedule.actions):
-        position = {key: i for i, a in enumerate(row) for key in produces(a)}
-        for step, a in ((step, a) for step, entry in enumerate(row) for a in parts(entry)):
-            for key in deps(a, S):
-                if key in position and position[key] > step:
-                    need = row[position[key]]
+        for step, a, wanted in _needs_by_part(row, needs[rank], S):
+            for key in wanted:
+                at_rank, at = seen[key]
+                if at_rank == rank and at > step:
+                    need = row[at]
                     _fail(
                         schedule,
-                        f"{describe(a)} comes before {describe(need)} (step {position[key]}) on the same "
+                        f"{describe(a)} comes before {describe(need)} (step {at}) on the same "
                         f"rank; rule: {_rule(a, key, S)}",
                         rank,
                         step,
                     )
 
 
-def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
+def _needs_by_part(row, row_needs, num_stages: int):
+    """(step, action, keys it needs) of a rank's list, a pair's parts one by one."""
+    for step, entry in enumerate(row):
+        if isinstance(entry, Overlap):
+            for a in entry.parts:
+                yield step, a, deps(a, num_stages)
+        else:
+            yield step, entry, row_needs[step]
+
+
+def execution_order(schedule: Schedule, keys=None) -> list[tuple[int, int]]:
     """A global (rank, step) order running every list in order, each action after what it needs (shared by
-    validator and simulator). Raises ScheduleError: deadlock, naming every stuck rank's head action and
-    what it waits for."""
-    S = schedule.num_stages
+    validator and simulator); ``keys``: :func:`step_keys` if known. Raises ScheduleError: deadlock, naming
+    every stuck rank's head action and what it waits for."""
     rows = schedule.actions
-    needs = [[deps(a, S) for a in row] for row in rows]
+    needs, made = step_keys(schedule) if keys is None else keys
     cursor = [0] * len(rows)
     done: set[Key] = set()
     order: list[tuple[int, int]] = []
@@ -152,7 +177,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
         for rank, row in enumerate(rows):
             i = cursor[rank]
             while i < len(row) and all(k in done for k in needs[rank][i]):
-                done.update(produces(row[i]))
+                done.update(made[rank][i])
                 order.append((rank, i))
                 i += 1
             if i != cursor[rank]:
@@ -179,6 +204,15 @@ def validate(schedule: Schedule) -> Schedule:
     """Check a schedule; return it unchanged if valid. Raises ScheduleError: the first problem found,
     naming rank, step, action and rule, with the rank x step grid (PyTorch notation; the bad cell in
     brackets)."""
-    _check_structure(schedule)
-    execution_order(schedule)
+    checked_order(schedule)
     return schedule
+
+
+def checked_order(schedule: Schedule) -> tuple[list[tuple[int, int]], tuple]:
+    """:func:`validate`'s checks, returning the :func:`execution_order` they found and the
+    :func:`step_keys` they used (the simulator times that order with those keys, so a checked simulation
+    walks the schedule once). Raises ScheduleError as validate."""
+    _check_structure(schedule)
+    keys = step_keys(schedule)
+    _check_keys(schedule, keys)
+    return execution_order(schedule, keys), keys

@@ -66,13 +66,13 @@ class Plan:
         actions: ``actions[rank]``, the rank's actions in start order.
         makespan: longest per-rank span (first F start to last end), the costs' time unit.
         peak_memory: per-rank peak activation memory (units of mem_b).
-        rules: the :class:`Rules` that produced it.
+        rules: the :class:`Rules` that produced it (None: not a greedy run, e.g. zb-v's ``paper_v``).
     """
 
     actions: tuple[tuple[Action, ...], ...]
     makespan: float
     peak_memory: tuple[float, ...]
-    rules: Rules
+    rules: Rules | None
 
     def schedule(self, placement: Sequence[int], num_microbatches: int, name: str) -> Schedule:
         """The plan as a :class:`~zbpp_lite.schedules.ir.Schedule` (placement and m as planned)."""
@@ -349,6 +349,7 @@ class _Greedy:
         self.peak = [0.0] * p
         self.pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
         self.inflight: list[dict[int, list]] = [{} for _ in range(p)]  # mb -> [held, need, B left]
+        self.partial = [0] * p  # per rank: in-flight microbatches whose need is > 0 (safe_f's binding ones)
         self.warm = [True] * p  # before the rank's first B: the warm-up phase
         self.warm_left = p  # ranks still in the warm-up
         self.at_warm_end = None  # called with the state when the last rank leaves the warm-up (Runs)
@@ -424,9 +425,15 @@ class _Greedy:
                     self.max_peak = mem
                     grew = True
             self.held[r] += mb
-            entry = self.inflight[r].setdefault(j, [0.0, self.rank_total_mem[r], len(self.stages[r])])
+            entry = self.inflight[r].get(j)
+            if entry is None:
+                entry = self.inflight[r][j] = [0.0, self.rank_total_mem[r], len(self.stages[r])]
+            elif entry[1] > 0:
+                self.partial[r] -= 1
             entry[0] += mb
             entry[1] -= mb
+            if entry[1] > 0:
+                self.partial[r] += 1
             if s + 1 < self.S and self.placement[s + 1] != r:
                 self.wake(self.placement[s + 1], max(end + self.comm[s], self.now))
         elif kind == "B":
@@ -445,6 +452,8 @@ class _Greedy:
             entry[2] -= 1
             if entry[2] == 0:  # its last B on this rank: only the W's share remains, always freeable
                 del inflight[j]
+                if entry[1] > 0:
+                    self.partial[r] -= 1
             if s > 0 and self.placement[s - 1] != r:
                 self.wake(self.placement[s - 1], max(end + self.comm[s], self.now))
         else:
@@ -563,7 +572,12 @@ class _Greedy:
         return False
 
     def safe_f(self, r: int, s: int, j: int) -> bool:
-        """Would F(s, j) leave rank r safe (every in-flight microbatch k, with those after it, still fits)?"""
+        """Would F(s, j) leave rank r safe (every in-flight microbatch k, with those after it, still fits)?
+
+        Microbatch k fits if the memory held by k and every later one, plus what k still needs, is within
+        the limit. Where k needs nothing more, that holds if all memory held does (every k's suffix is at
+        most the whole), so only the microbatches still needing memory (``partial``, newest first) are
+        walked, then the total: the same answer as walking them all."""
         mb = self.t.mem_b[s]
         limit = self.limits[r] + _EPS
         if self.held[r] + mb + self.rank_total_mem[r] <= limit:
@@ -575,8 +589,13 @@ class _Greedy:
             suffix = mb
             if suffix + self.rank_total_mem[r] - mb > limit:
                 return False
+        left = self.partial[r]
         for k in reversed(inflight):  # newest first: entries are made in increasing microbatch order
+            if left == 0:
+                return self.held[r] + mb <= limit  # the rest need nothing more: the total decides
             held, need, _ = inflight[k]
+            if need > 0:
+                left -= 1
             if k == j:
                 held, need = held + mb, need - mb
             suffix += held
