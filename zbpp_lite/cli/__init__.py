@@ -4,12 +4,17 @@ import every layer below.
 Each subcommand's module has ``add_parser(subparsers, help)`` and ``run(args) -> int`` and is imported only
 when its command runs (``plan`` never imports JAX). Commands that run JAX switch on the persistent
 compilation cache (:mod:`zbpp_lite.runtime.compile_cache`; ``ZBPP_LITE_COMPILE_CACHE=0`` turns it off).
+
+Every file a command writes is a flag added with :func:`add_output`; :func:`main` checks them all, making
+missing folders, before the command computes anything (:func:`prepare_outputs`). Ctrl-C (SIGINT) and
+SIGTERM end the command with one line, every process it started ended, exit status 128 + the signal.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -30,12 +35,64 @@ class CliError(Exception):
     """A bad argument or input: printed as one line, exit status 2."""
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised in the main thread so every ``with`` block cleans up; printed as one line."""
+class Stopped(BaseException):
+    """SIGINT (Ctrl-C) or SIGTERM, raised in the main thread so every ``with`` block cleans up; printed as
+    one line. ``signum``: the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _terminated(signum, frame) -> None:
-    raise Terminated()
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop(signum, frame) -> None:
+    for s in STOP_SIGNALS:  # a second Ctrl-C must not interrupt the clean-up
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+def add_output(parser: argparse.ArgumentParser, flag: str, help: str, **options) -> None:
+    """Add ``flag`` naming a file the command writes; :func:`prepare_outputs` checks it before any compute."""
+    action = parser.add_argument(flag, metavar="PATH", help=help, **options)
+    parser.set_defaults(_outputs=(*(parser.get_default("_outputs") or ()), (flag, action.dest)))
+
+
+def prepare_outputs(args: argparse.Namespace) -> None:
+    """Every output flag of ``args``' command that is given (:func:`add_output`): its folder made, and the
+    file known writable, before anything is computed.
+
+    Raises:
+        CliError: naming the flag and the path: a directory, a folder that cannot be made, a file that
+            cannot be written, or two flags naming the same file.
+    """
+    seen: dict[str, str] = {}
+    for flag, dest in getattr(args, "_outputs", ()):
+        path = getattr(args, dest, None)
+        if not path:
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise CliError(f"{seen[real]} and {flag} both name {path!r}; give each its own file")
+        seen[real] = flag
+        check_output(flag, path)
+
+
+def check_output(flag: str, path: str) -> None:
+    """Make ``path``'s missing folders and check the file can be written (created and removed if new)."""
+    if os.path.isdir(path):
+        raise CliError(f"{flag} {path!r} is a directory; give a file path, e.g. {os.path.join(path, 'out')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        existed = os.path.exists(path)
+        with open(path, "a"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise CliError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
 
 
 def _module(name: str):
@@ -65,12 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command != "plan":  # plan never runs JAX
         use_compile_cache()  # every process of the run (and the next run) reuses compiled programs
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminated) if in_main else None
+    previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS} if in_main else {}
     try:
+        prepare_outputs(args)
         return int(_module(args.command.replace("-", "_")).run(args) or 0)
-    except Terminated:
-        print(f"{args.command}: stopped by SIGTERM; every process it started has ended", file=sys.stderr)
-        return 128 + signal.SIGTERM
+    except Stopped as e:
+        how = "interrupted (Ctrl-C)" if e.signum == signal.SIGINT else "stopped by SIGTERM"
+        print(f"{args.command}: {how}; every process it started has ended", file=sys.stderr)
+        return 128 + e.signum
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -85,5 +144,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)  # a rank's process failed or died: which, and how
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
