@@ -5,6 +5,8 @@ Each subcommand's module has ``add_parser(subparsers, help)`` and ``run(args) ->
 when its command runs (``plan`` never imports JAX). Commands that run JAX switch on the persistent
 compilation cache (:mod:`zbpp_lite.runtime.compile_cache`; ``ZBPP_LITE_COMPILE_CACHE=0`` turns it off).
 
+A flag given on the command line is never silently ignored: where the chosen path does not use it, or
+two inputs disagree, the command refuses in one line (:func:`given` tells a flag given from a default).
 Every file a command writes is a flag added with :func:`add_output`; :func:`main` checks them all, making
 missing folders, before the command computes anything (:func:`prepare_outputs`). Ctrl-C (SIGINT) and
 SIGTERM end the command with one line, every process it started ended, exit status 128 + the signal.
@@ -67,22 +69,21 @@ def prepare_outputs(args: argparse.Namespace) -> None:
         CliError: naming the flag and the path: a directory, a folder that cannot be made, a file that
             cannot be written, or two flags naming the same file.
     """
+    outputs = [(flag, path) for flag, dest in getattr(args, "_outputs", ()) if (path := getattr(args, dest))]
     seen: dict[str, str] = {}
-    for flag, dest in getattr(args, "_outputs", ()):
-        path = getattr(args, dest, None)
-        if not path:
-            continue
-        real = os.path.realpath(path)
-        if real in seen:
+    for flag, path in outputs:
+        if (real := os.path.realpath(path)) in seen:
             raise CliError(f"{seen[real]} and {flag} both name {path!r}; give each its own file")
         seen[real] = flag
+    for flag, path in outputs:
         check_output(flag, path)
 
 
 def check_output(flag: str, path: str) -> None:
     """Make ``path``'s missing folders and check the file can be written (created and removed if new)."""
     if os.path.isdir(path):
-        raise CliError(f"{flag} {path!r} is a directory; give a file path, e.g. {os.path.join(path, 'out')!r}")
+        raise CliError(f"{flag} {path!r} is a directory; give a file's path, e.g. "
+                       f"{os.path.join(path, 'out')!r}")
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -115,10 +116,46 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed, plus ``given``: the dests the command line set itself, not by default (the same
+    line parsed again with every default suppressed, so argparse leaves a flag not given unset)."""
+    args = build_parser(argv).parse_args(argv)
+    bare = build_parser(argv)
+    commands = [a for a in bare._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    for p in [bare, *(c for sub in commands for c in sub.choices.values())]:
+        p._defaults.clear()  # noqa: SLF001 - argparse has no public list of a parser's options
+        for action in p._actions:  # noqa: SLF001
+            action.default = argparse.SUPPRESS
+    args.given = frozenset(vars(bare.parse_args(argv))) - {"command"}
+    return args
+
+
+def given(args: argparse.Namespace, *dests: str) -> list[str]:
+    """The flags among ``dests`` (argparse dests) given on the command line, as ``--flag``; none for
+    ``args`` not made by :func:`parse_args`."""
+    seen = getattr(args, "given", frozenset())
+    return [f"--{d.replace('_', '-')}" for d in dests if d in seen]
+
+
+def refuse_unused(args: argparse.Namespace, dests, why: str) -> None:
+    """CliError ``{why}: drop --a, --b`` when any of ``dests`` was given (:func:`given`)."""
+    if flags := given(args, *dests):
+        raise CliError(f"{why}: drop {', '.join(flags)}")
+
+
+def check_against_csv(args: argparse.Namespace, flag: str, schedule, unused: tuple[str, ...]) -> None:
+    """A schedule read from a CSV (``flag``) is whole: any of ``unused`` given, or ``--ranks`` /
+    ``--microbatches`` given and not the CSV's, is refused (CliError)."""
+    refuse_unused(args, unused, f"{flag} reads the whole schedule")
+    for dest, have in (("ranks", schedule.num_ranks), ("microbatches", schedule.num_microbatches)):
+        if given(args, dest) and getattr(args, dest) != have:
+            raise CliError(f"--{dest} {getattr(args, dest)} disagrees with {flag}'s {have} {dest}; give "
+                           f"--{dest} {have} or drop it")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     if args.command != "plan":  # plan never runs JAX
         use_compile_cache()  # every process of the run (and the next run) reuses compiled programs
     in_main = threading.current_thread() is threading.main_thread()

@@ -26,7 +26,7 @@ from ..schedules import strict_json
 from ..schedules.ir import Schedule
 from ..training.model import build_parts
 from ..training.train import train_steps as train_steps_of
-from . import build_parser
+from . import parse_args
 from .train import (check_launchable, check_sizes, model_config, plan_with_job_memory, report,
                     resolve_schedule, run_config, train_spmd_command)
 
@@ -106,7 +106,7 @@ def die_with_parent() -> None:
 
 if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
     die_with_parent()  # launch's or train's supervisor: never outlive it
-    _args = build_parser(["train", *sys.argv[1:]]).parse_args(["train", *sys.argv[1:]])
+    _args = parse_args(["train", *sys.argv[1:]])
     try:
         _status = train_process(_args)
     except BaseException as _e:  # noqa: BLE001 - one clear line on stderr, then out without waiting

@@ -199,7 +199,7 @@ class PipelineExecutor:
             :class:`~zbpp_lite.runtime.transport.OptimizerMessage`; ``step`` counts the executor's steps)
             to the other process's :meth:`deliver`.
         remote: see ``ranks``.
-        transport: instead of ``remote``, ``transport(put)`` builds the
+        transport: instead of ``remote`` (not with it), ``transport(put)`` builds the
             :class:`~zbpp_lite.runtime.transport.Transport` (e.g. ``process_executor``'s).
         record_memory: fill each step's ``timeline.measured_memory`` (else None).
 
@@ -208,8 +208,8 @@ class PipelineExecutor:
 
     Raises:
         ScheduleError: an invalid schedule.
-        ValueError: a model with another stage count, fewer devices than ranks, an unknown rank, or
-            some ranks without ``remote`` or ``transport``.
+        ValueError: a model with another stage count, fewer devices than ranks, an unknown rank,
+            some ranks without ``remote`` or ``transport``, or both given.
     """
 
     def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None,
@@ -225,6 +225,9 @@ class PipelineExecutor:
         if not ranks or not set(ranks) <= set(range(schedule.num_ranks)) or len(set(ranks)) < len(ranks):
             raise ValueError(f"ranks must be distinct ranks of the schedule (0..{schedule.num_ranks - 1}), "
                              f"got {list(ranks)}")
+        if remote is not None and transport is not None:
+            raise ValueError("give remote= (a function carrying sends to other processes) or transport= (a "
+                             "Transport factory), not both: one carries every send")
         if len(ranks) < schedule.num_ranks and remote is None and transport is None:
             raise ValueError(f"running ranks {list(ranks)} of {schedule.num_ranks} needs remote= "
                              "(or transport=) to reach the others")
