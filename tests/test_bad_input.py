@@ -164,7 +164,7 @@ IGNORED = [  # (command line, the one line it gets); each ran before, the flag s
 ]
 
 
-@pytest.mark.parametrize("argv, message", IGNORED, ids=[" ".join(a[:4]) for a, _ in IGNORED])
+@pytest.mark.parametrize("argv, message", IGNORED, ids=[f"{a[0]}: {m[:50]}" for a, m in IGNORED])
 def test_a_flag_the_run_would_not_use_or_that_disagrees_is_refused_in_one_line(tmp_path, capsys, argv, message):
     from zbpp_lite.cli import main
 
