@@ -201,13 +201,15 @@ def test_the_executor_takes_remote_or_transport_not_both():
 def test_compare_blocks_are_what_its_help_says_one_for_every_stage_by_default(capsys):
     # the help read "default: 8; none: 4, or one per stage", and at 8 blocks compare refused the
     # schedules with more stages than that (p > 4)
-    from zbpp_lite.cli import main, parse_args
-    from zbpp_lite.cli.compare import FUSED, _build_one, blocks_of
+    from zbpp_lite.cli import main
 
     with pytest.raises(SystemExit):
         main(["compare", "--help"])
     assert "default: 8, or 2 per rank if more, so every schedule's stages get a block" in " ".join(
         capsys.readouterr().out.split())
+    from zbpp_lite.cli import parse_args
+    from zbpp_lite.cli.compare import FUSED, _build_one, blocks_of
+
     args = parse_args(["compare", "--ranks", "5", "--microbatches", "10"])
     assert blocks_of(args) == 10
     for name in [*zb.SCHEDULES, *FUSED]:

@@ -14,6 +14,7 @@ SIGTERM end the command with one line, every process it started ended, exit stat
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import importlib
 import os
@@ -47,12 +48,28 @@ class Stopped(BaseException):
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stopping: dict = {}  # "signum": the first stop signal of this run; "again": it was swallowed, raise anew
 
 
 def _stop(signum, frame) -> None:
-    for s in STOP_SIGNALS:  # a second Ctrl-C must not interrupt the clean-up
-        signal.signal(s, signal.SIG_IGN)
-    raise Stopped(signum)
+    if "signum" in _stopping and not _stopping.pop("again", False):
+        return  # a second Ctrl-C must not interrupt the clean-up
+    _stopping.setdefault("signum", signum)
+    raise Stopped(_stopping["signum"])
+
+
+def _unraisable(previous):
+    """A ``sys.unraisablehook`` that raises :class:`Stopped` again in the main thread when it was raised
+    where Python swallows exceptions (a gc callback, such as JAX's, or a ``__del__``); others to
+    ``previous``."""
+
+    def hook(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, Stopped):
+            return previous(unraisable)
+        _stopping["again"] = True  # from another thread: raised here, it would be swallowed again
+        threading.Timer(0.01, _thread.interrupt_main, (_stopping["signum"],)).start()
+
+    return hook
 
 
 def add_output(parser: argparse.ArgumentParser, flag: str, help: str, **options) -> None:
@@ -160,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         use_compile_cache()  # every process of the run (and the next run) reuses compiled programs
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS} if in_main else {}
+    _stopping.clear()
+    hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
     try:
         prepare_outputs(args)
         return int(_module(args.command.replace("-", "_")).run(args) or 0)
@@ -181,5 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)  # a rank's process failed or died: which, and how
         return 1
     finally:
+        sys.unraisablehook = hook
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -186,6 +186,14 @@ class _Step:
         return self.store.pop(key)
 
 
+def _abort(steps: list, abort: threading.Event) -> None:
+    """Stop every rank of ``steps``: set ``abort`` and wake each inbox, so a waiting rank raises Aborted."""
+    abort.set()
+    for st in steps:
+        for inbox in st.inboxes:
+            inbox.wake()
+
+
 class PipelineExecutor:
     """Runs a schedule on a staged model, one thread per rank, one device per rank.
 
@@ -397,6 +405,11 @@ class PipelineExecutor:
             deadline = time.perf_counter() + self.timeout
             for t in movers:
                 t.join(max(0.0, deadline - time.perf_counter()))
+        except BaseException:  # Ctrl-C or a signal here: every rank stops at its next wait, then it goes on
+            _abort(steps, abort)
+            for t in threads + movers:
+                t.join(self.timeout)
+            raise
         finally:
             with self._lock:
                 self._current = None
@@ -473,10 +486,7 @@ class PipelineExecutor:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
             errors.append((rank, at[0], exc))
             if not isinstance(exc, TimeoutError):  # a stuck rank lets the others report their own wait
-                abort.set()
-                for st in steps:
-                    for inbox in st.inboxes:
-                        inbox.wake()
+                _abort(steps, abort)
 
     def _walk(self, rank: int, step: _Step, at: list, hooks: _Hooks) -> None:
         """The rank loop: ``rank``'s actions of ``step`` in order (``at[0]``: the current one)."""
