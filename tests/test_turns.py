@@ -350,6 +350,19 @@ def test_ctrl_c_on_train_prints_one_line_exits_130_and_ends_the_ranks(tmp_path):
     _assert_one_line_and_none_left(parent, ranks.values(), "train")
 
 
+def test_ctrl_c_on_train_in_threads_prints_one_line_and_exits_130(tmp_path):
+    # the rank threads, left running, aborted the interpreter at exit ("terminate called ...")
+    import os
+    import signal
+
+    parent = _start(tmp_path, "train", "--schedule", "1f1b", *TINY_JOB, "--no-progress", "--threads")
+    for line in parent.stdout:
+        if line.startswith("step    3"):
+            break
+    os.killpg(parent.pid, signal.SIGINT)
+    _assert_one_line_and_none_left(parent, [], "train")
+
+
 def test_ctrl_c_on_compare_prints_one_line_exits_130_and_ends_the_ranks(tmp_path):
     # it printed a traceback from the parent and from every rank process (4 of them, 158 lines)
     import os
