@@ -138,10 +138,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     line parsed again with every default suppressed, so argparse leaves a flag not given unset)."""
     args = build_parser(argv).parse_args(argv)
     bare = build_parser(argv)
-    commands = [a for a in bare._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    commands = [a for a in bare._actions if isinstance(a, argparse._SubParsersAction)]
     for p in [bare, *(c for sub in commands for c in sub.choices.values())]:
-        p._defaults.clear()  # noqa: SLF001 - argparse has no public list of a parser's options
-        for action in p._actions:  # noqa: SLF001
+        p._defaults.clear()  # argparse keeps no public list of a parser's options and defaults
+        for action in p._actions:
             action.default = argparse.SUPPRESS
     args.given = frozenset(vars(bare.parse_args(argv))) - {"command"}
     return args
