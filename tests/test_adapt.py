@@ -81,7 +81,7 @@ def test_the_adapt_command_profiles_replans_and_keeps_the_gradients(tmp_path, ca
     """Rank threads, tiny model, imbalance 2, every adaptation forced on (gain thresholds 0, a check every step):
     the JSON holds before and after with measured makespan and bubble rate, the changes made,
     and gradients equal to the unpartitioned model's at the first step of every plan."""
-    out = tmp_path / "adapt.json"
+    out = tmp_path / "runs" / "adapt.json"  # a folder made before the run (cli.prepare_outputs)
     code = main([
         "adapt", "--ranks", "2", "--microbatches", "2", "--steps", "3", "--profile-steps", "2",
         "--imbalance", "2", "--d", "8", "--heads", "2", "--batch", "8",

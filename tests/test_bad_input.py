@@ -81,3 +81,140 @@ def test_a_scalar_batch_is_refused_in_one_line():
     executor = PipelineExecutor(model, zb.build_schedule("1f1b", 2, 2), jax.devices()[:2])
     with pytest.raises(ValueError, match=r"^x is a scalar; give a batch \(b, \.\.\.\) with b divisible by 2"):
         executor.run(model.params, np.float32(1.0), np.int32(0))
+
+
+# ------------------------------------------------------------------ outputs, checked before any compute
+
+TINY = ["--ranks", "2", "--microbatches", "2", "--steps", "2", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "8"]
+ADAPT_TINY = ["--ranks", "2", "--microbatches", "2", "--steps", "2", "--profile-steps", "2", "--d", "16", "--heads", "2",
+              "--blocks", "4", "--batch", "8", "--no-control", "--no-online"]
+UNWRITABLE = {  # what the path is -> (the path under tmp_path, the refusal)
+    "a directory": (lambda tmp: str(tmp), "is a directory; give a file's path"),
+    "under a file": (lambda tmp: str(tmp / "file" / "out.json"), "cannot be written"),
+    "read-only": (lambda tmp: "/sys/zbpp_lite_out.json", "cannot be written: Permission denied"),
+}
+WRITERS = [  # (command line before the flag, the flag, what its path is)
+    (["train", "--schedule", "1f1b", *TINY], "--json", "a directory"),
+    (["train", "--schedule", "1f1b", *TINY], "--json", "read-only"),
+    (["compare", "--schedules", "1f1b", *TINY, "--learn-steps", "0"], "--out", "under a file"),
+    (["compare", "--schedules", "1f1b", *TINY, "--learn-steps", "0"], "--json", "a directory"),
+    (["adapt", *ADAPT_TINY], "--json", "read-only"),
+    (["adapt", *ADAPT_TINY], "--html", "a directory"),
+    (["plan"], "--trace", "under a file"),
+    (["launch", "--", "train", "--schedule", "1f1b", *TINY], "--json", "a directory"),
+]
+
+
+@pytest.mark.parametrize("argv, flag, what", WRITERS, ids=[f"{a[0]} {f} {w}" for a, f, w in WRITERS])
+def test_an_output_that_cannot_be_written_is_refused_in_one_line_before_anything_runs(tmp_path, argv, flag, what):
+    # train --json, compare --out/--json checked their paths only after the whole run: results printed, no file
+    import time
+
+    (tmp_path / "file").write_text("")
+    path, message = UNWRITABLE[what][0](tmp_path), UNWRITABLE[what][1]
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "zbpp_lite", *argv, flag, path], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    print(f"{argv[0]} {flag} ({what}) refused in {time.monotonic() - t0:.2f} s")
+    assert out.returncode == 2 and out.stdout == "", (out.stdout[-500:], out.stderr[-2000:])  # nothing ran
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag} {path!r} {message}"), out.stderr[-2000:]
+
+
+def test_two_outputs_naming_one_file_are_refused(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "zbpp_lite", "plan", "--csv", "x.json", "--trace", "./x.json"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr == "error: --csv and --trace both name './x.json'; give each its own file\n"
+
+
+def test_missing_folders_of_the_outputs_are_made_and_the_files_written(tmp_path):
+    # plan --trace made its folders, --csv did not; train, compare and adapt failed after the run
+    # (adapt's JSON goes into a new folder in tests/test_adapt.py, the same check for every command)
+    plan = subprocess.run([sys.executable, "-m", "zbpp_lite", "plan", "--csv", "a/b/s.csv", "--trace", "c/t.json"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert plan.returncode == 0, plan.stderr
+    assert zb.Schedule.from_csv(tmp_path / "a/b/s.csv").actions == zb.build_schedule("zb-h1", 4, 8).actions
+    assert (tmp_path / "c/t.json").stat().st_size > 0
+
+
+
+# ------------------------------------------------------------------ a flag given is never silently ignored
+
+SIZES = ["--steps", "2", "--d", "16", "--heads", "2", "--batch", "8"]
+IGNORED = [  # (command line, the one line it gets); each ran before, the flag silently unused
+    (["plan", "--from-csv", "{csv}", "--schedule", "zb-h2"], "--from-csv reads the whole schedule: drop --schedule"),
+    (["plan", "--from-csv", "{csv}", "--ranks", "4"], "--ranks 4 disagrees with --from-csv's 2 ranks; give --ranks 2 or drop it"),
+    (["plan", "--from-csv", "{csv}", "--memory-limit", "3"], "--from-csv reads the whole schedule: drop --memory-limit"),
+    (["plan", "--list", "--ranks", "3"], "--list prints the schedule names only: drop --ranks"),
+    (["plan", "-s", "zb-h1", "--bw", "1.5"], "zb-h1 has no fused backward (BW) and plans without costs: drop --bw"),
+    (["plan", "-s", "1f1b", "--fb", "2"], "1f1b has no overlapped F&B pair and plans without costs: drop --fb"),
+    (["train", "--schedule-csv", "{csv}", "--option", "stages_per_rank=2", *SIZES],
+     "--schedule-csv reads the whole schedule: drop --option"),
+    (["train", "--schedule-csv", "{csv}", "--microbatches", "8", *SIZES],
+     "--microbatches 8 disagrees with --schedule-csv's 4 microbatches"),
+    (["train", "--timeout", "5", *SIZES], "--timeout and --heartbeat bound the waits of a run on several hosts"),
+    (["train", "--spmd", "--threads", *SIZES], "--spmd runs one SPMD program, not a thread or process per rank"),
+    (["launch", "--", "train", "--timeout", "3", *SIZES], "(its own --timeout goes before --): drop --timeout"),
+    (["launch", "--", "train", "--threads", *SIZES], "--threads is not supported there"),
+    (["adapt", *ADAPT_TINY, "--every", "3"], "--no-online: nothing re-plans online, so no drift is checked: drop --every"),
+    (["adapt", *ADAPT_TINY, "--no-replan", "--memory-limit", "3"],
+     "--no-online --no-replan: zb-auto never plans, so it takes no memory limit: drop --memory-limit"),
+    (["adapt", *ADAPT_TINY, "--no-replan", "--no-rebalance", "--min-gain", "0.1"], "no change is tried"),
+    (["compare", "--schedules", "1f1b,1f1b", *TINY, "--learn-steps", "0"], "--schedules names ['1f1b'] more than once"),
+]
+
+
+@pytest.mark.parametrize("argv, message", IGNORED, ids=[f"{a[0]}: {m[:50]}" for a, m in IGNORED])
+def test_a_flag_the_run_would_not_use_or_that_disagrees_is_refused_in_one_line(tmp_path, capsys, argv, message):
+    from zbpp_lite.cli import main
+
+    csv = tmp_path / "s.csv"
+    zb.build_schedule("1f1b", 2, 4).to_csv(csv)
+    assert main([a.format(csv=csv) for a in argv]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.splitlines()) == 1 and message in out.err, out
+
+
+def test_flags_that_agree_with_the_csv_are_taken(tmp_path, capsys):
+    from zbpp_lite.cli import main
+
+    csv = tmp_path / "s.csv"
+    zb.build_schedule("1f1b", 2, 4).to_csv(csv)
+    assert main(["plan", "--from-csv", str(csv), "--ranks", "2", "--microbatches", "4"]) == 0
+    assert "p = 2 ranks, 2 stages, m = 4 microbatches" in capsys.readouterr().out
+
+
+def test_the_executor_takes_remote_or_transport_not_both():
+    # remote= silently won over transport=
+    from zbpp_lite.runtime.executor import PipelineExecutor
+    from zbpp_lite.runtime.stages import StagedModel
+    from zbpp_lite.training.model import ModelConfig, build_parts
+
+    import jax
+
+    model = StagedModel(build_parts(ModelConfig(d=8, heads=1, blocks=2)), 2)
+    with pytest.raises(ValueError, match=r"^give remote= .* or transport= .*, not both"):
+        PipelineExecutor(model, zb.build_schedule("1f1b", 2, 2), jax.devices()[:1], ranks=[0], remote=print,
+                         transport=lambda put: None)
+
+
+def test_compare_blocks_are_what_its_help_says_one_for_every_stage_by_default(capsys):
+    # the help read "default: 8; none: 4, or one per stage", and at 8 blocks compare refused the
+    # schedules with more stages than that (p > 4)
+    from zbpp_lite.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    assert "default: 8, or 2 per rank if more, so every schedule's stages get a block" in " ".join(
+        capsys.readouterr().out.split())
+    from zbpp_lite.cli import parse_args
+    from zbpp_lite.cli.compare import FUSED, _build_one, blocks_of
+
+    args = parse_args(["compare", "--ranks", "5", "--microbatches", "10"])
+    assert blocks_of(args) == 10
+    for name in [*zb.SCHEDULES, *FUSED]:
+        schedule, why = _build_one(name, args, blocks_of(args), zb.Costs())
+        assert why is None or "blocks" not in why, (name, why)
+    fewer = parse_args(["compare", "--ranks", "5", "--microbatches", "10", "--blocks", "8"])
+    assert _build_one("interleaved-1f1b", fewer, blocks_of(fewer), None) == (
+        None, "8 blocks cannot fill 10 stages (use --blocks 10)")

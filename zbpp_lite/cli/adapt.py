@@ -15,7 +15,7 @@ from ..schedules import strict_json
 from ..training.adapt import AdaptOptions, adapt, adapt_settings
 from ..training.model import ModelConfig, RunConfig
 from ..viz.attribution import attribution_figure
-from . import CliError
+from . import CliError, add_output, refuse_unused
 from .train import add_model_arguments, check_model_arguments, say_mode, setup_devices, threads_reason
 
 
@@ -58,9 +58,18 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
              "blocks": "Transformer blocks (default: 2 per stage, about 2 x FACTOR on the last)"}
     for action in p._actions:
         action.help = helps.get(action.dest, action.help)
-    add("--json", metavar="PATH", help="write before / after, the changes and the attribution as JSON")
-    add("--html", metavar="PATH", help="write the attribution figures (before and after) as HTML")
+    add_output(p, "--json", help="write before / after, the changes and the attribution as JSON")
+    add_output(p, "--html", help="write the attribution figures (before and after) as HTML")
     return p
+
+
+OFF_FLAGS = {"online": "--no-online", "replan_schedule": "--no-replan", "rebalance": "--no-rebalance"}
+UNUSED = (  # (parts all turned off, the flags they leave unused, why)
+    (("online",), ("every", "threshold", "patience"), "nothing re-plans online, so no drift is checked"),
+    (("online", "replan_schedule"), ("memory_limit",), "zb-auto never plans, so it takes no memory limit"),
+    (("online", "replan_schedule", "rebalance"), ("min_gain",), "no change is tried, so none needs a gain"),
+)
+"""Flags a command line may not give when every part that uses them is off (:func:`_settings`)."""
 
 
 def _settings(args) -> tuple:
@@ -77,6 +86,9 @@ def _settings(args) -> tuple:
         raise CliError("--steps and --profile-steps must be >= 2 (each phase's first step is not timed), "
                        f"got {args.steps}, {args.profile_steps}")
     check_model_arguments(args, args.microbatches)
+    for off, dests, why in UNUSED:
+        if not any(getattr(args, part) for part in off):
+            refuse_unused(args, dests, f"{' '.join(OFF_FLAGS[part] for part in off)}: {why}")
     names = {f.name for config in (AdaptOptions, ModelConfig, RunConfig) for f in fields(config)}
     return adapt_settings(**{k: v for k, v in vars(args).items() if k in names})
 

@@ -27,11 +27,16 @@ from ..training.data import load_digits
 from ..training.reference import ONE_RANK, one_rank_schedule
 from ..training.train import TrainOptions, train
 from ..training.turns import OneCore, train_in_turns
-from . import CliError
+from . import CliError, add_output
 from .compare_report import Comparison, html_report, summary_text
 from .train import (add_model_arguments, add_platform_argument, check_model_arguments, cost_table,
                     model_config, profile_json, profiled_costs, run_config, say_mode, say_platform,
                     setup_platform, threads_reason)
+
+
+BLOCKS_HELP = ("Transformer blocks of the one model every schedule trains (default: 8, or 2 per rank if "
+               "more, so every schedule's stages get a block); a schedule with more stages than blocks is "
+               "not run and is listed with why")
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
@@ -42,16 +47,16 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
                                                         "(default 8)")
     p.add_argument("--schedules", default="", help="comma-separated names, any also as NAME+fuse "
                    "(default: every registered schedule, zb-h1+fuse, zb-h2+fuse)")
-    add_model_arguments(p)
+    add_model_arguments(p, BLOCKS_HELP)
     # the peer job's sizes: an action takes milliseconds, well above the executor's overhead per action
-    p.set_defaults(d=128, heads=4, blocks=8, batch=256)
+    p.set_defaults(d=128, heads=4, batch=256)
     p.add_argument("--learn-steps", type=int, default=150,
                    help="then train the fastest schedule this many steps and report its test accuracy "
                         "(default 150; 0: skip)")
     p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with "
                                                           "enough cores")
-    p.add_argument("--out", default="compare.html", help="HTML report path (default compare.html)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures of every run as JSON")
+    add_output(p, "--out", default="compare.html", help="HTML report path (default compare.html)")
+    add_output(p, "--json", help="also write the figures of every run as JSON")
     add_platform_argument(p)
     return p
 
@@ -117,6 +122,12 @@ def _profile_all(device, names: list[str], args, blocks: int) -> list[dict]:
     return profiled
 
 
+def blocks_of(args) -> int:
+    """``--blocks``, else 8 or 2 per rank if more: a block for every stage of every schedule (2 per rank
+    at most), as :data:`BLOCKS_HELP` says."""
+    return args.blocks if args.blocks is not None else max(8, 2 * args.ranks)
+
+
 def check_arguments(args) -> None:
     """Every flag checked before JAX starts (CliError)."""
     for flag, value, least in (("--ranks", args.ranks, 1), ("--microbatches", args.microbatches, 1),
@@ -150,10 +161,13 @@ def run(args) -> int:
     check_arguments(args)
     names = [n.strip() for n in args.schedules.split(",") if n.strip()] or [*zb.SCHEDULES, *FUSED]
     unknown = [n for n in names if not _known(n)]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise CliError(f"--schedules names {twice} more than once; name each schedule once")
     if unknown:
         raise CliError(f"unknown schedule(s) {unknown}; choose from: {', '.join(zb.SCHEDULES)} "
                        "(each also as NAME+fuse)")
-    blocks = args.blocks if args.blocks is not None else max(4, 2 * args.ranks)
+    blocks = blocks_of(args)
     if blocks < 2 * args.ranks:
         print(f"note: --blocks {blocks} < {2 * args.ranks}: schedules with 2 stages per rank will be refused")
     devices, accelerator = setup_platform(args.ranks, args.platform)

@@ -20,7 +20,7 @@ import sys
 import threading
 
 from ..runtime.cluster import JOIN_ENV, child_env, detect_cluster, explain_runtime_failure, parse_address
-from ..runtime.processes import end_process, exit_reason
+from ..runtime.processes import end_process, exit_reason, sigint_ignored_by_children
 from . import CliError
 
 JOIN_FLAGS = tuple(JOIN_ENV)
@@ -135,8 +135,9 @@ def start_child(train_args: list[str], env: dict, keep: int, show_err=None, show
     """``python -m zbpp_lite.cli.launch_child TRAIN_ARGS`` with ``env``, stderr piped (stdout too where
     ``popen`` says): threads keep the last ``keep`` lines in a tail and pass each to ``show_err`` /
     ``show_out``. Returns (the process, its tail, the reader threads)."""
-    child = subprocess.Popen([sys.executable, "-m", "zbpp_lite.cli.launch_child", *train_args], env=env,
-                             stderr=subprocess.PIPE, text=True, **popen)
+    with sigint_ignored_by_children():  # Ctrl-C: the supervisor says so once and ends the child
+        child = subprocess.Popen([sys.executable, "-m", "zbpp_lite.cli.launch_child", *train_args], env=env,
+                                 stderr=subprocess.PIPE, text=True, **popen)
     tail: list[str] = []
 
     def relay(stream, show) -> None:

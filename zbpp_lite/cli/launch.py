@@ -16,8 +16,8 @@ import time
 
 from ..runtime.cluster import check_bindable, child_env, explain_runtime_failure, free_port
 from ..runtime.processes import end_process, exit_reason, failed
-from . import CliError, build_parser
-from .join import check_process_count, last_line, start_child
+from . import CliError, parse_args, prepare_outputs, refuse_unused
+from .join import JOIN_FLAGS, check_process_count, last_line, start_child
 from .train import check_launchable, check_sizes, resolve_schedule
 
 
@@ -51,7 +51,10 @@ def _check(args, train_args: list[str]) -> None:
     n, k = args.processes, args.devices_per_process
     if n < 1 or k < 1:
         raise CliError(f"--processes and --devices-per-process must be >= 1, got {n} and {k}")
-    targs = build_parser(["train"]).parse_args(["train", *train_args])
+    targs = parse_args(["train", *train_args])
+    refuse_unused(targs, JOIN_FLAGS, "launch starts its processes and sets their runtime itself (its own "
+                  "--timeout goes before --)")
+    prepare_outputs(targs)  # process 0 writes train's --json here, after the run
     schedule = resolve_schedule(targs)
     check_sizes(targs, schedule)
     check_launchable(targs)

@@ -26,7 +26,7 @@ from ..schedules import strict_json
 from ..schedules.ir import Schedule
 from ..training.model import build_parts
 from ..training.train import train_steps as train_steps_of
-from . import build_parser
+from . import parse_args
 from .join import agreed_settings
 from .train import (check_launchable, check_sizes, grad_check_status, model_config, plan_with_job_memory,
                     report, resolve_schedule, run_config, train_spmd_command)
@@ -107,7 +107,7 @@ def die_with_parent() -> None:
 
 if __name__ == "__main__":  # a child of `python -m zbpp_lite launch`: the train command's arguments
     die_with_parent()  # launch's or train's supervisor: never outlive it
-    _args = build_parser(["train", *sys.argv[1:]]).parse_args(["train", *sys.argv[1:]])
+    _args = parse_args(["train", *sys.argv[1:]])
     _finished = False
     try:
         _status = train_process(_args)

@@ -19,7 +19,7 @@ from ..schedules.builders import options_of
 from ..schedules.memory import MemoryPlan
 from ..viz.text import text_grid
 from ..viz.trace import write_chrome_trace
-from . import CliError
+from . import CliError, add_output, check_against_csv, refuse_unused
 
 SLOW_BUILD = 64 * 128
 """p * m from which a cost-driven planner (zb-auto, zb-v, ...) says it is planning: from 0.7 s (zb-auto)
@@ -54,17 +54,18 @@ def add_parser(sub, help_text: str) -> None:
     for name, text in _COSTS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=_DEFAULTS.get(name), help=text)
     p.add_argument("--width", type=int, default=120, help="characters per grid row (default 120)")
-    p.add_argument("--csv", metavar="PATH", help="write the schedule as PyTorch's compute-only CSV")
+    add_output(p, "--csv", help="write the schedule as PyTorch's compute-only CSV")
     p.add_argument("--from-csv", metavar="PATH",
                    help="plan a schedule read from a PyTorch-form CSV instead of building one")
-    p.add_argument("--trace", metavar="PATH",
-                   help="write a Chrome-trace (Perfetto) JSON of the simulated timeline")
+    add_output(p, "--trace", help="write a Chrome-trace (Perfetto) JSON of the simulated timeline")
     p.add_argument("--list", action="store_true", help="list the schedule names and exit")
 
 
 def _schedule(args: argparse.Namespace, costs: zb.Costs) -> zb.Schedule:
     if args.from_csv:
-        return zb.Schedule.from_csv(args.from_csv)
+        schedule = zb.Schedule.from_csv(args.from_csv)
+        check_against_csv(args, "--from-csv", schedule, ("schedule", "stages_per_rank", "memory_limit"))
+        return schedule
     if args.ranks < 1 or args.microbatches < 1:
         raise CliError(f"--ranks and --microbatches must be >= 1 (got {args.ranks}, {args.microbatches})")
     accepted, options = options_of(args.schedule), {}
@@ -111,13 +112,28 @@ def _print_m_w(schedule: zb.Schedule, costs: zb.Costs, unit: str) -> None:
     print("at M_W = M_B " + " ".join(f"{m:g}" for m in heavy) + f"  (peak per rank of this order, {unit})")
 
 
+def _check_costs_used(args: argparse.Namespace, schedule: zb.Schedule) -> None:
+    """--bw for a schedule with no BW action, --fb with no F&B pair: refused unless its builder plans
+    with the costs (CliError)."""
+    if not args.from_csv and "costs" in options_of(args.schedule):
+        return
+    name = schedule.name or "this schedule"
+    if not any(a.kind == "BW" for r in range(schedule.num_ranks) for a in schedule.rank_actions(r)):
+        refuse_unused(args, ("bw",), f"{name} has no fused backward (BW) and plans without costs")
+    if not schedule.has_pairs:
+        refuse_unused(args, ("fb",), f"{name} has no overlapped F&B pair and plans without costs")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list:
+        others = sorted(getattr(args, "given", set()) - {"list"})
+        refuse_unused(args, others, "--list prints the schedule names only")
         print("\n".join(zb.SCHEDULES))
         print("(each also as NAME+fuse: a B right before its own W runs as one BW where no other rank waits)")
         return 0
     costs = _costs(args)
     schedule = _schedule(args, costs)
+    _check_costs_used(args, schedule)
     timeline = zb.simulate(schedule, costs)
     name = schedule.name or (args.from_csv and f"from {args.from_csv}") or args.schedule
     print(f"{name}: p = {schedule.num_ranks} ranks, {schedule.num_stages} stages, "

@@ -23,7 +23,7 @@ from ..runtime.processes import allowed_cores
 from ..schedules import strict_json
 from ..training.data import load_digits
 from ..viz.memory import memory_lines
-from . import CliError
+from . import CliError, add_output, check_against_csv, refuse_unused
 from .join import add_join_arguments, run_joined, wants_join
 
 THREADS_NOTE = ("note: ranks run as threads of one process ({}); on shared cores a waiting rank lends its "
@@ -31,13 +31,17 @@ THREADS_NOTE = ("note: ranks run as threads of one process ({}); on shared cores
 PROCESSES_NOTE = "{}: one process per rank, each pinned to its own core ({} ranks)"
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model, data and optimizer flags of ``train``, ``compare`` and ``adapt`` (each ``set_defaults``)."""
+BLOCKS_HELP = ("Transformer blocks (default: 4, or one per stage if the schedule has more; fewer than its "
+               "stages is refused)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, blocks_help: str = BLOCKS_HELP) -> None:
+    """Model, data and optimizer flags of ``train``, ``compare`` and ``adapt`` (each ``set_defaults``);
+    ``blocks_help``: how the command picks the blocks."""
     add = parser.add_argument
     add("--d", type=int, default=32, help="model width (default %(default)s; the PyTorch job uses 128)")
     add("--heads", type=int, default=4, help="attention heads (default %(default)s)")
-    add("--blocks", type=int, default=None,
-        help="Transformer blocks (default: %(default)s; none: 4, or one per stage if more stages)")
+    add("--blocks", type=int, default=None, help=blocks_help)
     add("--batch", type=int, default=64,
         help="global batch, a multiple of --microbatches (default %(default)s)")
     add("--lr", type=float, default=1e-3, help="AdamW learning rate (default %(default)s)")
@@ -69,7 +73,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
         help="builder option, e.g. stages_per_rank=2 (repeatable)")
     add_model_arguments(p)
     add("--init", metavar="NPZ", help="start from torch_pp_bench.py --save-init weights")
-    add("--json", metavar="PATH", help="write the results (and the measured trace) as JSON")
+    add_output(p, "--json", help="write the results (and the measured trace) as JSON")
     add("--no-progress", dest="progress", action="store_false",
         help="no progress bar (there is none when stderr is not a terminal)")
     add("--threads", action="store_true",
@@ -174,7 +178,9 @@ def resolve_schedule(args):
         return zb.validate(zb.build_schedule(args.schedule, args.ranks, args.microbatches, **options))
     if not os.path.isfile(args.schedule_csv):
         raise CliError(f"--schedule-csv: no such file {args.schedule_csv!r} (a CSV file is expected)")
-    return zb.validate(zb.Schedule.from_csv(args.schedule_csv))
+    schedule = zb.validate(zb.Schedule.from_csv(args.schedule_csv))
+    check_against_csv(args, "--schedule-csv", schedule, ("schedule", "option"))
+    return schedule
 
 
 def check_model_arguments(args, num_microbatches: int) -> None:
@@ -203,6 +209,8 @@ def check_sizes(args, schedule) -> int:
     if getattr(args, "spmd", False) and (norm is not None or args.init):
         raise CliError("--spmd trains plain AdamW from the model's own init: drop --max-grad-norm / "
                        "--post-validation / --init")
+    if getattr(args, "spmd", False) and getattr(args, "threads", False):
+        raise CliError("--spmd runs one SPMD program, not a thread or process per rank: drop --threads")
     return blocks
 
 
@@ -210,11 +218,12 @@ def check_launchable(args) -> None:
     """Train options ``launch`` cannot honour, refused with the flags named (CliError)."""
     unsupported = [flag for flag, on in (("--max-grad-norm", args.max_grad_norm is not None),
                                           ("--init", bool(args.init)),
-                                          ("--platform", getattr(args, "platform", None) is not None)) if on]
+                                          ("--platform", getattr(args, "platform", None) is not None),
+                                          ("--threads", getattr(args, "threads", False))) if on]
     if unsupported:
-        raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices: "
-                       f"{', '.join(unsupported)} is not supported there (drop it, or run train in one "
-                       "process)")
+        raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices, "
+                       f"a process per rank: {', '.join(unsupported)} is not supported there (drop it, or "
+                       "run train in one process)")
 
 
 def setup_devices(num_ranks: int, platform: str | None = None):
@@ -301,6 +310,8 @@ def run(args) -> int:
     if wants_join(args):  # one process of a run on several hosts (README "Several hosts")
         check_launchable(args)
         return run_joined(args, schedule, args._parser)
+    refuse_unused(args, ("timeout", "heartbeat"), "--timeout and --heartbeat bound the waits of a run on "
+                  "several hosts (with --coordinator, --num-processes, --process-id)")
     if args.init and not os.path.exists(args.init):
         raise CliError(f"--init: no such file {args.init!r}")
     devices, accelerator = setup_platform(schedule.num_ranks, args.platform)

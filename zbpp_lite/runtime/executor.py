@@ -220,6 +220,14 @@ class _Step:
         return self.store.pop(key)
 
 
+def _abort(steps: list, abort: threading.Event) -> None:
+    """Stop every rank of ``steps``: set ``abort`` and wake each inbox, so a waiting rank raises Aborted."""
+    abort.set()
+    for st in steps:
+        for inbox in st.inboxes:
+            inbox.wake()
+
+
 class PipelineExecutor:
     """Runs a schedule on a staged model, one thread per rank, one device per rank.
 
@@ -233,7 +241,7 @@ class PipelineExecutor:
             :class:`~zbpp_lite.runtime.transport.OptimizerMessage`; ``step`` counts the executor's steps)
             to the other process's :meth:`deliver`.
         remote: see ``ranks``.
-        transport: instead of ``remote``, ``transport(put)`` builds the
+        transport: instead of ``remote`` (not with it), ``transport(put)`` builds the
             :class:`~zbpp_lite.runtime.transport.Transport` (e.g. ``process_executor``'s).
         record_memory: fill each step's ``timeline.measured_memory`` (else None).
 
@@ -242,8 +250,8 @@ class PipelineExecutor:
 
     Raises:
         ScheduleError: an invalid schedule.
-        ValueError: a model with another stage count, fewer devices than ranks, an unknown rank, or
-            some ranks without ``remote`` or ``transport``.
+        ValueError: a model with another stage count, fewer devices than ranks, an unknown rank,
+            some ranks without ``remote`` or ``transport``, or both given.
     """
 
     def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None,
@@ -259,6 +267,9 @@ class PipelineExecutor:
         if not ranks or not set(ranks) <= set(range(schedule.num_ranks)) or len(set(ranks)) < len(ranks):
             raise ValueError(f"ranks must be distinct ranks of the schedule (0..{schedule.num_ranks - 1}), "
                              f"got {list(ranks)}")
+        if remote is not None and transport is not None:
+            raise ValueError("give remote= (a function carrying sends to other processes) or transport= (a "
+                             "Transport factory), not both: one carries every send")
         if len(ranks) < schedule.num_ranks and remote is None and transport is None:
             raise ValueError(f"running ranks {list(ranks)} of {schedule.num_ranks} needs remote= "
                              "(or transport=) to reach the others")
@@ -452,6 +463,11 @@ class PipelineExecutor:
             deadline = time.perf_counter() + self.timeout
             for t in movers:
                 t.join(max(0.0, deadline - time.perf_counter()))
+        except BaseException:  # Ctrl-C or a signal here: every rank stops at its next wait, then it goes on
+            _abort(steps, abort)
+            for t in threads + movers:
+                t.join(self.timeout)
+            raise
         finally:
             with self._lock:
                 self._current = None
@@ -531,10 +547,7 @@ class PipelineExecutor:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
             errors.append((rank, at[0], exc))
             if not isinstance(exc, TimeoutError):  # a stuck rank lets the others report their own wait
-                abort.set()
-                for st in steps:
-                    for inbox in st.inboxes:
-                        inbox.wake()
+                _abort(steps, abort)
 
     def _walk(self, rank: int, step: _Step, at: list, hooks: _Hooks) -> None:
         """The rank loop: ``rank``'s actions of ``step`` in order (``at[0]``: the current one)."""

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from multiprocessing.shared_memory import SharedMemory
@@ -104,6 +104,21 @@ def end_process(proc: subprocess.Popen, group: bool = False) -> None:
         proc.wait(timeout=10)
 
 
+@contextmanager
+def sigint_ignored_by_children():
+    """Children started inside ignore SIGINT from their first instruction (an ignored signal stays ignored
+    across ``exec``, and Python then installs no KeyboardInterrupt): Ctrl-C reaches the terminal's whole
+    process group, and only the parent, which ends its children, should answer it. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class RankProcesses:
     """``num_ranks`` processes, rank r running ``entry(rank, peers, control, config)``.
 
@@ -149,8 +164,9 @@ class RankProcesses:
                 child_env["PYTHONPATH"] = os.pathsep.join(p for p in (child_env.get("PYTHONPATH"), path) if p)
                 command = [sys.executable, "-m", "zbpp_lite.runtime.processes"]
                 fds = [theirs, *(link["fd"] for link in links[r].values())]
-                self.procs.append(subprocess.Popen(command, env=child_env, pass_fds=fds,
-                                                   stdin=subprocess.DEVNULL))
+                with sigint_ignored_by_children():
+                    self.procs.append(subprocess.Popen(command, env=child_env, pass_fds=fds,
+                                                       stdin=subprocess.DEVNULL))
                 os.close(theirs)
                 self.controls.append(Channel(mine))
         except BaseException:

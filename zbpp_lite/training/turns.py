@@ -421,9 +421,9 @@ class OneCore:
     def __enter__(self) -> "OneCore":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         if self.helper is not None:
-            self.helper.close()
+            self.helper.close(timeout=30.0 if kind is None else 0.0)  # on an error or Ctrl-C: at once
             self.helper = None
 
     def _ask(self, job: OneCoreJob, device=None) -> dict:
