@@ -188,7 +188,9 @@ def test_listeners_bind_the_addresses_given_and_a_strangers_message_is_named():
                            "take (socket-server.cc:"), e1[-2000:]
     assert line.endswith("): most likely an unexpected client (a port scanner? another run?) reached that port; these ports "
                          "belong on a trusted cluster network (README 'Several hosts: trust')"), line
-    assert _errors(e0) == ["error: process 0: lost process 1 (no heartbeat from it): ending this process too"], e0[-2000:]
+    # process 0 ends in one line too: the lost heartbeat or the broken transfer, whichever it meets first
+    (line0,) = _errors(e0)
+    assert line0.startswith("error: process 0: ") and ("lost process 1" in line0 or "recv() failed" in line0), e0[-2000:]
 
 
 def test_a_missing_coordinator_is_named_within_the_timeout():

@@ -19,7 +19,6 @@ listeners bind the addresses given (README "Several hosts: trust").
 from __future__ import annotations
 
 import dataclasses
-import json
 import socket
 import threading
 import time
@@ -37,6 +36,7 @@ from .executor import PipelineExecutor
 from .processes import one_line
 from .stages import StagedModel, refuse_pytree_activations
 from .transport import Aborted, Carrier, Inbox, Transfer
+from ..schedules import strict_json
 from ..schedules.ir import Action, Schedule, parts, produces
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import execution_order
@@ -183,7 +183,9 @@ def _shown(settings: dict, name: str) -> str:
     if name not in settings:
         return "no such setting (another version of zbpp_lite?)"
     value = settings[name]
-    return "none" if value is None else json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    if value is None:
+        return "none"
+    return strict_json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
 def pipeline_devices(num_ranks: int) -> list:
