@@ -594,10 +594,9 @@ class _Greedy:
             if suffix + self.rank_total_mem[r] - mb > limit:
                 return False
         left = self.partial[r]
-        for k in reversed(inflight):  # newest first: entries are made in increasing microbatch order
+        for k, (held, need, _) in reversed(inflight.items()):  # newest first: made in microbatch order
             if left == 0:
                 return self.held[r] + mb <= limit  # the rest need nothing more: the total decides
-            held, need, _ = inflight[k]
             if need > 0:
                 left -= 1
             if k == j:
