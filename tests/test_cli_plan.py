@@ -45,6 +45,19 @@ def test_plan_says_which_m_w_a_memory_limited_plan_assumed_and_its_peak_at_m_w_e
     assert heavy.returncode == 0 and "peak memory  2.5 3  (per rank, units of M_B)" in heavy.stdout
 
 
+def test_plan_walks_the_schedule_once_also_for_the_peak_at_m_w_equal_m_b(monkeypatch, capsys):
+    # issue 39 (planning at p = 256): the peak at M_W = M_B was a second validate and simulate; a rank's
+    # peak follows its own order, so it needs neither (fails on the old code: 2 execution orders)
+    import zbpp_lite.schedules.validate as validate
+    from zbpp_lite.cli import main
+
+    calls, order = [], validate.execution_order
+    monkeypatch.setattr(validate, "execution_order", lambda *a, **k: calls.append(1) or order(*a, **k))
+    assert main(["plan", "-s", "zb-2p", "-p", "4", "-m", "16"]) == 0
+    assert "at M_W = M_B 10 13 14 15  (peak per rank" in capsys.readouterr().out
+    assert len(calls) == 1
+
+
 def test_plan_plans_and_simulates_with_the_given_mem_b_and_mem_w():
     # issue 31: plan had no --mem-b / --mem-w, so a memory limit was always planned with M_W = 7/16 M_B
     out = plan("-s", "zb-auto", "-p", "4", "-m", "8", "--mem-b", "2", "--mem-w", "0.25", "--memory-limit", "5")

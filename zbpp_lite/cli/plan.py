@@ -16,7 +16,7 @@ from dataclasses import replace
 import zbpp_lite as zb
 
 from ..schedules.builders import options_of
-from ..schedules.memory import MemoryPlan
+from ..schedules.memory import MemoryPlan, order_peaks
 from ..viz.text import text_grid
 from ..viz.trace import write_chrome_trace
 from . import CliError, add_output, check_against_csv, refuse_unused
@@ -108,7 +108,7 @@ def _print_m_w(schedule: zb.Schedule, costs: zb.Costs, unit: str) -> None:
     plan = schedule.memory_plan or MemoryPlan.of(costs, schedule.num_stages)
     limit = "" if plan.limit is None else ", planned under " + " ".join(f"{x:g}" for x in plan.limit)
     print(f"assumed      {plan.assumed()}{limit}  (--mem-w: your model's M_W)")
-    heavy = zb.simulate(schedule, replace(costs, mem_w=costs.mem_b)).peak_memory
+    heavy = order_peaks(schedule, replace(costs, mem_w=costs.mem_b))  # the simulator's peak, not simulating
     print("at M_W = M_B " + " ".join(f"{m:g}" for m in heavy) + f"  (peak per rank of this order, {unit})")
 
 

@@ -10,6 +10,7 @@ W and B (our BW): ``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``. An :class:`Overlap
 from __future__ import annotations
 
 import csv
+import functools
 import itertools
 import io
 import os
@@ -149,13 +150,18 @@ class Key(NamedTuple):
     microbatch: int
 
 
+_key = functools.partial(tuple.__new__, Key)
+"""``_key((kind, stage, microbatch))`` is ``Key(kind, stage, microbatch)`` made without the Python-level
+``__new__`` of a NamedTuple (one or two per action: planning at large p makes millions)."""
+
+
 def produces(action: Entry) -> tuple[Key, ...]:
     """Keys an action completes: F -> F, B -> B, W -> W, BW -> B and W; a pair, both parts'."""
     if isinstance(action, Overlap):
         return produces(action.forward) + produces(action.backward)
     if action.kind == "BW":
-        return (Key("B", action.stage, action.microbatch), Key("W", action.stage, action.microbatch))
-    return (Key(action.kind, action.stage, action.microbatch),)
+        return (_key(("B", action.stage, action.microbatch)), _key(("W", action.stage, action.microbatch)))
+    return (_key((action.kind, action.stage, action.microbatch)),)
 
 
 def deps(action: Entry, num_stages: int) -> tuple[Key, ...]:
@@ -169,12 +175,12 @@ def deps(action: Entry, num_stages: int) -> tuple[Key, ...]:
         return deps(action.forward, num_stages) + deps(action.backward, num_stages)
     s, j = action.stage, action.microbatch
     if action.kind == "F":
-        return (Key("F", s - 1, j),) if s > 0 else ()
+        return (_key(("F", s - 1, j)),) if s > 0 else ()
     if action.kind == "W":
-        return (Key("B", s, j),)
+        return (_key(("B", s, j)),)
     if s < num_stages - 1:
-        return (Key("F", s, j), Key("B", s + 1, j))
-    return (Key("F", s, j),)
+        return (_key(("F", s, j)), _key(("B", s + 1, j)))
+    return (_key(("F", s, j)),)
 
 
 # ---------------------------------------------------------------------------- schedule

@@ -142,7 +142,7 @@ class MemoryPlan:
 
     def limit_units(self, schedule: Schedule) -> tuple[float, ...]:
         """Per rank, the promised peak in units of the rank's M_B (its stages' planned M_B summed)."""
-        limit = self.limit or _peaks(schedule, Costs(mem_b=self.mem_b, mem_w=self.mem_w))
+        limit = self.limit or order_peaks(schedule, Costs(mem_b=self.mem_b, mem_w=self.mem_w))
         return tuple(x / _rank_sum(schedule, self.mem_b, r) for r, x in enumerate(limit))
 
     def overrun(self, schedule: Schedule, costs: Costs) -> str | None:
@@ -150,7 +150,7 @@ class MemoryPlan:
         on some rank, each side in units of the rank's M_B; None when it keeps the promise. Raises
         ValueError: as :meth:`Costs.table`."""
         table = costs.table(schedule.num_stages)
-        units = [x / _rank_sum(schedule, table.mem_b, r) for r, x in enumerate(_peaks(schedule, costs))]
+        units = [x / _rank_sum(schedule, table.mem_b, r) for r, x in enumerate(order_peaks(schedule, costs))]
         promised = self.limit_units(schedule)
         over = [r for r, (u, lim) in enumerate(zip(units, promised)) if u > lim * (1 + 1e-9)]
         if not over:
@@ -167,10 +167,12 @@ def _rank_sum(schedule: Schedule, values: Sequence[float], rank: int) -> float:
     return sum(values[s] for s in schedule.stages_of(rank)) or 1.0
 
 
-def _peaks(schedule: Schedule, costs: Costs) -> tuple[float, ...]:
+def order_peaks(schedule: Schedule, costs: Costs) -> tuple[float, ...]:
     """Per rank, the peak of its memory over its own order (F adds M_B, B and W change it as
-    :meth:`~zbpp_lite.schedules.costs.CostTable.memory_delta` says): the simulator's peak, which no timing
-    moves (a rank runs one entry at a time; a pair's F allocates before its backward frees)."""
+    :meth:`~zbpp_lite.schedules.costs.CostTable.memory_delta` says), units of ``costs``' M_B: the
+    simulator's ``Timeline.peak_memory``, which no timing moves (a rank runs one entry at a time; a pair's
+    F allocates before its backward frees), without simulating. Raises ValueError: as
+    :meth:`Costs.table`."""
     table = costs.table(schedule.num_stages)
     peaks = []
     for r in range(schedule.num_ranks):

@@ -118,14 +118,16 @@ def _timed_events(schedule: Schedule, table: CostTable, walk=None) -> list[Event
     free = [0.0] * schedule.num_ranks
     events = []
     order, (needs, made) = _walk(schedule, walk)
+    rows = schedule.actions
     for rank, step in order:
-        a = schedule.actions[rank][step]
+        a = rows[rank][step]
         start = free[rank]
         for key in needs[rank][step]:
             end, src_stage = finish[key]
             if placement[src_stage] != rank:
                 end += table.transfer(src_stage, src_stage + 1 if key[0] == "F" else src_stage - 1)
-            start = max(start, end)
+            if end > start:  # max(start, end) without a call per dependency
+                start = end
         end = start + table.duration(a)
         free[rank] = end
         for key in made[rank][step]:  # each key's stage is the stage of the part that made it

@@ -176,7 +176,7 @@ def execution_order(schedule: Schedule, keys=None) -> list[tuple[int, int]]:
         moved = False
         for rank, row in enumerate(rows):
             i = cursor[rank]
-            while i < len(row) and all(k in done for k in needs[rank][i]):
+            while i < len(row) and done.issuperset(needs[rank][i]):
                 done.update(made[rank][i])
                 order.append((rank, i))
                 i += 1

@@ -435,7 +435,8 @@ class _Greedy:
             if entry[1] > 0:
                 self.partial[r] += 1
             if s + 1 < self.S and self.placement[s + 1] != r:
-                self.wake(self.placement[s + 1], max(end + self.comm[s], self.now))
+                arrive = end + self.comm[s]
+                self.wake(self.placement[s + 1], self.now if self.now > arrive else arrive)
         elif kind == "B":
             self.end_b[s][j] = end
             self.nb[s] += 1
@@ -455,23 +456,26 @@ class _Greedy:
                 if entry[1] > 0:
                     self.partial[r] -= 1
             if s > 0 and self.placement[s - 1] != r:
-                self.wake(self.placement[s - 1], max(end + self.comm[s], self.now))
+                arrive = end + self.comm[s]
+                self.wake(self.placement[s - 1], self.now if self.now > arrive else arrive)
         else:
             self.mem[r] -= t.mem_w[s]
-        self.done[r] += dur
-        bound = (end - self.first[r]) + (self.work[r] - self.done[r])
+        done = self.done[r] = self.done[r] + dur
+        bound = (end - self.first[r]) + (self.work[r] - done)
         if bound > self.bound:
             self.bound = bound
             grew = True
-        if self.stop is not None and self.nf[0] == self.m and self.left % self.S == 0:
-            chain = self.last_chain()  # once every stage's worth of actions, kept out of state()
-            if chain > self.chain:
-                self.chain = chain
-                grew = True
-        # the cutoff only grows more certain as bound and peak grow: checked when they do (and at first)
-        if (grew or self.left == 3 * self.S * self.m - 1) and self.stop is not None and self.meets(
-                self.stop, max(self.bound, self.chain), self.max_peak, self.slack):
-            raise _Abandoned
+        stop = self.stop
+        if stop is not None:
+            if self.nf[0] == self.m and self.left % self.S == 0:
+                chain = self.last_chain()  # once every stage's worth of actions, kept out of state()
+                if chain > self.chain:
+                    self.chain = chain
+                    grew = True
+            # the cutoff only grows more certain as bound and peak grow: checked when they do (and at first)
+            if (grew or self.left == 3 * self.S * self.m - 1) and self.meets(
+                    stop, max(self.bound, self.chain), self.max_peak, self.slack):
+                raise _Abandoned
         if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
             self.warm_state = self.state(r)
             self.at_warm_end(self.warm_state)
@@ -530,11 +534,11 @@ class _Greedy:
     def candidates(self, r: int) -> list[tuple[int, float, str, int, int]]:
         """(priority, arrival, kind, stage, microbatch) of the rank's next ready F and B (F only if safe)."""
         out = []
-        S, placement, nf, end_f = self.S, self.placement, self.nf, self.end_f
-        safe = self.safe[r]
+        S, placement, nf, nb, end_f = self.S, self.placement, self.nf, self.nb, self.end_f
+        safe, warm, m = self.safe[r], self.warm[r], self.m
         for s in self.stages[r]:
             j = nf[s]
-            if j < self.m:
+            if j < m:
                 if s == 0:
                     arr = 0.0
                 else:
@@ -543,10 +547,10 @@ class _Greedy:
                 ok = arr >= 0 and safe.get(s)
                 if ok is None:
                     ok = safe[s] = self.safe_f(r, s, j)
-                if ok and (not self.warm[r] or self.within_cap(r, s)):
+                if ok and (not warm or self.chunk[s] or self.within_cap(r, s)):  # within_cap's own test first
                     starving = self.rules.feed and s + 1 < S and placement[s + 1] != r and nf[s + 1] >= j
                     out.append((-1 if starving else self.prio[0][s], arr, "F", s, j))
-            j = self.nb[s]
+            j = nb[s]
             if j < nf[s]:
                 if s == S - 1:
                     arr = end_f[s][j]
@@ -590,10 +594,9 @@ class _Greedy:
             if suffix + self.rank_total_mem[r] - mb > limit:
                 return False
         left = self.partial[r]
-        for k in reversed(inflight):  # newest first: entries are made in increasing microbatch order
+        for k, (held, need, _) in reversed(inflight.items()):  # newest first: made in microbatch order
             if left == 0:
                 return self.held[r] + mb <= limit  # the rest need nothing more: the total decides
-            held, need, _ = inflight[k]
             if need > 0:
                 left -= 1
             if k == j:
