@@ -312,9 +312,12 @@ def test_a_memory_limited_plan_says_which_m_w_it_assumed_and_a_model_whose_m_w_b
     replanned = zb.build_schedule("zb-2p", 4, 16, costs=heavy)
     assert replanned.memory_plan.assumed() == "M_W = 1 M_B" and replanned.memory_plan.overrun(replanned, heavy) is None
     assert max(zb.simulate(replanned, heavy).peak_memory) == 8.0
-    # a planner without a limit promises its planned peak; fusing keeps the plan (it frees no later)
+    # zb-v promises its memory limit (default p whole-rank M_B: 4 stage M_B at p = 2), not the peak it
+    # reached; fusing keeps the plan (it frees no later)
     v = zb.build_schedule("zb-v+fuse", 2, 8)
-    assert v.memory_plan.limit is None and v.memory_plan.overrun(v, zb.Costs()) is None
+    assert v.memory_plan.limit == (4.0, 4.0) and v.memory_plan.overrun(v, zb.Costs()) is None
+    roomy = zb.build_schedule("zb-v", 4, 8, memory_limit=40)
+    assert roomy.memory_plan.overrun(roomy, heavy) is None  # M_W = M_B peaks at 16, within the limit 40
     assert "zb-v+fuse was planned with M_W = 0.4375 M_B" in v.memory_plan.overrun(v, heavy)
     assert zb.build_schedule("zb-h1", 2, 4).memory_plan is None  # handcrafted: no plan to keep
 

@@ -162,6 +162,15 @@ def test_the_coordinator_listens_on_the_address_given_where_this_host_has_it():
     assert listen_address("127.0.0.1", port, "the coordinator port") == f"127.0.0.1:{port}"
     assert listen_address("localhost", port, "the coordinator port") in (f"127.0.0.1:{port}", f"[::1]:{port}")
     assert listen_address("192.0.2.1", port, "the coordinator port") == f"[::]:{port}"  # not this host's (NAT): all
+    # a host NAME this host maps to loopback (Debian's 127.0.1.1 in /etc/hosts): the other hosts resolve it
+    # to a network address, so listening on loopback alone would shut them out; every interface instead
+    real = socket.getaddrinfo
+    def fake(host, *a, **k):
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.1.1", port))] \
+            if host == "node-a" else real(host, *a, **k)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(socket, "getaddrinfo", fake)
+        assert listen_address("node-a", port, "the coordinator port") == f"[::]:{port}"
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
         s.listen()

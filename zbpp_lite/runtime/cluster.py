@@ -12,6 +12,7 @@ Layer 2 (runtime); no JAX import.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import re
 import socket
@@ -145,6 +146,8 @@ def listen_address(host: str, port: int, what: str) -> str:
         ip = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
     except (socket.gaierror, IndexError):
         ip = None
+    if ip is not None and ipaddress.ip_address(ip).is_loopback and not _names_loopback(host):
+        ip = None  # a name this host maps to loopback (Debian's 127.0.1.1): the others reach it elsewhere
     e = _bind_error(ip, port) if ip is not None else None
     if ip is not None and e is None:
         return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
@@ -152,6 +155,14 @@ def listen_address(host: str, port: int, what: str) -> str:
         check_bindable(ip, port, what)  # in use, or not allowed: raises, naming it
     check_bindable("0.0.0.0", port, what)
     return f"[::]:{port}"
+
+
+def _names_loopback(host: str) -> bool:
+    """``host`` is a loopback address or ``localhost`` itself (a run on one machine), not a name."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def wait_for_coordinator(host: str, port: int, timeout: float, process: int | None = None) -> float:

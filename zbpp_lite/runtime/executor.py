@@ -465,8 +465,10 @@ class PipelineExecutor:
                 t.join(max(0.0, deadline - time.perf_counter()))
         except BaseException:  # Ctrl-C or a signal here: every rank stops at its next wait, then it goes on
             _abort(steps, abort)
+            deadline = time.perf_counter() + self.timeout
             for t in threads + movers:
-                t.join(self.timeout)
+                if t.ident is not None:  # started before the signal came
+                    t.join(max(0.0, deadline - time.perf_counter()))
             raise
         finally:
             with self._lock:
@@ -731,19 +733,21 @@ class PipelineExecutor:
 
 
 def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,
-                 devices: Sequence[Any] | None = None, timeout: float = 120.0, executor: str = "threads"):
+                 devices: Sequence[Any] | None = None, timeout: float = 120.0, executor: str = "threads",
+                 keys: Any = None):
     """One step of ``schedule`` on ``model`` (``params`` default: the model's): ``executor="threads"``
-    gives a :class:`StepResult`, ``"spmd"`` an :class:`~zbpp_lite.runtime.spmd.SpmdResult`. For many steps
-    keep one executor (it compiles once).
+    gives a :class:`StepResult`, ``"spmd"`` an :class:`~zbpp_lite.runtime.spmd.SpmdResult`; ``keys``: the
+    step's :func:`~zbpp_lite.runtime.stages.dropout_keys` for a model with dropout. For many steps keep one
+    executor (it compiles once).
 
     Raises:
         ValueError: another ``executor``; otherwise as the executor's."""
     params = model.params if params is None else params
     if executor == "spmd":
-        return SpmdExecutor(model, schedule, devices).run(params, x, labels)
+        return SpmdExecutor(model, schedule, devices).run(params, x, labels, keys)
     if executor != "threads":
         raise ValueError(f"executor must be 'threads' or 'spmd', got {executor!r}")
-    return PipelineExecutor(model, schedule, devices, timeout).run(params, x, labels)
+    return PipelineExecutor(model, schedule, devices, timeout).run(params, x, labels, keys)
 
 
 def _leaves(value: Any) -> Any:

@@ -233,12 +233,13 @@ class StagedModel:
                                  f"dropout_keys(seed, step, {m}) as keys (run_steps: one per batch), or "
                                  "build the StagedModel with deterministic=True to run without dropout")
             return [None] * num_steps
-        like = dropout_keys(0, 0, m)
+        row = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))  # no computation
+        shape, dtype = (m, *row.shape), np.dtype(row.dtype)
         keys = [np.asarray(k) for k in keys]
-        if len(keys) != num_steps or any(k.shape != like.shape or k.dtype != like.dtype for k in keys):
+        if len(keys) != num_steps or any(k.shape != shape or k.dtype != dtype for k in keys):
             got = [f"{k.dtype}{list(k.shape)}" for k in keys]
             raise ValueError(f"keys must be one dropout_keys(seed, step, {m}) per step ({num_steps} of "
-                             f"{like.dtype}{list(like.shape)}), got {got}")
+                             f"{dtype}{list(shape)}), got {got}")
         return keys if self.random_parts and not self.deterministic else [None] * num_steps
 
     def stage_inputs(self, x: Any) -> list[Any]:

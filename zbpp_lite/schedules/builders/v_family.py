@@ -14,8 +14,11 @@ chunk-1 2r + 2: at most 2 * ((p+4)//3) stage activations, V-Min's memory.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..costs import Costs, CostTable
 from ..ir import Action, Schedule, v_placement
+from ..memory import MemoryPlan
 from ..simulate import simulate
 from ._common import check_sizes
 from .zb_v import search_v, v_limits
@@ -31,7 +34,8 @@ def v_half(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None)
     p, m = num_ranks, num_microbatches
     limits, table = v_limits("v-half", (p + 2) // 2, p, costs, None)
     placement = v_placement(p)
-    return search_v(placement, m, table, limits).schedule(placement, m, "v-half")
+    schedule = search_v(placement, m, table, limits).schedule(placement, m, "v-half")
+    return replace(schedule, memory_plan=MemoryPlan.of(costs or Costs(), 2 * p, limits))
 
 
 def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
@@ -52,7 +56,7 @@ def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) 
     fits = all(peak <= limit + 1e-9 for peak, limit in zip(timeline.peak_memory, limits))
     if fits and timeline.makespan < best_span - 1e-9 * max(1.0, best_span):
         best = block
-    return best
+    return replace(best, memory_plan=MemoryPlan.of(costs, 2 * p, limits))
 
 
 def tight_v_block(num_ranks: int, num_microbatches: int, table: CostTable) -> list[list[Action]]:

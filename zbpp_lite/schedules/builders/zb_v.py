@@ -20,10 +20,12 @@ greedy search alone: 0.116), 0.0532 at m = 64 (greedy 0.082), 0.0273 at m = 128 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import Iterable, Sequence
 
 from ..costs import Costs, CostTable
 from ..ir import Action, Schedule, v_placement
+from ..memory import MemoryPlan
 from ._common import check_sizes
 from .greedy import _EPS, Cutoff, Plan, Rules, Runs, _better, improve, per_rank_limits, rank_stage_memory
 
@@ -346,4 +348,5 @@ def zb_v(
             other = improve(other, placement, m, table, limits)[0]
             if other.makespan < best.makespan - 1e-9 * max(1.0, best.makespan):
                 best = other
-    return best.schedule(placement, m, "zb-v")
+    schedule = best.schedule(placement, m, "zb-v")
+    return replace(schedule, memory_plan=MemoryPlan.of(costs or Costs(), 2 * p, limits))  # the limit promised
