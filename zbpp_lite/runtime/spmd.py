@@ -386,7 +386,7 @@ class SpmdExecutor:
                          for kind in KIND_CODE for s in range(len(per_stage))]
 
     def _program(self, x_mb: Any, labels_mb: Any):
-        """The jitted ``(kind, chunk, microbatch, recv, stage_of, params, tokens, labels, keys) -> (losses,
+        """The jitted ``((kind, chunk, microbatch), recv, stage_of, params, tokens, labels, keys) -> (losses,
         gradient sums)`` for microbatches like ``x_mb``, ``labels_mb``; outputs replicated. ``keys``:
         the step's dropout keys (m, 2), or (m, 0) without dropout."""
         m = self.schedule.num_microbatches
@@ -397,9 +397,11 @@ class SpmdExecutor:
         def zeros_x(prefix=()):  # zeros shaped like what stages pass on, with leading dimensions prefix
             return tmap(lambda s: jnp.zeros(tuple(prefix) + tuple(s.shape), s.dtype), boundary)
 
-        def rank_program(kind, chunk, mbs, recv, stage_of, p_packed, tokens, labels, keys):
-            # kind, chunk, mbs (1, T); stage_of (1, v); p_packed: (1, v, size) per dtype; tokens (m, mb, ...)
-            kind, chunk, mbs, stage_of = kind[0], chunk[0], mbs[0], stage_of[0]
+        def rank_program(ticks, recv, stage_of, p_packed, tokens, labels, keys):
+            # ticks: kind, chunk, mbs (1, T) each; stage_of (1, v); p_packed: (1, v, size) per dtype;
+            # tokens (m, mb, ...)
+            kind, chunk, mbs = (a[0] for a in ticks)
+            stage_of = stage_of[0]
             recv, p_packed = tmap(lambda a: a[0], recv), tmap(lambda a: a[0], p_packed)
             if self.vary_replicated:  # JAX #40823: replicated inputs made varying before the switch
                 tokens, labels, keys = to_varying((tokens, labels, keys))
@@ -421,7 +423,7 @@ class SpmdExecutor:
             acc = tuple(lax.psum(jnp.zeros((n,) + a.shape, a.dtype).at[rank].set(a), AXIS) for a in st["acc"])
             return lax.psum(st["losses"], AXIS), acc
 
-        in_specs = (P(AXIS),) * 6 + (P(), P(), P())
+        in_specs = (P(AXIS),) * 4 + (P(), P(), P())
         return jax.jit(_shard_map(rank_program, mesh=self.mesh, in_specs=in_specs, out_specs=(P(), P()),
                                   **{_CHECK_ARG: True}))
 
@@ -480,7 +482,7 @@ class SpmdExecutor:
         keys = np.zeros((m, 0), np.uint32) if keys is None else keys
         t = self.tables
         recv = {src: t.recv[src] for src in SOURCES}
-        args_sharded = (t.kind, t.chunk, t.microbatch, recv, self.stage_of, self.pack_params(params))
+        args_sharded = ((t.kind, t.chunk, t.microbatch), recv, self.stage_of, self.pack_params(params))
         args_replicated = (x.reshape((m, -1) + x.shape[1:]), labels.reshape((m, -1) + labels.shape[1:]), keys)
         return self._global(args_sharded, P(AXIS)) + self._global(args_replicated, P())
 
