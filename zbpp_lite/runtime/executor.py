@@ -733,21 +733,20 @@ class PipelineExecutor:
 
 
 def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,
-                 devices: Sequence[Any] | None = None, timeout: float = 120.0, executor: str = "threads",
-                 keys: Any = None):
+                 devices: Sequence[Any] | None = None, timeout: float = 120.0, executor: str = "threads"):
     """One step of ``schedule`` on ``model`` (``params`` default: the model's): ``executor="threads"``
-    gives a :class:`StepResult`, ``"spmd"`` an :class:`~zbpp_lite.runtime.spmd.SpmdResult`; ``keys``: the
-    step's :func:`~zbpp_lite.runtime.stages.dropout_keys` for a model with dropout. For many steps keep one
-    executor (it compiles once).
+    gives a :class:`StepResult`, ``"spmd"`` an :class:`~zbpp_lite.runtime.spmd.SpmdResult`. For many steps
+    keep one executor (it compiles once); a model with dropout runs through the executors' ``run(...,
+    keys)`` (ValueError here, naming them).
 
     Raises:
         ValueError: another ``executor``; otherwise as the executor's."""
     params = model.params if params is None else params
     if executor == "spmd":
-        return SpmdExecutor(model, schedule, devices).run(params, x, labels, keys)
+        return SpmdExecutor(model, schedule, devices).run(params, x, labels)
     if executor != "threads":
         raise ValueError(f"executor must be 'threads' or 'spmd', got {executor!r}")
-    return PipelineExecutor(model, schedule, devices, timeout).run(params, x, labels, keys)
+    return PipelineExecutor(model, schedule, devices, timeout).run(params, x, labels)
 
 
 def _leaves(value: Any) -> Any:
