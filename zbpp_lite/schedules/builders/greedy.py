@@ -424,16 +424,7 @@ class _Greedy:
                 if mem > self.max_peak:
                     self.max_peak = mem
                     grew = True
-            self.held[r] += mb
-            entry = self.inflight[r].get(j)
-            if entry is None:
-                entry = self.inflight[r][j] = [0.0, self.rank_total_mem[r], len(self.stages[r])]
-            elif entry[1] > 0:
-                self.partial[r] -= 1
-            entry[0] += mb
-            entry[1] -= mb
-            if entry[1] > 0:
-                self.partial[r] += 1
+            self._hold(r, j, mb)
             if s + 1 < self.S and self.placement[s + 1] != r:
                 arrive = end + self.comm[s]
                 self.wake(self.placement[s + 1], self.now if self.now > arrive else arrive)
@@ -446,15 +437,7 @@ class _Greedy:
             mb = t.mem_b[s]
             self.mem[r] -= mb - t.mem_w[s]
             self.pending_w[r].append((s, j))
-            self.held[r] -= mb
-            inflight = self.inflight[r]
-            entry = inflight[j]
-            entry[0] -= mb
-            entry[2] -= 1
-            if entry[2] == 0:  # its last B on this rank: only the W's share remains, always freeable
-                del inflight[j]
-                if entry[1] > 0:
-                    self.partial[r] -= 1
+            self._release(r, j, mb)
             if s > 0 and self.placement[s - 1] != r:
                 arrive = end + self.comm[s]
                 self.wake(self.placement[s - 1], self.now if self.now > arrive else arrive)
@@ -480,6 +463,32 @@ class _Greedy:
             self.warm_state = self.state(r)
             self.at_warm_end(self.warm_state)
         return end
+
+    def _hold(self, r: int, j: int, mb: float) -> None:
+        """Rank r's F of microbatch j holds ``mb`` more: its in-flight entry ``[held, still to come, stages
+        left]`` and the count of microbatches still needing memory (``partial``, what ``safe_f`` walks)."""
+        self.held[r] += mb
+        entry = self.inflight[r].get(j)
+        if entry is None:
+            entry = self.inflight[r][j] = [0.0, self.rank_total_mem[r], len(self.stages[r])]
+        elif entry[1] > 0:
+            self.partial[r] -= 1
+        entry[0] += mb
+        entry[1] -= mb
+        if entry[1] > 0:
+            self.partial[r] += 1
+
+    def _release(self, r: int, j: int, mb: float) -> None:
+        """Rank r's B of microbatch j frees ``mb``; after its last B there only the W's share remains."""
+        self.held[r] -= mb
+        inflight = self.inflight[r]
+        entry = inflight[j]
+        entry[0] -= mb
+        entry[2] -= 1
+        if entry[2] == 0:  # its last B on this rank: only the W's share remains, always freeable
+            del inflight[j]
+            if entry[1] > 0:
+                self.partial[r] -= 1
 
     def last_chain(self) -> float:
         """A lower bound on the makespan from the last microbatch alone: its F and B down and up the stages
