@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from .devices import too_few_devices_message
-from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes, nbytes
+from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes, stage_bytes
 from .split import sum_dtype
 from .spmd import SpmdExecutor
 from .stages import Params, StagedModel, batch_microbatch_size
@@ -340,7 +340,7 @@ class PipelineExecutor:
                 _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
                 acc = flat.backward_weight(params[s], kept, grads_out, None)
                 jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
-                sizes[s] = nbytes((res, kept)), nbytes((kept, grads_out))  # M_B, M_W as the recorder's
+                sizes[s] = stage_bytes(res, kept, grads_out)
         self._warm_ties(params)
         self._prepared[signature] = splits, shapes
         self._check_memory_plan(sizes)

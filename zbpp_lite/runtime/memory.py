@@ -25,6 +25,13 @@ def nbytes(tree: Any) -> int:
     return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree_util.tree_leaves(tree))
 
 
+def stage_bytes(own: Any, kept: Any, grads_out: Any) -> tuple[int, int]:
+    """``(M_B, M_W)`` of one stage and microbatch, bytes: what F keeps for B (``own``, ``kept``), and what
+    waits from B until W (``kept``, B's ``grads_out``), as :class:`MemoryRecorder` counts them (Qi et al.,
+    arXiv 2401.10241, section 2.3)."""
+    return nbytes((own, kept)), nbytes((kept, grads_out))
+
+
 class MemoryRecorder:
     """Per-rank activation bytes over one step (see the module docstring).
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...schedules.costs import Costs
-from ...runtime.memory import nbytes
+from ...runtime.memory import stage_bytes
 from ...runtime.stages import StagedModel
 
 
@@ -41,8 +41,9 @@ def stage_memory_bytes(model: StagedModel, x: Any, labels: Any) -> tuple[tuple[i
         aux = labels if s == model.num_stages - 1 else None
         out, own, kept = jax.eval_shape(flat.forward, p, shapes[s], aux)
         _, grads_out = jax.eval_shape(flat.backward_input, p, own, out)
-        mem_b.append(nbytes((own, kept)))
-        mem_w.append(nbytes((kept, grads_out)))
+        b, w = stage_bytes(own, kept, grads_out)
+        mem_b.append(b)
+        mem_w.append(w)
     return tuple(mem_b), tuple(mem_w)
 
 
