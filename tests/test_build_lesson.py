@@ -17,7 +17,7 @@ from pathlib import Path
 import jupytext
 import pytest
 
-from zbpp_lite.viz import exercises as ex
+from zbpp_lite import course as ex
 
 LESSON = Path(__file__).parent.parent / "notebooks" / "08_build_a_pipeline.md"
 

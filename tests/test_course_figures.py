@@ -6,7 +6,7 @@ from __future__ import annotations
 import zbpp_lite as zb
 from zbpp_lite.schedules.builders.auto import auto_plan
 from zbpp_lite.viz.memory import memory_by_stage, stage_memory_figure
-from zbpp_lite.viz.walkthrough import eight_choices, narrate
+from zbpp_lite.course.walkthrough import eight_choices, narrate
 
 
 def test_zb_v_balances_memory_stage_against_stage():

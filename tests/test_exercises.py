@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.viz import exercises as ex
+from zbpp_lite import course as ex
 
 LEAN = [["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
         ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1B3"],
@@ -239,5 +239,5 @@ def test_the_package_guard_leaves_the_profile_hook_and_plain_answers_alone():
 
 @pytest.mark.parametrize("key", sorted(SIMULATED))
 def test_those_package_answers_are_right_so_only_the_guard_refuses_them(key, monkeypatch):
-    monkeypatch.setattr(ex, "_alone", lambda fn, point: fn(*point))
+    monkeypatch.setattr(ex.checks, "_alone", lambda fn, point: fn(*point))
     assert ex.EXERCISES[key](SIMULATED[key])

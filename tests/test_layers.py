@@ -2,7 +2,7 @@
 schedule layer never imports JAX, and no modules import each other in a circle.
 
 Layers, from the bottom (README, "Architecture"): schedules, runtime, analysis, training, viz,
-cli. Inside ``schedules`` the order is strict_json (the one JSON writer), ir, costs, timeline, validate, simulate, formulas, builders
+cli, course. Inside ``schedules`` the order is strict_json (the one JSON writer), ir, costs, timeline, validate, simulate, formulas, builders
 (the automatic builders plan by simulating). Every import counts, also those inside functions
 (imported lazily, they still make the lower module depend on the higher one).
 """
@@ -18,7 +18,7 @@ import sys
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zbpp_lite"
-LAYERS = ["schedules", "runtime", "analysis", "training", "viz", "cli"]
+LAYERS = ["schedules", "runtime", "analysis", "training", "viz", "cli", "course"]
 SCHEDULE_ORDER = ["strict_json", "ir", "costs", "memory", "timeline", "validate", "simulate", "formulas",
                   "fuse", "builders"]
 
@@ -132,7 +132,7 @@ def test_no_import_circles():
 
 
 def test_the_schedule_layer_imports_no_jax():
-    names = [n for n in modules() if n == "zbpp_lite" or n.startswith("zbpp_lite.schedules")] + ["zbpp_lite.viz"]
+    names = [n for n in modules() if n == "zbpp_lite" or n.startswith("zbpp_lite.schedules")] + ["zbpp_lite.viz", "zbpp_lite.course"]
     code = (
         "import importlib, sys\n"
         f"for n in {names!r}: importlib.import_module(n)\n"
@@ -142,7 +142,7 @@ def test_the_schedule_layer_imports_no_jax():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSTARTUP"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=PACKAGE.parent, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"importing the schedule layer (and viz) imported {out.stdout.strip()}"
+    assert out.stdout.strip() == "", f"importing the schedule layer (and viz, course) imported {out.stdout.strip()}"
 
 
 @pytest.mark.parametrize("sub", LAYERS + ["analysis.profiling", "training.postval"])

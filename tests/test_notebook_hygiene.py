@@ -85,7 +85,7 @@ def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
     with our answer, collapsed, and asserts it said right."""
     import re
 
-    from zbpp_lite.viz.exercises import EXERCISES
+    from zbpp_lite.course import EXERCISES
 
     nb = nbformat.read(path, as_version=4)
     lesson = str(int(path.name[:2]))

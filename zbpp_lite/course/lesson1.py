@@ -1,0 +1,128 @@
+"""Lesson 1's exercise checks (pipeline bubbles): one function per exercise, which says right or not yet
+with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from ..schedules.ir import Action, Schedule
+from ..schedules.simulate import simulate
+from ..schedules.validate import ScheduleError, validate
+from ..viz.figures import timeline_figure
+from .checks import Verdict, _function_check, _number_check, _unanswered
+
+
+SLOW_MIDDLE = Costs(f=[1.0, 2.0, 1.0], b=[1.0, 2.0, 1.0], w=[1.0, 2.0, 1.0])
+"""Exercise 1.1's costs: p = 3 stages, T_F = 1 and a fused T_BW = 2, but stage 1 twice as slow."""
+
+
+def makespan_1f1b(answer: Any) -> Verdict:
+    """Exercise 1.1: 1F1B's makespan for p = 3, m = 6, T_F = 1, T_BW = 2 (twice on stage 1:
+    :data:`SLOW_MIDDLE`), T_comm = 0; predicted."""
+    expected = simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE).makespan
+    return _number_check(
+        "1.1", answer, expected, "1F1B's makespan with a slow stage 1",
+        "the slow rank 1 computes m(2+4) = 36 and sets the pace; add what it waits for: rank 0's first F "
+        "before it starts, rank 0's last BW after it ends, and, once, microbatch 0's gradient coming "
+        "back from rank 2.",
+    )
+
+
+def lean_schedule(actions: Any) -> Verdict:
+    """Exercise 1.3: a valid schedule for p = 3, m = 4 (stage r on rank r) in which no rank holds more than
+    2 microbatches' activations (1F1B's rank 0 holds 3): three lists of actions in PyTorch's text form
+    (``"0F1"``, ``"1B0"`` fused, ``"1I0"``/``"1W0"`` split) or :class:`~zbpp_lite.schedules.ir.Action`.
+    Checked with :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs, peak <= 2 M_B)."""
+    hint = ("each rank may start at most 2 forwards before its first backward; stage 0's backward needs "
+            "stage 1's, which needs stage 2's, so count what each rank can run while it waits.")
+    if _unanswered(actions):
+        return Verdict("1.3", False, "no answer yet: replace ... with three lists of actions.", hint)
+    try:
+        rows = [[a if isinstance(a, Action) else Action.from_str(str(a)) for a in row] for row in actions]
+    except (TypeError, ValueError) as e:
+        return Verdict("1.3", False, f"could not read the actions: {e}",
+                       "write each action as text, e.g. \"0F0\" or \"1B1\".")
+    if len(rows) != 3:
+        return Verdict("1.3", False, f"three ranks need three lists, you gave {len(rows)}.", hint)
+    schedule = Schedule(tuple(map(tuple, rows)), (0, 1, 2), 4, "mine")
+    try:
+        validate(schedule)
+    except ScheduleError as e:
+        return Verdict("1.3", False, "zb.validate refuses it.", str(e).splitlines()[0])
+    peaks = simulate(schedule, Costs()).peak_memory
+    over = [r for r, peak in enumerate(peaks) if peak > 2]
+    if over:
+        held = f"{peaks[over[0]]:g}"
+        return Verdict("1.3", False, f"valid, but rank {over[0]} holds {held} microbatches at once.", hint)
+    return Verdict("1.3", True, f"zb.validate accepts it and the ranks hold at most {max(peaks):g} "
+                                f"microbatches (per rank {[int(x) for x in peaks]}).")
+
+
+def peak_memory_1f1b(fn: Any) -> Verdict:
+    """Exercise 1.4: ``peak_time(p, m, r, f, bw)``, the earliest time rank r holds its peak activations
+    under 1F1B (T_F = f, fused T_BW = bw, T_comm = 0); checked at p = 1..6, m = 1..9, every rank, three
+    (T_F, T_BW), against the simulator's memory curve."""
+    points = [(p, m, r, f, bw) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 9) for r in range(p)
+              for f, bw in ((1.0, 2.0), (1.5, 1.0), (0.5, 3.0))]
+
+    def first_peak(p: int, m: int, r: int, f: float, bw: float) -> float:
+        curve = simulate(build_schedule("1f1b", p, m), Costs(f=f, b=bw / 2, w=bw / 2)).memory_curve(r)
+        top = max(v for _, v in curve)
+        return next(t for t, v in curve if v == top)
+
+    return _function_check("1.4", fn, points, first_peak, "peak_time(p, m, r, f, bw)",
+                           "the peak comes with rank r's last warm-up F: how many F's does it run before its "
+                           "first backward (mind m < p), and when can each start, given rank r - 1's?")
+
+
+BATCH_SPLIT = dict(num_ranks=4, f_work=48.0, backward_work=96.0, splits=(8, 16))
+"""Exercise 1.2's case: 1F1B on 4 ranks; one step's batch cut into m microbatches; every action costs a
+fixed price c plus its share of the batch's work, so T_F = c + 48/m and the fused backward, one action,
+T_BW = c + 96/m; T_comm = 0. The question: the c at which the two ``splits`` tie."""
+
+
+def _batch_split_span(m: int, price: float) -> float:
+    c = BATCH_SPLIT
+    f, bw = price + c["f_work"] / m, price + c["backward_work"] / m
+    return simulate(build_schedule("1f1b", c["num_ranks"], m), Costs(f=f, b=bw / 2, w=bw / 2, bw=bw)).makespan
+
+
+def batch_split(answer: Any) -> Verdict:
+    """Exercise 1.2 (an inverse question): the fixed price c per action at which 1F1B on
+    :data:`BATCH_SPLIT` takes as long with m = 8 as with m = 16; the makespans are linear in c, so
+    the reference solves the two simulations at c = 0 and c = 1 for their crossing. Pricing the fused
+    backward twice (as a B and a W) gives 9/8, refused with its own hint."""
+    small, large = BATCH_SPLIT["splits"]
+    slope = {m: _batch_split_span(m, 1.0) - _batch_split_span(m, 0.0) for m in (small, large)}
+    tie = (_batch_split_span(small, 0.0) - _batch_split_span(large, 0.0)) / (slope[large] - slope[small])
+    verdict = _number_check("1.2", answer, tie, f"the price at which m = {small} and m = {large} tie",
+                            "write the makespan (m+p-1)(T_F+T_BW) with T_F and T_BW as functions of c "
+                            "and m (how many actions, so how many prices c, does a microbatch's backward "
+                            "take in 1F1B?), once for each m, and set the two equal.",
+                            known={9 / 8: ("9/8 prices the backward twice.",
+                                           "1F1B runs each backward fused: one action, so one price c, "
+                                           "not two.")})
+    if verdict.ok:
+        verdict = Verdict("1.2", True, f"{verdict.message} Both take {_batch_split_span(small, tie):g}; "
+                                       f"a smaller price favours m = {large}, a larger one m = {small}.")
+    return verdict
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {
+    "1.1": makespan_1f1b, "1.2": batch_split, "1.3": lean_schedule, "1.4": peak_memory_1f1b
+}
+"""Lesson 1's exercises by id -> check."""
+
+REVEALS: dict[str, Callable[[], Any]] = {
+    "1.1": lambda: timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE)
+,
+                                    "1F1B, p = 3, m = 6, stage 1 twice as slow")}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = [
+    "SLOW_MIDDLE", "makespan_1f1b", "lean_schedule", "peak_memory_1f1b", "BATCH_SPLIT", "batch_split",
+    "EXERCISES", "REVEALS"
+]

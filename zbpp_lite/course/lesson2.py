@@ -1,0 +1,93 @@
+"""Lesson 2's exercise checks (the backward split): one function per exercise, which says right or not yet
+with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+
+from .checks import Verdict, _function_check, _number_check
+
+
+MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
+"""The two-layer MLP of notebook 02: 16 tokens, x (16, 32) @ W1 (32, 64), then (16, 64) @ W2 (64, 32)."""
+
+
+FIRST_STAGE_WIDTHS = (32, 64, 16, 8)
+"""Exercise 2.3's first stage: three layers ``z_l = a_l @ W_l`` of these widths (2.1's convention)."""
+
+
+def _matmul(rows: int, inner: int, cols: int) -> int:
+    return 2 * rows * inner * cols  # one multiply and one add per term
+
+
+WIDTH_LISTS = ((32, 64, 32), (8, 16, 4, 2), (3, 5, 7, 11, 13), (1, 1), (64, 256, 64, 256, 64, 16))
+"""The widths lists exercises 2.1 and 2.2 try: one to five layers of uneven widths."""
+
+
+def _layer_products(n: int, widths: Sequence[int]) -> list[int]:
+    """Flops of each layer's weight-gradient product x_l.T @ dz_l, (d_l, n) @ (n, d_{l+1})."""
+    return [_matmul(a, n, b) for a, b in itertools.pairwise(widths)]
+
+
+def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]], int], what: str,
+                  hint: str) -> Verdict:
+    points = [(n, list(w)) for n, w in itertools.product((16, 5), WIDTH_LISTS)]
+    return _function_check(exercise, fn, points, lambda n, w: expected(n, tuple(w)), what, hint)
+
+
+def w_held_floats(fn: Any) -> Verdict:
+    """Exercise 2.1: ``m_w(n, widths)``, the floats a microbatch holds from B to W (its M_W) for
+    ``len(widths) - 1`` layers ``z_l = a_l @ W_l`` on n tokens (``widths[l]``: layer l's input width,
+    ``widths[-1]``: the output width), B having kept every output gradient: the sizes of the arrays W
+    reads, each once. Checked on :data:`WIDTH_LISTS`."""
+
+    def read_by_w(n, w):  # a_l (n, w[l]) and dz_l (n, w[l+1]) for every layer l
+        return sum(n * a + n * b for a, b in itertools.pairwise(w))
+
+    return _widths_check("2.1", fn, read_by_w, "m_w(n, widths)",
+                         "W of layer l is a_l.T @ dz_l: what shape is each operand, and which of them are "
+                         "the same array for two layers?")
+
+
+def w_flops_without_kept_gradients(fn: Any) -> Verdict:
+    """Exercise 2.2: ``w_flops_recompute(n, widths)``, W's matmul flops on 2.1's stack when B keeps the
+    output gradients of the even layers (0, 2, ...) only, so W rebuilds each odd layer's from the one
+    after it (activation derivative not counted); (r, k) @ (k, c) counts 2 r k c."""
+
+    def recompute(n, w):
+        layers = len(w) - 1
+        back = [_matmul(n, w[k + 2], w[k + 1]) for k in range(1, layers - 1, 2)]  # dz_{l+1} @ W_{l+1}.T
+        return sum(_layer_products(n, w)) + sum(back)
+
+    return _widths_check("2.2", fn, recompute, "w_flops_recompute(n, widths)",
+                         "an odd layer's output gradient costs one product dz_{l+1} @ W_{l+1}.T, "
+                         "(n, widths[l+2]) @ (widths[l+2], widths[l+1]), from the kept one after it; "
+                         "but the last layer's arrives from the next stage, whatever its parity.")
+
+
+def first_stage_b_ratio(answer: Any) -> Verdict:
+    """Exercise 2.3: on the *first* stage (no dx needed), B's matmul flops over F's for the stack
+    :data:`FIRST_STAGE_WIDTHS` on :data:`MLP_TOKENS` tokens; predicted."""
+    n, w = MLP_TOKENS, FIRST_STAGE_WIDTHS
+    f = sum(_matmul(n, a, b) for a, b in itertools.pairwise(w))
+    b = sum(_matmul(n, b, a) for a, b in itertools.pairwise(w[1:]))  # dz_{l+1} @ W_{l+1}.T; no dx
+    return _number_check("2.3", answer, b / f, "B's matmul flops over F's on the first stage",
+                         "B must still make every layer's output gradient for W, each one product "
+                         "dz_{l+1} @ W_{l+1}.T; only dx = dz_0 @ W_0.T has no reader on the first stage. "
+                         "Which of F's products has no counterpart in B?")
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {
+    "2.1": w_held_floats, "2.2": w_flops_without_kept_gradients, "2.3": first_stage_b_ratio
+}
+"""Lesson 2's exercises by id -> check."""
+
+REVEALS: dict[str, Callable[[], Any]] = {}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = [
+    "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "w_held_floats", "w_flops_without_kept_gradients",
+    "first_stage_b_ratio", "EXERCISES", "REVEALS"
+]

@@ -1,0 +1,73 @@
+"""Lesson 3's exercise checks (ZB-H1 and ZB-H2): one function per exercise, which says right or not yet
+with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from ..schedules.simulate import simulate
+from ..viz.figures import timeline_figure
+from .checks import Verdict, _function_check, _number_check
+
+
+FEW_MICROBATCHES = dict(num_ranks=4, num_microbatches=2, costs=Costs(f=1.0, b=2.0, w=0.5))
+"""Exercise 3.1's case: ZB-H1 with fewer microbatches than ranks, p = 4, m = 2, T_F = 1, T_B = 2,
+T_W = 0.5, T_comm = 0 (outside the form's domain m >= p)."""
+
+
+def _few_microbatches():
+    c = FEW_MICROBATCHES
+    return simulate(build_schedule("zb-h1", c["num_ranks"], c["num_microbatches"]), c["costs"])
+
+
+def zb_h1_makespan(answer: Any) -> Verdict:
+    """Exercise 3.1: ZB-H1's makespan on :data:`FEW_MICROBATCHES` (m < p); predicted."""
+    return _number_check("3.1", answer, _few_microbatches().makespan, "ZB-H1's makespan with m < p",
+                         "the form (p-1)(T_F+T_B-T_W) counts p - 1 W's filling gaps on the busiest rank; "
+                         "with m < p, how many W's does rank 0 have, and which of them can still hide in a "
+                         "wait for a gradient?")
+
+
+def zb_h2_peak_memory(fn: Any) -> Verdict:
+    """Exercise 3.2: ``peak(p, m, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B (any m >= 1,
+    M_W = ``mem_w``); checked for p = 2..6, m = 1..2p+1 (five values), every rank, M_W in 0.25 .. 1."""
+    cases = {(p, m, mw) for p in (2, 3, 4, 5, 6) for m in (1, 2, p, 2 * p - 2, 2 * p + 1)
+             for mw in (0.25, 0.5, 1.0)}
+    peaks = {c: simulate(build_schedule("zb-h2", c[0], c[1]), Costs(mem_w=c[2])).peak_memory for c in cases}
+    points = [(p, m, r, mw) for p, m, mw in sorted(cases) for r in range(p)]
+    return _function_check("3.2", fn, points, lambda p, m, r, mw: peaks[p, m, mw][r], "peak(p, m, r, mem_w)",
+                           "right after rank r's warm-up its forwards hold M_B each; how many W's does the "
+                           "rank owe at that moment later on, when W lags B by 2r microbatches, and what if "
+                           "m is too small for either?")
+
+
+def zb_h2_bubble(fn: Any) -> Verdict:
+    """Exercise 3.3: a function ``bubble(p, m, f, b, w)``: ZB-H2's makespan minus m(T_F+T_B+T_W),
+    T_comm = 0, m >= 2p, for every T_F, T_B and T_W (the lesson's form holds only while it is
+    positive and T_B <= T_F); compared with the simulator at points with T_F != T_B."""
+    points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
+              (2, 4, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 7, 1.5, 1.0, 2.5), (4, 9, 0.5, 1.5, 0.25),
+              (5, 11, 1.2, 1.5, 0.8)]
+    return _function_check(
+        "3.3", fn, points,
+        lambda p, m, f, b, w: (simulate(build_schedule("zb-h2", p, m), Costs(f=f, b=b, w=w)).makespan
+                               - m * (f + b + w)),
+        "bubble(p, m, f, b, w)",
+        "the form (p-1)(T_F+T_B-2T_W) is what the W's cannot fill; but W's cannot fill a wait for a gradient "
+        "either: with T_B > T_F, how much longer does each rank wait per rank of the round trip?")
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {
+    "3.1": zb_h1_makespan, "3.2": zb_h2_peak_memory, "3.3": zb_h2_bubble
+}
+"""Lesson 3's exercises by id -> check."""
+
+REVEALS: dict[str, Callable[[], Any]] = {
+    "3.1": lambda: timeline_figure(_few_microbatches(), "ZB-H1, p = 4, m = 2, T_F = 1, T_B = 2, T_W = 0.5")
+}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = ["FEW_MICROBATCHES", "zb_h1_makespan", "zb_h2_peak_memory", "zb_h2_bubble", "EXERCISES", "REVEALS"]

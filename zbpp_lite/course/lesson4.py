@@ -1,0 +1,92 @@
+"""Lesson 4's exercise checks (zb-auto): one function per exercise, which says right or not yet
+with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+
+from ..schedules.builders import build_schedule
+from ..schedules.builders.auto import auto_plan
+from ..schedules.costs import Costs
+from ..schedules.simulate import simulate
+from .checks import Verdict, _function_check, _line_figure, _number_check
+
+
+AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=1.0, w=0.5, comm=0.05))
+"""Notebook 04's explorer case: p = 4, m = 12, T_F = T_B = 1, T_W = 0.5, T_comm = 0.05."""
+
+
+@functools.lru_cache(maxsize=16)
+def _auto(limit: float):
+    """zb-auto's plan of :data:`AUTO_CASE` under ``limit`` M_B (cached)."""
+
+    c = AUTO_CASE
+    return auto_plan(c["num_ranks"], c["num_microbatches"], c["costs"], limit)
+
+
+def bw_break_even(fn: Any) -> Verdict:
+    """Exercise 4.1: ``largest_m(p, f, b, w, bw)``, the most microbatches (m >= p) for which ZB-H1 (split)
+    is strictly faster than 1F1B (fused T_BW = bw < T_B + T_W), T_W <= T_F, T_comm = 0; checked
+    against both simulations at six points (the paper's costs, and a tie)."""
+    points = [(4, 1.0, 1.0, 1.0, 1.55), (2, 1.0, 1.2, 0.6, 1.45), (8, 18.522, 18.086, 9.337, 24.0),
+              (5, 2.0, 1.5, 1.0, 2.2), (3, 1.0, 0.5, 0.8, 1.0), (4, 1.0, 1.0, 1.0, 1.5)]  # a tie at m = 9
+
+    def largest(p, f, b, w, bw):
+        c, m = Costs(f=f, b=b, w=w, bw=bw), p
+        spans = lambda n: simulate(build_schedule(n, p, m), c).makespan  # noqa: E731
+        while m <= 400 and spans("zb-h1") < spans("1f1b") - 1e-9:
+            m += 1
+        return m - 1
+
+    return _function_check("4.1", fn, points, largest, "largest_m(p, f, b, w, bw)",
+                           "the split saves bubble once per step but pays T_B + T_W - T_BW on every "
+                           "microbatch: write both makespans as functions of m and find where they cross.")
+
+
+AUTO_LIMITS = tuple(range(4, 11))
+"""The memory limits (M_B) exercises 4.2 and 4.3 plan :data:`AUTO_CASE` under."""
+
+
+def _auto_rates() -> list[float]:
+    return [_auto(float(lim)).bubble_rate for lim in AUTO_LIMITS]
+
+
+def bubble_floor_limit(answer: Any) -> Verdict:
+    """Exercise 4.2: the smallest whole memory limit (M_B, from 4) at which zb-auto's bubble rate on
+    :data:`AUTO_CASE` reaches its floor over :data:`AUTO_LIMITS`; predicted."""
+    rates = _auto_rates()
+    expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
+    return _number_check("4.2", answer, expected, "the limit where the bubble first reaches its floor",
+                         "a larger limit lets rank 0 start more forwards before its first B; how many can it "
+                         "start before that B could possibly arrive, the round trip being ZB-H2's warm-up?")
+
+
+def auto_warmup(fn: Any) -> Verdict:
+    """Exercise 4.3: ``warmup(p, limit, r)``, the F rank r runs before its first B when zb-auto plans
+    :data:`AUTO_CASE` under ``limit`` M_B; checked at limits 4 to 9, every rank."""
+    plans = {lim: _auto(float(lim)).schedule for lim in AUTO_LIMITS[:-1]}
+
+    def counted(p, limit, r):
+        return next(i for i, a in enumerate(plans[limit].actions[r]) if a.kind != "F")
+
+    points = [(AUTO_CASE["num_ranks"], lim, r) for lim in plans for r in range(AUTO_CASE["num_ranks"])]
+    return _function_check("4.3", fn, points, counted, "warmup(p, limit, r)",
+                           "each warm-up F holds one M_B, so the limit caps the count; but a rank stops "
+                           "starting forwards once its first B could have arrived: lesson 3's ZB-H2 warm-up.")
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {
+    "4.1": bw_break_even, "4.2": bubble_floor_limit, "4.3": auto_warmup
+}
+"""Lesson 4's exercises by id -> check."""
+
+REVEALS: dict[str, Callable[[], Any]] = {"4.2": lambda: _line_figure(
+    list(AUTO_LIMITS), _auto_rates(),
+    "zb-auto, AUTO_CASE: bubble rate against the memory limit", "memory limit (M_B)")}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = [
+    "AUTO_CASE", "bw_break_even", "AUTO_LIMITS", "bubble_floor_limit", "auto_warmup", "EXERCISES", "REVEALS"
+]

@@ -1,0 +1,83 @@
+"""Lesson 5's exercise checks (V-shaped schedules): one function per exercise, which says right or not yet
+with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from ..schedules.ir import v_placement as _v
+from ..schedules.simulate import simulate
+from .checks import Verdict, _function_check, _line_figure, _number_check
+
+
+@functools.lru_cache(maxsize=8)
+def _zb_v_sweep(p: int) -> dict[int, Any]:
+    """ZB-V's timelines for m = 1 .. 2p + 1 at unit per-stage costs, T_comm = 0 (cached)."""
+    return {m: simulate(build_schedule("zb-v", p, m), Costs()) for m in range(1, 2 * p + 2)}
+
+
+ZB_V_RATE = 0.05
+"""Exercise 5.2's target: the bubble rate ZB-V must fall below (p = 6, unit costs)."""
+
+
+def zb_v_first_zero(answer: Any) -> Verdict:
+    """Exercise 5.2: the smallest m with ZB-V's bubble rate below :data:`ZB_V_RATE` on p = 6 (unit costs,
+    T_comm = 0); predicted. The lesson prints only p = 4's sweep."""
+    expected = min(m for m, t in _zb_v_sweep(6).items() if t.bubble_rate < ZB_V_RATE)
+    return _number_check("5.2", answer, expected,
+                         f"the smallest m with a bubble rate below {ZB_V_RATE:g} at p = 6",
+                         "write rank 0's idle time as a function of m between p and the first bubble-free m "
+                         "(p = 4's sweep shows how it falls per microbatch), then the rate idle / makespan "
+                         "with makespan = 6m + idle; solve for m.")
+
+
+def zb_v_makespan(fn: Any) -> Verdict:
+    """Exercise 5.3: ``makespan(p, m, t)``, ZB-V's makespan for every m >= 1 (the lesson shows m >= p only)
+    with T_F = T_B = T_W = t, T_comm = 0; checked for p = 2, 3, 5, m = 1 .. 2p + 1, t in (1, 0.5)."""
+    points = [(p, m, t) for p in (2, 3, 5) for m in range(1, 2 * p + 2) for t in (1.0, 0.5)]
+    # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
+    return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
+                           "makespan(p, m, t)",
+                           "6t of work per microbatch on a rank; with few microbatches rank 0 waits for "
+                           "microbatch 0's round trip, with very few (m = 1: F down and up 2p stages, B "
+                           "back, then W) for the last microbatch's: which wait is longer at each m?")
+
+
+def v_sends(fn: Any) -> Verdict:
+    """Exercise 5.1: a function ``sends(p, r)``: how many values rank r sends to another rank for one
+    microbatch's F's and B's under ZB-V's V placement (2p stages on p ranks): an F's activation goes
+    to stage s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send.
+    Counted from the placement for p = 1..8, every rank."""
+
+    def count(p, r):
+        place = _v(p)
+        down = sum(place[s] == r != place[s + 1] for s in range(2 * p - 1))
+        up = sum(place[s] == r != place[s - 1] for s in range(1, 2 * p))
+        return down + up
+
+    points = [(p, r) for p in range(1, 9) for r in range(p)]
+    return _function_check("5.1", fn, points, count, "sends(p, r)",
+                           "list rank r's two stages, r and 2p-1-r; for each, does its F's output and its "
+                           "B's input gradient leave the rank? Look at the ends of the V and at its turn.")
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {
+    "5.1": v_sends, "5.2": zb_v_first_zero, "5.3": zb_v_makespan
+}
+"""Lesson 5's exercises by id -> check."""
+
+def _reveal_5_2():
+    sweep = _zb_v_sweep(6)
+    return _line_figure(list(sweep), [t.bubble_rate for t in sweep.values()],
+                        "ZB-V, p = 6: bubble rate against m",
+                        "microbatches m")
+
+
+REVEALS: dict[str, Callable[[], Any]] = {"5.2": _reveal_5_2}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = ["ZB_V_RATE", "zb_v_first_zero", "zb_v_makespan", "v_sends", "EXERCISES", "REVEALS"]

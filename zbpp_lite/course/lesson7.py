@@ -1,0 +1,125 @@
+"""Lesson 7's exercise checks (bubble detection): one function per exercise, which says right or not yet
+with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Sequence
+
+
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from ..schedules.simulate import simulate
+from ..viz.figures import timeline_figure
+from .checks import Verdict, _as_number, _called, _number_check, _unanswered
+
+
+SLOW_STAGE_0 = Costs(f=[2, 1, 1, 1], b=[2, 1, 1, 1], w=[2, 1, 1, 1])
+"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 0 twice as slow as the others."""
+
+
+def idlest_rank(answer: Any) -> Verdict:
+    """Exercise 7.1: the rank idling longest inside its span in ZB-H1, p = 4, m = 8, :data:`SLOW_STAGE_0`
+    (the lesson's planted case slows the last stage instead); predicted."""
+    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_0)
+    expected = max(range(4), key=lambda r: t.bubble_time[r])
+    return _number_check("7.1", answer, expected, "the rank with the most idle time",
+                         "the slow rank sets the pace and never waits; the others all do the same work, "
+                         "T_F+T_B+T_W = 3 per microbatch, so the one with the longest span idles most: "
+                         "when does each start and end?")
+
+
+LAYER_COSTS = (2.0, 1.0, 3.0, 1.0, 4.0, 4.0, 4.0, 4.0)
+"""Exercise 7.2's per-layer costs (T_F + T_B + T_W of each of 8 layers), cut into 3 contiguous stages."""
+
+
+SPLIT_CASES = ((LAYER_COSTS, 3), (LAYER_COSTS, 2), ((1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0), 3),
+               ((3.0, 1.0, 1.0, 1.0), 2), ((1.0, 1.0, 1.0, 5.0), 2), ((2.0, 1.0, 1.0, 2.0), 3),
+               ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0), 3), ((5.0, 1.0, 1.0, 1.0, 1.0, 1.0), 3),
+               ((3.0, 3.0, 2.0, 2.0, 2.0, 3.0, 3.0), 3), ((1.0, 2.0, 1.0), 1), ((4.0, 1.0, 2.0, 7.0), 4))
+"""Exercise 7.3's (per-layer costs, stages) cases: unequal costs, ties, one stage, one layer per stage."""
+
+
+def _slowest(costs: Sequence[float], counts: Sequence[int]) -> float:
+    """The largest stage total when ``costs`` is cut, front to back, into stages of ``counts`` layers."""
+    ends = list(itertools.accumulate(counts))
+    return max(sum(costs[a:b]) for a, b in zip([0, *ends], ends))
+
+
+def _fewest_slowest(costs: Sequence[float], stages: int) -> float:
+    """The smallest slowest stage over every contiguous cut (exhaustive: the lists are short)."""
+    n = len(costs)
+    return min(_slowest(costs, [b - a for a, b in zip((0, *cuts), (*cuts, n))])
+               for cuts in itertools.combinations(range(1, n), stages - 1))
+
+
+def _split_problem(costs: Sequence[float], stages: int, counts: Any) -> str:
+    """Why ``counts`` is not an optimal cut of ``costs`` into ``stages`` contiguous stages, or ""."""
+    try:
+        whole = [int(k) for k in counts if _as_number(k) is not None and _as_number(k).is_integer()]
+    except TypeError:
+        whole = []
+    if len(whole) != stages or len(whole) != len(counts) or min(whole) < 1 or sum(whole) != len(costs):
+        return (f"on {list(costs)}, {stages} stage(s): expected {stages} whole layer counts >= 1 adding up "
+                f"to {len(costs)}, got {counts!r}.")
+    slower, best = _slowest(costs, whole), _fewest_slowest(costs, stages)
+    if slower > best + 1e-9:
+        return (f"on {list(costs)}, {stages} stage(s): your cut {whole} leaves a stage of {slower:g}; "
+                f"{best:g} is possible.")
+    return ""
+
+
+def balanced_partition(answer: Any) -> Verdict:
+    """Exercise 7.2: the layers per stage, front to back, cutting :data:`LAYER_COSTS` into 3 contiguous stages
+    so that the slowest is as fast as possible (any optimal cut is right)."""
+    hint = ("no cut beats the larger of the costliest layer and a third of the total; start from that "
+            "bound, see which stage breaks it, and raise it to the next stage total reachable.")
+    if _unanswered(answer):
+        return Verdict("7.2", False, "no answer yet: write the three layer counts.", hint)
+    if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence):
+        return Verdict("7.2", False, f"expected three layer counts such as (3, 3, 2), got {answer!r}.", hint)
+    why = _split_problem(LAYER_COSTS, 3, answer)
+    if why:
+        return Verdict("7.2", False, why, hint)
+    slowest = _slowest(LAYER_COSTS, answer)
+    return Verdict("7.2", True, f"{tuple(answer)}: the slowest stage costs {slowest:g}, "
+                                "the least any contiguous cut into 3 allows.")
+
+
+def best_split(fn: Any) -> Verdict:
+    """Exercise 7.3: ``best_split(costs, stages)``, the layers per stage, front to back, of a contiguous cut
+    into ``stages`` stages that minimises the slowest (any optimum is right); checked on
+    :data:`SPLIT_CASES`."""
+    hint = ("one cut is a choice of stages - 1 places among len(costs) - 1 (itertools.combinations); "
+            "or, faster: the best cut's slowest stage is the smallest limit for which filling each stage "
+            "greedily up to the limit needs at most `stages` stages (then split further).")
+    if _unanswered(fn):
+        return Verdict("7.3", False, "no answer yet: write the function.", hint)
+    if not callable(fn):
+        return Verdict("7.3", False, f"expected a function, got {fn!r}.", hint)
+    for costs, stages in SPLIT_CASES:
+        counts, refused = _called("7.3", fn, (list(costs), stages), hint)  # the package's rebalancer: refused
+        if refused is not None:
+            return refused
+        why = _split_problem(costs, stages, counts if isinstance(counts, Sequence) else [counts])
+        if why:
+            return Verdict("7.3", False, why, hint)
+    return Verdict("7.3", True, f"best_split is optimal on all {len(SPLIT_CASES)} cases checked "
+                                "(ties, one stage, one layer per stage included).")
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {
+    "7.1": idlest_rank, "7.2": balanced_partition, "7.3": best_split
+}
+"""Lesson 7's exercises by id -> check."""
+
+REVEALS: dict[str, Callable[[], Any]] = {
+    "7.1": lambda: timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_0)
+,
+                                    "ZB-H1, stage 0 twice as slow")}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = [
+    "SLOW_STAGE_0", "idlest_rank", "LAYER_COSTS", "SPLIT_CASES", "balanced_partition", "best_split",
+    "EXERCISES", "REVEALS"
+]

@@ -1,0 +1,228 @@
+"""Lesson 8's exercise checks (build the pipeline): one function per exercise, which says right or not yet
+with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from ..schedules.ir import Schedule
+from ..schedules.simulate import simulate
+from .checks import Verdict, _function_check, _number_check, _unanswered
+
+
+BUILD_CASE = dict(ranks=4, microbatches=8, layers=8, width=256, microbatch_size=64, itemsize=4)
+"""Notebook 08's model: an MLP of 8 layers ``tanh(x @ W + b)`` of width 256, cut into 4 stages of 2
+layers (stage s on rank s), a global batch of 8 microbatches of 64 rows, float32."""
+
+
+BUILD_TOLERANCE = 1e-4
+"""Largest relative difference (to the reference's largest magnitude) accepted between the
+learner's arrays and JAX's: float32 sums in another order differ by about 1e-6 on any CPU."""
+
+
+def _rel_diff(mine: Any, ref: Any) -> float:
+    """max |mine - ref| / max |ref| for two arrays of one shape (inf for other shapes)."""
+
+    try:
+        a, b = np.asarray(mine, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    except (TypeError, ValueError):
+        return math.inf
+    if a.shape != b.shape:
+        return math.inf
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    return float(np.max(np.abs(a - b))) / max(scale, 1e-30) if a.size else 0.0
+
+
+def _weight_hint(mine: Sequence, ref: Sequence) -> str:
+    """Why W's gradients differ from the reference's, from the common mistakes."""
+    if len(mine) != len(ref):
+        return (f"W returned {len(mine)} arrays where the stage has {len(ref)} parameters: one (dW, db) "
+                "pair per layer, in layer order.")
+    for i, (a, b) in enumerate(zip(mine, ref)):
+        if _rel_diff(a, b) <= BUILD_TOLERANCE:
+            continue
+        if getattr(b, "ndim", 0) == 2 and _rel_diff(a, b.T) <= BUILD_TOLERANCE:
+            return f"parameter {i} is the transpose of dW: dW = x.T @ dz, (width, rows) @ (rows, width)."
+        if any(_rel_diff(a, c) <= BUILD_TOLERANCE for c in ref if c is not b):
+            return (f"parameter {i} equals another layer's gradient: "
+                    "pair each layer's input with its own output gradient.")
+        return (f"parameter {i} is off: dW = x.T @ dz with x the layer's input (kept by F) and dz its "
+                "output gradient (kept by B); db = dz summed over the rows.")
+    return ""
+
+
+def _run_problem(key: str, result: Any, field: str, call: str, fill: str, who: str,
+                 hint: str) -> Verdict | None:
+    """The verdict on a lesson-8 result not ready to check (no answer, wrong type, or an error raised by
+    ``who``), or None when ``result[field]`` is there."""
+    if _unanswered(result):
+        return Verdict(key, False, f"no answer yet: fill in {fill}.", hint)
+    if not isinstance(result, dict) or field not in result:
+        return Verdict(key, False, f"expected {call}'s result, got {type(result).__name__}.", hint)
+    if result.get("error"):
+        return Verdict(key, False, f"{who} raised {result['error']}", hint)
+    return None
+
+
+def stage_split(result: Any) -> Verdict:
+    """Exercise 8.1: a stage's F, B and W written by the learner.
+
+    ``result`` is notebook 08's ``try_stage(F, B, W)``: ``{"error": None or text, "cases": [...]}``, per
+    tried stage a dict of NumPy arrays ``y``/``ref_y``, ``dx``/``ref_dx`` (None for stage 0),
+    ``grads``/``ref_grads`` (flat, layer order; refs from ``jax.vjp``), ``recomputed`` (B or W reran F) and
+    ``b_flops``/``ref_b_flops`` (XLA's flops of B and of the input-gradient pullback; None: not counted).
+    """
+    hint = ("F: jax.vjp of the stage with respect to its input and the zero probes, keep the pullback and "
+            "the layer inputs; B: call the pullback on dy; W: x.T @ dz and dz.sum(0) per layer.")
+    problem = _run_problem("8.1", result, "cases", "try_stage(F, B, W)", "F, B and W", "your functions", hint)
+    if problem is not None:
+        return problem
+    if not result["cases"]:
+        return Verdict("8.1", False, "no stage was tried.", hint)
+    worst = 0.0
+    for case in result["cases"]:
+        s = case["stage"]
+        if case.get("recomputed"):
+            return Verdict("8.1", False, f"on stage {s}, B or W ran the stage's layers again.",
+                           "F keeps the pullback jax.vjp returned; "
+                           "B only calls it, W only multiplies what F and B kept.")
+        extra = (case.get("b_flops") or 0.0) / (case.get("ref_b_flops") or float("inf"))
+        if extra > 1.5:
+            return Verdict("8.1", False, f"on stage {s}, B did {extra:.1f}x the flops of the input gradient "
+                           "alone: it computes the weight gradients too.",
+                           "take jax.vjp with respect to x and the probes only; dW and db are W's work.")
+        if _rel_diff(case["y"], case["ref_y"]) > BUILD_TOLERANCE:
+            return Verdict("8.1", False, f"F's output on stage {s} is not the stage's output.", hint)
+        if case["ref_dx"] is not None and _rel_diff(case["dx"], case["ref_dx"]) > BUILD_TOLERANCE:
+            return Verdict("8.1", False, f"B's input gradient on stage {s} differs from jax.vjp's.",
+                           "B returns the pullback's gradient for the stage input, first of its two outputs.")
+        mine, ref = list(case["grads"] or ()), list(case["ref_grads"])
+        why = _weight_hint(mine, ref)
+        if why:
+            return Verdict("8.1", False, f"W's gradients on stage {s} differ from jax.vjp's.", why)
+        worst = max([worst, _rel_diff(case["y"], case["ref_y"])]
+                    + [_rel_diff(a, b) for a, b in zip(mine, ref)])
+    stages = ", ".join(str(c["stage"]) for c in result["cases"])
+    return Verdict("8.1", True,
+                   f"on stages {stages}, F, B and W give the stage's output and jax.vjp's gradients "
+                   f"(largest relative difference {worst:.1e}).")
+
+
+WIDE_STAGE = dict(widths=(256, 512, 128), rows=64, itemsize=2)
+"""Exercise 8.2's stage: 2 layers ``tanh(x @ W + b)``, 256 -> 512 -> 128 wide, 64 rows, bfloat16."""
+
+
+def weight_bytes(answer: Any) -> Verdict:
+    """Exercise 8.2: of M_W (what B keeps for W: each layer's input x and output gradient dz), the bytes of
+    :data:`WIDE_STAGE` for one microbatch that B newly creates: the dz's (the x's are F's arrays, handed
+    on); predicted. The whole M_W is refused with its own hint."""
+    c = WIDE_STAGE
+    rows, widths, size = c["rows"], c["widths"], c["itemsize"]
+    hint = ("W of a layer a -> b wide needs its input x, (rows, a), and its output gradient dz, (rows, b); "
+            "bfloat16 is 2 bytes a number. Which of these existed before B ran?")
+    whole = sum(rows * (a + b) * size for a, b in zip(widths, widths[1:]))
+    return _number_check("8.2", answer, rows * sum(widths[1:]) * size,
+                         "the bytes of M_W that B creates (the output gradients dz)", hint,
+                         known={whole: (f"{whole} bytes is all of M_W, not what B adds.",
+                                        "each layer's input x was kept by F (stage_apply returned it); B "
+                                        "hands those very arrays on. Count only what B computes.")})
+
+
+PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-v", 2))
+"""Exercise 8.3's runs (schedule, ranks) on :data:`BUILD_CASE`'s 4 stages: ZB-V's V placement (0, 1, 1, 0)
+catches a loop that sends to rank +- 1 instead of the rank ``placement`` names."""
+
+
+def pipeline_run(result: Any) -> Verdict:
+    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
+    :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
+    "grad_error": float}}}``. Right when every rank ran its actions in order, one event each, each after
+    its inputs ended, and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`."""
+    hint = ("walk `actions` in order; F takes its input from the inbox (stage 0: the data), B its "
+            "output gradient (last stage: 1/m); block_until_ready, record the Event, then device_put "
+            "the result into the inbox of the rank `placement` names for the next (or previous) stage.")
+    problem = _run_problem("8.3", result, "runs", "try_pipeline(rank_loop)", "rank_loop", "running it", hint)
+    if problem is not None:
+        return problem
+    c = BUILD_CASE
+    worst = 0.0
+    for name, ranks in PIPELINE_RUNS:
+        if name not in result["runs"]:
+            return Verdict("8.3", False, f"no run of {name}.", hint)
+        run = result["runs"][name]
+        why = _order_problem(build_schedule(name, ranks, c["microbatches"]), run["timeline"])
+        if why:
+            return Verdict("8.3", False, f"{name}: {why}", hint)
+        error = float(run["grad_error"])
+        if not error <= BUILD_TOLERANCE:
+            return Verdict("8.3", False,
+                           f"{name}: the gradients differ from jax.grad's (relative difference {error:.1e}).",
+                           "each W must use the layer inputs and output gradients of its own "
+                           "(stage, microbatch), and each stage add up its W's over all m microbatches.")
+        worst = max(worst, error)
+    return Verdict("8.3", True,
+                   "1F1B, ZB-H1 and ZB-V ran in their schedules' order on every rank, each action after its "
+                   f"inputs; the gradients equal jax.grad's (largest relative difference {worst:.1e}).")
+
+
+def _order_problem(schedule: Schedule, timeline: Any) -> str:
+    """What is wrong with a measured run of ``schedule`` (order, one event each, inputs first), or ""."""
+    events = getattr(timeline, "events", None)
+    if not events:
+        return "the run recorded no events: append one zb.Event per action."
+    ended: dict = {}
+    for e in events:
+        ended[(e.action.kind if e.action.kind != "BW" else "B", e.action.stage, e.action.microbatch)] = e.end
+    for rank, planned in enumerate(schedule.actions):
+        ran = [e.action for e in sorted((e for e in events if e.rank == rank), key=lambda e: e.start)]
+        for k, (a, b) in enumerate(zip(ran, planned)):
+            if a != b:
+                return f"rank {rank}'s action {k} was {a}, the schedule says {b}."
+        if len(ran) != len(planned):
+            return f"rank {rank} ran {len(ran)} actions, the schedule has {len(planned)}."
+    S = schedule.num_stages
+    for e in events:
+        s, j = e.action.stage, e.action.microbatch
+        need = [("F", s - 1, j)] if e.action.kind == "F" and s > 0 else []
+        if e.action.kind in ("B", "BW") and s < S - 1:
+            need = [("B", s + 1, j)]
+        for key in need:
+            if key not in ended or e.start < ended[key]:
+                return (f"{e.action} on rank {e.rank} started before {key[0]} of stage {key[1]}, "
+                        f"microbatch {j} had ended.")
+    return ""
+
+
+def zb_h1_peak(answer: Any) -> Verdict:
+    """Exercise 8.4: ``peak(p, m, r, mem_b, mem_w)``, rank r's peak activation memory under ZB-H1 for every
+    m >= 1 (fewer microbatches than ranks too), F keeping M_B = ``mem_b`` until B and B keeping M_W =
+    ``mem_w`` until W; checked against the simulator at p = 2 to 5, m = 1 to 2p + 1, three memory pairs."""
+    hint = ("list what rank r holds right after an F of the steady state: microbatches past F but not B "
+            "hold M_B each, those past B but not W hold M_W each; ZB-H1 runs rank r's W of microbatch j "
+            "after its B of microbatch j + r. With few microbatches, how many of each exist at all?")
+    cases = [(p, m, mem_b, mem_w) for p in (2, 3, 5) for m in range(1, 2 * p + 2)
+             for mem_b, mem_w in ((1.0, 0.5), (5.0, 1.0), (2.0, 1.5))]
+    planned = {case: simulate(build_schedule("zb-h1", case[0], case[1]),
+                              Costs(mem_b=case[2], mem_w=case[3])).peak_memory for case in cases}
+    points = [(p, m, r, mem_b, mem_w) for (p, m, mem_b, mem_w) in cases for r in range(p)]
+    return _function_check("8.4", answer, points, lambda p, m, r, b, w: planned[p, m, b, w][r],
+                           "peak(p, m, r, mem_b, mem_w)", hint, tol=1e-9)
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {
+    "8.1": stage_split, "8.2": weight_bytes, "8.3": pipeline_run, "8.4": zb_h1_peak
+}
+"""Lesson 8's exercises by id -> check."""
+
+REVEALS: dict[str, Callable[[], Any]] = {}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = [
+    "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "WIDE_STAGE", "weight_bytes", "PIPELINE_RUNS",
+    "pipeline_run", "zb_h1_peak", "EXERCISES", "REVEALS"
+]
