@@ -84,6 +84,38 @@ class StageAux(NamedTuple):
     key: Any
 
 
+@jax.custom_vjp
+def fusion_wall(x: jax.Array) -> jax.Array:
+    """The identity, whose gradient XLA:CPU computes once and stores instead of fusing it into its users.
+
+    Between the parts of a deep model with layer norms, the residual stream's gradient is a chain of cheap
+    elementwise adds through every block; XLA:CPU's fusion copies cheap producers into each user, and
+    each block's layer-norm backward uses it in two reductions, so one program's backward recomputes the
+    adds of all blocks above each block: work growing with the square of the depth
+    (``docs/XLA_BACKWARD.md``, ``benchmarks/bench_xla_backward.py``). The gradient passes through a
+    ``lax.cond`` on one of its own elements (false only for NaN, where both branches agree): XLA does
+    not fuse across a conditional. ``optimization_barrier`` would not do: XLA:CPU removes it before
+    fusion. F keeps nothing for it. Any shape and dtype; values and gradients are unchanged. Reverse
+    mode only (``jax.grad``, ``jax.vjp``), as ``jax.custom_vjp``.
+    """
+    return x
+
+
+def _fusion_wall_fwd(x):
+    return x, None
+
+
+def _fusion_wall_bwd(_, g):
+    if g.size == 0 or not jnp.issubdtype(g.dtype, jnp.inexact):
+        return (g,)
+    at_run_time = g.reshape(-1)[0] == g.reshape(-1)[0]
+    # (two equal branches would be folded into one before XLA sees a conditional)
+    return (jax.lax.cond(at_run_time, lambda g: g, lambda g: g * 1, g),)
+
+
+fusion_wall.defvjp(_fusion_wall_fwd, _fusion_wall_bwd)
+
+
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     """Mean cross-entropy of ``logits`` (b, classes) float32 against integer ``labels`` (b,)."""
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -195,8 +227,12 @@ class StagedModel:
         return nnx.merge(graphdef, params)(x)
 
     def _apply(self, indices: Sequence[int], params: Sequence, x: Any, key: Any = None) -> Any:
+        """Parts ``indices`` in turn, on the CPU with a :func:`fusion_wall` on each part's output (every
+        program of the model: the stages' F, B, W and BW, and the unpartitioned model's)."""
+        walls = jax.default_backend() == "cpu"
         for i, p in zip(indices, params):
             x = self.apply_part(i, p, x, key)
+            x = jax.tree_util.tree_map(fusion_wall, x) if walls else x
         return x
 
     def stage_fn(self, stage: int) -> Callable:
