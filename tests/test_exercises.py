@@ -13,22 +13,24 @@ import pytest
 import zbpp_lite as zb
 from zbpp_lite import course as ex
 
-LEAN = [["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
-        ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1B3"],
-        ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]]
-ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"],   # valid, but rank 0 holds 3
-                   ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1B3"],
-                   ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]]
+LEAN = [["0F0", "0F1", "0BW0", "0F2", "0BW1", "0F3", "0BW2", "0BW3"],   # our text form: BW fused
+        ["1F0", "1F1", "1BW0", "1F2", "1BW1", "1F3", "1BW2", "1BW3"],
+        ["2F0", "2BW0", "2F1", "2BW1", "2F2", "2BW2", "2F3", "2BW3"]]
+ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0BW0", "0F3", "0BW1", "0BW2", "0BW3"],   # valid, but rank 0 holds 3
+                   ["1F0", "1F1", "1BW0", "1F2", "1BW1", "1F3", "1BW2", "1BW3"],
+                   ["2F0", "2BW0", "2F1", "2BW1", "2F2", "2BW2", "2F3", "2BW3"]]
+STRICT = [[f"{r}{kind}{k}" for k in range(4) for kind in ("F", "BW")] for r in range(3)]   # F, BW, F, BW ...
 
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
-    "1.2": (27 / 16, 12),                           # 11(2c + 18) = 19(2c + 9) at 16c = 27; 12: the old best m
+    "1.2": (lambda p: 9 * (p - 1) / 16,             # (m+p-1)(2c + 144/m) at m = 8 and 16: 16c = 9(p - 1)
+            lambda p: 27 / 16),                     # p = 4's tie, copied
     "1.3": (LEAN, ONE_F_ONE_B_3x4),                 # 1F1B itself is valid but holds too much
     "1.4": (lambda p, m, r, f, bw: (min(p, r + m) - 1) * f,
             lambda p, m, r, f, bw: (p - 1) * f),    # the wrong one forgets m < p
-    "2.1": (lambda n, w: n * (sum(w[:-1]) + sum(w[1:])),
-            lambda n, w: n * (w[0] + w[1] + w[1] + w[2])),   # lesson 2's two-layer x, a, dh, dy, copied
+    "2.1": (lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])),   # a_l, dz_l over a_l, z_l
+            lambda w: (w[0] + w[1] + w[1] + w[2]) / (w[0] + w[1] + w[1])),   # the MLP's x, a, dh, dy over x, h, a
     "2.2": (lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
                           + sum(2 * n * w[k + 1] * w[k + 2] for k in range(1, len(w) - 2, 2))),
             lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
@@ -118,7 +120,11 @@ def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
 def test_the_schedule_check_passes_on_the_validators_message():
     verdict = ex.lean_schedule([row[:-1] for row in LEAN])
     assert not verdict.ok and "incomplete" in verdict.hint and "microbatch 3" in verdict.hint
-    assert not ex.lean_schedule([["0F0", "0B0", "0F1", "0B1"], ["1B0", "1F0", "1F1", "1B1"]]).ok  # 2 ranks
+    assert not ex.lean_schedule([["0F0", "0BW0", "0F1", "0BW1"], ["1BW0", "1F0", "1F1", "1BW1"]]).ok  # 2 ranks
+    slow = ex.lean_schedule(STRICT)                 # valid, holds 1, but waits with room for another F
+    assert not slow.ok and "takes 36" in slow.message and "takes 24" in slow.message
+    torch_letters = ex.lean_schedule([[a.replace("BW", "B") for a in row] for row in LEAN])   # 1B0 is our B
+    assert not torch_letters.ok and "refuses" in torch_letters.message
     for copied in (24, 21, 42):   # equal costs' (m+p-1)(T_F+T_BW), mean costs, GPipe's makespan
         assert not ex.makespan_1f1b(copied).ok
 
@@ -134,8 +140,11 @@ def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_f
     equal_width = lambda n, w: (2 * (len(w) - 1) - 1) * 2 * n * w[0] ** 2  # noqa: E731
     assert not ex.w_flops_without_kept_gradients(two_layer).ok
     assert not ex.w_flops_without_kept_gradients(equal_width).ok
-    assert not ex.w_held_floats(lambda n, w: (len(w) - 1) * 2 * n * w[0]).ok      # the equal-width form
-    assert not ex.w_held_floats(lambda n, w: n * sum(w)).ok                        # each width once
+    assert not ex.mw_over_mb(lambda w: 1.2).ok                                     # the MLP's ratio, copied
+    assert not ex.mw_over_mb(lambda w: 2 * (len(w) - 1) / (2 * (len(w) - 1) - 1)).ok   # the equal-width form
+    part = ex.mw_over_mb(lambda w: sum(w[:-1]) / (sum(w[:-1]) + sum(w[1:-1])))    # M_W as a part of M_B
+    assert not part.ok and "more than that" in part.message
+    assert ex.MLP_RATIO == 1.2
     for copied in (0.5, 2 / 3):   # the old two-layer MLP's 1/2; "drops one of three products"
         assert not ex.first_stage_b_ratio(copied).ok
 
@@ -152,14 +161,12 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
 
 
 def test_the_lesson_1_batch_split_rejects_the_old_answers_and_the_old_price():
-    assert not ex.batch_split(28).ok                # the old 1.2: 3/(m+3) < 0.1 plugged in
-    assert not ex.batch_split(64).ok                # as many microbatches as allowed
-    assert not ex.batch_split(65).ok and not ex.batch_split(0).ok
-    assert not ex.batch_split(1).ok and not ex.batch_split(12).ok   # the old price c = 1; its best m
-    assert not ex.batch_split(27 / 8).ok            # 16c = 27 misread as 8c = 27
-    verdict = ex.batch_split(9 / 8)                 # the backward priced twice (2c), the old prompt's T_BW
+    assert not ex.batch_split(27 / 16).ok           # the old exercise's number, not a function of p
+    assert not ex.batch_split(lambda p: 9 * (p - 1) / 8).ok    # 16c = 27 misread as 8c = 27
+    assert not ex.batch_split(lambda p: 9 * p / 16).ok         # m + p instead of m + p - 1
+    verdict = ex.batch_split(lambda p: 3 * (p - 1) / 8)        # the backward priced twice (2c): 9/8 at p = 4
     assert not verdict and "twice" in verdict.message
-    assert ex.batch_split(1.6875).ok
+    assert ex.batch_split(lambda p: 0.5625 * (p - 1)).ok
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():

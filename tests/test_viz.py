@@ -98,7 +98,7 @@ def test_timeline_figure_title_labels_and_hover():
     assert list(f_trace.text) == [str(e.action.microbatch) for e in f_events]
     assert [tuple(c[:2]) for c in f_trace.customdata] == [(e.action.stage, e.action.microbatch) for e in f_events]
     assert "stage" in f_trace.hovertemplate and "microbatch" in f_trace.hovertemplate
-    assert "I" in fig.data[1].hovertemplate  # B shown in PyTorch's text form too (1I3)
+    assert "%{customdata[0]:d}B%{customdata[1]:d}" in fig.data[1].hovertemplate  # our text form (1B3), not I
     assert not fig.data[3].showlegend  # ZB-H1 has no fused BW
     assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(4)]
     assert list(fig.layout.yaxis.range) == [3.5, -0.5]  # rank 0 on top

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..analysis.profiling.timelines import producers
-from ..schedules.ir import TORCH_CODE, deps
+from ..schedules.ir import deps
 from ..schedules.timeline import Timeline
 from .states import plan_or_refusal
 from .style import BAR_KINDS, KIND_STYLE
@@ -126,7 +126,7 @@ def timeline_traces(
         else:
             hover = (
                 f"{kind} of stage %{{customdata[0]:d}}, microbatch %{{customdata[1]:d}}"
-                f" (%{{customdata[0]:d}}{TORCH_CODE[kind]}%{{customdata[1]:d}})"
+                f" (%{{customdata[0]:d}}{kind}%{{customdata[1]:d}})"
                 "<br>start %{customdata[2]:.4~g}<br>end %{customdata[3]:.4~g}<extra>%{y}</extra>"
             )
             text = mb.astype(int).astype(str) if show_labels else None

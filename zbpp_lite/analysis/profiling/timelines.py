@@ -143,8 +143,8 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
             for key in deps(e.action, S):
                 if key not in made:
                     raise ValueError(f"the timeline has no event producing {key[0]} of stage {key[1]}, "
-                                     f"microbatch {key[2]}, which {e.action} on rank {r} needs; give the "
-                                     "whole step's timeline")
+                                     f"microbatch {key[2]}, which {e.action.text} on rank {r} needs; give "
+                                     "the whole step's timeline")
                 needed.append(made[key])
             if needed:
                 last = max(needed, key=lambda p: p.end)
@@ -169,7 +169,7 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
     for t in timelines:
         for e in t.events:
             if e.action.stage >= S:
-                raise ValueError(f"event {e.action} names stage {e.action.stage}, but num_stages is {S}")
+                raise ValueError(f"event {e.action.text} names stage {e.action.stage}, but num_stages is {S}")
     durations = _durations(timelines)
     slacks = [x.slack for t in timelines for x in transfers(t, S)]
     stats: dict[str, list[tuple[float, float]]] = {"f": [], "b": [], "w": []}
