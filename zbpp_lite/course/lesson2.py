@@ -103,6 +103,6 @@ REVEALS: dict[str, Callable[[], Any]] = {}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "MLP_RATIO", "mw_over_mb", "w_flops_without_kept_gradients",
-    "first_stage_b_ratio", "EXERCISES", "REVEALS"
+    "MLP_TOKENS", "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "MLP_RATIO", "mw_over_mb",
+    "w_flops_without_kept_gradients", "first_stage_b_ratio", "EXERCISES", "REVEALS"
 ]
