@@ -78,7 +78,8 @@ def headline():
         title=_titled(f"1F1B, ZB-H1 and ZB-H2 at p = {p}, m = {m} on one time axis",
                       "green arrows: W's that ZB-H1 moves out of 1F1B's fused backward BW to the end, "
                       "where the rank would idle;",
-                      "outlined: the chain of B's, each waiting for the one below it, that sets the end"))
+                      "outlined: the B's on the critical chain, the actions that each wait for the one "
+                      "before and set the end"))
 
 
 def split():
