@@ -22,7 +22,9 @@ class ChoiceRun:
 
     Attributes:
         first: "B" or "F": which kind runs first when both have arrived.
-        fill_partial: a W goes into every gap, even one shorter than T_W.
+        fill_partial: a W goes into every gap, even one shorter than T_W (delaying the F or B that arrives
+            meanwhile); without it, into such a gap only where leaving the gap idle would make this rank's
+            time so far (work plus idle) the longest of any rank's.
         fit_f: one more warm-up F only where it ends before the first B arrives.
         makespan: the costs' time unit.
         peak_memory: largest per-rank peak (units of M_B).
@@ -81,8 +83,8 @@ def narrate(schedule: Schedule, costs: Costs, rank: int, memory_limit: float | N
             if nxt is None:
                 why = "W left for the end"
             elif ready(nxt) >= e.end - _EPS:
-                why = f"W fills idle time: the next {nxt} is ready only at {ready(nxt):.3g}"
+                why = f"W fills idle time: the next {nxt.label} is ready only at {ready(nxt):.3g}"
             else:
-                why = f"W delays the next {nxt} (ready at {ready(nxt):.3g}): a partial gap filled"
-        lines.append(f"{e.start:7.3g} - {e.end:<7.3g} {str(a):>5}  memory {held:g}{cap}  {why}")
+                why = f"W delays the next {nxt.label} (ready at {ready(nxt):.3g}): a gap under T_W filled"
+        lines.append(f"{e.start:7.3g} - {e.end:<7.3g} {a.label:>4}  memory {held:g}{cap}  {why}")
     return lines
