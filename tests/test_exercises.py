@@ -37,14 +37,15 @@ CASES = {
                           + sum(2 * n * a * b for a, b in zip(w[1:], w[2:])))),   # rebuilds every one
     "2.3": (0.36, 1.0),                             # (64*16 + 16*8) / (32*64 + 64*16 + 16*8); 1.0 makes dx too
     "3.1": ((2 + 4 - 1) * 3 + 0.5, 2 * 3.5 + 3 * 2.5),   # (m+p-1)(f+b) + w; wrong: plugs into (p-1)(f+b-w)
-    "3.2": (lambda p, m, r, mw: min(2 * (p - r) - 1, m) + min(2 * r, max(0, m - 2 * (p - r) + 1)) * mw,
-            lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # the m >= 2p pattern, copied
+    "3.2": (lambda p, m, r, mw: max(2 * (p - r) - 1 + 2 * r * mw, 2 * (p - r) - 2 + (2 * r + 1) * mw),
+            lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # warm-up + lag x M_W: wrong once M_W > M_B
     "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f, 0.0),
             lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
-    "4.1": (lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1,
-            lambda p, f, b, w, bw: math.ceil((p - 1) * 2 * w / (b + w - bw)) - 1),   # saving as if BW = B + W
-    "4.2": (7, 5),                                  # 2p - 1; 5 was the old exercise's limit
-    "4.3": (lambda p, lim, r: min(lim, 2 * (p - r) - 1), lambda p, lim, r: min(lim, p - r)),  # 1F1B's
+    "4.1": (lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1,
+            lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1),   # ZB-H1's form past T_F
+    "4.2": (10, 7),                                 # 4 T_F + 3 T_B = 10 T_F; 7: ZB-H2's 2p - 1, copied
+    "4.3": (lambda p, lim, r, f, b: min(lim, (p - r) + (p - r - 1) * b / f),
+            lambda p, lim, r, f, b: min(lim, 2 * (p - r) - 1)),   # ZB-H2's warm-up, copied
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
             lambda p, r: 0 if p == 1 else (1 if r in (0, p - 1) else 2)),   # 1F1B's one stage per rank
     "5.2": (9, 11),                                 # rate (11-m)/(5m+11) < 0.05 from m = 9; 11 is the first zero
@@ -150,9 +151,10 @@ def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_f
 
 
 def test_the_lesson_3_checks_reject_the_printed_forms():
-    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: min(2 * (p - r) - 1, m)
-                                    + min(r, max(0, m - 2 * (p - r) + 1)) * mw).ok       # ZB-H1's lag r
-    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: min(2 * (p - r) - 1, m)).ok     # forgets M_W
+    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: max(2 * (p - r) - 1 + r * mw,
+                                                            2 * (p - r) - 2 + (r + 1) * mw)).ok  # ZB-H1's lag r
+    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: 2 * (p - r) - 1).ok             # forgets M_W
+    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: 2 * (p - r) - 2 + (2 * r + 1) * mw).ok   # after a B only
     assert not ex.zb_h1_makespan((2 + 4 - 1) * 3.5).ok                                  # 1F1B's
     assert not ex.zb_h1_makespan(2 * 3.5 + 3 * 2).ok                                    # (p-1)T_B
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (f + b - 2 * w)).ok      # the printed form
@@ -170,9 +172,9 @@ def test_the_lesson_1_batch_split_rejects_the_old_answers_and_the_old_price():
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():
-    assert not ex.bubble_floor_limit(8).ok and not ex.bubble_floor_limit(2 * 4).ok   # the limit 2p (zb-2p)
-    assert not ex.auto_warmup(lambda p, lim, r: lim).ok                              # "the limit" alone
-    floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + w) / (b + w - bw))  # noqa: E731
+    assert not ex.bubble_floor_limit(2 * 4).ok and not ex.bubble_floor_limit(2 * 4 - 1).ok   # zb-2p; ZB-H2
+    assert not ex.auto_warmup(lambda p, lim, r, f, b: lim).ok                        # "the limit" alone
+    floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + min(w, f)) / (b + w - bw))  # noqa: E731
     assert not ex.bw_break_even(floor_m).ok                                        # counts the tie
     assert not ex.bw_break_even(lambda p, f, b, w, bw: p).ok                         # "m = p" alone
 
