@@ -21,14 +21,14 @@ plants the slow stage at the front)."""
 
 def idlest_rank(answer: Any) -> Verdict:
     """Exercise 7.1: the rank idling longest inside its span in ZB-H1, p = 4, m = 8, :data:`SLOW_LAST_STAGE`;
-    predicted. The lesson's case (stage 0 slow) makes rank 1, next to the slow stage, the idlest: the same
-    pattern copied here (rank 2) gets its own message, as does the slow rank itself."""
+    predicted. The lesson's case slows stage 0, where rank 1, next to it, idles longest: that pattern
+    copied here (rank 2) gets its own message, as does the slow rank itself."""
     t = simulate(build_schedule("zb-h1", 4, 8), SLOW_LAST_STAGE)
     expected = max(range(4), key=lambda r: t.bubble_time[r])
     hint = ("the slow rank sets the pace and never waits; the others all do the same work, T_F+T_B+T_W = 3 "
             "per microbatch, so the one with the longest span idles most: when does each start and end?")
-    known = {2.0: ("rank 2 sits next to the slow stage, as rank 1 did in the lesson's case; but here the "
-                   "others all end together, waiting for the slow stage's backwards.", hint),
+    known = {2.0: ("rank 2 sits next to the slow stage, but nearness is not the point: ranks 0 to 2 all end "
+                   "waiting for the slow stage's backwards, so which of them started first?", hint),
              3.0: ("rank 3 holds the slow stage: it sets the pace and never idles inside its span.", hint)}
     return _number_check("7.1", answer, expected, "the rank with the most idle time", hint, known=known)
 
