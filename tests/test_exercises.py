@@ -12,6 +12,7 @@ import pytest
 
 import zbpp_lite as zb
 from zbpp_lite import course as ex
+from zbpp_lite.schedules.simulate import lockstep_ticks
 
 LEAN = [["0F0", "0F1", "0BW0", "0F2", "0BW1", "0F3", "0BW2", "0BW3"],   # our text form: BW fused
         ["1F0", "1F1", "1BW0", "1F2", "1BW1", "1F3", "1BW2", "1BW3"],
@@ -60,7 +61,46 @@ CASES = {
     "7.2": ((3, 2, 3), (4, 3, 1)),                  # 5, 9, 7; the wrong one fills stage 0 past 21/3: 10, 7, 4
     "7.3": (lambda c, s: _best_cut(c, s),                 # the wrong one: equal layer counts, the rest last
             lambda c, s: [len(c) // s] * (s - 1) + [len(c) - (s - 1) * (len(c) // s)]),
+    "9.1": (lambda actions: _ticks_one_by_one(actions, lag=1),   # the wrong one: usable in the same tick
+            lambda actions: _ticks_one_by_one(actions, lag=0)),
+    "9.2": (26.5, 27),                              # 26 ticks of 1, the last (all W's) 0.5; 27: unit ticks
+    "9.3": (lambda: _spmd_result(), lambda: _spmd_result(shift=True)),   # built when the check runs (below)
 }
+
+
+def _ticks_one_by_one(actions, lag):
+    """Exercise 9.1 by hand, a second way: walk the ticks in order; a rank runs its next action in tick t
+    when what it needs from another stage ran in a tick before t - lag + 1 (lag 1: at the latest in t - 1)."""
+    S = 1 + max(s for row in actions for _, s, _ in row)
+    ran, nxt, table = {}, [0] * len(actions), []
+    while any(n < len(row) for n, row in zip(nxt, actions)):
+        t, row_t = len(table), [None] * len(actions)
+        for r, row in enumerate(actions):
+            if nxt[r] < len(row):
+                kind, s, j = row[nxt[r]]
+                need = {"F": ("F", s - 1, j), "B": ("B", s + 1, j), "BW": ("B", s + 1, j)}.get(kind)
+                if need is None or not 0 <= need[1] < S or ran.get(need, t) <= t - lag:
+                    row_t[r] = nxt[r]
+        for r, i in enumerate(row_t):
+            if i is not None:
+                kind, s, j = actions[r][i]
+                ran["B" if kind == "BW" else kind, s, j] = t
+                nxt[r] += 1
+        table.append(row_t)
+    return table
+
+
+def _spmd_result(shift=False):
+    """What lesson 9's try_spmd hands exercise 9.3's check for a right program (every rank ran the lockstep
+    form's branch, gradients within 1e-6) or, ``shift``, one whose branches lag a tick behind."""
+    runs = {}
+    for name in ex.SPMD_RUNS:
+        schedule = zb.build_schedule(name, 4, 8)
+        ticks = lockstep_ticks(schedule)
+        ran = [[0 if row[r] is None else ex.KIND_CODE[schedule.actions[r][row[r]].kind] for row in ticks]
+               for r in range(4)]
+        runs[name] = {"grad_error": 1e-6, "ran": [[0, *kinds[:-1]] if shift else kinds for kinds in ran]}
+    return {"error": None, "runs": runs}
 
 
 def _stage_totals(costs, counts):
@@ -92,21 +132,27 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
     lessons = {}
     for key in ex.EXERCISES:
         lessons.setdefault(key.split(".")[0], []).append(key)
-    assert sorted(lessons) == [str(n) for n in range(1, 9)]
+    assert sorted(lessons) == [str(n) for n in range(1, 10)]
     assert all(len(v) >= 3 for v in lessons.values())
     assert set(CASES) == {k for k in ex.EXERCISES if not k.startswith("8.")}  # lesson 8's: test_build_lesson.py
 
 
+def _answer(key, which):
+    """CASES' answer; exercise 9.3's (a run's result, not a function) is built here."""
+    answer = CASES[key][which]
+    return answer() if key == "9.3" else answer
+
+
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_a_right_answer_passes(key):
-    verdict = ex.EXERCISES[key](CASES[key][0])
+    verdict = ex.EXERCISES[key](_answer(key, 0))
     assert verdict.ok and bool(verdict), str(verdict)
     assert str(verdict).startswith(f"Exercise {key}: right.")
 
 
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_a_wrong_answer_fails_with_a_hint(key):
-    verdict = ex.EXERCISES[key](CASES[key][1])
+    verdict = ex.EXERCISES[key](_answer(key, 1))
     assert not verdict.ok and not bool(verdict), str(verdict)
     assert str(verdict).startswith(f"Exercise {key}: not yet.") and verdict.hint and "Hint:" in str(verdict)
 
@@ -212,7 +258,7 @@ def test_a_function_answer_that_raises_is_not_yet_with_the_error():
     assert not verdict.ok and "ZeroDivisionError" in verdict.message
 
 
-@pytest.mark.parametrize("key", ["1.1", "3.1", "4.2", "5.2", "6.2", "7.1"])
+@pytest.mark.parametrize("key", ["1.1", "3.1", "4.2", "5.2", "6.2", "7.1", "9.2"])
 def test_reveal_shows_the_simulation_only_after_a_prediction(key, capsys):
     assert ex.reveal(key, ...) is None and "commit" in capsys.readouterr().out
     fig = ex.reveal(key, 1)
@@ -231,8 +277,6 @@ SIMULATED = {  # function answers that ask the package instead of deriving: each
     "5.3": lambda p, m, t: zb.simulate(zb.build_schedule("zb-v", p, m), zb.Costs(f=t, b=t, w=t)).makespan,
     "6.3": lambda p, v, r: max(zb.simulate(zb.build_schedule("interleaved-1f1b", p, k * p, stages_per_rank=v),
                                            zb.Costs()).peak_memory[r] for k in (2, 3)),
-    "8.4": lambda p, m, r, b, w: zb.simulate(zb.build_schedule("zb-h1", p, m),
-                                             zb.Costs(mem_b=b, mem_w=w)).peak_memory[r],
     "5.1": lambda p, r: _sends_from_placement(zb.build_schedule("zb-v", p, 2 * p).placement, r),
 }
 
@@ -253,3 +297,17 @@ def test_the_package_guard_leaves_the_profile_hook_and_plain_answers_alone():
 def test_those_package_answers_are_right_so_only_the_guard_refuses_them(key, monkeypatch):
     monkeypatch.setattr(ex.checks, "_alone", lambda fn, point: fn(*point))
     assert ex.EXERCISES[key](SIMULATED[key])
+
+
+def test_the_spmd_check_refuses_gradients_off_and_the_event_driven_prediction():
+    far = _spmd_result()
+    far["runs"]["1f1b"]["grad_error"] = 1e-2
+    assert not ex.spmd_pipeline(far) and "gradients differ" in str(ex.spmd_pipeline(far))
+    assert "event-driven" in str(ex.lockstep_w_half(24.5))     # MPMD's makespan is not lockstep's
+    assert not ex.tick_table(lambda actions: [[0] * len(actions)])   # one tick for everything
+
+
+def test_lesson_9s_kind_codes_are_the_spmd_executors():
+    from zbpp_lite.runtime.spmd import KIND_CODE
+
+    assert ex.KIND_CODE == KIND_CODE
