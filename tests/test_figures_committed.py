@@ -22,7 +22,7 @@ from zbpp_lite.schedules import strict_json
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
-REQUIRE_EVERY_LESSON = False
+REQUIRE_EVERY_LESSON = True
 """True: every lesson ``notebooks/NN_*.md`` must show a figure ``figures/NN_*.svg`` (set at the merge of
 the lessons that add the references; until then the lessons without one are listed, as a skip)."""
 FIGURE_LINK = re.compile(r"!\[[^\]]+\]\((figures/[^)\s]+)\)")
