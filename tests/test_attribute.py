@@ -12,8 +12,9 @@ import pytest
 import zbpp_lite as zb
 from zbpp_lite.analysis.attribute import CAUSES, attribute
 from zbpp_lite.schedules.builders import options_of
-from zbpp_lite.analysis.profiling.timelines import profile, transfers
-from zbpp_lite.schedules.ir import Action, Schedule
+from zbpp_lite.analysis.profiling.timelines import critical_path, profile, transfers
+from zbpp_lite.schedules.fuse import split_fused
+from zbpp_lite.schedules.ir import Schedule
 from zbpp_lite.schedules.timeline import Timeline
 
 
@@ -23,17 +24,11 @@ def by_cause(schedule: Schedule, costs: zb.Costs, **kw) -> dict[str, float]:
 
 def split_1f1b(p: int, m: int, defer_w: bool) -> Schedule:
     """1F1B with every BW split into B then W: right after its B, or all W deferred to the end."""
-    rows = []
-    for row in zb.build_schedule("1f1b", p, m).actions:
-        out, deferred = [], []
-        for a in row:
-            if a.kind != "BW":
-                out.append(a)
-                continue
-            out.append(Action("B", a.stage, a.microbatch))
-            (deferred if defer_w else out).append(Action("W", a.stage, a.microbatch))
-        rows.append(out + deferred)
-    return zb.validate(Schedule(rows, zb.looped_placement(p, p), m, "1f1b-split"))
+    split = split_fused(zb.build_schedule("1f1b", p, m))
+    if defer_w:
+        split = Schedule([[a for a in row if a.kind != "W"] + [a for a in row if a.kind == "W"]
+                          for row in split.actions], split.placement, m, split.name)
+    return zb.validate(split)
 
 
 # ---------------------------------------------------------------------------- warm-up, cool-down
@@ -249,3 +244,27 @@ def test_transfers_are_the_waits_on_another_rank():
     found = transfers(timeline)
     assert found and all(x.producer.rank != x.consumer.rank for x in found)
     assert all(math.isclose(x.slack, 0.5) for x in found)
+
+
+# ---------------------------------------------------------------------------- the critical chain
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved-1f1b"])
+@pytest.mark.parametrize("comm", [0.0, 0.25])
+def test_the_critical_path_runs_from_the_start_to_the_end_without_slack(name, comm):
+    p, m = 4, 8
+    costs = zb.Costs(f=1.0, b=1.2, w=0.7, comm=comm)
+    t = zb.simulate(zb.build_schedule(name, p, m), costs)
+    chain = critical_path(t, comm)
+    assert chain[0].start == 0.0 and chain[-1].end == max(e.end for e in t.events)
+    for a, b in zip(chain, chain[1:]):   # each waited exactly for the one before it: its rank, or a transfer
+        assert b.start == pytest.approx(a.end + (comm if a.rank != b.rank else 0.0), abs=1e-9), (a, b)
+
+
+def test_1f1b_critical_chain_climbs_every_rank_through_the_last_backwards():
+    p, m = 4, 8
+    chain = critical_path(zb.simulate(zb.build_schedule("1f1b", p, m)))
+    last = [(e.rank, str(e.action)) for e in chain if e.action.microbatch == m - 1]
+    # the last microbatch's F goes down the ranks and its BW comes back up: 2p actions, no W to skip
+    assert last == [(r, f"{r}F{m - 1}") for r in range(p)] + [(r, f"{r}B{m - 1}") for r in reversed(range(p))]
+    assert critical_path(Timeline.from_events([], 2)) == []

@@ -1,11 +1,12 @@
 """Lesson 08's checks tell a right pipeline from a wrong one.
 
-The lesson's own code runs here: its cells up to "## Exercises" (model, zero probes, inboxes,
-``run_pipeline``, ``try_stage``, ``try_pipeline``) and its Solutions cells (our F, B, W,
-``rank_loop`` and ``peak``), executed from ``notebooks/08_build_a_pipeline.md``. The right build
-passes all four checks; each wrong one below, a mistake a learner makes, fails its check with a
-hint that names it: W reading another microbatch's output gradient, a loop that walks its own
-order instead of the schedule's, W's product transposed, B running the layers again.
+The lesson's own code runs here: its cells up to "## Exercises" (the model, ``stage_apply`` with its
+zero probes, the test bench ``lab``: ``zbpp_lite.course.bench.Lab``) and the definitions of its
+Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed from
+``notebooks/08_build_a_pipeline.md``. The right build passes all four checks; each wrong one below, a
+mistake a learner makes, fails its check with a hint that names it: W reading another microbatch's
+output gradient, a loop that walks its own order instead of the schedule's, W's product transposed, B
+running the layers again, a step clipped stage by stage or not at all.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ LESSON = Path(__file__).parent.parent / "notebooks" / "08_build_a_pipeline.md"
 
 
 def _sections(nb) -> tuple[list[str], list[str]]:
-    """The code of the cells before "## Exercises", and of those between "## Solutions" and the next heading."""
+    """The code of the cells before "## Exercises", and of those after "## Solutions" up to their check
+    (``verdict =``: the definitions)."""
     from IPython.core.inputtransformer2 import TransformerManager
 
     to_python = TransformerManager().transform_cell  # the set-up cell's %pip (run on Colab only)
@@ -37,8 +39,10 @@ def _sections(nb) -> tuple[list[str], list[str]]:
                 part = "solutions"
             elif heads and part == "solutions":
                 part = "after"
-        elif cell.cell_type == "code" and part in ("before", "solutions"):
-            (before if part == "before" else solutions).append(to_python(cell.source))
+        elif cell.cell_type == "code" and part == "before":
+            before.append(to_python(cell.source))
+        elif cell.cell_type == "code" and part == "solutions":
+            solutions.append(to_python(cell.source).split("verdict =")[0])
     return before, solutions
 
 
@@ -58,10 +62,12 @@ def lesson():
 
 
 def test_the_right_build_passes_every_check(lesson):
-    assert ex.stage_split(lesson["try_stage"](lesson["F"], lesson["B"], lesson["W"]))
-    assert ex.weight_bytes(64 * (512 + 128) * 2)   # each layer's dz, bfloat16 (the x's are F's)
-    assert ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
-    assert ex.zb_h1_peak(lesson["peak"])
+    lab = lesson["lab"]
+    assert ex.stage_split(lab.try_stage(lesson["F"], lesson["B"], lesson["W"]))
+    measured = lab.wide_stage_bytes(lesson["F"], lesson["B"])   # (M_W, of it what B created), bfloat16
+    assert measured == (64 * (256 + 512 + 512 + 128) * 2, 64 * (512 + 128) * 2) and ex.weight_bytes(measured)
+    assert ex.pipeline_run(lab.try_pipeline(lesson["rank_loop"]))
+    assert ex.optimizer_step(lab.try_step(lesson["optimizer_step"]))
 
 
 def test_w_with_another_microbatchs_output_gradient_fails(lesson):
@@ -80,7 +86,7 @@ def test_w_with_another_microbatchs_output_gradient_fails(lesson):
 
     lesson.update(B=B_noting, W=W_wrong)
     try:
-        verdict = ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
+        verdict = ex.pipeline_run(lesson["lab"].try_pipeline(lesson["rank_loop"]))
     finally:
         lesson.update(F=F, B=B, W=W)
     assert not verdict and verdict.hint
@@ -96,7 +102,7 @@ def test_a_loop_that_ignores_the_schedule_order_fails(lesson):
     def own_order(rank, actions, *args):
         return rank_loop(rank, sorted(actions, key=lambda a: (order[a.kind], a.microbatch)), *args)
 
-    verdict = ex.pipeline_run(lesson["try_pipeline"](own_order))
+    verdict = ex.pipeline_run(lesson["lab"].try_pipeline(own_order))
     assert not verdict and verdict.hint
     assert "the schedule says" in str(verdict), str(verdict)
 
@@ -109,8 +115,8 @@ def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(le
     assert wrong.count("rank + 1") == 1 and wrong.count("rank - 1") == 1
     right = lesson["rank_loop"]
     try:
-        exec(compile(wrong.split("verdict =")[0], "rank_loop_to_neighbours", "exec"), lesson)
-        result = lesson["try_pipeline"](lesson["rank_loop"])
+        exec(compile(wrong, "rank_loop_to_neighbours", "exec"), lesson)
+        result = lesson["lab"].try_pipeline(lesson["rank_loop"])
     finally:
         lesson["rank_loop"] = right
     assert set(result["runs"]) == {"1f1b", "zb-h1"} and result["error"]   # fails only on ZB-V
@@ -122,14 +128,14 @@ def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(le
 def test_a_loop_that_starts_the_clock_before_its_inputs_arrive_fails(lesson):
     """The wait for an input is not part of the action: an event that starts before it is caught."""
     _, solutions = _sections(jupytext.read(LESSON))
-    source = next(c for c in solutions if "def rank_loop" in c).split("verdict =")[0]
+    source = next(c for c in solutions if "def rank_loop" in c)
     clock, first = "        start = time.perf_counter()\n", "        s, j = a.stage, a.microbatch\n"
     wrong = source.replace(clock, "").replace(first, first + clock)
     assert wrong.count(clock) == 1 and wrong.index(clock) < wrong.index("take(")
     right = lesson["rank_loop"]
     try:
         exec(compile(wrong, "rank_loop_clock_first", "exec"), lesson)
-        verdict = ex.pipeline_run(lesson["try_pipeline"](lesson["rank_loop"]))
+        verdict = ex.pipeline_run(lesson["lab"].try_pipeline(lesson["rank_loop"]))
     finally:
         lesson["rank_loop"] = right
     assert not verdict and "started before" in str(verdict), str(verdict)
@@ -141,7 +147,7 @@ def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
     def W_transposed(kept):
         return [(dW.T, db) for dW, db in W(kept)]
 
-    verdict = ex.stage_split(lesson["try_stage"](F, B, W_transposed))
+    verdict = ex.stage_split(lesson["lab"].try_stage(F, B, W_transposed))
     assert not verdict and "transpose" in verdict.hint, str(verdict)
 
     stage_apply, zero_probes = lesson["stage_apply"], lesson["zero_probes"]
@@ -158,7 +164,7 @@ def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
         dx, dz = pullback(dy)
         return dx, (layer_inputs, dz)
 
-    verdict = ex.stage_split(lesson["try_stage"](F_keeping_input, B_recomputing, W))
+    verdict = ex.stage_split(lesson["lab"].try_stage(F_keeping_input, B_recomputing, W))
     assert not verdict and "ran the stage's layers again" in str(verdict), str(verdict)
 
 
@@ -179,20 +185,40 @@ def test_a_b_that_also_computes_the_weight_gradients_fails(lesson):
     def W_stashed(kept):  # returns what B already computed
         return [tuple(pair) for pair in kept]
 
-    verdict = ex.stage_split(lesson["try_stage"](F_all, B_all, W_stashed))
+    verdict = ex.stage_split(lesson["lab"].try_stage(F_all, B_all, W_stashed))
     assert not verdict and "computes the weight gradients too" in str(verdict), str(verdict)
 
 
 def test_wrong_predictions_fail():
-    assert not ex.weight_bytes(2 * 2 * 64 * 256 * 4)   # the lesson's float32 middle stage's M_W, copied
-    assert not ex.weight_bytes(2 * 64 * 256 * 4)   # its output gradients, float32
-    assert not ex.weight_bytes(2 * 64 * 256 * 2)   # its equal-width form in bfloat16
-    whole = 64 * (256 + 512) * 2 + 64 * (512 + 128) * 2   # x and dz of each layer: all of M_W
-    assert not ex.weight_bytes(whole) and "all of M_W" in str(ex.weight_bytes(whole))
-    assert not ex.weight_bytes(64 * (256 + 512) * 2)   # the inputs x: F's arrays
-    assert not ex.zb_h1_peak(lambda p, m, r, b, w: (p - r) * b + r * w)          # right for m >= p only
-    assert not ex.zb_h1_peak(lambda p, m, r, b, w: min(m, p - r) * b)            # 1F1B's peak: M_W forgotten
-    assert not ex.zb_h1_peak(lambda p, m, r, b, w: p * b)
+    xs, dz = 64 * (256 + 512) * 2, 64 * (512 + 128) * 2      # the layer inputs (F's) and output gradients
+    assert ex.weight_bytes((xs + dz, dz))
+    assert not ex.weight_bytes((xs + dz, xs + dz)) and "handed on" in str(ex.weight_bytes((xs + dz, xs + dz)))
+    assert not ex.weight_bytes((dz, dz)) and "only the output gradients" in str(ex.weight_bytes((dz, dz)))
+    square = 2 * 2 * 64 * 256 * 4                            # the lesson's float32 stage's M_W, copied
+    assert not ex.weight_bytes((square, square // 2)) and "square" in str(ex.weight_bytes((square, square // 2)))
+    assert not ex.weight_bytes(xs + dz)                      # one number, not the pair
+
+
+def test_a_step_clipped_stage_by_stage_or_not_at_all_fails(lesson):
+    import jax
+
+    right = lesson["optimizer_step"]
+
+    def per_stage(rank, grads, params, all_sum):   # each stage clipped by its own norm: no all-reduce
+        return {s: right(rank, {s: grads[s]}, {s: params[s]}, lambda x: x)[s] for s in grads}
+
+    def unclipped(rank, grads, params, all_sum):
+        all_sum(0.0)
+        return {s: jax.tree_util.tree_map(lambda w, g: w - ex.STEP["lr"] * g, params[s], grads[s]) for s in grads}
+
+    def rank_norm(rank, grads, params, all_sum):  # the rank's own norm: right on 1 rank, not on 2 or 4
+        return right(rank, grads, params, lambda x: x)
+
+    lab = lesson["lab"]
+    assert "its own norm" in str(ex.optimizer_step(lab.try_step(per_stage)))
+    assert "not clipped" in str(ex.optimizer_step(lab.try_step(unclipped)))
+    verdict = ex.optimizer_step(lab.try_step(rank_norm))
+    assert not verdict and verdict.hint, str(verdict)
 
 
 @pytest.mark.parametrize("key", ["8.1", "8.2", "8.3", "8.4"])

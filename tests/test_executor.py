@@ -207,7 +207,7 @@ def test_an_error_in_one_rank_reaches_the_caller_at_once():
     model = _model(2)
     executor = _FailingExecutor(model, zb.build_schedule("zb-h1", 2, 4), DEVICES[:2], timeout=60.0)
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match=r"rank 0 at 0I1: FloatingPointError: boom"):
+    with pytest.raises(RuntimeError, match=r"rank 0 at 0B1: FloatingPointError: boom"):
         executor.run(model.params, X[:8], Y[:8])
     assert time.perf_counter() - start < 30.0  # the other rank stopped waiting; no timeout needed
 

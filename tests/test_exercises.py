@@ -12,37 +12,41 @@ import pytest
 
 import zbpp_lite as zb
 from zbpp_lite import course as ex
+from zbpp_lite.schedules.simulate import lockstep_ticks
 
-LEAN = [["0F0", "0F1", "0B0", "0F2", "0B1", "0F3", "0B2", "0B3"],
-        ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1B3"],
-        ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]]
-ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0B0", "0F3", "0B1", "0B2", "0B3"],   # valid, but rank 0 holds 3
-                   ["1F0", "1F1", "1B0", "1F2", "1B1", "1F3", "1B2", "1B3"],
-                   ["2F0", "2B0", "2F1", "2B1", "2F2", "2B2", "2F3", "2B3"]]
+LEAN = [["0F0", "0F1", "0BW0", "0F2", "0BW1", "0F3", "0BW2", "0BW3"],   # our text form: BW fused
+        ["1F0", "1F1", "1BW0", "1F2", "1BW1", "1F3", "1BW2", "1BW3"],
+        ["2F0", "2BW0", "2F1", "2BW1", "2F2", "2BW2", "2F3", "2BW3"]]
+ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0BW0", "0F3", "0BW1", "0BW2", "0BW3"],   # valid, but rank 0 holds 3
+                   ["1F0", "1F1", "1BW0", "1F2", "1BW1", "1F3", "1BW2", "1BW3"],
+                   ["2F0", "2BW0", "2F1", "2BW1", "2F2", "2BW2", "2F3", "2BW3"]]
+STRICT = [[f"{r}{kind}{k}" for k in range(4) for kind in ("F", "BW")] for r in range(3)]   # F, BW, F, BW ...
 
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
-    "1.2": (27 / 16, 12),                           # 11(2c + 18) = 19(2c + 9) at 16c = 27; 12: the old best m
+    "1.2": (lambda p: 9 * (p - 1) / 16,             # (m+p-1)(2c + 144/m) at m = 8 and 16: 16c = 9(p - 1)
+            lambda p: 27 / 16),                     # p = 4's tie, copied
     "1.3": (LEAN, ONE_F_ONE_B_3x4),                 # 1F1B itself is valid but holds too much
     "1.4": (lambda p, m, r, f, bw: (min(p, r + m) - 1) * f,
             lambda p, m, r, f, bw: (p - 1) * f),    # the wrong one forgets m < p
-    "2.1": (lambda n, w: n * (sum(w[:-1]) + sum(w[1:])),
-            lambda n, w: n * (w[0] + w[1] + w[1] + w[2])),   # lesson 2's two-layer x, a, dh, dy, copied
+    "2.1": (lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])),   # a_l, dz_l over a_l, z_l
+            lambda w: (w[0] + w[1] + w[1] + w[2]) / (w[0] + w[1] + w[1])),   # the MLP's x, a, dh, dy over x, h, a
     "2.2": (lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
                           + sum(2 * n * w[k + 1] * w[k + 2] for k in range(1, len(w) - 2, 2))),
             lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
                           + sum(2 * n * a * b for a, b in zip(w[1:], w[2:])))),   # rebuilds every one
     "2.3": (0.36, 1.0),                             # (64*16 + 16*8) / (32*64 + 64*16 + 16*8); 1.0 makes dx too
     "3.1": ((2 + 4 - 1) * 3 + 0.5, 2 * 3.5 + 3 * 2.5),   # (m+p-1)(f+b) + w; wrong: plugs into (p-1)(f+b-w)
-    "3.2": (lambda p, m, r, mw: min(2 * (p - r) - 1, m) + min(2 * r, max(0, m - 2 * (p - r) + 1)) * mw,
-            lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # the m >= 2p pattern, copied
+    "3.2": (lambda p, m, r, mw: max(2 * (p - r) - 1 + 2 * r * mw, 2 * (p - r) - 2 + (2 * r + 1) * mw),
+            lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # warm-up + lag x M_W: wrong once M_W > M_B
     "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f, 0.0),
             lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
-    "4.1": (lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1,
-            lambda p, f, b, w, bw: math.ceil((p - 1) * 2 * w / (b + w - bw)) - 1),   # saving as if BW = B + W
-    "4.2": (7, 5),                                  # 2p - 1; 5 was the old exercise's limit
-    "4.3": (lambda p, lim, r: min(lim, 2 * (p - r) - 1), lambda p, lim, r: min(lim, p - r)),  # 1F1B's
+    "4.1": (lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1,
+            lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1),   # ZB-H1's form past T_F
+    "4.2": (10, 7),                                 # 4 T_F + 3 T_B = 10 T_F; 7: ZB-H2's 2p - 1, copied
+    "4.3": (lambda p, lim, r, f, b: min(lim, (p - r) + (p - r - 1) * b / f),
+            lambda p, lim, r, f, b: min(lim, 2 * (p - r) - 1)),   # ZB-H2's warm-up, copied
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
             lambda p, r: 0 if p == 1 else (1 if r in (0, p - 1) else 2)),   # 1F1B's one stage per rank
     "5.2": (9, 11),                                 # rate (11-m)/(5m+11) < 0.05 from m = 9; 11 is the first zero
@@ -52,12 +56,51 @@ CASES = {
             lambda p, v, r: list(range(r * v, r * v + v))),   # zig-zag passes, not contiguous blocks
     "6.2": (3, 2),            # 24 + 9/v + 2(4v - 1)0.125: 33.75, 30.25, 29.75, 30 at v = 1..4; 2: the lesson's v
     "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
-    "7.1": (1, 0),                                  # rank 1 idles 14; the slow rank 0 never idles (and
-                                                    # 0 is the planted demo's idlest rank, copied)
-    "7.2": ((4, 2, 2), (5, 2, 1)),                  # 7, 8, 8; the wrong one fills stage 0 past 23/3: 11, 8, 4
+    "7.1": (0, 2),                                  # rank 0 idles 23; 2: the lesson's "next to the slow
+                                                    # stage" copied (rank 1 there)
+    "7.2": ((3, 2, 3), (4, 3, 1)),                  # 5, 9, 7; the wrong one fills stage 0 past 21/3: 10, 7, 4
     "7.3": (lambda c, s: _best_cut(c, s),                 # the wrong one: equal layer counts, the rest last
             lambda c, s: [len(c) // s] * (s - 1) + [len(c) - (s - 1) * (len(c) // s)]),
+    "9.1": (lambda actions: _ticks_one_by_one(actions, lag=1),   # the wrong one: usable in the same tick
+            lambda actions: _ticks_one_by_one(actions, lag=0)),
+    "9.2": (26.5, 27),                              # 26 ticks of 1, the last (all W's) 0.5; 27: unit ticks
+    "9.3": (lambda: _spmd_result(), lambda: _spmd_result(shift=True)),   # built when the check runs (below)
 }
+
+
+def _ticks_one_by_one(actions, lag):
+    """Exercise 9.1 by hand, a second way: walk the ticks in order; a rank runs its next action in tick t
+    when what it needs from another stage ran in a tick before t - lag + 1 (lag 1: at the latest in t - 1)."""
+    S = 1 + max(s for row in actions for _, s, _ in row)
+    ran, nxt, table = {}, [0] * len(actions), []
+    while any(n < len(row) for n, row in zip(nxt, actions)):
+        t, row_t = len(table), [None] * len(actions)
+        for r, row in enumerate(actions):
+            if nxt[r] < len(row):
+                kind, s, j = row[nxt[r]]
+                need = {"F": ("F", s - 1, j), "B": ("B", s + 1, j), "BW": ("B", s + 1, j)}.get(kind)
+                if need is None or not 0 <= need[1] < S or ran.get(need, t) <= t - lag:
+                    row_t[r] = nxt[r]
+        for r, i in enumerate(row_t):
+            if i is not None:
+                kind, s, j = actions[r][i]
+                ran["B" if kind == "BW" else kind, s, j] = t
+                nxt[r] += 1
+        table.append(row_t)
+    return table
+
+
+def _spmd_result(shift=False):
+    """What lesson 9's try_spmd hands exercise 9.3's check for a right program (every rank ran the lockstep
+    form's branch, gradients within 1e-6) or, ``shift``, one whose branches lag a tick behind."""
+    runs = {}
+    for name in ex.SPMD_RUNS:
+        schedule = zb.build_schedule(name, 4, 8)
+        ticks = lockstep_ticks(schedule)
+        ran = [[0 if row[r] is None else ex.KIND_CODE[schedule.actions[r][row[r]].kind] for row in ticks]
+               for r in range(4)]
+        runs[name] = {"grad_error": 1e-6, "ran": [[0, *kinds[:-1]] if shift else kinds for kinds in ran]}
+    return {"error": None, "runs": runs}
 
 
 def _stage_totals(costs, counts):
@@ -89,21 +132,27 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
     lessons = {}
     for key in ex.EXERCISES:
         lessons.setdefault(key.split(".")[0], []).append(key)
-    assert sorted(lessons) == [str(n) for n in range(1, 9)]
+    assert sorted(lessons) == [str(n) for n in range(1, 10)]
     assert all(len(v) >= 3 for v in lessons.values())
     assert set(CASES) == {k for k in ex.EXERCISES if not k.startswith("8.")}  # lesson 8's: test_build_lesson.py
 
 
+def _answer(key, which):
+    """CASES' answer; exercise 9.3's (a run's result, not a function) is built here."""
+    answer = CASES[key][which]
+    return answer() if key == "9.3" else answer
+
+
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_a_right_answer_passes(key):
-    verdict = ex.EXERCISES[key](CASES[key][0])
+    verdict = ex.EXERCISES[key](_answer(key, 0))
     assert verdict.ok and bool(verdict), str(verdict)
     assert str(verdict).startswith(f"Exercise {key}: right.")
 
 
 @pytest.mark.parametrize("key", sorted(CASES))
 def test_a_wrong_answer_fails_with_a_hint(key):
-    verdict = ex.EXERCISES[key](CASES[key][1])
+    verdict = ex.EXERCISES[key](_answer(key, 1))
     assert not verdict.ok and not bool(verdict), str(verdict)
     assert str(verdict).startswith(f"Exercise {key}: not yet.") and verdict.hint and "Hint:" in str(verdict)
 
@@ -118,7 +167,11 @@ def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
 def test_the_schedule_check_passes_on_the_validators_message():
     verdict = ex.lean_schedule([row[:-1] for row in LEAN])
     assert not verdict.ok and "incomplete" in verdict.hint and "microbatch 3" in verdict.hint
-    assert not ex.lean_schedule([["0F0", "0B0", "0F1", "0B1"], ["1B0", "1F0", "1F1", "1B1"]]).ok  # 2 ranks
+    assert not ex.lean_schedule([["0F0", "0BW0", "0F1", "0BW1"], ["1BW0", "1F0", "1F1", "1BW1"]]).ok  # 2 ranks
+    slow = ex.lean_schedule(STRICT)                 # valid, holds 1, but waits with room for another F
+    assert not slow.ok and "takes 36" in slow.message and "takes 24" in slow.message
+    torch_letters = ex.lean_schedule([[a.replace("BW", "B") for a in row] for row in LEAN])   # 1B0 is our B
+    assert not torch_letters.ok and "refuses" in torch_letters.message
     for copied in (24, 21, 42):   # equal costs' (m+p-1)(T_F+T_BW), mean costs, GPipe's makespan
         assert not ex.makespan_1f1b(copied).ok
 
@@ -134,16 +187,20 @@ def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_f
     equal_width = lambda n, w: (2 * (len(w) - 1) - 1) * 2 * n * w[0] ** 2  # noqa: E731
     assert not ex.w_flops_without_kept_gradients(two_layer).ok
     assert not ex.w_flops_without_kept_gradients(equal_width).ok
-    assert not ex.w_held_floats(lambda n, w: (len(w) - 1) * 2 * n * w[0]).ok      # the equal-width form
-    assert not ex.w_held_floats(lambda n, w: n * sum(w)).ok                        # each width once
+    assert not ex.mw_over_mb(lambda w: 1.2).ok                                     # the MLP's ratio, copied
+    assert not ex.mw_over_mb(lambda w: 2 * (len(w) - 1) / (2 * (len(w) - 1) - 1)).ok   # the equal-width form
+    part = ex.mw_over_mb(lambda w: sum(w[:-1]) / (sum(w[:-1]) + sum(w[1:-1])))    # M_W as a part of M_B
+    assert not part.ok and "more than that" in part.message
+    assert ex.MLP_RATIO == 1.2
     for copied in (0.5, 2 / 3):   # the old two-layer MLP's 1/2; "drops one of three products"
         assert not ex.first_stage_b_ratio(copied).ok
 
 
 def test_the_lesson_3_checks_reject_the_printed_forms():
-    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: min(2 * (p - r) - 1, m)
-                                    + min(r, max(0, m - 2 * (p - r) + 1)) * mw).ok       # ZB-H1's lag r
-    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: min(2 * (p - r) - 1, m)).ok     # forgets M_W
+    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: max(2 * (p - r) - 1 + r * mw,
+                                                            2 * (p - r) - 2 + (r + 1) * mw)).ok  # ZB-H1's lag r
+    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: 2 * (p - r) - 1).ok             # forgets M_W
+    assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: 2 * (p - r) - 2 + (2 * r + 1) * mw).ok   # after a B only
     assert not ex.zb_h1_makespan((2 + 4 - 1) * 3.5).ok                                  # 1F1B's
     assert not ex.zb_h1_makespan(2 * 3.5 + 3 * 2).ok                                    # (p-1)T_B
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (f + b - 2 * w)).ok      # the printed form
@@ -152,20 +209,18 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
 
 
 def test_the_lesson_1_batch_split_rejects_the_old_answers_and_the_old_price():
-    assert not ex.batch_split(28).ok                # the old 1.2: 3/(m+3) < 0.1 plugged in
-    assert not ex.batch_split(64).ok                # as many microbatches as allowed
-    assert not ex.batch_split(65).ok and not ex.batch_split(0).ok
-    assert not ex.batch_split(1).ok and not ex.batch_split(12).ok   # the old price c = 1; its best m
-    assert not ex.batch_split(27 / 8).ok            # 16c = 27 misread as 8c = 27
-    verdict = ex.batch_split(9 / 8)                 # the backward priced twice (2c), the old prompt's T_BW
+    assert not ex.batch_split(27 / 16).ok           # the old exercise's number, not a function of p
+    assert not ex.batch_split(lambda p: 9 * (p - 1) / 8).ok    # 16c = 27 misread as 8c = 27
+    assert not ex.batch_split(lambda p: 9 * p / 16).ok         # m + p instead of m + p - 1
+    verdict = ex.batch_split(lambda p: 3 * (p - 1) / 8)        # the backward priced twice (2c): 9/8 at p = 4
     assert not verdict and "twice" in verdict.message
-    assert ex.batch_split(1.6875).ok
+    assert ex.batch_split(lambda p: 0.5625 * (p - 1)).ok
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():
-    assert not ex.bubble_floor_limit(8).ok and not ex.bubble_floor_limit(2 * 4).ok   # the limit 2p (zb-2p)
-    assert not ex.auto_warmup(lambda p, lim, r: lim).ok                              # "the limit" alone
-    floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + w) / (b + w - bw))  # noqa: E731
+    assert not ex.bubble_floor_limit(2 * 4).ok and not ex.bubble_floor_limit(2 * 4 - 1).ok   # zb-2p; ZB-H2
+    assert not ex.auto_warmup(lambda p, lim, r, f, b: lim).ok                        # "the limit" alone
+    floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + min(w, f)) / (b + w - bw))  # noqa: E731
     assert not ex.bw_break_even(floor_m).ok                                        # counts the tie
     assert not ex.bw_break_even(lambda p, f, b, w, bw: p).ok                         # "m = p" alone
 
@@ -186,13 +241,16 @@ def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
 
 
 def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_stage_answer():
-    assert _stage_totals(ex.LAYER_COSTS, (4, 2, 2)) == [7, 8, 8]
+    assert _stage_totals(ex.LAYER_COSTS, (3, 2, 3)) == [5, 9, 7]
+    assert not ex.idlest_rank(3).ok and "never idles" in str(ex.idlest_rank(3))   # the slow rank itself
+    assert "next to the slow stage" in str(ex.idlest_rank(2))
     for at_least in (True, False):   # fill each stage up to a third of the total, or just past it
         assert not ex.balanced_partition(tuple(_fill_to_share(ex.LAYER_COSTS, 3, at_least))).ok
         assert not ex.best_split(lambda c, s, a=at_least: _fill_to_share(c, s, a)).ok
     assert not ex.balanced_partition(5).ok and not ex.balanced_partition((4, 4)).ok   # the old 2-stage answer
     assert not ex.best_split(lambda c, s: min(range(1, len(c)), key=lambda k: max(sum(c[:k]), sum(c[k:])))).ok
-    assert ex.balanced_partition([4, 2, 2]).ok and ex.best_split(_best_cut).ok   # a list is fine too
+    assert not ex.balanced_partition((4, 2, 2)).ok                                   # the old costs' answer
+    assert ex.balanced_partition([3, 2, 3]).ok and ex.best_split(_best_cut).ok   # a list is fine too
 
 
 def test_a_function_answer_that_raises_is_not_yet_with_the_error():
@@ -200,7 +258,7 @@ def test_a_function_answer_that_raises_is_not_yet_with_the_error():
     assert not verdict.ok and "ZeroDivisionError" in verdict.message
 
 
-@pytest.mark.parametrize("key", ["1.1", "3.1", "4.2", "5.2", "6.2", "7.1"])
+@pytest.mark.parametrize("key", ["1.1", "3.1", "4.2", "5.2", "6.2", "7.1", "9.2"])
 def test_reveal_shows_the_simulation_only_after_a_prediction(key, capsys):
     assert ex.reveal(key, ...) is None and "commit" in capsys.readouterr().out
     fig = ex.reveal(key, 1)
@@ -219,8 +277,6 @@ SIMULATED = {  # function answers that ask the package instead of deriving: each
     "5.3": lambda p, m, t: zb.simulate(zb.build_schedule("zb-v", p, m), zb.Costs(f=t, b=t, w=t)).makespan,
     "6.3": lambda p, v, r: max(zb.simulate(zb.build_schedule("interleaved-1f1b", p, k * p, stages_per_rank=v),
                                            zb.Costs()).peak_memory[r] for k in (2, 3)),
-    "8.4": lambda p, m, r, b, w: zb.simulate(zb.build_schedule("zb-h1", p, m),
-                                             zb.Costs(mem_b=b, mem_w=w)).peak_memory[r],
     "5.1": lambda p, r: _sends_from_placement(zb.build_schedule("zb-v", p, 2 * p).placement, r),
 }
 
@@ -241,3 +297,17 @@ def test_the_package_guard_leaves_the_profile_hook_and_plain_answers_alone():
 def test_those_package_answers_are_right_so_only_the_guard_refuses_them(key, monkeypatch):
     monkeypatch.setattr(ex.checks, "_alone", lambda fn, point: fn(*point))
     assert ex.EXERCISES[key](SIMULATED[key])
+
+
+def test_the_spmd_check_refuses_gradients_off_and_the_event_driven_prediction():
+    far = _spmd_result()
+    far["runs"]["1f1b"]["grad_error"] = 1e-2
+    assert not ex.spmd_pipeline(far) and "gradients differ" in str(ex.spmd_pipeline(far))
+    assert "event-driven" in str(ex.lockstep_w_half(24.5))     # MPMD's makespan is not lockstep's
+    assert not ex.tick_table(lambda actions: [[0] * len(actions)])   # one tick for everything
+
+
+def test_lesson_9s_kind_codes_are_the_spmd_executors():
+    from zbpp_lite.runtime.spmd import KIND_CODE
+
+    assert ex.KIND_CODE == KIND_CODE

@@ -8,7 +8,7 @@ import random
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.schedules.fuse import fuse_adjacent
+from zbpp_lite.schedules.fuse import fuse_adjacent, split_fused
 from zbpp_lite.schedules.ir import Schedule
 
 GRID = [(1, 3), (2, 2), (2, 8), (3, 6), (4, 4), (4, 12), (5, 10)]
@@ -145,3 +145,18 @@ def test_a_dearer_split_never_shortens_the_step_and_a_free_one_beats_1f1b(name):
         ratios.append(zb.simulate(zb.build_schedule(name, 2, 8), c).makespan
                       / zb.simulate(zb.build_schedule("1f1b", 2, 8), c).makespan)
     assert ratios == sorted(ratios) and ratios[0] < 0.96 and ratios[-1] > 1.0
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (3, 6), (4, 4), (4, 8), (5, 10)])
+def test_the_split_alone_saves_one_w_a_rank_on_1f1b_chain_of_backwards(p, m):
+    """1F1B's order with each BW run as B then W: the previous rank gets B's output T_W sooner, so with
+    T_BW = T_B + T_W the step is (p - 1) T_W shorter (arXiv 2401.10241 section 2)."""
+    fused = zb.build_schedule("1f1b", p, m)
+    split = zb.validate(split_fused(fused))
+    assert split.name == "1f1b+split" and split.placement == fused.placement
+    for a_row, b_row in zip(fused.actions, split.actions):
+        assert [str(a) for a in b_row] == [s for a in a_row for s in (
+            (f"{a.stage}I{a.microbatch}", f"{a.stage}W{a.microbatch}") if a.kind == "BW" else (str(a),))]
+    costs = zb.Costs(f=1.0, b=1.0, w=0.5)
+    assert zb.simulate(split, costs).makespan == zb.simulate(fused, costs).makespan - (p - 1) * 0.5
+    assert fuse_adjacent(split).actions[0] == fused.actions[0]     # stage 0's B feeds no rank: fused back

@@ -29,6 +29,17 @@ def test_action_text_round_trip(text, kind):
     assert a.kind == kind and str(a) == text
 
 
+@pytest.mark.parametrize("torch, ours, kind", [("2F0", "2F0", "F"), ("1I3", "1B3", "B"), ("1W3", "1W3", "W"),
+                                               ("0B1", "0BW1", "BW")])
+def test_our_text_form_names_the_kind_and_pytorchs_keeps_its_letters(torch, ours, kind):
+    a = Action.from_text(ours)
+    assert a == Action.from_str(torch) and a.kind == kind and a.text == ours and str(a) == torch
+    pair = zb.Overlap(Action("F", 0, 7), Action("BW", 7, 3))
+    assert pair.text == "0F7&7BW3" and str(pair) == "(0F7;7B3)OVERLAP_F_B"
+    with pytest.raises(ValueError, match="our text form"):
+        Action.from_text("1I3")                     # PyTorch's letter for B is not ours
+
+
 @pytest.mark.parametrize("bad", ["F0", "1X2", "", "1F", "a1F2"])
 def test_action_from_str_refuses_garbage(bad):
     with pytest.raises(ValueError, match="expected"):

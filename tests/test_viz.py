@@ -98,7 +98,7 @@ def test_timeline_figure_title_labels_and_hover():
     assert list(f_trace.text) == [str(e.action.microbatch) for e in f_events]
     assert [tuple(c[:2]) for c in f_trace.customdata] == [(e.action.stage, e.action.microbatch) for e in f_events]
     assert "stage" in f_trace.hovertemplate and "microbatch" in f_trace.hovertemplate
-    assert "I" in fig.data[1].hovertemplate  # B shown in PyTorch's text form too (1I3)
+    assert "%{customdata[0]:d}B%{customdata[1]:d}" in fig.data[1].hovertemplate  # our text form (1B3), not I
     assert not fig.data[3].showlegend  # ZB-H1 has no fused BW
     assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(4)]
     assert list(fig.layout.yaxis.range) == [3.5, -0.5]  # rank 0 on top
@@ -454,3 +454,28 @@ def test_explorer_adds_and_drops_the_chunk_note_as_the_schedule_changes():
     assert [a.text for a in ex.figure.layout.annotations if note in a.text] and ex.figure.layout.margin.b == 70
     ex.controls["schedule"].value = "zb-h1"  # one stage per rank again: the old note goes
     assert not any(note in a.text for a in ex.figure.layout.annotations) and ex.figure.layout.margin.b == 45
+
+
+# ---------------------------------------------------------------------------- schedules on one time axis
+
+
+def test_headline_figure_moves_each_cool_down_w_and_outlines_the_chain_of_bs():
+    from zbpp_lite.analysis.profiling.timelines import critical_path
+    from zbpp_lite.viz.figures import moved_w, schedules_figure
+
+    p, m = 4, 8
+    one, h1, h2 = (zb.simulate(zb.build_schedule(n, p, m)) for n in ("1f1b", "zb-h1", "zb-h2"))
+    moved = moved_w(one, h1)
+    # rank r > 0 ends with its last B, then the W's of microbatches m-1-r .. m-1, where 1F1B's rank idled
+    assert sorted((w.rank, w.action.microbatch) for _, w in moved) == [
+        (r, j) for r in range(1, p) for j in range(m - 1 - r, m)]
+    assert all(old.action.kind == "BW" and old.rank == w.rank for old, w in moved)
+    fig = schedules_figure([("1F1B", one), ("ZB-H1", h1), ("ZB-H2", h2)], moves=(0,), chain=True)
+    assert len(fig.layout.annotations) == 4 + len(moved)          # 4 panel titles, one arrow a moved W
+    chains = [tr for tr in fig.data if tr.name.startswith("critical chain")]
+    for tr, t in zip(chains, (one, h1, h2)):
+        assert sum(tr.x) == sum(e.duration for e in critical_path(t) if e.action.kind in ("B", "BW"))
+    memory = [tr for tr in fig.data if tr.name.startswith("memory: ")]
+    assert [max(tr.y) for tr in memory] == [p, p, 2 * p - 1]       # rank 0: 1F1B's, ZB-H1's, ZB-H2's peak
+    with pytest.raises(ValueError, match="one number of ranks"):
+        schedules_figure([("a", one), ("b", zb.simulate(zb.build_schedule("1f1b", 2, 4)))])

@@ -10,7 +10,8 @@ the test extra and need no network. Each lesson is read from its MyST source (ju
 in a fresh kernel from ``notebooks/`` (a failing assert fails the build), and exported with
 nbconvert's "lab" template. Plotly figures are written as ``application/vnd.plotly.v1+json`` by the
 kernel (``PLOTLY_RENDERER=plotly_mimetype``) and turned here into ``Plotly.newPlot`` calls; plotly.js
-comes from the installed ``plotly`` package, written once as ``plotly.min.js`` beside the pages. The template's require.js
+comes from the installed ``plotly`` package, written once as ``plotly.min.js`` beside the pages; the
+lessons' committed SVG figures are copied into ``figures/`` beside them. The template's require.js
 and MathJax (both fetched from a CDN) are left out, so no page asks the network for anything.
 ipywidgets (the explorer) need a kernel: a page shows their text form instead; the notebooks draw
 the same figures with plain Plotly sliders for such pages.
@@ -25,6 +26,7 @@ import html
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -144,6 +146,17 @@ def export(nb, title: str) -> str:
     return re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav, body, count=1)
 
 
+def copy_figures(out: Path) -> int:
+    """Copy the lessons' committed figures (``notebooks/figures/*.svg``, shown by their markdown as
+    ``figures/NN_name.svg``) into ``out/figures``, so the pages show them; returns how many."""
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    count = 0
+    for svg in sorted((NOTEBOOKS / "figures").glob("*.svg")):
+        shutil.copyfile(svg, out / "figures" / svg.name)
+        count += 1
+    return count
+
+
 def _title(md: Path) -> str:
     for line in md.read_text(encoding="utf-8").splitlines():
         if line.startswith("# "):
@@ -162,6 +175,7 @@ def build(out: Path, only: str | None = None) -> dict[str, float]:
     """
     out.mkdir(parents=True, exist_ok=True)
     (out / "plotly.min.js").write_text(_plotly_js(), encoding="utf-8")
+    copy_figures(out)
     lessons = sorted(p for p in NOTEBOOKS.glob("*.md") if only is None or p.name.startswith(only))
     if not lessons:
         raise SystemExit(f"no lesson in {NOTEBOOKS} starts with {only!r}")

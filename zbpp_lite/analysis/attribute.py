@@ -138,7 +138,7 @@ def _check_matches(timeline: Timeline, schedule: Schedule) -> None:
     for r in range(schedule.num_ranks):
         ran, planned = Counter(e.action for e in timeline.rank_events(r)), Counter(schedule.rank_actions(r))
         if ran != planned:
-            missing, extra = ([str(a) for a in sorted(x)[:6]] for x in (planned - ran, ran - planned))
+            missing, extra = ([a.text for a in sorted(x)[:6]] for x in (planned - ran, ran - planned))
             raise ValueError(f"the timeline does not match the schedule on rank {r}: missing {missing}, "
                              f"unexpected {extra}; attribute a whole step's timeline with the schedule that "
                              "produced it")

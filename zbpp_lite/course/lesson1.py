@@ -31,20 +31,41 @@ def makespan_1f1b(answer: Any) -> Verdict:
     )
 
 
+LEAN_LIMIT = 2
+"""Exercise 1.3's limit: no rank may hold more than this many microbatches' activations (in M_B)."""
+
+
+def _lean_reference() -> float:
+    """The makespan, at unit costs (T_BW = 2), of 1F1B's order with each warm-up cut to LEAN_LIMIT forwards:
+    p = 3, m = 4; no schedule within the limit finishes earlier (rank 0 can run only 2 F's before it needs
+    a gradient back, so it waits for the whole chain once)."""
+    rows = []
+    for r in range(3):
+        warm = min(LEAN_LIMIT, 3 - r)
+        row = [Action("F", r, k) for k in range(warm)]
+        for k in range(4):
+            row.append(Action("BW", r, k))
+            if k + warm < 4:
+                row.append(Action("F", r, k + warm))
+        rows.append(row)
+    return simulate(Schedule(tuple(map(tuple, rows)), (0, 1, 2), 4, "lean"), Costs()).makespan
+
+
 def lean_schedule(actions: Any) -> Verdict:
     """Exercise 1.3: a valid schedule for p = 3, m = 4 (stage r on rank r) in which no rank holds more than
-    2 microbatches' activations (1F1B's rank 0 holds 3): three lists of actions in PyTorch's text form
-    (``"0F1"``, ``"1B0"`` fused, ``"1I0"``/``"1W0"`` split) or :class:`~zbpp_lite.schedules.ir.Action`.
-    Checked with :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs, peak <= 2 M_B)."""
-    hint = ("each rank may start at most 2 forwards before its first backward; stage 0's backward needs "
-            "stage 1's, which needs stage 2's, so count what each rank can run while it waits.")
+    :data:`LEAN_LIMIT` microbatches' activations (1F1B's rank 0 holds 3), finishing as early as any such
+    schedule at unit costs: three lists of actions in our text form (``"0F1"``, ``"1BW0"`` fused,
+    ``"1B0"``/``"1W0"`` split; :meth:`~zbpp_lite.schedules.ir.Action.from_text`) or ``Action``'s.
+    Checked with :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs)."""
+    hint = ("count how many forwards each rank may run before its first backward without passing the limit, "
+            "and run every one it may: a rank that waits with room for another F loses time.")
     if _unanswered(actions):
         return Verdict("1.3", False, "no answer yet: replace ... with three lists of actions.", hint)
     try:
-        rows = [[a if isinstance(a, Action) else Action.from_str(str(a)) for a in row] for row in actions]
+        rows = [[a if isinstance(a, Action) else Action.from_text(str(a)) for a in row] for row in actions]
     except (TypeError, ValueError) as e:
         return Verdict("1.3", False, f"could not read the actions: {e}",
-                       "write each action as text, e.g. \"0F0\" or \"1B1\".")
+                       "write each action in our text form, e.g. \"0F0\" or \"1BW1\".")
     if len(rows) != 3:
         return Verdict("1.3", False, f"three ranks need three lists, you gave {len(rows)}.", hint)
     schedule = Schedule(tuple(map(tuple, rows)), (0, 1, 2), 4, "mine")
@@ -52,13 +73,18 @@ def lean_schedule(actions: Any) -> Verdict:
         validate(schedule)
     except ScheduleError as e:
         return Verdict("1.3", False, "zb.validate refuses it.", str(e).splitlines()[0])
-    peaks = simulate(schedule, Costs()).peak_memory
-    over = [r for r, peak in enumerate(peaks) if peak > 2]
+    run = simulate(schedule, Costs())
+    over = [r for r, peak in enumerate(run.peak_memory) if peak > LEAN_LIMIT]
     if over:
-        held = f"{peaks[over[0]]:g}"
+        held = f"{run.peak_memory[over[0]]:g}"
         return Verdict("1.3", False, f"valid, but rank {over[0]} holds {held} microbatches at once.", hint)
-    return Verdict("1.3", True, f"zb.validate accepts it and the ranks hold at most {max(peaks):g} "
-                                f"microbatches (per rank {[int(x) for x in peaks]}).")
+    best = _lean_reference()
+    if run.makespan > best + 1e-9:
+        return Verdict("1.3", False, f"valid and within the limit, but it takes {run.makespan:g} time units; "
+                                     f"a schedule within the limit takes {best:g}.", hint)
+    return Verdict("1.3", True, f"zb.validate accepts it, the ranks hold at most {max(run.peak_memory):g} "
+                                f"microbatches (per rank {[int(x) for x in run.peak_memory]}), and it takes "
+                                f"{run.makespan:g}, as fast as the limit allows.")
 
 
 def peak_memory_1f1b(fn: Any) -> Verdict:
@@ -78,36 +104,48 @@ def peak_memory_1f1b(fn: Any) -> Verdict:
                            "first backward (mind m < p), and when can each start, given rank r - 1's?")
 
 
-BATCH_SPLIT = dict(num_ranks=4, f_work=48.0, backward_work=96.0, splits=(8, 16))
-"""Exercise 1.2's case: 1F1B on 4 ranks; one step's batch cut into m microbatches; every action costs a
+BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, splits=(8, 16), ranks=(1, 2, 3, 4, 6, 8))
+"""Exercise 1.2's case: 1F1B on p ranks; one step's batch cut into m microbatches; every action costs a
 fixed price c plus its share of the batch's work, so T_F = c + 48/m and the fused backward, one action,
-T_BW = c + 96/m; T_comm = 0. The question: the c at which the two ``splits`` tie."""
+T_BW = c + 96/m; T_comm = 0. The question: the c at which the two ``splits`` tie, as a function of p,
+checked at ``ranks``."""
 
 
-def _batch_split_span(m: int, price: float) -> float:
+def _batch_split_span(p: int, m: int, price: float) -> float:
     c = BATCH_SPLIT
     f, bw = price + c["f_work"] / m, price + c["backward_work"] / m
-    return simulate(build_schedule("1f1b", c["num_ranks"], m), Costs(f=f, b=bw / 2, w=bw / 2, bw=bw)).makespan
+    return simulate(build_schedule("1f1b", p, m), Costs(f=f, b=bw / 2, w=bw / 2, bw=bw)).makespan
 
 
-def batch_split(answer: Any) -> Verdict:
-    """Exercise 1.2 (an inverse question): the fixed price c per action at which 1F1B on
-    :data:`BATCH_SPLIT` takes as long with m = 8 as with m = 16; the makespans are linear in c, so
-    the reference solves the two simulations at c = 0 and c = 1 for their crossing. Pricing the fused
-    backward twice (as a B and a W) gives 9/8, refused with its own hint."""
+def _tie(p: int) -> float:
+    """The price at which the two splits tie on p ranks: the makespans are linear in c, so the crossing of
+    the two simulations at c = 0 and c = 1."""
     small, large = BATCH_SPLIT["splits"]
-    slope = {m: _batch_split_span(m, 1.0) - _batch_split_span(m, 0.0) for m in (small, large)}
-    tie = (_batch_split_span(small, 0.0) - _batch_split_span(large, 0.0)) / (slope[large] - slope[small])
-    verdict = _number_check("1.2", answer, tie, f"the price at which m = {small} and m = {large} tie",
-                            "write the makespan (m+p-1)(T_F+T_BW) with T_F and T_BW as functions of c "
-                            "and m (how many actions, so how many prices c, does a microbatch's backward "
-                            "take in 1F1B?), once for each m, and set the two equal.",
-                            known={9 / 8: ("9/8 prices the backward twice.",
-                                           "1F1B runs each backward fused: one action, so one price c, "
-                                           "not two.")})
+    slope = {m: _batch_split_span(p, m, 1.0) - _batch_split_span(p, m, 0.0) for m in (small, large)}
+    gap = _batch_split_span(p, small, 0.0) - _batch_split_span(p, large, 0.0)
+    return gap / (slope[large] - slope[small])
+
+
+def batch_split(fn: Any) -> Verdict:
+    """Exercise 1.2 (an inverse question): ``tie_price(p)``, the fixed price c per action at which 1F1B on p
+    ranks (:data:`BATCH_SPLIT`) takes as long with m = 8 as with m = 16; checked against the simulator at
+    every p of ``BATCH_SPLIT["ranks"]``. Pricing the fused backward twice (as a B and a W) gives 2/3 of it,
+    refused with its own hint."""
+    small, large = BATCH_SPLIT["splits"]
+    points = [(p,) for p in BATCH_SPLIT["ranks"]]
+    hint = ("write the makespan (m+p-1)(T_F+T_BW) with T_F and T_BW as functions of c and m (how many "
+            "actions, so how many prices c, does a microbatch's backward take in 1F1B?), once for each m, "
+            "and solve for c; what does the bubble's share (p-1) do to the answer?")
+    verdict = _function_check("1.2", fn, points, _tie, "tie_price(p)", hint)
+    if not verdict.ok and callable(fn) and _function_check("1.2", fn, points, lambda p: _tie(p) * 2 / 3, "",
+                                                           hint).ok:
+        return Verdict("1.2", False, "2/3 of the tie price: your function prices the backward twice.",
+                       "1F1B runs each backward fused: one action, so one price c, not two.")
     if verdict.ok:
-        verdict = Verdict("1.2", True, f"{verdict.message} Both take {_batch_split_span(small, tie):g}; "
-                                       f"a smaller price favours m = {large}, a larger one m = {small}.")
+        both = _batch_split_span(4, small, _tie(4))
+        verdict = Verdict("1.2", True, f"{verdict.message} At p = 4 both take {both:g}; a smaller price "
+                                       f"favours m = {large}, a larger one m = {small}, and the more ranks, "
+                                       "the more the bubble favours many microbatches.")
     return verdict
 
 
@@ -117,12 +155,12 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 """Lesson 1's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {
-    "1.1": lambda: timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE)
-,
-                                    "1F1B, p = 3, m = 6, stage 1 twice as slow")}
+    "1.1": lambda: timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE),
+                                   "1F1B, p = 3, m = 6, stage 1 twice as slow")}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "SLOW_MIDDLE", "makespan_1f1b", "lean_schedule", "peak_memory_1f1b", "BATCH_SPLIT", "batch_split",
+    "SLOW_MIDDLE", "LEAN_LIMIT", "makespan_1f1b", "lean_schedule", "peak_memory_1f1b", "BATCH_SPLIT",
+    "batch_split",
     "EXERCISES", "REVEALS"
 ]

@@ -24,6 +24,9 @@ def _matmul(rows: int, inner: int, cols: int) -> int:
 
 WIDTH_LISTS = ((32, 64, 32), (8, 16, 4, 2), (3, 5, 7, 11, 13), (1, 1), (64, 256, 64, 256, 64, 16))
 """The widths lists exercises 2.1 and 2.2 try: one to five layers of uneven widths."""
+MLP_RATIO = (32 + 64 + 64 + 32) / (32 + 64 + 64)
+"""M_W / M_B of the lesson's two-layer MLP: W reads x, a, dh, dy (192 floats a token), F keeps x, h, a
+(160)."""
 
 
 def _layer_products(n: int, widths: Sequence[int]) -> list[int]:
@@ -37,18 +40,30 @@ def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]
     return _function_check(exercise, fn, points, lambda n, w: expected(n, tuple(w)), what, hint)
 
 
-def w_held_floats(fn: Any) -> Verdict:
-    """Exercise 2.1: ``m_w(n, widths)``, the floats a microbatch holds from B to W (its M_W) for
-    ``len(widths) - 1`` layers ``z_l = a_l @ W_l`` on n tokens (``widths[l]``: layer l's input width,
-    ``widths[-1]``: the output width), B having kept every output gradient: the sizes of the arrays W
-    reads, each once. Checked on :data:`WIDTH_LISTS`."""
+def mw_over_mb(fn: Any) -> Verdict:
+    """Exercise 2.1: ``ratio(widths)``, M_W / M_B for ``len(widths) - 1`` layers ``z_l = a_l @ W_l``
+    (``widths[l]``: layer l's input width, ``widths[-1]``: the output width) with GELU between layers
+    (``a_{l+1} = gelu(z_l)``), none after the last. F keeps what B and W need (lesson 2's ``forward``: each
+    layer's input a_l and each GELU's input z_l); B keeps every output gradient dz_l; M_W is what is held
+    from B's end until W has run: the arrays W reads. Per token, so n cancels. Checked on
+    :data:`WIDTH_LISTS`; M_W taken as a part of M_B is refused with its own hint."""
 
-    def read_by_w(n, w):  # a_l (n, w[l]) and dz_l (n, w[l+1]) for every layer l
-        return sum(n * a + n * b for a, b in itertools.pairwise(w))
+    def held(w):  # F: a_0 .. a_{L-1} and z_0 .. z_{L-2}; W: a_l (w[l]) and dz_l (w[l+1]) for every layer
+        m_b = sum(w[:-1]) + sum(w[1:-1])
+        return (sum(w[:-1]) + sum(w[1:])) / m_b
 
-    return _widths_check("2.1", fn, read_by_w, "m_w(n, widths)",
-                         "W of layer l is a_l.T @ dz_l: what shape is each operand, and which of them are "
-                         "the same array for two layers?")
+    def part_of_m_b(w):  # W's layer inputs only: what F kept that W needs, as if nothing were added
+        return sum(w[:-1]) / (sum(w[:-1]) + sum(w[1:-1]))
+
+    points = [(list(w),) for w in WIDTH_LISTS]
+    hint = ("list the arrays F keeps (which does B still need, which W?) and the arrays W reads: its "
+            "operands a_l and dz_l; which of W's were never part of M_B?")
+    verdict = _function_check("2.1", fn, points, lambda w: held(tuple(w)), "ratio(widths)", hint)
+    if not verdict.ok and callable(fn) and _function_check("2.1", fn, points, lambda w: part_of_m_b(tuple(w)),
+                                                           "", hint).ok:
+        return Verdict("2.1", False, "that is the share of M_B that W still needs: M_W is more than that.",
+                       "B hands W an output gradient per layer, arrays F never kept.")
+    return verdict
 
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
@@ -80,7 +95,7 @@ def first_stage_b_ratio(answer: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "2.1": w_held_floats, "2.2": w_flops_without_kept_gradients, "2.3": first_stage_b_ratio
+    "2.1": mw_over_mb, "2.2": w_flops_without_kept_gradients, "2.3": first_stage_b_ratio
 }
 """Lesson 2's exercises by id -> check."""
 
@@ -88,6 +103,6 @@ REVEALS: dict[str, Callable[[], Any]] = {}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "w_held_floats", "w_flops_without_kept_gradients",
-    "first_stage_b_ratio", "EXERCISES", "REVEALS"
+    "MLP_TOKENS", "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "MLP_RATIO", "mw_over_mb",
+    "w_flops_without_kept_gradients", "first_stage_b_ratio", "EXERCISES", "REVEALS"
 ]

@@ -32,16 +32,16 @@ def zb_h1_makespan(answer: Any) -> Verdict:
 
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:
-    """Exercise 3.2: ``peak(p, m, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B (any m >= 1,
-    M_W = ``mem_w``); checked for p = 2..6, m = 1..2p+1 (five values), every rank, M_W in 0.25 .. 1."""
-    cases = {(p, m, mw) for p in (2, 3, 4, 5, 6) for m in (1, 2, p, 2 * p - 2, 2 * p + 1)
-             for mw in (0.25, 0.5, 1.0)}
+    """Exercise 3.2: ``peak(p, m, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B for m >= 2p,
+    with M_W = ``mem_w`` M_B; checked for p = 2..6, m = 2p, 2p + 1, 3p, every rank, M_W from 0.25 to 2
+    (above 1 a B raises the memory, as for lesson 2's MLP, and the peak moves)."""
+    cases = {(p, m, mw) for p in (2, 3, 4, 5, 6) for m in (2 * p, 2 * p + 1, 3 * p)
+             for mw in (0.25, 0.5, 1.0, 1.25, 2.0)}
     peaks = {c: simulate(build_schedule("zb-h2", c[0], c[1]), Costs(mem_w=c[2])).peak_memory for c in cases}
     points = [(p, m, r, mw) for p, m, mw in sorted(cases) for r in range(p)]
     return _function_check("3.2", fn, points, lambda p, m, r, mw: peaks[p, m, mw][r], "peak(p, m, r, mem_w)",
-                           "right after rank r's warm-up its forwards hold M_B each; how many W's does the "
-                           "rank owe at that moment later on, when W lags B by 2r microbatches, and what if "
-                           "m is too small for either?")
+                           "walk rank r's order and count, after each action, the forwards awaiting their B "
+                           "and the W's owed; with M_W above M_B, which raises the memory more, an F or a B?")
 
 
 def zb_h2_bubble(fn: Any) -> Verdict:

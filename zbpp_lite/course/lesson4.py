@@ -14,8 +14,9 @@ from ..schedules.simulate import simulate
 from .checks import Verdict, _function_check, _line_figure, _number_check
 
 
-AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=1.0, w=0.5, comm=0.05))
-"""Notebook 04's explorer case: p = 4, m = 12, T_F = T_B = 1, T_W = 0.5, T_comm = 0.05."""
+AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1.0))
+"""Exercises 4.2 and 4.3's case: p = 4, m = 12, T_F = 1, T_B = 2, T_W = 1, T_comm = 0 (T_B != T_F, so
+ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
 
 
 @functools.lru_cache(maxsize=16)
@@ -28,10 +29,12 @@ def _auto(limit: float):
 
 def bw_break_even(fn: Any) -> Verdict:
     """Exercise 4.1: ``largest_m(p, f, b, w, bw)``, the most microbatches (m >= p) for which ZB-H1 (split)
-    is strictly faster than 1F1B (fused T_BW = bw < T_B + T_W), T_W <= T_F, T_comm = 0; checked
-    against both simulations at six points (the paper's costs, and a tie)."""
+    is strictly faster than 1F1B (fused T_BW = bw < T_B + T_W), T_comm = 0, T_W on either side of T_F;
+    checked against both simulations at nine points (the paper's costs, two ties, three with T_W > T_F,
+    where ZB-H1's bubble is (p-1) T_B: lesson 3)."""
     points = [(4, 1.0, 1.0, 1.0, 1.55), (2, 1.0, 1.2, 0.6, 1.45), (8, 18.522, 18.086, 9.337, 24.0),
-              (5, 2.0, 1.5, 1.0, 2.2), (3, 1.0, 0.5, 0.8, 1.0), (4, 1.0, 1.0, 1.0, 1.5)]  # a tie at m = 9
+              (5, 2.0, 1.5, 1.0, 2.2), (3, 1.0, 0.5, 0.8, 1.0), (4, 1.0, 1.0, 1.0, 1.5),   # a tie at m = 9
+              (4, 1.0, 1.0, 1.5, 2.3), (3, 1.0, 2.0, 1.5, 3.0), (5, 1.0, 1.5, 2.0, 3.0)]  # T_W > T_F; tie: 8
 
     def largest(p, f, b, w, bw):
         c, m = Costs(f=f, b=b, w=w, bw=bw), p
@@ -42,10 +45,11 @@ def bw_break_even(fn: Any) -> Verdict:
 
     return _function_check("4.1", fn, points, largest, "largest_m(p, f, b, w, bw)",
                            "the split saves bubble once per step but pays T_B + T_W - T_BW on every "
-                           "microbatch: write both makespans as functions of m and find where they cross.")
+                           "microbatch: write both makespans as functions of m and find where they cross; "
+                           "and which W's still fit their gaps when T_W > T_F?")
 
 
-AUTO_LIMITS = tuple(range(4, 11))
+AUTO_LIMITS = tuple(range(4, 14))
 """The memory limits (M_B) exercises 4.2 and 4.3 plan :data:`AUTO_CASE` under."""
 
 
@@ -59,22 +63,26 @@ def bubble_floor_limit(answer: Any) -> Verdict:
     rates = _auto_rates()
     expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
     return _number_check("4.2", answer, expected, "the limit where the bubble first reaches its floor",
-                         "a larger limit lets rank 0 start more forwards before its first B; how many can it "
-                         "start before that B could possibly arrive, the round trip being ZB-H2's warm-up?")
+                         "a larger limit lets rank 0 start more forwards before its first B; how many fit "
+                         "before that B can arrive, with T_B twice T_F?")
 
 
 def auto_warmup(fn: Any) -> Verdict:
-    """Exercise 4.3: ``warmup(p, limit, r)``, the F rank r runs before its first B when zb-auto plans
-    :data:`AUTO_CASE` under ``limit`` M_B; checked at limits 4 to 9, every rank."""
-    plans = {lim: _auto(float(lim)).schedule for lim in AUTO_LIMITS[:-1]}
+    """Exercise 4.3: ``warmup(p, limit, r, f, b)``, the F rank r runs before its first B when zb-auto plans
+    :data:`AUTO_CASE` (T_F = ``f``, T_B = ``b``) under ``limit`` M_B; checked at limits 4 to 13, every
+    rank."""
+    plans = {lim: _auto(float(lim)).schedule for lim in AUTO_LIMITS}
+    c = AUTO_CASE["costs"]
 
-    def counted(p, limit, r):
+    def counted(p, limit, r, f, b):
         return next(i for i, a in enumerate(plans[limit].actions[r]) if a.kind != "F")
 
-    points = [(AUTO_CASE["num_ranks"], lim, r) for lim in plans for r in range(AUTO_CASE["num_ranks"])]
-    return _function_check("4.3", fn, points, counted, "warmup(p, limit, r)",
+    p = AUTO_CASE["num_ranks"]
+    points = [(p, lim, r, c.f, c.b) for lim in plans for r in range(p)]
+    return _function_check("4.3", fn, points, counted, "warmup(p, limit, r, f, b)",
                            "each warm-up F holds one M_B, so the limit caps the count; but a rank stops "
-                           "starting forwards once its first B could have arrived: lesson 3's ZB-H2 warm-up.")
+                           "starting forwards once its first B could have arrived: how long is that round "
+                           "trip from rank r, in forwards, when T_B differs from T_F?")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {

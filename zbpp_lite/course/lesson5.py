@@ -26,13 +26,22 @@ ZB_V_RATE = 0.05
 
 def zb_v_first_zero(answer: Any) -> Verdict:
     """Exercise 5.2: the smallest m with ZB-V's bubble rate below :data:`ZB_V_RATE` on p = 6 (unit costs,
-    T_comm = 0); predicted. The lesson prints only p = 4's sweep."""
+    T_comm = 0); predicted. The lesson prints only p = 4's sweep; the answers a copied pattern gives (the
+    first bubble-free m 2p - 1, the bound 2p, p = 4's answer, one stage's work per microbatch) get their
+    own message."""
     expected = min(m for m, t in _zb_v_sweep(6).items() if t.bubble_rate < ZB_V_RATE)
+    why = "the rate is rank 0's idle time over the makespan, work plus idle time: solve for m."
+    known = {
+        11.0: ("11 = 2p - 1 is where the bubble is gone, not where the rate first falls below 0.05.", why),
+        12.0: ("12 = 2p is the bound the schedule is stated for; the rate falls below 0.05 earlier.", why),
+        6.0: ("6 is p = 4's answer; at p = 6 rank 0 waits longer for microbatch 0.", why),
+        10.0: ("10 counts one stage's work per microbatch; rank 0 holds two stages (6 unit actions).", why),
+    }
     return _number_check("5.2", answer, expected,
                          f"the smallest m with a bubble rate below {ZB_V_RATE:g} at p = 6",
-                         "write rank 0's idle time as a function of m between p and the first bubble-free m "
-                         "(p = 4's sweep shows how it falls per microbatch), then the rate idle / makespan "
-                         "with makespan = 6m + idle; solve for m.")
+                         "how many forwards does rank 0 need to cover microbatch 0's trip down and up the V, "
+                         "and how many does it have when m is small? That gives its idle time; then the "
+                         "rate.", known=known)
 
 
 def zb_v_makespan(fn: Any) -> Verdict:
@@ -43,8 +52,9 @@ def zb_v_makespan(fn: Any) -> Verdict:
     return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
                            "makespan(p, m, t)",
                            "6t of work per microbatch on a rank; with few microbatches rank 0 waits for "
-                           "microbatch 0's round trip, with very few (m = 1: F down and up 2p stages, B "
-                           "back, then W) for the last microbatch's: which wait is longer at each m?")
+                           "microbatch 0's round trip; with very few, every microbatch's F and B on the loss "
+                           "stage queue on rank 0, and the last one's B must then cross back to stage 0: "
+                           "which wait is longer at each m?")
 
 
 def v_sends(fn: Any) -> Verdict:

@@ -30,13 +30,23 @@ def _interleaved_makespans() -> dict[int, float]:
 
 def interleaved_best_v(answer: Any) -> Verdict:
     """Exercise 6.2: the v (1 .. 6) giving interleaved 1F1B the shortest makespan on
-    :data:`INTERLEAVED_CASE`, where more stages per rank shrink the bubble but add transfers; predicted."""
+    :data:`INTERLEAVED_CASE`, where more stages per rank shrink the bubble but add transfers; predicted.
+    The answers of a half-done derivation get their own message: T_comm ignored (the most v), T_comm
+    counted once per link instead of on the way down and back (v = 4), no interleaving, the lesson's v."""
     spans = _interleaved_makespans()
     best = min(spans, key=spans.get)
-    return _number_check("6.2", answer, best, "the v with the shortest makespan",
-                         "the bubble (p-1)(T_F+T_B+T_W)/v falls with v; T_comm is paid on every link the "
-                         "first microbatch's forward and the last one's backward cross (vp - 1 each): add "
-                         "the two and minimise over v.")
+    hint = ("the bubble (p-1)(T_F+T_B+T_W)/v falls with v; which transfers can no action hide, on the first "
+            "microbatch's way down and the last one's way back? Count them as a function of v, add, "
+            "minimise.")
+    known = {
+        float(INTERLEAVED_CASE["max_v"]): ("the most stages per rank would win if transfers were free; "
+                                           "each extra link adds T_comm.", hint),
+        4.0: ("4 counts each link's transfer once; the critical path crosses the links going down (the "
+              "first microbatch's F) and again coming back (the last one's backward).", hint),
+        1.0: ("v = 1 is plain 1F1B: the largest bubble.", hint),
+        2.0: ("2 is the lesson's example, not the minimum with T_comm = 0.125.", hint),
+    }
+    return _number_check("6.2", answer, best, "the v with the shortest makespan", hint, known=known)
 
 
 def interleaved_peak(fn: Any) -> Verdict:
@@ -50,9 +60,9 @@ def interleaved_peak(fn: Any) -> Verdict:
 
     return _function_check("6.3", fn, points,
                            lambda p, v, r: max(peaks[p, v, 2 * p][r], peaks[p, v, 3 * p][r]), "peak(p, v, r)",
-                           "count rank r's warm-up forwards: enough to cover the other ranks' first pass "
-                           "down (2 per rank below it) and a whole extra round of p on each further stage it "
-                           "holds; then one more.")
+                           "count rank r's forwards before its first backward: microbatch 0 must pass every "
+                           "later stage (v - 1 more rounds of the ranks, then the ranks after r) and come "
+                           "back to rank r, and rank r fills that wait with forwards, at most one per slot.")
 
 
 def _zigzag_rank(p: int, s: int) -> int:

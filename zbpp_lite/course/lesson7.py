@@ -14,26 +14,33 @@ from ..viz.figures import timeline_figure
 from .checks import Verdict, _as_number, _called, _number_check, _unanswered
 
 
-SLOW_STAGE_0 = Costs(f=[2, 1, 1, 1], b=[2, 1, 1, 1], w=[2, 1, 1, 1])
-"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 0 twice as slow as the others."""
+SLOW_LAST_STAGE = Costs(f=[1, 1, 1, 2], b=[1, 1, 1, 2], w=[1, 1, 1, 2])
+"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with the last stage twice as slow as the others (the lesson
+plants the slow stage at the front)."""
 
 
 def idlest_rank(answer: Any) -> Verdict:
-    """Exercise 7.1: the rank idling longest inside its span in ZB-H1, p = 4, m = 8, :data:`SLOW_STAGE_0`
-    (the lesson's planted case slows the last stage instead); predicted."""
-    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_0)
+    """Exercise 7.1: the rank idling longest inside its span in ZB-H1, p = 4, m = 8, :data:`SLOW_LAST_STAGE`;
+    predicted. The lesson's case slows stage 0, where rank 1, next to it, idles longest: that pattern
+    copied here (rank 2) gets its own message, as does the slow rank itself."""
+    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_LAST_STAGE)
     expected = max(range(4), key=lambda r: t.bubble_time[r])
-    return _number_check("7.1", answer, expected, "the rank with the most idle time",
-                         "the slow rank sets the pace and never waits; the others all do the same work, "
-                         "T_F+T_B+T_W = 3 per microbatch, so the one with the longest span idles most: "
-                         "when does each start and end?")
+    hint = ("the slow rank sets the pace and never waits; the others all do the same work, T_F+T_B+T_W = 3 "
+            "per microbatch, so the one with the longest span idles most: when does each start and end?")
+    known = {2.0: ("rank 2 sits next to the slow stage, but nearness is not the point: ranks 0 to 2 all end "
+                   "waiting for the slow stage's backwards, so which of them started first?", hint),
+             3.0: ("rank 3 holds the slow stage: it sets the pace and never idles inside its span.", hint)}
+    return _number_check("7.1", answer, expected, "the rank with the most idle time", hint, known=known)
 
 
-LAYER_COSTS = (2.0, 1.0, 3.0, 1.0, 4.0, 4.0, 4.0, 4.0)
-"""Exercise 7.2's per-layer costs (T_F + T_B + T_W of each of 8 layers), cut into 3 contiguous stages."""
+LAYER_COSTS = (1.0, 2.0, 2.0, 5.0, 4.0, 2.0, 1.0, 4.0)
+"""Exercise 7.2's per-layer costs (T_F + T_B + T_W of each of 8 layers), cut into 3 contiguous stages: the
+bound max(total / 3, costliest layer) = 7 is out of reach (the best cut's slowest stage is 9), and filling
+stages up to a third of the total misses the best cut."""
 
 
-SPLIT_CASES = ((LAYER_COSTS, 3), (LAYER_COSTS, 2), ((1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0), 3),
+SPLIT_CASES = ((LAYER_COSTS, 3), ((2.0, 1.0, 3.0, 1.0, 4.0, 4.0, 4.0, 4.0), 3),
+               ((1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0), 3),
                ((3.0, 1.0, 1.0, 1.0), 2), ((1.0, 1.0, 1.0, 5.0), 2), ((2.0, 1.0, 1.0, 2.0), 3),
                ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0), 3), ((5.0, 1.0, 1.0, 1.0, 1.0, 1.0), 3),
                ((3.0, 3.0, 2.0, 2.0, 2.0, 3.0, 3.0), 3), ((1.0, 2.0, 1.0), 1), ((4.0, 1.0, 2.0, 7.0), 4))
@@ -114,12 +121,11 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 """Lesson 7's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {
-    "7.1": lambda: timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_STAGE_0)
-,
-                                    "ZB-H1, stage 0 twice as slow")}
+    "7.1": lambda: timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_LAST_STAGE),
+                                   "ZB-H1, the last stage twice as slow")}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "SLOW_STAGE_0", "idlest_rank", "LAYER_COSTS", "SPLIT_CASES", "balanced_partition", "best_split",
+    "SLOW_LAST_STAGE", "idlest_rank", "LAYER_COSTS", "SPLIT_CASES", "balanced_partition", "best_split",
     "EXERCISES", "REVEALS"
 ]

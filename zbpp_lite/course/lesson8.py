@@ -1,5 +1,5 @@
 """Lesson 8's exercise checks (build the pipeline): one function per exercise, which says right or not yet
-with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
+with a hint (:class:`zbpp_lite.course.checks.Verdict`). What runs the learner's code is :mod:`.bench`."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..schedules.builders import build_schedule
-from ..schedules.costs import Costs
 from ..schedules.ir import Schedule
-from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _number_check, _unanswered
+from .checks import Verdict, _unanswered
 
 
 BUILD_CASE = dict(ranks=4, microbatches=8, layers=8, width=256, microbatch_size=64, itemsize=4)
@@ -118,19 +116,35 @@ WIDE_STAGE = dict(widths=(256, 512, 128), rows=64, itemsize=2)
 
 
 def weight_bytes(answer: Any) -> Verdict:
-    """Exercise 8.2: of M_W (what B keeps for W: each layer's input x and output gradient dz), the bytes of
-    :data:`WIDE_STAGE` for one microbatch that B newly creates: the dz's (the x's are F's arrays, handed
-    on); predicted. The whole M_W is refused with its own hint."""
+    """Exercise 8.2 (predicted): for one microbatch of :data:`WIDE_STAGE`, the pair (M_W in bytes, of them
+    the bytes B itself creates). M_W is each layer's input x (F's arrays, handed on) and output gradient dz
+    (B's); the pattern of the lesson's square float32 stage, the dz's alone and the x's alone are refused
+    with their own hints."""
     c = WIDE_STAGE
     rows, widths, size = c["rows"], c["widths"], c["itemsize"]
-    hint = ("W of a layer a -> b wide needs its input x, (rows, a), and its output gradient dz, (rows, b); "
-            "bfloat16 is 2 bytes a number. Which of these existed before B ran?")
-    whole = sum(rows * (a + b) * size for a, b in zip(widths, widths[1:]))
-    return _number_check("8.2", answer, rows * sum(widths[1:]) * size,
-                         "the bytes of M_W that B creates (the output gradients dz)", hint,
-                         known={whole: (f"{whole} bytes is all of M_W, not what B adds.",
-                                        "each layer's input x was kept by F (stage_apply returned it); B "
-                                        "hands those very arrays on. Count only what B computes.")})
+    hint = ("what does W of a layer `z = x @ W + b` read, and what shape has each of those arrays in a "
+            "256 -> 512 -> 128 stage? Which of them did F already hold when B started?")
+    if _unanswered(answer):
+        return Verdict("8.2", False, "no answer yet: replace ... with your pair (M_W, created by B).", hint)
+    try:
+        whole, new = (float(v) for v in answer)
+    except (TypeError, ValueError):
+        return Verdict("8.2", False, f"expected a pair of numbers (M_W, created by B), got {answer!r}.", hint)
+    dz = rows * sum(widths[1:]) * size
+    xs = rows * sum(widths[:-1]) * size
+    if (whole, new) == (xs + dz, dz):
+        return Verdict("8.2", True, f"M_W is {xs + dz} bytes: the layer inputs ({xs}, F's arrays, which B "
+                       f"keeps alive) and the output gradients ({dz}, the only arrays B creates).")
+    if whole == dz:
+        return Verdict("8.2", False, f"{whole:g} bytes are only the output gradients dz.",
+                       "W's dW = x.T @ dz reads each layer's input too, and B keeps it alive until W.")
+    if new in (xs + dz, xs):
+        return Verdict("8.2", False, f"B does not create {new:g} bytes: the layer inputs x are arrays F "
+                       "returned, handed on, not copied.", hint)
+    if whole == 2 * 2 * rows * 256 * 4:
+        return Verdict("8.2", False, "that is M_W of the lesson's square float32 stage.",
+                       "this stage is 256 -> 512 -> 128 wide and bfloat16 (2 bytes a number).")
+    return Verdict("8.2", False, f"({whole:g}, {new:g}) is not (M_W, created by B).", hint)
 
 
 PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-v", 2))
@@ -198,31 +212,71 @@ def _order_problem(schedule: Schedule, timeline: Any) -> str:
     return ""
 
 
-def zb_h1_peak(answer: Any) -> Verdict:
-    """Exercise 8.4: ``peak(p, m, r, mem_b, mem_w)``, rank r's peak activation memory under ZB-H1 for every
-    m >= 1 (fewer microbatches than ranks too), F keeping M_B = ``mem_b`` until B and B keeping M_W =
-    ``mem_w`` until W; checked against the simulator at p = 2 to 5, m = 1 to 2p + 1, three memory pairs."""
-    hint = ("list what rank r holds right after an F of the steady state: microbatches past F but not B "
-            "hold M_B each, those past B but not W hold M_W each; ZB-H1 runs rank r's W of microbatch j "
-            "after its B of microbatch j + r. With few microbatches, how many of each exist at all?")
-    cases = [(p, m, mem_b, mem_w) for p in (2, 3, 5) for m in range(1, 2 * p + 2)
-             for mem_b, mem_w in ((1.0, 0.5), (5.0, 1.0), (2.0, 1.5))]
-    planned = {case: simulate(build_schedule("zb-h1", case[0], case[1]),
-                              Costs(mem_b=case[2], mem_w=case[3])).peak_memory for case in cases}
-    points = [(p, m, r, mem_b, mem_w) for (p, m, mem_b, mem_w) in cases for r in range(p)]
-    return _function_check("8.4", answer, points, lambda p, m, r, b, w: planned[p, m, b, w][r],
-                           "peak(p, m, r, mem_b, mem_w)", hint, tol=1e-9)
+STEP = dict(lr=1.0, max_norm=0.02)
+"""Exercise 8.4's optimizer: plain SGD with learning rate ``lr``, the gradient clipped to global norm
+``max_norm`` (below the norm of :data:`BUILD_CASE`'s gradient, 0.09, and of each stage's, about 0.045, so
+the clipping acts, with another scale for a stage clipped alone)."""
+
+STEP_TOLERANCE = 1e-3
+"""Relative tolerance on a step (new - old parameters, to its largest magnitude, about 1e-4): float32
+parameters of up to 0.3 are rounded to about 3e-8."""
+
+STEP_RUNS = {"one stage per rank": (0, 1, 2, 3), "V placement": (0, 1, 1, 0)}
+"""Exercise 8.4's placements of :data:`BUILD_CASE`'s 4 stages: stage -> rank."""
+
+
+def optimizer_step(result: Any) -> Verdict:
+    """Exercise 8.4: ``optimizer_step(rank, grads, params, all_sum)`` written by the learner, run on one
+    thread per rank by lesson 8's ``lab.try_step``; ``result`` is ``{"error", "runs": {name: {"params",
+    "want", "per_stage", "unclipped"}}}`` (per stage the step, new - old, as NumPy leaves; None: a stage
+    not returned).
+    Right when every stage's new parameters equal SGD on the whole model with the gradient clipped to the
+    global norm :data:`STEP` ``["max_norm"]``, within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 3:
+    the global norm needs every rank's gradient)."""
+    hint = ("each rank sums the squares of its own stages' gradients; all_sum adds those over the ranks; the "
+            "global norm is the square root; every rank scales by min(1, max_norm / norm) and steps only its "
+            "own stages.")
+    problem = _run_problem("8.4", result, "runs", "lab.try_step(optimizer_step)", "optimizer_step",
+                           "your step", hint)
+    if problem is not None:
+        return problem
+
+    def off(got, want):
+        return max((_rel_diff(a, b) for g, w in zip(got, want) for a, b in zip(g or (), w)), default=0.0)
+
+    near = lambda got, want: off(got, want) <= STEP_TOLERANCE  # noqa: E731
+
+    for name in STEP_RUNS:
+        run = result["runs"].get(name)
+        if run is None:
+            return Verdict("8.4", False, f"no run with {name}.", hint)
+        got = run["params"]
+        missing = [s for s, g in enumerate(got) if g is None or len(g) != len(run["want"][s])]
+        if missing:
+            return Verdict("8.4", False, f"{name}: no new parameters for stage(s) {missing}.",
+                           "return {stage: new [(W, b), ...]} for every stage in this rank's grads.")
+        if near(got, run["want"]):
+            continue
+        if near(got, run["per_stage"]):
+            return Verdict("8.4", False, f"{name}: each stage was clipped by its own norm.",
+                           "clipping uses the norm of the whole model's gradient: all_sum the squares first.")
+        if near(got, run["unclipped"]):
+            return Verdict("8.4", False, f"{name}: the step was not clipped.", hint)
+        return Verdict("8.4", False, f"{name}: the new parameters differ from clipped SGD of the whole "
+                       "model.", hint)
+    return Verdict("8.4", True, "with one stage per rank and with two stages per rank, every stage took "
+                   "the step of the whole model, clipped by the global norm.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "8.1": stage_split, "8.2": weight_bytes, "8.3": pipeline_run, "8.4": zb_h1_peak
+    "8.1": stage_split, "8.2": weight_bytes, "8.3": pipeline_run, "8.4": optimizer_step
 }
 """Lesson 8's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {}
+REVEALS: dict[str, Callable[[], Any]] = {}  # 8.2's reveal measures the learner's own F and B
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
     "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "WIDE_STAGE", "weight_bytes", "PIPELINE_RUNS",
-    "pipeline_run", "zb_h1_peak", "EXERCISES", "REVEALS"
+    "pipeline_run", "STEP", "STEP_TOLERANCE", "STEP_RUNS", "optimizer_step", "EXERCISES", "REVEALS"
 ]

@@ -22,7 +22,9 @@ class ChoiceRun:
 
     Attributes:
         first: "B" or "F": which kind runs first when both have arrived.
-        fill_partial: a W goes into every gap, even one shorter than T_W.
+        fill_partial: a W goes into every gap, even one shorter than T_W (delaying the F or B that arrives
+            meanwhile); without it, into such a gap only where idling would raise the largest projected
+            span (a rank's whole work plus its idle time so far) of any rank.
         fit_f: one more warm-up F only where it ends before the first B arrives.
         makespan: the costs' time unit.
         peak_memory: largest per-rank peak (units of M_B).
@@ -54,7 +56,7 @@ def eight_choices(num_ranks: int, num_microbatches: int, costs: Costs,
 def narrate(schedule: Schedule, costs: Costs, rank: int, memory_limit: float | None = None) -> list[str]:
     """One line per action of ``rank`` (``schedule`` simulated with ``costs``): start, end, action, memory
     after it (beside ``memory_limit`` in M_B if given) and why it ran then (warm-up under the limit, input
-    arrived, a W filling or delaying, a W left for the end)."""
+    arrived, a W freeing memory for the next F, filling idle time or delaying, a W left for the end)."""
     table = costs.table(schedule.num_stages)
     timeline = simulate(schedule, costs)
     made = producers(timeline)
@@ -78,11 +80,16 @@ def narrate(schedule: Schedule, costs: Costs, rank: int, memory_limit: float | N
                                                       "memory was at the limit)" if waited > _EPS else "")
         else:
             nxt = next((x.action for x in events[i + 1:] if x.action.kind != "W"), None)
+            over = memory_limit is not None and nxt is not None and nxt.kind == "F" and (
+                held - table.memory_delta(a.kind, a.stage) + table.memory_delta("F", nxt.stage)
+                > memory_limit + _EPS)
             if nxt is None:
                 why = "W left for the end"
+            elif over:
+                why = f"W frees memory: the next {nxt.label} would pass the limit without it"
             elif ready(nxt) >= e.end - _EPS:
-                why = f"W fills idle time: the next {nxt} is ready only at {ready(nxt):.3g}"
+                why = f"W fills idle time: the next {nxt.label} is ready only at {ready(nxt):.3g}"
             else:
-                why = f"W delays the next {nxt} (ready at {ready(nxt):.3g}): a partial gap filled"
-        lines.append(f"{e.start:7.3g} - {e.end:<7.3g} {str(a):>5}  memory {held:g}{cap}  {why}")
+                why = f"W delays the next {nxt.label} (ready at {ready(nxt):.3g}): a gap under T_W filled"
+        lines.append(f"{e.start:7.3g} - {e.end:<7.3g} {a.label:>4}  memory {held:g}{cap}  {why}")
     return lines

@@ -512,7 +512,7 @@ class PipelineExecutor:
         failures = [e for e in errors if not isinstance(e[2], (Aborted, TimeoutError))]
         if failures:
             rank, action, exc = failures[0]
-            where = f"rank {rank}" + (f" at {action}" if action is not None else "")
+            where = f"rank {rank}" + (f" at {action.text}" if action is not None else "")
             raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
         timeouts = sorted((e for e in errors if isinstance(e[2], TimeoutError)), key=lambda e: e[0])
         if timeouts:

@@ -54,6 +54,13 @@ except AttributeError:  # pragma: no cover - older JAX
     _CHECK_ARG = "check_rep"
 
 
+def shard_map(fn: Any, mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
+    """``fn`` run once per device of ``mesh`` on its shard of each argument (``in_specs``, ``out_specs``:
+    :class:`~jax.sharding.PartitionSpec` prefixes), with JAX's check of which values vary over a mesh axis:
+    ``jax.shard_map`` (JAX >= 0.7, ``check_vma``) or ``jax.experimental.shard_map`` (``check_rep``)."""
+    return _shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{_CHECK_ARG: True})
+
+
 def _aux(model: StagedModel, stage: int, labels: Any, keys: Any, j: Any) -> Any:
     """Stage ``stage``'s ``aux`` for microbatch ``j`` (:meth:`StagedModel.stage_aux`); ``keys`` None: none."""
     return model.stage_aux(stage, labels[j], None if keys is None else keys[j])
@@ -424,8 +431,7 @@ class SpmdExecutor:
             return lax.psum(st["losses"], AXIS), acc
 
         in_specs = (P(AXIS),) * 4 + (P(), P(), P())
-        return jax.jit(_shard_map(rank_program, mesh=self.mesh, in_specs=in_specs, out_specs=(P(), P()),
-                                  **{_CHECK_ARG: True}))
+        return jax.jit(shard_map(rank_program, self.mesh, in_specs, (P(), P())))
 
     def _tick(self, branches: list, stage_of: Any, n: int):
         """One tick for ``lax.scan``: the switch, its slot values written back, the message passed on."""

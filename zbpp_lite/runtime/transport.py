@@ -142,7 +142,8 @@ class Inbox:
                 if left <= 0:
                     what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
                             else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
-                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {action}{self.where}: "
+                    waiter = getattr(action, "text", action)
+                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {waiter}{self.where}: "
                                        f"{what} never arrived")
                 self.cond.wait(min(left, 0.5))
 

@@ -40,3 +40,18 @@ def fuse_adjacent(schedule: Schedule) -> Schedule:
     name = schedule.name + FUSE_SUFFIX if schedule.name else ""
     # fusing a B with its W frees M_W no later: the plan's memory promise still holds
     return Schedule(tuple(rows), placement, schedule.num_microbatches, name, schedule.memory_plan)
+
+
+def split_fused(schedule: Schedule) -> Schedule:
+    """The reverse of :func:`fuse_adjacent`: every BW(s, j) run as B(s, j) then W(s, j) in its place, the
+    order otherwise unchanged; a new Schedule, same placement and m, named ``name + "+split"`` ("" stays
+    ""). With T_BW = T_B + T_W it shows what the split alone buys: the previous rank gets B's output
+    T_W earlier (arXiv 2401.10241 section 2)."""
+    def parts_of(entry):
+        if isinstance(entry, Action) and entry.kind == "BW":
+            return (Action("B", entry.stage, entry.microbatch), Action("W", entry.stage, entry.microbatch))
+        return (entry,)
+
+    rows = [tuple(x for entry in row for x in parts_of(entry)) for row in schedule.actions]
+    name = schedule.name + "+split" if schedule.name else ""
+    return Schedule(tuple(rows), schedule.placement, schedule.num_microbatches, name)

@@ -2,9 +2,12 @@
 
 Terms (arXiv 2401.10241 section 2): F is one stage's forward on one microbatch, B the backward for the input
 gradient only, W the backward for the weight gradient only, BW the fused full backward (GPipe, 1F1B).
-Text form is ``torch.distributed.pipelining``'s ``{stage}{code}{microbatch}`` with codes F, I (our B),
-W and B (our BW): ``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``. An :class:`Overlap` is DualPipe's F&B pair
-(arXiv 2412.19437 section 3.2.1), written ``"(0F7;7B3)OVERLAP_F_B"``.
+Two text forms. ``str()`` / ``from_str`` give PyTorch's (``torch.distributed.pipelining``,
+``{stage}{code}{microbatch}`` with codes F, I (our B), W and B (our BW): ``"2F0"``, ``"1I3"``, ``"1W3"``,
+``"0B1"``), which CSV files and PyTorch read. ``.text`` / ``from_text`` give ours, the kind itself:
+``"2F0"``, ``"1B3"``, ``"1W3"``, ``"0BW1"``; grids, validator messages and the course print ours. An
+:class:`Overlap` is DualPipe's F&B pair (arXiv 2412.19437 section 3.2.1), PyTorch's
+``"(0F7;7B3)OVERLAP_F_B"``, ours ``"0F7&7BW3"``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ TORCH_CODE = {"F": "F", "B": "I", "W": "W", "BW": "B"}
 KIND_OF_CODE = {code: kind for kind, code in TORCH_CODE.items()}
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]+)\s*(\d+)\s*$")
+_CODES_OF_FORM = {"PyTorch's": KIND_OF_CODE, "our": {k: k for k in KINDS}}
 # PyTorch's lowered (compute_comms) form also holds transfers and bookkeeping, read as nothing.
 _TORCH_NON_COMPUTE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)\d*\s*$")
 _TORCH_OVERLAP = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
@@ -55,17 +59,32 @@ class Action:
         """Short human label, e.g. ``F3`` or ``BW0`` (kind and microbatch)."""
         return f"{self.kind}{self.microbatch}"
 
+    @property
+    def text(self) -> str:
+        """Our text form, the kind between stage and microbatch: ``"1B3"`` (B), ``"0BW1"`` (BW)."""
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
     @classmethod
     def from_str(cls, text: str) -> "Action":
         """Parse PyTorch's text form (``"2F0"``, ``"1I3"``, ``"1W3"``, ``"0B1"``); ValueError otherwise."""
+        return cls._parse(text, "PyTorch's")
+
+    @classmethod
+    def from_text(cls, text: str) -> "Action":
+        """Parse our text form (``"2F0"``, ``"1B3"``, ``"1W3"``, ``"0BW1"``); ValueError otherwise."""
+        return cls._parse(text, "our")
+
+    @classmethod
+    def _parse(cls, text: str, form: str) -> "Action":
+        codes = _CODES_OF_FORM[form]
         match = _ACTION_RE.match(text)
-        if not match or match.group(2) not in KIND_OF_CODE:
+        if not match or match.group(2) not in codes:
+            example = "'1I3' for B, '0B1' for BW" if form == "PyTorch's" else "'1B3' for B, '0BW1' for BW"
             raise ValueError(
-                f"cannot parse action {text!r}: expected {{stage}}{{code}}{{microbatch}} with code "
-                f"one of {sorted(KIND_OF_CODE)} (F forward, I input-backward, W weight-backward, "
-                "B full backward), e.g. '2F0' or '1I3'"
+                f"cannot parse action {text!r} in {form} text form: expected {{stage}}{{code}}{{microbatch}} "
+                f"with code one of {sorted(codes)}, e.g. '2F0', {example}"
             )
-        return cls(KIND_OF_CODE[match.group(2)], int(match.group(1)), int(match.group(3)))
+        return cls(codes[match.group(2)], int(match.group(1)), int(match.group(3)))
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,11 @@ class Overlap:
 
     def __str__(self) -> str:
         return f"({self.forward};{self.backward})OVERLAP_F_B"
+
+    @property
+    def text(self) -> str:
+        """Our text form: ``"0F7&7BW3"``."""
+        return f"{self.forward.text}&{self.backward.text}"
 
     @property
     def label(self) -> str:

@@ -25,26 +25,26 @@ class ScheduleError(ValueError):
 
 
 def describe(action: Entry) -> str:
-    """``B(stage 1, microbatch 3) [1I3]``: readable and in PyTorch notation (a pair: both parts)."""
+    """``B(stage 1, microbatch 3) [1B3]``: readable and in our text form (a pair: both parts)."""
     if isinstance(action, Overlap):
         f, b = action.parts
         return (f"the F&B pair of F(stage {f.stage}, microbatch {f.microbatch}) and "
-                f"{b.kind}(stage {b.stage}, microbatch {b.microbatch}) [{action}]")
-    return f"{action.kind}(stage {action.stage}, microbatch {action.microbatch}) [{action}]"
+                f"{b.kind}(stage {b.stage}, microbatch {b.microbatch}) [{action.text}]")
+    return f"{action.kind}(stage {action.stage}, microbatch {action.microbatch}) [{action.text}]"
 
 
 def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, window: int = 8) -> str:
-    """The rank x step grid in PyTorch notation; ``mark=(rank, step)`` brackets one cell and shows only
-    ``window`` steps either side."""
+    """The rank x step grid in our text form (``1B3`` for B, ``0BW1`` for BW: :attr:`Action.text`);
+    ``mark=(rank, step)`` brackets one cell and shows only ``window`` steps either side."""
     lo, hi = 0, max((len(r) for r in schedule.actions), default=0)
     if mark is not None:
         lo, hi = max(0, mark[1] - window), min(hi, mark[1] + window + 1)
-    width = max([len(str(e)) for row in schedule.actions for e in row] + [3]) + 2
+    width = max([len(e.text) for row in schedule.actions for e in row] + [3]) + 2
     lines = ["step    " + "".join(f"{i:>{width}}" for i in range(lo, hi))]
     for rank, row in enumerate(schedule.actions):
         cells = []
         for i in range(lo, hi):
-            text = str(row[i]) if i < len(row) else ""
+            text = row[i].text if i < len(row) else ""
             if mark == (rank, i):
                 text = f"[{text}]"
             cells.append(f"{text:>{width}}")

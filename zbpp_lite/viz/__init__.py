@@ -11,6 +11,7 @@ from .figures import (
     dependency_figure,
     layer_dependency_figure,
     postvalidation_figure,
+    schedules_figure,
     timeline_figure,
 )
 from .memory import measured_memory_figure, memory_figure
@@ -37,6 +38,7 @@ __all__ = [
     "plan_timeline",
     "postvalidation_figure",
     "schedule_slider_figure",
+    "schedules_figure",
     "slider_figure",
     "text_grid",
     "timeline_figure",

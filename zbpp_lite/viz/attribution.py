@@ -44,7 +44,7 @@ def attribution_figure(attribution: Attribution, timeline: Timeline, title: str 
                          f"{timeline.num_ranks}")
     scale, unit = (1e3, "ms") if timeline.source == "measured" else (1.0, "units of the costs")
     t0 = start_time(timeline)
-    fig = make_subplots(rows=2, cols=1, row_heights=[0.6, 0.4], vertical_spacing=0.16,
+    fig = make_subplots(rows=2, cols=1, row_heights=[0.6, 0.4], vertical_spacing=0.22,
                         subplot_titles=("idle stretches by cause", "idle time by the stage it is blamed on"))
     for trace in timeline_traces(timeline, show_idle=False, show_labels=False, showlegend=False, scale=scale):
         trace["marker"].update(color=ACTION_GREY[trace["legendgroup"]], opacity=1.0)

@@ -6,6 +6,7 @@ Terms (makespan, bubble rate, M_B) follow arXiv 2401.10241 sections 2-3; colours
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
@@ -13,16 +14,19 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..analysis.profiling.timelines import producers
-from ..schedules.ir import TORCH_CODE, deps
-from ..schedules.timeline import Timeline
+from ..analysis.profiling.timelines import critical_path, producers
+from ..schedules.ir import deps
+from ..schedules.timeline import Event, Timeline
 from .states import plan_or_refusal
 from .style import BAR_KINDS, KIND_STYLE
 
 BAR_WIDTH = 0.8
 GRID_COLOR = "#E8E8E8"
 LEGEND_TOP = {"orientation": "h", "yanchor": "bottom", "y": 1.04, "xanchor": "right", "x": 1.0}
-"""The legend of every figure: one row above the plot, right-aligned."""
+"""The legend of a figure: one row above the plot, right-aligned."""
+LEGEND_BOTTOM = {"orientation": "h", "yref": "container", "yanchor": "bottom", "y": 0.0, "xanchor": "left",
+                 "x": 0.0}
+"""The legend of a figure whose title takes the top: rows at the bottom, under the time axis."""
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -126,7 +130,7 @@ def timeline_traces(
         else:
             hover = (
                 f"{kind} of stage %{{customdata[0]:d}}, microbatch %{{customdata[1]:d}}"
-                f" (%{{customdata[0]:d}}{TORCH_CODE[kind]}%{{customdata[1]:d}})"
+                f" (%{{customdata[0]:d}}{kind}%{{customdata[1]:d}})"
                 "<br>start %{customdata[2]:.4~g}<br>end %{customdata[3]:.4~g}<extra>%{y}</extra>"
             )
             text = mb.astype(int).astype(str) if show_labels else None
@@ -246,9 +250,11 @@ def compare_figure(
     titles: tuple[str, str] = ("planned", "measured"),
     title: str | None = None,
     time_unit: str | None = None,
+    ratio_name: str = "measured / planned makespan",
 ) -> go.Figure:
     """Planned above measured on one shared time axis (same unit), each from 0; the title gives both
-    makespans and their ratio. Raises ValueError: timelines with different numbers of ranks."""
+    makespans and their ratio, named ``ratio_name`` (e.g. "lockstep / event-driven makespan" for other
+    pairs). Raises ValueError: timelines with different numbers of ranks."""
     if planned.num_ranks != measured.num_ranks:
         raise ValueError(
             f"compare_figure needs the same number of ranks, got {planned.num_ranks} planned and "
@@ -261,7 +267,7 @@ def compare_figure(
                          time_unit or time_unit_of(measured))
     span = max(end_time(t) - start_time(t) for t in (planned, measured))
     fig.update_xaxes(range=[0, max(span, 1e-12)])
-    fig.update_layout(title={"text": f"{head}measured / planned makespan = {ratio:.3f}"},
+    fig.update_layout(title={"text": f"{head}{ratio_name} = {ratio:.3f}"},
                       height=220 + 2 * 34 * planned.num_ranks)
     for note in _chunk_note(planned, measured):
         fig.add_annotation(note)
@@ -425,3 +431,150 @@ def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go
                       xaxis={"visible": False}, yaxis={"visible": False, "range": [-0.6, 2.6]},
                       height=320, plot_bgcolor="white", legend={"orientation": "h", "y": -0.05})
     return fig
+
+
+# ---------------------------------------------------------------------------- schedules on one time axis
+
+CHAIN_COLOR = "#111111"
+"""Outline of the B's (and BW's) on a timeline's critical chain."""
+
+PANEL_COLORS = ("#333333", "#C0392B", "#1F6FB2", "#7B4173")
+"""Memory line of the first, second, ... panel of :func:`schedules_figure`."""
+
+
+def chain_trace(timeline: Timeline, comm: float = 0.0) -> dict[str, Any]:
+    """A bar trace outlining the B's and BW's on ``timeline``'s critical chain
+    (:func:`~zbpp_lite.analysis.profiling.timelines.critical_path`; times from the first start)."""
+    t0 = start_time(timeline)
+    chain = [e for e in critical_path(timeline, comm) if e.action.kind in ("B", "BW")]
+    return {"type": "bar", "orientation": "h", "name": "critical chain of B's (sets the end)",
+            "legendgroup": "chain", "base": [e.start - t0 for e in chain], "x": [e.duration for e in chain],
+            "y": [e.rank for e in chain], "width": BAR_WIDTH, "hoverinfo": "skip",
+            "marker": {"color": "rgba(0,0,0,0)", "line": {"color": CHAIN_COLOR, "width": 3}}}
+
+
+def moved_w(before: Timeline, after: Timeline) -> list[tuple[Event, Event]]:
+    """(where the W ran in ``before``, the W in ``after``) for each W of ``after`` moved into its rank's
+    cool-down: run after the rank's last B, later than right after its own B, where the rank would
+    otherwise idle waiting for the other ranks' B's (arXiv 2401.10241 section 3). ``before``'s event is the
+    W of the same stage and microbatch, or the BW holding it; a W ``before`` lacks is left out."""
+    where = {(e.action.kind, e.action.stage, e.action.microbatch): e for e in before.events}
+    own_b = {(e.action.stage, e.action.microbatch): e for e in after.events if e.action.kind == "B"}
+    moved = []
+    for r in range(after.num_ranks):
+        row = after.rank_events(r)
+        last_b = max((e.end for e in row if e.action.kind in ("B", "BW")), default=math.inf)
+        for w in (e for e in row if e.action.kind == "W" and e.start >= last_b - 1e-9):
+            key = (w.action.stage, w.action.microbatch)
+            old = where.get(("W", *key)) or where.get(("BW", *key))
+            if old is not None and key in own_b and w.start > own_b[key].end + 1e-9:
+                moved.append((old, w))
+    return moved
+
+
+def _domain_y(domains: tuple[Sequence[float], Sequence[float]], num_ranks: int, rank: float, panel: int
+              ) -> float:
+    """``rank``'s place on panel ``panel`` (0 or 1) of two rank axes (:func:`rank_axis`) drawn over
+    ``domains`` (paper coordinates), as a fraction of the second panel's domain (Plotly's "y2 domain")."""
+    d = domains[panel]
+    paper = d[0] + (d[1] - d[0]) * (num_ranks - 0.5 - rank) / num_ranks
+    return (paper - domains[1][0]) / (domains[1][1] - domains[1][0])
+
+
+def move_arrows(before: Timeline, after: Timeline, domains: tuple[Sequence[float], Sequence[float]],
+                yref: str = "y2") -> list[dict[str, Any]]:
+    """Arrows of :func:`moved_w`, from the W's share of its old bar (``before``'s panel, y ``domains[0]``)
+    to the W in ``after``'s panel (``domains[1]``, y axis ``yref``), on the shared time axis."""
+    b0, a0, p = start_time(before), start_time(after), after.num_ranks
+    arrows = []
+    for old, w in moved_w(before, after):
+        tail = old.end - (old.duration if old.action.kind == "W" else w.duration) / 2 - b0
+        arrows.append({"x": (w.start + w.end) / 2 - a0, "y": _domain_y(domains, p, w.rank - 0.25, 1),
+                       "ax": tail, "ay": _domain_y(domains, p, old.rank + 0.3, 0), "xref": "x",
+                       "axref": "x", "yref": f"{yref} domain", "ayref": f"{yref} domain", "text": "",
+                       "showarrow": True, "arrowhead": 2, "arrowwidth": 1.3, "arrowcolor": "#2F6B29",
+                       "opacity": 0.85, "standoff": 0, "startstandoff": 0})
+    return arrows
+
+
+def _panel_title(name: str, timeline: Timeline) -> str:
+    return f"{name}: {stats_text(timeline)}, peak memory {max(timeline.peak_memory, default=0):.4g} M_B"
+
+
+def schedules_figure(named: Sequence[tuple[str, Timeline]], *, moves: Sequence[int] = (), chain: bool = False,
+                     memory_rank: int | None = 0, title: str | None = None, time_unit: str | None = None
+                     ) -> go.Figure:
+    """Several timelines one above the other on one time axis (the course's headline picture), and beneath
+    them one rank's activation memory, one line per timeline.
+
+    Args:
+        named: (panel name, timeline) pairs, top to bottom; the same number of ranks.
+        moves: panels ``k`` with arrows to panel ``k + 1`` for :func:`moved_w` (W's moved into the
+            cool-down, where the rank would idle).
+        chain: outline the B's on each timeline's critical chain (:func:`chain_trace`).
+        memory_rank: the rank whose memory is drawn (units of M_B, the timeline's memory limit dashed);
+            None: no memory panel.
+        time_unit: the x-axis unit (default :func:`time_unit_of`).
+
+    Raises ValueError: no timeline, or timelines with different numbers of ranks.
+    """
+    p = {t.num_ranks for _, t in named}
+    if len(p) != 1:
+        raise ValueError("schedules_figure needs one or more timelines with one number of ranks, got "
+                         f"{sorted(p) or 'none'}")
+    p, n = p.pop(), len(named)
+    rows = n + (memory_rank is not None)
+    titles = [_panel_title(name, t) for name, t in named]
+    if memory_rank is not None:
+        titles.append(f"activation memory of rank {memory_rank} (units of M_B)")
+    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.22 / rows,
+                        subplot_titles=titles, row_heights=[1.0] * n + [0.9] * (rows - n))
+    seen: set[str] = set()
+    for row, (name, t) in enumerate(named, start=1):
+        for trace in timeline_traces(t):
+            trace["showlegend"] = trace["showlegend"] and trace["legendgroup"] not in seen
+            trace["legendrank"] = 100 + BAR_KINDS.index(trace["legendgroup"])
+            if len(trace["x"]):
+                seen.add(trace["legendgroup"])
+            fig.add_trace(go.Bar(trace), row=row, col=1)
+        if chain:
+            fig.add_trace(go.Bar(chain_trace(t), showlegend=row == 1, legendrank=200), row=row, col=1)
+        fig.update_yaxes(rank_axis(p), row=row, col=1)
+    if memory_rank is not None:
+        _memory_panel(fig, named, memory_rank, rows)
+    domains = [fig.get_subplot(row, 1).yaxis.domain for row in range(1, n + 1)]
+    for k in moves:
+        yref = fig.get_subplot(k + 2, 1).yaxis.plotly_name.replace("axis", "")
+        for arrow in move_arrows(named[k][1], named[k + 1][1], (domains[k], domains[k + 1]), yref):
+            fig.add_annotation(arrow)
+    span = max(end_time(t) - start_time(t) for _, t in named)
+    fig.update_xaxes(range=[0, span], zeroline=False, gridcolor=GRID_COLOR)
+    fig.update_xaxes(title_text=f"time ({time_unit or time_unit_of(named[0][1])})", row=rows, col=1)
+    fig.update_layout(title={"text": title or "schedules on one time axis"}, barmode="overlay", bargap=0.1,
+                      uniformtext={"minsize": 8, "mode": "hide"}, plot_bgcolor="white", legend=LEGEND_BOTTOM,
+                      height=200 + n * (60 + 30 * p) + (rows - n) * 190,
+                      margin={"l": 70, "r": 20, "t": 110, "b": 120})
+    return fig
+
+
+def _memory_panel(fig: go.Figure, named: Sequence[tuple[str, Timeline]], rank: int, row: int) -> None:
+    """One rank's memory step line per timeline in ``row`` (colours :data:`PANEL_COLORS`), each timeline's
+    memory limit dashed in its colour."""
+    top = 0.0
+    for k, (name, t) in enumerate(named):
+        color = PANEL_COLORS[k % len(PANEL_COLORS)]
+        curve = t.memory_curve(rank)
+        t0 = start_time(t)
+        fig.add_trace(go.Scatter(x=[max(x - t0, 0.0) for x, _ in curve] + [end_time(t) - t0],
+                                 y=[v for _, v in curve] + [curve[-1][1]], mode="lines",
+                                 line={"shape": "hv", "width": 2.5, "color": color,
+                                       "dash": ("solid", "dash", "dot", "dashdot")[k % 4]},
+                                 name=f"memory: {name}", legendgroup=f"memory{k}", legendrank=300 + k,
+                                 hovertemplate=f"time %{{x:.4~g}}<br>%{{y:.4~g}} M_B<extra>{name}</extra>"),
+                      row=row, col=1)
+        top = max(top, *(v for _, v in curve), t.memory_limit or 0.0)
+        if t.memory_limit is not None:
+            fig.add_hline(y=t.memory_limit, line={"color": color, "dash": "dash", "width": 1}, row=row, col=1,
+                          annotation_text=f"limit {t.memory_limit:g}", annotation_position="top left",
+                          annotation_font_color=color)
+    fig.update_yaxes(title_text="M_B", range=[0, 1.15 * top or 1], gridcolor=GRID_COLOR, row=row, col=1)

@@ -124,6 +124,39 @@ def producers(timeline: Timeline) -> dict[Key, Event]:
     return made
 
 
+def critical_path(timeline: Timeline, comm: float = 0.0) -> list[Event]:
+    """The chain of events that sets the end of ``timeline``, first to last: from the event that ends
+    last, step back to what it waited for, again and again, until an event waited for nothing.
+
+    What an event waited for: of its rank's previous event and the events producing its inputs
+    (:func:`~zbpp_lite.schedules.ir.deps`), the one with the least slack (its start minus that event's
+    end, minus ``comm`` for another rank's output: the transfer time T_comm in the timeline's unit); a
+    tie goes to another rank's output, so the chain follows the data. In a 1F1B or zero-bubble timeline
+    the chain runs down the ranks through F's and back up through B's (or BW's): a W is on it only where
+    a rank had nothing else to do (arXiv 2401.10241 section 2: B is on the critical path, W is not).
+    Empty for an empty timeline.
+    """
+    if not timeline.events:
+        return []
+    S = 1 + max(e.action.stage for e in timeline.events)
+    made = producers(timeline)
+    before = {}
+    for r in range(timeline.num_ranks):
+        row = timeline.rank_events(r)
+        before.update(zip(row[1:], row[:-1]))
+    e = max(timeline.events, key=lambda x: (x.end, -x.rank))
+    chain = [e]
+    while True:
+        waited = [(e.start - p.end - comm, 0, p) for p in (made.get(k) for k in deps(e.action, S))
+                  if p is not None and p.rank != e.rank]
+        if e in before:
+            waited.append((e.start - before[e].end, 1, before[e]))
+        if not waited:
+            return chain[::-1]
+        e = min(waited, key=lambda x: (x[0], x[1]))[2]
+        chain.append(e)
+
+
 def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: float = 1e-9) -> list[Transfer]:
     """Every wait on another rank's output: an event whose rank idled when its last-produced input's
     producer ended and that started more than ``tolerance`` later. ``num_stages``: default the largest
@@ -143,8 +176,8 @@ def transfers(timeline: Timeline, num_stages: int | None = None, tolerance: floa
             for key in deps(e.action, S):
                 if key not in made:
                     raise ValueError(f"the timeline has no event producing {key[0]} of stage {key[1]}, "
-                                     f"microbatch {key[2]}, which {e.action} on rank {r} needs; give the "
-                                     "whole step's timeline")
+                                     f"microbatch {key[2]}, which {e.action.text} on rank {r} needs; give "
+                                     "the whole step's timeline")
                 needed.append(made[key])
             if needed:
                 last = max(needed, key=lambda p: p.end)
@@ -169,7 +202,7 @@ def profile(timelines: Timeline | Sequence[Timeline], num_stages: int | None = N
     for t in timelines:
         for e in t.events:
             if e.action.stage >= S:
-                raise ValueError(f"event {e.action} names stage {e.action.stage}, but num_stages is {S}")
+                raise ValueError(f"event {e.action.text} names stage {e.action.stage}, but num_stages is {S}")
     durations = _durations(timelines)
     slacks = [x.slack for t in timelines for x in transfers(t, S)]
     stats: dict[str, list[tuple[float, float]]] = {"f": [], "b": [], "w": []}

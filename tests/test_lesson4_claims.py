@@ -1,0 +1,47 @@
+"""Lesson 4's claims over many cases (notebooks/04_automatic_scheduling.md shows one case of each with
+its assert): zb-auto's rate against the memory limit, its peak within the limit for any m, and the
+polishing budget's closed form (Qi et al., ICLR 2024, section 3)."""
+
+from __future__ import annotations
+
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite.schedules.builders.auto import auto_plan
+from zbpp_lite.schedules.builders.greedy import search_budget
+
+PAPER = zb.Costs(f=18.522, b=18.086, w=9.337, comm=0.601)
+
+
+def falls_then_stays(rates):
+    """Falls at every step of the limit into the band within 1% of the lowest rate, then stays in it."""
+    band = next(i for i, r in enumerate(rates) if r <= 1.01 * min(rates))
+    return (all(a > b for a, b in zip(rates[:band], rates[1:band + 1]))
+            and all(r <= 1.01 * min(rates) for r in rates[band:]))
+
+
+@pytest.mark.parametrize("p, m, costs", [(8, 24, PAPER), (4, 8, zb.Costs(f=1.2, b=1.5, w=0.8, comm=0.1)),
+                                         (3, 9, zb.Costs(f=1.0, b=2.0, w=0.5))])
+def test_the_rate_falls_with_the_limit_into_a_floor_above_zero(p, m, costs):
+    plans = [auto_plan(p, m, costs, lim) for lim in range(p, 3 * p + 1)]
+    assert all(max(pl.peak_memory) <= lim for lim, pl in zip(range(p, 3 * p + 1), plans))
+    rates = [pl.bubble_rate for pl in plans]
+    assert falls_then_stays(rates) and min(rates) > 0, rates
+
+
+def test_with_equal_costs_and_free_transfers_the_floor_is_zero():
+    assert min(auto_plan(4, 8, zb.Costs(), lim).bubble_rate for lim in range(4, 13)) == 0.0
+
+
+def test_the_peak_stays_within_the_limit_whatever_m():
+    p = 8
+    for m in [*range(1, 17), 24, 48, 96]:
+        for lim in (p, p + 4, 2 * p):
+            peak = max(auto_plan(p, m, PAPER, lim).peak_memory)
+            assert peak <= lim and (peak == p if lim == p and m >= p else True), (m, lim, peak)
+
+
+def test_the_polishing_budget_is_min_200_and_20000_over_the_actions():
+    for p, m in ((2, 4), (3, 6), (4, 12), (8, 24), (16, 48), (32, 96)):
+        rows = zb.build_schedule("zb-h1", p, m).actions
+        assert search_budget(rows) == min(200, 20000 // sum(map(len, rows))), (p, m)

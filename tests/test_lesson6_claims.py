@@ -1,0 +1,63 @@
+"""Lesson 6's claims over many cases (the lesson shows ZB-H1 at p = 2 and interleaved 1F1B at p = 4, v = 2,
+and asserts those cases beside them): lockstep against free running, interleaved 1F1B's makespan form,
+rank 0's memory and the links a microbatch crosses. Sources: Narayanan et al., SC 2021, section 2.2;
+arXiv 2401.10241 section 2."""
+
+from __future__ import annotations
+
+import pytest
+
+import zbpp_lite as zb
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2", "zb-v"])
+def test_lockstep_never_finishes_earlier_loses_nothing_on_even_ticks_and_always_pays_a_transfer(name):
+    """Equal T_F = T_B = T_W, no transfer: only 1F1B (its BW two F's long) loses; a transfer cost: every
+    schedule loses; T_W = T_F/2: never earlier."""
+    for p in (2, 3, 4):
+        plan = zb.build_schedule(name, p, 2 * p)
+        for costs in (zb.Costs(), zb.Costs(comm=0.1), zb.Costs(w=0.5)):
+            mpmd, spmd = (zb.simulate(plan, costs, lockstep=ls).makespan for ls in (False, True))
+            assert spmd >= mpmd - 1e-9, (name, p, costs)
+            if costs == zb.Costs():
+                assert (abs(spmd - mpmd) <= 1e-9) == (name != "1f1b"), (name, p)
+            if costs.comm:
+                assert spmd > mpmd, (name, p)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_interleaved_makespan_form_and_where_it_stops_holding(p):
+    """m(T_F+T_B+T_W) + (p-1)(T_F+T_B+T_W)/v for m a multiple of p (any m at v = 1, 1F1B's makespan);
+    m = 2p + 1 takes longer for v >= 2. Costs of a whole rank, each of the v stages 1/v of them."""
+    for v in range(1, 5):
+        for f, b, w in ((1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (2.0, 1.0, 1.0)):
+            per_stage = zb.Costs(f=f / v, b=b / v, w=w / v)
+            for m in (p, 2 * p, 3 * p, 2 * p + 1):
+                span = zb.simulate(zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=v),
+                                   per_stage).makespan
+                form = m * (f + b + w) + (p - 1) * (f + b + w) / v
+                exact = m % p == 0 or v == 1
+                assert abs(span - form) <= 1e-9 if exact else span > form + 1e-9, (p, v, m)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_interleaved_rank_0_holds_more_than_1f1b_and_looped_links(p):
+    """Rank 0 holds exactly 1 + (p-1)/(pv) times 1F1B's peak once m >= 2p (so (2p-1)/p at v = 1: not 1F1B);
+    a forward crosses vp - 1 links."""
+    for v in range(1, 5):
+        for m in (2 * p, 3 * p):
+            held = zb.simulate(zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), zb.Costs())
+            plain = zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(mem_b=float(v)))
+            share = held.peak_memory[0] / plain.peak_memory[0]
+            assert plain.peak_memory[0] == p * v and abs(share - (1 + (p - 1) / (p * v))) <= 1e-9, (p, v, m)
+        placed = zb.build_schedule("interleaved-1f1b", p, 2 * p, stages_per_rank=v).placement
+        assert sum(a != b for a, b in zip(placed, placed[1:])) == v * p - 1, (p, v)
+
+
+def test_interleaved_best_v_is_the_critical_path_form():
+    """Exercise 6.2's case: the simulated makespans are 24 + 9/v + 2(4v - 1) T_comm, least at v = 3."""
+    c = 0.125
+    for v in range(1, 7):
+        span = zb.simulate(zb.build_schedule("interleaved-1f1b", 4, 8, stages_per_rank=v),
+                           zb.Costs(f=1 / v, b=1 / v, w=1 / v, comm=c)).makespan
+        assert abs(span - (24 + 9 / v + 2 * (4 * v - 1) * c)) <= 1e-9, v

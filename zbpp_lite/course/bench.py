@@ -1,0 +1,303 @@
+"""Lessons 8 and 9's test bench: the lessons' MLP and its ``jax.grad`` reference, the threads and inboxes
+the learner's rank loop runs in (lesson 8), and what hands the learner's F, B, W, loop and optimizer step
+to :mod:`.lesson8`'s checks. Imports JAX, so ``course/__init__`` does not import it; the lessons do
+(``from zbpp_lite.course import bench``).
+
+Source: Qi et al., arXiv 2401.10241, section 2 (F, B, W of a stage) and section 3 (the optimizer step
+after the last W).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..runtime.split import compiled_flops
+from ..schedules.builders import build_schedule
+from ..schedules.timeline import Event, Timeline
+from .lesson8 import BUILD_CASE, PIPELINE_RUNS, STEP, STEP_RUNS, WIDE_STAGE
+
+tmap = jax.tree_util.tree_map
+
+
+def mlp(case: dict = BUILD_CASE, seed: int = 0) -> tuple:
+    """``(params, X, Y)``: ``case["layers"]`` layers ``(W (width, width), b (width,))`` float32, and a global
+    batch ``X``, ``Y`` of ``microbatches * microbatch_size`` rows."""
+    L, d, n = case["layers"], case["width"], case["microbatches"] * case["microbatch_size"]
+    keys = jax.random.split(jax.random.PRNGKey(seed), L + 2)
+    params = [(jax.random.normal(k, (d, d)) / d**0.5, jnp.zeros(d)) for k in keys[:L]]
+    return params, jax.random.normal(keys[L], (n, d)), jax.random.normal(keys[L + 1], (n, d))
+
+
+def mlp_loss(params: list, X: jax.Array, Y: jax.Array) -> jax.Array:
+    """The whole model on the whole batch: ``tanh(h @ W + b)`` per layer, then the mean squared error."""
+    h = X
+    for W, b in params:
+        h = jnp.tanh(h @ W + b)
+    return jnp.mean((h - Y) ** 2)
+
+
+def staged_mlp(params: list, num_stages: int):
+    """:func:`mlp`'s ``params`` as a :class:`~zbpp_lite.runtime.stages.StagedModel` of ``num_stages`` equal
+    stages (the mean squared error on the last), for the package's executors."""
+    from ..runtime.stages import StagedModel
+
+    per = len(params) // num_stages
+    return StagedModel([(lambda wb, x: jnp.tanh(x @ wb[0] + wb[1]), wb) for wb in params], num_stages,
+                       lambda y, t: jnp.mean((y - t) ** 2),
+                       parts=[list(range(per * s, per * (s + 1))) for s in range(num_stages)])
+
+
+def fastest(f: Callable, *args: Any, n: int = 20) -> float:
+    """Seconds of the fastest of ``n`` calls ``f(*args)``, each waited for (``jax.block_until_ready``),
+    after one untimed call (which compiles)."""
+    jax.block_until_ready(f(*args))
+    seconds = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        seconds.append(time.perf_counter() - t0)
+    return min(seconds)
+
+
+def try_runs(run: Callable[[str], Any], names: Any) -> dict:
+    """``{"error": None or the first error as text, "runs": {name: run(name)}}`` for each of ``names`` in
+    turn: the learner's code raising goes to the check, not to the lesson."""
+    runs: dict = {}
+    try:
+        for name in names:
+            runs[name] = run(name)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}", "runs": runs}
+    return {"error": None, "runs": runs}
+
+
+def nbytes(tree: Any, leave_out: Any = ()) -> int:
+    """Bytes of the distinct arrays of ``tree`` (each array counted once), those of ``leave_out`` not."""
+    skip = {id(a) for a in jax.tree_util.tree_leaves(leave_out)}
+    arrays = {id(a): a for a in jax.tree_util.tree_leaves(tree) if id(a) not in skip}
+    return sum(a.size * a.dtype.itemsize for a in arrays.values())
+
+
+class Inbox:
+    """Values sent to one rank, by key; :meth:`take` waits for a key (or for another rank's failure)."""
+
+    def __init__(self, failed: threading.Event):
+        self.items, self.cond, self.failed = {}, threading.Condition(), failed
+
+    def put(self, key: tuple, value: Any) -> None:
+        with self.cond:
+            self.items[key] = value
+            self.cond.notify_all()
+
+    def take(self, key: tuple, timeout: float = 30.0) -> Any:
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.items or self.failed.is_set(), timeout):
+                raise TimeoutError(f"waited {timeout} s for {key}")
+            if key not in self.items:
+                raise RuntimeError("another rank failed")
+            return self.items.pop(key)
+
+
+def on_threads(num_ranks: int, work: Callable[[int, list], Any]) -> list:
+    """``work(rank, inboxes)`` on one thread per rank; their results by rank. The first error raised is
+    raised again (the other ranks' waits end with it)."""
+    failed = threading.Event()
+    inboxes = [Inbox(failed) for _ in range(num_ranks)]
+    results, errors = [None] * num_ranks, []
+
+    def run(rank):
+        try:
+            results[rank] = work(rank, inboxes)
+        except Exception as e:  # noqa: BLE001  (handed to the caller below)
+            errors.append(e)
+            failed.set()
+            for box in inboxes:
+                with box.cond:
+                    box.cond.notify_all()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+class Lab:
+    """Lesson 8's model on ``devices`` (4 ranks of :data:`BUILD_CASE`), the lists the learner's code reads
+    (``placement``, ``stage_params``, ``inputs_mb``, ``targets_mb``: changed in place, never rebound) and the
+    runs that hand the learner's code to the checks.
+
+    Args:
+        stage_apply: the lesson's ``stage_apply(layers, x, probes, target=None) -> (output, layer inputs)``.
+        devices: at least 4 JAX devices.
+    """
+
+    def __init__(self, stage_apply: Callable, devices: list):
+        c = BUILD_CASE
+        self.p, self.m, self.rows, self.S = c["ranks"], c["microbatches"], c["microbatch_size"], c["ranks"]
+        self.params, self.X, self.Y = mlp(c)
+        self.reference = jax.grad(mlp_loss)(self.params, self.X, self.Y)
+        self.devices, self.calls, self._apply = list(devices)[: self.p], {"layers": 0}, stage_apply
+        per = c["layers"] // self.S
+        self.home = [self.params[per * s: per * (s + 1)] for s in range(self.S)]
+        self.placement = list(range(self.S))
+        self.stage_params = [jax.device_put(sp, self.devices[s]) for s, sp in enumerate(self.home)]
+        rows, m = self.rows, self.m
+        cut = lambda A, device: [jax.device_put(A[j * rows: (j + 1) * rows], device) for j in range(m)]  # noqa: E731
+        self.inputs_mb, self.targets_mb = cut(self.X, self.devices[0]), cut(self.Y, self.devices[-1])
+
+    def stage_apply(self, layers, x, probes, target=None):
+        """The lesson's ``stage_apply``, counted (so a check sees whether B runs the layers again)."""
+        self.calls["layers"] += 1
+        return self._apply(layers, x, probes, target)
+
+    def zero_probes(self, s: int, x: jax.Array) -> list:
+        """One zero ``(rows, output width)`` array per layer of stage ``s``, ``x``'s dtype."""
+        return [jnp.zeros((x.shape[0], W.shape[1]), x.dtype) for W, _ in self.stage_params[s]]
+
+    def _place(self, placement: list) -> None:
+        self.placement[:] = placement
+        self.stage_params[:] = [jax.device_put(sp, self.devices[r]) for sp, r in zip(self.home, placement)]
+        self.targets_mb[:] = [jax.device_put(t, self.devices[placement[-1]]) for t in self.targets_mb]
+
+    def error(self, grads: list) -> float:
+        """Largest ``|grads - jax.grad| / max |jax.grad|`` over the parameters (inf: a stage missing)."""
+        if any(g is None for g in grads):
+            return float("inf")
+        mine = [a for g in grads for wb in g for a in wb]
+        ref = [a for wb in self.reference for a in wb]
+        return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
+                   for a, b in zip(mine, ref))
+
+    def run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline]:
+        """``rank_loop(rank, actions, inboxes, events, t0)`` on one thread per rank: each stage's gradient
+        sums (a list, None where missing) and the measured timeline (seconds since the start)."""
+        events: list[Event] = []
+        t0 = time.perf_counter()
+        out = on_threads(schedule.num_ranks,
+                         lambda rank, inboxes: rank_loop(rank, schedule.actions[rank], inboxes, events, t0))
+        grads = {s: g for part in out if part for s, g in part.items()}
+        timeline = Timeline.from_events(events, schedule.num_ranks, num_stages=self.S, source="measured")
+        return [grads.get(s) for s in range(self.S)], timeline
+
+    def _reference_b_flops(self, s, x, dy, target) -> float:
+        """XLA's flops of the pullback with respect to x and the probes only (the B exercise 8.1 asks for)."""
+        f = lambda x, e: self._apply(self.stage_params[s], x, e, target)  # noqa: E731
+        _, pb, _ = jax.vjp(f, x, self.zero_probes(s, x), has_aux=True)
+        return compiled_flops(lambda g: pb(g), dy)
+
+    def try_stage(self, F: Callable, B: Callable, W: Callable) -> dict:
+        """Exercise 8.1's result: the learner's F, B, W on one microbatch of stage 1 and of the last stage,
+        beside ``jax.vjp`` of the stage, as :func:`zbpp_lite.course.lesson8.stage_split` reads it."""
+        cases = []
+        try:
+            for s in (1, self.S - 1):
+                target = self.targets_mb[0] if s == self.S - 1 else None
+                x = jax.device_put(jax.random.normal(jax.random.PRNGKey(s), (self.rows, self.X.shape[1])),
+                                   self.devices[self.placement[s]])
+                full = lambda layers, x: self._apply(layers, x, self.zero_probes(s, x), target)[0]  # noqa: E731
+                ref_y, pullback = jax.vjp(full, self.stage_params[s], x)
+                dy = (jnp.float32(1 / self.m) if s == self.S - 1
+                      else jax.random.normal(jax.random.PRNGKey(10 + s), ref_y.shape))
+                ref_dparams, ref_dx = pullback(dy)
+                y, saved = _need(F(s, x, target), "F")
+                before = self.calls["layers"]
+                dx, kept = _need(B(saved, dy), "B")
+                grads = _need(W(kept), "W")
+                recomputed = self.calls["layers"] != before
+                try:  # a B that cannot be compiled as one function: this part of the check is skipped
+                    ref_b = self._reference_b_flops(s, x, dy, target)
+                    b = compiled_flops(lambda g: B(saved, g), dy)
+                except Exception:  # noqa: BLE001
+                    ref_b = b = None
+                leaves = lambda t: [np.asarray(a) for a in jax.tree_util.tree_leaves(t)]  # noqa: E731
+                cases.append(dict(stage=s, y=np.asarray(y), ref_y=np.asarray(ref_y), dx=np.asarray(dx),
+                                  ref_dx=np.asarray(ref_dx), b_flops=b, ref_b_flops=ref_b,
+                                  grads=leaves(grads), ref_grads=leaves(ref_dparams), recomputed=recomputed))
+        except Exception as e:  # noqa: BLE001  (the learner's error goes to the check)
+            return {"error": f"{type(e).__name__}: {e}", "cases": cases}
+        return {"error": None, "cases": cases}
+
+    def try_pipeline(self, rank_loop: Callable) -> dict:
+        """Exercise 8.3's result: the learner's loop on :data:`PIPELINE_RUNS`, the stages placed as each
+        schedule says (put back after): ``{"error", "runs": {name: {"timeline", "grad_error"}}}``."""
+        def one(name):
+            schedule = build_schedule(name, dict(PIPELINE_RUNS)[name], self.m)
+            self._place(list(schedule.placement))
+            grads, timeline = self.run(schedule, rank_loop)
+            return {"timeline": timeline, "grad_error": self.error(grads)}
+
+        try:
+            return try_runs(one, [name for name, _ in PIPELINE_RUNS])
+        finally:
+            self._place(list(range(self.S)))
+
+    def wide_stage_bytes(self, F: Callable, B: Callable) -> tuple[int, int]:
+        """Exercise 8.2's stage (:data:`WIDE_STAGE`) run by the learner's F and B on one microbatch, as one
+        more stage: (bytes of all B keeps for W, of them the bytes F did not hold)."""
+        widths, rows = WIDE_STAGE["widths"], WIDE_STAGE["rows"]
+        self.stage_params.append([(jnp.ones((a, b), jnp.bfloat16) / a**0.5, jnp.zeros(b, jnp.bfloat16))
+                                  for a, b in zip(widths, widths[1:])])
+        try:
+            y, saved = F(self.S, jnp.ones((rows, widths[0]), jnp.bfloat16))
+            kept = B(saved, jnp.ones_like(y))[1]
+            return nbytes(kept), nbytes(kept, leave_out=saved)
+        finally:
+            self.stage_params.pop()
+
+    def try_step(self, optimizer_step: Callable) -> dict:
+        """Exercise 8.4's result: ``optimizer_step(rank, grads, params, all_sum)`` on one thread per rank, the
+        stages placed as in :data:`STEP_RUNS`, from ``jax.grad``'s gradients; ``{"error", "runs": {name:
+        {"params": the learner's step, "want": clipped SGD of the whole model, "per_stage": each stage
+        clipped alone, "unclipped": SGD without clipping}}}``, each per stage new - old parameters (NumPy),
+        as :func:`.lesson8.optimizer_step` reads it."""
+        per_stage = [self.reference[2 * s: 2 * s + 2] for s in range(self.S)]
+        sq = [sum(float(jnp.sum(a * a)) for a in jax.tree_util.tree_leaves(g)) for g in per_stage]
+
+        def sgd(scales):  # each stage's step, new - old parameters
+            return [[np.asarray(-STEP["lr"] * k * a) for a in jax.tree_util.tree_leaves(g)]
+                    for g, k in zip(per_stage, scales)]
+
+        total = sum(sq) ** 0.5
+        expected = dict(want=sgd([min(1.0, STEP["max_norm"] / total)] * self.S),
+                        per_stage=sgd([min(1.0, STEP["max_norm"] / v**0.5) for v in sq]),
+                        unclipped=sgd([1.0] * self.S))
+        def one(name):
+            placement = STEP_RUNS[name]
+            ranks = max(placement) + 1
+            shared, barrier = [0.0] * ranks, threading.Barrier(ranks, timeout=30)
+
+            def work(rank, _inboxes):
+                def all_sum(value):
+                    shared[rank] = value
+                    barrier.wait()
+                    got = sum(shared)
+                    barrier.wait()
+                    return got
+                mine = [s for s in range(self.S) if placement[s] == rank]
+                return _need(optimizer_step(rank, {s: per_stage[s] for s in mine},
+                                            {s: self.home[s] for s in mine}, all_sum), "optimizer_step")
+
+            new = {s: v for part in on_threads(ranks, work) for s, v in dict(part).items()}
+            leaves = jax.tree_util.tree_leaves
+            got = [None if s not in new else [np.asarray(a, np.float64) - np.asarray(b)
+                                              for a, b in zip(leaves(new[s]), leaves(self.home[s]))]
+                   for s in range(self.S)]
+            return dict(params=got, **expected)
+
+        return try_runs(one, STEP_RUNS)
+
+
+def _need(value: Any, name: str) -> Any:
+    if value is None or value is Ellipsis:
+        raise NotImplementedError(f"{name} returned {value!r}: replace its ... with your code")
+    return value

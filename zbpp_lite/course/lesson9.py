@@ -1,0 +1,147 @@
+"""Lesson 9's exercise checks (the pipeline as one SPMD program): one function per exercise, which says right
+or not yet with a hint (:class:`zbpp_lite.course.checks.Verdict`). No JAX at import.
+
+Source: lockstep ticks as :func:`zbpp_lite.schedules.simulate.lockstep_ticks` (a compiled SPMD program of
+a schedule, as :mod:`zbpp_lite.runtime.spmd` runs it); schedules from Qi et al., arXiv 2401.10241,
+sections 2-3, and arXiv 2405.15362, section 3 (ZB-V).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from ..schedules.simulate import lockstep_ticks, simulate
+from ..viz.figures import compare_figure
+from .checks import Verdict, _called, _number_check, _unanswered
+from .lesson8 import BUILD_TOLERANCE
+
+KIND_CODE = {"F": 1, "B": 2, "W": 3, "BW": 4}
+"""Lesson 9's branch index of each action kind in the tick's ``lax.switch`` (0: idle)."""
+
+TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
+"""Exercise 9.1's schedules (name, ranks, microbatches): ZB-V's V placement puts stages 1 and 2 on one
+rank, so an activation can stay on its rank and still wait a tick."""
+
+SPMD_RUNS = ("zb-h1", "1f1b")
+"""Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`."""
+
+W_HALF = Costs(f=1.0, b=1.0, w=0.5)
+"""Exercise 9.2's costs: T_F = T_B = 1, T_W = 0.5."""
+
+
+def _rows(schedule) -> list:
+    """The schedule's actions as plain ``(kind, stage, microbatch)`` tuples, one list per rank."""
+    return [[(a.kind, a.stage, a.microbatch) for a in row] for row in schedule.actions]
+
+
+def tick_table(answer: Any) -> Verdict:
+    """Exercise 9.1: ``ticks_of(actions)`` -> ``table[tick][rank]``, the index of the action each rank runs
+    in that lockstep tick or None; ``actions``: per rank a list of ``(kind, stage, microbatch)``. Checked
+    against :func:`lockstep_ticks` on :data:`TICK_CASES`, the package out of bounds."""
+    hint = ("each action takes the earliest tick after its rank's previous action and after the tick of "
+            "what it needs from another stage (F of stage s needs F of stage s-1 of its microbatch, B or BW "
+            "of stage s needs B or BW of stage s+1): a result is usable from the next tick on. Sweep the "
+            "ranks again and again, placing each rank's next action once what it needs has a tick.")
+    if _unanswered(answer):
+        return Verdict("9.1", False, "no answer yet: write ticks_of.", hint)
+    if not callable(answer):
+        return Verdict("9.1", False, f"expected a function ticks_of(actions), got {answer!r}.", hint)
+    for name, p, m in TICK_CASES:
+        schedule = build_schedule(name, p, m)
+        got, refused = _called("9.1", answer, (_rows(schedule),), hint)
+        if refused is not None:
+            return refused
+        want = lockstep_ticks(schedule)
+        try:
+            got = [[None if i is None else int(i) for i in row] for row in got]
+        except (TypeError, ValueError):
+            return Verdict("9.1", False, f"{name}: expected a list of ticks, each a list of indices or None.",
+                           hint)
+        for t, (mine, ref) in enumerate(zip(got, want)):
+            if mine != ref:
+                return Verdict("9.1", False, f"{name} (p = {p}, m = {m}): tick {t} is {mine}, the "
+                               f"simulator's lockstep form has {ref}.", hint)
+        if len(got) != len(want):
+            return Verdict("9.1", False, f"{name} (p = {p}, m = {m}): {len(got)} ticks, the simulator's "
+                           f"lockstep form has {len(want)}.", hint)
+    return Verdict("9.1", True, f"your ticks equal the simulator's lockstep form on {len(TICK_CASES)} "
+                   "schedules, ZB-V's V placement included.")
+
+
+def lockstep_w_half(answer: Any) -> Verdict:
+    """Exercise 9.2 (predicted): ZB-H1's lockstep makespan at p = 4, m = 8 under :data:`W_HALF` (a tick lasts
+    its slowest action). The unit-tick count and the event-driven makespan are refused with their hints."""
+    schedule = build_schedule("zb-h1", 4, 8)
+    ticks = len(lockstep_ticks(schedule))
+    event = simulate(schedule, W_HALF).makespan
+    hint = ("a tick lasts as long as its slowest action: 0.5 only where every busy rank runs a W. Count "
+            "those ticks in the grid the lesson printed.")
+    return _number_check("9.2", answer, simulate(schedule, W_HALF, lockstep=True).makespan,
+                         "ZB-H1's lockstep makespan with T_W = 0.5", hint, known={
+                             ticks: (f"{ticks} is the number of ticks: each lasted 1 when T_W was 1.", hint),
+                             event: (f"{event:g} is the event-driven (MPMD) makespan, where a rank moves on "
+                                     "as soon as its own W ends.", hint)})
+
+
+def reveal_w_half() -> Any:
+    """Exercise 9.2's reveal: ZB-H1 at p = 4, m = 8 under :data:`W_HALF`, event-driven above lockstep."""
+    schedule = build_schedule("zb-h1", 4, 8)
+    return compare_figure(simulate(schedule, W_HALF), simulate(schedule, W_HALF, lockstep=True),
+                          titles=("MPMD: event-driven", "SPMD: lockstep ticks"),
+                          title="ZB-H1, p = 4, m = 8, T_W = 0.5")
+
+
+def spmd_pipeline(result: Any) -> Verdict:
+    """Exercise 9.3: the learner's ``rank_program`` run by lesson 9's ``try_spmd``; ``result`` is
+    ``{"error": None or text, "runs": {name: {"grad_error": float, "ran": (ranks, ticks) ints}}}`` for
+    :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
+    every rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
+    ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
+    hint = ("in each tick: lax.switch on this rank's kind runs idle, F, B, W or BW and returns the state and "
+            "what goes down (an activation) and up (an input gradient) with its microbatch + 1 as a tag; "
+            "then one ppermute down and one up, and the receiver stores a value whose tag is > 0.")
+    if _unanswered(result):
+        return Verdict("9.3", False, "no answer yet: write rank_program.", hint)
+    if not isinstance(result, dict) or "runs" not in result:
+        return Verdict("9.3", False, "expected try_spmd(rank_program)'s result, got "
+                       f"{type(result).__name__}.", hint)
+    if result.get("error"):
+        return Verdict("9.3", False, f"running it raised {result['error']}", hint)
+    worst = 0.0
+    for name in SPMD_RUNS:
+        run = result["runs"].get(name)
+        if run is None:
+            return Verdict("9.3", False, f"no run of {name}.", hint)
+        schedule = build_schedule(name, 4, 8)
+        want = np.zeros((schedule.num_ranks, len(lockstep_ticks(schedule))), int)
+        for t, row in enumerate(lockstep_ticks(schedule)):
+            for r, i in enumerate(row):
+                want[r, t] = 0 if i is None else KIND_CODE[schedule.actions[r][i].kind]
+        ran = np.asarray(run["ran"])
+        if ran.shape != want.shape or (ran != want).any():
+            where = np.argwhere(ran != want)[0] if ran.shape == want.shape else None
+            bad = "its shape" if where is None else f"rank {where[0]}, tick {where[1]}"
+            return Verdict("9.3", False, f"{name}: the branches your program ran differ from the lockstep "
+                           f"form at {bad}.", "return the kind code of the branch that ran (0 idle, 1 F, "
+                           "2 B, 3 W, 4 BW) from each branch, and scan over the table's ticks in order.")
+        if not float(run["grad_error"]) <= BUILD_TOLERANCE:
+            return Verdict("9.3", False, f"{name}: the gradients differ from jax.grad's (relative difference "
+                           f"{float(run['grad_error']):.1e}).", hint)
+        worst = max(worst, float(run["grad_error"]))
+    return Verdict("9.3", True, "ZB-H1 and 1F1B ran as one SPMD program, tick for tick as the simulator's "
+                   f"lockstep form, with jax.grad's gradients (largest relative difference {worst:.1e}).")
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_w_half,
+                                                  "9.3": spmd_pipeline}
+"""Lesson 9's exercises by id -> check."""
+
+REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_w_half}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "W_HALF", "tick_table", "lockstep_w_half", "spmd_pipeline",
+           "EXERCISES", "REVEALS"]
