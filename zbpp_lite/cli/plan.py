@@ -22,8 +22,8 @@ from ..viz.trace import write_chrome_trace
 from . import CliError, add_output, check_against_csv, refuse_unused
 
 SLOW_BUILD = 64 * 128
-"""p * m from which a cost-driven planner (zb-auto, zb-v, ...) says it is planning: from 0.7 s (zb-auto)
-to 6 s (v-min) of CPU time at p = 64, m = 128 (benchmarks/bench_schedule_core.py --planning)."""
+"""p * m from which a cost-driven planner (zb-auto, zb-v, ...) says it is planning: from there it takes
+seconds of CPU time (``benchmarks/bench_schedule_core.py --planning`` measures it)."""
 
 _COSTS = {  # flag -> help: the Costs fields plan takes from the command line
     "f": "T_F, forward time per stage and microbatch (default 1)",

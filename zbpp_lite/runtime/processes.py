@@ -6,9 +6,8 @@ CPU device and a :class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its r
 remote=...``): PyTorch pipelining's set-up. Nothing is unpickled: ranks start with :mod:`subprocess`
 (``python -m zbpp_lite.runtime.processes``) given JSON; between two ranks (:func:`connect`) an array goes
 through a shared-memory ring per direction with a JSON notice on the pair's socket; the parent talks to
-each rank over a control socket (:class:`Channel`, :mod:`~zbpp_lite.runtime.wire`). A crossing takes about
-1 ms on the 2-core machine, several times faster than :mod:`.distributed` on CPU
-(``benchmarks/bench_transport.py``).
+each rank over a control socket (:class:`Channel`, :mod:`~zbpp_lite.runtime.wire`). On the CPU a crossing is
+several times faster than through :mod:`.distributed` (``benchmarks/bench_transport.py`` measures both).
 """
 
 from __future__ import annotations

@@ -355,7 +355,8 @@ class FlatStage:
     float16 parameters.
 
     ``acc`` is donated (do not reuse it), and so is ``spare``: dead arrays of the outputs' shapes (an earlier
-    microbatch's ``own`` or handover) whose memory the outputs reuse, saving page faults (~20% of F on CPU).
+    microbatch's ``own`` or handover) whose memory the outputs reuse, saving the page faults of new
+    buffers (a sizeable share of F on the CPU).
     """
 
     forward: Callable

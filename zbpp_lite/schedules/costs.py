@@ -113,7 +113,7 @@ class Costs:
     def with_split_price(self, price: float) -> "Costs":
         """These costs with T_B and T_W scaled alike, stage by stage, so that (T_B + T_W) / T_BW is
         ``price`` (T_F, T_BW and every other field kept): what a split schedule would take were the
-        split that much dearer or cheaper than the fused backward (issue 32's break-even question).
+        split that much dearer or cheaper than the fused backward (the break-even question of lesson 4).
 
         Raises:
             ValueError: ``bw`` not given, ``price`` not a finite number > 0, per-stage fields of
