@@ -29,8 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence, Union
 
-from .ir import KINDS, Action, Key, Overlap, Schedule, _parse_cell, csv_rows, deps, produces, read_csv_file, \
-    write_csv
+from .ir import (KINDS, Action, Key, Overlap, Schedule, _key, _parse_cell, csv_rows, deps, produces,
+    read_csv_file, write_csv)
 
 TRANSFER_KINDS = ("F", "B")
 """Keys that cross ranks: F's activation and B's input gradient (W's weight gradient stays)."""
@@ -192,27 +192,35 @@ def _transfer(cell: tuple, rank: int, placement: tuple[int, ...]) -> Send | Recv
 
 
 class Route(NamedTuple):
-    """What an action of one (kind, stage) needs and makes, on any microbatch j (:func:`routes`).
+    """What an action of one (kind, stage) needs, makes, receives and sends, on any microbatch j (all its
+    keys share its microbatch; :func:`routes`).
 
-    needs: (kind, stage, rank holding that stage) of each key it needs, microbatch j (``deps``' order);
-    makes: (kind, stage, rank it is sent to or None) of each key it makes, microbatch j."""
+    needs: (kind, stage, made on this rank?) of each key it needs (``deps``' order);
+    makes: (kind, stage) of each key it makes (``produces``' order);
+    receives: (kind, stage, sending rank) of each key it needs from another rank;
+    sends: (kind, stage, receiving rank) of each key another rank needs."""
 
-    needs: tuple[tuple[str, int, int], ...]
-    makes: tuple[tuple[str, int, int | None], ...]
+    needs: tuple[tuple[str, int, bool], ...]
+    makes: tuple[tuple[str, int], ...]
+    receives: tuple[tuple[str, int, int], ...]
+    sends: tuple[tuple[str, int, int], ...]
 
 
 def routes(placement: Sequence[int]) -> dict[tuple[str, int], Route]:
     """:class:`Route` of every (kind, stage) under ``placement``, read once from
     :func:`~zbpp_lite.schedules.ir.deps`, :func:`~zbpp_lite.schedules.ir.produces` and
-    :func:`destination` (all of an action's keys share its microbatch), so that lowering and timing
-    look them up instead of recomputing them per action."""
+    :func:`destination`, so that lowering and timing look them up instead of recomputing them per action."""
     S = len(placement)
     table = {}
     for kind in KINDS:
         for stage in range(S):
-            a = Action(kind, stage, 0)
-            table[kind, stage] = Route(tuple((k[0], k[1], placement[k[1]]) for k in deps(a, S)),
-                tuple((k[0], k[1], destination(k, placement)) for k in produces(a)))
+            a, here = Action(kind, stage, 0), placement[stage]
+            needs, makes = deps(a, S), produces(a)
+            table[kind, stage] = Route(
+                tuple((k[0], k[1], placement[k[1]] == here) for k in needs),
+                tuple((k[0], k[1]) for k in makes),
+                tuple((k[0], k[1], placement[k[1]]) for k in needs if placement[k[1]] != here),
+                tuple((k[0], k[1], to) for k in makes if (to := destination(k, placement)) is not None))
     return table
 
 
@@ -223,16 +231,16 @@ def lower(schedule: Schedule) -> Program:
     for a schedule of unknown origin); raises KeyError otherwise."""
     table = routes(schedule.placement)
     rows = []
-    for rank, row in enumerate(schedule.actions):
+    for row in schedule.actions:
         out: list[Instruction] = []
         for entry in row:
             actions = entry.parts if type(entry) is Overlap else (entry,)
             for a in actions:
-                out += [Recv(Key(kind, stage, a.microbatch), src) for kind, stage, src in
-                    table[a.kind, a.stage].needs if src != rank]
+                for kind, stage, src in table[a.kind, a.stage].receives:
+                    out.append(Recv(_key((kind, stage, a.microbatch)), src))
             out.append(entry)
             for a in actions:
-                out += [Send(Key(kind, stage, a.microbatch), to) for kind, stage, to in
-                    table[a.kind, a.stage].makes if to is not None]
+                for kind, stage, to in table[a.kind, a.stage].sends:
+                    out.append(Send(_key((kind, stage, a.microbatch)), to))
         rows.append(tuple(out))
     return Program(tuple(rows), schedule.placement, schedule.num_microbatches, schedule.name)

@@ -139,8 +139,8 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
             actions = x.parts if type(x) is Overlap else (x,)
             for a in actions:
                 j = a.microbatch
-                for kind, stage, src in table_of[a.kind, a.stage].needs:
-                    end = (finish if src == rank else arrive).get((kind, stage, j))
+                for kind, stage, local in table_of[a.kind, a.stage].needs:
+                    end = (finish if local else arrive).get((kind, stage, j))
                     if end is None:
                         raise ScheduleError(f"rank {rank}, step {step}: {describe(x)} needs {kind} of stage "
                             f"{stage}, microbatch {j}, which is not there before it; rule: what an action "
@@ -150,7 +150,7 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
             end = start + table.duration(x)
             free[rank] = end
             for a in actions:
-                for kind, stage, _ in table_of[a.kind, a.stage].makes:
+                for kind, stage in table_of[a.kind, a.stage].makes:
                     finish[_key((kind, stage, a.microbatch))] = end
             events += _events_of(rank, x, start, end, table)
     return events
