@@ -308,11 +308,8 @@ class Schedule:
             ValueError: a file that is not UTF-8 text, or a bad row.
             TypeError: ``path`` that is not a ``str`` or ``os.PathLike``.
         """
-        name, text = read_csv_file(path, "Schedule.from_csv")
-        try:
-            return cls.from_csv_text(text, num_microbatches)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+        return read_csv_file(path, "Schedule.from_csv",
+            lambda text: cls.from_csv_text(text, num_microbatches))
 
     @classmethod
     def from_csv_text(cls, text: str, num_microbatches: int | None = None) -> "Schedule":
@@ -345,13 +342,13 @@ def write_csv(rows: Sequence[Sequence[str]], path: str | os.PathLike | None = No
     return text
 
 
-def read_csv_file(path: str | os.PathLike, reader: str) -> tuple[str, str]:
-    """(file name, text) of the UTF-8 CSV file at ``path``, for ``reader`` (named in errors).
+def read_csv_file(path: str | os.PathLike, reader: str, parse: Callable[[str], Any]) -> Any:
+    """``parse`` of the text of the UTF-8 CSV file at ``path``, for ``reader`` (named in errors).
 
     Raises:
         FileNotFoundError: no file at ``path``.
         IsADirectoryError: ``path`` is a directory.
-        ValueError: a file that is not UTF-8 text.
+        ValueError: a file that is not UTF-8 text, or ``parse``'s, the file named.
         TypeError: ``path`` that is not a ``str`` or ``os.PathLike``.
     """
     if not isinstance(path, (str, os.PathLike)):
@@ -364,10 +361,14 @@ def read_csv_file(path: str | os.PathLike, reader: str) -> tuple[str, str]:
         raise FileNotFoundError(f"schedule CSV {name!r}: no such file{hint}")
     try:
         with open(name, encoding="utf-8-sig", newline="") as f:
-            return name, f.read()
+            text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"schedule CSV {name!r} is not UTF-8 text (byte {e.start}): expected PyTorch's "
             "CSV form") from None
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
 
 
 def csv_rows(text: str, parse_cell: Callable[[str], list] | None = None) -> list[list]:

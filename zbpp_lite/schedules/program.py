@@ -163,11 +163,7 @@ class Program:
     def from_csv(cls, path: str | os.PathLike, num_microbatches: int | None = None) -> "Program":
         """Read PyTorch's compute+comms CSV from the UTF-8 file at ``path``; errors as
         :meth:`Schedule.from_csv`."""
-        name, text = read_csv_file(path, "Program.from_csv")
-        try:
-            return cls.from_csv_text(text, num_microbatches)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+        return read_csv_file(path, "Program.from_csv", lambda text: cls.from_csv_text(text, num_microbatches))
 
 
 def _cell(cell) -> list:

@@ -15,7 +15,7 @@ import sys
 
 from .costs import Costs, CostTable
 from .ir import Entry, Key, Overlap, Schedule, _key, parts
-from .program import Program, Recv, Send, consumer_stage, destination, routes
+from .program import Program, Recv, Send, consumer_stage, destination, lower, routes
 from .timeline import Event, Timeline
 from .validate import ScheduleError, checked_order, checked_program, describe, execution_order, step_keys
 
@@ -49,7 +49,7 @@ def simulate(
         compute = schedule.schedule() if isinstance(schedule, Program) else schedule
         events = _lockstep_events(compute, table, checked_order(compute) if check else None)
     else:
-        events = _timed_events(table, *checked_program(schedule, check))
+        events = _timed_events(table, *(checked_program(schedule) if check else _walk_program(schedule)))
     if not all(math.isfinite(e.end) for e in events):
         big = max((*table.f, *table.b, *table.w, *table.comm))
         raise ValueError(
@@ -104,6 +104,12 @@ def _walk(schedule: Schedule, walk: tuple | None) -> tuple:
         return walk
     keys = step_keys(schedule)
     return execution_order(schedule, keys), keys
+
+
+def _walk_program(lists: Schedule | Program) -> tuple[Program, list[tuple[int, int]]]:
+    """(program, its :func:`execution_order`) unchecked: deadlock raises ScheduleError."""
+    program = lists if isinstance(lists, Program) else lower(lists)
+    return program, execution_order(program)
 
 
 def _lockstep_events(schedule: Schedule, table: CostTable, walk=None) -> list[Event]:

@@ -191,67 +191,71 @@ def execution_order(schedule: Lists, keys=None) -> list[tuple[int, int]]:
     waits for)."""
     if isinstance(schedule, Program):
         return _program_order(schedule)
-    rows = schedule.actions
     needs, made = step_keys(schedule) if keys is None else keys
-    cursor = [0] * len(rows)
     done: set[Key] = set()
-    order: list[tuple[int, int]] = []
-    remaining = sum(len(r) for r in rows)
-    while remaining:
-        moved = False
+
+    def advance(rank: int, row: tuple, i: int, order: list) -> int:
+        while i < len(row) and done.issuperset(needs[rank][i]):
+            done.update(made[rank][i])
+            order.append((rank, i))
+            i += 1
+        return i
+
+    def stuck(cursor: list[int]) -> None:
+        rows, lines = schedule.actions, []
         for rank, row in enumerate(rows):
-            i = cursor[rank]
-            while i < len(row) and done.issuperset(needs[rank][i]):
-                done.update(made[rank][i])
-                order.append((rank, i))
-                i += 1
-            if i != cursor[rank]:
-                remaining -= i - cursor[rank]
-                cursor[rank] = i
-                moved = True
-        if not moved:
-            stuck = []
-            for rank, row in enumerate(rows):
-                if cursor[rank] < len(row):
-                    a = row[cursor[rank]]
-                    waits = [k for k in needs[rank][cursor[rank]] if k not in done]
-                    what = ", ".join(f"{k[0]} of stage {k[1]}, microbatch {k[2]} (rank "
-                        f"{schedule.placement[k[1]]})" for k in waits)
-                    stuck.append(f"rank {rank} step {cursor[rank]}: {describe(a)} waits for {what}")
-            first = next(r for r in range(len(rows)) if cursor[r] < len(rows[r]))
-            stuck_text = "\n  ".join(stuck)
-            message = f"deadlock: no rank can make progress with blocking receives\n  {stuck_text}"
-            _fail(schedule, message, first, cursor[first])
-    return order
+            if cursor[rank] < len(row):
+                a = row[cursor[rank]]
+                waits = [k for k in needs[rank][cursor[rank]] if k not in done]
+                what = ", ".join(f"{k[0]} of stage {k[1]}, microbatch {k[2]} (rank "
+                    f"{schedule.placement[k[1]]})" for k in waits)
+                lines.append(f"rank {rank} step {cursor[rank]}: {describe(a)} waits for {what}")
+        first = next(r for r in range(len(rows)) if cursor[r] < len(rows[r]))
+        stuck_text = "\n  ".join(lines)
+        message = f"deadlock: no rank can make progress with blocking receives\n  {stuck_text}"
+        _fail(schedule, message, first, cursor[first])
+
+    return _round_robin(schedule.actions, advance, stuck)
 
 
-def _program_order(program: Program) -> list[tuple[int, int]]:
-    """:func:`execution_order` of a program's instructions."""
-    rows = program.instructions
+def _round_robin(rows: tuple, advance, stuck) -> list[tuple[int, int]]:
+    """Visit the ranks in turn, each running ``advance(rank, row, step, order)`` (its steps from ``step``
+    that may run now, appended to ``order``; returns the next step), until every list is done; when a
+    turn moves no rank, ``stuck(cursor)`` raises."""
     cursor = [0] * len(rows)
-    sent: set[Key] = set()
     order: list[tuple[int, int]] = []
     remaining = sum(len(r) for r in rows)
     while remaining:
         moved = False
         for rank, row in enumerate(rows):
-            i = start = cursor[rank]
-            while i < len(row):
-                x = row[i]
-                if type(x) is Recv:
-                    if x.key not in sent:
-                        break
-                elif type(x) is Send:
-                    sent.add(x.key)
-                order.append((rank, i))
-                i += 1
+            start = cursor[rank]
+            i = advance(rank, row, start, order)
             if i != start:
                 remaining -= i - start
                 cursor[rank] = i
                 moved = True
         if not moved:
-            _program_stuck(program, cursor)
+            stuck(cursor)
     return order
+
+
+def _program_order(program: Program) -> list[tuple[int, int]]:
+    """:func:`execution_order` of a program's instructions."""
+    sent: set[Key] = set()
+
+    def advance(rank: int, row: tuple, i: int, order: list) -> int:
+        while i < len(row):
+            x = row[i]
+            if type(x) is Recv:
+                if x.key not in sent:
+                    break
+            elif type(x) is Send:
+                sent.add(x.key)
+            order.append((rank, i))
+            i += 1
+        return i
+
+    return _round_robin(program.instructions, advance, lambda cursor: _program_stuck(program, cursor))
 
 
 def _program_stuck(program: Program, cursor: list[int]) -> None:
@@ -349,16 +353,15 @@ def checked_order(schedule: Schedule) -> tuple[list[tuple[int, int]], tuple]:
     return execution_order(schedule, keys), keys
 
 
-def checked_program(lists: Lists, check: bool = True) -> tuple[Program, list[tuple[int, int]]]:
-    """(program, :func:`execution_order` of its instructions) of a program, or of a schedule lowered
-    (:func:`~zbpp_lite.schedules.program.lower`). ``check``: :func:`validate`'s checks first (a
-    schedule's as a schedule's: its lowered transfers are right by construction); without, only
-    deadlock is found. Raises ScheduleError as validate."""
+def checked_program(lists: Lists) -> tuple[Program, list[tuple[int, int]]]:
+    """:func:`validate`'s checks of a program, or of a schedule and then its lowered program
+    (:func:`~zbpp_lite.schedules.program.lower`: its transfers are right by construction), returning the
+    program and the :func:`execution_order` of its instructions they found (the simulator times that
+    order, so a checked simulation walks once). Raises ScheduleError as validate."""
     schedule = lists.schedule() if isinstance(lists, Program) else lists
-    if check:
-        _check_structure(schedule)
-        _check_keys(schedule, step_keys(schedule))
+    _check_structure(schedule)
+    _check_keys(schedule, step_keys(schedule))
     program = lists if isinstance(lists, Program) else lower(schedule)
-    if check and program is lists:
+    if program is lists:
         _check_transfers(program)
     return program, execution_order(program)
