@@ -277,7 +277,8 @@ class Schedule:
         """Build a schedule from per-rank action strings; placement inferred from the rows.
 
         Skips empty cells, ``None`` (idle steps) and PyTorch's lowered transfer/bookkeeping entries
-        (``SEND_F``, ``UNSHARD``, ...); ``(0F7;7B3)OVERLAP_F_B`` becomes an :class:`Overlap`.
+        (``SEND_F``, ``UNSHARD``, ...; :meth:`zbpp_lite.Program.from_rows` keeps the transfers);
+        ``(0F7;7B3)OVERLAP_F_B`` becomes an :class:`Overlap`.
         ``num_microbatches`` defaults to one more than the largest microbatch index. Raises
         ValueError: an unparsable action, an index beyond :func:`check_index_range`, a stage on two
         ranks, or a stage no rank holds."""
