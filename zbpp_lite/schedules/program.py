@@ -230,13 +230,14 @@ def lower(schedule: Schedule) -> Program:
     for row in schedule.actions:
         out: list[Instruction] = []
         for entry in row:
-            actions = entry.parts if type(entry) is Overlap else (entry,)
-            for a in actions:
-                for kind, stage, src in table[a.kind, a.stage].receives:
-                    out.append(Recv(_key((kind, stage, a.microbatch)), src))
+            found = [(a.microbatch, table[a.kind, a.stage]) for a in entry.parts] if type(entry) is Overlap \
+                else ((entry.microbatch, table[entry.kind, entry.stage]),)
+            for j, route in found:
+                for kind, stage, src in route.receives:
+                    out.append(Recv(_key((kind, stage, j)), src))
             out.append(entry)
-            for a in actions:
-                for kind, stage, to in table[a.kind, a.stage].sends:
-                    out.append(Send(_key((kind, stage, a.microbatch)), to))
+            for j, route in found:
+                for kind, stage, to in route.sends:
+                    out.append(Send(_key((kind, stage, j)), to))
         rows.append(tuple(out))
     return Program(tuple(rows), schedule.placement, schedule.num_microbatches, schedule.name)

@@ -14,7 +14,7 @@ import math
 import sys
 
 from .costs import Costs, CostTable
-from .ir import Entry, Key, Overlap, Schedule, _key, parts
+from .ir import Entry, Key, Overlap, Schedule, parts
 from .program import Program, Recv, Send, consumer_stage, destination, lower, routes
 from .timeline import Event, Timeline
 from .validate import ScheduleError, checked_order, checked_program, describe, execution_order, step_keys
@@ -130,6 +130,7 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
     has it T_comm later; a compute starts once its rank is free and its inputs are there. Raises
     ScheduleError: an input not there (unchecked: a misordered rank or a value never received)."""
     table_of = routes(program.placement)
+    delay = {key: table.transfer(key[1], consumer_stage(*key)) for key in table_of}  # T_comm of a send
     finish: dict[Key, float] = {}  # key -> end of the action that made it, on its own rank
     arrive: dict[Key, float] = {}  # key -> when the rank taking it has it
     free = [0.0] * program.num_ranks
@@ -137,12 +138,13 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
     rows = program.instructions
     for rank, step in order:
         x = rows[rank][step]
-        if type(x) is Recv:
-            kind, stage, _ = x.key
-            arrive[x.key] = finish[x.key] + table.transfer(stage, consumer_stage(kind, stage))
-        elif type(x) is not Send:
+        what = type(x)
+        if what is Recv:
+            key = x.key
+            arrive[key] = finish[key] + delay[key[0], key[1]]
+        elif what is not Send:
             start = free[rank]
-            actions = x.parts if type(x) is Overlap else (x,)
+            actions = x.parts if what is Overlap else (x,)
             for a in actions:
                 j = a.microbatch
                 for kind, stage, local in table_of[a.kind, a.stage].needs:
@@ -157,6 +159,9 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
             free[rank] = end
             for a in actions:
                 for kind, stage in table_of[a.kind, a.stage].makes:
-                    finish[_key((kind, stage, a.microbatch))] = end
-            events += _events_of(rank, x, start, end, table)
+                    finish[kind, stage, a.microbatch] = end
+            if what is Overlap:
+                events += _events_of(rank, x, start, end, table)
+            else:
+                events.append(Event(rank, x, start, end))
     return events
