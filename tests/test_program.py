@@ -19,7 +19,7 @@ ARTIFACTS = ROOT / "tests" / "artifacts"
 sys.path.insert(0, str(ARTIFACTS))
 sys.path.insert(0, str(ROOT / "tools"))
 import generate_simulate_golden as golden  # noqa: E402
-from torch_program_cases import receive_moved_early  # noqa: E402
+from torch_program_cases import receive_moved_early, write_cases  # noqa: E402
 
 
 def test_1f1b_on_two_ranks_lowers_to_pytorchs_sends_and_receives():
@@ -104,6 +104,24 @@ def test_a_receive_out_of_order_is_a_deadlock_named_in_one_line():
     assert (err.value.rank, err.value.step, err.value.action) == (0, 2, Recv(Key("B", 1, 1), 1))
     with pytest.raises(zb.ScheduleError, match="deadlock"):
         zb.simulate(bad, check=False)
+
+
+def test_pytorchs_own_deadlock_check_accepts_our_programs_and_refuses_a_receive_out_of_order(tmp_path):
+    # PyTorch 2.13's _simulate_comms_compute, run by ../shared/peers/torch_check_schedules.py with a Python
+    # that has torch (ZBPP_TORCH_PYTHON, else /work/torchvenv/bin/python); skipped without one
+    import os
+    import subprocess
+
+    python = os.environ.get("ZBPP_TORCH_PYTHON") or "/work/torchvenv/bin/python"
+    script = ROOT.parent / "shared" / "peers" / "torch_check_schedules.py"
+    probe = subprocess.run([python, "-c", "import torch"], capture_output=True) if os.path.exists(python) else None
+    if not script.exists() or probe is None or probe.returncode != 0:
+        pytest.skip(f"no PyTorch check: {script} or a Python with torch ({python}) is missing")
+    cases = write_cases(tmp_path, [2, 4], bad=True)
+    out = subprocess.run([python, str(script), str(cases)], capture_output=True, text=True, timeout=300)
+    failed = sorted(line.split()[1] for line in out.stdout.splitlines() if line.startswith("FAIL"))
+    assert failed == ["bad-1f1b_p2", "bad-1f1b_p4"], out.stdout[-2000:]
+    assert "Schedule is not progressing" in out.stdout and f"torch accepted {2 * 2 * len(zb.SCHEDULES)} of" in out.stdout
 
 
 def _edited(edit) -> Program:

@@ -33,22 +33,18 @@ def receive_moved_early(program: Program) -> Program:
         program.name)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=pathlib.Path)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--bad", action="store_true", help="add a program with a receive out of order per p")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+def write_cases(out: pathlib.Path, ranks: list[int], bad: bool = False) -> pathlib.Path:
+    """Write the programs (module docstring) as CSV files under ``out`` and the cases file; its path."""
+    out.mkdir(parents=True, exist_ok=True)
     cases = []
 
     def add(name: str, program: Program) -> None:
-        path = args.out / f"{name}.csv"
+        path = out / f"{name}.csv"
         program.to_csv(path)
         cases.append({"name": name, "path": str(path), "num_ranks": program.num_ranks,
             "num_microbatches": program.num_microbatches, "placement": list(program.placement)})
 
-    for p in args.ranks:
+    for p in ranks:
         for m in (2 * p, 3 * p):
             for name in sorted(zb.SCHEDULES):
                 try:
@@ -57,11 +53,17 @@ def main() -> None:
                     print(f"skipped {name} p={p} m={m}: {str(e).splitlines()[0]}")
                     continue
                 add(f"{name}_p{p}_m{m}", lower(zb.validate(schedule)))
-        if args.bad:
+        if bad:
             add(f"bad-1f1b_p{p}", receive_moved_early(lower(zb.build_schedule("1f1b", p, 2 * p))))
-    strict_json.write(args.out / "cases.json", cases)
-    print(f"wrote {len(cases)} programs and {args.out / 'cases.json'}")
+    strict_json.write(out / "cases.json", cases)
+    print(f"wrote {len(cases)} programs and {out / 'cases.json'}")
+    return out / "cases.json"
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=pathlib.Path)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--bad", action="store_true", help="add a program with a receive out of order per p")
+    args = parser.parse_args()
+    write_cases(args.out, args.ranks, args.bad)
