@@ -13,8 +13,10 @@ sail-sg's zero-bubble passes (``add_send_recv_peer_stage``): each rank's list ho
   needs it (a pair's receives before the pair; several in the order of
   :func:`~zbpp_lite.schedules.ir.deps`).
 
-A send never waits; a receive waits until its send has run. With those places the program deadlocks
-exactly when the schedule does (:func:`zbpp_lite.validate` checks a program, :func:`zbpp_lite.simulate`
+A send never waits; a receive waits until its send has run. In time a receive is posted, as PyTorch's
+``irecv``: only the compute needing the value waits for it to arrive, so a receive placed earlier (as
+PyTorch's lowering places them) times the same. With those places the program deadlocks exactly when
+the schedule does (:func:`zbpp_lite.validate` checks a program, :func:`zbpp_lite.simulate`
 times one, T_comm from each send to its receive).
 
 Text form (PyTorch's): a send names the producing stage, ``"0SEND_F3"`` (stage 0's activation of

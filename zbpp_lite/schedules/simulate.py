@@ -14,7 +14,7 @@ import math
 import sys
 
 from .costs import Costs, CostTable
-from .ir import Entry, Key, Overlap, Schedule, parts
+from .ir import Entry, Key, Overlap, Schedule, parts, produces
 from .program import Program, Recv, Send, consumer_stage, destination, lower, routes
 from .timeline import Event, Timeline
 from .validate import ScheduleError, checked_order, checked_program, describe, execution_order, step_keys
@@ -94,8 +94,7 @@ def _events_of(rank: int, entry: Entry, start: float, end: float, table: CostTab
 
 def _sends_across(schedule: Schedule, a) -> bool:
     """Does this action's result go to another rank (:func:`~zbpp_lite.schedules.program.destination`)?"""
-    kind = "B" if a.kind == "BW" else a.kind
-    return destination(Key(kind, a.stage, a.microbatch), schedule.placement) is not None
+    return any(destination(key, schedule.placement) is not None for key in produces(a))
 
 
 def _walk(schedule: Schedule, walk: tuple | None) -> tuple:
