@@ -2,7 +2,7 @@
 schedule layer never imports JAX, and no modules import each other in a circle.
 
 Layers, from the bottom (README, "Architecture"): schedules, runtime, analysis, training, viz,
-cli, course. Inside ``schedules`` the order is strict_json (the one JSON writer), ir, costs, timeline, validate, simulate, formulas, builders
+cli, course. Inside ``schedules`` the order is strict_json (the one JSON writer), ir, program (the lowered program), costs, timeline, validate, simulate, formulas, builders
 (the automatic builders plan by simulating). Every import counts, also those inside functions
 (imported lazily, they still make the lower module depend on the higher one).
 """
@@ -19,7 +19,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "zbpp_lite"
 LAYERS = ["schedules", "runtime", "analysis", "training", "viz", "cli", "course"]
-SCHEDULE_ORDER = ["strict_json", "ir", "costs", "memory", "timeline", "validate", "simulate", "formulas",
+SCHEDULE_ORDER = ["strict_json", "ir", "program", "costs", "memory", "timeline", "validate", "simulate", "formulas",
                   "fuse", "builders"]
 
 

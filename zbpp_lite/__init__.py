@@ -9,6 +9,7 @@ NeurIPS 2024 (arXiv 2405.15362).
 from .schedules.builders import SCHEDULES, build_schedule
 from .schedules.costs import Costs
 from .schedules.ir import KINDS, Action, Overlap, Schedule, deps, looped_placement, v_placement
+from .schedules.program import Program, Recv, Send, lower
 from .schedules.simulate import simulate
 from .schedules.timeline import Event, Timeline
 from .schedules.validate import ScheduleError, format_grid, validate
@@ -22,13 +23,17 @@ __all__ = [
     "Costs",
     "Event",
     "Overlap",
+    "Program",
+    "Recv",
     "Schedule",
     "ScheduleError",
+    "Send",
     "Timeline",
     "build_schedule",
     "deps",
     "format_grid",
     "looped_placement",
+    "lower",
     "simulate",
     "v_placement",
     "validate",

@@ -22,6 +22,7 @@ import time
 from typing import Any, Callable, NamedTuple, Union
 
 from ..schedules.ir import Key
+from ..schedules.program import consumer_stage
 
 
 class Transfer(NamedTuple):
@@ -38,8 +39,8 @@ class Transfer(NamedTuple):
 
     @property
     def consumer(self) -> int:
-        """The stage that takes it."""
-        return self.stage + 1 if self.kind == "F" else self.stage - 1
+        """The stage that takes it (:func:`~zbpp_lite.schedules.program.consumer_stage`)."""
+        return consumer_stage(self.kind, self.stage)
 
 
 class OptimizerMessage(NamedTuple):

@@ -19,7 +19,7 @@ import io
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Sequence, Union
 
 KINDS = ("F", "B", "W", "BW")
 """Action kinds: forward, backward-input, backward-weight, fused backward."""
@@ -289,15 +289,7 @@ class Schedule:
 
     def to_csv(self, path: str | os.PathLike | None = None) -> str:
         """PyTorch's compute-only CSV text (one row per rank, no header), also written to ``path``."""
-        buf = io.StringIO()
-        writer = csv.writer(buf, lineterminator="\n")
-        for row in self.to_rows():
-            writer.writerow(row)
-        text = buf.getvalue()
-        if path is not None:
-            with open(path, "w", newline="") as f:
-                f.write(text)
-        return text
+        return write_csv(self.to_rows(), path)
 
     @classmethod
     def from_rows(
@@ -309,7 +301,8 @@ class Schedule:
         """Build a schedule from per-rank action strings; placement inferred from the rows.
 
         Skips empty cells, ``None`` (idle steps) and PyTorch's lowered transfer/bookkeeping entries
-        (``SEND_F``, ``UNSHARD``, ...); ``(0F7;7B3)OVERLAP_F_B`` becomes an :class:`Overlap`.
+        (``SEND_F``, ``UNSHARD``, ...; :meth:`zbpp_lite.Program.from_rows` keeps the transfers);
+        ``(0F7;7B3)OVERLAP_F_B`` becomes an :class:`Overlap`.
         ``num_microbatches`` defaults to one more than the largest microbatch index. Raises
         ValueError: an unparsable action, an index beyond :func:`check_index_range`, a stage on two
         ranks, or a stage no rank holds."""
@@ -340,25 +333,8 @@ class Schedule:
             ValueError: a file that is not UTF-8 text, or a bad row.
             TypeError: ``path`` that is not a ``str`` or ``os.PathLike``.
         """
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError("Schedule.from_csv takes a file path (str or os.PathLike), got "
-                f"{type(path).__name__}")
-        name = os.fspath(path)
-        if os.path.isdir(name):
-            raise IsADirectoryError(f"schedule CSV {name!r} is a directory; expected a CSV file")
-        if not os.path.isfile(name):
-            hint = "; to parse CSV text use Schedule.from_csv_text" if ("," in name or "\n" in name) else ""
-            raise FileNotFoundError(f"schedule CSV {name!r}: no such file{hint}")
-        try:
-            with open(name, encoding="utf-8-sig", newline="") as f:
-                text = f.read()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"schedule CSV {name!r} is not UTF-8 text (byte {e.start}): expected PyTorch's "
-                "CSV form") from None
-        try:
-            return cls.from_csv_text(text, num_microbatches)
-        except ValueError as e:
-            raise ValueError(f"{name}: {e}") from None
+        return read_csv_file(path, "Schedule.from_csv",
+            lambda text: cls.from_csv_text(text, num_microbatches))
 
     @classmethod
     def from_csv_text(cls, text: str, num_microbatches: int | None = None) -> "Schedule":
@@ -374,22 +350,72 @@ class Schedule:
         if not isinstance(text, str):
             raise TypeError(f"Schedule.from_csv_text takes CSV text (str), got {type(text).__name__}; for a "
                 "file use Schedule.from_csv")
-        lines = [(n, line) for n, line in enumerate(text.lstrip("\ufeff").splitlines(), start=1)
-            if line.strip()]
-        rows: list[list[Action]] = []
-        for rank, (n, line) in enumerate(lines):
+        return cls.from_rows(csv_rows(text), num_microbatches)
+
+
+def write_csv(rows: Sequence[Sequence[str]], path: str | os.PathLike | None = None) -> str:
+    """CSV text of per-rank rows of cells (PyTorch's form: one row per rank, no header), also written to
+    ``path``."""
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    for row in rows:
+        writer.writerow(row)
+    text = buf.getvalue()
+    if path is not None:
+        with open(path, "w", newline="") as f:
+            f.write(text)
+    return text
+
+
+def read_csv_file(path: str | os.PathLike, reader: str, parse: Callable[[str], Any]) -> Any:
+    """``parse`` of the text of the UTF-8 CSV file at ``path``, for ``reader`` (named in errors).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        IsADirectoryError: ``path`` is a directory.
+        ValueError: a file that is not UTF-8 text, or ``parse``'s, the file named.
+        TypeError: ``path`` that is not a ``str`` or ``os.PathLike``.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{reader} takes a file path (str or os.PathLike), got {type(path).__name__}")
+    name = os.fspath(path)
+    if os.path.isdir(name):
+        raise IsADirectoryError(f"schedule CSV {name!r} is a directory; expected a CSV file")
+    if not os.path.isfile(name):
+        hint = "; to parse CSV text use Schedule.from_csv_text" if ("," in name or "\n" in name) else ""
+        raise FileNotFoundError(f"schedule CSV {name!r}: no such file{hint}")
+    try:
+        with open(name, encoding="utf-8-sig", newline="") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"schedule CSV {name!r} is not UTF-8 text (byte {e.start}): expected PyTorch's "
+            "CSV form") from None
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
+def csv_rows(text: str, parse_cell: Callable[[str], list] | None = None) -> list[list]:
+    """Per rank (the i-th non-blank line is rank i, any line ending), the cells of PyTorch's CSV text,
+    each read by ``parse_cell`` (default: compute cells, transfers and idle cells read as nothing).
+    Raises ValueError naming the CSV line and rank of an unparsable cell or a malformed line."""
+    parse_cell = parse_cell or _parse_cell
+    lines = [(n, line) for n, line in enumerate(text.lstrip("\ufeff").splitlines(), start=1) if line.strip()]
+    rows: list[list] = []
+    for rank, (n, line) in enumerate(lines):
+        try:
+            cells = next(csv.reader([line], strict=True))
+        except csv.Error as e:
+            raise ValueError(f"CSV line {n} (rank {rank}): {e}") from None
+        parsed: list = []
+        for cell in cells:
             try:
-                cells = next(csv.reader([line], strict=True))
-            except csv.Error as e:
+                parsed += parse_cell(cell)
+            except ValueError as e:
                 raise ValueError(f"CSV line {n} (rank {rank}): {e}") from None
-            parsed: list[Action] = []
-            for cell in cells:
-                try:
-                    parsed += _parse_cell(cell)
-                except ValueError as e:
-                    raise ValueError(f"CSV line {n} (rank {rank}): {e}") from None
-            rows.append(parsed)
-        return cls.from_rows(rows, num_microbatches)
+        rows.append(parsed)
+    return rows
 
 
 def _parse_cell(cell: str | Entry | None) -> list[Entry]:

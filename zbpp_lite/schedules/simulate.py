@@ -1,7 +1,9 @@
 """The simulator: time a schedule under given costs (pure Python, milliseconds).
 
-Event-driven, a cursor per rank (arXiv 2401.10241 section 3's cost model): a rank's head action starts once
-the rank is free and all it needs has ended (plus T_comm across ranks). An overlapped pair F&B starts once
+Event-driven over the lowered program (:mod:`.program`; arXiv 2401.10241 section 3's cost model): a send
+leaves when the compute making its value ends, its receive has the value T_comm later, and a rank's head
+compute starts once the rank is free, what it needs from its own rank has ended and what it needs from
+others has been received. An overlapped pair F&B starts once
 both inputs are there, lasts T_F&B and hands both outputs on at its end (arXiv 2412.19437 section 3.2.1);
 on the timeline it is two back-to-back events splitting T_F&B in proportion to its parts' times.
 """
@@ -12,26 +14,30 @@ import math
 import sys
 
 from .costs import Costs, CostTable
-from .ir import Entry, Key, Overlap, Schedule, parts
+from .ir import Entry, Key, Overlap, Schedule, parts, produces
+from .program import Program, Recv, Send, consumer_stage, destination, lower, routes
 from .timeline import Event, Timeline
-from .validate import checked_order, execution_order, step_keys
+from .validate import ScheduleError, checked_order, checked_program, describe, execution_order, step_keys
 
 
 def simulate(
-    schedule: Schedule,
+    schedule: Schedule | Program,
     costs: Costs | None = None,
     memory_limit: float | None = None,
     check: bool = True,
     lockstep: bool = False,
 ) -> Timeline:
-    """Simulate ``schedule`` under ``costs`` and return its :class:`Timeline` (the costs' time unit).
+    """Simulate ``schedule`` (lowered, :func:`~zbpp_lite.schedules.program.lower`) or a lowered
+    :class:`~zbpp_lite.schedules.program.Program` under ``costs``; return its :class:`Timeline` (the
+    costs' time unit).
 
     Args:
         costs: default T_F = T_B = T_W = 1, T_comm = 0, M_B = 1.
         memory_limit: recorded for figures, not enforced.
         check: run :func:`validate` first; with ``check=False`` only deadlock is detected.
         lockstep: time it as a compiled SPMD program runs it, in :func:`lockstep_ticks` ticks lasting
-            their slowest action plus T_comm when a transfer crosses ranks after it.
+            their slowest action plus T_comm when a transfer crosses ranks after it (a program: its
+            compute entries).
 
     Raises:
         ScheduleError: an invalid or deadlocking schedule.
@@ -39,8 +45,11 @@ def simulate(
     """
     costs = costs or Costs()
     table = costs.table(schedule.num_stages)
-    walk = checked_order(schedule) if check else None
-    events = _lockstep_events(schedule, table, walk) if lockstep else _timed_events(schedule, table, walk)
+    if lockstep:
+        compute = schedule.schedule() if isinstance(schedule, Program) else schedule
+        events = _lockstep_events(compute, table, checked_order(compute) if check else None)
+    else:
+        events = _timed_events(table, *(checked_program(schedule) if check else _walk_program(schedule)))
     if not all(math.isfinite(e.end) for e in events):
         big = max((*table.f, *table.b, *table.w, *table.comm))
         raise ValueError(
@@ -83,13 +92,9 @@ def _events_of(rank: int, entry: Entry, start: float, end: float, table: CostTab
     return [Event(rank, f, start, cut), Event(rank, b, cut, end)]
 
 
-def _sends_across(schedule: Schedule, rank: int, a) -> bool:
-    """Does this action's result go to another rank (F onward, B / BW backward)?"""
-    if a.kind == "F":
-        return a.stage + 1 < schedule.num_stages and schedule.placement[a.stage + 1] != rank
-    if a.kind in ("B", "BW"):
-        return a.stage > 0 and schedule.placement[a.stage - 1] != rank
-    return False
+def _sends_across(schedule: Schedule, a) -> bool:
+    """Does this action's result go to another rank (:func:`~zbpp_lite.schedules.program.destination`)?"""
+    return any(destination(key, schedule.placement) is not None for key in produces(a))
 
 
 def _walk(schedule: Schedule, walk: tuple | None) -> tuple:
@@ -100,6 +105,12 @@ def _walk(schedule: Schedule, walk: tuple | None) -> tuple:
     return execution_order(schedule, keys), keys
 
 
+def _walk_program(lists: Schedule | Program) -> tuple[Program, list[tuple[int, int]]]:
+    """(program, its :func:`execution_order`) unchecked: deadlock raises ScheduleError."""
+    program = lists if isinstance(lists, Program) else lower(lists)
+    return program, execution_order(program)
+
+
 def _lockstep_events(schedule: Schedule, table: CostTable, walk=None) -> list[Event]:
     events, now = [], 0.0
     for row in lockstep_ticks(schedule, walk):
@@ -107,30 +118,49 @@ def _lockstep_events(schedule: Schedule, table: CostTable, walk=None) -> list[Ev
         length = max(table.duration(a) for _, a in actions)
         for r, a in actions:
             events += _events_of(r, a, now, now + table.duration(a), table)
-        sends = [table.comm[x.stage] for r, a in actions for x in parts(a) if _sends_across(schedule, r, x)]
+        sends = [table.comm[x.stage] for r, a in actions for x in parts(a) if _sends_across(schedule, x)]
         now += length + max(sends, default=0.0)
     return events
 
 
-def _timed_events(schedule: Schedule, table: CostTable, walk=None) -> list[Event]:
-    placement = schedule.placement
-    finish: dict[Key, tuple[float, int]] = {}  # key -> (end time, stage that produced it)
-    free = [0.0] * schedule.num_ranks
+def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int]]) -> list[Event]:
+    """Events of ``program``'s compute, timed in ``order``
+    (:func:`~zbpp_lite.schedules.validate.execution_order`): a send leaves at its value's end, its receive
+    has it T_comm later; a compute starts once its rank is free and its inputs are there. Raises
+    ScheduleError: an input not there (unchecked: a misordered rank or a value never received)."""
+    table_of = routes(program.placement)
+    delay = {key: table.transfer(key[1], consumer_stage(*key)) for key in table_of}  # T_comm of a send
+    finish: dict[Key, float] = {}  # key -> end of the action that made it, on its own rank
+    arrive: dict[Key, float] = {}  # key -> when the rank taking it has it
+    free = [0.0] * program.num_ranks
     events = []
-    order, (needs, made) = _walk(schedule, walk)
-    rows = schedule.actions
+    rows = program.instructions
     for rank, step in order:
-        a = rows[rank][step]
-        start = free[rank]
-        for key in needs[rank][step]:
-            end, src_stage = finish[key]
-            if placement[src_stage] != rank:
-                end += table.transfer(src_stage, src_stage + 1 if key[0] == "F" else src_stage - 1)
-            if end > start:  # max(start, end) without a call per dependency
-                start = end
-        end = start + table.duration(a)
-        free[rank] = end
-        for key in made[rank][step]:  # each key's stage is the stage of the part that made it
-            finish[key] = (end, key[1])
-        events += _events_of(rank, a, start, end, table)
+        x = rows[rank][step]
+        what = type(x)
+        if what is Recv:
+            key = x.key
+            arrive[key] = finish[key] + delay[key[0], key[1]]
+        elif what is not Send:
+            start = free[rank]
+            actions = x.parts if what is Overlap else (x,)
+            for a in actions:
+                j = a.microbatch
+                for kind, stage, local in table_of[a.kind, a.stage].needs:
+                    end = (finish if local else arrive).get((kind, stage, j))
+                    if end is None:
+                        raise ScheduleError(f"rank {rank}, step {step}: {describe(x)} needs {kind} of stage "
+                            f"{stage}, microbatch {j}, which is not there before it; rule: what an action "
+                            "needs runs (or is received) before it")
+                    if end > start:  # max(start, end) without a call per dependency
+                        start = end
+            end = start + table.duration(x)
+            free[rank] = end
+            for a in actions:
+                for kind, stage in table_of[a.kind, a.stage].makes:
+                    finish[kind, stage, a.microbatch] = end
+            if what is Overlap:
+                events += _events_of(rank, x, start, end, table)
+            else:
+                events.append(Event(rank, x, start, end))
     return events

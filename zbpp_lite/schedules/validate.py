@@ -11,7 +11,10 @@ waiting for both inputs. Dependencies: :func:`zbpp_lite.schedules.ir.deps` (pape
 from __future__ import annotations
 
 
+from typing import Union
+
 from .ir import Action, Entry, Key, Overlap, Schedule, deps, parts, produces
+from .program import COMMS, Instruction, Program, Recv, Send, consumer_stage, destination, lower
 
 
 class ScheduleError(ValueError):
@@ -24,8 +27,14 @@ class ScheduleError(ValueError):
         self.rank, self.step, self.action = rank, step, action
 
 
-def describe(action: Entry) -> str:
-    """``B(stage 1, microbatch 3) [1B3]``: readable and in our text form (a pair: both parts)."""
+def describe(action: Instruction) -> str:
+    """``B(stage 1, microbatch 3) [1B3]``: readable and in our text form (a pair: both parts; a transfer:
+    what, between which ranks)."""
+    if isinstance(action, COMMS):
+        kind, stage, j = action.key
+        what = f"{'activation' if kind == 'F' else 'input gradient'} of stage {stage}, microbatch {j}"
+        way = "to" if isinstance(action, Send) else "from"
+        return f"{type(action).__name__.upper()} of the {what} {way} rank {action.peer} [{action.text}]"
     if isinstance(action, Overlap):
         f, b = action.parts
         return (f"the F&B pair of F(stage {f.stage}, microbatch {f.microbatch}) and "
@@ -33,15 +42,25 @@ def describe(action: Entry) -> str:
     return f"{action.kind}(stage {action.stage}, microbatch {action.microbatch}) [{action.text}]"
 
 
-def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, window: int = 8) -> str:
+Lists = Union[Schedule, Program]
+"""What the validator walks: a schedule's action lists or a program's instruction lists."""
+
+
+def rows_of(lists: Lists) -> tuple[tuple, ...]:
+    """A schedule's ``actions`` or a program's ``instructions``: per rank, its steps."""
+    return lists.instructions if isinstance(lists, Program) else lists.actions
+
+
+def format_grid(schedule: Lists, mark: tuple[int, int] | None = None, window: int = 8) -> str:
     """The rank x step grid in our text form (``1B3`` for B, ``0BW1`` for BW: :attr:`Action.text`);
     ``mark=(rank, step)`` brackets one cell and shows only ``window`` steps either side."""
-    lo, hi = 0, max((len(r) for r in schedule.actions), default=0)
+    rows = rows_of(schedule)
+    lo, hi = 0, max((len(r) for r in rows), default=0)
     if mark is not None:
         lo, hi = max(0, mark[1] - window), min(hi, mark[1] + window + 1)
-    width = max([len(e.text) for row in schedule.actions for e in row] + [3]) + 2
+    width = max([len(e.text) for row in rows for e in row] + [3]) + 2
     lines = ["step    " + "".join(f"{i:>{width}}" for i in range(lo, hi))]
-    for rank, row in enumerate(schedule.actions):
+    for rank, row in enumerate(rows):
         cells = []
         for i in range(lo, hi):
             text = row[i].text if i < len(row) else ""
@@ -52,8 +71,8 @@ def format_grid(schedule: Schedule, mark: tuple[int, int] | None = None, window:
     return "\n".join(lines)
 
 
-def _fail(schedule: Schedule, message: str, rank: int | None = None, step: int | None = None) -> None:
-    action = schedule.actions[rank][step] if rank is not None and step is not None else None
+def _fail(schedule: Lists, message: str, rank: int | None = None, step: int | None = None) -> None:
+    action = rows_of(schedule)[rank][step] if rank is not None and step is not None else None
     where = f"rank {rank}, step {step}: " if rank is not None and step is not None else ""
     grid = format_grid(schedule, (rank, step) if action is not None else None)
     raise ScheduleError(f"{where}{message}\n{grid}", rank, step, action)
@@ -162,49 +181,165 @@ def _needs_by_part(row, row_needs, num_stages: int):
             yield step, entry, row_needs[step]
 
 
-def execution_order(schedule: Schedule, keys=None) -> list[tuple[int, int]]:
-    """A global (rank, step) order running every list in order, each action after what it needs (shared by
-    validator and simulator); ``keys``: :func:`step_keys` if known. Raises ScheduleError: deadlock, naming
-    every stuck rank's head action and what it waits for."""
-    rows = schedule.actions
+def execution_order(schedule: Lists, keys=None) -> list[tuple[int, int]]:
+    """A global (rank, step) order running every list in order, each step after what it needs (shared by
+    validator and simulator): a schedule's actions, each after the actions it needs (``keys``:
+    :func:`step_keys` if known), or a program's instructions, a receive blocking until its send has run
+    (a send never waits; a compute waits for nothing more, its inputs being received before it:
+    :func:`validate` checks that). Raises ScheduleError: deadlock, naming every stuck rank's head action
+    and what it waits for (a program: one line naming the first stuck rank, its step and the rank it
+    waits for)."""
+    if isinstance(schedule, Program):
+        return _program_order(schedule)
     needs, made = step_keys(schedule) if keys is None else keys
-    cursor = [0] * len(rows)
     done: set[Key] = set()
+
+    def advance(rank: int, row: tuple, i: int, order: list) -> int:
+        while i < len(row) and done.issuperset(needs[rank][i]):
+            done.update(made[rank][i])
+            order.append((rank, i))
+            i += 1
+        return i
+
+    def stuck(cursor: list[int]) -> None:
+        rows, lines = schedule.actions, []
+        for rank, row in enumerate(rows):
+            if cursor[rank] < len(row):
+                a = row[cursor[rank]]
+                waits = [k for k in needs[rank][cursor[rank]] if k not in done]
+                what = ", ".join(f"{k[0]} of stage {k[1]}, microbatch {k[2]} (rank "
+                    f"{schedule.placement[k[1]]})" for k in waits)
+                lines.append(f"rank {rank} step {cursor[rank]}: {describe(a)} waits for {what}")
+        first = next(r for r in range(len(rows)) if cursor[r] < len(rows[r]))
+        stuck_text = "\n  ".join(lines)
+        message = f"deadlock: no rank can make progress with blocking receives\n  {stuck_text}"
+        _fail(schedule, message, first, cursor[first])
+
+    return _round_robin(schedule.actions, advance, stuck)
+
+
+def _round_robin(rows: tuple, advance, stuck) -> list[tuple[int, int]]:
+    """Visit the ranks in turn, each running ``advance(rank, row, step, order)`` (its steps from ``step``
+    that may run now, appended to ``order``; returns the next step), until every list is done; when a
+    turn moves no rank, ``stuck(cursor)`` raises."""
+    cursor = [0] * len(rows)
     order: list[tuple[int, int]] = []
     remaining = sum(len(r) for r in rows)
     while remaining:
         moved = False
         for rank, row in enumerate(rows):
-            i = cursor[rank]
-            while i < len(row) and done.issuperset(needs[rank][i]):
-                done.update(made[rank][i])
-                order.append((rank, i))
-                i += 1
-            if i != cursor[rank]:
-                remaining -= i - cursor[rank]
+            start = cursor[rank]
+            i = advance(rank, row, start, order)
+            if i != start:
+                remaining -= i - start
                 cursor[rank] = i
                 moved = True
         if not moved:
-            stuck = []
-            for rank, row in enumerate(rows):
-                if cursor[rank] < len(row):
-                    a = row[cursor[rank]]
-                    waits = [k for k in needs[rank][cursor[rank]] if k not in done]
-                    what = ", ".join(f"{k[0]} of stage {k[1]}, microbatch {k[2]} (rank "
-                        f"{schedule.placement[k[1]]})" for k in waits)
-                    stuck.append(f"rank {rank} step {cursor[rank]}: {describe(a)} waits for {what}")
-            first = next(r for r in range(len(rows)) if cursor[r] < len(rows[r]))
-            stuck_text = "\n  ".join(stuck)
-            message = f"deadlock: no rank can make progress with blocking receives\n  {stuck_text}"
-            _fail(schedule, message, first, cursor[first])
+            stuck(cursor)
     return order
 
 
-def validate(schedule: Schedule) -> Schedule:
-    """Check a schedule; return it unchanged if valid. Raises ScheduleError: the first problem found,
-    naming rank, step, action and rule, with the rank x step grid (PyTorch notation; the bad cell in
-    brackets)."""
-    checked_order(schedule)
+def _program_order(program: Program) -> list[tuple[int, int]]:
+    """:func:`execution_order` of a program's instructions."""
+    sent: set[Key] = set()
+
+    def advance(rank: int, row: tuple, i: int, order: list) -> int:
+        while i < len(row):
+            x = row[i]
+            if type(x) is Recv:
+                if x.key not in sent:
+                    break
+            elif type(x) is Send:
+                sent.add(x.key)
+            order.append((rank, i))
+            i += 1
+        return i
+
+    return _round_robin(program.instructions, advance, lambda cursor: _program_stuck(program, cursor))
+
+
+def _program_stuck(program: Program, cursor: list[int]) -> None:
+    """Raise the one-line deadlock error of a program whose ranks all wait (the first stuck rank's)."""
+    rows = program.instructions
+    rank = next(r for r in range(len(rows)) if cursor[r] < len(rows[r]))
+    x = rows[rank][cursor[rank]]
+    peer = x.peer
+    sends = [i for i, y in enumerate(rows[peer]) if type(y) is Send and y.key == x.key]
+    if not sends:
+        message = f"{describe(x)} waits for a send rank {peer} never makes"
+        rule = "every receive has its send"
+    else:
+        at = cursor[peer]
+        message = (f"{describe(x)} waits for rank {peer}'s {rows[peer][sends[0]]} (step {sends[0]}), but "
+            f"rank {peer} waits at step {at} for {rows[peer][at]}: deadlock")
+        rule = "a receive blocks until its send has run"
+    raise ScheduleError(f"rank {rank}, step {cursor[rank]}: {message}; rule: {rule}", rank, cursor[rank], x)
+
+
+def _check_transfers(program: Program) -> None:
+    """Every send and receive carries an F or B value between the ranks the placement names (F's to the
+    next stage's rank, B's to the previous', :func:`~zbpp_lite.schedules.program.consumer_stage`), a
+    send comes after the compute making its value, a compute after the receive of each value from another
+    rank, and every send has one receive and every receive one send."""
+    S, placement = program.num_stages, program.placement
+    seen: dict[tuple[type, Key], tuple[int, int]] = {}
+    for rank, row in enumerate(program.instructions):
+        made: set[Key] = set()
+        got: set[Key] = set()
+        for step, x in enumerate(row):
+            if isinstance(x, COMMS):
+                _check_route(program, x, rank, step, made)
+                if (type(x), x.key) in seen:
+                    r0, s0 = seen[type(x), x.key]
+                    _fail_line(f"{describe(x)} repeats rank {r0}'s step {s0}; rule: each value is sent and "
+                        "received once", rank, step, x)
+                seen[type(x), x.key] = (rank, step)
+                got.update([x.key] if isinstance(x, Recv) else [])
+                continue
+            for key in deps(x, S):
+                if placement[key[1]] != rank and key not in got:
+                    _fail_line(f"{describe(x)} uses the {key[0]} of stage {key[1]}, microbatch {key[2]} "
+                        f"from rank {placement[key[1]]} with no RECV before it; rule: receive before use",
+                        rank, step, x)
+            made.update(produces(x))
+    for (kind, key), (rank, step) in seen.items():
+        other = Recv if kind is Send else Send
+        if (other, key) not in seen:
+            x = program.instructions[rank][step]
+            _fail_line(f"{describe(x)} has no matching {other.__name__.upper()} on rank {x.peer}; rule: "
+                "every send has its receive", rank, step, x)
+
+
+def _check_route(program: Program, x: Send | Recv, rank: int, step: int, made: set[Key]) -> None:
+    kind, stage, _ = x.key
+    placement = program.placement
+    if not 0 <= stage < len(placement) or kind not in ("F", "B"):
+        _fail_line(f"{x} moves {kind} of stage {stage}, but only F and B of stages 0 .. "
+            f"{len(placement) - 1} move", rank, step, x)
+    sender, receiver = placement[stage], destination(x.key, placement)
+    want = (sender, receiver) if isinstance(x, Send) else (receiver, sender)
+    if (rank, x.peer) != want:
+        _fail_line(f"{describe(x)} runs on rank {rank}, but stage {stage} is on rank {sender} and stage "
+            f"{consumer_stage(kind, stage)} on rank {receiver}; rule: F goes to the next stage's rank, B to "
+            "the previous stage's", rank, step, x)
+    if isinstance(x, Send) and x.key not in made:
+        _fail_line(f"{describe(x)} comes before the {kind} that makes it; rule: send after the compute",
+            rank, step, x)
+
+
+def _fail_line(message: str, rank: int, step: int, x: Instruction) -> None:
+    raise ScheduleError(f"rank {rank}, step {step}: {message}", rank, step, x)
+
+
+def validate(schedule: Lists) -> Lists:
+    """Check a schedule or a lowered :class:`~zbpp_lite.schedules.program.Program`; return it unchanged
+    if valid. Raises ScheduleError: the first problem found, naming rank, step, action and rule, for a
+    schedule with the rank x step grid (PyTorch notation; the bad cell in brackets); for a program in one
+    line (its compute entries first checked as a schedule, steps counted without transfers)."""
+    if isinstance(schedule, Program):
+        checked_program(schedule)
+    else:
+        checked_order(schedule)
     return schedule
 
 
@@ -216,3 +351,17 @@ def checked_order(schedule: Schedule) -> tuple[list[tuple[int, int]], tuple]:
     keys = step_keys(schedule)
     _check_keys(schedule, keys)
     return execution_order(schedule, keys), keys
+
+
+def checked_program(lists: Lists) -> tuple[Program, list[tuple[int, int]]]:
+    """:func:`validate`'s checks of a program, or of a schedule and then its lowered program
+    (:func:`~zbpp_lite.schedules.program.lower`: its transfers are right by construction), returning the
+    program and the :func:`execution_order` of its instructions they found (the simulator times that
+    order, so a checked simulation walks once). Raises ScheduleError as validate."""
+    schedule = lists.schedule() if isinstance(lists, Program) else lists
+    _check_structure(schedule)
+    _check_keys(schedule, step_keys(schedule))
+    program = lists if isinstance(lists, Program) else lower(schedule)
+    if program is lists:
+        _check_transfers(program)
+    return program, execution_order(program)

@@ -1,0 +1,162 @@
+"""The lowered program (zbpp_lite/schedules/program.py): a schedule's transfers written out as sends and
+receives (PyTorch's SEND_F/RECV_F/SEND_B/RECV_B), checked by the validator, timed by the simulator to the
+same figures as before, read from and written to PyTorch's compute+comms CSV."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+import zbpp_lite as zb
+from zbpp_lite.schedules.ir import Action, Key, Schedule, deps, produces
+from zbpp_lite.schedules.program import Program, Recv, Send, consumer_stage, lower
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+sys.path.insert(0, str(ARTIFACTS))
+sys.path.insert(0, str(ROOT / "tools"))
+import generate_simulate_golden as golden  # noqa: E402
+from torch_program_cases import receive_moved_early, write_cases  # noqa: E402
+
+
+def test_1f1b_on_two_ranks_lowers_to_pytorchs_sends_and_receives():
+    rows = lower(zb.build_schedule("1f1b", 2, 2)).to_rows()
+    assert rows == [["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1"],
+                    ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1RECV_F1", "1F1", "1B1", "1SEND_B1"]]
+    send, recv = lower(zb.build_schedule("1f1b", 2, 2)).instructions[0][1], lower(
+        zb.build_schedule("1f1b", 2, 2)).instructions[1][0]
+    assert send == Send(Key("F", 0, 0), 1) and recv == Recv(Key("F", 0, 0), 0)  # one key, both ends
+
+
+def test_f_goes_to_the_next_stage_and_b_to_the_previous():
+    assert consumer_stage("F", 3) == 4 and consumer_stage("B", 3) == 2
+    from zbpp_lite.runtime.transport import Transfer
+
+    assert Transfer("F", 3, 0).consumer == 4 and Transfer("B", 3, 0).consumer == 2
+
+
+@pytest.mark.parametrize("name", sorted(zb.SCHEDULES))
+def test_every_value_crossing_ranks_is_sent_right_after_it_is_made_and_received_right_before_use(name):
+    s = zb.build_schedule(name, 4, 8)
+    program = zb.validate(lower(s))
+    assert program.schedule().actions == s.actions
+    crossings = {(k, a.stage) for r, a in s for k in deps(a, s.num_stages) if s.placement[k.stage] != r}
+    sends = [x for row in program.instructions for x in row if isinstance(x, Send)]
+    assert sorted(x.key for x in sends) == sorted(k for k, _ in crossings)  # one send per crossing
+    boundaries = sum(s.placement[t] != s.placement[t + 1] for t in range(s.num_stages - 1))
+    assert len(sends) == 2 * boundaries * s.num_microbatches  # every F onward and every B back
+    for row in program.instructions:
+        for i, x in enumerate(row):
+            if isinstance(x, Send):  # after the compute making it, only other sends between
+                j = max(j for j in range(i) if not isinstance(row[j], Send))
+                assert x.key in produces(row[j])
+            if isinstance(x, Recv):  # before the compute needing it, only other receives between
+                j = min(j for j in range(i + 1, len(row)) if not isinstance(row[j], Recv))
+                assert x.key in deps(row[j], s.num_stages)
+
+
+def test_the_simulated_program_gives_the_figures_of_the_compute_only_simulator():
+    # tests/artifacts/simulate_golden.json: written by the simulator before it timed the program
+    stored = json.loads((ARTIFACTS / "simulate_golden.json").read_text())
+    seen = 0
+    for key, schedule, costs in golden.cases():
+        assert golden.record(zb.simulate(schedule, costs)) == stored[key], key
+        seen += 1
+    assert seen == len(stored) > 400
+
+
+def test_a_program_simulates_as_its_schedule_also_with_pytorchs_early_receives():
+    s = zb.build_schedule("zb-v", 4, 8)
+    costs = zb.Costs(f=1.3, b=1.1, w=0.7, comm=0.3)
+    assert zb.simulate(lower(s), costs) == zb.simulate(s, costs)
+    # PyTorch's lowering posts each receive as soon as its sender sends: the consumer still waits
+    torch = Program.from_csv(ARTIFACTS / "torch_DualPipeV_comms.csv")
+    assert zb.validate(torch) is torch
+    assert zb.simulate(torch, costs) == zb.simulate(torch.schedule(), costs)
+    assert zb.simulate(torch, costs, lockstep=True) == zb.simulate(torch.schedule(), costs, lockstep=True)
+
+
+def test_pytorchs_compute_and_comms_csv_reads_with_its_transfers_and_writes_back():
+    path = ARTIFACTS / "torch_DualPipeV_comms.csv"
+    program = Program.from_csv(path)
+    cells = [[c for c in line.split(",") if not c.endswith(("SHARD", "REDUCE_GRAD"))]
+             for line in path.read_text().splitlines() if line.strip()]
+    assert program.to_rows() == cells  # every send and receive kept, in its place
+    assert program.schedule().actions == Schedule.from_csv(path).actions
+    first = program.instructions[0]
+    assert first[1] == Send(Key("F", 0, 0), 1) and Recv(Key("F", 6, 0), 1) in first  # "7RECV_F0": from stage 6
+    for name in sorted(zb.SCHEDULES):
+        p = lower(zb.build_schedule(name, 3, 6))
+        assert Program.from_csv_text(p.to_csv()).instructions == p.instructions, name
+
+
+def test_a_receive_out_of_order_is_a_deadlock_named_in_one_line():
+    bad = receive_moved_early(lower(zb.build_schedule("1f1b", 2, 4)))
+    with pytest.raises(zb.ScheduleError) as err:
+        zb.validate(bad)
+    assert str(err.value) == (
+        "rank 0, step 2: RECV of the input gradient of stage 1, microbatch 1 from rank 1 [0RECV_B1] waits for "
+        "rank 1's 1SEND_B1 (step 7), but rank 1 waits at step 4 for 1RECV_F1: deadlock; rule: a receive "
+        "blocks until its send has run")
+    assert (err.value.rank, err.value.step, err.value.action) == (0, 2, Recv(Key("B", 1, 1), 1))
+    with pytest.raises(zb.ScheduleError, match="deadlock"):
+        zb.simulate(bad, check=False)
+
+
+def test_pytorchs_own_deadlock_check_accepts_our_programs_and_refuses_a_receive_out_of_order(tmp_path):
+    # PyTorch 2.13's _simulate_comms_compute, run by ../shared/peers/torch_check_schedules.py with a Python
+    # that has torch (ZBPP_TORCH_PYTHON, else /work/torchvenv/bin/python); skipped without one
+    import os
+    import subprocess
+
+    python = os.environ.get("ZBPP_TORCH_PYTHON") or "/work/torchvenv/bin/python"
+    script = ROOT.parent / "shared" / "peers" / "torch_check_schedules.py"
+    probe = subprocess.run([python, "-c", "import torch"], capture_output=True) if os.path.exists(python) else None
+    if not script.exists() or probe is None or probe.returncode != 0:
+        pytest.skip(f"no PyTorch check: {script} or a Python with torch ({python}) is missing")
+    cases = write_cases(tmp_path, [2, 4], bad=True)
+    out = subprocess.run([python, str(script), str(cases)], capture_output=True, text=True, timeout=300)
+    failed = sorted(line.split()[1] for line in out.stdout.splitlines() if line.startswith("FAIL"))
+    assert failed == ["bad-1f1b_p2", "bad-1f1b_p4"], out.stdout[-2000:]
+    assert "Schedule is not progressing" in out.stdout and f"torch accepted {2 * 2 * len(zb.SCHEDULES)} of" in out.stdout
+
+
+def _edited(edit) -> Program:
+    """The 1F1B program of 2 ranks, 2 microbatches with rank 1's list edited by ``edit``."""
+    p = lower(zb.build_schedule("1f1b", 2, 2))
+    return Program((p.instructions[0], tuple(edit(list(p.instructions[1])))), p.placement, 2)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda row: row[1:2] + row[:1] + row[2:],
+     r"^rank 1, step 0: F\(stage 1, microbatch 0\) \[1F0\] uses the F of stage 0, microbatch 0 from rank 0 "
+     r"with no RECV before it; rule: receive before use$"),
+    (lambda row: row[:2] + row[3:4] + row[2:3] + row[4:],
+     r"^rank 1, step 2: SEND of the input gradient .* \[1SEND_B0\] comes before the B that makes it; rule: "
+     r"send after the compute$"),
+    (lambda row: row[:3] + row[4:],
+     r"^rank 0, step 4: RECV of the input gradient of stage 1, microbatch 0 from rank 1 \[0RECV_B0\] has no "
+     r"matching SEND on rank 1; rule: every send has its receive$"),
+    (lambda row: row[:3] + [Send(Key("B", 1, 0), 1)] + row[4:],
+     r"^rank 1, step 3: SEND .* runs on rank 1, but stage 1 is on rank 1 and stage 0 on rank 0; rule: F goes "
+     r"to the next stage's rank, B to the previous stage's$"),
+    (lambda row: row + [Recv(Key("F", 0, 1), 0)],
+     r"^rank 1, step 8: RECV .* repeats rank 1's step 4; rule: each value is sent and received once$"),
+])
+def test_a_broken_transfer_is_named_in_one_line(edit, message):
+    with pytest.raises(zb.ScheduleError, match=message):
+        zb.validate(_edited(edit))
+
+
+def test_compute_errors_of_a_program_are_the_schedules():
+    p = lower(zb.build_schedule("1f1b", 2, 2))
+    missing = Program((p.instructions[0][:-2], p.instructions[1]), p.placement, 2)
+    with pytest.raises(zb.ScheduleError, match="missing B \\(or BW\\) of stage 0, microbatch 1"):
+        zb.validate(missing)
+    with pytest.raises(ValueError, match=r"^rank 1: 5RECV_F0 moves a value between stages 4 and 5, but the "
+                       r"stages are 0 \.\. 1$"):
+        Program.from_rows([["0F0", "0SEND_F0", "0B0"], ["5RECV_F0", "1F0", "1B0", "1SEND_B0"]])
+    assert Program.from_rows([[Action("F", 0, 0)]]).to_rows() == [["0F0"]]

@@ -1,0 +1,255 @@
+"""The lowered program: a schedule as one instruction list per rank, its transfers written out (pure Python).
+
+A :class:`~zbpp_lite.schedules.ir.Schedule` says what each rank computes; which values cross ranks is
+implied by the dependencies (:func:`~zbpp_lite.schedules.ir.deps`). :func:`lower` writes them out, as
+PyTorch's pipelining does (``_add_send_recv``, with ``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``) and
+sail-sg's zero-bubble passes (``add_send_recv_peer_stage``): each rank's list holds its compute entries
+(:class:`~zbpp_lite.schedules.ir.Action`, :class:`~zbpp_lite.schedules.ir.Overlap`) and
+
+- :class:`Send`: F's activation or B's input gradient of one stage and microbatch, to the rank holding the
+  stage that takes it (:func:`consumer_stage`: the next stage for F, the previous for B; paper arXiv
+  2401.10241 section 2, figure 1), placed right after the compute that made it;
+- :class:`Recv`: the same value, from the rank that made it, placed right before the first compute that
+  needs it (a pair's receives before the pair; several in the order of
+  :func:`~zbpp_lite.schedules.ir.deps`).
+
+A send never waits; a receive waits until its send has run. In time a receive is posted, as PyTorch's
+``irecv``: only the compute needing the value waits for it to arrive, so a receive placed earlier (as
+PyTorch's lowering places them) times the same. With those places the program deadlocks exactly when
+the schedule does (:func:`zbpp_lite.validate` checks a program, :func:`zbpp_lite.simulate`
+times one, T_comm from each send to its receive).
+
+Text form (PyTorch's): a send names the producing stage, ``"0SEND_F3"`` (stage 0's activation of
+microbatch 3); a receive the consuming stage, ``"1RECV_F3"`` (stage 1 receives it). PyTorch's
+bookkeeping cells (``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) read as nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple, Sequence, Union
+
+from .ir import (KINDS, Action, Key, Overlap, Schedule, _key, _parse_cell, csv_rows, deps, produces,
+    read_csv_file, write_csv)
+
+TRANSFER_KINDS = ("F", "B")
+"""Keys that cross ranks: F's activation and B's input gradient (W's weight gradient stays)."""
+
+_COMM = re.compile(r"^\s*(\d+)\s*(SEND|RECV)_(F|B)\s*(\d+)\s*$")
+
+
+def consumer_stage(kind: str, stage: int) -> int:
+    """The stage taking what ``stage`` made: F's activation goes to stage + 1, B's input gradient to
+    stage - 1 (arXiv 2401.10241 section 2). The one place this rule is written; a stage outside
+    0 .. S-1 means the value goes nowhere (the last stage's F, the first stage's B)."""
+    return stage + 1 if kind == "F" else stage - 1
+
+
+def destination(key: Key, placement: Sequence[int]) -> int | None:
+    """The rank ``key``'s value must go to, or None when its consumer is on the producing rank or
+    there is none (a W, the last stage's F, the first stage's B)."""
+    if key[0] not in TRANSFER_KINDS:
+        return None
+    stage = consumer_stage(key[0], key[1])
+    if not 0 <= stage < len(placement) or placement[stage] == placement[key[1]]:
+        return None
+    return placement[stage]
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """PyTorch's ``SEND_F`` / ``SEND_B``: the rank sends ``key``'s value (kind "F" activation or "B" input
+    gradient, of the producing stage and microbatch) to rank ``peer``; never waits."""
+
+    key: Key
+    peer: int
+
+    def __str__(self) -> str:
+        return f"{self.key[1]}SEND_{self.key[0]}{self.key[2]}"
+
+    @property
+    def text(self) -> str:
+        """Our text form, which is PyTorch's here (``SEND_B``'s B is our B's input gradient)."""
+        return str(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Recv:
+    """PyTorch's ``RECV_F`` / ``RECV_B``: the rank receives ``key``'s value (the sender's key) from rank
+    ``peer``; waits until that send has run. ``str()`` names the consuming stage, as PyTorch does."""
+
+    key: Key
+    peer: int
+
+    def __str__(self) -> str:
+        kind, stage, microbatch = self.key
+        return f"{consumer_stage(kind, stage)}RECV_{kind}{microbatch}"
+
+    @property
+    def text(self) -> str:
+        """Our text form, which is PyTorch's here (``RECV_B``'s B is our B's input gradient)."""
+        return str(self)
+
+
+Instruction = Union[Action, Overlap, Send, Recv]
+"""One step of a rank's program: a compute entry, a :class:`Send` or a :class:`Recv`."""
+
+COMMS = (Send, Recv)
+"""The transfer instructions' types (``isinstance(x, COMMS)``)."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """One instruction list per rank (compute, :class:`Send`, :class:`Recv`), with the schedule's
+    placement. Made by :func:`lower` or read from PyTorch's compute+comms CSV (:meth:`from_csv_text`);
+    checked by :func:`zbpp_lite.validate`, timed by :func:`zbpp_lite.simulate`.
+
+    Attributes:
+        instructions: ``instructions[rank]``, the rank's instructions in order.
+        placement: ``placement[stage]``, the rank holding that stage.
+        num_microbatches: m.
+        name: the schedule's name, or "".
+    """
+
+    instructions: tuple[tuple[Instruction, ...], ...]
+    placement: tuple[int, ...]
+    num_microbatches: int
+    name: str = ""
+
+    @property
+    def num_ranks(self) -> int:
+        """p, the number of ranks."""
+        return len(self.instructions)
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages."""
+        return len(self.placement)
+
+    def schedule(self) -> Schedule:
+        """The compute entries alone, as a :class:`~zbpp_lite.schedules.ir.Schedule`."""
+        rows = tuple(tuple(x for x in row if not isinstance(x, COMMS)) for row in self.instructions)
+        return Schedule(rows, self.placement, self.num_microbatches, self.name)
+
+    def to_rows(self) -> list[list[str]]:
+        """Per-rank instruction strings in PyTorch's notation (``"0F3"``, ``"0SEND_F3"``, ``"1RECV_F3"``)."""
+        return [[str(x) for x in row] for row in self.instructions]
+
+    def to_csv(self, path: str | os.PathLike | None = None) -> str:
+        """PyTorch's compute+comms CSV text (one row per rank, no header), also written to ``path``."""
+        return write_csv(self.to_rows(), path)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Iterable[str | Instruction | None]],
+            num_microbatches: int | None = None, name: str = "") -> "Program":
+        """A program from per-rank cells: compute cells as :meth:`Schedule.from_rows` reads them, and
+        ``{stage}SEND_F{j}`` (``F`` or ``B``; the producing stage) and ``{stage}RECV_F{j}`` (the consuming
+        stage), their peers read off the placement the compute cells imply. Raises ValueError: as
+        :meth:`Schedule.from_rows`, or a transfer naming a stage no rank holds."""
+        cells: list[list] = []
+        for rank, row in enumerate(rows):
+            out: list = []
+            for cell in row:
+                try:
+                    out += _cell(cell)
+                except ValueError as e:
+                    raise ValueError(f"rank {rank}: {e}") from None
+            cells.append(out)
+        compute = [[x for x in row if isinstance(x, (Action, Overlap))] for row in cells]
+        schedule = Schedule.from_rows(compute, num_microbatches, name)
+        program = [[_transfer(x, rank, schedule.placement) if isinstance(x, tuple) else x for x in row]
+            for rank, row in enumerate(cells)]
+        return cls(tuple(map(tuple, program)), schedule.placement, schedule.num_microbatches, name)
+
+    @classmethod
+    def from_csv_text(cls, text: str, num_microbatches: int | None = None) -> "Program":
+        """Parse PyTorch's compute+comms CSV text (``tests/artifacts/torch_DualPipeV_comms.csv``); lines
+        and errors as :meth:`Schedule.from_csv_text`."""
+        if not isinstance(text, str):
+            raise TypeError(f"Program.from_csv_text takes CSV text (str), got {type(text).__name__}")
+        return cls.from_rows(csv_rows(text, _cell), num_microbatches)
+
+    @classmethod
+    def from_csv(cls, path: str | os.PathLike, num_microbatches: int | None = None) -> "Program":
+        """Read PyTorch's compute+comms CSV from the UTF-8 file at ``path``; errors as
+        :meth:`Schedule.from_csv`."""
+        return read_csv_file(path, "Program.from_csv", lambda text: cls.from_csv_text(text, num_microbatches))
+
+
+def _cell(cell) -> list:
+    """One cell -> [a compute entry], [a Send or Recv], [(stage, "SEND"|"RECV", kind, microbatch)] read
+    from text (peers need the placement), or [] (idle, bookkeeping)."""
+    if isinstance(cell, (*COMMS, tuple)):
+        return [cell]
+    match = _COMM.match(cell) if isinstance(cell, str) else None
+    return [match.groups()] if match else _parse_cell(cell)
+
+
+def _transfer(cell: tuple, rank: int, placement: tuple[int, ...]) -> Send | Recv:
+    """``(stage, "SEND"|"RECV", kind, microbatch)`` read from text -> the record, peers from ``placement``."""
+    stage, op, kind, microbatch = int(cell[0]), cell[1], cell[2], int(cell[3])
+    producer = stage if op == "SEND" else stage + (1 if kind == "B" else -1)
+    consumer = consumer_stage(kind, producer)
+    if not (0 <= producer < len(placement) and 0 <= consumer < len(placement)):
+        raise ValueError(f"rank {rank}: {stage}{op}_{kind}{microbatch} moves a value between stages "
+            f"{producer} and {consumer}, but the stages are 0 .. {len(placement) - 1}")
+    key = Key(kind, producer, microbatch)
+    return Send(key, placement[consumer]) if op == "SEND" else Recv(key, placement[producer])
+
+
+class Route(NamedTuple):
+    """What an action of one (kind, stage) needs, makes, receives and sends, on any microbatch j (all its
+    keys share its microbatch; :func:`routes`).
+
+    needs: (kind, stage, made on this rank?) of each key it needs (``deps``' order);
+    makes: (kind, stage) of each key it makes (``produces``' order);
+    receives: (kind, stage, sending rank) of each key it needs from another rank;
+    sends: (kind, stage, receiving rank) of each key another rank needs."""
+
+    needs: tuple[tuple[str, int, bool], ...]
+    makes: tuple[tuple[str, int], ...]
+    receives: tuple[tuple[str, int, int], ...]
+    sends: tuple[tuple[str, int, int], ...]
+
+
+def routes(placement: Sequence[int]) -> dict[tuple[str, int], Route]:
+    """:class:`Route` of every (kind, stage) under ``placement``, read once from
+    :func:`~zbpp_lite.schedules.ir.deps`, :func:`~zbpp_lite.schedules.ir.produces` and
+    :func:`destination`, so that lowering and timing look them up instead of recomputing them per action."""
+    S = len(placement)
+    table = {}
+    for kind in KINDS:
+        for stage in range(S):
+            a, here = Action(kind, stage, 0), placement[stage]
+            needs, makes = deps(a, S), produces(a)
+            table[kind, stage] = Route(
+                tuple((k[0], k[1], placement[k[1]] == here) for k in needs),
+                tuple((k[0], k[1]) for k in makes),
+                tuple((k[0], k[1], placement[k[1]]) for k in needs if placement[k[1]] != here),
+                tuple((k[0], k[1], to) for k in makes if (to := destination(k, placement)) is not None))
+    return table
+
+
+def lower(schedule: Schedule) -> Program:
+    """The schedule's program: each rank's entries in order, a :class:`Recv` right before the entry for
+    each value it needs from another rank and a :class:`Send` right after it for each value another rank
+    needs (module docstring). Assumes every action's stage exists (:func:`zbpp_lite.validate` first
+    for a schedule of unknown origin); raises KeyError otherwise."""
+    table = routes(schedule.placement)
+    rows = []
+    for row in schedule.actions:
+        out: list[Instruction] = []
+        for entry in row:
+            found = [(a.microbatch, table[a.kind, a.stage]) for a in entry.parts] if type(entry) is Overlap \
+                else ((entry.microbatch, table[entry.kind, entry.stage]),)
+            for j, route in found:
+                for kind, stage, src in route.receives:
+                    out.append(Recv(_key((kind, stage, j)), src))
+            out.append(entry)
+            for j, route in found:
+                for kind, stage, to in route.sends:
+                    out.append(Send(_key((kind, stage, j)), to))
+        rows.append(tuple(out))
+    return Program(tuple(rows), schedule.placement, schedule.num_microbatches, schedule.name)
