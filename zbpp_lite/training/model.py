@@ -144,7 +144,7 @@ class GPTConfig(ModelConfig):
     """Size and options of the GPT (see the module docstring); the digits' fields, other defaults.
 
     The default trains on 2 CPU cores; GPT-2 small is ``GPTConfig(d=768, heads=12, blocks=12,
-    context=1024)`` (124M parameters with GPT-2's 50,257 tokens, 86.2M with our 256 bytes).
+    context=1024)`` (124M parameters with GPT-2's 50,257 tokens, 86.0M with our 256 bytes).
     """
 
     d: int = 128  # model width
