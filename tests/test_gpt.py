@@ -16,7 +16,7 @@ from zbpp_lite.runtime.stages import StagedModel, dropout_keys
 from zbpp_lite.training.data import ByteText, load_data, load_text, stdlib_files
 from zbpp_lite.training.model import GPTConfig, RunConfig, abstract_parts, build_parts, config_json, config_of
 from zbpp_lite.training.reference import GRAD_CHECK_TOLERANCE, max_relative_error
-from zbpp_lite.training.train import job_plan
+from zbpp_lite.training.train import TrainOptions, job_plan, train
 
 DEVICES = jax.devices()
 TINY = GPTConfig(d=16, heads=2, blocks=2, context=16, dropout=0.2, remat=True)
@@ -41,6 +41,19 @@ def test_step_0_equals_the_unpartitioned_model_with_tied_embedding_dropout_and_r
     copies = [np.asarray(jax.tree_util.tree_leaves(result.grads[part])[leaf]) for part, leaf, _ in tie.copies]
     assert np.array_equal(copies[0], copies[1])
     assert abs(float(model.loss(model.params, x, y)) - float(ref_loss)) > 1e-3
+
+
+def test_train_runs_the_gpt_with_its_data_keys_and_check():
+    """train() (the loop every command uses): the text batches, step k's dropout keys, the step-0 check
+    against the unpartitioned model with the same keys, validation on held-out files, the unigram baseline
+    recorded beside the settings."""
+    config = GPTConfig(d=16, heads=2, blocks=2, context=16, dropout=0.2)
+    result = train("zb-h1", 2, 2, steps=2, model=config, run=RunConfig(batch=4, lr=3e-3),
+                   options=TrainOptions(devices=DEVICES[:2]))
+    assert result.grad_max_rel_error <= 1e-5 and result.loss_error <= 1e-5 * result.losses[0]
+    assert result.config["model"] == "gpt" and result.config["context"] == 16
+    assert result.config["unigram_nats"] == pytest.approx(load_text(16, 0.2, 0).unigram_nats())
+    assert 0 < result.test_loss < np.log(256) + 1 and 0 <= result.test_accuracy <= 1
 
 
 def test_bf16_computes_in_bf16_and_keeps_float32_parameters_and_gradients():

@@ -219,7 +219,8 @@ def check_model_arguments(args, num_microbatches: int) -> None:
     if not gpt:
         refuse_unused(args, [d for d in GPT_FLAGS if hasattr(args, d)], "--context, --dropout, --bf16 and "
                       "--remat set the GPT (--model gpt)")
-    defaults = {"d": 128 if gpt else 32, "heads": 4, "context": 128, "dropout": 0.1}
+    # the GPT's own flags stay None with the digits (launch passes only what differs from the defaults)
+    defaults = {"d": 128, "heads": 4, "context": 128, "dropout": 0.1} if gpt else {"d": 32, "heads": 4}
     for dest, value in defaults.items():
         if getattr(args, dest, 0) is None:
             setattr(args, dest, value)
