@@ -43,7 +43,7 @@ def main() -> None:
     from zbpp_lite.runtime.stages import StagedModel
     from zbpp_lite.training.data import load_data
     from zbpp_lite.training.model import GPTConfig, RunConfig, build_parts
-    from zbpp_lite.training.reference import evaluate, step_dropout_keys
+    from zbpp_lite.training.reference import evaluate, step_dropout_keys, write_bytes
     from zbpp_lite.training.train import StageAdamW, train_step
 
     config = GPTConfig(d=args.d, blocks=args.blocks, context=args.context, dropout=args.dropout)
@@ -76,6 +76,9 @@ def main() -> None:
         cpu += time.process_time() - c0
         last = result.loss
         k += 1
+    prompt = b"def "
+    text = write_bytes(model, adamw.params, prompt, 300, config.context)
+    print("what it writes after 'def ' (temperature 0.8):\n" + (prompt + text).decode("utf-8", "replace"))
 
 
 if __name__ == "__main__":

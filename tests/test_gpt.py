@@ -15,7 +15,7 @@ from zbpp_lite.runtime.executor import PipelineExecutor
 from zbpp_lite.runtime.stages import StagedModel, dropout_keys
 from zbpp_lite.training.data import ByteText, load_data, load_text, stdlib_files
 from zbpp_lite.training.model import GPTConfig, RunConfig, abstract_parts, build_parts, config_json, config_of
-from zbpp_lite.training.reference import GRAD_CHECK_TOLERANCE, max_relative_error
+from zbpp_lite.training.reference import GRAD_CHECK_TOLERANCE, max_relative_error, write_bytes
 from zbpp_lite.training.train import TrainOptions, job_plan, train
 
 DEVICES = jax.devices()
@@ -112,3 +112,12 @@ def test_gpt2_small_builds_and_plans_from_shapes():
     schedule, costs = job_plan("zb-v", 2, 4, {}, big, RunConfig(batch=4))
     assert schedule.num_stages == 4 and min(costs.mem_b) > 4 * 1024 * 768 * 4  # > 4 activations of a block
     assert config_of(config_json(big)) == big and config_of({"d": 8, "heads": 2, "blocks": 1}).d == 8
+
+
+def test_the_model_writes_bytes_reproducibly_from_a_seed():
+    config = GPTConfig(d=16, heads=2, blocks=2, context=16, dropout=0.2)
+    model = StagedModel(build_parts(config), 1)
+    a, b = (write_bytes(model, model.params, b"def ", 8, config.context, seed=1) for _ in range(2))
+    assert len(a) == 8 and a == b and write_bytes(model, model.params, b"def ", 8, config.context, seed=2) != a
+    with pytest.raises(ValueError, match="write_bytes needs a prompt"):
+        write_bytes(model, model.params, b"", 8, config.context)

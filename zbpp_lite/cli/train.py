@@ -382,6 +382,8 @@ def run(args) -> int:
         return train_spmd_command(args, schedule, blocks, devices)
     result = _train(args, schedule, blocks, devices)
     print(report(result))
+    if args.model == "gpt":
+        print(written_lines(result, model_config(args, blocks)))
     if args.json:
         data = result.to_json()
         if profiled is not None:
@@ -431,6 +433,19 @@ def threads_reason(args, num_ranks: int, devices) -> str | None:
     return None
 
 
+def written_lines(result, config, prompt: bytes = b"def ") -> str:
+    """A few lines the trained GPT (``config``) writes after ``prompt``
+    (:func:`~zbpp_lite.training.reference.write_bytes` on the run's final parameters)."""
+    from ..runtime.stages import StagedModel
+    from ..training.model import build_parts
+    from ..training.reference import write_bytes
+
+    model = StagedModel(build_parts(config), 1)
+    written = write_bytes(model, result.params, prompt, 240, config.context)
+    text = (prompt + written).decode("utf-8", "replace")
+    return "what the model writes after 'def ' (temperature 0.8):\n" + "\n".join(text.splitlines()[:6])
+
+
 def report(result) -> str:
     """The closing lines: accuracy, gradient check, measured vs simulated (time and memory)."""
     m, s = result.measured, result.simulated
@@ -440,8 +455,9 @@ def report(result) -> str:
         f"test accuracy ({held} samples): {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}"
         if unigram is None else
         f"validation loss {result.test_loss:.4f} nats/byte ({result.test_loss / math.log(2):.3f} bits), "
-        f"{1 - result.test_loss / unigram:.1%} below the unigram baseline {unigram:.4f} nats/byte (the "
-        f"entropy of the validation bytes' frequencies); next-byte accuracy {result.test_accuracy:.4f}",
+        f"{abs(1 - result.test_loss / unigram):.1%} {'below' if result.test_loss <= unigram else 'above'} the "
+        f"unigram baseline {unigram:.4f} nats/byte (the entropy of the validation bytes' frequencies); "
+        f"next-byte accuracy {result.test_accuracy:.4f}",
         grad_check_line(result),
         f"{'':10}{'makespan':>14}{'bubble rate':>14}",
         f"{'measured':10}{m.makespan * 1e3:>11.2f} ms{m.bubble_rate:>14.4f}",

@@ -131,6 +131,35 @@ def evaluate(model, params, x: np.ndarray, y: np.ndarray, device=None) -> tuple[
     return float(loss), float(acc)
 
 
+def write_bytes(model, params, prompt: bytes, n: int, context: int, seed: int = 0,
+                temperature: float = 0.8) -> bytes:
+    """``n`` bytes a byte-level language model writes after ``prompt``: the unpartitioned model (no
+    dropout) on the last ``context`` bytes (the prompt padded on the left with spaces), the next byte
+    drawn from ``softmax(logits / temperature)`` with ``jax.random.key(seed)``; one jitted forward of
+    (1, context) per byte. ``model``: the GPT's :class:`~zbpp_lite.runtime.stages.StagedModel`.
+
+    Raises:
+        ValueError: an empty prompt, n < 0 or a temperature <= 0.
+    """
+    if not prompt or n < 0 or not temperature > 0:
+        raise ValueError(f"write_bytes needs a prompt, n >= 0 and temperature > 0, got {len(prompt)} bytes, "
+                         f"n={n}, temperature={temperature}")
+
+    def make(m):
+        return jax.jit(lambda params, window, key: jax.random.categorical(
+            key, m.logits(params, window)[0, -1] / temperature))
+
+    step = _jitted("write", model, make)
+    params = jax.device_put(params, jax.devices()[0])  # the stages' devices: one for the whole model
+    window = np.frombuffer(prompt[-context:].rjust(context, b" "), np.uint8).astype(np.int32)[None]
+    keys = jax.random.split(jax.random.key(seed), max(n, 1))
+    out = bytearray()
+    for k in range(n):
+        out.append(int(step(params, window, keys[k])))
+        window = np.concatenate([window[:, 1:], [[out[-1]]]], axis=1).astype(np.int32)
+    return bytes(out)
+
+
 # ----------------------------------------------------------------------------- the baseline's speed
 
 
