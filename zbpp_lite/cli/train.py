@@ -455,8 +455,8 @@ def report(result) -> str:
         f"test accuracy ({held} samples): {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}"
         if unigram is None else
         f"validation loss {result.test_loss:.4f} nats/byte ({result.test_loss / math.log(2):.3f} bits), "
-        f"{abs(1 - result.test_loss / unigram):.1%} {'below' if result.test_loss <= unigram else 'above'} the "
-        f"unigram baseline {unigram:.4f} nats/byte (the entropy of the validation bytes' frequencies); "
+        f"{abs(1 - result.test_loss / unigram):.1%} {'below' if result.test_loss <= unigram else 'above'} "
+        f"the unigram baseline {unigram:.4f} nats/byte (the entropy of the validation bytes' frequencies); "
         f"next-byte accuracy {result.test_accuracy:.4f}",
         grad_check_line(result),
         f"{'':10}{'makespan':>14}{'bubble rate':>14}",

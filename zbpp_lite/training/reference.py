@@ -251,6 +251,8 @@ def train_baseline(
     optimizer = AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay).optimizer()
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
     params = jax.device_put(params, device)
+    if staged.ties:  # tied copies are one array object; the step donates its parameters: one buffer each
+        params = jax.tree_util.tree_map(jnp.copy, params)
     opt_state = jax.device_put(optimizer.init(params), device)
     step = make_step(staged, optimizer, microbatches)
     losses, seconds = [], []
