@@ -28,7 +28,8 @@ def held_out_words(result) -> str:
         return f"a test accuracy of {result.test_accuracy:.3f} on the held-out digits"
     side = "below" if result.test_loss <= unigram else "above"
     gap = abs(1 - result.test_loss / unigram)
-    return f"a validation loss of {result.test_loss:.3f} nats/byte, {gap:.0%} {side} the unigram baseline {unigram:.3f}"
+    return (f"a validation loss of {result.test_loss:.3f} nats/byte, {gap:.0%} {side} the unigram baseline "
+            f"{unigram:.3f}")
 
 
 def _median_step_ms(r) -> float:
