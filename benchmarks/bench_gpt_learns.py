@@ -11,6 +11,11 @@ cores (what an unshared machine would take), the validation loss in nats/byte, t
 since the machine may be shared.
 
     PYTHONPATH=. python benchmarks/bench_gpt_learns.py --seconds 300
+
+Measured (2 cores shared with other work, load average 8-15, so ``--clock cpu``; default size d 128, 4
+blocks, context 128, dropout 0.1; ``--batch 16 --lr 3e-3``): the unigram baseline 3.2369 nats/byte; the
+validation loss 2.86 at 100 steps, 1.94 (40.0% below) at 1,250 steps (106 CPU s / 2), 1.454 (55.1%
+below) at 3,396 steps = 300 CPU s / 2 (1,658 s of wall time on the shared machine).
 """
 
 from __future__ import annotations
