@@ -50,7 +50,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
         help="of the intervals that judge measured gains and drift (default 0.95)")
     add("--threads", action="store_true", help="run the ranks as threads of one process even with a core per "
         "rank")
-    add_model_arguments(p)
+    add_model_arguments(p, gpt=False)
     # actions of milliseconds, so compute, not dispatch, sets the stage costs
     p.set_defaults(d=128, batch=256)
     helps = {"d": "model width (default 128 here, so that compute sets the stage costs)",

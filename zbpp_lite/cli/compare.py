@@ -23,7 +23,7 @@ from ..analysis.profiling.timelines import timed_median
 from ..schedules.builders import lookup, options_of
 from ..schedules import strict_json
 from ..schedules.costs import Costs
-from ..training.data import load_digits
+from ..training.data import load_data
 from ..training.reference import ONE_RANK, one_rank_schedule
 from ..training.train import TrainOptions, train
 from ..training.turns import OneCore, train_in_turns
@@ -179,8 +179,8 @@ def run(args) -> int:
     say_mode("REAL runs", args.ranks, why_threads, ("; schedules take turns step by step", ""))
 
     by_stages: dict[int, Costs] = {}
-    data, model = load_digits(args.holdout, args.seed), model_config(args, blocks)
-    config = run_config(args, progress=sys.stderr.isatty())
+    model, config = model_config(args, blocks), run_config(args, progress=sys.stderr.isatty())
+    data = load_data(model, config)
     one = OneCore(model, config, args.microbatches, use_processes)
 
     def costs_for(num_stages: int) -> Costs:

@@ -1,4 +1,5 @@
-"""``python -m zbpp_lite train``: train the digits Transformer with one schedule, live.
+"""``python -m zbpp_lite train``: train the digits Transformer (or ``--model gpt``, a byte-level GPT on
+Python's own source) with one schedule, live.
 
 Devices: accelerators when there are enough, else simulated CPU ones (``--platform`` picks). Prints
 each step's loss, test accuracy, the gradient check against the unpartitioned model, and measured
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -21,7 +23,7 @@ from ..analysis.profiling.timelines import timed_steps
 from ..runtime import devices as dev  # a module: tests stand a CPU device in for an accelerator
 from ..runtime.processes import allowed_cores
 from ..schedules import strict_json
-from ..training.data import load_digits
+from ..training.data import load_data
 from ..viz.memory import memory_lines
 from . import CliError, add_output, check_against_csv, refuse_unused
 from .join import add_join_arguments, run_joined, wants_join
@@ -35,19 +37,33 @@ BLOCKS_HELP = ("Transformer blocks (default: 4, or one per stage if the schedule
                "stages is refused)")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, blocks_help: str = BLOCKS_HELP) -> None:
+GPT_FLAGS = {"context": "--context", "dropout": "--dropout", "bf16": "--bf16", "remat": "--remat"}
+"""The GPT's own flags (dest: flag), refused with the digits."""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, blocks_help: str = BLOCKS_HELP,
+                        gpt: bool = True) -> None:
     """Model, data and optimizer flags of ``train``, ``compare`` and ``adapt`` (each ``set_defaults``);
-    ``blocks_help``: how the command picks the blocks."""
+    ``blocks_help``: how the command picks the blocks; ``gpt``: offer ``--model gpt`` and its flags."""
     add = parser.add_argument
-    add("--d", type=int, default=32, help="model width (default %(default)s; the PyTorch job uses 128)")
-    add("--heads", type=int, default=4, help="attention heads (default %(default)s)")
+    if gpt:
+        add("--model", choices=("digits", "gpt"), default="digits",
+            help="digits: the digits Transformer classifier; gpt: a byte-level GPT (tied embedding, "
+                 "dropout) on this Python's standard library source, split by file (default %(default)s)")
+        add("--context", type=int, default=None, help="gpt: bytes per sequence (default 128)")
+        add("--dropout", type=float, default=None, help="gpt: dropout rate (default 0.1; 0: none)")
+        add("--bf16", action="store_true", help="gpt: compute in bfloat16 (parameters and sums float32)")
+        add("--remat", action="store_true", help="gpt: each block under jax.checkpoint (B recomputes it)")
+    add("--d", type=int, default=None,
+        help="model width (default: digits 32, the PyTorch job uses 128; gpt 128)")
+    add("--heads", type=int, default=None, help="attention heads (default 4)")
     add("--blocks", type=int, default=None, help=blocks_help)
     add("--batch", type=int, default=64,
         help="global batch, a multiple of --microbatches (default %(default)s)")
     add("--lr", type=float, default=1e-3, help="AdamW learning rate (default %(default)s)")
     add("--seed", type=int, default=0, help="seed of init and batch order (default %(default)s)")
     add("--holdout", type=float, default=0.2, help="fraction of the digits held out for test accuracy "
-        "(default %(default)s; 0 = the PyTorch job's batches, tested on all)")
+        "(default %(default)s; 0 = the PyTorch job's batches, tested on all); gpt: of the files, validation")
 
 
 def add_platform_argument(parser: argparse.ArgumentParser) -> None:
@@ -92,10 +108,14 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
 
 
 def model_config(args, blocks: int):
-    """The job's :class:`~zbpp_lite.training.model.ModelConfig` from the model flags."""
-    from ..training.model import ModelConfig
+    """The job's :class:`~zbpp_lite.training.model.ModelConfig` (``--model gpt``: a ``GPTConfig``) from
+    the model flags (:func:`check_model_arguments` fills the defaults)."""
+    from ..training.model import GPTConfig, ModelConfig
 
-    return ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+    if getattr(args, "model", "digits") != "gpt":
+        return ModelConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed)
+    return GPTConfig(d=args.d, heads=args.heads, blocks=blocks, seed=args.seed, context=args.context,
+                     dropout=args.dropout, dtype="bfloat16" if args.bf16 else "float32", remat=args.remat)
 
 
 def run_config(args, **more):
@@ -113,8 +133,9 @@ def train_spmd_command(args, schedule, blocks: int, devices, process: int = 0) -
     from ..training.model import build_parts
     from ..training.spmd import train_spmd
 
-    model = StagedModel(build_parts(model_config(args, blocks)), schedule.num_stages)
-    data = load_digits(args.holdout, args.seed)
+    config = model_config(args, blocks)
+    model = StagedModel(build_parts(config), schedule.num_stages)
+    data = load_data(config, run_config(args))
     batches = [data.batch(k, args.batch) for k in range(args.steps)]
 
     def on_step(k: int, loss: float, seconds: float) -> None:
@@ -131,6 +152,14 @@ def train_spmd_command(args, schedule, blocks: int, devices, process: int = 0) -
             data = {**result.to_json(schedule), "processes": jax.process_count()}
             print(strict_json.write(args.json, data))
     return grad_check_status(result, process if jax.process_count() > 1 else None)
+
+
+def describe_model(args) -> str:
+    """E.g. ``d=32 heads=4`` (digits) or ``gpt d=128 heads=4 context=128 dropout 0.1 float32``."""
+    if getattr(args, "model", "digits") != "gpt":
+        return f"d={args.d} heads={args.heads}"
+    return (f"gpt d={args.d} heads={args.heads} context={args.context} dropout {args.dropout:g} "
+            f"{'bfloat16' if args.bf16 else 'float32'}{' remat' if args.remat else ''}")
 
 
 def grad_check_line(result) -> str:
@@ -184,7 +213,23 @@ def resolve_schedule(args):
 
 
 def check_model_arguments(args, num_microbatches: int) -> None:
-    """--steps, --d with --heads, --batch with the microbatches: checked before JAX starts."""
+    """--steps, --d with --heads, --batch with the microbatches, the GPT's flags (refused with the digits):
+    checked, and the model's defaults filled in, before JAX starts."""
+    gpt = getattr(args, "model", "digits") == "gpt"
+    if not gpt:
+        refuse_unused(args, [d for d in GPT_FLAGS if hasattr(args, d)], "--context, --dropout, --bf16 and "
+                      "--remat set the GPT (--model gpt)")
+    # the GPT's own flags stay None with the digits (launch passes only what differs from the defaults)
+    defaults = {"d": 128, "heads": 4, "context": 128, "dropout": 0.1} if gpt else {"d": 32, "heads": 4}
+    for dest, value in defaults.items():
+        if getattr(args, dest, 0) is None:
+            setattr(args, dest, value)
+    if gpt and (args.context < 1 or not 0 <= args.dropout < 1):
+        raise CliError(f"--context must be >= 1 and --dropout in [0, 1), got {args.context}, "
+                       f"{args.dropout}")
+    if gpt and (getattr(args, "init", None) or getattr(args, "spmd", False)):
+        raise CliError("--model gpt starts from its own init and draws dropout keys, which --spmd's loop "
+                       "does not pass yet: drop --init / --spmd")
     if args.steps < 1:
         raise CliError(f"--steps must be >= 1, got {args.steps}")
     if args.d < 1 or args.heads < 1 or args.d % args.heads:
@@ -331,12 +376,14 @@ def run(args) -> int:
     if args.platform is not None:
         say_platform("REAL run", devices)
     print(f"{schedule.name or 'custom'}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
-          f"{schedule.num_microbatches} microbatches; model d={args.d} heads={args.heads} blocks={blocks}; "
+          f"{schedule.num_microbatches} microbatches; model {describe_model(args)} blocks={blocks}; "
           f"batch {args.batch}; devices {', '.join(str(d) for d in devices)}", flush=True)
     if args.spmd:
         return train_spmd_command(args, schedule, blocks, devices)
     result = _train(args, schedule, blocks, devices)
     print(report(result))
+    if args.model == "gpt":
+        print(written_lines(result, model_config(args, blocks)))
     if args.json:
         data = result.to_json()
         if profiled is not None:
@@ -386,12 +433,31 @@ def threads_reason(args, num_ranks: int, devices) -> str | None:
     return None
 
 
+def written_lines(result, config, prompt: bytes = b"def ") -> str:
+    """A few lines the trained GPT (``config``) writes after ``prompt``
+    (:func:`~zbpp_lite.training.reference.write_bytes` on the run's final parameters)."""
+    from ..runtime.stages import StagedModel
+    from ..training.model import build_parts
+    from ..training.reference import write_bytes
+
+    model = StagedModel(build_parts(config), 1)
+    written = write_bytes(model, result.params, prompt, 240, config.context)
+    text = (prompt + written).decode("utf-8", "replace")
+    return "what the model writes after 'def ' (temperature 0.8):\n" + "\n".join(text.splitlines()[:6])
+
+
 def report(result) -> str:
     """The closing lines: accuracy, gradient check, measured vs simulated (time and memory)."""
     m, s = result.measured, result.simulated
     held = "held-out" if result.config.get("holdout") else "all"
+    unigram = result.config.get("unigram_nats")
     lines = [
-        f"test accuracy ({held} samples): {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}",
+        f"test accuracy ({held} samples): {result.test_accuracy:.4f}   test loss {result.test_loss:.4f}"
+        if unigram is None else
+        f"validation loss {result.test_loss:.4f} nats/byte ({result.test_loss / math.log(2):.3f} bits), "
+        f"{abs(1 - result.test_loss / unigram):.1%} {'below' if result.test_loss <= unigram else 'above'} "
+        f"the unigram baseline {unigram:.4f} nats/byte (the entropy of the validation bytes' frequencies); "
+        f"next-byte accuracy {result.test_accuracy:.4f}",
         grad_check_line(result),
         f"{'':10}{'makespan':>14}{'bubble rate':>14}",
         f"{'measured':10}{m.makespan * 1e3:>11.2f} ms{m.bubble_rate:>14.4f}",

@@ -399,7 +399,9 @@ def find_ties(modules: Sequence[Any]) -> tuple[Tie, ...]:
     for i, part in enumerate(modules):
         tree = nnx.state(part, nnx.Param) if isinstance(part, nnx.Module) else part[1]
         for k, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(tree)):
-            if isinstance(leaf, (jax.Array, np.ndarray)):  # not Python numbers (small ones are shared)
+            # arrays, or their shapes (an abstract model, nnx.eval_shape); not Python numbers (small ones
+            # are shared)
+            if isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)):
                 seen.setdefault(id(leaf), []).append((i, k, jax.tree_util.keystr(path)))
     return tuple(Tie(tuple(copies)) for copies in seen.values() if len(copies) > 1)
 

@@ -1,4 +1,5 @@
-"""The digits Transformer classifier (Flax NNX), the job of this project's course and benchmarks.
+"""The jobs' models (Flax NNX): the digits Transformer classifier, the job of this project's course and
+benchmarks, and a GPT-style byte-level language model (:class:`GPTConfig`), the model people train.
 
 It is ``shared/peers/torch_pp_bench.py``'s job, so losses match PyTorch number for number (float32):
 
@@ -13,10 +14,23 @@ softmax(q k^T / sqrt(d/h)), no mask. GELU exact (erf); LayerNorm eps 1e-5, two-p
 PyTorch's in distribution (Linear ~ U(-1/sqrt(in), 1/sqrt(in)), position embedding ~ N(0, 0.02^2));
 :func:`load_torch_init` loads the script's exact values. The pipeline gets the list of parts
 (:func:`build_parts`), cut into stages by :class:`zbpp_lite.runtime.stages.StagedModel`.
+
+The GPT (decoder-only, as GPT-2: Radford et al. 2019; nanoGPT's layout) is the same Block, causal:
+
+    tokens (b, t) int32 bytes
+    -> Embed(256, d) + learned position embedding (context, d), dropout       TokenEmbed   (part 0)
+    -> N x [x + drop(proj(causal MHSA_h(LN1 x))); x + drop(fc2(GELU(fc1(LN2 x))))]   Block (parts 1..N)
+    -> LayerNorm -> logits h E^T with E the token embedding (tied)            LMHead       (part N+1)
+    -> mean cross-entropy over every position's next byte (nats)
+
+Options: dropout rate (no dropout on the attention weights), ``dtype`` "bfloat16" (matmuls and
+activations in bf16; parameters, softmax, logits and gradient sums in float32) and ``remat`` (each block
+under ``jax.checkpoint``: B recomputes its forward from the block's input and dropout key).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -125,28 +139,80 @@ class RunConfig:
             raise ValueError("post_validation validates a clipped step: give max_grad_norm too")
 
 
+@dataclass(frozen=True)
+class GPTConfig(ModelConfig):
+    """Size and options of the GPT (see the module docstring); the digits' fields, other defaults.
+
+    The default trains on 2 CPU cores; GPT-2 small is ``GPTConfig(d=768, heads=12, blocks=12,
+    context=1024)`` (124M parameters with GPT-2's 50,257 tokens, 86.0M with our 256 bytes).
+    """
+
+    d: int = 128  # model width
+    heads: int = 4  # attention heads
+    blocks: int = 4  # Transformer blocks N
+    context: int = 128  # tokens per sequence (the position embedding's rows)
+    vocab: int = 256  # tokens: bytes
+    dropout: float = 0.1  # rate after the embedding and on each residual branch (0: none)
+    dtype: str = "float32"  # compute dtype: "float32" or "bfloat16" (parameters stay float32)
+    remat: bool = False  # each block under jax.checkpoint (nnx.remat)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("context", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"GPTConfig.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+
+
+MODELS = {"digits": ModelConfig, "gpt": GPTConfig}
+"""The jobs' models by name (``--model``): their configuration classes."""
+
+
+def model_name(config: ModelConfig) -> str:
+    """``"gpt"`` for a :class:`GPTConfig`, else ``"digits"``."""
+    return "gpt" if isinstance(config, GPTConfig) else "digits"
+
+
+def config_json(config: ModelConfig) -> dict:
+    """``config``'s fields and its model's name (``"model"``), JSON-ready; :func:`config_of` reads it."""
+    return {"model": model_name(config), **dataclasses.asdict(config)}
+
+
+def config_of(data: Mapping[str, Any]) -> ModelConfig:
+    """The configuration :func:`config_json` wrote (no ``"model"``: the digits')."""
+    fields = dict(data)
+    return MODELS[fields.pop("model", "digits")](**fields)
+
+
 def settings_json(config: ModelConfig, run: RunConfig) -> dict:
     """The model's and the run's settings as ``TrainResult.config`` records them (JSON-ready)."""
-    return {"d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch, "lr": run.lr,
-            "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
+    # the model's name and the GPT's own fields, then the digits' settings as before
+    extra = {k: v for k, v in config_json(config).items() if k not in ("d", "heads", "blocks", "seed")}
+    return {**extra, "d": config.d, "heads": config.heads, "blocks": config.blocks, "batch": run.batch,
+            "lr": run.lr, "weight_decay": run.weight_decay, "seed": run.seed, "holdout": run.holdout,
             "init": None if run.init is None else str(run.init)}
 
 
 # ---------------------------------------------------------------------------- layers
 
 
-def _linear(n_in: int, n_out: int, rngs: nnx.Rngs) -> nnx.Linear:
-    """PyTorch's default Linear init: weight and bias ~ U(-1/sqrt(n_in), 1/sqrt(n_in))."""
+def _linear(n_in: int, n_out: int, rngs: nnx.Rngs, dtype: Any = None) -> nnx.Linear:
+    """PyTorch's default Linear init: weight and bias ~ U(-1/sqrt(n_in), 1/sqrt(n_in)); float32
+    parameters, computed in ``dtype`` (None: float32)."""
     bound = 1.0 / math.sqrt(n_in)
 
     def init(key, shape, dtype=jnp.float32):
         return jax.random.uniform(key, shape, dtype, -bound, bound)
 
-    return nnx.Linear(n_in, n_out, kernel_init=init, bias_init=init, rngs=rngs)
+    return nnx.Linear(n_in, n_out, kernel_init=init, bias_init=init, dtype=dtype, rngs=rngs)
 
 
-def _layer_norm(d: int, rngs: nnx.Rngs) -> nnx.LayerNorm:
-    return nnx.LayerNorm(d, epsilon=1e-5, use_fast_variance=False, rngs=rngs)
+def _layer_norm(d: int, rngs: nnx.Rngs, dtype: Any = None) -> nnx.LayerNorm:
+    return nnx.LayerNorm(d, epsilon=1e-5, use_fast_variance=False, dtype=dtype, rngs=rngs)
 
 
 class Embed(nnx.Module):
@@ -161,30 +227,47 @@ class Embed(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-norm Transformer block: attention then MLP (d -> 4d -> d), each with a residual."""
+    """One pre-norm Transformer block: attention then MLP (d -> 4d -> d), each with a residual.
 
-    def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs):
+    ``causal``: position i attends to positions <= i (the GPT); ``dropout`` > 0: an ``nnx.Dropout`` on
+    each residual branch (its masks drawn from the microbatch's key, :class:`StagedModel`); ``dtype``:
+    the compute dtype (None: float32), the attention softmax in float32 always; ``remat``: the block
+    under ``nnx.remat`` (``jax.checkpoint``). The digits use none of them (the PyTorch job's block).
+    """
+
+    def __init__(self, d: int, heads: int, *, rngs: nnx.Rngs, causal: bool = False, dropout: float = 0.0,
+                 dtype: Any = None, remat: bool = False):
         if d % heads:
             raise ValueError(f"d={d} is not divisible by heads={heads}")
-        self.heads = heads
-        self.ln1 = _layer_norm(d, rngs)
-        self.qkv = _linear(d, 3 * d, rngs)
-        self.proj = _linear(d, d, rngs)
-        self.ln2 = _layer_norm(d, rngs)
-        self.fc1 = _linear(d, 4 * d, rngs)
-        self.fc2 = _linear(4 * d, d, rngs)
+        self.heads, self.causal, self.remat = heads, causal, remat
+        self.ln1 = _layer_norm(d, rngs, dtype)
+        self.qkv = _linear(d, 3 * d, rngs, dtype)
+        self.proj = _linear(d, d, rngs, dtype)
+        self.ln2 = _layer_norm(d, rngs, dtype)
+        self.fc1 = _linear(d, 4 * d, rngs, dtype)
+        self.fc2 = _linear(4 * d, d, rngs, dtype)
+        self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None  # drawn after the parameters
 
     def __call__(self, x: jax.Array) -> jax.Array:  # (b, t, d) -> (b, t, d)
+        return nnx.remat(type(self).forward)(self, x) if self.remat else self.forward(x)
+
+    def forward(self, x: jax.Array) -> jax.Array:
+        """The block without the checkpoint: (b, t, d) -> (b, t, d)."""
         b, t, d = x.shape
         h = self.heads
         # [q | k | v] split, not sliced: the backward of a split is one concatenation, where three
         # slices' backward pads each gradient to the full width and adds the three (3x the writes)
         qkv = jnp.split(self.qkv(self.ln1(x)), 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, d // h).transpose(0, 2, 1, 3) for a in qkv)  # each (b, h, t, d/h)
-        scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // h)
-        a = jax.nn.softmax(scores, axis=-1) @ v  # (b, h, t, d/h)
-        x = x + self.proj(a.transpose(0, 2, 1, 3).reshape(b, t, d))
-        return x + self.fc2(gelu(self.fc1(self.ln2(x))))
+        scores = (q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // h)).astype(jnp.float32)
+        if self.causal:  # (t, t): key j visible to query i when j <= i
+            scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores, -jnp.inf)
+        a = jax.nn.softmax(scores, axis=-1).astype(v.dtype) @ v  # (b, h, t, d/h)
+        x = x + self._dropped(self.proj(a.transpose(0, 2, 1, 3).reshape(b, t, d)))
+        return x + self._dropped(self.fc2(gelu(self.fc1(self.ln2(x)))))
+
+    def _dropped(self, branch: jax.Array) -> jax.Array:
+        return branch if self.drop is None else self.drop(branch)
 
 
 class Head(nnx.Module):
@@ -198,15 +281,56 @@ class Head(nnx.Module):
         return self.out(self.ln(x).mean(axis=1))
 
 
+class TokenEmbed(nnx.Module):
+    """The GPT's part 0: byte embedding ``E`` (vocab, d) ~ N(0, 0.02^2) plus a learned position
+    embedding (context, d) ~ N(0, 0.02^2), then dropout; tokens (b, t) int, t <= context -> (b, t, d)."""
+
+    def __init__(self, config: "GPTConfig", *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(config.dtype)
+        self.tok = nnx.Embed(config.vocab, config.d, dtype=dtype, rngs=rngs,
+                             embedding_init=nnx.initializers.normal(0.02))
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (config.context, config.d), jnp.float32))
+        self.drop = nnx.Dropout(config.dropout, rngs=rngs) if config.dropout else None
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        h = self.tok(tokens) + self.pos[: tokens.shape[1]].astype(self.tok.dtype)
+        return h if self.drop is None else self.drop(h)
+
+
+class LMHead(nnx.Module):
+    """The GPT's part N+1: final LayerNorm, then logits ``h E^T`` with ``tied`` (the token embedding's
+    ``nnx.Embed``, the same module: Press & Wolf, arXiv 1608.05859); (b, t, d) -> (b, t, vocab) float32."""
+
+    def __init__(self, tied: nnx.Embed, d: int, dtype: Any, *, rngs: nnx.Rngs):
+        self.ln = _layer_norm(d, rngs, dtype)
+        self.tied = tied
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        return self.tied.attend(self.ln(h)).astype(jnp.float32)
+
+
 def build_parts(config: ModelConfig = ModelConfig()) -> list[nnx.Module]:
-    """The digits Transformer as its list of parts ``[Embed, Block x N, Head]`` (fresh init)."""
+    """The model as its list of parts (fresh init): the digits' ``[Embed, Block x N, Head]``, or for a
+    :class:`GPTConfig` ``[TokenEmbed, Block x N, LMHead]`` (the head holds the embedding: tied). Under
+    ``nnx.eval_shape`` (:func:`abstract_parts`) nothing is allocated."""
     rngs = nnx.Rngs(config.seed)
+    if isinstance(config, GPTConfig):
+        embed, dtype = TokenEmbed(config, rngs=rngs), jnp.dtype(config.dtype)
+        blocks = [Block(config.d, config.heads, rngs=rngs, causal=True, dropout=config.dropout, dtype=dtype,
+                        remat=config.remat) for _ in range(config.blocks)]
+        return [embed, *blocks, LMHead(embed.tok, config.d, dtype, rngs=rngs)]
     embed = Embed(config.d, rngs=rngs)  # in this order: each part draws its initial values from rngs in turn
     blocks = [Block(config.d, config.heads, rngs=rngs) for _ in range(config.blocks)]
     return [embed, *blocks, Head(config.d, rngs=rngs)]
 
 
 # ---------------------------------------------------------------------------- PyTorch weights
+
+
+def abstract_parts(config: ModelConfig) -> list[nnx.Module]:
+    """:func:`build_parts` with ``jax.ShapeDtypeStruct`` for every parameter (``nnx.eval_shape``): plans
+    and memory from shapes (GPT-2 small's 124M parameters are never allocated)."""
+    return nnx.eval_shape(lambda: build_parts(config))
 
 
 def torch_names(config: ModelConfig) -> dict[str, tuple[int, tuple[str, ...], bool]]:
@@ -261,5 +385,7 @@ def torch_params(arrays: Mapping[str, Any], config: ModelConfig) -> Params:
 def load_torch_init(path: str | os.PathLike, config: ModelConfig) -> Params:
     """Read ``torch_pp_bench.py``'s ``--save-init`` .npz (``config`` with the script's d, blocks, heads).
     Raises FileNotFoundError or ValueError (see :func:`torch_params`)."""
+    if isinstance(config, GPTConfig):
+        raise ValueError("PyTorch weights (init) are the digits job's; the GPT starts from its own init")
     with np.load(path) as data:
         return torch_params({k: data[k] for k in data.files}, config)

@@ -26,10 +26,10 @@ import numpy as np
 import optax
 
 from ..analysis.profiling.timelines import timed_steps
-from ..runtime.stages import StagedModel, microbatch_size
+from ..runtime.stages import StagedModel, dropout_keys, microbatch_size
 from ..schedules.builders import build_schedule
 from ..schedules.ir import Schedule
-from .data import Digits, load_digits
+from .data import ByteText, Digits, load_data
 from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
 from .postval.rollback import AdamWConfig
 
@@ -101,6 +101,12 @@ def _jitted(what: str, model, make):
     return _JITTED[key]
 
 
+def step_dropout_keys(model: StagedModel, seed: int, step: int, num_microbatches: int) -> Any:
+    """Step ``step``'s dropout keys from the run's ``seed`` (:func:`~zbpp_lite.runtime.stages.dropout_keys`,
+    uint32 (m, 2)), or None for a model without dropout: what every training loop and reference uses."""
+    return dropout_keys(seed, step, num_microbatches) if model.random_parts else None
+
+
 def reference_grads(model, params, x, y, device, keys=None) -> tuple[float, Any]:
     """Loss and gradients of the unpartitioned model on the whole batch (one device); ``keys``: the step's
     dropout keys, each microbatch masked as the pipeline masks it (``StagedModel.loss``)."""
@@ -125,6 +131,35 @@ def evaluate(model, params, x: np.ndarray, y: np.ndarray, device=None) -> tuple[
     return float(loss), float(acc)
 
 
+def write_bytes(model, params, prompt: bytes, n: int, context: int, seed: int = 0,
+                temperature: float = 0.8) -> bytes:
+    """``n`` bytes a byte-level language model writes after ``prompt``: the unpartitioned model (no
+    dropout) on the last ``context`` bytes (the prompt padded on the left with spaces), the next byte
+    drawn from ``softmax(logits / temperature)`` with ``jax.random.key(seed)``; one jitted forward of
+    (1, context) per byte. ``model``: the GPT's :class:`~zbpp_lite.runtime.stages.StagedModel`.
+
+    Raises:
+        ValueError: an empty prompt, n < 0 or a temperature <= 0.
+    """
+    if not prompt or n < 0 or not temperature > 0:
+        raise ValueError(f"write_bytes needs a prompt, n >= 0 and temperature > 0, got {len(prompt)} bytes, "
+                         f"n={n}, temperature={temperature}")
+
+    def make(m):
+        return jax.jit(lambda params, window, key: jax.random.categorical(
+            key, m.logits(params, window)[0, -1] / temperature))
+
+    step = _jitted("write", model, make)
+    params = jax.device_put(params, jax.devices()[0])  # the stages' devices: one for the whole model
+    window = np.frombuffer(prompt[-context:].rjust(context, b" "), np.uint8).astype(np.int32)[None]
+    keys = jax.random.split(jax.random.key(seed), max(n, 1))
+    out = bytearray()
+    for k in range(n):
+        out.append(int(step(params, window, keys[k])))
+        window = np.concatenate([window[:, 1:], [[out[-1]]]], axis=1).astype(np.int32)
+    return bytes(out)
+
+
 # ----------------------------------------------------------------------------- the baseline's speed
 
 
@@ -140,31 +175,34 @@ def one_rank_schedule(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def make_step(model, optimizer, microbatches: int = 1) -> Callable:
-    """The jitted training step ``step(params, opt_state, x, labels) -> (params, opt_state, loss)``.
+    """The jitted training step ``step(params, opt_state, x, labels, keys=None) -> (params, opt_state,
+    loss)``.
 
     ``model``: a :class:`~zbpp_lite.runtime.stages.StagedModel` (only its unpartitioned loss is used);
-    ``optimizer``: optax; ``microbatches`` m > 1 accumulates over m equal microbatches. ``x`` (b, ...)
-    float32, ``labels`` (b,) int; ``loss``: global-batch mean before the update (float32 scalar).
+    ``optimizer``: optax; ``microbatches`` m > 1 accumulates over m equal microbatches. ``x`` (b, ...),
+    ``labels`` (b, ...) int; ``keys``: the step's dropout keys (m, 2) (microbatch j masked with row j, as
+    the pipeline masks it) or None; ``loss``: global-batch mean before the update (float32 scalar).
     ``params`` and ``opt_state`` are donated: use the returned ones.
     """
     grad_fn = jax.value_and_grad(model.loss)
 
-    def loss_and_grads(params, x, labels):
+    def loss_and_grads(params, x, labels, keys):
         if microbatches == 1:
-            return grad_fn(params, x, labels)
+            return grad_fn(params, x, labels, keys)
         xs = x.reshape(microbatches, -1, *x.shape[1:])
-        ys = labels.reshape(microbatches, -1)
+        ys = labels.reshape(microbatches, -1, *labels.shape[1:])
+        ks = None if keys is None else keys[:, None]  # microbatch j: its row as a one-microbatch step's keys
 
         def one(carry, batch):
             loss, grads = grad_fn(params, *batch)
             return jax.tree_util.tree_map(jnp.add, carry, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree_util.tree_map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(one, zeros, (xs, ys))
+        (loss, grads), _ = jax.lax.scan(one, zeros, (xs, ys, ks))
         return jax.tree_util.tree_map(lambda v: v / microbatches, (loss, grads))
 
-    def step(params, opt_state, x, labels):
-        loss, grads = loss_and_grads(params, x, labels)
+    def step(params, opt_state, x, labels, keys=None):
+        loss, grads = loss_and_grads(params, x, labels, keys)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -191,9 +229,10 @@ def train_baseline(
     run: RunConfig | None = None,
     microbatches: int = 1,
     device: Any = None,
-    data: Digits | None = None,
+    data: Digits | ByteText | None = None,
 ) -> BaselineResult:
-    """Train the unpartitioned digits Transformer on one device, one jitted step per batch.
+    """Train the unpartitioned model (digits, or the GPT) on one device, one jitted step per batch
+    (with dropout: each step's keys as the pipeline's).
 
     Arguments as :func:`zbpp_lite.training.train.train` (no gradient check, progress or clipping);
     ``device``: default JAX's first; ``microbatches`` as in :func:`make_step`.
@@ -207,11 +246,13 @@ def train_baseline(
         raise ValueError(f"steps must be >= 1, got {steps}")
     microbatch_size(run.batch, microbatches)
     device = device if device is not None else jax.devices()[0]
-    data = data if data is not None else load_digits(run.holdout, run.seed)
+    data = data if data is not None else load_data(config, run)
     staged = StagedModel(build_parts(config), 1)
     optimizer = AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay).optimizer()
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
     params = jax.device_put(params, device)
+    if staged.ties:  # tied copies are one array object; the step donates its parameters: one buffer each
+        params = jax.tree_util.tree_map(jnp.copy, params)
     opt_state = jax.device_put(optimizer.init(params), device)
     step = make_step(staged, optimizer, microbatches)
     losses, seconds = [], []
@@ -219,7 +260,8 @@ def train_baseline(
         x, y = data.batch(k, run.batch)
         t0 = time.perf_counter()
         x, y = jax.device_put(x, device), jax.device_put(y, device)
-        params, opt_state, loss = step(params, opt_state, x, y)
+        keys = step_dropout_keys(staged, run.seed, k, microbatches)
+        params, opt_state, loss = step(params, opt_state, x, y, keys)
         jax.block_until_ready(params)
         seconds.append(time.perf_counter() - t0)
         losses.append(float(loss))

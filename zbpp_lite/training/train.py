@@ -21,18 +21,18 @@ from ..analysis.profiling.timelines import measured_costs, timed_steps
 from ..runtime.devices import ensure_devices
 from ..runtime.executor import PipelineExecutor
 from ..runtime.split import sum_dtype
-from ..runtime.stages import StagedModel, dropout_keys, microbatch_size, stage_parts
+from ..runtime.stages import StagedModel, microbatch_size, stage_parts
 from ..schedules.builders import build_schedule, options_of
 from ..schedules.costs import Costs
 from ..schedules.ir import Schedule
 from ..schedules.simulate import simulate
 from ..schedules.timeline import Timeline
 from ..schedules.validate import validate
-from .data import Digits, load_digits
-from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
+from .data import ByteText, Digits, data_json, load_data, sample_shapes
+from .model import ModelConfig, RunConfig, abstract_parts, build_parts, load_torch_init, settings_json
 from .postval import rollback
 from .postval.optimizer import StageOptimizer
-from .reference import evaluate, jitted_update, max_relative_error, reference_grads
+from .reference import evaluate, jitted_update, max_relative_error, reference_grads, step_dropout_keys
 
 
 @dataclass
@@ -111,19 +111,20 @@ def pick_measured(timelines: list[Timeline]) -> Timeline:
 class TrainOptions:
     """Where and how :func:`train` runs: ``schedule_options`` for the builder (a memory-planning builder
     without ``costs`` gets :func:`job_costs`); ``devices``, one per rank (default
-    :func:`zbpp_lite.runtime.devices.ensure_devices`); ``data`` (default ``load_digits(run.holdout,
-    run.seed)``); ``on_step(step, loss, timeline)``."""
+    :func:`zbpp_lite.runtime.devices.ensure_devices`); ``data`` (default the model's,
+    :func:`~zbpp_lite.training.data.load_data`); ``on_step(step, loss, timeline)``."""
 
     schedule_options: dict | None = None
     devices: Sequence[Any] | None = None
-    data: Digits | None = None
+    data: Digits | ByteText | None = None
     on_step: Callable[[int, float, Timeline], None] | None = None
 
 
 def train(schedule: str | Schedule = "zb-h1", ranks: int = 2, microbatches: int = 4, steps: int = 20, *,
           model: ModelConfig | None = None, run: RunConfig | None = None, options: TrainOptions | None = None
           ) -> TrainResult:
-    """Train the digits Transformer with one schedule and measure it.
+    """Train the job's model (the digits Transformer, or the GPT for a ``GPTConfig``) with one schedule
+    and measure it.
 
     Args:
         schedule: a name in ``zb.SCHEDULES`` or a :class:`~zbpp_lite.schedules.ir.Schedule` (its ranks
@@ -210,20 +211,19 @@ def check_step(model, params: list, x, y, result, device, keys=None) -> tuple[fl
 
 
 def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, home: Any = None,
-                data: Digits | None = None, on_step: Callable[[int, float, Timeline], None] | None = None
+                data: Digits | ByteText | None = None,
+                on_step: Callable[[int, float, Timeline], None] | None = None
                 ) -> TrainResult:
     """``steps`` steps of :func:`train_step` from ``config``'s initial parameters (or ``run.init``) on
     batches 0, 1, ... (clipped AdamW in the rank threads with ``run.max_grad_norm``; a model with dropout:
     step k's keys ``dropout_keys(run.seed, k, m)``), then checked, evaluated (without dropout),
     simulated. ``home``: one device for all stages' state (default: each stage's own)."""
     staged, sched = executor.model, executor.schedule
-    data = data if data is not None else load_digits(run.holdout, run.seed)
+    data = data if data is not None else load_data(config, run)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
     homes = [home] * sched.num_stages if home is not None else list(executor.stage_devices)
     batches = [data.batch(k, run.batch) for k in range(steps)]
-    # step k's dropout keys from the run's seed (none for a model without dropout)
-    keys = [dropout_keys(run.seed, k, sched.num_microbatches) if staged.random_parts else None
-            for k in range(steps)]
+    keys = [step_dropout_keys(staged, run.seed, k, sched.num_microbatches) for k in range(steps)]
     losses, timelines, seconds, extra = [], [], [], {}
     if run.max_grad_norm is not None:
         out = (losses, timelines, seconds, extra)
@@ -245,21 +245,28 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
     errors = (check_step(staged, params, *batches[0], first, homes[0], keys[0]) if run.check_grads
               else (None, None))
     tested = evaluate(staged, final, data.test_x, data.test_y, homes[0])
-    settings = {**settings_json(config, run), "devices": [str(dev) for dev in executor.devices], **extra}
+    devices = [str(dev) for dev in executor.devices]
+    settings = {**settings_json(config, run), **data_json(data), "devices": devices, **extra}
     return TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
 
 
-def job_microbatch(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig) -> tuple:
-    """``(model, x, y)``: the job's model cut into ``num_stages`` stages and batch 0's first microbatch."""
-    x, y = load_digits(run.holdout, run.seed).batch(0, run.batch)
+def job_microbatch(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig,
+                   shapes_only: bool = False) -> tuple:
+    """``(model, x, y)``: the job's model cut into ``num_stages`` stages and batch 0's first microbatch;
+    ``shapes_only``: parameters, ``x`` and ``y`` as ``jax.ShapeDtypeStruct`` (nothing allocated or read)."""
     mb = microbatch_size(run.batch, microbatches)
+    if shapes_only:
+        x, y = (jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in sample_shapes(config, mb))
+        return StagedModel(abstract_parts(config), num_stages), x, y
+    x, y = load_data(config, run).batch(0, run.batch)
     return StagedModel(build_parts(config), num_stages), x[:mb], y[:mb]
 
 
 def job_costs(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig) -> Costs:
     """``Costs(mem_b, mem_w)``: M_B, M_W per stage in bytes for one microbatch, from shapes
     (:func:`~zbpp_lite.analysis.profiling.device.stage_memory_bytes`), for memory-limited planners."""
-    mem_b, mem_w = stage_memory_bytes(*job_microbatch(num_stages, microbatches, config, run))
+    job = job_microbatch(num_stages, microbatches, config, run, shapes_only=True)
+    mem_b, mem_w = stage_memory_bytes(*job)
     return Costs(mem_b=mem_b, mem_w=mem_w)
 
 

@@ -32,10 +32,10 @@ from ..schedules.costs import Costs
 from ..schedules.ir import Action, Schedule
 from ..schedules.memory import MeasuredMemory
 from ..schedules.timeline import Event, Timeline
-from .data import Digits, load_digits
+from .data import ByteText, Digits, data_json, load_data
 from .messages import Message, parse
-from .model import ModelConfig, RunConfig, build_parts, load_torch_init, settings_json
-from .reference import evaluate, max_relative_error, reference_grads, train_baseline
+from .model import ModelConfig, RunConfig, build_parts, config_json, config_of, load_torch_init, settings_json
+from .reference import evaluate, max_relative_error, reference_grads, step_dropout_keys, train_baseline
 from .train import StageAdamW, TrainResult, checked_schedule, job_microbatch, train_step, with_stage_leaves
 
 ENTRY = "zbpp_lite.training.turns:rank_main"
@@ -62,7 +62,7 @@ def schedule_from_json(d: dict) -> Schedule:
 
 def _job_json(config: ModelConfig, run: RunConfig) -> dict:
     """The job's ``model`` and ``run`` settings as JSON for a helper process (their fields by name)."""
-    return {"model": dataclasses.asdict(config),
+    return {"model": config_json(config),
             "run": {**dataclasses.asdict(run), "init": None if run.init is None else str(run.init)}}
 
 
@@ -122,7 +122,7 @@ def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, tuple[
     """Every schedule's executor for rank ``rank`` and AdamW on its stages, each with its own state."""
     run = RunConfig(**config["run"])
     schedules = {name: schedule_from_json(d) for name, d in config["schedules"].items()}
-    model_config = ModelConfig(**config["model"])
+    model_config = config_of(config["model"])
     cuts = config.get("parts") or {}  # {name: partition} for the schedules not cut the default way
     counts = sorted({s.num_stages for s in schedules.values()})
     shared = {S: StagedModel(build_parts(model_config), S) for S in counts}
@@ -154,9 +154,11 @@ def _memory_json(memory, rank: int, at: float) -> dict:
             "device_peak": memory.device_peak[rank] if len(memory.device_peak) > rank else None}
 
 
-def _rank_step(executor, adamw: StageAdamW, rank: int, command: Step, batch) -> Stepped:
-    """One step of one schedule on this rank: :func:`~zbpp_lite.training.train.train_step`."""
-    result, seconds, ran = train_step(executor, adamw, *batch)
+def _rank_step(executor, adamw: StageAdamW, rank: int, command: Step, batch, seed: int) -> Stepped:
+    """One step of one schedule on this rank: :func:`~zbpp_lite.training.train.train_step` (dropout keys
+    from the run's ``seed``)."""
+    keys = step_dropout_keys(executor.model, seed, command.step, executor.schedule.num_microbatches)
+    result, seconds, ran = train_step(executor, adamw, *batch, keys)
     at, memory = result.started_at, result.timeline.measured_memory
     grads = {str(s): _leaves(adamw.model.stage_params(result.grads, s)) for s in adamw.homes}
     return Stepped(
@@ -170,7 +172,8 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
     """One pipeline rank process: steps on the parent's word (:class:`Step`, :class:`GetParams`)."""
     device = ensure_devices(1)[0]
     runs = _rank_runs(rank, peers, device, config)
-    data = load_digits(config["run"]["holdout"], config["run"]["seed"])
+    run = RunConfig(**config["run"])
+    data = load_data(config_of(config["model"]), run)
     while (message := control.recv()) is not None:
         command = parse(message, Step, GetParams)
         executor, adamw = runs[command.schedule]
@@ -178,7 +181,7 @@ def rank_main(rank: int, peers: dict, control, config: dict) -> None:
             reply = Params({str(s): _leaves(p) for s, p in adamw.stage_params().items()})
         else:
             batch = data.batch(command.step, config["run"]["batch"])
-            reply = _rank_step(executor, adamw, rank, command, batch)
+            reply = _rank_step(executor, adamw, rank, command, batch, run.seed)
         control.send(reply.to_wire())
     disconnect(peers)
 
@@ -278,7 +281,7 @@ def _checked(schedules: Sequence[Schedule], steps: int, config: ModelConfig, run
 
 
 def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelConfig | None = None,
-                   run: RunConfig | None = None, data: Digits | None = None,
+                   run: RunConfig | None = None, data: Digits | ByteText | None = None,
                    on_step: Callable[[str, int, float, Timeline], None] | None = None,
                    parts: dict[str, Sequence[Sequence[int]]] | None = None,
                    then: Callable[[dict[str, list[float]]], tuple[str, int] | None] | None = None) -> InTurns:
@@ -308,7 +311,7 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
     schedules = list(schedules)
     names, cuts = _checked(schedules, steps, config, run, parts)
     p = schedules[0].num_ranks
-    data = data if data is not None else load_digits(run.holdout, run.seed)
+    data = data if data is not None else load_data(config, run)
     spec = {"schedules": {n: schedule_to_json(s) for n, s in zip(names, schedules)}, "parts": cuts,
             **_job_json(config, run)}
     records = {n: _Record(s) for n, s in zip(names, schedules)}
@@ -354,7 +357,7 @@ class _Finish:
     """The parent's side: the gradient check (one reference: all start alike), test accuracy, the
     measured step and its simulation."""
 
-    def __init__(self, config: ModelConfig, run: RunConfig, data: Digits, num_ranks: int):
+    def __init__(self, config: ModelConfig, run: RunConfig, data: Digits | ByteText, num_ranks: int):
         self.config, self.run, self.data, self.num_ranks = config, run, data, num_ranks
         self.reference = None  # (loss, gradients) of the unpartitioned model on batch 0, computed once
 
@@ -366,14 +369,15 @@ class _Finish:
         if rec.grads is not None:  # every stage is some rank's
             if self.reference is None:
                 x, y = self.data.batch(0, run.batch)
-                self.reference = reference_grads(staged, initial, x, y, jax.devices()[0])
+                keys = step_dropout_keys(staged, run.seed, 0, schedule.num_microbatches)
+                self.reference = reference_grads(staged, initial, x, y, jax.devices()[0], keys)
             ref_loss, ref_grads = self.reference
             grad_error = max_relative_error(with_stage_leaves(staged, initial, rec.grads), ref_grads)
             loss_error = abs(rec.losses[0] - ref_loss)
         final = with_stage_leaves(staged, initial, rec.final)
         tested = evaluate(staged, final, self.data.test_x, self.data.test_y)
         cores = allowed_cores()
-        settings = {**settings_json(config, run),
+        settings = {**settings_json(config, run), **data_json(self.data),
                     "devices": [f"rank {r}: own process, core {cores[r % len(cores)]}"
                                 for r in range(self.num_ranks)],
                     "processes": "one per rank, pinned", "parts": [list(stage) for stage in staged.parts]}
@@ -453,7 +457,7 @@ def one_core_main(rank: int, peers: dict, control, config: dict) -> None:
 
 
 def _one_core_work(job: OneCoreJob, config: dict, device) -> dict:
-    model, run = ModelConfig(**config["model"]), RunConfig(**config["run"])
+    model, run = config_of(config["model"]), RunConfig(**config["run"])
     if job.what == "costs":
         staged, x, y = job_microbatch(job.stages, config["microbatches"], model, run)
         costs = profile_stage_costs(staged, x, y, repeats=15, fused=True)
