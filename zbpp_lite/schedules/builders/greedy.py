@@ -381,6 +381,18 @@ class _Greedy:
         self.cap_no = [_INF] * p
         self.fill_matters = False  # did fill_partial change a keep_filler answer (Runs)
         self.safe: list[dict[int, bool]] = [{} for _ in range(p)]  # stage -> safe_f of its next F, per rank
+        self.pair = [self._pair_of(r) for r in range(p)]  # (s0, mb0, need0) where _safe_pair applies
+        self.pair_sums = [[0.0] for _ in range(p)]  # per rank: _sum_of's running sums of mb0
+
+    def _pair_of(self, r: int) -> tuple[int, float, float] | None:
+        """(s0, M_B(s0), need after F on s0) where rank r has two stages s0 < s1 and a microbatch past F on
+        both needs nothing more (as _hold computes it): :meth:`_safe_pair`'s case; else None."""
+        if len(self.stages[r]) != 2:
+            return None
+        s0, s1 = self.stages[r]
+        mb0, mb1 = self.t.mem_b[s0], self.t.mem_b[s1]
+        need0 = self.rank_total_mem[r] - mb0
+        return (s0, mb0, need0) if need0 - mb1 <= 0 and mb0 >= 0 and mb1 >= 0 else None
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -590,11 +602,14 @@ class _Greedy:
         Microbatch k fits if the memory held by k and every later one, plus what k still needs, is within
         the limit. Where k needs nothing more, that holds if all memory held does (every k's suffix is at
         most the whole), so only the microbatches still needing memory (``partial``, newest first) are
-        walked, then the total: the same answer as walking them all."""
+        walked, then the total: the same answer as walking them all. On a rank of two stages the walk is
+        not needed (:meth:`_safe_pair`)."""
         mb = self.t.mem_b[s]
         limit = self.limits[r] + _EPS
         if self.held[r] + mb + self.rank_total_mem[r] <= limit:
             return True  # even the whole rank's need on top of everything held fits
+        if self.pair[r] is not None:
+            return self._safe_pair(r, s, mb, limit)
         inflight = self.inflight[r]
         if j in inflight:
             suffix = 0.0
@@ -614,6 +629,34 @@ class _Greedy:
             if suffix + need > limit:
                 return False
         return True
+
+    def _safe_pair(self, r: int, s: int, mb: float, limit: float) -> bool:
+        """:meth:`safe_f`'s walk, in O(1), on a rank of two stages s0 < s1 (the V's, or one stage per rank's
+        neighbours in a loop), where the microbatches still needing memory are those past F on s0 and not
+        yet on s1: each holds M_B(s0) and needs the same, so the walk's running sum (the same additions in
+        the same order, :meth:`_sum_of`) is largest, and the test hardest, at the oldest of them; the
+        answer is the walk's to the last bit (``pair``: where the need left after s1 is not above 0)."""
+        s0, mb0, need0 = self.pair[r]
+        c, n = self.partial[r], len(self.inflight[r])
+        if s == s0:  # a new microbatch, the newest: the walk starts at its M_B, then c of mb0
+            if mb + self.rank_total_mem[r] - mb > limit:
+                return False
+            if c and self._sum_of(r, c + 1) + need0 > limit:
+                return False
+        elif c:  # s1: j is the oldest still needing memory, after c - 1 newer ones
+            before = self._sum_of(r, c - 1)
+            if c > 1 and before + need0 > limit:
+                return False
+            if before + (mb0 + mb) + (need0 - mb) > limit:
+                return False
+        return n == c or self.held[r] + mb <= limit  # older ones need nothing more: the total decides
+
+    def _sum_of(self, r: int, count: int) -> float:
+        """``count`` times the rank's mb0, added one at a time from 0.0 (as the walk adds), remembered."""
+        sums = self.pair_sums[r]
+        while len(sums) <= count:
+            sums.append(sums[-1] + self.pair[r][1])
+        return sums[count]
 
     # ------------------------------------------------------------------ decisions
 
