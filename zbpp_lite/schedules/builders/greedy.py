@@ -685,28 +685,29 @@ class _Greedy:
         self.now = 0.0
         for r in range(self.p):
             self.set_due(r, 0.0)
+        heap, due, pop, decide = self.heap, self.due, heapq.heappop, self.decide
         while self.left:
-            if not self.heap:
+            if not heap:
                 raise AssertionError("greedy scheduler bug: no rank can move (memory safety prevents this)")
-            time, _, r = heapq.heappop(self.heap)
-            if time != self.due[r]:
+            time, _, r = pop(heap)
+            if time != due[r]:
                 continue
             self.now = time
-            self.due[r] = _INF
-            self.decide(r, time)
+            due[r] = _INF
+            decide(r, time)
         spans = [max((self.free[r] - self.first[r]), 0.0) for r in range(self.p)]
         actions = tuple(tuple(Action(*x) for x in row) for row in self.rows)
         return Plan(actions, max(spans), tuple(self.peak), self.rules)
 
     def decide(self, r: int, now: float) -> None:
         """Rank r is free at ``now``: run what has arrived, hold a filler, or wait for the next arrival."""
-        t = self.t
+        t, free, soon = self.t, self.free, now + _EPS
         while True:
-            if self.free[r] > now + _EPS:
-                self.set_due(r, self.free[r])
+            if free[r] > soon:
+                self.set_due(r, free[r])
                 return
             cands = self.candidates(r)
-            ready = [c for c in cands if c[1] <= now + _EPS]
+            ready = [c for c in cands if c[1] <= soon]
             warm = self.warm[r]
             fit = warm and self.rules.fit_f
             firm = [c for c in ready if not (c[2] == "F" and self.fit_stage[c[3]])] if fit else ready
@@ -717,7 +718,7 @@ class _Greedy:
                     self.hold[r] = None
                     kind, s, j, start = hold
                     dur = t.f[s] if kind == "F" else t.w[s]
-                    if now + _EPS >= start + dur or self.keep_filler(r, kind, now - start):
+                    if soon >= start + dur or self.keep_filler(r, kind, now - start):
                         if kind == "W":
                             self.pending_w[r].remove((s, j))
                             self.commit(r, "W", s, j, start)
@@ -728,7 +729,7 @@ class _Greedy:
                 if kind == "F":
                     self.run_f(r, s, j, arr)
                 else:
-                    self.commit(r, "B", s, j, max(self.free[r], arr))
+                    self.commit(r, "B", s, j, arr if arr > free[r] else free[r])
                 continue
             if hold is None:
                 hold = self.hold[r] = self.filler(r, ready, warm)
@@ -737,7 +738,7 @@ class _Greedy:
                     return
             kind, s, j, start = hold  # held on (the candidates are unchanged by holding it)
             dur = t.f[s] if kind == "F" else t.w[s]
-            if now + _EPS >= start + dur:  # it fits: nothing came before it would end
+            if soon >= start + dur:  # it fits: nothing came before it would end
                 self.hold[r] = None
                 if kind == "W":
                     self.pending_w[r].remove((s, j))
