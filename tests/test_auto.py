@@ -335,8 +335,26 @@ def test_a_plans_promised_peak_is_the_simulators_for_every_schedule_and_m_w(mem_
         assert MemoryPlan.of(costs, s.num_stages).limit_units(s) == pytest.approx(expected, abs=1e-12), name
 
 
+def _full_walk(engine, r, s, j):
+    """The memory-safety check by its definition (the slow reference): every in-flight microbatch, newest
+    first, must fit with those after it; returns (answer, microbatches walked)."""
+    from zbpp_lite.schedules.builders.greedy import _EPS
+
+    mb, limit, inflight = engine.t.mem_b[s], engine.limits[r] + _EPS, dict(engine.inflight[r])
+    suffix = 0.0 if j in inflight else mb
+    if j not in inflight and suffix + engine.rank_total_mem[r] - mb > limit:
+        return False, 0
+    for k in reversed(list(inflight)):
+        held, need, _ = inflight[k]
+        held, need = (held + mb, need - mb) if k == j else (held, need)
+        suffix += held
+        if suffix + need > limit:
+            return False, len(inflight)
+    return True, len(inflight)
+
+
 def test_the_memory_safety_check_walks_only_microbatches_still_needing_memory_and_answers_as_the_full_walk():
-    from zbpp_lite.schedules.builders.greedy import _EPS, _Greedy
+    from zbpp_lite.schedules.builders.greedy import _Greedy
     from zbpp_lite.schedules.builders.zb_v import V_ORDERS, v_limits
     from zbpp_lite.schedules.ir import v_placement
 
@@ -348,28 +366,15 @@ def test_the_memory_safety_check_walks_only_microbatches_still_needing_memory_an
                 Walked.seen += 1
                 yield k
 
-    def full_walk(engine, r, s, j):  # every in-flight microbatch, newest first
-        mb, limit, inflight = engine.t.mem_b[s], engine.limits[r] + _EPS, dict(engine.inflight[r])
-        suffix = 0.0 if j in inflight else mb
-        if j not in inflight and suffix + engine.rank_total_mem[r] - mb > limit:
-            return False, 0
-        for k in reversed(list(inflight)):
-            held, need, _ = inflight[k]
-            held, need = (held + mb, need - mb) if k == j else (held, need)
-            suffix += held
-            if suffix + need > limit:
-                return False, len(inflight)
-        return True, len(inflight)
-
     class Checked(_Greedy):
         answers = walked_all = 0
 
         def safe_f(self, r, s, j):
             self.inflight[r] = Walked(self.inflight[r])
             answer = super().safe_f(r, s, j)
-            assert answer == full_walk(self, r, s, j)[0]
+            assert answer == _full_walk(self, r, s, j)[0]
             Checked.answers += 1
-            Checked.walked_all += full_walk(self, r, s, j)[1]
+            Checked.walked_all += _full_walk(self, r, s, j)[1]
             return answer
 
     p, m = 8, 24
@@ -377,3 +382,48 @@ def test_the_memory_safety_check_walks_only_microbatches_still_needing_memory_an
     limits, table = v_limits("zb-v", p, p, costs, None)
     Checked(v_placement(p), m, table, limits, Rules(order=V_ORDERS[0])).run()
     assert Checked.answers > 0 and Walked.seen < Checked.walked_all / 2
+
+
+def test_the_engines_plans_equal_those_of_the_memory_check_by_its_definition_on_random_small_cases():
+    # the engine answers safe_f without walking (two stages a rank: in O(1)); the reference walks every
+    # in-flight microbatch. Memory in multiples of 1/8 keeps every sum exact, so the plans must be equal
+    # action for action, whatever the order of additions; the answers are compared one by one too
+    import random
+
+    from zbpp_lite.schedules.builders.greedy import _Greedy
+    from zbpp_lite.schedules.builders.zb_v import V_ORDERS
+    from zbpp_lite.schedules.ir import v_placement
+
+    class Reference(_Greedy):
+        def safe_f(self, r, s, j):
+            return _full_walk(self, r, s, j)[0]
+
+    class Compared(_Greedy):
+        answers = 0
+
+        def safe_f(self, r, s, j):
+            answer = super().safe_f(r, s, j)
+            assert answer == _full_walk(self, r, s, j)[0], (r, s, j)
+            Compared.answers += 1
+            return answer
+
+    rng, tight = random.Random(39), 0
+    for case in range(160):
+        p, m, per_rank = rng.randint(1, 5), rng.randint(1, 10), rng.choice([1, 2, 2, 2, 3])
+        placement = v_placement(p) if per_rank == 2 and case % 2 else looped_placement(p, per_rank * p)
+        S = len(placement)
+        costs = zb.Costs(f=[rng.randint(1, 8) / 4 for _ in range(S)], b=[rng.randint(1, 8) / 4 for _ in range(S)],
+                         w=[rng.randint(0, 8) / 4 for _ in range(S)], comm=rng.choice([0.0, 0.25]),
+                         mem_b=[rng.randint(0, 16) / 8 for _ in range(S)], mem_w=0.0)
+        table = costs.table(S)
+        need = [sum(table.mem_b[s] for s in range(S) if placement[s] == r) for r in range(p)]
+        limits = per_rank_limits("x", [x * rng.choice([1, 1.5, 2, 3]) + rng.randint(0, 4) / 8 for x in need],
+                                 placement, table)
+        order = rng.choice(V_ORDERS) if per_rank == 2 else rng.choice([(("B", 0), ("F", 0)), (("F", 0), ("B", 0))])
+        rules = Rules(order=order, fill_partial=rng.random() < 0.5, fit_f=rng.random() < 0.5, feed=rng.random() < 0.3,
+                      warmup_cap=None if rng.random() < 0.5 else tuple(rng.randint(1, 4) for _ in range(p)))
+        expected = Reference(placement, m, table, limits, rules).run()
+        assert Compared(placement, m, table, limits, rules).run() == expected, (case, placement, rules)
+        assert plan(placement, m, table, limits, rules) == expected
+        tight += max(expected.peak_memory) >= min(limits) - 1e-9
+    assert Compared.answers > 1000 and tight > 40  # the check was asked, and many plans reach their limit

@@ -381,6 +381,19 @@ class _Greedy:
         self.cap_no = [_INF] * p
         self.fill_matters = False  # did fill_partial change a keep_filler answer (Runs)
         self.safe: list[dict[int, bool]] = [{} for _ in range(p)]  # stage -> safe_f of its next F, per rank
+        self.links = [self._links_of(r) for r in range(p)]  # what candidates reads, per rank and stage
+        self.pair = [self._pair_of(r) for r in range(p)]  # (s0, mb0, need0) where _safe_pair applies
+        self.pair_sums = [[0.0] for _ in range(p)]  # per rank: _sum_of's running sums of mb0
+
+    def _pair_of(self, r: int) -> tuple[int, float, float] | None:
+        """(s0, M_B(s0), need after F on s0) where rank r has two stages s0 < s1 and a microbatch past F on
+        both needs nothing more (as _hold computes it): :meth:`_safe_pair`'s case; else None."""
+        if len(self.stages[r]) != 2:
+            return None
+        s0, s1 = self.stages[r]
+        mb0, mb1 = self.t.mem_b[s0], self.t.mem_b[s1]
+        need0 = self.rank_total_mem[r] - mb0
+        return (s0, mb0, need0) if need0 - mb1 <= 0 and mb0 >= 0 and mb1 >= 0 else None
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -543,45 +556,56 @@ class _Greedy:
     def candidates(self, r: int) -> list[tuple[int, float, str, int, int]]:
         """(priority, arrival, kind, stage, microbatch) of the rank's next ready F and B (F only if safe)."""
         out = []
-        S, placement, nf, nb, end_f = self.S, self.placement, self.nf, self.nb, self.end_f
-        safe, warm, m = self.safe[r], self.warm[r], self.m
-        for s in self.stages[r]:
+        nf, nb, m = self.nf, self.nb, self.m
+        safe, warm, feed = self.safe[r], self.warm[r], self.rules.feed
+        for s, before, f_delay, prio_f, chunk, feeds, own, after, b_delay, prio_b in self.links[r]:
             j = nf[s]
             if j < m:
-                if s == 0:
+                if before is None:  # the first stage: its input is there from the start
                     arr = 0.0
                 else:
-                    e = end_f[s - 1][j]
-                    arr = -1.0 if e < 0 else e + self.f_delay[s]
+                    e = before[j]
+                    arr = -1.0 if e < 0 else e + f_delay
                 ok = arr >= 0 and safe.get(s)
                 if ok is None:
                     ok = safe[s] = self.safe_f(r, s, j)
-                if ok and (not warm or self.chunk[s] or self.within_cap(r, s)):  # within_cap's own test first
-                    starving = self.rules.feed and s + 1 < S and placement[s + 1] != r and nf[s + 1] >= j
-                    out.append((-1 if starving else self.prio[0][s], arr, "F", s, j))
+                if ok and (not warm or chunk or self.within_cap(r, s)):  # within_cap's own test first
+                    starving = feed and feeds and nf[s + 1] >= j
+                    out.append((-1 if starving else prio_f, arr, "F", s, j))
             j = nb[s]
             if j < nf[s]:
-                if s == S - 1:
-                    arr = end_f[s][j]
+                if after is None:  # the last stage: B follows its own F
+                    arr = own[j]
                 else:
-                    e = self.end_b[s + 1][j]
+                    e = after[j]
                     if e < 0:
                         continue
-                    e += self.b_delay[s]
-                    arr = end_f[s][j]
+                    e += b_delay
+                    arr = own[j]
                     if e > arr:
                         arr = e
-                out.append((self.prio[1][s], arr, "B", s, j))
+                out.append((prio_b, arr, "B", s, j))
         return out
+
+    def _links_of(self, r: int) -> list[tuple]:
+        """Per stage s of rank r, what :meth:`candidates` reads: (s, end_f of s - 1 or None, its transfer
+        delay, F's priority, chunk, whether s + 1 is on another rank, end_f of s, end_b of s + 1 or None,
+        its transfer delay, B's priority); the end lists are the run's own, filled as it goes."""
+        S, placement = self.S, self.placement
+        return [(s, self.end_f[s - 1] if s else None, self.f_delay[s], self.prio[0][s], self.chunk[s],
+                 s + 1 < S and placement[s + 1] != r, self.end_f[s], self.end_b[s + 1] if s + 1 < S else None,
+                 self.b_delay[s], self.prio[1][s]) for s in self.stages[r]]
 
     def within_cap(self, r: int, s: int) -> bool:
         if not self.warm[r] or self.chunk[s] != 0:
             return True
         n, cap = self.nf[s], self.rules.warmup_cap
         if cap is None or n < cap[r]:
-            self.cap_yes[r] = max(self.cap_yes[r], n)
+            if n > self.cap_yes[r]:
+                self.cap_yes[r] = n
             return True
-        self.cap_no[r] = min(self.cap_no[r], n)
+        if n < self.cap_no[r]:
+            self.cap_no[r] = n
         return False
 
     def safe_f(self, r: int, s: int, j: int) -> bool:
@@ -590,11 +614,14 @@ class _Greedy:
         Microbatch k fits if the memory held by k and every later one, plus what k still needs, is within
         the limit. Where k needs nothing more, that holds if all memory held does (every k's suffix is at
         most the whole), so only the microbatches still needing memory (``partial``, newest first) are
-        walked, then the total: the same answer as walking them all."""
+        walked, then the total: the same answer as walking them all. On a rank of two stages the walk is
+        not needed (:meth:`_safe_pair`)."""
         mb = self.t.mem_b[s]
         limit = self.limits[r] + _EPS
         if self.held[r] + mb + self.rank_total_mem[r] <= limit:
             return True  # even the whole rank's need on top of everything held fits
+        if self.pair[r] is not None:
+            return self._safe_pair(r, s, mb, limit)
         inflight = self.inflight[r]
         if j in inflight:
             suffix = 0.0
@@ -615,6 +642,34 @@ class _Greedy:
                 return False
         return True
 
+    def _safe_pair(self, r: int, s: int, mb: float, limit: float) -> bool:
+        """:meth:`safe_f`'s walk, in O(1), on a rank of two stages s0 < s1 (the V's, or one stage per rank's
+        neighbours in a loop), where the microbatches still needing memory are those past F on s0 and not
+        yet on s1: each holds M_B(s0) and needs the same, so the walk's running sum (the same additions in
+        the same order, :meth:`_sum_of`) is largest, and the test hardest, at the oldest of them; the
+        answer is the walk's to the last bit (``pair``: where the need left after s1 is not above 0)."""
+        s0, mb0, need0 = self.pair[r]
+        c, n = self.partial[r], len(self.inflight[r])
+        if s == s0:  # a new microbatch, the newest: the walk starts at its M_B, then c of mb0
+            if mb + self.rank_total_mem[r] - mb > limit:
+                return False
+            if c and self._sum_of(r, c + 1) + need0 > limit:
+                return False
+        elif c:  # s1: j is the oldest still needing memory, after c - 1 newer ones
+            before = self._sum_of(r, c - 1)
+            if c > 1 and before + need0 > limit:
+                return False
+            if before + (mb0 + mb) + (need0 - mb) > limit:
+                return False
+        return n == c or self.held[r] + mb <= limit  # older ones need nothing more: the total decides
+
+    def _sum_of(self, r: int, count: int) -> float:
+        """``count`` times the rank's mb0, added one at a time from 0.0 (as the walk adds), remembered."""
+        sums = self.pair_sums[r]
+        while len(sums) <= count:
+            sums.append(sums[-1] + self.pair[r][1])
+        return sums[count]
+
     # ------------------------------------------------------------------ decisions
 
     def run_f(self, r: int, s: int, j: int, arrival: float) -> None:
@@ -623,34 +678,36 @@ class _Greedy:
         while self.mem[r] + t.mem_b[s] > self.limits[r] + _EPS and self.pending_w[r]:
             ws, wj = self.pending_w[r].popleft()
             self.commit(r, "W", ws, wj, self.free[r])
-        self.commit(r, "F", s, j, max(self.free[r], arrival))
+        free = self.free[r]
+        self.commit(r, "F", s, j, arrival if arrival > free else free)
 
     def run(self) -> Plan:
         self.now = 0.0
         for r in range(self.p):
             self.set_due(r, 0.0)
+        heap, due, pop, decide = self.heap, self.due, heapq.heappop, self.decide
         while self.left:
-            if not self.heap:
+            if not heap:
                 raise AssertionError("greedy scheduler bug: no rank can move (memory safety prevents this)")
-            time, _, r = heapq.heappop(self.heap)
-            if time != self.due[r]:
+            time, _, r = pop(heap)
+            if time != due[r]:
                 continue
             self.now = time
-            self.due[r] = _INF
-            self.decide(r, time)
+            due[r] = _INF
+            decide(r, time)
         spans = [max((self.free[r] - self.first[r]), 0.0) for r in range(self.p)]
         actions = tuple(tuple(Action(*x) for x in row) for row in self.rows)
         return Plan(actions, max(spans), tuple(self.peak), self.rules)
 
     def decide(self, r: int, now: float) -> None:
         """Rank r is free at ``now``: run what has arrived, hold a filler, or wait for the next arrival."""
-        t = self.t
+        t, free, soon = self.t, self.free, now + _EPS
         while True:
-            if self.free[r] > now + _EPS:
-                self.set_due(r, self.free[r])
+            if free[r] > soon:
+                self.set_due(r, free[r])
                 return
             cands = self.candidates(r)
-            ready = [c for c in cands if c[1] <= now + _EPS]
+            ready = [c for c in cands if c[1] <= soon]
             warm = self.warm[r]
             fit = warm and self.rules.fit_f
             firm = [c for c in ready if not (c[2] == "F" and self.fit_stage[c[3]])] if fit else ready
@@ -661,7 +718,7 @@ class _Greedy:
                     self.hold[r] = None
                     kind, s, j, start = hold
                     dur = t.f[s] if kind == "F" else t.w[s]
-                    if now + _EPS >= start + dur or self.keep_filler(r, kind, now - start):
+                    if soon >= start + dur or self.keep_filler(r, kind, now - start):
                         if kind == "W":
                             self.pending_w[r].remove((s, j))
                             self.commit(r, "W", s, j, start)
@@ -672,32 +729,37 @@ class _Greedy:
                 if kind == "F":
                     self.run_f(r, s, j, arr)
                 else:
-                    self.commit(r, "B", s, j, max(self.free[r], arr))
+                    self.commit(r, "B", s, j, arr if arr > free[r] else free[r])
                 continue
-            if hold is not None:
-                kind, s, j, start = hold
-                dur = t.f[s] if kind == "F" else t.w[s]
-                if now + _EPS >= start + dur:  # it fits: nothing came before it would end
-                    self.hold[r] = None
-                    if kind == "W":
-                        self.pending_w[r].remove((s, j))
-                        self.commit(r, "W", s, j, start)
-                    else:
-                        self.run_f(r, s, j, start)
-                    continue
-                self.set_due(r, min(start + dur, self.next_arrival(cands, now)))
-                return
-            fillers = [c for c in ready if c[2] == "F"] if warm else []
-            if fillers:
-                _, arr, _, s, j = min(fillers, key=_PRIORITY)
-                self.hold[r] = ("F", s, j, max(self.free[r], arr))
+            if hold is None:
+                hold = self.hold[r] = self.filler(r, ready, warm)
+                if hold is None:
+                    self.set_due(r, self.next_arrival(cands, now))
+                    return
+            kind, s, j, start = hold  # held on (the candidates are unchanged by holding it)
+            dur = t.f[s] if kind == "F" else t.w[s]
+            if soon >= start + dur:  # it fits: nothing came before it would end
+                self.hold[r] = None
+                if kind == "W":
+                    self.pending_w[r].remove((s, j))
+                    self.commit(r, "W", s, j, start)
+                else:
+                    self.run_f(r, s, j, start)
                 continue
-            if self.pending_w[r]:
-                s, j = self.pending_w[r][0]
-                self.hold[r] = ("W", s, j, self.free[r])
-                continue
-            self.set_due(r, self.next_arrival(cands, now))
+            self.set_due(r, min(start + dur, self.next_arrival(cands, now)))
             return
+
+    def filler(self, r: int, ready: list, warm: bool) -> tuple[str, int, int, float] | None:
+        """What rank r holds while nothing firm has arrived: in the warm-up the first ready F (``fit_f``),
+        else its oldest pending W, started when the rank is free; None: nothing to hold."""
+        fillers = [c for c in ready if c[2] == "F"] if warm else []
+        if fillers:
+            _, arr, _, s, j = min(fillers, key=_PRIORITY)
+            return ("F", s, j, max(self.free[r], arr))
+        if self.pending_w[r]:
+            s, j = self.pending_w[r][0]
+            return ("W", s, j, self.free[r])
+        return None
 
     @staticmethod
     def next_arrival(cands, now: float) -> float:
