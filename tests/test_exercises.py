@@ -238,6 +238,9 @@ def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
     for copied in (1, 2, 6):   # no interleaving; the lesson's v = 2; the most v, the smallest printed bubble
         assert not ex.interleaved_best_v(copied).ok
     assert not ex.interleaved_peak(lambda p, v, r: v * p + p - 1).ok           # rank 0's value on every rank
+    one_f_one_b = ex.interleaved_peak(lambda p, v, r: p - r if v == 1 else v * p + p - 1 - 2 * r)
+    assert not one_f_one_b.ok and "Megatron" in str(one_f_one_b)               # v = 1 is not 1F1B's warm-up
+    assert "Megatron" in str(ex.interleaved_best_v(1))
 
 
 def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_stage_answer():

@@ -43,15 +43,17 @@ def interleaved_best_v(answer: Any) -> Verdict:
                                            "each extra link adds T_comm.", hint),
         4.0: ("4 counts each link's transfer once; the critical path crosses the links going down (the "
               "first microbatch's F) and again coming back (the last one's backward).", hint),
-        1.0: ("v = 1 is plain 1F1B: the largest bubble.", hint),
+        1.0: ("v = 1 (one stage per rank, in Megatron's warm-up order, not 1F1B's) keeps the largest "
+              "bubble, (p-1)(T_F+T_B+T_W).", hint),
         2.0: ("2 is the lesson's example, not the minimum with T_comm = 0.125.", hint),
     }
     return _number_check("6.2", answer, best, "the v with the shortest makespan", hint, known=known)
 
 
 def interleaved_peak(fn: Any) -> Verdict:
-    """Exercise 6.3: ``peak(p, v, r)``, rank r's peak activations under interleaved 1F1B (m >= 2p) in one
-    stage's M_B; checked for p = 2..5, v = 1..4, every rank, m = 2p and 3p."""
+    """Exercise 6.3: ``peak(p, v, r)``, rank r's peak activations under interleaved 1F1B (m >= 2p) in
+    stage units (M_B/v each, lesson 5); checked for p = 2..5, v = 1..4, every rank, m = 2p and 3p. At
+    v = 1 the builder keeps Megatron's warm-up, so rank r holds 2(p - r) - 1, not 1F1B's p - r."""
     def held(p, v, m):
         return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory
 
@@ -62,7 +64,8 @@ def interleaved_peak(fn: Any) -> Verdict:
                            lambda p, v, r: max(peaks[p, v, 2 * p][r], peaks[p, v, 3 * p][r]), "peak(p, v, r)",
                            "count rank r's forwards before its first backward: microbatch 0 must pass every "
                            "later stage (v - 1 more rounds of the ranks, then the ranks after r) and come "
-                           "back to rank r, and rank r fills that wait with forwards, at most one per slot.")
+                           "back to rank r, and rank r fills that wait with forwards, at most one per slot "
+                           "(Megatron's warm-up, even at v = 1: not 1F1B's p - r). Count in stage units.")
 
 
 def _zigzag_rank(p: int, s: int) -> int:
