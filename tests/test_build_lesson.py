@@ -214,7 +214,13 @@ def test_a_step_clipped_stage_by_stage_or_not_at_all_fails(lesson):
     def rank_norm(rank, grads, params, all_sum):  # the rank's own norm: right on 1 rank, not on 2 or 4
         return right(rank, grads, params, lambda x: x)
 
+    def always_scaled(rank, grads, params, all_sum):   # max_norm / norm without min(1, ...): scales up too
+        norm = all_sum(sum(float((a * a).sum()) for g in grads.values() for a in jax.tree_util.tree_leaves(g))) ** 0.5
+        k = ex.STEP["lr"] * ex.STEP["max_norm"] / norm
+        return {s: jax.tree_util.tree_map(lambda w, g: w - k * g, params[s], grads[s]) for s in grads}
+
     lab = lesson["lab"]
+    assert "already under max_norm" in str(ex.optimizer_step(lab.try_step(always_scaled)))
     assert "its own norm" in str(ex.optimizer_step(lab.try_step(per_stage)))
     assert "not clipped" in str(ex.optimizer_step(lab.try_step(unclipped)))
     verdict = ex.optimizer_step(lab.try_step(rank_norm))

@@ -63,7 +63,7 @@ CASES = {
             lambda c, s: [len(c) // s] * (s - 1) + [len(c) - (s - 1) * (len(c) // s)]),
     "9.1": (lambda actions: _ticks_one_by_one(actions, lag=1),   # the wrong one: usable in the same tick
             lambda actions: _ticks_one_by_one(actions, lag=0)),
-    "9.2": (26.5, 27),                              # 26 ticks of 1, the last (all W's) 0.5; 27: unit ticks
+    "9.2": (46, 35),                                # 19 ticks with a W at 2, 8 at 1; 35: event-driven
     "9.3": (lambda: _spmd_result(), lambda: _spmd_result(shift=True)),   # built when the check runs (below)
 }
 
@@ -306,7 +306,10 @@ def test_the_spmd_check_refuses_gradients_off_and_the_event_driven_prediction():
     far = _spmd_result()
     far["runs"]["1f1b"]["grad_error"] = 1e-2
     assert not ex.spmd_pipeline(far) and "gradients differ" in str(ex.spmd_pipeline(far))
-    assert "event-driven" in str(ex.lockstep_w_half(24.5))     # MPMD's makespan is not lockstep's
+    assert "event-driven" in str(ex.lockstep_slow_w(35))       # MPMD's makespan is not lockstep's
+    for copied in (27, 54, 29, 26.5):                               # ticks, all at 2, the figure's, T_W = 0.5's
+        verdict = ex.lockstep_slow_w(copied)
+        assert not verdict and "is not" not in verdict.message, copied
     assert not ex.tick_table(lambda actions: [[0] * len(actions)])   # one tick for everything
 
 

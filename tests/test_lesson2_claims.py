@@ -87,3 +87,10 @@ def test_a_fused_schedule_over_1f1b_never_falls_as_the_price_rises(name):
     assert len({base for _, base in pairs}) == 1            # 1F1B runs fused backwards only
     ratios = [ms / base for ms, base in pairs]
     assert ratios == sorted(ratios) and ratios[0] < 1
+
+
+def test_exercise_2_3s_reveal_gives_xlas_counts_at_the_checks_ratio():
+    from zbpp_lite import course as ex
+
+    text = ex.REVEALS["2.3"]()
+    assert "B 36864 flops, F 102400 flops, ratio 0.360" in text and ex.first_stage_b_ratio(36864 / 102400)

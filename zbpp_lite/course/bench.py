@@ -258,8 +258,9 @@ class Lab:
         """Exercise 8.4's result: ``optimizer_step(rank, grads, params, all_sum)`` on one thread per rank, the
         stages placed as in :data:`STEP_RUNS`, from ``jax.grad``'s gradients; ``{"error", "runs": {name:
         {"params": the learner's step, "want": clipped SGD of the whole model, "per_stage": each stage
-        clipped alone, "unclipped": SGD without clipping}}}``, each per stage new - old parameters (NumPy),
-        as :func:`.lesson8.optimizer_step` reads it."""
+        clipped alone, "unclipped": SGD without clipping, "scaled": scaled to max_norm even from below}}}``,
+        each per stage new - old parameters (NumPy), as :func:`.lesson8.optimizer_step` reads it; ``STEP``'s
+        ``max_norm`` set as the run says (put back after)."""
         per_stage = [self.reference[2 * s: 2 * s + 2] for s in range(self.S)]
         sq = [sum(float(jnp.sum(a * a)) for a in jax.tree_util.tree_leaves(g)) for g in per_stage]
 
@@ -268,11 +269,12 @@ class Lab:
                     for g, k in zip(per_stage, scales)]
 
         total = sum(sq) ** 0.5
-        expected = dict(want=sgd([min(1.0, STEP["max_norm"] / total)] * self.S),
-                        per_stage=sgd([min(1.0, STEP["max_norm"] / v**0.5) for v in sq]),
-                        unclipped=sgd([1.0] * self.S))
+
         def one(name):
-            placement = STEP_RUNS[name]
+            placement, max_norm = STEP_RUNS[name]
+            expected = dict(want=sgd([min(1.0, max_norm / total)] * self.S),
+                            per_stage=sgd([min(1.0, max_norm / v**0.5) for v in sq]),
+                            unclipped=sgd([1.0] * self.S), scaled=sgd([max_norm / total] * self.S))
             ranks = max(placement) + 1
             shared, barrier = [0.0] * ranks, threading.Barrier(ranks, timeout=30)
 
@@ -287,7 +289,11 @@ class Lab:
                 return _need(optimizer_step(rank, {s: per_stage[s] for s in mine},
                                             {s: self.home[s] for s in mine}, all_sum), "optimizer_step")
 
-            new = {s: v for part in on_threads(ranks, work) for s, v in dict(part).items()}
+            kept, STEP["max_norm"] = STEP["max_norm"], max_norm
+            try:
+                new = {s: v for part in on_threads(ranks, work) for s, v in dict(part).items()}
+            finally:
+                STEP["max_norm"] = kept
             leaves = jax.tree_util.tree_leaves
             got = [None if s not in new else [np.asarray(a, np.float64) - np.asarray(b)
                                               for a, b in zip(leaves(new[s]), leaves(self.home[s]))]

@@ -99,10 +99,35 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 }
 """Lesson 2's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {}
+def reveal_first_stage() -> str:
+    """Exercise 2.3's reveal: XLA's matmul flop counts (:func:`~zbpp_lite.runtime.split.compiled_flops`) of
+    F and of the first stage's B on :data:`FIRST_STAGE_WIDTHS`, ``MLP_TOKENS`` tokens, and their ratio."""
+    import jax.numpy as jnp
+
+    from ..runtime.split import compiled_flops
+
+    weights = [jnp.ones((a, b)) for a, b in itertools.pairwise(FIRST_STAGE_WIDTHS)]
+
+    def forward(ws, a):
+        for w in ws:
+            a = a @ w
+        return a
+
+    def first_b(ws, dz):                          # each layer's output gradient, from the last one down
+        grads = [dz]
+        for w in ws[:0:-1]:
+            grads.insert(0, grads[0] @ w.T)
+        return grads
+
+    f = compiled_flops(forward, weights, jnp.ones((MLP_TOKENS, FIRST_STAGE_WIDTHS[0])))
+    b = compiled_flops(first_b, weights, jnp.ones((MLP_TOKENS, FIRST_STAGE_WIDTHS[-1])))
+    return f"XLA: B {b:.0f} flops, F {f:.0f} flops, ratio {b / f:.3f}"
+
+
+REVEALS: dict[str, Callable[[], Any]] = {"2.3": reveal_first_stage}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
     "MLP_TOKENS", "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "MLP_RATIO", "mw_over_mb",
-    "w_flops_without_kept_gradients", "first_stage_b_ratio", "EXERCISES", "REVEALS"
+    "w_flops_without_kept_gradients", "first_stage_b_ratio", "reveal_first_stage", "EXERCISES", "REVEALS"
 ]

@@ -221,15 +221,18 @@ STEP_TOLERANCE = 1e-3
 """Relative tolerance on a step (new - old parameters, to its largest magnitude, about 1e-4): float32
 parameters of up to 0.3 are rounded to about 3e-8."""
 
-STEP_RUNS = {"one stage per rank": (0, 1, 2, 3), "V placement": (0, 1, 1, 0)}
-"""Exercise 8.4's placements of :data:`BUILD_CASE`'s 4 stages: stage -> rank."""
+STEP_RUNS = {"one stage per rank": ((0, 1, 2, 3), STEP["max_norm"]),
+             "V placement": ((0, 1, 1, 0), STEP["max_norm"]),
+             "a global norm under max_norm": ((0, 1, 2, 3), 1.0)}
+"""Exercise 8.4's runs: name -> (placement of :data:`BUILD_CASE`'s 4 stages, stage -> rank; the ``max_norm``
+:data:`STEP` holds during the run). The last's 1.0 is above the gradient's norm, 0.09: no clipping."""
 
 
 def optimizer_step(result: Any) -> Verdict:
     """Exercise 8.4: ``optimizer_step(rank, grads, params, all_sum)`` written by the learner, run on one
     thread per rank by lesson 8's ``lab.try_step``; ``result`` is ``{"error", "runs": {name: {"params",
-    "want", "per_stage", "unclipped"}}}`` (per stage the step, new - old, as NumPy leaves; None: a stage
-    not returned).
+    "want", "per_stage", "unclipped", "scaled"}}}`` (per stage the step, new - old, as NumPy leaves; None: a
+    stage not returned).
     Right when every stage's new parameters equal SGD on the whole model with the gradient clipped to the
     global norm :data:`STEP` ``["max_norm"]``, within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 3:
     the global norm needs every rank's gradient)."""
@@ -262,10 +265,15 @@ def optimizer_step(result: Any) -> Verdict:
                            "clipping uses the norm of the whole model's gradient: all_sum the squares first.")
         if near(got, run["unclipped"]):
             return Verdict("8.4", False, f"{name}: the step was not clipped.", hint)
+        if near(got, run["scaled"]):
+            return Verdict("8.4", False, f"{name}: the gradient's norm was already under max_norm, yet "
+                           "your step scaled it.", "a norm within max_norm is left as it is: the factor is "
+                           "at most 1.")
         return Verdict("8.4", False, f"{name}: the new parameters differ from clipped SGD of the whole "
                        "model.", hint)
     return Verdict("8.4", True, "with one stage per rank and with two stages per rank, every stage took "
-                   "the step of the whole model, clipped by the global norm.")
+                   "the step of the whole model, clipped by the global norm (and left as it was when that "
+                   "norm was under max_norm).")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {

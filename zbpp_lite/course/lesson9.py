@@ -29,8 +29,8 @@ rank, so an activation can stay on its rank and still wait a tick."""
 SPMD_RUNS = ("zb-h1", "1f1b")
 """Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`."""
 
-W_HALF = Costs(f=1.0, b=1.0, w=0.5)
-"""Exercise 9.2's costs: T_F = T_B = 1, T_W = 0.5."""
+SLOW_W = Costs(f=1.0, b=1.0, w=2.0)
+"""Exercise 9.2's costs: T_F = T_B = 1, T_W = 2, T_comm = 0 (not lesson 9's figure's)."""
 
 
 def _rows(schedule) -> list:
@@ -72,27 +72,33 @@ def tick_table(answer: Any) -> Verdict:
                    "schedules, ZB-V's V placement included.")
 
 
-def lockstep_w_half(answer: Any) -> Verdict:
-    """Exercise 9.2 (predicted): ZB-H1's lockstep makespan at p = 4, m = 8 under :data:`W_HALF` (a tick lasts
-    its slowest action). The unit-tick count and the event-driven makespan are refused with their hints."""
+def lockstep_slow_w(answer: Any) -> Verdict:
+    """Exercise 9.2 (predicted): ZB-H1's lockstep makespan at p = 4, m = 8 under :data:`SLOW_W` (a tick lasts
+    its slowest action: 2 where any rank runs a W). The unit-tick count, every tick at 2, the event-driven
+    makespan and the figure's and the earlier T_W = 0.5 makespans are refused with their hints."""
     schedule = build_schedule("zb-h1", 4, 8)
     ticks = len(lockstep_ticks(schedule))
-    event = simulate(schedule, W_HALF).makespan
-    hint = ("a tick lasts as long as its slowest action: 0.5 only where every busy rank runs a W. Count "
-            "those ticks in the grid the lesson printed.")
-    return _number_check("9.2", answer, simulate(schedule, W_HALF, lockstep=True).makespan,
-                         "ZB-H1's lockstep makespan with T_W = 0.5", hint, known={
+    event = simulate(schedule, SLOW_W).makespan
+    hint = ("a tick lasts as long as its slowest action: 2 wherever any rank runs a W, 1 elsewhere. Count "
+            "the ticks (columns) of the grid the lesson printed that hold at least one W.")
+    copied = ("{:g} is a makespan at T_W = 0.5 (the figure's, or the same without T_comm), not at "
+              "T_W = 2.")
+    return _number_check("9.2", answer, simulate(schedule, SLOW_W, lockstep=True).makespan,
+                         "ZB-H1's lockstep makespan with T_W = 2", hint, known={
                              ticks: (f"{ticks} is the number of ticks: each lasted 1 when T_W was 1.", hint),
+                             2 * ticks: (f"{2 * ticks} lets every tick last 2: only those with a W do.",
+                                         hint),
                              event: (f"{event:g} is the event-driven (MPMD) makespan, where a rank moves on "
-                                     "as soon as its own W ends.", hint)})
+                                     "as soon as its own W ends.", hint),
+                             29: (copied.format(29), hint), 26.5: (copied.format(26.5), hint)})
 
 
-def reveal_w_half() -> Any:
-    """Exercise 9.2's reveal: ZB-H1 at p = 4, m = 8 under :data:`W_HALF`, event-driven above lockstep."""
+def reveal_slow_w() -> Any:
+    """Exercise 9.2's reveal: ZB-H1 at p = 4, m = 8 under :data:`SLOW_W`, event-driven above lockstep."""
     schedule = build_schedule("zb-h1", 4, 8)
-    return compare_figure(simulate(schedule, W_HALF), simulate(schedule, W_HALF, lockstep=True),
+    return compare_figure(simulate(schedule, SLOW_W), simulate(schedule, SLOW_W, lockstep=True),
                           titles=("MPMD: event-driven", "SPMD: lockstep ticks"),
-                          title="ZB-H1, p = 4, m = 8, T_W = 0.5")
+                          title="ZB-H1, p = 4, m = 8, T_W = 2")
 
 
 def spmd_pipeline(result: Any) -> Verdict:
@@ -136,12 +142,12 @@ def spmd_pipeline(result: Any) -> Verdict:
                    f"lockstep form, with jax.grad's gradients (largest relative difference {worst:.1e}).")
 
 
-EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_w_half,
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_slow_w,
                                                   "9.3": spmd_pipeline}
 """Lesson 9's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_w_half}
+REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_slow_w}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "W_HALF", "tick_table", "lockstep_w_half", "spmd_pipeline",
+__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "SLOW_W", "tick_table", "lockstep_slow_w", "spmd_pipeline",
            "EXERCISES", "REVEALS"]
