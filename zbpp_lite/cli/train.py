@@ -23,7 +23,6 @@ from ..analysis.profiling.timelines import timed_steps
 from ..runtime import devices as dev  # a module: tests stand a CPU device in for an accelerator
 from ..runtime.processes import allowed_cores
 from ..schedules import strict_json
-from ..training.data import load_data
 from ..viz.memory import memory_lines
 from . import CliError, add_output, check_against_csv, refuse_unused
 from .join import add_join_arguments, run_joined, wants_join
@@ -130,6 +129,7 @@ def train_spmd_command(args, schedule, blocks: int, devices, process: int = 0) -
     import jax
 
     from ..runtime.stages import StagedModel
+    from ..training.data import load_data
     from ..training.model import build_parts
     from ..training.spmd import train_spmd
 

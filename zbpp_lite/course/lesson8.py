@@ -237,8 +237,8 @@ def optimizer_step(result: Any) -> Verdict:
     global norm :data:`STEP` ``["max_norm"]``, within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 3:
     the global norm needs every rank's gradient)."""
     hint = ("each rank sums the squares of its own stages' gradients; all_sum adds those over the ranks; the "
-            "global norm is the square root; every rank scales by one common factor (what must it be when the "
-            "norm is already under max_norm?) and steps only its own stages.")
+            "global norm is the square root; every rank scales by one common factor (what must it be when "
+            "the norm is already under max_norm?) and steps only its own stages.")
     problem = _run_problem("8.4", result, "runs", "lab.try_step(optimizer_step)", "optimizer_step",
                            "your step", hint)
     if problem is not None:
