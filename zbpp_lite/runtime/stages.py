@@ -226,10 +226,12 @@ class StagedModel:
             return graphdef.fn(params, x, key) if graphdef.takes_key else graphdef.fn(params, x)
         return nnx.merge(graphdef, params)(x)
 
-    def _apply(self, indices: Sequence[int], params: Sequence, x: Any, key: Any = None) -> Any:
-        """Parts ``indices`` in turn, on the CPU with a :func:`fusion_wall` on each part's output (every
-        program of the model: the stages' F, B, W and BW, and the unpartitioned model's)."""
-        walls = jax.default_backend() == "cpu"
+    def _apply(self, indices: Sequence[int], params: Sequence, x: Any, key: Any = None, *,
+               walls: bool = False) -> Any:
+        """Parts ``indices`` in turn; ``walls``: on the CPU, a :func:`fusion_wall` on each part's output
+        (the unpartitioned model's whole-batch programs; a stage's microbatch programs measure no faster
+        with them, ``docs/XLA_BACKWARD.md``)."""
+        walls = walls and jax.default_backend() == "cpu"
         for i, p in zip(indices, params):
             x = self.apply_part(i, p, x, key)
             x = jax.tree_util.tree_map(fusion_wall, x) if walls else x
@@ -340,7 +342,7 @@ class StagedModel:
     def logits(self, params: Params, x: jax.Array) -> jax.Array:
         """The unpartitioned model's output (logits) on ``x``, without dropout; tied copies are one
         parameter (:meth:`as_one`)."""
-        return self._apply(range(self.num_parts), self.as_one(params), x)
+        return self._apply(range(self.num_parts), self.as_one(params), x, walls=True)
 
     def as_one(self, params: Params) -> Params:
         """``params`` with tied copies made one parameter: every use reads the first copy's value and
@@ -360,8 +362,9 @@ class StagedModel:
             return self.loss_fn(self.logits(params, x), labels)
         m, parts, params = len(keys), range(self.num_parts), self.as_one(params)
         b = batch_microbatch_size(x, labels, m)
-        return jnp.mean(jnp.stack([self.loss_fn(self._apply(parts, params, x[j * b : (j + 1) * b], keys[j]),
-                                                labels[j * b : (j + 1) * b]) for j in range(m)]))
+        rows = [slice(j * b, (j + 1) * b) for j in range(m)]
+        return jnp.mean(jnp.stack([self.loss_fn(self._apply(parts, params, x[r], key, walls=True), labels[r])
+                                   for r, key in zip(rows, keys)]))
 
 
 def refuse_pytree_activations(model: StagedModel, x: Any, executor: str) -> None:
