@@ -136,13 +136,23 @@ def _called(exercise: str, fn: Callable, point: tuple, hint: str) -> tuple[Any, 
                              hint)
 
 
+def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the function",
+                      shape: str = "a function") -> Verdict | None:
+    """The verdict for an answer that is not yet a function (still ``...``, or not callable), else None;
+    ``name``: what the learner is to write, ``shape``: what was expected instead of the answer given."""
+    if _unanswered(fn):
+        return Verdict(exercise, False, f"no answer yet: write {name}.", hint)
+    if not callable(fn):
+        return Verdict(exercise, False, f"expected {shape}, got {fn!r}.", hint)
+    return None
+
+
 def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float],
                     what: str, hint: str, tol: float = 1e-6) -> Verdict:
     """Call the learner's function at every point (:func:`_alone`) and compare with ``expected(*point)``."""
-    if _unanswered(fn):
-        return Verdict(exercise, False, "no answer yet: write the function.", hint)
-    if not callable(fn):
-        return Verdict(exercise, False, f"expected a function for {what}, got {fn!r}.", hint)
+    missing = _function_missing(exercise, fn, hint, shape=f"a function for {what}")
+    if missing is not None:
+        return missing
     for point in points:
         want = expected(*point)
         got, refused = _called(exercise, fn, point, hint)

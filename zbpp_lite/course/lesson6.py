@@ -10,7 +10,7 @@ from typing import Any, Callable
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _called, _function_check, _line_figure, _number_check, _unanswered
+from .checks import Verdict, _called, _function_check, _function_missing, _line_figure, _number_check
 
 
 INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, comm=0.125, max_v=6)
@@ -80,10 +80,9 @@ def zigzag_stages(fn: Any) -> Verdict:
     increasing order. Checked for p = 1..5, v = 1..5, every rank."""
     hint = ("write down pass k's stages, kp .. kp + p - 1, and which rank each lands on when the pass runs "
             "down the ranks and when it runs back up; rank r gets one stage from every pass.")
-    if _unanswered(fn):
-        return Verdict("6.1", False, "no answer yet: write the function.", hint)
-    if not callable(fn):
-        return Verdict("6.1", False, f"expected a function, got {fn!r}.", hint)
+    missing = _function_missing("6.1", fn, hint)
+    if missing is not None:
+        return missing
     points = [(p, v, r) for p in range(1, 6) for v in range(1, 6) for r in range(p)]
     wrong = []
     for p, v, r in points:

@@ -11,7 +11,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _as_number, _called, _number_check, _unanswered
+from .checks import Verdict, _as_number, _called, _function_missing, _number_check, _unanswered
 
 
 SLOW_LAST_STAGE = Costs(f=[1, 1, 1, 2], b=[1, 1, 1, 2], w=[1, 1, 1, 2])
@@ -100,10 +100,9 @@ def best_split(fn: Any) -> Verdict:
     hint = ("one cut is a choice of stages - 1 places among len(costs) - 1 (itertools.combinations); "
             "or, faster: the best cut's slowest stage is the smallest limit for which filling each stage "
             "greedily up to the limit needs at most `stages` stages (then split further).")
-    if _unanswered(fn):
-        return Verdict("7.3", False, "no answer yet: write the function.", hint)
-    if not callable(fn):
-        return Verdict("7.3", False, f"expected a function, got {fn!r}.", hint)
+    missing = _function_missing("7.3", fn, hint)
+    if missing is not None:
+        return missing
     for costs, stages in SPLIT_CASES:
         counts, refused = _called("7.3", fn, (list(costs), stages), hint)  # the package's rebalancer: refused
         if refused is not None:

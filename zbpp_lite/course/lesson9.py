@@ -16,7 +16,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
-from .checks import Verdict, _called, _number_check, _unanswered
+from .checks import Verdict, _called, _function_missing, _number_check, _unanswered
 from .lesson8 import BUILD_TOLERANCE
 
 KIND_CODE = {"F": 1, "B": 2, "W": 3, "BW": 4}
@@ -46,10 +46,9 @@ def tick_table(answer: Any) -> Verdict:
             "what it needs from another stage (F of stage s needs F of stage s-1 of its microbatch, B or BW "
             "of stage s needs B or BW of stage s+1): a result is usable from the next tick on. Sweep the "
             "ranks again and again, placing each rank's next action once what it needs has a tick.")
-    if _unanswered(answer):
-        return Verdict("9.1", False, "no answer yet: write ticks_of.", hint)
-    if not callable(answer):
-        return Verdict("9.1", False, f"expected a function ticks_of(actions), got {answer!r}.", hint)
+    missing = _function_missing("9.1", answer, hint, "ticks_of", "a function ticks_of(actions)")
+    if missing is not None:
+        return missing
     for name, p, m in TICK_CASES:
         schedule = build_schedule(name, p, m)
         got, refused = _called("9.1", answer, (_rows(schedule),), hint)
