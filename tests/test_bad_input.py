@@ -154,11 +154,17 @@ IGNORED = [  # (command line, the one line it gets); each ran before, the flag s
      "--microbatches 8 disagrees with --schedule-csv's 4 microbatches"),
     (["train", "--timeout", "5", *SIZES], "--timeout and --heartbeat bound the waits of a run on several hosts"),
     (["train", "--spmd", "--threads", *SIZES], "--spmd runs one SPMD program, not a thread or process per rank"),
+    (["train", "--spmd", "--ranks-as", "threads", *SIZES], "not a thread or process per rank: drop --ranks-as"),
+    (["train", "--ranks-as", "processes", "--max-grad-norm", "1", *SIZES],
+     "--ranks-as processes cannot run here: --max-grad-norm runs the optimizer inside the rank threads"),
+    (["train", "--ranks-as", "processes", "--steps", "1", *SIZES[2:]], "--ranks-as processes cannot run here: --steps 1"),
+    (["train", "--threads", "--ranks-as", "processes", *SIZES], "--threads and --ranks-as processes disagree"),
     (["train", "--context", "64", "--remat", *SIZES], "--context, --dropout, --bf16 and --remat set the GPT (--model "
                                                        "gpt): drop --context, --remat"),
     (["train", "--model", "gpt", "--spmd", *SIZES], "--model gpt starts from its own init and draws dropout keys"),
     (["launch", "--", "train", "--timeout", "3", *SIZES], "(its own --timeout goes before --): drop --timeout"),
     (["launch", "--", "train", "--threads", *SIZES], "--threads is not supported there"),
+    (["launch", "--", "train", "--ranks-as", "threads", *SIZES], "--ranks-as threads is not supported there"),
     (["adapt", *ADAPT_TINY, "--every", "3"], "--no-online: nothing re-plans online, so no drift is checked: drop --every"),
     (["adapt", *ADAPT_TINY, "--no-replan", "--memory-limit", "3"],
      "--no-online --no-replan: zb-auto never plans, so it takes no memory limit: drop --memory-limit"),
@@ -221,3 +227,24 @@ def test_compare_blocks_are_what_its_help_says_one_for_every_stage_by_default(ca
     fewer = parse_args(["compare", "--ranks", "5", "--microbatches", "10", "--blocks", "8"])
     assert _build_one("interleaved-1f1b", fewer, blocks_of(fewer), None) == (
         None, "8 blocks cannot fill 10 stages (use --blocks 10)")
+
+
+def test_ranks_as_picks_the_mode_and_says_why():
+    # the choice between threads and processes is a flag, and the reason printed names it
+    from types import SimpleNamespace
+
+    from zbpp_lite.cli import CliError
+    from zbpp_lite.cli.train import threads_reason
+    from zbpp_lite.runtime.processes import allowed_cores
+
+    cpu, gpu = [SimpleNamespace(platform="cpu")], [SimpleNamespace(platform="gpu")]
+    args = SimpleNamespace(steps=2, max_grad_norm=None, threads=False, ranks_as=None)
+    ranks = len(allowed_cores())
+    assert threads_reason(args, ranks, cpu) is None  # a core per rank: processes
+    assert threads_reason(args, ranks + 1, cpu) == f"{ranks} core(s) for {ranks + 1} ranks"
+    assert threads_reason(args, 1, gpu) == "GPU devices, one per rank"
+    assert threads_reason(SimpleNamespace(**{**vars(args), "ranks_as": "threads"}), ranks, cpu) == "--ranks-as threads"
+    processes = SimpleNamespace(**{**vars(args), "ranks_as": "processes"})
+    assert threads_reason(processes, ranks, cpu) is None
+    with pytest.raises(CliError, match=r"^--ranks-as processes cannot run here: GPU devices, one per rank; use "):
+        threads_reason(processes, 1, gpu)

@@ -16,7 +16,8 @@ from ..training.adapt import AdaptOptions, adapt, adapt_settings
 from ..training.model import ModelConfig, RunConfig
 from ..viz.attribution import attribution_figure
 from . import CliError, add_output, refuse_unused
-from .train import add_model_arguments, check_model_arguments, say_mode, setup_devices, threads_reason
+from .train import (add_model_arguments, add_ranks_as, check_model_arguments, say_mode, setup_devices,
+                    threads_reason)
 
 
 def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
@@ -48,8 +49,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
         help="no A/A control (the original plan run twice in turns to measure the noise)")
     add("--confidence", type=float, default=0.95,
         help="of the intervals that judge measured gains and drift (default 0.95)")
-    add("--threads", action="store_true", help="run the ranks as threads of one process even with a core per "
-        "rank")
+    add_ranks_as(p)
     add_model_arguments(p, gpt=False)
     # actions of milliseconds, so compute, not dispatch, sets the stage costs
     p.set_defaults(d=128, batch=256)

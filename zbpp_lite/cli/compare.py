@@ -29,9 +29,9 @@ from ..training.train import TrainOptions, train
 from ..training.turns import OneCore, train_in_turns
 from . import CliError, add_output
 from .compare_report import Comparison, html_report, summary_text
-from .train import (add_model_arguments, add_platform_argument, check_model_arguments, cost_table,
-                    model_config, profile_json, profiled_costs, run_config, say_mode, say_platform,
-                    setup_platform, threads_reason)
+from .train import (add_model_arguments, add_platform_argument, add_ranks_as, check_model_arguments,
+                    cost_table, model_config, profile_json, profiled_costs, run_config, say_mode,
+                    say_platform, setup_platform, threads_reason)
 
 
 BLOCKS_HELP = ("Transformer blocks of the one model every schedule trains (default: 8, or 2 per rank if "
@@ -53,8 +53,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     p.add_argument("--learn-steps", type=int, default=150,
                    help="then train the fastest schedule this many steps and report its test accuracy "
                         "(default 150; 0: skip)")
-    p.add_argument("--threads", action="store_true", help="run the ranks as threads of one process even with "
-                                                          "enough cores")
+    add_ranks_as(p)
     add_output(p, "--out", default="compare.html", help="HTML report path (default compare.html)")
     add_output(p, "--json", help="also write the figures of every run as JSON")
     add_platform_argument(p)

@@ -91,8 +91,7 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
     add_output(p, "--json", help="write the results (and the measured trace) as JSON")
     add("--no-progress", dest="progress", action="store_false",
         help="no progress bar (there is none when stderr is not a terminal)")
-    add("--threads", action="store_true",
-        help="run the ranks as threads of one process even with a core per rank")
+    add_ranks_as(p)
     add("--max-grad-norm", type=float, default=None, metavar="NORM",
         help="clip gradients to this global norm, skip steps with NaN/Inf; the optimizer step then runs in "
              "the rank threads, synchronously unless --post-validation (arXiv 2401.10241 section 4)")
@@ -213,8 +212,14 @@ def resolve_schedule(args):
 
 
 def check_model_arguments(args, num_microbatches: int) -> None:
-    """--steps, --d with --heads, --batch with the microbatches, the GPT's flags (refused with the digits):
-    checked, and the model's defaults filled in, before JAX starts."""
+    """--steps, --d with --heads, --batch with the microbatches, the GPT's flags (refused with the digits),
+    --ranks-as processes against flags that need threads: checked, and the model's defaults filled in,
+    before JAX starts."""
+    if getattr(args, "ranks_as", None) == "processes" and getattr(args, "threads", False):
+        raise CliError("--threads and --ranks-as processes disagree: give one of them")
+    if getattr(args, "ranks_as", None) == "processes" and _flags_need_threads(args):
+        raise CliError(f"--ranks-as processes cannot run here: {_flags_need_threads(args)}; use --ranks-as "
+                       "threads (or leave it out to let the run choose)")
     gpt = getattr(args, "model", "digits") == "gpt"
     if not gpt:
         refuse_unused(args, [d for d in GPT_FLAGS if hasattr(args, d)], "--context, --dropout, --bf16 and "
@@ -254,8 +259,9 @@ def check_sizes(args, schedule) -> int:
     if getattr(args, "spmd", False) and (norm is not None or args.init):
         raise CliError("--spmd trains plain AdamW from the model's own init: drop --max-grad-norm / "
                        "--post-validation / --init")
-    if getattr(args, "spmd", False) and getattr(args, "threads", False):
-        raise CliError("--spmd runs one SPMD program, not a thread or process per rank: drop --threads")
+    if getattr(args, "spmd", False) and (getattr(args, "threads", False) or getattr(args, "ranks_as", None)):
+        flag = "--threads" if getattr(args, "threads", False) else "--ranks-as"
+        raise CliError(f"--spmd runs one SPMD program, not a thread or process per rank: drop {flag}")
     return blocks
 
 
@@ -264,7 +270,9 @@ def check_launchable(args) -> None:
     unsupported = [flag for flag, on in (("--max-grad-norm", args.max_grad_norm is not None),
                                           ("--init", bool(args.init)),
                                           ("--platform", getattr(args, "platform", None) is not None),
-                                          ("--threads", getattr(args, "threads", False))) if on]
+                                          ("--threads", getattr(args, "threads", False)),
+                                          ("--ranks-as threads",
+                                           getattr(args, "ranks_as", None) == "threads")) if on]
     if unsupported:
         raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices, "
                        f"a process per rank: {', '.join(unsupported)} is not supported there (drop it, or "
@@ -418,17 +426,44 @@ def _train(args, schedule, blocks: int, devices):
                           on_step=lambda name, k, loss, timeline: on_step(k, loss, timeline))[named.name]
 
 
+def add_ranks_as(parser: argparse.ArgumentParser) -> None:
+    """``--ranks-as threads|processes`` (and ``--threads``, its older spelling of ``threads``): how the
+    ranks of ``train``, ``compare`` and ``adapt`` run; :func:`threads_reason` decides and says why."""
+    parser.add_argument("--ranks-as", choices=("threads", "processes"), default=None,
+                        help="threads: one process, a thread per rank; processes: a process per rank, each "
+                             "pinned to its own core (default: processes on a CPU with a core per rank, "
+                             "else threads; every run prints which and why)")
+    parser.add_argument("--threads", action="store_true", help="the same as --ranks-as threads")
+
+
 def threads_reason(args, num_ranks: int, devices) -> str | None:
-    """Why the ranks run as threads, or None for a pinned process each (CPU, enough cores, plain AdamW)."""
+    """Why the ranks run as threads, or None for a pinned process each (CPU, a core per rank, plain AdamW,
+    two steps or more). Raises CliError for ``--ranks-as processes`` where processes cannot run, naming
+    why, and for ``--threads`` beside ``--ranks-as processes``."""
+    asked = getattr(args, "ranks_as", None)
     if getattr(args, "threads", False):
+        if asked == "processes":
+            raise CliError("--threads and --ranks-as processes disagree: give one of them")
         return "--threads"
+    if asked == "threads":
+        return "--ranks-as threads"
+    reason = None
     if devices[0].platform != "cpu":
-        return f"{devices[0].platform.upper()} devices, one per rank"
-    if len(allowed_cores()) < num_ranks:
-        return f"{len(allowed_cores())} core(s) for {num_ranks} ranks"
+        reason = f"{devices[0].platform.upper()} devices, one per rank"
+    elif len(allowed_cores()) < num_ranks:
+        reason = f"{len(allowed_cores())} core(s) for {num_ranks} ranks"
+    reason = reason or _flags_need_threads(args)
+    if reason is not None and asked == "processes":
+        raise CliError(f"--ranks-as processes cannot run here: {reason}; use --ranks-as threads (or leave "
+                       "it out to let the run choose)")
+    return reason
+
+
+def _flags_need_threads(args) -> str | None:
+    """The flag that makes ranks run as threads (known before JAX starts), or None."""
     if getattr(args, "max_grad_norm", None) is not None:
         return "--max-grad-norm runs the optimizer inside the rank threads"
-    if args.steps < 2:
+    if getattr(args, "steps", 2) < 2:
         return "--steps 1: a run in processes times the steps after the first"
     return None
 
