@@ -119,10 +119,36 @@ def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(le
         result = lesson["lab"].try_pipeline(lesson["rank_loop"])
     finally:
         lesson["rank_loop"] = right
-    assert set(result["runs"]) == {"1f1b", "zb-h1"} and result["error"]   # fails only on ZB-V
+    assert set(result["runs"]) == {"1f1b", "zb-h1", "zb-h2"} and result["error"]   # fails only on ZB-V
     verdict = ex.pipeline_run(result)
     assert not verdict and verdict.hint and "placement" in verdict.hint, str(verdict)
     assert lesson["placement"] == list(range(4))                           # try_pipeline put it back
+
+
+def test_a_loop_whose_last_stage_starts_from_one_instead_of_one_over_m_fails(lesson):
+    """The whole loss is the mean of the m microbatch losses: a backward started from 1 gives every
+    gradient m times jax.grad's, and the check names that factor."""
+    _, solutions = _sections(jupytext.read(LESSON))
+    source = next(c for c in solutions if "def rank_loop" in c)
+    wrong = source.replace("jnp.float32(1 / m)", "jnp.float32(1.0)")
+    assert wrong.count("jnp.float32(1.0)") == 1
+    right = lesson["rank_loop"]
+    try:
+        exec(compile(wrong, "rank_loop_loss_sum", "exec"), lesson)
+        verdict = ex.pipeline_run(lesson["lab"].try_pipeline(lesson["rank_loop"]))
+    finally:
+        lesson["rank_loop"] = right
+    assert not verdict and "8 times jax.grad's" in str(verdict) and "mean" in verdict.hint, str(verdict)
+
+
+def test_the_gradient_hints_name_the_stage_where_the_backward_goes_wrong():
+    run = lambda errors, scale=1.0: {"grad_error": max(errors), "stage_errors": errors, "scale": scale}  # noqa: E731
+    assert ex.gradient_problem("9.3", "zb-h1", run([1e-6] * 4), 8) is None
+    verdict = ex.gradient_problem("9.3", "zb-h1", run([0.3, 0.2, 1e-6, 1e-6]), 8)
+    assert not verdict and "stages 2 to 3 are right, stage 1 is not" in str(verdict), str(verdict)
+    assert "1/8" in str(ex.gradient_problem("8.3", "1f1b", run([0.9] * 4, 1 / 8), 8))
+    assert "stage(s) [3]" in str(ex.gradient_problem("8.3", "1f1b", run([0.0, 0.0, 0.0, float("inf")]), 8))
+    assert "relative difference" in str(ex.gradient_problem("8.3", "1f1b", run([0.3, 1e-6, 0.3, 1e-6]), 8))
 
 
 def test_a_loop_that_starts_the_clock_before_its_inputs_arrive_fails(lesson):
