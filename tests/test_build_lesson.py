@@ -1,12 +1,13 @@
-"""Lesson 08's checks tell a right pipeline from a wrong one.
+"""Lessons 08 and 09's checks tell a right pipeline from a wrong one.
 
 The lesson's own code runs here: its cells up to "## Exercises" (the model, ``stage_apply`` with its
 zero probes, the test bench ``lab``: ``zbpp_lite.course.bench.Lab``) and the definitions of its
 Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed from
-``notebooks/08_build_a_pipeline.md``. The right build passes all four checks; each wrong one below, a
-mistake a learner makes, fails its check with a hint that names it: W reading another microbatch's
-output gradient, a loop that walks its own order instead of the schedule's, W's product transposed, B
-running the layers again, a step clipped stage by stage or not at all.
+``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its SPMD ``make_tick``. The right
+builds pass every check; each wrong one below, a mistake a learner makes, fails its check with a hint
+that names it: W reading another microbatch's output gradient, a loop that walks its own order instead
+of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B running the
+layers again, a step clipped stage by stage or not at all, an SPMD tick that stores what never arrived.
 """
 
 from __future__ import annotations
@@ -258,3 +259,39 @@ def test_a_step_clipped_stage_by_stage_or_not_at_all_fails(lesson):
 def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
     verdict = ex.EXERCISES[key](junk)
     assert not verdict.ok and verdict.hint
+
+
+SPMD_LESSON = Path(__file__).parent.parent / "notebooks" / "09_spmd_pipeline.md"
+
+
+@pytest.fixture(scope="module")
+def spmd_lesson():
+    """Lesson 9's namespace after its cells up to "## Exercises" and its Solutions' definitions."""
+    flags = os.environ.get("XLA_FLAGS")
+    ns: dict = {"__name__": "lesson09"}
+    before, solutions = _sections(jupytext.read(SPMD_LESSON))
+    try:
+        for source in before + solutions:
+            exec(compile(source, str(SPMD_LESSON), "exec"), ns)
+    finally:
+        if flags is not None:
+            os.environ["XLA_FLAGS"] = flags
+    return ns
+
+
+def test_the_spmd_program_passes_and_one_that_stores_what_never_arrived_fails(spmd_lesson):
+    """Lesson 9's make_tick passes exercise 9.3's check on 1F1B, ZB-H1 and ZB-H2. Storing every ppermute's
+    output, also where nothing was sent (zeros, tag 0, index -1: the last microbatch's slot), can overwrite
+    microbatch m-1's waiting activation or gradient: harmless on the lesson's ZB-H1 and on 1F1B, caught on
+    ZB-H2, which the lesson does not show."""
+    assert ex.spmd_pipeline(spmd_lesson["try_spmd"](spmd_lesson["make_tick"]))
+    _, solutions = _sections(jupytext.read(SPMD_LESSON))
+    source = next(c for c in solutions if "def make_tick" in c)
+    wrong = (source.replace('jnp.where(jx > 0, x, st["act"][jx - 1])', "x")
+             .replace('jnp.where(jg > 0, g, st["grad"][jg - 1])', "g"))
+    assert wrong.count(".set(x)") == 1 and wrong.count(".set(g)") == 1
+    ns = dict(spmd_lesson)
+    exec(compile(wrong, "make_tick_stores_all", "exec"), ns)
+    verdict = ex.spmd_pipeline(ns["try_spmd"](ns["make_tick"]))
+    assert not verdict and str(verdict).startswith("Exercise 9.3: not yet. zb-h2: the gradients differ"), str(verdict)
+    assert "overwritten" in verdict.hint

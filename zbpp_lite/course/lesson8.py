@@ -180,8 +180,8 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int) -> Verdi
                    f"what stage {k} sends back to stage {k - 1} (the input gradient), or where it is taken "
                    "or stored, is not that microbatch's.")
     return say(f"the gradients differ from jax.grad's (relative difference {error:.1e}).",
-               "each W must pair the layer inputs and output gradients of its own (stage, microbatch), "
-               "each F and B take their own microbatch's input, and each stage add up all m W's.")
+               "each F, B and W must read its own (stage, microbatch)'s values, still intact when it runs "
+               "(not another microbatch's, not overwritten), and each stage add up all m W's.")
 
 
 def pipeline_run(result: Any) -> Verdict:
