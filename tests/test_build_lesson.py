@@ -1,16 +1,18 @@
-"""Lesson 08's checks tell a right pipeline from a wrong one.
+"""Lessons 08 and 09's checks tell a right pipeline from a wrong one.
 
 The lesson's own code runs here: its cells up to "## Exercises" (the model, ``stage_apply`` with its
 zero probes, the test bench ``lab``: ``zbpp_lite.course.bench.Lab``) and the definitions of its
 Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed from
-``notebooks/08_build_a_pipeline.md``. The right build passes all four checks; each wrong one below, a
-mistake a learner makes, fails its check with a hint that names it: W reading another microbatch's
-output gradient, a loop that walks its own order instead of the schedule's, W's product transposed, B
-running the layers again, a step clipped stage by stage or not at all.
+``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its SPMD ``make_tick``. The right
+builds pass every check; each wrong one below, a mistake a learner makes, fails its check with a hint
+that names it: W reading another microbatch's output gradient, a loop that walks its own order instead
+of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B running the
+layers again, a step clipped stage by stage or not at all, an SPMD tick that stores what never arrived.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -46,19 +48,40 @@ def _sections(nb) -> tuple[list[str], list[str]]:
     return before, solutions
 
 
-@pytest.fixture(scope="module")
-def lesson():
-    """The lesson's namespace after its set-up, scaffolding and Solutions cells."""
+def _namespace(path: Path, name: str) -> dict:
+    """A lesson's namespace after its cells before "## Exercises" and its Solutions' definitions."""
     flags = os.environ.get("XLA_FLAGS")
-    ns: dict = {"__name__": "lesson08"}
-    before, solutions = _sections(jupytext.read(LESSON))
+    ns: dict = {"__name__": name}
+    before, solutions = _sections(jupytext.read(path))
     try:
         for source in before + solutions:
-            exec(compile(source, str(LESSON), "exec"), ns)
+            exec(compile(source, str(path), "exec"), ns)
     finally:
         if flags is not None:
             os.environ["XLA_FLAGS"] = flags
     return ns
+
+
+@contextlib.contextmanager
+def _replaced(ns: dict, path: Path, name: str, edit):
+    """Within the block, ``ns[name]`` is the lesson's Solutions ``def name`` with its source changed by
+    ``edit`` (the changed source is yielded); the right one is put back after."""
+    _, solutions = _sections(jupytext.read(path))
+    source = next(c for c in solutions if f"def {name}" in c)
+    wrong = edit(source)
+    assert wrong != source
+    right = ns[name]
+    try:
+        exec(compile(wrong, f"{name}_wrong", "exec"), ns)
+        yield wrong
+    finally:
+        ns[name] = right
+
+
+@pytest.fixture(scope="module")
+def lesson():
+    """The lesson's namespace after its set-up, scaffolding and Solutions cells."""
+    return _namespace(LESSON, "lesson08")
 
 
 def test_the_right_build_passes_every_check(lesson):
@@ -109,35 +132,40 @@ def test_a_loop_that_ignores_the_schedule_order_fails(lesson):
 
 def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(lesson):
     """Right on 1F1B and ZB-H1 (stage s on rank s); ZB-V's V keeps stages 1 and 2 on one rank."""
-    _, solutions = _sections(jupytext.read(LESSON))
-    source = next(c for c in solutions if "def rank_loop" in c)
-    wrong = source.replace("placement[s + 1]", "rank + 1").replace("placement[s - 1]", "rank - 1")
-    assert wrong.count("rank + 1") == 1 and wrong.count("rank - 1") == 1
-    right = lesson["rank_loop"]
-    try:
-        exec(compile(wrong, "rank_loop_to_neighbours", "exec"), lesson)
+    edit = lambda src: src.replace("placement[s + 1]", "rank + 1").replace("placement[s - 1]", "rank - 1")  # noqa: E731
+    with _replaced(lesson, LESSON, "rank_loop", edit) as wrong:
+        assert wrong.count("rank + 1") == 1 and wrong.count("rank - 1") == 1
         result = lesson["lab"].try_pipeline(lesson["rank_loop"])
-    finally:
-        lesson["rank_loop"] = right
-    assert set(result["runs"]) == {"1f1b", "zb-h1"} and result["error"]   # fails only on ZB-V
+    assert set(result["runs"]) == {"1f1b", "zb-h1", "zb-h2"} and result["error"]   # fails only on ZB-V
     verdict = ex.pipeline_run(result)
     assert not verdict and verdict.hint and "placement" in verdict.hint, str(verdict)
     assert lesson["placement"] == list(range(4))                           # try_pipeline put it back
 
 
+def test_a_loop_whose_last_stage_starts_from_one_instead_of_one_over_m_fails(lesson):
+    """The whole loss is the mean of the m microbatch losses: a backward started from 1 gives every
+    gradient m times jax.grad's, and the check names that factor."""
+    with _replaced(lesson, LESSON, "rank_loop", lambda src: src.replace("jnp.float32(1 / m)", "jnp.float32(1.0)")):
+        verdict = ex.pipeline_run(lesson["lab"].try_pipeline(lesson["rank_loop"]))
+    assert not verdict and "8 times jax.grad's" in str(verdict) and "mean" in verdict.hint, str(verdict)
+
+
+def test_the_gradient_hints_name_the_stage_where_the_backward_goes_wrong():
+    run = lambda errors, scale=1.0: {"grad_error": max(errors), "stage_errors": errors, "scale": scale}  # noqa: E731
+    assert ex.gradient_problem("9.3", "zb-h1", run([1e-6] * 4), 8) is None
+    verdict = ex.gradient_problem("9.3", "zb-h1", run([0.3, 0.2, 1e-6, 1e-6]), 8)
+    assert not verdict and "stages 2 to 3 are right, stage 1 is not" in str(verdict), str(verdict)
+    assert "1/8" in str(ex.gradient_problem("8.3", "1f1b", run([0.9] * 4, 1 / 8), 8))
+    assert "stage(s) [3]" in str(ex.gradient_problem("8.3", "1f1b", run([0.0, 0.0, 0.0, float("inf")]), 8))
+    assert "relative difference" in str(ex.gradient_problem("8.3", "1f1b", run([0.3, 1e-6, 0.3, 1e-6]), 8))
+
+
 def test_a_loop_that_starts_the_clock_before_its_inputs_arrive_fails(lesson):
     """The wait for an input is not part of the action: an event that starts before it is caught."""
-    _, solutions = _sections(jupytext.read(LESSON))
-    source = next(c for c in solutions if "def rank_loop" in c)
     clock, first = "        start = time.perf_counter()\n", "        s, j = a.stage, a.microbatch\n"
-    wrong = source.replace(clock, "").replace(first, first + clock)
-    assert wrong.count(clock) == 1 and wrong.index(clock) < wrong.index("take(")
-    right = lesson["rank_loop"]
-    try:
-        exec(compile(wrong, "rank_loop_clock_first", "exec"), lesson)
+    with _replaced(lesson, LESSON, "rank_loop", lambda src: src.replace(clock, "").replace(first, first + clock)) as wrong:
+        assert wrong.count(clock) == 1 and wrong.index(clock) < wrong.index("take(")
         verdict = ex.pipeline_run(lesson["lab"].try_pipeline(lesson["rank_loop"]))
-    finally:
-        lesson["rank_loop"] = right
     assert not verdict and "started before" in str(verdict), str(verdict)
 
 
@@ -232,3 +260,27 @@ def test_a_step_clipped_stage_by_stage_or_not_at_all_fails(lesson):
 def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
     verdict = ex.EXERCISES[key](junk)
     assert not verdict.ok and verdict.hint
+
+
+SPMD_LESSON = Path(__file__).parent.parent / "notebooks" / "09_spmd_pipeline.md"
+
+
+@pytest.fixture(scope="module")
+def spmd_lesson():
+    """Lesson 9's namespace after its cells up to "## Exercises" and its Solutions' definitions."""
+    return _namespace(SPMD_LESSON, "lesson09")
+
+
+def test_the_spmd_program_passes_and_one_that_stores_what_never_arrived_fails(spmd_lesson):
+    """Lesson 9's make_tick passes exercise 9.3's check on 1F1B, ZB-H1 and ZB-H2. Storing every ppermute's
+    output, also where nothing was sent (zeros, tag 0, index -1: the last microbatch's slot), can overwrite
+    microbatch m-1's waiting activation or gradient: harmless on the lesson's ZB-H1 and on 1F1B, caught on
+    ZB-H2, which the lesson does not show."""
+    assert ex.spmd_pipeline(spmd_lesson["try_spmd"](spmd_lesson["make_tick"]))
+    edit = lambda src: (src.replace('jnp.where(jx > 0, x, st["act"][jx - 1])', "x")  # noqa: E731
+                        .replace('jnp.where(jg > 0, g, st["grad"][jg - 1])', "g"))
+    with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", edit) as wrong:
+        assert wrong.count(".set(x)") == 1 and wrong.count(".set(g)") == 1
+        verdict = ex.spmd_pipeline(spmd_lesson["try_spmd"](spmd_lesson["make_tick"]))
+    assert not verdict and str(verdict).startswith("Exercise 9.3: not yet. zb-h2: the gradients differ"), str(verdict)
+    assert "overwritten" in verdict.hint

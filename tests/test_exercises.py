@@ -56,8 +56,8 @@ CASES = {
             lambda p, v, r: list(range(r * v, r * v + v))),   # zig-zag passes, not contiguous blocks
     "6.2": (3, 2),            # 24 + 9/v + 2(4v - 1)0.125: 33.75, 30.25, 29.75, 30 at v = 1..4; 2: the lesson's v
     "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
-    "7.1": (0, 2),                                  # rank 0 idles 23; 2: the lesson's "next to the slow
-                                                    # stage" copied (rank 1 there)
+    "7.1": ((0, 3), (3, 1)),                        # idle 23, 22, 0, 16; the wrong one: "farthest from the
+                                                    # slow stage" idles most, "next to it" least
     "7.2": ((3, 2, 3), (4, 3, 1)),                  # 5, 9, 7; the wrong one fills stage 0 past 21/3: 10, 7, 4
     "7.3": (lambda c, s: _best_cut(c, s),                 # the wrong one: equal layer counts, the rest last
             lambda c, s: [len(c) // s] * (s - 1) + [len(c) - (s - 1) * (len(c) // s)]),
@@ -245,8 +245,10 @@ def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
 
 def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_stage_answer():
     assert _stage_totals(ex.LAYER_COSTS, (3, 2, 3)) == [5, 9, 7]
-    assert not ex.idlest_rank(3).ok and "never idles" in str(ex.idlest_rank(3))   # the slow rank itself
-    assert "next to the slow stage" in str(ex.idlest_rank(2))
+    assert "never idles" in str(ex.idlest_rank((2, 3)))                 # the slow rank itself
+    assert "which starts first" in str(ex.idlest_rank((1, 3)))           # the lesson's "next to it" copied
+    assert "shortest" in str(ex.idlest_rank((3, 1)))                     # farthest from it
+    assert "wait until" in str(ex.idlest_rank((0, 1))) and not ex.idlest_rank(0)   # one rank is not the pair
     for at_least in (True, False):   # fill each stage up to a third of the total, or just past it
         assert not ex.balanced_partition(tuple(_fill_to_share(ex.LAYER_COSTS, 3, at_least))).ok
         assert not ex.best_split(lambda c, s, a=at_least: _fill_to_share(c, s, a)).ok

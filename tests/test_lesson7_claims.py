@@ -57,4 +57,4 @@ def test_the_global_span_can_exceed_the_makespan():
     starts = [min(e.start for e in t.rank_events(r)) for r in (0, P - 1)]
     ends = [max(e.end for e in t.rank_events(r)) for r in (0, P - 1)]
     assert starts[1] > starts[0] and ends[1] > ends[0] and t.global_span == ends[1] - starts[0]
-    assert t.bubble_time == (23, 22, 21, 0)   # exercise 7.1's answer: rank 0
+    assert t.bubble_time == (23, 22, 21, 0)

@@ -77,6 +77,26 @@ def try_runs(run: Callable[[str], Any], names: Any) -> dict:
     return {"error": None, "runs": runs}
 
 
+def gradient_report(mine: list, ref: list) -> dict:
+    """How far a pipeline's gradients are from the reference, per stage: ``mine`` and ``ref`` hold one pytree
+    of arrays per stage (None in ``mine``: a stage missing). Returns ``{"grad_error": the largest,
+    "stage_errors": per stage max |mine - ref| / max |ref| (inf: missing or another shape), "scale": the
+    least-squares factor c of mine = c ref over every array (nan: a stage missing)}``, as
+    :func:`zbpp_lite.course.lesson8.gradient_problem` reads it."""
+    errors, dot, norm = [], 0.0, 0.0
+    for got, want in zip(mine, ref):
+        a = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(got)] if got is not None else []
+        b = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(want)]
+        if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
+            errors.append(float("inf"))
+            dot = float("nan")
+            continue
+        errors.append(max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) for x, y in zip(a, b)))
+        dot += sum(float(np.sum(x * y)) for x, y in zip(a, b))
+        norm += sum(float(np.sum(y * y)) for y in b)
+    return {"grad_error": max(errors), "stage_errors": errors, "scale": dot / max(norm, 1e-30)}
+
+
 def nbytes(tree: Any, leave_out: Any = ()) -> int:
     """Bytes of the distinct arrays of ``tree`` (each array counted once), those of ``leave_out`` not."""
     skip = {id(a) for a in jax.tree_util.tree_leaves(leave_out)}
@@ -171,12 +191,13 @@ class Lab:
 
     def error(self, grads: list) -> float:
         """Largest ``|grads - jax.grad| / max |jax.grad|`` over the parameters (inf: a stage missing)."""
-        if any(g is None for g in grads):
-            return float("inf")
-        mine = [a for g in grads for wb in g for a in wb]
-        ref = [a for wb in self.reference for a in wb]
-        return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
-                   for a, b in zip(mine, ref))
+        return self.report(grads)["grad_error"]
+
+    def report(self, grads: list) -> dict:
+        """:func:`gradient_report` of each stage's gradient sums (``grads``, None where missing) against
+        ``jax.grad``'s."""
+        per = len(self.reference) // self.S
+        return gradient_report(grads, [self.reference[per * s: per * (s + 1)] for s in range(self.S)])
 
     def run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline]:
         """``rank_loop(rank, actions, inboxes, events, t0)`` on one thread per rank: each stage's gradient
@@ -229,12 +250,13 @@ class Lab:
 
     def try_pipeline(self, rank_loop: Callable) -> dict:
         """Exercise 8.3's result: the learner's loop on :data:`PIPELINE_RUNS`, the stages placed as each
-        schedule says (put back after): ``{"error", "runs": {name: {"timeline", "grad_error"}}}``."""
+        schedule says (put back after): ``{"error", "runs": {name: {"timeline", and
+        :func:`gradient_report`'s "grad_error", "stage_errors", "scale"}}}``."""
         def one(name):
             schedule = build_schedule(name, dict(PIPELINE_RUNS)[name], self.m)
             self._place(list(schedule.placement))
             grads, timeline = self.run(schedule, rank_loop)
-            return {"timeline": timeline, "grad_error": self.error(grads)}
+            return {"timeline": timeline, **self.report(grads)}
 
         try:
             return try_runs(one, [name for name, _ in PIPELINE_RUNS])

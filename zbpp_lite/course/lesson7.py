@@ -11,26 +11,46 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _as_number, _called, _function_missing, _number_check, _unanswered
+from .checks import Verdict, _as_number, _called, _function_missing, _unanswered
 
 
-SLOW_LAST_STAGE = Costs(f=[1, 1, 1, 2], b=[1, 1, 1, 2], w=[1, 1, 1, 2])
-"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with the last stage twice as slow as the others (the lesson
-plants the slow stage at the front)."""
+SLOW_MIDDLE_STAGE = Costs(f=[1, 1, 2, 1], b=[1, 1, 2, 1], w=[1, 1, 2, 1])
+"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 2 twice as slow as the others (the lesson
+plants and draws the slow stage at the front; no figure or output of it shows this case)."""
 
 
 def idlest_rank(answer: Any) -> Verdict:
-    """Exercise 7.1: the rank idling longest inside its span in ZB-H1, p = 4, m = 8, :data:`SLOW_LAST_STAGE`;
-    predicted. The lesson's case slows stage 0, where rank 1, next to it, idles longest: that pattern
-    copied here (rank 2) gets its own message, as does the slow rank itself."""
-    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_LAST_STAGE)
-    expected = max(range(4), key=lambda r: t.bubble_time[r])
-    hint = ("the slow rank sets the pace and never waits; the others all do the same work, T_F+T_B+T_W = 3 "
-            "per microbatch, so the one with the longest span idles most: when does each start and end?")
-    known = {2.0: ("rank 2 sits next to the slow stage, but nearness is not the point: ranks 0 to 2 all end "
-                   "waiting for the slow stage's backwards, so which of them started first?", hint),
-             3.0: ("rank 3 holds the slow stage: it sets the pace and never idles inside its span.", hint)}
-    return _number_check("7.1", answer, expected, "the rank with the most idle time", hint, known=known)
+    """Exercise 7.1 (predicted): the pair (the rank idling longest inside its span, the fast rank idling
+    least) in ZB-H1, p = 4, m = 8, :data:`SLOW_MIDDLE_STAGE`: (0, 3), idle times 23, 22, 0 and 16. The
+    slow rank, the lesson's "next to the slow stage" and "farthest from it" patterns get their own hints."""
+    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_MIDDLE_STAGE)
+    slow = 2
+    fast = [r for r in range(4) if r != slow]
+    want = (max(fast, key=lambda r: t.bubble_time[r]), min(fast, key=lambda r: t.bubble_time[r]))
+    hint = ("every fast rank does the same work, 3 per microbatch, so its idle time is its span less that "
+            "work: which rank starts first, and which ends first?")
+    if _unanswered(answer):
+        return Verdict("7.1", False, "no answer yet: write the pair (idles longest, fast rank idling least).",
+                       hint)
+    try:
+        most, least = (_as_number(v) for v in answer)
+    except (TypeError, ValueError):
+        most = least = None
+    if most is None or least is None or isinstance(answer, (str, bytes)):
+        return Verdict("7.1", False, f"expected a pair of ranks such as (1, 0), got {answer!r}.", hint)
+    if (most, least) == want:
+        return Verdict("7.1", True, f"rank {want[0]} idles longest and rank {want[1]} least of the fast "
+                       f"ranks: idle times {tuple(float(b) for b in t.bubble_time)}.")
+    if slow in (most, least):
+        return Verdict("7.1", False, "rank 2 holds the slow stage: it sets the pace and never idles inside "
+                       "its span, and it is not one of the fast ranks.", hint)
+    if most != want[0]:
+        why = {1: "ranks 0 and 1 both wait to the end for the slow stage's backwards: which starts first?",
+               3: "rank 3 starts last, behind the slow stage, and its last backward leaves before the slow "
+                  "stage's: its span is the shortest."}.get(int(most), "")
+        return Verdict("7.1", False, f"rank {most:g} does not idle longest. {why}".strip(), hint)
+    return Verdict("7.1", False, f"rank {least:g} is not the fast rank idling least: the ranks in front of "
+                   "the slow stage wait until its last backwards come back.", hint)
 
 
 LAYER_COSTS = (1.0, 2.0, 2.0, 5.0, 4.0, 2.0, 1.0, 4.0)
@@ -120,11 +140,11 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 """Lesson 7's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {
-    "7.1": lambda: timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_LAST_STAGE),
-                                   "ZB-H1, the last stage twice as slow")}
+    "7.1": lambda: timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_MIDDLE_STAGE),
+                                   "ZB-H1, stage 2 twice as slow")}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "SLOW_LAST_STAGE", "idlest_rank", "LAYER_COSTS", "SPLIT_CASES", "balanced_partition", "best_split",
+    "SLOW_MIDDLE_STAGE", "idlest_rank", "LAYER_COSTS", "SPLIT_CASES", "balanced_partition", "best_split",
     "EXERCISES", "REVEALS"
 ]

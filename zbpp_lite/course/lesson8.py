@@ -147,19 +147,55 @@ def weight_bytes(answer: Any) -> Verdict:
     return Verdict("8.2", False, f"({whole:g}, {new:g}) is not (M_W, created by B).", hint)
 
 
-PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-v", 2))
-"""Exercise 8.3's runs (schedule, ranks) on :data:`BUILD_CASE`'s 4 stages: ZB-V's V placement (0, 1, 1, 0)
-catches a loop that sends to rank +- 1 instead of the rank ``placement`` names."""
+PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-h2", 4), ("zb-v", 2))
+"""Exercise 8.3's runs (schedule, ranks) on :data:`BUILD_CASE`'s 4 stages: 1F1B's fused BW, ZB-H2's longer
+W lag, ZB-V's V placement (0, 1, 1, 0), which catches a loop that sends to rank +- 1 instead of the rank
+``placement`` names; lesson 8 draws only ZB-H1."""
+
+
+def gradient_problem(key: str, name: str, run: dict, microbatches: int) -> Verdict | None:
+    """The verdict on a pipeline run whose gradients are not ``jax.grad``'s within :data:`BUILD_TOLERANCE`,
+    naming the likely mistake from ``run``'s :func:`zbpp_lite.course.bench.gradient_report` fields
+    (``grad_error``, ``stage_errors``, ``scale``); None when they are (exercises 8.3 and 9.3)."""
+    error = float(run.get("grad_error", float("inf")))
+    if error <= BUILD_TOLERANCE:
+        return None
+    errors = list(run.get("stage_errors") or [])
+    scale, m = float(run.get("scale", float("nan"))), microbatches
+    say = lambda what, hint: Verdict(key, False, f"{name}: {what}", hint)  # noqa: E731
+    missing = [s for s, e in enumerate(errors) if e == float("inf")]
+    if missing:
+        return say(f"no gradients (or the wrong shapes) for stage(s) {missing}.",
+                   "every stage's W gradients, summed over the microbatches, must come back.")
+    if abs(scale - m) <= 1e-3 * m:
+        return say(f"every gradient is {m} times jax.grad's.",
+                   "the loss is the mean of the m microbatch losses: where does the last stage's "
+                   "backward start?")
+    if abs(scale * m - 1) <= 1e-3:
+        return say(f"every gradient is 1/{m} of jax.grad's.", "the 1/m of the mean is taken twice.")
+    right = [s for s, e in enumerate(errors) if e <= BUILD_TOLERANCE]
+    if right and right == list(range(min(right), len(errors))) and min(right) > 0:
+        k = min(right)
+        return say(f"stages {k} to {len(errors) - 1} are right, stage {k - 1} is not.",
+                   f"what stage {k} sends back to stage {k - 1} (the input gradient), or where it is taken "
+                   "or stored, is not that microbatch's.")
+    return say(f"the gradients differ from jax.grad's (relative difference {error:.1e}).",
+               "each F, B and W must read its own (stage, microbatch)'s values, still intact when it runs "
+               "(not another microbatch's, not overwritten), and each stage add up all m W's.")
 
 
 def pipeline_run(result: Any) -> Verdict:
     """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
     :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
-    "grad_error": float}}}``. Right when every rank ran its actions in order, one event each, each after
-    its inputs ended, and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`."""
-    hint = ("walk `actions` in order; F takes its input from the inbox (stage 0: the data), B its "
-            "output gradient (last stage: 1/m); block_until_ready, record the Event, then device_put "
-            "the result into the inbox of the rank `placement` names for the next (or previous) stage.")
+    "grad_error", "stage_errors", "scale"}}}``. Right when every rank ran its actions in order, one event
+    each, each after its inputs ended, and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`
+    (:func:`gradient_problem` names a wrong gradient's likely cause)."""
+    hint = ("follow one microbatch through the figure: what must each of F, B, W and BW have before it "
+            "starts, which rank holds the stage that needs its result, and when is that result ready?")
+    if isinstance(result, dict) and result.get("error"):   # a wait that never ends, a send to no rank
+        return Verdict("8.3", False, f"running it raised {result['error']}", "a wait in vain or a rank out "
+                       "of range: a value goes to the inbox of the rank `placement` names for the stage that "
+                       "needs it, under the key of its action; a JAX error: see what F or B got.")
     problem = _run_problem("8.3", result, "runs", "try_pipeline(rank_loop)", "rank_loop", "running it", hint)
     if problem is not None:
         return problem
@@ -172,16 +208,15 @@ def pipeline_run(result: Any) -> Verdict:
         why = _order_problem(build_schedule(name, ranks, c["microbatches"]), run["timeline"])
         if why:
             return Verdict("8.3", False, f"{name}: {why}", hint)
+        problem = gradient_problem("8.3", name, run, c["microbatches"])
+        if problem is not None:
+            return problem
         error = float(run["grad_error"])
-        if not error <= BUILD_TOLERANCE:
-            return Verdict("8.3", False,
-                           f"{name}: the gradients differ from jax.grad's (relative difference {error:.1e}).",
-                           "each W must use the layer inputs and output gradients of its own "
-                           "(stage, microbatch), and each stage add up its W's over all m microbatches.")
         worst = max(worst, error)
+    names = ", ".join(name for name, _ in PIPELINE_RUNS)
     return Verdict("8.3", True,
-                   "1F1B, ZB-H1 and ZB-V ran in their schedules' order on every rank, each action after its "
-                   f"inputs; the gradients equal jax.grad's (largest relative difference {worst:.1e}).")
+                   f"{names} ran in their schedules' order on every rank, each action after its inputs; the "
+                   f"gradients equal jax.grad's (largest relative difference {worst:.1e}).")
 
 
 def _order_problem(schedule: Schedule, timeline: Any) -> str:
@@ -236,9 +271,8 @@ def optimizer_step(result: Any) -> Verdict:
     Right when every stage's new parameters equal SGD on the whole model with the gradient clipped to the
     global norm :data:`STEP` ``["max_norm"]``, within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 3:
     the global norm needs every rank's gradient)."""
-    hint = ("each rank sums the squares of its own stages' gradients; all_sum adds those over the ranks; the "
-            "global norm is the square root; every rank scales by one common factor (what must it be when "
-            "the norm is already under max_norm?) and steps only its own stages.")
+    hint = ("clipping bounds the length of the whole model's gradient, which no rank holds alone: what "
+            "must each rank contribute to it, and when must clipping leave a gradient as it is?")
     problem = _run_problem("8.4", result, "runs", "lab.try_step(optimizer_step)", "optimizer_step",
                            "your step", hint)
     if problem is not None:
@@ -262,13 +296,14 @@ def optimizer_step(result: Any) -> Verdict:
             continue
         if near(got, run["per_stage"]):
             return Verdict("8.4", False, f"{name}: each stage was clipped by its own norm.",
-                           "clipping uses the norm of the whole model's gradient: all_sum the squares first.")
+                           "the norm that clipping bounds is the whole model's, not a stage's: what do the "
+                           "other ranks hold of it?")
         if near(got, run["unclipped"]):
             return Verdict("8.4", False, f"{name}: the step was not clipped.", hint)
         if near(got, run["scaled"]):
             return Verdict("8.4", False, f"{name}: the gradient's norm was already under max_norm, yet "
-                           "your step scaled it.", "a norm within max_norm is left as it is: the factor is "
-                           "at most 1.")
+                           "your step scaled it.", "clipping is a limit, not a target: what should it do to "
+                           "a gradient already within it?")
         return Verdict("8.4", False, f"{name}: the new parameters differ from clipped SGD of the whole "
                        "model.", hint)
     return Verdict("8.4", True, "with one stage per rank and with two stages per rank, every stage took "
@@ -286,5 +321,6 @@ REVEALS: dict[str, Callable[[], Any]] = {}  # 8.2's reveal measures the learner'
 
 __all__ = [
     "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "WIDE_STAGE", "weight_bytes", "PIPELINE_RUNS",
+    "gradient_problem",
     "pipeline_run", "STEP", "STEP_TOLERANCE", "STEP_RUNS", "optimizer_step", "EXERCISES", "REVEALS"
 ]

@@ -17,7 +17,7 @@ from ..schedules.costs import Costs
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
 from .checks import Verdict, _called, _function_missing, _number_check, _unanswered
-from .lesson8 import BUILD_TOLERANCE
+from .lesson8 import BUILD_CASE, gradient_problem
 
 KIND_CODE = {"F": 1, "B": 2, "W": 3, "BW": 4}
 """Lesson 9's branch index of each action kind in the tick's ``lax.switch`` (0: idle)."""
@@ -26,8 +26,9 @@ TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4),
 """Exercise 9.1's schedules (name, ranks, microbatches): ZB-V's V placement puts stages 1 and 2 on one
 rank, so an activation can stay on its rank and still wait a tick."""
 
-SPMD_RUNS = ("zb-h1", "1f1b")
-"""Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`."""
+SPMD_RUNS = ("zb-h1", "1f1b", "zb-h2")
+"""Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: ZB-H2, which lesson 9
+does not show, keeps more microbatches in flight, so values wait longer in their buffers."""
 
 SLOW_W = Costs(f=1.0, b=1.0, w=2.0)
 """Exercise 9.2's costs: T_F = T_B = 1, T_W = 2, T_comm = 0 (not lesson 9's figure's)."""
@@ -101,21 +102,24 @@ def reveal_slow_w() -> Any:
 
 
 def spmd_pipeline(result: Any) -> Verdict:
-    """Exercise 9.3: the learner's ``rank_program`` run by lesson 9's ``try_spmd``; ``result`` is
-    ``{"error": None or text, "runs": {name: {"grad_error": float, "ran": (ranks, ticks) ints}}}`` for
+    """Exercise 9.3: the learner's ``make_tick`` run by lesson 9's ``try_spmd``; ``result`` is
+    ``{"error": None or text, "runs": {name: {"grad_error", "stage_errors", "scale" (as
+    :func:`zbpp_lite.course.bench.gradient_report` gives them), "ran": (ranks, ticks) ints}}}`` for
     :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
     every rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
     ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
-    hint = ("in each tick: lax.switch on this rank's kind runs idle, F, B, W or BW and returns the state and "
-            "what goes down (an activation) and up (an input gradient) with its microbatch + 1 as a tag; "
-            "then one ppermute down and one up, and the receiver stores a value whose tag is > 0.")
+    hint = ("each tick every rank runs the branch its table names, and every rank joins both ppermutes, idle "
+            "or not: what must each branch return for that, and how does a receiver know which microbatch "
+            "(if any) arrived?")
     if _unanswered(result):
-        return Verdict("9.3", False, "no answer yet: write rank_program.", hint)
+        return Verdict("9.3", False, "no answer yet: write make_tick.", hint)
     if not isinstance(result, dict) or "runs" not in result:
-        return Verdict("9.3", False, "expected try_spmd(rank_program)'s result, got "
+        return Verdict("9.3", False, "expected try_spmd(make_tick)'s result, got "
                        f"{type(result).__name__}.", hint)
     if result.get("error"):
-        return Verdict("9.3", False, f"running it raised {result['error']}", hint)
+        return Verdict("9.3", False, f"running it raised {result['error']}", "every branch of a lax.switch "
+                       "returns the same structure, shapes, dtypes and varying types (spmd.to_varying), "
+                       "idle included; a scan's carry keeps its own.")
     worst = 0.0
     for name in SPMD_RUNS:
         run = result["runs"].get(name)
@@ -128,17 +132,20 @@ def spmd_pipeline(result: Any) -> Verdict:
                 want[r, t] = 0 if i is None else KIND_CODE[schedule.actions[r][i].kind]
         ran = np.asarray(run["ran"])
         if ran.shape != want.shape or (ran != want).any():
-            where = np.argwhere(ran != want)[0] if ran.shape == want.shape else None
-            bad = "its shape" if where is None else f"rank {where[0]}, tick {where[1]}"
-            return Verdict("9.3", False, f"{name}: the branches your program ran differ from the lockstep "
-                           f"form at {bad}.", "return the kind code of the branch that ran (0 idle, 1 F, "
-                           "2 B, 3 W, 4 BW) from each branch, and scan over the table's ticks in order.")
-        if not float(run["grad_error"]) <= BUILD_TOLERANCE:
-            return Verdict("9.3", False, f"{name}: the gradients differ from jax.grad's (relative difference "
-                           f"{float(run['grad_error']):.1e}).", hint)
+            if ran.shape != want.shape:
+                bad = f"ran has shape {ran.shape}, the table {want.shape} (ranks, ticks)"
+            else:
+                r, t = np.argwhere(ran != want)[0]
+                bad = f"rank {r} ran branch {ran[r, t]} in tick {t}, the table says {want[r, t]}"
+            return Verdict("9.3", False, f"{name}: {bad}.", "scan over the rank's (kind, microbatch) columns "
+                           "in order; each branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
+        problem = gradient_problem("9.3", name, run, BUILD_CASE["microbatches"])
+        if problem is not None:
+            return problem
         worst = max(worst, float(run["grad_error"]))
-    return Verdict("9.3", True, "ZB-H1 and 1F1B ran as one SPMD program, tick for tick as the simulator's "
-                   f"lockstep form, with jax.grad's gradients (largest relative difference {worst:.1e}).")
+    return Verdict("9.3", True, f"{', '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
+                   "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
+                   f"{worst:.1e}).")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_slow_w,
