@@ -11,7 +11,8 @@ from .checks import Verdict, _function_check, _number_check
 
 
 MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
-"""The two-layer MLP of notebook 02: 16 tokens, x (16, 32) @ weight1 (32, 64), then (16, 64) @ weight2 (64, 32)."""
+"""The two-layer MLP of notebook 02: 16 tokens, x (16, 32) @ weight1 (32, 64), then (16, 64) @ weight2
+(64, 32)."""
 
 
 FIRST_STAGE_WIDTHS = (32, 64, 16, 8)
