@@ -161,7 +161,19 @@ def test_a_wrong_answer_fails_with_a_hint(key):
 @pytest.mark.parametrize("junk", [..., None, "many", [1, "x"]], ids=["ellipsis", "none", "word", "list"])
 def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
     verdict = ex.EXERCISES[key](junk)
-    assert not verdict.ok and verdict.hint
+    assert not verdict.ok
+    if junk is ... or junk is None:   # no answer yet: no hint either, so a prediction comes first
+        assert not verdict.attempt and verdict.message.startswith("no answer yet") and not verdict.hint and "Hint" not in str(verdict)
+    else:
+        assert verdict.hint
+
+
+def test_a_function_check_names_the_failing_input_but_not_the_expected_value():
+    verdict = ex.batch_split(lambda p: 0.0)          # right at p = 1 only; the tie at p = 2 is 0.5625
+    assert not verdict and "at (2,)" in verdict.message and "too low" in verdict.message
+    assert "agrees at 1 of the 6 points" in verdict.message and "0.5625" not in str(verdict)
+    high = ex.peak_memory_1f1b(lambda p, m, r, f, bw: 100.0)
+    assert not high and "too high" in high.message and "agrees at 0 of" in high.message
 
 
 def test_the_schedule_check_passes_on_the_validators_message():
@@ -264,11 +276,14 @@ def test_a_function_answer_that_raises_is_not_yet_with_the_error():
 
 
 @pytest.mark.parametrize("key", ["1.1", "3.1", "4.2", "5.2", "6.2", "7.1", "9.2"])
-def test_reveal_shows_the_simulation_only_after_a_prediction(key, capsys):
+def test_reveal_shows_the_simulation_only_after_a_real_attempt(key, capsys):
     assert ex.reveal(key, ...) is None and "commit" in capsys.readouterr().out
-    fig = ex.reveal(key, 1)
-    assert fig.data and fig.layout.title.text
+    assert ex.reveal(key, 1e6) is None and "real attempt" in capsys.readouterr().out   # a throwaway number
+    for tried in CASES[key]:                        # the right answer, and a wrong one worked out
+        fig = ex.reveal(key, tried)
+        assert fig.data and fig.layout.title.text
     assert ex.reveal("2.3", 0.5, show=lambda: "shown") == "shown"
+    assert ex.reveal("2.3", 0, show=lambda: "shown") is None
 
 
 def _sends_from_placement(place, r):

@@ -459,7 +459,7 @@ def test_explorer_adds_and_drops_the_chunk_note_as_the_schedule_changes():
 # ---------------------------------------------------------------------------- schedules on one time axis
 
 
-def test_headline_figure_moves_each_cool_down_w_and_outlines_the_chain_of_bs():
+def test_headline_figure_moves_each_cool_down_w_and_outlines_the_critical_path():
     from zbpp_lite.analysis.profiling.timelines import critical_path
     from zbpp_lite.viz.figures import moved_w, schedules_figure
 
@@ -472,9 +472,9 @@ def test_headline_figure_moves_each_cool_down_w_and_outlines_the_chain_of_bs():
     assert all(old.action.kind == "BW" and old.rank == w.rank for old, w in moved)
     fig = schedules_figure([("1F1B", one), ("ZB-H1", h1), ("ZB-H2", h2)], moves=(0,), chain=True)
     assert len(fig.layout.annotations) == 4 + len(moved)          # 4 panel titles, one arrow a moved W
-    chains = [tr for tr in fig.data if tr.name.startswith("critical chain")]
+    chains = [tr for tr in fig.data if tr.name.startswith("critical path")]
     for tr, t in zip(chains, (one, h1, h2)):
-        assert sum(tr.x) == sum(e.duration for e in critical_path(t) if e.action.kind in ("B", "BW"))
+        assert sum(tr.x) == sum(e.duration for e in critical_path(t))
     memory = [tr for tr in fig.data if tr.name.startswith("memory: ")]
     assert [max(tr.y) for tr in memory] == [p, p, 2 * p - 1]       # rank 0: 1F1B's, ZB-H1's, ZB-H2's peak
     with pytest.raises(ValueError, match="one number of ranks"):

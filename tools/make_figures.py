@@ -72,14 +72,15 @@ def _sim(name: str, p: int, m: int, costs: zb.Costs | None = None, **options: An
 
 def headline():
     p, m = 4, 8
-    named = [(n, _sim(s, p, m)) for n, s in (("1F1B", "1f1b"), ("ZB-H1", "zb-h1"), ("ZB-H2", "zb-h2"))]
+    kept = zb.Costs(mem_w=0.0)                             # memory: what F keeps, freed by B (lesson 1)
+    named = [(n, _sim(s, p, m, kept)) for n, s in (("1F1B", "1f1b"), ("ZB-H1", "zb-h1"), ("ZB-H2", "zb-h2"))]
     return schedules_figure(
         named, moves=(0,), chain=True, memory_rank=0, time_unit=UNIT,
         title=_titled(f"1F1B, ZB-H1 and ZB-H2 at p = {p}, m = {m} on one time axis",
                       "green arrows: W's that ZB-H1 moves out of 1F1B's fused backward BW to the end, "
                       "where the rank would idle;",
-                      "outlined: the B's on the critical chain, the actions that each wait for the one "
-                      "before and set the end"))
+                      "outlined: the critical path, the actions that each wait for the one before and set "
+                      "the end; memory: what F keeps, in M_B"))
 
 
 def split():
@@ -91,17 +92,18 @@ def split():
         named, chain=True, memory_rank=None, time_unit=UNIT,
         title=_titled(f"Splitting the backward, p = {p}, m = {m}",
                       "the previous rank waits for B only, not for B and W:",
-                      "W leaves the chain of B's (outlined) that sets the end"))
+                      "W leaves the chain that crosses the ranks (the critical path, outlined)"))
 
 
 def zb_h2():
     p, m = 4, 8
-    named = [("ZB-H1", _sim("zb-h1", p, m)), ("ZB-H2", _sim("zb-h2", p, m))]
+    kept = zb.Costs(mem_w=0.0)                             # memory: what F keeps (exercise 3.2 adds M_W)
+    named = [("ZB-H1", _sim("zb-h1", p, m, kept)), ("ZB-H2", _sim("zb-h2", p, m, kept))]
     return schedules_figure(
         named, chain=True, memory_rank=0, time_unit=UNIT,
         title=_titled(f"ZB-H1 and ZB-H2 at p = {p}, m = {m}",
                       "ZB-H2 runs more F's before its first B, filling the start with F's and the end "
-                      "with W's:", "no idle time, for more memory"))
+                      "with W's:", "no idle time, for more memory (what F keeps, in M_B)"))
 
 
 def _plan_auto(p: int, m: int, limit: float) -> Timeline:

@@ -356,7 +356,7 @@ step. Gradient error: the first step against the unpartitioned model. All times 
 {learned}
 {memory}
 <h2>Timelines, planned above measured</h2>
-<p>Colours: F forward, B input gradient, W weight gradient, BW fused backward, grey hatched idle (bubble).</p>
+<p>Colours: F forward, B input gradient, W weight gradient, BW fused backward, grey hatched idle.</p>
 {chr(10).join(parts[1:])}
 </body></html>
 """

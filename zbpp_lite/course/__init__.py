@@ -39,14 +39,21 @@ REVEALS: dict[str, Callable[[], Any]] = {k: f for mod in _LESSONS for k, f in mo
 
 
 def reveal(key: str, answer: Any, show: Callable[[], Any] | None = None) -> Any:
-    """A predict-first exercise's simulation (a figure, or what ``show()`` returns) once ``answer`` holds a
-    prediction; before that, a line asking for one (and None).
+    """A predict-first exercise's simulation (a figure, or what ``show()`` returns) once ``answer`` is a real
+    attempt: right, or a well-formed try by the exercise's own check (:attr:`checks.Verdict.attempt`: a
+    number near the answer or a wrong answer the check recognises, not a throwaway number); before that, a
+    line asking for one (and None).
 
     Raises:
         KeyError: ``key`` has no simulation of its own and ``show`` is not given.
     """
     if _unanswered(answer):
         print(f"Exercise {key}: commit to your prediction above first; then this cell shows the simulation.")
+        return None
+    verdict = EXERCISES[key](answer) if key in EXERCISES else None
+    if verdict is not None and not (verdict.ok or verdict.attempt):
+        print(f"Exercise {key}: {answer!r} is not yet a real attempt; work the prediction out above first, "
+              "then this cell shows the simulation.")
         return None
     if show is not None:
         return show()

@@ -31,17 +31,32 @@ import plotly.graph_objects as go
 class Verdict:
     """What a check says about one answer.
 
+    Three rules keep a check from doing the learner's thinking: a verdict for no answer yet (its message
+    starts "no answer yet") carries no hint, so a predict-first exercise shows nothing before the prediction;
+    a function check names the failing input and what is wrong there (too high, too low, how many points
+    agree), never the expected value; and :func:`zbpp_lite.course.reveal` draws the simulation only after a
+    real attempt (``attempt``).
+
     Attributes:
         exercise: the exercise's id, e.g. ``"1.1"`` (lesson 1, exercise 1).
         ok: True when the answer is right.
         message: why it is right, or what is wrong.
-        hint: a nudge towards the answer (empty when right).
+        hint: a nudge towards the idea (empty when right, and when no answer is given yet).
+        attempt: whether the answer is a real attempt, right or a well-formed try (a number near the answer,
+            or a wrong answer the check recognises), which unlocks the reveal; False for no answer and for a
+            throwaway number. Checks that do not judge it leave it True.
     """
 
     exercise: str
     ok: bool
     message: str
     hint: str = ""
+    attempt: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.ok and self.message.startswith("no answer yet"):
+            object.__setattr__(self, "hint", "")
+            object.__setattr__(self, "attempt", False)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -78,12 +93,14 @@ def _as_number(answer: Any) -> float | None:
 def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: str,
                   tol: float = 1e-6, known: dict[float, tuple[str, str]] | None = None) -> Verdict:
     """``answer`` against ``expected`` within ``tol`` (relative above 1); ``known`` maps a wrong answer the
-    lesson's printed pattern gives to its own (message, hint)."""
+    lesson's printed pattern gives to its own (message, hint). A wrong number is a real attempt
+    (:attr:`Verdict.attempt`) when it is a known one or within half of ``expected`` (within 1 of a whole
+    ``expected``: a count or an index)."""
     if _unanswered(answer):
-        return Verdict(exercise, False, "no answer yet: replace ... with yours.", hint)
+        return Verdict(exercise, False, "no answer yet: replace ... with yours.")
     value = _as_number(answer)
     if value is None:
-        return Verdict(exercise, False, f"expected a number for {what}, got {answer!r}.", hint)
+        return Verdict(exercise, False, f"expected a number for {what}, got {answer!r}.", hint, attempt=False)
 
     def near(target: float) -> bool:
         return abs(value - target) <= tol * max(1.0, abs(target))
@@ -93,7 +110,8 @@ def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: 
     for wrong, (message, why) in (known or {}).items():
         if near(wrong):
             return Verdict(exercise, False, message, why)
-    return Verdict(exercise, False, f"{value:g} is not {what}.", hint)
+    slack = max(abs(expected) / 2, 1.0 if float(expected).is_integer() else 0.0)
+    return Verdict(exercise, False, f"{value:g} is not {what}.", hint, attempt=abs(value - expected) <= slack)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,7 +159,7 @@ def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the functi
     """The verdict for an answer that is not yet a function (still ``...``, or not callable), else None;
     ``name``: what the learner is to write, ``shape``: what was expected instead of the answer given."""
     if _unanswered(fn):
-        return Verdict(exercise, False, f"no answer yet: write {name}.", hint)
+        return Verdict(exercise, False, f"no answer yet: write {name}.")
     if not callable(fn):
         return Verdict(exercise, False, f"expected {shape}, got {fn!r}.", hint)
     return None
@@ -149,28 +167,36 @@ def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the functi
 
 def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float],
                     what: str, hint: str, tol: float = 1e-6) -> Verdict:
-    """Call the learner's function at every point (:func:`_alone`) and compare with ``expected(*point)``."""
+    """Call the learner's function at every point (:func:`_alone`) and compare with ``expected(*point)``; a
+    wrong answer is told the first point where it fails, whether it is too high or too low there and at how
+    many points it agrees, never the expected value (two tries would fit a linear answer)."""
     missing = _function_missing(exercise, fn, hint, shape=f"a function for {what}")
     if missing is not None:
         return missing
+    wrong, agree = None, 0
     for point in points:
         want = expected(*point)
         got, refused = _called(exercise, fn, point, hint)
         if refused is not None:
             return refused
-        value = _as_number(got) if not isinstance(got, bool) else None
         if isinstance(want, bool):
-            if not isinstance(got, (bool,)) and not (hasattr(got, "__bool__")
-                                                     and type(got).__name__ == "bool_"):
+            if not isinstance(got, bool) and type(got).__name__ != "bool_":
                 return Verdict(exercise, False, f"at {point} expected True or False, got {got!r}.", hint)
-            if bool(got) != want:
-                return Verdict(exercise, False,
-                               f"at {point} your function gives {bool(got)}, the simulator {want}.", hint)
+            if bool(got) == want:
+                agree += 1
+            elif wrong is None:
+                wrong = f"at {point} your function gives {bool(got)}, which is wrong there"
             continue
+        value = _as_number(got) if not isinstance(got, bool) else None
         if value is None:
             return Verdict(exercise, False, f"at {point} expected a number, got {got!r}.", hint)
-        if abs(value - want) > tol * max(1.0, abs(want)):
-            return Verdict(exercise, False, f"at {point} your function gives {value:g}, not {want:g}.", hint)
+        if abs(value - want) <= tol * max(1.0, abs(want)):
+            agree += 1
+        elif wrong is None:
+            wrong = f"at {point} your function gives {value:g}, too {'high' if value > want else 'low'}"
+    if wrong is not None:
+        agreed = f"(it agrees at {agree} of the {len(points)} points checked)"
+        return Verdict(exercise, False, f"{wrong} {agreed}.", hint)
     return Verdict(exercise, True, f"{what} agrees at all {len(points)} points checked.")
 
 

@@ -25,9 +25,9 @@ def makespan_1f1b(answer: Any) -> Verdict:
     expected = simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE).makespan
     return _number_check(
         "1.1", answer, expected, "1F1B's makespan with a slow stage 1",
-        "the slow rank 1 computes m(2+4) = 36 and sets the pace; add what it waits for: rank 0's first F "
-        "before it starts, rank 0's last BW after it ends, and, once, microbatch 0's gradient coming "
-        "back from rank 2.",
+        "which rank sets the pace? Start from its own work, then add the time it cannot overlap with it: "
+        "what must run before it can start, what runs after it ends, and any moment it waits for another "
+        "rank.",
     )
 
 

@@ -11,11 +11,12 @@ from .checks import Verdict, _function_check, _number_check
 
 
 MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
-"""The two-layer MLP of notebook 02: 16 tokens, x (16, 32) @ W1 (32, 64), then (16, 64) @ W2 (64, 32)."""
+"""The two-layer MLP of notebook 02: 16 tokens, x (16, 32) @ weight1 (32, 64), then (16, 64) @ weight2
+(64, 32)."""
 
 
 FIRST_STAGE_WIDTHS = (32, 64, 16, 8)
-"""Exercise 2.3's first stage: three layers ``z_l = a_l @ W_l`` of these widths (2.1's convention)."""
+"""Exercise 2.3's first stage: three layers ``z_l = a_l @ weight_l`` of these widths (2.1's convention)."""
 
 
 def _matmul(rows: int, inner: int, cols: int) -> int:
@@ -41,7 +42,7 @@ def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]
 
 
 def mw_over_mb(fn: Any) -> Verdict:
-    """Exercise 2.1: ``ratio(widths)``, M_W / M_B for ``len(widths) - 1`` layers ``z_l = a_l @ W_l``
+    """Exercise 2.1: ``ratio(widths)``, M_W / M_B for ``len(widths) - 1`` layers ``z_l = a_l @ weight_l``
     (``widths[l]``: layer l's input width, ``widths[-1]``: the output width) with GELU between layers
     (``a_{l+1} = gelu(z_l)``), none after the last. F keeps what B and W need (lesson 2's ``forward``: each
     layer's input a_l and each GELU's input z_l); B keeps every output gradient dz_l; M_W is what is held
@@ -73,13 +74,13 @@ def w_flops_without_kept_gradients(fn: Any) -> Verdict:
 
     def recompute(n, w):
         layers = len(w) - 1
-        back = [_matmul(n, w[k + 2], w[k + 1]) for k in range(1, layers - 1, 2)]  # dz_{l+1} @ W_{l+1}.T
+        back = [_matmul(n, w[k + 2], w[k + 1]) for k in range(1, layers - 1, 2)]  # dz_{l+1} @ weight_{l+1}.T
         return sum(_layer_products(n, w)) + sum(back)
 
     return _widths_check("2.2", fn, recompute, "w_flops_recompute(n, widths)",
-                         "an odd layer's output gradient costs one product dz_{l+1} @ W_{l+1}.T, "
-                         "(n, widths[l+2]) @ (widths[l+2], widths[l+1]), from the kept one after it; "
-                         "but the last layer's arrives from the next stage, whatever its parity.")
+                         "which output gradients does W now lack, and from which kept array is each "
+                         "cheapest to rebuild? Price each rebuild as B would, and ask for every layer "
+                         "where its output gradient comes from at the edge of the stage.")
 
 
 def first_stage_b_ratio(answer: Any) -> Verdict:
@@ -87,11 +88,11 @@ def first_stage_b_ratio(answer: Any) -> Verdict:
     :data:`FIRST_STAGE_WIDTHS` on :data:`MLP_TOKENS` tokens; predicted."""
     n, w = MLP_TOKENS, FIRST_STAGE_WIDTHS
     f = sum(_matmul(n, a, b) for a, b in itertools.pairwise(w))
-    b = sum(_matmul(n, b, a) for a, b in itertools.pairwise(w[1:]))  # dz_{l+1} @ W_{l+1}.T; no dx
+    b = sum(_matmul(n, b, a) for a, b in itertools.pairwise(w[1:]))  # dz_{l+1} @ weight_{l+1}.T; no dx
     return _number_check("2.3", answer, b / f, "B's matmul flops over F's on the first stage",
-                         "B must still make every layer's output gradient for W, each one product "
-                         "dz_{l+1} @ W_{l+1}.T; only dx = dz_0 @ W_0.T has no reader on the first stage. "
-                         "Which of F's products has no counterpart in B?")
+                         "ask who reads each of B's products: W, or the previous stage. On the first "
+                         "stage one of those readers is missing; which products served only it, and "
+                         "how large are they beside the others?")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {

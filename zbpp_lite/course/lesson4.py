@@ -80,9 +80,9 @@ def auto_warmup(fn: Any) -> Verdict:
     p = AUTO_CASE["num_ranks"]
     points = [(p, lim, r, c.f, c.b) for lim in plans for r in range(p)]
     return _function_check("4.3", fn, points, counted, "warmup(p, limit, r, f, b)",
-                           "each warm-up F holds one M_B, so the limit caps the count; but a rank stops "
-                           "starting forwards once its first B could have arrived: how long is that round "
-                           "trip from rank r, in forwards, when T_B differs from T_F?")
+                           "two things can end a warm-up: memory, and the arrival of the rank's first B. "
+                           "Which one binds on which rank, and what does the second depend on when T_B "
+                           "differs from T_F?")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {

@@ -436,18 +436,18 @@ def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go
 # ---------------------------------------------------------------------------- schedules on one time axis
 
 CHAIN_COLOR = "#111111"
-"""Outline of the B's (and BW's) on a timeline's critical chain."""
+"""Outline of the actions on a timeline's critical path."""
 
 PANEL_COLORS = ("#333333", "#C0392B", "#1F6FB2", "#7B4173")
 """Memory line of the first, second, ... panel of :func:`schedules_figure`."""
 
 
 def chain_trace(timeline: Timeline, comm: float = 0.0) -> dict[str, Any]:
-    """A bar trace outlining the B's and BW's on ``timeline``'s critical chain
+    """A bar trace outlining every action on ``timeline``'s critical path, F's, B's and W's alike
     (:func:`~zbpp_lite.analysis.profiling.timelines.critical_path`; times from the first start)."""
     t0 = start_time(timeline)
-    chain = [e for e in critical_path(timeline, comm) if e.action.kind in ("B", "BW")]
-    return {"type": "bar", "orientation": "h", "name": "critical chain of B's (sets the end)",
+    chain = critical_path(timeline, comm)
+    return {"type": "bar", "orientation": "h", "name": "critical path (sets the end)",
             "legendgroup": "chain", "base": [e.start - t0 for e in chain], "x": [e.duration for e in chain],
             "y": [e.rank for e in chain], "width": BAR_WIDTH, "hoverinfo": "skip",
             "marker": {"color": "rgba(0,0,0,0)", "line": {"color": CHAIN_COLOR, "width": 3}}}
@@ -511,7 +511,7 @@ def schedules_figure(named: Sequence[tuple[str, Timeline]], *, moves: Sequence[i
         named: (panel name, timeline) pairs, top to bottom; the same number of ranks.
         moves: panels ``k`` with arrows to panel ``k + 1`` for :func:`moved_w` (W's moved into the
             cool-down, where the rank would idle).
-        chain: outline the B's on each timeline's critical chain (:func:`chain_trace`).
+        chain: outline each timeline's critical path (:func:`chain_trace`).
         memory_rank: the rank whose memory is drawn (units of M_B, the timeline's memory limit dashed);
             None: no memory panel.
         time_unit: the x-axis unit (default :func:`time_unit_of`).

@@ -28,7 +28,7 @@ KIND_STYLE: dict[str, KindStyle] = {
     "B": KindStyle("B (input gradient)", "#F58518", "black"),
     "W": KindStyle("W (weight gradient)", "#54A24B", "white"),
     "BW": KindStyle("BW (fused backward)", "#B279A2", "white"),
-    "idle": KindStyle("idle (bubble)", "#D9D9D9", "black", "/"),
+    "idle": KindStyle("idle", "#D9D9D9", "black", "/"),
 }
 """Kind ("F", "B", "W", "BW", or "idle") -> :class:`KindStyle`. The only colour table."""
 
