@@ -37,7 +37,8 @@ def idlest_rank(answer: Any) -> Verdict:
     except (TypeError, ValueError):
         most = least = None
     if most is None or least is None or isinstance(answer, (str, bytes)):
-        return Verdict("7.1", False, f"expected a pair of ranks such as (1, 0), got {answer!r}.", hint)
+        return Verdict("7.1", False, f"expected a pair of ranks such as (1, 0), got {answer!r}.", hint,
+                       attempt=False)
     if (most, least) == want:
         return Verdict("7.1", True, f"rank {want[0]} idles longest and rank {want[1]} least of the fast "
                        f"ranks: idle times {tuple(float(b) for b in t.bubble_time)}.")
