@@ -14,6 +14,9 @@ output that depends on parameters and activations (a kernel, a LayerNorm scale, 
 4. In the flat programs (:class:`FlatStage`) B also computes the elementwise weight gradients (bias, scale)
    outside checkpoints; W is the products alone.
 
+What F keeps and what B hands W (:class:`SplitPlan`) is read once, when the split is made, from the jaxpr of
+F and its pullback; F, B, W and BW are pure functions of that plan, traced once each, in any order.
+
 Side effects run in F only. ``jax.checkpoint`` bodies are inlined and F evaluates them as a region under
 the same policy; W's operands inside are recomputed by B. A ``scan`` over a layer stack is split inside (W
 is one batched ``x^T dy`` per layer); other loops stay one weight operation whose W re-runs their vjp. The
