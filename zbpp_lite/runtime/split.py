@@ -27,6 +27,7 @@ is one batched ``x^T dy`` per layer); other loops stay one weight operation whos
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple, Sequence
@@ -719,12 +720,10 @@ class StageSplit:
             b_kept = tuple(env[r] for r in self._b_kept_refs)  # the operands of B's share of the gradients
             return (jax.tree_util.tree_unflatten(self._out_tree, y), tuple(ticks)), (kept, raw, b_kept)
 
-        if self.input_grad:
-            (y, _), pullback, (kept, raw, b_kept) = jax.vjp(run, tuple(x_leaves), zeros, sinks, has_aux=True)
-        else:
-            (y, _), pullback, (kept, raw, b_kept) = jax.vjp(
-                lambda probes, sinks: run(tuple(x_leaves), probes, sinks), zeros, sinks, has_aux=True
-            )
+        primals = (tuple(x_leaves), zeros, sinks)
+        if not self.input_grad:  # x is data: not differentiated
+            run, primals = functools.partial(run, primals[0]), primals[1:]
+        (y, _), pullback, (kept, raw, b_kept) = jax.vjp(run, *primals, has_aux=True)
         return y, pullback, kept, raw, b_kept, (*zeros, *sinks)
 
     def _pull(self, pullback, dy) -> tuple:
