@@ -586,7 +586,7 @@ def test_f_keeps_no_more_than_jax_vjp_where_the_stage_input_feeds_a_product(rema
     # JAX 0.10's residuals hold the operand W also reads (tanh's output; h under the checkpoint):
     # kept once, shared. JAX 0.12's differ (without the checkpoint nothing is shared); the bytes above
     # equal jax.vjp's on both
-    assert len(split._shared) == 1 if jax.__version_info__ < (0, 11) else len(split._shared) <= 1
+    assert len(split.plan.held) == 1 if jax.__version_info__ < (0, 11) else len(split.plan.held) <= 1
     g_ref, dx_ref = jax.grad(lambda p, h: fn(p, h, None).sum(), argnums=(0, 1))(p, h)
     y, res, kept = split.forward(p, h, None)
     dx, handover = split.backward_input(res, jnp.ones_like(y))
@@ -603,6 +603,44 @@ def test_f_keeps_no_more_than_jax_vjp_where_the_stage_input_feeds_a_product(rema
     )
     _, g_bw = split.flat.backward_fused(p_leaves, own, kept, jnp.ones_like(y), None)
     assert _max_rel(g_bw, tuple(jax.tree_util.tree_leaves(g_ref))) < 1e-5
+
+
+def _state(split: StageSplit) -> dict:
+    """Each attribute's identity, and a copy of every list, dict, set and tuple among them."""
+    return {k: (id(v), type(v)(v) if isinstance(v, (list, dict, set, tuple)) else None) for k, v in vars(split).items()}
+
+
+def test_b_and_w_trace_first_on_a_fresh_split_and_no_trace_sets_state():
+    """The plan is read when the split is made: a fresh split's B, W and BW (flat and pytree) trace before
+    its F, give jax.grad's gradients, and no call (the first trace of each) changes any attribute; an
+    operand B's residuals hold (h under the checkpoint) is handed over, a bias's gradient is B's share."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    p = {"a": 0.3 * jax.random.normal(keys[0], (8, 16)), "b": 0.3 * jax.random.normal(keys[1], (16, 8)),
+         "c": jax.random.normal(keys[2], (8,))}
+
+    def fn(p, h, aux):
+        return jax.checkpoint(_tanh_sin)(p, h, aux) + p["c"]
+
+    h = jax.random.normal(keys[3], (4, 8))
+    g_ref, dx_ref = jax.grad(lambda p, h: fn(p, h, None).sum(), argnums=(0, 1))(p, h)
+    p_leaves, other = tuple(jax.tree_util.tree_leaves(p)), StageSplit(fn, p, h)
+    y, own, kept = other.flat.forward(p_leaves, h, None)  # another split's F gives the values
+    _, res, kept_tree = other.forward(p, h, None)
+    split = StageSplit(fn, p, h)
+    assert len(split.plan.held) == 1 and len(split.plan.distinct) >= 1
+    before = _state(split)
+    dx, handover = split.backward_input(res, jnp.ones_like(y))
+    assert _max_rel(dx, dx_ref) < 1e-5
+    assert _max_rel(split.weight_gradient(p, kept_tree, handover), g_ref) < 1e-5
+    g_twice = jax.tree_util.tree_map(lambda g: 2 * g, g_ref)
+    assert _max_rel(split.backward_fused(p, res, kept_tree, jnp.ones_like(y), g_ref)[1], g_twice) < 1e-5
+    dx, handover = split.flat.backward_input(p_leaves, own, jnp.ones_like(y), None)
+    g = split.flat.backward_weight(p_leaves, kept, handover, None)
+    _, g_bw = split.flat.backward_fused(p_leaves, own, kept, jnp.ones_like(y), None)
+    assert _max_rel(dx, dx_ref) < 1e-5 and _max_rel(g, g_bw) < 1e-6
+    assert _max_rel(g, tuple(jax.tree_util.tree_leaves(g_ref))) < 1e-5
+    split.forward(p, h, None)
+    assert _state(split) == before
 
 
 def test_the_first_stage_computes_no_input_gradient_in_b_or_bw():

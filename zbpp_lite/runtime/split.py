@@ -14,6 +14,9 @@ output that depends on parameters and activations (a kernel, a LayerNorm scale, 
 4. In the flat programs (:class:`FlatStage`) B also computes the elementwise weight gradients (bias, scale)
    outside checkpoints; W is the products alone.
 
+What F keeps and what B hands W (:class:`SplitPlan`) is read once, when the split is made, from the jaxpr of
+F and its pullback; F, B, W and BW are pure functions of that plan, traced once each, in any order.
+
 Side effects run in F only. ``jax.checkpoint`` bodies are inlined and F evaluates them as a region under
 the same policy; W's operands inside are recomputed by B. A ``scan`` over a layer stack is split inside (W
 is one batched ``x^T dy`` per layer); other loops stay one weight operation whose W re-runs their vjp. The
@@ -24,8 +27,9 @@ is one batched ``x^T dy`` per layer); other loops stay one weight operation whos
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -56,6 +60,17 @@ class _Const:
     value: Any
 
 
+@dataclass(frozen=True)
+class Slot:
+    """A value of the stage's program that F or B hands on: the output ``ref`` of a node; with ``transpose``
+    ``(rows, k)``, a product's ``x`` as the (k, rows) matrix ``x^T``; with ``loop``, the value ``ref`` of the
+    body of the split ``scan`` at node ``loop``, stacked over its iterations."""
+
+    ref: int
+    transpose: tuple[int, int] | None = None
+    loop: int | None = None
+
+
 @dataclass
 class _Node:
     eqn: Any  # the jaxpr equation (primitive + params)
@@ -73,7 +88,7 @@ class _Node:
         return list(out) if prim.multiple_results else [out]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Region:
     """Nodes ``start .. end - 1`` of a program: the inlined body of one (outermost) checkpoint."""
 
@@ -84,7 +99,7 @@ class _Region:
     inputs: tuple[int, ...] = ()  # refs the region reads from outside
     outputs: tuple[int, ...] = ()  # refs it defines that are read outside (or are stage outputs)
     probes: tuple[int, ...] = ()  # probed refs it defines
-    recomputed: tuple = ()  # W's operands it defines that B recomputes: ("k", ref) or ("t", ref, shape)
+    recomputed: tuple[Slot, ...] = ()  # W's operands it defines that B recomputes
 
 
 @dataclass
@@ -168,15 +183,15 @@ def _matmul_shape(
     return math.prod(x.shape[: x.ndim - len(lc)]), k, math.prod(w.shape[len(rc) :])
 
 
-def _kept_slots(prog: _Program, weight_ops: list, skip: frozenset = frozenset()) -> tuple:
-    """W's operands of ``weight_ops`` (those at ``skip`` left out), each once: ``("k", ref)``, then
-    ``("t", ref, (rows, k))`` for a product's ``x`` kept as the (k, rows) matrix ``x^T``: W's ``x^T dy`` is
-    then a plain row-major product, where ``x`` contracted over its rows makes XLA's CPU backend transpose
-    ``dy`` or take a slower product (1.5-2x on this model's W)."""
+def _kept_slots(prog: _Program, weight_ops: list, skip: frozenset = frozenset()) -> tuple[Slot, ...]:
+    """W's operands of ``weight_ops`` (those at ``skip`` left out), each once: as they are, then a product's
+    ``x`` as the (k, rows) matrix ``x^T``: W's ``x^T dy`` is then a plain row-major product, where ``x``
+    contracted over its rows makes XLA's CPU backend transpose ``dy`` or take a slower product (1.5-2x on
+    this model's W)."""
     kept = [(op, prog.nodes[op.node].ins[k]) for j, op in enumerate(weight_ops) if j not in skip
             for k in op.kept_inputs]
-    return tuple(dict.fromkeys(("k", r) for op, r in kept if op.matmul is None)) + tuple(
-        dict.fromkeys(("t", r, op.matmul[:2]) for op, r in kept if op.matmul is not None)
+    return tuple(dict.fromkeys(Slot(r) for op, r in kept if op.matmul is None)) + tuple(
+        dict.fromkeys(Slot(r, op.matmul[:2]) for op, r in kept if op.matmul is not None)
     )
 
 
@@ -246,7 +261,7 @@ def _op_cotangent(node: _Node, op: _WeightOp, avals: dict, weights: tuple, dys: 
     return jax.vjp(outputs, *weights)[1](dys)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Loop:
     """A ``scan`` split inside: probes go in like ``xs``, W's operands come out stacked like ``ys``."""
 
@@ -254,10 +269,10 @@ class _Loop:
     num_consts: int
     num_carry: int
     scan: dict  # lax.scan's length, reverse, unroll
-    on_a: set
+    on_a: frozenset
     weight_ops: tuple
     probe_refs: tuple  # body refs
-    slots: tuple  # W's operands in the body: ("k", ref) or ("t", ref, (rows, k))
+    slots: tuple[Slot, ...]  # W's operands in the body
 
 
 def _unsupported(eqn, what: str) -> ValueError:
@@ -322,7 +337,7 @@ def _split_loop(prog: _Program, node: _Node, on_p: set, on_a: set) -> _Loop | No
     probes = tuple(r for op in weight_ops for r in op.probed)
     scan = {"length": _param(eqn, "length"), "reverse": _param(eqn, "reverse")}
     scan["unroll"] = eqn.params.get("unroll", 1)
-    return _Loop(body, nc, nk, scan, b_on_a, tuple(weight_ops), probes, slots)
+    return _Loop(body, nc, nk, scan, frozenset(b_on_a), tuple(weight_ops), probes, slots)
 
 
 class Handover(NamedTuple):
@@ -338,6 +353,61 @@ class Handover(NamedTuple):
     output_grads: tuple
     recomputed: tuple
     b_grads: tuple
+
+
+@dataclass(frozen=True)
+class _FromParams:
+    """A residual of F's pullback that is parameter leaf ``index`` itself: B takes it from its parameters
+    (a kernel for ``dx = dy W^T``), F does not copy it per microbatch."""
+
+    index: int
+
+
+@dataclass(frozen=True)
+class _Zeros:
+    """A residual that is one of F's zero probes or sinks (a checkpoint saves its inputs): B makes it anew."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+@dataclass(frozen=True)
+class _Own:
+    """A residual F outputs in ``own``; a typed PRNG key (``key_impl``) leaves as its data, B wraps it."""
+
+    key_impl: Any = None
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A W operand that F's own residual number ``own`` holds already (a checkpoint's input, tanh's output):
+    F keeps it once, B hands it to W (transposed for a product)."""
+
+    slot: Slot
+    own: int
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """What F keeps and what B hands W, read once from the jaxpr of F and its pullback (section 2).
+
+    Attributes:
+        res_tree: the structure of F's pullback (``jax.vjp``'s), whose leaves B gets back.
+        residuals: per leaf of the pullback, where B gets it: :class:`_FromParams`, :class:`_Zeros` or
+            :class:`_Own` (in ``own``, in this order).
+        kept: W's operands F keeps (the rest are recomputed by B or held by B's residuals).
+        held: W's operands B's residuals hold, handed to W after those recomputed.
+        grad_places: per probe, its output gradient's place among the flat handover's distinct ones (a
+            Linear's product and its bias addition share one); None: only B's share reads it.
+        distinct: per distinct output gradient, the first probe that has it.
+    """
+
+    res_tree: Any
+    residuals: tuple[_FromParams | _Zeros | _Own, ...]
+    kept: tuple[Slot, ...]
+    held: tuple[_Held, ...]
+    grad_places: tuple[int | None, ...]
+    distinct: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -385,10 +455,12 @@ class StageSplit:
 
     ``weight_gradient(params, kept, handover)`` is W without ``acc``; ``flat`` is a :class:`FlatStage`.
 
+    F, B, W and BW are pure functions of :attr:`plan` (a :class:`SplitPlan`, read from the jaxpr when the
+    split is made) and their arguments: each is traced once, in any order.
+
     Raises:
         ValueError: an output that does not depend on the stage input, or a non-float output; W
             given another stage's handover.
-        RuntimeError: B called before this stage's F was traced, or W before F and B.
     """
 
     def __init__(self, fn: Callable, params: Any, x: Any, aux: Any = None, *, input_grad: bool = True):
@@ -409,13 +481,7 @@ class StageSplit:
         self._x_refs = prog.inputs[n_p : n_p + n_x]
         self._aux_refs = prog.inputs[n_p + n_x :]
         self._mark()
-        self._res_tree = None  # structure of F's pullback, known once F is traced
-        # per residual (F's trace): the parameter leaf it is, a zero probe / sink (shape, dtype), or None
-        self._res_params = None
-        self._own_keys: tuple = ()  # per entry of F's own: the PRNG impl of a key sent as its data, or None
-        self._grads_index = None  # per weight-op output gradient: its place among B's outputs (B's trace)
-        self._f_kept = None  # W's operands F keeps (F's trace); _shared: those B's residuals hold, by place
-        self._shared: tuple = ()
+        self.plan = self._read_plan(flat)
         self.flat = FlatStage(
             forward=jax.jit(self._forward_flat, donate_argnums=3, keep_unused=True),
             backward_input=jax.jit(self._backward_input_flat, donate_argnums=3, keep_unused=True),
@@ -459,9 +525,10 @@ class StageSplit:
         # each top-level probe's weight operation
         self._probe_op = tuple(j for j, op in enumerate(weight_ops) for _ in op.probed)
         self._probe_refs = tuple(r for op in weight_ops for r in op.probed)
-        # a split loop's probes and W operands, stacked over its iterations: keys ("l", node, body ref)
-        self._probe_refs += tuple(("l", i, r) for i, loop in self._loops.items() for r in loop.probe_refs)
-        self._loop_slots = tuple(("l", i, slot) for i, loop in self._loops.items() for slot in loop.slots)
+        # a split loop's probes and W operands, stacked over its iterations
+        loops = self._loops.items()
+        self._probe_refs += tuple(Slot(r, loop=i) for i, loop in loops for r in loop.probe_refs)
+        self._loop_slots = tuple(replace(slot, loop=i) for i, loop in loops for slot in loop.slots)
         self._mark_regions(_kept_slots(prog, weight_ops, self._b_ops))
 
     def _mark_b_share(self, in_region: set) -> None:
@@ -495,6 +562,7 @@ class StageSplit:
         inside it."""
         prog = self._prog
         recomputed: list = []
+        regions: list = []
         for reg in prog.regions:
             inside = range(reg.start, reg.end)
             defined = {r for i in inside for r in prog.nodes[i].outs}
@@ -502,21 +570,20 @@ class StageSplit:
                 r for i, n in enumerate(prog.nodes) if i not in inside for r in n.ins if isinstance(r, int)
             }
             read_outside |= {r for r in prog.outputs if isinstance(r, int)}
-            reg.inputs = tuple(
+            inputs = tuple(
                 dict.fromkeys(
                     r for i in inside for r in prog.nodes[i].ins if isinstance(r, int) and r not in defined
                 )
             )
-            reg.outputs = tuple(r for i in inside for r in prog.nodes[i].outs if r in read_outside)
-            reg.probes = tuple(r for r in self._probe_refs if r in defined)
-            reg.recomputed = tuple(
-                slot
-                for slot in slots
-                if slot[1] in defined
-                and slot[1] not in reg.outputs
-                and jnp.issubdtype(prog.avals[slot[1]].dtype, jnp.inexact)
-            )
-            recomputed += reg.recomputed
+            outputs = tuple(r for i in inside for r in prog.nodes[i].outs if r in read_outside)
+            probes = tuple(r for r in self._probe_refs if r in defined)
+            regions.append(replace(
+                reg, inputs=inputs, outputs=outputs, probes=probes,
+                recomputed=tuple(slot for slot in slots if slot.ref in defined and slot.ref not in outputs
+                                 and jnp.issubdtype(prog.avals[slot.ref].dtype, jnp.inexact)),
+            ))
+            recomputed += regions[-1].recomputed
+        prog.regions = regions
         self._b_slots = tuple(recomputed)  # W's operands B recomputes, in region order
         self._f_slots = (
             tuple(slot for slot in slots if slot not in set(recomputed)) + self._loop_slots
@@ -524,21 +591,21 @@ class StageSplit:
         self._ticks = sum(1 for reg in prog.regions if reg.recomputed)
 
     @staticmethod
-    def _slot(env, slot):
-        """A W operand: ``x`` ("k"), a product's ``x^T`` ("t"), or a loop's stacked per iteration ("l")."""
-        if slot[0] == "l":
+    def _slot(env, slot: Slot):
+        """A W operand's value: ``x``, a product's ``x^T``, or a loop's stacked per iteration."""
+        if slot.loop is not None:
             return env[slot]
-        return env[slot[1]] if slot[0] == "k" else env[slot[1]].reshape(slot[2]).T
+        return env[slot.ref] if slot.transpose is None else env[slot.ref].reshape(slot.transpose).T
 
-    def _slot_aval(self, slot):
-        a = self._prog.avals[slot[1]]
-        return (a.shape if slot[0] == "k" else slot[2][::-1]), a.dtype
+    def _slot_aval(self, slot: Slot):
+        a = self._prog.avals[slot.ref]
+        return (a.shape if slot.transpose is None else slot.transpose[::-1]), a.dtype
 
     def _probe_aval(self, key):
         if isinstance(key, int):
             return self._prog.avals[key]
-        loop = self._loops[key[1]]
-        a = loop.body.avals[key[2]]
+        loop = self._loops[key.loop]
+        a = loop.body.avals[key.ref]
         return jax.ShapeDtypeStruct((loop.scan["length"], *a.shape), a.dtype)
 
     def _run_loop(self, i: int, env: dict, probes: dict) -> None:
@@ -547,7 +614,7 @@ class StageSplit:
         ins = [self._read(env, r) for r in node.ins]
         nc, nk = loop.num_consts, loop.num_carry
         consts, init, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
-        stacked = tuple(probes[("l", i, r)] for r in loop.probe_refs)
+        stacked = tuple(probes[Slot(r, loop=i)] for r in loop.probe_refs)
 
         def step(carry, scanned):
             xs_i, probes_i = scanned
@@ -559,7 +626,7 @@ class StageSplit:
 
         carry, (ys, kept) = jax.lax.scan(step, init, (xs, stacked), **loop.scan)
         env.update(zip(node.outs, [*carry, *ys]))
-        env.update(zip((("l", i, slot) for slot in loop.slots), kept))
+        env.update(zip((replace(slot, loop=i) for slot in loop.slots), kept))
 
     @property
     def weight_primitives(self) -> tuple[str, ...]:
@@ -628,14 +695,16 @@ class StageSplit:
     def _read(self, env, r):
         return r.value if isinstance(r, _Const) else env[r]
 
-    def _forward_flat(self, p_leaves, x, aux, spare=None):
+    def _f_vjp(self, p_leaves, x, aux) -> tuple:
+        """F's ``jax.vjp``: ``(y, pullback, kept, raw, b_kept, made)``: W's operands at ``_f_slots`` as F
+        keeps them (``x^T`` for a product) and as they are (None for a loop's), the operands of B's share,
+        and the zero probes and sinks F made (a checkpoint saves them among its inputs)."""
         x_leaves, aux_leaves = jax.tree_util.tree_leaves(x), jax.tree_util.tree_leaves(aux)
         # zeros_like keeps x's varying mesh axes inside shard_map (runtime.spmd); plain zeros elsewhere
         zeros = tuple(
             jnp.zeros_like(x_leaves[0], shape=a.shape, dtype=a.dtype)
             for a in map(self._probe_aval, self._probe_refs)
         )
-
         sinks = tuple(
             jnp.zeros_like(x_leaves[0], shape=shape, dtype=dtype)
             for shape, dtype in map(self._slot_aval, self._b_slots)
@@ -647,38 +716,74 @@ class StageSplit:
             )
             y = [self._read(env, r) for r in self._prog.outputs]
             kept = tuple(self._slot(env, slot) for slot in self._f_slots)  # not those inside a checkpoint
-            raw = tuple(None if slot[0] == "l" else env[slot[1]] for slot in self._f_slots)
+            raw = tuple(None if slot.loop is not None else env[slot.ref] for slot in self._f_slots)
             b_kept = tuple(env[r] for r in self._b_kept_refs)  # the operands of B's share of the gradients
             return (jax.tree_util.tree_unflatten(self._out_tree, y), tuple(ticks)), (kept, raw, b_kept)
 
-        if self.input_grad:
-            (y, _), pullback, (kept, raw, b_kept) = jax.vjp(run, tuple(x_leaves), zeros, sinks, has_aux=True)
-        else:
-            (y, _), pullback, (kept, raw, b_kept) = jax.vjp(
-                lambda probes, sinks: run(tuple(x_leaves), probes, sinks), zeros, sinks, has_aux=True
-            )
-        res, self._res_tree = jax.tree_util.tree_flatten(pullback)
-        # B needs some parameters as they are (a kernel for dx = dy W^T): those are not F's
-        # outputs (a copy of the kernels per microbatch) but B's inputs, passed through.
-        # A checkpoint saves its inputs, among them the zero probes and sinks: B makes new zeros.
-        zero_inputs = (*zeros, *sinks)
-        self._res_params = tuple(
-            next((i for i, p in enumerate(p_leaves) if r is p), None)
-            if not any(r is z for z in zero_inputs)
-            else (tuple(r.shape), r.dtype)
-            for r in res
+        primals = (tuple(x_leaves), zeros, sinks)
+        if not self.input_grad:  # x is data: not differentiated
+            run, primals = functools.partial(run, primals[0]), primals[1:]
+        (y, _), pullback, (kept, raw, b_kept) = jax.vjp(run, *primals, has_aux=True)
+        return y, pullback, kept, raw, b_kept, (*zeros, *sinks)
+
+    def _pull(self, pullback, dy) -> tuple:
+        """F's pullback at ``dy`` and 1 per tick: ``(dx leaves,)`` with ``input_grad``, then the probes'
+        gradients, then W's operands recomputed in checkpoints (the sinks' gradients)."""
+        one = jnp.ones_like(jax.tree_util.tree_leaves(dy)[0], shape=(), dtype=jnp.float32)
+        return pullback((dy, (one,) * self._ticks))
+
+    def _read_plan(self, flat: Sequence[Any]) -> SplitPlan:
+        """The :class:`SplitPlan`: F and B traced once together into a jaxpr (``flat``: the leaves of the
+        example ``(params, x, aux)``), whose variables say which residuals are parameters or F's zeros,
+        which W operands a residual holds, and which probes' output gradients are one."""
+        impls: list = []  # per residual: its PRNG impl where it is a typed key (read off the traced aval)
+
+        def f_then_b(*flat):
+            params, x, aux = jax.tree_util.tree_unflatten(self._in_tree, flat)
+            y, pullback, _, raw, _, made = self._f_vjp(tuple(jax.tree_util.tree_leaves(params)), x, aux)
+            res = jax.tree_util.tree_leaves(pullback)
+            impls.extend(jax.random.key_impl(r) if _is_key(r) else None for r in res)
+            probe_grads = self._pull(pullback, jax.tree_util.tree_map(jnp.zeros_like, y))[-2]
+            return pullback, [v for v in raw if v is not None], made, probe_grads
+
+        closed, shapes = jax.make_jaxpr(f_then_b, return_shape=True)(*flat)
+        outs = [object() if isinstance(v, Literal) else v for v in closed.jaxpr.outvars]  # a literal: unique
+        n_res, n_raw, n_made = len(impls), len(jax.tree_util.tree_leaves(shapes[1])), len(shapes[2])
+        res, raw = outs[:n_res], outs[n_res : n_res + n_raw]
+        made, probe_grads = set(outs[n_res + n_raw : n_res + n_raw + n_made]), outs[n_res + n_raw + n_made :]
+        param_of = {v: i for i, v in enumerate(closed.jaxpr.invars[: self._params_tree.num_leaves])}
+        residuals = tuple(
+            _Zeros(tuple(v.aval.shape), v.aval.dtype) if v in made
+            else _FromParams(param_of[v]) if v in param_of
+            else _Own(impl)
+            for v, impl in zip(res, impls, strict=True)
         )
-        own = tuple(r for r, i in zip(res, self._res_params) if i is None)
-        # a W operand B's residuals hold already (a checkpoint's input, tanh's output) is not kept
-        # twice: B hands it to W (transposed for a product), so F keeps no more than jax.vjp
-        shared = {k: next((j for j, r in enumerate(own) if r is v), None) for k, v in enumerate(raw)}
-        self._shared = tuple((self._f_slots[k], j) for k, j in shared.items() if j is not None)
-        self._f_kept = tuple(slot for k, slot in enumerate(self._f_slots) if shared[k] is None)
-        # a typed PRNG key among them (a checkpoint's input that B's recomputed dropout mask draws from)
-        # leaves F as its uint32 data, as any other array: B wraps it back
-        self._own_keys = tuple(jax.random.key_impl(r) if _is_key(r) else None for r in own)
-        own = tuple(r if impl is None else jax.random.key_data(r) for r, impl in zip(own, self._own_keys))
-        return y, own + b_kept, tuple(v for k, v in enumerate(kept) if shared[k] is None)
+        own_at: dict = {}  # each own residual's variable: its first place in own
+        for j, v in enumerate(v for v, src in zip(res, residuals) if isinstance(src, _Own)):
+            own_at.setdefault(v, j)
+        plain = iter(raw)  # the raw values of the F slots outside loops, in order
+        held = tuple(
+            _Held(slot, own_at[v]) for slot in self._f_slots if slot.loop is None
+            for v in [next(plain)] if v in own_at
+        )
+        held_slots = {h.slot for h in held}
+        owner = self._probe_op + (None,) * (len(probe_grads) - len(self._probe_op))
+        first: dict = {}
+        places = tuple(None if j in self._b_ops else first.setdefault(v, len(first))
+                       for v, j in zip(probe_grads, owner, strict=True))
+        distinct = tuple(places.index(i) for i in range(len(first)))
+        kept = tuple(slot for slot in self._f_slots if slot not in held_slots)
+        return SplitPlan(jax.tree_util.tree_structure(shapes[0]), residuals, kept, held, places, distinct)
+
+    def _forward_flat(self, p_leaves, x, aux, spare=None):
+        y, pullback, kept, _, b_kept, _ = self._f_vjp(p_leaves, x, aux)
+        plan, res = self.plan, jax.tree_util.tree_leaves(pullback)
+        # a typed PRNG key among the residuals (a checkpoint's input that B's recomputed dropout mask draws
+        # from) leaves F as its uint32 data, as any other array: B wraps it back
+        own = tuple(r if src.key_impl is None else jax.random.key_data(r)
+                    for r, src in zip(res, plan.residuals, strict=True) if isinstance(src, _Own))
+        keep = set(plan.kept)
+        return y, own + b_kept, tuple(v for v, slot in zip(kept, self._f_slots) if slot in keep)
 
     def _split_own(self, own) -> tuple[tuple, tuple]:
         """F's ``own`` as (B's residuals less the parameters, operands of B's share ``_b_kept_refs``)."""
@@ -688,29 +793,24 @@ class StageSplit:
     def _residuals(self, p_leaves, own, like=None):
         """B's residuals in pullback order: ``own`` with the parameters put back and zero probes made anew
         (``zeros_like(like)``: inside shard_map, of its axes)."""
-        if self._res_params is None:
-            raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
-        rest = iter(_wrap_keys(self._split_own(own)[0], self._own_keys))
-        return tuple(
-            next(rest)
-            if i is None
-            else p_leaves[i]
-            if isinstance(i, int)
-            else jnp.zeros(i[0], i[1])
-            if like is None
-            else jnp.zeros_like(like, shape=i[0], dtype=i[1])
-            for i in self._res_params
-        )
+        rest, out = iter(self._split_own(own)[0]), []
+        for src in self.plan.residuals:
+            if isinstance(src, _FromParams):
+                out.append(p_leaves[src.index])
+            elif isinstance(src, _Zeros):
+                out.append(jnp.zeros(src.shape, src.dtype) if like is None
+                           else jnp.zeros_like(like, shape=src.shape, dtype=src.dtype))
+            else:
+                v = next(rest)
+                out.append(v if src.key_impl is None else jax.random.wrap_key_data(v, impl=src.key_impl))
+        return tuple(out)
 
     def _backward_input(self, res, dy):
-        if self._res_tree is None:
-            raise RuntimeError("StageSplit: call forward before backward_input (B replays F's pullback)")
-        one = jnp.ones_like(jax.tree_util.tree_leaves(dy)[0], shape=(), dtype=jnp.float32)
-        grads = jax.tree_util.tree_unflatten(self._res_tree, list(res))((dy, (one,) * self._ticks))
+        grads = self._pull(jax.tree_util.tree_unflatten(self.plan.res_tree, list(res)), dy)
         # the probes' gradients, then W's operands recomputed inside checkpoints (the sinks'), then
         # those F left among B's residuals
-        own = [r for r, i in zip(res, self._res_params) if i is None]
-        handed = tuple(self._slot({slot[1]: own[j]}, slot) for slot, j in self._shared)
+        own = [r for r, src in zip(res, self.plan.residuals) if isinstance(src, _Own)]
+        handed = tuple(self._slot({h.slot.ref: own[h.own]}, h.slot) for h in self.plan.held)
         dx = jax.tree_util.tree_unflatten(self._x_tree, list(grads[0])) if self.input_grad else None
         grads_out, recomputed = grads[-2:]
         return dx, Handover(tuple(grads_out), tuple(recomputed) + handed, ())
@@ -786,22 +886,20 @@ class StageSplit:
         )
 
     def _weight_gradient_flat(self, p_leaves, kept, grads_out, recomputed, in_b=frozenset()):
-        """The parameter gradients, one per leaf. ``kept``: ``_f_kept`` (then ``_b_kept_refs`` when W does
-        all); ``grads_out``: each probe's gradient; ``recomputed``: ``_b_slots`` then ``_shared``'s;
+        """The parameter gradients, one per leaf. ``kept``: ``plan.kept`` (then ``_b_kept_refs`` when W does
+        all); ``grads_out``: each probe's gradient; ``recomputed``: ``_b_slots`` then ``plan.held``'s;
         ``in_b``: weight ops (indices) whose gradients B computed, left out."""
-        if self._f_kept is None:
-            raise RuntimeError("StageSplit: call forward before backward_weight (W reads what F keeps)")
-        n_f, handed = len(self._f_kept), self._b_slots + tuple(slot for slot, _ in self._shared)
+        n_f, handed = len(self.plan.kept), self._b_slots + tuple(h.slot for h in self.plan.held)
         if len(grads_out) != len(self._probe_refs) or len(recomputed) != len(handed):
             raise ValueError(
                 f"W got {len(grads_out)} output gradients and {len(recomputed)} operands from B; this stage"
                 f"'s B hands {len(self._probe_refs)} and {len(handed)}: pass W the Handover of this stage's B"
             )
-        operands = dict(zip(self._f_kept, kept[:n_f])) | dict(zip(handed, recomputed))
-        kept_env = {slot[1]: v for slot, v in operands.items() if slot[0] == "k"} | dict(
-            zip(self._b_kept_refs, kept[n_f:])
-        )
-        kept_t = {slot[1]: v for slot, v in operands.items() if slot[0] == "t"}
+        operands = dict(zip(self.plan.kept, kept[:n_f])) | dict(zip(handed, recomputed))
+        top = {slot: v for slot, v in operands.items() if slot.loop is None}
+        kept_env = {slot.ref: v for slot, v in top.items() if slot.transpose is None}
+        kept_env |= dict(zip(self._b_kept_refs, kept[n_f:]))
+        kept_t = {slot.ref: v for slot, v in top.items() if slot.transpose is not None}
         ops = [j for j in range(len(self.weight_ops)) if j not in in_b]
 
         def weight_operands(p_leaves):  # parameter-only and constant operations, never activations
@@ -833,12 +931,12 @@ class StageSplit:
             node, dys = loop.body.nodes[op.node], tuple(next(grads) for _ in op.probed)
             if op.matmul is not None:
                 rows, k, n = op.matmul
-                x_t = operands[("l", i, ("t", node.ins[0], (rows, k)))]
+                x_t = operands[Slot(node.ins[0], (rows, k), i)]
                 cts.append((jnp.matmul(x_t, dys[0].reshape(len(x_t), rows, n)).reshape(weights[0].shape),))
                 continue
             ins = list(enumerate(node.ins))
             stacked = {
-                k: operands[("l", i, ("k", r))] for k, r in ins if k in op.kept_inputs and isinstance(r, int)
+                k: operands[Slot(r, loop=i)] for k, r in ins if k in op.kept_inputs and isinstance(r, int)
             }
             stacked |= {
                 k: constants[r]
@@ -892,25 +990,16 @@ class StageSplit:
         dx, handover = self._backward_input(
             self._residuals(p_leaves, own, jax.tree_util.tree_leaves(dy)[0]), dy
         )
-        probes, recomputed, n = handover.output_grads, handover.recomputed, len(self._probe_refs)
+        probes = handover.output_grads
         small = self._small_grads(p_leaves, self._split_own(own)[1], probes) if self._b_ops else ()
         # W's output gradients, each distinct one once (a Linear's product and its bias addition
         # share one), none of those whose only use was B's share of the parameter gradients
-        owner = self._probe_op + (None,) * (n - len(self._probe_op))
-        first: dict[int, int] = {}
-        self._grads_index = tuple(
-            -1 if j in self._b_ops else first.setdefault(id(g), len(first)) for g, j in zip(probes, owner)
-        )
-        unique = {id(g): g for g, i in zip(probes, self._grads_index) if i >= 0}
-        return dx, Handover(tuple(unique.values()), tuple(recomputed), tuple(small))
+        distinct = tuple(probes[k] for k in self.plan.distinct)
+        return dx, Handover(distinct, tuple(handover.recomputed), tuple(small))
 
     def _backward_weight_flat(self, p_leaves, kept, handover: Handover, acc):
-        if self._grads_index is None:
-            raise RuntimeError(
-                "StageSplit: call backward_input before backward_weight (W reads B's output gradients)"
-            )
-        unique = handover.output_grads  # each distinct one once: back to one per probe
-        grads_out = tuple(None if i < 0 else unique[i] for i in self._grads_index)
+        distinct = handover.output_grads  # each distinct one once: back to one per probe
+        grads_out = tuple(None if i is None else distinct[i] for i in self.plan.grad_places)
         grads = list(self._weight_gradient_flat(p_leaves, kept, grads_out, handover.recomputed, self._b_ops))
         for i, g in zip(self._b_leaves, handover.b_grads, strict=True):  # B's share
             grads[i] = grads[i] + g
@@ -924,12 +1013,6 @@ class StageSplit:
 
 def _is_key(a: Any) -> bool:
     return jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
-
-
-def _wrap_keys(values: Sequence[Any], impls: Sequence[Any]) -> tuple:
-    """``values`` with each one whose ``impls`` entry is a PRNG impl made a typed key again."""
-    return tuple(v if impl is None else jax.random.wrap_key_data(v, impl=impl)
-                 for v, impl in zip(values, impls, strict=True))
 
 
 def compiled_flops(fn: Callable, *args: Any) -> float:
@@ -956,14 +1039,6 @@ def forward_kept_bytes(split: StageSplit, params: Any, x: Any, aux: Any = None) 
 def vjp_residual_bytes(fn: Callable, params: Any, x: Any, aux: Any = None) -> int:
     """Bytes ``jax.vjp`` of ``fn`` w.r.t. ``(params, x)`` keeps less the parameters: the reference for
     :func:`forward_kept_bytes`."""
-    sizes: list = []
-
-    def residuals(params, x):
-        _, pullback = jax.vjp(lambda p, v: fn(p, v, aux), params, x)
-        p_leaves = jax.tree_util.tree_leaves(params)
-        res = jax.tree_util.tree_leaves(pullback)
-        sizes.append(nbytes([r.aval for r in res if not any(r is q for q in p_leaves)]))
-        return 0
-
-    jax.eval_shape(residuals, params, x)
-    return sizes[0]
+    closed = jax.make_jaxpr(lambda p, v: jax.vjp(lambda p, v: fn(p, v, aux), p, v)[1])(params, x)
+    p_vars = set(closed.jaxpr.invars[: len(jax.tree_util.tree_leaves(params))])
+    return nbytes([v.aval for v in closed.jaxpr.outvars if isinstance(v, Literal) or v not in p_vars])
