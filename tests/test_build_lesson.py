@@ -174,7 +174,7 @@ def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
     F, B, W = lesson["F"], lesson["B"], lesson["W"]
 
     def W_transposed(kept):
-        return [(dW.T, db) for dW, db in W(kept)]
+        return [(dA.T, dc) for dA, dc in W(kept)]
 
     verdict = ex.stage_split(lesson["lab"].try_stage(F, B, W_transposed))
     assert not verdict and "transpose" in verdict.hint, str(verdict)

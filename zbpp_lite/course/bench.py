@@ -26,8 +26,8 @@ tmap = jax.tree_util.tree_map
 
 
 def mlp(case: dict = BUILD_CASE, seed: int = 0) -> tuple:
-    """``(params, X, Y)``: ``case["layers"]`` layers ``(W (width, width), b (width,))`` float32, and a global
-    batch ``X``, ``Y`` of ``microbatches * microbatch_size`` rows."""
+    """``(params, X, Y)``: ``case["layers"]`` layers ``(A (width, width), c (width,))`` (weight matrix, bias)
+    float32, and a global batch ``X``, ``Y`` of ``microbatches * microbatch_size`` rows."""
     L, d, n = case["layers"], case["width"], case["microbatches"] * case["microbatch_size"]
     keys = jax.random.split(jax.random.PRNGKey(seed), L + 2)
     params = [(jax.random.normal(k, (d, d)) / d**0.5, jnp.zeros(d)) for k in keys[:L]]
@@ -35,10 +35,10 @@ def mlp(case: dict = BUILD_CASE, seed: int = 0) -> tuple:
 
 
 def mlp_loss(params: list, X: jax.Array, Y: jax.Array) -> jax.Array:
-    """The whole model on the whole batch: ``tanh(h @ W + b)`` per layer, then the mean squared error."""
+    """The whole model on the whole batch: ``tanh(h @ A + c)`` per layer, then the mean squared error."""
     h = X
-    for W, b in params:
-        h = jnp.tanh(h @ W + b)
+    for A, c in params:
+        h = jnp.tanh(h @ A + c)
     return jnp.mean((h - Y) ** 2)
 
 
