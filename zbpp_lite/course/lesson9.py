@@ -145,8 +145,8 @@ def spmd_pipeline(result: Any) -> Verdict:
     :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
     every rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
     ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
-    hint = ("the lesson's tick keeps microbatch j in row j; with K rows, every read and write of a buffer, the "
-            "receiver's store included, needs the row microbatch j may use while it is in flight.")
+    hint = ("the lesson's tick keeps microbatch j in row j; with K rows, every read and write of a buffer, "
+            "the receiver's store included, needs the row microbatch j may use while it is in flight.")
     if _unanswered(result):
         return Verdict("9.3", False, "no answer yet: write make_tick.", hint)
     if not isinstance(result, dict) or "runs" not in result:
