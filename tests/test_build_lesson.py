@@ -7,7 +7,8 @@ Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed fr
 builds pass every check; each wrong one below, a mistake a learner makes, fails its check with a hint
 that names it: W reading another microbatch's output gradient, a loop that walks its own order instead
 of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B running the
-layers again, a step clipped stage by stage or not at all, an SPMD tick that stores what never arrived.
+layers again, a step clipped stage by stage or not at all; an SPMD tick that stores what never arrived or
+keeps microbatch j in row j of a buffer with fewer rows.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
     F, B, W = lesson["F"], lesson["B"], lesson["W"]
 
     def W_transposed(kept):
-        return [(dW.T, db) for dW, db in W(kept)]
+        return [(dA.T, dc) for dA, dc in W(kept)]
 
     verdict = ex.stage_split(lesson["lab"].try_stage(F, B, W_transposed))
     assert not verdict and "transpose" in verdict.hint, str(verdict)
@@ -275,16 +276,24 @@ def spmd_lesson():
     return _namespace(SPMD_LESSON, "lesson09")
 
 
-def test_the_spmd_program_passes_and_one_that_stores_what_never_arrived_fails(spmd_lesson):
-    """Lesson 9's make_tick passes exercise 9.3's check on 1F1B, ZB-H1 and ZB-H2. Storing every ppermute's
-    output, also where nothing was sent (zeros, tag 0, index -1: the last microbatch's slot), can overwrite
-    microbatch m-1's waiting activation or gradient: harmless on the lesson's ZB-H1 and on 1F1B, caught on
-    ZB-H2, which the lesson does not show."""
-    assert ex.spmd_pipeline(spmd_lesson["try_spmd"](spmd_lesson["make_tick"]))
-    edit = lambda src: (src.replace('jnp.where(jx > 0, x, st["act"][jx - 1])', "x")  # noqa: E731
-                        .replace('jnp.where(jg > 0, g, st["grad"][jg - 1])', "g"))
-    with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", edit) as wrong:
-        assert wrong.count(".set(x)") == 1 and wrong.count(".set(g)") == 1
-        verdict = ex.spmd_pipeline(spmd_lesson["try_spmd"](spmd_lesson["make_tick"]))
-    assert not verdict and str(verdict).startswith("Exercise 9.3: not yet. zb-h2: the gradients differ"), str(verdict)
-    assert "overwritten" in verdict.hint
+def test_the_spmd_program_with_buffers_for_the_microbatches_in_flight_passes_and_wrong_ones_fail(spmd_lesson):
+    """Exercise 9.3: the Solutions' make_tick (row j % K) passes with the fewest rows (4, 4, 7). The lesson's
+    worked make_tick, indexing rows by j, fails with those rows (microbatch j >= K has no row); storing
+    what never arrived (tag 0, index -1: the last row) overwrites a value still waiting there (with K rows
+    already on ZB-H1); too few rows, or more than needed, are refused before anything runs."""
+    lab, slots = spmd_lesson["lab"], spmd_lesson["slots"]
+    assert slots == {"1f1b": 4, "zb-h1": 4, "zb-h2": 7}
+    assert ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], slots))
+    by_j = lambda src: src.replace("% st[\"act\"].shape[0]", "").replace("% buf.shape[0]", "")  # noqa: E731
+    with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", by_j) as wrong:
+        assert "shape[0]" not in wrong
+        verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], slots))
+    assert not verdict and "the gradients differ" in str(verdict), str(verdict)
+    blind = lambda src: src.replace("jnp.where(tag > 0, x, buf[i])", "x")  # noqa: E731
+    with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", blind) as wrong:
+        assert wrong.count(".set(x)") == 1
+        verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], slots))
+    assert not verdict and "the gradients differ" in str(verdict) and "overwritten" in verdict.hint, str(verdict)
+    for rows, word in ((4, "too few"), (8, "fewer do")):             # checked before any run
+        verdict = ex.spmd_pipeline({"slots": {**slots, "zb-h2": rows}, "error": None, "runs": {}})
+        assert not verdict and word in str(verdict), str(verdict)

@@ -91,8 +91,9 @@ def _ticks_one_by_one(actions, lag):
 
 
 def _spmd_result(shift=False):
-    """What lesson 9's try_spmd hands exercise 9.3's check for a right program (every rank ran the lockstep
-    form's branch, gradients within 1e-6) or, ``shift``, one whose branches lag a tick behind."""
+    """What lesson 9's ``lab.try_ticks`` hands exercise 9.3's check for a right program (the fewest rows
+    per buffer, every rank ran the lockstep form's branch, gradients within 1e-6) or, ``shift``, one whose
+    branches lag a tick behind."""
     runs = {}
     for name in ex.SPMD_RUNS:
         schedule = zb.build_schedule(name, 4, 8)
@@ -100,7 +101,7 @@ def _spmd_result(shift=False):
         ran = [[0 if row[r] is None else ex.KIND_CODE[schedule.actions[r][row[r]].kind] for row in ticks]
                for r in range(4)]
         runs[name] = {"grad_error": 1e-6, "ran": [[0, *kinds[:-1]] if shift else kinds for kinds in ran]}
-    return {"error": None, "runs": runs}
+    return {"error": None, "runs": runs, "slots": {"1f1b": 4, "zb-h1": 4, "zb-h2": 7}}
 
 
 def _stage_totals(costs, counts):

@@ -26,8 +26,8 @@ tmap = jax.tree_util.tree_map
 
 
 def mlp(case: dict = BUILD_CASE, seed: int = 0) -> tuple:
-    """``(params, X, Y)``: ``case["layers"]`` layers ``(W (width, width), b (width,))`` float32, and a global
-    batch ``X``, ``Y`` of ``microbatches * microbatch_size`` rows."""
+    """``(params, X, Y)``: ``case["layers"]`` layers ``(A (width, width), c (width,))`` (weight matrix, bias)
+    float32, and a global batch ``X``, ``Y`` of ``microbatches * microbatch_size`` rows."""
     L, d, n = case["layers"], case["width"], case["microbatches"] * case["microbatch_size"]
     keys = jax.random.split(jax.random.PRNGKey(seed), L + 2)
     params = [(jax.random.normal(k, (d, d)) / d**0.5, jnp.zeros(d)) for k in keys[:L]]
@@ -35,10 +35,10 @@ def mlp(case: dict = BUILD_CASE, seed: int = 0) -> tuple:
 
 
 def mlp_loss(params: list, X: jax.Array, Y: jax.Array) -> jax.Array:
-    """The whole model on the whole batch: ``tanh(h @ W + b)`` per layer, then the mean squared error."""
+    """The whole model on the whole batch: ``tanh(h @ A + c)`` per layer, then the mean squared error."""
     h = X
-    for W, b in params:
-        h = jnp.tanh(h @ W + b)
+    for A, c in params:
+        h = jnp.tanh(h @ A + c)
     return jnp.mean((h - Y) ** 2)
 
 
@@ -75,6 +75,85 @@ def try_runs(run: Callable[[str], Any], names: Any) -> dict:
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}", "runs": runs}
     return {"error": None, "runs": runs}
+
+
+class SpmdLab:
+    """Lesson 9's test bench: ``rank_program(make_tick, slots, kind, microbatch, A, c, X, Y)`` compiled over
+    ``mesh`` (axis ``"stage"``) with a schedule's :func:`zbpp_lite.runtime.spmd.tick_tables`, ``arrays`` =
+    ``(As, cs, Xm, Ym)`` (stacked per stage, microbatches) and ``reference`` = ``(dAs, dcs)``, jax.grad's
+    gradients stacked the same way; ``stage_fns`` and ``batch`` = ``(params, X, Y)`` for :meth:`tradeoff`."""
+
+    def __init__(self, rank_program: Callable, mesh: Any, arrays: tuple, reference: tuple, stage_fns: tuple,
+                 batch: tuple):
+        self.rank_program, self.mesh, self.arrays, self.reference = rank_program, mesh, arrays, reference
+        self.stage_fns, self.batch = stage_fns, batch
+
+    def tradeoff(self, make_tick: Callable, slots: dict | None = None) -> None:
+        """:func:`spmd_tradeoff` of ``make_tick`` (buffers of ``slots[name]`` rows, else m)."""
+        spmd_tradeoff(lambda name: self.compile(make_tick, name, (slots or {}).get(name)), self.stage_fns,
+                      *self.batch, list(self.mesh.devices.flat))
+
+    def compile(self, make_tick: Callable, name: str, slots: int | None = None) -> tuple:
+        """``(program, args)``: the jitted SPMD program of schedule ``name`` and its arguments."""
+        from jax.sharding import PartitionSpec as P
+
+        from ..runtime import spmd
+
+        p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
+        rows = m if slots is None else slots
+        program = lambda *args: self.rank_program(make_tick, rows, *args)  # noqa: E731
+        program = jax.jit(spmd.shard_map(program, self.mesh, (P("stage"),) * 4 + (P(), P()), P("stage")))
+        table = spmd.tick_tables(build_schedule(name, p, m))
+        return program, (table.kind, table.microbatch, *self.arrays)
+
+    def run(self, make_tick: Callable, name: str, slots: int | None = None) -> dict:
+        """One run: :func:`gradient_report` against the reference, and ``ran`` (ranks, ticks)."""
+        program, args = self.compile(make_tick, name, slots)
+        dA, dc, ran = program(*args)
+        return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran))
+
+    def try_ticks(self, make_tick: Callable, slots: Any) -> dict:
+        """Exercise 9.3's result: ``slots`` and :func:`try_runs` of each of ``SPMD_RUNS`` with its rows."""
+        from .lesson9 import SPMD_RUNS
+
+        if not isinstance(slots, dict) or set(slots) != set(SPMD_RUNS):
+            return {"slots": slots, "error": None, "runs": {}}  # the check refuses these slots first
+        return dict(slots=slots, **try_runs(lambda name: self.run(make_tick, name, slots[name]), SPMD_RUNS))
+
+
+def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax.Array, Y: jax.Array,
+                  devices: list) -> None:
+    """Lesson 9's trade-off, printed: one F, B, W and BW of stage 1 timed (``stage_fns``: the lesson's
+    ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), 1F1B and ZB-H1
+    simulated event-driven and lockstep with those times, and one step timed of the learner's program
+    (``compile_spmd(name) -> (program, (kind, microbatch, As, cs, Xm, Ym))``), of the same program on an
+    all-idle table (the ticks' own cost) and of the package's MPMD executor on :func:`staged_mlp`."""
+    from ..runtime.executor import PipelineExecutor
+    from ..schedules.costs import Costs
+    from ..schedules.simulate import simulate
+
+    stage_F, stage_B, stage_W = stage_fns
+    p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
+    _, _, As, cs, Xm, _ = compile_spmd("zb-h1")[1]
+    A, c, x = As[1], cs[1], Xm[0]
+    y, ins, outs = stage_F(A, c, x)
+    dz = stage_B(A, outs, y)[1]
+    fused = lambda A, o, i, g: stage_W(i, stage_B(A, o, g)[1])  # noqa: E731
+    costs = Costs(f=fastest(jax.jit(stage_F), A, c, x), b=fastest(jax.jit(stage_B), A, outs, y),
+                  w=fastest(jax.jit(stage_W), ins, dz), bw=fastest(jax.jit(fused), A, outs, ins, y))
+    print(f"one action (ms): F {costs.f * 1e3:.2f}, B {costs.b * 1e3:.2f}, W {costs.w * 1e3:.2f}, "
+          f"BW {costs.bw * 1e3:.2f}")
+    model = staged_mlp(params, p)
+    for name in ("1f1b", "zb-h1"):
+        schedule = build_schedule(name, p, m)
+        mpmd, lock = (simulate(schedule, costs, lockstep=ls).makespan for ls in (False, True))
+        program, args = compile_spmd(name)
+        executor = PipelineExecutor(model, schedule, devices[:p])
+        spmd_s, idle_s = fastest(program, *args, n=3), fastest(program, 0 * args[0], *args[1:], n=3)
+        mpmd_s = fastest(lambda: executor.run(model.params, X, Y).loss, n=3)
+        print(f"{name:>6}: simulated MPMD {mpmd * 1e3:.1f} ms, lockstep {lock * 1e3:.1f} ms "
+              f"(+{lock / mpmd - 1:.0%}); measured step: MPMD executor {mpmd_s * 1e3:.1f} ms, your SPMD "
+              f"program {spmd_s * 1e3:.1f} ms ({idle_s * 1e3:.1f} ms all idle)")
 
 
 def gradient_report(mine: list, ref: list) -> dict:
@@ -209,6 +288,33 @@ class Lab:
         grads = {s: g for part in out if part for s, g in part.items()}
         timeline = Timeline.from_events(events, schedule.num_ranks, num_stages=self.S, source="measured")
         return [grads.get(s) for s in range(self.S)], timeline
+
+    def run_compiled(self, rank_loop: Callable, names: tuple = ("1f1b", "zb-h1")) -> dict:
+        """``rank_loop`` with the lesson's ``F``, ``B``, ``W`` (names it reads from its module's globals)
+        compiled with ``jax.jit`` (``F``'s stage index static: one program per stage), per schedule run once
+        to compile, then three times. Returns ``{name: (largest gradient error, fastest timeline, its plan:
+        zb.simulate with the costs measured_costs reads off it)}`` and prints them."""
+        from ..analysis.profiling.timelines import measured_costs
+        from ..schedules.simulate import simulate
+
+        scope = rank_loop.__globals__
+        plain = {k: scope[k] for k in ("F", "B", "W")}
+        scope.update(F=jax.jit(plain["F"], static_argnums=0), B=jax.jit(plain["B"]), W=jax.jit(plain["W"]))
+        try:
+            runs = {}
+            for name in names:
+                schedule = build_schedule(name, self.p, self.m)
+                self.run(schedule, rank_loop)  # compiles
+                tries = [self.run(schedule, rank_loop) for _ in range(3)]
+                fastest = min((t for _, t in tries), key=lambda t: t.makespan)
+                plan = simulate(schedule, measured_costs(fastest, self.S))
+                runs[name] = (max(self.error(g) for g, _ in tries), fastest, plan)
+                print(f"{name}: gradients vs jax.grad {runs[name][0]:.1e}; makespan "
+                      f"{fastest.makespan * 1e3:.1f} ms measured, {plan.makespan * 1e3:.1f} ms planned "
+                      "from its own mean action times")
+        finally:
+            scope.update(plain)
+        return runs
 
     def _reference_b_flops(self, s, x, dy, target) -> float:
         """XLA's flops of the pullback with respect to x and the probes only (the B exercise 8.1 asks for)."""

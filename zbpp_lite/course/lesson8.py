@@ -39,7 +39,7 @@ def _rel_diff(mine: Any, ref: Any) -> float:
 def _weight_hint(mine: Sequence, ref: Sequence) -> str:
     """Why W's gradients differ from the reference's, from the common mistakes."""
     if len(mine) != len(ref):
-        return (f"W returned {len(mine)} arrays where the stage has {len(ref)} parameters: one (dW, db) "
+        return (f"W returned {len(mine)} arrays where the stage has {len(ref)} parameters: one (dA, dc) "
                 "pair per layer, in layer order.")
     for i, (a, b) in enumerate(zip(mine, ref)):
         if _rel_diff(a, b) <= BUILD_TOLERANCE:
@@ -291,7 +291,7 @@ def optimizer_step(result: Any) -> Verdict:
         missing = [s for s, g in enumerate(got) if g is None or len(g) != len(run["want"][s])]
         if missing:
             return Verdict("8.4", False, f"{name}: no new parameters for stage(s) {missing}.",
-                           "return {stage: new [(W, b), ...]} for every stage in this rank's grads.")
+                           "return {stage: new [(A, c), ...]} for every stage in this rank's grads.")
         if near(got, run["want"]):
             continue
         if near(got, run["per_stage"]):

@@ -28,10 +28,47 @@ rank, so an activation can stay on its rank and still wait a tick."""
 
 SPMD_RUNS = ("zb-h1", "1f1b", "zb-h2")
 """Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: ZB-H2, which lesson 9
-does not show, keeps more microbatches in flight, so values wait longer in their buffers."""
+does not show, keeps more microbatches in flight (lesson 3), so its buffers need more rows."""
 
 SLOW_W = Costs(f=1.0, b=1.0, w=2.0)
 """Exercise 9.2's costs: T_F = T_B = 1, T_W = 2, T_comm = 0 (not lesson 9's figure's)."""
+
+
+def _live(schedule) -> dict:
+    """Per (buffer, stage) of lesson 9's tick: one ``(microbatch, tick written, tick last read)`` per value,
+    in the schedule's lockstep form. ``act``/``grad`` arrive at the end of their producer's tick; ``ins``
+    (read by W), ``outs`` (read by B) and ``dz`` (read by W) are written by the action's own tick."""
+    when = {}
+    for t, row in enumerate(lockstep_ticks(schedule)):
+        for r, i in enumerate(row):
+            if i is not None:
+                a = schedule.actions[r][i]
+                for kind in ("B", "W") if a.kind == "BW" else (a.kind,):
+                    when[kind, a.stage, a.microbatch] = t
+    S, live = schedule.num_stages, {}
+    for s in range(S):
+        for j in range(schedule.num_microbatches):
+            spans = {"ins": ("F", s, "W", s), "outs": ("F", s, "B", s), "dz": ("B", s, "W", s)}
+            if s > 0:
+                spans["act"] = ("F", s - 1, "F", s)
+            if s < S - 1:
+                spans["grad"] = ("B", s + 1, "B", s)
+            for buffer, (k1, s1, k2, s2) in spans.items():
+                live.setdefault((buffer, s), []).append((j, when[k1, s1, j], when[k2, s2, j]))
+    return live
+
+
+def slots_needed(schedule) -> int:
+    """The fewest rows K per buffer for which lesson 9's tick may keep microbatch j in row ``j % K``: no row
+    is written while the microbatch it holds still waits to be read (exercise 9.3). ZB-H1 and 1F1B need p,
+    ZB-H2 2p - 1: the microbatches in flight, as lesson 3's memory p M_B and (2p - 1) M_B."""
+    def clash(K: int, values: list) -> bool:
+        return any(j1 != j2 and j1 % K == j2 % K and w1 <= w2 < r1
+                   for j1, w1, r1 in values for j2, w2, _ in values)
+
+    live = _live(schedule)
+    return next(K for K in range(1, schedule.num_microbatches + 1)
+                if not any(clash(K, values) for values in live.values()))
 
 
 def _rows(schedule) -> list:
@@ -108,14 +145,16 @@ def spmd_pipeline(result: Any) -> Verdict:
     :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
     every rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
     ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
-    hint = ("each tick every rank runs the branch its table names, and every rank joins both ppermutes, idle "
-            "or not: what must each branch return for that, and how does a receiver know which microbatch "
-            "(if any) arrived?")
+    hint = ("the lesson's tick keeps microbatch j in row j; with K rows, every read and write of a buffer, "
+            "the receiver's store included, needs the row microbatch j may use while it is in flight.")
     if _unanswered(result):
         return Verdict("9.3", False, "no answer yet: write make_tick.", hint)
     if not isinstance(result, dict) or "runs" not in result:
-        return Verdict("9.3", False, "expected try_spmd(make_tick)'s result, got "
+        return Verdict("9.3", False, "expected try_spmd(make_tick, slots)'s result, got "
                        f"{type(result).__name__}.", hint)
+    refused = _slots_problem(result.get("slots"))
+    if refused is not None:
+        return refused
     if result.get("error"):
         return Verdict("9.3", False, f"running it raised {result['error']}", "every branch of a lax.switch "
                        "returns the same structure, shapes, dtypes and varying types (spmd.to_varying), "
@@ -145,7 +184,30 @@ def spmd_pipeline(result: Any) -> Verdict:
         worst = max(worst, float(run["grad_error"]))
     return Verdict("9.3", True, f"{', '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
                    "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
-                   f"{worst:.1e}).")
+                   f"{worst:.1e}), each buffer {result['slots']} rows deep instead of 8.")
+
+
+def _slots_problem(slots: Any) -> Verdict | None:
+    """Exercise 9.3's rows per buffer: a dict with the fewest that work (:func:`slots_needed`) per schedule of
+    :data:`SPMD_RUNS`, else the refusal."""
+    hint = ("row j % K is safe when no microbatch is written into a row whose earlier microbatch still waits "
+            "to be read: how many microbatches does each schedule keep in flight on its busiest rank "
+            "(lesson 3's memory)?")
+    if _unanswered(slots):
+        return Verdict("9.3", False, "no answer yet: give slots, the rows per buffer for each schedule.",
+                       hint)
+    if not isinstance(slots, dict) or set(slots) != set(SPMD_RUNS):
+        return Verdict("9.3", False, f"expected slots as {{name: rows}} for {', '.join(SPMD_RUNS)}, got "
+                       f"{slots!r}.", hint)
+    for name in SPMD_RUNS:
+        need = slots_needed(build_schedule(name, 4, 8))
+        if not isinstance(slots[name], int) or slots[name] < need:
+            return Verdict("9.3", False, f"{name}: {slots[name]!r} rows are too few: a row would be "
+                           "rewritten while the microbatch it holds still waits to be read.", hint)
+        if slots[name] > need:
+            return Verdict("9.3", False, f"{name}: {slots[name]} rows work but keep more than {name} has in "
+                           "flight: fewer do.", hint)
+    return None
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_slow_w,
@@ -156,4 +218,4 @@ REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_slow_w}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "SLOW_W", "tick_table", "lockstep_slow_w", "spmd_pipeline",
-           "EXERCISES", "REVEALS"]
+           "slots_needed", "EXERCISES", "REVEALS"]
