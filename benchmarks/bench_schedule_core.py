@@ -6,9 +6,10 @@ p = 128, m = 256 (``--planning``: one build of each at m = 2p, wall and CPU seco
 average beside them, since the CPU time is what a loaded machine does not inflate).
 Target (issue 39): ``python -m zbpp_lite plan`` under 20 s for every registered schedule at p = 256,
 m = 512 (``--plan-at 256 512``: per schedule the wall and CPU seconds of the ``plan`` command itself,
-run in this process, with the load average beside them).
+run in this process, with the load average beside them; ``--phases`` adds the CPU seconds of its steps:
+build, checks, lowering, execution order, timing, timeline, text grid).
 Run: python benchmarks/bench_schedule_core.py [--planning [--ranks 16 32 64 128] [--skip-after 60]]
-     python benchmarks/bench_schedule_core.py --plan-at 256 512 [--only zb-v v-half]
+     python benchmarks/bench_schedule_core.py --plan-at 256 512 [--only zb-v v-half] [--phases]
 """
 
 from __future__ import annotations
@@ -63,24 +64,90 @@ def planning(ranks: list[int], skip_after: float) -> None:
     print("(targets: < 2 s at p = 64, < 10 s at p = 128; load: the 1-minute load average after the build)")
 
 
-def plan_steps(p: int, m: int, names: list[str]) -> None:
+PHASES = {  # phase -> (module, attribute) of the function plan's step calls; nested ones subtracted
+    "build": ("zbpp_lite", "build_schedule"),
+    "check": ("zbpp_lite.schedules.simulate", "checked_program"),
+    "lower": ("zbpp_lite.schedules.validate", "lower"),
+    "order": ("zbpp_lite.schedules.validate", "execution_order"),
+    "time": ("zbpp_lite.schedules.simulate", "_timed_events"),
+    "timeline": ("zbpp_lite.schedules.simulate", "Timeline"),
+    "text": ("zbpp_lite.cli.plan", "text_grid"),
+}
+"""What ``--phases`` times inside the command (``check``: checked_program less lowering and order)."""
+
+
+def _timed_phases(spent: dict):
+    """Context: PHASES' functions wrapped to add their CPU seconds to ``spent`` (Timeline: its
+    ``from_events``; a call inside the build, such as v-min timing its tight block, counts as build),
+    restored after."""
+    import contextlib
+    import functools
+    import importlib
+
+    building = []
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def timed_fn(*args, **kwargs):
+            if building:
+                return fn(*args, **kwargs)
+            building.extend(["build"] if name == "build" else [])
+            c0 = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.process_time() - c0
+                building.clear()
+        return timed_fn
+
+    @contextlib.contextmanager
+    def patched():
+        saved = []
+        for name, (module, attr) in PHASES.items():
+            owner = importlib.import_module(module)
+            if attr == "Timeline":
+                owner, attr = owner.Timeline, "from_events"
+                fn = owner.__dict__[attr]
+                new = classmethod(wrap(name, fn.__func__))
+            else:
+                fn = getattr(owner, attr)
+                new = wrap(name, fn)
+            saved.append((owner, attr, fn))
+            setattr(owner, attr, new)
+        try:
+            yield
+        finally:
+            for owner, attr, fn in saved:
+                setattr(owner, attr, fn)
+    return patched()
+
+
+def plan_steps(p: int, m: int, names: list[str], phases: bool = False) -> None:
     """``python -m zbpp_lite plan -s NAME -p p -m m`` itself, in this process (its output discarded), for each
     schedule in ``names``: wall and CPU seconds, with the load average (CPU time is what a loaded machine
-    does not inflate). Timing the command, not a copy of its steps, keeps this in step with it."""
+    does not inflate). Timing the command, not a copy of its steps, keeps this in step with it; ``phases``:
+    also the CPU seconds of its steps (:data:`PHASES`)."""
     import contextlib
     import io
 
     from zbpp_lite.cli import main
 
     print(f"load average {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores; p = {p}, m = {m}, unit costs")
-    print(f"{'schedule':<18} {'wall s':>7} {'cpu s':>7} {'load':>6}")
+    print(f"{'schedule':<18} {'wall s':>7} {'cpu s':>7} {'load':>6}" + ("".join(f"{k:>9}" for k in PHASES)
+          if phases else ""))
     for name in names:
+        spent: dict[str, float] = {}
         c0, t0 = time.process_time(), time.perf_counter()
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), (_timed_phases(spent) if phases
+                                                         else contextlib.nullcontext()):
             status = main(["plan", "-s", name, "-p", str(p), "-m", str(m)])
-        print(f"{name:<18} {time.perf_counter() - t0:>7.2f} {time.process_time() - c0:>7.2f} "
-              f"{os.getloadavg()[0]:>6.2f}" + ("" if status == 0 else f"  (exit {status})"), flush=True)
-    print("(target: < 20 s per schedule)")
+        line = (f"{name:<18} {time.perf_counter() - t0:>7.2f} {time.process_time() - c0:>7.2f} "
+                f"{os.getloadavg()[0]:>6.2f}")
+        if phases:
+            spent["check"] = spent.get("check", 0.0) - spent.get("lower", 0.0) - spent.get("order", 0.0)
+            line += "".join(f"{spent.get(k, 0.0):>9.2f}" for k in PHASES)
+        print(line + ("" if status == 0 else f"  (exit {status})"), flush=True)
+    print("(target: < 20 s per schedule; phases in CPU s, the rest of cpu s is parsing and printing)")
 
 
 if __name__ == "__main__":
@@ -90,9 +157,10 @@ if __name__ == "__main__":
     parser.add_argument("--skip-after", type=float, default=60.0, help="wall seconds after which larger p is skipped")
     parser.add_argument("--plan-at", type=int, nargs=2, metavar=("P", "M"), help="time plan's steps at p, m")
     parser.add_argument("--only", nargs="+", help="schedules for --plan-at (default: all registered)")
+    parser.add_argument("--phases", action="store_true", help="with --plan-at: CPU seconds of plan's steps")
     args = parser.parse_args()
     if args.plan_at:
-        plan_steps(*args.plan_at, args.only or list(zb.SCHEDULES))
+        plan_steps(*args.plan_at, args.only or list(zb.SCHEDULES), args.phases)
     elif args.planning:
         planning(args.ranks, args.skip_after)
     else:

@@ -110,3 +110,27 @@ def test_plan_lists_every_registered_name_and_says_each_also_fuses():
     names = out.stdout.splitlines()
     assert names[:len(zb.SCHEDULES)] == list(zb.SCHEDULES) and "NAME+fuse" in names[-1]
     assert plan("--schedule", names[1] + "+fuse", "--ranks", "2", "--microbatches", "4").returncode == 0
+
+
+def test_plan_pauses_the_cycle_collector_only_while_it_plans(capsys, monkeypatch):
+    # issue 39 item 11: plan pauses gc (millions of acyclic objects at p = 256); the caller's state comes back
+    import gc
+
+    from zbpp_lite.cli import main
+    from zbpp_lite.cli import plan as plan_cli
+
+    inside = []
+    run = plan_cli._run
+    monkeypatch.setattr(plan_cli, "_run", lambda args: inside.append(gc.isenabled()) or run(args))
+    try:
+        assert gc.isenabled()
+        assert main(["plan", "-s", "zb-h1", "-p", "4", "-m", "8"]) == 0
+        assert gc.isenabled() and "makespan" in capsys.readouterr().out
+        assert main(["plan", "-s", "zb-h1", "-p", "0"]) == 2  # refused inside: still restored
+        assert gc.isenabled()
+        gc.disable()
+        assert main(["plan", "-s", "zb-h1", "-p", "4", "-m", "8"]) == 0
+        assert not gc.isenabled()  # a caller's paused collector stays paused
+    finally:
+        gc.enable()
+    assert inside == [False, False, False]

@@ -8,6 +8,8 @@ read from one, ``--trace`` writes a Chrome/Perfetto trace.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import math
 import sys
 import time
@@ -124,7 +126,26 @@ def _check_costs_used(args: argparse.Namespace, schedule: zb.Schedule) -> None:
         refuse_unused(args, ("fb",), f"{name} has no overlapped F&B pair and plans without costs")
 
 
+@contextlib.contextmanager
+def _cycles_uncollected():
+    """Python's cycle collector paused inside (restored after): planning at p = 256, m = 512 makes millions
+    of small acyclic objects (actions, keys, events) that it walks again and again, 15-30% of plan's CPU time
+    (``benchmarks/bench_schedule_core.py --plan-at``); reference counting still frees them."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def run(args: argparse.Namespace) -> int:
+    with _cycles_uncollected():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.list:
         others = sorted(getattr(args, "given", set()) - {"list"})
         refuse_unused(args, others, "--list prints the schedule names only")

@@ -127,11 +127,12 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
     """Events of ``program``'s compute, timed in ``order``
     (:func:`~zbpp_lite.schedules.validate.execution_order`): a send leaves at its value's end, its receive
     has it T_comm later; a compute starts once its rank is free and its inputs are there. Raises
-    ScheduleError: an input not there (unchecked: a misordered rank or a value never received)."""
-    table_of = routes(program.placement)
-    delay = {key: table.transfer(key[1], consumer_stage(*key)) for key in table_of}  # T_comm of a send
-    finish: dict[Key, float] = {}  # key -> end of the action that made it, on its own rank
-    arrive: dict[Key, float] = {}  # key -> when the rank taking it has it
+    ScheduleError: an input not there (unchecked: a misordered rank or a value never received).
+
+    Times are kept per (kind, stage) in a dict by microbatch, and each (kind, stage)'s route names those
+    dicts once (:func:`_timing_links`): an instruction looks its inputs up by microbatch alone, with no key
+    tuple made or hashed (planning at p = 256, m = 512 times about two million instructions)."""
+    links, ends, delay = _timing_links(table, program.placement)
     free = [0.0] * program.num_ranks
     events = []
     rows = program.instructions
@@ -139,28 +140,45 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
         x = rows[rank][step]
         what = type(x)
         if what is Recv:
-            key = x.key
-            arrive[key] = finish[key] + delay[key[0], key[1]]
+            kind, stage, j = x.key
+            finish, arrive = ends[kind, stage]
+            arrive[j] = finish[j] + delay[kind, stage]
         elif what is not Send:
             start = free[rank]
             actions = x.parts if what is Overlap else (x,)
             for a in actions:
                 j = a.microbatch
-                for kind, stage, local in table_of[a.kind, a.stage].needs:
-                    end = (finish if local else arrive).get((kind, stage, j))
+                for got, kind, stage in links[a.kind, a.stage][0]:
+                    end = got.get(j)
                     if end is None:
                         raise ScheduleError(f"rank {rank}, step {step}: {describe(x)} needs {kind} of stage "
                             f"{stage}, microbatch {j}, which is not there before it; rule: what an action "
                             "needs runs (or is received) before it")
                     if end > start:  # max(start, end) without a call per dependency
                         start = end
-            end = start + table.duration(x)
-            free[rank] = end
-            for a in actions:
-                for kind, stage in table_of[a.kind, a.stage].makes:
-                    finish[kind, stage, a.microbatch] = end
             if what is Overlap:
+                end = start + table.duration(x)
                 events += _events_of(rank, x, start, end, table)
             else:
+                end = start + links[x.kind, x.stage][2]
                 events.append(Event(rank, x, start, end))
+            free[rank] = end
+            for a in actions:
+                j = a.microbatch
+                for made in links[a.kind, a.stage][1]:
+                    made[j] = end
     return events
+
+
+def _timing_links(table: CostTable, placement: tuple[int, ...]) -> tuple[dict, dict, dict]:
+    """(links, ends, delay) for :func:`_timed_events`: ``ends[kind, stage]`` is (finish, arrive), dicts by
+    microbatch of when the value is made on its own rank and when the rank taking it has it;
+    ``links[kind, stage]`` is (what it needs: (dict, kind, stage) each, in ``deps``' order; the finish
+    dicts it fills; its time); ``delay[kind, stage]`` T_comm of a send (:meth:`CostTable.transfer`)."""
+    route_of = routes(placement)
+    ends = {key: ({}, {}) for key in route_of}
+    delay = {key: table.transfer(key[1], consumer_stage(*key)) for key in route_of}
+    links = {(kind, stage): (tuple((ends[k, s][0 if local else 1], k, s) for k, s, local in route.needs),
+                             tuple(ends[k, s][0] for k, s in route.makes), table.time(kind, stage))
+             for (kind, stage), route in route_of.items()}
+    return links, ends, delay
