@@ -6,9 +6,9 @@ order (no global clock), the rank loop :meth:`PipelineExecutor._walk`: a compute
 W or BW of :class:`zbpp_lite.runtime.split.StageSplit` on the rank's device and records the event and
 memory; a ``Send`` hands a value to the :mod:`~zbpp_lite.runtime.transport`; a ``Recv`` waits for one. An
 F&B pair (DualPipeV) runs its parts back to back, each its own event. Post-validation's speculative warm-up
-validates on the way (:class:`_Speculation`). The last stage's backward starts from d loss / d loss_j =
-1/m, so the summed W's are the gradient of the global-batch mean loss (Qi et al., arXiv 2401.10241,
-section 2).
+validates on the way (:class:`~zbpp_lite.runtime.speculation.Speculation`). The last stage's backward
+starts from d loss / d loss_j = 1/m, so the summed W's are the gradient of the global-batch mean loss
+(Qi et al., arXiv 2401.10241, section 2).
 
 Timing: ``time.perf_counter()`` around each action, after its inputs arrived and after
 ``jax.block_until_ready``, gives a measured :class:`~zbpp_lite.schedules.timeline.Timeline` (seconds since
@@ -25,8 +25,7 @@ import operator
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Protocol, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -36,184 +35,18 @@ from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes, stage_b
 from .split import sum_dtype
 from .spmd import SpmdExecutor
 from .stages import Params, StagedModel, batch_microbatch_size
+from .speculation import Channel, RankUpdate, Restart, Speculation, redo
+from .step import Done, PlanMemoryWarning, Step, StepResult, TieSum, placed, route, waiters
 from .transport import Aborted, Interrupted, OptimizerMessage, Threads, Transfer, Transport
 from ..schedules.costs import Costs
 from ..schedules.ir import Action, Key, Overlap, Schedule, parts
-from ..schedules.program import Program, Recv, Send, consumer_stage, lower
+from ..schedules.program import Recv, Send, consumer_stage, lower
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import validate
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """One executed training step (before the optimizer).
-
-    Attributes:
-        loss: the global-batch mean loss, float (mean of the microbatch losses).
-        microbatch_losses: the last stage's loss for each microbatch, floats.
-        grads: gradient of ``loss``, one pytree per model module (as ``StagedModel.params``), each on its
-            stage's device, summed over the microbatches in float32 (float64 for float64 parameters:
-            :func:`~zbpp_lite.runtime.split.sum_dtype`), bfloat16 parameters too.
-        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (s from the first action).
-        start: seconds from the first step of the :meth:`PipelineExecutor.run_steps` call (0.0 for ``run``).
-        discarded: events of speculative actions redone after a rollback (:class:`RankUpdate`).
-        started_at: ``time.perf_counter()`` at the first action (CLOCK_MONOTONIC: aligns processes of one
-            machine); 0.0 across hosts.
-        tie_sums: one :class:`TieSum` per rank and tie of a model with tied weights (``StagedModel.ties``):
-            the exchange that sums the copies' gradients, timed like the timeline's events.
-    """
-
-    loss: float
-    microbatch_losses: tuple[float, ...]
-    grads: Params
-    timeline: Timeline
-    start: float = 0.0
-    discarded: tuple = ()
-    started_at: float = 0.0
-    tie_sums: tuple = ()
-
-
-@dataclass(frozen=True)
-class TieSum:
-    """One rank's share of summing a tied parameter's gradient copies after its last action (section 2's
-    W sums, then one exchange, as Megatron-LM's embedding all-reduce): ``tie`` indexes ``StagedModel.ties``;
-    ``ranks`` hold copies (this one sends its partial sum to each other one and adds theirs, in rank order,
-    so every copy gets the same sum); ``nbytes`` sent to each; ``start``, ``end`` in seconds (the wait for
-    the others' sums included), measured as the timeline's events."""
-
-    rank: int
-    tie: int
-    ranks: tuple[int, ...]
-    nbytes: int
-    start: float
-    end: float
-
-
-class PlanMemoryWarning(UserWarning):
-    """A schedule run on a model whose M_W / M_B moves its peak above what its planner promised
-    (:meth:`zbpp_lite.schedules.memory.MemoryPlan.overrun`)."""
-
-
-class _Restart(Exception):
-    """The previous step's optimizer step was rolled back: redo this step's instructions so far."""
-
-
 class _Failed(Exception):
     """An instruction of a rank's program failed: ``args[0]`` the instruction, ``__cause__`` why."""
-
-
-class Done(NamedTuple):
-    """What a compute handler returns: ``ready``, the arrays to wait for before the action counts as done,
-    and ``out``, the value another stage takes (F's activation, B's or BW's input gradient; None for W,
-    the last stage's F and the first stage's B)."""
-
-    ready: Any
-    out: Any = None
-
-
-class _Channel:
-    """An optimizer step's exchange with other ranks: ``send(to, key, value)``, ``take(key)`` (keys
-    :class:`~zbpp_lite.runtime.transport.OptimizerMessage`, values host floats)."""
-
-    def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
-        self._executor, self._step, self.rank = executor, step, rank
-
-    def send(self, to: int, key: OptimizerMessage, value: Any) -> None:
-        self._executor.transport.send(self._step.index, to, key, value)
-
-    def take(self, key: OptimizerMessage, what: str = "the optimizer step") -> Any:
-        return self._executor._wait(self._step, self.rank, key, what)
-
-
-class RankUpdate(Protocol):
-    """The optimizer step inside the rank threads (:meth:`PipelineExecutor.run_steps`).
-
-    The executor calls, in rank ``rank``'s thread:
-
-    - ``stage_params(stage)`` before the rank's first action of every step (and of a redone warm-up):
-      the stage's parameters, a tuple of leaves on its device;
-    - ``step(rank, k, grads, channel)`` after its last action of step ``k``: ``grads`` maps each stage to
-      its gradient sums (tuple of leaves on its device, float32 for float32 and bfloat16 parameters:
-      :func:`~zbpp_lite.runtime.split.sum_dtype`) of the global-batch mean loss, each tied copy
-      holding its tie's whole gradient (:class:`TieSum`);
-    - ``validate(rank, k, channel) -> bool`` once per step and after the last (paper section 4). Without
-      ``verdict_key`` it runs before step ``k + 1``. With it (the deciding message's key) step ``k + 1``'s
-      warm-up runs speculatively and ``validate`` runs when that message arrives, at the latest before
-      the first backward; True (a rollback) makes every rank redo its share so far;
-    - ``begin(num_steps)``, if it has one, once before the threads start. ``channel``: a :class:`_Channel`.
-    """
-
-    def stage_params(self, stage: int) -> tuple: ...
-
-    def step(self, rank: int, k: int, grads: dict, channel: _Channel) -> None: ...
-
-    def validate(self, rank: int, k: int, channel: _Channel) -> bool: ...
-
-
-class _Speculation:
-    """Post-validation's speculative warm-up (arXiv 2401.10241, section 4): rank ``rank`` runs step k + 1
-    on step k's speculative parameters until ``update.verdict_key`` arrives or its first backward is due,
-    then validates step k (:meth:`validate`); a rollback raises :class:`_Restart`."""
-
-    def __init__(self, executor: "PipelineExecutor", rank: int, update: RankUpdate, k: int,
-                 previous: "_Step"):
-        self.executor, self.rank, self.update, self.k, self.previous = executor, rank, update, k, previous
-
-    def arrived(self) -> bool:
-        return self.executor.transport.arrived(self.previous.index, self.rank, self.update.verdict_key)
-
-    def due(self, entry) -> bool:
-        return any(a.kind != "F" for a in parts(entry)) or self.arrived()
-
-    def validate(self, step: "_Step") -> None:
-        del step.speculating[self.rank]
-        if self.update.validate(self.rank, self.k, _Channel(self.executor, self.previous, self.rank)):
-            raise _Restart()
-
-
-@dataclass
-class _Step:
-    """State of one step in flight, shared by the rank threads."""
-
-    params: list  # per stage, its parameters as a tuple of leaves (FlatStage's p), on its device
-    acc: list  # per stage gradient sums (tuples of leaves, None before its first W), on its device
-    labels: list  # per microbatch, on the last stage's device
-    splits: list  # per stage StageSplit
-    out: dict  # Key -> a value made or received here for a compute of this rank (inputs and seed too)
-    given: dict  # the inputs and seed in ``out`` (Key("F", -1, j), Key("B", S, j)): put back for a redo
-    store: dict  # (what, stage, microbatch) -> what F / B kept: "res", "kept" or "grads" (runtime.memory)
-    losses: dict
-    events: list
-    index: int = 0  # the step's number over the executor's life (the transport's step)
-    where: str = ""  # the step in errors, e.g. " of step 3"
-    t0: float = 0.0
-    attempts: dict = field(default_factory=dict)  # rank -> its attempt (1 once its warm-up was redone)
-    speculating: dict = field(default_factory=dict)  # rank -> its _Speculation until validated
-    discarded: list = field(default_factory=list)  # events of actions redone after a rollback
-    tie_sums: list = field(default_factory=list)  # TieSum per rank and tie (guarded by lock)
-    memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
-    keys: dict = field(default_factory=dict)  # local stage -> per microbatch its dropout key ({}: no dropout)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
-
-    def hold(self, rank: int, key: tuple, value: Any) -> None:
-        """Keep ``value`` under ``key`` in the store, counted as rank ``rank``'s memory."""
-        self.store[key] = value
-        self.memory.keep(rank, key, value)
-
-    def release(self, rank: int, key: tuple) -> Any:
-        """Take what ``key`` holds out of the store and out of rank ``rank``'s memory."""
-        self.memory.free(rank, key)
-        return self.store.pop(key)
-
-
-class _Route(NamedTuple):
-    """A (kind, stage)'s handler, the key of what it takes from another stage (microbatch 0) or None, the
-    kind of key it makes for another stage or None, and whether that stage is on its own rank."""
-
-    handler: Callable
-    takes: Key | None
-    makes: str | None
-    here: bool
 
 
 class PipelineExecutor:
@@ -278,10 +111,10 @@ class PipelineExecutor:
         self._spares_for: Any = None  # the microbatch shape the spares have
         handlers = {"F": self._forward, "B": self._backward_input, "W": self._backward_weight,
                     "BW": self._backward_fused}
-        self._routes = {(kind, s): _route(handlers[kind], kind, s, schedule.placement)
+        self._routes = {(kind, s): route(handlers[kind], kind, s, schedule.placement)
                         for kind in handlers for s in range(schedule.num_stages)}
         self._run = {Action: self._entry, Overlap: self._entry, Send: self._send, Recv: self._recv}
-        self._waiters = _waiters(self.program)  # Recv -> the entry that waits for it, named in timeouts
+        self._waiters = waiters(self.program)  # Recv -> the entry that waits for it, named in timeouts
         self._prepared: dict = {}
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
 
@@ -384,7 +217,7 @@ class PipelineExecutor:
         x0, y0 = batches[0]
         mb = batch_microbatch_size(x0, y0, m)
         local = self.local_stages
-        stage_params = [_placed(self.model.stage_params(params, s), self.stage_devices[s])
+        stage_params = [placed(self.model.stage_params(params, s), self.stage_devices[s])
                         if s in local else None for s in range(S)]
         leaves = [None if p is None else tuple(jax.tree_util.tree_leaves(p)) for p in stage_params]
         first, last = self.stage_devices[0], self.stage_devices[-1]
@@ -408,7 +241,7 @@ class PipelineExecutor:
             if last:
                 out.update((Key("B", S, j), seed) for j in range(m))
             ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
-            steps.append(_Step(
+            steps.append(Step(
                 params=list(leaves), acc=[None] * S, splits=splits, out=out, given=dict(out), store={},
                 losses={}, events=[],
                 labels=ys,
@@ -461,7 +294,7 @@ class PipelineExecutor:
                 raise
             raise type(e)(f"{self.transport.where}{e}") from e
 
-    def _result(self, step: _Step, stage_params: list) -> StepResult:
+    def _result(self, step: Step, stage_params: list) -> StepResult:
         S, m = self.model.num_stages, self.schedule.num_microbatches
         last = self.stage_devices[-1]
         losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)])) if last else ()
@@ -501,43 +334,43 @@ class PipelineExecutor:
             for k, step in enumerate(steps):
                 if update is not None:
                     if k and not speculative:  # validate step k-1's optimizer step before this step's first F
-                        update.validate(rank, k - 1, _Channel(self, steps[k - 1], rank))
+                        update.validate(rank, k - 1, Channel(self, steps[k - 1], rank))
                     for s in stages:
                         step.params[s] = update.stage_params(s)
                 if speculative and k:  # a speculative warm-up validates step k-1's optimizer step on the way
-                    step.speculating[rank] = _Speculation(self, rank, update, k - 1, steps[k - 1])
+                    step.speculating[rank] = Speculation(self, rank, update, k - 1, steps[k - 1])
                 while True:
                     try:
                         self._walk(rank, step)
                         if rank in step.speculating:  # no backward in this step (none in a valid schedule)
                             step.speculating[rank].validate(step)
                         break
-                    except _Restart:  # step k-1's update was rolled back and redone: so is this warm-up
-                        self._redo(rank, step, stages, update)
+                    except Restart:  # step k-1's update was rolled back and redone: so is this warm-up
+                        redo(step, rank, stages, update)
                 self._sum_ties(rank, step)
                 if update is not None:
-                    update.step(rank, k, {s: step.acc[s] for s in stages}, _Channel(self, step, rank))
+                    update.step(rank, k, {s: step.acc[s] for s in stages}, Channel(self, step, rank))
             if update is not None:
-                update.validate(rank, len(steps) - 1, _Channel(self, steps[-1], rank))
+                update.validate(rank, len(steps) - 1, Channel(self, steps[-1], rank))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
             failed = isinstance(exc, _Failed)
             errors.append((rank, exc.args[0] if failed else None, exc.__cause__ if failed else exc))
             if not isinstance(errors[-1][2], TimeoutError):  # a stuck rank lets the others report their wait
                 self.transport.abort()
 
-    def _walk(self, rank: int, step: _Step) -> None:
+    def _walk(self, rank: int, step: Step) -> None:
         """The rank loop: each instruction of ``rank``'s program, in order, runs its handler (a compute
         entry :meth:`_entry`, a send :meth:`_send`, a receive :meth:`_recv`)."""
         run = self._run
         for instruction in self.program.instructions[rank]:
             try:
                 run[type(instruction)](step, rank, instruction)
-            except _Restart:
+            except Restart:
                 raise
             except BaseException as exc:
                 raise _Failed(instruction) from exc
 
-    def _entry(self, step: _Step, rank: int, entry: Action | Overlap) -> None:
+    def _entry(self, step: Step, rank: int, entry: Action | Overlap) -> None:
         """A compute entry: each part's handler on the inputs it takes, timed, its output kept for a send
         or for the next stage here."""
         speculation = step.speculating.get(rank)
@@ -563,7 +396,7 @@ class PipelineExecutor:
                 if here:  # the next stage is this rank's: counted as received, as a transfer would be
                     step.memory.receive(rank, made, out, end - step.t0)
 
-    def _send(self, step: _Step, rank: int, send: Send) -> None:
+    def _send(self, step: Step, rank: int, send: Send) -> None:
         """Hand the value to the transport: onto the receiver's device if it is a rank here (counted as
         received), as its leaves (a pytree) if not."""
         value = step.out.pop(send.key)
@@ -575,19 +408,20 @@ class PipelineExecutor:
             step.memory.receive(send.peer, send.key, value, time.perf_counter() - step.t0)
         self.transport.send(step.index, send.peer, Transfer(*send.key, step.attempts.get(rank, 0)), value)
 
-    def _recv(self, step: _Step, rank: int, recv: Recv) -> None:
+    def _recv(self, step: Step, rank: int, recv: Recv) -> None:
         """Wait for the value, for the entry after; from another process, onto this rank's device."""
-        value = self._wait(step, rank, Transfer(*recv.key, step.attempts.get(rank, 0)), self._waiters[recv])
+        key = Transfer(*recv.key, step.attempts.get(rank, 0))
+        value = self.wait_for(step, rank, key, self._waiters[recv])
         if recv.peer not in self._on:
             stage = consumer_stage(*recv.key[:2])
             if isinstance(value, list):  # a pytree's leaves: B's gradient has its stage's input's shape
                 tree = self._input_shapes[stage if recv.key.kind == "F" else recv.key.stage]
                 value = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), value)
-            value = _placed(value, self.stage_devices[stage])
+            value = placed(value, self.stage_devices[stage])
             step.memory.receive(rank, recv.key, value, time.perf_counter() - step.t0)
         step.out[recv.key] = value
 
-    def _wait(self, step: _Step, rank: int, key: Transfer | OptimizerMessage, waiter: Any) -> Any:
+    def wait_for(self, step: Step, rank: int, key: Transfer | OptimizerMessage, waiter: Any) -> Any:
         """What the transport has for ``rank`` under ``key``; a speculating rank validates when
         interrupted. Raises TimeoutError naming the rank, ``waiter`` and the value."""
         while True:
@@ -611,7 +445,7 @@ class PipelineExecutor:
             zeros = jax.device_put(np.zeros(leaf.shape, sum_dtype(leaf.dtype)), self.stage_devices[s])
             jax.block_until_ready(zeros + zeros)
 
-    def _sum_ties(self, rank: int, step: _Step) -> None:
+    def _sum_ties(self, rank: int, step: Step) -> None:
         """Tied weights: for each tie with a copy on ``rank``, send the sum of its copies here to the other
         ranks holding copies, add theirs in rank order, and put the total into every copy here."""
         placement = self.schedule.placement
@@ -625,28 +459,15 @@ class PipelineExecutor:
                 if q != rank:
                     self.transport.send(step.index, q, OptimizerMessage(f"TIE{t}", rank), own)
             device = self.stage_devices[mine[0][0]]
-            shares = [own if q == rank else jax.device_put(self._wait(
+            shares = [own if q == rank else jax.device_put(self.wait_for(
                 step, rank, OptimizerMessage(f"TIE{t}", q), f"the sum of tie {t}"), device) for q in ranks]
             total = functools.reduce(operator.add, shares)
             for s, i in mine:
-                step.acc[s] = (*step.acc[s][:i], _placed(total, self.stage_devices[s]), *step.acc[s][i + 1:])
+                step.acc[s] = (*step.acc[s][:i], placed(total, self.stage_devices[s]), *step.acc[s][i + 1:])
             jax.block_until_ready(total)
             with step.lock:
                 step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, start - step.t0,
                                             time.perf_counter() - step.t0))
-
-    def _redo(self, rank: int, step: _Step, stages: list, update) -> None:
-        """Reset ``rank``'s share of ``step`` for a redo (events kept as ``discarded``)."""
-        step.attempts[rank] = step.attempts.get(rank, 0) + 1
-        step.out.update((k, v) for k, v in step.given.items() if consumer_stage(k.kind, k.stage) in stages)
-        for key in [key for key in step.store if key[1] in stages]:
-            step.release(rank, key)
-        step.memory.settle(rank, time.perf_counter() - step.t0)
-        with step.lock:
-            step.discarded += [e for e in step.events if e.rank == rank]
-            step.events[:] = [e for e in step.events if e.rank != rank]
-        for s in stages:
-            step.params[s] = update.stage_params(s)
 
     # handlers: kind -> work. Each takes the value its action takes from another stage (F: x, B and BW:
     # dy; stage 0's input and the last stage's seed 1/m among them) and returns Done.
@@ -661,7 +482,7 @@ class PipelineExecutor:
     def _keep_spare(self, kind: str, stage: int, arrays: tuple) -> None:
         self._spares.setdefault((kind, stage), []).append(arrays)
 
-    def _forward(self, step: _Step, a: Action, x: Any) -> Done:
+    def _forward(self, step: Step, a: Action, x: Any) -> Done:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         last = s == self.model.num_stages - 1
         key = step.keys[s][j] if step.keys else None
@@ -673,7 +494,7 @@ class PipelineExecutor:
             step.losses[j] = y
         return Done((y, res, kept), None if last else y)
 
-    def _backward_input(self, step: _Step, a: Action, dy: Any) -> Done:
+    def _backward_input(self, step: Step, a: Action, dy: Any) -> Done:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         res = step.release(rank, ("res", s, j))
         dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, dy, self._spare("grads", s))
@@ -681,46 +502,19 @@ class PipelineExecutor:
         self._keep_spare("res", s, res)
         return Done((dx, grads_out), dx if s else None)
 
-    def _backward_weight(self, step: _Step, a: Action) -> Done:
+    def _backward_weight(self, step: Step, a: Action) -> Done:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         kept, grads_out = (step.release(rank, (what, s, j)) for what in ("kept", "grads"))
         step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
         self._keep_spare("grads", s, grads_out)
         return Done(step.acc[s])
 
-    def _backward_fused(self, step: _Step, a: Action, dy: Any) -> Done:
+    def _backward_fused(self, step: Step, a: Action, dy: Any) -> Done:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         res, kept = (step.release(rank, (what, s, j)) for what in ("res", "kept"))
         dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, dy, step.acc[s])
         self._keep_spare("res", s, res)
         return Done((dx, step.acc[s]), dx if s else None)
-
-
-def _route(handler: Callable, kind: str, stage: int, placement: Sequence[int]) -> _Route:
-    """What an action of ``kind`` on ``stage`` takes from another stage: F the activation of stage s-1,
-    B and BW the input gradient of stage s+1 (stage -1 and S: the batch and the seed), W nothing; and
-    what it makes for one (:func:`~zbpp_lite.schedules.program.consumer_stage`)."""
-    if kind == "W":
-        return _Route(handler, None, None, False)
-    makes = "F" if kind == "F" else "B"
-    takes = Key(makes, stage - 1 if kind == "F" else stage + 1, 0)
-    consumer = consumer_stage(makes, stage)
-    if not 0 <= consumer < len(placement):
-        return _Route(handler, takes, None, False)
-    return _Route(handler, takes, makes, placement[consumer] == placement[stage])
-
-
-def _waiters(program: Program) -> dict:
-    """Each :class:`Recv` of ``program`` -> the compute entry after it, which takes its value."""
-    waiters, waiting = {}, []
-    for row in program.instructions:
-        for x in row:
-            if type(x) is Recv:
-                waiting.append(x)
-            elif type(x) is not Send:
-                waiters.update((r, x) for r in waiting)
-                waiting = []
-    return waiters
 
 
 def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,
@@ -738,12 +532,3 @@ def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, pa
     if executor != "threads":
         raise ValueError(f"executor must be 'threads' or 'spmd', got {executor!r}")
     return PipelineExecutor(model, schedule, devices, timeout).run(params, x, labels)
-
-
-def _placed(tree: Any, device) -> Any:
-    """``tree`` on ``device``, without a ``device_put`` when every leaf is already there."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    if all(isinstance(a, jax.Array) and a.committed and a.sharding == sharding
-           for a in jax.tree_util.tree_leaves(tree)):
-        return tree
-    return jax.device_put(tree, device)
