@@ -95,7 +95,7 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     from zbpp_lite.training.postval.rollback import AdamWConfig
 
     schedule, model, batches = _job(args)
-    executor = connect(peers, lambda remote: PipelineExecutor(model, schedule, [device], ranks=[rank], remote=remote))
+    executor = connect(peers, lambda transport: PipelineExecutor(model, schedule, [device], ranks=[rank], transport=transport))
     while (command := control.recv()) is not None:
         policy, max_norm = command
         optimizer = StageOptimizer(executor, model.params, AdamWConfig(), policy, max_norm)  # compiles here

@@ -12,7 +12,7 @@ forward, the backward and the optimizer update. This script
    batches, in two set-ups:
    - ``NAME@procs``: PyTorch's set-up, one process per rank, each pinned to its own core before
      JAX starts (so XLA's threads serve that rank only), the package's executor running that
-     rank's actions (``PipelineExecutor(ranks=[r], remote=...)``), activations and gradients
+     rank's actions (``PipelineExecutor(ranks=[r], transport=...)``), activations and gradients
      between ranks through pipes, AdamW on the rank's stages after its last action, a common
      start signal per step and the slower rank's time as the step's (:func:`rank_process`);
    - ``NAME``: ``zbpp_lite.training.train.train`` as a user calls it, one process with 2 simulated CPU
@@ -241,7 +241,7 @@ def action_medians(timelines) -> dict:
 def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     """One pipeline rank in its own process, as PyTorch's benchmark runs its ranks: pinned to one
     core before JAX starts (so XLA's threads are this rank's only), one CPU device, the package's
-    executor for this rank's actions (``PipelineExecutor(ranks=[rank], remote=...)``), one per
+    executor for this rank's actions (``PipelineExecutor(ranks=[rank], transport=...)``), one per
     schedule of ``plans`` ({name: build options}, all cutting the model alike, but for
     :data:`REFERENCE`: the whole model as one stage on rank 0), values to and from the other
     ranks through pipes (:mod:`zbpp_lite.runtime.processes`), AdamW on this rank's stages after
@@ -284,7 +284,7 @@ def rank_process(rank: int, peers: dict, control, config: dict) -> None:
     for num_stages in sorted({s.num_stages for s in schedules.values()}):
         model = StagedModel(build_parts(config), num_stages)
         cuts[num_stages] = {"model": model, "params": list(load_torch_init(init, config) if init else model.params)}
-    executors = connect(peers, {name: (lambda remote, s=s: PipelineExecutor(cuts[s.num_stages]["model"], s, [device], ranks=[rank], remote=remote))
+    executors = connect(peers, {name: (lambda transport, s=s: PipelineExecutor(cuts[s.num_stages]["model"], s, [device], ranks=[rank], transport=transport))
                                 for name, s in schedules.items()})
     for num_stages, cut in cuts.items():
         model, params = cut["model"], cut["params"]

@@ -193,20 +193,6 @@ def test_flags_that_agree_with_the_csv_are_taken(tmp_path, capsys):
     assert "p = 2 ranks, 2 stages, m = 4 microbatches" in capsys.readouterr().out
 
 
-def test_the_executor_takes_remote_or_transport_not_both():
-    # remote= silently won over transport=
-    from zbpp_lite.runtime.executor import PipelineExecutor
-    from zbpp_lite.runtime.stages import StagedModel
-    from zbpp_lite.training.model import ModelConfig, build_parts
-
-    import jax
-
-    model = StagedModel(build_parts(ModelConfig(d=8, heads=1, blocks=2)), 2)
-    with pytest.raises(ValueError, match=r"^give remote= .* or transport= .*, not both"):
-        PipelineExecutor(model, zb.build_schedule("1f1b", 2, 2), jax.devices()[:1], ranks=[0], remote=print,
-                         transport=lambda put: None)
-
-
 def test_compare_blocks_are_what_its_help_says_one_for_every_stage_by_default(capsys):
     # the help read "default: 8; none: 4, or one per stage", and at 8 blocks compare refused the
     # schedules with more stages than that (p > 4)

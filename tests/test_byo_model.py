@@ -187,7 +187,7 @@ def run_one_process_per_rank(model: StagedModel, schedule: zb.Schedule, run) -> 
     a, b = (end.detach() for end in socket.socketpair())
     peers = [{"1": {"fd": a, "out": rings[0].name, "in": rings[1].name}}, {"0": {"fd": b, "out": rings[1].name, "in": rings[0].name}}]
     try:
-        executors = [connect(peers[r], lambda remote, r=r: PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r], remote=remote))
+        executors = [connect(peers[r], lambda transport, r=r: PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r], transport=transport))
                      for r in range(2)]
         results: dict = {}
         threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, run(executors[r]))) for r in range(2)]

@@ -198,9 +198,9 @@ class _FailingExecutor(PipelineExecutor):
 
 
 class _LosingExecutor(PipelineExecutor):
-    def _send(self, step, action, value, attempt=0):
-        if (action.kind, action.stage, action.microbatch) != ("F", 0, 1):
-            super()._send(step, action, value, attempt)
+    def _send(self, step, rank, send):
+        if send.key != ("F", 0, 1):
+            super()._send(step, rank, send)
 
 
 def test_an_error_in_one_rank_reaches_the_caller_at_once():

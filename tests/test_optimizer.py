@@ -134,11 +134,11 @@ def test_guarded_steps_in_the_rank_threads_equal_the_reference(name, spike, pv_t
 
 @pytest.mark.parametrize("policy", ["synchronous", "post-validation"])
 def test_one_executor_per_rank_trains_as_one_executor_for_all(policy):
-    """PyTorch's set-up, one process per rank (here two single-rank executors in two threads,
-    values through ``remote`` / ``deliver`` as a pipe carries them: arrays as NumPy, the
-    optimizer's floats as they are): several steps in one run_steps call, the guard's messages
-    between the ranks included, give the all-ranks executor's parameters and reports."""
-    import threading
+    """PyTorch's set-up, one process per rank (here two single-rank executors in two threads, values
+    through processes.connect's transport as a pipe carries them: arrays as NumPy, the optimizer's
+    floats as they are): several steps in one run_steps call, the guard's messages between the ranks
+    included, give the all-ranks executor's parameters and reports."""
+    from test_byo_model import run_one_process_per_rank
 
     schedule, model, executor, batches = _setup("zb-h2")
     first = executor.run(model.params, *batches[0]).grads
@@ -146,45 +146,28 @@ def test_one_executor_per_rank_trains_as_one_executor_for_all(policy):
     inject = _faults(schedule, 10.0, delay=0.2)
     whole_results, whole = guarded_run(executor, model.params, batches, policy, max_norm, CFG, inject)
 
-    def carry(to, key, value, step):
-        value = np.asarray(value) if isinstance(value, jax.Array) else value
-        executors[to].deliver(key, value, step, to)
+    def run(executor):
+        optimizer = StageOptimizer(executor, model.params, CFG, policy, max_norm, inject)
+        results = executor.run_steps(model.params, batches, optimizer)
+        after = (optimizer.params(), list(optimizer.reports))
+        # a second call continues the step numbering on both sides (no message meets the wrong step)
+        return results, after, executor.run_steps(model.params, batches[:2], optimizer)
 
-    executors = {r: PipelineExecutor(model, schedule, [jax.devices()[r]], ranks=[r], remote=carry) for r in range(2)}
-    optimizers = {r: StageOptimizer(executors[r], model.params, CFG, policy, max_norm, inject) for r in range(2)}
-    results, errors = {}, []
-
-    def rank(r):
-        try:
-            results[r] = executors[r].run_steps(model.params, batches, optimizers[r])
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    both = run_one_process_per_rank(model, schedule, run)
+    results, again = {r: v[0] for r, v in both.items()}, {r: v[2] for r, v in both.items()}
+    params, reports = {r: v[1][0] for r, v in both.items()}, {r: v[1][1] for r, v in both.items()}
     for s in range(schedule.num_stages):
         r = schedule.placement[s]
-        assert _max_rel(optimizers[r].params()[s], whole.params()[s]) < 1e-5, (policy, s)
+        assert _max_rel(params[r][s], whole.params()[s]) < 1e-5, (policy, s)
     last = schedule.placement[-1]
     assert [res.loss for res in results[last]] == pytest.approx([res.loss for res in whole_results], rel=1e-5)
     for r in range(2):  # each process reports its own ranks: the same global norms and verdicts
-        assert [rep.clipped for rep in optimizers[r].reports] == [rep.clipped for rep in whole.reports]
-        assert [rep.finite for rep in optimizers[r].reports] == [rep.finite for rep in whole.reports]
+        assert [rep.clipped for rep in reports[r]] == [rep.clipped for rep in whole.reports]
+        assert [rep.finite for rep in reports[r]] == [rep.finite for rep in whole.reports]
         if policy == "post-validation":
-            assert [rep.rolled_back for rep in optimizers[r].reports] == [[q for q in rep.rolled_back if q == r] for rep in whole.reports]
+            assert [rep.rolled_back for rep in reports[r]] == [[q for q in rep.rolled_back if q == r] for rep in whole.reports]
     if policy == "post-validation":  # rank 0 redid its speculative warm-up after each rollback
         assert [bool(r.discarded) for r in results[0]] == [k - 1 in (SPIKE_STEP, NAN_STEP) for k in range(STEPS)]
-    # a second call continues the step numbering on both sides (no message meets the wrong step)
-    again = {}
-    threads = [threading.Thread(target=lambda r=r: again.__setitem__(r, executors[r].run_steps(model.params, batches[:2], optimizers[r]))) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
     assert sorted(again) == [0, 1] and all(len(v) == 2 for v in again.values())
 
 

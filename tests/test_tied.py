@@ -232,10 +232,10 @@ def test_the_cross_host_transport_refuses_ties_across_processes_in_one_line():
     model = StagedModel(function_parts(), 2, loss_fn)
     with pytest.raises(ValueError, match=r"^parts 0 and 5 share one array \(part 0 at \['embedding'\], part 5 at "
                                          r"\['embedding'\]; tied weights\), on ranks of different processes") as err:
-        _CrossProcess(None, model, zb.build_schedule("zb-h1", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
+        _CrossProcess(model, zb.build_schedule("zb-h1", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
     assert len(str(err.value).splitlines()) == 1
     v_model = StagedModel(function_parts(), 4, loss_fn)  # zb-v: the first and last stage on rank 0
-    _CrossProcess(None, v_model, zb.build_schedule("zb-v", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
+    _CrossProcess(v_model, zb.build_schedule("zb-v", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
 
 
 def test_two_ties_one_of_them_inside_a_stage():

@@ -90,11 +90,10 @@ def test_losses_equal_a_live_pytorch_run(tmp_path):
 
 def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
     """PyTorch's set-up, one process per rank, here two executors in one process: each runs its
-    own rank's actions and reaches the other through ``remote`` / ``deliver`` (NumPy arrays, as
-    a pipe carries them)."""
-    import threading
-
+    own rank's instructions and reaches the other through processes.connect's transport (a socket pair
+    and shared-memory rings, NumPy arrays as a pipe carries them)."""
     import zbpp_lite as zb
+    from test_byo_model import run_one_process_per_rank
     from zbpp_lite.training.data import load_digit_tokens
     from zbpp_lite.runtime.executor import PipelineExecutor
     from zbpp_lite.training.model import ModelConfig, build_parts
@@ -104,16 +103,7 @@ def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
     x, y = x[:8], y[:8]
     schedule = zb.build_schedule("zb-v", 2, 4, costs=zb.Costs())  # V placement: two stages per rank
     model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=4)), schedule.num_stages)
-    executors = {}
-    for r in range(2):
-        executors[r] = PipelineExecutor(model, schedule, [DEVICES[r]], ranks=[r],
-                                        remote=lambda to, key, value, step: executors[to].deliver(key, np.asarray(value), step))
-    results = {}
-    threads = [threading.Thread(target=lambda r=r: results.__setitem__(r, executors[r].run(model.params, x, y))) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = run_one_process_per_rank(model, schedule, lambda executor: executor.run(model.params, x, y))
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(model.params, x, y)
     last = schedule.placement[-1]
     assert abs(results[last].loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
@@ -138,15 +128,13 @@ def test_one_executor_per_rank_gives_the_whole_pipelines_loss_and_gradients():
             assert e.start >= ends[key], (e.action, key)
             crossings += schedule.placement[key[1]] != e.rank
     assert crossings == 2 * 2 * schedule.num_microbatches  # zb-v: 2 of its 3 stage boundaries cross, both ways
-    # a message for no local stage is refused at once, not at the next step
-    for key in (("F", 1, 0), ("B", 0, 0), ("F",), ("B", 3, 0)):  # executor 0 holds stages 0 and 3 (V placement)
-        with pytest.raises(ValueError, match="no local stage consumes"):
-            executors[0].deliver(key, np.zeros(3), 0)
-    from zbpp_lite.runtime.transport import OptimizerMessage
+    # a message for a rank of another process is refused at once, not at the next step
+    from zbpp_lite.runtime.processes import Rings
+    from zbpp_lite.runtime.transport import OptimizerMessage, Threads
 
-    with pytest.raises(ValueError, match="needs the local rank it is for"):
-        executors[0].deliver(OptimizerMessage("FULL", 1), (1.0, True, True), 0)
-    with pytest.raises(ValueError, match="needs remote="):
+    with pytest.raises(ValueError, match="a message .* for rank 1, which is not a rank of this process"):
+        Rings(None, {1: None}).arrive(OptimizerMessage("FULL", 0), (1.0, True, True), 0, 1)
+    with pytest.raises(ValueError, match="needs transport="):
         PipelineExecutor(model, schedule, [DEVICES[0]], ranks=[0])
     with pytest.raises(ValueError, match=r"ranks must be distinct ranks of the schedule \(0..1\)"):
-        PipelineExecutor(model, schedule, [DEVICES[0]], ranks=[2], remote=print)
+        PipelineExecutor(model, schedule, [DEVICES[0]], ranks=[2], transport=Threads())

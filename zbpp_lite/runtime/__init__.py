@@ -4,8 +4,9 @@
 - :mod:`.split`: the backward split, a stage's F, B, W and fused BW as jitted functions;
 - :mod:`.stages`: ``StagedModel``, any list of NNX modules and a loss cut into stages;
 - :mod:`.executor`: ``PipelineExecutor``, one thread a rank, measuring a ``Timeline``; ``run_schedule``;
-- :mod:`.transport`: ``Transfer``, ``OptimizerMessage``, the ``Inbox`` and the transports;
-- :mod:`.processes`: one pinned process per rank, shared-memory rings and sockets (``Carrier``);
+- :mod:`.transport`: ``Transfer``, ``OptimizerMessage``, ``Inbox``, the ``Transport`` protocol, ``Threads``;
+- :mod:`.step`, :mod:`.speculation`: a step's state and result; the optimizer step in the rank threads;
+- :mod:`.processes`: one pinned process per rank, shared-memory rings and sockets (``Rings``);
 - :mod:`.distributed` / :mod:`.cluster`: JAX's distributed runtime across hosts (``process_executor``);
 - :mod:`.wire`: JSON and raw NumPy bytes across processes (never pickles);
 - :mod:`.spmd`: a schedule compiled into one ``shard_map`` program (lockstep).

@@ -7,7 +7,8 @@ device (cross-host transfer over sockets, one explicit port per process: port 0 
 
 JAX pairs a sender's cross-host ``device_put`` with the receiver's, in issue order, both directions
 together (from two threads they mismatched). So each process issues all its transfers from one thread in
-:func:`transfer_plan`'s order (:func:`zbpp_lite.schedules.validate.execution_order`, the same everywhere),
+:func:`transfer_plan`'s order (the lowered program's :func:`~zbpp_lite.schedules.validate.execution_order`,
+the same everywhere),
 which cannot deadlock; a receiver posts its half once the key-value store says the value exists, on its
 :func:`staging_device`. After the step, results go through the key-value store so every process returns
 the whole :class:`~zbpp_lite.runtime.executor.StepResult`; process 0 deletes a step's keys once every
@@ -35,9 +36,10 @@ from .cluster import (address_towards, free_port, join_settings, listen_address,
 from .executor import PipelineExecutor
 from .processes import one_line
 from .stages import StagedModel, refuse_pytree_activations
-from .transport import Aborted, Carrier, Inbox, Transfer
+from .transport import Aborted, Inbox, Threads, Transfer
 from ..schedules import strict_json
-from ..schedules.ir import Action, Schedule, parts, produces
+from ..schedules.ir import Action, Schedule
+from ..schedules.program import Program, Send, consumer_stage, lower
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import execution_order
 
@@ -220,98 +222,112 @@ def staging_device(process: int):
     return [d for d in jax.devices() if d.process_index == process][-1]
 
 
-def transfer_plan(schedule: Schedule, owner: Sequence[int]) -> list[tuple[Action, int, int, int, int]]:
-    """One step's cross-process transfers as (action, producer rank, consumer stage, sending process,
-    receiving process) in :func:`execution_order` order, the same on every process (see the module
-    docstring). ``owner[rank]`` is each rank's process."""
-    plan = []
-    for rank, step in execution_order(schedule):
-        for a in parts(schedule.actions[rank][step]):  # a pair: its forward's, then its backward's
-            out = produces(a)[0]
-            consumer = Transfer(*out).consumer
-            if out.kind == "W" or not 0 <= consumer < schedule.num_stages:
-                continue
-            src, dst = owner[rank], owner[schedule.placement[consumer]]
-            if src != dst:
-                plan.append((a, rank, consumer, src, dst))
-    return plan
+def transfer_plan(program: Program, owner: Sequence[int]) -> list[tuple[Send, int]]:
+    """The program's sends between processes as (send, sending rank), in the program's
+    :func:`execution_order`, the same on every process (see the module docstring). ``owner[rank]`` is each
+    rank's process."""
+    rows = program.instructions
+    return [(rows[rank][i], rank) for rank, i in execution_order(program)
+            if type(rows[rank][i]) is Send and owner[rank] != owner[rows[rank][i].peer]]
 
 
-class _CrossProcess(Carrier):
-    """The transport across processes: local ranks via ``put``, others via the step's outbox, which the
-    transfer thread (:meth:`start`) drains in :func:`transfer_plan`'s order; :meth:`finish` gathers the
-    results. ``devices``: one global device per rank."""
+class _CrossProcess(Threads):
+    """The transport across processes: a value for a rank of this process into its inbox, one for another
+    process's into the step's outbox, which the transfer thread (:meth:`start`) drains in
+    :func:`transfer_plan`'s order, putting what it receives into the inboxes; :meth:`finish` gathers the
+    results. ``devices``: one global device per rank; ``inputs()``: every stage's input shapes."""
 
-    def __init__(self, put, model: StagedModel, schedule: Schedule, devices: Sequence[Any], timeout: float):
+    def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any], timeout: float,
+                 inputs: Callable[[], list] = list):
+        super().__init__()
         self.process, self.num_processes = jax.process_index(), jax.process_count()
         self.owner = [d.process_index for d in devices]
-        super().__init__(put, [r for r, q in enumerate(self.owner) if q == self.process],
-                         lambda rank, key, value, step: self.outboxes[step].put(key.key, value), lambda v: v)
+        self.local = {r for r, q in enumerate(self.owner) if q == self.process}
         self.model, self.schedule, self.devices, self.timeout = model, schedule, list(devices), timeout
+        self.inputs = inputs
         for tie, copies in zip(model.ties, model.tied_leaves()):
             if len({self.owner[schedule.placement[s]] for s, _ in copies}) > 1:
                 raise ValueError(f"{tie.describe()}, on ranks of different processes: the cross-process "
                                  "transport carries no tied copies' gradients; put their stages on one "
                                  "process's ranks (a V-shaped schedule puts the first and last on rank 0) "
                                  "or run them with PipelineExecutor")
-        self.plan = transfer_plan(schedule, self.owner)
+        self.plan = transfer_plan(lower(schedule), self.owner)
         self.staging = {q: staging_device(q) for q in range(self.num_processes)}
         self.where = f"process {self.process}: "
         self.outboxes: dict = {}  # step number -> Inbox of what local ranks send to other processes
         self.sent: list = []  # (value, moved) of sends that may still read their buffers
+        self.failure: BaseException | None = None  # why the transfer thread stopped
 
-    def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
+    def send(self, step: int, rank: int, key, value) -> None:
+        if rank in self.local:
+            super().send(step, rank, key, value)
+        else:
+            self.outboxes[step].put(key.key, value)
+
+    def recv(self, step: int, rank: int, key, timeout: float, interrupt=None):
+        try:
+            return super().recv(step, rank, key, timeout, interrupt)
+        except Aborted:
+            if self.failure is not None:
+                raise self.failure from None
+            raise
+
+    def start(self, steps: Sequence[int]) -> list:
         """The thread that issues this process's transfers of ``steps`` in plan order."""
+        super().start(steps)
+        shapes = self.inputs()
         refuse_pytree_activations(self.model, shapes[0], "the cross-process transport (JAX's distributed "
                                   "runtime)")
-        self.outboxes = {step.index: Inbox(self.process, abort) for step in steps}
+        self.outboxes = {step: Inbox(self._abort, threading.Condition()) for step in steps}
+        self.failure = None
 
         def move():
-            a = rank = None
+            send = None
             try:
                 for step in steps:
-                    for a, rank, consumer, src, dst in self.plan:
-                        if abort.is_set():
+                    for send, rank in self.plan:
+                        if self._abort.is_set():
                             return
-                        if src == self.process:
-                            self._send(step, a, rank, dst)
-                        elif dst == self.process:
-                            self._receive(step, a, rank, consumer, src, shapes)
+                        if rank in self.local:
+                            self._send(step, send, rank)
+                        elif send.peer in self.local:
+                            self._receive(step, send, rank, shapes)
             except Aborted:  # the step was aborted elsewhere: stop quietly
                 return
             except BaseException as exc:  # noqa: BLE001
-                errors.append((rank, a, RuntimeError(f"moving {a} between processes failed: {exc}")))
-                abort.set()
-                for inbox in (box for step in steps for box in step.inboxes):
-                    inbox.wake()
+                self.failure = RuntimeError(f"moving {send} between processes failed: {exc}")
+                self.abort()
 
         return [threading.Thread(target=move, name=f"transfers-of-process-{self.process}", daemon=True)]
 
-    def _send(self, step, a: Action, rank: int, dst: int) -> None:
+    def _send(self, step: int, send: Send, rank: int) -> None:
         try:
-            value = self.outboxes[step.index].take(produces(a)[0], self.timeout, a)
+            value = self.outboxes[step].take(send.key, self.timeout)
         except TimeoutError:
-            raise TimeoutError(f"rank {rank} produced no {a} within {self.timeout:g} s") from None
-        _client().key_value_set(f"zbpp/step{step.index}/ready/{a}", "1")  # the receiver may post its half
-        moved = jax.device_put(value, jax.sharding.SingleDeviceSharding(self.staging[dst]))
+            raise TimeoutError(f"rank {rank} produced no {send} within {self.timeout:g} s") from None
+        _client().key_value_set(f"zbpp/step{step}/ready/{send}", "1")  # the receiver may post its half
+        moved = jax.device_put(value, jax.sharding.SingleDeviceSharding(self.staging[self.owner[send.peer]]))
         jax.block_until_ready(moved)
         self.sent.append((value, moved))  # the send may still read the buffer: kept to the step's end
 
-    def _receive(self, step, a: Action, rank: int, consumer: int, src: int, shapes: list) -> None:
+    def _receive(self, step: int, send: Send, rank: int, shapes: list) -> None:
         try:
-            _client().blocking_key_value_get(f"zbpp/step{step.index}/ready/{a}", int(self.timeout * 1000))
+            _client().blocking_key_value_get(f"zbpp/step{step}/ready/{send}", int(self.timeout * 1000))
         except Exception as e:  # noqa: BLE001
-            raise TimeoutError(f"rank {rank} on process {src} did not produce {a} within {self.timeout:g} s "
-                               f"({one_line(e)})") from None
+            raise TimeoutError(f"rank {rank} on process {self.owner[rank]} did not produce {send} within "
+                               f"{self.timeout:g} s ({one_line(e)})") from None
         single = jax.sharding.SingleDeviceSharding
-        shape = shapes[consumer] if a.kind == "F" else shapes[a.stage]
+        kind, stage, _ = send.key
+        shape = shapes[consumer_stage(kind, stage) if kind == "F" else stage]
         placeholder = jax.make_array_from_single_device_arrays(
             tuple(shape.shape), single(self.devices[rank]), [], dtype=shape.dtype)
         moved = jax.device_put(placeholder, single(self.staging[self.process])).addressable_data(0)
-        self.put(step, Transfer(*produces(a)[0]), moved)
+        super().send(step, send.peer, Transfer(*send.key), moved)
 
     def finish(self, results: list) -> list:
         """Every process's losses, gradients and events, through the key-value store."""
+        if self.failure is not None:
+            raise self.failure
         S, m, tree = self.model.num_stages, self.schedule.num_microbatches, jax.tree_util
         stage_params = self.model.stage_params
         local = [s for s in range(S) if self.owner[self.schedule.placement[s]] == self.process]
@@ -362,8 +378,10 @@ def process_executor(model: StagedModel, schedule: Schedule, devices: Sequence[A
     """
     devices = list(devices) if devices is not None else pipeline_devices(schedule.num_ranks)
     ranks = [r for r, d in enumerate(devices) if d.process_index == jax.process_index()]
-    return PipelineExecutor(model, schedule, devices, timeout, ranks=ranks,
-                            transport=lambda put: _CrossProcess(put, model, schedule, devices, timeout))
+    transport = _CrossProcess(model, schedule, devices, timeout)
+    executor = PipelineExecutor(model, schedule, devices, timeout, ranks=ranks, transport=transport)
+    transport.inputs = lambda: executor.input_shapes
+    return executor
 
 
 def _client():

@@ -1,19 +1,20 @@
 """The multi-device executor: run any valid Schedule for real, one thread per rank.
 
-Each rank is a thread walking its own action list (no global clock): the rank loop,
-:meth:`PipelineExecutor._walk`. An action waits only for what other ranks send
-(:func:`zbpp_lite.schedules.ir.deps`); its own rank's inputs are there by the validated order. It runs the
-jitted F, B, W or BW of :class:`zbpp_lite.runtime.split.StageSplit` on the rank's device, records the event
-and memory, and sends its output through a :mod:`zbpp_lite.runtime.transport`. An F&B pair (DualPipeV)
-runs its parts back to back, each its own event. Post-validation's speculative warm-up wraps the loop
-(:class:`_Speculation`). The last stage's backward starts from d loss / d loss_j = 1/m, so the summed W's
-are the gradient of the global-batch mean loss (Qi et al., arXiv 2401.10241, section 2).
+The schedule is lowered to its program (:func:`zbpp_lite.schedules.program.lower`): per rank, its compute
+entries with the sends and receives written out. Each rank is a thread interpreting its instructions in
+order (no global clock), the rank loop :meth:`PipelineExecutor._walk`: a compute entry runs the jitted F, B,
+W or BW of :class:`zbpp_lite.runtime.split.StageSplit` on the rank's device and records the event and
+memory; a ``Send`` hands a value to the :mod:`~zbpp_lite.runtime.transport`; a ``Recv`` waits for one. An
+F&B pair (DualPipeV) runs its parts back to back, each its own event. Post-validation's speculative warm-up
+validates on the way (:class:`~zbpp_lite.runtime.speculation.Speculation`). The last stage's backward
+starts from d loss / d loss_j = 1/m, so the summed W's are the gradient of the global-batch mean loss
+(Qi et al., arXiv 2401.10241, section 2).
 
 Timing: ``time.perf_counter()`` around each action, after its inputs arrived and after
 ``jax.block_until_ready``, gives a measured :class:`~zbpp_lite.schedules.timeline.Timeline` (seconds since
 the step began) with ``measured_memory`` (:mod:`zbpp_lite.runtime.memory`); compilation happens before.
 Simulated CPU devices share XLA's thread pool; for one core per rank run one process per rank
-(``ranks=[r], remote=send`` and :meth:`PipelineExecutor.deliver`; :mod:`zbpp_lite.runtime.processes`).
+(``ranks=[r], transport=...``: :func:`zbpp_lite.runtime.processes.connect`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ import operator
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -35,229 +35,47 @@ from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes, stage_b
 from .split import sum_dtype
 from .spmd import SpmdExecutor
 from .stages import Params, StagedModel, batch_microbatch_size
-from .transport import (Aborted, Carrier, Inbox, Interrupted, OptimizerMessage, Threads, Transfer, Transport,
-                        message_key)
+from .speculation import Channel, RankUpdate, Restart, Speculation, redo
+from .step import Done, PlanMemoryWarning, Step, StepResult, TieSum, placed, route, waiters
+from .transport import Aborted, Interrupted, OptimizerMessage, Threads, Transfer, Transport
 from ..schedules.costs import Costs
-from ..schedules.ir import Action, Key, Schedule, deps, parts, produces
+from ..schedules.ir import Action, Key, Overlap, Schedule, parts
+from ..schedules.program import Recv, Send, consumer_stage, lower
 from ..schedules.timeline import Event, Timeline
 from ..schedules.validate import validate
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """One executed training step (before the optimizer).
-
-    Attributes:
-        loss: the global-batch mean loss, float (mean of the microbatch losses).
-        microbatch_losses: the last stage's loss for each microbatch, floats.
-        grads: gradient of ``loss``, one pytree per model module (as ``StagedModel.params``), each on its
-            stage's device, summed over the microbatches in float32 (float64 for float64 parameters:
-            :func:`~zbpp_lite.runtime.split.sum_dtype`), bfloat16 parameters too.
-        timeline: the measured :class:`~zbpp_lite.schedules.timeline.Timeline` (s from the first action).
-        start: seconds from the first step of the :meth:`PipelineExecutor.run_steps` call (0.0 for ``run``).
-        discarded: events of speculative actions redone after a rollback (:class:`RankUpdate`).
-        started_at: ``time.perf_counter()`` at the first action (CLOCK_MONOTONIC: aligns processes of one
-            machine); 0.0 across hosts.
-        tie_sums: one :class:`TieSum` per rank and tie of a model with tied weights (``StagedModel.ties``):
-            the exchange that sums the copies' gradients, timed like the timeline's events.
-    """
-
-    loss: float
-    microbatch_losses: tuple[float, ...]
-    grads: Params
-    timeline: Timeline
-    start: float = 0.0
-    discarded: tuple = ()
-    started_at: float = 0.0
-    tie_sums: tuple = ()
-
-
-@dataclass(frozen=True)
-class TieSum:
-    """One rank's share of summing a tied parameter's gradient copies after its last action (section 2's
-    W sums, then one exchange, as Megatron-LM's embedding all-reduce): ``tie`` indexes ``StagedModel.ties``;
-    ``ranks`` hold copies (this one sends its partial sum to each other one and adds theirs, in rank order,
-    so every copy gets the same sum); ``nbytes`` sent to each; ``start``, ``end`` in seconds (the wait for
-    the others' sums included), measured as the timeline's events."""
-
-    rank: int
-    tie: int
-    ranks: tuple[int, ...]
-    nbytes: int
-    start: float
-    end: float
-
-
-class PlanMemoryWarning(UserWarning):
-    """A schedule run on a model whose M_W / M_B moves its peak above what its planner promised
-    (:meth:`zbpp_lite.schedules.memory.MemoryPlan.overrun`)."""
-
-
-class _Leaves(list):
-    """A pytree's leaves received from another process, unflattened once the consumer's tree is known."""
-
-
-class _Restart(Exception):
-    """The previous step's optimizer step was rolled back: redo this step's actions so far."""
-
-
-class _Channel:
-    """An optimizer step's exchange with other ranks: ``send(to, key, value)``, ``take(key)`` (keys
-    :class:`~zbpp_lite.runtime.transport.OptimizerMessage`, values host floats)."""
-
-    def __init__(self, executor: "PipelineExecutor", step: "_Step", rank: int):
-        self._executor, self._step, self.rank = executor, step, rank
-
-    def send(self, to: int, key: OptimizerMessage, value: Any) -> None:
-        self._executor.transport.send(self._step, to, key, value)
-
-    def take(self, key: OptimizerMessage, what: str = "the optimizer step") -> Any:
-        return self._step.inboxes[self.rank].take(key, self._executor.timeout, what)
-
-
-class RankUpdate(Protocol):
-    """The optimizer step inside the rank threads (:meth:`PipelineExecutor.run_steps`).
-
-    The executor calls, in rank ``rank``'s thread:
-
-    - ``stage_params(stage)`` before the rank's first action of every step (and of a redone warm-up):
-      the stage's parameters, a tuple of leaves on its device;
-    - ``step(rank, k, grads, channel)`` after its last action of step ``k``: ``grads`` maps each stage to
-      its gradient sums (tuple of leaves on its device, float32 for float32 and bfloat16 parameters:
-      :func:`~zbpp_lite.runtime.split.sum_dtype`) of the global-batch mean loss, each tied copy
-      holding its tie's whole gradient (:class:`TieSum`);
-    - ``validate(rank, k, channel) -> bool`` once per step and after the last (paper section 4). Without
-      ``verdict_key`` it runs before step ``k + 1``. With it (the deciding message's key) step ``k + 1``'s
-      warm-up runs speculatively and ``validate`` runs when that message arrives, at the latest before
-      the first backward; True (a rollback) makes every rank redo its share so far;
-    - ``begin(num_steps)``, if it has one, once before the threads start. ``channel``: a :class:`_Channel`.
-    """
-
-    def stage_params(self, stage: int) -> tuple: ...
-
-    def step(self, rank: int, k: int, grads: dict, channel: _Channel) -> None: ...
-
-    def validate(self, rank: int, k: int, channel: _Channel) -> bool: ...
-
-
-class _Hooks:
-    """Hooks around the rank loop: ``before`` each entry, ``validate`` when ``interrupt`` cut a wait short,
-    ``end``. These do nothing (a step that is not a speculative warm-up)."""
-
-    interrupt: Callable[[], bool] | None = None
-
-    def before(self, entry) -> None:
-        pass
-
-    def validate(self) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
-
-
-_HOOKS = _Hooks()  # the loop of a step that is not a speculative warm-up
-
-
-class _Speculation(_Hooks):
-    """Post-validation's speculative warm-up (arXiv 2401.10241, section 4): step k + 1 on step k's
-    speculative parameters, validated when ``update.verdict_key`` arrives (by the first backward); a
-    rollback raises :class:`_Restart`."""
-
-    def __init__(self, executor: "PipelineExecutor", rank: int, update: RankUpdate, k: int,
-                 previous: "_Step"):
-        self.executor, self.rank, self.update, self.k, self.previous = executor, rank, update, k, previous
-        self.interrupt = self.arrived  # until validated: a wait ends when the verdict arrives
-
-    def arrived(self) -> bool:
-        return self.update.verdict_key in self.previous.inboxes[self.rank].items
-
-    def before(self, entry) -> None:
-        if self.interrupt is not None and (any(a.kind != "F" for a in parts(entry)) or self.arrived()):
-            self.validate()
-
-    def validate(self) -> None:
-        self.interrupt = None
-        if self.update.validate(self.rank, self.k, _Channel(self.executor, self.previous, self.rank)):
-            raise _Restart()
-
-    def end(self) -> None:
-        if self.interrupt is not None:  # a rank with no backward in this step (none in a valid schedule)
-            self.validate()
-
-
-@dataclass
-class _Step:
-    """State of one step in flight, shared by the rank threads."""
-
-    params: list  # per stage, its parameters as a tuple of leaves (FlatStage's p), on its device
-    acc: list  # per stage gradient sums (tuples of leaves, None before its first W), on its device
-    inputs: list  # per microbatch, on stage 0's device
-    labels: list  # per microbatch, on the last stage's device
-    seed: Any  # d loss / d loss_j = 1/m, on the last stage's device
-    splits: list  # per stage StageSplit
-    inboxes: list
-    t0: float
-    store: dict  # (what, stage, microbatch) -> what F / B kept: "res", "kept" or "grads" (runtime.memory)
-    losses: dict
-    events: list
-    index: int = 0  # the step's number over the executor's life (remote messages carry it)
-    attempts: dict = field(default_factory=dict)  # rank -> its attempt (1 once its warm-up was redone)
-    discarded: list = field(default_factory=list)  # events of actions redone after a rollback
-    tie_sums: list = field(default_factory=list)  # TieSum per rank and tie (guarded by lock)
-    memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
-    keys: dict = field(default_factory=dict)  # local stage -> per microbatch its dropout key ({}: no dropout)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
-
-    def hold(self, rank: int, key: tuple, value: Any) -> None:
-        """Keep ``value`` under ``key`` in the store, counted as rank ``rank``'s memory."""
-        self.store[key] = value
-        self.memory.keep(rank, key, value)
-
-    def release(self, rank: int, key: tuple) -> Any:
-        """Take what ``key`` holds out of the store and out of rank ``rank``'s memory."""
-        self.memory.free(rank, key)
-        return self.store.pop(key)
-
-
-def _abort(steps: list, abort: threading.Event) -> None:
-    """Stop every rank of ``steps``: set ``abort`` and wake each inbox, so a waiting rank raises Aborted."""
-    abort.set()
-    for st in steps:
-        for inbox in st.inboxes:
-            inbox.wake()
+class _Failed(Exception):
+    """An instruction of a rank's program failed: ``args[0]`` the instruction, ``__cause__`` why."""
 
 
 class PipelineExecutor:
-    """Runs a schedule on a staged model, one thread per rank, one device per rank.
+    """Runs a schedule on a staged model, one thread per rank, one device per rank: each rank interprets
+    its instructions of the schedule's lowered program (:func:`zbpp_lite.schedules.program.lower`).
 
     Args:
         model: the :class:`~zbpp_lite.runtime.stages.StagedModel`, cut into the schedule's stages.
         schedule: any valid schedule (validated here, before anything is computed).
         devices: one per rank in ``ranks`` (or per schedule rank); default ``jax.devices()[:len(ranks)]``.
         timeout: seconds a rank may wait for one input before the step fails.
-        ranks: the ranks run here (default all). With some only, ``remote(rank, key, value, step)``
-            carries a local rank's sends (``key`` a :class:`~zbpp_lite.runtime.transport.Transfer` or
-            :class:`~zbpp_lite.runtime.transport.OptimizerMessage`; ``step`` counts the executor's steps)
-            to the other process's :meth:`deliver`.
-        remote: see ``ranks``.
-        transport: instead of ``remote`` (not with it), ``transport(put)`` builds the
-            :class:`~zbpp_lite.runtime.transport.Transport` (e.g. ``process_executor``'s).
+        ranks: the ranks run here (default all); with some only, ``transport`` reaches the others.
+        transport: the :class:`~zbpp_lite.runtime.transport.Transport` carrying values between ranks
+            (default :class:`~zbpp_lite.runtime.transport.Threads`: every rank here); one per executor.
         record_memory: fill each step's ``timeline.measured_memory`` (else None).
 
     Attributes:
-        ranks: the ranks run here; ``local_stages``: theirs; ``stage_devices[s]``: device or None.
+        ranks: the ranks run here; ``local_stages``: theirs; ``stage_devices[s]``: device or None;
+        ``program``: the lowered program.
 
     Raises:
         ScheduleError: an invalid schedule.
-        ValueError: a model with another stage count, fewer devices than ranks, an unknown rank,
-            some ranks without ``remote`` or ``transport``, or both given.
+        ValueError: a model with another stage count, fewer devices than ranks, an unknown rank, or some
+            ranks without a transport.
     """
 
     def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None,
                  timeout: float = 120.0, *, ranks: Sequence[int] | None = None,
-                 remote: Callable[[int, Transfer | OptimizerMessage, Any, int], None] | None = None,
-                 transport: Callable[[Callable], Transport] | None = None, record_memory: bool = True):
+                 transport: Transport | None = None, record_memory: bool = True):
         validate(schedule)
         if model.num_stages != schedule.num_stages:
             raise ValueError(f"the schedule has {schedule.num_stages} stages but the model is cut into "
@@ -267,12 +85,9 @@ class PipelineExecutor:
         if not ranks or not set(ranks) <= set(range(schedule.num_ranks)) or len(set(ranks)) < len(ranks):
             raise ValueError(f"ranks must be distinct ranks of the schedule (0..{schedule.num_ranks - 1}), "
                              f"got {list(ranks)}")
-        if remote is not None and transport is not None:
-            raise ValueError("give remote= (a function carrying sends to other processes) or transport= (a "
-                             "Transport factory), not both: one carries every send")
-        if len(ranks) < schedule.num_ranks and remote is None and transport is None:
-            raise ValueError(f"running ranks {list(ranks)} of {schedule.num_ranks} needs remote= "
-                             "(or transport=) to reach the others")
+        if len(ranks) < schedule.num_ranks and transport is None:
+            raise ValueError(f"running ranks {list(ranks)} of {schedule.num_ranks} needs transport= to reach "
+                             "the others (e.g. processes.connect's)")
         self.devices = None if devices is None else list(devices)  # as given
         if devices is not None and len(devices) == schedule.num_ranks > len(ranks):  # every rank's: ours
             devices = [devices[r] for r in ranks]
@@ -285,25 +100,21 @@ class PipelineExecutor:
             raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} "
                              "devices")
         self.model, self.schedule, self.timeout = model, schedule, timeout
-        self.ranks = ranks
-        # how a rank's outputs reach the rank that takes them (runtime.transport)
-        self.transport: Transport = Threads(self._put)
-        if remote is not None:  # some ranks in other processes of this machine
-            self.transport = Carrier(self._put, ranks, remote, _leaves)
-        elif transport is not None:  # e.g. runtime.distributed's, across hosts
-            self.transport = transport(self._put)
+        self.ranks, self.program = ranks, lower(schedule)
+        self.transport: Transport = Threads() if transport is None else transport
         self.record_memory = record_memory
         self._on = on = dict(zip(ranks, devices))
         self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
         self.local_stages = [s for s, r in enumerate(schedule.placement) if r in on]
-        self._lock = threading.Lock()
-        self._current: tuple[int, list] | None = None  # (first's number, steps in flight), for deliver()
-        self._pending: list = []  # (step, key, value, rank) from other processes before its step began
-        self._steps_begun = 0  # steps numbered so far: what remote messages are tagged with
+        self._steps_begun = 0  # steps numbered so far: the transport's step numbers
         self._spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
         self._spares_for: Any = None  # the microbatch shape the spares have
-        self._handlers: dict[str, Callable] = {"F": self._forward, "B": self._backward_input,
-                                               "W": self._backward_weight, "BW": self._backward_fused}
+        handlers = {"F": self._forward, "B": self._backward_input, "W": self._backward_weight,
+                    "BW": self._backward_fused}
+        self._routes = {(kind, s): route(handlers[kind], kind, s, schedule.placement)
+                        for kind in handlers for s in range(schedule.num_stages)}
+        self._run = {Action: self._entry, Overlap: self._entry, Send: self._send, Recv: self._recv}
+        self._waiters = waiters(self.program)  # Recv -> the entry that waits for it, named in timeouts
         self._prepared: dict = {}
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
 
@@ -345,6 +156,11 @@ class PipelineExecutor:
         self._prepared[signature] = splits, shapes
         self._check_memory_plan(sizes)
         return splits
+
+    @property
+    def input_shapes(self) -> list:
+        """Per stage, its input's shapes and dtypes (what B sends back too), once a shape was compiled."""
+        return self._input_shapes
 
     def _check_memory_plan(self, sizes: dict) -> None:
         """Warn (:class:`PlanMemoryWarning`) when the schedule's memory plan does not hold at this model's
@@ -401,7 +217,7 @@ class PipelineExecutor:
         x0, y0 = batches[0]
         mb = batch_microbatch_size(x0, y0, m)
         local = self.local_stages
-        stage_params = [_placed(self.model.stage_params(params, s), self.stage_devices[s])
+        stage_params = [placed(self.model.stage_params(params, s), self.stage_devices[s])
                         if s in local else None for s in range(S)]
         leaves = [None if p is None else tuple(jax.tree_util.tree_leaves(p)) for p in stage_params]
         first, last = self.stage_devices[0], self.stage_devices[-1]
@@ -411,47 +227,42 @@ class PipelineExecutor:
         if self._spares_for != (np.shape(x0), np.shape(y0)):
             self._spares, self._spares_for = {}, (np.shape(x0), np.shape(y0))
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
-        abort = threading.Event()
-        conds = [threading.Condition() for _ in range(self.schedule.num_ranks)]  # a rank's inboxes share one
         base, steps = self._steps_begun, []
         remote = len(self.ranks) < self.schedule.num_ranks
         hint = " (every process must call run_steps with the same number of batches)" if remote else ""
-        where = [f" of step {k} (number {base + k} of this executor){hint}" if remote
-                 else (f" of step {k}" if len(batches) > 1 else "") for k in range(len(batches))]
-        inboxes = [[Inbox(r, abort, conds[r], where[k]) for r in range(self.schedule.num_ranks)]
-                   for k in range(len(batches))]
         self._steps_begun += len(batches)
         record = MemoryRecorder if self.record_memory else lambda p, S: NoMemoryRecorder()
-        for (x, labels), boxes, step_keys in zip(batches, inboxes, keys):
+        for k, ((x, labels), step_keys) in enumerate(zip(batches, keys)):
             x, labels = np.asarray(x), np.asarray(labels)
-            inputs = jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first) if first else None
+            out = {}  # stage 0's inputs as what stage -1 sent, the last stage's seed as what stage S sent
+            if first:
+                out.update((Key("F", -1, j), a) for j, a in enumerate(
+                    jax.device_put([x[j * mb : (j + 1) * mb] for j in range(m)], first)))
+            if last:
+                out.update((Key("B", S, j), seed) for j in range(m))
             ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
-            steps.append(_Step(
-                params=list(leaves), acc=[None] * S, inputs=inputs, labels=ys, splits=splits, seed=seed,
-                inboxes=boxes, t0=0.0, store={}, losses={}, events=[], index=base + len(steps),
-                memory=record(self.schedule.num_ranks, S),
+            steps.append(Step(
+                params=list(leaves), acc=[None] * S, splits=splits, out=out, given=dict(out), store={},
+                losses={}, events=[],
+                labels=ys,
+                index=base + k, memory=record(self.schedule.num_ranks, S),
+                where=(f" of step {k} (number {base + k} of this executor){hint}" if remote
+                       else f" of step {k}" if len(batches) > 1 else ""),
                 keys={} if step_keys is None else {s: jax.device_put(list(step_keys), self.stage_devices[s])
                                                    for s in local},
             ))
-        jax.block_until_ready((leaves, [(st.inputs, st.labels) for st in steps], seed))
+        jax.block_until_ready((leaves, [(st.out, st.labels) for st in steps]))
         if update is not None and hasattr(update, "begin"):
             update.begin(len(steps))
-        self._run_ranks(steps, update, abort)
+        self._run_ranks(steps, update)
         return self.transport.finish([self._result(st, stage_params) for st in steps])
 
-    def _run_ranks(self, steps: list, update: "RankUpdate | None", abort: threading.Event) -> None:
+    def _run_ranks(self, steps: list, update: "RankUpdate | None") -> None:
         """One thread per local rank over ``steps``; raises the first error."""
-        base = steps[0].index
-        errors: list[tuple[int, Action | None, BaseException]] = []
-        threads = [threading.Thread(target=self._rank_steps, args=(r, steps, update, abort, errors),
+        errors: list[tuple[int, Any, BaseException]] = []
+        threads = [threading.Thread(target=self._rank_steps, args=(r, steps, update, errors),
                                     name=f"zbpp-rank-{r}", daemon=True) for r in self.ranks]
-        movers = self.transport.start(steps, self._input_shapes, abort, errors)
-        with self._lock:  # from now on deliver() puts straight into these steps' inboxes
-            self._current = (base, steps)
-            pending = [p for p in self._pending if base <= p[0] < base + len(steps)]
-            self._pending = [p for p in self._pending if p[0] >= base + len(steps)]  # later calls'; older go
-        for k, key, value, rank in pending:
-            self._put(steps[k - base], key, value, rank)
+        movers = self.transport.start([st.index for st in steps])
         t0 = time.perf_counter()
         for st in steps:
             st.t0 = t0
@@ -464,15 +275,12 @@ class PipelineExecutor:
             for t in movers:
                 t.join(max(0.0, deadline - time.perf_counter()))
         except BaseException:  # Ctrl-C or a signal here: every rank stops at its next wait, then it goes on
-            _abort(steps, abort)
+            self.transport.abort()
             deadline = time.perf_counter() + self.timeout
             for t in threads + movers:
                 if t.ident is not None:  # started before the signal came
                     t.join(max(0.0, deadline - time.perf_counter()))
             raise
-        finally:
-            with self._lock:
-                self._current = None
         stuck = [t.name for t in movers if t.is_alive()]
         if stuck and not errors:
             errors.append((self.ranks[0], None, TimeoutError(
@@ -486,7 +294,7 @@ class PipelineExecutor:
                 raise
             raise type(e)(f"{self.transport.where}{e}") from e
 
-    def _result(self, step: _Step, stage_params: list) -> StepResult:
+    def _result(self, step: Step, stage_params: list) -> StepResult:
         S, m = self.model.num_stages, self.schedule.num_microbatches
         last = self.stage_devices[-1]
         losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)])) if last else ()
@@ -511,67 +319,124 @@ class PipelineExecutor:
     def _raise_first(errors) -> None:
         failures = [e for e in errors if not isinstance(e[2], (Aborted, TimeoutError))]
         if failures:
-            rank, action, exc = failures[0]
-            where = f"rank {rank}" + (f" at {action.text}" if action is not None else "")
+            rank, instruction, exc = failures[0]
+            where = f"rank {rank}" + (f" at {instruction.text}" if instruction is not None else "")
             raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
         timeouts = sorted((e for e in errors if isinstance(e[2], TimeoutError)), key=lambda e: e[0])
         if timeouts:
             raise TimeoutError("; ".join(str(e[2]) for e in timeouts)) from timeouts[0][2]
 
-    def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", abort: threading.Event,
-                    errors: list) -> None:
+    def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", errors: list) -> None:
         """Rank ``rank``'s thread: :meth:`_walk` each step, ``update``'s optimizer step between them."""
         stages = list(self.schedule.stages_of(rank))
         speculative = update is not None and getattr(update, "verdict_key", None) is not None
-        at: list = [None]  # the action running or waiting, for error messages
         try:
             for k, step in enumerate(steps):
                 if update is not None:
                     if k and not speculative:  # validate step k-1's optimizer step before this step's first F
-                        update.validate(rank, k - 1, _Channel(self, steps[k - 1], rank))
+                        update.validate(rank, k - 1, Channel(self, steps[k - 1], rank))
                     for s in stages:
                         step.params[s] = update.stage_params(s)
-                # a speculative warm-up validates step k-1's optimizer step on the way
-                hooks = _Speculation(self, rank, update, k - 1, steps[k - 1]) if speculative and k else _HOOKS
+                if speculative and k:  # a speculative warm-up validates step k-1's optimizer step on the way
+                    step.speculating[rank] = Speculation(self, rank, update, k - 1, steps[k - 1])
                 while True:
                     try:
-                        self._walk(rank, step, at, hooks)
+                        self._walk(rank, step)
+                        if rank in step.speculating:  # no backward in this step (none in a valid schedule)
+                            step.speculating[rank].validate(step)
                         break
-                    except _Restart:  # step k-1's update was rolled back and redone: so is this warm-up
-                        hooks = _HOOKS
-                        self._redo(rank, step, stages, update)
-                at[0] = None
+                    except Restart:  # step k-1's update was rolled back and redone: so is this warm-up
+                        redo(step, rank, stages, update)
                 self._sum_ties(rank, step)
                 if update is not None:
-                    update.step(rank, k, {s: step.acc[s] for s in stages}, _Channel(self, step, rank))
+                    update.step(rank, k, {s: step.acc[s] for s in stages}, Channel(self, step, rank))
             if update is not None:
-                update.validate(rank, len(steps) - 1, _Channel(self, steps[-1], rank))
+                update.validate(rank, len(steps) - 1, Channel(self, steps[-1], rank))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
-            errors.append((rank, at[0], exc))
-            if not isinstance(exc, TimeoutError):  # a stuck rank lets the others report their own wait
-                _abort(steps, abort)
+            failed = isinstance(exc, _Failed)
+            errors.append((rank, exc.args[0] if failed else None, exc.__cause__ if failed else exc))
+            if not isinstance(errors[-1][2], TimeoutError):  # a stuck rank lets the others report their wait
+                self.transport.abort()
 
-    def _walk(self, rank: int, step: _Step, at: list, hooks: _Hooks) -> None:
-        """The rank loop: ``rank``'s actions of ``step`` in order (``at[0]``: the current one)."""
-        attempt, S = step.attempts.get(rank, 0), self.model.num_stages
-        for entry in self.schedule.actions[rank]:
-            at[0] = entry
-            hooks.before(entry)
-            # what each action takes from other stages (its own stage's are there by the order); a pair
-            # (F&B) takes both parts' inputs before either runs
-            inputs = [[self._take(step, rank, key, action, attempt, hooks) for key in deps(action, S)
-                       if key.stage != action.stage] for action in parts(entry)]
-            for action, args in zip(parts(entry), inputs):
-                start = time.perf_counter()
-                ready, output = self._handlers[action.kind](step, action, *args)
-                jax.block_until_ready(ready)
-                end = time.perf_counter()
-                step.memory.settle(rank, end - step.t0)
-                with step.lock:
-                    step.events.append(Event(rank, action, start - step.t0, end - step.t0))
-                if output is not None:
-                    self._send(step, action, output, attempt)
-        hooks.end()
+    def _walk(self, rank: int, step: Step) -> None:
+        """The rank loop: each instruction of ``rank``'s program, in order, runs its handler (a compute
+        entry :meth:`_entry`, a send :meth:`_send`, a receive :meth:`_recv`)."""
+        run = self._run
+        for instruction in self.program.instructions[rank]:
+            try:
+                run[type(instruction)](step, rank, instruction)
+            except Restart:
+                raise
+            except BaseException as exc:
+                raise _Failed(instruction) from exc
+
+    def _entry(self, step: Step, rank: int, entry: Action | Overlap) -> None:
+        """A compute entry: each part's handler on the inputs it takes, timed, its output kept for a send
+        or for the next stage here."""
+        speculation = step.speculating.get(rank)
+        if speculation is not None and speculation.due(entry):
+            speculation.validate(step)
+        for a in parts(entry):
+            handler, takes, makes, here = self._routes[a.kind, a.stage]
+            start = time.perf_counter()
+            if takes is None:
+                ready, out = handler(step, a)
+            else:
+                key = Key(takes.kind, takes.stage, a.microbatch)
+                step.memory.free(rank, key)  # consumed by this action
+                ready, out = handler(step, a, step.out.pop(key))
+            jax.block_until_ready(ready)
+            end = time.perf_counter()
+            step.memory.settle(rank, end - step.t0)
+            with step.lock:
+                step.events.append(Event(rank, a, start - step.t0, end - step.t0))
+            if makes is not None:
+                made = Key(makes, a.stage, a.microbatch)
+                step.out[made] = out
+                if here:  # the next stage is this rank's: counted as received, as a transfer would be
+                    step.memory.receive(rank, made, out, end - step.t0)
+
+    def _send(self, step: Step, rank: int, send: Send) -> None:
+        """Hand the value to the transport: onto the receiver's device if it is a rank here (counted as
+        received), as its leaves (a pytree) if not."""
+        value = step.out.pop(send.key)
+        device = self._on.get(send.peer)
+        if device is None:
+            value = value if isinstance(value, jax.Array) else list(jax.tree_util.tree_leaves(value))
+        else:
+            value = jax.device_put(value, device)
+            step.memory.receive(send.peer, send.key, value, time.perf_counter() - step.t0)
+        self.transport.send(step.index, send.peer, Transfer(*send.key, step.attempts.get(rank, 0)), value)
+
+    def _recv(self, step: Step, rank: int, recv: Recv) -> None:
+        """Wait for the value, for the entry after; from another process, onto this rank's device."""
+        key = Transfer(*recv.key, step.attempts.get(rank, 0))
+        value = self.wait_for(step, rank, key, self._waiters[recv])
+        if recv.peer not in self._on:
+            stage = consumer_stage(*recv.key[:2])
+            if isinstance(value, list):  # a pytree's leaves: B's gradient has its stage's input's shape
+                tree = self._input_shapes[stage if recv.key.kind == "F" else recv.key.stage]
+                value = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), value)
+            value = placed(value, self.stage_devices[stage])
+            step.memory.receive(rank, recv.key, value, time.perf_counter() - step.t0)
+        step.out[recv.key] = value
+
+    def wait_for(self, step: Step, rank: int, key: Transfer | OptimizerMessage, waiter: Any) -> Any:
+        """What the transport has for ``rank`` under ``key``; a speculating rank validates when
+        interrupted. Raises TimeoutError naming the rank, ``waiter`` and the value."""
+        while True:
+            speculation = step.speculating.get(rank)
+            try:
+                return self.transport.recv(step.index, rank, key, self.timeout,
+                                           None if speculation is None else speculation.arrived)
+            except Interrupted:  # the verdict is there, or on its way: a sender already redoes this step
+                speculation.validate(step)
+            except TimeoutError:
+                what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
+                        else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
+                waiter = getattr(waiter, "text", waiter)
+                raise TimeoutError(f"rank {rank} waited {self.timeout:g} s before {waiter}{step.where}: "
+                                   f"{what} never arrived") from None
 
     def _warm_ties(self, params: list) -> None:
         """Compile :meth:`_sum_ties`' addition for each local copy, so no step compiles it."""
@@ -580,7 +445,7 @@ class PipelineExecutor:
             zeros = jax.device_put(np.zeros(leaf.shape, sum_dtype(leaf.dtype)), self.stage_devices[s])
             jax.block_until_ready(zeros + zeros)
 
-    def _sum_ties(self, rank: int, step: _Step) -> None:
+    def _sum_ties(self, rank: int, step: Step) -> None:
         """Tied weights: for each tie with a copy on ``rank``, send the sum of its copies here to the other
         ranks holding copies, add theirs in rank order, and put the total into every copy here."""
         placement = self.schedule.placement
@@ -592,94 +457,20 @@ class PipelineExecutor:
             own = functools.reduce(operator.add, [step.acc[s][i] for s, i in mine])
             for q in ranks:
                 if q != rank:
-                    self.transport.send(step, q, OptimizerMessage(f"TIE{t}", rank), own)
+                    self.transport.send(step.index, q, OptimizerMessage(f"TIE{t}", rank), own)
             device = self.stage_devices[mine[0][0]]
-            shares = [own if q == rank else jax.device_put(step.inboxes[rank].take(
-                OptimizerMessage(f"TIE{t}", q), self.timeout, f"the sum of tie {t}"), device) for q in ranks]
+            shares = [own if q == rank else jax.device_put(self.wait_for(
+                step, rank, OptimizerMessage(f"TIE{t}", q), f"the sum of tie {t}"), device) for q in ranks]
             total = functools.reduce(operator.add, shares)
             for s, i in mine:
-                step.acc[s] = (*step.acc[s][:i], _placed(total, self.stage_devices[s]), *step.acc[s][i + 1:])
+                step.acc[s] = (*step.acc[s][:i], placed(total, self.stage_devices[s]), *step.acc[s][i + 1:])
             jax.block_until_ready(total)
             with step.lock:
                 step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, start - step.t0,
                                             time.perf_counter() - step.t0))
 
-    def _take(self, step: _Step, rank: int, key: Key, action: Action, attempt: int, hooks: _Hooks) -> Any:
-        """The value under ``key`` that ``action`` takes, from rank ``rank``'s inbox."""
-        while True:
-            try:
-                value = step.inboxes[rank].take(key, self.timeout, action, attempt, hooks.interrupt)
-                break
-            except Interrupted:
-                hooks.validate()  # the verdict is there, or on its way: a sender already redoes this step
-        step.memory.free(rank, key)  # consumed by this action
-        return value
-
-    def _redo(self, rank: int, step: _Step, stages: list, update) -> None:
-        """Reset ``rank``'s share of ``step`` for a redo (events kept as ``discarded``)."""
-        step.attempts[rank] = step.attempts.get(rank, 0) + 1
-        for key in [key for key in step.store if key[1] in stages]:
-            step.release(rank, key)
-        step.memory.settle(rank, time.perf_counter() - step.t0)
-        with step.lock:
-            step.discarded += [e for e in step.events if e.rank == rank]
-            step.events[:] = [e for e in step.events if e.rank != rank]
-        for s in stages:
-            step.params[s] = update.stage_params(s)
-
-    def _send(self, step: _Step, action: Action, value: Any, attempt: int = 0) -> None:
-        """Send F's activation to stage s+1, B's (BW's) input gradient to stage s-1."""
-        transfer = Transfer(*produces(action)[0], attempt)
-        self.transport.send(step, self.schedule.placement[transfer.consumer], transfer, value)
-
-    def _put(self, step: _Step, key: Transfer | OptimizerMessage, value: Any, rank: int | None = None):
-        """Into the taking local rank's inbox (a transfer on its consumer's device, counted as received)."""
-        if isinstance(key, OptimizerMessage):  # an optimizer's message (RankUpdate) for ``rank``, as sent
-            step.inboxes[rank].put(key, value)
-            return
-        consumer = key.consumer  # an activation for stage s+1, an input gradient for stage s-1
-        if isinstance(value, _Leaves):  # from another process: the leaves of a pytree
-            shape = self._input_shapes[consumer if key.kind == "F" else key.stage]  # B's: its stage's input
-            value = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), list(value))
-        value = jax.device_put(value, self.stage_devices[consumer])
-        rank = self.schedule.placement[consumer]
-        step.memory.receive(rank, key.key, value, time.perf_counter() - step.t0 if step.t0 else 0.0)
-        step.inboxes[rank].put(key.key, value, key.attempt)
-
-    def deliver(self, key: Transfer | OptimizerMessage, value: Any, step: int, rank: int | None = None):
-        """Hand this executor what another process's rank sent it (see ``remote``) for step ``step``: a
-        :class:`~zbpp_lite.runtime.transport.Transfer` with a NumPy array (or a pytree's leaves), or an
-        :class:`~zbpp_lite.runtime.transport.OptimizerMessage` for local ``rank``; a plain tuple is read by
-        :func:`~zbpp_lite.runtime.transport.message_key`. Thread-safe, also before that step began.
-
-        Raises:
-            ValueError: an activation or gradient for no local stage, or an optimizer's message
-                without a local ``rank``.
-        """
-        try:
-            key = message_key(key)
-        except ValueError as e:
-            raise ValueError(f"no local stage consumes {key}: {e}") from None
-        if isinstance(key, Transfer):
-            if isinstance(value, (list, tuple)):  # a pytree activation's leaves (see _send)
-                value = _Leaves(value)
-            if not 0 <= key.consumer < self.model.num_stages or self.stage_devices[key.consumer] is None:
-                raise ValueError(f"no local stage consumes {key}: an activation ('F', s, j[, attempt]) goes "
-                                 "to stage s+1, an input gradient ('B', s, j[, attempt]) to stage s-1; this "
-                                 f"executor runs stages {self.local_stages}")
-        elif rank not in self.ranks:
-            raise ValueError(f"the message {key} needs the local rank it is for (one of {list(self.ranks)}), "
-                             f"got rank={rank}")
-        with self._lock:
-            current = self._current
-            if current is None or not current[0] <= step < current[0] + len(current[1]):
-                self._pending.append((step, key, value, rank))
-                return
-            target = current[1][step - current[0]]
-        self._put(target, key, value, rank)
-
-    # handlers: kind -> work.
-    # Each returns (what to wait for before the action counts as done, what to send or None).
+    # handlers: kind -> work. Each takes the value its action takes from another stage (F: x, B and BW:
+    # dy; stage 0's input and the last stage's seed 1/m among them) and returns Done.
     # Dead outputs (B's residuals once B or BW has run, B's output gradients once W has) are kept
     # as spares: the stage's next F / B writes into their memory (FlatStage's ``spare``). A stage
     # belongs to one rank thread, so its spares need no lock.
@@ -691,10 +482,9 @@ class PipelineExecutor:
     def _keep_spare(self, kind: str, stage: int, arrays: tuple) -> None:
         self._spares.setdefault((kind, stage), []).append(arrays)
 
-    def _forward(self, step: _Step, a: Action, x: Any = None):
+    def _forward(self, step: Step, a: Action, x: Any) -> Done:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         last = s == self.model.num_stages - 1
-        x = step.inputs[j] if s == 0 else x
         key = step.keys[s][j] if step.keys else None
         aux = self.model.stage_aux(s, step.labels[j] if last else None, key)
         y, res, kept = step.splits[s].flat.forward(step.params[s], x, aux, self._spare("res", s))
@@ -702,34 +492,29 @@ class PipelineExecutor:
         step.hold(rank, ("kept", s, j), kept)
         if last:
             step.losses[j] = y
-        return (y, res, kept), None if last else y
+        return Done((y, res, kept), None if last else y)
 
-    def _output_grad(self, step: _Step, a: Action, dy: Any) -> Any:
-        return step.seed if a.stage == self.model.num_stages - 1 else dy
-
-    def _backward_input(self, step: _Step, a: Action, dy: Any = None):
+    def _backward_input(self, step: Step, a: Action, dy: Any) -> Done:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         res = step.release(rank, ("res", s, j))
-        dy = self._output_grad(step, a, dy)
         dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, dy, self._spare("grads", s))
         step.hold(rank, ("grads", s, j), grads_out)
         self._keep_spare("res", s, res)
-        return (dx, grads_out), dx
+        return Done((dx, grads_out), dx if s else None)
 
-    def _backward_weight(self, step: _Step, a: Action):
+    def _backward_weight(self, step: Step, a: Action) -> Done:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         kept, grads_out = (step.release(rank, (what, s, j)) for what in ("kept", "grads"))
         step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
         self._keep_spare("grads", s, grads_out)
-        return step.acc[s], None
+        return Done(step.acc[s])
 
-    def _backward_fused(self, step: _Step, a: Action, dy: Any = None):
+    def _backward_fused(self, step: Step, a: Action, dy: Any) -> Done:
         s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
         res, kept = (step.release(rank, (what, s, j)) for what in ("res", "kept"))
-        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept,
-                                                             self._output_grad(step, a, dy), step.acc[s])
+        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, dy, step.acc[s])
         self._keep_spare("res", s, res)
-        return (dx, step.acc[s]), dx
+        return Done((dx, step.acc[s]), dx if s else None)
 
 
 def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,
@@ -747,17 +532,3 @@ def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, pa
     if executor != "threads":
         raise ValueError(f"executor must be 'threads' or 'spmd', got {executor!r}")
     return PipelineExecutor(model, schedule, devices, timeout).run(params, x, labels)
-
-
-def _leaves(value: Any) -> Any:
-    """An array as it is, a pytree (tuple, dict) as its list of leaves: what crosses processes."""
-    return value if isinstance(value, jax.Array) else list(jax.tree_util.tree_leaves(value))
-
-
-def _placed(tree: Any, device) -> Any:
-    """``tree`` on ``device``, without a ``device_put`` when every leaf is already there."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    if all(isinstance(a, jax.Array) and a.committed and a.sharding == sharding
-           for a in jax.tree_util.tree_leaves(tree)):
-        return tree
-    return jax.device_put(tree, device)

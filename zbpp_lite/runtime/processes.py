@@ -2,9 +2,10 @@
 
 As threads of one process, a waiting rank lends its core to the others (XLA's shared pool), so bubbles
 cost less than on real devices. Here each rank is a process pinned to one core before JAX starts, with one
-CPU device and a :class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its rank (``ranks=[r],
-remote=...``): PyTorch pipelining's set-up. Nothing is unpickled: ranks start with :mod:`subprocess`
-(``python -m zbpp_lite.runtime.processes``) given JSON; between two ranks (:func:`connect`) an array goes
+CPU device and a :class:`~zbpp_lite.runtime.executor.PipelineExecutor` for its rank (``ranks=[r]``, over
+the :class:`Rings` transport): PyTorch pipelining's set-up. Nothing is unpickled: ranks start with
+:mod:`subprocess` (``python -m zbpp_lite.runtime.processes``) given JSON; between two ranks (:func:`connect`)
+an array goes
 through a shared-memory ring per direction with a JSON notice on the pair's socket; the parent talks to
 each rank over a control socket (:class:`Channel`, :mod:`~zbpp_lite.runtime.wire`). On the CPU a crossing is
 several times faster than through :mod:`.distributed` (``benchmarks/bench_transport.py`` measures both).
@@ -32,7 +33,7 @@ import numpy as np
 
 from ..schedules import strict_json
 from . import wire
-from .transport import from_wire, to_wire
+from .transport import Threads, from_wire, to_wire
 
 RING_BYTES = 8 << 20
 """Shared memory per direction between two ranks: 64 of the peer job's activations (8 in flight per step)."""
@@ -248,34 +249,52 @@ class RankProcesses:
             ring.unlink()
 
 
-def connect(peers: dict, executor_for):
-    """Build this rank's executor(s) with a ``remote`` sending to the other ranks, and start one receiver
-    thread per link feeding the right executor's ``deliver``.
+class Rings(Threads):
+    """The :class:`~zbpp_lite.runtime.transport.Transport` of one rank per process on this machine: a value
+    for a rank of this process goes into its inbox (:class:`~zbpp_lite.runtime.transport.Threads`), one for
+    another rank through the pair's link (its array into the shared-memory ring, a JSON notice on the
+    socket), never waiting; :func:`connect`'s receiver threads :meth:`arrive` what comes in. ``name``
+    tells apart executors run in turns over one set of links."""
 
-    ``peers``: what the rank's entry was given. ``executor_for(remote)`` builds the executor, or a dict
-    ``{name: executor_for}`` several (run in turns; messages carry the name). ``remote`` never waits: an
-    array goes into the :class:`_Ring`, a JSON notice to the socket. Returns the executor or
+    def __init__(self, name: str | None, links: dict):
+        super().__init__()
+        self.name, self.links = name, links
+
+    def send(self, step: int, rank: int, key, value) -> None:
+        link = self.links.get(rank)
+        if link is None:
+            super().send(step, rank, key, value)
+        else:
+            link.send(self.name, key, value, step, rank)
+
+    def arrive(self, key, value, step: int, rank: int) -> None:
+        """What another process sent this process's rank ``rank``. Raises ValueError: a rank not here."""
+        if rank in self.links or not isinstance(rank, int):
+            raise ValueError(f"a message {key} for rank {rank}, which is not a rank of this process")
+        super().send(step, rank, key, value)
+
+
+def connect(peers: dict, executor_for):
+    """Build this rank's executor(s) over a :class:`Rings` transport reaching the other ranks, and start
+    one receiver thread per link handing what arrives to the right transport.
+
+    ``peers``: what the rank's entry was given. ``executor_for(transport)`` builds the executor, or a dict
+    ``{name: executor_for}`` several (run in turns; messages carry the name). Returns the executor or
     ``{name: executor}``; :func:`disconnect` ends the receivers.
     """
     single = callable(executor_for)
     factories = {None: executor_for} if single else dict(executor_for)
     links = {int(to): _Link(link["fd"], link["out"], link["in"]) for to, link in peers.items()}
     _LINKS[id(peers)] = links
-
-    def remote_for(name):
-        def remote(to: int, key, value, step: int) -> None:
-            links[to].send(name, key, value, step, to)
-
-        return remote
-
-    executors = {name: build(remote_for(name)) for name, build in factories.items()}
+    transports = {name: Rings(name, links) for name in factories}
+    executors = {name: build(transports[name]) for name, build in factories.items()}
 
     def receive(link: "_Link") -> None:
         with suppress(AttributeError, OSError):  # above the rank's compute (Linux, CAP_SYS_NICE)
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), -10)
         while (message := link.receive()) is not None:
             name, *rest = message
-            executors[name].deliver(*rest)
+            transports[name].arrive(*rest)
 
     for link in links.values():
         threading.Thread(target=receive, args=(link,), daemon=True).start()

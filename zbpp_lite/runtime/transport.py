@@ -6,11 +6,12 @@ it (attempt 1 once a speculative warm-up was redone); :class:`OptimizerMessage` 
 value from an optimizer step (e.g. ``("FULL", p-1)``). Across processes a record is JSON
 (:func:`to_wire` / :func:`from_wire`). :class:`Inbox` is where a rank's inputs wait.
 
-The rank loop sends through a :class:`Transport`: :class:`Threads` (into the receiver's inbox),
-:class:`Carrier` (other processes via ``remote``: :func:`zbpp_lite.runtime.processes.connect`),
-``distributed._CrossProcess`` (across hosts). Add one as a :class:`Threads` subclass whose ``send`` gets
-``value`` into rank ``rank``'s inbox of ``step`` without waiting for the receiver (plus ``start`` /
-``finish`` if it needs threads or a gather).
+The rank loop's ``Send`` and ``Recv`` instructions (:mod:`zbpp_lite.schedules.program`) call a
+:class:`Transport`: ``send(step, rank, key, value)`` never waits, ``recv(step, rank, key, timeout)`` waits
+for the value sent to ``rank`` under ``key`` in step number ``step``. :class:`Threads` carries values
+between the ranks of one process (each rank's :class:`Inbox`); ``processes.Rings`` (processes of one
+machine) and ``distributed._CrossProcess`` (hosts) subclass it, sending to a rank of another process
+their own way and putting what arrives for a local rank into its inbox with :meth:`Threads.send`.
 
 Layer: runtime (no JAX import).
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Protocol, Sequence, Union
 
 from ..schedules.ir import Key
 from ..schedules.program import consumer_stage
@@ -103,11 +104,9 @@ class Inbox:
     """What other ranks sent one rank in one step, keyed by :class:`~zbpp_lite.schedules.ir.Key` or
     :class:`OptimizerMessage`, with attempts (a take drops older ones); one condition per rank."""
 
-    def __init__(self, rank: int, abort: threading.Event, cond: threading.Condition | None = None,
-                 where: str = ""):
-        self.rank, self.abort, self.where = rank, abort, where  # where: e.g. " of step 3", for messages
+    def __init__(self, abort: threading.Event, cond: threading.Condition):
+        self.abort, self.cond = abort, cond
         self.items: dict[InboxKey, tuple[int, Any]] = {}
-        self.cond = cond if cond is not None else threading.Condition()
 
     def put(self, key: InboxKey, value: Any, attempt: int = 0) -> None:
         with self.cond:
@@ -115,14 +114,11 @@ class Inbox:
                 self.items[key] = (attempt, value)
             self.cond.notify_all()
 
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-    def take(self, key: InboxKey, timeout: float, action: Any, attempt: int = 0,
+    def take(self, key: InboxKey, timeout: float, attempt: int = 0,
              interrupt: Callable[[], bool] | None = None) -> Any:
-        """The value sent under ``key`` in ``attempt`` (``action`` names the waiter in the timeout's
-        message); raises :class:`Interrupted` once ``interrupt()`` is true or a later attempt's is there."""
+        """The value sent under ``key`` in ``attempt``; raises :class:`Interrupted` once ``interrupt()`` is
+        true or a later attempt's is there, :class:`Aborted`, or TimeoutError (no message) after
+        ``timeout`` s."""
         deadline = time.perf_counter() + timeout
         with self.cond:
             while True:
@@ -141,52 +137,90 @@ class Inbox:
                     raise Aborted()
                 left = deadline - time.perf_counter()
                 if left <= 0:
-                    what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
-                            else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
-                    waiter = getattr(action, "text", action)
-                    raise TimeoutError(f"rank {self.rank} waited {timeout:g} s before {waiter}{self.where}: "
-                                       f"{what} never arrived")
+                    raise TimeoutError()
                 self.cond.wait(min(left, 0.5))
 
 
+def _split(key: Transfer | OptimizerMessage) -> tuple[InboxKey, int]:
+    """An inbox's key and attempt of a message key."""
+    return (key.key, key.attempt) if type(key) is Transfer else (key, 0)
+
+
+class Transport(Protocol):
+    """How values cross ranks (module docstring). Step numbers count the executor's steps; a rank is a
+    schedule rank. ``where`` names this process in errors ("" for one process)."""
+
+    where: str
+
+    def start(self, steps: Sequence[int]) -> list[threading.Thread]:
+        """Before step numbers ``steps`` run: threads to run beside the rank threads (none, mostly)."""
+
+    def send(self, step: int, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
+        """``value`` under ``key`` for rank ``rank`` in step ``step``; never waits for the receiver."""
+
+    def recv(self, step: int, rank: int, key: Transfer | OptimizerMessage, timeout: float,
+             interrupt: Callable[[], bool] | None = None) -> Any:
+        """What was sent to ``rank`` under ``key`` in ``step`` (arrays, a pytree's leaves as a list from
+        another process); raises TimeoutError after ``timeout`` s, :class:`Aborted` after :meth:`abort`,
+        :class:`Interrupted` as :meth:`Inbox.take`."""
+
+    def arrived(self, step: int, rank: int, key: OptimizerMessage) -> bool:
+        """Whether ``key`` waits in rank ``rank``'s inbox of ``step`` (post-validation's verdict)."""
+
+    def abort(self) -> None:
+        """Another rank failed: every ``recv`` of the steps started raises :class:`Aborted`."""
+
+    def finish(self, results: list) -> list:
+        """The steps' results, as every process sees them."""
+
+
 class Threads:
-    """The transport (module docstring) with every rank a thread of this process: ``put(step, key, value,
-    rank)`` fills the receiver's inbox. The executor calls ``send``, ``start`` and ``finish`` and reads
-    ``where`` (this process's name in errors); every transport subclasses this."""
+    """The :class:`Transport` of ranks that are threads of one process: ``send`` puts into the receiving
+    rank's :class:`Inbox` of the step (made when first used, so a value may arrive before its step
+    starts), ``recv`` takes from it; a rank's inboxes share one condition."""
 
     where = ""
 
-    def __init__(self, put: Callable[[Any, Any, Any, int], None]):
-        self.put = put
+    def __init__(self):
+        self._boxes: dict[tuple[int, int], Inbox] = {}  # (step, rank) -> inbox
+        self._conds: dict[int, threading.Condition] = {}
+        self._lock = threading.Lock()
+        self._abort = threading.Event()
 
-    def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
-        """``value`` under ``key`` for rank ``rank`` in ``step``; never waits for the receiver."""
-        self.put(step, key, value, rank)
+    def _box(self, step: int, rank: int) -> Inbox:
+        box = self._boxes.get((step, rank))
+        if box is None:
+            with self._lock:
+                cond = self._conds.setdefault(rank, threading.Condition())
+                box = self._boxes.setdefault((step, rank), Inbox(self._abort, cond))
+        return box
 
-    def start(self, steps: list, shapes: list, abort: threading.Event, errors: list) -> list:
-        """Threads to run beside the rank threads over ``steps`` (``shapes``: every stage's input)."""
+    def start(self, steps: Sequence[int]) -> list[threading.Thread]:
+        with self._lock:
+            self._abort = threading.Event()
+            for key in [k for k in self._boxes if k[0] < min(steps)]:  # steps that ended: none reads them
+                del self._boxes[key]
+            for box in self._boxes.values():
+                box.abort = self._abort
         return []
 
+    def send(self, step: int, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
+        inbox_key, attempt = _split(key)
+        self._box(step, rank).put(inbox_key, value, attempt)
+
+    def recv(self, step: int, rank: int, key: Transfer | OptimizerMessage, timeout: float,
+             interrupt: Callable[[], bool] | None = None) -> Any:
+        inbox_key, attempt = _split(key)
+        return self._box(step, rank).take(inbox_key, timeout, attempt, interrupt)
+
+    def arrived(self, step: int, rank: int, key: OptimizerMessage) -> bool:
+        return key in self._box(step, rank).items
+
+    def abort(self) -> None:
+        self._abort.set()
+        for cond in list(self._conds.values()):
+            with cond:
+                cond.notify_all()
+
     def finish(self, results: list) -> list:
-        """The step results, as every process sees them."""
         return results
-
-
-Transport = Threads
-"""The interface the executor's ``transport`` argument builds: :class:`Threads` or a subclass."""
-
-
-class Carrier(Threads):
-    """Ranks ``local`` as threads, the others via ``remote(rank, key, value, step_number)`` (a pytree as
-    ``leaves(value)``)."""
-
-    def __init__(self, put, local: Any, remote: Callable[[int, Any, Any, int], None],
-                 leaves: Callable[[Any], Any]):
-        super().__init__(put)
-        self.local, self.remote, self.leaves = set(local), remote, leaves
-
-    def send(self, step: Any, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
-        if rank in self.local:
-            self.put(step, key, value, rank)
-        else:
-            self.remote(rank, key, self.leaves(value) if isinstance(key, Transfer) else value, step.index)

@@ -131,7 +131,7 @@ def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, tuple[
     initial = load_torch_init(run.init, model_config) if run.init else next(iter(shared.values())).params
 
     def executor(name: str, s: Schedule) -> Callable:
-        return lambda remote: PipelineExecutor(models[name], s, [device], ranks=[rank], remote=remote)
+        return lambda link: PipelineExecutor(models[name], s, [device], ranks=[rank], transport=link)
 
     executors = connect(peers, {name: executor(name, s) for name, s in schedules.items()})
     runs = {}
