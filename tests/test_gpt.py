@@ -154,8 +154,9 @@ def test_the_whole_batch_baseline_trains_the_tied_gpt_with_dropout():
 
 def test_the_gpt_has_its_own_command_line_defaults():
     """--model gpt: batch 16, lr 3e-3 (what bench_gpt_learns measured learning), 1500 steps, the validation
-    loss every tenth of the steps; the digits keep theirs; compare keeps its digits batch of 256, gives
-    the GPT 16 and a 600-step learning run; a flag given wins; --eval-every is the GPT's."""
+    loss every tenth of the steps (compare: of its learning run, none without one); the digits keep theirs;
+    compare keeps its digits batch of 256, gives the GPT 16 and a 600-step learning run; a flag given wins;
+    --eval-every is the GPT's."""
     from zbpp_lite.cli import CliError, parse_args
     from zbpp_lite.cli.compare import check_arguments
     from zbpp_lite.cli.train import check_model_arguments
@@ -168,6 +169,7 @@ def test_the_gpt_has_its_own_command_line_defaults():
     assert filled(["train", "--model", "gpt"]) == (16, 3e-3, 1500, 150)
     assert filled(["train"]) == (64, 1e-3, 30, None)
     assert filled(["train", "--model", "gpt", "--batch", "8", "--steps", "40"]) == (8, 3e-3, 40, 4)
+    assert filled(["compare", "--model", "gpt", "--learn-steps", "0"], check_arguments)[3] == 0
     assert filled(["compare", "--model", "gpt"], check_arguments)[:2] == (16, 3e-3)
     assert parse_args(["compare", "--model", "gpt"]).learn_steps is None
     args = parse_args(["compare", "--model", "gpt"])

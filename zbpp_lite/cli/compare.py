@@ -258,8 +258,8 @@ def _run_all(schedules, args, model, config, data, devices, use_processes) -> tu
         if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner
             learned = min(results, key=lambda r: timed_median(r.step_seconds))
         return results, learned, reference
-    options = TrainOptions(devices=devices, data=data)
-    return [train(s, steps=steps, model=model, run=config, options=options) for s in schedules], None, None
+    options, timed = TrainOptions(devices=devices, data=data), dataclasses.replace(config, eval_every=0)
+    return [train(s, steps=steps, model=model, run=timed, options=options) for s in schedules], None, None
 
 
 NEIGHBOURS = ("one-rank reference", "zb-h1+fuse", "zb-h1", "zb-h2+fuse", "zb-h2", "1f1b", "zb-auto", "zb-2p")

@@ -67,7 +67,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, blocks_help: str = BLOC
         add("--remat", action="store_true", help="gpt: each block under jax.checkpoint (B recomputes it)")
         add("--eval-every", type=int, default=None, metavar="N",
             help="gpt: the validation loss every N steps, drawn over the steps in the report (default: "
-                 "a tenth of the steps; 0: at the end only)")
+                 "a tenth of the steps, compare's learning run's; 0: at the end only)")
     add("--d", type=int, default=None,
         help="model width (default: digits 32, the PyTorch job uses 128; gpt 128)")
     add("--heads", type=int, default=None, help="attention heads (default 4)")
@@ -242,8 +242,8 @@ def check_model_arguments(args, num_microbatches: int) -> None:
     for dest, value in DEFAULTS["gpt" if gpt else "digits"].items():
         if getattr(args, dest, 0) is None:
             setattr(args, dest, value)
-    if gpt and getattr(args, "eval_every", 0) is None:  # 10 points over the longest run (each ~1 CPU s)
-        args.eval_every = max(1, max(args.steps, getattr(args, "learn_steps", 0)) // 10)
+    if gpt and getattr(args, "eval_every", 0) is None:  # 10 points over the run drawn (each ~1 CPU s)
+        args.eval_every = getattr(args, "learn_steps", args.steps) // 10
     if gpt and (args.context < 1 or not 0 <= args.dropout < 1 or args.eval_every < 0):
         raise CliError(f"--context must be >= 1, --dropout in [0, 1) and --eval-every >= 0, got "
                        f"{args.context}, {args.dropout}, {args.eval_every}")

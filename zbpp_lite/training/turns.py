@@ -297,7 +297,8 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
         parts: ``{name: partition}`` for schedules not cut by :func:`~zbpp_lite.runtime.stages.stage_parts`
             (``partition[s]``: part indices of stage s, 0 the embedding, blocks + 1 the head).
         then: called with ``{name: step seconds}``; may return ``(name, extra)`` to train that schedule
-            ``extra`` more steps alone in the same processes (:attr:`InTurns.then`).
+            ``extra`` more steps alone in the same processes (:attr:`InTurns.then`); with ``then``, the
+            held-out loss (``run.eval_every``) is taken between steps of that run only, from ``steps`` on.
 
     Returns:
         :class:`InTurns`: ``step_seconds`` on the slowest rank (to the end of AdamW), ``timelines``
@@ -333,7 +334,8 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
             # neighbours in the order stay a step apart and no place in the round is favoured
             for n in (names if k % 2 == 0 else names[::-1]):
                 turns.step(n, records[n], k, k == 0 and run.check_grads)
-                validate(n, records[n], k + 1, steps)
+                if then is None:  # else only the run chosen to go on is drawn
+                    validate(n, records[n], k + 1, steps)
                 if on_step is not None:
                     on_step(n, k, records[n].losses[-1], records[n].timelines[-1])
         for n in names:
