@@ -154,7 +154,7 @@ IGNORED = [  # (command line, the one line it gets); each ran before, the flag s
      "--microbatches 8 disagrees with --schedule-csv's 4 microbatches"),
     (["train", "--timeout", "5", *SIZES], "--timeout and --heartbeat bound the waits of a run on several hosts"),
     (["train", "--spmd", "--threads", *SIZES], "--spmd runs one SPMD program, not a thread or process per rank"),
-    (["train", "--context", "64", "--remat", *SIZES], "--context, --dropout, --bf16 and --remat set the GPT (--model "
+    (["train", "--context", "64", "--remat", *SIZES], "--remat and --eval-every set the GPT (--model "
                                                        "gpt): drop --context, --remat"),
     (["train", "--model", "gpt", "--spmd", *SIZES], "--model gpt starts from its own init and draws dropout keys"),
     (["launch", "--", "train", "--timeout", "3", *SIZES], "(its own --timeout goes before --): drop --timeout"),

@@ -236,8 +236,8 @@ def check_model_arguments(args, num_microbatches: int) -> None:
     checked, and the model's defaults filled in, before JAX starts."""
     gpt = getattr(args, "model", "digits") == "gpt"
     if not gpt:
-        refuse_unused(args, [d for d in GPT_FLAGS if hasattr(args, d)], "--context, --dropout, --bf16 and "
-                      "--remat set the GPT (--model gpt)")
+        refuse_unused(args, [d for d in GPT_FLAGS if hasattr(args, d)], "--context, --dropout, --bf16, "
+                      "--remat and --eval-every set the GPT (--model gpt)")
     # the GPT's own flags stay None with the digits (launch passes only what differs from the defaults)
     for dest, value in DEFAULTS["gpt" if gpt else "digits"].items():
         if getattr(args, dest, 0) is None:
