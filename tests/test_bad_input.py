@@ -159,7 +159,7 @@ IGNORED = [  # (command line, the one line it gets); each ran before, the flag s
      "--ranks-as processes cannot run here: --max-grad-norm runs the optimizer inside the rank threads"),
     (["train", "--ranks-as", "processes", "--steps", "1", *SIZES[2:]], "--ranks-as processes cannot run here: --steps 1"),
     (["train", "--threads", "--ranks-as", "processes", *SIZES], "--threads and --ranks-as processes disagree"),
-    (["train", "--context", "64", "--remat", *SIZES], "--context, --dropout, --bf16 and --remat set the GPT (--model "
+    (["train", "--context", "64", "--remat", *SIZES], "--remat and --eval-every set the GPT (--model "
                                                        "gpt): drop --context, --remat"),
     (["train", "--model", "gpt", "--spmd", *SIZES], "--model gpt starts from its own init and draws dropout keys"),
     (["launch", "--", "train", "--timeout", "3", *SIZES], "(its own --timeout goes before --): drop --timeout"),

@@ -45,15 +45,32 @@ def test_step_0_equals_the_unpartitioned_model_with_tied_embedding_dropout_and_r
 
 def test_train_runs_the_gpt_with_its_data_keys_and_check():
     """train() (the loop every command uses): the text batches, step k's dropout keys, the step-0 check
-    against the unpartitioned model with the same keys, validation on held-out files, the unigram baseline
-    recorded beside the settings."""
+    against the unpartitioned model with the same keys, validation on held-out files (every eval_every
+    steps: the curve the report draws, its last point the test loss), the unigram baseline recorded
+    beside the settings; what the model writes repeats under one seed; the page holds the curve."""
+    from zbpp_lite.cli.compare_report import run_page
+    from zbpp_lite.cli.train import curve_line, written_lines
+    from zbpp_lite.training.reference import evaluate
+
     config = GPTConfig(d=16, heads=2, blocks=2, context=16, dropout=0.2)
-    result = train("zb-h1", 2, 2, steps=2, model=config, run=RunConfig(batch=4, lr=3e-3),
+    result = train("zb-h1", 2, 2, steps=3, model=config, run=RunConfig(batch=4, lr=3e-3, eval_every=2),
                    options=TrainOptions(devices=DEVICES[:2]))
     assert result.grad_max_rel_error <= 1e-5 and result.loss_error <= 1e-5 * result.losses[0]
     assert result.config["model"] == "gpt" and result.config["context"] == 16
-    assert result.config["unigram_nats"] == pytest.approx(load_text(16, 0.2, 0).unigram_nats())
+    data = load_text(16, 0.2, 0)
+    assert result.config["unigram_nats"] == pytest.approx(data.unigram_nats())
     assert 0 < result.test_loss < np.log(256) + 1 and 0 <= result.test_accuracy <= 1
+    assert [k for k, _ in result.validation] == [0, 2, 3] and result.validation[-1][1] == result.test_loss
+    initial = StagedModel(build_parts(config), 1)
+    assert result.validation[0][1] == pytest.approx(evaluate(initial, initial.params, data.test_x, data.test_y)[0])
+    assert result.to_json()["validation"][1]["step"] == 2
+    assert curve_line(result).startswith("validation loss after 0, 2, 3 steps: ")
+    written = written_lines(result, config, seed=5)
+    assert written == written_lines(result, config, seed=5) != written_lines(result, config, seed=6)
+    assert written.startswith("what the model writes after 'def ' (temperature 0.8, seed 5):\ndef ")
+    page = run_page(result, "the report", written)
+    assert "validation loss (held-out files, no dropout)" in page and "unigram baseline" in page
+    assert "temperature 0.8, seed 5" in page
 
 
 def test_bf16_computes_in_bf16_and_keeps_float32_parameters_and_gradients():
@@ -133,3 +150,31 @@ def test_the_whole_batch_baseline_trains_the_tied_gpt_with_dropout():
     copies = [np.asarray(jax.tree_util.tree_leaves(result.params[part])[leaf]) for part, leaf in ((0, 1), (-1, 2))]
     assert copies[0].shape == (256, 16) and np.array_equal(*copies)
     assert result.losses[-1] < result.losses[0]
+
+
+def test_the_gpt_has_its_own_command_line_defaults():
+    """--model gpt: batch 16, lr 3e-3 (what bench_gpt_learns measured learning), 1500 steps, the validation
+    loss every tenth of the steps (compare: of its learning run, none without one); the digits keep theirs;
+    compare keeps its digits batch of 256, gives the GPT 16 and a 600-step learning run; a flag given wins;
+    --eval-every is the GPT's."""
+    from zbpp_lite.cli import CliError, parse_args
+    from zbpp_lite.cli.compare import check_arguments
+    from zbpp_lite.cli.train import check_model_arguments
+
+    def filled(argv, check=lambda a: check_model_arguments(a, a.microbatches)):
+        args = parse_args(argv)
+        check(args)
+        return args.batch, args.lr, args.steps, getattr(args, "eval_every", None)
+
+    assert filled(["train", "--model", "gpt"]) == (16, 3e-3, 1500, 150)
+    assert filled(["train"]) == (64, 1e-3, 30, None)
+    assert filled(["train", "--model", "gpt", "--batch", "8", "--steps", "40"]) == (8, 3e-3, 40, 4)
+    assert filled(["compare", "--model", "gpt", "--learn-steps", "0"], check_arguments)[3] == 0
+    assert filled(["compare", "--model", "gpt"], check_arguments)[:2] == (16, 3e-3)
+    assert parse_args(["compare", "--model", "gpt"]).learn_steps is None
+    args = parse_args(["compare", "--model", "gpt"])
+    check_arguments(args)
+    assert args.learn_steps == 600 and args.eval_every == 60
+    assert filled(["compare"], check_arguments)[:2] == (256, 1e-3)
+    with pytest.raises(CliError, match="--eval-every"):
+        filled(["train", "--eval-every", "5"])

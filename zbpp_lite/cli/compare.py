@@ -30,8 +30,8 @@ from ..training.turns import OneCore, train_in_turns
 from . import CliError, add_output
 from .compare_report import Comparison, html_report, summary_text
 from .train import (add_model_arguments, add_platform_argument, add_ranks_as, check_model_arguments,
-                    cost_table, model_config, profile_json, profiled_costs, run_config, say_mode,
-                    say_platform, setup_platform, threads_reason)
+                    cost_table, curve_line, model_config, profile_json, profiled_costs, run_config, say_mode,
+                    say_platform, setup_platform, threads_reason, written_lines)
 
 
 BLOCKS_HELP = ("Transformer blocks of the one model every schedule trains (default: 8, or 2 per rank if "
@@ -49,16 +49,25 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
                    "(default: every registered schedule, zb-h1+fuse, zb-h2+fuse)")
     add_model_arguments(p, BLOCKS_HELP)
     # the peer job's sizes: an action takes milliseconds, well above the executor's overhead per action
-    p.set_defaults(d=128, heads=4, batch=256)
-    p.add_argument("--learn-steps", type=int, default=150,
-                   help="then train the fastest schedule this many steps and report its test accuracy "
-                        "(default 150; 0: skip)")
+    p.set_defaults(d=128, heads=4)
+    next(a for a in p._actions if a.dest == "batch").help = ("global batch, a multiple of --microbatches "
+                                                              f"(default: digits {DIGITS_BATCH}, gpt 16)")
+    p.add_argument("--learn-steps", type=int, default=None,
+                   help="then train the fastest schedule this many steps and report its test accuracy, or "
+                        f"the GPT's validation loss over the steps (default: digits 150, gpt {GPT_LEARN}; "
+                        "0: skip)")
     add_ranks_as(p)
     add_output(p, "--out", default="compare.html", help="HTML report path (default compare.html)")
     add_output(p, "--json", help="also write the figures of every run as JSON")
     add_platform_argument(p)
     return p
 
+
+DIGITS_BATCH = 256
+"""compare's digits batch: the peer job's, so that an action takes milliseconds."""
+
+GPT_LEARN = 600
+"""compare --model gpt's default ``--learn-steps``: the winner's learning run, which the report draws."""
 
 FUSED = ("zb-h1+fuse", "zb-h2+fuse")
 """Run by default beside every registered schedule: ZB-H1 and ZB-H2 with each B that sends to no
@@ -128,7 +137,12 @@ def blocks_of(args) -> int:
 
 
 def check_arguments(args) -> None:
-    """Every flag checked before JAX starts (CliError)."""
+    """Every flag checked before JAX starts (CliError); compare's own defaults filled in."""
+    gpt = args.model == "gpt"
+    if args.learn_steps is None:
+        args.learn_steps = GPT_LEARN if gpt else 150
+    if args.batch is None and not gpt:  # the GPT's: add_model_arguments' defaults
+        args.batch = DIGITS_BATCH
     for flag, value, least in (("--ranks", args.ranks, 1), ("--microbatches", args.microbatches, 1),
                                ("--steps", args.steps, 2),
                                ("--learn-steps", args.learn_steps, 0)):
@@ -203,9 +217,13 @@ def run(args) -> int:
         references = _references(args, model, config, data, devices, one_rank, one)
     if args.learn_steps > 0 and learned is None and not use_processes:
         learned = _learn(results, args, model, config, data, devices)
+    gpt_learned = learned is not None and args.model == "gpt"
+    written = written_lines(learned, model, args.seed) if gpt_learned else None
     comparison = Comparison(results, notes, references, learned, args, blocks,
-                            "processes" if use_processes else "threads", by_stages)
+                            "processes" if use_processes else "threads", by_stages, written)
     print(summary_text(comparison), flush=True)
+    if written is not None:
+        print(f"{learned.schedule.name} after {len(learned.losses)} steps: {curve_line(learned)}\n{written}")
     with open(args.out, "w") as f:
         f.write(html_report(comparison))
     print(f"wrote {args.out}")
@@ -239,8 +257,8 @@ def _run_all(schedules, args, model, config, data, devices, use_processes) -> tu
         if learned is None and args.learn_steps > 0:  # no more steps than the comparison's: the winner
             learned = min(results, key=lambda r: timed_median(r.step_seconds))
         return results, learned, reference
-    options = TrainOptions(devices=devices, data=data)
-    return [train(s, steps=steps, model=model, run=config, options=options) for s in schedules], None, None
+    options, timed = TrainOptions(devices=devices, data=data), dataclasses.replace(config, eval_every=0)
+    return [train(s, steps=steps, model=model, run=timed, options=options) for s in schedules], None, None
 
 
 NEIGHBOURS = ("one-rank reference", "zb-h1+fuse", "zb-h1", "zb-h2+fuse", "zb-h2", "1f1b", "zb-auto", "zb-2p")

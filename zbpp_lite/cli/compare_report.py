@@ -1,4 +1,5 @@
-"""The ``compare`` report: what the runs measured, ranked, explained in a paragraph, drawn.
+"""The ``compare`` report: what the runs measured, ranked, explained in a paragraph, drawn; and
+``train --html``'s page of one run (:func:`run_page`), drawn with the same figures.
 
 All in milliseconds. Step times and bubble rates are medians over the timed steps (the first, compiling,
 is left out); the plan is the simulator with the measured mean action costs of the median step.
@@ -17,7 +18,7 @@ from ..analysis.noise import paired_gain
 from ..analysis.profiling.timelines import timed_median, timed_steps
 from ..schedules.timeline import Event, Timeline
 from ..viz import compare_figure, measured_memory_figure
-from ..viz.summary import SummaryRow, summary_figure
+from ..viz.summary import SummaryRow, learning_figure, summary_figure
 
 
 def held_out_words(result) -> str:
@@ -60,6 +61,7 @@ class Comparison:
     blocks: int
     mode: str  # "processes" or "threads"
     stage_costs: dict = field(default_factory=dict)  # num_stages -> Costs timed on one device
+    written: str | None = None  # what the learned GPT writes (:func:`zbpp_lite.cli.train.written_lines`)
 
     @property
     def ranked(self) -> list:
@@ -97,12 +99,18 @@ class Comparison:
         bound = busy_bound(self)
         if bound is not None:  # the busiest 1f1b rank against the one-rank executor: see busy_bound
             out["busy_bound"] = dict(zip(("busy_ms", "ratio", "bound"), bound))
+        split, live = _split_cost(self), split_in_pipeline(self)
+        if split is not None or live is not None:  # (T_B + T_W) / T_BW: stages alone, and in the pipelines
+            out["split_price"] = {"stages_alone": split,
+                                  "in_pipeline": live and {"schedule": live[0], "ratio": live[1]}}
         if fusions(self):  # each fused run beside its plain one: see fusions
             out["fusion"] = fusions(self)
         if self.learned is not None:
             out["learned"] = {"schedule": self.learned.schedule.name, "steps": len(self.learned.losses),
                               "losses": self.learned.losses, "test_accuracy": self.learned.test_accuracy,
-                              "test_loss": self.learned.test_loss}
+                              "test_loss": self.learned.test_loss,
+                              "validation": [{"step": k, "loss": v} for k, v in self.learned.validation],
+                              "written": self.written}
         return out
 
 
@@ -136,11 +144,11 @@ def busy_bound(c) -> tuple[float, float, float] | None:
     return busy, busy / (executor * 1e3 / p), executor * 1e3 / busy
 
 
-def _split_cost(c) -> str | None:
-    """``(T_B + T_W) / T_BW`` of the profiled stages, as text, or None without a fused cost."""
+def _split_cost(c) -> float | None:
+    """``(T_B + T_W) / T_BW`` of the profiled stages (each timed alone), or None without a fused cost."""
     for costs in c.stage_costs.values():
         if costs.bw is not None:
-            return f"{_split_ratio(costs, costs):.2f}"
+            return _split_ratio(costs, costs)
     return None
 
 
@@ -225,7 +233,7 @@ def summary_text(c: Comparison) -> str:
         zb = [r for r in ranked if r.schedule.name in ("zb-h1", "zb-h2")]
         tail = (" ZB-H1 and ZB-H2 split every backward and pay that on every microbatch: "
                 + ", ".join(f"{r.schedule.name} {_median_step_ms(r):.1f} ms" for r in zb) + ".") if zb else ""
-        lines.append(f"Splitting the backward into B and W costs {split}x the fused backward here "
+        lines.append(f"Splitting the backward into B and W costs {split:.2f}x the fused backward here "
                      "(T_B + T_W against T_BW, each stage timed alone); zb-auto splits only where a W "
                      f"fills a bubble.{tail}")
     live = split_in_pipeline(c)
@@ -296,6 +304,36 @@ def _memory_section(c: Comparison) -> str:
             f"(bytes)</th></tr>{rows}</table>{figures}")
 
 
+def learning_section(result, written: str | None = None) -> str:
+    """HTML: ``result``'s loss over the steps (:func:`~zbpp_lite.viz.summary.learning_figure`, where it
+    recorded held-out points; Plotly's script not included) and ``written``, the text the model wrote."""
+    out = ""
+    if result.validation:
+        unigram = result.config.get("unigram_nats")
+        fig = learning_figure(result.losses, result.validation, unigram,
+                              title=f"{result.schedule.name}: the loss over {len(result.losses)} steps")
+        out += fig.to_html(full_html=False, include_plotlyjs=False)
+    if written:
+        out += f"<pre>{html.escape(written)}</pre>"
+    return out
+
+
+def run_page(result, text: str, written: str | None = None) -> str:
+    """``train --html``: one self-contained page of one run, its report ``text``, its median step planned
+    over measured, and (:func:`learning_section`) its loss over the steps and what the model wrote."""
+    name = result.schedule.name or "custom"
+    fig = compare_figure(_in_ms(result.simulated), _in_ms(result.measured), time_unit="ms",
+                         title=f"{name}: planned (simulator, measured costs) vs measured")
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>zbpp_lite train: {html.escape(name)}</title></head>
+<body style="font-family:sans-serif;margin:2em;max-width:1200px">
+<h1>{html.escape(name)}, trained live</h1><pre>{html.escape(text)}</pre>
+{fig.to_html(full_html=False, include_plotlyjs=True)}
+{learning_section(result, written)}
+</body></html>
+"""
+
+
 def html_report(c: Comparison) -> str:
     """One self-contained page: summary figure and paragraph, table, planned over measured per schedule."""
     args = c.args
@@ -335,7 +373,7 @@ def html_report(c: Comparison) -> str:
         learned = (f"<h2>Does it learn?</h2><p>{html.escape(c.learned.schedule.name)} trained from the "
                    f"start for {len(c.learned.losses)} steps: {held_out_words(c.learned)}. The comparison "
                    f"above runs only {args.steps} steps per schedule, too few to learn: it reports no "
-                   "held-out figure.</p>")
+                   "held-out figure.</p>" + learning_section(c.learned, c.written))
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>zbpp_lite compare: p={args.ranks}, m={args.microbatches}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}} table{{border-collapse:collapse}}

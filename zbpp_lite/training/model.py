@@ -109,10 +109,12 @@ class RunConfig:
             ``step_seconds`` are periods between step starts, ``TrainResult.config`` gets
             ``guard_reports``.
         post_validation: see ``max_grad_norm`` (requires it).
+        eval_every: the held-out loss every this many steps besides at the start and the end
+            (``TrainResult.validation``, for the curve over steps; 0: at the end only).
 
     Raises:
-        ValueError: a non-positive batch, lr or max_grad_norm, a holdout outside [0, 1), or
-            post_validation without max_grad_norm.
+        ValueError: a non-positive batch, lr or max_grad_norm, a holdout outside [0, 1), a negative
+            eval_every, or post_validation without max_grad_norm.
     """
 
     batch: int = 64
@@ -125,6 +127,7 @@ class RunConfig:
     progress: bool = False
     max_grad_norm: float | None = None
     post_validation: bool = False
+    eval_every: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.batch, int) or self.batch < 1:
@@ -133,6 +136,9 @@ class RunConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if not 0.0 <= self.holdout < 1.0:
             raise ValueError(f"holdout must be in [0, 1), got {self.holdout}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ValueError(f"eval_every must be an integer >= 0 (0: at the end only), got "
+                             f"{self.eval_every!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
         if self.post_validation and self.max_grad_norm is None:

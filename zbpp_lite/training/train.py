@@ -43,7 +43,9 @@ class TrainResult:
     step, max over parameters of max|g - g_ref| / max|g_ref| vs the unpartitioned model, and
     ``loss_error`` |loss - loss_ref| (None: check off); ``measured``: the median-makespan step after the
     first, ``costs`` its mean action times (seconds), ``simulated`` :func:`zbpp_lite.simulate` with them;
-    ``step_seconds``: wall times (the first compiles); ``params``: one pytree per model module.
+    ``step_seconds``: wall times (the first compiles); ``params``: one pytree per model module;
+    ``validation``: ``(steps done, held-out loss)`` pairs, at the start, every ``RunConfig.eval_every``
+    steps and at the end (``test_loss``); empty with ``eval_every`` 0.
     """
 
     schedule: Schedule
@@ -59,6 +61,7 @@ class TrainResult:
     step_seconds: list[float] = field(repr=False)
     params: Any = field(repr=False)
     config: dict = field(default_factory=dict)
+    validation: list = field(default_factory=list)
 
     def to_json(self) -> dict:
         """A JSON-ready dict (``makespan`` in seconds)."""
@@ -79,6 +82,7 @@ class TrainResult:
                        "stage": e.action.stage, "microbatch": e.action.microbatch, "start": e.start,
                        "end": e.end} for e in m.events],
             "config": self.config,
+            "validation": [{"step": k, "loss": loss} for k, loss in self.validation],
         }
 
     @classmethod
@@ -99,6 +103,12 @@ class TrainResult:
         first = [self.schedule.stages_of(r)[0] for r in range(self.schedule.num_ranks)]
         return {**memory.to_json(), "planned_peak_bytes": list(self.measured.planned_peak_bytes),
                 "peak_units": list(memory.peak_units(first))}
+
+
+def eval_due(run: RunConfig, done: int, steps: int) -> bool:
+    """Whether a run of ``steps`` steps takes the held-out loss after ``done`` of them (every
+    ``run.eval_every`` from 0; the end's is the test loss, taken anyway)."""
+    return run.eval_every > 0 and done % run.eval_every == 0 and done < steps
 
 
 def pick_measured(timelines: list[Timeline]) -> Timeline:
@@ -217,7 +227,9 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
     """``steps`` steps of :func:`train_step` from ``config``'s initial parameters (or ``run.init``) on
     batches 0, 1, ... (clipped AdamW in the rank threads with ``run.max_grad_norm``; a model with dropout:
     step k's keys ``dropout_keys(run.seed, k, m)``), then checked, evaluated (without dropout),
-    simulated. ``home``: one device for all stages' state (default: each stage's own)."""
+    simulated; with ``run.eval_every`` also evaluated before the first step and between steps (clipped
+    runs: at the start and the end only). ``home``: one device for all stages' state (default: each
+    stage's own)."""
     staged, sched = executor.model, executor.schedule
     data = data if data is not None else load_data(config, run)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
@@ -225,6 +237,8 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
     batches = [data.batch(k, run.batch) for k in range(steps)]
     keys = [step_dropout_keys(staged, run.seed, k, sched.num_microbatches) for k in range(steps)]
     losses, timelines, seconds, extra = [], [], [], {}
+    held_out = lambda p: evaluate(staged, p, data.test_x, data.test_y, homes[0])[0]  # noqa: E731
+    curve = [(0, held_out(params))] if eval_due(run, 0, steps) else []
     if run.max_grad_norm is not None:
         out = (losses, timelines, seconds, extra)
         first, final = _guarded_steps(executor, params, batches, run, out, on_step, keys)
@@ -241,13 +255,17 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
             bar.set_postfix(loss=f"{result.loss:.4f}")
             if on_step is not None:
                 on_step(k, result.loss, result.timeline)
+            if eval_due(run, k + 1, steps):
+                curve.append((k + 1, held_out(adamw.params)))
         final = adamw.params
     errors = (check_step(staged, params, *batches[0], first, homes[0], keys[0]) if run.check_grads
               else (None, None))
     tested = evaluate(staged, final, data.test_x, data.test_y, homes[0])
     devices = [str(dev) for dev in executor.devices]
     settings = {**settings_json(config, run), **data_json(data), "devices": devices, **extra}
-    return TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
+    result = TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
+    result.validation = curve + [(steps, result.test_loss)] if curve else []
+    return result
 
 
 def job_microbatch(num_stages: int, microbatches: int, config: ModelConfig, run: RunConfig,

@@ -36,7 +36,8 @@ from .data import ByteText, Digits, data_json, load_data
 from .messages import Message, parse
 from .model import ModelConfig, RunConfig, build_parts, config_json, config_of, load_torch_init, settings_json
 from .reference import evaluate, max_relative_error, reference_grads, step_dropout_keys, train_baseline
-from .train import StageAdamW, TrainResult, checked_schedule, job_microbatch, train_step, with_stage_leaves
+from .train import (StageAdamW, TrainResult, checked_schedule, eval_due, job_microbatch, train_step,
+                    with_stage_leaves)
 
 ENTRY = "zbpp_lite.training.turns:rank_main"
 
@@ -217,6 +218,7 @@ class _Record:
     seconds: list = field(default_factory=list)
     grads: dict | None = None  # step 0's gradient leaves per stage, when checked
     final: dict | None = None  # the trained parameter leaves per stage
+    validation: list = field(default_factory=list)  # (steps done, held-out loss), taken between steps
 
 
 def _stage_leaves(replies: list, key: str) -> dict[int, list]:
@@ -295,7 +297,8 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
         parts: ``{name: partition}`` for schedules not cut by :func:`~zbpp_lite.runtime.stages.stage_parts`
             (``partition[s]``: part indices of stage s, 0 the embedding, blocks + 1 the head).
         then: called with ``{name: step seconds}``; may return ``(name, extra)`` to train that schedule
-            ``extra`` more steps alone in the same processes (:attr:`InTurns.then`).
+            ``extra`` more steps alone in the same processes (:attr:`InTurns.then`); with ``then``, the
+            held-out loss (``run.eval_every``) is taken between steps of that run only, from ``steps`` on.
 
     Returns:
         :class:`InTurns`: ``step_seconds`` on the slowest rank (to the end of AdamW), ``timelines``
@@ -315,25 +318,32 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
     spec = {"schedules": {n: schedule_to_json(s) for n, s in zip(names, schedules)}, "parts": cuts,
             **_job_json(config, run)}
     records = {n: _Record(s) for n, s in zip(names, schedules)}
+    finish = _Finish(config, run, data, p)
     bar = tqdm(total=steps * len(names), desc=f"{len(names)} schedules in turns, p={p}", leave=False,
                disable=not run.progress)
     # rank r on the r-th allowed core (:func:`enough_cores`)
     with RankProcesses(ENTRY, p, spec, pin=True) as ranks:
         turns = _Turns(ranks, bar)
+
+        def validate(n: str, rec: _Record, done: int, total: int) -> None:  # the curve's points
+            if eval_due(run, done, total) and done > 0:
+                rec.validation.append((done, finish.held_out(rec.schedule, cuts.get(n), turns.params(n))))
+
         for k in range(steps):
             # there and back: even steps in the order given, odd ones reversed, so that
             # neighbours in the order stay a step apart and no place in the round is favoured
             for n in (names if k % 2 == 0 else names[::-1]):
                 turns.step(n, records[n], k, k == 0 and run.check_grads)
+                if then is None:  # else only the run chosen to go on is drawn
+                    validate(n, records[n], k + 1, steps)
                 if on_step is not None:
                     on_step(n, k, records[n].losses[-1], records[n].timelines[-1])
         for n in names:
             records[n].final = turns.params(n)
         chosen = then({n: list(records[n].seconds) for n in names}) if then is not None else None
         go_on = chosen is not None and chosen[1] > 0
-        more = _go_on(turns, records, chosen, steps, run.progress) if go_on else None
+        more = _go_on(turns, records, chosen, steps, run.progress, validate) if go_on else None
     turns.bar.close()
-    finish = _Finish(config, run, data, p)
     results = InTurns((n, finish.result(records[n], cuts.get(n))) for n in names)
     if more is not None:
         results.then = finish.result(more, cuts.get(chosen[0]))
@@ -341,14 +351,18 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
 
 
 def _go_on(turns: _Turns, records: dict[str, _Record], chosen: tuple[str, int], steps: int,
-           progress: bool) -> _Record:
-    """``then``'s choice trained ``extra`` more steps alone (losses from the start, timings of the extra)."""
+           progress: bool, validate: Callable) -> _Record:
+    """``then``'s choice trained ``extra`` more steps alone (losses and held-out points from the start,
+    timings of the extra); ``validate(name, record, steps done, steps in all)`` after each step."""
     n, extra = chosen
-    rec = _Record(records[n].schedule, losses=list(records[n].losses))
+    rec = _Record(records[n].schedule, losses=list(records[n].losses),
+                  validation=[(k, v) for k, v in records[n].validation if k <= steps])
     turns.bar.close()
     turns.bar = tqdm(total=extra, desc=f"training {n} on", leave=False, disable=not progress)
+    validate(n, rec, steps, steps + extra)
     for k in range(steps, steps + extra):
         turns.step(n, rec, k, False)
+        validate(n, rec, k + 1, steps + extra)
     rec.final = turns.params(n)
     return rec
 
@@ -360,10 +374,26 @@ class _Finish:
     def __init__(self, config: ModelConfig, run: RunConfig, data: Digits | ByteText, num_ranks: int):
         self.config, self.run, self.data, self.num_ranks = config, run, data, num_ranks
         self.reference = None  # (loss, gradients) of the unpartitioned model on batch 0, computed once
+        self.models: dict = {}  # (stages, cut) -> StagedModel
+        self.initial_loss = None  # held-out loss of the initial parameters (all start alike), computed once
+
+    def _staged(self, schedule: Schedule, cut) -> StagedModel:
+        key = (schedule.num_stages, None if cut is None else tuple(map(tuple, cut)))
+        if key not in self.models:
+            self.models[key] = StagedModel(build_parts(self.config), schedule.num_stages, parts=cut)
+        return self.models[key]
+
+    def held_out(self, schedule: Schedule, cut, leaves: dict | None = None) -> float:
+        """The held-out loss of ``schedule``'s parameters ``leaves`` (``{stage: [leaf]}``; None: the initial
+        ones)."""
+        staged = self._staged(schedule, cut)
+        initial = load_torch_init(self.run.init, self.config) if self.run.init is not None else staged.params
+        params = initial if leaves is None else with_stage_leaves(staged, initial, leaves)
+        return evaluate(staged, params, self.data.test_x, self.data.test_y)[0]
 
     def result(self, rec: _Record, cut=None) -> TrainResult:
         config, run, schedule = self.config, self.run, rec.schedule
-        staged = StagedModel(build_parts(config), schedule.num_stages, parts=cut)
+        staged = self._staged(schedule, cut)
         initial = load_torch_init(run.init, config) if run.init is not None else staged.params
         grad_error = loss_error = None
         if rec.grads is not None:  # every stage is some rank's
@@ -382,8 +412,13 @@ class _Finish:
                                 for r in range(self.num_ranks)],
                     "processes": "one per rank, pinned", "parts": [list(stage) for stage in staged.parts]}
         errors = (grad_error, loss_error)
-        return TrainResult.of(schedule, rec.losses, rec.timelines, rec.seconds, final, errors, tested,
-                              settings)
+        result = TrainResult.of(schedule, rec.losses, rec.timelines, rec.seconds, final, errors, tested,
+                                settings)
+        if run.eval_every > 0:
+            if self.initial_loss is None:
+                self.initial_loss = self.held_out(schedule, cut)
+            result.validation = [(0, self.initial_loss), *rec.validation, (len(rec.losses), result.test_loss)]
+        return result
 
 
 # ----------------------------------------------------------------------------- one core

@@ -1,4 +1,5 @@
-"""The summary of a comparison: step time and bubble rate per schedule, measured beside planned (no JAX)."""
+"""The summary of a run or a comparison: step time and bubble rate per schedule, measured beside planned;
+the loss over the steps beside the held-out loss (no JAX)."""
 
 from __future__ import annotations
 
@@ -62,4 +63,30 @@ def summary_figure(rows: Sequence[SummaryRow], title: str | None = None,
                       title={"text": title or "schedules ranked"},
                       legend={**LEGEND_TOP, "y": 1.06},
                       margin={"l": 120, "r": 30, "t": 90, "b": 40})
+    return fig
+
+
+def learning_figure(losses: Sequence[float], validation: Sequence[tuple[int, float]],
+                    baseline: float | None = None, title: str | None = None) -> go.Figure:
+    """The training loss of every step (light) and the held-out loss after ``k`` steps (dark, ``(k, loss)``
+    pairs, e.g. ``TrainResult.validation``) over the steps; ``baseline`` (same unit, e.g. the unigram
+    entropy in nats per byte) is a dashed line. Raises ValueError: no held-out point."""
+    if not validation:
+        raise ValueError("learning_figure needs at least one (step, held-out loss) pair; a run records "
+                         "them with RunConfig(eval_every=N)")
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=list(range(1, len(losses) + 1)), y=list(losses), mode="lines",
+                             name="training loss (step's batch, before its update)",
+                             line={"color": PLANNED_COLOR, "width": 1}))
+    fig.add_trace(go.Scatter(x=[k for k, _ in validation], y=[v for _, v in validation], mode="lines+markers",
+                             name="validation loss (held-out files, no dropout)",
+                             line={"color": MEASURED_COLOR, "width": 2.5}))
+    if baseline is not None:
+        fig.add_hline(y=baseline, line_dash="dash", line_color="#555",
+                      annotation_text=f"unigram baseline {baseline:.3f}", annotation_position="top right")
+    fig.update_xaxes(title="steps", gridcolor=GRID_COLOR, zeroline=False)
+    fig.update_yaxes(title="loss (nats)",
+                     gridcolor=GRID_COLOR, zeroline=False)
+    fig.update_layout(height=380, plot_bgcolor="white", title={"text": title or "loss over the steps"},
+                      legend={**LEGEND_TOP, "y": 1.02}, margin={"l": 70, "r": 30, "t": 90, "b": 50})
     return fig
