@@ -91,8 +91,8 @@ def _assert_timeline_follows(timeline: Timeline, schedule: zb.Schedule) -> None:
         assert all(end[k] <= e.start for k in deps(e.action, schedule.num_stages)), e
 
 
-# (.ci/run's Python 3.12 leg runs B and W split on a looped and on a V placement; pairs below)
-NEWEST = {("zb-h1", 2, "2p+1"), ("zb-v", 2, "2p+1")}
+# (.ci/run's Python 3.12 leg runs B and W split on a looped and on a V placement, and overlapped pairs)
+NEWEST = {("zb-h1", 2, "2p+1"), ("zb-v", 2, "2p+1"), ("dualpipe-v", 2, "2p+1")}
 GRID = [pytest.param(*case, marks=pytest.mark.newest_jax) if case in NEWEST else case
         for case in ((name, p, m_rule) for name in zb.SCHEDULES for p in (2, 4) for m_rule in ("1", "p", "2p+1"))]
 
@@ -125,7 +125,6 @@ def test_a_schedule_read_from_pytorch_csv_runs():
         run_schedule(schedule, model, X[: MB * 3], Y[: MB * 3], executor="gpu")
 
 
-@pytest.mark.newest_jax
 def test_dualpipe_v_runs_each_pair_back_to_back_on_its_rank_with_the_reference_gradients():
     """Both inputs of an overlapped pair are taken before its forward runs; its backward is the
     rank's very next event; PyTorch's own DualPipeV order (p = 4, m = 8) gives the same answer."""
