@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from zbpp_lite.runtime.compile_cache import use_compile_cache
 from zbpp_lite.runtime.devices import cpu_device_flags
 
@@ -57,3 +59,10 @@ import jax  # noqa: E402
 
 jax.devices()
 os.environ["XLA_FLAGS"] = _plain
+
+
+@pytest.fixture
+def untimed_children(monkeypatch):
+    """Child processes (ranks, helpers, CLI runs) compile fast: XLA's optimisations off, as in this
+    process. For tests that assert no timing: the same HLO, and their values are the same to 1e-5."""
+    monkeypatch.setenv("XLA_FLAGS", UNTIMED_CHILD_FLAGS)

@@ -32,19 +32,13 @@ def _alive(pid: int) -> bool:
         return True
 
 
-@pytest.fixture
-def untimed_children(monkeypatch):
-    """Children compile fast (they time nothing here): XLA's optimisations off, as in this process."""
-    from conftest import UNTIMED_CHILD_FLAGS
-
-    monkeypatch.setenv("XLA_FLAGS", UNTIMED_CHILD_FLAGS)
-
-
-# MPMD: zb-h2 (split backwards, W held back), zb-v (a V: stages hand over on a rank and send both ways),
-# dualpipe-v (overlapped pairs); SPMD (one program over both processes): zb-h1 and zb-v. (SPMD refuses
-# DualPipeV's overlapped pairs: tests/test_spmd.py.)
-@pytest.mark.parametrize("executor, name", [("mpmd", "zb-h2"), ("mpmd", "zb-v"), ("mpmd", "dualpipe-v"),
-                                            ("spmd", "zb-h1"), ("spmd", "zb-v")])
+# MPMD: zb-v (split backwards, W held back; a V: stages hand over on a rank and send both ways, so it
+# carries every transfer a looped schedule's would and more), dualpipe-v (overlapped pairs); SPMD (one
+# program over both processes): zb-v. A looped zb-h2 (MPMD) and zb-h1 (SPMD) ran here too: the same
+# transfers, one direction fewer, at 15 s of CPU each; their gradients in one process are
+# tests/test_executor.py's and tests/test_spmd.py's. (SPMD refuses DualPipeV's overlapped pairs:
+# tests/test_spmd.py.)
+@pytest.mark.parametrize("executor, name", [("mpmd", "zb-v"), ("mpmd", "dualpipe-v"), ("spmd", "zb-v")])
 def test_two_processes_match_the_unpartitioned_model(name, executor, tmp_path, untimed_children):
     out = tmp_path / "run.json"
     lines: list[str] = []
@@ -140,11 +134,11 @@ def test_the_coordinator_keeps_one_steps_results_however_many_steps_run(tmp_path
     from zbpp_lite.runtime.devices import cpu_device_flags
 
     env = {**os.environ, "XLA_FLAGS": cpu_device_flags(2, current=os.environ["XLA_FLAGS"])}
-    done = subprocess.run([sys.executable, "-c", _MANY_STEPS, "300"], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _MANY_STEPS, "40"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    after_10, after_300 = (int(v) for v in done.stdout.split("keys")[1].split())
-    assert after_10 == after_300 <= 2, done.stdout  # one step's results (one per process) and no more
+    after_10, after_40 = (int(v) for v in done.stdout.split("keys")[1].split())
+    assert after_10 == after_40 <= 2, done.stdout  # one step's results (one per process) and no more
 
 
 _WRONG_GRADIENTS = """

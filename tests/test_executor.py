@@ -91,9 +91,13 @@ def _assert_timeline_follows(timeline: Timeline, schedule: zb.Schedule) -> None:
         assert all(end[k] <= e.start for k in deps(e.action, schedule.num_stages)), e
 
 
-@pytest.mark.parametrize("m_rule", ["1", "p", "2p+1"])
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("name", list(zb.SCHEDULES))
+# (.ci/run's Python 3.12 leg runs B and W split on a looped and on a V placement, and overlapped pairs)
+NEWEST = {("zb-h1", 2, "2p+1"), ("zb-v", 2, "2p+1"), ("dualpipe-v", 2, "2p+1")}
+GRID = [pytest.param(*case, marks=pytest.mark.newest_jax) if case in NEWEST else case
+        for case in ((name, p, m_rule) for name in zb.SCHEDULES for p in (2, 4) for m_rule in ("1", "p", "2p+1"))]
+
+
+@pytest.mark.parametrize("name, p, m_rule", GRID)
 def test_every_schedule_gives_the_unpartitioned_loss_and_gradients(name, p, m_rule):
     m = {"1": 1, "p": p, "2p+1": 2 * p + 1}[m_rule]
     schedule = _build(name, p, m)
@@ -174,6 +178,7 @@ def test_ensure_devices_gives_simulated_devices_when_called_before_jax_starts():
     assert out.split() == ["3", "cpu"]
 
 
+@pytest.mark.newest_jax
 def test_bad_sizes_and_schedules_are_refused_before_any_compute():
     model = _model(2)
     executor = PipelineExecutor(model, zb.build_schedule("zb-h1", 2, 2), DEVICES[:2])
@@ -203,6 +208,7 @@ class _LosingExecutor(PipelineExecutor):
             super()._send(step, rank, send)
 
 
+@pytest.mark.newest_jax
 def test_an_error_in_one_rank_reaches_the_caller_at_once():
     model = _model(2)
     executor = _FailingExecutor(model, zb.build_schedule("zb-h1", 2, 4), DEVICES[:2], timeout=60.0)
@@ -293,7 +299,7 @@ def test_training_with_every_schedule_gives_the_same_loss_curve(name, reference_
     assert expected[-1] < expected[0]  # and it learns
 
 
-def test_train_command_writes_the_promised_json(tmp_path, capsys):
+def test_train_command_writes_the_promised_json(tmp_path, capsys, untimed_children):
     path = tmp_path / "run.json"
     argv = ["train", "--schedule", "zb-h1", "--ranks", "2", "--microbatches", "2", "--steps", "2", "--d", "16",
             "--heads", "2", "--blocks", "4", "--batch", "4", "--json", str(path), "--no-progress"]
@@ -311,7 +317,7 @@ def test_train_command_writes_the_promised_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("threads", [False, True])
-def test_compare_command_writes_one_report(tmp_path, capsys, threads):
+def test_compare_command_writes_one_report(tmp_path, capsys, threads, untimed_children):
     out, js = tmp_path / "compare.html", tmp_path / "compare.json"
     argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1,zb-h1+fuse",
             "--steps", "2", "--d", "16",
@@ -368,7 +374,7 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads):
         assert "one-rank reference" not in {r["schedule"] for r in report["runs"]}  # a reference, stepped in the turns, not ranked
 
 
-def test_compare_times_single_device_work_in_a_helper_pinned_from_its_start():
+def test_compare_times_single_device_work_in_a_helper_pinned_from_its_start(untimed_children):
     """The planners' stage costs and the whole-batch reference run in one helper process pinned
     to one core before JAX starts (as a rank is); what crosses back is parsed JSON."""
     from zbpp_lite.training.turns import OneCore
@@ -422,7 +428,7 @@ def test_train_command_refuses_an_invalid_schedule_file(tmp_path, capsys):
     assert "incomplete schedule: missing W (or BW) of stage 0, microbatch 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.newest_jax)])
 def test_nothing_compiles_inside_the_first_timed_step(name):
     """The untimed warm-up compiles every stage function exactly as the handlers call it (jit keys
     its cache on how arguments are passed: an omitted default would compile again inside the
@@ -486,7 +492,9 @@ def bf16_sum_errors(m: int, batch: int = 256, executor: str = "threads") -> dict
     return {"pipeline": error(result.grads), "whole_bf16": error(whole), "f32_summed": error(summed), "dtypes": dtypes}
 
 
-@pytest.mark.parametrize("m, executor", [(64, "threads"), (256, "threads"), (256, "spmd")])
+# m = 64 tells a float32 sum from a bfloat16 one (1.7x its error, against the 1.05 allowed) as m = 256
+# does (2.7x), at a quarter of the per-microbatch gradients; m = 256 ran here too, on both executors
+@pytest.mark.parametrize("m, executor", [pytest.param(64, "threads", marks=pytest.mark.newest_jax), (64, "spmd")])
 def test_bf16_gradients_are_summed_in_float32(m, executor):
     """bfloat16 parameters under zb-h1: the sums over m microbatches are float32, so the pipeline's error
     against float32 jax.grad is that of the same per-microbatch gradients summed in float32 (a bfloat16 sum

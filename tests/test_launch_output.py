@@ -27,7 +27,7 @@ def test_launch_help_has_no_restructuredtext_quotes():
     assert out.returncode == 0 and "launch --processes N" in out.stdout and "``" not in out.stdout
 
 
-def test_launch_names_devices_per_process_and_says_what_the_median_step_holds():
+def test_launch_names_devices_per_process_and_says_what_the_median_step_holds(untimed_children):
     # zb-auto: issue 31, launch planned memory-limited schedules with the default M_W = 7/16 M_B
     argv = [sys.executable, "-m", "zbpp_lite", "launch", "--processes", "2", "--", "train", "--schedule", "zb-auto",
             "--ranks", "2", "--microbatches", "2", "--steps", "2", "--d", "16", "--heads", "2", "--blocks", "4",

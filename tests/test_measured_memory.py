@@ -213,7 +213,7 @@ def test_train_plans_zb_v_with_the_jobs_memory_so_its_measured_peak_keeps_the_pr
     assert "planned with this job's activation memory per stage" in capsys.readouterr().out
 
 
-def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsys):
+def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsys, untimed_children):
     import json
 
     from zbpp_lite.cli import main

@@ -21,6 +21,8 @@ from zbpp_lite.runtime.split import (
 from zbpp_lite.runtime.stages import StagedModel
 from zbpp_lite.training.model import ModelConfig, build_parts
 
+pytestmark = pytest.mark.newest_jax  # every test here: the split reads the jaxprs of whichever JAX runs
+
 
 def _max_rel(a, b) -> float:
     return max(

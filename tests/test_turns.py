@@ -21,24 +21,52 @@ from zbpp_lite.training.turns import schedule_from_json, schedule_to_json, train
 SMALL = dict(model=ModelConfig(d=16, heads=2, blocks=4), run=RunConfig(batch=8))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _untimed_children():
+    """Every rank process here compiles fast (conftest's untimed_children, for the whole module: the
+    run in turns is shared); no test here asserts a timing of the compiled code."""
+    from conftest import UNTIMED_CHILD_FLAGS
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XLA_FLAGS", UNTIMED_CHILD_FLAGS)
+        yield
+
+
+UNEVEN = [[0, 1], [2, 3, 4, 5]]  # zb-h1's stages on a cut of its own (the default: [[0, 1, 2], [3, 4, 5]])
+
+
 @pytest.fixture(scope="module")
 def turns():
+    """One run in turns that checks several things at once (each launch of the rank processes costs
+    seconds of start-up and compiles): 1F1B, ZB-H2, ZB-V and a ZB-H1 on an uneven partition ("uneven")
+    take 3 turns, then ZB-H2 goes on 2 steps alone in the same processes (``then``)."""
+    import dataclasses
+
     # zb-v planned with this job's M_B, M_W: with the default M_W train refuses it (its peak would pass the plan's)
     zb_v = zb.build_schedule("zb-v", 2, 4, costs=job_costs(4, 4, SMALL["model"], SMALL["run"]))
-    schedules = [zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h2", 2, 4), zb_v]
-    ran = []
-    results = train_in_turns(schedules, 3, on_step=lambda name, k, loss, timeline: ran.append((name, k)), **SMALL)
+    uneven = dataclasses.replace(zb.build_schedule("zb-h1", 2, 4), name="uneven")
+    schedules = [zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h2", 2, 4), zb_v, uneven]
+    ran, asked = [], []
+
+    def then(seconds):
+        asked.append(sorted(seconds))
+        assert all(len(v) == 3 for v in seconds.values())
+        return "zb-h2", 2
+
+    results = train_in_turns(schedules, 3, on_step=lambda name, k, loss, timeline: ran.append((name, k)),
+                             parts={"uneven": UNEVEN}, then=then, **SMALL)
     # there and back: step 1 in reverse, so each schedule's neighbours stay one step away
-    assert ran == [("1f1b", 0), ("zb-h2", 0), ("zb-v", 0), ("zb-v", 1), ("zb-h2", 1), ("1f1b", 1),
-                   ("1f1b", 2), ("zb-h2", 2), ("zb-v", 2)]
+    names = ["1f1b", "zb-h2", "zb-v", "uneven"]
+    assert ran == [(n, 0) for n in names] + [(n, 1) for n in names[::-1]] + [(n, 2) for n in names]
+    assert asked == [sorted(names)]
     return schedules, results
 
 
 def test_every_schedule_trains_the_same_model_to_the_same_losses(turns):
     schedules, results = turns
-    assert list(results) == ["1f1b", "zb-h2", "zb-v"]
+    assert list(results) == ["1f1b", "zb-h2", "zb-v", "uneven"]
     losses = np.array([r.losses for r in results.values()])
-    np.testing.assert_allclose(losses, losses[:1].repeat(3, 0), rtol=1e-6)
+    np.testing.assert_allclose(losses, losses[:1].repeat(4, 0), rtol=1e-6)
     for r in results.values():
         assert r.grad_max_rel_error < 1e-5 and r.loss_error < 1e-5
         assert len(r.timelines) == len(r.step_seconds) == 3 and all(s > 0 for s in r.step_seconds)
@@ -144,41 +172,28 @@ def test_nothing_that_crosses_processes_is_unpickled():
         assert "pickle" not in names | modules, f"{path.name} imports pickle"
 
 
-def test_a_schedule_may_run_on_its_own_partition():
-    """The same ZB-H1 on the default cut and on an uneven one, in turns: the same losses and the
-    unpartitioned model's gradients for both, each with the partition it was given."""
-    import dataclasses
-
-    s = zb.build_schedule("zb-h1", 2, 4)
-    even, uneven = dataclasses.replace(s, name="even"), dataclasses.replace(s, name="uneven")
-    results = train_in_turns([even, uneven], 2, parts={"uneven": [[0, 1], [2, 3, 4, 5]]}, **SMALL)
-    assert results["even"].config["parts"] == [[0, 1, 2], [3, 4, 5]]
-    assert results["uneven"].config["parts"] == [[0, 1], [2, 3, 4, 5]]
-    np.testing.assert_allclose(results["even"].losses, results["uneven"].losses, rtol=1e-6)
-    for r in results.values():
-        assert r.grad_max_rel_error < 1e-5 and r.loss_error < 1e-5
+def test_a_schedule_may_run_on_its_own_partition(turns):
+    """ZB-H1 on an uneven cut, in turns with schedules on the default cut: the same losses and the
+    unpartitioned model's gradients (test_every_schedule_trains_the_same_model_to_the_same_losses), each
+    with the partition it was given; a partition naming no schedule, or out of order, is refused."""
+    _, results = turns
+    assert results["1f1b"].config["parts"] == [[0, 1, 2], [3, 4, 5]]
+    assert results["uneven"].config["parts"] == UNEVEN
+    even = zb.build_schedule("zb-h1", 2, 4)
     with pytest.raises(ValueError, match="not one of the schedules"):
-        train_in_turns([even], 2, parts={"odd": [[0, 1], [2, 3, 4, 5]]}, **SMALL)
+        train_in_turns([even], 2, parts={"odd": UNEVEN}, **SMALL)
     with pytest.raises(ValueError, match="in order"):
-        train_in_turns([even], 2, parts={"even": [[0, 2], [1, 3, 4, 5]]}, **SMALL)
+        train_in_turns([even], 2, parts={"zb-h1": [[0, 2], [1, 3, 4, 5]]}, **SMALL)
 
 
-def test_then_goes_on_training_the_chosen_schedule_as_if_it_had_run_alone():
+def test_then_goes_on_training_the_chosen_schedule_as_if_it_had_run_alone(turns):
     """``then`` continues one schedule in the comparison's processes: the same losses, step for
     step, as that schedule trained alone for all the steps, and the test accuracy of its final model."""
-    schedules = [zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h2", 2, 4)]
-    asked = []
-
-    def then(seconds):
-        asked.append(sorted(seconds))
-        assert all(len(v) == 2 for v in seconds.values())
-        return "zb-h2", 2
-
-    both = train_in_turns(schedules, 2, then=then, **SMALL)
-    alone = train_in_turns([schedules[1]], 4, **SMALL)["zb-h2"]
-    assert asked == [["1f1b", "zb-h2"]] and list(both) == ["1f1b", "zb-h2"] and both.then is not None
+    schedules, both = turns
+    alone = train_in_turns([schedules[1]], 5, **SMALL)["zb-h2"]
+    assert both.then is not None
     np.testing.assert_allclose(both.then.losses, alone.losses, rtol=1e-6)
-    assert both.then.losses[:2] == both["zb-h2"].losses and len(both.then.step_seconds) == 2
+    assert both.then.losses[:3] == both["zb-h2"].losses and len(both.then.step_seconds) == 2
     assert both.then.test_accuracy == pytest.approx(alone.test_accuracy, abs=1e-6)
 
 
