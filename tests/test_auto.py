@@ -427,3 +427,50 @@ def test_the_engines_plans_equal_those_of_the_memory_check_by_its_definition_on_
         assert plan(placement, m, table, limits, rules) == expected
         tight += max(expected.peak_memory) >= min(limits) - 1e-9
     assert Compared.answers > 1000 and tight > 40  # the check was asked, and many plans reach their limit
+
+
+def test_stopping_never_changes_a_plan_on_random_small_problems():
+    # branch and bound must be exact: on 100 random problems (V or one stage per rank, p <= 4, m <= 8, random
+    # costs and memory limits) every run under a cutoff either returns the plan of the run to the end or stops
+    # only where that plan could not win (Runs.best's comparison), and the bounds never exceed the makespan
+    import random
+
+    from zbpp_lite.schedules.builders.greedy import Cutoff, Runs, _better, _Greedy, rank_stage_memory
+    from zbpp_lite.schedules.builders.zb_v import V_ORDERS
+    from zbpp_lite.schedules.ir import v_placement
+
+    class Probe(_Greedy):
+        most = 0.0
+
+        def commit(self, *args):
+            end = super().commit(*args)
+            self.most = max(self.most, self.bound, self.last_chain() if self.nf[0] == self.m else 0.0)
+            return end
+
+    rng = random.Random(39)
+    stopped = 0
+    for _ in range(100):
+        p, m = rng.randint(1, 4), rng.randint(1, 8)
+        costs = zb.Costs(f=rng.choice([1.0, 1.5, 2.0]), b=rng.choice([1.0, 1.25, 2.0]),
+            w=rng.choice([0.0, 0.5, 1.0]), comm=rng.choice([0.0, 0.25, 1.0]), mem_w=rng.choice([0.0, 0.4375]))
+        placement = v_placement(p) if rng.random() < 0.7 else list(range(p))
+        table = costs.table(len(placement))
+        need = rank_stage_memory(placement, table)
+        limits = per_rank_limits("test", [x * rng.randint(1, p + 1) for x in need], placement, table)
+        orders = V_ORDERS if len(placement) > p else ((("B", 0), ("F", 0)),)
+        candidates = [Rules(order=rng.choice(orders), fill_partial=rng.random() < 0.5, fit_f=rng.random() < 0.5,
+            feed=rng.random() < 0.3, warmup_cap=rng.choice([None, tuple(rng.randint(1, 4) for _ in range(p))]))
+            for _ in range(4)]
+        runs, best = Runs(placement, m, table, limits), None
+        for rules in candidates:
+            probe = Probe(placement, m, table, limits, rules)
+            full = probe.run()
+            assert probe.most <= full.makespan * (1 + 1e-12)  # valid lower bounds, up to rounding
+            got = runs.run(rules, None if best is None else Cutoff.not_better(best))
+            if got is None:
+                stopped += 1
+                assert not _better(full, best)
+            else:
+                assert got.actions == full.actions and got.makespan == full.makespan
+                best = got if best is None or _better(got, best) else best
+    assert stopped > 20  # the cutoff did act
