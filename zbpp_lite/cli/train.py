@@ -234,11 +234,7 @@ def check_model_arguments(args, num_microbatches: int) -> None:
     """--steps, --d with --heads, --batch with the microbatches, the GPT's flags (refused with the digits),
     --ranks-as processes against flags that need threads: checked, and the model's defaults filled in,
     before JAX starts."""
-    if getattr(args, "ranks_as", None) == "processes" and getattr(args, "threads", False):
-        raise CliError("--threads and --ranks-as processes disagree: give one of them")
-    if getattr(args, "ranks_as", None) == "processes" and _flags_need_threads(args):
-        raise CliError(f"--ranks-as processes cannot run here: {_flags_need_threads(args)}; use --ranks-as "
-                       "threads (or leave it out to let the run choose)")
+    _refuse_processes(args, _flags_need_threads(args))
     gpt = getattr(args, "model", "digits") == "gpt"
     if not gpt:
         refuse_unused(args, [d for d in GPT_FLAGS if hasattr(args, d)], "--context, --dropout, --bf16, "
@@ -468,9 +464,7 @@ def threads_reason(args, num_ranks: int, devices) -> str | None:
     two steps or more). Raises CliError for ``--ranks-as processes`` where processes cannot run, naming
     why, and for ``--threads`` beside ``--ranks-as processes``."""
     asked = getattr(args, "ranks_as", None)
-    if getattr(args, "threads", False):
-        if asked == "processes":
-            raise CliError("--threads and --ranks-as processes disagree: give one of them")
+    if getattr(args, "threads", False) and asked != "processes":
         return "--threads"
     if asked == "threads":
         return "--ranks-as threads"
@@ -480,10 +474,20 @@ def threads_reason(args, num_ranks: int, devices) -> str | None:
     elif len(allowed_cores()) < num_ranks:
         reason = f"{len(allowed_cores())} core(s) for {num_ranks} ranks"
     reason = reason or _flags_need_threads(args)
-    if reason is not None and asked == "processes":
+    _refuse_processes(args, reason)
+    return reason
+
+
+def _refuse_processes(args, reason: str | None) -> None:
+    """CliError for ``--ranks-as processes`` beside ``--threads``, or where ``reason`` keeps the ranks
+    threads; nothing otherwise."""
+    if getattr(args, "ranks_as", None) != "processes":
+        return
+    if getattr(args, "threads", False):
+        raise CliError("--threads and --ranks-as processes disagree: give one of them")
+    if reason is not None:
         raise CliError(f"--ranks-as processes cannot run here: {reason}; use --ranks-as threads (or leave "
                        "it out to let the run choose)")
-    return reason
 
 
 def _flags_need_threads(args) -> str | None:

@@ -14,7 +14,6 @@ from ..schedules.ir import parts
 from ..schedules.program import consumer_stage
 
 
-
 class Restart(Exception):
     """The previous step's optimizer step was rolled back: redo this step's instructions so far."""
 

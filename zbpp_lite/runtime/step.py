@@ -14,7 +14,7 @@ import jax
 from .memory import NoMemoryRecorder
 from .stages import Params
 from ..schedules.ir import Key
-from ..schedules.program import Program, Recv, Send, consumer_stage
+from ..schedules.program import Program, Recv, Send, consumer_stage, producer_stage
 from ..schedules.timeline import Timeline
 
 
@@ -99,7 +99,7 @@ class Step:
     tie_sums: list = field(default_factory=list)  # TieSum per rank and tie (guarded by lock)
     memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     keys: dict = field(default_factory=dict)  # local stage -> per microbatch its dropout key ({}: no dropout)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # guards events and discarded
+    lock: threading.Lock = field(default_factory=threading.Lock)  # guards events, discarded and tie_sums
 
     def hold(self, rank: int, key: tuple, value: Any) -> None:
         """Keep ``value`` under ``key`` in the store, counted as rank ``rank``'s memory."""
@@ -134,11 +134,12 @@ class Route(NamedTuple):
 def route(handler: Callable, kind: str, stage: int, placement: Sequence[int]) -> Route:
     """What an action of ``kind`` on ``stage`` takes from another stage: F the activation of stage s-1,
     B and BW the input gradient of stage s+1 (stage -1 and S: the batch and the seed), W nothing; and
-    what it makes for one (:func:`~zbpp_lite.schedules.program.consumer_stage`)."""
+    what it makes for one (:func:`~zbpp_lite.schedules.program.producer_stage`,
+    :func:`~zbpp_lite.schedules.program.consumer_stage`)."""
     if kind == "W":
         return Route(handler, None, None, False)
     makes = "F" if kind == "F" else "B"
-    takes = Key(makes, stage - 1 if kind == "F" else stage + 1, 0)
+    takes = Key(makes, producer_stage(makes, stage), 0)
     consumer = consumer_stage(makes, stage)
     if not 0 <= consumer < len(placement):
         return Route(handler, takes, None, False)

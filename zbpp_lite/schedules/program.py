@@ -47,6 +47,12 @@ def consumer_stage(kind: str, stage: int) -> int:
     return stage + 1 if kind == "F" else stage - 1
 
 
+def producer_stage(kind: str, stage: int) -> int:
+    """The stage that made what ``stage`` takes: :func:`consumer_stage` read backwards (the previous stage's
+    F activation, the next stage's B input gradient); -1 or S: the batch or the loss's seed, made by none."""
+    return stage - 1 if kind == "F" else stage + 1
+
+
 def destination(key: Key, placement: Sequence[int]) -> int | None:
     """The rank ``key``'s value must go to, or None when its consumer is on the producing rank or
     there is none (a W, the last stage's F, the first stage's B)."""
@@ -190,7 +196,7 @@ def _cell(cell) -> list:
 def _transfer(cell: tuple, rank: int, placement: tuple[int, ...]) -> Send | Recv:
     """``(stage, "SEND"|"RECV", kind, microbatch)`` read from text -> the record, peers from ``placement``."""
     stage, op, kind, microbatch = int(cell[0]), cell[1], cell[2], int(cell[3])
-    producer = stage if op == "SEND" else stage + (1 if kind == "B" else -1)
+    producer = stage if op == "SEND" else producer_stage(kind, stage)
     consumer = consumer_stage(kind, producer)
     if not (0 <= producer < len(placement) and 0 <= consumer < len(placement)):
         raise ValueError(f"rank {rank}: {stage}{op}_{kind}{microbatch} moves a value between stages "
