@@ -234,7 +234,6 @@ def check_model_arguments(args, num_microbatches: int) -> None:
     """--steps, --d with --heads, --batch with the microbatches, the GPT's flags (refused with the digits),
     --ranks-as processes against flags that need threads: checked, and the model's defaults filled in,
     before JAX starts."""
-    _refuse_processes(args, _flags_need_threads(args))
     gpt = getattr(args, "model", "digits") == "gpt"
     if not gpt:
         refuse_unused(args, [d for d in GPT_FLAGS if hasattr(args, d)], "--context, --dropout, --bf16, "
@@ -243,6 +242,7 @@ def check_model_arguments(args, num_microbatches: int) -> None:
     for dest, value in DEFAULTS["gpt" if gpt else "digits"].items():
         if getattr(args, dest, 0) is None:
             setattr(args, dest, value)
+    _refuse_processes(args, _flags_need_threads(args))  # after the defaults: --steps may have been None
     if gpt and getattr(args, "eval_every", 0) is None:  # 10 points over the run drawn (each ~1 CPU s)
         args.eval_every = getattr(args, "learn_steps", args.steps) // 10
     if gpt and (args.context < 1 or not 0 <= args.dropout < 1 or args.eval_every < 0):
