@@ -63,8 +63,10 @@ CASES = {
             lambda c, s: [len(c) // s] * (s - 1) + [len(c) - (s - 1) * (len(c) // s)]),
     "9.1": (lambda actions: _ticks_one_by_one(actions, lag=1),   # the wrong one: usable in the same tick
             lambda actions: _ticks_one_by_one(actions, lag=0)),
-    "9.2": (46, 35),                                # 19 ticks with a W at 2, 8 at 1; 35: event-driven
-    "9.3": (lambda: _spmd_result(), lambda: _spmd_result(shift=True)),   # built when the check runs (below)
+    "9.2": (40, 33),                                # 4m + 3p - 4: p ticks of F only, 18 with a BW; 33: event-driven
+    "9.3": (lambda name, p, m: min(m, {"gpipe": m, "1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]),
+            lambda name, p, m: {"gpipe": p, "1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]),   # the lesson's, copied
+    "9.4": (lambda: _spmd_result(), lambda: _spmd_result(shift=True)),   # built when the check runs (below)
 }
 
 
@@ -91,7 +93,7 @@ def _ticks_one_by_one(actions, lag):
 
 
 def _spmd_result(shift=False):
-    """What lesson 9's ``lab.try_ticks`` hands exercise 9.3's check for a right program (the fewest rows
+    """What lesson 9's ``lab.try_ticks`` hands exercise 9.4's check for a right program (the fewest rows
     per buffer, every rank ran the lockstep form's branch, gradients within 1e-6) or, ``shift``, one whose
     branches lag a tick behind."""
     runs = {}
@@ -139,9 +141,9 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
 
 
 def _answer(key, which):
-    """CASES' answer; exercise 9.3's (a run's result, not a function) is built here."""
+    """CASES' answer; exercise 9.4's (a run's result, not a function) is built here."""
     answer = CASES[key][which]
-    return answer() if key == "9.3" else answer
+    return answer() if key == "9.4" else answer
 
 
 @pytest.mark.parametrize("key", sorted(CASES))
@@ -299,6 +301,7 @@ SIMULATED = {  # function answers that ask the package instead of deriving: each
     "6.3": lambda p, v, r: max(zb.simulate(zb.build_schedule("interleaved-1f1b", p, k * p, stages_per_rank=v),
                                            zb.Costs()).peak_memory[r] for k in (2, 3)),
     "5.1": lambda p, r: _sends_from_placement(zb.build_schedule("zb-v", p, 2 * p).placement, r),
+    "9.3": lambda name, p, m: ex.slots_needed(zb.build_schedule(name, p, m)),
 }
 
 
@@ -324,10 +327,18 @@ def test_the_spmd_check_refuses_gradients_off_and_the_event_driven_prediction():
     far = _spmd_result()
     far["runs"]["1f1b"]["grad_error"] = 1e-2
     assert not ex.spmd_pipeline(far) and "gradients differ" in str(ex.spmd_pipeline(far))
-    assert "event-driven" in str(ex.lockstep_slow_w(35))       # MPMD's makespan is not lockstep's
-    for copied in (27, 54, 29, 26.5):                               # ticks, all at 2, the figure's, T_W = 0.5's
-        verdict = ex.lockstep_slow_w(copied)
-        assert not verdict and "is not" not in verdict.message, copied
+    assert "event-driven" in str(ex.lockstep_1f1b(33))         # MPMD's makespan is not lockstep's
+    for copied in (22, 44, 46):                                     # ticks, all at 2, ZB-H1's with T_W = 2
+        verdict = ex.lockstep_1f1b(copied)
+        assert not verdict and "is not" not in verdict.message and verdict.hint, copied
+
+
+def test_the_rows_check_asks_for_the_rows_the_schedule_needs_at_small_m_and_for_gpipe():
+    forgets_m = ex.rows_rule(CASES["9.3"][1])
+    assert not forgets_m and "gpipe" in forgets_m.message and "too high" in forgets_m.message
+    capped = ex.rows_rule(lambda name, p, m: min(m, {"gpipe": p, "1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]))
+    assert not capped and "gpipe" in capped.message and "too low" in capped.message   # GPipe holds all m
+    assert ex.spmd_pipeline({"slots": ..., "error": None, "runs": {}}).message.startswith("no answer yet: solve")
     assert not ex.tick_table(lambda actions: [[0] * len(actions)])   # one tick for everything
 
 

@@ -16,7 +16,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
-from .checks import Verdict, _called, _function_missing, _number_check, _unanswered
+from .checks import Verdict, _called, _function_check, _function_missing, _number_check, _unanswered
 from .lesson8 import BUILD_CASE, gradient_problem
 
 KIND_CODE = {"F": 1, "B": 2, "W": 3, "BW": 4}
@@ -27,11 +27,19 @@ TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4),
 rank, so an activation can stay on its rank and still wait a tick."""
 
 SPMD_RUNS = ("zb-h1", "1f1b", "zb-h2")
-"""Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: ZB-H2, which lesson 9
+"""Exercise 9.4's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: ZB-H2, which lesson 9
 does not show, keeps more microbatches in flight (lesson 3), so its buffers need more rows."""
 
-SLOW_W = Costs(f=1.0, b=1.0, w=2.0)
-"""Exercise 9.2's costs: T_F = T_B = 1, T_W = 2, T_comm = 0 (not lesson 9's figure's)."""
+ROWS_RUNS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+"""Exercise 9.3's schedules: the lesson derives K at m = 8 for the last three; GPipe (lesson 1) and fewer
+microbatches than that K are the learner's to derive."""
+
+ROWS_POINTS = tuple(dict.fromkeys((name, p, m) for name in ROWS_RUNS for p in (2, 3, 4, 5)
+                                  for m in (1, p - 1, p, 2 * p, 3 * p + 1)))
+"""Exercise 9.3's points ``(name, p, m)``: every schedule at p = 2..5, m from 1 to 3p + 1."""
+
+FUSED = Costs(f=1.0, b=1.0, w=1.0, bw=2.0)
+"""Exercise 9.2's costs: T_F = 1 and 1F1B's fused T_BW = 2, T_comm = 0 (not lesson 9's figure's)."""
 
 
 def _live(schedule) -> dict:
@@ -69,6 +77,27 @@ def slots_needed(schedule) -> int:
     live = _live(schedule)
     return next(K for K in range(1, schedule.num_microbatches + 1)
                 if not any(clash(K, values) for values in live.values()))
+
+
+def tick_grid(schedule) -> str:
+    """The schedule's lockstep ticks as text, one line per rank: ``F3`` for rank r's action in the tick (its
+    kind and microbatch), ``.`` for an idle tick."""
+    ticks = lockstep_ticks(schedule)
+    cell = lambda a: f"{a.kind}{a.microbatch}" if a else ". "  # noqa: E731
+    return "\n".join(f"rank {r}: " + " ".join(cell(row[r] is not None and schedule.actions[r][row[r]])
+                                               for row in ticks) for r in range(schedule.num_ranks))
+
+
+def buffer_rows(schedule, K: int, buffer: str = "ins", stage: int = 0) -> str:
+    """Lesson 9's worked table: buffer ``buffer`` of ``stage`` with K rows, microbatch j in row ``j % K``, one
+    line per row and one character per lockstep tick: the microbatch (its last digit) the row holds from the
+    tick it is written to the tick it is last read, ``.`` when free, ``!`` where two microbatches would need
+    the row at once."""
+    grid = [["."] * len(lockstep_ticks(schedule)) for _ in range(K)]
+    for j, written, read in _live(schedule)[buffer, stage]:
+        for t in range(written, read + 1):
+            grid[j % K][t] = str(j % 10) if grid[j % K][t] == "." else "!"
+    return "\n".join(f"row {k}: " + "".join(line) for k, line in enumerate(grid))
 
 
 def _rows(schedule) -> list:
@@ -109,37 +138,52 @@ def tick_table(answer: Any) -> Verdict:
                    "schedules, ZB-V's V placement included.")
 
 
-def lockstep_slow_w(answer: Any) -> Verdict:
-    """Exercise 9.2 (predicted): ZB-H1's lockstep makespan at p = 4, m = 8 under :data:`SLOW_W` (a tick lasts
-    its slowest action: 2 where any rank runs a W). The unit-tick count, every tick at 2, the event-driven
-    makespan and the figure's and the earlier T_W = 0.5 makespans are refused with their hints."""
-    schedule = build_schedule("zb-h1", 4, 8)
+def lockstep_1f1b(answer: Any) -> Verdict:
+    """Exercise 9.2 (predicted): 1F1B's lockstep makespan at p = 4, m = 8 under :data:`FUSED` (a tick lasts
+    its slowest action: 2 where any rank runs a BW). 4m + 3p - 4 = 40: of its 2(m + p - 1) ticks only the
+    first p hold no BW. Its tick count, every tick at 2, the event-driven makespan and ZB-H1's lockstep
+    makespan with T_W = 2 are refused with their hints."""
+    schedule = build_schedule("1f1b", 4, 8)
     ticks = len(lockstep_ticks(schedule))
-    event = simulate(schedule, SLOW_W).makespan
-    hint = ("a tick lasts as long as its slowest action: 2 wherever any rank runs a W, 1 elsewhere. Count "
-            "the ticks (columns) of the grid the lesson printed that hold at least one W.")
-    copied = ("{:g} is a makespan at T_W = 0.5 (the figure's, or the same without T_comm), not at "
-              "T_W = 2.")
-    return _number_check("9.2", answer, simulate(schedule, SLOW_W, lockstep=True).makespan,
-                         "ZB-H1's lockstep makespan with T_W = 2", hint, known={
-                             ticks: (f"{ticks} is the number of ticks: each lasted 1 when T_W was 1.", hint),
-                             2 * ticks: (f"{2 * ticks} lets every tick last 2: only those with a W do.",
-                                         hint),
-                             event: (f"{event:g} is the event-driven (MPMD) makespan, where a rank moves on "
-                                     "as soon as its own W ends.", hint),
-                             29: (copied.format(29), hint), 26.5: (copied.format(26.5), hint)})
+    event = simulate(schedule, FUSED).makespan
+    zb_h1 = simulate(build_schedule("zb-h1", 4, 8), Costs(f=1.0, b=1.0, w=2.0), lockstep=True).makespan
+    hint = ("a tick lasts as long as its slowest action: 2 wherever any rank runs a BW, 1 elsewhere. 1F1B "
+            "has 2(m + p - 1) ticks: which of them hold no BW? Find the tick of the first BW (on which "
+            "rank?), then ask whether a later tick can be free of BWs.")
+    return _number_check("9.2", answer, simulate(schedule, FUSED, lockstep=True).makespan,
+                         "1F1B's lockstep makespan with T_BW = 2", hint, known={
+                             ticks: (f"{ticks} is the number of ticks: each lasted 1 when every action did.",
+                                     hint),
+                             2 * ticks: (f"{2 * ticks} lets every tick last 2: not all hold a BW.", hint),
+                             event: (f"{event:g} is the event-driven (MPMD) makespan, 3(m + p - 1), where a "
+                                     "rank's F does not wait for another rank's BW.", hint),
+                             zb_h1: (f"{zb_h1:g} is ZB-H1's lockstep makespan with T_W = 2, not 1F1B's with "
+                                     "T_BW = 2.", hint)})
 
 
-def reveal_slow_w() -> Any:
-    """Exercise 9.2's reveal: ZB-H1 at p = 4, m = 8 under :data:`SLOW_W`, event-driven above lockstep."""
-    schedule = build_schedule("zb-h1", 4, 8)
-    return compare_figure(simulate(schedule, SLOW_W), simulate(schedule, SLOW_W, lockstep=True),
+def reveal_lockstep_1f1b() -> Any:
+    """Exercise 9.2's reveal: 1F1B at p = 4, m = 8 under :data:`FUSED`, event-driven above lockstep."""
+    schedule = build_schedule("1f1b", 4, 8)
+    return compare_figure(simulate(schedule, FUSED), simulate(schedule, FUSED, lockstep=True),
                           titles=("MPMD: event-driven", "SPMD: lockstep ticks"),
-                          title="ZB-H1, p = 4, m = 8, T_W = 2")
+                          title="1F1B, p = 4, m = 8, T_F = 1, T_BW = 2")
+
+
+def rows_rule(answer: Any) -> Verdict:
+    """Exercise 9.3 (derived): ``rows_needed(name, p, m)``, the fewest rows K per buffer
+    (:func:`slots_needed`) of schedule ``name`` of :data:`ROWS_RUNS`, at every point of :data:`ROWS_POINTS`.
+    The lesson's p, p, 2p - 1 copied (GPipe given p, or m ignored) fails at GPipe and at small m; a function
+    that asks the package is refused by name."""
+    hint = ("K is the most microbatches one buffer holds at once: count, on the busiest rank, the F's it "
+            "runs before the first read that frees a row (GPipe: lesson 1's order). Then ask what caps that "
+            "count when there are only m microbatches.")
+    return _function_check("9.3", answer, ROWS_POINTS,
+                           lambda name, p, m: slots_needed(build_schedule(name, p, m)),
+                           "rows_needed(name, p, m)", hint)
 
 
 def spmd_pipeline(result: Any) -> Verdict:
-    """Exercise 9.3: the learner's ``make_tick`` run by lesson 9's ``try_spmd``; ``result`` is
+    """Exercise 9.4: the learner's ``make_tick`` run by lesson 9's ``lab.try_ticks``; ``result`` is
     ``{"error": None or text, "runs": {name: {"grad_error", "stage_errors", "scale" (as
     :func:`zbpp_lite.course.bench.gradient_report` gives them), "ran": (ranks, ticks) ints}}}`` for
     :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
@@ -148,22 +192,22 @@ def spmd_pipeline(result: Any) -> Verdict:
     hint = ("the lesson's tick keeps microbatch j in row j; with K rows, every read and write of a buffer, "
             "the receiver's store included, needs the row microbatch j may use while it is in flight.")
     if _unanswered(result):
-        return Verdict("9.3", False, "no answer yet: write make_tick.", hint)
+        return Verdict("9.4", False, "no answer yet: write make_tick.", hint)
     if not isinstance(result, dict) or "runs" not in result:
-        return Verdict("9.3", False, "expected try_spmd(make_tick, slots)'s result, got "
+        return Verdict("9.4", False, "expected try_spmd(make_tick, slots)'s result, got "
                        f"{type(result).__name__}.", hint)
     refused = _slots_problem(result.get("slots"))
     if refused is not None:
         return refused
     if result.get("error"):
-        return Verdict("9.3", False, f"running it raised {result['error']}", "every branch of a lax.switch "
+        return Verdict("9.4", False, f"running it raised {result['error']}", "every branch of a lax.switch "
                        "returns the same structure, shapes, dtypes and varying types (spmd.to_varying), "
                        "idle included; a scan's carry keeps its own.")
     worst = 0.0
     for name in SPMD_RUNS:
         run = result["runs"].get(name)
         if run is None:
-            return Verdict("9.3", False, f"no run of {name}.", hint)
+            return Verdict("9.4", False, f"no run of {name}.", hint)
         schedule = build_schedule(name, 4, 8)
         want = np.zeros((schedule.num_ranks, len(lockstep_ticks(schedule))), int)
         for t, row in enumerate(lockstep_ticks(schedule)):
@@ -176,46 +220,49 @@ def spmd_pipeline(result: Any) -> Verdict:
             else:
                 r, t = np.argwhere(ran != want)[0]
                 bad = f"rank {r} ran branch {ran[r, t]} in tick {t}, the table says {want[r, t]}"
-            return Verdict("9.3", False, f"{name}: {bad}.", "scan over the rank's (kind, microbatch) columns "
+            return Verdict("9.4", False, f"{name}: {bad}.", "scan over the rank's (kind, microbatch) columns "
                            "in order; each branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
-        problem = gradient_problem("9.3", name, run, BUILD_CASE["microbatches"])
+        problem = gradient_problem("9.4", name, run, BUILD_CASE["microbatches"])
         if problem is not None:
             return problem
         worst = max(worst, float(run["grad_error"]))
-    return Verdict("9.3", True, f"{', '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
+    return Verdict("9.4", True, f"{', '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
                    "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
                    f"{worst:.1e}), each buffer {result['slots']} rows deep instead of 8.")
 
 
 def _slots_problem(slots: Any) -> Verdict | None:
-    """Exercise 9.3's rows per buffer: a dict with the fewest that work (:func:`slots_needed`) per schedule of
-    :data:`SPMD_RUNS`, else the refusal."""
+    """Exercise 9.4's rows per buffer (``rows_needed(name, 4, 8)`` of exercise 9.3): None when each schedule
+    of :data:`SPMD_RUNS` has the fewest that work (:func:`slots_needed`), else the refusal."""
     hint = ("row j % K is safe when no microbatch is written into a row whose earlier microbatch still waits "
             "to be read: how many microbatches does each schedule keep in flight on its busiest rank "
             "(lesson 3's memory)?")
     if _unanswered(slots):
-        return Verdict("9.3", False, "no answer yet: give slots, the rows per buffer for each schedule.",
-                       hint)
+        return Verdict("9.4", False, "no answer yet: solve exercise 9.3 (rows_needed) first.", hint)
     if not isinstance(slots, dict) or set(slots) != set(SPMD_RUNS):
-        return Verdict("9.3", False, f"expected slots as {{name: rows}} for {', '.join(SPMD_RUNS)}, got "
+        return Verdict("9.4", False, f"expected slots as {{name: rows}} for {', '.join(SPMD_RUNS)}, got "
                        f"{slots!r}.", hint)
     for name in SPMD_RUNS:
         need = slots_needed(build_schedule(name, 4, 8))
-        if not isinstance(slots[name], int) or slots[name] < need:
-            return Verdict("9.3", False, f"{name}: {slots[name]!r} rows are too few: a row would be "
+        if not isinstance(slots[name], (int, np.integer)):
+            return Verdict("9.4", False, f"rows_needed({name!r}, 4, 8) gave {slots[name]!r}, not a number of "
+                           "rows: solve exercise 9.3 first.", hint)
+        if slots[name] < need:
+            return Verdict("9.4", False, f"{name}: {slots[name]!r} rows are too few: a row would be "
                            "rewritten while the microbatch it holds still waits to be read.", hint)
         if slots[name] > need:
-            return Verdict("9.3", False, f"{name}: {slots[name]} rows work but keep more than {name} has in "
+            return Verdict("9.4", False, f"{name}: {slots[name]} rows work but keep more than {name} has in "
                            "flight: fewer do.", hint)
     return None
 
 
-EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_slow_w,
-                                                  "9.3": spmd_pipeline}
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_rule,
+                                                  "9.4": spmd_pipeline}
 """Lesson 9's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_slow_w}
+REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "SLOW_W", "tick_table", "lockstep_slow_w", "spmd_pipeline",
-           "slots_needed", "EXERCISES", "REVEALS"]
+__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "ROWS_RUNS", "ROWS_POINTS", "FUSED", "tick_table",
+           "lockstep_1f1b", "rows_rule", "spmd_pipeline", "slots_needed", "buffer_rows", "tick_grid",
+           "EXERCISES", "REVEALS"]
