@@ -277,22 +277,23 @@ def spmd_lesson():
 
 
 def test_the_spmd_program_with_buffers_for_the_microbatches_in_flight_passes_and_wrong_ones_fail(spmd_lesson):
-    """Exercise 9.3: the Solutions' make_tick (row j % K) passes with the fewest rows (4, 4, 7). The lesson's
+    """Exercise 9.4: the Solutions' make_tick (row j % K) passes with 9.3's fewest rows (4, 4, 7). The lesson's
     worked make_tick, indexing rows by j, fails with those rows (microbatch j >= K has no row); storing
     what never arrived (tag 0, index -1: the last row) overwrites a value still waiting there (with K rows
     already on ZB-H1); too few rows, or more than needed, are refused before anything runs."""
-    lab, slots = spmd_lesson["lab"], spmd_lesson["slots"]
+    lab, rows_needed = spmd_lesson["lab"], spmd_lesson["rows_needed"]
+    slots = {name: rows_needed(name, 4, 8) for name in ex.SPMD_RUNS}
     assert slots == {"1f1b": 4, "zb-h1": 4, "zb-h2": 7}
-    assert ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], slots))
+    assert ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
     by_j = lambda src: src.replace("% st[\"act\"].shape[0]", "").replace("% buf.shape[0]", "")  # noqa: E731
     with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", by_j) as wrong:
         assert "shape[0]" not in wrong
-        verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], slots))
+        verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
     assert not verdict and "the gradients differ" in str(verdict), str(verdict)
     blind = lambda src: src.replace("jnp.where(tag > 0, x, buf[i])", "x")  # noqa: E731
     with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", blind) as wrong:
         assert wrong.count(".set(x)") == 1
-        verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], slots))
+        verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
     assert not verdict and "the gradients differ" in str(verdict) and "overwritten" in verdict.hint, str(verdict)
     for rows, word in ((4, "too few"), (8, "fewer do")):             # checked before any run
         verdict = ex.spmd_pipeline({"slots": {**slots, "zb-h2": rows}, "error": None, "runs": {}})
