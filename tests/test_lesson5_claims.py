@@ -87,7 +87,7 @@ def test_v_half_rank_0_runs_out_of_forwards_and_waits():
     for p in (4, 6, 8):
         s = zb.build_schedule("v-half", p, 3 * p)
         first_b = [a.kind for a in s.actions[0]].index("B")
-        assert first_b < 2 * p - 1 and zb.simulate(s, HALF).bubble_time[0] > 0, p
+        assert first_b < 2 * p - 1 and zb.simulate(s, HALF).idle_time[0] > 0, p
 
 
 def test_dualpipe_v_pair_counts_and_refusals():

@@ -140,8 +140,10 @@ class Timeline:
         return tuple(map(tuple, rows))
 
     @property
-    def bubble_time(self) -> tuple[float, ...]:
-        """Per rank: total idle time inside its span."""
+    def idle_time(self) -> tuple[float, ...]:
+        """Per rank: its idle time, the gaps inside its own span (:attr:`idle_gaps`) summed, in the events'
+        time unit. Not the bubble (makespan minus the busiest rank's busy time,
+        :func:`~zbpp_lite.schedules.formulas.bubble_time`'s closed form): it differs from rank to rank."""
         return tuple(sum(b - a for a, b in g) for g in self.idle_gaps)
 
     def memory_changes(
