@@ -171,7 +171,7 @@ def test_every_idle_stretch_is_attributed_once_for_every_schedule(seed):
         assert all(g.cause in CAUSES and g.duration > 0 for g in result.gaps)
         for r in range(p):
             inside = sum(g.duration for g in result.gaps if g.rank == r and not g.edge)
-            assert inside == pytest.approx(timeline.bubble_time[r], abs=1e-9), (schedule.name, r)
+            assert inside == pytest.approx(timeline.idle_time[r], abs=1e-9), (schedule.name, r)
             stretches = sorted((g.start, g.end) for g in result.gaps if g.rank == r)
             assert all(a[1] <= b[0] + 1e-9 for a, b in zip(stretches, stretches[1:]))
         expected = p * timeline.global_span - sum(timeline.busy)

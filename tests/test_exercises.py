@@ -54,7 +54,7 @@ CASES = {
             lambda p, m, t: 6 * m * t + max(0, 2 * p - 1 - m) * t),   # the old answer: right for m >= p only
     "6.1": (lambda p, v, r: [k * p + (r if k % 2 == 0 else p - 1 - r) for k in range(v)],
             lambda p, v, r: list(range(r * v, r * v + v))),   # zig-zag passes, not contiguous blocks
-    "6.2": (3, 2),            # 24 + 9/v + 2(4v - 1)0.125: 33.75, 30.25, 29.75, 30 at v = 1..4; 2: the lesson's v
+    "6.2": (3 / 16, 0.375),   # 24 + 9/v + 2(4v - 1)c: v = 2 and 3 tie where 1.5 = 8c; 0.375: each link once
     "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
     "7.1": ((0, 3), (3, 1)),                        # idle 23, 22, 0, 16; the wrong one: "farthest from the
                                                     # slow stage" idles most, "next to it" least
@@ -250,12 +250,37 @@ def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
 
 def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
     assert not ex.zigzag_stages(lambda p, v, r: [r + k * p for k in range(v)]).ok   # the looped s % p, copied
-    for copied in (1, 2, 6):   # no interleaving; the lesson's v = 2; the most v, the smallest printed bubble
-        assert not ex.interleaved_best_v(copied).ok
     assert not ex.interleaved_peak(lambda p, v, r: v * p + p - 1).ok           # rank 0's value on every rank
     one_f_one_b = ex.interleaved_peak(lambda p, v, r: p - r if v == 1 else v * p + p - 1 - 2 * r)
     assert not one_f_one_b.ok and "Megatron" in str(one_f_one_b)               # v = 1 is not 1F1B's warm-up
-    assert "Megatron" in str(ex.interleaved_best_v(1))
+
+
+def test_exercise_6_2_refuses_miscounted_links_and_accepts_the_critical_path_derivation():
+    """The T_comm where v = 3 ties v = 2 (p = 4, m = 8): 24 + 9/v + 2(4v - 1)c gives 1.5 = 8c, c = 3/16,
+    as a number or a fraction; links counted once (the way down only: 1.5 = 4c) and p - 1 links a pass
+    without the hop back to rank 0 (1.5 = 6c) are told what they miss; a v, the old exercise's answer,
+    is not an attempt."""
+    for right in (3 / 16, "3/16", 0.1875):
+        assert ex.interleaved_crossover(right).ok
+    once, no_wrap = ex.interleaved_crossover(0.375), ex.interleaved_crossover(0.25)
+    assert not once and once.attempt and "once" in once.message
+    assert not no_wrap and no_wrap.attempt and "rank p-1 back to rank 0" in no_wrap.message
+    for guessed in (2, 3, 0.125):
+        verdict = ex.interleaved_crossover(guessed)
+        assert not verdict and verdict.hint and "is not" in verdict.message, guessed
+
+
+def test_exercise_6_3_tells_patterns_fitted_from_v_1_from_the_derivation():
+    """peak(p, v, r) = vp + p - 1 - 2r passes; v times v = 1's 2(p - r) - 1 and v = 1's count for vp
+    ranks, 2(vp - r) - 1, both right at v = 1 and at some points beyond, are refused with their own
+    message, not only the first failing point."""
+    assert ex.interleaved_peak(lambda p, v, r: v * p + p - 1 - 2 * r)
+    times_v = ex.interleaved_peak(lambda p, v, r: v * (2 * (p - r) - 1))
+    deep = ex.interleaved_peak(lambda p, v, r: 2 * (v * p - r) - 1)
+    assert not times_v and "once" in times_v.message and "your function gives" not in times_v.message
+    assert not deep and "vp ranks" in deep.message and "your function gives" not in deep.message
+    fitted = ex.interleaved_peak(lambda p, v, r: 2 * (p - r) - 1 + (v - 1) * 4)   # p = 4's step, copied
+    assert not fitted and "your function gives" in fitted.message
 
 
 def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_stage_answer():

@@ -57,7 +57,7 @@ def test_zb_h2_follows_the_lessons_rule_and_never_idles_with_equal_costs(p):
     for m in range(2 * p - 1, 4 * p + 1):
         schedule = zb.build_schedule("zb-h2", p, m)
         t = zb.simulate(schedule)
-        assert max(t.bubble_time) == 0.0, (p, m)
+        assert max(t.idle_time) == 0.0, (p, m)
         for r in range(p):
             row = _order(schedule, r)
             assert row == zb_h2_by_rule(p, m, r), (p, m, r)

@@ -74,7 +74,7 @@ def test_the_family_trades_memory_for_bubble_at_p_8():
 
 @pytest.mark.parametrize("p", [4, 8])
 def test_v_min_lifespans_are_the_round_trip(p):
-    """Where V-Min is the tight block, stage r's activations live 4p - 2r unit actions, stage 2p-1-r's
+    """Where V-Min is the tight block, stage r's activations live 4p - 2r time units, stage 2p-1-r's
     2r + 2: in steady state (microbatch 0, and 3 on; microbatches 1 and 2 wait longer)."""
     t = zb.simulate(zb.build_schedule("v-min", p, 3 * p), HALF)
     ev = {(e.action.kind, e.action.stage, e.action.microbatch): e for e in t.events}
@@ -87,7 +87,7 @@ def test_v_half_rank_0_runs_out_of_forwards_and_waits():
     for p in (4, 6, 8):
         s = zb.build_schedule("v-half", p, 3 * p)
         first_b = [a.kind for a in s.actions[0]].index("B")
-        assert first_b < 2 * p - 1 and zb.simulate(s, HALF).bubble_time[0] > 0, p
+        assert first_b < 2 * p - 1 and zb.simulate(s, HALF).idle_time[0] > 0, p
 
 
 def test_dualpipe_v_pair_counts_and_refusals():

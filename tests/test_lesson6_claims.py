@@ -54,10 +54,14 @@ def test_interleaved_rank_0_holds_more_than_1f1b_and_looped_links(p):
         assert sum(a != b for a, b in zip(placed, placed[1:])) == v * p - 1, (p, v)
 
 
-def test_interleaved_best_v_is_the_critical_path_form():
-    """Exercise 6.2's case: the simulated makespans are 24 + 9/v + 2(4v - 1) T_comm, least at v = 3."""
-    c = 0.125
-    for v in range(1, 7):
-        span = zb.simulate(zb.build_schedule("interleaved-1f1b", 4, 8, stages_per_rank=v),
-                           zb.Costs(f=1 / v, b=1 / v, w=1 / v, comm=c)).makespan
-        assert abs(span - (24 + 9 / v + 2 * (4 * v - 1) * c)) <= 1e-9, v
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_interleaved_makespan_with_transfers_is_the_critical_path_form(p):
+    """Exercise 6.2's form: a whole rank's T_F = T_B = T_W = 1, T_comm = c at most a stage's T_F (1/v):
+    3m + 3(p-1)/v + 2(vp - 1)c, m a multiple of p (the first microbatch's forward and the last one's
+    backward cross vp - 1 links each; every other transfer hides behind an action)."""
+    for v in range(1, 5):
+        for m in (p, 2 * p, 3 * p):
+            plan = zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=v)
+            for c in (0.05, 0.5 / v, 1 / v):
+                span = zb.simulate(plan, zb.Costs(f=1 / v, b=1 / v, w=1 / v, comm=c)).makespan
+                assert abs(span - (3 * m + 3 * (p - 1) / v + 2 * (v * p - 1) * c)) <= 1e-9, (p, v, m, c)

@@ -23,7 +23,7 @@ def test_the_causes_sum_to_all_idle_time_with_and_without_the_edges(name, costs)
     t = zb.simulate(plan, costs)
     causes = attribute(t, plan, costs)
     assert abs(causes.total() - (P * t.global_span - sum(t.busy))) <= 1e-9
-    assert abs(causes.total(edges=False) - sum(t.bubble_time)) <= 1e-9
+    assert abs(causes.total(edges=False) - sum(t.idle_time)) <= 1e-9
 
 
 @pytest.mark.parametrize("costs, slow", [(SLOW_FIRST, 0), (SLOW_LAST, 3)])
@@ -57,4 +57,4 @@ def test_the_global_span_can_exceed_the_makespan():
     starts = [min(e.start for e in t.rank_events(r)) for r in (0, P - 1)]
     ends = [max(e.end for e in t.rank_events(r)) for r in (0, P - 1)]
     assert starts[1] > starts[0] and ends[1] > ends[0] and t.global_span == ends[1] - starts[0]
-    assert t.bubble_time == (23, 22, 21, 0)
+    assert t.idle_time == (23, 22, 21, 0)

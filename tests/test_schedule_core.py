@@ -449,3 +449,23 @@ def test_every_ranks_events_come_from_one_pass_over_the_timeline():
     assert Counted.passes == 1  # not once per rank: the text grid asks for every rank
     assert [e for row in rows for e in row] == list(t.events)
     assert all(e.rank == r for r, row in enumerate(rows) for e in row)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h2", "zb-v", "interleaved-1f1b"])
+def test_early_starts_is_empty_when_simulated_and_names_an_action_moved_before_its_input(name):
+    """A simulated timeline starts nothing before its inputs; move one B a unit earlier than the B it
+    needs (or its own F) and it is the one event named; with tol at least the move, none."""
+    import dataclasses
+
+    from zbpp_lite.schedules.timeline import early_starts
+
+    s = zb.build_schedule(name, 4, 8)
+    t = zb.simulate(s, zb.Costs(comm=0.25))
+    assert early_starts(t, s.num_stages) == []
+    events = list(t.events)
+    i = next(i for i, e in enumerate(events) if e.action.kind in ("B", "BW") and e.action.stage == 1)
+    moved = dataclasses.replace(events[i], start=events[i].start - 1.0, end=events[i].end - 1.0)
+    events[i] = moved
+    shifted = dataclasses.replace(t, events=tuple(events))
+    assert early_starts(shifted, s.num_stages) == [moved]
+    assert early_starts(shifted, s.num_stages, tol=1.0) == []

@@ -3,8 +3,10 @@
 A rank idles while its next action waits for an input (:func:`zbpp_lite.schedules.ir.deps`). Causes,
 checked in this order (Qi et al., arXiv 2401.10241, sections 2-3):
 
-- ``warm-up``: before the rank's first action or its first backward (the pipeline filling);
-- ``cool-down``: no F left, waiting for the last backwards, or done while others work;
+- ``warm-up``: in the rank's warm-up phase, before its first action or its first backward (the pipeline
+  filling); the cause is the phase, named as the schedules name it;
+- ``cool-down``: in its cool-down phase, no F left, waiting for the last backwards, or done while others
+  work;
 - ``imbalance``: steady state, waiting on a chain whose origin (followed back to an action that ran as
   soon as its rank was free) is a stage slower than the mean by more than a margin;
 - ``communication``: the input was computed, its transfer took the time;
@@ -12,7 +14,7 @@ checked in this order (Qi et al., arXiv 2401.10241, sections 2-3):
 - ``W held back``: steady state, a W pending that the schedule chose not to run;
 - ``overhead``: the input was there (a measured run's dispatch latency).
 
-Gaps inside each rank's span are :attr:`Timeline.idle_gaps` (summing to :attr:`Timeline.bubble_time`);
+Gaps inside each rank's span are :attr:`Timeline.idle_gaps` (summing to :attr:`Timeline.idle_time`);
 ``edge`` gaps lie before a rank's first and after its last action, up to the step's first start and
 last end.
 """
@@ -55,7 +57,7 @@ class IdleGap:
 class Attribution:
     """Every idle stretch of a timeline with its cause (``gaps`` by rank then time), and the totals.
     ``stage_time``: the T_F + T_B + T_W that found ``slow_stages``; ``comm``: T_comm telling a transfer
-    from overhead; ``bubble_time``: per rank, inside its span; ``source``: "measured" or "simulated";
+    from overhead; ``idle_time``: per rank, inside its span; ``source``: "measured" or "simulated";
     ``edges=False`` below counts only stretches inside the spans."""
 
     gaps: tuple[IdleGap, ...]
@@ -64,7 +66,7 @@ class Attribution:
     stage_time: tuple[float, ...]
     slow_stages: tuple[int, ...]
     comm: float
-    bubble_time: tuple[float, ...]
+    idle_time: tuple[float, ...]
     makespan: float
     global_span: float
     source: str
@@ -254,4 +256,4 @@ def attribute(timeline: Timeline, schedule: Schedule, costs: Costs | None = None
     gaps = [g for r in range(timeline.num_ranks) if waits.rows[r]
             for g in _rank_gaps(r, timeline, waits, slow, comm_of)]
     return Attribution(tuple(gaps), timeline.num_ranks, S, tuple(stage_time), slow, max(comm_of, default=0.0),
-                       timeline.bubble_time, timeline.makespan, timeline.global_span, timeline.source)
+                       timeline.idle_time, timeline.makespan, timeline.global_span, timeline.source)

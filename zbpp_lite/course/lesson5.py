@@ -35,7 +35,7 @@ def zb_v_first_zero(answer: Any) -> Verdict:
         11.0: ("11 = 2p - 1 is where the bubble is gone, not where the rate first falls below 0.05.", why),
         12.0: ("12 = 2p is the bound the schedule is stated for; the rate falls below 0.05 earlier.", why),
         6.0: ("6 is p = 4's answer; at p = 6 rank 0 waits longer for microbatch 0.", why),
-        10.0: ("10 counts one stage's work per microbatch; rank 0 holds two stages (6 unit actions).", why),
+        10.0: ("10 counts one stage's work per microbatch; rank 0 holds two stages (6 time units).", why),
     }
     return _number_check("5.2", answer, expected,
                          f"the smallest m with a bubble rate below {ZB_V_RATE:g} at p = 6",

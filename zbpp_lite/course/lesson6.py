@@ -6,66 +6,84 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import plotly.graph_objects as go
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _called, _function_check, _function_missing, _line_figure, _number_check
+from .checks import Verdict, _called, _function_check, _function_missing, _number_check
 
 
-INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, comm=0.125, max_v=6)
+INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, compared=(2, 3))
 """Exercise 6.2's case: interleaved 1F1B, p = 4, m = 8, a whole rank's T_F = T_B = T_W = 1 (each of v
-stages per rank costs 1/v of it), T_comm = 0.125 per transfer; v from 1 to 6."""
+stages per rank costs 1/v of it), T_comm = c; v = 2 against v = 3, for c up to one stage's T_F."""
+
+
+def _interleaved_span(v: int, comm: float) -> float:
+    c = INTERLEAVED_CASE
+    cost = c["whole_rank"] / v
+    plan = build_schedule("interleaved-1f1b", c["num_ranks"], c["num_microbatches"], stages_per_rank=v)
+    return simulate(plan, Costs(f=cost, b=cost, w=cost, comm=comm)).makespan
 
 
 @functools.lru_cache(maxsize=1)
-def _interleaved_makespans() -> dict[int, float]:
-    c = INTERLEAVED_CASE
-    return {v: simulate(build_schedule("interleaved-1f1b", c["num_ranks"], c["num_microbatches"],
-                                       stages_per_rank=v),
-                        Costs(f=c["whole_rank"] / v, b=c["whole_rank"] / v, w=c["whole_rank"] / v,
-                              comm=c["comm"])).makespan
-            for v in range(1, c["max_v"] + 1)}
+def _crossover() -> tuple[float, float, float]:
+    """(c*, the makespans' gap at T_comm = 0, how much faster the gap closes per unit of T_comm): the T_comm
+    at which :data:`INTERLEAVED_CASE`'s two v's tie, from simulated makespans, each linear in T_comm while
+    T_comm is at most a stage's T_F (checked at c*)."""
+    fewer, more = INTERLEAVED_CASE["compared"]
+    probe = 0.5 * INTERLEAVED_CASE["whole_rank"] / more  # within both v's linear range
+    gap = _interleaved_span(fewer, 0.0) - _interleaved_span(more, 0.0)
+    closing = (_interleaved_span(more, probe) - _interleaved_span(fewer, probe) + gap) / probe
+    tie = gap / closing
+    assert abs(_interleaved_span(fewer, tie) - _interleaved_span(more, tie)) <= 1e-9, "not linear up to c*"
+    return tie, gap, closing
 
 
-def interleaved_best_v(answer: Any) -> Verdict:
-    """Exercise 6.2: the v (1 .. 6) giving interleaved 1F1B the shortest makespan on
-    :data:`INTERLEAVED_CASE`, where more stages per rank shrink the bubble but add transfers; predicted.
-    The answers of a half-done derivation get their own message: T_comm ignored (the most v), T_comm
-    counted once per link instead of on the way down and back (v = 4), no interleaving, the lesson's v."""
-    spans = _interleaved_makespans()
-    best = min(spans, key=spans.get)
-    hint = ("the bubble (p-1)(T_F+T_B+T_W)/v falls with v; which transfers can no action hide, on the first "
-            "microbatch's way down and the last one's way back? Count them as a function of v, add, "
-            "minimise.")
+def interleaved_crossover(answer: Any) -> Verdict:
+    """Exercise 6.2: the T_comm up to which interleaved 1F1B with v = 3 stages per rank is at least as fast as
+    with v = 2 on :data:`INTERLEAVED_CASE`; predicted, which needs the makespan as a function of v and T_comm
+    (which transfers lie on the critical path). Derivations that miscount the links get their own message:
+    each link counted once (the way down only), and the passes' p - 1 links without the hop from the last
+    rank back to the first."""
+    tie, gap, _ = _crossover()
+    p = INTERLEAVED_CASE["num_ranks"]
+    hint = ("write the makespan for v stages per rank: the bubble (p-1)(T_F+T_B+T_W)/v, plus T_comm for "
+            "every transfer no action hides. Which links does the first microbatch's forward cross, and the "
+            "last one's backward? Set the v = 2 and v = 3 makespans equal.")
     known = {
-        float(INTERLEAVED_CASE["max_v"]): ("the most stages per rank would win if transfers were free; "
-                                           "each extra link adds T_comm.", hint),
-        4.0: ("4 counts each link's transfer once; the critical path crosses the links going down (the "
-              "first microbatch's F) and again coming back (the last one's backward).", hint),
-        1.0: ("v = 1 (one stage per rank, in Megatron's warm-up order, not 1F1B's) keeps the largest "
-              "bubble, (p-1)(T_F+T_B+T_W).", hint),
-        2.0: ("2 is the lesson's example, not the minimum with T_comm = 0.125.", hint),
+        gap / p: ("that counts each link once; the critical path crosses them going down (the first "
+                  "microbatch's F) and again coming back (the last one's backward).", hint),
+        gap / (2 * (p - 1)): ("that counts p - 1 links per pass over the ranks, the same for every v; "
+                              "between two passes the hop from rank p-1 back to rank 0 is a link too.", hint),
     }
-    return _number_check("6.2", answer, best, "the v with the shortest makespan", hint, known=known)
+    return _number_check("6.2", answer, tie, "the T_comm at which v = 3 and v = 2 tie", hint, known=known)
 
 
 def interleaved_peak(fn: Any) -> Verdict:
-    """Exercise 6.3: ``peak(p, v, r)``, rank r's peak activations under interleaved 1F1B (m >= 2p) in
-    stage units (M_B/v each, lesson 5); checked for p = 2..5, v = 1..4, every rank, m = 2p and 3p. At
-    v = 1 the builder keeps Megatron's warm-up, so rank r holds 2(p - r) - 1, not 1F1B's p - r."""
+    """Exercise 6.3: ``peak(p, v, r)``, the most forwards' activations (M_B/v each) rank r holds under
+    interleaved 1F1B with v stages per rank (m >= 2p); checked for p = 2..5, v = 1..4, every rank, m = 2p
+    and 3p. At v = 1 the builder keeps Megatron's warm-up, 2(p - r) - 1 (the lesson shows it). Patterns fitted
+    from v = 1 get their own message: v times it, and v = 1's count for a pipeline of vp ranks."""
     def held(p, v, m):
         return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory
 
     peaks = {(p, v, m): held(p, v, m) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for m in (2 * p, 3 * p)}
     points = [(p, v, r) for (p, v, m) in peaks for r in range(p) if m == 2 * p]
-
+    why_once = ("v times v = 1's count repeats the wait for the round trip through the ranks after r on "
+                "every pass; microbatch 0 makes that trip once, at the end. What do earlier passes add?")
+    why_deep = ("that is v = 1's count for one stage on each of vp ranks; here rank r's first backward is "
+                "for its last stage, so microbatch 0 need not come back all the way to stage r.")
+    known = [(lambda p, v, r: v * (2 * (p - r) - 1), why_once),
+             (lambda p, v, r: 2 * (v * p - r) - 1, why_deep),
+             (lambda p, v, r: v * (p - r), "v times 1F1B's p - r: at v = 1 the builder keeps Megatron's "
+                                           "warm-up, 2(p - r) - 1, not 1F1B's.")]
     return _function_check("6.3", fn, points,
                            lambda p, v, r: max(peaks[p, v, 2 * p][r], peaks[p, v, 3 * p][r]), "peak(p, v, r)",
-                           "count rank r's forwards before its first backward: microbatch 0 must pass every "
-                           "later stage (v - 1 more rounds of the ranks, then the ranks after r) and come "
-                           "back to rank r, and rank r fills that wait with forwards, at most one per slot "
-                           "(Megatron's warm-up, even at v = 1: not 1F1B's p - r). Count in stage units.")
+                           "follow microbatch 0 from rank r's first stage to rank r's first backward, which "
+                           "is for its last stage: count the stages it passes on the way down and the way "
+                           "back; rank r fills each of those slots with one forward, then runs one more "
+                           "before that backward frees one (Megatron's warm-up, even at v = 1).", known=known)
 
 
 def _zigzag_rank(p: int, s: int) -> int:
@@ -99,20 +117,24 @@ def zigzag_stages(fn: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "6.1": zigzag_stages, "6.2": interleaved_best_v, "6.3": interleaved_peak
+    "6.1": zigzag_stages, "6.2": interleaved_crossover, "6.3": interleaved_peak
 }
 """Lesson 6's exercises by id -> check."""
 
 def _reveal_6_2():
-    spans = _interleaved_makespans()
-    return _line_figure(list(spans), list(spans.values()),
-                        "interleaved 1F1B, INTERLEAVED_CASE: makespan against v",
-                        "stages per rank v", "makespan")
+    fewer, more = INTERLEAVED_CASE["compared"]
+    comms = [k / 64 for k in range(0, 1 + int(64 * INTERLEAVED_CASE["whole_rank"] / more))]
+    fig = go.Figure(layout=dict(title="interleaved 1F1B, p = 4, m = 8: makespan against T_comm",
+                                xaxis_title="T_comm (a whole rank's T_F = 1)", yaxis_title="makespan",
+                                height=340))
+    for v in (fewer, more):
+        fig.add_scatter(x=comms, y=[_interleaved_span(v, c) for c in comms], mode="lines", name=f"v = {v}")
+    return fig
 
 
 REVEALS: dict[str, Callable[[], Any]] = {"6.2": _reveal_6_2}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "INTERLEAVED_CASE", "interleaved_best_v", "interleaved_peak", "zigzag_stages", "EXERCISES", "REVEALS"
+    "INTERLEAVED_CASE", "interleaved_crossover", "interleaved_peak", "zigzag_stages", "EXERCISES", "REVEALS"
 ]

@@ -26,7 +26,7 @@ def idlest_rank(answer: Any) -> Verdict:
     t = simulate(build_schedule("zb-h1", 4, 8), SLOW_MIDDLE_STAGE)
     slow = 2
     fast = [r for r in range(4) if r != slow]
-    want = (max(fast, key=lambda r: t.bubble_time[r]), min(fast, key=lambda r: t.bubble_time[r]))
+    want = (max(fast, key=lambda r: t.idle_time[r]), min(fast, key=lambda r: t.idle_time[r]))
     hint = ("every fast rank does the same work, 3 per microbatch, so its idle time is its span less that "
             "work: which rank starts first, and which ends first?")
     if _unanswered(answer):
@@ -41,7 +41,7 @@ def idlest_rank(answer: Any) -> Verdict:
                        attempt=False)
     if (most, least) == want:
         return Verdict("7.1", True, f"rank {want[0]} idles longest and rank {want[1]} least of the fast "
-                       f"ranks: idle times {tuple(float(b) for b in t.bubble_time)}.")
+                       f"ranks: idle times {tuple(float(b) for b in t.idle_time)}.")
     if slow in (most, least):
         return Verdict("7.1", False, "rank 2 holds the slow stage: it sets the pace and never idles inside "
                        "its span, and it is not one of the fast ranks.", hint)

@@ -42,7 +42,7 @@ def _check(name: str, p: int, m: int, f: float, b: float, w: float) -> None:
 
 def bubble_time(name: str, p: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
     """The paper's bubble: makespan minus one rank's busy time m (T_F + T_B + T_W), in the costs' unit (not
-    :attr:`Timeline.bubble_time`'s idle time inside each rank's own span, which differs from rank to rank).
+    :attr:`Timeline.idle_time`'s idle time inside each rank's own span, which differs from rank to rank).
 
     Args:
         name: ``gpipe``, ``1f1b``, ``zb-h1`` or ``zb-h2``.

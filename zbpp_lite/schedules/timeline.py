@@ -7,12 +7,13 @@ busiest rank's compute time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Sequence
 
 from .costs import Costs, CostTable
-from .ir import Action, Schedule
+from .ir import Action, Schedule, deps, produces
 from .memory import MeasuredMemory
 
 
@@ -140,8 +141,10 @@ class Timeline:
         return tuple(map(tuple, rows))
 
     @property
-    def bubble_time(self) -> tuple[float, ...]:
-        """Per rank: total idle time inside its span."""
+    def idle_time(self) -> tuple[float, ...]:
+        """Per rank: its idle time, the gaps inside its own span (:attr:`idle_gaps`) summed, in the events'
+        time unit. Not the bubble (makespan minus the busiest rank's busy time,
+        :func:`~zbpp_lite.schedules.formulas.bubble_time`'s closed form): it differs from rank to rank."""
         return tuple(sum(b - a for a, b in g) for g in self.idle_gaps)
 
     def memory_changes(
@@ -196,3 +199,13 @@ def with_schedule_order(timeline: Timeline, schedule: Schedule) -> bool:
         tuple(e.action for e in timeline.rank_events(r)) == schedule.rank_actions(r)
         for r in range(schedule.num_ranks)
     )
+
+
+def early_starts(timeline: Timeline, num_stages: int, tol: float = 1e-9) -> list[Event]:
+    """The events that started before one of their inputs (:func:`~zbpp_lite.schedules.ir.deps`) had ended,
+    in the timeline's order: empty for a timeline that respects the schedule's dependencies, as every
+    simulated and measured one must (arXiv 2401.10241 section 2, figure 1). ``tol``: an input may end up to
+    ``tol`` after the start (the timeline's unit). An input no event produced counts as never ended."""
+    ends = {key: e.end for e in timeline.events for key in produces(e.action)}
+    return [e for e in timeline.events
+            if any(ends.get(key, math.inf) > e.start + tol for key in deps(e.action, num_stages))]
