@@ -1,6 +1,7 @@
 """The executor across processes on JAX's distributed runtime (loopback): the unpartitioned
 model's loss and gradients with 2 processes (each schedule's gradients in one process are
-tests/test_executor.py's and tests/test_spmd.py's; here, one of each kind of traffic); and failure, not hang:
+tests/test_executor.py's and tests/test_spmd.py's; here, one of each kind of traffic, and a tied GPT whose
+copies sit in both processes trains with the one-process run's losses); and failure, not hang:
 a dying process and a port in use give a clear error naming the process within bounded time,
 with every child ended; a failed gradient check ends every process with status 1; the coordinator keeps
 one step's results however many steps run. Each test starts its own children and ends only those."""
@@ -54,6 +55,36 @@ def test_two_processes_match_the_unpartitioned_model(name, executor, tmp_path, u
         assert any("process 1" in line for line in lines)  # rank 1 really ran in the other process
     else:
         assert run["executor"] == "spmd" and run["lockstep_ticks"] > 0
+
+
+GPT_TINY = ["--model", "gpt", "--ranks", "2", "--microbatches", "4", "--steps", "3", "--d", "16", "--heads", "2",
+            "--blocks", "2", "--context", "16", "--batch", "8", "--eval-every", "0"]
+
+
+def test_a_tie_across_processes_trains_as_one_parameter(tmp_path, untimed_children):
+    """The GPT under zb-h1 at p = 2 over 2 processes: the token embedding on process 0, the head tied to it
+    on process 1. Each sends its copy's gradient through the coordinator's store, so step 0's gradients
+    (both copies) equal jax.grad's of the unpartitioned model and every step's loss equals the one-process
+    run's (threads, same flags): the copies stay one parameter through AdamW."""
+    import jax
+
+    from zbpp_lite.cli import parse_args
+    from zbpp_lite.cli.train import check_sizes, model_config, resolve_schedule, run_config
+    from zbpp_lite.training.train import TrainOptions, train
+
+    out = tmp_path / "run.json"
+    lines: list[str] = []
+    status, failures = launch(["--schedule", "zb-h1", *GPT_TINY, "--json", str(out)], processes=2, timeout=60,
+                              deadline=240, echo=lines.append)
+    assert status == 0, failures
+    run = json.loads(out.read_text())
+    assert any("rank 1 on process 1" in line for line in lines)
+    assert run["grad_max_rel_error"] <= 1e-5 and run["loss_error"] <= 1e-5 * run["steps"][0]["loss"]
+    args = parse_args(["train", "--schedule", "zb-h1", *GPT_TINY])
+    blocks = check_sizes(args, resolve_schedule(args))
+    one = train("zb-h1", 2, 4, steps=3, model=model_config(args, blocks), run=run_config(args, check_grads=False),
+                options=TrainOptions(devices=jax.devices()[:2]))  # the check ran in the processes
+    assert [s["loss"] for s in run["steps"]] == pytest.approx(one.losses, rel=0, abs=1e-6)
 
 
 def test_a_dying_process_is_named_and_every_child_ends(untimed_children, monkeypatch):
