@@ -15,7 +15,8 @@ since the machine may be shared.
 The defaults are ``train --model gpt``'s (``cli.train.DEFAULTS["gpt"]``: batch 16, lr 3e-3, d 128, 4 heads,
 context 128, dropout 0.1; 4 blocks). Measured at these defaults (2 cores shared with other work, load
 average 8-15, so ``--clock cpu``): the unigram baseline 3.2369 nats/byte; the validation loss 2.86 at
-100 steps, 1.94 (40.0% below) at 1,250 steps (106 CPU s / 2), 1.454 (55.1% below) at 3,396 steps = 300 CPU s / 2 (1,658 s of wall time on the shared machine).
+100 steps, 1.94 (40.0% below) at 1,250 steps (106 CPU s / 2), 1.454 (55.1% below) at 3,396 steps =
+300 CPU s / 2 (1,658 s of wall time on the shared machine).
 """
 
 from __future__ import annotations
