@@ -293,8 +293,11 @@ class _CrossProcess(Threads):
                 raise TimeoutError()
             try:
                 data = _client().blocking_key_value_get_bytes(name, max(1, int(min(left, 0.5) * 1000)))
-            except Exception:  # noqa: BLE001 - not there yet (a lost store ends this wait at its timeout)
-                continue
+            except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not there yet
+                if "DEADLINE_EXCEEDED" in str(e):
+                    continue
+                raise RuntimeError(f"the coordinator's key-value store failed awaiting {name}: "
+                                   f"{one_line(e)}") from None
             return wire.decode(data)
 
     def start(self, steps: Sequence[int]) -> list:
