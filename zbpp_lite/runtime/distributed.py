@@ -41,7 +41,7 @@ from .executor import PipelineExecutor
 from .processes import one_line
 from .stages import StagedModel, refuse_pytree_activations
 from .step import TieSum
-from .transport import Aborted, Inbox, Interrupted, OptimizerMessage, Threads, Transfer
+from .transport import Aborted, Inbox, OptimizerMessage, Threads, Transfer
 from ..schedules import strict_json
 from ..schedules.ir import Action, Schedule
 from ..schedules.program import Program, Send, consumer_stage, lower
@@ -270,35 +270,31 @@ class _CrossProcess(Threads):
             self.outboxes[step].put(key.key, value)
 
     def recv(self, step: int, rank: int, key, timeout: float, interrupt=None):
+        if type(key) is OptimizerMessage and self.owner[key.sender] != self.process:
+            self._fetch(step, rank, key, timeout)
         try:
-            if type(key) is OptimizerMessage and self.owner[key.sender] != self.process:
-                return self._fetch(_message_name(step, key, rank), timeout, interrupt)
             return super().recv(step, rank, key, timeout, interrupt)
         except Aborted:
             if self.failure is not None:
                 raise self.failure from None
             raise
 
-    def _fetch(self, name: str, timeout: float, interrupt=None) -> Any:
-        """The message another process published under ``name`` (:meth:`send`), awaited in slices of at
-        most 0.5 s so an abort or ``interrupt()`` ends the wait (:meth:`Inbox.take`'s exceptions)."""
-        deadline = time.perf_counter() + timeout
-        while True:
-            if interrupt is not None and interrupt():
-                raise Interrupted(newer=False)
-            if self._abort.is_set():
-                raise Aborted()
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                raise TimeoutError()
+    def _fetch(self, step: int, rank: int, key: OptimizerMessage, timeout: float) -> None:
+        """A thread that puts what another process published for ``rank`` under ``key`` (:meth:`send`) into
+        the rank's inbox once the store has it; not there within ``timeout``: the inbox's wait names it; a
+        failing store or a malformed message: this process's failure."""
+        name = _message_name(step, key, rank)
+
+        def fetch():
             try:
-                data = _client().blocking_key_value_get_bytes(name, max(1, int(min(left, 0.5) * 1000)))
-            except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: not there yet
-                if "DEADLINE_EXCEEDED" in str(e):
-                    continue
-                raise RuntimeError(f"the coordinator's key-value store failed awaiting {name}: "
-                                   f"{one_line(e)}") from None
-            return wire.decode(data)
+                data = _client().blocking_key_value_get_bytes(name, int(timeout * 1000))
+                Threads.send(self, step, rank, key, wire.decode(data))
+            except Exception as e:  # noqa: BLE001 - named in one line, not lost in a thread
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    self.failure = RuntimeError(f"receiving {name} failed: {one_line(e)}")
+                    self.abort()
+
+        threading.Thread(target=fetch, name=f"fetch-{name}", daemon=True).start()
 
     def start(self, steps: Sequence[int]) -> list:
         """The thread that issues this process's transfers of ``steps`` in plan order."""
