@@ -12,10 +12,11 @@ since the machine may be shared.
 
     PYTHONPATH=. python benchmarks/bench_gpt_learns.py --seconds 300
 
-Measured (2 cores shared with other work, load average 8-15, so ``--clock cpu``; default size d 128, 4
-blocks, context 128, dropout 0.1; ``--batch 16 --lr 3e-3``): the unigram baseline 3.2369 nats/byte; the
-validation loss 2.86 at 100 steps, 1.94 (40.0% below) at 1,250 steps (106 CPU s / 2), 1.454 (55.1%
-below) at 3,396 steps = 300 CPU s / 2 (1,658 s of wall time on the shared machine).
+The defaults are ``train --model gpt``'s (``cli.train.DEFAULTS["gpt"]``: batch 16, lr 3e-3, d 128, 4 heads,
+context 128, dropout 0.1; 4 blocks). Measured at these defaults (2 cores shared with other work, load
+average 8-15, so ``--clock cpu``): the unigram baseline 3.2369 nats/byte; the validation loss 2.86 at
+100 steps, 1.94 (40.0% below) at 1,250 steps (106 CPU s / 2), 1.454 (55.1% below) at 3,396 steps =
+300 CPU s / 2 (1,658 s of wall time on the shared machine).
 """
 
 from __future__ import annotations
@@ -26,18 +27,22 @@ import time
 
 
 def main() -> None:
+    from zbpp_lite.cli.train import DEFAULTS  # no JAX yet: the devices are set below
+
+    gpt = DEFAULTS["gpt"]  # the command line's defaults, so the bench measures what `train --model gpt` runs
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=300.0, help="training budget, seconds of --clock")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: wall seconds; cpu: this process's CPU seconds / 2 (a shared machine)")
     p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=gpt["batch"])
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--lr", type=float, default=gpt["lr"])
+    p.add_argument("--d", type=int, default=gpt["d"])
+    p.add_argument("--heads", type=int, default=gpt["heads"])
     p.add_argument("--blocks", type=int, default=4)
-    p.add_argument("--context", type=int, default=128)
-    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--context", type=int, default=gpt["context"])
+    p.add_argument("--dropout", type=float, default=gpt["dropout"])
     args = p.parse_args()
 
     from zbpp_lite.runtime.devices import ensure_devices
@@ -51,7 +56,7 @@ def main() -> None:
     from zbpp_lite.training.reference import evaluate, step_dropout_keys, write_bytes
     from zbpp_lite.training.train import StageAdamW, train_step
 
-    config = GPTConfig(d=args.d, blocks=args.blocks, context=args.context, dropout=args.dropout)
+    config = GPTConfig(d=args.d, heads=args.heads, blocks=args.blocks, context=args.context, dropout=args.dropout)
     run = RunConfig(batch=args.batch, lr=args.lr)
     data = load_data(config, run)
     unigram = data.unigram_nats()

@@ -1,6 +1,7 @@
 """The executor across processes on JAX's distributed runtime (loopback): the unpartitioned
 model's loss and gradients with 2 processes (each schedule's gradients in one process are
-tests/test_executor.py's and tests/test_spmd.py's; here, one of each kind of traffic); and failure, not hang:
+tests/test_executor.py's and tests/test_spmd.py's; here, one of each kind of traffic, and a tied GPT whose
+copies sit in both processes trains with the one-process run's losses); and failure, not hang:
 a dying process and a port in use give a clear error naming the process within bounded time,
 with every child ended; a failed gradient check ends every process with status 1; the coordinator keeps
 one step's results however many steps run. Each test starts its own children and ends only those."""
@@ -54,6 +55,52 @@ def test_two_processes_match_the_unpartitioned_model(name, executor, tmp_path, u
         assert any("process 1" in line for line in lines)  # rank 1 really ran in the other process
     else:
         assert run["executor"] == "spmd" and run["lockstep_ticks"] > 0
+
+
+GPT_TINY = ["--model", "gpt", "--ranks", "2", "--microbatches", "4", "--steps", "3", "--d", "16", "--heads", "2",
+            "--blocks", "2", "--context", "16", "--batch", "8", "--eval-every", "0"]
+
+_LATE_PROCESS = """
+import runpy, sys, time
+from zbpp_lite.runtime.cluster import join_settings
+from zbpp_lite.training import train
+step, calls = train.train_step, []
+def train_step(*args):  # process 1 comes to step 2 4 s late (as after a slow compile or an evaluation)
+    calls.append(1)
+    if join_settings()["process_id"] == 1 and len(calls) == 3:
+        time.sleep(4.0)
+    return step(*args)
+train.train_step = train_step
+sys.argv = ["launch_child", *sys.argv[1:]]
+runpy.run_module("zbpp_lite.cli.launch_child", run_name="__main__")
+"""
+
+
+def test_a_tie_across_processes_trains_as_one_parameter(tmp_path, untimed_children):
+    """The GPT under zb-h1 at p = 2 over 2 processes: the token embedding on process 0, the head tied to it
+    on process 1. Each sends its copy's gradient through the coordinator's store, so step 0's gradients
+    (both copies) equal jax.grad's of the unpartitioned model and every step's loss equals the one-process
+    run's (threads, same flags): the copies stay one parameter through AdamW. Process 1 comes to step 2
+    4 s late: the processes start a step together, so step 2's measured timeline holds no such wait
+    (its makespan was 4 s and more: rank 0's warm-up F's ran, then it waited for rank 1)."""
+    import jax
+
+    from zbpp_lite.cli import parse_args
+    from zbpp_lite.cli.train import check_sizes, model_config, resolve_schedule, run_config
+    from zbpp_lite.training.train import TrainOptions, train
+
+    out = tmp_path / "run.json"
+    (status, lines, err), _ = _two_children(_LATE_PROCESS, ["--schedule", "zb-h1", *GPT_TINY, "--json", str(out)])
+    assert status == 0, err[-2000:]
+    assert "rank 1 on process 1" in lines
+    run = json.loads(out.read_text())
+    assert run["grad_max_rel_error"] <= 1e-5 and run["loss_error"] <= 1e-5 * run["steps"][0]["loss"]
+    assert run["steps"][2]["seconds"] > 3.5 and run["steps"][2]["makespan"] < 2.0  # the wait: outside
+    args = parse_args(["train", "--schedule", "zb-h1", *GPT_TINY])
+    blocks = check_sizes(args, resolve_schedule(args))
+    one = train("zb-h1", 2, 4, steps=3, model=model_config(args, blocks), run=run_config(args, check_grads=False),
+                options=TrainOptions(devices=jax.devices()[:2]))  # the check ran in the processes
+    assert [s["loss"] for s in run["steps"]] == pytest.approx(one.losses, rel=0, abs=1e-6)
 
 
 def test_a_dying_process_is_named_and_every_child_ends(untimed_children, monkeypatch):
@@ -150,14 +197,16 @@ runpy.run_module("zbpp_lite.cli.launch_child", run_name="__main__")
 """
 
 
-def test_a_failed_gradient_check_makes_every_process_exit_non_zero(untimed_children):
+def _two_children(code: str, train_args: list[str]) -> list[tuple[int, str, str]]:
+    """``code`` (a launch child with a patch) run as processes 0 and 1 of one run on ``train_args``:
+    (exit status, stdout, stderr) of each; both ended however the test goes."""
     import subprocess
     import sys
 
     from zbpp_lite.runtime.cluster import child_env, free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-c", _WRONG_GRADIENTS, "--schedule", "1f1b", *TINY], text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", code, *train_args], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=child_env({"coordinator": coordinator, "num_processes": 2, "process_id": q,
                                              "transfer_address": f"127.0.0.1:{free_port()}", "timeout": 30}, 1))
@@ -167,8 +216,13 @@ def test_a_failed_gradient_check_makes_every_process_exit_non_zero(untimed_child
     finally:
         for p in procs:
             p.kill()
-    for q, (p, (out, err)) in enumerate(zip(procs, results)):
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, results)]
+
+
+def test_a_failed_gradient_check_makes_every_process_exit_non_zero(untimed_children):
+    results = _two_children(_WRONG_GRADIENTS, ["--schedule", "1f1b", *TINY])
+    for q, (status, out, err) in enumerate(results):
         errors = [line for line in err.splitlines() if line.startswith("error:")]
-        assert p.returncode == 1 and len(errors) == 1, err[-2000:]
+        assert status == 1 and len(errors) == 1, err[-2000:]
         assert errors[0].startswith(f"error: process {q}: the gradient check failed") and "2.50e+00" in errors[0]
-    assert "max relative error 2.50e+00, loss difference 0.00e+00 (tolerance 0.001, relative)" in results[0][0]
+    assert "max relative error 2.50e+00, loss difference 0.00e+00 (tolerance 0.001, relative)" in results[0][1]

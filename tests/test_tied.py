@@ -220,24 +220,6 @@ def test_the_copies_gradients_cross_processes_through_the_shared_memory_rings():
     assert [t.rank for t in results[0].tie_sums + results[1].tie_sums] == [0, 1]
 
 
-def test_the_cross_host_transport_refuses_ties_across_processes_in_one_line():
-    """JAX's distributed runtime carries activations only: a tie whose copies sit in two processes is
-    refused before any compute, naming the shared array."""
-    from zbpp_lite.runtime.distributed import _CrossProcess
-
-    class TwoProcesses:  # the devices of ranks 0 and 1 in processes 0 and 1
-        def __init__(self, process):
-            self.process_index = process
-
-    model = StagedModel(function_parts(), 2, loss_fn)
-    with pytest.raises(ValueError, match=r"^parts 0 and 5 share one array \(part 0 at \['embedding'\], part 5 at "
-                                         r"\['embedding'\]; tied weights\), on ranks of different processes") as err:
-        _CrossProcess(model, zb.build_schedule("zb-h1", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
-    assert len(str(err.value).splitlines()) == 1
-    v_model = StagedModel(function_parts(), 4, loss_fn)  # zb-v: the first and last stage on rank 0
-    _CrossProcess(v_model, zb.build_schedule("zb-v", 2, 2), [TwoProcesses(0), TwoProcesses(1)], 1.0)
-
-
 def test_two_ties_one_of_them_inside_a_stage():
     """Blocks 1 and 2 share one dict (both in stage 0 of zb-h1, so on one rank) beside the embedding tie:
     two ties, each copy with its tie's gradient."""

@@ -10,9 +10,13 @@ together (from two threads they mismatched). So each process issues all its tran
 :func:`transfer_plan`'s order (the lowered program's :func:`~zbpp_lite.schedules.validate.execution_order`,
 the same everywhere),
 which cannot deadlock; a receiver posts its half once the key-value store says the value exists, on its
-:func:`staging_device`. After the step, results go through the key-value store so every process returns
-the whole :class:`~zbpp_lite.runtime.executor.StepResult`; process 0 deletes a step's keys once every
-process has read them, so the store holds one step's however many run. Every wait has a timeout and
+:func:`staging_device`. Tied parameters' partial gradient sums (host values, one per tie and rank after
+its last action) go through the key-value store instead, beside the transfers. The processes start each
+:meth:`~zbpp_lite.runtime.executor.PipelineExecutor.run_steps` call together (a roll call in the store),
+so the measured timeline counts no wait for a process still busy between steps, and its events, from that
+common start, line up across processes. After the step, results go through the key-value store so every
+process returns the whole :class:`~zbpp_lite.runtime.executor.StepResult`; process 0 deletes a step's keys
+once every process has read them, so the store holds one step's however many run. Every wait has a timeout and
 errors name the process and rank (:mod:`zbpp_lite.cli.launch` ends every child when one fails). The
 listeners bind the addresses given (README "Several hosts: trust").
 """
@@ -36,7 +40,8 @@ from .cluster import (address_towards, free_port, join_settings, listen_address,
 from .executor import PipelineExecutor
 from .processes import one_line
 from .stages import StagedModel, refuse_pytree_activations
-from .transport import Aborted, Inbox, Threads, Transfer
+from .step import TieSum
+from .transport import Aborted, Inbox, OptimizerMessage, Threads, Transfer
 from ..schedules import strict_json
 from ..schedules.ir import Action, Schedule
 from ..schedules.program import Program, Send, consumer_stage, lower
@@ -234,8 +239,11 @@ def transfer_plan(program: Program, owner: Sequence[int]) -> list[tuple[Send, in
 class _CrossProcess(Threads):
     """The transport across processes: a value for a rank of this process into its inbox, one for another
     process's into the step's outbox, which the transfer thread (:meth:`start`) drains in
-    :func:`transfer_plan`'s order, putting what it receives into the inboxes; :meth:`finish` gathers the
-    results. ``devices``: one global device per rank; ``inputs()``: every stage's input shapes."""
+    :func:`transfer_plan`'s order, putting what it receives into the inboxes; an
+    :class:`~zbpp_lite.runtime.transport.OptimizerMessage` for another process's rank (a tied parameter's
+    partial gradient sum, ``TIE{t}``: the executor's ``_sum_ties``) goes through the key-value store in
+    :mod:`~zbpp_lite.runtime.wire`'s format; :meth:`finish` gathers the results. ``devices``: one global
+    device per rank; ``inputs()``: every stage's input shapes."""
 
     def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any], timeout: float,
                  inputs: Callable[[], list] = list):
@@ -245,32 +253,48 @@ class _CrossProcess(Threads):
         self.local = {r for r, q in enumerate(self.owner) if q == self.process}
         self.model, self.schedule, self.devices, self.timeout = model, schedule, list(devices), timeout
         self.inputs = inputs
-        for tie, copies in zip(model.ties, model.tied_leaves()):
-            if len({self.owner[schedule.placement[s]] for s, _ in copies}) > 1:
-                raise ValueError(f"{tie.describe()}, on ranks of different processes: the cross-process "
-                                 "transport carries no tied copies' gradients; put their stages on one "
-                                 "process's ranks (a V-shaped schedule puts the first and last on rank 0) "
-                                 "or run them with PipelineExecutor")
         self.plan = transfer_plan(lower(schedule), self.owner)
         self.staging = {q: staging_device(q) for q in range(self.num_processes)}
         self.where = f"process {self.process}: "
         self.outboxes: dict = {}  # step number -> Inbox of what local ranks send to other processes
         self.sent: list = []  # (value, moved) of sends that may still read their buffers
         self.failure: BaseException | None = None  # why the transfer thread stopped
+        self.origin = 0.0  # time.perf_counter() as the steps started together (:meth:`start`)
 
     def send(self, step: int, rank: int, key, value) -> None:
         if rank in self.local:
             super().send(step, rank, key, value)
+        elif type(key) is OptimizerMessage:  # a host value (a tied copy's gradient sum): through the store
+            _client().key_value_set_bytes(_message_name(step, key, rank), wire.encode(value))
         else:
             self.outboxes[step].put(key.key, value)
 
     def recv(self, step: int, rank: int, key, timeout: float, interrupt=None):
+        if type(key) is OptimizerMessage and self.owner[key.sender] != self.process:
+            self._fetch(step, rank, key, timeout)
         try:
             return super().recv(step, rank, key, timeout, interrupt)
         except Aborted:
             if self.failure is not None:
                 raise self.failure from None
             raise
+
+    def _fetch(self, step: int, rank: int, key: OptimizerMessage, timeout: float) -> None:
+        """A thread that puts what another process published for ``rank`` under ``key`` (:meth:`send`) into
+        the rank's inbox once the store has it; not there within ``timeout``: the inbox's wait names it; a
+        failing store or a malformed message: this process's failure."""
+        name = _message_name(step, key, rank)
+
+        def fetch():
+            try:
+                data = _client().blocking_key_value_get_bytes(name, int(timeout * 1000))
+                Threads.send(self, step, rank, key, wire.decode(data))
+            except Exception as e:  # noqa: BLE001 - named in one line, not lost in a thread
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    self.failure = RuntimeError(f"receiving {name} failed: {one_line(e)}")
+                    self.abort()
+
+        threading.Thread(target=fetch, name=f"fetch-{name}", daemon=True).start()
 
     def start(self, steps: Sequence[int]) -> list:
         """The thread that issues this process's transfers of ``steps`` in plan order."""
@@ -280,6 +304,11 @@ class _CrossProcess(Threads):
                                   "runtime)")
         self.outboxes = {step: Inbox(self._abort, threading.Condition()) for step in steps}
         self.failure = None
+        # every process starts the steps together: work between steps (the first AdamW update compiles,
+        # an evaluation) takes each process its own time, and a rank that started first would wait for
+        # the others inside the measured timeline; leaving this roll call is also the steps' common origin
+        _exchange(f"zbpp/step{steps[0]}/go", None, self.process, self.num_processes, self.timeout)
+        self.origin = time.perf_counter()
 
         def move():
             send = None
@@ -325,7 +354,7 @@ class _CrossProcess(Threads):
         super().send(step, send.peer, Transfer(*send.key), moved)
 
     def finish(self, results: list) -> list:
-        """Every process's losses, gradients and events, through the key-value store."""
+        """Every process's losses, gradients, events and tie sums, through the key-value store."""
         if self.failure is not None:
             raise self.failure
         S, m, tree = self.model.num_stages, self.schedule.num_microbatches, jax.tree_util
@@ -333,28 +362,37 @@ class _CrossProcess(Threads):
         local = [s for s in range(S) if self.owner[self.schedule.placement[s]] == self.process]
         whole = []
         for number, result in zip(self.outboxes, results):
+            late = result.started_at - self.origin  # this process's first action after the common origin
             mine = {
                 "losses": [[j, v] for j, v in enumerate(result.microbatch_losses)],
                 "grads": [[s, [np.asarray(g) for g in tree.tree_leaves(stage_params(result.grads, s))]]
                           for s in local],
-                "events": [[e.rank, str(e.action), e.start, e.end] for e in result.timeline.events],
+                "events": [[e.rank, str(e.action), e.start + late, e.end + late]
+                           for e in result.timeline.events],
+                "ties": [[t.rank, t.tie, list(t.ranks), t.nbytes, t.start + late, t.end + late]
+                         for t in result.tie_sums],
             }
             shares = _exchange(f"zbpp/step{number}", mine, self.process, self.num_processes,
                                self.timeout)
             if self.process == 0:
                 _forget_before(number)
-            losses_by_mb, grads, events = {}, [None] * S, []
+            losses_by_mb, grads, events, ties = {}, [None] * S, [], []
             for share in shares:
                 losses_by_mb.update((int(j), v) for j, v in share["losses"])
                 for s, g in share["grads"]:
                     template = tree.tree_structure(stage_params(self.model.params, s))
                     grads[s] = tree.tree_unflatten(template, g)
                 events += [Event(r, Action.from_str(a), t0, t1) for r, a, t0, t1 in share["events"]]
+                ties += [TieSum(r, t, tuple(q), n, t0, t1) for r, t, q, n, t0, t1 in share["ties"]]
+            begin = min(e.start for e in events)  # from the first action of any process, as in one process
+            events = [dataclasses.replace(e, start=e.start - begin, end=e.end - begin) for e in events]
+            ties = [dataclasses.replace(t, start=t.start - begin, end=t.end - begin) for t in ties]
             losses = tuple(losses_by_mb[j] for j in range(m))
             timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
             whole.append(dataclasses.replace(
                 result, loss=float(np.mean(np.asarray(losses, np.float64))), microbatch_losses=losses,
-                grads=self.model.join_stage_params(grads), timeline=timeline, started_at=0.0))
+                grads=self.model.join_stage_params(grads), timeline=timeline, started_at=0.0,
+                tie_sums=tuple(sorted(ties, key=lambda t: (t.tie, t.rank)))))
         self.sent = []  # every process has its values now: the sent buffers may go
         return whole
 
@@ -392,13 +430,21 @@ def _client():
     return _dist.global_state.client
 
 
+def _message_name(step: int, key: OptimizerMessage, rank: int) -> str:
+    """The key-value store's name of ``key`` sent to ``rank`` in step number ``step``: under the step's
+    prefix, so :func:`_forget_before` deletes it with the step's results."""
+    return f"zbpp/step{step}/message/{key.tag}/{key.sender}/{rank}"
+
+
 def _forget_before(number: int) -> None:
     """Delete the key-value store's keys of steps before ``number`` and step ``number``'s transfer notices,
-    once process 0 holds every process's results of step ``number``: each process published those after
-    its transfers of the step ended and after reading every result of the step before, so no process
-    reads these keys again. The store then keeps one step's results, however many steps run."""
+    start roll call and messages, once process 0 holds every process's results of step ``number``: each
+    process published those after its transfers and messages of the step ended and after reading every
+    result of the step before, so no process reads these keys again. The store then keeps one step's results,
+    however many steps run."""
     client = _client()
-    client.key_value_delete(f"zbpp/step{number}/ready")
+    for done in ("ready", "go", "message"):
+        client.key_value_delete(f"zbpp/step{number}/{done}")
     if number > 0:
         client.key_value_delete(f"zbpp/step{number - 1}")
 
