@@ -175,7 +175,8 @@ class Cutoff:
 
     Stops once the makespan is certain to exceed ``above``, or to be >= ``floor`` with peak memory >=
     ``peak``. "Certain" uses growing lower bounds: per rank, span so far plus work left (rounding allowed);
-    once the last microbatch has entered, :meth:`_Greedy.last_chain`.
+    once the last microbatch has entered, :meth:`_Greedy.last_chain`; for the peak, :meth:`Runs.peak_floor`
+    (what any plan no longer than ``above`` peaks at), so a run that cannot win may stop at its first action.
     """
 
     above: float
