@@ -291,6 +291,38 @@ def test_a_fill_partial_that_changed_no_answer_is_not_run_again_and_the_last_mic
     assert left[True] > left[False]
 
 
+def test_a_floor_on_peak_memory_stops_a_run_that_cannot_win_at_its_first_action():
+    from zbpp_lite.schedules.builders.greedy import Cutoff, Runs, _Abandoned, _Greedy
+    from zbpp_lite.schedules.builders.zb_v import V_ORDERS, search_v, v_limits
+    from zbpp_lite.schedules.ir import v_placement
+
+    # unit costs, zb-v's limit (p whole-rank M_B = 2p stage units): a zero-bubble plan keeps rank 0 busy
+    # from its first F; its first B waits for microbatch 0 down the V (2p F), so 2p F, 2p units, come first
+    p, m = 8, 16
+    limits, table = v_limits("zb-v", p, p, zb.Costs(), None)
+    runs = Runs(v_placement(p), m, table, limits)
+    work = m * 6
+    assert runs.peak_floor(work) == 2 * p
+    assert runs.peak_floor(work + 3) == 2 * p - 3  # each unit of idle allowed is one F fewer
+    assert runs.peak_floor(work + 2 * p) == 0.0
+    first = search_v(v_placement(p), m, table, limits)  # zb-v's plan: zero bubble, peak p whole-rank M_B
+    assert first.makespan == work and max(first.peak_memory) == 2 * p  # the floor is reached
+    # a run that cannot win on makespan alone stops at its first action: any plan as short peaks as high
+    engine = _Greedy(v_placement(p), m, table, limits, Rules(order=V_ORDERS[1]))
+    engine.stop = Cutoff.not_better(first)
+    engine.peak_floor = runs.peak_floor(engine.stop.above)
+    with pytest.raises(_Abandoned):
+        engine.run()
+    assert engine.left == 3 * 2 * p * m - 1
+    assert runs.run(Rules(order=V_ORDERS[1]), Cutoff.not_better(first)) is None
+    # the paper's costs (times not whole numbers): below what the first plan found, never above
+    paper = zb.Costs(f=14.407, b=14.380, w=9.676, comm=1.610)
+    limits, table = v_limits("zb-v", p, p, paper, None)
+    runs = Runs(v_placement(p), m, table, limits)
+    best = search_v(v_placement(p), m, table, limits)
+    assert 0.0 < runs.peak_floor(best.makespan) <= max(best.peak_memory)
+
+
 def replace_caps(rules, caps):
     from dataclasses import replace
 

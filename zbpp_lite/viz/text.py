@@ -35,9 +35,10 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     events, t0 = timeline.events, start_time(timeline)
     span = end_time(timeline) - t0
     with_stage = several_stages(timeline)
+    extents = _extents(events, with_stage)
     if width is None:
-        shortest = min((e.duration for e in events if e.duration > 0), default=1.0)
-        longest_label = max((len(_label(e, with_stage)) for e in events), default=1)
+        shortest = min((d for _, d in extents if d > 0), default=1.0)
+        longest_label = max((n for n, _ in extents), default=1)
         width = int(round(span * (longest_label + 1) / shortest)) if span > 0 else 1
         width = max(1, min(width, DEFAULT_MAX_WIDTH))
     scale = width / span if span > 0 else 0.0
@@ -45,6 +46,8 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     for rank in range(timeline.num_ranks):
         cells, owner = _rank_cells(timeline.rank_events(rank), t0, scale, width)
         for e, c0, c1 in owner:
+            if c1 == c0 + 1 and cells[c0] is not None:
+                continue  # its one column shared: shown as '*'
             own = [c for c in range(c0, c1) if cells[c] is None]  # columns no other action touches
             if not own:
                 continue  # every column shared: shown as '*'
@@ -67,8 +70,7 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
         )
     if shortened or shared:
         extra = 2 if with_stage else 1  # the blank, and one column that rounding may take
-        need = max((span * (len(_label(e, with_stage)) + extra) / e.duration for e in events
-                    if e.duration > 0), default=1)
+        need = max((span * (n + extra) / d for n, d in extents if d > 0), default=1)
         parts = ([f"{shortened} label(s) shortened to the kind (X = BW)"] if shortened else []) + (
             [f"{shared} column(s) shared by several actions ('{FOLDED}')"] if shared else []
         )
@@ -76,14 +78,35 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     return "\n".join(rows)
 
 
+def _extents(events, with_stage: bool) -> list[tuple[int, float]]:
+    """(label length, duration) of every event, each pair once: what the width and the note depend on.
+    Per (kind, stage, duration) only the largest microbatch's label counts, the longest of them (the
+    microbatch's digits grow with it): one pass over ``events``, no label made per event."""
+    top: dict[tuple[str, int, float], int] = {}
+    get = top.get
+    for e in events:
+        a = e.action
+        key = (a.kind, a.stage, e.end - e.start)
+        if a.microbatch > get(key, -1):
+            top[key] = a.microbatch
+    pairs = {(len(f"{s}{k}{j}" if with_stage else f"{k}{j}"), d) for (k, s, d), j in top.items()}
+    return sorted(pairs)
+
+
 def _rank_cells(events, t0: float, scale: float, width: int) -> tuple[list, list]:
     """One rank's columns (IDLE, FOLDED where actions share one, None where one action holds it) and each
     action's column range [c0, c1)."""
     count, owner = [0] * width, []
+    last = width - 1
     for e in events:
-        c0 = min(int(round((e.start - t0) * scale)), width - 1)
-        c1 = min(max(int(round((e.end - t0) * scale)), c0 + 1), width)
+        c0 = round((e.start - t0) * scale)  # round() of a float is an int
+        c0 = c0 if c0 < last else last
+        c1 = round((e.end - t0) * scale)
+        c1 = min(c1 if c1 > c0 else c0 + 1, width)
         owner.append((e, c0, c1))
-        for c in range(c0, c1):
-            count[c] += 1
+        if c1 == c0 + 1:
+            count[c0] += 1
+        else:
+            for c in range(c0, c1):
+                count[c] += 1
     return [(IDLE, None, FOLDED)[min(n, 2)] for n in count], owner  # by how many actions touch a column

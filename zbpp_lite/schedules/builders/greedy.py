@@ -175,7 +175,8 @@ class Cutoff:
 
     Stops once the makespan is certain to exceed ``above``, or to be >= ``floor`` with peak memory >=
     ``peak``. "Certain" uses growing lower bounds: per rank, span so far plus work left (rounding allowed);
-    once the last microbatch has entered, :meth:`_Greedy.last_chain`.
+    once the last microbatch has entered, :meth:`_Greedy.last_chain`; for the peak, :meth:`Runs.peak_floor`
+    (what any plan no longer than ``above`` peaks at), so a run that cannot win may stop at its first action.
     """
 
     above: float
@@ -237,6 +238,7 @@ class Runs:
         self.records: list[_Record] = []
         self.greedy_runs = 0  # runs simulated, in full or in part (for benchmarks and tests)
         self.rejoined = 0  # of those, runs that ended where they met an earlier run's state
+        self.floors: dict[float, float] = {}  # peak_floor's answers
 
     def run(self, rules: Rules, cutoff: Cutoff | None = None) -> Plan | None:
         """The plan of ``rules``, or None when ``cutoff`` shows it cannot win."""
@@ -244,11 +246,12 @@ class Runs:
             if _same_run(rec, rules):
                 if rec.plan is not None:
                     return replace(rec.plan, rules=rules)
-                if cutoff is not None and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff)):
+                if cutoff is not None and self._meets(cutoff, rec.bound, rec.peak):
                     return None
         engine = _Greedy(*self.args, rules)
         engine.stop = cutoff
         engine.slack = self._slack(cutoff) if cutoff is not None else 0.0
+        engine.peak_floor = self.peak_floor(cutoff.above + engine.slack) if cutoff is not None else 0.0
         engine.at_warm_end = lambda state: self._rejoin(rules, state, cutoff)
         self.greedy_runs += 1
         try:
@@ -280,7 +283,7 @@ class Runs:
                 continue
             if rec.warm_end == state and (
                 rec.plan is not None or cutoff is not None
-                and _Greedy.meets(cutoff, rec.bound, rec.peak, self._slack(cutoff))
+                and self._meets(cutoff, rec.bound, rec.peak)
             ):
                 raise _Rejoined(rec)
 
@@ -294,6 +297,54 @@ class Runs:
         if best is None:
             raise ValueError("Runs.best needs at least one Rules candidate")
         return best
+
+    def _meets(self, cutoff: Cutoff, bound: float, peak: float) -> bool:
+        """:meth:`_Greedy.meets` for a run that reached ``bound`` and ``peak``, with :meth:`peak_floor`."""
+        slack = self._slack(cutoff)
+        return _Greedy.meets(cutoff, bound, max(peak, self.peak_floor(cutoff.above + slack)), slack)
+
+    def peak_floor(self, makespan: float) -> float:
+        """A lower bound on the peak memory of any plan of this problem whose makespan is at most
+        ``makespan`` (not in the papers; branch and bound, :class:`Cutoff`).
+
+        Rank r starts with F of its first stage s0 and runs no B before microbatch j's F has gone from s0
+        down to the last stage and its B back to the rank's last stage: a chain of at least ``L`` after the
+        rank's first start, during which the rank runs only F (no W without a B). Its span is at most
+        ``makespan`` and holds its whole work, so it idles at most ``makespan - work`` in all: its F before
+        the first B last at least ``L - (makespan - work)``, so there are at least that over the rank's
+        longest F of them, each holding at least the rank's smallest M_B, all held at the first B (summed
+        from 0.0 in order, as the run sums them: float addition is monotone). Where times are not whole
+        numbers, ``L`` is taken :meth:`_slack` shorter. Remembered per ``makespan``."""
+        known = self.floors.get(makespan)
+        if known is not None:
+            return known
+        placement, m, t, _ = self.args
+        S = len(placement)
+        slack = self._slack(Cutoff(makespan, makespan, 0.0))
+        most = 0.0
+        for r in range(1 + max(placement, default=-1)):
+            stages = [s for s in range(S) if placement[s] == r]
+            if not stages:
+                continue
+            s0, s1 = stages[0], stages[-1]
+            chain = 0.0  # F from s0 to the last stage, then B from the last stage to s1's successor
+            for s in range(s0, S):
+                chain += t.f[s] + (t.comm[s - 1] if s > s0 and placement[s - 1] != placement[s] else 0.0)
+            for s in range(S - 2, s1 - 1, -1):
+                chain += t.b[s + 1] + (t.comm[s + 1] if placement[s + 1] != placement[s] else 0.0)
+            work = m * sum(t.f[s] + t.b[s] + t.w[s] for s in stages)
+            busy = chain - slack - (makespan - work)
+            longest = max(t.f[s] for s in stages)
+            if busy <= 0 or longest <= 0:
+                continue
+            quotient = busy / longest
+            count = min(math.ceil(quotient - 1e-9 * max(1.0, quotient)), m * len(stages))
+            held, least = 0.0, min(t.mem_b[s] for s in stages)
+            for _ in range(count):
+                held += least
+            most = max(most, held)
+        self.floors[makespan] = most
+        return most
 
     def _slack(self, cutoff: Cutoff) -> float:
         """Rounding allowance of the lower bound: 0 for integer times (< 2**50), else 8 ulps per action."""
@@ -376,6 +427,7 @@ class _Greedy:
         self.bound = max(self.work, default=0.0)
         self.chain = 0.0  # last_chain's largest, once the last microbatch has entered
         self.max_peak = 0.0
+        self.peak_floor = 0.0  # Runs.peak_floor at the cutoff: the peak any run that could win reaches
         # warm-up cap questions (Runs): per rank, the largest count answered yes and smallest answered no
         self.cap_yes = [-1] * p
         self.cap_no = [_INF] * p
@@ -470,7 +522,7 @@ class _Greedy:
                     grew = True
             # the cutoff only grows more certain as bound and peak grow: checked when they do (and at first)
             if (grew or self.left == 3 * self.S * self.m - 1) and self.meets(
-                    stop, max(self.bound, self.chain), self.max_peak, self.slack):
+                    stop, max(self.bound, self.chain), max(self.max_peak, self.peak_floor), self.slack):
                 raise _Abandoned
         if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
             self.warm_state = self.state(r)
