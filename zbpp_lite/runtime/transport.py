@@ -2,9 +2,10 @@
 
 Records crossing between ranks: :class:`Transfer` ``(kind, stage, microbatch, attempt)``, an activation
 ("F", for stage s+1) or input gradient ("B", for s-1) as :func:`~zbpp_lite.schedules.ir.produces` names
-it (attempt 1 once a speculative warm-up was redone); :class:`OptimizerMessage` ``(tag, sender)``, a host
-value from an optimizer step (e.g. ``("FULL", p-1)``). Across processes a record is JSON
-(:func:`to_wire` / :func:`from_wire`). :class:`Inbox` is where a rank's inputs wait.
+it (attempt 1 once a speculative warm-up was redone); the program's
+:class:`~zbpp_lite.schedules.program.OptimizerMessage` ``(tag, sender)``, a host value from an optimizer
+step (e.g. ``("FULL", p-1)``). Across processes a record is JSON (:func:`to_wire` / :func:`from_wire`).
+:class:`Inbox` is where a rank's inputs wait.
 
 The rank loop's ``Send`` and ``Recv`` instructions (:mod:`zbpp_lite.schedules.program`) call a
 :class:`Transport`: ``send(step, rank, key, value)`` never waits, ``recv(step, rank, key, timeout)`` waits
@@ -23,7 +24,7 @@ import time
 from typing import Any, Callable, NamedTuple, Protocol, Sequence, Union
 
 from ..schedules.ir import Key
-from ..schedules.program import consumer_stage
+from ..schedules.program import OptimizerMessage, consumer_stage
 
 
 class Transfer(NamedTuple):
@@ -42,13 +43,6 @@ class Transfer(NamedTuple):
     def consumer(self) -> int:
         """The stage that takes it (:func:`~zbpp_lite.schedules.program.consumer_stage`)."""
         return consumer_stage(self.kind, self.stage)
-
-
-class OptimizerMessage(NamedTuple):
-    """A value an optimizer step in the rank loop sends (``tag``: "NORM", "PARTIAL", "FULL", ...)."""
-
-    tag: str
-    sender: int
 
 
 InboxKey = Union[Key, OptimizerMessage]
