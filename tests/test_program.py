@@ -222,3 +222,21 @@ def test_a_misplaced_optimizer_instruction_is_named_in_one_line():
         zb.validate(edited(lambda row: row + [Optimize("STEP")]))
     with pytest.raises(ValueError, match="optimizer must be one of plain, synchronous, post-validation; got 'sgd'"):
         lower(zb.build_schedule("1f1b", 2, 2), "sgd")
+
+
+def test_post_validation_speculates_only_on_what_is_sent_while_speculating():
+    """ZB-V on 2 ranks: rank 0's F of stage 3 needs stage 2's F from rank 1, which validates first (it
+    holds the full norm); after a rollback rank 1 sends it only in its redo, so rank 0 validates before
+    receiving it, and a program checking later is refused."""
+    from zbpp_lite.schedules.program import Optimize
+
+    program = lower(zb.build_schedule("zb-v", 2, 4), "post-validation")
+    row = list(program.instructions[0])
+    at = row.index(Optimize("VALIDATE"))
+    assert [str(x) for x in row[:at + 3]] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0F2", "0SEND_F2",
+                                              "RECV_FULL1<", "VALIDATE", "ROLLBACK", "3RECV_F0"]
+    late = row[:at - 1] + row[at + 2:at + 3] + row[at - 1:at + 2] + row[at + 3:]  # checked after 3RECV_F0
+    bad = Program((tuple(late), program.instructions[1]), program.placement, 4)
+    with pytest.raises(zb.ScheduleError, match=r"^rank 0, step 6: RECV .* \[3RECV_F0\] comes before the rank's "
+                       r"VALIDATE, but rank 1 sends it after its own \(step 0\); rule: speculate only on what"):
+        zb.validate(bad)

@@ -340,7 +340,8 @@ def optimizer_instructions(program: Program, policy: str, speculative: bool = Tr
       rank), ``STEP`` at once; and, for the previous step, ``FULL`` received (``earlier=1``),
       ``VALIDATE`` and ``ROLLBACK``: first on the last rank (its own reduction) and with
       ``speculative=False``, else before the rank's first backward and its receives, the F's before
-      it running speculatively on the unvalidated parameters.
+      it running speculatively on the unvalidated parameters (earlier where a receive there would wait
+      for a send after its sender's check: :func:`_speculation_ends`).
 
     Raises:
         ValueError: an unknown policy, or a program that already has optimizer instructions.
@@ -350,34 +351,68 @@ def optimizer_instructions(program: Program, policy: str, speculative: bool = Tr
     if any(type(x) is Optimize for row in program.instructions for x in row):
         raise ValueError("the program already has optimizer instructions")
     p, last = program.num_ranks, program.num_ranks - 1
+    heads = _speculation_ends(program.instructions) if policy == "post-validation" and speculative \
+        else [0] * p
     rows = []
-    for r, row in enumerate(program.instructions):
+    for r, (row, at) in enumerate(zip(program.instructions, heads)):
         others = [q for q in range(p) if q != r]
         if policy == "plain":
             rows.append((*row, Optimize("STEP")))
-            continue
-        if policy == "synchronous":
+        elif policy == "synchronous":
             rows.append((*row, Optimize("NORM"), *(Send(OptimizerMessage("NORM", r), q) for q in others),
                          *(Recv(OptimizerMessage("NORM", q), q) for q in others), Optimize("STEP")))
-            continue
-        tail = [Recv(OptimizerMessage("PARTIAL", r - 1), r - 1)] if r else []
-        tail.append(Optimize("NORM"))
-        tail += [Send(OptimizerMessage("PARTIAL", r), r + 1)] if r < last else \
-            [Send(OptimizerMessage("FULL", r), q) for q in others]
-        head = [Recv(OptimizerMessage("FULL", last), last, earlier=1)] if r < last else []
-        head += [Optimize("VALIDATE"), Optimize("ROLLBACK")]
-        at = _first_backward(row) if speculative and r < last else 0
-        rows.append((*row[:at], *head, *row[at:], *tail, Optimize("STEP")))
+        else:
+            head = [Recv(OptimizerMessage("FULL", last), last, earlier=1)] if r < last else []
+            tail = [Recv(OptimizerMessage("PARTIAL", r - 1), r - 1)] if r else []
+            tail.append(Optimize("NORM"))
+            tail += [Send(OptimizerMessage("PARTIAL", r), r + 1)] if r < last else \
+                [Send(OptimizerMessage("FULL", r), q) for q in others]
+            rows.append((*row[:at], *head, Optimize("VALIDATE"), Optimize("ROLLBACK"), *row[at:], *tail,
+                         Optimize("STEP")))
     return Program(tuple(rows), program.placement, program.num_microbatches, program.name)
 
 
-def _first_backward(row: tuple) -> int:
-    """Index of the first instruction of ``row``'s first entry with a backward part (its receives, placed
-    right before it, included); the row's length if none."""
-    for i, x in enumerate(row):
-        if isinstance(x, (Action, Overlap)) and any(a.kind != "F" for a in (x.parts if type(x) is Overlap
-                                                                            else (x,))):
-            while i and type(row[i - 1]) is Recv:
-                i -= 1
-            return i
-    return len(row)
+def _group_start(row: Sequence[Instruction], i: int) -> int:
+    """``i`` moved back over the receives right before it (an entry's, placed before it)."""
+    while i and type(row[i - 1]) is Recv:
+        i -= 1
+    return i
+
+
+def _speculation_ends(rows: Sequence[Sequence[Instruction]]) -> list[int]:
+    """Per rank, where post-validation's check goes in its compute and transfers: before its first entry
+    with a backward part, the last rank (the full norm's) at 0, and before any receive whose send comes
+    after its sender's check, moved earlier until none does (a rollback redoes every rank's work since
+    its check, and a send after the check is made only by the redo: a rank waiting for it before its own
+    check would wait for ever)."""
+    ends = []
+    for row in rows[:-1]:
+        firsts = [i for i, x in enumerate(row) if isinstance(x, (Action, Overlap)) and any(
+            a.kind != "F" for a in (x.parts if type(x) is Overlap else (x,)))]
+        ends.append(_group_start(row, firsts[0]) if firsts else len(row))
+    ends.append(0)
+    sent = {x.key: (r, i) for r, row in enumerate(rows) for i, x in enumerate(row) if type(x) is Send}
+    moved = True
+    while moved:
+        moved = False
+        for r, row in enumerate(rows):
+            late = [i for i, x in enumerate(row[:ends[r]]) if type(x) is Recv
+                    and sent[x.key][1] >= ends[sent[x.key][0]]]
+            if late:
+                ends[r], moved = _group_start(row, late[0]), True
+    return ends
+
+
+def optimizer_places(row: Sequence[Instruction]) -> tuple[slice, int]:
+    """Where a rank's optimizer instructions sit in its ``row``: the slice of the previous step's
+    validation (its full norm received, ``VALIDATE``, ``ROLLBACK``; empty if none) and the index its
+    own step's optimizer instructions start at (after its last compute and transfer; ``len(row)`` if
+    none)."""
+    at = row.index(Optimize("VALIDATE")) if Optimize("VALIDATE") in row else 0
+    start = at - 1 if at and type(row[at - 1]) is Recv and row[at - 1].earlier else at
+    head = slice(start, at + 2) if Optimize("VALIDATE") in row else slice(0, 0)
+    end = len(row)
+    while end > head.stop and (type(row[end - 1]) is Optimize or (
+            isinstance(row[end - 1], COMMS) and type(row[end - 1].key) is OptimizerMessage)):
+        end -= 1
+    return head, end

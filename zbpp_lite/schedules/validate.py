@@ -352,6 +352,24 @@ def _check_optimizer(program: Program, x: Instruction, rank: int, step: int, don
             step, x)
 
 
+def _check_speculation(program: Program) -> None:
+    """Post-validation: what a rank receives before its ``VALIDATE`` is sent before its sender's (a
+    rollback redoes every rank's work since its check, so a send after it is made only by the redo, and
+    a rank waiting for it before its own check would wait for ever)."""
+    rows = program.instructions
+    check = [row.index(Optimize("VALIDATE")) if Optimize("VALIDATE") in row else len(row) for row in rows]
+    sent = {(x.key, x.peer): (r, i) for r, row in enumerate(rows) for i, x in enumerate(row)
+            if type(x) is Send}
+    for rank, row in enumerate(rows):
+        for step, x in enumerate(row[:check[rank]]):
+            if type(x) is Recv and not x.earlier and (x.key, rank) in sent:
+                peer, at = sent[x.key, rank]
+                if at > check[peer]:
+                    _fail_line(f"{describe(x)} comes before the rank's VALIDATE, but rank {peer} sends it "
+                        f"after its own (step {check[peer]}); rule: speculate only on what is sent while "
+                        "speculating", rank, step, x)
+
+
 def _check_route(program: Program, x: Send | Recv, rank: int, step: int, made: set[Key]) -> None:
     kind, stage, _ = x.key
     placement = program.placement
@@ -408,4 +426,5 @@ def checked_program(lists: Lists) -> tuple[Program, list[tuple[int, int]]]:
         _check_transfers(program)
         if any(type(x) is Recv and x.earlier for row in program.instructions for x in row):
             _program_order(program, steps=2)  # a step waits for the previous one's messages: two in turn
+            _check_speculation(program)
     return program, execution_order(program)
