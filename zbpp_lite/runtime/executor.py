@@ -318,7 +318,7 @@ class PipelineExecutor:
                 for s in stages if step.update is not None else ():
                     step.params[s] = step.update.stage_params(s)
                 row = step.program.instructions[rank]
-                head, tail = optimizer_places(row)
+                head, tail = optimizer_places(row) if step.update is not None else (slice(0, 0), len(row))
                 first = row[:tail] if step.previous else row[:head.start] + row[head.stop:tail]
                 self._walk(rank, step, first)
                 self._sum_ties(rank, step)
