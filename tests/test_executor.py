@@ -24,6 +24,7 @@ from zbpp_lite.runtime.executor import PipelineExecutor, run_schedule
 from zbpp_lite.analysis.profiling.timelines import measured_costs
 from zbpp_lite.training.model import ModelConfig, build_parts
 from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.runtime.step import Compute
 from zbpp_lite.schedules.ir import deps, produces
 from zbpp_lite.schedules.timeline import Event, Timeline, early_starts, with_schedule_order
 from zbpp_lite.training.reference import max_relative_error
@@ -190,11 +191,17 @@ def test_bad_sizes_and_schedules_are_refused_before_any_compute():
         train("1f1b", ranks=4, microbatches=4, model=ModelConfig(blocks=3), options=TrainOptions(devices=[]))
 
 
-class _FailingExecutor(PipelineExecutor):
-    def _backward_input(self, step, a, dy=None):
+class _FailingCompute(Compute):
+    def backward_input(self, step, a, dy=None):
         if (a.stage, a.microbatch) == (0, 1):
             raise FloatingPointError("boom")
-        return super()._backward_input(step, a, dy)
+        return super().backward_input(step, a, dy)
+
+
+class _FailingExecutor(PipelineExecutor):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compute = _FailingCompute(self.model, self.schedule.placement)
 
 
 class _LosingExecutor(PipelineExecutor):

@@ -17,6 +17,7 @@ from zbpp_lite.analysis.profiling.device import stage_memory_bytes
 from zbpp_lite.runtime.executor import PipelineExecutor, PlanMemoryWarning
 from zbpp_lite.runtime.memory import MemoryRecorder, nbytes
 from zbpp_lite.runtime.stages import StagedModel
+from zbpp_lite.runtime.step import Compute
 from zbpp_lite.schedules.builders import options_of
 from zbpp_lite.schedules.memory import MeasuredMemory, add_curves
 from zbpp_lite.training.data import load_digit_tokens
@@ -79,7 +80,7 @@ def test_measured_peak_bytes_equal_the_simulators_peak_on_every_rank(name, p):
         assert memory.peak_bytes[r] <= memory.peak_total_bytes[r] <= memory.peak_bytes[r] + memory.peak_received_bytes[r]
 
 
-class _LeakyExecutor(PipelineExecutor):
+class _LeakyCompute(Compute):
     """Drops one free: the backward (B or BW) of (stage 0, microbatch 0) leaves F's residuals
     counted as held, as an executor that kept them alive after their B would hold them."""
 
@@ -93,11 +94,19 @@ class _LeakyExecutor(PipelineExecutor):
         finally:
             del step.memory.free
 
-    def _backward_input(self, step, a, dy=None):
-        return self._leaky(super()._backward_input, step, a, dy)
+    def backward_input(self, step, a, dy=None):
+        return self._leaky(super().backward_input, step, a, dy)
 
-    def _backward_fused(self, step, a, dy=None):
-        return self._leaky(super()._backward_fused, step, a, dy)
+    def backward_fused(self, step, a, dy=None):
+        return self._leaky(super().backward_fused, step, a, dy)
+
+
+class _LeakyExecutor(PipelineExecutor):
+    """An executor with :class:`_LeakyCompute`'s handlers."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compute = _LeakyCompute(self.model, self.schedule.placement)
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-h1"])

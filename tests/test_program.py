@@ -160,3 +160,83 @@ def test_compute_errors_of_a_program_are_the_schedules():
                        r"stages are 0 \.\. 1$"):
         Program.from_rows([["0F0", "0SEND_F0", "0B0"], ["5RECV_F0", "1F0", "1B0", "1SEND_B0"]])
     assert Program.from_rows([[Action("F", 0, 0)]]).to_rows() == [["0F0"]]
+
+
+@pytest.mark.parametrize("name", sorted(zb.SCHEDULES))
+def test_the_optimizers_instructions_validate_and_show_the_synchronisation_bubble_post_validation_removes(name):
+    """Paper section 4: a synchronous step waits for every rank's norm, so every rank's step ends at the
+    last rank's end (the global span); post-validated, each rank steps at its own end (the makespan)."""
+    from zbpp_lite.schedules.program import Optimize, OptimizerMessage
+
+    s = zb.build_schedule(name, 4, 8)
+    costs = zb.Costs(f=1.3, b=1.1, w=0.7, comm=0.3)
+    plain = zb.simulate(s, costs)
+    for policy, speculative in (("plain", True), ("synchronous", True), ("post-validation", True),
+                                ("post-validation", False)):
+        program = zb.validate(lower(s, policy, speculative))
+        assert program.schedule().actions == s.actions, policy
+        t = zb.simulate(program, costs)
+        steps = [e for e in t.events if e.action == Optimize("STEP")]
+        assert sorted(e.rank for e in steps) == list(range(4)), policy  # one step per rank, shown
+        ends = [max(e.end for e in plain.rank_events(r)) for r in range(4)]
+        if policy == "synchronous":
+            assert [e.start for e in sorted(steps, key=lambda e: e.rank)] == pytest.approx([max(ends)] * 4)
+            assert t.makespan == pytest.approx(plain.global_span)
+        else:  # plain and post-validated: ranks step when their share (and the partial norm) is in
+            assert t.makespan == pytest.approx(plain.makespan), policy
+        assert t.peak_memory == plain.peak_memory and t.busy == plain.busy, policy
+    rows = lower(s, "post-validation").instructions
+    full = OptimizerMessage("FULL", 3)
+    assert [row.count(Optimize("VALIDATE")) for row in rows] == [1] * 4
+    assert [Recv(full, 3, earlier=1) in row for row in rows] == [True, True, True, False]
+    assert [Send(full, q) in rows[3] for q in range(3)] == [True] * 3
+    # speculative: the previous step is validated before a rank's first backward, F's before it run on
+    # speculative parameters; the last rank, which holds the full norm, validates first
+    for r, row in enumerate(rows):
+        at = row.index(Optimize("VALIDATE"))
+        first = min(i for i, x in enumerate(row) if isinstance(x, (Action, zb.Overlap))
+                    and any(a.kind != "F" for a in getattr(x, "parts", (x,))))
+        assert (at == 0) if r == 3 else (at < first and all(
+            getattr(x, "kind", "F") == "F" for x in row[:at] if not isinstance(x, (Send, Recv)))), (name, r)
+
+
+def test_a_misplaced_optimizer_instruction_is_named_in_one_line():
+    from zbpp_lite.schedules.program import Optimize, OptimizerMessage
+
+    p = lower(zb.build_schedule("1f1b", 2, 2), "synchronous")
+
+    def edited(edit, rank=0):
+        rows = list(p.instructions)
+        rows[rank] = tuple(edit(list(rows[rank])))
+        return Program(tuple(rows), p.placement, 2)
+
+    norm = Recv(OptimizerMessage("NORM", 1), 1)
+    with pytest.raises(zb.ScheduleError, match=r"^rank 0, step 0: RECV of the optimizer's NORM message from rank "
+                       r"1 \[RECV_NORM1\] waits for rank 1's SEND_NORM1>0 .*: deadlock"):
+        zb.validate(edited(lambda row: [norm] + [x for x in row if x != norm]))
+    with pytest.raises(zb.ScheduleError, match=r"SEND_NORM0>1\] has no matching RECV on rank 1"):
+        zb.validate(edited(lambda row: [x for x in row if x != Recv(OptimizerMessage("NORM", 0), 0)], rank=1))
+    with pytest.raises(zb.ScheduleError, match=r"comes before the rank's NORM; rule: send a norm after"):
+        zb.validate(edited(lambda row: row[:-4] + row[-3:-2] + row[-4:-3] + row[-2:]))
+    with pytest.raises(zb.ScheduleError, match=r"STEP \[STEP\] comes twice"):
+        zb.validate(edited(lambda row: row + [Optimize("STEP")]))
+    with pytest.raises(ValueError, match="optimizer must be one of plain, synchronous, post-validation; got 'sgd'"):
+        lower(zb.build_schedule("1f1b", 2, 2), "sgd")
+
+
+def test_post_validation_speculates_only_on_what_is_sent_while_speculating():
+    """ZB-V on 2 ranks: rank 0's F of stage 3 needs stage 2's F from rank 1, which validates first (it
+    holds the full norm); after a rollback rank 1 sends it only in its redo, so rank 0 validates before
+    receiving it, and a program checking later is refused."""
+    from zbpp_lite.schedules.program import Optimize
+
+    program = lower(zb.build_schedule("zb-v", 2, 4), "post-validation")
+    row = list(program.instructions[0])
+    at = row.index(Optimize("VALIDATE"))
+    assert [str(x) for x in row[:at + 3]] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1", "0F2", "0SEND_F2",
+                                              "RECV_FULL1<", "VALIDATE", "ROLLBACK", "3RECV_F0"]
+    late = row[:at - 1] + row[at + 2:at + 3] + row[at - 1:at + 2] + row[at + 3:]  # checked after 3RECV_F0
+    bad = Program((tuple(late), program.instructions[1]), program.placement, 4)
+    with pytest.raises(zb.ScheduleError, match=r"^rank 0, step 6: RECV .* \[3RECV_F0\] comes before the rank's "
+                       r"VALIDATE, but rank 1 sends it after its own \(step 0\); rule: speculate only on what"):
+        zb.validate(bad)

@@ -5,7 +5,7 @@
 - :mod:`.stages`: ``StagedModel``, any list of NNX modules and a loss cut into stages;
 - :mod:`.executor`: ``PipelineExecutor``, one thread a rank, measuring a ``Timeline``; ``run_schedule``;
 - :mod:`.transport`: ``Transfer``, ``OptimizerMessage``, ``Inbox``, the ``Transport`` protocol, ``Threads``;
-- :mod:`.step`, :mod:`.speculation`: a step's state and result; the optimizer step in the rank threads;
+- :mod:`.step`: a step's state and result; the optimizer the rank threads step (``RankUpdate``);
 - :mod:`.processes`: one pinned process per rank, shared-memory rings and sockets (``Rings``);
 - :mod:`.distributed` / :mod:`.cluster`: JAX's distributed runtime across hosts (``process_executor``);
 - :mod:`.wire`: JSON and raw NumPy bytes across processes (never pickles);

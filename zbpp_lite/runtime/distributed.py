@@ -269,11 +269,11 @@ class _CrossProcess(Threads):
         else:
             self.outboxes[step].put(key.key, value)
 
-    def recv(self, step: int, rank: int, key, timeout: float, interrupt=None):
+    def recv(self, step: int, rank: int, key, timeout: float):
         if type(key) is OptimizerMessage and self.owner[key.sender] != self.process:
             self._fetch(step, rank, key, timeout)
         try:
-            return super().recv(step, rank, key, timeout, interrupt)
+            return super().recv(step, rank, key, timeout)
         except Aborted:
             if self.failure is not None:
                 raise self.failure from None

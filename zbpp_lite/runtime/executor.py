@@ -5,8 +5,10 @@ entries with the sends and receives written out. Each rank is a thread interpret
 order (no global clock), the rank loop :meth:`PipelineExecutor._walk`: a compute entry runs the jitted F, B,
 W or BW of :class:`zbpp_lite.runtime.split.StageSplit` on the rank's device and records the event and
 memory; a ``Send`` hands a value to the :mod:`~zbpp_lite.runtime.transport`; a ``Recv`` waits for one. An
-F&B pair (DualPipeV) runs its parts back to back, each its own event. Post-validation's speculative warm-up
-validates on the way (:class:`~zbpp_lite.runtime.speculation.Speculation`). The last stage's backward
+F&B pair (DualPipeV) runs its parts back to back, each its own event. With an optimizer
+(:class:`~zbpp_lite.runtime.step.RankUpdate`) the program holds its instructions too
+(:func:`~zbpp_lite.schedules.program.optimizer_instructions`), each calling the optimizer: post-validation's
+rollback hands back the instructions to run again (arXiv 2401.10241 section 4). The last stage's backward
 starts from d loss / d loss_j = 1/m, so the summed W's are the gradient of the global-batch mean loss
 (Qi et al., arXiv 2401.10241, section 2).
 
@@ -31,17 +33,18 @@ import jax
 import numpy as np
 
 from .devices import too_few_devices_message
-from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes, stage_bytes
+from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
 from .split import sum_dtype
 from .spmd import SpmdExecutor
 from .stages import Params, StagedModel, batch_microbatch_size
-from .speculation import Channel, RankUpdate, Restart, Speculation, redo
-from .step import Done, PlanMemoryWarning, Step, StepResult, TieSum, placed, route, waiters
-from .transport import Aborted, Interrupted, OptimizerMessage, Threads, Transfer, Transport
+from .step import (Compute, PlanMemoryWarning, RankUpdate, Step, StepResult, TieSum, bind, placed, redo,
+    waiters)
+from .transport import Aborted, Threads, Transfer, Transport
 from ..schedules.costs import Costs
-from ..schedules.ir import Action, Key, Overlap, Schedule, parts
-from ..schedules.program import Recv, Send, consumer_stage, lower
-from ..schedules.timeline import Event, Timeline
+from ..schedules.ir import KINDS, Action, Key, Overlap, Schedule, parts
+from ..schedules.program import (Optimize, OptimizerMessage, Recv, Send, consumer_stage, lower,
+    optimizer_places)
+from ..schedules.timeline import Event
 from ..schedules.validate import validate
 
 
@@ -107,13 +110,12 @@ class PipelineExecutor:
         self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
         self.local_stages = [s for s, r in enumerate(schedule.placement) if r in on]
         self._steps_begun = 0  # steps numbered so far: the transport's step numbers
-        self._spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
-        self._spares_for: Any = None  # the microbatch shape the spares have
-        handlers = {"F": self._forward, "B": self._backward_input, "W": self._backward_weight,
-                    "BW": self._backward_fused}
-        self._routes = {(kind, s): route(handlers[kind], kind, s, schedule.placement)
-                        for kind in handlers for s in range(schedule.num_stages)}
-        self._run = {Action: self._entry, Overlap: self._entry, Send: self._send, Recv: self._recv}
+        self.compute = Compute(model, schedule.placement)  # the compute handlers and their spares
+        self._bindings = {(kind, s): bind(kind, s, schedule.placement)
+                          for kind in KINDS for s in range(schedule.num_stages)}
+        self._run = {Action: self._entry, Overlap: self._entry, Send: self._send, Recv: self._recv,
+                     Optimize: self._optimize}
+        self._lowered = {None: self.program}  # (policy, speculative) -> the program with its instructions
         self._waiters = waiters(self.program)  # Recv -> the entry that waits for it, named in timeouts
         self._prepared: dict = {}
         self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
@@ -134,24 +136,11 @@ class PipelineExecutor:
         for s in self.local_stages:
             device, last = self.stage_devices[s], s == S - 1
             splits[s] = self.model.split_stage(s, shapes[s], y_mb, key)
-            flat = splits[s].flat
             x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes[s]),
                                device)
             aux = jax.device_put(self.model.stage_aux(s, y_mb if last else None, key), device)
-            # each twice: new memory, then a spare's; spare=None passed as the handlers pass it
-            # (jit keys its cache on the call's arguments: an omitted default compiles anew)
-            _, res, _ = flat.forward(params[s], x, aux, None)
-            out, res, kept = flat.forward(params[s], x, aux, res)
-            dy = jax.device_put(jax.tree_util.tree_map(lambda a: np.ones(np.shape(a), a.dtype), out), device)
-            if "BW" in kinds:  # twice, as W: a stage's first (no sum yet), then the rest
-                acc = flat.backward_fused(params[s], res, kept, dy, None)[1]
-                jax.block_until_ready(flat.backward_fused(params[s], res, kept, dy, acc))
-            if "B" in kinds or "W" in kinds:
-                _, grads_out = flat.backward_input(params[s], res, dy, None)
-                _, grads_out = flat.backward_input(params[s], res, dy, grads_out)
-                acc = flat.backward_weight(params[s], kept, grads_out, None)
-                jax.block_until_ready(flat.backward_weight(params[s], kept, grads_out, acc))
-                sizes[s] = stage_bytes(res, kept, grads_out)
+            sizes[s] = self.compute.warm(splits[s].flat, params[s], x, aux, kinds, device)
+        sizes = {s: size for s, size in sizes.items() if size is not None}
         self._warm_ties(params)
         self._prepared[signature] = splits, shapes
         self._check_memory_plan(sizes)
@@ -198,7 +187,8 @@ class PipelineExecutor:
             batches: one ``(x, labels)`` per step, as :meth:`run`'s, all of one shape; every process of
                 a multi-process run passes the same.
             update: a :class:`RankUpdate` (e.g. :class:`zbpp_lite.training.postval.optimizer.StageOptimizer`)
-                stepping the optimizer in the rank threads, or None (every step uses ``params``).
+                stepping the optimizer in the rank threads through its instructions in the program, or
+                None (every step uses ``params``).
             keys: one :func:`~zbpp_lite.runtime.stages.dropout_keys` per batch, for a model with dropout;
                 every process of a multi-process run passes the same (each process puts its own stages').
 
@@ -224,14 +214,15 @@ class PipelineExecutor:
         keys = self.model.step_keys(keys, len(batches), m)
         splits = self._prepare(leaves, np.asarray(x0)[:mb], np.asarray(y0)[:mb],
                                None if keys[0] is None else keys[0][0])
-        if self._spares_for != (np.shape(x0), np.shape(y0)):
-            self._spares, self._spares_for = {}, (np.shape(x0), np.shape(y0))
+        if self.compute.spares_for != (np.shape(x0), np.shape(y0)):
+            self.compute.spares, self.compute.spares_for = {}, (np.shape(x0), np.shape(y0))
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
         base, steps = self._steps_begun, []
         remote = len(self.ranks) < self.schedule.num_ranks
         hint = " (every process must call run_steps with the same number of batches)" if remote else ""
         self._steps_begun += len(batches)
         record = MemoryRecorder if self.record_memory else lambda p, S: NoMemoryRecorder()
+        program = self._program_for(update)
         for k, ((x, labels), step_keys) in enumerate(zip(batches, keys)):
             x, labels = np.asarray(x), np.asarray(labels)
             out = {}  # stage 0's inputs as what stage -1 sent, the last stage's seed as what stage S sent
@@ -250,17 +241,29 @@ class PipelineExecutor:
                        else f" of step {k}" if len(batches) > 1 else ""),
                 keys={} if step_keys is None else {s: jax.device_put(list(step_keys), self.stage_devices[s])
                                                    for s in local},
+                program=program, update=update, number=k, previous=steps[-1] if steps else None,
             ))
         jax.block_until_ready((leaves, [(st.out, st.labels) for st in steps]))
         if update is not None and hasattr(update, "begin"):
             update.begin(len(steps))
-        self._run_ranks(steps, update)
-        return self.transport.finish([self._result(st, stage_params) for st in steps])
+        self._run_ranks(steps)
+        peaks = tuple(device_peak_bytes(self._on[r]) if r in self._on else None
+                      for r in range(self.schedule.num_ranks))
+        return self.transport.finish([st.result(self.model, self.schedule.num_ranks, stage_params, peaks)
+                                      for st in steps])
 
-    def _run_ranks(self, steps: list, update: "RankUpdate | None") -> None:
+    def _program_for(self, update: "RankUpdate | None") -> Any:
+        """The lowered program with ``update``'s optimizer instructions (lowered once per policy)."""
+        how = None if update is None else (update.policy, update.speculative)
+        if how not in self._lowered:
+            self._lowered[how] = lower(self.schedule, *how)
+            self._waiters.update(waiters(self._lowered[how]))
+        return self._lowered[how]
+
+    def _run_ranks(self, steps: list) -> None:
         """One thread per local rank over ``steps``; raises the first error."""
         errors: list[tuple[int, Any, BaseException]] = []
-        threads = [threading.Thread(target=self._rank_steps, args=(r, steps, update, errors),
+        threads = [threading.Thread(target=self._rank_steps, args=(r, steps, errors),
                                     name=f"zbpp-rank-{r}", daemon=True) for r in self.ranks]
         movers = self.transport.start([st.index for st in steps])
         t0 = time.perf_counter()
@@ -286,34 +289,13 @@ class PipelineExecutor:
             errors.append((self.ranks[0], None, TimeoutError(
                 f"transfers {', '.join(stuck)} did not finish within {self.timeout:g} s")))
         if errors:  # a failed step may have left spares half donated
-            self._spares = {}
+            self.compute.spares = {}
         try:
             self._raise_first(errors)
         except (RuntimeError, TimeoutError) as e:
             if not self.transport.where:
                 raise
             raise type(e)(f"{self.transport.where}{e}") from e
-
-    def _result(self, step: Step, stage_params: list) -> StepResult:
-        S, m = self.model.num_stages, self.schedule.num_microbatches
-        last = self.stage_devices[-1]
-        losses = tuple(float(v) for v in jax.device_get([step.losses[j] for j in range(m)])) if last else ()
-        tree = jax.tree_util
-        grads = [[None] * len(self.model.parts[s]) if p is None
-                 else tree.tree_unflatten(tree.tree_structure(p), g)
-                 for s, (p, g) in enumerate(zip(stage_params, step.acc))]
-        begin = min((e.start for e in step.events + step.discarded), default=0.0)
-        events = [Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.events]
-        timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")
-        peaks = tuple(device_peak_bytes(self._on[r]) if r in self._on else None
-                      for r in range(self.schedule.num_ranks))
-        timeline = dataclasses.replace(timeline, measured_memory=step.memory.result(begin, peaks))
-        loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
-        discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in step.discarded)
-        grads = self.model.join_stage_params(grads)
-        tie_sums = tuple(dataclasses.replace(t, start=t.start - begin, end=t.end - begin)
-                         for t in step.tie_sums)
-        return StepResult(loss, losses, grads, timeline, begin, discarded, step.t0 + begin, tie_sums)
 
     @staticmethod
     def _raise_first(errors) -> None:
@@ -326,58 +308,49 @@ class PipelineExecutor:
         if timeouts:
             raise TimeoutError("; ".join(str(e[2]) for e in timeouts)) from timeouts[0][2]
 
-    def _rank_steps(self, rank: int, steps: list, update: "RankUpdate | None", errors: list) -> None:
-        """Rank ``rank``'s thread: :meth:`_walk` each step, ``update``'s optimizer step between them."""
+    def _rank_steps(self, rank: int, steps: list, errors: list) -> None:
+        """Rank ``rank``'s thread: :meth:`_walk` each step's instructions, tied weights summed between its
+        compute and its optimizer step (the first step validating none before it; the last step
+        validated after it)."""
         stages = list(self.schedule.stages_of(rank))
-        speculative = update is not None and getattr(update, "verdict_key", None) is not None
         try:
-            for k, step in enumerate(steps):
-                if update is not None:
-                    if k and not speculative:  # validate step k-1's optimizer step before this step's first F
-                        update.validate(rank, k - 1, Channel(self, steps[k - 1], rank))
-                    for s in stages:
-                        step.params[s] = update.stage_params(s)
-                if speculative and k:  # a speculative warm-up validates step k-1's optimizer step on the way
-                    step.speculating[rank] = Speculation(self, rank, update, k - 1, steps[k - 1])
-                while True:
-                    try:
-                        self._walk(rank, step)
-                        if rank in step.speculating:  # no backward in this step (none in a valid schedule)
-                            step.speculating[rank].validate(step)
-                        break
-                    except Restart:  # step k-1's update was rolled back and redone: so is this warm-up
-                        redo(step, rank, stages, update)
+            for step in steps:
+                for s in stages if step.update is not None else ():
+                    step.params[s] = step.update.stage_params(s)
+                row = step.program.instructions[rank]
+                head, tail = optimizer_places(row) if step.update is not None else (slice(0, 0), len(row))
+                first = row[:tail] if step.previous else row[:head.start] + row[head.stop:tail]
+                self._walk(rank, step, first)
                 self._sum_ties(rank, step)
-                if update is not None:
-                    update.step(rank, k, {s: step.acc[s] for s in stages}, Channel(self, step, rank))
-            if update is not None:
-                update.validate(rank, len(steps) - 1, Channel(self, steps[-1], rank))
+                self._walk(rank, step, row[tail:])
+            if head.stop:  # the last step's check: its full norm received in it, nothing to redo
+                closing = [dataclasses.replace(x, earlier=0) if type(x) is Recv else x for x in row[head]]
+                self._walk(rank, dataclasses.replace(steps[-1], previous=None), closing)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
             failed = isinstance(exc, _Failed)
             errors.append((rank, exc.args[0] if failed else None, exc.__cause__ if failed else exc))
             if not isinstance(errors[-1][2], TimeoutError):  # a stuck rank lets the others report their wait
                 self.transport.abort()
 
-    def _walk(self, rank: int, step: Step) -> None:
-        """The rank loop: each instruction of ``rank``'s program, in order, runs its handler (a compute
-        entry :meth:`_entry`, a send :meth:`_send`, a receive :meth:`_recv`)."""
-        run = self._run
-        for instruction in self.program.instructions[rank]:
+    def _walk(self, rank: int, step: Step, row: Sequence) -> None:
+        """The rank loop: each instruction of ``row``, in order, runs its handler (a compute entry
+        :meth:`_entry`, a send :meth:`_send`, a receive :meth:`_recv`, an optimizer's :meth:`_optimize`);
+        a handler may hand back instructions to run next (a rollback's redo)."""
+        todo = list(reversed(row))
+        while todo:
+            instruction = todo.pop()
             try:
-                run[type(instruction)](step, rank, instruction)
-            except Restart:
-                raise
+                again = self._run[type(instruction)](step, rank, instruction)
             except BaseException as exc:
                 raise _Failed(instruction) from exc
+            todo += reversed(again or ())
 
     def _entry(self, step: Step, rank: int, entry: Action | Overlap) -> None:
         """A compute entry: each part's handler on the inputs it takes, timed, its output kept for a send
         or for the next stage here."""
-        speculation = step.speculating.get(rank)
-        if speculation is not None and speculation.due(entry):
-            speculation.validate(step)
         for a in parts(entry):
-            handler, takes, makes, here = self._routes[a.kind, a.stage]
+            takes, makes, here = self._bindings[a.kind, a.stage]
+            handler = self.compute.handler(a.kind)
             start = time.perf_counter()
             if takes is None:
                 ready, out = handler(step, a)
@@ -396,9 +369,32 @@ class PipelineExecutor:
                 if here:  # the next stage is this rank's: counted as received, as a transfer would be
                     step.memory.receive(rank, made, out, end - step.t0)
 
+    def _optimize(self, step: Step, rank: int, x: Optimize) -> Sequence | None:
+        """An optimizer instruction: the update's method of its name, on the messages the rank made or
+        received in this step (VALIDATE: and in the previous one); a ROLLBACK that makes every rank redo
+        hands back the rank's instructions before the validation, run again on the rolled-back
+        parameters."""
+        update, got = step.update, step.messages.setdefault(rank, {})
+        if x.op in ("NORM", "STEP"):
+            grads = {s: step.acc[s] for s in self.schedule.stages_of(rank)}
+            if x.op == "NORM":
+                got.update(update.norm(rank, step.number, grads, got))
+            else:
+                update.step(rank, step.number, grads, got)
+        elif x.op == "VALIDATE":
+            update.validate(rank, {**(step.previous.messages.get(rank, {}) if step.previous else {}), **got})
+        elif update.rollback(rank) and step.previous is not None:
+            redo(step, rank, list(self.schedule.stages_of(rank)))
+            row = step.program.instructions[rank]
+            return row[:optimizer_places(row)[0].start]
+        return None
+
     def _send(self, step: Step, rank: int, send: Send) -> None:
         """Hand the value to the transport: onto the receiver's device if it is a rank here (counted as
-        received), as its leaves (a pytree) if not."""
+        received), as its leaves (a pytree) if not; an optimizer's message as it is."""
+        if type(send.key) is OptimizerMessage:
+            self.transport.send(step.index, send.peer, send.key, step.messages[rank][send.key])
+            return
         value = step.out.pop(send.key)
         device = self._on.get(send.peer)
         if device is None:
@@ -409,7 +405,12 @@ class PipelineExecutor:
         self.transport.send(step.index, send.peer, Transfer(*send.key, step.attempts.get(rank, 0)), value)
 
     def _recv(self, step: Step, rank: int, recv: Recv) -> None:
-        """Wait for the value, for the entry after; from another process, onto this rank's device."""
+        """Wait for the value, for the entry after; from another process, onto this rank's device. An
+        optimizer's message (maybe the previous step's) joins the rank's messages of this step."""
+        if type(recv.key) is OptimizerMessage:
+            value = self.wait_for(step, rank, recv.key, self._waiters.get(recv, "VALIDATE"), recv.earlier)
+            step.messages.setdefault(rank, {})[recv.key] = value
+            return
         key = Transfer(*recv.key, step.attempts.get(rank, 0))
         value = self.wait_for(step, rank, key, self._waiters[recv])
         if recv.peer not in self._on:
@@ -421,22 +422,18 @@ class PipelineExecutor:
             step.memory.receive(rank, recv.key, value, time.perf_counter() - step.t0)
         step.out[recv.key] = value
 
-    def wait_for(self, step: Step, rank: int, key: Transfer | OptimizerMessage, waiter: Any) -> Any:
-        """What the transport has for ``rank`` under ``key``; a speculating rank validates when
-        interrupted. Raises TimeoutError naming the rank, ``waiter`` and the value."""
-        while True:
-            speculation = step.speculating.get(rank)
-            try:
-                return self.transport.recv(step.index, rank, key, self.timeout,
-                                           None if speculation is None else speculation.arrived)
-            except Interrupted:  # the verdict is there, or on its way: a sender already redoes this step
-                speculation.validate(step)
-            except TimeoutError:
-                what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
-                        else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
-                waiter = getattr(waiter, "text", waiter)
-                raise TimeoutError(f"rank {rank} waited {self.timeout:g} s before {waiter}{step.where}: "
-                                   f"{what} never arrived") from None
+    def wait_for(self, step: Step, rank: int, key: Transfer | OptimizerMessage, waiter: Any,
+                 earlier: int = 0) -> Any:
+        """What the transport has for ``rank`` under ``key`` (sent ``earlier`` steps before ``step``).
+        Raises TimeoutError naming the rank, ``waiter`` and the value."""
+        try:
+            return self.transport.recv(step.index - earlier, rank, key, self.timeout)
+        except TimeoutError:
+            what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
+                    else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
+            waiter = getattr(waiter, "text", waiter)
+            raise TimeoutError(f"rank {rank} waited {self.timeout:g} s before {waiter}{step.where}: "
+                               f"{what} never arrived") from None
 
     def _warm_ties(self, params: list) -> None:
         """Compile :meth:`_sum_ties`' addition for each local copy, so no step compiles it."""
@@ -468,53 +465,6 @@ class PipelineExecutor:
             with step.lock:
                 step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, start - step.t0,
                                             time.perf_counter() - step.t0))
-
-    # handlers: kind -> work. Each takes the value its action takes from another stage (F: x, B and BW:
-    # dy; stage 0's input and the last stage's seed 1/m among them) and returns Done.
-    # Dead outputs (B's residuals once B or BW has run, B's output gradients once W has) are kept
-    # as spares: the stage's next F / B writes into their memory (FlatStage's ``spare``). A stage
-    # belongs to one rank thread, so its spares need no lock.
-
-    def _spare(self, kind: str, stage: int) -> Any:
-        spares = self._spares.get((kind, stage))
-        return spares.pop() if spares else None
-
-    def _keep_spare(self, kind: str, stage: int, arrays: tuple) -> None:
-        self._spares.setdefault((kind, stage), []).append(arrays)
-
-    def _forward(self, step: Step, a: Action, x: Any) -> Done:
-        s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
-        last = s == self.model.num_stages - 1
-        key = step.keys[s][j] if step.keys else None
-        aux = self.model.stage_aux(s, step.labels[j] if last else None, key)
-        y, res, kept = step.splits[s].flat.forward(step.params[s], x, aux, self._spare("res", s))
-        step.hold(rank, ("res", s, j), res)
-        step.hold(rank, ("kept", s, j), kept)
-        if last:
-            step.losses[j] = y
-        return Done((y, res, kept), None if last else y)
-
-    def _backward_input(self, step: Step, a: Action, dy: Any) -> Done:
-        s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
-        res = step.release(rank, ("res", s, j))
-        dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, dy, self._spare("grads", s))
-        step.hold(rank, ("grads", s, j), grads_out)
-        self._keep_spare("res", s, res)
-        return Done((dx, grads_out), dx if s else None)
-
-    def _backward_weight(self, step: Step, a: Action) -> Done:
-        s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
-        kept, grads_out = (step.release(rank, (what, s, j)) for what in ("kept", "grads"))
-        step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
-        self._keep_spare("grads", s, grads_out)
-        return Done(step.acc[s])
-
-    def _backward_fused(self, step: Step, a: Action, dy: Any) -> Done:
-        s, j, rank = a.stage, a.microbatch, self.schedule.placement[a.stage]
-        res, kept = (step.release(rank, (what, s, j)) for what in ("res", "kept"))
-        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, dy, step.acc[s])
-        self._keep_spare("res", s, res)
-        return Done((dx, step.acc[s]), dx if s else None)
 
 
 def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,

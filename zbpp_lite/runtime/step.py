@@ -1,21 +1,25 @@
 """One pipeline step in flight and what it gives: the state the rank threads share (:class:`Step`), what
-a compute handler returns (:class:`Done`), the measured :class:`StepResult` with its :class:`TieSum`
-records, and :class:`PlanMemoryWarning`. Used by :mod:`zbpp_lite.runtime.executor`.
+a compute handler returns (:class:`Done`), the optimizer the rank threads step (:class:`RankUpdate`),
+the measured :class:`StepResult` with its :class:`TieSum` records, and :class:`PlanMemoryWarning`. Used
+by :mod:`zbpp_lite.runtime.executor`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import jax
+import numpy as np
 
-from .memory import NoMemoryRecorder
+from .memory import NoMemoryRecorder, stage_bytes
 from .stages import Params
-from ..schedules.ir import Key
+from ..schedules.ir import Action, Key
 from ..schedules.program import Program, Recv, Send, consumer_stage, producer_stage
-from ..schedules.timeline import Timeline
+from ..schedules.timeline import Event, Timeline
 
 
 @dataclass(frozen=True)
@@ -94,12 +98,35 @@ class Step:
     where: str = ""  # the step in errors, e.g. " of step 3"
     t0: float = 0.0
     attempts: dict = field(default_factory=dict)  # rank -> its attempt (1 once its warm-up was redone)
-    speculating: dict = field(default_factory=dict)  # rank -> its _Speculation until validated
+    program: Any = None  # the Program the ranks run (with the optimizer's instructions, if any)
+    update: Any = None  # the RankUpdate its optimizer instructions call, or None
+    number: int = 0  # the step's number in its run_steps call (the optimizer's k)
+    previous: "Step | None" = None  # the step before it in the call: its optimizer messages validated here
+    messages: dict = field(default_factory=dict)  # rank -> {OptimizerMessage: value} made or received
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
     tie_sums: list = field(default_factory=list)  # TieSum per rank and tie (guarded by lock)
     memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     keys: dict = field(default_factory=dict)  # local stage -> per microbatch its dropout key ({}: no dropout)
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events, discarded and tie_sums
+
+    def result(self, model: Any, num_ranks: int, stage_params: list, peaks: tuple) -> StepResult:
+        """The step's :class:`StepResult`: ``model`` its :class:`~zbpp_lite.runtime.stages.StagedModel`,
+        ``stage_params`` per stage its parameters here (None: a stage run elsewhere, no gradient here),
+        ``peaks`` per rank its device's peak bytes or None; times from the step's first action."""
+        S, tree = model.num_stages, jax.tree_util
+        losses = tuple(float(v) for v in jax.device_get([self.losses[j] for j in sorted(self.losses)]))
+        grads = [[None] * len(model.parts[s]) if p is None else tree.tree_unflatten(tree.tree_structure(p), g)
+                 for s, (p, g) in enumerate(zip(stage_params, self.acc))]
+        begin = min((e.start for e in self.events + self.discarded), default=0.0)
+        events = [Event(e.rank, e.action, e.start - begin, e.end - begin) for e in self.events]
+        timeline = Timeline.from_events(events, num_ranks, num_stages=S, source="measured")
+        timeline = dataclasses.replace(timeline, measured_memory=self.memory.result(begin, peaks))
+        loss = float(np.mean(np.asarray(losses, np.float64))) if losses else float("nan")
+        discarded = tuple(Event(e.rank, e.action, e.start - begin, e.end - begin) for e in self.discarded)
+        tie_sums = tuple(dataclasses.replace(t, start=t.start - begin, end=t.end - begin)
+                         for t in self.tie_sums)
+        return StepResult(loss, losses, model.join_stage_params(grads), timeline, begin, discarded,
+                          self.t0 + begin, tie_sums)
 
     def hold(self, rank: int, key: tuple, value: Any) -> None:
         """Keep ``value`` under ``key`` in the store, counted as rank ``rank``'s memory."""
@@ -112,6 +139,93 @@ class Step:
         return self.store.pop(key)
 
 
+_HANDLERS = {"F": "forward", "B": "backward_input", "W": "backward_weight", "BW": "backward_fused"}
+
+
+class Compute:
+    """The compute handlers on a :class:`Step`, kind -> work (:meth:`handler`): each takes the value its
+    action takes from another stage (F: x, B and BW: dy; stage 0's input and the last stage's seed 1/m
+    among them) and returns :class:`Done`. Dead outputs (B's residuals once B or BW has run, B's output
+    gradients once W has) are kept as ``spares``: the stage's next F / B writes into their memory
+    (FlatStage's ``spare``). A stage belongs to one rank thread, so its spares need no lock.
+
+    Args:
+        model: the :class:`~zbpp_lite.runtime.stages.StagedModel` (its ``stage_aux``, stage count).
+        placement: ``placement[stage]``, the rank holding it.
+    """
+
+    def __init__(self, model: Any, placement: Sequence[int]):
+        self.model, self.placement = model, placement
+        self.spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
+        self.spares_for: Any = None  # the microbatch shape the spares have
+
+    def handler(self, kind: str) -> Callable:
+        """F: :meth:`forward`, B: :meth:`backward_input`, W: :meth:`backward_weight`, BW:
+        :meth:`backward_fused`."""
+        return getattr(self, _HANDLERS[kind])
+
+    def _spare(self, kind: str, stage: int) -> Any:
+        spares = self.spares.get((kind, stage))
+        return spares.pop() if spares else None
+
+    def _keep_spare(self, kind: str, stage: int, arrays: tuple) -> None:
+        self.spares.setdefault((kind, stage), []).append(arrays)
+
+    def forward(self, step: Step, a: Action, x: Any) -> Done:
+        s, j, rank = a.stage, a.microbatch, self.placement[a.stage]
+        last = s == self.model.num_stages - 1
+        key = step.keys[s][j] if step.keys else None
+        aux = self.model.stage_aux(s, step.labels[j] if last else None, key)
+        y, res, kept = step.splits[s].flat.forward(step.params[s], x, aux, self._spare("res", s))
+        step.hold(rank, ("res", s, j), res)
+        step.hold(rank, ("kept", s, j), kept)
+        if last:
+            step.losses[j] = y
+        return Done((y, res, kept), None if last else y)
+
+    def backward_input(self, step: Step, a: Action, dy: Any) -> Done:
+        s, j, rank = a.stage, a.microbatch, self.placement[a.stage]
+        res = step.release(rank, ("res", s, j))
+        dx, grads_out = step.splits[s].flat.backward_input(step.params[s], res, dy, self._spare("grads", s))
+        step.hold(rank, ("grads", s, j), grads_out)
+        self._keep_spare("res", s, res)
+        return Done((dx, grads_out), dx if s else None)
+
+    def warm(self, flat: Any, params: tuple, x: Any, aux: Any, kinds: set, device: Any) -> tuple | None:
+        """Compile a stage's jitted F and the backwards in ``kinds`` as the handlers call them (``flat``:
+        its FlatStage; ``x``, ``aux``: one microbatch's, on its ``device``): each twice, new memory then a
+        spare's, ``spare=None`` passed as the handlers pass it (jit keys its cache on the call's
+        arguments: an omitted default compiles anew). Returns its (M_B, M_W) bytes
+        (:func:`~zbpp_lite.runtime.memory.stage_bytes`) if it runs B or W, else None."""
+        _, res, _ = flat.forward(params, x, aux, None)
+        out, res, kept = flat.forward(params, x, aux, res)
+        dy = jax.device_put(jax.tree_util.tree_map(lambda a: np.ones(np.shape(a), a.dtype), out), device)
+        if "BW" in kinds:  # twice, as W: a stage's first (no sum yet), then the rest
+            acc = flat.backward_fused(params, res, kept, dy, None)[1]
+            jax.block_until_ready(flat.backward_fused(params, res, kept, dy, acc))
+        if "B" not in kinds and "W" not in kinds:
+            return None
+        _, grads_out = flat.backward_input(params, res, dy, None)
+        _, grads_out = flat.backward_input(params, res, dy, grads_out)
+        acc = flat.backward_weight(params, kept, grads_out, None)
+        jax.block_until_ready(flat.backward_weight(params, kept, grads_out, acc))
+        return stage_bytes(res, kept, grads_out)
+
+    def backward_weight(self, step: Step, a: Action) -> Done:
+        s, j, rank = a.stage, a.microbatch, self.placement[a.stage]
+        kept, grads_out = (step.release(rank, (what, s, j)) for what in ("kept", "grads"))
+        step.acc[s] = step.splits[s].flat.backward_weight(step.params[s], kept, grads_out, step.acc[s])
+        self._keep_spare("grads", s, grads_out)
+        return Done(step.acc[s])
+
+    def backward_fused(self, step: Step, a: Action, dy: Any) -> Done:
+        s, j, rank = a.stage, a.microbatch, self.placement[a.stage]
+        res, kept = (step.release(rank, (what, s, j)) for what in ("res", "kept"))
+        dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, dy, step.acc[s])
+        self._keep_spare("res", s, res)
+        return Done((dx, step.acc[s]), dx if s else None)
+
+
 def placed(tree: Any, device) -> Any:
     """``tree`` on ``device``, without a ``device_put`` when every leaf is already there."""
     sharding = jax.sharding.SingleDeviceSharding(device)
@@ -121,29 +235,79 @@ def placed(tree: Any, device) -> Any:
     return jax.device_put(tree, device)
 
 
-class Route(NamedTuple):
-    """A (kind, stage)'s handler, the key of what it takes from another stage (microbatch 0) or None, the
-    kind of key it makes for another stage or None, and whether that stage is on its own rank."""
+class Binding(NamedTuple):
+    """What a (kind, stage)'s compute handler (:meth:`Compute.handler`) takes and makes: the key of what it
+    takes from another stage (microbatch 0) or None, the kind of key it makes for another stage or None,
+    and whether that stage is on its own rank (lowering's :class:`~zbpp_lite.schedules.program.Route`
+    seen from the handler, with the batch and the seed as what stages -1 and S make)."""
 
-    handler: Callable
     takes: Key | None
     makes: str | None
     here: bool
 
 
-def route(handler: Callable, kind: str, stage: int, placement: Sequence[int]) -> Route:
+def bind(kind: str, stage: int, placement: Sequence[int]) -> Binding:
     """What an action of ``kind`` on ``stage`` takes from another stage: F the activation of stage s-1,
     B and BW the input gradient of stage s+1 (stage -1 and S: the batch and the seed), W nothing; and
     what it makes for one (:func:`~zbpp_lite.schedules.program.producer_stage`,
     :func:`~zbpp_lite.schedules.program.consumer_stage`)."""
     if kind == "W":
-        return Route(handler, None, None, False)
+        return Binding(None, None, False)
     makes = "F" if kind == "F" else "B"
     takes = Key(makes, producer_stage(makes, stage), 0)
     consumer = consumer_stage(makes, stage)
     if not 0 <= consumer < len(placement):
-        return Route(handler, takes, None, False)
-    return Route(handler, takes, makes, placement[consumer] == placement[stage])
+        return Binding(takes, None, False)
+    return Binding(takes, makes, placement[consumer] == placement[stage])
+
+
+class RankUpdate(Protocol):
+    """The optimizer the rank threads step (:meth:`PipelineExecutor.run_steps`), through the optimizer's
+    instructions of the lowered program (:func:`~zbpp_lite.schedules.program.optimizer_instructions`;
+    Qi et al., arXiv 2401.10241, section 4). In rank ``rank``'s thread, for step ``k`` of the call:
+
+    - ``stage_params(stage)`` before the rank's first instruction of every step (and of a redone
+      warm-up): the stage's parameters, a tuple of leaves on its device;
+    - ``norm(rank, k, grads, got) -> {OptimizerMessage: value}`` at ``NORM``: what the rank's sends of
+      the norm carry (``got``: the messages the rank made or received in this step so far);
+    - ``step(rank, k, grads, got)`` at ``STEP``;
+    - ``validate(rank, got)`` at ``VALIDATE`` (``got`` holds the full norm) and ``rollback(rank) ->
+      bool`` at ``ROLLBACK``: True makes every rank redo its work since the step began.
+
+    ``grads`` maps each of the rank's stages to its gradient sums (tuple of leaves on its device, float32
+    for float32 and bfloat16 parameters: :func:`~zbpp_lite.runtime.split.sum_dtype`) of the global-batch
+    mean loss, each tied copy holding its tie's whole gradient (:class:`TieSum`). ``policy`` (one of
+    :data:`~zbpp_lite.schedules.program.POLICIES`) and ``speculative`` choose the instructions;
+    ``begin(num_steps)``, if it has one, runs once before the threads start.
+    """
+
+    policy: str
+    speculative: bool
+
+    def stage_params(self, stage: int) -> tuple: ...
+
+    def norm(self, rank: int, k: int, grads: dict, got: dict) -> dict: ...
+
+    def step(self, rank: int, k: int, grads: dict, got: dict) -> None: ...
+
+    def validate(self, rank: int, got: dict) -> None: ...
+
+    def rollback(self, rank: int) -> bool: ...
+
+
+def redo(step: Step, rank: int, stages: list) -> None:
+    """Reset ``rank``'s share of ``step`` for a redo after a rollback (its events kept as ``discarded``,
+    its later sends made as a new attempt, its stages' parameters the rolled-back ones)."""
+    step.attempts[rank] = step.attempts.get(rank, 0) + 1
+    step.out.update((k, v) for k, v in step.given.items() if consumer_stage(k.kind, k.stage) in stages)
+    for key in [key for key in step.store if key[1] in stages]:
+        step.release(rank, key)
+    step.memory.settle(rank, time.perf_counter() - step.t0)
+    with step.lock:
+        step.discarded += [e for e in step.events if e.rank == rank]
+        step.events[:] = [e for e in step.events if e.rank != rank]
+    for s in stages:
+        step.params[s] = step.update.stage_params(s)
 
 
 def waiters(program: Program) -> dict:

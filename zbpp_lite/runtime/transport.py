@@ -2,9 +2,10 @@
 
 Records crossing between ranks: :class:`Transfer` ``(kind, stage, microbatch, attempt)``, an activation
 ("F", for stage s+1) or input gradient ("B", for s-1) as :func:`~zbpp_lite.schedules.ir.produces` names
-it (attempt 1 once a speculative warm-up was redone); :class:`OptimizerMessage` ``(tag, sender)``, a host
-value from an optimizer step (e.g. ``("FULL", p-1)``). Across processes a record is JSON
-(:func:`to_wire` / :func:`from_wire`). :class:`Inbox` is where a rank's inputs wait.
+it (attempt 1 once a speculative warm-up was redone); the program's
+:class:`~zbpp_lite.schedules.program.OptimizerMessage` ``(tag, sender)``, a host value from an optimizer
+step (e.g. ``("FULL", p-1)``). Across processes a record is JSON (:func:`to_wire` / :func:`from_wire`).
+:class:`Inbox` is where a rank's inputs wait.
 
 The rank loop's ``Send`` and ``Recv`` instructions (:mod:`zbpp_lite.schedules.program`) call a
 :class:`Transport`: ``send(step, rank, key, value)`` never waits, ``recv(step, rank, key, timeout)`` waits
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Protocol, Sequence, Union
+from typing import Any, NamedTuple, Protocol, Sequence, Union
 
 from ..schedules.ir import Key
-from ..schedules.program import consumer_stage
+from ..schedules.program import OptimizerMessage, consumer_stage
 
 
 class Transfer(NamedTuple):
@@ -42,13 +43,6 @@ class Transfer(NamedTuple):
     def consumer(self) -> int:
         """The stage that takes it (:func:`~zbpp_lite.schedules.program.consumer_stage`)."""
         return consumer_stage(self.kind, self.stage)
-
-
-class OptimizerMessage(NamedTuple):
-    """A value an optimizer step in the rank loop sends (``tag``: "NORM", "PARTIAL", "FULL", ...)."""
-
-    tag: str
-    sender: int
 
 
 InboxKey = Union[Key, OptimizerMessage]
@@ -92,14 +86,6 @@ class Aborted(Exception):
     """Another rank failed; this one stops waiting."""
 
 
-class Interrupted(Exception):
-    """A speculative wait cut short: the verdict arrived (``newer`` False) or a sender redoes the step."""
-
-    def __init__(self, newer: bool):
-        super().__init__()
-        self.newer = newer
-
-
 class Inbox:
     """What other ranks sent one rank in one step, keyed by :class:`~zbpp_lite.schedules.ir.Key` or
     :class:`OptimizerMessage`, with attempts (a take drops older ones); one condition per rank."""
@@ -114,25 +100,20 @@ class Inbox:
                 self.items[key] = (attempt, value)
             self.cond.notify_all()
 
-    def take(self, key: InboxKey, timeout: float, attempt: int = 0,
-             interrupt: Callable[[], bool] | None = None) -> Any:
-        """The value sent under ``key`` in ``attempt``; raises :class:`Interrupted` once ``interrupt()`` is
-        true or a later attempt's is there, :class:`Aborted`, or TimeoutError (no message) after
-        ``timeout`` s."""
+    def take(self, key: InboxKey, timeout: float, attempt: int = 0) -> Any:
+        """The value sent under ``key`` in ``attempt`` (a later attempt's is read and left for that
+        attempt: its sender redid the step after a rollback, which this rank then redoes too);
+        raises :class:`Aborted`, or TimeoutError (no message) after ``timeout`` s."""
         deadline = time.perf_counter() + timeout
         with self.cond:
             while True:
                 if key in self.items:
                     got, value = self.items[key]
-                    if got == attempt:
-                        del self.items[key]
+                    if got > attempt:
                         return value
-                    if got < attempt:
-                        del self.items[key]  # computed before the step was redone: stale
-                    elif interrupt is not None:
-                        raise Interrupted(newer=True)
-                if interrupt is not None and interrupt():
-                    raise Interrupted(newer=False)
+                    del self.items[key]  # taken; or computed before the step was redone: stale
+                    if got == attempt:
+                        return value
                 if self.abort.is_set():
                     raise Aborted()
                 left = deadline - time.perf_counter()
@@ -158,14 +139,10 @@ class Transport(Protocol):
     def send(self, step: int, rank: int, key: Transfer | OptimizerMessage, value: Any) -> None:
         """``value`` under ``key`` for rank ``rank`` in step ``step``; never waits for the receiver."""
 
-    def recv(self, step: int, rank: int, key: Transfer | OptimizerMessage, timeout: float,
-             interrupt: Callable[[], bool] | None = None) -> Any:
+    def recv(self, step: int, rank: int, key: Transfer | OptimizerMessage, timeout: float) -> Any:
         """What was sent to ``rank`` under ``key`` in ``step`` (arrays, a pytree's leaves as a list from
-        another process); raises TimeoutError after ``timeout`` s, :class:`Aborted` after :meth:`abort`,
-        :class:`Interrupted` as :meth:`Inbox.take`."""
-
-    def arrived(self, step: int, rank: int, key: OptimizerMessage) -> bool:
-        """Whether ``key`` waits in rank ``rank``'s inbox of ``step`` (post-validation's verdict)."""
+        another process; a later attempt's as :meth:`Inbox.take`); raises TimeoutError after ``timeout``
+        s, :class:`Aborted` after :meth:`abort`."""
 
     def abort(self) -> None:
         """Another rank failed: every ``recv`` of the steps started raises :class:`Aborted`."""
@@ -208,13 +185,9 @@ class Threads:
         inbox_key, attempt = _split(key)
         self._box(step, rank).put(inbox_key, value, attempt)
 
-    def recv(self, step: int, rank: int, key: Transfer | OptimizerMessage, timeout: float,
-             interrupt: Callable[[], bool] | None = None) -> Any:
+    def recv(self, step: int, rank: int, key: Transfer | OptimizerMessage, timeout: float) -> Any:
         inbox_key, attempt = _split(key)
-        return self._box(step, rank).take(inbox_key, timeout, attempt, interrupt)
-
-    def arrived(self, step: int, rank: int, key: OptimizerMessage) -> bool:
-        return key in self._box(step, rank).items
+        return self._box(step, rank).take(inbox_key, timeout, attempt)
 
     def abort(self) -> None:
         self._abort.set()

@@ -19,9 +19,17 @@ PyTorch's lowering places them) times the same. With those places the program de
 the schedule does (:func:`zbpp_lite.validate` checks a program, :func:`zbpp_lite.simulate`
 times one, T_comm from each send to its receive).
 
+Where a run steps the optimizer in the rank loop, :func:`lower` with ``optimizer=`` writes its
+instructions too (:class:`Optimize` and sends and receives of an :class:`OptimizerMessage`, placed by
+:func:`optimizer_instructions`): each rank's gradient norm (``NORM``), the norms exchanged, its stages
+stepped (``STEP``) and, with post-validation (arXiv 2401.10241 section 4), the previous step checked
+against the full reduction (``VALIDATE``) and undone and redone if wrong (``ROLLBACK``).
+
 Text form (PyTorch's): a send names the producing stage, ``"0SEND_F3"`` (stage 0's activation of
 microbatch 3); a receive the consuming stage, ``"1RECV_F3"`` (stage 1 receives it). PyTorch's
-bookkeeping cells (``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) read as nothing.
+bookkeeping cells (``UNSHARD``, ``RESHARD``, ``REDUCE_GRAD``) read as nothing. The optimizer's have no
+PyTorch form: ``"STEP"``, ``"SEND_PARTIAL0>1"`` (rank 0's partial norm to rank 1), ``"RECV_FULL1<"``
+(the full norm rank 1 sent in the previous step).
 """
 
 from __future__ import annotations
@@ -64,15 +72,66 @@ def destination(key: Key, placement: Sequence[int]) -> int | None:
     return placement[stage]
 
 
+class OptimizerMessage(NamedTuple):
+    """A host value the optimizer's instructions send (``tag``: "NORM" a rank's squared norm and NaN flag,
+    "PARTIAL" the sum over ranks 0 .. ``sender``, "FULL" the sum over all, ``TIE<t>`` a tie's gradient
+    sum) from rank ``sender``."""
+
+    tag: str
+    sender: int
+
+
+OPTIMIZER_OPS = ("NORM", "STEP", "VALIDATE", "ROLLBACK")
+"""What :class:`Optimize` does, in a step's order (module docstring)."""
+
+POLICIES = ("plain", "synchronous", "post-validation")
+"""How the optimizer's step is guarded (:func:`optimizer_instructions`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Optimize:
+    """An optimizer instruction of its rank (:data:`OPTIMIZER_OPS`): ``NORM`` the squared norm and NaN
+    flag of its stages' gradients (added to the partial reduction received, with post-validation);
+    ``STEP`` AdamW on its stages (post-validation: speculatively, unclipped; synchronous: clipped by the
+    global norm, skipped on NaN); ``VALIDATE`` the previous step's speculative step checked against the
+    full reduction; ``ROLLBACK`` undone and redone clipped if that check failed, and the rank's share of
+    this step so far redone if any rank's did (arXiv 2401.10241 section 4). On a timeline its
+    ``kind`` is ``op`` and its ``stage`` -1 (no stage: no memory)."""
+
+    op: str
+
+    def __post_init__(self) -> None:
+        if self.op not in OPTIMIZER_OPS:
+            raise ValueError(f"unknown optimizer instruction {self.op!r}; expected one of {OPTIMIZER_OPS}")
+
+    @property
+    def kind(self) -> str:
+        return self.op
+
+    @property
+    def stage(self) -> int:
+        return -1
+
+    def __str__(self) -> str:
+        return self.op
+
+    @property
+    def text(self) -> str:
+        return self.op
+
+
 @dataclass(frozen=True, slots=True)
 class Send:
     """PyTorch's ``SEND_F`` / ``SEND_B``: the rank sends ``key``'s value (kind "F" activation or "B" input
-    gradient, of the producing stage and microbatch) to rank ``peer``; never waits."""
+    gradient, of the producing stage and microbatch; or an :class:`OptimizerMessage`) to rank ``peer``;
+    never waits."""
 
-    key: Key
+    key: Key | OptimizerMessage
     peer: int
 
     def __str__(self) -> str:
+        if type(self.key) is OptimizerMessage:
+            return f"SEND_{self.key.tag}{self.key.sender}>{self.peer}"
         return f"{self.key[1]}SEND_{self.key[0]}{self.key[2]}"
 
     @property
@@ -84,12 +143,17 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class Recv:
     """PyTorch's ``RECV_F`` / ``RECV_B``: the rank receives ``key``'s value (the sender's key) from rank
-    ``peer``; waits until that send has run. ``str()`` names the consuming stage, as PyTorch does."""
+    ``peer``; waits until that send has run. ``str()`` names the consuming stage, as PyTorch does.
+    ``earlier``: 1 for a value sent in the previous step (post-validation's full norm; none before the
+    first step), else 0."""
 
-    key: Key
+    key: Key | OptimizerMessage
     peer: int
+    earlier: int = 0
 
     def __str__(self) -> str:
+        if type(self.key) is OptimizerMessage:
+            return f"RECV_{self.key.tag}{self.key.sender}{'<' * self.earlier}"
         kind, stage, microbatch = self.key
         return f"{consumer_stage(kind, stage)}RECV_{kind}{microbatch}"
 
@@ -99,8 +163,9 @@ class Recv:
         return str(self)
 
 
-Instruction = Union[Action, Overlap, Send, Recv]
-"""One step of a rank's program: a compute entry, a :class:`Send` or a :class:`Recv`."""
+Instruction = Union[Action, Overlap, Send, Recv, Optimize]
+"""One step of a rank's program: a compute entry, a :class:`Send`, a :class:`Recv` or an
+:class:`Optimize`."""
 
 COMMS = (Send, Recv)
 """The transfer instructions' types (``isinstance(x, COMMS)``)."""
@@ -136,7 +201,7 @@ class Program:
 
     def schedule(self) -> Schedule:
         """The compute entries alone, as a :class:`~zbpp_lite.schedules.ir.Schedule`."""
-        rows = tuple(tuple(x for x in row if not isinstance(x, COMMS)) for row in self.instructions)
+        rows = tuple(tuple(x for x in row if isinstance(x, (Action, Overlap))) for row in self.instructions)
         return Schedule(rows, self.placement, self.num_microbatches, self.name)
 
     def to_rows(self) -> list[list[str]]:
@@ -187,7 +252,7 @@ class Program:
 def _cell(cell) -> list:
     """One cell -> [a compute entry], [a Send or Recv], [(stage, "SEND"|"RECV", kind, microbatch)] read
     from text (peers need the placement), or [] (idle, bookkeeping)."""
-    if isinstance(cell, (*COMMS, tuple)):
+    if isinstance(cell, (*COMMS, Optimize, tuple)):
         return [cell]
     match = _COMM.match(cell) if isinstance(cell, str) else None
     return [match.groups()] if match else _parse_cell(cell)
@@ -238,11 +303,12 @@ def routes(placement: Sequence[int]) -> dict[tuple[str, int], Route]:
     return table
 
 
-def lower(schedule: Schedule) -> Program:
+def lower(schedule: Schedule, optimizer: str | None = None, speculative: bool = True) -> Program:
     """The schedule's program: each rank's entries in order, a :class:`Recv` right before the entry for
     each value it needs from another rank and a :class:`Send` right after it for each value another rank
-    needs (module docstring). Assumes every action's stage exists (:func:`zbpp_lite.validate` first
-    for a schedule of unknown origin); raises KeyError otherwise."""
+    needs (module docstring); with ``optimizer`` (one of :data:`POLICIES`) the optimizer's instructions
+    too (:func:`optimizer_instructions`). Assumes every action's stage exists (:func:`zbpp_lite.validate`
+    first for a schedule of unknown origin); raises KeyError otherwise, ValueError for an unknown policy."""
     table = routes(schedule.placement)
     rows = []
     for row in schedule.actions:
@@ -258,4 +324,95 @@ def lower(schedule: Schedule) -> Program:
                 for kind, stage, to in route.sends:
                     out.append(Send(_key((kind, stage, j)), to))
         rows.append(tuple(out))
-    return Program(tuple(rows), schedule.placement, schedule.num_microbatches, schedule.name)
+    program = Program(tuple(rows), schedule.placement, schedule.num_microbatches, schedule.name)
+    return program if optimizer is None else optimizer_instructions(program, optimizer, speculative)
+
+
+def optimizer_instructions(program: Program, policy: str, speculative: bool = True) -> Program:
+    """``program`` with the optimizer step of ``policy`` written out (arXiv 2401.10241 section 4), after
+    each rank's last instruction unless said otherwise:
+
+    - ``"plain"``: ``STEP``;
+    - ``"synchronous"``: ``NORM``, a ``NORM`` message to every other rank, theirs received, ``STEP``
+      (clipped by the global norm; every rank waits for the slowest);
+    - ``"post-validation"``: the partial reduction received from rank r-1 (not on rank 0), ``NORM``
+      added to it, sent on to rank r+1 (the last rank sends the ``FULL`` reduction to every other
+      rank), ``STEP`` at once; and, for the previous step, ``FULL`` received (``earlier=1``),
+      ``VALIDATE`` and ``ROLLBACK``: first on the last rank (its own reduction) and with
+      ``speculative=False``, else before the rank's first backward and its receives, the F's before
+      it running speculatively on the unvalidated parameters (earlier where a receive there would wait
+      for a send after its sender's check: :func:`_speculation_ends`).
+
+    Raises:
+        ValueError: an unknown policy, or a program that already has optimizer instructions.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"optimizer must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if any(type(x) is Optimize for row in program.instructions for x in row):
+        raise ValueError("the program already has optimizer instructions")
+    p, last = program.num_ranks, program.num_ranks - 1
+    heads = _speculation_ends(program.instructions) if policy == "post-validation" and speculative \
+        else [0] * p
+    rows = []
+    for r, (row, at) in enumerate(zip(program.instructions, heads)):
+        others = [q for q in range(p) if q != r]
+        if policy == "plain":
+            rows.append((*row, Optimize("STEP")))
+        elif policy == "synchronous":
+            rows.append((*row, Optimize("NORM"), *(Send(OptimizerMessage("NORM", r), q) for q in others),
+                         *(Recv(OptimizerMessage("NORM", q), q) for q in others), Optimize("STEP")))
+        else:
+            head = [Recv(OptimizerMessage("FULL", last), last, earlier=1)] if r < last else []
+            tail = [Recv(OptimizerMessage("PARTIAL", r - 1), r - 1)] if r else []
+            tail.append(Optimize("NORM"))
+            tail += [Send(OptimizerMessage("PARTIAL", r), r + 1)] if r < last else \
+                [Send(OptimizerMessage("FULL", r), q) for q in others]
+            rows.append((*row[:at], *head, Optimize("VALIDATE"), Optimize("ROLLBACK"), *row[at:], *tail,
+                         Optimize("STEP")))
+    return Program(tuple(rows), program.placement, program.num_microbatches, program.name)
+
+
+def _group_start(row: Sequence[Instruction], i: int) -> int:
+    """``i`` moved back over the receives right before it (an entry's, placed before it)."""
+    while i and type(row[i - 1]) is Recv:
+        i -= 1
+    return i
+
+
+def _speculation_ends(rows: Sequence[Sequence[Instruction]]) -> list[int]:
+    """Per rank, where post-validation's check goes in its compute and transfers: before its first entry
+    with a backward part, the last rank (the full norm's) at 0, and before any receive whose send comes
+    after its sender's check, moved earlier until none does (a rollback redoes every rank's work since
+    its check, and a send after the check is made only by the redo: a rank waiting for it before its own
+    check would wait for ever)."""
+    ends = []
+    for row in rows[:-1]:
+        firsts = [i for i, x in enumerate(row) if isinstance(x, (Action, Overlap)) and any(
+            a.kind != "F" for a in (x.parts if type(x) is Overlap else (x,)))]
+        ends.append(_group_start(row, firsts[0]) if firsts else len(row))
+    ends.append(0)
+    sent = {x.key: (r, i) for r, row in enumerate(rows) for i, x in enumerate(row) if type(x) is Send}
+    moved = True
+    while moved:
+        moved = False
+        for r, row in enumerate(rows):
+            late = [i for i, x in enumerate(row[:ends[r]]) if type(x) is Recv
+                    and sent[x.key][1] >= ends[sent[x.key][0]]]
+            if late:
+                ends[r], moved = _group_start(row, late[0]), True
+    return ends
+
+
+def optimizer_places(row: Sequence[Instruction]) -> tuple[slice, int]:
+    """Where a rank's optimizer instructions sit in its ``row``: the slice of the previous step's
+    validation (its full norm received, ``VALIDATE``, ``ROLLBACK``; empty if none) and the index its
+    own step's optimizer instructions start at (after its last compute and transfer; ``len(row)`` if
+    none)."""
+    at = row.index(Optimize("VALIDATE")) if Optimize("VALIDATE") in row else 0
+    start = at - 1 if at and type(row[at - 1]) is Recv and row[at - 1].earlier else at
+    head = slice(start, at + 2) if Optimize("VALIDATE") in row else slice(0, 0)
+    end = len(row)
+    while end > head.stop and (type(row[end - 1]) is Optimize or (
+            isinstance(row[end - 1], COMMS) and type(row[end - 1].key) is OptimizerMessage)):
+        end -= 1
+    return head, end

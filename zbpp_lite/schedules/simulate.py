@@ -3,7 +3,9 @@
 Event-driven over the lowered program (:mod:`.program`; arXiv 2401.10241 section 3's cost model): a send
 leaves when the compute making its value ends, its receive has the value T_comm later, and a rank's head
 compute starts once the rank is free, what it needs from its own rank has ended and what it needs from
-others has been received. An overlapped pair F&B starts once
+others has been received; the optimizer's instructions (:class:`~zbpp_lite.schedules.program.Optimize`)
+are instants once the rank is free and its optimizer messages received (their sends at the sender's
+instant; T_comm is the activations'). An overlapped pair F&B starts once
 both inputs are there, lasts T_F&B and hands both outputs on at its end (arXiv 2412.19437 section 3.2.1);
 on the timeline it is two back-to-back events splitting T_F&B in proportion to its parts' times.
 """
@@ -15,7 +17,8 @@ import sys
 
 from .costs import Costs, CostTable
 from .ir import Entry, Key, Overlap, Schedule, parts, produces
-from .program import Program, Recv, Send, consumer_stage, destination, lower, routes
+from .program import (Optimize, OptimizerMessage, Program, Recv, Send, consumer_stage, destination, lower,
+    routes)
 from .timeline import Event, Timeline
 from .validate import ScheduleError, checked_order, checked_program, describe, execution_order, step_keys
 
@@ -136,14 +139,23 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
     free = [0.0] * program.num_ranks
     events = []
     rows = program.instructions
+    sent: dict = {}  # (optimizer message, receiving rank) -> when sent
     for rank, step in order:
         x = rows[rank][step]
         what = type(x)
         if what is Recv:
+            if type(x.key) is OptimizerMessage:  # blocks; a previous step's message is there (0.0)
+                free[rank] = max(free[rank], 0.0 if x.earlier else sent[x.key, rank])
+                continue
             kind, stage, j = x.key
             finish, arrive = ends[kind, stage]
             arrive[j] = finish[j] + delay[kind, stage]
-        elif what is not Send:
+        elif what is Send:
+            if type(x.key) is OptimizerMessage:
+                sent[x.key, x.peer] = free[rank]
+        elif what is Optimize:  # no cost in the cost model: an instant on the rank's timeline
+            events.append(Event(rank, x, free[rank], free[rank]))
+        else:
             start = free[rank]
             actions = x.parts if what is Overlap else (x,)
             for a in actions:

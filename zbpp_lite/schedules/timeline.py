@@ -19,7 +19,9 @@ from .memory import MeasuredMemory
 
 @dataclass(frozen=True)
 class Event:
-    """``rank`` ran ``action`` from ``start`` to ``end`` (unit of the costs; seconds when measured)."""
+    """``rank`` ran ``action`` from ``start`` to ``end`` (unit of the costs; seconds when measured); in a
+    simulated program's timeline also an optimizer instruction
+    (:class:`~zbpp_lite.schedules.program.Optimize`: stage -1, no memory)."""
 
     rank: int
     action: Action
@@ -96,7 +98,7 @@ class Timeline:
             mem = peak = 0.0
             rank_gaps = []
             for prev, e in zip([None, *row], row):
-                mem += table.memory_delta(e.action.kind, e.action.stage)
+                mem += table.memory_delta(e.action.kind, e.action.stage) if e.action.stage >= 0 else 0.0
                 peak = max(peak, mem)
                 if prev is not None and e.start - prev.end > gap_tolerance:
                     rank_gaps.append((prev.end, e.start))
@@ -158,6 +160,8 @@ class Timeline:
         table = costs.table(stages) if isinstance(costs, Costs) else costs
         changes = []
         for e in self.rank_events(rank):
+            if e.action.stage < 0:  # an optimizer instruction: no activation memory
+                continue
             delta = table.memory_delta(e.action.kind, e.action.stage)
             changes.append((e.start if delta > 0 else e.end, delta, e.action.stage))
         changes.sort(key=lambda c: (c[0], c[1]))

@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Union
 
 from .ir import KINDS, Action, Entry, Key, Overlap, Schedule, deps, parts, produces
-from .program import COMMS, Instruction, Program, Recv, Send, consumer_stage, destination, lower
+from .program import (COMMS, Instruction, Optimize, OptimizerMessage, Program, Recv, Send, consumer_stage,
+    destination, lower)
 
 
 class ScheduleError(ValueError):
@@ -30,6 +31,13 @@ class ScheduleError(ValueError):
 def describe(action: Instruction) -> str:
     """``B(stage 1, microbatch 3) [1B3]``: readable and in our text form (a pair: both parts; a transfer:
     what, between which ranks)."""
+    if type(action) is Optimize:
+        return f"the optimizer's {action.op} [{action.text}]"
+    if isinstance(action, COMMS) and type(action.key) is OptimizerMessage:
+        way = f"to rank {action.peer}" if isinstance(action, Send) else f"from rank {action.peer}"
+        when = " of the previous step" if getattr(action, "earlier", 0) else ""
+        return (f"{type(action).__name__.upper()} of the optimizer's {action.key.tag} message{when} {way} "
+                f"[{action.text}]")
     if isinstance(action, COMMS):
         kind, stage, j = action.key
         what = f"{'activation' if kind == 'F' else 'input gradient'} of stage {stage}, microbatch {j}"
@@ -239,32 +247,36 @@ def _round_robin(rows: tuple, advance, stuck) -> list[tuple[int, int]]:
     return order
 
 
-def _program_order(program: Program) -> list[tuple[int, int]]:
-    """:func:`execution_order` of a program's instructions."""
-    sent: set[Key] = set()
+def _program_order(program: Program, steps: int = 1) -> list[tuple[int, int]]:
+    """:func:`execution_order` of a program's instructions, over ``steps`` steps run back to back (a
+    receive with ``earlier`` waits for its send that many steps before; none before the first step):
+    entries (rank, index into the rank's instructions repeated ``steps`` times)."""
+    rows = tuple(row * steps for row in program.instructions)
+    sent: set[tuple] = set()
 
     def advance(rank: int, row: tuple, i: int, order: list) -> int:
+        width = len(program.instructions[rank])
         while i < len(row):
             x = row[i]
             if type(x) is Recv:
-                if x.key not in sent:
+                step = i // width - x.earlier
+                if step >= 0 and (step, x.key, rank) not in sent:
                     break
             elif type(x) is Send:
-                sent.add(x.key)
+                sent.add((i // width, x.key, x.peer))
             order.append((rank, i))
             i += 1
         return i
 
-    return _round_robin(program.instructions, advance, lambda cursor: _program_stuck(program, cursor))
+    return _round_robin(rows, advance, lambda cursor: _program_stuck(rows, cursor))
 
 
-def _program_stuck(program: Program, cursor: list[int]) -> None:
+def _program_stuck(rows: tuple, cursor: list[int]) -> None:
     """Raise the one-line deadlock error of a program whose ranks all wait (the first stuck rank's)."""
-    rows = program.instructions
     rank = next(r for r in range(len(rows)) if cursor[r] < len(rows[r]))
     x = rows[rank][cursor[rank]]
     peer = x.peer
-    sends = [i for i, y in enumerate(rows[peer]) if type(y) is Send and y.key == x.key]
+    sends = [i for i, y in enumerate(rows[peer]) if type(y) is Send and y.key == x.key and y.peer == rank]
     if not sends:
         message = f"{describe(x)} waits for a send rank {peer} never makes"
         rule = "every receive has its send"
@@ -278,23 +290,29 @@ def _program_stuck(program: Program, cursor: list[int]) -> None:
 
 def _check_transfers(program: Program) -> None:
     """Every send and receive carries an F or B value between the ranks the placement names (F's to the
-    next stage's rank, B's to the previous', :func:`~zbpp_lite.schedules.program.consumer_stage`), a
-    send comes after the compute making its value, a compute after the receive of each value from another
-    rank, and every send has one receive and every receive one send."""
+    next stage's rank, B's to the previous', :func:`~zbpp_lite.schedules.program.consumer_stage`), or an
+    optimizer's message from its sender after its ``NORM`` (:func:`_check_optimizer`); a send comes after
+    the compute making its value, a compute after the receive of each value from another rank, and every
+    send has one receive and every receive one send (per receiving rank)."""
     S, placement = program.num_stages, program.placement
-    seen: dict[tuple[type, Key], tuple[int, int]] = {}
+    seen: dict[tuple[type, Key | OptimizerMessage, int], tuple[int, int]] = {}
     for rank, row in enumerate(program.instructions):
-        made: set[Key] = set()
+        made: set = set()
         got: set[Key] = set()
         for step, x in enumerate(row):
-            if isinstance(x, COMMS):
+            if type(x) is Optimize or (isinstance(x, COMMS) and type(x.key) is OptimizerMessage):
+                _check_optimizer(program, x, rank, step, made)
+            elif isinstance(x, COMMS):
                 _check_route(program, x, rank, step, made)
-                if (type(x), x.key) in seen:
-                    r0, s0 = seen[type(x), x.key]
+            if isinstance(x, COMMS):
+                mark = (type(x), x.key, x.peer if type(x) is Send else rank)
+                if mark in seen:
+                    r0, s0 = seen[mark]
                     _fail_line(f"{describe(x)} repeats rank {r0}'s step {s0}; rule: each value is sent and "
                         "received once", rank, step, x)
-                seen[type(x), x.key] = (rank, step)
+                seen[mark] = (rank, step)
                 got.update([x.key] if isinstance(x, Recv) else [])
+            if not isinstance(x, (Action, Overlap)):
                 continue
             for key in deps(x, S):
                 if placement[key[1]] != rank and key not in got:
@@ -302,12 +320,54 @@ def _check_transfers(program: Program) -> None:
                         f"from rank {placement[key[1]]} with no RECV before it; rule: receive before use",
                         rank, step, x)
             made.update(produces(x))
-    for (kind, key), (rank, step) in seen.items():
+    for (kind, key, receiver), (rank, step) in seen.items():
         other = Recv if kind is Send else Send
-        if (other, key) not in seen:
+        if (other, key, receiver) not in seen:
             x = program.instructions[rank][step]
             _fail_line(f"{describe(x)} has no matching {other.__name__.upper()} on rank {x.peer}; rule: "
                 "every send has its receive", rank, step, x)
+
+
+def _check_optimizer(program: Program, x: Instruction, rank: int, step: int, done: set) -> None:
+    """An optimizer instruction (:func:`~zbpp_lite.schedules.program.optimizer_instructions`): each op
+    once per rank, ``ROLLBACK`` right after ``VALIDATE``; a message sent by its sender after its
+    ``NORM``, to another rank, and received from its sender. ``done``: the rank's earlier instructions'
+    results (ops done added here)."""
+    row = program.instructions[rank]
+    if type(x) is Optimize:
+        if x.op in done:
+            _fail_line(f"{describe(x)} comes twice; rule: one of each optimizer instruction a step", rank,
+                step, x)
+        if (x.op == "ROLLBACK") != (step > 0 and row[step - 1] == Optimize("VALIDATE")):
+            _fail_line(f"{describe(x)}: ROLLBACK comes right after VALIDATE, and only there; rule: a failed "
+                "check is undone at once", rank, step, x)
+        done.add(x.op)
+        return
+    sender = rank if type(x) is Send else x.peer
+    if x.key.sender != sender or x.peer == rank or not 0 <= x.peer < program.num_ranks:
+        _fail_line(f"{describe(x)} on rank {rank}: the message is rank {x.key.sender}'s; rule: a message "
+            "goes from its sender to another rank", rank, step, x)
+    if type(x) is Send and "NORM" not in done:
+        _fail_line(f"{describe(x)} comes before the rank's NORM; rule: send a norm after computing it", rank,
+            step, x)
+
+
+def _check_speculation(program: Program) -> None:
+    """Post-validation: what a rank receives before its ``VALIDATE`` is sent before its sender's (a
+    rollback redoes every rank's work since its check, so a send after it is made only by the redo, and
+    a rank waiting for it before its own check would wait for ever)."""
+    rows = program.instructions
+    check = [row.index(Optimize("VALIDATE")) if Optimize("VALIDATE") in row else len(row) for row in rows]
+    sent = {(x.key, x.peer): (r, i) for r, row in enumerate(rows) for i, x in enumerate(row)
+            if type(x) is Send}
+    for rank, row in enumerate(rows):
+        for step, x in enumerate(row[:check[rank]]):
+            if type(x) is Recv and not x.earlier and (x.key, rank) in sent:
+                peer, at = sent[x.key, rank]
+                if at > check[peer]:
+                    _fail_line(f"{describe(x)} comes before the rank's VALIDATE, but rank {peer} sends it "
+                        f"after its own (step {check[peer]}); rule: speculate only on what is sent while "
+                        "speculating", rank, step, x)
 
 
 def _check_route(program: Program, x: Send | Recv, rank: int, step: int, made: set[Key]) -> None:
@@ -364,4 +424,7 @@ def checked_program(lists: Lists) -> tuple[Program, list[tuple[int, int]]]:
     program = lists if isinstance(lists, Program) else lower(schedule)
     if program is lists:
         _check_transfers(program)
+        if any(type(x) is Recv and x.earlier for row in program.instructions for x in row):
+            _program_order(program, steps=2)  # a step waits for the previous one's messages: two in turn
+            _check_speculation(program)
     return program, execution_order(program)

@@ -12,6 +12,10 @@ measured: AdamW per stage, plain, synchronous clip, or post-validated (Qi et al.
   (:func:`~zbpp_lite.training.postval.rollback.adamw_rollback`, algorithm 1) and redoes the step (and
   speculative F's).
 
+Each is a set of instructions of the lowered program
+(:func:`~zbpp_lite.schedules.program.optimizer_instructions`), whose messages the executor carries:
+:class:`StageOptimizer`'s ``norm``, ``step``, ``validate`` and ``rollback`` are what they call.
+
 :func:`synchronous_step` is the host-side reference over all stages at once (norms in float32 per
 leaf, summed in float64): "synchronous" equals it to float32 rounding, "post-validation" within the
 rollback's bound (:func:`~zbpp_lite.training.postval.rollback.rollback_error_bound`): with
@@ -32,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ...runtime.split import sum_dtype
-from ...runtime.transport import OptimizerMessage
+from ...schedules.program import OptimizerMessage
 from ..reference import adamw_step
 from .rollback import AdamWConfig, adamw_rollback
 
@@ -171,10 +175,8 @@ class StageOptimizer:
                              f"got {len(params)}")
         self.executor, self.config, self.policy, self.max_norm = executor, config, policy, max_norm
         self.gradient_filter = gradient_filter
+        # post-validation: the next step's warm-up runs on the unvalidated parameters (RankUpdate)
         self.speculative = bool(speculative) and policy == "post-validation"
-        # the message whose arrival lets validate() run without waiting (RankUpdate): speculative warm-up
-        last = executor.schedule.num_ranks - 1
-        self.verdict_key = OptimizerMessage("FULL", last) if self.speculative else None
         model, schedule = executor.model, executor.schedule
         self.num_ranks = schedule.num_ranks
         opt = config.optimizer()
@@ -223,66 +225,71 @@ class StageOptimizer:
         """Current parameters of the local stages: ``{stage: tuple of leaves}`` (on their devices)."""
         return dict(self._params)
 
-    def step(self, rank: int, k: int, grads: dict, channel) -> None:
+    def norm(self, rank: int, k: int, grads: dict, got: dict) -> dict:
+        """``NORM``: the squared norm and NaN flag of ``rank``'s gradients of step ``k``, as the messages it
+        sends: synchronous ``NORM``; post-validated, added to rank r-1's ``PARTIAL`` (in ``got``) with
+        whether rank 0 stepped (if it did not, a NaN there, no rank did: nothing speculative to redo),
+        as ``PARTIAL`` (``FULL`` on the last rank)."""
         if self.gradient_filter is not None:
             grads = {s: tuple(self.gradient_filter(k, s, g)) for s, g in grads.items()}
-        if self.policy == "plain":
-            for s, g in grads.items():
-                self._apply(s, g, None)
-            return
         sq, finite = self._local_norm(grads)
+        self._pending[rank] = {"grads": grads, "k": k}
         if self.policy == "synchronous":
-            for q in range(self.num_ranks):
-                if q != rank:
-                    channel.send(q, OptimizerMessage("NORM", rank), (sq, finite))
-            shares = {rank: (sq, finite)}
-            for q in range(self.num_ranks):
-                if q != rank:
-                    shares[q] = channel.take(OptimizerMessage("NORM", q), "the synchronous optimizer step")
-            total = sum(shares[q][0] for q in range(self.num_ranks))
-            all_finite = all(shares[q][1] for q in range(self.num_ranks))
-            norm = math.sqrt(total)
-            if all_finite:
-                for s, g in grads.items():
-                    self._apply(s, g, norm)
-            self._report(k, rank, norm, all_finite, partial=None, rolled_back=False)
-            return
-        # post-validation: the partial reduction travels rank 0 -> p-1, with whether rank 0 stepped
-        # (if it did not, a NaN there, no rank did: nothing speculative to redo)
+            return {OptimizerMessage("NORM", rank): (sq, finite)}
         if rank > 0:
-            key = OptimizerMessage("PARTIAL", rank - 1)
-            before, before_finite, first_stepped = channel.take(key, "the partial gradient norm")
+            before, before_finite, first_stepped = got[OptimizerMessage("PARTIAL", rank - 1)]
             sq, finite = before + sq, before_finite and finite
         else:
             first_stepped = finite
-        if rank < self.num_ranks - 1:
-            channel.send(rank + 1, OptimizerMessage("PARTIAL", rank), (sq, finite, first_stepped))
-        else:  # the last rank holds the full reduction: back to every rank
-            for q in range(self.num_ranks):
-                channel.send(q, OptimizerMessage("FULL", rank), (sq, finite, first_stepped))
-        if finite:  # speculative: as if no clipping were needed
+        self._pending[rank].update(stepped=finite, partial=math.sqrt(sq))
+        tag = "PARTIAL" if rank < self.num_ranks - 1 else "FULL"
+        return {OptimizerMessage(tag, rank): (sq, finite, first_stepped)}
+
+    def step(self, rank: int, k: int, grads: dict, got: dict) -> None:
+        """``STEP``: plain, ``grads``; synchronous, clipped by the global norm of every rank's ``NORM`` in
+        ``got`` (skipped on NaN); post-validated, speculatively, as if no clipping were needed."""
+        if self.policy == "plain":
+            if self.gradient_filter is not None:
+                grads = {s: tuple(self.gradient_filter(k, s, g)) for s, g in grads.items()}
             for s, g in grads.items():
                 self._apply(s, g, None)
-        self._pending[rank] = {"grads": grads, "stepped": finite, "partial": math.sqrt(sq), "k": k}
+            return
+        pending = self._pending[rank]
+        if self.policy == "synchronous":
+            shares = [got[OptimizerMessage("NORM", q)] for q in range(self.num_ranks)]
+            total, all_finite = sum(sq for sq, _ in shares), all(ok for _, ok in shares)
+            norm = math.sqrt(total)
+            if all_finite:
+                for s, g in pending["grads"].items():
+                    self._apply(s, g, norm)
+            self._report(k, rank, norm, all_finite, partial=None, rolled_back=False)
+            return
+        if pending["stepped"]:
+            for s, g in pending["grads"].items():
+                self._apply(s, g, None)
 
-    def validate(self, rank: int, k: int, channel) -> bool:
-        """Check ``rank``'s speculative step ``k`` against the full reduction, rolling back and redoing
-        it if wrong. Returns whether any rank's was (then every rank redoes its warm-up of step k+1)."""
-        if self.policy != "post-validation":
-            return False
-        pending = self._pending.pop(rank)
-        key = OptimizerMessage("FULL", self.num_ranks - 1)
-        sq, finite, first_stepped = channel.take(key, "the full gradient norm")
+    def validate(self, rank: int, got: dict) -> None:
+        """``VALIDATE``: check ``rank``'s speculative step against the full reduction (``FULL`` in ``got``)
+        and report it; :meth:`rollback` acts on the verdict."""
+        pending = self._pending[rank]
+        sq, finite, first_stepped = got[OptimizerMessage("FULL", self.num_ranks - 1)]
         norm = math.sqrt(sq)
         needed = not finite or norm >= self.max_norm  # clip, or skip: what no rank assumed
-        wrong = pending["stepped"] and needed
-        if wrong:
+        pending.update(norm=norm, finite=finite, wrong=pending["stepped"] and needed,
+                       redo=first_stepped and needed)
+        self._report(pending["k"], rank, norm, finite, partial=pending["partial"],
+                     rolled_back=pending["wrong"])
+
+    def rollback(self, rank: int) -> bool:
+        """``ROLLBACK``: undo ``rank``'s validated step if it was wrong and redo it clipped (or not at all:
+        a NaN); returns whether any rank's was (then every rank redoes its speculative work since)."""
+        pending = self._pending.pop(rank)
+        if pending["wrong"]:
             for s, g in pending["grads"].items():
                 self._params[s], self._states[s] = self._rollback_fn(self._params[s], self._states[s], g)
-                if finite:
-                    self._apply(s, g, norm)
-        self._report(k, rank, norm, finite, partial=pending["partial"], rolled_back=wrong)
-        return first_stepped and needed
+                if pending["finite"]:
+                    self._apply(s, g, pending["norm"])
+        return pending["redo"]
 
     # ------------------------------------------------------------------ pieces
 
