@@ -175,14 +175,13 @@ class PipelineExecutor:
 
     def run(self, params: Params, x: Any, labels: Any, keys: Any = None,
             update: "RankUpdate | None" = None) -> StepResult:
-        """One step: forward and backward of every microbatch, gradients summed; the optimizer step only
-        with ``update``, in the rank threads (as :meth:`run_steps`').
+        """One step: forward and backward of every microbatch, gradients summed; ``update`` (a
+        :class:`RankUpdate`, or None: no update) steps the optimizer in the rank threads.
 
         Args:
             params: one pytree per model module (as ``StagedModel.params``); moved to the stages' devices.
             x: the global batch (b, ...) float32; labels (b,) integers.
             keys: the step's :func:`~zbpp_lite.runtime.stages.dropout_keys` (m, 2) for a model with dropout.
-            update: a :class:`RankUpdate`, or None (no update).
 
         Raises:
             ValueError: a batch that does not divide into microbatches, a model with dropout given no keys

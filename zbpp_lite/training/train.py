@@ -230,6 +230,9 @@ class ClippedAdamW:
         """``{stage: [module pytree]}`` of the stages this process updates."""
         return {s: self.model.stage_params(self.params, s) for s in self.rank_update.params()}
 
+    def warm_up(self) -> None:
+        """Nothing: compiled when made (as :class:`StageAdamW`'s, before the first timed step)."""
+
     def step(self, grads: list) -> None:
         """After the run (``grads`` unused: the rank threads stepped): its report and parameters kept."""
         self.reports += [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
@@ -238,23 +241,17 @@ class ClippedAdamW:
 
 
 def stage_optimizer(executor, params: list, run: RunConfig, homes: dict) -> "StageAdamW | ClippedAdamW":
-    """The run's optimizer on ``executor``'s stages from ``params`` (one pytree per module), compiled:
-    :class:`ClippedAdamW` with ``run.max_grad_norm``, else :class:`StageAdamW` with its state on
-    ``homes`` (``{stage: device}``)."""
+    """The run's optimizer on ``executor``'s stages from ``params`` (one pytree per module):
+    :class:`ClippedAdamW` with ``run.max_grad_norm``, else :class:`StageAdamW` on ``homes``."""
     if run.max_grad_norm is not None:
         return ClippedAdamW(executor, params, run)
-    adamw = StageAdamW(params, run).place(executor.model, homes)
-    adamw.warm_up()
-    return adamw
+    return StageAdamW(params, run).place(executor.model, homes)
 
 
 def guard_json(run: RunConfig, reports: list) -> dict:
-    """``TrainResult.config``'s clipping keys: ``max_grad_norm``, ``post_validation`` and
-    ``guard_reports`` (:attr:`ClippedAdamW.reports`, one per step); {} for an unclipped run."""
-    if run.max_grad_norm is None:
-        return {}
-    return {"max_grad_norm": run.max_grad_norm, "post_validation": run.post_validation,
-            "guard_reports": reports}
+    """A clipped run's ``max_grad_norm``, ``post_validation`` and ``guard_reports`` (one per step)."""
+    return {} if run.max_grad_norm is None else {
+        "max_grad_norm": run.max_grad_norm, "post_validation": run.post_validation, "guard_reports": reports}
 
 
 def train_step(executor, adamw: "StageAdamW | ClippedAdamW", x, y, keys=None) -> tuple[Any, float, float]:

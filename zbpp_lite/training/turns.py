@@ -143,7 +143,9 @@ def _rank_runs(rank: int, peers: dict, device, config: dict
     for name, executor in executors.items():
         params = [jax.device_put(p, device) for p in initial]
         homes = dict.fromkeys(executor.local_stages, device)
-        runs[name] = executor, stage_optimizer(executor, params, run, homes)
+        optimizer = stage_optimizer(executor, params, run, homes)
+        optimizer.warm_up()
+        runs[name] = executor, optimizer
     return runs
 
 
