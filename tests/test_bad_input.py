@@ -155,8 +155,6 @@ IGNORED = [  # (command line, the one line it gets); each ran before, the flag s
     (["train", "--timeout", "5", *SIZES], "--timeout and --heartbeat bound the waits of a run on several hosts"),
     (["train", "--spmd", "--threads", *SIZES], "--spmd runs one SPMD program, not a thread or process per rank"),
     (["train", "--spmd", "--ranks-as", "threads", *SIZES], "not a thread or process per rank: drop --ranks-as"),
-    (["train", "--ranks-as", "processes", "--max-grad-norm", "1", *SIZES],
-     "--ranks-as processes cannot run here: --max-grad-norm runs the optimizer inside the rank threads"),
     (["train", "--ranks-as", "processes", "--steps", "1", *SIZES[2:]], "--ranks-as processes cannot run here: --steps 1"),
     (["train", "--threads", "--ranks-as", "processes", *SIZES], "--threads and --ranks-as processes disagree"),
     (["train", "--context", "64", "--remat", *SIZES], "--remat and --eval-every set the GPT (--model "
@@ -227,6 +225,8 @@ def test_ranks_as_picks_the_mode_and_says_why():
     args = SimpleNamespace(steps=2, max_grad_norm=None, threads=False, ranks_as=None)
     ranks = len(allowed_cores())
     assert threads_reason(args, ranks, cpu) is None  # a core per rank: processes
+    clipped = SimpleNamespace(**{**vars(args), "max_grad_norm": 1.0})
+    assert threads_reason(clipped, ranks, cpu) is None  # clipping runs in processes too (the one train_step)
     assert threads_reason(args, ranks + 1, cpu) == f"{ranks} core(s) for {ranks + 1} ranks"
     assert threads_reason(args, 1, gpu) == "GPU devices, one per rank"
     assert threads_reason(SimpleNamespace(**{**vars(args), "ranks_as": "threads"}), ranks, cpu) == "--ranks-as threads"

@@ -291,3 +291,25 @@ def test_guard_flags_are_checked_before_jax_work(capsys):
         assert main(["train", "--schedule", "zb-h2", *tiny, *flags]) == 2
         err = capsys.readouterr()
         assert message in err.err and "zb-h2: 2 ranks" not in err.out  # refused before the run's header
+
+
+def test_a_clipped_run_takes_the_one_train_step_once_a_step(monkeypatch):
+    """train with max_grad_norm runs train_step once a step with the clipped AdamW (the run's update in
+    the rank threads), so the held-out loss is taken between steps as in a plain run (before: one
+    run_steps call over every batch, held-out loss at the start and the end only)."""
+    from zbpp_lite.training import train as training
+    from zbpp_lite.training.model import ModelConfig, RunConfig
+
+    calls, real = [], training.train_step
+
+    def counted(executor, optimizer, *args):
+        calls.append(type(optimizer).__name__)
+        return real(executor, optimizer, *args)
+
+    monkeypatch.setattr(training, "train_step", counted)
+    run = RunConfig(batch=32, lr=1e-2, max_grad_norm=0.5, eval_every=1, check_grads=False)
+    result = training.train("zb-h2", 2, 4, 3, model=ModelConfig(d=16, heads=2, blocks=4), run=run,
+                            options=training.TrainOptions(devices=jax.devices()[:2]))
+    assert calls == ["ClippedAdamW"] * 3 and len(result.config["guard_reports"]) == 3
+    assert [k for k, _ in result.validation] == [0, 1, 2, 3]
+    assert len({v for _, v in result.validation}) == 4  # the parameters moved between the points

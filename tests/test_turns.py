@@ -104,8 +104,29 @@ def test_turns_refuse_what_they_cannot_run():
         train_in_turns([zb.build_schedule("1f1b", 2, 4), zb.build_schedule("zb-h1", 2, 8)], 3, **SMALL)
     with pytest.raises(ValueError, match="distinct names"):
         train_in_turns([zb.build_schedule("1f1b", 2, 4)] * 2, 3, **SMALL)
-    with pytest.raises(ValueError, match="use train"):
-        train_in_turns([zb.build_schedule("1f1b", 2, 4)], 3, model=SMALL["model"], run=RunConfig(batch=8, max_grad_norm=1.0))
+
+
+def test_a_clipped_run_in_processes_equals_the_same_run_in_threads():
+    """--max-grad-norm --post-validation through the one train_step in the rank processes: the norm
+    crosses between them through their transport (the partial sums along the ranks, the full one back),
+    every step is clipped and rolled back on every rank exactly as in threads, and the losses and
+    parameters are the threads' run's. (Before, train_in_turns refused clipping.)"""
+    import jax
+
+    from zbpp_lite.training.train import TrainOptions, train
+
+    run = RunConfig(batch=8, lr=1e-2, max_grad_norm=0.05, post_validation=True)  # every step clipped
+    schedule = zb.build_schedule("zb-h2", 2, 4)
+    processes = train_in_turns([schedule], 2, model=SMALL["model"], run=run)["zb-h2"]
+    threads = train(schedule, steps=2, model=SMALL["model"], run=run, options=TrainOptions(devices=jax.devices()[:2]))
+    guards = [r.config["guard_reports"] for r in (processes, threads)]
+    assert all(g["clipped"] and not g["skipped"] for g in guards[0]) and len(guards[0]) == 2
+    assert [g["rolled_back"] for g in guards[0]] == [g["rolled_back"] for g in guards[1]] == [[0, 1]] * 2
+    np.testing.assert_allclose([g["global_norm"] for g in guards[0]], [g["global_norm"] for g in guards[1]], rtol=1e-5)
+    np.testing.assert_allclose(processes.losses, threads.losses, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(processes.params), jax.tree_util.tree_leaves(threads.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert processes.config["post_validation"] is True and processes.grad_max_rel_error < 1e-5
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb-v", "interleaved-1f1b", "dualpipe-v"])

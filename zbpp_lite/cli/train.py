@@ -460,8 +460,8 @@ def add_ranks_as(parser: argparse.ArgumentParser) -> None:
 
 
 def threads_reason(args, num_ranks: int, devices) -> str | None:
-    """Why the ranks run as threads, or None for a pinned process each (CPU, a core per rank, plain AdamW,
-    two steps or more). Raises CliError for ``--ranks-as processes`` where processes cannot run, naming
+    """Why the ranks run as threads, or None for a pinned process each (CPU, a core per rank, two steps or
+    more). Raises CliError for ``--ranks-as processes`` where processes cannot run, naming
     why, and for ``--threads`` beside ``--ranks-as processes``."""
     asked = getattr(args, "ranks_as", None)
     if getattr(args, "threads", False) and asked != "processes":
@@ -492,8 +492,6 @@ def _refuse_processes(args, reason: str | None) -> None:
 
 def _flags_need_threads(args) -> str | None:
     """The flag that makes ranks run as threads (known before JAX starts), or None."""
-    if getattr(args, "max_grad_norm", None) is not None:
-        return "--max-grad-norm runs the optimizer inside the rank threads"
     if getattr(args, "steps", 2) < 2:
         return "--steps 1: a run in processes times the steps after the first"
     return None

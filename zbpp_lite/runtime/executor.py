@@ -162,8 +162,10 @@ class PipelineExecutor:
         if message:
             warnings.warn(message, PlanMemoryWarning, stacklevel=4)
 
-    def run(self, params: Params, x: Any, labels: Any, keys: Any = None) -> StepResult:
-        """One step: forward and backward of every microbatch, gradients summed; no optimizer update.
+    def run(self, params: Params, x: Any, labels: Any, keys: Any = None,
+            update: "RankUpdate | None" = None) -> StepResult:
+        """One step: forward and backward of every microbatch, gradients summed; ``update`` (a
+        :class:`RankUpdate`, or None: no update) steps the optimizer in the rank threads.
 
         Args:
             params: one pytree per model module (as ``StagedModel.params``); moved to the stages' devices.
@@ -176,7 +178,7 @@ class PipelineExecutor:
             TimeoutError: a rank waited longer than ``timeout`` for an input.
             RuntimeError: an action failed (names rank and action; the error is chained).
         """
-        return self.run_steps(params, [(x, labels)], keys=None if keys is None else [keys])[0]
+        return self.run_steps(params, [(x, labels)], update, None if keys is None else [keys])[0]
 
     def run_steps(self, params: Params, batches: Sequence[tuple[Any, Any]],
                   update: "RankUpdate | None" = None, keys: Sequence[Any] | None = None) -> list[StepResult]:

@@ -500,11 +500,15 @@ class SpmdExecutor:
             self._compiled[key] = self._program(x_mb, labels_mb)
         return self._compiled[key]
 
-    def run(self, params: Params, x: Any, labels: Any, keys: Any = None) -> SpmdResult:
+    def run(self, params: Params, x: Any, labels: Any, keys: Any = None, update: None = None) -> SpmdResult:
         """One step: loss and gradients of the global-batch mean loss (seed 1/m, as the MPMD executor);
         each tied copy's gradient is the sum over its copies (``StagedModel.sum_tied``). ``keys``: the
         step's :func:`~zbpp_lite.runtime.stages.dropout_keys` for a model with dropout (ValueError
-        without them, :meth:`~zbpp_lite.runtime.stages.StagedModel.step_keys`)."""
+        without them, :meth:`~zbpp_lite.runtime.stages.StagedModel.step_keys`). ``update``: None, the
+        optimizer steps after the run (ValueError otherwise: the program has no rank threads)."""
+        if update is not None:
+            raise ValueError("the SPMD program steps no optimizer inside it: update the parameters after "
+                             "the run (StageAdamW), or use PipelineExecutor for a clipped step")
         args = self.inputs(params, x, labels, keys)
         losses, acc = self.compiled(args)(*args)
         losses, acc = jax.tree_util.tree_map(lambda a: np.asarray(a.addressable_data(0)), (losses, acc))

@@ -103,10 +103,9 @@ class RunConfig:
         init: a ``torch_pp_bench.py --save-init`` .npz to start from (same ``d`` and ``blocks``).
         check_grads: compare the first step with the unpartitioned model. progress: a tqdm bar.
         max_grad_norm: clip to this global norm, skip a step with NaN/Inf (Optax
-            ``clip_by_global_norm``); the optimizer then runs inside the rank threads, steps back to
-            back (:class:`zbpp_lite.training.postval.optimizer.StageOptimizer`), synchronous or, with
-            ``post_validation``, post-validated (paper section 4). ``on_step`` then reports at the end,
-            ``step_seconds`` are periods between step starts, ``TrainResult.config`` gets
+            ``clip_by_global_norm``); the optimizer then steps inside the rank threads
+            (:class:`zbpp_lite.training.train.ClippedAdamW`), synchronous or, with ``post_validation``,
+            post-validated at each step's end (paper section 4); ``TrainResult.config`` gets
             ``guard_reports``.
         post_validation: see ``max_grad_norm`` (requires it).
         eval_every: the held-out loss every this many steps besides at the start and the end

@@ -159,7 +159,10 @@ def train(schedule: str | Schedule = "zb-h1", ranks: int = 2, microbatches: int 
 class StageAdamW:
     """AdamW (:meth:`~zbpp_lite.training.postval.rollback.AdamWConfig.optimizer`) on this process's
     stages: state per module on its stage's device, one jitted update per stage; :meth:`place` moves
-    them (state kept). ``params``: one pytree per model module (other ranks' stay as given)."""
+    them (state kept). ``params``: one pytree per model module (other ranks' stay as given).
+    ``rank_update`` None: :func:`train_step` runs the step, then :meth:`step`."""
+
+    rank_update = None
 
     def __init__(self, params: list, run: RunConfig):
         self.config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
@@ -203,11 +206,61 @@ class StageAdamW:
             jax.block_until_ready(update(zeros, once[1], once[0]))
 
 
-def train_step(executor, adamw: StageAdamW, x, y, keys=None) -> tuple[Any, float, float]:
-    """``executor`` on ``adamw``'s parameters (``keys``: the step's dropout keys, as the executor's
-    ``run``), then the update; (result, seconds to the update's end, seconds of the run)."""
+class ClippedAdamW:
+    """AdamW clipped to the global gradient norm ``run.max_grad_norm`` (Optax ``clip_by_global_norm``),
+    a step with NaN/Inf skipped, stepped in the rank threads: :func:`train_step` hands :attr:`rank_update`
+    (a :class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`) to the executor's run, whose ranks
+    exchange the norm through its transport, so threads and processes clip alike. Synchronous, or with
+    ``run.post_validation`` post-validated (Qi et al., arXiv 2401.10241, section 4): each rank steps on its
+    partial norm and validates at the step's end, rolling a wrong step back and redoing it.
+
+    Attributes:
+        params: one pytree per model module, this process's stages updated after every step.
+        reports: per step, ``{"global_norm", "clipped", "skipped", "rolled_back"}`` (rolled back: the
+            ranks of this process that did).
+    """
+
+    def __init__(self, executor, params: list, run: RunConfig):
+        config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
+        policy = "post-validation" if run.post_validation else "synchronous"
+        self.rank_update = StageOptimizer(executor, params, config, policy, run.max_grad_norm)
+        self.model, self.params, self.reports = executor.model, list(params), []
+
+    def stage_params(self) -> dict[int, list]:
+        """``{stage: [module pytree]}`` of the stages this process updates."""
+        return {s: self.model.stage_params(self.params, s) for s in self.rank_update.params()}
+
+    def warm_up(self) -> None:
+        """Nothing: compiled when made (as :class:`StageAdamW`'s, before the first timed step)."""
+
+    def step(self, grads: list) -> None:
+        """After the run (``grads`` unused: the rank threads stepped): its report and parameters kept."""
+        self.reports += [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
+                          "rolled_back": list(r.rolled_back)} for r in self.rank_update.reports]
+        self.params = with_stage_leaves(self.model, self.params, self.rank_update.params())
+
+
+def stage_optimizer(executor, params: list, run: RunConfig, homes: dict) -> "StageAdamW | ClippedAdamW":
+    """The run's optimizer on ``executor``'s stages from ``params`` (one pytree per module):
+    :class:`ClippedAdamW` with ``run.max_grad_norm``, else :class:`StageAdamW` on ``homes``."""
+    if run.max_grad_norm is not None:
+        return ClippedAdamW(executor, params, run)
+    return StageAdamW(params, run).place(executor.model, homes)
+
+
+def guard_json(run: RunConfig, reports: list) -> dict:
+    """A clipped run's ``max_grad_norm``, ``post_validation`` and ``guard_reports`` (one per step)."""
+    return {} if run.max_grad_norm is None else {
+        "max_grad_norm": run.max_grad_norm, "post_validation": run.post_validation, "guard_reports": reports}
+
+
+def train_step(executor, adamw: "StageAdamW | ClippedAdamW", x, y, keys=None) -> tuple[Any, float, float]:
+    """The one training step of every loop: ``executor``'s run on ``adamw``'s parameters (``keys``: the
+    step's dropout keys, as the executor's ``run``), then ``adamw``'s step: :class:`StageAdamW` updates
+    after the run, :class:`ClippedAdamW` in the rank threads (the run's ``update``). Returns (result,
+    seconds to the update's end, seconds of the run)."""
     t0 = time.perf_counter()
-    result = executor.run(adamw.params, x, y, keys)
+    result = executor.run(adamw.params, x, y, keys, update=adamw.rank_update)
     ran = time.perf_counter() - t0
     adamw.step(result.grads)
     return result, time.perf_counter() - t0, ran
@@ -225,44 +278,41 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
                 on_step: Callable[[int, float, Timeline], None] | None = None
                 ) -> TrainResult:
     """``steps`` steps of :func:`train_step` from ``config``'s initial parameters (or ``run.init``) on
-    batches 0, 1, ... (clipped AdamW in the rank threads with ``run.max_grad_norm``; a model with dropout:
-    step k's keys ``dropout_keys(run.seed, k, m)``), then checked, evaluated (without dropout),
-    simulated; with ``run.eval_every`` also evaluated before the first step and between steps (clipped
-    runs: at the start and the end only). ``home``: one device for all stages' state (default: each
-    stage's own)."""
+    batches 0, 1, ... with :func:`stage_optimizer`'s optimizer (a model with dropout: step k's keys
+    ``dropout_keys(run.seed, k, m)``), then checked, evaluated (without dropout), simulated; with
+    ``run.eval_every`` also evaluated before the first step and between steps. ``home``: one device for
+    all stages' state (default: each stage's own; a clipped run keeps it on each stage's device)."""
     staged, sched = executor.model, executor.schedule
     data = data if data is not None else load_data(config, run)
     params = load_torch_init(run.init, config) if run.init is not None else staged.params
     homes = [home] * sched.num_stages if home is not None else list(executor.stage_devices)
     batches = [data.batch(k, run.batch) for k in range(steps)]
     keys = [step_dropout_keys(staged, run.seed, k, sched.num_microbatches) for k in range(steps)]
-    losses, timelines, seconds, extra = [], [], [], {}
+    losses, timelines, seconds = [], [], []
     held_out = lambda p: evaluate(staged, p, data.test_x, data.test_y, homes[0])[0]  # noqa: E731
     curve = [(0, held_out(params))] if eval_due(run, 0, steps) else []
-    if run.max_grad_norm is not None:
-        out = (losses, timelines, seconds, extra)
-        first, final = _guarded_steps(executor, params, batches, run, out, on_step, keys)
-    else:
-        adamw = StageAdamW(params, run).place(staged, dict(enumerate(homes)))
-        desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
-        bar = tqdm(range(steps), desc=desc, leave=False, disable=not run.progress)
-        for k in bar:
-            result, sec, _ = train_step(executor, adamw, *batches[k], keys[k])
-            first = result if k == 0 else first
-            losses.append(result.loss)
-            timelines.append(result.timeline)
-            seconds.append(sec)
-            bar.set_postfix(loss=f"{result.loss:.4f}")
-            if on_step is not None:
-                on_step(k, result.loss, result.timeline)
-            if eval_due(run, k + 1, steps):
-                curve.append((k + 1, held_out(adamw.params)))
-        final = adamw.params
+    optimizer = stage_optimizer(executor, params, run, dict(enumerate(homes)))
+    desc = f"{sched.name or 'schedule'} p={sched.num_ranks} m={sched.num_microbatches}"
+    bar = tqdm(range(steps), desc=desc, leave=False, disable=not run.progress)
+    for k in bar:
+        result, sec, _ = train_step(executor, optimizer, *batches[k], keys[k])
+        if k == 0:
+            first = result
+        losses.append(result.loss)
+        timelines.append(result.timeline)
+        seconds.append(sec)
+        bar.set_postfix(loss=f"{result.loss:.4f}")
+        if on_step is not None:
+            on_step(k, result.loss, result.timeline)
+        if eval_due(run, k + 1, steps):
+            curve.append((k + 1, held_out(optimizer.params)))
+    final = optimizer.params
     errors = (check_step(staged, params, *batches[0], first, homes[0], keys[0]) if run.check_grads
               else (None, None))
     tested = evaluate(staged, final, data.test_x, data.test_y, homes[0])
     devices = [str(dev) for dev in executor.devices]
-    settings = {**settings_json(config, run), **data_json(data), "devices": devices, **extra}
+    settings = {**settings_json(config, run), **data_json(data), "devices": devices,
+                **guard_json(run, getattr(optimizer, "reports", []))}
     result = TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
     result.validation = curve + [(steps, result.test_loss)] if curve else []
     return result
@@ -336,31 +386,6 @@ def _fits_job(sched: Schedule, config: ModelConfig, run: RunConfig) -> Schedule:
     microbatch_size(run.batch, sched.num_microbatches)
     stage_parts(config.blocks, sched.num_stages)  # raises for fewer blocks than stages
     return sched
-
-
-def _guarded_steps(executor, params, batches, run: RunConfig, out: tuple, on_step, keys: list
-                   ) -> tuple[Any, list]:
-    """Steps with the clipped AdamW in the rank threads
-    (:class:`~zbpp_lite.training.postval.optimizer.StageOptimizer`); fills ``out``, returns (first
-    step's result, trained parameters)."""
-    losses, timelines, seconds, extra = out
-    config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
-    policy = "post-validation" if run.post_validation else "synchronous"
-    guard = StageOptimizer(executor, params, config, policy, run.max_grad_norm)
-    results = executor.run_steps(params, batches, guard, None if keys[0] is None else keys)
-    starts = [r.start for r in results]
-    starts.append(starts[-1] + results[-1].timeline.global_span)  # the last step: its own span
-    for k, r in enumerate(results):
-        losses.append(r.loss)
-        timelines.append(r.timeline)
-        seconds.append(starts[k + 1] - starts[k])
-        if on_step is not None:
-            on_step(k, r.loss, r.timeline)
-    extra.update({"max_grad_norm": run.max_grad_norm, "post_validation": run.post_validation,
-                  "guard_reports": [{"global_norm": r.global_norm, "clipped": r.clipped,
-                                     "skipped": not r.finite, "rolled_back": r.rolled_back}
-                                    for r in guard.reports]})
-    return results[0], with_stage_leaves(executor.model, params, guard.params())
 
 
 def with_stage_leaves(model: StagedModel, params: list, per_stage: dict) -> list:

@@ -36,8 +36,8 @@ from .data import ByteText, Digits, data_json, load_data
 from .messages import Message, parse
 from .model import ModelConfig, RunConfig, build_parts, config_json, config_of, load_torch_init, settings_json
 from .reference import evaluate, max_relative_error, reference_grads, step_dropout_keys, train_baseline
-from .train import (StageAdamW, TrainResult, checked_schedule, eval_due, job_microbatch, train_step,
-                    with_stage_leaves)
+from .train import (ClippedAdamW, StageAdamW, TrainResult, checked_schedule, eval_due, guard_json,
+                    job_microbatch, stage_optimizer, train_step, with_stage_leaves)
 
 ENTRY = "zbpp_lite.training.turns:rank_main"
 
@@ -89,7 +89,8 @@ class Step(Message):
 class Stepped(Message):
     """A rank's answer to :class:`Step`: wall times (to the end of AdamW) and the executor's, the last
     stage's microbatch losses, events ``[rank, action, start, end]`` and memory on the shared clock,
-    with ``grads`` its gradient leaves ``{stage: [leaf]}``."""
+    with ``grads`` its gradient leaves ``{stage: [leaf]}``; a clipped run's ``guard``, the step's
+    :attr:`~zbpp_lite.training.train.ClippedAdamW.reports` entry as this rank saw it."""
 
     op = "stepped"
     seconds: float
@@ -98,6 +99,7 @@ class Stepped(Message):
     events: list
     memory: dict | None = None
     grads: dict | None = None
+    guard: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,10 @@ class Params(Message):
 # ----------------------------------------------------------------------------- a rank's process
 
 
-def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, tuple[Any, StageAdamW]]:
-    """Every schedule's executor for rank ``rank`` and AdamW on its stages, each with its own state."""
+def _rank_runs(rank: int, peers: dict, device, config: dict
+               ) -> dict[str, tuple[Any, StageAdamW | ClippedAdamW]]:
+    """Every schedule's executor for rank ``rank`` and the run's optimizer on its stages
+    (:func:`~zbpp_lite.training.train.stage_optimizer`), each with its own state."""
     run = RunConfig(**config["run"])
     schedules = {name: schedule_from_json(d) for name, d in config["schedules"].items()}
     model_config = config_of(config["model"])
@@ -136,10 +140,12 @@ def _rank_runs(rank: int, peers: dict, device, config: dict) -> dict[str, tuple[
 
     executors = connect(peers, {name: executor(name, s) for name, s in schedules.items()})
     runs = {}
-    for name in schedules:
-        adamw = StageAdamW([jax.device_put(p, device) for p in initial], run)
-        adamw.place(models[name], {st: device for st in executors[name].local_stages}).warm_up()
-        runs[name] = (executors[name], adamw)
+    for name, executor in executors.items():
+        params = [jax.device_put(p, device) for p in initial]
+        homes = dict.fromkeys(executor.local_stages, device)
+        optimizer = stage_optimizer(executor, params, run, homes)
+        optimizer.warm_up()
+        runs[name] = executor, optimizer
     return runs
 
 
@@ -155,18 +161,20 @@ def _memory_json(memory, rank: int, at: float) -> dict:
             "device_peak": memory.device_peak[rank] if len(memory.device_peak) > rank else None}
 
 
-def _rank_step(executor, adamw: StageAdamW, rank: int, command: Step, batch, seed: int) -> Stepped:
+def _rank_step(executor, adamw: StageAdamW | ClippedAdamW, rank: int, command: Step, batch, seed: int
+               ) -> Stepped:
     """One step of one schedule on this rank: :func:`~zbpp_lite.training.train.train_step` (dropout keys
     from the run's ``seed``)."""
     keys = step_dropout_keys(executor.model, seed, command.step, executor.schedule.num_microbatches)
     result, seconds, ran = train_step(executor, adamw, *batch, keys)
     at, memory = result.started_at, result.timeline.measured_memory
-    grads = {str(s): _leaves(adamw.model.stage_params(result.grads, s)) for s in adamw.homes}
+    grads = {str(s): _leaves(executor.model.stage_params(result.grads, s)) for s in executor.local_stages}
     return Stepped(
         seconds=seconds, run_seconds=ran, losses=list(result.microbatch_losses),
         events=[[e.rank, str(e.action), at + e.start, at + e.end] for e in result.timeline.events],
         memory=None if memory is None else _memory_json(memory, rank, at),
-        grads=grads if command.grads else None)
+        grads=grads if command.grads else None,
+        guard=adamw.reports[-1] if isinstance(adamw, ClippedAdamW) else None)
 
 
 def rank_main(rank: int, peers: dict, control, config: dict) -> None:
@@ -219,6 +227,7 @@ class _Record:
     grads: dict | None = None  # step 0's gradient leaves per stage, when checked
     final: dict | None = None  # the trained parameter leaves per stage
     validation: list = field(default_factory=list)  # (steps done, held-out loss), taken between steps
+    guard: list = field(default_factory=list)  # a clipped run's reports, one per step, every rank's merged
 
 
 def _stage_leaves(replies: list, key: str) -> dict[int, list]:
@@ -240,6 +249,9 @@ class _Turns:
         rec.seconds.append(max(r.seconds for r in replies))
         if grads:
             rec.grads = _stage_leaves(replies, "grads")
+        if replies[0].guard is not None:  # every rank saw the norm; each knows whether it rolled back
+            rolled = sorted({r for rep in replies for r in rep.guard["rolled_back"]})
+            rec.guard.append({**replies[0].guard, "rolled_back": rolled})
         self.bar.update()
         self.bar.set_postfix_str(f"{name} loss {rec.losses[-1]:.4f}")
 
@@ -268,9 +280,6 @@ def _checked(schedules: Sequence[Schedule], steps: int, config: ModelConfig, run
                                      for n, s in zip(names, schedules)))
     if not isinstance(steps, int) or steps < 2:
         raise ValueError(f"steps must be an integer >= 2 (the first compiles), got {steps!r}")
-    if run.max_grad_norm is not None:
-        raise ValueError("max_grad_norm runs the optimizer inside the rank threads: "
-                         "use train() (threads) for clipping")
     for s in schedules:
         checked_schedule(s, s.num_ranks, s.num_microbatches, steps, config, run, None)
     cuts = {}
@@ -292,7 +301,7 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
 
     Args:
         schedules: distinct names, same ranks and microbatches (stage counts may differ).
-        model, run, data: as for :func:`~zbpp_lite.training.train.train` (no ``run.max_grad_norm``).
+        model, run, data: as for :func:`~zbpp_lite.training.train.train`.
         on_step: called with (schedule name, step, loss, timeline).
         parts: ``{name: partition}`` for schedules not cut by :func:`~zbpp_lite.runtime.stages.stage_parts`
             (``partition[s]``: part indices of stage s, 0 the embedding, blocks + 1 the head).
@@ -306,8 +315,7 @@ def train_in_turns(schedules: Sequence[Schedule], steps: int, *, model: ModelCon
 
     Raises:
         ValueError: no schedules, duplicate names, differing rank or microbatch counts, < 2 steps,
-            clipping, a batch that does not divide, or ``parts`` naming an unknown schedule or a bad
-            partition.
+            a batch that does not divide, or ``parts`` naming an unknown schedule or a bad partition.
         RuntimeError: a rank's process failed (its error is printed by that process).
     """
     config, run = model or ModelConfig(), run or RunConfig()
@@ -356,7 +364,8 @@ def _go_on(turns: _Turns, records: dict[str, _Record], chosen: tuple[str, int], 
     timings of the extra); ``validate(name, record, steps done, steps in all)`` after each step."""
     n, extra = chosen
     rec = _Record(records[n].schedule, losses=list(records[n].losses),
-                  validation=[(k, v) for k, v in records[n].validation if k <= steps])
+                  validation=[(k, v) for k, v in records[n].validation if k <= steps],
+                  guard=list(records[n].guard))
     turns.bar.close()
     turns.bar = tqdm(total=extra, desc=f"training {n} on", leave=False, disable=not progress)
     validate(n, rec, steps, steps + extra)
@@ -410,7 +419,8 @@ class _Finish:
         settings = {**settings_json(config, run), **data_json(self.data),
                     "devices": [f"rank {r}: own process, core {cores[r % len(cores)]}"
                                 for r in range(self.num_ranks)],
-                    "processes": "one per rank, pinned", "parts": [list(stage) for stage in staged.parts]}
+                    "processes": "one per rank, pinned", "parts": [list(stage) for stage in staged.parts],
+                    **guard_json(run, rec.guard)}
         errors = (grad_error, loss_error)
         result = TrainResult.of(schedule, rec.losses, rec.timelines, rec.seconds, final, errors, tested,
                                 settings)
