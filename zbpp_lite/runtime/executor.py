@@ -216,8 +216,7 @@ class PipelineExecutor:
         keys = self.model.step_keys(keys, len(batches), m)
         splits = self._prepare(leaves, np.asarray(x0)[:mb], np.asarray(y0)[:mb],
                                None if keys[0] is None else keys[0][0])
-        if self.compute.spares_for != (np.shape(x0), np.shape(y0)):
-            self.compute.spares, self.compute.spares_for = {}, (np.shape(x0), np.shape(y0))
+        self.compute.fit_spares((np.shape(x0), np.shape(y0)))
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
         base, steps = self._steps_begun, []
         remote = len(self.ranks) < self.schedule.num_ranks
@@ -290,8 +289,8 @@ class PipelineExecutor:
         if stuck and not errors:
             errors.append((self.ranks[0], None, TimeoutError(
                 f"transfers {', '.join(stuck)} did not finish within {self.timeout:g} s")))
-        if errors:  # a failed step may have left spares half donated
-            self.compute.spares = {}
+        if errors:
+            self.compute.drop_spares()
         try:
             self._raise_first(errors)
         except (RuntimeError, TimeoutError) as e:

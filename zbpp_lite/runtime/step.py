@@ -159,6 +159,15 @@ class Compute:
         self.spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
         self.spares_for: Any = None  # the microbatch shape the spares have
 
+    def fit_spares(self, shape: Any) -> None:
+        """Drop the spares unless they were made for microbatches of ``shape`` (then made for it)."""
+        if self.spares_for != shape:
+            self.spares, self.spares_for = {}, shape
+
+    def drop_spares(self) -> None:
+        """Drop every spare (after a failed step, which may have left some half donated)."""
+        self.spares = {}
+
     def handler(self, kind: str) -> Callable:
         """F: :meth:`forward`, B: :meth:`backward_input`, W: :meth:`backward_weight`, BW:
         :meth:`backward_fused`."""

@@ -81,15 +81,16 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
 def _extents(events, with_stage: bool) -> list[tuple[int, float]]:
     """(label length, duration) of every event, each pair once: what the width and the note depend on.
     Per (kind, stage, duration) only the largest microbatch's label counts, the longest of them (the
-    microbatch's digits grow with it): one pass over ``events``, no label made per event."""
-    top: dict[tuple[str, int, float], int] = {}
+    microbatch's digits grow with it): one pass over ``events``, one :func:`_label` per pair."""
+    top: dict[tuple[str, int, float], Event] = {}
     get = top.get
     for e in events:
         a = e.action
         key = (a.kind, a.stage, e.end - e.start)
-        if a.microbatch > get(key, -1):
-            top[key] = a.microbatch
-    pairs = {(len(f"{s}{k}{j}" if with_stage else f"{k}{j}"), d) for (k, s, d), j in top.items()}
+        best = get(key)
+        if best is None or a.microbatch > best.action.microbatch:
+            top[key] = e
+    pairs = {(len(_label(e, with_stage)), d) for (_, _, d), e in top.items()}
     return sorted(pairs)
 
 
