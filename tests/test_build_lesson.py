@@ -1,13 +1,14 @@
 """Lessons 08 and 09's checks tell a right pipeline from a wrong one.
 
 The lesson's own code runs here: its cells up to "## Exercises" (the model, ``stage_apply`` with its
-zero probes, the test bench ``lab``: ``zbpp_lite.course.bench.Lab``) and the definitions of its
-Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed from
-``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its SPMD ``make_tick``. The right
+zero probes, the test bench ``lab``: ``zbpp_lite.course.bench.Lab``, the threads and inboxes it runs on)
+and the definitions of its Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed
+from ``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its SPMD ``make_tick``. The right
 builds pass every check; each wrong one below, a mistake a learner makes, fails its check with a hint
 that names it: W reading another microbatch's output gradient, a loop that walks its own order instead
 of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B running the
-layers again, a step clipped stage by stage or not at all; an SPMD tick that stores what never arrived or
+layers again, a prediction of the bytes B keeps copied from another pattern, a step clipped stage by
+stage or not at all or with one all-reduce per stage; an SPMD tick that stores what never arrived or
 keeps microbatch j in row j of a buffer with fewer rows.
 """
 
@@ -88,8 +89,8 @@ def lesson():
 def test_the_right_build_passes_every_check(lesson):
     lab = lesson["lab"]
     assert ex.stage_split(lab.try_stage(lesson["F"], lesson["B"], lesson["W"]))
-    measured = lab.wide_stage_bytes(lesson["F"], lesson["B"])   # (M_W, of it what B created), bfloat16
-    assert measured == (64 * (256 + 512 + 512 + 128) * 2, 64 * (512 + 128) * 2) and ex.weight_bytes(measured)
+    measured = lab.kept_peaks(lesson["F"], lesson["B"])        # bytes B hands to W, held at once per rank
+    assert measured == [(r + 1) * 2 * 2 * 64 * 256 * 4 for r in range(4)] and ex.kept_peaks(measured)
     assert ex.pipeline_run(lab.try_pipeline(lesson["rank_loop"]))
     assert ex.optimizer_step(lab.try_step(lesson["optimizer_step"]))
 
@@ -219,13 +220,21 @@ def test_a_b_that_also_computes_the_weight_gradients_fails(lesson):
 
 
 def test_wrong_predictions_fail():
-    xs, dz = 64 * (256 + 512) * 2, 64 * (512 + 128) * 2      # the layer inputs (F's) and output gradients
-    assert ex.weight_bytes((xs + dz, dz))
-    assert not ex.weight_bytes((xs + dz, xs + dz)) and "handed on" in str(ex.weight_bytes((xs + dz, xs + dz)))
-    assert not ex.weight_bytes((dz, dz)) and "only the output gradients" in str(ex.weight_bytes((dz, dz)))
-    square = 2 * 2 * 64 * 256 * 4                            # the lesson's float32 stage's M_W, copied
-    assert not ex.weight_bytes((square, square // 2)) and "square" in str(ex.weight_bytes((square, square // 2)))
-    assert not ex.weight_bytes(xs + dz)                      # one number, not the pair
+    """Exercise 8.2: the bytes B hands to W, held at once on each ZB-H1 rank (p = 4, m = 8). Each pattern
+    copied from elsewhere is named: r microbatches (the W lag), the dz's alone, F's p - r, 1F1B's one."""
+    m_w = 2 * 2 * 64 * 256 * 4                                  # x and dz of 2 layers, (64, 256) float32
+    assert ex.kept_peaks([(r + 1) * m_w for r in range(4)])
+    wrong = {"count before its B": [r * m_w for r in range(4)],
+             "only the dz's": [(r + 1) * m_w // 2 for r in range(4)],
+             "what F keeps": [(4 - r) * m_w for r in range(4)],
+             "1F1B": [m_w] * 4,
+             "the counts [1, 1, 2, 2]": [m_w, m_w, 2 * m_w, 2 * m_w]}
+    for word, answer in wrong.items():
+        verdict = ex.kept_peaks(answer)
+        assert not verdict and verdict.hint and verdict.attempt and word in str(verdict), (word, str(verdict))
+    for junk in ([(r + 1) * m_w for r in range(3)], m_w, [1, 2, 3, 5]):   # 3 ranks, one number, a guess
+        assert not ex.kept_peaks(junk)
+    assert not ex.kept_peaks([1, 2, 3, 5]).attempt
 
 
 def test_a_step_clipped_stage_by_stage_or_not_at_all_fails(lesson):
@@ -248,7 +257,14 @@ def test_a_step_clipped_stage_by_stage_or_not_at_all_fails(lesson):
         k = ex.STEP["lr"] * ex.STEP["max_norm"] / norm
         return {s: jax.tree_util.tree_map(lambda w, g: w - k * g, params[s], grads[s]) for s in grads}
 
+    def per_stage_all_sum(rank, grads, params, all_sum):   # right values, one all-reduce per stage
+        total = sum(all_sum(sum(float((a * a).sum()) for a in jax.tree_util.tree_leaves(grads[s])))
+                    for s in sorted(grads))
+        k = ex.STEP["lr"] * min(1.0, ex.STEP["max_norm"] / total ** 0.5)
+        return {s: jax.tree_util.tree_map(lambda w, g: w - k * g, params[s], grads[s]) for s in grads}
+
     lab = lesson["lab"]
+    assert "called all_sum 2 times" in str(ex.optimizer_step(lab.try_step(per_stage_all_sum)))
     assert "already under max_norm" in str(ex.optimizer_step(lab.try_step(always_scaled)))
     assert "its own norm" in str(ex.optimizer_step(lab.try_step(per_stage)))
     assert "not clipped" in str(ex.optimizer_step(lab.try_step(unclipped)))

@@ -1,7 +1,7 @@
-"""Lessons 8 and 9's test bench: the lessons' MLP and its ``jax.grad`` reference, the threads and inboxes
-the learner's rank loop runs in (lesson 8), and what hands the learner's F, B, W, loop and optimizer step
-to :mod:`.lesson8`'s checks. Imports JAX, so ``course/__init__`` does not import it; the lessons do
-(``from zbpp_lite.course import bench``).
+"""Lessons 8 and 9's test bench: the lessons' MLP and its ``jax.grad`` reference, and what hands the
+learner's F, B, W, loop and optimizer step to :mod:`.lesson8`'s checks, on the threads and inboxes lesson 8
+defines itself (its ``on_threads``, handed to :class:`Lab`). Imports JAX, so ``course/__init__`` does not
+import it; the lessons do (``from zbpp_lite.course import bench``).
 
 Source: Qi et al., arXiv 2401.10241, section 2 (F, B, W of a stage) and section 3 (the optimizer step
 after the last W).
@@ -20,7 +20,7 @@ import numpy as np
 from ..runtime.split import compiled_flops
 from ..schedules.builders import build_schedule
 from ..schedules.timeline import Event, Timeline
-from .lesson8 import BUILD_CASE, PIPELINE_RUNS, STEP, STEP_RUNS, WIDE_STAGE
+from .lesson8 import BUILD_CASE, PIPELINE_RUNS, STEP, STEP_RUNS
 
 tmap = jax.tree_util.tree_map
 
@@ -247,57 +247,12 @@ def nbytes(tree: Any, leave_out: Any = ()) -> int:
     return sum(a.size * a.dtype.itemsize for a in arrays.values())
 
 
-class Inbox:
-    """Values sent to one rank, by key; :meth:`take` waits for a key (or for another rank's failure)."""
-
-    def __init__(self, failed: threading.Event):
-        self.items, self.cond, self.failed = {}, threading.Condition(), failed
-
-    def put(self, key: tuple, value: Any) -> None:
-        with self.cond:
-            self.items[key] = value
-            self.cond.notify_all()
-
-    def take(self, key: tuple, timeout: float = 30.0) -> Any:
-        with self.cond:
-            if not self.cond.wait_for(lambda: key in self.items or self.failed.is_set(), timeout):
-                raise TimeoutError(f"waited {timeout} s for {key}")
-            if key not in self.items:
-                raise RuntimeError("another rank failed")
-            return self.items.pop(key)
-
-
-def on_threads(num_ranks: int, work: Callable[[int, list], Any]) -> list:
-    """``work(rank, inboxes)`` on one thread per rank; their results by rank. The first error raised is
-    raised again (the other ranks' waits end with it)."""
-    failed = threading.Event()
-    inboxes = [Inbox(failed) for _ in range(num_ranks)]
-    results, errors = [None] * num_ranks, []
-
-    def run(rank):
-        try:
-            results[rank] = work(rank, inboxes)
-        except Exception as e:  # noqa: BLE001  (handed to the caller below)
-            errors.append(e)
-            failed.set()
-            for box in inboxes:
-                with box.cond:
-                    box.cond.notify_all()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(num_ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 class Lab:
     """Lesson 8's model on ``devices`` (4 ranks of :data:`BUILD_CASE`), the lists the learner's code reads
     (``placement``, ``stage_params``, ``inputs_mb``, ``targets_mb``: changed in place, never rebound) and the
-    runs that hand the learner's code to the checks.
+    runs that hand the learner's code to the checks. Those run on the lesson's own harness, which the lesson
+    sets as ``on_threads``: ``on_threads(num_ranks, work) -> [work(rank, inboxes) for each rank]``, one
+    thread per rank, the first error raised again.
 
     Args:
         stage_apply: the lesson's ``stage_apply(layers, x, probes, target=None) -> (output, layer inputs)``.
@@ -310,6 +265,7 @@ class Lab:
         self.params, self.X, self.Y = mlp(c)
         self.reference = jax.grad(mlp_loss)(self.params, self.X, self.Y)
         self.devices, self.calls, self._apply = list(devices)[: self.p], {"layers": 0}, stage_apply
+        self.on_threads: Callable | None = None
         per = c["layers"] // self.S
         self.home = [self.params[per * s: per * (s + 1)] for s in range(self.S)]
         self.placement = list(range(self.S))
@@ -342,13 +298,19 @@ class Lab:
         per = len(self.reference) // self.S
         return gradient_report(grads, [self.reference[per * s: per * (s + 1)] for s in range(self.S)])
 
+    def threads(self, num_ranks: int, work: Callable[[int, list], Any]) -> list:
+        """``work(rank, inboxes)`` on the lesson's ``on_threads``. Raises RuntimeError: not set yet."""
+        if self.on_threads is None:
+            raise RuntimeError("lab.on_threads is not set: run the lesson's cell that defines on_threads")
+        return self.on_threads(num_ranks, work)
+
     def run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline]:
         """``rank_loop(rank, actions, inboxes, events, t0)`` on one thread per rank: each stage's gradient
         sums (a list, None where missing) and the measured timeline (seconds since the start)."""
         events: list[Event] = []
         t0 = time.perf_counter()
-        out = on_threads(schedule.num_ranks,
-                         lambda rank, inboxes: rank_loop(rank, schedule.actions[rank], inboxes, events, t0))
+        out = self.threads(schedule.num_ranks,
+                           lambda rank, inboxes: rank_loop(rank, schedule.actions[rank], inboxes, events, t0))
         grads = {s: g for part in out if part for s, g in part.items()}
         timeline = Timeline.from_events(events, schedule.num_ranks, num_stages=self.S, source="measured")
         return [grads.get(s) for s in range(self.S)], timeline
@@ -433,24 +395,35 @@ class Lab:
         finally:
             self._place(list(range(self.S)))
 
-    def wide_stage_bytes(self, F: Callable, B: Callable) -> tuple[int, int]:
-        """Exercise 8.2's stage (:data:`WIDE_STAGE`) run by the learner's F and B on one microbatch, as one
-        more stage: (bytes of all B keeps for W, of them the bytes F did not hold)."""
-        widths, rows = WIDE_STAGE["widths"], WIDE_STAGE["rows"]
-        self.stage_params.append([(jnp.ones((a, b), jnp.bfloat16) / a**0.5, jnp.zeros(b, jnp.bfloat16))
-                                  for a, b in zip(widths, widths[1:])])
-        try:
-            y, saved = F(self.S, jnp.ones((rows, widths[0]), jnp.bfloat16))
-            kept = B(saved, jnp.ones_like(y))[1]
-            return nbytes(kept), nbytes(kept, leave_out=saved)
-        finally:
-            self.stage_params.pop()
+    def kept_peaks(self, F: Callable, B: Callable, name: str = "zb-h1") -> list[int]:
+        """Exercise 8.2's reveal: each rank's actions of schedule ``name`` (4 ranks, 8 microbatches) walked in
+        order with the learner's F and B on random inputs, what a B returns for W held until that W; per rank
+        the most bytes held at once (:func:`nbytes`, counted right after each B)."""
+        schedule, shape = build_schedule(name, self.p, self.m), (self.rows, self.X.shape[1])
+        peaks = []
+        for actions in schedule.actions:
+            saved, kept, peak = {}, {}, 0
+            for a in actions:
+                s, j = a.stage, a.microbatch
+                device, last = self.devices[self.placement[s]], s == self.S - 1
+                if a.kind == "F":
+                    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(j), shape), device)
+                    saved[s, j] = _need(F(s, x, self.targets_mb[j] if last else None), "F")[1]
+                if a.kind in ("B", "BW"):
+                    dy = jnp.float32(1 / self.m) if last else jax.device_put(jnp.ones(shape), device)
+                    kept[s, j] = _need(B(saved.pop((s, j)), dy), "B")[1]
+                    peak = max(peak, nbytes(list(kept.values())))
+                if a.kind in ("W", "BW"):
+                    kept.pop((s, j))
+            peaks.append(peak)
+        return peaks
 
     def try_step(self, optimizer_step: Callable) -> dict:
         """Exercise 8.4's result: ``optimizer_step(rank, grads, params, all_sum)`` on one thread per rank, the
         stages placed as in :data:`STEP_RUNS`, from ``jax.grad``'s gradients; ``{"error", "runs": {name:
         {"params": the learner's step, "want": clipped SGD of the whole model, "per_stage": each stage
-        clipped alone, "unclipped": SGD without clipping, "scaled": scaled to max_norm even from below}}}``,
+        clipped alone, "unclipped": SGD without clipping, "scaled": scaled to max_norm even from below,
+        "calls": the most all_sum calls by one rank}}}``,
         each per stage new - old parameters (NumPy), as :func:`.lesson8.optimizer_step` reads it; ``STEP``'s
         ``max_norm`` set as the run says (put back after)."""
         per_stage = [self.reference[2 * s: 2 * s + 2] for s in range(self.S)]
@@ -470,8 +443,11 @@ class Lab:
             ranks = max(placement) + 1
             shared, barrier = [0.0] * ranks, threading.Barrier(ranks, timeout=30)
 
+            calls = [0] * ranks
+
             def work(rank, _inboxes):
                 def all_sum(value):
+                    calls[rank] += 1
                     shared[rank] = value
                     barrier.wait()
                     got = sum(shared)
@@ -483,14 +459,14 @@ class Lab:
 
             kept, STEP["max_norm"] = STEP["max_norm"], max_norm
             try:
-                new = {s: v for part in on_threads(ranks, work) for s, v in dict(part).items()}
+                new = {s: v for part in self.threads(ranks, work) for s, v in dict(part).items()}
             finally:
                 STEP["max_norm"] = kept
             leaves = jax.tree_util.tree_leaves
             got = [None if s not in new else [np.asarray(a, np.float64) - np.asarray(b)
                                               for a, b in zip(leaves(new[s]), leaves(self.home[s]))]
                    for s in range(self.S)]
-            return dict(params=got, **expected)
+            return dict(params=got, calls=max(calls), **expected)
 
         return try_runs(one, STEP_RUNS)
 

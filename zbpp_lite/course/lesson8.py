@@ -111,40 +111,51 @@ def stage_split(result: Any) -> Verdict:
                    f"(largest relative difference {worst:.1e}).")
 
 
-WIDE_STAGE = dict(widths=(256, 512, 128), rows=64, itemsize=2)
-"""Exercise 8.2's stage: 2 layers ``tanh(x @ W + b)``, 256 -> 512 -> 128 wide, 64 rows, bfloat16."""
-
-
-def weight_bytes(answer: Any) -> Verdict:
-    """Exercise 8.2 (predicted): for one microbatch of :data:`WIDE_STAGE`, the pair (M_W in bytes, of them
-    the bytes B itself creates). M_W is each layer's input x (F's arrays, handed on) and output gradient dz
-    (B's); the pattern of the lesson's square float32 stage, the dz's alone and the x's alone are refused
-    with their own hints."""
-    c = WIDE_STAGE
-    rows, widths, size = c["rows"], c["widths"], c["itemsize"]
-    hint = ("what does W of a layer `z = x @ W + b` read, and what shape has each of those arrays in a "
-            "256 -> 512 -> 128 stage? Which of them did F already hold when B started?")
+def kept_peaks(answer: Any) -> Verdict:
+    """Exercise 8.2 (predicted): on each rank of ZB-H1 (p = 4, m = 8, :data:`BUILD_CASE`'s stages), the most
+    bytes that what B hands to W (each layer's input x and output gradient dz, M_W a microbatch) takes at
+    once. Right after B of microbatch i + r, rank r holds microbatches i .. i + r: r + 1 of them, until W of
+    i frees the oldest. A unit or a count copied from elsewhere (the r of the W lag, the dz's alone, what F
+    keeps until B, one microbatch as in 1F1B) is named."""
+    c = BUILD_CASE
+    p = c["ranks"]
+    array = c["microbatch_size"] * c["width"] * c["itemsize"]      # one (rows, width) float32 array
+    m_w = c["layers"] // p * 2 * array                               # x and dz of each layer of a stage
+    hint = ("two questions: which arrays does W of a layer read, and what size is each? On rank r, right "
+            "after a B, how many microbatches have had their B but not yet their W?")
     if _unanswered(answer):
-        return Verdict("8.2", False, "no answer yet: replace ... with your pair (M_W, created by B).", hint)
+        return Verdict("8.2", False, "no answer yet: replace ... with one number of bytes per rank.", hint)
     try:
-        whole, new = (float(v) for v in answer)
+        got = [float(v) for v in answer]
     except (TypeError, ValueError):
-        return Verdict("8.2", False, f"expected a pair of numbers (M_W, created by B), got {answer!r}.", hint)
-    dz = rows * sum(widths[1:]) * size
-    xs = rows * sum(widths[:-1]) * size
-    if (whole, new) == (xs + dz, dz):
-        return Verdict("8.2", True, f"M_W is {xs + dz} bytes: the layer inputs ({xs}, F's arrays, which B "
-                       f"keeps alive) and the output gradients ({dz}, the only arrays B creates).")
-    if whole == dz:
-        return Verdict("8.2", False, f"{whole:g} bytes are only the output gradients dz.",
-                       "W's dW = x.T @ dz reads each layer's input too, and B keeps it alive until W.")
-    if new in (xs + dz, xs):
-        return Verdict("8.2", False, f"B does not create {new:g} bytes: the layer inputs x are arrays F "
-                       "returned, handed on, not copied.", hint)
-    if whole == 2 * 2 * rows * 256 * 4:
-        return Verdict("8.2", False, "that is M_W of the lesson's square float32 stage.",
-                       "this stage is 256 -> 512 -> 128 wide and bfloat16 (2 bytes a number).")
-    return Verdict("8.2", False, f"({whole:g}, {new:g}) is not (M_W, created by B).", hint)
+        return Verdict("8.2", False, f"expected a list of {p} numbers (bytes, rank 0 first), got {answer!r}.",
+                       hint)
+    if len(got) != p or not all(math.isfinite(g) for g in got):
+        return Verdict("8.2", False, f"expected {p} finite numbers, one per rank; got {len(got)}.", hint)
+    if got == [(r + 1) * m_w for r in range(p)]:
+        return Verdict("8.2", True, f"M_W is {m_w} bytes (x and dz of 2 layers, 64 x 256 float32 each), and "
+                       "rank r holds r + 1 microbatches of it right after a B: W of i waits for B of i + r.")
+    say = lambda what, tip: Verdict("8.2", False, what, tip)  # noqa: E731
+    if got == [r * m_w for r in range(p)]:
+        return say("those are r microbatches a rank: the count before its B, or after its W.",
+                   "count right after a B: it has stored its output before the W that follows frees the "
+                   "oldest.")
+    if got == [(p - r) * m_w for r in range(p)] or got == [(p - r) * m_w / 2 for r in range(p)]:
+        return say("rank 0 holds the most: that is what F keeps until B (p - r microbatches, lesson 1).",
+                   "what B hands to W fills up the other way: which rank's W lags its B the most?")
+    if got == [m_w] * p or got == [m_w / 2] * p:
+        return say("every rank holds the same: that is 1F1B's fused BW, or rank 0 of ZB-H1.",
+                   "on rank r, W of microbatch i runs after B of i + r (lesson 3).")
+    unit = got[0]
+    if unit > 0 and got == [(r + 1) * unit for r in range(p)]:
+        half = " only the dz's, or only the x's:" if unit == m_w / 2 else ""
+        return say(f"the counts (r + 1 on rank r) are right, {unit:g} bytes a microbatch is not.",
+                   f"{half} W's dA = x.T @ dz needs each layer's input x and output gradient dz; how many "
+                   "layers has a stage, and how many bytes is one (rows, width) float32 array?")
+    if unit > 0 and all(g % m_w == 0 for g in got):
+        return say(f"M_W is right, the counts {[int(g // m_w) for g in got]} microbatches are not.", hint)
+    return Verdict("8.2", False, f"{[f'{g:g}' for g in got]} are not the bytes each rank holds.", hint,
+                   attempt=False)
 
 
 PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-h2", 4), ("zb-v", 2))
@@ -266,11 +277,12 @@ STEP_RUNS = {"one stage per rank": ((0, 1, 2, 3), STEP["max_norm"]),
 def optimizer_step(result: Any) -> Verdict:
     """Exercise 8.4: ``optimizer_step(rank, grads, params, all_sum)`` written by the learner, run on one
     thread per rank by lesson 8's ``lab.try_step``; ``result`` is ``{"error", "runs": {name: {"params",
-    "want", "per_stage", "unclipped", "scaled"}}}`` (per stage the step, new - old, as NumPy leaves; None: a
-    stage not returned).
+    "want", "per_stage", "unclipped", "scaled", "calls"}}}`` (per stage the step, new - old, as NumPy
+    leaves; None: a stage not returned).
     Right when every stage's new parameters equal SGD on the whole model with the gradient clipped to the
     global norm :data:`STEP` ``["max_norm"]``, within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 3:
-    the global norm needs every rank's gradient)."""
+    the global norm needs every rank's gradient), and each rank called ``all_sum`` once (``"calls"``: one
+    all-reduce, of the rank's own sum of squares)."""
     hint = ("clipping bounds the length of the whole model's gradient, which no rank holds alone: what "
             "must each rank contribute to it, and when must clipping leave a gradient as it is?")
     problem = _run_problem("8.4", result, "runs", "lab.try_step(optimizer_step)", "optimizer_step",
@@ -293,6 +305,10 @@ def optimizer_step(result: Any) -> Verdict:
             return Verdict("8.4", False, f"{name}: no new parameters for stage(s) {missing}.",
                            "return {stage: new [(A, c), ...]} for every stage in this rank's grads.")
         if near(got, run["want"]):
+            if run.get("calls", 1) != 1:
+                return Verdict("8.4", False, f"{name}: the step is right, but a rank called all_sum "
+                               f"{run['calls']} times.", "each call waits for every rank; what can a rank "
+                               "add up on its own before the one call?")
             continue
         if near(got, run["per_stage"]):
             return Verdict("8.4", False, f"{name}: each stage was clipped by its own norm.",
@@ -312,15 +328,15 @@ def optimizer_step(result: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "8.1": stage_split, "8.2": weight_bytes, "8.3": pipeline_run, "8.4": optimizer_step
+    "8.1": stage_split, "8.2": kept_peaks, "8.3": pipeline_run, "8.4": optimizer_step
 }
 """Lesson 8's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {}  # 8.2's reveal measures the learner's own F and B
+REVEALS: dict[str, Callable[[], Any]] = {}  # 8.2's reveal walks ZB-H1 with the learner's own F and B
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "WIDE_STAGE", "weight_bytes", "PIPELINE_RUNS",
+    "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "kept_peaks", "PIPELINE_RUNS",
     "gradient_problem",
     "pipeline_run", "STEP", "STEP_TOLERANCE", "STEP_RUNS", "optimizer_step", "EXERCISES", "REVEALS"
 ]
