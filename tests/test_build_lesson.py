@@ -293,24 +293,28 @@ def spmd_lesson():
 
 
 def test_the_spmd_program_with_buffers_for_the_microbatches_in_flight_passes_and_wrong_ones_fail(spmd_lesson):
-    """Exercise 9.4: the Solutions' make_tick (row j % K) passes with 9.3's fewest rows (4, 4, 7). The lesson's
-    worked make_tick, indexing rows by j, fails with those rows (microbatch j >= K has no row); storing
-    what never arrived (tag 0, index -1: the last row) overwrites a value still waiting there (with K rows
-    already on ZB-H1); too few rows, or more than needed, are refused before anything runs."""
+    """Exercise 9.4: the Solutions' make_tick (microbatch j in row j % that buffer's rows) passes with 9.3's
+    fewest rows. One buffer's row count used for every buffer (the worked tick's j turned into j % K),
+    rows indexed by j (microbatch j >= K has no row), and storing what never arrived (tag 0, index -1: the
+    last row, over a value still waiting there) fail with the gradients; too few rows, or more than
+    needed, are refused before anything runs."""
     lab, rows_needed = spmd_lesson["lab"], spmd_lesson["rows_needed"]
-    slots = {name: rows_needed(name, 4, 8) for name in ex.SPMD_RUNS}
-    assert slots == {"1f1b": 4, "zb-h1": 4, "zb-h2": 7}
+    rows = {name: {b: max(rows_needed(name, b, 4, 8, r) for r in range(4)) for b in ex.ROWS_BUFFERS}
+            for name in ex.SPMD_RUNS}
+    assert rows == {"zb-h1": dict(outs=4, dz=4, ins=4), "1f1b": dict(outs=4, dz=1, ins=4),
+                    "zb-h2": dict(outs=7, dz=7, ins=7)}
     assert ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
-    by_j = lambda src: src.replace("% st[\"act\"].shape[0]", "").replace("% buf.shape[0]", "")  # noqa: E731
-    with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", by_j) as wrong:
-        assert "shape[0]" not in wrong
-        verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
-    assert not verdict and "the gradients differ" in str(verdict), str(verdict)
-    blind = lambda src: src.replace("jnp.where(tag > 0, x, buf[i])", "x")  # noqa: E731
+    one_k = lambda src: src.replace("j % st[name].shape[0]", "j % st[\"ins\"].shape[0]")  # noqa: E731
+    by_j = lambda src: src.replace("j % st[name].shape[0]", "j")  # noqa: E731
+    for edit in (one_k, by_j):
+        with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", edit):
+            verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
+        assert not verdict and "the gradients differ" in str(verdict), str(verdict)
+    blind = lambda src: src.replace("jnp.where(tag > 0, x, st[name][i])", "x")  # noqa: E731
     with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", blind) as wrong:
         assert wrong.count(".set(x)") == 1
         verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
     assert not verdict and "the gradients differ" in str(verdict) and "overwritten" in verdict.hint, str(verdict)
-    for rows, word in ((4, "too few"), (8, "fewer do")):             # checked before any run
-        verdict = ex.spmd_pipeline({"slots": {**slots, "zb-h2": rows}, "error": None, "runs": {}})
+    for name, buffer, n, word in (("zb-h2", "ins", 4, "too few"), ("1f1b", "dz", 4, "fewer do")):   # before any run
+        verdict = ex.spmd_pipeline({"rows": {**rows, name: {**rows[name], buffer: n}}, "error": None, "runs": {}})
         assert not verdict and word in str(verdict), str(verdict)

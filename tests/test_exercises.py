@@ -64,8 +64,8 @@ CASES = {
     "9.1": (lambda actions: _ticks_one_by_one(actions, lag=1),   # the wrong one: usable in the same tick
             lambda actions: _ticks_one_by_one(actions, lag=0)),
     "9.2": (40, 33),                                # 4m + 3p - 4: p ticks of F only, 18 with a BW; 33: event-driven
-    "9.3": (lambda name, p, m: min(m, {"gpipe": m, "1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]),
-            lambda name, p, m: {"gpipe": p, "1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]),   # the lesson's, copied
+    "9.3": (lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)),
+            lambda name, buffer, p, m, r: _rows_by_hand("zb-h1", buffer, p, r)),   # ZB-H1's, no cap by m
     "9.4": (lambda: _spmd_result(), lambda: _spmd_result(shift=True)),   # built when the check runs (below)
 }
 
@@ -92,6 +92,14 @@ def _ticks_one_by_one(actions, lag):
     return table
 
 
+def _rows_by_hand(name, buffer, p, r):
+    """Exercise 9.3 by hand: rank r's outs (F's before its first B), dz (the W lag plus one; 1F1B's BW
+    reads it in its own tick) and ins (both, the microbatch whose B runs counted once)."""
+    outs = {"1f1b": p - r, "zb-h1": p - r, "zb-h2": 2 * p - 2 * r - 1}[name]
+    dz = {"1f1b": 1, "zb-h1": r + 1, "zb-h2": 2 * r + 1}[name]
+    return {"outs": outs, "dz": dz, "ins": outs + dz - 1}[buffer]
+
+
 def _spmd_result(shift=False):
     """What lesson 9's ``lab.try_ticks`` hands exercise 9.4's check for a right program (the fewest rows
     per buffer, every rank ran the lockstep form's branch, gradients within 1e-6) or, ``shift``, one whose
@@ -103,7 +111,8 @@ def _spmd_result(shift=False):
         ran = [[0 if row[r] is None else ex.KIND_CODE[schedule.actions[r][row[r]].kind] for row in ticks]
                for r in range(4)]
         runs[name] = {"grad_error": 1e-6, "ran": [[0, *kinds[:-1]] if shift else kinds for kinds in ran]}
-    return {"error": None, "runs": runs, "slots": {"1f1b": 4, "zb-h1": 4, "zb-h2": 7}}
+    rows = {"1f1b": dict(outs=4, dz=1, ins=4), "zb-h1": dict(outs=4, dz=4, ins=4), "zb-h2": dict(outs=7, dz=7, ins=7)}
+    return {"error": None, "runs": runs, "rows": rows}
 
 
 def _stage_totals(costs, counts):
@@ -326,7 +335,7 @@ SIMULATED = {  # function answers that ask the package instead of deriving: each
     "6.3": lambda p, v, r: max(zb.simulate(zb.build_schedule("interleaved-1f1b", p, k * p, stages_per_rank=v),
                                            zb.Costs()).peak_memory[r] for k in (2, 3)),
     "5.1": lambda p, r: _sends_from_placement(zb.build_schedule("zb-v", p, 2 * p).placement, r),
-    "9.3": lambda name, p, m: ex.slots_needed(zb.build_schedule(name, p, m)),
+    "9.3": lambda name, buffer, p, m, r: ex.buffer_depths(zb.build_schedule(name, p, m))[buffer][r],
 }
 
 
@@ -358,12 +367,20 @@ def test_the_spmd_check_refuses_gradients_off_and_the_event_driven_prediction():
         assert not verdict and "is not" not in verdict.message and verdict.hint, copied
 
 
-def test_the_rows_check_asks_for_the_rows_the_schedule_needs_at_small_m_and_for_gpipe():
-    forgets_m = ex.rows_rule(CASES["9.3"][1])
-    assert not forgets_m and "gpipe" in forgets_m.message and "too high" in forgets_m.message
-    capped = ex.rows_rule(lambda name, p, m: min(m, {"gpipe": p, "1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]))
-    assert not capped and "gpipe" in capped.message and "too low" in capped.message   # GPipe holds all m
-    assert ex.spmd_pipeline({"slots": ..., "error": None, "runs": {}}).message.startswith("no answer yet: solve")
+def test_the_rows_check_tells_copied_patterns_from_the_rows_each_buffer_needs():
+    forgets_m = ex.rows_rule(lambda name, buffer, p, m, r: _rows_by_hand(name, buffer, p, r))
+    assert not forgets_m and "m = 1" not in forgets_m.message and "too high" in forgets_m.message, str(forgets_m)
+    zb_h1 = ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand("zb-h1", buffer, p, r)))
+    assert not zb_h1 and "ZB-H1's rows for every schedule" in zb_h1.message
+    one_number = ex.rows_rule(lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]))
+    assert not one_number and "one number per schedule" in one_number.message   # the old answer: K per schedule
+    no_overlap = ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r) + (buffer == "ins")))
+    assert not no_overlap and "ins" in no_overlap.message and "too high" in no_overlap.message   # outs + dz, not less 1
+    assert ex.spmd_pipeline({"rows": ..., "error": None, "runs": {}}).message.startswith("no answer yet: solve")
+    right = _spmd_result()["rows"]
+    for name, buffer, rows, word in (("1f1b", "dz", 4, "fewer do"), ("zb-h2", "outs", 4, "too few")):
+        verdict = ex.spmd_pipeline({"rows": {**right, name: {**right[name], buffer: rows}}, "error": None, "runs": {}})
+        assert not verdict and word in verdict.message and buffer in verdict.message, str(verdict)
     assert not ex.tick_table(lambda actions: [[0] * len(actions)])   # one tick for everything
 
 

@@ -1,8 +1,8 @@
 """Lesson 9's claims beyond the case it shows (``notebooks/09_spmd_pipeline.md``; pure Python, fast).
 
 Exercise 9.3: a buffer of K rows, microbatch j in row j % K, never overwrites a value still waiting to be read
-when K is the most microbatches in flight, and K - 1 rows would: p for 1F1B and ZB-H1, 2p - 1 for ZB-H2, the
-microbatches lesson 3's memory counts (p M_B and (2p - 1) M_B; Qi et al., arXiv 2401.10241, section 3).
+when K is the most microbatches in flight in it on its rank, and K - 1 rows would; F's before the first B
+and the W lag are lesson 3's (Qi et al., arXiv 2401.10241, section 3).
 """
 
 from __future__ import annotations
@@ -14,22 +14,31 @@ from zbpp_lite import course as ex
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
-def test_the_rows_a_buffer_needs_are_the_microbatches_in_flight(p):
-    m = 2 * p + 1
-    assert [ex.slots_needed(zb.build_schedule(name, p, m)) for name in ("1f1b", "zb-h1", "zb-h2")] == \
-        [p, p, 2 * p - 1]
-
-
-def test_fewer_microbatches_than_ranks_need_no_more_rows_than_microbatches():
-    assert ex.slots_needed(zb.build_schedule("zb-h1", 4, 2)) == 2
-
-
-@pytest.mark.parametrize("p", [2, 3, 4, 5])
-def test_rows_are_the_microbatches_in_flight_capped_by_m_and_gpipe_holds_all(p):
-    """Exercise 9.3's rule at every m from 1 to 3p + 1: GPipe m, 1F1B and ZB-H1 min(p, m), ZB-H2 min(2p - 1, m)."""
+def test_each_buffer_needs_the_microbatches_in_flight_on_its_rank(p):
+    """Rank r's outs (F to B) holds its F's before its first B, dz (B to W) the W lag plus one, ins (F to W)
+    both less the microbatch in each as its B runs, each at most m, at every m from 1 to 3p + 1: ZB-H1
+    p - r, r + 1, p; ZB-H2 2(p - r) - 1, 2r + 1, 2p - 1; 1F1B p - r, 1 (BW reads dz in its own tick), p - r;
+    act and grad 1 in ZB-H1 and 1F1B (each read before the next arrives)."""
     for m in range(1, 3 * p + 2):
-        assert [ex.slots_needed(zb.build_schedule(name, p, m)) for name in ("gpipe", "1f1b", "zb-h1", "zb-h2")] == \
-            [m, min(p, m), min(p, m), min(2 * p - 1, m)]
+        for name, outs, dz in (("zb-h1", lambda r: p - r, lambda r: r + 1), ("1f1b", lambda r: p - r, lambda r: 1),
+                               ("zb-h2", lambda r: 2 * (p - r) - 1, lambda r: 2 * r + 1)):
+            rows = ex.buffer_depths(zb.build_schedule(name, p, m))
+            for r in range(p):
+                assert [rows[b][r] for b in ("outs", "dz", "ins")] == \
+                    [min(m, outs(r)), min(m, dz(r)), min(m, outs(r) + dz(r) - 1)], (name, m, r)
+            if name != "zb-h2":
+                assert max(rows["act"]) == max(rows["grad"]) == 1
+    rows = ex.buffer_depths(zb.build_schedule("zb-h2", 4, 8))   # exercise 9.4's: an activation may wait a tick
+    assert max(rows["act"]) == 2 and max(rows["grad"]) == 1
+
+
+def test_the_worked_tick_stores_what_the_tick_tables_route():
+    table = ex.tick_messages(zb.build_schedule("zb-h1", 4, 8), 8).splitlines()
+    assert table[1:] == [
+        "rank 0  W0    -                     -                   grad[1] <- rank 1's dx",
+        "rank 1  B1    -                     dx, tag 2           -",
+        "rank 2  F3    y, tag 4              -                   grad[2] <- rank 3's dx",
+        "rank 3  B2    -                     dx, tag 3           act[3] <- rank 2's y"]
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])

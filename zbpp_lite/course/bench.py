@@ -79,68 +79,55 @@ def try_runs(run: Callable[[str], Any], names: Any) -> dict:
 
 def stage_F(A: jax.Array, c: jax.Array, x: jax.Array) -> tuple:
     """Lesson 9's F of one stage of :func:`mlp` by hand (two layers ``tanh(x @ A[k] + c[k])``): ``A`` (2, d,
-    d), ``c`` (2, d), ``x`` (rows, d) -> ``(output (rows, d), ins, outs)``, each layer's input and output
-    stacked (2, rows, d): what B and W read later."""
+    d), ``c`` (2, d), ``x`` (samples, d) -> ``(output (samples, d), ins, outs)``, each layer's input and
+    output stacked (2, samples, d): what W and B read later."""
     h = jnp.tanh(x @ A[0] + c[0])
     y = jnp.tanh(h @ A[1] + c[1])
     return y, jnp.stack([x, h]), jnp.stack([h, y])
 
 
 def stage_B(A: jax.Array, outs: jax.Array, dy: jax.Array) -> tuple:
-    """Lesson 9's B (input gradient only): ``dy`` (rows, d) at the stage's output -> ``(dx (rows, d), dz)``,
-    each layer's gradient at its pre-activation, dz = dy (1 - tanh(z)^2), stacked (2, rows, d) for W."""
+    """Lesson 9's B (input gradient only): ``dy`` (samples, d) at the stage's output -> ``(dx, dz)``, dz each
+    layer's gradient at its pre-activation z, (gradient at the layer's output) (1 - tanh(z)^2): ``dy`` at
+    the second layer, ``dz1 @ A[1].T`` at the first; stacked (2, samples, d) for W."""
     dz1 = dy * (1 - outs[1] ** 2)
     dz0 = (dz1 @ A[1].T) * (1 - outs[0] ** 2)
     return dz0 @ A[0].T, jnp.stack([dz0, dz1])
 
 
 def stage_W(ins: jax.Array, dz: jax.Array) -> tuple:
-    """Lesson 9's W: ``(dA (2, d, d), dc (2, d))`` from the layers' inputs and B's dz (both (2, rows, d))."""
+    """Lesson 9's W: ``(dA (2, d, d), dc (2, d))`` from the layers' inputs and B's dz, each (2, samples,
+    d)."""
     return jnp.einsum("krd,kre->kde", ins, dz), dz.sum(1)
 
 
+def stacked_mlp(case: dict = BUILD_CASE) -> tuple:
+    """Lesson 9's model and batch for ``shard_map``: ``(As, cs, Xm, Ym)``, :func:`mlp`'s layers stacked per
+    stage (two layers a stage: As ``(ranks, 2, width, width)``, cs ``(ranks, 2, width)``) and the batch as
+    microbatches ``(microbatches, microbatch_size, width)``; and jax.grad's gradients stacked as As, cs."""
+    p, m, n, d = case["ranks"], case["microbatches"], case["microbatch_size"], case["width"]
+    params, X, Y = mlp(case)
+    reference = jax.grad(mlp_loss)(params, X, Y)
+    stack = lambda tree, i: jnp.stack([jnp.stack([tree[2 * s + k][i] for k in (0, 1)])  # noqa: E731
+                                       for s in range(p)])
+    return (stack(params, 0), stack(params, 1), X.reshape(m, n, d), Y.reshape(m, n, d)), \
+        (stack(reference, 0), stack(reference, 1))
+
+
 class SpmdLab:
-    """Lesson 9's test bench: ``rank_program(make_tick, slots, kind, microbatch, A, c, X, Y)`` compiled over
-    ``mesh`` (axis ``"stage"``) with a schedule's :func:`zbpp_lite.runtime.spmd.tick_tables`, ``arrays`` =
-    ``(As, cs, Xm, Ym)`` (stacked per stage, microbatches) and ``reference`` = ``(dAs, dcs)``, jax.grad's
-    gradients stacked the same way; ``stage_fns`` and ``batch`` = ``(params, X, Y)`` for :meth:`tradeoff`."""
+    """Lesson 9's test bench around the lesson's ``program_of(make_tick, name, rows) -> (jitted program,
+    (kind, microbatch, As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``): ``reference`` =
+    ``(dAs, dcs)``, jax.grad's gradients stacked as :func:`stacked_mlp`'s, and what hands the learner's
+    ``make_tick`` to the checks."""
 
-    def __init__(self, rank_program: Callable, mesh: Any, arrays: tuple, reference: tuple, stage_fns: tuple,
-                 batch: tuple):
-        self.rank_program, self.mesh, self.arrays, self.reference = rank_program, mesh, arrays, reference
-        self.stage_fns, self.batch = stage_fns, batch
+    def __init__(self, program_of: Callable, mesh: Any, case: dict = BUILD_CASE):
+        self.program_of, self.mesh, self.case = program_of, mesh, case
+        self.arrays, self.reference = stacked_mlp(case)
 
-    @classmethod
-    def of(cls, rank_program: Callable, mesh: Any, case: dict = BUILD_CASE) -> "SpmdLab":
-        """The bench on :func:`mlp`'s model and batch for ``case``: parameters stacked per stage, A (p, 2, d,
-        d) and c (p, 2, d), the batch as microbatches (m, rows, d), jax.grad's gradients stacked alike, and
-        :func:`stage_F`, :func:`stage_B`, :func:`stage_W` for :meth:`tradeoff`."""
-        p, m, rows, d = case["ranks"], case["microbatches"], case["microbatch_size"], case["width"]
-        params, X, Y = mlp(case)
-        reference = jax.grad(mlp_loss)(params, X, Y)
-        stack = lambda tree, i: jnp.stack([jnp.stack([tree[2 * s + k][i] for k in (0, 1)])  # noqa: E731
-                                           for s in range(p)])
-        arrays = (stack(params, 0), stack(params, 1), X.reshape(m, rows, d), Y.reshape(m, rows, d))
-        return cls(rank_program, mesh, arrays, (stack(reference, 0), stack(reference, 1)),
-                   (stage_F, stage_B, stage_W), (params, X, Y))
-
-    def tradeoff(self, make_tick: Callable, slots: dict | None = None) -> None:
-        """:func:`spmd_tradeoff` of ``make_tick`` (buffers of ``slots[name]`` rows, else m)."""
-        spmd_tradeoff(lambda name: self.compile(make_tick, name, (slots or {}).get(name)), self.stage_fns,
-                      *self.batch, list(self.mesh.devices.flat))
-
-    def compile(self, make_tick: Callable, name: str, slots: int | None = None) -> tuple:
-        """``(program, args)``: the jitted SPMD program of schedule ``name`` and its arguments."""
-        from jax.sharding import PartitionSpec as P
-
-        from ..runtime import spmd
-
-        p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
-        rows = m if slots is None else slots
-        program = lambda *args: self.rank_program(make_tick, rows, *args)  # noqa: E731
-        program = jax.jit(spmd.shard_map(program, self.mesh, (P("stage"),) * 4 + (P(), P()), P("stage")))
-        table = spmd.tick_tables(build_schedule(name, p, m))
-        return program, (table.kind, table.microbatch, *self.arrays)
+    def tradeoff(self, make_tick: Callable, rows: dict) -> dict:
+        """:func:`spmd_tradeoff` of ``make_tick`` with buffers of ``rows[buffer]`` rows."""
+        return spmd_tradeoff(lambda name: self.program_of(make_tick, name, rows), (stage_F, stage_B, stage_W),
+                             *mlp(self.case), list(self.mesh.devices.flat))
 
     def clipped_step(self) -> tuple:
         """Lesson 8's clipped SGD step (:data:`~zbpp_lite.course.lesson8.STEP`) on jax.grad's gradients,
@@ -164,34 +151,44 @@ class SpmdLab:
         whole = step(As, cs, dAs, dcs, jnp.sqrt(jnp.sum(dAs ** 2) + jnp.sum(dcs ** 2)))
         return spmd_step(As, cs, dAs, dcs), whole
 
-    def run(self, make_tick: Callable, name: str, slots: int | None = None) -> dict:
-        """One run: :func:`gradient_report` against the reference, and ``ran`` (ranks, ticks)."""
-        program, args = self.compile(make_tick, name, slots)
+    def run(self, make_tick: Callable, name: str, rows: dict) -> dict:
+        """One run of schedule ``name``, buffers of ``rows[buffer]`` rows: :func:`gradient_report` against
+        the reference, and ``ran`` (ranks, ticks)."""
+        program, args = self.program_of(make_tick, name, rows)
         dA, dc, ran = program(*args)
         return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran))
 
     def try_ticks(self, make_tick: Callable, rows_needed: Callable) -> dict:
-        """Exercise 9.4's result: ``slots`` = ``{name: rows_needed(name, 4, 8)}`` (exercise 9.3's function;
-        ``...`` where it raised) and :func:`try_runs` of each of ``SPMD_RUNS`` with its rows."""
-        from .lesson9 import SPMD_RUNS
+        """Exercise 9.4's result: per schedule of ``SPMD_RUNS`` the rows of each buffer, ``outs``, ``dz``,
+        ``ins`` the most ``rows_needed(name, buffer, p, m, r)`` gives over the ranks (exercise 9.3's function;
+        ``...`` where it raised), ``act`` and ``grad`` :func:`~.lesson9.buffer_depths`' (the most over the
+        ranks), and :func:`try_runs` of each schedule with its rows."""
+        from .lesson9 import ROWS_BUFFERS, SPMD_RUNS, buffer_depths
 
-        p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
+        p, m = self.case["ranks"], self.case["microbatches"]
         try:
-            slots = {name: rows_needed(name, p, m) for name in SPMD_RUNS}
+            rows = {name: {b: max(rows_needed(name, b, p, m, r) for r in range(p)) for b in ROWS_BUFFERS}
+                    for name in SPMD_RUNS}
         except Exception:  # noqa: BLE001  (9.3 unsolved: the check says so)
-            slots = ...
-        if not isinstance(slots, dict) or not all(isinstance(k, (int, np.integer)) for k in slots.values()):
-            return {"slots": slots, "error": None, "runs": {}}  # the check refuses these slots first
-        return dict(slots=slots, **try_runs(lambda name: self.run(make_tick, name, slots[name]), SPMD_RUNS))
+            rows = ...
+        if not isinstance(rows, dict) or not all(isinstance(k, (int, np.integer))
+                                                 for r in rows.values() for k in r.values()):
+            return {"rows": rows, "error": None, "runs": {}}  # the check refuses these rows first
+        for name in SPMD_RUNS:
+            depths = buffer_depths(build_schedule(name, p, m))
+            rows[name].update({b: max(depths[b]) for b in ("act", "grad")})
+        return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows[name]), SPMD_RUNS))
 
 
 def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax.Array, Y: jax.Array,
-                  devices: list) -> None:
+                  devices: list) -> dict:
     """Lesson 9's trade-off, printed: one F, B, W and BW of stage 1 timed (``stage_fns``: the lesson's
-    ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), 1F1B and ZB-H1
-    simulated event-driven and lockstep with those times, and one step timed of the learner's program
-    (``compile_spmd(name) -> (program, (kind, microbatch, As, cs, Xm, Ym))``), of the same program on an
-    all-idle table (the ticks' own cost) and of the package's MPMD executor on :func:`staged_mlp`."""
+    ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), ZB-H1 and ZB-H2 (no
+    BW, which lesson 9's tick has no branch for) simulated event-driven and lockstep with those times, and
+    one step timed of the learner's program (``compile_spmd(name) -> (program, (kind, microbatch, As, cs,
+    Xm, Ym))``), of the same program on an all-idle table (the ticks' own cost) and of the package's MPMD
+    executor on :func:`staged_mlp`. Returns ``{name: {"event", "lockstep": simulated makespans; "mpmd",
+    "spmd", "idle": measured steps}}`` (s)."""
     from ..runtime.executor import PipelineExecutor
     from ..schedules.costs import Costs
     from ..schedules.simulate import simulate
@@ -207,8 +204,8 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
                   w=fastest(jax.jit(stage_W), ins, dz), bw=fastest(jax.jit(fused), A, outs, ins, y))
     print(f"one action (ms): F {costs.f * 1e3:.2f}, B {costs.b * 1e3:.2f}, W {costs.w * 1e3:.2f}, "
           f"BW {costs.bw * 1e3:.2f}")
-    model = staged_mlp(params, p)
-    for name in ("1f1b", "zb-h1"):
+    model, figures = staged_mlp(params, p), {}
+    for name in ("zb-h1", "zb-h2"):
         schedule = build_schedule(name, p, m)
         mpmd, lock = (simulate(schedule, costs, lockstep=ls).makespan for ls in (False, True))
         program, args = compile_spmd(name)
@@ -218,6 +215,8 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
         print(f"{name:>6}: simulated MPMD {mpmd * 1e3:.1f} ms, lockstep {lock * 1e3:.1f} ms "
               f"(+{lock / mpmd - 1:.0%}); measured step: MPMD executor {mpmd_s * 1e3:.1f} ms, your SPMD "
               f"program {spmd_s * 1e3:.1f} ms ({idle_s * 1e3:.1f} ms all idle)")
+        figures[name] = dict(event=mpmd, lockstep=lock, mpmd=mpmd_s, spmd=spmd_s, idle=idle_s)
+    return figures
 
 
 def gradient_report(mine: list, ref: list) -> dict:

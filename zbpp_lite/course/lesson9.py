@@ -8,6 +8,7 @@ sections 2-3, and arXiv 2405.15362, section 3 (ZB-V).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Callable
 
 import numpy as np
@@ -27,16 +28,21 @@ TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4),
 rank, so an activation can stay on its rank and still wait a tick."""
 
 SPMD_RUNS = ("zb-h1", "1f1b", "zb-h2")
-"""Exercise 9.4's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: ZB-H2, which lesson 9
-does not show, keeps more microbatches in flight (lesson 3), so its buffers need more rows."""
+"""Exercise 9.4's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: 1F1B runs BW, which
+lesson 9's tick has no branch for, and ZB-H2 keeps more microbatches in flight (lesson 3)."""
 
-ROWS_RUNS = ("gpipe", "1f1b", "zb-h1", "zb-h2")
-"""Exercise 9.3's schedules: the lesson derives K at m = 8 for the last three; GPipe (lesson 1) and fewer
-microbatches than that K are the learner's to derive."""
+ROWS_RUNS = ("1f1b", "zb-h1", "zb-h2")
+"""Exercise 9.3's schedules: the lesson derives ZB-H1's rows; 1F1B's and ZB-H2's are the learner's."""
 
-ROWS_POINTS = tuple(dict.fromkeys((name, p, m) for name in ROWS_RUNS for p in (2, 3, 4, 5)
-                                  for m in (1, p - 1, p, 2 * p, 3 * p + 1)))
-"""Exercise 9.3's points ``(name, p, m)``: every schedule at p = 2..5, m from 1 to 3p + 1."""
+ROWS_BUFFERS = ("outs", "dz", "ins")
+"""Exercise 9.3's buffers: what F keeps for B (``outs``), what B keeps for W (``dz``), what F keeps for W
+(``ins``). ``act`` and ``grad`` (arrived values) are the lab's to size (:func:`buffer_depths`)."""
+
+ROWS_POINTS = tuple(dict.fromkeys((name, buffer, p, m, r) for name in ROWS_RUNS for buffer in ROWS_BUFFERS
+                                  for p in (2, 3, 4, 5) for m in (1, p - 1, p, 2 * p, 3 * p + 1)
+                                  for r in range(p) if m > 0))
+"""Exercise 9.3's points ``(name, buffer, p, m, r)``: every schedule, buffer and rank at p = 2..5, m from 1 to
+3p + 1."""
 
 FUSED = Costs(f=1.0, b=1.0, w=1.0, bw=2.0)
 """Exercise 9.2's costs: T_F = 1 and 1F1B's fused T_BW = 2, T_comm = 0 (not lesson 9's figure's)."""
@@ -66,17 +72,48 @@ def _live(schedule) -> dict:
     return live
 
 
-def slots_needed(schedule) -> int:
-    """The fewest rows K per buffer for which lesson 9's tick may keep microbatch j in row ``j % K``: no row
-    is written while the microbatch it holds still waits to be read (exercise 9.3). ZB-H1 and 1F1B need p,
-    ZB-H2 2p - 1: the microbatches in flight, as lesson 3's memory p M_B and (2p - 1) M_B."""
+@lru_cache(maxsize=256)
+def _depths(name: str, p: int, m: int) -> dict:
+    return buffer_depths(build_schedule(name, p, m))
+
+
+def buffer_depths(schedule) -> dict:
+    """``{buffer: [rows stage s needs]}``: the fewest rows K per buffer of each stage for which lesson 9's
+    tick may keep microbatch j in row ``j % K``, no row written while the microbatch it holds still waits
+    to be read (exercise 9.3). ZB-H1's rank r: ``outs`` p - r (its F's before its first B), ``dz`` r + 1
+    (W lags B by r), ``ins`` p; ZB-H2's 2(p - r) - 1, 2r + 1 and 2p - 1 (lesson 3's memory); each at most
+    m."""
     def clash(K: int, values: list) -> bool:
         return any(j1 != j2 and j1 % K == j2 % K and w1 <= w2 < r1
                    for j1, w1, r1 in values for j2, w2, _ in values)
 
-    live = _live(schedule)
-    return next(K for K in range(1, schedule.num_microbatches + 1)
-                if not any(clash(K, values) for values in live.values()))
+    live, m = _live(schedule), schedule.num_microbatches
+    depths: dict = {}
+    for (buffer, s), values in sorted(live.items()):
+        column = depths.setdefault(buffer, [0] * schedule.num_stages)
+        column[s] = next(K for K in range(1, m + 1) if not clash(K, values))
+    return depths
+
+
+def tick_messages(schedule, t: int) -> str:
+    """Lesson 9's worked tick ``t`` as a table, one line per rank: the action it runs, the message its
+    branch sends down (an F's output, tag j + 1) and up (a B's or BW's input gradient), and where the
+    rank stores what arrives at the tick's end (:func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``:
+    ``act[j]`` from rank r - 1, ``grad[j]`` from rank r + 1). ``-``: a message of nothing, tag 0."""
+    from ..runtime.spmd import ACT_BUFFER, tick_tables
+
+    recv, step = tick_tables(schedule).recv, lockstep_ticks(schedule)[t]
+    lines = [f"{'tick ' + str(t):8}{'runs':6}{'sends down (to r+1)':22}{'sends up (to r-1)':20}stores"]
+    for r, i in enumerate(step):
+        a = schedule.actions[r][i] if i is not None else None
+        down = f"y, tag {a.microbatch + 1}" if a and a.kind == "F" else "-"
+        up = f"dx, tag {a.microbatch + 1}" if a and a.kind in ("B", "BW") else "-"
+        stores = [f"{'act' if recv[src][0][r, t] == ACT_BUFFER else 'grad'}[{recv[src][2][r, t]}] <- rank "
+                  f"{r + (-1 if src == 'left' else 1)}'s {'y' if recv[src][0][r, t] == ACT_BUFFER else 'dx'}"
+                  for src in ("left", "right") if recv[src][0][r, t]]
+        label = f"{a.kind}{a.microbatch}" if a else "."
+        lines.append(f"{'rank ' + str(r):8}{label:6}{down:22}{up:20}{', '.join(stores) or '-'}")
+    return "\n".join(lines)
 
 
 def tick_grid(schedule) -> str:
@@ -170,33 +207,43 @@ def reveal_lockstep_1f1b() -> Any:
 
 
 def rows_rule(answer: Any) -> Verdict:
-    """Exercise 9.3 (derived): ``rows_needed(name, p, m)``, the fewest rows K per buffer
-    (:func:`slots_needed`) of schedule ``name`` of :data:`ROWS_RUNS`, at every point of :data:`ROWS_POINTS`.
-    The lesson's p, p, 2p - 1 copied (GPipe given p, or m ignored) fails at GPipe and at small m; a function
-    that asks the package is refused by name."""
-    hint = ("K is the most microbatches one buffer holds at once: count, on the busiest rank, the F's it "
-            "runs before the first read that frees a row (GPipe: lesson 1's order). Then ask what caps that "
-            "count when there are only m microbatches.")
+    """Exercise 9.3 (derived): ``rows_needed(name, buffer, p, m, r)``, the fewest rows rank r's buffer
+    ``buffer`` (of :data:`ROWS_BUFFERS`) needs in schedule ``name`` of :data:`ROWS_RUNS`
+    (:func:`buffer_depths`), at every point of :data:`ROWS_POINTS`. ZB-H1's rows (derived in the lesson)
+    given to every schedule, or one number for every buffer and rank, fail with their own message; a
+    function that asks the package is refused by name."""
+    hint = ("a row is busy from the tick its value is written to the tick it is last read: count, on rank "
+            "r, the microbatches written and not yet read. outs: F's run before the B that reads the first "
+            "(lesson 3's warm-up); dz: B's run before the W that reads the first (the W lag; a BW reads "
+            "its dz in its own tick); ins: both. Then ask what caps the count when there are only m.")
+    zb_h1 = lambda name, buffer, p, m, r: min(m, {"outs": p - r, "dz": r + 1, "ins": p}[buffer])  # noqa: E731
+    one_number = lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name])  # noqa: E731
     return _function_check("9.3", answer, ROWS_POINTS,
-                           lambda name, p, m: slots_needed(build_schedule(name, p, m)),
-                           "rows_needed(name, p, m)", hint)
+                           lambda name, buffer, p, m, r: _depths(name, p, m)[buffer][r],
+                           "rows_needed(name, buffer, p, m, r)", hint, known=(
+                               (zb_h1, "these are ZB-H1's rows for every schedule: 1F1B's BW writes and "
+                                "reads dz in one tick, and ZB-H2's warm-up and W lag are longer (lesson 3)"),
+                               (one_number, "one number per schedule, the busiest rank's ins, is not what "
+                                "outs and dz need on rank r")))
 
 
 def spmd_pipeline(result: Any) -> Verdict:
     """Exercise 9.4: the learner's ``make_tick`` run by lesson 9's ``lab.try_ticks``; ``result`` is
-    ``{"error": None or text, "runs": {name: {"grad_error", "stage_errors", "scale" (as
-    :func:`zbpp_lite.course.bench.gradient_report` gives them), "ran": (ranks, ticks) ints}}}`` for
-    :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
-    every rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
+    ``{"rows": {name: {buffer: rows}}, "error": None or text, "runs": {name: {"grad_error", "stage_errors",
+    "scale" (as :func:`zbpp_lite.course.bench.gradient_report` gives them), "ran": (ranks, ticks)
+    ints}}}`` for :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t.
+    Right when each buffer has the fewest rows that work on its busiest rank (:func:`buffer_depths`), every
+    rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
     ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
-    hint = ("the lesson's tick keeps microbatch j in row j; with K rows, every read and write of a buffer, "
-            "the receiver's store included, needs the row microbatch j may use while it is in flight.")
+    hint = ("each buffer has its own number of rows (st[name].shape[0]): every read and write of a buffer, "
+            "the receiver's store included, needs the row microbatch j uses in that buffer; 1F1B runs BW "
+            "(kind 4), B then W in one tick.")
     if _unanswered(result):
         return Verdict("9.4", False, "no answer yet: write make_tick.", hint)
     if not isinstance(result, dict) or "runs" not in result:
-        return Verdict("9.4", False, "expected try_spmd(make_tick, slots)'s result, got "
+        return Verdict("9.4", False, "expected lab.try_ticks(make_tick, rows_needed)'s result, got "
                        f"{type(result).__name__}.", hint)
-    refused = _slots_problem(result.get("slots"))
+    refused = _rows_problem(result.get("rows"))
     if refused is not None:
         return refused
     if result.get("error"):
@@ -226,33 +273,36 @@ def spmd_pipeline(result: Any) -> Verdict:
         if problem is not None:
             return problem
         worst = max(worst, float(run["grad_error"]))
+    rows = ", ".join(f"{name} {({b: result['rows'][name][b] for b in ROWS_BUFFERS})}" for name in SPMD_RUNS)
     return Verdict("9.4", True, f"{', '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
                    "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
-                   f"{worst:.1e}), each buffer {result['slots']} rows deep instead of 8.")
+                   f"{worst:.1e}), with rows {rows} instead of 8 each.")
 
 
-def _slots_problem(slots: Any) -> Verdict | None:
-    """Exercise 9.4's rows per buffer (``rows_needed(name, 4, 8)`` of exercise 9.3): None when each schedule
-    of :data:`SPMD_RUNS` has the fewest that work (:func:`slots_needed`), else the refusal."""
-    hint = ("row j % K is safe when no microbatch is written into a row whose earlier microbatch still waits "
-            "to be read: how many microbatches does each schedule keep in flight on its busiest rank "
-            "(lesson 3's memory)?")
-    if _unanswered(slots):
+def _rows_problem(rows: Any) -> Verdict | None:
+    """Exercise 9.4's rows per buffer (from exercise 9.3's ``rows_needed``, the busiest rank's): None when
+    each buffer of :data:`ROWS_BUFFERS` of each schedule of :data:`SPMD_RUNS` has the fewest that work on
+    every rank (:func:`buffer_depths`), else the refusal."""
+    hint = ("one program runs on every rank, so a buffer has the same rows on each: those of the rank that "
+            "needs the most (exercise 9.3).")
+    if _unanswered(rows):
         return Verdict("9.4", False, "no answer yet: solve exercise 9.3 (rows_needed) first.", hint)
-    if not isinstance(slots, dict) or set(slots) != set(SPMD_RUNS):
-        return Verdict("9.4", False, f"expected slots as {{name: rows}} for {', '.join(SPMD_RUNS)}, got "
-                       f"{slots!r}.", hint)
+    if not isinstance(rows, dict) or set(rows) != set(SPMD_RUNS):
+        return Verdict("9.4", False, "expected rows as {name: {buffer: rows}} for "
+                       f"{', '.join(SPMD_RUNS)}, got {rows!r}.", hint)
     for name in SPMD_RUNS:
-        need = slots_needed(build_schedule(name, 4, 8))
-        if not isinstance(slots[name], (int, np.integer)):
-            return Verdict("9.4", False, f"rows_needed({name!r}, 4, 8) gave {slots[name]!r}, not a number of "
-                           "rows: solve exercise 9.3 first.", hint)
-        if slots[name] < need:
-            return Verdict("9.4", False, f"{name}: {slots[name]!r} rows are too few: a row would be "
-                           "rewritten while the microbatch it holds still waits to be read.", hint)
-        if slots[name] > need:
-            return Verdict("9.4", False, f"{name}: {slots[name]} rows work but keep more than {name} has in "
-                           "flight: fewer do.", hint)
+        need = _depths(name, 4, 8)
+        for buffer in ROWS_BUFFERS:
+            got = rows[name].get(buffer) if isinstance(rows[name], dict) else None
+            if not isinstance(got, (int, np.integer)):
+                return Verdict("9.4", False, f"{name}: rows for {buffer} are {got!r}, not a number of rows: "
+                               "solve exercise 9.3 first.", hint)
+            if got < max(need[buffer]):
+                return Verdict("9.4", False, f"{name}: {got} rows for {buffer} are too few: a row would be "
+                               "rewritten while the microbatch it holds still waits to be read.", hint)
+            if got > max(need[buffer]):
+                return Verdict("9.4", False, f"{name}: {got} rows for {buffer} work but keep more than the "
+                               "busiest rank has in flight: fewer do.", hint)
     return None
 
 
@@ -264,5 +314,6 @@ REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "ROWS_RUNS", "ROWS_POINTS", "FUSED", "tick_table",
-           "lockstep_1f1b", "rows_rule", "spmd_pipeline", "slots_needed", "buffer_rows", "tick_grid",
+           "lockstep_1f1b", "rows_rule", "spmd_pipeline", "buffer_depths", "buffer_rows", "tick_grid",
+           "tick_messages", "ROWS_BUFFERS",
            "EXERCISES", "REVEALS"]
