@@ -439,7 +439,7 @@ def test_nothing_compiles_inside_the_first_timed_step(name):
     model = StagedModel(build_parts(ModelConfig(d=16, heads=2, blocks=4, seed=7)), 2)
     ex = PipelineExecutor(model, s, DEVICES[:2])
     x, y = load_digits(0.2, 0).batch(0, 16)
-    prepare, seen = ex._prepare, {}
+    prepare, seen = ex.compute.prepare, {}
 
     def watched(*args):  # the cache sizes right after the warm-up, before the first timed action
         splits = prepare(*args)
@@ -447,7 +447,7 @@ def test_nothing_compiles_inside_the_first_timed_step(name):
         seen["before"] = [f._cache_size() for f in seen["functions"]]
         return splits
 
-    ex._prepare = watched
+    ex.compute.prepare = watched
     ex.run(model.params, x, y)
     assert any(seen["before"]) and [f._cache_size() for f in seen["functions"]] == seen["before"]
 

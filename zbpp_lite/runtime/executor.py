@@ -22,11 +22,8 @@ Simulated CPU devices share XLA's thread pool; for one core per rank run one pro
 from __future__ import annotations
 
 import dataclasses
-import functools
-import operator
 import threading
 import time
-import warnings
 from typing import Any, Sequence
 
 import jax
@@ -34,13 +31,11 @@ import numpy as np
 
 from .devices import too_few_devices_message
 from .memory import MemoryRecorder, NoMemoryRecorder, device_peak_bytes
-from .split import sum_dtype
+from .memory import PlanMemoryWarning as PlanMemoryWarning  # run warns it (Compute.prepare): importable here
 from .spmd import SpmdExecutor
 from .stages import Params, StagedModel, batch_microbatch_size
-from .step import (Compute, PlanMemoryWarning, RankUpdate, Step, StepResult, TieSum, bind, placed, redo,
-    waiters)
+from .step import Compute, RankUpdate, Step, StepResult, bind, placed, redo, waiters
 from .transport import Aborted, Threads, Transfer, Transport
-from ..schedules.costs import Costs
 from ..schedules.ir import KINDS, Action, Key, Overlap, Schedule, parts
 from ..schedules.program import (Optimize, OptimizerMessage, Recv, Send, consumer_stage, lower,
     optimizer_places)
@@ -117,50 +112,11 @@ class PipelineExecutor:
                      Optimize: self._optimize}
         self._lowered = {None: self.program}  # (policy, speculative) -> the program with its instructions
         self._waiters = waiters(self.program)  # Recv -> the entry that waits for it, named in timeouts
-        self._prepared: dict = {}
-        self._input_shapes: list = []  # per stage: its input's shapes and dtypes (set by _prepare)
-
-    def _prepare(self, params: list, x_mb: Any, y_mb: Any, key: Any = None) -> list:
-        """Each local stage's :class:`~zbpp_lite.runtime.split.StageSplit`, compiled for a new shape (and
-        with a dropout ``key`` row, or without)."""
-        signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype), key is None)
-        if signature in self._prepared:
-            splits, self._input_shapes = self._prepared[signature]
-            return splits
-        S = self.model.num_stages
-        # what stage s takes (and what its B sends back): one array, or a pytree (tuple, dict)
-        shapes = self._input_shapes = self.model.stage_inputs(x_mb)
-        splits: list = [None] * S
-        sizes: dict = {}  # stage -> (M_B, M_W) bytes, for the schedule's memory plan
-        kinds = {a.kind for r in self.ranks for a in self.schedule.rank_actions(r)}
-        for s in self.local_stages:
-            device, last = self.stage_devices[s], s == S - 1
-            splits[s] = self.model.split_stage(s, shapes[s], y_mb, key)
-            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes[s]),
-                               device)
-            aux = jax.device_put(self.model.stage_aux(s, y_mb if last else None, key), device)
-            sizes[s] = self.compute.warm(splits[s].flat, params[s], x, aux, kinds, device)
-        sizes = {s: size for s, size in sizes.items() if size is not None}
-        self._warm_ties(params)
-        self._prepared[signature] = splits, shapes
-        self._check_memory_plan(sizes)
-        return splits
 
     @property
     def input_shapes(self) -> list:
         """Per stage, its input's shapes and dtypes (what B sends back too), once a shape was compiled."""
-        return self._input_shapes
-
-    def _check_memory_plan(self, sizes: dict) -> None:
-        """Warn (:class:`PlanMemoryWarning`) when the schedule's memory plan does not hold at this model's
-        M_B, M_W (``sizes[stage]``, bytes; checked when every stage runs here)."""
-        plan = self.schedule.memory_plan
-        if plan is None or len(sizes) < self.model.num_stages:
-            return
-        mem_b, mem_w = zip(*(sizes[s] for s in range(self.model.num_stages)))
-        message = plan.overrun(self.schedule, Costs(mem_b=mem_b, mem_w=mem_w))
-        if message:
-            warnings.warn(message, PlanMemoryWarning, stacklevel=4)
+        return self.compute.input_shapes
 
     def run(self, params: Params, x: Any, labels: Any, keys: Any = None,
             update: "RankUpdate | None" = None) -> StepResult:
@@ -214,8 +170,8 @@ class PipelineExecutor:
         leaves = [None if p is None else tuple(jax.tree_util.tree_leaves(p)) for p in stage_params]
         first, last = self.stage_devices[0], self.stage_devices[-1]
         keys = self.model.step_keys(keys, len(batches), m)
-        splits = self._prepare(leaves, np.asarray(x0)[:mb], np.asarray(y0)[:mb],
-                               None if keys[0] is None else keys[0][0])
+        splits = self.compute.prepare(self.schedule, self.stage_devices, leaves, np.asarray(x0)[:mb],
+                                      np.asarray(y0)[:mb], None if keys[0] is None else keys[0][0])
         self.compute.fit_spares((np.shape(x0), np.shape(y0)))
         seed = jax.device_put(np.float32(1.0 / m), last) if last else None
         base, steps = self._steps_begun, []
@@ -235,7 +191,7 @@ class PipelineExecutor:
             ys = jax.device_put([labels[j * mb : (j + 1) * mb] for j in range(m)], last) if last else None
             steps.append(Step(
                 params=list(leaves), acc=[None] * S, splits=splits, out=out, given=dict(out), store={},
-                losses={}, events=[],
+                losses={}, events=[], transport=self.transport, timeout=self.timeout,
                 labels=ys,
                 index=base + k, memory=record(self.schedule.num_ranks, S),
                 where=(f" of step {k} (number {base + k} of this executor){hint}" if remote
@@ -322,11 +278,11 @@ class PipelineExecutor:
                 head, tail = optimizer_places(row) if step.update is not None else (slice(0, 0), len(row))
                 first = row[:tail] if step.previous else row[:head.start] + row[head.stop:tail]
                 self._walk(rank, step, first)
-                self._sum_ties(rank, step)
+                self.compute.sum_ties(step, rank)
                 self._walk(rank, step, row[tail:])
-            if head.stop:  # the last step's check: its full norm received in it, nothing to redo
-                closing = [dataclasses.replace(x, earlier=0) if type(x) is Recv else x for x in row[head]]
-                self._walk(rank, dataclasses.replace(steps[-1], previous=None), closing)
+                if head.stop and step is steps[-1]:  # its own check: its full norm came in it, no redo
+                    closing = [dataclasses.replace(x, earlier=0) if type(x) is Recv else x for x in row[head]]
+                    self._walk(rank, dataclasses.replace(step, previous=None), closing)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, never swallowed
             failed = isinstance(exc, _Failed)
             errors.append((rank, exc.args[0] if failed else None, exc.__cause__ if failed else exc))
@@ -409,63 +365,19 @@ class PipelineExecutor:
         """Wait for the value, for the entry after; from another process, onto this rank's device. An
         optimizer's message (maybe the previous step's) joins the rank's messages of this step."""
         if type(recv.key) is OptimizerMessage:
-            value = self.wait_for(step, rank, recv.key, self._waiters.get(recv, "VALIDATE"), recv.earlier)
+            value = step.wait_for(rank, recv.key, self._waiters.get(recv, "VALIDATE"), recv.earlier)
             step.messages.setdefault(rank, {})[recv.key] = value
             return
         key = Transfer(*recv.key, step.attempts.get(rank, 0))
-        value = self.wait_for(step, rank, key, self._waiters[recv])
+        value = step.wait_for(rank, key, self._waiters[recv])
         if recv.peer not in self._on:
             stage = consumer_stage(*recv.key[:2])
             if isinstance(value, list):  # a pytree's leaves: B's gradient has its stage's input's shape
-                tree = self._input_shapes[stage if recv.key.kind == "F" else recv.key.stage]
+                tree = self.compute.input_shapes[stage if recv.key.kind == "F" else recv.key.stage]
                 value = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), value)
             value = placed(value, self.stage_devices[stage])
             step.memory.receive(rank, recv.key, value, time.perf_counter() - step.t0)
         step.out[recv.key] = value
-
-    def wait_for(self, step: Step, rank: int, key: Transfer | OptimizerMessage, waiter: Any,
-                 earlier: int = 0) -> Any:
-        """What the transport has for ``rank`` under ``key`` (sent ``earlier`` steps before ``step``).
-        Raises TimeoutError naming the rank, ``waiter`` and the value."""
-        try:
-            return self.transport.recv(step.index - earlier, rank, key, self.timeout)
-        except TimeoutError:
-            what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
-                    else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
-            waiter = getattr(waiter, "text", waiter)
-            raise TimeoutError(f"rank {rank} waited {self.timeout:g} s before {waiter}{step.where}: "
-                               f"{what} never arrived") from None
-
-    def _warm_ties(self, params: list) -> None:
-        """Compile :meth:`_sum_ties`' addition for each local copy, so no step compiles it."""
-        for s, i in (c for copies in self.model.tied_leaves() for c in copies if c[0] in self.local_stages):
-            leaf = params[s][i]
-            zeros = jax.device_put(np.zeros(leaf.shape, sum_dtype(leaf.dtype)), self.stage_devices[s])
-            jax.block_until_ready(zeros + zeros)
-
-    def _sum_ties(self, rank: int, step: Step) -> None:
-        """Tied weights: for each tie with a copy on ``rank``, send the sum of its copies here to the other
-        ranks holding copies, add theirs in rank order, and put the total into every copy here."""
-        placement = self.schedule.placement
-        for t, copies in enumerate(self.model.tied_leaves()):
-            mine = [(s, i) for s, i in copies if placement[s] == rank]
-            if not mine:
-                continue
-            start, ranks = time.perf_counter(), tuple(sorted({placement[s] for s, _ in copies}))
-            own = functools.reduce(operator.add, [step.acc[s][i] for s, i in mine])
-            for q in ranks:
-                if q != rank:
-                    self.transport.send(step.index, q, OptimizerMessage(f"TIE{t}", rank), own)
-            device = self.stage_devices[mine[0][0]]
-            shares = [own if q == rank else jax.device_put(self.wait_for(
-                step, rank, OptimizerMessage(f"TIE{t}", q), f"the sum of tie {t}"), device) for q in ranks]
-            total = functools.reduce(operator.add, shares)
-            for s, i in mine:
-                step.acc[s] = (*step.acc[s][:i], placed(total, self.stage_devices[s]), *step.acc[s][i + 1:])
-            jax.block_until_ready(total)
-            with step.lock:
-                step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, start - step.t0,
-                                            time.perf_counter() - step.t0))
 
 
 def run_schedule(schedule: Schedule, model: StagedModel, x: Any, labels: Any, params: Params | None = None,

@@ -1,4 +1,5 @@
-"""The executor's memory recorder: the activation bytes each rank keeps alive, as they change.
+"""The executor's memory recorder: the activation bytes each rank keeps alive, as they change; and the
+check of a schedule's memory plan against a model's M_B, M_W (:func:`check_memory_plan`).
 
 One recorder per step: ``keep(rank, key, arrays)`` / ``free(rank, key)`` from an action, ``key`` = (what,
 stage, microbatch) with what "res" (F's residuals), "kept" (W's operands) or "grads" (B's output
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
+from ..schedules.costs import Costs
+from ..schedules.ir import Schedule
 from ..schedules.memory import MeasuredMemory
 
 
@@ -30,6 +34,23 @@ def stage_bytes(own: Any, kept: Any, grads_out: Any) -> tuple[int, int]:
     waits from B until W (``kept``, B's ``grads_out``), as :class:`MemoryRecorder` counts them (Qi et al.,
     arXiv 2401.10241, section 2.3)."""
     return nbytes((own, kept)), nbytes((kept, grads_out))
+
+
+class PlanMemoryWarning(UserWarning):
+    """A schedule run on a model whose M_W / M_B moves its peak above what its planner promised
+    (:meth:`zbpp_lite.schedules.memory.MemoryPlan.overrun`)."""
+
+
+def check_memory_plan(schedule: Schedule, sizes: dict) -> None:
+    """Warn (:class:`PlanMemoryWarning`) when the schedule's memory plan does not hold at this model's
+    M_B, M_W (``sizes[stage]``, bytes: :func:`stage_bytes`; checked when every stage runs here)."""
+    plan = schedule.memory_plan
+    if plan is None or len(sizes) < schedule.num_stages:
+        return
+    mem_b, mem_w = zip(*(sizes[s] for s in range(schedule.num_stages)))
+    message = plan.overrun(schedule, Costs(mem_b=mem_b, mem_w=mem_w))
+    if message:
+        warnings.warn(message, PlanMemoryWarning, stacklevel=4)
 
 
 class MemoryRecorder:

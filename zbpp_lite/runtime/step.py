@@ -1,12 +1,14 @@
-"""One pipeline step in flight and what it gives: the state the rank threads share (:class:`Step`), what
-a compute handler returns (:class:`Done`), the optimizer the rank threads step (:class:`RankUpdate`),
-the measured :class:`StepResult` with its :class:`TieSum` records, and :class:`PlanMemoryWarning`. Used
-by :mod:`zbpp_lite.runtime.executor`.
+"""One pipeline step in flight and what it gives: the state the rank threads share (:class:`Step`), the
+compute handlers (:class:`Compute`: each stage compiled for a shape, and the tied weights' gradient sums)
+and what one returns (:class:`Done`), the optimizer the rank threads step (:class:`RankUpdate`), the
+measured :class:`StepResult` with its :class:`TieSum` records. Used by :mod:`zbpp_lite.runtime.executor`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import threading
 import time
 from dataclasses import dataclass, field
@@ -15,10 +17,12 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 import jax
 import numpy as np
 
-from .memory import NoMemoryRecorder, stage_bytes
+from .memory import NoMemoryRecorder, check_memory_plan, stage_bytes
+from .split import sum_dtype
 from .stages import Params
+from .transport import Transfer
 from ..schedules.ir import Action, Key
-from ..schedules.program import Program, Recv, Send, consumer_stage, producer_stage
+from ..schedules.program import OptimizerMessage, Program, Recv, Send, consumer_stage, producer_stage
 from ..schedules.timeline import Event, Timeline
 
 
@@ -67,11 +71,6 @@ class TieSum:
     end: float
 
 
-class PlanMemoryWarning(UserWarning):
-    """A schedule run on a model whose M_W / M_B moves its peak above what its planner promised
-    (:meth:`zbpp_lite.schedules.memory.MemoryPlan.overrun`)."""
-
-
 class Done(NamedTuple):
     """What a compute handler returns: ``ready``, the arrays to wait for before the action counts as done,
     and ``out``, the value another stage takes (F's activation, B's or BW's input gradient; None for W,
@@ -96,6 +95,8 @@ class Step:
     events: list
     index: int = 0  # the step's number over the executor's life (the transport's step)
     where: str = ""  # the step in errors, e.g. " of step 3"
+    transport: Any = None  # the Transport carrying its values between ranks (:meth:`wait_for`)
+    timeout: float = 0.0  # seconds a rank waits for one value (the executor's timeout)
     t0: float = 0.0
     attempts: dict = field(default_factory=dict)  # rank -> its attempt (1 once its warm-up was redone)
     program: Any = None  # the Program the ranks run (with the optimizer's instructions, if any)
@@ -138,6 +139,18 @@ class Step:
         self.memory.free(rank, key)
         return self.store.pop(key)
 
+    def wait_for(self, rank: int, key: Transfer | OptimizerMessage, waiter: Any, earlier: int = 0) -> Any:
+        """What the transport has for ``rank`` under ``key`` (sent ``earlier`` steps before this one).
+        Raises TimeoutError naming the rank, ``waiter`` and the value."""
+        try:
+            return self.transport.recv(self.index - earlier, rank, key, self.timeout)
+        except TimeoutError:
+            what = (f"{key.tag} from rank {key.sender}" if isinstance(key, OptimizerMessage)
+                    else f"{key.kind} of stage {key.stage}, microbatch {key.microbatch}")
+            waiter = getattr(waiter, "text", waiter)
+            raise TimeoutError(f"rank {rank} waited {self.timeout:g} s before {waiter}{self.where}: "
+                               f"{what} never arrived") from None
+
 
 _HANDLERS = {"F": "forward", "B": "backward_input", "W": "backward_weight", "BW": "backward_fused"}
 
@@ -147,7 +160,9 @@ class Compute:
     action takes from another stage (F: x, B and BW: dy; stage 0's input and the last stage's seed 1/m
     among them) and returns :class:`Done`. Dead outputs (B's residuals once B or BW has run, B's output
     gradients once W has) are kept as ``spares``: the stage's next F / B writes into their memory
-    (FlatStage's ``spare``). A stage belongs to one rank thread, so its spares need no lock.
+    (FlatStage's ``spare``). A stage belongs to one rank thread, so its spares need no lock. Before a
+    step, :meth:`prepare` compiles the stages for its microbatches' shape; after a rank's last compute,
+    :meth:`sum_ties` sums the tied weights' gradient copies across ranks.
 
     Args:
         model: the :class:`~zbpp_lite.runtime.stages.StagedModel` (its ``stage_aux``, stage count).
@@ -158,6 +173,8 @@ class Compute:
         self.model, self.placement = model, placement
         self.spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
         self.spares_for: Any = None  # the microbatch shape the spares have
+        self._prepared: dict = {}  # prepare's: (x, y shapes and dtypes, no key?) -> (splits, input shapes)
+        self.input_shapes: list = []  # per stage: its input's shapes and dtypes (set by prepare)
 
     def fit_spares(self, shape: Any) -> None:
         """Drop the spares unless they were made for microbatches of ``shape`` (then made for it)."""
@@ -200,6 +217,34 @@ class Compute:
         self._keep_spare("res", s, res)
         return Done((dx, grads_out), dx if s else None)
 
+    def prepare(self, schedule: Any, devices: Sequence[Any], params: list, x_mb: Any, y_mb: Any,
+                key: Any = None) -> list:
+        """Each stage's StageSplit compiled for a new shape (with a dropout ``key`` row or without; None where
+        ``devices[stage]`` is None: run elsewhere), then the ``schedule``'s memory plan checked."""
+        signature = (np.shape(x_mb), str(x_mb.dtype), np.shape(y_mb), str(y_mb.dtype), key is None)
+        if signature in self._prepared:
+            splits, self.input_shapes = self._prepared[signature]
+            return splits
+        S = self.model.num_stages
+        # what stage s takes (and what its B sends back): one array, or a pytree (tuple, dict)
+        shapes = self.input_shapes = self.model.stage_inputs(x_mb)
+        splits: list = [None] * S
+        sizes: dict = {}  # stage -> (M_B, M_W) bytes, for the schedule's memory plan
+        local = [s for s, device in enumerate(devices) if device is not None]
+        kinds = {a.kind for r in {self.placement[s] for s in local} for a in schedule.rank_actions(r)}
+        for s in local:
+            device, last = devices[s], s == S - 1
+            splits[s] = self.model.split_stage(s, shapes[s], y_mb, key)
+            x = jax.device_put(jax.tree_util.tree_map(lambda a: np.zeros(a.shape, a.dtype), shapes[s]),
+                               device)
+            aux = jax.device_put(self.model.stage_aux(s, y_mb if last else None, key), device)
+            sizes[s] = self.warm(splits[s].flat, params[s], x, aux, kinds, device)
+        sizes = {s: size for s, size in sizes.items() if size is not None}
+        self._warm_ties(params, devices)
+        self._prepared[signature] = splits, shapes
+        check_memory_plan(schedule, sizes)
+        return splits
+
     def warm(self, flat: Any, params: tuple, x: Any, aux: Any, kinds: set, device: Any) -> tuple | None:
         """Compile a stage's jitted F and the backwards in ``kinds`` as the handlers call them (``flat``:
         its FlatStage; ``x``, ``aux``: one microbatch's, on its ``device``): each twice, new memory then a
@@ -233,6 +278,36 @@ class Compute:
         dx, step.acc[s] = step.splits[s].flat.backward_fused(step.params[s], res, kept, dy, step.acc[s])
         self._keep_spare("res", s, res)
         return Done((dx, step.acc[s]), dx if s else None)
+
+    def _warm_ties(self, params: list, devices: Sequence[Any]) -> None:
+        """Compile :meth:`sum_ties`' addition for each copy on a stage run here, so no step compiles it."""
+        for s, i in (c for copies in self.model.tied_leaves() for c in copies if devices[c[0]] is not None):
+            leaf = params[s][i]
+            zeros = jax.device_put(np.zeros(leaf.shape, sum_dtype(leaf.dtype)), devices[s])
+            jax.block_until_ready(zeros + zeros)
+
+    def sum_ties(self, step: Step, rank: int) -> None:
+        """Tied weights: for each tie with a copy on ``rank``, send the sum of its copies here to the other
+        ranks holding copies, add theirs in rank order, and put the total into every copy here."""
+        for t, copies in enumerate(self.model.tied_leaves()):
+            mine = [(s, i) for s, i in copies if self.placement[s] == rank]
+            if not mine:
+                continue
+            start, ranks = time.perf_counter(), tuple(sorted({self.placement[s] for s, _ in copies}))
+            own = functools.reduce(operator.add, [step.acc[s][i] for s, i in mine])
+            for q in ranks:
+                if q != rank:
+                    step.transport.send(step.index, q, OptimizerMessage(f"TIE{t}", rank), own)
+            device = own.sharding  # the rank's one device, which holds every copy here
+            shares = [own if q == rank else jax.device_put(step.wait_for(
+                rank, OptimizerMessage(f"TIE{t}", q), f"the sum of tie {t}"), device) for q in ranks]
+            total = functools.reduce(operator.add, shares)
+            for s, i in mine:
+                step.acc[s] = (*step.acc[s][:i], total, *step.acc[s][i + 1:])
+            jax.block_until_ready(total)
+            with step.lock:
+                step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, start - step.t0,
+                                            time.perf_counter() - step.t0))
 
 
 def placed(tree: Any, device) -> Any:
