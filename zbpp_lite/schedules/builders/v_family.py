@@ -49,13 +49,14 @@ def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) 
     costs = costs or Costs()
     limits, table = v_limits("v-min", (p + 4) // 3, p, costs, None)
     placement = v_placement(p)
-    plan = search_v(placement, m, table, limits)  # its makespan is the simulated one (greedy.plan)
     block = Schedule(tight_v_block(p, m, table), placement, m, "v-min")
-    best, best_span = plan.schedule(placement, m, "v-min"), plan.makespan
     timeline = simulate(block, costs, check=False)  # complete by construction; a deadlock still raises
     fits = all(peak <= limit + 1e-9 for peak, limit in zip(timeline.peak_memory, limits))
-    if fits and timeline.makespan < best_span - 1e-9 * max(1.0, best_span):
-        best = block
+    span = timeline.makespan  # the block wins over any plan longer than span + 2e-9 max(1, span)
+    plan = search_v(placement, m, table, limits, longest=span + 2e-9 * max(1.0, span) if fits else None)
+    best = block  # the plan's makespan is the simulated one (greedy.plan)
+    if plan is not None and not (fits and span < plan.makespan - 1e-9 * max(1.0, plan.makespan)):
+        best = plan.schedule(placement, m, "v-min")
     return replace(best, memory_plan=MemoryPlan.of(costs, 2 * p, limits))
 
 
