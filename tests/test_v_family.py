@@ -17,7 +17,7 @@ from functools import lru_cache
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.schedules.builders.v_family import tight_v_block
+from zbpp_lite.schedules.builders.v_family import _tight_v, tight_v_block
 from zbpp_lite.schedules.builders.zb_v import NARROW_ABOVE, search_v, v_limits
 from zbpp_lite.schedules.ir import Schedule
 
@@ -151,6 +151,18 @@ def test_the_tight_v_block_holds_v_mins_memory_exactly():
         assert list(peaks) == expected
         assert max(peaks) <= 2 * ((p + 4) // 3)
         assert max(zb.simulate(s).peak_memory) == max(expected)
+
+
+@pytest.mark.parametrize("p, m, costs", [
+    (4, 12, zb.Costs()), (16, 48, zb.Costs()), (3, 5, zb.Costs(w=0.0)), (7, 21, zb.Costs(comm=0.3)),
+    (6, 10, zb.Costs(f=[1.0 + 0.1 * s for s in range(12)], b=1.3, w=0.7, comm=0.2)), (16, 48, TABLE8),
+])
+def test_the_tight_v_blocks_bound_from_its_planned_times_is_at_least_its_simulated_makespan(p, m, costs):
+    # v-min's search stops runs longer than this bound; None where some action found no overlap-free slot
+    rows, bound = _tight_v(p, m, costs.table(2 * p))
+    span = zb.simulate(Schedule(rows, zb.v_placement(p), m), costs).makespan
+    assert bound is None or span <= bound <= span * 1.05
+    assert bound is not None or costs.comm != 0.0  # unit costs: always overlap-free
 
 
 @pytest.mark.parametrize("p, m, costs", [(4, 900, zb.Costs()), (2, 2000, zb.Costs(mem_w=0.0))])
