@@ -17,7 +17,8 @@ from functools import lru_cache
 import pytest
 
 import zbpp_lite as zb
-from zbpp_lite.schedules.builders.v_family import tight_v_block
+from zbpp_lite.schedules.builders.v_family import _tight_v, tight_v_block
+from zbpp_lite.schedules.builders.zb_v import NARROW_ABOVE, search_v, v_limits
 from zbpp_lite.schedules.ir import Schedule
 
 TABLE8 = zb.Costs(f=14.407, b=14.380, w=9.676, comm=1.610)  # per V stage, the paper's profiled setting
@@ -150,6 +151,39 @@ def test_the_tight_v_block_holds_v_mins_memory_exactly():
         assert list(peaks) == expected
         assert max(peaks) <= 2 * ((p + 4) // 3)
         assert max(zb.simulate(s).peak_memory) == max(expected)
+
+
+@pytest.mark.parametrize("p, m, costs", [
+    (4, 12, zb.Costs()), (16, 48, zb.Costs()), (3, 5, zb.Costs(w=0.0)), (7, 21, zb.Costs(comm=0.3)),
+    (6, 10, zb.Costs(f=[1.0 + 0.1 * s for s in range(12)], b=1.3, w=0.7, comm=0.2)), (16, 48, TABLE8),
+])
+def test_the_tight_v_blocks_bound_from_its_planned_times_is_at_least_its_simulated_makespan(p, m, costs):
+    # v-min's search stops runs longer than this bound; None where some action found no overlap-free slot
+    rows, bound = _tight_v(p, m, costs.table(2 * p))
+    span = zb.simulate(Schedule(rows, zb.v_placement(p), m), costs).makespan
+    assert bound is None or span <= bound <= span * 1.05
+    assert bound is not None or costs.comm != 0.0  # unit costs: always overlap-free
+
+
+@pytest.mark.parametrize("p, m, costs", [(4, 900, zb.Costs()), (2, 2000, zb.Costs(mem_w=0.0))])
+def test_v_mins_search_above_the_narrow_size_stops_at_the_blocks_makespan_and_picks_as_before(p, m, costs):
+    # there the search keeps one cap and polishes nothing: v-min hands it the tight block's makespan and
+    # runs stop once longer. At p = 4 the block is the shorter (the search returns None, no run within it);
+    # at p = 2 with M_W = 0 the greedy plan is (the full search's plan)
+    limits, table = v_limits("v-min", (p + 4) // 3, p, costs, None)
+    placement = zb.v_placement(p)
+    assert 3 * len(placement) * m > NARROW_ABOVE
+    block = Schedule(tight_v_block(p, m, table), placement, m, "v-min")
+    span = zb.simulate(block, costs).makespan
+    full = search_v(placement, m, table, limits)
+    capped = search_v(placement, m, table, limits, longest=span + 2e-9 * max(1.0, span))
+    built = zb.build_schedule("v-min", p, m, costs=costs).to_csv()
+    if full.makespan < span:
+        assert capped == full
+        assert built == full.schedule(placement, m, "v-min").to_csv()
+    else:
+        assert capped is None
+        assert built == block.to_csv()
 
 
 @pytest.mark.parametrize("name", ["v-half", "v-min"])

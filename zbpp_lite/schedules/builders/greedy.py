@@ -194,6 +194,15 @@ class Cutoff:
         """Stop where (makespan, peak) cannot sort before the pair (an equal pair loses if ``ties_lose``)."""
         return cls(makespan, makespan, peak if ties_lose else math.nextafter(peak, _INF))
 
+    @classmethod
+    def capped(cls, cutoff: "Cutoff | None", longest: float) -> "Cutoff | None":
+        """``cutoff`` (None: none) that also stops where the makespan is certain to exceed ``longest``."""
+        if longest == _INF:
+            return cutoff
+        if cutoff is None:
+            return cls(longest, longest, _INF)
+        return cls(min(cutoff.above, longest), cutoff.floor, cutoff.peak)
+
 
 class _Abandoned(Exception):
     """Raised inside a greedy run when its :class:`Cutoff` is met."""
@@ -229,7 +238,8 @@ class Runs:
     ``fill_partial`` differs only where that run's never changed an answer, *is* that run; a run whose
     state at the end of the warm-up equals an earlier run's (rules equal outside the warm-up) ends with its
     plan, and is remembered as a run of its own; with a :class:`Cutoff` a run stops (returns None) once it
-    cannot win.
+    cannot win, and once it is certain to be longer than :attr:`longest` (a caller's own plan's makespan:
+    nothing longer is wanted; default infinity).
     """
 
     def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
@@ -239,9 +249,12 @@ class Runs:
         self.greedy_runs = 0  # runs simulated, in full or in part (for benchmarks and tests)
         self.rejoined = 0  # of those, runs that ended where they met an earlier run's state
         self.floors: dict[float, float] = {}  # peak_floor's answers
+        self.longest = _INF  # every run stops once certain to be longer than this
 
     def run(self, rules: Rules, cutoff: Cutoff | None = None) -> Plan | None:
-        """The plan of ``rules``, or None when ``cutoff`` shows it cannot win."""
+        """The plan of ``rules``, or None when ``cutoff`` shows it cannot win or it is longer than
+        :attr:`longest`."""
+        cutoff = Cutoff.capped(cutoff, self.longest)
         for rec in self.records:
             if _same_run(rec, rules):
                 if rec.plan is not None:
@@ -287,14 +300,17 @@ class Runs:
             ):
                 raise _Rejoined(rec)
 
-    def best(self, candidates: Iterable[Rules], best: Plan | None = None) -> Plan:
+    def best(self, candidates: Iterable[Rules], best: Plan | None = None) -> Plan | None:
         """The plan of the shortest makespan over ``candidates`` (ties: lower peak memory, then ``best``, then
-        the earlier candidate): the paper's search over its binary choices (arXiv 2401.10241 section 3.1)."""
+        the earlier candidate): the paper's search over its binary choices (arXiv 2401.10241 section 3.1).
+        None where every run is longer than :attr:`longest`."""
+        tried = best is not None
         for rules in candidates:
+            tried = True
             result = self.run(rules, None if best is None else Cutoff.not_better(best))
             if result is not None and (best is None or _better(result, best)):
                 best = result
-        if best is None:
+        if not tried:
             raise ValueError("Runs.best needs at least one Rules candidate")
         return best
 
@@ -894,8 +910,13 @@ def improve(
 
 
 def search_budget(rows) -> int:
-    """Default simulations for a local search over ``rows``: min(200, 20000 // actions)."""
-    return min(200, 20000 // max(sum(len(row) for row in rows), 1))
+    """Default simulations for a local search over ``rows``: :func:`budget_of` their actions."""
+    return budget_of(sum(len(row) for row in rows))
+
+
+def budget_of(actions: int) -> int:
+    """Default simulations for a local search over ``actions`` actions in all: min(200, 20000 // actions)."""
+    return min(200, 20000 // max(actions, 1))
 
 
 def evaluator(rows: list, placement: Sequence[int], num_microbatches: int, table: CostTable,

@@ -27,7 +27,8 @@ from ..costs import Costs, CostTable
 from ..ir import Action, Schedule, v_placement
 from ..memory import MemoryPlan
 from ._common import check_sizes
-from .greedy import _EPS, Cutoff, Plan, Rules, Runs, _better, improve, per_rank_limits, rank_stage_memory
+from .greedy import (_EPS, Cutoff, Plan, Rules, Runs, _better, budget_of, improve, per_rank_limits,
+    rank_stage_memory)
 
 V_ORDERS = ((("B", 1), ("B", 0), ("F", 1), ("F", 0)), (("B", 0), ("B", 1), ("F", 1), ("F", 0)))
 """Priority orders tried: backward first (the chunk nearer the loss, or the other), then chunk-1 F."""
@@ -58,14 +59,22 @@ def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Seque
 
 
 def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequence[float],
-        keep: int = 2) -> Plan:
+        keep: int = 2, longest: float | None = None) -> Plan | None:
     """The staged search: caps (with and without the warm-up fit), then the binary choices and second
     priority order for the ``keep`` best caps (above :data:`NARROW_ABOVE` actions: flat caps, the best one).
     Picks what that search would; runs stop once they cannot change the pick (:class:`Runs`), tried most
-    promising first (:func:`_try_order`)."""
+    promising first (:func:`_try_order`).
+
+    ``longest``: the makespan of a plan the caller has already, which wins over any longer one. Above
+    :data:`NARROW_ABOVE` actions (one cap kept, nothing polished) runs stop once certain to be longer
+    (:attr:`Runs.longest`): the pick is the same wherever a cap's run is within ``longest``; where none is,
+    no cap is refined, and None is returned where no run is within it."""
     runs = Runs(placement, m, table, limits)
-    narrow = 3 * len(placement) * m > NARROW_ABOVE
+    actions = 3 * len(placement) * m
+    narrow = actions > NARROW_ABOVE
     keep = 1 if narrow else keep
+    if longest is not None and narrow and budget_of(actions) == 0:
+        runs.longest = longest
     shapes = [shape for shape in CAP_SHAPES if not narrow or shape is None or shape[1] == 0.0]
     tries = [(shape, fit_f) for shape in shapes for fit_f in (False, True)]
     scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
@@ -95,8 +104,8 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
         if order != V_ORDERS[0] or fill_partial
     ]
     feed = [Rules(order=order, fit_f=fit_f, feed=True) for order in V_ORDERS for fit_f in (False, True)]
-    best = runs.best([*refine, *feed], best=ranked[0][3])
-    return improve(best, placement, m, table, limits)[0]
+    best = runs.best([*refine, *feed], best=ranked[0][3] if ranked else None)
+    return None if best is None else improve(best, placement, m, table, limits)[0]
 
 
 def _try_order(tries: list, scored: dict, roomy: bool):
