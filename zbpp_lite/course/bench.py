@@ -133,7 +133,7 @@ class SpmdLab:
         """Lesson 8's clipped SGD step (:data:`~zbpp_lite.course.lesson8.STEP`) on jax.grad's gradients,
         twice: inside ``shard_map`` (each rank its own stage, the global norm from one ``lax.psum``) and on
         the whole model on one device. Returns ``((As, cs) per rank, stacked; the same from the whole
-        model)``: exercise 8.4's answer, kept out of lesson 9's sight."""
+        model)``: exercise 8.4's answer, which lesson 9 prints."""
         from jax import lax
         from jax.sharding import PartitionSpec as P
 
