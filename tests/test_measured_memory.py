@@ -229,7 +229,8 @@ def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsy
 
     path = tmp_path / "run.json"
     argv = ["train", "--schedule", "zb-h2", "--ranks", "2", "--microbatches", "4", "--steps", "2", "--d", "16",
-            "--heads", "2", "--blocks", "4", "--batch", "8", "--json", str(path), "--no-progress"]
+            "--heads", "2", "--blocks", "4", "--batch", "8", "--json", str(path), "--no-progress",
+            "--ranks-as", "threads"]  # (the processes path is test_turns'; threads spawn nothing)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "activation memory per rank" in out and "measured / planned 1.0000" in out
@@ -239,7 +240,7 @@ def test_train_json_and_compare_report_carry_the_measured_memory(tmp_path, capsy
     assert memory["held"][0][0] == [0.0, 0] and memory["held"][0][-1][1] == 0
     out_html = tmp_path / "compare.html"
     argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1", "--steps", "2", "--d", "16",
-            "--heads", "2", "--blocks", "4", "--batch", "4", "--learn-steps", "0", "--out", str(out_html)]
+            "--heads", "2", "--blocks", "4", "--batch", "4", "--learn-steps", "0", "--out", str(out_html), "--ranks-as", "threads"]
     assert main(argv) == 0
     assert "activation memory peak per rank (bytes): measured" in capsys.readouterr().out
     page = out_html.read_text()

@@ -172,7 +172,7 @@ def test_compare_with_one_accelerator_simulates_every_schedule_from_profiled_cos
     monkeypatch.setattr(devices_mod, "platform_devices", lambda platform: [lone] if platform == "gpu" else jax.devices(platform))
     out = tmp_path / "compare.json"
     sizes = [*SMALL[:-1], "2", "--learn-steps", "0"]  # compare times the steps after the first: 2 at least
-    args = ["compare", "--platform", "gpu", "--schedules", "gpipe,zb-h1,zb-h1+fuse", *sizes,
+    args = ["compare", "--platform", "gpu", "--schedules", "gpipe,zb-h1,zb-h1+fuse", *sizes, "--ranks-as", "threads",
             "--out", str(tmp_path / "c.html"), "--json", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
