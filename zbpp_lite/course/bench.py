@@ -88,8 +88,8 @@ def stage_F(A: jax.Array, c: jax.Array, x: jax.Array) -> tuple:
 
 def stage_B(A: jax.Array, outs: jax.Array, dy: jax.Array) -> tuple:
     """Lesson 9's B (input gradient only): ``dy`` (samples, d) at the stage's output -> ``(dx, dz)``, dz each
-    layer's gradient at its pre-activation z, (gradient at the layer's output) (1 - tanh(z)^2): ``dy`` at
-    the second layer, ``dz1 @ A[1].T`` at the first; stacked (2, samples, d) for W."""
+    layer's gradient at its pre-activation z, (gradient at tanh(z)) (1 - tanh(z)^2): ``dy`` at layer 1,
+    ``dz[1] @ A[1].T`` at layer 0; stacked (2, samples, d) for W."""
     dz1 = dy * (1 - outs[1] ** 2)
     dz0 = (dz1 @ A[1].T) * (1 - outs[0] ** 2)
     return dz0 @ A[0].T, jnp.stack([dz0, dz1])
