@@ -253,7 +253,8 @@ def test_train_with_a_guard_runs_both_policies_to_the_same_model(monkeypatch):
 def test_train_command_reports_the_guard(capsys):
     from zbpp_lite.cli import main
 
-    tiny = ["--ranks", "2", "--microbatches", "4", "--steps", "3", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "32"]
+    tiny = ["--ranks", "2", "--microbatches", "4", "--steps", "3", "--d", "16", "--heads", "2", "--blocks", "4", "--batch", "32",
+            "--ranks-as", "threads"]  # (a clipped run in processes: test_turns)
     assert main(["train", "--schedule", "zb-h2", *tiny, "--max-grad-norm", "0.5", "--post-validation", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "optimizer step in the rank threads, post-validation, max_grad_norm 0.5: 3 of 3 steps clipped, 0 skipped, 3 rolled back" in out
