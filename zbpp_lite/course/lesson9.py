@@ -291,7 +291,7 @@ def _rows_problem(rows: Any) -> Verdict | None:
         return Verdict("9.4", False, "expected rows as {name: {buffer: rows}} for "
                        f"{', '.join(SPMD_RUNS)}, got {rows!r}.", hint)
     for name in SPMD_RUNS:
-        need = _depths(name, 4, 8)
+        need = _depths(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])
         for buffer in ROWS_BUFFERS:
             got = rows[name].get(buffer) if isinstance(rows[name], dict) else None
             if not isinstance(got, (int, np.integer)):
