@@ -243,13 +243,13 @@ class Runs:
     """
 
     def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
-            limits: Sequence[float]):
+            limits: Sequence[float], longest: float = _INF):
         self.args = (list(placement), num_microbatches, table, list(limits))
         self.records: list[_Record] = []
         self.greedy_runs = 0  # runs simulated, in full or in part (for benchmarks and tests)
         self.rejoined = 0  # of those, runs that ended where they met an earlier run's state
         self.floors: dict[float, float] = {}  # peak_floor's answers
-        self.longest = _INF  # every run stops once certain to be longer than this
+        self.longest = longest  # every run stops once certain to be longer than this
 
     def run(self, rules: Rules, cutoff: Cutoff | None = None) -> Plan | None:
         """The plan of ``rules``, or None when ``cutoff`` shows it cannot win or it is longer than

@@ -69,12 +69,11 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
     :data:`NARROW_ABOVE` actions (one cap kept, nothing polished) runs stop once certain to be longer
     (:attr:`Runs.longest`): the pick is the same wherever a cap's run is within ``longest``; where none is,
     no cap is refined, and None is returned where no run is within it."""
-    runs = Runs(placement, m, table, limits)
     actions = 3 * len(placement) * m
     narrow = actions > NARROW_ABOVE
     keep = 1 if narrow else keep
-    if longest is not None and narrow and budget_of(actions) == 0:
-        runs.longest = longest
+    capped = longest is not None and narrow and budget_of(actions) == 0
+    runs = Runs(placement, m, table, limits, longest=longest if capped else float("inf"))
     shapes = [shape for shape in CAP_SHAPES if not narrow or shape is None or shape[1] == 0.0]
     tries = [(shape, fit_f) for shape in shapes for fit_f in (False, True)]
     scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
