@@ -4,6 +4,7 @@ definitions, so each check's simulator-computed reference is tested against them
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -328,19 +329,24 @@ def _sends_from_placement(place, r):
     return down + sum(place[s] == r != place[s - 1] for s in range(1, len(place)))
 
 
+# ZB-V built once per (p, m) for the answers below (its search takes seconds at p = 8): 5.3 asks twice per
+# point (two t's), 5.1 once per rank. The guard test clears it, so its first call reaches the package.
+_zb_v = functools.cache(lambda p, m: zb.build_schedule("zb-v", p, m))
+
 SIMULATED = {  # function answers that ask the package instead of deriving: each exactly right at every point
     "3.3": lambda p, m, f, b, w: (zb.simulate(zb.build_schedule("zb-h2", p, m), zb.Costs(f=f, b=b, w=w)).makespan
                                   - m * (f + b + w)),
-    "5.3": lambda p, m, t: zb.simulate(zb.build_schedule("zb-v", p, m), zb.Costs(f=t, b=t, w=t)).makespan,
+    "5.3": lambda p, m, t: zb.simulate(_zb_v(p, m), zb.Costs(f=t, b=t, w=t)).makespan,
     "6.3": lambda p, v, r: max(zb.simulate(zb.build_schedule("interleaved-1f1b", p, k * p, stages_per_rank=v),
                                            zb.Costs()).peak_memory[r] for k in (2, 3)),
-    "5.1": lambda p, r: _sends_from_placement(zb.build_schedule("zb-v", p, 2 * p).placement, r),
+    "5.1": lambda p, r: _sends_from_placement(_zb_v(p, 2 * p).placement, r),
     "9.3": lambda name, buffer, p, m, r: ex.buffer_depths(zb.build_schedule(name, p, m))[buffer][r],
 }
 
 
 @pytest.mark.parametrize("key", sorted(SIMULATED))
 def test_a_function_answer_that_calls_the_package_is_refused_by_name(key):
+    _zb_v.cache_clear()
     verdict = ex.EXERCISES[key](SIMULATED[key])
     assert not verdict and "called zbpp_lite's" in verdict.message and verdict.hint, str(verdict)
 

@@ -136,10 +136,23 @@ def test_torch_weights_with_a_wrong_shape_or_name_are_refused(tmp_path):
 def test_digit_tokens_are_rows_of_pixels_over_16():
     from sklearn.datasets import load_digits as sk_digits
 
-    x, y = load_digit_tokens()
+    x, y = load_digit_tokens()  # read from scikit-learn's file: every sample equals its load_digits()
     assert x.shape == (NUM_SAMPLES, 8, 8) and x.dtype == np.float32 and y.dtype == np.int32
-    np.testing.assert_array_equal(x[7] * 16, sk_digits().images[7])
+    digits = sk_digits()
+    np.testing.assert_array_equal(x * 16, digits.images)
+    np.testing.assert_array_equal(y, digits.target)
     assert 0.0 <= x.min() and x.max() == 1.0
+
+
+def test_the_digits_come_from_scikit_learns_loader_where_its_file_is_not_found(monkeypatch):
+    from sklearn.datasets import load_digits as sk_digits
+
+    from zbpp_lite.training import data
+
+    monkeypatch.setattr(data, "_digits_file", lambda: None)
+    x, y = load_digit_tokens()
+    np.testing.assert_array_equal(x * 16, sk_digits().images)
+    np.testing.assert_array_equal(y, sk_digits().target)
 
 
 def test_batches_follow_the_pytorch_order_and_cover_an_epoch():

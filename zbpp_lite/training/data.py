@@ -13,6 +13,7 @@ script's batches, tested on all samples.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import pathlib
 import sysconfig
 from dataclasses import dataclass
@@ -24,9 +25,28 @@ from .model import GPTConfig, ModelConfig, RunConfig
 NUM_SAMPLES = 1797
 
 
+def _digits_file() -> pathlib.Path | None:
+    """scikit-learn's ``datasets/data/digits.csv.gz``, located without importing it; None if not found."""
+    spec = importlib.util.find_spec("sklearn")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = pathlib.Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            return path
+    return None
+
+
 def load_digit_tokens() -> tuple[np.ndarray, np.ndarray]:
-    """All 1,797 digits: ``x`` (1797, 8, 8) float32 in [0, 1] (rows as tokens), ``y`` (1797,) int32."""
-    from sklearn.datasets import load_digits  # lazy: scikit-learn takes seconds to import, needed once
+    """All 1,797 digits: ``x`` (1797, 8, 8) float32 in [0, 1] (rows as tokens), ``y`` (1797,) int32.
+
+    Read from the file scikit-learn's ``load_digits`` reads (``sklearn/datasets/data/digits.csv.gz``: 64
+    pixels 0-16 and the label a row), found without importing scikit-learn: its import costs about 1.5 s
+    of CPU in every process that loads the digits (each rank process, each command). Where the file is
+    not there, ``sklearn.datasets.load_digits`` itself (tests/test_model.py checks both agree)."""
+    path = _digits_file()
+    if path is not None:
+        table = np.loadtxt(path, delimiter=",", dtype=np.float32)
+        return (table[:, :64].reshape(-1, 8, 8) / 16.0).astype(np.float32), table[:, 64].astype(np.int32)
+    from sklearn.datasets import load_digits
 
     digits = load_digits()
     return (digits.images / 16.0).astype(np.float32), digits.target.astype(np.int32)
