@@ -151,8 +151,9 @@ def test_the_digits_come_from_scikit_learns_loader_where_its_file_is_not_found(m
 
     monkeypatch.setattr(data, "_digits_file", lambda: None)
     x, y = load_digit_tokens()
-    np.testing.assert_array_equal(x * 16, sk_digits().images)
-    np.testing.assert_array_equal(y, sk_digits().target)
+    digits = sk_digits()
+    np.testing.assert_array_equal(x * 16, digits.images)
+    np.testing.assert_array_equal(y, digits.target)
 
 
 def test_batches_follow_the_pytorch_order_and_cover_an_epoch():

@@ -44,12 +44,14 @@ def load_digit_tokens() -> tuple[np.ndarray, np.ndarray]:
     not there, ``sklearn.datasets.load_digits`` itself (tests/test_model.py checks both agree)."""
     path = _digits_file()
     if path is not None:
-        table = np.loadtxt(path, delimiter=",", dtype=np.float32)
-        return (table[:, :64].reshape(-1, 8, 8) / 16.0).astype(np.float32), table[:, 64].astype(np.int32)
-    from sklearn.datasets import load_digits
+        table = np.loadtxt(path, delimiter=",")
+        pixels, labels = table[:, :64], table[:, 64]
+    else:
+        from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    return (digits.images / 16.0).astype(np.float32), digits.target.astype(np.int32)
+        digits = load_digits()
+        pixels, labels = digits.data, digits.target
+    return (pixels.reshape(-1, 8, 8) / 16.0).astype(np.float32), labels.astype(np.int32)
 
 
 def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
