@@ -9,11 +9,15 @@ rounding (the script checks it):
 - ``wall``: the same one program, with a *fusion wall* between blocks: an identity whose tangent passes
   through a ``lax.cond`` on a value only known at run time, so its transpose (the residual stream's
   gradient at that boundary) is computed once and stored, not fused into its consumers;
-- ``pieces``: one jitted ``jax.vjp`` per block, chained in Python (what a pipeline stage's programs do).
+- ``pieces``: one jitted ``jax.vjp`` per block, chained in Python (what a pipeline stage's programs do);
+- ``chunks``: one program again, the batch's gradient accumulated over 8 row chunks of 256 in a ``scan``
+  (what the package's single-device reference does with a run's microbatches): the backward then reads
+  one chunk's activations, which the caches still hold, where the whole batch's have left them.
 
 For each depth it prints the compiled gradient's fused-instruction count (the sum of the lines of its fused
 computations, a measure of the work XLA emitted; it grows linearly with k for a stack without the layer
-norm) and the median time of each form, the three timed in alternation, step by step, in one process.
+norm), the temporary memory of ``whole`` and ``chunks`` (XLA's buffer assignment: mostly the activations
+the backward reads back; compare it with the machine's last-level cache) and the median time of each form, the three timed in alternation, step by step, in one process.
 ``--report`` prints the text of an upstream report. The cause (docs/XLA_BACKWARD.md): the residual
 stream's gradient is a chain of cheap elementwise adds through every block; XLA:CPU's instruction fusion
 duplicates cheap producers into each consumer, and each block's layer-norm backward reduces that gradient
@@ -72,6 +76,11 @@ def fused_lines(fn, *args) -> int:
     return sum(c.count("\n") for c in re.split(r"\n(?=\S.*\{\n)", text) if c.startswith("%fused"))
 
 
+def temp_mib(fn, *args) -> float:
+    """MiB of temporary buffers in the compiled program (XLA's buffer assignment)."""
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2 ** 20
+
+
 def pieces_grad(params: list, x: jax.Array):
     """The gradient as one program per block: a forward keeping each block's vjp, then the vjps in reverse."""
     vjps = []
@@ -83,6 +92,16 @@ def pieces_grad(params: list, x: jax.Array):
         gp, g = _apply(vjp, g)
         grads.append(gp)
     return grads[::-1]
+
+
+def chunks_grad(params: list, x: jax.Array, chunks: int = 8):
+    """The gradient as one program accumulating ``chunks`` equal row chunks of ``x`` in a ``scan``."""
+    def one(total, rows):
+        return jax.tree.map(jnp.add, total, jax.grad(loss)(params, rows)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    total, _ = jax.lax.scan(one, zeros, x.reshape(chunks, -1, x.shape[-1]))
+    return jax.tree.map(lambda g: g / chunks, total)  # the loss is a mean over rows: so is the sum's
 
 
 _block_vjp = jax.jit(lambda p, x: jax.vjp(block, p, x))
@@ -103,13 +122,15 @@ def run_depth(k: int, steps: int, timed: bool) -> dict:
     x = jax.random.normal(jax.random.PRNGKey(1), (2048, 128))
     whole = jax.jit(jax.grad(loss))
     walled = jax.jit(jax.grad(lambda p, x: loss(p, x, walls=True)))
-    forms = {"whole": whole, "wall": walled, "pieces": pieces_grad}
+    chunked = jax.jit(chunks_grad)
+    forms = {"whole": whole, "wall": walled, "pieces": pieces_grad, "chunks": chunked}
     ref = whole(params, x)
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref))
     for name, fn in forms.items():
         diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(fn(params, x)), jax.tree.leaves(ref)))
         assert diff <= 1e-5 * scale, f"{name} differs from jax.grad by {diff:.2e} (scale {scale:.2e})"
-    row = {"k": k, "fused_whole": fused_lines(whole, params, x), "fused_wall": fused_lines(walled, params, x)}
+    row = {"k": k, "fused_whole": fused_lines(whole, params, x), "fused_wall": fused_lines(walled, params, x),
+           "temp_whole": temp_mib(whole, params, x), "temp_chunks": temp_mib(chunked, params, x)}
     if timed:
         times = {name: [] for name in forms}
         for _ in range(steps):  # alternating, step by step: a slow spell meets every form
@@ -118,6 +139,7 @@ def run_depth(k: int, steps: int, timed: bool) -> dict:
         row.update({name: statistics.median(ts) * 1e3 for name, ts in times.items()})
         row["whole/wall"] = statistics.median(np.array(times["whole"]) / np.array(times["wall"]))
         row["whole/pieces"] = statistics.median(np.array(times["whole"]) / np.array(times["pieces"]))
+        row["whole/chunks"] = statistics.median(np.array(times["whole"]) / np.array(times["chunks"]))
     return row
 
 
@@ -154,17 +176,20 @@ def main(argv=None) -> None:
     for k in depths:
         row = run_depth(k, args.steps, not args.no_time)
         rows.append(row)
-        line = f"k={k:3d}  fused lines: whole {row['fused_whole']:6d}, wall {row['fused_wall']:6d}"
+        line = (f"k={k:3d}  fused lines: whole {row['fused_whole']:6d}, wall {row['fused_wall']:6d}  |  temp MiB: "
+                f"whole {row['temp_whole']:6.1f}, chunks {row['temp_chunks']:5.1f}")
         if not args.no_time:
-            line += (f"  |  ms: whole {row['whole']:8.1f}, wall {row['wall']:8.1f}, pieces {row['pieces']:8.1f}"
-                     f"  |  paired whole/wall {row['whole/wall']:.2f}, whole/pieces {row['whole/pieces']:.2f}")
+            line += (f"  |  ms: whole {row['whole']:7.1f}, wall {row['wall']:7.1f}, pieces {row['pieces']:7.1f}, "
+                     f"chunks {row['chunks']:7.1f}  |  paired whole/wall {row['whole/wall']:.2f}, whole/pieces "
+                     f"{row['whole/pieces']:.2f}, whole/chunks {row['whole/chunks']:.2f}")
         print(line, flush=True)
     if args.report:
         import jaxlib
 
         lines = "\n".join(f"  k={r['k']}: {r['fused_whole']} (with the wall: {r['fused_wall']})" for r in rows)
         times = "\n".join(f"  k={r['k']}: {r['whole']:.1f} (wall {r['wall']:.1f}, one program per block "
-                          f"{r['pieces']:.1f})" for r in rows if "whole" in r) or "  (run without --no-time)"
+                          f"{r['pieces']:.1f}, 8 row chunks in a scan {r['chunks']:.1f}; temp MiB {r['temp_whole']:.0f} "
+                          f"and {r['temp_chunks']:.0f})" for r in rows if "whole" in r) or "  (run without --no-time)"
         print("\n" + REPORT.format(jax=jax.__version__, jaxlib=jaxlib.__version__, lines=lines, times=times))
 
 

@@ -275,15 +275,17 @@ def _turn_order(schedules: list) -> list:
 
 def _references(args, model, config, data, devices, one_rank, one) -> dict:
     """Median step seconds of the two single-device references on one core: the whole batch as one
-    jitted step (``baseline``) and our executor on one rank (``one_rank``: from the turns, or trained
-    here in threads), over as many timed steps as the pipelines'."""
+    jitted step accumulating the run's microbatches (``baseline``) and our executor on one rank
+    (``one_rank``: from the turns, or trained here in threads), over as many timed steps as the
+    pipelines'."""
     if one_rank is None:
         quiet = dataclasses.replace(config, check_grads=False, progress=False)
         one_rank = train(one_rank_schedule(1, args.microbatches), steps=args.steps, model=model, run=quiet,
                          options=TrainOptions(devices=devices[:1], data=data))
     whole = one.whole_batch(args.steps, devices[0])
     return {
-        "one device, whole batch (one jitted step)": timed_median(whole),
+        f"one device, whole batch (one jitted step, its m={args.microbatches} microbatches accumulated)":
+            timed_median(whole),
         f"one device, our executor (m={args.microbatches} microbatches)": timed_median(one_rank.step_seconds),
     }
 

@@ -4,13 +4,13 @@ Correctness: :func:`reference_grads`, :func:`evaluate`, :func:`max_relative_erro
 :func:`jitted_update` (Optax's AdamW of :class:`~.postval.rollback.AdamWConfig`). Speed:
 :func:`train_baseline` (the PyTorch benchmark's ``baseline``: whole batch, loss, gradients and AdamW in
 one jitted step with donated state; same model, data, batches, init and optimizer as
-:func:`zbpp_lite.training.train.train`, so losses agree to float32 rounding) and
-:func:`one_rank_schedule` (our executor on one rank). On XLA:CPU the baseline is about 2.8x slower than
-the latter (d = 128, batch 256, one core): its ``dW = x^T dy`` makes a strided transpose copy of every
-(2048, 128) activation, where the split backward (:mod:`zbpp_lite.runtime.split`) stores ``x^T`` per
-microbatch in cache; so speed-ups are taken against the faster (``compare`` names it). ``microbatches``
-> 1 accumulates over microbatches on one device, separating what microbatching changes from what the
-pipeline adds.
+:func:`zbpp_lite.training.train.train`, so losses agree to float32 rounding; ``microbatches`` m > 1
+accumulates the batch's m microbatches one after another inside that step) and :func:`one_rank_schedule`
+(our executor on one rank). On XLA:CPU the whole batch in one program is the slowest of the three at the
+peer job's size: its backward reads every block's activations back after they have left the caches, and
+each weight gradient first copies an operand transposed; accumulated microbatches keep one microbatch's
+activations in cache (``docs/XLA_BACKWARD.md``). ``compare`` times the accumulated step and the one-rank
+executor and takes speed-ups against the faster, which it names.
 """
 
 from __future__ import annotations

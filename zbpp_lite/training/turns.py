@@ -441,7 +441,8 @@ ONE_CORE_ENTRY = "zbpp_lite.training.turns:one_core_main"
 class OneCoreJob(Message):
     """To :class:`OneCore`'s helper: ``what`` "costs" (T_F, T_B, T_W, T_BW per stage in seconds, M_B,
     M_W in bytes, of the job cut into ``stages`` stages) or "whole batch" (the seconds of each of
-    ``steps`` whole-batch jitted steps, :func:`~zbpp_lite.training.reference.train_baseline`)."""
+    ``steps`` whole-batch jitted steps accumulating the job's microbatches,
+    :func:`~zbpp_lite.training.reference.train_baseline`)."""
 
     op = "one core"
     what: str
@@ -489,7 +490,10 @@ class OneCore:
         return Costs(**self._ask(OneCoreJob("costs", stages=num_stages)))
 
     def whole_batch(self, steps: int, device=None) -> list[float]:
-        """Step seconds of the whole batch as one jitted step on one core, every step."""
+        """Step seconds of the whole batch as one jitted step on one core, every step; the step
+        accumulates the job's microbatches one after another (a ``scan``), the fastest single-device
+        form on XLA:CPU: one microbatch's activations stay in the caches where the whole batch's leave
+        them (``docs/XLA_BACKWARD.md``)."""
         return self._ask(OneCoreJob("whole batch", steps=steps), device)["step_seconds"]
 
 
@@ -507,7 +511,8 @@ def _one_core_work(job: OneCoreJob, config: dict, device) -> dict:
         staged, x, y = job_microbatch(job.stages, config["microbatches"], model, run)
         costs = profile_stage_costs(staged, x, y, repeats=15, fused=True)
         return {k: list(getattr(costs, k)) for k in ("f", "b", "w", "bw", "mem_b", "mem_w")}
-    return {"step_seconds": train_baseline(job.steps, model=model, run=run, device=device).step_seconds}
+    step = train_baseline(job.steps, model=model, run=run, microbatches=config["microbatches"], device=device)
+    return {"step_seconds": step.step_seconds}
 
 
 @contextlib.contextmanager
