@@ -12,9 +12,10 @@ or the rank's bubble budget asks) is planned too and taken if shorter.
 Memory unit: a whole rank's M_B (sum of its two stages' ``Costs.mem_b``); default limit p of them (1F1B's
 peak); W holds ``Costs.mem_w`` (default 7/16 M_B) until it runs. Results: unit costs, m >= 2p: zero bubble,
 peak exactly p (paper section 6), for either M_W; any m >= 1 is valid, below 2p with a bubble (p = 8: 0.127
-at m = 8, 0.040 at m = 12, 0 from 16); the paper's profiled setting (T_F 14.407, T_B 14.380, T_W 9.676,
-T_comm 1.610, p = 16, limit p): with the default M_W, 0.0697 at m = 48 (the paper's table 8: 0.0697; the
-greedy search alone: 0.116), 0.0532 at m = 64 (greedy 0.082), 0.0273 at m = 128 (greedy 0.052).
+at m = 8, 0.040 at m = 12, 0 from 16); the paper's profiled settings (table 8: p = 16, 24, 32, three m each,
+limit p), with the default M_W: at or below the authors' ZB-V rates on all nine, e.g. 0.0697 at p = 16,
+m = 48 (T_F 14.407, T_B 14.380, T_W 9.676, T_comm 1.610; the greedy search alone: 0.116), and 0.0479
+against 0.0483 at p = 24, m = 96 (``tests/test_v_family.py`` holds the rows).
 """
 
 from __future__ import annotations
