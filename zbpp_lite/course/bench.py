@@ -186,7 +186,6 @@ class SpmdLab:
             rows[name].update({b: max(depths[b]) for b in ("act", "grad")})
         return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows[name]), SPMD_RUNS))
 
-
     def try_v(self, make_tick: Callable) -> dict:
         """Exercise 9.5's result: :func:`try_runs` of ZB-V (:data:`~.lesson9.V_RUNS`, on ``case``'s 2p stages)
         with each buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those rows;
