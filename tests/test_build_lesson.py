@@ -9,7 +9,8 @@ that names it: W reading another microbatch's output gradient, a loop that walks
 of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B running the
 layers again, a prediction of the bytes B keeps copied from another pattern, a step clipped stage by
 stage or not at all or with one all-reduce per stage; an SPMD tick that stores what never arrived or
-keeps microbatch j in row j of a buffer with fewer rows.
+keeps microbatch j in row j of a buffer with fewer rows; a V tick whose first and last test the rank
+alone, or that stores every arrival in chunk 0.
 """
 
 from __future__ import annotations
@@ -318,3 +319,21 @@ def test_the_spmd_program_with_buffers_for_the_microbatches_in_flight_passes_and
     for name, buffer, n, word in (("zb-h2", "ins", 4, "too few"), ("1f1b", "dz", 4, "fewer do")):   # before any run
         verdict = ex.spmd_pipeline({"rows": {**rows, name: {**rows[name], buffer: n}}, "error": None, "runs": {}})
         assert not verdict and word in str(verdict), str(verdict)
+
+
+def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
+    """Exercise 9.5: the Solutions' make_v_tick runs ZB-V (two chunks a rank, 16 layers) through the
+    lesson's own program_of and vlab with each buffer its busiest stage's rows, and passes. first/last
+    testing the rank alone (first[0], last[1]: rank 0 is first and last on both chunks) and arrivals all
+    stored in chunk 0 (recv's chunk ignored) fail with the gradients; a body of ``...`` is no answer yet."""
+    vlab = spmd_lesson["vlab"]
+    right = ex.spmd_v(vlab.try_v(spmd_lesson["make_v_tick"]))
+    assert right and "ZB-V ran as one SPMD program" in str(right), str(right)
+    rank_only = lambda src: src.replace("first[ch]", "first[0]").replace("last[ch]", "last[1]")  # noqa: E731
+    chunk_0 = lambda src: src.replace("b, ch, j = arrived", "b, ch, j = arrived[0], 0, arrived[2]")  # noqa: E731
+    for edit in (rank_only, chunk_0):
+        with _replaced(spmd_lesson, SPMD_LESSON, "make_v_tick", edit):
+            verdict = ex.spmd_v(vlab.try_v(spmd_lesson["make_v_tick"]))
+        assert not verdict and "zb-v" in verdict.message and verdict.hint, str(verdict)
+    stub = lambda A, c, X, Y, first, last: None  # noqa: E731
+    assert ex.spmd_v(vlab.try_v(stub)).message.startswith("no answer yet")

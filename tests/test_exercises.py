@@ -68,6 +68,7 @@ CASES = {
     "9.3": (lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)),
             lambda name, buffer, p, m, r: _rows_by_hand("zb-h1", buffer, p, r)),   # ZB-H1's, no cap by m
     "9.4": (lambda: _spmd_result(), lambda: _spmd_result(shift=True)),   # built when the check runs (below)
+    "9.5": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
 }
 
 
@@ -101,19 +102,27 @@ def _rows_by_hand(name, buffer, p, r):
     return {"outs": outs, "dz": dz, "ins": outs + dz - 1}[buffer]
 
 
-def _spmd_result(shift=False):
+def _spmd_result(shift=False, names=ex.SPMD_RUNS, grad_error=1e-6):
     """What lesson 9's ``lab.try_ticks`` hands exercise 9.4's check for a right program (the fewest rows
     per buffer, every rank ran the lockstep form's branch, gradients within 1e-6) or, ``shift``, one whose
     branches lag a tick behind."""
     runs = {}
-    for name in ex.SPMD_RUNS:
+    for name in names:
         schedule = zb.build_schedule(name, 4, 8)
         ticks = lockstep_ticks(schedule)
         ran = [[0 if row[r] is None else ex.KIND_CODE[schedule.actions[r][row[r]].kind] for row in ticks]
                for r in range(4)]
-        runs[name] = {"grad_error": 1e-6, "ran": [[0, *kinds[:-1]] if shift else kinds for kinds in ran]}
+        runs[name] = {"grad_error": grad_error, "stage_errors": [grad_error] * schedule.num_stages,
+                      "scale": 1.0, "ran": [[0, *kinds[:-1]] if shift else kinds for kinds in ran]}
     rows = {"1f1b": dict(outs=4, dz=1, ins=4), "zb-h1": dict(outs=4, dz=4, ins=4), "zb-h2": dict(outs=7, dz=7, ins=7)}
     return {"error": None, "runs": runs, "rows": rows}
+
+
+def _v_result(grad_error):
+    """What lesson 9's ``vlab.try_v`` hands exercise 9.5's check: ZB-V run tick for tick, its gradients off
+    by ``grad_error`` on every stage."""
+    result = _spmd_result(names=ex.V_RUNS, grad_error=grad_error)
+    return {**result, "rows": {"act": 2, "dz": 5, "grad": 1, "ins": 8, "outs": 7}}
 
 
 def _stage_totals(costs, counts):
@@ -153,7 +162,7 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
 def _answer(key, which):
     """CASES' answer; exercise 9.4's (a run's result, not a function) is built here."""
     answer = CASES[key][which]
-    return answer() if key == "9.4" else answer
+    return answer() if key in ("9.4", "9.5") else answer
 
 
 @pytest.mark.parametrize("key", sorted(CASES))

@@ -1,5 +1,5 @@
-"""Lesson 6's claims over many cases (the lesson shows ZB-H1 at p = 2 and interleaved 1F1B at p = 4, v = 2,
-and asserts those cases beside them): lockstep against free running, interleaved 1F1B's makespan form,
+"""Lesson 6's claims over many cases (the lesson shows interleaved 1F1B at p = 4, v = 2 and asserts that
+case beside it; lesson 9 draws ZB-H1 in lockstep): lockstep against free running, interleaved 1F1B's makespan form,
 rank 0's memory and the links a microbatch crosses. Sources: Narayanan et al., SC 2021, section 2.2;
 arXiv 2401.10241 section 2."""
 

@@ -51,3 +51,25 @@ def test_1f1b_in_lockstep_with_a_double_length_bw_takes_4m_plus_3p_minus_4(p):
 def test_the_worked_table_marks_a_clash_with_k_minus_1_rows_and_none_with_k():
     schedule = zb.build_schedule("zb-h1", 4, 8)
     assert "!" not in ex.buffer_rows(schedule, 4) and "!" in ex.buffer_rows(schedule, 3)
+
+
+@pytest.mark.parametrize("p", [3, 4, 5])   # at p = 2 rank r + 1 is rank r - 1
+def test_on_the_v_both_directions_carry_both_kinds_and_the_busiest_stages_rows_serve_every_stage(p):
+    """"Several stages per rank": rank r's chunks are stages r and 2p - 1 - r; an activation from rank r + 1
+    or a gradient from rank r - 1 goes to chunk 1 (the second leg), the other way round to chunk 0; only
+    rank p - 1 keeps a message (the turn, stage p - 1 to p and back); and one array per buffer with its
+    busiest stage's rows, microbatch j in row j % rows, overwrites nothing still waiting on any stage."""
+    from zbpp_lite.runtime.spmd import ACT_BUFFER, GRAD_BUFFER, tick_tables
+
+    for m in (p, 2 * p, 3 * p + 1):
+        schedule = zb.build_schedule("zb-v", p, m)
+        assert [schedule.stages_of(r) for r in range(p)] == [(r, 2 * p - 1 - r) for r in range(p)]
+        recv = tick_tables(schedule).recv
+        for source, act_chunk, grad_chunk in (("left", 0, 1), ("right", 1, 0)):
+            buffer, chunk, _ = recv[source]
+            assert (chunk[buffer == ACT_BUFFER] == act_chunk).all() and (chunk[buffer == GRAD_BUFFER] == grad_chunk).all()
+            assert (buffer == ACT_BUFFER).any() and (buffer == GRAD_BUFFER).any(), (source, m)
+        assert recv["self"][0][p - 1].any() and not recv["self"][0][: p - 1].any()
+        for buffer, rows in ex.buffer_depths(schedule).items():
+            for s in (s for s in range(2 * p) if rows[s]):   # stage 0 receives no act, the last no grad
+                assert "!" not in ex.buffer_rows(schedule, max(rows), buffer, s), (m, buffer, s)

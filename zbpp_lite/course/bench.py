@@ -103,22 +103,25 @@ def stage_W(ins: jax.Array, dz: jax.Array) -> tuple:
 
 def stacked_mlp(case: dict = BUILD_CASE) -> tuple:
     """Lesson 9's model and batch for ``shard_map``: ``(As, cs, Xm, Ym)``, :func:`mlp`'s layers stacked per
-    stage (two layers a stage: As ``(ranks, 2, width, width)``, cs ``(ranks, 2, width)``) and the batch as
-    microbatches ``(microbatches, microbatch_size, width)``; and jax.grad's gradients stacked as As, cs."""
-    p, m, n, d = case["ranks"], case["microbatches"], case["microbatch_size"], case["width"]
+    stage (two layers a stage, ``layers / 2`` stages: As ``(stages, 2, width, width)``, cs ``(stages, 2,
+    width)``) and the batch as microbatches ``(microbatches, microbatch_size, width)``; and jax.grad's
+    gradients stacked as As, cs."""
+    m, n, d = case["microbatches"], case["microbatch_size"], case["width"]
     params, X, Y = mlp(case)
     reference = jax.grad(mlp_loss)(params, X, Y)
     stack = lambda tree, i: jnp.stack([jnp.stack([tree[2 * s + k][i] for k in (0, 1)])  # noqa: E731
-                                       for s in range(p)])
+                                       for s in range(len(tree) // 2)])
     return (stack(params, 0), stack(params, 1), X.reshape(m, n, d), Y.reshape(m, n, d)), \
         (stack(reference, 0), stack(reference, 1))
 
 
 class SpmdLab:
-    """Lesson 9's test bench around the lesson's ``program_of(make_tick, name, rows) -> (jitted program,
-    (kind, microbatch, As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``): ``reference`` =
-    ``(dAs, dcs)``, jax.grad's gradients stacked as :func:`stacked_mlp`'s, and what hands the learner's
-    ``make_tick`` to the checks."""
+    """Lesson 9's test bench around the lesson's ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
+    (jitted program, (columns, As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``; ``columns``: the tick
+    tables it scans, kind first; ``As``, ``cs`` per rank, ``(ranks, [chunks,] 2, ...)``): ``arrays`` =
+    :func:`stacked_mlp` of ``case`` (one stage per rank at :data:`BUILD_CASE`, two on the V at
+    :data:`~.lesson9.V_CASE`), ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked as ``As``, ``cs``,
+    and what hands the learner's ``make_tick`` to the checks."""
 
     def __init__(self, program_of: Callable, mesh: Any, case: dict = BUILD_CASE):
         self.program_of, self.mesh, self.case = program_of, mesh, case
@@ -126,7 +129,8 @@ class SpmdLab:
 
     def tradeoff(self, make_tick: Callable, rows: dict) -> dict:
         """:func:`spmd_tradeoff` of ``make_tick`` with buffers of ``rows[buffer]`` rows."""
-        return spmd_tradeoff(lambda name: self.program_of(make_tick, name, rows), (stage_F, stage_B, stage_W),
+        return spmd_tradeoff(lambda name: self.program_of(make_tick, name, rows, *self.arrays),
+                             (stage_F, stage_B, stage_W),
                              *mlp(self.case), list(self.mesh.devices.flat))
 
     def clipped_step(self) -> tuple:
@@ -153,9 +157,12 @@ class SpmdLab:
 
     def run(self, make_tick: Callable, name: str, rows: dict) -> dict:
         """One run of schedule ``name``, buffers of ``rows[buffer]`` rows: :func:`gradient_report` against
-        the reference, and ``ran`` (ranks, ticks)."""
-        program, args = self.program_of(make_tick, name, rows)
+        the reference (rank r's chunk c is stage ``stages_of(r)[c]``), and ``ran`` (ranks, ticks)."""
+        program, args = self.program_of(make_tick, name, rows, *self.arrays)
         dA, dc, ran = program(*args)
+        schedule = build_schedule(name, self.case["ranks"], self.case["microbatches"])
+        order = np.argsort(np.ravel([schedule.stages_of(r) for r in range(schedule.num_ranks)]))
+        dA, dc = (np.asarray(a).reshape(-1, *b.shape[1:])[order] for a, b in zip((dA, dc), self.reference))
         return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran))
 
     def try_ticks(self, make_tick: Callable, rows_needed: Callable) -> dict:
@@ -179,13 +186,28 @@ class SpmdLab:
             rows[name].update({b: max(depths[b]) for b in ("act", "grad")})
         return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows[name]), SPMD_RUNS))
 
+    def try_v(self, make_tick: Callable) -> dict:
+        """Exercise 9.5's result: :func:`try_runs` of ZB-V (:data:`~.lesson9.V_RUNS`, on ``case``'s 2p stages)
+        with each buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those rows;
+        ``...`` while ``make_tick`` returns None (its body still ``...``)."""
+        from .lesson9 import V_RUNS, buffer_depths
+
+        try:
+            if make_tick(*[None] * 6) is None:  # a body of `...`: no answer yet
+                return ...
+        except Exception:  # noqa: BLE001  (a real make_tick may refuse None arguments)
+            pass
+        p, m = self.case["ranks"], self.case["microbatches"]
+        rows = {b: max(k) for b, k in buffer_depths(build_schedule(V_RUNS[0], p, m)).items()}
+        return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows), V_RUNS))
+
 
 def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax.Array, Y: jax.Array,
                   devices: list) -> dict:
     """Lesson 9's trade-off, printed: one F, B, W and BW of stage 1 timed (``stage_fns``: the lesson's
     ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), ZB-H1 and ZB-H2 (no
     BW, which lesson 9's tick has no branch for) simulated event-driven and lockstep with those times, and
-    one step timed of the learner's program (``compile_spmd(name) -> (program, (kind, microbatch, As, cs,
+    one step timed of the learner's program (``compile_spmd(name) -> (program, ((kind, microbatch), As, cs,
     Xm, Ym))``), of the same program on an all-idle table (the ticks' own cost) and of the package's MPMD
     executor on :func:`staged_mlp`. Returns ``{name: {"event", "lockstep": simulated makespans; "mpmd",
     "spmd", "idle": measured steps}}`` (s)."""
@@ -195,7 +217,7 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
 
     stage_F, stage_B, stage_W = stage_fns
     p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
-    _, _, As, cs, Xm, _ = compile_spmd("zb-h1")[1]
+    _, As, cs, Xm, _ = compile_spmd("zb-h1")[1]
     A, c, x = As[1], cs[1], Xm[0]
     y, ins, outs = stage_F(A, c, x)
     dz = stage_B(A, outs, y)[1]
@@ -210,7 +232,8 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
         mpmd, lock = (simulate(schedule, costs, lockstep=ls).makespan for ls in (False, True))
         program, args = compile_spmd(name)
         executor = PipelineExecutor(model, schedule, devices[:p])
-        spmd_s, idle_s = fastest(program, *args, n=3), fastest(program, 0 * args[0], *args[1:], n=3)
+        (kind, *columns), rest = args[0], args[1:]
+        spmd_s, idle_s = fastest(program, *args, n=3), fastest(program, (0 * kind, *columns), *rest, n=3)
         mpmd_s = fastest(lambda: executor.run(model.params, X, Y).loss, n=3)
         print(f"{name:>6}: simulated MPMD {mpmd * 1e3:.1f} ms, lockstep {lock * 1e3:.1f} ms "
               f"(+{lock / mpmd - 1:.0%}); measured step: MPMD executor {mpmd_s * 1e3:.1f} ms, your SPMD "

@@ -31,6 +31,13 @@ SPMD_RUNS = ("zb-h1", "1f1b", "zb-h2")
 """Exercise 9.4's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: 1F1B runs BW, which
 lesson 9's tick has no branch for, and ZB-H2 keeps more microbatches in flight (lesson 3)."""
 
+V_RUNS = ("zb-v",)
+"""Exercise 9.5's schedule: ZB-V, two stages per rank (chunk 0: stage r, chunk 1: stage 2p - 1 - r)."""
+
+V_CASE = {**BUILD_CASE, "layers": 16}
+"""Exercise 9.5's model: :data:`~zbpp_lite.course.lesson8.BUILD_CASE` with 16 layers, so ZB-V's 2p = 8
+stages have two layers each, as lesson 9's ``stage_F`` takes."""
+
 ROWS_RUNS = ("1f1b", "zb-h1", "zb-h2")
 """Exercise 9.3's schedules: the lesson derives ZB-H1's rows; 1F1B's and ZB-H2's are the learner's."""
 
@@ -96,23 +103,32 @@ def buffer_depths(schedule) -> dict:
 
 
 def tick_messages(schedule, t: int) -> str:
-    """Lesson 9's worked tick ``t`` as a table, one line per rank: the action it runs, the message its
-    branch sends down (an F's output, tag j + 1) and up (a B's or BW's input gradient), and where the
-    rank stores what arrives at the tick's end (:func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``:
-    ``act[j]`` from rank r - 1, ``grad[j]`` from rank r + 1). ``-``: a message of nothing, tag 0."""
+    """Lesson 9's worked tick ``t`` as a table, one line per rank: the action it runs (on the V with its
+    stage: ``F3 s6``), what its branch sends to rank r+1 and to r-1 (an F's output y, a B's or BW's input
+    gradient dx; one stage per rank with its tag j + 1), and where the rank stores what arrives at the
+    tick's end (:func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``: ``act[j]`` or ``grad[j]``, on the V
+    ``act[chunk, j]``, from rank r - 1, r + 1 or itself). ``-``: nothing."""
     from ..runtime.spmd import ACT_BUFFER, tick_tables
 
     recv, step = tick_tables(schedule).recv, lockstep_ticks(schedule)[t]
-    lines = [f"{'tick ' + str(t):8}{'runs':6}{'sends down (to r+1)':22}{'sends up (to r-1)':20}stores"]
+    v, S = len(schedule.stages_of(0)) > 1, schedule.num_stages
+    lines = [f"{'tick ' + str(t):8}{'runs':{9 if v else 6}}{'sends down (to r+1)':22}{'sends up (to r-1)':20}"
+             "stores"]
     for r, i in enumerate(step):
         a = schedule.actions[r][i] if i is not None else None
-        down = f"y, tag {a.microbatch + 1}" if a and a.kind == "F" else "-"
-        up = f"dx, tag {a.microbatch + 1}" if a and a.kind in ("B", "BW") else "-"
-        stores = [f"{'act' if recv[src][0][r, t] == ACT_BUFFER else 'grad'}[{recv[src][2][r, t]}] <- rank "
-                  f"{r + (-1 if src == 'left' else 1)}'s {'y' if recv[src][0][r, t] == ACT_BUFFER else 'dx'}"
-                  for src in ("left", "right") if recv[src][0][r, t]]
-        label = f"{a.kind}{a.microbatch}" if a else "."
-        lines.append(f"{'rank ' + str(r):8}{label:6}{down:22}{up:20}{', '.join(stores) or '-'}")
+        sent, to = {}, None
+        if a and a.kind != "W" and 0 <= (consumer := a.stage + (1 if a.kind == "F" else -1)) < S:
+            to = schedule.placement[consumer] - r
+            sent[to] = ("y" if a.kind == "F" else "dx") + ("" if v else f", tag {a.microbatch + 1}")
+        stores = []
+        for src, sender in (("left", f"rank {r - 1}'s"), ("right", f"rank {r + 1}'s"), ("self", "its own")):
+            buf, chunk, j = (table[r, t] for table in recv[src])
+            if buf:
+                name, what = ("act", "y") if buf == ACT_BUFFER else ("grad", "dx")
+                stores.append(f"{name}[{f'{chunk}, ' if v else ''}{j}] <- {sender} {what}")
+        label = f"{a.kind}{a.microbatch}{f' s{a.stage}' if v else ''}" if a else "."
+        lines.append(f"{'rank ' + str(r):8}{label:{9 if v else 6}}{sent.get(1, '-'):22}{sent.get(-1, '-'):20}"
+                     f"{', '.join(stores) or '-'}")
     return "\n".join(lines)
 
 
@@ -238,24 +254,44 @@ def spmd_pipeline(result: Any) -> Verdict:
     hint = ("each buffer has its own number of rows (st[name].shape[0]): every read and write of a buffer, "
             "the receiver's store included, needs the row microbatch j uses in that buffer; 1F1B runs BW "
             "(kind 4), B then W in one tick.")
-    if _unanswered(result):
-        return Verdict("9.4", False, "no answer yet: write make_tick.", hint)
-    if not isinstance(result, dict) or "runs" not in result:
-        return Verdict("9.4", False, "expected lab.try_ticks(make_tick, rows_needed)'s result, got "
-                       f"{type(result).__name__}.", hint)
-    refused = _rows_problem(result.get("rows"))
+    refused = _result_problem("9.4", result, "make_tick", "lab.try_ticks(make_tick, rows_needed)", hint)
+    if refused is None:  # a Verdict is falsy when not right: no `or` here
+        refused = _rows_problem(result.get("rows"))
     if refused is not None:
         return refused
     if result.get("error"):
         return Verdict("9.4", False, f"running it raised {result['error']}", "every branch of a lax.switch "
                        "returns the same structure, shapes, dtypes and varying types (spmd.to_varying), "
                        "idle included; a scan's carry keeps its own.")
+    worst = _runs_problem("9.4", result["runs"], SPMD_RUNS, hint)
+    if isinstance(worst, Verdict):
+        return worst
+    rows = ", ".join(f"{name} {({b: result['rows'][name][b] for b in ROWS_BUFFERS})}" for name in SPMD_RUNS)
+    return Verdict("9.4", True, f"{', '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
+                   "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
+                   f"{worst:.1e}), with rows {rows} instead of 8 each.")
+
+
+def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> Verdict | None:
+    """The refusal of a lab result that is no answer yet (``name`` still ``...``) or not ``call``'s dict
+    with its runs; else None."""
+    if _unanswered(result):
+        return Verdict(key, False, f"no answer yet: write {name}.", hint)
+    if not isinstance(result, dict) or "runs" not in result:
+        return Verdict(key, False, f"expected {call}'s result, got {type(result).__name__}.", hint)
+    return None
+
+
+def _runs_problem(key: str, runs: dict, names: tuple, hint: str) -> Verdict | float:
+    """The refusal of the first of ``names`` whose run in ``runs`` is missing, ran another branch than the
+    schedule's lockstep form in some tick, or has gradients off (:func:`gradient_problem`); else the largest
+    relative gradient difference."""
     worst = 0.0
-    for name in SPMD_RUNS:
-        run = result["runs"].get(name)
+    for name in names:
+        run = runs.get(name)
         if run is None:
-            return Verdict("9.4", False, f"no run of {name}.", hint)
-        schedule = build_schedule(name, 4, 8)
+            return Verdict(key, False, f"no run of {name}.", hint)
+        schedule = build_schedule(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])
         want = np.zeros((schedule.num_ranks, len(lockstep_ticks(schedule))), int)
         for t, row in enumerate(lockstep_ticks(schedule)):
             for r, i in enumerate(row):
@@ -267,16 +303,36 @@ def spmd_pipeline(result: Any) -> Verdict:
             else:
                 r, t = np.argwhere(ran != want)[0]
                 bad = f"rank {r} ran branch {ran[r, t]} in tick {t}, the table says {want[r, t]}"
-            return Verdict("9.4", False, f"{name}: {bad}.", "scan over the rank's (kind, microbatch) columns "
-                           "in order; each branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
-        problem = gradient_problem("9.4", name, run, BUILD_CASE["microbatches"])
+            return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's tick columns in order; each "
+                           "branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
+        problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"])
         if problem is not None:
             return problem
         worst = max(worst, float(run["grad_error"]))
-    rows = ", ".join(f"{name} {({b: result['rows'][name][b] for b in ROWS_BUFFERS})}" for name in SPMD_RUNS)
-    return Verdict("9.4", True, f"{', '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
-                   "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
-                   f"{worst:.1e}), with rows {rows} instead of 8 each.")
+    return worst
+
+
+def spmd_v(result: Any) -> Verdict:
+    """Exercise 9.5: the learner's ZB-V ``make_tick`` run by lesson 9's ``vlab.try_v``; ``result`` is
+    ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v": run}}``, a run as :func:`spmd_pipeline`
+    reads it. Right when every rank ran the lockstep form's branch in every tick and the gradients equal
+    ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`; a gradient off names what
+    the V changes (first and last per chunk, arrivals stored where ``recv`` says)."""
+    hint = ("on the V the tick reads (kind, chunk, microbatch, recv): index A, c and every buffer by the "
+            "chunk; first and last are per chunk (first[ch], last[ch]: stage 2p - 1 is rank 0's chunk 1); "
+            "the branch's one message goes both ways, and each arrival is stored where recv[source] = "
+            "(buffer, chunk, microbatch) says, in row microbatch % rows.")
+    refused = _result_problem("9.5", result, "make_v_tick", "vlab.try_v(make_v_tick)", hint)
+    if refused is not None:
+        return refused
+    if result.get("error"):
+        return Verdict("9.5", False, f"running it raised {result['error']}", hint)
+    worst = _runs_problem("9.5", result["runs"], V_RUNS, hint)
+    if isinstance(worst, Verdict):
+        return Verdict("9.5", False, worst.message, hint if "differ" in worst.message else worst.hint)
+    return Verdict("9.5", True, f"ZB-V ran as one SPMD program, two chunks a rank, tick for tick as the "
+                   f"simulator's lockstep form, with jax.grad's gradients (largest relative difference "
+                   f"{worst:.1e}), rows {result.get('rows')}.")
 
 
 def _rows_problem(rows: Any) -> Verdict | None:
@@ -307,13 +363,12 @@ def _rows_problem(rows: Any) -> Verdict | None:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_rule,
-                                                  "9.4": spmd_pipeline}
+                                                  "9.4": spmd_pipeline, "9.5": spmd_v}
 """Lesson 9's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "ROWS_RUNS", "ROWS_POINTS", "FUSED", "tick_table",
-           "lockstep_1f1b", "rows_rule", "spmd_pipeline", "buffer_depths", "buffer_rows", "tick_grid",
-           "tick_messages", "ROWS_BUFFERS",
-           "EXERCISES", "REVEALS"]
+__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "V_RUNS", "V_CASE", "ROWS_RUNS", "ROWS_POINTS", "FUSED",
+           "tick_table", "lockstep_1f1b", "rows_rule", "spmd_pipeline", "spmd_v", "buffer_depths",
+           "buffer_rows", "tick_grid", "tick_messages", "ROWS_BUFFERS", "EXERCISES", "REVEALS"]
