@@ -15,6 +15,7 @@ import numpy as np
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
+from ..schedules.program import consumer_stage
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
 from .checks import Verdict, _called, _function_check, _function_missing, _number_check, _unanswered
@@ -116,10 +117,10 @@ def tick_messages(schedule, t: int) -> str:
              "stores"]
     for r, i in enumerate(step):
         a = schedule.actions[r][i] if i is not None else None
-        sent, to = {}, None
-        if a and a.kind != "W" and 0 <= (consumer := a.stage + (1 if a.kind == "F" else -1)) < S:
-            to = schedule.placement[consumer] - r
-            sent[to] = ("y" if a.kind == "F" else "dx") + ("" if v else f", tag {a.microbatch + 1}")
+        sent = {}  # rank offset of the receiver (1: r+1, -1: r-1, 0: itself) -> what goes there
+        if a and a.kind != "W" and 0 <= (consumer := consumer_stage(a.kind, a.stage)) < S:
+            sent[schedule.placement[consumer] - r] = ("y" if a.kind == "F" else "dx") + (
+                "" if v else f", tag {a.microbatch + 1}")
         stores = []
         for src, sender in (("left", f"rank {r - 1}'s"), ("right", f"rank {r + 1}'s"), ("self", "its own")):
             buf, chunk, j = (table[r, t] for table in recv[src])
@@ -286,16 +287,14 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str) -> Verdict | fl
     """The refusal of the first of ``names`` whose run in ``runs`` is missing, ran another branch than the
     schedule's lockstep form in some tick, or has gradients off (:func:`gradient_problem`); else the largest
     relative gradient difference."""
+    from ..runtime.spmd import tick_tables
+
     worst = 0.0
     for name in names:
         run = runs.get(name)
         if run is None:
             return Verdict(key, False, f"no run of {name}.", hint)
-        schedule = build_schedule(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])
-        want = np.zeros((schedule.num_ranks, len(lockstep_ticks(schedule))), int)
-        for t, row in enumerate(lockstep_ticks(schedule)):
-            for r, i in enumerate(row):
-                want[r, t] = 0 if i is None else KIND_CODE[schedule.actions[r][i].kind]
+        want = tick_tables(build_schedule(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])).kind
         ran = np.asarray(run["ran"])
         if ran.shape != want.shape or (ran != want).any():
             if ran.shape != want.shape:
