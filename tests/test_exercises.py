@@ -385,8 +385,8 @@ def test_the_spmd_check_refuses_gradients_off_and_the_event_driven_prediction():
 def test_the_rows_check_tells_copied_patterns_from_the_rows_each_buffer_needs():
     forgets_m = ex.rows_rule(lambda name, buffer, p, m, r: _rows_by_hand(name, buffer, p, r))
     assert not forgets_m and "m = 1" not in forgets_m.message and "too high" in forgets_m.message, str(forgets_m)
-    zb_h1 = ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand("zb-h1", buffer, p, r)))
-    assert not zb_h1 and "ZB-H1's rows for every schedule" in zb_h1.message
+    one_f = ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand("1f1b", buffer, p, r)))
+    assert not one_f and "1F1B's rows for every schedule" in one_f.message   # the lesson's derivation, copied
     one_number = ex.rows_rule(lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]))
     assert not one_number and "one number per schedule" in one_number.message   # the old answer: K per schedule
     no_overlap = ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r) + (buffer == "ins")))

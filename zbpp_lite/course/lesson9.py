@@ -226,20 +226,20 @@ def reveal_lockstep_1f1b() -> Any:
 def rows_rule(answer: Any) -> Verdict:
     """Exercise 9.3 (derived): ``rows_needed(name, buffer, p, m, r)``, the fewest rows rank r's buffer
     ``buffer`` (of :data:`ROWS_BUFFERS`) needs in schedule ``name`` of :data:`ROWS_RUNS`
-    (:func:`buffer_depths`), at every point of :data:`ROWS_POINTS`. ZB-H1's rows (derived in the lesson)
+    (:func:`buffer_depths`), at every point of :data:`ROWS_POINTS`. 1F1B's rows (derived in the lesson)
     given to every schedule, or one number for every buffer and rank, fail with their own message; a
     function that asks the package is refused by name."""
     hint = ("a row is busy from the tick its value is written to the tick it is last read: count, on rank "
             "r, the microbatches written and not yet read. outs: F's run before the B that reads the first "
             "(lesson 3's warm-up); dz: B's run before the W that reads the first (the W lag; a BW reads "
             "its dz in its own tick); ins: both. Then ask what caps the count when there are only m.")
-    zb_h1 = lambda name, buffer, p, m, r: min(m, {"outs": p - r, "dz": r + 1, "ins": p}[buffer])  # noqa: E731
+    one_f = lambda name, buffer, p, m, r: min(m, {"outs": p - r, "dz": 1, "ins": p - r}[buffer])  # noqa: E731
     one_number = lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name])  # noqa: E731
     return _function_check("9.3", answer, ROWS_POINTS,
                            lambda name, buffer, p, m, r: _depths(name, p, m)[buffer][r],
                            "rows_needed(name, buffer, p, m, r)", hint, known=(
-                               (zb_h1, "these are ZB-H1's rows for every schedule: 1F1B's BW writes and "
-                                "reads dz in one tick, and ZB-H2's warm-up and W lag are longer (lesson 3)"),
+                               (one_f, "these are 1F1B's rows for every schedule: ZB-H1 and ZB-H2 run "
+                                "W after later B's (lesson 3), so dz and ins hold more microbatches"),
                                (one_number, "one number per schedule, the busiest rank's ins, is not what "
                                 "outs and dz need on rank r")))
 
