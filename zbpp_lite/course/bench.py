@@ -3,7 +3,7 @@ learner's F, B, W, loop and optimizer step to :mod:`.lesson8`'s checks, on the t
 defines itself (its ``on_threads``, handed to :class:`Lab`). Imports JAX, so ``course/__init__`` does not
 import it; the lessons do (``from zbpp_lite.course import bench``).
 
-Source: Qi et al., arXiv 2401.10241, section 2 (F, B, W of a stage) and section 3 (the optimizer step
+Source: Qi et al., arXiv 2401.10241, section 2 (F, B, W of a stage) and section 4 (the optimizer step
 after the last W).
 """
 
@@ -137,7 +137,7 @@ class SpmdLab:
         """Lesson 8's clipped SGD step (:data:`~zbpp_lite.course.lesson8.STEP`) on jax.grad's gradients,
         twice: inside ``shard_map`` (each rank its own stage, the global norm from one ``lax.psum``) and on
         the whole model on one device. Returns ``((As, cs) per rank, stacked; the same from the whole
-        model)``: exercise 8.4's answer, which lesson 9 prints."""
+        model)``: exercise 8.4's answer, which lesson 9 asserts."""
         from jax import lax
         from jax.sharding import PartitionSpec as P
 

@@ -280,7 +280,7 @@ def optimizer_step(result: Any) -> Verdict:
     "want", "per_stage", "unclipped", "scaled", "calls"}}}`` (per stage the step, new - old, as NumPy
     leaves; None: a stage not returned).
     Right when every stage's new parameters equal SGD on the whole model with the gradient clipped to the
-    global norm :data:`STEP` ``["max_norm"]``, within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 3:
+    global norm :data:`STEP` ``["max_norm"]``, within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 4:
     the global norm needs every rank's gradient), and each rank called ``all_sum`` once (``"calls"``: one
     all-reduce, of the rank's own sum of squares)."""
     hint = ("clipping bounds the length of the whole model's gradient, which no rank holds alone: what "

@@ -40,7 +40,7 @@ V_CASE = {**BUILD_CASE, "layers": 16}
 stages have two layers each, as lesson 9's ``stage_F`` takes."""
 
 ROWS_RUNS = ("1f1b", "zb-h1", "zb-h2")
-"""Exercise 9.3's schedules: the lesson derives ZB-H1's rows; 1F1B's and ZB-H2's are the learner's."""
+"""Exercise 9.3's schedules: the lesson derives 1F1B's rows; ZB-H1's and ZB-H2's are the learner's."""
 
 ROWS_BUFFERS = ("outs", "dz", "ins")
 """Exercise 9.3's buffers: what F keeps for B (``outs``), what B keeps for W (``dz``), what F keeps for W
@@ -104,11 +104,12 @@ def buffer_depths(schedule) -> dict:
 
 
 def tick_messages(schedule, t: int) -> str:
-    """Lesson 9's worked tick ``t`` as a table, one line per rank: the action it runs (on the V with its
-    stage: ``F3 s6``), what its branch sends to rank r+1 and to r-1 (an F's output y, a B's or BW's input
-    gradient dx; one stage per rank with its tag j + 1), and where the rank stores what arrives at the
-    tick's end (:func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``: ``act[j]`` or ``grad[j]``, on the V
-    ``act[chunk, j]``, from rank r - 1, r + 1 or itself). ``-``: nothing."""
+    """Lesson 9's worked tick ``t`` as a table, one line per rank: the action it runs (``F3``; on the V
+    with its stage, as ``Action.text`` writes it: ``6F3``), what its branch sends to rank r+1 and to r-1
+    (an F's output y, a B's or BW's input gradient dx; one stage per rank with its tag j + 1), and where
+    the rank stores what arrives at the tick's end (:func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``:
+    ``act[j]`` or ``grad[j]``, on the V ``act[chunk, j]``, from rank r - 1, r + 1 or itself). ``-``:
+    nothing."""
     from ..runtime.spmd import ACT_BUFFER, tick_tables
 
     recv, step = tick_tables(schedule).recv, lockstep_ticks(schedule)[t]
@@ -127,7 +128,7 @@ def tick_messages(schedule, t: int) -> str:
             if buf:
                 name, what = ("act", "y") if buf == ACT_BUFFER else ("grad", "dx")
                 stores.append(f"{name}[{f'{chunk}, ' if v else ''}{j}] <- {sender} {what}")
-        label = f"{a.kind}{a.microbatch}{f' s{a.stage}' if v else ''}" if a else "."
+        label = (a.text if v else a.label) if a else "."  # the V's: stage, kind, microbatch
         lines.append(f"{'rank ' + str(r):8}{label:{9 if v else 6}}{sent.get(1, '-'):22}{sent.get(-1, '-'):20}"
                      f"{', '.join(stores) or '-'}")
     return "\n".join(lines)
