@@ -382,6 +382,13 @@ def test_the_spmd_check_refuses_gradients_off_and_the_event_driven_prediction():
         assert not verdict and "is not" not in verdict.message and verdict.hint, copied
 
 
+def test_the_v_check_names_what_the_v_changes_where_no_particular_mistake_shows():
+    off = ex.spmd_v(_v_result(0.3))                                  # every stage off alike
+    assert not off and "differ" in off.message and "per chunk" in off.hint and "recv" in off.hint
+    one_stage = ex.spmd_pipeline({**_spmd_result(grad_error=0.3), "rows": _spmd_result()["rows"]})
+    assert not one_stage and "per chunk" not in one_stage.hint        # lesson 8's hint where one stage a rank
+
+
 def test_the_rows_check_tells_copied_patterns_from_the_rows_each_buffer_needs():
     forgets_m = ex.rows_rule(lambda name, buffer, p, m, r: _rows_by_hand(name, buffer, p, r))
     assert not forgets_m and "m = 1" not in forgets_m.message and "too high" in forgets_m.message, str(forgets_m)

@@ -164,10 +164,12 @@ W lag, ZB-V's V placement (0, 1, 1, 0), which catches a loop that sends to rank 
 ``placement`` names; lesson 8 draws only ZB-H1."""
 
 
-def gradient_problem(key: str, name: str, run: dict, microbatches: int) -> Verdict | None:
+def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwise: str | None = None
+        ) -> Verdict | None:
     """The verdict on a pipeline run whose gradients are not ``jax.grad``'s within :data:`BUILD_TOLERANCE`,
     naming the likely mistake from ``run``'s :func:`zbpp_lite.course.bench.gradient_report` fields
-    (``grad_error``, ``stage_errors``, ``scale``); None when they are (exercises 8.3 and 9.3)."""
+    (``grad_error``, ``stage_errors``, ``scale``); None when they are (exercises 8.3, 9.4 and 9.5).
+    ``otherwise``: the hint where no particular mistake is named (default: lesson 8's)."""
     error = float(run.get("grad_error", float("inf")))
     if error <= BUILD_TOLERANCE:
         return None
@@ -190,9 +192,9 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int) -> Verdi
         return say(f"stages {k} to {len(errors) - 1} are right, stage {k - 1} is not.",
                    f"what stage {k} sends back to stage {k - 1} (the input gradient), or where it is taken "
                    "or stored, is not that microbatch's.")
-    return say(f"the gradients differ from jax.grad's (relative difference {error:.1e}).",
+    return say(f"the gradients differ from jax.grad's (relative difference {error:.1e}).", otherwise or (
                "each F, B and W must read its own (stage, microbatch)'s values, still intact when it runs "
-               "(not another microbatch's, not overwritten), and each stage add up all m W's.")
+               "(not another microbatch's, not overwritten), and each stage add up all m W's."))
 
 
 def pipeline_run(result: Any) -> Verdict:

@@ -284,10 +284,11 @@ def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> V
     return None
 
 
-def _runs_problem(key: str, runs: dict, names: tuple, hint: str) -> Verdict | float:
+def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str | None = None
+        ) -> Verdict | float:
     """The refusal of the first of ``names`` whose run in ``runs`` is missing, ran another branch than the
-    schedule's lockstep form in some tick, or has gradients off (:func:`gradient_problem`); else the largest
-    relative gradient difference."""
+    schedule's lockstep form in some tick, or has gradients off (:func:`gradient_problem`, ``otherwise`` its
+    hint where it names no particular mistake); else the largest relative gradient difference."""
     from ..runtime.spmd import tick_tables
 
     worst = 0.0
@@ -305,7 +306,7 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str) -> Verdict | fl
                 bad = f"rank {r} ran branch {ran[r, t]} in tick {t}, the table says {want[r, t]}"
             return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's tick columns in order; each "
                            "branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
-        problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"])
+        problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"], otherwise)
         if problem is not None:
             return problem
         worst = max(worst, float(run["grad_error"]))
@@ -327,9 +328,9 @@ def spmd_v(result: Any) -> Verdict:
         return refused
     if result.get("error"):
         return Verdict("9.5", False, f"running it raised {result['error']}", hint)
-    worst = _runs_problem("9.5", result["runs"], V_RUNS, hint)
+    worst = _runs_problem("9.5", result["runs"], V_RUNS, hint, otherwise=hint)
     if isinstance(worst, Verdict):
-        return Verdict("9.5", False, worst.message, hint if "differ" in worst.message else worst.hint)
+        return worst
     return Verdict("9.5", True, f"ZB-V ran as one SPMD program, two chunks a rank, tick for tick as the "
                    f"simulator's lockstep form, with jax.grad's gradients (largest relative difference "
                    f"{worst:.1e}), rows {result.get('rows')}.")
