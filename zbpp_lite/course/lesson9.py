@@ -15,14 +15,12 @@ import numpy as np
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
+from ..schedules.ir import KIND_CODE
 from ..schedules.program import consumer_stage
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
 from .checks import Verdict, _called, _function_check, _function_missing, _number_check, _unanswered
 from .lesson8 import BUILD_CASE, gradient_problem
-
-KIND_CODE = {"F": 1, "B": 2, "W": 3, "BW": 4}
-"""Lesson 9's branch index of each action kind in the tick's ``lax.switch`` (0: idle)."""
 
 TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
 """Exercise 9.1's schedules (name, ranks, microbatches): ZB-V's V placement puts stages 1 and 2 on one

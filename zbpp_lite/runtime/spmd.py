@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .stages import Params, StagedModel, batch_microbatch_size
 from .transport import Transfer
-from ..schedules.ir import Schedule, produces
+from ..schedules.ir import KIND_CODE, Schedule, produces
 from ..schedules.simulate import lockstep_ticks
 from .split import StageSplit, sum_dtype
 from ..schedules.validate import validate
@@ -38,8 +38,6 @@ from ..schedules.validate import validate
 AXIS = "stage"
 """The mesh axis the pipeline runs over: one rank per position."""
 
-KIND_CODE = {"F": 1, "B": 2, "W": 3, "BW": 4}
-"""Action kind -> branch index of the tick's ``lax.switch`` (0 is idle)."""
 NO_BUFFER, ACT_BUFFER, GRAD_BUFFER = 0, 1, 2
 """Where an arriving message goes: nowhere, the activation buffer (F's input), the gradient buffer (B's)."""
 SOURCES = ("left", "right", "self")

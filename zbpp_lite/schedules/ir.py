@@ -27,6 +27,8 @@ KINDS = ("F", "B", "W", "BW")
 # Our kind -> PyTorch pipelining's letter, and back. One table, used by both directions.
 TORCH_CODE = {"F": "F", "B": "I", "W": "W", "BW": "B"}
 KIND_OF_CODE = {code: kind for kind, code in TORCH_CODE.items()}
+KIND_CODE = {"F": 1, "B": 2, "W": 3, "BW": 4}
+"""Action kind -> its code in SPMD tick tables, the index of the tick's ``lax.switch`` branch (0: idle)."""
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([A-Za-z]+)\s*(\d+)\s*$")
 _CODES_OF_FORM = {"PyTorch's": KIND_OF_CODE, "our": {k: k for k in KINDS}}
