@@ -240,6 +240,9 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (f + b - 2 * w)).ok      # the printed form
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, b)).ok    # ZB-H1's bubble
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f)).ok   # no floor at 0
+    assert "ZB-H1's form" in ex.zb_h1_makespan(2 * 3.5 + 3 * 2.5).message                # m >= p only
+    assert "1F1B's" in ex.zb_h1_makespan((2 + 4 - 1) * 3.5).message
+    assert "clipped" in ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)).message
 
 
 def test_the_lesson_1_batch_split_rejects_the_old_answers_and_the_old_price():
@@ -253,6 +256,7 @@ def test_the_lesson_1_batch_split_rejects_the_old_answers_and_the_old_price():
 
 def test_the_lesson_4_checks_reject_the_printed_rules():
     assert not ex.bubble_floor_limit(2 * 4).ok and not ex.bubble_floor_limit(2 * 4 - 1).ok   # zb-2p; ZB-H2
+    assert "ZB-H2's warm-up" in ex.bubble_floor_limit(7).message and "zb-2p" in ex.bubble_floor_limit(8).message
     assert not ex.auto_warmup(lambda p, lim, r, f, b: lim).ok                        # "the limit" alone
     floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + min(w, f)) / (b + w - bw))  # noqa: E731
     assert not ex.bw_break_even(floor_m).ok                                        # counts the tie

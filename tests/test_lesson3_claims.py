@@ -80,17 +80,22 @@ def test_the_three_closed_forms_and_peaks(costs):
             t = zb.simulate(zb.build_schedule(name, p, m), zb.Costs(f=f, b=b, w=w))
             assert abs(t.makespan - m * (f + b + w) - (p - 1) * forms[name]) < 1e-9, (name, p, m)
             assert max(t.peak_memory) == peak, (name, p, m, t.peak_memory)
+            if name != "zb-h2":   # rank r: p - r forwards, and in ZB-H1 the r W's its lag owes
+                lag = name == "zb-h1"
+                assert t.peak_memory == tuple(p - r + lag * r * zb.Costs().mem_w for r in range(p)), (name, p, m)
 
 
-def test_zb_h2_sync_bubble_is_the_stagger_less_the_bubble():
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1", "zb-h2"])
+def test_sync_bubble_is_the_stagger_less_the_bubble(name):
     for p in range(2, 7):
         for m in (2 * p, 3 * p):
             for tf, tb, tw in itertools.product(GRID, GRID, GRID):
-                t = zb.simulate(zb.build_schedule("zb-h2", p, m), zb.Costs(f=tf, b=tb, w=tw))
+                t = zb.simulate(zb.build_schedule(name, p, m), zb.Costs(f=tf, b=tb, w=tw))
                 bubble = t.makespan - m * (tf + tb + tw)
-                assert abs(t.sync_bubble - max(0.0, (p - 1) * tf - bubble)) < 1e-9, (p, m, tf, tb, tw)
-                if tf == tb == tw:   # the parallelogram: no bubble, the whole (p-1) T_F waited
-                    assert bubble < 1e-9 and abs(t.sync_bubble - (p - 1) * tf) < 1e-9
+                assert abs(t.sync_bubble - max(0.0, (p - 1) * tf - bubble)) < 1e-9, (name, p, m, tf, tb, tw)
+                if name == "zb-h2":   # its last rank never idles; equal costs: the whole (p-1) T_F waited
+                    assert t.idle_time[-1] < 1e-9, (p, m, tf, tb, tw)
+                    assert tf != tb or tb != tw or (bubble < 1e-9 and abs(t.sync_bubble - (p - 1) * tf) < 1e-9)
 
 
 def test_gpipe_pays_t_comm_only_on_the_first_way_down_and_the_last_way_back():

@@ -101,9 +101,10 @@ def test_dualpipe_v_pair_counts_and_refusals():
                 zb.build_schedule("dualpipe-v", p, m)
 
 
-def test_dualpipe_v_published_bubble_is_the_last_ranks_idle_time():
-    """The last rank idles (p-1)(T_F&B + T_BW - 3 T_W); rank 0, the busiest, (p-2)(3 - T_F&B) less; the
-    default T_F&B = T_F + T_BW gives the same timeline as T_F&B = 3; DualPipeV and ZB-V's makespans."""
+def test_dualpipe_v_published_bubble_is_the_makespan_less_the_last_ranks_busy_time():
+    """The makespan less the last rank's busy time (its late start plus its idle time) is
+    (p-1)(T_F&B + T_BW - 3 T_W); less rank 0's (the busiest), (p-2)(3 - T_F&B) smaller; the default
+    T_F&B = T_F + T_BW gives the same timeline as T_F&B = 3; DualPipeV and ZB-V's makespans."""
     for p in range(2, 7):
         for m in (2 * p, 2 * p + 1, 3 * p):
             plan = zb.build_schedule("dualpipe-v", p, m)
@@ -123,7 +124,7 @@ def test_dualpipe_v_published_bubble_is_the_last_ranks_idle_time():
 
 def test_dualpipe_v_published_form_needs_its_three_conditions():
     """Holds with T_F = T_B and T_W below T_F (with and without overlap); T_F != T_B, T_W > T_F or a
-    transfer cost each break it: the last rank idles longer."""
+    transfer cost each break it: the makespan less the last rank's busy time grows."""
     p, plan = 4, zb.build_schedule("dualpipe-v", 4, 8)
     for tf, tw in ((1.0, 0.25), (1.0, 0.5), (1.0, 0.75), (2.0, 1.0)):
         for fb in (2 * tf + tw, tf + tw):

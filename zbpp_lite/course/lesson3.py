@@ -24,11 +24,21 @@ def _few_microbatches():
 
 
 def zb_h1_makespan(answer: Any) -> Verdict:
-    """Exercise 3.1: ZB-H1's makespan on :data:`FEW_MICROBATCHES` (m < p); predicted."""
-    return _number_check("3.1", answer, _few_microbatches().makespan, "ZB-H1's makespan with m < p",
-                         "the form (p-1)(T_F+T_B-T_W) counts p - 1 W's filling gaps on the busiest rank; "
-                         "with m < p, how many W's does rank 0 have, and which of them can still hide in a "
-                         "wait for a gradient?")
+    """Exercise 3.1: ZB-H1's makespan on :data:`FEW_MICROBATCHES` (m < p); predicted. The lesson's forms
+    copied (ZB-H1's m(T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W), 1F1B's (m+p-1)(T_F+T_B+T_W)) get their own
+    message."""
+    c = FEW_MICROBATCHES
+    p, m, t = c["num_ranks"], c["num_microbatches"], c["costs"]
+    why = ("the form (p-1)(T_F+T_B-T_W) counts p - 1 W's filling gaps on the busiest rank; with m < p, how "
+           "many W's does rank 0 have, and which of them can still hide in a wait for a gradient?")
+    form, fused = m * (t.f + t.b + t.w) + (p - 1) * (t.f + t.b - t.w), (m + p - 1) * (t.f + t.b + t.w)
+    known = {
+        form: (f"{form:g} is ZB-H1's form, which needs m >= p: rank 0 has too few W's to fill p - 1 "
+               "gaps.", why),
+        fused: (f"{fused:g} is 1F1B's makespan, each W right after its B; ZB-H1 moves W's into waits.", why),
+    }
+    return _number_check("3.1", answer, _few_microbatches().makespan, "ZB-H1's makespan with m < p", why,
+                         known=known)
 
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:
@@ -46,8 +56,9 @@ def zb_h2_peak_memory(fn: Any) -> Verdict:
 
 def zb_h2_bubble(fn: Any) -> Verdict:
     """Exercise 3.3: a function ``bubble(p, m, f, b, w)``: ZB-H2's makespan minus m(T_F+T_B+T_W),
-    T_comm = 0, m >= 2p, for every T_F, T_B and T_W (the lesson's form holds only while it is
-    positive and T_B <= T_F); compared with the simulator at points with T_F != T_B."""
+    T_comm = 0, m >= 2p, for every T_F, T_B and T_W (the lesson's form, clipped at zero, holds unless
+    T_B > T_F and T_W > T_F both); compared with the simulator at points with T_F != T_B, two with both.
+    The clipped form copied gets its own message."""
     points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
               (2, 4, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 7, 1.5, 1.0, 2.5), (4, 9, 0.5, 1.5, 0.25),
               (5, 11, 1.2, 1.5, 0.8)]
@@ -57,7 +68,11 @@ def zb_h2_bubble(fn: Any) -> Verdict:
                                - m * (f + b + w)),
         "bubble(p, m, f, b, w)",
         "the form (p-1)(T_F+T_B-2T_W) is what the W's cannot fill; but W's cannot fill a wait for a gradient "
-        "either: with T_B > T_F, how much longer does each rank wait per rank of the round trip?")
+        "either: with T_B > T_F, how much longer does each rank wait per rank of the round trip, and when is "
+        "that wait the larger?",
+        known=[(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0),
+                "that is the lesson's form, clipped at zero; at some points a wait for a gradient is "
+                "longer, and no W fills it")])
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {

@@ -59,12 +59,20 @@ def _auto_rates() -> list[float]:
 
 def bubble_floor_limit(answer: Any) -> Verdict:
     """Exercise 4.2: the smallest whole memory limit (M_B, from 4) at which zb-auto's bubble rate on
-    :data:`AUTO_CASE` reaches its floor over :data:`AUTO_LIMITS`; predicted."""
+    :data:`AUTO_CASE` reaches its floor over :data:`AUTO_LIMITS`; predicted. The lesson's limits copied
+    (ZB-H2's 2p - 1, zb-2p's 2p) get their own message."""
     rates = _auto_rates()
     expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
-    return _number_check("4.2", answer, expected, "the limit where the bubble first reaches its floor",
-                         "a larger limit lets rank 0 start more forwards before its first B; how many fit "
-                         "before that B can arrive, with T_B twice T_F?")
+    p = AUTO_CASE["num_ranks"]
+    why = ("a larger limit lets rank 0 start more forwards before its first B; how many fit before that B "
+           "can arrive, with T_B twice T_F?")
+    known = {
+        2 * p - 1: (f"{2 * p - 1} = 2p - 1 is ZB-H2's warm-up, which fills rank 0's wait only when "
+                    "T_B = T_F.", why),
+        2 * p: (f"{2 * p} = 2p is zb-2p's limit, ZB-H2's 2p - 1 rounded up; here T_B = 2 T_F.", why),
+    }
+    return _number_check("4.2", answer, expected, "the limit where the bubble first reaches its floor", why,
+                         known=known)
 
 
 def auto_warmup(fn: Any) -> Verdict:
