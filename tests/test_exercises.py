@@ -16,8 +16,9 @@ from zbpp_lite import course as ex
 from zbpp_lite.schedules.simulate import lockstep_ticks
 
 LEAN = [["0F0", "0F1", "0BW0", "0F2", "0BW1", "0F3", "0BW2", "0BW3"],   # our text form: BW fused
-        ["1F0", "1F1", "1BW0", "1F2", "1BW1", "1F3", "1BW2", "1BW3"],
+        ["1F0", "1F1", "1BW0", "1BW1", "1F2", "1F3", "1BW2", "1BW3"],   # BW1 before F2: its gradient leaves at once
         ["2F0", "2BW0", "2F1", "2BW1", "2F2", "2BW2", "2F3", "2BW3"]]
+SHORT_WARM_UP = [LEAN[0], [f"1{a[1:]}" for a in LEAN[0]], LEAN[2]]   # 1F1B with warm-ups cut to 2: takes 24
 ONE_F_ONE_B_3x4 = [["0F0", "0F1", "0F2", "0BW0", "0F3", "0BW1", "0BW2", "0BW3"],   # valid, but rank 0 holds 3
                    ["1F0", "1F1", "1BW0", "1F2", "1BW1", "1F3", "1BW2", "1BW3"],
                    ["2F0", "2BW0", "2F1", "2BW1", "2F2", "2BW2", "2F3", "2BW3"]]
@@ -28,7 +29,7 @@ CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
     "1.2": (lambda p: 9 * (p - 1) / 16,             # (m+p-1)(2c + 144/m) at m = 8 and 16: 16c = 9(p - 1)
             lambda p: 27 / 16),                     # p = 4's tie, copied
-    "1.3": (LEAN, ONE_F_ONE_B_3x4),                 # 1F1B itself is valid but holds too much
+    "1.3": (LEAN, SHORT_WARM_UP),                   # 1F1B with shorter warm-ups: within the limit, but 24
     "1.4": (lambda p, m, r, f, bw: (min(p, r + m) - 1) * f,
             lambda p, m, r, f, bw: (p - 1) * f),    # the wrong one forgets m < p
     "2.1": (lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])),   # a_l, dz_l over a_l, z_l
@@ -203,10 +204,14 @@ def test_the_schedule_check_passes_on_the_validators_message():
     assert not verdict.ok and "incomplete" in verdict.hint and "microbatch 3" in verdict.hint
     assert not ex.lean_schedule([["0F0", "0BW0", "0F1", "0BW1"], ["1BW0", "1F0", "1F1", "1BW1"]]).ok  # 2 ranks
     slow = ex.lean_schedule(STRICT)                 # valid, holds 1, but waits with room for another F
-    assert not slow.ok and "takes 36" in slow.message and "takes 24" in slow.message
+    assert not slow.ok and "takes 36" in slow.message and "takes 21" in slow.message
+    assert not ex.lean_schedule(ONE_F_ONE_B_3x4).ok  # 1F1B itself is valid but holds too much
+    split = [[f"{r}{a}" for a in row.split()] for r, row in enumerate(   # takes 20, but splits the backward
+        ["F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3"] * 2 + ["F0 B0 F1 W0 B1 F2 W1 B2 F3 W2 B3 W3"])]
+    assert not (refused := ex.lean_schedule(split)).ok and "fuses" in refused.message
     torch_letters = ex.lean_schedule([[a.replace("BW", "B") for a in row] for row in LEAN])   # 1B0 is our B
     assert not torch_letters.ok and "refuses" in torch_letters.message
-    for copied in (24, 21, 42):   # equal costs' (m+p-1)(T_F+T_BW), mean costs, GPipe's makespan
+    for copied in (24, 21, 42, 48):   # (m+p-1)(T_F+T_BW) at equal costs, mean costs; GPipe's; at stage 1's
         assert not ex.makespan_1f1b(copied).ok
 
 

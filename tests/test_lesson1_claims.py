@@ -1,5 +1,6 @@
 """Lesson 1's claims over many cases (the lesson shows and asserts p = 4, m = 8): GPipe's and 1F1B's bubble
-rate (p-1)/(m+p-1), 1F1B's memory p - r and warm-up min(p - r, m). Source: arXiv 2401.10241 section 2."""
+rate (p-1)/(m+p-1), 1F1B's memory p - r and warm-up min(p - r, m); exercise 1.3's bound is attained. Source:
+arXiv 2401.10241 section 2."""
 
 from __future__ import annotations
 
@@ -36,3 +37,31 @@ def test_more_microbatches_shrink_one_f_one_b_s_bubble_and_gpipe_holds_m():
     assert all(a > b for a, b in zip(rates, rates[1:]))
     for p, m in itertools.product((2, 4, 6), (1, 3, 8)):
         assert max(zb.simulate(zb.build_schedule("gpipe", p, m), COST_SETS[0]).peak_memory) == m
+
+
+
+def _in_order_rows(r: int, m: int = 4, limit: int = 2) -> list[tuple[zb.Action, ...]]:
+    """Rank r's lists of F's and fused BW's, each kind in microbatch order, never holding more than limit."""
+    rows = []
+    for f_at in itertools.combinations(range(2 * m), m):
+        kinds = ["F" if i in f_at else "BW" for i in range(2 * m)]
+        held = list(itertools.accumulate(1 if k == "F" else -1 for k in kinds))
+        if min(held) >= 0 and max(held) <= limit:
+            count = {"F": itertools.count(), "BW": itertools.count()}
+            rows.append(tuple(zb.Action(k, r, next(count[k])) for k in kinds))
+    return rows
+
+
+def test_exercise_1_3_s_bound_is_attained_and_1f1b_with_shorter_warm_ups_misses_it():
+    from zbpp_lite.course.lesson1 import _lean_reference   # a bound no schedule beats (its docstring)
+    spans = {}
+    for rows in itertools.product(*(_in_order_rows(r) for r in range(3))):
+        try:
+            spans[rows] = zb.simulate(zb.Schedule(rows, (0, 1, 2), 4, "lean"), zb.Costs()).makespan
+        except zb.ScheduleError:          # a deadlock: some rank waits for what its own order holds back
+            continue
+    assert min(spans.values()) == _lean_reference() == 21.0
+    warm_2 = "F0 F1 BW0 F2 BW1 F3 BW2 BW3"             # 1F1B's order with the warm-up cut to 2 forwards
+    short = tuple(tuple(zb.Action.from_text(f"{r}{a}") for a in row.split())
+                  for r, row in enumerate((warm_2, warm_2, "F0 BW0 F1 BW1 F2 BW2 F3 BW3")))
+    assert spans[short] == 24.0

@@ -36,29 +36,26 @@ LEAN_LIMIT = 2
 
 
 def _lean_reference() -> float:
-    """The makespan, at unit costs (T_BW = 2), of 1F1B's order with each warm-up cut to LEAN_LIMIT forwards:
-    p = 3, m = 4; no schedule within the limit finishes earlier (rank 0 can run only 2 F's before it needs
-    a gradient back, so it waits for the whole chain once)."""
-    rows = []
-    for r in range(3):
-        warm = min(LEAN_LIMIT, 3 - r)
-        row = [Action("F", r, k) for k in range(warm)]
-        for k in range(4):
-            row.append(Action("BW", r, k))
-            if k + warm < 4:
-                row.append(Action("F", r, k + warm))
-        rows.append(row)
-    return simulate(Schedule(tuple(map(tuple, rows)), (0, 1, 2), 4, "lean"), Costs()).makespan
+    """The least makespan of exercise 1.3's schedules (F's and fused BW's, p = 3, m = 4, T_F = 1, T_BW = 2):
+    a bound no such schedule beats, and one attains it (tests/test_lesson1_claims.py). Rank 0 runs at most
+    LEAN_LIMIT F's before its first BW, which waits for the chain down and back (3 T_F + 3 T_BW = 9): idle
+    at least 9 - 2 T_F - T_BW; its last BW waits for the chain after its last F (2 T_F + 3 T_BW = 8) with at
+    most LEAN_LIMIT BW's left to run: idle at least 8 - 2 T_BW; add its busy time 4 (T_F + T_BW)."""
+    f, bw, p, m = 1.0, 2.0, 3, 4
+    first_wait = p * (f + bw) - LEAN_LIMIT * f - bw
+    last_wait = (p - 1) * f + p * bw - LEAN_LIMIT * bw
+    return m * (f + bw) + first_wait + last_wait
 
 
 def lean_schedule(actions: Any) -> Verdict:
     """Exercise 1.3: a valid schedule for p = 3, m = 4 (stage r on rank r) in which no rank holds more than
-    :data:`LEAN_LIMIT` microbatches' activations (1F1B's rank 0 holds 3), finishing as early as any such
-    schedule at unit costs: three lists of actions in our text form (``"0F1"``, ``"1BW0"`` fused,
-    ``"1B0"``/``"1W0"`` split; :meth:`~zbpp_lite.schedules.ir.Action.from_text`) or ``Action``'s.
-    Checked with :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs)."""
-    hint = ("count how many forwards each rank may run before its first backward without passing the limit, "
-            "and run every one it may: a rank that waits with room for another F loses time.")
+    :data:`LEAN_LIMIT` microbatches' activations (1F1B's rank 0 holds 3), of F's and fused BW's only (lesson
+    1 does not split the backward), finishing as early as any such schedule at unit costs
+    (:func:`_lean_reference`): three lists of actions in our text form (``"0F1"``, ``"1BW0"``;
+    :meth:`~zbpp_lite.schedules.ir.Action.from_text`) or ``Action``'s. Checked with
+    :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs)."""
+    hint = ("rank 0 may run 2 F's before a gradient comes back: does each rank run every F it may, and what "
+            "in your order makes a gradient leave rank 1 later than it could?")
     if _unanswered(actions):
         return Verdict("1.3", False, "no answer yet: replace ... with three lists of actions.", hint)
     try:
@@ -73,6 +70,9 @@ def lean_schedule(actions: Any) -> Verdict:
         validate(schedule)
     except ScheduleError as e:
         return Verdict("1.3", False, "zb.validate refuses it.", str(e).splitlines()[0])
+    if any(a.kind not in ("F", "BW") for row in rows for a in row):
+        return Verdict("1.3", False, "valid, but it splits a backward into B and W; this exercise fuses "
+                       "them.", "write each backward as one BW, as lesson 1 does (lesson 2 splits it).")
     run = simulate(schedule, Costs())
     over = [r for r, peak in enumerate(run.peak_memory) if peak > LEAN_LIMIT]
     if over:
