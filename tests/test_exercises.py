@@ -323,6 +323,7 @@ def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_sta
     assert not ex.balanced_partition(5).ok and not ex.balanced_partition((4, 4)).ok   # the old 2-stage answer
     assert not ex.best_split(lambda c, s: min(range(1, len(c)), key=lambda k: max(sum(c[:k]), sum(c[k:])))).ok
     assert not ex.balanced_partition((4, 2, 2)).ok                                   # the old costs' answer
+    assert "9" not in ex.balanced_partition((4, 3, 1)).message                       # the question's own answer
     assert ex.balanced_partition([3, 2, 3]).ok and ex.best_split(_best_cut).ok   # a list is fine too
 
 
