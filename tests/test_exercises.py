@@ -233,6 +233,9 @@ def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_f
     assert ex.MLP_RATIO == 1.2
     for copied in (0.5, 2 / 3):   # the old two-layer MLP's 1/2; "drops one of three products"
         assert not ex.first_stage_b_ratio(copied).ok
+    for natural, says in ((1, "middle stage"), (2 / 3, "as equal")):   # the misconceptions the reveal corrects
+        verdict = ex.first_stage_b_ratio(natural)
+        assert not verdict.ok and verdict.attempt and says in verdict.message
 
 
 def test_the_lesson_3_checks_reject_the_printed_forms():
@@ -271,7 +274,7 @@ def test_the_lesson_4_checks_reject_the_printed_rules():
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
     assert not ex.v_sends(lambda p, r: 2 * p - 2).ok                               # the placement's changes, copied
     for copied in (6, 10, 11, 12):   # p = 4's first m under 5%; the first zero less one; 2p - 1; 2p
-        assert not ex.zb_v_first_zero(copied).ok
+        assert not ex.zb_v_first_m_below(copied).ok
     assert not ex.zb_v_makespan(lambda p, m, t: 6 * m * t + max(0, 2 * p - m) * t).ok   # counted to 2p
     assert not ex.zb_v_makespan(lambda p, m, t: t * (6 * m + max(4 * p - 1 - 4 * m, 0))).ok   # m << p only
 

@@ -89,10 +89,15 @@ def first_stage_b_ratio(answer: Any) -> Verdict:
     n, w = MLP_TOKENS, FIRST_STAGE_WIDTHS
     f = sum(_matmul(n, a, b) for a, b in itertools.pairwise(w))
     b = sum(_matmul(n, b, a) for a, b in itertools.pairwise(w[1:]))  # dz_{l+1} @ weight_{l+1}.T; no dx
-    return _number_check("2.3", answer, b / f, "B's matmul flops over F's on the first stage",
-                         "ask who reads each of B's products: W, or the previous stage. On the first "
-                         "stage one of those readers is missing; which products served only it, and "
-                         "how large are they beside the others?")
+    hint = ("ask who reads each of B's products: W, or the previous stage. On the first stage one of "
+            "those readers is missing; which products served only it, and how large are they beside the "
+            "others?")
+    layers = len(w) - 1
+    known = {1.0: ("1 is a middle stage's B, a product per layer as F has: the first stage skips one.", hint),
+             (layers - 1) / layers: (f"{layers - 1}/{layers} counts the {layers} products as equal: they "
+                                     "are not, and the one skipped is not the smallest.", hint)}
+    return _number_check("2.3", answer, b / f, "B's matmul flops over F's on the first stage", hint,
+                         known=known)
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {

@@ -24,7 +24,7 @@ ZB_V_RATE = 0.05
 """Exercise 5.2's target: the bubble rate ZB-V must fall below (p = 6, unit costs)."""
 
 
-def zb_v_first_zero(answer: Any) -> Verdict:
+def zb_v_first_m_below(answer: Any) -> Verdict:
     """Exercise 5.2: the smallest m with ZB-V's bubble rate below :data:`ZB_V_RATE` on p = 6 (unit costs,
     T_comm = 0); predicted. The lesson prints only p = 4's sweep; the answers a copied pattern gives (the
     first bubble-free m 2p - 1, the bound 2p, p = 4's answer, one stage's work per microbatch) get their
@@ -76,7 +76,7 @@ def v_sends(fn: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "5.1": v_sends, "5.2": zb_v_first_zero, "5.3": zb_v_makespan
+    "5.1": v_sends, "5.2": zb_v_first_m_below, "5.3": zb_v_makespan
 }
 """Lesson 5's exercises by id -> check."""
 
@@ -90,4 +90,4 @@ def _reveal_5_2():
 REVEALS: dict[str, Callable[[], Any]] = {"5.2": _reveal_5_2}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["ZB_V_RATE", "zb_v_first_zero", "zb_v_makespan", "v_sends", "EXERCISES", "REVEALS"]
+__all__ = ["ZB_V_RATE", "zb_v_first_m_below", "zb_v_makespan", "v_sends", "EXERCISES", "REVEALS"]
