@@ -266,6 +266,7 @@ def test_the_lesson_4_checks_reject_the_printed_rules():
     assert not ex.bubble_floor_limit(2 * 4).ok and not ex.bubble_floor_limit(2 * 4 - 1).ok   # zb-2p; ZB-H2
     assert "ZB-H2's warm-up" in ex.bubble_floor_limit(7).message and "zb-2p" in ex.bubble_floor_limit(8).message
     assert not ex.auto_warmup(lambda p, lim, r, f, b: lim).ok                        # "the limit" alone
+    assert not ex.auto_warmup(lambda p, lim, r, f, b: min(lim, 3 * (p - r) - 2)).ok   # p = 4, T_B = 2's, fitted
     floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + min(w, f)) / (b + w - bw))  # noqa: E731
     assert not ex.bw_break_even(floor_m).ok                                        # counts the tie
     assert not ex.bw_break_even(lambda p, f, b, w, bw: p).ok                         # "m = p" alone

@@ -19,12 +19,17 @@ AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1
 ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
 
 
-@functools.lru_cache(maxsize=16)
-def _auto(limit: float):
-    """zb-auto's plan of :data:`AUTO_CASE` under ``limit`` M_B (cached)."""
+WARMUP_CASES = ((4, 12, 2.0), (3, 12, 3.0), (6, 18, 2.0))
+"""Exercise 4.3's cases (p, m, T_B), T_F = T_W = 1: :data:`AUTO_CASE` first, then two more, so that an answer
+written for p = 4, T_B = 2 alone fails."""
 
-    c = AUTO_CASE
-    return auto_plan(c["num_ranks"], c["num_microbatches"], c["costs"], limit)
+
+@functools.lru_cache(maxsize=64)
+def _auto(limit: float, p: int = AUTO_CASE["num_ranks"], m: int = AUTO_CASE["num_microbatches"],
+        b: float = AUTO_CASE["costs"].b):
+    """zb-auto's plan under ``limit`` M_B of :data:`AUTO_CASE`, or of p ranks, m microbatches and T_B = b
+    (T_F = T_W = 1) (cached)."""
+    return auto_plan(p, m, Costs(f=1.0, b=b, w=1.0), limit)
 
 
 def bw_break_even(fn: Any) -> Verdict:
@@ -77,16 +82,15 @@ def bubble_floor_limit(answer: Any) -> Verdict:
 
 def auto_warmup(fn: Any) -> Verdict:
     """Exercise 4.3: ``warmup(p, limit, r, f, b)``, the F rank r runs before its first B when zb-auto plans
-    :data:`AUTO_CASE` (T_F = ``f``, T_B = ``b``) under ``limit`` M_B; checked at limits 4 to 13, every
-    rank."""
-    plans = {lim: _auto(float(lim)).schedule for lim in AUTO_LIMITS}
-    c = AUTO_CASE["costs"]
+    :data:`AUTO_CASE`'s costs (T_F = ``f``, T_B = ``b``) under ``limit`` M_B; checked at limits 4 to 13, every
+    rank, on each of :data:`WARMUP_CASES`."""
+    ms = {p: m for p, m, _ in WARMUP_CASES}
 
     def counted(p, limit, r, f, b):
-        return next(i for i, a in enumerate(plans[limit].actions[r]) if a.kind != "F")
+        plan = _auto(float(limit), p, ms[p], b).schedule
+        return next(i for i, a in enumerate(plan.actions[r]) if a.kind != "F")
 
-    p = AUTO_CASE["num_ranks"]
-    points = [(p, lim, r, c.f, c.b) for lim in plans for r in range(p)]
+    points = [(p, lim, r, 1.0, b) for p, _, b in WARMUP_CASES for lim in AUTO_LIMITS for r in range(p)]
     return _function_check("4.3", fn, points, counted, "warmup(p, limit, r, f, b)",
                            "two things can end a warm-up: memory, and the arrival of the rank's first B. "
                            "Which one binds on which rank, and what does the second depend on when T_B "
