@@ -198,6 +198,22 @@ class CostTable:
             return -self.mem_b[stage]
         raise ValueError(f"unknown action kind {kind!r}")
 
+    def peak_memory(self, actions: Sequence) -> float:
+        """The peak of the activation memory held while ``actions`` run in order from none (each changing
+        it by :meth:`memory_delta`, looked up once per kind and stage; an optimizer instruction, stage -1,
+        holds none). Raises ValueError: as :meth:`memory_delta`."""
+        delta: dict[tuple[str, int], float] = {}
+        held = peak = 0.0
+        for a in actions:
+            key = (a.kind, a.stage)
+            d = delta.get(key)
+            if d is None:
+                d = delta[key] = self.memory_delta(*key) if a.stage >= 0 else 0.0
+            held += d
+            if held > peak:
+                peak = held
+        return peak
+
     def transfer(self, producer_stage: int, consumer_stage: int) -> float:
         """T_comm for a dependency from one stage to another (the sending side's value)."""
         return self.comm[producer_stage]

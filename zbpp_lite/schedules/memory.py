@@ -174,11 +174,4 @@ def order_peaks(schedule: Schedule, costs: Costs) -> tuple[float, ...]:
     F allocates before its backward frees), without simulating. Raises ValueError: as
     :meth:`Costs.table`."""
     table = costs.table(schedule.num_stages)
-    peaks = []
-    for r in range(schedule.num_ranks):
-        held = peak = 0.0
-        for a in schedule.rank_actions(r):
-            held += table.memory_delta(a.kind, a.stage)
-            peak = max(peak, held)
-        peaks.append(peak)
-    return tuple(peaks)
+    return tuple(table.peak_memory(schedule.rank_actions(r)) for r in range(schedule.num_ranks))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
+from operator import attrgetter
 
 from .costs import Costs, CostTable
 from .ir import Entry, Key, Overlap, Schedule, parts, produces
@@ -53,7 +54,7 @@ def simulate(
         events = _lockstep_events(compute, table, checked_order(compute) if check else None)
     else:
         events = _timed_events(table, *(checked_program(schedule) if check else _walk_program(schedule)))
-    if not all(math.isfinite(e.end) for e in events):
+    if not all(map(math.isfinite, map(attrgetter("end"), events))):
         big = max((*table.f, *table.b, *table.w, *table.comm))
         raise ValueError(
             f"the simulated times overflow to infinity: costs up to {big:g} add up beyond the largest float "
@@ -135,7 +136,7 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
     Times are kept per (kind, stage) in a dict by microbatch, and each (kind, stage)'s route names those
     dicts once (:func:`_timing_links`): an instruction looks its inputs up by microbatch alone, with no key
     tuple made or hashed (planning at p = 256, m = 512 times about two million instructions)."""
-    links, ends, delay = _timing_links(table, program.placement)
+    links, ends = _timing_links(table, program.placement)
     free = [0.0] * program.num_ranks
     events = []
     rows = program.instructions
@@ -148,8 +149,8 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
                 free[rank] = max(free[rank], 0.0 if x.earlier else sent[x.key, rank])
                 continue
             kind, stage, j = x.key
-            finish, arrive = ends[kind, stage]
-            arrive[j] = finish[j] + delay[kind, stage]
+            finish, arrive, delay = ends[kind, stage]
+            arrive[j] = finish[j] + delay
         elif what is Send:
             if type(x.key) is OptimizerMessage:
                 sent[x.key, x.peer] = free[rank]
@@ -157,10 +158,10 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
             events.append(Event(rank, x, free[rank], free[rank]))
         else:
             start = free[rank]
-            actions = x.parts if what is Overlap else (x,)
-            for a in actions:
-                j = a.microbatch
-                for got, kind, stage in links[a.kind, a.stage][0]:
+            found = [(a.microbatch, links[a.kind, a.stage]) for a in x.parts] if what is Overlap \
+                else ((x.microbatch, links[x.kind, x.stage]),)
+            for j, (needs, _, _) in found:
+                for got, kind, stage in needs:
                     end = got.get(j)
                     if end is None:
                         raise ScheduleError(f"rank {rank}, step {step}: {describe(x)} needs {kind} of stage "
@@ -172,25 +173,23 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
                 end = start + table.duration(x)
                 events += _events_of(rank, x, start, end, table)
             else:
-                end = start + links[x.kind, x.stage][2]
+                end = start + found[0][1][2]
                 events.append(Event(rank, x, start, end))
             free[rank] = end
-            for a in actions:
-                j = a.microbatch
-                for made in links[a.kind, a.stage][1]:
+            for j, (_, makes, _) in found:
+                for made in makes:
                     made[j] = end
     return events
 
 
-def _timing_links(table: CostTable, placement: tuple[int, ...]) -> tuple[dict, dict, dict]:
-    """(links, ends, delay) for :func:`_timed_events`: ``ends[kind, stage]`` is (finish, arrive), dicts by
-    microbatch of when the value is made on its own rank and when the rank taking it has it;
-    ``links[kind, stage]`` is (what it needs: (dict, kind, stage) each, in ``deps``' order; the finish
-    dicts it fills; its time); ``delay[kind, stage]`` T_comm of a send (:meth:`CostTable.transfer`)."""
+def _timing_links(table: CostTable, placement: tuple[int, ...]) -> tuple[dict, dict]:
+    """(links, ends) for :func:`_timed_events`: ``ends[kind, stage]`` is (finish, arrive, T_comm of a send:
+    :meth:`CostTable.transfer`), finish and arrive dicts by microbatch of when the value is made on its own
+    rank and when the rank taking it has it; ``links[kind, stage]`` is (what it needs: (dict, kind, stage)
+    each, in ``deps``' order; the finish dicts it fills; its time)."""
     route_of = routes(placement)
-    ends = {key: ({}, {}) for key in route_of}
-    delay = {key: table.transfer(key[1], consumer_stage(*key)) for key in route_of}
+    ends = {key: ({}, {}, table.transfer(key[1], consumer_stage(*key))) for key in route_of}
     links = {(kind, stage): (tuple((ends[k, s][0 if local else 1], k, s) for k, s, local in route.needs),
                              tuple(ends[k, s][0] for k, s in route.makes), table.time(kind, stage))
              for (kind, stage), route in route_of.items()}
-    return links, ends, delay
+    return links, ends

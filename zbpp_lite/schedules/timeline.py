@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import groupby
+from operator import attrgetter
 from typing import Sequence
 
 from .costs import Costs, CostTable
@@ -17,7 +19,7 @@ from .ir import Action, Schedule, deps, produces
 from .memory import MeasuredMemory
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     """``rank`` ran ``action`` from ``start`` to ``end`` (unit of the costs; seconds when measured); in a
     simulated program's timeline also an optimizer instruction
@@ -81,29 +83,23 @@ class Timeline:
         Memory follows each rank's own action order (model of :mod:`.costs`; default ``Costs()``: M_B = 1,
         M_W = 7/16). Gaps shorter than ``gap_tolerance`` are ignored (float noise).
         """
-        events = tuple(sorted(events, key=lambda e: (e.rank, e.start, e.end)))
+        events = tuple(sorted(events, key=attrgetter("rank", "start", "end")))
         if num_stages is None:
             num_stages = 1 + max((e.action.stage for e in events), default=0)
         table = costs.table(num_stages) if isinstance(costs, Costs) else costs
         if table is None:
             table = Costs().table(num_stages)
         per_rank: list[list[Event]] = [[] for _ in range(num_ranks)]
-        for e in events:
-            per_rank[e.rank].append(e)
+        for rank, run in groupby(events, attrgetter("rank")):  # one run per rank (sorted)
+            per_rank[rank].extend(run)
         spans, busy, peaks, gaps = [], [], [], []
         for row in per_rank:
-            busy.append(sum(e.duration for e in row))
+            busy.append(sum([e.end - e.start for e in row]))
             firsts = [e.start for e in row if e.action.kind == "F"] or [e.start for e in row]
-            spans.append(max(e.end for e in row) - min(firsts) if row else 0.0)
-            mem = peak = 0.0
-            rank_gaps = []
-            for prev, e in zip([None, *row], row):
-                mem += table.memory_delta(e.action.kind, e.action.stage) if e.action.stage >= 0 else 0.0
-                peak = max(peak, mem)
-                if prev is not None and e.start - prev.end > gap_tolerance:
-                    rank_gaps.append((prev.end, e.start))
-            peaks.append(peak)
-            gaps.append(tuple(rank_gaps))
+            spans.append(max([e.end for e in row]) - min(firsts) if row else 0.0)
+            peaks.append(table.peak_memory([e.action for e in row]))
+            gaps.append(tuple((prev.end, e.start) for prev, e in zip(row, row[1:])
+                              if e.start - prev.end > gap_tolerance))
         makespan = max(spans, default=0.0)
         work = max(busy, default=0.0)
         rate = (makespan - work) / makespan if makespan > 0 else 0.0
@@ -135,11 +131,12 @@ class Timeline:
 
     @cached_property
     def _by_rank(self) -> tuple[tuple[Event, ...], ...]:
-        """``events`` split by rank once (order kept): asking for every rank is linear, not p times."""
+        """``events`` split by rank once (order kept): asking for every rank is linear, not p times; a run
+        of one rank's events (all of them, sorted by rank) is added at once."""
         rows: list[list[Event]] = [[] for _ in range(self.num_ranks)]
-        for e in self.events:
-            if 0 <= e.rank < self.num_ranks:
-                rows[e.rank].append(e)
+        for rank, run in groupby(self.events, attrgetter("rank")):
+            if 0 <= rank < self.num_ranks:
+                rows[rank].extend(run)
         return tuple(map(tuple, rows))
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from .ir import KINDS, Action, Entry, Key, Overlap, Schedule, deps, parts, produces
+from .ir import KINDS, Action, Entry, Key, Overlap, Schedule, deps, produces
 from .program import (COMMS, Instruction, Optimize, OptimizerMessage, Program, Recv, Send, consumer_stage,
     destination, lower)
 
@@ -114,20 +114,21 @@ def _check_structure(schedule: Schedule) -> None:
         raise ScheduleError("a schedule needs at least one rank")
     if m < 1:
         raise ScheduleError(f"num_microbatches must be >= 1, got {m}")
+    placement = schedule.placement
     for rank, row in enumerate(schedule.actions):
         for step, entry in enumerate(row):
-            for a in parts(entry):
+            for a in (entry.parts if isinstance(entry, Overlap) else (entry,)):
                 if a.stage >= S:
                     _fail(schedule, f"{describe(a)} names stage {a.stage}, but stages are 0 .. {S - 1}",
                         rank, step)
                 if a.microbatch >= m:
                     _fail(schedule, f"{describe(a)} names microbatch {a.microbatch}, but microbatches are 0 "
                         f".. {m - 1}", rank, step)
-                if schedule.placement[a.stage] != rank:
+                if placement[a.stage] != rank:
                     _fail(
                         schedule,
                         f"{describe(a)} runs on rank {rank} but stage {a.stage} is placed on rank "
-                        f"{schedule.placement[a.stage]}",
+                        f"{placement[a.stage]}",
                         rank,
                         step,
                     )
@@ -255,14 +256,15 @@ def _program_order(program: Program, steps: int = 1) -> list[tuple[int, int]]:
     sent: set[tuple] = set()
 
     def advance(rank: int, row: tuple, i: int, order: list) -> int:
-        width = len(program.instructions[rank])
-        while i < len(row):
+        width, end = len(program.instructions[rank]), len(row)
+        while i < end:
             x = row[i]
-            if type(x) is Recv:
+            what = type(x)
+            if what is Recv:
                 step = i // width - x.earlier
                 if step >= 0 and (step, x.key, rank) not in sent:
                     break
-            elif type(x) is Send:
+            elif what is Send:
                 sent.add((i // width, x.key, x.peer))
             order.append((rank, i))
             i += 1

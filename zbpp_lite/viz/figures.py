@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from operator import attrgetter
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -44,12 +45,12 @@ def time_unit_of(timeline: Timeline) -> str:
 
 def start_time(timeline: Timeline) -> float:
     """Earliest event start (0 for simulated timelines; a clock reading for measured ones)."""
-    return min((e.start for e in timeline.events), default=0.0)
+    return min(map(attrgetter("start"), timeline.events), default=0.0)
 
 
 def end_time(timeline: Timeline) -> float:
     """Latest event end."""
-    return max((e.end for e in timeline.events), default=0.0)
+    return max(map(attrgetter("end"), timeline.events), default=0.0)
 
 
 def stats_text(timeline: Timeline) -> str:
@@ -66,8 +67,8 @@ def figure_title(timeline: Timeline, title: str | None = None) -> str:
 def _chunk_index(timeline: Timeline) -> dict[tuple[int, int], int]:
     """(rank, stage) -> position of the stage among the rank's stages (0 for the first chunk)."""
     stages: dict[int, set[int]] = {}
-    for e in timeline.events:
-        stages.setdefault(e.rank, set()).add(e.action.stage)
+    for rank, stage in sorted({(e.rank, e.action.stage) for e in timeline.events}):  # each pair once
+        stages.setdefault(rank, set()).add(stage)
     return {(r, s): i for r, ss in stages.items() for i, s in enumerate(sorted(ss))}
 
 

@@ -103,11 +103,12 @@ def _rank_cells(events, t0: float, scale: float, width: int) -> tuple[list, list
         c0 = round((e.start - t0) * scale)  # round() of a float is an int
         c0 = c0 if c0 < last else last
         c1 = round((e.end - t0) * scale)
-        c1 = min(c1 if c1 > c0 else c0 + 1, width)
-        owner.append((e, c0, c1))
-        if c1 == c0 + 1:
+        if c1 <= c0 + 1:  # one column (at least one; c0 < width)
+            c1 = c0 + 1
             count[c0] += 1
         else:
+            c1 = c1 if c1 < width else width
             for c in range(c0, c1):
                 count[c] += 1
+        owner.append((e, c0, c1))
     return [(IDLE, None, FOLDED)[min(n, 2)] for n in count], owner  # by how many actions touch a column
