@@ -261,14 +261,14 @@ def problem(name: str) -> str | None:
 
 
 def _tidy(svg: str) -> str:
-    """Kaleido's SVG made byte-stable and smaller: its random ids numbered in order, numbers to 2
-    decimals."""
+    """Kaleido's SVG made byte-stable and smaller: its random ids numbered in order, numbers inside attribute
+    values (coordinates, styles) to 2 decimals; text the figure shows (titles, labels) is left as drawn."""
     for token in set(re.findall(r'id="defs-([0-9a-f]+)"', svg)):
         svg = svg.replace(token, "zbpp")
     patterns: dict[str, str] = {}
     svg = re.sub(r"(pzbpp-(?:legend-)?)([0-9a-f]+)\b",
                  lambda m: m.group(1) + patterns.setdefault(m.group(2), str(len(patterns))), svg)
-    return re.sub(r"(-?\d+\.\d{2})\d+", r"\1", svg)
+    return re.sub(r'"[^"]*"', lambda value: re.sub(r"(-?\d+\.\d{2})\d+", r"\1", value.group(0)), svg)
 
 
 def svg_of(name: str) -> str:
