@@ -41,7 +41,8 @@ def _lean_reference() -> float:
     LEAN_LIMIT F's before its first BW, which waits for the chain down and back (3 T_F + 3 T_BW = 9): idle
     at least 9 - 2 T_F - T_BW; its last BW waits for the chain after its last F (2 T_F + 3 T_BW = 8) with at
     most LEAN_LIMIT BW's left to run: idle at least 8 - 2 T_BW; add its busy time 4 (T_F + T_BW)."""
-    f, bw, p, m = 1.0, 2.0, 3, 4
+    unit, p, m = Costs(), 3, 4  # the costs lean_schedule simulates with
+    f, bw = unit.f, unit.b + unit.w
     first_wait = p * (f + bw) - LEAN_LIMIT * f - bw
     last_wait = (p - 1) * f + p * bw - LEAN_LIMIT * bw
     return m * (f + bw) + first_wait + last_wait

@@ -4,6 +4,7 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any, Callable
 
 
@@ -28,8 +29,8 @@ written for p = 4, T_B = 2 alone fails."""
 def _auto(limit: float, p: int = AUTO_CASE["num_ranks"], m: int = AUTO_CASE["num_microbatches"],
         b: float = AUTO_CASE["costs"].b):
     """zb-auto's plan under ``limit`` M_B of :data:`AUTO_CASE`, or of p ranks, m microbatches and T_B = b
-    (T_F = T_W = 1) (cached)."""
-    return auto_plan(p, m, Costs(f=1.0, b=b, w=1.0), limit)
+    (AUTO_CASE's other costs) (cached)."""
+    return auto_plan(p, m, replace(AUTO_CASE["costs"], b=b), limit)
 
 
 def bw_break_even(fn: Any) -> Verdict:

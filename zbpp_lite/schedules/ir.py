@@ -271,7 +271,7 @@ class Schedule:
 
     def rank_actions(self, rank: int) -> tuple[Action, ...]:
         """``rank``'s actions in order, each pair as its forward then its backward."""
-        return tuple(a for e in self.actions[rank] for a in (e.parts if isinstance(e, Overlap) else (e,)))
+        return tuple(a for e in self.actions[rank] for a in parts(e))
 
     @property
     def has_pairs(self) -> bool:

@@ -94,7 +94,7 @@ class Timeline:
             per_rank[rank].extend(run)
         spans, busy, peaks, gaps = [], [], [], []
         for row in per_rank:
-            busy.append(sum([e.end - e.start for e in row]))
+            busy.append(sum([e.duration for e in row]))
             firsts = [e.start for e in row if e.action.kind == "F"] or [e.start for e in row]
             spans.append(max([e.end for e in row]) - min(firsts) if row else 0.0)
             peaks.append(table.peak_memory([e.action for e in row]))

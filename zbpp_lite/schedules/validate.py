@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from .ir import KINDS, Action, Entry, Key, Overlap, Schedule, deps, produces
+from .ir import KINDS, Action, Entry, Key, Overlap, Schedule, deps, parts, produces
 from .program import (COMMS, Instruction, Optimize, OptimizerMessage, Program, Recv, Send, consumer_stage,
     destination, lower)
 
@@ -117,7 +117,7 @@ def _check_structure(schedule: Schedule) -> None:
     placement = schedule.placement
     for rank, row in enumerate(schedule.actions):
         for step, entry in enumerate(row):
-            for a in (entry.parts if isinstance(entry, Overlap) else (entry,)):
+            for a in parts(entry):
                 if a.stage >= S:
                     _fail(schedule, f"{describe(a)} names stage {a.stage}, but stages are 0 .. {S - 1}",
                         rank, step)
