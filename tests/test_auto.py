@@ -336,7 +336,7 @@ def test_a_memory_limited_plan_says_which_m_w_it_assumed_and_a_model_whose_m_w_b
     plan = s.memory_plan
     assert plan.assumed() == "M_W = 0.4375 M_B" and plan.limit_units(s) == (8.0,) * 4
     heavy = zb.Costs(mem_w=1.0)
-    assert zb.simulate(s, heavy).peak_memory == (10.0, 13.0, 14.0, 15.0)
+    assert zb.simulate(s, heavy).peak_memory == (11.0, 13.0, 14.0, 15.0)
     message = plan.overrun(s, heavy)
     assert "planned with M_W = 0.4375 M_B to hold at most 8 M_B on rank 3" in message
     assert "M_W = 1 M_B it holds 15 M_B there" in message and "\n" not in message

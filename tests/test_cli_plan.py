@@ -40,7 +40,7 @@ def test_plan_says_which_m_w_a_memory_limited_plan_assumed_and_its_peak_at_m_w_e
     out = plan("-s", "zb-2p", "-p", "4", "-m", "16")
     assert out.returncode == 0, out.stderr
     assert "assumed      M_W = 0.4375 M_B, planned under 8 8 8 8" in out.stdout
-    assert "at M_W = M_B 10 13 14 15  (peak per rank of this order, units of M_B)" in out.stdout
+    assert "at M_W = M_B 11 13 14 15  (peak per rank of this order, units of M_B)" in out.stdout
     heavy = plan("-s", "zb-h1", "-p", "2", "-m", "4", "--mem-w", "1.5")  # a simulation holds M_W > M_B
     assert heavy.returncode == 0 and "peak memory  2.5 3  (per rank, units of M_B)" in heavy.stdout
 
@@ -54,7 +54,7 @@ def test_plan_walks_the_schedule_once_also_for_the_peak_at_m_w_equal_m_b(monkeyp
     calls, order = [], validate.execution_order
     monkeypatch.setattr(validate, "execution_order", lambda *a, **k: calls.append(1) or order(*a, **k))
     assert main(["plan", "-s", "zb-2p", "-p", "4", "-m", "16"]) == 0
-    assert "at M_W = M_B 10 13 14 15  (peak per rank" in capsys.readouterr().out
+    assert "at M_W = M_B 11 13 14 15  (peak per rank" in capsys.readouterr().out
     assert len(calls) == 1
 
 

@@ -433,8 +433,7 @@ class _Greedy:
             for s in range(S)]
         self.most_projected = max(self.work, default=0.0)  # max over ranks of work + bubble so far
         self.left = 3 * S * m
-        self.heap: list[tuple[float, int, int]] = []
-        self.seq = 0
+        self.heap: list[tuple[float, int]] = []  # (time, rank): ties go to the lower rank
         # branch and bound (Runs): stop once the cutoff is met; bound = largest per-rank lower bound
         # on the span (span so far + work left), never below a rank's whole work
         self.stop: Cutoff | None = None
@@ -468,14 +467,12 @@ class _Greedy:
     def wake(self, r: int, time: float) -> None:
         if time < self.due[r] - _EPS:
             self.due[r] = time
-            self.seq += 1
-            heapq.heappush(self.heap, (time, self.seq, r))
+            heapq.heappush(self.heap, (time, r))
 
     def set_due(self, r: int, time: float) -> None:
         self.due[r] = time
         if time < _INF:
-            self.seq += 1
-            heapq.heappush(self.heap, (time, self.seq, r))
+            heapq.heappush(self.heap, (time, r))
 
     def commit(self, r: int, kind: str, s: int, j: int, start: float) -> float:
         t = self.t
@@ -602,13 +599,14 @@ class _Greedy:
         return most
 
     def state(self, r: int) -> tuple:
-        """Everything the rest of the run depends on, mid-decision of rank r at ``now``."""
-        heap = [(t, q) for t, _, q in sorted(self.heap)]
+        """Everything the rest of the run depends on, mid-decision of rank r at ``now``. The heap is not in
+        it: its entries that still fire are (``due[q]``, q), popped in (time, rank) order whatever the order
+        they were pushed in, and the others (a time no longer ``due``) are skipped when popped."""
         inflight = [tuple((k, tuple(v)) for k, v in d.items()) for d in self.inflight]
         return (
             r, self.now, self.left, tuple(self.free), tuple(self.first), tuple(self.bubble), tuple(self.mem),
             tuple(self.held), tuple(self.peak), tuple(tuple(w) for w in self.pending_w), tuple(inflight),
-            tuple(self.hold), tuple(self.due), tuple(heap), tuple(self.nf), tuple(self.nb),
+            tuple(self.hold), tuple(self.due), tuple(self.nf), tuple(self.nb),
             tuple(map(tuple, self.end_f)), tuple(map(tuple, self.end_b)), self.most_projected,
             tuple(self.done),
             self.bound, self.max_peak, tuple(map(tuple, self.rows)),
@@ -757,7 +755,7 @@ class _Greedy:
         while self.left:
             if not heap:
                 raise AssertionError("greedy scheduler bug: no rank can move (memory safety prevents this)")
-            time, _, r = pop(heap)
+            time, r = pop(heap)
             if time != due[r]:
                 continue
             self.now = time
