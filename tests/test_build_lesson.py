@@ -5,8 +5,8 @@ zero probes, the test bench ``lab``: ``zbpp_lite.course.bench.Lab``, the threads
 and the definitions of its Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed
 from ``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its SPMD ``make_tick``. The right
 builds pass every check; each wrong one below, a mistake a learner makes, fails its check with a hint
-that names it: W reading another microbatch's output gradient, a loop that walks its own order instead
-of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B running the
+that names it: W reading another microbatch's output gradient, a W computed during its B, a loop that
+walks its own order instead of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B running the
 layers again, a prediction of the bytes B keeps copied from another pattern, a step clipped stage by
 stage or not at all or with one all-reduce per stage; an SPMD tick that stores what never arrived or
 keeps microbatch j in row j of a buffer with fewer rows; a V tick whose first and last test the rank
@@ -143,6 +143,21 @@ def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(le
     verdict = ex.pipeline_run(result)
     assert not verdict and verdict.hint and "placement" in verdict.hint, str(verdict)
     assert lesson["placement"] == list(range(4))                           # try_pipeline put it back
+
+
+def test_a_loop_that_computes_w_during_b_fails(lesson):
+    """W called right after B, its result held until the W action only adds it: the order of the events
+    and the gradients are right, the weight gradient was not deferred, and the check sees when W ran."""
+    call, later = "B(saved.pop((s, j)), dy)\n", "g = W(kept.pop((s, j)))\n"
+    edit = lambda src: src.replace(call, call + "            kept[s, j] = W(kept[s, j])\n").replace(  # noqa: E731
+        later, "g = kept.pop((s, j))\n")
+    with _replaced(lesson, LESSON, "rank_loop", edit) as wrong:
+        assert wrong.count("= W(") == 1
+        result = lesson["lab"].try_pipeline(lesson["rank_loop"])
+    assert all(run["grad_error"] <= ex.BUILD_TOLERANCE for run in result["runs"].values())   # gradients right
+    verdict = ex.pipeline_run(result)
+    assert not verdict and "outside its W and BW actions" in str(verdict), str(verdict)
+    assert str(verdict).startswith("Exercise 8.3: not yet. zb-h1: rank "), str(verdict)  # 1F1B's BW holds both
 
 
 def test_a_loop_whose_last_stage_starts_from_one_instead_of_one_over_m_fails(lesson):

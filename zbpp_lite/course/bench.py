@@ -148,10 +148,10 @@ class SpmdLab:
             return A - scale * dA, c - scale * dc
 
         def per_rank(A, c, dA, dc):
-            return step(A, c, dA, dc, jnp.sqrt(lax.psum(jnp.sum(dA ** 2) + jnp.sum(dc ** 2), "stage")))
+            return step(A, c, dA, dc, jnp.sqrt(lax.psum(jnp.sum(dA ** 2) + jnp.sum(dc ** 2), spmd.AXIS)))
 
         (As, cs), (dAs, dcs) = self.arrays[:2], self.reference
-        spmd_step = jax.jit(spmd.shard_map(per_rank, self.mesh, (P("stage"),) * 4, P("stage")))
+        spmd_step = jax.jit(spmd.shard_map(per_rank, self.mesh, (P(spmd.AXIS),) * 4, P(spmd.AXIS)))
         whole = step(As, cs, dAs, dcs, jnp.sqrt(jnp.sum(dAs ** 2) + jnp.sum(dcs ** 2)))
         return spmd_step(As, cs, dAs, dcs), whole
 
@@ -329,13 +329,34 @@ class Lab:
     def run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline]:
         """``rank_loop(rank, actions, inboxes, events, t0)`` on one thread per rank: each stage's gradient
         sums (a list, None where missing) and the measured timeline (seconds since the start)."""
+        return self._run(schedule, rank_loop)[:2]
+
+    def _run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline, list | None]:
+        """:meth:`run`'s two results, and (rank, seconds since the start) of each call of the learner's ``W``
+        (the global ``W`` ``rank_loop`` reads, counted during the run; None: it reads none)."""
         events: list[Event] = []
+        scope = getattr(rank_loop, "__globals__", {})
+        plain, calls, rank_of = scope.get("W"), [], {}
         t0 = time.perf_counter()
-        out = self.threads(schedule.num_ranks,
-                           lambda rank, inboxes: rank_loop(rank, schedule.actions[rank], inboxes, events, t0))
+
+        def counted(*args, **kwargs):
+            calls.append((rank_of.get(threading.get_ident(), -1), time.perf_counter() - t0))
+            return plain(*args, **kwargs)
+
+        def work(rank, inboxes):
+            rank_of[threading.get_ident()] = rank
+            return rank_loop(rank, schedule.actions[rank], inboxes, events, t0)
+
+        if callable(plain):
+            scope["W"] = counted
+        try:
+            out = self.threads(schedule.num_ranks, work)
+        finally:
+            if callable(plain):
+                scope["W"] = plain
         grads = {s: g for part in out if part for s, g in part.items()}
         timeline = Timeline.from_events(events, schedule.num_ranks, num_stages=self.S, source="measured")
-        return [grads.get(s) for s in range(self.S)], timeline
+        return [grads.get(s) for s in range(self.S)], timeline, calls if callable(plain) else None
 
     def run_compiled(self, rank_loop: Callable, names: tuple = ("1f1b", "zb-h1")) -> dict:
         """``rank_loop`` with the lesson's ``F``, ``B``, ``W`` (names it reads from its module's globals)
@@ -404,13 +425,13 @@ class Lab:
 
     def try_pipeline(self, rank_loop: Callable) -> dict:
         """Exercise 8.3's result: the learner's loop on :data:`PIPELINE_RUNS`, the stages placed as each
-        schedule says (put back after): ``{"error", "runs": {name: {"timeline", and
+        schedule says (put back after): ``{"error", "runs": {name: {"timeline", "w_calls" (:meth:`_run`), and
         :func:`gradient_report`'s "grad_error", "stage_errors", "scale"}}}``."""
         def one(name):
             schedule = build_schedule(name, dict(PIPELINE_RUNS)[name], self.m)
             self._place(list(schedule.placement))
-            grads, timeline = self.run(schedule, rank_loop)
-            return {"timeline": timeline, **self.report(grads)}
+            grads, timeline, w_calls = self._run(schedule, rank_loop)
+            return {"timeline": timeline, "w_calls": w_calls, **self.report(grads)}
 
         try:
             return try_runs(one, [name for name, _ in PIPELINE_RUNS])

@@ -200,8 +200,9 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwis
 def pipeline_run(result: Any) -> Verdict:
     """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
     :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
-    "grad_error", "stage_errors", "scale"}}}``. Right when every rank ran its actions in order, one event
-    each, each after its inputs ended, and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`
+    "w_calls", "grad_error", "stage_errors", "scale"}}}``. Right when every rank ran its actions in order, one
+    event each, each after its inputs ended, each W and BW event held one call of the learner's W
+    (:func:`_w_problem`), and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`
     (:func:`gradient_problem` names a wrong gradient's likely cause)."""
     hint = ("follow one microbatch through the figure: what must each of F, B, W and BW have before it "
             "starts, which rank holds the stage that needs its result, and when is that result ready?")
@@ -218,7 +219,8 @@ def pipeline_run(result: Any) -> Verdict:
         if name not in result["runs"]:
             return Verdict("8.3", False, f"no run of {name}.", hint)
         run = result["runs"][name]
-        why = _order_problem(build_schedule(name, ranks, c["microbatches"]), run["timeline"])
+        why = (_order_problem(build_schedule(name, ranks, c["microbatches"]), run["timeline"])
+               or _w_problem(run["timeline"], run.get("w_calls")))
         if why:
             return Verdict("8.3", False, f"{name}: {why}", hint)
         problem = gradient_problem("8.3", name, run, c["microbatches"])
@@ -228,8 +230,31 @@ def pipeline_run(result: Any) -> Verdict:
         worst = max(worst, error)
     names = ", ".join(name for name, _ in PIPELINE_RUNS)
     return Verdict("8.3", True,
-                   f"{names} ran in their schedules' order on every rank, each action after its inputs; the "
-                   f"gradients equal jax.grad's (largest relative difference {worst:.1e}).")
+                   f"{names} ran in their schedules' order on every rank, each action after its inputs and "
+                   f"each weight gradient in its own W; the gradients equal jax.grad's (largest relative "
+                   f"difference {worst:.1e}).")
+
+
+def _w_problem(timeline: Any, calls: list | None) -> str:
+    """What is wrong with when a run called the learner's ``W`` (``calls``: (rank, seconds since the start)
+    of each call; None: not recorded): each W and BW event of a rank must hold exactly one call made by that
+    rank, or a W computed during its B and only added later would pass as deferred. "" where right."""
+    if calls is None:
+        return ""
+    windows = sorted((e.rank, e.start, e.end) for e in timeline.events if e.action.kind in ("W", "BW"))
+    if len(calls) != len(windows):
+        return (f"your W ran {len(calls)} times for {len(windows)} W and BW actions: each computes its "
+                "weight gradient with one call of W, when it runs.")
+    held = [0] * len(windows)
+    for rank, t in calls:
+        inside = [k for k, (r, a, b) in enumerate(windows) if r == rank and a <= t <= b]
+        if not inside:
+            return (f"rank {rank} called W at {t * 1e3:.1f} ms, outside its W and BW actions: a weight "
+                    "gradient is computed when the schedule runs its W, not during B.")
+        held[inside[0]] += 1
+    if max(held) > 1:
+        return "one W or BW action called your W twice, another not at all."
+    return ""
 
 
 def _order_problem(schedule: Schedule, timeline: Any) -> str:
