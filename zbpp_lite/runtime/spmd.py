@@ -1,4 +1,4 @@
-"""The compiled SPMD executor: a whole schedule as one jitted program over a mesh axis ``stage``.
+"""The compiled SPMD executor: a whole schedule as one jitted program over a mesh axis ``rank``.
 
 Where :class:`~zbpp_lite.runtime.executor.PipelineExecutor` runs one thread per rank (MPMD), this compiles
 a :class:`~zbpp_lite.schedules.ir.Schedule` into one program every rank runs in lockstep (as on TPU pods):
@@ -35,7 +35,7 @@ from ..schedules.simulate import lockstep_ticks
 from .split import StageSplit, sum_dtype
 from ..schedules.validate import validate
 
-AXIS = "stage"
+AXIS = "rank"
 """The mesh axis the pipeline runs over: one rank per position."""
 
 NO_BUFFER, ACT_BUFFER, GRAD_BUFFER = 0, 1, 2
@@ -238,7 +238,7 @@ class _Traced:
 
 
 class SpmdExecutor:
-    """A schedule compiled into one jitted SPMD program over the mesh axis ``stage``.
+    """A schedule compiled into one jitted SPMD program over the mesh axis ``rank``.
 
     Args:
         model: the staged model (``num_stages`` as the schedule's).
