@@ -5,7 +5,7 @@ zero probes, the test bench ``lab``: ``zbpp_lite.course.bench.Lab``, the threads
 and the definitions of its Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed
 from ``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its SPMD ``make_tick``. The right
 builds pass every check; each wrong one below, a mistake a learner makes, fails its check with a hint
-that names it: W reading another microbatch's output gradient, a W computed during its B, a loop that
+that names it: W reading another microbatch's dz, a W computed during its B, a loop that
 walks its own order instead of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B running the
 layers again, a prediction of the bytes B keeps copied from another pattern, a step clipped stage by
 stage or not at all or with one all-reduce per stage; an SPMD tick that stores what never arrived or
@@ -97,7 +97,7 @@ def test_the_right_build_passes_every_check(lesson):
 
 
 def test_w_with_another_microbatchs_output_gradient_fails(lesson):
-    """W pairs its microbatch's layer inputs with the output gradients of the rank's latest B. In
+    """W pairs its microbatch's layer inputs with the dz of the rank's latest B. In
     1F1B W runs right after its own B, so nothing shows; ZB-H1 delays W and the check catches it."""
     F, B, W = lesson["F"], lesson["B"], lesson["W"]
     latest = threading.local()  # one rank per thread, one stage per rank

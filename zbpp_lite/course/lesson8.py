@@ -14,7 +14,7 @@ from .checks import Verdict, _unanswered
 
 
 BUILD_CASE = dict(ranks=4, microbatches=8, layers=8, width=256, microbatch_size=64, itemsize=4)
-"""Notebook 08's model: an MLP of 8 layers ``tanh(x @ W + b)`` of width 256, cut into 4 stages of 2
+"""Notebook 08's model: an MLP of 8 layers ``tanh(x @ A + c)`` of width 256, cut into 4 stages of 2
 layers (stage s on rank s), a global batch of 8 microbatches of 64 rows, float32."""
 
 
@@ -45,12 +45,13 @@ def _weight_hint(mine: Sequence, ref: Sequence) -> str:
         if _rel_diff(a, b) <= BUILD_TOLERANCE:
             continue
         if getattr(b, "ndim", 0) == 2 and _rel_diff(a, b.T) <= BUILD_TOLERANCE:
-            return f"parameter {i} is the transpose of dW: dW = x.T @ dz, (width, rows) @ (rows, width)."
+            return (f"parameter {i} is the transpose of dA: dA = x.T @ dz, (width, samples) @ "
+                    "(samples, width).")
         if any(_rel_diff(a, c) <= BUILD_TOLERANCE for c in ref if c is not b):
             return (f"parameter {i} equals another layer's gradient: "
-                    "pair each layer's input with its own output gradient.")
-        return (f"parameter {i} is off: dW = x.T @ dz with x the layer's input (kept by F) and dz its "
-                "output gradient (kept by B); db = dz summed over the rows.")
+                    "pair each layer's input with its own dz.")
+        return (f"parameter {i} is off: dA = x.T @ dz with x the layer's input (kept by F) and dz the "
+                "gradient at its pre-activation (from B); dc = dz summed over the samples.")
     return ""
 
 
@@ -93,7 +94,7 @@ def stage_split(result: Any) -> Verdict:
         if extra > 1.5:
             return Verdict("8.1", False, f"on stage {s}, B did {extra:.1f}x the flops of the input gradient "
                            "alone: it computes the weight gradients too.",
-                           "take jax.vjp with respect to x and the probes only; dW and db are W's work.")
+                           "take jax.vjp with respect to x and the probes only; dA and dc are W's work.")
         if _rel_diff(case["y"], case["ref_y"]) > BUILD_TOLERANCE:
             return Verdict("8.1", False, f"F's output on stage {s} is not the stage's output.", hint)
         if case["ref_dx"] is not None and _rel_diff(case["dx"], case["ref_dx"]) > BUILD_TOLERANCE:
@@ -113,10 +114,10 @@ def stage_split(result: Any) -> Verdict:
 
 def kept_peaks(answer: Any) -> Verdict:
     """Exercise 8.2 (predicted): on each rank of ZB-H1 (p = 4, m = 8, :data:`BUILD_CASE`'s stages), the most
-    bytes that what B hands to W (each layer's input x and output gradient dz, M_W a microbatch) takes at
-    once. Right after B of microbatch i + r, rank r holds microbatches i .. i + r: r + 1 of them, until W of
-    i frees the oldest. A unit or a count copied from elsewhere (the r of the W lag, the dz's alone, what F
-    keeps until B, one microbatch as in 1F1B) is named."""
+    bytes that what B hands to W (each layer's input x and pre-activation gradient dz, M_W a microbatch)
+    takes at once. Right after B of microbatch i + r, rank r holds microbatches i .. i + r: r + 1 of them,
+    until W of i frees the oldest. A unit or a count copied from elsewhere (the r of the W lag, the dz's
+    alone, what F keeps until B, one microbatch as in 1F1B) is named."""
     c = BUILD_CASE
     p = c["ranks"]
     array = c["microbatch_size"] * c["width"] * c["itemsize"]      # one (rows, width) float32 array
@@ -150,8 +151,8 @@ def kept_peaks(answer: Any) -> Verdict:
     if unit > 0 and got == [(r + 1) * unit for r in range(p)]:
         half = " only the dz's, or only the x's:" if unit == m_w / 2 else ""
         return say(f"the counts (r + 1 on rank r) are right, {unit:g} bytes a microbatch is not.",
-                   f"{half} W's dA = x.T @ dz needs each layer's input x and output gradient dz; how many "
-                   "layers has a stage, and how many bytes is one (rows, width) float32 array?")
+                   f"{half} W's dA = x.T @ dz needs each layer's input x and pre-activation gradient dz; how "
+                   "many layers has a stage, and how many bytes is one (samples, width) float32 array?")
     if unit > 0 and all(g % m_w == 0 for g in got):
         return say(f"M_W is right, the counts {[int(g // m_w) for g in got]} microbatches are not.", hint)
     return Verdict("8.2", False, f"{[f'{g:g}' for g in got]} are not the bytes each rank holds.", hint,
