@@ -1,7 +1,7 @@
 """The papers' closed forms for the one-stage-per-rank schedules, against which the simulator is tested.
 
 p ranks, m >= p microbatches (ZB-H2: m >= 2p - 1), uniform costs, T_comm = 0; bubble = makespan - m (T_F +
-T_B + T_W) (arXiv 2401.10241 section 3, table 1):
+T_B + T_W) (arXiv 2401.10241 section 2):
 
 ============  =============================  ======================
 schedule      bubble time                    peak memory (in M_B)
@@ -12,8 +12,8 @@ zb-h1         (p - 1)(T_F + T_B - T_W)       p
 zb-h2         (p - 1)(T_F + T_B - 2 T_W)     2p - 1
 ============  =============================  ======================
 
-The zero-bubble forms need each W to fit its gap (ZB-H1: T_W <= T_F, whatever T_B; ZB-H2: 2 T_W <= T_F + T_B);
-other costs are refused. With T_comm > 0 only the simulator gives the makespan.
+The zero-bubble forms need each W to fit its gap (ZB-H1: T_W <= T_F, whatever T_B; ZB-H2: T_W <= T_F and
+2 T_W <= T_F + T_B); other costs are refused. With T_comm > 0 only the simulator gives the makespan.
 """
 
 from __future__ import annotations

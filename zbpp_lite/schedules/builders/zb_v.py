@@ -10,12 +10,12 @@ heuristic (:func:`paper_v`: fixed warm-up, then one B and one F per rank a round
 or the rank's bubble budget asks) is planned too and taken if shorter.
 
 Memory unit: a whole rank's M_B (sum of its two stages' ``Costs.mem_b``); default limit p of them (1F1B's
-peak); W holds ``Costs.mem_w`` (default 7/16 M_B) until it runs. Results: unit costs, m >= 2p: zero bubble,
-peak exactly p (paper section 6), for either M_W; any m >= 1 is valid, below 2p with a bubble (p = 8: 0.127
-at m = 8, 0.040 at m = 12, 0 from 16); the paper's profiled settings (table 8: p = 16, 24, 32, three m each,
-limit p), with the default M_W: at or below the authors' ZB-V rates on all nine, e.g. 0.0697 at p = 16,
-m = 48 (T_F 14.407, T_B 14.380, T_W 9.676, T_comm 1.610; the greedy search alone: 0.116), and 0.0479
-against 0.0483 at p = 24, m = 96 (``tests/test_v_family.py`` holds the rows).
+peak); W holds ``Costs.mem_w`` (default 7/16 M_B) until it runs. Results: unit costs, m >= 2p - 1: zero
+bubble, peak exactly p (paper section 6), for either M_W; any m >= 1 is valid, below 2p - 1 with a bubble
+(p = 8: 0.127 at m = 8, 0.040 at m = 12, 0 from 15); the paper's profiled settings (table 8: p = 16, 24,
+32, three m each, limit p), with the default M_W: at or below the authors' ZB-V rates on all nine, e.g.
+0.0697 at p = 16, m = 48 (T_F 14.407, T_B 14.380, T_W 9.676, T_comm 1.610; the greedy search alone:
+0.116), and 0.0479 against 0.0483 at p = 24, m = 96 (``tests/test_v_family.py`` holds the rows).
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def zb_v(
 
     Args:
         num_ranks: p >= 1; the schedule has 2p stages.
-        num_microbatches: m >= 1 (zero bubble needs m >= 2p; see the module docstring).
+        num_microbatches: m >= 1 (zero bubble at unit costs needs m >= 2p - 1; see the module docstring).
         costs: per-stage costs, one per stage of the 2p (or scalars); a stage is half a rank's layers.
         memory_limit: per-rank limit in units of Costs.mem_b (a number or one per rank); default p
             whole-rank M_B, 1F1B's peak.
