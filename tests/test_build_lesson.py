@@ -20,7 +20,9 @@ import os
 import threading
 from pathlib import Path
 
+import jax.numpy as jnp
 import jupytext
+import numpy as np
 import pytest
 
 from zbpp_lite import course as ex
@@ -185,6 +187,20 @@ def test_a_loop_that_starts_the_clock_before_its_inputs_arrive_fails(lesson):
         assert wrong.count(clock) == 1 and wrong.index(clock) < wrong.index("take(")
         verdict = ex.pipeline_run(lesson["lab"].try_pipeline(lesson["rank_loop"]))
     assert not verdict and "started before" in str(verdict), str(verdict)
+
+
+def test_a_b_jax_jit_cannot_compile_fails_instead_of_escaping_the_flop_count(lesson):
+    """A NumPy round trip runs eagerly but not under jax.jit: its flops cannot be counted, so a B that also
+    computed the weight gradients would pass unseen; the check refuses it and says why."""
+    F, B, W = lesson["F"], lesson["B"], lesson["W"]
+
+    def B_numpy(saved, dy):
+        dx, kept = B(saved, dy)
+        return jnp.asarray(np.asarray(dx)), kept
+
+    verdict = ex.stage_split(lesson["lab"].try_stage(F, B_numpy, W))
+    assert not verdict and "jax.jit could not compile B" in str(verdict), str(verdict)
+    assert ex.stage_split(lesson["lab"].try_stage(F, B, W))
 
 
 def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):

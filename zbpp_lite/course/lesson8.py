@@ -74,7 +74,8 @@ def stage_split(result: Any) -> Verdict:
     ``result`` is notebook 08's ``try_stage(F, B, W)``: ``{"error": None or text, "cases": [...]}``, per
     tried stage a dict of NumPy arrays ``y``/``ref_y``, ``dx``/``ref_dx`` (None for stage 0),
     ``grads``/``ref_grads`` (flat, layer order; refs from ``jax.vjp``), ``recomputed`` (B or W reran F) and
-    ``b_flops``/``ref_b_flops`` (XLA's flops of B and of the input-gradient pullback; None: not counted).
+    ``b_flops``/``ref_b_flops`` (XLA's flops of B and of the input-gradient pullback) and ``b_error``
+    (why jax.jit could not compile B, else None: a B whose flops cannot be counted does not pass).
     """
     hint = ("F: jax.vjp of the stage with respect to its input and the zero probes, keep the pullback and "
             "the layer inputs; B: call the pullback on dy; W: x.T @ dz and dz.sum(0) per layer.")
@@ -90,6 +91,10 @@ def stage_split(result: Any) -> Verdict:
             return Verdict("8.1", False, f"on stage {s}, B or W ran the stage's layers again.",
                            "F keeps the pullback jax.vjp returned; "
                            "B only calls it, W only multiplies what F and B kept.")
+        if case.get("b_error"):
+            return Verdict("8.1", False, f"on stage {s}, jax.jit could not compile B ({case['b_error']}), so "
+                           "its flops cannot be counted.", "write B with JAX operations on arrays only: "
+                           "no Python branch on a value, no NumPy conversion.")
         extra = (case.get("b_flops") or 0.0) / (case.get("ref_b_flops") or float("inf"))
         if extra > 1.5:
             return Verdict("8.1", False, f"on stage {s}, B did {extra:.1f}x the flops of the input gradient "
