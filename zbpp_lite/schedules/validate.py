@@ -396,7 +396,7 @@ def _fail_line(message: str, rank: int, step: int, x: Instruction) -> None:
 def validate(schedule: Lists) -> Lists:
     """Check a schedule or a lowered :class:`~zbpp_lite.schedules.program.Program`; return it unchanged
     if valid. Raises ScheduleError: the first problem found, naming rank, step, action and rule, for a
-    schedule with the rank x step grid (PyTorch notation; the bad cell in brackets); for a program in one
+    schedule with the rank x step grid (our text form; the bad cell in brackets); for a program in one
     line (its compute entries first checked as a schedule, steps counted without transfers)."""
     if isinstance(schedule, Program):
         checked_program(schedule)

@@ -18,8 +18,8 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     rows = []
     for r in range(p):
         nxt = Next(m)
-        warmup = min(p - 1 - r, m)
-        row = [nxt.f(r) for _ in range(warmup)]  # warm-up: F x (p-r-1)
+        warmup = min(p - 1 - r, m)  # with the steady state's first F: the lessons' warm-up of p - r F's
+        row = [nxt.f(r) for _ in range(warmup)]  # F x (p-r-1)
         while nxt.left("F", r):  # steady: F, BW
             row += [nxt.f(r), nxt.bw(r)]
         while nxt.left("BW", r):  # cool-down: BW x (p-r-1)

@@ -1,4 +1,4 @@
-"""Handcrafted zero-bubble schedules ZB-H1 and ZB-H2 (arXiv 2401.10241 section 3.1).
+"""Handcrafted zero-bubble schedules ZB-H1 and ZB-H2 (arXiv 2401.10241 sections 2.1 and 2.2).
 
 1F1B's shape of F and B with the W moved into the bubbles; rank r holds stage r. T_comm = 0, T_W <= T_F, T_B:
 
@@ -36,7 +36,7 @@ def _delayed_w(name: str, p: int, m: int, warmup: list[int], delay: list[int]) -
 
 
 def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H1 (paper section 3.1, figure 3 top): 1F1B's memory, bubble (p-1)(T_F+T_B-T_W). Raises
+    """ZB-H1 (paper section 2.1, figure 3 top): 1F1B's memory, bubble (p-1)(T_F+T_B-T_W). Raises
     ValueError: num_ranks or num_microbatches below 1."""
     check_sizes("zb-h1", num_ranks, num_microbatches)
     p = num_ranks
@@ -44,7 +44,7 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
 
 
 def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
-    """ZB-H2 (paper section 3.1, figure 3 bottom): (2p-1) M_B memory, bubble (p-1)(T_F+T_B-2T_W). Raises
+    """ZB-H2 (paper section 2.2, figure 3 bottom): (2p-1) M_B memory, bubble (p-1)(T_F+T_B-2T_W). Raises
     ValueError: num_ranks or num_microbatches below 1."""
     check_sizes("zb-h2", num_ranks, num_microbatches)
     p = num_ranks
