@@ -9,6 +9,7 @@ after the last W).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Callable
@@ -269,6 +270,18 @@ def nbytes(tree: Any, leave_out: Any = ()) -> int:
     return sum(a.size * a.dtype.itemsize for a in arrays.values())
 
 
+@contextlib.contextmanager
+def _swapped(scope: dict, names: dict):
+    """Within the block, ``scope`` (a learner function's module globals) maps each of ``names`` to its
+    replacement; the originals are put back after, also on an error."""
+    plain = {k: scope[k] for k in names}
+    scope.update(names)
+    try:
+        yield
+    finally:
+        scope.update(plain)
+
+
 class Lab:
     """Lesson 8's model on ``devices`` (4 ranks of :data:`BUILD_CASE`), the lists the learner's code reads
     (``placement``, ``stage_params``, ``inputs_mb``, ``targets_mb``: changed in place, never rebound) and the
@@ -347,16 +360,12 @@ class Lab:
             rank_of[threading.get_ident()] = rank
             return rank_loop(rank, schedule.actions[rank], inboxes, events, t0)
 
-        if callable(plain):
-            scope["W"] = counted
-        try:
+        swap = {"W": counted} if callable(plain) else {}
+        with _swapped(scope, swap):
             out = self.threads(schedule.num_ranks, work)
-        finally:
-            if callable(plain):
-                scope["W"] = plain
         grads = {s: g for part in out if part for s, g in part.items()}
         timeline = Timeline.from_events(events, schedule.num_ranks, num_stages=self.S, source="measured")
-        return [grads.get(s) for s in range(self.S)], timeline, calls if callable(plain) else None
+        return [grads.get(s) for s in range(self.S)], timeline, calls if swap else None
 
     def run_compiled(self, rank_loop: Callable, names: tuple = ("1f1b", "zb-h1")) -> dict:
         """``rank_loop`` with the lesson's ``F``, ``B``, ``W`` (names it reads from its module's globals)
@@ -368,8 +377,8 @@ class Lab:
 
         scope = rank_loop.__globals__
         plain = {k: scope[k] for k in ("F", "B", "W")}
-        scope.update(F=jax.jit(plain["F"], static_argnums=0), B=jax.jit(plain["B"]), W=jax.jit(plain["W"]))
-        try:
+        jitted = dict(F=jax.jit(plain["F"], static_argnums=0), B=jax.jit(plain["B"]), W=jax.jit(plain["W"]))
+        with _swapped(scope, jitted):
             runs = {}
             for name in names:
                 schedule = build_schedule(name, self.p, self.m)
@@ -381,8 +390,6 @@ class Lab:
                 print(f"{name}: gradients vs jax.grad {runs[name][0]:.1e}; makespan "
                       f"{fastest.makespan * 1e3:.1f} ms measured, {plan.makespan * 1e3:.1f} ms planned "
                       "from its own mean action times")
-        finally:
-            scope.update(plain)
         return runs
 
     def _reference_b_flops(self, s, x, dy, target) -> float:
