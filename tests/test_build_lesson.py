@@ -7,10 +7,10 @@ from ``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its SPMD
 builds pass every check; each wrong one below, a mistake a learner makes, fails its check with a hint
 that names it: W reading another microbatch's dz, a W computed during its B, a loop that walks its own
 order instead of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B
-running the layers again, a B jax.jit cannot compile, a prediction of the bytes B keeps copied from another pattern, a step clipped stage by
-stage or not at all or with one all-reduce per stage; an SPMD tick that stores what never arrived or
-keeps microbatch j in row j of a buffer with fewer rows; a V tick whose first and last test the rank
-alone, or that stores every arrival in chunk 0.
+running the layers again, a B jax.jit cannot compile, a prediction of the bytes B keeps copied from
+another pattern, a step clipped stage by stage or not at all or with one all-reduce per stage; an SPMD
+tick that stores what never arrived or keeps microbatch j in row j of a buffer with fewer rows; a V tick
+whose first and last test the rank alone, or that stores every arrival in chunk 0.
 """
 
 from __future__ import annotations
