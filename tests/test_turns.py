@@ -273,6 +273,38 @@ def test_a_word_to_a_rank_that_has_died_names_it_and_how():
             ranks.gather(timeout=60)
 
 
+def relay(rank, links, control, config):
+    """Rank 0 sends rank 1 an array over their link each time the parent says so; rank 1 only waits."""
+    from zbpp_lite.runtime.processes import _Link
+    from zbpp_lite.runtime.transport import Transfer
+
+    link = _Link(links["1"]["fd"], links["1"]["out"], links["1"]["in"]) if rank == 0 else None
+    while control.recv() is not None:
+        for j in range(100):  # the first sends after rank 1 died may still fit the socket's buffer
+            link.send("relay", Transfer("F", 0, j), np.zeros(4, np.float32), 0, 1)
+        control.send({"sent": True})
+
+
+def test_a_rank_whose_peer_died_ends_quietly_and_the_parent_names_the_peer(capfd):
+    """A send to a killed peer is a consequence, not the cause: the sender tells the parent which peer and
+    ends without a traceback, and the parent reports how that peer ended (the race behind a failed CI run,
+    where a killed rank's partner printed half a traceback beside the one-line error)."""
+    import os
+    import signal
+
+    from zbpp_lite.runtime.processes import RankFailed
+
+    here = f"{pathlib.Path(__file__).resolve()}:relay"
+    with RankProcesses(here, 2, {}, pin=False) as ranks:
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        ranks.procs[1].wait(30)
+        ranks.controls[0].send({"go": True})
+        with pytest.raises(RankFailed, match=r"^rank 1's process was killed by signal 9 \(SIGKILL\)$"):
+            ranks.gather(timeout=60)
+        assert ranks.procs[0].wait(30) == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+
 TINY_JOB = ["--ranks", "2", "--microbatches", "4", "--steps", "100000", "--d", "16", "--heads", "2", "--blocks", "4",
             "--batch", "8"]
 

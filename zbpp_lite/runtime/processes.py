@@ -69,6 +69,16 @@ class RankFailed(RuntimeError):
     """A rank's process failed: its error, or how it ended (exit status, signal), in one line."""
 
 
+class PeerGone(ConnectionError):
+    """A rank's link to rank ``peer`` is closed (a send met a broken pipe): that rank's process has ended.
+    A consequence, never the cause: the rank tells the parent which peer, ends without a traceback, and
+    the parent reports how the peer ended."""
+
+    def __init__(self, peer: int):
+        super().__init__(f"the link to rank {peer} is closed: its process has ended")
+        self.peer = peer
+
+
 def exit_reason(code: int) -> str:
     """How a child ended: "exited with status 3", "was killed by signal 9 (SIGKILL)"."""
     if code >= 0:
@@ -219,6 +229,11 @@ class RankProcesses:
         except (EOFError, OSError):  # closed, or reset by a killed process
             self._ended(r)
         if isinstance(reply, dict) and "error" in reply:
+            peer = reply.get("peer")
+            if isinstance(peer, int) and 0 <= peer < len(self.procs):  # the cause is how the peer ended
+                with suppress(subprocess.TimeoutExpired):
+                    code = self.procs[peer].wait(2.0)
+                    raise RankFailed(f"rank {peer}'s process {exit_reason(code)}")
             raise RankFailed(f"rank {r}: {reply['error']}")
         return reply
 
@@ -358,7 +373,10 @@ class _Link:
         the ring."""
         with self.lock:
             message = {"name": name, "key": to_wire(key), "step": step, "to": to, "value": value}
-            self.channel.send(message, self.out.write)
+            try:
+                self.channel.send(message, self.out.write)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                raise PeerGone(to) from e
 
     def receive(self):
         try:
@@ -400,10 +418,24 @@ def _main() -> None:
         print(f"rank {spec['rank']}: the parent process has gone; ending", file=sys.stderr)
         sys.exit(1)
     except BaseException as e:  # the parent hears why, then the traceback goes to stderr
+        gone = next((c for c in _chain(e) if isinstance(c, PeerGone)), None)
         with suppress(OSError):
-            control.send({"error": one_line(e)})
+            control.send({"error": one_line(gone or e), **({"peer": gone.peer} if gone else {})})
+        if gone is not None:  # a consequence of another rank's end, which the parent reports: no traceback
+            sys.exit(1)
         raise
 
 
-if __name__ == "__main__":
-    _main()
+def _chain(e: BaseException):
+    """``e`` and the exceptions it was raised from or during, innermost last."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+if __name__ == "__main__":  # the package's own module, not this __main__ copy: one PeerGone, one _LINKS
+    from zbpp_lite.runtime.processes import _main as main
+
+    main()
