@@ -424,3 +424,23 @@ def test_lesson_9s_kind_codes_are_the_spmd_executors():
     from zbpp_lite.runtime.spmd import KIND_CODE
 
     assert ex.KIND_CODE is KIND_CODE and sorted(KIND_CODE.values()) == [1, 2, 3, 4]   # 0 is idle
+
+
+def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
+    """6.3, 7.3 and 9.3 also check points drawn afresh at every call (p up to 8 or 9, new cost lists), so a
+    table of answers written for the fixed points fails, while the rules by hand pass every draw."""
+    from zbpp_lite.course import lesson6, lesson9
+
+    rows = {point: min(point[3], _rows_by_hand(point[0], point[1], point[2], point[4])) for point in ex.ROWS_POINTS}
+    peaks = {(p, v, r): max(lesson6._interleaved_peak(p, v, 2 * p)[r], lesson6._interleaved_peak(p, v, 3 * p)[r])
+             for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for r in range(p)}
+    cuts = {(tuple(costs), stages): _best_cut(list(costs), stages) for costs, stages in ex.SPLIT_CASES}
+    for _ in range(3):  # new draws each time
+        assert ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)))
+        assert ex.interleaved_peak(lambda p, v, r: v * p + p - 1 - 2 * r)
+        assert ex.best_split(_best_cut)
+        table = ex.rows_rule(lambda *point: rows.get(point, -1))
+        assert not table and f"agrees at {len(ex.ROWS_POINTS)} of the {len(ex.ROWS_POINTS) + lesson9.ROWS_FRESH}" \
+            in table.message, str(table)
+        assert not ex.interleaved_peak(lambda *point: peaks.get(point, -1))
+        assert not ex.best_split(lambda costs, stages: cuts.get((tuple(costs), stages), [len(costs)]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import random
 import sys
 from dataclasses import dataclass
 from fractions import Fraction
@@ -167,15 +168,20 @@ def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the functi
 
 def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float],
                     what: str, hint: str, tol: float = 1e-6,
-                    known: Sequence[tuple[Callable[..., float], str]] = ()) -> Verdict:
+                    known: Sequence[tuple[Callable[..., float], str]] = (),
+                    fresh: Callable[[random.Random], Sequence[tuple]] | None = None) -> Verdict:
     """Call the learner's function at every point (:func:`_alone`) and compare with ``expected(*point)``; a
     wrong answer is told the first point where it fails, whether it is too high or too low there and at how
     many points it agrees, never the expected value (two tries would fit a linear answer). ``known``: pairs
     (a wrong function a copied pattern gives, what that pattern misses); a numeric answer that equals one
-    of them at every point is told its own message instead of the first failing point."""
+    of them at every point is told its own message instead of the first failing point. ``fresh``: draws
+    more points, new at every call (an unseeded generator), beyond the fixed ones, so that a table of
+    answers written for the fixed points does not pass."""
     missing = _function_missing(exercise, fn, hint, shape=f"a function for {what}")
     if missing is not None:
         return missing
+    if fresh is not None:
+        points = [*points, *fresh(random.Random())]
     wrong, agree, values = None, 0, []
     for point in points:
         want = expected(*point)

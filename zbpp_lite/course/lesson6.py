@@ -60,16 +60,19 @@ def interleaved_crossover(answer: Any) -> Verdict:
     return _number_check("6.2", answer, tie, "the T_comm at which v = 3 and v = 2 tie", hint, known=known)
 
 
+@functools.lru_cache(maxsize=128)
+def _interleaved_peak(p: int, v: int, m: int) -> tuple:
+    """Each rank's peak, in M_B/v, under interleaved 1F1B with v stages per rank (the simulator's count)."""
+    return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory
+
+
 def interleaved_peak(fn: Any) -> Verdict:
     """Exercise 6.3: ``peak(p, v, r)``, the most forwards' activations (M_B/v each) rank r holds under
     interleaved 1F1B with v stages per rank (m >= 2p); checked for p = 2..5, v = 1..4, every rank, m = 2p
-    and 3p. At v = 1 the builder keeps Megatron's warm-up, 2(p - r) - 1 (the lesson shows it). Patterns fitted
-    from v = 1 get their own message: v times it, and v = 1's count for a pipeline of vp ranks."""
-    def held(p, v, m):
-        return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory
-
-    peaks = {(p, v, m): held(p, v, m) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for m in (2 * p, 3 * p)}
-    points = [(p, v, r) for (p, v, m) in peaks for r in range(p) if m == 2 * p]
+    and 3p, and at four points drawn afresh at each call (p = 6..8, v = 1..5). At v = 1 the builder keeps
+    Megatron's warm-up, 2(p - r) - 1 (the lesson shows it). Patterns fitted from v = 1 get their own message:
+    v times it, and v = 1's count for a pipeline of vp ranks."""
+    points = [(p, v, r) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for r in range(p)]
     why_once = ("v times v = 1's count repeats the wait for the round trip through the ranks after r on "
                 "every pass; microbatch 0 makes that trip once, at the end. What do earlier passes add?")
     why_deep = ("that is v = 1's count for one stage on each of vp ranks; here rank r's first backward is "
@@ -78,12 +81,17 @@ def interleaved_peak(fn: Any) -> Verdict:
              (lambda p, v, r: 2 * (v * p - r) - 1, why_deep),
              (lambda p, v, r: v * (p - r), "v times 1F1B's p - r: at v = 1 the builder keeps Megatron's "
                                            "warm-up, 2(p - r) - 1, not 1F1B's.")]
+    def fresh(draw):  # four points beyond the fixed ones, new at every call
+        return [(p, draw.randint(1, 5), draw.randrange(p)) for p in (draw.randint(6, 8) for _ in range(4))]
+
     return _function_check("6.3", fn, points,
-                           lambda p, v, r: max(peaks[p, v, 2 * p][r], peaks[p, v, 3 * p][r]), "peak(p, v, r)",
+                           lambda p, v, r: max(_interleaved_peak(p, v, 2 * p)[r], _interleaved_peak(p, v, 3 * p)[r]),
+                           "peak(p, v, r)",
                            "follow microbatch 0 from rank r's first stage to rank r's first backward, which "
                            "is for its last stage: count the stages it passes on the way down and the way "
                            "back; rank r fills each of those slots with one forward, then runs one more "
-                           "before that backward frees one (Megatron's warm-up, even at v = 1).", known=known)
+                           "before that backward frees one (Megatron's warm-up, even at v = 1).", known=known,
+                           fresh=fresh)
 
 
 def _zigzag_rank(p: int, s: int) -> int:

@@ -4,6 +4,7 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any, Callable, Sequence
 
 
@@ -67,6 +68,10 @@ SPLIT_CASES = ((LAYER_COSTS, 3), ((2.0, 1.0, 3.0, 1.0, 4.0, 4.0, 4.0, 4.0), 3),
                ((3.0, 3.0, 2.0, 2.0, 2.0, 3.0, 3.0), 3), ((1.0, 2.0, 1.0), 1), ((4.0, 1.0, 2.0, 7.0), 4))
 """Exercise 7.3's (per-layer costs, stages) cases: unequal costs, ties, one stage, one layer per stage."""
 
+SPLIT_FRESH = 5
+"""How many more exercise 7.3 cases its check draws afresh at each call: 5 to 10 layers costing 1 to 9,
+2 to 4 stages."""
+
 
 def _slowest(costs: Sequence[float], counts: Sequence[int]) -> float:
     """The largest stage total when ``costs`` is cut, front to back, into stages of ``counts`` layers."""
@@ -118,22 +123,25 @@ def balanced_partition(answer: Any) -> Verdict:
 def best_split(fn: Any) -> Verdict:
     """Exercise 7.3: ``best_split(costs, stages)``, the layers per stage, front to back, of a contiguous cut
     into ``stages`` stages that minimises the slowest (any optimum is right); checked on
-    :data:`SPLIT_CASES`."""
+    :data:`SPLIT_CASES` and :data:`SPLIT_FRESH` cases drawn afresh at each call."""
     hint = ("one cut is a choice of stages - 1 places among len(costs) - 1 (itertools.combinations); "
             "or, faster: the best cut's slowest stage is the smallest limit for which filling each stage "
             "greedily up to the limit needs at most `stages` stages (then split further).")
     missing = _function_missing("7.3", fn, hint)
     if missing is not None:
         return missing
-    for costs, stages in SPLIT_CASES:
+    draw = random.Random()  # unseeded: cases no table of answers written for SPLIT_CASES holds
+    fresh = [(tuple(float(draw.randint(1, 9)) for _ in range(n)), draw.randint(2, min(4, n)))
+             for n in (draw.randint(5, 10) for _ in range(SPLIT_FRESH))]
+    for costs, stages in (*SPLIT_CASES, *fresh):
         counts, refused = _called("7.3", fn, (list(costs), stages), hint)  # the package's rebalancer: refused
         if refused is not None:
             return refused
         why = _split_problem(costs, stages, counts if isinstance(counts, Sequence) else [counts])
         if why:
             return Verdict("7.3", False, why, hint)
-    return Verdict("7.3", True, f"best_split is optimal on all {len(SPLIT_CASES)} cases checked "
-                                "(ties, one stage, one layer per stage included).")
+    return Verdict("7.3", True, f"best_split is optimal on all {len(SPLIT_CASES) + SPLIT_FRESH} cases checked "
+                                "(ties, one stage, one layer per stage, and cases new at each check).")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {

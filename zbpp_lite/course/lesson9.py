@@ -50,6 +50,9 @@ ROWS_POINTS = tuple(dict.fromkeys((name, buffer, p, m, r) for name in ROWS_RUNS 
 """Exercise 9.3's points ``(name, buffer, p, m, r)``: every schedule, buffer and rank at p = 2..5, m from 1 to
 3p + 1."""
 
+ROWS_FRESH = 12
+"""How many more points exercise 9.3's check draws afresh at each call (:func:`_fresh_rows`)."""
+
 FUSED = Costs(f=1.0, b=1.0, w=1.0, bw=2.0)
 """Exercise 9.2's costs: T_F = 1 and 1F1B's fused T_BW = 2, T_comm = 0 (not lesson 9's figure's)."""
 
@@ -222,10 +225,21 @@ def reveal_lockstep_1f1b() -> Any:
                           title="1F1B, p = 4, m = 8, T_F = 1, T_BW = 2")
 
 
+def _fresh_rows(draw) -> list[tuple]:
+    """Exercise 9.3's points beyond :data:`ROWS_POINTS`, new at every check: p = 6..9, m from 1 to 3p + 1."""
+    points = []
+    for _ in range(ROWS_FRESH):
+        p = draw.randint(6, 9)
+        points.append((draw.choice(ROWS_RUNS), draw.choice(ROWS_BUFFERS), p, draw.randint(1, 3 * p + 1),
+                       draw.randrange(p)))
+    return points
+
+
 def rows_rule(answer: Any) -> Verdict:
     """Exercise 9.3 (derived): ``rows_needed(name, buffer, p, m, r)``, the fewest rows rank r's buffer
     ``buffer`` (of :data:`ROWS_BUFFERS`) needs in schedule ``name`` of :data:`ROWS_RUNS`
-    (:func:`buffer_depths`), at every point of :data:`ROWS_POINTS`. 1F1B's rows (derived in the lesson)
+    (:func:`buffer_depths`), at every point of :data:`ROWS_POINTS` and :data:`ROWS_FRESH` drawn afresh
+    (:func:`_fresh_rows`). 1F1B's rows (derived in the lesson)
     given to every schedule, or one number for every buffer and rank, fail with their own message; a
     function that asks the package is refused by name."""
     hint = ("a row is busy from the tick its value is written to the tick it is last read: count, on rank "
@@ -236,7 +250,7 @@ def rows_rule(answer: Any) -> Verdict:
     one_number = lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name])  # noqa: E731
     return _function_check("9.3", answer, ROWS_POINTS,
                            lambda name, buffer, p, m, r: _depths(name, p, m)[buffer][r],
-                           "rows_needed(name, buffer, p, m, r)", hint, known=(
+                           "rows_needed(name, buffer, p, m, r)", hint, fresh=_fresh_rows, known=(
                                (one_f, "these are 1F1B's rows for every schedule: ZB-H1 and ZB-H2 run "
                                 "W after later B's (lesson 3), so dz and ins hold more microbatches"),
                                (one_number, "one number per schedule, the busiest rank's ins, is not what "
