@@ -85,7 +85,7 @@ def interleaved_peak(fn: Any) -> Verdict:
         return [(p, draw.randint(1, 5), draw.randrange(p)) for p in (draw.randint(6, 8) for _ in range(4))]
 
     return _function_check("6.3", fn, points,
-                           lambda p, v, r: max(_interleaved_peak(p, v, 2 * p)[r], _interleaved_peak(p, v, 3 * p)[r]),
+                           lambda p, v, r: max(_interleaved_peak(p, v, m)[r] for m in (2 * p, 3 * p)),
                            "peak(p, v, r)",
                            "follow microbatch 0 from rank r's first stage to rank r's first backward, which "
                            "is for its last stage: count the stages it passes on the way down and the way "

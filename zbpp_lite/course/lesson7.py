@@ -140,7 +140,8 @@ def best_split(fn: Any) -> Verdict:
         why = _split_problem(costs, stages, counts if isinstance(counts, Sequence) else [counts])
         if why:
             return Verdict("7.3", False, why, hint)
-    return Verdict("7.3", True, f"best_split is optimal on all {len(SPLIT_CASES) + SPLIT_FRESH} cases checked "
+    checked = len(SPLIT_CASES) + SPLIT_FRESH
+    return Verdict("7.3", True, f"best_split is optimal on all {checked} cases checked "
                                 "(ties, one stage, one layer per stage, and cases new at each check).")
 
 
