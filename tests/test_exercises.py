@@ -444,3 +444,11 @@ def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
             in table.message, str(table)
         assert not ex.interleaved_peak(lambda *point: peaks.get(point, -1))
         assert not ex.best_split(lambda costs, stages: cuts.get((tuple(costs), stages), [len(costs)]))
+
+
+def test_the_mlps_ratio_copied_to_every_stack_is_told_what_it_misses():
+    constant = ex.mw_over_mb(lambda widths: 1.2)
+    assert not constant and "two-layer MLP" in constant.message and "other widths" in constant.message, str(constant)
+    four_arrays = ex.mw_over_mb(lambda w: (w[0] + 2 * w[1] + w[-1]) / (w[0] + 2 * w[1]))
+    assert not four_arrays and "at every depth" in four_arrays.message, str(four_arrays)
+    assert ex.mw_over_mb(lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])))

@@ -47,7 +47,8 @@ def mw_over_mb(fn: Any) -> Verdict:
     (``a_{l+1} = gelu(z_l)``), none after the last. F keeps what B and W need (lesson 2's ``forward``: each
     layer's input a_l and each GELU's input z_l); B keeps every output gradient dz_l; M_W is what is held
     from B's end until W has run: the arrays W reads. Per token, so n cancels. Checked on
-    :data:`WIDTH_LISTS`; M_W taken as a part of M_B is refused with its own hint."""
+    :data:`WIDTH_LISTS`; M_W taken as a part of M_B is refused with its own hint, and the lesson's MLP copied
+    (its ratio, or its four arrays at every depth) with its own message."""
 
     def held(w):  # F: a_0 .. a_{L-1} and z_0 .. z_{L-2}; W: a_l (w[l]) and dz_l (w[l+1]) for every layer
         m_b = sum(w[:-1]) + sum(w[1:-1])
@@ -59,7 +60,13 @@ def mw_over_mb(fn: Any) -> Verdict:
     points = [(list(w),) for w in WIDTH_LISTS]
     hint = ("list the arrays F keeps (which does B still need, which W?) and the arrays W reads: its "
             "operands a_l and dz_l; which of W's were never part of M_B?")
-    verdict = _function_check("2.1", fn, points, lambda w: held(tuple(w)), "ratio(widths)", hint)
+    copied = [(lambda w: MLP_RATIO, f"{MLP_RATIO} is the lesson's two-layer MLP, [32, 64, 32]: other widths "
+                                    "and depths give other ratios."),
+              (lambda w: (w[0] + 2 * w[1] + w[-1]) / (w[0] + 2 * w[1]),
+               "that counts the two-layer MLP's arrays (x, a, dh, dy against x, h, a) at every depth: a "
+               "stack of L layers keeps L layer inputs, and B hands W L output gradients.")]
+    verdict = _function_check("2.1", fn, points, lambda w: held(tuple(w)), "ratio(widths)", hint,
+                              known=copied)
     if not verdict.ok and callable(fn) and _function_check("2.1", fn, points, lambda w: part_of_m_b(tuple(w)),
                                                            "", hint).ok:
         return Verdict("2.1", False, "that is the share of M_B that W still needs: M_W is more than that.",
