@@ -452,3 +452,11 @@ def test_the_mlps_ratio_copied_to_every_stack_is_told_what_it_misses():
     four_arrays = ex.mw_over_mb(lambda w: (w[0] + 2 * w[1] + w[-1]) / (w[0] + 2 * w[1]))
     assert not four_arrays and "at every depth" in four_arrays.message, str(four_arrays)
     assert ex.mw_over_mb(lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])))
+
+
+def test_a_warmup_that_ignores_t_f_fails_exercise_4_3():
+    """4.3's check also plans a case with T_F = 0.5 (T_B / T_F = 2, as in the lesson's case): the wait for the
+    first B in units of T_B alone is wrong there."""
+    assert ex.auto_warmup(lambda p, limit, r, f, b: min(limit, int((p - r) + (p - r - 1) * b / f)))
+    ignores_f = ex.auto_warmup(lambda p, limit, r, f, b: min(limit, int((p - r) + (p - r - 1) * b)))
+    assert not ignores_f and "0.5" in ignores_f.message, str(ignores_f)

@@ -107,20 +107,20 @@ def peak_memory_1f1b(fn: Any) -> Verdict:
 
 BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, splits=(8, 16), ranks=(1, 2, 3, 4, 6, 8))
 """Exercise 1.2's case: 1F1B on p ranks; one step's batch cut into m microbatches; every action costs a
-fixed price c plus its share of the batch's work, so T_F = c + 48/m and the fused backward, one action,
+fixed cost c plus its share of the batch's work, so T_F = c + 48/m and the fused backward, one action,
 T_BW = c + 96/m; T_comm = 0. The question: the c at which the two ``splits`` tie, as a function of p,
 checked at ``ranks``."""
 
 
-def _batch_split_span(p: int, m: int, price: float) -> float:
+def _batch_split_span(p: int, m: int, fixed: float) -> float:
     c = BATCH_SPLIT
-    f, bw = price + c["f_work"] / m, price + c["backward_work"] / m
+    f, bw = fixed + c["f_work"] / m, fixed + c["backward_work"] / m
     return simulate(build_schedule("1f1b", p, m), Costs(f=f, b=bw / 2, w=bw / 2, bw=bw)).makespan
 
 
 def _tie(p: int) -> float:
-    """The price at which the two splits tie on p ranks: the makespans are linear in c, so the crossing of
-    the two simulations at c = 0 and c = 1."""
+    """The fixed cost at which the two splits tie on p ranks: the makespans are linear in c, so the crossing
+    of the two simulations at c = 0 and c = 1."""
     small, large = BATCH_SPLIT["splits"]
     slope = {m: _batch_split_span(p, m, 1.0) - _batch_split_span(p, m, 0.0) for m in (small, large)}
     gap = _batch_split_span(p, small, 0.0) - _batch_split_span(p, large, 0.0)
@@ -128,23 +128,23 @@ def _tie(p: int) -> float:
 
 
 def batch_split(fn: Any) -> Verdict:
-    """Exercise 1.2 (an inverse question): ``tie_price(p)``, the fixed price c per action at which 1F1B on p
+    """Exercise 1.2 (an inverse question): ``tie_cost(p)``, the fixed cost c per action at which 1F1B on p
     ranks (:data:`BATCH_SPLIT`) takes as long with m = 8 as with m = 16; checked against the simulator at
-    every p of ``BATCH_SPLIT["ranks"]``. Pricing the fused backward twice (as a B and a W) gives 2/3 of it,
-    refused with its own hint."""
+    every p of ``BATCH_SPLIT["ranks"]``. Charging c twice for the fused backward (as a B and a W) gives 2/3
+    of it, refused with its own hint."""
     small, large = BATCH_SPLIT["splits"]
     points = [(p,) for p in BATCH_SPLIT["ranks"]]
     hint = ("write the makespan (m+p-1)(T_F+T_BW) with T_F and T_BW as functions of c and m (how many "
-            "actions, so how many prices c, does a microbatch's backward take in 1F1B?), once for each m, "
-            "and solve for c; what does the bubble's share (p-1) do to the answer?")
-    verdict = _function_check("1.2", fn, points, _tie, "tie_price(p)", hint)
+            "actions, so how many fixed costs c, does a microbatch's backward take in 1F1B?), once for each "
+            "m, and solve for c; what does the bubble's share (p-1) do to the answer?")
+    verdict = _function_check("1.2", fn, points, _tie, "tie_cost(p)", hint)
     if not verdict.ok and callable(fn) and _function_check("1.2", fn, points, lambda p: _tie(p) * 2 / 3, "",
                                                            hint).ok:
-        return Verdict("1.2", False, "2/3 of the tie price: your function prices the backward twice.",
-                       "1F1B runs each backward fused: one action, so one price c, not two.")
+        return Verdict("1.2", False, "2/3 of the tie: your function charges c twice for the backward.",
+                       "1F1B runs each backward fused: one action, so one c, not two.")
     if verdict.ok:
         both = _batch_split_span(4, small, _tie(4))
-        verdict = Verdict("1.2", True, f"{verdict.message} At p = 4 both take {both:g}; a smaller price "
+        verdict = Verdict("1.2", True, f"{verdict.message} At p = 4 both take {both:g}; a smaller cost "
                                        f"favours m = {large}, a larger one m = {small}, and the more ranks, "
                                        "the more the bubble favours many microbatches.")
     return verdict

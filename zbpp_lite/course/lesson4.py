@@ -20,17 +20,17 @@ AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1
 ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
 
 
-WARMUP_CASES = ((4, 12, 2.0), (3, 12, 3.0), (6, 18, 2.0))
-"""Exercise 4.3's cases (p, m, T_B), T_F = T_W = 1: :data:`AUTO_CASE` first, then two more, so that an answer
-written for p = 4, T_B = 2 alone fails."""
+WARMUP_CASES = ((4, 12, 1.0, 2.0), (3, 12, 1.0, 3.0), (6, 18, 1.0, 2.0), (4, 12, 0.5, 1.0))
+"""Exercise 4.3's cases (p, m, T_F, T_B), T_W = T_F: :data:`AUTO_CASE` first, then three more, so that an
+answer written for p = 4, T_B = 2 alone, or one that ignores T_F, fails."""
 
 
 @functools.lru_cache(maxsize=64)
 def _auto(limit: float, p: int = AUTO_CASE["num_ranks"], m: int = AUTO_CASE["num_microbatches"],
-        b: float = AUTO_CASE["costs"].b):
-    """zb-auto's plan under ``limit`` M_B of :data:`AUTO_CASE`, or of p ranks, m microbatches and T_B = b
-    (AUTO_CASE's other costs) (cached)."""
-    return auto_plan(p, m, replace(AUTO_CASE["costs"], b=b), limit)
+          b: float = AUTO_CASE["costs"].b, f: float = AUTO_CASE["costs"].f):
+    """zb-auto's plan under ``limit`` M_B of :data:`AUTO_CASE`, or of p ranks, m microbatches, T_B = b and
+    T_F = T_W = f (AUTO_CASE's other costs) (cached)."""
+    return auto_plan(p, m, replace(AUTO_CASE["costs"], f=f, b=b, w=f), limit)
 
 
 def bw_break_even(fn: Any) -> Verdict:
@@ -85,13 +85,13 @@ def auto_warmup(fn: Any) -> Verdict:
     """Exercise 4.3: ``warmup(p, limit, r, f, b)``, the F rank r runs before its first B when zb-auto plans
     :data:`AUTO_CASE`'s costs (T_F = ``f``, T_B = ``b``) under ``limit`` M_B; checked at limits 4 to 13, every
     rank, on each of :data:`WARMUP_CASES`."""
-    ms = {p: m for p, m, _ in WARMUP_CASES}
+    ms = {p: m for p, m, _, _ in WARMUP_CASES}
 
     def counted(p, limit, r, f, b):
-        plan = _auto(float(limit), p, ms[p], b).schedule
+        plan = _auto(float(limit), p, ms[p], b, f).schedule
         return next(i for i, a in enumerate(plan.actions[r]) if a.kind != "F")
 
-    points = [(p, lim, r, 1.0, b) for p, _, b in WARMUP_CASES for lim in AUTO_LIMITS for r in range(p)]
+    points = [(p, lim, r, f, b) for p, _, f, b in WARMUP_CASES for lim in AUTO_LIMITS for r in range(p)]
     return _function_check("4.3", fn, points, counted, "warmup(p, limit, r, f, b)",
                            "two things can end a warm-up: memory, and the arrival of the rank's first B. "
                            "Which one binds on which rank, and what does the second depend on when T_B "
