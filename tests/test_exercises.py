@@ -427,7 +427,7 @@ def test_lesson_9s_kind_codes_are_the_spmd_executors():
 
 
 def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
-    """6.3, 7.3 and 9.3 also check points drawn afresh at every call (p up to 8 or 9, new cost lists), so a
+    """6.3, 7.3, 9.1 and 9.3 also check points drawn afresh at every call (p up to 8 or 9, new cost lists), so a
     table of answers written for the fixed points fails, while the rules by hand pass every draw."""
     from zbpp_lite.course import lesson6, lesson9
 
@@ -435,6 +435,8 @@ def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
     peaks = {(p, v, r): max(lesson6._interleaved_peak(p, v, 2 * p)[r], lesson6._interleaved_peak(p, v, 3 * p)[r])
              for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for r in range(p)}
     cuts = {(tuple(costs), stages): _best_cut(list(costs), stages) for costs, stages in ex.SPLIT_CASES}
+    schedules = [zb.build_schedule(name, p, m) for name, p, m in ex.TICK_CASES]
+    ticks = {repr(lesson9._rows(s)): lockstep_ticks(s) for s in schedules}
     for _ in range(3):  # new draws each time
         assert ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)))
         assert ex.interleaved_peak(lambda p, v, r: v * p + p - 1 - 2 * r)
@@ -444,6 +446,8 @@ def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
             in table.message, str(table)
         assert not ex.interleaved_peak(lambda *point: peaks.get(point, -1))
         assert not ex.best_split(lambda costs, stages: cuts.get((tuple(costs), stages), [len(costs)]))
+        tick_table = ex.tick_table(lambda actions: ticks.get(repr(actions), [[None] * len(actions)]))
+        assert not tick_table and all(f"{n} (p = {p}, m = {m})" not in tick_table.message for n, p, m in ex.TICK_CASES)
 
 
 def test_the_mlps_ratio_copied_to_every_stack_is_told_what_it_misses():

@@ -8,6 +8,7 @@ sections 2-3, and arXiv 2405.15362, section 3 (ZB-V).
 
 from __future__ import annotations
 
+import random
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -25,6 +26,9 @@ from .lesson8 import BUILD_CASE, gradient_problem
 TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
 """Exercise 9.1's schedules (name, ranks, microbatches): ZB-V's V placement puts stages 1 and 2 on one
 rank, so an activation can stay on its rank and still wait a tick."""
+
+TICK_FRESH = 3
+"""How many more exercise 9.1 schedules its check draws afresh at each call."""
 
 SPMD_RUNS = ("zb-h1", "1f1b", "zb-h2")
 """Exercise 9.4's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: 1F1B runs BW, which
@@ -164,7 +168,8 @@ def _rows(schedule) -> list:
 def tick_table(answer: Any) -> Verdict:
     """Exercise 9.1: ``ticks_of(actions)`` -> ``table[tick][rank]``, the index of the action each rank runs
     in that lockstep tick or None; ``actions``: per rank a list of ``(kind, stage, microbatch)``. Checked
-    against :func:`lockstep_ticks` on :data:`TICK_CASES`, the package out of bounds."""
+    against :func:`lockstep_ticks` on :data:`TICK_CASES` and :data:`TICK_FRESH` cases drawn afresh at each
+    call (p = 2..5, m = 2p or 3p), the package out of bounds."""
     hint = ("each action takes the earliest tick after its rank's previous action and after the tick of "
             "what it needs from another stage (F of stage s needs F of stage s-1 of its microbatch, B or BW "
             "of stage s needs B or BW of stage s+1): a result is usable from the next tick on. Sweep the "
@@ -172,7 +177,13 @@ def tick_table(answer: Any) -> Verdict:
     missing = _function_missing("9.1", answer, hint, "ticks_of", "a function ticks_of(actions)")
     if missing is not None:
         return missing
-    for name, p, m in TICK_CASES:
+    draw, fresh = random.Random(), []  # unseeded: cases no table of answers written for TICK_CASES holds
+    while len(fresh) < TICK_FRESH:
+        p = draw.randint(2, 5)
+        case = (draw.choice([name for name, _, _ in TICK_CASES]), p, draw.choice((2 * p, 3 * p)))
+        if case not in TICK_CASES:
+            fresh.append(case)
+    for name, p, m in (*TICK_CASES, *fresh):
         schedule = build_schedule(name, p, m)
         got, refused = _called("9.1", answer, (_rows(schedule),), hint)
         if refused is not None:
@@ -190,8 +201,9 @@ def tick_table(answer: Any) -> Verdict:
         if len(got) != len(want):
             return Verdict("9.1", False, f"{name} (p = {p}, m = {m}): {len(got)} ticks, the simulator's "
                            f"lockstep form has {len(want)}.", hint)
-    return Verdict("9.1", True, f"your ticks equal the simulator's lockstep form on {len(TICK_CASES)} "
-                   "schedules, ZB-V's V placement included.")
+    checked = len(TICK_CASES) + TICK_FRESH
+    return Verdict("9.1", True, f"your ticks equal the simulator's lockstep form on {checked} "
+                   "schedules, ZB-V's V placement and cases new at each check included.")
 
 
 def lockstep_1f1b(answer: Any) -> Verdict:
