@@ -464,3 +464,14 @@ def test_a_warmup_that_ignores_t_f_fails_exercise_4_3():
     assert ex.auto_warmup(lambda p, limit, r, f, b: min(limit, int((p - r) + (p - r - 1) * b / f)))
     ignores_f = ex.auto_warmup(lambda p, limit, r, f, b: min(limit, int((p - r) + (p - r - 1) * b)))
     assert not ignores_f and "0.5" in ignores_f.message, str(ignores_f)
+
+
+def test_a_function_reading_the_checks_own_cache_is_refused_even_after_a_run_filled_it():
+    """9.3's expected rows are cached (lesson9._depths); a cache hit runs no package frame, so the check
+    empties the course's caches and calls the learner's function before it computes each point."""
+    from zbpp_lite.course import lesson9
+
+    ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)))   # fills the cache
+    for _ in range(2):
+        reads_cache = ex.rows_rule(lambda name, buffer, p, m, r: lesson9._depths(name, p, m)[buffer][r])
+        assert not reads_cache and "called zbpp_lite's _depths" in reads_cache.message, str(reads_cache)

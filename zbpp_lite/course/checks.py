@@ -124,7 +124,8 @@ class _UsedPackage(Exception):
 
 
 def _alone(fn: Callable, point: tuple) -> Any:
-    """``fn(*point)``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a profile hook)."""
+    """``fn(*point)``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a profile hook;
+    a cached one answers without a frame, so :func:`_function_check` empties the course's caches first)."""
     used: list[str] = []
 
     def watch(frame, event, arg):
@@ -166,6 +167,17 @@ def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the functi
     return None
 
 
+def _empty_caches() -> None:
+    """Empty every cache of the course's lesson modules, so that the learner's function, called at each point
+    before the check computes that point's value, cannot read a cached answer without :func:`_alone` seeing
+    a package frame."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("zbpp_lite.course.lesson"):
+            for value in list(vars(module).values()):
+                if callable(getattr(value, "cache_clear", None)):
+                    value.cache_clear()
+
+
 def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float],
                     what: str, hint: str, tol: float = 1e-6,
                     known: Sequence[tuple[Callable[..., float], str]] = (),
@@ -180,14 +192,15 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
     missing = _function_missing(exercise, fn, hint, shape=f"a function for {what}")
     if missing is not None:
         return missing
+    _empty_caches()
     if fresh is not None:
         points = [*points, *fresh(random.Random())]
     wrong, agree, values = None, 0, []
     for point in points:
-        want = expected(*point)
-        got, refused = _called(exercise, fn, point, hint)
-        if refused is not None:
+        got, refused = _called(exercise, fn, point, hint)  # before the expected value: nothing of the
+        if refused is not None:                             # package's is cached yet for it to read
             return refused
+        want = expected(*point)
         if isinstance(want, bool):
             if not isinstance(got, bool) and type(got).__name__ != "bool_":
                 return Verdict(exercise, False, f"at {point} expected True or False, got {got!r}.", hint)

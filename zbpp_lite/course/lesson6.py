@@ -69,7 +69,7 @@ def _interleaved_peak(p: int, v: int, m: int) -> tuple:
 def interleaved_peak(fn: Any) -> Verdict:
     """Exercise 6.3: ``peak(p, v, r)``, the most forwards' activations (M_B/v each) rank r holds under
     interleaved 1F1B with v stages per rank (m >= 2p); checked for p = 2..5, v = 1..4, every rank, m = 2p
-    and 3p, and at four points drawn afresh at each call (p = 6..8, v = 1..5). At v = 1 the builder keeps
+    and 3p, and at four points drawn afresh at each call (p = 6..16, v = 1..6). At v = 1 the builder keeps
     Megatron's warm-up, 2(p - r) - 1 (the lesson shows it). Patterns fitted from v = 1 get their own message:
     v times it, and v = 1's count for a pipeline of vp ranks."""
     points = [(p, v, r) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for r in range(p)]
@@ -82,7 +82,7 @@ def interleaved_peak(fn: Any) -> Verdict:
              (lambda p, v, r: v * (p - r), "v times 1F1B's p - r: at v = 1 the builder keeps Megatron's "
                                            "warm-up, 2(p - r) - 1, not 1F1B's.")]
     def fresh(draw):  # four points beyond the fixed ones, new at every call
-        return [(p, draw.randint(1, 5), draw.randrange(p)) for p in (draw.randint(6, 8) for _ in range(4))]
+        return [(p, draw.randint(1, 6), draw.randrange(p)) for p in (draw.randint(6, 16) for _ in range(4))]
 
     return _function_check("6.3", fn, points,
                            lambda p, v, r: max(_interleaved_peak(p, v, m)[r] for m in (2 * p, 3 * p)),

@@ -169,7 +169,7 @@ def tick_table(answer: Any) -> Verdict:
     """Exercise 9.1: ``ticks_of(actions)`` -> ``table[tick][rank]``, the index of the action each rank runs
     in that lockstep tick or None; ``actions``: per rank a list of ``(kind, stage, microbatch)``. Checked
     against :func:`lockstep_ticks` on :data:`TICK_CASES` and :data:`TICK_FRESH` cases drawn afresh at each
-    call (p = 2..5, m = 2p or 3p), the package out of bounds."""
+    call (p = 2..12, m = p..3p), the package out of bounds."""
     hint = ("each action takes the earliest tick after its rank's previous action and after the tick of "
             "what it needs from another stage (F of stage s needs F of stage s-1 of its microbatch, B or BW "
             "of stage s needs B or BW of stage s+1): a result is usable from the next tick on. Sweep the "
@@ -179,8 +179,8 @@ def tick_table(answer: Any) -> Verdict:
         return missing
     draw, fresh = random.Random(), []  # unseeded: cases no table of answers written for TICK_CASES holds
     while len(fresh) < TICK_FRESH:
-        p = draw.randint(2, 5)
-        case = (draw.choice([name for name, _, _ in TICK_CASES]), p, draw.choice((2 * p, 3 * p)))
+        p = draw.randint(2, 12)
+        case = (draw.choice([name for name, _, _ in TICK_CASES]), p, draw.randint(p, 3 * p))
         if case not in TICK_CASES:
             fresh.append(case)
     for name, p, m in (*TICK_CASES, *fresh):
@@ -238,10 +238,10 @@ def reveal_lockstep_1f1b() -> Any:
 
 
 def _fresh_rows(draw) -> list[tuple]:
-    """Exercise 9.3's points beyond :data:`ROWS_POINTS`, new at every check: p = 6..9, m from 1 to 3p + 1."""
+    """Exercise 9.3's points beyond :data:`ROWS_POINTS`, new at every check: p = 6..24, m from 1 to 3p + 1."""
     points = []
     for _ in range(ROWS_FRESH):
-        p = draw.randint(6, 9)
+        p = draw.randint(6, 24)
         points.append((draw.choice(ROWS_RUNS), draw.choice(ROWS_BUFFERS), p, draw.randint(1, 3 * p + 1),
                        draw.randrange(p)))
     return points
