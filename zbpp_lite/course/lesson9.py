@@ -383,7 +383,7 @@ def _rows_problem(rows: Any) -> Verdict | None:
                                "rewritten while the microbatch it holds still waits to be read.", hint)
             if got > max(need[buffer]):
                 return Verdict("9.4", False, f"{name}: {got} rows for {buffer} work but keep more than the "
-                               "busiest rank holds live: fewer do.", hint)
+                               "busiest rank needs at once: fewer do.", hint)
     return None
 
 
