@@ -178,23 +178,30 @@ def _empty_caches() -> None:
                     value.cache_clear()
 
 
+def _with_fresh(fixed: Sequence, draw: Callable[[random.Random], Any], count: int) -> list:
+    """``fixed``, then ``count`` cases ``draw`` makes from an unseeded generator: new at every call and none
+    of them a fixed one, so that a table of answers written for the fixed cases does not pass."""
+    rng, fresh = random.Random(), []
+    while len(fresh) < count:
+        case = draw(rng)
+        if case not in fixed:
+            fresh.append(case)
+    return [*fixed, *fresh]
+
+
 def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: Callable[..., float],
                     what: str, hint: str, tol: float = 1e-6,
-                    known: Sequence[tuple[Callable[..., float], str]] = (),
-                    fresh: Callable[[random.Random], Sequence[tuple]] | None = None) -> Verdict:
+                    known: Sequence[tuple[Callable[..., float], str]] = ()) -> Verdict:
     """Call the learner's function at every point (:func:`_alone`) and compare with ``expected(*point)``; a
     wrong answer is told the first point where it fails, whether it is too high or too low there and at how
     many points it agrees, never the expected value (two tries would fit a linear answer). ``known``: pairs
     (a wrong function a copied pattern gives, what that pattern misses); a numeric answer that equals one
-    of them at every point is told its own message instead of the first failing point. ``fresh``: draws
-    more points, new at every call (an unseeded generator), beyond the fixed ones, so that a table of
-    answers written for the fixed points does not pass."""
+    of them at every point is told its own message instead of the first failing point (:func:`_with_fresh`
+    adds points new at every call)."""
     missing = _function_missing(exercise, fn, hint, shape=f"a function for {what}")
     if missing is not None:
         return missing
     _empty_caches()
-    if fresh is not None:
-        points = [*points, *fresh(random.Random())]
     wrong, agree, values = None, 0, []
     for point in points:
         got, refused = _called(exercise, fn, point, hint)  # before the expected value: nothing of the

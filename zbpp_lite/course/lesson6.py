@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _called, _function_check, _function_missing, _number_check
+from .checks import Verdict, _called, _function_check, _function_missing, _number_check, _with_fresh
 
 
 INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, compared=(2, 3))
@@ -81,17 +81,17 @@ def interleaved_peak(fn: Any) -> Verdict:
              (lambda p, v, r: 2 * (v * p - r) - 1, why_deep),
              (lambda p, v, r: v * (p - r), "v times 1F1B's p - r: at v = 1 the builder keeps Megatron's "
                                            "warm-up, 2(p - r) - 1, not 1F1B's.")]
-    def fresh(draw):  # four points beyond the fixed ones, new at every call
-        return [(p, draw.randint(1, 6), draw.randrange(p)) for p in (draw.randint(6, 16) for _ in range(4))]
+    def draw(rng):  # a point beyond the fixed ones
+        p = rng.randint(6, 16)
+        return p, rng.randint(1, 6), rng.randrange(p)
 
-    return _function_check("6.3", fn, points,
+    return _function_check("6.3", fn, _with_fresh(points, draw, 4),
                            lambda p, v, r: max(_interleaved_peak(p, v, m)[r] for m in (2 * p, 3 * p)),
                            "peak(p, v, r)",
                            "follow microbatch 0 from rank r's first stage to rank r's first backward, which "
                            "is for its last stage: count the stages it passes on the way down and the way "
                            "back; rank r fills each of those slots with one forward, then runs one more "
-                           "before that backward frees one (Megatron's warm-up, even at v = 1).", known=known,
-                           fresh=fresh)
+                           "before that backward frees one (Megatron's warm-up, even at v = 1).", known=known)
 
 
 def _zigzag_rank(p: int, s: int) -> int:

@@ -4,7 +4,6 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 from __future__ import annotations
 
 import itertools
-import random
 from typing import Any, Callable, Sequence
 
 
@@ -12,7 +11,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _as_number, _called, _function_missing, _unanswered
+from .checks import Verdict, _as_number, _called, _function_missing, _unanswered, _with_fresh
 
 
 SLOW_MIDDLE_STAGE = Costs(f=[1, 1, 2, 1], b=[1, 1, 2, 1], w=[1, 1, 2, 1])
@@ -130,10 +129,11 @@ def best_split(fn: Any) -> Verdict:
     missing = _function_missing("7.3", fn, hint)
     if missing is not None:
         return missing
-    draw = random.Random()  # unseeded: cases no table of answers written for SPLIT_CASES holds
-    fresh = [(tuple(float(draw.randint(1, 9)) for _ in range(n)), draw.randint(2, min(4, n)))
-             for n in (draw.randint(5, 10) for _ in range(SPLIT_FRESH))]
-    for costs, stages in (*SPLIT_CASES, *fresh):
+    def draw(rng):  # 5 to 10 layers costing 1 to 9, 2 to 4 stages
+        n = rng.randint(5, 10)
+        return tuple(float(rng.randint(1, 9)) for _ in range(n)), rng.randint(2, min(4, n))
+
+    for costs, stages in _with_fresh(SPLIT_CASES, draw, SPLIT_FRESH):
         counts, refused = _called("7.3", fn, (list(costs), stages), hint)  # the package's rebalancer: refused
         if refused is not None:
             return refused

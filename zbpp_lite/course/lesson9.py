@@ -8,7 +8,6 @@ sections 2-3, and arXiv 2405.15362, section 3 (ZB-V).
 
 from __future__ import annotations
 
-import random
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -20,7 +19,8 @@ from ..schedules.ir import KIND_CODE
 from ..schedules.program import consumer_stage
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
-from .checks import Verdict, _called, _function_check, _function_missing, _number_check, _unanswered
+from .checks import (Verdict, _called, _function_check, _function_missing, _number_check, _unanswered,
+                     _with_fresh)
 from .lesson8 import BUILD_CASE, gradient_problem
 
 TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
@@ -55,7 +55,7 @@ ROWS_POINTS = tuple(dict.fromkeys((name, buffer, p, m, r) for name in ROWS_RUNS 
 3p + 1."""
 
 ROWS_FRESH = 12
-"""How many more points exercise 9.3's check draws afresh at each call (:func:`_fresh_rows`)."""
+"""How many more points exercise 9.3's check draws afresh at each call (:func:`_fresh_row`)."""
 
 FUSED = Costs(f=1.0, b=1.0, w=1.0, bw=2.0)
 """Exercise 9.2's costs: T_F = 1 and 1F1B's fused T_BW = 2, T_comm = 0 (not lesson 9's figure's)."""
@@ -177,13 +177,11 @@ def tick_table(answer: Any) -> Verdict:
     missing = _function_missing("9.1", answer, hint, "ticks_of", "a function ticks_of(actions)")
     if missing is not None:
         return missing
-    draw, fresh = random.Random(), []  # unseeded: cases no table of answers written for TICK_CASES holds
-    while len(fresh) < TICK_FRESH:
-        p = draw.randint(2, 12)
-        case = (draw.choice([name for name, _, _ in TICK_CASES]), p, draw.randint(p, 3 * p))
-        if case not in TICK_CASES:
-            fresh.append(case)
-    for name, p, m in (*TICK_CASES, *fresh):
+    def draw(rng):  # a schedule of TICK_CASES' kinds at p = 2..12, m = p..3p
+        p = rng.randint(2, 12)
+        return rng.choice([name for name, _, _ in TICK_CASES]), p, rng.randint(p, 3 * p)
+
+    for name, p, m in _with_fresh(TICK_CASES, draw, TICK_FRESH):
         schedule = build_schedule(name, p, m)
         got, refused = _called("9.1", answer, (_rows(schedule),), hint)
         if refused is not None:
@@ -237,21 +235,17 @@ def reveal_lockstep_1f1b() -> Any:
                           title="1F1B, p = 4, m = 8, T_F = 1, T_BW = 2")
 
 
-def _fresh_rows(draw) -> list[tuple]:
-    """Exercise 9.3's points beyond :data:`ROWS_POINTS`, new at every check: p = 6..24, m from 1 to 3p + 1."""
-    points = []
-    for _ in range(ROWS_FRESH):
-        p = draw.randint(6, 24)
-        points.append((draw.choice(ROWS_RUNS), draw.choice(ROWS_BUFFERS), p, draw.randint(1, 3 * p + 1),
-                       draw.randrange(p)))
-    return points
+def _fresh_row(rng) -> tuple:
+    """An exercise 9.3 point beyond :data:`ROWS_POINTS`: p = 6..24, m from 1 to 3p + 1."""
+    p = rng.randint(6, 24)
+    return rng.choice(ROWS_RUNS), rng.choice(ROWS_BUFFERS), p, rng.randint(1, 3 * p + 1), rng.randrange(p)
 
 
 def rows_rule(answer: Any) -> Verdict:
     """Exercise 9.3 (derived): ``rows_needed(name, buffer, p, m, r)``, the fewest rows rank r's buffer
     ``buffer`` (of :data:`ROWS_BUFFERS`) needs in schedule ``name`` of :data:`ROWS_RUNS`
     (:func:`buffer_depths`), at every point of :data:`ROWS_POINTS` and :data:`ROWS_FRESH` drawn afresh
-    (:func:`_fresh_rows`). 1F1B's rows (derived in the lesson)
+    (:func:`_fresh_row`). 1F1B's rows (derived in the lesson)
     given to every schedule, or one number for every buffer and rank, fail with their own message; a
     function that asks the package is refused by name."""
     hint = ("a row is busy from the tick its value is written to the tick it is last read: count, on rank "
@@ -260,9 +254,9 @@ def rows_rule(answer: Any) -> Verdict:
             "its dz in its own tick); ins: both. Then ask what caps the count when there are only m.")
     one_f = lambda name, buffer, p, m, r: min(m, {"outs": p - r, "dz": 1, "ins": p - r}[buffer])  # noqa: E731
     one_number = lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name])  # noqa: E731
-    return _function_check("9.3", answer, ROWS_POINTS,
+    return _function_check("9.3", answer, _with_fresh(ROWS_POINTS, _fresh_row, ROWS_FRESH),
                            lambda name, buffer, p, m, r: _depths(name, p, m)[buffer][r],
-                           "rows_needed(name, buffer, p, m, r)", hint, fresh=_fresh_rows, known=(
+                           "rows_needed(name, buffer, p, m, r)", hint, known=(
                                (one_f, "these are 1F1B's rows for every schedule: ZB-H1 and ZB-H2 run "
                                 "W after later B's (lesson 3), so dz and ins hold more microbatches"),
                                (one_number, "one number per schedule, the busiest rank's ins, is not what "
