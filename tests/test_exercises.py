@@ -427,8 +427,9 @@ def test_lesson_9s_kind_codes_are_the_spmd_executors():
 
 
 def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
-    """6.3, 7.3, 9.1 and 9.3 also check points drawn afresh at every call (p up to 8 or 9, new cost lists), so a
-    table of answers written for the fixed points fails, while the rules by hand pass every draw."""
+    """6.3, 7.3, 9.1 and 9.3 also check cases drawn afresh at every call (checks._with_fresh: p up to 12 to 24,
+    new cost lists), so a table of answers written for the fixed cases fails, while the rules by hand pass
+    every draw."""
     from zbpp_lite.course import lesson6, lesson9
 
     rows = {point: min(point[3], _rows_by_hand(point[0], point[1], point[2], point[4])) for point in ex.ROWS_POINTS}
