@@ -467,9 +467,25 @@ def test_a_warmup_that_ignores_t_f_fails_exercise_4_3():
     assert not ignores_f and "0.5" in ignores_f.message, str(ignores_f)
 
 
+def test_a_second_try_of_4_3_plans_nothing_again_and_reading_its_plans_is_refused(monkeypatch):
+    """The checks keep their plans from one try to the next (checks.course_cache): 4.3's second try, right or
+    wrong, runs zb-auto at no point; a function that reads those plans through lesson4._auto is refused."""
+    from zbpp_lite.course import lesson4
+
+    right = lambda p, limit, r, f, b: min(limit, int((p - r) + (p - r - 1) * b / f))  # noqa: E731
+    assert ex.auto_warmup(right)
+    planned = []
+    monkeypatch.setattr(lesson4, "auto_plan", lambda *a: planned.append(a))
+    assert ex.auto_warmup(right) and not ex.auto_warmup(lambda p, limit, r, f, b: limit)
+    assert planned == []
+    reads = ex.auto_warmup(lambda p, limit, r, f, b: next(
+        i for i, a in enumerate(lesson4._auto(float(limit), p, 12, b, f).schedule.actions[r]) if a.kind != "F"))
+    assert not reads and "called zbpp_lite's _auto (course/lesson4.py)" in reads.message, str(reads)
+
+
 def test_a_function_reading_the_checks_own_cache_is_refused_even_after_a_run_filled_it():
-    """9.3's expected rows are cached (lesson9._depths); a cache hit runs no package frame, so the check
-    empties the course's caches and calls the learner's function before it computes each point."""
+    """9.3's expected rows are cached (lesson9._depths, a checks.course_cache): a cache hit runs a package
+    frame too, so a function reading the cache is refused, however full the cache is."""
     from zbpp_lite.course import lesson9
 
     ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)))   # fills the cache

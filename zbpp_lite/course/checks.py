@@ -15,6 +15,7 @@ Sources: arXiv 2401.10241 sections 2-3 (bubbles, memory, heuristic); arXiv 2405.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -125,7 +126,7 @@ class _UsedPackage(Exception):
 
 def _alone(fn: Callable, point: tuple) -> Any:
     """``fn(*point)``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a profile hook;
-    a cached one answers without a frame, so :func:`_function_check` empties the course's caches first)."""
+    the course's caches answer through one too: :func:`course_cache`)."""
     used: list[str] = []
 
     def watch(frame, event, arg):
@@ -167,15 +168,24 @@ def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the functi
     return None
 
 
-def _empty_caches() -> None:
-    """Empty every cache of the course's lesson modules, so that the learner's function, called at each point
-    before the check computes that point's value, cannot read a cached answer without :func:`_alone` seeing
-    a package frame."""
-    for name, module in list(sys.modules.items()):
-        if name.startswith("zbpp_lite.course.lesson"):
-            for value in list(vars(module).values()):
-                if callable(getattr(value, "cache_clear", None)):
-                    value.cache_clear()
+def course_cache(maxsize: int) -> Callable[[Callable], Callable]:
+    """``functools.lru_cache(maxsize)`` behind a plain Python function of this package: every call, a cache
+    hit too, runs a package frame, so :func:`_alone` refuses a learner's function that reads a check's cached
+    answers, and the checks keep their caches from one try to the next."""
+
+    def decorate(fn: Callable) -> Callable:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        def call(*args, **kwargs):
+            return cached(*args, **kwargs)
+
+        # the frame carries fn's name and file, so a refusal names the function the learner called
+        call.__code__ = call.__code__.replace(co_name=fn.__name__, co_qualname=fn.__qualname__,
+                                              co_filename=fn.__code__.co_filename)
+        call = functools.wraps(fn)(call)
+        return call
+
+    return decorate
 
 
 def _with_fresh(fixed: Sequence, draw: Callable[[random.Random], Any], count: int) -> list:
@@ -201,11 +211,10 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
     missing = _function_missing(exercise, fn, hint, shape=f"a function for {what}")
     if missing is not None:
         return missing
-    _empty_caches()
     wrong, agree, values = None, 0, []
     for point in points:
-        got, refused = _called(exercise, fn, point, hint)  # before the expected value: nothing of the
-        if refused is not None:                             # package's is cached yet for it to read
+        got, refused = _called(exercise, fn, point, hint)
+        if refused is not None:
             return refused
         want = expected(*point)
         if isinstance(want, bool):

@@ -3,7 +3,6 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -12,7 +11,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _line_figure, _number_check
+from .checks import Verdict, course_cache, _function_check, _line_figure, _number_check
 
 
 AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1.0))
@@ -25,7 +24,7 @@ WARMUP_CASES = ((4, 12, 1.0, 2.0), (3, 12, 1.0, 3.0), (6, 18, 1.0, 2.0), (4, 12,
 answer written for p = 4, T_B = 2 alone, or one that ignores T_F, fails."""
 
 
-@functools.lru_cache(maxsize=64)
+@course_cache(maxsize=64)
 def _auto(limit: float, p: int = AUTO_CASE["num_ranks"], m: int = AUTO_CASE["num_microbatches"],
           b: float = AUTO_CASE["costs"].b, f: float = AUTO_CASE["costs"].f):
     """zb-auto's plan under ``limit`` M_B of :data:`AUTO_CASE`, or of p ranks, m microbatches, T_B = b and

@@ -3,7 +3,6 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 
@@ -11,10 +10,10 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.ir import v_placement as _v
 from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _line_figure, _number_check
+from .checks import Verdict, course_cache, _function_check, _line_figure, _number_check
 
 
-@functools.lru_cache(maxsize=8)
+@course_cache(maxsize=8)
 def _zb_v_sweep(p: int) -> dict[int, Any]:
     """ZB-V's timelines for m = 1 .. 2p + 1 at unit per-stage costs, T_comm = 0 (cached)."""
     return {m: simulate(build_schedule("zb-v", p, m), Costs()) for m in range(1, 2 * p + 2)}

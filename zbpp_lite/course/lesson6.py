@@ -3,7 +3,6 @@ right or not yet with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import plotly.graph_objects as go
@@ -11,7 +10,8 @@ import plotly.graph_objects as go
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _called, _function_check, _function_missing, _number_check, _with_fresh
+from .checks import (Verdict, _called, _function_check, _function_missing, _number_check, _with_fresh,
+                     course_cache)
 
 
 INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, compared=(2, 3))
@@ -26,7 +26,7 @@ def _interleaved_span(v: int, comm: float) -> float:
     return simulate(plan, Costs(f=cost, b=cost, w=cost, comm=comm)).makespan
 
 
-@functools.lru_cache(maxsize=1)
+@course_cache(maxsize=1)
 def _crossover() -> tuple[float, float, float]:
     """(c*, the makespans' gap at T_comm = 0, how much faster the gap closes per unit of T_comm): the T_comm
     at which :data:`INTERLEAVED_CASE`'s two v's tie, from simulated makespans, each linear in T_comm while
@@ -60,7 +60,7 @@ def interleaved_crossover(answer: Any) -> Verdict:
     return _number_check("6.2", answer, tie, "the T_comm at which v = 3 and v = 2 tie", hint, known=known)
 
 
-@functools.lru_cache(maxsize=128)
+@course_cache(maxsize=128)
 def _interleaved_peak(p: int, v: int, m: int) -> tuple:
     """Each rank's peak, in M_B/v, under interleaved 1F1B with v stages per rank (the simulator's count)."""
     return simulate(build_schedule("interleaved-1f1b", p, m, stages_per_rank=v), Costs()).peak_memory

@@ -8,7 +8,6 @@ sections 2-3, and arXiv 2405.15362, section 3 (ZB-V).
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any, Callable
 
 import numpy as np
@@ -20,7 +19,7 @@ from ..schedules.program import consumer_stage
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
 from .checks import (Verdict, _called, _function_check, _function_missing, _number_check, _unanswered,
-                     _with_fresh)
+                     _with_fresh, course_cache)
 from .lesson8 import BUILD_CASE, gradient_problem
 
 TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
@@ -85,7 +84,7 @@ def _live(schedule) -> dict:
     return live
 
 
-@lru_cache(maxsize=256)
+@course_cache(maxsize=256)
 def _depths(name: str, p: int, m: int) -> dict:
     return buffer_depths(build_schedule(name, p, m))
 
