@@ -92,8 +92,8 @@ def lesson():
 def test_the_right_build_passes_every_check(lesson):
     lab = lesson["lab"]
     assert ex.stage_split(lab.try_stage(lesson["F"], lesson["B"], lesson["W"]))
-    measured = lab.kept_peaks(lesson["F"], lesson["B"])        # bytes B hands to W, held at once per rank
-    assert measured == [(r + 1) * 2 * 2 * 64 * 256 * 4 for r in range(4)] and ex.kept_peaks(measured)
+    measured = lab.for_w_peaks(lesson["F"], lesson["B"])        # bytes B hands to W, held at once per rank
+    assert measured == [(r + 1) * 2 * 2 * 64 * 256 * 4 for r in range(4)] and ex.for_w_peaks(measured)
     assert ex.pipeline_run(lab.try_pipeline(lesson["rank_loop"]))
     assert ex.optimizer_step(lab.try_step(lesson["optimizer_step"]))
 
@@ -105,12 +105,12 @@ def test_w_with_another_microbatchs_output_gradient_fails(lesson):
     latest = threading.local()  # one rank per thread, one stage per rank
 
     def B_noting(saved, dy):
-        dx, kept = B(saved, dy)
-        latest.dz = kept[1]
-        return dx, kept
+        dx, for_w = B(saved, dy)
+        latest.dz = for_w[1]
+        return dx, for_w
 
-    def W_wrong(kept):
-        return W((kept[0], latest.dz))
+    def W_wrong(for_w):
+        return W((for_w[0], latest.dz))
 
     lesson.update(B=B_noting, W=W_wrong)
     try:
@@ -150,9 +150,9 @@ def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(le
 def test_a_loop_that_computes_w_during_b_fails(lesson):
     """W called right after B, its result held until the W action only adds it: the order of the events
     and the gradients are right, the weight gradient was not deferred, and the check sees when W ran."""
-    call, later = "B(saved.pop((s, j)), dy)\n", "g = W(kept.pop((s, j)))\n"
-    edit = lambda src: src.replace(call, call + "            kept[s, j] = W(kept[s, j])\n").replace(  # noqa: E731
-        later, "g = kept.pop((s, j))\n")
+    call, later = "B(saved.pop((s, j)), dy)\n", "g = W(for_w.pop((s, j)))\n"
+    edit = lambda src: src.replace(call, call + "            for_w[s, j] = W(for_w[s, j])\n").replace(  # noqa: E731
+        later, "g = for_w.pop((s, j))\n")
     with _replaced(lesson, LESSON, "rank_loop", edit) as wrong:
         assert wrong.count("= W(") == 1
         result = lesson["lab"].try_pipeline(lesson["rank_loop"])
@@ -195,8 +195,8 @@ def test_a_b_jax_jit_cannot_compile_fails_instead_of_escaping_the_flop_count(les
     F, B, W = lesson["F"], lesson["B"], lesson["W"]
 
     def B_numpy(saved, dy):
-        dx, kept = B(saved, dy)
-        return jnp.asarray(np.asarray(dx)), kept
+        dx, for_w = B(saved, dy)
+        return jnp.asarray(np.asarray(dx)), for_w
 
     verdict = ex.stage_split(lesson["lab"].try_stage(F, B_numpy, W))
     assert not verdict and "jax.jit could not compile B" in str(verdict), str(verdict)
@@ -206,8 +206,8 @@ def test_a_b_jax_jit_cannot_compile_fails_instead_of_escaping_the_flop_count(les
 def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
     F, B, W = lesson["F"], lesson["B"], lesson["W"]
 
-    def W_transposed(kept):
-        return [(dA.T, dc) for dA, dc in W(kept)]
+    def W_transposed(for_w):
+        return [(dA.T, dc) for dA, dc in W(for_w)]
 
     verdict = ex.stage_split(lesson["lab"].try_stage(F, B, W_transposed))
     assert not verdict and "transpose" in verdict.hint, str(verdict)
@@ -244,8 +244,8 @@ def test_a_b_that_also_computes_the_weight_gradients_fails(lesson):
         dlayers, dx, _ = saved(dy)
         return dx, dlayers
 
-    def W_stashed(kept):  # returns what B already computed
-        return [tuple(pair) for pair in kept]
+    def W_stashed(for_w):  # returns what B already computed
+        return [tuple(pair) for pair in for_w]
 
     verdict = ex.stage_split(lesson["lab"].try_stage(F_all, B_all, W_stashed))
     assert not verdict and "computes the weight gradients too" in str(verdict), str(verdict)
@@ -255,18 +255,18 @@ def test_wrong_predictions_fail():
     """Exercise 8.2: the bytes B hands to W, held at once on each ZB-H1 rank (p = 4, m = 8). Each pattern
     copied from elsewhere is named: r microbatches (the W lag), the dz's alone, F's p - r, 1F1B's one."""
     m_w = 2 * 2 * 64 * 256 * 4                                  # x and dz of 2 layers, (64, 256) float32
-    assert ex.kept_peaks([(r + 1) * m_w for r in range(4)])
+    assert ex.for_w_peaks([(r + 1) * m_w for r in range(4)])
     wrong = {"count before its B": [r * m_w for r in range(4)],
              "only the dz's": [(r + 1) * m_w // 2 for r in range(4)],
              "what F keeps": [(4 - r) * m_w for r in range(4)],
              "1F1B": [m_w] * 4,
              "the counts [1, 1, 2, 2]": [m_w, m_w, 2 * m_w, 2 * m_w]}
     for word, answer in wrong.items():
-        verdict = ex.kept_peaks(answer)
+        verdict = ex.for_w_peaks(answer)
         assert not verdict and verdict.hint and verdict.attempt and word in str(verdict), (word, str(verdict))
     for junk in ([(r + 1) * m_w for r in range(3)], m_w, [1, 2, 3, 5]):   # 3 ranks, one number, a guess
-        assert not ex.kept_peaks(junk)
-    assert not ex.kept_peaks([1, 2, 3, 5]).attempt
+        assert not ex.for_w_peaks(junk)
+    assert not ex.for_w_peaks([1, 2, 3, 5]).attempt
 
 
 def test_a_step_clipped_stage_by_stage_or_not_at_all_fails(lesson):

@@ -414,8 +414,8 @@ class Lab:
                 ref_dparams, ref_dx = pullback(dy)
                 y, saved = _need(F(s, x, target), "F")
                 before = self.calls["layers"]
-                dx, kept = _need(B(saved, dy), "B")
-                grads = _need(W(kept), "W")
+                dx, for_w = _need(B(saved, dy), "B")
+                grads = _need(W(for_w), "W")
                 recomputed = self.calls["layers"] != before
                 ref_b = self._reference_b_flops(s, x, dy, target)
                 try:  # a B jax.jit cannot compile: its flops are not counted, and the check says so
@@ -445,14 +445,14 @@ class Lab:
         finally:
             self._place(list(range(self.S)))
 
-    def kept_peaks(self, F: Callable, B: Callable, name: str = "zb-h1") -> list[int]:
+    def for_w_peaks(self, F: Callable, B: Callable, name: str = "zb-h1") -> list[int]:
         """Exercise 8.2's reveal: each rank's actions of schedule ``name`` (4 ranks, 8 microbatches) walked in
         order with the learner's F and B on random inputs, what a B returns for W held until that W; per rank
         the most bytes held at once (:func:`nbytes`, counted right after each B)."""
         schedule, shape = build_schedule(name, self.p, self.m), (self.rows, self.X.shape[1])
         peaks = []
         for actions in schedule.actions:
-            saved, kept, peak = {}, {}, 0
+            saved, for_w, peak = {}, {}, 0
             for a in actions:
                 s, j = a.stage, a.microbatch
                 device, last = self.devices[self.placement[s]], s == self.S - 1
@@ -461,10 +461,10 @@ class Lab:
                     saved[s, j] = _need(F(s, x, self.targets_mb[j] if last else None), "F")[1]
                 if a.kind in ("B", "BW"):
                     dy = jnp.float32(1 / self.m) if last else jax.device_put(jnp.ones(shape), device)
-                    kept[s, j] = _need(B(saved.pop((s, j)), dy), "B")[1]
-                    peak = max(peak, nbytes(list(kept.values())))
+                    for_w[s, j] = _need(B(saved.pop((s, j)), dy), "B")[1]
+                    peak = max(peak, nbytes(list(for_w.values())))
                 if a.kind in ("W", "BW"):
-                    kept.pop((s, j))
+                    for_w.pop((s, j))
             peaks.append(peak)
         return peaks
 

@@ -117,7 +117,7 @@ def stage_split(result: Any) -> Verdict:
                    f"(largest relative difference {worst:.1e}).")
 
 
-def kept_peaks(answer: Any) -> Verdict:
+def for_w_peaks(answer: Any) -> Verdict:
     """Exercise 8.2 (predicted): on each rank of ZB-H1 (p = 4, m = 8, :data:`BUILD_CASE`'s stages), the most
     bytes that what B hands to W (each layer's input x and pre-activation gradient dz, M_W a microbatch)
     takes at once. Right after B of microbatch i + r, rank r holds microbatches i .. i + r: r + 1 of them,
@@ -361,7 +361,7 @@ def optimizer_step(result: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "8.1": stage_split, "8.2": kept_peaks, "8.3": pipeline_run, "8.4": optimizer_step
+    "8.1": stage_split, "8.2": for_w_peaks, "8.3": pipeline_run, "8.4": optimizer_step
 }
 """Lesson 8's exercises by id -> check."""
 
@@ -369,7 +369,7 @@ REVEALS: dict[str, Callable[[], Any]] = {}  # 8.2's reveal walks ZB-H1 with the 
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "kept_peaks", "PIPELINE_RUNS",
+    "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "for_w_peaks", "PIPELINE_RUNS",
     "gradient_problem",
     "pipeline_run", "STEP", "STEP_TOLERANCE", "STEP_RUNS", "optimizer_step", "EXERCISES", "REVEALS"
 ]
