@@ -467,6 +467,31 @@ def test_a_warmup_that_ignores_t_f_fails_exercise_4_3():
     assert not ignores_f and "0.5" in ignores_f.message, str(ignores_f)
 
 
+def test_a_function_that_switches_the_watch_off_before_asking_the_simulator_is_refused():
+    """The guard is a profile hook: a function that calls sys.setprofile (or sys.settrace), even one that
+    puts the hook back before it returns, is refused, whatever it computes after."""
+
+    def simulated(p, m, f, b, w):
+        return zb.simulate(zb.build_schedule("zb-h2", p, m), zb.Costs(f=f, b=b, w=w)).makespan - m * (f + b + w)
+
+    def off(p, m, f, b, w):
+        sys.setprofile(None)
+        return simulated(p, m, f, b, w)
+
+    def off_and_back(p, m, f, b, w):
+        hook = sys.getprofile()
+        sys.setprofile(None)
+        try:
+            return simulated(p, m, f, b, w)
+        finally:
+            sys.setprofile(hook)
+
+    for cheat in (off, off_and_back):
+        verdict = ex.zb_h2_bubble(cheat)
+        assert not verdict and "sys.setprofile or sys.settrace" in verdict.message, str(verdict)
+    assert sys.getprofile() is None
+
+
 def test_a_second_try_of_4_3_plans_nothing_again_and_reading_its_plans_is_refused(monkeypatch):
     """The checks keep their plans from one try to the next (checks.course_cache): 4.3's second try, right or
     wrong, runs zb-auto at no point; a function that reads those plans through lesson4._auto is refused."""

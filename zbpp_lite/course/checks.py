@@ -121,26 +121,35 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _UsedPackage(Exception):
-    """The learner's function called ``name``, a zbpp_lite function."""
+    """The learner's function called a zbpp_lite function, or switched :func:`_alone`'s watch off."""
+
+
+_UNWATCHED = "sys.setprofile or sys.settrace (which switch the check's watch off)"
 
 
 def _alone(fn: Callable, point: tuple) -> Any:
     """``fn(*point)``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a profile hook;
-    the course's caches answer through one too: :func:`course_cache`)."""
+    the course's caches answer through one too: :func:`course_cache`) or replaced the hook."""
     used: list[str] = []
 
     def watch(frame, event, arg):
-        if event == "call" and not used and frame.f_code.co_filename.startswith(_PACKAGE):
-            used.append(f"{frame.f_code.co_name} ({os.path.relpath(frame.f_code.co_filename, _PACKAGE)})")
+        if used:
+            return
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(_PACKAGE):
+            used.append(f"zbpp_lite's {code.co_name} ({os.path.relpath(code.co_filename, _PACKAGE)})")
+        elif event == "c_call" and arg in (sys.setprofile, sys.settrace):
+            used.append(_UNWATCHED)
 
     previous = sys.getprofile()
     sys.setprofile(watch)
     try:
         got = fn(*point)
     finally:
+        replaced, seen = sys.getprofile() is not watch, used[:]  # before the call below, which watch sees
         sys.setprofile(previous)
-    if used:
-        raise _UsedPackage(used[0])
+    if seen or replaced:
+        raise _UsedPackage(seen[0] if seen else _UNWATCHED)
     return got
 
 
@@ -149,7 +158,7 @@ def _called(exercise: str, fn: Callable, point: tuple, hint: str) -> tuple[Any, 
     try:
         return _alone(fn, point), None
     except _UsedPackage as e:
-        return None, Verdict(exercise, False, f"your function called zbpp_lite's {e} at {point}: this "
+        return None, Verdict(exercise, False, f"your function called {e} at {point}: this "
                              "exercise asks you to derive the answer, so the check refuses one that asks the "
                              "package (the simulator, a builder, a planner or a closed form).", hint)
     except Exception as e:  # noqa: BLE001  (the learner's error is an answer to report, not to raise)
