@@ -247,10 +247,10 @@ def rows_rule(answer: Any) -> Verdict:
     (:func:`_fresh_row`). 1F1B's rows (derived in the lesson)
     given to every schedule, or one number for every buffer and rank, fail with their own message; a
     function that asks the package is refused by name."""
-    hint = ("a row is busy from the tick its value is written to the tick it is last read: count, on rank "
-            "r, the microbatches written and not yet read. outs: F's run before the B that reads the first "
-            "(lesson 3's warm-up); dz: B's run before the W that reads the first (the W lag; a BW reads "
-            "its dz in its own tick); ins: both. Then ask what caps the count when there are only m.")
+    hint = ("a row is occupied from the tick its value is written to the tick it is last read: for each "
+            "buffer, which action writes it and which reads it last, and how many of the writer's actions "
+            "does rank r run before the first reader in this schedule's order (lesson 3)? Then ask what "
+            "caps the count when there are only m.")
     one_f = lambda name, buffer, p, m, r: min(m, {"outs": p - r, "dz": 1, "ins": p - r}[buffer])  # noqa: E731
     one_number = lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name])  # noqa: E731
     return _function_check("9.3", answer, _with_fresh(ROWS_POINTS, _fresh_row, ROWS_FRESH),
@@ -270,9 +270,9 @@ def spmd_pipeline(result: Any) -> Verdict:
     Right when each buffer has the fewest rows that work on its busiest rank (:func:`buffer_depths`), every
     rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
     ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
-    hint = ("each buffer has its own number of rows (st[name].shape[0]): every read and write of a buffer, "
-            "the receiver's store included, needs the row microbatch j uses in that buffer; 1F1B runs BW "
-            "(kind 4), B then W in one tick.")
+    hint = ("each buffer has its own number of rows, fewer than m: which row can microbatch j use so that "
+            "no two microbatches a buffer holds at once share one, and which reads and writes (the "
+            "receiver's store too) must agree on it? 1F1B runs BW (kind 4), B then W in one tick.")
     refused = _result_problem("9.4", result, "make_tick", "lab.try_ticks(make_tick, rows_needed)", hint)
     if refused is None:  # a Verdict is falsy when not right: no `or` here
         refused = _rows_problem(result.get("rows"))
