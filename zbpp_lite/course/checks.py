@@ -188,11 +188,12 @@ def course_cache(maxsize: int) -> Callable[[Callable], Callable]:
         def call(*args, **kwargs):
             return cached(*args, **kwargs)
 
-        # the frame carries fn's name and file, so a refusal names the function the learner called
+        # the frame carries fn's name, file and first line, so a refusal names the function the learner
+        # called and a traceback through it points at fn's definition
         call.__code__ = call.__code__.replace(co_name=fn.__name__, co_qualname=fn.__qualname__,
-                                              co_filename=fn.__code__.co_filename)
-        call = functools.wraps(fn)(call)
-        return call
+                                              co_filename=fn.__code__.co_filename,
+                                              co_firstlineno=fn.__code__.co_firstlineno)
+        return functools.wraps(fn)(call)
 
     return decorate
 

@@ -11,7 +11,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, course_cache, _function_check, _line_figure, _number_check
+from .checks import Verdict, _function_check, _line_figure, _number_check, course_cache
 
 
 AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1.0))

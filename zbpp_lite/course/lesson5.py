@@ -10,7 +10,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.ir import v_placement as _v
 from ..schedules.simulate import simulate
-from .checks import Verdict, course_cache, _function_check, _line_figure, _number_check
+from .checks import Verdict, _function_check, _line_figure, _number_check, course_cache
 
 
 @course_cache(maxsize=8)
