@@ -207,6 +207,28 @@ def test_the_planners_give_the_plans_of_the_search_that_ran_every_greedy_run_to_
     assert _GOLDEN.record(_GOLDEN.build(*case)) == expected
 
 
+def test_runs_start_no_run_once_their_effort_in_actions_is_spent():
+    from zbpp_lite.schedules.builders.greedy import Runs
+    from zbpp_lite.schedules.builders.zb_v import v_limits
+    from zbpp_lite.schedules.ir import v_placement
+
+    p, m = 4, 8
+    actions = 3 * 2 * p * m
+    limits, table = v_limits("v-half", (p + 2) // 2, p, zb.Costs(), None)
+    # two priority orders: they differ after the warm-up too, so neither run ends by rejoining the other
+    rules = [Rules(order=order) for order in ((("B", 1), ("B", 0), ("F", 1), ("F", 0)),
+                                              (("B", 0), ("B", 1), ("F", 1), ("F", 0)))]
+    free = Runs(v_placement(p), m, table, limits)
+    plans = [free.run(r) for r in rules]
+    assert free.simulated == 2 * actions and free.skipped == 0
+    capped = Runs(v_placement(p), m, table, limits, effort=actions - 1)
+    assert capped.run(rules[0]) == plans[0]  # the first run always runs in full
+    assert capped.simulated == actions
+    assert capped.run(rules[1]) is None and capped.greedy_runs == 1 and capped.skipped == 1
+    assert capped.run(rules[0]) == plans[0]  # a run already made is remembered, effort or not
+    assert capped.skipped == 1
+
+
 def test_a_run_stops_once_it_cannot_win_and_a_run_whose_caps_never_bind_is_not_repeated():
     from zbpp_lite.schedules.builders.greedy import Cutoff, Runs
     from zbpp_lite.schedules.builders.zb_v import v_limits

@@ -197,6 +197,36 @@ def test_v_mins_search_above_the_narrow_size_stops_at_the_blocks_makespan_and_pi
         assert built == block.to_csv()
 
 
+def test_above_the_huge_size_the_v_search_starts_no_run_once_that_many_actions_are_simulated(monkeypatch):
+    # planning at p = 256, m = 512 (786,432 actions) is capped so: HUGE_ABOVE made 100 here to test it small
+    import importlib
+
+    greedy = importlib.import_module("zbpp_lite.schedules.builders.greedy")
+    zb_v = importlib.import_module("zbpp_lite.schedules.builders.zb_v")  # the module, not the function
+    made = []
+
+    class Recorded(greedy.Runs):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    p, m = 8, 24  # at unit costs and v-half's limit the search tries more than one run
+    limits, table = v_limits("v-half", (p + 2) // 2, p, zb.Costs(), None)
+    placement = zb.v_placement(p)
+    actions = 3 * len(placement) * m
+    monkeypatch.setattr(zb_v, "Runs", Recorded)
+    full = search_v(placement, m, table, limits)
+    assert made[-1].effort == float("inf") and made[-1].greedy_runs > 2
+    monkeypatch.setattr(zb_v, "HUGE_ABOVE", 100)
+    capped = search_v(placement, m, table, limits)
+    runs = made[-1]
+    assert runs.effort == 100 and runs.skipped > 0 and runs.greedy_runs >= 1
+    # runs start only below the effort, so at most the last one started passes it (by at most a run)
+    assert 100 <= runs.simulated <= 100 + actions
+    assert capped.makespan >= full.makespan - 1e-9 and max(capped.peak_memory) <= max(limits) + 1e-9
+    assert zb.validate(capped.schedule(placement, m, "v-half"))
+
+
 @pytest.mark.parametrize("name", ["v-half", "v-min"])
 def test_v_family_with_non_uniform_costs_stays_within_its_limit(name):
     costs = zb.Costs(f=[1.0 + 0.1 * s for s in range(12)], b=1.3, w=0.7, comm=0.2)

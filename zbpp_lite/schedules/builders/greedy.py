@@ -240,20 +240,27 @@ class Runs:
     plan, and is remembered as a run of its own; with a :class:`Cutoff` a run stops (returns None) once it
     cannot win, and once it is certain to be longer than :attr:`longest` (a caller's own plan's makespan:
     nothing longer is wanted; default infinity).
+
+    ``effort``: once the runs have simulated this many actions in all (abandoned runs count what they
+    simulated), no new run starts: :meth:`run` returns None for it (default infinity; the first run always
+    starts, and runs in full unless a cutoff stops it). A cap on planning time, not an exact saving.
     """
 
     def __init__(self, placement: Sequence[int], num_microbatches: int, table: CostTable,
-            limits: Sequence[float], longest: float = _INF):
+            limits: Sequence[float], longest: float = _INF, effort: float = _INF):
         self.args = (list(placement), num_microbatches, table, list(limits))
         self.records: list[_Record] = []
         self.greedy_runs = 0  # runs simulated, in full or in part (for benchmarks and tests)
         self.rejoined = 0  # of those, runs that ended where they met an earlier run's state
         self.floors: dict[float, float] = {}  # peak_floor's answers
         self.longest = longest  # every run stops once certain to be longer than this
+        self.effort = effort
+        self.simulated = 0  # actions committed by every run so far
+        self.skipped = 0  # runs not started because the effort was spent
 
     def run(self, rules: Rules, cutoff: Cutoff | None = None) -> Plan | None:
-        """The plan of ``rules``, or None when ``cutoff`` shows it cannot win or it is longer than
-        :attr:`longest`."""
+        """The plan of ``rules``, or None when ``cutoff`` shows it cannot win, it is longer than
+        :attr:`longest`, or :attr:`effort` is spent."""
         cutoff = Cutoff.capped(cutoff, self.longest)
         for rec in self.records:
             if _same_run(rec, rules):
@@ -261,6 +268,9 @@ class Runs:
                     return replace(rec.plan, rules=rules)
                 if cutoff is not None and self._meets(cutoff, rec.bound, rec.peak):
                     return None
+        if self.greedy_runs and self.simulated >= self.effort:
+            self.skipped += 1
+            return None
         engine = _Greedy(*self.args, rules)
         engine.stop = cutoff
         engine.slack = self._slack(cutoff) if cutoff is not None else 0.0
@@ -272,6 +282,7 @@ class Runs:
         except _Abandoned:
             result = None
         except _Rejoined as same:
+            self.simulated += engine.total - engine.left
             self.rejoined += 1
             rec = same.record  # this run from here on: its own warm-up answers, then rec's
             self.records.append(replace(rec, rules=rules, cap_yes=tuple(engine.cap_yes),
@@ -279,6 +290,7 @@ class Runs:
             if rec.plan is not None:
                 return replace(rec.plan, rules=rules)
             return None  # the earlier run was abandoned under a cutoff this one meets too (_rejoin)
+        self.simulated += engine.total - engine.left
         self.records.append(
             _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no),
                     max(engine.bound, engine.chain), engine.max_peak, engine.fill_matters, engine.warm_state)
@@ -432,7 +444,7 @@ class _Greedy:
         self.b_delay = [table.comm[s + 1] if s + 1 < S and placement[s + 1] != placement[s] else 0.0
             for s in range(S)]
         self.most_projected = max(self.work, default=0.0)  # max over ranks of work + bubble so far
-        self.left = 3 * S * m
+        self.left = self.total = 3 * S * m
         self.heap: list[tuple[float, int]] = []  # (time, rank): ties go to the lower rank
         # branch and bound (Runs): stop once the cutoff is met; bound = largest per-rank lower bound
         # on the span (span so far + work left), never below a rank's whole work

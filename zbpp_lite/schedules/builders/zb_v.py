@@ -4,7 +4,7 @@ Source: arXiv 2401.10241 section 6 (ZB-V) and arXiv 2405.15362 sections 3-4. Two
 placement (:func:`zbpp_lite.v_placement`), so rank 0 holds the first and last stage. The plan is the shared
 :mod:`~zbpp_lite.schedules.builders.greedy` engine with a staged search: warm-up caps, then the binary
 choices for the two best caps, plus four uncapped ``Rules.feed`` runs (48 runs, shortest wins; fewer above
-:data:`NARROW_ABOVE` actions), polished by
+:data:`NARROW_ABOVE` actions, and above :data:`HUGE_ABOVE` as many as that many actions allow), polished by
 :func:`~zbpp_lite.schedules.builders.greedy.improve`; where that leaves a bubble, the paper's own V
 heuristic (:func:`paper_v`: fixed warm-up, then one B and one F per rank a round, W where memory, a gap
 or the rank's bubble budget asks) is planned too and taken if shorter.
@@ -43,6 +43,13 @@ NARROW_ABOVE = 20_000
 """Above this many actions (3 x stages x m) the search keeps one cap and tries flat caps only (slope 0), to
 plan p = 64, m = 128 in under 2 s; at p = 16 and 32 (unit and the paper's costs) it picks the same plans."""
 
+HUGE_ABOVE = 300_000
+"""Above this many actions the search starts no run once its runs have simulated this many actions in all
+(:class:`~.greedy.Runs`' ``effort``; the first run always starts): a cap on planning time, not an exact
+saving. At p = 256, m = 512 (786,432 actions, about 8 s a run in CPython) v-half and zb-v run their first
+probe only, and pick what the whole search picked at unit costs (makespans 3843 and 3072); v-min's runs
+stop as before, each longer than the tight block, which it keeps (4091)."""
+
 
 def warmup_caps(shape, placement: Sequence[int], table: CostTable, limits: Sequence[float]):
     """The per-rank warm-up caps of one :data:`CAP_SHAPES` entry (None: no cap)."""
@@ -64,7 +71,8 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
     """The staged search: caps (with and without the warm-up fit), then the binary choices and second
     priority order for the ``keep`` best caps (above :data:`NARROW_ABOVE` actions: flat caps, the best one).
     Picks what that search would; runs stop once they cannot change the pick (:class:`Runs`), tried most
-    promising first (:func:`_try_order`).
+    promising first (:func:`_try_order`); above :data:`HUGE_ABOVE` actions no run starts once the runs
+    have simulated that many actions (the pick is then the best found).
 
     ``longest``: the makespan of a plan the caller has already, which wins over any longer one. Above
     :data:`NARROW_ABOVE` actions (one cap kept, nothing polished) runs stop once certain to be longer
@@ -74,7 +82,8 @@ def search_v(placement: Sequence[int], m: int, table: CostTable, limits: Sequenc
     narrow = actions > NARROW_ABOVE
     keep = 1 if narrow else keep
     capped = longest is not None and narrow and budget_of(actions) == 0
-    runs = Runs(placement, m, table, limits, longest=longest if capped else float("inf"))
+    runs = Runs(placement, m, table, limits, longest=longest if capped else float("inf"),
+        effort=HUGE_ABOVE if actions > HUGE_ABOVE else float("inf"))
     shapes = [shape for shape in CAP_SHAPES if not narrow or shape is None or shape[1] == 0.0]
     tries = [(shape, fit_f) for shape in shapes for fit_f in (False, True)]
     scored: dict[int, tuple] = {}  # try index -> (makespan, peak, index, plan, caps)
