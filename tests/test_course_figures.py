@@ -30,7 +30,7 @@ def test_looped_placement_is_uneven_and_sums_match_the_peaks():
 def test_eight_choices_are_the_papers_runs_and_the_search_keeps_the_best():
     c = zb.Costs(f=1.0, b=1.3, w=0.6, comm=0.1)
     runs = eight_choices(3, 6, c, 4)
-    assert len(runs) == 8 and len({(r.first, r.fill_partial, r.fit_f) for r in runs}) == 8
+    assert len(runs) == 8 and len({(r.prefer, r.fill_partial, r.fit_f) for r in runs}) == 8
     assert [r.makespan for r in runs] == sorted(r.makespan for r in runs)
     assert all(r.peak_memory <= 4 for r in runs)
     assert runs[0].makespan > runs[-1].makespan - 5 and runs[0].makespan < runs[-1].makespan  # the choices matter

@@ -21,7 +21,7 @@ class ChoiceRun:
     """One of the eight greedy runs.
 
     Attributes:
-        first: "B" or "F": which kind runs first when both have arrived.
+        prefer: "B" or "F": which kind runs when both have arrived.
         fill_partial: a W goes into every gap, even one shorter than T_W (delaying the F or B that arrives
             meanwhile); without it, into such a gap only where idling would raise the largest projected
             span (a rank's whole work plus its idle time so far) of any rank.
@@ -30,7 +30,7 @@ class ChoiceRun:
         peak_memory: largest per-rank peak (units of M_B).
     """
 
-    first: str
+    prefer: str
     fill_partial: bool
     fit_f: bool
     makespan: float
