@@ -103,6 +103,36 @@ def test_a_tie_across_processes_trains_as_one_parameter(tmp_path, untimed_childr
     assert [s["loss"] for s in run["steps"]] == pytest.approx(one.losses, rel=0, abs=1e-6)
 
 
+def test_a_clipped_post_validated_launch_equals_the_same_run_in_one_process(tmp_path, untimed_children):
+    """--max-grad-norm with --post-validation over 2 processes: each process's rank threads step their own
+    stages (on the partial norm, validated, rolled back where wrong, the norm's messages through the
+    coordinator's store), then each process gathers the other's stages. So every step's loss and global
+    norm, and the test loss (process 0 evaluates all stages), equal the one-process run's (threads, same
+    flags): without the gather, process 0 would evaluate stage 1 as it was before the first step."""
+    import jax
+
+    from zbpp_lite.cli import parse_args
+    from zbpp_lite.cli.train import check_sizes, model_config, resolve_schedule, run_config
+    from zbpp_lite.training.train import TrainOptions, train
+
+    out, lines = tmp_path / "run.json", []
+    flags = ["--schedule", "zb-h1", *TINY[:6], "--steps", "3", *TINY[8:], "--max-grad-norm", "0.05", "--post-validation"]
+    status, failures = launch([*flags, "--json", str(out)], processes=2, timeout=60, deadline=240, echo=lines.append)
+    assert status == 0, failures
+    assert any("process 1" in line for line in lines)
+    run = json.loads(out.read_text())
+    args = parse_args(["train", *flags])
+    blocks = check_sizes(args, resolve_schedule(args))
+    one = train("zb-h1", 2, 4, steps=3, model=model_config(args, blocks),
+                run=run_config(args, max_grad_norm=0.05, post_validation=True, check_grads=False),
+                options=TrainOptions(devices=jax.devices()[:2]))
+    assert [s["loss"] for s in run["steps"]] == pytest.approx(one.losses, rel=0, abs=1e-6)
+    guards, expected = run["config"]["guard_reports"], one.config["guard_reports"]
+    assert [g["global_norm"] for g in guards] == pytest.approx([g["global_norm"] for g in expected], rel=1e-6)
+    assert all(g["clipped"] for g in guards) and all(g["rolled_back"] for g in guards)  # 0.05: every step
+    assert run["test_loss"] == pytest.approx(one.test_loss, rel=0, abs=1e-6)
+
+
 def test_a_dying_process_is_named_and_every_child_ends(untimed_children, monkeypatch):
     pids: list[int] = []
     t0 = time.monotonic()
@@ -134,8 +164,8 @@ def test_more_processes_than_ranks_is_refused_before_starting(capsys):
 def test_flags_launch_cannot_honour_are_refused_before_starting(capsys):
     from zbpp_lite.cli import main
 
-    assert main(["launch", "--processes", "2", "--", "train", "--schedule", "1f1b", *TINY, "--max-grad-norm", "1", "--post-validation"]) == 2
-    assert "--max-grad-norm is not supported there" in capsys.readouterr().err
+    assert main(["launch", "--processes", "2", "--", "train", "--schedule", "1f1b", *TINY, "--ranks-as", "threads"]) == 2
+    assert "--ranks-as threads is not supported there" in capsys.readouterr().err
     assert main(["launch", "--processes", "2", "--", "train", "--schedule", "1f1b", *TINY, "--platform", "cpu"]) == 2
     assert "--platform is not supported there" in capsys.readouterr().err
 

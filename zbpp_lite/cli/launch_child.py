@@ -88,13 +88,15 @@ def device_name(device) -> str:
 
 def train_steps(schedule: Schedule, args, blocks: int, devices: Sequence[Any], on_step=None):
     """:func:`~zbpp_lite.training.train.train_steps` on a :func:`process_executor`: every process holds
-    all parameters and applies the same AdamW update to the gathered gradients (no final gather).
+    all parameters and applies the same AdamW update to the gathered gradients (no final gather); clipped
+    (``--max-grad-norm``), the rank threads step their own stages and every process gathers the others'
+    after each step.
     Returns a :class:`~zbpp_lite.training.train.TrainResult` whose config names the process count."""
     config = model_config(args, blocks)
     model = StagedModel(build_parts(config), schedule.num_stages)
     executor = process_executor(model, schedule, devices, timeout=join_settings()["timeout"] or 60.0)
-    result = train_steps_of(executor, args.steps, config, run_config(args), home=jax.local_devices()[0],
-                            on_step=on_step)
+    run = run_config(args, max_grad_norm=args.max_grad_norm, post_validation=args.post_validation)
+    result = train_steps_of(executor, args.steps, config, run, home=jax.local_devices()[0], on_step=on_step)
     result.config["processes"] = jax.process_count()
     return result
 

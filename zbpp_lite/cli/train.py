@@ -283,14 +283,13 @@ def check_sizes(args, schedule) -> int:
 
 def check_launchable(args) -> None:
     """Train options ``launch`` cannot honour, refused with the flags named (CliError)."""
-    unsupported = [flag for flag, on in (("--max-grad-norm", args.max_grad_norm is not None),
-                                          ("--init", bool(args.init)),
+    unsupported = [flag for flag, on in (("--init", bool(args.init)),
                                           ("--platform", getattr(args, "platform", None) is not None),
                                           ("--threads", getattr(args, "threads", False)),
                                           ("--ranks-as threads",
                                            getattr(args, "ranks_as", None) == "threads")) if on]
     if unsupported:
-        raise CliError(f"launch trains plain AdamW from the model's own init on the processes' CPU devices, "
+        raise CliError(f"launch trains from the model's own init on the processes' CPU devices, "
                        f"a process per rank: {', '.join(unsupported)} is not supported there (drop it, or "
                        "run train in one process)")
 

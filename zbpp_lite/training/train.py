@@ -220,11 +220,12 @@ class ClippedAdamW:
             ranks of this process that did).
     """
 
-    def __init__(self, executor, params: list, run: RunConfig):
+    def __init__(self, executor, params: list, run: RunConfig, gather: Callable[[dict], dict] | None = None):
         config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
         policy = "post-validation" if run.post_validation else "synchronous"
         self.rank_update = StageOptimizer(executor, params, config, policy, run.max_grad_norm)
         self.model, self.params, self.reports = executor.model, list(params), []
+        self.gather = gather or (lambda stages: stages)
 
     def stage_params(self) -> dict[int, list]:
         """``{stage: [module pytree]}`` of the stages this process updates."""
@@ -234,17 +235,20 @@ class ClippedAdamW:
         """Nothing: compiled when made (as :class:`StageAdamW`'s, before the first timed step)."""
 
     def step(self, grads: list) -> None:
-        """After the run (``grads`` unused: the rank threads stepped): its report and parameters kept."""
+        """After the run (``grads`` unused: the rank threads stepped): its report and parameters kept (with
+        ``gather``, every process's stages: :meth:`~zbpp_lite.runtime.distributed._CrossProcess.gather`)."""
         self.reports += [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
                           "rolled_back": list(r.rolled_back)} for r in self.rank_update.reports]
-        self.params = with_stage_leaves(self.model, self.params, self.rank_update.params())
+        self.params = with_stage_leaves(self.model, self.params, self.gather(self.rank_update.params()))
 
 
 def stage_optimizer(executor, params: list, run: RunConfig, homes: dict) -> "StageAdamW | ClippedAdamW":
     """The run's optimizer on ``executor``'s stages from ``params`` (one pytree per module):
-    :class:`ClippedAdamW` with ``run.max_grad_norm``, else :class:`StageAdamW` on ``homes``."""
+    :class:`ClippedAdamW` with ``run.max_grad_norm`` (an executor of one process of several: gathering
+    the other processes' stages after each step, its transport's ``gather``), else :class:`StageAdamW` on
+    ``homes``."""
     if run.max_grad_norm is not None:
-        return ClippedAdamW(executor, params, run)
+        return ClippedAdamW(executor, params, run, getattr(executor.transport, "gather", None))
     return StageAdamW(params, run).place(executor.model, homes)
 
 
