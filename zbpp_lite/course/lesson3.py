@@ -42,10 +42,10 @@ def zb_h1_makespan(answer: Any) -> Verdict:
 
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:
-    """Exercise 3.2: ``peak(p, m, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B for m >= 2p,
-    with M_W = ``mem_w`` M_B; checked for p = 2..6, m = 2p, 2p + 1, 3p, every rank, M_W from 0.25 to 2
-    (above 1 a B raises the memory, as for lesson 2's MLP, and the peak moves)."""
-    cases = {(p, m, mw) for p in (2, 3, 4, 5, 6) for m in (2 * p, 2 * p + 1, 3 * p)
+    """Exercise 3.2: ``peak(p, m, r, mem_w)``, ZB-H2's peak activation memory on rank r in M_B for
+    m >= 2p - 1, with M_W = ``mem_w`` M_B; checked for p = 2..6, m = 2p - 1, 2p, 3p, every rank, M_W from
+    0.25 to 2 (above 1 a B raises the memory, as for lesson 2's MLP, and the peak moves)."""
+    cases = {(p, m, mw) for p in (2, 3, 4, 5, 6) for m in (2 * p - 1, 2 * p, 3 * p)
              for mw in (0.25, 0.5, 1.0, 1.25, 2.0)}
     peaks = {c: simulate(build_schedule("zb-h2", c[0], c[1]), Costs(mem_w=c[2])).peak_memory for c in cases}
     points = [(p, m, r, mw) for p, m, mw in sorted(cases) for r in range(p)]
@@ -56,12 +56,12 @@ def zb_h2_peak_memory(fn: Any) -> Verdict:
 
 def zb_h2_bubble(fn: Any) -> Verdict:
     """Exercise 3.3: a function ``bubble(p, m, f, b, w)``: ZB-H2's makespan minus m(T_F+T_B+T_W),
-    T_comm = 0, m >= 2p, for every T_F, T_B and T_W (the lesson's form, clipped at zero, holds unless
+    T_comm = 0, m >= 2p - 1, for every T_F, T_B and T_W (the lesson's form, clipped at zero, holds unless
     T_B > T_F and T_W > T_F both); compared with the simulator at points with T_F != T_B, two with both.
     The clipped form copied gets its own message."""
     points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
-              (2, 4, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 7, 1.5, 1.0, 2.5), (4, 9, 0.5, 1.5, 0.25),
-              (5, 11, 1.2, 1.5, 0.8)]
+              (2, 3, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 5, 1.5, 1.0, 2.5), (4, 9, 0.5, 1.5, 0.25),
+              (5, 9, 1.2, 1.5, 0.8)]
     return _function_check(
         "3.3", fn, points,
         lambda p, m, f, b, w: (simulate(build_schedule("zb-h2", p, m), Costs(f=f, b=b, w=w)).makespan
