@@ -86,9 +86,11 @@ class TrainResult:
         }
 
     @classmethod
-    def of(cls, schedule: Schedule, losses: list, timelines: list, seconds: list, params: Any,
-           errors: tuple, tested: tuple, config: dict) -> "TrainResult":
-        """From the steps, the check's ``errors`` and ``tested`` (test loss, accuracy)."""
+    def of(cls, schedule: Schedule, steps: tuple[list, list, list], params: Any, errors: tuple, tested: tuple,
+           config: dict) -> "TrainResult":
+        """From the ``steps`` (per step: loss, measured Timeline, seconds), the check's ``errors`` and
+        ``tested`` (test loss, accuracy)."""
+        losses, timelines, seconds = steps
         measured = pick_measured(timelines)
         costs = measured_costs(measured, schedule.num_stages)
         return cls(schedule, losses, tested[1], tested[0], errors[0], errors[1], measured, costs,
@@ -317,7 +319,7 @@ def train_steps(executor, steps: int, config: ModelConfig, run: RunConfig, *, ho
     devices = [str(dev) for dev in executor.devices]
     settings = {**settings_json(config, run), **data_json(data), "devices": devices,
                 **guard_json(run, getattr(optimizer, "reports", []))}
-    result = TrainResult.of(sched, losses, timelines, seconds, final, errors, tested, settings)
+    result = TrainResult.of(sched, (losses, timelines, seconds), final, errors, tested, settings)
     result.validation = curve + [(steps, result.test_loss)] if curve else []
     return result
 

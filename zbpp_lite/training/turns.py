@@ -422,7 +422,7 @@ class _Finish:
                     "processes": "one per rank, pinned", "parts": [list(stage) for stage in staged.parts],
                     **guard_json(run, rec.guard)}
         errors = (grad_error, loss_error)
-        result = TrainResult.of(schedule, rec.losses, rec.timelines, rec.seconds, final, errors, tested,
+        result = TrainResult.of(schedule, (rec.losses, rec.timelines, rec.seconds), final, errors, tested,
                                 settings)
         if run.eval_every > 0:
             if self.initial_loss is None:
