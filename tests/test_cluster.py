@@ -108,7 +108,7 @@ def test_ordinary_errors_are_not_taken_for_runtime_failures():
     (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1"),
     (["--coordinator", "127.0.0.1:1234", "--num-processes", "3", "--process-id", "0"], "3 processes for 2 ranks"),
     (["--transfer-address", "127.0.0.2:5000"], "--transfer-address needs --coordinator"),
-    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0", "--max-grad-norm", "1"], "--max-grad-norm is not supported"),
+    (["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0", "--platform", "cpu"], "--platform is not supported"),
 ])
 def test_bad_join_flags_are_refused_in_one_line_before_starting(flags, message, capsys, monkeypatch):
     from zbpp_lite.cli import main
