@@ -354,18 +354,17 @@ class _CrossProcess(Threads):
         moved = jax.device_put(placeholder, single(self.staging[self.process])).addressable_data(0)
         super().send(step, send.peer, Transfer(*send.key), moved)
 
-    def gather(self, stage_leaves: dict) -> dict:
-        """``{stage: leaves}`` of every process, from this process's (the stages its ranks updated), through
-        the key-value store: a clipped run's parameters after a step (stepped in the rank threads, so each
+    def gather(self, value: Any) -> list:
+        """Every process's ``value`` (:func:`_exchange`'s kinds), in process order, through the key-value
+        store: a clipped run's stages and rolled-back ranks after a step (stepped in the rank threads, so each
         process holds only its own), the model's bytes a step. Every process calls it at the same points;
         process 0 deletes the previous call's keys once it has read every process's of this one (each
         process published this one after reading all of the previous). Raises as :func:`_exchange`."""
         number, self.gathers = self.gathers, self.gathers + 1
-        mine = [[s, [np.asarray(x) for x in leaves]] for s, leaves in sorted(stage_leaves.items())]
-        shares = _exchange(f"zbpp/gather{number}", mine, self.process, self.num_processes, self.timeout)
+        shares = _exchange(f"zbpp/gather{number}", value, self.process, self.num_processes, self.timeout)
         if self.process == 0 and number > 0:
             _client().key_value_delete(f"zbpp/gather{number - 1}")
-        return {int(s): list(leaves) for share in shares for s, leaves in share}
+        return shares
 
     def finish(self, results: list) -> list:
         """Every process's losses, gradients, events and tie sums, through the key-value store."""

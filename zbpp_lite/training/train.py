@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from ..analysis.profiling.device import stage_memory_bytes
@@ -217,17 +218,18 @@ class ClippedAdamW:
     partial norm and validates at the step's end, rolling a wrong step back and redoing it.
 
     Attributes:
-        params: one pytree per model module, this process's stages updated after every step.
+        params: one pytree per model module, every stage updated after every step (those of other
+            processes through ``gather``).
         reports: per step, ``{"global_norm", "clipped", "skipped", "rolled_back"}`` (rolled back: the
-            ranks of this process that did).
+            ranks that did, of every process).
     """
 
-    def __init__(self, executor, params: list, run: RunConfig, gather: Callable[[dict], dict] | None = None):
+    def __init__(self, executor, params: list, run: RunConfig, gather: Callable[[Any], list] | None = None):
         config = rollback.AdamWConfig(learning_rate=run.lr, weight_decay=run.weight_decay)
         policy = "post-validation" if run.post_validation else "synchronous"
         self.rank_update = StageOptimizer(executor, params, config, policy, run.max_grad_norm)
         self.model, self.params, self.reports = executor.model, list(params), []
-        self.gather = gather or (lambda stages: stages)
+        self.gather = gather
 
     def stage_params(self) -> dict[int, list]:
         """``{stage: [module pytree]}`` of the stages this process updates."""
@@ -237,11 +239,20 @@ class ClippedAdamW:
         """Nothing: compiled when made (as :class:`StageAdamW`'s, before the first timed step)."""
 
     def step(self, grads: list) -> None:
-        """After the run (``grads`` unused: the rank threads stepped): its report and parameters kept (with
-        ``gather``, every process's stages: :meth:`~zbpp_lite.runtime.distributed._CrossProcess.gather`)."""
+        """After the run (``grads`` unused: the rank threads stepped): its reports and parameters kept; with
+        ``gather`` (:meth:`~zbpp_lite.runtime.distributed._CrossProcess.gather`), every process's stages and
+        rolled-back ranks."""
+        reports, stages = self.rank_update.reports, self.rank_update.params()
+        rolled = [list(r.rolled_back) for r in reports]
+        if self.gather is not None:
+            mine = [[s, [np.asarray(x) for x in leaves]] for s, leaves in stages.items()]
+            shares = self.gather({"stages": mine, "rolled_back": rolled})
+            stages = {int(s): list(leaves) for share in shares for s, leaves in share["stages"]}
+            rolled = [sorted({q for share in shares for q in share["rolled_back"][i]})
+                      for i in range(len(rolled))]
         self.reports += [{"global_norm": r.global_norm, "clipped": r.clipped, "skipped": not r.finite,
-                          "rolled_back": list(r.rolled_back)} for r in self.rank_update.reports]
-        self.params = with_stage_leaves(self.model, self.params, self.gather(self.rank_update.params()))
+                          "rolled_back": back} for r, back in zip(reports, rolled, strict=True)]
+        self.params = with_stage_leaves(self.model, self.params, stages)
 
 
 def stage_optimizer(executor, params: list, run: RunConfig, homes: dict) -> "StageAdamW | ClippedAdamW":
