@@ -260,7 +260,7 @@ class _CrossProcess(Threads):
         self.sent: list = []  # (value, moved) of sends that may still read their buffers
         self.failure: BaseException | None = None  # why the transfer thread stopped
         self.origin = 0.0  # time.perf_counter() as the steps started together (:meth:`start`)
-        self.gathers = 0  # calls of :meth:`gather` so far
+        self.finished = -1  # the number of the last step :meth:`finish` gathered
 
     def send(self, step: int, rank: int, key, value) -> None:
         if rank in self.local:
@@ -357,14 +357,11 @@ class _CrossProcess(Threads):
     def gather(self, value: Any) -> list:
         """Every process's ``value`` (:func:`_exchange`'s kinds), in process order, through the key-value
         store: a clipped run's stages and rolled-back ranks after a step (stepped in the rank threads, so each
-        process holds only its own), the model's bytes a step. Every process calls it at the same points;
-        process 0 deletes the previous call's keys once it has read every process's of this one (each
-        process published this one after reading all of the previous). Raises as :func:`_exchange`."""
-        number, self.gathers = self.gathers, self.gathers + 1
-        shares = _exchange(f"zbpp/gather{number}", value, self.process, self.num_processes, self.timeout)
-        if self.process == 0 and number > 0:
-            _client().key_value_delete(f"zbpp/gather{number - 1}")
-        return shares
+        process holds only its own), the model's bytes a step. Every process calls it once after each
+        :meth:`finish`; its keys are under that step's prefix, so :func:`_forget_before` deletes them with the
+        step's results. Raises as :func:`_exchange`."""
+        return _exchange(f"zbpp/step{self.finished}/gather", value, self.process, self.num_processes,
+                         self.timeout)
 
     def finish(self, results: list) -> list:
         """Every process's losses, gradients, events and tie sums, through the key-value store."""
@@ -389,6 +386,7 @@ class _CrossProcess(Threads):
                                self.timeout)
             if self.process == 0:
                 _forget_before(number)
+            self.finished = number
             losses_by_mb, grads, events, ties = {}, [None] * S, [], []
             for share in shares:
                 losses_by_mb.update((int(j), v) for j, v in share["losses"])
@@ -453,7 +451,8 @@ def _forget_before(number: int) -> None:
     """Delete the key-value store's keys of steps before ``number`` and step ``number``'s transfer notices,
     start roll call and messages, once process 0 holds every process's results of step ``number``: each
     process published those after its transfers and messages of the step ended and after reading every
-    result of the step before, so no process reads these keys again. The store then keeps one step's results,
+    result (and, clipped, every :meth:`_CrossProcess.gather` share) of the step before, so no process reads
+    these keys again. The store then keeps one step's results,
     however many steps run."""
     client = _client()
     for done in ("ready", "go", "message"):

@@ -282,7 +282,6 @@ class Runs:
         except _Abandoned:
             result = None
         except _Rejoined as same:
-            self.simulated += engine.total - engine.left
             self.rejoined += 1
             rec = same.record  # this run from here on: its own warm-up answers, then rec's
             self.records.append(replace(rec, rules=rules, cap_yes=tuple(engine.cap_yes),
@@ -290,7 +289,8 @@ class Runs:
             if rec.plan is not None:
                 return replace(rec.plan, rules=rules)
             return None  # the earlier run was abandoned under a cutoff this one meets too (_rejoin)
-        self.simulated += engine.total - engine.left
+        finally:
+            self.simulated += engine.total - engine.left  # in full, abandoned or rejoined
         self.records.append(
             _Record(rules, result, tuple(engine.cap_yes), tuple(engine.cap_no),
                     max(engine.bound, engine.chain), engine.max_peak, engine.fill_matters, engine.warm_state)
@@ -546,7 +546,7 @@ class _Greedy:
                     self.chain = chain
                     grew = True
             # the cutoff only grows more certain as bound and peak grow: checked when they do (and at first)
-            if (grew or self.left == 3 * self.S * self.m - 1) and self.meets(
+            if (grew or self.left == self.total - 1) and self.meets(
                     stop, max(self.bound, self.chain), max(self.max_peak, self.peak_floor), self.slack):
                 raise _Abandoned
         if kind == "B" and self.warm_left == 0 and self.warm_state is None and self.at_warm_end is not None:
