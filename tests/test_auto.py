@@ -209,7 +209,7 @@ def test_the_planners_give_the_plans_of_the_search_that_ran_every_greedy_run_to_
 
 def test_runs_start_no_run_once_their_effort_in_actions_is_spent():
     from zbpp_lite.schedules.builders.greedy import Runs
-    from zbpp_lite.schedules.builders.zb_v import v_limits
+    from zbpp_lite.schedules.builders.zero_bubble_v import v_limits
     from zbpp_lite.schedules.ir import v_placement
 
     p, m = 4, 8
@@ -231,7 +231,7 @@ def test_runs_start_no_run_once_their_effort_in_actions_is_spent():
 
 def test_a_run_stops_once_it_cannot_win_and_a_run_whose_caps_never_bind_is_not_repeated():
     from zbpp_lite.schedules.builders.greedy import Cutoff, Runs
-    from zbpp_lite.schedules.builders.zb_v import v_limits
+    from zbpp_lite.schedules.builders.zero_bubble_v import v_limits
     from zbpp_lite.schedules.ir import v_placement
 
     p, m = 8, 16
@@ -267,7 +267,7 @@ def test_a_fill_partial_that_changed_no_answer_is_not_run_again_and_the_last_mic
     from dataclasses import replace
 
     from zbpp_lite.schedules.builders.greedy import Cutoff, Runs, _Abandoned, _Greedy
-    from zbpp_lite.schedules.builders.zb_v import v_limits
+    from zbpp_lite.schedules.builders.zero_bubble_v import v_limits
     from zbpp_lite.schedules.ir import v_placement
 
     p, m, order = 8, 16, (("B", 1), ("B", 0), ("F", 1), ("F", 0))
@@ -315,7 +315,7 @@ def test_a_fill_partial_that_changed_no_answer_is_not_run_again_and_the_last_mic
 
 def test_a_floor_on_peak_memory_stops_a_run_that_cannot_win_at_its_first_action():
     from zbpp_lite.schedules.builders.greedy import Cutoff, Runs, _Abandoned, _Greedy
-    from zbpp_lite.schedules.builders.zb_v import V_ORDERS, search_v, v_limits
+    from zbpp_lite.schedules.builders.zero_bubble_v import V_ORDERS, search_v, v_limits
     from zbpp_lite.schedules.ir import v_placement
 
     # unit costs, zb-v's limit (p whole-rank M_B = 2p stage units): a zero-bubble plan keeps rank 0 busy
@@ -409,7 +409,7 @@ def _full_walk(engine, r, s, j):
 
 def test_the_memory_safety_check_walks_only_microbatches_still_needing_memory_and_answers_as_the_full_walk():
     from zbpp_lite.schedules.builders.greedy import _Greedy
-    from zbpp_lite.schedules.builders.zb_v import V_ORDERS, v_limits
+    from zbpp_lite.schedules.builders.zero_bubble_v import V_ORDERS, v_limits
     from zbpp_lite.schedules.ir import v_placement
 
     class Walked(dict):
@@ -445,7 +445,7 @@ def test_the_engines_plans_equal_those_of_the_memory_check_by_its_definition_on_
     import random
 
     from zbpp_lite.schedules.builders.greedy import _Greedy
-    from zbpp_lite.schedules.builders.zb_v import V_ORDERS
+    from zbpp_lite.schedules.builders.zero_bubble_v import V_ORDERS
     from zbpp_lite.schedules.ir import v_placement
 
     class Reference(_Greedy):
@@ -490,7 +490,7 @@ def test_stopping_never_changes_a_plan_on_random_small_problems():
     import random
 
     from zbpp_lite.schedules.builders.greedy import Cutoff, Runs, _better, _Greedy, rank_stage_memory
-    from zbpp_lite.schedules.builders.zb_v import V_ORDERS
+    from zbpp_lite.schedules.builders.zero_bubble_v import V_ORDERS
     from zbpp_lite.schedules.ir import v_placement
 
     class Probe(_Greedy):

@@ -18,7 +18,7 @@ import pytest
 
 import zbpp_lite as zb
 from zbpp_lite.schedules.builders.v_family import _tight_v, tight_v_block
-from zbpp_lite.schedules.builders.zb_v import NARROW_ABOVE, search_v, v_limits
+from zbpp_lite.schedules.builders.zero_bubble_v import NARROW_ABOVE, search_v, v_limits
 from zbpp_lite.schedules.ir import Schedule
 
 TABLE8 = zb.Costs(f=14.407, b=14.380, w=9.676, comm=1.610)  # per V stage, the paper's profiled setting
@@ -72,9 +72,8 @@ def test_zb_v_with_the_papers_profiled_costs_and_its_m_w_reaches_its_table_8_rat
 
 @pytest.mark.parametrize("p, m", [(4, 8), (8, 24), (5, 7)])
 def test_the_papers_v_heuristic_plans_the_simulated_times_within_the_limit_and_zb_v_keeps_the_shorter(p, m):
-    import importlib
+    from zbpp_lite.schedules.builders import zero_bubble_v as zb_v_module
 
-    zb_v_module = importlib.import_module("zbpp_lite.schedules.builders.zb_v")
     limits, table = zb_v_module.v_limits("zb-v", p, p, TABLE8, None)
     placement = zb.v_placement(p)
     heuristic = zb_v_module.paper_v(p, m, table, limits)
@@ -199,10 +198,7 @@ def test_v_mins_search_above_the_narrow_size_stops_at_the_blocks_makespan_and_pi
 
 def test_above_the_huge_size_the_v_search_starts_no_run_once_that_many_actions_are_simulated(monkeypatch):
     # planning at p = 256, m = 512 (786,432 actions) is capped so: HUGE_ABOVE made 100 here to test it small
-    import importlib
-
-    greedy = importlib.import_module("zbpp_lite.schedules.builders.greedy")
-    zb_v = importlib.import_module("zbpp_lite.schedules.builders.zb_v")  # the module, not the function
+    from zbpp_lite.schedules.builders import greedy, zero_bubble_v
     made = []
 
     class Recorded(greedy.Runs):
@@ -214,10 +210,10 @@ def test_above_the_huge_size_the_v_search_starts_no_run_once_that_many_actions_a
     limits, table = v_limits("v-half", (p + 2) // 2, p, zb.Costs(), None)
     placement = zb.v_placement(p)
     actions = 3 * len(placement) * m
-    monkeypatch.setattr(zb_v, "Runs", Recorded)
+    monkeypatch.setattr(zero_bubble_v, "Runs", Recorded)
     full = search_v(placement, m, table, limits)
     assert made[-1].effort == float("inf") and made[-1].greedy_runs > 2
-    monkeypatch.setattr(zb_v, "HUGE_ABOVE", 100)
+    monkeypatch.setattr(zero_bubble_v, "HUGE_ABOVE", 100)
     capped = search_v(placement, m, table, limits)
     runs = made[-1]
     assert runs.effort == 100 and runs.skipped > 0 and runs.greedy_runs >= 1

@@ -8,7 +8,7 @@ from .one_f_one_b import one_f_one_b
 from .registry import SCHEDULES, build_schedule, lookup, options_of, register
 from .v_family import v_half, v_min
 from .zero_bubble_h import zb_h1, zb_h2
-from .zb_v import zb_v
+from .zero_bubble_v import zb_v
 
 register("gpipe", gpipe)
 register("1f1b", one_f_one_b)

@@ -27,7 +27,7 @@ from ..validate import ScheduleError, validate
 from ._common import check_sizes
 from .auto import search_one_stage
 from .greedy import per_rank_limits, rank_stage_memory
-from .zb_v import search_v
+from .zero_bubble_v import search_v
 
 _KINDS = ("F", "B", "W")
 

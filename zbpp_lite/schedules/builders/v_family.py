@@ -5,7 +5,7 @@ V-Min, V-Half, V-ZB keep (p+4)//3, (p+2)//2 and p whole-rank M_B (one microbatch
 1F1B: p); with T_F = T_B = T_W their bubble rates are about 2p/(3m), p/(2m) and 0 (1F1B: p/m).
 v-half is zb-v's greedy scheduler under (p+2)//2 units; v-min the shorter of that under (p+4)//3 units and
 the tight V block, whichever fits (the search looking only for plans shorter than the block above
-``zb_v.NARROW_ABOVE`` actions: ``search_v``'s ``longest``).
+``zero_bubble_v.NARROW_ABOVE`` actions: ``search_v``'s ``longest``).
 
 Tight V block: the forward runs down and up the V with no gap, the backward straight back, each W in the
 first free slot after its B; offsets are kept modulo the period (a rank's work per microbatch), moved later
@@ -22,7 +22,7 @@ from ..ir import Action, Schedule, v_placement
 from ..memory import MemoryPlan, order_peaks
 from ..simulate import simulate
 from ._common import check_sizes
-from .zb_v import search_v, v_limits
+from .zero_bubble_v import search_v, v_limits
 
 
 def v_half(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) -> Schedule:
@@ -44,10 +44,10 @@ def v_min(num_ranks: int, num_microbatches: int, *, costs: Costs | None = None) 
 
     Measured (T_F = T_B = T_W, T_comm = 0, either M_W): bubble rate 0.170 at p = 16, m = 48 (paper's
     2p/(3m): 0.222). Where the tight block does not fit the limit, the greedy plan is used. Where it fits,
-    the search is handed a bound on its makespan from its planned times (:func:`~.zb_v.search_v`'s
-    ``longest``): above :data:`~.zb_v.NARROW_ABOVE` actions runs longer stop, and a block that wins is
-    not simulated here. Raises ValueError: sizes below 1 or costs with the wrong number of per-stage
-    values."""
+    the search is handed a bound on its makespan from its planned times
+    (:func:`~.zero_bubble_v.search_v`'s ``longest``): above :data:`~.zero_bubble_v.NARROW_ABOVE` actions
+    runs longer stop, and a block that wins is not simulated here. Raises ValueError: sizes below 1 or
+    costs with the wrong number of per-stage values."""
     check_sizes("v-min", num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     costs = costs or Costs()
