@@ -200,6 +200,42 @@ def test_the_optimizers_instructions_validate_and_show_the_synchronisation_bubbl
             getattr(x, "kind", "F") == "F" for x in row[:at] if not isinstance(x, (Send, Recv)))), (name, r)
 
 
+def test_tied_weights_gradient_sums_are_instructions_the_validator_checks_and_the_simulator_times():
+    """A tie across ranks (GPT-2's embedding and head under 1F1B) and one on a single rank (both ends on
+    rank 0 under the V): each holding rank sums its copies (TIE), sends that share to the tie's other
+    ranks, receives theirs and adds them (TIE_TOTAL), before the optimizer's instructions."""
+    from zbpp_lite.schedules.program import Optimize, OptimizerMessage, tie_instructions
+
+    s = zb.build_schedule("1f1b", 2, 4)
+    program = zb.validate(lower(s, "synchronous", ties=((0, 1), (1,))))
+    tie0 = [Optimize("TIE"), Send(OptimizerMessage("TIE0", 0), 1), Recv(OptimizerMessage("TIE0", 1), 1),
+            Optimize("TIE_TOTAL")]
+    rank0 = list(program.instructions[0])
+    at = rank0.index(Optimize("TIE"))
+    assert rank0[at:at + 4] == tie0 and rank0[at + 4] == Optimize("NORM")  # the ties, then the optimizer
+    assert all(isinstance(x, (Action, Send, Recv)) for x in rank0[:at])  # after the rank's last compute
+    assert [x.text for x in program.instructions[1] if type(x) is Optimize][:2] == ["TIE", "TIE_TOTAL"]
+    costs = zb.Costs(f=1.3, b=1.1, w=0.7, comm=0.3)
+    t, plain = zb.simulate(program, costs), zb.simulate(lower(s, "synchronous"), costs)
+    assert t.makespan == plain.makespan and t.busy == plain.busy  # instants in the cost model
+    ties = sorted((e.rank, e.action.kind) for e in t.events if e.action.kind.startswith("TIE"))
+    assert ties == [(0, "TIE"), (0, "TIE_TOTAL"), (1, "TIE"), (1, "TIE_TOTAL")]
+    on_one = lower(zb.build_schedule("zb-v", 2, 4), ties=((0,),)).instructions  # the V: both ends on rank 0
+    assert on_one[0][-2:] == (Optimize("TIE"), Optimize("TIE_TOTAL")) and Optimize("TIE") not in on_one[1]
+
+    def edited(edit, rank=0):
+        rows = list(program.instructions)
+        rows[rank] = tuple(edit(list(rows[rank])))
+        return Program(tuple(rows), program.placement, 4)
+
+    with pytest.raises(zb.ScheduleError, match=r"comes before the rank's TIE; rule: send a message after"):
+        zb.validate(edited(lambda row: row[:at] + [row[at + 1], row[at]] + row[at + 2:]))
+    with pytest.raises(zb.ScheduleError, match=r"SEND_TIE00>1\] has no matching RECV on rank 1"):
+        zb.validate(edited(lambda row: [x for x in row if x != Recv(OptimizerMessage("TIE0", 0), 0)], rank=1))
+    with pytest.raises(ValueError, match=r"ties name ranks \[\(0, 2\)\]; the program has ranks 0 \.\. 1"):
+        tie_instructions(lower(s), [(2, 0)])
+
+
 def test_a_misplaced_optimizer_instruction_is_named_in_one_line():
     from zbpp_lite.schedules.program import Optimize, OptimizerMessage
 
@@ -216,7 +252,7 @@ def test_a_misplaced_optimizer_instruction_is_named_in_one_line():
         zb.validate(edited(lambda row: [norm] + [x for x in row if x != norm]))
     with pytest.raises(zb.ScheduleError, match=r"SEND_NORM0>1\] has no matching RECV on rank 1"):
         zb.validate(edited(lambda row: [x for x in row if x != Recv(OptimizerMessage("NORM", 0), 0)], rank=1))
-    with pytest.raises(zb.ScheduleError, match=r"comes before the rank's NORM; rule: send a norm after"):
+    with pytest.raises(zb.ScheduleError, match=r"comes before the rank's NORM; rule: send a message after"):
         zb.validate(edited(lambda row: row[:-4] + row[-3:-2] + row[-4:-3] + row[-2:]))
     with pytest.raises(zb.ScheduleError, match=r"STEP \[STEP\] comes twice"):
         zb.validate(edited(lambda row: row + [Optimize("STEP")]))

@@ -241,7 +241,7 @@ class _CrossProcess(Threads):
     process's into the step's outbox, which the transfer thread (:meth:`start`) drains in
     :func:`transfer_plan`'s order, putting what it receives into the inboxes; an
     :class:`~zbpp_lite.runtime.transport.OptimizerMessage` for another process's rank (a tied parameter's
-    partial gradient sum, ``TIE{t}``: ``step.Compute.sum_ties``) goes through the key-value store in
+    partial gradient sum, ``TIE{t}``: the program's ``TIE``) goes through the key-value store in
     :mod:`~zbpp_lite.runtime.wire`'s format; :meth:`finish` gathers the results. ``devices``: one global
     device per rank; ``inputs()``: every stage's input shapes."""
 

@@ -38,7 +38,7 @@ from .step import Compute, RankUpdate, Step, StepResult, bind, placed, redo, wai
 from .transport import Aborted, Threads, Transfer, Transport
 from ..schedules.ir import KINDS, Action, Key, Overlap, Schedule, parts
 from ..schedules.program import (Optimize, OptimizerMessage, Recv, Send, consumer_stage, lower,
-    optimizer_places)
+    validation_slice)
 from ..schedules.timeline import Event
 from ..schedules.validate import validate
 
@@ -98,14 +98,14 @@ class PipelineExecutor:
             raise ValueError(f"give one device per rank: {len(ranks)} ranks to run, got {len(devices)} "
                              "devices")
         self.model, self.schedule, self.timeout = model, schedule, timeout
-        self.ranks, self.program = ranks, lower(schedule)
+        self.compute = Compute(model, schedule.placement)  # the compute handlers and their spares
+        self.ranks, self.program = ranks, lower(schedule, ties=self.compute.tie_ranks)
         self.transport: Transport = Threads() if transport is None else transport
         self.record_memory = record_memory
         self._on = on = dict(zip(ranks, devices))
         self.stage_devices = [on.get(r) for r in schedule.placement]  # None: a stage run elsewhere
         self.local_stages = [s for s, r in enumerate(schedule.placement) if r in on]
         self._steps_begun = 0  # steps numbered so far: the transport's step numbers
-        self.compute = Compute(model, schedule.placement)  # the compute handlers and their spares
         self._bindings = {(kind, s): bind(kind, s, schedule.placement)
                           for kind in KINDS for s in range(schedule.num_stages)}
         self._run = {Action: self._entry, Overlap: self._entry, Send: self._send, Recv: self._recv,
@@ -213,7 +213,7 @@ class PipelineExecutor:
         """The lowered program with ``update``'s optimizer instructions (lowered once per policy)."""
         how = None if update is None else (update.policy, update.speculative)
         if how not in self._lowered:
-            self._lowered[how] = lower(self.schedule, *how)
+            self._lowered[how] = lower(self.schedule, *how, ties=self.compute.tie_ranks)
             self._waiters.update(waiters(self._lowered[how]))
         return self._lowered[how]
 
@@ -266,20 +266,16 @@ class PipelineExecutor:
             raise TimeoutError("; ".join(str(e[2]) for e in timeouts)) from timeouts[0][2]
 
     def _rank_steps(self, rank: int, steps: list, errors: list) -> None:
-        """Rank ``rank``'s thread: :meth:`_walk` each step's instructions, tied weights summed between its
-        compute and its optimizer step (the first step validating none before it; the last step
-        validated after it)."""
+        """Rank ``rank``'s thread: :meth:`_walk` each step's instructions (the first step validating none
+        before it; the last step validated after it)."""
         stages = list(self.schedule.stages_of(rank))
         try:
             for step in steps:
                 for s in stages if step.update is not None else ():
                     step.params[s] = step.update.stage_params(s)
                 row = step.program.instructions[rank]
-                head, tail = optimizer_places(row) if step.update is not None else (slice(0, 0), len(row))
-                first = row[:tail] if step.previous else row[:head.start] + row[head.stop:tail]
-                self._walk(rank, step, first)
-                self.compute.sum_ties(step, rank)
-                self._walk(rank, step, row[tail:])
+                head = validation_slice(row)  # none before the first step: what it checks ran in no step
+                self._walk(rank, step, row if step.previous else row[:head.start] + row[head.stop:])
                 if head.stop and step is steps[-1]:  # its own check: its full norm came in it, no redo
                     closing = [dataclasses.replace(x, earlier=0) if type(x) is Recv else x for x in row[head]]
                     self._walk(rank, dataclasses.replace(step, previous=None), closing)
@@ -332,7 +328,11 @@ class PipelineExecutor:
         hands back the rank's instructions before the validation, run again on the rolled-back
         parameters."""
         update, got = step.update, step.messages.setdefault(rank, {})
-        if x.op in ("NORM", "STEP"):
+        if x.op == "TIE":
+            got.update(self.compute.tie_shares(step, rank))
+        elif x.op == "TIE_TOTAL":
+            self.compute.tie_totals(step, rank, got)
+        elif x.op in ("NORM", "STEP"):
             grads = {s: step.acc[s] for s in self.schedule.stages_of(rank)}
             if x.op == "NORM":
                 got.update(update.norm(rank, step.number, grads, got))
@@ -343,7 +343,7 @@ class PipelineExecutor:
         elif update.rollback(rank) and step.previous is not None:
             redo(step, rank, list(self.schedule.stages_of(rank)))
             row = step.program.instructions[rank]
-            return row[:optimizer_places(row)[0].start]
+            return row[:validation_slice(row).start]
         return None
 
     def _send(self, step: Step, rank: int, send: Send) -> None:

@@ -22,7 +22,8 @@ from .split import sum_dtype
 from .stages import Params
 from .transport import Transfer
 from ..schedules.ir import Action, Key
-from ..schedules.program import OptimizerMessage, Program, Recv, Send, consumer_stage, producer_stage
+from ..schedules.program import (OptimizerMessage, Program, Recv, Send, consumer_stage, producer_stage,
+    tie_message)
 from ..schedules.timeline import Event, Timeline
 
 
@@ -106,6 +107,7 @@ class Step:
     messages: dict = field(default_factory=dict)  # rank -> {OptimizerMessage: value} made or received
     discarded: list = field(default_factory=list)  # events of actions redone after a rollback
     tie_sums: list = field(default_factory=list)  # TieSum per rank and tie (guarded by lock)
+    tie_started: dict = field(default_factory=dict)  # rank -> when its TIE began (its TieSums' start)
     memory: Any = field(default_factory=NoMemoryRecorder)  # MemoryRecorder: the bytes each rank keeps
     keys: dict = field(default_factory=dict)  # local stage -> per microbatch its dropout key ({}: no dropout)
     lock: threading.Lock = field(default_factory=threading.Lock)  # guards events, discarded and tie_sums
@@ -161,8 +163,9 @@ class Compute:
     among them) and returns :class:`Done`. Dead outputs (B's residuals once B or BW has run, B's output
     gradients once W has) are kept as ``spares``: the stage's next F / B writes into their memory
     (FlatStage's ``spare``). A stage belongs to one rank thread, so its spares need no lock. Before a
-    step, :meth:`prepare` compiles the stages for its microbatches' shape; after a rank's last compute,
-    :meth:`sum_ties` sums the tied weights' gradient copies across ranks.
+    step, :meth:`prepare` compiles the stages for its microbatches' shape. The program's ``TIE`` and
+    ``TIE_TOTAL`` (:func:`~zbpp_lite.schedules.program.tie_instructions`) call :meth:`tie_shares` and
+    :meth:`tie_totals`: the tied weights' gradient copies summed across ranks.
 
     Args:
         model: the :class:`~zbpp_lite.runtime.stages.StagedModel` (its ``stage_aux``, stage count).
@@ -171,6 +174,8 @@ class Compute:
 
     def __init__(self, model: Any, placement: Sequence[int]):
         self.model, self.placement = model, placement
+        # per tie (StagedModel.tied_leaves), the ranks holding its copies: lower's ties
+        self.tie_ranks = tuple(tuple(sorted({placement[s] for s, _ in c})) for c in model.tied_leaves())
         self.spares: dict = {}  # ("res" | "grads", stage) -> dead outputs whose memory F / B reuse
         self.spares_for: Any = None  # the microbatch shape the spares have
         self._prepared: dict = {}  # prepare's: (x, y shapes and dtypes, no key?) -> (splits, input shapes)
@@ -280,35 +285,40 @@ class Compute:
         return Done((dx, step.acc[s]), dx if s else None)
 
     def _warm_ties(self, params: list, devices: Sequence[Any]) -> None:
-        """Compile :meth:`sum_ties`' addition for each copy on a stage run here, so no step compiles it."""
+        """Compile :meth:`tie_totals`' addition for each copy on a stage run here, so no step compiles it."""
         for s, i in (c for copies in self.model.tied_leaves() for c in copies if devices[c[0]] is not None):
             leaf = params[s][i]
             zeros = jax.device_put(np.zeros(leaf.shape, sum_dtype(leaf.dtype)), devices[s])
             jax.block_until_ready(zeros + zeros)
 
-    def sum_ties(self, step: Step, rank: int) -> None:
-        """Tied weights: for each tie with a copy on ``rank``, send the sum of its copies here to the other
-        ranks holding copies, add theirs in rank order, and put the total into every copy here."""
-        for t, copies in enumerate(self.model.tied_leaves()):
-            mine = [(s, i) for s, i in copies if self.placement[s] == rank]
-            if not mine:
-                continue
-            start, ranks = time.perf_counter(), tuple(sorted({self.placement[s] for s, _ in copies}))
-            own = functools.reduce(operator.add, [step.acc[s][i] for s, i in mine])
-            for q in ranks:
-                if q != rank:
-                    step.transport.send(step.index, q, OptimizerMessage(f"TIE{t}", rank), own)
+    def _mine(self, rank: int) -> list:
+        """(tie, its copies (stage, leaf) on ``rank``) for each tie with a copy here."""
+        here = [(t, [(s, i) for s, i in copies if self.placement[s] == rank])
+                for t, copies in enumerate(self.model.tied_leaves())]
+        return [(t, mine) for t, mine in here if mine]
+
+    def tie_shares(self, step: Step, rank: int) -> dict:
+        """``TIE``: per tie with a copy on ``rank``, the sum of its copies here, as the rank's
+        :func:`~zbpp_lite.schedules.program.tie_message` (what it sends to the tie's other ranks)."""
+        step.tie_started[rank] = time.perf_counter()
+        return {tie_message(t, rank): functools.reduce(operator.add, [step.acc[s][i] for s, i in mine])
+                for t, mine in self._mine(rank)}
+
+    def tie_totals(self, step: Step, rank: int, got: dict) -> None:
+        """``TIE_TOTAL``: per tie with a copy on ``rank``, every holding rank's share (``got``: the rank's
+        own and those received) added in rank order, the same sum on every rank, put into each copy here;
+        one :class:`TieSum` per tie, from the rank's ``TIE``."""
+        for t, mine in self._mine(rank):
+            own, ranks = got[tie_message(t, rank)], self.tie_ranks[t]
             device = own.sharding  # the rank's one device, which holds every copy here
-            shares = [own if q == rank else jax.device_put(step.wait_for(
-                rank, OptimizerMessage(f"TIE{t}", q), f"the sum of tie {t}"), device) for q in ranks]
-            total = functools.reduce(operator.add, shares)
+            total = functools.reduce(operator.add, [own if q == rank else jax.device_put(
+                got[tie_message(t, q)], device) for q in ranks])
             for s, i in mine:
                 step.acc[s] = (*step.acc[s][:i], total, *step.acc[s][i + 1:])
             jax.block_until_ready(total)
             with step.lock:
-                step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, start - step.t0,
+                step.tie_sums.append(TieSum(rank, t, ranks, own.nbytes, step.tie_started[rank] - step.t0,
                                             time.perf_counter() - step.t0))
-
 
 def placed(tree: Any, device) -> Any:
     """``tree`` on ``device``, without a ``device_put`` when every leaf is already there."""

@@ -23,7 +23,9 @@ Where a run steps the optimizer in the rank loop, :func:`lower` with ``optimizer
 instructions too (:class:`Optimize` and sends and receives of an :class:`OptimizerMessage`, placed by
 :func:`optimizer_instructions`): each rank's gradient norm (``NORM``), the norms exchanged, its stages
 stepped (``STEP``) and, with post-validation (arXiv 2401.10241 section 4), the previous step checked
-against the full reduction (``VALIDATE``) and undone and redone if wrong (``ROLLBACK``).
+against the full reduction (``VALIDATE``) and undone and redone if wrong (``ROLLBACK``). With
+``ties=`` (a model's tied weights) the gradient copies' sums come before them (``TIE``, each copy's rank's
+share sent to the others', ``TIE_TOTAL``: :func:`tie_instructions`).
 
 Text form (PyTorch's): a send names the producing stage, ``"0SEND_F3"`` (stage 0's activation of
 microbatch 3); a receive the consuming stage, ``"1RECV_F3"`` (stage 1 receives it). PyTorch's
@@ -74,15 +76,25 @@ def destination(key: Key, placement: Sequence[int]) -> int | None:
 
 class OptimizerMessage(NamedTuple):
     """A host value the optimizer's instructions send (``tag``: "NORM" a rank's squared norm and NaN flag,
-    "PARTIAL" the sum over ranks 0 .. ``sender``, "FULL" the sum over all, ``TIE<t>`` a tie's gradient
-    sum) from rank ``sender``."""
+    "PARTIAL" the sum over ranks 0 .. ``sender``, "FULL" the sum over all, ``TIE<t>`` the sum of tie t's
+    gradient copies on the sender's rank: :func:`tie_message`) from rank ``sender``."""
 
     tag: str
     sender: int
 
 
-OPTIMIZER_OPS = ("NORM", "STEP", "VALIDATE", "ROLLBACK")
-"""What :class:`Optimize` does, in a step's order (module docstring)."""
+def tie_message(tie: int, sender: int) -> "OptimizerMessage":
+    """The message carrying rank ``sender``'s sum of tie ``tie``'s gradient copies (tag ``TIE<t>``)."""
+    return OptimizerMessage(f"TIE{tie}", sender)
+
+
+OPTIMIZER_OPS = ("TIE", "TIE_TOTAL", "NORM", "STEP", "VALIDATE", "ROLLBACK")
+"""What :class:`Optimize` does, in a step's order (module docstring); ``TIE`` and ``TIE_TOTAL`` sum tied
+weights' gradient copies (:func:`tie_instructions`), the others step the optimizer
+(:func:`optimizer_instructions`)."""
+
+TIE_OPS = ("TIE", "TIE_TOTAL")
+"""The :data:`OPTIMIZER_OPS` that sum tied weights' gradients, written with or without an optimizer."""
 
 POLICIES = ("plain", "synchronous", "post-validation")
 """How the optimizer's step is guarded (:func:`optimizer_instructions`)."""
@@ -90,7 +102,9 @@ POLICIES = ("plain", "synchronous", "post-validation")
 
 @dataclass(frozen=True, slots=True)
 class Optimize:
-    """An optimizer instruction of its rank (:data:`OPTIMIZER_OPS`): ``NORM`` the squared norm and NaN
+    """An optimizer instruction of its rank (:data:`OPTIMIZER_OPS`): ``TIE`` the sum of each tie's copies
+    on the rank (its ``TIE<t>`` messages), ``TIE_TOTAL`` every rank's sums added in rank order and written
+    into each copy (:func:`tie_instructions`); ``NORM`` the squared norm and NaN
     flag of its stages' gradients (added to the partial reduction received, with post-validation);
     ``STEP`` AdamW on its stages (post-validation: speculatively, unclipped; synchronous: clipped by the
     global norm, skipped on NaN); ``VALIDATE`` the previous step's speculative step checked against the
@@ -303,12 +317,15 @@ def routes(placement: Sequence[int]) -> dict[tuple[str, int], Route]:
     return table
 
 
-def lower(schedule: Schedule, optimizer: str | None = None, speculative: bool = True) -> Program:
+def lower(schedule: Schedule, optimizer: str | None = None, speculative: bool = True,
+          ties: Sequence[Sequence[int]] = ()) -> Program:
     """The schedule's program: each rank's entries in order, a :class:`Recv` right before the entry for
     each value it needs from another rank and a :class:`Send` right after it for each value another rank
-    needs (module docstring); with ``optimizer`` (one of :data:`POLICIES`) the optimizer's instructions
-    too (:func:`optimizer_instructions`). Assumes every action's stage exists (:func:`zbpp_lite.validate`
-    first for a schedule of unknown origin); raises KeyError otherwise, ValueError for an unknown policy."""
+    needs (module docstring); with ``ties`` (per tied parameter, the ranks holding its copies) their
+    gradient sums (:func:`tie_instructions`), and with ``optimizer`` (one of :data:`POLICIES`) the
+    optimizer's instructions after them (:func:`optimizer_instructions`). Assumes every action's stage
+    exists (:func:`zbpp_lite.validate` first for a schedule of unknown origin); raises KeyError otherwise,
+    ValueError for an unknown policy."""
     table = routes(schedule.placement)
     rows = []
     for row in schedule.actions:
@@ -325,7 +342,32 @@ def lower(schedule: Schedule, optimizer: str | None = None, speculative: bool = 
                     out.append(Send(_key((kind, stage, j)), to))
         rows.append(tuple(out))
     program = Program(tuple(rows), schedule.placement, schedule.num_microbatches, schedule.name)
+    program = tie_instructions(program, ties) if ties else program
     return program if optimizer is None else optimizer_instructions(program, optimizer, speculative)
+
+
+def tie_instructions(program: Program, ties: Sequence[Sequence[int]]) -> Program:
+    """``program`` with tied weights' gradient sums written out after each rank's last instruction, as
+    Megatron-LM all-reduces a shared embedding's gradient once the backward is done: on every rank
+    holding a copy of some tie, ``TIE`` (per tie, the sum of its copies there), a :func:`tie_message`
+    sent to each other rank holding that tie and theirs received, then ``TIE_TOTAL`` (the sums added in
+    rank order, the same on every rank, into each copy). ``ties``: per tie, the ranks holding its copies
+    (``StagedModel.tied_leaves`` under the placement). Sends come before receives on every rank, so
+    they cannot deadlock. Raises ValueError: a rank outside 0 .. p-1."""
+    p = program.num_ranks
+    ties = [tuple(sorted(set(ranks))) for ranks in ties]
+    if any(not 0 <= r < p for ranks in ties for r in ranks):
+        raise ValueError(f"ties name ranks {ties}; the program has ranks 0 .. {p - 1}")
+    rows = []
+    for r, row in enumerate(program.instructions):
+        held = [(t, ranks) for t, ranks in enumerate(ties) if r in ranks]
+        if not held:
+            rows.append(row)
+            continue
+        sends = [Send(tie_message(t, r), q) for t, ranks in held for q in ranks if q != r]
+        recvs = [Recv(tie_message(t, q), q) for t, ranks in held for q in ranks if q != r]
+        rows.append((*row, Optimize("TIE"), *sends, *recvs, Optimize("TIE_TOTAL")))
+    return Program(tuple(rows), program.placement, program.num_microbatches, program.name)
 
 
 def optimizer_instructions(program: Program, policy: str, speculative: bool = True) -> Program:
@@ -348,7 +390,7 @@ def optimizer_instructions(program: Program, policy: str, speculative: bool = Tr
     """
     if policy not in POLICIES:
         raise ValueError(f"optimizer must be one of {', '.join(POLICIES)}; got {policy!r}")
-    if any(type(x) is Optimize for row in program.instructions for x in row):
+    if any(type(x) is Optimize and x.op not in TIE_OPS for row in program.instructions for x in row):
         raise ValueError("the program already has optimizer instructions")
     p, last = program.num_ranks, program.num_ranks - 1
     heads = _speculation_ends(program.instructions) if policy == "post-validation" and speculative \
@@ -403,16 +445,10 @@ def _speculation_ends(rows: Sequence[Sequence[Instruction]]) -> list[int]:
     return ends
 
 
-def optimizer_places(row: Sequence[Instruction]) -> tuple[slice, int]:
-    """Where a rank's optimizer instructions sit in its ``row``: the slice of the previous step's
-    validation (its full norm received, ``VALIDATE``, ``ROLLBACK``; empty if none) and the index its
-    own step's optimizer instructions start at (after its last compute and transfer; ``len(row)`` if
-    none)."""
-    at = row.index(Optimize("VALIDATE")) if Optimize("VALIDATE") in row else 0
-    start = at - 1 if at and type(row[at - 1]) is Recv and row[at - 1].earlier else at
-    head = slice(start, at + 2) if Optimize("VALIDATE") in row else slice(0, 0)
-    end = len(row)
-    while end > head.stop and (type(row[end - 1]) is Optimize or (
-            isinstance(row[end - 1], COMMS) and type(row[end - 1].key) is OptimizerMessage)):
-        end -= 1
-    return head, end
+def validation_slice(row: Sequence[Instruction]) -> slice:
+    """Where post-validation's check of the previous step sits in a rank's ``row``: its full norm
+    received, ``VALIDATE``, ``ROLLBACK`` (an empty slice at 0 if none)."""
+    if Optimize("VALIDATE") not in row:
+        return slice(0, 0)
+    at = row.index(Optimize("VALIDATE"))
+    return slice(at - 1 if at and type(row[at - 1]) is Recv and row[at - 1].earlier else at, at + 2)

@@ -331,10 +331,11 @@ def _check_transfers(program: Program) -> None:
 
 
 def _check_optimizer(program: Program, x: Instruction, rank: int, step: int, done: set) -> None:
-    """An optimizer instruction (:func:`~zbpp_lite.schedules.program.optimizer_instructions`): each op
-    once per rank, ``ROLLBACK`` right after ``VALIDATE``; a message sent by its sender after its
-    ``NORM``, to another rank, and received from its sender. ``done``: the rank's earlier instructions'
-    results (ops done added here)."""
+    """An optimizer instruction (:func:`~zbpp_lite.schedules.program.optimizer_instructions`,
+    :func:`~zbpp_lite.schedules.program.tie_instructions`): each op once per rank, ``ROLLBACK`` right
+    after ``VALIDATE``; a message sent by its sender after the op making it (``TIE<t>``: ``TIE``, the
+    others: ``NORM``), to another rank, and received from its sender. ``done``: the rank's earlier
+    instructions' results (ops done added here)."""
     row = program.instructions[rank]
     if type(x) is Optimize:
         if x.op in done:
@@ -349,9 +350,10 @@ def _check_optimizer(program: Program, x: Instruction, rank: int, step: int, don
     if x.key.sender != sender or x.peer == rank or not 0 <= x.peer < program.num_ranks:
         _fail_line(f"{describe(x)} on rank {rank}: the message is rank {x.key.sender}'s; rule: a message "
             "goes from its sender to another rank", rank, step, x)
-    if type(x) is Send and "NORM" not in done:
-        _fail_line(f"{describe(x)} comes before the rank's NORM; rule: send a norm after computing it", rank,
-            step, x)
+    maker = "TIE" if x.key.tag.startswith("TIE") else "NORM"  # the op that makes the message
+    if type(x) is Send and maker not in done:
+        _fail_line(f"{describe(x)} comes before the rank's {maker}; rule: send a message after computing it",
+            rank, step, x)
 
 
 def _check_speculation(program: Program) -> None:
