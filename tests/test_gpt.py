@@ -88,6 +88,23 @@ def test_bf16_computes_in_bf16_and_keeps_float32_parameters_and_gradients():
     assert result.loss == pytest.approx(float(exact.loss(exact.params, x, x)), rel=2e-2)
 
 
+def test_train_with_bf16_passes_its_gradient_check_within_bfloat16_rounding(capsys):
+    """``train --model gpt --bf16``: the pipeline's microbatch sums and the whole batch's differ by bfloat16
+    rounding (5.6e-3 here), which the check allows (4 epsilons, 0.03125); at float32's 1e-3 this run
+    failed, exit 1, "this run's gradients are wrong". A wrong gradient is still far above it."""
+    from zbpp_lite.cli import main
+    from zbpp_lite.training.reference import grad_check_failure, grad_check_tolerance
+
+    tolerance = grad_check_tolerance("bfloat16")
+    assert tolerance == 4 * 2.0 ** -7 and grad_check_tolerance("float32") == GRAD_CHECK_TOLERANCE
+    assert main(["train", "--model", "gpt", "--bf16", "--steps", "1", "--threads", "--d", "16", "--context", "16",
+                 "--blocks", "2", "--heads", "2", "--microbatches", "8", "--batch", "16", "--no-progress"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("gradient check"))
+    error = float(line.split("max relative error ")[1].split(",")[0])
+    assert GRAD_CHECK_TOLERANCE < error < tolerance and "(tolerance 0.03125, relative)" in line
+    assert grad_check_failure(0.25, 0.0, 1.0, tolerance)  # a microbatch of four lost still fails
+
+
 def test_the_bytes_split_by_file_reproducibly():
     files = stdlib_files()
     assert [name for name, _ in files] == sorted(name for name, _ in files)

@@ -28,8 +28,8 @@ from ..training.model import build_parts
 from ..training.train import train_steps as train_steps_of
 from . import parse_args
 from .join import agreed_settings
-from .train import (check_launchable, check_sizes, grad_check_status, model_config, plan_with_job_memory,
-                    report, resolve_schedule, run_config, train_spmd_command)
+from .train import (check_launchable, check_sizes, check_tolerance, grad_check_status, model_config,
+                    plan_with_job_memory, report, resolve_schedule, run_config, train_spmd_command)
 
 
 def train_process(args) -> int:
@@ -66,7 +66,7 @@ def train_process(args) -> int:
 
     result = train_steps(schedule, args, blocks, devices, on_step)
     if process == 0:
-        print(report(result))
+        print(report(result, check_tolerance(args)))
         step_ms = [1e3 * s for s in timed_steps(result.step_seconds)]
         print(f"startup {startup:.2f} s; median step {np.median(step_ms):.2f} ms over {len(step_ms)} step(s) "
               f"{'after' if len(result.step_seconds) > 1 else 'including'} the first, which compiles: a "
@@ -76,7 +76,7 @@ def train_process(args) -> int:
         if getattr(args, "json", None):
             data = {**result.to_json(), "startup_seconds": startup, "processes": count}
             print(strict_json.write(args.json, data))
-    return grad_check_status(result, process)  # every process holds the whole result: all exit alike
+    return grad_check_status(result, check_tolerance(args), process)  # every process alike
 
 
 def device_name(device) -> str:

@@ -163,13 +163,13 @@ def train_spmd_command(args, schedule, blocks: int, devices, process: int = 0) -
     result = train_spmd(schedule, model, model.params, batches, args.lr, devices=devices, on_step=on_step)
     if process == 0:
         timed = sorted(timed_steps(result.step_seconds))
-        print(grad_check_line(result))
+        print(grad_check_line(result, check_tolerance(args)))
         print(f"SPMD: median step {timed[len(timed) // 2] * 1e3:.2f} ms over {len(timed)} step(s); "
               f"{result.lockstep.makespan:g} lockstep ticks of the slowest action each (units of T_F)")
         if args.json:
             data = {**result.to_json(schedule), "processes": jax.process_count()}
             print(strict_json.write(args.json, data))
-    return grad_check_status(result, process if jax.process_count() > 1 else None)
+    return grad_check_status(result, check_tolerance(args), process if jax.process_count() > 1 else None)
 
 
 def describe_model(args) -> str:
@@ -180,21 +180,27 @@ def describe_model(args) -> str:
             f"{'bfloat16' if args.bf16 else 'float32'}{' remat' if args.remat else ''}")
 
 
-def grad_check_line(result) -> str:
-    """The report's line on step 0's check against the unpartitioned model, with the tolerance."""
-    from ..training.reference import GRAD_CHECK_TOLERANCE
+def check_tolerance(args) -> float:
+    """Step 0's gradient check tolerance for the run's compute dtype (``--bf16``:
+    :func:`~zbpp_lite.training.reference.grad_check_tolerance`)."""
+    from ..training.reference import grad_check_tolerance
 
+    return grad_check_tolerance("bfloat16" if getattr(args, "bf16", False) else "float32")
+
+
+def grad_check_line(result, tolerance: float) -> str:
+    """The report's line on step 0's check against the unpartitioned model, with the tolerance."""
     return ("gradient check vs the unpartitioned model (step 0): max relative error "
             f"{result.grad_max_rel_error:.2e}, loss difference {result.loss_error:.2e} (tolerance "
-            f"{GRAD_CHECK_TOLERANCE:g}, relative)")
+            f"{tolerance:g}, relative)")
 
 
-def grad_check_status(result, process: int | None = None) -> int:
+def grad_check_status(result, tolerance: float, process: int | None = None) -> int:
     """0, or 1 after an ``error:`` line on stderr (naming ``process`` where given) when step 0's gradient
-    check failed (:func:`~zbpp_lite.training.reference.grad_check_failure`)."""
+    check failed by ``tolerance`` (:func:`~zbpp_lite.training.reference.grad_check_failure`)."""
     from ..training.reference import grad_check_failure
 
-    failure = grad_check_failure(result.grad_max_rel_error, result.loss_error, result.losses[0])
+    failure = grad_check_failure(result.grad_max_rel_error, result.loss_error, result.losses[0], tolerance)
     if failure is None:
         return 0
     who = f"process {process}: " if process is not None else ""
@@ -406,20 +412,20 @@ def run(args) -> int:
     result = _train(args, schedule, blocks, devices)
     from . import compare_report
 
-    print(report(result))
+    print(report(result, check_tolerance(args)))
     written = written_lines(result, model_config(args, blocks), args.seed) if args.model == "gpt" else None
     if written is not None:
         print(f"{curve_line(result)}\n{written}" if result.validation else written)
     if args.html:
         with open(args.html, "w") as f:
-            f.write(compare_report.run_page(result, report(result), written))
+            f.write(compare_report.run_page(result, report(result, check_tolerance(args)), written))
         print(f"wrote {args.html}")
     if args.json:
         data = result.to_json()
         if profiled is not None:
             data["profiled"] = profiled
         print(strict_json.write(args.json, data))
-    return grad_check_status(result)
+    return grad_check_status(result, check_tolerance(args))
 
 
 def _train(args, schedule, blocks: int, devices):
@@ -517,7 +523,7 @@ def curve_line(result) -> str:
     return f"validation loss after {steps} steps: {', '.join(f'{v:.3f}' for _, v in result.validation)}"
 
 
-def report(result) -> str:
+def report(result, tolerance: float) -> str:
     """The closing lines: accuracy, gradient check, measured vs simulated (time and memory)."""
     m, s = result.measured, result.simulated
     held = "held-out" if result.config.get("holdout") else "all"
@@ -529,7 +535,7 @@ def report(result) -> str:
         f"{abs(1 - result.test_loss / unigram):.1%} {'below' if result.test_loss <= unigram else 'above'} "
         f"the unigram baseline {unigram:.4f} nats/byte (the entropy of the validation bytes' frequencies); "
         f"next-byte accuracy {result.test_accuracy:.4f}",
-        grad_check_line(result),
+        grad_check_line(result, tolerance),
         f"{'':10}{'makespan':>14}{'bubble rate':>14}",
         f"{'measured':10}{m.makespan * 1e3:>11.2f} ms{m.bubble_rate:>14.4f}",
         f"{'simulated':10}{s.makespan * 1e3:>11.2f} ms{s.bubble_rate:>14.4f}   (measured mean action costs)",
