@@ -90,7 +90,8 @@ ADAPT_TINY = ["--ranks", "2", "--microbatches", "2", "--steps", "2", "--profile-
               "--blocks", "4", "--batch", "8", "--no-control", "--no-online"]
 UNWRITABLE = {  # what the path is -> (the path under tmp_path, the refusal)
     "a directory": (lambda tmp: str(tmp), "is a directory; give a file's path"),
-    "under a file": (lambda tmp: str(tmp / "file" / "out.json"), "cannot be written"),
+    "under a file": (lambda tmp: str(tmp / "file" / "out.json"),
+                     lambda tmp: f"cannot be written: {str(tmp / 'file')!r} is a file, not a folder"),
     "read-only": (lambda tmp: "/sys/zbpp_lite_out.json", "cannot be written: Permission denied"),
 }
 WRITERS = [  # (command line before the flag, the flag, what its path is)
@@ -112,6 +113,7 @@ def test_an_output_that_cannot_be_written_is_refused_in_one_line_before_anything
 
     (tmp_path / "file").write_text("")
     path, message = UNWRITABLE[what][0](tmp_path), UNWRITABLE[what][1]
+    message = message(tmp_path) if callable(message) else message
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "zbpp_lite", *argv, flag, path], capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
@@ -119,6 +121,16 @@ def test_an_output_that_cannot_be_written_is_refused_in_one_line_before_anything
     assert out.returncode == 2 and out.stdout == "", (out.stdout[-500:], out.stderr[-2000:])  # nothing ran
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag} {path!r} {message}"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flag", ["--csv", "--trace"])
+def test_an_empty_output_path_is_refused_not_skipped(tmp_path, flag):
+    # --json "$UNSET" ran and wrote nothing, without a word: an empty path counted as no flag
+    out = subprocess.run([sys.executable, "-m", "zbpp_lite", "plan", flag, ""], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr == (
+        f"error: {flag} was given an empty path (an unset shell variable?); give a file's path, or leave {flag} "
+        "out\n")
 
 
 def test_two_outputs_naming_one_file_are_refused(tmp_path):

@@ -83,10 +83,15 @@ def prepare_outputs(args: argparse.Namespace) -> None:
     file known writable, before anything is computed.
 
     Raises:
-        CliError: naming the flag and the path: a directory, a folder that cannot be made, a file that
-            cannot be written, or two flags naming the same file.
+        CliError: naming the flag and the path: an empty path, a directory, a folder that cannot be made
+            (a file where a folder should be), a file that cannot be written, or two flags naming one file.
     """
-    outputs = [(flag, path) for flag, dest in getattr(args, "_outputs", ()) if (path := getattr(args, dest))]
+    outputs = [(flag, path) for flag, dest in getattr(args, "_outputs", ())
+               if (path := getattr(args, dest)) is not None]
+    for flag, path in outputs:
+        if not path.strip():
+            raise CliError(f"{flag} was given an empty path (an unset shell variable?); give a file's path, "
+                           f"or leave {flag} out")
     seen: dict[str, str] = {}
     for flag, path in outputs:
         if (real := os.path.realpath(path)) in seen:
@@ -102,6 +107,11 @@ def check_output(flag: str, path: str) -> None:
         raise CliError(f"{flag} {path!r} is a directory; give a file's path, e.g. "
                        f"{os.path.join(path, 'out')!r}")
     folder = os.path.dirname(os.path.abspath(path))
+    above = folder
+    while above and not os.path.exists(above):
+        above = os.path.dirname(above)
+    if above and not os.path.isdir(above):
+        raise CliError(f"{flag} {path!r} cannot be written: {above!r} is a file, not a folder")
     try:
         os.makedirs(folder, exist_ok=True)
         existed = os.path.exists(path)
