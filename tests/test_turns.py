@@ -474,6 +474,27 @@ sys.exit(cli.main(["plan"]))
 """
 
 
+def test_a_ctrl_c_while_the_command_line_is_parsed_prints_one_line_and_exits_130(monkeypatch, capsys):
+    # parsing imports every command and JAX (1-2 s); the handlers came after it: a 50-line traceback, or
+    # a KeyboardInterrupt swallowed by JAX's gc callback and the whole compare run on to exit 0
+    import os
+    import signal
+    import time
+
+    from zbpp_lite import cli
+
+    parse = cli.build_parser
+
+    def interrupted(argv=None):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)  # the handler runs here
+        return parse(argv)
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["compare", "--steps", "2"]) == 130
+    assert capsys.readouterr().err.splitlines() == [STOPPED.format("compare")]
+
+
 def test_a_ctrl_c_that_lands_in_a_gc_callback_still_stops_the_command():
     # about one train --threads run in three kept training: JAX's gc callback swallowed the interrupt
     import subprocess

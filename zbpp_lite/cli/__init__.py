@@ -182,19 +182,22 @@ def check_against_csv(args: argparse.Namespace, flag: str, schedule, unused: tup
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.command != "plan":  # plan never runs JAX
-        use_compile_cache()  # every process of the run (and the next run) reuses compiled programs
+    # the stop signals are ours from the start: parsing imports the commands and JAX, a second or two
     in_main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _stop) for s in STOP_SIGNALS} if in_main else {}
     _stopping.clear()
     hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
+    command = next((a for a in argv if not a.startswith("-")), "zbpp_lite")  # until parsed
     try:
+        args = parse_args(argv)
+        command = args.command
+        if args.command != "plan":  # plan never runs JAX
+            use_compile_cache()  # every process of the run (and the next run) reuses compiled programs
         prepare_outputs(args)
         return int(_module(args.command.replace("-", "_")).run(args) or 0)
     except Stopped as e:
         how = "interrupted (Ctrl-C)" if e.signum == signal.SIGINT else "stopped by SIGTERM"
-        print(f"{args.command}: {how}; every process it started has ended", file=sys.stderr)
+        print(f"{command}: {how}; every process it started has ended", file=sys.stderr)
         return 128 + e.signum
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
