@@ -180,6 +180,10 @@ IGNORED = [  # (command line, the one line it gets); each ran before, the flag s
      "--no-online --no-replan: zb-auto never plans, so it takes no memory limit: drop --memory-limit"),
     (["adapt", *ADAPT_TINY, "--no-replan", "--no-rebalance", "--min-gain", "0.1"], "no change is tried"),
     (["compare", "--schedules", "1f1b,1f1b", *TINY, "--learn-steps", "0"], "--schedules names ['1f1b'] more than once"),
+    (["compare", "--model", "gpt", "--eval-every", "3", *TINY, "--learn-steps", "0"],
+     "--eval-every sets the learning run's validation curve, and --learn-steps 0 runs none"),
+    (["compare", "--schedules", "1f1b", *TINY[:-4], "--blocks", "0", "--learn-steps", "0"], "--blocks must be >= 1, got 0"),
+    (["train", "--seed", "-1", *SIZES], "--seed must be an integer >= 0"),
 ]
 
 
@@ -223,6 +227,19 @@ def test_compare_blocks_are_what_its_help_says_one_for_every_stage_by_default(ca
     fewer = parse_args(["compare", "--ranks", "5", "--microbatches", "10", "--blocks", "8"])
     assert _build_one("interleaved-1f1b", fewer, blocks_of(fewer), None) == (
         None, "8 blocks cannot fill 10 stages (use --blocks 10)")
+
+
+def test_compare_runs_the_schedules_its_blocks_fill_and_lists_the_others():
+    # at --blocks 2 compare profiled zb-v's 4 stages on 2 blocks before refusing it: a rank process's
+    # traceback, then "error: rank 0: ValueError: 2 blocks cannot fill 4 stages", and zb-h1 never ran
+    from zbpp_lite.cli import parse_args
+    from zbpp_lite.cli.compare import _build
+
+    args = parse_args(["compare", "--ranks", "2", "--microbatches", "4", "--blocks", "2"])
+    profiled = []
+    schedules, notes = _build(["zb-v", "zb-h1", "zb-auto"], args, 2, lambda S: profiled.append(S) or zb.Costs())
+    assert [s.name for s in schedules] == ["zb-h1", "zb-auto"] and profiled == [2]
+    assert notes == {"zb-v": "2 blocks cannot fill 4 stages (use --blocks 4)"}
 
 
 def test_ranks_as_picks_the_mode_and_says_why():

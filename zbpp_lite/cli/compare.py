@@ -27,7 +27,7 @@ from ..training.data import load_data
 from ..training.reference import ONE_RANK, one_rank_schedule
 from ..training.train import TrainOptions, train
 from ..training.turns import OneCore, train_in_turns
-from . import CliError, add_output
+from . import CliError, add_output, given
 from .compare_report import Comparison, html_report, summary_text
 from .train import (add_model_arguments, add_platform_argument, add_ranks_as, check_model_arguments,
                     cost_table, curve_line, model_config, profile_json, profiled_costs, run_config, say_mode,
@@ -141,6 +141,9 @@ def check_arguments(args) -> None:
     gpt = args.model == "gpt"
     if args.learn_steps is None:
         args.learn_steps = GPT_LEARN if gpt else 150
+    if args.learn_steps == 0 and given(args, "eval_every"):  # the timed steps draw no curve
+        raise CliError("--eval-every sets the learning run's validation curve, and --learn-steps 0 runs "
+                       "none: drop --eval-every, or give --learn-steps N")
     if args.batch is None and not gpt:  # the GPT's: add_model_arguments' defaults
         args.batch = DIGITS_BATCH
     for flag, value, least in (("--ranks", args.ranks, 1), ("--microbatches", args.microbatches, 1),
@@ -160,7 +163,8 @@ def _build(names: list[str], args, blocks: int, costs_for, label: str = "", verb
         costs = None
         if "costs" in _required(name):
             planned = zb.build_schedule(name, args.ranks, args.microbatches, costs=zb.Costs())
-            costs = costs_for(planned.num_stages)
+            # profiled only where the blocks fill its stages (else refused below, and nothing profiled)
+            costs = costs_for(planned.num_stages) if blocks >= planned.num_stages else zb.Costs()
         schedule, why = _build_one(name, args, blocks, costs)
         if schedule is None:
             notes[name] = why

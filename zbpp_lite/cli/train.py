@@ -259,6 +259,11 @@ def check_model_arguments(args, num_microbatches: int) -> None:
                        "does not pass yet: drop --init / --spmd")
     if args.steps < 1:
         raise CliError(f"--steps must be >= 1, got {args.steps}")
+    if getattr(args, "blocks", None) is not None and args.blocks < 1:
+        raise CliError(f"--blocks must be >= 1, got {args.blocks}")
+    if args.seed < 0:
+        raise CliError(f"--seed must be an integer >= 0 (NumPy's generators take no negative seed), got "
+                       f"{args.seed}")
     if args.d < 1 or args.heads < 1 or args.d % args.heads:
         raise CliError(f"--d {args.d} must be a positive multiple of --heads {args.heads}")
     from ..runtime.stages import microbatch_size
