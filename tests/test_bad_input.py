@@ -184,6 +184,9 @@ IGNORED = [  # (command line, the one line it gets); each ran before, the flag s
      "--eval-every sets the learning run's validation curve, and --learn-steps 0 runs none"),
     (["compare", "--schedules", "1f1b", *TINY[:-4], "--blocks", "0", "--learn-steps", "0"], "--blocks must be >= 1, got 0"),
     (["train", "--seed", "-1", *SIZES], "--seed must be an integer >= 0"),
+    (["train", "--model", "gpt", "--remat", "--schedule", "zb-auto", "--threads", "--context", "16", "--blocks", "2",
+      "--microbatches", "4", *SIZES], "zb-auto plans W apart from B, and under --remat B recomputes what W needs "
+                                      "and holds it until W; train --remat with a schedule that fuses B and W"),
 ]
 
 

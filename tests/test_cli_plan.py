@@ -40,9 +40,9 @@ def test_plan_says_which_m_w_a_memory_limited_plan_assumed_and_its_peak_at_m_w_e
     out = plan("-s", "zb-2p", "-p", "4", "-m", "16")
     assert out.returncode == 0, out.stderr
     assert "assumed      M_W = 0.4375 M_B, planned under 8 8 8 8" in out.stdout
-    assert "at M_W = M_B 11 13 14 15  (peak per rank of this order, units of M_B)" in out.stdout
+    assert "at M_W = M_B 11 13 14 15  (peak per rank of this order, units of one stage's M_B)" in out.stdout
     heavy = plan("-s", "zb-h1", "-p", "2", "-m", "4", "--mem-w", "1.5")  # a simulation holds M_W > M_B
-    assert heavy.returncode == 0 and "peak memory  2.5 3  (per rank, units of M_B)" in heavy.stdout
+    assert heavy.returncode == 0 and "peak memory  2.5 3  (per rank, units of one stage's M_B)" in heavy.stdout
 
 
 def test_plan_walks_the_schedule_once_also_for_the_peak_at_m_w_equal_m_b(monkeypatch, capsys):

@@ -177,6 +177,8 @@ def test_what_cannot_run_is_refused_in_one_line_saying_what_to_do():
          r"module 1 \(Sequential\) has an nnx.Dropout without rngs; build it with nnx.Dropout\(rate, rngs=rngs\)"),
         (lambda: StagedModel([(embed, {"key": jax.random.key(0)}), Block(nnx.Rngs(0)), Head(nnx.Rngs(1))], 1),
          r"part 0: parameters must be floating-point .* take the key as an argument, fn\(params, x, key\)"),
+        (lambda: StagedModel([(lambda params, x, rng: embed(params, x), {}), Block(nnx.Rngs(0)), Head(nnx.Rngs(1))], 1),
+         r"part 0: fn\(params, x, rng\) needs a third argument, 'rng'; .* for dropout: name its key 'key'$"),
         (lambda: StagedModel([nnx.BatchNorm(D, rngs=nnx.Rngs(0)), Block(nnx.Rngs(0)), Head(nnx.Rngs(1))], 1),
          r"module 0 \(BatchNorm\) holds state other than parameters and RNG streams"),
     ]

@@ -66,6 +66,7 @@ def test_train_runs_the_gpt_with_its_data_keys_and_check():
     assert result.to_json()["validation"][1]["step"] == 2
     assert curve_line(result).startswith("validation loss after 0, 2, 3 steps: ")
     written = written_lines(result, config, seed=5)
+    assert all(c.isprintable() or c in "\n\t" for c in written)  # no terminal escapes from 3 steps' model
     assert written == written_lines(result, config, seed=5) != written_lines(result, config, seed=6)
     assert written.startswith("what the model writes after 'def ' (temperature 0.8, seed 5):\ndef ")
     page = run_page(result, "the report", written)

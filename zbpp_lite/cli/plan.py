@@ -51,8 +51,8 @@ def add_parser(sub, help_text: str) -> None:
     p.add_argument("--stages-per-rank", "-v", type=int, default=None,
                    help="stages per rank, for interleaved schedules")
     p.add_argument("--memory-limit", type=float, default=None,
-                   help="per-rank activation memory limit in units of M_B, or of --mem-b (automatic "
-                        "schedules)")
+                   help="per-rank activation memory limit in units of one stage's M_B, or of --mem-b "
+                        "(automatic schedules)")
     for name, text in _COSTS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=_DEFAULTS.get(name), help=text)
     p.add_argument("--width", type=int, default=120, help="characters per grid row (default 120)")
@@ -162,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     print(text_grid(timeline, width=args.width))
     print(f"makespan     {timeline.makespan:.6g}")
     print(f"bubble rate  {timeline.bubble_rate:.4f}")
-    unit = "units of M_B" if args.mem_b is None else "the unit of --mem-b"
+    unit = "units of one stage's M_B" if args.mem_b is None else "the unit of --mem-b"
     print("peak memory  " + " ".join(f"{m:g}" for m in timeline.peak_memory) + f"  (per rank, {unit})")
     if any(a.kind == "W" for _, a in schedule):
         _print_m_w(schedule, costs, unit)

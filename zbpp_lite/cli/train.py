@@ -348,8 +348,15 @@ def plan_with_job_memory(args, schedule, blocks: int, say=print):
 
     if args.schedule_csv:
         return schedule
-    planned, costs = job_plan(args.schedule, args.ranks, args.microbatches, parse_options(args.option),
-                              model_config(args, blocks), run_config(args))
+    try:
+        planned, costs = job_plan(args.schedule, args.ranks, args.microbatches, parse_options(args.option),
+                                  model_config(args, blocks), run_config(args))
+    except ValueError as e:  # the planner's advice is for the API: say what the command line can do
+        if "M_W exceeds M_B" not in str(e):
+            raise
+        raise CliError(f"{str(e).split(': the planner')[0]}: {args.schedule} plans W apart from B, and "
+                       "under --remat B recomputes what W needs and holds it until W; train --remat with a "
+                       "schedule that fuses B and W (--schedule 1f1b) or drop --remat") from None
     if costs is not None and say is not None:
         mem_b, mem_w = ([int(v) for v in mem] for mem in (costs.mem_b, costs.mem_w))  # Costs holds floats
         say(f"{planned.name}: planned with this job's activation memory per stage, M_B {mem_b} and "
@@ -510,14 +517,16 @@ def _flags_need_threads(args) -> str | None:
 def written_lines(result, config, seed: int = 0, prompt: bytes = b"def ") -> str:
     """A few lines the trained GPT (``config``) writes after ``prompt``
     (:func:`~zbpp_lite.training.reference.write_bytes` on the run's final parameters, drawn with ``seed``:
-    the same run and seed write the same bytes), decoded as UTF-8 with errors replaced."""
+    the same run and seed write the same bytes), decoded as UTF-8 with errors replaced, and control
+    characters other than newline and tab shown as U+FFFD: an untrained model writes terminal escapes."""
     from ..runtime.stages import StagedModel
     from ..training.model import build_parts
     from ..training.reference import write_bytes
 
     model = StagedModel(build_parts(config), 1)
     written = write_bytes(model, result.params, prompt, 240, config.context, seed=seed)
-    text = (prompt + written).decode("utf-8", "replace")
+    text = "".join(c if c.isprintable() or c in "\n\t" else "\ufffd"
+                   for c in (prompt + written).decode("utf-8", "replace"))
     return (f"what the model writes after {prompt.decode()!r} (temperature 0.8, seed {seed}):\n"
             + "\n".join(text.splitlines()[:6]))
 

@@ -446,11 +446,21 @@ def _draws_random(graphdef: Any) -> bool:
     return isinstance(graphdef, _Random) or isinstance(graphdef, _Fn) and graphdef.takes_key
 
 
-def _takes_key(fn: Callable) -> bool:
+def _takes_key(i: int, fn: Callable) -> bool:
+    """Does part ``i``'s ``fn`` take the dropout key, ``fn(params, x, key)``? ValueError: a third required
+    argument by another name (it would be called without it)."""
     try:
-        return "key" in inspect.signature(fn).parameters
+        parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature (a builtin): takes none
         return False
+    if "key" in parameters:
+        return True
+    required = [n for n, q in parameters.items() if q.default is q.empty
+                and q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    if len(required) > 2:
+        raise ValueError(f"part {i}: fn({', '.join(required)}) needs a third argument, {required[2]!r}; a "
+                         "part is fn(params, x), or fn(params, x, key) for dropout: name its key 'key'")
+    return False
 
 
 def _split_module(i: int, part: nnx.Module) -> tuple[Any, Any]:
@@ -488,4 +498,4 @@ def _split_part(i: int, part: Any) -> tuple[Any, Any]:
         raise ValueError(f"part {i}: parameters must be floating-point arrays to be differentiated, got "
                          f"{bad[0]}; for dropout take the key as an argument, fn(params, x, key), not a "
                          "parameter")
-    return _Fn(fn, _takes_key(fn)), jax.tree_util.tree_map(jnp.asarray, params)
+    return _Fn(fn, _takes_key(i, fn)), jax.tree_util.tree_map(jnp.asarray, params)
