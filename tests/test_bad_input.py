@@ -123,10 +123,12 @@ def test_an_output_that_cannot_be_written_is_refused_in_one_line_before_anything
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag} {path!r} {message}"), out.stderr[-2000:]
 
 
-@pytest.mark.parametrize("flag", ["--csv", "--trace"])
-def test_an_empty_output_path_is_refused_not_skipped(tmp_path, flag):
-    # --json "$UNSET" ran and wrote nothing, without a word: an empty path counted as no flag
-    out = subprocess.run([sys.executable, "-m", "zbpp_lite", "plan", flag, ""], capture_output=True, text=True,
+@pytest.mark.parametrize("command, flag", [("plan", "--csv"), ("plan", "--trace"), ("plan", "--from-csv"),
+                                           ("train", "--init"), ("train", "--schedule-csv")])
+def test_an_empty_path_is_refused_not_skipped(tmp_path, command, flag):
+    # --json "$UNSET" ran and wrote nothing, without a word: an empty path counted as no flag (--init '':
+    # trained from the model's init, then "[Errno 2] No such file or directory: ''")
+    out = subprocess.run([sys.executable, "-m", "zbpp_lite", command, flag, ""], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
     assert out.returncode == 2 and out.stdout == "" and out.stderr == (
         f"error: {flag} was given an empty path (an unset shell variable?); give a file's path, or leave {flag} "

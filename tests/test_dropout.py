@@ -178,7 +178,11 @@ def test_what_cannot_run_is_refused_in_one_line_saying_what_to_do():
         (lambda: StagedModel([(embed, {"key": jax.random.key(0)}), Block(nnx.Rngs(0)), Head(nnx.Rngs(1))], 1),
          r"part 0: parameters must be floating-point .* take the key as an argument, fn\(params, x, key\)"),
         (lambda: StagedModel([(lambda params, x, rng: embed(params, x), {}), Block(nnx.Rngs(0)), Head(nnx.Rngs(1))], 1),
-         r"part 0: fn\(params, x, rng\) needs a third argument, 'rng'; .* for dropout: name its key 'key'$"),
+         r"part 0: fn\(params, x, rng\) is called as fn\(params, x\), or fn\(params, x, key\) for dropout: "
+         r"take exactly those, the key third and named 'key'$"),
+        *[(lambda f=f: StagedModel([(f, {}), Block(nnx.Rngs(0)), Head(nnx.Rngs(1))], 1), r"part 0: fn\(.*\) is called as")
+          for f in (lambda params, x, *, key: x, lambda params, x, key, extra: x, lambda key, params, x: x,
+                    lambda params, x, rng=None: x)],  # rng=None: dropout never applied, without a word
         (lambda: StagedModel([nnx.BatchNorm(D, rngs=nnx.Rngs(0)), Block(nnx.Rngs(0)), Head(nnx.Rngs(1))], 1),
          r"module 0 \(BatchNorm\) holds state other than parameters and RNG streams"),
     ]

@@ -232,6 +232,17 @@ def test_tied_weights_gradient_sums_are_instructions_the_validator_checks_and_th
         zb.validate(edited(lambda row: row[:at] + [row[at + 1], row[at]] + row[at + 2:]))
     with pytest.raises(zb.ScheduleError, match=r"SEND_TIE00>1\] has no matching RECV on rank 1"):
         zb.validate(edited(lambda row: [x for x in row if x != Recv(OptimizerMessage("TIE0", 0), 0)], rank=1))
+    total = rank0.index(Optimize("TIE_TOTAL"))
+    with pytest.raises(zb.ScheduleError, match=r"TIE \[TIE\] comes before the rank's last compute"):
+        zb.validate(edited(lambda row: row[at:at + 4] + row[:at] + row[at + 4:]))  # summed before the last W
+    with pytest.raises(zb.ScheduleError, match=r"TIE_TOTAL \[TIE_TOTAL\] comes before RECV .*TIE0.* rule: add the "
+                       r"shares once received"):
+        zb.validate(edited(lambda row: row[:total - 1] + [row[total], row[total - 1]] + row[total + 1:]))
+    with pytest.raises(zb.ScheduleError, match=r"TIE \[TIE\] has no TIE_TOTAL after it"):
+        zb.validate(edited(lambda row: row[:total] + row[total + 1:]))
+    norm = rank0.index(Optimize("NORM"))
+    with pytest.raises(zb.ScheduleError, match=r"STEP \[STEP\] comes before RECV .*NORM"):
+        zb.validate(edited(lambda row: row[:norm + 2] + [Optimize("STEP")] + row[norm + 2:-1]))
     with pytest.raises(ValueError, match=r"ties name ranks \[\(0, 2\)\]; the program has ranks 0 \.\. 1"):
         tie_instructions(lower(s), [(2, 0)])
 

@@ -78,6 +78,10 @@ def add_output(parser: argparse.ArgumentParser, flag: str, help: str, **options)
     parser.set_defaults(_outputs=(*(parser.get_default("_outputs") or ()), (flag, action.dest)))
 
 
+INPUT_PATHS = ("init", "schedule_csv", "from_csv")
+"""The commands' input file flags (dests): an empty one is refused with the outputs', not read as absent."""
+
+
 def prepare_outputs(args: argparse.Namespace) -> None:
     """Every output flag of ``args``' command that is given (:func:`add_output`): its folder made, and the
     file known writable, before anything is computed.
@@ -88,7 +92,9 @@ def prepare_outputs(args: argparse.Namespace) -> None:
     """
     outputs = [(flag, path) for flag, dest in getattr(args, "_outputs", ())
                if (path := getattr(args, dest)) is not None]
-    for flag, path in outputs:
+    inputs = [(f"--{d.replace('_', '-')}", getattr(args, d)) for d in INPUT_PATHS
+              if getattr(args, d, None) is not None]
+    for flag, path in inputs + outputs:
         if not path.strip():
             raise CliError(f"{flag} was given an empty path (an unset shell variable?); give a file's path, "
                            f"or leave {flag} out")

@@ -447,19 +447,19 @@ def _draws_random(graphdef: Any) -> bool:
 
 
 def _takes_key(i: int, fn: Callable) -> bool:
-    """Does part ``i``'s ``fn`` take the dropout key, ``fn(params, x, key)``? ValueError: a third required
-    argument by another name (it would be called without it)."""
+    """Does part ``i``'s ``fn`` take the dropout key, ``fn(params, x, key)``? ValueError: any other third
+    argument, or a ``key`` anywhere but third (it would be called without it, or never get a key)."""
     try:
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature (a builtin): takes none
         return False
-    if "key" in parameters:
+    positional = [n for n, q in parameters.items() if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
+    required = [n for n in positional if parameters[n].default is parameters[n].empty]
+    if positional[2:3] == ["key"] and len(required) <= 3:
         return True
-    required = [n for n, q in parameters.items() if q.default is q.empty
-                and q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)]
-    if len(required) > 2:
-        raise ValueError(f"part {i}: fn({', '.join(required)}) needs a third argument, {required[2]!r}; a "
-                         "part is fn(params, x), or fn(params, x, key) for dropout: name its key 'key'")
+    if len(positional) > 2 or len(required) > 2 or "key" in parameters:
+        raise ValueError(f"part {i}: fn({', '.join(parameters)}) is called as fn(params, x), or fn(params, "
+                         "x, key) for dropout: take exactly those, the key third and named 'key'")
     return False
 
 

@@ -11,7 +11,7 @@ waiting for both inputs. Dependencies: :func:`zbpp_lite.schedules.ir.deps` (pape
 from __future__ import annotations
 
 
-from typing import Union
+from typing import Sequence, Union
 
 from .ir import KINDS, Action, Entry, Key, Overlap, Schedule, deps, parts, produces
 from .program import (COMMS, Instruction, Optimize, OptimizerMessage, Program, Recv, Send, consumer_stage,
@@ -344,6 +344,7 @@ def _check_optimizer(program: Program, x: Instruction, rank: int, step: int, don
         if (x.op == "ROLLBACK") != (step > 0 and row[step - 1] == Optimize("VALIDATE")):
             _fail_line(f"{describe(x)}: ROLLBACK comes right after VALIDATE, and only there; rule: a failed "
                 "check is undone at once", rank, step, x)
+        _check_combining(x, row, rank, step)
         done.add(x.op)
         return
     sender = rank if type(x) is Send else x.peer
@@ -354,6 +355,29 @@ def _check_optimizer(program: Program, x: Instruction, rank: int, step: int, don
     if type(x) is Send and maker not in done:
         _fail_line(f"{describe(x)} comes before the rank's {maker}; rule: send a message after computing it",
             rank, step, x)
+
+
+_COMBINES = {"TIE_TOTAL": ("TIE",), "STEP": ("NORM", "PARTIAL")}
+"""The ops that combine received messages, and the tags of what they combine."""
+
+
+def _check_combining(x: Optimize, row: Sequence[Instruction], rank: int, step: int) -> None:
+    """``TIE``, ``TIE_TOTAL``, ``NORM`` and ``STEP`` come after the rank's last compute (every microbatch's
+    gradient in); ``TIE_TOTAL`` and ``STEP`` after the receives of the shares they add; a ``TIE`` has its
+    ``TIE_TOTAL`` after it."""
+    later = row[step + 1:]
+    if x.op in ("TIE", "TIE_TOTAL", "NORM", "STEP") and any(isinstance(y, (Action, Overlap)) for y in later):
+        _fail_line(f"{describe(x)} comes before the rank's last compute; rule: sum or step the gradients of "
+            "every microbatch", rank, step, x)
+    tags = _COMBINES.get(x.op, ())
+    late = next((y for y in later if tags and type(y) is Recv and type(y.key) is OptimizerMessage
+                 and not y.earlier and y.key.tag.startswith(tags)), None)
+    if late is not None:
+        _fail_line(f"{describe(x)} comes before {describe(late)}; rule: add the shares once received", rank,
+            step, x)
+    if x.op == "TIE" and Optimize("TIE_TOTAL") not in later:
+        _fail_line(f"{describe(x)} has no TIE_TOTAL after it; rule: every tie's shares are added into its "
+            "copies", rank, step, x)
 
 
 def _check_speculation(program: Program) -> None:
