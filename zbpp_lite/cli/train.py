@@ -344,6 +344,7 @@ def plan_with_job_memory(args, schedule, blocks: int, say=print):
     """The schedule to run: a name through :func:`~zbpp_lite.training.train.job_plan` (a planner that
     takes ``costs`` plans with this job's M_B, M_W in bytes; ``--option memory_limit=...`` with it is
     refused), a CSV's unchanged. ``say`` prints the bytes (None: silent). Call once JAX has its devices."""
+    from ..schedules.builders.greedy import HeavyW
     from ..training.train import job_plan
 
     if args.schedule_csv:
@@ -351,10 +352,8 @@ def plan_with_job_memory(args, schedule, blocks: int, say=print):
     try:
         planned, costs = job_plan(args.schedule, args.ranks, args.microbatches, parse_options(args.option),
                                   model_config(args, blocks), run_config(args))
-    except ValueError as e:  # the planner's advice is for the API: say what the command line can do
-        if "M_W exceeds M_B" not in str(e):
-            raise
-        raise CliError(f"{str(e).split(': the planner')[0]}: {args.schedule} plans W apart from B, and "
+    except HeavyW as e:  # the planner's advice is for the API: say what the command line can do
+        raise CliError(f"{e.what}: {args.schedule} plans W apart from B, and "
                        "under --remat B recomputes what W needs and holds it until W; train --remat with a "
                        "schedule that fuses B and W (--schedule 1f1b) or drop --remat") from None
     if costs is not None and say is not None:

@@ -31,6 +31,15 @@ from ..simulate import simulate
 from ..validate import ScheduleError
 
 _EPS = 1e-9
+
+
+class HeavyW(ValueError):
+    """A planner refused costs whose M_W exceeds M_B (``jax.checkpoint``: B recomputes W's operands and
+    holds them until W); ``what``: the planner and the stages, without the advice after it."""
+
+    def __init__(self, what: str, advice: str):
+        super().__init__(f"{what}: {advice}")
+        self.what = what
 _INF = float("inf")
 _PRIORITY = itemgetter(0, 1)  # a candidate's (priority, arrival): the first smallest runs
 
@@ -126,10 +135,11 @@ def per_rank_limits(
         raise ValueError(f"{name}: memory_limit must be >= 0, got {memory_limit!r}")
     heavy = [s for s, (b, w) in enumerate(zip(table.mem_b, table.mem_w)) if w > b]
     if heavy:  # B would allocate (jax.checkpoint: W's operands recomputed by B wait for W)
-        raise ValueError(
+        raise HeavyW(
             f"{name}: M_W exceeds M_B on stage(s) {heavy} (M_B {[table.mem_b[s] for s in heavy]}, M_W "
-            f"{[table.mem_w[s] for s in heavy]}): the planner has B free memory; give mem_b = max(M_B, M_W) "
-            "to plan as if F held M_W already (the limit then holds), or a schedule without a W apart (1f1b)"
+            f"{[table.mem_w[s] for s in heavy]})",
+            "the planner has B free memory; give mem_b = max(M_B, M_W) to plan as if F held M_W already (the "
+            "limit then holds), or a schedule without a W apart (1f1b)"
         )
     need = rank_stage_memory(placement, table)
     short = [r for r in range(p) if limits[r] + _EPS < need[r]]
