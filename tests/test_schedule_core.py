@@ -451,6 +451,30 @@ def test_every_ranks_events_come_from_one_pass_over_the_timeline():
     assert all(e.rank == r for r, row in enumerate(rows) for e in row)
 
 
+def test_a_timeline_of_events_in_any_order_is_the_timeline_of_them_sorted_and_ranks_outside_are_refused():
+    import random
+
+    costs = zb.Costs(comm=0.25)
+    t = zb.simulate(zb.build_schedule("zb-v", 4, 8), costs)
+    shuffled = list(t.events)
+    random.Random(0).shuffle(shuffled)
+    again = zb.Timeline.from_events(shuffled, t.num_ranks, costs)
+    assert again.events == t.events
+    assert (again.makespan, again.bubble_rate, again.busy, again.peak_memory, again.idle_gaps) == (
+        t.makespan, t.bubble_rate, t.busy, t.peak_memory, t.idle_gaps)
+    assert [again.rank_events(r) for r in range(4)] == [tuple(e for e in t.events if e.rank == r) for r in range(4)]
+    with pytest.raises(ValueError, match="event ranks run from 0 to 3; with num_ranks = 3 they must be 0 to 2"):
+        zb.Timeline.from_events(t.events, 3, costs)
+    with pytest.raises(ValueError, match="event ranks run from -1 to 3"):
+        zb.Timeline.from_events([*t.events, t.events[0]._replace(rank=-1)], 4, costs)
+
+
+def test_an_unchecked_action_is_the_action_made_with_its_checks():
+    made = zb.Action.unchecked("B", 3, 7)
+    assert made == zb.Action("B", 3, 7) and hash(made) == hash(zb.Action("B", 3, 7))
+    assert zb.Action("B", 3, 6) < made < zb.Action("B", 4, 0) and str(made) == "3I7"
+
+
 @pytest.mark.parametrize("name", ["1f1b", "zb-h2", "zb-v", "interleaved-1f1b"])
 def test_early_starts_is_empty_when_simulated_and_names_an_action_moved_before_its_input(name):
     """A simulated timeline starts nothing before its inputs; move one B a unit earlier than the B it
@@ -464,7 +488,7 @@ def test_early_starts_is_empty_when_simulated_and_names_an_action_moved_before_i
     assert early_starts(t, s.num_stages) == []
     events = list(t.events)
     i = next(i for i, e in enumerate(events) if e.action.kind in ("B", "BW") and e.action.stage == 1)
-    moved = dataclasses.replace(events[i], start=events[i].start - 1.0, end=events[i].end - 1.0)
+    moved = events[i]._replace(start=events[i].start - 1.0, end=events[i].end - 1.0)
     events[i] = moved
     shifted = dataclasses.replace(t, events=tuple(events))
     assert early_starts(shifted, s.num_stages) == [moved]

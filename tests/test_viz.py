@@ -228,6 +228,43 @@ def test_text_grid_keeps_every_action_when_narrow_and_names_stages_when_ranks_ho
         text_grid(t, width=0)
 
 
+def _cells_column_by_column(starts, ends, t0, scale, width):
+    """The text grid's columns of one rank counted action by action, column by column (Python's round):
+    (cells, owners), owners the (index, c0, c1) of each action holding some column alone."""
+    count, ranges = [0] * width, []
+    for start, end in zip(starts, ends):
+        c0 = min(round((start - t0) * scale), width - 1)
+        c1 = round((end - t0) * scale)
+        c1 = c0 + 1 if c1 <= c0 + 1 else min(c1, width)
+        for c in range(c0, c1):
+            count[c] += 1
+        ranges.append((c0, c1))
+    cells = [(".", None, "*")[min(n, 2)] for n in count]
+    owners = [(i, c0, c1) for i, (c0, c1) in enumerate(ranges) if any(count[c] == 1 for c in range(c0, c1))]
+    return cells, owners
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_text_grid_columns_counted_in_numpy_equal_counting_them_one_by_one(seed):
+    """The grid counts a rank's columns in NumPy (thousands of actions a rank at p = 256): the same cells
+    and the same actions holding a column alone as counting column by column, halves rounded to even as
+    Python's round() does, on random actions, overlapping or not, some a column wide or less."""
+    import numpy as np
+
+    from zbpp_lite.viz.text import _rank_cells
+
+    rng = np.random.default_rng(seed)
+    n, width = int(rng.integers(1, 60)), int(rng.integers(1, 40))
+    starts = np.sort(rng.integers(0, 80, n) / 4.0)  # quarters: many columns' edges fall on a half
+    ends = starts + rng.integers(0, 12, n) / 4.0
+    scale = width / float(ends.max()) if ends.max() > 0 else 0.0
+    events = [Event(0, zb.Action("F", 0, i), float(a), float(b)) for i, (a, b) in enumerate(zip(starts, ends))]
+    cells, owners = _rank_cells(events, (starts, ends), 0.0, scale, width)
+    want_cells, want_owners = _cells_column_by_column(starts.tolist(), ends.tolist(), 0.0, scale, width)
+    assert cells == want_cells
+    assert [(e.action.microbatch, c0, c1) for e, c0, c1 in owners] == want_owners
+
+
 def _rows(grid: str) -> list[str]:
     return [line.split("|", 1)[1] for line in grid.splitlines() if line.startswith("rank ")]
 

@@ -396,7 +396,7 @@ class _CrossProcess(Threads):
                 events += [Event(r, Action.from_str(a), t0, t1) for r, a, t0, t1 in share["events"]]
                 ties += [TieSum(r, t, tuple(q), n, t0, t1) for r, t, q, n, t0, t1 in share["ties"]]
             begin = min(e.start for e in events)  # from the first action of any process, as in one process
-            events = [dataclasses.replace(e, start=e.start - begin, end=e.end - begin) for e in events]
+            events = [e._replace(start=e.start - begin, end=e.end - begin) for e in events]
             ties = [dataclasses.replace(t, start=t.start - begin, end=t.end - begin) for t in ties]
             losses = tuple(losses_by_mb[j] for j in range(m))
             timeline = Timeline.from_events(events, self.schedule.num_ranks, num_stages=S, source="measured")

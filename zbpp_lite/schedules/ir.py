@@ -37,6 +37,9 @@ _TORCH_NON_COMPUTE = re.compile(r"^\s*\d+(SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RE
 _TORCH_OVERLAP = re.compile(r"^\s*\((.*)\)\s*OVERLAP_F_B\s*$")
 
 
+_new = object.__new__
+
+
 @dataclass(frozen=True, order=True)
 class Action:
     """One unit of pipeline work: ``kind`` ("F", "B" input gradient, "W" weight gradient, "BW" fused
@@ -65,6 +68,15 @@ class Action:
     def text(self) -> str:
         """Our text form, the kind between stage and microbatch: ``"1B3"`` (B), ``"0BW1"`` (BW)."""
         return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def unchecked(cls, kind: str, stage: int, microbatch: int) -> "Action":
+        """The Action made without ``__init__``'s checks, for a planner's own known-good actions (the greedy
+        scheduler makes 786,432 at p = 256, m = 512; this way in 0.4 of the time)."""
+        action = _new(cls)
+        fields = action.__dict__
+        fields["kind"], fields["stage"], fields["microbatch"] = kind, stage, microbatch
+        return action
 
     @classmethod
     def from_str(cls, text: str) -> "Action":
@@ -271,12 +283,15 @@ class Schedule:
 
     def rank_actions(self, rank: int) -> tuple[Action, ...]:
         """``rank``'s actions in order, each pair as its forward then its backward."""
-        return tuple(a for e in self.actions[rank] for a in parts(e))
+        row = self.actions[rank]
+        if Overlap not in map(type, row):  # no pair: the row itself (p = 256, m = 512: 3,072 actions a rank)
+            return row
+        return tuple(a for e in row for a in parts(e))
 
     @property
     def has_pairs(self) -> bool:
         """True when some rank's list holds an overlapped pair (:class:`Overlap`)."""
-        return any(isinstance(e, Overlap) for row in self.actions for e in row)
+        return any(Overlap in map(type, row) for row in self.actions)
 
     def split_pairs(self) -> "Schedule":
         """The same schedule with every pair written as its two consecutive actions."""

@@ -74,7 +74,8 @@ def _chunk_index(timeline: Timeline) -> dict[tuple[int, int], int]:
 
 def several_stages(*timelines: Timeline) -> bool:
     """Does a rank of any of ``timelines`` hold several stages (an interleaved or V placement)?"""
-    return any(max(_chunk_index(t).values(), default=0) > 0 for t in timelines)
+    return any(len({e.action.stage for e in t.rank_events(r)}) > 1
+               for t in timelines for r in range(t.num_ranks))
 
 
 def _chunk_note(*timelines: Timeline) -> list[dict[str, Any]]:
@@ -394,7 +395,7 @@ def postvalidation_figure(timeline: Timeline, title: str | None = None) -> go.Fi
 
 def _shifted(timeline: Timeline, dt: float) -> Timeline:
     return replace(timeline,
-                   events=tuple(replace(e, start=e.start + dt, end=e.end + dt) for e in timeline.events))
+                   events=tuple(e._replace(start=e.start + dt, end=e.end + dt) for e in timeline.events))
 
 
 def layer_dependency_figure(num_layers: int = 3, title: str | None = None) -> go.Figure:

@@ -784,7 +784,8 @@ class _Greedy:
             due[r] = _INF
             decide(r, time)
         spans = [max((self.free[r] - self.first[r]), 0.0) for r in range(self.p)]
-        actions = tuple(tuple(Action(*x) for x in row) for row in self.rows)
+        make = Action.unchecked  # the rows' kinds, stages and microbatches are the run's own
+        actions = tuple(tuple(make(*x) for x in row) for row in self.rows)
         return Plan(actions, max(spans), tuple(self.peak), self.rules)
 
     def decide(self, r: int, now: float) -> None:
