@@ -469,6 +469,20 @@ def test_a_timeline_of_events_in_any_order_is_the_timeline_of_them_sorted_and_ra
         zb.Timeline.from_events([*t.events, t.events[0]._replace(rank=-1)], 4, costs)
 
 
+@pytest.mark.parametrize("name, rank, step, to, named", [
+    ("zb-h1", 3, 1, 0, r"B\(stage 3, microbatch 0\) \[3B0\] needs F of stage 3, microbatch 0"),
+    ("dualpipe-v", 0, 17, 16, r"\[0F7&7BW3\] needs F of stage 7, microbatch 3")])
+def test_an_unchecked_simulation_names_an_entry_run_before_what_it_needs_on_its_own_rank(name, rank, step, to,
+                                                                                         named):
+    """check=False finds deadlock only: the last stage's B (or a pair whose BW is the last stage's) moved
+    one place, before the F it needs on its own rank, is named by the timing with the F it lacks."""
+    s = zb.build_schedule(name, 4, 8)
+    rows = [list(row) for row in s.actions]
+    rows[rank].insert(to, rows[rank].pop(step))
+    with pytest.raises(zb.ScheduleError, match=named + ", which is not there before it"):
+        zb.simulate(zb.Schedule(rows, s.placement, 8), check=False)
+
+
 def test_an_unchecked_action_is_the_action_made_with_its_checks():
     made = zb.Action.unchecked("B", 3, 7)
     assert made == zb.Action("B", 3, 7) and hash(made) == hash(zb.Action("B", 3, 7))

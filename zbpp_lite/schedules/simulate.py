@@ -156,30 +156,44 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
                 sent[x.key, x.peer] = free[rank]
         elif what is Optimize:  # no cost in the cost model: an instant on the rank's timeline
             events.append(Event(rank, x, free[rank], free[rank]))
-        else:
-            start = free[rank]
-            found = [(a.microbatch, links[a.kind, a.stage]) for a in x.parts] if what is Overlap \
-                else ((x.microbatch, links[x.kind, x.stage]),)
-            for j, (needs, _, _) in found:
-                for got, kind, stage in needs:
-                    end = got.get(j)
-                    if end is None:
-                        raise ScheduleError(f"rank {rank}, step {step}: {describe(x)} needs {kind} of stage "
-                            f"{stage}, microbatch {j}, which is not there before it; rule: what an action "
-                            "needs runs (or is received) before it")
-                    if end > start:  # max(start, end) without a call per dependency
-                        start = end
-            if what is Overlap:
-                end = start + table.duration(x)
-                events += _events_of(rank, x, start, end, table)
-            else:
-                end = start + found[0][1][2]
-                events.append(Event(rank, x, start, end))
+        elif what is Overlap:
+            found = [(a.microbatch, links[a.kind, a.stage]) for a in x.parts]
+            start = max(_ready(rank, step, x, j, needs, free[rank]) for j, (needs, _, _) in found)
+            end = start + table.duration(x)
+            events += _events_of(rank, x, start, end, table)
             free[rank] = end
             for j, (_, makes, _) in found:
                 for made in makes:
                     made[j] = end
+        else:  # an action: _ready and the pair's loops written out (planning at p = 256 times 786,432)
+            j = x.microbatch
+            needs, makes, duration = links[x.kind, x.stage]
+            start = free[rank]
+            for got, kind, stage in needs:
+                end = got.get(j)
+                if end is None:
+                    _ready(rank, step, x, j, needs, start)  # raises, naming it
+                if end > start:  # max(start, end) without a call per dependency
+                    start = end
+            end = start + duration
+            events.append(Event(rank, x, start, end))
+            free[rank] = end
+            for made in makes:
+                made[j] = end
     return events
+
+
+def _ready(rank: int, step: int, x, j: int, needs: tuple, start: float) -> float:
+    """When the rank's step ``x`` on microbatch ``j`` may start: not before ``start`` (the rank free) nor
+    the end or arrival of what it ``needs`` (:func:`_timing_links`). Raises ScheduleError: one not there."""
+    for got, kind, stage in needs:
+        end = got.get(j)
+        if end is None:
+            raise ScheduleError(f"rank {rank}, step {step}: {describe(x)} needs {kind} of stage {stage}, "
+                f"microbatch {j}, which is not there before it; rule: what an action needs runs (or is "
+                "received) before it")
+        start = max(start, end)
+    return start
 
 
 def _timing_links(table: CostTable, placement: tuple[int, ...]) -> tuple[dict, dict]:

@@ -792,17 +792,20 @@ class _Greedy:
         """Rank r is free at ``now``: run what has arrived, hold a filler, or wait for the next arrival."""
         t, free, soon = self.t, self.free, now + _EPS
         while True:
-            if free[r] > soon:
-                self.set_due(r, free[r])
+            if free[r] > soon:  # busy: set_due(r, free[r]) without the call (once per action)
+                self.due[r] = busy = free[r]
+                heapq.heappush(self.heap, (busy, r))
                 return
             cands = self.candidates(r)
-            ready = [c for c in cands if c[1] <= soon]
             warm = self.warm[r]
             fit = warm and self.rules.fit_f
-            firm = [c for c in ready if not (c[2] == "F" and self.fit_stage[c[3]])] if fit else ready
+            best = None  # the first firm arrived candidate of smallest (priority, arrival), as min() picks
+            for c in cands:
+                if c[1] <= soon and not (fit and c[2] == "F" and self.fit_stage[c[3]]) and (
+                        best is None or c[0] < best[0] or c[0] == best[0] and c[1] < best[1]):
+                    best = c
             hold = self.hold[r]
-            if firm:
-                best = firm[0] if len(firm) == 1 else min(firm, key=_PRIORITY)
+            if best is not None:
                 if hold is not None:
                     self.hold[r] = None
                     kind, s, j, start = hold
@@ -821,7 +824,7 @@ class _Greedy:
                     self.commit(r, "B", s, j, arr if arr > free[r] else free[r])
                 continue
             if hold is None:
-                hold = self.hold[r] = self.filler(r, ready, warm)
+                hold = self.hold[r] = self.filler(r, [c for c in cands if c[1] <= soon], warm)
                 if hold is None:
                     self.set_due(r, self.next_arrival(cands, now))
                     return
