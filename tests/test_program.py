@@ -213,6 +213,9 @@ def test_tied_weights_gradient_sums_are_instructions_the_validator_checks_and_th
     rank0 = list(program.instructions[0])
     at = rank0.index(Optimize("TIE"))
     assert rank0[at:at + 4] == tie0 and rank0[at + 4] == Optimize("NORM")  # the ties, then the optimizer
+    assert [str(x) for x in rank0[at:at + 6]] == ["TIE", "SEND_TIE0.0>1", "RECV_TIE0.1", "TIE_TOTAL", "NORM",
+                                                 "SEND_NORM0>1"]  # a dot where the tag ends in a digit
+    assert str(Send(OptimizerMessage("TIE1", 10), 0)) != str(Send(OptimizerMessage("TIE11", 0), 0))
     assert all(isinstance(x, (Action, Send, Recv)) for x in rank0[:at])  # after the rank's last compute
     assert [x.text for x in program.instructions[1] if type(x) is Optimize][:2] == ["TIE", "TIE_TOTAL"]
     costs = zb.Costs(f=1.3, b=1.1, w=0.7, comm=0.3)
@@ -230,7 +233,7 @@ def test_tied_weights_gradient_sums_are_instructions_the_validator_checks_and_th
 
     with pytest.raises(zb.ScheduleError, match=r"comes before the rank's TIE; rule: send a message after"):
         zb.validate(edited(lambda row: row[:at] + [row[at + 1], row[at]] + row[at + 2:]))
-    with pytest.raises(zb.ScheduleError, match=r"SEND_TIE00>1\] has no matching RECV on rank 1"):
+    with pytest.raises(zb.ScheduleError, match=r"SEND_TIE0.0>1\] has no matching RECV on rank 1"):
         zb.validate(edited(lambda row: [x for x in row if x != Recv(OptimizerMessage("TIE0", 0), 0)], rank=1))
     total = rank0.index(Optimize("TIE_TOTAL"))
     with pytest.raises(zb.ScheduleError, match=r"TIE \[TIE\] comes before the rank's last compute"):

@@ -77,10 +77,15 @@ def destination(key: Key, placement: Sequence[int]) -> int | None:
 class OptimizerMessage(NamedTuple):
     """A host value the optimizer's instructions send (``tag``: "NORM" a rank's squared norm and NaN flag,
     "PARTIAL" the sum over ranks 0 .. ``sender``, "FULL" the sum over all, ``TIE<t>`` the sum of tie t's
-    gradient copies on the sender's rank: :func:`tie_message`) from rank ``sender``."""
+    gradient copies on the sender's rank: :func:`tie_message`) from rank ``sender``. ``str()``: the tag,
+    then the sender, after a dot where the tag ends in a digit (``NORM1``; ``TIE1.10`` and ``TIE11.0``,
+    tie 1 from rank 10 and tie 11 from rank 0, would both read ``TIE110`` glued)."""
 
     tag: str
     sender: int
+
+    def __str__(self) -> str:
+        return f"{self.tag}{'.' if self.tag[-1:].isdigit() else ''}{self.sender}"
 
 
 def tie_message(tie: int, sender: int) -> "OptimizerMessage":
@@ -145,7 +150,7 @@ class Send:
 
     def __str__(self) -> str:
         if type(self.key) is OptimizerMessage:
-            return f"SEND_{self.key.tag}{self.key.sender}>{self.peer}"
+            return f"SEND_{self.key}>{self.peer}"
         return f"{self.key[1]}SEND_{self.key[0]}{self.key[2]}"
 
     @property
@@ -167,7 +172,7 @@ class Recv:
 
     def __str__(self) -> str:
         if type(self.key) is OptimizerMessage:
-            return f"RECV_{self.key.tag}{self.key.sender}{'<' * self.earlier}"
+            return f"RECV_{self.key}{'<' * self.earlier}"
         kind, stage, microbatch = self.key
         return f"{consumer_stage(kind, stage)}RECV_{kind}{microbatch}"
 
