@@ -268,3 +268,11 @@ def test_1f1b_critical_chain_climbs_every_rank_through_the_last_backwards():
     # the last microbatch's F goes down the ranks and its BW comes back up: 2p actions, no W to skip
     assert last == [(r, f"{r}F{m - 1}") for r in range(p)] + [(r, f"{r}B{m - 1}") for r in reversed(range(p))]
     assert critical_path(Timeline.from_events([], 2)) == []
+
+
+def test_a_critical_path_that_comes_back_to_an_event_is_refused_instead_of_looping():
+    # an action twice on a rank (equal events) made the walk step from the second to the first forever
+    f = zb.Action("F", 0, 0)
+    with pytest.raises(ValueError, match=r"^critical_path: the chain of waits comes back to 0F0 on rank 0 "
+                       r"\(0.0 to 1.0\); a timeline holds each action once"):
+        critical_path(Timeline.from_events([zb.Event(0, f, 0.0, 1.0), zb.Event(0, f, 0.0, 1.0)], 1))

@@ -61,6 +61,16 @@ def test_costs_whose_sums_overflow_are_refused_in_one_line():
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "overflow to infinity" in out.stderr
 
 
+@pytest.mark.parametrize("name", ["zb-auto", "zb-1p", "zb-v", "v-half"])
+def test_planners_whose_times_overflow_say_so_in_one_line(name):
+    # the greedy scheduler raised AssertionError("greedy scheduler bug: no rank can move") at 5e307
+    with pytest.raises(ValueError, match="^the simulated times overflow to infinity: costs up to 5e"):
+        zb.build_schedule(name, 2, 4, costs=zb.Costs(f=5e307, b=5e307, w=5e307))
+    out = subprocess.run([sys.executable, "-m", "zbpp_lite", "plan", "-s", name, "-p", "2", "-m", "4", "--f", "5e307",
+                          "--b", "5e307", "--w", "5e307"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "overflow to infinity" in out.stderr
+
+
 def test_numpy_integers_are_sizes_and_bools_and_floats_are_not():
     s = zb.build_schedule("zb-h1", np.int64(2), np.int32(4))
     assert s == zb.build_schedule("zb-h1", 2, 4) and type(s.num_microbatches) is int

@@ -467,6 +467,7 @@ def test_a_timeline_of_events_in_any_order_is_the_timeline_of_them_sorted_and_ra
         zb.Timeline.from_events(t.events, 3, costs)
     with pytest.raises(ValueError, match="event ranks run from -1 to 3"):
         zb.Timeline.from_events([*t.events, t.events[0]._replace(rank=-1)], 4, costs)
+    assert zb.Timeline.from_events((e for e in shuffled), 4, costs) == t  # any iterable, read once
 
 
 @pytest.mark.parametrize("name, rank, step, to, named", [

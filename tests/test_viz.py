@@ -259,10 +259,34 @@ def test_text_grid_columns_counted_in_numpy_equal_counting_them_one_by_one(seed)
     ends = starts + rng.integers(0, 12, n) / 4.0
     scale = width / float(ends.max()) if ends.max() > 0 else 0.0
     events = [Event(0, zb.Action("F", 0, i), float(a), float(b)) for i, (a, b) in enumerate(zip(starts, ends))]
-    cells, owners = _rank_cells(events, (starts, ends), 0.0, scale, width)
+    cells, owners = _rank_cells(events, (starts, ends), scale, width)
     want_cells, want_owners = _cells_column_by_column(starts.tolist(), ends.tolist(), 0.0, scale, width)
     assert cells == want_cells
     assert [(e.action.microbatch, c0, c1) for e, c0, c1 in owners] == want_owners
+
+
+def test_text_grid_of_clock_readings_in_integer_nanoseconds_is_the_grid_of_their_differences():
+    """Times are taken from the grid's start before NumPy sees them: time.time_ns() readings (above 2**53,
+    where a float64 has no unit digit) draw as their differences do; a time not finite is named."""
+    t0 = 1_700_000_000_000_000_000
+    f, b = zb.Action("F", 0, 0), zb.Action("B", 0, 0)
+    stamps = Timeline.from_events([Event(0, f, t0 + 1, t0 + 100), Event(0, b, t0 + 300, t0 + 400)], 1, source="measured")
+    shifted = Timeline.from_events([Event(0, f, 1.0, 100.0), Event(0, b, 300.0, 400.0)], 1, source="measured")
+    assert text_grid(stamps, 8) == text_grid(shifted, 8)
+    assert _rows(text_grid(stamps, 8)) == ["F0....B0"]
+    with pytest.raises(ValueError, match=r"^text_grid: rank 0's 0F0 runs from 0.0 to nan; times must be finite"):
+        text_grid(Timeline.from_events([Event(0, f, 0.0, float("nan"))], 1), 8)
+
+
+def test_text_grid_of_a_program_with_optimizer_instructions_draws_its_actions():
+    """A lowered program's timeline holds the optimizer's instants (stage -1, no microbatch): they take no
+    time and are not drawn (the grid raised AttributeError on them)."""
+    from zbpp_lite.schedules.program import lower
+
+    s = zb.build_schedule("zb-h1", 2, 4)
+    with_step = zb.simulate(lower(s, "synchronous"))
+    assert any(e.action.kind == "STEP" for e in with_step.events)
+    assert _rows(text_grid(with_step, 40)) == _rows(text_grid(zb.simulate(s), 40))
 
 
 def _rows(grid: str) -> list[str]:

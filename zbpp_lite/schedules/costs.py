@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from dataclasses import dataclass, replace
 from typing import Sequence, Union
 
@@ -213,6 +214,14 @@ class CostTable:
             if held > peak:
                 peak = held
         return peak
+
+    def overflow(self) -> ValueError:
+        """The error for times that add up beyond the largest float (simulator and planners alike)."""
+        big = max((*self.f, *self.b, *self.w, *self.comm))
+        return ValueError(
+            f"the simulated times overflow to infinity: costs up to {big:g} add up beyond the largest float "
+            f"({sys.float_info.max:.3g}); give the costs in a larger time unit (e.g. seconds instead of "
+            "microseconds)")
 
     def transfer(self, producer_stage: int, consumer_stage: int) -> float:
         """T_comm for a dependency from one stage to another (the sending side's value)."""

@@ -13,7 +13,6 @@ on the timeline it is two back-to-back events splitting T_F&B in proportion to i
 from __future__ import annotations
 
 import math
-import sys
 from operator import attrgetter
 
 from .costs import Costs, CostTable
@@ -55,12 +54,7 @@ def simulate(
     else:
         events = _timed_events(table, *(checked_program(schedule) if check else _walk_program(schedule)))
     if not all(map(math.isfinite, map(attrgetter("end"), events))):
-        big = max((*table.f, *table.b, *table.w, *table.comm))
-        raise ValueError(
-            f"the simulated times overflow to infinity: costs up to {big:g} add up beyond the largest float "
-            f"({sys.float_info.max:.3g}); give the costs in a larger time unit (e.g. seconds instead of "
-            "microseconds)"
-        )
+        raise table.overflow()
     return Timeline.from_events(events, schedule.num_ranks, table, schedule.num_stages, memory_limit,
         "simulated")
 

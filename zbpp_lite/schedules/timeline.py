@@ -83,6 +83,7 @@ class Timeline:
         Memory follows each rank's own action order (model of :mod:`.costs`; default ``Costs()``: M_B = 1,
         M_W = 7/16). Gaps shorter than ``gap_tolerance`` are ignored (float noise).
         """
+        events = list(events)  # any iterable, read more than once below
         ranks = list(map(attrgetter("rank"), events))
         if ranks and not 0 <= min(ranks) <= max(ranks) < num_ranks:
             raise ValueError(f"Timeline.from_events: event ranks run from {min(ranks)} to {max(ranks)}; with "

@@ -8,8 +8,8 @@ from operator import attrgetter
 
 import numpy as np
 
+from ..schedules.ir import Action
 from ..schedules.timeline import Event, Timeline
-from .figures import several_stages
 
 IDLE = "."
 FOLDED = "*"
@@ -31,15 +31,18 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     ``width`` columns. Every action shows, in order: its label (``F12``; ``5F3`` plus a blank where a rank
     holds several stages) if it fits, else its kind (``F``, ``B``, ``W``, ``X`` for ``BW``); columns shared
     by several actions show ``*``, and a last line says how many and which ``width`` shows all labels.
-    Raises ValueError: ``width`` below 1.
+    An optimizer instruction (an instant in a lowered program's timeline) is not drawn. Raises ValueError:
+    ``width`` below 1, or an action's time not finite.
     """
     if width is not None and width < 1:
         raise ValueError(f"text_grid: width must be >= 1 column, got {width}")
-    events = timeline.events
-    rank_times = [_times(timeline.rank_events(rank)) for rank in range(timeline.num_ranks)]
-    t0 = min((float(starts.min()) for starts, _ in rank_times if len(starts)), default=0.0)
-    span = max((float(ends.max()) for _, ends in rank_times if len(ends)), default=0.0) - t0
-    with_stage = several_stages(timeline)
+    ranks = [tuple(e for e in timeline.rank_events(r) if type(e.action) is Action)
+             for r in range(timeline.num_ranks)]
+    events = [e for row in ranks for e in row]  # actions only: an optimizer instruction is an instant
+    t0 = min(map(attrgetter("start"), events), default=0.0)
+    span = max(map(attrgetter("end"), events), default=0.0) - t0
+    rank_times = [_times(row, t0) for row in ranks]
+    with_stage = any(len({e.action.stage for e in row}) > 1 for row in ranks)
     extents = _extents(events, with_stage)
     if width is None:
         shortest = min((d for _, d in extents if d > 0), default=1.0)
@@ -49,7 +52,7 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     scale = width / span if span > 0 else 0.0
     rows, shortened, shared = [], 0, 0
     for rank in range(timeline.num_ranks):
-        cells, owner = _rank_cells(timeline.rank_events(rank), rank_times[rank], t0, scale, width)
+        cells, owner = _rank_cells(ranks[rank], rank_times[rank], scale, width)
         for e, c0, c1 in owner:
             own = [c for c in range(c0, c1) if cells[c] is None]  # columns no other action touches
             text = _label(e, with_stage)
@@ -95,23 +98,29 @@ def _extents(events, with_stage: bool) -> list[tuple[int, float]]:
     return sorted(pairs)
 
 
-def _times(events) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, ends) of ``events``, float64 arrays."""
-    n = len(events)
-    return (np.fromiter(map(attrgetter("start"), events), float, n),
-            np.fromiter(map(attrgetter("end"), events), float, n))
+def _times(events, t0) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, ends) of ``events`` less ``t0``, float64 arrays: subtracted before the conversion, so large
+    integer clock readings (``time.time_ns()``) keep their differences. Raises ValueError: a time that is
+    not finite."""
+    starts = np.array([e.start - t0 for e in events], float)
+    ends = np.array([e.end - t0 for e in events], float)
+    if not (np.isfinite(starts).all() and np.isfinite(ends).all()):
+        e = next(e for e in events if not (math.isfinite(e.start) and math.isfinite(e.end)))
+        raise ValueError(f"text_grid: rank {e.rank}'s {e.action} runs from {e.start} to {e.end}; times must "
+                         "be finite numbers")
+    return starts, ends
 
 
-def _rank_cells(events, times, t0: float, scale: float, width: int) -> tuple[list, list]:
+def _rank_cells(events, times, scale: float, width: int) -> tuple[list, list]:
     """One rank's columns (IDLE, FOLDED where actions share one, None where one action holds it) and, for
     each action holding a column alone, (event, c0, c1): its column range [c0, c1). An action covers the
-    columns its start and end (``times``: :func:`_times`) round to, at least one; the others show only as
-    ``*``, so they are counted here (in NumPy: a rank holds thousands of actions at p = 256, m = 512) and
-    never reach the labels."""
+    columns its start and end (``times``: :func:`_times`, from the grid's start) round to, at least one;
+    the others show only as ``*``, so they are counted here (in NumPy: a rank holds thousands of actions at
+    p = 256, m = 512) and never reach the labels."""
     if not events:
         return [IDLE] * width, []
-    c0 = np.minimum(np.rint((times[0] - t0) * scale), width - 1).astype(np.int64)  # rint: round()'s halves
-    c1 = np.rint((times[1] - t0) * scale)
+    c0 = np.minimum(np.rint(times[0] * scale), width - 1).astype(np.int64)  # rint: round()'s halves
+    c1 = np.rint(times[1] * scale)
     c1 = np.where(c1 <= c0 + 1, c0 + 1, np.minimum(c1, width)).astype(np.int64)
     count = np.cumsum(np.bincount(c0, minlength=width + 1) - np.bincount(c1, minlength=width + 1))[:width]
     alone = np.concatenate(([0], np.cumsum(count == 1)))  # columns held by one action, before each column

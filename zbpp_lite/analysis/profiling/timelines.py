@@ -134,7 +134,8 @@ def critical_path(timeline: Timeline, comm: float = 0.0) -> list[Event]:
     tie goes to another rank's output, so the chain follows the data. In a 1F1B or zero-bubble timeline
     the chain runs down the ranks through F's and back up through B's (or BW's): a W is on it only where
     a rank had nothing else to do (arXiv 2401.10241 section 2: B is on the critical path, W is not).
-    Empty for an empty timeline.
+    Empty for an empty timeline. Raises ValueError: an event that waits, through others, on itself (an
+    action twice on a rank, or a cycle).
     """
     if not timeline.events:
         return []
@@ -145,7 +146,7 @@ def critical_path(timeline: Timeline, comm: float = 0.0) -> list[Event]:
         row = timeline.rank_events(r)
         before.update(zip(row[1:], row[:-1]))
     e = max(timeline.events, key=lambda x: (x.end, -x.rank))
-    chain = [e]
+    chain, seen = [e], {id(e)}
     while True:
         waited = [(e.start - p.end - comm, 0, p) for p in (made.get(k) for k in deps(e.action, S))
                   if p is not None and p.rank != e.rank]
@@ -154,6 +155,11 @@ def critical_path(timeline: Timeline, comm: float = 0.0) -> list[Event]:
         if not waited:
             return chain[::-1]
         e = min(waited, key=lambda x: (x[0], x[1]))[2]
+        if id(e) in seen:  # a rank's event twice, or events waiting on each other: no chain ends
+            raise ValueError(f"critical_path: the chain of waits comes back to {e.action} on rank {e.rank} "
+                             f"({e.start} to {e.end}); a timeline holds each action once, in an order "
+                             "its dependencies allow")
+        seen.add(id(e))
         chain.append(e)
 
 

@@ -776,6 +776,8 @@ class _Greedy:
         heap, due, pop, decide = self.heap, self.due, heapq.heappop, self.decide
         while self.left:
             if not heap:
+                if not all(map(math.isfinite, self.free)):
+                    raise self.t.overflow()  # a time past the largest float never comes due
                 raise AssertionError("greedy scheduler bug: no rank can move (memory safety prevents this)")
             time, r = pop(heap)
             if time != due[r]:
@@ -784,6 +786,8 @@ class _Greedy:
             due[r] = _INF
             decide(r, time)
         spans = [max((self.free[r] - self.first[r]), 0.0) for r in range(self.p)]
+        if not all(map(math.isfinite, spans)):
+            raise self.t.overflow()
         make = Action.unchecked  # the rows' kinds, stages and microbatches are the run's own
         actions = tuple(tuple(make(*x) for x in row) for row in self.rows)
         return Plan(actions, max(spans), tuple(self.peak), self.rules)
