@@ -159,16 +159,10 @@ def _timed_events(table: CostTable, program: Program, order: list[tuple[int, int
             for j, (_, makes, _) in found:
                 for made in makes:
                     made[j] = end
-        else:  # an action: _ready and the pair's loops written out (planning at p = 256 times 786,432)
+        else:  # an action: no list of parts (planning at p = 256 times 786,432)
             j = x.microbatch
             needs, makes, duration = links[x.kind, x.stage]
-            start = free[rank]
-            for got, kind, stage in needs:
-                end = got.get(j)
-                if end is None:
-                    _ready(rank, step, x, j, needs, start)  # raises, naming it
-                if end > start:  # max(start, end) without a call per dependency
-                    start = end
+            start = _ready(rank, step, x, j, needs, free[rank])
             end = start + duration
             events.append(Event(rank, x, start, end))
             free[rank] = end
@@ -186,7 +180,8 @@ def _ready(rank: int, step: int, x, j: int, needs: tuple, start: float) -> float
             raise ScheduleError(f"rank {rank}, step {step}: {describe(x)} needs {kind} of stage {stage}, "
                 f"microbatch {j}, which is not there before it; rule: what an action needs runs (or is "
                 "received) before it")
-        start = max(start, end)
+        if end > start:  # max(start, end) without a call per dependency
+            start = end
     return start
 
 

@@ -796,9 +796,8 @@ class _Greedy:
         """Rank r is free at ``now``: run what has arrived, hold a filler, or wait for the next arrival."""
         t, free, soon = self.t, self.free, now + _EPS
         while True:
-            if free[r] > soon:  # busy: set_due(r, free[r]) without the call (once per action)
-                self.due[r] = busy = free[r]
-                heapq.heappush(self.heap, (busy, r))
+            if free[r] > soon:
+                self.set_due(r, free[r])
                 return
             cands = self.candidates(r)
             warm = self.warm[r]
