@@ -251,6 +251,23 @@ def test_a_b_that_also_computes_the_weight_gradients_fails(lesson):
     assert not verdict and "computes the weight gradients too" in str(verdict), str(verdict)
 
 
+def test_a_b_handing_w_more_than_x_and_dz_fails(lesson):
+    """8.2 counts what W needs, each layer's input and dz: a B that also hands W its pullback (which holds
+    every array F kept) passes the gradient checks but must fail 8.1, naming the bytes."""
+    F, B, W = lesson["F"], lesson["B"], lesson["W"]
+
+    def B_with_pullback(saved, dy):
+        dx, for_w = B(saved, dy)
+        return dx, (*for_w, saved[0])
+
+    def W_ignoring(for_w):
+        return W(for_w[:2])
+
+    verdict = ex.stage_split(lesson["lab"].try_stage(F, B_with_pullback, W_ignoring))
+    needs = 2 * 64 * (256 + 256) * 4                                # 2 layers: x and dz, (64, 256) float32
+    assert not verdict and f"W needs each layer's input x and dz, {needs:,} bytes" in str(verdict), str(verdict)
+
+
 def test_wrong_predictions_fail():
     """Exercise 8.2: the bytes B hands to W, held at once on each ZB-H1 rank (p = 4, m = 8). Each pattern
     copied from elsewhere is named: r microbatches (the W lag), the dz's alone, F's p - r, 1F1B's one."""

@@ -57,7 +57,7 @@ CASES = {
     "6.1": (lambda p, v, r: [k * p + (r if k % 2 == 0 else p - 1 - r) for k in range(v)],
             lambda p, v, r: list(range(r * v, r * v + v))),   # zig-zag passes, not contiguous blocks
     "6.2": (3 / 16, 0.375),   # 24 + 9/v + 2(4v - 1)c: v = 2 and 3 tie where 1.5 = 8c; 0.375: each link once
-    "6.3": (lambda p, v, r: v * p + p - 1 - 2 * r, lambda p, v, r: v * (p - r)),   # v times 1F1B's p - r
+    "6.3": (lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r), lambda p, v, m, r: v * (p - r)),   # v(p - r): 1F1B's
     "7.1": ((0, 3), (3, 1)),                        # idle 23, 22, 0, 16; the wrong one: "farthest from the
                                                     # slow stage" idles most, "next to it" least
     "7.2": ((3, 2, 3), (4, 3, 1)),                  # 5, 9, 7; the wrong one fills stage 0 past 21/3: 10, 7, 4
@@ -282,8 +282,8 @@ def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
 
 def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
     assert not ex.zigzag_stages(lambda p, v, r: [r + k * p for k in range(v)]).ok   # the looped s % p, copied
-    assert not ex.interleaved_peak(lambda p, v, r: v * p + p - 1).ok           # rank 0's value on every rank
-    one_f_one_b = ex.interleaved_peak(lambda p, v, r: p - r if v == 1 else v * p + p - 1 - 2 * r)
+    assert not ex.interleaved_peak(lambda p, v, m, r: min(v * m, v * p + p - 1)).ok   # rank 0's on every rank
+    one_f_one_b = ex.interleaved_peak(lambda p, v, m, r: min(v * m, p - r if v == 1 else v * p + p - 1 - 2 * r))
     assert not one_f_one_b.ok and "Megatron" in str(one_f_one_b)               # v = 1 is not 1F1B's warm-up
 
 
@@ -303,15 +303,19 @@ def test_exercise_6_2_refuses_miscounted_links_and_accepts_the_critical_path_der
 
 
 def test_exercise_6_3_tells_patterns_fitted_from_v_1_from_the_derivation():
-    """peak(p, v, r) = vp + p - 1 - 2r passes; v times v = 1's 2(p - r) - 1 and v = 1's count for vp
-    ranks, 2(vp - r) - 1, both right at v = 1 and at some points beyond, are refused with their own
-    message, not only the first failing point."""
-    assert ex.interleaved_peak(lambda p, v, r: v * p + p - 1 - 2 * r)
-    times_v = ex.interleaved_peak(lambda p, v, r: v * (2 * (p - r) - 1))
-    deep = ex.interleaved_peak(lambda p, v, r: 2 * (v * p - r) - 1)
+    """peak(p, v, m, r) = min(vm, vp + p - 1 - 2r) passes; v times v = 1's 2(p - r) - 1 and v = 1's count
+    for vp ranks, 2(vp - r) - 1, both right at v = 1 and at some points beyond, are refused with their own
+    message, not only the first failing point; so is the m >= 2p count without its cap, which a line fitted
+    to m >= 2p gives (rank 0 at p = 4, v = 2, m = 4 runs all 8 forwards first, not 11)."""
+    assert ex.interleaved_peak(lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r))
+    times_v = ex.interleaved_peak(lambda p, v, m, r: v * (2 * (p - r) - 1))
+    deep = ex.interleaved_peak(lambda p, v, m, r: 2 * (v * p - r) - 1)
     assert not times_v and "once" in times_v.message and "your function gives" not in times_v.message
     assert not deep and "vp ranks" in deep.message and "your function gives" not in deep.message
-    fitted = ex.interleaved_peak(lambda p, v, r: 2 * (p - r) - 1 + (v - 1) * 4)   # p = 4's step, copied
+    uncapped = ex.interleaved_peak(lambda p, v, m, r: v * p + p - 1 - 2 * r)
+    assert not uncapped and "m >= 2p" in uncapped.message and "your function gives" not in uncapped.message
+    assert zb.simulate(zb.build_schedule("interleaved-1f1b", 4, 4, stages_per_rank=2), zb.Costs()).peak_memory[0] == 8
+    fitted = ex.interleaved_peak(lambda p, v, m, r: min(v * m, 2 * (p - r) - 1 + (v - 1) * 4))   # p = 4's step
     assert not fitted and "your function gives" in fitted.message
 
 
@@ -360,8 +364,8 @@ SIMULATED = {  # function answers that ask the package instead of deriving: each
     "3.3": lambda p, m, f, b, w: (zb.simulate(zb.build_schedule("zb-h2", p, m), zb.Costs(f=f, b=b, w=w)).makespan
                                   - m * (f + b + w)),
     "5.3": lambda p, m, t: zb.simulate(_zb_v(p, m), zb.Costs(f=t, b=t, w=t)).makespan,
-    "6.3": lambda p, v, r: max(zb.simulate(zb.build_schedule("interleaved-1f1b", p, k * p, stages_per_rank=v),
-                                           zb.Costs()).peak_memory[r] for k in (2, 3)),
+    "6.3": lambda p, v, m, r: zb.simulate(zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=v),
+                                          zb.Costs()).peak_memory[r],
     "5.1": lambda p, r: _sends_from_placement(_zb_v(p, 2 * p).placement, r),
     "9.3": lambda name, buffer, p, m, r: ex.buffer_depths(zb.build_schedule(name, p, m))[buffer][r],
 }
@@ -433,14 +437,14 @@ def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
     from zbpp_lite.course import lesson6, lesson9
 
     rows = {point: min(point[3], _rows_by_hand(point[0], point[1], point[2], point[4])) for point in ex.ROWS_POINTS}
-    peaks = {(p, v, r): max(lesson6._interleaved_peak(p, v, 2 * p)[r], lesson6._interleaved_peak(p, v, 3 * p)[r])
-             for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for r in range(p)}
+    peaks = {(p, v, k * p, r): lesson6._interleaved_peak(p, v, k * p)[r]
+             for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for k in (1, 2, 3) for r in range(p)}
     cuts = {(tuple(costs), stages): _best_cut(list(costs), stages) for costs, stages in ex.SPLIT_CASES}
     schedules = [zb.build_schedule(name, p, m) for name, p, m in ex.TICK_CASES]
     ticks = {repr(lesson9._rows(s)): lockstep_ticks(s) for s in schedules}
     for _ in range(3):  # new draws each time
         assert ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)))
-        assert ex.interleaved_peak(lambda p, v, r: v * p + p - 1 - 2 * r)
+        assert ex.interleaved_peak(lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r))
         assert ex.best_split(_best_cut)
         table = ex.rows_rule(lambda *point: rows.get(point, -1))
         assert not table and f"agrees at {len(ex.ROWS_POINTS)} of the {len(ex.ROWS_POINTS) + lesson9.ROWS_FRESH}" \

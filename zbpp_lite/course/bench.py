@@ -238,7 +238,8 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
         mpmd_s = fastest(lambda: executor.run(model.params, X, Y).loss, n=3)
         print(f"{name:>6}: simulated MPMD {mpmd * 1e3:.1f} ms, lockstep {lock * 1e3:.1f} ms "
               f"(+{lock / mpmd - 1:.0%}); measured step: MPMD executor {mpmd_s * 1e3:.1f} ms, your SPMD "
-              f"program {spmd_s * 1e3:.1f} ms ({idle_s * 1e3:.1f} ms all idle)")
+              f"program {spmd_s * 1e3:.1f} ms, of which all idle {idle_s * 1e3:.1f} ms "
+              f"({idle_s / len(kind[0]) * 1e3:.2f} ms a tick) and the rest {(spmd_s - idle_s) * 1e3:.1f} ms")
         figures[name] = dict(event=mpmd, lockstep=lock, mpmd=mpmd_s, spmd=spmd_s, idle=idle_s)
     return figures
 
@@ -423,7 +424,9 @@ class Lab:
                 except Exception as e:  # noqa: BLE001
                     b, b_error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 leaves = lambda t: [np.asarray(a) for a in jax.tree_util.tree_leaves(t)]  # noqa: E731
+                w_needs = sum(x.shape[0] * sum(A.shape) * x.dtype.itemsize for A, _ in self.stage_params[s])
                 cases.append(dict(stage=s, y=np.asarray(y), ref_y=np.asarray(ref_y), dx=np.asarray(dx),
+                                  for_w_bytes=nbytes(for_w), w_needs_bytes=w_needs,
                                   ref_dx=np.asarray(ref_dx), b_flops=b, ref_b_flops=ref_b, b_error=b_error,
                                   grads=leaves(grads), ref_grads=leaves(ref_dparams), recomputed=recomputed))
         except Exception as e:  # noqa: BLE001  (the learner's error goes to the check)

@@ -112,7 +112,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 }
 """Lesson 2's exercises by id -> check."""
 
-def reveal_first_stage() -> str:
+def _reveal_first_stage() -> str:
     """Exercise 2.3's reveal: XLA's matmul flop counts (:func:`~zbpp_lite.runtime.split.compiled_flops`) of
     F and of the first stage's B on :data:`FIRST_STAGE_WIDTHS`, ``MLP_TOKENS`` tokens, and their ratio."""
     import jax.numpy as jnp
@@ -137,10 +137,10 @@ def reveal_first_stage() -> str:
     return f"XLA: B {b:.0f} flops, F {f:.0f} flops, ratio {b / f:.3f}"
 
 
-REVEALS: dict[str, Callable[[], Any]] = {"2.3": reveal_first_stage}
+REVEALS: dict[str, Callable[[], Any]] = {"2.3": _reveal_first_stage}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
     "MLP_TOKENS", "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "MLP_RATIO", "mw_over_mb",
-    "w_flops_without_kept_gradients", "first_stage_b_ratio", "reveal_first_stage", "EXERCISES", "REVEALS"
+    "w_flops_without_kept_gradients", "first_stage_b_ratio", "EXERCISES", "REVEALS"
 ]

@@ -67,31 +67,35 @@ def _interleaved_peak(p: int, v: int, m: int) -> tuple:
 
 
 def interleaved_peak(fn: Any) -> Verdict:
-    """Exercise 6.3: ``peak(p, v, r)``, the most forwards' activations (M_B/v each) rank r holds under
-    interleaved 1F1B with v stages per rank (m >= 2p); checked for p = 2..5, v = 1..4, every rank, m = 2p
-    and 3p, and at four points drawn afresh at each call (p = 6..16, v = 1..6). At v = 1 the builder keeps
-    Megatron's warm-up, 2(p - r) - 1 (the lesson shows it). Patterns fitted from v = 1 get their own message:
-    v times it, and v = 1's count for a pipeline of vp ranks."""
-    points = [(p, v, r) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for r in range(p)]
+    """Exercise 6.3: ``peak(p, v, m, r)``, the most forwards' activations (M_B/v each) rank r holds under
+    interleaved 1F1B with v stages per rank, m a multiple of p; checked for p = 2..5, v = 1..4, m = p, 2p
+    and 3p, every rank, and at four points drawn afresh at each call (p = 6..16, v = 1..6, m = p or 2p). At
+    v = 1 the builder keeps Megatron's warm-up, 2(p - r) - 1 (the lesson shows it). Patterns fitted from
+    v = 1 get their own message (v times it, and v = 1's count for a pipeline of vp ranks), and so does the
+    count without its cap at m = p."""
+    points = [(p, v, k * p, r) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for k in (1, 2, 3)
+              for r in range(p)]
     why_once = ("v times v = 1's count repeats the wait for the round trip through the ranks after r on "
                 "every pass; microbatch 0 makes that trip once, at the end. What do earlier passes add?")
     why_deep = ("that is v = 1's count for one stage on each of vp ranks; here rank r's first backward is "
                 "for its last stage, so microbatch 0 need not come back all the way to stage r.")
-    known = [(lambda p, v, r: v * (2 * (p - r) - 1), why_once),
-             (lambda p, v, r: 2 * (v * p - r) - 1, why_deep),
-             (lambda p, v, r: v * (p - r), "v times 1F1B's p - r: at v = 1 the builder keeps Megatron's "
-                                           "warm-up, 2(p - r) - 1, not 1F1B's.")]
+    known = [(lambda p, v, m, r: v * (2 * (p - r) - 1), why_once),
+             (lambda p, v, m, r: 2 * (v * p - r) - 1, why_deep),
+             (lambda p, v, m, r: v * (p - r), "v times 1F1B's p - r: at v = 1 the builder keeps Megatron's "
+                                              "warm-up, 2(p - r) - 1, not 1F1B's."),
+             (lambda p, v, m, r: v * p + p - 1 - 2 * r, "right for m >= 2p; at m = p some ranks hold "
+                                                        "fewer: how many forwards does rank r run in all?")]
     def draw(rng):  # a point beyond the fixed ones
         p = rng.randint(6, 16)
-        return p, rng.randint(1, 6), rng.randrange(p)
+        return p, rng.randint(1, 6), p * rng.randint(1, 2), rng.randrange(p)
 
     return _function_check("6.3", fn, _with_fresh(points, draw, 4),
-                           lambda p, v, r: max(_interleaved_peak(p, v, m)[r] for m in (2 * p, 3 * p)),
-                           "peak(p, v, r)",
+                           lambda p, v, m, r: _interleaved_peak(p, v, m)[r], "peak(p, v, m, r)",
                            "follow microbatch 0 from rank r's first stage to rank r's first backward, which "
                            "is for its last stage: count the stages it passes on the way down and the way "
                            "back; rank r fills each of those slots with one forward, then runs one more "
-                           "before that backward frees one (Megatron's warm-up, even at v = 1).", known=known)
+                           "before that backward frees one (Megatron's warm-up, even at v = 1), if it has "
+                           "that many forwards to run.", known=known)
 
 
 def _zigzag_rank(p: int, s: int) -> int:

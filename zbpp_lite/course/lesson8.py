@@ -73,9 +73,11 @@ def stage_split(result: Any) -> Verdict:
 
     ``result`` is notebook 08's ``try_stage(F, B, W)``: ``{"error": None or text, "cases": [...]}``, per
     tried stage a dict of NumPy arrays ``y``/``ref_y``, ``dx``/``ref_dx`` (None for stage 0),
-    ``grads``/``ref_grads`` (flat, layer order; refs from ``jax.vjp``), ``recomputed`` (B or W reran F) and
-    ``b_flops``/``ref_b_flops`` (XLA's flops of B and of the input-gradient pullback) and ``b_error``
-    (why jax.jit could not compile B, else None: a B whose flops cannot be counted does not pass).
+    ``grads``/``ref_grads`` (flat, layer order; refs from ``jax.vjp``), ``recomputed`` (B or W reran F),
+    ``b_flops``/``ref_b_flops`` (XLA's flops of B and of the input-gradient pullback), ``b_error``
+    (why jax.jit could not compile B, else None: a B whose flops cannot be counted does not pass) and
+    ``for_w_bytes``/``w_needs_bytes`` (the distinct arrays' bytes B hands to W, and those of each layer's
+    input and dz: more fails, since exercise 8.2 counts what W needs).
     """
     hint = ("F: jax.vjp of the stage with respect to its input and the zero probes, keep the pullback and "
             "the layer inputs; B: call the pullback on dy; W: x.T @ dz and dz.sum(0) per layer.")
@@ -100,6 +102,11 @@ def stage_split(result: Any) -> Verdict:
             return Verdict("8.1", False, f"on stage {s}, B did {extra:.1f}x the flops of the input gradient "
                            "alone: it computes the weight gradients too.",
                            "take jax.vjp with respect to x and the probes only; dA and dc are W's work.")
+        held, needed = case.get("for_w_bytes", 0), case.get("w_needs_bytes", 0)
+        if held > needed:
+            return Verdict("8.1", False, f"on stage {s}, B hands W {held:,} bytes; W needs each layer's "
+                           f"input x and dz, {needed:,} bytes.", "what else does B return for W? A pullback "
+                           "holds every array F kept; W needs none of them but x and dz.")
         if _rel_diff(case["y"], case["ref_y"]) > BUILD_TOLERANCE:
             return Verdict("8.1", False, f"F's output on stage {s} is not the stage's output.", hint)
         if case["ref_dx"] is not None and _rel_diff(case["dx"], case["ref_dx"]) > BUILD_TOLERANCE:
