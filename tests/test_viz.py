@@ -289,6 +289,18 @@ def test_text_grid_of_a_program_with_optimizer_instructions_draws_its_actions():
     assert _rows(text_grid(with_step, 40)) == _rows(text_grid(zb.simulate(s), 40))
 
 
+def test_optimizer_instants_do_not_make_a_rank_hold_several_stages():
+    """The instants' stage -1 is not a stage: a lowered one-stage-per-rank program keeps the grid's plain
+    labels and draws no chunk note, while the V's two stages a rank do."""
+    from zbpp_lite.schedules.program import lower
+    from zbpp_lite.viz.figures import _chunk_note
+
+    with_step = zb.simulate(lower(zb.build_schedule("zb-h1", 2, 4), "synchronous"))
+    assert not with_step.several_stages and _chunk_note(with_step) == []
+    v = zb.simulate(lower(zb.build_schedule("zb-v", 2, 4), "synchronous"))
+    assert v.several_stages and len(_chunk_note(v)) == 1
+
+
 def _rows(grid: str) -> list[str]:
     return [line.split("|", 1)[1] for line in grid.splitlines() if line.startswith("rank ")]
 

@@ -150,6 +150,13 @@ class Timeline:
         return tuple(map(tuple, rows))
 
     @property
+    def several_stages(self) -> bool:
+        """Does a rank hold actions of more than one stage (an interleaved or V placement)? A lowered
+        program's optimizer instants are not actions and do not count."""
+        return any(len({e.action.stage for e in row if type(e.action) is Action}) > 1
+                   for row in self._by_rank)
+
+    @property
     def idle_time(self) -> tuple[float, ...]:
         """Per rank: its idle time, the gaps inside its own span (:attr:`idle_gaps`) summed, in the events'
         time unit. Not the bubble (makespan minus the busiest rank's busy time,

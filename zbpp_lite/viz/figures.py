@@ -72,16 +72,10 @@ def _chunk_index(timeline: Timeline) -> dict[tuple[int, int], int]:
     return {(r, s): i for r, ss in stages.items() for i, s in enumerate(sorted(ss))}
 
 
-def several_stages(*timelines: Timeline) -> bool:
-    """Does a rank of any of ``timelines`` hold several stages (an interleaved or V placement)?"""
-    return any(len({e.action.stage for e in t.rank_events(r)}) > 1
-               for t in timelines for r in range(t.num_ranks))
-
-
 def _chunk_note(*timelines: Timeline) -> list[dict[str, Any]]:
     """The annotation explaining the lighter shades of later chunks, where a rank of ``timelines`` holds
     several stages; else none (so a redrawn figure loses an old note)."""
-    if not several_stages(*timelines):
+    if not any(t.several_stages for t in timelines):
         return []
     return [{"text": "lighter shade: a rank's later stage (its 2nd or later chunk, in an interleaved or V "
              "placement)", "xref": "paper", "yref": "paper", "x": 0.0, "y": -0.02, "yanchor": "top",

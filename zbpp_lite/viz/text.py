@@ -42,7 +42,7 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     t0 = min(map(attrgetter("start"), events), default=0.0)
     span = max(map(attrgetter("end"), events), default=0.0) - t0
     rank_times = [_times(row, t0) for row in ranks]
-    with_stage = any(len({e.action.stage for e in row}) > 1 for row in ranks)
+    with_stage = timeline.several_stages
     extents = _extents(events, with_stage)
     if width is None:
         shortest = min((d for _, d in extents if d > 0), default=1.0)
