@@ -79,8 +79,9 @@ def stage_split(result: Any) -> Verdict:
     ``for_w_bytes``/``w_needs_bytes`` (the distinct arrays' bytes B hands to W, and those of each layer's
     input and dz: more fails, since exercise 8.2 counts what W needs).
     """
-    hint = ("F: jax.vjp of the stage with respect to its input and the zero probes, keep the pullback and "
-            "the layer inputs; B: call the pullback on dy; W: x.T @ dz and dz.sum(0) per layer.")
+    hint = ("F: a jax.vjp with respect to which arguments gives B the input gradient and every layer's dz, "
+            "and no weight gradient? What must F keep for B, and what for W? W: which two arrays per "
+            "layer, and how does the probe cell above combine them?")
     problem = _run_problem("8.1", result, "cases", "try_stage(F, B, W)", "F, B and W", "your functions", hint)
     if problem is not None:
         return problem
