@@ -268,6 +268,23 @@ def test_a_b_handing_w_more_than_x_and_dz_fails(lesson):
     assert not verdict and f"W needs each layer's input x and dz, {needs:,} bytes" in str(verdict), str(verdict)
 
 
+def test_a_right_b_that_hands_w_a_python_number_passes(lesson):
+    """What B hands W is weighed by its arrays: a layer count beside x and dz holds no bytes (it raised
+    AttributeError, blamed on the learner's functions)."""
+    F, B = lesson["F"], lesson["B"]
+
+    def B_counting(saved, dy):
+        dx, (layer_inputs, dz) = B(saved, dy)
+        return dx, (layer_inputs, dz, len(layer_inputs))
+
+    def W_counting(for_w):
+        layer_inputs, dz, n = for_w
+        return [(layer_inputs[i].T @ dz[i], dz[i].sum(0)) for i in range(n)]
+
+    verdict = ex.stage_split(lesson["lab"].try_stage(F, B_counting, W_counting))
+    assert verdict, str(verdict)
+
+
 def test_wrong_predictions_fail():
     """Exercise 8.2: the bytes B hands to W, held at once on each ZB-H1 rank (p = 4, m = 8). Each pattern
     copied from elsewhere is named: r microbatches (the W lag), the dz's alone, F's p - r, 1F1B's one."""

@@ -9,6 +9,7 @@ import itertools
 import math
 import sys
 
+import numpy as np
 import pytest
 
 import zbpp_lite as zb
@@ -317,6 +318,10 @@ def test_exercise_6_3_tells_patterns_fitted_from_v_1_from_the_derivation():
     assert zb.simulate(zb.build_schedule("interleaved-1f1b", 4, 4, stages_per_rank=2), zb.Costs()).peak_memory[0] == 8
     fitted = ex.interleaved_peak(lambda p, v, m, r: min(v * m, 2 * (p - r) - 1 + (v - 1) * 4))   # p = 4's step
     assert not fitted and "your function gives" in fitted.message
+    right = lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r)   # noqa: E731
+    assert not ex.interleaved_peak(lambda p, v, m, r: right(p, v, m, r) + (v == 6))   # every v is a fixed point
+    assert ex.interleaved_peak(lambda p, v, m, r: np.int64(right(p, v, m, r)))
+    assert ex.interleaved_peak(lambda p, v, m, r: np.array(right(p, v, m, r)))   # a 0-d array is a number
 
 
 def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_stage_answer():

@@ -265,9 +265,11 @@ def gradient_report(mine: list, ref: list) -> dict:
 
 
 def nbytes(tree: Any, leave_out: Any = ()) -> int:
-    """Bytes of the distinct arrays of ``tree`` (each array counted once), those of ``leave_out`` not."""
+    """Bytes of the distinct arrays of ``tree`` (each array counted once), those of ``leave_out`` not; a
+    leaf that is not an array (a Python number, a string) holds none."""
     skip = {id(a) for a in jax.tree_util.tree_leaves(leave_out)}
-    arrays = {id(a): a for a in jax.tree_util.tree_leaves(tree) if id(a) not in skip}
+    arrays = {id(a): a for a in jax.tree_util.tree_leaves(tree)
+              if id(a) not in skip and hasattr(a, "dtype") and hasattr(a, "size")}
     return sum(a.size * a.dtype.itemsize for a in arrays.values())
 
 

@@ -82,6 +82,8 @@ def _as_number(answer: Any) -> float | None:
         return None
     if isinstance(answer, numbers.Real):
         value = float(answer)
+    elif getattr(answer, "shape", None) == () and str(getattr(answer, "dtype", ""))[:1] in ("i", "u", "f"):
+        value = float(answer)  # a NumPy or JAX scalar array (int, uint, float)
     elif isinstance(answer, str):
         try:
             value = float(Fraction(answer.strip()))

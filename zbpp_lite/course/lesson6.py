@@ -68,12 +68,12 @@ def _interleaved_peak(p: int, v: int, m: int) -> tuple:
 
 def interleaved_peak(fn: Any) -> Verdict:
     """Exercise 6.3: ``peak(p, v, m, r)``, the most forwards' activations (M_B/v each) rank r holds under
-    interleaved 1F1B with v stages per rank, m a multiple of p; checked for p = 2..5, v = 1..4, m = p, 2p
-    and 3p, every rank, and at four points drawn afresh at each call (p = 6..16, v = 1..6, m = p or 2p). At
+    interleaved 1F1B with v stages per rank, m a multiple of p; checked for p = 2..5, v = 1..6, m = p, 2p
+    and 3p, every rank, and at six points drawn afresh at each call (p = 6..16, v = 1..6, m = p to 3p). At
     v = 1 the builder keeps Megatron's warm-up, 2(p - r) - 1 (the lesson shows it). Patterns fitted from
     v = 1 get their own message (v times it, and v = 1's count for a pipeline of vp ranks), and so does the
     count without its cap at m = p."""
-    points = [(p, v, k * p, r) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for k in (1, 2, 3)
+    points = [(p, v, k * p, r) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4, 5, 6) for k in (1, 2, 3)
               for r in range(p)]
     why_once = ("v times v = 1's count repeats the wait for the round trip through the ranks after r on "
                 "every pass; microbatch 0 makes that trip once, at the end. What do earlier passes add?")
@@ -87,9 +87,9 @@ def interleaved_peak(fn: Any) -> Verdict:
                                                         "fewer: how many forwards does rank r run in all?")]
     def draw(rng):  # a point beyond the fixed ones
         p = rng.randint(6, 16)
-        return p, rng.randint(1, 6), p * rng.randint(1, 2), rng.randrange(p)
+        return p, rng.randint(1, 6), p * rng.randint(1, 3), rng.randrange(p)
 
-    return _function_check("6.3", fn, _with_fresh(points, draw, 4),
+    return _function_check("6.3", fn, _with_fresh(points, draw, 6),
                            lambda p, v, m, r: _interleaved_peak(p, v, m)[r], "peak(p, v, m, r)",
                            "follow microbatch 0 from rank r's first stage to rank r's first backward, which "
                            "is for its last stage: count the stages it passes on the way down and the way "
