@@ -134,12 +134,12 @@ class SpmdLab:
                              (stage_F, stage_B, stage_W),
                              *mlp(self.case), list(self.mesh.devices.flat))
 
-    def clipped_step(self) -> tuple:
+    def clipped_step(self, per_rank: Callable) -> tuple:
         """Lesson 8's clipped SGD step (:data:`~zbpp_lite.course.lesson8.STEP`) on jax.grad's gradients,
-        twice: inside ``shard_map`` (each rank its own stage, the global norm from one ``lax.psum``) and on
-        the whole model on one device. Returns ``((As, cs) per rank, stacked; the same from the whole
-        model)``: exercise 8.4's answer, which lesson 9 asserts."""
-        from jax import lax
+        twice: ``per_rank(A, c, dA, dc) -> (A, c)`` inside ``shard_map`` (each rank its own stage's
+        slices, leading axis 1; the lesson's takes the global norm from one ``lax.psum``) and the package's
+        step on the whole model on one device. Returns ``((As, cs) per rank, stacked; the same from the
+        whole model)``: exercise 8.4's answer as one program, which lesson 9 asserts."""
         from jax.sharding import PartitionSpec as P
 
         from ..runtime import spmd
@@ -147,9 +147,6 @@ class SpmdLab:
         def step(A, c, dA, dc, norm):
             scale = jnp.minimum(1.0, STEP["max_norm"] / norm) * STEP["lr"]
             return A - scale * dA, c - scale * dc
-
-        def per_rank(A, c, dA, dc):
-            return step(A, c, dA, dc, jnp.sqrt(lax.psum(jnp.sum(dA ** 2) + jnp.sum(dc ** 2), spmd.AXIS)))
 
         (As, cs), (dAs, dcs) = self.arrays[:2], self.reference
         spmd_step = jax.jit(spmd.shard_map(per_rank, self.mesh, (P(spmd.AXIS),) * 4, P(spmd.AXIS)))
