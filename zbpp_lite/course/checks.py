@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import plotly.graph_objects as go
 
 
@@ -82,8 +83,8 @@ def _as_number(answer: Any) -> float | None:
         return None
     if isinstance(answer, numbers.Real):
         value = float(answer)
-    elif getattr(answer, "shape", None) == () and str(getattr(answer, "dtype", ""))[:1] in ("i", "u", "f"):
-        value = float(answer)  # a NumPy or JAX scalar array (int, uint, float)
+    elif getattr(answer, "shape", None) == () and np.dtype(getattr(answer, "dtype", object)).kind in "iuf":
+        value = float(answer)  # a 0-d NumPy or JAX array of ints or floats
     elif isinstance(answer, str):
         try:
             value = float(Fraction(answer.strip()))

@@ -149,12 +149,17 @@ class Timeline:
                 rows[rank].extend(run)
         return tuple(map(tuple, rows))
 
+    @cached_property
+    def action_rows(self) -> tuple[tuple[Event, ...], ...]:
+        """Each rank's events in time order, actions only: a lowered program's optimizer instructions
+        (``Optimize``, instants that take no time) left out."""
+        return tuple(tuple(e for e in row if type(e.action) is Action) for row in self._by_rank)
+
     @property
     def several_stages(self) -> bool:
-        """Does a rank hold actions of more than one stage (an interleaved or V placement)? A lowered
-        program's optimizer instants are not actions and do not count."""
-        return any(len({e.action.stage for e in row if type(e.action) is Action}) > 1
-                   for row in self._by_rank)
+        """Does a rank hold actions of more than one stage (an interleaved or V placement)? Optimizer
+        instants do not count (:attr:`action_rows`)."""
+        return any(len({e.action.stage for e in row}) > 1 for row in self.action_rows)
 
     @property
     def idle_time(self) -> tuple[float, ...]:

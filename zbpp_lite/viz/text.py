@@ -8,7 +8,6 @@ from operator import attrgetter
 
 import numpy as np
 
-from ..schedules.ir import Action
 from ..schedules.timeline import Event, Timeline
 
 IDLE = "."
@@ -36,9 +35,8 @@ def text_grid(timeline: Timeline, width: int | None = None, *, header: bool = Tr
     """
     if width is not None and width < 1:
         raise ValueError(f"text_grid: width must be >= 1 column, got {width}")
-    ranks = [tuple(e for e in timeline.rank_events(r) if type(e.action) is Action)
-             for r in range(timeline.num_ranks)]
-    events = [e for row in ranks for e in row]  # actions only: an optimizer instruction is an instant
+    ranks = timeline.action_rows  # an optimizer instruction is an instant: not drawn
+    events = [e for row in ranks for e in row]
     t0 = min(map(attrgetter("start"), events), default=0.0)
     span = max(map(attrgetter("end"), events), default=0.0) - t0
     rank_times = [_times(row, t0) for row in ranks]
