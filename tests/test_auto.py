@@ -157,6 +157,17 @@ def test_a_fused_backward_cheaper_than_the_split_makes_zb_auto_split_only_where_
     assert auto_plan(2, 8, JOB_COSTS).makespan == pytest.approx(span)
 
 
+def test_compare_reports_how_many_backwards_zb_auto_split():
+    from zbpp_lite.cli.compare_report import auto_split_sentence
+
+    s = zb.build_schedule("zb-auto", 2, 8, costs=JOB_COSTS)
+    split = sum(a.kind == "B" for row in s.actions for a in row)
+    fused = sum(a.kind == "BW" for row in s.actions for a in row)
+    assert 0 < split < split + fused == 2 * 8  # every microbatch's backward on both stages, once
+    assert f"it split {split} of its 16 backwards" in auto_split_sentence(s)
+    assert auto_split_sentence(None) == ""
+
+
 def test_without_a_measured_bw_zb_auto_plans_as_the_paper():
     plain = zb.Costs(f=7.7, b=8.0, w=6.5)
     same = zb.Costs(f=7.7, b=8.0, w=6.5, bw=14.5)  # T_BW = T_B + T_W: nothing to gain by fusing

@@ -1,4 +1,4 @@
-"""Print each lesson's reading time by COURSE.md's measure, and the course's total.
+"""Print each lesson's reading time and the course's total.
 
 Minutes = prose words / 120 + non-blank code lines / 5 + 2 per figure. Prose is the markdown
 outside code cells (the jupytext header and image lines left out); a figure is an image

@@ -144,6 +144,16 @@ def busy_bound(c) -> tuple[float, float, float] | None:
     return busy, busy / (executor * 1e3 / p), executor * 1e3 / busy
 
 
+def auto_split_sentence(auto) -> str:
+    """How many of zb-auto's backwards its plan ``auto`` (a Schedule, or None: "") split into B and W."""
+    if auto is None:
+        return ""
+    kinds = [a.kind for _, a in auto]
+    split, fused = kinds.count("B"), kinds.count("BW")
+    return (f" zb-auto, planned with the measured T_BW, fuses a backward back into BW wherever that does not "
+            f"lengthen its simulated step: it split {split} of its {split + fused} backwards.")
+
+
 def _split_cost(c) -> float | None:
     """``(T_B + T_W) / T_BW`` of the profiled stages (each timed alone), or None without a fused cost."""
     for costs in c.stage_costs.values():
@@ -233,9 +243,9 @@ def summary_text(c: Comparison) -> str:
         zb = [r for r in ranked if r.schedule.name in ("zb-h1", "zb-h2")]
         tail = (" ZB-H1 and ZB-H2 split every backward and pay that on every microbatch: "
                 + ", ".join(f"{r.schedule.name} {_median_step_ms(r):.1f} ms" for r in zb) + ".") if zb else ""
+        auto = next((r.schedule for r in ranked if r.schedule.name == "zb-auto"), None)
         lines.append(f"Splitting the backward into B and W costs {split:.2f}x the fused backward here "
-                     "(T_B + T_W against T_BW, each stage timed alone); zb-auto splits only where a W "
-                     f"fills a bubble.{tail}")
+                     f"(T_B + T_W against T_BW, each stage timed alone).{auto_split_sentence(auto)}{tail}")
     live = split_in_pipeline(c)
     if live is not None:
         lines.append(f"In the pipelines of this run, {live[0]}'s B + W took {live[1]:.2f}x 1f1b's fused "
