@@ -1,6 +1,7 @@
-"""Lesson 8's claims over more cases than the lesson shows (moved from the lesson, issue 40): ZB-H1's
-per-rank peak memory in closed form over a grid, the bytes F and B of the lesson's own stages keep, and
-the plan's per-rank peaks equal to those of a run of the lesson's loop.
+"""Lesson 8's claims over more cases than the lesson shows (moved from the lesson, issue 40): each rank's
+ZB-H1 order from lesson 3's rule, ZB-H1's per-rank peak memory in closed form over a grid, the bytes F
+and B of the lesson's own stages keep, and the plan's per-rank peaks equal to those of a run of the
+lesson's loop.
 
 The lesson's code runs as in ``test_build_lesson.py`` (its set-up and the definitions of its Solutions).
 """
@@ -15,6 +16,17 @@ from test_build_lesson import lesson  # noqa: F401  (the fixture: the lesson's n
 import zbpp_lite as zb
 from zbpp_lite import course as ex
 from zbpp_lite.course import bench
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_each_ranks_zb_h1_order_follows_lesson_3s_rule(p, lesson):  # noqa: F811
+    """The lesson's ``zb_h1_order`` (lesson 3's rule, shown at p = 4, m = 8) is the package's ZB-H1 at
+    every p and m."""
+    zb_h1_order = lesson["zb_h1_order"]
+    for m in range(1, 2 * p + 2):
+        schedule = zb.build_schedule("zb-h1", p, m)
+        for r in range(p):
+            assert zb_h1_order(p, m, r) == [a.label for a in schedule.actions[r]], (p, m, r)
 
 
 def zb_h1_peak(p, m, r, mem_b, mem_w):
