@@ -156,3 +156,20 @@ def test_zb_h2_form_refused_exactly_outside_its_domain_and_exact_inside():
             for p in range(2, 6):
                 assert abs(_bubble_time("zb-h2", p, 2 * p, tf, tb, tw) - (p - 1) * (tf + tb - 2 * tw)) < 1e-9
     assert _bubble_time("zb-h2", 4, 12, 1.0, 2.0, 1.4) > 3 * (1.0 + 2.0 - 2.8) + 1e-9   # T_W > T_F only
+
+
+@pytest.mark.parametrize("p", range(2, 7))
+def test_at_equal_costs_zb_h1_is_a_trapezoid_and_zb_h2_a_parallelogram(p):
+    """The lesson's 'why r': rank r's last B comes r slots before rank 0's, and its last 1 + r W's fill the
+    slots to the common end (ZB-H1's trapezoid); ZB-H2's spans each start and end T_F after the one above."""
+    for m in range(p, 3 * p + 2):
+        t = zb.simulate(zb.build_schedule("zb-h1", p, m))
+        for r in range(p):
+            events = t.rank_events(r)
+            last_b = max(e.end for e in events if e.action.kind == "B")
+            assert max(e.end for e in events) - last_b == 1 + r, (p, m, r)
+            assert max(e.end for e in events) == t.makespan, (p, m, r)
+    for m in range(2 * p - 1, 4 * p + 1):
+        t = zb.simulate(zb.build_schedule("zb-h2", p, m))
+        spans = [(t.rank_events(r)[0].start, t.rank_events(r)[-1].end) for r in range(p)]
+        assert spans == [(r * 1.0, t.makespan + r * 1.0) for r in range(p)], (p, m, spans)

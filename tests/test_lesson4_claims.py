@@ -45,3 +45,12 @@ def test_the_polishing_budget_is_min_200_and_20000_over_the_actions():
     for p, m in ((2, 4), (3, 6), (4, 12), (8, 24), (16, 48), (32, 96)):
         rows = zb.build_schedule("zb-h1", p, m).actions
         assert search_budget(rows) == min(200, 20000 // sum(map(len, rows))), (p, m)
+
+
+def test_the_paper_layers_m_w_share_is_16_37_and_costs_rounds_it_up_to_7_16():
+    """Lesson 4 derives M_W / M_B = 32h / (34h + 5as) = 16/37 at s = 1024, h/a = 128 (paper Table 1) and
+    says zb.Costs rounds it up to sixteenths: its default M_W."""
+    from fractions import Fraction
+    for h, a in ((4096, 32), (2048, 16), (8192, 64)):
+        share = Fraction(32 * h, 34 * h + 5 * a * 1024)
+        assert share == Fraction(16, 37) and Fraction(6, 16) < share <= Fraction(7, 16) == zb.Costs().mem_w

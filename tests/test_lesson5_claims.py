@@ -141,3 +141,13 @@ def test_dualpipe_v_holds_one_more_stage_than_zb_v():
         dual = zb.simulate(zb.build_schedule("dualpipe-v", p, m), HALF).peak_memory
         v = zb.simulate(zb.build_schedule("zb-v", p, m), HALF).peak_memory
         assert dual == (p + 0.5,) * p and v == (p,) * p
+
+
+@pytest.mark.parametrize("p", [3, 4, 5])
+def test_the_looped_placement_peaks_fall_from_rank_to_rank_where_the_v_balances_them(p):
+    """Lesson 5 prints the looped placement's peaks (interleaved 1F1B, 2 stages per rank) beside ZB-V's
+    balanced p M_B: on the looped one each rank holds strictly more than the next."""
+    for m in (2 * p, 3 * p):
+        looped = zb.simulate(zb.build_schedule("interleaved-1f1b", p, m), HALF).peak_memory
+        assert all(a > b for a, b in zip(looped, looped[1:])), (p, m, looped)
+        assert zb.simulate(zb.build_schedule("zb-v", p, m), HALF).peak_memory == (p,) * p

@@ -65,3 +65,42 @@ def test_interleaved_makespan_with_transfers_is_the_critical_path_form(p):
             for c in (0.05, 0.5 / v, 1 / v):
                 span = zb.simulate(plan, zb.Costs(f=1 / v, b=1 / v, w=1 / v, comm=c)).makespan
                 assert abs(span - (3 * m + 3 * (p - 1) / v + 2 * (v * p - 1) * c)) <= 1e-9, (p, v, m, c)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_megatrons_order_at_v_1_runs_2p_minus_2r_minus_1_forwards_first_and_holds_gpipes_transfer_form(p):
+    """At v = 1 interleaved 1F1B runs 2(p-r) - 1 forwards before rank r's first BW (1F1B: p - r); with
+    T_comm = 0.125 its makespan is GPipe's form (m + p - 1)(T_F+T_B+T_W) + 2(p - 1)T_comm, 1F1B's longer."""
+    for m in (2 * p, 3 * p):
+        megatron = zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=1)
+        plain = zb.build_schedule("1f1b", p, m)
+        assert [[a.kind for a in row].index("BW") for row in megatron.actions] == [2 * (p - r) - 1 for r in range(p)]
+        assert [[a.kind for a in row].index("BW") for row in plain.actions] == [p - r for r in range(p)]
+        sent = zb.Costs(comm=0.125)
+        span = zb.simulate(megatron, sent).makespan
+        assert span == (m + p - 1) * 3 + 2 * (p - 1) * 0.125 < zb.simulate(plain, sent).makespan
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_looped_bfs_has_interleaved_1f1bs_makespan_and_gpipes_memory(p):
+    """Equal per-stage costs, v = 2, m a multiple of p: looped BFS ends with interleaved 1F1B and holds
+    every microbatch's forwards (M_B/v each, so m M_B on rank 0)."""
+    v, m = 2, 2 * p
+    stage = zb.Costs(f=1 / v, b=1 / v, w=1 / v, mem_b=1 / v)
+    inter, bfs = (zb.simulate(zb.build_schedule(n, p, m, stages_per_rank=v), stage)
+                  for n in ("interleaved-1f1b", "looped-bfs"))
+    assert bfs.makespan == inter.makespan and max(bfs.peak_memory) == m
+
+
+def test_the_recorded_gpt_job_cannot_rank_the_schedules():
+    """Lesson 6's language-model record (benchmarks/bench_main_job.py --model gpt): no schedule's 95%
+    interval for its step time over 1f1b's lies wholly below 1; the split's price (T_B + T_W) / T_BW is
+    below 1 for the stages alone and above 1 in zb-h2's run."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "notebooks" / "figures" / "data" / "06_gpt_main_job.json"
+    gpt = json.loads(path.read_text(encoding="utf-8"))
+    assert not any(high < 1 for _, _, high in gpt["vs_1f1b"].values())
+    price = gpt["split_price"]
+    assert price["stages_alone"] < 1 < price["in_pipeline"]["ratio"] and price["in_pipeline"]["schedule"] == "zb-h2"
