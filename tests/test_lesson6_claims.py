@@ -68,16 +68,16 @@ def test_interleaved_makespan_with_transfers_is_the_critical_path_form(p):
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
-def test_megatrons_order_at_v_1_runs_2p_minus_2r_minus_1_forwards_first_and_holds_gpipes_transfer_form(p):
+def test_the_interleaved_order_at_v_1_runs_2p_minus_2r_minus_1_forwards_first_and_holds_gpipes_transfer_form(p):
     """At v = 1 interleaved 1F1B runs 2(p-r) - 1 forwards before rank r's first BW (1F1B: p - r); with
     T_comm = 0.125 its makespan is GPipe's form (m + p - 1)(T_F+T_B+T_W) + 2(p - 1)T_comm, 1F1B's longer."""
     for m in (2 * p, 3 * p):
-        megatron = zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=1)
+        interleaved = zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=1)
         plain = zb.build_schedule("1f1b", p, m)
-        assert [[a.kind for a in row].index("BW") for row in megatron.actions] == [2 * (p - r) - 1 for r in range(p)]
+        assert [[a.kind for a in row].index("BW") for row in interleaved.actions] == [2 * (p - r) - 1 for r in range(p)]
         assert [[a.kind for a in row].index("BW") for row in plain.actions] == [p - r for r in range(p)]
         sent = zb.Costs(comm=0.125)
-        span = zb.simulate(megatron, sent).makespan
+        span = zb.simulate(interleaved, sent).makespan
         assert span == (m + p - 1) * 3 + 2 * (p - 1) * 0.125 < zb.simulate(plain, sent).makespan
 
 

@@ -243,9 +243,10 @@ def summary_text(c: Comparison) -> str:
         zb = [r for r in ranked if r.schedule.name in ("zb-h1", "zb-h2")]
         tail = (" ZB-H1 and ZB-H2 split every backward and pay that on every microbatch: "
                 + ", ".join(f"{r.schedule.name} {_median_step_ms(r):.1f} ms" for r in zb) + ".") if zb else ""
-        auto = next((r.schedule for r in ranked if r.schedule.name == "zb-auto"), None)
+        auto = c.by_name("zb-auto")
         lines.append(f"Splitting the backward into B and W costs {split:.2f}x the fused backward here "
-                     f"(T_B + T_W against T_BW, each stage timed alone).{auto_split_sentence(auto)}{tail}")
+                     "(T_B + T_W against T_BW, each stage timed alone)."
+                     f"{auto_split_sentence(auto and auto.schedule)}{tail}")
     live = split_in_pipeline(c)
     if live is not None:
         lines.append(f"In the pipelines of this run, {live[0]}'s B + W took {live[1]:.2f}x 1f1b's fused "
