@@ -32,7 +32,7 @@ _XLA_LOG = re.compile(r"^([IWEF]\d{4} \d\d:\d\d:\d\d|\s+@\s|\*\*\* )")
 
 def add_join_arguments(p: argparse.ArgumentParser) -> None:
     """The multi-host flags of ``train``."""
-    g = p.add_argument_group("several hosts (JAX's distributed runtime; see README 'Several hosts')")
+    g = p.add_argument_group("several hosts (JAX's distributed runtime; docs/OPERATIONS.md 'Several hosts')")
     g.add_argument("--coordinator", metavar="HOST:PORT",
                    help="process 0's address and a free port on it; every process gives the same")
     g.add_argument("--num-processes", type=int, metavar="N",

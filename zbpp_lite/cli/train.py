@@ -392,7 +392,7 @@ def profile_json(device, costs, timeline) -> dict:
 def run(args) -> int:
     schedule = resolve_schedule(args)
     blocks = check_sizes(args, schedule)
-    if wants_join(args):  # one process of a run on several hosts (README "Several hosts")
+    if wants_join(args):  # one process of a run on several hosts (docs/OPERATIONS.md "Several hosts")
         check_launchable(args)
         return run_joined(args, schedule, args._parser)
     refuse_unused(args, ("timeout", "heartbeat"), "--timeout and --heartbeat bound the waits of a run on "

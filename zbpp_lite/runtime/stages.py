@@ -148,7 +148,7 @@ class StagedModel:
 
     Each part is a Flax NNX module (``module(x) -> y``, parameters only) or a pair ``(fn, params)`` with
     pure ``fn(params, x) -> y`` and ``params`` a pytree of float arrays. Between parts flows one array or a
-    pytree (tuple, dict) whose leaves are float and depend on the stage input. See README / notebook 06.
+    pytree (tuple, dict) whose leaves are float and depend on the stage input (docs/OPERATIONS.md, lesson 6).
 
     Dropout: an NNX module may hold RNG streams (``nnx.Dropout(rate, rngs=rngs)``): each call gets them
     made anew from its microbatch's key, the rates and ``deterministic`` flags kept. A pair whose ``fn``
