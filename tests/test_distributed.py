@@ -241,7 +241,7 @@ def _two_children(code: str, train_args: list[str]) -> list[tuple[int, str, str]
     procs = [subprocess.Popen([sys.executable, "-c", code, *train_args], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env=child_env({"coordinator": coordinator, "num_processes": 2, "process_id": q,
-                                             "transfer_address": f"127.0.0.1:{free_port()}", "timeout": 30}, 1))
+                                             "transfer_address": f"127.0.0.1:{free_port()}", "timeout": 120}, 1))
              for q in (0, 1)]
     try:
         results = [p.communicate(timeout=180) for p in procs]
