@@ -71,6 +71,7 @@ CASES = {
             lambda name, buffer, p, m, r: _rows_by_hand("zb-h1", buffer, p, r)),   # ZB-H1's, no cap by m
     "9.4": (lambda: _spmd_result(), lambda: _spmd_result(shift=True)),   # built when the check runs (below)
     "9.5": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
+    "9.6": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
 }
 
 
@@ -127,6 +128,13 @@ def _v_result(grad_error):
     return {**result, "rows": {"act": 2, "dz": 5, "grad": 1, "ins": 8, "outs": 7}}
 
 
+def _step_result(factor):
+    """What lesson 9's ``lab.try_step`` hands exercise 9.6's check: one shard_map program, nothing of the
+    model outside it, jax.grad's gradients, and the loss ``factor`` times the whole model's (1.0625)."""
+    return {"error": None, "loss": np.float32(1.0625 * factor), "loss_ref": 1.0625, "shard_maps": 1,
+            "outside": [], "grad_error": 1e-6, "stage_errors": [1e-6] * 4, "scale": 1.0}
+
+
 def _stage_totals(costs, counts):
     ends = [sum(counts[: i + 1]) for i in range(len(counts))]
     return [sum(costs[a:b]) for a, b in zip([0, *ends], ends)]
@@ -162,9 +170,9 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
 
 
 def _answer(key, which):
-    """CASES' answer; exercise 9.4's (a run's result, not a function) is built here."""
+    """CASES' answer; exercises 9.4-9.6's (a run's result, not a function) are built here."""
     answer = CASES[key][which]
-    return answer() if key in ("9.4", "9.5") else answer
+    return answer() if key in ("9.4", "9.5", "9.6") else answer
 
 
 @pytest.mark.parametrize("key", sorted(CASES))

@@ -199,6 +199,49 @@ class SpmdLab:
         rows = {b: max(k) for b, k in buffer_depths(build_schedule(V_RUNS[0], p, m)).items()}
         return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows), V_RUNS))
 
+    def try_step(self, step: Callable) -> Any:
+        """Exercise 9.6's result: ``step(As, cs, Xm, Ym) -> (loss, dAs, dcs)`` run on ``arrays`` (one stage a
+        rank): ``{"error": None or text, "loss": its loss as a NumPy array, "loss_ref": the whole model's
+        mean squared error, "shard_maps": how many shard_map calls its program makes, "outside": the
+        primitives it runs outside them (tick tables passed in as arrays run none), **gradient_report}``;
+        ``...`` while ``step`` returns None (its body still ``...``)."""
+        As, cs, Xm, Ym = self.arrays
+        params, X, Y = mlp(self.case)
+        try:
+            program = jax.make_jaxpr(step)(As, cs, Xm, Ym)
+            out = step(As, cs, Xm, Ym)
+        except Exception as e:  # noqa: BLE001  (the learner's code raising goes to the check)
+            return {"error": f"{type(e).__name__}: {e}"}
+        if out is None:
+            return ...
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            size = len(out) if hasattr(out, "__len__") else 1
+            return {"error": None, "shape": f"{type(out).__name__} of {size}"}
+        outside: list = []
+        loss, dA, dc = out
+        report = gradient_report([(a, b) for a, b in zip(np.asarray(dA), np.asarray(dc))],
+                                 list(zip(*self.reference))) if np.shape(dA) == self.reference[0].shape \
+            else {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
+        return dict(error=None, loss=np.asarray(loss), loss_ref=float(mlp_loss(params, X, Y)),
+                    shard_maps=_outside(program.jaxpr, outside), outside=sorted(set(outside)), **report)
+
+
+def _outside(jaxpr: Any, found: list) -> int:
+    """The number of ``shard_map`` calls in ``jaxpr`` (nested ``jit`` calls looked into); the primitives
+    run outside them are appended to ``found``."""
+    calls = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            calls += 1
+            continue
+        inner = [getattr(v, "jaxpr", v) for v in eqn.params.values()
+                 if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
+        if not inner:
+            found.append(eqn.primitive.name)
+        for sub in inner:
+            calls += _outside(sub, found)
+    return calls
+
 
 def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax.Array, Y: jax.Array,
                   devices: list) -> dict:

@@ -20,7 +20,7 @@ from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
 from .checks import (Verdict, _called, _function_check, _function_missing, _number_check, _unanswered,
                      _with_fresh, course_cache)
-from .lesson8 import BUILD_CASE, gradient_problem
+from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, gradient_problem
 
 TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
 """Exercise 9.1's schedules (name, ranks, microbatches): ZB-V's V placement puts stages 1 and 2 on one
@@ -353,6 +353,51 @@ def spmd_v(result: Any) -> Verdict:
                    f"{worst:.1e}), rows {result.get('rows')}.")
 
 
+def spmd_step(result: Any) -> Verdict:
+    """Exercise 9.6: the learner's ``spmd_step(As, cs, X, Y) -> (loss, dAs, dcs)`` for ZB-H1, run by lesson
+    9's ``lab.try_step``; ``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_step` gives it. Right when
+    the whole step is one ``shard_map`` program (no model work outside it), the loss is one number equal to
+    the whole model's mean squared error within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`
+    (relative), and the gradients equal ``jax.grad``'s."""
+    hint = ("one jitted shard_map program: the tick tables and A, c cut by rank, X and Y whole; the state "
+            "gains a loss the last rank adds to when it runs an F, and the program returns its sum over "
+            "the ranks (lax.psum: the same on every rank, out_specs P()) beside dA, dc (P(\"rank\")).")
+    if _unanswered(result):
+        return Verdict("9.6", False, "no answer yet: write spmd_step.", hint)
+    if not isinstance(result, dict) or "error" not in result:
+        got = type(result).__name__
+        return Verdict("9.6", False, f"expected lab.try_step(spmd_step)'s result, got {got}.", hint)
+    if result["error"]:
+        return Verdict("9.6", False, f"running it raised {result['error']}", hint)
+    if "shape" in result:
+        return Verdict("9.6", False, f"spmd_step returned a {result['shape']}, not (loss, dAs, dcs).", hint)
+    if result["shard_maps"] != 1:
+        return Verdict("9.6", False, f"the step makes {result['shard_maps']} shard_map calls, not one.", hint)
+    work = [op for op in result["outside"] if op in ("dot_general", "tanh", "integer_pow", "reduce_sum")]
+    if work:
+        return Verdict("9.6", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
+                       "the loss comes from inside the program: the last rank has each microbatch's output "
+                       "when its F runs.")
+    loss, ref = np.asarray(result["loss"], dtype=np.float64), float(result["loss_ref"])
+    if loss.shape != ():
+        return Verdict("9.6", False, f"the loss has shape {loss.shape}, not one number for the step.",
+                       "sum it over the ranks with lax.psum, which makes it the same on every rank, and "
+                       "return it with out_specs P().")
+    m = BUILD_CASE["microbatches"]
+    if abs(loss - ref) > BUILD_TOLERANCE * abs(ref):
+        said = (f" ({m} times it)" if abs(loss - m * ref) <= BUILD_TOLERANCE * m * abs(ref) else
+                f" (1/{m} of it)" if abs(m * loss - ref) <= BUILD_TOLERANCE * abs(ref) else "")
+        return Verdict("9.6", False, f"the loss is {float(loss):.6g}, the whole model's {ref:.6g}{said}.",
+                       "the step's loss is the mean of the m microbatch losses, each the mean squared error "
+                       "of one microbatch, added once, on the last rank.")
+    problem = gradient_problem("9.6", "zb-h1", result, m)
+    if problem is not None:
+        return problem
+    return Verdict("9.6", True, f"one SPMD program ran ZB-H1's step: loss {float(loss):.6f}, the whole "
+                   f"model's {ref:.6f}, and jax.grad's gradients (largest relative difference "
+                   f"{result['grad_error']:.1e}).")
+
+
 def _rows_problem(rows: Any) -> Verdict | None:
     """Exercise 9.4's rows per buffer (from exercise 9.3's ``rows_needed``, the busiest rank's): None when
     each buffer of :data:`ROWS_BUFFERS` of each schedule of :data:`SPMD_RUNS` has the fewest that work on
@@ -381,12 +426,14 @@ def _rows_problem(rows: Any) -> Verdict | None:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_rule,
-                                                  "9.4": spmd_pipeline, "9.5": spmd_v}
+                                                  "9.4": spmd_pipeline, "9.5": spmd_v,
+                                                  "9.6": spmd_step}
 """Lesson 9's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "V_RUNS", "V_CASE", "ROWS_RUNS", "ROWS_POINTS", "FUSED",
-           "tick_table", "lockstep_1f1b", "rows_rule", "spmd_pipeline", "spmd_v", "buffer_depths",
-           "buffer_rows", "tick_grid", "tick_messages", "ROWS_BUFFERS", "EXERCISES", "REVEALS"]
+           "tick_table", "lockstep_1f1b", "rows_rule", "spmd_pipeline", "spmd_v", "spmd_step",
+           "buffer_depths", "buffer_rows", "tick_grid", "tick_messages", "ROWS_BUFFERS", "EXERCISES",
+           "REVEALS"]
