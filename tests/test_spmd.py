@@ -267,3 +267,41 @@ def test_packing_holds_stages_of_different_structures_in_one_vector_per_dtype():
         for got, want in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(tree)):
             assert got.dtype == want.dtype and np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert np.array_equal(packing.pack(1, trees[1], np)[1], [7.0, 0.0, 0.0, 0.0])
+
+
+def _collectives_in_cond_branches(jaxpr) -> list[str]:
+    """The collective primitives (psum and kin) inside any ``cond``'s branches of ``jaxpr``, nested ones too."""
+    found = []
+
+    def walk(j, in_branch):
+        for eqn in j.eqns:
+            if in_branch and eqn.primitive.name.startswith(("psum", "all_gather", "ppermute")):
+                found.append(eqn.primitive.name)
+            branch = in_branch or eqn.primitive.name == "cond"
+            for v in eqn.params.values():
+                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                        walk(getattr(sub, "jaxpr", sub), branch)
+    walk(jaxpr, False)
+    return found
+
+
+def test_jax_grad_of_a_part_run_under_cond_on_one_rank_puts_a_collective_inside_the_branch():
+    """Lesson 9's 'stages that differ': an embedding run by ``lax.cond`` on rank 0 alone, its weight passed whole
+    (P()), computes rank 0's row only; ``jax.grad`` of that program sums the weight's gradient over the ranks
+    with a psum inside the cond's branch, which the other ranks never enter (the run hangs, so it is only
+    traced here)."""
+    from jax import lax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from zbpp_lite.runtime.spmd import shard_map
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("rank",))
+    E, xs = jnp.eye(8) / 2, jnp.ones((4, 2, 8))
+    embedded = shard_map(lambda E, x: lax.cond(lax.axis_index("rank") == 0, lambda v: jnp.tanh(v @ E),
+                                               lambda v: v, x[0])[None], mesh, (P(), P("rank")), P("rank"))
+    out = jax.jit(embedded)(E, xs)
+    assert np.allclose(out[0], np.tanh(xs[0] @ E)) and (np.asarray(out[1:]) == 1).all()
+    assert not _collectives_in_cond_branches(jax.make_jaxpr(embedded)(E, xs).jaxpr)
+    grad = jax.make_jaxpr(jax.grad(lambda E: jnp.sum(embedded(E, xs))))(E)
+    assert any(name.startswith("psum") for name in _collectives_in_cond_branches(grad.jaxpr))
