@@ -404,29 +404,31 @@ def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(spmd_
     assert ex.spmd_v(vlab.try_v(stub)).message.startswith("no answer yet")
 
 
-def test_one_spmd_training_step_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
-    """Exercise 9.6: the Solutions' spmd_step (one shard_map program; the last rank adds each microbatch's
-    loss over m at its F, psum makes it one number) passes. The loss not divided by m, the loss returned
-    per rank (out_specs P("rank"), no psum), and a loss taken by a second forward outside the program are
-    each refused by name; a body of ``...`` is no answer yet."""
+def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
+    """Exercise 9.6: the Solutions' spmd_step (one shard_map program; the last rank's F adds each
+    microbatch's loss over m, its B starts from the head's gradient and adds to dH; psum makes the loss and
+    dH one array) passes. The loss not divided by m, the loss returned per rank (out_specs P("rank"), no
+    psum), dH added on every rank, and a loss taken by a second forward outside the program are each
+    refused by name; a body of ``...`` is no answer yet."""
     lab = spmd_lesson["lab"]
     right = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
-    assert right and "one SPMD program ran ZB-H1's step" in str(right), str(right)
+    assert right and "one SPMD program ran ZB-H1's step with its head" in str(right), str(right)
     no_m = lambda src: src.replace(" ** 2) / m", " ** 2)")  # noqa: E731
     per_rank = lambda src: src.replace('lax.psum(st["loss"], "rank")', 'st["loss"][None]').replace(  # noqa: E731
         "out_specs=(P(), ", 'out_specs=(P("rank"), ')
-    for edit, word in ((no_m, "(8 times it)"), (per_rank, "has shape (4,)")):
+    every_rank = lambda src: src.replace("jnp.where(last, y.T @ dlogits, 0.0)", "y.T @ dlogits")  # noqa: E731
+    for edit, word in ((no_m, "(8 times it)"), (per_rank, "has shape (4,)"), (every_rank, "dH differs")):
         with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", edit):
             verdict = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
 
-    def beside(As, cs, X, Y):                 # the gradients from the program, the loss from a forward outside
-        _, dAs, dcs = spmd_lesson["spmd_step"](As, cs, X, Y)
+    def beside(As, cs, H, X, Y):              # the gradients from the program, the loss from a forward outside
+        _, dAs, dcs, dH = spmd_lesson["spmd_step"](As, cs, H, X, Y)
         h = X
         for s in range(As.shape[0]):
             for k in range(2):
                 h = jnp.tanh(h @ As[s, k] + cs[s, k])
-        return jnp.mean((h - Y) ** 2), dAs, dcs
+        return jnp.mean((h @ H - Y) ** 2), dAs, dcs, dH
     verdict = ex.spmd_step(lab.try_step(beside))
     assert not verdict and "outside the SPMD program" in verdict.message, str(verdict)
-    assert ex.spmd_step(lab.try_step(lambda As, cs, X, Y: None)).message.startswith("no answer yet")
+    assert ex.spmd_step(lab.try_step(lambda As, cs, H, X, Y: None)).message.startswith("no answer yet")

@@ -130,9 +130,10 @@ def _v_result(grad_error):
 
 def _step_result(factor):
     """What lesson 9's ``lab.try_step`` hands exercise 9.6's check: one shard_map program, nothing of the
-    model outside it, jax.grad's gradients, and the loss ``factor`` times the whole model's (1.0625)."""
+    model outside it, jax.grad's gradients (the head's too), and the loss ``factor`` times the whole
+    model's (1.0625)."""
     return {"error": None, "loss": np.float32(1.0625 * factor), "loss_ref": 1.0625, "shard_maps": 1,
-            "outside": [], "grad_error": 1e-6, "stage_errors": [1e-6] * 4, "scale": 1.0}
+            "outside": [], "grad_error": 1e-6, "stage_errors": [1e-6] * 4, "scale": 1.0, "dH_error": 1e-6}
 
 
 def _stage_totals(costs, counts):

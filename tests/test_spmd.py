@@ -305,3 +305,22 @@ def test_jax_grad_of_a_part_run_under_cond_on_one_rank_puts_a_collective_inside_
     assert not _collectives_in_cond_branches(jax.make_jaxpr(embedded)(E, xs).jaxpr)
     grad = jax.make_jaxpr(jax.grad(lambda E: jnp.sum(embedded(E, xs))))(E)
     assert any(name.startswith("psum") for name in _collectives_in_cond_branches(grad.jaxpr))
+
+
+def test_a_flattened_vjp_pullback_holds_the_weights_it_closes_over():
+    """Lesson 9's aside: lesson 8's jax.vjp pullback, flattened into one buffer row by ravel_pytree, holds
+    the stage's two (d, d) weight matrices beside the activations B reads, and a jitted B rebuilds the
+    pullback from the row alone."""
+    from jax.flatten_util import ravel_pytree
+
+    d, n = 8, 4
+    A, c, x, dy = jnp.full((2, d, d), 0.125), jnp.zeros((2, d)), jnp.ones((n, d)), jnp.ones((n, d))
+
+    def f(x, probes):
+        h = jnp.tanh(x @ A[0] + c[0] + probes[0])
+        return jnp.tanh(h @ A[1] + c[1] + probes[1])
+    _, pullback = jax.vjp(f, x, jnp.zeros((2, n, d)))
+    assert sum(leaf.shape == (d, d) for leaf in jax.tree.leaves(pullback)) == 2
+    row, unravel = ravel_pytree(pullback)
+    rebuilt = jax.jit(lambda r: unravel(r)(dy))(row)
+    assert all(np.allclose(a, b) for a, b in zip(rebuilt, pullback(dy)))

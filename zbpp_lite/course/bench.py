@@ -110,10 +110,23 @@ def stacked_mlp(case: dict = BUILD_CASE) -> tuple:
     m, n, d = case["microbatches"], case["microbatch_size"], case["width"]
     params, X, Y = mlp(case)
     reference = jax.grad(mlp_loss)(params, X, Y)
-    stack = lambda tree, i: jnp.stack([jnp.stack([tree[2 * s + k][i] for k in (0, 1)])  # noqa: E731
-                                       for s in range(len(tree) // 2)])
-    return (stack(params, 0), stack(params, 1), X.reshape(m, n, d), Y.reshape(m, n, d)), \
-        (stack(reference, 0), stack(reference, 1))
+    return (*_per_stage(params), X.reshape(m, n, d), Y.reshape(m, n, d)), _per_stage(reference)
+
+
+def _per_stage(layers: list) -> tuple:
+    """:func:`mlp`'s layers ``[(A, c), ...]`` (or their gradients) stacked two a stage: ``(As (stages, 2,
+    width, width), cs (stages, 2, width))``."""
+    stack = lambda i: jnp.stack([jnp.stack([layers[2 * s + k][i] for k in (0, 1)])  # noqa: E731
+                                 for s in range(len(layers) // 2)])
+    return stack(0), stack(1)
+
+
+def head_loss(params: list, H: jax.Array, X: jax.Array, Y: jax.Array) -> jax.Array:
+    """:func:`mlp_loss` with a linear head ``H`` after the last layer: ``mean((h @ H - Y) ** 2)``."""
+    h = X
+    for A, c in params:
+        h = jnp.tanh(h @ A + c)
+    return jnp.mean((h @ H - Y) ** 2)
 
 
 class SpmdLab:
@@ -200,31 +213,36 @@ class SpmdLab:
         return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows), V_RUNS))
 
     def try_step(self, step: Callable) -> Any:
-        """Exercise 9.6's result: ``step(As, cs, Xm, Ym) -> (loss, dAs, dcs)`` run on ``arrays`` (one stage a
-        rank): ``{"error": None or text, "loss": its loss as a NumPy array, "loss_ref": the whole model's
-        mean squared error, "shard_maps": how many shard_map calls its program makes, "outside": the
-        primitives it runs outside them (tick tables passed in as arrays run none), **gradient_report}``;
-        ``...`` while ``step`` returns None (its body still ``...``)."""
+        """Exercise 9.6's result: ``step(As, cs, H, Xm, Ym) -> (loss, dAs, dcs, dH)`` run on ``arrays`` (one
+        stage a rank) with a linear head ``H`` (width, width) after the last stage (:func:`head_loss`):
+        ``{"error": None or text, "loss": its loss as a NumPy array, "loss_ref": the whole model's,
+        "dH_error": max |dH - dH_ref| / max |dH_ref| (inf: another shape), "shard_maps": how many shard_map
+        calls its program makes, "outside": the primitives it runs outside them (tick tables passed in as
+        arrays run none), **gradient_report of dAs, dcs}``; ``...`` while ``step`` returns None."""
         As, cs, Xm, Ym = self.arrays
         params, X, Y = mlp(self.case)
+        d = self.case["width"]
+        H = jax.random.normal(jax.random.PRNGKey(7), (d, d)) / d**0.5
+        loss_ref, (grads, dH_ref) = jax.value_and_grad(head_loss, argnums=(0, 1))(params, H, X, Y)
         try:
-            program = jax.make_jaxpr(step)(As, cs, Xm, Ym)
-            out = step(As, cs, Xm, Ym)
+            program = jax.make_jaxpr(step)(As, cs, H, Xm, Ym)
+            out = step(As, cs, H, Xm, Ym)
         except Exception as e:  # noqa: BLE001  (the learner's code raising goes to the check)
             return {"error": f"{type(e).__name__}: {e}"}
         if out is None:
             return ...
-        if not isinstance(out, (tuple, list)) or len(out) != 3:
+        if not isinstance(out, (tuple, list)) or len(out) != 4:
             size = len(out) if hasattr(out, "__len__") else 1
             return {"error": None, "shape": f"{type(out).__name__} of {size}"}
+        loss, dA, dc, dH = (np.asarray(a) for a in out)
+        dAs, dcs = _per_stage(grads)
+        report = gradient_report(list(zip(dA, dc)), list(zip(dAs, dcs))) if dA.shape == dAs.shape else \
+            {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
+        dH_error = float(np.max(np.abs(dH - dH_ref)) / np.max(np.abs(dH_ref))) if dH.shape == dH_ref.shape \
+            else float("inf")
         outside: list = []
-        loss, dA, dc = out
-        report = gradient_report([(a, b) for a, b in zip(np.asarray(dA), np.asarray(dc))],
-                                 list(zip(*self.reference))) if np.shape(dA) == self.reference[0].shape \
-            else {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
-        return dict(error=None, loss=np.asarray(loss), loss_ref=float(mlp_loss(params, X, Y)),
+        return dict(error=None, loss=loss, loss_ref=float(loss_ref), dH_error=dH_error,
                     shard_maps=_outside(program.jaxpr, outside), outside=sorted(set(outside)), **report)
-
 
 def _outside(jaxpr: Any, found: list) -> int:
     """The number of ``shard_map`` calls in ``jaxpr`` (nested ``jit`` calls looked into); the primitives

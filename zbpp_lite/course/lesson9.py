@@ -354,14 +354,16 @@ def spmd_v(result: Any) -> Verdict:
 
 
 def spmd_step(result: Any) -> Verdict:
-    """Exercise 9.6: the learner's ``spmd_step(As, cs, X, Y) -> (loss, dAs, dcs)`` for ZB-H1, run by lesson
-    9's ``lab.try_step``; ``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_step` gives it. Right when
-    the whole step is one ``shard_map`` program (no model work outside it), the loss is one number equal to
-    the whole model's mean squared error within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`
-    (relative), and the gradients equal ``jax.grad``'s."""
-    hint = ("one jitted shard_map program: the tick tables and A, c cut by rank, X and Y whole; the state "
-            "gains a loss the last rank adds to when it runs an F, and the program returns its sum over "
-            "the ranks (lax.psum: the same on every rank, out_specs P()) beside dA, dc (P(\"rank\")).")
+    """Exercise 9.6: the learner's ``spmd_step(As, cs, H, X, Y) -> (loss, dAs, dcs, dH)`` for ZB-H1 with a
+    linear head ``H`` after the last stage (:func:`zbpp_lite.course.bench.head_loss`), run by lesson 9's
+    ``lab.try_step``; ``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_step` gives it. Right when the
+    whole step is one ``shard_map`` program (no model work outside it), the loss is one number equal to
+    the whole model's within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative), and the
+    gradients, the head's too, equal ``jax.grad``'s."""
+    hint = ("one jitted shard_map program: the tick tables and A, c cut by rank, H, X and Y whole; the "
+            "last rank's F adds its microbatch's loss, its B starts from the head's gradient and adds "
+            "to dH; the program returns the loss and dH summed over the ranks (lax.psum: the same on "
+            "every rank, out_specs P()) beside dA, dc (P(\"rank\")).")
     if _unanswered(result):
         return Verdict("9.6", False, "no answer yet: write spmd_step.", hint)
     if not isinstance(result, dict) or "error" not in result:
@@ -370,7 +372,8 @@ def spmd_step(result: Any) -> Verdict:
     if result["error"]:
         return Verdict("9.6", False, f"running it raised {result['error']}", hint)
     if "shape" in result:
-        return Verdict("9.6", False, f"spmd_step returned a {result['shape']}, not (loss, dAs, dcs).", hint)
+        return Verdict("9.6", False, f"spmd_step returned a {result['shape']}, not (loss, dAs, dcs, dH).",
+                       hint)
     if result["shard_maps"] != 1:
         return Verdict("9.6", False, f"the step makes {result['shard_maps']} shard_map calls, not one.", hint)
     work = [op for op in result["outside"] if op in ("dot_general", "tanh", "integer_pow", "reduce_sum")]
@@ -389,13 +392,18 @@ def spmd_step(result: Any) -> Verdict:
                 f" (1/{m} of it)" if abs(m * loss - ref) <= BUILD_TOLERANCE * abs(ref) else "")
         return Verdict("9.6", False, f"the loss is {float(loss):.6g}, the whole model's {ref:.6g}{said}.",
                        "the step's loss is the mean of the m microbatch losses, each the mean squared error "
-                       "of one microbatch, added once, on the last rank.")
+                       "of one microbatch's y @ H, added once, on the last rank.")
     problem = gradient_problem("9.6", "zb-h1", result, m)
     if problem is not None:
         return problem
-    return Verdict("9.6", True, f"one SPMD program ran ZB-H1's step: loss {float(loss):.6f}, the whole "
-                   f"model's {ref:.6f}, and jax.grad's gradients (largest relative difference "
-                   f"{result['grad_error']:.1e}).")
+    if not result["dH_error"] <= BUILD_TOLERANCE:
+        off = result["dH_error"]
+        return Verdict("9.6", False, f"dH differs from jax.grad's (relative difference {off:.1e}).",
+                       "only the last rank's B has the head's gradient, y.T @ (the gradient at y @ H), "
+                       "added for each microbatch; every other rank adds nothing before the psum.")
+    return Verdict("9.6", True, f"one SPMD program ran ZB-H1's step with its head: loss {float(loss):.6f}, "
+                   f"the whole model's {ref:.6f}, and jax.grad's gradients (largest relative difference "
+                   f"{max(result['grad_error'], result['dH_error']):.1e}).")
 
 
 def _rows_problem(rows: Any) -> Verdict | None:
