@@ -273,15 +273,14 @@ def _collectives_in_cond_branches(jaxpr) -> list[str]:
     """The collective primitives (psum and kin) inside any ``cond``'s branches of ``jaxpr``, nested ones too."""
     found = []
 
+    from zbpp_lite.course.bench import inner_jaxprs
+
     def walk(j, in_branch):
         for eqn in j.eqns:
             if in_branch and eqn.primitive.name.startswith(("psum", "all_gather", "ppermute")):
                 found.append(eqn.primitive.name)
-            branch = in_branch or eqn.primitive.name == "cond"
-            for v in eqn.params.values():
-                for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
-                        walk(getattr(sub, "jaxpr", sub), branch)
+            for sub in inner_jaxprs(eqn):
+                walk(sub, in_branch or eqn.primitive.name == "cond")
     walk(jaxpr, False)
     return found
 
