@@ -303,39 +303,64 @@ def test_wrong_predictions_fail():
     assert not ex.for_w_peaks([1, 2, 3, 5]).attempt
 
 
-def test_a_step_clipped_stage_by_stage_or_not_at_all_fails(lesson):
+def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):
     import jax
+    import jax.numpy as jnp
 
-    right = lesson["optimizer_step"]
+    right, lab = lesson["optimizer_step"], lesson["lab"]
+    sq = lambda a: float(jnp.sum(a * a))  # noqa: E731
+    leaves = jax.tree_util.tree_leaves
 
-    def per_stage(rank, grads, params, all_sum):   # each stage clipped by its own norm: no all-reduce
-        return {s: right(rank, {s: grads[s]}, {s: params[s]}, lambda x: x)[s] for s in grads}
+    def sgd(scale, params, grads):
+        return {s: jax.tree_util.tree_map(lambda w, g: w - ex.STEP["lr"] * scale * g, params[s], grads[s])
+                for s in grads}
+
+    def clipped(norm_sq, params, grads):
+        return sgd(min(1.0, ex.STEP["max_norm"] / norm_sq ** 0.5), params, grads)
+
+    def tie(grads, all_sum):   # the right first sum, and the grads with the tied gradient in both uses
+        tied = all_sum(sum((grads[s][k][0] for s, k in ex.TIED if s in grads), 0.0))
+        return tied, {s: [(tied if (s, k) in ex.TIED else A, c) for k, (A, c) in enumerate(g)] for s, g in grads.items()}
+
+    def untied(rank, grads, params, all_sum):   # stop 60's answer: each use its own gradient
+        return clipped(all_sum(sum(sq(a) for g in grads.values() for a in leaves(g))), params, grads)
+
+    def twice(rank, grads, params, all_sum):   # the tied gradient counted by both of its ranks
+        _, summed = tie(grads, all_sum)
+        return clipped(all_sum(sum(sq(a) for g in summed.values() for a in leaves(g))), params, summed)
+
+    def skips(rank, grads, params, all_sum):   # a rank with no use skips the first sum
+        return right(rank, grads, params, all_sum if any(s in grads for s, _ in ex.TIED) else
+                     lambda x, calls=[]: calls.append(x) or (x if len(calls) > 1 else all_sum(x)))
+
+    def per_stage(rank, grads, params, all_sum):   # each stage clipped by its own norm
+        return {s: clipped(sum(sq(a) for a in leaves(grads[s])), {s: params[s]}, {s: grads[s]})[s] for s in grads}
 
     def unclipped(rank, grads, params, all_sum):
+        _, summed = tie(grads, all_sum)
         all_sum(0.0)
-        return {s: jax.tree_util.tree_map(lambda w, g: w - ex.STEP["lr"] * g, params[s], grads[s]) for s in grads}
-
-    def rank_norm(rank, grads, params, all_sum):  # the rank's own norm: right on 1 rank, not on 2 or 4
-        return right(rank, grads, params, lambda x: x)
+        return sgd(1.0, params, summed)
 
     def always_scaled(rank, grads, params, all_sum):   # max_norm / norm without min(1, ...): scales up too
-        norm = all_sum(sum(float((a * a).sum()) for g in grads.values() for a in jax.tree_util.tree_leaves(g))) ** 0.5
-        k = ex.STEP["lr"] * ex.STEP["max_norm"] / norm
-        return {s: jax.tree_util.tree_map(lambda w, g: w - k * g, params[s], grads[s]) for s in grads}
+        tied, summed = tie(grads, all_sum)
+        mine = sum(sq(a) for s, g in summed.items() for k, layer in enumerate(g) for a in layer[(s, k) in ex.TIED:])
+        return sgd(ex.STEP["max_norm"] / (all_sum(mine) + sq(tied)) ** 0.5, params, summed)
 
-    def per_stage_all_sum(rank, grads, params, all_sum):   # right values, one all-reduce per stage
-        total = sum(all_sum(sum(float((a * a).sum()) for a in jax.tree_util.tree_leaves(grads[s])))
-                    for s in sorted(grads))
-        k = ex.STEP["lr"] * min(1.0, ex.STEP["max_norm"] / total ** 0.5)
-        return {s: jax.tree_util.tree_map(lambda w, g: w - k * g, params[s], grads[s]) for s in grads}
+    def three_sums(rank, grads, params, all_sum):   # right values, one more all-reduce
+        all_sum(0.0)
+        return right(rank, grads, params, all_sum)
 
-    lab = lesson["lab"]
-    assert "called all_sum 2 times" in str(ex.optimizer_step(lab.try_step(per_stage_all_sum)))
-    assert "already under max_norm" in str(ex.optimizer_step(lab.try_step(always_scaled)))
-    assert "its own norm" in str(ex.optimizer_step(lab.try_step(per_stage)))
-    assert "not clipped" in str(ex.optimizer_step(lab.try_step(unclipped)))
-    verdict = ex.optimizer_step(lab.try_step(rank_norm))
-    assert not verdict and verdict.hint, str(verdict)
+    lab.all_sum_wait = 2.0
+    try:
+        for answer, word in ((untied, "different steps"), (twice, "once per use"),
+                             (skips, "never called it"), (per_stage, "different steps"),
+                             (unclipped, "not clipped"), (always_scaled, "already under max_norm"),
+                             (three_sums, "called all_sum 3 times")):
+            verdict = ex.optimizer_step(lab.try_step(answer))
+            assert not verdict and verdict.hint and word in str(verdict), (answer.__name__, str(verdict))
+    finally:
+        lab.all_sum_wait = type(lab).all_sum_wait
+    assert ex.optimizer_step(lab.try_step(right))
 
 
 @pytest.mark.parametrize("key", ["8.1", "8.2", "8.3", "8.4"])
@@ -358,32 +383,13 @@ def spmd_lesson():
     return _namespace(SPMD_LESSON, "lesson09")
 
 
-def test_the_spmd_program_with_buffers_for_the_microbatches_in_flight_passes_and_wrong_ones_fail(spmd_lesson):
-    """Exercise 9.4: the Solutions' make_tick (microbatch j in row j % that buffer's rows) passes with 9.3's
-    fewest rows. One buffer's row count used for every buffer (the worked tick's j turned into j % K),
-    rows indexed by j (microbatch j >= K has no row), and storing what never arrived (tag 0, index -1: the
-    last row, over a value still waiting there) fail with the gradients; too few rows, or more than
-    needed, are refused before anything runs."""
-    lab, rows_needed = spmd_lesson["lab"], spmd_lesson["rows_needed"]
-    rows = {name: {b: max(rows_needed(name, b, 4, 8, r) for r in range(4)) for b in ex.ROWS_BUFFERS}
-            for name in ex.SPMD_RUNS}
-    assert rows == {"zb-h1": dict(outs=4, dz=4, ins=4), "1f1b": dict(outs=4, dz=1, ins=4),
-                    "zb-h2": dict(outs=7, dz=7, ins=7)}
-    assert ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
-    one_k = lambda src: src.replace("j % st[name].shape[0]", "j % st[\"ins\"].shape[0]")  # noqa: E731
-    by_j = lambda src: src.replace("j % st[name].shape[0]", "j")  # noqa: E731
-    for edit in (one_k, by_j):
-        with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", edit):
-            verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
-        assert not verdict and "the gradients differ" in str(verdict), str(verdict)
-    blind = lambda src: src.replace("jnp.where(tag > 0, x, st[name][i])", "x")  # noqa: E731
-    with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", blind) as wrong:
-        assert wrong.count(".set(x)") == 1
-        verdict = ex.spmd_pipeline(lab.try_ticks(spmd_lesson["make_tick"], rows_needed))
-    assert not verdict and "the gradients differ" in str(verdict) and "overwritten" in verdict.hint, str(verdict)
-    for name, buffer, n, word in (("zb-h2", "ins", 4, "too few"), ("1f1b", "dz", 4, "fewer do")):   # before any run
-        verdict = ex.spmd_pipeline({"rows": {**rows, name: {**rows[name], buffer: n}}, "error": None, "runs": {}})
-        assert not verdict and word in str(verdict), str(verdict)
+def test_the_routing_solution_passes_and_one_without_the_ring_fails_on_the_looped_placement(spmd_lesson):
+    """Exercise 9.4: the Solutions' routing equals the package's recv tables; with rank p - 1's right
+    neighbour not rank 0 (no ring), the looped placement's hop back to rank 0 is named."""
+    assert ex.routing(spmd_lesson["routing"])
+    with _replaced(spmd_lesson, SPMD_LESSON, "routing", lambda src: src.replace("(r + 1) % p", "r + 1")):
+        verdict = ex.routing(spmd_lesson["routing"])
+    assert not verdict and "interleaved-1f1b" in verdict.message and verdict.hint, str(verdict)
 
 
 def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):

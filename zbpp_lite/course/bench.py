@@ -21,7 +21,7 @@ import numpy as np
 from ..runtime.split import compiled_flops
 from ..schedules.builders import build_schedule
 from ..schedules.timeline import Event, Timeline
-from .lesson8 import BUILD_CASE, PIPELINE_RUNS, STEP, STEP_RUNS
+from .lesson8 import BUILD_CASE, PIPELINE_RUNS, STEP, STEP_RUNS, TIED
 
 tmap = jax.tree_util.tree_map
 
@@ -177,27 +177,6 @@ class SpmdLab:
         order = np.argsort(np.ravel([schedule.stages_of(r) for r in range(schedule.num_ranks)]))
         dA, dc = (np.asarray(a).reshape(-1, *b.shape[1:])[order] for a, b in zip((dA, dc), self.reference))
         return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran))
-
-    def try_ticks(self, make_tick: Callable, rows_needed: Callable) -> dict:
-        """Exercise 9.4's result: per schedule of ``SPMD_RUNS`` the rows of each buffer, ``outs``, ``dz``,
-        ``ins`` the most ``rows_needed(name, buffer, p, m, r)`` gives over the ranks (exercise 9.3's function;
-        ``...`` where it raised), ``act`` and ``grad`` :func:`~.lesson9.buffer_depths`' (the most over the
-        ranks), and :func:`try_runs` of each schedule with its rows."""
-        from .lesson9 import ROWS_BUFFERS, SPMD_RUNS, buffer_depths
-
-        p, m = self.case["ranks"], self.case["microbatches"]
-        try:
-            rows = {name: {b: max(rows_needed(name, b, p, m, r) for r in range(p)) for b in ROWS_BUFFERS}
-                    for name in SPMD_RUNS}
-        except Exception:  # noqa: BLE001  (9.3 unsolved: the check says so)
-            rows = ...
-        if not isinstance(rows, dict) or not all(isinstance(k, (int, np.integer))
-                                                 for r in rows.values() for k in r.values()):
-            return {"rows": rows, "error": None, "runs": {}}  # the check refuses these rows first
-        for name in SPMD_RUNS:
-            depths = buffer_depths(build_schedule(name, p, m))
-            rows[name].update({b: max(depths[b]) for b in ("act", "grad")})
-        return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows[name]), SPMD_RUNS))
 
     def try_v(self, make_tick: Callable) -> dict:
         """Exercise 9.5's result: :func:`try_runs` of ZB-V (:data:`~.lesson9.V_RUNS`, on ``case``'s 2p stages)
@@ -544,55 +523,75 @@ class Lab:
 
     def try_step(self, optimizer_step: Callable) -> dict:
         """Exercise 8.4's result: ``optimizer_step(rank, grads, params, all_sum)`` on one thread per rank, the
-        stages placed as in :data:`STEP_RUNS`, from ``jax.grad``'s gradients; ``{"error", "runs": {name:
-        {"params": the learner's step, "want": clipped SGD of the whole model, "per_stage": each stage
-        clipped alone, "unclipped": SGD without clipping, "scaled": scaled to max_norm even from below,
-        "calls": the most all_sum calls by one rank}}}``,
-        each per stage new - old parameters (NumPy), as :func:`.lesson8.optimizer_step` reads it; ``STEP``'s
-        ``max_norm`` set as the run says (put back after)."""
-        per_stage = [self.reference[2 * s: 2 * s + 2] for s in range(self.S)]
-        sq = [sum(float(jnp.sum(a * a)) for a in jax.tree_util.tree_leaves(g)) for g in per_stage]
+        stages placed as in :data:`STEP_RUNS`, from ``jax.grad``'s gradients, the two uses of :data:`TIED` one
+        matrix. ``{"error", "runs": {name: {"params": the learner's step; SGD of the whole model clipped to
+        the global norm: "want" (the tied matrix's gradient the sum of its uses', counted once in the norm),
+        "untied" (each use its own gradient), "twice" (the sum counted once per use), "per_stage" (each stage
+        clipped alone), "unclipped", "scaled" (to max_norm even from below); "calls": each rank's all_sum
+        calls}}}``, each per stage new - old parameters (NumPy), as :func:`.lesson8.optimizer_step` reads it;
+        ``STEP``'s ``max_norm`` set as the run says (put back after). A rank waiting :attr:`all_sum_wait` s
+        in ``all_sum`` for another raises RuntimeError."""
+        leaves, ((s0, l0), (s1, l1)), per = jax.tree_util.tree_leaves, TIED, len(self.home[0])
+        params = list(self.params)   # the model with its tie: the second use's A is the first's
+        params[per * s1 + l1] = (params[per * s0 + l0][0], params[per * s1 + l1][1])
+        grads = jax.grad(mlp_loss)(params, self.X, self.Y)   # each use's gradient
+        home = [params[per * s: per * (s + 1)] for s in range(self.S)]
+        given = [grads[per * s: per * (s + 1)] for s in range(self.S)]
+        per_stage = [leaves(g) for g in given]   # A, c, A, c
+        tied = per_stage[s0][2 * l0] + per_stage[s1][2 * l1]
+        is_tied = lambda s, i: (s, i) in ((s0, 2 * l0), (s1, 2 * l1))  # noqa: E731  (leaf 2l: layer l's A)
+        sq = lambda a: float(jnp.sum(a * a))  # noqa: E731
+        free = sum(sq(a) for s, g in enumerate(per_stage) for i, a in enumerate(g) if not is_tied(s, i))
+        uses = sq(per_stage[s0][2 * l0]) + sq(per_stage[s1][2 * l1])
 
-        def sgd(scales):  # each stage's step, new - old parameters
-            return [[np.asarray(-STEP["lr"] * k * a) for a in jax.tree_util.tree_leaves(g)]
-                    for g, k in zip(per_stage, scales)]
-
-        total = sum(sq) ** 0.5
+        def sgd(scales, summed=True):  # each stage's step, new - old parameters
+            return [[np.asarray(-STEP["lr"] * k * (tied if summed and is_tied(s, i) else a))
+                     for i, a in enumerate(g)] for s, (g, k) in enumerate(zip(per_stage, scales))]
 
         def one(name):
             placement, max_norm = STEP_RUNS[name]
-            expected = dict(want=sgd([min(1.0, max_norm / total)] * self.S),
-                            per_stage=sgd([min(1.0, max_norm / v**0.5) for v in sq]),
-                            unclipped=sgd([1.0] * self.S), scaled=sgd([max_norm / total] * self.S))
+            clip = lambda total_sq: [min(1.0, max_norm / total_sq**0.5)] * self.S  # noqa: E731
+            alone = [min(1.0, max_norm / sum(map(sq, g)) ** 0.5) for g in per_stage]
+            expected = dict(want=sgd(clip(free + sq(tied))), untied=sgd(clip(free + uses), summed=False),
+                            twice=sgd(clip(free + 2 * sq(tied))), per_stage=sgd(alone, summed=False),
+                            unclipped=sgd([1.0] * self.S),
+                            scaled=sgd([max_norm / (free + sq(tied)) ** 0.5] * self.S))
             ranks = max(placement) + 1
-            shared, barrier = [0.0] * ranks, threading.Barrier(ranks, timeout=30)
-
-            calls = [0] * ranks
+            shared, calls = [0.0] * ranks, [0] * ranks
+            barrier = threading.Barrier(ranks, timeout=self.all_sum_wait)
 
             def work(rank, _inboxes):
                 def all_sum(value):
                     calls[rank] += 1
                     shared[rank] = value
-                    barrier.wait()
-                    got = sum(shared)
-                    barrier.wait()
+                    try:
+                        barrier.wait()
+                        got = sum(shared)
+                        barrier.wait()
+                    except threading.BrokenBarrierError:
+                        raise RuntimeError(
+                            f"all_sum waited {self.all_sum_wait:g} s for a rank that never called it (calls "
+                            f"so far, rank by rank: {calls}): every rank must join every sum, in the same "
+                            "order, adding 0 where it holds nothing") from None
                     return got
                 mine = [s for s in range(self.S) if placement[s] == rank]
-                return _need(optimizer_step(rank, {s: per_stage[s] for s in mine},
-                                            {s: self.home[s] for s in mine}, all_sum), "optimizer_step")
+                return _need(optimizer_step(rank, {s: given[s] for s in mine}, {s: home[s] for s in mine},
+                                            all_sum), "optimizer_step")
 
             kept, STEP["max_norm"] = STEP["max_norm"], max_norm
             try:
                 new = {s: v for part in self.threads(ranks, work) for s, v in dict(part).items()}
             finally:
                 STEP["max_norm"] = kept
-            leaves = jax.tree_util.tree_leaves
             got = [None if s not in new else [np.asarray(a, np.float64) - np.asarray(b)
-                                              for a, b in zip(leaves(new[s]), leaves(self.home[s]))]
+                                              for a, b in zip(leaves(new[s]), leaves(home[s]))]
                    for s in range(self.S)]
-            return dict(params=got, calls=max(calls), **expected)
+            return dict(params=got, calls=calls, **expected)
 
         return try_runs(one, STEP_RUNS)
+
+    all_sum_wait = 15.0
+    """Seconds :meth:`try_step`'s ``all_sum`` waits for every rank before it gives up."""
 
 
 def _need(value: Any, name: str) -> Any:

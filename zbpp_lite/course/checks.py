@@ -169,6 +169,32 @@ def _called(exercise: str, fn: Callable, point: tuple, hint: str) -> tuple[Any, 
                              hint)
 
 
+def _hand_schedule(exercise: str, actions: Any, p: int, m: int, hint: str,
+                   example: str) -> tuple[Any, Verdict | None]:
+    """``(schedule, None)`` for a schedule the learner wrote by hand (``p`` lists of actions in our text
+    form, ``Action.from_text``, or ``Action``'s; stage r on rank r, ``m`` microbatches), or ``(None, the
+    refusal)``: no answer yet, actions it cannot read, another number of ranks, or one
+    :func:`zbpp_lite.validate` refuses (its first line as the hint). ``example``: actions to show."""
+    from ..schedules.ir import Action, Schedule
+    from ..schedules.validate import ScheduleError, validate
+
+    if _unanswered(actions):
+        return None, Verdict(exercise, False, f"no answer yet: replace ... with {p} lists of actions.", hint)
+    try:
+        rows = [[a if isinstance(a, Action) else Action.from_text(str(a)) for a in row] for row in actions]
+    except (TypeError, ValueError) as e:
+        return None, Verdict(exercise, False, f"could not read the actions: {e}",
+                             f"write each action in our text form, e.g. {example}.")
+    if len(rows) != p:
+        return None, Verdict(exercise, False, f"{p} ranks need {p} lists, you gave {len(rows)}.", hint)
+    schedule = Schedule(tuple(map(tuple, rows)), tuple(range(p)), m, "mine")
+    try:
+        validate(schedule)
+    except ScheduleError as e:
+        return None, Verdict(exercise, False, "zb.validate refuses it.", str(e).splitlines()[0])
+    return schedule, None
+
+
 def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the function",
                       shape: str = "a function") -> Verdict | None:
     """The verdict for an answer that is not yet a function (still ``...``, or not callable), else None;

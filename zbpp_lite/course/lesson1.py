@@ -8,11 +8,9 @@ from typing import Any, Callable
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
-from ..schedules.ir import Action, Schedule
 from ..schedules.simulate import simulate
-from ..schedules.validate import ScheduleError, validate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _function_check, _number_check, _unanswered
+from .checks import Verdict, _function_check, _hand_schedule, _number_check
 
 
 SLOW_MIDDLE = Costs(f=[1.0, 2.0, 1.0], b=[1.0, 2.0, 1.0], w=[1.0, 2.0, 1.0])
@@ -57,21 +55,10 @@ def lean_schedule(actions: Any) -> Verdict:
     :func:`zbpp_lite.validate` and :func:`zbpp_lite.simulate` (unit costs)."""
     hint = ("rank 0 may run 2 F's before a gradient comes back: does each rank run every F it may, and what "
             "in your order makes a gradient leave rank 1 later than it could?")
-    if _unanswered(actions):
-        return Verdict("1.3", False, "no answer yet: replace ... with three lists of actions.", hint)
-    try:
-        rows = [[a if isinstance(a, Action) else Action.from_text(str(a)) for a in row] for row in actions]
-    except (TypeError, ValueError) as e:
-        return Verdict("1.3", False, f"could not read the actions: {e}",
-                       "write each action in our text form, e.g. \"0F0\" or \"1BW1\".")
-    if len(rows) != 3:
-        return Verdict("1.3", False, f"three ranks need three lists, you gave {len(rows)}.", hint)
-    schedule = Schedule(tuple(map(tuple, rows)), (0, 1, 2), 4, "mine")
-    try:
-        validate(schedule)
-    except ScheduleError as e:
-        return Verdict("1.3", False, "zb.validate refuses it.", str(e).splitlines()[0])
-    if any(a.kind not in ("F", "BW") for row in rows for a in row):
+    schedule, refused = _hand_schedule("1.3", actions, 3, 4, hint, '"0F0" or "1BW1"')
+    if refused is not None:
+        return refused
+    if any(a.kind not in ("F", "BW") for row in schedule.actions for a in row):
         return Verdict("1.3", False, "valid, but it splits a backward into B and W; this exercise fuses "
                        "them.", "write each backward as one BW, as lesson 1 does (lesson 2 splits it).")
     run = simulate(schedule, Costs())

@@ -3,7 +3,6 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable
 
 
@@ -11,25 +10,26 @@ from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _line_figure, _number_check, course_cache
+from .checks import Verdict, _function_check, _hand_schedule, _line_figure, _number_check, course_cache
 
 
 AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1.0))
-"""Exercises 4.2 and 4.3's case: p = 4, m = 12, T_F = 1, T_B = 2, T_W = 1, T_comm = 0 (T_B != T_F, so
+"""Exercise 4.2's case: p = 4, m = 12, T_F = 1, T_B = 2, T_W = 1, T_comm = 0 (T_B != T_F, so
 ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
 
 
-WARMUP_CASES = ((4, 12, 1.0, 2.0), (3, 12, 1.0, 3.0), (6, 18, 1.0, 2.0), (4, 12, 0.5, 1.0))
-"""Exercise 4.3's cases (p, m, T_F, T_B), T_W = T_F: :data:`AUTO_CASE` first, then three more, so that an
-answer written for p = 4, T_B = 2 alone, or one that ignores T_F, fails."""
+HAND_CASE = dict(num_ranks=3, num_microbatches=4, costs=Costs(), memory_limit=(2.0, 3.0, 3.0))
+"""Exercise 4.3's case: p = 3, m = 4, unit costs (T_F = T_B = T_W = 1, T_comm = 0, M_W = 7/16 M_B); rank 0
+may hold 2 M_B of activations (it also holds, say, an embedding table), ranks 1 and 2 zb-auto's default,
+p M_B. ZB-H1 holds 3 M_B on rank 0; with rank 0 running each W right after its B and ranks 1 and 2 in
+1F1B's or ZB-H1's order, a plan takes 19; the optimum is 17 (tests/test_exercises.py)."""
 
 
 @course_cache(maxsize=64)
-def _auto(limit: float, p: int = AUTO_CASE["num_ranks"], m: int = AUTO_CASE["num_microbatches"],
-          b: float = AUTO_CASE["costs"].b, f: float = AUTO_CASE["costs"].f):
-    """zb-auto's plan under ``limit`` M_B of :data:`AUTO_CASE`, or of p ranks, m microbatches, T_B = b and
-    T_F = T_W = f (AUTO_CASE's other costs) (cached)."""
-    return auto_plan(p, m, replace(AUTO_CASE["costs"], f=f, b=b, w=f), limit)
+def _auto(limit: float):
+    """zb-auto's plan under ``limit`` M_B of :data:`AUTO_CASE` (cached)."""
+    c = AUTO_CASE
+    return auto_plan(c["num_ranks"], c["num_microbatches"], c["costs"], limit)
 
 
 def bw_break_even(fn: Any) -> Verdict:
@@ -80,25 +80,47 @@ def bubble_floor_limit(answer: Any) -> Verdict:
                          known=known)
 
 
-def auto_warmup(fn: Any) -> Verdict:
-    """Exercise 4.3: ``warmup(p, limit, r, f, b)``, the F rank r runs before its first B when zb-auto plans
-    :data:`AUTO_CASE`'s costs (T_F = ``f``, T_B = ``b``) under ``limit`` M_B; checked at limits 4 to 13, every
-    rank, on each of :data:`WARMUP_CASES`."""
-    ms = {p: m for p, m, _, _ in WARMUP_CASES}
+@course_cache(maxsize=1)
+def _hand_best() -> float:
+    """The MILP's optimal makespan for :data:`HAND_CASE` (proven: its lower bound equals it; 0.05 s)."""
+    from ..schedules.builders.milp import solve_optimal
 
-    def counted(p, limit, r, f, b):
-        plan = _auto(float(limit), p, ms[p], b, f).schedule
-        return next(i for i, a in enumerate(plan.actions[r]) if a.kind != "F")
+    c = HAND_CASE
+    return solve_optimal(c["num_ranks"], c["num_microbatches"], c["costs"], list(c["memory_limit"]),
+                         time_limit=30).makespan
 
-    points = [(p, lim, r, f, b) for p, _, f, b in WARMUP_CASES for lim in AUTO_LIMITS for r in range(p)]
-    return _function_check("4.3", fn, points, counted, "warmup(p, limit, r, f, b)",
-                           "two things can end a warm-up: memory, and the arrival of the rank's first B. "
-                           "Which one binds on which rank, and what does the second depend on when T_B "
-                           "differs from T_F?")
+
+def plan_around(actions: Any) -> Verdict:
+    """Exercise 4.3: a plan by hand for :data:`HAND_CASE`, three lists of actions in our text form
+    (``"0F1"``, ``"1B0"``, ``"2W3"``; B and W split or fused), valid (:func:`zbpp_lite.validate`), each rank
+    within its own memory limit (:func:`zbpp_lite.simulate`'s peaks, M_W included) and as short as the
+    MILP's optimum (:func:`_hand_best`; paper appendix)."""
+    c = HAND_CASE
+    limits = c["memory_limit"]
+    hint = ("an F adds M_B, its B leaves M_W = 7/16 M_B until its W: when must rank 0 run a W before its "
+            "next F? Then ranks 1 and 2: when does each of their inputs arrive? An action waiting for a "
+            "late input holds back every action behind it on its rank, and a W can wait.")
+    schedule, refused = _hand_schedule("4.3", actions, c["num_ranks"], c["num_microbatches"], hint,
+                                       '"0F0", "1B1" or "2W0"')
+    if refused is not None:
+        return refused
+    run = simulate(schedule, c["costs"])
+    peaks = [round(x, 4) for x in run.peak_memory]
+    over = [r for r, (peak, limit) in enumerate(zip(run.peak_memory, limits)) if peak > limit + 1e-9]
+    if over:
+        r = over[0]
+        return Verdict("4.3", False, f"valid, but rank {r} holds {peaks[r]:g} M_B at once, over its limit "
+                       f"of {limits[r]:g} (peaks {peaks}).", hint)
+    best = _hand_best()
+    if run.makespan > best + 1e-9:
+        return Verdict("4.3", False, f"valid and within every rank's limit (peaks {peaks} M_B), but it takes "
+                       f"{run.makespan:g}; a plan within the limits takes {best:g}.", hint)
+    return Verdict("4.3", True, f"valid, within the limits (peaks {peaks} M_B against {list(limits)}), and "
+                   f"{run.makespan:g}, the optimum the MILP proves for this case.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "4.1": bw_break_even, "4.2": bubble_floor_limit, "4.3": auto_warmup
+    "4.1": bw_break_even, "4.2": bubble_floor_limit, "4.3": plan_around
 }
 """Lesson 4's exercises by id -> check."""
 
@@ -108,5 +130,6 @@ REVEALS: dict[str, Callable[[], Any]] = {"4.2": lambda: _line_figure(
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "AUTO_CASE", "bw_break_even", "AUTO_LIMITS", "bubble_floor_limit", "auto_warmup", "EXERCISES", "REVEALS"
+    "AUTO_CASE", "bw_break_even", "AUTO_LIMITS", "bubble_floor_limit", "HAND_CASE", "plan_around",
+    "EXERCISES", "REVEALS"
 ]

@@ -103,33 +103,58 @@ def _zigzag_rank(p: int, s: int) -> int:
     return s % p if (s // p) % 2 == 0 else p - 1 - s % p
 
 
-def zigzag_stages(fn: Any) -> Verdict:
-    """Exercise 6.1: a function ``stages(p, v, r)``: the stages rank r holds when lesson 5's V is
-    extended to v stages per rank (v passes over the ranks, down on even passes and up on odd ones,
-    so a pass starts on the rank the previous one ended on; v = 2 is ZB-V's placement), as a list in
-    increasing order. Checked for p = 1..5, v = 1..5, every rank."""
-    hint = ("write down pass k's stages, kp .. kp + p - 1, and which rank each lands on when the pass runs "
-            "down the ranks and when it runs back up; rank r gets one stage from every pass.")
-    missing = _function_missing("6.1", fn, hint)
+def _crossings(p: int, v: int, m: int, rank_of: Callable[[int, int], int]) -> int:
+    """Values that cross between ranks in one step of m microbatches over v p stages placed by
+    ``rank_of(p, s)``: each link between consecutive stages on two ranks carries m activations down and m
+    input gradients back."""
+    return 2 * m * sum(rank_of(p, s) != rank_of(p, s + 1) for s in range(v * p - 1))
+
+
+def link_crossings(fn: Any) -> Verdict:
+    """Exercise 6.1 (derived): ``transfers(p, v, m) -> (looped, zigzag)``, how many values (activations
+    down, input gradients back) cross between ranks in one step of m microbatches with v stages per rank:
+    interleaved 1F1B's looped placement (stage s on rank s % p; Narayanan et al., SC 2021) and the zigzag
+    of v passes, down and up in turn (lesson 5's V at v = 2; arXiv 2405.15362, section 3). 2m(vp - 1) and
+    2mv(p - 1), both 0 at p = 1. Checked at p = 1..6, v = 1..4, m = 1, 3, 8; the stage count for both, the
+    activations alone and the looped count at p = 1 get their own message."""
+    hint = ("list the stages a microbatch passes, 0 .. vp - 1, with each one's rank: a value crosses between "
+            "ranks where two consecutive stages sit on different ranks, once on the way down and once on the "
+            "way back. Where does the zigzag stay on a rank, and where does the looped placement?")
+    missing = _function_missing("6.1", fn, hint, "transfers", "a function transfers(p, v, m)")
     if missing is not None:
         return missing
-    points = [(p, v, r) for p in range(1, 6) for v in range(1, 6) for r in range(p)]
-    wrong = []
-    for p, v, r in points:
-        want = [s for s in range(p * v) if _zigzag_rank(p, s) == r]
-        got, refused = _called("6.1", fn, (p, v, r), hint)
+    looped = lambda p, s: s % p  # noqa: E731
+    points = [(p, v, m) for p in (2, 3, 4, 5, 6, 1) for v in range(1, 5) for m in (1, 3, 8)]   # p = 1 last
+    for p, v, m in points:
+        want = (_crossings(p, v, m, looped), _crossings(p, v, m, _zigzag_rank))
+        got, refused = _called("6.1", fn, (p, v, m), hint)
         if refused is not None:
             return refused
-        if not isinstance(got, (list, tuple, range)) or list(got) != want:
-            wrong.append((p, v, r))
-    if wrong:
-        return Verdict("6.1", False,
-                       f"stages(p, v, r) is off at {wrong[0]} ({len(wrong)} of {len(points)} points).", hint)
-    return Verdict("6.1", True, f"stages(p, v, r) agrees at all {len(points)} points checked.")
+        try:
+            got = tuple(int(x) for x in got)
+        except (TypeError, ValueError):
+            return Verdict("6.1", False, f"transfers{(p, v, m)} gave {got!r}: expected two counts, "
+                           "(looped, zigzag).", hint)
+        if got == want:
+            continue
+        where = f"transfers{(p, v, m)} is {got}, not {want}"
+        if got == (2 * m * (v * p - 1),) * 2 and p > 1:
+            why = ("every link between consecutive stages counted as a crossing, for both: on the zigzag, "
+                   "where does a pass end and the next begin?")
+        elif got == (want[0] // 2, want[1] // 2):
+            why = "that counts the activations alone: each one's input gradient crosses back."
+        elif p == 1 and got[0]:
+            why = "with one rank every stage sits on rank 0: what crosses?"
+        else:
+            why = hint
+        return Verdict("6.1", False, f"{where}: {why}", hint)
+    return Verdict("6.1", True, f"transfers(p, v, m) agrees at all {len(points)} points: the looped "
+                   "placement crosses a link between every two stages (the hop from rank p - 1 back to rank "
+                   "0 included), the zigzag all but v - 1 of them.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "6.1": zigzag_stages, "6.2": interleaved_crossover, "6.3": interleaved_peak
+    "6.1": link_crossings, "6.2": interleaved_crossover, "6.3": interleaved_peak
 }
 """Lesson 6's exercises by id -> check."""
 
@@ -148,5 +173,5 @@ REVEALS: dict[str, Callable[[], Any]] = {"6.2": _reveal_6_2}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "INTERLEAVED_CASE", "interleaved_crossover", "interleaved_peak", "zigzag_stages", "EXERCISES", "REVEALS"
+    "INTERLEAVED_CASE", "interleaved_crossover", "interleaved_peak", "link_crossings", "EXERCISES", "REVEALS"
 ]

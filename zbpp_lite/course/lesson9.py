@@ -29,9 +29,11 @@ rank, so an activation can stay on its rank and still wait a tick."""
 TICK_FRESH = 3
 """How many more exercise 9.1 schedules its check draws afresh at each call."""
 
-SPMD_RUNS = ("zb-h1", "1f1b", "zb-h2")
-"""Exercise 9.4's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: 1F1B runs BW, which
-lesson 9's tick has no branch for, and ZB-H2 keeps more microbatches in flight (lesson 3)."""
+ROUTE_CASES = (("zb-v", 4, 8), ("zb-v", 3, 5), ("zb-h1", 4, 8), ("interleaved-1f1b", 3, 6))
+"""Exercise 9.4's schedules (name, ranks, microbatches): the V (rank p - 1 sends to itself where the V
+turns), one stage per rank, and interleaved 1F1B's looped placement (stage p - 1 on rank p - 1 sends to
+stage p on rank 0, its right neighbour on the ring). p >= 3: at p = 2 a rank's left and right neighbour
+are one rank."""
 
 V_RUNS = ("zb-v",)
 """Exercise 9.5's schedule: ZB-V, two stages per rank (chunk 0: stage r, chunk 1: stage 2p - 1 - r)."""
@@ -262,33 +264,69 @@ def rows_rule(answer: Any) -> Verdict:
                                 "outs and dz need on rank r")))
 
 
-def spmd_pipeline(result: Any) -> Verdict:
-    """Exercise 9.4: the learner's ``make_tick`` run by lesson 9's ``lab.try_ticks``; ``result`` is
-    ``{"rows": {name: {buffer: rows}}, "error": None or text, "runs": {name: {"grad_error", "stage_errors",
-    "scale" (as :func:`zbpp_lite.course.bench.gradient_report` gives them), "ran": (ranks, ticks)
-    ints}}}`` for :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t.
-    Right when each buffer has the fewest rows that work on its busiest rank (:func:`buffer_depths`), every
-    rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
-    ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
-    hint = ("each buffer has its own number of rows, fewer than m: which row can microbatch j use so that "
-            "no two microbatches a buffer holds at once share one, and which reads and writes (the "
-            "receiver's store too) must agree on it? 1F1B runs BW (kind 4), B then W in one tick.")
-    refused = _result_problem("9.4", result, "make_tick", "lab.try_ticks(make_tick, rows_needed)", hint)
-    if refused is None:  # a Verdict is falsy when not right: no `or` here
-        refused = _rows_problem(result.get("rows"))
-    if refused is not None:
-        return refused
-    if result.get("error"):
-        return Verdict("9.4", False, f"running it raised {result['error']}", "every branch of a lax.switch "
-                       "returns the same structure, shapes, dtypes and varying types (spmd.to_varying), "
-                       "idle included; a scan's carry keeps its own.")
-    worst = _runs_problem("9.4", result["runs"], SPMD_RUNS, hint)
-    if isinstance(worst, Verdict):
-        return worst
-    rows = ", ".join(f"{name} {({b: result['rows'][name][b] for b in ROWS_BUFFERS})}" for name in SPMD_RUNS)
-    return Verdict("9.4", True, f"{', '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
-                   "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
-                   f"{worst:.1e}), with rows {rows} instead of 8 each.")
+def _routes(schedule) -> dict:
+    """Exercise 9.4's answer for ``schedule``: :func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``, as
+    ``{source: (buffer, chunk, microbatch)}`` of nested lists (ranks, ticks)."""
+    from ..runtime.spmd import tick_tables  # JAX's module: imported when a check runs, not at import
+
+    return {src: tuple(np.asarray(a).tolist() for a in t) for src, t in tick_tables(schedule).recv.items()}
+
+
+def routing(answer: Any) -> Verdict:
+    """Exercise 9.4 (derived): ``routing(actions, placement, ticks) -> {source: (buffer, chunk,
+    microbatch)}``, each a (ranks, ticks) table of ints: what rank r receives at the end of tick t from
+    ``"left"`` (rank r - 1, rank p - 1 for rank 0), ``"right"`` (rank r + 1, rank 0 for rank p - 1) and
+    ``"self"``: buffer 1 (``act``, an F's output) or 2 (``grad``, a B's or BW's input gradient), 0 for
+    nothing, the receiving stage's chunk (its index among the rank's stages in increasing order) and the
+    microbatch. ``actions`` per rank ``(kind, stage, microbatch)`` tuples, ``placement[stage]`` its rank,
+    ``ticks`` :func:`lockstep_ticks`' table. Checked against :func:`zbpp_lite.runtime.spmd.tick_tables` on
+    :data:`ROUTE_CASES`: the V (a turn on rank p - 1), one stage per rank, and the looped placement's hop
+    from rank p - 1 back to rank 0; the package out of bounds. The first wrong entry is named, with what
+    differs."""
+    hint = ("a value sent in tick t arrives at the end of tick t: an F of stage s sends its output to "
+            "stage s + 1's act, a B or BW of stage s its input gradient to stage s - 1's grad (none past "
+            "either end, none from a W). Which rank holds the receiving stage, which neighbour is the "
+            "sender to it, and which of its stages (chunk) receives?")
+    missing = _function_missing("9.4", answer, hint, "routing",
+                                "a function routing(actions, placement, ticks)")
+    if missing is not None:
+        return missing
+    fields = ("buffer", "chunk", "microbatch")
+    for name, p, m in ROUTE_CASES:
+        schedule = build_schedule(name, p, m)
+        ticks = lockstep_ticks(schedule)
+        want = _routes(schedule)
+        got, refused = _called("9.4", answer, (_rows(schedule), list(schedule.placement), ticks), hint)
+        if refused is not None:
+            return refused
+        case = f"{name} (p = {p}, m = {m})"
+        try:
+            got = {src: tuple(np.asarray(got[src][k], dtype=np.int64).reshape(p, len(ticks)).tolist()
+                              for k in range(3)) for src in want}
+        except (TypeError, ValueError, KeyError, IndexError):
+            return Verdict("9.4", False, f"{case}: expected {{source: (buffer, chunk, microbatch)}} for "
+                           f"sources {', '.join(want)}, each a ({p}, {len(ticks)}) table of ints.", hint)
+        for t in range(len(ticks)):
+            for r in range(p):
+                for src in want:
+                    mine, need = (tuple(got[src][k][r][t] for k in range(3)),
+                                  tuple(want[src][k][r][t] for k in range(3)))
+                    if mine == need:
+                        continue
+                    off = [f for f, x, y in zip(fields, mine, need) if x != y]
+                    why = {"buffer": "which kind of action sent it, and is anything sent at all?",
+                           "chunk": "the chunk is the receiving stage's index on its own rank, not the "
+                                    "sender's.",
+                           "microbatch": "the value keeps its microbatch."}[off[0]]
+                    if mine[0] == 0 and need[0]:
+                        why = ("something arrives here from this source: which rank sends to rank "
+                               f"{r}'s stages, and is it a neighbour on the ring (rank 0's left "
+                               "neighbour is rank p - 1) or rank r itself?")
+                    return Verdict("9.4", False, f"{case}: rank {r}, end of tick {t}, from {src}: you give "
+                                   f"(buffer, chunk, microbatch) {mine}, the program needs {need}; "
+                                   f"{' and '.join(off)} differ{'s' if len(off) == 1 else ''}. {why}", hint)
+    return Verdict("9.4", True, f"your routing equals the package's on {len(ROUTE_CASES)} schedules: the V's "
+                   "turn, one stage per rank and the looped placement's hop back to rank 0.")
 
 
 def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> Verdict | None:
@@ -406,42 +444,15 @@ def spmd_step(result: Any) -> Verdict:
                    f"{max(result['grad_error'], result['dH_error']):.1e}).")
 
 
-def _rows_problem(rows: Any) -> Verdict | None:
-    """Exercise 9.4's rows per buffer (from exercise 9.3's ``rows_needed``, the busiest rank's): None when
-    each buffer of :data:`ROWS_BUFFERS` of each schedule of :data:`SPMD_RUNS` has the fewest that work on
-    every rank (:func:`buffer_depths`), else the refusal."""
-    hint = ("one program runs on every rank, so a buffer has the same rows on each: those of the rank that "
-            "needs the most (exercise 9.3).")
-    if _unanswered(rows):
-        return Verdict("9.4", False, "no answer yet: solve exercise 9.3 (rows_needed) first.", hint)
-    if not isinstance(rows, dict) or set(rows) != set(SPMD_RUNS):
-        return Verdict("9.4", False, "expected rows as {name: {buffer: rows}} for "
-                       f"{', '.join(SPMD_RUNS)}, got {rows!r}.", hint)
-    for name in SPMD_RUNS:
-        need = _depths(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])
-        for buffer in ROWS_BUFFERS:
-            got = rows[name].get(buffer) if isinstance(rows[name], dict) else None
-            if not isinstance(got, (int, np.integer)):
-                return Verdict("9.4", False, f"{name}: rows for {buffer} are {got!r}, not a number of rows: "
-                               "solve exercise 9.3 first.", hint)
-            if got < max(need[buffer]):
-                return Verdict("9.4", False, f"{name}: {got} rows for {buffer} are too few: a row would be "
-                               "rewritten while the microbatch it holds still waits to be read.", hint)
-            if got > max(need[buffer]):
-                return Verdict("9.4", False, f"{name}: {got} rows for {buffer} work but keep more than the "
-                               "busiest rank needs at once: fewer do.", hint)
-    return None
-
-
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_rule,
-                                                  "9.4": spmd_pipeline, "9.5": spmd_v,
+                                                  "9.4": routing, "9.5": spmd_v,
                                                   "9.6": spmd_step}
 """Lesson 9's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "V_RUNS", "V_CASE", "ROWS_RUNS", "ROWS_POINTS", "FUSED",
-           "tick_table", "lockstep_1f1b", "rows_rule", "spmd_pipeline", "spmd_v", "spmd_step",
+__all__ = ["KIND_CODE", "TICK_CASES", "ROUTE_CASES", "V_RUNS", "V_CASE", "ROWS_RUNS", "ROWS_POINTS", "FUSED",
+           "tick_table", "lockstep_1f1b", "rows_rule", "routing", "spmd_v", "spmd_step",
            "buffer_depths", "buffer_rows", "tick_grid", "tick_messages", "ROWS_BUFFERS", "EXERCISES",
            "REVEALS"]
