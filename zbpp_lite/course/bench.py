@@ -133,8 +133,9 @@ def head_loss(params: list, H: jax.Array, X: jax.Array, Y: jax.Array) -> jax.Arr
 
 class SpmdLab:
     """Lesson 9's test bench around the lesson's ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
-    (jitted program, (columns, As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``; ``columns``: the tick
-    tables it scans, kind first; ``As``, ``cs`` per rank, ``(ranks, [chunks,] 2, ...)``): ``arrays`` =
+    (jitted program, (columns, held, As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``; ``columns``:
+    the tick tables it scans, kind first; ``held``: each rank's stage, ``(ranks,)``, or stages, ``(ranks,
+    chunks)``; ``As``, ``cs`` per rank, ``(ranks, [chunks,] 2, ...)``): ``arrays`` =
     :func:`stacked_mlp` of ``case`` (one stage per rank at :data:`BUILD_CASE`, two on the V at
     :data:`~.lesson9.V_CASE`), ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked as ``As``, ``cs``,
     and what hands the learner's ``make_tick`` to the checks."""
@@ -256,8 +257,8 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
     """Lesson 9's trade-off, printed: one F, B, W and BW of stage 1 timed (``stage_fns``: the lesson's
     ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), ZB-H1 and ZB-H2 (no
     BW, which lesson 9's tick has no branch for) simulated event-driven and lockstep with those times, and
-    one step timed of the learner's program (``compile_spmd(name) -> (program, ((kind, microbatch), As, cs,
-    Xm, Ym))``), of the same program on an all-idle table (the ticks' own cost) and of the package's MPMD
+    one step timed of the learner's program (``compile_spmd(name) -> (program, ((kind, microbatch), held, As,
+    cs, Xm, Ym))``), of the same program on an all-idle table (the ticks' own cost) and of the package's MPMD
     executor on :func:`staged_mlp`. Returns ``{name: {"event", "lockstep": simulated makespans; "mpmd",
     "spmd", "idle": measured steps}}`` (s)."""
     from ..runtime.executor import PipelineExecutor
@@ -266,7 +267,7 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
 
     stage_F, stage_B, stage_W = stage_fns
     p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
-    _, As, cs, Xm, _ = compile_spmd("zb-h1")[1]
+    _, _, As, cs, Xm, _ = compile_spmd("zb-h1")[1]
     A, c, x = As[1], cs[1], Xm[0]
     y, ins, outs = stage_F(A, c, x)
     dz = stage_B(A, outs, y)[1]
