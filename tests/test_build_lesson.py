@@ -438,3 +438,21 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     verdict = ex.spmd_step(lab.try_step(beside))
     assert not verdict and "outside the SPMD program" in verdict.message, str(verdict)
     assert ex.spmd_step(lab.try_step(lambda As, cs, H, X, Y: None)).message.startswith("no answer yet")
+
+
+def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails_on_1f1b(spmd_lesson):
+    """Exercise 9.3: bench.tick_of, the tick the lesson runs and its solution shows, runs ZB-H1 and 1F1B with
+    jax.grad's gradients; the same tick with BW (kind 4) clamped to W, as lax.switch does without a fifth
+    branch, is named at 1F1B's first BW; a body of ``...`` is no answer yet."""
+    from zbpp_lite.course import bench
+
+    lab, right = spmd_lesson["lab"], bench.tick_of(4)
+    assert ex.spmd_tick(lab.try_tick(right))
+
+    def no_bw(*args):
+        tick = right(*args)
+        return lambda st, action: tick(st, (jnp.minimum(action[0], 3), action[1]))
+    verdict = ex.spmd_tick(lab.try_tick(no_bw))
+    assert not verdict and "1f1b: rank 0 ran branch 3 in tick 7, the table says 4" in verdict.message, str(verdict)
+    assert "clamps" in verdict.hint
+    assert ex.spmd_tick(lab.try_tick(lambda A, c, X, Y, first, last: None)).message.startswith("no answer yet")

@@ -72,8 +72,7 @@ CASES = {
     "9.1": (lambda actions: _ticks_one_by_one(actions, lag=1),   # the wrong one: usable in the same tick
             lambda actions: _ticks_one_by_one(actions, lag=0)),
     "9.2": (40, 33),                                # 4m + 3p - 4: p ticks of F only, 18 with a BW; 33: event-driven
-    "9.3": (lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)),
-            lambda name, buffer, p, m, r: _rows_by_hand("zb-h1", buffer, p, r)),   # ZB-H1's, no cap by m
+    "9.3": (lambda: _spmd_result(ex.SPMD_RUNS), lambda: _spmd_result(ex.SPMD_RUNS, shift=True)),   # a tick late
     "9.4": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
             lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks, ring=False)),  # no wrap
     "9.5": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
@@ -103,14 +102,6 @@ def _ticks_one_by_one(actions, lag):
     return table
 
 
-def _rows_by_hand(name, buffer, p, r):
-    """Exercise 9.3 by hand: rank r's outs (F's before its first B), dz (the W lag plus one; 1F1B's BW
-    reads it in its own tick) and ins (both, the microbatch whose B runs counted once)."""
-    outs = {"1f1b": p - r, "zb-h1": p - r, "zb-h2": 2 * p - 2 * r - 1}[name]
-    dz = {"1f1b": 1, "zb-h1": r + 1, "zb-h2": 2 * r + 1}[name]
-    return {"outs": outs, "dz": dz, "ins": outs + dz - 1}[buffer]
-
-
 def _routing_by_hand(actions, placement, ticks, ring=True, chunk_of="receiver", late=0):
     """Exercise 9.4 by hand, a second way: per rank, what its stages receive, walked from the receiver's side
     (``ring=False``: no hop from rank p - 1 to rank 0; ``chunk_of="sender"``: the sender's chunk; ``late``:
@@ -131,9 +122,10 @@ def _routing_by_hand(actions, placement, ticks, ring=True, chunk_of="receiver", 
     return recv
 
 
-def _spmd_result(names=ex.V_RUNS, grad_error=1e-6):
-    """What lesson 9's ``vlab.try_v`` hands exercise 9.5's check for a run where every rank ran the lockstep
-    form's branch and the gradients are off by ``grad_error``."""
+def _spmd_result(names=ex.V_RUNS, grad_error=1e-6, shift=False):
+    """What lesson 9's ``lab.try_tick`` or ``vlab.try_v`` hands exercise 9.3's or 9.5's check for a run where
+    every rank ran the lockstep form's branch (``shift``: each a tick late) and the gradients are off by
+    ``grad_error``."""
     runs = {}
     for name in names:
         schedule = zb.build_schedule(name, 4, 8)
@@ -141,7 +133,7 @@ def _spmd_result(names=ex.V_RUNS, grad_error=1e-6):
         ran = [[0 if row[r] is None else ex.KIND_CODE[schedule.actions[r][row[r]].kind] for row in ticks]
                for r in range(4)]
         runs[name] = {"grad_error": grad_error, "stage_errors": [grad_error] * schedule.num_stages,
-                      "scale": 1.0, "ran": ran}
+                      "scale": 1.0, "ran": [[0, *kinds[:-1]] for kinds in ran] if shift else ran}
     return {"error": None, "runs": runs}
 
 
@@ -195,9 +187,9 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
 
 
 def _answer(key, which):
-    """CASES' answer; exercises 9.5's and 9.6's (a run's result, not a function) are built here."""
+    """CASES' answer; exercises 9.3's, 9.5's and 9.6's (a run's result, not a function) are built here."""
     answer = CASES[key][which]
-    return answer() if key in ("9.5", "9.6") else answer
+    return answer() if key in ("9.3", "9.5", "9.6") else answer
 
 
 @pytest.mark.parametrize("key", sorted(CASES))
@@ -408,7 +400,6 @@ SIMULATED = {  # function answers that ask the package instead of deriving: each
     "6.3": lambda p, v, m, r: zb.simulate(zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=v),
                                           zb.Costs()).peak_memory[r],
     "5.1": lambda p, r: _sends_from_placement(_zb_v(p, 2 * p).placement, r),
-    "9.3": lambda name, buffer, p, m, r: ex.buffer_depths(zb.build_schedule(name, p, m))[buffer][r],
 }
 
 
@@ -455,15 +446,14 @@ def test_the_v_check_names_what_the_v_changes_where_no_particular_mistake_shows(
     assert not off and "differ" in off.message and "per chunk" in off.hint and "recv" in off.hint
 
 
-def test_the_rows_check_tells_copied_patterns_from_the_rows_each_buffer_needs():
-    forgets_m = ex.rows_rule(lambda name, buffer, p, m, r: _rows_by_hand(name, buffer, p, r))
-    assert not forgets_m and "m = 1" not in forgets_m.message and "too high" in forgets_m.message, str(forgets_m)
-    one_f = ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand("1f1b", buffer, p, r)))
-    assert not one_f and "1F1B's rows for every schedule" in one_f.message   # the lesson's derivation, copied
-    one_number = ex.rows_rule(lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name]))
-    assert not one_number and "one number per schedule" in one_number.message   # the old answer: K per schedule
-    no_overlap = ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r) + (buffer == "ins")))
-    assert not no_overlap and "ins" in no_overlap.message and "too high" in no_overlap.message   # outs + dz, not less 1
+def test_the_tick_check_names_a_branch_run_in_the_wrong_tick_and_gradients_off():
+    late = ex.spmd_tick(_spmd_result(ex.SPMD_RUNS, shift=True))
+    assert not late and "zb-h1: rank 0 ran branch 0 in tick 0, the table says 1" in late.message, str(late)
+    off = ex.spmd_tick(_spmd_result(ex.SPMD_RUNS, grad_error=1e-2))
+    assert not off and "gradients differ" in off.message, str(off)
+    raised = ex.spmd_tick({"error": "TypeError: branch outputs differ", "runs": {}})
+    assert not raised and "varying types" in raised.hint
+    assert ex.spmd_tick(...).message.startswith("no answer yet")
     assert not ex.tick_table(lambda actions: [[0] * len(actions)])   # one tick for everything
 
 
@@ -474,24 +464,19 @@ def test_lesson_9s_kind_codes_are_the_spmd_executors():
 
 
 def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
-    """6.3, 7.3, 9.1 and 9.3 also check cases drawn afresh at every call (checks._with_fresh: p up to 12 to 24,
+    """6.3, 7.3 and 9.1 also check cases drawn afresh at every call (checks._with_fresh: p up to 12 to 24,
     new cost lists), so a table of answers written for the fixed cases fails, while the rules by hand pass
     every draw."""
     from zbpp_lite.course import lesson6, lesson9
 
-    rows = {point: min(point[3], _rows_by_hand(point[0], point[1], point[2], point[4])) for point in ex.ROWS_POINTS}
     peaks = {(p, v, k * p, r): lesson6._interleaved_peak(p, v, k * p)[r]
              for p in (2, 3, 4, 5) for v in (1, 2, 3, 4) for k in (1, 2, 3) for r in range(p)}
     cuts = {(tuple(costs), stages): _best_cut(list(costs), stages) for costs, stages in ex.SPLIT_CASES}
     schedules = [zb.build_schedule(name, p, m) for name, p, m in ex.TICK_CASES]
     ticks = {repr(lesson9._rows(s)): lockstep_ticks(s) for s in schedules}
     for _ in range(3):  # new draws each time
-        assert ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)))
         assert ex.interleaved_peak(lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r))
         assert ex.best_split(_best_cut)
-        table = ex.rows_rule(lambda *point: rows.get(point, -1))
-        assert not table and f"agrees at {len(ex.ROWS_POINTS)} of the {len(ex.ROWS_POINTS) + lesson9.ROWS_FRESH}" \
-            in table.message, str(table)
         assert not ex.interleaved_peak(lambda *point: peaks.get(point, -1))
         assert not ex.best_split(lambda costs, stages: cuts.get((tuple(costs), stages), [len(costs)]))
         tick_table = ex.tick_table(lambda actions: ticks.get(repr(actions), [[None] * len(actions)]))
@@ -564,11 +549,11 @@ def test_a_second_try_of_4_2_plans_nothing_again(monkeypatch):
 
 
 def test_a_function_reading_the_checks_own_cache_is_refused_even_after_a_run_filled_it():
-    """9.3's expected rows are cached (lesson9._depths, a checks.course_cache): a cache hit runs a package
-    frame too, so a function reading the cache is refused, however full the cache is."""
-    from zbpp_lite.course import lesson9
+    """6.3's expected peaks are cached (lesson6._interleaved_peak, a checks.course_cache): a cache hit runs a
+    package frame too, so a function reading the cache is refused, however full the cache is."""
+    from zbpp_lite.course import lesson6
 
-    ex.rows_rule(lambda name, buffer, p, m, r: min(m, _rows_by_hand(name, buffer, p, r)))   # fills the cache
+    assert ex.interleaved_peak(lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r))   # fills the cache
     for _ in range(2):
-        reads_cache = ex.rows_rule(lambda name, buffer, p, m, r: lesson9._depths(name, p, m)[buffer][r])
-        assert not reads_cache and "called zbpp_lite's _depths" in reads_cache.message, str(reads_cache)
+        reads_cache = ex.interleaved_peak(lambda p, v, m, r: lesson6._interleaved_peak(p, v, m)[r])
+        assert not reads_cache and "called zbpp_lite's _interleaved_peak" in reads_cache.message, str(reads_cache)

@@ -1,8 +1,8 @@
 """Lesson 9's claims beyond the case it shows (``notebooks/09_spmd_pipeline.md``; pure Python, fast).
 
-Exercise 9.3: a buffer of K rows, microbatch j in row j % K, never overwrites a value still waiting to be read
-when K is the most microbatches in flight in it on its rank, and K - 1 rows would; F's before the first B
-and the W lag are lesson 3's (Qi et al., arXiv 2401.10241, section 3).
+"How many rows a buffer needs": a buffer of K rows, microbatch j in row j % K, never overwrites a value
+still waiting to be read when K is the most microbatches in flight in it on its rank, and K - 1 rows would;
+F's before the first B and the W lag are lesson 3's (Qi et al., arXiv 2401.10241, section 3).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_each_buffer_needs_the_microbatches_in_flight_on_its_rank(p):
                     [min(m, outs(r)), min(m, dz(r)), min(m, outs(r) + dz(r) - 1)], (name, m, r)
             if name != "zb-h2":
                 assert max(rows["act"]) == max(rows["grad"]) == 1
-    rows = ex.buffer_depths(zb.build_schedule("zb-h2", 4, 8))   # exercise 9.4's: an activation may wait a tick
+    rows = ex.buffer_depths(zb.build_schedule("zb-h2", 4, 8))   # an activation may wait a tick
     assert max(rows["act"]) == 2 and max(rows["grad"]) == 1
 
 

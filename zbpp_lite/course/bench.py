@@ -179,17 +179,24 @@ class SpmdLab:
         dA, dc = (np.asarray(a).reshape(-1, *b.shape[1:])[order] for a, b in zip((dA, dc), self.reference))
         return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran))
 
+    def try_tick(self, make_tick: Callable) -> dict:
+        """Exercise 9.3's result: :func:`try_runs` of each schedule of :data:`~.lesson9.SPMD_RUNS` with m rows
+        a buffer; ``...`` while ``make_tick`` returns None (its body still ``...``)."""
+        from .lesson9 import SPMD_RUNS
+
+        if _stub(make_tick):
+            return ...
+        every = dict.fromkeys(("act", "grad", "ins", "outs", "dz"), self.case["microbatches"])
+        return try_runs(lambda name: self.run(make_tick, name, every), SPMD_RUNS)
+
     def try_v(self, make_tick: Callable) -> dict:
         """Exercise 9.5's result: :func:`try_runs` of ZB-V (:data:`~.lesson9.V_RUNS`, on ``case``'s 2p stages)
         with each buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those rows;
         ``...`` while ``make_tick`` returns None (its body still ``...``)."""
         from .lesson9 import V_RUNS, buffer_depths
 
-        try:
-            if make_tick(*[None] * 6) is None:  # a body of `...`: no answer yet
-                return ...
-        except Exception:  # noqa: BLE001  (a real make_tick may refuse None arguments)
-            pass
+        if _stub(make_tick):
+            return ...
         p, m = self.case["ranks"], self.case["microbatches"]
         rows = {b: max(k) for b, k in buffer_depths(build_schedule(V_RUNS[0], p, m)).items()}
         return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows), V_RUNS))
@@ -593,6 +600,67 @@ class Lab:
 
     all_sum_wait = 15.0
     """Seconds :meth:`try_step`'s ``all_sum`` waits for every rank before it gives up."""
+
+
+def _stub(make_tick: Callable) -> bool:
+    """Whether a learner's ``make_tick`` is still a body of ``...`` (returns None; a real one may refuse the
+    None arguments it is probed with)."""
+    try:
+        return make_tick(*[None] * 6) is None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def tick_of(p: int) -> Callable:
+    """Lesson 9's tick, exercise 9.3's answer (the lesson runs it before the learner has written one):
+    ``make_tick(A, c, X, Y, first, last) -> tick(state, (kind, microbatch)) -> (state, kind code run)`` for a
+    program over ``p`` ranks of one stage each (:func:`stage_F`, :func:`stage_B`, :func:`stage_W`; ``X``,
+    ``Y`` (m, samples, d); every buffer m rows, microbatch j in row j). A ``lax.switch`` over idle, F, B, W
+    and BW (B, then W on the dz just written) returns the state, a message down and one up (value, tag j +
+    1; tag 0 for nothing) and its code; two ``ppermute`` calls follow it on every rank (a collective inside
+    a branch would wait for ranks that never enter it); what arrives is stored in row tag - 1 (tag 0: row -1
+    rewritten with what it holds). ``first``/``last``: traced, so ``jnp.where`` picks rank 0's input and the
+    last rank's loss gradient (:func:`mlp_loss`'s mean squared error)."""
+    from jax import lax
+
+    from ..runtime.spmd import AXIS, to_varying
+
+    def make_tick(A, c, X, Y, first, last):
+        m, samples, d = X.shape
+        none = to_varying((jnp.zeros((samples, d)), jnp.int32(0)))  # a message of nothing: tag 0
+
+        def store(buf, x, tag):
+            return buf.at[tag - 1].set(jnp.where(tag > 0, x, buf[tag - 1]))
+
+        def idle(st, j):
+            return st, none, none, 0
+
+        def forward(st, j):
+            y, ins, outs = stage_F(A, c, jnp.where(first, X[j], st["act"][j]))
+            st = {**st, "ins": st["ins"].at[j].set(ins), "outs": st["outs"].at[j].set(outs)}
+            return st, (y, j + 1), none, 1
+
+        def backward(st, j):
+            dy = jnp.where(last, 2 * (st["outs"][j, 1] - Y[j]) / (samples * d * m), st["grad"][j])
+            dx, dz = stage_B(A, st["outs"][j], dy)
+            return {**st, "dz": st["dz"].at[j].set(dz)}, none, (dx, j + 1), 2
+
+        def weight(st, j):
+            dA, dc = stage_W(st["ins"][j], st["dz"][j])
+            return {**st, "dA": st["dA"] + dA, "dc": st["dc"] + dc}, none, none, 3
+
+        def fused(st, j):
+            st, _, up, _ = backward(st, j)
+            return weight(st, j)[0], none, up, 4
+
+        def tick(st, action):
+            k, j = action
+            st, down, up, ran = lax.switch(k, [idle, forward, backward, weight, fused], st, j)
+            x, jx = lax.ppermute(down, AXIS, [(i, i + 1) for i in range(p - 1)])   # from rank r - 1
+            g, jg = lax.ppermute(up, AXIS, [(i + 1, i) for i in range(p - 1)])     # from rank r + 1
+            return {**st, "act": store(st["act"], x, jx), "grad": store(st["grad"], g, jg)}, ran
+        return tick
+    return make_tick
 
 
 def _need(value: Any, name: str) -> Any:

@@ -18,8 +18,7 @@ from ..schedules.ir import KIND_CODE
 from ..schedules.program import consumer_stage
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
-from .checks import (Verdict, _called, _function_check, _function_missing, _number_check, _unanswered,
-                     _with_fresh, course_cache)
+from .checks import Verdict, _called, _function_missing, _number_check, _unanswered, _with_fresh
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, gradient_problem
 
 TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
@@ -42,21 +41,9 @@ V_CASE = {**BUILD_CASE, "layers": 16}
 """Exercise 9.5's model: :data:`~zbpp_lite.course.lesson8.BUILD_CASE` with 16 layers, so ZB-V's 2p = 8
 stages have two layers each, as lesson 9's ``stage_F`` takes."""
 
-ROWS_RUNS = ("1f1b", "zb-h1", "zb-h2")
-"""Exercise 9.3's schedules: the lesson derives 1F1B's rows; ZB-H1's and ZB-H2's are the learner's."""
-
-ROWS_BUFFERS = ("outs", "dz", "ins")
-"""Exercise 9.3's buffers: what F keeps for B (``outs``), what B keeps for W (``dz``), what F keeps for W
-(``ins``). ``act`` and ``grad`` (arrived values) are the lab's to size (:func:`buffer_depths`)."""
-
-ROWS_POINTS = tuple(dict.fromkeys((name, buffer, p, m, r) for name in ROWS_RUNS for buffer in ROWS_BUFFERS
-                                  for p in (2, 3, 4, 5) for m in (1, p - 1, p, 2 * p, 3 * p + 1)
-                                  for r in range(p) if m > 0))
-"""Exercise 9.3's points ``(name, buffer, p, m, r)``: every schedule, buffer and rank at p = 2..5, m from 1 to
-3p + 1."""
-
-ROWS_FRESH = 12
-"""How many more points exercise 9.3's check draws afresh at each call (:func:`_fresh_row`)."""
+SPMD_RUNS = ("zb-h1", "1f1b")
+"""Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: ZB-H1, and 1F1B,
+whose fused backward (BW, kind 4) needs a branch of its own."""
 
 FUSED = Costs(f=1.0, b=1.0, w=1.0, bw=2.0)
 """Exercise 9.2's costs: T_F = 1 and 1F1B's fused T_BW = 2, T_comm = 0 (not lesson 9's figure's)."""
@@ -86,17 +73,12 @@ def _live(schedule) -> dict:
     return live
 
 
-@course_cache(maxsize=256)
-def _depths(name: str, p: int, m: int) -> dict:
-    return buffer_depths(build_schedule(name, p, m))
-
-
 def buffer_depths(schedule) -> dict:
     """``{buffer: [rows stage s needs]}``: the fewest rows K per buffer of each stage for which lesson 9's
     tick may keep microbatch j in row ``j % K``, no row written while the microbatch it holds still waits
-    to be read (exercise 9.3). ZB-H1's rank r: ``outs`` p - r (its F's before its first B), ``dz`` r + 1
-    (W lags B by r), ``ins`` p; ZB-H2's 2(p - r) - 1, 2r + 1 and 2p - 1 (lesson 3's memory); each at most
-    m."""
+    to be read (lesson 9, "How many rows a buffer needs"). ZB-H1's rank r: ``outs`` p - r (its F's before
+    its first B), ``dz`` r + 1 (W lags B by r), ``ins`` p; ZB-H2's 2(p - r) - 1, 2r + 1 and 2p - 1 (lesson
+    3's memory); each at most m."""
     def clash(K: int, values: list) -> bool:
         return any(j1 != j2 and j1 % K == j2 % K and w1 <= w2 < r1
                    for j1, w1, r1 in values for j2, w2, _ in values)
@@ -236,32 +218,24 @@ def reveal_lockstep_1f1b() -> Any:
                           title="1F1B, p = 4, m = 8, T_F = 1, T_BW = 2")
 
 
-def _fresh_row(rng) -> tuple:
-    """An exercise 9.3 point beyond :data:`ROWS_POINTS`: p = 6..24, m from 1 to 3p + 1."""
-    p = rng.randint(6, 24)
-    return rng.choice(ROWS_RUNS), rng.choice(ROWS_BUFFERS), p, rng.randint(1, 3 * p + 1), rng.randrange(p)
-
-
-def rows_rule(answer: Any) -> Verdict:
-    """Exercise 9.3 (derived): ``rows_needed(name, buffer, p, m, r)``, the fewest rows rank r's buffer
-    ``buffer`` (of :data:`ROWS_BUFFERS`) needs in schedule ``name`` of :data:`ROWS_RUNS`
-    (:func:`buffer_depths`), at every point of :data:`ROWS_POINTS` and :data:`ROWS_FRESH` drawn afresh
-    (:func:`_fresh_row`). 1F1B's rows (derived in the lesson)
-    given to every schedule, or one number for every buffer and rank, fail with their own message; a
-    function that asks the package is refused by name."""
-    hint = ("a row is occupied from the tick its value is written to the tick it is last read: for each "
-            "buffer, which action writes it and which reads it last, and how many of the writer's actions "
-            "does rank r run before the first reader in this schedule's order (lesson 3)? Then ask what "
-            "caps the count when there are only m.")
-    one_f = lambda name, buffer, p, m, r: min(m, {"outs": p - r, "dz": 1, "ins": p - r}[buffer])  # noqa: E731
-    one_number = lambda name, buffer, p, m, r: min(m, {"1f1b": p, "zb-h1": p, "zb-h2": 2 * p - 1}[name])  # noqa: E731
-    return _function_check("9.3", answer, _with_fresh(ROWS_POINTS, _fresh_row, ROWS_FRESH),
-                           lambda name, buffer, p, m, r: _depths(name, p, m)[buffer][r],
-                           "rows_needed(name, buffer, p, m, r)", hint, known=(
-                               (one_f, "these are 1F1B's rows for every schedule: ZB-H1 and ZB-H2 run "
-                                "W after later B's (lesson 3), so dz and ins hold more microbatches"),
-                               (one_number, "one number per schedule, the busiest rank's ins, is not what "
-                                "outs and dz need on rank r")))
+def spmd_tick(result: Any) -> Verdict:
+    """Exercise 9.3: the learner's ``make_tick`` run by lesson 9's ``lab.try_tick``; ``result`` is ``{"error":
+    None or text, "runs": {name: {"grad_error", "stage_errors", "scale" (as
+    :func:`zbpp_lite.course.bench.gradient_report` gives them), "ran": (ranks, ticks) ints}}}`` for
+    :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
+    every rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
+    ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
+    hint = ("a lax.switch over idle, F, B, W and BW (B then W in one tick) returns the state, a message down "
+            "and one up (value, tag j + 1; tag 0 for nothing) and its kind code; the two ppermutes go after "
+            "the switch, on every rank, and what arrives is stored by its tag.")
+    worst = _tick_run("9.3", result, "make_tick", "lab.try_tick(make_tick)", SPMD_RUNS, hint,
+                      "every branch of a lax.switch returns the same structure, shapes, dtypes and varying "
+                      "types (vary), idle included; a scan's carry keeps its own.")
+    if isinstance(worst, Verdict):
+        return worst
+    return Verdict("9.3", True, f"{' and '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
+                   "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
+                   f"{worst:.1e}).")
 
 
 def _routes(schedule) -> dict:
@@ -339,6 +313,19 @@ def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> V
     return None
 
 
+def _tick_run(key: str, result: Any, name: str, call: str, names: tuple, hint: str, error_hint: str,
+              otherwise: str | None = None) -> Verdict | float:
+    """A lab's run of the learner's tick: the refusal of a result that is no answer yet, raised, or
+    (:func:`_runs_problem`) ran a wrong branch or has gradients off; else the largest relative gradient
+    difference."""
+    refused = _result_problem(key, result, name, call, hint)
+    if refused is not None:
+        return refused
+    if result.get("error"):
+        return Verdict(key, False, f"running it raised {result['error']}", error_hint)
+    return _runs_problem(key, result["runs"], names, hint, otherwise)
+
+
 def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str | None = None
         ) -> Verdict | float:
     """The refusal of the first of ``names`` whose run in ``runs`` is missing, ran another branch than the
@@ -359,6 +346,10 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
             else:
                 r, t = np.argwhere(ran != want)[0]
                 bad = f"rank {r} ran branch {ran[r, t]} in tick {t}, the table says {want[r, t]}"
+                if (ran[r, t], want[r, t]) == (3, 4):
+                    return Verdict(key, False, f"{name}: {bad}.", "a BW (kind 4) ran as a W: lax.switch "
+                                   "clamps an index past its last branch, so BW needs a fifth branch, B then "
+                                   "W.")
             return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's tick columns in order; each "
                            "branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
         problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"], otherwise)
@@ -370,7 +361,7 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
 
 def spmd_v(result: Any) -> Verdict:
     """Exercise 9.5: the learner's ZB-V ``make_tick`` run by lesson 9's ``vlab.try_v``; ``result`` is
-    ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v": run}}``, a run as :func:`spmd_pipeline`
+    ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v": run}}``, a run as :func:`spmd_tick`
     reads it. Right when every rank ran the lockstep form's branch in every tick and the gradients equal
     ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`; a gradient off names what
     the V changes (first and last per chunk, arrivals stored where ``recv`` says)."""
@@ -378,12 +369,8 @@ def spmd_v(result: Any) -> Verdict:
             "chunk; first and last are per chunk (first[ch], last[ch]: stage 2p - 1 is rank 0's chunk 1); "
             "the branch's one message goes both ways, and each arrival is stored where recv[source] = "
             "(buffer, chunk, microbatch) says, in row microbatch % rows.")
-    refused = _result_problem("9.5", result, "make_v_tick", "vlab.try_v(make_v_tick)", hint)
-    if refused is not None:
-        return refused
-    if result.get("error"):
-        return Verdict("9.5", False, f"running it raised {result['error']}", hint)
-    worst = _runs_problem("9.5", result["runs"], V_RUNS, hint, otherwise=hint)
+    worst = _tick_run("9.5", result, "make_v_tick", "vlab.try_v(make_v_tick)", V_RUNS, hint, hint,
+                      otherwise=hint)
     if isinstance(worst, Verdict):
         return worst
     return Verdict("9.5", True, f"ZB-V ran as one SPMD program, two chunks a rank, tick for tick as the "
@@ -444,7 +431,7 @@ def spmd_step(result: Any) -> Verdict:
                    f"{max(result['grad_error'], result['dH_error']):.1e}).")
 
 
-EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_rule,
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": spmd_tick,
                                                   "9.4": routing, "9.5": spmd_v,
                                                   "9.6": spmd_step}
 """Lesson 9's exercises by id -> check."""
@@ -452,7 +439,6 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lock
 REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["KIND_CODE", "TICK_CASES", "ROUTE_CASES", "V_RUNS", "V_CASE", "ROWS_RUNS", "ROWS_POINTS", "FUSED",
-           "tick_table", "lockstep_1f1b", "rows_rule", "routing", "spmd_v", "spmd_step",
-           "buffer_depths", "buffer_rows", "tick_grid", "tick_messages", "ROWS_BUFFERS", "EXERCISES",
-           "REVEALS"]
+__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "ROUTE_CASES", "V_RUNS", "V_CASE", "FUSED", "tick_table",
+           "lockstep_1f1b", "spmd_tick", "routing", "spmd_v", "spmd_step", "buffer_depths", "buffer_rows",
+           "tick_grid", "tick_messages", "EXERCISES", "REVEALS"]
