@@ -34,8 +34,8 @@ STRICT = [[f"{r}{kind}{k}" for k in range(4) for kind in ("F", "BW")] for r in r
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
-    "1.2": (lambda p: 9 * (p - 1) / 16,             # (m+p-1)(2c + 144/m) at m = 8 and 16: 16c = 9(p - 1)
-            lambda p: 27 / 16),                     # p = 4's tie, copied
+    "1.2": (lambda p, c: _best_m_by_hand(p, c),     # the wrong one: sqrt(72(p - 1)/c) rounded, no comparison
+            lambda p, c: 1 if p == 1 else min(64, round(math.sqrt(72 * (p - 1) / c)))),
     "1.3": (LEAN, SHORT_WARM_UP),                   # 1F1B with shorter warm-ups: within the limit, but 24
     "1.4": (lambda p, m, r, f, bw: (min(p, r + m) - 1) * f,
             lambda p, m, r, f, bw: (p - 1) * f),    # the wrong one forgets m < p
@@ -78,6 +78,11 @@ CASES = {
     "9.5": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
     "9.6": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
 }
+
+
+def _best_m_by_hand(p, c):
+    """Exercise 1.2 by hand, a second way: every m from 1 to 64 in the closed form (m + p - 1)(2c + 144/m)."""
+    return min(range(1, 65), key=lambda m: ((m + p - 1) * (2 * c + 144 / m), m))
 
 
 def _ticks_one_by_one(actions, lag):
@@ -218,9 +223,9 @@ def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
 
 
 def test_a_function_check_names_the_failing_input_but_not_the_expected_value():
-    verdict = ex.batch_split(lambda p: 0.0)          # right at p = 1 only; the tie at p = 2 is 0.5625
-    assert not verdict and "at (2,)" in verdict.message and "too low" in verdict.message
-    assert "agrees at 1 of the 6 points" in verdict.message and "0.5625" not in str(verdict)
+    verdict = ex.batch_split(lambda p, c: 1)          # right at p = 1 only; at (2, 0.05) the best is 38
+    assert not verdict and "at (2, 0.05)" in verdict.message and "too low" in verdict.message
+    assert "agrees at 5 of the 22 points" in verdict.message and "38" not in str(verdict)
     high = ex.peak_memory_1f1b(lambda p, m, r, f, bw: 100.0)
     assert not high and "too high" in high.message and "agrees at 0 of" in high.message
 
@@ -279,13 +284,17 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
     assert "clipped" in ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)).message
 
 
-def test_the_lesson_1_batch_split_rejects_the_old_answers_and_the_old_price():
-    assert not ex.batch_split(27 / 16).ok           # the old exercise's number, not a function of p
-    assert not ex.batch_split(lambda p: 9 * (p - 1) / 8).ok    # 16c = 27 misread as 8c = 27
-    assert not ex.batch_split(lambda p: 9 * p / 16).ok         # m + p instead of m + p - 1
-    verdict = ex.batch_split(lambda p: 3 * (p - 1) / 8)        # the backward priced twice (2c): 9/8 at p = 4
-    assert not verdict and "twice" in verdict.message
-    assert ex.batch_split(lambda p: 0.5625 * (p - 1)).ok
+def test_the_lesson_1_batch_split_rejects_rounding_no_cap_one_rank_and_the_backward_charged_twice():
+    near = lambda p, c: math.sqrt(72 * (p - 1) / c)  # noqa: E731
+    rounded = ex.batch_split(lambda p, c: 1 if p == 1 else min(64, round(near(p, c))))
+    assert not rounded and "at (2, 5.9)" in rounded.message, str(rounded)      # 3.49 rounds to 3; 4 is shorter
+    uncapped = ex.batch_split(lambda p, c: max(1, _best_m_by_hand(p, c) if near(p, c) < 64 else math.ceil(near(p, c))))
+    assert not uncapped and "too high" in uncapped.message, str(uncapped)
+    one_rank = ex.batch_split(lambda p, c: max(2, _best_m_by_hand(p, c)))
+    assert not one_rank and "at (1, 0.05)" in one_rank.message, str(one_rank)
+    twice = ex.batch_split(lambda p, c: min(range(1, 65), key=lambda m: ((m + p - 1) * (3 * c + 144 / m), m)))
+    assert not twice and "charged twice" in twice.message, str(twice)
+    assert ex.batch_split(_best_m_by_hand)
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():

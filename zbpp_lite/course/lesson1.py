@@ -10,7 +10,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _function_check, _hand_schedule, _number_check
+from .checks import Verdict, _alone, _function_check, _hand_schedule, _number_check, course_cache
 
 
 SLOW_MIDDLE = Costs(f=[1.0, 2.0, 1.0], b=[1.0, 2.0, 1.0], w=[1.0, 2.0, 1.0])
@@ -92,11 +92,13 @@ def peak_memory_1f1b(fn: Any) -> Verdict:
                            "first backward (mind m < p), and when can each start, given rank r - 1's?")
 
 
-BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, splits=(8, 16), ranks=(1, 2, 3, 4, 6, 8))
-"""Exercise 1.2's case: 1F1B on p ranks; one step's batch cut into m microbatches; every action costs a
-fixed cost c plus its share of the batch's work, so T_F = c + 48/m and the fused backward, one action,
-T_BW = c + 96/m; T_comm = 0. The question: the c at which the two ``splits`` tie, as a function of p,
-checked at ``ranks``."""
+BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, most=64, ranks=(1, 2, 4, 8),
+                   fixed=(0.05, 0.3, 1.0, 4.0, 20.0), near_half=((2, 5.9), (4, 7.17)))
+"""Exercise 1.2's case: 1F1B on p ranks; one step's batch cut into m microbatches, 1 <= m <= ``most``; every
+action costs a fixed cost c plus its share of the batch's work, so T_F = c + 48/m and the fused backward,
+one action, T_BW = c + 96/m; T_comm = 0. Checked at every p of ``ranks`` and c of ``fixed``, and at the
+``near_half`` points (p, c), where sqrt(72 (p - 1) / c) rounds down (3.49, 5.49) but the next whole m is
+shorter (n (n + 1) < 72 (p - 1) / c)."""
 
 
 def _batch_split_span(p: int, m: int, fixed: float) -> float:
@@ -105,36 +107,45 @@ def _batch_split_span(p: int, m: int, fixed: float) -> float:
     return simulate(build_schedule("1f1b", p, m), Costs(f=f, b=bw / 2, w=bw / 2, bw=bw)).makespan
 
 
-def _tie(p: int) -> float:
-    """The fixed cost at which the two splits tie on p ranks: the makespans are linear in c, so the crossing
-    of the two simulations at c = 0 and c = 1."""
-    small, large = BATCH_SPLIT["splits"]
-    slope = {m: _batch_split_span(p, m, 1.0) - _batch_split_span(p, m, 0.0) for m in (small, large)}
-    gap = _batch_split_span(p, small, 0.0) - _batch_split_span(p, large, 0.0)
-    return gap / (slope[large] - slope[small])
+def _fewest(span: Callable[[int], float]) -> int:
+    """The m (1 .. ``BATCH_SPLIT["most"]``) with the least ``span(m)``, the smallest on a tie."""
+    return min(range(1, BATCH_SPLIT["most"] + 1), key=lambda m: (round(span(m), 9), m))
+
+
+@course_cache(maxsize=32)
+def _best_m(p: int, fixed: float) -> int:
+    """Exercise 1.2's answer at (p, c), from the simulator."""
+    return _fewest(lambda m: _batch_split_span(p, m, fixed))
 
 
 def batch_split(fn: Any) -> Verdict:
-    """Exercise 1.2 (an inverse question): ``tie_cost(p)``, the fixed cost c per action at which 1F1B on p
-    ranks (:data:`BATCH_SPLIT`) takes as long with m = 8 as with m = 16; checked against the simulator at
-    every p of ``BATCH_SPLIT["ranks"]``. Charging c twice for the fused backward (as a B and a W) gives 2/3
-    of it, refused with its own hint."""
-    small, large = BATCH_SPLIT["splits"]
-    points = [(p,) for p in BATCH_SPLIT["ranks"]]
-    hint = ("write the makespan (m+p-1)(T_F+T_BW) with T_F and T_BW as functions of c and m (how many "
-            "actions, so how many fixed costs c, does a microbatch's backward take in 1F1B?), once for each "
-            "m, and solve for c; what does the bubble's share (p-1) do to the answer?")
-    verdict = _function_check("1.2", fn, points, _tie, "tie_cost(p)", hint)
-    if not verdict.ok and callable(fn) and _function_check("1.2", fn, points, lambda p: _tie(p) * 2 / 3, "",
-                                                           hint).ok:
-        return Verdict("1.2", False, "2/3 of the tie: your function charges c twice for the backward.",
+    """Exercise 1.2: ``best_m(p, c)``, the number of microbatches m (1 .. 64) for which 1F1B on p ranks
+    (:data:`BATCH_SPLIT`, each action paying a fixed cost c) has the shortest makespan, the smallest m on a
+    tie; checked against the simulator at every p and c of ``BATCH_SPLIT``. The makespan (m + p - 1)(2c +
+    144/m) is least near m = sqrt(72 (p - 1) / c): its rounding to the nearest whole number, the cap at 64
+    and one rank (no bubble: m = 1) each fail somewhere. Charging c twice for the fused backward gets its own
+    hint."""
+    hint = ("write the makespan (m + p - 1)(T_F + T_BW) with T_F and T_BW as functions of c and m: which "
+            "part grows with m, which shrinks? Find where the sum is least, then compare the whole numbers "
+            "on either side, within 1 .. 64.")
+    points = [(p, c) for p in BATCH_SPLIT["ranks"] for c in BATCH_SPLIT["fixed"]]
+    points += list(BATCH_SPLIT["near_half"])
+    verdict = _function_check("1.2", fn, points, _best_m, "best_m(p, c)", hint)
+    if verdict.ok or not callable(fn):
+        return verdict
+    try:
+        twice = all(_alone(fn, (p, c)) == _best_m_charged(p, c) for p, c in points)
+    except Exception:  # noqa: BLE001  (the learner's function raising is the verdict above)
+        twice = False
+    if twice:
+        return Verdict("1.2", False, "that is the best m with c charged twice for each backward.",
                        "1F1B runs each backward fused: one action, so one c, not two.")
-    if verdict.ok:
-        both = _batch_split_span(4, small, _tie(4))
-        verdict = Verdict("1.2", True, f"{verdict.message} At p = 4 both take {both:g}; a smaller cost "
-                                       f"favours m = {large}, a larger one m = {small}, and the more ranks, "
-                                       "the more the bubble favours many microbatches.")
     return verdict
+
+
+def _best_m_charged(p: int, fixed: float) -> int:
+    """:func:`_best_m` with the backward charged 2c (as a B and a W): a wrong answer the check names."""
+    return _fewest(lambda m: (m + p - 1) * (3 * fixed + 144 / m))
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
