@@ -35,10 +35,14 @@ def test_each_buffer_needs_the_microbatches_in_flight_on_its_rank(p):
 def test_the_worked_tick_stores_what_the_tick_tables_route():
     table = ex.tick_messages(zb.build_schedule("zb-h1", 4, 8), 8).splitlines()
     assert table[1:] == [
-        "rank 0  W0    -                     -                   grad[1] <- rank 1's dx",
-        "rank 1  B1    -                     dx, tag 2           -",
-        "rank 2  F3    y, tag 4              -                   grad[2] <- rank 3's dx",
-        "rank 3  B2    -                     dx, tag 3           act[3] <- rank 2's y"]
+        "rank 0  W0    ins[0], dz[0] -> dA, dc             -                     -                   grad[1] <- rank 1's dx",
+        "rank 1  B1    outs[1], grad[1] -> dz[1]           -                     dx, tag 2           -",
+        "rank 2  F3    act[3] -> ins[3], outs[3]           y, tag 4              -                   grad[2] <- rank 3's dx",
+        "rank 3  B2    outs[2], Y[2] -> dz[2]              -                     dx, tag 3           act[3] <- rank 2's y"]
+    after = ex.tick_messages(zb.build_schedule("zb-h1", 4, 8), 9).splitlines()   # tick 9 reads what 8 stored
+    assert after[3].startswith("rank 2  B2    outs[2], grad[2] -> dz[2]") and after[4].startswith("rank 3  F3    act[3]")
+    fused = ex.tick_messages(zb.build_schedule("1f1b", 4, 8), 9).splitlines()
+    assert fused[1].startswith("rank 0  BW1   outs[1], ins[1], grad[1] -> dA, dc")
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])

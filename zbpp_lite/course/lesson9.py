@@ -91,9 +91,23 @@ def buffer_depths(schedule) -> dict:
     return depths
 
 
+def _reads_keeps(schedule, r: int, a: Any, v: bool) -> str:
+    """:func:`tick_messages`' column for action ``a`` on rank ``r``: the rows it reads, then what it keeps."""
+    if a is None:
+        return "-"
+    j = f"{schedule.stages_of(r).index(a.stage)}, {a.microbatch}" if v else f"{a.microbatch}"
+    given = f"X[{a.microbatch}]" if a.stage == 0 else f"act[{j}]"
+    loss = f"Y[{a.microbatch}]" if a.stage == schedule.num_stages - 1 else f"grad[{j}]"
+    return {"F": f"{given} -> ins[{j}], outs[{j}]", "B": f"outs[{j}], {loss} -> dz[{j}]",
+            "W": f"ins[{j}], dz[{j}] -> dA, dc", "BW": f"outs[{j}], ins[{j}], {loss} -> dA, dc"}[a.kind]
+
+
 def tick_messages(schedule, t: int) -> str:
     """Lesson 9's worked tick ``t`` as a table, one line per rank: the action it runs (``F3``; on the V
-    with its stage, as ``Action.text`` writes it: ``6F3``), what its branch sends to rank r+1 and to r-1
+    with its stage, as ``Action.text`` writes it: ``6F3``), the buffer rows it reads and what it keeps (F:
+    ``act[j]``, or ``X[j]`` on the first stage, into ``ins[j], outs[j]``; B: ``outs[j]`` and ``grad[j]``, or
+    the loss's gradient from ``Y[j]`` on the last stage, into ``dz[j]``; W: ``ins[j], dz[j]`` into ``dA, dc``;
+    BW both; on the V each index led by the chunk), what its branch sends to rank r+1 and to r-1
     (an F's output y, a B's or BW's input gradient dx; one stage per rank with its tag j + 1), and where
     the rank stores what arrives at the tick's end (:func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``:
     ``act[j]`` or ``grad[j]``, on the V ``act[chunk, j]``, from rank r - 1, r + 1 or itself). ``-``:
@@ -102,8 +116,9 @@ def tick_messages(schedule, t: int) -> str:
 
     recv, step = tick_tables(schedule).recv, lockstep_ticks(schedule)[t]
     v, S = len(schedule.stages_of(0)) > 1, schedule.num_stages
-    lines = [f"{'tick ' + str(t):8}{'runs':{9 if v else 6}}{'sends down (to r+1)':22}{'sends up (to r-1)':20}"
-             "stores"]
+    wide = 42 if v else 36  # the reads -> keeps column
+    lines = [f"{'tick ' + str(t):8}{'runs':{9 if v else 6}}{'reads -> keeps':{wide}}"
+             f"{'sends down (to r+1)':22}{'sends up (to r-1)':20}stores"]
     for r, i in enumerate(step):
         a = schedule.actions[r][i] if i is not None else None
         sent = {}  # rank offset of the receiver (1: r+1, -1: r-1, 0: itself) -> what goes there
@@ -117,8 +132,8 @@ def tick_messages(schedule, t: int) -> str:
                 name, what = ("act", "y") if buf == ACT_BUFFER else ("grad", "dx")
                 stores.append(f"{name}[{f'{chunk}, ' if v else ''}{j}] <- {sender} {what}")
         label = (a.text if v else a.label) if a else "."  # the V's: stage, kind, microbatch
-        lines.append(f"{'rank ' + str(r):8}{label:{9 if v else 6}}{sent.get(1, '-'):22}{sent.get(-1, '-'):20}"
-                     f"{', '.join(stores) or '-'}")
+        lines.append(f"{'rank ' + str(r):8}{label:{9 if v else 6}}{_reads_keeps(schedule, r, a, v):{wide}}"
+                     f"{sent.get(1, '-'):22}{sent.get(-1, '-'):20}{', '.join(stores) or '-'}")
     return "\n".join(lines)
 
 
