@@ -441,12 +441,14 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
 
 
 def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails_on_1f1b(spmd_lesson):
-    """Exercise 9.3: bench.tick_of, the tick the lesson runs and its solution shows, runs ZB-H1 and 1F1B with
-    jax.grad's gradients; the same tick with BW (kind 4) clamped to W, as lax.switch does without a fifth
-    branch, is named at 1F1B's first BW; a body of ``...`` is no answer yet."""
+    """Exercise 9.3: the Solutions' make_tick runs ZB-H1 and 1F1B with jax.grad's gradients; the same tick with
+    BW (kind 4) clamped to W, as lax.switch does without a fifth branch, is named at 1F1B's first BW; the
+    package's tick (bench.tick_of, which the lesson runs), as itself or called inside a function, is refused
+    by name; a body of ``...`` is no answer yet."""
     from zbpp_lite.course import bench
 
-    lab, right = spmd_lesson["lab"], bench.tick_of(4)
+    lab, package = spmd_lesson["lab"], bench.tick_of(4)
+    right = spmd_lesson["make_tick"]   # the Solutions' own tick (their def follows the lesson's assignment)
     assert ex.spmd_tick(lab.try_tick(right))
 
     def no_bw(*args):
@@ -456,3 +458,7 @@ def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails
     assert not verdict and "1f1b: rank 0 ran branch 3 in tick 7, the table says 4" in verdict.message, str(verdict)
     assert "clamps" in verdict.hint
     assert ex.spmd_tick(lab.try_tick(lambda A, c, X, Y, first, last: None)).message.startswith("no answer yet")
+    for copied in (package, lambda A, c, X, Y, first, last: bench.tick_of(4)(A, c, X, Y, first, last)):
+        verdict = ex.spmd_tick(lab.try_tick(copied))
+        assert not verdict and "bench.tick_of" in verdict.message, str(verdict)
+    assert bench.tick_of(4).__code__ is package.__code__   # put back after the check

@@ -307,9 +307,10 @@ def test_jax_grad_of_a_part_run_under_cond_on_one_rank_puts_a_collective_inside_
 
 
 def test_a_flattened_vjp_pullback_holds_the_weights_it_closes_over():
-    """Lesson 9's aside: lesson 8's jax.vjp pullback, flattened into one buffer row by ravel_pytree, holds
-    the stage's two (d, d) weight matrices beside the activations B reads, and a jitted B rebuilds the
-    pullback from the row alone."""
+    """Why lesson 9 keeps its own residuals rather than lesson 8's jax.vjp pullback: the pullback, flattened
+    into one fixed-shape buffer row by ravel_pytree, holds the stage's two (d, d) weight matrices beside the
+    activations B reads (a copy per microbatch held), though a jitted B does rebuild the pullback from the
+    row alone."""
     from jax.flatten_util import ravel_pytree
 
     d, n = 8, 4

@@ -10,6 +10,7 @@ after the last W).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -181,13 +182,29 @@ class SpmdLab:
 
     def try_tick(self, make_tick: Callable) -> dict:
         """Exercise 9.3's result: :func:`try_runs` of each schedule of :data:`~.lesson9.SPMD_RUNS` with m rows
-        a buffer; ``...`` while ``make_tick`` returns None (its body still ``...``)."""
+        a buffer, and ``"copied"``: True when ``make_tick`` is the package's (:func:`tick_of`'s) or calls
+        :func:`tick_of` while it runs (the lesson runs that one; the exercise asks for the learner's own);
+        ``...`` while ``make_tick`` returns None (its body still ``...``)."""
         from .lesson9 import SPMD_RUNS
 
         if _stub(make_tick):
             return ...
+        module, called = sys.modules[__name__], []
+        real = module.tick_of
+        if getattr(make_tick, "__code__", None) is real(1).__code__:
+            return {"error": None, "runs": {}, "copied": True}
+
+        def refused(*_args: Any) -> None:
+            called.append(True)
+            raise RuntimeError("bench.tick_of is the lesson's tick, not yours")
+
         every = dict.fromkeys(("act", "grad", "ins", "outs", "dz"), self.case["microbatches"])
-        return try_runs(lambda name: self.run(make_tick, name, every), SPMD_RUNS)
+        module.tick_of = refused
+        try:
+            result = try_runs(lambda name: self.run(make_tick, name, every), SPMD_RUNS)
+        finally:
+            module.tick_of = real
+        return {**result, "copied": bool(called)}
 
     def try_v(self, make_tick: Callable) -> dict:
         """Exercise 9.5's result: :func:`try_runs` of ZB-V (:data:`~.lesson9.V_RUNS`, on ``case``'s 2p stages)

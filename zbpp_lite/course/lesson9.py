@@ -243,6 +243,9 @@ def spmd_tick(result: Any) -> Verdict:
     hint = ("a lax.switch over idle, F, B, W and BW (B then W in one tick) returns the state, a message down "
             "and one up (value, tag j + 1; tag 0 for nothing) and its kind code; the two ppermutes go after "
             "the switch, on every rank, and what arrives is stored by its tag.")
+    if isinstance(result, dict) and result.get("copied"):
+        return Verdict("9.3", False, "your make_tick is, or calls, bench.tick_of: the lesson's tick, not "
+                       "yours.", hint)
     worst = _tick_run("9.3", result, "make_tick", "lab.try_tick(make_tick)", SPMD_RUNS, hint,
                       "every branch of a lax.switch returns the same structure, shapes, dtypes and varying "
                       "types (vary), idle included; a scan's carry keeps its own.")
