@@ -9,6 +9,7 @@ import plotly.graph_objects as go
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
+from ..schedules.ir import looped_placement
 from ..schedules.simulate import simulate
 from .checks import (Verdict, _called, _function_check, _function_missing, _number_check, _with_fresh,
                      course_cache)
@@ -98,16 +99,17 @@ def interleaved_peak(fn: Any) -> Verdict:
                            "that many forwards to run.", known=known)
 
 
-def _zigzag_rank(p: int, s: int) -> int:
-    """The rank of stage s when v passes over p ranks turn at each end (down, up, down, ...)."""
-    return s % p if (s // p) % 2 == 0 else p - 1 - s % p
+def _zigzag_placement(p: int, v: int) -> tuple[int, ...]:
+    """Stage -> rank for v passes over p ranks that turn at each end (down, up, down, ...): lesson 5's V
+    (:func:`~zbpp_lite.schedules.ir.v_placement`) at v = 2."""
+    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(v * p))
 
 
-def _crossings(p: int, v: int, m: int, rank_of: Callable[[int, int], int]) -> int:
-    """Values that cross between ranks in one step of m microbatches over v p stages placed by
-    ``rank_of(p, s)``: each link between consecutive stages on two ranks carries m activations down and m
+def _crossings(placement: tuple[int, ...], m: int) -> int:
+    """Values that cross between ranks in one step of m microbatches through the stages of ``placement``
+    (stage -> rank): each link between consecutive stages on two ranks carries m activations down and m
     input gradients back."""
-    return 2 * m * sum(rank_of(p, s) != rank_of(p, s + 1) for s in range(v * p - 1))
+    return 2 * m * sum(a != b for a, b in zip(placement, placement[1:]))
 
 
 def link_crossings(fn: Any) -> Verdict:
@@ -123,10 +125,9 @@ def link_crossings(fn: Any) -> Verdict:
     missing = _function_missing("6.1", fn, hint, "transfers", "a function transfers(p, v, m)")
     if missing is not None:
         return missing
-    looped = lambda p, s: s % p  # noqa: E731
     points = [(p, v, m) for p in (2, 3, 4, 5, 6, 1) for v in range(1, 5) for m in (1, 3, 8)]   # p = 1 last
     for p, v, m in points:
-        want = (_crossings(p, v, m, looped), _crossings(p, v, m, _zigzag_rank))
+        want = (_crossings(looped_placement(p, v * p), m), _crossings(_zigzag_placement(p, v), m))
         got, refused = _called("6.1", fn, (p, v, m), hint)
         if refused is not None:
             return refused
