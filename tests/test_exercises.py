@@ -35,7 +35,7 @@ STRICT = [[f"{r}{kind}{k}" for k in range(4) for kind in ("F", "BW")] for r in r
 CASES = {
     "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
     "1.2": (lambda p, c: _best_m_by_hand(p, c),     # the wrong one: sqrt(72(p - 1)/c) rounded, no comparison
-            lambda p, c: 1 if p == 1 else min(64, round(math.sqrt(72 * (p - 1) / c)))),
+            lambda p, c: max(1, round(math.sqrt(72 * (p - 1) / c)))),
     "1.3": (LEAN, SHORT_WARM_UP),                   # 1F1B with shorter warm-ups: within the limit, but 24
     "1.4": (lambda p, m, r, f, bw: (min(p, r + m) - 1) * f,
             lambda p, m, r, f, bw: (p - 1) * f),    # the wrong one forgets m < p
@@ -80,9 +80,15 @@ CASES = {
 }
 
 
-def _best_m_by_hand(p, c):
-    """Exercise 1.2 by hand, a second way: every m from 1 to 64 in the closed form (m + p - 1)(2c + 144/m)."""
-    return min(range(1, 65), key=lambda m: ((m + p - 1) * (2 * c + 144 / m), m))
+def _best_m_by_hand(p, c, per_action=2):
+    """Exercise 1.2 by hand, a second way: the closed form (m + p - 1)(2c + 144/m) falls while one more
+    microbatch shortens it and rises after (convex in m): bisect on that step's sign, over 1 .. 2**40."""
+    span = lambda m: (m + p - 1) * (per_action * c + 144 / m)  # noqa: E731
+    low, high = 1, 2 ** 40                           # the first m whose next one is not shorter
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (mid + 1, high) if span(mid + 1) < span(mid) else (low, mid)
+    return low
 
 
 def _ticks_one_by_one(actions, lag):
@@ -225,7 +231,7 @@ def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
 def test_a_function_check_names_the_failing_input_but_not_the_expected_value():
     verdict = ex.batch_split(lambda p, c: 1)          # right at p = 1 only; at (2, 0.05) the best is 38
     assert not verdict and "at (2, 0.05)" in verdict.message and "too low" in verdict.message
-    assert "agrees at 5 of the 22 points" in verdict.message and "38" not in str(verdict)
+    assert "agrees at 5 of the 23 points" in verdict.message and "38" not in str(verdict)
     high = ex.peak_memory_1f1b(lambda p, m, r, f, bw: 100.0)
     assert not high and "too high" in high.message and "agrees at 0 of" in high.message
 
@@ -284,17 +290,36 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
     assert "clipped" in ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)).message
 
 
-def test_the_lesson_1_batch_split_rejects_rounding_no_cap_one_rank_and_the_backward_charged_twice():
+def test_the_lesson_1_batch_split_rejects_rounding_a_cap_one_rank_every_m_tried_and_the_backward_charged_twice():
     near = lambda p, c: math.sqrt(72 * (p - 1) / c)  # noqa: E731
-    rounded = ex.batch_split(lambda p, c: 1 if p == 1 else min(64, round(near(p, c))))
+    rounded = ex.batch_split(lambda p, c: max(1, round(near(p, c))))
     assert not rounded and "at (2, 5.9)" in rounded.message, str(rounded)      # 3.49 rounds to 3; 4 is shorter
-    uncapped = ex.batch_split(lambda p, c: max(1, _best_m_by_hand(p, c) if near(p, c) < 64 else math.ceil(near(p, c))))
-    assert not uncapped and "too high" in uncapped.message, str(uncapped)
+    capped = ex.batch_split(lambda p, c: min(64, _best_m_by_hand(p, c)))        # the old exercise's 1 .. 64
+    assert not capped and "at (4, 0.05)" in capped.message and "too low" in capped.message, str(capped)
     one_rank = ex.batch_split(lambda p, c: max(2, _best_m_by_hand(p, c)))
     assert not one_rank and "at (1, 0.05)" in one_rank.message, str(one_rank)
-    twice = ex.batch_split(lambda p, c: min(range(1, 65), key=lambda m: ((m + p - 1) * (3 * c + 144 / m), m)))
+    every_m = ex.batch_split(lambda p, c: min(range(1, 30_000), key=lambda m: ((m + p - 1) * (2 * c + 144 / m), m)))
+    assert not every_m and "too slow" in every_m.message and "best_m(8, 1e-06)" in every_m.message, str(every_m)
+    twice = ex.batch_split(lambda p, c: _best_m_by_hand(p, c, per_action=3))
     assert not twice and "charged twice" in twice.message, str(twice)
     assert ex.batch_split(_best_m_by_hand)
+
+
+def test_the_lesson_1_batch_split_span_is_the_simulators_and_its_best_m_is_the_least_over_every_m():
+    from zbpp_lite.course.lesson1 import BATCH_SPLIT, _batch_split_span, _best_m
+    for p in BATCH_SPLIT["ranks"]:
+        for c in (0.05, 4.0):
+            for m in (1, 2, 3, 7, 16, 40):
+                f, bw = c + 48 / m, c + 96 / m
+                simulated = zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(f=f, b=bw / 2, w=bw / 2, bw=bw))
+                assert abs(simulated.makespan - float(_batch_split_span(p, m, c))) < 1e-9
+    points = [(p, c) for p in BATCH_SPLIT["ranks"] for c in BATCH_SPLIT["fixed"]] + list(BATCH_SPLIT["near_half"])
+    for p, c in points:                                # every m up to far past the optimum, exactly
+        assert _best_m(p, c) == min(range(1, 400), key=lambda m: (_batch_split_span(p, m, c), m))
+    p, c = BATCH_SPLIT["tiny"]
+    best = _best_m(p, c)
+    assert best == 22_450 and all(_batch_split_span(p, best, c) < _batch_split_span(p, best + k, c) for k in (-1, 1))
+    assert _best_m(2, 5.9) == 4 and _best_m(4, 7.17) == 6                     # the near-half points round up
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():

@@ -3,8 +3,10 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
+import math
+import time
+from fractions import Fraction
 from typing import Any, Callable
-
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
@@ -92,60 +94,65 @@ def peak_memory_1f1b(fn: Any) -> Verdict:
                            "first backward (mind m < p), and when can each start, given rank r - 1's?")
 
 
-BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, most=64, ranks=(1, 2, 4, 8),
-                   fixed=(0.05, 0.3, 1.0, 4.0, 20.0), near_half=((2, 5.9), (4, 7.17)))
-"""Exercise 1.2's case: 1F1B on p ranks; one step's batch cut into m microbatches, 1 <= m <= ``most``; every
-action costs a fixed cost c plus its share of the batch's work, so T_F = c + 48/m and the fused backward,
-one action, T_BW = c + 96/m; T_comm = 0. Checked at every p of ``ranks`` and c of ``fixed``, and at the
-``near_half`` points (p, c), where sqrt(72 (p - 1) / c) rounds down (3.49, 5.49) but the next whole m is
-shorter (n (n + 1) < 72 (p - 1) / c)."""
+BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, ranks=(1, 2, 4, 8), fixed=(0.05, 0.3, 1.0, 4.0, 20.0),
+                   near_half=((2, 5.9), (4, 7.17)), tiny=(8, 1e-6), seconds=1e-3)
+"""Exercise 1.2's case: 1F1B on p ranks; one step's batch cut into m microbatches, any whole m >= 1 (no cap:
+a large batch); every action costs a fixed cost c plus its share of the batch's work, so T_F = c + 48/m and
+the fused backward, one action, T_BW = c + 96/m; T_comm = 0. Checked at every p of ``ranks`` and c of
+``fixed``, at the ``near_half`` points (p, c), where sqrt(72 (p - 1) / c) rounds down (3.49, 5.49) but the
+next whole m is shorter (n (n + 1) < 72 (p - 1) / c), and at ``tiny``, where the best m is 22,450: there an
+answer must come within ``seconds`` (1 ms), too little to try every m."""
 
 
-def _batch_split_span(p: int, m: int, fixed: float) -> float:
-    c = BATCH_SPLIT
-    f, bw = fixed + c["f_work"] / m, fixed + c["backward_work"] / m
-    return simulate(build_schedule("1f1b", p, m), Costs(f=f, b=bw / 2, w=bw / 2, bw=bw)).makespan
-
-
-def _fewest(span: Callable[[int], float]) -> int:
-    """The m (1 .. ``BATCH_SPLIT["most"]``) with the least ``span(m)``, the smallest on a tie."""
-    return min(range(1, BATCH_SPLIT["most"] + 1), key=lambda m: (round(span(m), 9), m))
+def _batch_split_span(p: int, m: int, fixed: float, per_action: int = 2) -> Fraction:
+    """1F1B's makespan (m + p - 1)(T_F + T_BW) in exact arithmetic, ``per_action`` fixed costs per microbatch
+    and stage (2: one F, one BW; 3: the backward charged as a B and a W). Equal to the simulator's for 1F1B
+    at T_comm = 0 (lesson 1's closed form; tests/test_exercises.py checks it against ``simulate``)."""
+    work = Fraction(BATCH_SPLIT["f_work"] + BATCH_SPLIT["backward_work"])
+    return (m + p - 1) * (per_action * Fraction(str(fixed)) + work / m)   # c as written: 0.3, not its binary
 
 
 @course_cache(maxsize=32)
-def _best_m(p: int, fixed: float) -> int:
-    """Exercise 1.2's answer at (p, c), from the simulator."""
-    return _fewest(lambda m: _batch_split_span(p, m, fixed))
+def _best_m(p: int, fixed: float, per_action: int = 2) -> int:
+    """Exercise 1.2's answer at (p, c): the makespan is per_action c m + 144 (p - 1)/m plus terms free of m,
+    least at s = sqrt(144 (p - 1) / (per_action c)); the best whole m is floor(s) or ceil(s) (at least 1),
+    whichever is shorter, the smaller on a tie, compared exactly."""
+    s = math.sqrt((BATCH_SPLIT["f_work"] + BATCH_SPLIT["backward_work"]) * (p - 1) / (per_action * fixed))
+    near = {max(1, math.floor(s)), max(1, math.ceil(s))}
+    return min(near, key=lambda m: (_batch_split_span(p, m, fixed, per_action), m))
 
 
 def batch_split(fn: Any) -> Verdict:
-    """Exercise 1.2: ``best_m(p, c)``, the number of microbatches m (1 .. 64) for which 1F1B on p ranks
-    (:data:`BATCH_SPLIT`, each action paying a fixed cost c) has the shortest makespan, the smallest m on a
-    tie; checked against the simulator at every p and c of ``BATCH_SPLIT``. The makespan (m + p - 1)(2c +
-    144/m) is least near m = sqrt(72 (p - 1) / c): its rounding to the nearest whole number, the cap at 64
-    and one rank (no bubble: m = 1) each fail somewhere. Charging c twice for the fused backward gets its own
+    """Exercise 1.2: ``best_m(p, c)``, the number of microbatches m (any whole m >= 1) for which 1F1B on p
+    ranks (:data:`BATCH_SPLIT`, each action paying a fixed cost c) has the shortest makespan, the smallest m
+    on a tie, checked at every point of ``BATCH_SPLIT``: the nearest whole number to the real optimum and
+    one rank (no bubble: m = 1) each fail somewhere, and at ``tiny`` (best m 22,450) an answer that takes
+    over a millisecond (every m tried) is refused. Charging c twice for the fused backward gets its own
     hint."""
     hint = ("write the makespan (m + p - 1)(T_F + T_BW) with T_F and T_BW as functions of c and m: which "
             "part grows with m, which shrinks? Find where the sum is least, then compare the whole numbers "
-            "on either side, within 1 .. 64.")
+            "on either side.")
     points = [(p, c) for p in BATCH_SPLIT["ranks"] for c in BATCH_SPLIT["fixed"]]
-    points += list(BATCH_SPLIT["near_half"])
+    points += [*BATCH_SPLIT["near_half"], BATCH_SPLIT["tiny"]]
     verdict = _function_check("1.2", fn, points, _best_m, "best_m(p, c)", hint)
-    if verdict.ok or not callable(fn):
+    if not callable(fn):
+        return verdict
+    if verdict.ok:
+        start = time.perf_counter()
+        _alone(fn, BATCH_SPLIT["tiny"])
+        took = time.perf_counter() - start
+        if took > BATCH_SPLIT["seconds"]:
+            return Verdict("1.2", False, f"right, but best_m{BATCH_SPLIT['tiny']} took {took * 1e3:.1f} ms: "
+                           "trying every m is too slow for a tiny c (the check allows 1 ms).", hint)
         return verdict
     try:
-        twice = all(_alone(fn, (p, c)) == _best_m_charged(p, c) for p, c in points)
+        twice = all(_alone(fn, (p, c)) == _best_m(p, c, 3) for p, c in points)
     except Exception:  # noqa: BLE001  (the learner's function raising is the verdict above)
         twice = False
     if twice:
         return Verdict("1.2", False, "that is the best m with c charged twice for each backward.",
                        "1F1B runs each backward fused: one action, so one c, not two.")
     return verdict
-
-
-def _best_m_charged(p: int, fixed: float) -> int:
-    """:func:`_best_m` with the backward charged 2c (as a B and a W): a wrong answer the check names."""
-    return _fewest(lambda m: (m + p - 1) * (3 * fixed + 144 / m))
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
