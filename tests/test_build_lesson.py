@@ -375,6 +375,7 @@ def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
 
 
 SPMD_LESSON = Path(__file__).parent.parent / "notebooks" / "09_spmd_pipeline.md"
+V_LESSON = Path(__file__).parent.parent / "notebooks" / "10_spmd_v.md"
 
 
 @pytest.fixture(scope="module")
@@ -383,35 +384,41 @@ def spmd_lesson():
     return _namespace(SPMD_LESSON, "lesson09")
 
 
-def test_the_routing_solution_passes_and_one_without_the_ring_fails_on_the_looped_placement(spmd_lesson):
-    """Exercise 9.4: the Solutions' routing equals the package's recv tables; with rank p - 1's right
+@pytest.fixture(scope="module")
+def v_lesson():
+    """Lesson 10's namespace after its cells up to "## Exercises" and its Solutions' definitions."""
+    return _namespace(V_LESSON, "lesson10")
+
+
+def test_the_routing_solution_passes_and_one_without_the_ring_fails_on_the_looped_placement(v_lesson):
+    """Exercise 10.2: the Solutions' routing equals the package's recv tables; with rank p - 1's right
     neighbour not rank 0 (no ring), the looped placement's hop back to rank 0 is named."""
-    assert ex.routing(spmd_lesson["routing"])
-    with _replaced(spmd_lesson, SPMD_LESSON, "routing", lambda src: src.replace("(r + 1) % p", "r + 1")):
-        verdict = ex.routing(spmd_lesson["routing"])
+    assert ex.routing(v_lesson["routing"])
+    with _replaced(v_lesson, V_LESSON, "routing", lambda src: src.replace("(r + 1) % p", "r + 1")):
+        verdict = ex.routing(v_lesson["routing"])
     assert not verdict and "interleaved-1f1b" in verdict.message and verdict.hint, str(verdict)
 
 
-def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
-    """Exercise 9.5: the Solutions' make_v_tick runs ZB-V (two chunks a rank, 16 layers) through the
+def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(v_lesson):
+    """Exercise 10.3: the Solutions' make_v_tick runs ZB-V (two chunks a rank, 16 layers) through the
     lesson's own program_of and vlab with each buffer its busiest stage's rows, and passes. first/last
     testing the rank alone (first[0], last[1]: rank 0 is first and last on both chunks) and arrivals all
     stored in chunk 0 (recv's chunk ignored) fail with the gradients; a body of ``...`` is no answer yet."""
-    vlab = spmd_lesson["vlab"]
-    right = ex.spmd_v(vlab.try_v(spmd_lesson["make_v_tick"]))
+    vlab = v_lesson["vlab"]
+    right = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
     assert right and "ZB-V ran as one SPMD program" in str(right), str(right)
     rank_only = lambda src: src.replace("first[ch]", "first[0]").replace("last[ch]", "last[1]")  # noqa: E731
     chunk_0 = lambda src: src.replace("b, ch, j = arrived", "b, ch, j = arrived[0], 0, arrived[2]")  # noqa: E731
     for edit in (rank_only, chunk_0):
-        with _replaced(spmd_lesson, SPMD_LESSON, "make_v_tick", edit):
-            verdict = ex.spmd_v(vlab.try_v(spmd_lesson["make_v_tick"]))
+        with _replaced(v_lesson, V_LESSON, "make_v_tick", edit):
+            verdict = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
         assert not verdict and "zb-v" in verdict.message and verdict.hint, str(verdict)
     stub = lambda A, c, X, Y, first, last: None  # noqa: E731
     assert ex.spmd_v(vlab.try_v(stub)).message.startswith("no answer yet")
 
 
 def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
-    """Exercise 9.6: the Solutions' spmd_step (one shard_map program; the last rank's F adds each
+    """Exercise 9.4: the Solutions' spmd_step (one shard_map program; the last rank's F adds each
     microbatch's loss over m, its B starts from the head's gradient and adds to dH; psum makes the loss and
     dH one array) passes. The loss not divided by m, the loss returned per rank (out_specs P("rank"), no
     psum), dH added on every rank, and a loss taken by a second forward outside the program are each

@@ -73,10 +73,11 @@ CASES = {
             lambda actions: _ticks_one_by_one(actions, lag=0)),
     "9.2": (40, 33),                                # 4m + 3p - 4: p ticks of F only, 18 with a BW; 33: event-driven
     "9.3": (lambda: _spmd_result(ex.SPMD_RUNS), lambda: _spmd_result(ex.SPMD_RUNS, shift=True)),   # a tick late
-    "9.4": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
-            lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks, ring=False)),  # no wrap
-    "9.5": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
-    "9.6": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
+    "9.4": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
+    "10.1": (96, 112),                              # 4(p - 1)m; 112: the V's turn on rank 3 counted
+    "10.2": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
+             lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks, ring=False)),  # no wrap
+    "10.3": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
 }
 
 
@@ -114,7 +115,7 @@ def _ticks_one_by_one(actions, lag):
 
 
 def _routing_by_hand(actions, placement, ticks, ring=True, chunk_of="receiver", late=0):
-    """Exercise 9.4 by hand, a second way: per rank, what its stages receive, walked from the receiver's side
+    """Exercise 10.2 by hand, a second way: per rank, what its stages receive, walked from the receiver's side
     (``ring=False``: no hop from rank p - 1 to rank 0; ``chunk_of="sender"``: the sender's chunk; ``late``:
     arrival ticks later)."""
     p, S, T = len(actions), len(placement), len(ticks)
@@ -134,9 +135,9 @@ def _routing_by_hand(actions, placement, ticks, ring=True, chunk_of="receiver", 
 
 
 def _spmd_result(names=ex.V_RUNS, grad_error=1e-6, shift=False):
-    """What lesson 9's ``lab.try_tick`` or ``vlab.try_v`` hands exercise 9.3's or 9.5's check for a run where
-    every rank ran the lockstep form's branch (``shift``: each a tick late) and the gradients are off by
-    ``grad_error``."""
+    """What lesson 9's ``lab.try_tick`` or lesson 10's ``vlab.try_v`` hands exercise 9.3's or 10.3's check
+    for a run where every rank ran the lockstep form's branch (``shift``: each a tick late) and the
+    gradients are off by ``grad_error``."""
     runs = {}
     for name in names:
         schedule = zb.build_schedule(name, 4, 8)
@@ -149,14 +150,14 @@ def _spmd_result(names=ex.V_RUNS, grad_error=1e-6, shift=False):
 
 
 def _v_result(grad_error):
-    """What lesson 9's ``vlab.try_v`` hands exercise 9.5's check: ZB-V run tick for tick, its gradients off
+    """What lesson 10's ``vlab.try_v`` hands exercise 10.3's check: ZB-V run tick for tick, its gradients off
     by ``grad_error`` on every stage."""
     result = _spmd_result(grad_error=grad_error)
     return {**result, "rows": {"act": 2, "dz": 5, "grad": 1, "ins": 8, "outs": 7}}
 
 
 def _step_result(factor):
-    """What lesson 9's ``lab.try_step`` hands exercise 9.6's check: one shard_map program, nothing of the
+    """What lesson 9's ``lab.try_step`` hands exercise 9.4's check: one shard_map program, nothing of the
     model outside it, jax.grad's gradients (the head's too), and the loss ``factor`` times the whole
     model's (1.0625)."""
     return {"error": None, "loss": np.float32(1.0625 * factor), "loss_ref": 1.0625, "shard_maps": 1,
@@ -192,15 +193,15 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
     lessons = {}
     for key in ex.EXERCISES:
         lessons.setdefault(key.split(".")[0], []).append(key)
-    assert sorted(lessons) == [str(n) for n in range(1, 10)]
+    assert sorted(lessons, key=int) == [str(n) for n in range(1, 11)]
     assert all(len(v) >= 3 for v in lessons.values())
     assert set(CASES) == {k for k in ex.EXERCISES if not k.startswith("8.")}  # lesson 8's: test_build_lesson.py
 
 
 def _answer(key, which):
-    """CASES' answer; exercises 9.3's, 9.5's and 9.6's (a run's result, not a function) are built here."""
+    """CASES' answer; exercises 9.3's, 9.4's and 10.3's (a run's result, not a function) are built here."""
     answer = CASES[key][which]
-    return answer() if key in ("9.3", "9.5", "9.6") else answer
+    return answer() if key in ("9.3", "9.4", "10.3") else answer
 
 
 @pytest.mark.parametrize("key", sorted(CASES))
@@ -407,7 +408,7 @@ def test_a_function_answer_that_raises_is_not_yet_with_the_error():
     assert not verdict.ok and "ZeroDivisionError" in verdict.message
 
 
-@pytest.mark.parametrize("key", ["1.1", "3.1", "4.2", "5.2", "6.2", "7.1", "9.2"])
+@pytest.mark.parametrize("key", ["1.1", "3.1", "4.2", "5.2", "6.2", "7.1", "9.2", "10.1"])
 def test_reveal_shows_the_simulation_only_after_a_real_attempt(key, capsys):
     assert ex.reveal(key, ...) is None and "commit" in capsys.readouterr().out
     assert ex.reveal(key, 1e6) is None and "real attempt" in capsys.readouterr().out   # a throwaway number

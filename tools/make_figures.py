@@ -186,6 +186,13 @@ def lockstep():
         title=f"ZB-H1, p = {p}, m = {m}, T_W = 0.5, T_comm = 0.1", ratio_name="lockstep / event-driven makespan")
 
 
+def v_messages():
+    p, m = 4, 2
+    plan = zb.build_schedule("zb-v", p, m)
+    return dependency_figure(zb.simulate(plan, zb.Costs(f=1.0, b=1.0, w=1.0), lockstep=True),
+                             f"ZB-V in lockstep, p = {p}, m = {m}: each arrow a value sent to another rank")
+
+
 SPECS: dict[str, Callable[[], Any]] = {
     "01_headline": headline,
     "02_split": split,
@@ -196,6 +203,7 @@ SPECS: dict[str, Callable[[], Any]] = {
     "07_attribution": attribution,
     "08_transfers": transfers,
     "09_lockstep": lockstep,
+    "10_v_messages": v_messages,
 }
 """File stem -> the function drawing it (a ``go.Figure``)."""
 

@@ -1,5 +1,5 @@
-"""The course's code: each lesson's exercise checks (``lesson1`` ... ``lesson9``), what the checks share
-(:mod:`.checks`), and zb-auto read step by step (:mod:`.walkthrough`), and lessons 8 and 9's
+"""The course's code: each lesson's exercise checks (``lesson1`` ... ``lesson10``), what the checks share
+(:mod:`.checks`), and zb-auto read step by step (:mod:`.walkthrough`), and lessons 8 to 10's
 test bench (:mod:`.bench`, JAX, not imported here). The top layer: it imports the
 others, nothing imports it. A lesson imports it as ``from zbpp_lite import course as ex``.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import lesson1, lesson2, lesson3, lesson4, lesson5, lesson6, lesson7, lesson8, lesson9
+from . import lesson1, lesson2, lesson3, lesson4, lesson5, lesson6, lesson7, lesson8, lesson9, lesson10
 from . import checks  # noqa: F401  (the tests patch its guard)
 from .checks import Verdict, _unanswered
 from .lesson1 import *  # noqa: F401,F403
@@ -27,8 +27,9 @@ from .lesson6 import *  # noqa: F401,F403
 from .lesson7 import *  # noqa: F401,F403
 from .lesson8 import *  # noqa: F401,F403
 from .lesson9 import *  # noqa: F401,F403
+from .lesson10 import *  # noqa: F401,F403
 
-_LESSONS = (lesson1, lesson2, lesson3, lesson4, lesson5, lesson6, lesson7, lesson8, lesson9)
+_LESSONS = (lesson1, lesson2, lesson3, lesson4, lesson5, lesson6, lesson7, lesson8, lesson9, lesson10)
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {k: f for mod in _LESSONS for k, f in mod.EXERCISES.items()}
 """Every exercise's id ("3.2": lesson 3, exercise 2) -> its check; the tests and the notebook hygiene

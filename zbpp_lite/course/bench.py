@@ -133,13 +133,13 @@ def head_loss(params: list, H: jax.Array, X: jax.Array, Y: jax.Array) -> jax.Arr
 
 
 class SpmdLab:
-    """Lesson 9's test bench around the lesson's ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
-    (jitted program, (columns, held, As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``; ``columns``:
-    the tick tables it scans, kind first; ``held``: each rank's stage, ``(ranks,)``, or stages, ``(ranks,
-    chunks)``; ``As``, ``cs`` per rank, ``(ranks, [chunks,] 2, ...)``): ``arrays`` =
+    """Lessons 9 and 10's test bench around the lesson's ``program_of(make_tick, name, rows, As, cs, Xm, Ym)
+    -> (jitted program, (columns, ..., As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``, returning
+    ``(dA, dc, ran)`` per rank, ``(ranks, [chunks,] 2, ...)``; ``columns``: the tick tables it scans, kind
+    first; ``As``, ``cs``: every stage's, stacked): ``arrays`` =
     :func:`stacked_mlp` of ``case`` (one stage per rank at :data:`BUILD_CASE`, two on the V at
-    :data:`~.lesson9.V_CASE`), ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked as ``As``, ``cs``,
-    and what hands the learner's ``make_tick`` to the checks."""
+    :data:`~.lesson10.V_CASE`), ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked as ``As``,
+    ``cs``, and what hands the learner's ``make_tick`` to the checks."""
 
     def __init__(self, program_of: Callable, mesh: Any, case: dict = BUILD_CASE):
         self.program_of, self.mesh, self.case = program_of, mesh, case
@@ -207,10 +207,11 @@ class SpmdLab:
         return {**result, "copied": bool(called)}
 
     def try_v(self, make_tick: Callable) -> dict:
-        """Exercise 9.5's result: :func:`try_runs` of ZB-V (:data:`~.lesson9.V_RUNS`, on ``case``'s 2p stages)
-        with each buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those rows;
-        ``...`` while ``make_tick`` returns None (its body still ``...``)."""
-        from .lesson9 import V_RUNS, buffer_depths
+        """Exercise 10.2's result: :func:`try_runs` of ZB-V (:data:`~.lesson10.V_RUNS`, on ``case``'s 2p
+        stages) with each buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those
+        rows; ``...`` while ``make_tick`` returns None (its body still ``...``)."""
+        from .lesson9 import buffer_depths
+        from .lesson10 import V_RUNS
 
         if _stub(make_tick):
             return ...
@@ -219,7 +220,7 @@ class SpmdLab:
         return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows), V_RUNS))
 
     def try_step(self, step: Callable) -> Any:
-        """Exercise 9.6's result: ``step(As, cs, H, Xm, Ym) -> (loss, dAs, dcs, dH)`` run on ``arrays`` (one
+        """Exercise 9.4's result: ``step(As, cs, H, Xm, Ym) -> (loss, dAs, dcs, dH)`` run on ``arrays`` (one
         stage a rank) with a linear head ``H`` (width, width) after the last stage (:func:`head_loss`):
         ``{"error": None or text, "loss": its loss as a NumPy array, "loss_ref": the whole model's,
         "dH_error": max |dH - dH_ref| / max |dH_ref| (inf: another shape), "shard_maps": how many shard_map
@@ -281,7 +282,7 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
     """Lesson 9's trade-off, printed: one F, B, W and BW of stage 1 timed (``stage_fns``: the lesson's
     ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), ZB-H1 and ZB-H2 (no
     BW, which lesson 9's tick has no branch for) simulated event-driven and lockstep with those times, and
-    one step timed of the learner's program (``compile_spmd(name) -> (program, ((kind, microbatch), held, As,
+    one step timed of the learner's program (``compile_spmd(name) -> (program, ((kind, microbatch), ..., As,
     cs, Xm, Ym))``), of the same program on an all-idle table (the ticks' own cost) and of the package's MPMD
     executor on :func:`staged_mlp`. Returns ``{name: {"event", "lockstep": simulated makespans; "mpmd",
     "spmd", "idle": measured steps}}`` (s)."""
@@ -291,7 +292,7 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
 
     stage_F, stage_B, stage_W = stage_fns
     p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
-    _, _, As, cs, Xm, _ = compile_spmd("zb-h1")[1]
+    As, cs, Xm = compile_spmd("zb-h1")[1][-4:-1]
     A, c, x = As[1], cs[1], Xm[0]
     y, ins, outs = stage_F(A, c, x)
     dz = stage_B(A, outs, y)[1]

@@ -28,19 +28,6 @@ rank, so an activation can stay on its rank and still wait a tick."""
 TICK_FRESH = 3
 """How many more exercise 9.1 schedules its check draws afresh at each call."""
 
-ROUTE_CASES = (("zb-v", 4, 8), ("zb-v", 3, 5), ("zb-h1", 4, 8), ("interleaved-1f1b", 3, 6))
-"""Exercise 9.4's schedules (name, ranks, microbatches): the V (rank p - 1 sends to itself where the V
-turns), one stage per rank, and interleaved 1F1B's looped placement (stage p - 1 on rank p - 1 sends to
-stage p on rank 0, its right neighbour on the ring). p >= 3: at p = 2 a rank's left and right neighbour
-are one rank."""
-
-V_RUNS = ("zb-v",)
-"""Exercise 9.5's schedule: ZB-V, two stages per rank (chunk 0: stage r, chunk 1: stage 2p - 1 - r)."""
-
-V_CASE = {**BUILD_CASE, "layers": 16}
-"""Exercise 9.5's model: :data:`~zbpp_lite.course.lesson8.BUILD_CASE` with 16 layers, so ZB-V's 2p = 8
-stages have two layers each, as lesson 9's ``stage_F`` takes."""
-
 SPMD_RUNS = ("zb-h1", "1f1b")
 """Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: ZB-H1, and 1F1B,
 whose fused backward (BW, kind 4) needs a branch of its own."""
@@ -256,71 +243,6 @@ def spmd_tick(result: Any) -> Verdict:
                    f"{worst:.1e}).")
 
 
-def _routes(schedule) -> dict:
-    """Exercise 9.4's answer for ``schedule``: :func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``, as
-    ``{source: (buffer, chunk, microbatch)}`` of nested lists (ranks, ticks)."""
-    from ..runtime.spmd import tick_tables  # JAX's module: imported when a check runs, not at import
-
-    return {src: tuple(np.asarray(a).tolist() for a in t) for src, t in tick_tables(schedule).recv.items()}
-
-
-def routing(answer: Any) -> Verdict:
-    """Exercise 9.4 (derived): ``routing(actions, placement, ticks) -> {source: (buffer, chunk,
-    microbatch)}``, each a (ranks, ticks) table of ints: what rank r receives at the end of tick t from
-    ``"left"`` (rank r - 1, rank p - 1 for rank 0), ``"right"`` (rank r + 1, rank 0 for rank p - 1) and
-    ``"self"``: buffer 1 (``act``, an F's output) or 2 (``grad``, a B's or BW's input gradient), 0 for
-    nothing, the receiving stage's chunk (its index among the rank's stages in increasing order) and the
-    microbatch. ``actions`` per rank ``(kind, stage, microbatch)`` tuples, ``placement[stage]`` its rank,
-    ``ticks`` :func:`lockstep_ticks`' table. Checked against :func:`zbpp_lite.runtime.spmd.tick_tables` on
-    :data:`ROUTE_CASES`: the V (a turn on rank p - 1), one stage per rank, and the looped placement's hop
-    from rank p - 1 back to rank 0; the package out of bounds. The first wrong entry is named, with what
-    differs."""
-    hint = ("a value sent in tick t arrives at the end of tick t: an F of stage s sends its output to "
-            "stage s + 1's act, a B or BW of stage s its input gradient to stage s - 1's grad (none past "
-            "either end, none from a W). Which rank holds the receiving stage, which neighbour is the "
-            "sender to it, and which of its stages (chunk) receives?")
-    missing = _function_missing("9.4", answer, hint, "routing",
-                                "a function routing(actions, placement, ticks)")
-    if missing is not None:
-        return missing
-    fields = ("buffer", "chunk", "microbatch")
-    for name, p, m in ROUTE_CASES:
-        schedule = build_schedule(name, p, m)
-        ticks = lockstep_ticks(schedule)
-        want = _routes(schedule)
-        got, refused = _called("9.4", answer, (_rows(schedule), list(schedule.placement), ticks), hint)
-        if refused is not None:
-            return refused
-        case = f"{name} (p = {p}, m = {m})"
-        try:
-            got = {src: tuple(np.asarray(got[src][k], dtype=np.int64).reshape(p, len(ticks)).tolist()
-                              for k in range(3)) for src in want}
-        except (TypeError, ValueError, KeyError, IndexError):
-            return Verdict("9.4", False, f"{case}: expected {{source: (buffer, chunk, microbatch)}} for "
-                           f"sources {', '.join(want)}, each a ({p}, {len(ticks)}) table of ints.", hint)
-        for t in range(len(ticks)):
-            for r in range(p):
-                for src in want:
-                    mine, need = (tuple(got[src][k][r][t] for k in range(3)),
-                                  tuple(want[src][k][r][t] for k in range(3)))
-                    if mine == need:
-                        continue
-                    off = [f for f, x, y in zip(fields, mine, need) if x != y]
-                    why = {"buffer": "which kind of action sent it, and is anything sent at all?",
-                           "chunk": "the chunk is the receiving stage's index on its own rank, not the "
-                                    "sender's.",
-                           "microbatch": "the value keeps its microbatch."}[off[0]]
-                    if mine[0] == 0 and need[0]:
-                        why = ("something arrives here from this source: which rank sends to rank "
-                               f"{r}'s stages, and is it a neighbour on the ring (rank 0's left "
-                               "neighbour is rank p - 1) or rank r itself?")
-                    return Verdict("9.4", False, f"{case}: rank {r}, end of tick {t}, from {src}: you give "
-                                   f"(buffer, chunk, microbatch) {mine}, the program needs {need}; "
-                                   f"{' and '.join(off)} differ{'s' if len(off) == 1 else ''}. {why}", hint)
-    return Verdict("9.4", True, f"your routing equals the package's on {len(ROUTE_CASES)} schedules: the V's "
-                   "turn, one stage per rank and the looped placement's hop back to rank 0.")
-
-
 def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> Verdict | None:
     """The refusal of a lab result that is no answer yet (``name`` still ``...``) or not ``call``'s dict
     with its runs; else None."""
@@ -377,27 +299,8 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
     return worst
 
 
-def spmd_v(result: Any) -> Verdict:
-    """Exercise 9.5: the learner's ZB-V ``make_tick`` run by lesson 9's ``vlab.try_v``; ``result`` is
-    ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v": run}}``, a run as :func:`spmd_tick`
-    reads it. Right when every rank ran the lockstep form's branch in every tick and the gradients equal
-    ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`; a gradient off names what
-    the V changes (first and last per chunk, arrivals stored where ``recv`` says)."""
-    hint = ("on the V the tick reads (kind, chunk, microbatch, recv): index A, c and every buffer by the "
-            "chunk; first and last are per chunk (first[ch], last[ch]: stage 2p - 1 is rank 0's chunk 1); "
-            "the branch's one message goes both ways, and each arrival is stored where recv[source] = "
-            "(buffer, chunk, microbatch) says, in row microbatch % rows.")
-    worst = _tick_run("9.5", result, "make_v_tick", "vlab.try_v(make_v_tick)", V_RUNS, hint, hint,
-                      otherwise=hint)
-    if isinstance(worst, Verdict):
-        return worst
-    return Verdict("9.5", True, f"ZB-V ran as one SPMD program, two chunks a rank, tick for tick as the "
-                   f"simulator's lockstep form, with jax.grad's gradients (largest relative difference "
-                   f"{worst:.1e}), rows {result.get('rows')}.")
-
-
 def spmd_step(result: Any) -> Verdict:
-    """Exercise 9.6: the learner's ``spmd_step(As, cs, H, X, Y) -> (loss, dAs, dcs, dH)`` for ZB-H1 with a
+    """Exercise 9.4: the learner's ``spmd_step(As, cs, H, X, Y) -> (loss, dAs, dcs, dH)`` for ZB-H1 with a
     linear head ``H`` after the last stage (:func:`zbpp_lite.course.bench.head_loss`), run by lesson 9's
     ``lab.try_step``; ``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_step` gives it. Right when the
     whole step is one ``shard_map`` program (no model work outside it), the loss is one number equal to
@@ -408,55 +311,53 @@ def spmd_step(result: Any) -> Verdict:
             "to dH; the program returns the loss and dH summed over the ranks (lax.psum: the same on "
             "every rank, out_specs P()) beside dA, dc (P(\"rank\")).")
     if _unanswered(result):
-        return Verdict("9.6", False, "no answer yet: write spmd_step.", hint)
+        return Verdict("9.4", False, "no answer yet: write spmd_step.", hint)
     if not isinstance(result, dict) or "error" not in result:
         got = type(result).__name__
-        return Verdict("9.6", False, f"expected lab.try_step(spmd_step)'s result, got {got}.", hint)
+        return Verdict("9.4", False, f"expected lab.try_step(spmd_step)'s result, got {got}.", hint)
     if result["error"]:
-        return Verdict("9.6", False, f"running it raised {result['error']}", hint)
+        return Verdict("9.4", False, f"running it raised {result['error']}", hint)
     if "shape" in result:
-        return Verdict("9.6", False, f"spmd_step returned a {result['shape']}, not (loss, dAs, dcs, dH).",
+        return Verdict("9.4", False, f"spmd_step returned a {result['shape']}, not (loss, dAs, dcs, dH).",
                        hint)
     if result["shard_maps"] != 1:
-        return Verdict("9.6", False, f"the step makes {result['shard_maps']} shard_map calls, not one.", hint)
+        return Verdict("9.4", False, f"the step makes {result['shard_maps']} shard_map calls, not one.", hint)
     work = [op for op in result["outside"] if op in ("dot_general", "tanh", "integer_pow", "reduce_sum")]
     if work:
-        return Verdict("9.6", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
+        return Verdict("9.4", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
                        "the loss comes from inside the program: the last rank has each microbatch's output "
                        "when its F runs.")
     loss, ref = np.asarray(result["loss"], dtype=np.float64), float(result["loss_ref"])
     if loss.shape != ():
-        return Verdict("9.6", False, f"the loss has shape {loss.shape}, not one number for the step.",
+        return Verdict("9.4", False, f"the loss has shape {loss.shape}, not one number for the step.",
                        "sum it over the ranks with lax.psum, which makes it the same on every rank, and "
                        "return it with out_specs P().")
     m = BUILD_CASE["microbatches"]
     if abs(loss - ref) > BUILD_TOLERANCE * abs(ref):
         said = (f" ({m} times it)" if abs(loss - m * ref) <= BUILD_TOLERANCE * m * abs(ref) else
                 f" (1/{m} of it)" if abs(m * loss - ref) <= BUILD_TOLERANCE * abs(ref) else "")
-        return Verdict("9.6", False, f"the loss is {float(loss):.6g}, the whole model's {ref:.6g}{said}.",
+        return Verdict("9.4", False, f"the loss is {float(loss):.6g}, the whole model's {ref:.6g}{said}.",
                        "the step's loss is the mean of the m microbatch losses, each the mean squared error "
                        "of one microbatch's y @ H, added once, on the last rank.")
-    problem = gradient_problem("9.6", "zb-h1", result, m)
+    problem = gradient_problem("9.4", "zb-h1", result, m)
     if problem is not None:
         return problem
     if not result["dH_error"] <= BUILD_TOLERANCE:
         off = result["dH_error"]
-        return Verdict("9.6", False, f"dH differs from jax.grad's (relative difference {off:.1e}).",
+        return Verdict("9.4", False, f"dH differs from jax.grad's (relative difference {off:.1e}).",
                        "only the last rank's B has the head's gradient, y.T @ (the gradient at y @ H), "
                        "added for each microbatch; every other rank adds nothing before the psum.")
-    return Verdict("9.6", True, f"one SPMD program ran ZB-H1's step with its head: loss {float(loss):.6f}, "
+    return Verdict("9.4", True, f"one SPMD program ran ZB-H1's step with its head: loss {float(loss):.6f}, "
                    f"the whole model's {ref:.6f}, and jax.grad's gradients (largest relative difference "
                    f"{max(result['grad_error'], result['dH_error']):.1e}).")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": spmd_tick,
-                                                  "9.4": routing, "9.5": spmd_v,
-                                                  "9.6": spmd_step}
+                                                  "9.4": spmd_step}
 """Lesson 9's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "ROUTE_CASES", "V_RUNS", "V_CASE", "FUSED", "tick_table",
-           "lockstep_1f1b", "spmd_tick", "routing", "spmd_v", "spmd_step", "buffer_depths", "buffer_rows",
-           "tick_grid", "tick_messages", "EXERCISES", "REVEALS"]
+__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "FUSED", "tick_table", "lockstep_1f1b", "spmd_tick",
+           "spmd_step", "buffer_depths", "buffer_rows", "tick_grid", "tick_messages", "EXERCISES", "REVEALS"]

@@ -1,0 +1,162 @@
+"""Lesson 10's exercise checks (ZB-V as one SPMD program: several stages per rank): one function per
+exercise, which says right or not yet with a hint (:class:`zbpp_lite.course.checks.Verdict`). No JAX at
+import.
+
+Source: the V placement and ZB-V, arXiv 2405.15362, section 3; lockstep ticks as
+:func:`zbpp_lite.schedules.simulate.lockstep_ticks`, routed as :func:`zbpp_lite.runtime.spmd.tick_tables`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..schedules.builders import build_schedule
+from ..schedules.costs import Costs
+from ..schedules.simulate import lockstep_ticks, simulate
+from ..viz.figures import dependency_figure
+from .checks import Verdict, _called, _function_missing, _number_check
+from .lesson8 import BUILD_CASE
+from .lesson9 import _rows, _tick_run
+
+V_MESSAGES = ("zb-v", 4, 8)
+"""Exercise 10.1's schedule (name, ranks, microbatches)."""
+
+ROUTE_CASES = (("zb-v", 4, 8), ("zb-v", 3, 5), ("zb-h1", 4, 8), ("interleaved-1f1b", 3, 6))
+"""Exercise 10.2's schedules (name, ranks, microbatches): the V (rank p - 1 sends to itself where the V
+turns), one stage per rank, and interleaved 1F1B's looped placement (stage p - 1 on rank p - 1 sends to
+stage p on rank 0, its right neighbour on the ring). p >= 3: at p = 2 a rank's left and right neighbour
+are one rank."""
+
+V_RUNS = ("zb-v",)
+"""Exercise 10.3's schedule: ZB-V, two stages per rank (chunk 0: stage r, chunk 1: stage 2p - 1 - r)."""
+
+V_CASE = {**BUILD_CASE, "layers": 16}
+"""Exercise 10.3's model: :data:`~zbpp_lite.course.lesson8.BUILD_CASE` with 16 layers, so ZB-V's 2p = 8
+stages have two layers each, as lesson 9's ``stage_F`` takes (lesson 10's program)."""
+
+
+def v_crossings(answer: Any) -> Verdict:
+    """Exercise 10.1: how many values one step of ZB-V at p = 4, m = 8 (:data:`V_MESSAGES`) sends from one
+    rank to another, rank p - 1's to itself at the V's turn not counted; predicted. Counted from
+    :func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``: 4(p - 1)m = 96, an F and a B across each of the
+    2p - 1 boundaries between stages but the turn's. Counting the turn, one stage per rank's 2m(p - 1) and
+    the F's alone get their own messages."""
+    from ..runtime.spmd import tick_tables  # JAX's module: imported when a check runs, not at import
+
+    name, p, m = V_MESSAGES
+    recv = tick_tables(build_schedule(name, p, m)).recv
+    expected = sum(int((np.asarray(recv[source][0]) > 0).sum()) for source in ("left", "right"))
+    hint = ("each microbatch's F crosses every boundary between consecutive stages once, and its B crosses "
+            "it back: how many boundaries has the V, and which of them lies within one rank?")
+    known = {
+        2 * (2 * p - 1) * m: ("that counts the V's turn: stage p - 1 and stage p are both on rank p - 1, "
+                              "so their F and B stay on it.", hint),
+        2 * (p - 1) * m: ("that is one stage per rank's count: the V has 2p stages, two a rank.", hint),
+        (2 * p - 1) * m: ("that counts the forwards alone, the turn's too: each B sends a gradient back.",
+                          hint),
+    }
+    return _number_check("10.1", answer, expected, "the values crossing between ranks", hint, known=known)
+
+
+def reveal_v_crossings() -> Any:
+    """Exercise 10.1's reveal: ZB-V's lockstep timeline at p = 4, m = 8, an arrow per value crossing."""
+    name, p, m = V_MESSAGES
+    plan = build_schedule(name, p, m)
+    return dependency_figure(simulate(plan, Costs(f=1.0, b=1.0, w=1.0), lockstep=True),
+                             f"ZB-V in lockstep, p = {p}, m = {m}: each arrow a value sent to another rank")
+
+
+def _routes(schedule) -> dict:
+    """Exercise 10.2's answer for ``schedule``: :func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``, as
+    ``{source: (buffer, chunk, microbatch)}`` of nested lists (ranks, ticks)."""
+    from ..runtime.spmd import tick_tables  # JAX's module: imported when a check runs, not at import
+
+    return {src: tuple(np.asarray(a).tolist() for a in t) for src, t in tick_tables(schedule).recv.items()}
+
+
+def routing(answer: Any) -> Verdict:
+    """Exercise 10.2 (derived): ``routing(actions, placement, ticks) -> {source: (buffer, chunk,
+    microbatch)}``, each a (ranks, ticks) table of ints: what rank r receives at the end of tick t from
+    ``"left"`` (rank r - 1, rank p - 1 for rank 0), ``"right"`` (rank r + 1, rank 0 for rank p - 1) and
+    ``"self"``: buffer 1 (``act``, an F's output) or 2 (``grad``, a B's or BW's input gradient), 0 for
+    nothing, the receiving stage's chunk (its index among the rank's stages in increasing order) and the
+    microbatch. ``actions`` per rank ``(kind, stage, microbatch)`` tuples, ``placement[stage]`` its rank,
+    ``ticks`` :func:`lockstep_ticks`' table. Checked against :func:`zbpp_lite.runtime.spmd.tick_tables` on
+    :data:`ROUTE_CASES`: the V (a turn on rank p - 1), one stage per rank, and the looped placement's hop
+    from rank p - 1 back to rank 0; the package out of bounds. The first wrong entry is named, with what
+    differs."""
+    hint = ("a value sent in tick t arrives at the end of tick t: an F of stage s sends its output to "
+            "stage s + 1's act, a B or BW of stage s its input gradient to stage s - 1's grad (none past "
+            "either end, none from a W). Which rank holds the receiving stage, which neighbour is the "
+            "sender to it, and which of its stages (chunk) receives?")
+    missing = _function_missing("10.2", answer, hint, "routing",
+                                "a function routing(actions, placement, ticks)")
+    if missing is not None:
+        return missing
+    fields = ("buffer", "chunk", "microbatch")
+    for name, p, m in ROUTE_CASES:
+        schedule = build_schedule(name, p, m)
+        ticks = lockstep_ticks(schedule)
+        want = _routes(schedule)
+        got, refused = _called("10.2", answer, (_rows(schedule), list(schedule.placement), ticks), hint)
+        if refused is not None:
+            return refused
+        case = f"{name} (p = {p}, m = {m})"
+        try:
+            got = {src: tuple(np.asarray(got[src][k], dtype=np.int64).reshape(p, len(ticks)).tolist()
+                              for k in range(3)) for src in want}
+        except (TypeError, ValueError, KeyError, IndexError):
+            return Verdict("10.2", False, f"{case}: expected {{source: (buffer, chunk, microbatch)}} for "
+                           f"sources {', '.join(want)}, each a ({p}, {len(ticks)}) table of ints.", hint)
+        for t in range(len(ticks)):
+            for r in range(p):
+                for src in want:
+                    mine, need = (tuple(got[src][k][r][t] for k in range(3)),
+                                  tuple(want[src][k][r][t] for k in range(3)))
+                    if mine == need:
+                        continue
+                    off = [f for f, x, y in zip(fields, mine, need) if x != y]
+                    why = {"buffer": "which kind of action sent it, and is anything sent at all?",
+                           "chunk": "the chunk is the receiving stage's index on its own rank, not the "
+                                    "sender's.",
+                           "microbatch": "the value keeps its microbatch."}[off[0]]
+                    if mine[0] == 0 and need[0]:
+                        why = ("something arrives here from this source: which rank sends to rank "
+                               f"{r}'s stages, and is it a neighbour on the ring (rank 0's left "
+                               "neighbour is rank p - 1) or rank r itself?")
+                    return Verdict("10.2", False, f"{case}: rank {r}, end of tick {t}, from {src}: you give "
+                                   f"(buffer, chunk, microbatch) {mine}, the program needs {need}; "
+                                   f"{' and '.join(off)} differ{'s' if len(off) == 1 else ''}. {why}", hint)
+    return Verdict("10.2", True, f"your routing equals the package's on {len(ROUTE_CASES)} schedules: the "
+                   "V's turn, one stage per rank and the looped placement's hop back to rank 0.")
+
+
+def spmd_v(result: Any) -> Verdict:
+    """Exercise 10.3: the learner's ZB-V ``make_tick`` run by lesson 10's ``vlab.try_v``; ``result`` is
+    ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v": run}}``, a run as :func:`spmd_tick`
+    reads it. Right when every rank ran the lockstep form's branch in every tick and the gradients equal
+    ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`; a gradient off names what
+    the V changes (first and last per chunk, arrivals stored where ``recv`` says)."""
+    hint = ("on the V the tick reads (kind, chunk, microbatch, recv): index A, c and every buffer by the "
+            "chunk; first and last are per chunk (first[ch], last[ch]: stage 2p - 1 is rank 0's chunk 1); "
+            "the branch's one message goes both ways, and each arrival is stored where recv[source] = "
+            "(buffer, chunk, microbatch) says, in row microbatch % rows.")
+    worst = _tick_run("10.3", result, "make_v_tick", "vlab.try_v(make_v_tick)", V_RUNS, hint, hint,
+                      otherwise=hint)
+    if isinstance(worst, Verdict):
+        return worst
+    return Verdict("10.3", True, f"ZB-V ran as one SPMD program, two chunks a rank, tick for tick as the "
+                   f"simulator's lockstep form, with jax.grad's gradients (largest relative difference "
+                   f"{worst:.1e}), rows {result.get('rows')}.")
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": v_crossings, "10.2": routing, "10.3": spmd_v}
+"""Lesson 10's exercises by id -> check."""
+
+REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_v_crossings}
+"""Predict-first exercise id -> the simulation its reveal cell draws."""
+
+__all__ = ["V_MESSAGES", "ROUTE_CASES", "V_RUNS", "V_CASE", "v_crossings", "routing", "spmd_v", "EXERCISES",
+           "REVEALS"]
