@@ -629,7 +629,7 @@ def _stub(make_tick: Callable) -> bool:
         return False
 
 
-def tick_of(p: int) -> Callable:
+def tick_of(p: int, backward: Callable | None = None) -> Callable:
     """Lesson 9's tick, exercise 9.3's answer (the lesson runs it before the learner has written one):
     ``make_tick(A, c, X, Y, first, last) -> tick(state, (kind, microbatch)) -> (state, kind code run)`` for a
     program over ``p`` ranks of one stage each (:func:`stage_F`, :func:`stage_B`, :func:`stage_W`; ``X``,
@@ -638,10 +638,13 @@ def tick_of(p: int) -> Callable:
     1; tag 0 for nothing) and its code; two ``ppermute`` calls follow it on every rank (a collective inside
     a branch would wait for ranks that never enter it); what arrives is stored in row tag - 1 (tag 0: row -1
     rewritten with what it holds). ``first``/``last``: traced, so ``jnp.where`` picks rank 0's input and the
-    last rank's loss gradient (:func:`mlp_loss`'s mean squared error)."""
+    last rank's loss gradient (:func:`mlp_loss`'s mean squared error). ``backward(A, c, ins, outs, dy) -> (dx,
+    dz)`` replaces :func:`stage_B` in B and BW (lesson 9 runs one from ``jax.vjp``)."""
     from jax import lax
 
     from ..runtime.spmd import AXIS, to_varying
+
+    backward_input = backward
 
     def make_tick(A, c, X, Y, first, last):
         m, samples, d = X.shape
@@ -660,7 +663,10 @@ def tick_of(p: int) -> Callable:
 
         def backward(st, j):
             dy = jnp.where(last, 2 * (st["outs"][j, 1] - Y[j]) / (samples * d * m), st["grad"][j])
-            dx, dz = stage_B(A, st["outs"][j], dy)
+            if backward_input is None:
+                dx, dz = stage_B(A, st["outs"][j], dy)
+            else:
+                dx, dz = backward_input(A, c, st["ins"][j], st["outs"][j], dy)
             return {**st, "dz": st["dz"].at[j].set(dz)}, none, (dx, j + 1), 2
 
         def weight(st, j):
