@@ -71,10 +71,12 @@ CASES = {
             lambda c, s: [len(c) // s] * (s - 1) + [len(c) - (s - 1) * (len(c) // s)]),
     "9.1": (lambda actions: _ticks_one_by_one(actions, lag=1),   # the wrong one: usable in the same tick
             lambda actions: _ticks_one_by_one(actions, lag=0)),
-    "9.2": (40, 33),                                # 4m + 3p - 4: p ticks of F only, 18 with a BW; 33: event-driven
+    "9.2": (lambda p, m: 4 * m + 3 * p - 4,          # p ticks of F only, the rest with a BW; the wrong one:
+            lambda p, m: 3 * (m + p - 1)),           # event-driven
     "9.3": (lambda: _spmd_result(ex.SPMD_RUNS), lambda: _spmd_result(ex.SPMD_RUNS, shift=True)),   # a tick late
     "9.4": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
-    "10.1": (96, 112),                              # 4(p - 1)m; 112: the V's turn on rank 3 counted
+    "10.1": (lambda p, m: 6 * m + p - 1,             # 6m actions a rank; the last rank starts at tick p - 1
+             lambda p, m: 6 * m + 2 * (p - 1)),      # the wrong one: the fill paid down and up the V
     "10.2": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
              lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks, ring=False)),  # no wrap
     "10.3": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
@@ -470,10 +472,18 @@ def test_the_routing_check_names_the_field_and_the_neighbour_that_differ():
 
 
 def test_the_lockstep_check_refuses_the_event_driven_prediction():
-    assert "event-driven" in str(ex.lockstep_1f1b(33))         # MPMD's makespan is not lockstep's
-    for copied in (22, 44, 46):                                     # ticks, all at 2, ZB-H1's with T_W = 2
+    assert "event-driven" in str(ex.lockstep_1f1b(lambda p, m: 3 * (m + p - 1)))   # MPMD's makespan, not lockstep's
+    for copied, word in ((lambda p, m: 2 * (m + p - 1), "number of ticks"), (lambda p, m: 4 * (m + p - 1), "last 2")):
         verdict = ex.lockstep_1f1b(copied)
-        assert not verdict and "is not" not in verdict.message and verdict.hint, copied
+        assert not verdict and word in verdict.message and verdict.hint, str(verdict)
+    assert not ex.lockstep_1f1b(40).attempt                       # a number is not yet a function
+
+
+def test_the_v_ticks_check_names_the_start_left_out_one_chunk_a_rank_and_the_fill_paid_twice():
+    for wrong, word in ((lambda p, m: 6 * m, "fill"), (lambda p, m: 3 * m + p - 1, "one stage a rank"),
+                        (lambda p, m: 6 * m + 2 * (p - 1), "twice")):
+        verdict = ex.v_ticks(wrong)
+        assert not verdict and word in verdict.message and verdict.hint, str(verdict)
 
 
 def test_the_v_check_names_what_the_v_changes_where_no_particular_mistake_shows():

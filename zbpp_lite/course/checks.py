@@ -202,7 +202,7 @@ def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the functi
     if _unanswered(fn):
         return Verdict(exercise, False, f"no answer yet: write {name}.")
     if not callable(fn):
-        return Verdict(exercise, False, f"expected {shape}, got {fn!r}.", hint)
+        return Verdict(exercise, False, f"expected {shape}, got {fn!r}.", hint, attempt=False)
     return None
 
 

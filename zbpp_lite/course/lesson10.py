@@ -15,13 +15,13 @@ import numpy as np
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import lockstep_ticks, simulate
-from ..viz.figures import dependency_figure
-from .checks import Verdict, _called, _function_missing, _number_check
+from ..viz.figures import timeline_figure
+from .checks import Verdict, _called, _function_check, _function_missing, _with_fresh, course_cache
 from .lesson8 import BUILD_CASE
 from .lesson9 import _rows, _tick_run
 
 V_MESSAGES = ("zb-v", 4, 8)
-"""Exercise 10.1's schedule (name, ranks, microbatches)."""
+"""Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches)."""
 
 ROUTE_CASES = (("zb-v", 4, 8), ("zb-v", 3, 5), ("zb-h1", 4, 8), ("interleaved-1f1b", 3, 6))
 """Exercise 10.2's schedules (name, ranks, microbatches): the V (rank p - 1 sends to itself where the V
@@ -37,35 +37,40 @@ V_CASE = {**BUILD_CASE, "layers": 16}
 stages have two layers each, as lesson 9's ``stage_F`` takes (lesson 10's program)."""
 
 
-def v_crossings(answer: Any) -> Verdict:
-    """Exercise 10.1: how many values one step of ZB-V at p = 4, m = 8 (:data:`V_MESSAGES`) sends from one
-    rank to another, rank p - 1's to itself at the V's turn not counted; predicted. Counted from
-    :func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``: 4(p - 1)m = 96, an F and a B across each of the
-    2p - 1 boundaries between stages but the turn's. Counting the turn, one stage per rank's 2m(p - 1) and
-    the F's alone get their own messages."""
-    from ..runtime.spmd import tick_tables  # JAX's module: imported when a check runs, not at import
+def v_ticks(fn: Any) -> Verdict:
+    """Exercise 10.1 (predicted): ``v_ticks(p, m)``, how many lockstep ticks ZB-V takes on p >= 2 ranks and
+    m >= 2p - 1 microbatches, each action one tick (T_F = T_B = T_W = 1, T_comm = 0), checked against
+    :func:`~zbpp_lite.schedules.simulate.lockstep_ticks` at fixed and fresh points, the package out of
+    bounds. 6m + p - 1: every rank runs 6m actions; the last rank starts after p - 1 ticks and then runs
+    one every tick. Leaving out the start, one chunk a rank and a start paid down and up the V are named."""
+    hint = ("each rank holds two stages, each running an F, a B and a W per microbatch: how many actions a "
+            "rank, one a tick? Which rank can start last, how late, and does it idle once it has started?")
+    fixed = [(4, 8), (2, 3), (3, 5), (5, 12), (6, 11)]
 
+    def draw(rng):
+        p = rng.randint(2, 7)
+        return p, rng.randint(2 * p - 1, 4 * p)
+
+    points = _with_fresh(fixed, draw, 3)
+    known = [(lambda p, m: 6 * m, "that is a rank's actions alone: the pipeline must fill before the last "
+                                  "rank starts."),
+             (lambda p, m: 3 * m + p - 1, "that counts one stage a rank: on the V each rank holds two "
+                                          "chunks."),
+             (lambda p, m: 6 * m + 2 * (p - 1), "that pays the fill twice, down and up the V: by the time "
+                                                "the forwards turn, every rank is busy.")]
+    return _function_check("10.1", fn, points, _v_ticks, "v_ticks(p, m)", hint, known=known)
+
+
+@course_cache(maxsize=64)
+def _v_ticks(p: int, m: int) -> int:
+    return len(lockstep_ticks(build_schedule(V_MESSAGES[0], p, m)))
+
+
+def reveal_v_ticks() -> Any:
+    """Exercise 10.1's reveal: ZB-V's lockstep timeline at p = 4, m = 8, each action one tick."""
     name, p, m = V_MESSAGES
-    recv = tick_tables(build_schedule(name, p, m)).recv
-    expected = sum(int((np.asarray(recv[source][0]) > 0).sum()) for source in ("left", "right"))
-    hint = ("each microbatch's F crosses every boundary between consecutive stages once, and its B crosses "
-            "it back: how many boundaries has the V, and which of them lies within one rank?")
-    known = {
-        2 * (2 * p - 1) * m: ("that counts the V's turn: stage p - 1 and stage p are both on rank p - 1, "
-                              "so their F and B stay on it.", hint),
-        2 * (p - 1) * m: ("that is one stage per rank's count: the V has 2p stages, two a rank.", hint),
-        (2 * p - 1) * m: ("that counts the forwards alone, the turn's too: each B sends a gradient back.",
-                          hint),
-    }
-    return _number_check("10.1", answer, expected, "the values crossing between ranks", hint, known=known)
-
-
-def reveal_v_crossings() -> Any:
-    """Exercise 10.1's reveal: ZB-V's lockstep timeline at p = 4, m = 8, an arrow per value crossing."""
-    name, p, m = V_MESSAGES
-    plan = build_schedule(name, p, m)
-    return dependency_figure(simulate(plan, Costs(f=1.0, b=1.0, w=1.0), lockstep=True),
-                             f"ZB-V in lockstep, p = {p}, m = {m}: each arrow a value sent to another rank")
+    return timeline_figure(simulate(build_schedule(name, p, m), Costs(f=1.0, b=1.0, w=1.0), lockstep=True),
+                           f"ZB-V in lockstep, p = {p}, m = {m}, each action one tick")
 
 
 def _routes(schedule) -> dict:
@@ -152,11 +157,11 @@ def spmd_v(result: Any) -> Verdict:
                    f"{worst:.1e}), rows {result.get('rows')}.")
 
 
-EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": v_crossings, "10.2": routing, "10.3": spmd_v}
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": v_ticks, "10.2": routing, "10.3": spmd_v}
 """Lesson 10's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_v_crossings}
+REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_v_ticks}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["V_MESSAGES", "ROUTE_CASES", "V_RUNS", "V_CASE", "v_crossings", "routing", "spmd_v", "EXERCISES",
+__all__ = ["V_MESSAGES", "ROUTE_CASES", "V_RUNS", "V_CASE", "v_ticks", "routing", "spmd_v", "EXERCISES",
            "REVEALS"]

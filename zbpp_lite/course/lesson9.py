@@ -18,7 +18,8 @@ from ..schedules.ir import KIND_CODE
 from ..schedules.program import consumer_stage
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
-from .checks import Verdict, _called, _function_missing, _number_check, _unanswered, _with_fresh
+from .checks import (Verdict, _called, _function_check, _function_missing, _unanswered, _with_fresh,
+                     course_cache)
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, gradient_problem
 
 TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
@@ -189,27 +190,28 @@ def tick_table(answer: Any) -> Verdict:
                    "schedules, ZB-V's V placement and cases new at each check included.")
 
 
-def lockstep_1f1b(answer: Any) -> Verdict:
-    """Exercise 9.2 (predicted): 1F1B's lockstep makespan at p = 4, m = 8 under :data:`FUSED` (a tick lasts
-    its slowest action: 2 where any rank runs a BW). 4m + 3p - 4 = 40: of its 2(m + p - 1) ticks only the
-    first p hold no BW. Its tick count, every tick at 2, the event-driven makespan and ZB-H1's lockstep
-    makespan with T_W = 2 are refused with their hints."""
-    schedule = build_schedule("1f1b", 4, 8)
-    ticks = len(lockstep_ticks(schedule))
-    event = simulate(schedule, FUSED).makespan
-    zb_h1 = simulate(build_schedule("zb-h1", 4, 8), Costs(f=1.0, b=1.0, w=2.0), lockstep=True).makespan
+def lockstep_1f1b(fn: Any) -> Verdict:
+    """Exercise 9.2 (predicted): ``lockstep_span(p, m)``, 1F1B's lockstep makespan on p >= 2 ranks and m
+    microbatches under :data:`FUSED` (a tick lasts its slowest action: 2 where any rank runs a BW), checked
+    against the simulator's lockstep form at fixed points (m below, at and above p) and fresh ones, the
+    package out of bounds. 4m + 3p - 4: of its 2(m + p - 1) ticks only the first p hold no BW. The tick
+    count, every tick at 2 and the event-driven makespan are named."""
     hint = ("a tick lasts as long as its slowest action: 2 wherever any rank runs a BW, 1 elsewhere. 1F1B "
             "has 2(m + p - 1) ticks: which of them hold no BW? Find the tick of the first BW (on which "
             "rank?), then ask whether a later tick can be free of BWs.")
-    return _number_check("9.2", answer, simulate(schedule, FUSED, lockstep=True).makespan,
-                         "1F1B's lockstep makespan with T_BW = 2", hint, known={
-                             ticks: (f"{ticks} is the number of ticks: each lasted 1 when every action did.",
-                                     hint),
-                             2 * ticks: (f"{2 * ticks} lets every tick last 2: not all hold a BW.", hint),
-                             event: (f"{event:g} is the event-driven (MPMD) makespan, 3(m + p - 1), where a "
-                                     "rank's F does not wait for another rank's BW.", hint),
-                             zb_h1: (f"{zb_h1:g} is ZB-H1's lockstep makespan with T_W = 2, not 1F1B's with "
-                                     "T_BW = 2.", hint)})
+    fixed = [(4, 8), (2, 1), (3, 2), (5, 5), (6, 13), (2, 9)]
+    points = _with_fresh(fixed, lambda rng: (rng.randint(2, 8), rng.randint(1, 16)), TICK_FRESH)
+    known = [(lambda p, m: 2 * (m + p - 1), "that is the number of ticks: each lasted 1 when every action "
+                                            "did."),
+             (lambda p, m: 4 * (m + p - 1), "that lets every tick last 2: not all hold a BW."),
+             (lambda p, m: 3 * (m + p - 1), "that is the event-driven (MPMD) makespan, 3(m + p - 1), where a "
+                                            "rank's F does not wait for another rank's BW.")]
+    return _function_check("9.2", fn, points, _lockstep_span, "lockstep_span(p, m)", hint, known=known)
+
+
+@course_cache(maxsize=64)
+def _lockstep_span(p: int, m: int) -> float:
+    return simulate(build_schedule("1f1b", p, m), FUSED, lockstep=True).makespan
 
 
 def reveal_lockstep_1f1b() -> Any:
