@@ -417,6 +417,29 @@ def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(v_les
     assert ex.spmd_v(vlab.try_v(stub)).message.startswith("no answer yet")
 
 
+def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradients_and_wrong_ones_fail(v_lesson):
+    """Exercise 10.4: the Solutions' own_step (B and W as jax.grad of one scalar, F rerun from its kept input;
+    the embedding and head cast to varying; their gradients and the loss summed after the scan) gives jax's
+    loss and every gradient leaf. Without the cast, jax.grad puts a psum inside the switch's branches: the
+    check refuses it before running (it would hang); the loss not over m and W's sum taken with the wrong
+    dy are refused by name; a body of ``...`` is no answer yet."""
+    from zbpp_lite.course import bench
+
+    case = ex.OWN_CASE
+    right = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
+    assert right and "embedding, blocks and a head" in str(right), str(right)
+    no_cast = lambda src: src.replace("E, H, tokens, labels = vary((E, H, tokens, labels))",  # noqa: E731
+                                      "tokens, labels = vary((tokens, labels))")
+    no_m = lambda src: src.replace("labels[j]) / m, jnp.sum", "labels[j]), jnp.sum")  # noqa: E731
+    no_dy = lambda src: src.replace('st["ins"][j], st["grad"][j], j)\n            return {**st, "grads"',  # noqa: E731
+                                    'st["ins"][j], st["act"][j], j)\n            return {**st, "grads"')
+    for edit, word in ((no_cast, "not run"), (no_m, "differs"), (no_dy, "differs")):
+        with _replaced(v_lesson, V_LESSON, "own_step", edit):
+            verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
+        assert not verdict and word in verdict.message and verdict.hint, str(verdict)
+    assert ex.own_step(bench.try_own_step(lambda *args: None, case)).message.startswith("no answer yet")
+
+
 def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
     """Exercise 9.4: the Solutions' spmd_step (one shard_map program; the last rank's F adds each
     microbatch's loss over m, its B starts from the head's gradient and adds to dH; psum makes the loss and

@@ -80,6 +80,7 @@ CASES = {
     "10.2": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
              lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks, ring=False)),  # no wrap
     "10.3": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
+    "10.4": (lambda: _own_result(1e-7), lambda: _own_result(0.3)),   # 0.3: the embedding's gradient off
 }
 
 
@@ -166,6 +167,15 @@ def _step_result(factor):
             "outside": [], "grad_error": 1e-6, "stage_errors": [1e-6] * 4, "scale": 1.0, "dH_error": 1e-6}
 
 
+def _own_result(embed_error):
+    """What ``bench.try_own_step`` hands exercise 10.4's check: one shard_map program, nothing outside it,
+    jax's loss, and every gradient leaf within 1e-7 of jax.grad's but the embedding's, off by
+    ``embed_error``."""
+    errors = {"['blocks']['W1']": 1e-7, "['embed']": embed_error, "['head']": 1e-7}
+    return {"error": None, "loss": np.float32(2.5), "loss_ref": 2.5, "errors": errors, "shard_maps": 1,
+            "outside": []}
+
+
 def _stage_totals(costs, counts):
     ends = [sum(counts[: i + 1]) for i in range(len(counts))]
     return [sum(costs[a:b]) for a, b in zip([0, *ends], ends)]
@@ -201,9 +211,9 @@ def test_every_lesson_has_at_least_three_exercises_and_every_check_is_tested():
 
 
 def _answer(key, which):
-    """CASES' answer; exercises 9.3's, 9.4's and 10.3's (a run's result, not a function) are built here."""
+    """CASES' answer; exercises 9.3's, 9.4's, 10.3's and 10.4's (a run's result, not a function) are built here."""
     answer = CASES[key][which]
-    return answer() if key in ("9.3", "9.4", "10.3") else answer
+    return answer() if key in ("9.3", "9.4", "10.3", "10.4") else answer
 
 
 @pytest.mark.parametrize("key", sorted(CASES))

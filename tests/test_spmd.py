@@ -72,26 +72,12 @@ def test_overlapped_pairs_are_refused_in_one_line_and_their_split_form_is_taken(
     assert (t.kind != 0).sum() == len(s)
 
 
-def _branch_collectives(jaxpr) -> list[str]:
-    """Collective primitives inside any cond / switch branch of a jaxpr (recursively)."""
-    found = []
+def _branch_collectives(closed) -> list[str]:
+    """Collective primitives inside any cond / switch branch of a closed jaxpr (recursively): the course's
+    check (:func:`zbpp_lite.course.bench.collectives_in_branches`)."""
+    from zbpp_lite.course.bench import collectives_in_branches
 
-    def walk(jp, in_branch):
-        for eqn in jp.eqns:
-            name = eqn.primitive.name
-            if in_branch and name.startswith(("psum", "ppermute", "all_gather", "all_to_all", "pmax", "pmin")):
-                found.append(name)
-            for param in eqn.params.values():
-                subs = param if isinstance(param, (tuple, list)) else (param,)
-                for sub in subs:
-                    inner = getattr(sub, "jaxpr", None)
-                    if inner is not None and hasattr(inner, "eqns"):
-                        walk(inner, in_branch or name == "cond")
-                    elif hasattr(sub, "eqns"):
-                        walk(sub, in_branch or name == "cond")
-
-    walk(jaxpr.jaxpr, False)
-    return found
+    return collectives_in_branches(closed.jaxpr)
 
 
 @pytest.mark.newest_jax
@@ -269,22 +255,6 @@ def test_packing_holds_stages_of_different_structures_in_one_vector_per_dtype():
     assert np.array_equal(packing.pack(1, trees[1], np)[1], [7.0, 0.0, 0.0, 0.0])
 
 
-def _collectives_in_cond_branches(jaxpr) -> list[str]:
-    """The collective primitives (psum and kin) inside any ``cond``'s branches of ``jaxpr``, nested ones too."""
-    found = []
-
-    from zbpp_lite.course.bench import inner_jaxprs
-
-    def walk(j, in_branch):
-        for eqn in j.eqns:
-            if in_branch and eqn.primitive.name.startswith(("psum", "all_gather", "ppermute")):
-                found.append(eqn.primitive.name)
-            for sub in inner_jaxprs(eqn):
-                walk(sub, in_branch or eqn.primitive.name == "cond")
-    walk(jaxpr, False)
-    return found
-
-
 def test_jax_grad_of_a_part_run_under_cond_on_one_rank_puts_a_collective_inside_the_branch():
     """Lesson 9's 'stages that differ': an embedding run by ``lax.cond`` on rank 0 alone, its weight passed whole
     (P()), computes rank 0's row only; ``jax.grad`` of that program sums the weight's gradient over the ranks
@@ -301,9 +271,9 @@ def test_jax_grad_of_a_part_run_under_cond_on_one_rank_puts_a_collective_inside_
                                                lambda v: v, x[0])[None], mesh, (P(), P("rank")), P("rank"))
     out = jax.jit(embedded)(E, xs)
     assert np.allclose(out[0], np.tanh(xs[0] @ E)) and (np.asarray(out[1:]) == 1).all()
-    assert not _collectives_in_cond_branches(jax.make_jaxpr(embedded)(E, xs).jaxpr)
+    assert not _branch_collectives(jax.make_jaxpr(embedded)(E, xs))
     grad = jax.make_jaxpr(jax.grad(lambda E: jnp.sum(embedded(E, xs))))(E)
-    assert any(name.startswith("psum") for name in _collectives_in_cond_branches(grad.jaxpr))
+    assert any(name.startswith("psum") for name in _branch_collectives(grad))
 
 
 def test_a_flattened_vjp_pullback_holds_the_weights_it_closes_over():

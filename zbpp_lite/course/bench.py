@@ -225,22 +225,15 @@ class SpmdLab:
         ``{"error": None or text, "loss": its loss as a NumPy array, "loss_ref": the whole model's,
         "dH_error": max |dH - dH_ref| / max |dH_ref| (inf: another shape), "shard_maps": how many shard_map
         calls its program makes, "outside": the primitives it runs outside them (tick tables passed in as
-        arrays run none), **gradient_report of dAs, dcs}``; ``...`` while ``step`` returns None."""
+        arrays run none), **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns instead."""
         As, cs, Xm, Ym = self.arrays
         params, X, Y = mlp(self.case)
         d = self.case["width"]
         H = jax.random.normal(jax.random.PRNGKey(7), (d, d)) / d**0.5
         loss_ref, (grads, dH_ref) = jax.value_and_grad(head_loss, argnums=(0, 1))(params, H, X, Y)
-        try:
-            program = jax.make_jaxpr(step)(As, cs, H, Xm, Ym)
-            out = step(As, cs, H, Xm, Ym)
-        except Exception as e:  # noqa: BLE001  (the learner's code raising goes to the check)
-            return {"error": f"{type(e).__name__}: {e}"}
-        if out is None:
-            return ...
-        if not isinstance(out, (tuple, list)) or len(out) != 4:
-            size = len(out) if hasattr(out, "__len__") else 1
-            return {"error": None, "shape": f"{type(out).__name__} of {size}"}
+        program, out, refused = _traced_run(step, (As, cs, H, Xm, Ym), 4)
+        if program is None:
+            return refused
         loss, dA, dc, dH = (np.asarray(a) for a in out)
         dAs, dcs = _per_stage(grads)
         report = gradient_report(list(zip(dA, dc)), list(zip(dAs, dcs))) if dA.shape == dAs.shape else \
@@ -251,6 +244,100 @@ class SpmdLab:
                     outside=sorted(set(outside)), **report)
 
 
+def own_model(case: dict) -> tuple:
+    """Exercise 10.4's model and batch: ``(params, tokens, labels)``. ``params``: ``{"embed": (vocab,
+    width), "blocks": {"W1": (ranks, width, hidden), "b1": (ranks, hidden), "W2": (ranks, hidden, width),
+    "g": (ranks, width)}, "head": (width, classes)}`` float32, one block a rank (stacked on axis 0);
+    ``tokens`` (microbatches, tokens) int32 in [0, vocab), ``labels`` the same shape in [0, classes)."""
+    p, m, n = case["ranks"], case["microbatches"], case["tokens"]
+    V, d, h, C = case["vocab"], case["width"], case["hidden"], case["classes"]
+    k = jax.random.split(jax.random.PRNGKey(3), 7)
+    blocks = {"W1": jax.random.normal(k[0], (p, d, h)) / d**0.5, "b1": jnp.zeros((p, h)),
+              "W2": jax.random.normal(k[1], (p, h, d)) / h**0.5, "g": jnp.ones((p, d))}
+    params = {"embed": jax.random.normal(k[2], (V, d)), "blocks": blocks,
+              "head": jax.random.normal(k[3], (d, C)) / d**0.5}
+    return (params, jax.random.randint(k[4], (m, n), 0, V, dtype=jnp.int32),
+            jax.random.randint(k[5], (m, n), 0, C, dtype=jnp.int32))
+
+
+def own_block(blk: dict, x: jax.Array) -> jax.Array:
+    """One of exercise 10.4's blocks, ``x`` (tokens, width) -> the same shape: ``x + tanh(norm(x) * g @
+    W1 + b1) @ W2``, ``norm`` dividing each row by its root mean square."""
+    z = x / jnp.sqrt(jnp.mean(x ** 2, axis=-1, keepdims=True) + 1e-6) * blk["g"]
+    return x + jnp.tanh(z @ blk["W1"] + blk["b1"]) @ blk["W2"]
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """The mean over rows of ``-log softmax(logits)[label]``: ``logits`` (rows, classes), ``labels`` (rows,)
+    int."""
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+def own_loss(params: dict, tokens: jax.Array, labels: jax.Array) -> jax.Array:
+    """Exercise 10.4's whole model on the whole batch: embedding, every block in turn, head, and the mean
+    cross-entropy over all tokens."""
+    x = params["embed"][tokens.reshape(-1)]
+    for r in range(params["blocks"]["W1"].shape[0]):
+        x = own_block(tmap(lambda a: a[r], params["blocks"]), x)
+    return cross_entropy(x @ params["head"], labels.reshape(-1))
+
+
+def try_own_step(step: Callable, case: dict) -> Any:
+    """Exercise 10.4's result: ``step(params, tokens, labels) -> (loss, grads)`` on :func:`own_model`'s
+    ``case``: ``{"error": None or text, "loss": its loss, "loss_ref": jax's, "errors": {leaf path: max |g -
+    g_ref| / max |g_ref|} (inf: missing or another shape), "shard_maps", "outside": as
+    :meth:`SpmdLab.try_step` gives them}``, or what :func:`_traced_run` returns instead (a collective
+    inside a branch is refused before the program runs: it would hang)."""
+    params, tokens, labels = own_model(case)
+    loss_ref, ref = jax.value_and_grad(own_loss)(params, tokens, labels)
+    program, out, refused = _traced_run(step, (params, tokens, labels), 2)
+    if program is None:
+        return refused
+    loss, grads = out
+    errors = {}
+    for path, want in jax.tree_util.tree_flatten_with_path(ref)[0]:
+        name = jax.tree_util.keystr(path)
+        try:
+            got = np.asarray(_leaf(grads, path), dtype=np.float64)
+        except (KeyError, IndexError, TypeError):
+            errors[name] = float("inf")
+            continue
+        want = np.asarray(want, dtype=np.float64)
+        errors[name] = (float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+                        if got.shape == want.shape else float("inf"))
+    shard_maps, outside = _outside(program.jaxpr)
+    return dict(error=None, loss=np.asarray(loss), loss_ref=float(loss_ref), errors=errors,
+                shard_maps=shard_maps, outside=sorted(set(outside)))
+
+
+def _traced_run(step: Callable, args: tuple, outputs: int) -> tuple:
+    """``(program, out, None)``: the learner's ``step(*args)``, traced (its jaxpr) and run; or ``(None, None,
+    what the check reads instead)``: ``{"error": ...}`` when it raised, ``{"error": None, "hang":
+    [collectives]}`` without running it when a collective sits inside a branch
+    (:func:`collectives_in_branches`), ``...`` when it returned None, ``{"error": None, "shape": ...}`` when
+    it returned anything but ``outputs`` values."""
+    try:
+        program = jax.make_jaxpr(step)(*args)
+        hang = collectives_in_branches(program.jaxpr)
+        if hang:                                   # it would wait forever: refused before it runs
+            return None, None, {"error": None, "hang": sorted(set(hang))}
+        out = step(*args)
+    except Exception as e:  # noqa: BLE001  (the learner's code raising goes to the check)
+        return None, None, {"error": f"{type(e).__name__}: {e}"}
+    if out is None:
+        return None, None, ...
+    if not isinstance(out, (tuple, list)) or len(out) != outputs:
+        size = len(out) if hasattr(out, "__len__") else 1
+        return None, None, {"error": None, "shape": f"{type(out).__name__} of {size}"}
+    return program, out, None
+
+
+def _leaf(tree: Any, path: tuple) -> Any:
+    for key in path:
+        tree = tree[getattr(key, "key", getattr(key, "idx", None))]
+    return tree
+
+
 def inner_jaxprs(eqn: Any) -> list:
     """The jaxprs an equation calls (``jit``'s, ``scan``'s, each of ``cond``'s branches), open."""
     found = []
@@ -258,6 +345,21 @@ def inner_jaxprs(eqn: Any) -> list:
         for v in value if isinstance(value, (tuple, list)) else (value,):
             if hasattr(v, "eqns") or hasattr(v, "jaxpr"):
                 found.append(getattr(v, "jaxpr", v))
+    return found
+
+
+def collectives_in_branches(jaxpr: Any, inside: bool = False) -> list[str]:
+    """The collectives (``psum``, ``ppermute``, ``all_gather``, ...) ``jaxpr`` runs inside a ``cond``'s
+    branch (``lax.switch`` and ``lax.cond`` both lower to one), the jaxprs it calls looked into: in an SPMD
+    program whose ranks take different branches, each would wait forever for the ranks that never call it.
+    ``jax.grad`` with respect to a replicated value puts one there (its gradient summed over the ranks)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if inside and name.startswith(("psum", "ppermute", "all_gather", "all_to_all", "pmax", "pmin")):
+            found.append(name)
+        for sub in inner_jaxprs(eqn):
+            found += collectives_in_branches(sub, inside or name == "cond")
     return found
 
 

@@ -17,8 +17,8 @@ from ..schedules.costs import Costs
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import timeline_figure
 from .checks import Verdict, _called, _function_check, _function_missing, _with_fresh, course_cache
-from .lesson8 import BUILD_CASE
-from .lesson9 import _rows, _tick_run
+from .lesson8 import BUILD_CASE, BUILD_TOLERANCE
+from .lesson9 import _rows, _step_problem, _tick_run
 
 V_MESSAGES = ("zb-v", 4, 8)
 """Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches)."""
@@ -28,6 +28,10 @@ ROUTE_CASES = (("zb-v", 4, 8), ("zb-v", 3, 5), ("zb-h1", 4, 8), ("interleaved-1f
 turns), one stage per rank, and interleaved 1F1B's looped placement (stage p - 1 on rank p - 1 sends to
 stage p on rank 0, its right neighbour on the ring). p >= 3: at p = 2 a rank's left and right neighbour
 are one rank."""
+
+OWN_CASE = dict(ranks=4, microbatches=8, tokens=16, vocab=32, width=64, hidden=128, classes=10)
+"""Exercise 10.4's model (:func:`zbpp_lite.course.bench.own_model`): an embedding of 32 tokens to width 64,
+one residual block a rank (hidden width 128), a head to 10 classes; 8 microbatches of 16 tokens."""
 
 V_RUNS = ("zb-v",)
 """Exercise 10.3's schedule: ZB-V, two stages per rank (chunk 0: stage r, chunk 1: stage 2p - 1 - r)."""
@@ -157,11 +161,48 @@ def spmd_v(result: Any) -> Verdict:
                    f"{worst:.1e}), rows {result.get('rows')}.")
 
 
-EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": v_ticks, "10.2": routing, "10.3": spmd_v}
+def own_step(result: Any) -> Verdict:
+    """Exercise 10.4: the learner's ``own_step(params, tokens, labels) -> (loss, grads)``, ZB-H1 for
+    :data:`OWN_CASE`'s model (an embedding, a block a rank, a head, cross-entropy on integer labels) as one
+    ``shard_map`` program, run by :func:`zbpp_lite.course.bench.try_own_step`. Right when the step is one
+    program with no model work outside it, its loss is jax's within
+    :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative) and every gradient leaf is
+    ``jax.grad``'s; the first wrong leaf is named."""
+    hint = ("one jitted shard_map program: the blocks cut by rank, the embedding, head, tokens and labels "
+            "whole and cast to varying first; F runs the embedding where first and the block, and adds the "
+            "microbatch's loss where last; B and W are the gradients of one scalar (the loss where last, "
+            "else the sum of y * dy) with respect to x, and to the parameters; the embedding's and head's "
+            "gradients and the loss summed over the ranks by lax.psum outside every branch.")
+    refused = _step_problem("10.4", result, "own_step", "bench.try_own_step(own_step, ex.OWN_CASE)",
+                            "(loss, grads)", hint)
+    if refused is not None:
+        return refused
+    work = [op for op in result["outside"] if op in ("dot_general", "tanh", "log_softmax", "reduce_sum",
+                                                      "exp", "gather")]
+    if work:
+        return Verdict("10.4", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
+                       hint)
+    loss, ref = np.asarray(result["loss"], dtype=np.float64), float(result["loss_ref"])
+    if loss.shape != () or abs(loss - ref) > BUILD_TOLERANCE * abs(ref):
+        return Verdict("10.4", False, f"the loss is {loss}, the whole model's {ref:.6g}.",
+                       "each microbatch adds its mean cross-entropy over m, once, on the last rank; a psum "
+                       "makes it one number (out_specs P()).")
+    wrong = {k: e for k, e in result["errors"].items() if not e <= BUILD_TOLERANCE}
+    if wrong:
+        name, off = next(iter(wrong.items()))
+        return Verdict("10.4", False, f"the gradient {name} differs from jax.grad's (relative difference "
+                       f"{off:.1e}; {len(wrong)} of {len(result['errors'])} leaves differ).", hint)
+    return Verdict("10.4", True, f"one SPMD program ran ZB-H1 for a model with an embedding, blocks and a "
+                   f"head: loss {float(loss):.6f}, jax's {ref:.6f}, every gradient jax.grad's (largest "
+                   f"relative difference {max(result['errors'].values()):.1e}).")
+
+
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": v_ticks, "10.2": routing, "10.3": spmd_v,
+                                                   "10.4": own_step}
 """Lesson 10's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_v_ticks}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["V_MESSAGES", "ROUTE_CASES", "V_RUNS", "V_CASE", "v_ticks", "routing", "spmd_v", "EXERCISES",
-           "REVEALS"]
+__all__ = ["V_MESSAGES", "OWN_CASE", "ROUTE_CASES", "V_RUNS", "V_CASE", "v_ticks", "routing", "own_step",
+           "spmd_v", "EXERCISES", "REVEALS"]

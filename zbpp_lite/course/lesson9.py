@@ -301,6 +301,29 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
     return worst
 
 
+def _step_problem(key: str, result: Any, name: str, call: str, outputs: str, hint: str) -> Verdict | None:
+    """The refusal of a whole step's result (:func:`zbpp_lite.course.bench._traced_run`'s forms) that is no
+    answer yet, raised, would hang (a collective inside a branch: not run), returned other than
+    ``outputs``, or makes more than one ``shard_map`` call; else None."""
+    if _unanswered(result):
+        return Verdict(key, False, f"no answer yet: write {name}.", hint)
+    if not isinstance(result, dict) or "error" not in result:
+        return Verdict(key, False, f"expected {call}'s result, got {type(result).__name__}.", hint)
+    if result["error"]:
+        return Verdict(key, False, f"running it raised {result['error']}", hint)
+    if result.get("hang"):
+        return Verdict(key, False, f"not run: the program calls {', '.join(result['hang'])} inside a switch "
+                       "or cond branch, which the ranks in other branches never reach, so it would wait "
+                       "forever.", "keep every collective outside the branches; jax.grad with respect to a "
+                       "value every rank holds alike (passed whole, P()) sums its gradient over the ranks "
+                       "there: cast it to varying before the scan.")
+    if "shape" in result:
+        return Verdict(key, False, f"{name} returned a {result['shape']}, not {outputs}.", hint)
+    if result["shard_maps"] != 1:
+        return Verdict(key, False, f"the step makes {result['shard_maps']} shard_map calls, not one.", hint)
+    return None
+
+
 def spmd_step(result: Any) -> Verdict:
     """Exercise 9.4: the learner's ``spmd_step(As, cs, H, X, Y) -> (loss, dAs, dcs, dH)`` for ZB-H1 with a
     linear head ``H`` after the last stage (:func:`zbpp_lite.course.bench.head_loss`), run by lesson 9's
@@ -312,18 +335,10 @@ def spmd_step(result: Any) -> Verdict:
             "last rank's F adds its microbatch's loss, its B starts from the head's gradient and adds "
             "to dH; the program returns the loss and dH summed over the ranks (lax.psum: the same on "
             "every rank, out_specs P()) beside dA, dc (P(\"rank\")).")
-    if _unanswered(result):
-        return Verdict("9.4", False, "no answer yet: write spmd_step.", hint)
-    if not isinstance(result, dict) or "error" not in result:
-        got = type(result).__name__
-        return Verdict("9.4", False, f"expected lab.try_step(spmd_step)'s result, got {got}.", hint)
-    if result["error"]:
-        return Verdict("9.4", False, f"running it raised {result['error']}", hint)
-    if "shape" in result:
-        return Verdict("9.4", False, f"spmd_step returned a {result['shape']}, not (loss, dAs, dcs, dH).",
-                       hint)
-    if result["shard_maps"] != 1:
-        return Verdict("9.4", False, f"the step makes {result['shard_maps']} shard_map calls, not one.", hint)
+    refused = _step_problem("9.4", result, "spmd_step", "lab.try_step(spmd_step)", "(loss, dAs, dcs, dH)",
+                            hint)
+    if refused is not None:
+        return refused
     work = [op for op in result["outside"] if op in ("dot_general", "tanh", "integer_pow", "reduce_sum")]
     if work:
         return Verdict("9.4", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
