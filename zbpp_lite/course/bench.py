@@ -294,17 +294,9 @@ def try_own_step(step: Callable, case: dict) -> Any:
     if program is None:
         return refused
     loss, grads = out
-    errors = {}
-    for path, want in jax.tree_util.tree_flatten_with_path(ref)[0]:
-        name = jax.tree_util.keystr(path)
-        try:
-            got = np.asarray(_leaf(grads, path), dtype=np.float64)
-        except (KeyError, IndexError, TypeError):
-            errors[name] = float("inf")
-            continue
-        want = np.asarray(want, dtype=np.float64)
-        errors[name] = (float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
-                        if got.shape == want.shape else float("inf"))
+    got, want = _by_path(grads), _by_path(ref)           # by leaf path, "['blocks']['W1']"
+    report = gradient_report([got.get(name) for name in want], list(want.values()))   # None: missing
+    errors = dict(zip(want, report["stage_errors"]))
     shard_maps, outside = _outside(program.jaxpr)
     return dict(error=None, loss=np.asarray(loss), loss_ref=float(loss_ref), errors=errors,
                 shard_maps=shard_maps, outside=sorted(set(outside)))
@@ -332,10 +324,9 @@ def _traced_run(step: Callable, args: tuple, outputs: int) -> tuple:
     return program, out, None
 
 
-def _leaf(tree: Any, path: tuple) -> Any:
-    for key in path:
-        tree = tree[getattr(key, "key", getattr(key, "idx", None))]
-    return tree
+def _by_path(tree: Any) -> dict:
+    """``{path: leaf}`` of a pytree, each path as ``jax.tree_util.keystr`` writes it."""
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def inner_jaxprs(eqn: Any) -> list:
@@ -746,7 +737,7 @@ def tick_of(p: int, backward: Callable | None = None) -> Callable:
 
     from ..runtime.spmd import AXIS, to_varying
 
-    backward_input = backward
+    input_gradient = backward or (lambda A, c, ins, outs, dy: stage_B(A, outs, dy))  # (dx, dz)
 
     def make_tick(A, c, X, Y, first, last):
         m, samples, d = X.shape
@@ -765,10 +756,7 @@ def tick_of(p: int, backward: Callable | None = None) -> Callable:
 
         def backward(st, j):
             dy = jnp.where(last, 2 * (st["outs"][j, 1] - Y[j]) / (samples * d * m), st["grad"][j])
-            if backward_input is None:
-                dx, dz = stage_B(A, st["outs"][j], dy)
-            else:
-                dx, dz = backward_input(A, c, st["ins"][j], st["outs"][j], dy)
+            dx, dz = input_gradient(A, c, st["ins"][j], st["outs"][j], dy)
             return {**st, "dz": st["dz"].at[j].set(dz)}, none, (dx, j + 1), 2
 
         def weight(st, j):
