@@ -46,7 +46,8 @@ CASES = {
             lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
                           + sum(2 * n * a * b for a, b in zip(w[1:], w[2:])))),   # rebuilds every one
     "2.3": (0.36, 1.0),                             # (64*16 + 16*8) / (32*64 + 64*16 + 16*8); 1.0 makes dx too
-    "3.1": ((2 + 4 - 1) * 3 + 0.5, 2 * 3.5 + 3 * 2.5),   # (m+p-1)(f+b) + w; wrong: plugs into (p-1)(f+b-w)
+    "3.1": (lambda p, m, f, b, w: p * (f + b) + w + (m - 1) * (b + max(f, w)),   # the wrong one: right
+            lambda p, m, f, b, w: (m + p - 1) * (f + b) + w),                     # only while T_W <= T_F
     "3.2": (lambda p, m, r, mw: max(2 * (p - r) - 1 + 2 * r * mw, 2 * (p - r) - 2 + (2 * r + 1) * mw),
             lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # warm-up + lag x M_W: wrong once M_W > M_B
     "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f, 0.0),
@@ -57,15 +58,16 @@ CASES = {
     "4.3": (HAND_17, HAND_19),                      # the optimum; W right after B on rank 0, 1F1B's order after
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
             lambda p, r: 0 if p == 1 else (1 if r in (0, p - 1) else 2)),   # 1F1B's one stage per rank
-    "5.2": (9, 11),                                 # rate (11-m)/(5m+11) < 0.05 from m = 9; 11 is the first zero
+    "5.2": (lambda p, r: _first_m_below_by_hand(p, r),   # rate (2p-1-m)/(5m+2p-1); the wrong one: ZB-V's
+            lambda p, r: 2 * p - 1),                     # first zero, 2p - 1
     "5.3": (lambda p, m, t: t * (6 * m + max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)),   # m = 1: (4p + 1)t
             lambda p, m, t: 6 * m * t + max(0, 2 * p - 1 - m) * t),   # the old answer: right for m >= p only
     "6.1": (lambda p, v, m: (2 * m * (v * p - 1) * (p > 1), 2 * m * v * (p - 1)),
             lambda p, v, m: (2 * m * (v * p - 1), 2 * m * v * (p - 1))),   # the looped count at p = 1: 2m(v - 1)
     "6.2": (3 / 16, 0.375),   # 24 + 9/v + 2(4v - 1)c: v = 2 and 3 tie where 1.5 = 8c; 0.375: each link once
     "6.3": (lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r), lambda p, v, m, r: v * (p - r)),   # v(p - r): 1F1B's
-    "7.1": ((0, 3), (3, 1)),                        # idle 23, 22, 0, 16; the wrong one: "farthest from the
-                                                    # slow stage" idles most, "next to it" least
+    "7.1": (lambda p, s: (0 if s else 1, p - 1 if s < p - 1 else p - 2),   # the wrong one: (0, p - 1),
+            lambda p, s: (0, p - 1)),                                       # right for a middle stage only
     "7.2": ((3, 2, 3), (4, 3, 1)),                  # 5, 9, 7; the wrong one fills stage 0 past 21/3: 10, 7, 4
     "7.3": (lambda c, s: _best_cut(c, s),                 # the wrong one: equal layer counts, the rest last
             lambda c, s: [len(c) // s] * (s - 1) + [len(c) - (s - 1) * (len(c) // s)]),
@@ -93,6 +95,16 @@ def _best_m_by_hand(p, c, per_action=2):
         mid = (low + high) // 2
         low, high = (mid + 1, high) if span(mid + 1) < span(mid) else (low, mid)
     return low
+
+
+def _first_m_below_by_hand(p, target):
+    """Exercise 5.2 by hand, a second way: walk m up from 1 with the exact rate (Fractions), the bubble
+    (2p - 1 - m) for m >= 2p/3 and (4p - 1 - 4m) below (exercise 5.3's two waits), over 6m + bubble."""
+    from fractions import Fraction
+    for m in itertools.count(1):
+        bubble = max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)
+        if Fraction(bubble, 6 * m + bubble) < Fraction(str(target)):   # the target as written
+            return m
 
 
 def _ticks_one_by_one(actions, lag):
@@ -293,13 +305,14 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
                                                             2 * (p - r) - 2 + (r + 1) * mw)).ok  # ZB-H1's lag r
     assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: 2 * (p - r) - 1).ok             # forgets M_W
     assert not ex.zb_h2_peak_memory(lambda p, m, r, mw: 2 * (p - r) - 2 + (2 * r + 1) * mw).ok   # after a B only
-    assert not ex.zb_h1_makespan((2 + 4 - 1) * 3.5).ok                                  # 1F1B's
-    assert not ex.zb_h1_makespan(2 * 3.5 + 3 * 2).ok                                    # (p-1)T_B
+    assert "1F1B's" in ex.zb_h1_makespan(lambda p, m, f, b, w: (m + p - 1) * (f + b + w)).message
+    assert "T_W <= T_F" in ex.zb_h1_makespan(CASES["3.1"][1]).message
+    assert not ex.zb_h1_makespan(15.5) and not ex.zb_h1_makespan(15.5).attempt   # the drawn case's number
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (f + b - 2 * w)).ok      # the printed form
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, b)).ok    # ZB-H1's bubble
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f)).ok   # no floor at 0
-    assert "ZB-H1's form" in ex.zb_h1_makespan(2 * 3.5 + 3 * 2.5).message                # m >= p only
-    assert "1F1B's" in ex.zb_h1_makespan((2 + 4 - 1) * 3.5).message
+    form = ex.zb_h1_makespan(lambda p, m, f, b, w: m * (f + b + w) + (p - 1) * (f + b - w))   # m >= p only
+    assert not form and "ZB-H1's form" in form.message
     assert "clipped" in ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)).message
 
 
@@ -345,8 +358,12 @@ def test_the_lesson_4_checks_reject_the_printed_rules():
 
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
     assert not ex.v_sends(lambda p, r: 2 * p - 2).ok                               # the placement's changes, copied
-    for copied in (6, 10, 11, 12):   # p = 4's first m under 5%; the first zero less one; 2p - 1; 2p
-        assert not ex.zb_v_first_m_below(copied).ok
+    over_work = ex.zb_v_first_m_below(lambda p, r: min(m for m in range(1, 2 * p) if (2 * p - 1 - m) / (6 * m) < r))
+    assert not over_work and "divides the bubble by the work" in over_work.message, str(over_work)
+    assert not ex.zb_v_first_m_below(9) and not ex.zb_v_first_m_below(9).attempt      # p = 6's number alone
+    exact = lambda p, r: math.floor((2 * p - 1) * (1 - r) / (1 + 5 * r)) + 1  # noqa: E731  (the solution's)
+    assert all(exact(p, r) == _first_m_below_by_hand(p, r) for p in range(2, 7) for r in (0.2, 0.1, 0.05, 0.001))
+    assert ex.zb_v_first_m_below(exact)
     assert not ex.zb_v_makespan(lambda p, m, t: 6 * m * t + max(0, 2 * p - m) * t).ok   # counted to 2p
     assert not ex.zb_v_makespan(lambda p, m, t: t * (6 * m + max(4 * p - 1 - 4 * m, 0))).ok   # m << p only
 
@@ -401,10 +418,11 @@ def test_exercise_6_3_tells_patterns_fitted_from_v_1_from_the_derivation():
 
 def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_stage_answer():
     assert _stage_totals(ex.LAYER_COSTS, (3, 2, 3)) == [5, 9, 7]
-    assert "never idles" in str(ex.idlest_rank((2, 3)))                 # the slow rank itself
-    assert "which starts first" in str(ex.idlest_rank((1, 3)))           # the lesson's "next to it" copied
-    assert "shortest" in str(ex.idlest_rank((3, 1)))                     # farthest from it
-    assert "wait until" in str(ex.idlest_rank((0, 1))) and not ex.idlest_rank(0)   # one rank is not the pair
+    assert "in the middle" in str(ex.idlest_rank(lambda p, s: (0, p - 1)))
+    far_near = ex.idlest_rank(lambda p, s: (p - 1 if s < p - 1 else 0, s + 1 if s < p - 1 else s - 1))
+    assert "neighbour" in str(far_near)                                  # farthest idles most, next to it least
+    assert "(3, 0)" in str(ex.idlest_rank(lambda p, s: (0, s)))           # the slow rank is not a fast one
+    assert not ex.idlest_rank((0, 3)) and not ex.idlest_rank((0, 3)).attempt   # the drawn case's pair alone
     for at_least in (True, False):   # fill each stage up to a third of the total, or just past it
         assert not ex.balanced_partition(tuple(_fill_to_share(ex.LAYER_COSTS, 3, at_least))).ok
         assert not ex.best_split(lambda c, s, a=at_least: _fill_to_share(c, s, a)).ok

@@ -256,6 +256,17 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
         if refused is not None:
             return refused
         want = expected(*point)
+        if isinstance(want, tuple):   # a pair or more of numbers, compared one by one
+            numbers_got = _as_numbers(got, len(want))
+            if numbers_got is None:
+                return Verdict(exercise, False, f"at {point} expected {len(want)} numbers, got {got!r}.",
+                               hint)
+            values.append(numbers_got)
+            if _close(numbers_got, want, tol):
+                agree += 1
+            elif wrong is None:
+                wrong = f"at {point} your function gives {numbers_got}, which is wrong there"
+            continue
         if isinstance(want, bool):
             if not isinstance(got, bool) and type(got).__name__ != "bool_":
                 return Verdict(exercise, False, f"at {point} expected True or False, got {got!r}.", hint)
@@ -268,17 +279,33 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
         if value is None:
             return Verdict(exercise, False, f"at {point} expected a number, got {got!r}.", hint)
         values.append(value)
-        if abs(value - want) <= tol * max(1.0, abs(want)):
+        if _close(value, want, tol):
             agree += 1
         elif wrong is None:
             wrong = f"at {point} your function gives {value:g}, too {'high' if value > want else 'low'}"
     if wrong is not None:
         agreed = f"(it agrees at {agree} of the {len(points)} points checked)"
         for pattern, message in known if len(values) == len(points) else ():
-            if all(abs(v - pattern(*x)) <= tol * max(1.0, abs(v)) for v, x in zip(values, points)):
+            if all(_close(v, pattern(*x), tol) for v, x in zip(values, points)):
                 return Verdict(exercise, False, f"{message} {agreed}.", hint)
         return Verdict(exercise, False, f"{wrong} {agreed}.", hint)
     return Verdict(exercise, True, f"{what} agrees at all {len(points)} points checked.")
+
+
+def _as_numbers(answer: Any, count: int) -> tuple[float, ...] | None:
+    """``count`` real numbers from a tuple or list of them (:func:`_as_number` each), else None."""
+    if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence) or len(answer) != count:
+        return None
+    got = tuple(_as_number(v) for v in answer)
+    return None if None in got else tuple(int(v) if v.is_integer() else v for v in got)
+
+
+def _close(got: Any, want: Any, tol: float) -> bool:
+    """``got`` equals ``want`` within ``tol`` (relative above 1): two numbers, or two tuples one by one."""
+    if isinstance(want, tuple):
+        return (isinstance(got, tuple) and len(got) == len(want)
+                and all(_close(g, v, tol) for g, v in zip(got, want)))
+    return not isinstance(got, tuple) and abs(got - want) <= tol * max(1.0, abs(want))
 
 
 def _line_figure(x: list, y: list, title: str, x_title: str, y_title: str = "bubble rate"):

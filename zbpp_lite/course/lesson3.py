@@ -10,11 +10,11 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _function_check, _number_check
+from .checks import Verdict, _function_check, _with_fresh, course_cache
 
 
 FEW_MICROBATCHES = dict(num_ranks=4, num_microbatches=2, costs=Costs(f=1.0, b=2.0, w=0.5))
-"""Exercise 3.1's case: ZB-H1 with fewer microbatches than ranks, p = 4, m = 2, T_F = 1, T_B = 2,
+"""Exercise 3.1's drawn case: ZB-H1 with fewer microbatches than ranks, p = 4, m = 2, T_F = 1, T_B = 2,
 T_W = 0.5, T_comm = 0 (outside the form's domain m >= p)."""
 
 
@@ -23,22 +23,38 @@ def _few_microbatches():
     return simulate(build_schedule("zb-h1", c["num_ranks"], c["num_microbatches"]), c["costs"])
 
 
-def zb_h1_makespan(answer: Any) -> Verdict:
-    """Exercise 3.1: ZB-H1's makespan on :data:`FEW_MICROBATCHES` (m < p); predicted. The lesson's forms
-    copied (ZB-H1's m(T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W), 1F1B's (m+p-1)(T_F+T_B+T_W)) get their own
-    message."""
-    c = FEW_MICROBATCHES
-    p, m, t = c["num_ranks"], c["num_microbatches"], c["costs"]
-    why = ("the form (p-1)(T_F+T_B-T_W) counts p - 1 W's filling gaps on the busiest rank; with m < p, how "
-           "many W's does rank 0 have, and which of them can still hide in a wait for a gradient?")
-    form, fused = m * (t.f + t.b + t.w) + (p - 1) * (t.f + t.b - t.w), (m + p - 1) * (t.f + t.b + t.w)
-    known = {
-        form: (f"{form:g} is ZB-H1's form, which needs m >= p: rank 0 has too few W's to fill p - 1 "
-               "gaps.", why),
-        fused: (f"{fused:g} is 1F1B's makespan, each W right after its B; ZB-H1 moves W's into waits.", why),
-    }
-    return _number_check("3.1", answer, _few_microbatches().makespan, "ZB-H1's makespan with m < p", why,
-                         known=known)
+@course_cache(maxsize=256)
+def _zb_h1_makespan(p: int, m: int, f: float, b: float, w: float) -> float:
+    return simulate(build_schedule("zb-h1", p, m), Costs(f=f, b=b, w=w)).makespan
+
+
+def zb_h1_makespan(fn: Any) -> Verdict:
+    """Exercise 3.1 (predicted): ``few(p, m, f, b, w)``, ZB-H1's makespan with m < p microbatches, any
+    T_F = f, T_B = b, T_W = w, T_comm = 0; checked against the simulator at fixed points (T_W below, at
+    and above T_F) and fresh ones, the package out of bounds. The answer, p(f + b) + w + (m - 1)(b +
+    max(f, w)): rank 0 runs B0 W0 B1 W1 ..., each next B arriving f + b after the last unless rank 0's W
+    still runs. The lesson's forms copied (ZB-H1's m(f+b+w) + (p-1)(f+b-w), 1F1B's (m+p-1)(f+b+w)) and
+    the answer right only while T_W <= T_F, (m+p-1)(f+b) + w, get their own messages."""
+    hint = ("print zb.build_schedule(\"zb-h1\", 4, 2) to see rank 0's order once its forwards are done; "
+            "when does microbatch 0's B reach rank 0, how long after it does the next B arrive, and what if "
+            "rank 0's W is still running then?")
+    fixed = [(4, 2, 1.0, 2.0, 0.5), (4, 2, 1.0, 1.0, 3.0), (5, 3, 1.0, 2.0, 1.5), (3, 1, 2.0, 1.0, 1.0),
+             (6, 5, 1.0, 1.0, 0.5), (3, 2, 0.5, 1.0, 2.0), (2, 1, 1.0, 1.0, 1.0)]
+
+    def draw(rng):
+        p = rng.randint(2, 8)
+        return (p, rng.randint(1, p - 1), *(rng.choice((0.25, 0.5, 1.0, 1.5, 2.0, 3.0)) for _ in range(3)))
+
+    known = [(lambda p, m, f, b, w: m * (f + b + w) + (p - 1) * (f + b - w),
+              "that is ZB-H1's form, which needs m >= p: with m < p rank 0 has too few W's to fill p - 1 "
+              "gaps."),
+             (lambda p, m, f, b, w: (m + p - 1) * (f + b + w),
+              "that is 1F1B's makespan, each W right after its B; ZB-H1 moves W's into waits."),
+             (lambda p, m, f, b, w: (m + p - 1) * (f + b) + w,
+              "that holds while T_W <= T_F: rank 0's W then ends before the next B arrives. A longer W "
+              "delays that B.")]
+    return _function_check("3.1", fn, _with_fresh(fixed, draw, 5), _zb_h1_makespan, "few(p, m, f, b, w)",
+                           hint, known=known)
 
 
 def zb_h2_peak_memory(fn: Any) -> Verdict:

@@ -10,7 +10,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.ir import v_placement as _v
 from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _line_figure, _number_check, course_cache
+from .checks import Verdict, _function_check, _line_figure, _with_fresh, course_cache
 
 
 @course_cache(maxsize=8)
@@ -20,27 +20,34 @@ def _zb_v_sweep(p: int) -> dict[int, Any]:
 
 
 ZB_V_RATE = 0.05
-"""Exercise 5.2's target: the bubble rate ZB-V must fall below (p = 6, unit costs)."""
+"""The bubble rate exercise 5.2's reveal marks (p = 6, unit costs), and one of its fixed points."""
 
 
-def zb_v_first_m_below(answer: Any) -> Verdict:
-    """Exercise 5.2: the smallest m with ZB-V's bubble rate below :data:`ZB_V_RATE` on p = 6 (unit costs,
-    T_comm = 0); predicted. The lesson prints only p = 4's sweep; the answers a copied pattern gives (the
-    first bubble-free m 2p - 1, the bound 2p, p = 4's answer, one stage's work per microbatch) get their
-    own message."""
-    expected = min(m for m, t in _zb_v_sweep(6).items() if t.bubble_rate < ZB_V_RATE)
-    why = "the rate is rank 0's idle time over the makespan, work plus idle time: solve for m."
-    known = {
-        11.0: ("11 = 2p - 1 is where the bubble is gone, not where the rate first falls below 0.05.", why),
-        12.0: ("12 = 2p is the bound the schedule is stated for; the rate falls below 0.05 earlier.", why),
-        6.0: ("6 is p = 4's answer; at p = 6 rank 0 waits longer for microbatch 0.", why),
-        10.0: ("10 counts one stage's work per microbatch; rank 0 holds two stages (6 time units).", why),
-    }
-    return _number_check("5.2", answer, expected,
-                         f"the smallest m with a bubble rate below {ZB_V_RATE:g} at p = 6",
-                         "how many forwards does rank 0 need to cover microbatch 0's trip down and up the V, "
-                         "and how many does it have when m is small? That gives its idle time; then the "
-                         "rate.", known=known)
+def _first_m_below(p: int, target: float) -> int:
+    return min(m for m, t in _zb_v_sweep(p).items() if t.bubble_rate < target)
+
+
+def zb_v_first_m_below(fn: Any) -> Verdict:
+    """Exercise 5.2 (predicted): ``first_m_below(p, target)``, the smallest m with ZB-V's bubble rate below
+    ``target`` (0 < target <= 0.2) on p ranks, equal per-stage costs, T_comm = 0; checked against the
+    simulator's sweep for p = 2..6 at fixed and fresh targets, the package out of bounds. The bubble is
+    (2p - 1 - m)t for p <= m <= 2p - 1, so the rate is (2p - 1 - m)/(5m + 2p - 1): the first whole m past
+    (2p - 1)(1 - target)/(1 + 5 target). The bubble over the work instead of the makespan gets its own
+    message."""
+    why = "the rate is the bubble over the makespan, work plus bubble: solve for m."
+    hint = ("how many forwards does rank 0 need to cover microbatch 0's trip down and up the V, and how many "
+            "does it have when m is small? That gives its idle time; then the rate; then solve for m.")
+    fixed = [(6, ZB_V_RATE), (4, ZB_V_RATE), (2, 0.08), (3, 0.02), (5, 0.08), (6, 0.06), (4, 0.12), (6, 0.2),
+             (3, 0.001)]   # four where dividing by the work instead gives one more
+
+    def draw(rng):
+        return rng.randint(2, 6), rng.uniform(0.002, 0.2)
+
+    def over_work(p, target):   # bubble / work < target
+        return min(m for m in range(1, 2 * p) if (2 * p - 1 - m) / (6 * m) < target)
+
+    return _function_check("5.2", fn, _with_fresh(fixed, draw, 5), _first_m_below, "first_m_below(p, target)",
+                           hint, known=[(over_work, f"that divides the bubble by the work; {why}")])
 
 
 def zb_v_makespan(fn: Any) -> Verdict:

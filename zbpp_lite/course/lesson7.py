@@ -11,47 +11,50 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _as_number, _called, _function_missing, _unanswered, _with_fresh
+from .checks import (Verdict, _as_number, _called, _function_check, _function_missing, _unanswered,
+                     _with_fresh, course_cache)
 
 
 SLOW_MIDDLE_STAGE = Costs(f=[1, 1, 2, 1], b=[1, 1, 2, 1], w=[1, 1, 2, 1])
-"""Exercise 7.1's costs: ZB-H1 on p = 4, m = 8 with stage 2 twice as slow as the others (the lesson
+"""Exercise 7.1's drawn case: ZB-H1 on p = 4, m = 8 with stage 2 twice as slow as the others (the lesson
 plants and draws the slow stage at the front; no figure or output of it shows this case)."""
 
 
-def idlest_rank(answer: Any) -> Verdict:
-    """Exercise 7.1 (predicted): the pair (the rank idling longest inside its span, the fast rank idling
-    least) in ZB-H1, p = 4, m = 8, :data:`SLOW_MIDDLE_STAGE`: (0, 3), idle times 23, 22, 0 and 16. The
-    slow rank, the lesson's "next to the slow stage" and "farthest from it" patterns get their own hints."""
-    t = simulate(build_schedule("zb-h1", 4, 8), SLOW_MIDDLE_STAGE)
-    slow = 2
-    fast = [r for r in range(4) if r != slow]
-    want = (max(fast, key=lambda r: t.idle_time[r]), min(fast, key=lambda r: t.idle_time[r]))
+@course_cache(maxsize=64)
+def _idlest(p: int, slow: int) -> tuple[int, int]:
+    """(the fast rank idling longest, the fast rank idling least) in ZB-H1 on p ranks, m = 2p, stage ``slow``
+    at twice the others' unit costs."""
+    costs = [2.0 if s == slow else 1.0 for s in range(p)]
+    idle = simulate(build_schedule("zb-h1", p, 2 * p), Costs(f=costs, b=costs, w=costs)).idle_time
+    fast = [r for r in range(p) if r != slow]
+    return max(fast, key=lambda r: idle[r]), min(fast, key=lambda r: idle[r])
+
+
+def idlest_rank(fn: Any) -> Verdict:
+    """Exercise 7.1 (predicted): ``idlest(p, slow)``, the pair (the fast rank idling longest inside its span,
+    the fast rank idling least) in ZB-H1 on p >= 3 ranks, m = 2p, with stage ``slow`` twice as slow as the
+    others; checked against the simulator at every slow stage for p = 3..6 and at fresh points up to
+    p = 12, the package out of bounds. A fast rank r in front of the slow stage idles 3m - 1 - r, one
+    behind it 3m - 2p - 1 + 2 slow - r (unit costs): (0, p - 1), except (1, p - 1) when the slow stage
+    is first and (0, p - 2) when it is last. The answer right only for a middle stage, the slow rank's
+    neighbours and the ranks farthest from it get their own messages."""
     hint = ("every fast rank does the same work, 3 per microbatch, so its idle time is its span less that "
-            "work: which rank starts first, and which ends first?")
-    if _unanswered(answer):
-        return Verdict("7.1", False, "no answer yet: write the pair (idles longest, fast rank idling least).",
-                       hint)
-    try:
-        most, least = (_as_number(v) for v in answer)
-    except (TypeError, ValueError):
-        most = least = None
-    if most is None or least is None or isinstance(answer, (str, bytes)):
-        return Verdict("7.1", False, f"expected a pair of ranks such as (1, 0), got {answer!r}.", hint,
-                       attempt=False)
-    if (most, least) == want:
-        return Verdict("7.1", True, f"rank {want[0]} idles longest and rank {want[1]} least of the fast "
-                       f"ranks: idle times {tuple(float(b) for b in t.idle_time)}.")
-    if slow in (most, least):
-        return Verdict("7.1", False, "rank 2 holds the slow stage: it sets the pace and never idles inside "
-                       "its span, and it is not one of the fast ranks.", hint)
-    if most != want[0]:
-        why = {1: "ranks 0 and 1 both wait to the end for the slow stage's backwards: which starts first?",
-               3: "rank 3 starts last, behind the slow stage, and its last backward leaves before the slow "
-                  "stage's: its span is the shortest."}.get(int(most), "")
-        return Verdict("7.1", False, f"rank {most:g} does not idle longest. {why}".strip(), hint)
-    return Verdict("7.1", False, f"rank {least:g} is not the fast rank idling least: the ranks in front of "
-                   "the slow stage wait until its last backwards come back.", hint)
+            "work: which fast rank starts first, which ends first, and what changes when the slow stage is "
+            "the first or the last?")
+    fixed = [(p, slow) for p in range(3, 7) for slow in range(p)]
+
+    def draw(rng):
+        p = rng.randint(7, 12)
+        return p, rng.randint(0, p - 1)
+
+    known = [(lambda p, slow: (0, p - 1),
+              "(0, p - 1) holds while the slow stage is in the middle: which ranks are left when it is the "
+              "first or the last?"),
+             (lambda p, slow: (p - 1 if slow < p - 1 else 0, slow + 1 if slow < p - 1 else slow - 1),
+              "the slow stage's neighbour does not idle least, nor the farthest rank most: the ranks in "
+              "front of the slow stage wait until its last backwards come back.")]
+    return _function_check("7.1", fn, _with_fresh(fixed, draw, 3), _idlest, "idlest(p, slow)", hint,
+                           known=known)
 
 
 LAYER_COSTS = (1.0, 2.0, 2.0, 5.0, 4.0, 2.0, 1.0, 4.0)
