@@ -54,7 +54,7 @@ CASES = {
             lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
     "4.1": (lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1,
             lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1),   # ZB-H1's form past T_F
-    "4.2": (10, 7),                                 # 4 T_F + 3 T_B = 10 T_F; 7: ZB-H2's 2p - 1, copied
+    "4.2": (lambda p: 3 * p - 2, lambda p: 2 * p - 1),   # p T_F + (p-1) T_B over T_F; ZB-H2's 2p - 1, copied
     "4.3": (HAND_17, HAND_19),                      # the optimum; W right after B on rank 0, 1F1B's order after
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
             lambda p, r: 0 if p == 1 else (1 if r in (0, p - 1) else 2)),   # 1F1B's one stage per rank
@@ -349,8 +349,9 @@ def test_the_lesson_1_batch_split_span_is_the_simulators_and_its_best_m_is_the_l
 
 
 def test_the_lesson_4_checks_reject_the_printed_rules():
-    assert not ex.bubble_floor_limit(2 * 4).ok and not ex.bubble_floor_limit(2 * 4 - 1).ok   # zb-2p; ZB-H2
-    assert "ZB-H2's warm-up" in ex.bubble_floor_limit(7).message and "zb-2p" in ex.bubble_floor_limit(8).message
+    assert "ZB-H2's warm-up" in ex.bubble_floor_limit(lambda p: 2 * p - 1).message
+    assert "zb-2p" in ex.bubble_floor_limit(lambda p: 2 * p).message
+    assert not ex.bubble_floor_limit(10) and not ex.bubble_floor_limit(10).attempt   # p = 4's number alone
     floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + min(w, f)) / (b + w - bw))  # noqa: E731
     assert not ex.bw_break_even(floor_m).ok                                        # counts the tie
     assert not ex.bw_break_even(lambda p, f, b, w, bw: p).ok                         # "m = p" alone
@@ -614,10 +615,10 @@ def test_a_second_try_of_4_2_plans_nothing_again(monkeypatch):
     wrong, runs zb-auto at no point."""
     from zbpp_lite.course import lesson4
 
-    assert ex.bubble_floor_limit(10)
+    assert ex.bubble_floor_limit(CASES["4.2"][0])
     planned = []
     monkeypatch.setattr(lesson4, "auto_plan", lambda *a: planned.append(a))
-    assert ex.bubble_floor_limit(10) and not ex.bubble_floor_limit(7)
+    assert ex.bubble_floor_limit(CASES["4.2"][0]) and not ex.bubble_floor_limit(CASES["4.2"][1])
     assert planned == []
 
 

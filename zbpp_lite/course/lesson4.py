@@ -10,7 +10,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _hand_schedule, _line_figure, _number_check, course_cache
+from .checks import Verdict, _function_check, _hand_schedule, _line_figure, course_cache
 
 
 AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1.0))
@@ -55,29 +55,35 @@ def bw_break_even(fn: Any) -> Verdict:
 
 
 AUTO_LIMITS = tuple(range(4, 14))
-"""The memory limits (M_B) exercises 4.2 and 4.3 plan :data:`AUTO_CASE` under."""
+"""The memory limits (M_B) exercise 4.2's reveal plans :data:`AUTO_CASE` under."""
 
 
 def _auto_rates() -> list[float]:
     return [_auto(float(lim)).bubble_rate for lim in AUTO_LIMITS]
 
 
-def bubble_floor_limit(answer: Any) -> Verdict:
-    """Exercise 4.2: the smallest whole memory limit (M_B, from 4) at which zb-auto's bubble rate on
-    :data:`AUTO_CASE` reaches its floor over :data:`AUTO_LIMITS`; predicted. The lesson's limits copied
-    (ZB-H2's 2p - 1, zb-2p's 2p) get their own message."""
-    rates = _auto_rates()
-    expected = AUTO_LIMITS[next(i for i, r in enumerate(rates) if r <= min(rates) + 1e-12)]
-    p = AUTO_CASE["num_ranks"]
+@course_cache(maxsize=16)
+def _floor_limit(p: int) -> int:
+    """The smallest whole memory limit (M_B, from p to 3p + 2) at which zb-auto's bubble rate on p ranks,
+    m = 3p, :data:`AUTO_CASE`'s costs is at its least over those limits."""
+    rates = {limit: auto_plan(p, 3 * p, AUTO_CASE["costs"], float(limit)).bubble_rate
+             for limit in range(p, 3 * p + 3)}
+    return min(limit for limit, rate in rates.items() if rate <= min(rates.values()) + 1e-12)
+
+
+def bubble_floor_limit(fn: Any) -> Verdict:
+    """Exercise 4.2 (predicted): ``floor_limit(p)``, the smallest whole memory limit (M_B) at which zb-auto's
+    bubble rate on p ranks, m = 3p, :data:`AUTO_CASE`'s costs (T_F = 1, T_B = 2, T_W = 1, T_comm = 0)
+    reaches its floor; checked against zb-auto for p = 2..6, the package out of bounds. The answer is
+    3p - 2: rank 0's first gradient is back after p T_F + (p - 1) T_B, and each forward filling that wait
+    holds 1 M_B. ZB-H2's 2p - 1 and zb-2p's 2p, copied, get their own messages."""
     why = ("a larger limit lets rank 0 start more forwards before its first B; how many fit before that B "
            "can arrive, with T_B twice T_F?")
-    known = {
-        2 * p - 1: (f"{2 * p - 1} = 2p - 1 is ZB-H2's warm-up, which fills rank 0's wait only when "
-                    "T_B = T_F.", why),
-        2 * p: (f"{2 * p} = 2p is zb-2p's limit, ZB-H2's 2p - 1 rounded up; here T_B = 2 T_F.", why),
-    }
-    return _number_check("4.2", answer, expected, "the limit where the bubble first reaches its floor", why,
-                         known=known)
+    known = [(lambda p: 2 * p - 1, "2p - 1 is ZB-H2's warm-up, which fills rank 0's wait only when "
+                                   "T_B = T_F."),
+             (lambda p: 2 * p, "2p is zb-2p's limit, ZB-H2's 2p - 1 rounded up; here T_B = 2 T_F.")]
+    return _function_check("4.2", fn, [(p,) for p in range(2, 7)], _floor_limit, "floor_limit(p)", why,
+                           known=known)
 
 
 @course_cache(maxsize=1)
