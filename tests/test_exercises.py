@@ -612,9 +612,11 @@ def test_a_function_that_switches_the_watch_off_before_asking_the_simulator_is_r
 
 def test_a_second_try_of_4_2_plans_nothing_again(monkeypatch):
     """The checks keep their plans from one try to the next (checks.course_cache): 4.2's second try, right or
-    wrong, runs zb-auto at no point."""
+    wrong, plans nothing again once every p it may draw (2..10) has been planned."""
     from zbpp_lite.course import lesson4
 
+    for p in range(7, 11):   # every p the fresh point may draw, planned once
+        lesson4._floor_limit(p)
     assert ex.bubble_floor_limit(CASES["4.2"][0])
     planned = []
     monkeypatch.setattr(lesson4, "auto_plan", lambda *a: planned.append(a))

@@ -10,7 +10,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _hand_schedule, _line_figure, course_cache
+from .checks import Verdict, _function_check, _hand_schedule, _line_figure, _with_fresh, course_cache
 
 
 AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1.0))
@@ -74,7 +74,8 @@ def _floor_limit(p: int) -> int:
 def bubble_floor_limit(fn: Any) -> Verdict:
     """Exercise 4.2 (predicted): ``floor_limit(p)``, the smallest whole memory limit (M_B) at which zb-auto's
     bubble rate on p ranks, m = 3p, :data:`AUTO_CASE`'s costs (T_F = 1, T_B = 2, T_W = 1, T_comm = 0)
-    reaches its floor; checked against zb-auto for p = 2..6, the package out of bounds. The answer is
+    reaches its floor; checked against zb-auto for p = 2..6 and one p from 7 to 10 drawn afresh, the
+    package out of bounds. The answer is
     3p - 2: rank 0's first gradient is back after p T_F + (p - 1) T_B, and each forward filling that wait
     holds 1 M_B. ZB-H2's 2p - 1 and zb-2p's 2p, copied, get their own messages."""
     why = ("a larger limit lets rank 0 start more forwards before its first B; how many fit before that B "
@@ -82,8 +83,8 @@ def bubble_floor_limit(fn: Any) -> Verdict:
     known = [(lambda p: 2 * p - 1, "2p - 1 is ZB-H2's warm-up, which fills rank 0's wait only when "
                                    "T_B = T_F."),
              (lambda p: 2 * p, "2p is zb-2p's limit, ZB-H2's 2p - 1 rounded up; here T_B = 2 T_F.")]
-    return _function_check("4.2", fn, [(p,) for p in range(2, 7)], _floor_limit, "floor_limit(p)", why,
-                           known=known)
+    points = _with_fresh([(p,) for p in range(2, 7)], lambda rng: (rng.randint(7, 10),), 1)
+    return _function_check("4.2", fn, points, _floor_limit, "floor_limit(p)", why, known=known)
 
 
 @course_cache(maxsize=1)

@@ -13,7 +13,7 @@ from ..schedules.simulate import simulate
 from .checks import Verdict, _function_check, _line_figure, _with_fresh, course_cache
 
 
-@course_cache(maxsize=8)
+@course_cache(maxsize=16)
 def _zb_v_sweep(p: int) -> dict[int, Any]:
     """ZB-V's timelines for m = 1 .. 2p + 1 at unit per-stage costs, T_comm = 0 (cached)."""
     return {m: simulate(build_schedule("zb-v", p, m), Costs()) for m in range(1, 2 * p + 2)}
@@ -30,10 +30,10 @@ def _first_m_below(p: int, target: float) -> int:
 def zb_v_first_m_below(fn: Any) -> Verdict:
     """Exercise 5.2 (predicted): ``first_m_below(p, target)``, the smallest m with ZB-V's bubble rate below
     ``target`` (0 < target <= 0.2) on p ranks, equal per-stage costs, T_comm = 0; checked against the
-    simulator's sweep for p = 2..6 at fixed and fresh targets, the package out of bounds. The bubble is
-    (2p - 1 - m)t for p <= m <= 2p - 1, so the rate is (2p - 1 - m)/(5m + 2p - 1): the first whole m past
-    (2p - 1)(1 - target)/(1 + 5 target). The bubble over the work instead of the makespan gets its own
-    message."""
+    simulator's sweep at fixed points (p = 2..6) and fresh ones (p = 2..10), the package out of bounds.
+    The bubble is (2p - 1 - m)t for 2p/3 <= m <= 2p - 1, so the rate is (2p - 1 - m)/(5m + 2p - 1): the
+    first whole m past (2p - 1)(1 - target)/(1 + 5 target). The bubble over the work instead of the
+    makespan gets its own message."""
     why = "the rate is the bubble over the makespan, work plus bubble: solve for m."
     hint = ("how many forwards does rank 0 need to cover microbatch 0's trip down and up the V, and how many "
             "does it have when m is small? That gives its idle time; then the rate; then solve for m.")
@@ -41,7 +41,7 @@ def zb_v_first_m_below(fn: Any) -> Verdict:
              (3, 0.001)]   # four where dividing by the work instead gives one more
 
     def draw(rng):
-        return rng.randint(2, 6), rng.uniform(0.002, 0.2)
+        return rng.randint(2, 10), rng.uniform(0.002, 0.2)
 
     def over_work(p, target):   # bubble / work < target
         return min(m for m in range(1, 2 * p) if (2 * p - 1 - m) / (6 * m) < target)
@@ -52,8 +52,15 @@ def zb_v_first_m_below(fn: Any) -> Verdict:
 
 def zb_v_makespan(fn: Any) -> Verdict:
     """Exercise 5.3: ``makespan(p, m, t)``, ZB-V's makespan for every m >= 1 (the lesson shows m >= p only)
-    with T_F = T_B = T_W = t, T_comm = 0; checked for p = 2, 3, 5, m = 1 .. 2p + 1, t in (1, 0.5)."""
-    points = [(p, m, t) for p in (2, 3, 5) for m in range(1, 2 * p + 2) for t in (1.0, 0.5)]
+    with T_F = T_B = T_W = t, T_comm = 0; checked for p = 2, 3, 5, m = 1 .. 2p + 1, t in (1, 0.5), and at
+    four fresh points (p = 4..10, m = 1..2p + 1)."""
+    fixed = [(p, m, t) for p in (2, 3, 5) for m in range(1, 2 * p + 2) for t in (1.0, 0.5)]
+
+    def draw(rng):   # points new at each check, so that a table of the fixed ones does not pass
+        p = rng.randint(4, 10)
+        return p, rng.randint(1, 2 * p + 1), rng.choice((0.5, 1.0, 2.0))
+
+    points = _with_fresh(fixed, draw, 4)
     # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
     return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
                            "makespan(p, m, t)",
@@ -67,7 +74,7 @@ def v_sends(fn: Any) -> Verdict:
     """Exercise 5.1: a function ``sends(p, r)``: how many values rank r sends to another rank for one
     microbatch's F's and B's under ZB-V's V placement (2p stages on p ranks): an F's activation goes
     to stage s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send.
-    Counted from the placement for p = 1..8, every rank."""
+    Counted from the placement for p = 1..8, every rank, and at four fresh points (p = 9..40)."""
 
     def count(p, r):
         place = _v(p)
@@ -75,7 +82,8 @@ def v_sends(fn: Any) -> Verdict:
         up = sum(place[s] == r != place[s - 1] for s in range(1, 2 * p))
         return down + up
 
-    points = [(p, r) for p in range(1, 9) for r in range(p)]
+    points = _with_fresh([(p, r) for p in range(1, 9) for r in range(p)], lambda rng: (
+        (p := rng.randint(9, 40)), rng.randint(0, p - 1)), 4)
     return _function_check("5.1", fn, points, count, "sends(p, r)",
                            "list rank r's two stages, r and 2p-1-r; for each, does its F's output and its "
                            "B's input gradient leave the rank? Look at the ends of the V and at its turn.")
