@@ -207,7 +207,7 @@ class SpmdLab:
         return {**result, "copied": bool(called)}
 
     def try_v(self, make_tick: Callable) -> dict:
-        """Exercise 10.2's result: :func:`try_runs` of ZB-V (:data:`~.lesson10.V_RUNS`, on ``case``'s 2p
+        """Exercise 10.3's result: :func:`try_runs` of ZB-V (:data:`~.lesson10.V_RUNS`, on ``case``'s 2p
         stages) with each buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those
         rows; ``...`` while ``make_tick`` returns None (its body still ``...``)."""
         from .lesson9 import buffer_depths

@@ -13,9 +13,9 @@ from ..viz.figures import timeline_figure
 from .checks import Verdict, _function_check, _with_fresh, course_cache
 
 
-FEW_MICROBATCHES = dict(num_ranks=4, num_microbatches=2, costs=Costs(f=1.0, b=2.0, w=0.5))
+FEW_MICROBATCHES = dict(num_ranks=4, num_microbatches=2, costs=Costs(f=1.0, b=2.0, w=1.5))
 """Exercise 3.1's drawn case: ZB-H1 with fewer microbatches than ranks, p = 4, m = 2, T_F = 1, T_B = 2,
-T_W = 0.5, T_comm = 0 (outside the form's domain m >= p)."""
+T_W = 1.5, T_comm = 0 (outside the form's domain m >= p; T_W > T_F, so rank 0's W delays its next B)."""
 
 
 def _few_microbatches():
@@ -97,7 +97,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 """Lesson 3's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {
-    "3.1": lambda: timeline_figure(_few_microbatches(), "ZB-H1, p = 4, m = 2, T_F = 1, T_B = 2, T_W = 0.5")
+    "3.1": lambda: timeline_figure(_few_microbatches(), "ZB-H1, p = 4, m = 2, T_F = 1, T_B = 2, T_W = 1.5")
 }
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 

@@ -133,7 +133,8 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 
 REVEALS: dict[str, Callable[[], Any]] = {"4.2": lambda: _line_figure(
     list(AUTO_LIMITS), _auto_rates(),
-    "zb-auto, AUTO_CASE: bubble rate against the memory limit", "memory limit (M_B)")}
+    "zb-auto, p = 4, m = 12, T_F = 1, T_B = 2, T_W = 1: bubble rate against the memory limit",
+    "memory limit (M_B)")}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [

@@ -20,7 +20,7 @@ def _zb_v_sweep(p: int) -> dict[int, Any]:
 
 
 ZB_V_RATE = 0.05
-"""The bubble rate exercise 5.2's reveal marks (p = 6, unit costs), and one of its fixed points."""
+"""The bubble rate exercise 5.2's reveal marks on p = 6's sweep (unit costs), and one of its fixed targets."""
 
 
 def _first_m_below(p: int, target: float) -> int:
@@ -96,9 +96,9 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 
 def _reveal_5_2():
     sweep = _zb_v_sweep(6)
-    return _line_figure(list(sweep), [t.bubble_rate for t in sweep.values()],
-                        "ZB-V, p = 6: bubble rate against m",
-                        "microbatches m")
+    figure = _line_figure(list(sweep), [t.bubble_rate for t in sweep.values()],
+                          f"ZB-V, p = 6: bubble rate against m (dotted: {ZB_V_RATE:g})", "microbatches m")
+    return figure.add_hline(y=ZB_V_RATE, line_dash="dot")
 
 
 REVEALS: dict[str, Callable[[], Any]] = {"5.2": _reveal_5_2}
