@@ -31,7 +31,8 @@ are one rank."""
 
 OWN_CASE = dict(ranks=4, microbatches=8, tokens=16, vocab=32, width=64, hidden=128, classes=10)
 """Exercise 10.4's model (:func:`zbpp_lite.course.bench.own_model`): an embedding of 32 tokens to width 64,
-one residual block a rank (hidden width 128), a head to 10 classes; 8 microbatches of 16 tokens."""
+one block a rank with a skip connection (hidden width 128), a head to 10 classes; 8 microbatches of 16
+tokens."""
 
 V_RUNS = ("zb-v",)
 """Exercise 10.3's schedule: ZB-V, two stages per rank (chunk 0: stage r, chunk 1: stage 2p - 1 - r)."""

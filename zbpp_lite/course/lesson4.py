@@ -68,7 +68,8 @@ def _floor_limit(p: int) -> int:
     m = 3p, :data:`AUTO_CASE`'s costs is at its least over those limits."""
     rates = {limit: auto_plan(p, 3 * p, AUTO_CASE["costs"], float(limit)).bubble_rate
              for limit in range(p, 3 * p + 3)}
-    return min(limit for limit, rate in rates.items() if rate <= min(rates.values()) + 1e-12)
+    floor = min(rates.values())
+    return min(limit for limit, rate in rates.items() if rate <= floor + 1e-12)
 
 
 def bubble_floor_limit(fn: Any) -> Verdict:
