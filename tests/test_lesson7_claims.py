@@ -48,6 +48,21 @@ def test_every_imbalance_gap_waited_on_a_chain_from_the_slow_stage():
         assert max(made[k].end for k in zb.deps(g.before, P)) == g.end, g
 
 
+def test_the_worked_chain_runs_from_3f4_back_to_0f4_which_ran_as_soon_as_rank_0_was_free():
+    """Lesson 7's diagram: rank 3 idles 13 .. 16 before 3F4, which waited for 2F4, 1F4 and 0F4 in turn;
+    0F4 started when rank 0's previous action ended (the origin), so the gap is imbalance on stage 0."""
+    plan = zb.build_schedule("zb-h1", P, M)
+    t = zb.simulate(plan, SLOW_FIRST)
+    made = {k: e for e in t.events for k in zb.schedules.ir.produces(e.action)}
+    event, chain = made["F", 3, 4], [made["F", 3, 4]]
+    while event.start > max((e.end for e in t.rank_events(event.rank) if e.end <= event.start), default=0):
+        event = max((made[k] for k in zb.deps(event.action, P)), key=lambda e: e.end)   # its binding input
+        chain.append(event)
+    assert [(e.action.stage, e.start, e.end) for e in chain] == [(3, 16, 17), (2, 15, 16), (1, 14, 15), (0, 12, 14)]
+    gap = next(g for g in attribute(t, plan, SLOW_FIRST).gaps if g.before == zb.Action("F", 3, 4))
+    assert (gap.rank, gap.start, gap.end, gap.cause, gap.stage) == (3, 13, 16, "imbalance", 0)
+
+
 def test_the_global_span_can_exceed_the_makespan():
     """Slow last stage: the last rank starts later and ends later than rank 0, so the global span (first
     start to last end over all ranks) is 51 against the longest single rank's span, 48."""

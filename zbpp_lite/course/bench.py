@@ -1,7 +1,7 @@
 """Lessons 8 and 9's test bench: the lessons' MLP and its ``jax.grad`` reference, and what hands the
-learner's F, B, W, loop and optimizer step to :mod:`.lesson8`'s checks, on the threads and inboxes lesson 8
-defines itself (its ``on_threads``, handed to :class:`Lab`). Imports JAX, so ``course/__init__`` does not
-import it; the lessons do (``from zbpp_lite.course import bench``).
+learner's F, B, W, loop and optimizer step to :mod:`.lesson8`'s checks, on one thread and one
+:class:`~zbpp_lite.runtime.transport.Inbox` per rank (:func:`on_threads`). Imports JAX, so
+``course/__init__`` does not import it; the lessons do (``from zbpp_lite.course import bench``).
 
 Source: Qi et al., arXiv 2401.10241, section 2 (F, B, W of a stage) and section 4 (the optimizer step
 after the last W).
@@ -21,6 +21,7 @@ import numpy as np
 
 from ..runtime.split import compiled_flops
 from ..runtime.stages import cross_entropy   # exercise 10.4's loss, as bench.cross_entropy
+from ..runtime.transport import Aborted, Inbox
 from ..schedules.builders import build_schedule
 from ..schedules.timeline import Event, Timeline
 from .lesson8 import BUILD_CASE, PIPELINE_RUNS, STEP, STEP_RUNS, TIED
@@ -447,12 +448,35 @@ def _swapped(scope: dict, names: dict):
         scope.update(plain)
 
 
+
+def on_threads(num_ranks: int, work: Callable[[int, list], Any]) -> list:
+    """``[work(rank, inboxes) for each rank]``, one thread per rank and one runtime
+    :class:`~zbpp_lite.runtime.transport.Inbox` each (``put(key, value)``; ``take(key, timeout)``); a rank
+    that fails makes every waiting ``take`` raise ``Aborted``, and the first error is raised again once all
+    have stopped."""
+    abort, results, errors = threading.Event(), [None] * num_ranks, []
+    inboxes = [Inbox(abort, threading.Condition()) for _ in range(num_ranks)]
+
+    def one(rank: int) -> None:
+        try:
+            results[rank] = work(rank, inboxes)
+        except Exception as e:   # every waiting rank stops; raised below
+            errors.append(e)
+            abort.set()
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(num_ranks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, Aborted)), errors[0])
+    return results
+
+
 class Lab:
     """Lesson 8's model on ``devices`` (4 ranks of :data:`BUILD_CASE`), the lists the learner's code reads
     (``placement``, ``stage_params``, ``inputs_mb``, ``targets_mb``: changed in place, never rebound) and the
-    runs that hand the learner's code to the checks. Those run on the lesson's own harness, which the lesson
-    sets as ``on_threads``: ``on_threads(num_ranks, work) -> [work(rank, inboxes) for each rank]``, one
-    thread per rank, the first error raised again.
+    runs that hand the learner's code to the checks, on :func:`on_threads`.
 
     Args:
         stage_apply: the lesson's ``stage_apply(layers, x, probes, target=None) -> (output, layer inputs)``.
@@ -465,7 +489,6 @@ class Lab:
         self.params, self.X, self.Y = mlp(c)
         self.reference = jax.grad(mlp_loss)(self.params, self.X, self.Y)
         self.devices, self.calls, self._apply = list(devices)[: self.p], {"layers": 0}, stage_apply
-        self.on_threads: Callable | None = None
         per = c["layers"] // self.S
         self.home = [self.params[per * s: per * (s + 1)] for s in range(self.S)]
         self.placement = list(range(self.S))
@@ -499,10 +522,8 @@ class Lab:
         return gradient_report(grads, [self.reference[per * s: per * (s + 1)] for s in range(self.S)])
 
     def threads(self, num_ranks: int, work: Callable[[int, list], Any]) -> list:
-        """``work(rank, inboxes)`` on the lesson's ``on_threads``. Raises RuntimeError: not set yet."""
-        if self.on_threads is None:
-            raise RuntimeError("lab.on_threads is not set: run the lesson's cell that defines on_threads")
-        return self.on_threads(num_ranks, work)
+        """``work(rank, inboxes)`` on one thread per rank (:func:`on_threads`)."""
+        return on_threads(num_ranks, work)
 
     def run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline]:
         """``rank_loop(rank, actions, inboxes, events, t0)`` on one thread per rank: each stage's gradient

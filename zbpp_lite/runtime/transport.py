@@ -100,7 +100,7 @@ class Inbox:
                 self.items[key] = (attempt, value)
             self.cond.notify_all()
 
-    def take(self, key: InboxKey, timeout: float, attempt: int = 0) -> Any:
+    def take(self, key: InboxKey, timeout: float = 30.0, attempt: int = 0) -> Any:
         """The value sent under ``key`` in ``attempt`` (a later attempt's is read and left for that
         attempt: its sender redid the step after a rollback, which this rank then redoes too);
         raises :class:`Aborted`, or TimeoutError (no message) after ``timeout`` s."""

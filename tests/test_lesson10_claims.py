@@ -1,0 +1,77 @@
+"""Lesson 10's claims that its cells state in words only (``notebooks/10_spmd_v.md``).
+
+"Keeping the pullback": inside a ``shard_map`` program, a treedef traced once, buffers sized by
+``jax.eval_shape`` and F's inputs cast to varying keep each microbatch's pullback in a row, and B
+rebuilt from that row gives ``jax.vjp``'s dx, with no collective inside a branch. "Toward a model of
+your own": dropout keys folded from the step's key, the stage and the microbatch repeat for the same
+three and differ otherwise; ``nnx.split`` / ``nnx.merge`` carry a module's arrays and rebuild it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from zbpp_lite import course as ex
+from zbpp_lite.course import bench
+from zbpp_lite.runtime.spmd import shard_map, to_varying as vary
+
+p, m, samples, d = (ex.V_CASE[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
+
+
+def _stage(A, c):
+    """Lesson 9's stage, two tanh layers, with a probe added where each layer's bias is."""
+    return lambda x, e: jnp.tanh(jnp.tanh(x @ A[0] + c[0] + e[0]) @ A[1] + c[1] + e[1])
+
+
+def test_a_pullback_kept_in_rows_inside_the_program_gives_jax_vjps_dx_with_no_collective_in_a_branch():
+    def keep_then_pull(A, c, X, dY):             # one rank: F on every microbatch, then B on every one
+        F = _stage(A[0], c[0])
+        X, e = vary(X), vary(jnp.zeros((2, samples, d)))
+        treedef = jax.tree.structure(jax.vjp(F, X[0], e)[1])
+        shapes = jax.eval_shape(lambda x: jax.tree.leaves(jax.vjp(F, x, e)[1]), X[0])
+        bufs = vary([jnp.zeros((m, *s.shape), s.dtype) for s in shapes])
+
+        def tick(bufs, t):
+            def forward(bufs):
+                leaves = jax.tree.leaves(jax.vjp(F, X[t], e)[1])
+                return [b.at[t].set(a) for b, a in zip(bufs, leaves)], jnp.zeros_like(X[0])
+
+            def backward(bufs):
+                pullback = jax.tree.unflatten(treedef, [b[t - m] for b in bufs])
+                return bufs, pullback(vary(dY[t - m]))[0]
+            return lax.cond(t < m, forward, backward, bufs)
+        return lax.scan(tick, bufs, jnp.arange(2 * m))[1][m:][None]
+
+    mesh = Mesh(np.array(jax.devices()[:p]), ("rank",))
+    keys = jax.random.split(jax.random.key(0), 4)
+    As, cs = jax.random.normal(keys[0], (p, 2, d, d)) / d ** 0.5, jax.random.normal(keys[1], (p, 2, d)) / 4
+    X, dY = jax.random.normal(keys[2], (m, samples, d)), jax.random.normal(keys[3], (m, samples, d))
+    keeping = jax.jit(shard_map(keep_then_pull, mesh=mesh, in_specs=(P("rank"), P("rank"), P(), P()),
+                                out_specs=P("rank")))
+    assert bench.collectives_in_branches(jax.make_jaxpr(keeping)(As, cs, X, dY).jaxpr) == []
+    zero = jnp.zeros((2, samples, d))
+    want = jnp.stack([jnp.stack([jax.vjp(_stage(As[r], cs[r]), X[j], zero)[1](dY[j])[0] for j in range(m)])
+                      for r in range(p)])
+    np.testing.assert_allclose(keeping(As, cs, X, dY), want, atol=1e-5)
+
+
+def test_dropout_keys_repeat_for_the_same_step_stage_and_microbatch_and_differ_otherwise():
+    def mask(step_key, stage, j):
+        return jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(step_key, stage), j), 0.9, (samples, d))
+    step, other_step = jax.random.key(7), jax.random.key(8)
+    assert (mask(step, 1, 3) == mask(step, 1, 3)).all()                    # F and its rerun agree
+    for other in (mask(step, 1, 4), mask(step, 2, 3), mask(other_step, 1, 3)):
+        assert (mask(step, 1, 3) != other).any()
+
+
+def test_nnx_split_and_merge_carry_a_modules_arrays_and_rebuild_it():
+    layer = nnx.Linear(d, d, rngs=nnx.Rngs(0))
+    structure, state = nnx.split(layer)
+    assert {a.shape for a in jax.tree.leaves(state)} == {(d,), (d, d)}   # the bias and the weight ("kernel")
+    x = jax.random.normal(jax.random.key(1), (samples, d))
+    np.testing.assert_allclose(nnx.merge(structure, state)(x), layer(x), rtol=1e-6)
