@@ -3,6 +3,9 @@ right or not yet with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
+import json
+import os
+import urllib.request
 from typing import Any, Callable
 
 import plotly.graph_objects as go
@@ -18,6 +21,21 @@ from .checks import (Verdict, _called, _function_check, _function_missing, _numb
 INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, compared=(2, 3))
 """Exercise 6.2's case: interleaved 1F1B, p = 4, m = 8, a whole rank's T_F = T_B = T_W = 1 (each of v
 stages per rank costs 1/v of it), T_comm = c; v = 2 against v = 3, for c up to one stage's T_F."""
+
+
+REPOSITORY_NOTEBOOKS = "https://raw.githubusercontent.com/zbpp-lite/zbpp_lite/main/notebooks/"
+"""Where a lesson run outside the repository (Colab) reads the records committed beside the lessons."""
+
+
+def recorded(path: str) -> dict:
+    """A run recorded as JSON beside the lessons (``path`` relative to ``notebooks/``, e.g.
+    ``"figures/data/06_gpt_main_job.json"``): read from disk where it exists, else from the repository on
+    GitHub. Raises OSError: neither is reachable; ValueError: not strict JSON."""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as source:
+            return json.load(source)
+    with urllib.request.urlopen(REPOSITORY_NOTEBOOKS + path, timeout=30) as source:
+        return json.load(source)
 
 
 def _interleaved_span(v: int, comm: float) -> float:
@@ -174,5 +192,6 @@ REVEALS: dict[str, Callable[[], Any]] = {"6.2": _reveal_6_2}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "INTERLEAVED_CASE", "interleaved_crossover", "interleaved_peak", "link_crossings", "EXERCISES", "REVEALS"
+    "INTERLEAVED_CASE", "recorded", "interleaved_crossover", "interleaved_peak", "link_crossings",
+    "EXERCISES", "REVEALS"
 ]
