@@ -52,8 +52,8 @@ CASES = {
             lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # warm-up + lag x M_W: wrong once M_W > M_B
     "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f, 0.0),
             lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
-    "4.1": (lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1,
-            lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1),   # ZB-H1's form past T_F
+    "4.1": (lambda p, f, b, w, bw: max(p - 1, math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1),
+            lambda p, f, b, w, bw: max(p - 1, math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1)),   # past T_F
     "4.2": (lambda p: 3 * p - 2, lambda p: 2 * p - 1),   # p T_F + (p-1) T_B over T_F; ZB-H2's 2p - 1, copied
     "4.3": (HAND_17, HAND_19),                      # the optimum; W right after B on rank 0, 1F1B's order after
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
@@ -240,6 +240,13 @@ def test_a_wrong_answer_fails_with_a_hint(key):
     verdict = ex.EXERCISES[key](_answer(key, 1))
     assert not verdict.ok and not bool(verdict), str(verdict)
     assert str(verdict).startswith(f"Exercise {key}: not yet.") and verdict.hint and "Hint:" in str(verdict)
+
+
+def test_break_even_without_the_p_minus_1_floor_fails():
+    """Exercise 4.1's crossing formula alone, where 1F1B is faster from m = p on (p = 4, T_F = 1, T_B = 3,
+    T_W = 2, T_BW = 3.2), gives 2, not the p - 1 = 3 the statement asks for."""
+    verdict = ex.EXERCISES["4.1"](lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1)
+    assert not verdict.ok and "(4, 1.0, 3.0, 2.0, 3.2)" in str(verdict)
 
 
 @pytest.mark.parametrize("key", sorted(CASES))

@@ -35,11 +35,12 @@ def _auto(limit: float):
 def bw_break_even(fn: Any) -> Verdict:
     """Exercise 4.1: ``largest_m(p, f, b, w, bw)``, the most microbatches (m >= p) for which ZB-H1 (split)
     is strictly faster than 1F1B (fused T_BW = bw < T_B + T_W), T_comm = 0, T_W on either side of T_F;
-    checked against both simulations at nine points (the paper's costs, two ties, three with T_W > T_F,
-    where ZB-H1's bubble is (p-1) T_B: lesson 3)."""
+    checked against both simulations at ten points (the paper's costs, two ties, three with T_W > T_F,
+    where ZB-H1's bubble is (p-1) T_B: lesson 3, and one where 1F1B is faster from m = p on)."""
     points = [(4, 1.0, 1.0, 1.0, 1.55), (2, 1.0, 1.2, 0.6, 1.45), (8, 18.522, 18.086, 9.337, 24.0),
               (5, 2.0, 1.5, 1.0, 2.2), (3, 1.0, 0.5, 0.8, 1.0), (4, 1.0, 1.0, 1.0, 1.5),   # a tie at m = 9
-              (4, 1.0, 1.0, 1.5, 2.3), (3, 1.0, 2.0, 1.5, 3.0), (5, 1.0, 1.5, 2.0, 3.0)]  # T_W > T_F; tie: 8
+              (4, 1.0, 1.0, 1.5, 2.3), (3, 1.0, 2.0, 1.5, 3.0), (5, 1.0, 1.5, 2.0, 3.0),  # T_W > T_F; tie: 8
+              (4, 1.0, 3.0, 2.0, 3.2)]   # they cross below m = p: none is faster, p - 1
 
     def largest(p, f, b, w, bw):
         c, m = Costs(f=f, b=b, w=w, bw=bw), p
