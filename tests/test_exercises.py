@@ -33,7 +33,7 @@ STRICT = [[f"{r}{kind}{k}" for k in range(4) for kind in ("F", "BW")] for r in r
 
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
-    "1.1": (1 + 36 + 1 + 2, 1 + 36 + 2),            # the wrong one misses rank 1's wait for a gradient
+    "1.1": (lambda p, m, s: 6 * m + p - 1 + 2 * s, lambda p, m, s: 6 * m + 2 * s),   # misses the warm-up wait
     "1.2": (lambda p, c: _best_m_by_hand(p, c),     # the wrong one: sqrt(72(p - 1)/c) rounded, no comparison
             lambda p, c: max(1, round(math.sqrt(72 * (p - 1) / c)))),
     "1.3": (LEAN, SHORT_WARM_UP),                   # 1F1B with shorter warm-ups: within the limit, but 24
@@ -467,6 +467,9 @@ def _sends_from_placement(place, r):
 _zb_v = functools.cache(lambda p, m: zb.build_schedule("zb-v", p, m))
 
 SIMULATED = {  # function answers that ask the package instead of deriving: each exactly right at every point
+    "1.1": lambda p, m, s: zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(
+        f=[2.0 if i == s else 1.0 for i in range(p)], b=[2.0 if i == s else 1.0 for i in range(p)],
+        w=[2.0 if i == s else 1.0 for i in range(p)])).makespan,
     "3.3": lambda p, m, f, b, w: (zb.simulate(zb.build_schedule("zb-h2", p, m), zb.Costs(f=f, b=b, w=w)).makespan
                                   - m * (f + b + w)),
     "5.3": lambda p, m, t: zb.simulate(_zb_v(p, m), zb.Costs(f=t, b=t, w=t)).makespan,

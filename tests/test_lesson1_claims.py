@@ -84,3 +84,14 @@ def test_exercise_1_3_s_bound_is_attained_and_1f1b_with_shorter_warm_ups_misses_
     short = tuple(tuple(zb.Action.from_text(f"{r}{a}") for a in row.split())
                   for r, row in enumerate((warm_2, warm_2, "F0 BW0 F1 BW1 F2 BW2 F3 BW3")))
     assert spans[short] == 24.0
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 9])
+def test_1f1b_with_one_stage_twice_as_slow_takes_6m_plus_p_minus_1_plus_2s(p):
+    """Exercise 1.1's closed form: T_F = 1, T_BW = 2, stage s at twice both: the slow rank's 6m, s before it
+    starts, p - 1 - s waiting in its warm-up, 2s after its last BW (T_comm = 0, m >= p)."""
+    for s in range(p):
+        slow = [2.0 if i == s else 1.0 for i in range(p)]
+        for m in (p, p + 1, 2 * p, 3 * p + 1):
+            span = zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(f=slow, b=slow, w=slow)).makespan
+            assert span == 6 * m + p - 1 + 2 * s, (p, m, s)

@@ -12,23 +12,48 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _alone, _function_check, _hand_schedule, _number_check, course_cache
+from .checks import (Verdict, _alone, _function_check, _hand_schedule, _with_fresh,
+                     course_cache)
 
 
 SLOW_MIDDLE = Costs(f=[1.0, 2.0, 1.0], b=[1.0, 2.0, 1.0], w=[1.0, 2.0, 1.0])
-"""Exercise 1.1's costs: p = 3 stages, T_F = 1 and a fused T_BW = 2, but stage 1 twice as slow."""
+"""Exercise 1.1's reveal: p = 3 stages, T_F = 1 and a fused T_BW = 2, but stage 1 twice as slow."""
 
 
-def makespan_1f1b(answer: Any) -> Verdict:
-    """Exercise 1.1: 1F1B's makespan for p = 3, m = 6, T_F = 1, T_BW = 2 (twice on stage 1:
-    :data:`SLOW_MIDDLE`), T_comm = 0; predicted."""
-    expected = simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE).makespan
-    return _number_check(
-        "1.1", answer, expected, "1F1B's makespan with a slow stage 1",
-        "which rank sets the pace? Start from its own work, then add the time it cannot overlap with it: "
-        "what must run before it can start, what runs after it ends, and any moment it waits for another "
-        "rank.",
-    )
+def _slow_stage(p: int, s: int) -> Costs:
+    """T_F = T_B = T_W = 1 (T_BW = 2) on every stage but ``s``, where each is 2."""
+    costs = [2.0 if stage == s else 1.0 for stage in range(p)]
+    return Costs(f=costs, b=costs, w=costs)
+
+
+def makespan_1f1b(fn: Any) -> Verdict:
+    """Exercise 1.1: ``slow_1f1b(p, m, s)``, 1F1B's makespan on p >= 2 ranks, m >= p microbatches, T_F = 1
+    and T_BW = 2 except on stage ``s``, where both are twice that, T_comm = 0; checked against the simulator
+    for p = 2 to 5, every s, m = p and 2p + 1, at p = 3, m = 6, s = 1 (:data:`SLOW_MIDDLE`, the reveal's
+    case) and at points drawn afresh up to p = 12, the package out of bounds. The slow rank works 6m; it
+    starts after s forwards of 1, waits p - 1 - s in its warm-up (microbatch 0 goes on down and back, 3 a
+    stage, while it runs p - 1 - s more forwards of 2), and its last BW's gradient goes back through s
+    stages of BW 2: 6m + p - 1 + 2s (tests/test_lesson1_claims.py). Dropping the warm-up wait, or counting
+    the way back at T_F, gets its own message."""
+    fixed = [(p, m, s) for p in range(2, 6) for s in range(p) for m in (p, 2 * p + 1)] + [(3, 6, 1)]
+
+    def draw(rng):
+        p = rng.randint(6, 12)
+        return p, rng.randint(p, 3 * p), rng.randint(0, p - 1)
+
+    def expected(p, m, s):
+        return simulate(build_schedule("1f1b", p, m), _slow_stage(p, s)).makespan
+
+    known = [(lambda p, m, s: 6 * m + 3 * s,
+              "the slow rank's own work plus the way down to it and back is not all: in its warm-up it "
+              "runs out of forwards before microbatch 0's gradient comes back."),
+             (lambda p, m, s: 6 * m + p - 1 + s,
+              "after the slow rank's last BW, its gradient still goes back through the stages before it, "
+              "each running a BW, not an F.")]
+    return _function_check("1.1", fn, _with_fresh(fixed, draw, 3), expected, "slow_1f1b(p, m, s)",
+                           "which rank sets the pace? Start from its own work, then add the time it cannot "
+                           "overlap with it: what must run before it can start, what runs after it ends, and "
+                           "any moment it waits for another rank.", known=known)
 
 
 LEAN_LIMIT = 2
