@@ -64,7 +64,8 @@ CASES = {
             lambda p, m, t: 6 * m * t + max(0, 2 * p - 1 - m) * t),   # the old answer: right for m >= p only
     "6.1": (lambda p, v, m: (2 * m * (v * p - 1) * (p > 1), 2 * m * v * (p - 1)),
             lambda p, v, m: (2 * m * (v * p - 1), 2 * m * v * (p - 1))),   # the looped count at p = 1: 2m(v - 1)
-    "6.2": (3 / 16, 0.375),   # 24 + 9/v + 2(4v - 1)c: v = 2 and 3 tie where 1.5 = 8c; 0.375: each link once
+    "6.2": (lambda p, v: 3 * (p - 1) / (2 * p * v * (v + 1)),
+            lambda p, v: 3 * (p - 1) / (p * v * (v + 1))),   # 3m + 3(p-1)/v + 2(vp-1)c; the wrong: each link once
     "6.3": (lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r), lambda p, v, m, r: v * (p - r)),   # v(p - r): 1F1B's
     "7.1": (lambda p, s: (0 if s else 1, p - 1 if s < p - 1 else p - 2),   # the wrong one: (0, p - 1),
             lambda p, s: (0, p - 1)),                                       # right for a middle stage only
@@ -389,18 +390,15 @@ def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
 
 
 def test_exercise_6_2_refuses_miscounted_links_and_accepts_the_critical_path_derivation():
-    """The T_comm where v = 3 ties v = 2 (p = 4, m = 8): 24 + 9/v + 2(4v - 1)c gives 1.5 = 8c, c = 3/16,
-    as a number or a fraction; links counted once (the way down only: 1.5 = 4c) and p - 1 links a pass
-    without the hop back to rank 0 (1.5 = 6c) are told what they miss; a v, the old exercise's answer,
-    is not an attempt."""
-    for right in (3 / 16, "3/16", 0.1875):
-        assert ex.interleaved_crossover(right).ok
-    once, no_wrap = ex.interleaved_crossover(0.375), ex.interleaved_crossover(0.25)
-    assert not once and once.attempt and "once" in once.message
-    assert not no_wrap and no_wrap.attempt and "rank p-1 back to rank 0" in no_wrap.message
-    for guessed in (2, 3, 0.125):
-        verdict = ex.interleaved_crossover(guessed)
-        assert not verdict and verdict.hint and "is not" in verdict.message, guessed
+    """tie(p, v) = 3(p - 1) / (2p v (v + 1)) passes (3/16 at p = 4, v = 2); links counted once (the way down
+    only) and p - 1 links a pass without the hop back to rank 0 are told what they miss; the old exercise's
+    number is not a function."""
+    assert ex.interleaved_crossover(lambda p, v: 3 * (p - 1) / (2 * p * v * (v + 1))).ok
+    once = ex.interleaved_crossover(lambda p, v: 3 * (p - 1) / (p * v * (v + 1)))
+    no_wrap = ex.interleaved_crossover(lambda p, v: 3 / (2 * v * (v + 1)))
+    assert not once and "once" in once.message
+    assert not no_wrap and "rank p-1 back to rank 0" in no_wrap.message
+    assert not ex.interleaved_crossover(3 / 16)
 
 
 def test_exercise_6_3_tells_patterns_fitted_from_v_1_from_the_derivation():
@@ -462,11 +460,21 @@ def _sends_from_placement(place, r):
     return down + sum(place[s] == r != place[s - 1] for s in range(1, len(place)))
 
 
+def _simulated_tie(p, v):
+    """Where v + 1 stages per rank tie v in interleaved 1F1B (m = 2p), from simulated makespans, each linear
+    in T_comm up to a stage's T_F."""
+    span = lambda vv, c: zb.simulate(zb.build_schedule("interleaved-1f1b", p, 2 * p, stages_per_rank=vv),  # noqa: E731
+                                     zb.Costs(f=1 / vv, b=1 / vv, w=1 / vv, comm=c)).makespan
+    probe, gap = 0.5 / (v + 1), span(v, 0.0) - span(v + 1, 0.0)
+    return gap / ((span(v + 1, probe) - span(v, probe) + gap) / probe)
+
+
 # ZB-V built once per (p, m) for the answers below (its search takes seconds at p = 8): 5.3 asks twice per
 # point (two t's), 5.1 once per rank. The guard test clears it, so its first call reaches the package.
 _zb_v = functools.cache(lambda p, m: zb.build_schedule("zb-v", p, m))
 
 SIMULATED = {  # function answers that ask the package instead of deriving: each exactly right at every point
+    "6.2": lambda p, v: _simulated_tie(p, v),
     "1.1": lambda p, m, s: zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(
         f=[2.0 if i == s else 1.0 for i in range(p)], b=[2.0 if i == s else 1.0 for i in range(p)],
         w=[2.0 if i == s else 1.0 for i in range(p)])).makespan,

@@ -104,3 +104,19 @@ def test_the_recorded_gpt_job_cannot_rank_the_schedules():
     assert not any(high < 1 for _, _, high in gpt["vs_1f1b"].values())
     price = gpt["split_price"]
     assert price["stages_alone"] < 1 < price["in_pipeline"]["ratio"] and price["in_pipeline"]["schedule"] == "zb-h2"
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 6, 9, 12])
+def test_interleaved_v_plus_1_ties_v_at_3_p_minus_1_over_2p_v_v_plus_1(p):
+    """Exercise 6.2's closed form: with a stage's T_F = T_B = T_W = 1/v and m a multiple of p, v + 1 stages
+    per rank and v take equal time at T_comm = 3(p - 1) / (2p v (v + 1)) for v >= 2, v + 1 faster just below
+    and slower just above (at v = 1, T_comm that large is no longer hidden in the steady state)."""
+    from zbpp_lite.course.lesson6 import _tie
+
+    for v in (2, 3, 4, 5):
+        for m in (p, 2 * p):
+            span = lambda vv, c: zb.simulate(zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=vv),  # noqa: E731
+                                             zb.Costs(f=1 / vv, b=1 / vv, w=1 / vv, comm=c)).makespan
+            c = _tie(p, v)
+            assert abs(span(v, c) - span(v + 1, c)) < 1e-9, (p, v, m)
+            assert span(v + 1, 0.9 * c) < span(v, 0.9 * c) and span(v + 1, 1.1 * c) > span(v, 1.1 * c)

@@ -14,12 +14,12 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.ir import looped_placement
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _called, _function_check, _function_missing, _number_check, _with_fresh,
+from .checks import (Verdict, _called, _function_check, _function_missing, _with_fresh,
                      course_cache)
 
 
 INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, compared=(2, 3))
-"""Exercise 6.2's case: interleaved 1F1B, p = 4, m = 8, a whole rank's T_F = T_B = T_W = 1 (each of v
+"""Exercise 6.2's reveal: interleaved 1F1B, p = 4, m = 8, a whole rank's T_F = T_B = T_W = 1 (each of v
 stages per rank costs 1/v of it), T_comm = c; v = 2 against v = 3, for c up to one stage's T_F."""
 
 
@@ -45,38 +45,36 @@ def _interleaved_span(v: int, comm: float) -> float:
     return simulate(plan, Costs(f=cost, b=cost, w=cost, comm=comm)).makespan
 
 
-@course_cache(maxsize=1)
-def _crossover() -> tuple[float, float, float]:
-    """(c*, the makespans' gap at T_comm = 0, how much faster the gap closes per unit of T_comm): the T_comm
-    at which :data:`INTERLEAVED_CASE`'s two v's tie, from simulated makespans, each linear in T_comm while
-    T_comm is at most a stage's T_F (checked at c*)."""
-    fewer, more = INTERLEAVED_CASE["compared"]
-    probe = 0.5 * INTERLEAVED_CASE["whole_rank"] / more  # within both v's linear range
-    gap = _interleaved_span(fewer, 0.0) - _interleaved_span(more, 0.0)
-    closing = (_interleaved_span(more, probe) - _interleaved_span(fewer, probe) + gap) / probe
-    tie = gap / closing
-    assert abs(_interleaved_span(fewer, tie) - _interleaved_span(more, tie)) <= 1e-9, "not linear up to c*"
-    return tie, gap, closing
+def _tie(p: int, v: int) -> float:
+    """The T_comm at which interleaved 1F1B with v + 1 stages per rank is as fast as with v (a stage's
+    T_F = T_B = T_W = 1/v, m a multiple of p): 3(p - 1) / (2p v (v + 1)), tests/test_lesson6_claims.py
+    against the simulator."""
+    return 3 * (p - 1) / (2 * p * v * (v + 1))
 
 
-def interleaved_crossover(answer: Any) -> Verdict:
-    """Exercise 6.2: the T_comm up to which interleaved 1F1B with v = 3 stages per rank is at least as fast as
-    with v = 2 on :data:`INTERLEAVED_CASE`; predicted, which needs the makespan as a function of v and T_comm
-    (which transfers lie on the critical path). Derivations that miscount the links get their own message:
-    each link counted once (the way down only), and the passes' p - 1 links without the hop from the last
-    rank back to the first."""
-    tie, gap, _ = _crossover()
-    p = INTERLEAVED_CASE["num_ranks"]
+def interleaved_crossover(fn: Any) -> Verdict:
+    """Exercise 6.2: ``tie(p, v)``, the T_comm at which interleaved 1F1B with v + 1 stages per rank is exactly
+    as fast as with v (v >= 2; below it v + 1 is faster), a stage's T_F = T_B = T_W = 1/v (a whole rank's 1)
+    and m a multiple of p; predicted, which needs the makespan as a function of v and T_comm (which
+    transfers lie on the critical path: vp - 1 links each way). Checked at p = 2 to 6, v = 2 to 4 and at
+    points drawn afresh up to p = 12, the package out of bounds. Derivations that miscount the links get
+    their own message: each link counted once (the way down only), and the passes' p - 1 links without the
+    hop from the last rank back to the first."""
+    fixed = [(p, v) for p in range(2, 7) for v in (2, 3, 4)]
+
+    def draw(rng):
+        return rng.randint(7, 12), rng.randint(2, 5)
+
     hint = ("write the makespan for v stages per rank: the bubble (p-1)(T_F+T_B+T_W)/v, plus T_comm for "
             "every transfer no action hides. Which links does the first microbatch's forward cross, and the "
-            "last one's backward? Set the v = 2 and v = 3 makespans equal.")
-    known = {
-        gap / p: ("that counts each link once; the critical path crosses them going down (the first "
-                  "microbatch's F) and again coming back (the last one's backward).", hint),
-        gap / (2 * (p - 1)): ("that counts p - 1 links per pass over the ranks, the same for every v; "
-                              "between two passes the hop from rank p-1 back to rank 0 is a link too.", hint),
-    }
-    return _number_check("6.2", answer, tie, "the T_comm at which v = 3 and v = 2 tie", hint, known=known)
+            "last one's backward? Set the v and v + 1 makespans equal.")
+    known = [(lambda p, v: 2 * _tie(p, v),
+              "that counts each link once; the critical path crosses them going down (the first "
+              "microbatch's F) and again coming back (the last one's backward)."),
+             (lambda p, v: 3 / (2 * v * (v + 1)),
+              "that counts p - 1 links per pass over the ranks; between two passes the hop from rank p-1 "
+              "back to rank 0 is a link too.")]
+    return _function_check("6.2", fn, _with_fresh(fixed, draw, 3), _tie, "tie(p, v)", hint, known=known)
 
 
 @course_cache(maxsize=128)
