@@ -45,7 +45,8 @@ CASES = {
                           + sum(2 * n * w[k + 1] * w[k + 2] for k in range(1, len(w) - 2, 2))),
             lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
                           + sum(2 * n * a * b for a, b in zip(w[1:], w[2:])))),   # rebuilds every one
-    "2.3": (0.36, 1.0),                             # (64*16 + 16*8) / (32*64 + 64*16 + 16*8); 1.0 makes dx too
+    "2.3": (lambda w: sum(a * b for a, b in zip(w[1:], w[2:])) / sum(a * b for a, b in zip(w, w[1:])),
+            lambda w: 1.0),                         # B skips the first layer's dx product; 1.0 makes dx too
     "3.1": (lambda p, m, f, b, w: p * (f + b) + w + (m - 1) * (b + max(f, w)),   # the wrong one: right
             lambda p, m, f, b, w: (m + p - 1) * (f + b) + w),                     # only while T_W <= T_F
     "3.2": (lambda p, m, r, mw: max(2 * (p - r) - 1 + 2 * r * mw, 2 * (p - r) - 2 + (2 * r + 1) * mw),
@@ -301,10 +302,10 @@ def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_f
     part = ex.mw_over_mb(lambda w: sum(w[:-1]) / (sum(w[:-1]) + sum(w[1:-1])))    # M_W as a part of M_B
     assert not part.ok and "more than that" in part.message
     assert ex.MLP_RATIO == 1.2
-    for copied in (0.5, 2 / 3):   # the old two-layer MLP's 1/2; "drops one of three products"
+    for copied in (0.36, lambda w: 0.36, lambda w: 0.5):   # the reveal's number, as a number or everywhere
         assert not ex.first_stage_b_ratio(copied).ok
-    for natural, says in ((1, "middle stage"), (2 / 3, "as equal")):   # the misconceptions the reveal corrects
-        verdict = ex.first_stage_b_ratio(natural)
+    for natural, says in ((lambda w: 1, "middle stage"), (lambda w: (len(w) - 2) / (len(w) - 1), "as equal")):
+        verdict = ex.first_stage_b_ratio(natural)          # the misconceptions the reveal corrects
         assert not verdict.ok and verdict.attempt and says in verdict.message
 
 
@@ -451,8 +452,8 @@ def test_reveal_shows_the_simulation_only_after_a_real_attempt(key, capsys):
     for tried in CASES[key]:                        # the right answer, and a wrong one worked out
         fig = ex.reveal(key, tried)
         assert fig.data and fig.layout.title.text
-    assert ex.reveal("2.3", 0.5, show=lambda: "shown") == "shown"
-    assert ex.reveal("2.3", 0, show=lambda: "shown") is None
+    assert ex.reveal("2.3", lambda w: 0.5, show=lambda: "shown") == "shown"
+    assert ex.reveal("2.3", ..., show=lambda: "shown") is None
 
 
 def _sends_from_placement(place, r):

@@ -7,7 +7,7 @@ import itertools
 from typing import Any, Callable, Sequence
 
 
-from .checks import Verdict, _function_check, _number_check
+from .checks import Verdict, _function_check, _with_fresh
 
 
 MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
@@ -16,7 +16,7 @@ MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
 
 
 FIRST_STAGE_WIDTHS = (32, 64, 16, 8)
-"""Exercise 2.3's first stage: three layers ``z_l = a_l @ weight_l`` of these widths (2.1's convention)."""
+"""Exercise 2.3's reveal: three layers ``z_l = a_l @ weight_l`` of these widths (2.1's convention)."""
 
 
 def _matmul(rows: int, inner: int, cols: int) -> int:
@@ -90,21 +90,32 @@ def w_flops_without_kept_gradients(fn: Any) -> Verdict:
                          "where its output gradient comes from at the edge of the stage.")
 
 
-def first_stage_b_ratio(answer: Any) -> Verdict:
-    """Exercise 2.3: on the *first* stage (no dx needed), B's matmul flops over F's for the stack
-    :data:`FIRST_STAGE_WIDTHS` on :data:`MLP_TOKENS` tokens; predicted."""
-    n, w = MLP_TOKENS, FIRST_STAGE_WIDTHS
-    f = sum(_matmul(n, a, b) for a, b in itertools.pairwise(w))
-    b = sum(_matmul(n, b, a) for a, b in itertools.pairwise(w[1:]))  # dz_{l+1} @ weight_{l+1}.T; no dx
+def first_stage_b_ratio(fn: Any) -> Verdict:
+    """Exercise 2.3: ``first_stage_ratio(widths)``, on the *first* stage (no dx needed) B's matmul flops over
+    F's for ``len(widths) - 1`` layers ``z_l = a_l @ weight_l`` without GELU (2.1's convention; the tokens
+    cancel): B skips only the first layer's dx product, so sum over l >= 1 of widths[l] widths[l + 1] over
+    the sum over every l. Checked on :data:`FIRST_STAGE_WIDTHS` (the reveal's, 0.36), :data:`WIDTH_LISTS`
+    past one layer and three lists drawn afresh, the package out of bounds; a middle stage's 1 and the
+    layers counted as equal get their own message."""
+    def ratio(w):
+        products = [a * b for a, b in itertools.pairwise(w)]
+        return sum(products[1:]) / sum(products)
+
     hint = ("ask who reads each of B's products: W, or the previous stage. On the first stage one of "
             "those readers is missing; which products served only it, and how large are they beside the "
             "others?")
-    layers = len(w) - 1
-    known = {1.0: ("1 is a middle stage's B, a product per layer as F has: the first stage skips one.", hint),
-             (layers - 1) / layers: (f"{layers - 1}/{layers} counts the {layers} products as equal: they "
-                                     "are not, and the one skipped is not the smallest.", hint)}
-    return _number_check("2.3", answer, b / f, "B's matmul flops over F's on the first stage", hint,
-                         known=known)
+    known = [(lambda w: 1.0,
+              "1 is a middle stage's B, a product per layer as F has: the first stage skips one."),
+             (lambda w: (len(w) - 2) / (len(w) - 1),
+              "(layers - 1)/layers counts the products as equal: they are not, and the one skipped is not "
+              "the smallest.")]
+    fixed = [(list(w),) for w in (FIRST_STAGE_WIDTHS, *WIDTH_LISTS) if len(w) > 2]
+
+    def draw(rng):   # two to five layers of widths 1 to 128
+        return ([rng.randint(1, 128) for _ in range(rng.randint(3, 6))],)
+
+    return _function_check("2.3", fn, _with_fresh(fixed, draw, 3), lambda w: ratio(w),
+                           "first_stage_ratio(widths)", hint, known=known)
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
