@@ -452,7 +452,10 @@ def test_reveal_shows_the_simulation_only_after_a_real_attempt(key, capsys):
     for tried in CASES[key]:                        # the right answer, and a wrong one worked out
         fig = ex.reveal(key, tried)
         assert fig.data and fig.layout.title.text
+    if callable(CASES[key][0]):                     # a function whose body is still `return ...`
+        assert ex.reveal(key, lambda *args: ...) is None and "real attempt" in capsys.readouterr().out
     assert ex.reveal("2.3", lambda w: 0.5, show=lambda: "shown") == "shown"
+    assert ex.reveal("2.3", lambda w: ..., show=lambda: "shown") is None
     assert ex.reveal("2.3", ..., show=lambda: "shown") is None
 
 

@@ -399,8 +399,8 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
         (kind, *columns), rest = args[0], args[1:]
         spmd_s, idle_s = fastest(program, *args, n=3), fastest(program, (0 * kind, *columns), *rest, n=3)
         mpmd_s = fastest(lambda: executor.run(model.params, X, Y).loss, n=3)
-        print(f"{name:>6}: simulated MPMD {mpmd * 1e3:.1f} ms, lockstep {lock * 1e3:.1f} ms "
-              f"(+{lock / mpmd - 1:.0%}); measured step: MPMD executor {mpmd_s * 1e3:.1f} ms, your SPMD "
+        print(f"{name:>6}: simulated event-driven {mpmd * 1e3:.1f} ms, lockstep {lock * 1e3:.1f} ms "
+              f"(+{lock / mpmd - 1:.0%}); measured step: MPMD executor {mpmd_s * 1e3:.1f} ms, SPMD "
               f"program {spmd_s * 1e3:.1f} ms, of which all idle {idle_s * 1e3:.1f} ms "
               f"({idle_s / len(kind[0]) * 1e3:.2f} ms a tick) and the rest {(spmd_s - idle_s) * 1e3:.1f} ms")
         figures[name] = dict(event=mpmd, lockstep=lock, mpmd=mpmd_s, spmd=spmd_s, idle=idle_s)

@@ -255,6 +255,9 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
         got, refused = _called(exercise, fn, point, hint)
         if refused is not None:
             return refused
+        if got is None or got is Ellipsis:   # the template's body, still `return ...`: not an attempt yet
+            return Verdict(exercise, False, f"at {point} your function returned {got!r}: replace the ... in "
+                           "its body.", hint, attempt=False)
         want = expected(*point)
         if isinstance(want, tuple):   # a pair or more of numbers, compared one by one
             numbers_got = _as_numbers(got, len(want))

@@ -87,9 +87,9 @@ def interleaved_peak(fn: Any) -> Verdict:
     """Exercise 6.3: ``peak(p, v, m, r)``, the most forwards' activations (M_B/v each) rank r holds under
     interleaved 1F1B with v stages per rank, m a multiple of p; checked for p = 2..5, v = 1..6, m = p, 2p
     and 3p, every rank, and at six points drawn afresh at each call (p = 6..16, v = 1..6, m = p to 3p). At
-    v = 1 the builder keeps Megatron's warm-up, 2(p - r) - 1 (the lesson shows it). Patterns fitted from
-    v = 1 get their own message (v times it, and v = 1's count for a pipeline of vp ranks), and so does the
-    count without its cap at m = p."""
+    v = 1 the builder keeps Megatron's order, 2(p - r) - 1 forwards before the first BW (the lesson shows
+    it). Patterns fitted from v = 1 get their own message (v times it, and v = 1's count for a pipeline of
+    vp ranks), and so does the count without its cap at m = p."""
     points = [(p, v, k * p, r) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4, 5, 6) for k in (1, 2, 3)
               for r in range(p)]
     why_once = ("v times v = 1's count repeats the wait for the round trip through the ranks after r on "
@@ -99,7 +99,8 @@ def interleaved_peak(fn: Any) -> Verdict:
     known = [(lambda p, v, m, r: v * (2 * (p - r) - 1), why_once),
              (lambda p, v, m, r: 2 * (v * p - r) - 1, why_deep),
              (lambda p, v, m, r: v * (p - r), "v times 1F1B's p - r: at v = 1 the builder keeps Megatron's "
-                                              "warm-up, 2(p - r) - 1, not 1F1B's."),
+                                              "order, 2(p - r) - 1 forwards before the first BW, not "
+                                              "1F1B's p - r."),
              (lambda p, v, m, r: v * p + p - 1 - 2 * r, "right for m >= 2p; at m = p some ranks hold "
                                                         "fewer: how many forwards does rank r run in all?")]
     def draw(rng):  # a point beyond the fixed ones
@@ -111,7 +112,7 @@ def interleaved_peak(fn: Any) -> Verdict:
                            "follow microbatch 0 from rank r's first stage to rank r's first backward, which "
                            "is for its last stage: count the stages it passes on the way down and the way "
                            "back; rank r fills each of those slots with one forward, then runs one more "
-                           "before that backward frees one (Megatron's warm-up, even at v = 1), if it has "
+                           "before that backward frees one (Megatron's order, even at v = 1), if it has "
                            "that many forwards to run.", known=known)
 
 
