@@ -3,8 +3,8 @@
 "Keeping the pullback": inside a ``shard_map`` program, a treedef traced once, buffers sized by
 ``jax.eval_shape`` and F's inputs cast to varying keep each microbatch's pullback in a row, and B
 rebuilt from that row gives ``jax.vjp``'s dx, with no collective inside a branch. "Toward a model of
-your own": dropout keys folded from the step's key, the stage and the microbatch repeat for the same
-three and differ otherwise; ``nnx.split`` / ``nnx.merge`` carry a module's arrays and rebuild it.
+your own": the package's dropout keys, folded from the step's key, the microbatch and the part, repeat
+for the same three and differ otherwise; ``nnx.split`` / ``nnx.merge`` carry a module's arrays and rebuild it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from zbpp_lite import course as ex
 from zbpp_lite.course import bench
 from zbpp_lite.runtime.spmd import shard_map, to_varying as vary
+from zbpp_lite.runtime.stages import dropout_keys
 
 p, m, samples, d = (ex.V_CASE[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
 
@@ -61,12 +62,14 @@ def test_a_pullback_kept_in_rows_inside_the_program_gives_jax_vjps_dx_with_no_co
 
 
 def test_dropout_keys_repeat_for_the_same_step_stage_and_microbatch_and_differ_otherwise():
-    def mask(step_key, stage, j):
-        return jax.random.bernoulli(jax.random.fold_in(jax.random.fold_in(step_key, stage), j), 0.9, (samples, d))
-    step, other_step = jax.random.key(7), jax.random.key(8)
-    assert (mask(step, 1, 3) == mask(step, 1, 3)).all()                    # F and its rerun agree
-    for other in (mask(step, 1, 4), mask(step, 2, 3), mask(other_step, 1, 3)):
-        assert (mask(step, 1, 3) != other).any()
+    """The package's keys (runtime.stages.dropout_keys: the step's key folded with microbatch j, then with
+    the part, as StagedModel.apply_part draws), which lesson 10's fold_in recipe describes."""
+    def mask(step, part, j):
+        key = jax.random.fold_in(dropout_keys(7, step, m)[j], part)
+        return jax.random.bernoulli(key, 0.9, (samples, d))
+    assert (mask(0, 1, 3) == mask(0, 1, 3)).all()                          # F and its rerun agree
+    for other in (mask(0, 1, 4), mask(0, 2, 3), mask(1, 1, 3)):           # another microbatch, part, step
+        assert (mask(0, 1, 3) != other).any()
 
 
 def test_nnx_split_and_merge_carry_a_modules_arrays_and_rebuild_it():

@@ -28,6 +28,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
+from ..schedules.costs import Costs
+
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,13 @@ class Verdict:
 
 def _unanswered(answer: Any) -> bool:
     return answer is None or answer is Ellipsis
+
+
+def _one_slow_stage(p: int, slow: int) -> Costs:
+    """Unit T_F = T_B = T_W (T_BW = 2) on p stages but stage ``slow``, where each is 2: the one slow stage
+    of exercises 1.1 and 7.1."""
+    costs = [2.0 if s == slow else 1.0 for s in range(p)]
+    return Costs(f=costs, b=costs, w=costs)
 
 
 def _as_number(answer: Any) -> float | None:
@@ -255,7 +264,7 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
         got, refused = _called(exercise, fn, point, hint)
         if refused is not None:
             return refused
-        if got is None or got is Ellipsis:   # the template's body, still `return ...`: not an attempt yet
+        if _unanswered(got):   # the template's body, still `return ...`: not an attempt yet
             return Verdict(exercise, False, f"at {point} your function returned {got!r}: replace the ... in "
                            "its body.", hint, attempt=False)
         want = expected(*point)

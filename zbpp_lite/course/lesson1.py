@@ -12,18 +12,12 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import (Verdict, _alone, _function_check, _hand_schedule, _with_fresh,
+from .checks import (Verdict, _alone, _function_check, _hand_schedule, _one_slow_stage, _with_fresh,
                      course_cache)
 
 
-SLOW_MIDDLE = Costs(f=[1.0, 2.0, 1.0], b=[1.0, 2.0, 1.0], w=[1.0, 2.0, 1.0])
+SLOW_MIDDLE = _one_slow_stage(3, 1)
 """Exercise 1.1's reveal: p = 3 stages, T_F = 1 and a fused T_BW = 2, but stage 1 twice as slow."""
-
-
-def _slow_stage(p: int, s: int) -> Costs:
-    """T_F = T_B = T_W = 1 (T_BW = 2) on every stage but ``s``, where each is 2."""
-    costs = [2.0 if stage == s else 1.0 for stage in range(p)]
-    return Costs(f=costs, b=costs, w=costs)
 
 
 def makespan_1f1b(fn: Any) -> Verdict:
@@ -42,7 +36,7 @@ def makespan_1f1b(fn: Any) -> Verdict:
         return p, rng.randint(p, 3 * p), rng.randint(0, p - 1)
 
     def expected(p, m, s):
-        return simulate(build_schedule("1f1b", p, m), _slow_stage(p, s)).makespan
+        return simulate(build_schedule("1f1b", p, m), _one_slow_stage(p, s)).makespan
 
     known = [(lambda p, m, s: 6 * m + 3 * s,
               "the slow rank's own work plus the way down to it and back is not all: in its warm-up it "

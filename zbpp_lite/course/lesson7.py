@@ -8,14 +8,13 @@ from typing import Any, Callable, Sequence
 
 
 from ..schedules.builders import build_schedule
-from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import (Verdict, _as_number, _called, _function_check, _function_missing, _unanswered,
-                     _with_fresh, course_cache)
+from .checks import (Verdict, _as_number, _called, _function_check, _function_missing, _one_slow_stage,
+                     _unanswered, _with_fresh, course_cache)
 
 
-SLOW_MIDDLE_STAGE = Costs(f=[1, 1, 2, 1], b=[1, 1, 2, 1], w=[1, 1, 2, 1])
+SLOW_MIDDLE_STAGE = _one_slow_stage(4, 2)
 """Exercise 7.1's drawn case: ZB-H1 on p = 4, m = 8 with stage 2 twice as slow as the others (the lesson
 plants and draws the slow stage at the front; no figure or output of it shows this case)."""
 
@@ -24,8 +23,7 @@ plants and draws the slow stage at the front; no figure or output of it shows th
 def _idlest(p: int, slow: int) -> tuple[int, int]:
     """(the fast rank idling longest, the fast rank idling least) in ZB-H1 on p ranks, m = 2p, stage ``slow``
     at twice the others' unit costs."""
-    costs = [2.0 if s == slow else 1.0 for s in range(p)]
-    idle = simulate(build_schedule("zb-h1", p, 2 * p), Costs(f=costs, b=costs, w=costs)).idle_time
+    idle = simulate(build_schedule("zb-h1", p, 2 * p), _one_slow_stage(p, slow)).idle_time
     fast = [r for r in range(p) if r != slow]
     return max(fast, key=lambda r: idle[r]), min(fast, key=lambda r: idle[r])
 
