@@ -418,22 +418,29 @@ def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(v_les
 
 
 def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradients_and_wrong_ones_fail(v_lesson):
-    """Exercise 10.4: the Solutions' own_step (B and W as jax.grad of one scalar, F rerun from its kept input;
-    the embedding and head cast to varying; their gradients and the loss summed after the scan) gives jax's
-    loss and every gradient leaf. Without the cast, jax.grad puts a psum inside the switch's branches: the
-    check refuses it before running (it would hang); the loss not over m and W's sum taken with the wrong
-    dy are refused by name; a body of ``...`` is no answer yet."""
+    """Exercise 10.4: the Solutions' own_step (F keeps its pullback with probes where g, W1, W2 and the head
+    are applied; B calls it; W multiplies by the probes' gradients; the embedding and head cast to varying;
+    their gradients and the loss summed after the scan) gives jax's loss and every gradient leaf, its
+    switch's F, B and W running 3 matrix products each. A B that runs F again inside jax.vjp gives the
+    same gradients and is refused for its products; a W taking the head's gradient by jax.grad without
+    the head cast to varying puts a psum inside the switch's branches: refused before running (it would
+    hang); the loss not over m and a bias gradient averaged, not summed, are refused by name; a body of
+    ``...`` is no answer yet."""
     from zbpp_lite.course import bench
 
     case = ex.OWN_CASE
     right = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
-    assert right and "embedding, blocks and a head" in str(right), str(right)
+    assert right and "3, 3 and 3 matrix products" in str(right), str(right)
+    rerun_b = lambda src: src.replace(  # noqa: E731
+        '            pullback = jax.tree.unflatten(treedef, [b[j] for b in st["kept"]])\n',
+        '            x = jnp.where(first, E[tokens[j]], st["act"][j])\n'
+        '            pullback = jax.vjp(lambda x, e: stage(x, e, j)[0], x, probes)[1]\n')
     no_cast = lambda src: src.replace("E, H, tokens, labels = vary((E, H, tokens, labels))",  # noqa: E731
-                                      "tokens, labels = vary((tokens, labels))")
-    no_m = lambda src: src.replace("labels[j]) / m, jnp.sum", "labels[j]), jnp.sum")  # noqa: E731
-    no_dy = lambda src: src.replace('st["ins"][j], st["grad"][j], j)\n            return {**st, "grads"',  # noqa: E731
-                                    'st["ins"][j], st["act"][j], j)\n            return {**st, "grads"')
-    for edit, word in ((no_cast, "not run"), (no_m, "differs"), (no_dy, "differs")):
+                                      "E, tokens, labels = vary((E, tokens, labels))").replace(
+        "y.T @ dH))", "jax.grad(lambda H: jnp.sum(y @ H * dH))(H)))")   # a gradient for the replicated H
+    no_m = lambda src: src.replace("labels[j]) / m, 0.0)", "labels[j]), 0.0)")  # noqa: E731
+    wrong_in = lambda src: src.replace('"b1": dW1.sum(0)', '"b1": dW1.mean(0)')  # noqa: E731
+    for edit, word in ((rerun_b, "B runs 6"), (no_cast, "not run"), (no_m, "loss is"), (wrong_in, "differs")):
         with _replaced(v_lesson, V_LESSON, "own_step", edit):
             verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)

@@ -282,8 +282,8 @@ def try_own_step(step: Callable, case: dict) -> Any:
     """Exercise 10.4's result: ``step(params, tokens, labels) -> (loss, grads)`` on :func:`own_model`'s
     ``case``: ``{"error": None or text, "loss": its loss, "loss_ref": jax's, "errors": {leaf path: max |g -
     g_ref| / max |g_ref|} (inf: missing or another shape), "shard_maps", "outside": as
-    :meth:`SpmdLab.try_step` gives them}``, or what :func:`_traced_run` returns instead (a collective
-    inside a branch is refused before the program runs: it would hang)."""
+    :meth:`SpmdLab.try_step` gives them, "products": :func:`branch_products`}``, or what :func:`_traced_run`
+    returns instead (a collective inside a branch is refused before the program runs: it would hang)."""
     params, tokens, labels = own_model(case)
     loss_ref, ref = jax.value_and_grad(own_loss)(params, tokens, labels)
     program, out, refused = _traced_run(step, (params, tokens, labels), 2)
@@ -295,7 +295,7 @@ def try_own_step(step: Callable, case: dict) -> Any:
     errors = dict(zip(want, report["stage_errors"]))
     shard_maps, outside = _outside(program.jaxpr)
     return dict(error=None, loss=np.asarray(loss), loss_ref=float(loss_ref), errors=errors,
-                shard_maps=shard_maps, outside=sorted(set(outside)))
+                shard_maps=shard_maps, outside=sorted(set(outside)), products=branch_products(program.jaxpr))
 
 
 def _traced_run(step: Callable, args: tuple, outputs: int) -> tuple:
@@ -323,6 +323,25 @@ def _traced_run(step: Callable, args: tuple, outputs: int) -> tuple:
 def _by_path(tree: Any) -> dict:
     """``{path: leaf}`` of a pytree, each path as ``jax.tree_util.keystr`` writes it."""
     return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def branch_products(jaxpr: Any) -> list[int] | None:
+    """The matrix products (``dot_general``) each branch of ``jaxpr``'s widest ``cond`` runs, the jaxprs it
+    calls counted in: for a tick's ``lax.switch`` over the kind codes (0 idle, 1 F, 2 B, 3 W), what each
+    action costs in products. A B that runs F again inside ``jax.grad`` or ``jax.vjp`` runs F's products
+    and its own. None when ``jaxpr`` has no ``cond`` of four branches or more."""
+    def products(j: Any) -> int:
+        return sum((e.primitive.name == "dot_general") + sum(products(s) for s in inner_jaxprs(e))
+                   for e in j.eqns)
+
+    def switches(j: Any) -> list:
+        return [found for e in j.eqns for found in
+                ([e] if e.primitive.name == "cond" else []) + sum(map(switches, inner_jaxprs(e)), [])]
+
+    widest = max(switches(jaxpr), key=lambda e: len(e.params["branches"]), default=None)
+    if widest is None or len(widest.params["branches"]) < 4:
+        return None
+    return [products(b.jaxpr) for b in widest.params["branches"]]
 
 
 def inner_jaxprs(eqn: Any) -> list:

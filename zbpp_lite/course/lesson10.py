@@ -167,13 +167,16 @@ def own_step(result: Any) -> Verdict:
     :data:`OWN_CASE`'s model (an embedding, a block a rank, a head, cross-entropy on integer labels) as one
     ``shard_map`` program, run by :func:`zbpp_lite.course.bench.try_own_step`. Right when the step is one
     program with no model work outside it, its loss is jax's within
-    :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative) and every gradient leaf is
-    ``jax.grad``'s; the first wrong leaf is named."""
+    :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative), every gradient leaf is ``jax.grad``'s (the
+    first wrong leaf is named), and its tick's switch runs no matrix product twice: B's and W's branches
+    each run at most as many as F's (:func:`zbpp_lite.course.bench.branch_products`; a B or W that runs F
+    again inside ``jax.grad`` or ``jax.vjp`` runs F's products and its own)."""
     hint = ("one jitted shard_map program: the blocks cut by rank, the embedding, head, tokens and labels "
-            "whole and cast to varying first; F runs the embedding where first and the block, and adds the "
-            "microbatch's loss where last; B and W are the gradients of one scalar (the loss where last, "
-            "else the sum of y * dy) with respect to x, and to the parameters; the embedding's and head's "
-            "gradients and the loss summed over the ranks by lax.psum outside every branch.")
+            "whole and cast to varying first; F embeds where first, then runs jax.vjp of the block and "
+            "the loss where last with probes where g, W1, W2 and the head are applied, and keeps the "
+            "pullback's arrays and what W multiplies by; B calls the rebuilt pullback and keeps the probes' "
+            "gradients for W; the embedding's and head's gradients and the loss summed over the ranks by "
+            "lax.psum outside every branch.")
     refused = _step_problem("10.4", result, "own_step", "bench.try_own_step(own_step, ex.OWN_CASE)",
                             "(loss, grads)", hint)
     if refused is not None:
@@ -193,9 +196,21 @@ def own_step(result: Any) -> Verdict:
         name, off = next(iter(wrong.items()))
         return Verdict("10.4", False, f"the gradient {name} differs from jax.grad's (relative difference "
                        f"{off:.1e}; {len(wrong)} of {len(result['errors'])} leaves differ).", hint)
+    products = result.get("products")
+    if products is None:
+        return Verdict("10.4", False, "no lax.switch over the tick's kinds (0 idle, 1 F, 2 B, 3 W) found in "
+                       "the program.", hint)
+    f, b, w = products[1:4]
+    if b > f or w > f:
+        return Verdict("10.4", False, f"the gradients are right, but B runs {b} matrix products and W {w}, "
+                       f"where F runs {f}: work runs twice (F again inside jax.grad or jax.vjp, or W's "
+                       "products in B).", "keep F's pullback for B, as "
+                       "'Keeping the pullback' does, and the gradients at probes where each weight is "
+                       "applied for W, with what each weight multiplies.")
     return Verdict("10.4", True, f"one SPMD program ran ZB-H1 for a model with an embedding, blocks and a "
                    f"head: loss {float(loss):.6f}, jax's {ref:.6f}, every gradient jax.grad's (largest "
-                   f"relative difference {max(result['errors'].values()):.1e}).")
+                   f"relative difference {max(result['errors'].values()):.1e}); F, B and W run {f}, {b} and "
+                   f"{w} matrix products, none again.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": v_ticks, "10.2": routing, "10.3": spmd_v,
