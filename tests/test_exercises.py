@@ -196,7 +196,27 @@ def _stage_totals(costs, counts):
 
 
 def _best_cut(costs, stages):
-    """Exercise 7.3 by hand: of every choice of stages - 1 cut places, the cheapest slowest stage."""
+    """Exercise 7.3 by hand, a second way (the check bisects on the slowest stage): dynamic programming,
+    best[k][i] the cheapest slowest stage of the first i layers cut into k stages."""
+    n, ends = len(costs), [0, *itertools.accumulate(costs)]
+    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+    last = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):                  # stage k holds layers j .. i - 1
+                slowest = max(best[k - 1][j], ends[i] - ends[j])
+                if slowest < best[k][i]:
+                    best[k][i], last[k][i] = slowest, j
+    counts, i = [], n
+    for k in range(stages, 0, -1):
+        counts.append(i - last[k][i])
+        i = last[k][i]
+    return counts[::-1]
+
+
+def _every_cut(costs, stages):
+    """Exercise 7.3 by trying every cut: right, and too slow for a model's depth."""
     n = len(costs)
     cuts = [[b - a for a, b in zip((0, *c), (*c, n))]
             for c in itertools.combinations(range(1, n), stages - 1)]
@@ -440,6 +460,26 @@ def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_sta
     assert ex.balanced_partition([3, 2, 3]).ok and ex.best_split(_best_cut).ok   # a list is fine too
 
 
+def test_the_split_check_stops_trying_every_cut_at_a_models_depth_and_its_bisection_is_exact():
+    """7.3's last case cuts 96 layers into 8 stages (about 1.1e10 cuts): a function trying them all passes
+    every small case and is stopped past 2,000,000 calls, told so; the check's bisection on the slowest
+    stage equals trying every cut on small cases drawn at random, and the dynamic programme on large ones."""
+    import random
+    from zbpp_lite.course import lesson7
+
+    stopped = ex.best_split(_every_cut)
+    assert not stopped and "was stopped" in stopped.message and "96 layers" in stopped.message, str(stopped)
+    assert "not for a model's depth" in stopped.hint
+    rng = random.Random(7)
+    for _ in range(200):
+        costs = [float(rng.randint(1, 9)) for _ in range(rng.randint(1, 9))]
+        stages = rng.randint(1, len(costs))
+        assert lesson7._fewest_slowest(costs, stages) == max(_stage_totals(costs, _every_cut(costs, stages)))
+    for _ in range(5):
+        costs = [float(rng.randint(1, 9)) for _ in range(96)]
+        assert lesson7._fewest_slowest(costs, 8) == max(_stage_totals(costs, _best_cut(costs, 8)))
+
+
 def test_a_function_answer_that_raises_is_not_yet_with_the_error():
     verdict = ex.peak_memory_1f1b(lambda p, m, r, f, bw: 1 / 0)
     assert not verdict.ok and "ZeroDivisionError" in verdict.message
@@ -506,7 +546,7 @@ def test_the_package_guard_leaves_the_profile_hook_and_plain_answers_alone():
 
 @pytest.mark.parametrize("key", sorted(SIMULATED))
 def test_those_package_answers_are_right_so_only_the_guard_refuses_them(key, monkeypatch):
-    monkeypatch.setattr(ex.checks, "_alone", lambda fn, point: fn(*point))
+    monkeypatch.setattr(ex.checks, "_alone", lambda fn, point, calls=None: fn(*point))
     assert ex.EXERCISES[key](SIMULATED[key])
 
 

@@ -139,10 +139,16 @@ class _UsedPackage(Exception):
 _UNWATCHED = "sys.setprofile or sys.settrace (which switch the check's watch off)"
 
 
-def _alone(fn: Callable, point: tuple) -> Any:
+class _OverBudget(Exception):
+    """The learner's function made more calls than :func:`_alone`'s ``calls`` allow."""
+
+
+def _alone(fn: Callable, point: tuple, calls: int | None = None) -> Any:
     """``fn(*point)``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a profile hook;
-    the course's caches answer through one too: :func:`course_cache`) or replaced the hook."""
+    the course's caches answer through one too: :func:`course_cache`) or replaced the hook, and
+    :class:`_OverBudget` once it has made more than ``calls`` function calls (Python's and built-ins')."""
     used: list[str] = []
+    made = [0]
 
     def watch(frame, event, arg):
         if used:
@@ -152,6 +158,10 @@ def _alone(fn: Callable, point: tuple) -> Any:
             used.append(f"zbpp_lite's {code.co_name} ({os.path.relpath(code.co_filename, _PACKAGE)})")
         elif event == "c_call" and arg in (sys.setprofile, sys.settrace):
             used.append(_UNWATCHED)
+        if calls is not None and event in ("call", "c_call"):
+            made[0] += 1
+            if made[0] > calls:
+                raise _OverBudget(calls)
 
     previous = sys.getprofile()
     sys.setprofile(watch)
@@ -165,16 +175,22 @@ def _alone(fn: Callable, point: tuple) -> Any:
     return got
 
 
-def _called(exercise: str, fn: Callable, point: tuple, hint: str) -> tuple[Any, Verdict | None]:
-    """``(fn(*point), None)``, or ``(None, the verdict)`` when it raised or called the package."""
+def _called(exercise: str, fn: Callable, point: tuple, hint: str, calls: int | None = None,
+            where: str | None = None) -> tuple[Any, Verdict | None]:
+    """``(fn(*point), None)``, or ``(None, the verdict)`` when it raised, called the package or made more
+    than ``calls`` calls; ``where`` names the point in the verdict (else the point itself)."""
+    where = str(point) if where is None else where
     try:
-        return _alone(fn, point), None
+        return _alone(fn, point, calls), None
     except _UsedPackage as e:
-        return None, Verdict(exercise, False, f"your function called {e} at {point}: this "
+        return None, Verdict(exercise, False, f"your function called {e} at {where}: this "
                              "exercise asks you to derive the answer, so the check refuses one that asks the "
                              "package (the simulator, a builder, a planner or a closed form).", hint)
+    except _OverBudget as e:
+        return None, Verdict(exercise, False, f"your function made over {e} calls at {where} and was "
+                             "stopped: it would take too long there.", hint)
     except Exception as e:  # noqa: BLE001  (the learner's error is an answer to report, not to raise)
-        return None, Verdict(exercise, False, f"your function raised {type(e).__name__} at {point}: {e}",
+        return None, Verdict(exercise, False, f"your function raised {type(e).__name__} at {where}: {e}",
                              hint)
 
 

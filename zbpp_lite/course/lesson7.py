@@ -4,6 +4,7 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any, Callable, Sequence
 
 
@@ -72,6 +73,10 @@ SPLIT_FRESH = 5
 """How many more exercise 7.3 cases its check draws afresh at each call: 5 to 10 layers costing 1 to 9,
 2 to 4 stages."""
 
+SPLIT_DEEP = dict(layers=96, stages=8, calls=2_000_000)
+"""Exercise 7.3's last case, drawn afresh (costs 1 to 9): a real model's depth, where trying every cut
+(C(95, 7), about 1.1e10) cannot finish; the learner's function is stopped past ``calls`` calls."""
+
 
 def _slowest(costs: Sequence[float], counts: Sequence[int]) -> float:
     """The largest stage total when ``costs`` is cut, front to back, into stages of ``counts`` layers."""
@@ -80,25 +85,41 @@ def _slowest(costs: Sequence[float], counts: Sequence[int]) -> float:
 
 
 def _fewest_slowest(costs: Sequence[float], stages: int) -> float:
-    """The smallest slowest stage over every contiguous cut (exhaustive: the lists are short)."""
-    n = len(costs)
-    return min(_slowest(costs, [b - a for a, b in zip((0, *cuts), (*cuts, n))])
-               for cuts in itertools.combinations(range(1, n), stages - 1))
+    """The smallest slowest stage over every contiguous cut: the least stage total (a sum of neighbouring
+    layers' costs) for which filling each stage up to it, front to back, needs at most ``stages`` stages."""
+    def fits(limit: float) -> bool:
+        used, total = 1, 0.0
+        for c in costs:
+            if c > limit:
+                return False
+            used, total = (used + 1, c) if total + c > limit else (used, total + c)
+        return used <= stages
+
+    ends = [0.0, *itertools.accumulate(costs)]
+    totals = sorted({b - a for i, a in enumerate(ends) for b in ends[i + 1:]})
+    low, high = 0, len(totals) - 1                   # fits(totals[-1]), the whole model, always
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(totals[mid]) else (mid + 1, high)
+    return totals[low]
 
 
-def _split_problem(costs: Sequence[float], stages: int, counts: Any, say_best: bool = True) -> str:
+def _split_problem(costs: Sequence[float], stages: int, counts: Any, say_best: bool = True,
+                   shown: str | None = None) -> str:
     """Why ``counts`` is not an optimal cut of ``costs`` into ``stages`` contiguous stages, or "" (with the
-    best slowest stage where ``say_best``: not where that is the exercise's own question)."""
+    best slowest stage where ``say_best``: not where that is the exercise's own question); ``shown``
+    names the costs in the text (else the list itself)."""
+    shown = str(list(costs)) if shown is None else shown
     try:
         whole = [int(k) for k in counts if _as_number(k) is not None and _as_number(k).is_integer()]
     except TypeError:
         whole = []
     if len(whole) != stages or len(whole) != len(counts) or min(whole) < 1 or sum(whole) != len(costs):
-        return (f"on {list(costs)}, {stages} stage(s): expected {stages} whole layer counts >= 1 adding up "
+        return (f"on {shown}, {stages} stage(s): expected {stages} whole layer counts >= 1 adding up "
                 f"to {len(costs)}, got {counts!r}.")
     slower, best = _slowest(costs, whole), _fewest_slowest(costs, stages)
     if slower > best + 1e-9:
-        return (f"on {list(costs)}, {stages} stage(s): your cut {whole} leaves a stage of {slower:g}; "
+        return (f"on {shown}, {stages} stage(s): your cut {whole} leaves a stage of {slower:g}; "
                 + (f"{best:g} is possible." if say_best else "a cut with a faster slowest stage exists."))
     return ""
 
@@ -123,10 +144,13 @@ def balanced_partition(answer: Any) -> Verdict:
 def best_split(fn: Any) -> Verdict:
     """Exercise 7.3: ``best_split(costs, stages)``, the layers per stage, front to back, of a contiguous cut
     into ``stages`` stages that minimises the slowest (any optimum is right); checked on
-    :data:`SPLIT_CASES` and :data:`SPLIT_FRESH` cases drawn afresh at each call."""
-    hint = ("one cut is a choice of stages - 1 places among len(costs) - 1 (itertools.combinations); "
-            "or, faster: the best cut's slowest stage is the smallest limit for which filling each stage "
-            "greedily up to the limit needs at most `stages` stages (then split further).")
+    :data:`SPLIT_CASES`, :data:`SPLIT_FRESH` cases drawn afresh at each call and one of
+    :data:`SPLIT_DEEP`'s depth, where a function trying every cut is stopped."""
+    deep = SPLIT_DEEP
+    hint = ("trying every cut works for a few layers, not for a model's depth. The best cut's slowest stage "
+            "is one of the sums of neighbouring layers' costs: the smallest for which filling each stage "
+            "up to it, front to back, needs at most `stages` stages (then split a stage further). Or "
+            "build the best cut of the first i layers into k stages from those into k - 1.")
     missing = _function_missing("7.3", fn, hint)
     if missing is not None:
         return missing
@@ -134,16 +158,22 @@ def best_split(fn: Any) -> Verdict:
         n = rng.randint(5, 10)
         return tuple(float(rng.randint(1, 9)) for _ in range(n)), rng.randint(2, min(4, n))
 
-    for costs, stages in _with_fresh(SPLIT_CASES, draw, SPLIT_FRESH):
-        counts, refused = _called("7.3", fn, (list(costs), stages), hint)  # the package's rebalancer: refused
+    rng = random.Random()
+    deep_costs = tuple(float(rng.randint(1, 9)) for _ in range(deep["layers"]))
+    shown = f"{deep['layers']} layers costing 1 to 9 (drawn afresh)"
+    cases = [(*case, None, None) for case in _with_fresh(SPLIT_CASES, draw, SPLIT_FRESH)]
+    for costs, stages, calls, where in [*cases, (deep_costs, deep["stages"], deep["calls"], shown)]:
+        counts, refused = _called("7.3", fn, (list(costs), stages), hint, calls,  # the package: refused
+                                  None if where is None else f"{where}, {stages} stages")
         if refused is not None:
             return refused
-        why = _split_problem(costs, stages, counts if isinstance(counts, Sequence) else [counts])
+        why = _split_problem(costs, stages, counts if isinstance(counts, Sequence) else [counts],
+                             shown=where)
         if why:
             return Verdict("7.3", False, why, hint)
-    checked = len(SPLIT_CASES) + SPLIT_FRESH
-    return Verdict("7.3", True, f"best_split is optimal on all {checked} cases checked "
-                                "(ties, one stage, one layer per stage, and cases new at each check).")
+    return Verdict("7.3", True, f"best_split is optimal on all {len(cases) + 1} cases checked (ties, one "
+                                f"stage, one layer per stage, cases new at each check, and "
+                                f"{deep['layers']} layers into {deep['stages']} stages).")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
@@ -157,6 +187,7 @@ REVEALS: dict[str, Callable[[], Any]] = {
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "SLOW_MIDDLE_STAGE", "idlest_rank", "LAYER_COSTS", "SPLIT_CASES", "balanced_partition", "best_split",
+    "SLOW_MIDDLE_STAGE", "idlest_rank", "LAYER_COSTS", "SPLIT_CASES", "SPLIT_DEEP", "balanced_partition",
+    "best_split",
     "EXERCISES", "REVEALS"
 ]
