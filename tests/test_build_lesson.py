@@ -478,8 +478,9 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
 
 
 def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails_on_1f1b(spmd_lesson):
-    """Exercise 9.3: the Solutions' make_tick runs ZB-H1 and 1F1B with jax.grad's gradients; the same tick with
-    BW (kind 4) clamped to W, as lax.switch does without a fifth branch, is named at 1F1B's first BW; the
+    """Exercise 9.3: the Solutions' make_tick runs ZB-H1 and 1F1B, each buffer the rows its busiest rank
+    needs (row j % rows), with jax.grad's gradients; the same tick keeping microbatch j in row j (m rows
+    assumed) gives other gradients; the same tick with BW (kind 4) clamped to W, as lax.switch does without a fifth branch, is named at 1F1B's first BW; the
     package's tick (bench.tick_of, which the lesson runs), as itself or called inside a function, is refused
     by name; a body of ``...`` is no answer yet."""
     from zbpp_lite.course import bench
@@ -494,6 +495,10 @@ def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails
     verdict = ex.spmd_tick(lab.try_tick(no_bw))
     assert not verdict and "1f1b: rank 0 ran branch 3 in tick 7, the table says 4" in verdict.message, str(verdict)
     assert "clamps" in verdict.hint
+    row_j = lambda src: src.replace("row = lambda buf, j: j % buf.shape[0]", "row = lambda buf, j: j")  # noqa: E731
+    with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", row_j):   # m rows assumed: past a buffer's end
+        verdict = ex.spmd_tick(lab.try_tick(spmd_lesson["make_tick"]))
+    assert not verdict and "differ" in verdict.message, str(verdict)
     assert ex.spmd_tick(lab.try_tick(lambda A, c, X, Y, first, last: None)).message.startswith("no answer yet")
     for copied in (package, lambda A, c, X, Y, first, last: bench.tick_of(4)(A, c, X, Y, first, last)):
         verdict = ex.spmd_tick(lab.try_tick(copied))

@@ -183,11 +183,12 @@ class SpmdLab:
         return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran))
 
     def try_tick(self, make_tick: Callable) -> dict:
-        """Exercise 9.3's result: :func:`try_runs` of each schedule of :data:`~.lesson9.SPMD_RUNS` with m rows
-        a buffer, and ``"copied"``: True when ``make_tick`` is the package's (:func:`tick_of`'s) or calls
-        :func:`tick_of` while it runs (the lesson runs that one; the exercise asks for the learner's own);
-        ``...`` while ``make_tick`` returns None (its body still ``...``)."""
-        from .lesson9 import SPMD_RUNS
+        """Exercise 9.3's result: :func:`try_runs` of each schedule of :data:`~.lesson9.SPMD_RUNS` with each
+        buffer the rows of its busiest stage there (:func:`~.lesson9.buffer_depths`: fewer than m, so
+        microbatch j goes in row j % rows), and ``"copied"``: True when ``make_tick`` is the package's
+        (:func:`tick_of`'s) or calls :func:`tick_of` while it runs (the lesson runs that one; the exercise
+        asks for the learner's own); ``...`` while ``make_tick`` returns None (its body still ``...``)."""
+        from .lesson9 import SPMD_RUNS, buffer_depths
 
         if _stub(make_tick):
             return ...
@@ -200,10 +201,14 @@ class SpmdLab:
             called.append(True)
             raise RuntimeError("bench.tick_of is the lesson's tick, not yours")
 
-        every = dict.fromkeys(("act", "grad", "ins", "outs", "dz"), self.case["microbatches"])
+        p, m = self.case["ranks"], self.case["microbatches"]
+
+        def fewest(name: str) -> dict:
+            return {b: max(k) for b, k in buffer_depths(build_schedule(name, p, m)).items()}
+
         module.tick_of = refused
         try:
-            result = try_runs(lambda name: self.run(make_tick, name, every), SPMD_RUNS)
+            result = try_runs(lambda name: self.run(make_tick, name, fewest(name)), SPMD_RUNS)
         finally:
             module.tick_of = real
         return {**result, "copied": bool(called)}
