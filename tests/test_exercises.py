@@ -109,6 +109,20 @@ def _first_m_below_by_hand(p, target):
             return m
 
 
+def test_the_zb_v_first_m_closed_form_beyond_the_sweeps_equals_them_where_both_exist():
+    """Exercise 5.2's check takes p past 10 from the closed form floor((2p - 1)(1 - t)/(1 + 5t)) + 1 (a
+    sweep there takes tens of seconds): on p = 2 .. 10 and 40 targets it equals the simulator's sweep, and
+    at p = 20 .. 60 the walk by hand above."""
+    import random
+    from zbpp_lite.course import lesson5
+
+    closed = lambda p, t: math.floor((2 * p - 1) * (1 - t) / (1 + 5 * t)) + 1  # noqa: E731
+    rng = random.Random(5)
+    targets = [rng.uniform(0.002, 0.2) for _ in range(40)]
+    assert all(closed(p, t) == lesson5._first_m_below(p, t) for p in range(2, 11) for t in targets)
+    assert all(lesson5._first_m_below(p, t) == _first_m_below_by_hand(p, t) for p in (20, 37, 60) for t in targets)
+
+
 def _ticks_one_by_one(actions, lag):
     """Exercise 9.1 by hand, a second way: walk the ticks in order; a rank runs its next action in tick t
     when what it needs from another stage ran in a tick before t - lag + 1 (lag 1: at the latest in t - 1)."""

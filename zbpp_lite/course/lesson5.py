@@ -3,8 +3,8 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
-
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
@@ -24,13 +24,19 @@ ZB_V_RATE = 0.05
 
 
 def _first_m_below(p: int, target: float) -> int:
+    """Exercise 5.2's answer: from the simulator's sweep up to p = 10; past it (a sweep there takes tens
+    of seconds), the closed form the sweeps agree with (tests/test_exercises.py)."""
+    if p > 10:
+        return math.floor((2 * p - 1) * (1 - target) / (1 + 5 * target)) + 1
     return min(m for m, t in _zb_v_sweep(p).items() if t.bubble_rate < target)
 
 
 def zb_v_first_m_below(fn: Any) -> Verdict:
     """Exercise 5.2 (predicted): ``first_m_below(p, target)``, the smallest m with ZB-V's bubble rate below
     ``target`` (0 < target <= 0.2) on p ranks, equal per-stage costs, T_comm = 0; checked against the
-    simulator's sweep at fixed points (p = 2..6) and fresh ones (p = 2..10), the package out of bounds.
+    simulator's sweep at fixed points (p = 2..6) and fresh ones (p = 2..10), and one fresh p from 20 to 60
+    against the closed form below, so that a table of simulated rates does not pass; the package out of
+    bounds.
     The bubble is (2p - 1 - m)t for 2p/3 <= m <= 2p - 1, so the rate is (2p - 1 - m)/(5m + 2p - 1): the
     first whole m past (2p - 1)(1 - target)/(1 + 5 target). The bubble over the work instead of the
     makespan gets its own message."""
@@ -46,7 +52,9 @@ def zb_v_first_m_below(fn: Any) -> Verdict:
     def over_work(p, target):   # bubble / work < target
         return min(m for m in range(1, 2 * p) if (2 * p - 1 - m) / (6 * m) < target)
 
-    return _function_check("5.2", fn, _with_fresh(fixed, draw, 5), _first_m_below, "first_m_below(p, target)",
+    deep = _with_fresh([], lambda rng: (rng.randint(20, 60), rng.uniform(0.002, 0.2)), 1)   # no sweep there
+    points = [*_with_fresh(fixed, draw, 5), *deep]
+    return _function_check("5.2", fn, points, _first_m_below, "first_m_below(p, target)",
                            hint, known=[(over_work, f"that divides the bubble by the work; {why}")])
 
 
