@@ -55,7 +55,8 @@ CASES = {
             lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
     "4.1": (lambda p, f, b, w, bw: max(p - 1, math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1),
             lambda p, f, b, w, bw: max(p - 1, math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1)),   # past T_F
-    "4.2": (lambda p: 3 * p - 2, lambda p: 2 * p - 1),   # p T_F + (p-1) T_B over T_F; ZB-H2's 2p - 1, copied
+    "4.2": (lambda p, f, b: p + (p - 1) * round(b / f),   # p T_F + (p-1) T_B over T_F
+            lambda p, f, b: 2 * p - 1),                  # ZB-H2's 2p - 1, copied
     "4.3": (HAND_17, HAND_19),                      # the optimum; W right after B on rank 0, 1F1B's order after
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
             lambda p, r: 0 if p == 1 else (1 if r in (0, p - 1) else 2)),   # 1F1B's one stage per rank
@@ -391,9 +392,21 @@ def test_the_lesson_1_batch_split_span_is_the_simulators_and_its_best_m_is_the_l
     assert _best_m(2, 5.9) == 4 and _best_m(4, 7.17) == 6                     # the near-half points round up
 
 
+def test_the_floor_limits_closed_form_equals_zb_autos_floor():
+    """Exercise 4.2's fresh points take p + (p - 1) T_B / T_F (T_W = T_F, T_B a whole multiple of T_F, m =
+    4p): it equals zb-auto's smallest whole limit at its floor for p = 2..5 and T_B = 1, 2, 3 T_F, and at
+    T_F = 0.5 and 2 (the costs scaled) where the check draws them."""
+    from zbpp_lite.course import lesson4
+
+    grid = [(p, 1.0, float(k)) for p in range(2, 6) for k in (1, 2, 3)] + [(4, 0.5, 1.5), (3, 2.0, 2.0)]
+    assert [lesson4._floor_limit(*point) for point in grid] == [lesson4._floor_by_form(*point) for point in grid]
+
+
 def test_the_lesson_4_checks_reject_the_printed_rules():
-    assert "ZB-H2's warm-up" in ex.bubble_floor_limit(lambda p: 2 * p - 1).message
-    assert "zb-2p" in ex.bubble_floor_limit(lambda p: 2 * p).message
+    assert "ZB-H2's warm-up" in ex.bubble_floor_limit(lambda p, f, b: 2 * p - 1).message
+    assert "zb-2p" in ex.bubble_floor_limit(lambda p, f, b: 2 * p).message
+    assert "T_B = 2 T_F only" in ex.bubble_floor_limit(lambda p, f, b: 3 * p - 2).message   # the lesson's case
+    assert not ex.bubble_floor_limit(lambda p, f, b: p + (p - 1) * b)                        # T_B not over T_F
     assert not ex.bubble_floor_limit(10) and not ex.bubble_floor_limit(10).attempt   # p = 4's number alone
     floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + min(w, f)) / (b + w - bw))  # noqa: E731
     assert not ex.bw_break_even(floor_m).ok                                        # counts the tie
@@ -688,11 +701,9 @@ def test_a_function_that_switches_the_watch_off_before_asking_the_simulator_is_r
 
 def test_a_second_try_of_4_2_plans_nothing_again(monkeypatch):
     """The checks keep their plans from one try to the next (checks.course_cache): 4.2's second try, right or
-    wrong, plans nothing again once every p it may draw (2..10) has been planned."""
+    wrong, plans nothing again (its fresh points take the closed form, which the test above checks)."""
     from zbpp_lite.course import lesson4
 
-    for p in range(7, 11):   # every p the fresh point may draw, planned once
-        lesson4._floor_limit(p)
     assert ex.bubble_floor_limit(CASES["4.2"][0])
     planned = []
     monkeypatch.setattr(lesson4, "auto_plan", lambda *a: planned.append(a))

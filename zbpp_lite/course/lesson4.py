@@ -63,30 +63,52 @@ def _auto_rates() -> list[float]:
     return [_auto(float(lim)).bubble_rate for lim in AUTO_LIMITS]
 
 
-@course_cache(maxsize=16)
-def _floor_limit(p: int) -> int:
-    """The smallest whole memory limit (M_B, from p to 3p + 2) at which zb-auto's bubble rate on p ranks,
-    m = 3p, :data:`AUTO_CASE`'s costs is at its least over those limits."""
-    rates = {limit: auto_plan(p, 3 * p, AUTO_CASE["costs"], float(limit)).bubble_rate
-             for limit in range(p, 3 * p + 3)}
+@course_cache(maxsize=64)
+def _floor_limit(p: int, f: float, b: float) -> int:
+    """The smallest whole memory limit (M_B, from p to 4p + 2) at which zb-auto's bubble rate on p ranks,
+    m = 4p, T_F = T_W = f, T_B = b, T_comm = 0 is at its least over those limits (cached)."""
+    costs = Costs(f=float(f), b=float(b), w=float(f))
+    rates = {limit: auto_plan(p, 4 * p, costs, float(limit)).bubble_rate for limit in range(p, 4 * p + 3)}
     floor = min(rates.values())
     return min(limit for limit, rate in rates.items() if rate <= floor + 1e-12)
 
 
+def _floor_by_form(p: int, f: float, b: float) -> int:
+    """Exercise 4.2's answer in closed form, p + (p - 1) b / f, for b a whole multiple of f (1 to 3 times):
+    equal to :func:`_floor_limit` at p = 2..6 (tests/test_exercises.py), and used past the planned points."""
+    return p + (p - 1) * round(b / f)
+
+
+FLOOR_PLANNED = ((2, 1.0, 1.0), (3, 1.0, 2.0), (4, 1.0, 2.0), (3, 1.0, 3.0), (4, 0.5, 1.0), (2, 2.0, 6.0),
+                 (3, 0.5, 1.5))
+"""Exercise 4.2's points (p, T_F, T_B) checked against zb-auto itself (planned once, then cached)."""
+
+
 def bubble_floor_limit(fn: Any) -> Verdict:
-    """Exercise 4.2 (predicted): ``floor_limit(p)``, the smallest whole memory limit (M_B) at which zb-auto's
-    bubble rate on p ranks, m = 3p, :data:`AUTO_CASE`'s costs (T_F = 1, T_B = 2, T_W = 1, T_comm = 0)
-    reaches its floor; checked against zb-auto for p = 2..6 and one p from 7 to 10 drawn afresh, the
-    package out of bounds. The answer is
-    3p - 2: rank 0's first gradient is back after p T_F + (p - 1) T_B, and each forward filling that wait
-    holds 1 M_B. ZB-H2's 2p - 1 and zb-2p's 2p, copied, get their own messages."""
-    why = ("a larger limit lets rank 0 start more forwards before its first B; how many fit before that B "
-           "can arrive, with T_B twice T_F?")
-    known = [(lambda p: 2 * p - 1, "2p - 1 is ZB-H2's warm-up, which fills rank 0's wait only when "
-                                   "T_B = T_F."),
-             (lambda p: 2 * p, "2p is zb-2p's limit, ZB-H2's 2p - 1 rounded up; here T_B = 2 T_F.")]
-    points = _with_fresh([(p,) for p in range(2, 7)], lambda rng: (rng.randint(7, 10),), 1)
-    return _function_check("4.2", fn, points, _floor_limit, "floor_limit(p)", why, known=known)
+    """Exercise 4.2 (predicted): ``floor_limit(p, f, b)``, the smallest whole memory limit (M_B) at which
+    zb-auto's bubble rate on p ranks, m = 4p, T_F = T_W = f, T_B = b (a whole multiple of f, 1 to 3
+    times), T_comm = 0 reaches its floor; checked against zb-auto at :data:`FLOOR_PLANNED` and at two
+    points drawn afresh (p = 5..12) against :func:`_floor_by_form`, the package out of bounds. The answer
+    is p + (p - 1) b / f: rank 0's first gradient is back after p T_F + (p - 1) T_B, and each forward
+    filling that wait holds 1 M_B. ZB-H2's 2p - 1, zb-2p's 2p and the lesson's 3p - 2 (T_B = 2 T_F),
+    copied, get their own messages."""
+    why = ("a larger limit lets rank 0 start more forwards before its first B; how many forwards fit "
+           "before that B can arrive?")
+    known = [(lambda p, f, b: 2 * p - 1, "2p - 1 is ZB-H2's warm-up, which fills rank 0's wait only when "
+                                         "T_B = T_F."),
+             (lambda p, f, b: 2 * p, "2p is zb-2p's limit, ZB-H2's 2p - 1 rounded up."),
+             (lambda p, f, b: 3 * p - 2, "3p - 2 holds where T_B = 2 T_F only, as in the lesson's case.")]
+
+    def draw(rng):
+        f = rng.choice((0.5, 1.0, 2.0))
+        return rng.randint(5, 12), f, f * rng.randint(1, 3)
+
+    points = _with_fresh(list(FLOOR_PLANNED), draw, 2)
+
+    def expected(p, f, b):
+        return _floor_limit(p, f, b) if (p, f, b) in FLOOR_PLANNED else _floor_by_form(p, f, b)
+
+    return _function_check("4.2", fn, points, expected, "floor_limit(p, f, b)", why, known=known)
 
 
 @course_cache(maxsize=1)
@@ -140,6 +162,7 @@ REVEALS: dict[str, Callable[[], Any]] = {"4.2": lambda: _line_figure(
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "AUTO_CASE", "bw_break_even", "AUTO_LIMITS", "bubble_floor_limit", "HAND_CASE", "plan_around",
+    "AUTO_CASE", "bw_break_even", "AUTO_LIMITS", "FLOOR_PLANNED", "bubble_floor_limit", "HAND_CASE",
+    "plan_around",
     "EXERCISES", "REVEALS"
 ]
