@@ -451,8 +451,8 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     """Exercise 9.4: the Solutions' spmd_step (one shard_map program; the last rank's F adds each
     microbatch's loss over m, its B starts from the head's gradient and adds to dH; psum makes the loss and
     dH one array) passes. The loss not divided by m, the loss returned per rank (out_specs P("rank"), no
-    psum), dH added on every rank, and a loss taken by a second forward outside the program are each
-    refused by name; a body of ``...`` is no answer yet."""
+    psum), dH added on every rank, tick tables from the package's lockstep_ticks, and a loss taken by a
+    second forward outside the program are each refused by name; a body of ``...`` is no answer yet."""
     lab = spmd_lesson["lab"]
     right = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
     assert right and "one SPMD program ran ZB-H1's step with its head" in str(right), str(right)
@@ -460,7 +460,10 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     per_rank = lambda src: src.replace('lax.psum(st["loss"], "rank")', 'st["loss"][None]').replace(  # noqa: E731
         "out_specs=(P(), ", 'out_specs=(P("rank"), ')
     every_rank = lambda src: src.replace("jnp.where(last, y.T @ dlogits, 0.0)", "y.T @ dlogits")  # noqa: E731
-    for edit, word in ((no_m, "(8 times it)"), (per_rank, "has shape (4,)"), (every_rank, "dH differs")):
+    packaged = lambda src: src.replace("ticks = ticks_of(actions)",  # noqa: E731
+                                       "ticks = lockstep_ticks(zb.build_schedule('zb-h1', p, m))")
+    for edit, word in ((no_m, "(8 times it)"), (per_rank, "has shape (4,)"), (every_rank, "dH differs"),
+                       (packaged, "the package's lockstep_ticks")):
         with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", edit):
             verdict = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)

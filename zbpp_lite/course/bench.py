@@ -232,13 +232,18 @@ class SpmdLab:
         ``{"error": None or text, "loss": its loss as a NumPy array, "loss_ref": the whole model's,
         "dH_error": max |dH - dH_ref| / max |dH_ref| (inf: another shape), "shard_maps": how many shard_map
         calls its program makes, "outside": the primitives it runs outside them (tick tables passed in as
-        arrays run none), **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns instead."""
+        arrays run none), **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns instead (the
+        package's tick tables, ``spmd.tick_tables`` or ``lockstep_ticks``, called while the step traces:
+        ``"copied"``)."""
         As, cs, Xm, Ym = self.arrays
         params, X, Y = mlp(self.case)
         d = self.case["width"]
         H = jax.random.normal(jax.random.PRNGKey(7), (d, d)) / d**0.5
         loss_ref, (grads, dH_ref) = jax.value_and_grad(head_loss, argnums=(0, 1))(params, H, X, Y)
-        program, out, refused = _traced_run(step, (As, cs, H, Xm, Ym), 4)
+        from ..runtime.spmd import tick_tables
+        from ..schedules.simulate import lockstep_ticks
+
+        program, out, refused = _traced_run(step, (As, cs, H, Xm, Ym), 4, (tick_tables, lockstep_ticks))
         if program is None:
             return refused
         loss, dA, dc, dH = (np.asarray(a) for a in out)
@@ -303,14 +308,28 @@ def try_own_step(step: Callable, case: dict) -> Any:
                 shard_maps=shard_maps, outside=sorted(set(outside)), products=branch_products(program.jaxpr))
 
 
-def _traced_run(step: Callable, args: tuple, outputs: int) -> tuple:
+def _traced_run(step: Callable, args: tuple, outputs: int, refused: tuple = ()) -> tuple:
     """``(program, out, None)``: the learner's ``step(*args)``, traced (its jaxpr) and run; or ``(None, None,
-    what the check reads instead)``: ``{"error": ...}`` when it raised, ``{"error": None, "hang":
-    [collectives]}`` without running it when a collective sits inside a branch
-    (:func:`collectives_in_branches`), ``...`` when it returned None, ``{"error": None, "shape": ...}`` when
-    it returned anything but ``outputs`` values."""
+    what the check reads instead)``: ``{"error": ...}`` when it raised, ``{"error": None, "copied": name}``
+    when tracing it called one of the ``refused`` functions (the package's form of what the exercise asks
+    for), ``{"error": None, "hang": [collectives]}`` without running it when a collective sits inside a
+    branch (:func:`collectives_in_branches`), ``...`` when it returned None, ``{"error": None, "shape":
+    ...}`` when it returned anything but ``outputs`` values."""
+    codes, called = {f.__code__: f.__name__ for f in refused}, []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            called.append(codes[frame.f_code])
+
+    previous = sys.getprofile()
     try:
-        program = jax.make_jaxpr(step)(*args)
+        sys.setprofile(watch if codes else previous)
+        try:
+            program = jax.make_jaxpr(step)(*args)
+        finally:
+            sys.setprofile(previous)
+        if called:
+            return None, None, {"error": None, "copied": called[0]}
         hang = collectives_in_branches(program.jaxpr)
         if hang:                                   # it would wait forever: refused before it runs
             return None, None, {"error": None, "hang": sorted(set(hang))}

@@ -317,6 +317,9 @@ def _step_problem(key: str, result: Any, name: str, call: str, outputs: str, hin
                        "forever.", "keep every collective outside the branches; jax.grad with respect to a "
                        "value every rank holds alike (passed whole, P()) sums its gradient over the ranks "
                        "there: cast it to varying before the scan.")
+    if result.get("copied"):
+        return Verdict(key, False, f"{name} calls the package's {result['copied']}: build the tick tables "
+                       "with your own ticks_of (exercise 9.1).", hint)
     if "shape" in result:
         return Verdict(key, False, f"{name} returned a {result['shape']}, not {outputs}.", hint)
     if result["shard_maps"] != 1:
