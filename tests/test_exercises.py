@@ -16,12 +16,10 @@ import zbpp_lite as zb
 from zbpp_lite import course as ex
 from zbpp_lite.schedules.simulate import lockstep_ticks
 
-HAND_17 = [[f"{r}{a}" for a in order.split()] for r, order in enumerate((   # the MILP's plan, not the lesson's
-    "F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3", "F0 F1 B0 W0 B1 W1 F2 F3 B2 W2 B3 W3", "F0 B0 F1 B1 W0 W1 F2 B2 W2 F3 B3 W3"))]
-HAND_19 = [HAND_17[0], [f"1{a}" for a in "F0 F1 B0 F2 B1 F3 B2 W0 B3 W1 W2 W3".split()],
-           [f"2{a}" for a in "F0 B0 F1 B1 F2 B2 F3 B3 W0 W1 W2 W3".split()]]
-"""Exercise 4.3 by hand: rank 0 runs each W right after its B (2 M_B); ranks 1 and 2 put the B's and W's
-that arrive first before F2 (17, the optimum), or keep 1F1B's order and wait for F2 (19)."""
+HAND_30 = "1F0 1F1 1B0 1W0 1B1 1W1 1F2 1B2 1F3 1W2 1F4 1B3 1W3 1B4 1W4".split()
+HAND_31 = "1F0 1F1 1B0 1W0 1B1 1W1 1F2 1F3 1B2 1W2 1B3 1W3 1F4 1B4 1W4".split()
+"""Exercise 4.3 by hand: rank 1's order with zb-auto's on ranks 0 and 2: B2 before F3 and F4 before B3 (30,
+the optimum), or zb-auto's own order (31)."""
 LEAN = [["0F0", "0F1", "0BW0", "0F2", "0BW1", "0F3", "0BW2", "0BW3"],   # our text form: BW fused
         ["1F0", "1F1", "1BW0", "1BW1", "1F2", "1F3", "1BW2", "1BW3"],   # BW1 before F2: its gradient leaves at once
         ["2F0", "2BW0", "2F1", "2BW1", "2F2", "2BW2", "2F3", "2BW3"]]
@@ -57,7 +55,7 @@ CASES = {
             lambda p, f, b, w, bw: max(p - 1, math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1)),   # past T_F
     "4.2": (lambda p, f, b: p + (p - 1) * round(b / f),   # p T_F + (p-1) T_B over T_F
             lambda p, f, b: 2 * p - 1),                  # ZB-H2's 2p - 1, copied
-    "4.3": (HAND_17, HAND_19),                      # the optimum; W right after B on rank 0, 1F1B's order after
+    "4.3": (HAND_30, HAND_31),                      # the optimum; zb-auto's own order
     "5.1": (lambda p, r: 0 if p == 1 else (2 if r in (0, p - 1) else 4),
             lambda p, r: 0 if p == 1 else (1 if r in (0, p - 1) else 2)),   # 1F1B's one stage per rank
     "5.2": (lambda p, r: _first_m_below_by_hand(p, r),   # rate (2p-1-m)/(5m+2p-1); the wrong one: ZB-V's
@@ -654,24 +652,27 @@ def test_the_mlps_ratio_copied_to_every_stack_is_told_what_it_misses():
     assert ex.mw_over_mb(lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])))
 
 
-def test_a_plan_by_hand_over_a_ranks_limit_or_slower_than_the_optimum_is_told_which():
-    """4.3: ZB-H1 holds 3 M_B on rank 0; rank 0's W's after all its B's hold 1 + 7/16 + 1 M_B; 1F1B's order on
-    ranks 1 and 2 waits for F2 (19, not 17); an order the validator refuses, and unreadable text, are named."""
+def test_a_plan_by_hand_slower_than_the_optimum_or_invalid_is_told_which():
+    """4.3: the MILP proves 30 for HAND_CASE and zb-auto's plan takes 31; with zb-auto's orders on ranks 0
+    and 2, rank 1's order B2 before F3 and F4 before B3 reaches 30, each alone does not, and zb-auto's own
+    order is named; an order the validator refuses, unreadable text and a whole plan are named."""
+    from zbpp_lite.course import lesson4
     from zbpp_lite.schedules.builders.milp import solve_optimal
 
     c = ex.HAND_CASE
     best = solve_optimal(c["num_ranks"], c["num_microbatches"], c["costs"], list(c["memory_limit"]), time_limit=30)
-    assert best.makespan == best.lower_bound == 17.0 and best.status == "optimal"
-    zb_h1 = [list(row) for row in zb.build_schedule("zb-h1", 3, 4).actions]   # Action objects are read too
-    assert "rank 0 holds 3 M_B" in ex.plan_around(zb_h1).message
-    late_w = [[f"0{a}" for a in "F0 F1 B0 F2 B1 W0 F3 B2 W1 B3 W2 W3".split()], *HAND_17[1:]]
-    assert "rank 0 holds 2.4375 M_B" in ex.plan_around(late_w).message
-    slow = ex.plan_around(HAND_19)
-    assert not slow and "takes 19; a plan within the limits takes 17" in slow.message, str(slow)
-    swapped = [HAND_17[0], HAND_17[1], ["2B0", "2F0", *HAND_17[2][2:]]]
-    assert "zb.validate refuses it" in ex.plan_around(swapped).message
-    assert "could not read" in ex.plan_around([["0X0"], [], []]).message
-    assert ex.plan_around(HAND_17)
+    assert best.makespan == best.lower_bound == 30.0 and best.status == "optimal"
+    greedy, span = lesson4._greedy()
+    assert span == 31.0 and greedy[1] == HAND_31
+    assert ex.plan_around(HAND_30)
+    own = ex.plan_around(HAND_31)
+    assert not own and "takes 31 (zb-auto's own order); an order of rank 1 takes 30" in own.message, str(own)
+    b2_first = [*HAND_31[:7], "1B2", "1F3", *HAND_31[9:]]                       # B2 before F3 alone
+    f4_first = [*HAND_31[:10], "1F4", "1B3", "1W3", *HAND_31[13:]]             # F4 before B3 alone
+    assert all(not ex.plan_around(order) for order in (b2_first, f4_first))
+    assert "zb.validate refuses it" in ex.plan_around(["1B0", *HAND_30[1:]]).message
+    assert "could not read" in ex.plan_around(["1X0", *HAND_30[1:]]).message
+    assert "expected a list of rank 1's actions" in ex.plan_around("1F0 1F1").message
 
 
 def test_a_function_that_switches_the_watch_off_before_asking_the_simulator_is_refused():

@@ -3,14 +3,15 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
 from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _hand_schedule, _line_figure, _with_fresh, course_cache
+from .checks import (Verdict, _function_check, _hand_schedule, _line_figure, _unanswered, _with_fresh,
+                     course_cache)
 
 
 AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1.0))
@@ -18,11 +19,12 @@ AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1
 ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
 
 
-HAND_CASE = dict(num_ranks=3, num_microbatches=4, costs=Costs(), memory_limit=(2.0, 3.0, 3.0))
-"""Exercise 4.3's case: p = 3, m = 4, unit costs (T_F = T_B = T_W = 1, T_comm = 0, M_W = 7/16 M_B); rank 0
-may hold 2 M_B of activations (it also holds, say, an embedding table), ranks 1 and 2 zb-auto's default,
-p M_B. ZB-H1 holds 3 M_B on rank 0; with rank 0 running each W right after its B and ranks 1 and 2 in
-1F1B's or ZB-H1's order, a plan takes 19; the optimum is 17 (tests/test_exercises.py)."""
+HAND_CASE = dict(num_ranks=3, num_microbatches=5, costs=Costs(f=1.0, b=2.0, w=1.0),
+                 memory_limit=(2.0, 3.0, 3.0))
+"""Exercise 4.3's case: p = 3, m = 5, T_F = 1, T_B = 2, T_W = 1, T_comm = 0, M_W = 7/16 M_B; rank 0 may hold 2
+M_B of activations (it also holds, say, an embedding table), ranks 1 and 2 zb-auto's default, p M_B.
+zb-auto's plan takes 31 and the optimum is 30 (proven by the MILP); with zb-auto's orders kept on ranks 0
+and 2, rank 1's order alone reaches 30: B2 before F3, then F4 before B3 (tests/test_exercises.py)."""
 
 
 @course_cache(maxsize=64)
@@ -113,7 +115,7 @@ def bubble_floor_limit(fn: Any) -> Verdict:
 
 @course_cache(maxsize=1)
 def _hand_best() -> float:
-    """The MILP's optimal makespan for :data:`HAND_CASE` (proven: its lower bound equals it; 0.05 s)."""
+    """The MILP's optimal makespan for :data:`HAND_CASE` (proven: its lower bound equals it; 0.1 s)."""
     from ..schedules.builders.milp import solve_optimal
 
     c = HAND_CASE
@@ -121,18 +123,32 @@ def _hand_best() -> float:
                          time_limit=30).makespan
 
 
-def plan_around(actions: Any) -> Verdict:
-    """Exercise 4.3: a plan by hand for :data:`HAND_CASE`, three lists of actions in our text form
-    (``"0F1"``, ``"1B0"``, ``"2W3"``; B and W split or fused), valid (:func:`zbpp_lite.validate`), each rank
-    within its own memory limit (:func:`zbpp_lite.simulate`'s peaks, M_W included) and as short as the
-    MILP's optimum (:func:`_hand_best`; paper appendix)."""
+@course_cache(maxsize=1)
+def _greedy() -> tuple[list[list[str]], float]:
+    """zb-auto's plan for :data:`HAND_CASE`: each rank's actions in our text form, and its makespan."""
     c = HAND_CASE
-    limits = c["memory_limit"]
-    hint = ("an F adds M_B, its B leaves M_W = 7/16 M_B until its W: when must rank 0 run a W before its "
-            "next F? Then ranks 1 and 2: when does each of their inputs arrive? An action waiting for a "
-            "late input holds back every action behind it on its rank, and a W can wait.")
-    schedule, refused = _hand_schedule("4.3", actions, c["num_ranks"], c["num_microbatches"], hint,
-                                       '"0F0", "1B1" or "2W0"')
+    plan = auto_plan(c["num_ranks"], c["num_microbatches"], c["costs"], list(c["memory_limit"]))
+    return [[a.text for a in row] for row in plan.schedule.actions], plan.makespan
+
+
+def plan_around(order: Any) -> Verdict:
+    """Exercise 4.3: rank 1's order for :data:`HAND_CASE`, a list of its actions in our text form
+    (``"1F0"``, ``"1B2"``, ``"1W4"``; B and W split or fused), run with zb-auto's orders on ranks 0 and 2:
+    right when the plan is valid (:func:`zbpp_lite.validate`), each rank within its own memory limit
+    (:func:`zbpp_lite.simulate`'s peaks, M_W included) and as short as the MILP's optimum
+    (:func:`_hand_best`; paper appendix)."""
+    c = HAND_CASE
+    limits, (greedy, greedy_span) = c["memory_limit"], _greedy()
+    hint = ("twice, rank 1 has two inputs ready at once: which of the two does the rank that waits longest "
+            "need first? Rank 0, held to 2 M_B, cannot start an F until a B frees one; the last "
+            "microbatch's trip down and back ends the step.")
+    if _unanswered(order):
+        return Verdict("4.3", False, "no answer yet: replace ... with rank 1's actions, in order.", hint)
+    if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
+        return Verdict("4.3", False, f"expected a list of rank 1's actions such as ['1F0', '1F1', ...], "
+                       f"got {order!r}.", hint)
+    schedule, refused = _hand_schedule("4.3", [greedy[0], list(order), greedy[2]], c["num_ranks"],
+                                       c["num_microbatches"], hint, '"1F0", "1B2" or "1W4"')
     if refused is not None:
         return refused
     run = simulate(schedule, c["costs"])
@@ -144,10 +160,12 @@ def plan_around(actions: Any) -> Verdict:
                        f"of {limits[r]:g} (peaks {peaks}).", hint)
     best = _hand_best()
     if run.makespan > best + 1e-9:
+        same = " (zb-auto's own order)" if [str(a) for a in order] == greedy[1] else ""
         return Verdict("4.3", False, f"valid and within every rank's limit (peaks {peaks} M_B), but it takes "
-                       f"{run.makespan:g}; a plan within the limits takes {best:g}.", hint)
+                       f"{run.makespan:g}{same}; an order of rank 1 takes {best:g}.", hint)
     return Verdict("4.3", True, f"valid, within the limits (peaks {peaks} M_B against {list(limits)}), and "
-                   f"{run.makespan:g}, the optimum the MILP proves for this case.")
+                   f"{run.makespan:g}, the optimum the MILP proves for this case; zb-auto's plan takes "
+                   f"{greedy_span:g}.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
