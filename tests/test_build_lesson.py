@@ -449,8 +449,8 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
 
 def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
     """Exercise 9.4: the Solutions' spmd_step (one shard_map program; the last rank's F adds each
-    microbatch's loss over m, its B starts from the head's gradient and adds to dH; psum makes the loss and
-    dH one array) passes. The loss not divided by m, the loss returned per rank (out_specs P("rank"), no
+    microbatch's loss over m, its B starts from the head's gradient, its W adds to dH; psum makes the loss
+    and dH one array) passes. The loss not divided by m, the loss returned per rank (out_specs P("rank"), no
     psum), dH added on every rank, tick tables from the package's lockstep_ticks, and a loss taken by a
     second forward outside the program are each refused by name; a body of ``...`` is no answer yet."""
     lab = spmd_lesson["lab"]
