@@ -421,16 +421,20 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
     """Exercise 10.4: the Solutions' own_step (F keeps its pullback with probes where g, W1, W2 and the head
     are applied; B calls it; W multiplies by the probes' gradients; the embedding and head cast to varying;
     their gradients and the loss summed after the scan) gives jax's loss and every gradient leaf, its
-    switch's F, B and W running 3 matrix products each. A B that runs F again inside jax.vjp gives the
-    same gradients and is refused for its products; a W taking the head's gradient by jax.grad without
-    the head cast to varying puts a psum inside the switch's branches: refused before running (it would
-    hang); the loss not over m and a bias gradient averaged, not summed, are refused by name; a body of
-    ``...`` is no answer yet."""
+    switch's F, B and W running 3 matrix products each (4 in W with g's gradient an einsum, still right).
+    A B that runs F again inside jax.vjp gives the same gradients and is refused for its products; a W
+    taking the head's gradient by jax.grad without the head cast to varying puts a psum inside the
+    switch's branches: refused before running (it would hang); the loss not over m and a bias gradient
+    averaged, not summed, are refused by name; a body of ``...`` is no answer yet."""
     from zbpp_lite.course import bench
 
     case = ex.OWN_CASE
     right = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
     assert right and "3, 3 and 3 matrix products" in str(right), str(right)
+    as_product = lambda src: src.replace('"g": jnp.sum(xhat * dg, 0)', '"g": jnp.einsum("nd,nd->d", xhat, dg)')  # noqa: E731
+    with _replaced(v_lesson, V_LESSON, "own_step", as_product):   # g's gradient as a product: W runs 4
+        verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
+    assert verdict and "3, 3 and 4 matrix products" in str(verdict), str(verdict)
     rerun_b = lambda src: src.replace(  # noqa: E731
         '            pullback = jax.tree.unflatten(treedef, [b[j] for b in st["kept"]])\n',
         '            x = jnp.where(first, E[tokens[j]], st["act"][j])\n'

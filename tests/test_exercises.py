@@ -122,6 +122,19 @@ def test_the_zb_v_first_m_closed_form_beyond_the_sweeps_equals_them_where_both_e
     assert all(lesson5._first_m_below(p, t) == _first_m_below_by_hand(p, t) for p in (20, 37, 60) for t in targets)
 
 
+def test_the_closed_forms_the_checks_take_past_their_simulations_equal_them():
+    """5.3 and 6.3 take their answers past p = 10 and p = 16 from closed forms (a table of simulations
+    there would take minutes): ZB-V's makespan 6m + max(4p - 1 - 4m, 2p - 1 - m, 0) equals the sweep for
+    p = 2..8 and every m up to 2p + 1, and interleaved 1F1B's peak min(vm, vp + p - 1 - 2r) equals the
+    simulator for p = 2..6, v = 1..4, m = p, 2p, 3p, every rank."""
+    from zbpp_lite.course import lesson5, lesson6
+
+    assert all(lesson5._zb_v_span(p, m) == lesson5._zb_v_sweep(p)[m].makespan
+               for p in range(2, 9) for m in range(1, 2 * p + 2))
+    assert all(min(v * k * p, v * p + p - 1 - 2 * r) == lesson6._interleaved_peak(p, v, k * p)[r]
+               for p in range(2, 7) for v in range(1, 5) for k in (1, 2, 3) for r in range(p))
+
+
 def _ticks_one_by_one(actions, lag):
     """Exercise 9.1 by hand, a second way: walk the ticks in order; a rank runs its next action in tick t
     when what it needs from another stage ran in a tick before t - lag + 1 (lag 1: at the latest in t - 1)."""
@@ -487,14 +500,29 @@ def test_the_lesson_7_split_checks_reject_filling_to_a_share_and_the_old_two_sta
 
 def test_the_split_check_stops_trying_every_cut_at_a_models_depth_and_its_bisection_is_exact():
     """7.3's last case cuts 96 layers into 8 stages (about 1.1e10 cuts): a function trying them all passes
-    every small case and is stopped past 2,000,000 calls, told so; the check's bisection on the slowest
-    stage equals trying every cut on small cases drawn at random, and the dynamic programme on large ones."""
+    every small case and is stopped past 2,000,000 steps, told so, whether it calls functions for each cut
+    or runs plain loops; the check's bisection on the slowest stage equals trying every cut on small cases
+    drawn at random, and the dynamic programme on large ones."""
     import random
     from zbpp_lite.course import lesson7
 
-    stopped = ex.best_split(_every_cut)
-    assert not stopped and "was stopped" in stopped.message and "96 layers" in stopped.message, str(stopped)
-    assert "not for a model's depth" in stopped.hint
+    def every_cut_in_loops(costs, stages):     # no call for each cut: lines only
+        best, counts = None, None
+        for cut in itertools.combinations(range(1, len(costs)), stages - 1):
+            slowest, start = 0.0, 0
+            for end in (*cut, len(costs)):
+                total = 0.0
+                for i in range(start, end):
+                    total += costs[i]
+                slowest, start = max(slowest, total), end
+            if best is None or slowest < best:
+                best, counts = slowest, [b - a for a, b in zip((0, *cut), (*cut, len(costs)))]
+        return counts
+
+    for brute in (_every_cut, every_cut_in_loops):
+        stopped = ex.best_split(brute)
+        assert not stopped and "was stopped" in stopped.message and "96 layers" in stopped.message, str(stopped)
+        assert "not for a model's depth" in stopped.hint
     rng = random.Random(7)
     for _ in range(200):
         costs = [float(rng.randint(1, 9)) for _ in range(rng.randint(1, 9))]
@@ -571,7 +599,7 @@ def test_the_package_guard_leaves_the_profile_hook_and_plain_answers_alone():
 
 @pytest.mark.parametrize("key", sorted(SIMULATED))
 def test_those_package_answers_are_right_so_only_the_guard_refuses_them(key, monkeypatch):
-    monkeypatch.setattr(ex.checks, "_alone", lambda fn, point, calls=None: fn(*point))
+    monkeypatch.setattr(ex.checks, "_alone", lambda fn, point, steps=None: fn(*point))
     assert ex.EXERCISES[key](SIMULATED[key])
 
 

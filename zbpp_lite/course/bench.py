@@ -782,7 +782,8 @@ def _stub(make_tick: Callable) -> bool:
 
 
 def tick_of(p: int, backward: Callable | None = None) -> Callable:
-    """Lesson 9's tick, exercise 9.3's answer (the lesson runs it before the learner has written one):
+    """Lesson 9's tick, which the lesson runs before the learner writes exercise 9.3's (that one keeps
+    microbatch j in row j % rows, for buffers of fewer rows):
     ``make_tick(A, c, X, Y, first, last) -> tick(state, (kind, microbatch)) -> (state, kind code run)`` for a
     program over ``p`` ranks of one stage each (:func:`stage_F`, :func:`stage_B`, :func:`stage_W`; ``X``,
     ``Y`` (m, samples, d); every buffer m rows, microbatch j in row j). A ``lax.switch`` over idle, F, B, W

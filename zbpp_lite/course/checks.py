@@ -140,15 +140,21 @@ _UNWATCHED = "sys.setprofile or sys.settrace (which switch the check's watch off
 
 
 class _OverBudget(Exception):
-    """The learner's function made more calls than :func:`_alone`'s ``calls`` allow."""
+    """The learner's function took more steps than :func:`_alone`'s ``steps`` allow."""
 
 
-def _alone(fn: Callable, point: tuple, calls: int | None = None) -> Any:
+def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
     """``fn(*point)``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a profile hook;
     the course's caches answer through one too: :func:`course_cache`) or replaced the hook, and
-    :class:`_OverBudget` once it has made more than ``calls`` function calls (Python's and built-ins')."""
+    :class:`_OverBudget` once it has taken more than ``steps`` steps: function calls (Python's and
+    built-ins', the profile hook) and lines of Python run (a trace hook, set only with ``steps``)."""
     used: list[str] = []
-    made = [0]
+    taken = [0]
+
+    def count() -> None:
+        taken[0] += 1
+        if taken[0] > steps:
+            raise _OverBudget(steps)
 
     def watch(frame, event, arg):
         if used:
@@ -158,37 +164,44 @@ def _alone(fn: Callable, point: tuple, calls: int | None = None) -> Any:
             used.append(f"zbpp_lite's {code.co_name} ({os.path.relpath(code.co_filename, _PACKAGE)})")
         elif event == "c_call" and arg in (sys.setprofile, sys.settrace):
             used.append(_UNWATCHED)
-        if calls is not None and event in ("call", "c_call"):
-            made[0] += 1
-            if made[0] > calls:
-                raise _OverBudget(calls)
+        if steps is not None and event in ("call", "c_call"):
+            count()
 
-    previous = sys.getprofile()
+    def lines(frame, event, arg):   # the trace hook: each frame's lines counted as steps
+        if event == "line":
+            count()
+        return lines
+
+    previous, traced = sys.getprofile(), sys.gettrace()
+    if steps is not None:
+        sys.settrace(lines)   # before the profile hook, which would take this call for the learner's
     sys.setprofile(watch)
     try:
         got = fn(*point)
     finally:
         replaced, seen = sys.getprofile() is not watch, used[:]  # before the call below, which watch sees
         sys.setprofile(previous)
+        if steps is not None:
+            sys.settrace(traced)
     if seen or replaced:
         raise _UsedPackage(seen[0] if seen else _UNWATCHED)
     return got
 
 
-def _called(exercise: str, fn: Callable, point: tuple, hint: str, calls: int | None = None,
+def _called(exercise: str, fn: Callable, point: tuple, hint: str, steps: int | None = None,
             where: str | None = None) -> tuple[Any, Verdict | None]:
-    """``(fn(*point), None)``, or ``(None, the verdict)`` when it raised, called the package or made more
-    than ``calls`` calls; ``where`` names the point in the verdict (else the point itself)."""
+    """``(fn(*point), None)``, or ``(None, the verdict)`` when it raised, called the package or took more
+    than ``steps`` steps (:func:`_alone`); ``where`` names the point in the verdict (else the point)."""
     where = str(point) if where is None else where
     try:
-        return _alone(fn, point, calls), None
+        return _alone(fn, point, steps), None
     except _UsedPackage as e:
         return None, Verdict(exercise, False, f"your function called {e} at {where}: this "
                              "exercise asks you to derive the answer, so the check refuses one that asks the "
                              "package (the simulator, a builder, a planner or a closed form).", hint)
     except _OverBudget as e:
-        return None, Verdict(exercise, False, f"your function made over {e} calls at {where} and was "
-                             "stopped: it would take too long there.", hint)
+        return None, Verdict(exercise, False, f"your function took over {e} steps (lines run and calls) "
+                             f"at {where} and was stopped: it would take too long there.", hint)
     except Exception as e:  # noqa: BLE001  (the learner's error is an answer to report, not to raise)
         return None, Verdict(exercise, False, f"your function raised {type(e).__name__} at {where}: {e}",
                              hint)

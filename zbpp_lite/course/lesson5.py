@@ -58,19 +58,31 @@ def zb_v_first_m_below(fn: Any) -> Verdict:
                            hint, known=[(over_work, f"that divides the bubble by the work; {why}")])
 
 
+def _zb_v_span(p: int, m: int) -> float:
+    """Exercise 5.3's answer at unit costs in closed form, 6m + max(4p - 1 - 4m, 2p - 1 - m, 0): equal to the
+    simulator's sweep up to p = 10 (tests/test_exercises.py), and used past it."""
+    return 6 * m + max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)
+
+
 def zb_v_makespan(fn: Any) -> Verdict:
     """Exercise 5.3: ``makespan(p, m, t)``, ZB-V's makespan for every m >= 1 (the lesson shows m >= p only)
-    with T_F = T_B = T_W = t, T_comm = 0; checked for p = 2, 3, 5, m = 1 .. 2p + 1, t in (1, 0.5), and at
-    four fresh points (p = 4..10, m = 1..2p + 1)."""
+    with T_F = T_B = T_W = t, T_comm = 0; checked for p = 2, 3, 5, m = 1 .. 2p + 1, t in (1, 0.5), at
+    four fresh points (p = 4..10, m = 1..2p + 1) against the simulator, and at one fresh p from 20 to 60,
+    where a sweep is slow, against :func:`_zb_v_span`."""
     fixed = [(p, m, t) for p in (2, 3, 5) for m in range(1, 2 * p + 2) for t in (1.0, 0.5)]
 
     def draw(rng):   # points new at each check, so that a table of the fixed ones does not pass
         p = rng.randint(4, 10)
         return p, rng.randint(1, 2 * p + 1), rng.choice((0.5, 1.0, 2.0))
 
-    points = _with_fresh(fixed, draw, 4)
+    def deep(rng):
+        p = rng.randint(20, 60)
+        return p, rng.randint(1, 2 * p + 1), rng.choice((0.5, 1.0, 2.0))
+
+    points = [*_with_fresh(fixed, draw, 4), *_with_fresh([], deep, 1)]
     # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
-    return _function_check("5.3", fn, points, lambda p, m, t: t * _zb_v_sweep(p)[m].makespan,
+    return _function_check("5.3", fn, points, lambda p, m, t: t * (_zb_v_sweep(p)[m].makespan if p <= 10
+                                                                   else _zb_v_span(p, m)),
                            "makespan(p, m, t)",
                            "6t of work per microbatch on a rank; with few microbatches rank 0 waits for "
                            "microbatch 0's round trip; with very few, every microbatch's F and B on the loss "

@@ -73,9 +73,10 @@ SPLIT_FRESH = 5
 """How many more exercise 7.3 cases its check draws afresh at each call: 5 to 10 layers costing 1 to 9,
 2 to 4 stages."""
 
-SPLIT_DEEP = dict(layers=96, stages=8, calls=2_000_000)
+SPLIT_DEEP = dict(layers=96, stages=8, steps=2_000_000)
 """Exercise 7.3's last case, drawn afresh (costs 1 to 9): a real model's depth, where trying every cut
-(C(95, 7), about 1.1e10) cannot finish; the learner's function is stopped past ``calls`` calls."""
+(C(95, 7), about 1.1e10) cannot finish; the learner's function is stopped past ``steps`` steps (lines
+run and calls)."""
 
 
 def _slowest(costs: Sequence[float], counts: Sequence[int]) -> float:
@@ -162,8 +163,8 @@ def best_split(fn: Any) -> Verdict:
     deep_costs = tuple(float(rng.randint(1, 9)) for _ in range(deep["layers"]))
     shown = f"{deep['layers']} layers costing 1 to 9 (drawn afresh)"
     cases = [(*case, None, None) for case in _with_fresh(SPLIT_CASES, draw, SPLIT_FRESH)]
-    for costs, stages, calls, where in [*cases, (deep_costs, deep["stages"], deep["calls"], shown)]:
-        counts, refused = _called("7.3", fn, (list(costs), stages), hint, calls,  # the package: refused
+    for costs, stages, steps, where in [*cases, (deep_costs, deep["stages"], deep["steps"], shown)]:
+        counts, refused = _called("7.3", fn, (list(costs), stages), hint, steps,  # the package: refused
                                   None if where is None else f"{where}, {stages} stages")
         if refused is not None:
             return refused

@@ -335,9 +335,10 @@ def spmd_step(result: Any) -> Verdict:
     the whole model's within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative), and the
     gradients, the head's too, equal ``jax.grad``'s."""
     hint = ("one jitted shard_map program: the tick tables and A, c cut by rank, H, X and Y whole; the "
-            "last rank's F adds its microbatch's loss, its B starts from the head's gradient and adds "
-            "to dH; the program returns the loss and dH summed over the ranks (lax.psum: the same on "
-            "every rank, out_specs P()) beside dA, dc (P(\"rank\")).")
+            "last rank's F adds its microbatch's loss, its B starts from the head's gradient and keeps "
+            "it, and its W adds y.T @ that gradient to dH, as W does dA; the program returns the loss and "
+            "dH summed over the ranks (lax.psum: the same on every rank, out_specs P()) beside dA, dc "
+            "(P(\"rank\")).")
     refused = _step_problem("9.4", result, "spmd_step", "lab.try_step(spmd_step)", "(loss, dAs, dcs, dH)",
                             hint)
     if refused is not None:
@@ -365,8 +366,8 @@ def spmd_step(result: Any) -> Verdict:
     if not result["dH_error"] <= BUILD_TOLERANCE:
         off = result["dH_error"]
         return Verdict("9.4", False, f"dH differs from jax.grad's (relative difference {off:.1e}).",
-                       "only the last rank's B has the head's gradient, y.T @ (the gradient at y @ H), "
-                       "added for each microbatch; every other rank adds nothing before the psum.")
+                       "only the last rank's W adds the head's gradient, y.T @ (the gradient at y @ H), "
+                       "for each microbatch; every other rank adds nothing before the psum.")
     return Verdict("9.4", True, f"one SPMD program ran ZB-H1's step with its head: loss {float(loss):.6f}, "
                    f"the whole model's {ref:.6f}, and jax.grad's gradients (largest relative difference "
                    f"{max(result['grad_error'], result['dH_error']):.1e}).")
