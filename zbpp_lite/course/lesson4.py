@@ -77,12 +77,12 @@ def _floor_limit(p: int, f: float, b: float) -> int:
 
 def _floor_by_form(p: int, f: float, b: float) -> int:
     """Exercise 4.2's answer in closed form, p + (p - 1) b / f, for b a whole multiple of f (1 to 3 times):
-    equal to :func:`_floor_limit` at p = 2..5 and two scaled points (tests/test_exercises.py), and used past
+    equal to :func:`_floor_limit` at p = 2..4 and two scaled points (tests/test_exercises.py), and used past
     the planned points."""
     return p + (p - 1) * round(b / f)
 
 
-FLOOR_PLANNED = ((2, 1.0, 1.0), (3, 1.0, 2.0), (4, 1.0, 2.0), (3, 1.0, 3.0), (4, 0.5, 1.0), (2, 2.0, 6.0),
+FLOOR_PLANNED = ((2, 1.0, 1.0), (3, 1.0, 2.0), (4, 1.0, 2.0), (3, 1.0, 3.0), (2, 0.5, 1.0), (2, 2.0, 6.0),
                  (3, 0.5, 1.5))
 """Exercise 4.2's points (p, T_F, T_B) checked against zb-auto itself (planned once, then cached)."""
 
