@@ -25,6 +25,7 @@ import jupytext
 import numpy as np
 import pytest
 
+import zbpp_lite as zb
 from zbpp_lite import course as ex
 
 LESSON = Path(__file__).parent.parent / "notebooks" / "08_build_a_pipeline.md"
@@ -92,8 +93,10 @@ def lesson():
 def test_the_right_build_passes_every_check(lesson):
     lab = lesson["lab"]
     assert ex.stage_split(lab.try_stage(lesson["F"], lesson["B"], lesson["W"]))
-    measured = lab.for_w_peaks(lesson["F"], lesson["B"])        # bytes B hands to W, held at once per rank
-    assert measured == [(r + 1) * 2 * 2 * 64 * 256 * 4 for r in range(4)] and ex.for_w_peaks(measured)
+    measured = lab.for_w_peaks(lesson["F"], lesson["B"], "zb-h2")   # bytes B hands to W, held at once per rank
+    held = lesson["held"]
+    assert measured == [held(4, 8, r, 8, 64, 256) for r in range(4)] and ex.for_w_peaks(held)
+    assert lab.for_w_peaks(lesson["F"], lesson["B"]) == [(r + 1) * held(4, 8, 0, 8, 64, 256) for r in range(4)]
     assert ex.pipeline_run(lab.try_pipeline(lesson["rank_loop"]))
     assert ex.optimizer_step(lab.try_step(lesson["optimizer_step"]))
 
@@ -285,22 +288,41 @@ def test_a_right_b_that_hands_w_a_python_number_passes(lesson):
     assert verdict, str(verdict)
 
 
+def test_zb_h2_holds_2r_plus_1_w_inputs_or_all_m():
+    """Exercise 8.2's count, from the builder's order: right after a B, rank r of ZB-H2 holds min(2r + 1, m)
+    microbatches whose B has run and whose W has not (ZB-H1: min(r + 1, m))."""
+    for name, lag in (("zb-h2", 2), ("zb-h1", 1)):
+        for p in (3, 4, 5):
+            for m in range(1, 2 * p + 1):
+                for r, actions in enumerate(zb.build_schedule(name, p, m).actions):
+                    held, most = 0, 0
+                    for a in actions:
+                        held += (a.kind == "B") - (a.kind == "W")
+                        most = max(most, held)
+                    assert most == min(lag * r + 1, m), (name, p, m, r)
+
+
 def test_wrong_predictions_fail():
-    """Exercise 8.2: the bytes B hands to W, held at once on each ZB-H1 rank (p = 4, m = 8). Each pattern
-    copied from elsewhere is named: r microbatches (the W lag), the dz's alone, F's p - r, 1F1B's one."""
-    m_w = 2 * 2 * 64 * 256 * 4                                  # x and dz of 2 layers, (64, 256) float32
-    assert ex.for_w_peaks([(r + 1) * m_w for r in range(4)])
-    wrong = {"count before its B": [r * m_w for r in range(4)],
-             "only the dz's": [(r + 1) * m_w // 2 for r in range(4)],
-             "what F keeps": [(4 - r) * m_w for r in range(4)],
-             "1F1B": [m_w] * 4,
-             "the counts [1, 1, 2, 2]": [m_w, m_w, 2 * m_w, 2 * m_w]}
+    """Exercise 8.2: the bytes B hands to W, held at once on a ZB-H2 rank, as a function of the sizes. Each
+    pattern copied from elsewhere is named: ZB-H1's lag, no cap at m, the count before a B, F's p - r, the
+    dz's alone, floats for bytes, the whole model's layers; the reveal's p = 4 numbers alone do not pass."""
+    m_w = lambda p, layers, rows, width: layers // p * 2 * rows * width * 4  # noqa: E731
+    assert ex.for_w_peaks(lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s))
+    wrong = {"ZB-H1's count": lambda p, m, r, *s: min(r + 1, m) * m_w(p, *s),
+             "with m below it": lambda p, m, r, *s: (2 * r + 1) * m_w(p, *s),
+             "before a B": lambda p, m, r, *s: min(2 * r, m) * m_w(p, *s),
+             "what F keeps": lambda p, m, r, *s: min(p - r, m) * m_w(p, *s),
+             "half": lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s) / 2,
+             "not bytes": lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s) / 4,
+             "every layer": lambda p, m, r, layers, *s: min(2 * r + 1, m) * m_w(1, layers, *s)}
     for word, answer in wrong.items():
         verdict = ex.for_w_peaks(answer)
         assert not verdict and verdict.hint and verdict.attempt and word in str(verdict), (word, str(verdict))
-    for junk in ([(r + 1) * m_w for r in range(3)], m_w, [1, 2, 3, 5]):   # 3 ranks, one number, a guess
+    table = {r: (2 * r + 1) * 2 * 2 * 64 * 256 * 4 for r in range(4)}      # the reveal's measured numbers
+    copied = ex.for_w_peaks(lambda p, m, r, *s: table.get(r, 0))
+    assert not copied and "agrees at" in str(copied), str(copied)
+    for junk in ([1, 2, 3, 5], 4, lambda p, m, r, *s: "many"):
         assert not ex.for_w_peaks(junk)
-    assert not ex.for_w_peaks([1, 2, 3, 5]).attempt
 
 
 def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):

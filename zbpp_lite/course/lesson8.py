@@ -10,7 +10,7 @@ import numpy as np
 
 from ..schedules.builders import build_schedule
 from ..schedules.ir import Schedule
-from .checks import Verdict, _unanswered
+from .checks import Verdict, _function_check, _unanswered, _with_fresh
 
 
 BUILD_CASE = dict(ranks=4, microbatches=8, layers=8, width=256, microbatch_size=64, itemsize=4)
@@ -125,51 +125,52 @@ def stage_split(result: Any) -> Verdict:
                    f"(largest relative difference {worst:.1e}).")
 
 
-def for_w_peaks(answer: Any) -> Verdict:
-    """Exercise 8.2 (predicted): on each rank of ZB-H1 (p = 4, m = 8, :data:`BUILD_CASE`'s stages), the most
-    bytes that what B hands to W (each layer's input x and pre-activation gradient dz, M_W a microbatch)
-    takes at once. Right after B of microbatch i + r, rank r holds microbatches i .. i + r: r + 1 of them,
-    until W of i frees the oldest. A unit or a count copied from elsewhere (the r of the W lag, the dz's
-    alone, what F keeps until B, one microbatch as in 1F1B) is named."""
+def _for_w_held(p: int, m: int, r: int, layers: int, rows: int, width: int) -> int:
+    """Exercise 8.2's answer on ZB-H2: min(2r + 1, m) microbatches of M_W, each layer's x and dz as (rows,
+    width) float32."""
+    return min(2 * r + 1, m) * layers // p * 2 * rows * width * 4
+
+
+def for_w_peaks(fn: Any) -> Verdict:
+    """Exercise 8.2 (predicted): ``held(p, m, r, layers, rows, width)``, the most bytes of what B hands to W
+    (each layer's input x and pre-activation gradient dz, M_W a microbatch) rank r holds at once under ZB-H2
+    (stage s on rank s, ``layers / p`` layers of :data:`BUILD_CASE`'s kind a stage, m >= 1 microbatches of
+    ``rows`` x ``width`` float32). Rank r runs W of i after B of i + 2r (lesson 3), so right after that B
+    it holds 2r + 1 microbatches, never more than the m there are (counted from the builder's order for
+    p = 3..5, m = 1..2p, in tests/test_build_lesson.py). Checked at the lesson's case (p = 4, m = 8, 8 layers,
+    64 x 256), which the reveal measures, at m = 3 (fewer microbatches than the lag), and at eight cases drawn
+    afresh (p = 2..8, m = 1..3p, 16 to 128 rows), so that the reveal's numbers alone do not pass; a count or
+    unit copied from elsewhere is named."""
     c = BUILD_CASE
-    p = c["ranks"]
-    array = c["microbatch_size"] * c["width"] * c["itemsize"]      # one (rows, width) float32 array
-    m_w = c["layers"] // p * 2 * array                               # x and dz of each layer of a stage
-    hint = ("two questions: which arrays does W of a layer read, and what size is each? On rank r, right "
-            "after a B, how many microbatches have had their B but not yet their W?")
-    if _unanswered(answer):
-        return Verdict("8.2", False, "no answer yet: replace ... with one number of bytes per rank.", hint)
-    try:
-        got = [float(v) for v in answer]
-    except (TypeError, ValueError):
-        return Verdict("8.2", False, f"expected a list of {p} numbers (bytes, rank 0 first), got {answer!r}.",
-                       hint)
-    if len(got) != p or not all(math.isfinite(g) for g in got):
-        return Verdict("8.2", False, f"expected {p} finite numbers, one per rank; got {len(got)}.", hint)
-    if got == [(r + 1) * m_w for r in range(p)]:
-        return Verdict("8.2", True, f"M_W is {m_w} bytes (x and dz of 2 layers, 64 x 256 float32 each), and "
-                       "rank r holds r + 1 microbatches of it right after a B: W of i waits for B of i + r.")
-    say = lambda what, tip: Verdict("8.2", False, what, tip)  # noqa: E731
-    if got == [r * m_w for r in range(p)]:
-        return say("those are r microbatches a rank: the count before its B, or after its W.",
-                   "count right after a B: it has stored its output before the W that follows frees the "
-                   "oldest.")
-    if got == [(p - r) * m_w for r in range(p)] or got == [(p - r) * m_w / 2 for r in range(p)]:
-        return say("rank 0 holds the most: that is what F keeps until B (p - r microbatches, lesson 1).",
-                   "what B hands to W fills up the other way: which rank's W lags its B the most?")
-    if got == [m_w] * p or got == [m_w / 2] * p:
-        return say("every rank holds the same: that is 1F1B's fused BW, or rank 0 of ZB-H1.",
-                   "on rank r, W of microbatch i runs after B of i + r (lesson 3).")
-    unit = got[0]
-    if unit > 0 and got == [(r + 1) * unit for r in range(p)]:
-        half = " only the dz's, or only the x's:" if unit == m_w / 2 else ""
-        return say(f"the counts (r + 1 on rank r) are right, {unit:g} bytes a microbatch is not.",
-                   f"{half} W's dA = x.T @ dz needs each layer's input x and pre-activation gradient dz; how "
-                   "many layers has a stage, and how many bytes is one (samples, width) float32 array?")
-    if unit > 0 and all(g % m_w == 0 for g in got):
-        return say(f"M_W is right, the counts {[int(g // m_w) for g in got]} microbatches are not.", hint)
-    return Verdict("8.2", False, f"{[f'{g:g}' for g in got]} are not the bytes each rank holds.", hint,
-                   attempt=False)
+    case = (c["layers"], c["microbatch_size"], c["width"])
+    fixed = [(c["ranks"], m, r, *case) for m in (c["microbatches"], 3) for r in range(c["ranks"])]
+
+    def draw(rng):
+        p, rows, width = rng.randint(2, 8), rng.choice((16, 32, 48, 128)), 64 * rng.randint(1, 8)
+        return p, rng.randint(1, 3 * p), rng.randrange(p), p * rng.randint(1, 4), rows, width
+
+    def m_w(p, layers, rows, width):
+        return layers // p * 2 * rows * width * 4
+
+    known = [(lambda p, m, r, *s: min(r + 1, m) * m_w(p, *s), "that is ZB-H1's count (W of i after B of "
+              "i + r); ZB-H2's W's wait longer (lesson 3)"),
+             (lambda p, m, r, *s: (2 * r + 1) * m_w(p, *s), "2r + 1 is right while there are that many "
+              "microbatches: with m below it, how many can a rank hold?"),
+             (lambda p, m, r, *s: min(2 * r, m) * m_w(p, *s), "that is the count before a B, or after its W: "
+              "count right after a B, before the W that follows frees the oldest"),
+             (lambda p, m, r, *s: min(p - r, m) * m_w(p, *s), "rank 0 holds the most: that is what F keeps "
+              "until B (lesson 1); which rank's W lags its B the most?"),
+             (lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s) / 2, "the counts are right, the bytes a "
+              "microbatch are half: W's dA = x.T @ dz needs both x and dz of each layer"),
+             (lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s) / 4, "the counts are right; those are "
+              "floats, not bytes (float32: 4 bytes each)"),
+             (lambda p, m, r, layers, *s: min(2 * r + 1, m) * m_w(1, layers, *s), "the counts are right; "
+              "that is every layer of the model, not one stage's layers / p")]
+    return _function_check("8.2", fn, _with_fresh(fixed, draw, 8), _for_w_held,
+                           "held(p, m, r, layers, rows, width)",
+                           "two questions: which arrays does W of a layer read, and what size is each? On "
+                           "rank r, right after a B, how many microbatches have had their B but not their W?",
+                           known=known)
 
 
 PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-h2", 4), ("zb-v", 2))
