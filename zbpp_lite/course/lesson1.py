@@ -97,20 +97,29 @@ def lean_schedule(actions: Any) -> Verdict:
 
 
 def peak_memory_1f1b(fn: Any) -> Verdict:
-    """Exercise 1.4: ``peak_time(p, m, r, f, bw)``, the earliest time rank r holds its peak activations
-    under 1F1B (T_F = f, fused T_BW = bw, T_comm = 0); checked at p = 1..6, m = 1..9, every rank, three
-    (T_F, T_BW), against the simulator's memory curve."""
+    """Exercise 1.4: ``last_peak(p, m, r, f, bw)``, the last time rank r's activations rise to their peak
+    under 1F1B (T_F = f, fused T_BW = bw, T_comm = 0, memory counted from an F's start): (r + m - 1) f while
+    m <= p - r (every F a warm-up F), else (m - 1)(f + bw) + r f (the last F, right after the BW of microbatch
+    m - 1 - (p - r), which comes back from the last rank one T_BW a rank). Checked at p = 1..6, m = 1..9,
+    every rank, four (T_F, T_BW) (one with T_BW < T_F), against the simulator's memory curve; the first
+    peak's time and the steady state's form given to every m are named."""
     points = [(p, m, r, f, bw) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 9) for r in range(p)
-              for f, bw in ((1.0, 2.0), (1.5, 1.0), (0.5, 3.0))]
+              for f, bw in ((1.0, 2.0), (1.5, 1.0), (0.5, 3.0), (2.0, 0.5))]
 
-    def first_peak(p: int, m: int, r: int, f: float, bw: float) -> float:
+    def last_peak(p: int, m: int, r: int, f: float, bw: float) -> float:
         curve = simulate(build_schedule("1f1b", p, m), Costs(f=f, b=bw / 2, w=bw / 2)).memory_curve(r)
         top = max(v for _, v in curve)
-        return next(t for t, v in curve if v == top)
+        return [t for t, v in curve if v == top][-1]
 
-    return _function_check("1.4", fn, points, first_peak, "peak_time(p, m, r, f, bw)",
-                           "the peak comes with rank r's last warm-up F: how many F's does it run before its "
-                           "first backward (mind m < p), and when can each start, given rank r - 1's?")
+    known = [(lambda p, m, r, f, bw: (min(p, r + m) - 1) * f, "that is the first time rank r reaches its "
+              "peak, at its last warm-up F; in the steady state a BW frees one and the next F brings it "
+              "back"),
+             (lambda p, m, r, f, bw: (m - 1) * (f + bw) + r * f, "right in the steady state; with m <= p - r "
+              "there is none: every F is a warm-up F")]
+    return _function_check("1.4", fn, points, last_peak, "last_peak(p, m, r, f, bw)",
+                           "which F brings rank r to its peak for the last time? When m > p - r it comes "
+                           "right after a BW: which microbatch's, and when does that BW end, given the last "
+                           "rank's?", known=known)
 
 
 BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, ranks=(1, 2, 4, 8), fixed=(0.05, 0.3, 1.0, 4.0, 20.0),

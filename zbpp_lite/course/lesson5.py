@@ -8,9 +8,9 @@ from typing import Any, Callable
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
-from ..schedules.ir import v_placement as _v
 from ..schedules.simulate import simulate
-from .checks import Verdict, _function_check, _line_figure, _with_fresh, course_cache
+from .checks import (Verdict, _called, _function_check, _function_missing, _line_figure, _unanswered,
+                     _with_fresh, course_cache)
 
 
 @course_cache(maxsize=16)
@@ -24,9 +24,9 @@ ZB_V_RATE = 0.05
 
 
 def _first_m_below(p: int, target: float) -> int:
-    """Exercise 5.2's answer: from the simulator's sweep up to p = 10; past it (a sweep there takes tens
-    of seconds), the closed form the sweeps agree with (tests/test_exercises.py)."""
-    if p > 10:
+    """Exercise 5.2's answer: from the simulator's sweep up to p = 6; past it (a sweep takes 5-13 s at
+    p = 7..10), the closed form the sweeps agree with (tests/test_exercises.py)."""
+    if p > 6:
         return math.floor((2 * p - 1) * (1 - target) / (1 + 5 * target)) + 1
     return min(m for m, t in _zb_v_sweep(p).items() if t.bubble_rate < target)
 
@@ -34,9 +34,9 @@ def _first_m_below(p: int, target: float) -> int:
 def zb_v_first_m_below(fn: Any) -> Verdict:
     """Exercise 5.2 (predicted): ``first_m_below(p, target)``, the smallest m with ZB-V's bubble rate below
     ``target`` (0 < target <= 0.2) on p ranks, equal per-stage costs, T_comm = 0; checked against the
-    simulator's sweep at fixed points (p = 2..6) and fresh ones (p = 2..10), and one fresh p from 20 to 60
-    against the closed form below, so that a table of simulated rates does not pass; the package out of
-    bounds.
+    simulator's sweep at fixed points (p = 2..6), at fresh ones (p = 2..10; past 6 against the closed form
+    below, which the tests compare with the sweeps), and at one fresh p from 20 to 60, so that a table of
+    simulated rates does not pass; the package out of bounds.
     The bubble is (2p - 1 - m)t for 2p/3 <= m <= 2p - 1, so the rate is (2p - 1 - m)/(5m + 2p - 1): the
     first whole m past (2p - 1)(1 - target)/(1 + 5 target). The bubble over the work instead of the
     makespan gets its own message."""
@@ -60,15 +60,15 @@ def zb_v_first_m_below(fn: Any) -> Verdict:
 
 def _zb_v_span(p: int, m: int) -> float:
     """Exercise 5.3's answer at unit costs in closed form, 6m + max(4p - 1 - 4m, 2p - 1 - m, 0): equal to the
-    simulator's sweep up to p = 10 (tests/test_exercises.py), and used past it."""
+    simulator's sweep (tests/test_exercises.py), and used past p = 6, where a sweep takes seconds."""
     return 6 * m + max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)
 
 
 def zb_v_makespan(fn: Any) -> Verdict:
     """Exercise 5.3: ``makespan(p, m, t)``, ZB-V's makespan for every m >= 1 (the lesson shows m >= p only)
     with T_F = T_B = T_W = t, T_comm = 0; checked for p = 2, 3, 5, m = 1 .. 2p + 1, t in (1, 0.5), at
-    four fresh points (p = 4..10, m = 1..2p + 1) against the simulator, and at one fresh p from 20 to 60,
-    where a sweep is slow, against :func:`_zb_v_span`."""
+    four fresh points (p = 4..10, m = 1..2p + 1) against the simulator up to p = 6 and :func:`_zb_v_span`
+    past it, and at one fresh p from 20 to 60 against :func:`_zb_v_span`."""
     fixed = [(p, m, t) for p in (2, 3, 5) for m in range(1, 2 * p + 2) for t in (1.0, 0.5)]
 
     def draw(rng):   # points new at each check, so that a table of the fixed ones does not pass
@@ -81,7 +81,7 @@ def zb_v_makespan(fn: Any) -> Verdict:
 
     points = [*_with_fresh(fixed, draw, 4), *_with_fresh([], deep, 1)]
     # every cost scales with t (T_comm = 0), so the makespan is t times the t = 1 one
-    return _function_check("5.3", fn, points, lambda p, m, t: t * (_zb_v_sweep(p)[m].makespan if p <= 10
+    return _function_check("5.3", fn, points, lambda p, m, t: t * (_zb_v_sweep(p)[m].makespan if p <= 6
                                                                    else _zb_v_span(p, m)),
                            "makespan(p, m, t)",
                            "6t of work per microbatch on a rank; with few microbatches rank 0 waits for "
@@ -90,27 +90,52 @@ def zb_v_makespan(fn: Any) -> Verdict:
                            "which wait is longer at each m?")
 
 
-def v_sends(fn: Any) -> Verdict:
-    """Exercise 5.1: a function ``sends(p, r)``: how many values rank r sends to another rank for one
-    microbatch's F's and B's under ZB-V's V placement (2p stages on p ranks): an F's activation goes
-    to stage s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send.
-    Counted from the placement for p = 1..8, every rank, and at four fresh points (p = 9..40)."""
+def _sends(place: tuple[int, ...], r: int) -> int:
+    """Values rank r sends to another rank for one microbatch under ``place`` (stage s on rank place[s])."""
+    down = sum(place[s] == r != place[s + 1] for s in range(len(place) - 1))   # F's activations, to s + 1
+    return down + sum(place[s] == r != place[s - 1] for s in range(1, len(place)))   # B's, to s - 1
 
-    def count(p, r):
-        place = _v(p)
-        down = sum(place[s] == r != place[s + 1] for s in range(2 * p - 1))
-        up = sum(place[s] == r != place[s - 1] for s in range(1, 2 * p))
-        return down + up
 
-    points = _with_fresh([(p, r) for p in range(1, 9) for r in range(p)], lambda rng: (
-        (p := rng.randint(9, 40)), rng.randint(0, p - 1)), 4)
-    return _function_check("5.1", fn, points, count, "sends(p, r)",
-                           "list rank r's two stages, r and 2p-1-r; for each, does its F's output and its "
-                           "B's input gradient leave the rank? Look at the ends of the V and at its turn.")
+def fewest_sends(fn: Any) -> Verdict:
+    """Exercise 5.1: a function ``fewest(p)`` returning a placement (a tuple of 2p ints, stage s on rank
+    ``placement[s]``) of 2p stages on p >= 2 ranks, two stages a rank, rank 0 holding the first and the last
+    (as the V does), that sends as few values between ranks per microbatch as any such placement: an F's
+    activation goes to stage s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send
+    (:func:`_sends`). The fewest is 2p: leaving rank 0 and coming back to it enters each of the p ranks at
+    least once, each change 2 sends (the V sends 4p - 4). Checked for p = 2..8 and at two p drawn from 9 to
+    60."""
+    hint = ("every change of rank between neighbouring stages costs two sends, one F and one B: how few "
+            "changes can a path from rank 0 back to rank 0 make when every other rank must hold two stages?")
+    missing = _function_missing("5.1", fn, hint, shape="a function fewest(p) returning a placement")
+    if missing is not None:
+        return missing
+    for p in _with_fresh(list(range(2, 9)), lambda rng: rng.randint(9, 60), 2):
+        got, refused = _called("5.1", fn, (p,), hint)
+        if refused is not None:
+            return refused
+        if _unanswered(got):
+            return Verdict("5.1", False, "your function returned ...: replace the ... in its body.", hint,
+                           attempt=False)
+        try:
+            place = tuple(int(r) for r in got)
+        except (TypeError, ValueError):
+            return Verdict("5.1", False, f"at p = {p} expected a tuple of 2p ranks, got {got!r}.", hint)
+        if len(place) != 2 * p or sorted(place) != sorted(2 * list(range(p))):
+            return Verdict("5.1", False, f"at p = {p} {place} does not put two of the {2 * p} stages on each "
+                           f"rank 0 .. {p - 1}.", hint)
+        if place[0] != 0 or place[-1] != 0:
+            return Verdict("5.1", False, f"at p = {p} rank 0 must hold the first and the last stage, as in "
+                           f"the V (the loss stage with the first); {place} does not.", hint)
+        total = sum(_sends(place, r) for r in range(p))
+        if total > 2 * p:
+            return Verdict("5.1", False, f"at p = {p} {place} sends {total} values a microbatch; fewer is "
+                           "possible.", hint)
+    return Verdict("5.1", True, "2p sends a microbatch, the fewest (the V sends 4p - 4): leaving rank 0 and "
+                   "coming back enters every rank once, two sends a change.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "5.1": v_sends, "5.2": zb_v_first_m_below, "5.3": zb_v_makespan
+    "5.1": fewest_sends, "5.2": zb_v_first_m_below, "5.3": zb_v_makespan
 }
 """Lesson 5's exercises by id -> check."""
 
@@ -124,4 +149,4 @@ def _reveal_5_2():
 REVEALS: dict[str, Callable[[], Any]] = {"5.2": _reveal_5_2}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["ZB_V_RATE", "zb_v_first_m_below", "zb_v_makespan", "v_sends", "EXERCISES", "REVEALS"]
+__all__ = ["ZB_V_RATE", "zb_v_first_m_below", "zb_v_makespan", "fewest_sends", "EXERCISES", "REVEALS"]

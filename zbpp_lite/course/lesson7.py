@@ -20,40 +20,43 @@ SLOW_MIDDLE_STAGE = _one_slow_stage(4, 2)
 plants and draws the slow stage at the front; no figure or output of it shows this case)."""
 
 
-@course_cache(maxsize=64)
-def _idlest(p: int, slow: int) -> tuple[int, int]:
-    """(the fast rank idling longest, the fast rank idling least) in ZB-H1 on p ranks, m = 2p, stage ``slow``
-    at twice the others' unit costs."""
-    idle = simulate(build_schedule("zb-h1", p, 2 * p), _one_slow_stage(p, slow)).idle_time
-    fast = [r for r in range(p) if r != slow]
-    return max(fast, key=lambda r: idle[r]), min(fast, key=lambda r: idle[r])
+@course_cache(maxsize=256)
+def _slow_idle(p: int, m: int, slow: int) -> tuple[float, ...]:
+    """Each rank's idle time inside its span in ZB-H1 on p ranks, m microbatches, stage ``slow`` at twice the
+    others' unit costs (simulated, cached)."""
+    return simulate(build_schedule("zb-h1", p, m), _one_slow_stage(p, slow)).idle_time
 
 
-def idlest_rank(fn: Any) -> Verdict:
-    """Exercise 7.1 (predicted): ``idlest(p, slow)``, the pair (the fast rank idling longest inside its span,
-    the fast rank idling least) in ZB-H1 on p >= 3 ranks, m = 2p, with stage ``slow`` twice as slow as the
-    others; checked against the simulator at every slow stage for p = 3..6 and at fresh points up to
-    p = 12, the package out of bounds. A fast rank r in front of the slow stage idles 3m - 1 - r, one
-    behind it 3m - 2p - 1 + 2 slow - r (unit costs): (0, p - 1), except (1, p - 1) when the slow stage
-    is first and (0, p - 2) when it is last. The answer right only for a middle stage, the slow rank's
-    neighbours and the ranks farthest from it get their own messages."""
-    hint = ("every fast rank does the same work, 3 per microbatch, so its idle time is its span less that "
-            "work: which fast rank starts first, which ends first, and what changes when the slow stage is "
-            "the first or the last?")
-    fixed = [(p, slow) for p in range(3, 7) for slow in range(p)]
+def slow_stage_idle(fn: Any) -> Verdict:
+    """Exercise 7.1 (predicted): ``idle(p, m, slow, r)``, rank r's idle time inside its span in ZB-H1 on
+    p >= 2 ranks, m >= p microbatches, stage ``slow`` twice as slow as the others (unit costs elsewhere,
+    T_comm = 0); checked against the simulator at every slow stage and rank for p = 3..5, m = p and 2p, and
+    at four fresh points up to p = 12, m = 3p, the package out of bounds. The slow rank is never idle. A fast
+    rank works 3m: in front of the slow stage (r < slow) it runs from r to 6m - 1, idling 3m - 1 - r; behind
+    it, from r + 1 to 6m - 2p + 2 slow, idling 3m - 2p - 1 + 2 slow - r. Answers that give the ranks behind
+    the front's end, or every rank the front's form, are named."""
+    fixed = [(p, m, slow, r) for p in (3, 4, 5) for m in (p, 2 * p) for slow in range(p) for r in range(p)]
 
     def draw(rng):
-        p = rng.randint(7, 12)
-        return p, rng.randint(0, p - 1)
+        p = rng.randint(6, 12)
+        return p, rng.randint(p, 3 * p), rng.randrange(p), rng.randrange(p)
 
-    known = [(lambda p, slow: (0, p - 1),
-              "(0, p - 1) holds while the slow stage is in the middle: which ranks are left when it is the "
-              "first or the last?"),
-             (lambda p, slow: (p - 1 if slow < p - 1 else 0, slow + 1 if slow < p - 1 else slow - 1),
-              "the slow stage's neighbour does not idle least, nor the farthest rank most: the ranks in "
-              "front of the slow stage wait until its last backwards come back.")]
-    return _function_check("7.1", fn, _with_fresh(fixed, draw, 3), _idlest, "idlest(p, slow)", hint,
-                           known=known)
+    def front_everywhere(p, m, slow, r):
+        return 0 if r == slow else 3 * m - 1 - r
+
+    def behind_end_late(p, m, slow, r):
+        return 0 if r == slow else 3 * m - 1 - r if r < slow else 3 * m - 2 - r
+
+    known = [(front_everywhere, "that is the form of the ranks in front of the slow stage, given to every "
+              "rank: behind it a rank starts one later and ends earlier"),
+             (behind_end_late, "the ranks behind the slow stage do not wait for its last backwards: they "
+              "end once they have handed it theirs, with their held W's run")]
+    hint = ("the slow rank is never idle: it runs 6m from its start. A fast rank's idle time is its span "
+            "less its 3m of work: when does microbatch 0's F reach it, and when does it end? After its "
+            "last B it still runs the W's it holds (W of i runs after B of i + r, lesson 3). In front, the "
+            "last B comes back from the slow rank; behind, count what the slow rank runs after its last F.")
+    return _function_check("7.1", fn, _with_fresh(fixed, draw, 4), lambda p, m, slow, r:
+                           _slow_idle(p, m, slow)[r], "idle(p, m, slow, r)", hint, known=known)
 
 
 LAYER_COSTS = (1.0, 2.0, 2.0, 5.0, 4.0, 2.0, 1.0, 4.0)
@@ -178,7 +181,7 @@ def best_split(fn: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "7.1": idlest_rank, "7.2": balanced_partition, "7.3": best_split
+    "7.1": slow_stage_idle, "7.2": balanced_partition, "7.3": best_split
 }
 """Lesson 7's exercises by id -> check."""
 
@@ -188,7 +191,7 @@ REVEALS: dict[str, Callable[[], Any]] = {
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "SLOW_MIDDLE_STAGE", "idlest_rank", "LAYER_COSTS", "SPLIT_CASES", "SPLIT_DEEP", "balanced_partition",
+    "SLOW_MIDDLE_STAGE", "slow_stage_idle", "LAYER_COSTS", "SPLIT_CASES", "SPLIT_DEEP", "balanced_partition",
     "best_split",
     "EXERCISES", "REVEALS"
 ]
