@@ -95,8 +95,8 @@ def test_the_right_build_passes_every_check(lesson):
     assert ex.stage_split(lab.try_stage(lesson["F"], lesson["B"], lesson["W"]))
     measured = lab.for_w_peaks(lesson["F"], lesson["B"], "zb-h2")   # bytes B hands to W, held at once per rank
     held = lesson["held"]
-    assert measured == [held(4, 8, r, 8, 64, 256) for r in range(4)] and ex.for_w_peaks(held)
-    assert lab.for_w_peaks(lesson["F"], lesson["B"]) == [(r + 1) * held(4, 8, 0, 8, 64, 256) for r in range(4)]
+    assert measured == [held(4, 8, r, [256] * 9, 64) for r in range(4)] and ex.for_w_peaks(held)
+    assert lab.for_w_peaks(lesson["F"], lesson["B"]) == [(r + 1) * held(4, 8, 0, [256] * 9, 64) for r in range(4)]
     assert ex.pipeline_run(lab.try_pipeline(lesson["rank_loop"]))
     assert ex.optimizer_step(lab.try_step(lesson["optimizer_step"]))
 
@@ -302,22 +302,37 @@ def test_zb_h2_holds_2r_plus_1_w_inputs_or_all_m():
                     assert most == min(lag * r + 1, m), (name, p, m, r)
 
 
+def _m_w(p, r, widths, rows, sides=(0, 1)):
+    """Bytes of stage r's x (side 0, widths[l]) and dz (side 1, widths[l + 1]) for its layers, float32;
+    ``sides`` (0, 0) or (1, 1): two of the one kind instead."""
+    k = (len(widths) - 1) // p
+    return 4 * rows * sum(widths[l + a] + widths[l + b] for l in range(r * k, (r + 1) * k) for a, b in [sides])
+
+
 def test_wrong_predictions_fail():
-    """Exercise 8.2: the bytes B hands to W, held at once on a ZB-H2 rank, as a function of the sizes. Each
-    pattern copied from elsewhere is named: ZB-H1's lag, no cap at m, the count before a B, F's p - r, the
-    dz's alone, floats for bytes, the whole model's layers; the reveal's p = 4 numbers alone do not pass."""
-    m_w = lambda p, layers, rows, width: layers // p * 2 * rows * width * 4  # noqa: E731
-    assert ex.for_w_peaks(lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s))
-    wrong = {"ZB-H1's count": lambda p, m, r, *s: min(r + 1, m) * m_w(p, *s),
-             "with m below it": lambda p, m, r, *s: (2 * r + 1) * m_w(p, *s),
-             "before a B": lambda p, m, r, *s: min(2 * r, m) * m_w(p, *s),
-             "what F keeps": lambda p, m, r, *s: min(p - r, m) * m_w(p, *s),
-             "half": lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s) / 2,
-             "not bytes": lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s) / 4,
-             "every layer": lambda p, m, r, layers, *s: min(2 * r + 1, m) * m_w(1, layers, *s)}
+    """Exercise 8.2: the bytes B hands to W, held at once on a ZB-H2 rank, for layers of any widths. Each
+    pattern copied from elsewhere is named: ZB-H1's lag, no cap at m, the count before a B, F's p - r, x's or
+    dz's width for both, stage 0's layers for every rank, floats for bytes; the reveal's p = 4 numbers alone
+    do not pass."""
+    def held(count, sides=(0, 1), stage=None):
+        return lambda p, m, r, widths, rows: count(p, m, r) * _m_w(p, r if stage is None else stage, widths,
+                                                                    rows, sides)
+
+    right = lambda p, m, r: min(2 * r + 1, m)  # noqa: E731
+    assert ex.for_w_peaks(held(right))
+    wrong = {"ZB-H1's count": held(lambda p, m, r: min(r + 1, m)),
+             "with m below it": held(lambda p, m, r: 2 * r + 1),
+             "before a B": held(lambda p, m, r: min(2 * r, m)),
+             "what F keeps": held(lambda p, m, r: min(p - r, m)),
+             "not its output's": held(right, sides=(1, 1)),
+             "not its input's": held(right, sides=(0, 0)),
+             "stage 0's layers": held(right, stage=0),
+             "not bytes": lambda p, m, r, widths, rows: right(p, m, r) * _m_w(p, r, widths, rows) / 4}
     for word, answer in wrong.items():
         verdict = ex.for_w_peaks(answer)
         assert not verdict and verdict.hint and verdict.attempt and word in str(verdict), (word, str(verdict))
+    uniform = lambda p, m, r, widths, rows: right(p, m, r) * 2 * rows * widths[0] * 4 * (len(widths) - 1) // p  # noqa: E731
+    assert not ex.for_w_peaks(uniform)                                  # one width for all: right on ours only
     table = {r: (2 * r + 1) * 2 * 2 * 64 * 256 * 4 for r in range(4)}      # the reveal's measured numbers
     copied = ex.for_w_peaks(lambda p, m, r, *s: table.get(r, 0))
     assert not copied and "agrees at" in str(copied), str(copied)

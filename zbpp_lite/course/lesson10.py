@@ -57,8 +57,8 @@ def v_ticks(fn: Any) -> Verdict:
         return p, rng.randint(2 * p - 1, 4 * p)
 
     points = _with_fresh(fixed, draw, 3)
-    known = [(lambda p, m: 6 * m, "that is a rank's actions alone: the pipeline must fill before the last "
-                                  "rank starts."),
+    known = [(lambda p, m: 6 * m, "that is one rank's actions alone; the program runs from the first "
+                                  "action on any rank to the last."),
              (lambda p, m: 3 * m + p - 1, "that counts one stage a rank: on the V each rank holds two "
                                           "chunks."),
              (lambda p, m: 6 * m + 2 * (p - 1), "that pays the fill twice, down and up the V: by the time "

@@ -125,50 +125,71 @@ def stage_split(result: Any) -> Verdict:
                    f"(largest relative difference {worst:.1e}).")
 
 
-def _for_w_held(p: int, m: int, r: int, layers: int, rows: int, width: int) -> int:
-    """Exercise 8.2's answer on ZB-H2: min(2r + 1, m) microbatches of M_W, each layer's x and dz as (rows,
-    width) float32."""
-    return min(2 * r + 1, m) * layers // p * 2 * rows * width * 4
+def _stage_m_w(p: int, r: int, widths: Sequence[int], rows: int) -> int:
+    """Bytes of what B hands W for one microbatch on stage r of p: each of its layers' input x
+    (rows, widths[l]) and pre-activation gradient dz (rows, widths[l + 1]), float32; stage r holds layers
+    r L/p .. (r + 1) L/p - 1 of L = len(widths) - 1."""
+    k = (len(widths) - 1) // p
+    return 4 * rows * sum(widths[l] + widths[l + 1] for l in range(r * k, (r + 1) * k))
+
+
+def _for_w_held(p: int, m: int, r: int, widths: Sequence[int], rows: int) -> int:
+    """Exercise 8.2's answer on ZB-H2: min(2r + 1, m) microbatches of stage r's M_W (:func:`_stage_m_w`)."""
+    return min(2 * r + 1, m) * _stage_m_w(p, r, widths, rows)
 
 
 def for_w_peaks(fn: Any) -> Verdict:
-    """Exercise 8.2 (predicted): ``held(p, m, r, layers, rows, width)``, the most bytes of what B hands to W
-    (each layer's input x and pre-activation gradient dz, M_W a microbatch) rank r holds at once under ZB-H2
-    (stage s on rank s, ``layers / p`` layers of :data:`BUILD_CASE`'s kind a stage, m >= 1 microbatches of
-    ``rows`` x ``width`` float32). Rank r runs W of i after B of i + 2r (lesson 3), so right after that B
-    it holds 2r + 1 microbatches, never more than the m there are (counted from the builder's order for
-    p = 3..5, m = 1..2p, in tests/test_build_lesson.py). Checked at the lesson's case (p = 4, m = 8, 8 layers,
-    64 x 256), which the reveal measures, at m = 3 (fewer microbatches than the lag), and at eight cases drawn
-    afresh (p = 2..8, m = 1..3p, 16 to 128 rows), so that the reveal's numbers alone do not pass; a count or
-    unit copied from elsewhere is named."""
+    """Exercise 8.2 (predicted): ``held(p, m, r, widths, rows)``, the most bytes of what B hands to W
+    (each layer's input x and pre-activation gradient dz, M_W a microbatch) rank r holds at once under
+    ZB-H2: stage s on rank s, layers like :data:`BUILD_CASE`'s, layer l taking width ``widths[l]`` to
+    ``widths[l + 1]``, the L = len(widths) - 1 layers cut evenly into p stages, m >= 1 microbatches of
+    ``rows`` rows, float32. Rank r runs W of i after B of i + 2r (lesson 3), so right after that B it holds
+    2r + 1 microbatches, never more than the m there are (the builder's order, in
+    tests/test_build_lesson.py); x is (rows, widths[l]) and dz (rows, widths[l + 1]) (exercise 2.1).
+    Checked at the lesson's case (p = 4, m = 8, 8 layers of width 256, 64 rows), which the reveal
+    measures, at m = 3, at a case of differing widths and at eight drawn afresh (p = 2..6, widths 8 to
+    512), so that the reveal's numbers alone do not pass; a count or size copied from elsewhere is
+    named."""
     c = BUILD_CASE
-    case = (c["layers"], c["microbatch_size"], c["width"])
-    fixed = [(c["ranks"], m, r, *case) for m in (c["microbatches"], 3) for r in range(c["ranks"])]
+    lesson = (c["width"],) * (c["layers"] + 1), c["microbatch_size"]
+    fixed = [(c["ranks"], m, r, *lesson) for m in (c["microbatches"], 3) for r in range(c["ranks"])]
+    fixed += [(2, 5, r, (32, 64, 128, 16, 8), 16) for r in range(2)]
 
     def draw(rng):
-        p, rows, width = rng.randint(2, 8), rng.choice((16, 32, 48, 128)), 64 * rng.randint(1, 8)
-        return p, rng.randint(1, 3 * p), rng.randrange(p), p * rng.randint(1, 4), rows, width
+        p = rng.randint(2, 6)
+        widths = tuple(8 * rng.randint(1, 64) for _ in range(p * rng.randint(1, 3) + 1))
+        return p, rng.randint(1, 3 * p), rng.randrange(p), widths, rng.choice((16, 32, 48, 128))
 
-    def m_w(p, layers, rows, width):
-        return layers // p * 2 * rows * width * 4
+    def sized(count, m_w=_stage_m_w):
+        return lambda p, m, r, widths, rows: count(p, m, r) * m_w(p, r, widths, rows)
 
-    known = [(lambda p, m, r, *s: min(r + 1, m) * m_w(p, *s), "that is ZB-H1's count (W of i after B of "
-              "i + r); ZB-H2's W's wait longer (lesson 3)"),
-             (lambda p, m, r, *s: (2 * r + 1) * m_w(p, *s), "2r + 1 is right while there are that many "
-              "microbatches: with m below it, how many can a rank hold?"),
-             (lambda p, m, r, *s: min(2 * r, m) * m_w(p, *s), "that is the count before a B, or after its W: "
-              "count right after a B, before the W that follows frees the oldest"),
-             (lambda p, m, r, *s: min(p - r, m) * m_w(p, *s), "rank 0 holds the most: that is what F keeps "
-              "until B (lesson 1); which rank's W lags its B the most?"),
-             (lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s) / 2, "the counts are right, the bytes a "
-              "microbatch are half: W's dA = x.T @ dz needs both x and dz of each layer"),
-             (lambda p, m, r, *s: min(2 * r + 1, m) * m_w(p, *s) / 4, "the counts are right; those are "
-              "floats, not bytes (float32: 4 bytes each)"),
-             (lambda p, m, r, layers, *s: min(2 * r + 1, m) * m_w(1, layers, *s), "the counts are right; "
-              "that is every layer of the model, not one stage's layers / p")]
-    return _function_check("8.2", fn, _with_fresh(fixed, draw, 8), _for_w_held,
-                           "held(p, m, r, layers, rows, width)",
-                           "two questions: which arrays does W of a layer read, and what size is each? On "
+    def outputs_only(p, r, widths, rows):
+        k = (len(widths) - 1) // p
+        return 4 * rows * sum(2 * widths[l + 1] for l in range(r * k, (r + 1) * k))
+
+    def inputs_only(p, r, widths, rows):
+        k = (len(widths) - 1) // p
+        return 4 * rows * sum(2 * widths[l] for l in range(r * k, (r + 1) * k))
+
+    right = lambda p, m, r: min(2 * r + 1, m)  # noqa: E731
+    known = [(sized(lambda p, m, r: min(r + 1, m)), "that is ZB-H1's count (W of i after B of i + r); "
+              "ZB-H2's W's wait longer (lesson 3)"),
+             (sized(lambda p, m, r: 2 * r + 1), "2r + 1 is right while there are that many microbatches: "
+              "with m below it, how many can a rank hold?"),
+             (sized(lambda p, m, r: min(2 * r, m)), "that is the count before a B, or after its W: count "
+              "right after a B, before the W that follows frees the oldest"),
+             (sized(lambda p, m, r: min(p - r, m)), "rank 0 holds the most: that is what F keeps until B "
+              "(lesson 1); which rank's W lags its B the most?"),
+             (sized(right, outputs_only), "the counts are right; a layer's x has its input width, not its "
+              "output's (exercise 2.1)"),
+             (sized(right, inputs_only), "the counts are right; a layer's dz has its output width, not its "
+              "input's (exercise 2.1)"),
+             (sized(right, lambda p, r, *s: _stage_m_w(p, 0, *s)), "the counts are right; that is stage 0's "
+              "layers for every rank: rank r holds stage r"),
+             (lambda p, m, r, widths, rows: right(p, m, r) * _stage_m_w(p, r, widths, rows) / 4, "the counts "
+              "are right; those are floats, not bytes (float32: 4 bytes each)")]
+    return _function_check("8.2", fn, _with_fresh(fixed, draw, 8), _for_w_held, "held(p, m, r, widths, rows)",
+                           "two questions: which arrays does W of a layer read, and what shape is each? On "
                            "rank r, right after a B, how many microbatches have had their B but not their W?",
                            known=known)
 
