@@ -633,8 +633,8 @@ def test_the_lockstep_check_refuses_the_event_driven_prediction():
     assert not ex.lockstep_1f1b(40).attempt                       # a number is not yet a function
 
 
-def test_the_v_ticks_check_names_the_start_left_out_one_chunk_a_rank_and_the_fill_paid_twice():
-    for wrong, word in ((lambda p, m: 6 * m, "fill"), (lambda p, m: 3 * m + p - 1, "one stage a rank"),
+def test_the_v_ticks_check_names_one_ranks_actions_one_chunk_a_rank_and_the_fill_paid_twice():
+    for wrong, word in ((lambda p, m: 6 * m, "any rank"), (lambda p, m: 3 * m + p - 1, "one stage a rank"),
                         (lambda p, m: 6 * m + 2 * (p - 1), "twice")):
         verdict = ex.v_ticks(wrong)
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
