@@ -79,6 +79,13 @@ def _unanswered(answer: Any) -> bool:
     return answer is None or answer is Ellipsis
 
 
+def _crossings(placement: tuple[int, ...], m: int) -> int:
+    """Values that cross between ranks in one step of m microbatches through the stages of ``placement``
+    (stage -> rank; exercises 5.1 and 6.1): each link between consecutive stages on two ranks carries m
+    activations down and m input gradients back."""
+    return 2 * m * sum(a != b for a, b in zip(placement, placement[1:]))
+
+
 def _one_slow_stage(p: int, slow: int) -> Costs:
     """Unit T_F = T_B = T_W (T_BW = 2) on p stages but stage ``slow``, where each is 2: the one slow stage
     of exercises 1.1 and 7.1."""

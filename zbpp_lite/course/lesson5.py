@@ -9,8 +9,8 @@ from typing import Any, Callable
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _called, _function_check, _function_missing, _line_figure, _unanswered,
-                     _with_fresh, course_cache)
+from .checks import (Verdict, _called, _crossings, _function_check, _function_missing, _line_figure,
+                     _unanswered, _with_fresh, course_cache)
 
 
 @course_cache(maxsize=16)
@@ -90,20 +90,14 @@ def zb_v_makespan(fn: Any) -> Verdict:
                            "which wait is longer at each m?")
 
 
-def _sends(place: tuple[int, ...], r: int) -> int:
-    """Values rank r sends to another rank for one microbatch under ``place`` (stage s on rank place[s])."""
-    down = sum(place[s] == r != place[s + 1] for s in range(len(place) - 1))   # F's activations, to s + 1
-    return down + sum(place[s] == r != place[s - 1] for s in range(1, len(place)))   # B's, to s - 1
-
-
 def fewest_sends(fn: Any) -> Verdict:
     """Exercise 5.1: a function ``fewest(p)`` returning a placement (a tuple of 2p ints, stage s on rank
     ``placement[s]``) of 2p stages on p >= 2 ranks, two stages a rank, rank 0 holding the first and the last
     (as the V does), that sends as few values between ranks per microbatch as any such placement: an F's
     activation goes to stage s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send
-    (:func:`_sends`). The fewest is 2p: leaving rank 0 and coming back to it enters each of the p ranks at
-    least once, each change 2 sends (the V sends 4p - 4). Checked for p = 2..8 and at two p drawn from 9 to
-    60."""
+    (:func:`~zbpp_lite.course.checks._crossings`). The fewest is 2p: leaving rank 0 and coming back to it
+    enters each of the p ranks at least once, each change 2 sends (the V sends 4p - 4). Checked for p = 2..8
+    and at two p drawn from 9 to 60."""
     hint = ("every change of rank between neighbouring stages costs two sends, one F and one B: how few "
             "changes can a path from rank 0 back to rank 0 make when every other rank must hold two stages?")
     missing = _function_missing("5.1", fn, hint, shape="a function fewest(p) returning a placement")
@@ -126,7 +120,7 @@ def fewest_sends(fn: Any) -> Verdict:
         if place[0] != 0 or place[-1] != 0:
             return Verdict("5.1", False, f"at p = {p} rank 0 must hold the first and the last stage, as in "
                            f"the V (the loss stage with the first); {place} does not.", hint)
-        total = sum(_sends(place, r) for r in range(p))
+        total = _crossings(place, 1)
         if total > 2 * p:
             return Verdict("5.1", False, f"at p = {p} {place} sends {total} values a microbatch; fewer is "
                            "possible.", hint)

@@ -14,7 +14,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.ir import looped_placement
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _called, _function_check, _function_missing, _with_fresh,
+from .checks import (Verdict, _called, _crossings, _function_check, _function_missing, _with_fresh,
                      course_cache)
 
 
@@ -128,13 +128,6 @@ def _zigzag_placement(p: int, v: int) -> tuple[int, ...]:
     """Stage -> rank for v passes over p ranks that turn at each end (down, up, down, ...): lesson 5's V
     (:func:`~zbpp_lite.schedules.ir.v_placement`) at v = 2."""
     return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(v * p))
-
-
-def _crossings(placement: tuple[int, ...], m: int) -> int:
-    """Values that cross between ranks in one step of m microbatches through the stages of ``placement``
-    (stage -> rank): each link between consecutive stages on two ranks carries m activations down and m
-    input gradients back."""
-    return 2 * m * sum(a != b for a, b in zip(placement, placement[1:]))
 
 
 def link_crossings(fn: Any) -> Verdict:

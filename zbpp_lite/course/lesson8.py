@@ -125,12 +125,17 @@ def stage_split(result: Any) -> Verdict:
                    f"(largest relative difference {worst:.1e}).")
 
 
+def _stage_layers(p: int, r: int, widths: Sequence[int]) -> list[tuple[int, int]]:
+    """(input width, output width) of each layer of stage r of p: layers r L/p .. (r + 1) L/p - 1 of
+    L = len(widths) - 1, layer l taking widths[l] to widths[l + 1]."""
+    k = (len(widths) - 1) // p
+    return [(widths[l], widths[l + 1]) for l in range(r * k, (r + 1) * k)]
+
+
 def _stage_m_w(p: int, r: int, widths: Sequence[int], rows: int) -> int:
     """Bytes of what B hands W for one microbatch on stage r of p: each of its layers' input x
-    (rows, widths[l]) and pre-activation gradient dz (rows, widths[l + 1]), float32; stage r holds layers
-    r L/p .. (r + 1) L/p - 1 of L = len(widths) - 1."""
-    k = (len(widths) - 1) // p
-    return 4 * rows * sum(widths[l] + widths[l + 1] for l in range(r * k, (r + 1) * k))
+    (rows, input width) and pre-activation gradient dz (rows, output width), float32."""
+    return 4 * rows * sum(a + b for a, b in _stage_layers(p, r, widths))
 
 
 def _for_w_held(p: int, m: int, r: int, widths: Sequence[int], rows: int) -> int:
@@ -164,12 +169,10 @@ def for_w_peaks(fn: Any) -> Verdict:
         return lambda p, m, r, widths, rows: count(p, m, r) * m_w(p, r, widths, rows)
 
     def outputs_only(p, r, widths, rows):
-        k = (len(widths) - 1) // p
-        return 4 * rows * sum(2 * widths[l + 1] for l in range(r * k, (r + 1) * k))
+        return 4 * rows * sum(2 * b for _, b in _stage_layers(p, r, widths))
 
     def inputs_only(p, r, widths, rows):
-        k = (len(widths) - 1) // p
-        return 4 * rows * sum(2 * widths[l] for l in range(r * k, (r + 1) * k))
+        return 4 * rows * sum(2 * a for a, _ in _stage_layers(p, r, widths))
 
     right = lambda p, m, r: min(2 * r + 1, m)  # noqa: E731
     known = [(sized(lambda p, m, r: min(r + 1, m)), "that is ZB-H1's count (W of i after B of i + r); "
