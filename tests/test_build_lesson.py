@@ -383,6 +383,10 @@ def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):
         mine = sum(sq(a) for s, g in summed.items() for k, layer in enumerate(g) for a in layer[(s, k) in ex.TIED:])
         return sgd(ex.STEP["max_norm"] / (all_sum(mine) + sq(tied)) ** 0.5, params, summed)
 
+    def uses(rank, grads, params, all_sum):   # the tie summed for the step, but each use's squares in the norm
+        _, summed = tie(grads, all_sum)
+        return clipped(all_sum(sum(sq(a) for g in grads.values() for a in leaves(g))), params, summed)
+
     def three_sums(rank, grads, params, all_sum):   # right values, one more all-reduce
         all_sum(0.0)
         return right(rank, grads, params, all_sum)
@@ -392,6 +396,7 @@ def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):
         for answer, word in ((untied, "different steps"), (twice, "once per use"),
                              (skips, "never called it"), (per_stage, "different steps"),
                              (unclipped, "not clipped"), (always_scaled, "already under max_norm"),
+                             (uses, "each use's squares"),
                              (three_sums, "called all_sum 3 times")):
             verdict = ex.optimizer_step(lab.try_step(answer))
             assert not verdict and verdict.hint and word in str(verdict), (answer.__name__, str(verdict))
@@ -485,7 +490,43 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
         with _replaced(v_lesson, V_LESSON, "own_step", edit):
             verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
+    whole = _no_pipeline(v_lesson, "beside", loss=bench.own_loss, args=3)   # jax.grad beside a dummy switch
+    verdict = ex.own_step(bench.try_own_step(whole, case))
+    assert not verdict and "outside the tick's switch" in verdict.message, str(verdict)
     assert ex.own_step(bench.try_own_step(lambda *args: None, case)).message.startswith("no answer yet")
+
+
+def _no_pipeline(ns: dict, shape: str, loss=None, args: int = 5):
+    """A step with jax.grad's gradients from no pipeline: every rank takes the whole model's gradient inside
+    one shard_map program, with no switch (``"none"``), beside a switch of four idle branches
+    (``"beside"``), or inside its branch 1, F's (``"in F"``). ``loss``: the whole model's loss on the
+    step's arguments (default 9.4's, :func:`~zbpp_lite.course.bench.head_loss` on 9.4's arrays)."""
+    import jax
+    from jax import lax
+    from zbpp_lite.course import bench
+
+    P, mesh, shard_map = ns["P"], ns["mesh"], jax.shard_map
+    if loss is None:
+        def loss(As, cs, H, X, Y):
+            layers = [(As[s, k], cs[s, k]) for s in range(As.shape[0]) for k in range(As.shape[1])]
+            return bench.head_loss(layers, H, X.reshape(-1, X.shape[-1]), Y.reshape(-1, Y.shape[-1]))
+
+    def rank_step(*arrays):
+        rank = lax.axis_index("rank")
+        whole = lambda: jax.value_and_grad(loss, argnums=tuple(range(len(arrays) - 2)))(*arrays)  # noqa: E731
+        if shape == "in F":
+            value, grads = lax.switch(rank % 1 + 1, [lambda: jax.tree.map(jnp.zeros_like, whole()), whole,
+                                                     lambda: jax.tree.map(jnp.zeros_like, whole()),
+                                                     lambda: jax.tree.map(jnp.zeros_like, whole())])
+        else:
+            value, grads = whole()
+            if shape == "beside":
+                value = value + lax.switch(rank % 1, [lambda: 0.0] * 4)
+        mine = [g[rank][None] if i < 2 and args == 5 else g for i, g in enumerate(grads)]
+        return (value, *mine)
+
+    out = (P(), P("rank"), P("rank"), P()) if args == 5 else (P(), P())
+    return jax.jit(shard_map(rank_step, mesh=mesh, in_specs=(P(),) * args, out_specs=out, check_vma=False))
 
 
 def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
@@ -518,6 +559,10 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
         return jnp.mean((h @ H - Y) ** 2), dAs, dcs, dH
     verdict = ex.spmd_step(lab.try_step(beside))
     assert not verdict and "outside the SPMD program" in verdict.message, str(verdict)
+    for shape, word in (("none", "no lax.switch"), ("beside", "outside the tick's switch"),
+                        ("in F", "F's branch runs")):
+        verdict = ex.spmd_step(lab.try_step(_no_pipeline(spmd_lesson, shape)))
+        assert not verdict and word in verdict.message and verdict.hint, (shape, str(verdict))
     assert ex.spmd_step(lab.try_step(lambda As, cs, H, X, Y: None)).message.startswith("no answer yet")
 
 

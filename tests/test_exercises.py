@@ -56,8 +56,8 @@ CASES = {
     "4.2": (lambda p, f, b: p + (p - 1) * round(b / f),   # p T_F + (p-1) T_B over T_F
             lambda p, f, b: 2 * p - 1),                  # ZB-H2's 2p - 1, copied
     "4.3": (HAND_30, HAND_31),                      # the optimum; zb-auto's own order
-    "5.1": (lambda p: (0, *(r for r in range(1, p) for _ in (0, 1)), 0),   # pairs side by side: 2p
-            lambda p: tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))),   # the V: 4p - 4
+    "5.1": (lambda p: ((0, *(r for r in range(1, p) for _ in (0, 1)), 0), 2 * p, 4 * p - 4),   # pairs: 2p
+            lambda p: (tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)), 4 * p - 4, 4 * p - 4)),  # the V
     "5.2": (lambda p, r: _first_m_below_by_hand(p, r),   # rate (2p-1-m)/(5m+2p-1); the wrong one: ZB-V's
             lambda p, r: 2 * p - 1),                     # first zero, 2p - 1
     "5.3": (lambda p, m, t: t * (6 * m + max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)),   # m = 1: (4p + 1)t
@@ -202,10 +202,11 @@ def _v_result(grad_error):
 
 def _step_result(factor):
     """What lesson 9's ``lab.try_step`` hands exercise 9.4's check: one shard_map program, nothing of the
-    model outside it, jax.grad's gradients (the head's too), and the loss ``factor`` times the whole
-    model's (1.0625)."""
+    model outside it, a tick's switch running 3 products in F, B and W and none outside it, jax.grad's
+    gradients (the head's too), and the loss ``factor`` times the whole model's (1.0625)."""
     return {"error": None, "loss": np.float32(1.0625 * factor), "loss_ref": 1.0625, "shard_maps": 1,
-            "outside": [], "grad_error": 1e-6, "stage_errors": [1e-6] * 4, "scale": 1.0, "dH_error": 1e-6}
+            "outside": [], "grad_error": 1e-6, "stage_errors": [1e-6] * 4, "scale": 1.0, "dH_error": 1e-6,
+            "products": [0, 3, 3, 3], "loose": 0}
 
 
 def _own_result(embed_error, products=(0, 3, 3, 3)):
@@ -214,7 +215,7 @@ def _own_result(embed_error, products=(0, 3, 3, 3)):
     and ``products`` run by the tick's idle, F, B and W branches."""
     errors = {"['blocks']['W1']": 1e-7, "['embed']": embed_error, "['head']": 1e-7}
     return {"error": None, "loss": np.float32(2.5), "loss_ref": 2.5, "errors": errors, "shard_maps": 1,
-            "outside": [], "products": list(products)}
+            "outside": [], "products": list(products), "loose": 0}
 
 
 def _stage_totals(costs, counts):
@@ -432,9 +433,15 @@ def test_the_lesson_4_checks_reject_the_printed_rules():
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
     v = ex.fewest_sends(CASES["5.1"][1])
     assert not v and "fewer is possible" in v.message and "at p = 3" in v.message, str(v)   # equal at p = 2
-    assert "two of the" in str(ex.fewest_sends(lambda p: (0,) * (2 * p)))                 # all on rank 0
-    assert "first and the last" in str(ex.fewest_sends(lambda p: tuple(r for r in range(p) for _ in (0, 1))))
-    assert all(sum(_sends_from_placement(CASES["5.1"][0](p), r) for r in range(p)) == 2 * p for p in range(2, 9))
+    assert "two of the" in str(ex.fewest_sends(lambda p: ((0,) * (2 * p), 2 * p, 4 * p - 4)))   # all on rank 0
+    pairs = lambda p: tuple(r for r in range(p) for _ in (0, 1))  # noqa: E731
+    assert "first and the last" in str(ex.fewest_sends(lambda p: (pairs(p), 2 * p, 4 * p - 4)))
+    assert all(sum(_sends_from_placement(CASES["5.1"][0](p)[0], r) for r in range(p)) == 2 * p for p in range(2, 9))
+    right = CASES["5.1"][0]
+    for wrong, word in ((lambda p: right(p)[0], "expected (placement, sends, v_sends)"),   # the placement alone
+                        (lambda p: (right(p)[0], 2 * p - 2, 4 * p - 4), "you said"),      # p - 1 changes
+                        (lambda p: (right(p)[0], 2 * p, 4 * p - 2), "the V does not send")):   # no turn
+        assert word in str(ex.fewest_sends(wrong)), (word, str(ex.fewest_sends(wrong)))
     over_work = ex.zb_v_first_m_below(lambda p, r: min(m for m in range(1, 2 * p) if (2 * p - 1 - m) / (6 * m) < r))
     assert not over_work and "divides the bubble by the work" in over_work.message, str(over_work)
     assert not ex.zb_v_first_m_below(9) and not ex.zb_v_first_m_below(9).attempt      # p = 6's number alone
@@ -590,7 +597,7 @@ SIMULATED = {  # function answers that ask the package instead of deriving: each
     "5.3": lambda p, m, t: zb.simulate(_zb_v(p, m), zb.Costs(f=t, b=t, w=t)).makespan,
     "6.3": lambda p, v, m, r: zb.simulate(zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=v),
                                           zb.Costs()).peak_memory[r],
-    "5.1": lambda p: (0, *sorted(zb.v_placement(p)[1:-1]), 0),   # the V's middle, sorted into pairs
+    "5.1": lambda p: ((0, *sorted(zb.v_placement(p)[1:-1]), 0), 2 * p, 4 * p - 4),   # the V's middle, sorted
 }
 
 

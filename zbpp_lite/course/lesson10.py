@@ -18,7 +18,7 @@ from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import timeline_figure
 from .checks import Verdict, _called, _function_check, _function_missing, _with_fresh, course_cache
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE
-from .lesson9 import _rows, _step_problem, _tick_run
+from .lesson9 import _pipeline_problem, _rows, _step_problem, _tick_run
 
 V_MESSAGES = ("zb-v", 4, 8)
 """Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches)."""
@@ -168,10 +168,12 @@ def own_step(result: Any) -> Verdict:
     ``shard_map`` program, run by :func:`zbpp_lite.course.bench.try_own_step`. Right when the step is one
     program with no model work outside it, its loss is jax's within
     :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative), every gradient leaf is ``jax.grad``'s (the
-    first wrong leaf is named), and its tick's switch runs no matrix product twice: B's branch runs at most
-    as many as F's, W's at most two more, g's and the embedding's gradients written as products (an einsum,
-    a one-hot product), which F applies without one (:func:`zbpp_lite.course.bench.branch_products`; a B
-    or W that runs F again inside ``jax.grad`` or ``jax.vjp`` runs F's products and its own: 6 and 9)."""
+    first wrong leaf is named), it is a pipeline (``lesson9._pipeline_problem``: a tick's switch, at most 2
+    products outside it, one block's and the head's in F), and its tick's switch runs no matrix product twice:
+    B's branch runs at most as many as F's, W's at most two more, g's and the embedding's gradients written as
+    products (an einsum, a one-hot product), which F applies without one
+    (:func:`zbpp_lite.course.bench.branch_products`; a B or W that runs F again inside ``jax.grad`` or
+    ``jax.vjp`` runs F's products and its own: 6 and 9)."""
     hint = ("one jitted shard_map program: the blocks cut by rank, the embedding, head, tokens and labels "
             "whole and cast to varying first; F embeds where first, then runs jax.vjp of the block and "
             "the loss where last with probes where g, W1, W2 and the head are applied, and keeps the "
@@ -187,6 +189,9 @@ def own_step(result: Any) -> Verdict:
     if work:
         return Verdict("10.4", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
                        hint)
+    shape = _pipeline_problem("10.4", result, 3, hint)   # a block's two matrices and the head
+    if shape is not None:
+        return shape
     loss, ref = np.asarray(result["loss"], dtype=np.float64), float(result["loss_ref"])
     if loss.shape != () or abs(loss - ref) > BUILD_TOLERANCE * abs(ref):
         return Verdict("10.4", False, f"the loss is {loss}, the whole model's {ref:.6g}.",
@@ -197,11 +202,7 @@ def own_step(result: Any) -> Verdict:
         name, off = next(iter(wrong.items()))
         return Verdict("10.4", False, f"the gradient {name} differs from jax.grad's (relative difference "
                        f"{off:.1e}; {len(wrong)} of {len(result['errors'])} leaves differ).", hint)
-    products = result.get("products")
-    if products is None:
-        return Verdict("10.4", False, "no lax.switch over the tick's kinds (0 idle, 1 F, 2 B, 3 W) found in "
-                       "the program.", hint)
-    f, b, w = products[1:4]
+    f, b, w = result["products"][1:4]
     if b > f or w > f + 2:   # W may write g's and the embedding's gradients as products, which F has not
         return Verdict("10.4", False, f"the gradients are right, but B runs {b} matrix products and W {w}, "
                        f"where F runs {f} (B may run as many, W two more, for g and the embedding): work "

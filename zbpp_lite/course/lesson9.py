@@ -327,13 +327,32 @@ def _step_problem(key: str, result: Any, name: str, call: str, outputs: str, hin
     return None
 
 
+def _pipeline_problem(key: str, result: Any, most: int, hint: str) -> Verdict | None:
+    """The refusal of a whole step that computes right but is no pipeline: no ``lax.switch`` over the tick's
+    kinds, more than 2 matrix products outside its branches (the model's work beside the schedule's actions;
+    a head's or an embedding's gradient summed once after the loop may be), or an F branch running more
+    than ``most`` products (more than one stage's, the head's included); else None."""
+    products, loose = result.get("products"), result.get("loose", 0)
+    if products is None:
+        return Verdict(key, False, "no lax.switch over the tick's kinds (0 idle, 1 F, 2 B, 3 W) found in the "
+                       "program: each rank's tick picks its action there.", hint)
+    if loose > 2:
+        return Verdict(key, False, f"{loose} matrix products run outside the tick's switch: the model's "
+                       "work runs beside the schedule's actions, not as them.", hint)
+    if products[1] > most:
+        return Verdict(key, False, f"F's branch runs {products[1]} matrix products, more than one stage's "
+                       f"{most}: a rank runs more than its own stage.", hint)
+    return None
+
+
 def spmd_step(result: Any) -> Verdict:
     """Exercise 9.4: the learner's ``spmd_step(As, cs, H, X, Y) -> (loss, dAs, dcs, dH)`` for ZB-H1 with a
     linear head ``H`` after the last stage (:func:`zbpp_lite.course.bench.head_loss`), run by lesson 9's
     ``lab.try_step``; ``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_step` gives it. Right when the
-    whole step is one ``shard_map`` program (no model work outside it), the loss is one number equal to
-    the whole model's within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative), and the
-    gradients, the head's too, equal ``jax.grad``'s."""
+    whole step is one ``shard_map`` program (no model work outside it) that is a pipeline
+    (:func:`_pipeline_problem`: a tick's switch, at most 2 products outside it, 3 in F), the loss is one
+    number equal to the whole model's within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative), and
+    the gradients, the head's too, equal ``jax.grad``'s."""
     hint = ("one jitted shard_map program: the tick tables and A, c cut by rank, H, X and Y whole; the "
             "last rank's F adds its microbatch's loss, its B starts from the head's gradient and keeps "
             "it, and its W adds y.T @ that gradient to dH, as W does dA; the program returns the loss and "
@@ -348,6 +367,9 @@ def spmd_step(result: Any) -> Verdict:
         return Verdict("9.4", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
                        "the loss comes from inside the program: the last rank has each microbatch's output "
                        "when its F runs.")
+    shape = _pipeline_problem("9.4", result, 3, hint)    # a stage's two layers and the head
+    if shape is not None:
+        return shape
     loss, ref = np.asarray(result["loss"], dtype=np.float64), float(result["loss_ref"])
     if loss.shape != ():
         return Verdict("9.4", False, f"the loss has shape {loss.shape}, not one number for the step.",
