@@ -91,16 +91,20 @@ def zb_v_makespan(fn: Any) -> Verdict:
 
 
 def fewest_sends(fn: Any) -> Verdict:
-    """Exercise 5.1: a function ``fewest(p)`` returning a placement (a tuple of 2p ints, stage s on rank
-    ``placement[s]``) of 2p stages on p >= 2 ranks, two stages a rank, rank 0 holding the first and the last
-    (as the V does), that sends as few values between ranks per microbatch as any such placement: an F's
-    activation goes to stage s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send
+    """Exercise 5.1: a function ``fewest(p)`` returning ``(placement, sends, v_sends)``: a placement (a tuple
+    of 2p ints, stage s on rank ``placement[s]``) of 2p stages on p >= 2 ranks, two stages a rank, rank 0
+    holding the first and the last (as the V does), that sends as few values between ranks per microbatch as
+    any such placement, how many it sends and how many the V
+    (:func:`~zbpp_lite.schedules.builders.v_placement`) sends, per microbatch: an F's activation goes to stage
+    s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send
     (:func:`~zbpp_lite.course.checks._crossings`). The fewest is 2p: leaving rank 0 and coming back to it
-    enters each of the p ranks at least once, each change 2 sends (the V sends 4p - 4). Checked for p = 2..8
+    enters each of the p ranks at least once, each change 2 sends; the V sends 4p - 4. Checked for p = 2..8
     and at two p drawn from 9 to 60."""
     hint = ("every change of rank between neighbouring stages costs two sends, one F and one B: how few "
-            "changes can a path from rank 0 back to rank 0 make when every other rank must hold two stages?")
-    missing = _function_missing("5.1", fn, hint, shape="a function fewest(p) returning a placement")
+            "changes can a path from rank 0 back to rank 0 make when every other rank must hold two stages? "
+            "And how many does the V make?")
+    shape = "a function fewest(p) returning (placement, sends, v_sends)"
+    missing = _function_missing("5.1", fn, hint, shape=shape)
     if missing is not None:
         return missing
     for p in _with_fresh(list(range(2, 9)), lambda rng: rng.randint(9, 60), 2):
@@ -111,9 +115,12 @@ def fewest_sends(fn: Any) -> Verdict:
             return Verdict("5.1", False, "your function returned ...: replace the ... in its body.", hint,
                            attempt=False)
         try:
-            place = tuple(int(r) for r in got)
+            placement, said, said_v = got
+            place = tuple(int(r) for r in placement)
+            said, said_v = int(said), int(said_v)
         except (TypeError, ValueError):
-            return Verdict("5.1", False, f"at p = {p} expected a tuple of 2p ranks, got {got!r}.", hint)
+            return Verdict("5.1", False, f"at p = {p} expected (placement, sends, v_sends), a tuple of 2p "
+                           f"ranks and two counts, got {got!r}.", hint)
         if len(place) != 2 * p or sorted(place) != sorted(2 * list(range(p))):
             return Verdict("5.1", False, f"at p = {p} {place} does not put two of the {2 * p} stages on each "
                            f"rank 0 .. {p - 1}.", hint)
@@ -124,8 +131,15 @@ def fewest_sends(fn: Any) -> Verdict:
         if total > 2 * p:
             return Verdict("5.1", False, f"at p = {p} {place} sends {total} values a microbatch; fewer is "
                            "possible.", hint)
-    return Verdict("5.1", True, "2p sends a microbatch, the fewest (the V sends 4p - 4): leaving rank 0 and "
-                   "coming back enters every rank once, two sends a change.")
+        if said != total:
+            return Verdict("5.1", False, f"at p = {p} your placement sends {total} values a microbatch; you "
+                           f"said {said}.", hint)
+        if said_v != 4 * p - 4:
+            return Verdict("5.1", False, f"at p = {p} the V does not send {said_v} values a microbatch.",
+                           hint)
+    return Verdict("5.1", True, "2p sends a microbatch, the fewest, against the V's 4p - 4: leaving rank 0 "
+                   "and coming back enters every rank once, two sends a change; the V changes rank at every "
+                   "step but its turn.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
