@@ -233,6 +233,37 @@ def test_a_transposed_weight_gradient_and_a_recomputing_b_fail(lesson):
     assert not verdict and "ran the stage's layers again" in str(verdict), str(verdict)
 
 
+def test_a_w_that_runs_the_layers_again_outside_stage_apply_fails(lesson):
+    """Round 31's hole: B hands W the stage, its input and dy, and W runs the layers again inline (not
+    through the counted stage_apply) under jax.vjp with respect to the weights: right gradients, few bytes
+    held, refused by W's flops."""
+    import jax
+
+    F, B = lesson["F"], lesson["B"]
+
+    def F_also_x(s, x, target=None):
+        y, saved = F(s, x, target)
+        return y, (saved, s, x, target)
+
+    def B_handing_dy(saved, dy):
+        dx, _ = B(saved[0], dy)
+        return dx, (*saved[1:], dy)
+
+    def W_again(for_w):
+        s, x, target, dy = for_w
+
+        def run(layers):
+            h = x
+            for A, c in layers:
+                h = jnp.tanh(h @ A + c)
+            return h if target is None else jnp.mean((h - target) ** 2)
+        _, pullback = jax.vjp(run, lesson["stage_params"][s])
+        return [tuple(layer) for layer in pullback(dy)[0]]
+
+    verdict = ex.stage_split(lesson["lab"].try_stage(F_also_x, B_handing_dy, W_again))
+    assert not verdict and "it runs the layers again" in verdict.message, str(verdict)
+
+
 def test_a_b_that_also_computes_the_weight_gradients_fails(lesson):
     import jax
 
@@ -490,17 +521,20 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
         with _replaced(v_lesson, V_LESSON, "own_step", edit):
             verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
-    whole = _no_pipeline(v_lesson, "beside", loss=bench.own_loss, args=3)   # jax.grad beside a dummy switch
-    verdict = ex.own_step(bench.try_own_step(whole, case))
-    assert not verdict and "outside the tick's switch" in verdict.message, str(verdict)
+    for shape, word in (("beside", "outside the tick's switch"), ("cond", "outside the tick's switch"),
+                        (3, "W 27")):   # jax.grad beside a dummy switch, in a cond beside it, in W's branch
+        verdict = ex.own_step(bench.try_own_step(_no_pipeline(v_lesson, shape, bench.own_loss, 3), case))
+        assert not verdict and word in verdict.message, (shape, str(verdict))
     assert ex.own_step(bench.try_own_step(lambda *args: None, case)).message.startswith("no answer yet")
 
 
-def _no_pipeline(ns: dict, shape: str, loss=None, args: int = 5):
+def _no_pipeline(ns: dict, shape: str | int, loss=None, args: int = 5):
     """A step with jax.grad's gradients from no pipeline: every rank takes the whole model's gradient inside
     one shard_map program, with no switch (``"none"``), beside a switch of four idle branches
-    (``"beside"``), or inside its branch 1, F's (``"in F"``). ``loss``: the whole model's loss on the
-    step's arguments (default 9.4's, :func:`~zbpp_lite.course.bench.head_loss` on 9.4's arrays)."""
+    (``"beside"``), inside a two-branch ``lax.cond`` beside that switch (``"cond"``), or inside the switch's
+    branch ``shape`` (an int: 0 idle, 1 F, 2 B, 3 W), the others giving zeros. ``loss``: the whole model's
+    loss on the step's arguments (default 9.4's, :func:`~zbpp_lite.course.bench.head_loss` on 9.4's
+    arrays)."""
     import jax
     from jax import lax
     from zbpp_lite.course import bench
@@ -514,13 +548,12 @@ def _no_pipeline(ns: dict, shape: str, loss=None, args: int = 5):
     def rank_step(*arrays):
         rank = lax.axis_index("rank")
         whole = lambda: jax.value_and_grad(loss, argnums=tuple(range(len(arrays) - 2)))(*arrays)  # noqa: E731
-        if shape == "in F":
-            value, grads = lax.switch(rank % 1 + 1, [lambda: jax.tree.map(jnp.zeros_like, whole()), whole,
-                                                     lambda: jax.tree.map(jnp.zeros_like, whole()),
-                                                     lambda: jax.tree.map(jnp.zeros_like, whole())])
+        zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(whole))  # noqa: E731
+        if isinstance(shape, int):
+            value, grads = lax.switch(rank % 1 + shape, [whole if k == shape else zeros for k in range(4)])
         else:
-            value, grads = whole()
-            if shape == "beside":
+            value, grads = lax.cond(rank >= 0, whole, zeros) if shape == "cond" else whole()
+            if shape != "none":
                 value = value + lax.switch(rank % 1, [lambda: 0.0] * 4)
         mine = [g[rank][None] if i < 2 and args == 5 else g for i, g in enumerate(grads)]
         return (value, *mine)
@@ -560,7 +593,8 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     verdict = ex.spmd_step(lab.try_step(beside))
     assert not verdict and "outside the SPMD program" in verdict.message, str(verdict)
     for shape, word in (("none", "no lax.switch"), ("beside", "outside the tick's switch"),
-                        ("in F", "F's branch runs")):
+                        ("cond", "outside the tick's switch"), (0, "the idle branch runs"),
+                        (1, "F's branch runs"), (3, "W 26")):
         verdict = ex.spmd_step(lab.try_step(_no_pipeline(spmd_lesson, shape)))
         assert not verdict and word in verdict.message and verdict.hint, (shape, str(verdict))
     assert ex.spmd_step(lab.try_step(lambda As, cs, H, X, Y: None)).message.startswith("no answer yet")

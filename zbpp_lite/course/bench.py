@@ -353,30 +353,38 @@ def _by_path(tree: Any) -> dict:
     return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def branch_products(jaxpr: Any) -> list[int] | None:
-    """The matrix products (``dot_general``) each branch of ``jaxpr``'s widest ``cond`` runs, the jaxprs it
-    calls counted in: for a tick's ``lax.switch`` over the kind codes (0 idle, 1 F, 2 B, 3 W), what each
-    action costs in products. A B that runs F again inside ``jax.grad`` or ``jax.vjp`` runs F's products
-    and its own. None when ``jaxpr`` has no ``cond`` of four branches or more."""
-    def products(j: Any) -> int:
-        return sum((e.primitive.name == "dot_general") + sum(products(s) for s in inner_jaxprs(e))
-                   for e in j.eqns)
+def _products(jaxpr: Any) -> int:
+    """The matrix products (``dot_general``) ``jaxpr`` runs, the jaxprs it calls counted in."""
+    return sum((e.primitive.name == "dot_general") + sum(map(_products, inner_jaxprs(e))) for e in jaxpr.eqns)
 
+
+def _is_switch(eqn: Any) -> bool:
+    """A ``cond`` of four branches or more: a tick's ``lax.switch`` over the kinds (0 idle, 1 F, 2 B, 3 W)."""
+    return eqn.primitive.name == "cond" and len(eqn.params["branches"]) >= 4
+
+
+def branch_products(jaxpr: Any) -> list[int] | None:
+    """The matrix products (``dot_general``) each branch of a tick's ``lax.switch`` (a ``cond`` of four
+    branches or more) runs, the jaxprs it calls counted in, the largest over every such switch in
+    ``jaxpr``: what each action costs in products (0 idle, 1 F, 2 B, 3 W, 4 BW). A B that runs F again
+    inside ``jax.grad`` or ``jax.vjp`` runs F's products and its own. None when ``jaxpr`` has no such
+    switch."""
     def switches(j: Any) -> list:
         return [found for e in j.eqns for found in
-                ([e] if e.primitive.name == "cond" else []) + sum(map(switches, inner_jaxprs(e)), [])]
+                ([e] if _is_switch(e) else []) + sum(map(switches, inner_jaxprs(e)), [])]
 
-    widest = max(switches(jaxpr), key=lambda e: len(e.params["branches"]), default=None)
-    if widest is None or len(widest.params["branches"]) < 4:
+    counts = [[_products(b.jaxpr) for b in e.params["branches"]] for e in switches(jaxpr)]
+    if not counts:
         return None
-    return [products(b.jaxpr) for b in widest.params["branches"]]
+    return [max(c[i] for c in counts if i < len(c)) for i in range(max(map(len, counts)))]
 
 
 def loose_products(jaxpr: Any) -> int:
-    """The matrix products (``dot_general``) ``jaxpr`` runs outside every ``cond``'s branches, the jaxprs it
-    calls looked into: in a pipeline's program, the work no action of the schedule does (a sum after the
-    loop); a whole model's gradient taken beside the ticks shows here."""
-    return sum(0 if e.primitive.name == "cond" else
+    """The matrix products (``dot_general``) ``jaxpr`` runs outside every tick's ``lax.switch`` (a ``cond`` of
+    four branches or more; a two-branch ``cond``'s count), the jaxprs it calls looked into: in a pipeline's
+    program, the work no action of the schedule does (a sum after the loop); a whole model's gradient taken
+    beside the ticks shows here."""
+    return sum(0 if _is_switch(e) else
                (e.primitive.name == "dot_general") + sum(map(loose_products, inner_jaxprs(e)))
                for e in jaxpr.eqns)
 
@@ -481,6 +489,24 @@ def gradient_report(mine: list, ref: list) -> dict:
         dot += sum(float(np.sum(x * y)) for x, y in zip(a, b))
         norm += sum(float(np.sum(y * y)) for y in b)
     return {"grad_error": max(errors), "stage_errors": errors, "scale": dot / max(norm, 1e-30)}
+
+
+def _flops_on_arrays(fn: Callable, tree: Any) -> tuple[float | None, str | None]:
+    """``(XLA's flops of fn(tree), None)``, the arrays of ``tree`` the compiled program's arguments and
+    anything else in it (a stage index, a Python number) fixed; or ``(None, why)`` when ``jax.jit`` cannot
+    compile it."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    where = [i for i, a in enumerate(leaves) if isinstance(a, (jax.Array, np.ndarray))]
+
+    def on(*arrays):
+        given = list(leaves)
+        for i, a in zip(where, arrays):
+            given[i] = a
+        return fn(jax.tree_util.tree_unflatten(treedef, given))
+    try:
+        return compiled_flops(on, *(leaves[i] for i in where)), None
+    except Exception as e:  # noqa: BLE001  (the learner's function failing goes to the check)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 def nbytes(tree: Any, leave_out: Any = ()) -> int:
@@ -664,12 +690,15 @@ class Lab:
                     b, b_error = compiled_flops(lambda g: B(saved, g), dy), None
                 except Exception as e:  # noqa: BLE001
                     b, b_error = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                w_flops, w_error = _flops_on_arrays(W, for_w)
                 leaves = lambda t: [np.asarray(a) for a in jax.tree_util.tree_leaves(t)]  # noqa: E731
                 w_needs = sum(x.shape[0] * sum(A.shape) * x.dtype.itemsize for A, _ in self.stage_params[s])
+                w_products = sum(2 * x.shape[0] * A.size for A, _ in self.stage_params[s])   # x.T @ dz
                 cases.append(dict(stage=s, y=np.asarray(y), ref_y=np.asarray(ref_y), dx=np.asarray(dx),
                                   for_w_bytes=nbytes(for_w), w_needs_bytes=w_needs,
                                   ref_dx=np.asarray(ref_dx), b_flops=b, ref_b_flops=ref_b, b_error=b_error,
-                                  grads=leaves(grads), ref_grads=leaves(ref_dparams), recomputed=recomputed))
+                                  grads=leaves(grads), ref_grads=leaves(ref_dparams), recomputed=recomputed,
+                                  w_flops=w_flops, w_products_flops=w_products, w_error=w_error))
         except Exception as e:  # noqa: BLE001  (the learner's error goes to the check)
             return {"error": f"{type(e).__name__}: {e}", "cases": cases}
         return {"error": None, "cases": cases}

@@ -77,7 +77,9 @@ def stage_split(result: Any) -> Verdict:
     ``b_flops``/``ref_b_flops`` (XLA's flops of B and of the input-gradient pullback), ``b_error``
     (why jax.jit could not compile B, else None: a B whose flops cannot be counted does not pass) and
     ``for_w_bytes``/``w_needs_bytes`` (the distinct arrays' bytes B hands to W, and those of each layer's
-    input and dz: more fails, since exercise 8.2 counts what W needs).
+    input and dz: more fails, since exercise 8.2 counts what W needs), ``w_flops``/``w_products_flops``
+    (XLA's flops of W, and of each layer's ``x.T @ dz``: W doing more than 1.5 times those runs the layers
+    again) and ``w_error`` (why jax.jit could not compile W, else None).
     """
     hint = ("F: a jax.vjp with respect to which arguments gives B the input gradient and every layer's dz, "
             "and no weight gradient? What must F keep for B, and what for W? W: which two arrays per "
@@ -103,6 +105,15 @@ def stage_split(result: Any) -> Verdict:
             return Verdict("8.1", False, f"on stage {s}, B did {extra:.1f}x the flops of the input gradient "
                            "alone: it computes the weight gradients too.",
                            "take jax.vjp with respect to x and the probes only; dA and dc are W's work.")
+        if case.get("w_error"):
+            return Verdict("8.1", False, f"on stage {s}, jax.jit could not compile W ({case['w_error']}), so "
+                           "its flops cannot be counted.", "write W with JAX operations on the arrays B "
+                           "hands it: no Python branch on a value, no NumPy conversion.")
+        w_extra = (case.get("w_flops") or 0.0) / (case.get("w_products_flops") or float("inf"))
+        if w_extra > 1.5:
+            return Verdict("8.1", False, f"on stage {s}, W did {w_extra:.1f}x the flops of each layer's "
+                           "x.T @ dz: it runs the layers again.", "W only multiplies what B hands it: each "
+                           "layer's input and dz.")
         held, needed = case.get("for_w_bytes", 0), case.get("w_needs_bytes", 0)
         if held > needed:
             return Verdict("8.1", False, f"on stage {s}, B hands W {held:,} bytes; W needs each layer's "
@@ -144,14 +155,14 @@ def _for_w_held(p: int, m: int, r: int, widths: Sequence[int], rows: int) -> int
 
 
 def for_w_peaks(fn: Any) -> Verdict:
-    """Exercise 8.2 (predicted): ``held(p, m, r, widths, rows)``, the most bytes of what B hands to W
+    """Exercise 8.2 (predicted): ``held(p, m, r, widths, samples)``, the most bytes of what B hands to W
     (each layer's input x and pre-activation gradient dz, M_W a microbatch) rank r holds at once under
     ZB-H2: stage s on rank s, layers like :data:`BUILD_CASE`'s, layer l taking width ``widths[l]`` to
     ``widths[l + 1]``, the L = len(widths) - 1 layers cut evenly into p stages, m >= 1 microbatches of
-    ``rows`` rows, float32. Rank r runs W of i after B of i + 2r (lesson 3), so right after that B it holds
-    2r + 1 microbatches, never more than the m there are (the builder's order, in
-    tests/test_build_lesson.py); x is (rows, widths[l]) and dz (rows, widths[l + 1]) (exercise 2.1).
-    Checked at the lesson's case (p = 4, m = 8, 8 layers of width 256, 64 rows), which the reveal
+    ``samples`` samples, float32. Rank r runs W of i after B of i + 2r (lesson 3), so right after that B it
+    holds 2r + 1 microbatches, never more than the m there are (the builder's order, in
+    tests/test_build_lesson.py); x is (samples, widths[l]) and dz (samples, widths[l + 1]) (exercise 2.1).
+    Checked at the lesson's case (p = 4, m = 8, 8 layers of width 256, 64 samples), which the reveal
     measures, at m = 3, at a case of differing widths and at eight drawn afresh (p = 2..6, widths 8 to
     512), so that the reveal's numbers alone do not pass; a count or size copied from elsewhere is
     named."""
@@ -191,7 +202,8 @@ def for_w_peaks(fn: Any) -> Verdict:
               "layers for every rank: rank r holds stage r"),
              (lambda p, m, r, widths, rows: right(p, m, r) * _stage_m_w(p, r, widths, rows) / 4, "the counts "
               "are right; those are floats, not bytes (float32: 4 bytes each)")]
-    return _function_check("8.2", fn, _with_fresh(fixed, draw, 8), _for_w_held, "held(p, m, r, widths, rows)",
+    return _function_check("8.2", fn, _with_fresh(fixed, draw, 8), _for_w_held,
+                           "held(p, m, r, widths, samples)",
                            "two questions: which arrays does W of a layer read, and what shape is each? On "
                            "rank r, right after a B, how many microbatches have had their B but not their W?",
                            known=known)

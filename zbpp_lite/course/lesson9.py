@@ -328,10 +328,13 @@ def _step_problem(key: str, result: Any, name: str, call: str, outputs: str, hin
 
 
 def _pipeline_problem(key: str, result: Any, most: int, hint: str) -> Verdict | None:
-    """The refusal of a whole step that computes right but is no pipeline: no ``lax.switch`` over the tick's
-    kinds, more than 2 matrix products outside its branches (the model's work beside the schedule's actions;
-    a head's or an embedding's gradient summed once after the loop may be), or an F branch running more
-    than ``most`` products (more than one stage's, the head's included); else None."""
+    """The refusal of a whole step that computes right but is no pipeline, or runs work twice
+    (:func:`~zbpp_lite.course.bench.branch_products`, :func:`~zbpp_lite.course.bench.loose_products`): no
+    tick's ``lax.switch`` over the kinds; more than 2 matrix products outside the switches (the model's work
+    beside the schedule's actions; a head's or an embedding's gradient summed once after the loop may be);
+    an idle branch running any; an F branch running more than ``most`` (one stage's, the head's included);
+    a B running more than F, a W more than F + 2 (a gradient F applies without a product, such as a scale's
+    or an embedding's, may be one), a BW more than B and W together; else None."""
     products, loose = result.get("products"), result.get("loose", 0)
     if products is None:
         return Verdict(key, False, "no lax.switch over the tick's kinds (0 idle, 1 F, 2 B, 3 W) found in the "
@@ -339,9 +342,17 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str) -> Verdict | 
     if loose > 2:
         return Verdict(key, False, f"{loose} matrix products run outside the tick's switch: the model's "
                        "work runs beside the schedule's actions, not as them.", hint)
-    if products[1] > most:
-        return Verdict(key, False, f"F's branch runs {products[1]} matrix products, more than one stage's "
-                       f"{most}: a rank runs more than its own stage.", hint)
+    idle, f, b, w, *bw = products
+    if idle or f > most:
+        branch, n = ("the idle", idle) if idle else ("F's", f)
+        return Verdict(key, False, f"{branch} branch runs {n} matrix products, where an F runs one stage's, "
+                       f"{most}, and an idle tick none: a rank runs more than its own stage.", hint)
+    if b > f or w > f + 2 or (bw and bw[0] > b + w):
+        return Verdict(key, False, f"B runs {b} matrix products and W {w}, where F runs {f} (B may run as "
+                       "many, W two more, for a gradient F applies without a product): work runs twice (F "
+                       "again inside jax.grad or jax.vjp, W's products in B, or more than the stage).",
+                       "keep F's pullback (or what stage_B reads) for B, and for W what each weight "
+                       "multiplies, with the gradient where it is applied.")
     return None
 
 
