@@ -96,24 +96,21 @@ def stage_split(result: Any) -> Verdict:
             return Verdict("8.1", False, f"on stage {s}, B or W ran the stage's layers again.",
                            "F keeps the pullback jax.vjp returned; "
                            "B only calls it, W only multiplies what F and B kept.")
-        if case.get("b_error"):
-            return Verdict("8.1", False, f"on stage {s}, jax.jit could not compile B ({case['b_error']}), so "
-                           "its flops cannot be counted.", "write B with JAX operations on arrays only: "
-                           "no Python branch on a value, no NumPy conversion.")
-        extra = (case.get("b_flops") or 0.0) / (case.get("ref_b_flops") or float("inf"))
-        if extra > 1.5:
-            return Verdict("8.1", False, f"on stage {s}, B did {extra:.1f}x the flops of the input gradient "
-                           "alone: it computes the weight gradients too.",
-                           "take jax.vjp with respect to x and the probes only; dA and dc are W's work.")
-        if case.get("w_error"):
-            return Verdict("8.1", False, f"on stage {s}, jax.jit could not compile W ({case['w_error']}), so "
-                           "its flops cannot be counted.", "write W with JAX operations on the arrays B "
-                           "hands it: no Python branch on a value, no NumPy conversion.")
-        w_extra = (case.get("w_flops") or 0.0) / (case.get("w_products_flops") or float("inf"))
-        if w_extra > 1.5:
-            return Verdict("8.1", False, f"on stage {s}, W did {w_extra:.1f}x the flops of each layer's "
-                           "x.T @ dz: it runs the layers again.", "W only multiplies what B hands it: each "
-                           "layer's input and dz.")
+        for part, error, flops, ref, what, why, fix in (
+                ("B", "b_error", "b_flops", "ref_b_flops", "the input gradient alone",
+                 "it computes the weight gradients too",
+                 "take jax.vjp with respect to x and the probes only; dA and dc are W's work."),
+                ("W", "w_error", "w_flops", "w_products_flops", "each layer's x.T @ dz",
+                 "it runs the layers again",
+                 "W only multiplies what B hands it: each layer's input and dz.")):
+            if case.get(error):
+                return Verdict("8.1", False, f"on stage {s}, jax.jit could not compile {part} "
+                               f"({case[error]}), so its flops cannot be counted.", f"write {part} with JAX "
+                               "operations on arrays only: no Python branch on a value, no NumPy conversion.")
+            extra = (case.get(flops) or 0.0) / (case.get(ref) or float("inf"))
+            if extra > 1.5:
+                return Verdict("8.1", False, f"on stage {s}, {part} did {extra:.1f}x the flops of {what}: "
+                               f"{why}.", fix)
         held, needed = case.get("for_w_bytes", 0), case.get("w_needs_bytes", 0)
         if held > needed:
             return Verdict("8.1", False, f"on stage {s}, B hands W {held:,} bytes; W needs each layer's "
