@@ -264,6 +264,34 @@ def test_a_w_that_runs_the_layers_again_outside_stage_apply_fails(lesson):
     assert not verdict and "it runs the layers again" in verdict.message, str(verdict)
 
 
+def test_a_b_that_runs_the_layers_again_outside_stage_apply_fails(lesson):
+    """Round 33's hole: F keeps only its input, and B runs the layers again inline (not through the counted
+    stage_apply) under jax.vjp: right gradients; B's flops, with what F kept as B's arguments (XLA folded
+    the rerun forward away when they were constants), are 2x the input gradient's."""
+    import jax
+
+    W = lesson["W"]
+
+    def F_input_only(s, x, target=None):
+        return lesson["F"](s, x, target)[0], (s, x, target)
+
+    def B_again(saved, dy):
+        s, x, target = saved
+
+        def run(x, probes):
+            inputs, h = [], x
+            for (A, c), e in zip(lesson["stage_params"][s], probes):
+                inputs.append(h)
+                h = jnp.tanh(h @ A + c + e)
+            return (h if target is None else jnp.mean((h - target) ** 2)), inputs
+        _, pullback, inputs = jax.vjp(run, x, lesson["zero_probes"](s, x), has_aux=True)
+        dx, dz = pullback(dy)
+        return dx, (inputs, dz)
+
+    verdict = ex.stage_split(lesson["lab"].try_stage(F_input_only, B_again, W))
+    assert not verdict and "or runs the layers again" in verdict.message, str(verdict)
+
+
 def test_a_b_that_also_computes_the_weight_gradients_fails(lesson):
     import jax
 
@@ -522,7 +550,7 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
             verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
     for shape, word in (("beside", "outside the tick's switch"), ("cond", "outside the tick's switch"),
-                        (3, "W 27")):   # jax.grad beside a dummy switch, in a cond beside it, in W's branch
+                        (3, "W 27"), (5, "branch 5")):   # beside a dummy switch, in a cond, in a branch
         verdict = ex.own_step(bench.try_own_step(_no_pipeline(v_lesson, shape, bench.own_loss, 3), case))
         assert not verdict and word in verdict.message, (shape, str(verdict))
     assert ex.own_step(bench.try_own_step(lambda *args: None, case)).message.startswith("no answer yet")
@@ -532,7 +560,7 @@ def _no_pipeline(ns: dict, shape: str | int, loss=None, args: int = 5):
     """A step with jax.grad's gradients from no pipeline: every rank takes the whole model's gradient inside
     one shard_map program, with no switch (``"none"``), beside a switch of four idle branches
     (``"beside"``), inside a two-branch ``lax.cond`` beside that switch (``"cond"``), or inside the switch's
-    branch ``shape`` (an int: 0 idle, 1 F, 2 B, 3 W), the others giving zeros. ``loss``: the whole model's
+    branch ``shape`` (an int: 0 idle, 1 F, 2 B, 3 W, 5 a sixth), the others giving zeros. ``loss``: the whole model's
     loss on the step's arguments (default 9.4's, :func:`~zbpp_lite.course.bench.head_loss` on 9.4's
     arrays)."""
     import jax
@@ -550,7 +578,8 @@ def _no_pipeline(ns: dict, shape: str | int, loss=None, args: int = 5):
         whole = lambda: jax.value_and_grad(loss, argnums=tuple(range(len(arrays) - 2)))(*arrays)  # noqa: E731
         zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(whole))  # noqa: E731
         if isinstance(shape, int):
-            value, grads = lax.switch(rank % 1 + shape, [whole if k == shape else zeros for k in range(4)])
+            value, grads = lax.switch(rank % 1 + shape, [whole if k == shape else zeros
+                                                         for k in range(max(4, shape + 1))])
         else:
             value, grads = lax.cond(rank >= 0, whole, zeros) if shape == "cond" else whole()
             if shape != "none":
@@ -594,7 +623,7 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     assert not verdict and "outside the SPMD program" in verdict.message, str(verdict)
     for shape, word in (("none", "no lax.switch"), ("beside", "outside the tick's switch"),
                         ("cond", "outside the tick's switch"), (0, "the idle branch runs"),
-                        (1, "F's branch runs"), (3, "W 26")):
+                        (1, "F's branch runs"), (3, "W 26"), (5, "branch 5 of the switch runs 26")):
         verdict = ex.spmd_step(lab.try_step(_no_pipeline(spmd_lesson, shape)))
         assert not verdict and word in verdict.message and verdict.hint, (shape, str(verdict))
     assert ex.spmd_step(lab.try_step(lambda As, cs, H, X, Y: None)).message.startswith("no answer yet")

@@ -187,7 +187,7 @@ def own_step(result: Any) -> Verdict:
     if work:
         return Verdict("10.4", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
                        hint)
-    shape = _pipeline_problem("10.4", result, 3, hint)   # a block's two matrices and the head
+    shape = _pipeline_problem("10.4", result, 3, hint, w_more=2)   # a block's two matrices and the head
     if shape is not None:
         return shape
     loss, ref = np.asarray(result["loss"], dtype=np.float64), float(result["loss_ref"])

@@ -98,7 +98,7 @@ def stage_split(result: Any) -> Verdict:
                            "B only calls it, W only multiplies what F and B kept.")
         for part, error, flops, ref, what, why, fix in (
                 ("B", "b_error", "b_flops", "ref_b_flops", "the input gradient alone",
-                 "it computes the weight gradients too",
+                 "it computes the weight gradients too, or runs the layers again",
                  "take jax.vjp with respect to x and the probes only; dA and dc are W's work."),
                 ("W", "w_error", "w_flops", "w_products_flops", "each layer's x.T @ dz",
                  "it runs the layers again",

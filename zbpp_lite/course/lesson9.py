@@ -327,14 +327,15 @@ def _step_problem(key: str, result: Any, name: str, call: str, outputs: str, hin
     return None
 
 
-def _pipeline_problem(key: str, result: Any, most: int, hint: str) -> Verdict | None:
+def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int = 0) -> Verdict | None:
     """The refusal of a whole step that computes right but is no pipeline, or runs work twice
     (:func:`~zbpp_lite.course.bench.branch_products`, :func:`~zbpp_lite.course.bench.loose_products`): no
     tick's ``lax.switch`` over the kinds; more than 2 matrix products outside the switches (the model's work
     beside the schedule's actions; a head's or an embedding's gradient summed once after the loop may be);
     an idle branch running any; an F branch running more than ``most`` (one stage's, the head's included);
-    a B running more than F, a W more than F + 2 (a gradient F applies without a product, such as a scale's
-    or an embedding's, may be one), a BW more than B and W together; else None."""
+    a B running more than F, a W more than F + ``w_more`` (a gradient F applies without a product, such as
+    a scale's or an embedding's, may be one), any further branch (BW, or more) more than B and W together;
+    else None. A ``scan``'s body counts once per iteration."""
     products, loose = result.get("products"), result.get("loose", 0)
     if products is None:
         return Verdict(key, False, "no lax.switch over the tick's kinds (0 idle, 1 F, 2 B, 3 W) found in the "
@@ -347,10 +348,15 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str) -> Verdict | 
         branch, n = ("the idle", idle) if idle else ("F's", f)
         return Verdict(key, False, f"{branch} branch runs {n} matrix products, where an F runs one stage's, "
                        f"{most}, and an idle tick none: a rank runs more than its own stage.", hint)
-    if b > f or w > f + 2 or (bw and bw[0] > b + w):
+    extra = next(((4 + i, n) for i, n in enumerate(bw) if n > b + w), None)
+    if extra:
+        return Verdict(key, False, f"branch {extra[0]} of the switch runs {extra[1]} matrix products, more "
+                       f"than B and W together ({b + w}): a rank runs more than its own stage.", hint)
+    if b > f or w > f + w_more:
+        more = f", W {w_more} more, for a gradient F applies without a product" if w_more else ", W as many"
         return Verdict(key, False, f"B runs {b} matrix products and W {w}, where F runs {f} (B may run as "
-                       "many, W two more, for a gradient F applies without a product): work runs twice (F "
-                       "again inside jax.grad or jax.vjp, W's products in B, or more than the stage).",
+                       f"many{more}): work runs twice (F again inside jax.grad or jax.vjp, W's products in "
+                       "B, or more than the stage).",
                        "keep F's pullback (or what stage_B reads) for B, and for W what each weight "
                        "multiplies, with the gradient where it is applied.")
     return None
