@@ -545,7 +545,9 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
         "y.T @ dH))", "jax.grad(lambda H: jnp.sum(y @ H * dH))(H)))")   # a gradient for the replicated H
     no_m = lambda src: src.replace("labels[j]) / m, 0.0)", "labels[j]), 0.0)")  # noqa: E731
     wrong_in = lambda src: src.replace('"b1": dW1.sum(0)', '"b1": dW1.mean(0)')  # noqa: E731
-    for edit, word in ((rerun_b, "B runs 6"), (no_cast, "not run"), (no_m, "loss is"), (wrong_in, "differs")):
+    other_order = lambda src: src.replace('zb.build_schedule("zb-h1", p, m)', 'zb.build_schedule("zb-h2", p, m)')  # noqa: E731
+    for edit, word in ((rerun_b, "B runs 6"), (no_cast, "not run"), (no_m, "loss is"), (wrong_in, "differs"),
+                       (other_order, "not ZB-H1's")):
         with _replaced(v_lesson, V_LESSON, "own_step", edit):
             verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
@@ -606,8 +608,12 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     every_rank = lambda src: src.replace("jnp.where(last, y.T @ dlogits, 0.0)", "y.T @ dlogits")  # noqa: E731
     packaged = lambda src: src.replace("ticks = ticks_of(actions)",  # noqa: E731
                                        "ticks = lockstep_ticks(zb.build_schedule('zb-h1', p, m))")
+    other_order = lambda src: src.replace('build_schedule("zb-h1", p, m)', 'build_schedule("zb-h2", p, m)')  # noqa: E731
+    every_f_first = lambda src: src.replace(  # noqa: E731
+        ".actions]", ".actions]\n    actions = [sorted(row, key=lambda a: 'FBW'.index(a[0])) for row in actions]", 1)
     for edit, word in ((no_m, "(8 times it)"), (per_rank, "has shape (4,)"), (every_rank, "dH differs"),
-                       (packaged, "the package's lockstep_ticks")):
+                       (packaged, "the package's lockstep_ticks"), (other_order, "not ZB-H1's"),
+                       (every_f_first, "not ZB-H1's")):
         with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", edit):
             verdict = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)

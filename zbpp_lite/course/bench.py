@@ -232,10 +232,10 @@ class SpmdLab:
         ``{"error": None or text, "loss": its loss as a NumPy array, "loss_ref": the whole model's,
         "dH_error": max |dH - dH_ref| / max |dH_ref| (inf: another shape), "shard_maps": how many shard_map
         calls its program makes, "outside": the primitives it runs outside them (tick tables passed in as
-        arrays run none), "products": :func:`branch_products`, "loose": :func:`loose_products`,
-        **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns instead (the
-        package's tick tables, ``spmd.tick_tables`` or ``lockstep_ticks``, called while the step traces:
-        ``"copied"``)."""
+        arrays run none), "products": :func:`branch_products`, "loose": :func:`loose_products`, "order":
+        :func:`runs_schedule` for ZB-H1, **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns
+        instead (the package's tick tables, ``spmd.tick_tables`` or ``lockstep_ticks``, called while the step
+        traces: ``"copied"``)."""
         As, cs, Xm, Ym = self.arrays
         params, X, Y = mlp(self.case)
         d = self.case["width"]
@@ -255,7 +255,9 @@ class SpmdLab:
         return dict(error=None, loss=loss, loss_ref=float(loss_ref),
                     dH_error=gradient_report([dH], [dH_ref])["grad_error"], shard_maps=shard_maps,
                     outside=sorted(set(outside)), products=branch_products(program.jaxpr),
-                    loose=loose_products(program.jaxpr), **report)
+                    loose=loose_products(program.jaxpr),
+                    order=runs_schedule(program, "zb-h1", self.case["ranks"], self.case["microbatches"]),
+                    **report)
 
 
 def own_model(case: dict) -> tuple:
@@ -294,9 +296,9 @@ def try_own_step(step: Callable, case: dict) -> Any:
     """Exercise 10.4's result: ``step(params, tokens, labels) -> (loss, grads)`` on :func:`own_model`'s
     ``case``: ``{"error": None or text, "loss": its loss, "loss_ref": jax's, "errors": {leaf path: max |g -
     g_ref| / max |g_ref|} (inf: missing or another shape), "shard_maps", "outside": as
-    :meth:`SpmdLab.try_step` gives them, "products": :func:`branch_products`, "loose":
-    :func:`loose_products`}``, or what :func:`_traced_run` returns instead (a collective inside a branch is
-    refused before the program runs: it would hang)."""
+    :meth:`SpmdLab.try_step` gives them, "products": :func:`branch_products`, "loose": :func:`loose_products`,
+    "order": :func:`runs_schedule` for ZB-H1}``, or what :func:`_traced_run` returns instead (a collective
+    inside a branch is refused before the program runs: it would hang)."""
     params, tokens, labels = own_model(case)
     loss_ref, ref = jax.value_and_grad(own_loss)(params, tokens, labels)
     program, out, refused = _traced_run(step, (params, tokens, labels), 2)
@@ -309,7 +311,8 @@ def try_own_step(step: Callable, case: dict) -> Any:
     shard_maps, outside = _outside(program.jaxpr)
     return dict(error=None, loss=np.asarray(loss), loss_ref=float(loss_ref), errors=errors,
                 shard_maps=shard_maps, outside=sorted(set(outside)), products=branch_products(program.jaxpr),
-                loose=loose_products(program.jaxpr))
+                loose=loose_products(program.jaxpr),
+                order=runs_schedule(program, "zb-h1", case["ranks"], case["microbatches"]))
 
 
 def _traced_run(step: Callable, args: tuple, outputs: int, refused: tuple = ()) -> tuple:
@@ -356,6 +359,21 @@ def _by_path(tree: Any) -> dict:
 def _runs(eqn: Any) -> int:
     """How many times an equation runs the jaxprs it calls: a ``scan``'s length, else once."""
     return eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+
+
+def runs_schedule(program: Any, name: str, p: int, m: int) -> bool | None:
+    """Whether the traced ``program`` (a closed jaxpr) carries ``name``'s kind table (:func:`~zbpp_lite.
+    runtime.spmd.tick_tables`, (p, ticks) or its transpose): True, it does; False, it carries a
+    (p, ticks)-like integer table of kind codes (0..4) but not that one, the ticks of another order; None,
+    no such table is among its constants (built in another form: not told)."""
+    from ..runtime.spmd import tick_tables
+    want = np.asarray(tick_tables(build_schedule(name, p, m)).kind)
+    tables = [np.asarray(c) for c in program.consts if getattr(c, "ndim", 0) == 2
+              and np.issubdtype(np.asarray(c).dtype, np.integer) and p in np.shape(c)]
+    kinds = [t if t.shape[0] == p else t.T for t in tables if t.size and 0 <= t.min() and t.max() <= 4]
+    if any(t.shape == want.shape and (t == want).all() for t in kinds):
+        return True
+    return False if kinds else None
 
 
 def _products(jaxpr: Any) -> int:

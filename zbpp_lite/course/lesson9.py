@@ -332,6 +332,7 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
     (:func:`~zbpp_lite.course.bench.branch_products`, :func:`~zbpp_lite.course.bench.loose_products`): no
     tick's ``lax.switch`` over the kinds; more than 2 matrix products outside the switches (the model's work
     beside the schedule's actions; a head's or an embedding's gradient summed once after the loop may be);
+    a tick table among its constants that is not ZB-H1's (``result["order"]`` False);
     an idle branch running any; an F branch running more than ``most`` (one stage's, the head's included);
     a B running more than F, a W more than F + ``w_more`` (a gradient F applies without a product, such as
     a scale's or an embedding's, may be one), any further branch (BW, or more) more than B and W together;
@@ -340,6 +341,10 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
     if products is None:
         return Verdict(key, False, "no lax.switch over the tick's kinds (0 idle, 1 F, 2 B, 3 W) found in the "
                        "program: each rank's tick picks its action there.", hint)
+    if result.get("order") is False:
+        return Verdict(key, False, "the program's tick table (kinds by rank and tick) is not ZB-H1's: it "
+                       "runs another order.", "build the table from zb.build_schedule(\"zb-h1\", p, m) "
+                       "with your ticks_of (exercise 9.1), in the schedule's order.")
     if loose > 2:
         return Verdict(key, False, f"{loose} matrix products run outside the tick's switch: the model's "
                        "work runs beside the schedule's actions, not as them.", hint)
