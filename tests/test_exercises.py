@@ -459,6 +459,9 @@ def test_the_lesson_6_checks_reject_the_printed_rank_0_value_and_gpipes_links():
     assert not down_only and "activations alone" in down_only.message, str(down_only)
     one_rank = ex.link_crossings(lambda p, v, m: (2 * m * (v * p - 1), 2 * m * v * (p - 1)))
     assert not one_rank and "one rank" in one_rank.message, str(one_rank)
+    zigzag_off = ex.link_crossings(lambda p, v, m: (2 * m * (v * p - 1) * (p > 1), 2 * m * v * (p - 1) + 1))
+    assert "is (2, 3): the zigzag count is too high" in zigzag_off.message, str(zigzag_off)   # p, v, m = 2, 1, 1
+    assert "(2, 2)" not in zigzag_off.message                 # the right pair is not shown: no fitting by tries
     assert not ex.interleaved_peak(lambda p, v, m, r: min(v * m, v * p + p - 1)).ok   # rank 0's on every rank
     one_f_one_b = ex.interleaved_peak(lambda p, v, m, r: min(v * m, p - r if v == 1 else v * p + p - 1 - 2 * r))
     assert not one_f_one_b.ok and "Megatron" in str(one_f_one_b)               # v = 1 is not 1F1B's warm-up

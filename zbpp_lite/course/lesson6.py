@@ -156,7 +156,9 @@ def link_crossings(fn: Any) -> Verdict:
                            "(looped, zigzag).", hint)
         if got == want:
             continue
-        where = f"transfers{(p, v, m)} is {got}, not {want}"
+        off = [f"the {name} count is too {'high' if g > w else 'low'}"
+               for name, g, w in zip(("looped", "zigzag"), got, want) if g != w]
+        where = f"transfers{(p, v, m)} is {got}: {' and '.join(off)}"   # not the right pair: no fitting
         if got == (2 * m * (v * p - 1),) * 2 and p > 1:
             why = ("every link between consecutive stages counted as a crossing, for both: on the zigzag, "
                    "where does a pass end and the next begin?")
