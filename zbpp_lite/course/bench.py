@@ -251,13 +251,9 @@ class SpmdLab:
         dAs, dcs = _per_stage(grads)
         report = gradient_report(list(zip(dA, dc)), list(zip(dAs, dcs))) if dA.shape == dAs.shape else \
             {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
-        shard_maps, outside = _outside(program.jaxpr)
         return dict(error=None, loss=loss, loss_ref=float(loss_ref),
-                    dH_error=gradient_report([dH], [dH_ref])["grad_error"], shard_maps=shard_maps,
-                    outside=sorted(set(outside)), products=branch_products(program.jaxpr),
-                    loose=loose_products(program.jaxpr),
-                    order=runs_schedule(program, "zb-h1", self.case["ranks"], self.case["microbatches"]),
-                    **report)
+                    dH_error=gradient_report([dH], [dH_ref])["grad_error"],
+                    **_program_report(program, self.case), **report)
 
 
 def own_model(case: dict) -> tuple:
@@ -308,9 +304,17 @@ def try_own_step(step: Callable, case: dict) -> Any:
     got, want = _by_path(grads), _by_path(ref)           # by leaf path, "['blocks']['W1']"
     report = gradient_report([got.get(name) for name in want], list(want.values()))   # None: missing
     errors = dict(zip(want, report["stage_errors"]))
-    shard_maps, outside = _outside(program.jaxpr)
     return dict(error=None, loss=np.asarray(loss), loss_ref=float(loss_ref), errors=errors,
-                shard_maps=shard_maps, outside=sorted(set(outside)), products=branch_products(program.jaxpr),
+                **_program_report(program, case))
+
+
+def _program_report(program: Any, case: dict) -> dict:
+    """What exercises 9.4's and 10.4's checks read of a whole step's traced ``program`` (a closed jaxpr) on
+    ``case`` (its ``ranks`` and ``microbatches``): ``{"shard_maps", "outside"}`` (:func:`_outside`),
+    ``"products"`` (:func:`branch_products`), ``"loose"`` (:func:`loose_products`) and ``"order"``
+    (:func:`runs_schedule` for ZB-H1)."""
+    shard_maps, outside = _outside(program.jaxpr)
+    return dict(shard_maps=shard_maps, outside=sorted(set(outside)), products=branch_products(program.jaxpr),
                 loose=loose_products(program.jaxpr),
                 order=runs_schedule(program, "zb-h1", case["ranks"], case["microbatches"]))
 
@@ -368,19 +372,20 @@ def runs_schedule(program: Any, name: str, p: int, m: int) -> bool | None:
     no such table is among its constants (built in another form: not told)."""
     from ..runtime.spmd import tick_tables
     want = np.asarray(tick_tables(build_schedule(name, p, m)).kind)
-    tables = [np.asarray(c) for c in program.consts if getattr(c, "ndim", 0) == 2
-              and np.issubdtype(np.asarray(c).dtype, np.integer) and p in np.shape(c)]
+    tables = [t for t in map(np.asarray, program.consts)
+              if t.ndim == 2 and np.issubdtype(t.dtype, np.integer) and p in t.shape]
     kinds = [t if t.shape[0] == p else t.T for t in tables if t.size and 0 <= t.min() and t.max() <= 4]
     if any(t.shape == want.shape and (t == want).all() for t in kinds):
         return True
     return False if kinds else None
 
 
-def _products(jaxpr: Any) -> int:
+def _products(jaxpr: Any, skip: Callable[[Any], bool] = lambda eqn: False) -> int:
     """The matrix products (``dot_general``) ``jaxpr`` runs, the jaxprs it calls counted in (a ``scan``'s
-    body once per iteration: layers stacked under a scan count as many products as there are layers)."""
-    return sum((e.primitive.name == "dot_general") + _runs(e) * sum(map(_products, inner_jaxprs(e)))
-               for e in jaxpr.eqns)
+    body once per iteration: layers stacked under a scan count as many products as there are layers), but
+    none inside an equation ``skip`` names."""
+    return sum(0 if skip(e) else (e.primitive.name == "dot_general")
+               + _runs(e) * sum(_products(j, skip) for j in inner_jaxprs(e)) for e in jaxpr.eqns)
 
 
 def _is_switch(eqn: Any) -> bool:
@@ -409,9 +414,7 @@ def loose_products(jaxpr: Any) -> int:
     four branches or more; a two-branch ``cond``'s count), the jaxprs it calls looked into: in a pipeline's
     program, the work no action of the schedule does (a sum after the loop); a whole model's gradient taken
     beside the ticks shows here."""
-    return sum(0 if _is_switch(e) else
-               (e.primitive.name == "dot_general") + _runs(e) * sum(map(loose_products, inner_jaxprs(e)))
-               for e in jaxpr.eqns)
+    return _products(jaxpr, skip=_is_switch)
 
 
 def inner_jaxprs(eqn: Any) -> list:

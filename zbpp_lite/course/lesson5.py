@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
+from ..schedules.ir import v_placement
 from ..schedules.simulate import simulate
 from .checks import (Verdict, _called, _crossings, _function_check, _function_missing, _line_figure,
                      _unanswered, _with_fresh, course_cache)
@@ -95,7 +96,7 @@ def fewest_sends(fn: Any) -> Verdict:
     of 2p ints, stage s on rank ``placement[s]``) of 2p stages on p >= 2 ranks, two stages a rank, rank 0
     holding the first and the last (as the V does), that sends as few values between ranks per microbatch as
     any such placement, how many it sends and how many the V
-    (:func:`~zbpp_lite.schedules.builders.v_placement`) sends, per microbatch: an F's activation goes to stage
+    (:func:`~zbpp_lite.schedules.ir.v_placement`) sends, per microbatch: an F's activation goes to stage
     s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send
     (:func:`~zbpp_lite.course.checks._crossings`). The fewest is 2p: leaving rank 0 and coming back to it
     enters each of the p ranks at least once, each change 2 sends; the V sends 4p - 4. Checked for p = 2..8
@@ -134,7 +135,7 @@ def fewest_sends(fn: Any) -> Verdict:
         if said != total:
             return Verdict("5.1", False, f"at p = {p} your placement sends {total} values a microbatch; you "
                            f"said {said}.", hint)
-        if said_v != 4 * p - 4:
+        if said_v != _crossings(v_placement(p), 1):   # 4p - 4: a change at every link but the turn
             return Verdict("5.1", False, f"at p = {p} the V does not send {said_v} values a microbatch.",
                            hint)
     return Verdict("5.1", True, "2p sends a microbatch, the fewest, against the V's 4p - 4: leaving rank 0 "
