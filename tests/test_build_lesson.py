@@ -523,8 +523,9 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
     are applied; B calls it; W multiplies by the probes' gradients; the embedding and head cast to varying;
     their gradients and the loss summed after the scan) gives jax's loss and every gradient leaf, its
     switch's F, B and W running 3 matrix products each (4 in W with g's gradient an einsum, still right).
-    A B that runs F again inside jax.vjp gives the same gradients and is refused for its products; a W
-    taking the head's gradient by jax.grad without the head cast to varying puts a psum inside the
+    A B that runs F again inside jax.vjp gives the same gradients and is refused for its products, and so
+    is a W rebuilding the block's activations (5 products, within F's 3 and the 2 allowed, but 2 of them
+    summing over a width, not the tokens); a W taking the head's gradient by jax.grad without the head cast to varying puts a psum inside the
     switch's branches: refused before running (it would hang); the loss not over m and a bias gradient
     averaged, not summed, are refused by name; a body of ``...`` is no answer yet."""
     from zbpp_lite.course import bench
@@ -540,13 +541,18 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
         '            pullback = jax.tree.unflatten(treedef, [b[j] for b in st["kept"]])\n',
         '            x = jnp.where(first, E[tokens[j]], st["act"][j])\n'
         '            pullback = jax.vjp(lambda x, e: stage(x, e, j)[0], x, probes)[1]\n')
+    rerun_w = lambda src: src.replace(  # noqa: E731   W rebuilds a and y from z: 5 products, F's 3 + 2
+        '            xhat, z, a, y = (b[j] for b in st["saved"])\n',
+        '            xhat, z, a, y = (b[j] for b in st["saved"])\n'
+        '            a = jnp.tanh(z @ blk["W1"] + blk["b1"]); y = y + 0 * (a @ blk["W2"])\n')
     no_cast = lambda src: src.replace("E, H, tokens, labels = vary((E, H, tokens, labels))",  # noqa: E731
                                       "E, tokens, labels = vary((E, tokens, labels))").replace(
         "y.T @ dH))", "jax.grad(lambda H: jnp.sum(y @ H * dH))(H)))")   # a gradient for the replicated H
     no_m = lambda src: src.replace("labels[j]) / m, 0.0)", "labels[j]), 0.0)")  # noqa: E731
     wrong_in = lambda src: src.replace('"b1": dW1.sum(0)', '"b1": dW1.mean(0)')  # noqa: E731
     other_order = lambda src: src.replace('zb.build_schedule("zb-h1", p, m)', 'zb.build_schedule("zb-h2", p, m)')  # noqa: E731
-    for edit, word in ((rerun_b, "B runs 6"), (no_cast, "not run"), (no_m, "loss is"), (wrong_in, "differs"),
+    for edit, word in ((rerun_b, "B runs 6"), (rerun_w, "2 of W's 5 matrix products sum over a width"),
+                       (no_cast, "not run"), (no_m, "loss is"), (wrong_in, "differs"),
                        (other_order, "not ZB-H1's")):
         with _replaced(v_lesson, V_LESSON, "own_step", edit):
             verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
@@ -640,7 +646,9 @@ def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails
     needs (row j % rows), with jax.grad's gradients; the same tick keeping microbatch j in row j (m rows
     assumed) gives other gradients; the same tick with BW (kind 4) clamped to W, as lax.switch does without a fifth branch, is named at 1F1B's first BW; the
     package's tick (bench.tick_of, which the lesson runs), as itself or called inside a function, is refused
-    by name; a body of ``...`` is no answer yet."""
+    by name; a body of ``...`` is no answer yet. The kind a tick reports is not taken on trust: every
+    branch run each tick and one kept (no switch), a W running the stage again, and work beside the switch
+    give the right kinds and gradients and are refused by their products."""
     from zbpp_lite.course import bench
 
     lab, package = spmd_lesson["lab"], bench.tick_of(4)
@@ -658,6 +666,20 @@ def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails
         verdict = ex.spmd_tick(lab.try_tick(spmd_lesson["make_tick"]))
     assert not verdict and "differ" in verdict.message, str(verdict)
     assert ex.spmd_tick(lab.try_tick(lambda A, c, X, Y, first, last: None)).message.startswith("no answer yet")
+    switch = "st, down, up, ran = lax.switch(action[0], branches, st, action[1])"
+    every_branch = lambda src: src.replace(switch, (  # noqa: E731   every action each tick, one kept: no switch
+        "outs = [b(st, action[1]) for b in branches]; st, down, up, ran = jax.tree.map("
+        "lambda *v: jnp.select([action[0] == k for k in range(5)], v), *outs)"))
+    rerun_w = lambda src: src.replace(  # noqa: E731   W runs the stage again for what F kept: 3 products
+        'dA, dc = stage_W(get(st, "ins", j), get(st, "dz", j))',
+        'dA, dc = stage_W(stage_F(A, c, get(st, "ins", j)[0])[1], get(st, "dz", j))')
+    beside = lambda src: src.replace(switch, switch + (  # noqa: E731   4 products a tick outside the switch, 27 ticks
+        "; st = {**st, 'dA': st['dA'] + 0 * jnp.stack([X[0].T @ X[0] @ A[0], X[1].T @ X[1] @ A[1]])}"))
+    for edit, word in ((every_branch, "no lax.switch"), (rerun_w, "B runs 2 matrix products and W 3"),
+                       (beside, "108 matrix products run outside the tick's switch")):
+        with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", edit):
+            verdict = ex.spmd_tick(lab.try_tick(spmd_lesson["make_tick"]))
+        assert not verdict and word in verdict.message, (word, str(verdict))
     for copied in (package, lambda A, c, X, Y, first, last: bench.tick_of(4)(A, c, X, Y, first, last)):
         verdict = ex.spmd_tick(lab.try_tick(copied))
         assert not verdict and "bench.tick_of" in verdict.message, str(verdict)

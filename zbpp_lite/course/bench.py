@@ -174,13 +174,16 @@ class SpmdLab:
 
     def run(self, make_tick: Callable, name: str, rows: dict) -> dict:
         """One run of schedule ``name``, buffers of ``rows[buffer]`` rows: :func:`gradient_report` against
-        the reference (rank r's chunk c is stage ``stages_of(r)[c]``), and ``ran`` (ranks, ticks)."""
+        the reference (rank r's chunk c is stage ``stages_of(r)[c]``), ``ran`` (ranks, ticks) and where the
+        program runs its products (:func:`work_report`)."""
         program, args = self.program_of(make_tick, name, rows, *self.arrays)
         dA, dc, ran = program(*args)
+        work = work_report(jax.make_jaxpr(program)(*args).jaxpr, self.case)
         schedule = build_schedule(name, self.case["ranks"], self.case["microbatches"])
         order = np.argsort(np.ravel([schedule.stages_of(r) for r in range(schedule.num_ranks)]))
         dA, dc = (np.asarray(a).reshape(-1, *b.shape[1:])[order] for a, b in zip((dA, dc), self.reference))
-        return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran))
+        return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran),
+                    **work)
 
     def try_tick(self, make_tick: Callable) -> dict:
         """Exercise 9.3's result: :func:`try_runs` of each schedule of :data:`~.lesson9.SPMD_RUNS` with each
@@ -311,12 +314,22 @@ def try_own_step(step: Callable, case: dict) -> Any:
 def _program_report(program: Any, case: dict) -> dict:
     """What exercises 9.4's and 10.4's checks read of a whole step's traced ``program`` (a closed jaxpr) on
     ``case`` (its ``ranks`` and ``microbatches``): ``{"shard_maps", "outside"}`` (:func:`_outside`),
-    ``"products"`` (:func:`branch_products`), ``"loose"`` (:func:`loose_products`) and ``"order"``
-    (:func:`runs_schedule` for ZB-H1)."""
+    :func:`work_report`'s three and ``"order"`` (:func:`runs_schedule` for ZB-H1)."""
     shard_maps, outside = _outside(program.jaxpr)
-    return dict(shard_maps=shard_maps, outside=sorted(set(outside)), products=branch_products(program.jaxpr),
-                loose=loose_products(program.jaxpr),
+    return dict(shard_maps=shard_maps, outside=sorted(set(outside)), **work_report(program.jaxpr, case),
                 order=runs_schedule(program, "zb-h1", case["ranks"], case["microbatches"]))
+
+
+def work_report(jaxpr: Any, case: dict) -> dict:
+    """Where a traced SPMD program (``jaxpr``) runs its matrix products, for the checks that it is a pipeline
+    that runs nothing twice (``lesson9._pipeline_problem``): ``"products"`` (:func:`branch_products`),
+    ``"loose"`` (:func:`loose_products`) and ``"w_reruns"`` (the W branch's products that sum over anything
+    but the microbatch's samples, ``case``'s ``microbatch_size`` or ``tokens``: F's or B's work again; None
+    without a switch)."""
+    samples = case.get("microbatch_size", case.get("tokens"))
+    over_width = branch_products(jaxpr, lambda eqn: _contracted(eqn) != samples)
+    return dict(products=branch_products(jaxpr), loose=loose_products(jaxpr),
+                w_reruns=over_width and over_width[3])
 
 
 def _traced_run(step: Callable, args: tuple, outputs: int, refused: tuple = ()) -> tuple:
@@ -380,12 +393,21 @@ def runs_schedule(program: Any, name: str, p: int, m: int) -> bool | None:
     return False if kinds else None
 
 
-def _products(jaxpr: Any, skip: Callable[[Any], bool] = lambda eqn: False) -> int:
-    """The matrix products (``dot_general``) ``jaxpr`` runs, the jaxprs it calls counted in (a ``scan``'s
-    body once per iteration: layers stacked under a scan count as many products as there are layers), but
-    none inside an equation ``skip`` names."""
-    return sum(0 if skip(e) else (e.primitive.name == "dot_general")
-               + _runs(e) * sum(_products(j, skip) for j in inner_jaxprs(e)) for e in jaxpr.eqns)
+def _products(jaxpr: Any, skip: Callable[[Any], bool] = lambda eqn: False,
+              which: Callable[[Any], bool] = lambda eqn: True) -> int:
+    """The matrix products (``dot_general``, those ``which`` accepts) ``jaxpr`` runs, the jaxprs it calls
+    counted in (a ``scan``'s body once per iteration: layers stacked under a scan count as many products as
+    there are layers), but none inside an equation ``skip`` names."""
+    return sum(0 if skip(e) else (e.primitive.name == "dot_general" and which(e))
+               + _runs(e) * sum(_products(j, skip, which) for j in inner_jaxprs(e)) for e in jaxpr.eqns)
+
+
+def _contracted(eqn: Any) -> int:
+    """The size a ``dot_general`` sums over (its contracting axes' sizes multiplied): a weight's gradient
+    ``x.T @ dz`` sums over the microbatch's samples, a layer's forward ``x @ A`` or a B's ``dz @ A.T`` over a
+    width."""
+    shape, axes = eqn.invars[0].aval.shape, eqn.params["dimension_numbers"][0][0]
+    return int(np.prod([shape[a] for a in axes]))
 
 
 def _is_switch(eqn: Any) -> bool:
@@ -393,17 +415,17 @@ def _is_switch(eqn: Any) -> bool:
     return eqn.primitive.name == "cond" and len(eqn.params["branches"]) >= 4
 
 
-def branch_products(jaxpr: Any) -> list[int] | None:
-    """The matrix products (``dot_general``) each branch of a tick's ``lax.switch`` (a ``cond`` of four
-    branches or more) runs, the jaxprs it calls counted in, the largest over every such switch in
-    ``jaxpr``: what each action costs in products (0 idle, 1 F, 2 B, 3 W, 4 BW). A B that runs F again
-    inside ``jax.grad`` or ``jax.vjp`` runs F's products and its own. None when ``jaxpr`` has no such
+def branch_products(jaxpr: Any, which: Callable[[Any], bool] = lambda eqn: True) -> list[int] | None:
+    """The matrix products (``dot_general``, those ``which`` accepts) each branch of a tick's ``lax.switch``
+    (a ``cond`` of four branches or more) runs, the jaxprs it calls counted in, the largest over every such
+    switch in ``jaxpr``: what each action costs in products (0 idle, 1 F, 2 B, 3 W, 4 BW). A B that runs F
+    again inside ``jax.grad`` or ``jax.vjp`` runs F's products and its own. None when ``jaxpr`` has no such
     switch."""
     def switches(j: Any) -> list:
         return [found for e in j.eqns for found in
                 ([e] if _is_switch(e) else []) + sum(map(switches, inner_jaxprs(e)), [])]
 
-    counts = [[_products(b.jaxpr) for b in e.params["branches"]] for e in switches(jaxpr)]
+    counts = [[_products(b.jaxpr, which=which) for b in e.params["branches"]] for e in switches(jaxpr)]
     if not counts:
         return None
     return [max(c[i] for c in counts if i < len(c)) for i in range(max(map(len, counts)))]

@@ -271,8 +271,10 @@ def _tick_run(key: str, result: Any, name: str, call: str, names: tuple, hint: s
 def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str | None = None
         ) -> Verdict | float:
     """The refusal of the first of ``names`` whose run in ``runs`` is missing, ran another branch than the
-    schedule's lockstep form in some tick, or has gradients off (:func:`gradient_problem`, ``otherwise`` its
-    hint where it names no particular mistake); else the largest relative gradient difference."""
+    schedule's lockstep form in some tick, is no pipeline or runs work twice (:func:`_pipeline_problem`, a
+    stage two layers: the kind a tick reports is not taken on trust), or has gradients off
+    (:func:`gradient_problem`, ``otherwise`` its hint where it names no particular mistake); else the
+    largest relative gradient difference."""
     from ..runtime.spmd import tick_tables
 
     worst = 0.0
@@ -294,7 +296,9 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
                                    "W.")
             return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's tick columns in order; each "
                            "branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
-        problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"], otherwise)
+        problem = _pipeline_problem(key, run, 2, hint) if "products" in run else None   # a stage's 2 layers
+        if problem is None:   # (a refusal is a false Verdict)
+            problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"], otherwise)
         if problem is not None:
             return problem
         worst = max(worst, float(run["grad_error"]))
@@ -335,8 +339,9 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
     a tick table among its constants that is not ZB-H1's (``result["order"]`` False);
     an idle branch running any; an F branch running more than ``most`` (one stage's, the head's included);
     a B running more than F, a W more than F + ``w_more`` (a gradient F applies without a product, such as
-    a scale's or an embedding's, may be one), any further branch (BW, or more) more than B and W together;
-    else None. A ``scan``'s body counts once per iteration."""
+    a scale's or an embedding's, may be one) or any product summing over other than the microbatch's
+    samples (``result["w_reruns"]``: F's or B's work again), any further branch (BW, or more) more than B
+    and W together; else None. A ``scan``'s body counts once per iteration."""
     products, loose = result.get("products"), result.get("loose", 0)
     if products is None:
         return Verdict(key, False, "no lax.switch over the tick's kinds (0 idle, 1 F, 2 B, 3 W) found in the "
@@ -364,6 +369,11 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
                        "B, or more than the stage).",
                        "keep F's pullback (or what stage_B reads) for B, and for W what each weight "
                        "multiplies, with the gradient where it is applied.")
+    if result.get("w_reruns"):
+        return Verdict(key, False, f"{result['w_reruns']} of W's {w} matrix products sum over a width, not "
+                       "over the microbatch's samples: a weight's gradient sums over the samples (x.T @ dz), "
+                       "so W runs F's or B's products again.",
+                       "keep what each weight multiplies in F, and its gradient from B, for W.")
     return None
 
 
