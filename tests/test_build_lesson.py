@@ -150,6 +150,54 @@ def test_a_loop_sending_to_the_neighbour_rank_instead_of_the_placements_fails(le
     assert lesson["placement"] == list(range(4))                           # try_pipeline put it back
 
 
+def test_a_loop_whose_gradients_come_from_elsewhere_fails_on_what_it_sent(lesson):
+    """Round 33's evasion: every rank walks its actions in order, waits for its inputs and calls W once per
+    W or BW, but sends tokens, not activations, and the gradients are the whole model's jax.grad. With rank
+    0 returning every stage's it is refused for the stages it does not hold; with each rank returning its
+    own, for what it sent (Lab.moved checks each value crossing the ranks against the stage boundaries')."""
+    import time
+
+    import jax
+    from zbpp_lite.course import bench
+
+    lab, S, zb = lesson["lab"], 4, lesson["zb"]
+    whole = jax.grad(bench.mlp_loss)(lab.params, lab.X, lab.Y)
+    stage_grads = {s: list(whole[2 * s: 2 * s + 2]) for s in range(S)}
+
+    def elsewhere(one_rank_returns_all):
+        def rank_loop(rank, actions, inboxes, events, t0):
+            F, B, W, placement = lesson["F"], lesson["B"], lesson["W"], lab.placement
+            x = jax.device_put(lab.inputs_mb[0], lab.devices[placement[S - 1]])   # one for_w of the right
+            for_w = B(F(S - 1, x, lab.targets_mb[0])[1], 1.0)[1]                # form, for dummy W calls
+            for a in actions:
+                s, j = a.stage, a.microbatch
+                if a.kind == "F" and s > 0:
+                    inboxes[rank].take(("F", s - 1, j))
+                if a.kind in ("B", "BW") and s < S - 1:
+                    inboxes[rank].take(("B", s + 1, j))
+                start = time.perf_counter()
+                if a.kind in ("W", "BW"):
+                    W(for_w)
+                events.append(zb.Event(rank, a, start - t0, time.perf_counter() - t0))
+                if a.kind == "F" and s < S - 1:
+                    inboxes[placement[s + 1]].put(("F", s, j), 0.0)
+                if a.kind in ("B", "BW") and s > 0:
+                    inboxes[placement[s - 1]].put(("B", s, j), 0.0)
+            if one_rank_returns_all:
+                return stage_grads if rank == 0 else {}
+            return {s: g for s, g in stage_grads.items() if placement[s] == rank}
+        return rank_loop
+
+    for all_on_0, word in ((True, "rank 0 returned gradients for stage 1"),
+                           (False, "the value sent under ('F', 0, 0) is not stage 0's output")):
+        result = lab.try_pipeline(elsewhere(all_on_0))
+        assert all(run["grad_error"] <= ex.BUILD_TOLERANCE for run in result["runs"].values())
+        verdict = ex.pipeline_run(result)
+        assert not verdict and word in verdict.message, str(verdict)
+    right = lab.try_pipeline(lesson["rank_loop"])["runs"]["zb-v"]["moved"]
+    assert right == {"stray": [], "missing": [], "wrong": []}, right
+
+
 def test_a_loop_that_computes_w_during_b_fails(lesson):
     """W called right after B, its result held until the W action only adds it: the order of the events
     and the gradients are right, the weight gradient was not deferred, and the check sees when W ran."""
@@ -446,6 +494,12 @@ def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):
         _, summed = tie(grads, all_sum)
         return clipped(all_sum(sum(sq(a) for g in grads.values() for a in leaves(g))), params, summed)
 
+    def no_biases(rank, grads, params, all_sum):   # round 33: stage 0's two biases left out of the norm
+        tied, summed = tie(grads, all_sum)
+        mine = sum(sq(a) for s, g in summed.items() for k, (A, c) in enumerate(g)
+                   for a in (((c,) if s else ()) if (s, k) in ex.TIED else ((A, c) if s else (A,))))
+        return clipped(all_sum(mine) + sq(tied), params, summed)
+
     def three_sums(rank, grads, params, all_sum):   # right values, one more all-reduce
         all_sum(0.0)
         return right(rank, grads, params, all_sum)
@@ -455,7 +509,7 @@ def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):
         for answer, word in ((untied, "different steps"), (twice, "once per use"),
                              (skips, "never called it"), (per_stage, "different steps"),
                              (unclipped, "not clipped"), (always_scaled, "already under max_norm"),
-                             (uses, "each use's squares"),
+                             (uses, "each use's squares"), (no_biases, "differ from clipped SGD"),
                              (three_sums, "called all_sum 3 times")):
             verdict = ex.optimizer_step(lab.try_step(answer))
             assert not verdict and verdict.hint and word in str(verdict), (answer.__name__, str(verdict))

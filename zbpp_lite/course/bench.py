@@ -24,7 +24,7 @@ from ..runtime.stages import cross_entropy   # exercise 10.4's loss, as bench.cr
 from ..runtime.transport import Aborted, Inbox
 from ..schedules.builders import build_schedule
 from ..schedules.timeline import Event, Timeline
-from .lesson8 import BUILD_CASE, PIPELINE_RUNS, STEP, STEP_RUNS, TIED
+from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, PIPELINE_RUNS, STEP, STEP_RUNS, TIED
 
 tmap = jax.tree_util.tree_map
 
@@ -662,28 +662,81 @@ class Lab:
         sums (a list, None where missing) and the measured timeline (seconds since the start)."""
         return self._run(schedule, rank_loop)[:2]
 
-    def _run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline, list | None]:
-        """:meth:`run`'s two results, and (rank, seconds since the start) of each call of the learner's ``W``
-        (the global ``W`` ``rank_loop`` reads, counted during the run; None: it reads none)."""
+    def _run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline, list | None, dict]:
+        """:meth:`run`'s two results; (rank, seconds since the start) of each call of the learner's ``W``
+        (the global ``W`` ``rank_loop`` reads, counted during the run; None: it reads none); and what moved,
+        ``{"sent": {("F" or "B", stage, microbatch): value put in any inbox under that key}, "returned":
+        [the stages each rank's loop returned gradients for]}``."""
         events: list[Event] = []
         scope = getattr(rank_loop, "__globals__", {})
-        plain, calls, rank_of = scope.get("W"), [], {}
+        plain, calls, rank_of, sent = scope.get("W"), [], {}, {}
         t0 = time.perf_counter()
 
         def counted(*args, **kwargs):
             calls.append((rank_of.get(threading.get_ident(), -1), time.perf_counter() - t0))
             return plain(*args, **kwargs)
 
+        class Watched:   # an inbox whose puts under lesson 8's keys are kept for the check
+            def __init__(self, inbox: Inbox):
+                self.inbox, self.take = inbox, inbox.take
+
+            def put(self, key, value, *args, **kwargs):
+                if isinstance(key, tuple) and len(key) == 3 and key[0] in ("F", "B"):
+                    sent[key[0], int(key[1]), int(key[2])] = value
+                self.inbox.put(key, value, *args, **kwargs)
+
         def work(rank, inboxes):
             rank_of[threading.get_ident()] = rank
-            return rank_loop(rank, schedule.actions[rank], inboxes, events, t0)
+            return rank_loop(rank, schedule.actions[rank], [Watched(i) for i in inboxes], events, t0)
 
         swap = {"W": counted} if callable(plain) else {}
         with _swapped(scope, swap):
             out = self.threads(schedule.num_ranks, work)
         grads = {s: g for part in out if part for s, g in part.items()}
         timeline = Timeline.from_events(events, schedule.num_ranks, num_stages=self.S, source="measured")
-        return [grads.get(s) for s in range(self.S)], timeline, calls if swap else None
+        returned = [sorted(part) if isinstance(part, dict) else [] for part in out]
+        return ([grads.get(s) for s in range(self.S)], timeline, calls if swap else None,
+                {"sent": sent, "returned": returned})
+
+    def boundaries(self) -> dict:
+        """What crosses each stage boundary in a right pipeline, by lesson 8's inbox keys: ``("F", s, j)``,
+        stage s's output for microbatch j (s < S - 1), and ``("B", s, j)``, the loss's gradient at stage
+        s's input (s > 0; the loss the microbatch losses' mean), as NumPy arrays (rows, width)."""
+        if not hasattr(self, "_boundaries"):
+            per, rows, found = len(self.params) // self.S, self.rows, {}
+            for j in range(self.m):
+                X, Y = self.X[j * rows: (j + 1) * rows], self.Y[j * rows: (j + 1) * rows]
+                for s in range(self.S):
+                    X = mlp_output(self.params[per * s: per * (s + 1)], X)
+                    if s < self.S - 1:
+                        found["F", s, j] = np.asarray(X)
+                    if s > 0:
+                        rest = self.params[per * s:]
+                        found["B", s, j] = np.asarray(jax.grad(
+                            lambda x: mlp_loss(rest, x, Y) / self.m)(found["F", s - 1, j]))
+            self._boundaries = found
+        return self._boundaries
+
+    def moved(self, placement: list, traffic: dict) -> dict:
+        """What a run's ``traffic`` (:meth:`_run`'s) got wrong against :meth:`boundaries`, on ``placement``:
+        ``{"stray": [(rank, stage) returned by a rank not holding it], "missing": [keys never sent that
+        cross ranks], "wrong": [(key, relative difference) of values sent that differ]}``."""
+        want, sent = self.boundaries(), traffic["sent"]
+        stray = [(r, s) for r, stages in enumerate(traffic["returned"]) for s in stages
+                 if not isinstance(s, (int, np.integer)) or not 0 <= s < self.S or placement[s] != r]
+        missing = [k for k in want if k not in sent
+                   and placement[k[1]] != placement[k[1] + (1 if k[0] == "F" else -1)]]
+        wrong = []
+        for key, value in sent.items():
+            ref = want.get(key)
+            got = np.asarray(value, dtype=np.float64) if ref is not None else None
+            if ref is None or got.shape != ref.shape:
+                wrong.append((key, float("inf")))
+                continue
+            off = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+            if not off <= BUILD_TOLERANCE:
+                wrong.append((key, off))
+        return {"stray": stray, "missing": missing, "wrong": wrong}
 
     def run_compiled(self, rank_loop: Callable, names: tuple = ("1f1b", "zb-h1")) -> dict:
         """``rank_loop`` with the lesson's ``F``, ``B``, ``W`` (names it reads from its module's globals)
@@ -754,13 +807,14 @@ class Lab:
 
     def try_pipeline(self, rank_loop: Callable) -> dict:
         """Exercise 8.3's result: the learner's loop on :data:`PIPELINE_RUNS`, the stages placed as each
-        schedule says (put back after): ``{"error", "runs": {name: {"timeline", "w_calls" (:meth:`_run`), and
-        :func:`gradient_report`'s "grad_error", "stage_errors", "scale"}}}``."""
+        schedule says (put back after): ``{"error", "runs": {name: {"timeline", "w_calls" (:meth:`_run`),
+        "moved" (:meth:`moved`), and :func:`gradient_report`'s "grad_error", "stage_errors", "scale"}}}``."""
         def one(name):
             schedule = build_schedule(name, dict(PIPELINE_RUNS)[name], self.m)
             self._place(list(schedule.placement))
-            grads, timeline, w_calls = self._run(schedule, rank_loop)
-            return {"timeline": timeline, "w_calls": w_calls, **self.report(grads)}
+            grads, timeline, w_calls, traffic = self._run(schedule, rank_loop)
+            return {"timeline": timeline, "w_calls": w_calls, "moved": self.moved(self.placement, traffic),
+                    **self.report(grads)}
 
         try:
             return try_runs(one, [name for name, _ in PIPELINE_RUNS])
@@ -793,7 +847,8 @@ class Lab:
     def try_step(self, optimizer_step: Callable) -> dict:
         """Exercise 8.4's result: ``optimizer_step(rank, grads, params, all_sum)`` on one thread per rank, the
         stages placed as in :data:`STEP_RUNS`, from ``jax.grad``'s gradients, the two uses of :data:`TIED` one
-        matrix, the second use's given the first's added (so the uses' gradients share a direction).
+        matrix, the second use's given the first's added (so the uses' gradients share a direction), each
+        bias's rescaled to twice its matrix's norm (so that every leaf counts in the global norm).
         ``{"error", "runs": {name: {"params": the learner's step; SGD of the whole model clipped to the global
         norm: "want" (the tied matrix's gradient the sum of its uses', counted once in the norm), "untied"
         (each use its own gradient), "twice" (the sum counted once per use), "uses" (each use's squares in the
@@ -806,9 +861,12 @@ class Lab:
         params[per * s1 + l1] = (params[per * s0 + l0][0], params[per * s1 + l1][1])
         grads = jax.grad(mlp_loss)(params, self.X, self.Y)   # each use's gradient
         home = [params[per * s: per * (s + 1)] for s in range(self.S)]
-        given = [list(grads[per * s: per * (s + 1)]) for s in range(self.S)]
+        # each bias's gradient given twice its matrix's norm: jax.grad's are 0.05% of the norm, so a norm
+        # leaving a stage's biases out would pass the tolerance; given so, it is 8% off
+        given = [[(A, c * float(2 * jnp.linalg.norm(A) / jnp.maximum(jnp.linalg.norm(c), 1e-30)))
+                  for A, c in grads[per * s: per * (s + 1)]] for s in range(self.S)]
         # the second use's gradient given the first's added: jax.grad's two are nearly orthogonal, so a norm
-        # from each use's squares, not their sum's, would pass (0.07% off); sharing a direction, it is 8% off
+        # from each use's squares, not their sum's, would pass (0.07% off); sharing a direction, it is 2% off
         given[s1][l1] = (given[s1][l1][0] + given[s0][l0][0], given[s1][l1][1])
         per_stage = [leaves(g) for g in given]   # A, c, A, c
         tied = per_stage[s0][2 * l0] + per_stage[s1][2 * l1]

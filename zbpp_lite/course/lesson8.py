@@ -250,8 +250,9 @@ def pipeline_run(result: Any) -> Verdict:
     :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
     "w_calls", "grad_error", "stage_errors", "scale"}}}``. Right when every rank ran its actions in order, one
     event each, each after its inputs ended, each W and BW event held one call of the learner's W
-    (:func:`_w_problem`), and the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`
-    (:func:`gradient_problem` names a wrong gradient's likely cause)."""
+    (:func:`_w_problem`), the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`
+    (:func:`gradient_problem` names a wrong gradient's likely cause), and each rank returned only its own
+    stages while what crossed the ranks was each stage boundary's value (:func:`_moved_problem`)."""
     hint = ("follow one microbatch through the figure: what must each of F, B, W and BW have before it "
             "starts, which rank holds the stage that needs its result, and when is that result ready?")
     if isinstance(result, dict) and result.get("error"):   # a wait that never ends, a send to no rank
@@ -274,6 +275,10 @@ def pipeline_run(result: Any) -> Verdict:
         problem = gradient_problem("8.3", name, run, c["microbatches"])
         if problem is not None:
             return problem
+        why = _moved_problem(run.get("moved"))
+        if why:
+            return Verdict("8.3", False, f"{name}: {why}", "each rank runs only its own stages, on what it "
+                           "receives, and sends each result to the rank holding the stage that needs it.")
         error = float(run["grad_error"])
         worst = max(worst, error)
     names = ", ".join(name for name, _ in PIPELINE_RUNS)
@@ -281,6 +286,28 @@ def pipeline_run(result: Any) -> Verdict:
                    f"{names} ran in their schedules' order on every rank, each action after its inputs and "
                    f"each weight gradient in its own W; the gradients equal jax.grad's (largest relative "
                    f"difference {worst:.1e}).")
+
+
+def _moved_problem(moved: dict | None) -> str:
+    """What is wrong with what a run sent and returned (``moved``:
+    :meth:`zbpp_lite.course.bench.Lab.moved`'s; None: not recorded), or "": gradients that come out right
+    while a rank returns another rank's stage, or while what crosses the ranks is not the stage boundaries'
+    values, were computed somewhere else than the schedule says."""
+    if not moved:
+        return ""
+    if moved["stray"]:
+        r, stage = moved["stray"][0]
+        return f"rank {r} returned gradients for stage {stage}, which it does not hold."
+    if moved["wrong"]:
+        (kind, stage, j), off = moved["wrong"][0]
+        what = "output" if kind == "F" else "input gradient"
+        return (f"the value sent under {(kind, stage, j)} is not stage {stage}'s {what} for microbatch {j} "
+                f"(relative difference {off:.1e}): the gradients came from work done elsewhere.")
+    if moved["missing"]:
+        kind, stage, j = moved["missing"][0]
+        return (f"{(kind, stage, j)} never crossed to the rank that needs it ({len(moved['missing'])} values "
+                "that cross ranks were never sent): the gradients came from work done elsewhere.")
+    return ""
 
 
 def _w_problem(timeline: Any, calls: list | None) -> str:
@@ -364,8 +391,9 @@ def optimizer_step(result: Any) -> Verdict:
     the sum of its two uses', with the gradient clipped to the global norm :data:`STEP` ``["max_norm"]``,
     within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 4: the global norm needs every rank's gradient),
     and no rank called ``all_sum`` more than twice (the tie's sum, then the squares'). A norm from the squares
-    of each use instead of their sum's is 8% off in the scale here (the uses' gradients are given sharing a
-    direction: :meth:`~zbpp_lite.course.bench.Lab.try_step`)."""
+    of each use instead of their sum's is 2% off in the scale here (the uses' gradients are given sharing a
+    direction), and one leaving stage 0's biases out 8% (each bias's gradient is given twice its matrix's
+    norm: :meth:`~zbpp_lite.course.bench.Lab.try_step`)."""
     hint = ("clipping bounds the length of the whole model's gradient, which no rank holds alone, and the "
             "tied matrix is one parameter: what must each rank contribute, in which order, and when must "
             "clipping leave a gradient as it is?")
