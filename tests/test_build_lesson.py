@@ -558,7 +558,8 @@ def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(v_les
     """Exercise 10.3: the Solutions' make_v_tick runs ZB-V (two chunks a rank, 16 layers) through the
     lesson's own program_of and vlab with each buffer its busiest stage's rows, and passes. first/last
     testing the rank alone (first[0], last[1]: rank 0 is first and last on both chunks) and arrivals all
-    stored in chunk 0 (recv's chunk ignored) fail with the gradients; a body of ``...`` is no answer yet."""
+    stored in chunk 0 (recv's chunk ignored) fail with the gradients; every action run each tick and the
+    reported one kept (no switch) is refused for that; a body of ``...`` is no answer yet."""
     vlab = v_lesson["vlab"]
     right = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
     assert right and "ZB-V ran as one SPMD program" in str(right), str(right)
@@ -568,6 +569,13 @@ def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(v_les
         with _replaced(v_lesson, V_LESSON, "make_v_tick", edit):
             verdict = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
         assert not verdict and "zb-v" in verdict.message and verdict.hint, str(verdict)
+    switch = "st, msg, ran = lax.switch(k, [idle, forward, backward, weight], st, ch, j)"
+    every_branch = lambda src: src.replace(switch, (  # noqa: E731   every action each tick, one kept
+        "outs = [b(st, ch, j) for b in (idle, forward, backward, weight)]; st, msg, ran = jax.tree.map("
+        "lambda *v: jnp.select([k == i for i in range(4)], v), *outs)"))
+    with _replaced(v_lesson, V_LESSON, "make_v_tick", every_branch):   # the right kinds and gradients
+        verdict = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
+    assert not verdict and "no lax.switch" in verdict.message, str(verdict)
     stub = lambda A, c, X, Y, first, last: None  # noqa: E731
     assert ex.spmd_v(vlab.try_v(stub)).message.startswith("no answer yet")
 
