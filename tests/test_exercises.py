@@ -371,6 +371,8 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (f + b - 2 * w)).ok      # the printed form
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - w, b)).ok    # ZB-H1's bubble
     assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f)).ok   # no floor at 0
+    assert not ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * (max(f + b - 2 * w, 0.0) + (  # round 34: the
+        b - f if b > f and w > f else 0.0))).ok                                           # two waits added
     form = ex.zb_h1_makespan(lambda p, m, f, b, w: m * (f + b + w) + (p - 1) * (f + b - w))   # m >= p only
     assert not form and "ZB-H1's form" in form.message
     assert "clipped" in ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)).message

@@ -73,11 +73,12 @@ def zb_h2_peak_memory(fn: Any) -> Verdict:
 def zb_h2_bubble(fn: Any) -> Verdict:
     """Exercise 3.3: a function ``bubble(p, m, f, b, w)``: ZB-H2's makespan minus m(T_F+T_B+T_W),
     T_comm = 0, m >= 2p - 1, for every T_F, T_B and T_W (the lesson's form, clipped at zero, holds unless
-    T_B > T_F and T_W > T_F both); compared with the simulator at points with T_F != T_B, two with both.
+    T_B > T_F and T_W > T_F both); compared with the simulator at points with T_F != T_B, four with both,
+    two of them with T_F + T_B - 2T_W above zero too (where the two waits' sum is not their larger).
     The clipped form copied gets its own message."""
     points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
               (2, 3, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 5, 1.5, 1.0, 2.5), (4, 9, 0.5, 1.5, 0.25),
-              (5, 9, 1.2, 1.5, 0.8)]
+              (5, 9, 1.2, 1.5, 0.8), (4, 8, 1.0, 4.0, 1.5), (3, 6, 1.0, 3.0, 1.25)]   # last two: both waits
     return _function_check(
         "3.3", fn, points,
         lambda p, m, f, b, w: (simulate(build_schedule("zb-h2", p, m), Costs(f=f, b=b, w=w)).makespan
