@@ -154,8 +154,10 @@ def test_a_loop_whose_gradients_come_from_elsewhere_fails_on_what_it_sent(lesson
     """Round 33's evasion: every rank walks its actions in order, waits for its inputs and calls W once per
     W or BW, but sends tokens, not activations, and the gradients are the whole model's jax.grad. With rank
     0 returning every stage's it is refused for the stages it does not hold; with each rank returning its
-    own, for what it sent (Lab.moved checks each value crossing the ranks against the stage boundaries')."""
+    own, for what it sent (Lab.moved checks each value crossing the ranks against the stage boundaries');
+    sending the true boundary values (round 35), for gradients that are not the sum of its W calls'."""
     import time
+    import types
 
     import jax
     from zbpp_lite.course import bench
@@ -163,12 +165,12 @@ def test_a_loop_whose_gradients_come_from_elsewhere_fails_on_what_it_sent(lesson
     lab, S, zb = lesson["lab"], 4, lesson["zb"]
     whole = jax.grad(bench.mlp_loss)(lab.params, lab.X, lab.Y)
     stage_grads = {s: list(whole[2 * s: 2 * s + 2]) for s in range(S)}
+    x = jax.device_put(lab.inputs_mb[0], lab.devices[lab.placement[S - 1]])   # one for_w of the right form,
+    for_w = lesson["B"](lesson["F"](S - 1, x, lab.targets_mb[0])[1], 1.0)[1]    # for dummy W calls
 
-    def elsewhere(one_rank_returns_all):
+    def elsewhere(one_rank_returns_all, true_values=False):
         def rank_loop(rank, actions, inboxes, events, t0):
-            F, B, W, placement = lesson["F"], lesson["B"], lesson["W"], lab.placement
-            x = jax.device_put(lab.inputs_mb[0], lab.devices[placement[S - 1]])   # one for_w of the right
-            for_w = B(F(S - 1, x, lab.targets_mb[0])[1], 1.0)[1]                # form, for dummy W calls
+            placement, saved = lab.placement, {}   # F, B, W: the lesson's, read as its globals (below)
             for a in actions:
                 s, j = a.stage, a.microbatch
                 if a.kind == "F" and s > 0:
@@ -176,26 +178,82 @@ def test_a_loop_whose_gradients_come_from_elsewhere_fails_on_what_it_sent(lesson
                 if a.kind in ("B", "BW") and s < S - 1:
                     inboxes[rank].take(("B", s + 1, j))
                 start = time.perf_counter()
+                dummy = jax.device_put(lab.inputs_mb[0], lab.devices[rank])   # F and B run, on dummies
+                if a.kind == "F":
+                    saved[s, j] = F(s, dummy, lab.targets_mb[0] if s == S - 1 else None)[1]  # noqa: F821
+                if a.kind in ("B", "BW"):
+                    B(saved.pop((s, j)), 1.0 / 8 if s == S - 1 else dummy)  # noqa: F821
                 if a.kind in ("W", "BW"):
-                    W(for_w)
+                    W(for_w)  # noqa: F821
                 events.append(zb.Event(rank, a, start - t0, time.perf_counter() - t0))
+                sent = lab.boundaries() if true_values else {}
                 if a.kind == "F" and s < S - 1:
-                    inboxes[placement[s + 1]].put(("F", s, j), 0.0)
+                    inboxes[placement[s + 1]].put(("F", s, j), sent.get(("F", s, j), 0.0))
                 if a.kind in ("B", "BW") and s > 0:
-                    inboxes[placement[s - 1]].put(("B", s, j), 0.0)
+                    inboxes[placement[s - 1]].put(("B", s, j), sent.get(("B", s, j), 0.0))
             if one_rank_returns_all:
                 return stage_grads if rank == 0 else {}
             return {s: g for s, g in stage_grads.items() if placement[s] == rank}
-        return rank_loop
+        return types.FunctionType(rank_loop.__code__, lesson, "rank_loop", None, rank_loop.__closure__)
 
-    for all_on_0, word in ((True, "rank 0 returned gradients for stage 1"),
-                           (False, "the value sent under ('F', 0, 0) is not stage 0's output")):
-        result = lab.try_pipeline(elsewhere(all_on_0))
+    for all_on_0, true, word in ((True, False, "rank 0 returned gradients for stage 1"),
+                                 (False, False, "the value sent under ('F', 0, 0) is not stage 0's output"),
+                                 (False, True, "not the sum of what its W calls returned")):   # round 35
+        result = lab.try_pipeline(elsewhere(all_on_0, true))
         assert all(run["grad_error"] <= ex.BUILD_TOLERANCE for run in result["runs"].values())
         verdict = ex.pipeline_run(result)
         assert not verdict and word in verdict.message, str(verdict)
     right = lab.try_pipeline(lesson["rank_loop"])["runs"]["zb-v"]["moved"]
-    assert right == {"stray": [], "missing": [], "wrong": []}, right
+    assert right == {"stray": [], "missing": [], "wrong": [], "scale": None}, right
+
+
+def test_round_35s_wrong_answers_to_8_1_and_8_3_fail_and_its_right_variants_pass(lesson):
+    """Round 35: a B that computes the weight gradients and drops them (XLA's flops leave them out; the
+    traced products do not); a loop whose B runs F again, or whose W runs B again (the learner's F, B and W
+    are counted per action); a NaN among the gradients; a W computed during B passed through
+    functools.partial, all refused. A backward started from 1 and divided by m at the end is refused with
+    the factor named; a right loop reading W as a default argument passes."""
+    import functools
+
+    lab, ns = lesson["lab"], lesson
+    exec(compile("""
+def F_all(s, x, target=None):
+    f = lambda layers, x, probes: stage_apply(layers, x, probes, target)
+    y, pullback, layer_inputs = jax.vjp(f, stage_params[s], x, zero_probes(s, x), has_aux=True)
+    return y, (pullback, layer_inputs)
+
+def B_all(saved, dy):
+    pullback, layer_inputs = saved
+    dlayers, dx, dz = pullback(dy)          # weight gradients computed here, and dropped
+    return dx, (layer_inputs, dz)
+""", "round35", "exec"), ns)
+    verdict = ex.stage_split(lab.try_stage(ns["F_all"], ns["B_all"], ns["W"]))
+    assert not verdict and "B runs 4 matrix products where the input gradient takes 2" in verdict.message, str(verdict)
+    f_call, b_call = ("out, saved[s, j] = F(s, x, targets_mb[j] if s == S - 1 else None)",
+                      "out, for_w[s, j] = B(saved.pop((s, j)), dy)")
+    rerun_f = lambda src: src.replace(f_call, "out, _ = F(s, x, targets_mb[j] if s == S - 1 else None); saved[s, j] = x").replace(  # noqa: E731,E501
+        b_call, "out, for_w[s, j] = B(F(s, saved.pop((s, j)), targets_mb[j] if s == S - 1 else None)[1], dy)")
+    rerun_b = lambda src: src.replace(b_call, "out, _ = B(saved[s, j], dy); for_w[s, j] = (saved.pop((s, j)), dy)").replace(  # noqa: E731,E501
+        "g = W(for_w.pop((s, j)))", "g = W(B(*for_w.pop((s, j)))[1])")
+    from_one = lambda src: src.replace("jnp.float32(1 / m)", "jnp.float32(1.0)").replace(  # noqa: E731
+        "    return grads\n", "    return {s: jax.tree.map(lambda a: a / m, g) for s, g in grads.items()}\n")
+    nan_bias = lambda src: src.replace(  # noqa: E731
+        "    return grads\n", "    return {s: [(A, c * jnp.nan if s == 1 else c) for A, c in g] for s, g in grads.items()}\n")
+    call, later = "B(saved.pop((s, j)), dy)\n", "g = W(for_w.pop((s, j)))\n"
+    w_in_b = lambda src: src.replace(call, call + "            for_w[s, j] = W(for_w[s, j])\n").replace(  # noqa: E731
+        later, "g = for_w.pop((s, j))\n")
+    for edit, word, wrap in ((rerun_f, "your F ran 64 times for 32 F actions", None),
+                             (rerun_b, "your B ran 64 times for 32 B and BW actions", None),
+                             (from_one, "is 8 times it", None), (nan_bias, "not numbers", None),
+                             (w_in_b, "outside its W and BW actions", functools.partial)):
+        with _replaced(lesson, LESSON, "rank_loop", edit):
+            loop = wrap(ns["rank_loop"]) if wrap else ns["rank_loop"]
+            verdict = ex.pipeline_run(lab.try_pipeline(loop))
+        assert not verdict and word in verdict.message, (word, str(verdict))
+    with_default = lambda src: src.replace("def rank_loop(rank, actions, inboxes, events, t0):",  # noqa: E731
+                                           "def rank_loop(rank, actions, inboxes, events, t0, W=W):")
+    with _replaced(lesson, LESSON, "rank_loop", with_default):
+        assert ex.pipeline_run(lab.try_pipeline(ns["rank_loop"]))
 
 
 def test_a_loop_that_computes_w_during_b_fails(lesson):
@@ -613,7 +671,9 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
     no_m = lambda src: src.replace("labels[j]) / m, 0.0)", "labels[j]), 0.0)")  # noqa: E731
     wrong_in = lambda src: src.replace('"b1": dW1.sum(0)', '"b1": dW1.mean(0)')  # noqa: E731
     other_order = lambda src: src.replace('zb.build_schedule("zb-h1", p, m)', 'zb.build_schedule("zb-h2", p, m)')  # noqa: E731
+    no_loss = lambda src: src.replace('    return loss, {"embed"', '    return None, {"embed"')  # noqa: E731
     for edit, word in ((rerun_b, "B runs 6"), (rerun_w, "2 of W's 5 matrix products sum over a width"),
+                       (no_loss, "the loss is nan"),
                        (no_cast, "not run"), (no_m, "loss is"), (wrong_in, "differs"),
                        (other_order, "not ZB-H1's")):
         with _replaced(v_lesson, V_LESSON, "own_step", edit):
@@ -666,7 +726,9 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     microbatch's loss over m, its B starts from the head's gradient, its W adds to dH; psum makes the loss
     and dH one array) passes. The loss not divided by m, the loss returned per rank (out_specs P("rank"), no
     psum), dH added on every rank, tick tables from the package's lockstep_ticks, and a loss taken by a
-    second forward outside the program are each refused by name; a body of ``...`` is no answer yet."""
+    second forward outside the program are each refused by name, and (round 35) ZB-H2's tables stacked in
+    one array, the loss left None, NaN gradients; a body of ``...`` is no answer yet; F's whole forward
+    under lax.cond(last, with the head, without) passes (a cond's costliest branch is what it runs)."""
     lab = spmd_lesson["lab"]
     right = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
     assert right and "one SPMD program ran ZB-H1's step with its head" in str(right), str(right)
@@ -679,9 +741,19 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     other_order = lambda src: src.replace('build_schedule("zb-h1", p, m)', 'build_schedule("zb-h2", p, m)')  # noqa: E731
     every_f_first = lambda src: src.replace(  # noqa: E731
         ".actions]", ".actions]\n    actions = [sorted(row, key=lambda a: 'FBW'.index(a[0])) for row in actions]", 1)
+    stacked = lambda src: other_order(src).replace(  # noqa: E731   round 35: ZB-H2's tables as one array
+        "    def rank_step(kind, microbatch, A, c, H, X, Y):\n",
+        "    def rank_step(tables, A, c, H, X, Y):\n        kind, microbatch = tables[0], tables[1]\n").replace(
+        'in_specs=(P("rank"),) * 4 + (P(),) * 3', 'in_specs=(P(None, "rank"),) + (P("rank"),) * 2 + (P(),) * 3').replace(
+        "jax.jit(program)(kind, microbatch, As", "jax.jit(program)(np.stack([kind, microbatch]), As")
+    ret = "    return jax.jit(program)(kind, microbatch, As, cs, H, X, Y)"
+    unwritten = lambda value: lambda src: src.replace(ret, ret.replace("return", "loss, dAs, dcs, dH =")  # noqa: E731
+                                                      + f"\n    return {value}")
     for edit, word in ((no_m, "(8 times it)"), (per_rank, "has shape (4,)"), (every_rank, "dH differs"),
                        (packaged, "the package's lockstep_ticks"), (other_order, "not ZB-H1's"),
-                       (every_f_first, "not ZB-H1's")):
+                       (every_f_first, "not ZB-H1's"), (stacked, "not ZB-H1's"),
+                       (unwritten("None, dAs, dcs, dH"), "the loss is nan"),
+                       (unwritten("loss, dAs, dcs * jnp.nan, dH"), "not numbers")):
         with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", edit):
             verdict = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
@@ -701,6 +773,20 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
         verdict = ex.spmd_step(lab.try_step(_no_pipeline(spmd_lesson, shape)))
         assert not verdict and word in verdict.message and verdict.hint, (shape, str(verdict))
     assert ex.spmd_step(lab.try_step(lambda As, cs, H, X, Y: None)).message.startswith("no answer yet")
+    head_cond = lambda src: src.replace(  # noqa: E731   round 35: F's forward under the lesson's lax.cond
+        """            y, ins, outs = stage_F(A, c, jnp.where(first, X[j], st["act"][j]))
+            logits = y @ H
+            loss = jnp.where(last, jnp.mean((logits - Y[j]) ** 2) / m, 0.0)""",
+        """            x = jnp.where(first, X[j], st["act"][j])
+            def with_head(x):
+                y, ins, outs = stage_F(A, c, x); logits = y @ H
+                return y, ins, outs, logits, jnp.mean((logits - Y[j]) ** 2) / m
+            def without(x):
+                y, ins, outs = stage_F(A, c, x)
+                return y, ins, outs, jnp.zeros_like(y), vary(jnp.zeros(()))
+            y, ins, outs, logits, loss = lax.cond(last, with_head, without, x)""")
+    with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", head_cond):   # a cond runs one branch: 3 products
+        assert ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
 
 
 def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails_on_1f1b(spmd_lesson):

@@ -10,6 +10,7 @@ after the last W).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import time
@@ -250,7 +251,10 @@ class SpmdLab:
         program, out, refused = _traced_run(step, (As, cs, H, Xm, Ym), 4, (tick_tables, lockstep_ticks))
         if program is None:
             return refused
-        loss, dA, dc, dH = (np.asarray(a) for a in out)
+        try:
+            loss, dA, dc, dH = (np.asarray(a, dtype=np.float64) for a in out)
+        except (TypeError, ValueError) as e:   # a ragged list, a dict: no arrays of numbers
+            return {"error": f"the step returned something other than arrays of numbers ({e})"}
         dAs, dcs = _per_stage(grads)
         report = gradient_report(list(zip(dA, dc)), list(zip(dAs, dcs))) if dA.shape == dAs.shape else \
             {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
@@ -380,26 +384,49 @@ def _runs(eqn: Any) -> int:
 
 def runs_schedule(program: Any, name: str, p: int, m: int) -> bool | None:
     """Whether the traced ``program`` (a closed jaxpr) carries ``name``'s kind table (:func:`~zbpp_lite.
-    runtime.spmd.tick_tables`, (p, ticks) or its transpose): True, it does; False, it carries a
-    (p, ticks)-like integer table of kind codes (0..4) but not that one, the ticks of another order; None,
-    no such table is among its constants (built in another form: not told)."""
+    runtime.spmd.tick_tables`): True, it does; False, it carries another table of kind codes, the ticks of
+    another order; None, no such table is among its constants (built inside the program: not told). A
+    table of kind codes is any (p, ticks) slice of a constant, in any axis order, stacked or not, ints or
+    floats: whole numbers 0..4, an F and a B among them, more ticks than ranks."""
     from ..runtime.spmd import tick_tables
     want = np.asarray(tick_tables(build_schedule(name, p, m)).kind)
-    tables = [t for t in map(np.asarray, program.consts)
-              if t.ndim == 2 and np.issubdtype(t.dtype, np.integer) and p in t.shape]
-    kinds = [t if t.shape[0] == p else t.T for t in tables if t.size and 0 <= t.min() and t.max() <= 4]
+    kinds = [t for c in program.consts for t in _kind_tables(np.asarray(c), p)]
     if any(t.shape == want.shape and (t == want).all() for t in kinds):
         return True
     return False if kinds else None
+
+
+def _kind_tables(array: np.ndarray, p: int) -> list[np.ndarray]:
+    """Every (p, ticks) slice of ``array`` (an axis of length p, another of more than p, the rest fixed)
+    that reads as kind codes: whole numbers 0..4 with an F (1) and a B or BW (2 or 4) among them."""
+    if array.ndim < 2 or not np.issubdtype(array.dtype, np.number) or array.dtype == bool:
+        return []
+    found = []
+    for a in (k for k in range(array.ndim) if array.shape[k] == p):
+        for b in (k for k in range(array.ndim) if k != a and array.shape[k] > p):
+            moved = np.moveaxis(array, (a, b), (0, 1)).reshape(p, array.shape[b], -1)
+            for k in range(moved.shape[2]):
+                t = moved[:, :, k]
+                codes = set(np.unique(t).tolist())
+                if codes <= {0, 1, 2, 3, 4} and 1 in codes and codes & {2, 4}:
+                    found.append(t.astype(np.int64))
+    return found
 
 
 def _products(jaxpr: Any, skip: Callable[[Any], bool] = lambda eqn: False,
               which: Callable[[Any], bool] = lambda eqn: True) -> int:
     """The matrix products (``dot_general``, those ``which`` accepts) ``jaxpr`` runs, the jaxprs it calls
     counted in (a ``scan``'s body once per iteration: layers stacked under a scan count as many products as
-    there are layers), but none inside an equation ``skip`` names."""
-    return sum(0 if skip(e) else (e.primitive.name == "dot_general" and which(e))
-               + _runs(e) * sum(_products(j, skip, which) for j in inner_jaxprs(e)) for e in jaxpr.eqns)
+    there are layers; a ``cond``'s costliest branch, the most one run can take), but none inside an
+    equation ``skip`` names."""
+    total = 0
+    for e in jaxpr.eqns:
+        if skip(e):
+            continue
+        inner = [_products(j, skip, which) for j in inner_jaxprs(e)]
+        total += (e.primitive.name == "dot_general" and which(e)) + _runs(e) * (
+            max(inner, default=0) if e.primitive.name == "cond" else sum(inner))
+    return total
 
 
 def _contracted(eqn: Any) -> int:
@@ -524,27 +551,57 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
 def gradient_report(mine: list, ref: list) -> dict:
     """How far a pipeline's gradients are from the reference, per stage: ``mine`` and ``ref`` hold one pytree
     of arrays per stage (None in ``mine``: a stage missing). Returns ``{"grad_error": the largest,
-    "stage_errors": per stage max |mine - ref| / max |ref| (inf: missing or another shape), "scale": the
-    least-squares factor c of mine = c ref over every array (nan: a stage missing)}``, as
-    :func:`zbpp_lite.course.lesson8.gradient_problem` reads it."""
-    errors, dot, norm = [], 0.0, 0.0
+    "stage_errors": per stage max |mine - ref| / max |ref| (inf: missing, another shape or a NaN), "scale":
+    the least-squares factor c of mine = c ref over every array (nan: a stage missing), "not_finite": the
+    stages whose gradients hold a NaN or an infinity}``, as :func:`zbpp_lite.course.lesson8.gradient_problem`
+    reads it."""
+    errors, dot, norm, not_finite = [], 0.0, 0.0, []
     for got, want in zip(mine, ref):
-        a = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(got)] if got is not None else []
         b = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(want)]
+        try:
+            a = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(got)] if got is not None else []
+        except (TypeError, ValueError):   # not arrays of numbers (a ragged list, a string)
+            a = []
         if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
             errors.append(float("inf"))
             dot = float("nan")
             continue
-        errors.append(max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) for x, y in zip(a, b)))
+        offs = [float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) if y.size else 0.0
+                for x, y in zip(a, b)]
+        errors.append(max(offs, default=0.0) if np.isfinite(offs).all() else float("inf"))   # a NaN: far off
+        if not all(np.isfinite(x).all() for x in a):
+            not_finite.append(len(errors) - 1)
         dot += sum(float(np.sum(x * y)) for x, y in zip(a, b))
         norm += sum(float(np.sum(y * y)) for y in b)
-    return {"grad_error": max(errors), "stage_errors": errors, "scale": dot / max(norm, 1e-30)}
+    return {"grad_error": max(errors), "stage_errors": errors, "scale": dot / max(norm, 1e-30),
+            "not_finite": not_finite}
+
+
+def _traced_products(fn: Callable, tree: Any) -> int | None:
+    """The matrix products ``fn(tree)`` runs as traced (:func:`_products`), the arrays of ``tree`` its
+    inputs: work whose result is dropped still counts, as it does not in XLA's flops; None when it cannot be
+    traced."""
+    on, arrays = _on_arrays(fn, tree)
+    try:
+        return _products(jax.make_jaxpr(on)(*arrays).jaxpr)
+    except Exception:  # noqa: BLE001  (the learner's B; its flops check says why it cannot run)
+        return None
 
 
 def _flops_on_arrays(fn: Callable, tree: Any) -> tuple[float | None, str | None]:
     """``(XLA's flops of fn(tree), None)``, the arrays of ``tree`` the compiled program's arguments and
     anything else in it (a stage index, a Python number) fixed; or ``(None, why)`` when ``jax.jit`` cannot
     compile it."""
+    on, arrays = _on_arrays(fn, tree)
+    try:
+        return compiled_flops(on, *arrays), None
+    except Exception as e:  # noqa: BLE001  (the learner's function failing goes to the check)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _on_arrays(fn: Callable, tree: Any) -> tuple[Callable, list]:
+    """``fn`` of ``tree`` as a function of the arrays in it, and those arrays: what is traced or compiled
+    takes them as arguments (not constants XLA could fold) and keeps the rest of ``tree`` fixed."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     where = [i for i, a in enumerate(leaves) if isinstance(a, (jax.Array, np.ndarray))]
 
@@ -553,10 +610,7 @@ def _flops_on_arrays(fn: Callable, tree: Any) -> tuple[float | None, str | None]
         for i, a in zip(where, arrays):
             given[i] = a
         return fn(jax.tree_util.tree_unflatten(treedef, given))
-    try:
-        return compiled_flops(on, *(leaves[i] for i in where)), None
-    except Exception as e:  # noqa: BLE001  (the learner's function failing goes to the check)
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return on, [leaves[i] for i in where]
 
 
 def nbytes(tree: Any, leave_out: Any = ()) -> int:
@@ -579,6 +633,24 @@ def _swapped(scope: dict, names: dict):
     finally:
         scope.update(plain)
 
+
+
+@contextlib.contextmanager
+def _swapped_defaults(fn: Any, by_object: dict):
+    """Within the block, each default argument of ``fn`` that is a key of ``by_object`` (a learner's ``W``
+    given as ``W=W``) is its value; put back after, also on an error."""
+    plain = (getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__", None))
+    if plain[0]:
+        fn.__defaults__ = tuple(by_object.get(v, v) if callable(v) else v for v in plain[0])
+    if plain[1]:
+        fn.__kwdefaults__ = {k: by_object.get(v, v) if callable(v) else v for k, v in plain[1].items()}
+    try:
+        yield
+    finally:
+        if plain[0]:
+            fn.__defaults__ = plain[0]
+        if plain[1]:
+            fn.__kwdefaults__ = plain[1]
 
 
 def on_threads(num_ranks: int, work: Callable[[int, list], Any]) -> list:
@@ -664,17 +736,26 @@ class Lab:
 
     def _run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline, list | None, dict]:
         """:meth:`run`'s two results; (rank, seconds since the start) of each call of the learner's ``W``
-        (the global ``W`` ``rank_loop`` reads, counted during the run; None: it reads none); and what moved,
-        ``{"sent": {("F" or "B", stage, microbatch): value put in any inbox under that key}, "returned":
-        [the stages each rank's loop returned gradients for]}``."""
+        (the ``W`` ``rank_loop`` reads, as a global or a default argument, counted during the run; None: it
+        reads none); and what moved, ``{"sent": {("F" or "B", stage, microbatch): value put in any inbox
+        under that key}, "returned": [the stages each rank's loop returned gradients for], "calls": {"F",
+        "B", "W": how many times each ran (None: not read)}, "w_sums": per stage, max |returned - the sum
+        of its W calls' results| / max |that sum| (inf: none, or another form)}``."""
         events: list[Event] = []
-        scope = getattr(rank_loop, "__globals__", {})
-        plain, calls, rank_of, sent = scope.get("W"), [], {}, {}
+        loop = rank_loop
+        while isinstance(loop, functools.partial):   # the function itself, where its names are read
+            loop = loop.func
+        scope = getattr(loop, "__globals__", {})
+        calls: dict = {"F": [], "B": [], "W": []}
+        rank_of, sent = {}, {}
         t0 = time.perf_counter()
 
-        def counted(*args, **kwargs):
-            calls.append((rank_of.get(threading.get_ident(), -1), time.perf_counter() - t0))
-            return plain(*args, **kwargs)
+        def counted(name, plain):
+            def call(*args, **kwargs):
+                out = plain(*args, **kwargs)
+                calls[name].append((rank_of.get(threading.get_ident(), -1), time.perf_counter() - t0, out))
+                return out
+            return call
 
         class Watched:   # an inbox whose puts under lesson 8's keys are kept for the check
             def __init__(self, inbox: Inbox):
@@ -689,14 +770,32 @@ class Lab:
             rank_of[threading.get_ident()] = rank
             return rank_loop(rank, schedule.actions[rank], [Watched(i) for i in inboxes], events, t0)
 
-        swap = {"W": counted} if callable(plain) else {}
-        with _swapped(scope, swap):
+        swap = {k: counted(k, scope[k]) for k in calls if callable(scope.get(k))}
+        by_object = {scope[k]: f for k, f in swap.items()}   # (read before the swap)
+        with _swapped(scope, swap), _swapped_defaults(loop, by_object):
             out = self.threads(schedule.num_ranks, work)
         grads = {s: g for part in out if part for s, g in part.items()}
         timeline = Timeline.from_events(events, schedule.num_ranks, num_stages=self.S, source="measured")
         returned = [sorted(part) if isinstance(part, dict) else [] for part in out]
-        return ([grads.get(s) for s in range(self.S)], timeline, calls if swap else None,
-                {"sent": sent, "returned": returned})
+        w_calls = [(r, t) for r, t, _ in calls["W"]] if "W" in swap else None
+        return ([grads.get(s) for s in range(self.S)], timeline, w_calls,
+                {"sent": sent, "returned": returned,
+                 "calls": {k: len(v) if k in swap else None for k, v in calls.items()},
+                 "w_sums": self._w_sums(timeline, calls["W"], grads) if "W" in swap else None})
+
+    def _w_sums(self, timeline: Timeline, w_calls: list, grads: dict) -> list[float]:
+        """Per stage, how far the gradients a run returned are from the sum of the results of the W calls
+        made inside that stage's W and BW actions (max |returned - sum| / max |sum|; inf: none)."""
+        windows = [(e.rank, e.start, e.end, e.action.stage) for e in timeline.events
+                   if e.action.kind in ("W", "BW")]
+        sums: dict = {}
+        for rank, t, result in w_calls:
+            stages = {s for r, a, b, s in windows if r == rank and a <= t <= b}
+            if len(stages) == 1:
+                s = stages.pop()
+                sums[s] = result if s not in sums else jax.tree_util.tree_map(jnp.add, sums[s], result)
+        return gradient_report([grads.get(s) for s in range(self.S)],
+                               [sums.get(s, []) for s in range(self.S)])["stage_errors"]
 
     def boundaries(self) -> dict:
         """What crosses each stage boundary in a right pipeline, by lesson 8's inbox keys: ``("F", s, j)``,
@@ -720,23 +819,32 @@ class Lab:
     def moved(self, placement: list, traffic: dict) -> dict:
         """What a run's ``traffic`` (:meth:`_run`'s) got wrong against :meth:`boundaries`, on ``placement``:
         ``{"stray": [(rank, stage) returned by a rank not holding it], "missing": [keys never sent that
-        cross ranks], "wrong": [(key, relative difference) of values sent that differ]}``."""
+        cross ranks], "wrong": [(key, relative difference) of values sent that differ], "scale": c where
+        every value that differs is c times the right one (a backward started from 1, not 1/m), else
+        None}``."""
         want, sent = self.boundaries(), traffic["sent"]
         stray = [(r, s) for r, stages in enumerate(traffic["returned"]) for s in stages
                  if not isinstance(s, (int, np.integer)) or not 0 <= s < self.S or placement[s] != r]
         missing = [k for k in want if k not in sent
                    and placement[k[1]] != placement[k[1] + (1 if k[0] == "F" else -1)]]
-        wrong = []
+        wrong, scales = [], set()
         for key, value in sent.items():
             ref = want.get(key)
-            got = np.asarray(value, dtype=np.float64) if ref is not None else None
-            if ref is None or got.shape != ref.shape:
+            try:
+                got = np.asarray(value, dtype=np.float64) if ref is not None else None
+            except (TypeError, ValueError):
+                got = None
+            if got is None or got.shape != ref.shape:
                 wrong.append((key, float("inf")))
                 continue
             off = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
             if not off <= BUILD_TOLERANCE:
-                wrong.append((key, off))
-        return {"stray": stray, "missing": missing, "wrong": wrong}
+                wrong.append((key, off if np.isfinite(off) else float("inf")))
+                c = float(np.sum(got * ref) / max(np.sum(ref * ref), 1e-300))   # got = c ref, but for c?
+                fits = np.max(np.abs(got - c * ref)) <= BUILD_TOLERANCE * abs(c) * np.max(np.abs(ref))
+                scales.add(round(c, 3) if fits and np.isfinite(c) else None)
+        scale = scales.pop() if len(scales) == 1 and None not in scales else None
+        return {"stray": stray, "missing": missing, "wrong": wrong, "scale": scale}
 
     def run_compiled(self, rank_loop: Callable, names: tuple = ("1f1b", "zb-h1")) -> dict:
         """``rank_loop`` with the lesson's ``F``, ``B``, ``W`` (names it reads from its module's globals)
@@ -763,11 +871,13 @@ class Lab:
                       "from its own mean action times")
         return runs
 
-    def _reference_b_flops(self, s, x, dy, target) -> float:
-        """XLA's flops of the pullback with respect to x and the probes only (the B exercise 8.1 asks for)."""
+    def _reference_b(self, s, x, dy, target) -> tuple[float, int | None]:
+        """XLA's flops and the traced matrix products of the pullback with respect to x and the probes only
+        (the B exercise 8.1 asks for)."""
         f = lambda x, e: self._apply(self.stage_params[s], x, e, target)  # noqa: E731
         _, pb, _ = jax.vjp(f, x, self.zero_probes(s, x), has_aux=True)
-        return _flops_on_arrays(lambda t: t[0](t[1]), (pb, dy))[0]
+        call = lambda t: t[0](t[1])  # noqa: E731
+        return _flops_on_arrays(call, (pb, dy))[0], _traced_products(call, (pb, dy))
 
     def try_stage(self, F: Callable, B: Callable, W: Callable) -> dict:
         """Exercise 8.1's result: the learner's F, B, W on one microbatch of stage 1 and of the last stage,
@@ -788,7 +898,8 @@ class Lab:
                 dx, for_w = _need(B(saved, dy), "B")
                 grads = _need(W(for_w), "W")
                 recomputed = self.calls["layers"] != before
-                ref_b = self._reference_b_flops(s, x, dy, target)
+                ref_b, ref_b_products = self._reference_b(s, x, dy, target)
+                b_products = _traced_products(lambda t: B(*t), (saved, dy))   # before XLA drops unused work
                 # what F kept is B's arguments, not constants XLA could fold (a forward run again in B
                 # would fold away); a B jax.jit cannot compile: its flops are not counted, the check says so
                 b, b_error = _flops_on_arrays(lambda t: B(*t), (saved, dy))
@@ -800,7 +911,8 @@ class Lab:
                                   for_w_bytes=nbytes(for_w), w_needs_bytes=w_needs,
                                   ref_dx=np.asarray(ref_dx), b_flops=b, ref_b_flops=ref_b, b_error=b_error,
                                   grads=leaves(grads), ref_grads=leaves(ref_dparams), recomputed=recomputed,
-                                  w_flops=w_flops, w_products_flops=w_products, w_error=w_error))
+                                  w_flops=w_flops, w_products_flops=w_products, w_error=w_error,
+                                  b_products=b_products, ref_b_products=ref_b_products))
         except Exception as e:  # noqa: BLE001  (the learner's error goes to the check)
             return {"error": f"{type(e).__name__}: {e}", "cases": cases}
         return {"error": None, "cases": cases}
@@ -808,13 +920,14 @@ class Lab:
     def try_pipeline(self, rank_loop: Callable) -> dict:
         """Exercise 8.3's result: the learner's loop on :data:`PIPELINE_RUNS`, the stages placed as each
         schedule says (put back after): ``{"error", "runs": {name: {"timeline", "w_calls" (:meth:`_run`),
-        "moved" (:meth:`moved`), and :func:`gradient_report`'s "grad_error", "stage_errors", "scale"}}}``."""
+        "moved" (:meth:`moved`), "calls" and "w_sums" (:meth:`_run`'s), and :func:`gradient_report`'s
+        "grad_error", "stage_errors", "scale"}}}``."""
         def one(name):
             schedule = build_schedule(name, dict(PIPELINE_RUNS)[name], self.m)
             self._place(list(schedule.placement))
             grads, timeline, w_calls, traffic = self._run(schedule, rank_loop)
             return {"timeline": timeline, "w_calls": w_calls, "moved": self.moved(self.placement, traffic),
-                    **self.report(grads)}
+                    "calls": traffic["calls"], "w_sums": traffic["w_sums"], **self.report(grads)}
 
         try:
             return try_runs(one, [name for name, _ in PIPELINE_RUNS])

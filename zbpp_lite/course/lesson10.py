@@ -18,7 +18,7 @@ from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import timeline_figure
 from .checks import Verdict, _called, _function_check, _function_missing, _with_fresh, course_cache
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE
-from .lesson9 import _pipeline_problem, _rows, _step_problem, _tick_run
+from .lesson9 import _number, _pipeline_problem, _rows, _step_problem, _tick_run
 
 V_MESSAGES = ("zb-v", 4, 8)
 """Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches)."""
@@ -190,9 +190,10 @@ def own_step(result: Any) -> Verdict:
     shape = _pipeline_problem("10.4", result, 3, hint, w_more=2)   # a block's two matrices and the head
     if shape is not None:
         return shape
-    loss, ref = np.asarray(result["loss"], dtype=np.float64), float(result["loss_ref"])
-    if loss.shape != () or abs(loss - ref) > BUILD_TOLERANCE * abs(ref):
-        return Verdict("10.4", False, f"the loss is {loss}, the whole model's {ref:.6g}.",
+    loss, ref = _number(result["loss"]), float(result["loss_ref"])
+    if loss.shape != () or not abs(loss - ref) <= BUILD_TOLERANCE * abs(ref):   # (a NaN, or None, is off)
+        shown = f"{float(loss):.6g}" if loss.shape == () else f"{result['loss']!r:.60}"
+        return Verdict("10.4", False, f"the loss is {shown}, the whole model's {ref:.6g}.",
                        "each microbatch adds its mean cross-entropy over m, once, on the last rank; a psum "
                        "makes it one number (out_specs P()).")
     wrong = {k: e for k, e in result["errors"].items() if not e <= BUILD_TOLERANCE}

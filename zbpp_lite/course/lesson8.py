@@ -24,7 +24,7 @@ learner's arrays and JAX's: float32 sums in another order differ by about 1e-6 o
 
 
 def _rel_diff(mine: Any, ref: Any) -> float:
-    """max |mine - ref| / max |ref| for two arrays of one shape (inf for other shapes)."""
+    """max |mine - ref| / max |ref| for two arrays of one shape (inf for other shapes, or a NaN)."""
 
     try:
         a, b = np.asarray(mine, dtype=np.float64), np.asarray(ref, dtype=np.float64)
@@ -33,7 +33,8 @@ def _rel_diff(mine: Any, ref: Any) -> float:
     if a.shape != b.shape:
         return math.inf
     scale = float(np.max(np.abs(b))) if b.size else 0.0
-    return float(np.max(np.abs(a - b))) / max(scale, 1e-30) if a.size else 0.0
+    off = float(np.max(np.abs(a - b))) / max(scale, 1e-30) if a.size else 0.0
+    return off if math.isfinite(off) else math.inf   # a NaN anywhere is as far off as can be
 
 
 def _weight_hint(mine: Sequence, ref: Sequence) -> str:
@@ -61,7 +62,7 @@ def _run_problem(key: str, result: Any, field: str, call: str, fill: str, who: s
     ``who``), or None when ``result[field]`` is there."""
     if _unanswered(result):
         return Verdict(key, False, f"no answer yet: fill in {fill}.", hint)
-    if not isinstance(result, dict) or field not in result:
+    if not isinstance(result, dict) or not isinstance(result.get(field), (dict, list)):
         return Verdict(key, False, f"expected {call}'s result, got {type(result).__name__}.", hint)
     if result.get("error"):
         return Verdict(key, False, f"{who} raised {result['error']}", hint)
@@ -79,7 +80,9 @@ def stage_split(result: Any) -> Verdict:
     ``for_w_bytes``/``w_needs_bytes`` (the distinct arrays' bytes B hands to W, and those of each layer's
     input and dz: more fails, since exercise 8.2 counts what W needs), ``w_flops``/``w_products_flops``
     (XLA's flops of W, and of each layer's ``x.T @ dz``: W doing more than 1.5 times those runs the layers
-    again) and ``w_error`` (why jax.jit could not compile W, else None).
+    again), ``w_error`` (why jax.jit could not compile W, else None) and ``b_products``/``ref_b_products``
+    (the matrix products B and the input-gradient pullback run as traced: work whose result B drops,
+    which XLA's flops leave out, counts).
     """
     hint = ("F: a jax.vjp with respect to which arguments gives B the input gradient and every layer's dz, "
             "and no weight gradient? What must F keep for B, and what for W? W: which two arrays per "
@@ -111,6 +114,12 @@ def stage_split(result: Any) -> Verdict:
             if extra > 1.5:
                 return Verdict("8.1", False, f"on stage {s}, {part} did {extra:.1f}x the flops of {what}: "
                                f"{why}.", fix)
+        b, ref_b = case.get("b_products"), case.get("ref_b_products")
+        if b is not None and ref_b is not None and b > ref_b:
+            return Verdict("8.1", False, f"on stage {s}, B runs {b} matrix products where the input gradient "
+                           f"takes {ref_b}: it computes the weight gradients too (even unused), or runs the "
+                           "layers again.", "take jax.vjp with respect to x and the probes only; dA and dc "
+                           "are W's work.")
         held, needed = case.get("for_w_bytes", 0), case.get("w_needs_bytes", 0)
         if held > needed:
             return Verdict("8.1", False, f"on stage {s}, B hands W {held:,} bytes; W needs each layer's "
@@ -224,6 +233,10 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwis
     errors = list(run.get("stage_errors") or [])
     scale, m = float(run.get("scale", float("nan"))), microbatches
     say = lambda what, hint: Verdict(key, False, f"{name}: {what}", hint)  # noqa: E731
+    if run.get("not_finite"):
+        return say(f"stage(s) {run['not_finite']} have gradients that are not numbers (NaN or infinity).",
+                   "a NaN comes from 0/0, 0 * inf or an array read before it was written: find the first "
+                   "action whose output holds one.")
     missing = [s for s, e in enumerate(errors) if e == float("inf")]
     if missing:
         return say(f"no gradients (or the wrong shapes) for stage(s) {missing}.",
@@ -248,11 +261,13 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwis
 def pipeline_run(result: Any) -> Verdict:
     """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
     :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
-    "w_calls", "grad_error", "stage_errors", "scale"}}}``. Right when every rank ran its actions in order, one
-    event each, each after its inputs ended, each W and BW event held one call of the learner's W
-    (:func:`_w_problem`), the gradients equal ``jax.grad``'s within :data:`BUILD_TOLERANCE`
-    (:func:`gradient_problem` names a wrong gradient's likely cause), and each rank returned only its own
-    stages while what crossed the ranks was each stage boundary's value (:func:`_moved_problem`)."""
+    "w_calls", "moved", "calls", "w_sums", "grad_error", "stage_errors", "scale"}}}``. Right when every rank
+    ran its actions in order, one event each, each after its inputs ended, each W and BW event held one call
+    of the learner's W (:func:`_w_problem`), the gradients equal ``jax.grad``'s within
+    :data:`BUILD_TOLERANCE` (:func:`gradient_problem` names a wrong gradient's likely cause), F and B ran once
+    per action (:func:`_calls_problem`: nothing run again), each rank returned only its own stages while
+    what crossed the ranks was each stage boundary's value (:func:`_moved_problem`), and each stage's
+    gradients are its W calls' results summed (:func:`_sums_problem`)."""
     hint = ("follow one microbatch through the figure: what must each of F, B, W and BW have before it "
             "starts, which rank holds the stage that needs its result, and when is that result ready?")
     if isinstance(result, dict) and result.get("error"):   # a wait that never ends, a send to no rank
@@ -275,7 +290,8 @@ def pipeline_run(result: Any) -> Verdict:
         problem = gradient_problem("8.3", name, run, c["microbatches"])
         if problem is not None:
             return problem
-        why = _moved_problem(run.get("moved"))
+        why = (_calls_problem(build_schedule(name, ranks, c["microbatches"]), run.get("calls"))
+               or _moved_problem(run.get("moved")) or _sums_problem(run.get("w_sums")))
         if why:
             return Verdict("8.3", False, f"{name}: {why}", "each rank runs only its own stages, on what it "
                            "receives, and sends each result to the rank holding the stage that needs it.")
@@ -288,6 +304,32 @@ def pipeline_run(result: Any) -> Verdict:
                    f"difference {worst:.1e}).")
 
 
+def _calls_problem(schedule: Any, calls: dict | None) -> str:
+    """What is wrong with how often a run called the learner's F and B (``calls``: counts, None where not
+    read), or "": each F action calls F once, each B and BW action B once (a B or W that runs F or B again
+    calls it again)."""
+    actions = [a.kind for row in schedule.actions for a in row]
+    want = {"F": actions.count("F"), "B": actions.count("B") + actions.count("BW")}
+    again = {"F": "B must start from what F kept", "B": "W must use what B handed it"}
+    for name, n in want.items():
+        got = (calls or {}).get(name)
+        if got is not None and got != n:
+            why = f" ({again[name]}, not run {name} again)" if got > n else ""
+            return (f"your {name} ran {got} times for {n} {name}{' and BW' if name == 'B' else ''} actions: "
+                    f"each runs it once{why}.")
+    return ""
+
+
+def _sums_problem(w_sums: list | None) -> str:
+    """What is wrong with the gradients a run returned (``w_sums``: per stage, how far from the sum of its W
+    calls' results; None: not recorded), or "": each stage's gradients are its W's results summed."""
+    off = next(((s, e) for s, e in enumerate(w_sums or []) if not e <= BUILD_TOLERANCE), None)
+    if off:
+        return (f"the gradients returned for stage {off[0]} are not the sum of what its W calls returned "
+                f"(relative difference {off[1]:.1e}): they were computed elsewhere.")
+    return ""
+
+
 def _moved_problem(moved: dict | None) -> str:
     """What is wrong with what a run sent and returned (``moved``:
     :meth:`zbpp_lite.course.bench.Lab.moved`'s; None: not recorded), or "": gradients that come out right
@@ -298,6 +340,11 @@ def _moved_problem(moved: dict | None) -> str:
     if moved["stray"]:
         r, stage = moved["stray"][0]
         return f"rank {r} returned gradients for stage {stage}, which it does not hold."
+    if moved["wrong"] and moved.get("scale") is not None:
+        first, n = moved["wrong"][0][0], len(moved["wrong"])
+        return (f"every value that differs from what crosses the stage boundary ({n}, the first {first}) is "
+                f"{moved['scale']:g} times it: what is sent must be the loss's own gradient, so start the "
+                "last stage's B from 1/m rather than rescale at the end.")
     if moved["wrong"]:
         (kind, stage, j), off = moved["wrong"][0]
         what = "output" if kind == "F" else "input gradient"

@@ -196,9 +196,10 @@ def lockstep_1f1b(fn: Any) -> Verdict:
     against the simulator's lockstep form at fixed points (m below, at and above p) and fresh ones, the
     package out of bounds. 4m + 3p - 4: of its 2(m + p - 1) ticks only the first p hold no BW. The tick
     count, every tick at 2 and the event-driven makespan are named."""
-    hint = ("a tick lasts as long as its slowest action: 2 wherever any rank runs a BW, 1 elsewhere. 1F1B "
-            "has 2(m + p - 1) ticks: which of them hold no BW? Find the tick of the first BW (on which "
-            "rank?), then ask whether a later tick can be free of BWs.")
+    hint = ("a tick lasts as long as its slowest action: 2 wherever any rank runs a BW, 1 elsewhere. Count "
+            "the ticks first (how many actions has a rank, and how late does the last rank start?), then "
+            "find the tick of the first BW (on which rank?) and ask whether a later tick can be free of "
+            "BWs.")
     fixed = [(4, 8), (2, 1), (3, 2), (5, 5), (6, 13), (2, 9)]
     points = _with_fresh(fixed, lambda rng: (rng.randint(2, 8), rng.randint(1, 16)), TICK_FRESH)
     known = [(lambda p, m: 2 * (m + p - 1), "that is the number of ticks: each lasted 1 when every action "
@@ -250,7 +251,7 @@ def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> V
     with its runs; else None."""
     if _unanswered(result):
         return Verdict(key, False, f"no answer yet: write {name}.", hint)
-    if not isinstance(result, dict) or "runs" not in result:
+    if not isinstance(result, dict) or not isinstance(result.get("runs"), dict):
         return Verdict(key, False, f"expected {call}'s result, got {type(result).__name__}.", hint)
     return None
 
@@ -331,12 +332,20 @@ def _step_problem(key: str, result: Any, name: str, call: str, outputs: str, hin
     return None
 
 
+def _number(value: Any) -> np.ndarray:
+    """``value`` as a float64 array, or an array of shape (0,) where it is no number or array of numbers."""
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        return np.zeros((0,))
+
+
 def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int = 0) -> Verdict | None:
     """The refusal of a whole step that computes right but is no pipeline, or runs work twice
     (:func:`~zbpp_lite.course.bench.branch_products`, :func:`~zbpp_lite.course.bench.loose_products`): no
     tick's ``lax.switch`` over the kinds; more than 2 matrix products outside the switches (the model's work
     beside the schedule's actions; a head's or an embedding's gradient summed once after the loop may be);
-    a tick table among its constants that is not ZB-H1's (``result["order"]`` False);
+    a tick table among its constants that is not ZB-H1's, or none (``result["order"]`` False or None);
     an idle branch running any; an F branch running more than ``most`` (one stage's, the head's included);
     a B running more than F, a W more than F + ``w_more`` (a gradient F applies without a product, such as
     a scale's or an embedding's, may be one) or any product summing over other than the microbatch's
@@ -374,6 +383,11 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
                        "over the microbatch's samples: a weight's gradient sums over the samples (x.T @ dz), "
                        "so W runs F's or B's products again.",
                        "keep what each weight multiplies in F, and its gradient from B, for W.")
+    if "order" in result and result["order"] is None:
+        return Verdict(key, False, "no tick table (kinds by rank and tick: whole numbers 0 to 4) is among "
+                       "the program's constants, so the check cannot tell which order it runs.",
+                       "build the tables with NumPy from your ticks_of (exercise 9.1): the program then "
+                       "closes over them.")
     return None
 
 
@@ -402,13 +416,14 @@ def spmd_step(result: Any) -> Verdict:
     shape = _pipeline_problem("9.4", result, 3, hint)    # a stage's two layers and the head
     if shape is not None:
         return shape
-    loss, ref = np.asarray(result["loss"], dtype=np.float64), float(result["loss_ref"])
+    loss, ref = _number(result["loss"]), float(result["loss_ref"])
     if loss.shape != ():
-        return Verdict("9.4", False, f"the loss has shape {loss.shape}, not one number for the step.",
+        what = f"has shape {loss.shape}" if loss.size else f"is {result['loss']!r:.60}"
+        return Verdict("9.4", False, f"the loss {what}, not one number for the step.",
                        "sum it over the ranks with lax.psum, which makes it the same on every rank, and "
                        "return it with out_specs P().")
     m = BUILD_CASE["microbatches"]
-    if abs(loss - ref) > BUILD_TOLERANCE * abs(ref):
+    if not abs(loss - ref) <= BUILD_TOLERANCE * abs(ref):   # (a NaN, or None, is off too)
         said = (f" ({m} times it)" if abs(loss - m * ref) <= BUILD_TOLERANCE * m * abs(ref) else
                 f" (1/{m} of it)" if abs(m * loss - ref) <= BUILD_TOLERANCE * abs(ref) else "")
         return Verdict("9.4", False, f"the loss is {float(loss):.6g}, the whole model's {ref:.6g}{said}.",
