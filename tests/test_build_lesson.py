@@ -20,6 +20,7 @@ import os
 import threading
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import jupytext
 import numpy as np
@@ -155,7 +156,7 @@ def test_a_loop_whose_gradients_come_from_elsewhere_fails_on_what_it_sent(lesson
     W or BW, but sends tokens, not activations, and the gradients are the whole model's jax.grad. With rank
     0 returning every stage's it is refused for the stages it does not hold; with each rank returning its
     own, for what it sent (Lab.moved checks each value crossing the ranks against the stage boundaries');
-    sending the true boundary values (round 35), for gradients that are not the sum of its W calls'."""
+    sending the true boundary values (round 35), for W calls that compute no microbatch's gradient."""
     import time
     import types
 
@@ -198,7 +199,7 @@ def test_a_loop_whose_gradients_come_from_elsewhere_fails_on_what_it_sent(lesson
 
     for all_on_0, true, word in ((True, False, "rank 0 returned gradients for stage 1"),
                                  (False, False, "the value sent under ('F', 0, 0) is not stage 0's output"),
-                                 (False, True, "not the sum of what its W calls returned")):   # round 35
+                                 (False, True, "did not return that microbatch's weight gradient")):
         result = lab.try_pipeline(elsewhere(all_on_0, true))
         assert all(run["grad_error"] <= ex.BUILD_TOLERANCE for run in result["runs"].values())
         verdict = ex.pipeline_run(result)
@@ -254,6 +255,61 @@ def B_all(saved, dy):
                                            "def rank_loop(rank, actions, inboxes, events, t0, W=W):")
     with _replaced(lesson, LESSON, "rank_loop", with_default):
         assert ex.pipeline_run(lab.try_pipeline(ns["rank_loop"]))
+
+
+def test_round_36s_right_loops_pass_and_its_wrong_ones_fail(lesson):
+    """Round 36, exercise 8.3: right loops in other styles pass (adding later W results into the list the
+    first W returned: the check keeps a copy of each; a loop a factory made, reading W from its closure;
+    keys naming the receiving stage). A loop keeping each stage's pending W work last in, first out (each
+    W computes another microbatch's gradient, the sums alike) is refused, and so is one whose F, B and W
+    fail exercise 8.1 (B taking the weight gradients, W passing them on); a loop returning a list gets a
+    verdict."""
+    lab, ns = lesson["lab"], lesson
+    _, solutions = _sections(jupytext.read(LESSON))
+    loop = next(c for c in solutions if "def rank_loop" in c)
+    acc = "            grads[s] = g if s not in grads else jax.tree.map(jnp.add, grads[s], g)\n"
+    in_place = loop.replace(acc, (
+        "            if s not in grads:\n"
+        "                grads[s] = g\n"
+        "            else:\n"
+        "                for k, (dA, dc) in enumerate(g):\n"
+        "                    A0, c0 = grads[s][k]\n"
+        "                    grads[s][k] = (A0 + dA, c0 + dc)\n"))
+    factory = ("def make_loop(F, B, W):\n" + "\n".join("    " + line for line in loop.splitlines())
+               + "\n    return rank_loop\nrank_loop = make_loop(F, B, W)\n")
+    by_receiver = loop.replace('take(("F", s - 1, j))', 'take(("F", s, j))').replace(
+        'put(("F", s, j)', 'put(("F", s + 1, j)').replace('take(("B", s + 1, j))', 'take(("B", s, j))').replace(
+        'put(("B", s, j)', 'put(("B", s - 1, j)')
+    lifo = loop.replace("out, for_w[s, j] = B(saved.pop((s, j)), dy)",
+                        "out, fw = B(saved.pop((s, j)), dy); for_w.setdefault(s, []).append(fw)").replace(
+        "g = W(for_w.pop((s, j)))", "g = W(for_w[s].pop())")
+    as_list = loop.replace("    return grads\n", "    return list(grads.items())\n")
+    assert len({in_place, factory, by_receiver, lifo, as_list, loop}) == 6
+    wrong_split = (
+        "def F(s, x, target=None):\n"
+        "    f = lambda layers, x, probes: stage_apply(layers, x, probes, target)\n"
+        "    y, pullback, _ = jax.vjp(f, stage_params[s], x, zero_probes(s, x), has_aux=True)\n"
+        "    return y, pullback\n"
+        "def B(saved, dy):\n"
+        "    dlayers, dx, _ = saved(dy)\n"
+        "    return dx, dlayers\n"
+        "def W(for_w):\n"
+        "    return [tuple(pair) for pair in for_w]\n")
+    plain = {k: ns[k] for k in ("F", "B", "W")}
+    try:
+        for source, word in ((in_place, None), (factory, None), (by_receiver, None),
+                             (lifo, "did not return that microbatch's weight gradient"),
+                             (as_list, "no gradients")):
+            exec(compile(source, "round36", "exec"), ns)
+            verdict = ex.pipeline_run(lab.try_pipeline(ns["rank_loop"]))
+            assert bool(verdict) is (word is None) and (word is None or word in verdict.message), str(verdict)
+        exec(compile(loop + wrong_split, "round36", "exec"), ns)
+        verdict = ex.pipeline_run(lab.try_pipeline(ns["rank_loop"]))
+        assert not verdict and "do not pass exercise 8.1 yet" in verdict.message, str(verdict)
+    finally:
+        ns.update(plain)
+        exec(compile(loop, "round36", "exec"), ns)
+    assert ex.pipeline_run(lab.try_pipeline(ns["rank_loop"]))
 
 
 def test_a_loop_that_computes_w_during_b_fails(lesson):
@@ -787,6 +843,17 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
             y, ins, outs, logits, loss = lax.cond(last, with_head, without, x)""")
     with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", head_cond):   # a cond runs one branch: 3 products
         assert ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
+        assert ex.spmd_step(lab.try_step(jax.jit(spmd_lesson["spmd_step"])))   # round 36: tables in its jit
+    w_tick = ('            return {**st, "dA": st["dA"] + dA, "dc": st["dc"] + dc,\n'
+              '                    "dH": st["dH"] + jnp.where(last, y.T @ dlogits, 0.0)}, none, none, 3')
+    end = '        return lax.psum(st["loss"], "rank"), st["dA"][None], st["dc"][None], lax.psum(st["dH"], "rank")'
+    deferred = lambda src: src.replace(w_tick, "            return st, none, none, 3").replace(end, (  # noqa: E731
+        '        dA = jnp.einsum("mkrd,mkre->kde", st["ins"], st["dz"]); dc = st["dz"].sum((0, 2))\n'
+        '        dH = jnp.where(last, jnp.einsum("mrd,mre->de", st["outs"][:, 1], st["dlogits"]), 0.0)\n'
+        '        return lax.psum(st["loss"], "rank"), dA[None], dc[None], lax.psum(dH, "rank")'))
+    with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", deferred):   # round 36: every W after the scan
+        verdict = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
+    assert not verdict and "2 matrix products run outside the tick's switch" in verdict.message, str(verdict)
 
 
 def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails_on_1f1b(spmd_lesson):

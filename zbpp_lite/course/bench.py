@@ -390,10 +390,28 @@ def runs_schedule(program: Any, name: str, p: int, m: int) -> bool | None:
     floats: whole numbers 0..4, an F and a B among them, more ticks than ranks."""
     from ..runtime.spmd import tick_tables
     want = np.asarray(tick_tables(build_schedule(name, p, m)).kind)
-    kinds = [t for c in program.consts for t in _kind_tables(np.asarray(c), p)]
+    kinds = [t for c in _constants(program) for t in _kind_tables(np.asarray(c), p)]
     if any(t.shape == want.shape and (t == want).all() for t in kinds):
         return True
     return False if kinds else None
+
+
+def _constants(program: Any) -> list:
+    """The constants of a closed jaxpr and of every closed jaxpr inside it (a ``jax.jit`` the learner's step
+    applies keeps its constants in its own)."""
+    found = list(program.consts)
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            for value in eqn.params.values():
+                for v in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(v, "consts") and hasattr(v, "jaxpr"):
+                        found.extend(v.consts)
+                        walk(v.jaxpr)
+                    elif hasattr(v, "eqns"):
+                        walk(v)
+    walk(program.jaxpr)
+    return found
 
 
 def _kind_tables(array: np.ndarray, p: int) -> list[np.ndarray]:
@@ -635,22 +653,71 @@ def _swapped(scope: dict, names: dict):
 
 
 
+def _judge_sent(want: dict, sent: dict, placement: list, received: bool = False) -> dict:
+    """:meth:`Lab.moved`'s ``missing``, ``wrong`` and ``scale`` for ``sent`` against ``want``, each key
+    ``(kind, stage, microbatch)`` naming the stage that sends it (or, ``received``, the stage that gets
+    it): F's go to the next stage, B's to the one before."""
+    def crosses(k):
+        s, to = k[1], k[1] + (1 if k[0] == "F" else -1) * (-1 if received else 1)
+        return placement[s] != placement[to]
+    missing = [k for k in want if k not in sent and crosses(k)]
+    wrong, scales = [], set()
+    for key, value in sent.items():
+        ref = want.get(key)
+        try:
+            got = np.asarray(value, dtype=np.float64) if ref is not None else None
+        except (TypeError, ValueError):
+            got = None
+        if got is None or got.shape != ref.shape:
+            wrong.append((key, float("inf")))
+            continue
+        off = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+        if not off <= BUILD_TOLERANCE:
+            wrong.append((key, off if np.isfinite(off) else float("inf")))
+            c = float(np.sum(got * ref) / max(np.sum(ref * ref), 1e-300))   # got = c ref, but for c?
+            fits = np.max(np.abs(got - c * ref)) <= BUILD_TOLERANCE * abs(c) * np.max(np.abs(ref))
+            scales.add(round(c, 3) if fits and np.isfinite(c) else None)
+    scale = scales.pop() if len(scales) == 1 and None not in scales else None
+    return {"missing": missing, "wrong": wrong, "scale": scale}
+
+
 @contextlib.contextmanager
-def _swapped_defaults(fn: Any, by_object: dict):
-    """Within the block, each default argument of ``fn`` that is a key of ``by_object`` (a learner's ``W``
-    given as ``W=W``) is its value; put back after, also on an error."""
-    plain = (getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__", None))
+def _swapped_references(fn: Any, replace: dict):
+    """Within the block, every reference ``fn`` can reach to a key of ``replace`` (by identity) is its value:
+    the names of ``fn``'s module bound to it (``W``, or an alias such as ``weight = W``), ``fn``'s default
+    arguments (``W=W``) and the cells it closes over (a loop a factory made); all put back after, also on an
+    error."""
+    new = {id(old): value for old, value in replace.items()}
+    scope = getattr(fn, "__globals__", {})
+    names = {k: v for k, v in scope.items() if id(v) in new}
+    cells = [c for c in (getattr(fn, "__closure__", None) or ()) if id(_cell(c)) in new]
+    plain = (getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__", None),
+             [_cell(c) for c in cells])
+    scope.update({k: new[id(v)] for k, v in names.items()})
     if plain[0]:
-        fn.__defaults__ = tuple(by_object.get(v, v) if callable(v) else v for v in plain[0])
+        fn.__defaults__ = tuple(new.get(id(v), v) for v in plain[0])
     if plain[1]:
-        fn.__kwdefaults__ = {k: by_object.get(v, v) if callable(v) else v for k, v in plain[1].items()}
+        fn.__kwdefaults__ = {k: new.get(id(v), v) for k, v in plain[1].items()}
+    for c in cells:
+        c.cell_contents = new[id(c.cell_contents)]
     try:
         yield
     finally:
+        scope.update(names)
         if plain[0]:
             fn.__defaults__ = plain[0]
         if plain[1]:
             fn.__kwdefaults__ = plain[1]
+        for c, v in zip(cells, plain[2]):
+            c.cell_contents = v
+
+
+def _cell(cell: Any) -> Any:
+    """A closure cell's contents, or None while it is empty."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 def on_threads(num_ranks: int, work: Callable[[int, list], Any]) -> list:
@@ -736,11 +803,11 @@ class Lab:
 
     def _run(self, schedule, rank_loop: Callable) -> tuple[list, Timeline, list | None, dict]:
         """:meth:`run`'s two results; (rank, seconds since the start) of each call of the learner's ``W``
-        (the ``W`` ``rank_loop`` reads, as a global or a default argument, counted during the run; None: it
-        reads none); and what moved, ``{"sent": {("F" or "B", stage, microbatch): value put in any inbox
-        under that key}, "returned": [the stages each rank's loop returned gradients for], "calls": {"F",
-        "B", "W": how many times each ran (None: not read)}, "w_sums": per stage, max |returned - the sum
-        of its W calls' results| / max |that sum| (inf: none, or another form)}``."""
+        (the ``W`` of ``rank_loop``'s module, reached through any name, default argument or closure cell
+        of it, counted during the run; None: its module has none); and what moved, ``{"sent": {("F" or
+        "B", stage, microbatch): value put in any inbox under that key}, "returned": [the stages each rank's
+        loop returned gradients for], "calls": {"F", "B", "W": how many times each ran (None: not read)},
+        "w_wrong": :meth:`_w_wrong` of the W calls (None: not read)}``."""
         events: list[Event] = []
         loop = rank_loop
         while isinstance(loop, functools.partial):   # the function itself, where its names are read
@@ -753,8 +820,9 @@ class Lab:
         def counted(name, plain):
             def call(*args, **kwargs):
                 out = plain(*args, **kwargs)
-                calls[name].append((rank_of.get(threading.get_ident(), -1), time.perf_counter() - t0, out))
-                return out
+                kept = jax.tree_util.tree_map(np.array, out) if name == "W" else None   # a copy: the loop may
+                calls[name].append((rank_of.get(threading.get_ident(), -1), time.perf_counter() - t0, kept))
+                return out                                                           # add into what it got
             return call
 
         class Watched:   # an inbox whose puts under lesson 8's keys are kept for the check
@@ -762,7 +830,8 @@ class Lab:
                 self.inbox, self.take = inbox, inbox.take
 
             def put(self, key, value, *args, **kwargs):
-                if isinstance(key, tuple) and len(key) == 3 and key[0] in ("F", "B"):
+                if (isinstance(key, tuple) and len(key) == 3 and key[0] in ("F", "B")
+                        and all(isinstance(k, (int, np.integer)) for k in key[1:])):
                     sent[key[0], int(key[1]), int(key[2])] = value
                 self.inbox.put(key, value, *args, **kwargs)
 
@@ -771,31 +840,46 @@ class Lab:
             return rank_loop(rank, schedule.actions[rank], [Watched(i) for i in inboxes], events, t0)
 
         swap = {k: counted(k, scope[k]) for k in calls if callable(scope.get(k))}
-        by_object = {scope[k]: f for k, f in swap.items()}   # (read before the swap)
-        with _swapped(scope, swap), _swapped_defaults(loop, by_object):
+        with _swapped_references(loop, {scope[k]: f for k, f in swap.items()}):
             out = self.threads(schedule.num_ranks, work)
-        grads = {s: g for part in out if part for s, g in part.items()}
+        grads = {s: g for part in out if isinstance(part, dict) for s, g in part.items()}
         timeline = Timeline.from_events(events, schedule.num_ranks, num_stages=self.S, source="measured")
         returned = [sorted(part) if isinstance(part, dict) else [] for part in out]
         w_calls = [(r, t) for r, t, _ in calls["W"]] if "W" in swap else None
         return ([grads.get(s) for s in range(self.S)], timeline, w_calls,
                 {"sent": sent, "returned": returned,
                  "calls": {k: len(v) if k in swap else None for k, v in calls.items()},
-                 "w_sums": self._w_sums(timeline, calls["W"], grads) if "W" in swap else None})
+                 "w_wrong": self._w_wrong(timeline, calls["W"]) if "W" in swap else None})
 
-    def _w_sums(self, timeline: Timeline, w_calls: list, grads: dict) -> list[float]:
-        """Per stage, how far the gradients a run returned are from the sum of the results of the W calls
-        made inside that stage's W and BW actions (max |returned - sum| / max |sum|; inf: none)."""
-        windows = [(e.rank, e.start, e.end, e.action.stage) for e in timeline.events
+    def _w_wrong(self, timeline: Timeline, w_calls: list) -> list:
+        """The W calls made inside a W or BW action (``w_calls``: rank, time, result) whose result is not
+        that action's microbatch's weight gradient (:meth:`microbatch_grads`): [(stage, microbatch,
+        relative difference)]. With each right and each W action calling W once, the stage's sum is right
+        too."""
+        windows = [(e.rank, e.start, e.end, e.action.stage, e.action.microbatch) for e in timeline.events
                    if e.action.kind in ("W", "BW")]
-        sums: dict = {}
+        wrong, own = [], self.microbatch_grads()
         for rank, t, result in w_calls:
-            stages = {s for r, a, b, s in windows if r == rank and a <= t <= b}
-            if len(stages) == 1:
-                s = stages.pop()
-                sums[s] = result if s not in sums else jax.tree_util.tree_map(jnp.add, sums[s], result)
-        return gradient_report([grads.get(s) for s in range(self.S)],
-                               [sums.get(s, []) for s in range(self.S)])["stage_errors"]
+            inside = [(s, j) for r, a, b, s, j in windows if r == rank and a <= t <= b]
+            if len(inside) == 1:
+                off = gradient_report([result], [own.get(inside[0])])["grad_error"] if inside[0] in own \
+                    else float("inf")
+                if not off <= BUILD_TOLERANCE:
+                    wrong.append((*inside[0], off))
+        return wrong
+
+    def microbatch_grads(self) -> dict:
+        """Each stage's weight gradient from each microbatch alone, ``{(stage, microbatch): [(dA, dc), ...]}``
+        as NumPy arrays: what that microbatch's W computes (the loss the microbatch losses' mean)."""
+        if not hasattr(self, "_microbatch_grads"):
+            per, rows, found = len(self.params) // self.S, self.rows, {}
+            for j in range(self.m):
+                X, Y = self.X[j * rows: (j + 1) * rows], self.Y[j * rows: (j + 1) * rows]
+                g = jax.grad(lambda params: mlp_loss(params, X, Y) / self.m)(self.params)
+                for s in range(self.S):
+                    found[s, j] = [tuple(map(np.asarray, layer)) for layer in g[per * s: per * (s + 1)]]
+            self._microbatch_grads = found
+        return self._microbatch_grads
 
     def boundaries(self) -> dict:
         """What crosses each stage boundary in a right pipeline, by lesson 8's inbox keys: ``("F", s, j)``,
@@ -821,30 +905,16 @@ class Lab:
         ``{"stray": [(rank, stage) returned by a rank not holding it], "missing": [keys never sent that
         cross ranks], "wrong": [(key, relative difference) of values sent that differ], "scale": c where
         every value that differs is c times the right one (a backward started from 1, not 1/m), else
-        None}``."""
-        want, sent = self.boundaries(), traffic["sent"]
+        None}``. Keys naming the receiving stage, not the sending one, are read so too."""
+        want = self.boundaries()
         stray = [(r, s) for r, stages in enumerate(traffic["returned"]) for s in stages
                  if not isinstance(s, (int, np.integer)) or not 0 <= s < self.S or placement[s] != r]
-        missing = [k for k in want if k not in sent
-                   and placement[k[1]] != placement[k[1] + (1 if k[0] == "F" else -1)]]
-        wrong, scales = [], set()
-        for key, value in sent.items():
-            ref = want.get(key)
-            try:
-                got = np.asarray(value, dtype=np.float64) if ref is not None else None
-            except (TypeError, ValueError):
-                got = None
-            if got is None or got.shape != ref.shape:
-                wrong.append((key, float("inf")))
-                continue
-            off = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
-            if not off <= BUILD_TOLERANCE:
-                wrong.append((key, off if np.isfinite(off) else float("inf")))
-                c = float(np.sum(got * ref) / max(np.sum(ref * ref), 1e-300))   # got = c ref, but for c?
-                fits = np.max(np.abs(got - c * ref)) <= BUILD_TOLERANCE * abs(c) * np.max(np.abs(ref))
-                scales.add(round(c, 3) if fits and np.isfinite(c) else None)
-        scale = scales.pop() if len(scales) == 1 and None not in scales else None
-        return {"stray": stray, "missing": missing, "wrong": wrong, "scale": scale}
+        shift = lambda k: (k[0], k[1] + (1 if k[0] == "F" else -1), k[2])  # noqa: E731  (the receiver's)
+        sent = traffic["sent"]
+        judged = [_judge_sent(want, sent, placement),
+                  _judge_sent({shift(k): v for k, v in want.items()}, sent, placement, received=True)]
+        best = min(judged, key=lambda j: len(j["wrong"]) + len(j["missing"]))
+        return {"stray": stray, **best}
 
     def run_compiled(self, rank_loop: Callable, names: tuple = ("1f1b", "zb-h1")) -> dict:
         """``rank_loop`` with the lesson's ``F``, ``B``, ``W`` (names it reads from its module's globals)
@@ -920,19 +990,27 @@ class Lab:
     def try_pipeline(self, rank_loop: Callable) -> dict:
         """Exercise 8.3's result: the learner's loop on :data:`PIPELINE_RUNS`, the stages placed as each
         schedule says (put back after): ``{"error", "runs": {name: {"timeline", "w_calls" (:meth:`_run`),
-        "moved" (:meth:`moved`), "calls" and "w_sums" (:meth:`_run`'s), and :func:`gradient_report`'s
-        "grad_error", "stage_errors", "scale"}}}``."""
+        "moved" (:meth:`moved`), "calls" and "w_wrong" (:meth:`_run`'s), and :func:`gradient_report`'s
+        "grad_error", "stage_errors", "scale"}}, "stage": :meth:`try_stage` of the F, B and W the loop's
+        module holds (absent without them)}``."""
         def one(name):
             schedule = build_schedule(name, dict(PIPELINE_RUNS)[name], self.m)
             self._place(list(schedule.placement))
             grads, timeline, w_calls, traffic = self._run(schedule, rank_loop)
             return {"timeline": timeline, "w_calls": w_calls, "moved": self.moved(self.placement, traffic),
-                    "calls": traffic["calls"], "w_sums": traffic["w_sums"], **self.report(grads)}
+                    "calls": traffic["calls"], "w_wrong": traffic["w_wrong"], **self.report(grads)}
 
+        loop = rank_loop
+        while isinstance(loop, functools.partial):
+            loop = loop.func
+        fbw = [getattr(loop, "__globals__", {}).get(k) for k in ("F", "B", "W")]
         try:
-            return try_runs(one, [name for name, _ in PIPELINE_RUNS])
+            result = try_runs(one, [name for name, _ in PIPELINE_RUNS])
         finally:
             self._place(list(range(self.S)))
+        if all(map(callable, fbw)):   # the loop's F, B and W as exercise 8.1 judges them
+            result["stage"] = self.try_stage(*fbw)
+        return result
 
     def for_w_peaks(self, F: Callable, B: Callable, name: str = "zb-h1") -> list[int]:
         """Exercise 8.2's reveal: each rank's actions of schedule ``name`` (4 ranks, 8 microbatches) walked in

@@ -167,9 +167,10 @@ def own_step(result: Any) -> Verdict:
     :data:`OWN_CASE`'s model (an embedding, a block a rank, a head, cross-entropy on integer labels) as one
     ``shard_map`` program, run by :func:`zbpp_lite.course.bench.try_own_step`. Right when the step is one
     program with no model work outside it, a pipeline that runs nothing twice
-    (``lesson9._pipeline_problem``: a tick's switch, at most 2 products outside it, one block's and the
-    head's in F, as many in B, two more in W for g's and the embedding's gradients written as products,
-    which F applies without one; a B or W that runs F again inside ``jax.grad`` or ``jax.vjp`` runs F's
+    (``lesson9._pipeline_problem``: a tick's switch, no product outside it, one block's and the
+    head's in F (and the embedding's, as a one-hot product), B no more than F, W two more for g's and
+    the embedding's gradients written as products, which F may apply without one, each W product over
+    the tokens; a B or W that runs F again inside ``jax.grad`` or ``jax.vjp`` runs F's
     products and its own: 6 and 9), its loss is jax's within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`
     (relative), and every gradient leaf is ``jax.grad``'s (the first wrong leaf is named)."""
     hint = ("one jitted shard_map program: the blocks cut by rank, the embedding, head, tokens and labels "
@@ -187,7 +188,8 @@ def own_step(result: Any) -> Verdict:
     if work:
         return Verdict("10.4", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
                        hint)
-    shape = _pipeline_problem("10.4", result, 3, hint, w_more=2)   # a block's two matrices and the head
+    shape = _pipeline_problem("10.4", result, 4, hint, w_more=2)   # a block's 2 matrices, the head, and the
+                                                                    # embedding if a one-hot product
     if shape is not None:
         return shape
     loss, ref = _number(result["loss"]), float(result["loss_ref"])

@@ -261,13 +261,13 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwis
 def pipeline_run(result: Any) -> Verdict:
     """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
     :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
-    "w_calls", "moved", "calls", "w_sums", "grad_error", "stage_errors", "scale"}}}``. Right when every rank
+    "w_calls", "moved", "calls", "w_wrong", "grad_error", "stage_errors", "scale"}}}``. Right when every rank
     ran its actions in order, one event each, each after its inputs ended, each W and BW event held one call
     of the learner's W (:func:`_w_problem`), the gradients equal ``jax.grad``'s within
     :data:`BUILD_TOLERANCE` (:func:`gradient_problem` names a wrong gradient's likely cause), F and B ran once
     per action (:func:`_calls_problem`: nothing run again), each rank returned only its own stages while
-    what crossed the ranks was each stage boundary's value (:func:`_moved_problem`), and each stage's
-    gradients are its W calls' results summed (:func:`_sums_problem`)."""
+    what crossed the ranks was each stage boundary's value (:func:`_moved_problem`), and each W call
+    returned its own microbatch's weight gradient (:func:`_w_results_problem`)."""
     hint = ("follow one microbatch through the figure: what must each of F, B, W and BW have before it "
             "starts, which rank holds the stage that needs its result, and when is that result ready?")
     if isinstance(result, dict) and result.get("error"):   # a wait that never ends, a send to no rank
@@ -277,6 +277,11 @@ def pipeline_run(result: Any) -> Verdict:
     problem = _run_problem("8.3", result, "runs", "try_pipeline(rank_loop)", "rank_loop", "running it", hint)
     if problem is not None:
         return problem
+    if isinstance(result.get("stage"), dict):
+        split = stage_split(result["stage"])
+        if not split:
+            return Verdict("8.3", False, f"your F, B and W do not pass exercise 8.1 yet: {split.message}",
+                           split.hint)
     c = BUILD_CASE
     worst = 0.0
     for name, ranks in PIPELINE_RUNS:
@@ -291,7 +296,7 @@ def pipeline_run(result: Any) -> Verdict:
         if problem is not None:
             return problem
         why = (_calls_problem(build_schedule(name, ranks, c["microbatches"]), run.get("calls"))
-               or _moved_problem(run.get("moved")) or _sums_problem(run.get("w_sums")))
+               or _moved_problem(run.get("moved")) or _w_results_problem(run.get("w_wrong")))
         if why:
             return Verdict("8.3", False, f"{name}: {why}", "each rank runs only its own stages, on what it "
                            "receives, and sends each result to the rank holding the stage that needs it.")
@@ -320,14 +325,16 @@ def _calls_problem(schedule: Any, calls: dict | None) -> str:
     return ""
 
 
-def _sums_problem(w_sums: list | None) -> str:
-    """What is wrong with the gradients a run returned (``w_sums``: per stage, how far from the sum of its W
-    calls' results; None: not recorded), or "": each stage's gradients are its W's results summed."""
-    off = next(((s, e) for s, e in enumerate(w_sums or []) if not e <= BUILD_TOLERANCE), None)
-    if off:
-        return (f"the gradients returned for stage {off[0]} are not the sum of what its W calls returned "
-                f"(relative difference {off[1]:.1e}): they were computed elsewhere.")
-    return ""
+def _w_results_problem(wrong: list | None) -> str:
+    """What is wrong with what a run's W calls computed (``wrong``:
+    :meth:`zbpp_lite.course.bench.Lab._w_wrong`'s; None: not recorded), or "": each W call's result is
+    its own microbatch's weight gradient."""
+    if not wrong:
+        return ""
+    s, j, off = wrong[0]
+    return (f"the W run as stage {s}'s W of microbatch {j} did not return that microbatch's weight gradient "
+            f"(relative difference {off:.1e}; {len(wrong)} W calls so): each W must read its own "
+            "microbatch's x and dz.")
 
 
 def _moved_problem(moved: dict | None) -> str:

@@ -343,8 +343,9 @@ def _number(value: Any) -> np.ndarray:
 def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int = 0) -> Verdict | None:
     """The refusal of a whole step that computes right but is no pipeline, or runs work twice
     (:func:`~zbpp_lite.course.bench.branch_products`, :func:`~zbpp_lite.course.bench.loose_products`): no
-    tick's ``lax.switch`` over the kinds; more than 2 matrix products outside the switches (the model's work
-    beside the schedule's actions; a head's or an embedding's gradient summed once after the loop may be);
+    tick's ``lax.switch`` over the kinds; any matrix product outside the switches (the model's work beside
+    the schedule's actions, or W's deferred past the loop; sums after it, such as a ``psum``, are no
+    products);
     a tick table among its constants that is not ZB-H1's, or none (``result["order"]`` False or None);
     an idle branch running any; an F branch running more than ``most`` (one stage's, the head's included);
     a B running more than F, a W more than F + ``w_more`` (a gradient F applies without a product, such as
@@ -359,9 +360,10 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
         return Verdict(key, False, "the program's tick table (kinds by rank and tick) is not ZB-H1's: it "
                        "runs another order.", "build the table from zb.build_schedule(\"zb-h1\", p, m) "
                        "with your ticks_of (exercise 9.1), in the schedule's order.")
-    if loose > 2:
+    if loose:
         return Verdict(key, False, f"{loose} matrix products run outside the tick's switch: the model's "
-                       "work runs beside the schedule's actions, not as them.", hint)
+                       "work runs beside the schedule's actions, not as them (a weight gradient, the head's "
+                       "too, is W's work, in W's ticks).", hint)
     idle, f, b, w, *bw = products
     if idle or f > most:
         branch, n = ("the idle", idle) if idle else ("F's", f)
@@ -396,7 +398,7 @@ def spmd_step(result: Any) -> Verdict:
     linear head ``H`` after the last stage (:func:`zbpp_lite.course.bench.head_loss`), run by lesson 9's
     ``lab.try_step``; ``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_step` gives it. Right when the
     whole step is one ``shard_map`` program (no model work outside it) that is a pipeline
-    (:func:`_pipeline_problem`: a tick's switch, at most 2 products outside it, 3 in F), the loss is one
+    (:func:`_pipeline_problem`: a tick's switch, no product outside it, 3 in F), the loss is one
     number equal to the whole model's within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (relative), and
     the gradients, the head's too, equal ``jax.grad``'s."""
     hint = ("one jitted shard_map program: the tick tables and A, c cut by rank, H, X and Y whole; the "
