@@ -844,6 +844,10 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", head_cond):   # a cond runs one branch: 3 products
         assert ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
         assert ex.spmd_step(lab.try_step(jax.jit(spmd_lesson["spmd_step"])))   # round 36: tables in its jit
+    as_vdot = lambda src: src.replace("jnp.mean((logits - Y[j]) ** 2) / m",  # noqa: E731   round 38: a dot to a
+                                      "jnp.vdot(logits - Y[j], logits - Y[j]) / (logits.size * m)")  # number
+    with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", as_vdot):   # is no matrix product: F still 3
+        assert ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
     w_tick = ('            return {**st, "dA": st["dA"] + dA, "dc": st["dc"] + dc,\n'
               '                    "dH": st["dH"] + jnp.where(last, y.T @ dlogits, 0.0)}, none, none, 3')
     end = '        return lax.psum(st["loss"], "rank"), st["dA"][None], st["dc"][None], lax.psum(st["dH"], "rank")'

@@ -433,16 +433,17 @@ def _kind_tables(array: np.ndarray, p: int) -> list[np.ndarray]:
 
 def _products(jaxpr: Any, skip: Callable[[Any], bool] = lambda eqn: False,
               which: Callable[[Any], bool] = lambda eqn: True) -> int:
-    """The matrix products (``dot_general``, those ``which`` accepts) ``jaxpr`` runs, the jaxprs it calls
-    counted in (a ``scan``'s body once per iteration: layers stacked under a scan count as many products as
-    there are layers; a ``cond``'s costliest branch, the most one run can take), but none inside an
-    equation ``skip`` names."""
+    """The matrix products (``dot_general`` to an array, those ``which`` accepts) ``jaxpr`` runs, the jaxprs
+    it calls counted in (a ``scan``'s body once per iteration: layers stacked under a scan count as many
+    products as there are layers; a ``cond``'s costliest branch, the most one run can take), but none
+    inside an equation ``skip`` names."""
     total = 0
     for e in jaxpr.eqns:
         if skip(e):
             continue
         inner = [_products(j, skip, which) for j in inner_jaxprs(e)]
-        total += (e.primitive.name == "dot_general" and which(e)) + _runs(e) * (
+        product = e.primitive.name == "dot_general" and e.outvars[0].aval.ndim > 0   # (a dot to a number:
+        total += (product and which(e)) + _runs(e) * (                                   # a loss, no layer)
             max(inner, default=0) if e.primitive.name == "cond" else sum(inner))
     return total
 

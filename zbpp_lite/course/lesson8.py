@@ -372,8 +372,9 @@ def _w_problem(timeline: Any, calls: list | None) -> str:
         return ""
     windows = sorted((e.rank, e.start, e.end) for e in timeline.events if e.action.kind in ("W", "BW"))
     if len(calls) != len(windows):
-        unseen = (" (a W wrapped in jax.jit inside your code is seen only when it compiles: call the W you "
-                  "wrote; lab.run_compiled jits it for you)") if not calls else ""
+        unseen = (" (the check follows your W through module names, default arguments and closures, not "
+                  "through a dict, a class or your own jax.jit: call W by name; lab.run_compiled jits it "
+                  "for you)") if not calls else ""
         return (f"your W ran {len(calls)} times for {len(windows)} W and BW actions: each computes its "
                 f"weight gradient with one call of W, when it runs{unseen}.")
     held = [0] * len(windows)

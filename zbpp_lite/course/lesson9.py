@@ -362,8 +362,8 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
                        "with your ticks_of (exercise 9.1), in the schedule's order.")
     if loose:
         return Verdict(key, False, f"{loose} matrix products run outside the tick's switch: the model's "
-                       "work runs beside the schedule's actions, not as them (a weight gradient, the head's "
-                       "too, is W's work, in W's ticks).", hint)
+                       "work runs beside the schedule's actions, not as them (each product belongs to an "
+                       "action: a forward's to F, a weight gradient's, the head's too, to W).", hint)
     idle, f, b, w, *bw = products
     if idle or f > most:
         branch, n = ("the idle", idle) if idle else ("F's", f)
