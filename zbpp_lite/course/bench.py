@@ -25,7 +25,7 @@ from ..runtime.stages import cross_entropy   # exercise 10.4's loss, as bench.cr
 from ..runtime.transport import Aborted, Inbox
 from ..schedules.builders import build_schedule
 from ..schedules.timeline import Event, Timeline
-from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, PIPELINE_RUNS, STEP, STEP_RUNS, TIED
+from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, PIPELINE_RUNS, STEP, STEP_RUNS, TIED, _rel_diff
 
 tmap = jax.tree_util.tree_map
 
@@ -585,9 +585,7 @@ def gradient_report(mine: list, ref: list) -> dict:
             errors.append(float("inf"))
             dot = float("nan")
             continue
-        offs = [float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) if y.size else 0.0
-                for x, y in zip(a, b)]
-        errors.append(max(offs, default=0.0) if np.isfinite(offs).all() else float("inf"))   # a NaN: far off
+        errors.append(max(map(_rel_diff, a, b), default=0.0))   # (a NaN: infinitely far off)
         if not all(np.isfinite(x).all() for x in a):
             not_finite.append(len(errors) - 1)
         dot += sum(float(np.sum(x * y)) for x, y in zip(a, b))
@@ -672,9 +670,9 @@ def _judge_sent(want: dict, sent: dict, placement: list, received: bool = False)
         if got is None or got.shape != ref.shape:
             wrong.append((key, float("inf")))
             continue
-        off = float(np.max(np.abs(got - ref)) / max(np.max(np.abs(ref)), 1e-30))
+        off = _rel_diff(got, ref)   # (a NaN: infinitely far off)
         if not off <= BUILD_TOLERANCE:
-            wrong.append((key, off if np.isfinite(off) else float("inf")))
+            wrong.append((key, off))
             c = float(np.sum(got * ref) / max(np.sum(ref * ref), 1e-300))   # got = c ref, but for c?
             fits = np.max(np.abs(got - c * ref)) <= BUILD_TOLERANCE * abs(c) * np.max(np.abs(ref))
             scales.add(round(c, 3) if fits and np.isfinite(c) else None)
@@ -711,6 +709,14 @@ def _swapped_references(fn: Any, replace: dict):
             fn.__kwdefaults__ = plain[1]
         for c, v in zip(cells, plain[2]):
             c.cell_contents = v
+
+
+def _unwrapped(fn: Any) -> Any:
+    """``fn`` itself under any ``functools.partial``: the function whose module, defaults and closure its
+    names are read from."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
 
 
 def _cell(cell: Any) -> Any:
@@ -810,9 +816,7 @@ class Lab:
         loop returned gradients for], "calls": {"F", "B", "W": how many times each ran (None: not read)},
         "w_wrong": :meth:`_w_wrong` of the W calls (None: not read)}``."""
         events: list[Event] = []
-        loop = rank_loop
-        while isinstance(loop, functools.partial):   # the function itself, where its names are read
-            loop = loop.func
+        loop = _unwrapped(rank_loop)
         scope = getattr(loop, "__globals__", {})
         calls: dict = {"F": [], "B": [], "W": []}
         rank_of, sent = {}, {}
@@ -873,9 +877,9 @@ class Lab:
         """Each stage's weight gradient from each microbatch alone, ``{(stage, microbatch): [(dA, dc), ...]}``
         as NumPy arrays: what that microbatch's W computes (the loss the microbatch losses' mean)."""
         if not hasattr(self, "_microbatch_grads"):
-            per, rows, found = len(self.params) // self.S, self.rows, {}
+            per, found = len(self.params) // self.S, {}
             for j in range(self.m):
-                X, Y = self.X[j * rows: (j + 1) * rows], self.Y[j * rows: (j + 1) * rows]
+                X, Y = self._microbatch(j)
                 g = jax.grad(lambda params: mlp_loss(params, X, Y) / self.m)(self.params)
                 for s in range(self.S):
                     found[s, j] = [tuple(map(np.asarray, layer)) for layer in g[per * s: per * (s + 1)]]
@@ -887,19 +891,25 @@ class Lab:
         stage s's output for microbatch j (s < S - 1), and ``("B", s, j)``, the loss's gradient at stage
         s's input (s > 0; the loss the microbatch losses' mean), as NumPy arrays (rows, width)."""
         if not hasattr(self, "_boundaries"):
-            per, rows, found = len(self.params) // self.S, self.rows, {}
+            found = {}
             for j in range(self.m):
-                X, Y = self.X[j * rows: (j + 1) * rows], self.Y[j * rows: (j + 1) * rows]
+                X, Y = self._microbatch(j)
                 for s in range(self.S):
-                    X = mlp_output(self.params[per * s: per * (s + 1)], X)
+                    X = mlp_output(self.home[s], X)
                     if s < self.S - 1:
                         found["F", s, j] = np.asarray(X)
                     if s > 0:
-                        rest = self.params[per * s:]
+                        rest = [layer for stage in self.home[s:] for layer in stage]
                         found["B", s, j] = np.asarray(jax.grad(
                             lambda x: mlp_loss(rest, x, Y) / self.m)(found["F", s - 1, j]))
             self._boundaries = found
         return self._boundaries
+
+    def _microbatch(self, j: int) -> tuple[jax.Array, jax.Array]:
+        """Microbatch j's rows of the global batch, ``(X, Y)``, on the default device (``inputs_mb`` and
+        ``targets_mb`` hold the same rows, placed on the ranks)."""
+        rows = slice(j * self.rows, (j + 1) * self.rows)
+        return self.X[rows], self.Y[rows]
 
     def moved(self, placement: list, traffic: dict) -> dict:
         """What a run's ``traffic`` (:meth:`_run`'s) got wrong against :meth:`boundaries`, on ``placement``:
@@ -1001,10 +1011,7 @@ class Lab:
             return {"timeline": timeline, "w_calls": w_calls, "moved": self.moved(self.placement, traffic),
                     "calls": traffic["calls"], "w_wrong": traffic["w_wrong"], **self.report(grads)}
 
-        loop = rank_loop
-        while isinstance(loop, functools.partial):
-            loop = loop.func
-        fbw = [getattr(loop, "__globals__", {}).get(k) for k in ("F", "B", "W")]
+        fbw = [getattr(_unwrapped(rank_loop), "__globals__", {}).get(k) for k in ("F", "B", "W")]
         try:
             result = try_runs(one, [name for name, _ in PIPELINE_RUNS])
         finally:
