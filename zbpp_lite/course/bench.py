@@ -529,8 +529,8 @@ def _outside(jaxpr: Any) -> tuple[int, list]:
 def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax.Array, Y: jax.Array,
                   devices: list) -> dict:
     """Lesson 9's trade-off, printed: one F, B, W and BW of stage 1 timed (``stage_fns``: the lesson's
-    ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), ZB-H1 and ZB-H2 (no
-    BW, which lesson 9's tick has no branch for) simulated event-driven and lockstep with those times, and
+    ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), ZB-H1 and ZB-H2 (the
+    zero-bubble schedules the lesson compares) simulated event-driven and lockstep with those times, and
     one step timed of the learner's program (``compile_spmd(name) -> (program, ((kind, microbatch), ..., As,
     cs, Xm, Ym))``), of the same program on an all-idle table (the ticks' own cost) and of the package's MPMD
     executor on :func:`staged_mlp`. Returns ``{name: {"event", "lockstep": simulated makespans; "mpmd",

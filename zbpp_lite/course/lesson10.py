@@ -31,7 +31,7 @@ are one rank."""
 
 OWN_CASE = dict(ranks=4, microbatches=8, tokens=16, vocab=32, width=64, hidden=128, classes=10)
 """Exercise 10.4's model (:func:`zbpp_lite.course.bench.own_model`): an embedding of 32 tokens to width 64,
-one block a rank with a skip connection (hidden width 128), a head to 10 classes; 8 microbatches of 16
+one block a rank, its input added to its output (hidden width 128), a head to 10 classes; 8 microbatches of 16
 tokens."""
 
 V_RUNS = ("zb-v",)
