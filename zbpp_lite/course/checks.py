@@ -15,12 +15,14 @@ Sources: arXiv 2401.10241 sections 2-3 (bubbles, memory, heuristic); arXiv 2405.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import numbers
 import os
 import random
 import sys
+import threading
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Sequence
@@ -97,18 +99,38 @@ def _as_number(answer: Any) -> float | None:
     """A real number from an int, float, Fraction or a string such as "2/8" (None if not one)."""
     if isinstance(answer, bool):
         return None
-    if isinstance(answer, numbers.Real):
-        value = float(answer)
-    elif getattr(answer, "shape", None) == () and np.dtype(getattr(answer, "dtype", object)).kind in "iuf":
-        value = float(answer)  # a 0-d NumPy or JAX array of ints or floats
-    elif isinstance(answer, str):
-        try:
+    try:
+        if isinstance(answer, numbers.Real):
+            value = float(answer)
+        elif (getattr(answer, "shape", None) == ()   # a 0-d NumPy or JAX array of ints or floats
+              and np.dtype(getattr(answer, "dtype", object)).kind in "iuf"):
+            value = float(answer)
+        elif isinstance(answer, str):
             value = float(Fraction(answer.strip()))
-        except (ValueError, ZeroDivisionError):
+        else:
             return None
-    else:
+    except (ValueError, ZeroDivisionError, OverflowError):   # not a number, or too large for a float
         return None
     return value if math.isfinite(value) else None
+
+
+def _whole(answer: Any) -> int:
+    """``answer`` as an int when it is a whole number (an int, or a float, Fraction or 0-d array equal to
+    one; not a string), else ValueError: a count given as 2.9 is no count, not 2."""
+    if isinstance(answer, numbers.Integral) and not isinstance(answer, bool):
+        return int(answer)
+    value = None if isinstance(answer, (str, bytes)) else _as_number(answer)
+    if value is None or not value.is_integer():
+        raise ValueError(f"{answer!r} is not a whole number")
+    return int(value)
+
+
+def _as_list(answer: Any) -> Any:
+    """A 1-D NumPy or JAX array as the list of its values (Python ints, floats or strings); anything else
+    unchanged: a check that reads a sequence takes an array as it takes a list."""
+    if getattr(answer, "ndim", None) == 1 and hasattr(answer, "tolist"):
+        return answer.tolist()
+    return answer
 
 
 def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: str,
@@ -135,28 +157,55 @@ def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: 
     return Verdict(exercise, False, f"{value:g} is not {what}.", hint, attempt=abs(value - expected) <= slack)
 
 
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-"""The zbpp_lite folder: a function answer may call nothing in it (module docstring)."""
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+"""The zbpp_lite folder, with its separator (a learner's ``zbpp_lite_helpers.py`` beside it is not in it): a
+function answer may call nothing in it (module docstring)."""
 
 
 class _UsedPackage(Exception):
     """The learner's function called a zbpp_lite function, or switched :func:`_alone`'s watch off."""
 
 
-_UNWATCHED = "sys.setprofile or sys.settrace (which switch the check's watch off)"
+_UNWATCHED = "sys.setprofile, sys.settrace or threading's (which switch the check's watch off)"
 
 
 class _OverBudget(Exception):
     """The learner's function took more steps than :func:`_alone`'s ``steps`` allow."""
 
 
+def _settled(answer: Any) -> Any:
+    """``answer`` with each real number in it (in a tuple or list too) that is not a Python or NumPy int,
+    float, bool or Fraction turned into a float: :func:`_alone` calls this while it still watches, so a number
+    worked out only when read (its ``__float__`` calling the package) is caught. One whose ``float()``
+    raises becomes a text naming it, which no check takes for a number."""
+    if type(answer) in (tuple, list):
+        return type(answer)(map(_settled, answer))   # (map: no frame of its own for the watch to see)
+    if isinstance(answer, (bool, int, float, Fraction, np.generic)) or not isinstance(answer, numbers.Real):
+        return answer
+    try:
+        return float(answer)
+    except Exception as e:  # noqa: BLE001  (the learner's number failing to be read is an answer too)
+        return f"<a {type(answer).__name__} whose float() raised {type(e).__name__}>"
+
+
+_HOOK_SETTERS = (sys.setprofile, sys.settrace)   # built-ins, seen as c_call
+_HOOK_CODES = frozenset(f.__code__ for f in (threading.setprofile, threading.settrace,
+                                              getattr(threading, "setprofile_all_threads", None),
+                                              getattr(threading, "settrace_all_threads", None)) if f)
+"""What switches :func:`_alone`'s watch off: sys's hook setters (built-ins) and threading's (Python code)."""
+
+
 def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
-    """``fn(*point)``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a profile hook;
-    the course's caches answer through one too: :func:`course_cache`) or replaced the hook, and
-    :class:`_OverBudget` once it has taken more than ``steps`` steps: function calls (Python's and
-    built-ins', the profile hook) and lines of Python run (a trace hook, set only with ``steps``)."""
+    """``_settled(fn(*point))``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a
+    profile hook, on this thread and on threads the call starts, and on Python 3.12 on every thread; the
+    course's caches answer through one too: :func:`course_cache`) or replaced the hook, and
+    :class:`_OverBudget` once it has taken more than ``steps`` steps on this thread: function calls
+    (Python's and built-ins', the profile hook) and lines of Python run (a trace hook, set only with
+    ``steps``). ``fn`` gets a deep copy of ``point``: an answer that changes a list it was given changes
+    neither the check's point nor what the check computes from it."""
     used: list[str] = []
     taken = [0]
+    owner, own_code, armed = threading.get_ident(), _settled.__code__, [False]
 
     def count() -> None:
         taken[0] += 1
@@ -164,14 +213,14 @@ def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
             raise _OverBudget(steps)
 
     def watch(frame, event, arg):
-        if used:
+        if used or not armed[0]:   # (not armed: the hooks being set and unset)
             return
         code = frame.f_code
-        if event == "call" and code.co_filename.startswith(_PACKAGE):
+        if event == "call" and code.co_filename.startswith(_PACKAGE) and code is not own_code:
             used.append(f"zbpp_lite's {code.co_name} ({os.path.relpath(code.co_filename, _PACKAGE)})")
-        elif event == "c_call" and arg in (sys.setprofile, sys.settrace):
+        elif (event == "c_call" and arg in _HOOK_SETTERS) or (event == "call" and code in _HOOK_CODES):
             used.append(_UNWATCHED)
-        if steps is not None and event in ("call", "c_call"):
+        if steps is not None and event in ("call", "c_call") and threading.get_ident() == owner:
             count()
 
     def lines(frame, event, arg):   # the trace hook: each frame's lines counted as steps
@@ -179,15 +228,25 @@ def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
             count()
         return lines
 
-    previous, traced = sys.getprofile(), sys.gettrace()
+    previous, traced, threads = sys.getprofile(), sys.gettrace(), threading.getprofile()
+    every_thread = getattr(threading, "setprofile_all_threads", None)   # Python 3.12
+    given = copy.deepcopy(point)
+    threading.setprofile(watch)
+    if every_thread is not None:
+        every_thread(watch)
     if steps is not None:
-        sys.settrace(lines)   # before the profile hook, which would take this call for the learner's
+        sys.settrace(lines)
     sys.setprofile(watch)
+    armed[0] = True
     try:
-        got = fn(*point)
+        got = _settled(fn(*given))
     finally:
-        replaced, seen = sys.getprofile() is not watch, used[:]  # before the call below, which watch sees
+        armed[0] = False
+        replaced, seen = sys.getprofile() is not watch, used[:]
+        if every_thread is not None:
+            every_thread(previous)
         sys.setprofile(previous)
+        threading.setprofile(threads)
         if steps is not None:
             sys.settrace(traced)
     if seen or replaced:
@@ -209,7 +268,7 @@ def _called(exercise: str, fn: Callable, point: tuple, hint: str, steps: int | N
     except _OverBudget as e:
         return None, Verdict(exercise, False, f"your function took over {e} steps (lines run and calls) "
                              f"at {where} and was stopped: it would take too long there.", hint)
-    except Exception as e:  # noqa: BLE001  (the learner's error is an answer to report, not to raise)
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (the learner's error is an answer to report)
         return None, Verdict(exercise, False, f"your function raised {type(e).__name__} at {where}: {e}",
                              hint)
 

@@ -4,6 +4,8 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 from __future__ import annotations
 
 import math
+import numbers
+import random
 import time
 from fractions import Fraction
 from typing import Any, Callable
@@ -128,9 +130,11 @@ BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, ranks=(1, 2, 4, 8), fixed=(0
 a large batch); every action costs a fixed cost c plus its share of the batch's work, so T_F = c + 48/m and
 the fused backward, one action, T_BW = c + 96/m; T_comm = 0. Checked at every p of ``ranks`` and c of
 ``fixed``, at the ``near_half`` points (p, c), where sqrt(72 (p - 1) / c) rounds down (3.49, 5.49) but the
-next whole m is shorter (n (n + 1) < 72 (p - 1) / c), and at ``tiny``, where the best m is 22,450: there an
-answer must come within ``seconds`` (2 ms, the fastest of five calls), too little to try every m (22,450 steps
-of a Python loop take several ms on any CPU; the closed form, microseconds)."""
+next whole m is shorter (n (n + 1) < 72 (p - 1) / c), and at ``tiny``, where the best m is 22,450: there, and
+at five more points of its p with c drawn from c to 2c (a new c each call, so no answer cached from an
+earlier call helps), an answer must come within ``seconds`` (2 ms, the fastest of the five), too little to
+try every m (16,000 to 22,450 steps of a Python loop take several ms on any CPU; the closed form,
+microseconds)."""
 
 
 def _batch_split_span(p: int, m: int, fixed: float, per_action: int = 2) -> Fraction:
@@ -167,10 +171,23 @@ def batch_split(fn: Any) -> Verdict:
     if not callable(fn):
         return verdict
     if verdict.ok:
-        took = min(_seconds(fn, BATCH_SPLIT["tiny"]) for _ in range(5))   # the fastest of five: load aside
-        if took > BATCH_SPLIT["seconds"]:
-            return Verdict("1.2", False, f"right, but best_m{BATCH_SPLIT['tiny']} took {took * 1e3:.1f} ms: "
-                           "trying every m is too slow for a tiny c (the check allows 2 ms).", hint)
+        p, c = BATCH_SPLIT["tiny"]
+        took = []
+        for point in [(p, c * random.uniform(1.0, 2.0)) for _ in range(5)]:   # new each call: none cached
+            try:
+                seconds, got = _seconds(fn, point)
+            except Exception as e:  # noqa: BLE001  (the learner's error is the verdict)
+                return Verdict("1.2", False, f"your function raised {type(e).__name__} at {point}: {e}", hint)
+            best, span = _best_m(*point), lambda m: _batch_split_span(point[0], m, point[1])
+            tie = isinstance(got, numbers.Integral) and got > 0 and span(int(got)) <= span(best) * (1 + 1e-12)
+            if got != best and not tie:   # (tie: as short within float rounding, a float answer's pick)
+                return Verdict("1.2", False, f"at {point} your function gives {got!r}, which is wrong there.",
+                               hint)
+            took.append(seconds)
+        if min(took) > BATCH_SPLIT["seconds"]:   # the fastest of five: load aside
+            return Verdict("1.2", False, f"right, but best_m(p, c) at p = {p} and c from {c:g} to {2 * c:g} "
+                           f"took {min(took) * 1e3:.1f} ms at the fastest: trying every m is too slow for a "
+                           "tiny c (the check allows 2 ms).", hint)
         return verdict
     try:
         twice = all(_alone(fn, (p, c)) == _best_m(p, c, 3) for p, c in points)
@@ -182,11 +199,11 @@ def batch_split(fn: Any) -> Verdict:
     return verdict
 
 
-def _seconds(fn: Callable, point: tuple) -> float:
-    """Seconds one call ``fn(*point)`` takes (no profile hook: :func:`_alone` already watched it)."""
+def _seconds(fn: Callable, point: tuple) -> tuple[float, Any]:
+    """(seconds one call ``fn(*point)`` takes, what it returned); no profile hook, which would slow it."""
     start = time.perf_counter()
-    fn(*point)
-    return time.perf_counter() - start
+    got = fn(*point)
+    return time.perf_counter() - start, got
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {

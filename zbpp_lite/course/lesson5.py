@@ -11,7 +11,7 @@ from ..schedules.costs import Costs
 from ..schedules.ir import v_placement
 from ..schedules.simulate import simulate
 from .checks import (Verdict, _called, _crossings, _function_check, _function_missing, _line_figure,
-                     _unanswered, _with_fresh, course_cache)
+                     _unanswered, _whole, _with_fresh, course_cache)
 
 
 @course_cache(maxsize=16)
@@ -117,11 +117,11 @@ def fewest_sends(fn: Any) -> Verdict:
                            attempt=False)
         try:
             placement, said, said_v = got
-            place = tuple(int(r) for r in placement)
-            said, said_v = int(said), int(said_v)
+            place = tuple(_whole(r) for r in placement)
+            said, said_v = _whole(said), _whole(said_v)
         except (TypeError, ValueError):
             return Verdict("5.1", False, f"at p = {p} expected (placement, sends, v_sends), a tuple of 2p "
-                           f"ranks and two counts, got {got!r}.", hint)
+                           f"whole ranks and two whole counts, got {got!r}.", hint)
         if len(place) != 2 * p or sorted(place) != sorted(2 * list(range(p))):
             return Verdict("5.1", False, f"at p = {p} {place} does not put two of the {2 * p} stages on each "
                            f"rank 0 .. {p - 1}.", hint)

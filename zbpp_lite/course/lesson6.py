@@ -14,7 +14,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.ir import looped_placement
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _called, _crossings, _function_check, _function_missing, _with_fresh,
+from .checks import (Verdict, _called, _crossings, _function_check, _function_missing, _whole, _with_fresh,
                      course_cache)
 
 
@@ -150,9 +150,11 @@ def link_crossings(fn: Any) -> Verdict:
         if refused is not None:
             return refused
         try:
-            got = tuple(int(x) for x in got)
+            got = tuple(_whole(x) for x in got)
+            if len(got) != 2:
+                raise ValueError(len(got))
         except (TypeError, ValueError):
-            return Verdict("6.1", False, f"transfers{(p, v, m)} gave {got!r}: expected two counts, "
+            return Verdict("6.1", False, f"transfers{(p, v, m)} gave {got!r}: expected two whole counts, "
                            "(looped, zigzag).", hint)
         if got == want:
             continue
