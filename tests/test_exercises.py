@@ -902,3 +902,96 @@ def test_round_40s_answers_that_change_their_input_or_give_non_counts_or_huge_nu
         return m
     verdict = ex.batch_split(walked)
     assert not verdict and "too slow" in verdict.message, str(verdict)
+
+
+def test_round_41s_lazy_returns_hidden_hooks_and_other_processes_are_refused_and_bools_count():
+    """Round 41 (the guard retested): an answer whose returned float subclass, int subclass or list
+    subclass asks the package only when read, one that switches the hook off through a method wrapper, one
+    that runs the simulator in another process, and 1.2 answers that behave only while watched or compare
+    equal to anything, are refused; SystemExit in 1.2's timed calls is an answer; a count written as a
+    bool (p > 1 and ...) counts; an answer's trace hooks are gone after the check."""
+    import subprocess
+    import threading
+
+    def simulated(p, m, f, b, w):
+        return zb.simulate(zb.build_schedule("zb-h2", p, m), zb.Costs(f=f, b=b, w=w)).makespan - m * (f + b + w)
+
+    class LazyFloat(float):
+        def __float__(self):
+            return float(simulated(*self.point))
+
+    def lazy_float(*point):
+        x = LazyFloat(0.0)
+        x.point = point
+        return x
+
+    def hidden_off(*point):
+        hook = sys.getprofile()
+        sys.setprofile.__call__(None)
+        try:
+            return simulated(*point)
+        finally:
+            sys.setprofile(hook)
+
+    def elsewhere(*point):
+        code = f"import zbpp_lite as zb; print(zb.simulate(zb.build_schedule('zb-h2', {point[0]}, {point[1]}), " \
+               f"zb.Costs(f={point[2]}, b={point[3]}, w={point[4]})).makespan)"
+        return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout) \
+            - point[1] * sum(point[2:])
+
+    for answer, word in ((lazy_float, "your function called zbpp_lite's"), (hidden_off, "switch the check's"),
+                         (elsewhere, "another process")):
+        verdict = ex.zb_h2_bubble(answer)
+        assert not verdict and word in verdict.message, str(verdict)
+
+    class LazyCounts(list):
+        def __iter__(self):
+            return iter(_best_cut(*self.args)) if zb.build_schedule("1f1b", 2, 2) else iter(())
+
+        def __len__(self):
+            return len(list(iter(self)))
+
+    def lazy_cut(costs, stages):
+        out = LazyCounts()
+        out.args = (costs, stages)
+        return out
+    verdict = ex.best_split(lazy_cut)
+    assert not verdict and "your function called" in verdict.message, str(verdict)
+
+    class Lazy51(int):
+        def __int__(self):
+            return 2 * len(set(zb.v_placement(4)))
+    verdict = ex.fewest_sends(lambda p: (CASES["5.1"][0](p)[0], Lazy51(0), CASES["5.1"][0](p)[2]))
+    assert not verdict and "your function called" in verdict.message, str(verdict)
+
+    from zbpp_lite.course.lesson1 import BATCH_SPLIT, _best_m
+    fixed = [(p, c) for p in BATCH_SPLIT["ranks"] for c in BATCH_SPLIT["fixed"]]
+    table = {point: _best_m_by_hand(*point) for point in [*fixed, *BATCH_SPLIT["near_half"], BATCH_SPLIT["tiny"]]}
+    watched_table = lambda p, c: table[p, c] if sys.getprofile() else _best_m(p, c)  # noqa: E731
+
+    class Anything(int):
+        def __ne__(self, other):
+            return False
+
+        def __eq__(self, other):
+            return True
+    agreeable = lambda p, c: table.get((p, c), Anything(1))  # noqa: E731   (equal to anything, off the table)
+    for answer in (watched_table, agreeable):
+        verdict = ex.batch_split(answer)
+        assert not verdict, str(verdict)
+
+    def leaves_when_unwatched(p, c):
+        if sys.getprofile() is None:
+            raise SystemExit(5)
+        return _best_m_by_hand(p, c)
+    verdict = ex.batch_split(leaves_when_unwatched)
+    assert not verdict and "SystemExit" in verdict.message, str(verdict)
+
+    assert ex.link_crossings(lambda p, v, m: (p > 1 and 2 * m * (v * p - 1), 2 * m * v * (p - 1)))
+
+    def traces(*point):
+        sys.settrace(lambda *a: None)
+        threading.settrace(lambda *a: None)
+        return CASES["3.3"][0](*point)
+    assert not ex.zb_h2_bubble(traces)
+    assert sys.gettrace() is None and threading.gettrace() is None and sys.getprofile() is None

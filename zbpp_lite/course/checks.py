@@ -115,9 +115,9 @@ def _as_number(answer: Any) -> float | None:
 
 
 def _whole(answer: Any) -> int:
-    """``answer`` as an int when it is a whole number (an int, or a float, Fraction or 0-d array equal to
-    one; not a string), else ValueError: a count given as 2.9 is no count, not 2."""
-    if isinstance(answer, numbers.Integral) and not isinstance(answer, bool):
+    """``answer`` as an int when it is a whole number (an int or bool, or a float, Fraction or 0-d array equal
+    to one; not a string), else ValueError: a count given as 2.9 is no count, not 2."""
+    if isinstance(answer, numbers.Integral):
         return int(answer)
     value = None if isinstance(answer, (str, bytes)) else _as_number(answer)
     if value is None or not value.is_integer():
@@ -173,19 +173,38 @@ class _OverBudget(Exception):
     """The learner's function took more steps than :func:`_alone`'s ``steps`` allow."""
 
 
+_PLAIN = (bool, int, float, str, bytes, Fraction, type(None), type(Ellipsis))
+
+
 def _settled(answer: Any) -> Any:
-    """``answer`` with each real number in it (in a tuple or list too) that is not a Python or NumPy int,
-    float, bool or Fraction turned into a float: :func:`_alone` calls this while it still watches, so a number
-    worked out only when read (its ``__float__`` calling the package) is caught. One whose ``float()``
-    raises becomes a text naming it, which no check takes for a number."""
-    if type(answer) in (tuple, list):
-        return type(answer)(map(_settled, answer))   # (map: no frame of its own for the watch to see)
-    if isinstance(answer, (bool, int, float, Fraction, np.generic)) or not isinstance(answer, numbers.Real):
+    """``answer`` as plain Python values, read while :func:`_alone` still watches, so that nothing the
+    learner's code defines runs later, unwatched, when a check reads it: a NumPy scalar or 0-d array becomes
+    its Python number, another real number an int or float, a 1-D or object array a list, a tuple, list or
+    dict (subclasses too) a plain one of settled items; an int, float, bool, str, Fraction, None or a numeric
+    array of 2 or more axes is kept, as is anything else (which no check takes for an answer). One that
+    cannot be read becomes a text naming it."""
+    kind = type(answer)
+    if kind in _PLAIN:
         return answer
     try:
-        return float(answer)
-    except Exception as e:  # noqa: BLE001  (the learner's number failing to be read is an answer too)
-        return f"<a {type(answer).__name__} whose float() raised {type(e).__name__}>"
+        if isinstance(answer, np.generic):
+            return _settled(answer.item())   # the value stored, whatever the subclass's __float__ says
+        if isinstance(answer, dict):
+            return dict(zip(dict.keys(answer), map(_settled, dict.values(answer))))
+        if isinstance(answer, (tuple, list)):   # (map: no frame of its own for the watch to see)
+            return (tuple if isinstance(answer, tuple) else list)(map(_settled, answer))
+        if isinstance(answer, numbers.Integral):
+            return int(answer)
+        if isinstance(answer, numbers.Real):
+            return float(answer)
+        if getattr(answer, "shape", None) == ():   # a 0-d array
+            return _settled(answer.item() if hasattr(answer, "item") else float(answer))
+        if hasattr(answer, "tolist") and (getattr(answer, "ndim", None) == 1
+                                          or getattr(answer, "dtype", None) == np.dtype(object)):
+            return _settled(answer.tolist())
+    except Exception as e:  # noqa: BLE001  (an answer that cannot be read is an answer too)
+        return f"<a {kind.__name__} that could not be read: {type(e).__name__}>"
+    return answer
 
 
 _HOOK_SETTERS = (sys.setprofile, sys.settrace)   # built-ins, seen as c_call
@@ -194,18 +213,38 @@ _HOOK_CODES = frozenset(f.__code__ for f in (threading.setprofile, threading.set
                                               getattr(threading, "settrace_all_threads", None)) if f)
 """What switches :func:`_alone`'s watch off: sys's hook setters (built-ins) and threading's (Python code)."""
 
+_AUDITED = {"sys.setprofile": _UNWATCHED, "sys.settrace": _UNWATCHED}
+_AUDITED.update(dict.fromkeys(("subprocess.Popen", "os.system", "os.fork", "os.forkpty", "os.posix_spawn",
+                               "os.spawn", "os.exec"), "another process (which the check cannot watch)"))
+"""Interpreter audit events (PEP 578) an answer may not raise while :func:`_alone` watches, and what the
+verdict calls them: a hook switched off however it is reached, or work handed to another process."""
+
+_AUDIT: list = [None]
+"""The armed watch's record of audited events, or None: the one audit hook (:func:`_audit_hook`, added
+once, as audit hooks cannot be removed) records only while :func:`_alone` runs an answer."""
+
+
+def _audit_hook(event: str, args: tuple) -> None:
+    record = _AUDIT[0]
+    if record is not None and event in _AUDITED and not record:
+        record.append(_AUDITED[event])
+
 
 def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
     """``_settled(fn(*point))``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a
     profile hook, on this thread and on threads the call starts, and on Python 3.12 on every thread; the
-    course's caches answer through one too: :func:`course_cache`) or replaced the hook, and
-    :class:`_OverBudget` once it has taken more than ``steps`` steps on this thread: function calls
-    (Python's and built-ins', the profile hook) and lines of Python run (a trace hook, set only with
-    ``steps``). ``fn`` gets a deep copy of ``point``: an answer that changes a list it was given changes
-    neither the check's point nor what the check computes from it."""
+    course's caches answer through one too: :func:`course_cache`), switched a hook off or started another
+    process (an audit hook), and :class:`_OverBudget` once it has taken more than ``steps`` steps on this
+    thread: function calls (Python's and built-ins', the profile hook) and lines of Python run (a trace
+    hook, set only with ``steps``). ``fn`` gets a deep copy of ``point``: an answer that changes a list it
+    was given changes neither the check's point nor what the check computes from it. Every hook is as it
+    was after the call."""
     used: list[str] = []
     taken = [0]
     owner, own_code, armed = threading.get_ident(), _settled.__code__, [False]
+    if not _AUDIT[1:]:
+        sys.addaudithook(_audit_hook)
+        _AUDIT.append(True)
 
     def count() -> None:
         taken[0] += 1
@@ -228,27 +267,28 @@ def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
             count()
         return lines
 
-    previous, traced, threads = sys.getprofile(), sys.gettrace(), threading.getprofile()
+    previous, traced = sys.getprofile(), sys.gettrace()
+    threads, threads_traced = threading.getprofile(), threading.gettrace()
     every_thread = getattr(threading, "setprofile_all_threads", None)   # Python 3.12
-    given = copy.deepcopy(point)
+    given, audited = copy.deepcopy(point), []
     threading.setprofile(watch)
     if every_thread is not None:
         every_thread(watch)
     if steps is not None:
         sys.settrace(lines)
     sys.setprofile(watch)
-    armed[0] = True
+    armed[0], _AUDIT[0] = True, audited
     try:
         got = _settled(fn(*given))
     finally:
-        armed[0] = False
-        replaced, seen = sys.getprofile() is not watch, used[:]
+        armed[0], _AUDIT[0] = False, None
+        replaced, seen = sys.getprofile() is not watch, used[:] + audited
         if every_thread is not None:
             every_thread(previous)
         sys.setprofile(previous)
         threading.setprofile(threads)
-        if steps is not None:
-            sys.settrace(traced)
+        sys.settrace(traced)
+        threading.settrace(threads_traced)
     if seen or replaced:
         raise _UsedPackage(seen[0] if seen else _UNWATCHED)
     return got

@@ -4,7 +4,6 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 from __future__ import annotations
 
 import math
-import numbers
 import random
 import time
 from fractions import Fraction
@@ -14,8 +13,8 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import (Verdict, _alone, _function_check, _hand_schedule, _one_slow_stage, _with_fresh,
-                     course_cache)
+from .checks import (Verdict, _alone, _as_number, _called, _function_check, _hand_schedule, _one_slow_stage,
+                     _with_fresh, course_cache)
 
 
 SLOW_MIDDLE = _one_slow_stage(3, 1)
@@ -175,12 +174,17 @@ def batch_split(fn: Any) -> Verdict:
         took = []
         for point in [(p, c * random.uniform(1.0, 2.0)) for _ in range(5)]:   # new each call: none cached
             try:
-                seconds, got = _seconds(fn, point)
-            except Exception as e:  # noqa: BLE001  (the learner's error is the verdict)
+                seconds, _ = _seconds(fn, point)   # timed without the watch, which would slow it
+            except (Exception, SystemExit) as e:  # noqa: BLE001  (the learner's error is the verdict)
                 return Verdict("1.2", False, f"your function raised {type(e).__name__} at {point}: {e}", hint)
-            best, span = _best_m(*point), lambda m: _batch_split_span(point[0], m, point[1])
-            tie = isinstance(got, numbers.Integral) and got > 0 and span(int(got)) <= span(best) * (1 + 1e-12)
-            if got != best and not tie:   # (tie: as short within float rounding, a float answer's pick)
+            got, refused = _called("1.2", fn, point, hint)   # then judged as the other points, watched
+            if refused is not None:
+                return refused
+            value, best = _as_number(got), _best_m(*point)
+            span = lambda m: _batch_split_span(point[0], m, point[1])  # noqa: E731
+            whole = None if value is None or value < 1 else round(value)
+            if whole is None or abs(value - whole) > 1e-6 * whole or (   # (a tie: as short within float
+                    whole != best and span(whole) > span(best) * (1 + 1e-12)):   # rounding, a float's pick)
                 return Verdict("1.2", False, f"at {point} your function gives {got!r}, which is wrong there.",
                                hint)
             took.append(seconds)
@@ -191,7 +195,7 @@ def batch_split(fn: Any) -> Verdict:
         return verdict
     try:
         twice = all(_alone(fn, (p, c)) == _best_m(p, c, 3) for p, c in points)
-    except Exception:  # noqa: BLE001  (the learner's function raising is the verdict above)
+    except (Exception, SystemExit):  # noqa: BLE001  (the learner's function raising is the verdict above)
         twice = False
     if twice:
         return Verdict("1.2", False, "that is the best m with c charged twice for each backward.",

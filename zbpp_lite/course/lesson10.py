@@ -109,10 +109,10 @@ def routing(answer: Any) -> Verdict:
     for name, p, m in ROUTE_CASES:
         schedule = build_schedule(name, p, m)
         ticks = lockstep_ticks(schedule)
-        want = _routes(schedule)
         got, refused = _called("10.2", answer, (_rows(schedule), list(schedule.placement), ticks), hint)
         if refused is not None:
             return refused
+        want = _routes(schedule)   # (after the answer ran: nothing of it to read while it runs)
         case = f"{name} (p = {p}, m = {m})"
         try:
             got = {src: tuple(np.asarray(got[src][k], dtype=np.int64).reshape(p, len(ticks)).tolist()

@@ -145,10 +145,10 @@ def link_crossings(fn: Any) -> Verdict:
         return missing
     points = [(p, v, m) for p in (2, 3, 4, 5, 6, 1) for v in range(1, 5) for m in (1, 3, 8)]   # p = 1 last
     for p, v, m in points:
-        want = (_crossings(looped_placement(p, v * p), m), _crossings(_zigzag_placement(p, v), m))
         got, refused = _called("6.1", fn, (p, v, m), hint)
         if refused is not None:
             return refused
+        want = (_crossings(looped_placement(p, v * p), m), _crossings(_zigzag_placement(p, v), m))
         try:
             got = tuple(_whole(x) for x in got)
             if len(got) != 2:
