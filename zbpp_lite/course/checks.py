@@ -207,11 +207,11 @@ def _settled(answer: Any) -> Any:
     return answer
 
 
-_HOOK_SETTERS = (sys.setprofile, sys.settrace)   # built-ins, seen as c_call
 _HOOK_CODES = frozenset(f.__code__ for f in (threading.setprofile, threading.settrace,
                                               getattr(threading, "setprofile_all_threads", None),
                                               getattr(threading, "settrace_all_threads", None)) if f)
-"""What switches :func:`_alone`'s watch off: sys's hook setters (built-ins) and threading's (Python code)."""
+"""threading's hook setters (Python code): they switch the watch off for threads to come, which raises no
+audit event, so the profile hook refuses a call of them; sys's setters raise one (:data:`_AUDITED`)."""
 
 _AUDITED = {"sys.setprofile": _UNWATCHED, "sys.settrace": _UNWATCHED}
 _AUDITED.update(dict.fromkeys(("subprocess.Popen", "os.system", "os.fork", "os.forkpty", "os.posix_spawn",
@@ -219,14 +219,17 @@ _AUDITED.update(dict.fromkeys(("subprocess.Popen", "os.system", "os.fork", "os.f
 """Interpreter audit events (PEP 578) an answer may not raise while :func:`_alone` watches, and what the
 verdict calls them: a hook switched off however it is reached, or work handed to another process."""
 
-_AUDIT: list = [None]
-"""The armed watch's record of audited events, or None: the one audit hook (:func:`_audit_hook`, added
-once, as audit hooks cannot be removed) records only while :func:`_alone` runs an answer."""
+_WATCHING: list | None = None
+"""While :func:`_alone` runs an answer, the list its hooks record into (the first thing the answer used
+that it may not), else None: the profile hook and the audit hook (:func:`_audit_hook`) record only then."""
+
+_AUDIT_HOOKED = False
+"""Whether :func:`_audit_hook` is added (once per process: audit hooks cannot be removed)."""
 
 
 def _audit_hook(event: str, args: tuple) -> None:
-    record = _AUDIT[0]
-    if record is not None and event in _AUDITED and not record:
+    record = _WATCHING
+    if record is not None and not record and event in _AUDITED:
         record.append(_AUDITED[event])
 
 
@@ -239,12 +242,13 @@ def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
     hook, set only with ``steps``). ``fn`` gets a deep copy of ``point``: an answer that changes a list it
     was given changes neither the check's point nor what the check computes from it. Every hook is as it
     was after the call."""
+    global _WATCHING, _AUDIT_HOOKED
     used: list[str] = []
     taken = [0]
-    owner, own_code, armed = threading.get_ident(), _settled.__code__, [False]
-    if not _AUDIT[1:]:
+    owner, own_code = threading.get_ident(), _settled.__code__
+    if not _AUDIT_HOOKED:
         sys.addaudithook(_audit_hook)
-        _AUDIT.append(True)
+        _AUDIT_HOOKED = True
 
     def count() -> None:
         taken[0] += 1
@@ -252,12 +256,12 @@ def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
             raise _OverBudget(steps)
 
     def watch(frame, event, arg):
-        if used or not armed[0]:   # (not armed: the hooks being set and unset)
-            return
+        if used or _WATCHING is not used:   # (not watching: the hooks being set and unset, or a thread
+            return                          # the answer left running)
         code = frame.f_code
         if event == "call" and code.co_filename.startswith(_PACKAGE) and code is not own_code:
             used.append(f"zbpp_lite's {code.co_name} ({os.path.relpath(code.co_filename, _PACKAGE)})")
-        elif (event == "c_call" and arg in _HOOK_SETTERS) or (event == "call" and code in _HOOK_CODES):
+        elif event == "call" and code in _HOOK_CODES:
             used.append(_UNWATCHED)
         if steps is not None and event in ("call", "c_call") and threading.get_ident() == owner:
             count()
@@ -270,19 +274,19 @@ def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
     previous, traced = sys.getprofile(), sys.gettrace()
     threads, threads_traced = threading.getprofile(), threading.gettrace()
     every_thread = getattr(threading, "setprofile_all_threads", None)   # Python 3.12
-    given, audited = copy.deepcopy(point), []
+    given = copy.deepcopy(point)
     threading.setprofile(watch)
     if every_thread is not None:
         every_thread(watch)
     if steps is not None:
         sys.settrace(lines)
     sys.setprofile(watch)
-    armed[0], _AUDIT[0] = True, audited
+    _WATCHING = used
     try:
         got = _settled(fn(*given))
     finally:
-        armed[0], _AUDIT[0] = False, None
-        replaced, seen = sys.getprofile() is not watch, used[:] + audited
+        _WATCHING = None
+        replaced, seen = sys.getprofile() is not watch, used[:]
         if every_thread is not None:
             every_thread(previous)
         sys.setprofile(previous)

@@ -174,7 +174,7 @@ def best_split(fn: Any) -> Verdict:
                                   None if where is None else f"{where}, {stages} stages")
         if refused is not None:
             return refused
-        counts = _as_list(counts)
+        # (an array answer is a list already: _called settles what the answer returns)
         readable = isinstance(counts, Sequence) and not isinstance(counts, (str, bytes))
         why = _split_problem(costs, stages, counts if readable else [counts], shown=where)
         if why:
