@@ -3,7 +3,8 @@
 "Keeping the pullback": inside a ``shard_map`` program, a treedef traced once, buffers sized by
 ``jax.eval_shape`` and F's inputs cast to varying keep each microbatch's pullback in a row, and B
 rebuilt from that row gives ``jax.vjp``'s dx, with no collective inside a branch. "Toward a model of
-your own": the package's dropout keys, folded from the step's key, the microbatch and the part, repeat
+your own": a tied weight passed whole, cast to varying, each rank taking its own use's gradient and one
+psum adding them, gives ``jax.grad``'s gradient of both uses; the package's dropout keys, folded from the step's key, the microbatch and the part, repeat
 for the same three and differ otherwise; ``nnx.split`` / ``nnx.merge`` carry a module's arrays and rebuild it.
 """
 
@@ -59,6 +60,27 @@ def test_a_pullback_kept_in_rows_inside_the_program_gives_jax_vjps_dx_with_no_co
     want = jnp.stack([jnp.stack([jax.vjp(_stage(As[r], cs[r]), X[j], zero)[1](dY[j])[0] for j in range(m)])
                       for r in range(p)])
     np.testing.assert_allclose(keeping(As, cs, X, dY), want, atol=1e-5)
+
+
+def test_a_tied_weight_cast_to_varying_and_summed_by_one_psum_gets_both_uses_gradient():
+    def tied_uses(E, x, y):                      # rank 0 embeds with E, rank p - 1 scores with E.T
+        r = lax.axis_index("rank")
+
+        def loss(E):
+            embed = jnp.where(r == 0, jnp.sum(jnp.tanh(x @ E)), 0.0)
+            head = jnp.where(r == p - 1, jnp.sum((y @ E.T) ** 2), 0.0)
+            return embed + head
+        return lax.psum(jax.grad(loss)(vary(E)), "rank")   # each rank's own use, summed once
+
+    mesh = Mesh(np.array(jax.devices()[:p]), ("rank",))
+    E, x, y = (jax.random.normal(k, (d if i == 0 else samples, d)) / 16
+               for i, k in enumerate(jax.random.split(jax.random.key(2), 3)))
+    tied = jax.jit(shard_map(tied_uses, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P()))(E, x, y)
+    whole = jax.grad(lambda E: jnp.sum(jnp.tanh(x @ E)) + jnp.sum((y @ E.T) ** 2))(E)
+    np.testing.assert_allclose(tied, whole, rtol=1e-5, atol=1e-5)
+    untied = jax.jit(shard_map(lambda E, x, y: jax.grad(lambda E: jnp.sum(jnp.tanh(x @ E)))(vary(E))[None],
+                               mesh=mesh, in_specs=(P(), P(), P()), out_specs=P("rank")))(E, x, y)
+    assert not np.allclose(untied[0], whole, atol=1e-3)     # one use alone is not the tied gradient
 
 
 def test_dropout_keys_repeat_for_the_same_step_stage_and_microbatch_and_differ_otherwise():

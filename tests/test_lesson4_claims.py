@@ -54,3 +54,20 @@ def test_the_paper_layers_m_w_share_is_16_37_and_costs_rounds_it_up_to_7_16():
     for h, a in ((4096, 32), (2048, 16), (8192, 64)):
         share = Fraction(32 * h, 34 * h + 5 * a * 1024)
         assert share == Fraction(16, 37) and Fraction(6, 16) < share <= Fraction(7, 16) == zb.Costs().mem_w
+
+
+def test_the_walkthroughs_w3_in_a_short_gap_comes_from_the_greedy_rule_not_the_polish():
+    """Lesson 4's worked plan (p = 3, m = 6, limit 4 M_B): rank 0's W3 fills a gap shorter than T_W with
+    fill_partial off, and the greedy run under the winning rules, before the polish, already has rank 0's
+    order: the projected-span rule put W3 there."""
+    from zbpp_lite.course.walkthrough import narrate
+    from zbpp_lite.schedules.builders.greedy import per_rank_limits, plan
+    from zbpp_lite.schedules.ir import looped_placement
+
+    small = zb.Costs(f=1.0, b=1.3, w=0.6, comm=0.1)
+    walk = auto_plan(3, 6, small, 4)
+    placement, table = looped_placement(3, 3), small.table(3)
+    greedy = plan(placement, 6, table, per_rank_limits("zb-auto", 4, placement, table), walk.rules)
+    assert not walk.rules.fill_partial
+    assert greedy.schedule(placement, 6, "greedy").actions[0] == walk.schedule.actions[0]
+    assert any("W3" in x and "a gap under T_W" in x for x in narrate(walk.schedule, small, 0, 4))

@@ -1125,6 +1125,46 @@ class Lab:
     """Seconds :meth:`try_step`'s ``all_sum`` waits for every rank before it gives up."""
 
 
+def v_program_of(mesh: Any, case: dict) -> Callable:
+    """Lesson 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
+    (jitted program, args)``, lesson 9's ``rank_program`` and ``program_of`` over ``mesh`` with a chunk axis
+    (ZB-V's placement, arXiv 2405.15362: rank r holds stages r and 2p - 1 - r, its chunks 0 and 1).
+    ``make_tick(A, c, X, Y, first, last)`` gets the rank's A (2, 2, d, d) and c (2, 2, d), chunk first; X, Y
+    (m, samples, d); ``first``, ``last``: (2,) booleans, per chunk. Its tick gets the state (``act``,
+    ``grad``: (2, rows, samples, d); ``ins``, ``outs``, ``dz``: (2, rows, 2, samples, d); ``dA``, ``dc``: A's
+    and c's shapes; all float32, varying) and one tick's ``(kind, chunk, microbatch, recv)`` of
+    :func:`~zbpp_lite.runtime.spmd.tick_tables`, recv ``{source: (buffer, chunk, microbatch)}``."""
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from ..runtime.spmd import AXIS, shard_map, tick_tables, to_varying
+
+    p, m, samples, d = (case[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
+    held = np.array([[r, 2 * p - 1 - r] for r in range(p)])         # rank r's stages, chunk order
+
+    def rank_program(make_tick, rows, columns, held, A, c, X, Y):
+        held, A, c = held[0], A[0], c[0]
+        columns = jax.tree.map(lambda a: a[0], columns)              # this rank's row of each table
+        X, Y = to_varying((X, Y))
+
+        def zeros(name, *layers):
+            return jnp.zeros((2, rows[name], *layers, samples, d))   # chunk, row, ...
+
+        state = to_varying(dict(act=zeros("act"), grad=zeros("grad"), ins=zeros("ins", 2),
+                                outs=zeros("outs", 2), dz=zeros("dz", 2), dA=jnp.zeros(A.shape),
+                                dc=jnp.zeros(c.shape)))
+        state, ran = lax.scan(make_tick(A, c, X, Y, held == 0, held == 2 * p - 1), state, columns)
+        return state["dA"][None], state["dc"][None], ran[None]
+
+    def program_of(make_tick, name, rows, As, cs, X, Y):
+        t = tick_tables(build_schedule(name, p, m))
+        program = shard_map(functools.partial(rank_program, make_tick, rows), mesh,
+                            (P(AXIS),) * 4 + (P(), P()), P(AXIS))
+        return jax.jit(program), ((t.kind, t.chunk, t.microbatch, t.recv), held, As[held], cs[held], X, Y)
+
+    return program_of
+
+
 def _stub(make_tick: Callable) -> bool:
     """Whether a learner's ``make_tick`` is still a body of ``...`` (returns None; a real one may refuse the
     None arguments it is probed with)."""
@@ -1134,7 +1174,7 @@ def _stub(make_tick: Callable) -> bool:
         return False
 
 
-def tick_of(p: int, backward: Callable | None = None) -> Callable:
+def tick_of(p: int) -> Callable:
     """Lesson 9's tick, which the lesson runs before the learner writes exercise 9.3's (that one keeps
     microbatch j in row j % rows, for buffers of fewer rows):
     ``make_tick(A, c, X, Y, first, last) -> tick(state, (kind, microbatch)) -> (state, kind code run)`` for a
@@ -1144,13 +1184,10 @@ def tick_of(p: int, backward: Callable | None = None) -> Callable:
     1; tag 0 for nothing) and its code; two ``ppermute`` calls follow it on every rank (a collective inside
     a branch would wait for ranks that never enter it); what arrives is stored in row tag - 1 (tag 0: row -1
     rewritten with what it holds). ``first``/``last``: traced, so ``jnp.where`` picks rank 0's input and the
-    last rank's loss gradient (:func:`mlp_loss`'s mean squared error). ``backward(A, c, ins, outs, dy) -> (dx,
-    dz)`` replaces :func:`stage_B` in B and BW (lesson 9 runs one from ``jax.vjp``)."""
+    last rank's loss gradient (:func:`mlp_loss`'s mean squared error)."""
     from jax import lax
 
     from ..runtime.spmd import AXIS, to_varying
-
-    input_gradient = backward or (lambda A, c, ins, outs, dy: stage_B(A, outs, dy))  # (dx, dz)
 
     def make_tick(A, c, X, Y, first, last):
         m, samples, d = X.shape
@@ -1169,7 +1206,7 @@ def tick_of(p: int, backward: Callable | None = None) -> Callable:
 
         def backward(st, j):
             dy = jnp.where(last, 2 * (st["outs"][j, 1] - Y[j]) / (samples * d * m), st["grad"][j])
-            dx, dz = input_gradient(A, c, st["ins"][j], st["outs"][j], dy)
+            dx, dz = stage_B(A, st["outs"][j], dy)
             return {**st, "dz": st["dz"].at[j].set(dz)}, none, (dx, j + 1), 2
 
         def weight(st, j):
