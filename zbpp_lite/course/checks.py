@@ -125,14 +125,6 @@ def _whole(answer: Any) -> int:
     return int(value)
 
 
-def _as_list(answer: Any) -> Any:
-    """A 1-D NumPy or JAX array as the list of its values (Python ints, floats or strings); anything else
-    unchanged: a check that reads a sequence takes an array as it takes a list."""
-    if getattr(answer, "ndim", None) == 1 and hasattr(answer, "tolist"):
-        return answer.tolist()
-    return answer
-
-
 def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: str,
                   tol: float = 1e-6, known: dict[float, tuple[str, str]] | None = None) -> Verdict:
     """``answer`` against ``expected`` within ``tol`` (relative above 1); ``known`` maps a wrong answer the

@@ -10,7 +10,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _as_list, _function_check, _hand_schedule, _line_figure, _unanswered,
+from .checks import (Verdict, _function_check, _hand_schedule, _line_figure, _settled, _unanswered,
                      _with_fresh, course_cache)
 
 
@@ -146,7 +146,7 @@ def plan_around(order: Any) -> Verdict:
             "microbatch's trip down and back ends the step.")
     if _unanswered(order):
         return Verdict("4.3", False, "no answer yet: replace ... with rank 1's actions, in order.", hint)
-    order = _as_list(order)
+    order = _settled(order)
     if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
         return Verdict("4.3", False, f"expected a list of rank 1's actions such as ['1F0', '1F1', ...], "
                        f"got {order!r}.", hint)

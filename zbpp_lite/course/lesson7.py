@@ -11,8 +11,8 @@ from typing import Any, Callable, Sequence
 from ..schedules.builders import build_schedule
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import (Verdict, _as_list, _as_number, _called, _function_check, _function_missing,
-                     _one_slow_stage, _unanswered, _with_fresh, course_cache)
+from .checks import (Verdict, _as_number, _called, _function_check, _function_missing,
+                     _one_slow_stage, _settled, _unanswered, _with_fresh, course_cache)
 
 
 SLOW_MIDDLE_STAGE = _one_slow_stage(4, 2)
@@ -137,7 +137,7 @@ def balanced_partition(answer: Any) -> Verdict:
             "bound, see which stage breaks it, and raise it to the next stage total reachable.")
     if _unanswered(answer):
         return Verdict("7.2", False, "no answer yet: write the three layer counts.", hint)
-    answer = _as_list(answer)
+    answer = _settled(answer)
     if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence):
         return Verdict("7.2", False, f"expected three layer counts such as (3, 3, 2), got {answer!r}.", hint)
     why = _split_problem(LAYER_COSTS, 3, answer, say_best=False)
