@@ -618,13 +618,17 @@ def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):
         all_sum(0.0)
         return right(rank, grads, params, all_sum)
 
+    def no_lr(rank, grads, params, all_sum):   # round 45: the learning rate left out (not 1 in one run)
+        new = right(rank, grads, params, all_sum)
+        return {s: jax.tree_util.tree_map(lambda n, o: o + (n - o) / ex.STEP["lr"], new[s], params[s]) for s in new}
+
     lab.all_sum_wait = 2.0
     try:
         for answer, word in ((untied, "different steps"), (twice, "once per use"),
                              (skips, "never called it"), (per_stage, "different steps"),
                              (unclipped, "not clipped"), (always_scaled, "already under max_norm"),
                              (uses, "each use's squares"), (no_biases, "differ from clipped SGD"),
-                             (three_sums, "called all_sum 3 times")):
+                             (three_sums, "called all_sum 3 times"), (no_lr, "learning rate")):
             verdict = ex.optimizer_step(lab.try_step(answer))
             assert not verdict and verdict.hint and word in str(verdict), (answer.__name__, str(verdict))
     finally:
@@ -903,3 +907,39 @@ def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails
         verdict = ex.spmd_tick(lab.try_tick(copied))
         assert not verdict and "bench.tick_of" in verdict.message, str(verdict)
     assert bench.tick_of(4).__code__ is package.__code__   # put back after the check
+
+
+def test_round_45s_whole_model_gradients_beside_a_switch_that_does_nothing_fail(spmd_lesson):
+    """Round 45: exercise 9.4 answered by jax.value_and_grad of the whole model on every rank, its products
+    written as multiply-and-sum (no matrix product the check counts), beside a scan over ZB-H1's kind table
+    of a switch whose branches do nothing, is refused: its F, B and W branches run no matrix product."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from zbpp_lite.runtime.spmd import shard_map, tick_tables
+
+    p, m, mesh = spmd_lesson["p"], spmd_lesson["m"], spmd_lesson["mesh"]
+    kind = np.asarray(tick_tables(zb.build_schedule("zb-h1", p, m)).kind)   # before the step: not watched
+    mm = lambda a, b: (a[:, :, None] * b[None]).sum(1)  # noqa: E731
+
+    def fake(As, cs, H, X, Y):
+        def rank_step(kind, As, cs, H, X, Y):
+            def loss_fn(As, cs, H):
+                def one(xy):
+                    x, y = xy
+                    for s in range(p):
+                        for k in range(2):
+                            x = jnp.tanh(mm(x, As[s, k]) + cs[s, k])
+                    return jnp.mean((mm(x, H) - y) ** 2)
+                return jnp.mean(lax.map(one, (X, Y)))
+            loss, (dAs, dcs, dH) = jax.value_and_grad(loss_fn, argnums=(0, 1, 2))(As, cs, H)
+            lax.scan(lambda c, k: (c, lax.switch(k, [lambda: 0] * 4)), 0, kind[0])
+            r = lax.axis_index("rank")
+            return loss, dAs[r][None], dcs[r][None], dH
+        program = shard_map(rank_step, mesh, (P("rank"),) + (P(),) * 5, (P(), P("rank"), P("rank"), P()))
+        return jax.jit(program)(kind, As, cs, H, X, Y)
+
+    verdict = ex.spmd_step(spmd_lesson["lab"].try_step(fake))
+    assert not verdict and "run no matrix product" in verdict.message, str(verdict)

@@ -995,3 +995,47 @@ def test_round_41s_lazy_returns_hidden_hooks_and_other_processes_are_refused_and
         return CASES["3.3"][0](*point)
     assert not ex.zb_h2_bubble(traces)
     assert sys.gettrace() is None and threading.gettrace() is None and sys.getprofile() is None
+
+
+def test_round_45s_lazy_or_unreadable_tables_get_a_verdict_and_a_generator_of_right_rows_passes():
+    """Round 45 (a hostile tester on lessons 8-10): 9.1 answered by an object that builds the package's
+    lockstep form only when the check iterates it, and 10.2 by one that hands out the package's routing tables
+    only when indexed, are refused (the first read while the guard watches, the second no mapping); tables
+    holding infinity, 2**70, 2.5 or an object whose int() raises get a verdict, not an exception; 9.1's right
+    rows handed out by a generator pass."""
+    from zbpp_lite.runtime.spmd import tick_tables
+
+    def package_schedule(actions):
+        rows = tuple(tuple(zb.Action(k, s, j) for k, s, j in row) for row in actions)
+        stages = 1 + max(a.stage for row in rows for a in row)
+        placement = tuple(next(r for r, row in enumerate(rows) if any(a.stage == s for a in row))
+                          for s in range(stages))
+        return zb.Schedule(rows, placement, 1 + max(a.microbatch for row in rows for a in row), "lazy")
+
+    class LazyTicks:
+        def __init__(self, actions):
+            self.actions = actions
+
+        def __iter__(self):
+            return iter(lockstep_ticks(package_schedule(self.actions)))
+
+    class LazyRoutes:
+        def __init__(self, actions):
+            self.actions = actions
+
+        def __getitem__(self, source):
+            return tick_tables(package_schedule(self.actions)).recv[source]
+
+    class Bomb:
+        def __int__(self):
+            raise RuntimeError("boom")
+
+    verdict = ex.tick_table(LazyTicks)
+    assert not verdict and "zbpp_lite" in verdict.message, str(verdict)
+    verdict = ex.routing(lambda actions, placement, ticks: LazyRoutes(actions))
+    assert not verdict and "expected {source" in verdict.message, str(verdict)
+    for entry in (float("inf"), 2 ** 70, 2.5, Bomb()):
+        assert not ex.tick_table(lambda actions, x=entry: [[x]])
+        assert not ex.routing(lambda a, pl, ticks, x=entry: {s: ([[x] * len(ticks)] * len(a),) * 3
+                                                                 for s in ("left", "right", "self")})
+    assert ex.tick_table(lambda actions: (row for row in _ticks_one_by_one(actions, lag=1)))

@@ -1049,12 +1049,13 @@ class Lab:
         matrix, the second use's given the first's added (so the uses' gradients share a direction), each
         bias's rescaled to twice its matrix's norm (so that every leaf counts in the global norm).
         ``{"error", "runs": {name: {"params": the learner's step; SGD of the whole model clipped to the global
-        norm: "want" (the tied matrix's gradient the sum of its uses', counted once in the norm), "untied"
+        norm: "want" (the tied matrix's gradient the sum of its uses', counted once in the norm), "no_lr" (the
+        learning rate left out), "untied"
         (each use its own gradient), "twice" (the sum counted once per use), "uses" (each use's squares in the
         norm, not the sum's), "per_stage" (each stage clipped alone), "unclipped", "scaled" (to max_norm even
         from below); "calls": each rank's all_sum calls}}}``, each per stage new - old parameters (NumPy), as
-        :func:`.lesson8.optimizer_step` reads it; ``STEP``'s ``max_norm`` set as the run says (put back
-        after). A rank waiting :attr:`all_sum_wait` s in ``all_sum`` for another raises RuntimeError."""
+        :func:`.lesson8.optimizer_step` reads it; ``STEP``'s ``max_norm`` and ``lr`` set as the run says (put
+        back after). A rank waiting :attr:`all_sum_wait` s in ``all_sum`` for another raises RuntimeError."""
         leaves, ((s0, l0), (s1, l1)), per = jax.tree_util.tree_leaves, TIED, len(self.home[0])
         params = list(self.params)   # the model with its tie: the second use's A is the first's
         params[per * s1 + l1] = (params[per * s0 + l0][0], params[per * s1 + l1][1])
@@ -1074,19 +1075,21 @@ class Lab:
         free = sum(sq(a) for s, g in enumerate(per_stage) for i, a in enumerate(g) if not is_tied(s, i))
         uses = sq(per_stage[s0][2 * l0]) + sq(per_stage[s1][2 * l1])
 
-        def sgd(scales, summed=True):  # each stage's step, new - old parameters
-            return [[np.asarray(-STEP["lr"] * k * (tied if summed and is_tied(s, i) else a))
+        def sgd(scales, lr, summed=True):  # each stage's step, new - old parameters
+            return [[np.asarray(-lr * k * (tied if summed and is_tied(s, i) else a))
                      for i, a in enumerate(g)] for s, (g, k) in enumerate(zip(per_stage, scales))]
 
         def one(name):
-            placement, max_norm = STEP_RUNS[name]
+            placement, max_norm, lr = STEP_RUNS[name]
             clip = lambda total_sq: [min(1.0, max_norm / total_sq**0.5)] * self.S  # noqa: E731
             alone = [min(1.0, max_norm / sum(map(sq, g)) ** 0.5) for g in per_stage]
-            expected = dict(want=sgd(clip(free + sq(tied))), untied=sgd(clip(free + uses), summed=False),
-                            twice=sgd(clip(free + 2 * sq(tied))), uses=sgd(clip(free + uses)),
-                            per_stage=sgd(alone, summed=False),
-                            unclipped=sgd([1.0] * self.S),
-                            scaled=sgd([max_norm / (free + sq(tied)) ** 0.5] * self.S))
+            expected = dict(want=sgd(clip(free + sq(tied)), lr),
+                            untied=sgd(clip(free + uses), lr, summed=False),
+                            twice=sgd(clip(free + 2 * sq(tied)), lr), uses=sgd(clip(free + uses), lr),
+                            per_stage=sgd(alone, lr, summed=False),
+                            unclipped=sgd([1.0] * self.S, lr),
+                            scaled=sgd([max_norm / (free + sq(tied)) ** 0.5] * self.S, lr),
+                            no_lr=sgd(clip(free + sq(tied)), 1.0))
             ranks = max(placement) + 1
             shared, calls = [0.0] * ranks, [0] * ranks
             barrier = threading.Barrier(ranks, timeout=self.all_sum_wait)
@@ -1109,11 +1112,12 @@ class Lab:
                 return _need(optimizer_step(rank, {s: given[s] for s in mine}, {s: home[s] for s in mine},
                                             all_sum), "optimizer_step")
 
-            kept, STEP["max_norm"] = STEP["max_norm"], max_norm
+            kept = dict(STEP)
+            STEP.update(max_norm=max_norm, lr=lr)
             try:
                 new = {s: v for part in self.threads(ranks, work) for s, v in dict(part).items()}
             finally:
-                STEP["max_norm"] = kept
+                STEP.update(kept)
             got = [None if s not in new else [np.asarray(a, np.float64) - np.asarray(b)
                                               for a, b in zip(leaves(new[s]), leaves(home[s]))]
                    for s in range(self.S)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import math
 import numbers
 import os
@@ -25,6 +26,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from fractions import Fraction
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -168,19 +170,32 @@ class _OverBudget(Exception):
 _PLAIN = (bool, int, float, str, bytes, Fraction, type(None), type(Ellipsis))
 
 
+_MOST_ITEMS = 1_000_000
+"""The most items :func:`_settled` reads from an answer's iterator (an endless one would never end)."""
+
+
 def _settled(answer: Any) -> Any:
     """``answer`` as plain Python values, read while :func:`_alone` still watches, so that nothing the
     learner's code defines runs later, unwatched, when a check reads it: a NumPy scalar or 0-d array becomes
-    its Python number, another real number an int or float, a 1-D or object array a list, a tuple, list or
-    dict (subclasses too) a plain one of settled items; an int, float, bool, str, Fraction, None or a numeric
-    array of 2 or more axes is kept, as is anything else (which no check takes for an answer). One that
-    cannot be read becomes a text naming it."""
+    its Python number, another real number an int or float, a 1-D or object array a list, any other NumPy or
+    JAX array a plain NumPy array, a str a plain str, a dict or other mapping a dict and a tuple or list (or
+    any other iterable: a list, read to :data:`_MOST_ITEMS` items) a plain one, each item settled; an int,
+    float, bool, bytes, Fraction, None or Ellipsis is kept. Anything else, and an answer that cannot be read,
+    becomes a text naming it, which every check refuses."""
     kind = type(answer)
     if kind in _PLAIN:
         return answer
     try:
         if isinstance(answer, np.generic):
             return _settled(answer.item())   # the value stored, whatever the subclass's __float__ says
+        jax = sys.modules.get("jax")
+        if isinstance(answer, np.ndarray) or (jax is not None and isinstance(answer, jax.Array)):
+            array = np.asarray(answer)   # a plain ndarray: a subclass's methods are not called again
+            if array.ndim == 0:
+                return _settled(array.item())
+            return _settled(array.tolist()) if array.ndim == 1 or array.dtype == np.dtype(object) else array
+        if isinstance(answer, str):
+            return str.__str__(answer)
         if isinstance(answer, dict):
             return dict(zip(dict.keys(answer), map(_settled, dict.values(answer))))
         if isinstance(answer, (tuple, list)):   # (map: no frame of its own for the watch to see)
@@ -189,14 +204,21 @@ def _settled(answer: Any) -> Any:
             return int(answer)
         if isinstance(answer, numbers.Real):
             return float(answer)
-        if getattr(answer, "shape", None) == ():   # a 0-d array
+        if getattr(answer, "shape", None) == ():   # a 0-d array of another library
             return _settled(answer.item() if hasattr(answer, "item") else float(answer))
         if hasattr(answer, "tolist") and (getattr(answer, "ndim", None) == 1
                                           or getattr(answer, "dtype", None) == np.dtype(object)):
             return _settled(answer.tolist())
+        if isinstance(answer, Mapping):
+            return {k: _settled(v) for k, v in answer.items()}
+        if isinstance(answer, Iterable):
+            items = list(itertools.islice(answer, _MOST_ITEMS + 1))
+            if len(items) > _MOST_ITEMS:
+                return f"<a {kind.__name__} of more than {_MOST_ITEMS} items>"
+            return list(map(_settled, items))
     except Exception as e:  # noqa: BLE001  (an answer that cannot be read is an answer too)
         return f"<a {kind.__name__} that could not be read: {type(e).__name__}>"
-    return answer
+    return f"<a {kind.__name__}: not a number, text, sequence, dict or array>"
 
 
 _HOOK_CODES = frozenset(f.__code__ for f in (threading.setprofile, threading.settrace,

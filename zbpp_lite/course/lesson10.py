@@ -16,7 +16,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _called, _function_check, _function_missing, _with_fresh, course_cache
+from .checks import Verdict, _called, _function_check, _function_missing, _whole, _with_fresh, course_cache
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE
 from .lesson9 import _number, _pipeline_problem, _rows, _step_problem, _tick_run
 
@@ -114,10 +114,11 @@ def routing(answer: Any) -> Verdict:
             return refused
         want = _routes(schedule)   # (after the answer ran: nothing of it to read while it runs)
         case = f"{name} (p = {p}, m = {m})"
-        try:
-            got = {src: tuple(np.asarray(got[src][k], dtype=np.int64).reshape(p, len(ticks)).tolist()
+        try:   # each table (p, ticks) of whole numbers, as nested lists
+            got = {src: tuple([[_whole(x) for x in row] for row in
+                               np.asarray(got[src][k], dtype=object).reshape(p, len(ticks)).tolist()]
                               for k in range(3)) for src in want}
-        except (TypeError, ValueError, KeyError, IndexError):
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError):
             return Verdict("10.2", False, f"{case}: expected {{source: (buffer, chunk, microbatch)}} for "
                            f"sources {', '.join(want)}, each a ({p}, {len(ticks)}) table of ints.", hint)
         for t in range(len(ticks)):

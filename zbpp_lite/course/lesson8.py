@@ -426,12 +426,13 @@ STEP_TOLERANCE = 1e-3
 """Relative tolerance on a step (new - old parameters, to its largest magnitude, about 1e-4): float32
 parameters of up to 0.3 are rounded to about 3e-8."""
 
-STEP_RUNS = {"one stage per rank": ((0, 1, 2, 3), STEP["max_norm"]),
-             "V placement": ((0, 1, 1, 0), STEP["max_norm"]),
-             "a global norm under max_norm": ((0, 1, 2, 3), 1.0)}
+STEP_RUNS = {"one stage per rank": ((0, 1, 2, 3), STEP["max_norm"], STEP["lr"]),
+             "V placement": ((0, 1, 1, 0), STEP["max_norm"], 0.5),
+             "a global norm under max_norm": ((0, 1, 2, 3), 1.0, STEP["lr"])}
 """Exercise 8.4's runs: name -> (placement of :data:`BUILD_CASE`'s 4 stages, stage -> rank; the ``max_norm``
-:data:`STEP` holds during the run). The last's 1.0 is above the gradient's norm, 0.09: no clipping. On the V
-placement both uses of :data:`TIED` are on rank 0."""
+and ``lr`` :data:`STEP` holds during the run). The last's 1.0 is above the gradient's norm, 0.09: no
+clipping. On the V placement both uses of :data:`TIED` are on rank 0, and the learning rate is not 1: a step
+that leaves it out fails there."""
 
 TIED = ((0, 0), (3, 1))
 """Exercise 8.4's tie, (stage, layer) of each use: stage 0's first A and stage 3's last A are one (d, d)
@@ -442,7 +443,7 @@ is the sum of its two uses' gradients; each use's rank holds one of them."""
 def optimizer_step(result: Any) -> Verdict:
     """Exercise 8.4: ``optimizer_step(rank, grads, params, all_sum)`` written by the learner, run on one
     thread per rank by lesson 8's ``lab.try_step``; ``result`` is ``{"error", "runs": {name: {"params",
-    "want", "untied", "twice", "per_stage", "unclipped", "scaled", "calls"}}}`` (per stage the step,
+    "want", "untied", "twice", "per_stage", "unclipped", "scaled", "no_lr", "calls"}}}`` (per stage the step,
     new - old, as NumPy leaves; None: a stage not returned; "calls": each rank's all_sum calls).
     Right when every stage's new parameters equal SGD on the whole model, the :data:`TIED` matrix's gradient
     the sum of its two uses', with the gradient clipped to the global norm :data:`STEP` ``["max_norm"]``,
@@ -479,6 +480,8 @@ def optimizer_step(result: Any) -> Verdict:
         "unclipped": ("the step was not clipped.", hint),
         "scaled": ("the gradient's norm was already under max_norm, yet your step scaled it.",
                    "clipping is a limit, not a target: what should it do to a gradient already within it?"),
+        "no_lr": ("the step left out the learning rate, ex.STEP[\"lr\"] (not 1 in this run).",
+                  "SGD moves each parameter by the learning rate times its clipped gradient."),
     }
     for name in STEP_RUNS:
         run = result["runs"].get(name)
@@ -499,7 +502,7 @@ def optimizer_step(result: Any) -> Verdict:
         if _rel_diff(got[s0][2 * l0], got[s1][2 * l1]) > STEP_TOLERANCE:
             return Verdict("8.4", False, f"{name}: {wrong['untied'][0]}", wrong["untied"][1])
         for key, (what, why) in wrong.items():
-            if near(got, run[key]):
+            if key in run and near(got, run[key]):
                 return Verdict("8.4", False, f"{name}: {what}", why)
         return Verdict("8.4", False, f"{name}: the new parameters differ from clipped SGD of the whole "
                        "model.", hint)

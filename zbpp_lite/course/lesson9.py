@@ -18,7 +18,7 @@ from ..schedules.ir import KIND_CODE
 from ..schedules.program import consumer_stage
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
-from .checks import (Verdict, _called, _function_check, _function_missing, _unanswered, _with_fresh,
+from .checks import (Verdict, _called, _function_check, _function_missing, _unanswered, _whole, _with_fresh,
                      course_cache)
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, gradient_problem
 
@@ -174,8 +174,8 @@ def tick_table(answer: Any) -> Verdict:
             return refused
         want = lockstep_ticks(schedule)
         try:
-            got = [[None if i is None else int(i) for i in row] for row in got]
-        except (TypeError, ValueError):
+            got = [[None if i is None else _whole(i) for i in row] for row in got]
+        except (TypeError, ValueError, OverflowError):
             return Verdict("9.1", False, f"{name}: expected a list of ticks, each a list of indices or None.",
                            hint)
         for t, (mine, ref) in enumerate(zip(got, want)):
@@ -345,13 +345,13 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
     (:func:`~zbpp_lite.course.bench.branch_products`, :func:`~zbpp_lite.course.bench.loose_products`): no
     tick's ``lax.switch`` over the kinds; any matrix product outside the switches (the model's work beside
     the schedule's actions, or W's deferred past the loop; sums after it, such as a ``psum``, are no
-    products);
-    a tick table among its constants that is not ZB-H1's, or none (``result["order"]`` False or None);
-    an idle branch running any; an F branch running more than ``most`` (one stage's, the head's included);
-    a B running more than F, a W more than F + ``w_more`` (a gradient F applies without a product, such as
-    a scale's or an embedding's, may be one) or any product summing over other than the microbatch's
-    samples (``result["w_reruns"]``: F's or B's work again), any further branch (BW, or more) more than B
-    and W together; else None. A ``scan``'s body counts once per iteration."""
+    products); a tick table among its constants that is not ZB-H1's, or none (``result["order"]`` False or
+    None); an idle branch running any; an F branch running more than ``most`` (one stage's, the head's
+    included); a B running more than F, a W more than F + ``w_more`` (a gradient F applies without a product,
+    such as a scale's or an embedding's, may be one) or any product summing over other than the
+    microbatch's samples (``result["w_reruns"]``: F's or B's work again), any further branch (BW, or more)
+    more than B and W together; an F, B or W branch running none (the work done elsewhere); else None. A
+    ``scan``'s body counts once per iteration."""
     products, loose = result.get("products"), result.get("loose", 0)
     if products is None:
         return Verdict(key, False, "no lax.switch over the tick's kinds (0 idle, 1 F, 2 B, 3 W) found in the "
@@ -385,6 +385,12 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
                        "over the microbatch's samples: a weight's gradient sums over the samples (x.T @ dz), "
                        "so W runs F's or B's products again.",
                        "keep what each weight multiplies in F, and its gradient from B, for W.")
+    empty = [kind for kind, n in (("F", f), ("B", b), ("W", w)) if n == 0]
+    if empty:
+        names = empty[0] if len(empty) == 1 else ", ".join(empty[:-1]) + " and " + empty[-1]
+        runs = "branches run" if len(empty) > 1 else "branch runs"
+        return Verdict(key, False, f"the switch's {names} {runs} no matrix product: the stage's work runs "
+                       "elsewhere, not as the schedule's actions.", hint)
     if "order" in result and result["order"] is None:
         return Verdict(key, False, "no tick table (kinds by rank and tick: whole numbers 0 to 4) is among "
                        "the program's constants, so the check cannot tell which order it runs.",
