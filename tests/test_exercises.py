@@ -4,6 +4,7 @@ definitions, so each check's simulator-computed reference is tested against them
 
 from __future__ import annotations
 
+import decimal
 import functools
 import itertools
 import math
@@ -1039,3 +1040,5 @@ def test_round_45s_lazy_or_unreadable_tables_get_a_verdict_and_a_generator_of_ri
         assert not ex.routing(lambda a, pl, ticks, x=entry: {s: ([[x] * len(ticks)] * len(a),) * 3
                                                                  for s in ("left", "right", "self")})
     assert ex.tick_table(lambda actions: (row for row in _ticks_one_by_one(actions, lag=1)))
+    assert ex.lockstep_1f1b(lambda p, m: decimal.Decimal(4 * m + 3 * p - 4))   # a Decimal is a number
+    assert ex.tick_table(lambda actions: map(tuple, _ticks_one_by_one(actions, lag=1)))   # rows as tuples

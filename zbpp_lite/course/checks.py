@@ -16,6 +16,7 @@ Sources: arXiv 2401.10241 sections 2-3 (bubbles, memory, heuristic); arXiv 2405.
 from __future__ import annotations
 
 import copy
+import decimal
 import functools
 import itertools
 import math
@@ -177,11 +178,11 @@ _MOST_ITEMS = 1_000_000
 def _settled(answer: Any) -> Any:
     """``answer`` as plain Python values, read while :func:`_alone` still watches, so that nothing the
     learner's code defines runs later, unwatched, when a check reads it: a NumPy scalar or 0-d array becomes
-    its Python number, another real number an int or float, a 1-D or object array a list, any other NumPy or
-    JAX array a plain NumPy array, a str a plain str, a dict or other mapping a dict and a tuple or list (or
-    any other iterable: a list, read to :data:`_MOST_ITEMS` items) a plain one, each item settled; an int,
-    float, bool, bytes, Fraction, None or Ellipsis is kept. Anything else, and an answer that cannot be read,
-    becomes a text naming it, which every check refuses."""
+    its Python number, another real number (a Decimal too) an int or float, a 1-D or object array a list,
+    any other NumPy or JAX array a plain NumPy array, a str a plain str, a dict or other mapping a dict and a
+    tuple or list (or any other iterable: a list, read to :data:`_MOST_ITEMS` items) a plain one, each item
+    settled; an int, float, bool, bytes, Fraction, None or Ellipsis is kept. Anything else, and an answer
+    that cannot be read, becomes a text naming it, which every check refuses."""
     kind = type(answer)
     if kind in _PLAIN:
         return answer
@@ -202,7 +203,7 @@ def _settled(answer: Any) -> Any:
             return (tuple if isinstance(answer, tuple) else list)(map(_settled, answer))
         if isinstance(answer, numbers.Integral):
             return int(answer)
-        if isinstance(answer, numbers.Real):
+        if isinstance(answer, (numbers.Real, decimal.Decimal)):
             return float(answer)
         if getattr(answer, "shape", None) == ():   # a 0-d array of another library
             return _settled(answer.item() if hasattr(answer, "item") else float(answer))
