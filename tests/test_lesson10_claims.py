@@ -4,8 +4,9 @@
 ``jax.eval_shape`` and F's inputs cast to varying keep each microbatch's pullback in a row, and B
 rebuilt from that row gives ``jax.vjp``'s dx, with no collective inside a branch. "Toward a model of
 your own": a tied weight passed whole, cast to varying, each rank taking its own use's gradient and one
-psum adding them, gives ``jax.grad``'s gradient of both uses; the package's dropout keys, folded from the step's key, the microbatch and the part, repeat
-for the same three and differ otherwise; ``nnx.split`` / ``nnx.merge`` carry a module's arrays and rebuild it.
+psum adding them, gives ``jax.grad``'s gradient of both uses; the package's dropout keys, folded from the
+step's key, the microbatch and the part, repeat for the same three and differ otherwise; ``nnx.split`` /
+``nnx.merge`` carry a module's arrays and rebuild it.
 """
 
 from __future__ import annotations

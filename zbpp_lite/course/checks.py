@@ -25,9 +25,9 @@ import os
 import random
 import sys
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Sequence
 
 import numpy as np
