@@ -137,9 +137,9 @@ def head_loss(params: list, H: jax.Array, X: jax.Array, Y: jax.Array) -> jax.Arr
 
 class SpmdLab:
     """Lessons 9 and 10's test bench around the lesson's ``program_of(make_tick, name, rows, As, cs, Xm, Ym)
-    -> (jitted program, (columns, ..., As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``, returning
-    ``(dA, dc, ran)`` per rank, ``(ranks, [chunks,] 2, ...)``; ``columns``: the tick tables it scans, kind
-    first; ``As``, ``cs``: every stage's, stacked): ``arrays`` =
+    -> (jitted program, (tables, ..., As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``, returning
+    ``(dA, dc, ran)`` per rank, ``(ranks, [chunks,] 2, ...)``; ``tables``: the (ranks, ticks) tick tables
+    it scans, kind first; ``As``, ``cs``: every stage's, stacked): ``arrays`` =
     :func:`stacked_mlp` of ``case`` (one stage per rank at :data:`BUILD_CASE`, two on the V at
     :data:`~.lesson10.V_CASE`), ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked as ``As``,
     ``cs``, and what hands the learner's ``make_tick`` to the checks."""
@@ -556,8 +556,8 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
         mpmd, lock = (simulate(schedule, costs, lockstep=ls).makespan for ls in (False, True))
         program, args = compile_spmd(name)
         executor = PipelineExecutor(model, schedule, devices[:p])
-        (kind, *columns), rest = args[0], args[1:]
-        spmd_s, idle_s = fastest(program, *args, n=3), fastest(program, (0 * kind, *columns), *rest, n=3)
+        (kind, *tables), rest = args[0], args[1:]
+        spmd_s, idle_s = fastest(program, *args, n=3), fastest(program, (0 * kind, *tables), *rest, n=3)
         mpmd_s = fastest(lambda: executor.run(model.params, X, Y).loss, n=3)
         print(f"{name:>6}: simulated event-driven {mpmd * 1e3:.1f} ms, lockstep {lock * 1e3:.1f} ms "
               f"(+{lock / mpmd - 1:.0%}); measured step: MPMD executor {mpmd_s * 1e3:.1f} ms, SPMD "
@@ -1146,10 +1146,9 @@ def v_program_of(mesh: Any, case: dict) -> Callable:
     p, m, samples, d = (case[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
     held = np.array([[r, 2 * p - 1 - r] for r in range(p)])         # rank r's stages, chunk order
 
-    def rank_program(make_tick, rows, columns, held, A, c, X, Y):
+    def rank_program(make_tick, rows, rank_tables, held, A, c, X, Y):
         held, A, c = held[0], A[0], c[0]
-        columns = jax.tree.map(lambda a: a[0], columns)              # this rank's row of each table
-        X, Y = to_varying((X, Y))
+        rank_tables = jax.tree.map(lambda a: a[0], rank_tables)      # this rank's row of each table
 
         def zeros(name, *layers):
             return jnp.zeros((2, rows[name], *layers, samples, d))   # chunk, row, ...
@@ -1157,7 +1156,7 @@ def v_program_of(mesh: Any, case: dict) -> Callable:
         state = to_varying(dict(act=zeros("act"), grad=zeros("grad"), ins=zeros("ins", 2),
                                 outs=zeros("outs", 2), dz=zeros("dz", 2), dA=jnp.zeros(A.shape),
                                 dc=jnp.zeros(c.shape)))
-        state, ran = lax.scan(make_tick(A, c, X, Y, held == 0, held == 2 * p - 1), state, columns)
+        state, ran = lax.scan(make_tick(A, c, X, Y, held == 0, held == 2 * p - 1), state, rank_tables)
         return state["dA"][None], state["dc"][None], ran[None]
 
     def program_of(make_tick, name, rows, As, cs, X, Y):

@@ -295,8 +295,8 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
                     return Verdict(key, False, f"{name}: {bad}.", "a BW (kind 4) ran as a W: lax.switch "
                                    "clamps an index past its last branch, so BW needs a fifth branch, B then "
                                    "W.")
-            return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's tick columns in order; each "
-                           "branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
+            return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's row of each tick table, in "
+                           "order; each branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
         problem = _pipeline_problem(key, run, 2, hint) if "products" in run else None   # a stage's 2 layers
         if problem is None:   # (a refusal is a false Verdict)
             problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"], otherwise)
