@@ -77,3 +77,15 @@ def test_on_the_v_both_directions_carry_both_kinds_and_the_busiest_stages_rows_s
         for buffer, rows in ex.buffer_depths(schedule).items():
             for s in (s for s in range(2 * p) if rows[s]):   # stage 0 receives no act, the last no grad
                 assert "!" not in ex.buffer_rows(schedule, max(rows), buffer, s), (m, buffer, s)
+
+
+def test_the_tick_table_written_in_the_lesson_is_what_the_package_prints():
+    """Lesson 9 writes ZB-H1's tick 8 into its source (read on GitHub, no cell has run): the same lines as
+    ``ex.tick_messages(schedule, 8)`` prints, less its reads -> keeps column."""
+    from pathlib import Path
+
+    source = (Path(__file__).parent.parent / "notebooks" / "09_spmd_pipeline.md").read_text(encoding="utf-8")
+    written = source.split("```text\n")[1].split("```")[0].rstrip("\n").splitlines()
+    printed = ex.tick_messages(zb.build_schedule("zb-h1", 4, 8), 8).splitlines()
+    start, end = printed[0].index("reads -> keeps"), printed[0].index("sends down")
+    assert written == [(line[:start] + line[end:]).rstrip() for line in printed]
