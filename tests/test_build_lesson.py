@@ -796,11 +796,12 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     per_rank = lambda src: src.replace('lax.psum(st["loss"], "rank")', 'st["loss"][None]').replace(  # noqa: E731
         "out_specs=(P(), ", 'out_specs=(P("rank"), ')
     every_rank = lambda src: src.replace("jnp.where(last, y.T @ dlogits, 0.0)", "y.T @ dlogits")  # noqa: E731
-    packaged = lambda src: src.replace("ticks = ticks_of(actions)",  # noqa: E731
-                                       "ticks = lockstep_ticks(zb.build_schedule('zb-h1', p, m))")
+    packaged = lambda src: src.replace(  # noqa: E731
+        "ticks = ticks_of([[(a.kind, a.stage, a.microbatch) for a in row] for row in acts])",
+        "ticks = lockstep_ticks(zb.build_schedule('zb-h1', p, m))")
     other_order = lambda src: src.replace('build_schedule("zb-h1", p, m)', 'build_schedule("zb-h2", p, m)')  # noqa: E731
     every_f_first = lambda src: src.replace(  # noqa: E731
-        ".actions]", ".actions]\n    actions = [sorted(row, key=lambda a: 'FBW'.index(a[0])) for row in actions]", 1)
+        ".actions\n", ".actions\n    acts = [sorted(row, key=lambda a: 'FBW'.index(a.kind)) for row in acts]\n", 1)
     stacked = lambda src: other_order(src).replace(  # noqa: E731   round 35: ZB-H2's tables as one array
         "    def rank_step(kind, microbatch, A, c, H, X, Y):\n",
         "    def rank_step(tables, A, c, H, X, Y):\n        kind, microbatch = tables[0], tables[1]\n").replace(
