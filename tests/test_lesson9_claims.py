@@ -92,8 +92,9 @@ def test_the_tick_table_written_in_the_lesson_is_what_the_package_prints():
 
 
 def test_the_flat_program_written_in_the_lesson_is_python_and_uses_the_lessons_names():
-    """Lesson 9's "The whole program" is a listing, not a cell: it must parse, and every
-    JAX call and helper it names must be one the lesson's cells define or use."""
+    """Lesson 9's "The whole program" is a listing, not a cell: it must parse, name vary, store and the
+    sizes, and the calls it rests on (switch, ppermute, scan, axis_index, the cast, the store, the message
+    of nothing) must be ones the lesson's cells run."""
     import ast
     from pathlib import Path
 
