@@ -7,10 +7,14 @@ F's before the first B and the W lag are lesson 3's (Qi et al., arXiv 2401.10241
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import zbpp_lite as zb
 from zbpp_lite import course as ex
+
+LESSON = Path(__file__).parent.parent / "notebooks" / "09_spmd_pipeline.md"
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
@@ -82,9 +86,7 @@ def test_on_the_v_both_directions_carry_both_kinds_and_the_busiest_stages_rows_s
 def test_the_tick_table_written_in_the_lesson_is_what_the_package_prints():
     """Lesson 9 writes ZB-H1's tick 8 into its source (read on GitHub, no cell has run): the same lines as
     ``ex.tick_messages(schedule, 8)`` prints, less its reads -> keeps column."""
-    from pathlib import Path
-
-    source = (Path(__file__).parent.parent / "notebooks" / "09_spmd_pipeline.md").read_text(encoding="utf-8")
+    source = LESSON.read_text(encoding="utf-8")
     written = source.split("```text\n")[1].split("```")[0].rstrip("\n").splitlines()
     printed = ex.tick_messages(zb.build_schedule("zb-h1", 4, 8), 8).splitlines()
     start, end = printed[0].index("reads -> keeps"), printed[0].index("sends down")
@@ -96,9 +98,7 @@ def test_the_flat_program_written_in_the_lesson_is_python_and_uses_the_lessons_n
     sizes, and the calls it rests on (switch, ppermute, scan, axis_index, the cast, the store, the message
     of nothing) must be ones the lesson's cells run."""
     import ast
-    from pathlib import Path
-
-    source = (Path(__file__).parent.parent / "notebooks" / "09_spmd_pipeline.md").read_text(encoding="utf-8")
+    source = LESSON.read_text(encoding="utf-8")
     listing = source.split("## The whole program")[1].split("```python\n")[1].split("```")[0]
     names = {n.id for n in ast.walk(ast.parse(listing)) if isinstance(n, ast.Name)}
     cells = "\n".join(part.split("```")[0] for part in source.split("```{code-cell} ipython3\n")[1:])
