@@ -56,7 +56,7 @@ def test_interleaved_rank_0_holds_more_than_1f1b_and_looped_links(p):
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
 def test_interleaved_makespan_with_transfers_is_the_critical_path_form(p):
-    """Exercise 6.2's form: a whole rank's T_F = T_B = T_W = 1, T_comm = c at most a stage's T_F (1/v):
+    """Exercise 6.1's form: a whole rank's T_F = T_B = T_W = 1, T_comm = c at most a stage's T_F (1/v):
     3m + 3(p-1)/v + 2(vp - 1)c, m a multiple of p (the first microbatch's forward and the last one's
     backward cross vp - 1 links each; every other transfer hides behind an action)."""
     for v in range(1, 5):
@@ -108,7 +108,7 @@ def test_the_recorded_gpt_job_cannot_rank_the_schedules():
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6, 9, 12])
 def test_interleaved_v_plus_1_ties_v_at_3_p_minus_1_over_2p_v_v_plus_1(p):
-    """Exercise 6.2's closed form: with a stage's T_F = T_B = T_W = 1/v and m a multiple of p, v + 1 stages
+    """Exercise 6.1's closed form: with a stage's T_F = T_B = T_W = 1/v and m a multiple of p, v + 1 stages
     per rank and v take equal time at T_comm = 3(p - 1) / (2p v (v + 1)) for v >= 2, v + 1 faster just below
     and slower just above (at v = 1, T_comm that large is no longer hidden in the steady state)."""
     from zbpp_lite.course.lesson6 import _tie

@@ -86,7 +86,7 @@ def _unanswered(answer: Any) -> bool:
 
 def _crossings(placement: tuple[int, ...], m: int) -> int:
     """Values that cross between ranks in one step of m microbatches through the stages of ``placement``
-    (stage -> rank; exercises 5.1 and 6.1): each link between consecutive stages on two ranks carries m
+    (stage -> rank; exercise 5.1): each link between consecutive stages on two ranks carries m
     activations down and m input gradients back."""
     return 2 * m * sum(a != b for a, b in zip(placement, placement[1:]))
 

@@ -12,14 +12,13 @@ import plotly.graph_objects as go
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
-from ..schedules.ir import looped_placement
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _called, _crossings, _function_check, _function_missing, _whole, _with_fresh,
+from .checks import (Verdict, _function_check, _with_fresh,
                      course_cache)
 
 
 INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, compared=(2, 3))
-"""Exercise 6.2's reveal: interleaved 1F1B, p = 4, m = 8, a whole rank's T_F = T_B = T_W = 1 (each of v
+"""Exercise 6.1's reveal: interleaved 1F1B, p = 4, m = 8, a whole rank's T_F = T_B = T_W = 1 (each of v
 stages per rank costs 1/v of it), T_comm = c; v = 2 against v = 3, for c up to one stage's T_F."""
 
 
@@ -53,7 +52,7 @@ def _tie(p: int, v: int) -> float:
 
 
 def interleaved_crossover(fn: Any) -> Verdict:
-    """Exercise 6.2: ``tie(p, v)``, the T_comm at which interleaved 1F1B with v + 1 stages per rank is exactly
+    """Exercise 6.1: ``tie(p, v)``, the T_comm at which interleaved 1F1B with v + 1 stages per rank is exactly
     as fast as with v (v >= 2; below it v + 1 is faster), a stage's T_F = T_B = T_W = 1/v (a whole rank's 1)
     and m a multiple of p; predicted, which needs the makespan as a function of v and T_comm (which
     transfers lie on the critical path: vp - 1 links each way). Checked at p = 2 to 6, v = 2 to 4 and at
@@ -74,7 +73,7 @@ def interleaved_crossover(fn: Any) -> Verdict:
              (lambda p, v: 3 / (2 * v * (v + 1)),
               "that counts p - 1 links per pass over the ranks; between two passes the hop from rank p-1 "
               "back to rank 0 is a link too.")]
-    return _function_check("6.2", fn, _with_fresh(fixed, draw, 3), _tie, "tie(p, v)", hint, known=known)
+    return _function_check("6.1", fn, _with_fresh(fixed, draw, 3), _tie, "tie(p, v)", hint, known=known)
 
 
 @course_cache(maxsize=128)
@@ -84,7 +83,7 @@ def _interleaved_peak(p: int, v: int, m: int) -> tuple:
 
 
 def interleaved_peak(fn: Any) -> Verdict:
-    """Exercise 6.3: ``peak(p, v, m, r)``, the most forwards' activations (M_B/v each) rank r holds under
+    """Exercise 6.2: ``peak(p, v, m, r)``, the most forwards' activations (M_B/v each) rank r holds under
     interleaved 1F1B with v stages per rank, m a multiple of p; checked for p = 2..5, v = 1..6, m = p, 2p
     and 3p, every rank, at six points drawn afresh at each call (p = 6..16, v = 1..6, m = p to 3p), and at
     one with p = 40..80 against the closed form min(vm, vp + p - 1 - 2r) the tests check up to p = 16. At
@@ -115,7 +114,7 @@ def interleaved_peak(fn: Any) -> Verdict:
     def expected(p, v, m, r):
         return _interleaved_peak(p, v, m)[r] if p <= 16 else min(v * m, v * p + p - 1 - 2 * r)
 
-    return _function_check("6.3", fn, [*_with_fresh(points, draw, 6), *_with_fresh([], deep, 1)],
+    return _function_check("6.2", fn, [*_with_fresh(points, draw, 6), *_with_fresh([], deep, 1)],
                            expected, "peak(p, v, m, r)",
                            "follow microbatch 0 from rank r's first stage to rank r's first backward, which "
                            "is for its last stage: count the stages it passes on the way down and the way "
@@ -124,64 +123,12 @@ def interleaved_peak(fn: Any) -> Verdict:
                            "that many forwards to run.", known=known)
 
 
-def _zigzag_placement(p: int, v: int) -> tuple[int, ...]:
-    """Stage -> rank for v passes over p ranks that turn at each end (down, up, down, ...): lesson 5's V
-    (:func:`~zbpp_lite.schedules.ir.v_placement`) at v = 2."""
-    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(v * p))
-
-
-def link_crossings(fn: Any) -> Verdict:
-    """Exercise 6.1 (derived): ``transfers(p, v, m) -> (looped, zigzag)``, how many values (activations
-    down, input gradients back) cross between ranks in one step of m microbatches with v stages per rank:
-    interleaved 1F1B's looped placement (stage s on rank s % p; Narayanan et al., SC 2021) and the zigzag
-    of v passes, down and up in turn (lesson 5's V at v = 2; arXiv 2405.15362, section 3). 2m(vp - 1) and
-    2mv(p - 1), both 0 at p = 1. Checked at p = 1..6, v = 1..4, m = 1, 3, 8; the stage count for both, the
-    activations alone and the looped count at p = 1 get their own message."""
-    hint = ("list the stages a microbatch passes, 0 .. vp - 1, with each one's rank: a value crosses between "
-            "ranks where two consecutive stages sit on different ranks, once on the way down and once on the "
-            "way back. Where does the zigzag stay on a rank, and where does the looped placement?")
-    missing = _function_missing("6.1", fn, hint, "transfers", "a function transfers(p, v, m)")
-    if missing is not None:
-        return missing
-    points = [(p, v, m) for p in (2, 3, 4, 5, 6, 1) for v in range(1, 5) for m in (1, 3, 8)]   # p = 1 last
-    for p, v, m in points:
-        got, refused = _called("6.1", fn, (p, v, m), hint)
-        if refused is not None:
-            return refused
-        want = (_crossings(looped_placement(p, v * p), m), _crossings(_zigzag_placement(p, v), m))
-        try:
-            got = tuple(_whole(x) for x in got)
-            if len(got) != 2:
-                raise ValueError(len(got))
-        except (TypeError, ValueError):
-            return Verdict("6.1", False, f"transfers{(p, v, m)} gave {got!r}: expected two whole counts, "
-                           "(looped, zigzag).", hint)
-        if got == want:
-            continue
-        off = [f"the {name} count is too {'high' if g > w else 'low'}"
-               for name, g, w in zip(("looped", "zigzag"), got, want) if g != w]
-        where = f"transfers{(p, v, m)} is {got}: {' and '.join(off)}"   # not the right pair: no fitting
-        if got == (2 * m * (v * p - 1),) * 2 and p > 1:
-            why = ("every link between consecutive stages counted as a crossing, for both: on the zigzag, "
-                   "where does a pass end and the next begin?")
-        elif got == (want[0] // 2, want[1] // 2):
-            why = "that counts the activations alone: each one's input gradient crosses back."
-        elif p == 1 and got[0]:
-            why = "with one rank every stage sits on rank 0: what crosses?"
-        else:
-            why = hint
-        return Verdict("6.1", False, f"{where}: {why}", hint)
-    return Verdict("6.1", True, f"transfers(p, v, m) agrees at all {len(points)} points: the looped "
-                   "placement crosses a link between every two stages (the hop from rank p - 1 back to rank "
-                   "0 included), the zigzag all but v - 1 of them.")
-
-
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "6.1": link_crossings, "6.2": interleaved_crossover, "6.3": interleaved_peak
+    "6.1": interleaved_crossover, "6.2": interleaved_peak
 }
 """Lesson 6's exercises by id -> check."""
 
-def _reveal_6_2():
+def _reveal_6_1():
     fewer, more = INTERLEAVED_CASE["compared"]
     comms = [k / 64 for k in range(0, 1 + int(64 * INTERLEAVED_CASE["whole_rank"] / more))]
     fig = go.Figure(layout=dict(title="interleaved 1F1B, p = 4, m = 8: makespan against T_comm",
@@ -192,10 +139,10 @@ def _reveal_6_2():
     return fig
 
 
-REVEALS: dict[str, Callable[[], Any]] = {"6.2": _reveal_6_2}
+REVEALS: dict[str, Callable[[], Any]] = {"6.1": _reveal_6_1}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "INTERLEAVED_CASE", "recorded", "interleaved_crossover", "interleaved_peak", "link_crossings",
+    "INTERLEAVED_CASE", "recorded", "interleaved_crossover", "interleaved_peak",
     "EXERCISES", "REVEALS"
 ]

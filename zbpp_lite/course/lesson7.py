@@ -12,7 +12,7 @@ from ..schedules.builders import build_schedule
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
 from .checks import (Verdict, _as_number, _called, _function_check, _function_missing,
-                     _one_slow_stage, _settled, _unanswered, _with_fresh, course_cache)
+                     _one_slow_stage, _with_fresh, course_cache)
 
 
 SLOW_MIDDLE_STAGE = _one_slow_stage(4, 2)
@@ -60,132 +60,150 @@ def slow_stage_idle(fn: Any) -> Verdict:
 
 
 LAYER_COSTS = (1.0, 2.0, 2.0, 5.0, 4.0, 2.0, 1.0, 4.0)
-"""Exercise 7.2's per-layer costs (T_F + T_B + T_W of each of 8 layers), cut into 3 contiguous stages: the
-bound max(total / 3, costliest layer) = 7 is out of reach (the best cut's slowest stage is 9), and filling
-stages up to a third of the total misses the best cut."""
+"""The lesson's 8 layers: per-layer cost (T_F + T_B + T_W); exercise 7.2's first case, with
+:data:`LAYER_ACTS` and a limit of 8 on 3 ranks, where the fastest cut by time alone, 5, 9, 7 (layers 3, 2,
+3), leaves rank 0 holding 3 x 3 = 9 and the best cut that fits is 11 (2, 3, 3 or 2, 2, 4)."""
 
+LAYER_ACTS = (1.0,) * 8
+"""What each of :data:`LAYER_COSTS`' layers keeps per microbatch in exercise 7.2's first case (units)."""
 
-SPLIT_CASES = ((LAYER_COSTS, 3), ((2.0, 1.0, 3.0, 1.0, 4.0, 4.0, 4.0, 4.0), 3),
-               ((1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0), 3), ((7.0, 8.0, 5.0, 7.0, 6.0), 3),
-               ((3.0, 1.0, 1.0, 1.0), 2), ((1.0, 1.0, 1.0, 5.0), 2), ((2.0, 1.0, 1.0, 2.0), 3),
-               ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0), 3), ((5.0, 1.0, 1.0, 1.0, 1.0, 1.0), 3),
-               ((3.0, 3.0, 2.0, 2.0, 2.0, 3.0, 3.0), 3), ((1.0, 2.0, 1.0), 1), ((4.0, 1.0, 2.0, 7.0), 4))
-"""Exercise 7.3's (per-layer costs, stages) cases: unequal costs, ties, one stage, one layer per stage, and
-[7, 8, 5, 7, 6] into 3, where filling each stage to its share of what remains and then moving boundaries
-while that helps stops at 15 (13 is possible)."""
+SPLIT_CASES = ((LAYER_COSTS, LAYER_ACTS, 3, 8.0),
+               ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0), (3.0, 1.0, 1.0, 1.0, 1.0, 1.0), 3, 9.0),
+               ((2.0, 1.0, 3.0, 1.0, 4.0, 4.0, 4.0, 4.0), (2.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0), 4, 8.0),
+               ((7.0, 8.0, 5.0, 7.0, 6.0), (1.0, 1.0, 1.0, 1.0, 1.0), 3, 9.0),
+               ((3.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 1.0), 2, 4.0),
+               ((1.0, 2.0, 1.0), (1.0, 1.0, 1.0), 1, 3.0),
+               ((4.0, 1.0, 2.0, 7.0), (1.0, 1.0, 1.0, 1.0), 4, 4.0),
+               ((5.0, 1.0, 1.0, 1.0, 1.0, 1.0), (1.0, 1.0, 1.0, 1.0, 1.0, 1.0), 3, 100.0))
+"""Exercise 7.2's (per-layer costs, per-layer activations, stages, limit) cases: memory binding at the front,
+a heavy first layer, [7, 8, 5, 7, 6] into 3 (filling stages to their share then moving boundaries stops
+at 15 where 13 fits), one stage, one layer per stage, and a limit too loose to bind."""
 
 SPLIT_FRESH = 20
-"""How many more exercise 7.3 cases its check draws afresh at each call: 5 to 10 layers costing 1 to 9,
-2 to 4 stages."""
+"""How many more exercise 7.2 cases its check draws afresh at each call: 5 to 10 layers costing 1 to 9,
+keeping 1 to 4, 2 to 4 stages, a limit that some cut meets."""
 
 SPLIT_DEEP = dict(layers=96, stages=8, steps=2_000_000)
-"""Exercise 7.3's last case, drawn afresh (costs 1 to 9): a real model's depth, where trying every cut
-(C(95, 7), about 1.1e10) cannot finish; the learner's function is stopped past ``steps`` steps (lines
-run and calls)."""
+"""Exercise 7.2's last case, drawn afresh (costs 1 to 9, activations 1 to 4): a real model's depth, where
+trying every cut (C(95, 7), about 1.1e10) cannot finish; the learner's function is stopped past ``steps``
+steps (lines run and calls)."""
 
 
-def _slowest(costs: Sequence[float], counts: Sequence[int]) -> float:
-    """The largest stage total when ``costs`` is cut, front to back, into stages of ``counts`` layers."""
+def _stage_sums(values: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """Each stage's total of ``values`` when the layers are cut, front to back, into stages of ``counts``."""
     ends = list(itertools.accumulate(counts))
-    return max(sum(costs[a:b]) for a, b in zip([0, *ends], ends))
+    return [sum(values[a:b]) for a, b in zip([0, *ends], ends)]
 
 
-def _fewest_slowest(costs: Sequence[float], stages: int) -> float:
-    """The smallest slowest stage over every contiguous cut: the least stage total (a sum of neighbouring
-    layers' costs) for which filling each stage up to it, front to back, needs at most ``stages`` stages."""
-    def fits(limit: float) -> bool:
-        used, total = 1, 0.0
-        for c in costs:
-            if c > limit:
-                return False
-            used, total = (used + 1, c) if total + c > limit else (used, total + c)
-        return used <= stages
+def _fill(costs: Sequence[float], acts: Sequence[float], stages: int, limit: float,
+          slowest: float) -> list[int] | None:
+    """Layers per stage when each stage, front to back, takes layers while its cost stays at most ``slowest``
+    and rank r's memory, (stages - r) x its activations, at most ``limit``; None when that needs more than
+    ``stages`` stages. Greedy is exact: the limits only loosen towards the back, so a stage that takes more
+    leaves the rest an easier problem."""
+    counts: list[int] = []
+    cost = act = 0.0
+    for c, a in zip(costs, acts):
+        if not counts or cost + c > slowest or (stages - len(counts) + 1) * (act + a) > limit:
+            counts.append(0)
+            cost = act = 0.0
+            if len(counts) > stages or c > slowest or (stages - len(counts) + 1) * a > limit:
+                return None
+        counts[-1] += 1
+        cost, act = cost + c, act + a
+    return counts
 
+
+def _fewest_slowest(costs: Sequence[float], acts: Sequence[float], stages: int, limit: float) -> float | None:
+    """The least slowest stage over every contiguous cut whose ranks fit ``limit`` (rank r holding stages - r
+    microbatches, 1F1B's warm-up), or None if none fits: the smallest sum of neighbouring layers' costs that
+    :func:`_fill` meets, by bisection."""
     ends = [0.0, *itertools.accumulate(costs)]
     totals = sorted({b - a for i, a in enumerate(ends) for b in ends[i + 1:]})
-    low, high = 0, len(totals) - 1                   # fits(totals[-1]), the whole model, always
+    if _fill(costs, acts, stages, limit, totals[-1]) is None:
+        return None
+    low, high = 0, len(totals) - 1
     while low < high:
         mid = (low + high) // 2
-        low, high = (low, mid) if fits(totals[mid]) else (mid + 1, high)
+        fits = _fill(costs, acts, stages, limit, totals[mid]) is not None
+        low, high = (low, mid) if fits else (mid + 1, high)
     return totals[low]
 
 
-def _split_problem(costs: Sequence[float], stages: int, counts: Any, say_best: bool = True,
-                   shown: str | None = None) -> str:
-    """Why ``counts`` is not an optimal cut of ``costs`` into ``stages`` contiguous stages, or "" (with the
-    best slowest stage where ``say_best``: not where that is the exercise's own question); ``shown``
-    names the costs in the text (else the list itself)."""
-    shown = str(list(costs)) if shown is None else shown
+def _split_problem(case: tuple, counts: Any, shown: str | None = None) -> str:
+    """Why ``counts`` is not an optimal cut that fits for ``case`` = (costs, acts, stages, limit), or "";
+    ``shown`` names the case in the text (else its lists)."""
+    costs, acts, stages, limit = case
+    shown = f"costs {list(costs)}, acts {list(acts)}" if shown is None else shown
+    shown = f"{shown}, {stages} stage(s), limit {limit:g}"
     try:
         whole = [int(k) for k in counts if _as_number(k) is not None and _as_number(k).is_integer()]
     except TypeError:
         whole = []
     if len(whole) != stages or len(whole) != len(counts) or min(whole) < 1 or sum(whole) != len(costs):
-        return (f"on {shown}, {stages} stage(s): expected {stages} whole layer counts >= 1 adding up "
-                f"to {len(costs)}, got {counts!r}.")
-    slower, best = _slowest(costs, whole), _fewest_slowest(costs, stages)
+        return (f"on {shown}: expected {stages} whole layer counts >= 1 adding up to {len(costs)}, "
+                f"got {counts!r}.")
+    held = [(stages - r) * a for r, a in enumerate(_stage_sums(acts, whole))]
+    over = [r for r, h in enumerate(held) if h > limit + 1e-9]
+    if over:
+        return (f"on {shown}: your cut {whole} has rank {over[0]} holding {stages - over[0]} microbatches of "
+                f"{held[over[0]] / (stages - over[0]):g}, {held[over[0]]:g}, over the limit.")
+    slower, best = max(_stage_sums(costs, whole)), _fewest_slowest(costs, acts, stages, limit)
     if slower > best + 1e-9:
-        return (f"on {shown}, {stages} stage(s): your cut {whole} leaves a stage of {slower:g}; "
-                + (f"{best:g} is possible." if say_best else "a cut with a faster slowest stage exists."))
+        return f"on {shown}: your cut {whole} fits, with a stage of {slower:g}; {best:g} is possible."
     return ""
 
 
-def balanced_partition(answer: Any) -> Verdict:
-    """Exercise 7.2: the layers per stage, front to back, cutting :data:`LAYER_COSTS` into 3 contiguous stages
-    so that the slowest is as fast as possible (any optimal cut is right)."""
-    hint = ("no cut beats the larger of the costliest layer and a third of the total; start from that "
-            "bound, see which stage breaks it, and raise it to the next stage total reachable.")
-    if _unanswered(answer):
-        return Verdict("7.2", False, "no answer yet: write the three layer counts.", hint)
-    answer = _settled(answer)
-    if isinstance(answer, (str, bytes)) or not isinstance(answer, Sequence):
-        return Verdict("7.2", False, f"expected three layer counts such as (3, 3, 2), got {answer!r}.", hint)
-    why = _split_problem(LAYER_COSTS, 3, answer, say_best=False)
-    if why:
-        return Verdict("7.2", False, why, hint)
-    counts = tuple(int(_as_number(k)) for k in answer)   # whole, as _split_problem found them
-    return Verdict("7.2", True, f"{counts}: the slowest stage costs {_slowest(LAYER_COSTS, counts):g}, "
-                                "the least any contiguous cut into 3 allows.")
+def _split_draw(rng: random.Random, layers: int, stages: int) -> tuple:
+    """A case of ``layers`` layers (costs 1 to 9, activations 1 to 4) into ``stages`` with a limit some cut
+    meets: between the least that any cut needs and the most any one stage holding all would."""
+    costs = tuple(float(rng.randint(1, 9)) for _ in range(layers))
+    acts = tuple(float(rng.randint(1, 4)) for _ in range(layers))
+    low = stages * max(acts)
+    while _fill(costs, acts, stages, low, sum(costs)) is None:
+        low += 1.0
+    return costs, acts, stages, float(rng.randint(int(low), int(low * 1.5)))
 
 
 def best_split(fn: Any) -> Verdict:
-    """Exercise 7.3: ``best_split(costs, stages)``, the layers per stage, front to back, of a contiguous cut
-    into ``stages`` stages that minimises the slowest (any optimum is right); checked on
-    :data:`SPLIT_CASES`, :data:`SPLIT_FRESH` cases drawn afresh at each call and one of
-    :data:`SPLIT_DEEP`'s depth, where a function trying every cut is stopped."""
+    """Exercise 7.2: ``best_split(costs, acts, stages, limit)``, the layers per stage, front to back, of a
+    contiguous cut into ``stages`` stages that minimises the slowest stage's cost while rank r, holding
+    stages - r microbatches (1F1B's warm-up, lesson 1), keeps at most ``limit``: (stages - r) x its layers'
+    ``acts`` (any optimum is right); checked on :data:`SPLIT_CASES`, :data:`SPLIT_FRESH` cases drawn afresh
+    at each call and one of :data:`SPLIT_DEEP`'s depth, where a function trying every cut is stopped."""
     deep = SPLIT_DEEP
-    hint = ("trying every cut works for a few layers, not for a model's depth. The best cut's slowest stage "
-            "is one of the sums of neighbouring layers' costs: the smallest for which filling each stage "
-            "up to it, front to back, needs at most `stages` stages (then split a stage further). Or "
-            "build the best cut of the first i layers into k stages from those into k - 1.")
-    missing = _function_missing("7.3", fn, hint)
+    hint = ("trying every cut works for a few layers, not for a model's depth. Ask the easier question: "
+            "can the slowest stage be at most T? Fill the stages front to back, each taking layers while it "
+            "stays within T and its rank within the limit; why is taking as many as fit never a mistake "
+            "here? Then search T over the sums of neighbouring layers' costs.")
+    missing = _function_missing("7.2", fn, hint)
     if missing is not None:
         return missing
-    def draw(rng):  # 5 to 10 layers costing 1 to 9, 2 to 4 stages
+    def draw(rng):
         n = rng.randint(5, 10)
-        return tuple(float(rng.randint(1, 9)) for _ in range(n)), rng.randint(2, min(4, n))
+        return _split_draw(rng, n, rng.randint(2, min(4, n)))
 
-    rng = random.Random()
-    deep_costs = tuple(float(rng.randint(1, 9)) for _ in range(deep["layers"]))
-    shown = f"{deep['layers']} layers costing 1 to 9 (drawn afresh)"
-    cases = [(*case, None, None) for case in _with_fresh(SPLIT_CASES, draw, SPLIT_FRESH)]
-    for costs, stages, steps, where in [*cases, (deep_costs, deep["stages"], deep["steps"], shown)]:
-        counts, refused = _called("7.3", fn, (list(costs), stages), hint, steps,  # the package: refused
-                                  None if where is None else f"{where}, {stages} stages")
+    deep_case = _split_draw(random.Random(), deep["layers"], deep["stages"])
+    shown = f"{deep['layers']} layers drawn afresh"
+    cases = [(case, None, None) for case in _with_fresh(SPLIT_CASES, draw, SPLIT_FRESH)]
+    for case, steps, where in [*cases, (deep_case, deep["steps"], shown)]:
+        costs, acts, stages, limit = case
+        label = None if where is None else f"{where}, {stages} stages"
+        counts, refused = _called("7.2", fn, (list(costs), list(acts), stages, limit), hint, steps, label)
         if refused is not None:
             return refused
         # (an array answer is a list already: _called settles what the answer returns)
         readable = isinstance(counts, Sequence) and not isinstance(counts, (str, bytes))
-        why = _split_problem(costs, stages, counts if readable else [counts], shown=where)
+        why = _split_problem(case, counts if readable else [counts], shown=where)
         if why:
-            return Verdict("7.3", False, why, hint)
-    return Verdict("7.3", True, f"best_split is optimal on all {len(cases) + 1} cases checked (ties, one "
-                                f"stage, one layer per stage, cases new at each check, and "
-                                f"{deep['layers']} layers into {deep['stages']} stages).")
+            return Verdict("7.2", False, why, hint)
+    return Verdict("7.2", True, f"best_split is optimal on all {len(cases) + 1} cases checked (memory "
+                                "binding at the front, one stage, one layer per stage, cases new at each "
+                                f"check, and {deep['layers']} layers into {deep['stages']} stages).")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "7.1": slow_stage_idle, "7.2": balanced_partition, "7.3": best_split
+    "7.1": slow_stage_idle, "7.2": best_split
 }
 """Lesson 7's exercises by id -> check."""
 
@@ -195,7 +213,7 @@ REVEALS: dict[str, Callable[[], Any]] = {
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "SLOW_MIDDLE_STAGE", "slow_stage_idle", "LAYER_COSTS", "SPLIT_CASES", "SPLIT_DEEP", "balanced_partition",
+    "SLOW_MIDDLE_STAGE", "slow_stage_idle", "LAYER_COSTS", "LAYER_ACTS", "SPLIT_CASES", "SPLIT_DEEP",
     "best_split",
     "EXERCISES", "REVEALS"
 ]
