@@ -225,7 +225,7 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwis
         ) -> Verdict | None:
     """The verdict on a pipeline run whose gradients are not ``jax.grad``'s within :data:`BUILD_TOLERANCE`,
     naming the likely mistake from ``run``'s :func:`zbpp_lite.course.bench.gradient_report` fields
-    (``grad_error``, ``stage_errors``, ``scale``); None when they are (exercises 8.3, 9.4 and 9.5).
+    (``grad_error``, ``stage_errors``, ``scale``); None when they are (exercises 8.3 and 9.4).
     ``otherwise``: the hint where no particular mistake is named (default: lesson 8's)."""
     error = float(run.get("grad_error", float("inf")))
     if error <= BUILD_TOLERANCE:
