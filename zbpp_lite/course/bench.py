@@ -1129,6 +1129,49 @@ class Lab:
     """Seconds :meth:`try_step`'s ``all_sum`` waits for every rank before it gives up."""
 
 
+def _start_state(lead: tuple, rows: dict, samples: int, d: int, A: Any, c: Any) -> dict:
+    """A rank's state before its first tick, zeros cast to varying: ``act``, ``grad`` (*lead, rows,
+    samples, d); ``ins``, ``outs``, ``dz`` (*lead, rows, 2, samples, d) (``rows[name]`` rows each); ``dA``,
+    ``dc`` shaped as A and c. ``lead``: () for one stage a rank, (2,) for the V's two chunks."""
+    from ..runtime.spmd import to_varying
+
+    def zeros(name, *layers):
+        return jnp.zeros((*lead, rows[name], *layers, samples, d))
+
+    return to_varying(dict(act=zeros("act"), grad=zeros("grad"), ins=zeros("ins", 2), outs=zeros("outs", 2),
+                           dz=zeros("dz", 2), dA=jnp.zeros(A.shape), dc=jnp.zeros(c.shape)))
+
+
+def stage_program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
+    """Lesson 9's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
+    (jitted program, args)``, one stage a rank over ``mesh``: the schedule ``name``'s (ranks, ticks)
+    ``kind`` and ``microbatch`` tables (:func:`~zbpp_lite.runtime.spmd.tick_tables`), A, c cut over the
+    ranks, X, Y whole, and a scan of ``make_tick(A, c, X, Y, first, last)``'s tick over the state of
+    :func:`_start_state` (``rows[name]`` rows a buffer); ``first``, ``last``: traced booleans. The program
+    returns ``(dA, dc, ran)`` by rank, as the lesson's ``zb_h1_step`` without its loss."""
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from ..runtime.spmd import AXIS, shard_map, tick_tables
+
+    p, m, samples, d = (case[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
+
+    def rank_program(make_tick, rows, rank_tables, A, c, X, Y):
+        rank_tables, A, c = tuple(a[0] for a in rank_tables), A[0], c[0]   # this rank's row, its stage
+        rank = lax.axis_index(AXIS)
+        tick = make_tick(A, c, X, Y, rank == 0, rank == p - 1)
+        state, ran = lax.scan(tick, _start_state((), rows, samples, d, A, c), rank_tables)
+        return state["dA"][None], state["dc"][None], ran[None]
+
+    def program_of(make_tick, name, rows, As, cs, X, Y):
+        t = tick_tables(build_schedule(name, p, m))
+        program = shard_map(functools.partial(rank_program, make_tick, rows), mesh,
+                            (P(AXIS),) * 3 + (P(), P()), P(AXIS))
+        return jax.jit(program), ((t.kind, t.microbatch), As, cs, X, Y)
+
+    return program_of
+
+
 def v_program_of(mesh: Any, case: dict) -> Callable:
     """Lesson 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
     (jitted program, args)``, lesson 9's ``rank_program`` and ``program_of`` over ``mesh`` with a chunk axis
@@ -1141,7 +1184,7 @@ def v_program_of(mesh: Any, case: dict) -> Callable:
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from ..runtime.spmd import AXIS, shard_map, tick_tables, to_varying
+    from ..runtime.spmd import AXIS, shard_map, tick_tables
 
     p, m, samples, d = (case[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
     held = np.array([[r, 2 * p - 1 - r] for r in range(p)])         # rank r's stages, chunk order
@@ -1150,12 +1193,7 @@ def v_program_of(mesh: Any, case: dict) -> Callable:
         held, A, c = held[0], A[0], c[0]
         rank_tables = jax.tree.map(lambda a: a[0], rank_tables)      # this rank's row of each table
 
-        def zeros(name, *layers):
-            return jnp.zeros((2, rows[name], *layers, samples, d))   # chunk, row, ...
-
-        state = to_varying(dict(act=zeros("act"), grad=zeros("grad"), ins=zeros("ins", 2),
-                                outs=zeros("outs", 2), dz=zeros("dz", 2), dA=jnp.zeros(A.shape),
-                                dc=jnp.zeros(c.shape)))
+        state = _start_state((2,), rows, samples, d, A, c)          # chunk first
         state, ran = lax.scan(make_tick(A, c, X, Y, held == 0, held == 2 * p - 1), state, rank_tables)
         return state["dA"][None], state["dc"][None], ran[None]
 
