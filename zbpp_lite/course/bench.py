@@ -136,13 +136,13 @@ def head_loss(params: list, H: jax.Array, X: jax.Array, Y: jax.Array) -> jax.Arr
 
 
 class SpmdLab:
-    """Lessons 9 and 10's test bench around the lesson's ``program_of(make_tick, name, rows, As, cs, Xm, Ym)
-    -> (jitted program, (tables, ..., As, cs, Xm, Ym))`` (its ``shard_map`` call over ``mesh``, returning
-    ``(dA, dc, ran)`` per rank, ``(ranks, [chunks,] 2, ...)``; ``tables``: the (ranks, ticks) tick tables
-    it scans, kind first; ``As``, ``cs``: every stage's, stacked): ``arrays`` =
-    :func:`stacked_mlp` of ``case`` (one stage per rank at :data:`BUILD_CASE`, two on the V at
-    :data:`~.lesson10.V_CASE`), ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked as ``As``,
-    ``cs``, and what hands the learner's ``make_tick`` to the checks."""
+    """Lessons 9 and 10's test bench around a ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
+    (jitted program, (tables, ..., As, cs, Xm, Ym))`` (:func:`stage_program_of`, :func:`v_program_of`: its
+    ``shard_map`` call over ``mesh``, returning ``(dA, dc, ran)`` per rank, ``(ranks, [chunks,] 2, ...)``;
+    ``tables``: the (ranks, ticks) tick tables it scans, kind first; ``As``, ``cs``: every stage's,
+    stacked): ``arrays`` = :func:`stacked_mlp` of ``case`` (one stage per rank at :data:`BUILD_CASE`, two
+    on the V at :data:`~.lesson10.V_CASE`), ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked
+    as ``As``, ``cs``, and what hands the learner's ``make_tick`` to the checks."""
 
     def __init__(self, program_of: Callable, mesh: Any, case: dict = BUILD_CASE):
         self.program_of, self.mesh, self.case = program_of, mesh, case
@@ -1174,7 +1174,7 @@ def stage_program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
 
 def v_program_of(mesh: Any, case: dict) -> Callable:
     """Lesson 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
-    (jitted program, args)``, lesson 9's ``rank_program`` and ``program_of`` over ``mesh`` with a chunk axis
+    (jitted program, args)``, :func:`stage_program_of` with a chunk axis
     (ZB-V's placement, arXiv 2405.15362: rank r holds stages r and 2p - 1 - r, its chunks 0 and 1).
     ``make_tick(A, c, X, Y, first, last)`` gets the rank's A (2, 2, d, d) and c (2, 2, d), chunk first; X, Y
     (m, samples, d); ``first``, ``last``: (2,) booleans, per chunk. Its tick gets the state (``act``,
