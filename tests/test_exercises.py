@@ -514,7 +514,7 @@ def test_the_lesson_7_split_check_rejects_filling_to_a_share_and_the_cut_by_time
     for at_least in (True, False):   # fill each stage up to a third of the total, or just past it
         assert not ex.best_split(lambda c, a, s, limit, at=at_least: _fill_to_share(c, s, at)).ok
     assert not ex.best_split(lambda c, a, s, limit: min(range(1, len(c)), key=lambda k: max(sum(c[:k]), sum(c[k:]))))
-    assert ex.best_split(_best_cut).ok and ex.best_split(lambda *case: list(_best_cut(*case))).ok   # a list too
+    assert ex.best_split(_best_cut).ok and ex.best_split(lambda *case: tuple(_best_cut(*case))).ok   # a tuple too
 
 
 def test_the_split_check_stops_trying_every_cut_at_a_models_depth_and_its_bisection_is_exact():

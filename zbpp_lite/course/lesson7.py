@@ -99,8 +99,9 @@ def _fill(costs: Sequence[float], acts: Sequence[float], stages: int, limit: flo
           slowest: float) -> list[int] | None:
     """Layers per stage when each stage, front to back, takes layers while its cost stays at most ``slowest``
     and rank r's memory, (stages - r) x its activations, at most ``limit``; None when that needs more than
-    ``stages`` stages. Greedy is exact: the limits only loosen towards the back, so a stage that takes more
-    leaves the rest an easier problem."""
+    ``stages`` stages. Greedy is exact where every layer fits rank 0 alone (stages x its activations at
+    most ``limit``, as in every case the check draws or lists): the limits only loosen towards the back, so
+    a stage that takes more leaves the rest an easier problem."""
     counts: list[int] = []
     cost = act = 0.0
     for c, a in zip(costs, acts):
@@ -156,7 +157,8 @@ def _split_problem(case: tuple, counts: Any, shown: str | None = None) -> str:
 
 def _split_draw(rng: random.Random, layers: int, stages: int) -> tuple:
     """A case of ``layers`` layers (costs 1 to 9, activations 1 to 4) into ``stages`` with a limit some cut
-    meets: between the least that any cut needs and the most any one stage holding all would."""
+    meets and every layer fits rank 0 alone: from the least such whole limit (at least stages x the largest
+    activation) to 1.5 times it."""
     costs = tuple(float(rng.randint(1, 9)) for _ in range(layers))
     acts = tuple(float(rng.randint(1, 4)) for _ in range(layers))
     low = stages * max(acts)

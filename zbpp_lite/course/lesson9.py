@@ -90,7 +90,7 @@ def _reads_keeps(schedule, r: int, a: Any, v: bool) -> str:
             "W": f"ins[{j}], dz[{j}] -> dA, dc", "BW": f"outs[{j}], ins[{j}], {loss} -> dA, dc"}[a.kind]
 
 
-def tick_messages(schedule, t: int) -> str:
+def tick_messages(schedule, t: int, reads: bool = True) -> str:
     """Lesson 9's worked tick ``t`` as a table, one line per rank: the action it runs (``F3``; on the V
     with its stage, as ``Action.text`` writes it: ``6F3``), the buffer rows it reads and what it keeps (F:
     ``act[j]``, or ``X[j]`` on the first stage, into ``ins[j], outs[j]``; B: ``outs[j]`` and ``grad[j]``, or
@@ -99,13 +99,17 @@ def tick_messages(schedule, t: int) -> str:
     (an F's output y, a B's or BW's input gradient dx; one stage per rank with its tag j + 1), and where
     the rank stores what arrives at the tick's end (:func:`zbpp_lite.runtime.spmd.tick_tables`' ``recv``:
     ``act[j]`` or ``grad[j]``, on the V ``act[chunk, j]``, from rank r - 1, r + 1 or itself). ``-``:
-    nothing."""
+    nothing. ``reads=False`` leaves out the reads -> keeps column (the lessons' sources write the rest)."""
     from ..runtime.spmd import ACT_BUFFER, tick_tables
 
     recv, step = tick_tables(schedule).recv, lockstep_ticks(schedule)[t]
     v, S = len(schedule.stages_of(0)) > 1, schedule.num_stages
     wide = 42 if v else 36  # the reads -> keeps column
-    lines = [f"{'tick ' + str(t):8}{'runs':{9 if v else 6}}{'reads -> keeps':{wide}}"
+
+    def column(text: str) -> str:
+        return f"{text:{wide}}" if reads else ""
+
+    lines = [f"{'tick ' + str(t):8}{'runs':{9 if v else 6}}{column('reads -> keeps')}"
              f"{'sends down (to r+1)':22}{'sends up (to r-1)':20}stores"]
     for r, i in enumerate(step):
         a = schedule.actions[r][i] if i is not None else None
@@ -120,7 +124,7 @@ def tick_messages(schedule, t: int) -> str:
                 name, what = ("act", "y") if buf == ACT_BUFFER else ("grad", "dx")
                 stores.append(f"{name}[{f'{chunk}, ' if v else ''}{j}] <- {sender} {what}")
         label = (a.text if v else a.label) if a else "."  # the V's: stage, kind, microbatch
-        lines.append(f"{'rank ' + str(r):8}{label:{9 if v else 6}}{_reads_keeps(schedule, r, a, v):{wide}}"
+        lines.append(f"{'rank ' + str(r):8}{label:{9 if v else 6}}{column(_reads_keeps(schedule, r, a, v))}"
                      f"{sent.get(1, '-'):22}{sent.get(-1, '-'):20}{', '.join(stores) or '-'}")
     return "\n".join(lines)
 
