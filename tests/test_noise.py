@@ -80,3 +80,26 @@ def test_with_a_confidence_the_online_replanner_ignores_noise_even_without_a_thr
     drifted = zb.Costs(comm=0.5)
     decisions = [online.observe(zb.simulate(online.schedule, noisy(drifted))) for _ in range(40)]
     assert any(d is not None for d in decisions) or online.history[-1].decision in ("kept", "switched")
+
+
+def test_the_compare_summary_calls_a_schedule_fastest_only_beyond_the_noise():
+    """The main job's headline: the lowest median step is "fastest" only when its steps, paired with
+    1f1b's, give a ratio interval wholly below 1; otherwise the ratio, its interval and the verdict."""
+    from types import SimpleNamespace
+
+    from zbpp_lite.cli.compare_report import lead
+
+    def run(name, seconds):
+        return SimpleNamespace(schedule=SimpleNamespace(name=name), step_seconds=[9.0, *seconds])
+
+    rng = random.Random(0)
+    base = [0.1 + 0.02 * rng.random() for _ in range(30)]
+    ahead = run("zb-h1", [0.9 * s for s in base])                     # every step 10% faster
+    level = run("zb-h1", [s * (0.97 if k % 2 else 1.02) for k, s in enumerate(base)])
+    behind = run("zb-h1", [1.05 * s for s in base])
+    one_f = run("1f1b", base)
+    assert lead(ahead, one_f) == "zb-h1 was fastest"
+    assert lead(level, one_f).startswith("zb-h1 had the lowest median step, taking 0.995 [0.970, 1.020]")   # half the steps 0.97, half 1.02
+    assert lead(level, one_f).endswith("(no gain beyond the noise)")
+    assert lead(behind, one_f).endswith("(slower step by step)")
+    assert lead(one_f, one_f) == lead(one_f, None) == "1f1b was fastest"   # 1f1b itself, or no 1f1b run

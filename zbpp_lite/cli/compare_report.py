@@ -208,6 +208,18 @@ def fusion_lines(c) -> list[str]:
     return lines
 
 
+def lead(best, base) -> str:
+    """How the summary names ``best``, the run with the lowest median step: "was fastest" unless its
+    steps, paired with ``base``'s (1f1b's), give a ratio interval not wholly below 1: then the ratio, its
+    interval and that the gain is within the noise (or that it was slower step by step)."""
+    g = against(best, base) if base is not None and base is not best else None
+    if g is None or g.high < 1:
+        return f"{best.schedule.name} was fastest"
+    verdict = "no gain beyond the noise" if g.low <= 1 else "slower step by step"
+    return (f"{best.schedule.name} had the lowest median step, taking {g.ratio:.3f} [{g.low:.3f}, "
+            f"{g.high:.3f}] of 1f1b's time step by step ({verdict})")
+
+
 def summary_text(c: Comparison) -> str:
     """A short paragraph generated from the numbers: which schedule won, by how much, and why."""
     ranked = c.ranked
@@ -221,7 +233,7 @@ def summary_text(c: Comparison) -> str:
         "the reference did the same work more slowly than the ranks"
     limit = (f"more than the {p_best}x that p = {p_best} ranks give for the same work: {why}"
              if speedup > p_best else f"p = {p_best} ranks allow at most {p_best}x")
-    lines.append(f"{best.schedule.name} was fastest: {best_ms:.1f} ms a step (median of "
+    lines.append(f"{lead(best, base)}: {best_ms:.1f} ms a step (median of "
                  f"{len(best.step_seconds) - 1} timed steps), {speedup:.2f}x the faster single-device "
                  f"reference ({ref_name}, {ref_ms:.1f} ms; {limit}).")
     if base is not None and base is not best:

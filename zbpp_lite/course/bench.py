@@ -1091,26 +1091,12 @@ class Lab:
                             scaled=sgd([max_norm / (free + sq(tied)) ** 0.5] * self.S, lr),
                             no_lr=sgd(clip(free + sq(tied)), 1.0))
             ranks = max(placement) + 1
-            shared, calls = [0.0] * ranks, [0] * ranks
-            barrier = threading.Barrier(ranks, timeout=self.all_sum_wait)
+            all_sum_of, calls = _thread_all_sum(ranks, self.all_sum_wait)
 
             def work(rank, _inboxes):
-                def all_sum(value):
-                    calls[rank] += 1
-                    shared[rank] = value
-                    try:
-                        barrier.wait()
-                        got = sum(shared)
-                        barrier.wait()
-                    except threading.BrokenBarrierError:
-                        raise RuntimeError(
-                            f"all_sum waited {self.all_sum_wait:g} s for a rank that never called it (calls "
-                            f"so far, rank by rank: {calls}): every rank must join every sum, in the same "
-                            "order, adding 0 where it holds nothing") from None
-                    return got
                 mine = [s for s in range(self.S) if placement[s] == rank]
                 return _need(optimizer_step(rank, {s: given[s] for s in mine}, {s: home[s] for s in mine},
-                                            all_sum), "optimizer_step")
+                                            all_sum_of(rank)), "optimizer_step")
 
             kept = dict(STEP)
             STEP.update(max_norm=max_norm, lr=lr)
@@ -1127,6 +1113,32 @@ class Lab:
 
     all_sum_wait = 15.0
     """Seconds :meth:`try_step`'s ``all_sum`` waits for every rank before it gives up."""
+
+
+def _thread_all_sum(ranks: int, wait: float) -> tuple:
+    """``(all_sum_of, calls)`` for ``ranks`` threads: ``all_sum_of(rank)`` is that rank's ``all_sum(x)``,
+    which returns the sum of the x every rank passes in its call of the same number (a number or an
+    array); ``calls[rank]`` counts its calls. A rank waiting ``wait`` s for the others raises RuntimeError."""
+    shared, calls = [0.0] * ranks, [0] * ranks
+    barrier = threading.Barrier(ranks, timeout=wait)
+
+    def all_sum_of(rank: int) -> Callable:
+        def all_sum(value: Any) -> Any:
+            calls[rank] += 1
+            shared[rank] = value
+            try:
+                barrier.wait()
+                got = sum(shared)
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                raise RuntimeError(
+                    f"all_sum waited {wait:g} s for a rank that never called it (calls so far, rank by rank: "
+                    f"{calls}): every rank must join every sum, in the same order, adding 0 where it holds "
+                    "nothing") from None
+            return got
+        return all_sum
+
+    return all_sum_of, calls
 
 
 def _start_state(lead: tuple, rows: dict, samples: int, d: int, A: Any, c: Any) -> dict:
