@@ -25,11 +25,9 @@ def makespan_1f1b(fn: Any) -> Verdict:
     """Exercise 1.1: ``slow_1f1b(p, m, s)``, 1F1B's makespan on p >= 2 ranks, m >= p microbatches, T_F = 1
     and T_BW = 2 except on stage ``s``, where both are twice that, T_comm = 0; checked against the simulator
     for p = 2 to 5, every s, m = p and 2p + 1, at p = 3, m = 6, s = 1 (:data:`SLOW_MIDDLE`, the reveal's
-    case) and at points drawn afresh up to p = 12, the package out of bounds. The slow rank works 6m; it
-    starts after s forwards of 1, waits p - 1 - s in its warm-up (microbatch 0 goes on down and back, 3 a
-    stage, while it runs p - 1 - s more forwards of 2), and its last BW's gradient goes back through s
-    stages of BW 2: 6m + p - 1 + 2s (tests/test_lesson1_claims.py). Dropping the warm-up wait, or counting
-    the way back at T_F, gets its own message."""
+    case) and at points drawn afresh up to p = 12, the package out of bounds. A count that leaves out the
+    slow rank's wait in its warm-up, and one that prices the gradient's way back to the first stage at T_F
+    instead of T_BW, get their own messages. The derivation: the lesson's Solutions."""
     fixed = [(p, m, s) for p in range(2, 6) for s in range(p) for m in (p, 2 * p + 1)] + [(3, 6, 1)]
 
     def draw(rng):
@@ -57,10 +55,11 @@ LEAN_LIMIT = 2
 
 def _lean_reference() -> float:
     """The least makespan of exercise 1.3's schedules (F's and fused BW's, p = 3, m = 4, T_F = 1, T_BW = 2):
-    a bound no such schedule beats, and one attains it (tests/test_lesson1_claims.py). Rank 0 runs at most
-    LEAN_LIMIT F's before its first BW, which waits for the chain down and back (3 T_F + 3 T_BW = 9): idle
-    at least 9 - 2 T_F - T_BW; its last BW waits for the chain after its last F (2 T_F + 3 T_BW = 8) with at
-    most LEAN_LIMIT BW's left to run: idle at least 8 - 2 T_BW; add its busy time 4 (T_F + T_BW)."""
+    a bound no such schedule beats, and one attains it (tests/test_lesson1_claims.py)."""
+    # Rank 0 runs at most LEAN_LIMIT F's before its first BW, which waits for the chain down and back
+    # (3 T_F + 3 T_BW = 9): idle at least 9 - 2 T_F - T_BW; its last BW waits for the chain after its last F
+    # (2 T_F + 3 T_BW = 8) with at most LEAN_LIMIT BW's left to run: idle at least 8 - 2 T_BW; add its busy
+    # time 4 (T_F + T_BW).
     unit, p, m = Costs(), 3, 4  # the costs lean_schedule simulates with
     f, bw = unit.f, unit.b + unit.w
     first_wait = p * (f + bw) - LEAN_LIMIT * f - bw
@@ -99,11 +98,11 @@ def lean_schedule(actions: Any) -> Verdict:
 
 def peak_memory_1f1b(fn: Any) -> Verdict:
     """Exercise 1.4: ``last_peak(p, m, r, f, bw)``, the last time rank r's activations rise to their peak
-    under 1F1B (T_F = f, fused T_BW = bw, T_comm = 0, memory counted from an F's start): (r + m - 1) f while
-    m <= p - r (every F a warm-up F), else (m - 1)(f + bw) + r f (the last F, right after the BW of microbatch
-    m - 1 - (p - r), which comes back from the last rank one T_BW a rank). Checked at p = 1..6, m = 1..9,
-    every rank, four (T_F, T_BW) (one with T_BW < T_F), against the simulator's memory curve; the first
-    peak's time and the steady state's form given to every m are named."""
+    under 1F1B (T_F = f, fused T_BW = bw, T_comm = 0, memory counted from an F's start). Checked at
+    p = 1..6, m = 1..9, every rank, four (T_F, T_BW) (one with T_BW < T_F), against the simulator's memory
+    curve. The time rank r first reaches its peak, given for the last, and a form right in the steady state
+    given also to an m too small to have one, get their own messages. The derivation: the lesson's
+    Solutions."""
     points = [(p, m, r, f, bw) for p in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 9) for r in range(p)
               for f, bw in ((1.0, 2.0), (1.5, 1.0), (0.5, 3.0), (2.0, 0.5))]
 
@@ -128,12 +127,13 @@ BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, ranks=(1, 2, 4, 8), fixed=(0
 """Exercise 1.2's case: 1F1B on p ranks; one step's batch cut into m microbatches, any whole m >= 1 (no cap:
 a large batch); every action costs a fixed cost c plus its share of the batch's work, so T_F = c + 48/m and
 the fused backward, one action, T_BW = c + 96/m; T_comm = 0. Checked at every p of ``ranks`` and c of
-``fixed``, at the ``near_half`` points (p, c), where sqrt(72 (p - 1) / c) rounds down (3.49, 5.49) but the
-next whole m is shorter (n (n + 1) < 72 (p - 1) / c), and at ``tiny``, where the best m is 22,450: there, and
+``fixed``, at the ``near_half`` points (p, c), where rounding the real-valued best m to the nearest whole
+number gives the wrong m, and at ``tiny``, where the best m is over 20,000: there, and
 at five more points of its p with c drawn from c to 2c (a new c each call, so no answer cached from an
 earlier call helps), an answer must come within ``seconds`` (2 ms, the fastest of the five), too little to
-try every m (16,000 to 22,450 steps of a Python loop take several ms on any CPU; the closed form,
-microseconds)."""
+try every m (some 20,000 steps of a Python loop take several ms on any CPU; a formula, microseconds)."""
+# near_half: sqrt(72 (p - 1) / c) is 3.49 and 5.49, but the next whole m is shorter (n (n + 1) < 72 (p - 1)
+# / c); tiny: the best m is 22,450.
 
 
 def _batch_split_span(p: int, m: int, fixed: float, per_action: int = 2) -> Fraction:
@@ -146,9 +146,11 @@ def _batch_split_span(p: int, m: int, fixed: float, per_action: int = 2) -> Frac
 
 @course_cache(maxsize=32)
 def _best_m(p: int, fixed: float, per_action: int = 2) -> int:
-    """Exercise 1.2's answer at (p, c): the makespan is per_action c m + 144 (p - 1)/m plus terms free of m,
-    least at s = sqrt(144 (p - 1) / (per_action c)); the best whole m is floor(s) or ceil(s) (at least 1),
-    whichever is shorter, the smaller on a tie, compared exactly."""
+    """Exercise 1.2's answer at (p, c) (``per_action``: as :func:`_batch_split_span`), the smaller m on a
+    tie, compared exactly (cached)."""
+    # The makespan is per_action c m + 144 (p - 1)/m plus terms free of m, least at
+    # s = sqrt(144 (p - 1) / (per_action c)); the best whole m is floor(s) or ceil(s) (at least 1),
+    # whichever is shorter, the smaller on a tie, compared exactly.
     s = math.sqrt((BATCH_SPLIT["f_work"] + BATCH_SPLIT["backward_work"]) * (p - 1) / (per_action * fixed))
     near = {max(1, math.floor(s)), max(1, math.ceil(s))}
     return min(near, key=lambda m: (_batch_split_span(p, m, fixed, per_action), m))
@@ -157,10 +159,10 @@ def _best_m(p: int, fixed: float, per_action: int = 2) -> int:
 def batch_split(fn: Any) -> Verdict:
     """Exercise 1.2: ``best_m(p, c)``, the number of microbatches m (any whole m >= 1) for which 1F1B on p
     ranks (:data:`BATCH_SPLIT`, each action paying a fixed cost c) has the shortest makespan, the smallest m
-    on a tie, checked at every point of ``BATCH_SPLIT``: the nearest whole number to the real optimum and
-    one rank (no bubble: m = 1) each fail somewhere, and at ``tiny`` (best m 22,450) an answer that takes
-    over 2 ms (every m tried) is refused. Charging c twice for the fused backward gets its own
-    hint."""
+    on a tie, checked at every point of ``BATCH_SPLIT``, one rank included: rounding the real optimum to
+    the nearest whole number fails somewhere, and at ``tiny`` an answer that takes over 2 ms (every m
+    tried) is refused. Charging c twice for the fused backward gets its own hint. The derivation: the
+    lesson's Solutions."""
     hint = ("write the makespan (m + p - 1)(T_F + T_BW) with T_F and T_BW as functions of c and m: which "
             "part grows with m, which shrinks? Find where the sum is least, then compare the whole numbers "
             "on either side.")

@@ -44,11 +44,11 @@ def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]
 def mw_over_mb(fn: Any) -> Verdict:
     """Exercise 2.1: ``ratio(widths)``, M_W / M_B for ``len(widths) - 1`` layers ``z_l = a_l @ weight_l``
     (``widths[l]``: layer l's input width, ``widths[-1]``: the output width) with GELU between layers
-    (``a_{l+1} = gelu(z_l)``), none after the last. F keeps what B and W need (lesson 2's ``forward``: each
-    layer's input a_l and each GELU's input z_l); B keeps every output gradient dz_l; M_W is what is held
-    from B's end until W has run: the arrays W reads. Per token, so n cancels. Checked on
-    :data:`WIDTH_LISTS`; M_W taken as a part of M_B is refused with its own hint, and the lesson's MLP copied
-    (its ratio, or its four arrays at every depth) with its own message."""
+    (``a_{l+1} = gelu(z_l)``), none after the last. F keeps what B and W need, B every output gradient;
+    M_B is what F keeps, M_W what is held from B's end until W has run. Per token, so n cancels. Checked on
+    :data:`WIDTH_LISTS`; M_W taken as a part of M_B is refused with its own hint, and the lesson's MLP
+    copied (its ratio, or its arrays counted alike at every depth) with its own message. The derivation:
+    the lesson's Solutions."""
 
     def held(w):  # F: a_0 .. a_{L-1} and z_0 .. z_{L-2}; W: a_l (w[l]) and dz_l (w[l+1]) for every layer
         m_b = sum(w[:-1]) + sum(w[1:-1])
@@ -93,10 +93,9 @@ def w_flops_without_kept_gradients(fn: Any) -> Verdict:
 def first_stage_b_ratio(fn: Any) -> Verdict:
     """Exercise 2.3: ``first_stage_ratio(widths)``, on the *first* stage (no dx needed) B's matmul flops over
     F's for ``len(widths) - 1`` layers ``z_l = a_l @ weight_l`` without GELU (2.1's convention; the tokens
-    cancel): B skips only the first layer's dx product, so sum over l >= 1 of widths[l] widths[l + 1] over
-    the sum over every l. Checked on :data:`FIRST_STAGE_WIDTHS` (the reveal's, 0.36), :data:`WIDTH_LISTS`
-    past one layer and three lists drawn afresh, the package out of bounds; a middle stage's 1 and the
-    layers counted as equal get their own message."""
+    cancel). Checked on :data:`FIRST_STAGE_WIDTHS` (the reveal's), :data:`WIDTH_LISTS` past one layer and
+    three lists drawn afresh, the package out of bounds; a middle stage's ratio, and one that counts every
+    layer's products as equal, get their own messages. The derivation: the lesson's Solutions."""
     def ratio(w):
         products = [a * b for a, b in itertools.pairwise(w)]
         return sum(products[1:]) / sum(products)

@@ -31,10 +31,9 @@ def _zb_h1_makespan(p: int, m: int, f: float, b: float, w: float) -> float:
 def zb_h1_makespan(fn: Any) -> Verdict:
     """Exercise 3.1 (predicted): ``few(p, m, f, b, w)``, ZB-H1's makespan with m < p microbatches, any
     T_F = f, T_B = b, T_W = w, T_comm = 0; checked against the simulator at fixed points (T_W below, at
-    and above T_F) and fresh ones, the package out of bounds. The answer, p(f + b) + w + (m - 1)(b +
-    max(f, w)): rank 0 runs B0 W0 B1 W1 ..., each next B arriving f + b after the last unless rank 0's W
-    still runs. The lesson's forms copied (ZB-H1's m(f+b+w) + (p-1)(f+b-w), 1F1B's (m+p-1)(f+b+w)) and
-    the answer right only while T_W <= T_F, (m+p-1)(f+b) + w, get their own messages."""
+    and above T_F) and fresh ones, the package out of bounds. The lesson's forms copied (ZB-H1's makespan,
+    which needs m >= p, and 1F1B's) and an answer right only while T_W <= T_F (a W that never delays the
+    next B) get their own messages. The derivation: the lesson's Solutions."""
     hint = ("print zb.build_schedule(\"zb-h1\", 4, 2) to see rank 0's order once its forwards are done; "
             "when does microbatch 0's B reach rank 0, how long after it does the next B arrive, and what if "
             "rank 0's W is still running then?")
@@ -72,10 +71,10 @@ def zb_h2_peak_memory(fn: Any) -> Verdict:
 
 def zb_h2_bubble(fn: Any) -> Verdict:
     """Exercise 3.3: a function ``bubble(p, m, f, b, w)``: ZB-H2's makespan minus m(T_F+T_B+T_W),
-    T_comm = 0, m >= 2p - 1, for every T_F, T_B and T_W (the lesson's form, clipped at zero, holds unless
-    T_B > T_F and T_W > T_F both); compared with the simulator at points with T_F != T_B, four with both,
-    two of them with T_F + T_B - 2T_W above zero too (where the two waits' sum is not their larger).
-    The clipped form copied gets its own message."""
+    T_comm = 0, m >= 2p - 1, for every T_F, T_B and T_W; compared with the simulator at points with
+    T_F != T_B, four of them with T_B > T_F and T_W > T_F both, two of those with T_F + T_B - 2T_W above
+    zero too. The lesson's form, clipped at zero, copied gets its own message. The derivation: the
+    lesson's Solutions."""
     points = [(4, 8, 1.0, 2.0, 0.5), (4, 8, 1.0, 2.0, 1.5), (3, 6, 2.0, 1.0, 3.0), (5, 10, 1.0, 0.5, 0.25),
               (2, 3, 0.5, 1.0, 2.0), (6, 12, 2.0, 1.0, 1.0), (3, 5, 1.5, 1.0, 2.5), (4, 9, 0.5, 1.5, 0.25),
               (5, 9, 1.2, 1.5, 0.8), (4, 8, 1.0, 4.0, 1.5), (3, 6, 1.0, 3.0, 1.25)]   # last two: both waits

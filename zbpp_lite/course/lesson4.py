@@ -19,12 +19,13 @@ AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1
 ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
 
 
+# zb-auto's plan takes 31 and the optimum is 30 (proven by the MILP); with zb-auto's orders kept on ranks 0
+# and 2, rank 1's order alone reaches 30: B2 before F3, then F4 before B3 (tests/test_exercises.py).
 HAND_CASE = dict(num_ranks=3, num_microbatches=5, costs=Costs(f=1.0, b=2.0, w=1.0),
                  memory_limit=(2.0, 3.0, 3.0))
 """Exercise 4.3's case: p = 3, m = 5, T_F = 1, T_B = 2, T_W = 1, T_comm = 0, M_W = 7/16 M_B; rank 0 may hold 2
-M_B of activations (it also holds, say, an embedding table), ranks 1 and 2 zb-auto's default, p M_B.
-zb-auto's plan takes 31 and the optimum is 30 (proven by the MILP); with zb-auto's orders kept on ranks 0
-and 2, rank 1's order alone reaches 30: B2 before F3, then F4 before B3 (tests/test_exercises.py)."""
+M_B of activations (it also holds, say, an embedding table), ranks 1 and 2 zb-auto's default, p M_B;
+zb-auto's plan takes 31 and the MILP's optimum is 30 (the lesson shows both)."""
 
 
 @course_cache(maxsize=64)
@@ -38,7 +39,7 @@ def bw_break_even(fn: Any) -> Verdict:
     """Exercise 4.1: ``largest_m(p, f, b, w, bw)``, the most microbatches (m >= p) for which ZB-H1 (split)
     is strictly faster than 1F1B (fused T_BW = bw < T_B + T_W), T_comm = 0, T_W on either side of T_F;
     checked against both simulations at ten points (the paper's costs, two ties, three with T_W > T_F,
-    where ZB-H1's bubble is (p-1) T_B: lesson 3, and one where 1F1B is faster from m = p on)."""
+    where a W no longer fits its gap (lesson 3), and one where 1F1B is faster from m = p on)."""
     points = [(4, 1.0, 1.0, 1.0, 1.55), (2, 1.0, 1.2, 0.6, 1.45), (8, 18.522, 18.086, 9.337, 24.0),
               (5, 2.0, 1.5, 1.0, 2.2), (3, 1.0, 0.5, 0.8, 1.0), (4, 1.0, 1.0, 1.0, 1.5),   # a tie at m = 9
               (4, 1.0, 1.0, 1.5, 2.3), (3, 1.0, 2.0, 1.5, 3.0), (5, 1.0, 1.5, 2.0, 3.0),  # T_W > T_F; tie: 8
@@ -76,9 +77,11 @@ def _floor_limit(p: int, f: float, b: float) -> int:
 
 
 def _floor_by_form(p: int, f: float, b: float) -> int:
-    """Exercise 4.2's answer in closed form, p + (p - 1) b / f, for b a whole multiple of f (1 to 3 times):
-    equal to :func:`_floor_limit` at p = 2..4 and two scaled points (tests/test_exercises.py), and used past
-    the planned points."""
+    """Exercise 4.2's answer in closed form, for b a whole multiple of f (1 to 3 times): equal to
+    :func:`_floor_limit` at p = 2..4 and two scaled points (tests/test_exercises.py), and used past the
+    planned points."""
+    # p + (p - 1) b / f: rank 0's first gradient is back after p T_F + (p - 1) T_B, and each forward
+    # filling that wait holds 1 M_B.
     return p + (p - 1) * round(b / f)
 
 
@@ -92,10 +95,9 @@ def bubble_floor_limit(fn: Any) -> Verdict:
     zb-auto's bubble rate on p ranks, m = 4p, T_F = T_W = f, T_B = b (a whole multiple of f, 1 to 3
     times), T_comm = 0 reaches its floor; checked against zb-auto at :data:`FLOOR_PLANNED` and at two
     points drawn afresh (p = 20..60, too many ranks to plan a table of quickly) against
-    :func:`_floor_by_form`, the package out of bounds. The answer
-    is p + (p - 1) b / f: rank 0's first gradient is back after p T_F + (p - 1) T_B, and each forward
-    filling that wait holds 1 M_B. ZB-H2's 2p - 1, zb-2p's 2p and the lesson's 3p - 2 (T_B = 2 T_F),
-    copied, get their own messages."""
+    :func:`_floor_by_form`, a closed form the tests compare with zb-auto, the package out of bounds.
+    ZB-H2's limit, zb-2p's, and the limit of the lesson's case (T_B = 2 T_F) given to every T_B, copied,
+    get their own messages. The derivation: the lesson's Solutions."""
     why = ("a larger limit lets rank 0 start more forwards before its first B; how many forwards fit "
            "before that B can arrive?")
     known = [(lambda p, f, b: 2 * p - 1, "2p - 1 is ZB-H2's warm-up, which fills rank 0's wait only when "

@@ -35,12 +35,10 @@ def _first_m_below(p: int, target: float) -> int:
 def zb_v_first_m_below(fn: Any) -> Verdict:
     """Exercise 5.2 (predicted): ``first_m_below(p, target)``, the smallest m with ZB-V's bubble rate below
     ``target`` (0 < target <= 0.2) on p ranks, equal per-stage costs, T_comm = 0; checked against the
-    simulator's sweep at fixed points (p = 2..6), at fresh ones (p = 2..10; past 6 against the closed form
-    below, which the tests compare with the sweeps), and at one fresh p from 20 to 60, so that a table of
-    simulated rates does not pass; the package out of bounds.
-    The bubble is (2p - 1 - m)t for 2p/3 <= m <= 2p - 1, so the rate is (2p - 1 - m)/(5m + 2p - 1): the
-    first whole m past (2p - 1)(1 - target)/(1 + 5 target). The bubble over the work instead of the
-    makespan gets its own message."""
+    simulator's sweep at fixed points (p = 2..6), at fresh ones (p = 2..10; past 6 against a closed form
+    the tests compare with the sweeps), and at one fresh p from 20 to 60, so that a table of simulated
+    rates does not pass; the package out of bounds. The bubble over the work instead of the makespan gets
+    its own message. The derivation: the lesson's Solutions."""
     why = "the rate is the bubble over the makespan, work plus bubble: solve for m."
     hint = ("how many forwards does rank 0 need to cover microbatch 0's trip down and up the V, and how many "
             "does it have when m is small? That gives its idle time; then the rate; then solve for m.")
@@ -60,8 +58,9 @@ def zb_v_first_m_below(fn: Any) -> Verdict:
 
 
 def _zb_v_span(p: int, m: int) -> float:
-    """Exercise 5.3's answer at unit costs in closed form, 6m + max(4p - 1 - 4m, 2p - 1 - m, 0): equal to the
-    simulator's sweep (tests/test_exercises.py), and used past p = 6, where a sweep takes seconds."""
+    """Exercise 5.3's answer at unit costs in closed form: equal to the simulator's sweep
+    (tests/test_exercises.py), and used past p = 6, where a sweep takes seconds."""
+    # 6m + max(4p - 1 - 4m, 2p - 1 - m, 0)
     return 6 * m + max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)
 
 
@@ -98,9 +97,9 @@ def fewest_sends(fn: Any) -> Verdict:
     any such placement, how many it sends and how many the V
     (:func:`~zbpp_lite.schedules.ir.v_placement`) sends, per microbatch: an F's activation goes to stage
     s + 1, a B's input gradient to stage s - 1, and only a change of rank is a send
-    (:func:`~zbpp_lite.course.checks._crossings`). The fewest is 2p: leaving rank 0 and coming back to it
-    enters each of the p ranks at least once, each change 2 sends; the V sends 4p - 4. Checked for p = 2..8
-    and at two p drawn from 9 to 60."""
+    (:func:`~zbpp_lite.course.checks._crossings`). Checked for p = 2..8 and at two p drawn from 9 to 60:
+    a placement sending more than the fewest, and a wrong count for yours or for the V, are named. The
+    derivation: the lesson's Solutions."""
     hint = ("every change of rank between neighbouring stages costs two sends, one F and one B: how few "
             "changes can a path from rank 0 back to rank 0 make when every other rank must hold two stages? "
             "And how many does the V make?")

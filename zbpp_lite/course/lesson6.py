@@ -46,8 +46,9 @@ def _interleaved_span(v: int, comm: float) -> float:
 
 def _tie(p: int, v: int) -> float:
     """The T_comm at which interleaved 1F1B with v + 1 stages per rank is as fast as with v (a stage's
-    T_F = T_B = T_W = 1/v, m a multiple of p): 3(p - 1) / (2p v (v + 1)), tests/test_lesson6_claims.py
-    against the simulator."""
+    T_F = T_B = T_W = 1/v, m a multiple of p), in closed form; tests/test_lesson6_claims.py compares it
+    with the simulator."""
+    # 3(p - 1) / (2p v (v + 1))
     return 3 * (p - 1) / (2 * p * v * (v + 1))
 
 
@@ -55,10 +56,10 @@ def interleaved_crossover(fn: Any) -> Verdict:
     """Exercise 6.1: ``tie(p, v)``, the T_comm at which interleaved 1F1B with v + 1 stages per rank is exactly
     as fast as with v (v >= 2; below it v + 1 is faster), a stage's T_F = T_B = T_W = 1/v (a whole rank's 1)
     and m a multiple of p; predicted, which needs the makespan as a function of v and T_comm (which
-    transfers lie on the critical path: vp - 1 links each way). Checked at p = 2 to 6, v = 2 to 4 and at
-    points drawn afresh up to p = 12, the package out of bounds. Derivations that miscount the links get
-    their own message: each link counted once (the way down only), and the passes' p - 1 links without the
-    hop from the last rank back to the first."""
+    transfers lie on the critical path). Checked at p = 2 to 6, v = 2 to 4 and at points drawn afresh up
+    to p = 12, the package out of bounds. Derivations that miscount the links get their own message: each
+    link counted once (the way down only), and the links within each pass over the ranks counted without
+    the hop from the last rank back to the first. The derivation: the lesson's Solutions."""
     fixed = [(p, v) for p in range(2, 7) for v in (2, 3, 4)]
 
     def draw(rng):
@@ -86,10 +87,10 @@ def interleaved_peak(fn: Any) -> Verdict:
     """Exercise 6.2: ``peak(p, v, m, r)``, the most forwards' activations (M_B/v each) rank r holds under
     interleaved 1F1B with v stages per rank, m a multiple of p; checked for p = 2..5, v = 1..6, m = p, 2p
     and 3p, every rank, at six points drawn afresh at each call (p = 6..16, v = 1..6, m = p to 3p), and at
-    one with p = 40..80 against the closed form min(vm, vp + p - 1 - 2r) the tests check up to p = 16. At
-    v = 1 the builder keeps Megatron's order, 2(p - r) - 1 forwards before the first BW (the lesson shows
-    it). Patterns fitted from v = 1 get their own message (v times it, and v = 1's count for a pipeline of
-    vp ranks), and so does the count without its cap at m = p."""
+    one with p = 40..80 against a closed form the tests check up to p = 16. At v = 1 the builder keeps
+    Megatron's order (the lesson shows it). Patterns fitted from v = 1 get their own message (v times its
+    count, and v = 1's count for a pipeline of vp ranks), and so do v times 1F1B's warm-up count and a
+    count right from m = 2p on given also to m = p. The derivation: the lesson's Solutions."""
     points = [(p, v, k * p, r) for p in (2, 3, 4, 5) for v in (1, 2, 3, 4, 5, 6) for k in (1, 2, 3)
               for r in range(p)]
     why_once = ("v times v = 1's count repeats the wait for the round trip through the ranks after r on "

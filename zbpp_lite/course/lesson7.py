@@ -31,10 +31,9 @@ def slow_stage_idle(fn: Any) -> Verdict:
     """Exercise 7.1 (predicted): ``idle(p, m, slow, r)``, rank r's idle time inside its span in ZB-H1 on
     p >= 2 ranks, m >= p microbatches, stage ``slow`` twice as slow as the others (unit costs elsewhere,
     T_comm = 0); checked against the simulator at every slow stage and rank for p = 3..5, m = p and 2p, and
-    at four fresh points up to p = 12, m = 3p, the package out of bounds. The slow rank is never idle. A fast
-    rank works 3m: in front of the slow stage (r < slow) it runs from r to 6m - 1, idling 3m - 1 - r; behind
-    it, from r + 1 to 6m - 2p + 2 slow, idling 3m - 2p - 1 + 2 slow - r. Answers that give the ranks behind
-    the front's end, or every rank the front's form, are named."""
+    at four fresh points up to p = 12, m = 3p, the package out of bounds. Answers that give the ranks
+    behind the slow stage the end of those in front of it, or every rank the form of those in front, are
+    named. The derivation: the lesson's Solutions."""
     fixed = [(p, m, slow, r) for p in (3, 4, 5) for m in (p, 2 * p) for slow in range(p) for r in range(p)]
 
     def draw(rng):
@@ -59,10 +58,11 @@ def slow_stage_idle(fn: Any) -> Verdict:
                            _slow_idle(p, m, slow)[r], "idle(p, m, slow, r)", hint, known=known)
 
 
+# The fastest cut by time alone, 5, 9, 7 (layers 3, 2, 3), leaves rank 0 holding 3 x 3 = 9 > 8; the best
+# cut that fits is 11 (2, 3, 3 or 2, 2, 4).
 LAYER_COSTS = (1.0, 2.0, 2.0, 5.0, 4.0, 2.0, 1.0, 4.0)
 """The lesson's 8 layers: per-layer cost (T_F + T_B + T_W); exercise 7.2's first case, with
-:data:`LAYER_ACTS` and a limit of 8 on 3 ranks, where the fastest cut by time alone, 5, 9, 7 (layers 3, 2,
-3), leaves rank 0 holding 3 x 3 = 9 and the best cut that fits is 11 (2, 3, 3 or 2, 2, 4)."""
+:data:`LAYER_ACTS` and a limit of 8 on 3 ranks."""
 
 LAYER_ACTS = (1.0,) * 8
 """What each of :data:`LAYER_COSTS`' layers keeps per microbatch in exercise 7.2's first case (units)."""

@@ -156,7 +156,8 @@ def _stage_m_w(p: int, r: int, widths: Sequence[int], rows: int) -> int:
 
 
 def _for_w_held(p: int, m: int, r: int, widths: Sequence[int], rows: int) -> int:
-    """Exercise 8.2's answer on ZB-H2: min(2r + 1, m) microbatches of stage r's M_W (:func:`_stage_m_w`)."""
+    """Exercise 8.2's answer on ZB-H2, in microbatches of stage r's M_W (:func:`_stage_m_w`)."""
+    # min(2r + 1, m): rank r runs W of i after B of i + 2r, and holds no more than the m there are.
     return min(2 * r + 1, m) * _stage_m_w(p, r, widths, rows)
 
 
@@ -165,13 +166,12 @@ def for_w_peaks(fn: Any) -> Verdict:
     (each layer's input x and pre-activation gradient dz, M_W a microbatch) rank r holds at once under
     ZB-H2: stage s on rank s, layers like :data:`BUILD_CASE`'s, layer l taking width ``widths[l]`` to
     ``widths[l + 1]``, the L = len(widths) - 1 layers cut evenly into p stages, m >= 1 microbatches of
-    ``samples`` samples, float32. Rank r runs W of i after B of i + 2r (lesson 3), so right after that B it
-    holds 2r + 1 microbatches, never more than the m there are (the builder's order, in
-    tests/test_build_lesson.py); x is (samples, widths[l]) and dz (samples, widths[l + 1]) (exercise 2.1).
-    Checked at the lesson's case (p = 4, m = 8, 8 layers of width 256, 64 samples), which the reveal
-    measures, at m = 3, at a case of differing widths and at eight drawn afresh (p = 2..6, widths 8 to
-    512), so that the reveal's numbers alone do not pass; a count or size copied from elsewhere is
-    named."""
+    ``samples`` samples, float32. Checked at the lesson's case (p = 4, m = 8, 8 layers of width 256, 64
+    samples), which the reveal measures, at m = 3, at a case of differing widths and at eight drawn afresh
+    (p = 2..6, widths 8 to 512), so that the reveal's numbers alone do not pass. A count copied from
+    elsewhere (ZB-H1's, 1F1B's, one taken before a B or after its W, one that forgets how few microbatches
+    there may be) and a wrong size (x or dz given the other's width, stage 0's layers for every rank,
+    floats instead of bytes) are named. The derivation: the lesson's Solutions."""
     c = BUILD_CASE
     lesson = (c["width"],) * (c["layers"] + 1), c["microbatch_size"]
     fixed = [(c["ranks"], m, r, *lesson) for m in (c["microbatches"], 3) for r in range(c["ranks"])]
@@ -448,10 +448,10 @@ def optimizer_step(result: Any) -> Verdict:
     Right when every stage's new parameters equal SGD on the whole model, the :data:`TIED` matrix's gradient
     the sum of its two uses', with the gradient clipped to the global norm :data:`STEP` ``["max_norm"]``,
     within :data:`STEP_TOLERANCE` (arXiv 2401.10241, section 4: the global norm needs every rank's gradient),
-    and no rank called ``all_sum`` more than twice (the tie's sum, then the squares'). A norm from the squares
-    of each use instead of their sum's is 2% off in the scale here (the uses' gradients are given sharing a
-    direction), and one leaving stage 0's biases out 8% (each bias's gradient is given twice its matrix's
-    norm: :meth:`~zbpp_lite.course.bench.Lab.try_step`)."""
+    and no rank called ``all_sum`` more than twice. A norm from the squares of each use instead of their
+    sum's is 2% off in the scale here (the uses' gradients are given sharing a direction), and one leaving
+    stage 0's biases out 8% (each bias's gradient is given twice its matrix's norm:
+    :meth:`~zbpp_lite.course.bench.Lab.try_step`)."""
     hint = ("clipping bounds the length of the whole model's gradient, which no rank holds alone, and the "
             "tied matrix is one parameter: what must each rank contribute, in which order, and when must "
             "clipping leave a gradient as it is?")

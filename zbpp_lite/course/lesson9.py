@@ -198,8 +198,8 @@ def lockstep_1f1b(fn: Any) -> Verdict:
     """Exercise 9.2 (predicted): ``lockstep_span(p, m)``, 1F1B's lockstep makespan on p >= 2 ranks and m
     microbatches under :data:`FUSED` (a tick lasts its slowest action: 2 where any rank runs a BW), checked
     against the simulator's lockstep form at fixed points (m below, at and above p) and fresh ones, the
-    package out of bounds. 4m + 3p - 4: of its 2(m + p - 1) ticks only the first p hold no BW. The tick
-    count, every tick at 2 and the event-driven makespan are named."""
+    package out of bounds. The tick count, every tick at 2 and the event-driven makespan are named. The
+    derivation: the lesson's Solutions."""
     hint = ("a tick lasts as long as its slowest action: 2 wherever any rank runs a BW, 1 elsewhere. Count "
             "the ticks first (how many actions has a rank, and how late does the last rank start?), then "
             "find the tick of the first BW (on which rank?) and ask whether a later tick can be free of "
