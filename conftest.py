@@ -22,9 +22,9 @@ lesson 7's ``adapt``.
 
 Two orders (``--nbval-again``): ``in-order`` (the default) runs cell 0, 1, 2, ... again, as a
 learner who runs the lesson twice; ``reverse`` runs the last cell first, so that each cell meets the
-state the later cells left, as when a learner goes back up and re-runs one cell. Only ``reverse``
-finds the cells of :data:`RERUN_XFAIL` today. ``off`` skips the second pass. A lesson listed under
-the order in use is marked xfail (not strict) with the reason, until the lesson is fixed.
+state the later cells left, as when a learner goes back up and re-runs one cell. ``off`` skips the
+second pass. A lesson listed under the order in use is marked xfail (not strict) with the reason, until
+the lesson is fixed.
 
 This file sits at the repository's root so that it applies however the notebooks are selected
 (``pytest notebooks/08_build_a_pipeline.ipynb`` too).
@@ -34,18 +34,10 @@ from __future__ import annotations
 
 import pytest
 
-RERUN_XFAIL: dict[str, dict[str, str]] = {
-    "in-order": {},
-    "reverse": {
-        "03_handcrafted_zero_bubble.ipynb": "cells 3 and 7 (the closed forms' `assert h2.bubble_rate == 0.0`, the "
-        "synchronous step's `h2.sync_bubble`) read h1 and h2, which cell 10 rebinds to measured timelines",
-        "04_automatic_scheduling.ipynb": "cell 2's `plan(\"zb-2p\")` calls the function plan, which cell 5's "
-        "`for lim, plan in zip(limits, plans)` rebinds to a timeline",
-    },
-}
+RERUN_XFAIL: dict[str, dict[str, str]] = {"in-order": {}, "reverse": {}}
 """Per order of the second pass, notebook file name -> why its second pass fails (the cells, for
-whoever fixes the lesson; cells counted from 0 among code cells, as nbval names them). The in-order
-pass finds none today: each of these cells runs again only after the cell that defines its name has."""
+whoever fixes the lesson; cells counted from 0 among code cells, as nbval names them). Both orders find
+none today: every lesson's cells run again in reverse too (checked on all ten)."""
 
 REPLAYED = {
     "zbpp_lite.training.adapt": "adapt",  # lesson 7: 75 s of the second pass, run again
