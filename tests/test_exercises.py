@@ -76,8 +76,8 @@ CASES = {
             lambda p, m: 3 * (m + p - 1)),           # event-driven
     "9.3": (lambda: _spmd_result(ex.SPMD_RUNS), lambda: _spmd_result(ex.SPMD_RUNS, shift=True)),   # a tick late
     "9.4": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
-    "10.1": (lambda p, m: 6 * m + p - 1,             # 6m actions a rank; the last rank starts at tick p - 1
-             lambda p, m: 6 * m + 2 * (p - 1)),      # the wrong one: the fill paid down and up the V
+    "10.1": (lambda p, m: 4 * m + 2 * (p - 1),       # 4m actions a rank; 1F1B's bubble of 2(p - 1) ticks
+             lambda p, m: 4 * m + p - 1),            # the wrong one: ZB-V's fill, whose W's fill the rest
     "10.2": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
              lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks, ring=False)),  # no wrap
     "10.3": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
@@ -643,11 +643,13 @@ def test_the_lockstep_check_refuses_the_event_driven_prediction():
     assert not ex.lockstep_1f1b(40).attempt                       # a number is not yet a function
 
 
-def test_the_v_ticks_check_names_one_ranks_actions_one_chunk_a_rank_and_the_fill_paid_twice():
-    for wrong, word in ((lambda p, m: 6 * m, "any rank"), (lambda p, m: 3 * m + p - 1, "one stage a rank"),
-                        (lambda p, m: 6 * m + 2 * (p - 1), "twice")):
-        verdict = ex.v_ticks(wrong)
+def test_the_looped_ticks_check_names_the_vs_fill_its_count_one_stage_a_rank_and_a_fill_per_pass():
+    for wrong, word in ((lambda p, m: 4 * m + p - 1, "ZB-V's fill"), (lambda p, m: 6 * m + p - 1, "one BW"),
+                        (lambda p, m: 2 * m + 2 * (p - 1), "one stage a rank"),
+                        (lambda p, m: 4 * (m + p - 1), "once per pass")):
+        verdict = ex.looped_ticks(wrong)
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
+    assert ex.looped_ticks(lambda p, m: 4 * m + 2 * (p - 1))
 
 
 def test_the_v_check_names_what_the_v_changes_where_no_particular_mistake_shows():

@@ -519,12 +519,13 @@ def test_explorer_offers_dualpipe_v_with_a_t_fb_slider_and_its_refusal_below_2p(
 
 def test_explorer_adds_and_drops_the_chunk_note_as_the_schedule_changes():
     from zbpp_lite.viz import Explorer
+    from zbpp_lite.viz.figures import NOTE_MARGIN
 
     note = "lighter shade: a rank's later stage"
     ex = Explorer("1f1b", num_ranks=4, num_microbatches=8)
     assert not any(note in a.text for a in ex.figure.layout.annotations)
     ex.controls["schedule"].value = "zb-v"  # two stages per rank: the note appears
-    assert [a.text for a in ex.figure.layout.annotations if note in a.text] and ex.figure.layout.margin.b == 70
+    assert [a.text for a in ex.figure.layout.annotations if note in a.text] and ex.figure.layout.margin.b == NOTE_MARGIN
     ex.controls["schedule"].value = "zb-h1"  # one stage per rank again: the old note goes
     assert not any(note in a.text for a in ex.figure.layout.annotations) and ex.figure.layout.margin.b == 45
 

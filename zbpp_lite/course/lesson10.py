@@ -20,8 +20,9 @@ from .checks import Verdict, _called, _function_check, _function_missing, _whole
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE
 from .lesson9 import _number, _pipeline_problem, _rows, _step_problem, _tick_run
 
-V_MESSAGES = ("zb-v", 4, 8)
-"""Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches)."""
+LOOPED = ("interleaved-1f1b", 4, 8, 2)
+"""Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches, stages per rank):
+interleaved 1F1B on the looped placement (lesson 6), beside ZB-V on the V."""
 
 ROUTE_CASES = (("zb-v", 4, 8), ("zb-v", 3, 5), ("zb-h1", 4, 8), ("interleaved-1f1b", 3, 6))
 """Exercise 10.2's schedules (name, ranks, microbatches): the V (rank p - 1 sends to itself where the V
@@ -42,40 +43,47 @@ V_CASE = {**BUILD_CASE, "layers": 16}
 stages have two layers each, as lesson 9's ``stage_F`` takes (lesson 10's program)."""
 
 
-def v_ticks(fn: Any) -> Verdict:
-    """Exercise 10.1 (predicted): ``v_ticks(p, m)``, how many lockstep ticks ZB-V takes on p >= 2 ranks and
-    m >= 2p - 1 microbatches, each action one tick (T_F = T_B = T_W = 1, T_comm = 0), checked against
+def looped_ticks(fn: Any) -> Verdict:
+    """Exercise 10.1 (predicted): ``looped_ticks(p, m)``, how many lockstep ticks interleaved 1F1B takes with
+    two stages a rank (lesson 6's looped placement, stage s on rank s % p) on p >= 2 ranks, m a multiple of
+    p and m >= 2p, each action one tick (its BW too: T_F = T_BW = 1, T_comm = 0); checked against
     :func:`~zbpp_lite.schedules.simulate.lockstep_ticks` at fixed and fresh points, the package out of
-    bounds. 6m + p - 1: every rank runs 6m actions; the last rank starts after p - 1 ticks and then runs
-    one every tick. Leaving out the start, one chunk a rank and a start paid down and up the V are named."""
-    hint = ("each rank holds two stages, each running an F, a B and a W per microbatch: how many actions a "
-            "rank, one a tick? Which rank can start last, how late, and does it idle once it has started?")
-    fixed = [(4, 8), (2, 3), (3, 5), (5, 12), (6, 11)]
+    bounds. ZB-V's fill given to interleaved 1F1B, ZB-V's count (B and W split), one stage a rank and the
+    fill paid once per pass over the ranks are named. The derivation: the lesson's Solutions."""
+    hint = ("how many actions does a rank run (two stages, an F and a BW each per microbatch)? With every "
+            "action one tick, lockstep is event-driven timing: take lesson 6's interleaved makespan with "
+            "a stage's T_F = T_BW = 1. Where does ZB-V put W's that interleaved 1F1B does not have?")
+    fixed = [(4, 8), (2, 4), (3, 6), (5, 15), (6, 12)]
 
     def draw(rng):
         p = rng.randint(2, 7)
-        return p, rng.randint(2 * p - 1, 4 * p)
+        return p, p * rng.randint(2, 4)
 
-    points = _with_fresh(fixed, draw, 3)
-    known = [(lambda p, m: 6 * m, "that is one rank's actions alone; the program runs from the first "
-                                  "action on any rank to the last."),
-             (lambda p, m: 3 * m + p - 1, "that counts one stage a rank: on the V each rank holds two "
-                                          "chunks."),
-             (lambda p, m: 6 * m + 2 * (p - 1), "that pays the fill twice, down and up the V: by the time "
-                                                "the forwards turn, every rank is busy.")]
-    return _function_check("10.1", fn, points, _v_ticks, "v_ticks(p, m)", hint, known=known)
+    known = [(lambda p, m: 4 * m + p - 1, "that is ZB-V's fill: there the W's fill the end of the step. "
+                                          "Interleaved 1F1B has none; what does rank 0's last BW wait for?"),
+             (lambda p, m: 6 * m + p - 1, "that is ZB-V's count: interleaved 1F1B runs each backward as one "
+                                          "BW, two actions a microbatch and stage."),
+             (lambda p, m: 2 * m + 2 * (p - 1), "that counts one stage a rank: here each rank holds two."),
+             (lambda p, m: 4 * (m + p - 1), "that pays the fill once per pass over the ranks; the passes "
+                                            "overlap, and the step fills and drains once.")]
+    return _function_check("10.1", fn, _with_fresh(fixed, draw, 3), _looped_ticks, "looped_ticks(p, m)", hint,
+                           known=known)
 
 
 @course_cache(maxsize=64)
-def _v_ticks(p: int, m: int) -> int:
-    return len(lockstep_ticks(build_schedule(V_MESSAGES[0], p, m)))
+def _looped_ticks(p: int, m: int) -> int:
+    name, _, _, v = LOOPED
+    return len(lockstep_ticks(build_schedule(name, p, m, stages_per_rank=v)))
 
 
-def reveal_v_ticks() -> Any:
-    """Exercise 10.1's reveal: ZB-V's lockstep timeline at p = 4, m = 8, each action one tick."""
-    name, p, m = V_MESSAGES
-    return timeline_figure(simulate(build_schedule(name, p, m), Costs(f=1.0, b=1.0, w=1.0), lockstep=True),
-                           f"ZB-V in lockstep, p = {p}, m = {m}, each action one tick")
+def reveal_looped_ticks() -> Any:
+    """Exercise 10.1's reveal: interleaved 1F1B's lockstep timeline at p = 4, m = 8, two stages a rank, each
+    action one tick (its BW too)."""
+    name, p, m, v = LOOPED
+    plan = simulate(build_schedule(name, p, m, stages_per_rank=v), Costs(f=1.0, b=1.0, w=1.0, bw=1.0),
+                    lockstep=True)
+    return timeline_figure(plan, f"interleaved 1F1B in lockstep, p = {p}, m = {m}, v = {v}, each action "
+                                 f"one tick: {plan.makespan:g} ticks")
 
 
 def _routes(schedule) -> dict:
@@ -211,12 +219,12 @@ def own_step(result: Any) -> Verdict:
                    f"{w} matrix products, none again.")
 
 
-EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": v_ticks, "10.2": routing, "10.3": spmd_v,
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": looped_ticks, "10.2": routing, "10.3": spmd_v,
                                                    "10.4": own_step}
 """Lesson 10's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_v_ticks}
+REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_looped_ticks}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["V_MESSAGES", "OWN_CASE", "ROUTE_CASES", "V_RUNS", "V_CASE", "v_ticks", "routing", "own_step",
+__all__ = ["LOOPED", "OWN_CASE", "ROUTE_CASES", "V_RUNS", "V_CASE", "looped_ticks", "routing", "own_step",
            "spmd_v", "EXERCISES", "REVEALS"]

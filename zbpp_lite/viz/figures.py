@@ -72,14 +72,20 @@ def _chunk_index(timeline: Timeline) -> dict[tuple[int, int], int]:
     return {(r, s): i for r, ss in stages.items() for i, s in enumerate(sorted(ss))}
 
 
+NOTE_MARGIN = 80
+"""Pixels below a timeline's plot where it carries the chunk note (:func:`_chunk_note`): the time axis'
+labels and title, then the note."""
+
+
 def _chunk_note(*timelines: Timeline) -> list[dict[str, Any]]:
     """The annotation explaining the lighter shades of later chunks, where a rank of ``timelines`` holds
     several stages; else none (so a redrawn figure loses an old note)."""
     if not any(t.several_stages for t in timelines):
         return []
     return [{"text": "lighter shade: a rank's later stage (its 2nd or later chunk, in an interleaved or V "
-             "placement)", "xref": "paper", "yref": "paper", "x": 0.0, "y": -0.02, "yanchor": "top",
-             "xanchor": "left", "showarrow": False, "font": {"size": 11, "color": "#555"}}]
+             "placement)", "xref": "paper", "yref": "paper", "x": 0.0, "y": 0.0, "yanchor": "top",
+             "yshift": -46, "xanchor": "left", "showarrow": False,   # below the time axis' labels and title
+             "font": {"size": 11, "color": "#555"}}]
 
 
 def timeline_traces(
@@ -182,7 +188,7 @@ def timeline_layout(
         "barmode": "overlay",
         "bargap": 0.1,
         "height": 140 + 34 * timeline.num_ranks,
-        "margin": {"l": 70, "r": 20, "t": 60, "b": 70 if note else 45},
+        "margin": {"l": 70, "r": 20, "t": 60, "b": NOTE_MARGIN if note else 45},
         "xaxis": {
             "title": {"text": f"time ({time_unit or time_unit_of(timeline)})"},
             "range": [0, max(end_time(timeline) - start_time(timeline), 1e-12)],
@@ -267,7 +273,7 @@ def compare_figure(
                       height=220 + 2 * 34 * planned.num_ranks)
     for note in _chunk_note(planned, measured):
         fig.add_annotation(note)
-        fig.update_layout(margin={"b": 70})
+        fig.update_layout(margin={"b": NOTE_MARGIN})
     return fig
 
 
