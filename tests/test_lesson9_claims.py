@@ -97,14 +97,15 @@ def test_the_tick_table_written_in_the_lesson_is_what_the_package_prints():
 
 
 def test_the_whole_program_cell_uses_nothing_from_the_package():
-    """Lesson 9's "The whole program" is ZB-H1's step as one function a reader can write from scratch: its
-    body names no package module (zb, ex, bench, spmd, lab) and no helper that wraps one (program_of,
-    rank_program, make_tick...): only JAX, the cells' vary, store and stage F, B and W, the sizes, and the
-    tick tables the lesson builds from lockstep_ticks."""
+    """Lesson 9's "The whole program" is a step of any schedule of F's and BW's (1F1B's in the lesson) as one
+    function a reader can write from scratch: its body names no package module (zb, ex, bench, spmd, lab)
+    and no helper that wraps one (program_of, rank_program, make_tick...): only JAX, the cells' vary, store
+    and stage F, B and W, the sizes, and the tick tables it is given (the lesson builds them from
+    lockstep_ticks)."""
     import ast
     source = LESSON.read_text(encoding="utf-8")
     cell = source.split("## The whole program")[1].split("```{code-cell} ipython3\n")[1].split("```")[0]
-    step = next(n for n in ast.walk(ast.parse(cell)) if isinstance(n, ast.FunctionDef) and n.name == "zb_h1_step")
+    step = next(n for n in ast.walk(ast.parse(cell)) if isinstance(n, ast.FunctionDef) and n.name == "pipeline_step")
     names = {n.id for n in ast.walk(step) if isinstance(n, ast.Name)}
     assert not names & {"zb", "ex", "bench", "spmd", "lab", "program_of", "rank_program", "make_tick", "tables"}
     assert {"lax", "jnp", "jax", "shard_map", "P", "vary", "store", "stage_F", "stage_B", "stage_W", "kind", "microbatch",

@@ -1160,7 +1160,8 @@ def stage_program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
     ``kind`` and ``microbatch`` tables (:func:`~zbpp_lite.runtime.spmd.tick_tables`), A, c cut over the
     ranks, X, Y whole, and a scan of ``make_tick(A, c, X, Y, first, last)``'s tick over the state of
     :func:`_start_state` (``rows[name]`` rows a buffer); ``first``, ``last``: traced booleans. The program
-    returns ``(dA, dc, ran)`` by rank, as the lesson's ``zb_h1_step`` without its loss."""
+    returns ``(dA, dc, ran)`` by rank, as the lesson's ``pipeline_step`` without its loss (and with
+    ``dz``, for a tick with B and W branches)."""
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
