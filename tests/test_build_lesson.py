@@ -784,14 +784,17 @@ def _no_pipeline(ns: dict, shape: str | int, loss=None, args: int = 5):
 def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
     """Exercise 9.4: the Solutions' spmd_step (one shard_map program; the last rank's F adds each
     microbatch's loss over m, its B starts from the head's gradient, its W adds to dH; psum makes the loss
-    and dH one array) passes. The loss not divided by m, the loss returned per rank (out_specs P("rank"), no
+    and dH one array; each buffer the rows its busiest rank needs) passes. m rows a buffer (80 rows of
+    (samples, d) in its state, over the 34 ZB-H1 needs), the loss not divided by m, the loss returned per rank (out_specs P("rank"), no
     psum), dH added on every rank, tick tables from the package's lockstep_ticks, and a loss taken by a
     second forward outside the program are each refused by name, and (round 35) ZB-H2's tables stacked in
     one array, the loss left None, NaN gradients; a body of ``...`` is no answer yet; F's whole forward
     under lax.cond(last, with the head, without) passes (a cond's costliest branch is what it runs)."""
     lab = spmd_lesson["lab"]
-    right = ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
+    result = lab.try_step(spmd_lesson["spmd_step"])
+    right = ex.spmd_step(result)
     assert right and "one SPMD program ran ZB-H1's step with its head" in str(right), str(right)
+    assert result["rows"] == 1 + 1 + 2 * (4 + 4 + 4) + 1 + 4   # act, grad; ins, outs, dz; the head's output, gradient
     no_m = lambda src: src.replace(" ** 2) / m", " ** 2)")  # noqa: E731
     per_rank = lambda src: src.replace('lax.psum(st["loss"], "rank")', 'st["loss"][None]').replace(  # noqa: E731
         "out_specs=(P(), ", 'out_specs=(P("rank"), ')
@@ -810,7 +813,9 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     ret = "    return jax.jit(program)(kind, microbatch, As, cs, H, X, Y)"
     unwritten = lambda value: lambda src: src.replace(ret, ret.replace("return", "loss, dAs, dcs, dH =")  # noqa: E731
                                                       + f"\n    return {value}")
+    m_rows = lambda src: src.replace('R["outs"] = max(R["outs"], depth["ins"][-1])', "R = dict.fromkeys(R, m)")  # noqa: E731
     for edit, word in ((no_m, "(8 times it)"), (per_rank, "has shape (4,)"), (every_rank, "dH differs"),
+                       (m_rows, "holds 80 (samples, d) rows in all"),
                        (packaged, "the package's lockstep_ticks"), (other_order, "not ZB-H1's"),
                        (every_f_first, "not ZB-H1's"), (stacked, "not ZB-H1's"),
                        (unwritten("None, dAs, dcs, dH"), "the loss is nan"),
@@ -835,10 +840,10 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
         assert not verdict and word in verdict.message and verdict.hint, (shape, str(verdict))
     assert ex.spmd_step(lab.try_step(lambda As, cs, H, X, Y: None)).message.startswith("no answer yet")
     head_cond = lambda src: src.replace(  # noqa: E731   round 35: F's forward under the lesson's lax.cond
-        """            y, ins, outs = stage_F(A, c, jnp.where(first, X[j], st["act"][j]))
+        """            y, ins, outs = stage_F(A, c, jnp.where(first, X[j], st["act"][row("act", j)]))
             logits = y @ H
             loss = jnp.where(last, jnp.mean((logits - Y[j]) ** 2) / m, 0.0)""",
-        """            x = jnp.where(first, X[j], st["act"][j])
+        """            x = jnp.where(first, X[j], st["act"][row("act", j)])
             def with_head(x):
                 y, ins, outs = stage_F(A, c, x); logits = y @ H
                 return y, ins, outs, logits, jnp.mean((logits - Y[j]) ** 2) / m

@@ -237,9 +237,9 @@ class SpmdLab:
         "dH_error": max |dH - dH_ref| / max |dH_ref| (inf: another shape), "shard_maps": how many shard_map
         calls its program makes, "outside": the primitives it runs outside them (tick tables passed in as
         arrays run none), "products": :func:`branch_products`, "loose": :func:`loose_products`, "order":
-        :func:`runs_schedule` for ZB-H1, **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns
-        instead (the package's tick tables, ``spmd.tick_tables`` or ``lockstep_ticks``, called while the step
-        traces: ``"copied"``)."""
+        :func:`runs_schedule` for ZB-H1, "rows": :func:`scan_rows` of its state, **gradient_report of dAs,
+        dcs}``, or what :func:`_traced_run` returns instead (the package's tick tables, ``spmd.tick_tables``
+        or ``lockstep_ticks``, called while the step traces: ``"copied"``)."""
         As, cs, Xm, Ym = self.arrays
         params, X, Y = mlp(self.case)
         d = self.case["width"]
@@ -260,6 +260,7 @@ class SpmdLab:
             {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
         return dict(error=None, loss=loss, loss_ref=float(loss_ref),
                     dH_error=gradient_report([dH], [dH_ref])["grad_error"],
+                    rows=scan_rows(program.jaxpr, self.case["microbatch_size"], d),
                     **_program_report(program, self.case), **report)
 
 
@@ -475,6 +476,28 @@ def branch_products(jaxpr: Any, which: Callable[[Any], bool] = lambda eqn: True)
     if not counts:
         return None
     return [max(c[i] for c in counts if i < len(c)) for i in range(max(map(len, counts)))]
+
+
+def scan_rows(jaxpr: Any, samples: int, d: int) -> int | None:
+    """How many (``samples``, ``d``) rows the state of the first ``lax.scan`` in ``jaxpr`` (the jaxprs it
+    calls looked into, a ``shard_map``'s body among them: a rank's own shapes) holds in all: for each carried
+    array of shape (..., samples, d), the product of its leading dimensions. A buffer (rows, 2, samples, d)
+    counts 2 rows per row. None without a scan."""
+    def first_scan(j: Any) -> Any:
+        for e in j.eqns:
+            if e.primitive.name == "scan":
+                return e
+            found = next((f for f in map(first_scan, inner_jaxprs(e)) if f is not None), None)
+            if found is not None:
+                return found
+        return None
+
+    scan = first_scan(jaxpr)
+    if scan is None:
+        return None
+    start = scan.params["num_consts"]
+    shapes = [v.aval.shape for v in scan.invars[start:start + scan.params["num_carry"]]]
+    return sum(int(np.prod(s[:-2])) for s in shapes if tuple(s[-2:]) == (samples, d))
 
 
 def loose_products(jaxpr: Any) -> int:

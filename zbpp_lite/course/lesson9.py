@@ -403,6 +403,16 @@ def _pipeline_problem(key: str, result: Any, most: int, hint: str, w_more: int =
     return None
 
 
+def _step_rows_limit() -> int:
+    """Exercise 9.4's bound on the (samples, d) rows its step's scan state may hold: ZB-H1's five buffers
+    (:func:`buffer_depths` on :data:`~zbpp_lite.course.lesson8.BUILD_CASE`, each buffer the rows of its
+    busiest rank; ``ins``, ``outs`` and ``dz`` two layers a row) and two more of the head's, each at most as
+    deep as ``dz``. A step with m rows a buffer holds more."""
+    c = BUILD_CASE
+    k = {b: max(v) for b, v in buffer_depths(build_schedule("zb-h1", c["ranks"], c["microbatches"])).items()}
+    return k["act"] + k["grad"] + 2 * (k["ins"] + k["outs"] + k["dz"]) + 2 * k["dz"]
+
+
 def spmd_step(result: Any) -> Verdict:
     """Exercise 9.4: the learner's ``spmd_step(As, cs, H, X, Y) -> (loss, dAs, dcs, dH)`` for ZB-H1 with a
     linear head ``H`` after the last stage (:func:`zbpp_lite.course.bench.head_loss`), run by lesson 9's
@@ -428,6 +438,13 @@ def spmd_step(result: Any) -> Verdict:
     shape = _pipeline_problem("9.4", result, 3, hint)    # a stage's two layers and the head
     if shape is not None:
         return shape
+    limit = _step_rows_limit()
+    if result.get("rows") is not None and result["rows"] > limit:
+        return Verdict("9.4", False, f"your scan's state holds {result['rows']} (samples, d) rows in all (a "
+                       f"buffer of two layers counts 2 a row); ZB-H1 needs at most {limit} here.",
+                       "give each buffer only the rows its busiest rank needs, counted from your 9.1 table "
+                       "as 'How many rows a buffer needs' counts them, the head's buffers too; microbatch j "
+                       "in row j % rows, arrivals too.")
     loss, ref = _number(result["loss"]), float(result["loss_ref"])
     if loss.shape != ():
         what = f"has shape {loss.shape}" if loss.size else f"is {result['loss']!r:.60}"
