@@ -794,7 +794,9 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     result = lab.try_step(spmd_lesson["spmd_step"])
     right = ex.spmd_step(result)
     assert right and "one SPMD program ran ZB-H1's step with its head" in str(right), str(right)
-    assert result["rows"] == 1 + 1 + 2 * (4 + 4 + 4) + 1 + 4   # act, grad; ins, outs, dz; the head's output, gradient
+    from zbpp_lite.course.bench import state_rows
+    rows = state_rows(result["state"], 64, 256, result["sums"])
+    assert rows == 1 + 1 + 2 * (4 + 4 + 4) + 1 + 4   # act, grad; ins, outs, dz; the head's output, its gradient
     no_m = lambda src: src.replace(" ** 2) / m", " ** 2)")  # noqa: E731
     per_rank = lambda src: src.replace('lax.psum(st["loss"], "rank")', 'st["loss"][None]').replace(  # noqa: E731
         "out_specs=(P(), ", 'out_specs=(P("rank"), ')
@@ -815,7 +817,7 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
                                                       + f"\n    return {value}")
     m_rows = lambda src: src.replace('R["outs"] = max(R["outs"], depth["ins"][-1])', "R = dict.fromkeys(R, m)")  # noqa: E731
     for edit, word in ((no_m, "(8 times it)"), (per_rank, "has shape (4,)"), (every_rank, "dH differs"),
-                       (m_rows, "holds 80 (samples, d) rows in all"),
+                       (m_rows, "holds 80 rows of (samples, d) numbers in all"),
                        (packaged, "the package's lockstep_ticks"), (other_order, "not ZB-H1's"),
                        (every_f_first, "not ZB-H1's"), (stacked, "not ZB-H1's"),
                        (unwritten("None, dAs, dcs, dH"), "the loss is nan"),
@@ -949,3 +951,29 @@ def test_round_45s_whole_model_gradients_beside_a_switch_that_does_nothing_fail(
 
     verdict = ex.spmd_step(spmd_lesson["lab"].try_step(fake))
     assert not verdict and "run no matrix product" in verdict.message, str(verdict)
+
+
+def test_the_state_of_a_tick_loop_is_counted_in_rows_whatever_its_layout():
+    """Exercise 9.4's measure (round 74 broke the first one with other layouts and loops): the loop over the
+    ticks is the scan or while whose body runs a tick's switch, and its state's rows are sizes over
+    samples * d, the gradient sums left out; ticks unrolled in Python have no such loop."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    from zbpp_lite.course.bench import state_rows, tick_state
+
+    def scanned(buf):
+        tick = lambda st, k: (lax.switch(k, [lambda s: s + 1.0] * 4, st), k)  # noqa: E731
+        small = lax.scan(lambda c, _: (c + 1, None), 0, None, length=2)[0]   # a loop without a switch first
+        return lax.scan(tick, buf, jnp.arange(3) % 4)[0] + small
+
+    def looped(buf):
+        return lax.fori_loop(0, jnp.int32(3), lambda k, st: lax.switch(k % 4, [lambda s: s + 1.0] * 4, st), buf)
+
+    for shape in ((8, 64, 256), (64, 8, 256), (8, 16384), (4, 2, 64, 256)):
+        for step in (scanned, looped):
+            state = tick_state(jax.make_jaxpr(step)(jnp.zeros(shape)).jaxpr)
+            assert state[-1] == shape and state_rows(state, 64, 256, []) == 8, (shape, step.__name__, state)
+    assert state_rows([(2, 256, 256), (8, 64, 256), ()], 64, 256, [(2, 256, 256)]) == 8   # dA's sum left out
+    unrolled = lambda buf: [lax.switch(k, [lambda s: s + 1.0] * 4, buf) for k in jnp.arange(3)][-1]  # noqa: E731
+    assert tick_state(jax.make_jaxpr(unrolled)(jnp.zeros((8, 64, 256))).jaxpr) is None

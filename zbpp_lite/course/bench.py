@@ -237,9 +237,10 @@ class SpmdLab:
         "dH_error": max |dH - dH_ref| / max |dH_ref| (inf: another shape), "shard_maps": how many shard_map
         calls its program makes, "outside": the primitives it runs outside them (tick tables passed in as
         arrays run none), "products": :func:`branch_products`, "loose": :func:`loose_products`, "order":
-        :func:`runs_schedule` for ZB-H1, "rows": :func:`scan_rows` of its state, **gradient_report of dAs,
-        dcs}``, or what :func:`_traced_run` returns instead (the package's tick tables, ``spmd.tick_tables``
-        or ``lockstep_ticks``, called while the step traces: ``"copied"``)."""
+        :func:`runs_schedule` for ZB-H1, "state": :func:`tick_state`, "sums": the shapes of a rank's A, c
+        and H (its gradient sums'), **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns
+        instead (the package's tick tables, ``spmd.tick_tables`` or ``lockstep_ticks``, called while the step
+        traces: ``"copied"``)."""
         As, cs, Xm, Ym = self.arrays
         params, X, Y = mlp(self.case)
         d = self.case["width"]
@@ -260,7 +261,8 @@ class SpmdLab:
             {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
         return dict(error=None, loss=loss, loss_ref=float(loss_ref),
                     dH_error=gradient_report([dH], [dH_ref])["grad_error"],
-                    rows=scan_rows(program.jaxpr, self.case["microbatch_size"], d),
+                    state=tick_state(program.jaxpr),
+                    sums=[tuple(As.shape[1:]), tuple(cs.shape[1:]), tuple(H.shape)],
                     **_program_report(program, self.case), **report)
 
 
@@ -478,26 +480,39 @@ def branch_products(jaxpr: Any, which: Callable[[Any], bool] = lambda eqn: True)
     return [max(c[i] for c in counts if i < len(c)) for i in range(max(map(len, counts)))]
 
 
-def scan_rows(jaxpr: Any, samples: int, d: int) -> int | None:
-    """How many (``samples``, ``d``) rows the state of the first ``lax.scan`` in ``jaxpr`` (the jaxprs it
-    calls looked into, a ``shard_map``'s body among them: a rank's own shapes) holds in all: for each carried
-    array of shape (..., samples, d), the product of its leading dimensions. A buffer (rows, 2, samples, d)
-    counts 2 rows per row. None without a scan."""
-    def first_scan(j: Any) -> Any:
+def tick_state(jaxpr: Any) -> list | None:
+    """The shapes of the state carried by the loop over the ticks: the first ``lax.scan`` or ``while`` in
+    ``jaxpr`` (the jaxprs it calls looked into, a ``shard_map``'s body among them: a rank's own shapes) whose
+    body runs a tick's switch (:func:`_is_switch`); None without one (the ticks unrolled in Python)."""
+    def has_switch(j: Any) -> bool:
+        return any(_is_switch(e) or any(map(has_switch, inner_jaxprs(e))) for e in j.eqns)
+
+    def loop(j: Any) -> Any:
         for e in j.eqns:
-            if e.primitive.name == "scan":
+            body = {"scan": "jaxpr", "while": "body_jaxpr"}.get(e.primitive.name)
+            if body is not None and has_switch(getattr(e.params[body], "jaxpr", e.params[body])):
                 return e
-            found = next((f for f in map(first_scan, inner_jaxprs(e)) if f is not None), None)
+            found = next((f for f in map(loop, inner_jaxprs(e)) if f is not None), None)
             if found is not None:
                 return found
         return None
 
-    scan = first_scan(jaxpr)
-    if scan is None:
+    e = loop(jaxpr)
+    if e is None:
         return None
-    start = scan.params["num_consts"]
-    shapes = [v.aval.shape for v in scan.invars[start:start + scan.params["num_carry"]]]
-    return sum(int(np.prod(s[:-2])) for s in shapes if tuple(s[-2:]) == (samples, d))
+    if e.primitive.name == "scan":
+        carried = e.invars[e.params["num_consts"]:e.params["num_consts"] + e.params["num_carry"]]
+    else:
+        carried = e.invars[e.params["cond_nconsts"] + e.params["body_nconsts"]:]
+    return [tuple(v.aval.shape) for v in carried]
+
+
+def state_rows(shapes: list, samples: int, d: int, sums: list) -> float:
+    """How many rows of ``samples`` x ``d`` numbers a tick loop's state (:func:`tick_state`'s ``shapes``)
+    holds, in whatever layout: every carried array's size over samples * d, but the gradient sums (shapes
+    in ``sums``, such as dA's, dc's, dH's) and scalars. A buffer (rows, 2, samples, d) counts 2 a row."""
+    skip = set(map(tuple, sums))
+    return sum(float(np.prod(s)) for s in shapes if s and tuple(s) not in skip) / (samples * d)
 
 
 def loose_products(jaxpr: Any) -> int:

@@ -138,7 +138,8 @@ def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: 
         return Verdict(exercise, False, "no answer yet: replace ... with yours.")
     value = _as_number(answer)
     if value is None:
-        return Verdict(exercise, False, f"expected a number for {what}, got {answer!r}.", hint, attempt=False)
+        return Verdict(exercise, False, f"expected a number for {what}, got {_shown(answer)}.", hint,
+                       attempt=False)
 
     def near(target: float) -> bool:
         return abs(value - target) <= tol * max(1.0, abs(target))
@@ -248,6 +249,25 @@ def _audit_hook(event: str, args: tuple) -> None:
         record.append(_AUDITED[event])
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for a verdict, cut to ``limit`` characters; a placeholder where the repr itself fails
+    (a learner's class whose ``__repr__`` raises, an int too long for Python to print)."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001  (the answer's own failure, reported as what it is)
+        text = f"a value of type {type(value).__name__} that cannot be printed"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _said(error: BaseException, limit: int = 200) -> str:
+    """An error's message for a verdict, cut to ``limit`` characters, or its type where it cannot be read."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001
+        text = f"(an error of type {type(error).__name__} whose message cannot be read)"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _alone(fn: Callable, point: tuple, steps: int | None = None) -> Any:
     """``_settled(fn(*point))``, raising :class:`_UsedPackage` if it called any zbpp_lite function (a
     profile hook, on this thread and on threads the call starts, and on Python 3.12 on every thread; the
@@ -327,9 +347,11 @@ def _called(exercise: str, fn: Callable, point: tuple, hint: str, steps: int | N
     except _OverBudget as e:
         return None, Verdict(exercise, False, f"your function took over {e} steps (lines run and calls) "
                              f"at {where} and was stopped: it would take too long there.", hint)
-    except (Exception, SystemExit) as e:  # noqa: BLE001  (the learner's error is an answer to report)
-        return None, Verdict(exercise, False, f"your function raised {type(e).__name__} at {where}: {e}",
-                             hint)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001  (the learner's error, SystemExit too, is an answer to report)
+        return None, Verdict(exercise, False, f"your function raised {type(e).__name__} at {where}: "
+                             f"{_said(e)}", hint)
 
 
 def _hand_schedule(exercise: str, actions: Any, p: int, m: int, hint: str,
@@ -365,7 +387,7 @@ def _function_missing(exercise: str, fn: Any, hint: str, name: str = "the functi
     if _unanswered(fn):
         return Verdict(exercise, False, f"no answer yet: write {name}.")
     if not callable(fn):
-        return Verdict(exercise, False, f"expected {shape}, got {fn!r}.", hint, attempt=False)
+        return Verdict(exercise, False, f"expected {shape}, got {_shown(fn)}.", hint, attempt=False)
     return None
 
 
@@ -419,14 +441,14 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
         if refused is not None:
             return refused
         if _unanswered(got):   # the template's body, still `return ...`: not an attempt yet
-            return Verdict(exercise, False, f"at {point} your function returned {got!r}: replace the ... in "
-                           "its body.", hint, attempt=False)
+            return Verdict(exercise, False, f"at {point} your function returned {_shown(got)}: replace the "
+                           "... in its body.", hint, attempt=False)
         want = expected(*point)
         if isinstance(want, tuple):   # a pair or more of numbers, compared one by one
             numbers_got = _as_numbers(got, len(want))
             if numbers_got is None:
-                return Verdict(exercise, False, f"at {point} expected {len(want)} numbers, got {got!r}.",
-                               hint)
+                return Verdict(exercise, False,
+                               f"at {point} expected {len(want)} numbers, got {_shown(got)}.", hint)
             values.append(numbers_got)
             if _close(numbers_got, want, tol):
                 agree += 1
@@ -435,7 +457,8 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
             continue
         if isinstance(want, bool):
             if not isinstance(got, bool) and type(got).__name__ != "bool_":
-                return Verdict(exercise, False, f"at {point} expected True or False, got {got!r}.", hint)
+                return Verdict(exercise, False, f"at {point} expected True or False, got {_shown(got)}.",
+                               hint)
             if bool(got) == want:
                 agree += 1
             elif wrong is None:
@@ -443,7 +466,7 @@ def _function_check(exercise: str, fn: Any, points: Sequence[tuple], expected: C
             continue
         value = _as_number(got) if not isinstance(got, bool) else None
         if value is None:
-            return Verdict(exercise, False, f"at {point} expected a number, got {got!r}.", hint)
+            return Verdict(exercise, False, f"at {point} expected a number, got {_shown(got)}.", hint)
         values.append(value)
         if _close(value, want, tol):
             agree += 1

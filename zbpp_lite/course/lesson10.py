@@ -47,27 +47,31 @@ def looped_ticks(fn: Any) -> Verdict:
     """Exercise 10.1 (predicted): ``looped_ticks(p, m)``, how many lockstep ticks interleaved 1F1B takes with
     two stages a rank (lesson 6's looped placement, stage s on rank s % p) on p >= 2 ranks, m a multiple of
     p and m >= 2p, each action one tick (its BW too: T_F = T_BW = 1, T_comm = 0); checked against
-    :func:`~zbpp_lite.schedules.simulate.lockstep_ticks` at fixed and fresh points, the package out of
-    bounds. ZB-V's fill given to interleaved 1F1B, ZB-V's count (B and W split), one stage a rank and the
-    fill paid once per pass over the ranks are named. The derivation: the lesson's Solutions."""
+    :func:`~zbpp_lite.schedules.simulate.lockstep_ticks` exactly, at fixed and fresh points (p up to 12),
+    the package out of bounds. The bubble in ticks divided by v (ZB-V's fill), ZB-V's count (B and W
+    split), one stage a rank and the fill paid once per pass over the ranks are named. The derivation:
+    the lesson's Solutions."""
     hint = ("how many actions does a rank run (two stages, an F and a BW each per microbatch)? With every "
             "action one tick, lockstep is event-driven timing: take lesson 6's interleaved makespan with "
             "a stage's T_F = T_BW = 1. Where does ZB-V put W's that interleaved 1F1B does not have?")
     fixed = [(4, 8), (2, 4), (3, 6), (5, 15), (6, 12)]
 
-    def draw(rng):
-        p = rng.randint(2, 7)
-        return p, p * rng.randint(2, 4)
+    def draw(rng):   # beyond the fixed points too: p up to 12, m up to 6p
+        p = rng.randint(2, 12)
+        return p, p * rng.randint(2, 6)
 
-    known = [(lambda p, m: 4 * m + p - 1, "that is ZB-V's fill: there the W's fill the end of the step. "
-                                          "Interleaved 1F1B has none; what does rank 0's last BW wait for?"),
+    known = [(lambda p, m: 4 * m + p - 1, "that divides 1F1B's bubble in ticks by v (it is also ZB-V's "
+                                          "fill): lesson 6's 'over v' is in a rank's time, and each tick "
+                                          "here is already a stage's action, 1/v of a rank's. In ticks the "
+                                          "bubble stays 1F1B's; ZB-V fills it with W's, which interleaved "
+                                          "1F1B does not have."),
              (lambda p, m: 6 * m + p - 1, "that is ZB-V's count: interleaved 1F1B runs each backward as one "
                                           "BW, two actions a microbatch and stage."),
              (lambda p, m: 2 * m + 2 * (p - 1), "that counts one stage a rank: here each rank holds two."),
              (lambda p, m: 4 * (m + p - 1), "that pays the fill once per pass over the ranks; the passes "
                                             "overlap, and the step fills and drains once.")]
     return _function_check("10.1", fn, _with_fresh(fixed, draw, 3), _looped_ticks, "looped_ticks(p, m)", hint,
-                           known=known)
+                           tol=0.0, known=known)   # a count: whole, exactly
 
 
 @course_cache(maxsize=64)

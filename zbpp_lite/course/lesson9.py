@@ -413,6 +413,30 @@ def _step_rows_limit() -> int:
     return k["act"] + k["grad"] + 2 * (k["ins"] + k["outs"] + k["dz"]) + 2 * k["dz"]
 
 
+def _rows_problem(result: Any) -> Verdict | None:
+    """Exercise 9.4's refusal of a step whose tick loop is no ``lax.scan`` (or ``while``) over the ticks, or
+    whose state holds more (samples, d) rows than :func:`_step_rows_limit` (any layout:
+    :func:`~zbpp_lite.course.bench.state_rows`); else None. Results without ``"state"`` are not checked."""
+    if "state" not in result:
+        return None
+    if result["state"] is None:
+        return Verdict("9.4", False, "no lax.scan over the ticks runs the tick's switch: the ticks are "
+                       "unrolled in Python, one switch each.", "scan the tick over the tick tables, as "
+                       "pipeline_step does: one compiled tick, its state carried from tick to tick.")
+    from .bench import state_rows
+
+    c, limit = BUILD_CASE, _step_rows_limit()
+    rows = state_rows(result["state"], c["microbatch_size"], c["width"], result["sums"])
+    if rows <= limit:
+        return None
+    shapes = ", ".join(str(s) for s in result["state"] if s and tuple(s) not in map(tuple, result["sums"]))
+    return Verdict("9.4", False, f"your tick loop's state holds {rows:g} rows of (samples, d) numbers in all "
+                   f"({shapes}); ZB-H1 needs at most {limit} here.",
+                   "give each buffer only the rows its busiest rank needs, counted as 'How many rows a "
+                   "buffer needs' counts them, the head's buffers too (which rank holds them, from when to "
+                   "when?), and keep no value twice; microbatch j in row j % rows, arrivals too.")
+
+
 def spmd_step(result: Any) -> Verdict:
     """Exercise 9.4: the learner's ``spmd_step(As, cs, H, X, Y) -> (loss, dAs, dcs, dH)`` for ZB-H1 with a
     linear head ``H`` after the last stage (:func:`zbpp_lite.course.bench.head_loss`), run by lesson 9's
@@ -438,13 +462,9 @@ def spmd_step(result: Any) -> Verdict:
     shape = _pipeline_problem("9.4", result, 3, hint)    # a stage's two layers and the head
     if shape is not None:
         return shape
-    limit = _step_rows_limit()
-    if result.get("rows") is not None and result["rows"] > limit:
-        return Verdict("9.4", False, f"your scan's state holds {result['rows']} (samples, d) rows in all (a "
-                       f"buffer of two layers counts 2 a row); ZB-H1 needs at most {limit} here.",
-                       "give each buffer only the rows its busiest rank needs, counted from your 9.1 table "
-                       "as 'How many rows a buffer needs' counts them, the head's buffers too; microbatch j "
-                       "in row j % rows, arrivals too.")
+    problem = _rows_problem(result)
+    if problem is not None:
+        return problem
     loss, ref = _number(result["loss"]), float(result["loss_ref"])
     if loss.shape != ():
         what = f"has shape {loss.shape}" if loss.size else f"is {result['loss']!r:.60}"
