@@ -501,7 +501,12 @@ def tick_state(jaxpr: Any) -> list | None:
     if e is None:
         return None
     if e.primitive.name == "scan":
-        carried = e.invars[e.params["num_consts"]:e.params["num_consts"] + e.params["num_carry"]]
+        if "num_consts" in e.params:
+            start, count = e.params["num_consts"], e.params["num_carry"]
+        else:   # JAX 0.12 on: ft_in, the flat trees of (consts, carry, xs)
+            leaves = lambda ft: sum(map(leaves, ft.elts)) if hasattr(ft, "elts") else 1  # noqa: E731
+            start, count = (leaves(ft) for ft in e.params["ft_in"].elts[:2])
+        carried = e.invars[start:start + count]
     else:
         carried = e.invars[e.params["cond_nconsts"] + e.params["body_nconsts"]:]
     return [tuple(v.aval.shape) for v in carried]
