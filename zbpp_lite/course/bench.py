@@ -237,10 +237,9 @@ class SpmdLab:
         "dH_error": max |dH - dH_ref| / max |dH_ref| (inf: another shape), "shard_maps": how many shard_map
         calls its program makes, "outside": the primitives it runs outside them (tick tables passed in as
         arrays run none), "products": :func:`branch_products`, "loose": :func:`loose_products`, "order":
-        :func:`runs_schedule` for ZB-H1, "state": :func:`tick_state`, "sums": the shapes of a rank's A, c
-        and H (its gradient sums'), **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns
-        instead (the package's tick tables, ``spmd.tick_tables`` or ``lockstep_ticks``, called while the step
-        traces: ``"copied"``)."""
+        :func:`runs_schedule` for ZB-H1, **:func:`_state_report`, **gradient_report of dAs, dcs}``, or what
+        :func:`_traced_run` returns instead (the package's tick tables, ``spmd.tick_tables`` or
+        ``lockstep_ticks``, called while the step traces: ``"copied"``)."""
         As, cs, Xm, Ym = self.arrays
         params, X, Y = mlp(self.case)
         d = self.case["width"]
@@ -261,8 +260,7 @@ class SpmdLab:
             {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
         return dict(error=None, loss=loss, loss_ref=float(loss_ref),
                     dH_error=gradient_report([dH], [dH_ref])["grad_error"],
-                    state=tick_state(program.jaxpr),
-                    sums=[tuple(As.shape[1:]), tuple(cs.shape[1:]), tuple(H.shape)],
+                    **_state_report(program.jaxpr, self.case, [As.shape[1:], cs.shape[1:], H.shape]),
                     **_program_report(program, self.case), **report)
 
 
@@ -510,6 +508,14 @@ def tick_state(jaxpr: Any) -> list | None:
     else:
         carried = e.invars[e.params["cond_nconsts"] + e.params["body_nconsts"]:]
     return [tuple(v.aval.shape) for v in carried]
+
+
+def _state_report(jaxpr: Any, case: dict, sums: list) -> dict:
+    """``{"state": :func:`tick_state`, "sums": the gradient sums' shapes left out (a rank's A, c, H), "rows":
+    :func:`state_rows` (None without a tick loop)}`` for exercise 9.4's check."""
+    state, sums = tick_state(jaxpr), [tuple(s) for s in sums]
+    rows = None if state is None else state_rows(state, case["microbatch_size"], case["width"], sums)
+    return dict(state=state, sums=sums, rows=rows)
 
 
 def state_rows(shapes: list, samples: int, d: int, sums: list) -> float:

@@ -415,7 +415,7 @@ def _step_rows_limit() -> int:
 
 def _rows_problem(result: Any) -> Verdict | None:
     """Exercise 9.4's refusal of a step whose tick loop is no ``lax.scan`` (or ``while``) over the ticks, or
-    whose state holds more (samples, d) rows than :func:`_step_rows_limit` (any layout:
+    whose state holds more (samples, d) rows than :func:`_step_rows_limit` (any layout: ``result["rows"]``,
     :func:`~zbpp_lite.course.bench.state_rows`); else None. Results without ``"state"`` are not checked."""
     if "state" not in result:
         return None
@@ -423,10 +423,7 @@ def _rows_problem(result: Any) -> Verdict | None:
         return Verdict("9.4", False, "no lax.scan over the ticks runs the tick's switch: the ticks are "
                        "unrolled in Python, one switch each.", "scan the tick over the tick tables, as "
                        "pipeline_step does: one compiled tick, its state carried from tick to tick.")
-    from .bench import state_rows
-
-    c, limit = BUILD_CASE, _step_rows_limit()
-    rows = state_rows(result["state"], c["microbatch_size"], c["width"], result["sums"])
+    rows, limit = result["rows"], _step_rows_limit()
     if rows <= limit:
         return None
     shapes = ", ".join(str(s) for s in result["state"] if s and tuple(s) not in map(tuple, result["sums"]))
