@@ -462,17 +462,19 @@ def _is_switch(eqn: Any) -> bool:
     return eqn.primitive.name == "cond" and len(eqn.params["branches"]) >= 4
 
 
+def _switches(jaxpr: Any) -> list:
+    """Every tick's switch (:func:`_is_switch`) in ``jaxpr``, the jaxprs it calls looked into."""
+    return [found for e in jaxpr.eqns for found in
+            ([e] if _is_switch(e) else []) + sum(map(_switches, inner_jaxprs(e)), [])]
+
+
 def branch_products(jaxpr: Any, which: Callable[[Any], bool] = lambda eqn: True) -> list[int] | None:
     """The matrix products (``dot_general``, those ``which`` accepts) each branch of a tick's ``lax.switch``
     (a ``cond`` of four branches or more) runs, the jaxprs it calls counted in, the largest over every such
     switch in ``jaxpr``: what each action costs in products (0 idle, 1 F, 2 B, 3 W, 4 BW). A B that runs F
     again inside ``jax.grad`` or ``jax.vjp`` runs F's products and its own. None when ``jaxpr`` has no such
     switch."""
-    def switches(j: Any) -> list:
-        return [found for e in j.eqns for found in
-                ([e] if _is_switch(e) else []) + sum(map(switches, inner_jaxprs(e)), [])]
-
-    counts = [[_products(b.jaxpr, which=which) for b in e.params["branches"]] for e in switches(jaxpr)]
+    counts = [[_products(b.jaxpr, which=which) for b in e.params["branches"]] for e in _switches(jaxpr)]
     if not counts:
         return None
     return [max(c[i] for c in counts if i < len(c)) for i in range(max(map(len, counts)))]
@@ -482,13 +484,10 @@ def tick_state(jaxpr: Any) -> list | None:
     """The shapes of the state carried by the loop over the ticks: the first ``lax.scan`` or ``while`` in
     ``jaxpr`` (the jaxprs it calls looked into, a ``shard_map``'s body among them: a rank's own shapes) whose
     body runs a tick's switch (:func:`_is_switch`); None without one (the ticks unrolled in Python)."""
-    def has_switch(j: Any) -> bool:
-        return any(_is_switch(e) or any(map(has_switch, inner_jaxprs(e))) for e in j.eqns)
-
     def loop(j: Any) -> Any:
         for e in j.eqns:
             body = {"scan": "jaxpr", "while": "body_jaxpr"}.get(e.primitive.name)
-            if body is not None and has_switch(getattr(e.params[body], "jaxpr", e.params[body])):
+            if body is not None and _switches(getattr(e.params[body], "jaxpr", e.params[body])):
                 return e
             found = next((f for f in map(loop, inner_jaxprs(e)) if f is not None), None)
             if found is not None:
@@ -511,19 +510,28 @@ def tick_state(jaxpr: Any) -> list | None:
 
 
 def _state_report(jaxpr: Any, case: dict, sums: list) -> dict:
-    """``{"state": :func:`tick_state`, "sums": the gradient sums' shapes left out (a rank's A, c, H), "rows":
-    :func:`state_rows` (None without a tick loop)}`` for exercise 9.4's check."""
+    """``{"state": :func:`tick_state`, "sums": the gradient sums' shapes left out (a rank's A, c, H),
+    "counted": the state's shapes :func:`state_rows` counts, "rows": its count}`` (the last two None
+    without a tick loop) for exercise 9.4's check."""
     state, sums = tick_state(jaxpr), [tuple(s) for s in sums]
-    rows = None if state is None else state_rows(state, case["microbatch_size"], case["width"], sums)
-    return dict(state=state, sums=sums, rows=rows)
+    if state is None:
+        return dict(state=None, sums=sums, counted=None, rows=None)
+    return dict(state=state, sums=sums, counted=_counted(state, sums),
+                rows=state_rows(state, case["microbatch_size"], case["width"], sums))
+
+
+def _counted(shapes: list, sums: list) -> list:
+    """The shapes of ``shapes`` that hold activations: neither scalars nor gradient sums (``sums``)."""
+    skip = set(map(tuple, sums))
+    return [tuple(s) for s in shapes if s and tuple(s) not in skip]
 
 
 def state_rows(shapes: list, samples: int, d: int, sums: list) -> float:
     """How many rows of ``samples`` x ``d`` numbers a tick loop's state (:func:`tick_state`'s ``shapes``)
     holds, in whatever layout: every carried array's size over samples * d, but the gradient sums (shapes
-    in ``sums``, such as dA's, dc's, dH's) and scalars. A buffer (rows, 2, samples, d) counts 2 a row."""
-    skip = set(map(tuple, sums))
-    return sum(float(np.prod(s)) for s in shapes if s and tuple(s) not in skip) / (samples * d)
+    in ``sums``, such as dA's, dc's, dH's) and scalars (:func:`_counted`). A buffer (rows, 2, samples, d)
+    counts 2 a row."""
+    return sum(float(np.prod(s)) for s in _counted(shapes, sums)) / (samples * d)
 
 
 def loose_products(jaxpr: Any) -> int:

@@ -249,22 +249,14 @@ def _audit_hook(event: str, args: tuple) -> None:
         record.append(_AUDITED[event])
 
 
-def _shown(value: Any, limit: int = 80) -> str:
-    """``repr(value)`` for a verdict, cut to ``limit`` characters; a placeholder where the repr itself fails
-    (a learner's class whose ``__repr__`` raises, an int too long for Python to print)."""
+def _shown(value: Any, limit: int = 80, as_text: Callable[[Any], str] = repr) -> str:
+    """``as_text(value)`` for a verdict (its ``repr``; ``str`` for an error's message), cut to ``limit``
+    characters; a placeholder where that itself fails (a learner's class whose ``__repr__`` or an error
+    whose ``__str__`` raises, an int too long for Python to print)."""
     try:
-        text = repr(value)
+        text = as_text(value)
     except Exception:  # noqa: BLE001  (the answer's own failure, reported as what it is)
-        text = f"a value of type {type(value).__name__} that cannot be printed"
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _said(error: BaseException, limit: int = 200) -> str:
-    """An error's message for a verdict, cut to ``limit`` characters, or its type where it cannot be read."""
-    try:
-        text = str(error)
-    except Exception:  # noqa: BLE001
-        text = f"(an error of type {type(error).__name__} whose message cannot be read)"
+        text = f"(a value of type {type(value).__name__} that cannot be printed)"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -351,7 +343,7 @@ def _called(exercise: str, fn: Callable, point: tuple, hint: str, steps: int | N
         raise
     except BaseException as e:  # noqa: BLE001  (the learner's error, SystemExit too, is an answer to report)
         return None, Verdict(exercise, False, f"your function raised {type(e).__name__} at {where}: "
-                             f"{_said(e)}", hint)
+                             f"{_shown(e, 200, str)}", hint)
 
 
 def _hand_schedule(exercise: str, actions: Any, p: int, m: int, hint: str,

@@ -60,7 +60,6 @@ def zb_v_first_m_below(fn: Any) -> Verdict:
 def _zb_v_span(p: int, m: int) -> float:
     """Exercise 5.3's answer at unit costs in closed form: equal to the simulator's sweep
     (tests/test_exercises.py), and used past p = 6, where a sweep takes seconds."""
-    # 6m + max(4p - 1 - 4m, 2p - 1 - m, 0)
     return 6 * m + max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)
 
 

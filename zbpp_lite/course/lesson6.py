@@ -13,8 +13,7 @@ import plotly.graph_objects as go
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _function_check, _with_fresh,
-                     course_cache)
+from .checks import Verdict, _function_check, _with_fresh, course_cache
 
 
 INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, compared=(2, 3))
@@ -48,7 +47,6 @@ def _tie(p: int, v: int) -> float:
     """The T_comm at which interleaved 1F1B with v + 1 stages per rank is as fast as with v (a stage's
     T_F = T_B = T_W = 1/v, m a multiple of p), in closed form; tests/test_lesson6_claims.py compares it
     with the simulator."""
-    # 3(p - 1) / (2p v (v + 1))
     return 3 * (p - 1) / (2 * p * v * (v + 1))
 
 

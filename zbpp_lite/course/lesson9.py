@@ -426,7 +426,7 @@ def _rows_problem(result: Any) -> Verdict | None:
     rows, limit = result["rows"], _step_rows_limit()
     if rows <= limit:
         return None
-    shapes = ", ".join(str(s) for s in result["state"] if s and tuple(s) not in map(tuple, result["sums"]))
+    shapes = ", ".join(map(str, result["counted"]))
     return Verdict("9.4", False, f"your tick loop's state holds {rows:g} rows of (samples, d) numbers in all "
                    f"({shapes}); ZB-H1 needs at most {limit} here.",
                    "give each buffer only the rows its busiest rank needs, counted as 'How many rows a "
