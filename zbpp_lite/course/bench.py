@@ -136,16 +136,14 @@ def head_loss(params: list, H: jax.Array, X: jax.Array, Y: jax.Array) -> jax.Arr
 
 
 class SpmdLab:
-    """Lessons 9 and 10's test bench around a ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
-    (jitted program, (tables, ..., As, cs, Xm, Ym))`` (:func:`stage_program_of`, :func:`v_program_of`: its
-    ``shard_map`` call over ``mesh``, returning ``(dA, dc, ran)`` per rank, ``(ranks, [chunks,] 2, ...)``;
-    ``tables``: the (ranks, ticks) tick tables it scans, kind first; ``As``, ``cs``: every stage's,
-    stacked): ``arrays`` = :func:`stacked_mlp` of ``case`` (one stage per rank at :data:`BUILD_CASE`, two
-    on the V at :data:`~.lesson10.V_CASE`), ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked
+    """Lessons 9 and 10's test bench around :func:`program_of` over ``mesh`` (returning ``(dA, dc, ran)``
+    per rank, ``(ranks, [chunks,] 2, ...)``): ``program_of``, ``arrays`` = :func:`stacked_mlp` of
+    ``case`` (one stage per rank at :data:`BUILD_CASE`, two on the V at :data:`~.lesson10.V_CASE`),
+    ``reference`` = ``(dAs, dcs)``, jax.grad's gradients stacked
     as ``As``, ``cs``, and what hands the learner's ``make_tick`` to the checks."""
 
-    def __init__(self, program_of: Callable, mesh: Any, case: dict = BUILD_CASE):
-        self.program_of, self.mesh, self.case = program_of, mesh, case
+    def __init__(self, mesh: Any, case: dict = BUILD_CASE):
+        self.program_of, self.mesh, self.case = program_of(mesh, case), mesh, case
         self.arrays, self.reference = stacked_mlp(case)
 
     def tradeoff(self, make_tick: Callable, rows: dict) -> dict:
@@ -1211,14 +1209,21 @@ def _start_state(lead: tuple, rows: dict, samples: int, d: int, A: Any, c: Any) 
                            dz=zeros("dz", 2), dA=jnp.zeros(A.shape), dc=jnp.zeros(c.shape)))
 
 
-def stage_program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
-    """Lesson 9's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
-    (jitted program, args)``, one stage a rank over ``mesh``: the schedule ``name``'s (ranks, ticks)
-    ``kind`` and ``microbatch`` tables (:func:`~zbpp_lite.runtime.spmd.tick_tables`), A, c cut over the
-    ranks, X, Y whole, and a scan of ``make_tick(A, c, X, Y, first, last)``'s tick over the state of
-    :func:`_start_state` (``rows[name]`` rows a buffer); ``first``, ``last``: traced booleans. The program
-    returns ``(dA, dc, ran)`` by rank, as the lesson's ``pipeline_step`` without its loss (and with
-    ``dz``, for a tick with B and W branches)."""
+def program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
+    """Lessons 9 and 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym)
+    -> (jitted program, args)``, a ``shard_map`` over ``mesh`` whose rank scans ``make_tick(A, c, X, Y,
+    first, last)``'s tick over the state of :func:`_start_state` (``rows[name]`` rows a buffer) and returns
+    ``(dA, dc, ran)`` by rank, as lesson 9's ``pipeline_step`` without its loss. The schedule ``name``'s
+    placement (``stages_of``) decides the rest:
+
+    - one stage a rank (``case``'s layers / 2 = ranks stages): A (2, d, d), c (2, d), no chunk axis;
+      ``first``, ``last`` traced booleans; the tick gets ``(kind, microbatch)`` of
+      :func:`~zbpp_lite.runtime.spmd.tick_tables`;
+    - two a rank (ZB-V's, arXiv 2405.15362: rank r holds stages r and 2p - 1 - r, its chunks 0 and 1): a
+      chunk axis first on A (2, 2, d, d), c and every buffer; ``first``, ``last`` (2,), per chunk; the
+      tick gets ``(kind, chunk, microbatch, recv)``, recv ``{source: (buffer, chunk, microbatch)}``.
+
+    Every array float32 and varying over the ranks."""
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
@@ -1226,54 +1231,26 @@ def stage_program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
 
     p, m, samples, d = (case[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
 
-    def rank_program(make_tick, rows, rank_tables, A, c, X, Y):
-        rank_tables, A, c = tuple(a[0] for a in rank_tables), A[0], c[0]   # this rank's row, its stage
-        rank = lax.axis_index(AXIS)
-        tick = make_tick(A, c, X, Y, rank == 0, rank == p - 1)
-        state, ran = lax.scan(tick, _start_state((), rows, samples, d, A, c), rank_tables)
+    def rank_program(make_tick, rows, last, rank_tables, held, A, c, X, Y):
+        held, A, c = held[0], A[0], c[0]                          # this rank's stage(s), chunk first
+        rank_tables = jax.tree.map(lambda a: a[0], rank_tables)   # this rank's row of each table
+        state = _start_state(held.shape, rows, samples, d, A, c)
+        state, ran = lax.scan(make_tick(A, c, X, Y, held == 0, held == last), state, rank_tables)
         return state["dA"][None], state["dc"][None], ran[None]
 
-    def program_of(make_tick, name, rows, As, cs, X, Y):
-        t = tick_tables(build_schedule(name, p, m))
-        program = shard_map(functools.partial(rank_program, make_tick, rows), mesh,
-                            (P(AXIS),) * 3 + (P(), P()), P(AXIS))
-        return jax.jit(program), ((t.kind, t.microbatch), As, cs, X, Y)
+    def program(make_tick, name, rows, As, cs, X, Y):
+        schedule = build_schedule(name, p, m)
+        held = np.array([schedule.stages_of(r) for r in range(p)])   # (ranks, chunks)
+        t = tick_tables(schedule)
+        if held.shape[1] == 1:                                        # one stage a rank: no chunk axis
+            held, tables = held[:, 0], (t.kind, t.microbatch)
+        else:
+            tables = (t.kind, t.chunk, t.microbatch, t.recv)
+        run = shard_map(functools.partial(rank_program, make_tick, rows, held.max()), mesh,
+                        (P(AXIS),) * 4 + (P(), P()), P(AXIS))
+        return jax.jit(run), (tables, held, As[held], cs[held], X, Y)
 
-    return program_of
-
-
-def v_program_of(mesh: Any, case: dict) -> Callable:
-    """Lesson 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym) ->
-    (jitted program, args)``, :func:`stage_program_of` with a chunk axis
-    (ZB-V's placement, arXiv 2405.15362: rank r holds stages r and 2p - 1 - r, its chunks 0 and 1).
-    ``make_tick(A, c, X, Y, first, last)`` gets the rank's A (2, 2, d, d) and c (2, 2, d), chunk first; X, Y
-    (m, samples, d); ``first``, ``last``: (2,) booleans, per chunk. Its tick gets the state (``act``,
-    ``grad``: (2, rows, samples, d); ``ins``, ``outs``, ``dz``: (2, rows, 2, samples, d); ``dA``, ``dc``: A's
-    and c's shapes; all float32, varying) and one tick's ``(kind, chunk, microbatch, recv)`` of
-    :func:`~zbpp_lite.runtime.spmd.tick_tables`, recv ``{source: (buffer, chunk, microbatch)}``."""
-    from jax import lax
-    from jax.sharding import PartitionSpec as P
-
-    from ..runtime.spmd import AXIS, shard_map, tick_tables
-
-    p, m, samples, d = (case[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
-    held = np.array([[r, 2 * p - 1 - r] for r in range(p)])         # rank r's stages, chunk order
-
-    def rank_program(make_tick, rows, rank_tables, held, A, c, X, Y):
-        held, A, c = held[0], A[0], c[0]
-        rank_tables = jax.tree.map(lambda a: a[0], rank_tables)      # this rank's row of each table
-
-        state = _start_state((2,), rows, samples, d, A, c)          # chunk first
-        state, ran = lax.scan(make_tick(A, c, X, Y, held == 0, held == 2 * p - 1), state, rank_tables)
-        return state["dA"][None], state["dc"][None], ran[None]
-
-    def program_of(make_tick, name, rows, As, cs, X, Y):
-        t = tick_tables(build_schedule(name, p, m))
-        program = shard_map(functools.partial(rank_program, make_tick, rows), mesh,
-                            (P(AXIS),) * 4 + (P(), P()), P(AXIS))
-        return jax.jit(program), ((t.kind, t.chunk, t.microbatch, t.recv), held, As[held], cs[held], X, Y)
-
-    return program_of
+    return program
 
 
 def _stub(make_tick: Callable) -> bool:
