@@ -6,7 +6,13 @@ both across 2 processes; the measured SPMD / MPMD ratio and the predicted one,
 simulate(lockstep=True).makespan / simulate().makespan for the MPMD run's measured mean costs;
 the parity errors of each against the unpartitioned model; the 2-process startup time.
 
-Run: python benchmarks/bench_spmd.py [--schedule zb-h1] [--steps 6] [--d 64]
+With --switch, only this instead: what a tick's ``lax.switch`` costs when its branches return the whole
+loop state (lesson 9's first tick did) against returning only what they made (lesson 9's tick and the
+executor's), on one device of any platform: per all-idle tick, by the time of 3T ticks less that of T
+over 2T, for buffers of 8 and 128 rows, and the ratio. A branch that reads buffers and writes something
+else (W: a gradient from ``ins`` and ``dz``) is what made XLA on a CPU copy the state each tick.
+
+Run: python benchmarks/bench_spmd.py [--schedule zb-h1] [--steps 6] [--d 64] [--switch]
 """
 
 from __future__ import annotations
@@ -20,6 +26,56 @@ from zbpp_lite.analysis.profiling.timelines import timed_median
 from zbpp_lite.runtime.devices import ensure_devices
 
 
+def switch_copy() -> None:
+    """Print the per-tick cost of the two tick forms (module docstring, --switch)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    S, D, T = 64, 256, 64   # a message's samples and width, ticks
+    work = lambda x: jnp.tanh(x) * 1.01  # noqa: E731
+
+    def program(rows: int, whole: bool):
+        def tick(st, kj):
+            k, j = kj
+            r = j % rows
+            if whole:   # every branch takes and returns the state: F writes ins, B dz, W adds to acc
+                st = lax.switch(k, [lambda s: s, lambda s: {**s, "ins": s["ins"].at[r].set(work(s["ins"][r]))},
+                                    lambda s: {**s, "dz": s["dz"].at[r].set(work(s["dz"][r]))},
+                                    lambda s: {**s, "acc": s["acc"] + s["ins"][r, 0].T @ s["dz"][r, 0]}], st)
+                return st, None
+            zero = jnp.zeros((D, D))
+            a, b, acc = lax.switch(k, [lambda a, b: (a, b, zero), lambda a, b: (work(a), b, zero),
+                                       lambda a, b: (a, work(b), zero), lambda a, b: (a, b, a[0].T @ b[0])],
+                                   st["ins"][r], st["dz"][r])   # reads rows, returns what it made
+            return {"ins": st["ins"].at[r].set(a), "dz": st["dz"].at[r].set(b), "acc": st["acc"] + acc}, None
+
+        def run(ks, js):
+            st = dict(ins=jnp.zeros((rows, 2, S, D)), dz=jnp.zeros((rows, 2, S, D)), acc=jnp.zeros((D, D)))
+            return lax.scan(tick, st, (ks, js))[0]["acc"][0, 0]
+        return jax.jit(run)
+
+    def best(f, n):
+        ks, js = jnp.zeros(n, jnp.int32), jnp.arange(n)
+        jax.block_until_ready(f(ks, js))
+        times = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(ks, js))
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    print(f"{jax.devices()[0].platform}, JAX {jax.__version__}: one all-idle tick (us), state of 2 buffers "
+          f"(rows, 2, {S}, {D}) float32 and a ({D}, {D}) sum")
+    for rows in (8, 128):
+        per = {}
+        for whole in (True, False):
+            f = program(rows, whole)
+            per[whole] = max(best(f, 3 * T) - best(f, T), 0.0) / (2 * T) * 1e6
+        print(f"  {rows:4d} rows ({2 * rows * 2 * S * D * 4 / 1e6:5.1f} MB): branches return the whole state "
+              f"{per[True]:8.1f}, what they made {per[False]:6.1f}, ratio {per[True] / max(per[False], 1e-3):6.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schedule", default="zb-h1")
@@ -27,7 +83,11 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--switch", action="store_true", help="only the switch's per-tick cost (see above)")
     args = ap.parse_args()
+    if args.switch:
+        switch_copy()
+        return
     devices = ensure_devices(2)
 
     import jax

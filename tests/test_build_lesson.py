@@ -860,10 +860,9 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
                                       "jnp.vdot(logits - Y[j], logits - Y[j]) / (logits.size * m)")  # number
     with _replaced(spmd_lesson, SPMD_LESSON, "spmd_step", as_vdot):   # is no matrix product: F still 3
         assert ex.spmd_step(lab.try_step(spmd_lesson["spmd_step"]))
-    w_tick = ('            return {**st, "dA": st["dA"] + dA, "dc": st["dc"] + dc,\n'
-              '                    "dH": st["dH"] + jnp.where(last, y.T @ dlogits, 0.0)}, none, none, 3')
+    w_tick = '            return made(3, dA=dA, dc=dc, dH=jnp.where(last, y.T @ dlogits, 0.0))'
     end = '        return lax.psum(st["loss"], "rank"), st["dA"][None], st["dc"][None], lax.psum(st["dH"], "rank")'
-    deferred = lambda src: src.replace(w_tick, "            return st, none, none, 3").replace(end, (  # noqa: E731
+    deferred = lambda src: src.replace(w_tick, "            return made(3)").replace(end, (  # noqa: E731
         '        dA = jnp.einsum("mkrd,mkre->kde", st["ins"], st["dz"]); dc = st["dz"].sum((0, 2))\n'
         '        dH = jnp.where(last, jnp.einsum("mrd,mre->de", st["outs"][:, 1], st["dlogits"]), 0.0)\n'
         '        return lax.psum(st["loss"], "rank"), dA[None], dc[None], lax.psum(dH, "rank")'))
@@ -897,9 +896,9 @@ def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails
         verdict = ex.spmd_tick(lab.try_tick(spmd_lesson["make_tick"]))
     assert not verdict and "differ" in verdict.message, str(verdict)
     assert ex.spmd_tick(lab.try_tick(lambda A, c, X, Y, first, last: None)).message.startswith("no answer yet")
-    switch = "st, down, up, ran = lax.switch(action[0], branches, st, action[1])"
+    switch = "out, ran = lax.switch(action[0], branches, st, action[1])"
     every_branch = lambda src: src.replace(switch, (  # noqa: E731   every action each tick, one kept: no switch
-        "outs = [b(st, action[1]) for b in branches]; st, down, up, ran = jax.tree.map("
+        "outs = [b(st, action[1]) for b in branches]; out, ran = jax.tree.map("
         "lambda *v: jnp.select([action[0] == k for k in range(5)], v), *outs)"))
     rerun_w = lambda src: src.replace(  # noqa: E731   W runs the stage again for what F kept: 3 products
         'dA, dc = stage_W(get(st, "ins", j), get(st, "dz", j))',

@@ -148,7 +148,8 @@ class SpmdLab:
 
     def tradeoff(self, make_tick: Callable, rows: dict) -> dict:
         """:func:`spmd_tradeoff` of ``make_tick`` with buffers of ``rows[buffer]`` rows."""
-        return spmd_tradeoff(lambda name: self.program_of(make_tick, name, rows, *self.arrays),
+        return spmd_tradeoff(lambda name, deeper: self.program_of(
+                                 make_tick, name, {b: deeper * n for b, n in rows.items()}, *self.arrays),
                              (stage_F, stage_B, stage_W),
                              *mlp(self.case), list(self.mesh.devices.flat))
 
@@ -586,17 +587,19 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
     """Lesson 9's trade-off, printed: one F, B, W and BW of stage 1 timed (``stage_fns``: the lesson's
     ``stage_F, stage_B, stage_W`` on ``(A, c, x)``, ``(A, outs, dy)``, ``(ins, dz)``), ZB-H1 and ZB-H2 (the
     zero-bubble schedules the lesson compares) simulated event-driven and lockstep with those times, and
-    one step timed of the learner's program (``compile_spmd(name) -> (program, ((kind, microbatch), ..., As,
-    cs, Xm, Ym))``), of the same program on an all-idle table (the ticks' own cost) and of the package's MPMD
-    executor on :func:`staged_mlp`. Returns ``{name: {"event", "lockstep": simulated makespans; "mpmd",
-    "spmd", "idle": measured steps}}`` (s)."""
+    one step timed of the learner's program (``compile_spmd(name, deeper) -> (program, ((kind, microbatch),
+    ..., As, cs, Xm, Ym))``, buffers ``deeper`` times as deep), of the package's MPMD executor on
+    :func:`staged_mlp`, and a tick of the program on an all-idle table (the ticks' own cost,
+    :func:`idle_tick`) with its buffers as given and 4 times deeper. Returns ``{name: {"event",
+    "lockstep": simulated makespans; "mpmd", "spmd": measured steps; "idle", "idle_deeper": measured
+    ticks}}`` (s)."""
     from ..runtime.executor import PipelineExecutor
     from ..schedules.costs import Costs
     from ..schedules.simulate import simulate
 
     stage_F, stage_B, stage_W = stage_fns
     p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
-    As, cs, Xm = compile_spmd("zb-h1")[1][-4:-1]
+    As, cs, Xm = compile_spmd("zb-h1", 1)[1][-4:-1]
     A, c, x = As[1], cs[1], Xm[0]
     y, ins, outs = stage_F(A, c, x)
     dz = stage_B(A, outs, y)[1]
@@ -609,17 +612,29 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
     for name in ("zb-h1", "zb-h2"):
         schedule = build_schedule(name, p, m)
         mpmd, lock = (simulate(schedule, costs, lockstep=ls).makespan for ls in (False, True))
-        program, args = compile_spmd(name)
+        program, args = compile_spmd(name, 1)
         executor = PipelineExecutor(model, schedule, devices[:p])
-        (kind, *tables), rest = args[0], args[1:]
-        spmd_s, idle_s = fastest(program, *args, n=3), fastest(program, (0 * kind, *tables), *rest, n=3)
+        spmd_s, idle = fastest(program, *args, n=3), idle_tick(program, args)
+        idle_deeper = idle_tick(*compile_spmd(name, 4))
         mpmd_s = fastest(lambda: executor.run(model.params, X, Y).loss, n=3)
         print(f"{name:>6}: simulated event-driven {mpmd * 1e3:.1f} ms, lockstep {lock * 1e3:.1f} ms "
               f"(+{lock / mpmd - 1:.0%}); measured step: MPMD executor {mpmd_s * 1e3:.1f} ms, SPMD "
-              f"program {spmd_s * 1e3:.1f} ms, of which all idle {idle_s * 1e3:.1f} ms "
-              f"({idle_s / len(kind[0]) * 1e3:.2f} ms a tick) and the rest {(spmd_s - idle_s) * 1e3:.1f} ms")
-        figures[name] = dict(event=mpmd, lockstep=lock, mpmd=mpmd_s, spmd=spmd_s, idle=idle_s)
+              f"program {spmd_s * 1e3:.1f} ms ({len(args[0][0][0])} ticks); an all-idle tick "
+              f"{idle * 1e3:.2f} ms, {idle_deeper * 1e3:.2f} ms with buffers 4 times as deep")
+        figures[name] = dict(event=mpmd, lockstep=lock, mpmd=mpmd_s, spmd=spmd_s, idle=idle,
+                             idle_deeper=idle_deeper)
     return figures
+
+
+def idle_tick(program: Callable, args: tuple) -> float:
+    """Seconds one tick of ``program(tables, *rest)`` costs on an all-idle table (kind 0 everywhere):
+    the step over the table repeated 3 times less the step over it once, over twice its ticks, so what
+    a call costs once (its start, the buffers' zeros) drops out. ``tables``: (ranks, ticks) arrays, kind
+    first (or pytrees of them)."""
+    (kind, *rest_tables), rest = args[0], args[1:]
+    tiled = lambda k: jax.tree.map(lambda a: np.tile(a, (1, k)), (0 * kind, *rest_tables))  # noqa: E731
+    once, thrice = (fastest(program, tiled(k), *rest, n=5) for k in (1, 3))
+    return max(thrice - once, 0.0) / (2 * kind.shape[1])
 
 
 def gradient_report(mine: list, ref: list) -> dict:
@@ -1268,49 +1283,59 @@ def tick_of(p: int) -> Callable:
     ``make_tick(A, c, X, Y, first, last) -> tick(state, (kind, microbatch)) -> (state, kind code run)`` for a
     program over ``p`` ranks of one stage each (:func:`stage_F`, :func:`stage_B`, :func:`stage_W`; ``X``,
     ``Y`` (m, samples, d); every buffer m rows, microbatch j in row j). A ``lax.switch`` over idle, F, B, W
-    and BW (B, then W on the dz just written) returns the state, a message down and one up (value, tag j +
-    1; tag 0 for nothing) and its code; two ``ppermute`` calls follow it on every rank (a collective inside
-    a branch would wait for ranks that never enter it); what arrives is stored in row tag - 1 (tag 0: row -1
-    rewritten with what it holds). ``first``/``last``: traced, so ``jnp.where`` picks rank 0's input and the
-    last rank's loss gradient (:func:`mlp_loss`'s mean squared error)."""
+    and BW (B, then W on the dz it made) reads the state and returns only what the branch made: ``ins``,
+    ``outs``, ``dz`` for their buffers, a message down and one up, each a value and a tag (j + 1; 0 for
+    nothing), ``dA`` and ``dc`` to add, and its code. Two ``ppermute`` calls follow it on every rank (a
+    collective inside a branch would wait for ranks that never enter it); then every tagged value is stored
+    in row tag - 1 of its buffer, what arrived too (tag 0: row -1 rewritten with what it holds). A branch
+    returning the whole state instead makes XLA on a CPU copy it every tick (``benchmarks/bench_spmd.py
+    --switch``). ``first``/``last``: traced, so ``jnp.where`` picks rank 0's input and the last rank's loss
+    gradient (:func:`mlp_loss`'s mean squared error)."""
     from jax import lax
 
     from ..runtime.spmd import AXIS, to_varying
 
     def make_tick(A, c, X, Y, first, last):
         m, samples, d = X.shape
-        none = to_varying((jnp.zeros((samples, d)), jnp.int32(0)))  # a message of nothing: tag 0
+        none = lambda *layers: to_varying((jnp.zeros((*layers, samples, d)), jnp.int32(0)))  # noqa: E731
+        zero = to_varying(dict(dA=jnp.zeros(A.shape), dc=jnp.zeros(c.shape)))
+
+        def made(code, **values):
+            return {**zero, "ins": none(2), "outs": none(2), "dz": none(2), "down": none(), "up": none(),
+                    **values}, code
 
         def store(buf, x, tag):
             return buf.at[tag - 1].set(jnp.where(tag > 0, x, buf[tag - 1]))
 
-        def idle(st, j):
-            return st, none, none, 0
-
         def forward(st, j):
             y, ins, outs = stage_F(A, c, jnp.where(first, X[j], st["act"][j]))
-            st = {**st, "ins": st["ins"].at[j].set(ins), "outs": st["outs"].at[j].set(outs)}
-            return st, (y, j + 1), none, 1
+            return made(1, ins=(ins, j + 1), outs=(outs, j + 1), down=(y, j + 1))
+
+        def input_grad(st, j):
+            dy = jnp.where(last, 2 * (st["outs"][j, 1] - Y[j]) / (samples * d * m), st["grad"][j])
+            return stage_B(A, st["outs"][j], dy)
 
         def backward(st, j):
-            dy = jnp.where(last, 2 * (st["outs"][j, 1] - Y[j]) / (samples * d * m), st["grad"][j])
-            dx, dz = stage_B(A, st["outs"][j], dy)
-            return {**st, "dz": st["dz"].at[j].set(dz)}, none, (dx, j + 1), 2
+            dx, dz = input_grad(st, j)
+            return made(2, dz=(dz, j + 1), up=(dx, j + 1))
 
         def weight(st, j):
             dA, dc = stage_W(st["ins"][j], st["dz"][j])
-            return {**st, "dA": st["dA"] + dA, "dc": st["dc"] + dc}, none, none, 3
+            return made(3, dA=dA, dc=dc)
 
         def fused(st, j):
-            st, _, up, _ = backward(st, j)
-            return weight(st, j)[0], none, up, 4
+            dx, dz = input_grad(st, j)
+            dA, dc = stage_W(st["ins"][j], dz)
+            return made(4, dA=dA, dc=dc, up=(dx, j + 1))
 
         def tick(st, action):
             k, j = action
-            st, down, up, ran = lax.switch(k, [idle, forward, backward, weight, fused], st, j)
-            x, jx = lax.ppermute(down, AXIS, [(i, i + 1) for i in range(p - 1)])   # from rank r - 1
-            g, jg = lax.ppermute(up, AXIS, [(i + 1, i) for i in range(p - 1)])     # from rank r + 1
-            return {**st, "act": store(st["act"], x, jx), "grad": store(st["grad"], g, jg)}, ran
+            out, ran = lax.switch(k, [lambda st, j: made(0), forward, backward, weight, fused], st, j)
+            x, jx = lax.ppermute(out["down"], AXIS, [(i, i + 1) for i in range(p - 1)])   # from rank r - 1
+            g, jg = lax.ppermute(out["up"], AXIS, [(i + 1, i) for i in range(p - 1)])     # from rank r + 1
+            return {**st, **{b: store(st[b], *out[b]) for b in ("ins", "outs", "dz")},
+                    "dA": st["dA"] + out["dA"], "dc": st["dc"] + out["dc"],
+                    "act": store(st["act"], x, jx), "grad": store(st["grad"], g, jg)}, ran
         return tick
     return make_tick
 
