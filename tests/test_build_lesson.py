@@ -687,9 +687,9 @@ def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(v_les
         with _replaced(v_lesson, V_LESSON, "make_v_tick", edit):
             verdict = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
         assert not verdict and "zb-v" in verdict.message and verdict.hint, str(verdict)
-    switch = "st, msg, ran = lax.switch(k, [idle, forward, backward, weight], st, ch, j)"
+    switch = "out, ran = lax.switch(k, [idle, forward, backward, weight], st, ch, j)"
     every_branch = lambda src: src.replace(switch, (  # noqa: E731   every action each tick, one kept
-        "outs = [b(st, ch, j) for b in (idle, forward, backward, weight)]; st, msg, ran = jax.tree.map("
+        "outs = [b(st, ch, j) for b in (idle, forward, backward, weight)]; out, ran = jax.tree.map("
         "lambda *v: jnp.select([k == i for i in range(4)], v), *outs)"))
     with _replaced(v_lesson, V_LESSON, "make_v_tick", every_branch):   # the right kinds and gradients
         verdict = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
