@@ -5,8 +5,9 @@ a :class:`~zbpp_lite.schedules.ir.Schedule` into one program every rank runs in 
 :func:`tick_tables` gives static per-tick tables (:func:`zbpp_lite.schedules.simulate.lockstep_ticks`);
 the program is ``lax.scan`` over ticks inside ``shard_map``, each tick a ``lax.switch`` on (kind, stage),
 then one message sent with two ``lax.ppermute`` to ranks r+1 and r-1 (1F1B, looped and V placements).
-Received values wait in per-(chunk, microbatch) buffers; the switch returns only the tick's slot values
-(``benchmarks/bench_spmd.py``). Stage s is ``StagedModel.stage_fn(s)`` split by
+Received values wait in per-(chunk, microbatch) buffers; the switch returns only the tick's slot values,
+which the tick writes back: branches returning the whole loop state made XLA on a CPU copy it every tick
+(``benchmarks/bench_spmd.py --switch``). Stage s is ``StagedModel.stage_fn(s)`` split by
 :class:`~zbpp_lite.runtime.split.StageSplit`, so results match the thread executor. Every rank's program
 holds every stage's F, B, W, BW; per-stage values live in flat vectors per dtype (:class:`Packing`);
 activations need one structure at every boundary (:meth:`SpmdExecutor.boundary`).
