@@ -27,53 +27,16 @@ from zbpp_lite.runtime.devices import ensure_devices
 
 
 def switch_copy() -> None:
-    """Print the per-tick cost of the two tick forms (module docstring, --switch)."""
+    """Print :func:`zbpp_lite.course.bench.switch_costs` at 8 and 128 rows (module docstring, --switch)."""
     import jax
-    import jax.numpy as jnp
-    from jax import lax
 
-    S, D, T = 64, 256, 64   # a message's samples and width, ticks
-    work = lambda x: jnp.tanh(x) * 1.01  # noqa: E731
+    from zbpp_lite.course.bench import switch_costs
 
-    def program(rows: int, whole: bool):
-        def tick(st, kj):
-            k, j = kj
-            r = j % rows
-            if whole:   # every branch takes and returns the state: F writes ins, B dz, W adds to acc
-                st = lax.switch(k, [lambda s: s, lambda s: {**s, "ins": s["ins"].at[r].set(work(s["ins"][r]))},
-                                    lambda s: {**s, "dz": s["dz"].at[r].set(work(s["dz"][r]))},
-                                    lambda s: {**s, "acc": s["acc"] + s["ins"][r, 0].T @ s["dz"][r, 0]}], st)
-                return st, None
-            zero = jnp.zeros((D, D))
-            a, b, acc = lax.switch(k, [lambda a, b: (a, b, zero), lambda a, b: (work(a), b, zero),
-                                       lambda a, b: (a, work(b), zero), lambda a, b: (a, b, a[0].T @ b[0])],
-                                   st["ins"][r], st["dz"][r])   # reads rows, returns what it made
-            return {"ins": st["ins"].at[r].set(a), "dz": st["dz"].at[r].set(b), "acc": st["acc"] + acc}, None
-
-        def run(ks, js):
-            st = dict(ins=jnp.zeros((rows, 2, S, D)), dz=jnp.zeros((rows, 2, S, D)), acc=jnp.zeros((D, D)))
-            return lax.scan(tick, st, (ks, js))[0]["acc"][0, 0]
-        return jax.jit(run)
-
-    def best(f, n):
-        ks, js = jnp.zeros(n, jnp.int32), jnp.arange(n)
-        jax.block_until_ready(f(ks, js))
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(ks, js))
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    print(f"{jax.devices()[0].platform}, JAX {jax.__version__}: one all-idle tick (us), state of 2 buffers "
-          f"(rows, 2, {S}, {D}) float32 and a ({D}, {D}) sum")
-    for rows in (8, 128):
-        per = {}
-        for whole in (True, False):
-            f = program(rows, whole)
-            per[whole] = max(best(f, 3 * T) - best(f, T), 0.0) / (2 * T) * 1e6
-        print(f"  {rows:4d} rows ({2 * rows * 2 * S * D * 4 / 1e6:5.1f} MB): branches return the whole state "
-              f"{per[True]:8.1f}, what they made {per[False]:6.1f}, ratio {per[True] / max(per[False], 1e-3):6.1f}")
+    print(f"{jax.devices()[0].platform}, JAX {jax.__version__}: one all-idle tick (us), the state two buffers "
+          f"(rows, 2, 64, 256) float32 and a (256, 256) sum")
+    for rows, (whole, made) in switch_costs((8, 128)).items():
+        print(f"  {rows:4d} rows ({2 * rows * 2 * 64 * 256 * 4 / 1e6:5.1f} MB): branches return the whole state "
+              f"{whole * 1e6:8.1f}, what they made {made * 1e6:6.1f}, ratio {whole / max(made, 1e-9):6.1f}")
 
 
 def main() -> None:

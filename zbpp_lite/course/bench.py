@@ -626,6 +626,47 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
     return figures
 
 
+def switch_costs(rows: tuple = (8, 32), ticks: int = 64) -> dict:
+    """What one all-idle tick of a ``lax.scan`` costs, in seconds, on the default device, with a switch
+    whose branches take and return the whole loop state, and with one whose branches take the rows they
+    read and return only what they made (lesson 9's tick): ``{rows: (whole state, made)}``. The state: two
+    buffers ``(rows, 2, 64, 256)`` float32 and a ``(256, 256)`` sum; the branches: idle, F writing a row of
+    one buffer, B of the other, W adding a product of both to the sum. Each time is (3 ``ticks`` less
+    ``ticks``) / 2 ``ticks``, the fastest of 7 runs (``benchmarks/bench_spmd.py --switch``). XLA on a
+    CPU copies the whole state through the first switch every tick, so its cost grows with ``rows``."""
+    from jax import lax
+
+    S, D = 64, 256
+    work = lambda x: jnp.tanh(x) * 1.01  # noqa: E731
+
+    def program(n: int, whole: bool) -> Callable:
+        def tick(st, kj):
+            k, j = kj
+            r = j % n
+            if whole:
+                branches = [lambda s: s, lambda s: {**s, "ins": s["ins"].at[r].set(work(s["ins"][r]))},
+                            lambda s: {**s, "dz": s["dz"].at[r].set(work(s["dz"][r]))},
+                            lambda s: {**s, "acc": s["acc"] + s["ins"][r, 0].T @ s["dz"][r, 0]}]
+                return lax.switch(k, branches, st), None
+            zero = jnp.zeros((D, D))
+            a, b, acc = lax.switch(k, [lambda a, b: (a, b, zero), lambda a, b: (work(a), b, zero),
+                                       lambda a, b: (a, work(b), zero), lambda a, b: (a, b, a[0].T @ b[0])],
+                                   st["ins"][r], st["dz"][r])
+            return {"ins": st["ins"].at[r].set(a), "dz": st["dz"].at[r].set(b), "acc": st["acc"] + acc}, None
+
+        def run(ks, js):
+            st = dict(ins=jnp.zeros((n, 2, S, D)), dz=jnp.zeros((n, 2, S, D)), acc=jnp.zeros((D, D)))
+            return lax.scan(tick, st, (ks, js))[0]["acc"][0, 0]
+        return jax.jit(run)
+
+    def per_tick(f: Callable) -> float:
+        once, thrice = (fastest(f, jnp.zeros(k * ticks, jnp.int32), jnp.arange(k * ticks), n=7)
+                        for k in (1, 3))
+        return max(thrice - once, 0.0) / (2 * ticks)
+
+    return {n: (per_tick(program(n, True)), per_tick(program(n, False))) for n in rows}
+
+
 def idle_tick(program: Callable, args: tuple) -> float:
     """Seconds one tick of ``program(tables, *rest)`` costs on an all-idle table (kind 0 everywhere):
     the step over the table repeated 3 times less the step over it once, over twice its ticks, so what
