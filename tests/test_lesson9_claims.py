@@ -85,11 +85,11 @@ def test_on_the_v_both_directions_carry_both_kinds_and_the_busiest_stages_rows_s
 
 def test_the_tick_table_written_in_the_lesson_is_what_the_package_prints():
     """Lesson 9 writes ZB-H1's tick 8 into its source (read on GitHub, no cell has run): the same lines as
-    ``ex.tick_messages(schedule, 8, reads=False)`` prints, which is the full table less its reads -> keeps
+    ``ex.tick_messages(schedule, 8)`` prints; without its reads -> keeps column, the same table less that
     column (on the V too)."""
     source = LESSON.read_text(encoding="utf-8")
     written = source.split("```text\n")[1].split("```")[0].rstrip("\n").splitlines()
-    assert written == ex.tick_messages(zb.build_schedule("zb-h1", 4, 8), 8, reads=False).splitlines()
+    assert written == ex.tick_messages(zb.build_schedule("zb-h1", 4, 8), 8).splitlines()
     for schedule, t in ((zb.build_schedule("zb-h1", 4, 8), 8), (zb.build_schedule("zb-v", 4, 8), 14)):
         full = ex.tick_messages(schedule, t).splitlines()
         start, end = full[0].index("reads -> keeps"), full[0].index("sends down")

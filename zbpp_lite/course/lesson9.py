@@ -110,7 +110,7 @@ def tick_messages(schedule, t: int, reads: bool = True) -> str:
         return f"{text:{wide}}" if reads else ""
 
     lines = [f"{'tick ' + str(t):8}{'runs':{9 if v else 6}}{column('reads -> keeps')}"
-             f"{'sends down (to r+1)':22}{'sends up (to r-1)':20}stores"]
+             f"{'sends down (to r+1)':22}{'sends up (to r-1)':20}arrivals stored"]
     for r, i in enumerate(step):
         a = schedule.actions[r][i] if i is not None else None
         sent = {}  # rank offset of the receiver (1: r+1, -1: r-1, 0: itself) -> what goes there
