@@ -138,3 +138,23 @@ def test_the_glossary_defines_the_terms_the_lessons_use():
     for term in ("**makespan**", "**bubble rate**", "**M_B**", "**M_W**", "**T_comm**", "**placement**",
                  "busiest", "**SPMD, MPMD**", "**post-validation**"):
         assert term in glossary, term
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_wrapped_prose_line_opens_a_list_by_accident(path):
+    """Markdown reads a line starting "- ", "+ ", "* " or "1. " as a list item even inside a paragraph, so
+    a sentence wrapped before "- 1" or "+ 1)" turns into a bullet. A list item may only follow a blank
+    line, another item (or its indented continuation), or a line ending in a colon."""
+    import re
+
+    item = re.compile(r"^(- |\+ |\* |\d+\. )")
+    lines, code, stray = path.with_suffix(".md").read_text(encoding="utf-8").split("\n"), False, []
+    for i, line in enumerate(lines):
+        if line.startswith("```"):
+            code = not code
+            continue
+        before = lines[i - 1] if i else ""
+        if not code and item.match(line) and before.strip() and not (
+                item.match(before) or before.startswith("  ") or before.rstrip().endswith(":")):
+            stray.append(f"line {i + 1}: {line[:40]!r} after {before[-40:]!r}")
+    assert not stray, f"{path.with_suffix('.md').name}: a wrapped line starts a list: {stray}"
