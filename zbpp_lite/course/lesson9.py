@@ -234,9 +234,10 @@ def spmd_tick(result: Any) -> Verdict:
     :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
     every rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
     ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
-    hint = ("a lax.switch over idle, F, B, W and BW (B then W in one tick) returns the state, a message down "
-            "and one up (value, tag j + 1; tag 0 for nothing) and its kind code; the two ppermutes go after "
-            "the switch, on every rank, and what arrives is stored by its tag.")
+    hint = ("a lax.switch over idle, F, B, W and BW (B then W in one tick) returns what the branch made "
+            "(ins, outs or dz, a message down and one up, each a value and a tag j + 1, 0 for nothing; what "
+            "dA, dc add) and its kind code; the two ppermutes go after the switch, on every rank, then every "
+            "tagged value is stored by its tag, row j % rows.")
     if isinstance(result, dict) and result.get("copied"):
         return Verdict("9.3", False, "your make_tick is, or calls, bench.tick_of: the lesson's tick, not "
                        "yours.", hint)
