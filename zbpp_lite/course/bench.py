@@ -631,8 +631,8 @@ def switch_costs(rows: tuple = (8, 32), ticks: int = 64) -> dict:
     whose branches take and return the whole loop state, and with one whose branches take the rows they
     read and return only what they made (lesson 9's tick): ``{rows: (whole state, made)}``. The state: two
     buffers ``(rows, 2, 64, 256)`` float32 and a ``(256, 256)`` sum; the branches: idle, F writing a row of
-    one buffer, B of the other, W adding a product of both to the sum. Each time is (3 ``ticks`` less
-    ``ticks``) / 2 ``ticks``, the fastest of 7 runs (``benchmarks/bench_spmd.py --switch``). XLA on a
+    one buffer, B of the other, W adding a product of both to the sum. Each time is :func:`_per_tick` of
+    ``ticks``, each step the fastest of 7 runs (``benchmarks/bench_spmd.py --switch``). XLA on a
     CPU copies the whole state through the first switch every tick, so its cost grows with ``rows``."""
     from jax import lax
 
@@ -660,22 +660,27 @@ def switch_costs(rows: tuple = (8, 32), ticks: int = 64) -> dict:
         return jax.jit(run)
 
     def per_tick(f: Callable) -> float:
-        once, thrice = (fastest(f, jnp.zeros(k * ticks, jnp.int32), jnp.arange(k * ticks), n=7)
-                        for k in (1, 3))
-        return max(thrice - once, 0.0) / (2 * ticks)
+        step_of = lambda k: fastest(f, jnp.zeros(k * ticks, jnp.int32), jnp.arange(k * ticks), n=7)  # noqa: E731
+        return _per_tick(step_of, ticks)
 
     return {n: (per_tick(program(n, True)), per_tick(program(n, False))) for n in rows}
+
+
+def _per_tick(step_of: Callable[[int], float], ticks: int) -> float:
+    """Seconds one tick costs, from ``step_of(k)``, the seconds of a step over ``k`` times ``ticks`` ticks:
+    the step at k = 3 less the step at k = 1, over 2 ``ticks``, so what a call costs once drops out."""
+    once = step_of(1)
+    return max(step_of(3) - once, 0.0) / (2 * ticks)
 
 
 def idle_tick(program: Callable, args: tuple) -> float:
     """Seconds one tick of ``program(tables, *rest)`` costs on an all-idle table (kind 0 everywhere):
     the step over the table repeated 3 times less the step over it once, over twice its ticks, so what
-    a call costs once (its start, the buffers' zeros) drops out. ``tables``: (ranks, ticks) arrays, kind
-    first (or pytrees of them)."""
+    a call costs once (its start, the buffers' zeros) drops out (:func:`_per_tick`). ``tables``: (ranks,
+    ticks) arrays, kind first (or pytrees of them)."""
     (kind, *rest_tables), rest = args[0], args[1:]
     tiled = lambda k: jax.tree.map(lambda a: np.tile(a, (1, k)), (0 * kind, *rest_tables))  # noqa: E731
-    once, thrice = (fastest(program, tiled(k), *rest, n=5) for k in (1, 3))
-    return max(thrice - once, 0.0) / (2 * kind.shape[1])
+    return _per_tick(lambda k: fastest(program, tiled(k), *rest, n=5), kind.shape[1])
 
 
 def gradient_report(mine: list, ref: list) -> dict:
