@@ -3,13 +3,14 @@
 The lesson's own code runs here: its cells up to "## Exercises" (the model, ``stage_apply`` with its
 zero probes, the test bench ``lab``: ``zbpp_lite.course.bench.Lab``, the threads and inboxes it runs on)
 and the definitions of its Solutions cells (our F, B, W, ``rank_loop`` and ``optimizer_step``), executed
-from ``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its SPMD ``make_tick``. The right
+from ``notebooks/08_build_a_pipeline.md``; lesson 9's the same way, for its rows and SPMD step. The right
 builds pass every check; each wrong one below, a mistake a learner makes, fails its check with a hint
 that names it: W reading another microbatch's dz, a W computed during its B, a loop that walks its own
 order instead of the schedule's, a backward started from 1 instead of 1/m, W's product transposed, B
 running the layers again, a B jax.jit cannot compile, a prediction of the bytes B keeps copied from
-another pattern, a step clipped stage by stage or not at all or with one all-reduce per stage; an SPMD
-tick that stores what never arrived or keeps microbatch j in row j of a buffer with fewer rows; a V tick
+another pattern, a step clipped stage by stage or not at all or with one all-reduce per stage; a row
+counted busy through its last read, or ZB-H1's row counts given for every schedule; an SPMD step with work
+outside its switch or a W that reruns F; a V tick
 whose first and last test the rank alone, or that stores every arrival in chunk 0.
 """
 
@@ -871,49 +872,26 @@ def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradien
     assert not verdict and "2 matrix products run outside the tick's switch" in verdict.message, str(verdict)
 
 
-def test_the_packages_tick_passes_exercise_9_3_and_one_without_a_bw_branch_fails_on_1f1b(spmd_lesson):
-    """Exercise 9.3: the Solutions' make_tick runs ZB-H1 and 1F1B, each buffer the rows its busiest rank
-    needs (row j % rows), with jax.grad's gradients; the same tick keeping microbatch j in row j (m rows
-    assumed) gives other gradients; the same tick with BW (kind 4) clamped to W, as lax.switch does without a fifth branch, is named at 1F1B's first BW; the
-    package's tick (bench.tick_of, which the lesson runs), as itself or called inside a function, is refused
-    by name; a body of ``...`` is no answer yet. The kind a tick reports is not taken on trust: every
-    branch run each tick and one kept (no switch), a W running the stage again, and work beside the switch
-    give the right kinds and gradients and are refused by their products."""
-    from zbpp_lite.course import bench
+def test_the_rows_solution_passes_and_a_late_free_row_or_zb_h1s_forms_fail(spmd_lesson):
+    """Exercise 9.3: the Solutions' depths (the most values a buffer holds at once) passes; the same with a
+    row counted busy through the tick that last reads it is named (the read comes first); ZB-H1's closed
+    forms (outs p - r, dz r + 1, ins p) are refused on ZB-H2; one that asks the package is refused; a body
+    of ``...`` is no answer yet."""
+    assert ex.rows_needed(spmd_lesson["depths"])
+    with _replaced(spmd_lesson, SPMD_LESSON, "depths", lambda src: src.replace("w <= t < r", "w <= t <= r")):
+        verdict = ex.rows_needed(spmd_lesson["depths"])
+    assert not verdict and "the read comes first" in verdict.message, str(verdict)
 
-    lab, package = spmd_lesson["lab"], bench.tick_of(4)
-    right = spmd_lesson["make_tick"]   # the Solutions' own tick (their def follows the lesson's assignment)
-    assert ex.spmd_tick(lab.try_tick(right))
-
-    def no_bw(*args):
-        tick = right(*args)
-        return lambda st, action: tick(st, (jnp.minimum(action[0], 3), action[1]))
-    verdict = ex.spmd_tick(lab.try_tick(no_bw))
-    assert not verdict and "1f1b: rank 0 ran branch 3 in tick 7, the table says 4" in verdict.message, str(verdict)
-    assert "clamps" in verdict.hint
-    row_j = lambda src: src.replace("row = lambda buf, j: j % buf.shape[0]", "row = lambda buf, j: j")  # noqa: E731
-    with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", row_j):   # m rows assumed: past a buffer's end
-        verdict = ex.spmd_tick(lab.try_tick(spmd_lesson["make_tick"]))
-    assert not verdict and "differ" in verdict.message, str(verdict)
-    assert ex.spmd_tick(lab.try_tick(lambda A, c, X, Y, first, last: None)).message.startswith("no answer yet")
-    switch = "out, ran = lax.switch(action[0], branches, st, action[1])"
-    every_branch = lambda src: src.replace(switch, (  # noqa: E731   every action each tick, one kept: no switch
-        "outs = [b(st, action[1]) for b in branches]; out, ran = jax.tree.map("
-        "lambda *v: jnp.select([action[0] == k for k in range(5)], v), *outs)"))
-    rerun_w = lambda src: src.replace(  # noqa: E731   W runs the stage again for what F kept: 3 products
-        'dA, dc = stage_W(get(st, "ins", j), get(st, "dz", j))',
-        'dA, dc = stage_W(stage_F(A, c, get(st, "ins", j)[0])[1], get(st, "dz", j))')
-    beside = lambda src: src.replace(switch, switch + (  # noqa: E731   4 products a tick outside the switch, 27 ticks
-        "; st = {**st, 'dA': st['dA'] + 0 * jnp.stack([X[0].T @ X[0] @ A[0], X[1].T @ X[1] @ A[1]])}"))
-    for edit, word in ((every_branch, "no lax.switch"), (rerun_w, "B runs 2 matrix products and W 3"),
-                       (beside, "108 matrix products run outside the tick's switch")):
-        with _replaced(spmd_lesson, SPMD_LESSON, "make_tick", edit):
-            verdict = ex.spmd_tick(lab.try_tick(spmd_lesson["make_tick"]))
-        assert not verdict and word in verdict.message, (word, str(verdict))
-    for copied in (package, lambda A, c, X, Y, first, last: bench.tick_of(4)(A, c, X, Y, first, last)):
-        verdict = ex.spmd_tick(lab.try_tick(copied))
-        assert not verdict and "bench.tick_of" in verdict.message, str(verdict)
-    assert bench.tick_of(4).__code__ is package.__code__   # put back after the check
+    def zb_h1_forms(actions, ticks):
+        p = len(actions)
+        return dict(act=[0] + [1] * (p - 1), grad=[1] * (p - 1) + [0], ins=[p] * p, outs=[p - r for r in range(p)],
+                    dz=[r + 1 for r in range(p)])
+    verdict = ex.rows_needed(zb_h1_forms)
+    assert not verdict and verdict.message.startswith("zb-h2 (p = 4, m = 8): rank 1's act needs 2 rows, you gave 1."), str(verdict)
+    verdict = ex.rows_needed(lambda actions, ticks: ex.buffer_depths(zb.build_schedule("zb-h1", len(actions), 8)))
+    assert not verdict and "your function called" in verdict.message, str(verdict)
+    assert ex.rows_needed(lambda actions, ticks: None).message.startswith("zb-h1 (p = 4, m = 8): expected")
+    assert ex.rows_needed(...).message.startswith("no answer yet")
 
 
 def test_round_45s_whole_model_gradients_beside_a_switch_that_does_nothing_fail(spmd_lesson):

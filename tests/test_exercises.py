@@ -74,7 +74,8 @@ CASES = {
             lambda actions: _ticks_one_by_one(actions, lag=0)),
     "9.2": (lambda p, m: 4 * m + 3 * p - 4,          # p ticks of F only, the rest with a BW; the wrong one:
             lambda p, m: 3 * (m + p - 1)),           # event-driven
-    "9.3": (lambda: _spmd_result(ex.SPMD_RUNS), lambda: _spmd_result(ex.SPMD_RUNS, shift=True)),   # a tick late
+    "9.3": (lambda actions, ticks: _depths_by_hand(actions, ticks),   # the wrong one: a row busy through
+            lambda actions, ticks: _depths_by_hand(actions, ticks, inclusive=True)),   # the end of its last read
     "9.4": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
     "10.1": (lambda p, m: 4 * m + 2 * (p - 1),       # 4m actions a rank; 1F1B's bubble of 2(p - 1) ticks
              lambda p, m: 4 * m + p - 1),            # the wrong one: ZB-V's fill, whose W's fill the rest
@@ -156,6 +157,32 @@ def _ticks_one_by_one(actions, lag):
     return table
 
 
+def _depths_by_hand(actions, ticks, inclusive=False):
+    """Exercise 9.3 by hand, a second way: per stage, the fewest rows K with no two microbatches of one row
+    (j % K) held at once, a value held from the end of the tick that makes it (an arrival: its sender's)
+    through the tick before its last read (``inclusive``: through that read's tick too)."""
+    p, at = len(actions), {}
+    for t, row in enumerate(ticks):
+        for r, i in enumerate(row):
+            if i is not None:
+                kind, s, j = actions[r][i]
+                at.update({(k, s, j): t for k in (("B", "W") if kind == "BW" else (kind,))})
+    m = 1 + max(j for row in actions for _, _, j in row)
+    out = {}
+    for name, made, sender, reader in (("act", "F", -1, "F"), ("grad", "B", 1, "B"), ("ins", "F", 0, "W"),
+                                       ("outs", "F", 0, "B"), ("dz", "B", 0, "W")):
+        out[name] = []
+        for s in range(p):
+            if not 0 <= s + sender < p:
+                out[name].append(1)   # nothing kept: 1 is right too
+                continue
+            spans = [(at[made, s + sender, j], at[reader, s, j] + inclusive) for j in range(m)]
+            out[name].append(next(K for K in range(1, m + 1) if not any(
+                j != k and j % K == k % K and w1 <= w2 < r1
+                for j, (w1, r1) in enumerate(spans) for k, (w2, _) in enumerate(spans))))
+    return out
+
+
 def _routing_by_hand(actions, placement, ticks, ring=True, chunk_of="receiver", late=0):
     """Exercise 10.2 by hand, a second way: per rank, what its stages receive, walked from the receiver's side
     (``ring=False``: no hop from rank p - 1 to rank 0; ``chunk_of="sender"``: the sender's chunk; ``late``:
@@ -177,7 +204,7 @@ def _routing_by_hand(actions, placement, ticks, ring=True, chunk_of="receiver", 
 
 
 def _spmd_result(names=ex.V_RUNS, grad_error=1e-6, shift=False):
-    """What lesson 9's ``lab.try_tick`` or lesson 10's ``vlab.try_v`` hands exercise 9.3's or 10.3's check
+    """What lesson 10's ``vlab.try_v`` hands exercise 10.3's check
     for a run where every rank ran the lockstep form's branch (``shift``: each a tick late) and the
     gradients are off by ``grad_error``."""
     runs = {}
@@ -276,9 +303,9 @@ def test_every_lesson_has_at_least_two_exercises_numbered_from_one_and_every_che
 
 
 def _answer(key, which):
-    """CASES' answer; exercises 9.3's, 9.4's, 10.3's and 10.4's (a run's result, not a function) are built here."""
+    """CASES' answer; exercises 9.4's, 10.3's and 10.4's (a run's result, not a function) are built here."""
     answer = CASES[key][which]
-    return answer() if key in ("9.3", "9.4", "10.3", "10.4") else answer
+    return answer() if key in ("9.4", "10.3", "10.4") else answer
 
 
 @pytest.mark.parametrize("key", sorted(CASES))
@@ -658,13 +685,11 @@ def test_the_v_check_names_what_the_v_changes_where_no_particular_mistake_shows(
 
 
 def test_the_tick_check_names_a_branch_run_in_the_wrong_tick_and_gradients_off():
-    late = ex.spmd_tick(_spmd_result(ex.SPMD_RUNS, shift=True))
-    assert not late and "zb-h1: rank 0 ran branch 0 in tick 0, the table says 1" in late.message, str(late)
-    off = ex.spmd_tick(_spmd_result(ex.SPMD_RUNS, grad_error=1e-2))
-    assert not off and "gradients differ" in off.message, str(off)
-    raised = ex.spmd_tick({"error": "TypeError: branch outputs differ", "runs": {}})
-    assert not raised and "varying types" in raised.hint
-    assert ex.spmd_tick(...).message.startswith("no answer yet")
+    late = ex.spmd_v(_spmd_result(shift=True))
+    assert not late and "zb-v: rank 0 ran branch 0 in tick 0, the table says 1" in late.message, str(late)
+    raised = ex.spmd_v({"error": "TypeError: branch outputs differ", "runs": {}})
+    assert not raised and "raised" in raised.message
+    assert ex.spmd_v(...).message.startswith("no answer yet")
     assert not ex.tick_table(lambda actions: [[0] * len(actions)])   # one tick for everything
 
 

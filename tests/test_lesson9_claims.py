@@ -97,16 +97,43 @@ def test_the_tick_table_written_in_the_lesson_is_what_the_package_prints():
 
 
 def test_the_whole_program_cell_uses_nothing_from_the_package():
-    """Lesson 9's "The whole program" is a step of any schedule of F's and BW's (1F1B's in the lesson) as one
-    function a reader can write from scratch: its body names no package module (zb, ex, bench, spmd, lab)
-    and no helper that wraps one (program_of, rank_program, make_tick...): only JAX, the cells' vary, store
-    and stage F, B and W, the sizes, and the tick tables it is given (the lesson builds them from
-    lockstep_ticks)."""
+    """Lesson 9's "The whole program" is ZB-H1's step (1F1B's too) as two functions a reader can write from
+    scratch, ``make_tick`` and ``pipeline_step``: their bodies name no package module (zb, ex, bench, spmd,
+    lab) and no helper that wraps one (program_of, rank_program...): only JAX, the cells' vary, store and
+    stage F, B and W, the sizes, and the tick tables the step is given (the lesson builds them from
+    lockstep_ticks); the step scans the cell's own make_tick, which has a branch for each kind code."""
     import ast
     source = LESSON.read_text(encoding="utf-8")
     cell = source.split("## The whole program")[1].split("```{code-cell} ipython3\n")[1].split("```")[0]
-    step = next(n for n in ast.walk(ast.parse(cell)) if isinstance(n, ast.FunctionDef) and n.name == "pipeline_step")
-    names = {n.id for n in ast.walk(step) if isinstance(n, ast.Name)}
-    assert not names & {"zb", "ex", "bench", "spmd", "lab", "program_of", "rank_program", "make_tick", "tables"}
+    defs = {n.name: n for n in ast.walk(ast.parse(cell)) if isinstance(n, ast.FunctionDef)}
+    names = {n.id for f in ("make_tick", "pipeline_step") for n in ast.walk(defs[f]) if isinstance(n, ast.Name)}
+    assert not names & {"zb", "ex", "bench", "spmd", "lab", "program_of", "rank_program", "tables"}
     assert {"lax", "jnp", "jax", "shard_map", "P", "vary", "store", "stage_F", "stage_B", "stage_W", "kind", "microbatch",
-            "mesh", "p", "m", "samples", "d"} <= names
+            "mesh", "p", "m", "samples", "d", "make_tick"} <= names
+    assert {"forward", "backward", "weight", "fused", "tick"} <= set(defs)
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "1f1b", "gpipe"])
+def test_the_rows_a_buffer_needs_are_the_most_values_it_holds_at_once(name):
+    """"Values come and go in microbatch order, so K rows used in turn suffice for a buffer holding at most K
+    at once": exercise 9.3's count of the most values held at once (the Solutions' way) equals the fewest
+    rows with no clash in row j % K (``ex.buffer_depths``) for every buffer and rank, p = 2..6, m = 1..3p + 1,
+    but where a rank keeps nothing past a tick (1F1B's dz: 0 held, 1 row)."""
+    from zbpp_lite.schedules.simulate import lockstep_ticks
+
+    for p in range(2, 7):
+        for m in range(1, 3 * p + 2):
+            schedule = zb.build_schedule(name, p, m)
+            ticks, at = lockstep_ticks(schedule), {}
+            for t, row in enumerate(ticks):
+                for r, i in enumerate(row):
+                    if i is not None:
+                        a = schedule.actions[r][i]
+                        at.update({(k, a.stage, a.microbatch): t for k in (("B", "W") if a.kind == "BW" else (a.kind,))})
+            depths = ex.buffer_depths(schedule)
+            for buffer, made, sender, reader in (("act", "F", -1, "F"), ("grad", "B", 1, "B"), ("ins", "F", 0, "W"),
+                                                 ("outs", "F", 0, "B"), ("dz", "B", 0, "W")):
+                for s in range(max(0, -sender), min(p, p - sender)):
+                    spans = [(at[made, s + sender, j], at[reader, s, j]) for j in range(m)]
+                    most = max(sum(w <= t < r for w, r in spans) for t in range(len(ticks)))
+                    assert depths[buffer][s] == max(most, 1), (name, p, m, buffer, s)

@@ -185,37 +185,6 @@ class SpmdLab:
         return dict(gradient_report(list(zip(dA, dc)), list(zip(*self.reference))), ran=np.asarray(ran),
                     **work)
 
-    def try_tick(self, make_tick: Callable) -> dict:
-        """Exercise 9.3's result: :func:`try_runs` of each schedule of :data:`~.lesson9.SPMD_RUNS` with each
-        buffer the rows of its busiest stage there (:func:`~.lesson9.buffer_depths`: fewer than m, so
-        microbatch j goes in row j % rows), and ``"copied"``: True when ``make_tick`` is the package's
-        (:func:`tick_of`'s) or calls :func:`tick_of` while it runs (the lesson runs that one; the exercise
-        asks for the learner's own); ``...`` while ``make_tick`` returns None (its body still ``...``)."""
-        from .lesson9 import SPMD_RUNS, buffer_depths
-
-        if _stub(make_tick):
-            return ...
-        module, called = sys.modules[__name__], []
-        real = module.tick_of
-        if getattr(make_tick, "__code__", None) is real(1).__code__:
-            return {"error": None, "runs": {}, "copied": True}
-
-        def refused(*_args: Any) -> None:
-            called.append(True)
-            raise RuntimeError("bench.tick_of is the lesson's tick, not yours")
-
-        p, m = self.case["ranks"], self.case["microbatches"]
-
-        def fewest(name: str) -> dict:
-            return {b: max(k) for b, k in buffer_depths(build_schedule(name, p, m)).items()}
-
-        module.tick_of = refused
-        try:
-            result = try_runs(lambda name: self.run(make_tick, name, fewest(name)), SPMD_RUNS)
-        finally:
-            module.tick_of = real
-        return {**result, "copied": bool(called)}
-
     def try_v(self, make_tick: Callable) -> dict:
         """Exercise 10.3's result: :func:`try_runs` of ZB-V (:data:`~.lesson10.V_RUNS`, on ``case``'s 2p
         stages) with each buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those
@@ -1260,22 +1229,24 @@ def _thread_all_sum(ranks: int, wait: float) -> tuple:
 def _start_state(lead: tuple, rows: dict, samples: int, d: int, A: Any, c: Any) -> dict:
     """A rank's state before its first tick, zeros cast to varying: ``act``, ``grad`` (*lead, rows,
     samples, d); ``ins``, ``outs``, ``dz`` (*lead, rows, 2, samples, d) (``rows[name]`` rows each); ``dA``,
-    ``dc`` shaped as A and c. ``lead``: () for one stage a rank, (2,) for the V's two chunks."""
+    ``dc`` shaped as A and c. ``lead``: () for one stage a rank, with ``loss`` () as lesson 9's
+    ``pipeline_step`` starts its tick; (2,) for the V's two chunks, no loss (lesson 10's tick keeps none)."""
     from ..runtime.spmd import to_varying
 
     def zeros(name, *layers):
         return jnp.zeros((*lead, rows[name], *layers, samples, d))
 
+    loss = {} if lead else {"loss": jnp.zeros(())}
     return to_varying(dict(act=zeros("act"), grad=zeros("grad"), ins=zeros("ins", 2), outs=zeros("outs", 2),
-                           dz=zeros("dz", 2), dA=jnp.zeros(A.shape), dc=jnp.zeros(c.shape)))
+                           dz=zeros("dz", 2), dA=jnp.zeros(A.shape), dc=jnp.zeros(c.shape), **loss))
 
 
 def program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
     """Lessons 9 and 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym)
     -> (jitted program, args)``, a ``shard_map`` over ``mesh`` whose rank scans ``make_tick(A, c, X, Y,
     first, last)``'s tick over the state of :func:`_start_state` (``rows[name]`` rows a buffer) and returns
-    ``(dA, dc, ran)`` by rank, as lesson 9's ``pipeline_step`` without its loss. The schedule ``name``'s
-    placement (``stages_of``) decides the rest:
+    ``(dA, dc, ran)`` by rank, as lesson 9's ``pipeline_step`` does, its loss left out. The schedule
+    ``name``'s placement (``stages_of``) decides the rest:
 
     - one stage a rank (``case``'s layers / 2 = ranks stages): A (2, d, d), c (2, d), no chunk axis;
       ``first``, ``last`` traced booleans; the tick gets ``(kind, microbatch)`` of
@@ -1321,69 +1292,6 @@ def _stub(make_tick: Callable) -> bool:
         return make_tick(*[None] * 6) is None
     except Exception:  # noqa: BLE001
         return False
-
-
-def tick_of(p: int) -> Callable:
-    """Lesson 9's tick, which the lesson runs before the learner writes exercise 9.3's (that one keeps
-    microbatch j in row j % rows, for buffers of fewer rows):
-    ``make_tick(A, c, X, Y, first, last) -> tick(state, (kind, microbatch)) -> (state, kind code run)`` for a
-    program over ``p`` ranks of one stage each (:func:`stage_F`, :func:`stage_B`, :func:`stage_W`; ``X``,
-    ``Y`` (m, samples, d); every buffer m rows, microbatch j in row j). A ``lax.switch`` over idle, F, B, W
-    and BW (B, then W on the dz it made) reads the state and returns only what the branch made: ``ins``,
-    ``outs``, ``dz`` for their buffers, a message down and one up, each a value and a tag (j + 1; 0 for
-    nothing), ``dA`` and ``dc`` to add, and its code. Two ``ppermute`` calls follow it on every rank (a
-    collective inside a branch would wait for ranks that never enter it); then every tagged value is stored
-    in row tag - 1 of its buffer, what arrived too (tag 0: row -1 rewritten with what it holds). A branch
-    returning the whole state instead makes XLA on a CPU copy it every tick (``benchmarks/bench_spmd.py
-    --switch``). ``first``/``last``: traced, so ``jnp.where`` picks rank 0's input and the last rank's loss
-    gradient (:func:`mlp_loss`'s mean squared error)."""
-    from jax import lax
-
-    from ..runtime.spmd import AXIS, to_varying
-
-    def make_tick(A, c, X, Y, first, last):
-        m, samples, d = X.shape
-        none = lambda *layers: to_varying((jnp.zeros((*layers, samples, d)), jnp.int32(0)))  # noqa: E731
-        zero = to_varying(dict(dA=jnp.zeros(A.shape), dc=jnp.zeros(c.shape)))
-
-        def made(code, **values):
-            return {**zero, "ins": none(2), "outs": none(2), "dz": none(2), "down": none(), "up": none(),
-                    **values}, code
-
-        def store(buf, x, tag):
-            return buf.at[tag - 1].set(jnp.where(tag > 0, x, buf[tag - 1]))
-
-        def forward(st, j):
-            y, ins, outs = stage_F(A, c, jnp.where(first, X[j], st["act"][j]))
-            return made(1, ins=(ins, j + 1), outs=(outs, j + 1), down=(y, j + 1))
-
-        def input_grad(st, j):
-            dy = jnp.where(last, 2 * (st["outs"][j, 1] - Y[j]) / (samples * d * m), st["grad"][j])
-            return stage_B(A, st["outs"][j], dy)
-
-        def backward(st, j):
-            dx, dz = input_grad(st, j)
-            return made(2, dz=(dz, j + 1), up=(dx, j + 1))
-
-        def weight(st, j):
-            dA, dc = stage_W(st["ins"][j], st["dz"][j])
-            return made(3, dA=dA, dc=dc)
-
-        def fused(st, j):
-            dx, dz = input_grad(st, j)
-            dA, dc = stage_W(st["ins"][j], dz)
-            return made(4, dA=dA, dc=dc, up=(dx, j + 1))
-
-        def tick(st, action):
-            k, j = action
-            out, ran = lax.switch(k, [lambda st, j: made(0), forward, backward, weight, fused], st, j)
-            x, jx = lax.ppermute(out["down"], AXIS, [(i, i + 1) for i in range(p - 1)])   # from rank r - 1
-            g, jg = lax.ppermute(out["up"], AXIS, [(i + 1, i) for i in range(p - 1)])     # from rank r + 1
-            return {**st, **{b: store(st[b], *out[b]) for b in ("ins", "outs", "dz")},
-                    "dA": st["dA"] + out["dA"], "dc": st["dc"] + out["dc"],
-                    "act": store(st["act"], x, jx), "grad": store(st["grad"], g, jg)}, ran
-        return tick
-    return make_tick
 
 
 def _need(value: Any, name: str) -> Any:

@@ -18,8 +18,8 @@ from ..schedules.ir import KIND_CODE
 from ..schedules.program import consumer_stage
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import compare_figure
-from .checks import (Verdict, _called, _function_check, _function_missing, _unanswered, _whole, _with_fresh,
-                     course_cache)
+from .checks import (Verdict, _called, _function_check, _function_missing, _shown, _unanswered, _whole,
+                     _with_fresh, course_cache)
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, gradient_problem
 
 TICK_CASES = (("zb-h1", 4, 8), ("1f1b", 4, 8), ("zb-h2", 3, 6), ("gpipe", 3, 4), ("zb-v", 2, 4))
@@ -29,9 +29,13 @@ rank, so an activation can stay on its rank and still wait a tick."""
 TICK_FRESH = 3
 """How many more exercise 9.1 schedules its check draws afresh at each call."""
 
-SPMD_RUNS = ("zb-h1", "1f1b")
-"""Exercise 9.3's schedules, on lesson 8's :data:`~zbpp_lite.course.lesson8.BUILD_CASE`: ZB-H1, and 1F1B,
-whose fused backward (BW, kind 4) needs a branch of its own."""
+ROWS_CASES = (("zb-h1", 4, 8), ("zb-h2", 4, 8), ("1f1b", 4, 8), ("gpipe", 3, 4), ("zb-h2", 5, 3))
+"""Exercise 9.3's schedules (name, ranks, microbatches), one stage a rank: ZB-H2's activations may wait a
+tick, 1F1B's BW keeps no dz, GPipe holds every microbatch, and m below p caps each buffer at m."""
+
+BUFFERS = ("act", "grad", "ins", "outs", "dz")
+"""Lesson 9's buffers: what arrived (``act``, ``grad``) and what F and B keep for later (``ins``, ``outs``,
+``dz``)."""
 
 FUSED = Costs(f=1.0, b=1.0, w=1.0, bw=2.0)
 """Exercise 9.2's costs: T_F = 1 and 1F1B's fused T_BW = 2, T_comm = 0 (not lesson 9's figure's)."""
@@ -66,9 +70,16 @@ def buffer_depths(schedule) -> dict:
     tick may keep microbatch j in row ``j % K``, no row written while the microbatch it holds still waits
     to be read (lesson 9, "How many rows a buffer needs"). ZB-H1's rank r: ``outs`` p - r (its F's before
     its first B), ``dz`` r + 1 (W lags B by r), ``ins`` p; ZB-H2's 2(p - r) - 1, 2r + 1 and 2p - 1 (lesson
-    3's memory); each at most m."""
+    3's memory); each at most m; 0 where the stage keeps no value (stage 0's ``act``) and 1 where it keeps
+    none past its own tick (1F1B's ``dz``, which BW makes and reads at once)."""
+    return _depths(schedule)
+
+
+def _depths(schedule, inclusive: bool = False) -> dict:
+    """:func:`buffer_depths`; ``inclusive``: a row read in a tick counted busy at that tick's end too (one
+    row too many wherever the next value lands as the last read runs)."""
     def clash(K: int, values: list) -> bool:
-        return any(j1 != j2 and j1 % K == j2 % K and w1 <= w2 < r1
+        return any(j1 != j2 and j1 % K == j2 % K and w1 <= w2 and (w2 <= r1 if inclusive else w2 < r1)
                    for j1, w1, r1 in values for j2, w2, _ in values)
 
     live, m = _live(schedule), schedule.num_microbatches
@@ -227,28 +238,61 @@ def reveal_lockstep_1f1b() -> Any:
                           title="1F1B, p = 4, m = 8, T_F = 1, T_BW = 2")
 
 
-def spmd_tick(result: Any) -> Verdict:
-    """Exercise 9.3: the learner's ``make_tick`` run by lesson 9's ``lab.try_tick``; ``result`` is ``{"error":
-    None or text, "runs": {name: {"grad_error", "stage_errors", "scale" (as
-    :func:`zbpp_lite.course.bench.gradient_report` gives them), "ran": (ranks, ticks) ints}}}`` for
-    :data:`SPMD_RUNS`, ``ran[r, t]`` the :data:`KIND_CODE` of the branch rank r ran in tick t. Right when
-    every rank ran the branch the schedule's lockstep form gives in every tick and the gradients equal
-    ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`."""
-    hint = ("a lax.switch over idle, F, B, W and BW (B then W in one tick) returns what the branch made "
-            "(ins, outs or dz, a message down and one up, each a value and a tag j + 1, 0 for nothing; what "
-            "dA, dc add) and its kind code; the two ppermutes go after the switch, on every rank, then every "
-            "tagged value is stored by its tag, row j % rows.")
-    if isinstance(result, dict) and result.get("copied"):
-        return Verdict("9.3", False, "your make_tick is, or calls, bench.tick_of: the lesson's tick, not "
-                       "yours.", hint)
-    worst = _tick_run("9.3", result, "make_tick", "lab.try_tick(make_tick)", SPMD_RUNS, hint,
-                      "every branch of a lax.switch returns the same structure, shapes, dtypes and varying "
-                      "types (vary), idle included; a scan's carry keeps its own.")
-    if isinstance(worst, Verdict):
-        return worst
-    return Verdict("9.3", True, f"{' and '.join(SPMD_RUNS)} ran as one SPMD program, tick for tick as the "
-                   "simulator's lockstep form, with jax.grad's gradients (largest relative difference "
-                   f"{worst:.1e}).")
+def rows_needed(answer: Any) -> Verdict:
+    """Exercise 9.3: ``depths(actions, ticks)`` -> ``{buffer: [rows rank r needs]}`` for :data:`BUFFERS`, one
+    stage a rank; ``actions`` per rank ``(kind, stage, microbatch)`` tuples, ``ticks`` the schedule's
+    lockstep table (:func:`lockstep_ticks`, exercise 9.1's). Checked against :func:`buffer_depths` on
+    :data:`ROWS_CASES` and :data:`TICK_FRESH` cases drawn afresh at each call (ZB-H1, ZB-H2, 1F1B or GPipe,
+    p = 2..8, m = 1..3p), the package out of bounds; where a rank keeps no value past its own tick, 0 and
+    1 are both right (a buffer of no rows, or the one row every array has)."""
+    hint = ("for each value a buffer keeps, find the tick at whose end it is stored (an arrival: the tick "
+            "its sender ran; ins, outs: its F's; dz: its B's) and the tick it is last read (act: F; grad, "
+            "outs: B; ins, dz: W; a BW is B and W in one tick). K rows serve when no two microbatches j, j' "
+            "with j % K == j' % K are held at once.")
+    missing = _function_missing("9.3", answer, hint, "depths", "a function depths(actions, ticks)")
+    if missing is not None:
+        return missing
+    names = sorted({name for name, _, _ in ROWS_CASES})
+
+    def draw(rng):  # a schedule of ROWS_CASES' kinds at p = 2..8, m = 1..3p
+        p = rng.randint(2, 8)
+        return rng.choice(names), p, rng.randint(1, 3 * p)
+
+    for name, p, m in _with_fresh(ROWS_CASES, draw, TICK_FRESH):
+        schedule = build_schedule(name, p, m)
+        case = f"{name} (p = {p}, m = {m})"
+        got, refused = _called("9.3", answer, (_rows(schedule), lockstep_ticks(schedule)), hint, where=case)
+        if refused is not None:
+            return refused
+        try:
+            got = {b: [_whole(k) for k in got[b]] for b in BUFFERS}
+        except (TypeError, ValueError, OverflowError, KeyError, IndexError):
+            return Verdict("9.3", False, f"{case}: expected a dict of {', '.join(BUFFERS)}, each a list of "
+                           f"{p} whole numbers (rows by rank), got {_shown(got, 80, repr)}.", hint)
+        want, held = buffer_depths(schedule), _held(schedule)
+        for b in BUFFERS:
+            if len(got[b]) != p:
+                return Verdict("9.3", False, f"{case}: {b} has {len(got[b])} numbers, one per rank is {p}.",
+                               hint)
+            for r in range(p):
+                if got[b][r] == want[b][r] or (not held[b][r] and got[b][r] in (0, 1)):
+                    continue
+                said = (" A row read in a tick may take the next value at that tick's end: the read comes "
+                        "first." if got[b][r] == _depths(schedule, inclusive=True)[b][r] else "")
+                return Verdict("9.3", False, f"{case}: rank {r}'s {b} needs {want[b][r]} rows, you gave "
+                               f"{got[b][r]}.{said}", hint)
+    checked = len(ROWS_CASES) + TICK_FRESH
+    return Verdict("9.3", True, f"your rows equal the package's on {checked} schedules, ZB-H2's waiting "
+                   "activations, 1F1B's BW and cases new at each check included.")
+
+
+def _held(schedule) -> dict:
+    """``{buffer: [bool by stage]}``: whether the stage keeps any of the buffer's values past the tick that
+    stores it (:func:`_live`; a BW makes and reads dz in one tick)."""
+    held = {b: [False] * schedule.num_stages for b in BUFFERS}
+    for (buffer, s), values in _live(schedule).items():
+        held[buffer][s] = any(read > written for _, written, read in values)
+    return held
 
 
 def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> Verdict | None:
@@ -296,10 +340,6 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
             else:
                 r, t = np.argwhere(ran != want)[0]
                 bad = f"rank {r} ran branch {ran[r, t]} in tick {t}, the table says {want[r, t]}"
-                if (ran[r, t], want[r, t]) == (3, 4):
-                    return Verdict(key, False, f"{name}: {bad}.", "a BW (kind 4) ran as a W: lax.switch "
-                                   "clamps an index past its last branch, so BW needs a fifth branch, B then "
-                                   "W.")
             return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's row of each tick table, in "
                            "order; each branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
         problem = _pipeline_problem(key, run, 2, hint) if "products" in run else None   # a stage's 2 layers
@@ -489,12 +529,13 @@ def spmd_step(result: Any) -> Verdict:
                    f"{max(result['grad_error'], result['dH_error']):.1e}).")
 
 
-EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": spmd_tick,
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_needed,
                                                   "9.4": spmd_step}
 """Lesson 9's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["KIND_CODE", "TICK_CASES", "SPMD_RUNS", "FUSED", "tick_table", "lockstep_1f1b", "spmd_tick",
-           "spmd_step", "buffer_depths", "buffer_rows", "tick_grid", "tick_messages", "EXERCISES", "REVEALS"]
+__all__ = ["KIND_CODE", "TICK_CASES", "ROWS_CASES", "BUFFERS", "FUSED", "tick_table", "lockstep_1f1b",
+           "rows_needed", "spmd_step", "buffer_depths", "buffer_rows", "tick_grid", "tick_messages",
+           "EXERCISES", "REVEALS"]
