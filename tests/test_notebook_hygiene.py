@@ -158,3 +158,12 @@ def test_no_wrapped_prose_line_opens_a_list_by_accident(path):
                 item.match(before) or before.startswith("  ") or before.rstrip().endswith(":")):
             stray.append(f"line {i + 1}: {line[:40]!r} after {before[-40:]!r}")
     assert not stray, f"{path.with_suffix('.md').name}: a wrapped line starts a list: {stray}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_no_two_blank_lines_in_a_row(path):
+    """Two blank lines in a row, in prose or between cells, read as a section taken out and not closed
+    up (a reader asked what was removed from lesson 6)."""
+    lines = path.with_suffix(".md").read_text(encoding="utf-8").split("\n")
+    doubled = [i + 1 for i in range(1, len(lines)) if not lines[i].strip() and not lines[i - 1].strip()]
+    assert not doubled, f"{path.with_suffix('.md').name}: two blank lines at {doubled}"
