@@ -16,9 +16,10 @@ from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import lockstep_ticks, simulate
 from ..viz.figures import timeline_figure
-from .checks import Verdict, _called, _function_check, _function_missing, _whole, _with_fresh, course_cache
-from .lesson8 import BUILD_CASE, BUILD_TOLERANCE
-from .lesson9 import _number, _pipeline_problem, _rows, _step_problem, _tick_run
+from .checks import (Verdict, _called, _function_check, _function_missing, _unanswered, _whole, _with_fresh,
+                     course_cache)
+from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, gradient_problem
+from .lesson9 import _number, _pipeline_problem, _rows, _step_problem
 
 LOOPED = ("interleaved-1f1b", 4, 8, 2)
 """Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches, stages per rank):
@@ -154,6 +155,62 @@ def routing(answer: Any) -> Verdict:
                                    f"{' and '.join(off)} differ{'s' if len(off) == 1 else ''}. {why}", hint)
     return Verdict("10.2", True, f"your routing equals the package's on {len(ROUTE_CASES)} schedules: the "
                    "V's turn, one stage per rank and the looped placement's hop back to rank 0.")
+
+
+def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> Verdict | None:
+    """The refusal of a lab result that is no answer yet (``name`` still ``...``) or not ``call``'s dict
+    with its runs; else None."""
+    if _unanswered(result):
+        return Verdict(key, False, f"no answer yet: write {name}.", hint)
+    if not isinstance(result, dict) or not isinstance(result.get("runs"), dict):
+        return Verdict(key, False, f"expected {call}'s result, got {type(result).__name__}.", hint)
+    return None
+
+
+def _tick_run(key: str, result: Any, name: str, call: str, names: tuple, hint: str, error_hint: str,
+              otherwise: str | None = None) -> Verdict | float:
+    """A lab's run of the learner's tick: the refusal of a result that is no answer yet, raised, or
+    (:func:`_runs_problem`) ran a wrong branch or has gradients off; else the largest relative gradient
+    difference."""
+    refused = _result_problem(key, result, name, call, hint)
+    if refused is not None:
+        return refused
+    if result.get("error"):
+        return Verdict(key, False, f"running it raised {result['error']}", error_hint)
+    return _runs_problem(key, result["runs"], names, hint, otherwise)
+
+
+def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str | None = None
+        ) -> Verdict | float:
+    """The refusal of the first of ``names`` whose run in ``runs`` is missing, ran another branch than the
+    schedule's lockstep form in some tick, is no pipeline or runs work twice (:func:`_pipeline_problem`, a
+    stage two layers: the kind a tick reports is not taken on trust), or has gradients off
+    (:func:`gradient_problem`, ``otherwise`` its hint where it names no particular mistake); else the
+    largest relative gradient difference."""
+    from ..runtime.spmd import tick_tables
+
+    worst = 0.0
+    for name in names:
+        run = runs.get(name)
+        if run is None:
+            return Verdict(key, False, f"no run of {name}.", hint)
+        want = tick_tables(build_schedule(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])).kind
+        ran = np.asarray(run["ran"])
+        if ran.shape != want.shape or (ran != want).any():
+            if ran.shape != want.shape:
+                bad = f"ran has shape {ran.shape}, the table {want.shape} (ranks, ticks)"
+            else:
+                r, t = np.argwhere(ran != want)[0]
+                bad = f"rank {r} ran branch {ran[r, t]} in tick {t}, the table says {want[r, t]}"
+            return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's row of each tick table, in "
+                           "order; each branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
+        problem = _pipeline_problem(key, run, 2, hint) if "products" in run else None   # a stage's 2 layers
+        if problem is None:   # (a refusal is a false Verdict)
+            problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"], otherwise)
+        if problem is not None:
+            return problem
+        worst = max(worst, float(run["grad_error"]))
+    return worst
 
 
 def spmd_v(result: Any) -> Verdict:
