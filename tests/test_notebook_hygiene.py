@@ -167,3 +167,10 @@ def test_no_two_blank_lines_in_a_row(path):
     lines = path.with_suffix(".md").read_text(encoding="utf-8").split("\n")
     doubled = [i + 1 for i in range(1, len(lines)) if not lines[i].strip() and not lines[i - 1].strip()]
     assert not doubled, f"{path.with_suffix('.md').name}: two blank lines at {doubled}"
+
+
+def test_the_course_stays_within_its_word_budget():
+    """Issue 40's budget, counted as `wc -w notebooks/*.md` counts (whitespace-separated words, code and
+    Solutions included): no lesson over 4,000 words, the course at most 24,000."""
+    words = {p.name: len(p.with_suffix(".md").read_text(encoding="utf-8").split()) for p in NOTEBOOKS}
+    assert max(words.values()) <= 4000 and sum(words.values()) <= 24000, words
