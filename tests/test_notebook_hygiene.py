@@ -78,7 +78,7 @@ def test_jupytext_pairing_is_declared_and_syncs_both_ways(tmp_path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_lesson_has_exercises_with_checks_and_hidden_solutions(path):
-    """Each lesson has at least three exercises, whose checks the learner calls with ``...`` to
+    """Each lesson has at least two exercises, whose checks the learner calls with ``...`` to
     replace (an ``answer_... = ...`` line, the body of a function the check calls at several points,
     or, where the learner writes code, a function body ``...``), and at least one to predict first,
     whose reveal cell draws the simulation only once answered; the Solutions section runs each check

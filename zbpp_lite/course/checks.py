@@ -1,6 +1,6 @@
 """What the course's exercise checks share: a check says right or wrong, with a hint.
 
-Each lesson (notebooks 01-09) asks at least three questions, one predicted before the simulation runs
+Each lesson asks at least two questions, one predicted before the simulation runs
 (:func:`reveal` draws it only once answered); formula answers are functions of p, m and the costs, called at
 several points; in lesson 8 the learner writes the pipeline. A check never raises for a wrong answer: it
 returns a :class:`Verdict` (prints "right" or "not yet" with a hint; truthy only when right, so solutions can
