@@ -684,6 +684,15 @@ def test_the_v_check_names_what_the_v_changes_where_no_particular_mistake_shows(
     assert not off and "differ" in off.message and "per chunk" in off.hint and "recv" in off.hint
 
 
+def test_the_rows_check_names_a_missing_buffer_a_short_list_and_a_non_number():
+    short = ex.rows_needed(lambda actions, ticks: {b: [1] for b in ex.BUFFERS})
+    assert not short and "act is a list of 1, where 4 ranks need 4 numbers" in short.message, str(short)
+    missing = ex.rows_needed(lambda actions, ticks: {"act": [0, 1, 1, 1]})
+    assert not missing and "expected a dict of act, grad, ins, outs, dz" in missing.message, str(missing)
+    text = ex.rows_needed(lambda actions, ticks: {b: ["two"] * len(actions) for b in ex.BUFFERS})
+    assert not text and "expected a dict" in text.message and text.hint
+
+
 def test_the_tick_check_names_a_branch_run_in_the_wrong_tick_and_gradients_off():
     late = ex.spmd_v(_spmd_result(shift=True))
     assert not late and "zb-v: rank 0 ran branch 0 in tick 0, the table says 1" in late.message, str(late)

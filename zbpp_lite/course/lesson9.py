@@ -272,8 +272,8 @@ def rows_needed(answer: Any) -> Verdict:
         want, held = buffer_depths(schedule), _held(schedule)
         for b in BUFFERS:
             if len(got[b]) != p:
-                return Verdict("9.3", False, f"{case}: {b} has {len(got[b])} numbers, one per rank is {p}.",
-                               hint)
+                return Verdict("9.3", False, f"{case}: {b} is a list of {len(got[b])}, where {p} ranks need "
+                               f"{p} numbers.", hint)
             for r in range(p):
                 if got[b][r] == want[b][r] or (not held[b][r] and got[b][r] in (0, 1)):
                     continue
