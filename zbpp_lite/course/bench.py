@@ -1251,9 +1251,10 @@ def program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
     - one stage a rank (``case``'s layers / 2 = ranks stages): A (2, d, d), c (2, d), no chunk axis;
       ``first``, ``last`` traced booleans; the tick gets ``(kind, microbatch)`` of
       :func:`~zbpp_lite.runtime.spmd.tick_tables`;
-    - two a rank (ZB-V's, arXiv 2405.15362: rank r holds stages r and 2p - 1 - r, its chunks 0 and 1): a
-      chunk axis first on A (2, 2, d, d), c and every buffer; ``first``, ``last`` (2,), per chunk; the
-      tick gets ``(kind, chunk, microbatch, recv)``, recv ``{source: (buffer, chunk, microbatch)}``.
+    - two a rank (ZB-V's, arXiv 2401.10241 section 6: rank r holds stages r and 2p - 1 - r, its chunks 0
+      and 1): a chunk axis first on A (2, 2, d, d), c and every buffer; ``first``, ``last`` (2,), per
+      chunk; the tick gets ``(kind, chunk, microbatch, recv)``, recv ``{source: (buffer, chunk,
+      microbatch)}``.
 
     Every array float32 and varying over the ranks."""
     from jax import lax

@@ -2,7 +2,7 @@
 exercise, which says right or not yet with a hint (:class:`zbpp_lite.course.checks.Verdict`). No JAX at
 import.
 
-Source: the V placement and ZB-V, arXiv 2405.15362, section 3; lockstep ticks as
+Source: ZB-V, arXiv 2401.10241, section 6, on the V placement, arXiv 2405.15362, section 3; lockstep ticks as
 :func:`zbpp_lite.schedules.simulate.lockstep_ticks`, routed as :func:`zbpp_lite.runtime.spmd.tick_tables`.
 """
 

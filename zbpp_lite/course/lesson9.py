@@ -3,7 +3,7 @@ or not yet with a hint (:class:`zbpp_lite.course.checks.Verdict`). No JAX at imp
 
 Source: lockstep ticks as :func:`zbpp_lite.schedules.simulate.lockstep_ticks` (a compiled SPMD program of
 a schedule, as :mod:`zbpp_lite.runtime.spmd` runs it); schedules from Qi et al., arXiv 2401.10241,
-sections 2-3, and arXiv 2405.15362, section 3 (ZB-V).
+sections 2-3 and 6 (ZB-V).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ activations need one structure at every boundary (:meth:`SpmdExecutor.boundary`)
 
 JAX issue #40823: a ``lax.switch`` whose index varies over a mesh axis can return wrong gradients for an
 input replicated over it, so replicated inputs and loop carries are made varying (:func:`to_varying`).
-Sources: Qi et al., arXiv 2401.10241, sections 2-3; V placement and ZB-V, arXiv 2405.15362, section 3.
+Sources: Qi et al., arXiv 2401.10241, sections 2-3 and 6 (ZB-V); the V placement, arXiv 2405.15362, section 3.
 """
 
 from __future__ import annotations
