@@ -157,43 +157,27 @@ def routing(answer: Any) -> Verdict:
                    "V's turn, one stage per rank and the looped placement's hop back to rank 0.")
 
 
-def _result_problem(key: str, result: Any, name: str, call: str, hint: str) -> Verdict | None:
-    """The refusal of a lab result that is no answer yet (``name`` still ``...``) or not ``call``'s dict
-    with its runs; else None."""
-    if _unanswered(result):
-        return Verdict(key, False, f"no answer yet: write {name}.", hint)
-    if not isinstance(result, dict) or not isinstance(result.get("runs"), dict):
-        return Verdict(key, False, f"expected {call}'s result, got {type(result).__name__}.", hint)
-    return None
-
-
-def _tick_run(key: str, result: Any, name: str, call: str, names: tuple, hint: str, error_hint: str,
-              otherwise: str | None = None) -> Verdict | float:
-    """A lab's run of the learner's tick: the refusal of a result that is no answer yet, raised, or
-    (:func:`_runs_problem`) ran a wrong branch or has gradients off; else the largest relative gradient
-    difference."""
-    refused = _result_problem(key, result, name, call, hint)
-    if refused is not None:
-        return refused
-    if result.get("error"):
-        return Verdict(key, False, f"running it raised {result['error']}", error_hint)
-    return _runs_problem(key, result["runs"], names, hint, otherwise)
-
-
-def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str | None = None
-        ) -> Verdict | float:
-    """The refusal of the first of ``names`` whose run in ``runs`` is missing, ran another branch than the
-    schedule's lockstep form in some tick, is no pipeline or runs work twice (:func:`_pipeline_problem`, a
-    stage two layers: the kind a tick reports is not taken on trust), or has gradients off
-    (:func:`gradient_problem`, ``otherwise`` its hint where it names no particular mistake); else the
-    largest relative gradient difference."""
+def _v_runs(result: Any, hint: str) -> Verdict | float:
+    """Exercise 10.3's reading of ``vlab.try_v(make_v_tick)``'s result: the refusal of one that is no answer
+    yet (``make_v_tick`` still ``...``), not that call's dict with its runs, or raised; or of the first run
+    of :data:`V_RUNS` missing, that ran another branch than the schedule's lockstep form in some tick, is
+    no pipeline or runs work twice (:func:`_pipeline_problem`, a stage two layers: the kind a tick reports
+    is not taken on trust), or has gradients off (:func:`gradient_problem`, with ``hint`` where it names
+    no particular mistake); else the largest relative gradient difference."""
     from ..runtime.spmd import tick_tables
 
+    if _unanswered(result):
+        return Verdict("10.3", False, "no answer yet: write make_v_tick.", hint)
+    if not isinstance(result, dict) or not isinstance(result.get("runs"), dict):
+        return Verdict("10.3", False, "expected vlab.try_v(make_v_tick)'s result, got "
+                       f"{type(result).__name__}.", hint)
+    if result.get("error"):
+        return Verdict("10.3", False, f"running it raised {result['error']}", hint)
     worst = 0.0
-    for name in names:
-        run = runs.get(name)
+    for name in V_RUNS:
+        run = result["runs"].get(name)
         if run is None:
-            return Verdict(key, False, f"no run of {name}.", hint)
+            return Verdict("10.3", False, f"no run of {name}.", hint)
         want = tick_tables(build_schedule(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])).kind
         ran = np.asarray(run["ran"])
         if ran.shape != want.shape or (ran != want).any():
@@ -202,11 +186,11 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
             else:
                 r, t = np.argwhere(ran != want)[0]
                 bad = f"rank {r} ran branch {ran[r, t]} in tick {t}, the table says {want[r, t]}"
-            return Verdict(key, False, f"{name}: {bad}.", "scan over the rank's row of each tick table, in "
-                           "order; each branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
-        problem = _pipeline_problem(key, run, 2, hint) if "products" in run else None   # a stage's 2 layers
+            return Verdict("10.3", False, f"{name}: {bad}.", "scan over the rank's row of each tick table, "
+                           "in order; each branch returns its own kind code (0 idle, 1 F, 2 B, 3 W, 4 BW).")
+        problem = _pipeline_problem("10.3", run, 2, hint) if "products" in run else None   # 2 layers a stage
         if problem is None:   # (a refusal is a false Verdict)
-            problem = gradient_problem(key, name, run, BUILD_CASE["microbatches"], otherwise)
+            problem = gradient_problem("10.3", name, run, BUILD_CASE["microbatches"], hint)
         if problem is not None:
             return problem
         worst = max(worst, float(run["grad_error"]))
@@ -215,16 +199,16 @@ def _runs_problem(key: str, runs: dict, names: tuple, hint: str, otherwise: str 
 
 def spmd_v(result: Any) -> Verdict:
     """Exercise 10.3: the learner's ZB-V ``make_tick`` run by lesson 10's ``vlab.try_v``; ``result`` is
-    ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v": run}}``, a run as :func:`spmd_tick`
-    reads it. Right when every rank ran the lockstep form's branch in every tick and the gradients equal
-    ``jax.grad``'s within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`; a gradient off names what
-    the V changes (first and last per chunk, arrivals stored where ``recv`` says)."""
+    ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v": run}}``, a run as
+    :meth:`zbpp_lite.course.bench.SpmdLab.run` gives it, read by :func:`_v_runs`. Right when every rank ran
+    the lockstep form's branch in every tick and the gradients equal ``jax.grad``'s within
+    :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`; a gradient off names what the V changes (first and
+    last per chunk, arrivals stored where ``recv`` says)."""
     hint = ("on the V the tick reads (kind, chunk, microbatch, recv): index A, c and every buffer by the "
             "chunk; first and last are per chunk (first[ch], last[ch]: stage 2p - 1 is rank 0's chunk 1); "
             "the branch's one message goes both ways, and each arrival is stored where recv[source] = "
             "(buffer, chunk, microbatch) says, in row microbatch % rows.")
-    worst = _tick_run("10.3", result, "make_v_tick", "vlab.try_v(make_v_tick)", V_RUNS, hint, hint,
-                      otherwise=hint)
+    worst = _v_runs(result, hint)
     if isinstance(worst, Verdict):
         return worst
     return Verdict("10.3", True, f"ZB-V ran as one SPMD program, two chunks a rank, tick for tick as the "
