@@ -77,8 +77,8 @@ CASES = {
     "9.3": (lambda actions, ticks: _depths_by_hand(actions, ticks),   # the wrong one: a row busy through
             lambda actions, ticks: _depths_by_hand(actions, ticks, inclusive=True)),   # the end of its last read
     "9.4": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
-    "10.1": (lambda p, m: 4 * m + 2 * (p - 1),       # 4m actions a rank; 1F1B's bubble of 2(p - 1) ticks
-             lambda p, m: 4 * m + p - 1),            # the wrong one: ZB-V's fill, whose W's fill the rest
+    "10.1": (lambda p, m: 3 * m + 2 * (p - 1),       # the last rank starts 2(p - 1) ticks in, never waits
+             lambda p, m: 3 * m + 3 * (p - 1)),      # the wrong one: the way back paid too
     "10.2": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
              lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks, ring=False)),  # no wrap
     "10.3": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
@@ -670,13 +670,15 @@ def test_the_lockstep_check_refuses_the_event_driven_prediction():
     assert not ex.lockstep_1f1b(40).attempt                       # a number is not yet a function
 
 
-def test_the_looped_ticks_check_names_the_vs_fill_its_count_one_stage_a_rank_and_a_fill_per_pass():
-    for wrong, word in ((lambda p, m: 4 * m + p - 1, "ZB-V's fill"), (lambda p, m: 6 * m + p - 1, "one BW"),
-                        (lambda p, m: 2 * m + 2 * (p - 1), "one stage a rank"),
-                        (lambda p, m: 4 * (m + p - 1), "once per pass")):
-        verdict = ex.looped_ticks(wrong)
+def test_the_overlapped_ticks_check_names_no_link_the_way_back_paid_and_two_ticks_both_ways():
+    for wrong, word in ((lambda p, m: 3 * m + p - 1, "no link"), (lambda p, m: 3 * m + 3 * (p - 1), "way back too"),
+                        (lambda p, m: 3 * m + 4 * (p - 1), "both ways")):
+        verdict = ex.overlapped_ticks(wrong)
         assert not verdict and word in verdict.message and verdict.hint, str(verdict)
-    assert ex.looped_ticks(lambda p, m: 4 * m + 2 * (p - 1))
+    zb_h1 = lambda p, m: (4 * p - 1) * m // p + 4 * p - 5   # noqa: E731 - ZB-H1's count, m a multiple of p
+    verdict = ex.overlapped_ticks(zb_h1)
+    assert not verdict and "it agrees at" in verdict.message
+    assert ex.overlapped_ticks(lambda p, m: 3 * m + 2 * (p - 1))
 
 
 def test_the_v_check_names_what_the_v_changes_where_no_particular_mistake_shows():

@@ -508,3 +508,37 @@ def test_early_starts_is_empty_when_simulated_and_names_an_action_moved_before_i
     shifted = dataclasses.replace(t, events=tuple(events))
     assert early_starts(shifted, s.num_stages) == [moved]
     assert early_starts(shifted, s.num_stages, tol=1.0) == []
+
+
+def test_overlapped_lockstep_reads_a_sent_value_two_ticks_on_and_hides_transfers_as_event_driven_timing():
+    from zbpp_lite.schedules.simulate import lockstep_ticks
+
+    for p in range(2, 7):  # ZB-H2: the last rank starts 2(p - 1) ticks in, then never waits
+        for m in range(2 * p - 1, 3 * p + 2):
+            assert len(lockstep_ticks(zb.build_schedule("zb-h2", p, m), overlap=True)) == 3 * m + 2 * (p - 1)
+    s = zb.build_schedule("zb-h1", 4, 8)
+    at = {(r, s.actions[r][i].label): t for t, row in enumerate(lockstep_ticks(s, overlap=True))
+          for r, i in enumerate(row) if i is not None}
+    assert at[1, "F0"] == at[0, "F0"] + 2 and at[3, "B0"] == at[3, "F0"] + 1  # across ranks 2, on one 1
+    for name in ("zb-h1", "zb-h2", "zb-v"):  # every action and transfer one unit: a tick is a unit
+        for p in (2, 3, 5):
+            for m in (p, 2 * p, 3 * p):
+                s, c = zb.build_schedule(name, p, m), zb.Costs(comm=1.0)
+                overlapped = zb.simulate(s, c, lockstep=True, overlap=True)
+                assert overlapped.global_span == zb.simulate(s, c).global_span < zb.simulate(s, c, lockstep=True).global_span
+    with pytest.raises(ValueError, match="^overlap=True times the transfers of a lockstep"):
+        zb.simulate(s, overlap=True)
+
+
+def test_overlapped_lockstep_zb_h1_waits_p_minus_1_ticks_a_round_for_its_gradients():
+    # lesson 10: ZB-H1's rank 0 holds p forwards and microbatch 0's gradient is back after 4p - 3 ticks,
+    # so p microbatches take 4p - 1 ticks, not 3p (the overlapped exercise's ZB-H1 foil)
+    from zbpp_lite.schedules.simulate import lockstep_ticks
+
+    for p in range(2, 8):
+        for m in range(2 * p, 5 * p + 1, p):
+            s = zb.build_schedule("zb-h1", p, m)
+            ticks = lockstep_ticks(s, overlap=True)
+            assert len(ticks) == (4 * p - 1) * m // p + 4 * p - 5
+            b0 = next(t for t, row in enumerate(ticks) if row[0] is not None and s.actions[0][row[0]].label == "B0")
+            assert b0 == 4 * p - 3

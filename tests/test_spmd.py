@@ -15,6 +15,7 @@ from zbpp_lite.training.model import ModelConfig, build_parts
 from zbpp_lite.runtime.executor import PipelineExecutor, run_schedule
 from zbpp_lite.runtime.stages import StagedModel
 from zbpp_lite.runtime.spmd import KIND_CODE, SpmdExecutor, tick_tables
+from zbpp_lite.schedules.simulate import lockstep_ticks
 from zbpp_lite.training.reference import max_relative_error
 
 X, Y = load_digit_tokens()
@@ -294,3 +295,27 @@ def test_a_flattened_vjp_pullback_holds_the_weights_it_closes_over():
     row, unravel = ravel_pytree(pullback)
     rebuilt = jax.jit(lambda r: unravel(r)(dy))(row)
     assert all(np.allclose(a, b) for a, b in zip(rebuilt, pullback(dy)))
+
+
+@pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "interleaved-1f1b", pytest.param("zb-v", marks=pytest.mark.newest_jax)])
+def test_overlapped_program_matches_unpartitioned_model_and_sends_beside_the_switch(name):
+    schedule, model, x, y = _setup(name)
+    executor = SpmdExecutor(model, schedule, jax.devices()[:P], overlap=True)
+    assert executor.tables.num_ticks == len(lockstep_ticks(schedule, overlap=True)) > tick_tables(schedule).num_ticks
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(model.loss))(model.params, x, y)
+    result = executor.run(model.params, x, y)
+    assert abs(result.loss - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert max_relative_error(result.grads, ref_grads) <= 1e-5
+    # the tick's ppermutes read only the state it was given, nothing the switch made
+    args = executor.inputs(model.params, x, y)
+    body = next(e for e in jax.make_jaxpr(executor.compiled(args))(*args).eqns[0].params["jaxpr"].jaxpr.eqns
+                if e.primitive.name == "shard_map").params["jaxpr"]
+    scan = next(e for e in body.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
+    after_switch, permutes = set(), []
+    made = lambda e: any(v in after_switch for v in e.invars if type(v).__name__ != "Literal")  # noqa: E731
+    for e in scan.eqns:
+        if e.primitive.name == "cond" or made(e):
+            after_switch.update(e.outvars)
+        if e.primitive.name == "ppermute":
+            permutes.append(made(e))
+    assert permutes == [False, False]

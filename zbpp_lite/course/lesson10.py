@@ -21,9 +21,9 @@ from .checks import (Verdict, _called, _function_check, _function_missing, _unan
 from .lesson8 import BUILD_CASE, BUILD_TOLERANCE, gradient_problem
 from .lesson9 import _number, _pipeline_problem, _rows, _step_problem
 
-LOOPED = ("interleaved-1f1b", 4, 8, 2)
-"""Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches, stages per rank):
-interleaved 1F1B on the looped placement (lesson 6), beside ZB-V on the V."""
+OVERLAP_CASE = ("zb-h2", 4, 8)
+"""Exercise 10.1's schedule and the case its reveal draws (name, ranks, microbatches): ZB-H2 with each
+tick sending what the tick before it made (``lockstep_ticks(..., overlap=True)``)."""
 
 ROUTE_CASES = (("zb-v", 4, 8), ("zb-v", 3, 5), ("zb-h1", 4, 8), ("interleaved-1f1b", 3, 6))
 """Exercise 10.2's schedules (name, ranks, microbatches): the V (rank p - 1 sends to itself where the V
@@ -44,51 +44,45 @@ V_CASE = {**BUILD_CASE, "layers": 16}
 stages have two layers each, as lesson 9's ``stage_F`` takes (lesson 10's program)."""
 
 
-def looped_ticks(fn: Any) -> Verdict:
-    """Exercise 10.1 (predicted): ``looped_ticks(p, m)``, how many lockstep ticks interleaved 1F1B takes with
-    two stages a rank (lesson 6's looped placement, stage s on rank s % p) on p >= 2 ranks, m a multiple of
-    p and m >= 2p, each action one tick (its BW too: T_F = T_BW = 1, T_comm = 0); checked against
-    :func:`~zbpp_lite.schedules.simulate.lockstep_ticks` exactly, at fixed and fresh points (p up to 12),
-    the package out of bounds. The bubble in ticks divided by v (ZB-V's fill), ZB-V's count (B and W
-    split), one stage a rank and the fill paid once per pass over the ranks are named. The derivation:
-    the lesson's Solutions."""
-    hint = ("how many actions does a rank run (two stages, an F and a BW each per microbatch)? With every "
-            "action one tick, lockstep is event-driven timing: take lesson 6's interleaved makespan with "
-            "a stage's T_F = T_BW = 1. Where does ZB-V put W's that interleaved 1F1B does not have?")
-    fixed = [(4, 8), (2, 4), (3, 6), (5, 15), (6, 12)]
+def overlapped_ticks(fn: Any) -> Verdict:
+    """Exercise 10.1 (predicted): ``overlapped_ticks(p, m)``, how many lockstep ticks ZB-H2 takes when each
+    tick sends what the tick before it made, so a value reaches another rank two ticks after it is made
+    (``lockstep_ticks(schedule, overlap=True)``), on p >= 2 ranks and m >= 2p - 1 microbatches, each
+    action one tick; checked exactly at fixed and fresh points (p up to 12), the package out of bounds.
+    The count without the link, one with the way back paid too (lesson 3's round trip) and one with
+    ZB-H1's waits are named. The derivation: the lesson's Solutions."""
+    hint = ("when does the last rank run its first action, and does it ever wait after that? Its B needs "
+            "only its own F; its F's come from rank p - 2, and ZB-H2's warm-up runs 2(p - r) - 1 forwards "
+            "ahead on rank r.")
+    fixed = [(4, 8), (2, 3), (3, 5), (5, 12), (6, 11)]
 
-    def draw(rng):   # beyond the fixed points too: p up to 12, m up to 6p
+    def draw(rng):   # beyond the fixed points too: p up to 12, m from 2p - 1 to 6p
         p = rng.randint(2, 12)
-        return p, p * rng.randint(2, 6)
+        return p, rng.randint(2 * p - 1, 6 * p)
 
-    known = [(lambda p, m: 4 * m + p - 1, "that divides 1F1B's bubble in ticks by v (it is also ZB-V's "
-                                          "fill): lesson 6's 'over v' is in a rank's time, and each tick "
-                                          "here is already a stage's action, 1/v of a rank's. In ticks the "
-                                          "bubble stays 1F1B's; ZB-V fills it with W's, which interleaved "
-                                          "1F1B does not have."),
-             (lambda p, m: 6 * m + p - 1, "that is ZB-V's count: interleaved 1F1B runs each backward as one "
-                                          "BW, two actions a microbatch and stage."),
-             (lambda p, m: 2 * m + 2 * (p - 1), "that counts one stage a rank: here each rank holds two."),
-             (lambda p, m: 4 * (m + p - 1), "that pays the fill once per pass over the ranks; the passes "
-                                            "overlap, and the step fills and drains once.")]
-    return _function_check("10.1", fn, _with_fresh(fixed, draw, 3), _looped_ticks, "looped_ticks(p, m)", hint,
-                           tol=0.0, known=known)   # a count: whole, exactly
+    known = [(lambda p, m: 3 * m + p - 1, "that is ZB-H2's count with no link: the first forward now takes "
+                                          "two ticks to cross each link."),
+             (lambda p, m: 3 * m + 3 * (p - 1), "that pays the link on the way back too, as lesson 3's round "
+                                                "trip does: does the last rank ever wait for a gradient, and "
+                                                "do the ranks above it end after it?"),
+             (lambda p, m: 3 * m + 4 * (p - 1), "that pays two ticks a link both ways: the way down costs "
+                                                "one tick more a link, not two, and the way back is hidden.")]
+    return _function_check("10.1", fn, _with_fresh(fixed, draw, 3), _overlapped_ticks,
+                           "overlapped_ticks(p, m)", hint, tol=0.0, known=known)   # a count: whole, exactly
 
 
 @course_cache(maxsize=64)
-def _looped_ticks(p: int, m: int) -> int:
-    name, _, _, v = LOOPED
-    return len(lockstep_ticks(build_schedule(name, p, m, stages_per_rank=v)))
+def _overlapped_ticks(p: int, m: int) -> int:
+    return len(lockstep_ticks(build_schedule(OVERLAP_CASE[0], p, m), overlap=True))
 
 
-def reveal_looped_ticks() -> Any:
-    """Exercise 10.1's reveal: interleaved 1F1B's lockstep timeline at p = 4, m = 8, two stages a rank, each
-    action one tick (its BW too)."""
-    name, p, m, v = LOOPED
-    plan = simulate(build_schedule(name, p, m, stages_per_rank=v), Costs(f=1.0, b=1.0, w=1.0, bw=1.0),
-                    lockstep=True)
-    return timeline_figure(plan, f"interleaved 1F1B in lockstep, p = {p}, m = {m}, v = {v}, each action "
-                                 f"one tick: {plan.makespan:g} ticks")
+def reveal_overlapped_ticks() -> Any:
+    """Exercise 10.1's reveal: ZB-H2's lockstep timeline at p = 4, m = 8 with each tick sending what the tick
+    before it made, each action one tick."""
+    name, p, m = OVERLAP_CASE
+    plan = simulate(build_schedule(name, p, m), Costs(), lockstep=True, overlap=True)
+    return timeline_figure(plan, f"ZB-H2 in lockstep, each tick sending what the last one made, p = {p}, "
+                                 f"m = {m}: {plan.global_span:g} ticks")
 
 
 def _routes(schedule) -> dict:
@@ -264,12 +258,12 @@ def own_step(result: Any) -> Verdict:
                    f"{w} matrix products, none again.")
 
 
-EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": looped_ticks, "10.2": routing, "10.3": spmd_v,
+EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": overlapped_ticks, "10.2": routing, "10.3": spmd_v,
                                                    "10.4": own_step}
 """Lesson 10's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_looped_ticks}
+REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_overlapped_ticks}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
-__all__ = ["LOOPED", "OWN_CASE", "ROUTE_CASES", "V_RUNS", "V_CASE", "looped_ticks", "routing", "own_step",
-           "spmd_v", "EXERCISES", "REVEALS"]
+__all__ = ["OVERLAP_CASE", "OWN_CASE", "ROUTE_CASES", "V_RUNS", "V_CASE", "overlapped_ticks", "routing",
+           "own_step", "spmd_v", "EXERCISES", "REVEALS"]

@@ -95,20 +95,26 @@ class TickTables:
             :data:`KIND_CODE`), its chunk (index into ``schedule.stages_of(r)``) and microbatch.
         recv: ``{source: (buffer, chunk, microbatch)}`` per :data:`SOURCES`, tables as above: where the
             message arriving at the end of tick t is stored (:data:`NO_BUFFER`: none).
+        overlap: built for a program that sends each tick's message during the next tick
+            (:func:`tick_tables`).
     """
 
     kind: np.ndarray
     chunk: np.ndarray
     microbatch: np.ndarray
     recv: dict
+    overlap: bool = False
 
     @property
     def num_ticks(self) -> int:
         return self.kind.shape[1]
 
 
-def tick_tables(schedule: Schedule) -> TickTables:
-    """The static per-tick tables of ``schedule`` (see :class:`TickTables`).
+def tick_tables(schedule: Schedule, overlap: bool = False) -> TickTables:
+    """The static per-tick tables of ``schedule`` (see :class:`TickTables`). ``overlap``: ticks of
+    ``lockstep_ticks(schedule, overlap=True)``, for a program whose tick sends the message the previous
+    tick made while its own switch runs; a message from a neighbour then arrives at the end of the tick
+    after the one that made it (``"self"``'s still at its own).
 
     Raises:
         ScheduleError: an invalid schedule.
@@ -126,7 +132,7 @@ def tick_tables(schedule: Schedule) -> TickTables:
         raise ValueError(f"the SPMD executor stacks one set of stages per rank, so every rank must hold the "
                          f"same number of stages; this placement gives {[len(c) for c in chunks]} stages to "
                          f"ranks 0..{p - 1}")
-    ticks = lockstep_ticks(schedule)
+    ticks = lockstep_ticks(schedule, overlap=overlap)
     T = len(ticks)
     kind, chunk, mb = (np.zeros((p, T), np.int32) for _ in range(3))
     recv = {src: tuple(np.zeros((p, T), np.int32) for _ in range(3)) for src in SOURCES}
@@ -152,8 +158,9 @@ def tick_tables(schedule: Schedule) -> TickTables:
                                  "neighbour; the SPMD executor moves values only to rank r+1 or r-1 "
                                  "(placements: one stage per rank, looped, V)")
             buf, ch, j = recv[src]
-            buf[dst, t], ch[dst, t], j[dst, t] = buffer, chunks[dst].index(consumer), a.microbatch
-    return TickTables(kind, chunk, mb, recv)
+            at = t + 1 if overlap and src != "self" else t  # its consumer runs two ticks on: t + 1 < T
+            buf[dst, at], ch[dst, at], j[dst, at] = buffer, chunks[dst].index(consumer), a.microbatch
+    return TickTables(kind, chunk, mb, recv, overlap)
 
 
 @dataclass(frozen=True)
@@ -247,6 +254,10 @@ class SpmdExecutor:
             zb-h1, zb-h2, interleaved, zb-v, ...).
         devices: one per rank (default ``jax.devices()[:p]``); multi-process: the global devices.
         vary_replicated: the #40823 fix; only tests turn it off.
+        overlap: each tick sends the message the previous tick made while its own switch runs (the two
+            share no value, so a backend with asynchronous collectives may overlap them), over
+            ``tick_tables(schedule, overlap=True)``'s longer tables; ``simulate(..., lockstep=True,
+            overlap=True)`` times it.
 
     :meth:`run` takes ``params``, a global batch ``x`` (b, ...) of any dtype (float32 features, int32
     tokens) and ``labels`` (b, ...), and returns an :class:`SpmdResult`; it compiles once per batch shape.
@@ -258,11 +269,11 @@ class SpmdExecutor:
     """
 
     def __init__(self, model: StagedModel, schedule: Schedule, devices: Sequence[Any] | None = None, *,
-                 vary_replicated: bool = True):
+                 vary_replicated: bool = True, overlap: bool = False):
         if model.num_stages != schedule.num_stages:
             raise ValueError(f"the schedule has {schedule.num_stages} stages but the model is cut into "
                              f"{model.num_stages}")
-        self.tables = tick_tables(schedule)
+        self.tables = tick_tables(schedule, overlap)
         p = schedule.num_ranks
         devices = jax.devices()[:p] if devices is None else devices
         if len(devices) != p:
@@ -444,8 +455,12 @@ class SpmdExecutor:
             return {**st, "act": put(st["act"], buf == ACT_BUFFER),
                     "grad": put(st["grad"], buf == GRAD_BUFFER)}
 
+        def sent(msg):  # what ranks r - 1 and r + 1 sent
+            return {"left": lax.ppermute(msg, AXIS, to_right), "right": lax.ppermute(msg, AXIS, to_left)}
+
         def tick(st, xs):
             kind_t, c, j, arrivals = xs
+            early = sent(st["msg"]) if self.tables.overlap else {}  # the previous tick's, beside the switch
             branch = jnp.where(kind_t == 0, 0, 1 + (kind_t - 1) * S + stage_of[c])
             out = lax.switch(branch, branches, st, c, j)
             scratch = jnp.int32(m)  # F writes own and kept, B gout; other kinds the scratch slot
@@ -459,11 +474,7 @@ class SpmdExecutor:
                   "gout": put(st["gout"], j_gout, out["gout"]), "msg": out["msg"],
                   "acc": tuple(a.at[c].add(g) for a, g in zip(st["acc"], out["grads"])),
                   "losses": st["losses"].at[j].add(out["loss"])}
-            incoming = {
-                "left": lax.ppermute(st["msg"], AXIS, to_right),  # what rank r-1 sent
-                "right": lax.ppermute(st["msg"], AXIS, to_left),  # what rank r+1 sent
-                "self": st["msg"],
-            }
+            incoming = {**(early or sent(st["msg"])), "self": st["msg"]}
             for src in SOURCES:
                 st = deliver(st, incoming[src], *arrivals[src])
             return st, None

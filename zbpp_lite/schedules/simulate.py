@@ -29,6 +29,7 @@ def simulate(
     memory_limit: float | None = None,
     check: bool = True,
     lockstep: bool = False,
+    overlap: bool = False,
 ) -> Timeline:
     """Simulate ``schedule`` (lowered, :func:`~zbpp_lite.schedules.program.lower`) or a lowered
     :class:`~zbpp_lite.schedules.program.Program` under ``costs``; return its :class:`Timeline` (the
@@ -41,16 +42,25 @@ def simulate(
         lockstep: time it as a compiled SPMD program runs it, in :func:`lockstep_ticks` ticks lasting
             their slowest action plus T_comm when a transfer crosses ranks after it (a program: its
             compute entries).
+        overlap: with ``lockstep``, each tick sends what the tick before it made while its own actions
+            run, so a tick lasts the longer of its slowest action and those transfers, over
+            ``lockstep_ticks(..., overlap=True)``'s ticks (a value crossing ranks is read two ticks
+            after it is made). ValueError without ``lockstep``.
 
     Raises:
         ScheduleError: an invalid or deadlocking schedule.
-        ValueError: costs with the wrong number of per-stage values, or times overflowing to infinity.
+        ValueError: costs with the wrong number of per-stage values, times overflowing to infinity, or
+            ``overlap`` without ``lockstep``.
     """
+    if overlap and not lockstep:
+        raise ValueError("overlap=True times the transfers of a lockstep (SPMD) program beside the next "
+                         "tick's compute; pass lockstep=True too (event-driven timing already sends "
+                         "as soon as a value is made)")
     costs = costs or Costs()
     table = costs.table(schedule.num_stages)
     if lockstep:
         compute = schedule.schedule() if isinstance(schedule, Program) else schedule
-        events = _lockstep_events(compute, table, checked_order(compute) if check else None)
+        events = _lockstep_events(compute, table, checked_order(compute) if check else None, overlap)
     else:
         events = _timed_events(table, *(checked_program(schedule) if check else _walk_program(schedule)))
     if not all(map(math.isfinite, map(attrgetter("end"), events))):
@@ -59,24 +69,30 @@ def simulate(
         "simulated")
 
 
-def lockstep_ticks(schedule: Schedule, walk: tuple | None = None) -> list[list[int | None]]:
+def lockstep_ticks(schedule: Schedule, walk: tuple | None = None, overlap: bool = False
+                   ) -> list[list[int | None]]:
     """``table[tick][rank]``: the index of the action the rank runs in a lockstep (SPMD) run, or None.
 
     Each action takes the earliest tick after its rank's previous one and after all it needs (results
     cross ranks at a tick's end); ``walk``: its (execution order, step keys) if known
-    (:func:`~zbpp_lite.schedules.validate.checked_order`). Raises ScheduleError: a deadlocking schedule."""
-    tick_of: dict[Key, int] = {}
+    (:func:`~zbpp_lite.schedules.validate.checked_order`). ``overlap``: a tick sends what the tick
+    before it made while its own actions run, so a value crossing ranks is read two ticks after it is
+    made, not one (a one-tick link; its own rank's values still one). Raises ScheduleError: a
+    deadlocking schedule."""
+    tick_of: dict[Key, tuple[int, int]] = {}  # a value's tick and rank
     next_free = [0] * schedule.num_ranks
     table: list[list[int | None]] = []
     order, (needs, made) = _walk(schedule, walk)
+    link = 1 if overlap else 0
     for rank, step in order:
-        tick = max([next_free[rank]] + [tick_of[k] + 1 for k in needs[rank][step]])
+        tick = max([next_free[rank]] + [t + 1 + (link if r != rank else 0)
+                                        for t, r in map(tick_of.__getitem__, needs[rank][step])])
         while len(table) <= tick:
             table.append([None] * schedule.num_ranks)
         table[tick][rank] = step
         next_free[rank] = tick + 1
         for key in made[rank][step]:
-            tick_of[key] = tick
+            tick_of[key] = (tick, rank)
     return table
 
 
@@ -109,15 +125,19 @@ def _walk_program(lists: Schedule | Program) -> tuple[Program, list[tuple[int, i
     return program, execution_order(program)
 
 
-def _lockstep_events(schedule: Schedule, table: CostTable, walk=None) -> list[Event]:
-    events, now = [], 0.0
-    for row in lockstep_ticks(schedule, walk):
+def _lockstep_events(schedule: Schedule, table: CostTable, walk=None, overlap: bool = False) -> list[Event]:
+    """Lockstep ticks timed: a tick lasts its slowest action, then its transfers; or, with ``overlap``,
+    the longer of its slowest action and the previous tick's transfers."""
+    events, now, sending = [], 0.0, 0.0
+    for row in lockstep_ticks(schedule, walk, overlap):
         actions = [(r, schedule.actions[r][i]) for r, i in enumerate(row) if i is not None]
-        length = max(table.duration(a) for _, a in actions)
+        length = max((table.duration(a) for _, a in actions), default=0.0)
         for r, a in actions:
             events += _events_of(r, a, now, now + table.duration(a), table)
-        sends = [table.comm[x.stage] for r, a in actions for x in parts(a) if _sends_across(schedule, x)]
-        now += length + max(sends, default=0.0)
+        sends = max((table.comm[x.stage] for r, a in actions for x in parts(a) if _sends_across(schedule, x)),
+                    default=0.0)
+        now += max(length, sending) if overlap else length + sends
+        sending = sends
     return events
 
 
