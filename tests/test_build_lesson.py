@@ -676,15 +676,22 @@ def test_the_routing_solution_passes_and_one_without_the_ring_fails_on_the_loope
 def test_the_v_tick_runs_zb_v_with_jax_grads_gradients_and_wrong_ones_fail(v_lesson):
     """Exercise 10.3: the Solutions' make_v_tick runs ZB-V (two chunks a rank, 16 layers) through the
     lesson's own program_of and vlab with each buffer its busiest stage's rows, and passes. first/last
-    testing the rank alone (first[0], last[1]: rank 0 is first and last on both chunks) and arrivals all
-    stored in chunk 0 (recv's chunk ignored) fail with the gradients; every action run each tick and the
+    testing the rank alone (first[0], last[1]: rank 0 is first and last on both chunks), arrivals all
+    stored in chunk 0 (recv's chunk ignored), a tick sending its own message (not the previous tick's) and
+    the V's turn stored a tick late too fail with the gradients; every action run each tick and the
     reported one kept (no switch) is refused for that; a body of ``...`` is no answer yet."""
     vlab = v_lesson["vlab"]
     right = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
     assert right and "ZB-V ran as one SPMD program" in str(right), str(right)
     rank_only = lambda src: src.replace("first[ch]", "first[0]").replace("last[ch]", "last[1]")  # noqa: E731
     chunk_0 = lambda src: src.replace("b, ch, j = arrived", "b, ch, j = arrived[0], 0, arrived[2]")  # noqa: E731
-    for edit in (rank_only, chunk_0):
+    now = lambda src: src.replace('lax.ppermute(st["msg"]', 'lax.ppermute(out["msg"]').replace(   # noqa: E731
+        "        out, ran = lax.switch(k, [idle, forward, backward, weight], st, ch, j)\n", "").replace(
+        "        k, ch, j, recv = xs\n", "        k, ch, j, recv = xs\n"
+        "        out, ran = lax.switch(k, [idle, forward, backward, weight], st, ch, j)\n")   # sent in its own tick
+    late_self = lambda src: src.replace("{**arrived, \"self\": out[\"msg\"]}", "arrived").replace(  # noqa: E731
+        "[(i + 1, i) for i in range(p - 1)])}", "[(i + 1, i) for i in range(p - 1)]), \"self\": st[\"msg\"]}")
+    for edit in (rank_only, chunk_0, now, late_self):
         with _replaced(v_lesson, V_LESSON, "make_v_tick", edit):
             verdict = ex.spmd_v(vlab.try_v(v_lesson["make_v_tick"]))
         assert not verdict and "zb-v" in verdict.message and verdict.hint, str(verdict)

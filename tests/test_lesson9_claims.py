@@ -113,27 +113,29 @@ def test_the_whole_program_cell_uses_nothing_from_the_package():
     assert {"forward", "backward", "weight", "fused", "tick"} <= set(defs)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("name", ["zb-h1", "zb-h2", "1f1b", "gpipe"])
-def test_the_rows_a_buffer_needs_are_the_most_values_it_holds_at_once(name):
+def test_the_rows_a_buffer_needs_are_the_most_values_it_holds_at_once(name, overlap):
     """"Values come and go in microbatch order, so K rows used in turn suffice for a buffer holding at most K
     at once": exercise 9.3's count of the most values held at once (the Solutions' way) equals the fewest
     rows with no clash in row j % K (``ex.buffer_depths``) for every buffer and rank, p = 2..6, m = 1..3p + 1,
-    but where a rank keeps nothing past a tick (1F1B's dz: 0 held, 1 row)."""
+    but where a rank keeps nothing past a tick (1F1B's dz: 0 held, 1 row); and so with lesson 10's one-tick
+    link (``overlap``: its ticks, an arrival stored a tick after it was made)."""
     from zbpp_lite.schedules.simulate import lockstep_ticks
 
     for p in range(2, 7):
         for m in range(1, 3 * p + 2):
             schedule = zb.build_schedule(name, p, m)
-            ticks, at = lockstep_ticks(schedule), {}
+            ticks, at = lockstep_ticks(schedule, overlap=overlap), {}
             for t, row in enumerate(ticks):
                 for r, i in enumerate(row):
                     if i is not None:
                         a = schedule.actions[r][i]
                         at.update({(k, a.stage, a.microbatch): t for k in (("B", "W") if a.kind == "BW" else (a.kind,))})
-            depths = ex.buffer_depths(schedule)
+            depths = ex.buffer_depths(schedule, overlap=overlap)
             for buffer, made, sender, reader in (("act", "F", -1, "F"), ("grad", "B", 1, "B"), ("ins", "F", 0, "W"),
                                                  ("outs", "F", 0, "B"), ("dz", "B", 0, "W")):
                 for s in range(max(0, -sender), min(p, p - sender)):
-                    spans = [(at[made, s + sender, j], at[reader, s, j]) for j in range(m)]
+                    spans = [(at[made, s + sender, j] + (overlap and sender != 0), at[reader, s, j]) for j in range(m)]
                     most = max(sum(w <= t < r for w, r in spans) for t in range(len(ticks)))
                     assert depths[buffer][s] == max(most, 1), (name, p, m, buffer, s)

@@ -172,11 +172,11 @@ class SpmdLab:
         whole = step(As, cs, dAs, dcs, jnp.sqrt(jnp.sum(dAs ** 2) + jnp.sum(dcs ** 2)))
         return spmd_step(As, cs, dAs, dcs), whole
 
-    def run(self, make_tick: Callable, name: str, rows: dict) -> dict:
+    def run(self, make_tick: Callable, name: str, rows: dict, overlap: bool = False) -> dict:
         """One run of schedule ``name``, buffers of ``rows[buffer]`` rows: :func:`gradient_report` against
         the reference (rank r's chunk c is stage ``stages_of(r)[c]``), ``ran`` (ranks, ticks) and where the
-        program runs its products (:func:`work_report`)."""
-        program, args = self.program_of(make_tick, name, rows, *self.arrays)
+        program runs its products (:func:`work_report`). ``overlap``: :func:`program_of`'s."""
+        program, args = self.program_of(make_tick, name, rows, *self.arrays, overlap=overlap)
         dA, dc, ran = program(*args)
         work = work_report(jax.make_jaxpr(program)(*args).jaxpr, self.case)
         schedule = build_schedule(name, self.case["ranks"], self.case["microbatches"])
@@ -187,16 +187,17 @@ class SpmdLab:
 
     def try_v(self, make_tick: Callable) -> dict:
         """Exercise 10.3's result: :func:`try_runs` of ZB-V (:data:`~.lesson10.V_RUNS`, on ``case``'s 2p
-        stages) with each buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those
-        rows; ``...`` while ``make_tick`` returns None (its body still ``...``)."""
+        stages), each tick sending what the tick before made (:func:`program_of`'s ``overlap``), with each
+        buffer the rows of its busiest stage (:func:`~.lesson9.buffer_depths`), and those rows; ``...``
+        while ``make_tick`` returns None (its body still ``...``)."""
         from .lesson9 import buffer_depths
         from .lesson10 import V_RUNS
 
         if _stub(make_tick):
             return ...
         p, m = self.case["ranks"], self.case["microbatches"]
-        rows = {b: max(k) for b, k in buffer_depths(build_schedule(V_RUNS[0], p, m)).items()}
-        return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows), V_RUNS))
+        rows = {b: max(k) for b, k in buffer_depths(build_schedule(V_RUNS[0], p, m), overlap=True).items()}
+        return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows, overlap=True), V_RUNS))
 
     def try_step(self, step: Callable) -> Any:
         """Exercise 9.4's result: ``step(As, cs, H, Xm, Ym) -> (loss, dAs, dcs, dH)`` run on ``arrays`` (one
@@ -1226,25 +1227,29 @@ def _thread_all_sum(ranks: int, wait: float) -> tuple:
     return all_sum_of, calls
 
 
-def _start_state(lead: tuple, rows: dict, samples: int, d: int, A: Any, c: Any) -> dict:
+def _start_state(lead: tuple, rows: dict, samples: int, d: int, A: Any, c: Any,
+                 overlap: bool = False) -> dict:
     """A rank's state before its first tick, zeros cast to varying: ``act``, ``grad`` (*lead, rows,
     samples, d); ``ins``, ``outs``, ``dz`` (*lead, rows, 2, samples, d) (``rows[name]`` rows each); ``dA``,
     ``dc`` shaped as A and c. ``lead``: () for one stage a rank, with ``loss`` () as lesson 9's
-    ``pipeline_step`` starts its tick; (2,) for the V's two chunks, no loss (lesson 10's tick keeps none)."""
+    ``pipeline_step`` starts its tick; (2,) for the V's two chunks, no loss (lesson 10's tick keeps none).
+    ``overlap``: ``msg`` (samples, d) too, the message the tick before made (none before the first)."""
     from ..runtime.spmd import to_varying
 
     def zeros(name, *layers):
         return jnp.zeros((*lead, rows[name], *layers, samples, d))
 
     loss = {} if lead else {"loss": jnp.zeros(())}
+    msg = {"msg": jnp.zeros((samples, d))} if overlap else {}
     return to_varying(dict(act=zeros("act"), grad=zeros("grad"), ins=zeros("ins", 2), outs=zeros("outs", 2),
-                           dz=zeros("dz", 2), dA=jnp.zeros(A.shape), dc=jnp.zeros(c.shape), **loss))
+                           dz=zeros("dz", 2), dA=jnp.zeros(A.shape), dc=jnp.zeros(c.shape), **loss, **msg))
 
 
 def program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
-    """Lessons 9 and 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm, Ym)
-    -> (jitted program, args)``, a ``shard_map`` over ``mesh`` whose rank scans ``make_tick(A, c, X, Y,
-    first, last)``'s tick over the state of :func:`_start_state` (``rows[name]`` rows a buffer) and returns
+    """Lessons 9 and 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm,
+    Ym, overlap=False) -> (jitted program, args)``, a ``shard_map`` over ``mesh`` whose rank scans
+    ``make_tick(A, c, X, Y, first, last)``'s tick over the state of :func:`_start_state` (``rows[name]``
+    rows a buffer) and returns
     ``(dA, dc, ran)`` by rank, as lesson 9's ``pipeline_step`` does, its loss left out. The schedule
     ``name``'s placement (``stages_of``) decides the rest:
 
@@ -1256,7 +1261,8 @@ def program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
       chunk; the tick gets ``(kind, chunk, microbatch, recv)``, recv ``{source: (buffer, chunk,
       microbatch)}``.
 
-    Every array float32 and varying over the ranks."""
+    ``overlap``: the tables of ``tick_tables(schedule, overlap=True)`` and the state's ``msg`` (lesson 10's
+    tick sending during the next one). Every array float32 and varying over the ranks."""
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
@@ -1264,22 +1270,22 @@ def program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
 
     p, m, samples, d = (case[k] for k in ("ranks", "microbatches", "microbatch_size", "width"))
 
-    def rank_program(make_tick, rows, last, rank_tables, held, A, c, X, Y):
+    def rank_program(make_tick, rows, last, overlap, rank_tables, held, A, c, X, Y):
         held, A, c = held[0], A[0], c[0]                          # this rank's stage(s), chunk first
         rank_tables = jax.tree.map(lambda a: a[0], rank_tables)   # this rank's row of each table
-        state = _start_state(held.shape, rows, samples, d, A, c)
+        state = _start_state(held.shape, rows, samples, d, A, c, overlap)
         state, ran = lax.scan(make_tick(A, c, X, Y, held == 0, held == last), state, rank_tables)
         return state["dA"][None], state["dc"][None], ran[None]
 
-    def program(make_tick, name, rows, As, cs, X, Y):
+    def program(make_tick, name, rows, As, cs, X, Y, overlap=False):
         schedule = build_schedule(name, p, m)
         held = np.array([schedule.stages_of(r) for r in range(p)])   # (ranks, chunks)
-        t = tick_tables(schedule)
+        t = tick_tables(schedule, overlap)
         if held.shape[1] == 1:                                        # one stage a rank: no chunk axis
             held, tables = held[:, 0], (t.kind, t.microbatch)
         else:
             tables = (t.kind, t.chunk, t.microbatch, t.recv)
-        run = shard_map(functools.partial(rank_program, make_tick, rows, held.max()), mesh,
+        run = shard_map(functools.partial(rank_program, make_tick, rows, held.max(), overlap), mesh,
                         (P(AXIS),) * 4 + (P(), P()), P(AXIS))
         return jax.jit(run), (tables, held, As[held], cs[held], X, Y)
 

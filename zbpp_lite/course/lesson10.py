@@ -172,7 +172,8 @@ def _v_runs(result: Any, hint: str) -> Verdict | float:
         run = result["runs"].get(name)
         if run is None:
             return Verdict("10.3", False, f"no run of {name}.", hint)
-        want = tick_tables(build_schedule(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])).kind
+        schedule = build_schedule(name, BUILD_CASE["ranks"], BUILD_CASE["microbatches"])
+        want = tick_tables(schedule, overlap=True).kind   # vlab's program sends during the next tick
         ran = np.asarray(run["ran"])
         if ran.shape != want.shape or (ran != want).any():
             if ran.shape != want.shape:
@@ -192,16 +193,18 @@ def _v_runs(result: Any, hint: str) -> Verdict | float:
 
 
 def spmd_v(result: Any) -> Verdict:
-    """Exercise 10.3: the learner's ZB-V ``make_tick`` run by lesson 10's ``vlab.try_v``; ``result`` is
-    ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v": run}}``, a run as
+    """Exercise 10.3: the learner's ZB-V ``make_tick``, sending during the next tick, run by lesson 10's
+    ``vlab.try_v``; ``result`` is ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v":
+    run}}``, a run as
     :meth:`zbpp_lite.course.bench.SpmdLab.run` gives it, read by :func:`_v_runs`. Right when every rank ran
     the lockstep form's branch in every tick and the gradients equal ``jax.grad``'s within
     :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`; a gradient off names what the V changes (first and
-    last per chunk, arrivals stored where ``recv`` says)."""
+    last per chunk, the previous tick's message sent, arrivals stored where ``recv`` says)."""
     hint = ("on the V the tick reads (kind, chunk, microbatch, recv): index A, c and every buffer by the "
             "chunk; first and last are per chunk (first[ch], last[ch]: stage 2p - 1 is rank 0's chunk 1); "
-            "the branch's one message goes both ways, and each arrival is stored where recv[source] = "
-            "(buffer, chunk, microbatch) says, in row microbatch % rows.")
+            "the tick sends st['msg'], the previous tick's message, both ways, keeps its branch's message "
+            "as the next msg, and stores each arrival where recv[source] = (buffer, chunk, microbatch) says, "
+            "in row microbatch % rows (\"self\": this tick's own message).")
     worst = _v_runs(result, hint)
     if isinstance(worst, Verdict):
         return worst

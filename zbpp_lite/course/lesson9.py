@@ -41,12 +41,13 @@ FUSED = Costs(f=1.0, b=1.0, w=1.0, bw=2.0)
 """Exercise 9.2's costs: T_F = 1 and 1F1B's fused T_BW = 2, T_comm = 0 (not lesson 9's figure's)."""
 
 
-def _live(schedule) -> dict:
+def _live(schedule, overlap: bool = False) -> dict:
     """Per (buffer, stage) of lesson 9's tick: one ``(microbatch, tick written, tick last read)`` per value,
-    in the schedule's lockstep form. ``act``/``grad`` arrive at the end of their producer's tick; ``ins``
-    (read by W), ``outs`` (read by B) and ``dz`` (read by W) are written by the action's own tick."""
+    in the schedule's lockstep form. ``act``/``grad`` arrive at the end of their producer's tick (with
+    ``overlap``, lesson 10's one-tick link, a tick later from another rank); ``ins`` (read by W), ``outs``
+    (read by B) and ``dz`` (read by W) are written by the action's own tick."""
     when = {}
-    for t, row in enumerate(lockstep_ticks(schedule)):
+    for t, row in enumerate(lockstep_ticks(schedule, overlap=overlap)):
         for r, i in enumerate(row):
             if i is not None:
                 a = schedule.actions[r][i]
@@ -61,28 +62,30 @@ def _live(schedule) -> dict:
             if s < S - 1:
                 spans["grad"] = ("B", s + 1, "B", s)
             for buffer, (k1, s1, k2, s2) in spans.items():
-                live.setdefault((buffer, s), []).append((j, when[k1, s1, j], when[k2, s2, j]))
+                link = overlap and schedule.placement[s1] != schedule.placement[s2]
+                live.setdefault((buffer, s), []).append((j, when[k1, s1, j] + link, when[k2, s2, j]))
     return live
 
 
-def buffer_depths(schedule) -> dict:
+def buffer_depths(schedule, overlap: bool = False) -> dict:
     """``{buffer: [rows stage s needs]}``: the fewest rows K per buffer of each stage for which lesson 9's
     tick may keep microbatch j in row ``j % K``, no row written while the microbatch it holds still waits
     to be read (lesson 9, "How many rows a buffer needs"). ZB-H1's rank r: ``outs`` p - r (its F's before
     its first B), ``dz`` r + 1 (W lags B by r), ``ins`` p; ZB-H2's 2(p - r) - 1, 2r + 1 and 2p - 1 (lesson
     3's memory); each at most m; 0 where the stage keeps no value (stage 0's ``act``) and 1 where it keeps
-    none past its own tick (1F1B's ``dz``, which BW makes and reads at once)."""
-    return _depths(schedule)
+    none past its own tick (1F1B's ``dz``, which BW makes and reads at once). ``overlap``: for lesson 10's
+    program that sends during the next tick (its longer ticks, arrivals from another rank a tick later)."""
+    return _depths(schedule, overlap=overlap)
 
 
-def _depths(schedule, inclusive: bool = False) -> dict:
+def _depths(schedule, inclusive: bool = False, overlap: bool = False) -> dict:
     """:func:`buffer_depths`; ``inclusive``: a row read in a tick counted busy at that tick's end too (one
     row too many wherever the next value lands as the last read runs)."""
     def clash(K: int, values: list) -> bool:
         return any(j1 != j2 and j1 % K == j2 % K and w1 <= w2 and (w2 <= r1 if inclusive else w2 < r1)
                    for j1, w1, r1 in values for j2, w2, _ in values)
 
-    live, m = _live(schedule), schedule.num_microbatches
+    live, m = _live(schedule, overlap), schedule.num_microbatches
     depths: dict = {}
     for (buffer, s), values in sorted(live.items()):
         column = depths.setdefault(buffer, [0] * schedule.num_stages)
