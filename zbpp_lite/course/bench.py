@@ -598,8 +598,8 @@ def spmd_tradeoff(compile_spmd: Callable, stage_fns: tuple, params: list, X: jax
 
 def switch_costs(rows: tuple = (8, 32), ticks: int = 64) -> dict:
     """What one all-idle tick of a ``lax.scan`` costs, in seconds, on the default device, with a switch
-    whose branches take and return the whole loop state, and with one whose branches take the rows they
-    read and return only what they made (lesson 9's tick): ``{rows: (whole state, made)}``. The state: two
+    whose branches take and return the whole loop state, and with one whose branches take the whole state
+    and return only what they made (lesson 9's tick): ``{rows: (whole state, made)}``. The state: two
     buffers ``(rows, 2, 64, 256)`` float32 and a ``(256, 256)`` sum; the branches: idle, F writing a row of
     one buffer, B of the other, W adding a product of both to the sum. Each time is :func:`_per_tick` of
     ``ticks``, each step the fastest of 7 runs (``benchmarks/bench_spmd.py --switch``). XLA on a
@@ -619,9 +619,11 @@ def switch_costs(rows: tuple = (8, 32), ticks: int = 64) -> dict:
                             lambda s: {**s, "acc": s["acc"] + s["ins"][r, 0].T @ s["dz"][r, 0]}]
                 return lax.switch(k, branches, st), None
             zero = jnp.zeros((D, D))
-            a, b, acc = lax.switch(k, [lambda a, b: (a, b, zero), lambda a, b: (work(a), b, zero),
-                                       lambda a, b: (a, work(b), zero), lambda a, b: (a, b, a[0].T @ b[0])],
-                                   st["ins"][r], st["dz"][r])
+            rows = lambda s: (s["ins"][r], s["dz"][r])  # noqa: E731 - the rows a branch reads
+            a, b, acc = lax.switch(k, [lambda s: (*rows(s), zero),
+                                       lambda s: (work(rows(s)[0]), rows(s)[1], zero),
+                                       lambda s: (rows(s)[0], work(rows(s)[1]), zero),
+                                       lambda s: (*rows(s), rows(s)[0][0].T @ rows(s)[1][0])], st)
             return {"ins": st["ins"].at[r].set(a), "dz": st["dz"].at[r].set(b), "acc": st["acc"] + acc}, None
 
         def run(ks, js):
