@@ -38,8 +38,8 @@ CASES = {
     "1.3": (LEAN, SHORT_WARM_UP),                   # 1F1B with shorter warm-ups: within the limit, but 24
     "1.4": (lambda p, m, r, f, bw: (r + m - 1) * f if m <= p - r else (m - 1) * (f + bw) + r * f,
             lambda p, m, r, f, bw: (min(p, r + m) - 1) * f),    # the wrong one: the first peak's time
-    "2.1": (lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])),   # a_l, dz_l over a_l, z_l
-            lambda w: (w[0] + w[1] + w[1] + w[2]) / (w[0] + w[1] + w[1])),   # the MLP's x, a, dh, dy over x, h, a
+    "2.1": (lambda w: (sum(w[:-1]) + sum(w[1:])) / sum(w[:-1]),   # a_l, dz_l over a_l (tanh: no z_l kept)
+            lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1]))),   # GELU's: z_l kept too
     "2.2": (lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
                           + sum(2 * n * w[k + 1] * w[k + 2] for k in range(1, len(w) - 2, 2))),
             lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
@@ -380,8 +380,8 @@ def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_f
     assert not ex.w_flops_without_kept_gradients(equal_width).ok
     assert not ex.mw_over_mb(lambda w: 1.2).ok                                     # the MLP's ratio, copied
     assert not ex.mw_over_mb(lambda w: 2 * (len(w) - 1) / (2 * (len(w) - 1) - 1)).ok   # the equal-width form
-    part = ex.mw_over_mb(lambda w: sum(w[:-1]) / (sum(w[:-1]) + sum(w[1:-1])))    # M_W as a part of M_B
-    assert not part.ok and "more than that" in part.message
+    as_m_b = ex.mw_over_mb(lambda w: 1.0)                                          # M_W as what F kept alone
+    assert not as_m_b.ok and "besides" in as_m_b.message
     assert ex.MLP_RATIO == 1.2
     for copied in (0.36, lambda w: 0.36, lambda w: 0.5):   # the reveal's number, as a number or everywhere
         assert not ex.first_stage_b_ratio(copied).ok
@@ -732,10 +732,12 @@ def test_a_table_of_the_fixed_points_fails_where_the_checks_draw_new_ones():
 
 def test_the_mlps_ratio_copied_to_every_stack_is_told_what_it_misses():
     constant = ex.mw_over_mb(lambda widths: 1.2)
-    assert not constant and "two-layer MLP" in constant.message and "other widths" in constant.message, str(constant)
+    assert not constant and "two-layer GELU MLP" in constant.message and "other widths" in constant.message, str(constant)
     four_arrays = ex.mw_over_mb(lambda w: (w[0] + 2 * w[1] + w[-1]) / (w[0] + 2 * w[1]))
     assert not four_arrays and "at every depth" in four_arrays.message, str(four_arrays)
-    assert ex.mw_over_mb(lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])))
+    gelu = ex.mw_over_mb(lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])))   # z_l kept
+    assert not gelu and "tanh's derivative reads its output" in gelu.message, str(gelu)
+    assert ex.mw_over_mb(lambda w: (sum(w[:-1]) + sum(w[1:])) / sum(w[:-1]))
 
 
 def test_a_plan_by_hand_slower_than_the_optimum_or_invalid_is_told_which():

@@ -26,8 +26,8 @@ def _matmul(rows: int, inner: int, cols: int) -> int:
 WIDTH_LISTS = ((32, 64, 32), (8, 16, 4, 2), (3, 5, 7, 11, 13), (1, 1), (64, 256, 64, 256, 64, 16))
 """The widths lists exercises 2.1 and 2.2 try: one to five layers of uneven widths."""
 MLP_RATIO = (32 + 64 + 64 + 32) / (32 + 64 + 64)
-"""M_W / M_B of the lesson's two-layer MLP: W reads x, a, dh, dy (192 floats a token), F keeps x, h, a
-(160)."""
+"""M_W / M_B of the lesson's two-layer GELU MLP: W reads x, a, dh, dy (192 floats a token), F keeps x, h, a
+(160: GELU's derivative needs its input h)."""
 
 
 def _layer_products(n: int, widths: Sequence[int]) -> list[int]:
@@ -43,35 +43,31 @@ def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]
 
 def mw_over_mb(fn: Any) -> Verdict:
     """Exercise 2.1: ``ratio(widths)``, M_W / M_B for ``len(widths) - 1`` layers ``z_l = a_l @ weight_l``
-    (``widths[l]``: layer l's input width, ``widths[-1]``: the output width) with GELU between layers
-    (``a_{l+1} = gelu(z_l)``), none after the last. F keeps what B and W need, B every output gradient;
-    M_B is what F keeps, M_W what is held from B's end until W has run. Per token, so n cancels. Checked on
-    :data:`WIDTH_LISTS`; M_W taken as a part of M_B is refused with its own hint, and the lesson's MLP
-    copied (its ratio, or its arrays counted alike at every depth) with its own message. The derivation:
-    the lesson's Solutions."""
+    (``widths[l]``: layer l's input width, ``widths[-1]``: the output width) with tanh between layers
+    (``a_{l+1} = tanh(z_l)``, as lessons 8 to 10's), none after the last. F keeps only what B and W need
+    (tanh's derivative, 1 - tanh(z)^2, reads its output: the next layer's input, kept anyway), B every output
+    gradient; M_B is what F keeps, M_W what is held from B's end until W has run. Per token, so n cancels.
+    Checked on :data:`WIDTH_LISTS`; the lesson's GELU MLP copied (keeping each z_l, its ratio, or its arrays
+    counted alike at every depth) and M_W taken as M_B alone get their own messages. The derivation: the
+    lesson's Solutions."""
 
-    def held(w):  # F: a_0 .. a_{L-1} and z_0 .. z_{L-2}; W: a_l (w[l]) and dz_l (w[l+1]) for every layer
-        m_b = sum(w[:-1]) + sum(w[1:-1])
-        return (sum(w[:-1]) + sum(w[1:])) / m_b
-
-    def part_of_m_b(w):  # W's layer inputs only: what F kept that W needs, as if nothing were added
-        return sum(w[:-1]) / (sum(w[:-1]) + sum(w[1:-1]))
+    def held(w):  # F: a_0 .. a_{L-1}; W: a_l (w[l]) and dz_l (w[l+1]) for every layer
+        return (sum(w[:-1]) + sum(w[1:])) / sum(w[:-1])
 
     points = [(list(w),) for w in WIDTH_LISTS]
     hint = ("list the arrays F keeps (which does B still need, which W?) and the arrays W reads: its "
             "operands a_l and dz_l; which of W's were never part of M_B?")
-    copied = [(lambda w: MLP_RATIO, f"{MLP_RATIO} is the lesson's two-layer MLP, [32, 64, 32]: other widths "
-                                    "and depths give other ratios."),
+    copied = [(lambda w: MLP_RATIO, f"{MLP_RATIO} is the lesson's two-layer GELU MLP, [32, 64, 32]: other "
+                                    "widths, depths and activations give other ratios."),
+              (lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1])),
+               "that keeps each z_l (or tanh's output) besides the layer inputs, as the lesson's GELU MLP "
+               "keeps h: tanh's derivative reads its output, which is the next layer's input, kept once."),
               (lambda w: (w[0] + 2 * w[1] + w[-1]) / (w[0] + 2 * w[1]),
-               "that counts the two-layer MLP's arrays (x, a, dh, dy against x, h, a) at every depth: a "
-               "stack of L layers keeps L layer inputs, and B hands W L output gradients.")]
-    verdict = _function_check("2.1", fn, points, lambda w: held(tuple(w)), "ratio(widths)", hint,
-                              known=copied)
-    if not verdict.ok and callable(fn) and _function_check("2.1", fn, points, lambda w: part_of_m_b(tuple(w)),
-                                                           "", hint).ok:
-        return Verdict("2.1", False, "that is the share of M_B that W still needs: M_W is more than that.",
-                       "B hands W an output gradient per layer, arrays F never kept.")
-    return verdict
+               "that counts the two-layer GELU MLP's arrays (x, a, dh, dy against x, h, a) at every depth: "
+               "a stack of L layers keeps L layer inputs, and B hands W L output gradients."),
+              (lambda w: 1.0, "that is M_W as what F kept alone: W reads all of it, and B's output "
+                              "gradients besides.")]
+    return _function_check("2.1", fn, points, lambda w: held(tuple(w)), "ratio(widths)", hint, known=copied)
 
 
 def w_flops_without_kept_gradients(fn: Any) -> Verdict:
@@ -92,7 +88,7 @@ def w_flops_without_kept_gradients(fn: Any) -> Verdict:
 
 def first_stage_b_ratio(fn: Any) -> Verdict:
     """Exercise 2.3: ``first_stage_ratio(widths)``, on the *first* stage (no dx needed) B's matmul flops over
-    F's for ``len(widths) - 1`` layers ``z_l = a_l @ weight_l`` without GELU (2.1's convention; the tokens
+    F's for ``len(widths) - 1`` layers ``z_l = a_l @ weight_l`` without tanh (2.1's convention; the tokens
     cancel). Checked on :data:`FIRST_STAGE_WIDTHS` (the reveal's), :data:`WIDTH_LISTS` past one layer and
     three lists drawn afresh, the package out of bounds; a middle stage's ratio, and one that counts every
     layer's products as equal, get their own messages. The derivation: the lesson's Solutions."""
