@@ -12,7 +12,12 @@ executor's), on one device of any platform: per all-idle tick, by the time of 3T
 over 2T, for buffers of 8 and 128 rows, and the ratio. A branch that reads buffers and writes something
 else (W: a gradient from ``ins`` and ``dz``) is what made XLA on a CPU copy the state each tick.
 
-Run: python benchmarks/bench_spmd.py [--schedule zb-h1] [--steps 6] [--d 64] [--switch]
+With --overlap, only this instead: the compiled program sending each tick's message during the next tick
+(``SpmdExecutor(..., overlap=True)``, lesson 10) against sending it at the tick's end, ZB-H1 and ZB-H2 at
+p = 2, steps paired and alternated: the step times, their ratio, and the ratio of the programs' ticks (on
+a CPU, which runs a collective and compute in turn, the step ratio should follow the tick ratio).
+
+Run: python benchmarks/bench_spmd.py [--schedule zb-h1] [--steps 6] [--d 64] [--switch | --overlap]
 """
 
 from __future__ import annotations
@@ -39,6 +44,35 @@ def switch_copy() -> None:
               f"{whole * 1e6:8.1f}, what they made {made * 1e6:6.1f}, ratio {whole / max(made, 1e-9):6.1f}")
 
 
+def overlap_cost(steps: int, d: int, m: int, batch: int) -> None:
+    """Print the overlapped program against the plain one (module docstring, --overlap)."""
+    devices = ensure_devices(2)
+
+    import zbpp_lite as zb
+    from zbpp_lite.runtime.spmd import SpmdExecutor
+    from zbpp_lite.runtime.stages import StagedModel
+    from zbpp_lite.training.data import load_digits
+    from zbpp_lite.training.model import ModelConfig, build_parts
+
+    x, y = load_digits(0.2, 0).batch(0, batch)
+    print(f"p = 2, m = {m}, d = {d}, 4 blocks, batch {batch}, {steps} paired steps (median after the first), "
+          f"{devices[0].platform}")
+    for name in ("zb-h1", "zb-h2"):
+        s = zb.build_schedule(name, 2, m)
+        model = StagedModel(build_parts(ModelConfig(d=d, heads=4, blocks=4)), s.num_stages)
+        runs = {o: SpmdExecutor(model, s, devices, overlap=o) for o in (False, True)}
+        times: dict = {False: [], True: []}
+        for _ in range(steps):
+            for o, executor in runs.items():
+                t0 = time.perf_counter()
+                executor.run(model.params, x, y)
+                times[o].append(time.perf_counter() - t0)
+        plain, early = (timed_median(times[o]) for o in (False, True))
+        ticks = [runs[o].tables.num_ticks for o in (False, True)]
+        print(f"  {name}: step {1e3 * plain:.2f} ms, sending during the next tick {1e3 * early:.2f} ms, ratio "
+              f"{early / plain:.3f}; ticks {ticks[0]} and {ticks[1]}, ratio {ticks[1] / ticks[0]:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--schedule", default="zb-h1")
@@ -47,9 +81,13 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--switch", action="store_true", help="only the switch's per-tick cost (see above)")
+    ap.add_argument("--overlap", action="store_true", help="only the overlapped program against the plain one")
     args = ap.parse_args()
     if args.switch:
         switch_copy()
+        return
+    if args.overlap:
+        overlap_cost(args.steps, args.d, args.microbatches, args.batch)
         return
     devices = ensure_devices(2)
 

@@ -726,7 +726,7 @@ def test_zb_h1_for_a_model_with_an_embedding_and_a_head_gives_jax_grads_gradient
         verdict = ex.own_step(bench.try_own_step(v_lesson["own_step"], case))
     assert verdict and "3, 3 and 4 matrix products" in str(verdict), str(verdict)
     rerun_b = lambda src: src.replace(  # noqa: E731
-        '            pullback = jax.tree.unflatten(treedef, [next(row) if k is None else weights[k] for k in which])\n',
+        '            pullback = jax.tree.unflatten(treedef, [b[j] for b in st["kept"]])\n',
         '            x = jnp.where(first, E[tokens[j]], st["act"][j])\n'
         '            pullback = jax.vjp(lambda x, e: stage(x, e, j)[0], x, probes)[1]\n')
     rerun_w = lambda src: src.replace(  # noqa: E731   W rebuilds a and y from z: 5 products, F's 3 + 2

@@ -158,7 +158,7 @@ class SpmdLab:
         twice: ``per_rank(A, c, dA, dc) -> (A, c)`` inside ``shard_map`` (each rank its own stage's
         slices, leading axis 1; the lesson's takes the global norm from one ``lax.psum``) and the package's
         step on the whole model on one device. Returns ``((As, cs) per rank, stacked; the same from the
-        whole model)``: exercise 8.4's answer as one program, which lesson 9 asserts."""
+        whole model)``: exercise 8.4's answer as one program, which lesson 10 asserts."""
         from jax.sharding import PartitionSpec as P
 
         from ..runtime import spmd

@@ -14,8 +14,8 @@ from .checks import (Verdict, _function_check, _hand_schedule, _line_figure, _se
                      _with_fresh, course_cache)
 
 
-AUTO_CASE = dict(num_ranks=4, num_microbatches=12, costs=Costs(f=1.0, b=2.0, w=1.0))
-"""Exercise 4.2's case: p = 4, m = 12, T_F = 1, T_B = 2, T_W = 1, T_comm = 0 (T_B != T_F, so
+AUTO_CASE = dict(num_ranks=4, num_microbatches=16, costs=Costs(f=1.0, b=2.0, w=1.0))
+"""Exercise 4.2's case: p = 4, m = 16 (4p, as the exercise), T_F = 1, T_B = 2, T_W = 1, T_comm = 0 (T_B != T_F, so
 ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
 
 
@@ -180,7 +180,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 
 REVEALS: dict[str, Callable[[], Any]] = {"4.2": lambda: _line_figure(
     list(AUTO_LIMITS), _auto_rates(),
-    "zb-auto, p = 4, m = 12, T_F = 1, T_B = 2, T_W = 1: bubble rate against the memory limit",
+    "zb-auto, p = 4, m = 16, T_F = 1, T_B = 2, T_W = 1: bubble rate against the memory limit",
     "memory limit (M_B)")}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
