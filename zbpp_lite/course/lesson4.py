@@ -15,8 +15,8 @@ from .checks import (Verdict, _function_check, _hand_schedule, _line_figure, _se
 
 
 AUTO_CASE = dict(num_ranks=4, num_microbatches=16, costs=Costs(f=1.0, b=2.0, w=1.0))
-"""Exercise 4.2's case: p = 4, m = 16 (4p, as the exercise), T_F = 1, T_B = 2, T_W = 1, T_comm = 0 (T_B != T_F, so
-ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
+"""Exercise 4.2's case: p = 4, m = 16 (4p, as the exercise), T_F = 1, T_B = 2, T_W = 1, T_comm = 0 (T_B !=
+T_F, so ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
 
 
 # zb-auto's plan takes 31 and the optimum is 30 (proven by the MILP); with zb-auto's orders kept on ranks 0
