@@ -14,8 +14,9 @@ else (W: a gradient from ``ins`` and ``dz``) is what made XLA on a CPU copy the 
 
 With --overlap, only this instead: the compiled program sending each tick's message during the next tick
 (``SpmdExecutor(..., overlap=True)``, lesson 10) against sending it at the tick's end, ZB-H1 and ZB-H2 at
-p = 2, steps paired and alternated: the step times, their ratio, and the ratio of the programs' ticks (on
-a CPU, which runs a collective and compute in turn, the step ratio should follow the tick ratio).
+p = 2, steps paired and alternated: the step times, their ratio, and the ratio of the programs' ticks (a
+CPU runs a collective and compute in turn: expect no gain there, only the extra ticks' and the carried
+message's cost).
 
 Run: python benchmarks/bench_spmd.py [--schedule zb-h1] [--steps 6] [--d 64] [--switch | --overlap]
 """
