@@ -4,7 +4,8 @@ Where :class:`~zbpp_lite.runtime.executor.PipelineExecutor` runs one thread per 
 a :class:`~zbpp_lite.schedules.ir.Schedule` into one program every rank runs in lockstep (as on TPU pods):
 :func:`tick_tables` gives static per-tick tables (:func:`zbpp_lite.schedules.simulate.lockstep_ticks`);
 the program is ``lax.scan`` over ticks inside ``shard_map``, each tick a ``lax.switch`` on (kind, stage),
-then one message sent with two ``lax.ppermute`` to ranks r+1 and r-1 (1F1B, looped and V placements).
+then one message sent with two ``lax.ppermute`` to ranks r+1 and r-1 (1F1B, looped and V placements), or,
+with ``overlap``, the previous tick's message sent beside the switch.
 Received values wait in per-(chunk, microbatch) buffers; the switch returns only the tick's slot values,
 which the tick writes back: branches returning the whole loop state made XLA on a CPU copy it every tick
 (``benchmarks/bench_spmd.py --switch``). Stage s is ``StagedModel.stage_fn(s)`` split by
