@@ -619,11 +619,9 @@ def switch_costs(rows: tuple = (8, 32), ticks: int = 64) -> dict:
                             lambda s: {**s, "acc": s["acc"] + s["ins"][r, 0].T @ s["dz"][r, 0]}]
                 return lax.switch(k, branches, st), None
             zero = jnp.zeros((D, D))
-            rows = lambda s: (s["ins"][r], s["dz"][r])  # noqa: E731 - the rows a branch reads
-            a, b, acc = lax.switch(k, [lambda s: (*rows(s), zero),
-                                       lambda s: (work(rows(s)[0]), rows(s)[1], zero),
-                                       lambda s: (rows(s)[0], work(rows(s)[1]), zero),
-                                       lambda s: (*rows(s), rows(s)[0][0].T @ rows(s)[1][0])], st)
+            made = [lambda a, b: (a, b, zero), lambda a, b: (work(a), b, zero),   # each on the rows it reads
+                    lambda a, b: (a, work(b), zero), lambda a, b: (a, b, a[0].T @ b[0])]
+            a, b, acc = lax.switch(k, [lambda s, f=f: f(s["ins"][r], s["dz"][r]) for f in made], st)
             return {"ins": st["ins"].at[r].set(a), "dz": st["dz"].at[r].set(b), "acc": st["acc"] + acc}, None
 
         def run(ks, js):
@@ -1251,9 +1249,8 @@ def program_of(mesh: Any, case: dict = BUILD_CASE) -> Callable:
     """Lessons 9 and 10's program, for :class:`SpmdLab`: ``program_of(make_tick, name, rows, As, cs, Xm,
     Ym, overlap=False) -> (jitted program, args)``, a ``shard_map`` over ``mesh`` whose rank scans
     ``make_tick(A, c, X, Y, first, last)``'s tick over the state of :func:`_start_state` (``rows[name]``
-    rows a buffer) and returns
-    ``(dA, dc, ran)`` by rank, as lesson 9's ``pipeline_step`` does, its loss left out. The schedule
-    ``name``'s placement (``stages_of``) decides the rest:
+    rows a buffer) and returns ``(dA, dc, ran)`` by rank, as lesson 9's ``pipeline_step`` does, its loss
+    left out. The schedule ``name``'s placement (``stages_of``) decides the rest:
 
     - one stage a rank (``case``'s layers / 2 = ranks stages): A (2, d, d), c (2, d), no chunk axis;
       ``first``, ``last`` traced booleans; the tick gets ``(kind, microbatch)`` of

@@ -49,8 +49,8 @@ def overlapped_ticks(fn: Any) -> Verdict:
     tick sends what the tick before it made, so a value reaches another rank two ticks after it is made
     (``lockstep_ticks(schedule, overlap=True)``), on p >= 2 ranks and m >= 2p - 1 microbatches, each
     action one tick; checked exactly at fixed and fresh points (p up to 12), the package out of bounds.
-    The count without the link, one with the way back paid too (lesson 3's round trip) and one with
-    ZB-H1's waits are named. The derivation: the lesson's Solutions."""
+    The count without the link, one with the way back paid too (lesson 3's round trip) and one paying two
+    ticks a link both ways are named. The derivation: the lesson's Solutions."""
     hint = ("when does the last rank run its first action, and does it ever wait after that? Its B needs "
             "only its own F; its F's come from rank p - 2, and ZB-H2's warm-up runs 2(p - r) - 1 forwards "
             "ahead on rank r.")
@@ -195,9 +195,8 @@ def _v_runs(result: Any, hint: str) -> Verdict | float:
 def spmd_v(result: Any) -> Verdict:
     """Exercise 10.3: the learner's ZB-V ``make_tick``, sending during the next tick, run by lesson 10's
     ``vlab.try_v``; ``result`` is ``{"rows": {buffer: rows}, "error": None or text, "runs": {"zb-v":
-    run}}``, a run as
-    :meth:`zbpp_lite.course.bench.SpmdLab.run` gives it, read by :func:`_v_runs`. Right when every rank ran
-    the lockstep form's branch in every tick and the gradients equal ``jax.grad``'s within
+    run}}``, a run as :meth:`zbpp_lite.course.bench.SpmdLab.run` gives it, read by :func:`_v_runs`. Right
+    when every rank ran the lockstep form's branch in every tick and the gradients equal ``jax.grad``'s within
     :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE`; a gradient off names what the V changes (first and
     last per chunk, the previous tick's message sent, arrivals stored where ``recv`` says)."""
     hint = ("on the V the tick reads (kind, chunk, microbatch, recv): index A, c and every buffer by the "

@@ -475,7 +475,7 @@ class SpmdExecutor:
                   "gout": put(st["gout"], j_gout, out["gout"]), "msg": out["msg"],
                   "acc": tuple(a.at[c].add(g) for a, g in zip(st["acc"], out["grads"])),
                   "losses": st["losses"].at[j].add(out["loss"])}
-            incoming = {**(early or sent(st["msg"])), "self": st["msg"]}
+            incoming = {**(early if self.tables.overlap else sent(st["msg"])), "self": st["msg"]}
             for src in SOURCES:
                 st = deliver(st, incoming[src], *arrivals[src])
             return st, None
