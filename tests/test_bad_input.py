@@ -177,6 +177,7 @@ IGNORED = [  # (command line, the one line it gets); each ran before, the flag s
     (["train", "--schedule-csv", "{csv}", "--microbatches", "8", *SIZES],
      "--microbatches 8 disagrees with --schedule-csv's 4 microbatches"),
     (["train", "--timeout", "5", *SIZES], "--timeout and --heartbeat bound the waits of a run on several hosts"),
+    (["train", "--overlap", *SIZES], "--overlap changes the SPMD program's ticks: give --spmd too"),
     (["train", "--spmd", "--threads", *SIZES], "--spmd runs one SPMD program, not a thread or process per rank"),
     (["train", "--spmd", "--ranks-as", "threads", *SIZES], "not a thread or process per rank: drop --ranks-as"),
     (["train", "--ranks-as", "processes", "--steps", "1", *SIZES[2:]], "--ranks-as processes cannot run here: --steps 1"),

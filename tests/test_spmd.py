@@ -112,6 +112,19 @@ def test_train_command_runs_the_spmd_executor(capsys):
     assert error < 1e-5 and "SPMD: median step" in out and "lockstep ticks" in out
 
 
+def test_train_command_sends_during_the_next_tick(capsys):
+    from zbpp_lite.cli import main
+
+    tiny = ["--ranks", "2", "--microbatches", "4", "--steps", "1", "--d", "16", "--heads", "2", "--blocks", "2", "--batch", "16"]
+    assert main(["train", "--schedule", "zb-h1", *tiny, "--spmd", "--overlap"]) == 0
+    out = capsys.readouterr().out
+    error = float(out.split("max relative error ")[1].split(",")[0])
+    ticks = int(out.split("over 1 step(s); ")[1].split(" lockstep ticks")[0])
+    assert error < 1e-5 and "each sending what the tick before made" in out
+    h1 = zb.build_schedule("zb-h1", 2, 4)                # every action one tick: the span counts the ticks
+    assert ticks == len(lockstep_ticks(h1, overlap=True)) > len(lockstep_ticks(h1))
+
+
 # ---------------------------------------------------------------------------- the staged model's own stages
 # (issue 31 part 3: the program once ran part 1's function for every block, and traced inputs as float32)
 

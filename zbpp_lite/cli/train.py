@@ -117,6 +117,8 @@ def add_parser(subparsers, help_text: str) -> argparse.ArgumentParser:
         help="with --max-grad-norm: step speculatively on the partial norm, validate, roll back if wrong")
     add("--spmd", action="store_true", help="run the schedule compiled into one SPMD program (lockstep "
         "ticks, zbpp_lite.runtime.spmd) instead of one thread per rank")
+    add("--overlap", action="store_true", help="with --spmd: each tick sends what the tick before made "
+        "beside its own switch, so asynchronous collectives may overlap compute (one more tick a link)")
     add_platform_argument(p)
     add_join_arguments(p)
     p.set_defaults(_parser=p)
@@ -160,12 +162,14 @@ def train_spmd_command(args, schedule, blocks: int, devices, process: int = 0) -
         if process == 0:
             print(f"step {k:4d}  loss {loss:.4f}  {seconds * 1e3:8.2f} ms (SPMD, lockstep)", flush=True)
 
-    result = train_spmd(schedule, model, model.params, batches, args.lr, devices=devices, on_step=on_step)
+    result = train_spmd(schedule, model, model.params, batches, args.lr, devices=devices, on_step=on_step,
+                        overlap=args.overlap)
     if process == 0:
         timed = sorted(timed_steps(result.step_seconds))
         print(grad_check_line(result, check_tolerance(args)))
         print(f"SPMD: median step {timed[len(timed) // 2] * 1e3:.2f} ms over {len(timed)} step(s); "
-              f"{result.lockstep.makespan:g} lockstep ticks of the slowest action each (units of T_F)")
+              f"{result.lockstep.makespan:g} lockstep ticks of the slowest action each (units of T_F)"
+              + (", each sending what the tick before made" if args.overlap else ""))
         if args.json:
             data = {**result.to_json(schedule), "processes": jax.process_count()}
             print(strict_json.write(args.json, data))
@@ -286,6 +290,8 @@ def check_sizes(args, schedule) -> int:
     if getattr(args, "spmd", False) and (norm is not None or args.init):
         raise CliError("--spmd trains plain AdamW from the model's own init: drop --max-grad-norm / "
                        "--post-validation / --init")
+    if getattr(args, "overlap", False) and not getattr(args, "spmd", False):
+        raise CliError("--overlap changes the SPMD program's ticks: give --spmd too")
     if getattr(args, "spmd", False) and (getattr(args, "threads", False) or getattr(args, "ranks_as", None)):
         flag = "--threads" if getattr(args, "threads", False) else "--ranks-as"
         raise CliError(f"--spmd runs one SPMD program, not a thread or process per rank: drop {flag}")

@@ -41,17 +41,18 @@ class SpmdTrainResult:
 
 def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: Sequence[tuple[Any, Any]],
                lr: float, weight_decay: float = 0.01, devices: Sequence[Any] | None = None,
-               on_step=None) -> SpmdTrainResult:
+               on_step=None, overlap: bool = False) -> SpmdTrainResult:
     """Train any staged model with the SPMD executor: one program run a step, then
     :func:`zbpp_lite.training.train.train_step`'s AdamW on the replicated gradients on every process.
-    ``devices`` may span processes (all call this alike); ``on_step(k, loss, seconds)``.
+    ``devices`` may span processes (all call this alike); ``on_step(k, loss, seconds)``; ``overlap``:
+    each tick sends what the tick before made beside its own switch (:class:`SpmdExecutor`'s).
 
     Raises:
         ValueError: as :class:`SpmdExecutor` (an unsupported placement, too few devices) and its
             ``run`` (stages passing on activations of different structures, a batch that does not
             divide into microbatches).
     """
-    executor = SpmdExecutor(model, schedule, devices)
+    executor = SpmdExecutor(model, schedule, devices, overlap=overlap)
     home = jax.local_devices()[0]
     params = jax.device_put(params, home)
     adamw = StageAdamW(params, RunConfig(lr=lr, weight_decay=weight_decay))
@@ -66,6 +67,6 @@ def train_spmd(schedule: Schedule, model: StagedModel, params: Params, batches: 
         losses.append(result.loss)
         if on_step is not None:
             on_step(k, result.loss, seconds[-1])
-    lockstep = simulate(schedule, Costs(), lockstep=True)
+    lockstep = simulate(schedule, Costs(), lockstep=True, overlap=overlap)
     return SpmdTrainResult(losses, seconds, grad_error, loss_error, lockstep,
                            jax.tree_util.tree_map(np.asarray, adamw.params))
