@@ -84,7 +84,8 @@ def figures(report: dict) -> dict:
 
 def gpt_figures(report: dict) -> dict:
     """``--model gpt``'s figures, JSON-ready: every schedule's median step and its paired ratio to 1f1b's
-    (``[ratio, low, high]``, None for 1f1b), the split's price, the wall time, the load."""
+    (``[ratio, low, high]``, None for 1f1b), the split's price, each stage's costs timed alone (ms, by
+    number of stages: what the planners used), the wall time, the load."""
     runs = {r["schedule"]: r for r in report["runs"]}
     paired = {n: r.get("vs_1f1b") for n, r in runs.items()}
     return {
@@ -93,6 +94,7 @@ def gpt_figures(report: dict) -> dict:
         "vs_1f1b": {n: g and [round(g[k], 4) for k in ("ratio", "low", "high")] for n, g in paired.items()},
         "coverage": next((g["coverage"] for g in paired.values() if g), None),
         "split_price": report.get("split_price"),
+        "stage_costs_ms": report.get("stage_costs_ms"),
         "load_before_after": [round(report["load_before"], 2), round(report["load_after"], 2)],
     }
 

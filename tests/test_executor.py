@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -321,7 +322,7 @@ def test_train_command_writes_the_promised_json(tmp_path, capsys, untimed_childr
 @pytest.mark.parametrize("threads", [False, True])
 def test_compare_command_writes_one_report(tmp_path, capsys, threads, untimed_children):
     out, js = tmp_path / "compare.html", tmp_path / "compare.json"
-    argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1,zb-h1+fuse",
+    argv = ["compare", "--ranks", "2", "--microbatches", "2", "--schedules", "1f1b,zb-h1,zb-h1+fuse,zb-auto",
             "--steps", "2", "--d", "16",
             "--heads", "2", "--blocks", "4", "--batch", "4", "--learn-steps", "2", "--out", str(out), "--json", str(js),
             *(["--threads"] if threads else [])]
@@ -332,12 +333,15 @@ def test_compare_command_writes_one_report(tmp_path, capsys, threads, untimed_ch
     assert "<td>1f1b</td>" in page and "<td>zb-h1</td>" in page and "planned" in page and "measured" in page
     assert "step time (ms)" in page and ("was fastest" in page or "lowest median step" in page) and "time (ms)" in page and "time (s)" not in page  # ms everywhere
     report = json.loads(js.read_text())
-    names = ("1f1b", "zb-h1", "zb-h1+fuse")
+    names = ("1f1b", "zb-h1", "zb-h1+fuse", "zb-auto")
     assert [r["schedule"] for r in report["runs"]] == sorted(names, key=lambda n: next(
         r["median_step_ms"] for r in report["runs"] if r["schedule"] == n))  # ranked, fastest first
     assert report["loss_spread"] < 1e-5  # every schedule trains the same model to the same losses
     assert all(r["grad_max_rel_error"] < 1e-5 for r in report["runs"])
     assert report["reference"] in report["references_ms"] and len(report["references_ms"]) == 2
+    alone = report["stage_costs_ms"]["2"]  # zb-auto planned with them: the split's price is theirs
+    assert report["split_price"]["stages_alone"] == pytest.approx(
+        statistics.mean((b + w) / bw for b, w, bw in zip(alone["b"], alone["w"], alone["bw"])))
     fastest = min(report["references_ms"].values())
     assert all(r["speedup"] == pytest.approx(fastest / r["median_step_ms"]) for r in report["runs"])
     assert report["learned"]["steps"] == 2 and 0.0 <= report["learned"]["test_accuracy"] <= 1.0

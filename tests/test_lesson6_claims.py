@@ -92,18 +92,25 @@ def test_looped_bfs_has_interleaved_1f1bs_makespan_and_gpipes_memory(p):
     assert bfs.makespan == inter.makespan and max(bfs.peak_memory) == m
 
 
-def test_the_recorded_gpt_job_cannot_rank_the_schedules():
+def test_the_recorded_gpt_job_loses_what_the_split_costs():
     """Lesson 6's language-model record (benchmarks/bench_main_job.py --model gpt): no schedule's 95%
     interval for its step time over 1f1b's lies wholly below 1; the split's price (T_B + T_W) / T_BW is
-    below 1 for the stages alone and above 1 in zb-h2's run."""
+    above 1.1 for the stages alone; the recorded stage costs, simulated, put zb-h1 and zb-h2 behind 1f1b
+    in the order and within 0.03 of the median ratios the run measured."""
     import json
     from pathlib import Path
 
     path = Path(__file__).parent.parent / "notebooks" / "figures" / "data" / "06_gpt_main_job.json"
     gpt = json.loads(path.read_text(encoding="utf-8"))
     assert not any(high < 1 for _, _, high in gpt["vs_1f1b"].values())
-    price = gpt["split_price"]
-    assert price["stages_alone"] < 1 < price["in_pipeline"]["ratio"] and price["in_pipeline"]["schedule"] == "zb-h2"
+    assert 1.1 < gpt["split_price"]["stages_alone"] < 1.3 and gpt["split_price"]["in_pipeline"]["schedule"] == "zb-h2"
+    alone = zb.Costs(**gpt["stage_costs_ms"]["2"])
+    assert (alone.b[0] + alone.w[0]) / alone.bw[0] > 1.1
+    plan = {n: zb.simulate(zb.build_schedule(n, 2, 8), alone).makespan for n in ("1f1b", "zb-h1", "zb-h2")}
+    planned = {n: plan[n] / plan["1f1b"] for n in ("zb-h1", "zb-h2")}
+    ran = {n: gpt["vs_1f1b"][n][0] for n in planned}
+    assert planned["zb-h1"] > planned["zb-h2"] > 1 and ran["zb-h1"] > ran["zb-h2"] > 1
+    assert all(abs(planned[n] - ran[n]) < 0.03 for n in planned)
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 6, 9, 12])

@@ -14,6 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..analysis.noise import paired_gain
 from ..analysis.profiling.timelines import timed_median, timed_steps
 from ..schedules.timeline import Event, Timeline
@@ -103,6 +105,10 @@ class Comparison:
         if split is not None or live is not None:  # (T_B + T_W) / T_BW: stages alone, and in the pipelines
             out["split_price"] = {"stages_alone": split,
                                   "in_pipeline": live and {"schedule": live[0], "ratio": live[1]}}
+        if self.stage_costs:  # what the planners planned with: each stage timed alone, in ms
+            out["stage_costs_ms"] = {str(n): {k: [float(v) * 1e3 for v in np.atleast_1d(getattr(c, k))]
+                                              for k in ("f", "b", "w", "bw") if getattr(c, k) is not None}
+                                     for n, c in self.stage_costs.items()}
         if fusions(self):  # each fused run beside its plain one: see fusions
             out["fusion"] = fusions(self)
         if self.learned is not None:
