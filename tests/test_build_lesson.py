@@ -789,6 +789,25 @@ def _no_pipeline(ns: dict, shape: str | int, loss=None, args: int = 5):
     return jax.jit(shard_map(rank_step, mesh=mesh, in_specs=(P(),) * args, out_specs=out, check_vma=False))
 
 
+def test_a_pipeline_from_a_blank_page_passes_and_wrong_ones_are_named(spmd_lesson):
+    """Exercise 9.5: the Solutions' forward_all (one shard_map program, one scan of m + p - 1 ticks) gives
+    the whole model's outputs, and jax.grad through it the whole model's gradients. A scan of m ticks, a
+    microbatch not offset by its rank, a result left varying (no psum), weights cut off from the gradient,
+    and a body still ``...`` each fail with their own message."""
+    lab = spmd_lesson["lab"]
+    right = ex.forward_pipeline(lab.try_forward(spmd_lesson["forward_all"]))
+    assert right and "in 11 ticks" in right.message, str(right)
+    wrong = [(lambda src: src.replace("jnp.arange(m + p - 1)", "jnp.arange(m)"), "too few for microbatch 7"),
+             (lambda src: src.replace("(t >= rank) & (t - rank < m)", "t < m"), "differ from the whole model"),
+             (lambda src: src.replace('lax.psum(ys[p - 1:], "rank")', "ys[p - 1:]"), "running it raised"),
+             (lambda src: src.replace("stage_F(A, c,", "stage_F(lax.stop_gradient(A), c,"), "jax.grad through")]
+    for edit, said in wrong:
+        with _replaced(spmd_lesson, SPMD_LESSON, "forward_all", edit):
+            verdict = ex.forward_pipeline(lab.try_forward(spmd_lesson["forward_all"]))
+        assert not verdict and said in verdict.message and verdict.hint, (said, str(verdict))
+    assert ex.forward_pipeline(lab.try_forward(lambda As, cs, X: None)).message.startswith("no answer yet")
+
+
 def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):
     """Exercise 9.4: the Solutions' spmd_step (one shard_map program; the last rank's F adds each
     microbatch's loss over m, its B starts from the head's gradient, its W adds to dH; psum makes the loss

@@ -77,6 +77,7 @@ CASES = {
     "9.3": (lambda actions, ticks: _depths_by_hand(actions, ticks),   # the wrong one: a row busy through
             lambda actions, ticks: _depths_by_hand(actions, ticks, inclusive=True)),   # the end of its last read
     "9.4": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
+    "9.5": (lambda: _forward_result(11), lambda: _forward_result(8)),   # 8 ticks: m, not m + p - 1
     "10.1": (lambda p, m: 3 * m + 2 * (p - 1),       # the last rank starts 2(p - 1) ticks in, never waits
              lambda p, m: 3 * m + 3 * (p - 1)),      # the wrong one: the way back paid too
     "10.2": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
@@ -234,6 +235,15 @@ def _step_result(factor):
             "products": [0, 3, 3, 3], "loose": 0}
 
 
+def _forward_result(ticks):
+    """What lesson 9's ``lab.try_forward`` hands exercise 9.5's check: one shard_map program, nothing of the
+    model outside it, one scan of ``ticks``, the whole model's outputs and jax.grad's gradients (p = 4,
+    m = 8: 11 ticks are right)."""
+    out = np.linspace(-1, 1, 8 * 64 * 256).reshape(8, 64, 256)
+    return {"error": None, "output": out, "output_ref": out, "scans": [ticks], "shard_maps": 1, "outside": [],
+            "grad_error": 1e-6}
+
+
 def _own_result(embed_error, products=(0, 3, 3, 3)):
     """What ``bench.try_own_step`` hands exercise 10.4's check: one shard_map program, nothing outside it,
     jax's loss, every gradient leaf within 1e-7 of jax.grad's but the embedding's, off by ``embed_error``,
@@ -305,7 +315,7 @@ def test_every_lesson_has_at_least_two_exercises_numbered_from_one_and_every_che
 def _answer(key, which):
     """CASES' answer; exercises 9.4's, 10.3's and 10.4's (a run's result, not a function) are built here."""
     answer = CASES[key][which]
-    return answer() if key in ("9.4", "10.3", "10.4") else answer
+    return answer() if key in ("9.4", "9.5", "10.3", "10.4") else answer
 
 
 @pytest.mark.parametrize("key", sorted(CASES))

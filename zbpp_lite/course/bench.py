@@ -199,6 +199,39 @@ class SpmdLab:
         rows = {b: max(k) for b, k in buffer_depths(build_schedule(V_RUNS[0], p, m), overlap=True).items()}
         return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows, overlap=True), V_RUNS))
 
+    def try_forward(self, forward: Callable) -> Any:
+        """Exercise 9.5's result: ``forward(As, cs, Xm) -> (microbatches, microbatch_size, width)``, the last
+        stage's output of each microbatch, run on ``arrays``: ``{"error": None, "output": its output as a
+        NumPy array, "output_ref": the whole model's, "scans": the lengths of the scans its program runs,
+        "shard_maps", "outside": as :meth:`try_step` gives them, **gradient_report of jax.grad of the mean
+        squared error through it}``, or what :func:`_traced_run` returns instead (the package's tick tables
+        called while it traces: ``"copied"``)."""
+        from ..runtime.spmd import tick_tables
+        from ..schedules.simulate import lockstep_ticks
+
+        As, cs, Xm, Ym = self.arrays
+        params, X, _ = mlp(self.case)
+        one = lambda *a: (lambda y: None if y is None else (y,))(forward(*a))  # noqa: E731  (None: a stub)
+        program, out, refused = _traced_run(one, (As, cs, Xm), 1, (tick_tables, lockstep_ticks))
+        if program is None:
+            return refused
+        try:
+            output = np.asarray(out[0], dtype=np.float64)
+        except (TypeError, ValueError) as e:   # a ragged list, a dict: no array of numbers
+            return {"error": f"forward_all returned something other than an array of numbers ({e})"}
+        grads = {"grad_error": float("inf")}   # another shape: the check names it first
+        if output.shape == Xm.shape:
+            try:
+                loss = lambda As, cs: jnp.mean((forward(As, cs, Xm) - Ym) ** 2)  # noqa: E731
+                dA, dc = jax.grad(loss, argnums=(0, 1))(As, cs)
+            except Exception as e:  # noqa: BLE001  (no gradient through it)
+                return {"error": f"{type(e).__name__}: {e}"}
+            grads = gradient_report(list(zip(dA, dc)), list(zip(*self.reference)))
+        shard_maps, outside = _outside(program.jaxpr)
+        return dict(error=None, output=output, output_ref=np.asarray(mlp_output(params, X)).reshape(Xm.shape),
+                    scans=_scan_lengths(program.jaxpr), shard_maps=shard_maps, outside=sorted(set(outside)),
+                    **grads)
+
     def try_step(self, step: Callable) -> Any:
         """Exercise 9.4's result: ``step(As, cs, H, Xm, Ym) -> (loss, dAs, dcs, dH)`` run on ``arrays`` (one
         stage a rank) with a linear head ``H`` (width, width) after the last stage (:func:`head_loss`):
@@ -533,6 +566,17 @@ def collectives_in_branches(jaxpr: Any, inside: bool = False) -> list[str]:
             found.append(name)
         for sub in inner_jaxprs(eqn):
             found += collectives_in_branches(sub, inside or name == "cond")
+    return found
+
+
+def _scan_lengths(jaxpr: Any) -> list[int]:
+    """The lengths of the scans ``jaxpr`` runs, the jaxprs it calls looked into (a scan's own body too)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            found.append(eqn.params["length"])
+        for sub in inner_jaxprs(eqn):
+            found += _scan_lengths(sub)
     return found
 
 

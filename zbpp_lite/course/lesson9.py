@@ -476,13 +476,62 @@ def spmd_step(result: Any) -> Verdict:
                    f"{max(result['grad_error'], result['dH_error']):.1e}).")
 
 
+def forward_pipeline(result: Any) -> Verdict:
+    """Exercise 9.5: the learner's ``forward_all(As, cs, X)``, the last stage's output of every microbatch,
+    written from a blank page (``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_forward` gives it).
+    Right when it is one ``shard_map`` program with no model work outside it, its ticks one ``lax.scan`` of
+    m + p - 1 (microbatch m - 1 enters rank 0 in tick m - 1 and needs p - 1 more), its output the whole
+    model's within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` of the largest (per microbatch), and
+    ``jax.grad`` through it gives the whole model's gradients: the scan run backwards, GPipe's backward."""
+    p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
+    hint = ("one jitted shard_map program, A and c cut by rank, X whole: a lax.scan over the ticks whose "
+            "state holds what rank r - 1 sent the tick before (rank 0 reads X instead); each tick's output "
+            "goes to rank r + 1 by lax.ppermute; the last rank's outputs, zeros elsewhere, summed over the "
+            "ranks by lax.psum are one copy (out_specs P()).")
+    refused = _step_problem("9.5", result, "forward_all", "lab.try_forward(forward_all)", "an array", hint)
+    if refused is not None:
+        return refused
+    work = [op for op in result["outside"] if op in ("dot_general", "tanh")]
+    if work:
+        return Verdict("9.5", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
+                       hint)
+    scans = result["scans"]
+    if len(scans) != 1:
+        return Verdict("9.5", False, f"the program runs {len(scans)} scans, not one over the ticks.", hint)
+    if scans[0] != m + p - 1:
+        few = scans[0] < m + p - 1
+        return Verdict("9.5", False, f"its scan runs {scans[0]} ticks at p = {p}, m = {m}: "
+                       f"{'too few for' if few else 'more than'} microbatch {m - 1} "
+                       f"{'to leave' if few else 'needs to leave'} the last stage.",
+                       f"in which tick does microbatch {m - 1} enter rank 0, and how many more until it "
+                       "leaves the last rank?")
+    out, ref = result["output"], result["output_ref"]
+    if out.shape != ref.shape:
+        return Verdict("9.5", False, f"forward_all returned shape {out.shape}, not {ref.shape} "
+                       "(microbatches, samples, width).", hint)
+    largest = np.max(np.abs(ref))
+    off = [j for j in range(m) if not np.max(np.abs(out[j] - ref[j])) <= BUILD_TOLERANCE * largest]
+    if off:
+        return Verdict("9.5", False, f"microbatch(es) {off} differ from the whole model's output.",
+                       "in tick t rank r runs microbatch t - r, if 0 <= t - r < m: rank 0 reads X[t], rank r "
+                       "what rank r - 1 sent the tick before; which tick's output of the last rank is "
+                       "microbatch j's?")
+    if not result["grad_error"] <= BUILD_TOLERANCE:
+        return Verdict("9.5", False, f"jax.grad through forward_all differs from the whole model's "
+                       f"(relative difference {result['grad_error']:.1e}).",
+                       "let the gradient flow: no lax.stop_gradient, and every value computed from A and c.")
+    return Verdict("9.5", True, f"one SPMD program carried {m} microbatches through {p} stages in "
+                   f"{m + p - 1} ticks, and jax.grad through it gives the whole model's gradients (largest "
+                   f"relative difference {result['grad_error']:.1e}).")
+
+
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_needed,
-                                                  "9.4": spmd_step}
+                                                  "9.4": spmd_step, "9.5": forward_pipeline}
 """Lesson 9's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = ["KIND_CODE", "TICK_CASES", "ROWS_CASES", "BUFFERS", "FUSED", "tick_table", "lockstep_1f1b",
-           "rows_needed", "spmd_step", "buffer_depths", "buffer_rows", "tick_grid", "tick_messages",
-           "EXERCISES", "REVEALS"]
+           "rows_needed", "spmd_step", "forward_pipeline", "buffer_depths", "buffer_rows", "tick_grid",
+           "tick_messages", "EXERCISES", "REVEALS"]
