@@ -522,7 +522,10 @@ def forward_pipeline(result: Any) -> Verdict:
                        "let the gradient flow: no lax.stop_gradient, and every value computed from A and c.")
     return Verdict("9.5", True, f"one SPMD program carried {m} microbatches through {p} stages in "
                    f"{m + p - 1} ticks, and jax.grad through it gives the whole model's gradients (largest "
-                   f"relative difference {result['grad_error']:.1e}).")
+                   f"relative difference {result['grad_error']:.1e}). That backward is the scan run in "
+                   "reverse, each ppermute sending up: GPipe's, every BW after every F. Differentiating the "
+                   "forward gives no other order, so a zero-bubble program writes B and W as ticks of their "
+                   "own (make_tick).")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_needed,
