@@ -6,7 +6,8 @@ rebuilt from that row gives ``jax.vjp``'s dx, with no collective inside a branch
 your own": a tied weight passed whole, cast to varying, each rank taking its own use's gradient and one
 psum adding them, gives ``jax.grad``'s gradient of both uses; the package's dropout keys, folded from the
 step's key, the microbatch and the part, repeat for the same three and differ otherwise; ``nnx.split`` /
-``nnx.merge`` carry a module's arrays and rebuild it.
+``nnx.merge`` carry a module's arrays and rebuild it; two pipeline copies over a ``"data"`` axis, each
+weight cast to varying over it, average their gradients with one ``lax.pmean`` to the whole batch's.
 """
 
 from __future__ import annotations
@@ -82,6 +83,40 @@ def test_a_tied_weight_cast_to_varying_and_summed_by_one_psum_gets_both_uses_gra
     untied = jax.jit(shard_map(lambda E, x, y: jax.grad(lambda E: jnp.sum(jnp.tanh(x @ E)))(vary(E))[None],
                                mesh=mesh, in_specs=(P(), P(), P()), out_specs=P("rank")))(E, x, y)
     assert not np.allclose(untied[0], whole, atol=1e-3)     # one use alone is not the tied gradient
+
+
+def test_two_pipeline_copies_over_a_data_axis_average_their_gradients_with_one_pmean():
+    dp, p, m, n, d = 2, 2, 2, 4, 8                       # 2 copies of a 2-rank pipeline, 2 microbatches each
+    k = jax.random.split(jax.random.key(5), 3)
+    As = jax.random.normal(k[0], (p, d, d)) / d**0.5     # stage s: tanh(x @ As[s])
+    X, Y = (jax.random.normal(key, (dp, m, n, d)) for key in k[1:])   # each copy's microbatches
+
+    def step(cast):  # cast: what a weight passed whole over "data" gets before its gradient
+        def per_device(A, X, Y):                         # this rank's stage; this copy's microbatches
+            A = cast(A[0])
+            X, Y, rank = X[0], Y[0], lax.axis_index("rank")
+
+            def copy_loss(A):                            # exercise 9.5's forward, the loss on the last rank
+                def tick(x_in, t):
+                    y = jnp.tanh(jnp.where(rank == 0, X[jnp.clip(t, 0, m - 1)], x_in) @ A)
+                    y = jnp.where((t >= rank) & (t - rank < m), y, 0.0)
+                    return lax.ppermute(y, "rank", [(0, 1)]), y
+                start = vary(vary(jnp.zeros((n, d)), "rank"), "data")
+                _, ys = lax.scan(tick, start, jnp.arange(m + p - 1))
+                return lax.psum(jnp.where(rank == p - 1, jnp.mean((ys[p - 1:] - Y) ** 2), 0.0), "rank")
+            return lax.pmean(jax.grad(copy_loss)(A), "data")[None]   # the copies' gradients, averaged
+        mesh = Mesh(np.array(jax.devices()[:dp * p]).reshape(dp, p), ("data", "rank"))
+        return jax.jit(shard_map(per_device, mesh, (P("rank"), P("data"), P("data")), P("rank")))(As, X, Y)
+
+    def whole(As):                                       # one device, the whole batch
+        h = X.reshape(-1, n, d)
+        for A in As:
+            h = jnp.tanh(h @ A)
+        return jnp.mean((h - Y.reshape(-1, n, d)) ** 2)
+    reference = jax.grad(whole)(As)
+    np.testing.assert_allclose(step(lambda A: vary(A, "data")), reference, rtol=1e-5, atol=1e-6)
+    # passed whole over "data", the weight's gradient is summed over the copies before the pmean: 2x
+    np.testing.assert_allclose(step(lambda A: A), dp * reference, rtol=1e-5, atol=1e-6)
 
 
 def test_dropout_keys_repeat_for_the_same_step_stage_and_microbatch_and_differ_otherwise():
