@@ -211,8 +211,11 @@ class SpmdLab:
 
         As, cs, Xm, Ym = self.arrays
         params, X, _ = mlp(self.case)
-        one = lambda *a: (lambda y: None if y is None else (y,))(forward(*a))  # noqa: E731  (None: a stub)
-        program, out, refused = _traced_run(one, (As, cs, Xm), 1, (tick_tables, lockstep_ticks))
+        def as_tuple(*args):   # _traced_run reads a tuple of outputs; None (a stub's) stays None
+            y = forward(*args)
+            return None if y is None else (y,)
+
+        program, out, refused = _traced_run(as_tuple, (As, cs, Xm), 1, (tick_tables, lockstep_ticks))
         if program is None:
             return refused
         try:
@@ -228,9 +231,9 @@ class SpmdLab:
                 return {"error": f"{type(e).__name__}: {e}"}
             grads = gradient_report(list(zip(dA, dc)), list(zip(*self.reference)))
         shard_maps, outside = _outside(program.jaxpr)
+        scans = [e.params["length"] for e in _eqns(program.jaxpr, lambda e: e.primitive.name == "scan")]
         return dict(error=None, output=output, output_ref=np.asarray(mlp_output(params, X)).reshape(Xm.shape),
-                    scans=_scan_lengths(program.jaxpr), shard_maps=shard_maps, outside=sorted(set(outside)),
-                    **grads)
+                    scans=scans, shard_maps=shard_maps, outside=sorted(set(outside)), **grads)
 
     def try_step(self, step: Callable) -> Any:
         """Exercise 9.4's result: ``step(As, cs, H, Xm, Ym) -> (loss, dAs, dcs, dH)`` run on ``arrays`` (one
@@ -464,10 +467,15 @@ def _is_switch(eqn: Any) -> bool:
     return eqn.primitive.name == "cond" and len(eqn.params["branches"]) >= 4
 
 
+def _eqns(jaxpr: Any, which: Callable[[Any], bool]) -> list:
+    """Every equation ``which`` names in ``jaxpr``, the jaxprs it calls looked into (a found one's too)."""
+    return [found for e in jaxpr.eqns for found in
+            ([e] if which(e) else []) + [f for j in inner_jaxprs(e) for f in _eqns(j, which)]]
+
+
 def _switches(jaxpr: Any) -> list:
     """Every tick's switch (:func:`_is_switch`) in ``jaxpr``, the jaxprs it calls looked into."""
-    return [found for e in jaxpr.eqns for found in
-            ([e] if _is_switch(e) else []) + sum(map(_switches, inner_jaxprs(e)), [])]
+    return _eqns(jaxpr, _is_switch)
 
 
 def branch_products(jaxpr: Any, which: Callable[[Any], bool] = lambda eqn: True) -> list[int] | None:
@@ -566,17 +574,6 @@ def collectives_in_branches(jaxpr: Any, inside: bool = False) -> list[str]:
             found.append(name)
         for sub in inner_jaxprs(eqn):
             found += collectives_in_branches(sub, inside or name == "cond")
-    return found
-
-
-def _scan_lengths(jaxpr: Any) -> list[int]:
-    """The lengths of the scans ``jaxpr`` runs, the jaxprs it calls looked into (a scan's own body too)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scan":
-            found.append(eqn.params["length"])
-        for sub in inner_jaxprs(eqn):
-            found += _scan_lengths(sub)
     return found
 
 
