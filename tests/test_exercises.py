@@ -52,8 +52,8 @@ CASES = {
             lambda p, m, r, mw: 2 * (p - r) - 1 + 2 * r * mw),   # warm-up + lag x M_W: wrong once M_W > M_B
     "3.3": (lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, b - f, 0.0),
             lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
-    "4.1": (lambda p, f, b, w, bw: max(p - 1, math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1),
-            lambda p, f, b, w, bw: max(p - 1, math.ceil((p - 1) * (bw - b + w) / (b + w - bw)) - 1)),   # past T_F
+    "4.1": (lambda p, m: {(p - 1, 0)} | {(r, j) for r in range(1, p) for j in range(m - (p - r), m)},   # the
+            lambda p, m: {(p - 1, 0), (p - 1, m - 1)}),   # waits; the wrong one: p = 2's answer, no cool-down
     "4.2": (lambda p, f, b: p + (p - 1) * round(b / f),   # p T_F + (p-1) T_B over T_F
             lambda p, f, b: 2 * p - 1),                  # ZB-H2's 2p - 1, copied
     "4.3": (HAND_30, HAND_31),                      # the optimum; zb-auto's own order
@@ -332,11 +332,29 @@ def test_a_wrong_answer_fails_with_a_hint(key):
     assert str(verdict).startswith(f"Exercise {key}: not yet.") and verdict.hint and "Hint:" in str(verdict)
 
 
-def test_break_even_without_the_p_minus_1_floor_fails():
-    """Exercise 4.1's crossing formula alone, where 1F1B is faster from m = p on (p = 4, T_F = 1, T_B = 3,
-    T_W = 2, T_BW = 3.2), gives 2, not the p - 1 = 3 the statement asks for."""
-    verdict = ex.EXERCISES["4.1"](lambda p, f, b, w, bw: math.ceil((p - 1) * (bw - b + min(w, f)) / (b + w - bw)) - 1)
-    assert not verdict.ok and "(4, 1.0, 3.0, 2.0, 3.2)" in str(verdict)
+def test_split_where_it_pays_asks_for_the_shortest_split_plan_at_two_ranks():
+    """Exercise 4.1's bar, zb-auto's makespan, is the shortest any set of splits reaches at p = 2 (every one
+    of the 2**(2m) sets tried, m = 4 and 5), and rank 1's first and last backwards are the only set that
+    reaches it with no split to spare."""
+    from zbpp_lite.course import lesson4
+
+    for m in (4, 5):
+        cells = [(r, j) for r in range(2) for j in range(m)]
+        spans = {frozenset(c for i, c in enumerate(cells) if bits >> i & 1): 0.0 for bits in range(1 << 2 * m)}
+        spans = {s: lesson4._split_span(2, m, s) for s in spans}
+        best = min(spans.values())
+        assert best == pytest.approx(lesson4._auto_span(2, m), abs=1e-6)
+        shortest = [s for s, span in spans.items() if span <= best + 1e-6]
+        assert [set(s) for s in shortest if not any(t < s for t in shortest)] == [{(1, 0), (1, m - 1)}]
+
+
+def test_split_where_it_pays_names_a_split_that_buys_nothing_and_a_plan_too_long():
+    cool_down = lambda p, m: {(r, j) for r in range(1, p) for j in range(m - (p - r), m)}  # noqa: E731
+    v = ex.split_where_it_pays(lambda p, m: cool_down(p, m) | {(r, 0) for r in range(1, p)})   # every B0 too
+    assert not v and "(1, 0) buys nothing" in v.message and "p = 3, m = 6" in v.message, str(v)
+    v = ex.split_where_it_pays(lambda p, m: {(r, j) for r in range(p) for j in range(m)})     # every backward
+    assert not v and "104.5 ms" in v.message and "1F1B 98.0" in v.message, str(v)
+    assert "no backward (2, 0)" in ex.split_where_it_pays(lambda p, m: {(p, 0)}).message
 
 
 @pytest.mark.parametrize("key", sorted(CASES))
@@ -467,9 +485,6 @@ def test_the_lesson_4_checks_reject_the_printed_rules():
     assert "T_B = 2 T_F only" in ex.bubble_floor_limit(lambda p, f, b: 3 * p - 2).message   # the lesson's case
     assert not ex.bubble_floor_limit(lambda p, f, b: p + (p - 1) * b)                        # T_B not over T_F
     assert not ex.bubble_floor_limit(10) and not ex.bubble_floor_limit(10).attempt   # p = 4's number alone
-    floor_m = lambda p, f, b, w, bw: math.floor((p - 1) * (bw - b + min(w, f)) / (b + w - bw))  # noqa: E731
-    assert not ex.bw_break_even(floor_m).ok                                        # counts the tie
-    assert not ex.bw_break_even(lambda p, f, b, w, bw: p).ok                         # "m = p" alone
 
 
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():

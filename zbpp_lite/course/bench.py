@@ -158,7 +158,7 @@ class SpmdLab:
         twice: ``per_rank(A, c, dA, dc) -> (A, c)`` inside ``shard_map`` (each rank its own stage's
         slices, leading axis 1; the lesson's takes the global norm from one ``lax.psum``) and the package's
         step on the whole model on one device. Returns ``((As, cs) per rank, stacked; the same from the
-        whole model)``: exercise 8.4's answer as one program, which lesson 10 asserts."""
+        whole model)``: exercise 8.3's answer as one program, which lesson 10 asserts."""
         from jax.sharding import PartitionSpec as P
 
         from ..runtime import spmd
@@ -1126,7 +1126,7 @@ class Lab:
         return {"error": None, "cases": cases}
 
     def try_pipeline(self, rank_loop: Callable) -> dict:
-        """Exercise 8.3's result: the learner's loop on :data:`PIPELINE_RUNS`, the stages placed as each
+        """Exercise 8.2's result: the learner's loop on :data:`PIPELINE_RUNS`, the stages placed as each
         schedule says (put back after): ``{"error", "runs": {name: {"timeline", "w_calls" (:meth:`_run`),
         "moved" (:meth:`moved`), "calls" and "w_wrong" (:meth:`_run`'s), and :func:`gradient_report`'s
         "grad_error", "stage_errors", "scale"}}, "stage": :meth:`try_stage` of the F, B and W the loop's
@@ -1147,31 +1147,8 @@ class Lab:
             result["stage"] = self.try_stage(*fbw)
         return result
 
-    def for_w_peaks(self, F: Callable, B: Callable, name: str = "zb-h1") -> list[int]:
-        """Exercise 8.2's reveal: each rank's actions of schedule ``name`` (4 ranks, 8 microbatches) walked in
-        order with the learner's F and B on random inputs, what a B returns for W held until that W; per rank
-        the most bytes held at once (:func:`nbytes`, counted right after each B)."""
-        schedule, shape = build_schedule(name, self.p, self.m), (self.rows, self.X.shape[1])
-        peaks = []
-        for actions in schedule.actions:
-            saved, for_w, peak = {}, {}, 0
-            for a in actions:
-                s, j = a.stage, a.microbatch
-                device, last = self.devices[self.placement[s]], s == self.S - 1
-                if a.kind == "F":
-                    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(j), shape), device)
-                    saved[s, j] = _need(F(s, x, self.targets_mb[j] if last else None), "F")[1]
-                if a.kind in ("B", "BW"):
-                    dy = jnp.float32(1 / self.m) if last else jax.device_put(jnp.ones(shape), device)
-                    for_w[s, j] = _need(B(saved.pop((s, j)), dy), "B")[1]
-                    peak = max(peak, nbytes(list(for_w.values())))
-                if a.kind in ("W", "BW"):
-                    for_w.pop((s, j))
-            peaks.append(peak)
-        return peaks
-
     def try_step(self, optimizer_step: Callable) -> dict:
-        """Exercise 8.4's result: ``optimizer_step(rank, grads, params, all_sum)`` on one thread per rank, the
+        """Exercise 8.3's result: ``optimizer_step(rank, grads, params, all_sum)`` on one thread per rank, the
         stages placed as in :data:`STEP_RUNS`, from ``jax.grad``'s gradients, the two uses of :data:`TIED` one
         matrix, the second use's given the first's added (so the uses' gradients share a direction), each
         bias's rescaled to twice its matrix's norm (so that every leaf counts in the global norm).

@@ -10,8 +10,8 @@ from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _function_check, _hand_schedule, _line_figure, _settled, _unanswered,
-                     _with_fresh, course_cache)
+from .checks import (Verdict, _called, _function_check, _function_missing, _hand_schedule, _line_figure,
+                     _settled, _shown, _unanswered, _with_fresh, course_cache)
 
 
 AUTO_CASE = dict(num_ranks=4, num_microbatches=16, costs=Costs(f=1.0, b=2.0, w=1.0))
@@ -35,27 +35,91 @@ def _auto(limit: float):
     return auto_plan(c["num_ranks"], c["num_microbatches"], c["costs"], limit)
 
 
-def bw_break_even(fn: Any) -> Verdict:
-    """Exercise 4.1: ``largest_m(p, f, b, w, bw)``, the most microbatches (m >= p) for which ZB-H1 (split)
-    is strictly faster than 1F1B (fused T_BW = bw < T_B + T_W), T_comm = 0, T_W on either side of T_F;
-    checked against both simulations at ten points (the paper's costs, two ties, three with T_W > T_F,
-    where a W no longer fits its gap (lesson 3), and one where 1F1B is faster from m = p on)."""
-    points = [(4, 1.0, 1.0, 1.0, 1.55), (2, 1.0, 1.2, 0.6, 1.45), (8, 18.522, 18.086, 9.337, 24.0),
-              (5, 2.0, 1.5, 1.0, 2.2), (3, 1.0, 0.5, 0.8, 1.0), (4, 1.0, 1.0, 1.0, 1.5),   # a tie at m = 9
-              (4, 1.0, 1.0, 1.5, 2.3), (3, 1.0, 2.0, 1.5, 3.0), (5, 1.0, 1.5, 2.0, 3.0),  # T_W > T_F; tie: 8
-              (4, 1.0, 3.0, 2.0, 3.2)]   # they cross below m = p: none is faster, p - 1
+SPLIT_COSTS = Costs(f=7.7, b=8.0, w=6.5, bw=11.9)
+"""Exercise 4.1's costs (ms): the lesson's CPU measurement, with the fused backward's own cost; a split
+costs T_B + T_W - T_BW = 2.6 ms of work."""
 
-    def largest(p, f, b, w, bw):
-        c, m = Costs(f=f, b=b, w=w, bw=bw), p
-        spans = lambda n: simulate(build_schedule(n, p, m), c).makespan  # noqa: E731
-        while m <= 400 and spans("zb-h1") < spans("1f1b") - 1e-9:
-            m += 1
-        return m - 1
 
-    return _function_check("4.1", fn, points, largest, "largest_m(p, f, b, w, bw)",
-                           "the split saves bubble once per step but pays T_B + T_W - T_BW on every "
-                           "microbatch: write both makespans as functions of m and find where they cross; "
-                           "and which W's still fit their gaps when T_W > T_F?")
+def _split_plan(p: int, m: int, splits: frozenset) -> Any:
+    """1F1B on p ranks (stage r on rank r) and m microbatches, with the backward of each (rank, microbatch) in
+    ``splits`` run split: its B in the BW's place, its W moved to the end of the rank's list (in the order
+    of the B's); every other backward stays fused."""
+    from ..schedules.ir import Action, Schedule
+
+    base, rows = build_schedule("1f1b", p, m), []
+    for r, row in enumerate(base.actions):
+        kept, moved = [], []
+        for a in row:
+            if a.kind == "BW" and (r, a.microbatch) in splits:
+                kept.append(Action("B", a.stage, a.microbatch))
+                moved.append(Action("W", a.stage, a.microbatch))
+            else:
+                kept.append(a)
+        rows.append(tuple(kept + moved))
+    return Schedule(tuple(rows), base.placement, m, "1f1b, some split")
+
+
+def _split_span(p: int, m: int, splits: frozenset) -> float:
+    return simulate(_split_plan(p, m, splits), SPLIT_COSTS).makespan
+
+
+@course_cache(maxsize=64)
+def _auto_span(p: int, m: int) -> float:
+    """zb-auto's makespan on :data:`SPLIT_COSTS` (it fuses some backwards and splits the rest; cached)."""
+    return simulate(build_schedule("zb-auto", p, m, costs=SPLIT_COSTS), SPLIT_COSTS).makespan
+
+
+SPLIT_POINTS = ((2, 4), (2, 7), (3, 6), (3, 10))
+"""Exercise 4.1's fixed points (p, m); the check adds two drawn afresh (p = 2 or 3, m = 2p to 6p)."""
+
+
+def split_where_it_pays(fn: Any) -> Verdict:
+    """Exercise 4.1: ``split_these(p, m)``, the backwards (rank, microbatch) to run split in 1F1B on
+    :data:`SPLIT_COSTS` (B in the BW's place, W at the rank's end: :func:`_split_plan`), p = 2 or 3, m >= 2p.
+    Right when, at :data:`SPLIT_POINTS` and two points drawn afresh, the step is as short as zb-auto's plan
+    and every split pays: without any one of them the step is longer. Not in the paper, which takes T_BW =
+    T_B + T_W (arXiv 2401.10241, section 2)."""
+    hint = ("a split pays only where another rank is waiting for that B, and its W needs room where its own "
+            "rank would otherwise wait: read both off 1F1B's timeline, at the start and at the end.")
+    missing = _function_missing("4.1", fn, hint, shape="a function split_these(p, m)")
+    if missing is not None:
+        return missing
+
+    def draw(rng):
+        p = rng.choice((2, 3))
+        return p, rng.randint(2 * p, 6 * p)
+
+    for p, m in _with_fresh(list(SPLIT_POINTS), draw, 2):
+        got, refused = _called("4.1", fn, (p, m), hint)
+        if refused is not None:
+            return refused
+        if _unanswered(got):
+            return Verdict("4.1", False, f"at p = {p}, m = {m} your function returned {_shown(got)}: replace "
+                           "the ... in its body.", hint, attempt=False)
+        pairs = got if isinstance(got, (list, tuple)) else None
+        if pairs is None or not all(isinstance(x, (list, tuple)) and len(x) == 2 and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in x) for x in pairs):
+            return Verdict("4.1", False, f"at p = {p}, m = {m} expected (rank, microbatch) pairs such as "
+                           f"{{(1, 0)}}, got {_shown(got)}.", hint)
+        splits = frozenset((r, j) for r, j in pairs)
+        outside = sorted(x for x in splits if not (0 <= x[0] < p and 0 <= x[1] < m))
+        if outside:
+            return Verdict("4.1", False, f"at p = {p}, m = {m} there is no backward {outside[0]}: ranks run "
+                           f"0 to {p - 1}, microbatches 0 to {m - 1}.", hint)
+        span, auto, plain = _split_span(p, m, splits), _auto_span(p, m), _split_span(p, m, frozenset())
+        where = f"at p = {p}, m = {m}"
+        if span > auto + 1e-6:
+            return Verdict("4.1", False, f"{where} your splits give a step of {span:.1f} ms; zb-auto's plan "
+                           f"takes {auto:.1f} and 1F1B {plain:.1f}.", hint)
+        for x in sorted(splits):
+            if _split_span(p, m, splits - {x}) <= span + 1e-6:
+                price = SPLIT_COSTS.b + SPLIT_COSTS.w - SPLIT_COSTS.bw
+                return Verdict("4.1", False, f"{where} the split of backward {x} buys nothing: the "
+                               f"step takes {span:.1f} ms with it and without it, and the split costs "
+                               f"{price:.1f} ms of work and holds its M_W to the rank's end.", hint)
+    return Verdict("4.1", True, f"at each point the step is as short as zb-auto's plan ({where}: "
+                   f"{span:.1f} ms against 1F1B's {plain:.1f}), and every split pays: each shortens "
+                   "another rank's wait, and its W runs where its own rank would wait.")
 
 
 AUTO_LIMITS = tuple(range(4, 14))
@@ -174,7 +238,7 @@ def plan_around(order: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "4.1": bw_break_even, "4.2": bubble_floor_limit, "4.3": plan_around
+    "4.1": split_where_it_pays, "4.2": bubble_floor_limit, "4.3": plan_around
 }
 """Lesson 4's exercises by id -> check."""
 
@@ -185,7 +249,6 @@ REVEALS: dict[str, Callable[[], Any]] = {"4.2": lambda: _line_figure(
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "AUTO_CASE", "bw_break_even", "AUTO_LIMITS", "FLOOR_PLANNED", "bubble_floor_limit", "HAND_CASE",
-    "plan_around",
-    "EXERCISES", "REVEALS"
+    "SPLIT_COSTS", "SPLIT_POINTS", "split_where_it_pays", "AUTO_CASE", "AUTO_LIMITS", "FLOOR_PLANNED",
+    "bubble_floor_limit", "HAND_CASE", "plan_around", "EXERCISES", "REVEALS"
 ]

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..schedules.builders import build_schedule
 from ..schedules.ir import Schedule
-from .checks import Verdict, _function_check, _unanswered, _with_fresh
+from .checks import Verdict, _unanswered
 
 
 BUILD_CASE = dict(ranks=4, microbatches=8, layers=8, width=256, microbatch_size=64, itemsize=4)
@@ -78,7 +78,7 @@ def stage_split(result: Any) -> Verdict:
     ``b_flops``/``ref_b_flops`` (XLA's flops of B and of the input-gradient pullback), ``b_error``
     (why jax.jit could not compile B, else None: a B whose flops cannot be counted does not pass) and
     ``for_w_bytes``/``w_needs_bytes`` (the distinct arrays' bytes B hands to W, and those of each layer's
-    input and dz: more fails, since exercise 8.2 counts what W needs), ``w_flops``/``w_products_flops``
+    input and dz: more fails), ``w_flops``/``w_products_flops``
     (XLA's flops of W, and of each layer's ``x.T @ dz``: W doing more than 1.5 times those runs the layers
     again), ``w_error`` (why jax.jit could not compile W, else None) and ``b_products``/``ref_b_products``
     (the matrix products B and the input-gradient pullback run as traced: work whose result B drops,
@@ -86,7 +86,7 @@ def stage_split(result: Any) -> Verdict:
     """
     hint = ("F: a jax.vjp with respect to which arguments gives B the input gradient and every layer's dz, "
             "and no weight gradient? What must F keep for B, and what for W? W: which two arrays per "
-            "layer, and how does the probe cell above combine them?")
+            "layer, and lesson 2's rule for dA?")
     problem = _run_problem("8.1", result, "cases", "try_stage(F, B, W)", "F, B and W", "your functions", hint)
     if problem is not None:
         return problem
@@ -142,81 +142,8 @@ def stage_split(result: Any) -> Verdict:
                    f"(largest relative difference {worst:.1e}).")
 
 
-def _stage_layers(p: int, r: int, widths: Sequence[int]) -> list[tuple[int, int]]:
-    """(input width, output width) of each layer of stage r of p: layers r L/p .. (r + 1) L/p - 1 of
-    L = len(widths) - 1, layer l taking widths[l] to widths[l + 1]."""
-    k = (len(widths) - 1) // p
-    return [(widths[l], widths[l + 1]) for l in range(r * k, (r + 1) * k)]
-
-
-def _stage_m_w(p: int, r: int, widths: Sequence[int], rows: int) -> int:
-    """Bytes of what B hands W for one microbatch on stage r of p: each of its layers' input x
-    (rows, input width) and pre-activation gradient dz (rows, output width), float32."""
-    return 4 * rows * sum(a + b for a, b in _stage_layers(p, r, widths))
-
-
-def _for_w_held(p: int, m: int, r: int, widths: Sequence[int], rows: int) -> int:
-    """Exercise 8.2's answer on ZB-H2, in microbatches of stage r's M_W (:func:`_stage_m_w`)."""
-    # min(2r + 1, m): rank r runs W of i after B of i + 2r, and holds no more than the m there are.
-    return min(2 * r + 1, m) * _stage_m_w(p, r, widths, rows)
-
-
-def for_w_peaks(fn: Any) -> Verdict:
-    """Exercise 8.2 (predicted): ``held(p, m, r, widths, samples)``, the most bytes of what B hands to W
-    (each layer's input x and pre-activation gradient dz, M_W a microbatch) rank r holds at once under
-    ZB-H2: stage s on rank s, layers like :data:`BUILD_CASE`'s, layer l taking width ``widths[l]`` to
-    ``widths[l + 1]``, the L = len(widths) - 1 layers cut evenly into p stages, m >= 1 microbatches of
-    ``samples`` samples, float32. Checked at the lesson's case (p = 4, m = 8, 8 layers of width 256, 64
-    samples), which the reveal measures, at m = 3, at a case of differing widths and at eight drawn afresh
-    (p = 2..6, widths 8 to 512), so that the reveal's numbers alone do not pass. A count copied from
-    elsewhere (ZB-H1's, 1F1B's, one taken before a B or after its W, one that forgets how few microbatches
-    there may be) and a wrong size (x or dz given the other's width, stage 0's layers for every rank,
-    floats instead of bytes) are named. The derivation: the lesson's Solutions."""
-    c = BUILD_CASE
-    lesson = (c["width"],) * (c["layers"] + 1), c["microbatch_size"]
-    fixed = [(c["ranks"], m, r, *lesson) for m in (c["microbatches"], 3) for r in range(c["ranks"])]
-    fixed += [(2, 5, r, (32, 64, 128, 16, 8), 16) for r in range(2)]
-
-    def draw(rng):
-        p = rng.randint(2, 6)
-        widths = tuple(8 * rng.randint(1, 64) for _ in range(p * rng.randint(1, 3) + 1))
-        return p, rng.randint(1, 3 * p), rng.randrange(p), widths, rng.choice((16, 32, 48, 128))
-
-    def sized(count, m_w=_stage_m_w):
-        return lambda p, m, r, widths, rows: count(p, m, r) * m_w(p, r, widths, rows)
-
-    def outputs_only(p, r, widths, rows):
-        return 4 * rows * sum(2 * b for _, b in _stage_layers(p, r, widths))
-
-    def inputs_only(p, r, widths, rows):
-        return 4 * rows * sum(2 * a for a, _ in _stage_layers(p, r, widths))
-
-    right = lambda p, m, r: min(2 * r + 1, m)  # noqa: E731
-    known = [(sized(lambda p, m, r: min(r + 1, m)), "that is ZB-H1's count (W of i after B of i + r); "
-              "ZB-H2's W's wait longer (lesson 3)"),
-             (sized(lambda p, m, r: 2 * r + 1), "2r + 1 is right while there are that many microbatches: "
-              "with m below it, how many can a rank hold?"),
-             (sized(lambda p, m, r: min(2 * r, m)), "that is the count before a B, or after its W: count "
-              "right after a B, before the W that follows frees the oldest"),
-             (sized(lambda p, m, r: min(p - r, m)), "rank 0 holds the most: that is what F keeps until B "
-              "(lesson 1); which rank's W lags its B the most?"),
-             (sized(right, outputs_only), "the counts are right; a layer's x has its input width, not its "
-              "output's (exercise 2.1)"),
-             (sized(right, inputs_only), "the counts are right; a layer's dz has its output width, not its "
-              "input's (exercise 2.1)"),
-             (sized(right, lambda p, r, *s: _stage_m_w(p, 0, *s)), "the counts are right; that is stage 0's "
-              "layers for every rank: rank r holds stage r"),
-             (lambda p, m, r, widths, rows: right(p, m, r) * _stage_m_w(p, r, widths, rows) / 4, "the counts "
-              "are right; those are floats, not bytes (float32: 4 bytes each)")]
-    return _function_check("8.2", fn, _with_fresh(fixed, draw, 8), _for_w_held,
-                           "held(p, m, r, widths, samples)",
-                           "two questions: which arrays does W of a layer read, and what shape is each? On "
-                           "rank r, right after a B, how many microbatches have had their B but not their W?",
-                           known=known)
-
-
 PIPELINE_RUNS = (("1f1b", 4), ("zb-h1", 4), ("zb-h2", 4), ("zb-v", 2))
-"""Exercise 8.3's runs (schedule, ranks) on :data:`BUILD_CASE`'s 4 stages: 1F1B's fused BW, ZB-H2's longer
+"""Exercise 8.2's runs (schedule, ranks) on :data:`BUILD_CASE`'s 4 stages: 1F1B's fused BW, ZB-H2's longer
 W lag, ZB-V's V placement (0, 1, 1, 0), which catches a loop that sends to rank +- 1 instead of the rank
 ``placement`` names; lesson 8 draws only ZB-H1."""
 
@@ -225,7 +152,7 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwis
         ) -> Verdict | None:
     """The verdict on a pipeline run whose gradients are not ``jax.grad``'s within :data:`BUILD_TOLERANCE`,
     naming the likely mistake from ``run``'s :func:`zbpp_lite.course.bench.gradient_report` fields
-    (``grad_error``, ``stage_errors``, ``scale``); None when they are (exercises 8.3 and 9.4).
+    (``grad_error``, ``stage_errors``, ``scale``); None when they are (exercises 8.2 and 9.4).
     ``otherwise``: the hint where no particular mistake is named (default: lesson 8's)."""
     error = float(run.get("grad_error", float("inf")))
     if error <= BUILD_TOLERANCE:
@@ -259,7 +186,7 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwis
 
 
 def pipeline_run(result: Any) -> Verdict:
-    """Exercise 8.3: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
+    """Exercise 8.2: the learner's rank loop, run by notebook 08's ``try_pipeline(rank_loop)`` on
     :data:`PIPELINE_RUNS`; ``result`` is ``{"error": None or text, "runs": {name: {"timeline": Timeline,
     "w_calls", "moved", "calls", "w_wrong", "grad_error", "stage_errors", "scale"}}}``. Right when every rank
     ran its actions in order, one event each, each after its inputs ended, each W and BW event held one call
@@ -271,39 +198,39 @@ def pipeline_run(result: Any) -> Verdict:
     hint = ("follow one microbatch through the figure: what must each of F, B, W and BW have before it "
             "starts, which rank holds the stage that needs its result, and when is that result ready?")
     if isinstance(result, dict) and result.get("error"):   # a wait that never ends, a send to no rank
-        return Verdict("8.3", False, f"running it raised {result['error']}", "a wait in vain or a rank out "
+        return Verdict("8.2", False, f"running it raised {result['error']}", "a wait in vain or a rank out "
                        "of range: a value goes to the inbox of the rank `placement` names for the stage that "
                        "needs it, under the key of its action; a JAX error: see what F or B got.")
-    problem = _run_problem("8.3", result, "runs", "try_pipeline(rank_loop)", "rank_loop", "running it", hint)
+    problem = _run_problem("8.2", result, "runs", "try_pipeline(rank_loop)", "rank_loop", "running it", hint)
     if problem is not None:
         return problem
     if isinstance(result.get("stage"), dict):
         split = stage_split(result["stage"])
         if not split:
-            return Verdict("8.3", False, f"your F, B and W do not pass exercise 8.1 yet: {split.message}",
+            return Verdict("8.2", False, f"your F, B and W do not pass exercise 8.1 yet: {split.message}",
                            split.hint)
     c = BUILD_CASE
     worst = 0.0
     for name, ranks in PIPELINE_RUNS:
         if name not in result["runs"]:
-            return Verdict("8.3", False, f"no run of {name}.", hint)
+            return Verdict("8.2", False, f"no run of {name}.", hint)
         run = result["runs"][name]
         why = (_order_problem(build_schedule(name, ranks, c["microbatches"]), run["timeline"])
                or _w_problem(run["timeline"], run.get("w_calls")))
         if why:
-            return Verdict("8.3", False, f"{name}: {why}", hint)
-        problem = gradient_problem("8.3", name, run, c["microbatches"])
+            return Verdict("8.2", False, f"{name}: {why}", hint)
+        problem = gradient_problem("8.2", name, run, c["microbatches"])
         if problem is not None:
             return problem
         why = (_calls_problem(build_schedule(name, ranks, c["microbatches"]), run.get("calls"))
                or _moved_problem(run.get("moved")) or _w_results_problem(run.get("w_wrong")))
         if why:
-            return Verdict("8.3", False, f"{name}: {why}", "each rank runs only its own stages, on what it "
+            return Verdict("8.2", False, f"{name}: {why}", "each rank runs only its own stages, on what it "
                            "receives, and sends each result to the rank holding the stage that needs it.")
         error = float(run["grad_error"])
         worst = max(worst, error)
     names = ", ".join(name for name, _ in PIPELINE_RUNS)
-    return Verdict("8.3", True,
+    return Verdict("8.2", True,
                    f"{names} ran in their schedules' order on every rank, each action after its inputs and "
                    f"each weight gradient in its own W; the gradients equal jax.grad's (largest relative "
                    f"difference {worst:.1e}).")
@@ -418,7 +345,7 @@ def _order_problem(schedule: Schedule, timeline: Any) -> str:
 
 
 STEP = dict(lr=1.0, max_norm=0.02)
-"""Exercise 8.4's optimizer: plain SGD with learning rate ``lr``, the gradient clipped to global norm
+"""Exercise 8.3's optimizer: plain SGD with learning rate ``lr``, the gradient clipped to global norm
 ``max_norm`` (below the norm of :data:`BUILD_CASE`'s gradient, 0.09, and of each stage's, about 0.045, so
 the clipping acts, with another scale for a stage clipped alone)."""
 
@@ -429,19 +356,19 @@ parameters of up to 0.3 are rounded to about 3e-8."""
 STEP_RUNS = {"one stage per rank": ((0, 1, 2, 3), STEP["max_norm"], STEP["lr"]),
              "V placement": ((0, 1, 1, 0), STEP["max_norm"], 0.5),
              "a global norm under max_norm": ((0, 1, 2, 3), 1.0, STEP["lr"])}
-"""Exercise 8.4's runs: name -> (placement of :data:`BUILD_CASE`'s 4 stages, stage -> rank; the ``max_norm``
+"""Exercise 8.3's runs: name -> (placement of :data:`BUILD_CASE`'s 4 stages, stage -> rank; the ``max_norm``
 and ``lr`` :data:`STEP` holds during the run). The last's 1.0 is above the gradient's norm, 0.09: no
 clipping. On the V placement both uses of :data:`TIED` are on rank 0, and the learning rate is not 1: a step
 that leaves it out fails there."""
 
 TIED = ((0, 0), (3, 1))
-"""Exercise 8.4's tie, (stage, layer) of each use: stage 0's first A and stage 3's last A are one (d, d)
+"""Exercise 8.3's tie, (stage, layer) of each use: stage 0's first A and stage 3's last A are one (d, d)
 matrix, as a language model's embedding and head often are (Press and Wolf, arXiv 1608.05859). Its gradient
 is the sum of its two uses' gradients; each use's rank holds one of them."""
 
 
 def optimizer_step(result: Any) -> Verdict:
-    """Exercise 8.4: ``optimizer_step(rank, grads, params, all_sum)`` written by the learner, run on one
+    """Exercise 8.3: ``optimizer_step(rank, grads, params, all_sum)`` written by the learner, run on one
     thread per rank by lesson 8's ``lab.try_step``; ``result`` is ``{"error", "runs": {name: {"params",
     "want", "untied", "twice", "per_stage", "unclipped", "scaled", "no_lr", "calls"}}}`` (per stage the step,
     new - old, as NumPy leaves; None: a stage not returned; "calls": each rank's all_sum calls).
@@ -455,7 +382,7 @@ def optimizer_step(result: Any) -> Verdict:
     hint = ("clipping bounds the length of the whole model's gradient, which no rank holds alone, and the "
             "tied matrix is one parameter: what must each rank contribute, in which order, and when must "
             "clipping leave a gradient as it is?")
-    problem = _run_problem("8.4", result, "runs", "lab.try_step(optimizer_step)", "optimizer_step",
+    problem = _run_problem("8.3", result, "runs", "lab.try_step(optimizer_step)", "optimizer_step",
                            "your step", hint)
     if problem is not None:
         return problem
@@ -486,41 +413,41 @@ def optimizer_step(result: Any) -> Verdict:
     for name in STEP_RUNS:
         run = result["runs"].get(name)
         if run is None:
-            return Verdict("8.4", False, f"no run with {name}.", hint)
+            return Verdict("8.3", False, f"no run with {name}.", hint)
         got = run["params"]
         missing = [s for s, g in enumerate(got) if g is None or len(g) != len(run["want"][s])]
         if missing:
-            return Verdict("8.4", False, f"{name}: no new parameters for stage(s) {missing}.",
+            return Verdict("8.3", False, f"{name}: no new parameters for stage(s) {missing}.",
                            "return {stage: new [(A, c), ...]} for every stage in this rank's grads.")
         if near(got, run["want"]):
             most = max(run.get("calls", [2]))
             if most > 2:
-                return Verdict("8.4", False, f"{name}: the step is right, but a rank called all_sum "
+                return Verdict("8.3", False, f"{name}: the step is right, but a rank called all_sum "
                                f"{most} times.", "each call waits for every rank: what can a rank add up on "
                                "its own before a call, and which sum must come first?")
             continue
         if _rel_diff(got[s0][2 * l0], got[s1][2 * l1]) > STEP_TOLERANCE:
-            return Verdict("8.4", False, f"{name}: {wrong['untied'][0]}", wrong["untied"][1])
+            return Verdict("8.3", False, f"{name}: {wrong['untied'][0]}", wrong["untied"][1])
         for key, (what, why) in wrong.items():
             if key in run and near(got, run[key]):
-                return Verdict("8.4", False, f"{name}: {what}", why)
-        return Verdict("8.4", False, f"{name}: the new parameters differ from clipped SGD of the whole "
+                return Verdict("8.3", False, f"{name}: {what}", why)
+        return Verdict("8.3", False, f"{name}: the new parameters differ from clipped SGD of the whole "
                        "model.", hint)
-    return Verdict("8.4", True, "with one stage per rank and with two stages per rank, the tied matrix took "
+    return Verdict("8.3", True, "with one stage per rank and with two stages per rank, the tied matrix took "
                    "one step from both uses' gradients, and every stage took the step of the whole model, "
                    "clipped by the global norm (and left as it was when that norm was under max_norm).")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "8.1": stage_split, "8.2": for_w_peaks, "8.3": pipeline_run, "8.4": optimizer_step
+    "8.1": stage_split, "8.2": pipeline_run, "8.3": optimizer_step
 }
 """Lesson 8's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {}  # 8.2's reveal walks ZB-H2 with the learner's own F and B
+REVEALS: dict[str, Callable[[], Any]] = {}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "for_w_peaks", "PIPELINE_RUNS",
+    "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "PIPELINE_RUNS",
     "gradient_problem",
     "pipeline_run", "STEP", "STEP_TOLERANCE", "STEP_RUNS", "TIED", "optimizer_step", "EXERCISES", "REVEALS"
 ]
