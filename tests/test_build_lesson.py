@@ -733,23 +733,35 @@ def _no_pipeline(ns: dict, shape: str | int, loss=None, args: int = 5):
     return jax.jit(shard_map(rank_step, mesh=mesh, in_specs=(P(),) * args, out_specs=out, check_vma=False))
 
 
-def test_a_pipeline_from_a_blank_page_passes_and_wrong_ones_are_named(spmd_lesson):
-    """Exercise 9.5: the Solutions' forward_all (one shard_map program, one scan of m + p - 1 ticks) gives
-    the whole model's outputs, and jax.grad through it the whole model's gradients. A scan of m ticks, a
-    microbatch not offset by its rank, a result left varying (no psum), weights cut off from the gradient,
-    and a body still ``...`` each fail with their own message."""
+def test_gpipe_by_hand_passes_and_wrong_ones_are_named(spmd_lesson):
+    """Exercise 9.5: the Solutions' gpipe_step (the lesson's forward_ticks, then a scan of m + p - 1 BW ticks,
+    the last rank first, each dx sent up) gives the whole model's loss and jax.grad's gradients. A backward
+    scan of m ticks, a microbatch not offset by its rank, dx sent down, the loss's gradient not over m, the
+    backward taken by jax.value_and_grad, and a body still ``...`` each fail with their own message."""
     lab = spmd_lesson["lab"]
-    right = ex.forward_pipeline(lab.try_forward(spmd_lesson["forward_all"]))
-    assert right and "in 11 ticks" in right.message, str(right)
-    wrong = [(lambda src: src.replace("jnp.arange(m + p - 1)", "jnp.arange(m)"), "too few for microbatch 7"),
-             (lambda src: src.replace("(t >= rank) & (t - rank < m)", "t < m"), "differ from the whole model"),
-             (lambda src: src.replace('lax.psum(ys[p - 1:], "rank")', "ys[p - 1:]"), "running it raised"),
-             (lambda src: src.replace("stage_F(A, c,", "stage_F(lax.stop_gradient(A), c,"), "jax.grad through")]
+    right = ex.gpipe_step(lab.try_gpipe(spmd_lesson["gpipe_step"]))
+    assert right and "11 ticks of F, then 11 of BW" in right.message, str(right)
+    up = "[(i + 1, i) for i in range(p - 1)]"
+    wrong = [(lambda src: src.replace("lax.scan(backward, start, jnp.arange(m + p - 1))",
+                                      "lax.scan(backward, start, jnp.arange(m))"), "run 11 and 8 ticks"),
+             (lambda src: src.replace("k = t - (p - 1 - rank)", "k = t"), "stage 2 is not"),
+             (lambda src: src.replace(up, "[(i, i + 1) for i in range(p - 1)]"), "stage 2 is not"),
+             (lambda src: src.replace("(samples * d * m)", "(samples * d)"), "8 times jax.grad's")]
     for edit, said in wrong:
-        with _replaced(spmd_lesson, SPMD_LESSON, "forward_all", edit):
-            verdict = ex.forward_pipeline(lab.try_forward(spmd_lesson["forward_all"]))
+        with _replaced(spmd_lesson, SPMD_LESSON, "gpipe_step", edit):
+            verdict = ex.gpipe_step(lab.try_gpipe(spmd_lesson["gpipe_step"]))
         assert not verdict and said in verdict.message and verdict.hint, (said, str(verdict))
-    assert ex.forward_pipeline(lab.try_forward(lambda As, cs, X: None)).message.startswith("no answer yet")
+    import jax
+    import jax.numpy as jnp
+    forward_all = spmd_lesson["forward_all"]
+
+    def by_jax(As, cs, X, Y):   # the backward jax makes, not written by hand
+        loss, (dAs, dcs) = jax.value_and_grad(lambda As, cs: jnp.mean((forward_all(As, cs, X) - Y) ** 2),
+                                              (0, 1))(As, cs)
+        return loss, dAs, dcs
+    verdict = ex.gpipe_step(lab.try_gpipe(by_jax))
+    assert not verdict and "calls jax's value_and_grad" in verdict.message, str(verdict)
+    assert ex.gpipe_step(lab.try_gpipe(lambda As, cs, X, Y: None)).message.startswith("no answer yet")
 
 
 def test_one_spmd_training_step_with_a_head_gives_the_loss_and_jax_grads_gradients_and_wrong_ones_fail(spmd_lesson):

@@ -77,7 +77,7 @@ CASES = {
     "9.3": (lambda actions, ticks: _depths_by_hand(actions, ticks),   # the wrong one: a row busy through
             lambda actions, ticks: _depths_by_hand(actions, ticks, inclusive=True)),   # the end of its last read
     "9.4": (lambda: _step_result(1.0), lambda: _step_result(8.0)),   # 8: each microbatch's loss not over m
-    "9.5": (lambda: _forward_result(11), lambda: _forward_result(8)),   # 8 ticks: m, not m + p - 1
+    "9.5": (lambda: _gpipe_result(11), lambda: _gpipe_result(8)),   # 8 ticks back: m, not m + p - 1
     "10.1": (lambda p, m: 3 * m + 2 * (p - 1),       # the last rank starts 2(p - 1) ticks in, never waits
              lambda p, m: 3 * m + 3 * (p - 1)),      # the wrong one: the way back paid too
     "10.2": (lambda actions, placement, ticks: _routing_by_hand(actions, placement, ticks),   # the wrong one:
@@ -235,13 +235,12 @@ def _step_result(factor):
             "products": [0, 3, 3, 3], "loose": 0}
 
 
-def _forward_result(ticks):
-    """What lesson 9's ``lab.try_forward`` hands exercise 9.5's check: one shard_map program, nothing of the
-    model outside it, one scan of ``ticks``, the whole model's outputs and jax.grad's gradients (p = 4,
-    m = 8: 11 ticks are right)."""
-    out = np.linspace(-1, 1, 8 * 64 * 256).reshape(8, 64, 256)
-    return {"error": None, "output": out, "output_ref": out, "scans": [ticks], "shard_maps": 1, "outside": [],
-            "grad_error": 1e-6}
+def _gpipe_result(back):
+    """What lesson 9's ``lab.try_gpipe`` hands exercise 9.5's check: one shard_map program, nothing of the
+    model outside it, a forward scan of 11 ticks and a backward one of ``back`` (p = 4, m = 8: 11 is right),
+    jax's loss and jax.grad's gradients."""
+    return {"error": None, "loss": np.float32(1.0625), "loss_ref": 1.0625, "scans": [(11, False), (back, False)],
+            "shard_maps": 1, "outside": [], "grad_error": 1e-6, "stage_errors": [1e-6] * 4, "scale": 1.0}
 
 
 def _own_result(embed_error, products=(0, 3, 3, 3)):

@@ -96,7 +96,7 @@ def test_two_pipeline_copies_over_a_data_axis_average_their_gradients_with_one_p
             A = cast(A[0])
             X, Y, rank = X[0], Y[0], lax.axis_index("rank")
 
-            def copy_loss(A):                            # exercise 9.5's forward, the loss on the last rank
+            def copy_loss(A):                            # lesson 9's forward_all, the loss on the last rank
                 def tick(x_in, t):
                     y = jnp.tanh(jnp.where(rank == 0, X[jnp.clip(t, 0, m - 1)], x_in) @ A)
                     y = jnp.where((t >= rank) & (t - rank < m), y, 0.0)

@@ -96,6 +96,22 @@ def test_the_tick_table_written_in_the_lesson_is_what_the_package_prints():
         assert ex.tick_messages(schedule, t, reads=False).splitlines() == [(x[:start] + x[end:]).rstrip() for x in full]
 
 
+def test_the_lessons_tables_from_lockstep_ticks_are_the_packages_tick_tables():
+    """Lesson 9 builds its (ranks, ticks) kind and microbatch tables from ``lockstep_ticks`` by hand; the
+    package's ``spmd.tick_tables`` gives the same two arrays (ZB-H1, 1F1B, ZB-H2)."""
+    import numpy as np
+    from zbpp_lite.runtime import spmd
+    from zbpp_lite.schedules.simulate import lockstep_ticks
+
+    for name in ("zb-h1", "1f1b", "zb-h2"):
+        schedule = zb.build_schedule(name, 4, 8)
+        ticks, rows = lockstep_ticks(schedule), schedule.actions
+        kind = np.array([[0 if t[r] is None else ex.KIND_CODE[rows[r][t[r]].kind] for t in ticks] for r in range(4)])
+        microbatch = np.array([[0 if t[r] is None else rows[r][t[r]].microbatch for t in ticks] for r in range(4)])
+        tables = spmd.tick_tables(schedule)
+        assert (kind == tables.kind).all() and (microbatch == tables.microbatch).all(), name
+
+
 def test_the_whole_program_cell_uses_nothing_from_the_package():
     """Lesson 9's "The whole program" is ZB-H1's step (1F1B's too) as two functions a reader can write from
     scratch, ``make_tick`` and ``pipeline_step``: their bodies name no package module (zb, ex, bench, spmd,

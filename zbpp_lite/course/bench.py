@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 import time
@@ -199,41 +200,29 @@ class SpmdLab:
         rows = {b: max(k) for b, k in buffer_depths(build_schedule(V_RUNS[0], p, m), overlap=True).items()}
         return dict(rows=rows, **try_runs(lambda name: self.run(make_tick, name, rows, overlap=True), V_RUNS))
 
-    def try_forward(self, forward: Callable) -> Any:
-        """Exercise 9.5's result: ``forward(As, cs, Xm) -> (microbatches, microbatch_size, width)``, the last
-        stage's output of each microbatch, run on ``arrays``: ``{"error": None, "output": its output as a
-        NumPy array, "output_ref": the whole model's, "scans": the lengths of the scans its program runs,
-        "shard_maps", "outside": as :meth:`try_step` gives them, **gradient_report of jax.grad of the mean
-        squared error through it}``, or what :func:`_traced_run` returns instead (the package's tick tables
-        called while it traces: ``"copied"``)."""
-        from ..runtime.spmd import tick_tables
-        from ..schedules.simulate import lockstep_ticks
-
+    def try_gpipe(self, step: Callable) -> Any:
+        """Exercise 9.5's result: ``step(As, cs, Xm, Ym) -> (loss, dAs, dcs)``, GPipe's step with its backward
+        written by hand, run on ``arrays``: ``{"error": None, "loss": its loss as a NumPy array, "loss_ref":
+        the whole model's, "scans": (length, reverse) of each scan its program runs, "shard_maps", "outside":
+        as :meth:`try_step` gives them, **gradient_report of dAs, dcs}``, or what :func:`_traced_run` returns
+        instead (``"copied"``: tracing it called jax's own differentiation, ``jax.grad``, ``jax.vjp``,
+        ``jax.value_and_grad``, ``jax.linearize`` or ``jax.linear_transpose``)."""
         As, cs, Xm, Ym = self.arrays
-        params, X, _ = mlp(self.case)
-        def as_tuple(*args):   # _traced_run reads a tuple of outputs; None (a stub's) stays None
-            y = forward(*args)
-            return None if y is None else (y,)
-
-        program, out, refused = _traced_run(as_tuple, (As, cs, Xm), 1, (tick_tables, lockstep_ticks))
+        params, X, Y = mlp(self.case)
+        refused = (jax.grad, jax.vjp, jax.value_and_grad, jax.linearize, jax.linear_transpose)
+        program, out, refusal = _traced_run(step, (As, cs, Xm, Ym), 3, refused)
         if program is None:
-            return refused
+            return refusal
         try:
-            output = np.asarray(out[0], dtype=np.float64)
-        except (TypeError, ValueError) as e:   # a ragged list, a dict: no array of numbers
-            return {"error": f"forward_all returned something other than an array of numbers ({e})"}
-        grads = {"grad_error": float("inf")}   # another shape: the check names it first
-        if output.shape == Xm.shape:
-            try:
-                loss = lambda As, cs: jnp.mean((forward(As, cs, Xm) - Ym) ** 2)  # noqa: E731
-                dA, dc = jax.grad(loss, argnums=(0, 1))(As, cs)
-            except Exception as e:  # noqa: BLE001  (no gradient through it)
-                return {"error": f"{type(e).__name__}: {e}"}
-            grads = gradient_report(list(zip(dA, dc)), list(zip(*self.reference)))
+            loss, dA, dc = (np.asarray(a, dtype=np.float64) for a in out)
+        except (TypeError, ValueError) as e:   # a ragged list, a dict: no arrays of numbers
+            return {"error": f"the step returned something other than arrays of numbers ({e})"}
+        dAs, dcs = self.reference
+        report = gradient_report(list(zip(dA, dc)), list(zip(dAs, dcs))) if dA.shape == dAs.shape else \
+            {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
         shard_maps, outside = _outside(program.jaxpr)
-        scans = [e.params["length"] for e in _eqns(program.jaxpr, lambda e: e.primitive.name == "scan")]
-        return dict(error=None, output=output, output_ref=np.asarray(mlp_output(params, X)).reshape(Xm.shape),
-                    scans=scans, shard_maps=shard_maps, outside=sorted(set(outside)), **grads)
+        return dict(error=None, loss=loss, loss_ref=float(mlp_loss(params, X, Y)), scans=scans(program.jaxpr),
+                    shard_maps=shard_maps, outside=sorted(set(outside)), **report)
 
     def try_step(self, step: Callable) -> Any:
         """Exercise 9.4's result: ``step(As, cs, H, Xm, Ym) -> (loss, dAs, dcs, dH)`` run on ``arrays`` (one
@@ -349,7 +338,7 @@ def _traced_run(step: Callable, args: tuple, outputs: int, refused: tuple = ()) 
     for), ``{"error": None, "hang": [collectives]}`` without running it when a collective sits inside a
     branch (:func:`collectives_in_branches`), ``...`` when it returned None, ``{"error": None, "shape":
     ...}`` when it returned anything but ``outputs`` values."""
-    codes, called = {f.__code__: f.__name__ for f in refused}, []
+    codes, called = {inspect.unwrap(f).__code__: f.__name__ for f in refused}, []   # jax's API: unwrapped
 
     def watch(frame, event, arg):
         if event == "call" and frame.f_code in codes:
@@ -471,6 +460,13 @@ def _eqns(jaxpr: Any, which: Callable[[Any], bool]) -> list:
     """Every equation ``which`` names in ``jaxpr``, the jaxprs it calls looked into (a found one's too)."""
     return [found for e in jaxpr.eqns for found in
             ([e] if which(e) else []) + [f for j in inner_jaxprs(e) for f in _eqns(j, which)]]
+
+
+def scans(jaxpr: Any) -> list[tuple[int, bool]]:
+    """``(length, reverse)`` of every ``lax.scan`` in ``jaxpr`` (a ``jax.make_jaxpr(...).jaxpr``), the jaxprs
+    it calls looked into, in program order: ``reverse`` True for a scan run from its last step back."""
+    found = _eqns(jaxpr, lambda e: e.primitive.name == "scan")
+    return [(e.params["length"], e.params["reverse"]) for e in found]
 
 
 def _switches(jaxpr: Any) -> list:

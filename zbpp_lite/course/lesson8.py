@@ -177,7 +177,8 @@ def gradient_problem(key: str, name: str, run: dict, microbatches: int, otherwis
     right = [s for s, e in enumerate(errors) if e <= BUILD_TOLERANCE]
     if right and right == list(range(min(right), len(errors))) and min(right) > 0:
         k = min(right)
-        return say(f"stages {k} to {len(errors) - 1} are right, stage {k - 1} is not.",
+        good = f"stage {k} is" if k == len(errors) - 1 else f"stages {k} to {len(errors) - 1} are"
+        return say(f"{good} right, stage {k - 1} is not.",
                    f"what stage {k} sends back to stage {k - 1} (the input gradient), or where it is taken "
                    "or stored, is not that microbatch's.")
     return say(f"the gradients differ from jax.grad's (relative difference {error:.1e}).", otherwise or (

@@ -324,6 +324,24 @@ def _step_problem(key: str, result: Any, name: str, call: str, outputs: str, hin
     return None
 
 
+def _values_problem(key: str, name: str, result: dict, why: str) -> Verdict | None:
+    """The verdict on a whole step (schedule ``name``) whose loss (``result["loss"]``) is not one number
+    within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` of the whole model's (``result["loss_ref"]``;
+    m times it and 1/m of it named, ``why`` the hint), or whose gradients are not jax.grad's
+    (:func:`~zbpp_lite.course.lesson8.gradient_problem`); None when both are right."""
+    loss, ref, m = _number(result["loss"]), float(result["loss_ref"]), BUILD_CASE["microbatches"]
+    if loss.shape != ():
+        what = f"has shape {loss.shape}" if loss.size else f"is {result['loss']!r:.60}"
+        return Verdict(key, False, f"the loss {what}, not one number for the step.",
+                       "sum it over the ranks with lax.psum, which makes it the same on every rank, and "
+                       "return it with out_specs P().")
+    if not abs(loss - ref) <= BUILD_TOLERANCE * abs(ref):   # (a NaN, or None, is off too)
+        said = (f" ({m} times it)" if abs(loss - m * ref) <= BUILD_TOLERANCE * m * abs(ref) else
+                f" (1/{m} of it)" if abs(m * loss - ref) <= BUILD_TOLERANCE * abs(ref) else "")
+        return Verdict(key, False, f"the loss is {float(loss):.6g}, the whole model's {ref:.6g}{said}.", why)
+    return gradient_problem(key, name, result, m)
+
+
 def _number(value: Any) -> np.ndarray:
     """``value`` as a float64 array, or an array of shape (0,) where it is no number or array of numbers."""
     try:
@@ -450,20 +468,9 @@ def spmd_step(result: Any) -> Verdict:
     problem = _rows_problem(result)
     if problem is not None:
         return problem
-    loss, ref = _number(result["loss"]), float(result["loss_ref"])
-    if loss.shape != ():
-        what = f"has shape {loss.shape}" if loss.size else f"is {result['loss']!r:.60}"
-        return Verdict("9.4", False, f"the loss {what}, not one number for the step.",
-                       "sum it over the ranks with lax.psum, which makes it the same on every rank, and "
-                       "return it with out_specs P().")
-    m = BUILD_CASE["microbatches"]
-    if not abs(loss - ref) <= BUILD_TOLERANCE * abs(ref):   # (a NaN, or None, is off too)
-        said = (f" ({m} times it)" if abs(loss - m * ref) <= BUILD_TOLERANCE * m * abs(ref) else
-                f" (1/{m} of it)" if abs(m * loss - ref) <= BUILD_TOLERANCE * abs(ref) else "")
-        return Verdict("9.4", False, f"the loss is {float(loss):.6g}, the whole model's {ref:.6g}{said}.",
-                       "the step's loss is the mean of the m microbatch losses, each the mean squared error "
-                       "of one microbatch's y @ H, added once, on the last rank.")
-    problem = gradient_problem("9.4", "zb-h1", result, m)
+    problem = _values_problem("9.4", "zb-h1", result, "the step's loss is the mean of the m microbatch "
+                              "losses, each the mean squared error of one microbatch's y @ H, added once, on "
+                              "the last rank.")
     if problem is not None:
         return problem
     if not result["dH_error"] <= BUILD_TOLERANCE:
@@ -471,70 +478,63 @@ def spmd_step(result: Any) -> Verdict:
         return Verdict("9.4", False, f"dH differs from jax.grad's (relative difference {off:.1e}).",
                        "only the last rank's W adds the head's gradient, y.T @ (the gradient at y @ H), "
                        "for each microbatch; every other rank adds nothing before the psum.")
-    return Verdict("9.4", True, f"one SPMD program ran ZB-H1's step with its head: loss {float(loss):.6f}, "
+    loss, ref = float(_number(result["loss"])), float(result["loss_ref"])
+    return Verdict("9.4", True, f"one SPMD program ran ZB-H1's step with its head: loss {loss:.6f}, "
                    f"the whole model's {ref:.6f}, and jax.grad's gradients (largest relative difference "
                    f"{max(result['grad_error'], result['dH_error']):.1e}).")
 
 
-def forward_pipeline(result: Any) -> Verdict:
-    """Exercise 9.5: the learner's ``forward_all(As, cs, X)``, the last stage's output of every microbatch,
-    written from a blank page (``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_forward` gives it).
-    Right when it is one ``shard_map`` program with no model work outside it, its ticks one ``lax.scan`` of
-    m + p - 1 (microbatch m - 1 enters rank 0 in tick m - 1 and needs p - 1 more), its output the whole
-    model's within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` of the largest (per microbatch), and
-    ``jax.grad`` through it gives the whole model's gradients: the scan run backwards, GPipe's backward."""
+def gpipe_step(result: Any) -> Verdict:
+    """Exercise 9.5: the learner's ``gpipe_step(As, cs, X, Y) -> (loss, dAs, dcs)``, GPipe's step as one SPMD
+    program with its backward written by hand (``result`` as :meth:`zbpp_lite.course.bench.SpmdLab.try_gpipe`
+    gives it). Right when it is one ``shard_map`` program with no model work outside it, running two
+    ``lax.scan``'s of m + p - 1 ticks (the lesson's forward; then the backward, the last rank first, each dx
+    sent to rank r - 1), without jax's own differentiation, and gives the whole model's loss and
+    ``jax.grad``'s gradients within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (GPipe: Huang et al.,
+    arXiv 1811.06965; the backward jax.grad makes of the lesson's ``forward_all``)."""
     p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
-    hint = ("one jitted shard_map program, A and c cut by rank, X whole: a lax.scan over the ticks whose "
-            "state holds what rank r - 1 sent the tick before (rank 0 reads X instead); each tick's output "
-            "goes to rank r + 1 by lax.ppermute; the last rank's outputs, zeros elsewhere, summed over the "
-            "ranks by lax.psum are one copy (out_specs P()).")
-    refused = _step_problem("9.5", result, "forward_all", "lab.try_forward(forward_all)", "an array", hint)
+    hint = ("the lesson's forward_all, keeping what BW reads as the scan's stacked outputs; then a second "
+            "scan in which rank r runs one BW a tick (stage_B, then stage_W) and sends dx to rank r - 1, the "
+            "last rank first, from the loss's gradient. Which microbatch does rank r run in backward tick t, "
+            "and in which forward tick did it keep that microbatch's ins and outs?")
+    if isinstance(result, dict) and result.get("copied"):
+        return Verdict("9.5", False, f"gpipe_step calls jax's {result['copied']}: this exercise asks for the "
+                       "backward by hand, from stage_B and stage_W.", hint)
+    refused = _step_problem("9.5", result, "gpipe_step", "lab.try_gpipe(gpipe_step)", "(loss, dAs, dcs)",
+                            hint)
     if refused is not None:
         return refused
-    work = [op for op in result["outside"] if op in ("dot_general", "tanh")]
+    work = [op for op in result["outside"] if op in ("dot_general", "tanh", "integer_pow", "reduce_sum")]
     if work:
         return Verdict("9.5", False, f"the model runs outside the SPMD program too ({', '.join(work)}).",
                        hint)
-    scans = result["scans"]
-    if len(scans) != 1:
-        return Verdict("9.5", False, f"the program runs {len(scans)} scans, not one over the ticks.", hint)
-    if scans[0] != m + p - 1:
-        few = scans[0] < m + p - 1
-        return Verdict("9.5", False, f"its scan runs {scans[0]} ticks at p = {p}, m = {m}: "
-                       f"{'too few for' if few else 'more than'} microbatch {m - 1} "
-                       f"{'to leave' if few else 'needs to leave'} the last stage.",
-                       f"in which tick does microbatch {m - 1} enter rank 0, and how many more until it "
-                       "leaves the last rank?")
-    out, ref = result["output"], result["output_ref"]
-    if out.shape != ref.shape:
-        return Verdict("9.5", False, f"forward_all returned shape {out.shape}, not {ref.shape} "
-                       "(microbatches, samples, width).", hint)
-    largest = np.max(np.abs(ref))
-    off = [j for j in range(m) if not np.max(np.abs(out[j] - ref[j])) <= BUILD_TOLERANCE * largest]
-    if off:
-        return Verdict("9.5", False, f"microbatch(es) {off} differ from the whole model's output.",
-                       "in tick t rank r runs microbatch t - r, if 0 <= t - r < m: rank 0 reads X[t], rank r "
-                       "what rank r - 1 sent the tick before; which tick's output of the last rank is "
-                       "microbatch j's?")
-    if not result["grad_error"] <= BUILD_TOLERANCE:
-        return Verdict("9.5", False, f"jax.grad through forward_all differs from the whole model's "
-                       f"(relative difference {result['grad_error']:.1e}).",
-                       "let the gradient flow: no lax.stop_gradient, and every value computed from A and c.")
-    return Verdict("9.5", True, f"one SPMD program carried {m} microbatches through {p} stages in "
-                   f"{m + p - 1} ticks, and jax.grad through it gives the whole model's gradients (largest "
-                   f"relative difference {result['grad_error']:.1e}). That backward is the scan run in "
-                   "reverse, each ppermute sending up: GPipe's, every BW after every F. Differentiating the "
-                   "forward gives no other order, so a zero-bubble program writes B and W as ticks of their "
-                   "own (make_tick).")
+    lengths, ticks = [n for n, _ in result["scans"]], m + p - 1
+    if len(lengths) != 2:
+        return Verdict("9.5", False, f"the program runs {len(lengths)} scan(s); GPipe's step is two: the "
+                       "ticks of every F, then the ticks of every BW.", hint)
+    if lengths != [ticks, ticks]:
+        return Verdict("9.5", False, f"its scans run {lengths[0]} and {lengths[1]} ticks at p = {p}, "
+                       f"m = {m}; each way, the last microbatch needs m + p - 1 ticks to cross every stage.",
+                       hint)
+    problem = _values_problem("9.5", "gpipe", result, "the step's loss is the mean of the m microbatch "
+                              "losses, each the mean squared error of one microbatch's last output.")
+    if problem is not None:
+        return problem
+    loss = float(_number(result["loss"]))
+    return Verdict("9.5", True, f"one SPMD program ran GPipe's step by hand: {ticks} ticks of F, then "
+                   f"{ticks} of BW with each dx sent up; loss {loss:.6f}, jax.grad's gradients "
+                   f"(largest relative difference {result['grad_error']:.1e}). It is the program jax.grad "
+                   "made of forward_all; make_tick's table runs B and W where a zero-bubble schedule puts "
+                   "them instead.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lockstep_1f1b, "9.3": rows_needed,
-                                                  "9.4": spmd_step, "9.5": forward_pipeline}
+                                                  "9.4": spmd_step, "9.5": gpipe_step}
 """Lesson 9's exercises by id -> check."""
 
 REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = ["KIND_CODE", "TICK_CASES", "ROWS_CASES", "BUFFERS", "FUSED", "tick_table", "lockstep_1f1b",
-           "rows_needed", "spmd_step", "forward_pipeline", "buffer_depths", "buffer_rows", "tick_grid",
+           "rows_needed", "spmd_step", "gpipe_step", "buffer_depths", "buffer_rows", "tick_grid",
            "tick_messages", "EXERCISES", "REVEALS"]
