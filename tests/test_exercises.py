@@ -347,6 +347,12 @@ def test_split_where_it_pays_asks_for_the_shortest_split_plan_at_two_ranks():
         assert [set(s) for s in shortest if not any(t < s for t in shortest)] == [{(1, 0), (1, m - 1)}]
 
 
+def test_split_where_it_pays_takes_zb_autos_own_choice_too():
+    """Exercise 4.1: zb-auto's own splits (the last rank's first backward, and the last microbatch's on every
+    rank but 0) are as short as its plan at every p = 2, 3 and m = 2p .. 6p, each split paying: right too."""
+    assert ex.split_where_it_pays(lambda p, m: {(p - 1, 0)} | {(r, m - 1) for r in range(1, p)})
+
+
 def test_split_where_it_pays_names_a_split_that_buys_nothing_and_a_plan_too_long():
     cool_down = lambda p, m: {(r, j) for r in range(1, p) for j in range(m - (p - r), m)}  # noqa: E731
     v = ex.split_where_it_pays(lambda p, m: cool_down(p, m) | {(r, 0) for r in range(1, p)})   # every B0 too
