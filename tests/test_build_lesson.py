@@ -506,6 +506,23 @@ def test_a_right_b_that_hands_w_a_python_number_passes(lesson):
     assert verdict, str(verdict)
 
 
+def test_blocking_sends_wait_forever_on_every_schedule_but_gpipe():
+    """Exercise 8.4: with a send that waits for the receiver's take, GPipe finishes (a rank sends only down,
+    then only up), and so does 1F1B with one microbatch (no steady state); 1F1B with two, ZB-H1, ZB-H2 and
+    ZB-V wait forever: the last rank sends B0 up (ZB-V: F0 back up the V) while the rank before sends its
+    next F down. The right set passes; a near miss is a real attempt, told neither which nor how many."""
+    from zbpp_lite.course.lesson8 import _stuck
+
+    assert _stuck(zb.build_schedule("gpipe", 4, 8)) is None and _stuck(zb.build_schedule("1f1b", 4, 1)) is None
+    assert _stuck(zb.build_schedule("1f1b", 4, 8))[2:] == ["rank 2 sends F1 to rank 3", "rank 3 sends B0 to rank 2"]
+    assert _stuck(zb.build_schedule("zb-v", 4, 8))[3] == "rank 3 sends F0 to rank 2"
+    assert _stuck(zb.build_schedule("1f1b", 4, 2)) is not None
+    assert ex.blocking_sends({"1f1b", "zb-h1", "zb-h2", "zb-v"}) and ex.blocking_sends(["zb-v", "1f1b", "zb-h2", "zb-h1"])
+    near = ex.blocking_sends({"1f1b", "zb-h1", "zb-h2"})      # ZB-V's V forgotten
+    assert not near and near.attempt and near.message == "at least one schedule is on the wrong side.", str(near)
+    assert not ex.blocking_sends({"gpipe", "dualpipe"}).attempt
+
+
 def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):
     import jax
     import jax.numpy as jnp
@@ -581,7 +598,7 @@ def test_a_step_that_unties_miscounts_or_skips_a_sum_fails_by_name(lesson):
     assert ex.optimizer_step(lab.try_step(right))
 
 
-@pytest.mark.parametrize("key", ["8.1", "8.2", "8.3"])
+@pytest.mark.parametrize("key", ["8.1", "8.2", "8.3", "8.4"])
 @pytest.mark.parametrize("junk", [..., None, "many", [1, "x"], {"cases": []}], ids=["ellipsis", "none", "word", "list", "empty"])
 def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
     verdict = ex.EXERCISES[key](junk)

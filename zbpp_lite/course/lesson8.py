@@ -10,7 +10,7 @@ import numpy as np
 
 from ..schedules.builders import build_schedule
 from ..schedules.ir import Schedule
-from .checks import Verdict, _unanswered
+from .checks import Verdict, _settled, _shown, _unanswered
 
 
 BUILD_CASE = dict(ranks=4, microbatches=8, layers=8, width=256, microbatch_size=64, itemsize=4)
@@ -439,16 +439,96 @@ def optimizer_step(result: Any) -> Verdict:
                    "clipped by the global norm (and left as it was when that norm was under max_norm).")
 
 
+BLOCKING_CASES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v")
+"""Exercise 8.4's schedules, each on 4 ranks with 8 microbatches (ZB-V: two stages a rank, the V)."""
+
+
+def _stuck(schedule: Schedule) -> list[str] | None:
+    """Where each rank waits forever if a send blocks until the receiver's matching take (a rendezvous, as
+    MPI's ``MPI_Ssend``), each rank walking its list as lesson 8's loop does (take an input from another
+    rank, run, send to another rank); stepped while any rank can move. None when every rank finishes, else
+    per rank what it is blocked at, as text."""
+    S, placement, lists = schedule.num_stages, schedule.placement, []
+    for r, row in enumerate(schedule.actions):
+        ops = []
+        for a in row:
+            s, j = a.stage, a.microbatch
+            source = s - 1 if a.kind == "F" else s + 1 if a.kind in ("B", "BW") else None
+            if source is not None and 0 <= source < S and placement[source] != r:
+                ops.append(("take", f"{'F' if a.kind == 'F' else 'B'}{j} from rank {placement[source]}"))
+            ops.append(("run", a.text))
+            to = s + 1 if a.kind == "F" else s - 1 if a.kind in ("B", "BW") else None
+            if to is not None and 0 <= to < S and placement[to] != r:
+                what = f"{'F' if a.kind == 'F' else 'B'}{j} to rank {placement[to]}"
+                ops.append(("send", what, placement[to]))
+        lists.append(ops)
+    at = [0] * len(lists)
+    now = lambda r: lists[r][at[r]] if at[r] < len(lists[r]) else None  # noqa: E731
+    moved = True
+    while moved:
+        moved = False
+        for r in range(len(lists)):
+            op = now(r)
+            if op is not None and op[0] == "run":
+                at[r], moved = at[r] + 1, True
+            elif op is not None and op[0] == "send":
+                taker = now(op[2])
+                wanted = op[1].replace(f"to rank {op[2]}", f"from rank {r}")
+                if taker is not None and taker == ("take", wanted):
+                    at[r], at[op[2]], moved = at[r] + 1, at[op[2]] + 1, True
+    if all(now(r) is None for r in range(len(lists))):
+        return None
+    return [f"rank {r} " + ("done" if now(r) is None else f"{now(r)[0]}s {now(r)[1]}")
+            for r in range(len(lists))]
+
+
+def blocking_sends(answer: Any) -> Verdict:
+    """Exercise 8.4 (predicted): the schedules of :data:`BLOCKING_CASES` (4 ranks, 8 microbatches) that would
+    wait forever if a send blocked until the receiver's matching take (:func:`_stuck`), given as a set (or
+    list) of their names. Any set of those names is a real attempt, which unlocks the reveal."""
+    hint = ("walk two neighbouring ranks of each schedule: is there a moment when each is sending to the "
+            "other, so that neither reaches its take?")
+    if _unanswered(answer):
+        return Verdict("8.4", False, "no answer yet: replace ... with the names of the schedules that would "
+                       "wait forever.")
+    names = _settled(answer)
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or \
+            not all(isinstance(n, str) for n in names):
+        return Verdict("8.4", False, f"expected a set of names such as {{'gpipe'}}, got {_shown(answer)}.",
+                       hint, attempt=False)
+    unknown = sorted(set(names) - set(BLOCKING_CASES))
+    if unknown:
+        return Verdict("8.4", False, f"{unknown[0]!r} is not one of {', '.join(BLOCKING_CASES)}.", hint,
+                       attempt=False)
+    stuck = {n for n in BLOCKING_CASES if _stuck(build_schedule(n, 4, 8)) is not None}
+    if set(names) != stuck:
+        return Verdict("8.4", False, "at least one schedule is on the wrong side.", hint)
+    return Verdict("8.4", True, "GPipe alone finishes: each rank sends only down, then only up, so every "
+                   "send meets the take next in its receiver's list. In 1F1B, ZB-H1 and ZB-H2 the last rank "
+                   "sends B0 up while the rank before it sends its next F down; in ZB-V the last rank sends "
+                   "F0 back up the V while the rank before sends F1 down. Each waits for the other's take: "
+                   "hence sends that never wait (PyTorch's isend, our inbox).")
+
+
+def reveal_blocking() -> None:
+    """Exercise 8.4's reveal: for each schedule of :data:`BLOCKING_CASES`, whether it finishes with blocking
+    sends, or what each rank waits at forever (:func:`_stuck`)."""
+    for name in BLOCKING_CASES:
+        stuck = _stuck(build_schedule(name, 4, 8))
+        print(f"{name}: " + ("finishes" if stuck is None else "waits forever: " + "; ".join(stuck)))
+
+
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "8.1": stage_split, "8.2": pipeline_run, "8.3": optimizer_step
+    "8.1": stage_split, "8.2": pipeline_run, "8.3": optimizer_step, "8.4": blocking_sends
 }
 """Lesson 8's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {}
+REVEALS: dict[str, Callable[[], Any]] = {"8.4": reveal_blocking}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
     "BUILD_CASE", "BUILD_TOLERANCE", "stage_split", "PIPELINE_RUNS",
     "gradient_problem",
-    "pipeline_run", "STEP", "STEP_TOLERANCE", "STEP_RUNS", "TIED", "optimizer_step", "EXERCISES", "REVEALS"
+    "pipeline_run", "STEP", "STEP_TOLERANCE", "STEP_RUNS", "TIED", "optimizer_step", "BLOCKING_CASES",
+    "blocking_sends", "reveal_blocking", "EXERCISES", "REVEALS"
 ]
