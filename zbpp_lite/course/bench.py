@@ -1318,3 +1318,81 @@ def _need(value: Any, name: str) -> Any:
     if value is None or value is Ellipsis:
         raise NotImplementedError(f"{name} returned {value!r}: replace its ... with your code")
     return value
+
+
+def model_claims(devices: list) -> dict:
+    """Lesson 10's "Toward a model of your own", run on ``devices`` (at least 4: a 2 x 2 mesh for the data
+    axis). Returns ``{"tied": the largest relative difference of a tied weight's gradient (an embedding E on
+    rank 0, its transpose as the head on the last rank; E cast to varying, each rank's use differentiated,
+    one psum) from jax.grad of both uses; "one use": the same for rank 0's use alone (not the tied
+    gradient); "dropout": whether the package's masks (runtime.stages.dropout_keys, folded with the part) are
+    the same for the same step, part and microbatch, then differ for another microbatch, part and step (four
+    bools, True each); "nnx": the largest difference of nnx.merge(*nnx.split(layer)) from the layer;
+    "data": the largest relative difference of two pipeline copies' gradient (each weight cast to varying
+    over "data", one lax.pmean) from the whole batch's; "data uncast": that gradient over the whole batch's
+    when the weight is passed whole over "data" (2: summed over the copies before the pmean)}``."""
+    from flax import nnx
+    from jax import lax
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from ..runtime.spmd import shard_map, to_varying as vary
+    from ..runtime.stages import dropout_keys
+
+    claims, (n, d) = {}, (8, 16)
+    keys = jax.random.split(jax.random.key(2), 6)
+    ranks = Mesh(np.array(devices[:4]), ("rank",))
+
+    def tied_uses(E, x, y, both):                 # rank 0 embeds with E, rank 3 scores with E.T
+        r = lax.axis_index("rank")
+
+        def loss(E):
+            embed = jnp.where(r == 0, jnp.sum(jnp.tanh(x @ E)), 0.0)
+            return embed + jnp.where((r == 3) & both, jnp.sum((y @ E.T) ** 2), 0.0)
+        return lax.psum(jax.grad(loss)(vary(E)), "rank")   # each rank's own use, summed once
+
+    E, x, y = jax.random.normal(keys[0], (d, d)) / 4, jax.random.normal(keys[1], (n, d)), \
+        jax.random.normal(keys[2], (n, d))
+    whole = jax.grad(lambda E: jnp.sum(jnp.tanh(x @ E)) + jnp.sum((y @ E.T) ** 2))(E)
+    for name, both in (("tied", True), ("one use", False)):
+        got = jax.jit(shard_map(lambda E, x, y: tied_uses(E, x, y, both), mesh=ranks,
+                                in_specs=(P(), P(), P()), out_specs=P()))(E, x, y)
+        claims[name] = _rel_diff(got, whole)
+
+    def mask(step, part, j):
+        key = jax.random.fold_in(dropout_keys(7, step, 8)[j], part)   # the step, microbatch j, then the part
+        return np.asarray(jax.random.bernoulli(key, 0.9, (n, d)))
+    claims["dropout"] = [bool((mask(0, 1, 3) == mask(0, 1, 3)).all())] + \
+        [bool((mask(0, 1, 3) != other).any()) for other in (mask(0, 1, 4), mask(0, 2, 3), mask(1, 1, 3))]
+
+    layer = nnx.Linear(d, d, rngs=nnx.Rngs(0))
+    claims["nnx"] = float(jnp.max(jnp.abs(nnx.merge(*nnx.split(layer))(x) - layer(x))))
+
+    dp, p, m = 2, 2, 2                                 # 2 copies of a 2-rank pipeline, 2 microbatches each
+    As = jax.random.normal(keys[3], (p, d, d)) / d**0.5
+    X, Y = (jax.random.normal(k, (dp, m, n, d)) for k in keys[4:])
+    grid = Mesh(np.array(devices[:dp * p]).reshape(dp, p), ("data", "rank"))
+
+    def step(cast):                                    # cast: what a weight passed whole over "data" gets
+        def per_device(A, X, Y):
+            A, X, Y, rank = cast(A[0]), X[0], Y[0], lax.axis_index("rank")
+
+            def copy_loss(A):                          # lesson 9's forward, the loss on the last rank
+                def tick(x_in, t):
+                    out = jnp.tanh(jnp.where(rank == 0, X[jnp.clip(t, 0, m - 1)], x_in) @ A)
+                    out = jnp.where((t >= rank) & (t - rank < m), out, 0.0)
+                    return lax.ppermute(out, "rank", [(0, 1)]), out
+                _, outs = lax.scan(tick, vary(vary(jnp.zeros((n, d)), "rank"), "data"), jnp.arange(m + p - 1))
+                return lax.psum(jnp.where(rank == p - 1, jnp.mean((outs[p - 1:] - Y) ** 2), 0.0), "rank")
+            return lax.pmean(jax.grad(copy_loss)(A), "data")[None]   # the copies' gradients, averaged
+        return jax.jit(shard_map(per_device, grid, (P("rank"), P("data"), P("data")), P("rank")))(As, X, Y)
+
+    def whole_batch(As):
+        h = X.reshape(-1, n, d)
+        for A in As:
+            h = jnp.tanh(h @ A)
+        return jnp.mean((h - Y.reshape(-1, n, d)) ** 2)
+    reference = jax.grad(whole_batch)(As)
+    claims["data"] = _rel_diff(step(lambda A: vary(A, "data")), reference)
+    uncast = step(lambda A: A)
+    claims["data uncast"] = float(jnp.sum(uncast * reference) / jnp.sum(reference * reference))
+    return claims
