@@ -509,13 +509,13 @@ def test_a_right_b_that_hands_w_a_python_number_passes(lesson):
 def test_blocking_sends_wait_forever_on_every_schedule_but_gpipe():
     """Exercise 8.4: with a send that waits for the receiver's take, GPipe finishes (a rank sends only down,
     then only up), and so does 1F1B with one microbatch (no steady state); 1F1B with two, ZB-H1, ZB-H2 and
-    ZB-V wait forever: the last rank sends B0 up (ZB-V: F0 back up the V) while the rank before sends its
-    next F down. The right set passes; a near miss is a real attempt, told neither which nor how many."""
+    ZB-V wait forever: the last rank sends B0 up while the rank before sends its next F down (ZB-V: the
+    last rank puts F0 into its own inbox, where the V turns, and its take comes later in its list). The right set passes; a near miss is a real attempt, told neither which nor how many."""
     from zbpp_lite.course.lesson8 import _stuck
 
     assert _stuck(zb.build_schedule("gpipe", 4, 8)) is None and _stuck(zb.build_schedule("1f1b", 4, 1)) is None
     assert _stuck(zb.build_schedule("1f1b", 4, 8))[2:] == ["rank 2 sends F1 to rank 3", "rank 3 sends B0 to rank 2"]
-    assert _stuck(zb.build_schedule("zb-v", 4, 8))[3] == "rank 3 sends F0 to rank 2"
+    assert _stuck(zb.build_schedule("zb-v", 4, 8))[3] == "rank 3 sends F0 to rank 3"   # to itself, where the V turns
     assert _stuck(zb.build_schedule("1f1b", 4, 2)) is not None
     assert ex.blocking_sends({"1f1b", "zb-h1", "zb-h2", "zb-v"}) and ex.blocking_sends(["zb-v", "1f1b", "zb-h2", "zb-h1"])
     near = ex.blocking_sends({"1f1b", "zb-h1", "zb-h2"})      # ZB-V's V forgotten

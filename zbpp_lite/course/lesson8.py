@@ -445,8 +445,9 @@ BLOCKING_CASES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v")
 
 def _stuck(schedule: Schedule) -> list[str] | None:
     """Where each rank waits forever if a send blocks until the receiver's matching take (a rendezvous, as
-    MPI's ``MPI_Ssend``), each rank walking its list as lesson 8's loop does (take an input from another
-    rank, run, send to another rank); stepped while any rank can move. None when every rank finishes, else
+    MPI's ``MPI_Ssend``), each rank walking its list as lesson 8's loop does (take the input, run, send to
+    the next stage's rank, its own too: the loop puts into its own inbox where the V turns, a send no
+    later take of its own can meet); stepped while any rank can move. None when every rank finishes, else
     per rank what it is blocked at, as text."""
     S, placement, lists = schedule.num_stages, schedule.placement, []
     for r, row in enumerate(schedule.actions):
@@ -454,11 +455,11 @@ def _stuck(schedule: Schedule) -> list[str] | None:
         for a in row:
             s, j = a.stage, a.microbatch
             source = s - 1 if a.kind == "F" else s + 1 if a.kind in ("B", "BW") else None
-            if source is not None and 0 <= source < S and placement[source] != r:
+            if source is not None and 0 <= source < S:
                 ops.append(("take", f"{'F' if a.kind == 'F' else 'B'}{j} from rank {placement[source]}"))
             ops.append(("run", a.text))
             to = s + 1 if a.kind == "F" else s - 1 if a.kind in ("B", "BW") else None
-            if to is not None and 0 <= to < S and placement[to] != r:
+            if to is not None and 0 <= to < S:
                 what = f"{'F' if a.kind == 'F' else 'B'}{j} to rank {placement[to]}"
                 ops.append(("send", what, placement[to]))
         lists.append(ops)
@@ -505,9 +506,9 @@ def blocking_sends(answer: Any) -> Verdict:
         return Verdict("8.4", False, "at least one schedule is on the wrong side.", hint)
     return Verdict("8.4", True, "GPipe alone finishes: each rank sends only down, then only up, so every "
                    "send meets the take next in its receiver's list. In 1F1B, ZB-H1 and ZB-H2 the last rank "
-                   "sends B0 up while the rank before it sends its next F down; in ZB-V the last rank sends "
-                   "F0 back up the V while the rank before sends F1 down. Each waits for the other's take: "
-                   "hence sends that never wait (PyTorch's isend, our inbox).")
+                   "sends B0 up while the rank before it sends its next F down; in ZB-V the last rank, where "
+                   "the V turns, sends F0 to itself and waits for a take of its own that comes later in its "
+                   "list. Hence sends that never wait (PyTorch's isend, our inbox).")
 
 
 def reveal_blocking() -> None:
