@@ -493,8 +493,8 @@ def gpipe_step(result: Any) -> Verdict:
     ``jax.grad``'s gradients within :data:`~zbpp_lite.course.lesson8.BUILD_TOLERANCE` (GPipe: Huang et al.,
     arXiv 1811.06965; the backward jax.grad makes of the lesson's ``forward_all``)."""
     p, m = BUILD_CASE["ranks"], BUILD_CASE["microbatches"]
-    hint = ("the lesson's forward_all, keeping what BW reads as the scan's stacked outputs; then a second "
-            "scan in which rank r runs one BW a tick (stage_B, then stage_W) and sends dx to rank r - 1, the "
+    hint = ("the lesson's forward_ticks (each tick's y, ins and outs, stacked), then a second scan in "
+            "which rank r runs one BW a tick (stage_B, then stage_W) and sends dx to rank r - 1, the "
             "last rank first, from the loss's gradient. Which microbatch does rank r run in backward tick t, "
             "and in which forward tick did it keep that microbatch's ins and outs?")
     if isinstance(result, dict) and result.get("copied"):
