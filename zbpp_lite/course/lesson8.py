@@ -10,6 +10,7 @@ import numpy as np
 
 from ..schedules.builders import build_schedule
 from ..schedules.ir import Schedule
+from ..schedules.program import consumer_stage, producer_stage
 from .checks import Verdict, _settled, _shown, _unanswered
 
 
@@ -450,18 +451,16 @@ def _stuck(schedule: Schedule) -> list[str] | None:
     later take of its own can meet); stepped while any rank can move. None when every rank finishes, else
     per rank what it is blocked at, as text."""
     S, placement, lists = schedule.num_stages, schedule.placement, []
-    for r, row in enumerate(schedule.actions):
-        ops = []
+    for row in schedule.actions:
+        ops = []   # ("take", key, text), ("run", None, text), ("send", key, text, to rank); key: what moves
         for a in row:
-            s, j = a.stage, a.microbatch
-            source = s - 1 if a.kind == "F" else s + 1 if a.kind in ("B", "BW") else None
-            if source is not None and 0 <= source < S:
-                ops.append(("take", f"{'F' if a.kind == 'F' else 'B'}{j} from rank {placement[source]}"))
-            ops.append(("run", a.text))
-            to = s + 1 if a.kind == "F" else s - 1 if a.kind in ("B", "BW") else None
-            if to is not None and 0 <= to < S:
-                what = f"{'F' if a.kind == 'F' else 'B'}{j} to rank {placement[to]}"
-                ops.append(("send", what, placement[to]))
+            kind, j = "F" if a.kind == "F" else "B", a.microbatch
+            source, to = producer_stage(kind, a.stage), consumer_stage(kind, a.stage)
+            if a.kind != "W" and 0 <= source < S:
+                ops.append(("take", (kind, source, j), f"{kind}{j} from rank {placement[source]}"))
+            ops.append(("run", None, a.text))
+            if a.kind != "W" and 0 <= to < S:
+                ops.append(("send", (kind, a.stage, j), f"{kind}{j} to rank {placement[to]}", placement[to]))
         lists.append(ops)
     at = [0] * len(lists)
     now = lambda r: lists[r][at[r]] if at[r] < len(lists[r]) else None  # noqa: E731
@@ -473,13 +472,12 @@ def _stuck(schedule: Schedule) -> list[str] | None:
             if op is not None and op[0] == "run":
                 at[r], moved = at[r] + 1, True
             elif op is not None and op[0] == "send":
-                taker = now(op[2])
-                wanted = op[1].replace(f"to rank {op[2]}", f"from rank {r}")
-                if taker is not None and taker == ("take", wanted):
-                    at[r], at[op[2]], moved = at[r] + 1, at[op[2]] + 1, True
+                taker = now(op[3])
+                if taker is not None and taker[:2] == ("take", op[1]):
+                    at[r], at[op[3]], moved = at[r] + 1, at[op[3]] + 1, True
     if all(now(r) is None for r in range(len(lists))):
         return None
-    return [f"rank {r} " + ("done" if now(r) is None else f"{now(r)[0]}s {now(r)[1]}")
+    return [f"rank {r} " + ("done" if now(r) is None else f"{now(r)[0]}s {now(r)[2]}")
             for r in range(len(lists))]
 
 
