@@ -213,16 +213,12 @@ class SpmdLab:
         program, out, refusal = _traced_run(step, (As, cs, Xm, Ym), 3, refused)
         if program is None:
             return refusal
-        try:
-            loss, dA, dc = (np.asarray(a, dtype=np.float64) for a in out)
-        except (TypeError, ValueError) as e:   # a ragged list, a dict: no arrays of numbers
-            return {"error": f"the step returned something other than arrays of numbers ({e})"}
-        dAs, dcs = self.reference
-        report = gradient_report(list(zip(dA, dc)), list(zip(dAs, dcs))) if dA.shape == dAs.shape else \
-            {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
+        arrays, report = _step_arrays(out, *self.reference)
+        if arrays is None:
+            return report
         shard_maps, outside = _outside(program.jaxpr)
-        return dict(error=None, loss=loss, loss_ref=float(mlp_loss(params, X, Y)), scans=scans(program.jaxpr),
-                    shard_maps=shard_maps, outside=sorted(set(outside)), **report)
+        return dict(error=None, loss=arrays[0], loss_ref=float(mlp_loss(params, X, Y)),
+                    scans=scans(program.jaxpr), shard_maps=shard_maps, outside=sorted(set(outside)), **report)
 
     def try_step(self, step: Callable) -> Any:
         """Exercise 9.4's result: ``step(As, cs, H, Xm, Ym) -> (loss, dAs, dcs, dH)`` run on ``arrays`` (one
@@ -245,17 +241,28 @@ class SpmdLab:
         program, out, refused = _traced_run(step, (As, cs, H, Xm, Ym), 4, (tick_tables, lockstep_ticks))
         if program is None:
             return refused
-        try:
-            loss, dA, dc, dH = (np.asarray(a, dtype=np.float64) for a in out)
-        except (TypeError, ValueError) as e:   # a ragged list, a dict: no arrays of numbers
-            return {"error": f"the step returned something other than arrays of numbers ({e})"}
-        dAs, dcs = _per_stage(grads)
-        report = gradient_report(list(zip(dA, dc)), list(zip(dAs, dcs))) if dA.shape == dAs.shape else \
-            {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
+        arrays, report = _step_arrays(out, *_per_stage(grads))
+        if arrays is None:
+            return report
+        loss, dH = arrays[0], arrays[3]
         return dict(error=None, loss=loss, loss_ref=float(loss_ref),
                     dH_error=gradient_report([dH], [dH_ref])["grad_error"],
                     **_state_report(program.jaxpr, self.case, [As.shape[1:], cs.shape[1:], H.shape]),
                     **_program_report(program, self.case), **report)
+
+
+def _step_arrays(out: tuple, dAs: Any, dcs: Any) -> tuple:
+    """A whole step's outputs ``(loss, dAs, dcs, ...)`` as float64 NumPy arrays, and :func:`gradient_report`
+    of its dAs, dcs against the reference's, stage by stage (every error inf where dAs has another shape):
+    ``(arrays, report)``, or ``(None, {"error": ...})`` where the outputs are not arrays of numbers."""
+    try:
+        arrays = [np.asarray(a, dtype=np.float64) for a in out]
+    except (TypeError, ValueError) as e:   # a ragged list, a dict: no arrays of numbers
+        return None, {"error": f"the step returned something other than arrays of numbers ({e})"}
+    dA, dc = arrays[1], arrays[2]
+    report = gradient_report(list(zip(dA, dc)), list(zip(dAs, dcs))) if dA.shape == np.shape(dAs) else \
+        {"grad_error": float("inf"), "stage_errors": [float("inf")], "scale": float("nan")}
+    return arrays, report
 
 
 def own_model(case: dict) -> tuple:
