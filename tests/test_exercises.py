@@ -19,7 +19,7 @@ from zbpp_lite.schedules.simulate import lockstep_ticks
 
 HAND_30 = "1F0 1F1 1B0 1W0 1B1 1W1 1F2 1B2 1F3 1W2 1F4 1B3 1W3 1B4 1W4".split()
 HAND_31 = "1F0 1F1 1B0 1W0 1B1 1W1 1F2 1F3 1B2 1W2 1B3 1W3 1F4 1B4 1W4".split()
-"""Exercise 4.3 by hand: rank 1's order with zb-auto's on ranks 0 and 2: B2 before F3 and F4 before B3 (30,
+"""Exercise 4.2 by hand: rank 1's order with zb-auto's on ranks 0 and 2: B2 before F3 and F4 before B3 (30,
 the optimum), or zb-auto's own order (31)."""
 LEAN = [["0F0", "0F1", "0BW0", "0F2", "0BW1", "0F3", "0BW2", "0BW3"],   # our text form: BW fused
         ["1F0", "1F1", "1BW0", "1BW1", "1F2", "1F3", "1BW2", "1BW3"],   # BW1 before F2: its gradient leaves at once
@@ -54,9 +54,7 @@ CASES = {
             lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)),   # ZB-H2's form, clipped at 0
     "4.1": (lambda p, m: {(p - 1, 0)} | {(r, j) for r in range(1, p) for j in range(m - (p - r), m)},   # the
             lambda p, m: {(p - 1, 0), (p - 1, m - 1)}),   # waits; the wrong one: p = 2's answer, no cool-down
-    "4.2": (lambda p, f, b: p + (p - 1) * round(b / f),   # p T_F + (p-1) T_B over T_F
-            lambda p, f, b: 2 * p - 1),                  # ZB-H2's 2p - 1, copied
-    "4.3": (HAND_30, HAND_31),                      # the optimum; zb-auto's own order
+    "4.2": (HAND_30, HAND_31),                      # the optimum; zb-auto's own order
     "5.1": (lambda p: ((0, *(r for r in range(1, p) for _ in (0, 1)), 0), 2 * p, 4 * p - 4),   # pairs: 2p
             lambda p: (tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p)), 4 * p - 4, 4 * p - 4)),  # the V
     "5.2": (lambda p, r: _first_m_below_by_hand(p, r),   # rate (2p-1-m)/(5m+2p-1); the wrong one: ZB-V's
@@ -474,25 +472,6 @@ def test_the_lesson_1_batch_split_span_is_the_simulators_and_its_best_m_is_the_l
     assert _best_m(2, 5.9) == 4 and _best_m(4, 7.17) == 6                     # the near-half points round up
 
 
-def test_the_floor_limits_closed_form_equals_zb_autos_floor():
-    """Exercise 4.2's fresh points take p + (p - 1) T_B / T_F (T_W = T_F, T_B a whole multiple of T_F, m =
-    4p): it equals zb-auto's smallest whole limit at its floor for p = 2..4 and T_B = 1, 2, 3 T_F, and at
-    T_F = 0.5 and 2 (the costs scaled) where the check draws them (p = 5, 6 and T_F = 0.5 were checked once
-    by hand: 2 s a point)."""
-    from zbpp_lite.course import lesson4
-
-    grid = [(p, 1.0, float(k)) for p in range(2, 5) for k in (1, 2, 3)] + [(3, 0.5, 1.5), (3, 2.0, 2.0)]
-    assert [lesson4._floor_limit(*point) for point in grid] == [lesson4._floor_by_form(*point) for point in grid]
-
-
-def test_the_lesson_4_checks_reject_the_printed_rules():
-    assert "ZB-H2's warm-up" in ex.bubble_floor_limit(lambda p, f, b: 2 * p - 1).message
-    assert "zb-2p" in ex.bubble_floor_limit(lambda p, f, b: 2 * p).message
-    assert "T_B = 2 T_F only" in ex.bubble_floor_limit(lambda p, f, b: 3 * p - 2).message   # the lesson's case
-    assert not ex.bubble_floor_limit(lambda p, f, b: p + (p - 1) * b)                        # T_B not over T_F
-    assert not ex.bubble_floor_limit(10) and not ex.bubble_floor_limit(10).attempt   # p = 4's number alone
-
-
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
     v = ex.fewest_sends(CASES["5.1"][1])
     assert not v and "fewer is possible" in v.message and "at p = 3" in v.message, str(v)   # equal at p = 2
@@ -616,7 +595,7 @@ def test_a_function_answer_that_raises_is_not_yet_with_the_error():
     assert not verdict.ok and "ZeroDivisionError" in verdict.message
 
 
-@pytest.mark.parametrize("key", ["1.1", "3.1", "4.2", "5.2", "6.1", "7.1", "9.2", "10.1"])
+@pytest.mark.parametrize("key", ["1.1", "3.1", "4.1", "5.2", "6.1", "7.1", "9.2", "10.1"])
 def test_reveal_shows_the_simulation_only_after_a_real_attempt(key, capsys):
     assert ex.reveal(key, ...) is None and "commit" in capsys.readouterr().out
     assert ex.reveal(key, 1e6) is None and "real attempt" in capsys.readouterr().out   # a throwaway number
@@ -772,7 +751,7 @@ def test_the_mlps_ratio_copied_to_every_stack_is_told_what_it_misses():
 
 
 def test_a_plan_by_hand_slower_than_the_optimum_or_invalid_is_told_which():
-    """4.3: the MILP proves 30 for HAND_CASE and zb-auto's plan takes 31; with zb-auto's orders on ranks 0
+    """4.2: the MILP proves 30 for HAND_CASE and zb-auto's plan takes 31; with zb-auto's orders on ranks 0
     and 2, rank 1's order B2 before F3 and F4 before B3 reaches 30, each alone does not, and zb-auto's own
     order is named; an order the validator refuses, unreadable text and a whole plan are named."""
     from zbpp_lite.course import lesson4
@@ -821,13 +800,15 @@ def test_a_function_that_switches_the_watch_off_before_asking_the_simulator_is_r
 
 def test_a_second_try_of_4_2_plans_nothing_again(monkeypatch):
     """The checks keep their plans from one try to the next (checks.course_cache): 4.2's second try, right or
-    wrong, plans nothing again (its fresh points take the closed form, which the test above checks)."""
+    wrong, neither plans with zb-auto nor solves the MILP again."""
     from zbpp_lite.course import lesson4
+    from zbpp_lite.schedules.builders import milp
 
-    assert ex.bubble_floor_limit(CASES["4.2"][0])
+    assert ex.plan_around(HAND_30)
     planned = []
     monkeypatch.setattr(lesson4, "auto_plan", lambda *a: planned.append(a))
-    assert ex.bubble_floor_limit(CASES["4.2"][0]) and not ex.bubble_floor_limit(CASES["4.2"][1])
+    monkeypatch.setattr(milp, "solve_optimal", lambda *a, **k: planned.append(a))
+    assert ex.plan_around(HAND_30) and not ex.plan_around(HAND_31)
     assert planned == []
 
 
@@ -893,7 +874,7 @@ def test_round_40s_answers_that_change_their_input_or_give_non_counts_or_huge_nu
     """Round 40: the checks hand the learner a copy of each point, so an answer that rewrites the widths
     list does not change what it is compared with (wrong ones fail, right ones that reverse or pop it pass);
     counts must be whole (5.1 no longer rounds 2.9 down to 2, nor take text); 7.2 takes whole floats
-    and an array but not text, 4.3 an array of actions; 10**400 and infinity get a verdict, not an
+    and an array but not text, 4.2 an array of actions; 10**400 and infinity get a verdict, not an
     OverflowError; 7.2 refuses filling to the nearest share then moving boundaries (15 where 13 is possible);
     1.2's time is taken at fresh points, so a cache filled while the check judged does not hide a walk over
     every m."""

@@ -92,6 +92,6 @@ def test_a_fused_schedule_over_1f1b_never_falls_as_the_price_rises(name):
 def test_exercise_2_3s_reveal_gives_xlas_counts_at_the_checks_ratio():
     from zbpp_lite import course as ex
 
-    text = ex.REVEALS["2.3"]()
+    text = ex.REVEALS["2.3"](None)
     assert "B 36864 flops, F 102400 flops, ratio 0.360" in text and 36864 / 102400 == (64 * 16 + 16 * 8) / (
         32 * 64 + 64 * 16 + 16 * 8)                        # the check's ratio at the reveal's widths

@@ -1,6 +1,6 @@
 """Lesson 4's claims over many cases (notebooks/04_automatic_scheduling.md shows one case of each with
-its assert): zb-auto's rate against the memory limit, its peak within the limit for any m, and the
-polishing budget's closed form (Qi et al., ICLR 2024, section 3)."""
+its assert): zb-auto's rate against the memory limit and where its floor starts, its peak within the
+limit for any m, and the polishing budget's closed form (Qi et al., ICLR 2024, section 3)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def test_the_rate_falls_with_the_limit_into_a_floor_above_zero(p, m, costs):
 
 def test_with_equal_costs_and_free_transfers_the_floor_is_zero():
     assert min(auto_plan(4, 8, zb.Costs(), lim).bubble_rate for lim in range(4, 13)) == 0.0
+
+
+@pytest.mark.parametrize("p, f, b", [(p, 1.0, float(k)) for p in range(2, 5) for k in (1, 2, 3)]
+                         + [(3, 0.5, 1.5), (3, 2.0, 2.0)])
+def test_the_floor_starts_where_forwards_fill_rank_0s_wait_for_its_first_gradient(p, f, b):
+    """Lesson 4: with T_W = T_F and T_comm = 0 (m = 4p), zb-auto's rate reaches its floor at p + (p - 1)
+    T_B / T_F M_B and not one M_B below (ZB-H2's 2p - 1 at T_B = T_F)."""
+    costs = zb.Costs(f=f, b=b, w=f)
+    rates = {lim: auto_plan(p, 4 * p, costs, float(lim)).bubble_rate for lim in range(p, 4 * p + 3)}
+    start = min(lim for lim, r in rates.items() if r <= min(rates.values()) + 1e-12)
+    assert start == p + (p - 1) * round(b / f), rates
 
 
 def test_the_peak_stays_within_the_limit_whatever_m():

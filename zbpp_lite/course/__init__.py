@@ -35,8 +35,9 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {k: f for mod in _LESSONS for k
 """Every exercise's id ("3.2": lesson 3, exercise 2) -> its check; the tests and the notebook hygiene
 test read it."""
 
-REVEALS: dict[str, Callable[[], Any]] = {k: f for mod in _LESSONS for k, f in mod.REVEALS.items()}
-"""Every predict-first exercise's id -> the simulation its reveal cell draws."""
+REVEALS: dict[str, Callable[[Any], Any]] = {k: f for mod in _LESSONS for k, f in mod.REVEALS.items()}
+"""Every predict-first exercise's id -> the simulation its reveal cell draws, given the learner's answer
+(exercise 4.1 draws the plan it names; the others draw one fixed case)."""
 
 
 def reveal(key: str, answer: Any, show: Callable[[], Any] | None = None) -> Any:
@@ -60,4 +61,4 @@ def reveal(key: str, answer: Any, show: Callable[[], Any] | None = None) -> Any:
         return show()
     if key not in REVEALS:
         raise KeyError(f"no reveal for exercise {key}; give show=")
-    return REVEALS[key]()
+    return REVEALS[key](answer)

@@ -217,8 +217,8 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 }
 """Lesson 1's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {
-    "1.1": lambda: timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE),
+REVEALS: dict[str, Callable[[Any], Any]] = {
+    "1.1": lambda answer: timeline_figure(simulate(build_schedule("1f1b", 3, 6), SLOW_MIDDLE),
                                    "1F1B, p = 3, m = 6, stage 1 twice as slow")}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 

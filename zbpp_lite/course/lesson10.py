@@ -264,7 +264,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {"10.1": overlapped_ticks, "10.
                                                    "10.4": own_step}
 """Lesson 10's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"10.1": reveal_overlapped_ticks}
+REVEALS: dict[str, Callable[[Any], Any]] = {"10.1": lambda answer: reveal_overlapped_ticks()}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = ["OVERLAP_CASE", "OWN_CASE", "ROUTE_CASES", "V_RUNS", "V_CASE", "overlapped_ticks", "routing",

@@ -143,7 +143,7 @@ def _reveal_first_stage() -> str:
     return f"XLA: B {b:.0f} flops, F {f:.0f} flops, ratio {b / f:.3f}"
 
 
-REVEALS: dict[str, Callable[[], Any]] = {"2.3": _reveal_first_stage}
+REVEALS: dict[str, Callable[[Any], Any]] = {"2.3": lambda answer: _reveal_first_stage()}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [

@@ -96,8 +96,9 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 }
 """Lesson 3's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {
-    "3.1": lambda: timeline_figure(_few_microbatches(), "ZB-H1, p = 4, m = 2, T_F = 1, T_B = 2, T_W = 1.5")
+REVEALS: dict[str, Callable[[Any], Any]] = {
+    "3.1": lambda answer: timeline_figure(_few_microbatches(),
+                                          "ZB-H1, p = 4, m = 2, T_F = 1, T_B = 2, T_W = 1.5")
 }
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 

@@ -10,29 +10,17 @@ from ..schedules.builders import build_schedule
 from ..schedules.builders.auto import auto_plan
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
-from .checks import (Verdict, _called, _function_check, _function_missing, _hand_schedule, _line_figure,
-                     _settled, _shown, _unanswered, _with_fresh, course_cache)
-
-
-AUTO_CASE = dict(num_ranks=4, num_microbatches=16, costs=Costs(f=1.0, b=2.0, w=1.0))
-"""Exercise 4.2's case: p = 4, m = 16 (4p, as the exercise), T_F = 1, T_B = 2, T_W = 1, T_comm = 0 (T_B !=
-T_F, so ZB-H2's warm-up of 2(p-r)-1 forwards does not fill the wait for the first gradient)."""
+from .checks import (Verdict, _called, _function_missing, _hand_schedule, _settled, _shown, _unanswered,
+                     _with_fresh, course_cache)
 
 
 # zb-auto's plan takes 31 and the optimum is 30 (proven by the MILP); with zb-auto's orders kept on ranks 0
 # and 2, rank 1's order alone reaches 30: B2 before F3, then F4 before B3 (tests/test_exercises.py).
 HAND_CASE = dict(num_ranks=3, num_microbatches=5, costs=Costs(f=1.0, b=2.0, w=1.0),
                  memory_limit=(2.0, 3.0, 3.0))
-"""Exercise 4.3's case: p = 3, m = 5, T_F = 1, T_B = 2, T_W = 1, T_comm = 0, M_W = 7/16 M_B; rank 0 may hold 2
+"""Exercise 4.2's case: p = 3, m = 5, T_F = 1, T_B = 2, T_W = 1, T_comm = 0, M_W = 7/16 M_B; rank 0 may hold 2
 M_B of activations (it also holds, say, an embedding table), ranks 1 and 2 zb-auto's default, p M_B;
 zb-auto's plan takes 31 and the MILP's optimum is 30 (the lesson shows both)."""
-
-
-@course_cache(maxsize=64)
-def _auto(limit: float):
-    """zb-auto's plan under ``limit`` M_B of :data:`AUTO_CASE` (cached)."""
-    c = AUTO_CASE
-    return auto_plan(c["num_ranks"], c["num_microbatches"], c["costs"], limit)
 
 
 SPLIT_COSTS = Costs(f=7.7, b=8.0, w=6.5, bw=11.9)
@@ -122,65 +110,6 @@ def split_where_it_pays(fn: Any) -> Verdict:
                    "another rank's wait, and its W runs where its own rank would wait.")
 
 
-AUTO_LIMITS = tuple(range(4, 14))
-"""The memory limits (M_B) exercise 4.2's reveal plans :data:`AUTO_CASE` under."""
-
-
-def _auto_rates() -> list[float]:
-    return [_auto(float(lim)).bubble_rate for lim in AUTO_LIMITS]
-
-
-@course_cache(maxsize=64)
-def _floor_limit(p: int, f: float, b: float) -> int:
-    """The smallest whole memory limit (M_B, from p to 4p + 2) at which zb-auto's bubble rate on p ranks,
-    m = 4p, T_F = T_W = f, T_B = b, T_comm = 0 is at its least over those limits (cached)."""
-    costs = Costs(f=float(f), b=float(b), w=float(f))
-    rates = {limit: auto_plan(p, 4 * p, costs, float(limit)).bubble_rate for limit in range(p, 4 * p + 3)}
-    floor = min(rates.values())
-    return min(limit for limit, rate in rates.items() if rate <= floor + 1e-12)
-
-
-def _floor_by_form(p: int, f: float, b: float) -> int:
-    """Exercise 4.2's answer in closed form, for b a whole multiple of f (1 to 3 times): equal to
-    :func:`_floor_limit` at p = 2..4 and two scaled points (tests/test_exercises.py), and used past the
-    planned points."""
-    # p + (p - 1) b / f: rank 0's first gradient is back after p T_F + (p - 1) T_B, and each forward
-    # filling that wait holds 1 M_B.
-    return p + (p - 1) * round(b / f)
-
-
-FLOOR_PLANNED = ((2, 1.0, 1.0), (3, 1.0, 2.0), (4, 1.0, 2.0), (3, 1.0, 3.0), (2, 0.5, 1.0), (2, 2.0, 6.0),
-                 (3, 0.5, 1.5))
-"""Exercise 4.2's points (p, T_F, T_B) checked against zb-auto itself (planned once, then cached)."""
-
-
-def bubble_floor_limit(fn: Any) -> Verdict:
-    """Exercise 4.2 (predicted): ``floor_limit(p, f, b)``, the smallest whole memory limit (M_B) at which
-    zb-auto's bubble rate on p ranks, m = 4p, T_F = T_W = f, T_B = b (a whole multiple of f, 1 to 3
-    times), T_comm = 0 reaches its floor; checked against zb-auto at :data:`FLOOR_PLANNED` and at two
-    points drawn afresh (p = 20..60, too many ranks to plan a table of quickly) against
-    :func:`_floor_by_form`, a closed form the tests compare with zb-auto, the package out of bounds.
-    ZB-H2's limit, zb-2p's, and the limit of the lesson's case (T_B = 2 T_F) given to every T_B, copied,
-    get their own messages. The derivation: the lesson's Solutions."""
-    why = ("a larger limit lets rank 0 start more forwards before its first B; how many forwards fit "
-           "before that B can arrive?")
-    known = [(lambda p, f, b: 2 * p - 1, "2p - 1 is ZB-H2's warm-up, which fills rank 0's wait only when "
-                                         "T_B = T_F."),
-             (lambda p, f, b: 2 * p, "2p is zb-2p's limit, ZB-H2's 2p - 1 rounded up."),
-             (lambda p, f, b: 3 * p - 2, "3p - 2 holds where T_B = 2 T_F only, as in the lesson's case.")]
-
-    def draw(rng):   # p too large to plan a table of quickly
-        f = rng.choice((0.5, 1.0, 2.0))
-        return rng.randint(20, 60), f, f * rng.randint(1, 3)
-
-    points = _with_fresh(list(FLOOR_PLANNED), draw, 2)
-
-    def expected(p, f, b):
-        return _floor_limit(p, f, b) if (p, f, b) in FLOOR_PLANNED else _floor_by_form(p, f, b)
-
-    return _function_check("4.2", fn, points, expected, "floor_limit(p, f, b)", why, known=known)
-
-
 @course_cache(maxsize=1)
 def _hand_best() -> float:
     """The MILP's optimal makespan for :data:`HAND_CASE` (proven: its lower bound equals it; 0.1 s)."""
@@ -200,7 +129,7 @@ def _greedy() -> tuple[list[list[str]], float]:
 
 
 def plan_around(order: Any) -> Verdict:
-    """Exercise 4.3: rank 1's order for :data:`HAND_CASE`, a list of its actions in our text form
+    """Exercise 4.2: rank 1's order for :data:`HAND_CASE`, a list of its actions in our text form
     (``"1F0"``, ``"1B2"``, ``"1W4"``; B and W split or fused), run with zb-auto's orders on ranks 0 and 2:
     right when the plan is valid (:func:`zbpp_lite.validate`), each rank within its own memory limit
     (:func:`zbpp_lite.simulate`'s peaks, M_W included) and as short as the MILP's optimum
@@ -211,12 +140,12 @@ def plan_around(order: Any) -> Verdict:
             "need first? Rank 0, held to 2 M_B, cannot start an F until a B and its W free one; the last "
             "microbatch's trip down and back ends the step.")
     if _unanswered(order):
-        return Verdict("4.3", False, "no answer yet: replace ... with rank 1's actions, in order.", hint)
+        return Verdict("4.2", False, "no answer yet: replace ... with rank 1's actions, in order.", hint)
     order = _settled(order)
     if isinstance(order, (str, bytes)) or not isinstance(order, Sequence):
-        return Verdict("4.3", False, f"expected a list of rank 1's actions such as ['1F0', '1F1', ...], "
+        return Verdict("4.2", False, f"expected a list of rank 1's actions such as ['1F0', '1F1', ...], "
                        f"got {order!r}.", hint)
-    schedule, refused = _hand_schedule("4.3", [greedy[0], list(order), greedy[2]], c["num_ranks"],
+    schedule, refused = _hand_schedule("4.2", [greedy[0], list(order), greedy[2]], c["num_ranks"],
                                        c["num_microbatches"], hint, '"1F0", "1B2" or "1W4"')
     if refused is not None:
         return refused
@@ -225,30 +154,44 @@ def plan_around(order: Any) -> Verdict:
     over = [r for r, (peak, limit) in enumerate(zip(run.peak_memory, limits)) if peak > limit + 1e-9]
     if over:
         r = over[0]
-        return Verdict("4.3", False, f"valid, but rank {r} holds {peaks[r]:g} M_B at once, over its limit "
+        return Verdict("4.2", False, f"valid, but rank {r} holds {peaks[r]:g} M_B at once, over its limit "
                        f"of {limits[r]:g} (peaks {peaks}).", hint)
     best = _hand_best()
     if run.makespan > best + 1e-9:
         same = " (zb-auto's own order)" if [str(a) for a in order] == greedy[1] else ""
-        return Verdict("4.3", False, f"valid and within every rank's limit (peaks {peaks} M_B), but it takes "
+        return Verdict("4.2", False, f"valid and within every rank's limit (peaks {peaks} M_B), but it takes "
                        f"{run.makespan:g}{same}; an order of rank 1 takes {best:g}.", hint)
-    return Verdict("4.3", True, f"valid, within the limits (peaks {peaks} M_B against {list(limits)}), and "
+    return Verdict("4.2", True, f"valid, within the limits (peaks {peaks} M_B against {list(limits)}), and "
                    f"{run.makespan:g}, the optimum the MILP proves for this case; zb-auto's plan takes "
                    f"{greedy_span:g}.")
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "4.1": split_where_it_pays, "4.2": bubble_floor_limit, "4.3": plan_around
+    "4.1": split_where_it_pays, "4.2": plan_around
 }
 """Lesson 4's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"4.2": lambda: _line_figure(
-    list(AUTO_LIMITS), _auto_rates(),
-    "zb-auto, p = 4, m = 16, T_F = 1, T_B = 2, T_W = 1: bubble rate against the memory limit",
-    "memory limit (M_B)")}
+def reveal_splits(fn: Any) -> Any:
+    """Exercise 4.1's reveal: the timeline of 1F1B with ``fn(3, 6)``'s backwards split (:func:`_split_plan`)
+    on :data:`SPLIT_COSTS`, zb-auto's makespan and 1F1B's in the title beside its own; None, with a line
+    saying why, if ``fn(3, 6)`` raises or returns no (rank, microbatch) pairs."""
+    from ..viz.figures import timeline_figure
+
+    p, m = 3, 6
+    try:
+        splits = frozenset((int(r), int(j)) for r, j in fn(p, m))
+    except Exception as e:  # the learner's function: any error is reported, not raised
+        print(f"Exercise 4.1: split_these({p}, {m}) gave no (rank, microbatch) pairs ({type(e).__name__}).")
+        return None
+    plan, plain = simulate(_split_plan(p, m, splits), SPLIT_COSTS), _split_span(p, m, frozenset())
+    return timeline_figure(plan, f"1F1B with your {len(splits)} splits, p = {p}, m = {m}, in ms (zb-auto "
+                                 f"{_auto_span(p, m):.1f}, 1F1B {plain:.1f})")
+
+
+REVEALS: dict[str, Callable[[Any], Any]] = {"4.1": reveal_splits}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "SPLIT_COSTS", "SPLIT_POINTS", "split_where_it_pays", "AUTO_CASE", "AUTO_LIMITS", "FLOOR_PLANNED",
-    "bubble_floor_limit", "HAND_CASE", "plan_around", "EXERCISES", "REVEALS"
+    "SPLIT_COSTS", "SPLIT_POINTS", "split_where_it_pays", "reveal_splits", "HAND_CASE", "plan_around",
+    "EXERCISES", "REVEALS"
 ]

@@ -153,7 +153,7 @@ def _reveal_5_2():
     return figure.add_hline(y=ZB_V_RATE, line_dash="dot")
 
 
-REVEALS: dict[str, Callable[[], Any]] = {"5.2": _reveal_5_2}
+REVEALS: dict[str, Callable[[Any], Any]] = {"5.2": lambda answer: _reveal_5_2()}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = ["ZB_V_RATE", "zb_v_first_m_below", "zb_v_makespan", "fewest_sends", "EXERCISES", "REVEALS"]

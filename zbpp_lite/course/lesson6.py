@@ -138,7 +138,7 @@ def _reveal_6_1():
     return fig
 
 
-REVEALS: dict[str, Callable[[], Any]] = {"6.1": _reveal_6_1}
+REVEALS: dict[str, Callable[[Any], Any]] = {"6.1": lambda answer: _reveal_6_1()}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [

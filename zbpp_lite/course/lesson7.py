@@ -209,8 +209,8 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 }
 """Lesson 7's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {
-    "7.1": lambda: timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_MIDDLE_STAGE),
+REVEALS: dict[str, Callable[[Any], Any]] = {
+    "7.1": lambda answer: timeline_figure(simulate(build_schedule("zb-h1", 4, 8), SLOW_MIDDLE_STAGE),
                                    "ZB-H1, stage 2 twice as slow")}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 

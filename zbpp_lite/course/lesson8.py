@@ -522,7 +522,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {
 }
 """Lesson 8's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"8.4": reveal_blocking}
+REVEALS: dict[str, Callable[[Any], Any]] = {"8.4": lambda answer: reveal_blocking()}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [

@@ -532,7 +532,7 @@ EXERCISES: dict[str, Callable[[Any], Verdict]] = {"9.1": tick_table, "9.2": lock
                                                   "9.4": spmd_step, "9.5": gpipe_step}
 """Lesson 9's exercises by id -> check."""
 
-REVEALS: dict[str, Callable[[], Any]] = {"9.2": reveal_lockstep_1f1b}
+REVEALS: dict[str, Callable[[Any], Any]] = {"9.2": lambda answer: reveal_lockstep_1f1b()}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = ["KIND_CODE", "TICK_CASES", "ROWS_CASES", "BUFFERS", "FUSED", "tick_table", "lockstep_1f1b",
