@@ -21,6 +21,16 @@ HAND_30 = "1F0 1F1 1B0 1W0 1B1 1W1 1F2 1B2 1F3 1W2 1F4 1B3 1W3 1B4 1W4".split()
 HAND_31 = "1F0 1F1 1B0 1W0 1B1 1W1 1F2 1F3 1B2 1W2 1B3 1W3 1F4 1B4 1W4".split()
 """Exercise 4.2 by hand: rank 1's order with zb-auto's on ranks 0 and 2: B2 before F3 and F4 before B3 (30,
 the optimum), or zb-auto's own order (31)."""
+def _tied_b(weight, h, dy):          # exercise 2.2's B: dh, dz, dx; W gets dz and dy
+    dz = (dy @ weight) * (1 - h ** 2)
+    return dz @ weight.T, (dz, dy)
+
+
+def _tied_w(x, h, handover):         # both uses' gradients
+    dz, dy = handover
+    return x.T @ dz + dy.T @ h
+
+
 LEAN = [["0F0", "0F1", "0BW0", "0F2", "0BW1", "0F3", "0BW2", "0BW3"],   # our text form: BW fused
         ["1F0", "1F1", "1BW0", "1BW1", "1F2", "1F3", "1BW2", "1BW3"],   # BW1 before F2: its gradient leaves at once
         ["2F0", "2BW0", "2F1", "2BW1", "2F2", "2BW2", "2F3", "2BW3"]]
@@ -40,10 +50,7 @@ CASES = {
             lambda p, m, r, f, bw: (min(p, r + m) - 1) * f),    # the wrong one: the first peak's time
     "2.1": (lambda w: (sum(w[:-1]) + sum(w[1:])) / sum(w[:-1]),   # a_l, dz_l over a_l (tanh: no z_l kept)
             lambda w: (sum(w[:-1]) + sum(w[1:])) / (sum(w[:-1]) + sum(w[1:-1]))),   # GELU's: z_l kept too
-    "2.2": (lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
-                          + sum(2 * n * w[k + 1] * w[k + 2] for k in range(1, len(w) - 2, 2))),
-            lambda n, w: (sum(2 * n * a * b for a, b in zip(w, w[1:]))
-                          + sum(2 * n * a * b for a, b in zip(w[1:], w[2:])))),   # rebuilds every one
+    "2.2": ((_tied_b, _tied_w), (_tied_b, lambda x, h, handover: x.T @ handover[0])),   # the wrong: one use
     "2.3": (lambda w: sum(a * b for a, b in zip(w[1:], w[2:])) / sum(a * b for a, b in zip(w, w[1:])),
             lambda w: 1.0),                         # B skips the first layer's dx product; 1.0 makes dx too
     "3.1": (lambda p, m, f, b, w: p * (f + b) + w + (m - 1) * (b + max(f, w)),   # the wrong one: right
@@ -405,11 +412,43 @@ def test_the_lesson_1_peak_time_rejects_the_printed_count_the_first_peak_and_the
     assert not ex.peak_memory_1f1b(lambda p, m, r, f, bw: (m - 1) * (f + bw) + (r + 1) * f).ok   # its end
 
 
-def test_the_flop_checks_reject_the_printed_two_layer_case_and_the_equal_width_form():
-    two_layer = lambda n, w: 2 * w[0] * n * w[1] + 2 * w[1] * n * w[2] + 2 * n * w[2] * w[1]  # noqa: E731
-    equal_width = lambda n, w: (2 * (len(w) - 1) - 1) * 2 * n * w[0] ** 2  # noqa: E731
-    assert not ex.w_flops_without_kept_gradients(two_layer).ok
-    assert not ex.w_flops_without_kept_gradients(equal_width).ok
+def test_the_tied_weight_check_names_one_use_b_doing_ws_work_w_redoing_bs_and_autodiff():
+    """Exercise 2.2: each use's gradient alone, B making the weight's gradient, W rebuilding dz from dy and a
+    weight (handed over, or the notebook's own), jax.vjp, and a sign each get a verdict that says which."""
+    import jax
+
+    def greedy_b(weight, h, dy):                    # B makes d_weight too: a third product
+        dz = (dy @ weight) * (1 - h ** 2)
+        return dz @ weight.T, (dz, dy, h.T @ dy)
+
+    def lazy_b(weight, h, dy):                      # B hands W dy and the weight, W redoes dh
+        return ((dy @ weight) * (1 - h ** 2)) @ weight.T, (dy, weight)
+
+    def redo_w(x, h, handover):
+        dy, weight = handover
+        return x.T @ ((dy @ weight) * (1 - h ** 2)) + dy.T @ h
+
+    stray = jax.numpy.ones((32, 64))                # the notebook's weight, not the check's
+    cases = {"second use's gradient alone": (_tied_b, lambda x, h, ho: ho[1].T @ h),
+             "first use's gradient alone": CASES["2.2"][1],
+             "tied_b runs 3 matrix products": (greedy_b, _tied_w),
+             "redoes B's work": (lazy_b, redo_w),
+             "calls jax.vjp": (lambda w, h, dy: jax.vjp(lambda v: v, dy), _tied_w),
+             "raised TypeError": (_tied_b, lambda x, h, ho: x.T @ ho[0] + h.T @ ho[1]),   # transposed
+             "tied_b's dx differs": (lambda w, h, dy: ((dy @ w) @ w.T, (dy, dy)), _tied_w),   # no tanh'
+             "redoes B's work ": (_tied_b, lambda x, h, ho: x.T @ ((ho[1] @ stray) * (1 - h ** 2))
+                                  + ho[1].T @ h),
+             "tied_w's d_weight differs": (_tied_b, lambda x, h, ho: x.T @ ho[0] - ho[1].T @ h)}   # a sign
+    for said, pair in cases.items():
+        verdict = ex.tied_split(pair)
+        assert not verdict and said.strip() in verdict.message and verdict.hint, (said, str(verdict))
+    assert "expected the pair" in ex.tied_split(_tied_b).message
+    assert ex.tied_split(...).message.startswith("no answer yet")
+    assert ex.tied_split((lambda w, h, dy: None, _tied_w)).message.startswith("no answer yet")
+    assert "96 floats a token" in ex.tied_split(CASES["2.2"][0]).message   # dz (64) and dy (32)
+
+
+def test_the_ratio_check_rejects_the_printed_mlp_and_the_equal_width_form():
     assert not ex.mw_over_mb(lambda w: 1.2).ok                                     # the MLP's ratio, copied
     assert not ex.mw_over_mb(lambda w: 2 * (len(w) - 1) / (2 * (len(w) - 1) - 1)).ok   # the equal-width form
     as_m_b = ex.mw_over_mb(lambda w: 1.0)                                          # M_W as what F kept alone
@@ -883,7 +922,6 @@ def test_round_40s_answers_that_change_their_input_or_give_non_counts_or_huge_nu
     from fractions import Fraction
 
     for check, wrong in ((ex.mw_over_mb, lambda w: (w.__setitem__(slice(None), [1, 1]), 2)[1]),
-                         (ex.w_flops_without_kept_gradients, lambda n, w: (w.clear(), 0)[1]),
                          (ex.first_stage_b_ratio, lambda w: (w.__setitem__(slice(None), [1, 1, 1]), 0.5)[1])):
         verdict = check(wrong)
         assert not verdict, str(verdict)

@@ -4,10 +4,10 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 
-from .checks import Verdict, _function_check, _with_fresh
+from .checks import Verdict, _function_check, _function_missing, _shown, _unanswered, _with_fresh
 
 
 MLP_TOKENS, MLP_WIDTHS = 16, (32, 64, 32)
@@ -19,26 +19,11 @@ FIRST_STAGE_WIDTHS = (32, 64, 16, 8)
 """Exercise 2.3's reveal: three layers ``z_l = a_l @ weight_l`` of these widths (2.1's convention)."""
 
 
-def _matmul(rows: int, inner: int, cols: int) -> int:
-    return 2 * rows * inner * cols  # one multiply and one add per term
-
-
 WIDTH_LISTS = ((32, 64, 32), (8, 16, 4, 2), (3, 5, 7, 11, 13), (1, 1), (64, 256, 64, 256, 64, 16))
-"""The widths lists exercises 2.1 and 2.2 try: one to five layers of uneven widths."""
+"""The widths lists exercises 2.1 and 2.3 try: one to five layers of uneven widths."""
 MLP_RATIO = (32 + 64 + 64 + 32) / (32 + 64 + 64)
 """M_W / M_B of the lesson's two-layer GELU MLP: W reads x, a, dh, dy (192 floats a token), F keeps x, h, a
 (160: GELU's derivative needs its input h)."""
-
-
-def _layer_products(n: int, widths: Sequence[int]) -> list[int]:
-    """Flops of each layer's weight-gradient product x_l.T @ dz_l, (d_l, n) @ (n, d_{l+1})."""
-    return [_matmul(a, n, b) for a, b in itertools.pairwise(widths)]
-
-
-def _widths_check(exercise: str, fn: Any, expected: Callable[[int, Sequence[int]], int], what: str,
-                  hint: str) -> Verdict:
-    points = [(n, list(w)) for n, w in itertools.product((16, 5), WIDTH_LISTS)]
-    return _function_check(exercise, fn, points, lambda n, w: expected(n, tuple(w)), what, hint)
 
 
 def mw_over_mb(fn: Any) -> Verdict:
@@ -70,20 +55,106 @@ def mw_over_mb(fn: Any) -> Verdict:
     return _function_check("2.1", fn, points, lambda w: held(tuple(w)), "ratio(widths)", hint, known=copied)
 
 
-def w_flops_without_kept_gradients(fn: Any) -> Verdict:
-    """Exercise 2.2: ``w_flops_recompute(n, widths)``, W's matmul flops on 2.1's stack when B keeps the
-    output gradients of the even layers (0, 2, ...) only, so W rebuilds each odd layer's from the one
-    after it (activation derivative not counted); (r, k) @ (k, c) counts 2 r k c."""
+TIED_SHAPES = ((16, 32, 64), (5, 3, 7))
+"""Exercise 2.2's cases (tokens n, width d, hidden width k): x (n, d), weight (d, k), h = tanh(x @ weight)
+(n, k), y = h @ weight.T and dy (n, d)."""
 
-    def recompute(n, w):
-        layers = len(w) - 1
-        back = [_matmul(n, w[k + 2], w[k + 1]) for k in range(1, layers - 1, 2)]  # dz_{l+1} @ weight_{l+1}.T
-        return sum(_layer_products(n, w)) + sum(back)
 
-    return _widths_check("2.2", fn, recompute, "w_flops_recompute(n, widths)",
-                         "which output gradients does W now lack, and from which kept array is each "
-                         "cheapest to rebuild? Price each rebuild as B would, and ask for every layer "
-                         "where its output gradient comes from at the edge of the stage.")
+def _tied_case(n: int, d: int, k: int, seed: int = 2) -> tuple:
+    """``x, weight, h, dy`` for exercise 2.2 and ``jax.vjp``'s ``(dx, d_weight)`` (float32)."""
+    import jax
+    import jax.numpy as jnp
+
+    kx, kw, ky = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x, dy = jax.random.normal(kx, (n, d)), jax.random.normal(ky, (n, d))
+    weight = jax.random.normal(kw, (d, k)) / jnp.sqrt(d)
+    h = jnp.tanh(x @ weight)
+    _, pullback = jax.vjp(lambda x, w: jnp.tanh(x @ w) @ w.T, x, weight)
+    return x, weight, h, dy, pullback(dy)
+
+
+def tied_split(pair: Any) -> Verdict:
+    """Exercise 2.2: B and W by hand for a stage that uses one weight twice, ``y = tanh(x @ weight) @
+    weight.T`` (a tied pair, as a tied embedding and head are: Press and Wolf, EACL 2017). ``pair`` is
+    ``(tied_b, tied_w)``: ``tied_b(weight, h, dy) -> (dx, handover)`` and ``tied_w(x, h, handover) ->
+    d_weight``, with ``h = tanh(x @ weight)`` kept
+    by F; shapes in :data:`TIED_SHAPES`. Right when, at each shape, dx and d_weight equal ``jax.vjp``'s
+    within 1e-5 (relative to the largest entry, float32), B and W each run at most two matrix products (B:
+    dh and dx, the weight's gradient being W's work; W: nothing of B's again), and neither calls JAX's
+    differentiation. W given one use's gradient alone, or the
+    second use's untransposed, gets its own message."""
+    import jax
+    import jax.numpy as jnp
+
+    from . import bench
+
+    hint = ("a weight used twice gets the sum of its two uses' gradients. Which of them needs dy itself, "
+            "and so what must B hand W besides dz?")
+    if _unanswered(pair):
+        return Verdict("2.2", False, "no answer yet: write tied_b and tied_w, and pass (tied_b, tied_w).")
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+        return Verdict("2.2", False, f"expected the pair (tied_b, tied_w), got {_shown(pair)}.", hint,
+                       attempt=False)
+    tied_b, tied_w = pair
+    for name, fn in (("tied_b", tied_b), ("tied_w", tied_w)):
+        missing = _function_missing("2.2", fn, hint, name=f"{name}'s body")
+        if missing is not None:
+            return missing
+    refused = (jax.grad, jax.vjp, jax.value_and_grad, jax.linearize, jax.linear_transpose)
+    rel = lambda got, ref: float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))  # noqa: E731
+    for n, d, k in TIED_SHAPES:
+        x, weight, h, dy, (dx_ref, dw_ref) = _tied_case(n, d, k)
+        where = f"with x ({n}, {d}) and weight ({d}, {k})"
+        program, out, why = bench._traced_run(tied_b, (weight, h, dy), 2, refused)
+        if why is not None:
+            return _tied_refusal("tied_b", why, where, "(dx, handover)", hint)
+        dx, handover = out
+        if getattr(dx, "shape", None) != (n, d):
+            return Verdict("2.2", False, f"{where} tied_b's dx has shape {getattr(dx, 'shape', None)}; x's "
+                           f"is {(n, d)}.", hint)
+        products = bench._products(program.jaxpr)
+        if products > 2:
+            return Verdict("2.2", False, f"{where} tied_b runs {products} matrix products; the previous "
+                           "stage waits for two (dh, then dx): the weight's gradient is W's work.", hint)
+        if rel(dx, dx_ref) > 1e-5:
+            return Verdict("2.2", False, f"{where} tied_b's dx differs from jax.vjp's by "
+                           f"{rel(dx, dx_ref):.2g} (relative).", hint)
+        program, out, why = bench._traced_run(lambda *a: (tied_w(*a),), (x, h, handover), 1, refused)
+        if why is not None:
+            return _tied_refusal("tied_w", why, where, "d_weight", hint)
+        dw, products = out[0], bench._products(program.jaxpr)
+        if products > 2:
+            return Verdict("2.2", False, f"{where} tied_w runs {products} matrix products: it redoes B's "
+                           "work. Hand W what B made instead.", hint)
+        if getattr(dw, "shape", None) != (d, k):
+            return Verdict("2.2", False, f"{where} tied_w returned shape {getattr(dw, 'shape', None)}; the "
+                           f"weight's is {(d, k)}: the second use, y = h @ weight.T, takes its gradient "
+                           "transposed.", hint)
+        dz = (dy @ weight) * (1 - h ** 2)
+        for part, said in ((x.T @ dz, "the first use's gradient alone, x.T @ dz"),
+                           (dy.T @ h, "the second use's gradient alone, dy.T @ h")):
+            if rel(dw, part) < 1e-5:
+                return Verdict("2.2", False, f"{where} tied_w gives {said}: the weight is used twice.", hint)
+        if rel(dw, dw_ref) > 1e-5:
+            return Verdict("2.2", False, f"{where} tied_w's d_weight differs from jax.vjp's by "
+                           f"{rel(dw, dw_ref):.2g} (relative).", hint)
+        if (n, d, k) == TIED_SHAPES[0]:
+            floats = sum(int(jnp.size(a)) for a in jax.tree_util.tree_leaves(handover)) // n
+    return Verdict("2.2", True, f"dx and d_weight equal jax.vjp's at both shapes, and B runs two products. "
+                   f"B hands W {floats} floats a token at d = {TIED_SHAPES[0][1]}, k = {TIED_SHAPES[0][2]}; "
+                   "W also reads x and h, kept by F.")
+
+
+def _tied_refusal(name: str, why: Any, where: str, returns: str, hint: str) -> Verdict:
+    """Exercise 2.2's verdict for a B or W that could not be read (:func:`bench._traced_run`'s ``why``)."""
+    if why is ...:
+        return Verdict("2.2", False, f"no answer yet: {name} returned None; replace its ... .",
+                       attempt=False)
+    if why.get("copied"):
+        return Verdict("2.2", False, f"{name} calls jax.{why['copied']}: write the products yourself.", hint)
+    if why.get("shape"):
+        return Verdict("2.2", False, f"{where} {name} returned a {why['shape']}; expected {returns}.", hint)
+    return Verdict("2.2", False, f"{where} {name} raised {why['error']}", hint)
 
 
 def first_stage_b_ratio(fn: Any) -> Verdict:
@@ -114,7 +185,7 @@ def first_stage_b_ratio(fn: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "2.1": mw_over_mb, "2.2": w_flops_without_kept_gradients, "2.3": first_stage_b_ratio
+    "2.1": mw_over_mb, "2.2": tied_split, "2.3": first_stage_b_ratio
 }
 """Lesson 2's exercises by id -> check."""
 
@@ -147,6 +218,6 @@ REVEALS: dict[str, Callable[[Any], Any]] = {"2.3": lambda answer: _reveal_first_
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "MLP_TOKENS", "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "MLP_RATIO", "mw_over_mb",
-    "w_flops_without_kept_gradients", "first_stage_b_ratio", "EXERCISES", "REVEALS"
+    "MLP_TOKENS", "FIRST_STAGE_WIDTHS", "WIDTH_LISTS", "MLP_RATIO", "mw_over_mb", "TIED_SHAPES",
+    "tied_split", "first_stage_b_ratio", "EXERCISES", "REVEALS"
 ]
