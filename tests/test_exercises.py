@@ -43,8 +43,8 @@ STRICT = [[f"{r}{kind}{k}" for k in range(4) for kind in ("F", "BW")] for r in r
 # id -> (a right answer, a wrong answer); formula answers are functions, checked at several points
 CASES = {
     "1.1": (lambda p, m, s: 6 * m + p - 1 + 2 * s, lambda p, m, s: 6 * m + 2 * s),   # misses the warm-up wait
-    "1.2": (lambda p, c: _best_m_by_hand(p, c),     # the wrong one: sqrt(72(p - 1)/c) rounded, no comparison
-            lambda p, c: max(1, round(math.sqrt(72 * (p - 1) / c)))),
+    "1.2": (lambda m, d, t: (m - 1) * min(d, t),      # the wrong one: right only while d <= t
+            lambda m, d, t: (m - 1) * d),
     "1.3": (LEAN, SHORT_WARM_UP),                   # 1F1B with shorter warm-ups: within the limit, but 24
     "1.4": (lambda p, m, r, f, bw: (r + m - 1) * f if m <= p - r else (m - 1) * (f + bw) + r * f,
             lambda p, m, r, f, bw: (min(p, r + m) - 1) * f),    # the wrong one: the first peak's time
@@ -90,17 +90,6 @@ CASES = {
     "10.3": (lambda: _v_result(1e-6), lambda: _v_result(0.3)),   # 0.3: first/last testing the rank alone
     "10.4": (lambda: _own_result(1e-7), lambda: _own_result(1e-7, [0, 3, 6, 9])),   # B and W rerun F
 }
-
-
-def _best_m_by_hand(p, c, per_action=2):
-    """Exercise 1.2 by hand, a second way: the closed form (m + p - 1)(2c + 144/m) falls while one more
-    microbatch shortens it and rises after (convex in m): bisect on that step's sign, over 1 .. 2**40."""
-    span = lambda m: (m + p - 1) * (per_action * c + 144 / m)  # noqa: E731
-    low, high = 1, 2 ** 40                           # the first m whose next one is not shorter
-    while low < high:
-        mid = (low + high) // 2
-        low, high = (mid + 1, high) if span(mid + 1) < span(mid) else (low, mid)
-    return low
 
 
 def _first_m_below_by_hand(p, target):
@@ -380,9 +369,9 @@ def test_no_answer_or_nonsense_is_not_yet_and_raises_nothing(key, junk):
 
 
 def test_a_function_check_names_the_failing_input_but_not_the_expected_value():
-    verdict = ex.batch_split(lambda p, c: 1)          # right at p = 1 only; at (2, 0.05) the best is 38
-    assert not verdict and "at (2, 0.05)" in verdict.message and "too low" in verdict.message
-    assert "agrees at 5 of the 23 points" in verdict.message and "38" not in str(verdict)
+    verdict = ex.blocking_cost(lambda m, d, t: 0.5)   # nowhere right; at (1, 1.0, 3.0) the cost is 0
+    assert not verdict and "at (1, 1.0, 3.0)" in verdict.message and "too high" in verdict.message
+    assert "agrees at 0 of the 28 points" in verdict.message and "0.0" not in str(verdict)
     high = ex.peak_memory_1f1b(lambda p, m, r, f, bw: 100.0)
     assert not high and "too high" in high.message and "agrees at 0 of" in high.message
 
@@ -479,37 +468,23 @@ def test_the_lesson_3_checks_reject_the_printed_forms():
     assert "clipped" in ex.zb_h2_bubble(lambda p, m, f, b, w: (p - 1) * max(f + b - 2 * w, 0.0)).message
 
 
-def test_the_lesson_1_batch_split_rejects_rounding_a_cap_one_rank_every_m_tried_and_the_backward_charged_twice():
-    near = lambda p, c: math.sqrt(72 * (p - 1) / c)  # noqa: E731
-    rounded = ex.batch_split(lambda p, c: max(1, round(near(p, c))))
-    assert not rounded and "at (2, 5.9)" in rounded.message, str(rounded)      # 3.49 rounds to 3; 4 is shorter
-    capped = ex.batch_split(lambda p, c: min(64, _best_m_by_hand(p, c)))        # the old exercise's 1 .. 64
-    assert not capped and "at (4, 0.05)" in capped.message and "too low" in capped.message, str(capped)
-    one_rank = ex.batch_split(lambda p, c: max(2, _best_m_by_hand(p, c)))
-    assert not one_rank and "at (1, 0.05)" in one_rank.message, str(one_rank)
-    every_m = ex.batch_split(lambda p, c: min(range(1, 200_000), key=lambda m: ((m + p - 1) * (2 * c + 144 / m), m)))
-    assert not every_m and "too slow" in every_m.message and "c from 1e-06 to 2e-06" in every_m.message, str(every_m)
-    twice = ex.batch_split(lambda p, c: _best_m_by_hand(p, c, per_action=3))
-    assert not twice and "charged twice" in twice.message, str(twice)
-    assert ex.batch_split(_best_m_by_hand)
+def test_the_lesson_1_blocking_cost_names_the_answers_right_on_one_side_and_the_first_call_counted():
+    for wrong, said in (((lambda m, d, t: (m - 1) * d), "right only while d <= t"),
+                        ((lambda m, d, t: (m - 1) * t), "right only while t <= d"),
+                        ((lambda m, d, t: m * min(d, t)), "the first call hides nothing")):
+        verdict = ex.blocking_cost(wrong)
+        assert not verdict and said in verdict.message, str(verdict)
+    blocked_minus_queue = lambda m, d, t: m * (d + t) - (d + t + (m - 1) * max(d, t))  # noqa: E731
+    assert ex.blocking_cost(blocked_minus_queue)
 
 
-def test_the_lesson_1_batch_split_span_is_the_simulators_and_its_best_m_is_the_least_over_every_m():
-    from zbpp_lite.course.lesson1 import BATCH_SPLIT, _batch_split_span, _best_m
-    for p in BATCH_SPLIT["ranks"]:
-        for c in (0.05, 4.0):
-            for m in (1, 2, 3, 7, 16, 40):
-                f, bw = c + 48 / m, c + 96 / m
-                simulated = zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(f=f, b=bw / 2, w=bw / 2, bw=bw))
-                assert abs(simulated.makespan - float(_batch_split_span(p, m, c))) < 1e-9
-    points = [(p, c) for p in BATCH_SPLIT["ranks"] for c in BATCH_SPLIT["fixed"]] + list(BATCH_SPLIT["near_half"])
-    for p, c in points:                                # every m up to far past the optimum, exactly
-        assert _best_m(p, c) == min(range(1, 400), key=lambda m: (_batch_split_span(p, m, c), m))
-    p, c = BATCH_SPLIT["tiny"]
-    best = _best_m(p, c)
-    assert best == 22_450 and all(_batch_split_span(p, best, c) < _batch_split_span(p, best + k, c) for k in (-1, 1))
-    assert _best_m(2, 5.9) == 4 and _best_m(4, 7.17) == 6                     # the near-half points round up
-
+def test_the_lesson_1_blocking_cost_is_the_two_stage_pipelines_closed_form():
+    """Exercise 1.2's expected values come from the simulator (Python and the device as GPipe's two stages,
+    no backward); they equal m (d + t) - (d + t + (m - 1) max(d, t)) = (m - 1) min(d, t) on a grid."""
+    from zbpp_lite.course.lesson1 import _blocking_cost
+    for m in (1, 2, 5, 13):
+        for d, t in ((0.3, 2.0), (2.0, 0.3), (1.0, 1.0), (0.01, 5.0)):
+            assert abs(_blocking_cost(m, d, t) - (m - 1) * min(d, t)) < 1e-9
 
 def test_the_lesson_5_checks_reject_the_bound_and_the_p4_value():
     v = ex.fewest_sends(CASES["5.1"][1])
@@ -914,12 +889,8 @@ def test_round_40s_answers_that_change_their_input_or_give_non_counts_or_huge_nu
     list does not change what it is compared with (wrong ones fail, right ones that reverse or pop it pass);
     counts must be whole (5.1 no longer rounds 2.9 down to 2, nor take text); 7.2 takes whole floats
     and an array but not text, 4.2 an array of actions; 10**400 and infinity get a verdict, not an
-    OverflowError; 7.2 refuses filling to the nearest share then moving boundaries (15 where 13 is possible);
-    1.2's time is taken at fresh points, so a cache filled while the check judged does not hide a walk over
-    every m."""
-    import functools
+    OverflowError; 7.2 refuses filling to the nearest share then moving boundaries (15 where 13 is possible)."""
     import math
-    from fractions import Fraction
 
     for check, wrong in ((ex.mw_over_mb, lambda w: (w.__setitem__(slice(None), [1, 1]), 2)[1]),
                          (ex.first_stage_b_ratio, lambda w: (w.__setitem__(slice(None), [1, 1, 1]), 0.5)[1])):
@@ -977,22 +948,12 @@ def test_round_40s_answers_that_change_their_input_or_give_non_counts_or_huge_nu
     assert case[0] == (7.0, 8.0, 5.0, 7.0, 6.0) and "13 is possible" in lesson7._split_problem(case, nearest_then_moved(*case))
     assert not ex.best_split(nearest_then_moved)
 
-    @functools.cache
-    def walked(p, c):                              # every m tried, one by one (exactly), and each answer kept
-        span = lambda m: (m + p - 1) * (2 * Fraction(str(c)) + Fraction(144, m))  # noqa: E731
-        m = 1
-        while span(m + 1) < span(m):
-            m += 1
-        return m
-    verdict = ex.batch_split(walked)
-    assert not verdict and "too slow" in verdict.message, str(verdict)
-
 
 def test_round_41s_lazy_returns_hidden_hooks_and_other_processes_are_refused_and_bools_count():
     """Round 41 (the guard retested): an answer whose returned float subclass, int subclass or list
     subclass asks the package only when read, one that switches the hook off through a method wrapper, one
-    that runs the simulator in another process, and 1.2 answers that behave only while watched or compare
-    equal to anything, are refused; SystemExit in 1.2's timed calls is an answer; a count written as a
+    that runs the simulator in another process, and a 1.2 answer that compares equal to anything, are
+    refused; a count written as a
     bool (p > 1 and ...) counts; an answer's trace hooks are gone after the check."""
     import subprocess
     import threading
@@ -1048,28 +1009,14 @@ def test_round_41s_lazy_returns_hidden_hooks_and_other_processes_are_refused_and
     verdict = ex.fewest_sends(lambda p: (CASES["5.1"][0](p)[0], Lazy51(0), CASES["5.1"][0](p)[2]))
     assert not verdict and "your function called" in verdict.message, str(verdict)
 
-    from zbpp_lite.course.lesson1 import BATCH_SPLIT, _best_m
-    fixed = [(p, c) for p in BATCH_SPLIT["ranks"] for c in BATCH_SPLIT["fixed"]]
-    table = {point: _best_m_by_hand(*point) for point in [*fixed, *BATCH_SPLIT["near_half"], BATCH_SPLIT["tiny"]]}
-    watched_table = lambda p, c: table[p, c] if sys.getprofile() else _best_m(p, c)  # noqa: E731
-
     class Anything(int):
         def __ne__(self, other):
             return False
 
         def __eq__(self, other):
             return True
-    agreeable = lambda p, c: table.get((p, c), Anything(1))  # noqa: E731   (equal to anything, off the table)
-    for answer in (watched_table, agreeable):
-        verdict = ex.batch_split(answer)
-        assert not verdict, str(verdict)
-
-    def leaves_when_unwatched(p, c):
-        if sys.getprofile() is None:
-            raise SystemExit(5)
-        return _best_m_by_hand(p, c)
-    verdict = ex.batch_split(leaves_when_unwatched)
-    assert not verdict and "SystemExit" in verdict.message, str(verdict)
+    verdict = ex.blocking_cost(lambda m, d, t: Anything(1))   # equal to anything
+    assert not verdict, str(verdict)
 
     def traces(*point):
         sys.settrace(lambda *a: None)

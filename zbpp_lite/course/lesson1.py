@@ -3,18 +3,13 @@ with a hint (:class:`zbpp_lite.course.checks.Verdict`)."""
 
 from __future__ import annotations
 
-import math
-import random
-import time
-from fractions import Fraction
 from typing import Any, Callable
 
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from ..viz.figures import timeline_figure
-from .checks import (Verdict, _alone, _as_number, _called, _function_check, _hand_schedule, _one_slow_stage,
-                     _with_fresh, course_cache)
+from .checks import Verdict, _function_check, _hand_schedule, _one_slow_stage, _with_fresh
 
 
 SLOW_MIDDLE = _one_slow_stage(3, 1)
@@ -122,98 +117,45 @@ def peak_memory_1f1b(fn: Any) -> Verdict:
                            "rank's?", known=known)
 
 
-BATCH_SPLIT = dict(f_work=48.0, backward_work=96.0, ranks=(1, 2, 4, 8), fixed=(0.05, 0.3, 1.0, 4.0, 20.0),
-                   near_half=((2, 5.9), (4, 7.17)), tiny=(8, 1e-6), seconds=2e-3)
-"""Exercise 1.2's case: 1F1B on p ranks; one step's batch cut into m microbatches, any whole m >= 1 (no cap:
-a large batch); every action costs a fixed cost c plus its share of the batch's work, so T_F = c + 48/m and
-the fused backward, one action, T_BW = c + 96/m; T_comm = 0. Checked at every p of ``ranks`` and c of
-``fixed``, at the ``near_half`` points (p, c), where rounding the real-valued best m to the nearest whole
-number gives the wrong m, and at ``tiny``, where the best m is over 20,000: there, and
-at five more points of its p with c drawn from c to 2c (a new c each call, so no answer cached from an
-earlier call helps), an answer must come within ``seconds`` (2 ms, the fastest of the five), too little to
-try every m (some 20,000 steps of a Python loop take several ms on any CPU; a formula, microseconds)."""
-# near_half: sqrt(72 (p - 1) / c) is 3.49 and 5.49, but the next whole m is shorter (n (n + 1) < 72 (p - 1)
-# / c); tiny: the best m is 22,450.
+BLOCKING_POINTS = tuple((m, d, t) for m in (1, 2, 3, 8, 20)
+                        for d, t in ((1.0, 3.0), (3.0, 1.0), (2.0, 2.0), (0.02, 1.5), (0.5, 0.05)))
+"""Exercise 1.2's fixed points (m calls, d to dispatch one, t to run one, in any unit); the check adds three
+drawn afresh (m up to 50, d and t from 0.01 to 5)."""
 
 
-def _batch_split_span(p: int, m: int, fixed: float, per_action: int = 2) -> Fraction:
-    """1F1B's makespan (m + p - 1)(T_F + T_BW) in exact arithmetic, ``per_action`` fixed costs per microbatch
-    and stage (2: one F, one BW; 3: the backward charged as a B and a W). Equal to the simulator's for 1F1B
-    at T_comm = 0 (lesson 1's closed form; tests/test_exercises.py checks it against ``simulate``)."""
-    work = Fraction(BATCH_SPLIT["f_work"] + BATCH_SPLIT["backward_work"])
-    return (m + p - 1) * (per_action * Fraction(str(fixed)) + work / m)   # c as written: 0.3, not its binary
+def _blocking_cost(m: int, d: float, t: float) -> float:
+    """How much longer m calls take blocked one by one, m (d + t), than dispatched at once: Python and the
+    device then work as a two-stage pipeline, timed by the simulator (GPipe on two stages, T_F = d on the
+    first, t on the second, no backward)."""
+    queued = simulate(build_schedule("gpipe", 2, m), Costs(f=[d, t], b=0.0, w=0.0)).makespan
+    return m * (d + t) - queued
 
 
-@course_cache(maxsize=32)
-def _best_m(p: int, fixed: float, per_action: int = 2) -> int:
-    """Exercise 1.2's answer at (p, c) (``per_action``: as :func:`_batch_split_span`), the smaller m on a
-    tie, compared exactly (cached)."""
-    # The makespan is per_action c m + 144 (p - 1)/m plus terms free of m, least at
-    # s = sqrt(144 (p - 1) / (per_action c)); the best whole m is floor(s) or ceil(s) (at least 1),
-    # whichever is shorter, the smaller on a tie, compared exactly.
-    s = math.sqrt((BATCH_SPLIT["f_work"] + BATCH_SPLIT["backward_work"]) * (p - 1) / (per_action * fixed))
-    near = {max(1, math.floor(s)), max(1, math.ceil(s))}
-    return min(near, key=lambda m: (_batch_split_span(p, m, fixed, per_action), m))
+def blocking_cost(fn: Any) -> Verdict:
+    """Exercise 1.2: ``blocking_cost(m, d, t)``, how much longer m calls take when Python blocks on each
+    call's result before dispatching the next (as the executor does, to time each action) than when it
+    dispatches each at once (JAX's asynchronous dispatch; the device runs the calls in order), Python
+    taking d to dispatch a call and the device t to run it, nothing else costing time. Checked at
+    :data:`BLOCKING_POINTS` and three points drawn afresh against :func:`_blocking_cost`, the package out of
+    bounds. An answer right only while d <= t (or t <= d), and one that counts the first call too, get
+    their own messages. The derivation: the lesson's Solutions."""
+    def draw(rng):
+        return rng.randint(2, 50), round(rng.uniform(0.01, 5.0), 3), round(rng.uniform(0.01, 5.0), 3)
 
-
-def batch_split(fn: Any) -> Verdict:
-    """Exercise 1.2: ``best_m(p, c)``, the number of microbatches m (any whole m >= 1) for which 1F1B on p
-    ranks (:data:`BATCH_SPLIT`, each action paying a fixed cost c) has the shortest makespan, the smallest m
-    on a tie, checked at every point of ``BATCH_SPLIT``, one rank included: rounding the real optimum to
-    the nearest whole number fails somewhere, and at ``tiny`` an answer that takes over 2 ms (every m
-    tried) is refused. Charging c twice for the fused backward gets its own hint. The derivation: the
-    lesson's Solutions."""
-    hint = ("write the makespan (m + p - 1)(T_F + T_BW) with T_F and T_BW as functions of c and m: which "
-            "part grows with m, which shrinks? Find where the sum is least, then compare the whole numbers "
-            "on either side.")
-    points = [(p, c) for p in BATCH_SPLIT["ranks"] for c in BATCH_SPLIT["fixed"]]
-    points += [*BATCH_SPLIT["near_half"], BATCH_SPLIT["tiny"]]
-    verdict = _function_check("1.2", fn, points, _best_m, "best_m(p, c)", hint)
-    if not callable(fn):
-        return verdict
-    if verdict.ok:
-        p, c = BATCH_SPLIT["tiny"]
-        took = []
-        for point in [(p, c * random.uniform(1.0, 2.0)) for _ in range(5)]:   # new each call: none cached
-            try:
-                seconds, _ = _seconds(fn, point)   # timed without the watch, which would slow it
-            except (Exception, SystemExit) as e:  # noqa: BLE001  (the learner's error is the verdict)
-                return Verdict("1.2", False, f"your function raised {type(e).__name__} at {point}: {e}", hint)
-            got, refused = _called("1.2", fn, point, hint)   # then judged as the other points, watched
-            if refused is not None:
-                return refused
-            value, best = _as_number(got), _best_m(*point)
-            span = lambda m: _batch_split_span(point[0], m, point[1])  # noqa: E731
-            whole = None if value is None or value < 1 else round(value)
-            if whole is None or abs(value - whole) > 1e-6 * whole or (   # (a tie: as short within float
-                    whole != best and span(whole) > span(best) * (1 + 1e-12)):   # rounding, a float's pick)
-                return Verdict("1.2", False, f"at {point} your function gives {got!r}, which is wrong there.",
-                               hint)
-            took.append(seconds)
-        if min(took) > BATCH_SPLIT["seconds"]:   # the fastest of five: load aside
-            return Verdict("1.2", False, f"right, but best_m(p, c) at p = {p} and c from {c:g} to {2 * c:g} "
-                           f"took {min(took) * 1e3:.1f} ms at the fastest: trying every m is too slow for a "
-                           "tiny c (the check allows 2 ms).", hint)
-        return verdict
-    try:
-        twice = all(_alone(fn, (p, c)) == _best_m(p, c, 3) for p, c in points)
-    except (Exception, SystemExit):  # noqa: BLE001  (the learner's function raising is the verdict above)
-        twice = False
-    if twice:
-        return Verdict("1.2", False, "that is the best m with c charged twice for each backward.",
-                       "1F1B runs each backward fused: one action, so one c, not two.")
-    return verdict
-
-
-def _seconds(fn: Callable, point: tuple) -> tuple[float, Any]:
-    """(seconds one call ``fn(*point)`` takes, what it returned); no profile hook, which would slow it."""
-    start = time.perf_counter()
-    got = fn(*point)
-    return time.perf_counter() - start, got
+    known = [(lambda m, d, t: (m - 1) * d, "right only while d <= t: when Python is the slower side, what "
+              "hides behind each dispatch is the device's t."),
+             (lambda m, d, t: (m - 1) * t, "right only while t <= d: when the device is the slower side, "
+              "what hides behind each run is Python's d."),
+             (lambda m, d, t: m * min(d, t), "the first call hides nothing either way: the device has "
+              "nothing to run while Python dispatches it.")]
+    hint = ("draw both ways on two rows of time, Python's and the device's. With the next call dispatched "
+            "at once, which row sets the pace, and what of the other row's time is hidden?")
+    return _function_check("1.2", fn, _with_fresh(list(BLOCKING_POINTS), draw, 3), _blocking_cost,
+                           "blocking_cost(m, d, t)", hint, known=known)
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "1.1": makespan_1f1b, "1.2": batch_split, "1.3": lean_schedule, "1.4": peak_memory_1f1b
+    "1.1": makespan_1f1b, "1.2": blocking_cost, "1.3": lean_schedule, "1.4": peak_memory_1f1b
 }
 """Lesson 1's exercises by id -> check."""
 
@@ -223,7 +165,6 @@ REVEALS: dict[str, Callable[[Any], Any]] = {
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "SLOW_MIDDLE", "LEAN_LIMIT", "makespan_1f1b", "lean_schedule", "peak_memory_1f1b", "BATCH_SPLIT",
-    "batch_split",
-    "EXERCISES", "REVEALS"
+    "SLOW_MIDDLE", "LEAN_LIMIT", "makespan_1f1b", "lean_schedule", "peak_memory_1f1b", "BLOCKING_POINTS",
+    "blocking_cost", "EXERCISES", "REVEALS"
 ]
