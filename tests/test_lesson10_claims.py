@@ -79,3 +79,17 @@ def test_the_tick_table_written_in_the_lesson_is_what_the_package_prints():
     source = (Path(__file__).parent.parent / "notebooks" / "10_spmd_v.md").read_text(encoding="utf-8")
     written = source.split("```text\n")[1].split("```")[0].rstrip("\n").splitlines()
     assert written == ex.tick_messages(zb.build_schedule("zb-v", p, m), 14, reads=False).splitlines()
+
+
+def test_zb_v_in_lockstep_takes_6m_plus_p_minus_1_ticks_rank_r_idling_r_at_the_start_and_p_1_r_at_the_end():
+    """Each action one tick, ZB-V (m >= 2p - 1) takes 6m + p - 1 ticks: a rank runs 6m actions (two chunks,
+    an F, a B and a W each per microbatch), the last rank starts p - 1 ticks late and then has one every
+    tick (the count lesson 10's tables run over)."""
+    import zbpp_lite as zb
+    from zbpp_lite.schedules.simulate import lockstep_ticks
+
+    for ranks, micro in ((2, 3), (3, 5), (4, 7), (4, 8), (5, 12)):
+        ticks = lockstep_ticks(zb.build_schedule("zb-v", ranks, micro))
+        idle = [[t for t, row in enumerate(ticks) if row[r] is None] for r in range(ranks)]
+        assert len(ticks) == 6 * micro + ranks - 1
+        assert all(i == [*range(r), *range(len(ticks) - ranks + 1 + r, len(ticks))] for r, i in enumerate(idle))
