@@ -68,8 +68,8 @@ CASES = {
             lambda p, r: 2 * p - 1),                     # first zero, 2p - 1
     "5.3": (lambda p, m, t: t * (6 * m + max(4 * p - 1 - 4 * m, 2 * p - 1 - m, 0)),   # m = 1: (4p + 1)t
             lambda p, m, t: 6 * m * t + max(0, 2 * p - 1 - m) * t),   # the old answer: right for m >= p only
-    "6.1": (lambda p, v: 3 * (p - 1) / (2 * p * v * (v + 1)),
-            lambda p, v: 3 * (p - 1) / (p * v * (v + 1))),   # 3m + 3(p-1)/v + 2(vp-1)c; the wrong: each link once
+    "6.1": (lambda p, v, c: 2 * (v - 1) * p * c,       # the wrong one: looped BFS charged every pass's links
+            lambda p, v, c: 2 * (v - 1) * c),
     "6.2": (lambda p, v, m, r: min(v * m, v * p + p - 1 - 2 * r), lambda p, v, m, r: v * (p - r)),   # v(p - r): 1F1B's
     "7.1": (lambda p, m, s, r: 0 if r == s else 3 * m - 1 - r if r < s else 3 * m - 2 * p - 1 + 2 * s - r,
             lambda p, m, s, r: 0 if r == s else 3 * m - 1 - r),   # the wrong one: the front's form for all
@@ -514,16 +514,18 @@ def test_the_lesson_6_peak_check_rejects_rank_0s_value_everywhere_and_1f1bs_warm
     assert not one_f_one_b.ok and "Megatron" in str(one_f_one_b)               # v = 1 is not 1F1B's warm-up
 
 
-def test_exercise_6_1_refuses_miscounted_links_and_accepts_the_critical_path_derivation():
-    """tie(p, v) = 3(p - 1) / (2p v (v + 1)) passes (3/16 at p = 4, v = 2); links counted once (the way down
-    only) and p - 1 links a pass without the hop back to rank 0 are told what they miss; the old exercise's
-    number is not a function."""
-    assert ex.interleaved_crossover(lambda p, v: 3 * (p - 1) / (2 * p * v * (v + 1))).ok
-    once = ex.interleaved_crossover(lambda p, v: 3 * (p - 1) / (p * v * (v + 1)))
-    no_wrap = ex.interleaved_crossover(lambda p, v: 3 / (2 * v * (v + 1)))
-    assert not once and "once" in once.message
-    assert not no_wrap and "rank p-1 back to rank 0" in no_wrap.message
-    assert not ex.interleaved_crossover(3 / 16)
+def test_exercise_6_1_names_the_zero_lead_interleaved_transfers_alone_every_pass_paid_and_links_once():
+    """bfs_lead(p, v, c) = 2(v - 1)pc passes (2 at p = 4, v = 2, c = 1/4); T_comm = 0's answer, interleaved
+    1F1B's 2(vp - 1)c alone, looped BFS charged p - 1 links every pass, and links counted once are told what
+    they miss; a number is not a function."""
+    assert ex.bfs_lead(lambda p, v, c: 2 * (v - 1) * p * c).ok
+    for wrong, said in (((lambda p, v, c: 0), "T_comm = 0's answer"),
+                        ((lambda p, v, c: 2 * (v * p - 1) * c), "every transfer interleaved 1F1B pays"),
+                        ((lambda p, v, c: 2 * (v - 1) * c), "on every pass"),
+                        ((lambda p, v, c: (v - 1) * p * c), "each link once")):
+        verdict = ex.bfs_lead(wrong)
+        assert not verdict and said in verdict.message, str(verdict)
+    assert not ex.bfs_lead(2.0)
 
 
 def test_exercise_6_3_tells_patterns_fitted_from_v_1_from_the_derivation():
@@ -628,13 +630,11 @@ def _sends_from_placement(place, r):
     return down + sum(place[s] == r != place[s - 1] for s in range(1, len(place)))
 
 
-def _simulated_tie(p, v):
-    """Where v + 1 stages per rank tie v in interleaved 1F1B (m = 2p), from simulated makespans, each linear
-    in T_comm up to a stage's T_F."""
-    span = lambda vv, c: zb.simulate(zb.build_schedule("interleaved-1f1b", p, 2 * p, stages_per_rank=vv),  # noqa: E731
-                                     zb.Costs(f=1 / vv, b=1 / vv, w=1 / vv, comm=c)).makespan
-    probe, gap = 0.5 / (v + 1), span(v, 0.0) - span(v + 1, 0.0)
-    return gap / ((span(v + 1, probe) - span(v, probe) + gap) / probe)
+def _simulated_lead(p, v, c):
+    """Exercise 6.1 asked of the simulator: interleaved 1F1B's makespan less looped BFS's."""
+    stage = zb.Costs(f=1 / v, b=1 / v, w=1 / v, comm=c)
+    return (zb.simulate(zb.build_schedule("interleaved-1f1b", p, 2 * p, stages_per_rank=v), stage).makespan
+            - zb.simulate(zb.build_schedule("looped-bfs", p, 2 * p, stages_per_rank=v), stage).makespan)
 
 
 # ZB-V built once per (p, m) for the answers below (its search takes seconds at p = 8): 5.3 asks twice per
@@ -642,7 +642,7 @@ def _simulated_tie(p, v):
 _zb_v = functools.cache(lambda p, m: zb.build_schedule("zb-v", p, m))
 
 SIMULATED = {  # function answers that ask the package instead of deriving: each exactly right at every point
-    "6.1": lambda p, v: _simulated_tie(p, v),
+    "6.1": _simulated_lead,
     "1.1": lambda p, m, s: zb.simulate(zb.build_schedule("1f1b", p, m), zb.Costs(
         f=[2.0 if i == s else 1.0 for i in range(p)], b=[2.0 if i == s else 1.0 for i in range(p)],
         w=[2.0 if i == s else 1.0 for i in range(p)])).makespan,

@@ -56,9 +56,9 @@ def test_interleaved_rank_0_holds_more_than_1f1b_and_looped_links(p):
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5])
 def test_interleaved_makespan_with_transfers_is_the_critical_path_form(p):
-    """Exercise 6.1's form: a whole rank's T_F = T_B = T_W = 1, T_comm = c at most a stage's T_F (1/v):
-    3m + 3(p-1)/v + 2(vp - 1)c, m a multiple of p (the first microbatch's forward and the last one's
-    backward cross vp - 1 links each; every other transfer hides behind an action)."""
+    """Interleaved 1F1B's form (exercise 6.1's): a whole rank's T_F = T_B = T_W = 1, T_comm = c at most a
+    stage's T_F (1/v): 3m + 3(p-1)/v + 2(vp - 1)c, m a multiple of p (the first microbatch's forward and
+    the last one's backward cross vp - 1 links each; every other transfer hides behind an action)."""
     for v in range(1, 5):
         for m in (p, 2 * p, 3 * p):
             plan = zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=v)
@@ -113,17 +113,19 @@ def test_the_recorded_gpt_job_loses_what_the_split_costs():
     assert all(abs(planned[n] - ran[n]) < 0.03 for n in planned)
 
 
-@pytest.mark.parametrize("p", [2, 3, 4, 6, 9, 12])
-def test_interleaved_v_plus_1_ties_v_at_3_p_minus_1_over_2p_v_v_plus_1(p):
-    """Exercise 6.1's closed form: with a stage's T_F = T_B = T_W = 1/v and m a multiple of p, v + 1 stages
-    per rank and v take equal time at T_comm = 3(p - 1) / (2p v (v + 1)) for v >= 2, v + 1 faster just below
-    and slower just above (at v = 1, T_comm that large is no longer hidden in the steady state)."""
-    from zbpp_lite.course.lesson6 import _tie
-
-    for v in (2, 3, 4, 5):
-        for m in (p, 2 * p):
-            span = lambda vv, c: zb.simulate(zb.build_schedule("interleaved-1f1b", p, m, stages_per_rank=vv),  # noqa: E731
-                                             zb.Costs(f=1 / vv, b=1 / vv, w=1 / vv, comm=c)).makespan
-            c = _tie(p, v)
-            assert abs(span(v, c) - span(v + 1, c)) < 1e-9, (p, v, m)
-            assert span(v + 1, 0.9 * c) < span(v, 0.9 * c) and span(v + 1, 1.1 * c) > span(v, 1.1 * c)
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_looped_bfs_with_transfers_pays_only_the_first_pass_down_and_the_last_pass_back(p):
+    """Exercise 6.1's form: a stage's T_F = T_B = T_W = 1/v, T_comm = c at most 1/v, m = 2p or 3p: looped BFS
+    takes 3m + 3(p-1)/v + 2(p - 1)c (every hop past the first pass hides behind a stage's m forwards), so it
+    ends 2(v - 1)pc before interleaved 1F1B; at m = p the two orders are one and end together."""
+    for v in range(1, 5):
+        for c in (0.05, 0.5 / v, 1 / v):
+            stage = zb.Costs(f=1 / v, b=1 / v, w=1 / v, comm=c)
+            for m in (p, 2 * p, 3 * p):
+                bfs, inter = (zb.simulate(zb.build_schedule(n, p, m, stages_per_rank=v), stage).makespan
+                              for n in ("looped-bfs", "interleaved-1f1b"))
+                if m == p:
+                    assert abs(bfs - inter) <= 1e-9, (p, v, c)
+                    continue
+                assert abs(bfs - (3 * m + 3 * (p - 1) / v + 2 * (p - 1) * c)) <= 1e-9, (p, v, m, c)
+                assert abs(inter - bfs - 2 * (v - 1) * p * c) <= 1e-9, (p, v, m, c)

@@ -8,17 +8,15 @@ import os
 import urllib.request
 from typing import Any, Callable
 
-import plotly.graph_objects as go
-
 from ..schedules.builders import build_schedule
 from ..schedules.costs import Costs
 from ..schedules.simulate import simulate
 from .checks import Verdict, _function_check, _with_fresh, course_cache
 
 
-INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, whole_rank=1.0, compared=(2, 3))
-"""Exercise 6.1's reveal: interleaved 1F1B, p = 4, m = 8, a whole rank's T_F = T_B = T_W = 1 (each of v
-stages per rank costs 1/v of it), T_comm = c; v = 2 against v = 3, for c up to one stage's T_F."""
+INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, stages_per_rank=2, comm=0.25)
+"""Exercise 6.1's reveal: interleaved 1F1B and looped BFS, p = 4, m = 8, v = 2 stages per rank, each
+stage's T_F = T_B = T_W = 1/v (a whole rank's 1), T_comm = 1/4."""
 
 
 REPOSITORY_NOTEBOOKS = "https://raw.githubusercontent.com/zbpp-lite/zbpp_lite/main/notebooks/"
@@ -36,43 +34,47 @@ def recorded(path: str) -> dict:
         return json.load(source)
 
 
-def _interleaved_span(v: int, comm: float) -> float:
-    c = INTERLEAVED_CASE
-    cost = c["whole_rank"] / v
-    plan = build_schedule("interleaved-1f1b", c["num_ranks"], c["num_microbatches"], stages_per_rank=v)
-    return simulate(plan, Costs(f=cost, b=cost, w=cost, comm=comm)).makespan
+def _placed_spans(p: int, v: int, comm: float) -> dict:
+    """{name: timeline} of interleaved 1F1B and looped BFS on p ranks, v stages a rank, m = 2p, each stage's
+    T_F = T_B = T_W = 1/v and M_B 1/v, T_comm = ``comm``."""
+    stage = Costs(f=1 / v, b=1 / v, w=1 / v, comm=comm, mem_b=1 / v)
+    return {name: simulate(build_schedule(name, p, 2 * p, stages_per_rank=v), stage)
+            for name in ("interleaved-1f1b", "looped-bfs")}
 
 
-def _tie(p: int, v: int) -> float:
-    """The T_comm at which interleaved 1F1B with v + 1 stages per rank is as fast as with v (a stage's
-    T_F = T_B = T_W = 1/v, m a multiple of p), in closed form; tests/test_lesson6_claims.py compares it
-    with the simulator."""
-    return 3 * (p - 1) / (2 * p * v * (v + 1))
+def _bfs_lead(p: int, v: int, comm: float) -> float:
+    """How much sooner looped BFS ends than interleaved 1F1B (:func:`_placed_spans`), by the simulator."""
+    runs = _placed_spans(p, v, comm)
+    return runs["interleaved-1f1b"].makespan - runs["looped-bfs"].makespan
 
 
-def interleaved_crossover(fn: Any) -> Verdict:
-    """Exercise 6.1: ``tie(p, v)``, the T_comm at which interleaved 1F1B with v + 1 stages per rank is exactly
-    as fast as with v (v >= 2; below it v + 1 is faster), a stage's T_F = T_B = T_W = 1/v (a whole rank's 1)
-    and m a multiple of p; predicted, which needs the makespan as a function of v and T_comm (which
-    transfers lie on the critical path). Checked at p = 2 to 6, v = 2 to 4 and at points drawn afresh up
-    to p = 12, the package out of bounds. Derivations that miscount the links get their own message: each
-    link counted once (the way down only), and the links within each pass over the ranks counted without
-    the hop from the last rank back to the first. The derivation: the lesson's Solutions."""
-    fixed = [(p, v) for p in range(2, 7) for v in (2, 3, 4)]
+def bfs_lead(fn: Any) -> Verdict:
+    """Exercise 6.1 (predicted): ``bfs_lead(p, v, c)``, how much sooner looped BFS ends than interleaved
+    1F1B on p >= 2 ranks, v >= 2 stages a rank (the looped placement), m = 2p, each stage's T_F = T_B = T_W
+    = 1/v, T_comm = c at most a stage's T_F. Checked at p = 2..6, v = 2..4 and c of a quarter, a half and
+    all of 1/v, and at three points drawn afresh up to p = 12, against the simulator, the package out of
+    bounds. The T_comm = 0 answer (none), interleaved 1F1B's transfers alone, looped BFS charged every
+    pass's links, and each link counted once get their own messages. The derivation: the lesson's
+    Solutions (Narayanan et al., SC 2021, section 2.2, for the interleaved order)."""
+    fixed = [(p, v, k / (4 * v)) for p in range(2, 7) for v in (2, 3, 4) for k in (1, 2, 4)]
 
     def draw(rng):
-        return rng.randint(7, 12), rng.randint(2, 5)
+        v = rng.randint(2, 5)
+        return rng.randint(7, 12), v, round(rng.uniform(0.05, 1.0) / v, 4)
 
-    hint = ("write the makespan for v stages per rank: the bubble (p-1)(T_F+T_B+T_W)/v, plus T_comm for "
-            "every transfer no action hides. Which links does the first microbatch's forward cross, and the "
-            "last one's backward? Set the v and v + 1 makespans equal.")
-    known = [(lambda p, v: 2 * _tie(p, v),
-              "that counts each link once; the critical path crosses them going down (the first "
-              "microbatch's F) and again coming back (the last one's backward)."),
-             (lambda p, v: 3 / (2 * v * (v + 1)),
-              "that counts p - 1 links per pass over the ranks; between two passes the hop from rank p-1 "
-              "back to rank 0 is a link too.")]
-    return _function_check("6.1", fn, _with_fresh(fixed, draw, 3), _tie, "tie(p, v)", hint, known=known)
+    hint = ("in both, which transfers can no action hide? Follow the first microbatch's forward and the last "
+            "one's backward, and ask, at each hop between passes, whether the next rank is still busy.")
+    known = [(lambda p, v, c: 0.0, "that is T_comm = 0's answer (the cell above): the two differ in which "
+                                   "transfers their critical paths cross."),
+             (lambda p, v, c: 2 * (v * p - 1) * c, "that is every transfer interleaved 1F1B pays; looped "
+                                                   "BFS pays some too."),
+             (lambda p, v, c: 2 * (v - 1) * c, "that has looped BFS pay p - 1 links on every pass; does "
+                                               "its critical path cross the later passes' links?"),
+             (lambda p, v, c: (v - 1) * p * c, "that counts each link once; a critical path crosses them "
+                                               "going down (the first microbatch's F's) and again coming "
+                                               "back (the last one's backwards).")]
+    return _function_check("6.1", fn, _with_fresh(fixed, draw, 3), _bfs_lead, "bfs_lead(p, v, c)", hint,
+                           known=known)
 
 
 @course_cache(maxsize=128)
@@ -123,25 +125,26 @@ def interleaved_peak(fn: Any) -> Verdict:
 
 
 EXERCISES: dict[str, Callable[[Any], Verdict]] = {
-    "6.1": interleaved_crossover, "6.2": interleaved_peak
+    "6.1": bfs_lead, "6.2": interleaved_peak
 }
 """Lesson 6's exercises by id -> check."""
 
-def _reveal_6_1():
-    fewer, more = INTERLEAVED_CASE["compared"]
-    comms = [k / 64 for k in range(0, 1 + int(64 * INTERLEAVED_CASE["whole_rank"] / more))]
-    fig = go.Figure(layout=dict(title="interleaved 1F1B, p = 4, m = 8: makespan against T_comm",
-                                xaxis_title="T_comm (a whole rank's T_F = 1)", yaxis_title="makespan",
-                                height=340))
-    for v in (fewer, more):
-        fig.add_scatter(x=comms, y=[_interleaved_span(v, c) for c in comms], mode="lines", name=f"v = {v}")
-    return fig
+def _reveal_6_1() -> Any:
+    """Exercise 6.1's reveal: :data:`INTERLEAVED_CASE`'s two timelines on one time axis, rank 0's memory
+    beneath (looped BFS holds every microbatch's forwards)."""
+    from ..viz.figures import schedules_figure
+
+    c = INTERLEAVED_CASE
+    runs = _placed_spans(c["num_ranks"], c["stages_per_rank"], c["comm"])
+    named = [("interleaved 1F1B", runs["interleaved-1f1b"]), ("looped BFS", runs["looped-bfs"])]
+    return schedules_figure(named, title=f"p = {c['num_ranks']}, m = {c['num_microbatches']}, v = "
+                                         f"{c['stages_per_rank']}, T_comm = {c['comm']:g}")
 
 
 REVEALS: dict[str, Callable[[Any], Any]] = {"6.1": lambda answer: _reveal_6_1()}
 """Predict-first exercise id -> the simulation its reveal cell draws."""
 
 __all__ = [
-    "INTERLEAVED_CASE", "recorded", "interleaved_crossover", "interleaved_peak",
+    "INTERLEAVED_CASE", "recorded", "bfs_lead", "interleaved_peak",
     "EXERCISES", "REVEALS"
 ]
