@@ -381,7 +381,7 @@ def test_the_schedule_check_passes_on_the_validators_message():
     assert not verdict.ok and "incomplete" in verdict.hint and "microbatch 3" in verdict.hint
     assert not ex.lean_schedule([["0F0", "0BW0", "0F1", "0BW1"], ["1BW0", "1F0", "1F1", "1BW1"]]).ok  # 2 ranks
     slow = ex.lean_schedule(STRICT)                 # valid, holds 1, but waits with room for another F
-    assert not slow.ok and "takes 36" in slow.message and "takes 21" in slow.message
+    assert not slow.ok and "takes 36" in slow.message and "21" not in slow.message   # no target to search for
     assert not ex.lean_schedule(ONE_F_ONE_B_3x4).ok  # 1F1B itself is valid but holds too much
     split = [[f"{r}{a}" for a in row.split()] for r, row in enumerate(   # takes 20, but splits the backward
         ["F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3"] * 2 + ["F0 B0 F1 W0 B1 F2 W1 B2 F3 W2 B3 W3"])]

@@ -77,12 +77,11 @@ def tied_split(pair: Any) -> Verdict:
     """Exercise 2.2: B and W by hand for a stage that uses one weight twice, ``y = tanh(x @ weight) @
     weight.T`` (a tied pair, as a tied embedding and head are: Press and Wolf, EACL 2017). ``pair`` is
     ``(tied_b, tied_w)``: ``tied_b(weight, h, dy) -> (dx, handover)`` and ``tied_w(x, h, handover) ->
-    d_weight``, with ``h = tanh(x @ weight)`` kept
-    by F; shapes in :data:`TIED_SHAPES`. Right when, at each shape, dx and d_weight equal ``jax.vjp``'s
-    within 1e-5 (relative to the largest entry, float32), B and W each run at most two matrix products (B:
-    dh and dx, the weight's gradient being W's work; W: nothing of B's again), and neither calls JAX's
-    differentiation. W given one use's gradient alone, or the
-    second use's untransposed, gets its own message."""
+    d_weight``, with ``h = tanh(x @ weight)`` kept by F; shapes in :data:`TIED_SHAPES`. Right when, at each
+    shape, dx and d_weight equal ``jax.vjp``'s within 1e-5 (relative to the largest entry, float32), B and
+    W each run at most two matrix products (B: dh and dx, the weight's gradient being W's work; W: nothing
+    of B's again), and neither calls JAX's differentiation. W giving one use's gradient alone, or a
+    gradient of the transposed shape, gets its own message."""
     import jax
     import jax.numpy as jnp
 

@@ -14,8 +14,8 @@ from ..schedules.simulate import simulate
 from .checks import Verdict, _function_check, _with_fresh, course_cache
 
 
-INTERLEAVED_CASE = dict(num_ranks=4, num_microbatches=8, stages_per_rank=2, comm=0.25)
-"""Exercise 6.1's reveal: interleaved 1F1B and looped BFS, p = 4, m = 8, v = 2 stages per rank, each
+INTERLEAVED_CASE = dict(num_ranks=4, stages_per_rank=2, comm=0.25)
+"""Exercise 6.1's reveal: interleaved 1F1B and looped BFS, p = 4, m = 2p = 8, v = 2 stages per rank, each
 stage's T_F = T_B = T_W = 1/v (a whole rank's 1), T_comm = 1/4."""
 
 
@@ -137,7 +137,7 @@ def _reveal_6_1() -> Any:
     c = INTERLEAVED_CASE
     runs = _placed_spans(c["num_ranks"], c["stages_per_rank"], c["comm"])
     named = [("interleaved 1F1B", runs["interleaved-1f1b"]), ("looped BFS", runs["looped-bfs"])]
-    return schedules_figure(named, title=f"p = {c['num_ranks']}, m = {c['num_microbatches']}, v = "
+    return schedules_figure(named, title=f"p = {c['num_ranks']}, m = {2 * c['num_ranks']}, v = "
                                          f"{c['stages_per_rank']}, T_comm = {c['comm']:g}")
 
 
