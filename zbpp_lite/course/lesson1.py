@@ -138,7 +138,8 @@ def blocking_cost(fn: Any) -> Verdict:
     taking d to dispatch a call and the device t to run it, nothing else costing time. Checked at
     :data:`BLOCKING_POINTS` and three points drawn afresh against :func:`_blocking_cost`, the package out of
     bounds. An answer right only while d <= t (or t <= d), and one that counts the first call too, get
-    their own messages. The derivation: the lesson's Solutions."""
+    their own messages. The derivation: the lesson's Solutions; the model of dispatch: JAX's documentation,
+    "Asynchronous dispatch"."""
     def draw(rng):
         return rng.randint(2, 50), round(rng.uniform(0.01, 5.0), 3), round(rng.uniform(0.01, 5.0), 3)
 
