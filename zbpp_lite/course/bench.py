@@ -1328,16 +1328,14 @@ def _need(value: Any, name: str) -> Any:
 
 
 def model_claims(devices: list) -> dict:
-    """Lesson 10's "Toward a model of your own", run on ``devices`` (at least 4: a 2 x 2 mesh for the data
-    axis). Returns ``{"tied": the largest relative difference of a tied weight's gradient (an embedding E on
-    rank 0, its transpose as the head on the last rank; E cast to varying, each rank's use differentiated,
-    one psum) from jax.grad of both uses; "one use": the same for rank 0's use alone (not the tied
-    gradient); "dropout": whether the package's masks (runtime.stages.dropout_keys, folded with the part) are
-    the same for the same step, part and microbatch, then differ for another microbatch, part and step (four
-    bools, True each); "nnx": the largest difference of nnx.merge(*nnx.split(layer)) from the layer;
-    "data": the largest relative difference of two pipeline copies' gradient (each weight cast to varying
-    over "data", one lax.pmean) from the whole batch's; "data uncast": that gradient over the whole batch's
-    when the weight is passed whole over "data" (2: summed over the copies before the pmean)}``."""
+    """Lesson 10's "Toward a model of your own", the claims its tied-weight cell does not show, run on
+    ``devices`` (at least 4: a 2 x 2 mesh for the data axis). Returns ``{"dropout": whether the package's
+    masks (runtime.stages.dropout_keys, folded with the part) are the same for the same step, part and
+    microbatch, then differ for another microbatch, part and step (four bools, True each); "nnx": the largest
+    difference of nnx.merge(*nnx.split(layer)) from the layer; "data": the largest relative difference of two
+    pipeline copies' gradient (each weight cast to varying over "data", one lax.pmean) from the whole
+    batch's; "data uncast": that gradient over the whole batch's when the weight is passed whole over "data"
+    (2: summed over the copies before the pmean)}``."""
     from flax import nnx
     from jax import lax
     from jax.sharding import Mesh, PartitionSpec as P
@@ -1347,23 +1345,7 @@ def model_claims(devices: list) -> dict:
 
     claims, (n, d) = {}, (8, 16)
     keys = jax.random.split(jax.random.key(2), 6)
-    ranks = Mesh(np.array(devices[:4]), ("rank",))
-
-    def tied_uses(E, x, y, both):                 # rank 0 embeds with E, rank 3 scores with E.T
-        r = lax.axis_index("rank")
-
-        def loss(E):
-            embed = jnp.where(r == 0, jnp.sum(jnp.tanh(x @ E)), 0.0)
-            return embed + jnp.where((r == 3) & both, jnp.sum((y @ E.T) ** 2), 0.0)
-        return lax.psum(jax.grad(loss)(vary(E)), "rank")   # each rank's own use, summed once
-
-    E, x, y = jax.random.normal(keys[0], (d, d)) / 4, jax.random.normal(keys[1], (n, d)), \
-        jax.random.normal(keys[2], (n, d))
-    whole = jax.grad(lambda E: jnp.sum(jnp.tanh(x @ E)) + jnp.sum((y @ E.T) ** 2))(E)
-    for name, both in (("tied", True), ("one use", False)):
-        got = jax.jit(shard_map(lambda E, x, y: tied_uses(E, x, y, both), mesh=ranks,
-                                in_specs=(P(), P(), P()), out_specs=P()))(E, x, y)
-        claims[name] = _rel_diff(got, whole)
+    x = jax.random.normal(keys[1], (n, d))
 
     def mask(step, part, j):
         key = jax.random.fold_in(dropout_keys(7, step, 8)[j], part)   # the step, microbatch j, then the part
