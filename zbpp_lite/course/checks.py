@@ -128,31 +128,6 @@ def _whole(answer: Any) -> int:
     return int(value)
 
 
-def _number_check(exercise: str, answer: Any, expected: float, what: str, hint: str,
-                  tol: float = 1e-6, known: dict[float, tuple[str, str]] | None = None) -> Verdict:
-    """``answer`` against ``expected`` within ``tol`` (relative above 1); ``known`` maps a wrong answer the
-    lesson's printed pattern gives to its own (message, hint). A wrong number is a real attempt
-    (:attr:`Verdict.attempt`) when it is a known one or within half of ``expected`` (within 1 of a whole
-    ``expected``: a count or an index)."""
-    if _unanswered(answer):
-        return Verdict(exercise, False, "no answer yet: replace ... with yours.")
-    value = _as_number(answer)
-    if value is None:
-        return Verdict(exercise, False, f"expected a number for {what}, got {_shown(answer)}.", hint,
-                       attempt=False)
-
-    def near(target: float) -> bool:
-        return abs(value - target) <= tol * max(1.0, abs(target))
-
-    if near(expected):
-        return Verdict(exercise, True, f"{what} is {expected:g}.")
-    for wrong, (message, why) in (known or {}).items():
-        if near(wrong):
-            return Verdict(exercise, False, message, why)
-    slack = max(abs(expected) / 2, 1.0 if float(expected).is_integer() else 0.0)
-    return Verdict(exercise, False, f"{value:g} is not {what}.", hint, attempt=abs(value - expected) <= slack)
-
-
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 """The zbpp_lite folder, with its separator (a learner's ``zbpp_lite_helpers.py`` beside it is not in it): a
 function answer may call nothing in it (module docstring)."""
